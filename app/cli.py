@@ -1,0 +1,144 @@
+"""`gapless`: the GUI by default, and headless subcommands for generation, benchmarks and models."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from app import __version__
+
+log = logging.getLogger(__name__)
+
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 1
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default', a GGUF file, or a Hugging Face folder")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default=None)
+    p.add_argument("--kv", choices=["static", "dynamic", "none"], default=None, help="KV cache mode")
+    p.add_argument("--sampling", choices=["device", "host"], default=None)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--candidates", type=int, default=None)
+    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, candidates)")
+    p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
+                   help="trace a short window of decode steps for the kernel/op gap (default on)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gapless",
+        description="Chat with local language models and see where the GPU's time goes.",
+    )
+    parser.add_argument("--version", action="version", version=f"gapless {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging to stderr; tracebacks on errors")
+    parser.add_argument("--data-dir", type=Path, default=None, help="keep chats, settings and logs under this folder")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gui = sub.add_parser("gui", help="open the desktop app (the default)")
+    gui.add_argument("--model", default=None, help="model to open at start ('default', a GGUF file or a folder)")
+    gui.add_argument("--smoke-test", action="store_true", help="open offscreen, load the model, answer one prompt, exit")
+    gui.add_argument("--screenshot", type=Path, default=None, help="with --smoke-test: save the main window as PNG")
+    gui.add_argument("--report", type=Path, default=None, help="with --smoke-test: write a JSON report")
+    gui.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.",
+                     help="with --smoke-test: the prompt to send")
+    gui.add_argument("--max-new-tokens", type=int, default=48, help="with --smoke-test: answer length")
+    gui.add_argument("--theme", choices=["system", "light", "dark"], default=None)
+
+    gen = sub.add_parser("generate", help="generate an answer headless (streams text, or --json)")
+    _add_engine_options(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", default=None, help="system prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
+    bench.add_argument("--model", default="default")
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the whole ladder)")
+    bench.add_argument("--candidates", type=int, default=None, help="N for the candidates rung")
+    bench.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                       help="also time transformers generate() on the same model")
+    bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
+    bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
+    bench.add_argument("--json", type=Path, default=None, help="write the results here")
+
+    models = sub.add_parser("models", help="the default model and known models")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION")
+    msub.add_parser("fetch-default", help="download the default model (if needed) and print its path")
+    msub.add_parser("list", help="list the default, recent and scanned models")
+    return parser
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from app.logs import setup_logging
+    from app.paths import AppPaths
+
+    paths = AppPaths.resolve(args.data_dir)
+    setup_logging(paths.log_file, args.verbose)
+    command = args.command or "gui"
+    log.debug("gapless %s: %s", __version__, command)
+    if command == "gui":
+        from app.gui import run_gui
+
+        return run_gui(args, paths)
+    if command == "generate":
+        from app.cmd_generate import run_generate
+
+        return run_generate(args)
+    if command == "bench":
+        from app.cmd_bench import run_bench
+
+        return run_bench(args)
+    if command == "models":
+        from app.cmd_models import run_models
+
+        if not args.models_command:
+            parser.parse_args(["models", "--help"])
+        return run_models(args, paths)
+    parser.error(f"unknown command {command!r}")
+    return EXIT_USER_ERROR
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: user errors become one line on stderr and a non-zero exit (a traceback with --verbose)."""
+    from engine.errors import GaplessError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "-v" in argv or "--verbose" in argv
+    try:
+        return run(argv)
+    except GaplessError as exc:
+        if verbose:
+            log.exception("error")
+        print(f"gapless: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("gapless: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an unexpected failure: log it whole, tell the user in one line
+        log.exception("unexpected error")
+        if verbose:
+            raise
+        print(f"gapless: internal error: {type(exc).__name__}: {exc} (run with --verbose for details)", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
+
+
+def gui_main() -> int:
+    return main(["gui", *sys.argv[1:]])

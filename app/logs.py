@@ -1,0 +1,33 @@
+"""Logging to a rotating file in the user log dir, and to stderr with --verbose."""
+from __future__ import annotations
+
+import logging
+import logging.handlers
+from pathlib import Path
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(log_file: Path, verbose: bool = False) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for h in list(root.handlers):
+        if getattr(h, "_gapless", False):
+            root.removeHandler(h)
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        fh = logging.handlers.RotatingFileHandler(log_file, maxBytes=2_000_000, backupCount=3, encoding="utf-8")
+    except OSError as exc:  # a read-only or full disk must not stop the app
+        fh = None
+        logging.getLogger(__name__).warning("cannot write the log file %s: %s", log_file, exc)
+    if fh is not None:
+        fh.setFormatter(logging.Formatter(FORMAT))
+        fh._gapless = True  # type: ignore[attr-defined]
+        root.addHandler(fh)
+    if verbose:  # without --verbose, stderr carries only the one-line error messages of the CLI
+        sh = logging.StreamHandler()
+        sh.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        sh._gapless = True  # type: ignore[attr-defined]
+        root.addHandler(sh)
+    for noisy in ("urllib3", "PIL", "matplotlib", "torch._dynamo", "torch._inductor"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

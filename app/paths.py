@@ -1,0 +1,58 @@
+"""The app's folders: data (chats), config (settings), logs. Overridable for tests and the smoke test."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import platformdirs
+
+from engine.paths import APP_NAME, cache_dir
+
+
+@dataclass(frozen=True)
+class AppPaths:
+    data: Path  # chats.sqlite3
+    config: Path  # settings.json
+    logs: Path  # gapless.log (rotating)
+    cache: Path  # default model, compiled artifacts
+
+    @classmethod
+    def resolve(cls, data_dir: Optional[Path] = None) -> "AppPaths":
+        """The platformdirs folders, or all four under `data_dir` (or $GAPLESS_DATA_DIR) when given."""
+        root = data_dir or (Path(os.environ["GAPLESS_DATA_DIR"]) if os.environ.get("GAPLESS_DATA_DIR") else None)
+        if root is not None:
+            root = Path(root).expanduser().resolve()
+            paths = cls(data=root / "data", config=root / "config", logs=root / "logs", cache=_cache_under(root))
+        else:
+            paths = cls(
+                data=Path(platformdirs.user_data_dir(APP_NAME, appauthor=False)),
+                config=Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)),
+                logs=Path(platformdirs.user_log_dir(APP_NAME, appauthor=False)),
+                cache=cache_dir(),
+            )
+        return paths
+
+    def ensure(self) -> "AppPaths":
+        for p in (self.data, self.config, self.logs, self.cache):
+            p.mkdir(parents=True, exist_ok=True)
+        return self
+
+    @property
+    def database(self) -> Path:
+        return self.data / "chats.sqlite3"
+
+    @property
+    def settings_file(self) -> Path:
+        return self.config / "settings.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.logs / "gapless.log"
+
+
+def _cache_under(root: Path) -> Path:
+    # A private data dir still shares the model cache unless GAPLESS_CACHE_DIR says otherwise:
+    # the smoke test must not download the default model again.
+    return cache_dir()

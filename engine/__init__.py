@@ -1,0 +1,1 @@
+"""Gapless inference engine: model, decode paths, telemetry. Never imports Qt."""

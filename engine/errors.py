@@ -1,0 +1,25 @@
+"""Errors the engine raises on purpose. Each carries a message meant for the user, in one line."""
+
+
+class GaplessError(Exception):
+    """Base of every error with a user-facing message."""
+
+
+class OptionsError(GaplessError, ValueError):
+    """An option or sampling parameter out of range."""
+
+
+class ModelLoadError(GaplessError):
+    """A model source that cannot be loaded: missing, corrupt, unsupported or unsafe."""
+
+
+class UnsafeModelError(ModelLoadError):
+    """A source that would need pickle or remote code to load. Refused before anything is executed."""
+
+
+class FetchError(GaplessError):
+    """The default-model download failed or was cancelled."""
+
+
+class GenerationError(GaplessError):
+    """A generation that could not run (e.g. an empty prompt)."""

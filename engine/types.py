@@ -1,0 +1,288 @@
+"""The engine's public data: options, sampling parameters, model info, events and results.
+
+Everything here is plain data (frozen dataclasses where the value is a setting), so the app and the UI can
+hold, display and persist it without importing torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Literal, Optional, Union
+
+from engine.errors import OptionsError
+
+DTYPES = ("auto", "fp32", "fp16", "bf16")
+KV_MODES = ("static", "dynamic", "none")
+SAMPLING_MODES = ("device", "host")
+DEVICES = ("auto", "cpu", "cuda")
+MAX_CANDIDATES = 32
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """One choice of every decode optimization. Changing it takes effect at the next generation."""
+
+    device: str = "auto"  # cpu | cuda | auto (cuda when available)
+    dtype: str = "auto"  # fp32 | fp16 | bf16 | auto (fp16 on CUDA, fp32 on CPU)
+    kv_cache: str = "static"  # static (preallocated) | dynamic (torch.cat per step) | none (re-run the prefix)
+    sampling: str = "device"  # device (no host sync per token) | host (.item() every token)
+    compile: bool = False  # torch.compile of the decode step
+    cuda_graph: bool = False  # capture the decode step once per candidate count, replay per token
+    candidates: int = 1  # same-prompt answers decoded as one batch
+    profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
+
+    def validate(self) -> "EngineOptions":
+        if self.device not in DEVICES:
+            raise OptionsError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise OptionsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache not in KV_MODES:
+            raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
+        if self.sampling not in SAMPLING_MODES:
+            raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if not isinstance(self.candidates, int) or isinstance(self.candidates, bool):
+            raise OptionsError(f"candidates must be an integer, got {self.candidates!r}")
+        if not 1 <= self.candidates <= MAX_CANDIDATES:
+            raise OptionsError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
+        return self
+
+    def with_(self, **changes: Any) -> "EngineOptions":
+        return replace(self, **changes).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineOptions":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise OptionsError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**data).validate()
+
+
+# The ladder, in the order a user should apply the fixes. Each preset is complete (not a delta), except that
+# the device and profile_window of the current options are kept when a preset is applied.
+PRESETS: dict[str, EngineOptions] = {
+    "naive": EngineOptions(dtype="fp32", kv_cache="dynamic", sampling="host", compile=False, cuda_graph=False),
+    "half": EngineOptions(dtype="fp16", kv_cache="dynamic", sampling="host"),
+    "device-sampling": EngineOptions(dtype="fp16", kv_cache="dynamic", sampling="device"),
+    "first-fixes": EngineOptions(dtype="fp16", kv_cache="static", sampling="device"),
+    "compile": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True),
+    "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
+    "candidates": EngineOptions(
+        dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
+    ),
+}
+PRESET_LABELS: dict[str, str] = {
+    "naive": "Naive",
+    "half": "+ half precision",
+    "device-sampling": "+ device sampling",
+    "first-fixes": "Seeds' first fixes",
+    "compile": "+ compile",
+    "cuda-graph": "+ CUDA graph",
+    "candidates": "+ N candidates",
+}
+
+
+def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", candidates: Optional[int] = None) -> EngineOptions:
+    """The options of preset `name`, keeping `base`'s device and profiling switch.
+
+    `half_dtype` replaces fp16 in the presets (bf16 where fp16 is a poor fit, fp32 on a CPU where half
+    precision is slower than single); `candidates` overrides the candidate count of the last rung.
+    """
+    if name not in PRESETS:
+        raise OptionsError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    dtype = half_dtype if p.dtype == "fp16" else p.dtype
+    n = candidates if (candidates is not None and p.candidates > 1) else p.candidates
+    return replace(p, device=base.device, profile_window=base.profile_window, dtype=dtype, candidates=n).validate()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. temperature 0 means greedy."""
+
+    temperature: float = 0.7
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off
+    max_new_tokens: int = 256
+    seed: Optional[int] = None  # None = a fresh seed per generation (reported in the result)
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> "SamplingParams":
+        def finite(name: str, v: Any) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+                raise OptionsError(f"{name} must be a finite number, got {v!r}")
+            return float(v)
+
+        if finite("temperature", self.temperature) < 0:
+            raise OptionsError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > 100:
+            raise OptionsError(f"temperature must be <= 100, got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise OptionsError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        tp = finite("top_p", self.top_p)
+        if not 0 < tp <= 1:
+            raise OptionsError(f"top_p must be in (0, 1], got {self.top_p}")
+        rp = finite("repetition_penalty", self.repetition_penalty)
+        if not 0 < rp <= 10:
+            raise OptionsError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
+            raise OptionsError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise OptionsError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
+            raise OptionsError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise OptionsError("stop strings must be non-empty strings")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise OptionsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        d = dict(data)
+        if "stop" in d:
+            d["stop"] = tuple(d["stop"])
+        return cls(**d).validate()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # a display name, e.g. the file or folder name
+    family: str  # llama, qwen2, qwen3, or the transformers model_type on the fallback
+    architecture: str  # e.g. LlamaForCausalLM
+    backend: str  # "fast" (our decoder) or "transformers" (fallback)
+    parameters: int
+    dtype: str
+    device: str
+    context_length: int
+    weight_bytes: int
+    source: str  # the path the model was loaded from
+    source_kind: str  # "gguf", "hf-folder" or "default"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Metric = Optional[float]
+
+
+@dataclass
+class GenerationMetrics:
+    """Figures of one generation. A figure with no source on this machine is None, shown as "n/a"."""
+
+    prompt_tokens: int = 0
+    new_tokens: list[int] = field(default_factory=list)  # per candidate
+    new_tokens_total: int = 0
+    ttft_ms: Metric = None  # prompt in -> first token on the host
+    prefill_tok_s: Metric = None
+    decode_tok_s: Metric = None  # aggregate over candidates, device-synchronised, profiled window excluded
+    decode_steps: int = 0
+    decode_seconds: Metric = None
+    step_ms_p50: Metric = None
+    step_ms_p90: Metric = None
+    step_ms_p99: Metric = None
+    peak_memory_bytes: Optional[int] = None
+    peak_memory_source: Optional[str] = None
+    kernel_gap_pct: Metric = None
+    kernel_gap_source: Optional[str] = None
+    sm_activity_pct: Metric = None
+    sm_activity_source: Optional[str] = None
+    gpu_util_pct: Metric = None
+    gpu_util_source: Optional[str] = None
+    dram_bw_util_pct: Metric = None
+    dram_bw_util_source: Optional[str] = None
+    profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GenerationMetrics":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# ---- events streamed by Engine.generate / Engine.load -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str  # "fetch", "load", "dequantise", "compile", "capture", "warmup", ...
+    fraction: Optional[float]  # 0..1, None when unknown
+    message: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    candidate: int
+    text: str
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step (or a batch of steps read back together in device sampling)."""
+
+    t: float  # time.perf_counter() on the host
+    step: int  # decode steps done so far
+    tokens_total: int  # tokens generated so far, all candidates
+    step_ms: Optional[float]  # mean device-synchronised step latency over the steps this record covers
+    profiled: bool = False  # inside the traced window
+
+
+@dataclass(frozen=True)
+class MonitorSample:
+    """One reading of the machine monitor. None means not measured on this machine."""
+
+    t: float  # time.perf_counter()
+    gpu_util_pct: Metric = None
+    sm_activity_pct: Metric = None
+    sm_occupancy_pct: Metric = None
+    dram_bw_util_pct: Metric = None
+    gpu_memory_used_bytes: Optional[int] = None
+    power_w: Metric = None
+    sm_clock_mhz: Metric = None
+    cpu_util_pct: Metric = None  # this process, all cores = 100 * cores
+    process_rss_bytes: Optional[int] = None
+    sources: dict[str, str] = field(default_factory=dict)  # field name -> source label
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]  # "eos", "stop", "length", "cancelled"
+    metrics: GenerationMetrics
+    options: EngineOptions  # the options actually used
+    unavailable: dict[str, str]  # option -> why it could not be honoured
+    seed: Optional[int]
+    notices: list[str] = field(default_factory=list)  # e.g. "prompt cut: 3 oldest turns dropped"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "texts": self.texts,
+            "token_ids": self.token_ids,
+            "finish_reasons": self.finish_reasons,
+            "metrics": self.metrics.to_dict(),
+            "options": {**self.options.to_dict(), "unavailable": dict(self.unavailable)},
+            "seed": self.seed,
+            "notices": list(self.notices),
+        }
+
+
+Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
+EventSink = Callable[[Event], None]
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

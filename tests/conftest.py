@@ -1,0 +1,59 @@
+"""Test configuration: headless Qt, a private data dir per test session, tiny-model and default-model fixtures."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_dirs(tmp_path_factory):
+    """Chats, settings and logs of the tests never touch the user's; the model cache is shared on purpose."""
+    root = tmp_path_factory.mktemp("gapless-data")
+    old = os.environ.get("GAPLESS_DATA_DIR")
+    os.environ["GAPLESS_DATA_DIR"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("GAPLESS_DATA_DIR", None)
+    else:
+        os.environ["GAPLESS_DATA_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    """make(family, **overrides) -> a tiny model folder, cached per arguments for the session."""
+    from tiny_models import make_tiny_model
+
+    made: dict = {}
+
+    def make(family: str = "llama", **kw) -> Path:
+        key = (family, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, **kw)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The real default model (SmolLM2-135M-Instruct Q4_1 GGUF), fetched once into the shared cache."""
+    from engine.default_model import ensure_default_model
+
+    return ensure_default_model()

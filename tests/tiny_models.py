@@ -1,0 +1,111 @@
+"""Tiny random models built in the test: an HF folder with config.json, model.safetensors and a byte-level BPE
+tokenizer with a ChatML chat template. Built in well under a second; the same seed gives the same weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "hello world the quick brown fox jumps over the lazy dog",
+    "Paris is the capital of France. Tokens per second, kernel gap, graphs.",
+    "def main():\n    return 42  # code\n",
+]
+
+FAMILY_CONFIGS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"]),
+}
+
+
+def make_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(CORPUS * 20, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
+    return tok
+
+
+def make_config(family: str = "llama", vocab_size: int = 320, tie: bool = True, **overrides):
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    fam = dict(FAMILY_CONFIGS.get(family, {}))
+    model_type = fam.pop("model_type", family)
+    base.update(fam)
+    if family == "qwen3":
+        base["head_dim"] = 16
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def make_tiny_model(
+    path: Path,
+    family: str = "llama",
+    seed: int = 0,
+    tie: bool = True,
+    chat_template: Optional[str] = CHATML,
+    **config_overrides,
+) -> Path:
+    """Write a tiny random causal LM of `family` (any transformers model_type) into `path` and return it."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = make_config(family, vocab_size=len(tok), tie=tie, eos_token_id=eos, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # larger than default init so greedy decoding is not one repeated token
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():
+        gen_cfg.unlink()  # keep generate() defaults explicit in tests
+    return path
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())

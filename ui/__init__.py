@@ -1,0 +1,1 @@
+"""Gapless widgets. Talks to app/ through signals; never reaches into engine internals."""
