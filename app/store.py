@@ -1,0 +1,557 @@
+"""The chat store: chats and their message trees in one SQLite file (WAL), safe against crashes and a second app.
+
+Messages form a tree through `parent_id`: editing a user message and resending adds a sibling under the same
+parent (a branch); N candidates of one answer are assistant siblings sharing a `candidate_group`. A chat
+remembers the leaf of the branch on screen (`active_leaf_id`); `thread()` is the root-to-leaf path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from engine.errors import GaplessError
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("done", "streaming", "stopped", "error")
+ROLES = ("system", "user", "assistant")
+BUSY_TIMEOUT_MS = 5000
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26
+
+# MIGRATIONS[v] takes a database from schema v-1 to v. Never edit a shipped step; append a new one.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        """CREATE TABLE chats (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL,
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            system_prompt TEXT NOT NULL DEFAULT '',
+            sampling_json TEXT,
+            active_leaf_id INTEGER
+        )""",
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+            parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL DEFAULT '',
+            status TEXT NOT NULL DEFAULT 'done' CHECK (status IN ('done', 'streaming', 'stopped', 'error')),
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            options_json TEXT,
+            metrics_json TEXT,
+            candidate_group INTEGER,
+            candidate_index INTEGER,
+            model_name TEXT
+        )""",
+        "CREATE INDEX messages_by_chat ON messages(chat_id, id)",
+        "CREATE INDEX messages_by_parent ON messages(parent_id, id)",
+        "CREATE INDEX chats_by_updated ON chats(updated DESC, id DESC)",
+    ),
+}
+SCHEMA_VERSION = max(MIGRATIONS)
+
+
+class StoreError(GaplessError):
+    """The chat database cannot be opened or written; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class Chat:
+    id: int
+    title: str
+    created: float  # unix time
+    updated: float
+    system_prompt: str
+    sampling: Optional[dict]  # SamplingParams.to_dict(), None = the app's defaults
+    active_leaf_id: Optional[int]
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    chat_id: int
+    parent_id: Optional[int]
+    role: str
+    content: str
+    status: str  # done | streaming | stopped | error
+    created: float
+    updated: float
+    options: Optional[dict]  # EngineOptions.to_dict() of the generation
+    metrics: Optional[dict]  # GenerationMetrics.to_dict()
+    candidate_group: Optional[int]
+    candidate_index: Optional[int]
+    model_name: Optional[str]
+
+
+_MESSAGE_COLUMNS = (
+    "id, chat_id, parent_id, role, content, status, created, updated, options_json, metrics_json, "
+    "candidate_group, candidate_index, model_name"
+)
+_CHAT_COLUMNS = "id, title, created, updated, system_prompt, sampling_json, active_leaf_id"
+
+
+def _loads(text: Optional[str]) -> Optional[dict]:
+    return None if text is None else json.loads(text)
+
+
+def _dumps(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _message(row: tuple) -> Message:
+    return Message(*row[:8], _loads(row[8]), _loads(row[9]), *row[10:])
+
+
+def _chat(row: tuple) -> Chat:
+    return Chat(row[0], row[1], row[2], row[3], row[4], _loads(row[5]), row[6])
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and (code & 0xFF) in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+
+
+def _aside_name(path: Path, tag: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate = path.with_name(f"{path.name}.{tag}-{stamp}")
+    n = 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.name}.{tag}-{stamp}-{n}")
+        n += 1
+    return candidate
+
+
+def move_aside(path: Path, tag: str = "corrupt") -> Path:
+    """Rename `path` (and its SQLite -wal/-shm companions) to `<name>.<tag>-<timestamp>`; return the new path."""
+    target = _aside_name(path, tag)
+    os.replace(path, target)
+    for suffix in ("-wal", "-shm"):
+        companion = path.with_name(path.name + suffix)
+        if companion.exists():
+            os.replace(companion, target.with_name(target.name + suffix))
+    return target
+
+
+class ChatStore:
+    """All access to the chat database. Thread-safe (one connection behind a lock); several processes may
+    open the same file (WAL, busy timeout). Failures raise StoreError with the reason; nothing saved is lost."""
+
+    def __init__(self, path: Path, busy_timeout_ms: int = BUSY_TIMEOUT_MS):
+        self.path = Path(path)
+        self.notices: list[str] = []  # for the user: the database was repaired, moved aside, ...
+        self._lock = threading.RLock()
+        self._busy_timeout_ms = busy_timeout_ms
+        self._db = self._open()
+        self._recover_streaming()
+
+    # ---- opening -------------------------------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the data folder {self.path.parent}: {exc.strerror or exc}") from exc
+        try:
+            return self._connect_checked()
+        except sqlite3.DatabaseError as exc:
+            if not _is_corruption(exc):
+                raise self._open_error(exc) from exc
+            reason = str(exc)
+        except _Damaged as exc:
+            reason = str(exc)
+        try:
+            aside = move_aside(self.path)
+        except OSError as exc:
+            raise StoreError(f"the chat database {self.path} is damaged ({reason}) and cannot be moved aside: "
+                             f"{exc.strerror or exc}") from exc
+        log.error("chat database %s is damaged (%s); moved to %s", self.path, reason, aside)
+        self.notices.append(
+            f"The chat database was damaged ({reason}). It was kept as {aside.name} and a new, empty one was created."
+        )
+        try:
+            return self._connect_checked()
+        except sqlite3.DatabaseError as exc:
+            raise self._open_error(exc) from exc
+
+    def _connect_checked(self) -> sqlite3.Connection:
+        db = sqlite3.connect(
+            self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
+        )
+        try:
+            db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            # Read the version before anything writes: a newer database is left exactly as it is.
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"the chat database {self.path} was written by a newer version of Gapless (schema {version}, "
+                    f"this version reads up to {SCHEMA_VERSION}); it was left untouched"
+                )
+            check = db.execute("PRAGMA quick_check").fetchall()
+            if check != [("ok",)]:
+                raise _Damaged("integrity check failed: " + "; ".join(str(r[0]) for r in check[:3]))
+            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                log.warning("chat database %s: journal mode %s instead of WAL", self.path, mode)
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.execute("PRAGMA foreign_keys = ON")
+            self._migrate(db, version)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _migrate(self, db: sqlite3.Connection, version: int) -> None:
+        if version == SCHEMA_VERSION:
+            return
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            # Another process may have migrated between our read and the lock.
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in MIGRATIONS[step]:
+                    db.execute(statement)
+                log.info("chat database %s migrated to schema %d", self.path, step)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def _open_error(self, exc: sqlite3.Error) -> StoreError:
+        folder = self.path.parent
+        hint = f"; the folder {folder} is not writable" if not os.access(folder, os.W_OK) else ""
+        return StoreError(f"cannot open the chat database {self.path}: {exc}{hint}")
+
+    def _recover_streaming(self) -> None:
+        """Answers left 'streaming' by a crash become 'stopped', their partial text kept."""
+        with self._write("recover interrupted answers") as db:
+            n = db.execute("UPDATE messages SET status = 'stopped' WHERE status = 'streaming'").rowcount
+        if n:
+            log.info("chat database %s: %d interrupted answer(s) marked stopped", self.path, n)
+
+    # ---- transactions --------------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self, what: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction. BEGIN IMMEDIATE takes the write lock up front, so a busy second process is
+        waited for (busy timeout) instead of failing half-way."""
+        with self._lock:
+            db = self._conn()
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot {what} in the chat database: {exc}") from exc
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException as exc:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"cannot {what} in the chat database: {exc}") from exc
+                raise
+
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return self._conn().execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot read the chat database: {exc}") from exc
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError("the chat database is closed")
+        return self._db
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> "ChatStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- chats ---------------------------------------------------------------------------------------
+
+    def create_chat(self, title: str = "New chat", system_prompt: str = "", sampling: Any = None) -> Chat:
+        now = time.time()
+        with self._write("create a chat") as db:
+            cur = db.execute(
+                "INSERT INTO chats (title, created, updated, system_prompt, sampling_json) VALUES (?, ?, ?, ?, ?)",
+                (title, now, now, system_prompt, _dumps(sampling)),
+            )
+            chat_id = cur.lastrowid
+        return self.get_chat(chat_id)
+
+    def get_chat(self, chat_id: int) -> Chat:
+        rows = self._read(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,))
+        if not rows:
+            raise StoreError(f"no chat with id {chat_id}")
+        return _chat(rows[0])
+
+    def list_chats(self, search: str = "") -> list[Chat]:
+        """Newest first. `search` matches titles and message text, case-insensitively (ASCII)."""
+        if not search:
+            rows = self._read(f"SELECT {_CHAT_COLUMNS} FROM chats ORDER BY updated DESC, id DESC")
+            return [_chat(r) for r in rows]
+        pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self._read(
+            f"SELECT {_CHAT_COLUMNS} FROM chats WHERE title LIKE ?1 ESCAPE '\\' OR EXISTS "
+            "(SELECT 1 FROM messages m WHERE m.chat_id = chats.id AND m.content LIKE ?1 ESCAPE '\\') "
+            "ORDER BY updated DESC, id DESC",
+            (pattern,),
+        )
+        return [_chat(r) for r in rows]
+
+    def rename_chat(self, chat_id: int, title: str) -> Chat:
+        with self._write("rename the chat") as db:
+            self._require_chat(db, chat_id)
+            db.execute("UPDATE chats SET title = ?, updated = ? WHERE id = ?", (title, time.time(), chat_id))
+        return self.get_chat(chat_id)
+
+    def update_chat(self, chat_id: int, system_prompt: Optional[str] = None, sampling: Any = None) -> Chat:
+        with self._write("update the chat") as db:
+            self._require_chat(db, chat_id)
+            if system_prompt is not None:
+                db.execute("UPDATE chats SET system_prompt = ? WHERE id = ?", (system_prompt, chat_id))
+            if sampling is not None:
+                db.execute("UPDATE chats SET sampling_json = ? WHERE id = ?", (_dumps(sampling), chat_id))
+            db.execute("UPDATE chats SET updated = ? WHERE id = ?", (time.time(), chat_id))
+        return self.get_chat(chat_id)
+
+    def delete_chat(self, chat_id: int) -> None:
+        with self._write("delete the chat") as db:
+            self._require_chat(db, chat_id)
+            db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
+            db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+
+    @staticmethod
+    def _require_chat(db: sqlite3.Connection, chat_id: int) -> None:
+        if db.execute("SELECT 1 FROM chats WHERE id = ?", (chat_id,)).fetchone() is None:
+            raise StoreError(f"no chat with id {chat_id}")
+
+    # ---- messages ------------------------------------------------------------------------------------
+
+    def add_message(
+        self,
+        chat_id: int,
+        role: str,
+        content: str,
+        parent_id: Optional[int],
+        status: str = "done",
+        options: Any = None,
+        metrics: Any = None,
+        candidate_group: Optional[int] = None,
+        candidate_index: Optional[int] = None,
+        model_name: Optional[str] = None,
+    ) -> Message:
+        """Add a message under `parent_id` (None: a first message). It becomes the chat's active leaf, except
+        candidates after the first (index > 0), which stay alternatives until chosen with set_active_leaf."""
+        if role not in ROLES:
+            raise StoreError(f"unknown message role {role!r}")
+        if status not in STATUSES:
+            raise StoreError(f"unknown message status {status!r}")
+        now = time.time()
+        with self._write("save the message") as db:
+            self._require_chat(db, chat_id)
+            if parent_id is not None:
+                row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (parent_id,)).fetchone()
+                if row is None or row[0] != chat_id:
+                    raise StoreError(f"message {parent_id} is not in chat {chat_id}")
+            cur = db.execute(
+                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, parent_id, role, content, status, now, now, _dumps(options), _dumps(metrics),
+                 candidate_group, candidate_index, model_name),
+            )
+            message_id = cur.lastrowid
+            if not candidate_index:
+                db.execute("UPDATE chats SET active_leaf_id = ?, updated = ? WHERE id = ?", (message_id, now, chat_id))
+            else:
+                db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
+        return self.get_message(message_id)
+
+    def new_candidate_group(self) -> int:
+        """A group number not used by any message yet, for the N candidates of one answer."""
+        return self._read("SELECT COALESCE(MAX(candidate_group), 0) + 1 FROM messages")[0][0]
+
+    def get_message(self, message_id: int) -> Message:
+        rows = self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
+        if not rows:
+            raise StoreError(f"no message with id {message_id}")
+        return _message(rows[0])
+
+    def update_message(
+        self,
+        message_id: int,
+        content: Optional[str] = None,
+        status: Optional[str] = None,
+        options: Any = None,
+        metrics: Any = None,
+    ) -> None:
+        if status is not None and status not in STATUSES:
+            raise StoreError(f"unknown message status {status!r}")
+        sets, params = ["updated = ?"], [time.time()]
+        for column, value in (("content", content), ("status", status),
+                              ("options_json", _dumps(options)), ("metrics_json", _dumps(metrics))):
+            if value is not None:
+                sets.append(f"{column} = ?")
+                params.append(value)
+        with self._write("save the message") as db:
+            row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (message_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no message with id {message_id}")
+            db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*params, message_id))
+            db.execute("UPDATE chats SET updated = ? WHERE id = ?", (params[0], row[0]))
+
+    def delete_message(self, message_id: int) -> None:
+        """Delete a message and everything below it. If the active branch went with it, the chat switches to
+        the newest remaining branch under the deleted message's parent (or the newest first message)."""
+        with self._write("delete the message") as db:
+            row = db.execute("SELECT chat_id, parent_id FROM messages WHERE id = ?", (message_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no message with id {message_id}")
+            chat_id, parent_id = row
+            doomed = [r[0] for r in db.execute(
+                "WITH RECURSIVE sub(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN sub ON m.parent_id = sub.id) "
+                "SELECT id FROM sub", (message_id,))]
+            active = db.execute("SELECT active_leaf_id FROM chats WHERE id = ?", (chat_id,)).fetchone()[0]
+            db.execute(f"DELETE FROM messages WHERE id IN ({','.join('?' * len(doomed))})", doomed)
+            if active is None or active in doomed:
+                leaf = self._newest_leaf(db, chat_id, parent_id)
+                db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (leaf, chat_id))
+            db.execute("UPDATE chats SET updated = ? WHERE id = ?", (time.time(), chat_id))
+
+    def thread(self, chat_id: int, leaf_id: Optional[int] = None) -> list[Message]:
+        """The messages from the root to `leaf_id` (default: the chat's active leaf), oldest first."""
+        if leaf_id is None:
+            leaf_id = self.get_chat(chat_id).active_leaf_id
+            if leaf_id is None:
+                return []
+        rows = self._read(
+            f"WITH RECURSIVE path(id, parent_id, depth) AS ("
+            f" SELECT id, parent_id, 0 FROM messages WHERE id = ? AND chat_id = ?"
+            f" UNION ALL SELECT m.id, m.parent_id, path.depth + 1 FROM messages m JOIN path ON m.id = path.parent_id)"
+            f" SELECT {', '.join('m.' + c.strip() for c in _MESSAGE_COLUMNS.split(','))}"
+            f" FROM path JOIN messages m ON m.id = path.id ORDER BY path.depth DESC",
+            (leaf_id, chat_id),
+        )
+        if not rows:
+            raise StoreError(f"message {leaf_id} is not in chat {chat_id}")
+        return [_message(r) for r in rows]
+
+    def children(self, message_id: int) -> list[Message]:
+        rows = self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE parent_id = ? ORDER BY id", (message_id,))
+        return [_message(r) for r in rows]
+
+    def siblings(self, message_id: int) -> list[Message]:
+        """All messages sharing this one's parent (itself included), oldest first: the branches at this point."""
+        m = self.get_message(message_id)
+        if m.parent_id is None:
+            rows = self._read(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? AND parent_id IS NULL ORDER BY id",
+                (m.chat_id,),
+            )
+        else:
+            rows = self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE parent_id = ? ORDER BY id", (m.parent_id,))
+        return [_message(r) for r in rows]
+
+    def set_active_leaf(self, chat_id: int, leaf_id: int) -> int:
+        """Show the branch through `leaf_id`: from it, follow the newest child down to a leaf. Returns that leaf."""
+        with self._write("switch the branch") as db:
+            row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (leaf_id,)).fetchone()
+            if row is None or row[0] != chat_id:
+                raise StoreError(f"message {leaf_id} is not in chat {chat_id}")
+            leaf = self._descend(db, leaf_id)
+            db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (leaf, chat_id))
+        return leaf
+
+    @staticmethod
+    def _descend(db: sqlite3.Connection, message_id: int) -> int:
+        while True:
+            row = db.execute("SELECT MAX(id) FROM messages WHERE parent_id = ?", (message_id,)).fetchone()
+            if row[0] is None:
+                return message_id
+            message_id = row[0]
+
+    def _newest_leaf(self, db: sqlite3.Connection, chat_id: int, parent_id: Optional[int]) -> Optional[int]:
+        if parent_id is not None:
+            return self._descend(db, parent_id)
+        row = db.execute("SELECT MAX(id) FROM messages WHERE chat_id = ? AND parent_id IS NULL", (chat_id,)).fetchone()
+        return None if row[0] is None else self._descend(db, row[0])
+
+    def count_messages(self, chat_id: Optional[int] = None) -> int:
+        if chat_id is None:
+            return self._read("SELECT COUNT(*) FROM messages")[0][0]
+        return self._read("SELECT COUNT(*) FROM messages WHERE chat_id = ?", (chat_id,))[0][0]
+
+
+class _Damaged(Exception):
+    """Raised inside ChatStore._open when the integrity check fails; never leaves the module."""
+
+
+class StreamSaver:
+    """Saves an answer while it streams: the whole text so far is written at most every `min_interval_s`
+    and at finish, so a killed process loses at most about a second of it.
+
+    A failed intermediate write does not interrupt the stream: the text stays in memory, the error is kept in
+    `last_error` and logged once, and the next write retries. `finish` raises StoreError if the final write fails.
+    """
+
+    def __init__(self, store: ChatStore, message_id: int, min_interval_s: float = 0.5, clock=time.monotonic):
+        self.store = store
+        self.message_id = message_id
+        self.min_interval_s = min_interval_s
+        self._clock = clock
+        self.text = store.get_message(message_id).content
+        self._saved_len = len(self.text)
+        self._last_write = clock()
+        self.last_error: Optional[StoreError] = None
+        self.finished = False
+
+    def append(self, text: str) -> None:
+        if self.finished:
+            raise StoreError(f"message {self.message_id} was already finished")
+        self.text += text
+        if self._clock() - self._last_write >= self.min_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the text now if any of it is unsaved (also useful from a timer when tokens stall)."""
+        if len(self.text) == self._saved_len:
+            return
+        self._last_write = self._clock()
+        try:
+            self.store.update_message(self.message_id, content=self.text)
+        except StoreError as exc:
+            if self.last_error is None:
+                log.error("cannot save the streaming answer %d: %s", self.message_id, exc)
+            self.last_error = exc
+            return
+        self._saved_len = len(self.text)
+
+    def finish(self, status: str, metrics: Any = None, options: Any = None, text: Optional[str] = None) -> None:
+        """Write the final text (`text` replaces the streamed one when given), status and figures."""
+        if text is not None:
+            self.text = text
+        self.store.update_message(self.message_id, content=self.text, status=status, metrics=metrics, options=options)
+        self._saved_len = len(self.text)
+        self.finished = True

@@ -1,0 +1,240 @@
+"""The chat store: CRUD, branches, candidates, search, cascades, crash recovery of streaming answers."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from app.store import SCHEMA_VERSION, ChatStore, StoreError, StreamSaver
+from engine.types import SamplingParams
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = ChatStore(tmp_path / "chats.sqlite3")
+    yield s
+    s.close()
+
+
+def texts(messages):
+    return [m.content for m in messages]
+
+
+def test_fresh_database_is_wal_at_current_schema(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    ChatStore(path).close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    cols = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
+    assert {"candidate_group", "candidate_index", "metrics_json", "options_json", "model_name", "status"} <= cols
+    db.close()
+
+
+def test_unversioned_empty_database_is_migrated(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    sqlite3.connect(path).close()  # an empty file at user_version 0
+    with ChatStore(path) as s:
+        assert s.create_chat("x").title == "x"
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_chat_crud_and_order(store):
+    a = store.create_chat("first", system_prompt="be brief", sampling=SamplingParams(temperature=0.0, seed=3))
+    b = store.create_chat()
+    assert b.title == "New chat" and b.system_prompt == "" and b.sampling is None
+    assert a.sampling["seed"] == 3 and a.sampling["temperature"] == 0.0 and a.sampling["stop"] == []
+    assert SamplingParams.from_dict(a.sampling) == SamplingParams(temperature=0.0, seed=3)
+    assert [c.id for c in store.list_chats()] == [b.id, a.id]
+    store.rename_chat(a.id, "renamed")
+    assert [c.title for c in store.list_chats()] == ["renamed", "New chat"]  # touched chats come first
+    c = store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5})
+    assert (c.system_prompt, c.sampling) == ("sys", {"temperature": 1.5})
+    store.delete_chat(a.id)
+    assert [c.id for c in store.list_chats()] == [b.id]
+    with pytest.raises(StoreError, match="no chat with id"):
+        store.get_chat(a.id)
+    with pytest.raises(StoreError, match="no chat with id"):
+        store.rename_chat(a.id, "gone")
+
+
+def test_messages_thread_and_metadata(store):
+    chat = store.create_chat()
+    u = store.add_message(chat.id, "user", "Hello 👋 مرحبا 你好", None)
+    a = store.add_message(chat.id, "assistant", "", u.id, status="streaming", model_name="tiny",
+                          options={"dtype": "fp32"})
+    store.update_message(a.id, content="Hi there", status="done", metrics={"decode_tok_s": None, "new_tokens": [2]})
+    got = store.get_message(a.id)
+    assert (got.content, got.status, got.model_name) == ("Hi there", "done", "tiny")
+    assert got.options == {"dtype": "fp32"} and got.metrics == {"decode_tok_s": None, "new_tokens": [2]}
+    assert texts(store.thread(chat.id)) == ["Hello 👋 مرحبا 你好", "Hi there"]
+    assert store.get_chat(chat.id).active_leaf_id == a.id
+    assert store.count_messages(chat.id) == 2 and store.count_messages() == 2
+    with pytest.raises(StoreError, match="unknown message status"):
+        store.update_message(a.id, status="finished")
+    with pytest.raises(StoreError, match="unknown message role"):
+        store.add_message(chat.id, "robot", "x", None)
+    other = store.create_chat()
+    with pytest.raises(StoreError, match=f"message {u.id} is not in chat {other.id}"):
+        store.add_message(other.id, "user", "x", u.id)
+
+
+def test_nul_character_survives(store):
+    chat = store.create_chat()
+    m = store.add_message(chat.id, "user", "a\x00b", None)
+    assert store.get_message(m.id).content == "a\x00b"
+
+
+def test_edit_and_resend_creates_a_branch_and_both_stay_reachable(store):
+    chat = store.create_chat()
+    u1 = store.add_message(chat.id, "user", "q1", None)
+    a1 = store.add_message(chat.id, "assistant", "a1", u1.id)
+    u2 = store.add_message(chat.id, "user", "q2", a1.id)
+    a2 = store.add_message(chat.id, "assistant", "a2", u2.id)
+    # Edit q2 and resend: a sibling of u2 under the same parent.
+    u2b = store.add_message(chat.id, "user", "q2 edited", a1.id)
+    a2b = store.add_message(chat.id, "assistant", "a2 edited", u2b.id)
+    assert texts(store.thread(chat.id)) == ["q1", "a1", "q2 edited", "a2 edited"]
+    assert [m.id for m in store.siblings(u2.id)] == [u2.id, u2b.id]
+    assert [m.id for m in store.children(a1.id)] == [u2.id, u2b.id]
+    # Back to the old branch: choosing u2 follows its newest descendants to a2.
+    assert store.set_active_leaf(chat.id, u2.id) == a2.id
+    assert texts(store.thread(chat.id)) == ["q1", "a1", "q2", "a2"]
+    assert texts(store.thread(chat.id, a2b.id)) == ["q1", "a1", "q2 edited", "a2 edited"]
+    # Editing the very first message branches at the root.
+    r2 = store.add_message(chat.id, "user", "q1 again", None)
+    assert [m.id for m in store.siblings(u1.id)] == [u1.id, r2.id]
+    assert texts(store.thread(chat.id)) == ["q1 again"]
+    assert store.set_active_leaf(chat.id, u1.id) == u2b.id + 1  # newest descendant of u1 is a2b
+    with pytest.raises(StoreError, match="is not in chat"):
+        store.set_active_leaf(store.create_chat().id, u1.id)
+
+
+def test_candidates_share_a_group_and_one_is_chosen(store):
+    chat = store.create_chat()
+    u = store.add_message(chat.id, "user", "q", None)
+    group = store.new_candidate_group()
+    cands = [
+        store.add_message(chat.id, "assistant", f"answer {i}", u.id, candidate_group=group, candidate_index=i)
+        for i in range(3)
+    ]
+    assert store.new_candidate_group() == group + 1
+    # The first candidate is on screen until another is picked.
+    assert texts(store.thread(chat.id)) == ["q", "answer 0"]
+    sibs = store.siblings(cands[1].id)
+    assert [(m.candidate_group, m.candidate_index) for m in sibs] == [(group, 0), (group, 1), (group, 2)]
+    store.set_active_leaf(chat.id, cands[2].id)
+    follow = store.add_message(chat.id, "user", "next", cands[2].id)
+    assert texts(store.thread(chat.id)) == ["q", "answer 2", "next"]
+    assert store.thread(chat.id)[-1].id == follow.id
+
+
+def test_search_titles_and_content(store):
+    a = store.create_chat("Cooking")
+    b = store.create_chat("Physics")
+    c = store.create_chat("Misc")
+    store.add_message(b.id, "user", "What is the KERNEL gap?", None)
+    store.add_message(c.id, "user", "100% sure_thing", None)
+    assert [x.id for x in store.list_chats("cook")] == [a.id]
+    assert [x.id for x in store.list_chats("kernel")] == [b.id]
+    assert [x.id for x in store.list_chats("%")] == [c.id]  # wildcards are literal
+    assert [x.id for x in store.list_chats("_")] == [c.id]
+    assert store.list_chats("nothing like this") == []
+
+
+def test_delete_message_cascades_and_fixes_the_active_leaf(store):
+    chat = store.create_chat()
+    u1 = store.add_message(chat.id, "user", "q1", None)
+    a1 = store.add_message(chat.id, "assistant", "a1", u1.id)
+    a1b = store.add_message(chat.id, "assistant", "a1 regenerated", u1.id)
+    u2 = store.add_message(chat.id, "user", "q2", a1b.id)
+    store.add_message(chat.id, "assistant", "a2", u2.id)
+    store.delete_message(a1b.id)  # with q2 and a2 below it
+    assert store.count_messages(chat.id) == 2
+    assert texts(store.thread(chat.id)) == ["q1", "a1"]  # the remaining branch
+    store.delete_message(a1.id)
+    assert texts(store.thread(chat.id)) == ["q1"]
+    store.delete_message(u1.id)
+    assert store.get_chat(chat.id).active_leaf_id is None and store.thread(chat.id) == []
+    with pytest.raises(StoreError, match="no message with id"):
+        store.delete_message(a1.id)
+
+
+def test_delete_inactive_branch_keeps_the_active_one(store):
+    chat = store.create_chat()
+    u1 = store.add_message(chat.id, "user", "q1", None)
+    old = store.add_message(chat.id, "assistant", "old", u1.id)
+    new = store.add_message(chat.id, "assistant", "new", u1.id)
+    store.delete_message(old.id)
+    assert store.get_chat(chat.id).active_leaf_id == new.id
+
+
+def test_delete_chat_cascades_to_messages(store):
+    keep = store.create_chat()
+    store.add_message(keep.id, "user", "keep me", None)
+    chat = store.create_chat()
+    u = store.add_message(chat.id, "user", "q", None)
+    store.add_message(chat.id, "assistant", "a", u.id)
+    store.delete_chat(chat.id)
+    assert store.count_messages() == 1 and texts(store.thread(keep.id)) == ["keep me"]
+
+
+def test_streaming_answer_becomes_stopped_on_reopen(tmp_path):
+    path = tmp_path / "c.sqlite3"
+    s = ChatStore(path)
+    chat = s.create_chat()
+    u = s.add_message(chat.id, "user", "q", None)
+    a = s.add_message(chat.id, "assistant", "", u.id, status="streaming")
+    saver = StreamSaver(s, a.id, min_interval_s=0.0)
+    saver.append("partial ")
+    saver.append("answer")
+    s._db.close()  # the process dies: no finish, no orderly close
+    s._db = None
+    with ChatStore(path) as again:
+        m = again.get_message(a.id)
+        assert (m.content, m.status) == ("partial answer", "stopped")
+
+
+def test_stream_saver_writes_at_most_every_interval(store):
+    chat = store.create_chat()
+    a = store.add_message(chat.id, "assistant", "", None, status="streaming")
+    now = [0.0]
+    saver = StreamSaver(store, a.id, min_interval_s=0.5, clock=lambda: now[0])
+    saver.append("a")
+    now[0] = 0.3
+    saver.append("b")
+    assert store.get_message(a.id).content == ""  # nothing written before 0.5 s
+    now[0] = 0.6
+    saver.append("c")
+    assert store.get_message(a.id).content == "abc"
+    now[0] = 0.9
+    saver.append("d")
+    assert store.get_message(a.id).content == "abc"
+    saver.finish("stopped", metrics={"new_tokens": [4]}, options={"dtype": "fp32"})
+    m = store.get_message(a.id)
+    assert (m.content, m.status, m.metrics, m.options) == ("abcd", "stopped", {"new_tokens": [4]}, {"dtype": "fp32"})
+    with pytest.raises(StoreError, match="already finished"):
+        saver.append("e")
+
+
+def test_two_instances_share_the_database(tmp_path):
+    path = tmp_path / "c.sqlite3"
+    one, two = ChatStore(path), ChatStore(path)
+    chat = one.create_chat("shared")
+    parent = None
+    for i in range(50):
+        writer = one if i % 2 == 0 else two
+        parent = writer.add_message(chat.id, "user", f"m{i}", parent).id
+    assert texts(two.thread(chat.id)) == [f"m{i}" for i in range(50)]
+    assert one.count_messages() == 50
+    one.close()
+    two.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_closed_store_says_so(tmp_path):
+    s = ChatStore(tmp_path / "c.sqlite3")
+    s.close()
+    with pytest.raises(StoreError, match="closed"):
+        s.list_chats()
