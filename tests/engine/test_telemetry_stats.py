@@ -1,0 +1,141 @@
+"""Interval merging, gap, percentiles and throughput on hand-made data."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.telemetry.stats import (
+    DeviceTimer,
+    StepStats,
+    busy_time,
+    gap_fraction,
+    merge_intervals,
+    percentile,
+    tokens_per_second,
+)
+
+
+def test_merge_overlapping_nested_touching():
+    ivs = [(5, 7), (0, 2), (1, 3), (10, 20), (12, 15), (3, 4), (20, 21)]
+    # (0,2)+(1,3) overlap, (3,4) touches -> (0,4); (12,15) nested in (10,20); (20,21) touches
+    assert merge_intervals(ivs) == [(0, 4), (5, 7), (10, 21)]
+
+
+def test_merge_drops_zero_and_negative_lengths():
+    assert merge_intervals([(1, 1), (3, 2), (4, 5)]) == [(4, 5)]
+    assert merge_intervals([]) == []
+    assert merge_intervals([(2, 2)]) == []
+
+
+def test_merge_single_and_unsorted_input():
+    assert merge_intervals([(3.5, 9.25)]) == [(3.5, 9.25)]
+    assert merge_intervals(iter([(9, 10), (0, 1)])) == [(0, 1), (9, 10)]
+
+
+def test_busy_time_of_merged():
+    assert busy_time(merge_intervals([(0, 2), (1, 3), (10, 11)])) == 4
+    assert busy_time([]) == 0
+
+
+def test_gap_default_span_is_first_start_to_last_end():
+    # busy 2 + 2 over span 0..10 -> 60 % idle
+    assert gap_fraction([(0, 2), (8, 10)]) == pytest.approx(0.6)
+    # nested intervals count once: busy 4 over 0..8
+    assert gap_fraction([(0, 4), (1, 2), (6, 8)]) == pytest.approx(1 - 6 / 8)
+
+
+def test_gap_with_explicit_span_counts_idle_edges_and_clips():
+    # the same kernels inside a longer host window: idle before the first and after the last count
+    assert gap_fraction([(2, 4), (6, 8)], span=(0, 10)) == pytest.approx(0.6)
+    # an interval reaching outside the span is clipped to it
+    assert gap_fraction([(-5, 5)], span=(0, 10)) == pytest.approx(0.5)
+    # fully busy
+    assert gap_fraction([(0, 5), (5, 10)], span=(0, 10)) == pytest.approx(0.0)
+
+
+def test_gap_none_when_nothing_to_measure():
+    assert gap_fraction([]) is None
+    assert gap_fraction([], span=(0, 10)) is None
+    assert gap_fraction([(1, 1)]) is None
+    assert gap_fraction([(0, 1)], span=(5, 5)) is None
+
+
+def test_gap_single_interval_is_zero():
+    assert gap_fraction([(3, 7)]) == 0.0
+
+
+@pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 99.9, 100])
+def test_percentile_matches_numpy_linear(q):
+    rng = random.Random(7)
+    for n in (1, 2, 3, 10, 101):
+        xs = [rng.uniform(-3, 50) for _ in range(n)]
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12, abs=1e-12)
+
+
+def test_percentile_empty_and_bad_q():
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_step_stats_in_ms():
+    s = StepStats.from_seconds([0.010, 0.020, 0.030, 0.040])
+    assert s.count == 4
+    assert s.mean_ms == pytest.approx(25.0)
+    assert s.p50_ms == pytest.approx(25.0)
+    assert s.p90_ms == pytest.approx(float(np.percentile([10, 20, 30, 40], 90)))
+    assert s.p99_ms == pytest.approx(float(np.percentile([10, 20, 30, 40], 99)))
+    empty = StepStats.from_seconds([])
+    assert (empty.count, empty.mean_ms, empty.p50_ms, empty.p99_ms) == (0, None, None, None)
+
+
+def test_tokens_per_second():
+    assert tokens_per_second(128, 2.0) == 64.0
+    assert tokens_per_second(10, 0.0) is None
+    assert tokens_per_second(10, None) is None
+    assert tokens_per_second(0, 1.0) == 0.0
+
+
+class FakeDevice:
+    """A clock and a device queue: launched work runs asynchronously and only a sync waits for it."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.free_at = 100.0  # when the device finishes what is queued
+        self.syncs = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def launch(self, seconds: float, host_seconds: float = 0.001) -> None:
+        self.now += host_seconds
+        self.free_at = max(self.free_at, self.now) + seconds
+
+    def sync(self) -> None:
+        self.syncs += 1
+        self.now = max(self.now, self.free_at)
+
+
+def test_device_timer_waits_for_queued_work_at_both_ends():
+    dev = FakeDevice()
+    dev.launch(5.0)  # earlier work still queued: must not be charged to the timed block
+    with DeviceTimer(sync=dev.sync, clock=dev.clock) as t:
+        for _ in range(10):
+            dev.launch(0.1)  # 10 tokens, 0.1 s of device time each, 1 ms to launch
+    assert dev.syncs == 2
+    # device time plus the first launch, not the ~10 ms the host spent launching nor the earlier 5 s
+    assert t.seconds == pytest.approx(1.001)
+    assert tokens_per_second(10, t.seconds) == pytest.approx(10 / 1.001)
+
+
+def test_device_timer_on_cpu_real_work():
+    import time
+
+    with DeviceTimer("cpu") as t:
+        time.sleep(0.05)
+        tokens = 7
+    assert t.seconds >= 0.05
+    assert tokens_per_second(tokens, t.seconds) == pytest.approx(tokens / t.seconds)
+    assert tokens_per_second(tokens, t.seconds) <= tokens / 0.05
