@@ -1,0 +1,210 @@
+"""User settings in one JSON file in the config dir: written atomically, and never fatal when damaged.
+
+A file that cannot be read as our settings is moved aside (`settings.json.corrupt-<timestamp>`) and defaults are
+used; a file written by a newer version is moved aside too (`settings.json.newer-<timestamp>`), so saving ours
+never overwrites it. Each such case leaves a notice for the app to show.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from app.store import move_aside
+from engine.errors import GaplessError, OptionsError
+from engine.types import EngineOptions, SamplingParams
+
+log = logging.getLogger(__name__)
+
+SETTINGS_VERSION = 1
+THEMES = ("system", "light", "dark")
+SEND_KEYS = ("enter", "ctrl+enter")
+
+
+class SettingsError(GaplessError):
+    """The settings file cannot be written; the message says why."""
+
+
+def _default_options() -> dict[str, Any]:
+    return EngineOptions().to_dict()
+
+
+def _default_sampling() -> dict[str, Any]:
+    return SamplingParams().to_dict()
+
+
+@dataclass
+class Settings:
+    theme: str = "system"  # system | light | dark
+    send_with: str = "enter"  # enter | ctrl+enter (the other inserts a newline)
+    last_model: Optional[str] = None  # "default" or a path, reopened at start
+    engine_options: dict[str, Any] = field(default_factory=_default_options)  # EngineOptions.to_dict()
+    sampling: dict[str, Any] = field(default_factory=_default_sampling)  # defaults for new chats
+    models_folder: Optional[str] = None  # scanned for models
+    window_geometry: Optional[str] = None  # base64 of QWidget.saveGeometry()
+    window_state: Optional[str] = None  # base64 of QMainWindow.saveState()
+    hud_visible: bool = True
+    splitter_sizes: dict[str, list[int]] = field(default_factory=dict)  # splitter name -> sizes
+
+    def options(self) -> EngineOptions:
+        return EngineOptions.from_dict(self.engine_options)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_dict(self.sampling)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": SETTINGS_VERSION, **asdict(self)}
+
+
+def _optional_str(v: Any) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _base64(v: Any) -> bool:
+    if v is None:
+        return True
+    if not isinstance(v, str):
+        return False
+    try:
+        base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
+def _sizes(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(s, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in s)
+        for k, s in v.items()
+    )
+
+
+# field -> (check, what it must be). The engine options and sampling dicts are validated by their own types.
+_CHECKS = {
+    "theme": (lambda v: v in THEMES, f"one of {', '.join(THEMES)}"),
+    "send_with": (lambda v: v in SEND_KEYS, f"one of {', '.join(SEND_KEYS)}"),
+    "last_model": (_optional_str, "a string or null"),
+    "engine_options": (lambda v: isinstance(v, dict), "an object"),
+    "sampling": (lambda v: isinstance(v, dict), "an object"),
+    "models_folder": (_optional_str, "a string or null"),
+    "window_geometry": (_base64, "base64 text or null"),
+    "window_state": (_base64, "base64 text or null"),
+    "hud_visible": (lambda v: isinstance(v, bool), "true or false"),
+    "splitter_sizes": (_sizes, "an object of lists of sizes"),
+}
+assert set(_CHECKS) == {f.name for f in fields(Settings)}
+
+
+class _Unreadable(Exception):
+    """The file is not our settings (bad JSON or a wrong type). Never leaves the module."""
+
+
+class SettingsStore:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def load(self) -> tuple[Settings, list[str]]:
+        """The saved settings (defaults where missing or invalid) and notices for the user."""
+        notices: list[str] = []
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return Settings(), notices
+        except (OSError, UnicodeDecodeError) as exc:
+            if isinstance(exc, UnicodeDecodeError):
+                return Settings(), self._aside("corrupt", f"it is not UTF-8 text ({exc.reason})", notices)
+            log.error("cannot read the settings file %s: %s", self.path, exc)
+            notices.append(f"The settings file {self.path} could not be read ({exc.strerror or exc}); "
+                           "default settings are used.")
+            return Settings(), notices
+        try:
+            data = self._parse(text)
+        except _Unreadable as exc:
+            return Settings(), self._aside("corrupt", str(exc), notices)
+        version = data.get("version", SETTINGS_VERSION)
+        if version > SETTINGS_VERSION:  # checked before the fields: a newer file may use values we do not know
+            return Settings(), self._aside(
+                "newer", f"it was written by a newer version of Gapless (settings version {version}, "
+                         f"this version reads up to {SETTINGS_VERSION})", notices)
+        try:
+            self._check_types(data)
+        except _Unreadable as exc:
+            return Settings(), self._aside("corrupt", str(exc), notices)
+        return self._settings(data, notices), notices
+
+    def _parse(self, text: str) -> dict[str, Any]:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise _Unreadable(f"it is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+        if not isinstance(data, dict):
+            raise _Unreadable(f"it holds a JSON {type(data).__name__}, not an object")
+        version = data.get("version", SETTINGS_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise _Unreadable(f"its version is {version!r}, not a positive integer")
+        return data
+
+    @staticmethod
+    def _check_types(data: dict[str, Any]) -> None:
+        for name, value in data.items():
+            if name in _CHECKS:
+                ok, expected = _CHECKS[name]
+                if not ok(value):
+                    raise _Unreadable(f"{name} is {json.dumps(value)[:60]}, not {expected}")
+
+    def _settings(self, data: dict[str, Any], notices: list[str]) -> Settings:
+        unknown = sorted(set(data) - set(_CHECKS) - {"version"})
+        if unknown:
+            log.warning("settings file %s: ignoring unknown key(s) %s", self.path, ", ".join(unknown))
+        s = Settings(**{k: v for k, v in data.items() if k in _CHECKS})
+        try:
+            s.engine_options = EngineOptions.from_dict(s.engine_options).to_dict()
+        except (OptionsError, TypeError) as exc:
+            log.warning("settings file %s: invalid engine options: %s", self.path, exc)
+            notices.append(f"The saved optimization settings in {self.path} were invalid ({exc}); defaults are used.")
+            s.engine_options = _default_options()
+        try:
+            s.sampling = SamplingParams.from_dict(s.sampling).to_dict()
+        except (OptionsError, TypeError) as exc:
+            log.warning("settings file %s: invalid sampling parameters: %s", self.path, exc)
+            notices.append(f"The saved sampling parameters in {self.path} were invalid ({exc}); defaults are used.")
+            s.sampling = _default_sampling()
+        return s
+
+    def _aside(self, tag: str, reason: str, notices: list[str]) -> list[str]:
+        try:
+            aside = move_aside(self.path, tag)
+        except OSError as exc:
+            log.error("settings file %s is unusable (%s) and cannot be moved aside: %s", self.path, reason, exc)
+            notices.append(f"The settings file {self.path} could not be used: {reason}. Default settings are used "
+                           f"(it could not be moved aside: {exc.strerror or exc}).")
+            return notices
+        log.error("settings file %s is unusable (%s); moved to %s", self.path, reason, aside)
+        notices.append(f"The settings file {self.path} could not be used: {reason}. It was kept as {aside.name} "
+                       "and default settings are used.")
+        return notices
+
+    def save(self, settings: Settings) -> None:
+        """Write atomically: a crash or a full disk leaves either the old file or the new one, never half."""
+        text = json.dumps(settings.to_dict(), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+        tmp: Optional[str] = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            tmp = None
+        except OSError as exc:
+            raise SettingsError(f"cannot save the settings to {self.path}: {exc.strerror or exc}") from exc
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)

@@ -1,0 +1,137 @@
+"""Settings: round trip, atomic save, damaged or newer files moved aside with a notice, invalid parts defaulted."""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+
+import pytest
+
+from app.settings import SETTINGS_VERSION, Settings, SettingsError, SettingsStore
+from engine.types import EngineOptions, SamplingParams
+
+
+@pytest.fixture
+def path(tmp_path):
+    return tmp_path / "config" / "settings.json"
+
+
+def asides(path, tag):
+    return sorted(p.name for p in path.parent.glob(f"settings.json.{tag}-*"))
+
+
+def test_missing_file_gives_defaults_quietly(path):
+    s, notices = SettingsStore(path).load()
+    assert s == Settings() and notices == []
+    assert s.options() == EngineOptions() and s.sampling_params() == SamplingParams()
+
+
+def test_round_trip(path):
+    s = Settings(
+        theme="dark", send_with="ctrl+enter", last_model="/models/x.gguf",
+        engine_options=EngineOptions(dtype="fp16", kv_cache="dynamic", candidates=4).to_dict(),
+        sampling=SamplingParams(temperature=0.0, top_k=40, seed=7, stop=("###",)).to_dict(),
+        models_folder="/models", window_geometry=base64.b64encode(b"\x01\xd9\xd0\xcb").decode(),
+        window_state=base64.b64encode(b"state").decode(), hud_visible=False,
+        splitter_sizes={"main": [200, 700, 400]},
+    )
+    store = SettingsStore(path)
+    store.save(s)
+    loaded, notices = store.load()
+    assert notices == [] and loaded == s
+    assert loaded.options() == EngineOptions(dtype="fp16", kv_cache="dynamic", candidates=4)
+    assert loaded.sampling_params().stop == ("###",)
+    assert json.loads(path.read_text())["version"] == SETTINGS_VERSION
+    assert [p.name for p in path.parent.iterdir()] == ["settings.json"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON list, not an object"),
+    ('{"theme": 3}', "theme is 3, not one of system, light, dark"),
+    ('{"hud_visible": "yes"}', 'hud_visible is "yes", not true or false'),
+    ('{"splitter_sizes": {"main": [1, -2]}}', "splitter_sizes"),
+    ('{"window_geometry": "@@not base64@@"}', "window_geometry"),
+    ('{"version": "1"}', "its version is '1'"),
+])
+def test_damaged_file_is_moved_aside_with_a_notice(path, content, reason):
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    s, notices = SettingsStore(path).load()
+    assert s == Settings()
+    kept = asides(path, "corrupt")
+    assert len(kept) == 1 and (path.parent / kept[0]).read_text() == content
+    assert len(notices) == 1 and str(path) in notices[0] and reason in notices[0] and kept[0] in notices[0]
+    assert not path.exists()
+
+
+def test_binary_garbage_is_moved_aside(path):
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    s, notices = SettingsStore(path).load()
+    assert s == Settings() and "not UTF-8" in notices[0] and len(asides(path, "corrupt")) == 1
+
+
+def test_newer_version_is_kept_aside(path):
+    path.parent.mkdir(parents=True)
+    future = json.dumps({"version": SETTINGS_VERSION + 1, "theme": "sepia"})
+    path.write_text(future)
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert s == Settings()
+    kept = asides(path, "newer")
+    assert len(kept) == 1 and (path.parent / kept[0]).read_text() == future
+    assert "newer version of Gapless" in notices[0] and kept[0] in notices[0]
+    store.save(s)  # saving ours does not overwrite the newer one
+    assert (path.parent / kept[0]).read_text() == future
+
+
+def test_unknown_keys_are_ignored_with_a_warning(path, caplog):
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": 1, "theme": "light", "frobnicate": True}))
+    with caplog.at_level(logging.WARNING, logger="app.settings"):
+        s, notices = SettingsStore(path).load()
+    assert s.theme == "light" and notices == []
+    assert "ignoring unknown key(s) frobnicate" in caplog.text
+
+
+def test_invalid_engine_options_fall_back_alone(path):
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({
+        "theme": "dark",
+        "engine_options": {"dtype": "fp8", "kv_cache": "static"},
+        "sampling": {"temperature": -1},
+    }))
+    s, notices = SettingsStore(path).load()
+    assert s.theme == "dark"  # the valid parts stay
+    assert s.engine_options == EngineOptions().to_dict() and s.sampling == SamplingParams().to_dict()
+    assert len(notices) == 2
+    assert "optimization settings" in notices[0] and "dtype must be one of" in notices[0]
+    assert "sampling parameters" in notices[1] and "temperature must be >= 0" in notices[1]
+    assert path.exists() and asides(path, "corrupt") == []
+
+
+def test_partial_options_are_completed(path):
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"engine_options": {"kv_cache": "none"}}))
+    s, _ = SettingsStore(path).load()
+    assert s.options() == EngineOptions(kv_cache="none")
+    assert s.engine_options == EngineOptions(kv_cache="none").to_dict()
+
+
+def test_save_is_atomic_and_reports_failure(path):
+    store = SettingsStore(path)
+    store.save(Settings(theme="dark"))
+    os.chmod(path.parent, 0o555)
+    try:
+        if os.geteuid() == 0:
+            # root ignores folder permissions; a file where the folder should be fails for everyone
+            bad = SettingsStore(path / "settings.json")
+        else:
+            bad = store
+        with pytest.raises(SettingsError, match="cannot save the settings to"):
+            bad.save(Settings(theme="light"))
+    finally:
+        os.chmod(path.parent, 0o755)
+    assert SettingsStore(path).load()[0].theme == "dark"  # the old file is whole
