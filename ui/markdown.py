@@ -1,0 +1,335 @@
+"""Message bodies: markdown prose and fenced code blocks (monospace, cheap highlighting, a copy button).
+
+A body is split into segments at code fences; prose segments render as markdown in an auto-height text view,
+code segments in their own block. While an answer streams, new text is appended as plain text and the
+markdown is rendered again only on a timer (a few times a second), never once per batch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from PySide6.QtCore import QRegularExpression, QSize, Qt, QTimer, Signal
+from PySide6.QtGui import (
+    QColor, QFont, QFontDatabase, QGuiApplication, QSyntaxHighlighter, QTextCharFormat, QTextCursor, QTextDocument,
+)
+from PySide6.QtWidgets import (
+    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QSizePolicy, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
+)
+
+from ui.theme import Colors, LIGHT
+
+MARKDOWN_FEATURES = QTextDocument.MarkdownFeature.MarkdownDialectGitHub | QTextDocument.MarkdownFeature.MarkdownNoHTML
+RENDER_INTERVAL_MS = 250  # markdown of a streaming body is rendered at most 4 times a second
+CODE_MAX_LINES = 28  # taller code blocks scroll inside themselves
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})[ \t]*([^\s`]*)")
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str  # "prose" | "code"
+    text: str
+    lang: str = ""
+    closed: bool = True  # False for a code block whose closing fence has not arrived (yet)
+
+
+def split_markdown(text: str) -> list[Segment]:
+    """Prose and fenced code segments, in order. An unclosed fence runs to the end of the text."""
+    segments: list[Segment] = []
+    prose: list[str] = []
+    code: list[str] = []
+    fence: Optional[str] = None
+    lang = ""
+    for line in text.split("\n"):
+        if fence is None:
+            m = _FENCE.match(line)
+            if m:
+                if prose:
+                    segments.append(Segment("prose", "\n".join(prose)))
+                    prose = []
+                fence, lang, code = m.group(1), m.group(2), []
+            else:
+                prose.append(line)
+        else:
+            stripped = line.strip()
+            if stripped and set(stripped) == {fence[0]} and len(stripped) >= len(fence):
+                segments.append(Segment("code", "\n".join(code), lang, True))
+                fence = None
+            else:
+                code.append(line)
+    if fence is not None:
+        segments.append(Segment("code", "\n".join(code), lang, False))
+    elif prose:
+        segments.append(Segment("prose", "\n".join(prose)))
+    return [s for s in segments if s.kind == "code" or s.text.strip()]
+
+
+# ---- code blocks --------------------------------------------------------------------------------------
+
+_KEYWORDS = (
+    "and as assert async await break case catch class const continue def del elif else enum except export extends "
+    "false False final finally fn for from func function go if impl import in interface is lambda let loop match "
+    "mod mut new nil None not null or package pass pub raise return self static struct super switch this throw "
+    "trait true True try type typeof use var void while with yield int float double char bool string"
+).split()
+_HASH_COMMENT_LANGS = {"python", "py", "sh", "bash", "shell", "zsh", "ruby", "rb", "yaml", "yml", "toml", "r",
+                       "perl", "make", "makefile", "dockerfile", "ini", "conf", "powershell", "ps1", ""}
+
+
+class CodeHighlighter(QSyntaxHighlighter):
+    """Keywords, strings, numbers and line comments: cheap, language-agnostic, good enough to read code."""
+
+    def __init__(self, document: QTextDocument, lang: str, colors: Colors):
+        super().__init__(document)
+        lang = lang.lower()
+        comment = r"#[^\n]*" if lang in _HASH_COMMENT_LANGS else r"//[^\n]*|--[^\n]*" if lang in ("sql", "lua", "haskell") else r"//[^\n]*"
+        if lang == "":
+            comment = r"#[^\n]*|//[^\n]*"
+        self._patterns = [
+            ("syn_keyword", QRegularExpression(r"\b(" + "|".join(_KEYWORDS) + r")\b")),
+            ("syn_number", QRegularExpression(r"\b(0x[0-9a-fA-F]+|\d+(\.\d+)?([eE][-+]?\d+)?)\b")),
+            ("syn_string", QRegularExpression(r"\"([^\"\\]|\\.)*\"|'([^'\\]|\\.)*'|`[^`]*`")),
+            ("syn_comment", QRegularExpression(comment)),
+        ]
+        self._formats: dict[str, QTextCharFormat] = {}
+        self.set_colors(colors)
+
+    def set_colors(self, colors: Colors) -> None:
+        for name, _ in self._patterns:
+            f = QTextCharFormat()
+            f.setForeground(QColor(getattr(colors, name)))
+            if name == "syn_comment":
+                f.setFontItalic(True)
+            self._formats[name] = f
+        self.rehighlight()
+
+    def highlightBlock(self, text: str) -> None:
+        # Later patterns win: a keyword inside a string or comment takes the string's or comment's colour.
+        for name, rx in self._patterns:
+            it = rx.globalMatch(text)
+            while it.hasNext():
+                m = it.next()
+                self.setFormat(m.capturedStart(), m.capturedLength(), self._formats[name])
+
+
+class _CodeEdit(QPlainTextEdit):
+    def wheelEvent(self, event) -> None:
+        # Without its own vertical scroll range, let the conversation scroll instead of swallowing the wheel.
+        if self.verticalScrollBar().maximum() == 0 and event.angleDelta().y() != 0:
+            event.ignore()
+            return
+        super().wheelEvent(event)
+
+
+class CodeBlock(QFrame):
+    """A fenced code block: a header with the language and a Copy button over read-only monospace text."""
+
+    kind = "code"
+    copied = Signal(str)
+
+    def __init__(self, segment: Segment, colors: Colors, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setObjectName("codeBlock")
+        self.lang = segment.lang
+        header = QWidget(self)
+        header.setObjectName("codeHeader")
+        self._lang_label = QLabel(segment.lang or "code", header)
+        self._lang_label.setObjectName("codeLang")
+        self.copy_button = QToolButton(header)
+        self.copy_button.setText("Copy")
+        self.copy_button.setObjectName("codeCopy")
+        self.copy_button.setToolTip("Copy this code to the clipboard")
+        self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.copy_button.clicked.connect(self.copy)
+        hl = QHBoxLayout(header)
+        hl.setContentsMargins(10, 2, 4, 2)
+        hl.addWidget(self._lang_label)
+        hl.addStretch(1)
+        hl.addWidget(self.copy_button)
+
+        self.edit = _CodeEdit(self)
+        self.edit.setObjectName("codeText")
+        self.edit.setReadOnly(True)
+        self.edit.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        self.edit.setFrameShape(QFrame.Shape.NoFrame)
+        self.edit.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.edit.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse | Qt.TextInteractionFlag.TextSelectableByKeyboard)
+        font = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
+        self.edit.setFont(font)
+        self.edit.setPlainText(segment.text)
+        self._highlighter = CodeHighlighter(self.edit.document(), segment.lang, colors)
+        self._reset_timer = QTimer(self, singleShot=True, interval=1500, timeout=lambda: self.copy_button.setText("Copy"))
+
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(0)
+        lay.addWidget(header)
+        lay.addWidget(self.edit)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+        self.edit.document().blockCountChanged.connect(self._fit_height)
+        self.edit.horizontalScrollBar().rangeChanged.connect(self._fit_height)
+        self._fit_height()
+
+    @property
+    def text(self) -> str:
+        return self.edit.toPlainText()
+
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.text)
+        self.copy_button.setText("Copied")
+        self._reset_timer.start()
+        self.copied.emit(self.text)
+
+    def update_segment(self, segment: Segment) -> None:
+        old = self.text
+        if segment.text == old:
+            return
+        if segment.text.startswith(old):
+            self.append_text(segment.text[len(old):])
+        else:
+            self.edit.setPlainText(segment.text)
+
+    def append_text(self, text: str) -> None:
+        cursor = QTextCursor(self.edit.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(text)
+
+    def set_colors(self, colors: Colors) -> None:
+        self._highlighter.set_colors(colors)
+
+    def _fit_height(self, *_args) -> None:
+        lines = min(max(self.edit.document().blockCount(), 1), CODE_MAX_LINES)
+        fm = self.edit.fontMetrics()
+        frame = 2 * self.edit.frameWidth() + int(self.edit.document().documentMargin() * 2)
+        hbar = self.edit.horizontalScrollBar()
+        scroll = hbar.sizeHint().height() if hbar.maximum() > 0 else 0  # room for a long line's scroll bar
+        self.edit.setFixedHeight(lines * fm.lineSpacing() + frame + scroll)
+
+
+# ---- prose --------------------------------------------------------------------------------------------
+
+
+class ProseView(QTextBrowser):
+    """Markdown prose whose height follows its content, so the conversation scrolls as one page."""
+
+    kind = "prose"
+
+    def __init__(self, text: str = "", parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setObjectName("prose")
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setOpenExternalLinks(True)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.document().setDocumentMargin(2)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
+        self.source_text = ""
+        self.set_markdown(text)
+
+    def set_markdown(self, text: str) -> None:
+        self.source_text = text
+        self.document().setMarkdown(text, MARKDOWN_FEATURES)
+
+    def update_segment(self, segment: Segment) -> None:
+        if segment.text != self.source_text:
+            self.set_markdown(segment.text)
+
+    def append_plain(self, text: str) -> None:
+        """Append without parsing markdown: the cheap path between two renders of a streaming body."""
+        self.source_text += text
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(text)
+
+    def wheelEvent(self, event) -> None:
+        event.ignore()  # never scrolls itself; the conversation does
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.document().setTextWidth(self.viewport().width())
+        self._fit_height()
+
+    def sizeHint(self) -> QSize:
+        return QSize(super().sizeHint().width(), self.height())
+
+    def _fit_height(self, *_args) -> None:
+        h = int(self.document().size().height()) + 2 * self.frameWidth()
+        if h != self.height():
+            self.setFixedHeight(max(h, 1))
+
+
+class SegmentsView(QWidget):
+    """The body of one message: prose and code segments, updated in place as the text grows."""
+
+    def __init__(self, text: str = "", colors: Colors = LIGHT, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self._colors = colors
+        self._layout = QVBoxLayout(self)
+        self._layout.setContentsMargins(0, 0, 0, 0)
+        self._layout.setSpacing(6)
+        self._widgets: list[QWidget] = []
+        self._text = ""
+        self._rendered = ""  # the text the widgets show as rendered markdown
+        self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS, timeout=self.render)
+        self.render_count = 0
+        self.set_text(text)
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def set_text(self, text: str) -> None:
+        self._text = text
+        self.render()
+
+    def append(self, delta: str) -> None:
+        """Streaming append: plain text into the last segment now, markdown at the next timer tick."""
+        if not delta:
+            return
+        in_sync = len(self._rendered) == len(self._text)  # nothing waits for the next render
+        self._text += delta
+        last = self._widgets[-1] if self._widgets else None
+        fence_risk = "`" in delta or "~" in delta
+        if last is not None and in_sync and not fence_risk:
+            if isinstance(last, ProseView):
+                last.append_plain(delta)
+            else:
+                last.append_text(delta)
+            self._rendered = self._text
+        if not self._render_timer.isActive():
+            self._render_timer.start()
+
+    def flush(self) -> None:
+        """Render now (end of a stream)."""
+        self._render_timer.stop()
+        self.render()
+
+    def render(self) -> None:
+        self.render_count += 1
+        segments = split_markdown(self._text)
+        keep = 0
+        for seg, w in zip(segments, self._widgets):
+            if w.kind != seg.kind or (seg.kind == "code" and w.lang != seg.lang):
+                break
+            w.update_segment(seg)
+            keep += 1
+        for w in self._widgets[keep:]:
+            self._layout.removeWidget(w)
+            w.deleteLater()
+        del self._widgets[keep:]
+        for seg in segments[keep:]:
+            w = CodeBlock(seg, self._colors, self) if seg.kind == "code" else ProseView(seg.text, self)
+            self._layout.addWidget(w)
+            self._widgets.append(w)
+        self._rendered = self._text
+
+    def code_blocks(self) -> list[CodeBlock]:
+        return [w for w in self._widgets if isinstance(w, CodeBlock)]
+
+    def set_colors(self, colors: Colors) -> None:
+        self._colors = colors
+        for w in self.code_blocks():
+            w.set_colors(colors)

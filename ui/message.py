@@ -1,0 +1,247 @@
+"""One message of the conversation: header with actions and branch navigation, body, and the stats line."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTabWidget, QToolButton, QVBoxLayout, QWidget,
+)
+
+from ui.markdown import SegmentsView
+from ui.stats import format_stats
+from ui.theme import Colors
+
+
+@dataclass
+class MessageItem:
+    """What the conversation view shows of one stored message."""
+
+    id: Optional[int]
+    role: str  # "user" | "assistant" | "system"
+    content: str
+    sibling_index: int = 0  # position among the messages sharing its parent (branches, candidates)
+    sibling_count: int = 1
+    metrics: Optional[dict[str, Any]] = None
+    options: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+    device: Optional[str] = None  # where the answer was generated ("cpu", "cuda"), for the gap's name
+    author: str = ""  # the model's name over an answer
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _action(text: str, tip: str, parent: QWidget) -> QToolButton:
+    b = QToolButton(parent)
+    b.setText(text)
+    b.setToolTip(tip)
+    b.setObjectName("msgAction")
+    b.setAutoRaise(True)
+    b.setCursor(Qt.CursorShape.PointingHandCursor)
+    return b
+
+
+class MessageWidget(QFrame):
+    copyRequested = Signal(object)  # message id
+    editSubmitted = Signal(object, str)  # message id, new text
+    regenerateRequested = Signal(object)
+    deleteRequested = Signal(object)
+    siblingRequested = Signal(object, int)  # message id, -1 | +1
+
+    def __init__(self, item: MessageItem, colors: Colors, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.item = item
+        self._colors = colors
+        self.setObjectName("userMessage" if item.role == "user" else "assistantMessage" if item.role == "assistant" else "systemMessage")
+        self.setFrameShape(QFrame.Shape.NoFrame)
+
+        header = QHBoxLayout()
+        header.setContentsMargins(0, 0, 0, 0)
+        header.setSpacing(2)
+        who = {"user": "You", "system": "System prompt"}.get(item.role, item.author or "Assistant")
+        self.role_label = QLabel(who, self)
+        self.role_label.setObjectName("roleLabel")
+        header.addWidget(self.role_label)
+        header.addSpacing(8)
+
+        self.prev_button = _action("‹", "Previous version", self)
+        self.branch_label = QLabel(self)
+        self.branch_label.setObjectName("branchLabel")
+        self.next_button = _action("›", "Next version", self)
+        self.prev_button.clicked.connect(lambda: self.siblingRequested.emit(self.item.id, -1))
+        self.next_button.clicked.connect(lambda: self.siblingRequested.emit(self.item.id, +1))
+        for w in (self.prev_button, self.branch_label, self.next_button):
+            header.addWidget(w)
+        header.addStretch(1)
+
+        self.copy_button = _action("Copy", "Copy the message text", self)
+        self.copy_button.clicked.connect(self.copy)
+        header.addWidget(self.copy_button)
+        self.edit_button = self.regen_button = None
+        if item.role == "user":
+            self.edit_button = _action("Edit", "Edit and send again (the current answer stays as a branch)", self)
+            self.edit_button.clicked.connect(self.start_edit)
+            header.addWidget(self.edit_button)
+        if item.role == "assistant":
+            self.regen_button = _action("Regenerate", "Answer again (this answer stays as a branch)", self)
+            self.regen_button.clicked.connect(lambda: self.regenerateRequested.emit(self.item.id))
+            header.addWidget(self.regen_button)
+        self.delete_button = _action("Delete", "Delete this message and everything after it", self)
+        self.delete_button.clicked.connect(lambda: self.deleteRequested.emit(self.item.id))
+        header.addWidget(self.delete_button)
+
+        self.body = SegmentsView(item.content, colors, self)
+        self.stats_label = QLabel(self)
+        self.stats_label.setObjectName("statsLine")
+        self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self._editor: Optional[QWidget] = None
+        self._busy = False
+
+        self._layout = QVBoxLayout(self)
+        self._layout.setContentsMargins(12, 8, 12, 8)
+        self._layout.setSpacing(4)
+        self._layout.addLayout(header)
+        self._layout.addWidget(self.body)
+        self._layout.addWidget(self.stats_label)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Show the current item's branch position and stats."""
+        item = self.item
+        many = item.sibling_count > 1
+        for w in (self.prev_button, self.branch_label, self.next_button):
+            w.setVisible(many)
+        self.branch_label.setText(f"{item.sibling_index + 1}/{item.sibling_count}")
+        if item.role == "assistant":
+            if item.metrics is None and item.finish_reason is None:
+                self.stats_label.setText("generating…" if item.extra.get("streaming") else "n/a")
+                self.stats_label.setToolTip("" if item.extra.get("streaming") else "No metrics were stored for this answer")
+            else:
+                line, tip = format_stats(item.metrics, item.options, item.device, item.finish_reason)
+                self.stats_label.setText(line)
+                self.stats_label.setToolTip(tip)
+        self.stats_label.setVisible(item.role == "assistant")
+        editable = item.id is not None and not item.extra.get("streaming") and not self._busy
+        for b in (self.edit_button, self.regen_button, self.delete_button):
+            if b is not None:
+                b.setEnabled(editable)
+        self.prev_button.setEnabled(not self._busy and item.sibling_index > 0)
+        self.next_button.setEnabled(not self._busy and item.sibling_index < item.sibling_count - 1)
+        self.copy_button.setEnabled(bool(self.body.text))
+
+    def set_busy(self, busy: bool) -> None:
+        """While an answer streams, nothing that changes the conversation is offered; copying still is."""
+        self._busy = busy
+        self.refresh()
+
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.body.text)
+        self.copyRequested.emit(self.item.id)
+
+    def start_edit(self) -> None:
+        if self._editor is not None:
+            return
+        editor = QWidget(self)
+        lay = QVBoxLayout(editor)
+        lay.setContentsMargins(0, 0, 0, 0)
+        text = QPlainTextEdit(editor)
+        text.setObjectName("editText")
+        text.setPlainText(self.body.text)
+        text.setMinimumHeight(80)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        cancel = QPushButton("Cancel", editor)
+        send = QPushButton("Send", editor)
+        send.setObjectName("primaryButton")
+        send.setDefault(True)
+        row.addWidget(cancel)
+        row.addWidget(send)
+        lay.addWidget(text)
+        lay.addLayout(row)
+        cancel.clicked.connect(self.cancel_edit)
+        send.clicked.connect(lambda: self._submit_edit(text.toPlainText()))
+        self._editor = editor
+        self.editor_text = text
+        self.body.hide()
+        self._layout.insertWidget(2, editor)
+        text.setFocus()
+
+    def cancel_edit(self) -> None:
+        if self._editor is not None:
+            self._editor.deleteLater()
+            self._editor = None
+            self.body.show()
+
+    def _submit_edit(self, text: str) -> None:
+        if not text.strip():
+            return
+        self.cancel_edit()
+        self.editSubmitted.emit(self.item.id, text)
+
+    def set_colors(self, colors: Colors) -> None:
+        self._colors = colors
+        self.body.set_colors(colors)
+
+
+class CandidateTabs(QFrame):
+    """N answers to the same prompt, one tab each, streaming side by side; "Use this answer" picks one."""
+
+    chosen = Signal(int)  # candidate index
+
+    def __init__(self, n: int, author: str, colors: Colors, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setObjectName("assistantMessage")
+        self.tabs = QTabWidget(self)
+        self.tabs.setObjectName("candidateTabs")
+        self.bodies: list[SegmentsView] = []
+        self.stats: list[QLabel] = []
+        self.use_buttons: list[QPushButton] = []
+        for i in range(n):
+            page = QWidget()
+            lay = QVBoxLayout(page)
+            lay.setContentsMargins(6, 6, 6, 6)
+            body = SegmentsView("", colors, page)
+            stats = QLabel("generating…", page)
+            stats.setObjectName("statsLine")
+            use = QPushButton("Use this answer", page)
+            use.setObjectName("primaryButton")
+            use.setEnabled(False)
+            use.clicked.connect(lambda _=False, i=i: self.chosen.emit(i))
+            row = QHBoxLayout()
+            row.addWidget(stats, 1)
+            row.addWidget(use)
+            lay.addWidget(body)
+            lay.addLayout(row)
+            self.tabs.addTab(page, f"Candidate {i + 1}")
+            self.bodies.append(body)
+            self.stats.append(stats)
+            self.use_buttons.append(use)
+        title = QLabel(f"{author or 'Assistant'} — {n} candidates", self)
+        title.setObjectName("roleLabel")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(12, 8, 12, 8)
+        lay.addWidget(title)
+        lay.addWidget(self.tabs)
+
+    def append(self, deltas: dict[int, str]) -> None:
+        for i, delta in deltas.items():
+            if 0 <= i < len(self.bodies):
+                self.bodies[i].append(delta)
+
+    def finish(self, texts: list[str], metrics: Optional[dict], options: Optional[dict], device: Optional[str],
+               finish_reasons: list[str], can_choose: bool) -> None:
+        per = (metrics or {}).get("new_tokens") or []
+        for i, body in enumerate(self.bodies):
+            if i < len(texts):
+                body.set_text(texts[i])
+            body.flush()
+            line, tip = format_stats(metrics, options, device, finish_reasons[i] if i < len(finish_reasons) else None)
+            own = f"{per[i]} tokens of {metrics.get('new_tokens_total')} in the batch · " if metrics and i < len(per) else ""
+            self.stats[i].setText(own + line)
+            self.stats[i].setToolTip(tip)
+            self.use_buttons[i].setEnabled(can_choose)
+
+    def set_colors(self, colors: Colors) -> None:
+        for b in self.bodies:
+            b.set_colors(colors)

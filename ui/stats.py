@@ -1,0 +1,91 @@
+"""The stats line under an answer: what the generation cost and which options produced it.
+
+Every figure comes from the stored GenerationMetrics; a missing one reads "n/a" and the tooltip says why
+where the engine gave a reason. Nothing here computes or estimates a figure.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from engine.types import PRESET_LABELS, PRESETS, EngineOptions, preset_options
+
+NA = "n/a"
+
+
+def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
+    if value is None:
+        return NA
+    return f"{value:.{digits}f}{unit}"
+
+
+def describe_options(options: dict[str, Any]) -> str:
+    """A compact, readable line: "fp16 · static KV · device sampling · compiled · CUDA graph · 4 candidates"."""
+    parts = [str(options.get("dtype", "?")), f"{options.get('kv_cache', '?')} KV", f"{options.get('sampling', '?')} sampling"]
+    parts.append("compiled" if options.get("compile") else "eager")
+    if options.get("cuda_graph"):
+        parts.append("CUDA graph")
+    n = options.get("candidates", 1)
+    if n and n > 1:
+        parts.append(f"{n} candidates")
+    return " · ".join(parts)
+
+
+def preset_name(options: dict[str, Any]) -> Optional[str]:
+    """The preset these options are, if any (a preset's half dtype may be fp16, bf16 or fp32)."""
+    try:
+        opts = EngineOptions.from_dict({k: v for k, v in options.items() if k in EngineOptions.__dataclass_fields__})
+    except (TypeError, ValueError):
+        return None
+    for name, p in PRESETS.items():
+        for half in ("fp16", "bf16", "fp32"):
+            n = opts.candidates if p.candidates > 1 else None
+            if preset_options(name, opts, half_dtype=half, candidates=n) == opts:
+                return name
+    return None
+
+
+def options_label(options: Optional[dict[str, Any]]) -> str:
+    if not options:
+        return NA
+    name = preset_name(options)
+    return PRESET_LABELS[name] if name else "custom"
+
+
+def gap_label(device: Optional[str]) -> str:
+    """On CUDA the profiler window gives the kernel gap; elsewhere it gives the gap between aten ops."""
+    return "kernel gap" if device == "cuda" else "op gap"
+
+
+def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, Any]], device: Optional[str],
+                 finish_reason: Optional[str] = None) -> tuple[str, str]:
+    """(line, tooltip) for one answer. `device` is where it ran ("cpu", "cuda"), deciding kernel vs op gap."""
+    m = metrics or {}
+    tokens = m.get("new_tokens_total")
+    gap = gap_label(device)
+    line = " · ".join([
+        f"{tokens if tokens is not None and metrics else NA} tokens",
+        f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}",
+        f"{fmt(m.get('decode_tok_s'))} tok/s",
+        options_label(options),
+        f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
+    ])
+    if finish_reason == "cancelled":
+        line += " · stopped"
+    unavailable = m.get("unavailable") or {}
+    tips = [
+        f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
+        f"Time to first token: {fmt(m.get('ttft_ms'), ' ms', 0)}",
+        f"Prefill: {fmt(m.get('prefill_tok_s'))} tok/s",
+        f"Decode: {fmt(m.get('decode_tok_s'))} tok/s (device-synchronised, profiled steps excluded)",
+        f"Step latency p50 / p99: {fmt(m.get('step_ms_p50'), ' ms', 2)} / {fmt(m.get('step_ms_p99'), ' ms', 2)}",
+        f"Options: {describe_options(options) if options else NA}",
+    ]
+    source = m.get("kernel_gap_source")
+    if m.get("kernel_gap_pct") is not None:
+        tips.append(f"{gap.capitalize()}: {fmt(m.get('kernel_gap_pct'), '%')} — source: {source or NA}")
+    else:
+        reason = unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap")
+        tips.append(f"{gap.capitalize()}: n/a" + (f" — {reason}" if reason else ""))
+    if finish_reason:
+        tips.append(f"Finished: {finish_reason}")
+    return line, "\n".join(tips)

@@ -1,0 +1,133 @@
+"""Light and dark themes: the system's colour scheme by default, or a fixed one chosen in the settings.
+
+The app runs the Fusion style with an explicit palette for each scheme, so the look is the same on every
+platform (and offscreen), and a style sheet from assets/app.qss whose `@name` tokens take this palette's colours.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Optional
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtGui import QColor, QGuiApplication, QPalette
+from PySide6.QtWidgets import QApplication
+
+THEME_CHOICES = ("system", "light", "dark")
+
+
+@dataclass(frozen=True)
+class Colors:
+    window: str  # main background
+    panel: str  # side panels, headers
+    base: str  # text fields, conversation background
+    text: str
+    muted: str  # secondary text: stats lines, hints
+    border: str
+    accent: str  # selection, primary buttons, links
+    accent_text: str  # text on the accent colour
+    user_bubble: str  # background of the user's messages
+    code_bg: str
+    code_header: str
+    error: str
+    # syntax colours of code blocks
+    syn_keyword: str
+    syn_string: str
+    syn_comment: str
+    syn_number: str
+
+
+LIGHT = Colors(
+    window="#f3f4f7", panel="#eceef2", base="#ffffff", text="#1c2027", muted="#626b78", border="#d5d9e0",
+    accent="#2b62d9", accent_text="#ffffff", user_bubble="#e7eefc", code_bg="#f5f6f8", code_header="#e8eaee",
+    error="#b3261e", syn_keyword="#8a2be2", syn_string="#1a7f37", syn_comment="#6e7781", syn_number="#b35900",
+)
+DARK = Colors(
+    window="#1d1f24", panel="#23262c", base="#17191d", text="#e4e6eb", muted="#9aa3b0", border="#343842",
+    accent="#5b8def", accent_text="#ffffff", user_bubble="#253149", code_bg="#111316", code_header="#262a31",
+    error="#f2857b", syn_keyword="#c792ea", syn_string="#a5d6a7", syn_comment="#7f8896", syn_number="#f7b267",
+)
+
+
+def build_palette(c: Colors) -> QPalette:
+    p = QPalette()
+    role = QPalette.ColorRole
+    for r, v in (
+        (role.Window, c.window), (role.WindowText, c.text), (role.Base, c.base), (role.AlternateBase, c.panel),
+        (role.Text, c.text), (role.Button, c.panel), (role.ButtonText, c.text), (role.ToolTipBase, c.panel),
+        (role.ToolTipText, c.text), (role.Highlight, c.accent), (role.HighlightedText, c.accent_text),
+        (role.Link, c.accent), (role.PlaceholderText, c.muted), (role.Mid, c.border), (role.Midlight, c.border),
+        (role.Light, c.base), (role.Dark, c.border), (role.Shadow, c.border), (role.BrightText, c.error),
+    ):
+        p.setColor(r, QColor(v))
+    disabled = QColor(c.muted)
+    for r in (role.WindowText, role.Text, role.ButtonText):
+        p.setColor(QPalette.ColorGroup.Disabled, r, disabled)
+    return p
+
+
+def style_sheet(c: Colors) -> str:
+    """assets/app.qss with every `@name` replaced by the colour of that name."""
+    template = resources.files("assets").joinpath("app.qss").read_text(encoding="utf-8")
+    values = asdict(c)
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in values:
+            raise KeyError(f"app.qss uses an unknown colour @{name}")
+        return values[name]
+
+    return re.sub(r"@([a-z_]+)", sub, template)
+
+
+class ThemeManager(QObject):
+    """Applies the light or dark theme to the application and follows the system while set to "system"."""
+
+    changed = Signal(object)  # Colors
+
+    def __init__(self, app: QApplication, choice: str = "system"):
+        super().__init__(app)
+        self._app = app
+        self._choice = "system"
+        self._scheme: Optional[str] = None
+        app.setStyle("Fusion")
+        QGuiApplication.styleHints().colorSchemeChanged.connect(self._system_changed)
+        self.set_choice(choice)
+
+    @property
+    def choice(self) -> str:
+        return self._choice
+
+    @property
+    def scheme(self) -> str:
+        """The scheme in use: "light" or "dark"."""
+        return self._scheme or "light"
+
+    @property
+    def colors(self) -> Colors:
+        return DARK if self.scheme == "dark" else LIGHT
+
+    def set_choice(self, choice: str) -> None:
+        if choice not in THEME_CHOICES:
+            raise ValueError(f"theme must be one of {', '.join(THEME_CHOICES)}, got {choice!r}")
+        self._choice = choice
+        self._apply()
+
+    def _system_scheme(self) -> str:
+        scheme = QGuiApplication.styleHints().colorScheme()
+        return "dark" if scheme == Qt.ColorScheme.Dark else "light"
+
+    def _system_changed(self, _scheme) -> None:
+        if self._choice == "system":
+            self._apply()
+
+    def _apply(self) -> None:
+        scheme = self._system_scheme() if self._choice == "system" else self._choice
+        if scheme == self._scheme:
+            return
+        self._scheme = scheme
+        c = self.colors
+        self._app.setPalette(build_palette(c))
+        self._app.setStyleSheet(style_sheet(c))
+        self.changed.emit(c)
