@@ -1,0 +1,134 @@
+"""The chat list: search, new chat, and the chats newest first (rename and delete from the context menu)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtWidgets import (
+    QFrame, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPushButton, QVBoxLayout,
+    QWidget,
+)
+
+SEARCH_DELAY_MS = 200  # search once typing pauses, not on every key
+
+
+@dataclass(frozen=True)
+class ChatEntry:
+    id: int
+    title: str
+    updated: float  # unix time
+
+
+def age(updated: float, now: Optional[float] = None) -> str:
+    seconds = max(0.0, (now or time.time()) - updated)
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)} h ago"
+    return time.strftime("%Y-%m-%d", time.localtime(updated))
+
+
+class ChatList(QFrame):
+    chatSelected = Signal(int)
+    newChatRequested = Signal()
+    renameRequested = Signal(int, str)
+    deleteRequested = Signal(int)
+    searchChanged = Signal(str)
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setObjectName("chatListPanel")
+        self.new_button = QPushButton("New chat", self)
+        self.new_button.setObjectName("primaryButton")
+        self.new_button.setToolTip("Start a new chat (Ctrl+N)")
+        self.new_button.clicked.connect(self.newChatRequested)
+        self.search = QLineEdit(self)
+        self.search.setObjectName("chatSearch")
+        self.search.setPlaceholderText("Search chats (Ctrl+F)")
+        self.search.setClearButtonEnabled(True)
+        self._search_timer = QTimer(self, singleShot=True, interval=SEARCH_DELAY_MS,
+                                    timeout=lambda: self.searchChanged.emit(self.search.text().strip()))
+        self.search.textChanged.connect(lambda _t: self._search_timer.start())
+        self.search.returnPressed.connect(self._search_now)
+        self.list = QListWidget(self)
+        self.list.setObjectName("chatList")
+        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.customContextMenuRequested.connect(self._menu)
+        self.list.currentItemChanged.connect(self._current_changed)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(10, 10, 10, 10)
+        lay.setSpacing(8)
+        lay.addWidget(self.new_button)
+        lay.addWidget(self.search)
+        lay.addWidget(self.list, 1)
+        self._quiet = False
+
+    def set_chats(self, chats: list[ChatEntry], current: Optional[int] = None) -> None:
+        """Show `chats` (already filtered and sorted), keeping `current` selected without re-emitting it."""
+        self._quiet = True
+        try:
+            self.list.clear()
+            now = time.time()
+            for c in chats:
+                item = QListWidgetItem(c.title or "Untitled")
+                item.setData(Qt.ItemDataRole.UserRole, c.id)
+                item.setToolTip(f"{c.title}\nlast change: {age(c.updated, now)}")
+                self.list.addItem(item)
+                if c.id == current:
+                    self.list.setCurrentItem(item)
+        finally:
+            self._quiet = False
+
+    def chat_ids(self) -> list[int]:
+        return [self.list.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.list.count())]
+
+    def current_id(self) -> Optional[int]:
+        item = self.list.currentItem()
+        return None if item is None else item.data(Qt.ItemDataRole.UserRole)
+
+    def focus_search(self) -> None:
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def _search_now(self) -> None:
+        self._search_timer.stop()
+        self.searchChanged.emit(self.search.text().strip())
+
+    def _current_changed(self, item: Optional[QListWidgetItem], _prev) -> None:
+        if item is not None and not self._quiet:
+            self.chatSelected.emit(item.data(Qt.ItemDataRole.UserRole))
+
+    def _menu(self, pos: QPoint) -> None:
+        item = self.list.itemAt(pos)
+        if item is None:
+            return
+        chat_id = item.data(Qt.ItemDataRole.UserRole)
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self.ask_rename(chat_id))
+        menu.addAction("Delete…", lambda: self.ask_delete(chat_id))
+        menu.exec(self.list.viewport().mapToGlobal(pos))
+
+    def _title(self, chat_id: int) -> str:
+        for i in range(self.list.count()):
+            if self.list.item(i).data(Qt.ItemDataRole.UserRole) == chat_id:
+                return self.list.item(i).text()
+        return ""
+
+    def ask_rename(self, chat_id: int) -> None:
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", QLineEdit.EchoMode.Normal, self._title(chat_id))
+        if ok and title.strip():
+            self.renameRequested.emit(chat_id, title.strip())
+
+    def ask_delete(self, chat_id: int) -> None:
+        answer = QMessageBox.question(
+            self, "Delete chat", f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
+            QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel, QMessageBox.StandardButton.Cancel,
+        )
+        if answer == QMessageBox.StandardButton.Delete:
+            self.deleteRequested.emit(chat_id)

@@ -1,0 +1,129 @@
+"""The message composer: a growing text field, Send / Stop, and the chat's settings button.
+
+Enter sends and Shift+Enter (or Ctrl+Enter) adds a newline, or the other way round when the send key is
+"ctrl+enter" — the choice lives in the settings. Esc stops an answer anywhere in the window (main_window).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+
+SEND_KEYS = ("enter", "ctrl+enter")
+MAX_LINES = 10
+
+
+class ComposerEdit(QPlainTextEdit):
+    submit = Signal()
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.send_with = "enter"
+        self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            mods = event.modifiers()
+            ctrl = bool(mods & Qt.KeyboardModifier.ControlModifier)
+            shift = bool(mods & Qt.KeyboardModifier.ShiftModifier)
+            send = ctrl if self.send_with == "ctrl+enter" else not (shift or ctrl)
+            if send:
+                self.submit.emit()
+                return
+            self.textCursor().insertText("\n")  # Shift/Ctrl+Enter: a newline, never a send
+            return
+        super().keyPressEvent(event)
+
+    def _fit_height(self, *_args) -> None:
+        # A plain-text document measures its height in lines, not pixels.
+        lines = max(1, min(int(self.document().size().height()), MAX_LINES))
+        h = int(lines * self.fontMetrics().lineSpacing() + 2 * self.document().documentMargin() + 2 * self.frameWidth() + 8)
+        self.setFixedHeight(max(h, 44))
+
+
+class Composer(QFrame):
+    sendRequested = Signal(str)
+    stopRequested = Signal()
+    settingsRequested = Signal()
+
+    def __init__(self, send_with: str = "enter", parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setObjectName("composer")
+        self.edit = ComposerEdit(self)
+        self.edit.setObjectName("composerText")
+        self.edit.submit.connect(self._send)
+        self.send_button = QPushButton("Send", self)
+        self.send_button.setObjectName("primaryButton")
+        self.send_button.clicked.connect(self._send)
+        self.stop_button = QPushButton("Stop", self)
+        self.stop_button.setObjectName("stopButton")
+        self.stop_button.setToolTip("Stop the answer (Esc); the text so far is kept")
+        self.stop_button.clicked.connect(self.stopRequested)
+        self.stop_button.hide()
+        self.settings_button = QPushButton("Chat settings…", self)
+        self.settings_button.setToolTip("System prompt and sampling parameters of this chat")
+        self.settings_button.clicked.connect(self.settingsRequested)
+        self.hint = QLabel(self)
+        self.hint.setObjectName("composerHint")
+
+        row = QHBoxLayout()
+        row.setSpacing(8)
+        row.addWidget(self.edit, 1)
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_button)
+        buttons.addWidget(self.stop_button)
+        buttons.addStretch(1)
+        row.addLayout(buttons)
+        foot = QHBoxLayout()
+        foot.addWidget(self.hint, 1)
+        foot.addWidget(self.settings_button)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(16, 10, 16, 10)
+        lay.setSpacing(6)
+        lay.addLayout(row)
+        lay.addLayout(foot)
+        self._generating = False
+        self._can_send = True
+        self._why_not = ""
+        self.set_send_with(send_with)
+
+    def set_send_with(self, send_with: str) -> None:
+        if send_with not in SEND_KEYS:
+            raise ValueError(f"send key must be one of {', '.join(SEND_KEYS)}, got {send_with!r}")
+        self.edit.send_with = send_with
+        newline = "Shift+Enter" if send_with == "enter" else "Enter"
+        self.edit.setPlaceholderText("Message the model…")
+        self._hint_keys = f"{'Enter' if send_with == 'enter' else 'Ctrl+Enter'} to send · {newline} for a new line · Esc stops"
+        self._update()
+
+    def set_generating(self, generating: bool) -> None:
+        self._generating = generating
+        self._update()
+
+    def set_can_send(self, can: bool, why_not: str = "") -> None:
+        """Sending needs a loaded model; `why_not` tells the user what is missing."""
+        self._can_send = can
+        self._why_not = why_not
+        self._update()
+
+    def _update(self) -> None:
+        self.send_button.setVisible(not self._generating)
+        self.stop_button.setVisible(self._generating)
+        self.send_button.setEnabled(self._can_send)
+        self.send_button.setToolTip(self._why_not or "Send the message")
+        self.hint.setText(self._why_not if (self._why_not and not self._can_send) else self._hint_keys)
+
+    def text(self) -> str:
+        return self.edit.toPlainText()
+
+    def set_text(self, text: str) -> None:
+        self.edit.setPlainText(text)
+
+    def _send(self) -> None:
+        text = self.edit.toPlainText()
+        if self._generating or not self._can_send or not text.strip():
+            return
+        self.edit.clear()
+        self.sendRequested.emit(text)

@@ -1,0 +1,178 @@
+"""The model panel: what is loaded (family, parameters, dtype, device, context, weight memory), and how to open
+another one (GGUF file, Hugging Face folder, a recent model, the default). A failed load shows why here."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QToolButton,
+    QVBoxLayout, QWidget,
+)
+
+from engine.types import ModelInfo, Progress
+
+NA = "n/a"
+
+
+def human_count(n: Optional[int]) -> str:
+    if n is None:
+        return NA
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def human_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return NA
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def source_label(source: str) -> str:
+    return "Default model" if source == "default" else Path(source).name or source
+
+
+class ModelPanel(QGroupBox):
+    openRequested = Signal(str)  # "default", a GGUF path or a folder
+
+    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend")
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__("Model", parent)
+        form = QFormLayout()
+        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
+        form.setHorizontalSpacing(12)
+        form.setVerticalSpacing(3)
+        self.values: dict[str, QLabel] = {}
+        for key, label in zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend")):
+            k = QLabel(label, self)
+            k.setObjectName("infoKey")
+            v = QLabel(NA, self)
+            v.setObjectName("infoValue")
+            v.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            v.setWordWrap(True)
+            form.addRow(k, v)
+            self.values[key] = v
+
+        self.status = QLabel("No model loaded", self)
+        self.status.setObjectName("notice")
+        self.status.setWordWrap(True)
+        self.error = QLabel(self)
+        self.error.setObjectName("errorText")
+        self.error.setWordWrap(True)
+        self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.error.hide()
+        self.progress = QProgressBar(self)
+        self.progress.setTextVisible(False)
+        self.progress.setMaximumHeight(6)
+        self.progress.hide()
+
+        self.open_file_button = QPushButton("Open GGUF…", self)
+        self.open_file_button.setToolTip("Load a .gguf model file")
+        self.open_file_button.clicked.connect(self._open_file)
+        self.open_folder_button = QPushButton("Open folder…", self)
+        self.open_folder_button.setToolTip("Load a Hugging Face model folder (config.json + *.safetensors)")
+        self.open_folder_button.clicked.connect(self._open_folder)
+        self.recent_button = QToolButton(self)
+        self.recent_button.setText("Recent")
+        self.recent_button.setToolTip("Models opened before")
+        self.recent_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self._recent_menu = QMenu(self)
+        self.recent_button.setMenu(self._recent_menu)
+        buttons = QHBoxLayout()
+        buttons.setSpacing(6)
+        buttons.addWidget(self.open_file_button)
+        buttons.addWidget(self.open_folder_button)
+        buttons.addWidget(self.recent_button)
+
+        lay = QVBoxLayout(self)
+        lay.setSpacing(6)
+        lay.addLayout(form)
+        lay.addWidget(self.status)
+        lay.addWidget(self.progress)
+        lay.addWidget(self.error)
+        lay.addLayout(buttons)
+        self.info: Optional[ModelInfo] = None
+        self.set_recent([])
+
+    def set_info(self, info: Optional[ModelInfo]) -> None:
+        self.info = info
+        if info is None:
+            for v in self.values.values():
+                v.setText(NA)
+            return
+        shown = {
+            "name": info.name, "family": f"{info.family} ({info.architecture})", "parameters": human_count(info.parameters),
+            "dtype": info.dtype, "device": info.device, "context": f"{info.context_length:,} tokens",
+            "weights": human_bytes(info.weight_bytes),
+            "backend": "fast decoder" if info.backend == "fast" else f"{info.backend} fallback",
+        }
+        for key, text in shown.items():
+            self.values[key].setText(text)
+        self.values["name"].setToolTip(info.source)
+
+    def set_loading(self, source: str) -> None:
+        self.error.hide()
+        self.status.setText(f"Loading {source_label(source)}…")
+        self.progress.setRange(0, 0)
+        self.progress.show()
+        self._set_buttons(False)
+
+    def set_progress(self, p: Progress) -> None:
+        self.status.setText(p.message or p.stage)
+        if p.fraction is None:
+            self.progress.setRange(0, 0)
+        else:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
+        self.progress.show()
+
+    def set_loaded(self, info: ModelInfo) -> None:
+        self.set_info(info)
+        self.progress.hide()
+        self.error.hide()
+        self.status.setText("Ready")
+        self._set_buttons(True)
+
+    def set_failed(self, source: str, message: str) -> None:
+        self.progress.hide()
+        self._set_buttons(True)
+        self.error.setText(f"Could not load {source_label(source)}: {message}")
+        self.error.show()
+        self.status.setText(f"Still using {self.info.name}" if self.info else "No model loaded")
+
+    def set_busy(self, busy: bool) -> None:
+        """While an answer streams, the model stays as it is."""
+        self._set_buttons(not busy)
+
+    def _set_buttons(self, enabled: bool) -> None:
+        for b in (self.open_file_button, self.open_folder_button, self.recent_button):
+            b.setEnabled(enabled)
+
+    def set_recent(self, sources: list[str]) -> None:
+        self._recent_menu.clear()
+        self._recent_menu.addAction("Default model (SmolLM2-135M-Instruct)", lambda: self.openRequested.emit("default"))
+        if sources:
+            self._recent_menu.addSeparator()
+        for s in sources:
+            if s == "default":
+                continue
+            act = self._recent_menu.addAction(source_label(s), lambda s=s: self.openRequested.emit(s))
+            act.setToolTip(s)
+        self._recent_menu.setToolTipsVisible(True)
+
+    def _open_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.openRequested.emit(path)
+
+    def _open_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open a Hugging Face model folder")
+        if path:
+            self.openRequested.emit(path)
