@@ -1,0 +1,25 @@
+"""Measuring code: interval statistics, the profiler window (kernel/op gap), the NVML/process monitor and a
+description of the machine. No Qt; every figure carries its source or is None with a reason."""
+from engine.telemetry.stats import (
+    DeviceTimer,
+    StepStats,
+    busy_time,
+    gap_fraction,
+    merge_intervals,
+    percentile,
+    tokens_per_second,
+)
+from engine.telemetry.window import ProfileWindow, WindowStats, warm_up_profiler
+
+__all__ = [
+    "DeviceTimer",
+    "ProfileWindow",
+    "StepStats",
+    "WindowStats",
+    "busy_time",
+    "gap_fraction",
+    "merge_intervals",
+    "percentile",
+    "tokens_per_second",
+    "warm_up_profiler",
+]

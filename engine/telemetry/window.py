@@ -1,0 +1,303 @@
+"""Kernel gap (CUDA) or op gap (CPU) from a short torch.profiler window of decode steps.
+
+The decode loop calls `step_begin(step)` / `step_end(step)` around every step; the window traces steps
+`start .. start+steps-1` only, so the profiler's cost falls on a few steps that the engine leaves out of
+tokens/s. `finish()` turns the trace into a `WindowStats`.
+
+Which span the gap is measured over: the host wall time of the window, read with `perf_counter` after a
+device synchronisation at both ends (the profiler is started after the first sync and stopped after the
+second). Device work queued before the window has drained when the clock starts, and all work of the window
+has finished when it stops, so the span is exactly the time the device had to do the window's work. Taking
+first kernel start -> last kernel end instead would hide the idle time before the first launch and after the
+last one, which is where a host-bound decode loop (a `.item()` sync per token, Python between launches)
+spends it. Should the trace's own extent exceed the host span (the trace clock and perf_counter are separate
+clocks), the extent is used so busy time can never exceed the span.
+
+The analysis reads the chrome-trace JSON that `prof.export_chrome_trace` writes: the same code handles CPU
+and CUDA traces, and the CUDA branch is tested on hand-written traces in kineto's format
+(`"ph": "X", "cat": "kernel", "ts", "dur", "args": {"grid": [x, y, z], "block": [...], "device": N}`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from engine.telemetry.stats import device_sync_fn, gap_fraction, merge_intervals
+
+log = logging.getLogger(__name__)
+
+# Device-side activity in kineto's chrome trace (libkineto ActivityType names).
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    steps: int  # decode steps traced
+    span_us: float  # the span the gap is measured over (see the module docstring)
+    busy_us: float  # union of device intervals (CUDA) or aten op intervals (CPU)
+    gap_pct: Optional[float]  # 100 * (1 - busy / span); None when the trace held no events
+    gap_source: str
+    events: int  # kernels/memcpys/memsets (CUDA) or top-level aten ops (CPU)
+    sm_activity_est_pct: Optional[float]  # CUDA only: sum(dur * min(1, blocks / SMs)) / span
+    sm_activity_source: Optional[str]  # the estimate's label, or why there is none
+    bytes_per_step: Optional[float]  # CUDA: bytes of memcpy/memset per step (kernels' own reads are not traced)
+
+
+def profiler_busy() -> bool:
+    """True when a torch profiler is already recording in this process. A second one would start silently and
+    its stop would end the first one's session, so the window refuses to start instead."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def warm_up_profiler(device: torch.device) -> None:
+    """Pay the profiler's one-time initialisation (about 1-2 s on the first start in a process) now, e.g.
+    while a model loads, instead of inside the first generation's window."""
+    if profiler_busy():
+        return
+    with torch.profiler.profile(activities=_activities(torch.device(device))):
+        pass
+
+
+def _activities(device: torch.device) -> list:
+    # CUDA activity only on a GPU: recording every CPU op as well would add host overhead between launches
+    # and so inflate the very gap being measured.
+    if device.type == "cuda":
+        return [torch.profiler.ProfilerActivity.CUDA]
+    return [torch.profiler.ProfilerActivity.CPU]
+
+
+class ProfileWindow:
+    def __init__(self, device: torch.device, start: int = 8, steps: int = 8, enabled: bool = True,
+                 sm_count: Optional[int] = None):
+        if start < 0 or steps < 1:
+            raise ValueError(f"profile window needs start >= 0 and steps >= 1, got start={start}, steps={steps}")
+        self.device = torch.device(device)
+        self.start = start
+        self.steps = steps
+        self.enabled = enabled
+        self.sm_count = sm_count
+        self._last = start + steps - 1
+        self._prof: Optional[torch.profiler.profile] = None
+        self._running = False
+        self._t0 = 0.0
+        self._t_end: Optional[float] = None
+        self._last_step_t: Optional[float] = None
+        self._last_step = -1
+        self._tid: Optional[int] = None
+        self._sync = device_sync_fn(self.device) if enabled else None
+
+    def in_window(self, step: int) -> bool:
+        return self.enabled and self.start <= step <= self._last
+
+    def step_begin(self, step: int) -> None:
+        if not self.enabled or step != self.start or self._prof is not None:
+            return
+        if profiler_busy():
+            log.warning("profile window skipped: another torch profiler is running in this process")
+            return
+        prof = torch.profiler.profile(activities=_activities(self.device))
+        self._sync()
+        try:
+            prof.__enter__()
+        except RuntimeError as exc:  # e.g. kineto or CUPTI refusing to start
+            log.warning("profile window skipped: the profiler could not start: %s", exc)
+            return
+        self._prof = prof
+        self._running = True
+        self._tid = threading.get_native_id()
+        self._t0 = time.perf_counter()
+
+    def step_end(self, step: int) -> None:
+        if not self._running or not self.in_window(step):
+            return
+        self._last_step = step
+        if step == self._last:
+            self._stop(synced_end=True)
+        else:
+            self._last_step_t = time.perf_counter()
+
+    def _stop(self, synced_end: bool) -> None:
+        if synced_end:
+            self._sync()
+            self._t_end = time.perf_counter()
+        else:
+            # Generation ended inside the window: the span ends at the last completed step, not at whatever
+            # the caller did after it; the trace extent guards against device work still running then.
+            self._t_end = self._last_step_t if self._last_step_t is not None else time.perf_counter()
+        self._running = False
+        assert self._prof is not None
+        self._prof.__exit__(None, None, None)
+
+    def finish(self) -> Optional[WindowStats]:
+        """Stop the profiler if it is still running and analyse the window; None if it never started."""
+        if self._prof is None:
+            return None
+        if self._running:
+            self._stop(synced_end=False)
+        assert self._t_end is not None
+        steps = self._last_step - self.start + 1 if self._last_step >= self.start else 0
+        trace = _export_trace(self._prof)
+        self._prof = None
+        if trace is None:
+            return None
+        return analyse_trace(
+            trace,
+            device=self.device,
+            span_us=(self._t_end - self._t0) * 1e6,
+            steps=steps,
+            sm_count=self.sm_count if self.sm_count is not None else _sm_count(self.device),
+            tid=self._tid,
+        )
+
+
+def _export_trace(prof: torch.profiler.profile) -> Optional[dict]:
+    fd, path = tempfile.mkstemp(prefix="gapless-window-", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.warning("profile window: the trace could not be exported or read: %s", exc)
+        return None
+    finally:
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            log.debug("profile window: temporary trace %s not removed: %s", path, exc)
+
+
+def _sm_count(device: torch.device) -> Optional[int]:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return None
+
+
+def _device_index(device: torch.device) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def analyse_trace(trace: dict[str, Any], device: torch.device, span_us: Optional[float], steps: int,
+                  sm_count: Optional[int] = None, tid: Optional[int] = None) -> WindowStats:
+    """Gap, event count and (CUDA) SM estimate and copy bytes of a chrome trace of `steps` decode steps.
+
+    CUDA: device events (kernels, memcpy, memset) of this device. CPU: `aten::` ops of thread `tid`; ops nest
+    (aten::linear contains aten::addmm), and merging all their intervals counts each moment once.
+    """
+    device = torch.device(device)
+    events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
+    if device.type == "cuda":
+        return _analyse_cuda(trace, events, _device_index(device), span_us, steps, sm_count)
+    return _analyse_cpu(events, span_us, steps, tid)
+
+
+def _interval(e: dict) -> tuple[float, float]:
+    ts = float(e["ts"])
+    return ts, ts + max(0.0, float(e.get("dur", 0.0)))
+
+
+def _span(intervals: list[tuple[float, float]], span_us: Optional[float]) -> tuple[float, bool]:
+    """The span to divide by, and whether the host span had to give way to the trace extent."""
+    merged = merge_intervals(intervals)
+    extent = merged[-1][1] - merged[0][0] if merged else 0.0
+    if span_us is None or span_us < extent:
+        return extent, True
+    return span_us, False
+
+
+def _gap(intervals: list[tuple[float, float]], span: float) -> tuple[float, Optional[float]]:
+    """Busy time and gap in percent; `span` is at least the events' extent (see `_span`)."""
+    merged = merge_intervals(intervals)
+    busy = sum(e - s for s, e in merged)
+    if not merged or span <= 0:
+        return busy, None
+    frac = gap_fraction(merged, (merged[0][0], merged[0][0] + span))
+    return busy, None if frac is None else 100.0 * frac
+
+
+def _analyse_cuda(trace: dict, events: list[dict], index: Optional[int], span_us: Optional[float], steps: int,
+                  sm_count: Optional[int]) -> WindowStats:
+    dev_events = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "ts" in e]
+    if index is not None:  # several GPUs in the trace: keep ours (events without a device field are kept)
+        dev_events = [e for e in dev_events if (e.get("args") or {}).get("device", index) == index]
+    intervals = [_interval(e) for e in dev_events]
+    span, fell_back = _span(intervals, span_us)
+    busy, gap = _gap(intervals, span)
+    label = f"kernel gap — torch.profiler, {steps}-step window (sampled)"
+    if fell_back:
+        label += ", span = first to last device event"
+
+    if sm_count is None:
+        sm_count = _trace_sm_count(trace, index)
+    kernels = [e for e in dev_events if e.get("cat") == "kernel"]
+    sm_est: Optional[float] = None
+    if not kernels:
+        sm_src = "SM activity estimate: no kernels in the profiler window"
+    elif sm_count is None or sm_count <= 0:
+        sm_src = "SM activity estimate: SM count unknown"
+    elif any(not _dims_ok((e.get("args") or {}).get("grid")) for e in kernels):
+        sm_src = "SM activity estimate: kernel grid sizes missing from the trace"
+    elif span <= 0:
+        sm_src = "SM activity estimate: empty profiler window"
+    else:
+        weighted = 0.0
+        for e in kernels:
+            gx, gy, gz = (e.get("args") or {})["grid"]
+            blocks = int(gx) * int(gy) * int(gz)
+            s, t = _interval(e)
+            weighted += (t - s) * min(1.0, blocks / sm_count)
+        sm_est = min(100.0, 100.0 * weighted / span)
+        sm_src = f"SM activity — estimate from the profiler window (kernel time × min(1, blocks/{sm_count} SMs))"
+
+    copies = [e for e in dev_events if e.get("cat") in COPY_CATEGORIES]
+    copy_bytes = [(e.get("args") or {}).get("bytes") for e in copies]
+    bytes_per_step: Optional[float] = None
+    if copies and steps > 0 and all(isinstance(b, (int, float)) for b in copy_bytes):
+        bytes_per_step = float(sum(copy_bytes)) / steps
+    return WindowStats(steps, span, busy, gap, label, len(dev_events), sm_est, sm_src, bytes_per_step)
+
+
+def _dims_ok(dims: Any) -> bool:
+    return isinstance(dims, (list, tuple)) and len(dims) == 3 and all(isinstance(d, int) and d > 0 for d in dims)
+
+
+def _trace_sm_count(trace: dict, index: Optional[int]) -> Optional[int]:
+    for props in trace.get("deviceProperties") or []:
+        if isinstance(props, dict) and (index is None or props.get("id") == index):
+            n = props.get("numSms")
+            if isinstance(n, int) and n > 0:
+                return n
+    return None
+
+
+def _analyse_cpu(events: list[dict], span_us: Optional[float], steps: int, tid: Optional[int]) -> WindowStats:
+    ops = [e for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("aten::")
+           and "ts" in e and (tid is None or e.get("tid") == tid)]
+    intervals = sorted(_interval(e) for e in ops)
+    span, fell_back = _span(intervals, span_us)
+    busy, gap = _gap(intervals, span)
+    label = f"op gap — torch.profiler CPU ops, {steps}-step window (sampled)"
+    if fell_back:
+        label += ", span = first to last op"
+    # Top-level ops: those not inside an earlier op's interval (sorted by start, longest first on ties).
+    top, reach = 0, float("-inf")
+    for s, e in sorted(intervals, key=lambda iv: (iv[0], -iv[1])):
+        if s >= reach:
+            top += 1
+            reach = e
+        else:
+            reach = max(reach, e)
+    return WindowStats(steps, span, busy, gap, label, top, None, None, None)
