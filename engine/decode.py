@@ -1,0 +1,250 @@
+"""Decode runners: one per kv_cache mode. Each owns the device state of a generation and advances it a step.
+
+State every runner keeps on the device: `out` [B, L] (generated tokens), `done` [B] (row hit EOS), the token
+fed next, and the sampler state. The host knows only how many steps it issued; it learns tokens by reading
+`out` (every step with host sampling, a few steps behind with device sampling).
+"""
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from engine.model import DynamicKVCache, StaticKVCache, Transformer
+from engine.sampling import SamplerKind, SamplerState, mark_seen, sample
+
+log = logging.getLogger(__name__)
+
+BUCKET_MIN = 256
+
+
+def bucket_for(n: int, limit: int) -> int:
+    """The smallest power-of-two context bucket (>= 256) holding n positions, capped at limit."""
+    b = BUCKET_MIN
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+class RunnerBase(abc.ABC):
+    """Token bookkeeping shared by every mode."""
+
+    def __init__(self, batch: int, length: int, vocab: int, eos_ids: list[int], device: torch.device):
+        self.batch, self.length, self.device = batch, length, device
+        self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # [B, L]
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1] next input
+        self.counter = torch.zeros(1, dtype=torch.long, device=device)  # tokens written to `out`
+        self.eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
+        self.sampler = SamplerState(batch, vocab, device)
+        self.kind: Optional[SamplerKind] = None
+        self.prompt_len = 0
+
+    def _accept(self, nxt: torch.Tensor, kind: SamplerKind) -> None:
+        """nxt: [B]. Rows already done keep emitting their EOS as padding; everything stays on the device."""
+        nxt = torch.where(self.done, self.eos[0], nxt)
+        if kind.repetition:
+            mark_seen(self.sampler, nxt)
+        self.done |= torch.isin(nxt, self.eos)
+        self.out.index_copy_(1, self.counter, nxt[:, None])
+        self.tok.copy_(nxt[:, None])
+        self.counter += 1
+
+    def _start(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
+        self.kind = kind
+        self.prompt_len = int(prompt.numel())
+        self.done.zero_()
+        self.counter.zero_()
+        if kind.repetition:
+            self.sampler.reset_seen(prompt)
+
+    @abc.abstractmethod
+    def prefill(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
+        """prompt: [T] on the device. Runs the prompt and writes the first token of every row."""
+
+    @abc.abstractmethod
+    def step(self, step_index: int) -> None:
+        """Decode step `step_index` (1-based): feeds token step_index-1, writes token step_index."""
+
+    @abc.abstractmethod
+    def bytes_per_step(self, pos: int) -> int:
+        """Bytes one step at position `pos` must read from memory at least (weights + attended KV)."""
+
+
+class StaticRunner(RunnerBase):
+    """Preallocated KV cache, index writes, static shapes: the step is a function of buffers only, so it can be
+    compiled and captured in a CUDA graph (one per context bucket and sampler kind)."""
+
+    def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device, dtype: torch.dtype):
+        super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
+        self.model = model
+        self.cache = StaticKVCache(model.args, batch, length, dtype, device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # position of self.tok
+        self.arange = torch.arange(length, device=device)
+        self.compiled: Optional[Callable] = None
+        self.graphs: dict[tuple[int, SamplerKind], "torch.cuda.CUDAGraph"] = {}
+        self.graph_pool = None
+
+    # -- the step, as a function of buffers ------------------------------------------------------------
+    def _step_impl(self, bucket: int, kind: SamplerKind) -> None:
+        mask = self.arange[:bucket][None, :] <= self.pos[:, None]  # [1, bucket]
+        logits = self.model(self.tok, self.pos, self.cache, mask)[:, -1]
+        self._accept(sample(logits, kind, self.sampler), kind)
+        self.pos += 1
+
+    def set_compiled(self, fn: Optional[Callable]) -> None:
+        self.compiled = fn
+        self.graphs.clear()
+
+    def _call(self, bucket: int, kind: SamplerKind) -> None:
+        self.cache.attn_len = bucket
+        (self.compiled or self._step_impl)(bucket, kind)
+
+    # -- public ----------------------------------------------------------------------------------------
+    def prefill(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
+        """prompt: [T] on the device. Fills row 0's cache, shares it with every row, samples the first tokens."""
+        self._start(prompt, kind)
+        T = prompt.numel()
+        bucket = bucket_for(T, self.length)
+        self.cache.attn_len = bucket
+        pos = self.arange[:T]
+        mask = self.arange[:bucket][None, :] <= pos[:, None]  # [T, bucket]
+        saved_cache = self.cache
+        if self.batch > 1:  # prefill once at batch 1 into row 0, then copy the rows
+            row0 = _RowView(self.cache)
+            logits = self.model(prompt[None, :], pos, row0, mask)[:, -1]
+            self.cache.copy_row0_to_all(T)
+            logits = logits.expand(self.batch, -1)
+        else:
+            logits = self.model(prompt[None, :], pos, saved_cache, mask)[:, -1]
+        self._accept(sample(logits, kind, self.sampler), kind)
+        self.pos.fill_(T)
+
+    def step(self, step_index: int) -> None:
+        pos = self.prompt_len + step_index - 1  # position of the token being fed
+        kind = self.kind
+        bucket = bucket_for(pos + 1, self.length)
+        graph = self.graphs.get((bucket, kind))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._call(bucket, kind)
+
+    def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
+        first = bucket_for(prompt_len + 1, self.length)
+        last = bucket_for(min(prompt_len + max_new, self.length), self.length)
+        out, b = [], first
+        while True:
+            out.append(b)
+            if b >= last:
+                return out
+            b = min(b * 2, self.length)
+
+    def warm_up(self, buckets: list[int], kind: SamplerKind, use_graphs: bool, progress: Callable[[str, float], None]) -> None:
+        """Compile (first calls) and capture every bucket a generation may cross, before its prefill.
+
+        The writes this makes land in cache rows the prefill and later steps overwrite before reading, and the
+        token state is reset by the prefill, so a warm-up never changes a generation's result.
+        """
+        todo = [b for b in buckets if (b, kind) not in self.graphs] if use_graphs else list(buckets)
+        for i, bucket in enumerate(todo):
+            self.pos.fill_(0)
+            self.counter.zero_()
+            if use_graphs:
+                progress(f"capturing the decode step (context {bucket})", i / max(len(todo), 1))
+                self._capture(bucket, kind)
+            elif self.compiled is not None:
+                progress(f"compiling the decode step (context {bucket})", i / max(len(todo), 1))
+                self._call(bucket, kind)
+        self.pos.zero_()
+        self.counter.zero_()
+        self.done.zero_()
+
+    def _capture(self, bucket: int, kind: SamplerKind) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # allocator and lazy initialisation happen outside the graph
+                self._call(bucket, kind)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self._call(bucket, kind)
+        torch.cuda.synchronize()
+        self.graphs[(bucket, kind)] = graph
+
+    def bytes_per_step(self, pos: int) -> int:
+        per_pos = self.cache.nbytes() // max(self.cache.length, 1)
+        return self.model.weight_bytes() + per_pos * bucket_for(pos + 1, self.length)
+
+
+class _RowView:
+    """Row 0 of a static cache, for the batch-1 prefill of a multi-candidate batch."""
+
+    def __init__(self, cache: StaticKVCache):
+        self.cache = cache
+
+    def update(self, layer, input_pos, k, v):
+        kc, vc = self.cache.k[layer][:1], self.cache.v[layer][:1]
+        kc.index_copy_(2, input_pos, k)
+        vc.index_copy_(2, input_pos, v)
+        n = self.cache.attn_len
+        return kc[:, :, :n], vc[:, :, :n]
+
+
+class DynamicRunner(RunnerBase):
+    """KV cache grown with torch.cat every step; positions built from host ints (the naive loop)."""
+
+    def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device):
+        super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
+        self.model = model
+        self.cache: Optional[DynamicKVCache] = None
+
+    def prefill(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
+        self._start(prompt, kind)
+        T = prompt.numel()
+        self.cache = DynamicKVCache(self.model.args.n_layers)
+        logits = self.model(prompt[None, :], torch.arange(T, device=self.device), self.cache, None)[:, -1]
+        if self.batch > 1:
+            self.cache.expand_rows(self.batch)
+            logits = logits.expand(self.batch, -1)
+        self._accept(sample(logits, kind, self.sampler), kind)
+
+    def step(self, step_index: int) -> None:
+        pos = self.prompt_len + step_index - 1
+        input_pos = torch.tensor([pos], device=self.device)
+        logits = self.model(self.tok, input_pos, self.cache, None)[:, -1]
+        self._accept(sample(logits, self.kind, self.sampler), self.kind)
+
+    def bytes_per_step(self, pos: int) -> int:
+        kv = sum(t.numel() * t.element_size() for t in (self.cache.k + self.cache.v) if t is not None) if self.cache else 0
+        return self.model.weight_bytes() + kv
+
+
+class NoCacheRunner(RunnerBase):
+    """No KV cache: the whole prefix is run again for every token."""
+
+    def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device):
+        super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
+        self.model = model
+        self.ids: Optional[torch.Tensor] = None
+
+    def prefill(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
+        self._start(prompt, kind)
+        T = prompt.numel()
+        self.ids = prompt[None, :].expand(self.batch, -1)
+        logits = self.model(prompt[None, :], torch.arange(T, device=self.device), None, None)[:, -1]
+        self._accept(sample(logits.expand(self.batch, -1), kind, self.sampler), kind)
+
+    def step(self, step_index: int) -> None:
+        self.ids = torch.cat([self.ids, self.tok], dim=1)
+        n = self.ids.shape[1]
+        logits = self.model(self.ids, torch.arange(n, device=self.device), None, None)[:, -1]
+        self._accept(sample(logits, self.kind, self.sampler), self.kind)
+
+    def bytes_per_step(self, pos: int) -> int:
+        return self.model.weight_bytes()

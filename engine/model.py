@@ -1,0 +1,333 @@
+"""The fast-path decoder: one Transformer module for the Llama, Mistral, Qwen2 and Qwen3 families.
+
+Built from a Hugging Face config and loaded from an HF-named state dict. Attention reads and writes a KV cache
+object handed in by the caller (static, dynamic or none), so the same module serves every kv_cache mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Rope types whose frequencies do not depend on the sequence length: one table serves every position.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    family: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    max_seq_len: int  # the usable context
+    tie_embeddings: bool
+    qkv_bias: bool  # Qwen2, or attention_bias
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rope
+    hidden_act: str
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelArgs":
+        family = cfg.model_type
+        if family not in FAST_FAMILIES:
+            raise ValueError(f"{family} is not on the fast path")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"activation {act!r} is not on the fast path")
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        context = int(cfg.max_position_embeddings)
+        window = getattr(cfg, "sliding_window", None)
+        if window and (family == "mistral" or getattr(cfg, "use_sliding_window", False)):
+            context = min(context, int(window))  # within the window, full attention is exact
+        if family == "qwen3" and getattr(cfg, "layer_types", None):
+            if any(t != "full_attention" for t in cfg.layer_types):
+                raise ValueError("sliding-window layers are not on the fast path")
+        rope_type = rope_parameters(cfg).get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not on the fast path")
+        return cls(
+            family=family,
+            vocab_size=cfg.vocab_size,
+            dim=cfg.hidden_size,
+            n_layers=cfg.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            norm_eps=cfg.rms_norm_eps,
+            max_seq_len=context,
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=attention_bias or family == "qwen2",
+            o_bias=attention_bias and family != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            hidden_act=act,
+        )
+
+
+def rope_parameters(cfg) -> dict:
+    """Rope settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    out = dict(getattr(cfg, "rope_scaling", None) or {})
+    out.setdefault("rope_type", out.get("type", "default"))
+    out["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
+    return out
+
+
+def rope_tables(cfg, head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_seq_len, head_dim] in fp32, computed as transformers does (so logits match)."""
+    params = rope_parameters(cfg)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+class KVCache(Protocol):
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] at input_pos [T]; return the keys/values to attend over."""
+        ...
+
+
+class StaticKVCache(nn.Module):
+    """Preallocated once: [B, Hkv, L, D] per layer, written with index_copy_, read over the first attn_len rows."""
+
+    def __init__(self, args: ModelArgs, batch: int, length: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        shape = (batch, args.n_kv_heads, length, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.batch, self.length = batch, length
+        self.attn_len = length  # set by the caller before each forward: the context bucket in use
+
+    def update(self, layer, input_pos, k, v):
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(2, input_pos, k)
+        vc.index_copy_(2, input_pos, v)
+        return kc[:, :, : self.attn_len], vc[:, :, : self.attn_len]
+
+    def copy_row0_to_all(self, length: int) -> None:
+        """Candidates: the prompt was prefilled into row 0; share it with every row (a device copy)."""
+        for kc, vc in zip(self.k, self.v):
+            kc[1:, :, :length].copy_(kc[:1, :, :length].expand(self.batch - 1, -1, -1, -1))
+            vc[1:, :, :length].copy_(vc[:1, :, :length].expand(self.batch - 1, -1, -1, -1))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class DynamicKVCache:
+    """Grows with torch.cat every step: the allocation pattern of a naive loop."""
+
+    def __init__(self, n_layers: int):
+        self.k: list[Optional[torch.Tensor]] = [None] * n_layers
+        self.v: list[Optional[torch.Tensor]] = [None] * n_layers
+
+    def update(self, layer, input_pos, k, v):
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = k, v
+        else:
+            self.k[layer] = torch.cat([self.k[layer], k], dim=2)
+            self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+        return self.k[layer], self.v[layer]
+
+    def expand_rows(self, batch: int) -> None:
+        self.k = [t.expand(batch, -1, -1, -1).contiguous() for t in self.k]
+        self.v = [t.expand(batch, -1, -1, -1).contiguous() for t in self.v]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos, sin: [T, D]
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_size = args.n_heads * args.head_dim
+        self.kv_size = args.n_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.wo = nn.Linear(self.q_size, args.dim, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x, cos, sin, input_pos, cache: Optional[KVCache], mask: Optional[torch.Tensor]):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(self.layer, input_pos, k, v)
+        gqa = self.n_heads != self.n_kv_heads
+        if mask is None:  # no cache, or a dynamic cache: causal over the keys, queries are the last T
+            causal = T > 1
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, T, self.q_size)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.inter = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, input_pos, cache, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, cache, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, cos: torch.Tensor, sin: torch.Tensor):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", cos, persistent=False)  # [L, D] fp32, cast at use
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        idx: torch.Tensor,  # [B, T]
+        input_pos: torch.Tensor,  # [T] absolute positions
+        cache: Optional[KVCache] = None,
+        mask: Optional[torch.Tensor] = None,  # [T, S] bool, True = attend; None = causal over the keys
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        cos = self.rope_cos[input_pos].to(x.dtype)
+        sin = self.rope_sin[input_pos].to(x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, input_pos, cache, mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.output(self.norm(x)).float()  # [B, T or 1, V]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each."""
+    sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+    out = {"tok_embeddings.weight": sd["embed_tokens.weight"], "norm.weight": sd["norm.weight"]}
+    if not args.tie_embeddings:
+        key = "lm_head.weight" if "lm_head.weight" in sd else None
+        if key is None:
+            raise ModelLoadError("the checkpoint has no lm_head.weight and its config does not tie embeddings")
+        out["output.weight"] = sd[key]
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[p + "attention.wqkv.weight"] = torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
+        if args.qkv_bias:
+            out[p + "attention.wqkv.bias"] = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
+        out[p + "attention.wo.weight"] = sd[a + "o_proj.weight"]
+        if args.o_bias:
+            out[p + "attention.wo.bias"] = sd[a + "o_proj.bias"]
+        if args.qk_norm:
+            out[p + "attention.q_norm.weight"] = sd[a + "q_norm.weight"]
+            out[p + "attention.k_norm.weight"] = sd[a + "k_norm.weight"]
+        out[p + "feed_forward.w13.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+        if args.mlp_bias:
+            out[p + "feed_forward.w13.bias"] = torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]])
+        out[p + "feed_forward.w2.weight"] = sd[m + "down_proj.weight"]
+        if args.mlp_bias:
+            out[p + "feed_forward.w2.bias"] = sd[m + "down_proj.bias"]
+        out[p + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[p + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def build_transformer(cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
+    """Our decoder from an HF config and HF-named weights, in `dtype` on `device`."""
+    args = ModelArgs.from_hf_config(cfg)
+    cos, sin = rope_tables(cfg, args.head_dim, args.max_seq_len)
+    with torch.device("meta"):
+        model = Transformer(args, cos, sin)
+    try:
+        weights = _hf_to_fast(state_dict, args)
+    except KeyError as exc:
+        raise ModelLoadError(f"the checkpoint lacks the weight {exc.args[0]!r} that a {args.family} model needs") from None
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    model.load_state_dict(weights, strict=False, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.rope_cos = cos.to(device)
+    model.rope_sin = sin.to(device)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelLoadError(f"weights missing for {', '.join(missing[:4])}")
+    return model.eval().requires_grad_(False)
