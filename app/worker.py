@@ -1,0 +1,484 @@
+"""The bridge between the GUI thread and the engine: one worker in a QThread, fed by a command queue.
+
+GUI thread                              worker thread
+EngineController.generate() --queue-->  EngineWorker.run() -> engine.generate(on_event=...)
+            <--queued signals, ~30 Hz-- text, step records and monitor samples, batched
+
+The GUI thread never waits on the engine: commands are put on a `queue.Queue`, stop is a `threading.Event` the
+engine checks between steps (set directly, never queued), and results come back as signals, which Qt delivers
+queued to receivers in the GUI thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from engine.errors import GaplessError
+from engine.types import EngineOptions, MonitorSample, Progress, SamplingParams, StepRecord, TextDelta
+
+log = logging.getLogger(__name__)
+
+BATCH_INTERVAL_S = 1 / 30  # text, step records and samples reach the GUI at most this often
+PROGRESS_INTERVAL_S = 1 / 30
+
+EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], Any]
+LadderRunner = Callable[..., list]
+
+
+def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]):
+    # Imported on first use: torch and transformers take seconds to import, the window should not wait for them.
+    from engine.engine import Engine
+
+    return Engine.load(source, options, progress)
+
+
+def _run_ladder(*args: Any, **kwargs: Any) -> list:
+    from engine.bench import run_ladder
+
+    return run_ladder(*args, **kwargs)
+
+
+def _emit_drops_a_reference() -> bool:
+    """PySide6 6.12 on CPython 3.11 returns the bool of SignalInstance.emit() without a new reference, so every
+    emit from Python takes one reference from True; after a few hundred the interpreter aborts ("bool_dealloc").
+    Probed, not keyed on version numbers: a fixed release, or CPython 3.12 (immortal bools), turns this off."""
+    if sys.version_info >= (3, 12):
+        return False
+
+    class Probe(QObject):
+        fired = Signal()
+
+    probe, n = Probe(), 16
+    before = sys.getrefcount(True)
+    for _ in range(n):
+        probe.fired.emit()
+    drops = before - sys.getrefcount(True) >= n
+    for _ in range(n if drops else 0):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(True))
+    return drops
+
+
+_EMIT_DROPS_A_REFERENCE = _emit_drops_a_reference()
+
+
+def emit(signal: Any, *args: Any) -> None:
+    """signal.emit(*args), giving back the reference the broken binding takes (see _emit_drops_a_reference)."""
+    result = signal.emit(*args)
+    if _EMIT_DROPS_A_REFERENCE:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(result))
+
+
+def one_line(exc: BaseException) -> str:
+    """The message the user sees: a GaplessError says it itself; anything else is an internal error."""
+    if isinstance(exc, GaplessError):
+        return " ".join(str(exc).split()) or type(exc).__name__
+    return f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+# ---- commands ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Load:
+    source: str
+    options: Optional[EngineOptions]  # None: keep the current options
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    options: EngineOptions
+
+
+@dataclass(frozen=True)
+class Generate:
+    request_id: int
+    messages: list
+    sampling: SamplingParams
+    raw: bool
+    cancel: threading.Event = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Ladder:
+    messages: list
+    sampling: SamplingParams
+    presets: Optional[list]
+    cancel: threading.Event = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- the worker -------------------------------------------------------------------------------------------
+
+
+class _Batcher:
+    """Collects the events of one generation and hands them out at most every `interval_s`."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._lock = threading.Lock()  # the engine may report monitor samples from its own thread
+        self._text: dict[int, str] = {}
+        self._steps: list[StepRecord] = []
+        self._samples: list[MonitorSample] = []
+        self._last = 0.0
+
+    def add(self, event: Any) -> bool:
+        """Keep the event; True when it is time to flush."""
+        with self._lock:
+            if isinstance(event, TextDelta):
+                self._text[event.candidate] = self._text.get(event.candidate, "") + event.text
+            elif isinstance(event, StepRecord):
+                self._steps.append(event)
+            elif isinstance(event, MonitorSample):
+                self._samples.append(event)
+            return time.monotonic() - self._last >= self.interval_s
+
+    def take(self) -> tuple[dict[int, str], list[StepRecord], list[MonitorSample]]:
+        with self._lock:
+            out = (self._text, self._steps, self._samples)
+            self._text, self._steps, self._samples = {}, [], []
+            self._last = time.monotonic()
+            return out
+
+
+class EngineWorker(QObject):
+    """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
+
+    loadStarted = Signal(str)
+    progress = Signal(object)  # Progress
+    loaded = Signal(object, object)  # ModelInfo, {option: reason unavailable}
+    loadFailed = Signal(str, str)  # source, message
+    reconfigured = Signal(object, object)  # EngineOptions, {option: reason unavailable}
+    reconfigureFailed = Signal(str)  # message; the previous options stay in force
+    generationStarted = Signal(int, object)  # request id, EngineOptions used
+    textBatch = Signal(int, object)  # request id, {candidate: text since the last batch}
+    steps = Signal(int, object)  # request id, [StepRecord]
+    samples = Signal(object)  # [MonitorSample]
+    generationFinished = Signal(int, object)  # request id, GenerationResult
+    generationFailed = Signal(int, str)  # request id, message
+    ladderProgress = Signal(int, int, str)  # done, total, label
+    ladderFinished = Signal(object)  # rows
+    ladderFailed = Signal(str)
+    busyChanged = Signal(bool)
+    loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
+
+    def __init__(
+        self,
+        engine_factory: EngineFactory = _load_engine,
+        ladder_runner: LadderRunner = _run_ladder,
+        batch_interval_s: float = BATCH_INTERVAL_S,
+    ):
+        super().__init__()
+        self.commands: "queue.Queue[Any]" = queue.Queue()
+        self.engine: Any = None  # touched only on the worker thread
+        self._engine_factory = engine_factory
+        self._ladder_runner = ladder_runner
+        self._batch_interval_s = batch_interval_s
+        self._pending_options: Optional[EngineOptions] = None  # options chosen before any model was loaded
+        self._request_id = 0
+        self._batcher = _Batcher(batch_interval_s)
+        self._last_progress = (0.0, "")
+        self._busy = False
+
+    @Slot()
+    def run(self) -> None:
+        """The command loop; returns after Shutdown (the engine is closed on the way out)."""
+        while True:
+            command = self.commands.get()
+            if isinstance(command, Shutdown):
+                break
+            if not self._busy:
+                self._busy = True
+                emit(self.busyChanged, True)
+            self._dispatch(command)
+            if self.commands.empty():
+                self._busy = False
+                emit(self.busyChanged, False)
+        self._close_engine(self.engine)
+        self.engine = None
+        if self._busy:
+            emit(self.busyChanged, False)
+        self.thread().quit()
+
+    def _dispatch(self, command: Any) -> None:
+        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder}
+        try:
+            handler[type(command)](command)
+        except Exception:  # a bug in a handler must not end the command loop; it is logged whole
+            log.exception("engine worker: %s failed", type(command).__name__)
+
+    # ---- commands ----
+
+    def _load(self, cmd: Load) -> None:
+        emit(self.loadStarted, cmd.source)
+        if cmd.options is not None:
+            options = cmd.options
+        elif self.engine is not None:
+            options = self.engine.options
+        else:
+            options = self._pending_options or EngineOptions()
+        try:
+            engine = self._engine_factory(cmd.source, options, self._on_progress)
+            unavailable = dict(engine.unavailable())
+        except Exception as exc:
+            self._log_unless_expected(exc, f"loading {cmd.source}")
+            emit(self.loadFailed, cmd.source, one_line(exc))  # the previous engine stays loaded and usable
+            return
+        previous, self.engine = self.engine, engine
+        self._pending_options = None
+        self._close_engine(previous)
+        emit(self.loadedOptions, engine.options)
+        emit(self.loaded, engine.info, unavailable)
+
+    def _reconfigure(self, cmd: Reconfigure) -> None:
+        if self.engine is None:
+            try:
+                self._pending_options = cmd.options.validate()
+            except Exception as exc:
+                self._log_unless_expected(exc, "choosing options")
+                emit(self.reconfigureFailed, one_line(exc))
+                return
+            emit(self.reconfigured, self._pending_options, {})
+            return
+        try:
+            self.engine.reconfigure(cmd.options, self._on_progress)
+            unavailable = dict(self.engine.unavailable())
+        except Exception as exc:
+            self._log_unless_expected(exc, "reconfiguring")
+            emit(self.reconfigureFailed, one_line(exc))
+            return
+        emit(self.reconfigured, self.engine.options, unavailable)
+
+    def _generate(self, cmd: Generate) -> None:
+        if self.engine is None:
+            emit(self.generationFailed, cmd.request_id, "no model is loaded")
+            return
+        self._request_id = cmd.request_id
+        self._batcher.take()  # start clean
+        emit(self.generationStarted, cmd.request_id, self.engine.options)
+        try:
+            result = self.engine.generate(cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw)
+        except Exception as exc:
+            self._flush()
+            self._log_unless_expected(exc, "generating")
+            emit(self.generationFailed, cmd.request_id, one_line(exc))
+            return
+        self._flush()
+        emit(self.generationFinished, cmd.request_id, result)
+
+    def _ladder(self, cmd: Ladder) -> None:
+        if self.engine is None:
+            emit(self.ladderFailed, "no model is loaded")
+            return
+
+        def on_progress(done: int, total: int, label: str) -> None:
+            emit(self.ladderProgress, done, total, label)
+
+        try:
+            rows = self._ladder_runner(self.engine, cmd.messages, cmd.sampling, cmd.presets, on_progress, cmd.cancel)
+        except Exception as exc:
+            self._log_unless_expected(exc, "running the ladder")
+            emit(self.ladderFailed, one_line(exc))
+            return
+        emit(self.ladderFinished, rows)
+
+    # ---- engine callbacks (worker thread) ----
+
+    def _on_event(self, event: Any) -> None:
+        if isinstance(event, Progress):
+            self._on_progress(event)
+        elif self._batcher.add(event):
+            self._flush()
+
+    def _flush(self) -> None:
+        text, steps, samples = self._batcher.take()
+        if text:
+            emit(self.textBatch, self._request_id, text)
+        if steps:
+            emit(self.steps, self._request_id, steps)
+        if samples:
+            emit(self.samples, samples)
+
+    def _on_progress(self, p: Progress) -> None:
+        # Downloads report many small steps: pass stage changes and the ends, and the rest at ~30 Hz.
+        now = time.monotonic()
+        last_t, last_stage = self._last_progress
+        if p.stage != last_stage or p.fraction in (None, 0.0, 1.0) or now - last_t >= PROGRESS_INTERVAL_S:
+            self._last_progress = (now, p.stage)
+            emit(self.progress, p)
+
+    # ---- helpers ----
+
+    @staticmethod
+    def _log_unless_expected(exc: BaseException, what: str) -> None:
+        if isinstance(exc, GaplessError):
+            log.warning("%s: %s", what, exc)
+        else:
+            log.error("%s: unexpected error", what, exc_info=exc)
+
+    @staticmethod
+    def _close_engine(engine: Any) -> None:
+        if engine is None:
+            return
+        try:
+            engine.close()
+        except Exception:  # closing frees memory; a failure there is logged and must not stop the worker
+            log.exception("closing the engine failed")
+
+
+# ---- the GUI-thread facade --------------------------------------------------------------------------------
+
+
+class EngineController(QObject):
+    """What the GUI talks to. Every method returns at once; results arrive as this object's signals, in the
+    GUI thread. `info`, `options`, `unavailable` and `busy` mirror the worker's last reports."""
+
+    loadStarted = Signal(str)
+    progress = Signal(object)
+    loaded = Signal(object, object)
+    loadFailed = Signal(str, str)
+    reconfigured = Signal(object, object)
+    reconfigureFailed = Signal(str)
+    generationStarted = Signal(int, object)
+    textBatch = Signal(int, object)
+    steps = Signal(int, object)
+    samples = Signal(object)
+    generationFinished = Signal(int, object)
+    generationFailed = Signal(int, str)
+    ladderProgress = Signal(int, int, str)
+    ladderFinished = Signal(object)
+    ladderFailed = Signal(str)
+    busyChanged = Signal(bool)
+
+    _FORWARDED = ("loadStarted", "progress", "loadFailed", "reconfigureFailed", "generationStarted", "textBatch",
+                  "steps", "samples", "ladderProgress", "ladderFinished", "ladderFailed")
+
+    def __init__(self, worker: Optional[EngineWorker] = None, parent: Optional[QObject] = None):
+        super().__init__(parent)
+        self.worker = worker or EngineWorker()
+        self.info: Any = None  # ModelInfo of the loaded model, None before the first load
+        self.options: EngineOptions = EngineOptions()
+        self.unavailable: dict[str, str] = {}
+        self.busy = False
+        self._ids = itertools.count(1)
+        self._generation_cancels: dict[int, threading.Event] = {}
+        self._ladder_cancels: list[threading.Event] = []
+        self._shut_down = False
+
+        # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
+        self.worker.loadedOptions.connect(self._on_loaded_options)
+        self.worker.loaded.connect(self._on_loaded)
+        self.worker.reconfigured.connect(self._on_reconfigured)
+        self.worker.generationFinished.connect(self._on_generation_finished)
+        self.worker.generationFailed.connect(self._on_generation_failed)
+        self.worker.ladderFinished.connect(self._on_ladder_done)
+        self.worker.ladderFailed.connect(self._on_ladder_done)
+        self.worker.busyChanged.connect(self._on_busy)
+        for name in self._FORWARDED:
+            getattr(self.worker, name).connect(getattr(self, name))
+
+        self._thread = QThread()
+        self._thread.setObjectName("engine-worker")
+        self.worker.moveToThread(self._thread)
+        self._thread.started.connect(self.worker.run)
+        self._thread.start()
+
+    # ---- commands (return at once) ----
+
+    def load(self, source: str, options: Optional[EngineOptions] = None) -> None:
+        """Load a model; a running generation or ladder is stopped first and finishes with what it had."""
+        self.cancel()
+        self.cancel_ladder()
+        self._put(Load(source, options))
+
+    def reconfigure(self, options: EngineOptions) -> None:
+        """Use `options` from the next generation on; a running generation is not touched."""
+        self._put(Reconfigure(options))
+
+    def generate(self, messages: list, sampling: SamplingParams, raw: bool = False) -> int:
+        request_id = next(self._ids)
+        cancel = threading.Event()
+        self._generation_cancels[request_id] = cancel
+        self._put(Generate(request_id, list(messages), sampling, raw, cancel))
+        return request_id
+
+    def cancel(self) -> None:
+        """Stop the running generation (and any queued one): each finishes with its partial text."""
+        for event in self._generation_cancels.values():
+            event.set()
+
+    def run_ladder(self, messages: list, sampling: SamplingParams, presets: Optional[list] = None) -> None:
+        cancel = threading.Event()
+        self._ladder_cancels.append(cancel)
+        self._put(Ladder(list(messages), sampling, list(presets) if presets is not None else None, cancel))
+
+    def cancel_ladder(self) -> None:
+        for event in self._ladder_cancels:
+            event.set()
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop everything and wait (at exit only) up to `timeout` s for the worker to close the engine."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.cancel()
+            self.cancel_ladder()
+            self.worker.commands.put(Shutdown())
+        finished = self._thread.wait(int(timeout * 1000))
+        if not finished:
+            log.warning("the engine worker did not stop within %.1f s", timeout)
+        return finished
+
+    def _put(self, command: Any) -> None:
+        if self._shut_down:
+            raise RuntimeError("the engine controller was shut down")
+        self.worker.commands.put(command)
+
+    # ---- mirrors (GUI thread) ----
+
+    @Slot(object)
+    def _on_loaded_options(self, options: EngineOptions) -> None:
+        self.options = options
+
+    @Slot(object, object)
+    def _on_loaded(self, info: Any, unavailable: Any) -> None:
+        self.info = info
+        self.unavailable = dict(unavailable)
+        emit(self.loaded, info, unavailable)
+
+    @Slot(object, object)
+    def _on_reconfigured(self, options: EngineOptions, unavailable: Any) -> None:
+        self.options = options
+        self.unavailable = dict(unavailable)
+        emit(self.reconfigured, options, unavailable)
+
+    @Slot(int, object)
+    def _on_generation_finished(self, request_id: int, result: Any) -> None:
+        self._generation_cancels.pop(request_id, None)
+        emit(self.generationFinished, request_id, result)
+
+    @Slot(int, str)
+    def _on_generation_failed(self, request_id: int, message: str) -> None:
+        self._generation_cancels.pop(request_id, None)
+        emit(self.generationFailed, request_id, message)
+
+    @Slot()
+    def _on_ladder_done(self, *_: Any) -> None:
+        if self._ladder_cancels:
+            self._ladder_cancels.pop(0)
+
+    @Slot(bool)
+    def _on_busy(self, busy: bool) -> None:
+        self.busy = busy
+        emit(self.busyChanged, busy)
