@@ -1,0 +1,317 @@
+"""The monitor with no NVML (this machine), and with a fake NVML module that has or lacks GPM and fails mid-run."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pynvml
+import pytest
+import torch
+
+from engine.telemetry.machine import describe_machine
+from engine.telemetry.monitor import GPU_METRICS, Monitor, estimate_dram_bw_util
+
+CUDA = torch.device("cuda", 0)
+
+
+class FakeNVMLError(Exception):
+    def __init__(self, value: int):
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return {3: "Not Supported", 6: "Not Found", 12: "NVML Shared Library Not Found", 15: "GPU is lost"}.get(
+            self.value, f"error {self.value}")
+
+
+class FakeNVML:
+    """The subset of pynvml the monitor uses. `fail` maps a function name to the call number (1-based)
+    from which it raises `fail_code`; `gpm_metric_errors` gives per-metric return codes."""
+
+    NVMLError = FakeNVMLError
+    NVML_SUCCESS = 0
+    NVML_ERROR_NOT_FOUND = 6
+    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
+    NVML_CLOCK_MEM = pynvml.NVML_CLOCK_MEM
+    NVML_GPU_UTILIZATION_SAMPLES = pynvml.NVML_GPU_UTILIZATION_SAMPLES
+    NVML_GPM_METRIC_SM_UTIL = pynvml.NVML_GPM_METRIC_SM_UTIL
+    NVML_GPM_METRIC_SM_OCCUPANCY = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
+    NVML_GPM_METRIC_DRAM_BW_UTIL = pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL
+    NVML_GPM_METRICS_GET_VERSION = pynvml.NVML_GPM_METRICS_GET_VERSION
+    c_nvmlGpmMetricsGet_t = pynvml.c_nvmlGpmMetricsGet_t
+
+    def __init__(self, gpm=True, init_error=None, fail=None, fail_code=15, gpm_metric_errors=None, util_scale=1):
+        self.gpm = gpm
+        self.util_scale = util_scale
+        self.init_error = init_error
+        self.fail = dict(fail or {})
+        self.fail_code = fail_code
+        self.gpm_metric_errors = dict(gpm_metric_errors or {})
+        self.calls: dict[str, int] = {}
+        self.util_ts = 1_000_000  # µs, NVML's sample clock
+        self.util_value = 40
+        self.freed = 0
+        self.shutdowns = 0
+        self.gpm_values = {pynvml.NVML_GPM_METRIC_SM_UTIL: 12.5, pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 6.25,
+                           pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 30.0}
+
+    def _call(self, name):
+        n = self.calls[name] = self.calls.get(name, 0) + 1
+        if name in self.fail and n >= self.fail[name]:
+            raise FakeNVMLError(self.fail_code)
+
+    def nvmlInit(self):
+        self._call("nvmlInit")
+        if self.init_error is not None:
+            raise FakeNVMLError(self.init_error)
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlSystemGetDriverVersion(self):
+        return "570.124.06"
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self._call("nvmlDeviceGetHandleByIndex")
+        return ("gpu", i)
+
+    def nvmlGpmQueryDeviceSupport(self, h):
+        self._call("nvmlGpmQueryDeviceSupport")
+        return SimpleNamespace(isSupportedDevice=int(self.gpm))
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        assert kind == self.NVML_CLOCK_MEM
+        return 2619
+
+    def nvmlDeviceGetMemoryBusWidth(self, h):
+        return 5120
+
+    def nvmlDeviceGetSamples(self, h, kind, last_ts):
+        self._call("nvmlDeviceGetSamples")
+        assert kind == self.NVML_GPU_UTILIZATION_SAMPLES
+        self.util_ts += 50_000
+        self.util_value = (self.util_value + 10) % 100
+        value = self.util_value * self.util_scale
+        samples = [SimpleNamespace(timeStamp=self.util_ts, sampleValue=pynvml.c_nvmlValue_t(uiVal=value))]
+        samples = [s for s in samples if s.timeStamp > last_ts]
+        if not samples:
+            raise FakeNVMLError(self.NVML_ERROR_NOT_FOUND)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        self._call("nvmlDeviceGetUtilizationRates")
+        return SimpleNamespace(gpu=77, memory=20)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        self._call("nvmlDeviceGetMemoryInfo")
+        return SimpleNamespace(used=3 << 30, total=141 << 30, free=138 << 30)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        self._call("nvmlDeviceGetPowerUsage")
+        return 123_456  # mW
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        self._call("nvmlDeviceGetClockInfo")
+        assert kind == self.NVML_CLOCK_SM
+        return 1980
+
+    def nvmlGpmSampleAlloc(self):
+        return pynvml.c_nvmlGpmSample_t()
+
+    def nvmlGpmSampleFree(self, s):
+        self.freed += 1
+
+    def nvmlGpmSampleGet(self, h, s):
+        self._call("nvmlGpmSampleGet")
+        return s
+
+    def nvmlGpmMetricsGet(self, req):
+        self._call("nvmlGpmMetricsGet")
+        assert req.version == self.NVML_GPM_METRICS_GET_VERSION
+        for i in range(req.numMetrics):
+            mid = req.metrics[i].metricId
+            req.metrics[i].nvmlReturn = self.gpm_metric_errors.get(mid, 0)
+            req.metrics[i].value = self.gpm_values[mid]
+        return req
+
+
+class StepClock:
+    """A clock the test advances, so GPM's 100 ms spacing is deterministic."""
+
+    def __init__(self):
+        self.t = 10.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def primed(nvml, clock=None) -> Monitor:
+    m = Monitor(CUDA, nvml=nvml, clock=clock or StepClock())
+    m._prime()  # what the thread does first
+    return m
+
+
+def test_no_nvml_on_this_machine_real_pynvml():
+    m = Monitor(CUDA, interval_s=0.01)
+    for metric in GPU_METRICS:
+        assert m.unavailable[metric].startswith("NVML not available: ")
+    assert "NVML Shared Library Not Found" in m.unavailable["gpu_util_pct"]
+    assert m.peak_dram_bw_bytes_s is None
+    m.start()
+    time.sleep(0.08)
+    m.stop()
+    samples = m.drain()
+    assert samples, "the process figures are sampled without NVML"
+    assert all(s.gpu_util_pct is None and s.sm_activity_pct is None and s.power_w is None for s in samples)
+    assert all(s.cpu_util_pct is not None and s.cpu_util_pct >= 0 for s in samples)
+    assert all(s.process_rss_bytes and s.process_rss_bytes > 10 << 20 for s in samples)
+    assert samples[0].sources["cpu_util_pct"].startswith("CPU util — ")
+    summ = m.summary(samples[0].t, samples[-1].t)
+    assert summ["gpu_util_pct"] == (None, m.unavailable["gpu_util_pct"])
+    assert set(summ) == {"gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"}
+
+
+def test_cpu_device_never_touches_nvml():
+    nvml = FakeNVML()
+    m = Monitor(torch.device("cpu"), nvml=nvml)
+    assert nvml.calls == {}
+    assert m.unavailable["gpu_util_pct"] == "the engine runs on the CPU, not on a GPU"
+    s = m.sample_once()
+    assert s.gpu_util_pct is None and s.process_rss_bytes is not None
+
+
+def test_fake_nvml_library_missing():
+    m = Monitor(CUDA, nvml=FakeNVML(init_error=12))
+    assert m.unavailable["sm_activity_pct"] == "NVML not available: NVML Shared Library Not Found"
+    assert m.sample_once().gpu_util_pct is None
+
+
+def test_gpm_supported_gives_every_gpu_figure_with_sources():
+    clock = StepClock()
+    nvml = FakeNVML(gpm=True)
+    m = primed(nvml, clock)
+    assert m.unavailable == {}
+    assert m.peak_dram_bw_bytes_s == pytest.approx(2619e6 * 5120 / 8 * 2)  # H100 SXM: ~3.35 TB/s
+    clock.t += 0.05
+    early = m.sample_once()  # GPM needs two samples >= 100 ms apart: not yet
+    assert early.sm_activity_pct is None and "sm_activity_pct" not in m.unavailable
+    clock.t += 0.06
+    s = m.sample_once()
+    assert s.gpu_util_pct == 70.0  # 40, +10 when primed, +10 for `early`, +10 now
+    assert s.sources["gpu_util_pct"] == "GPU util — NVML samples"
+    assert (s.sm_activity_pct, s.sm_occupancy_pct, s.dram_bw_util_pct) == (12.5, 6.25, 30.0)
+    assert s.sources["sm_activity_pct"] == "SM activity — NVML GPM"
+    assert s.sources["dram_bw_util_pct"] == "DRAM bandwidth — NVML GPM"
+    assert s.gpu_memory_used_bytes == 3 << 30 and s.power_w == pytest.approx(123.456) and s.sm_clock_mhz == 1980
+    m.close()
+    assert nvml.freed == 2 and nvml.shutdowns == 1
+
+
+def test_gpm_not_supported():
+    m = primed(FakeNVML(gpm=False))
+    for metric in ("sm_activity_pct", "sm_occupancy_pct", "dram_bw_util_pct"):
+        assert m.unavailable[metric] == "GPM not supported on this GPU"
+    m._clock.t += 1
+    s = m.sample_once()
+    assert s.sm_activity_pct is None and s.dram_bw_util_pct is None
+    assert s.gpu_util_pct is not None and s.power_w is not None
+    assert "gpu_util_pct" not in m.unavailable
+
+
+def test_failures_mid_run_mark_only_that_metric_and_sampling_goes_on():
+    clock = StepClock()
+    nvml = FakeNVML(fail={"nvmlDeviceGetPowerUsage": 3, "nvmlDeviceGetSamples": 3, "nvmlGpmMetricsGet": 2})
+    m = primed(nvml, clock)  # samples call 1
+    readings = []
+    for _ in range(4):
+        clock.t += 0.2
+        readings.append(m.sample_once())
+    first, second, third, fourth = readings
+    assert first.power_w is not None and second.power_w is not None and third.power_w is None
+    assert m.unavailable["power_w"] == "nvmlDeviceGetPowerUsage failed: GPU is lost"
+    # utilization samples fail from call 3: the monitor falls back to utilization rates, and says so
+    assert first.sources["gpu_util_pct"] == "GPU util — NVML samples"
+    assert second.gpu_util_pct == 77.0 and second.sources["gpu_util_pct"] == "GPU util — NVML utilization rates"
+    assert fourth.gpu_util_pct == 77.0 and "gpu_util_pct" not in m.unavailable
+    # GPM worked once, then failed: all three GPM figures n/a with the reason, the rest still sampled
+    assert first.sm_activity_pct == 12.5 and second.sm_activity_pct is None
+    assert m.unavailable["sm_activity_pct"] == "GPM sampling failed: GPU is lost"
+    assert m.unavailable["dram_bw_util_pct"] == "GPM sampling failed: GPU is lost"
+    assert fourth.gpu_memory_used_bytes == 3 << 30 and fourth.sm_clock_mhz == 1980
+    assert nvml.calls["nvmlDeviceGetPowerUsage"] == 3  # not called again once marked
+
+
+def test_gpm_per_metric_error_marks_only_that_metric():
+    clock = StepClock()
+    m = primed(FakeNVML(gpm_metric_errors={pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 3}), clock)
+    clock.t += 0.2
+    s = m.sample_once()
+    assert s.sm_activity_pct == 12.5 and s.dram_bw_util_pct is None
+    assert m.unavailable["dram_bw_util_pct"] == "GPM metric failed: Not Supported"
+    clock.t += 0.2
+    assert m.sample_once().sm_occupancy_pct == 6.25
+
+
+def test_thread_drain_and_summary_with_fake_nvml():
+    m = Monitor(CUDA, interval_s=0.01, nvml=FakeNVML(gpm=False))
+    t0 = time.perf_counter()
+    m.start()
+    m.start()  # idempotent
+    time.sleep(0.15)
+    first = m.drain()
+    time.sleep(0.05)
+    m.stop()
+    m.stop()
+    second = m.drain()
+    t1 = time.perf_counter()
+    assert first and second and m.drain() == []
+    assert first[-1].t < second[0].t
+    everything = first + second
+    assert len(everything) == len(m.history())
+    values = [s.gpu_util_pct for s in everything]
+    mean, source = m.summary(t0, t1)["gpu_util_pct"]
+    assert mean == pytest.approx(sum(values) / len(values))
+    assert source == "GPU util — NVML samples"
+    assert m.summary(t0, t1)["sm_activity_pct"] == (None, "GPM not supported on this GPU")
+    part = [s for s in everything if s.t <= first[-1].t]
+    assert m.summary(t0, first[-1].t)["gpu_util_pct"][0] == pytest.approx(sum(s.gpu_util_pct for s in part) / len(part))
+    assert m.summary(t1 + 1, t1 + 2)["gpu_util_pct"][0] is None
+    m.start()  # can run again after a stop
+    time.sleep(0.03)
+    m.close()
+    assert m.drain()
+
+
+def test_utilization_samples_out_of_range_are_not_shown_as_percent():
+    clock = StepClock()
+    m = primed(FakeNVML(util_scale=100), clock)  # a driver reporting another unit
+    clock.t += 0.2
+    s = m.sample_once()
+    assert s.gpu_util_pct == 77.0 and s.sources["gpu_util_pct"] == "GPU util — NVML utilization rates"
+
+
+def test_estimate_dram_bw_util():
+    pct, src = estimate_dram_bw_util(270e6, 0.001, 3.35e12)
+    assert pct == pytest.approx(100 * 270e9 / 3.35e12)
+    assert "estimate" in src
+    assert estimate_dram_bw_util(270e6, 0.001, None)[0] is None
+    assert estimate_dram_bw_util(None, 0.001, 3e12)[0] is None
+    assert estimate_dram_bw_util(1e6, 0.0, 3e12)[0] is None
+
+
+def test_describe_machine_here_and_with_a_driver():
+    here = describe_machine()
+    assert here["cpu_cores_logical"] >= 1 and here["memory_bytes"] > 1 << 30
+    assert here["libraries"]["torch"] == torch.__version__
+    assert here["torch_threads"] == torch.get_num_threads()
+    assert here["python"].count(".") == 2
+    if not torch.cuda.is_available():
+        assert here["gpus"] == [] and here["gpu_name"] is None
+    if here["driver_version"] is None:
+        assert here["driver_version_reason"]
+    nvml = FakeNVML()
+    with_driver = describe_machine(nvml=nvml)
+    assert with_driver["driver_version"] == "570.124.06" and with_driver["driver_version_reason"] is None
+    assert nvml.shutdowns == 1
+    assert describe_machine(nvml=FakeNVML(init_error=12))["driver_version_reason"] == (
+        "NVML not available: NVML Shared Library Not Found")
