@@ -1,0 +1,391 @@
+"""Checkpoints from disk: config, HF-named CPU state dict and tokenizer, from a GGUF file, a Hugging Face folder
+(config.json + *.safetensors) or the default model.
+
+Safety comes first and is decided from names and magic bytes before any file is parsed: pickle checkpoints are
+refused (nothing here calls torch.load), and a folder that needs its own Python code is refused rather than run.
+Every other failure becomes a ModelLoadError with one line that names the file and the problem.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from engine.errors import ModelLoadError, UnsafeModelError
+from engine.gguf_header import GGUF_MAGIC, check_gguf
+from engine.types import Progress
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
+# torch.save writes a zip archive holding a pickle; older files are a bare pickle (protocol 2+ starts with 0x80)
+_PICKLE_HEADS = (b"PK\x03\x04", b"\x80")
+_INDEX_FILE = "model.safetensors.index.json"
+_NAMES_SHOWN = 5  # in an error listing missing or mismatched tensors
+
+ProgressFn = Callable[[Progress], None]
+
+
+@dataclass
+class Checkpoint:
+    config: "PretrainedConfig"  # a transformers config (native class, never remote code)
+    state_dict: dict[str, torch.Tensor]  # HF parameter names -> CPU tensors (fp32 from GGUF; stored dtype from safetensors)
+    tokenizer: "PreTrainedTokenizerBase"
+    name: str  # display name: file stem or folder name
+    source: str  # resolved absolute path
+    source_kind: str  # "gguf" | "hf-folder" | "default"
+    eos_token_ids: list[int] = field(default_factory=list)  # config, generation_config.json and tokenizer, merged
+
+
+def load_checkpoint(source: str, progress: Optional[ProgressFn] = None) -> Checkpoint:
+    """Load `source`: "default", a .gguf file, or a Hugging Face folder (a .safetensors or config.json inside it
+    stands for its folder). Raises UnsafeModelError for pickle or remote code, ModelLoadError otherwise."""
+    report = progress or _ignore
+    if source == "default":
+        from engine.default_model import ensure_default_model
+
+        path = ensure_default_model(progress)
+        return _load_gguf(Path(path).resolve(), report, kind="default")
+
+    path = Path(source).expanduser()
+    refuse_pickle_path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {path}")
+    path = path.resolve()
+    if path.is_dir():
+        return _load_hf_folder(path, report)
+    suffix = path.suffix.lower()
+    if suffix == ".gguf":
+        return _load_gguf(path, report, kind="gguf")
+    if suffix == ".safetensors" or path.name == "config.json":
+        return _load_hf_folder(path.parent, report)
+    head = _read_head(path)
+    if head.startswith(GGUF_MAGIC):
+        return _load_gguf(path, report, kind="gguf")
+    if head.startswith(_PICKLE_HEADS):
+        raise UnsafeModelError(f"{path.name}: looks like a PyTorch pickle checkpoint; {_PICKLE_REASON}")
+    raise ModelLoadError(f"{path.name}: not a model Gapless can load ({_EXPECTED})")
+
+
+_PICKLE_REASON = "Gapless loads only safetensors or GGUF, because opening a pickle can run code"
+_EXPECTED = "expected a .gguf file, or a folder with config.json and *.safetensors"
+
+
+def refuse_pickle_path(path: Path) -> None:
+    """Refuse a pickle checkpoint by its name alone, before the file is opened."""
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise UnsafeModelError(f"{path.name}: pickle checkpoint refused; {_PICKLE_REASON}")
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------------
+
+
+def _load_gguf(path: Path, report: ProgressFn, kind: str) -> Checkpoint:
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    label = path.name
+    report(Progress("load", 0.0, f"checking {label}"))
+    header = check_gguf(path, gguf_architectures())
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
+        raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
+    _check_causal_lm(config.model_type, label, architecture=header.architecture)
+    report(Progress("load", 1 / 3, "reading the tokenizer"))
+    tokenizer = _load_tokenizer(path.parent, label, gguf_file=path.name)
+    report(Progress("load", 2 / 3, "building the model layout"))
+    layout = _Layout.of(config, label)
+
+    report(Progress("dequantise", None, f"de-quantising {len(header.tensors)} tensors"))
+    try:
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=layout.model)["tensors"]
+    except (ValueError, KeyError, IndexError, TypeError, NotImplementedError, RuntimeError, OSError) as exc:
+        raise ModelLoadError(f"{label}: cannot de-quantise the weights: {_one_line(exc)}") from exc
+    layout.verify({k: tuple(v.shape) for k, v in tensors.items()})
+    state = {k: v for k, v in tensors.items() if k in layout.shapes}
+    del tensors
+    report(Progress("dequantise", 1.0, f"{len(state)} tensors ready"))
+    return Checkpoint(
+        config=config,
+        state_dict=state,
+        tokenizer=tokenizer,
+        name=path.stem,
+        source=str(path),
+        source_kind=kind,
+        eos_token_ids=_eos_ids(config, tokenizer, None),
+    )
+
+
+def gguf_architectures() -> set[str]:
+    """The GGUF architecture names this transformers reads, spelled both ways (it maps "qwen2moe" to "qwen2_moe")."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    names = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer", "tokenizer_config"}
+    return names | {n.replace("_", "") for n in names} | {n.replace("_", "-") for n in names}
+
+
+# ---- Hugging Face folder ---------------------------------------------------------------------------------
+
+
+def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
+    from safetensors import safe_open
+
+    label = folder.name
+    report(Progress("load", 0.0, f"checking {label}"))
+    files = _safetensors_files(folder)
+    config = _load_config(folder)
+    report(Progress("load", 0.1, "reading the tokenizer"))
+    tokenizer = _load_tokenizer(folder, label)
+    layout = _Layout.of(config, label)
+
+    stored: dict[str, tuple[Path, str]] = {}  # our name -> (file, name in the file)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = layout.rename(key)
+                    stored[name] = (file, key)
+                    shapes[name] = tuple(f.get_slice(key).get_shape())
+        except Exception as exc:  # safetensors raises its own SafetensorError (a plain Exception) on a bad header
+            raise ModelLoadError(f"{label}: {file.name} is not a readable safetensors file: {_one_line(exc)}") from exc
+    layout.verify(shapes)
+
+    wanted = [n for n in stored if n in layout.shapes]
+    unused = sorted(set(stored) - set(wanted))
+    if unused:
+        log.info("%s: %d stored tensors not used by the model, e.g. %s", label, len(unused), unused[:3])
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(stored[name][0], []).append(name)
+    done = 0
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    state[name] = f.get_tensor(stored[name][1])
+                    done += 1
+                    if done % 16 == 0 or done == len(wanted):
+                        report(Progress("load", 0.2 + 0.8 * done / len(wanted), f"read {done}/{len(wanted)} tensors"))
+        except Exception as exc:  # a truncated data section surfaces here, as SafetensorError
+            raise ModelLoadError(f"{label}: cannot read the weights in {file.name}: {_one_line(exc)}") from exc
+    return Checkpoint(
+        config=config,
+        state_dict=state,
+        tokenizer=tokenizer,
+        name=label,
+        source=str(folder),
+        source_kind="hf-folder",
+        eos_token_ids=_eos_ids(config, tokenizer, folder),
+    )
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    label = folder.name
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        data = _read_json(index, label)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{label}: {_INDEX_FILE} has no weight_map")
+        files = [folder / name for name in sorted(set(map(str, weight_map.values())))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{label}: weight shard(s) listed in {_INDEX_FILE} are missing: {', '.join(missing[:_NAMES_SHOWN])}")
+        return files
+    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    # Mistral folders carry a second, differently named copy of the weights ("consolidated.safetensors")
+    hf_named = [p for p in files if p.name.startswith("model")]
+    if hf_named:
+        files = hf_named
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise UnsafeModelError(f"{label}: only pickle weights ({', '.join(pickles[:3])}); {_PICKLE_REASON}")
+    ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+    hint = f"; to load a GGUF, choose the file itself ({ggufs[0]})" if ggufs else ""
+    raise ModelLoadError(f"{label}: no model weights in this folder ({_EXPECTED}){hint}")
+
+
+def _load_config(folder: Path) -> "PretrainedConfig":
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    label = folder.name
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{label}: no config.json next to the weights")
+    raw = _read_json(path, label)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{label}: config.json is not a JSON object")
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    arch = architectures[0] if isinstance(architectures, list) and architectures else None
+    known = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    if raw.get("auto_map") and not known:
+        raise UnsafeModelError(
+            f"{label}: config.json asks for remote code (model type {model_type!r}"
+            f"{f', {arch}' if arch else ''}); Gapless never runs code from a model folder"
+        )
+    if not model_type:
+        raise ModelLoadError(f"{label}: config.json has no model_type{f' (architecture {arch})' if arch else ''}")
+    if not known:
+        raise ModelLoadError(
+            f"{label}: unsupported architecture: model type {model_type!r}{f' ({arch})' if arch else ''} "
+            f"is unknown to the installed transformers"
+        )
+    _check_causal_lm(model_type, label, architecture=arch)
+    if raw.get("auto_map"):
+        log.info("%s: ignoring auto_map; model type %r has a native transformers class", label, model_type)
+    try:
+        # trust_remote_code is passed as False, not left unset: unset, transformers may stop and ask on a terminal
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, TypeError, OSError, AttributeError) as exc:
+        raise ModelLoadError(f"{label}: cannot read config.json: {_one_line(exc)}") from exc
+
+
+# ---- shared ----------------------------------------------------------------------------------------------
+
+
+def _check_causal_lm(model_type: str, label: str, architecture: Optional[str]) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        what = f"{architecture} (model type {model_type!r})" if architecture else f"model type {model_type!r}"
+        raise ModelLoadError(f"{label}: unsupported architecture: {what} is not a causal language model transformers can run")
+
+
+@dataclass
+class _Layout:
+    """The parameter names and shapes the model class expects, from a weightless build on the meta device."""
+
+    label: str
+    model: torch.nn.Module
+    shapes: dict[str, tuple[int, ...]]
+    tied: dict[str, str]  # alias -> the name it shares storage with (lm_head.weight -> model.embed_tokens.weight)
+    prefix: str
+
+    @classmethod
+    def of(cls, config: "PretrainedConfig", label: str) -> "_Layout":
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ZeroDivisionError) as exc:
+            raise ModelLoadError(f"{label}: cannot build {type(config).__name__} from its settings: {_one_line(exc)}") from exc
+        shapes: dict[str, tuple[int, ...]] = {}
+        first: dict[int, str] = {}
+        tied: dict[str, str] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            shapes[name] = tuple(t.shape)
+            if id(t) in first:
+                tied[name] = first[id(t)]
+            else:
+                first[id(t)] = name
+        return cls(label, model, shapes, tied, getattr(model, "base_model_prefix", "") or "")
+
+    def rename(self, key: str) -> str:
+        """A stored name as the model names it: checkpoints saved from the bare base model lack its prefix."""
+        if key not in self.shapes and self.prefix and f"{self.prefix}.{key}" in self.shapes:
+            return f"{self.prefix}.{key}"
+        return key
+
+    def verify(self, stored: dict[str, tuple[int, ...]]) -> None:
+        wrong = [(n, s, self.shapes[n]) for n, s in stored.items() if n in self.shapes and s != self.shapes[n]]
+        if wrong:
+            name, got, want = wrong[0]
+            more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+            raise ModelLoadError(
+                f"{self.label}: tensor {name} has shape {list(got)} but the config expects {list(want)}{more}"
+            )
+        missing = [
+            n for n in self.shapes if n not in stored and not (n in self.tied and self.tied[n] in stored)
+        ]
+        if missing:
+            more = f" (and {len(missing) - _NAMES_SHOWN} more)" if len(missing) > _NAMES_SHOWN else ""
+            raise ModelLoadError(
+                f"{self.label}: missing weights: {', '.join(missing[:_NAMES_SHOWN])}{more}; "
+                f"the checkpoint does not match its config"
+            )
+
+
+def _load_tokenizer(folder: Path, label: str, gguf_file: Optional[str] = None) -> "PreTrainedTokenizerBase":
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    except Exception as exc:  # the tokenizers backend raises plain Exception on a damaged tokenizer.json
+        if gguf_file is None and _tokenizer_wants_remote_code(folder):
+            raise UnsafeModelError(
+                f"{label}: the tokenizer asks for remote code; Gapless never runs code from a model folder"
+            ) from exc
+        raise ModelLoadError(f"{label}: the tokenizer could not be loaded: {_one_line(exc)}") from exc
+    if tokenizer is None:
+        raise ModelLoadError(f"{label}: no tokenizer found (tokenizer.json or tokenizer_config.json)")
+    return tokenizer
+
+
+def _tokenizer_wants_remote_code(folder: Path) -> bool:
+    path = folder / "tokenizer_config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("auto_map"))
+
+
+def _eos_ids(config: "PretrainedConfig", tokenizer: "PreTrainedTokenizerBase", folder: Optional[Path]) -> list[int]:
+    """Every id that ends an answer: chat models often list several (e.g. <|eot_id|> and <|end_of_text|>)."""
+    found: list[Any] = [getattr(config, "eos_token_id", None)]
+    gen = folder / "generation_config.json" if folder is not None else None
+    if gen is not None and gen.is_file():
+        try:
+            data = json.loads(gen.read_text(encoding="utf-8"))
+            found.append(data.get("eos_token_id") if isinstance(data, dict) else None)
+        except (OSError, ValueError) as exc:
+            log.warning("%s: ignoring unreadable generation_config.json: %s", folder.name, exc)
+    found.append(getattr(tokenizer, "eos_token_id", None))
+    ids: list[int] = []
+    for item in found:
+        for v in item if isinstance(item, (list, tuple)) else [item]:
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v not in ids:
+                ids.append(v)
+    return ids
+
+
+def _read_json(path: Path, label: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{label}: {path.name} is not valid JSON: {_one_line(exc)}") from exc
+
+
+def _read_head(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8)
+    except OSError as exc:
+        raise ModelLoadError(f"{path.name}: cannot read: {exc.strerror or exc}") from exc
+
+
+def _one_line(exc: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _ignore(_: Progress) -> None:
+    return None

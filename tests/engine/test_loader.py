@@ -1,0 +1,153 @@
+"""Loading checkpoints: HF folders (single, sharded, base-model names), GGUF files (exact round trip of a tiny
+Llama written the way llama.cpp writes it), progress, and the real default model (slow)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.loader import Checkpoint, load_checkpoint
+from gguf_fixtures import hf_llama_to_gguf
+
+TEXT = "hello world <|im_start|>user\nParis is the capital of France. 42"
+
+
+def _stored(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _assert_same_weights(ck: Checkpoint, ref: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    assert sorted(ck.state_dict) == sorted(ref)
+    for name, t in ref.items():
+        got = ck.state_dict[name]
+        assert got.device.type == "cpu" and got.shape == t.shape, name
+        torch.testing.assert_close(got.float(), t.float(), atol=atol, rtol=0, msg=name)
+
+
+def test_hf_folder_loads_config_weights_and_tokenizer(tiny_llama):
+    events = []
+    ck = load_checkpoint(str(tiny_llama), progress=events.append)
+    assert ck.source_kind == "hf-folder"
+    assert ck.source == str(tiny_llama.resolve()) and ck.name == tiny_llama.name
+    assert ck.config.model_type == "llama" and ck.config.tie_word_embeddings
+    ref = _stored(tiny_llama)
+    assert "lm_head.weight" not in ref  # tied: the model shares the embedding, the file stores it once
+    _assert_same_weights(ck, ref)
+    assert all(t.dtype == ref[n].dtype for n, t in ck.state_dict.items())
+    assert ck.tokenizer.chat_template and "<|im_start|>" in ck.tokenizer.chat_template
+    assert ck.eos_token_ids == [ck.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert events[0].stage == "load" and events[-1].fraction == 1.0
+
+
+def test_untied_folder_keeps_lm_head(tiny_factory):
+    folder = tiny_factory("llama", tie=False)
+    ck = load_checkpoint(str(folder))
+    assert "lm_head.weight" in ck.state_dict and not ck.config.tie_word_embeddings
+    _assert_same_weights(ck, _stored(folder))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma"])
+def test_other_families_load(tiny_factory, family):
+    folder = tiny_factory(family)
+    ck = load_checkpoint(str(folder))
+    assert ck.config.model_type == family
+    _assert_same_weights(ck, _stored(folder))
+
+
+def test_a_file_inside_the_folder_stands_for_the_folder(tiny_llama):
+    assert load_checkpoint(str(tiny_llama / "model.safetensors")).source == str(tiny_llama.resolve())
+    assert load_checkpoint(str(tiny_llama / "config.json")).source == str(tiny_llama.resolve())
+
+
+def test_sharded_folder_with_index(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "sharded")
+    ref = _stored(folder)
+    (folder / "model.safetensors").unlink()
+    names = sorted(ref)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: ref[k] for k in keys}, str(folder / file))
+        weight_map.update({k: file for k in keys})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _assert_same_weights(load_checkpoint(str(folder)), ref)
+
+
+def test_base_model_names_and_extra_tensors(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "bare")
+    ref = _stored(folder)
+    bare = {k.removeprefix("model."): v for k, v in ref.items()}
+    bare["rotary_emb.inv_freq"] = torch.ones(8)  # saved by old transformers; not a parameter
+    save_file(bare, str(folder / "model.safetensors"))
+    ck = load_checkpoint(str(folder))
+    _assert_same_weights(ck, ref)
+
+
+def test_generation_config_eos_ids_are_merged(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "gen")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    assert load_checkpoint(str(folder)).eos_token_ids == [2, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
+    return hf_llama_to_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf")
+
+
+def test_gguf_round_trip_is_exact(tiny_gguf, tiny_llama):
+    from transformers import AutoTokenizer
+
+    events = []
+    ck = load_checkpoint(str(tiny_gguf), progress=events.append)
+    assert ck.source_kind == "gguf" and ck.name == "tiny-llama.F32" and ck.source == str(tiny_gguf.resolve())
+    assert ck.config.model_type == "llama" and ck.config.tie_word_embeddings
+    assert ck.config.num_key_value_heads == 2 and ck.config.max_position_embeddings == 256
+    _assert_same_weights(ck, _stored(tiny_llama))  # q/k un-permuted back exactly
+    assert all(t.dtype == torch.float32 for t in ck.state_dict.values())
+    ref_tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    assert ck.tokenizer(TEXT)["input_ids"] == ref_tok(TEXT)["input_ids"]
+    assert ck.tokenizer.chat_template == ref_tok.chat_template
+    assert ck.eos_token_ids == [ref_tok.convert_tokens_to_ids("<|im_end|>")]
+    stages = [e.stage for e in events]
+    assert stages[0] == "load" and stages[-1] == "dequantise" and stages.index("dequantise") > stages.index("load")
+    assert events[-1].fraction == 1.0
+
+
+def test_gguf_quantised_and_untied(tiny_factory, tmp_path):
+    folder = tiny_factory("llama", tie=False)
+    path = hf_llama_to_gguf(folder, tmp_path / "untied.Q8_0.gguf", quant="Q8_0")
+    ck = load_checkpoint(str(path))
+    assert not ck.config.tie_word_embeddings and "lm_head.weight" in ck.state_dict
+    _assert_same_weights(ck, _stored(folder), atol=3e-3)  # Q8_0: 8-bit blocks of 32 with a shared scale
+
+
+def test_gguf_without_chat_template(tiny_llama, tmp_path):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "plain.gguf", chat_template=False)
+    assert not load_checkpoint(str(path)).tokenizer.chat_template
+
+
+def test_gguf_recognised_by_its_magic_without_the_suffix(tiny_gguf, tmp_path):
+    other = tmp_path / "model-file"
+    shutil.copy(tiny_gguf, other)
+    assert load_checkpoint(str(other)).source_kind == "gguf"
+
+
+@pytest.mark.slow
+def test_real_default_model(default_model_path):
+    ck = load_checkpoint(str(default_model_path))
+    assert ck.config.model_type == "llama" and ck.config.tie_word_embeddings
+    assert len(ck.state_dict) == 272 and "lm_head.weight" not in ck.state_dict
+    assert ck.state_dict["model.embed_tokens.weight"].shape == (49152, 576)
+    assert ck.tokenizer.chat_template and "<|im_start|>" in ck.tokenizer.chat_template
+    assert ck.eos_token_ids == [2]
+
+
+@pytest.mark.slow
+def test_default_source(default_model_path):
+    ck = load_checkpoint("default")
+    assert ck.source_kind == "default" and ck.source == str(default_model_path.resolve())
+    assert ck.name == "SmolLM2-135M-Instruct.Q4_1"

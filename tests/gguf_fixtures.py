@@ -1,0 +1,116 @@
+"""Tiny GGUF files for tests, written from a tiny HF Llama folder (tests/tiny_models.py) the way llama.cpp's
+converter writes them: GGUF tensor names, q/k rows permuted for its rotary layout, a byte-level BPE vocabulary
+with merges, and the chat template. Built in well under a second."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the two rotary halves of each head's rows
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_llama_to_gguf(
+    hf_folder: Path,
+    out: Path,
+    quant: str = "F32",
+    architecture: str = "llama",
+    tensor_types: Optional[dict[str, str]] = None,
+    chat_template: bool = True,
+) -> Path:
+    """Write the tiny Llama in `hf_folder` as the GGUF `out`. `quant` applies to 2-D weights (F32, F16, Q8_0, …);
+    `tensor_types` forces a ggml type on single GGUF tensors (raw zero bytes for types gguf cannot quantise)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    hf_folder, out = Path(hf_folder), Path(out)
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    state = load_file(str(hf_folder / "model.safetensors"))
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg["hidden_size"] // n_head
+
+    w = gguf.GGUFWriter(str(out), architecture)
+    w.add_name("tiny llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+
+    vocab = tok["model"]["vocab"]
+    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = [""] * cfg["vocab_size"]
+    for text, i in {**vocab, **specials}.items():
+        tokens[i] = text
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(specials["<|im_end|>"])
+    w.add_pad_token_id(specials["<|endoftext|>"])
+    tok_cfg = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    template = tok_cfg.get("chat_template")
+    if template is None and (hf_folder / "chat_template.jinja").exists():
+        template = (hf_folder / "chat_template.jinja").read_text()
+    if chat_template and template:
+        w.add_chat_template(template)
+
+    forced = tensor_types or {}
+    for hf, arr in state.items():
+        name = gguf_name(hf)
+        arr = arr.astype(np.float32)
+        if hf.endswith("q_proj.weight"):
+            arr = _permute(arr, n_head)
+        elif hf.endswith("k_proj.weight"):
+            arr = _permute(arr, n_kv)
+        if name in forced:
+            qtype = gguf.GGMLQuantizationType[forced[name]]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((*arr.shape[:-1], arr.shape[-1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qtype)
+        elif arr.ndim == 2 and quant != "F32":
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
