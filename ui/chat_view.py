@@ -16,8 +16,8 @@ from ui.theme import LIGHT, Colors
 EMPTY_HINT = (
     "<h3>Start a conversation</h3>"
     "<p>Type below and press the send key. Ctrl+N starts a new chat, Ctrl+F searches your chats, Esc stops an answer.</p>"
-    "<p>The panel on the right shows the model, the decode optimizations (each one applies to the next answer) "
-    "and where the time goes while it answers.</p>"
+    "<p>On the right: the decode optimizations (each change applies to the next answer) and the performance HUD, "
+    "which shows where the time goes while the model answers. The model is at the bottom left.</p>"
 )
 
 

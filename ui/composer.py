@@ -9,7 +9,7 @@ from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 SEND_KEYS = ("enter", "ctrl+enter")
 MAX_LINES = 10
@@ -21,7 +21,9 @@ class ComposerEdit(QPlainTextEdit):
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.send_with = "enter"
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
+        self._fit_height()
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
@@ -40,7 +42,7 @@ class ComposerEdit(QPlainTextEdit):
         # A plain-text document measures its height in lines, not pixels.
         lines = max(1, min(int(self.document().size().height()), MAX_LINES))
         h = int(lines * self.fontMetrics().lineSpacing() + 2 * self.document().documentMargin() + 2 * self.frameWidth() + 8)
-        self.setFixedHeight(max(h, 44))
+        self.setFixedHeight(max(h, 2 * self.fontMetrics().lineSpacing() + 20))
 
 
 class Composer(QFrame):

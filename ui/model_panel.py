@@ -7,7 +7,7 @@ from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QToolButton,
+    QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
     QVBoxLayout, QWidget,
 )
 
@@ -45,20 +45,21 @@ class ModelPanel(QGroupBox):
 
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__("Model", parent)
-        form = QFormLayout()
-        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
-        form.setHorizontalSpacing(12)
-        form.setVerticalSpacing(3)
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(10)
+        grid.setVerticalSpacing(2)
         self.values: dict[str, QLabel] = {}
-        for key, label in zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend")):
-            k = QLabel(label, self)
+        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend")))
+        for row, key in enumerate(self.FIELDS):
+            k = QLabel(labels[key], self)
             k.setObjectName("infoKey")
             v = QLabel(NA, self)
             v.setObjectName("infoValue")
             v.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-            v.setWordWrap(True)
-            form.addRow(k, v)
+            grid.addWidget(k, row, 0)
+            grid.addWidget(v, row, 1)
             self.values[key] = v
+        grid.setColumnStretch(1, 1)
 
         self.status = QLabel("No model loaded", self)
         self.status.setObjectName("notice")
@@ -76,11 +77,13 @@ class ModelPanel(QGroupBox):
         self.open_file_button = QPushButton("Open GGUF…", self)
         self.open_file_button.setToolTip("Load a .gguf model file")
         self.open_file_button.clicked.connect(self._open_file)
-        self.open_folder_button = QPushButton("Open folder…", self)
+        self.open_folder_button = QPushButton("Folder…", self)
         self.open_folder_button.setToolTip("Load a Hugging Face model folder (config.json + *.safetensors)")
         self.open_folder_button.clicked.connect(self._open_folder)
         self.recent_button = QToolButton(self)
-        self.recent_button.setText("Recent")
+        self.recent_button.setText("Recent models")
+        self.recent_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+        self.recent_button.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.recent_button.setToolTip("Models opened before")
         self.recent_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self._recent_menu = QMenu(self)
@@ -89,15 +92,15 @@ class ModelPanel(QGroupBox):
         buttons.setSpacing(6)
         buttons.addWidget(self.open_file_button)
         buttons.addWidget(self.open_folder_button)
-        buttons.addWidget(self.recent_button)
 
         lay = QVBoxLayout(self)
         lay.setSpacing(6)
-        lay.addLayout(form)
+        lay.addLayout(grid)
         lay.addWidget(self.status)
         lay.addWidget(self.progress)
         lay.addWidget(self.error)
         lay.addLayout(buttons)
+        lay.addWidget(self.recent_button)
         self.info: Optional[ModelInfo] = None
         self.set_recent([])
 
@@ -108,14 +111,15 @@ class ModelPanel(QGroupBox):
                 v.setText(NA)
             return
         shown = {
-            "name": info.name, "family": f"{info.family} ({info.architecture})", "parameters": human_count(info.parameters),
-            "dtype": info.dtype, "device": info.device, "context": f"{info.context_length:,} tokens",
+            "name": info.name, "family": info.family, "parameters": human_count(info.parameters),
+            "dtype": info.dtype, "device": info.device, "context": f"{info.context_length:,}",
             "weights": human_bytes(info.weight_bytes),
-            "backend": "fast decoder" if info.backend == "fast" else f"{info.backend} fallback",
+            "backend": "fast path" if info.backend == "fast" else f"{info.backend} fallback",
         }
         for key, text in shown.items():
             self.values[key].setText(text)
         self.values["name"].setToolTip(info.source)
+        self.values["family"].setToolTip(info.architecture)
 
     def set_loading(self, source: str) -> None:
         self.error.hide()

@@ -1,0 +1,171 @@
+"""Dialogs: download / load progress (size, speed, cancel), errors, and a chat's settings (system prompt and
+sampling parameters)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QIntValidator
+from PySide6.QtWidgets import (
+    QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
+    QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QVBoxLayout, QWidget,
+)
+
+from engine.errors import OptionsError
+from engine.types import MAX_NEW_TOKENS_LIMIT, Progress, SamplingParams
+
+# Sane defaults for a new chat: a little randomness, the usual nucleus/top-k cut, a light repetition penalty.
+CHAT_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=512, seed=None)
+
+
+def show_error(parent: Optional[QWidget], title: str, message: str) -> None:
+    box = QMessageBox(QMessageBox.Icon.Warning, title, message, QMessageBox.StandardButton.Ok, parent)
+    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    box.open()  # never blocks the event loop: streaming and the HUD keep running behind it
+
+
+class ProgressDialog(QDialog):
+    """Progress of a download or a load: what is happening, a bar, a detail line, and Cancel."""
+
+    cancelRequested = Signal()
+
+    def __init__(self, title: str, text: str, cancellable: bool = True, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setWindowTitle(title)
+        self.setModal(True)
+        self.setMinimumWidth(440)
+        self.text = QLabel(text, self)
+        self.text.setWordWrap(True)
+        self.bar = QProgressBar(self)
+        self.bar.setRange(0, 0)
+        self.detail = QLabel("", self)
+        self.detail.setObjectName("notice")
+        self.cancel_button = QPushButton("Cancel", self)
+        self.cancel_button.clicked.connect(self._cancel)
+        self.cancel_button.setVisible(cancellable)
+        row = QHBoxLayout()
+        row.addWidget(self.detail, 1)
+        row.addWidget(self.cancel_button)
+        lay = QVBoxLayout(self)
+        lay.addWidget(self.text)
+        lay.addWidget(self.bar)
+        lay.addLayout(row)
+        self.cancelled = False
+
+    def set_progress(self, p: Progress) -> None:
+        """The bar follows the fraction (busy when unknown); the line under it says what happens now —
+        for a download, the bytes done of the total and the speed."""
+        self.detail.setText(p.message or p.stage)
+        if p.fraction is None:
+            self.bar.setRange(0, 0)
+        else:
+            self.bar.setRange(0, 1000)
+            self.bar.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
+
+    def _cancel(self) -> None:
+        self.cancelled = True
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.setText("Cancelling…")
+        self.cancelRequested.emit()
+
+    def reject(self) -> None:  # Esc or the window's close button mean Cancel
+        if self.cancel_button.isVisible() and not self.cancelled:
+            self._cancel()
+
+
+class ChatSettingsDialog(QDialog):
+    """A chat's system prompt and sampling parameters, validated by SamplingParams before they are accepted."""
+
+    def __init__(self, system_prompt: str, sampling: SamplingParams, context_length: Optional[int] = None,
+                 parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setWindowTitle("Chat settings")
+        self.setMinimumWidth(460)
+        self.system_prompt = QPlainTextEdit(self)
+        self.system_prompt.setPlaceholderText("Optional: how the model should behave in this chat")
+        self.system_prompt.setMinimumHeight(90)
+        self.temperature = QDoubleSpinBox(self)
+        self.temperature.setRange(0.0, 5.0)
+        self.temperature.setSingleStep(0.05)
+        self.temperature.setDecimals(2)
+        self.temperature.setToolTip("0 = greedy (always the most likely token)")
+        self.top_p = QDoubleSpinBox(self)
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setSingleStep(0.01)
+        self.top_p.setDecimals(2)
+        self.top_p.setToolTip("Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1 = off)")
+        self.top_k = QSpinBox(self)
+        self.top_k.setRange(0, 100_000)
+        self.top_k.setToolTip("Keep the k most likely tokens (0 = off)")
+        self.repetition_penalty = QDoubleSpinBox(self)
+        self.repetition_penalty.setRange(0.5, 3.0)
+        self.repetition_penalty.setSingleStep(0.05)
+        self.repetition_penalty.setDecimals(2)
+        self.repetition_penalty.setToolTip("Above 1 discourages repeating tokens already generated (1 = off)")
+        self.max_new_tokens = QSpinBox(self)
+        self.max_new_tokens.setRange(1, min(MAX_NEW_TOKENS_LIMIT, context_length or MAX_NEW_TOKENS_LIMIT))
+        self.max_new_tokens.setToolTip("The longest answer, in tokens")
+        self.seed = QLineEdit(self)
+        self.seed.setValidator(QIntValidator(0, 2**31 - 1, self))
+        self.seed.setPlaceholderText("random")
+        self.seed.setToolTip("The same seed, prompt and options give the same answer; empty = a new seed each time")
+        self.stop = QLineEdit(self)
+        self.stop.setPlaceholderText("comma-separated, optional")
+        self.stop.setToolTip("Stop the answer when one of these strings appears")
+        self.error = QLabel(self)
+        self.error.setObjectName("errorText")
+        self.error.setWordWrap(True)
+        self.error.hide()
+
+        form = QFormLayout()
+        form.addRow("System prompt", self.system_prompt)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Repetition penalty", self.repetition_penalty)
+        form.addRow("Max tokens", self.max_new_tokens)
+        form.addRow("Seed", self.seed)
+        form.addRow("Stop strings", self.stop)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+            | QDialogButtonBox.StandardButton.RestoreDefaults, self,
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(lambda: self._show(CHAT_DEFAULTS))
+        lay = QVBoxLayout(self)
+        lay.addLayout(form)
+        lay.addWidget(self.error)
+        lay.addWidget(buttons)
+        self.system_prompt.setPlainText(system_prompt)
+        self._show(sampling)
+
+    def _show(self, s: SamplingParams) -> None:
+        self.temperature.setValue(s.temperature)
+        self.top_p.setValue(s.top_p)
+        self.top_k.setValue(s.top_k)
+        self.repetition_penalty.setValue(s.repetition_penalty)
+        self.max_new_tokens.setValue(min(s.max_new_tokens, self.max_new_tokens.maximum()))
+        self.seed.setText("" if s.seed is None else str(s.seed))
+        self.stop.setText(", ".join(s.stop))
+
+    def sampling(self) -> SamplingParams:
+        seed = self.seed.text().strip()
+        return SamplingParams(
+            temperature=round(self.temperature.value(), 4), top_p=round(self.top_p.value(), 4), top_k=self.top_k.value(),
+            repetition_penalty=round(self.repetition_penalty.value(), 4), max_new_tokens=self.max_new_tokens.value(),
+            seed=int(seed) if seed else None,
+            stop=tuple(s.strip() for s in self.stop.text().split(",") if s.strip()),
+        ).validate()
+
+    def values(self) -> tuple[str, SamplingParams]:
+        return self.system_prompt.toPlainText().strip(), self.sampling()
+
+    def accept(self) -> None:
+        try:
+            self.sampling()
+        except OptionsError as exc:
+            self.error.setText(str(exc))
+            self.error.show()
+            return
+        super().accept()

@@ -1,0 +1,249 @@
+"""Optimization toggles and presets. A change applies to the next answer (the running one is never touched);
+recompile / recapture progress shows here. Options this machine or model cannot honour are disabled, with the
+reason as the tooltip."""
+from __future__ import annotations
+
+from typing import Optional
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QStandardItemModel
+from PySide6.QtWidgets import (
+    QCheckBox, QComboBox, QGridLayout, QGroupBox, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
+)
+
+from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from ui.stats import preset_name
+
+CUSTOM = "custom"
+TIPS = {
+    "device": "auto: CUDA when this machine has it, else the CPU",
+    "dtype": "Weight and activation precision. fp32 moves twice the bytes of fp16/bf16 per token.",
+    "kv_cache": "static: preallocated cache written in place · dynamic: torch.cat every step · none: re-run the whole prefix",
+    "sampling": "device: the next token is sampled on the device, no host sync · host: .item() on every token",
+    "compile": "torch.compile the decode step: fewer, fused kernels (a first compile takes a while)",
+    "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
+    "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
+    "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
+}
+
+
+def _combo(values: tuple[str, ...], parent: QWidget) -> QComboBox:
+    c = QComboBox(parent)
+    for v in values:
+        c.addItem(v, v)
+    return c
+
+
+class TogglesPanel(QGroupBox):
+    optionsChanged = Signal(object)  # EngineOptions
+
+    def __init__(self, options: EngineOptions = EngineOptions(), parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setObjectName("togglesPanel")
+        self.preset = QComboBox(self)
+        self.preset.addItem("Custom", CUSTOM)
+        for name in PRESETS:
+            self.preset.addItem(PRESET_LABELS[name], name)
+        self.preset.setToolTip("The ladder of fixes, from the naive loop to batched candidates")
+        self.device = _combo(DEVICES, self)
+        self.dtype = _combo(DTYPES, self)
+        self.kv_cache = _combo(KV_MODES, self)
+        self.sampling = _combo(SAMPLING_MODES, self)
+        self.compile = QCheckBox("torch.compile", self)
+        self.cuda_graph = QCheckBox("CUDA graph", self)
+        self.candidates = QSpinBox(self)
+        self.candidates.setRange(1, MAX_CANDIDATES)
+        self.profile_window = QCheckBox("Measure the gap", self)
+        self.controls = {
+            "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
+            "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
+        }
+        self.note = QLabel("Changes apply to the next answer.", self)
+        self.note.setObjectName("notice")
+        self.note.setWordWrap(True)
+        self.progress = QProgressBar(self)
+        self.progress.setMaximumHeight(6)
+        self.progress.setTextVisible(False)
+        self.progress.hide()
+
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(8)
+        grid.setVerticalSpacing(4)
+        grid.addWidget(QLabel("Preset", self), 0, 0)
+        grid.addWidget(self.preset, 0, 1, 1, 3)
+        for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
+                                     (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
+                                     (("Candidates", self.candidates), (None, self.compile)),
+                                     ((None, self.profile_window), (None, self.cuda_graph))), start=1):
+            for col, (label, w) in enumerate(pairs):
+                if label is None:
+                    grid.addWidget(w, row, 2 * col, 1, 2)
+                else:
+                    grid.addWidget(QLabel(label, self), row, 2 * col)
+                    grid.addWidget(w, row, 2 * col + 1)
+        grid.setColumnStretch(1, 1)
+        grid.setColumnStretch(3, 1)
+        lay = QVBoxLayout(self)
+        lay.addLayout(grid)
+        lay.addWidget(self.note)
+        lay.addWidget(self.progress)
+
+        self._options = options
+        self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
+        self._half_dtype = "fp16"
+        self._quiet = False
+        self.set_options(options)
+        self.preset.activated.connect(self._preset_chosen)
+        for name, w in self.controls.items():
+            if isinstance(w, QComboBox):
+                w.activated.connect(lambda _i, name=name: self._edited(name))
+            elif isinstance(w, QCheckBox):
+                w.toggled.connect(lambda _b, name=name: self._edited(name))
+            else:
+                w.valueChanged.connect(lambda _v, name=name: self._edited(name))
+
+    @property
+    def options(self) -> EngineOptions:
+        return self._options
+
+    def set_half_dtype(self, dtype: str) -> None:
+        """The precision the presets' half-precision rungs use on this device (fp16, bf16, or fp32 on a CPU)."""
+        self._half_dtype = dtype
+
+    def set_options(self, options: EngineOptions) -> None:
+        """Show `options` without emitting a change (e.g. what the engine now runs with)."""
+        self._quiet = True
+        try:
+            self._options = options
+            for name in ("device", "dtype", "kv_cache", "sampling"):
+                c: QComboBox = self.controls[name]
+                c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
+            self.compile.setChecked(options.compile)
+            self.cuda_graph.setChecked(options.cuda_graph)
+            self.candidates.setValue(options.candidates)
+            self.profile_window.setChecked(options.profile_window)
+            self._show_preset()
+            self._apply_tooltips()
+        finally:
+            self._quiet = False
+
+    def reset_unavailable(self, unavailable: dict[str, str]) -> None:
+        """A new model: forget what the previous one could not do."""
+        self._known.clear()
+        self.set_unavailable(unavailable)
+
+    def set_unavailable(self, unavailable: dict[str, str]) -> None:
+        """The engine's reasons for options it cannot honour ({option: reason}, for the options as they are now).
+
+        The value in use is remembered as unavailable (a disabled combo entry, a disabled switch with the reason
+        as its tooltip) and replaced by one that works, so the panel never shows an option that is not in force.
+        """
+        for name, reason in unavailable.items():
+            if name in self.controls:
+                self._known[(name, getattr(self._options, name))] = reason
+        self._apply_tooltips()
+        fixed = self._without_unavailable(self._options)
+        if fixed != self._options:
+            self._change(fixed)
+
+    def _without_unavailable(self, options: EngineOptions) -> EngineOptions:
+        changes = {}
+        for (name, value), _reason in self._known.items():
+            if getattr(options, name) != value:
+                continue
+            w = self.controls[name]
+            if isinstance(w, QComboBox):
+                usable = [w.itemData(i) for i in range(w.count()) if (name, w.itemData(i)) not in self._known]
+                if usable:
+                    changes[name] = usable[0]
+            elif isinstance(value, bool):
+                changes[name] = not value
+        return options.with_(**changes) if changes else options
+
+    def _apply_tooltips(self) -> None:
+        for name, w in self.controls.items():
+            if isinstance(w, QComboBox):
+                model = w.model()
+                for i in range(w.count()):
+                    why = self._known.get((name, w.itemData(i)))
+                    item = model.item(i) if isinstance(model, QStandardItemModel) else None
+                    if item is not None:
+                        item.setEnabled(why is None)
+                        item.setToolTip(f"Unavailable: {why}" if why else "")
+                w.setToolTip(TIPS[name])
+            elif isinstance(w, QCheckBox):
+                why = self._known.get((name, True))
+                w.setEnabled(why is None or w.isChecked())
+                w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
+            else:  # candidates
+                why = self._known.get((name, self._options.candidates))
+                w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
+        for i in range(self.preset.count()):
+            why = self._preset_unavailable(self.preset.itemData(i))
+            item = self.preset.model().item(i)
+            item.setEnabled(why is None)
+            item.setToolTip(f"Unavailable: {why}" if why else "")
+
+    def _preset_unavailable(self, name: str) -> Optional[str]:
+        if name == CUSTOM:
+            return None
+        opts = preset_options(name, self._options, half_dtype=self._half_dtype)
+        for field in self.controls:
+            why = self._known.get((field, getattr(opts, field)))
+            if why:
+                return why
+        return None
+
+    def _show_preset(self) -> None:
+        name = preset_name(self._options.to_dict()) or CUSTOM
+        self.preset.setCurrentIndex(max(0, self.preset.findData(name)))
+
+    def _read(self) -> EngineOptions:
+        return self._options.with_(
+            device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
+            compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
+            candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+        )
+
+    def _edited(self, name: str) -> None:
+        if self._quiet:
+            return
+        # What the engine could not do may depend on the other options: keep only what was said of this one.
+        self._known = {k: v for k, v in self._known.items() if k[0] == name}
+        self._change(self._read())
+
+    def _preset_chosen(self, index: int) -> None:
+        name = self.preset.itemData(index)
+        if name == CUSTOM:
+            return
+        self._change(self._without_unavailable(preset_options(name, self._options, half_dtype=self._half_dtype)))
+
+    def _change(self, options: EngineOptions) -> None:
+        if options == self._options:
+            return
+        self.set_options(options)
+        self.note.setText("Changes apply to the next answer.")
+        self.optionsChanged.emit(options)
+
+    # ---- engine feedback -----------------------------------------------------------------------------
+
+    def set_progress(self, p: Progress) -> None:
+        """Recompile / recapture / warm-up progress after a change."""
+        self.note.setText(p.message or p.stage)
+        if p.fraction is None:
+            self.progress.setRange(0, 0)
+        else:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
+        self.progress.show()
+
+    def set_applied(self, options: EngineOptions, unavailable: dict[str, str]) -> None:
+        """The engine accepted `options` for the next answer."""
+        self.progress.hide()
+        self.set_options(options)
+        self.note.setText("Ready: the next answer uses these options.")
+        self.set_unavailable(unavailable)
+
+    def set_failed(self, message: str) -> None:
+        self.progress.hide()
+        self.note.setText(f"Not applied: {message}")
