@@ -1,0 +1,163 @@
+"""`gapless gui`: build the desktop app (settings, chat store, engine controller, main window) and run it.
+
+With --smoke-test it opens the same window offscreen, answers one prompt and writes a report (app.smoke).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Optional
+
+from app.paths import AppPaths
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2
+RECENT_MAX = 8
+
+
+@dataclass
+class GuiApp:
+    """Everything the window needs, built once and closed in reverse order."""
+
+    paths: AppPaths
+    settings: Any  # app.settings.Settings
+    settings_store: Any  # app.settings.SettingsStore
+    notices: list[str]
+    store: Any  # app.store.ChatStore
+    controller: Any  # app.worker.EngineController
+    theme: Any  # ui.theme.ThemeManager
+    fetcher: Any  # app.fetcher.DefaultModelFetcher
+    hud: Any  # ui.hud.HudPanel
+    window: Any  # ui.main_window.MainWindow
+
+    def close(self, timeout: float = 15.0) -> None:
+        self.fetcher.cancel()
+        self.controller.shutdown(timeout)
+        self.fetcher.wait(5.0)
+        self.store.close()
+
+
+def default_sampling(settings: Any):
+    """The sampling of a new chat: what the user saved as the default, else the app's sane defaults."""
+    from engine.types import SamplingParams
+    from ui.dialogs import CHAT_DEFAULTS
+
+    saved = settings.sampling_params()
+    return CHAT_DEFAULTS if saved == SamplingParams() else saved
+
+
+def recent_models(settings: Any) -> list[str]:
+    """Models opened before, newest first (kept in the settings as the list after the last model)."""
+    seen: list[str] = []
+    for s in [settings.last_model, *getattr(settings, "recent_models", [])]:
+        if s and s not in seen:
+            seen.append(s)
+    return seen[:RECENT_MAX]
+
+
+def app_icon():
+    from PySide6.QtGui import QIcon
+
+    with resources.as_file(resources.files("assets").joinpath("gapless.svg")) as path:
+        return QIcon(str(path))
+
+
+def qt_application(argv0: str = "gapless"):
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([argv0])
+    app.setApplicationName("Gapless")
+    app.setApplicationDisplayName("Gapless")
+    app.setDesktopFileName("gapless")
+    app.setWindowIcon(app_icon())
+    return app
+
+
+def build(paths: AppPaths, theme_choice: Optional[str] = None) -> GuiApp:
+    """Open the settings, the chat store and the engine controller, and build the main window (not shown).
+    A QApplication must exist. Raises StoreError when the chat database cannot be opened."""
+    from app.fetcher import DefaultModelFetcher
+    from app.settings import SettingsStore
+    from app.store import ChatStore
+    from app.worker import EngineController
+    from ui.hud import HudPanel
+    from ui.main_window import MainWindow
+    from ui.theme import ThemeManager
+    from PySide6.QtWidgets import QApplication
+
+    paths.ensure()
+    settings_store = SettingsStore(paths.settings_file)
+    settings, notices = settings_store.load()
+    if theme_choice:
+        settings.theme = theme_choice
+    store = ChatStore(paths.database)
+    notices = notices + list(store.notices)
+    theme = ThemeManager(QApplication.instance(), settings.theme)
+    controller = EngineController()
+    fetcher = DefaultModelFetcher()
+    hud = HudPanel()
+
+    def remember(source: str) -> None:
+        settings.recent_models = [s for s in recent_models(settings) if s != source][: RECENT_MAX - 1]
+
+    window = MainWindow(
+        store, controller, settings, settings_store.save, theme, default_sampling(settings), hud=hud,
+        fetcher=fetcher, recent=lambda: recent_models(settings), remember=remember,
+    )
+    window.setWindowIcon(app_icon())
+    return GuiApp(paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window)
+
+
+def run_gui(args: Any, paths: AppPaths) -> int:
+    if getattr(args, "smoke_test", False):
+        return _run_smoke(args, paths)
+    from app.store import StoreError
+    from ui.dialogs import show_error
+
+    app = qt_application()
+    try:
+        gui = build(paths, getattr(args, "theme", None))
+    except StoreError as exc:
+        from PySide6.QtWidgets import QMessageBox
+
+        QMessageBox.critical(None, "Gapless cannot start", str(exc))
+        print(f"gapless: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    gui.window.show()
+    for notice in gui.notices:
+        show_error(gui.window, "Gapless", notice)
+    gui.window.load_model(args.model or gui.settings.last_model or "default")
+    try:
+        code = app.exec()
+    finally:
+        gui.close()
+    return code
+
+
+def _run_smoke(args: Any, paths: AppPaths) -> int:
+    """Offscreen, in a private data dir unless one was given, so a check never touches the user's chats."""
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from app.smoke import SmokeTest
+
+    temp: Optional[str] = None
+    if args.data_dir is None and not os.environ.get("GAPLESS_DATA_DIR"):
+        temp = tempfile.mkdtemp(prefix="gapless-smoke-")
+        paths = AppPaths.resolve(temp)
+    app = qt_application()
+    try:
+        gui = build(paths, getattr(args, "theme", None))
+        try:
+            return SmokeTest(app, gui, args).run()
+        finally:
+            gui.close()
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)

@@ -1,0 +1,335 @@
+"""The conversation logic between the chat store and the engine controller: send, stream, stop, regenerate,
+edit-and-resend (a branch), candidates, branch switching. It holds no widgets; the window shows what it emits.
+
+Every answer is saved while it streams (app.store.StreamSaver): a stop keeps the partial text, a crash loses at
+most about a second of it. Events of a generation are matched to it by request id, so a late batch from a
+stopped answer can never land in the next one.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from app.store import ChatStore, Message, StoreError, StreamSaver
+from engine.types import GenerationResult, SamplingParams
+from ui.message import MessageItem
+
+log = logging.getLogger(__name__)
+
+TITLE_CHARS = 48
+SAVE_TICK_MS = 1000  # also save when tokens stall (a long prefill, a slow first compile)
+
+
+def title_from(text: str) -> str:
+    line = " ".join(text.strip().split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+@dataclass
+class _Answer:
+    """The generation in flight: where its messages go once the engine says how many candidates it runs."""
+
+    request_id: int
+    chat_id: int
+    parent_id: int  # the user message it answers
+    model_name: Optional[str]
+    message_ids: list[int] = field(default_factory=list)
+    savers: list[StreamSaver] = field(default_factory=list)
+    candidates: int = 1
+
+
+class ChatFlow(QObject):
+    chatsChanged = Signal()  # titles, order or membership of the chat list changed
+    chatOpened = Signal(object)  # chat id or None
+    threadChanged = Signal(object)  # [MessageItem] of the open chat's active branch
+    streamStarted = Signal(object, int)  # MessageItem of the answer, candidate count
+    streamDelta = Signal(object)  # {candidate: text}
+    streamFinished = Signal(object)  # MessageItem (one candidate)
+    candidatesFinished = Signal(object)  # GenerationResult (N candidates, awaiting a choice)
+    generatingChanged = Signal(bool)
+    failed = Signal(str)  # a message for the user
+
+    def __init__(self, store: ChatStore, controller: Any, default_sampling: SamplingParams, parent: Optional[QObject] = None):
+        super().__init__(parent)
+        self.store = store
+        self.controller = controller
+        self.default_sampling = default_sampling
+        self.chat_id: Optional[int] = None
+        self.answer: Optional[_Answer] = None
+        self.last_result: Optional[GenerationResult] = None
+        self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
+        controller.generationStarted.connect(self._on_started)
+        controller.textBatch.connect(self._on_text)
+        controller.generationFinished.connect(self._on_finished)
+        controller.generationFailed.connect(self._on_failed)
+        self._save_timer = QTimer(self, interval=SAVE_TICK_MS, timeout=self._flush_savers)
+
+    # ---- chats ---------------------------------------------------------------------------------------
+
+    @property
+    def generating(self) -> bool:
+        return self.answer is not None
+
+    def open_chat(self, chat_id: Optional[int]) -> None:
+        self.chat_id = chat_id
+        self.chatOpened.emit(chat_id)
+        self.reload()
+
+    def new_chat(self) -> None:
+        """Start an empty chat; it is stored when its first message is sent."""
+        self.open_chat(None)
+
+    def rename_chat(self, chat_id: int, title: str) -> None:
+        self._guard(lambda: self.store.rename_chat(chat_id, title))
+        self.chatsChanged.emit()
+
+    def delete_chat(self, chat_id: int) -> None:
+        if self.answer is not None and self.answer.chat_id == chat_id:
+            self.stop()
+        if self._guard(lambda: self.store.delete_chat(chat_id)) is False:
+            return
+        self.chatsChanged.emit()
+        if chat_id == self.chat_id:
+            self.open_chat(None)
+
+    def sampling(self, chat_id: Optional[int] = None) -> SamplingParams:
+        chat_id = chat_id if chat_id is not None else self.chat_id
+        if chat_id is None:
+            return self.default_sampling
+        saved = self.store.get_chat(chat_id).sampling
+        return SamplingParams.from_dict(saved) if saved else self.default_sampling
+
+    def system_prompt(self) -> str:
+        return self.store.get_chat(self.chat_id).system_prompt if self.chat_id is not None else ""
+
+    def set_chat_settings(self, system_prompt: str, sampling: SamplingParams) -> None:
+        if self.chat_id is None:
+            chat = self._guard(lambda: self.store.create_chat("New chat", system_prompt, sampling))
+            if chat:
+                self.chat_id = chat.id
+                self.chatsChanged.emit()
+                self.chatOpened.emit(chat.id)
+            return
+        self._guard(lambda: self.store.update_chat(self.chat_id, system_prompt=system_prompt, sampling=sampling))
+
+    # ---- the visible branch --------------------------------------------------------------------------
+
+    def items(self) -> list[MessageItem]:
+        if self.chat_id is None:
+            return []
+        streaming = set(self.answer.message_ids) if self.answer and self.answer.chat_id == self.chat_id else set()
+        out = []
+        for m in self.store.thread(self.chat_id):
+            if m.id in streaming:
+                continue  # shown by the live stream instead
+            sibs = self.store.siblings(m.id)
+            out.append(self._item(m, [s.id for s in sibs].index(m.id), len(sibs)))
+        return out
+
+    def _item(self, m: Message, index: int, count: int) -> MessageItem:
+        device = (m.options or {}).get("device")
+        return MessageItem(
+            id=m.id, role=m.role, content=m.content, sibling_index=index, sibling_count=count, metrics=m.metrics,
+            options=m.options, finish_reason={"stopped": "cancelled", "error": "error"}.get(m.status),
+            device=device, author=m.model_name or "",
+        )
+
+    def reload(self) -> None:
+        self.threadChanged.emit(self._guard(self.items) or [])
+        a = self.answer
+        if a is not None and a.chat_id == self.chat_id and a.savers:
+            self.streamStarted.emit(MessageItem(None, "assistant", "", author=a.model_name or ""), a.candidates)
+            self.streamDelta.emit({i: s.text for i, s in enumerate(a.savers)})
+
+    def step_sibling(self, message_id: int, step: int) -> None:
+        sibs = self.store.siblings(message_id)
+        ids = [s.id for s in sibs]
+        target = ids.index(message_id) + step
+        if 0 <= target < len(ids) and self.chat_id is not None:
+            self._guard(lambda: self.store.set_active_leaf(self.chat_id, ids[target]))
+            self.reload()
+
+    def delete_message(self, message_id: int) -> None:
+        self._guard(lambda: self.store.delete_message(message_id))
+        self.chatsChanged.emit()
+        self.reload()
+
+    # ---- sending -------------------------------------------------------------------------------------
+
+    def send(self, text: str) -> bool:
+        """Add `text` as a user message at the end of the visible branch and ask for an answer."""
+        if self.generating or not text.strip():
+            return False
+        if self.chat_id is None:
+            chat = self._guard(lambda: self.store.create_chat(title_from(text), "", self.default_sampling))
+            if not chat:
+                return False
+            self.chat_id = chat.id
+            self.chatOpened.emit(chat.id)
+        leaf = self.store.get_chat(self.chat_id).active_leaf_id
+        user = self._guard(lambda: self.store.add_message(self.chat_id, "user", text, leaf))
+        if not user:
+            return False
+        self.chatsChanged.emit()
+        self.reload()
+        return self._ask(user)
+
+    def edit(self, user_message_id: int, text: str) -> bool:
+        """Resend an edited user message as a new branch beside the old one (which stays reachable)."""
+        if self.generating:
+            return False
+        old = self.store.get_message(user_message_id)
+        user = self._guard(lambda: self.store.add_message(old.chat_id, "user", text, old.parent_id))
+        if not user:
+            return False
+        self.reload()
+        return self._ask(user)
+
+    def regenerate(self, assistant_message_id: int) -> bool:
+        """A new answer to the same user message, beside the old one."""
+        if self.generating:
+            return False
+        old = self.store.get_message(assistant_message_id)
+        if old.parent_id is None:
+            return False
+        self._guard(lambda: self.store.set_active_leaf(old.chat_id, old.parent_id))
+        self.reload()
+        return self._ask(self.store.get_message(old.parent_id))
+
+    def stop(self) -> None:
+        if self.answer is not None:
+            self.controller.cancel()
+
+    def choose_candidate(self, index: int) -> None:
+        """Continue the chat from candidate `index` of the last batch; the others stay as siblings."""
+        ids = self._candidate_ids
+        if 0 <= index < len(ids) and self.chat_id is not None:
+            self._guard(lambda: self.store.set_active_leaf(self.chat_id, ids[index]))
+            self._candidate_ids = []
+            self.reload()
+
+    def prompt_messages(self, upto: Message) -> list[dict]:
+        """The engine's messages for an answer to `upto`: the chat's system prompt, then the branch."""
+        out: list[dict] = []
+        system = self.store.get_chat(upto.chat_id).system_prompt
+        if system.strip():
+            out.append({"role": "system", "content": system})
+        for m in self.store.thread(upto.chat_id, upto.id):
+            if m.role == "assistant" and not m.content:
+                continue  # an answer that failed before its first token says nothing
+            out.append({"role": m.role, "content": m.content})
+        return out
+
+    def _ask(self, user: Message) -> bool:
+        try:
+            messages = self.prompt_messages(user)
+            sampling = self.sampling(user.chat_id)
+        except StoreError as exc:
+            self.failed.emit(str(exc))
+            return False
+        info = getattr(self.controller, "info", None)
+        request_id = self.controller.generate(messages, sampling)
+        self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None)
+        self._candidate_ids = []
+        self.generatingChanged.emit(True)
+        return True
+
+    # ---- engine events -------------------------------------------------------------------------------
+
+    def _on_started(self, request_id: int, options: Any) -> None:
+        a = self.answer
+        if a is None or a.request_id != request_id:
+            return
+        n = max(1, int(getattr(options, "candidates", 1)))
+        a.candidates = n
+        group = self.store.new_candidate_group() if n > 1 else None
+        try:
+            for i in range(n):
+                m = self.store.add_message(
+                    a.chat_id, "assistant", "", a.parent_id, status="streaming", options=options,
+                    candidate_group=group, candidate_index=i if n > 1 else None, model_name=a.model_name,
+                )
+                a.message_ids.append(m.id)
+                a.savers.append(StreamSaver(self.store, m.id))
+        except StoreError as exc:
+            self.failed.emit(f"The answer cannot be saved: {exc}")
+            self.controller.cancel()
+            return
+        self._save_timer.start()
+        if a.chat_id == self.chat_id:
+            self.streamStarted.emit(MessageItem(None, "assistant", "", author=a.model_name or ""), n)
+
+    def _on_text(self, request_id: int, deltas: dict) -> None:
+        a = self.answer
+        if a is None or a.request_id != request_id or not a.savers:
+            return
+        for i, delta in deltas.items():
+            if 0 <= i < len(a.savers):
+                a.savers[i].append(delta)
+        if a.chat_id == self.chat_id:
+            self.streamDelta.emit(deltas)
+
+    def _on_finished(self, request_id: int, result: GenerationResult) -> None:
+        a = self.answer
+        if a is None or a.request_id != request_id:
+            return
+        self.last_result = result
+        options = result.options.to_dict()
+        metrics = result.metrics.to_dict()
+        try:
+            for i, saver in enumerate(a.savers):
+                reason = result.finish_reasons[i] if i < len(result.finish_reasons) else "cancelled"
+                text = result.texts[i] if i < len(result.texts) else None
+                saver.finish("stopped" if reason == "cancelled" else "done", metrics=metrics, options=options, text=text)
+        except StoreError as exc:
+            self.failed.emit(f"The answer could not be saved: {exc}")
+        self._end()
+        if a.chat_id != self.chat_id or not a.message_ids:
+            return
+        if a.candidates > 1:
+            self._candidate_ids = list(a.message_ids)
+            self.candidatesFinished.emit(result)
+            return
+        m = self.store.get_message(a.message_ids[0])
+        sibs = [s.id for s in self.store.siblings(m.id)]
+        self.streamFinished.emit(self._item(m, sibs.index(m.id), len(sibs)))
+        self.chatsChanged.emit()
+
+    def _on_failed(self, request_id: int, message: str) -> None:
+        a = self.answer
+        if a is None or a.request_id != request_id:
+            return
+        for saver in a.savers:
+            try:
+                if saver.text:
+                    saver.finish("error")  # keep what was written before the failure
+                else:
+                    self.store.delete_message(saver.message_id)  # nothing to keep
+            except StoreError as exc:
+                log.error("cannot save the failed answer %d: %s", saver.message_id, exc)
+        self._end()
+        self.failed.emit(f"The answer failed: {message}")
+        if a.chat_id == self.chat_id:
+            self.reload()
+
+    def _end(self) -> None:
+        self._save_timer.stop()
+        self.answer = None
+        self.generatingChanged.emit(False)
+
+    def _flush_savers(self) -> None:
+        if self.answer is not None:
+            for s in self.answer.savers:
+                s.flush()
+
+    def _guard(self, fn):
+        """Run a store call; a StoreError becomes a message for the user (and a falsy result)."""
+        try:
+            return fn()
+        except StoreError as exc:
+            log.error("chat store: %s", exc)
+            self.failed.emit(str(exc))
+            return False

@@ -1,0 +1,436 @@
+"""The main window: chat list | conversation and composer | right docks (model and optimizations; the HUD).
+
+The window only arranges widgets and routes signals: the conversation logic is ui.chat_flow.ChatFlow, the
+engine is behind the controller (app.worker.EngineController), which never blocks this thread.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any, Callable, Optional
+
+from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QActionGroup, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QDockWidget, QHBoxLayout, QLabel, QMainWindow, QPushButton, QSplitter, QVBoxLayout, QWidget,
+)
+
+from app.settings import SettingsError
+from app.store import StoreError
+from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams
+from ui.chat_flow import ChatFlow
+from ui.chat_list import ChatEntry, ChatList
+from ui.chat_view import ChatView
+from ui.composer import Composer
+from ui.dialogs import ChatSettingsDialog, ProgressDialog, show_error
+from ui.model_panel import ModelPanel, source_label
+from ui.stats import options_label
+from ui.theme import THEME_CHOICES, ThemeManager
+from ui.toggles import TogglesPanel
+
+log = logging.getLogger(__name__)
+
+RECENT_MAX = 8
+
+
+class MainWindow(QMainWindow):
+    closed = Signal()
+
+    def __init__(self, store: Any, controller: Any, settings: Any, save_settings: Callable[[Any], None],
+                 theme: ThemeManager, default_sampling: SamplingParams, hud: Optional[QWidget] = None,
+                 fetcher: Any = None, recent: Optional[Callable[[], list[str]]] = None,
+                 remember: Optional[Callable[[str], None]] = None):
+        super().__init__()
+        self.setWindowTitle("Gapless")
+        self.setObjectName("mainWindow")
+        self.store = store
+        self.controller = controller
+        self.settings = settings
+        self._save_settings = save_settings
+        self.theme = theme
+        self.hud = hud
+        self.fetcher = fetcher
+        self._recent = recent or (lambda: [])
+        self._remember = remember or (lambda _s: None)
+        self.flow = ChatFlow(store, controller, default_sampling, self)
+        self._loading: Optional[str] = None  # the source being loaded
+        self._fetch_dialog: Optional[ProgressDialog] = None
+        self._fetching = False
+        self._search = ""
+        self._generation_labels: dict[int, str] = {}
+        self._build(settings)
+        self._wire()
+        self._shortcuts()
+        self._menus()
+        self.refresh_chats()
+        self.flow.new_chat()
+        self._update_can_send()
+        self._restore_layout()
+
+    # ---- building ------------------------------------------------------------------------------------
+
+    def _build(self, settings: Any) -> None:
+        self.chat_list = ChatList(self)
+        self.chat_view = ChatView(self.theme.colors, self)
+        self.composer = Composer(settings.send_with, self)
+        self.chat_title = QLabel("New chat", self)
+        self.chat_title.setObjectName("chatTitle")
+        self.chat_settings_button = QPushButton("Chat settings…", self)
+        self.chat_settings_button.clicked.connect(self.open_chat_settings)
+        self.composer.settings_button.hide()  # the header has it, next to the chat's title
+        header = QWidget(self)
+        header.setObjectName("chatHeader")
+        hl = QHBoxLayout(header)
+        hl.setContentsMargins(24, 8, 16, 8)
+        hl.addWidget(self.chat_title, 1)
+        hl.addWidget(self.chat_settings_button)
+        center = QWidget(self)
+        cl = QVBoxLayout(center)
+        cl.setContentsMargins(0, 0, 0, 0)
+        cl.setSpacing(0)
+        cl.addWidget(header)
+        cl.addWidget(self.chat_view, 1)
+        cl.addWidget(self.composer)
+        # Left: chats above the model (the model rarely changes; chats do, so they get the height).
+        self.model_panel = ModelPanel(self)
+        left = QWidget(self)
+        left.setObjectName("leftColumn")
+        ll = QVBoxLayout(left)
+        ll.setContentsMargins(0, 0, 0, 0)
+        ll.setSpacing(0)
+        ll.addWidget(self.chat_list, 1)
+        model_box = QVBoxLayout()
+        model_box.setContentsMargins(10, 0, 10, 10)
+        model_box.addWidget(self.model_panel)
+        ll.addLayout(model_box)
+        left.setMinimumWidth(220)
+        self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
+        self.splitter.setObjectName("mainSplitter")
+        self.splitter.addWidget(left)
+        self.splitter.addWidget(center)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes(settings.splitter_sizes.get("main", [260, 760]))
+        self.setCentralWidget(self.splitter)
+
+        # Right: the optimizations over the HUD, so a toggle and its effect are in view together.
+        self.toggles = TogglesPanel(settings.options(), self)
+        self.options_dock = QDockWidget("Optimizations", self)
+        self.options_dock.setObjectName("optionsDock")
+        self.options_dock.setWidget(self.toggles)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
+        self.hud_dock: Optional[QDockWidget] = None
+        if self.hud is not None:
+            self.hud_dock = QDockWidget("Performance", self)
+            self.hud_dock.setObjectName("hudDock")
+            self.hud_dock.setWidget(self.hud)
+            self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.hud_dock)
+            self.hud_dock.setVisible(settings.hud_visible)
+        self.status = QLabel("", self)
+        self.statusBar().addWidget(self.status, 1)
+        self.model_status = QLabel("No model", self)
+        self.statusBar().addPermanentWidget(self.model_status)
+        self.resize(1440, 900)
+        self.resizeDocks([self.options_dock], [440], Qt.Orientation.Horizontal)
+
+    def _wire(self) -> None:
+        f, v, c = self.flow, self.chat_view, self.controller
+        self.chat_list.chatSelected.connect(f.open_chat)
+        self.chat_list.newChatRequested.connect(self.new_chat)
+        self.chat_list.renameRequested.connect(f.rename_chat)
+        self.chat_list.deleteRequested.connect(f.delete_chat)
+        self.chat_list.searchChanged.connect(self._search_changed)
+        f.chatsChanged.connect(self.refresh_chats)
+        f.chatOpened.connect(self._chat_opened)
+        f.threadChanged.connect(v.set_messages)
+        f.streamStarted.connect(v.begin_stream)
+        f.streamDelta.connect(v.append_stream)
+        f.streamFinished.connect(v.finish_stream)
+        f.candidatesFinished.connect(self._candidates_finished)
+        f.generatingChanged.connect(self._generating_changed)
+        f.failed.connect(self._failed)
+        v.editSubmitted.connect(f.edit)
+        v.regenerateRequested.connect(f.regenerate)
+        v.deleteRequested.connect(f.delete_message)
+        v.siblingRequested.connect(f.step_sibling)
+        v.candidateChosen.connect(f.choose_candidate)
+        self.composer.sendRequested.connect(f.send)
+        self.composer.stopRequested.connect(f.stop)
+        self.model_panel.openRequested.connect(self.load_model)
+        self.toggles.optionsChanged.connect(self._options_chosen)
+        self.theme.changed.connect(v.set_colors)
+
+        c.loadStarted.connect(self._load_started)
+        c.progress.connect(self._progress)
+        c.loaded.connect(self._loaded)
+        c.loadFailed.connect(self._load_failed)
+        c.reconfigured.connect(self._reconfigured)
+        c.reconfigureFailed.connect(self.toggles.set_failed)
+        c.generationStarted.connect(self._generation_started)
+        c.generationFinished.connect(self._generation_finished)
+        if self.hud is not None:
+            c.steps.connect(lambda _rid, records: self.hud.add_steps(records))
+            c.samples.connect(self.hud.add_samples)
+            c.ladderProgress.connect(self.hud.set_ladder_progress)
+            c.ladderFinished.connect(self.hud.set_ladder_results)
+            c.ladderFailed.connect(lambda msg: self._failed(f"The ladder failed: {msg}"))
+            self.hud.runLadderRequested.connect(self.run_ladder)
+            self.hud.cancelLadderRequested.connect(c.cancel_ladder)
+        if self.fetcher is not None:
+            self.fetcher.progress.connect(self._fetch_progress)
+            self.fetcher.finished.connect(self._fetch_finished)
+            self.fetcher.failed.connect(self._fetch_failed)
+
+    def _shortcuts(self) -> None:
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.flow.stop,
+                  context=Qt.ShortcutContext.WindowShortcut)
+        QShortcut(QKeySequence.StandardKey.New, self, activated=self.new_chat)
+        QShortcut(QKeySequence.StandardKey.Find, self, activated=self.chat_list.focus_search)
+
+    def _menus(self) -> None:
+        bar = self.menuBar()
+        file = bar.addMenu("&File")
+        file.addAction("New chat", self.new_chat).setShortcutVisibleInContextMenu(True)
+        file.addAction("Open GGUF…", self.model_panel._open_file)
+        file.addAction("Open model folder…", self.model_panel._open_folder)
+        file.addAction("Load the default model", lambda: self.load_model("default"))
+        file.addSeparator()
+        file.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
+        chat = bar.addMenu("&Chat")
+        chat.addAction("Chat settings…", self.open_chat_settings)
+        chat.addAction("Stop the answer (Esc)", self.flow.stop)
+        chat.addAction("Search chats (Ctrl+F)", self.chat_list.focus_search)
+        view = bar.addMenu("&View")
+        themes = QActionGroup(self)
+        for choice in THEME_CHOICES:
+            act = QAction(f"{choice.capitalize()} theme" if choice != "system" else "Follow the system theme", self, checkable=True)
+            act.setChecked(self.theme.choice == choice)
+            act.triggered.connect(lambda _c=False, choice=choice: self.set_theme(choice))
+            themes.addAction(act)
+            view.addAction(act)
+        view.addSeparator()
+        sends = QActionGroup(self)
+        for key, label in (("enter", "Send with Enter"), ("ctrl+enter", "Send with Ctrl+Enter")):
+            act = QAction(label, self, checkable=True)
+            act.setChecked(self.settings.send_with == key)
+            act.triggered.connect(lambda _c=False, key=key: self.set_send_with(key))
+            sends.addAction(act)
+            view.addAction(act)
+        view.addSeparator()
+        view.addAction(self.options_dock.toggleViewAction())
+        if self.hud_dock is not None:
+            view.addAction(self.hud_dock.toggleViewAction())
+
+    # ---- chats ---------------------------------------------------------------------------------------
+
+    def new_chat(self) -> None:
+        self.flow.new_chat()
+        self.composer.edit.setFocus()
+
+    def refresh_chats(self) -> None:
+        try:
+            chats = self.store.list_chats(self._search)
+        except StoreError as exc:
+            self._failed(str(exc))
+            return
+        self.chat_list.set_chats([ChatEntry(c.id, c.title, c.updated) for c in chats], self.flow.chat_id)
+        if self.flow.chat_id is not None:
+            title = next((c.title for c in chats if c.id == self.flow.chat_id), None)
+            if title is not None:
+                self.chat_title.setText(title)
+
+    def _search_changed(self, text: str) -> None:
+        self._search = text
+        self.refresh_chats()
+
+    def _chat_opened(self, chat_id: Optional[int]) -> None:
+        self.chat_title.setText(self.store.get_chat(chat_id).title if chat_id is not None else "New chat")
+        self.refresh_chats()
+
+    def open_chat_settings(self) -> None:
+        info: Optional[ModelInfo] = self.controller.info
+        dialog = ChatSettingsDialog(self.flow.system_prompt(), self.flow.sampling(),
+                                    info.context_length if info else None, self)
+        dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values()))
+        dialog.open()
+        self._chat_settings_dialog = dialog  # kept for tests and so it is not collected while open
+
+    # ---- generation ----------------------------------------------------------------------------------
+
+    def _generating_changed(self, generating: bool) -> None:
+        self.composer.set_generating(generating)
+        self.chat_view.set_busy(generating)
+        self.model_panel.set_busy(generating)
+        self.chat_list.new_button.setEnabled(True)
+        self.status.setText("Answering…" if generating else "")
+
+    def _generation_started(self, request_id: int, options: EngineOptions) -> None:
+        label = f"#{request_id} {options_label(options.to_dict())}"
+        self._generation_labels[request_id] = label
+        if self.hud is not None:
+            self.hud.begin_generation(label, options)
+
+    def _generation_finished(self, request_id: int, result: GenerationResult) -> None:
+        label = self._generation_labels.pop(request_id, f"#{request_id}")
+        self.toggles.progress.hide()
+        if self.hud is not None:
+            self.hud.end_generation(result.metrics, result.options, label)
+        if result.notices:
+            self.status.setText(" · ".join(result.notices))
+        if result.unavailable:
+            self.toggles.set_unavailable(result.unavailable)
+
+    def _candidates_finished(self, result: GenerationResult) -> None:
+        self.chat_view.finish_candidates(result.texts, result.metrics.to_dict(), result.options.to_dict(),
+                                         result.options.device, result.finish_reasons, can_choose=True)
+        self.status.setText(f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it")
+
+    def run_ladder(self) -> None:
+        """The HUD's "Run ladder": the last user prompt of this chat (or a fixed one) through every preset."""
+        prompt = next((m.content for m in reversed(self.chat_view.items()) if m.role == "user"),
+                      "Explain in three sentences why the sky is blue.")
+        self.controller.run_ladder([{"role": "user", "content": prompt}], self.flow.sampling())
+
+    def _failed(self, message: str) -> None:
+        self.status.setText(message)
+        show_error(self, "Gapless", message)
+
+    # ---- model ---------------------------------------------------------------------------------------
+
+    def load_model(self, source: str) -> None:
+        if self.flow.generating:
+            self.flow.stop()
+        if source == "default" and self.fetcher is not None and not self.fetcher.is_cached():
+            self._start_fetch()
+            return
+        self.controller.load(source, self.toggles.options)
+
+    def _start_fetch(self) -> None:
+        size = self.fetcher.size_text()
+        self._fetch_dialog = ProgressDialog(
+            "Downloading the default model",
+            f"Gapless needs a model to chat with. Downloading SmolLM2-135M-Instruct ({size}, Apache-2.0) "
+            "into the model cache; it is verified before use.", True, self)
+        self._fetch_dialog.cancelRequested.connect(self.fetcher.cancel)
+        self._fetch_dialog.open()
+        self.model_panel.set_loading("default")
+        self._fetching = True
+        self._update_can_send()
+        self.fetcher.start()
+
+    def _fetch_progress(self, p: Progress) -> None:
+        if self._fetch_dialog is not None:
+            self._fetch_dialog.set_progress(p)
+        self.model_panel.set_progress(p)
+
+    def _fetch_finished(self, _path: str) -> None:
+        self._close_fetch_dialog()
+        self.controller.load("default", self.toggles.options)
+
+    def _fetch_failed(self, message: str) -> None:
+        cancelled = self._fetch_dialog is not None and self._fetch_dialog.cancelled
+        self._close_fetch_dialog()
+        self.model_panel.set_failed("default", message)
+        if not cancelled:
+            show_error(self, "Download failed", f"{message}\n\nOpen a model with File ▸ Open GGUF…, or try again "
+                                                "with File ▸ Load the default model.")
+        self._update_can_send()
+
+    def _close_fetch_dialog(self) -> None:
+        self._fetching = False
+        if self._fetch_dialog is not None:
+            self._fetch_dialog.done(0)
+            self._fetch_dialog.deleteLater()
+            self._fetch_dialog = None
+
+    def _load_started(self, source: str) -> None:
+        self._loading = source
+        self.model_panel.set_loading(source)
+        self.model_status.setText(f"Loading {source_label(source)}…")
+        self._update_can_send()
+
+    def _progress(self, p: Progress) -> None:
+        if self._loading is not None:
+            self.model_panel.set_progress(p)
+        else:  # reconfigure, recompile, recapture
+            self.toggles.set_progress(p)
+            if p.fraction is not None and p.fraction >= 1.0:
+                QTimer.singleShot(600, self.toggles.progress.hide)
+
+    def _loaded(self, info: ModelInfo, unavailable: dict) -> None:
+        source = self._loading or info.source
+        self._loading = None
+        self.model_panel.set_loaded(info)
+        self.toggles.set_applied(self.controller.options, {})
+        self.toggles.reset_unavailable(unavailable)
+        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}")
+        self.settings.last_model = source
+        self._remember(source)
+        self.model_panel.set_recent(self._recent())
+        self._update_can_send()
+        self._persist()
+
+    def _load_failed(self, source: str, message: str) -> None:
+        self._loading = None
+        self.model_panel.set_failed(source, message)
+        info = self.controller.info
+        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}" if info else "No model")
+        self._update_can_send()
+        show_error(self, "Model not loaded", f"Could not load {source}:\n{message}"
+                   + (f"\n\n{info.name} is still loaded." if info else ""))
+
+    def _options_chosen(self, options: EngineOptions) -> None:
+        self.settings.engine_options = options.to_dict()
+        self.controller.reconfigure(options)
+
+    def _reconfigured(self, options: EngineOptions, unavailable: dict) -> None:
+        self.toggles.set_applied(options, unavailable)
+        self.settings.engine_options = options.to_dict()
+
+    def _update_can_send(self) -> None:
+        if self._fetching:
+            self.composer.set_can_send(False, "Downloading the default model…")
+        elif self._loading is not None:
+            self.composer.set_can_send(False, f"Loading {source_label(self._loading)}…")
+        elif self.controller.info is None:
+            self.composer.set_can_send(False, "No model loaded: open one in the model panel (bottom left)")
+        else:
+            self.composer.set_can_send(True)
+
+    # ---- settings ------------------------------------------------------------------------------------
+
+    def set_theme(self, choice: str) -> None:
+        self.theme.set_choice(choice)
+        self.settings.theme = choice
+        self._persist()
+
+    def set_send_with(self, key: str) -> None:
+        self.composer.set_send_with(key)
+        self.settings.send_with = key
+        self._persist()
+
+    def _restore_layout(self) -> None:
+        s = self.settings
+        if s.window_geometry:
+            self.restoreGeometry(QByteArray(base64.b64decode(s.window_geometry)))
+        if s.window_state:
+            self.restoreState(QByteArray(base64.b64decode(s.window_state)))
+        self.model_panel.set_recent(self._recent())
+
+    def _persist(self) -> None:
+        s = self.settings
+        s.window_geometry = base64.b64encode(bytes(self.saveGeometry())).decode("ascii")
+        s.window_state = base64.b64encode(bytes(self.saveState())).decode("ascii")
+        s.splitter_sizes = {**s.splitter_sizes, "main": [int(x) for x in self.splitter.sizes()]}
+        if self.hud_dock is not None:
+            s.hud_visible = self.hud_dock.isVisible()
+        try:
+            self._save_settings(s)
+        except SettingsError as exc:  # a read-only or full disk: the app keeps running
+            log.error("%s", exc)
+            self.status.setText(str(exc))
+
+    def closeEvent(self, event) -> None:
+        self.flow.stop()
+        self._persist()
+        self.closed.emit()
+        super().closeEvent(event)
