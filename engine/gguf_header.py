@@ -195,12 +195,15 @@ def can_dequantise(type_id: int) -> bool:
 
 
 def check_gguf(path: Path, supported_architectures: set[str]) -> GGUFHeader:
-    """The header of `path`, after checking it can be loaded here: architecture, quantisation, completeness."""
+    """The header of `path`, after checking it can be loaded here: architecture, quantisation, completeness.
+
+    Architecture names match with "-" and "_" ignored: llama.cpp writes "qwen2moe" where transformers says
+    "qwen2_moe"."""
     header = read_gguf_header(path)
     label = header.path.name
     if not header.architecture:
         raise ModelLoadError(f"{label}: corrupt GGUF header (no general.architecture)")
-    if header.architecture not in supported_architectures:
+    if _plain(header.architecture) not in {_plain(a) for a in supported_architectures}:
         raise ModelLoadError(
             f"{label}: unsupported GGUF architecture {header.architecture!r} "
             f"(this transformers reads: {', '.join(sorted(supported_architectures))})"
@@ -217,3 +220,7 @@ def check_gguf(path: Path, supported_architectures: set[str]) -> GGUFHeader:
             f"{label}: truncated GGUF file ({header.file_size} bytes; its tensors need {end} bytes)"
         )
     return header
+
+
+def _plain(name: str) -> str:
+    return name.replace("-", "").replace("_", "").lower()

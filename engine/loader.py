@@ -125,11 +125,10 @@ def _load_gguf(path: Path, report: ProgressFn, kind: str) -> Checkpoint:
 
 
 def gguf_architectures() -> set[str]:
-    """The GGUF architecture names this transformers reads, spelled both ways (it maps "qwen2moe" to "qwen2_moe")."""
+    """The GGUF architectures the installed transformers reads (its mapping table also holds two non-model keys)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    names = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer", "tokenizer_config"}
-    return names | {n.replace("_", "") for n in names} | {n.replace("_", "-") for n in names}
+    return set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer", "tokenizer_config"}
 
 
 # ---- Hugging Face folder ---------------------------------------------------------------------------------

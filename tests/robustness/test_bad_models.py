@@ -1,0 +1,298 @@
+"""Bad model files: each is refused with the exact error class and a one-line message naming the problem.
+
+Pickles carry a live payload (unpickling it creates a marker file; a control test proves that it does), so a
+refusal that happened after unpickling would leave the marker behind."""
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.errors import ModelLoadError, UnsafeModelError
+from engine.loader import load_checkpoint
+from gguf_fixtures import hf_llama_to_gguf
+
+
+class Payload:
+    """Unpickling this creates `marker`: what a malicious checkpoint would do, harmlessly."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _refused(cls: type, source, match: str) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_checkpoint(str(source))
+    assert type(info.value) is cls, f"{type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    assert "\n" not in message
+    assert match.lower() in message.lower(), message
+    return message
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    path = tmp_path / "PAYLOAD_RAN"
+    yield path
+    assert not path.exists(), "a pickle payload was executed"
+
+
+def test_payload_is_live(tmp_path):
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(Payload(control)))
+    assert control.exists()
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".PT"])
+def test_pickle_file_is_refused_before_unpickling(tmp_path, marker, suffix):
+    path = tmp_path / f"model{suffix}"
+    torch.save({"weight": Payload(marker)}, path)  # the zip + pickle format of a real checkpoint
+    _refused(UnsafeModelError, path, "pickle")
+
+
+def test_bare_pickle_without_suffix_is_recognised(tmp_path, marker):
+    path = tmp_path / "model"
+    path.write_bytes(pickle.dumps({"weight": Payload(marker)}, protocol=4))
+    _refused(UnsafeModelError, path, "pickle")
+
+
+def test_zip_pickle_without_suffix_is_recognised(tmp_path, marker):
+    path = tmp_path / "weights"
+    torch.save({"weight": Payload(marker)}, path)
+    _refused(UnsafeModelError, path, "pickle")
+
+
+def test_folder_with_only_pickle_weights(tiny_llama, tmp_path, marker):
+    folder = shutil.copytree(tiny_llama, tmp_path / "pickled")
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, folder / "pytorch_model.bin")
+    message = _refused(UnsafeModelError, folder, "pickle")
+    assert "pytorch_model.bin" in message
+
+
+def test_folder_with_safetensors_and_pickle_uses_safetensors(tiny_llama, tmp_path, marker):
+    folder = shutil.copytree(tiny_llama, tmp_path / "both")
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, folder / "pytorch_model.bin")
+    assert load_checkpoint(str(folder)).source_kind == "hf-folder"
+
+
+def test_pickle_disguised_as_gguf(tmp_path, marker):
+    path = tmp_path / "model.gguf"
+    torch.save({"weight": Payload(marker)}, path)
+    _refused(ModelLoadError, path, "not a GGUF file")
+
+
+def test_pickle_disguised_as_safetensors(tiny_llama, tmp_path, marker):
+    folder = shutil.copytree(tiny_llama, tmp_path / "disguised")
+    torch.save({"weight": Payload(marker)}, folder / "model.safetensors")
+    _refused(ModelLoadError, folder, "model.safetensors is not a readable safetensors file")
+
+
+def _remote_code_folder(tiny_llama: Path, dest: Path, marker: Path, model_type: str) -> Path:
+    folder = shutil.copytree(tiny_llama, dest)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = model_type
+    cfg["architectures"] = ["EvilForCausalLM"]
+    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code = f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+    (folder / "configuration_evil.py").write_text(code + "class EvilConfig: pass\n")
+    (folder / "modeling_evil.py").write_text(code + "class EvilForCausalLM: pass\n")
+    return folder
+
+
+def test_folder_asking_for_remote_code(tiny_llama, tmp_path, marker):
+    folder = _remote_code_folder(tiny_llama, tmp_path / "remote", marker, model_type="evil")
+    message = _refused(UnsafeModelError, folder, "remote code")
+    assert "'evil'" in message and "never runs code" in message
+
+
+def test_remote_code_ignored_when_the_model_type_is_native(tiny_llama, tmp_path, marker):
+    folder = _remote_code_folder(tiny_llama, tmp_path / "native", marker, model_type="llama")
+    ck = load_checkpoint(str(folder))
+    assert type(ck.config).__name__ == "LlamaConfig"
+
+
+def test_tokenizer_asking_for_remote_code(tiny_llama, tmp_path, marker):
+    folder = shutil.copytree(tiny_llama, tmp_path / "remote-tokenizer")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "EvilTokenizer"
+    cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "tokenization_evil.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).touch()\n")
+    _refused(UnsafeModelError, folder, "tokenizer asks for remote code")
+
+
+def test_missing_path(tmp_path):
+    _refused(ModelLoadError, tmp_path / "nowhere" / "model.gguf", "model not found")
+
+
+def test_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _refused(ModelLoadError, tmp_path / "empty", "no model weights")
+
+
+def test_directory_with_config_but_no_weights(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "noweights")
+    (folder / "model.safetensors").unlink()
+    _refused(ModelLoadError, folder, "no model weights")
+
+
+def test_directory_holding_a_gguf_points_to_it(tiny_gguf, tmp_path):
+    folder = tmp_path / "ggufdir"
+    folder.mkdir()
+    shutil.copy(tiny_gguf, folder / "x.gguf")
+    _refused(ModelLoadError, folder, "choose the file itself (x.gguf)")
+
+
+def test_unknown_file_type(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    _refused(ModelLoadError, path, "not a model Gapless can load")
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
+    return hf_llama_to_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+def test_truncated_gguf_data(tiny_gguf, tmp_path, keep):
+    data = tiny_gguf.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    message = _refused(ModelLoadError, path, "truncated GGUF file")
+    assert "cut.gguf" in message
+
+
+def test_truncated_gguf_header(tiny_gguf, tmp_path):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(tiny_gguf.read_bytes()[:300])
+    _refused(ModelLoadError, path, "truncated GGUF file (the header ends past the end")
+
+
+def test_gguf_with_corrupt_magic(tiny_gguf, tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUX" + tiny_gguf.read_bytes()[4:])
+    _refused(ModelLoadError, path, "corrupt header, not a GGUF file")
+
+
+def test_gguf_with_garbage_counts(tiny_gguf, tmp_path):
+    data = bytearray(tiny_gguf.read_bytes())
+    data[8:16] = (2**62).to_bytes(8, "little")  # tensor count
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(bytes(data))
+    _refused(ModelLoadError, path, "corrupt GGUF header")
+
+
+def test_gguf_with_unknown_version(tiny_gguf, tmp_path):
+    data = bytearray(tiny_gguf.read_bytes())
+    data[4:8] = (7).to_bytes(4, "little")
+    path = tmp_path / "v7.gguf"
+    path.write_bytes(bytes(data))
+    _refused(ModelLoadError, path, "unsupported GGUF version 7")
+
+
+def test_empty_gguf(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    _refused(ModelLoadError, path, "empty")
+
+
+def test_gguf_with_unsupported_quantisation(tiny_llama, tmp_path):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "q81.gguf", tensor_types={"blk.0.attn_q.weight": "Q8_1"})
+    message = _refused(ModelLoadError, path, "unsupported GGUF quantisation Q8_1")
+    assert "blk.0.attn_q.weight" in message
+
+
+def test_gguf_with_unsupported_architecture(tiny_llama, tmp_path):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "odd.gguf", architecture="gapless-mystery")
+    message = _refused(ModelLoadError, path, "unsupported GGUF architecture 'gapless-mystery'")
+    assert "llama" in message and "qwen2" in message
+
+
+# ---- safetensors folders ---------------------------------------------------------------------------------
+
+
+def test_safetensors_shapes_do_not_match_the_config(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "shapes")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 96  # the stored MLP weights are 128 wide
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _refused(
+        ModelLoadError, folder, "tensor model.layers.0.mlp.down_proj.weight has shape [64, 128] but the config expects [64, 96]"
+    )
+
+
+def test_missing_weights_are_named(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_llama, tmp_path / "missing")
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    _refused(ModelLoadError, folder, "missing weights: model.layers.1.mlp.up_proj.weight")
+
+
+def test_untied_config_without_lm_head(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "untied")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _refused(ModelLoadError, folder, "missing weights: lm_head.weight")
+
+
+def test_truncated_safetensors(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "cut")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _refused(ModelLoadError, folder, "model.safetensors")
+
+
+def test_index_naming_a_missing_shard(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "shards")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})
+    )
+    _refused(ModelLoadError, folder, "model-00002-of-00002.safetensors")
+
+
+@pytest.mark.parametrize(
+    "model_type, arch, match",
+    [
+        ("gapless_mystery", "MysteryForCausalLM", "unsupported architecture: model type 'gapless_mystery' (MysteryForCausalLM)"),
+        ("vit", "ViTModel", "ViTModel (model type 'vit') is not a causal language model"),
+        (None, "LlamaForCausalLM", "config.json has no model_type"),
+    ],
+)
+def test_unsupported_architecture_in_config(tiny_llama, tmp_path, model_type, arch, match):
+    folder = shutil.copytree(tiny_llama, tmp_path / "arch")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("model_type")
+    if model_type:
+        cfg["model_type"] = model_type
+    cfg["architectures"] = [arch]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _refused(ModelLoadError, folder, match)
+
+
+def test_config_that_is_not_json(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "badjson")
+    (folder / "config.json").write_text("{ not json")
+    _refused(ModelLoadError, folder, "config.json is not valid JSON")
+
+
+def test_broken_tokenizer(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "badtok")
+    (folder / "tokenizer.json").write_text("{ broken")
+    _refused(ModelLoadError, folder, "the tokenizer could not be loaded")
