@@ -1,0 +1,155 @@
+"""`gapless bench`: the optimization ladder and the transformers baseline, as a table and as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from engine.bench import DEFAULT_PROMPT, BenchConfig
+from engine.types import PRESETS
+
+NA = "n/a"
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets else tuple(PRESETS)
+    return BenchConfig(
+        model=args.model,
+        device=args.device,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        presets=presets,
+        candidates=args.candidates,
+        baseline=args.baseline,
+        compile=args.compile,
+        prompt=args.prompt or DEFAULT_PROMPT,
+    )
+
+
+def _num(v: Optional[float], fmt: str = "{:.1f}") -> str:
+    return NA if v is None else fmt.format(v)
+
+
+def _times(v: Optional[float]) -> str:
+    return NA if v is None else f"{v:.2f}×"
+
+
+def _bytes(v: Optional[float]) -> str:
+    if v is None:
+        return NA
+    return f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.0f} MiB"
+
+
+def describe_options(o: Optional[dict[str, Any]]) -> str:
+    if not o:
+        return ""
+    parts = [o["dtype"], f"kv {o['kv_cache']}", f"{o['sampling']} sampling"]
+    if o.get("compile"):
+        parts.append("compile")
+    if o.get("cuda_graph"):
+        parts.append("CUDA graph")
+    if o.get("candidates", 1) > 1:
+        parts.append(f"{o['candidates']} candidates")
+    return ", ".join(parts)
+
+
+def _first(rows: list[dict[str, Any]], key: str) -> Optional[str]:
+    return next((r["median"].get(key) for r in rows if r.get("median", {}).get(key)), None)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A Markdown table of the rungs and baselines, with notes that name every figure's source."""
+    rungs, baselines = report["rungs"], report["baselines"]
+    compiled = any(b["name"] == "transformers-static-compile" and b["status"] == "ok" for b in baselines)
+    head = ["rung", "options", "tokens", "decode tok/s", "× Naive", "× transformers"]
+    if compiled:
+        head.append("× transformers compiled")
+    head += ["TTFT ms", "gap %", "SM activity %", "GPU util %", "peak memory"]
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    for r in rungs:
+        label = r["label"]
+        if r["status"] != "ok":
+            notes.append(f"{label}: {r['status']}: {r['reason']}")
+            rows.append([label, f"{r['status']} ({len(notes)})"] + [""] * (len(head) - 2))
+            continue
+        m = r["median"]
+        opts = describe_options(r["options"])
+        for note in r.get("notes") or []:
+            notes.append(f"{label}: {note}")
+            opts += f" ({len(notes)})"
+        row = [label, opts, _num(m.get("new_tokens_total"), "{:.0f}"), _num(m.get("decode_tok_s")),
+               _times(r.get("speedup_vs_naive")), _times(r.get("speedup_vs_transformers"))]
+        if compiled:
+            row.append(_times(r.get("speedup_vs_transformers_compiled")))
+        row += [_num(m.get("ttft_ms")), _num(m.get("kernel_gap_pct")), _num(m.get("sm_activity_pct")),
+                _num(m.get("gpu_util_pct")), _bytes(m.get("peak_memory_bytes"))]
+        rows.append(row)
+    naive = report["ratios"].get("naive_decode_tok_s")
+    for b in baselines:
+        if b["status"] != "ok":
+            notes.append(f"{b['label']}: failed: {b['reason']}")
+            rows.append([b["label"], f"failed ({len(notes)})"] + [""] * (len(head) - 2))
+            continue
+        m, s = b["median"], b["settings"]
+        tok_s = m.get("decode_tok_s")
+        row = [b["label"], f"{s['dtype']}, {s['cache_implementation']} cache", _num(m.get("new_tokens_total"), "{:.0f}"),
+               _num(tok_s), _times(None if tok_s is None or not naive else tok_s / naive), "1.00×" if b["name"] == "transformers" else ""]
+        if compiled:
+            row.append("1.00×" if b["name"] == "transformers-static-compile" else "")
+        row += [_num(m.get("ttft_ms")), NA, _num(m.get("sm_activity_pct")), _num(m.get("gpu_util_pct")),
+                _bytes(m.get("peak_memory_bytes"))]
+        rows.append(row)
+
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows)]
+
+    everything = rungs + baselines
+    cfg = report["config"]
+    out.append("")
+    out.append(f"Model {report['model']['name']} ({report['model']['parameters'] / 1e6:.0f}M parameters) on "
+               f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {cfg['repeats']} runs "
+               f"after {cfg['warmup']} warm-up.")
+    out.append(report["dtype_note"] + ".")
+    out.append("decode tok/s, TTFT: " + report["method"] + ".")
+    sources = [("gap", "kernel_gap_source"), ("SM activity", "sm_activity_source"), ("GPU util", "gpu_util_source"),
+               ("peak memory", "peak_memory_source")]
+    for name, key in sources:
+        src = _first(rungs, key)
+        if src:
+            out.append(f"{name}: {src}.")
+        else:
+            metric = key.replace("_source", "_pct")
+            why = next((r["median"].get("unavailable", {}).get(metric) for r in everything
+                        if r.get("median", {}).get("unavailable", {}).get(metric)), None)
+            out.append(f"{name}: n/a" + (f" ({why})." if why else "."))
+    match = report.get("greedy_match_naive_vs_transformers")
+    if match:
+        out.append(f"Greedy tokens, Naive vs transformers: the first {match['matching_prefix']} of "
+                   f"{match['naive_tokens']} / {match['transformers_tokens']} agree.")
+    for i, note in enumerate(notes, 1):
+        out.append(f"({i}) {note}")
+    return "\n".join(out)
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from engine.bench import run_suite
+
+    config = config_from_args(args)
+    report = run_suite(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
+    print(format_table(report))
+    if args.json is not None:
+        write_json(args.json, report)
+        print(f"\nwritten: {args.json}")
+    return 0

@@ -1,0 +1,420 @@
+"""The optimization ladder and the transformers baseline, measured in one process on one prompt.
+
+Each rung is a preset of `engine.types.PRESETS`, run through the engine facade: one warm-up generation
+(compile, capture and the profiler's first start happen there) and then `repeats` timed generations, greedy,
+whose figures are the engine's own device-synchronised metrics; a rung's figure is the median over repeats.
+The baseline is transformers' `generate()` on the same weights, prompt ids and token count.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import torch
+
+from engine.telemetry.machine import describe_machine
+from engine.types import PRESET_LABELS, PRESETS, EngineOptions, SamplingParams, preset_options
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = (
+    "Write a detailed essay on the history of computing, from the abacus and mechanical calculators to "
+    "transistors, personal computers and today's GPUs."
+)
+DEFAULT_CANDIDATES = 4
+COMPILED_RUNGS = ("compile", "cuda-graph")
+CPU_DTYPE_NOTE = (
+    "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
+    "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
+)
+# Figures reduced to a median over the repeats of a rung.
+MEDIAN_FIELDS = (
+    "decode_tok_s", "ttft_ms", "prefill_tok_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "decode_seconds",
+    "kernel_gap_pct", "sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct", "peak_memory_bytes",
+    "new_tokens_total",
+)
+SOURCE_FIELDS = ("kernel_gap_source", "sm_activity_source", "gpu_util_source", "dram_bw_util_source",
+                 "peak_memory_source")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "default"
+    device: str = "auto"
+    max_new_tokens: int = 128
+    repeats: int = 3
+    warmup: int = 1
+    presets: tuple[str, ...] = tuple(PRESETS)
+    candidates: Optional[int] = None  # N of the candidates rung (default 4)
+    baseline: bool = True
+    compile: Optional[bool] = None  # None: on with CUDA, off on the CPU (a cold compile takes minutes there)
+    prompt: str = DEFAULT_PROMPT
+    profile_window: bool = True
+
+
+def median(values) -> Optional[float]:
+    """Median of the values that are not None; None when there are none."""
+    xs = [float(v) for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or not b > 0:
+        return None
+    return a / b
+
+
+def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-field median over repeated runs (GenerationMetrics dicts); sources from the first run that has one."""
+    out: dict[str, Any] = {f: median(r.get(f) for r in runs) for f in MEDIAN_FIELDS}
+    for f in SOURCE_FIELDS:
+        out[f] = next((r[f] for r in runs if r.get(f)), None)
+    reasons: dict[str, str] = {}
+    for r in runs:
+        for k, v in (r.get("unavailable") or {}).items():
+            reasons.setdefault(k, v)
+    out["unavailable"] = reasons
+    return out
+
+
+@dataclass
+class Rung:
+    name: str
+    label: str
+    status: str  # "ok" | "skipped" | "failed"
+    reason: Optional[str] = None  # why skipped or failed
+    options: Optional[dict[str, Any]] = None  # the options the engine ran with
+    notes: list[str] = field(default_factory=list)  # e.g. optimisations left out of the candidates rung
+    runs: list[dict[str, Any]] = field(default_factory=list)  # every timed repeat: metrics, tokens, finish
+    median: dict[str, Any] = field(default_factory=dict)
+    speedup_vs_naive: Optional[float] = None
+    speedup_vs_transformers: Optional[float] = None
+    speedup_vs_transformers_compiled: Optional[float] = None
+
+
+def compile_enabled(config: BenchConfig, device_type: str) -> bool:
+    return config.compile if config.compile is not None else device_type == "cuda"
+
+
+def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int]) -> EngineOptions:
+    """A preset's options for this bench: on CUDA as defined; on the CPU the half rung in bf16 and the
+    later rungs in fp32 (see CPU_DTYPE_NOTE)."""
+    opts = preset_options(name, base, candidates=candidates if candidates is not None else DEFAULT_CANDIDATES)
+    if device_type != "cuda" and opts.dtype == "fp16":
+        opts = replace(opts, dtype="bf16" if name == "half" else "fp32")
+    return opts
+
+
+def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
+              ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
+    """(options, skip reason, notes). A rung whose defining optimisation cannot run here is skipped; the
+    candidates rung keeps running without the optimisations this machine lacks, and says which."""
+    opts = rung_options(name, base, device_type, config.candidates)
+    notes: list[str] = []
+    compile_on = compile_enabled(config, device_type)
+    if name in COMPILED_RUNGS and not compile_on:
+        return None, "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)", notes
+    if name == "candidates" and not compile_on and opts.compile:
+        opts = replace(opts, compile=False, cuda_graph=False)
+        notes.append("without compile and CUDA graph (compile off for this bench)")
+    reasons = engine.unavailable(opts)
+    if reasons and name == "candidates":
+        for key, why in reasons.items():
+            if key in ("compile", "cuda_graph") and getattr(opts, key):
+                opts = replace(opts, **{key: False})
+                notes.append(f"without {key}: {why}")
+        reasons = engine.unavailable(opts)
+    if reasons:
+        return None, "; ".join(f"{k}: {v}" for k, v in reasons.items()), notes
+    return opts, None, notes
+
+
+def _run_rung(engine, rung: Rung, opts: EngineOptions, messages: list[dict], sampling: SamplingParams,
+              config: BenchConfig, progress: Progress) -> None:
+    engine.reconfigure(opts)
+    for i in range(config.warmup):
+        progress(f"{rung.name}: warm-up {i + 1}/{config.warmup}")
+        engine.generate(messages, sampling)
+    for i in range(config.repeats):
+        result = engine.generate(messages, sampling)
+        m = result.metrics.to_dict()
+        rung.options = result.options.to_dict()
+        rung.runs.append({"metrics": m, "new_tokens": m["new_tokens"], "finish_reasons": result.finish_reasons,
+                          "token_ids": result.token_ids, "unavailable_options": dict(result.unavailable)})
+        tok_s = m.get("decode_tok_s")
+        progress(f"{rung.name}: run {i + 1}/{config.repeats}: "
+                 f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s, {m['new_tokens_total']} tokens")
+    rung.median = median_metrics([r["metrics"] for r in rung.runs])
+
+
+def run_ladder(engine, config: BenchConfig, progress: Progress = log.info) -> list[Rung]:
+    """Every requested preset, in ladder order, on the loaded engine."""
+    device_type = torch.device(engine.info.device).type
+    base = EngineOptions(device=config.device, profile_window=config.profile_window)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
+    messages = [{"role": "user", "content": config.prompt}]
+    rungs: list[Rung] = []
+    for name in [p for p in PRESETS if p in config.presets]:
+        label = PRESET_LABELS[name]
+        opts, skip, notes = plan_rung(engine, name, base, device_type, config)
+        if opts is not None and opts.candidates > 1:
+            label = f"+ {opts.candidates} candidates"
+        rung = Rung(name, label, "skipped" if skip else "ok", reason=skip, notes=notes)
+        rungs.append(rung)
+        if skip:
+            progress(f"{name}: skipped: {skip}")
+            continue
+        try:
+            _run_rung(engine, rung, opts, messages, sampling, config, progress)
+        except (RuntimeError, ValueError) as exc:  # e.g. out of memory or a compile failure: record, go on
+            log.exception("bench rung %s failed", name)
+            rung.status, rung.reason = "failed", f"{type(exc).__name__}: {exc}"
+            progress(f"{name}: failed: {rung.reason}")
+    return rungs
+
+
+# ---- the transformers baseline ---------------------------------------------------------------------------
+
+
+@dataclass
+class Baseline:
+    name: str  # "transformers" | "transformers-static-compile"
+    label: str
+    status: str  # "ok" | "failed"
+    reason: Optional[str] = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    median: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory(device: torch.device) -> tuple[Optional[int], str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (this generation)"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS since start (getrusage)"
+
+
+def run_baseline(model, prompt_ids: list[int], eos_ids: list[int], n_tokens: int, device: torch.device,
+                 config: BenchConfig, static_compile: bool, monitor=None, progress: Progress = log.info) -> Baseline:
+    """transformers' generate(), greedy, exactly `n_tokens` new tokens (min_new_tokens = max_new_tokens).
+
+    TTFT is a 1-token generate(); decode tok/s is (n - 1) / (time of n tokens - time of 1 token), both
+    device-synchronised, so prefill is left out as in the engine's decode figure.
+    """
+    from transformers import GenerationConfig
+
+    name = "transformers-static-compile" if static_compile else "transformers"
+    label = "transformers generate(), static cache + compile" if static_compile else "transformers generate()"
+    settings: dict[str, Any] = {
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
+        "do_sample": False, "max_new_tokens": n_tokens, "min_new_tokens": n_tokens,
+        "cache_implementation": "static" if static_compile else "default (dynamic)",
+        "compile": ("transformers auto-compile of the forward with a static cache (CompileConfig defaults)"
+                    if static_compile else "off"),
+    }
+    base = Baseline(name, label, "ok", settings=settings)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    pad = eos_ids[0] if eos_ids else 0
+
+    def gen_config(n: int) -> GenerationConfig:
+        g = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=eos_ids or None,
+                             pad_token_id=pad)
+        if static_compile:
+            g.cache_implementation = "static"
+        return g
+
+    def timed(n: int) -> tuple[float, torch.Tensor, float, float]:
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config(n))
+        _sync(device)
+        t1 = time.perf_counter()
+        return t1 - t0, out, t0, t1
+
+    try:
+        with torch.inference_mode():
+            for i in range(config.warmup + (1 if static_compile else 0)):  # compile needs a second warm-up
+                progress(f"{name}: warm-up {i + 1}")
+                timed(1)
+                timed(n_tokens)
+            for i in range(config.repeats):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                first_s, _, _, _ = timed(1)
+                total_s, out, t0, t1 = timed(n_tokens)
+                new = out[0, len(prompt_ids):].tolist()
+                run: dict[str, Any] = {
+                    "ttft_ms": first_s * 1e3,
+                    "total_s": total_s,
+                    "new_tokens_total": len(new),
+                    "decode_tok_s": ratio(len(new) - 1, total_s - first_s),
+                }
+                run["peak_memory_bytes"], run["peak_memory_source"] = _peak_memory(device)
+                if monitor is not None:
+                    for metric, (value, source) in monitor.summary(t0, t1).items():
+                        run[metric] = value
+                        run[metric.replace("_pct", "_source")] = source
+                base.runs.append(run)
+                base.token_ids = new
+                tok_s = run["decode_tok_s"]
+                progress(f"{name}: run {i + 1}/{config.repeats}: {'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s")
+    except (RuntimeError, ValueError, TypeError) as exc:  # e.g. a compile failure: report it, keep the ladder
+        log.exception("baseline %s failed", name)
+        base.status, base.reason = "failed", f"{type(exc).__name__}: {exc}"
+        return base
+    base.median = {f: median(r.get(f) for r in base.runs)
+                   for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", "peak_memory_bytes",
+                             "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
+    for f in ("peak_memory_source", "gpu_util_source", "sm_activity_source", "dram_bw_util_source"):
+        base.median[f] = next((r[f] for r in base.runs if r.get(f)), None)
+    base.median["kernel_gap_pct"] = None
+    base.median["kernel_gap_source"] = "not traced inside transformers generate()"
+    return base
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy outputs share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- the whole run -----------------------------------------------------------------------------------------
+
+
+def validate(config: BenchConfig) -> BenchConfig:
+    from engine.errors import OptionsError
+
+    unknown = [p for p in config.presets if p not in PRESETS]
+    if unknown:
+        raise OptionsError(f"unknown preset(s): {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
+    if not config.presets:
+        raise OptionsError("no preset to run")
+    if config.repeats < 1 or config.warmup < 0:
+        raise OptionsError(f"repeats must be >= 1 and warm-up >= 0, got {config.repeats} and {config.warmup}")
+    if config.max_new_tokens < 2:
+        raise OptionsError(f"max_new_tokens must be >= 2 for a decode figure, got {config.max_new_tokens}")
+    if config.candidates is not None:
+        EngineOptions(candidates=config.candidates).validate()
+    if not config.prompt.strip():
+        raise OptionsError("the prompt is empty")
+    return config
+
+
+def add_ratios(rungs: list[Rung], baselines: list[Baseline]) -> dict[str, Any]:
+    """Speed-ups of every rung against Naive and the baselines, and the best rungs' figures."""
+    naive = next((r for r in rungs if r.name == "naive" and r.status == "ok"), None)
+    naive_tok_s = naive.median.get("decode_tok_s") if naive else None
+    by_name = {b.name: b.median.get("decode_tok_s") for b in baselines if b.status == "ok"}
+    for r in rungs:
+        if r.status != "ok":
+            continue
+        tok_s = r.median.get("decode_tok_s")
+        r.speedup_vs_naive = ratio(tok_s, naive_tok_s)
+        r.speedup_vs_transformers = ratio(tok_s, by_name.get("transformers"))
+        r.speedup_vs_transformers_compiled = ratio(tok_s, by_name.get("transformers-static-compile"))
+
+    def best(pred) -> Optional[dict[str, Any]]:
+        ok = [r for r in rungs if r.status == "ok" and r.median.get("decode_tok_s") is not None and pred(r)]
+        if not ok:
+            return None
+        r = max(ok, key=lambda x: x.median["decode_tok_s"])
+        return {"rung": r.name, "decode_tok_s": r.median["decode_tok_s"], "vs_naive": r.speedup_vs_naive,
+                "vs_transformers": r.speedup_vs_transformers,
+                "vs_transformers_compiled": r.speedup_vs_transformers_compiled,
+                "kernel_gap_pct": r.median.get("kernel_gap_pct")}
+
+    return {
+        "naive_decode_tok_s": naive_tok_s,
+        "transformers_decode_tok_s": by_name.get("transformers"),
+        "transformers_static_compile_decode_tok_s": by_name.get("transformers-static-compile"),
+        "best_single_stream": best(lambda r: (r.options or {}).get("candidates", 1) == 1),
+        "best_aggregate": best(lambda r: True),
+    }
+
+
+def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optional[list[str]] = None,
+              nvml: Any = None) -> dict[str, Any]:
+    """Load the model, run the ladder and the baselines, and return the report (plain JSON-able data)."""
+    from engine.engine import Engine
+    from engine.fallback import build_hf_model
+    from engine.loader import load_checkpoint
+    from engine.prompt import build_prompt
+    from engine.telemetry.monitor import Monitor
+
+    config = validate(config)
+    started = time.time()
+    engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window),
+                         progress=lambda p: progress(f"{p.stage}: {p.message}"))
+    try:
+        info = engine.info.to_dict()
+        device = torch.device(engine.info.device)
+        rungs = run_ladder(engine, config, progress)
+    finally:
+        engine.close()
+
+    messages = [{"role": "user", "content": config.prompt}]
+    baselines: list[Baseline] = []
+    prompt_ids: Optional[list[int]] = None
+    greedy_match: Optional[dict[str, int]] = None
+    if config.baseline:
+        ckpt = load_checkpoint(config.model, lambda p: progress(f"{p.stage}: {p.message}"))
+        prompt_ids = list(build_prompt(ckpt.tokenizer, messages, info["context_length"], config.max_new_tokens).ids)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32  # generate()'s usual choice per device
+        model = build_hf_model(ckpt.config, ckpt.state_dict, dtype, device)
+        eos_ids = list(ckpt.eos_token_ids)
+        del ckpt
+        monitor = Monitor(device, nvml=nvml)
+        monitor.start()
+        try:
+            baselines.append(run_baseline(model, prompt_ids, eos_ids, config.max_new_tokens, device, config,
+                                          static_compile=False, monitor=monitor, progress=progress))
+            if device.type == "cuda" and compile_enabled(config, device.type):
+                baselines.append(run_baseline(model, prompt_ids, eos_ids, config.max_new_tokens, device, config,
+                                              static_compile=True, monitor=monitor, progress=progress))
+        finally:
+            monitor.close()
+        naive = next((r for r in rungs if r.name == "naive" and r.runs), None)
+        plain = next((b for b in baselines if b.name == "transformers" and b.token_ids), None)
+        if naive is not None and plain is not None:
+            ours = naive.runs[0]["token_ids"][0]
+            greedy_match = {"matching_prefix": matching_prefix(ours, plain.token_ids), "naive_tokens": len(ours),
+                            "transformers_tokens": len(plain.token_ids)}
+
+    ratios = add_ratios(rungs, baselines)
+    return {
+        "command": command,
+        "created_unix": started,
+        "wall_seconds": time.time() - started,
+        "config": {**asdict(config), "presets": list(config.presets),
+                   "compile_rungs": compile_enabled(config, device.type)},
+        "machine": describe_machine(nvml=nvml),
+        "model": info,
+        "device": device.type,
+        "dtype_note": CPU_DTYPE_NOTE if device.type != "cuda" else "CUDA ladder: half-precision rungs in fp16",
+        "prompt": config.prompt,
+        "prompt_tokens_transformers": len(prompt_ids) if prompt_ids is not None else None,
+        "greedy_match_naive_vs_transformers": greedy_match,
+        "method": ("engine rungs: the engine's own metrics (device-synchronised; the profiled window's steps are "
+                   "excluded from decode tok/s), median of the repeats after warm-up; transformers: generate() "
+                   "greedy with min_new_tokens = max_new_tokens, decode tok/s = (n - 1) / (t(n tokens) - t(1 token))"),
+        "rungs": [asdict(r) for r in rungs],
+        "baselines": [asdict(b) for b in baselines],
+        "ratios": ratios,
+    }

@@ -1,0 +1,201 @@
+"""The bench: medians, ratios, rung planning, the table and the JSON; and a real run on a tiny model."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from app.cmd_bench import config_from_args, describe_options, format_table, write_json
+from engine.bench import (
+    Baseline,
+    BenchConfig,
+    Rung,
+    add_ratios,
+    matching_prefix,
+    median,
+    median_metrics,
+    ratio,
+    rung_options,
+    validate,
+)
+from engine.errors import OptionsError
+from engine.types import EngineOptions
+
+
+def test_median_and_ratio():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert median([None, 5.0, None]) == 5.0
+    assert median([]) is None and median([None]) is None
+    assert ratio(10.0, 4.0) == 2.5
+    assert ratio(None, 4.0) is None and ratio(1.0, None) is None and ratio(1.0, 0.0) is None
+
+
+def test_median_metrics_per_field_sources_and_reasons():
+    runs = [
+        {"decode_tok_s": 10.0, "ttft_ms": 50.0, "kernel_gap_pct": 80.0, "kernel_gap_source": "op gap — x",
+         "gpu_util_pct": None, "unavailable": {"gpu_util_pct": "no GPU"}, "new_tokens_total": 128},
+        {"decode_tok_s": 30.0, "ttft_ms": 40.0, "kernel_gap_pct": None, "kernel_gap_source": None,
+         "gpu_util_pct": None, "unavailable": {}, "new_tokens_total": 128},
+        {"decode_tok_s": 20.0, "ttft_ms": 45.0, "kernel_gap_pct": 70.0, "kernel_gap_source": "op gap — x",
+         "gpu_util_pct": None, "unavailable": {"gpu_util_pct": "no GPU"}, "new_tokens_total": 120},
+    ]
+    m = median_metrics(runs)
+    assert m["decode_tok_s"] == 20.0 and m["ttft_ms"] == 45.0
+    assert m["kernel_gap_pct"] == 75.0  # median of the two runs that measured it
+    assert m["kernel_gap_source"] == "op gap — x"
+    assert m["gpu_util_pct"] is None and m["unavailable"] == {"gpu_util_pct": "no GPU"}
+    assert m["new_tokens_total"] == 128
+
+
+def test_rung_options_cpu_dtypes():
+    base = EngineOptions(device="cpu", profile_window=False)
+    assert rung_options("naive", base, "cpu", None).dtype == "fp32"
+    assert rung_options("half", base, "cpu", None).dtype == "bf16"
+    first = rung_options("first-fixes", base, "cpu", None)
+    assert (first.dtype, first.kv_cache, first.sampling, first.profile_window) == ("fp32", "static", "device", False)
+    assert rung_options("candidates", base, "cpu", 8).candidates == 8
+    assert rung_options("candidates", base, "cpu", None).candidates == 4
+    cuda = EngineOptions(device="cuda")
+    assert rung_options("half", cuda, "cuda", None).dtype == "fp16"
+    assert rung_options("cuda-graph", cuda, "cuda", None).cuda_graph
+
+
+def test_validate_rejects_bad_configs():
+    with pytest.raises(OptionsError, match="unknown preset"):
+        validate(BenchConfig(presets=("naive", "turbo")))
+    with pytest.raises(OptionsError):
+        validate(BenchConfig(repeats=0))
+    with pytest.raises(OptionsError):
+        validate(BenchConfig(max_new_tokens=1))
+    with pytest.raises(OptionsError):
+        validate(BenchConfig(candidates=99))
+    assert validate(BenchConfig(presets=("naive",))).presets == ("naive",)
+
+
+def test_config_from_args():
+    args = argparse.Namespace(model="m.gguf", device="cpu", max_new_tokens=16, repeats=2, presets="naive, first-fixes",
+                              candidates=None, baseline=False, compile=None, prompt=None, json=None)
+    c = config_from_args(args)
+    assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
+    args.presets = None
+    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 7
+
+
+def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
+    r = Rung(name, label, status, reason=reason, options=options, notes=list(notes))
+    if status == "ok":
+        r.median = {"decode_tok_s": tok_s, "ttft_ms": 100.0, "kernel_gap_pct": gap,
+                    "kernel_gap_source": "op gap — torch.profiler CPU ops, 8-step window (sampled)" if gap else None,
+                    "sm_activity_pct": None, "gpu_util_pct": None, "peak_memory_bytes": 3 * 2**30,
+                    "peak_memory_source": "process peak RSS since start (getrusage)", "new_tokens_total": 128.0,
+                    "unavailable": {"gpu_util_pct": "the engine runs on the CPU, not on a GPU",
+                                    "sm_activity_pct": "the engine runs on the CPU, not on a GPU"}}
+    return r
+
+
+def opts(**kw):
+    return EngineOptions(device="cpu", **kw).to_dict()
+
+
+def sample_report(with_compiled=False):
+    rungs = [
+        rung("naive", "Naive", 10.0, opts(dtype="fp32", kv_cache="dynamic", sampling="host"), gap=60.0),
+        rung("half", "+ half precision", 8.0, opts(dtype="bf16", kv_cache="dynamic", sampling="host"), gap=55.0),
+        rung("first-fixes", "Seeds' first fixes", 25.0, opts(dtype="fp32"), gap=20.0),
+        rung("compile", "+ compile", None, status="skipped", reason="compile off for this bench"),
+        rung("candidates", "+ 4 candidates", 60.0, opts(dtype="fp32", candidates=4), gap=10.0,
+             notes=["without cuda_graph: CUDA graphs need a CUDA device"]),
+    ]
+    baselines = [Baseline("transformers", "transformers generate()", "ok",
+                          settings={"dtype": "float32", "cache_implementation": "default (dynamic)"},
+                          median={"decode_tok_s": 20.0, "ttft_ms": 90.0, "new_tokens_total": 128.0,
+                                  "peak_memory_bytes": 2**29})]
+    if with_compiled:
+        baselines.append(Baseline("transformers-static-compile", "transformers generate(), static cache + compile",
+                                  "ok", settings={"dtype": "float16", "cache_implementation": "static"},
+                                  median={"decode_tok_s": 40.0, "ttft_ms": 30.0, "new_tokens_total": 128.0}))
+    ratios = add_ratios(rungs, baselines)
+    from dataclasses import asdict
+
+    return {
+        "rungs": [asdict(r) for r in rungs], "baselines": [asdict(b) for b in baselines], "ratios": ratios,
+        "config": {"max_new_tokens": 128, "repeats": 3, "warmup": 1},
+        "model": {"name": "SmolLM2-135M-Instruct.Q4_1", "parameters": 134_515_008}, "device": "cpu",
+        "dtype_note": "CPU ladder: bf16 half rung", "method": "medians",
+        "greedy_match_naive_vs_transformers": {"matching_prefix": 128, "naive_tokens": 128, "transformers_tokens": 128},
+    }, rungs
+
+
+def test_ratios_against_naive_and_transformers():
+    report, rungs = sample_report(with_compiled=True)
+    by = {r.name: r for r in rungs}
+    assert by["naive"].speedup_vs_naive == 1.0
+    assert by["first-fixes"].speedup_vs_naive == 2.5
+    assert by["first-fixes"].speedup_vs_transformers == 1.25
+    assert by["first-fixes"].speedup_vs_transformers_compiled == 25.0 / 40.0
+    assert by["compile"].speedup_vs_naive is None
+    r = report["ratios"]
+    assert r["best_single_stream"]["rung"] == "first-fixes" and r["best_single_stream"]["vs_naive"] == 2.5
+    assert r["best_aggregate"]["rung"] == "candidates" and r["best_aggregate"]["vs_transformers"] == 3.0
+    assert r["transformers_decode_tok_s"] == 20.0 and r["naive_decode_tok_s"] == 10.0
+
+
+def test_ratios_without_naive_or_baseline_are_none():
+    rungs = [rung("first-fixes", "Seeds' first fixes", 25.0, opts())]
+    ratios = add_ratios(rungs, [])
+    assert rungs[0].speedup_vs_naive is None and rungs[0].speedup_vs_transformers is None
+    assert ratios["naive_decode_tok_s"] is None and ratios["best_single_stream"]["decode_tok_s"] == 25.0
+
+
+def test_table_rows_figures_and_notes():
+    report, _ = sample_report()
+    table = format_table(report)
+    lines = table.splitlines()
+    assert lines[0].startswith("| rung ") and "× transformers compiled" not in lines[0]
+    row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == ["Seeds' first fixes", "fp32, kv static, device sampling", "128", "25.0", "2.50×", "1.25×",
+                     "100.0", "20.0", "n/a", "n/a", "3.00 GiB"]
+    skipped = next(line for line in lines if line.startswith("| + compile"))
+    assert "skipped (1)" in skipped
+    assert "(1) + compile: skipped: compile off for this bench" in table
+    assert "(2) + 4 candidates: without cuda_graph: CUDA graphs need a CUDA device" in table
+    base = next(line for line in lines if line.startswith("| transformers generate()"))
+    bcells = [c.strip() for c in base.strip("|").split("|")]
+    assert bcells[3:6] == ["20.0", "2.00×", "1.00×"] and bcells[7] == "n/a"
+    assert "gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "GPU util: n/a (the engine runs on the CPU, not on a GPU)." in table
+    assert "the first 128 of 128 / 128 agree" in table
+    assert len({len(line) for line in lines[:8]}) == 1  # aligned columns
+
+
+def test_table_with_compiled_baseline_has_its_column():
+    report, _ = sample_report(with_compiled=True)
+    lines = format_table(report).splitlines()
+    assert "× transformers compiled" in lines[0]
+    row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
+    assert "0.62×" in row
+
+
+def test_describe_options():
+    assert describe_options(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
+        "fp16, kv static, device sampling, compile, CUDA graph, 16 candidates")
+    assert describe_options(None) == ""
+
+
+def test_write_json_round_trip(tmp_path):
+    report, _ = sample_report()
+    path = tmp_path / "out" / "bench.json"
+    write_json(path, report)
+    back = json.loads(path.read_text(encoding="utf-8"))
+    assert back["rungs"][2]["speedup_vs_naive"] == 2.5
+    assert back["rungs"][3]["status"] == "skipped"
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_matching_prefix():
+    assert matching_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert matching_prefix([], [1]) == 0
+    assert matching_prefix([7, 8], [7, 8]) == 2
