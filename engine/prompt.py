@@ -1,0 +1,215 @@
+"""Chat messages -> prompt token ids: the model's chat template (or a plain format without one), cut to fit.
+
+Room for the answer: a prompt that is too long is cut until `max_new_tokens` more tokens fit in the context,
+but the reserve is capped at a quarter of the context. A long conversation is worth more than room for an answer
+of the full requested length; the engine still stops the answer at the end of the context.
+
+Cutting order: the oldest non-system messages go first (a leading assistant reply left without its question goes
+with it); the system prompt and the last user message stay. If those two alone are still too long, the last user
+message keeps its tail. Every cut is reported in `notices`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engine.errors import GenerationError
+from engine.types import ROLES
+
+FALLBACK_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # what was tokenized (for logs and debugging)
+    dropped_messages: int  # oldest messages removed to fit
+    notices: list[str] = field(default_factory=list)
+
+
+def prompt_budget(context_length: int, max_new_tokens: int) -> int:
+    """The most prompt tokens allowed: the context less room for the answer (at most a quarter of the context)."""
+    return context_length - min(max(max_new_tokens, 1), context_length // 4)
+
+
+def build_prompt(tokenizer, messages: list[dict], context_length: int, max_new_tokens: int, raw: bool = False) -> Prompt:
+    """Token ids for `messages` (dicts with "role" and "content"; the last from the user).
+
+    raw=True: the last user message only, tokenized as the tokenizer does by default (its special tokens, e.g.
+    BOS, included), no template: plain completion.
+    """
+    if context_length < 4:
+        raise GenerationError(f"the model's context ({context_length} tokens) is too short for a prompt")
+    msgs, notices = _clean(messages)
+    budget = prompt_budget(context_length, max_new_tokens)
+    if raw:
+        return _fit_raw(tokenizer, msgs[-1]["content"], budget, context_length, notices)
+    render = _renderer(tokenizer, msgs, notices)
+    return _fit(tokenizer, render, msgs, budget, context_length, notices)
+
+
+# ---- validation ------------------------------------------------------------------------------------------
+
+
+def _clean(messages: Any) -> tuple[list[dict], list[str]]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise GenerationError("empty prompt: no messages")
+    out, nuls, bad = [], 0, 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise GenerationError(f"message {i + 1} is not a {{role, content}} object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise GenerationError(f"message {i + 1}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise GenerationError(f"message {i + 1}: content must be text, got {type(content).__name__}")
+        nuls += content.count("\x00")
+        content = content.replace("\x00", "")
+        # lone surrogates (from JSON such as "\ud83d") cannot be encoded for the tokenizer
+        lone = sum(1 for ch in content if "\ud800" <= ch <= "\udfff")
+        if lone:
+            bad += lone
+            content = content.encode("utf-8", "replace").decode("utf-8")
+        if role == "system" and not content.strip():
+            continue  # an empty system prompt: let the template's default apply
+        out.append({"role": role, "content": content})
+    if not out or out[-1]["role"] != "user":
+        raise GenerationError("the last message must be from the user")
+    if not out[-1]["content"].strip():
+        raise GenerationError("empty prompt")
+    notices = []
+    if nuls:
+        notices.append(f"removed {nuls} NUL character{'s' if nuls > 1 else ''} from the prompt")
+    if bad:
+        notices.append(f"replaced {bad} invalid character{'s' if bad > 1 else ''} (lone surrogates) with '?'")
+    return out, notices
+
+
+# ---- rendering -------------------------------------------------------------------------------------------
+
+Render = Callable[[list[dict]], tuple[str, list[int]]]
+
+
+def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
+    if not getattr(tokenizer, "chat_template", None):
+
+        def plain(ms: list[dict]) -> tuple[str, list[int]]:
+            text = "\n\n".join(f"{FALLBACK_LABELS[m['role']]}: {m['content']}" for m in ms) + "\n\nAssistant:"
+            return text, list(tokenizer(text)["input_ids"])
+
+        return plain
+
+    import jinja2
+
+    def template(ms: list[dict]) -> tuple[str, list[int]]:
+        text = tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
+        # the template writes the special tokens (BOS included) itself: adding them again would double them
+        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    try:
+        template(msgs)
+        return template
+    except jinja2.TemplateError as exc:
+        if not any(m["role"] == "system" for m in msgs):
+            raise GenerationError(f"the model's chat template failed: {exc}") from exc
+        first_error = exc
+
+    def merged(ms: list[dict]) -> tuple[str, list[int]]:
+        return template(_merge_system(ms))
+
+    try:  # templates without a system role (Gemma, early Mistral) raise on one
+        merged(msgs)
+    except jinja2.TemplateError as exc:
+        raise GenerationError(f"the model's chat template failed: {first_error}") from exc
+    notices.append("this model's chat template has no system role: the system prompt was put before the first user message")
+    return merged
+
+
+def _merge_system(ms: list[dict]) -> list[dict]:
+    system = "\n\n".join(m["content"] for m in ms if m["role"] == "system")
+    rest = [dict(m) for m in ms if m["role"] != "system"]
+    if system:
+        first_user = next(i for i, m in enumerate(rest) if m["role"] == "user")
+        rest[first_user]["content"] = f"{system}\n\n{rest[first_user]['content']}"
+    return rest
+
+
+# ---- fitting ---------------------------------------------------------------------------------------------
+
+
+def _keep(msgs: list[dict], drop: int) -> tuple[list[dict], int]:
+    """`msgs` without its `drop` oldest non-system messages (and an assistant reply left leading). -> (kept, dropped)"""
+    history = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
+    gone = set(history[:drop])
+    for i in history[drop:]:
+        if msgs[i]["role"] != "assistant":
+            break
+        gone.add(i)
+    return [m for i, m in enumerate(msgs) if i not in gone], len(gone)
+
+
+def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]) -> Prompt:
+    text, ids = render(msgs)
+    if len(ids) <= budget:
+        return Prompt(ids, text, 0, notices)
+    droppable = sum(1 for m in msgs[:-1] if m["role"] != "system")
+    lo, hi = 1, droppable  # find the fewest dropped messages that fit (fewer dropped -> longer prompt)
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kept, dropped = _keep(msgs, mid)
+        t, i = render(kept)
+        if len(i) <= budget:
+            best, hi = (t, i, dropped), mid - 1
+        else:
+            lo = mid + 1
+    if best is not None:
+        t, i, dropped = best
+        notices.append(f"prompt cut to fit the {context}-token context: {_plural(dropped, 'oldest message')} dropped")
+        return Prompt(i, t, dropped, notices)
+    kept, dropped = _keep(msgs, droppable)
+    return _cut_last(tokenizer, render, kept, dropped, budget, context, notices)
+
+
+def _cut_last(tokenizer, render: Render, kept: list[dict], dropped: int, budget: int, context: int, notices: list[str]) -> Prompt:
+    """Keep the tail of the last user message so that the prompt fits."""
+    head = kept[:-1]
+    _, frame = render([*head, {"role": "user", "content": ""}])
+    room = budget - len(frame)
+    if room < 1:
+        raise GenerationError(
+            f"the system prompt and chat format take {len(frame)} tokens, leaving no room for the message "
+            f"in the {context}-token context"
+        )
+    content_ids = list(tokenizer(kept[-1]["content"], add_special_tokens=False)["input_ids"])
+    for _ in range(8):  # re-tokenizing a cut text can merge differently at the cut: shrink until it fits
+        tail = tokenizer.decode(content_ids[-room:]).lstrip("\ufffd")
+        text, ids = render([*head, {"role": "user", "content": tail}])
+        if len(ids) <= budget:
+            what = f"the last message was cut to its last {room} tokens"
+            if dropped:
+                what = f"{_plural(dropped, 'oldest message')} dropped and {what}"
+            notices.append(f"prompt cut to fit the {context}-token context: {what}")
+            return Prompt(ids, text, dropped, notices)
+        room -= max(len(ids) - budget, 1)
+        if room < 1:
+            break
+    raise GenerationError(f"the message cannot be cut to fit the {context}-token context")
+
+
+def _fit_raw(tokenizer, content: str, budget: int, context: int, notices: list[str]) -> Prompt:
+    ids = list(tokenizer(content)["input_ids"])
+    if len(ids) <= budget:
+        return Prompt(ids, content, 0, notices)
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    lead = 0
+    while lead < len(ids) and ids[lead] in specials:  # keep the tokenizer's own prefix (BOS)
+        lead += 1
+    kept = ids[:lead] + ids[len(ids) - (budget - lead) :]
+    text = tokenizer.decode(kept[lead:]).lstrip("\ufffd")
+    notices.append(f"prompt cut to fit the {context}-token context: kept its last {budget - lead} tokens")
+    return Prompt(kept, text, 0, notices)
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"

@@ -1,0 +1,216 @@
+"""Prompt building: chat template (token-exact against apply_chat_template), the plain fallback, raw mode,
+validation, odd characters, and cutting a long conversation to fit the context."""
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import GenerationError
+from engine.prompt import build_prompt, prompt_budget
+from tiny_models import CHATML, make_tokenizer
+
+NO_SYSTEM = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    tok = make_tokenizer()
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="module")
+def plain_tok():
+    tok = make_tokenizer()
+    assert not tok.chat_template
+    return tok
+
+
+def _template_ids(tok, messages) -> list[int]:
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 returns a BatchEncoding
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+SYSTEM = {"role": "system", "content": "You are brief."}
+CHAT = [SYSTEM, _user("hello world"), _assistant("the quick brown fox"), _user("Paris is the capital of France?")]
+
+
+def test_template_ids_equal_apply_chat_template(chat_tok):
+    p = build_prompt(chat_tok, CHAT, context_length=256, max_new_tokens=16)
+    assert p.ids == _template_ids(chat_tok, CHAT)
+    assert p.text == chat_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert p.text.endswith("<|im_start|>assistant\n")
+    assert p.dropped_messages == 0 and p.notices == []
+
+
+def test_extra_message_fields_are_ignored(chat_tok):
+    with_ids = [dict(m, id=n, metrics={"x": 1}) for n, m in enumerate(CHAT)]
+    assert build_prompt(chat_tok, with_ids, 256, 16).ids == _template_ids(chat_tok, CHAT)
+
+
+def test_empty_system_prompt_is_left_out(chat_tok):
+    msgs = [{"role": "system", "content": "  "}, _user("hello")]
+    assert build_prompt(chat_tok, msgs, 256, 16).ids == _template_ids(chat_tok, [_user("hello")])
+
+
+def test_fallback_format_without_a_template(plain_tok):
+    p = build_prompt(plain_tok, CHAT, 256, 16)
+    assert p.text == (
+        "System: You are brief.\n\nUser: hello world\n\nAssistant: the quick brown fox\n\n"
+        "User: Paris is the capital of France?\n\nAssistant:"
+    )
+    assert p.ids == plain_tok(p.text)["input_ids"]
+
+
+def test_raw_is_the_last_message_tokenized_by_default(chat_tok):
+    p = build_prompt(chat_tok, CHAT, 256, 16, raw=True)
+    assert p.text == "Paris is the capital of France?"
+    assert p.ids == chat_tok("Paris is the capital of France?")["input_ids"]
+    assert chat_tok.convert_tokens_to_ids("<|im_start|>") not in p.ids
+
+
+def test_template_without_system_role_gets_it_merged(chat_tok):
+    tok = make_tokenizer()
+    tok.chat_template = NO_SYSTEM
+    p = build_prompt(tok, CHAT, 256, 16)
+    merged = [_user("You are brief.\n\nhello world"), *CHAT[2:]]
+    assert p.ids == _template_ids(tok, merged)
+    assert any("no system role" in n for n in p.notices)
+
+
+@pytest.mark.parametrize("content", ["", "   \n\t", "\x00\x00", " \x00 "])
+def test_empty_prompt(chat_tok, content):
+    with pytest.raises(GenerationError, match="empty prompt"):
+        build_prompt(chat_tok, [SYSTEM, _user(content)], 256, 16)
+    with pytest.raises(GenerationError, match="empty prompt"):
+        build_prompt(chat_tok, [_user(content)], 256, 16, raw=True)
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "no messages"),
+        ([_user("hi"), _assistant("hello")], "last message must be from the user"),
+        ([SYSTEM], "last message must be from the user"),
+        ([{"role": "tool", "content": "x"}, _user("hi")], "role must be one of system, user, assistant"),
+        ([{"role": "user", "content": 42}], "content must be text"),
+        (["hi"], "not a {role, content} object"),
+    ],
+)
+def test_invalid_messages(chat_tok, messages, match):
+    with pytest.raises(GenerationError, match=match):
+        build_prompt(chat_tok, messages, 256, 16)
+
+
+def test_nul_characters_are_removed_with_a_notice(chat_tok):
+    p = build_prompt(chat_tok, [_user("hel\x00lo wor\x00ld")], 256, 16)
+    assert p.ids == _template_ids(chat_tok, [_user("hello world")])
+    assert p.notices == ["removed 2 NUL characters from the prompt"]
+
+
+def test_lone_surrogates_are_replaced(chat_tok):
+    p = build_prompt(chat_tok, [_user("hi \ud83d there")], 256, 16)
+    assert "hi ? there" in p.text
+    assert any("lone surrogates" in n for n in p.notices)
+
+
+def test_cjk_emoji_and_rtl_pass_through(chat_tok):
+    text = "日本語のテキスト 😀👍🏽 مرحبا بالعالم שלום"
+    p = build_prompt(chat_tok, [_user(text)], 512, 16)
+    assert p.notices == []
+    assert text in chat_tok.decode(p.ids)
+    assert p.ids == _template_ids(chat_tok, [_user(text)])
+
+
+def test_budget_keeps_room_for_the_answer_up_to_a_quarter_of_the_context():
+    assert prompt_budget(8192, 256) == 8192 - 256
+    assert prompt_budget(8192, 100_000) == 8192 - 2048
+    assert prompt_budget(100, 0) == 99
+
+
+def _long_chat(turns: int) -> list[dict]:
+    msgs = [SYSTEM]
+    for n in range(turns):
+        msgs += [_user(f"question {n}: the quick brown fox jumps over the lazy dog"), _assistant(f"answer {n}: hello world " * 3)]
+    return msgs + [_user("the final question: Paris?")]
+
+
+def test_oldest_messages_are_dropped_to_fit(chat_tok):
+    msgs = _long_chat(10)
+    full = len(_template_ids(chat_tok, msgs))
+    context, max_new = full // 2, 16
+    p = build_prompt(chat_tok, msgs, context, max_new)
+    budget = prompt_budget(context, max_new)
+    assert len(p.ids) <= budget
+    assert p.dropped_messages % 2 == 0 and p.dropped_messages > 0  # whole question/answer turns
+    kept = [SYSTEM, *msgs[1 + p.dropped_messages :]]
+    assert p.ids == _template_ids(chat_tok, kept)
+    # the fewest drops that fit: keeping one more turn would not
+    one_more = [SYSTEM, *msgs[1 + p.dropped_messages - 2 :]]
+    assert len(_template_ids(chat_tok, one_more)) > budget
+    assert p.notices == [f"prompt cut to fit the {context}-token context: {p.dropped_messages} oldest messages dropped"]
+
+
+def test_a_leading_assistant_reply_goes_with_its_question(chat_tok):
+    msgs = [SYSTEM, _user("q " * 40), _assistant("a"), _user("final")]
+    context = len(_template_ids(chat_tok, [SYSTEM, _assistant("a"), _user("final")])) + 20
+    p = build_prompt(chat_tok, msgs, context, 1)
+    assert p.dropped_messages == 2
+    assert p.ids == _template_ids(chat_tok, [SYSTEM, _user("final")])
+
+
+def test_a_last_message_longer_than_the_context_keeps_its_tail(chat_tok):
+    words = " ".join(f"w{n}" for n in range(400)) + " THE END"
+    msgs = [SYSTEM, _user("old question"), _assistant("old answer"), _user(words)]
+    p = build_prompt(chat_tok, msgs, 128, 16)
+    assert len(p.ids) <= prompt_budget(128, 16)
+    assert p.dropped_messages == 2
+    assert p.text.startswith("<|im_start|>system\nYou are brief.<|im_end|>\n<|im_start|>user\n")
+    assert p.text.endswith("THE END<|im_end|>\n<|im_start|>assistant\n")
+    assert "w0 " not in p.text
+    assert len(p.notices) == 1 and p.notices[0].startswith(
+        "prompt cut to fit the 128-token context: 2 oldest messages dropped and the last message was cut to its last"
+    )
+
+
+def test_system_prompt_alone_too_long(chat_tok):
+    msgs = [{"role": "system", "content": "hello world " * 200}, _user("hi")]
+    with pytest.raises(GenerationError, match="leaving no room for the message in the 64-token context"):
+        build_prompt(chat_tok, msgs, 64, 8)
+
+
+def test_raw_prompt_too_long_keeps_its_tail(chat_tok):
+    text = " ".join(f"w{n}" for n in range(400)) + " THE END"
+    p = build_prompt(chat_tok, [_user(text)], 100, 10, raw=True)
+    ids = chat_tok(text)["input_ids"]
+    assert p.ids == ids[-90:] and p.text.endswith("THE END")
+    assert p.notices == ["prompt cut to fit the 100-token context: kept its last 90 tokens"]
+
+
+@pytest.mark.slow
+def test_real_default_model_template_ids(default_model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    chats = [
+        [_user("What is the capital of France?")],
+        CHAT,
+        [SYSTEM, _user("日本語 😀 مرحبا"), _assistant("ok"), _user("again, in\nthree lines")],
+    ]
+    for msgs in chats:
+        p = build_prompt(tok, msgs, 8192, 128)
+        assert p.ids == _template_ids(tok, msgs)
+    raw = build_prompt(tok, [_user("Once upon a time")], 8192, 128, raw=True)
+    assert raw.ids == tok("Once upon a time")["input_ids"]
