@@ -351,6 +351,9 @@ class Monitor:
         nvml = self._nvml
         prev, cur = self._gpm_samples
         wanted = [m for m in GPM_METRICS if m not in self.unavailable]
+        if not wanted:
+            self._gpm = False
+            return
         ids = {"sm_activity_pct": nvml.NVML_GPM_METRIC_SM_UTIL,
                "sm_occupancy_pct": nvml.NVML_GPM_METRIC_SM_OCCUPANCY,
                "dram_bw_util_pct": nvml.NVML_GPM_METRIC_DRAM_BW_UTIL}

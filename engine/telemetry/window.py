@@ -55,7 +55,7 @@ class WindowStats:
 def profiler_busy() -> bool:
     """True when a torch profiler is already recording in this process. A second one would start silently and
     its stop would end the first one's session, so the window refuses to start instead."""
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False)) or torch._C._autograd._profiler_enabled()
 
 
 def warm_up_profiler(device: torch.device) -> None:

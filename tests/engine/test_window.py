@@ -109,11 +109,13 @@ def test_window_in_a_worker_thread_sees_that_threads_ops():
 
 def test_generation_ending_inside_the_window():
     w = ProfileWindow(torch.device("cpu"), start=1, steps=8)
+    t0 = time.perf_counter()
     run_loop(w, 4, matmuls(torch.randn(32, 32), 2))  # steps 1, 2, 3 traced, then the generation stops
+    loop_us = (time.perf_counter() - t0) * 1e6
     time.sleep(0.05)  # post-loop work must not count as idle
     st = w.finish()
     assert st is not None and st.steps == 3
-    assert st.span_us < 50_000
+    assert st.span_us <= loop_us
     assert st.gap_source.startswith("op gap — torch.profiler CPU ops, 3-step window")
 
 
