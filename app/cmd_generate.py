@@ -1,0 +1,86 @@
+"""`gapless generate`: one answer, streamed to stdout or printed as one JSON object."""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from dataclasses import replace
+
+from engine.errors import OptionsError
+from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, preset_options
+
+
+def options_from_args(args) -> EngineOptions:
+    """EngineOptions from --preset (if any) overridden by the explicit flags."""
+    base = EngineOptions(device=args.device)
+    if args.preset:
+        if args.preset not in PRESETS:
+            raise OptionsError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+        base = preset_options(args.preset, base)
+    changes = {
+        "dtype": args.dtype,
+        "kv_cache": args.kv,
+        "sampling": args.sampling,
+        "compile": args.compile,
+        "cuda_graph": args.cuda_graph,
+        "candidates": args.candidates,
+        "profile_window": args.profile_window,
+    }
+    return replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
+
+
+def sampling_from_args(args) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    ).validate()
+
+
+def run_generate(args) -> int:
+    from engine.engine import Engine
+
+    options = options_from_args(args)
+    sampling = sampling_from_args(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.prompt})
+    stream = not args.json
+
+    def progress(p: Progress) -> None:
+        if stream and sys.stderr.isatty():
+            frac = f" {p.fraction:.0%}" if p.fraction is not None else ""
+            print(f"\r[{p.stage}{frac}] {p.message}\033[K", end="", file=sys.stderr, flush=True)
+
+    engine = Engine.load(args.model, options, progress)
+    try:
+        many = options.candidates > 1
+
+        def on_event(event) -> None:
+            if isinstance(event, Progress):
+                progress(event)
+            elif stream and isinstance(event, TextDelta) and (not many or event.candidate == 0):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+
+        result = engine.generate(messages, sampling, on_event=on_event, cancel=threading.Event(), raw=args.raw)
+        if args.json:
+            out = result.to_dict()
+            out["model"] = engine.info.to_dict()
+            print(json.dumps(out, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            for i, text in enumerate(result.texts[1:], start=1):
+                sys.stdout.write(f"\n--- candidate {i + 1} ---\n{text}\n")
+            for notice in result.notices:
+                print(f"note: {notice}", file=sys.stderr)
+            for option, reason in result.unavailable.items():
+                print(f"note: {option} unavailable: {reason}", file=sys.stderr)
+    finally:
+        engine.close()
+    return 0

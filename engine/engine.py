@@ -1,0 +1,296 @@
+"""The engine facade: load a model once, switch options between generations, generate with live events."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+
+from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
+from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.generate import run_loop
+from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
+from engine.sampling import SamplerKind
+from engine.stream import RowText
+from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _target_device(requested: str) -> torch.device:
+    """Where options would run: auto means CUDA when present; a missing GPU means the CPU (reported in unavailable())."""
+    return torch.device("cuda" if requested in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "fp16" if device.type == "cuda" else "fp32"
+    return requested
+
+
+def _noop(_event) -> None:
+    return None
+
+
+class Engine:
+    """One loaded model. Methods are meant to be called from one worker thread; a lock makes a concurrent
+    reconfigure wait for the running generation instead of changing it underneath."""
+
+    def __init__(self, checkpoint, options: EngineOptions, progress: Callable[[Progress], None]):
+        self._lock = threading.RLock()
+        self.checkpoint = checkpoint
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.fast = self._fast_args() is not None
+        self.options = options.validate()
+        eff, _ = self.effective(self.options)
+        self.device = torch.device(eff.device)
+        self.dtype = eff.dtype
+        self.model = None
+        self._runners: dict[tuple, RunnerBase] = {}
+        self._compiled_for: Optional[tuple] = None
+        self.eos_ids = self._eos_ids()
+        self._build_model(progress)
+        self.monitor = self._start_monitor()
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, source: str, options: EngineOptions = EngineOptions(), progress: Optional[Callable[[Progress], None]] = None) -> "Engine":
+        from engine.loader import load_checkpoint
+
+        progress = progress or _noop
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache()))
+        checkpoint = load_checkpoint(source, progress)
+        return cls(checkpoint, options, progress)
+
+    def _fast_args(self) -> Optional[ModelArgs]:
+        if self.config.model_type not in FAST_FAMILIES:
+            return None
+        try:
+            return ModelArgs.from_hf_config(self.config)
+        except ValueError as exc:
+            log.info("fast path unavailable for this model: %s", exc)
+            return None
+
+    def _eos_ids(self) -> list[int]:
+        ids: list[int] = []
+        for value in (getattr(self.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.append(value)
+            elif isinstance(value, (list, tuple)):
+                ids.extend(int(v) for v in value)
+        return sorted(set(ids))
+
+    def _build_model(self, progress: Callable[[Progress], None]) -> None:
+        progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
+        self._runners.clear()
+        self._compiled_for = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        dtype = TORCH_DTYPES[self.dtype]
+        try:
+            if self.fast:
+                self.model = build_transformer(self.config, self.checkpoint.state_dict, dtype, self.device)
+            else:
+                from engine.fallback import build_hf_model
+
+                self.model = build_hf_model(self.config, self.checkpoint.state_dict, dtype, self.device)
+        except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
+            raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
+        progress(Progress("load", 1.0, "model ready"))
+
+    def _start_monitor(self):
+        from engine.telemetry.monitor import Monitor
+
+        monitor = Monitor(self.device)
+        monitor.start()
+        return monitor
+
+    @property
+    def info(self) -> ModelInfo:
+        params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
+        wbytes = self.model.weight_bytes() if self.fast else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return ModelInfo(
+            name=self.checkpoint.name,
+            family=self.config.model_type,
+            architecture=(getattr(self.config, "architectures", None) or [type(self.model).__name__])[0],
+            backend="fast" if self.fast else "transformers",
+            parameters=int(params),
+            dtype=self.dtype,
+            device=str(self.device),
+            context_length=self.context_length,
+            weight_bytes=int(wbytes),
+            source=self.checkpoint.source,
+            source_kind=self.checkpoint.source_kind,
+        )
+
+    @property
+    def context_length(self) -> int:
+        if self.fast:
+            return self.model.args.max_seq_len
+        return int(getattr(self.config, "max_position_embeddings", None) or getattr(self.config, "n_positions", 2048))
+
+    # ---- options ------------------------------------------------------------------------------------------
+    def unavailable(self, options: Optional[EngineOptions] = None) -> dict[str, str]:
+        """Option -> why it cannot be honoured on this model and machine."""
+        o = options or self.options
+        out: dict[str, str] = {}
+        if o.device == "cuda" and not torch.cuda.is_available():
+            out["device"] = "CUDA is not available on this machine"
+        on_cuda = _target_device(o.device).type == "cuda"
+        if o.cuda_graph:
+            if not on_cuda:
+                out["cuda_graph"] = "CUDA graphs need a CUDA device; this machine runs on the CPU"
+            elif not self.fast:
+                out["cuda_graph"] = f"{self.config.model_type} runs on the transformers fallback, which has no captured step"
+            elif o.kv_cache != "static":
+                out["cuda_graph"] = "CUDA graphs need the static KV cache (fixed shapes and addresses)"
+        if o.compile:
+            if not self.fast:
+                out["compile"] = f"{self.config.model_type} runs on the transformers fallback, which is not compiled"
+            elif o.kv_cache != "static":
+                out["compile"] = "compile needs the static KV cache (shapes change every step otherwise)"
+        if o.kv_cache == "static" and not self.fast:
+            out["kv_cache"] = f"{self.config.model_type} runs on the transformers fallback, which uses its own dynamic cache"
+        if o.dtype == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+            out["dtype"] = "this GPU has no bf16 support"
+        return out
+
+    def effective(self, options: EngineOptions) -> tuple[EngineOptions, dict[str, str]]:
+        """The options a generation actually runs with (device and dtype resolved), and why any changed."""
+        reasons = self.unavailable(options)
+        eff = options
+        if "cuda_graph" in reasons:
+            eff = replace(eff, cuda_graph=False)
+        if "compile" in reasons:
+            eff = replace(eff, compile=False)
+        if "kv_cache" in reasons:
+            eff = replace(eff, kv_cache="dynamic")
+        if "dtype" in reasons:
+            eff = replace(eff, dtype="fp16")
+        device = _target_device(eff.device)
+        return replace(eff, device=device.type, dtype=resolve_dtype(eff.dtype, device)), reasons
+
+    def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
+        """Switch options for the next generation. Waits for a running generation; weights are re-placed only
+        when device or dtype change (from the loaded checkpoint, so precision is never lost)."""
+        progress = progress or _noop
+        options = options.validate()
+        with self._lock:
+            eff, _ = self.effective(options)
+            device = torch.device(eff.device)
+            if device != self.device or eff.dtype != self.dtype:
+                self.device, self.dtype = device, eff.dtype
+                self._build_model(progress)
+                self.monitor.close()
+                self.monitor = self._start_monitor()
+            self.options = options
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def _runner(self, opts: EngineOptions, batch: int, needed: int) -> RunnerBase:
+        length = bucket_for(needed, self.context_length)
+        key = (opts.kv_cache, batch)
+        runner = self._runners.get(key)
+        if runner is not None and runner.length >= length:
+            return runner
+        if runner is not None:
+            length = max(length, runner.length)
+        self._runners.pop(key, None)
+        if not self.fast:
+            from engine.fallback import HFRunner
+
+            runner = HFRunner(self.model, batch, length, self.config.vocab_size, self.eos_ids, self.device, opts.kv_cache)
+        elif opts.kv_cache == "static":
+            runner = StaticRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
+        elif opts.kv_cache == "dynamic":
+            runner = DynamicRunner(self.model, batch, length, self.eos_ids, self.device)
+        else:
+            runner = NoCacheRunner(self.model, batch, length, self.eos_ids, self.device)
+        self._runners[key] = runner
+        return runner
+
+    def _prepare_compile(self, runner: StaticRunner, opts: EngineOptions) -> None:
+        want = opts.compile
+        if want and runner.compiled is None:
+            runner.set_compiled(torch.compile(runner._step_impl, dynamic=False))
+        elif not want and runner.compiled is not None:
+            runner.set_compiled(None)
+
+    def generate(
+        self,
+        messages: list[dict],
+        sampling: SamplingParams,
+        on_event: Optional[Callable] = None,
+        cancel: Optional[threading.Event] = None,
+        raw: bool = False,
+    ) -> GenerationResult:
+        from engine.prompt import build_prompt
+        from engine.telemetry.window import ProfileWindow
+
+        sampling = sampling.validate()
+        on_event = on_event or _noop
+        cancel = cancel or threading.Event()
+        with self._lock, torch.inference_mode():
+            opts, reasons = self.effective(self.options)
+            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw)
+            notices = list(prompt.notices)
+            if not prompt.ids:
+                raise GenerationError("the prompt is empty after tokenization")
+            room = self.context_length - len(prompt.ids)
+            max_new = min(sampling.max_new_tokens, room)
+            if max_new < 1:
+                raise GenerationError(f"the prompt fills the whole {self.context_length}-token context")
+            if max_new < sampling.max_new_tokens:
+                notices.append(f"answer limited to {max_new} tokens by the {self.context_length}-token context")
+            batch = opts.candidates
+            runner = self._runner(opts, batch, len(prompt.ids) + max_new)
+            kind = SamplerKind.of(sampling)
+            runner.sampler.set_params(sampling)
+            if isinstance(runner, StaticRunner):
+                self._prepare_compile(runner, opts)
+                if opts.compile or opts.cuda_graph:
+                    def report(msg: str, frac: float) -> None:
+                        on_event(Progress("capture" if opts.cuda_graph else "compile", frac, msg))
+
+                    runner.warm_up(runner.buckets_for(len(prompt.ids), max_new), kind, opts.cuda_graph, report)
+            seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
+            torch.manual_seed(seed)
+            stop_ids = set(self.eos_ids)
+            rows = [RowText(self.tokenizer, stop_ids, sampling.stop) for _ in range(batch)]
+            prompt_t = torch.tensor(prompt.ids, dtype=torch.long, device=self.device)
+            window = ProfileWindow(self.device, enabled=opts.profile_window)
+            loop = run_loop(
+                runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
+                window=window, monitor=self.monitor,
+            )
+        return GenerationResult(
+            texts=[r.text for r in loop.rows],
+            token_ids=[list(r.tokens) for r in loop.rows],
+            finish_reasons=[r.finish for r in loop.rows],
+            metrics=loop.metrics,
+            options=opts,
+            unavailable=reasons,
+            seed=seed,
+            notices=notices + loop.notices,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self.monitor.close()
+            self._runners.clear()
+            self.model = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _compile_cache():
+    from engine.paths import compile_cache_dir
+
+    return compile_cache_dir()

@@ -1,0 +1,242 @@
+"""One generation: prefill, the decode loop, streaming, and the metrics of what happened.
+
+The loop is the same for every option; the runner decides how a step is computed (kv mode, compile, graph),
+`host_sync` decides whether the host reads every token (.item()) or reads copies a few steps behind.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from engine.decode import RunnerBase
+from engine.sampling import SamplerKind
+from engine.stream import Readback, RowText, StepClock
+from engine.types import GenerationMetrics, StepRecord, TextDelta
+from engine.telemetry.stats import percentile
+
+log = logging.getLogger(__name__)
+
+FLUSH_INTERVAL_S = 1 / 30  # text and step records leave at most this often
+MONITOR_INTERVAL_S = 0.1
+READBACK_EVERY = 8  # device sampling: steps between copies to the host
+
+
+@dataclass
+class LoopResult:
+    rows: list[RowText]
+    metrics: GenerationMetrics
+    notices: list[str] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_loop(
+    runner: RunnerBase,
+    prompt: torch.Tensor,  # [T] long on the device
+    kind: SamplerKind,
+    max_new: int,
+    host_sync: bool,
+    rows: list[RowText],
+    device: torch.device,
+    on_event: Callable,
+    cancel: threading.Event,
+    window=None,  # engine.telemetry.window.ProfileWindow or None
+    monitor=None,  # engine.telemetry.monitor.Monitor or None
+) -> LoopResult:
+    B = runner.batch
+    now = time.perf_counter
+    clock = StepClock(device)
+    readback = None if host_sync else Readback(runner.out)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if monitor is not None:
+        monitor.drain()  # samples from before this generation are not its own
+
+    _sync(device)
+    t_start = now()
+    runner.prefill(prompt, kind)
+    clock.mark()
+    if host_sync:
+        first = runner.tok.view(-1).tolist()  # the per-token host sync of this mode
+        for r, t in zip(rows, first):
+            r.feed([t])
+    else:
+        readback.issue(1)
+        readback.poll(wait=True)
+        for r, col in zip(rows, readback.columns(0, 1)):
+            r.feed(col)
+    t_first = now()
+    seen = 1  # tokens per row the host has read
+
+    window_steps: set[int] = set()
+    window_s = 0.0
+    t_window0: Optional[float] = None  # set while the traced window is open
+    last_flush = t_first
+    last_monitor = t_first
+    records_from = 1
+    step = 0
+    cancelled = False
+    for step in range(1, max_new):
+        if all(r.finish is not None for r in rows):
+            step -= 1
+            break
+        if cancel.is_set():
+            cancelled = True
+            step -= 1
+            break
+        in_window = window is not None and window.in_window(step)
+        if in_window:
+            if not window_steps:
+                _sync(device)
+                t_window0 = now()
+            window_steps.add(step)
+            window.step_begin(step)
+        runner.step(step)
+        if in_window:
+            window.step_end(step)
+            if not window.in_window(step + 1):
+                _sync(device)
+                window_s += now() - t_window0
+                t_window0 = None
+        clock.mark()
+        if host_sync:
+            if B == 1:
+                toks = [runner.tok.item()]
+            else:
+                toks = runner.tok.view(-1).tolist()
+            for r, t in zip(rows, toks):
+                r.feed([t])
+            seen = step + 1
+        elif step % READBACK_EVERY == 0:
+            readback.issue(step + 1)
+            visible = readback.poll()
+            if visible > seen:
+                for r, col in zip(rows, readback.columns(seen, visible)):
+                    r.feed(col)
+                seen = visible
+        t = now()
+        if t - last_flush >= FLUSH_INTERVAL_S:
+            _emit_text(rows, on_event)
+            records_from = _emit_steps(clock, records_from, seen, rows, on_event, window_steps)
+            last_flush = t
+        if monitor is not None and t - last_monitor >= MONITOR_INTERVAL_S:
+            for s in monitor.drain():
+                on_event(s)
+            last_monitor = t
+    steps_done = step
+    _sync(device)
+    t_end = now()
+    if t_window0 is not None:  # the generation ended inside the window
+        window_s += t_end - t_window0
+    if window is not None:
+        stats = window.finish()
+    else:
+        stats = None
+    if not host_sync:
+        readback.issue(steps_done + 1)
+        visible = readback.poll(wait=True)
+        if visible > seen:
+            for r, col in zip(rows, readback.columns(seen, visible)):
+                r.feed(col)
+    for r in rows:
+        if r.finish is None:
+            r.finish = "cancelled" if cancelled else "length"
+    _emit_text(rows, on_event, final=True)
+    _emit_steps(clock, records_from, steps_done + 1, rows, on_event, window_steps)
+    if monitor is not None:
+        for s in monitor.drain():
+            on_event(s)
+
+    metrics = GenerationMetrics(prompt_tokens=int(prompt.numel()))
+    metrics.new_tokens = [len(r.tokens) for r in rows]
+    metrics.new_tokens_total = sum(metrics.new_tokens)
+    prefill_s = t_first - t_start
+    metrics.ttft_ms = prefill_s * 1e3
+    metrics.prefill_tok_s = metrics.prompt_tokens / prefill_s if prefill_s > 0 else None
+    # Decode throughput: tokens made by decode steps outside the traced window, over the synchronised wall time
+    # of the decode loop less the window.
+    decode_tokens = sum(
+        sum(1 for s in range(1, len(r.tokens)) if s not in window_steps) for r in rows
+    )
+    decode_s = (t_end - t_first) - window_s
+    metrics.decode_steps = steps_done
+    metrics.profiled_steps = len(window_steps)
+    metrics.decode_seconds = decode_s if steps_done else None
+    metrics.decode_tok_s = decode_tokens / decode_s if steps_done and decode_s > 0 and decode_tokens else None
+    durations = [d for i, d in enumerate(clock.durations_s(steps_done + 1), start=1) if i not in window_steps]
+    if durations:
+        metrics.step_ms_p50 = percentile(durations, 50) * 1e3
+        metrics.step_ms_p90 = percentile(durations, 90) * 1e3
+        metrics.step_ms_p99 = percentile(durations, 99) * 1e3
+    if device.type == "cuda":
+        metrics.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+        metrics.peak_memory_source = "torch.cuda.max_memory_allocated (this generation)"
+    else:
+        metrics.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        metrics.peak_memory_source = "process peak RSS since start (getrusage)"
+    _fill_telemetry(metrics, stats, monitor, runner, device, t_start, t_end, durations, prompt.numel())
+    return LoopResult(rows=rows, metrics=metrics)
+
+
+def _emit_text(rows: list[RowText], on_event: Callable, final: bool = False) -> None:
+    for i, r in enumerate(rows):
+        delta = r.take_delta(final=final)
+        if delta:
+            on_event(TextDelta(candidate=i, text=delta))
+
+
+def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_steps) -> int:
+    """One StepRecord for the steps [start, upto) whose timings are known; returns the next start."""
+    if upto <= start:
+        return start
+    durations = clock.durations_s(upto)[start - 1 :]
+    if not durations:
+        return start
+    tokens = sum(min(len(r.tokens), upto) for r in rows)
+    on_event(
+        StepRecord(
+            t=time.perf_counter(),
+            step=upto - 1,
+            tokens_total=tokens,
+            step_ms=1e3 * sum(durations) / len(durations),
+            profiled=any(s in window_steps for s in range(start, upto)),
+        )
+    )
+    return upto
+
+
+def _fill_telemetry(metrics: GenerationMetrics, stats, monitor, runner, device, t0, t1, durations, prompt_len) -> None:
+    na = metrics.unavailable
+    if stats is not None and stats.gap_pct is not None:
+        metrics.kernel_gap_pct = stats.gap_pct
+        metrics.kernel_gap_source = stats.gap_source
+    else:
+        na["kernel_gap_pct"] = "profiler window off" if stats is None else "no events traced in the window"
+    summary = monitor.summary(t0, t1) if monitor is not None else {}
+    for name in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
+        value, source = summary.get(name, (None, "no monitor"))
+        if value is not None:
+            setattr(metrics, name, value)
+            setattr(metrics, name.replace("_pct", "_source"), source)
+        else:
+            na[name] = source
+    if metrics.sm_activity_pct is None and stats is not None and stats.sm_activity_est_pct is not None:
+        metrics.sm_activity_pct = stats.sm_activity_est_pct
+        metrics.sm_activity_source = stats.sm_activity_source
+        na.pop("sm_activity_pct", None)
+    peak_bw = getattr(monitor, "peak_dram_bw_bytes_s", None) if monitor is not None else None
+    if metrics.dram_bw_util_pct is None and peak_bw and durations and device.type == "cuda":
+        step_s = sorted(durations)[len(durations) // 2]
+        moved = runner.bytes_per_step(prompt_len + len(durations))
+        metrics.dram_bw_util_pct = min(100.0, 100.0 * moved / step_s / peak_bw)
+        metrics.dram_bw_util_source = "estimate: weight + KV bytes per step / median step time / NVML peak bandwidth"
+        na.pop("dram_bw_util_pct", None)

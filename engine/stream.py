@@ -1,0 +1,130 @@
+"""Host side of a generation: tokens read back from the device become text, per candidate, with EOS and stop
+strings decided here, and device→host copies that never make the device wait."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import torch
+
+
+class RowText:
+    """One candidate's tokens and text. Text is decoded whole at each flush (cheap at ~30 Hz) so multi-token
+    characters and merged spaces come out right; a trailing U+FFFD (an incomplete character) is held back."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1  # chars that might begin a stop string
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted = 0  # chars of self.text already streamed
+        self.finish: Optional[str] = None  # eos | stop | length | cancelled
+
+    def feed(self, new_tokens: list[int]) -> None:
+        if self.finish is not None:
+            return
+        for t in new_tokens:
+            self.tokens.append(t)
+            if t in self.eos_ids:
+                self.finish = "eos"
+                break
+        ids = self.tokens[:-1] if self.finish == "eos" else self.tokens
+        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.stop:
+            cut = _find_stop(self.text, self.stop, start=max(0, self.emitted - self.hold))
+            if cut is not None:
+                self.text = self.text[:cut]
+                self.finish = "stop"
+
+    def take_delta(self, final: bool = False) -> str:
+        text = self.text
+        end = len(text)
+        if not final and self.finish is None:
+            if text.endswith("\ufffd"):
+                end -= 1
+            end = max(self.emitted, end - self.hold)
+        delta = text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> Optional[int]:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+class Readback:
+    """Copies of the device's output buffer into host memory.
+
+    On CUDA: non-blocking copies into pinned memory, each followed by an event; the host reads a slice only once
+    its event has completed. At most `max_pending` copies are in flight, which bounds how far the device can
+    run ahead of what the host has seen (and so how many steps past EOS are wasted).
+    """
+
+    def __init__(self, out: torch.Tensor, max_pending: int = 3):
+        self.out = out
+        self.cuda = out.is_cuda
+        self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.cuda)
+        self.pending: deque = deque()
+        self.issued = 0  # columns [0, issued) copied or in flight
+        self.visible = 0  # columns [0, visible) readable on the host
+        self.max_pending = max_pending
+
+    def issue(self, upto: int) -> None:
+        if upto <= self.issued:
+            return
+        a, b = self.issued, upto
+        if self.cuda:
+            self.host[:, a:b].copy_(self.out[:, a:b], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending.append((b, event))
+            while len(self.pending) > self.max_pending:
+                self._wait_oldest()
+        else:
+            self.host[:, a:b].copy_(self.out[:, a:b])
+            self.visible = b
+        self.issued = b
+
+    def _wait_oldest(self) -> None:
+        b, event = self.pending.popleft()
+        event.synchronize()
+        self.visible = max(self.visible, b)
+
+    def poll(self, wait: bool = False) -> int:
+        """Advance `visible` over completed copies (all of them if wait); return it."""
+        while self.pending and (wait or self.pending[0][1].query()):
+            self._wait_oldest()
+        return self.visible
+
+    def columns(self, a: int, b: int) -> list[list[int]]:
+        return self.host[:, a:b].tolist()
+
+
+class StepClock:
+    """Per-step latencies, device-synchronised: CUDA events on a GPU, host clock on a CPU (where ops run
+    synchronously)."""
+
+    def __init__(self, device: torch.device):
+        import time
+
+        self._now = time.perf_counter
+        self.cuda = device.type == "cuda"
+        self.marks: list = []  # index i: end of step i (0 = end of prefill)
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(self._now())
+
+    def durations_s(self, upto: int) -> list[float]:
+        """Durations of steps 1..upto-1 whose end marks are known complete."""
+        upto = min(upto, len(self.marks))
+        if self.cuda:
+            return [self.marks[i - 1].elapsed_time(self.marks[i]) / 1e3 for i in range(1, upto)]
+        return [self.marks[i] - self.marks[i - 1] for i in range(1, upto)]

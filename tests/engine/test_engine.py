@@ -1,0 +1,203 @@
+"""Engine behaviour on tiny models: token-exact parity with transformers generate() for every kv_cache x
+sampling combination, candidates, seeds, stop strings, cancel, option switches and the fallback path."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.errors import GenerationError, OptionsError
+from engine.types import EngineOptions, Progress, SamplingParams, StepRecord, TextDelta
+
+MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
+CPU = EngineOptions(device="cpu")
+
+
+def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers generate(), greedy, from the same folder: the reference token ids."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tiny_llama):
+    eng = Engine.load(str(tiny_llama), CPU)
+    yield eng
+    eng.close()
+
+
+def prompt_ids(engine, messages=MESSAGES, max_new=32) -> list[int]:
+    from engine.prompt import build_prompt
+
+    return build_prompt(engine.tokenizer, messages, engine.context_length, max_new).ids
+
+
+@pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
+@pytest.mark.parametrize("sampling", ["device", "host"])
+def test_greedy_matches_transformers_generate(llama_engine, tiny_llama, kv, sampling):
+    llama_engine.reconfigure(CPU.with_(kv_cache=kv, sampling=sampling))
+    result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=24))
+    want = hf_greedy(tiny_llama, prompt_ids(llama_engine), 24)
+    got = result.token_ids[0]
+    # transformers stops at EOS too; compare up to what both produced
+    assert got == want[: len(got)]
+    assert len(got) == 24 or result.finish_reasons[0] == "eos"
+    assert result.options.kv_cache == kv and result.options.sampling == sampling
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_fast_families_match_generate(tiny_factory, family):
+    path = tiny_factory(family)
+    eng = Engine.load(str(path), CPU)
+    try:
+        assert eng.info.backend == "fast"
+        result = eng.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=16))
+        want = hf_greedy(path, prompt_ids(eng, max_new=16), 16)
+        assert result.token_ids[0] == want[: len(result.token_ids[0])]
+    finally:
+        eng.close()
+
+
+def test_fallback_path_matches_generate_and_reports_unavailable(tiny_factory):
+    path = tiny_factory("gpt2")
+    eng = Engine.load(str(path), CPU.with_(kv_cache="static", compile=True))
+    try:
+        assert eng.info.backend == "transformers"
+        reasons = eng.unavailable()
+        assert "fallback" in reasons["kv_cache"] and "fallback" in reasons["compile"]
+        for kv in ("static", "none"):
+            eng.reconfigure(CPU.with_(kv_cache=kv, compile=True))
+            result = eng.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=12))
+            assert result.options.compile is False
+            assert result.options.kv_cache == ("dynamic" if kv == "static" else "none")
+            want = hf_greedy(path, prompt_ids(eng, max_new=12), 12)
+            assert result.token_ids[0] == want[: len(result.token_ids[0])]
+            assert "compile" in result.unavailable
+    finally:
+        eng.close()
+
+
+def test_candidates_distinct_and_reproducible_with_seed(llama_engine):
+    llama_engine.reconfigure(CPU.with_(candidates=4))
+    params = SamplingParams(temperature=0.8, max_new_tokens=20, seed=1234)
+    a = llama_engine.generate(MESSAGES, params)
+    b = llama_engine.generate(MESSAGES, params)
+    assert len(a.texts) == 4
+    assert len(set(map(tuple, a.token_ids))) > 1, "candidates should differ under sampling"
+    assert a.token_ids == b.token_ids and a.texts == b.texts
+    c = llama_engine.generate(MESSAGES, SamplingParams(temperature=0.8, max_new_tokens=20, seed=99))
+    assert c.token_ids != a.token_ids
+
+
+@pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
+def test_candidates_under_greedy_equal_single(llama_engine, kv):
+    llama_engine.reconfigure(CPU.with_(kv_cache=kv, candidates=1))
+    single = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=16)).token_ids[0]
+    llama_engine.reconfigure(CPU.with_(kv_cache=kv, candidates=3))
+    multi = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=16)).token_ids
+    assert multi == [single] * 3
+
+
+def test_same_seed_same_text_for_each_sampling_mode(llama_engine):
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.2, max_new_tokens=20, seed=7)
+    for mode in ("device", "host"):
+        llama_engine.reconfigure(CPU.with_(sampling=mode))
+        a = llama_engine.generate(MESSAGES, params).token_ids
+        b = llama_engine.generate(MESSAGES, params).token_ids
+        assert a == b
+
+
+def test_events_stream_the_text_and_steps(llama_engine):
+    llama_engine.reconfigure(CPU)
+    events = []
+    result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=30), on_event=events.append)
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta) and e.candidate == 0)
+    assert streamed == result.texts[0]
+    steps = [e for e in events if isinstance(e, StepRecord)]
+    assert steps and steps[-1].tokens_total == len(result.token_ids[0])
+    m = result.metrics
+    assert m.prompt_tokens == len(prompt_ids(llama_engine))
+    assert m.new_tokens == [len(result.token_ids[0])]
+    assert m.ttft_ms > 0 and m.decode_tok_s > 0
+    assert m.gpu_util_pct is None and "gpu_util_pct" in m.unavailable
+
+
+def test_stop_string_cuts_the_text(llama_engine):
+    llama_engine.reconfigure(CPU)
+    free = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=40))
+    text = free.texts[0]
+    if len(text) < 6:
+        pytest.skip("the tiny model's answer is too short to hold a stop string")
+    stop = text[3:6]
+    cut = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=40, stop=(stop,)))
+    assert cut.finish_reasons == ["stop"]
+    assert cut.texts[0] == text[: text.find(stop)]
+
+
+def test_cancel_returns_what_it_had(llama_engine):
+    llama_engine.reconfigure(CPU.with_(kv_cache="none"))
+    cancel = threading.Event()
+    seen = []
+
+    def on_event(e):
+        if isinstance(e, StepRecord):
+            seen.append(e)
+            cancel.set()
+
+    result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=200), on_event, cancel)
+    assert result.finish_reasons == ["cancelled"]
+    assert 1 <= len(result.token_ids[0]) < 200
+
+
+def test_reconfigure_changes_dtype_without_reloading(llama_engine):
+    llama_engine.reconfigure(CPU.with_(dtype="bf16"))
+    assert llama_engine.info.dtype == "bf16"
+    r = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=8))
+    assert r.options.dtype == "bf16" and len(r.token_ids[0]) >= 1
+    llama_engine.reconfigure(CPU)
+    assert llama_engine.info.dtype == "fp32"
+
+
+def test_cuda_graph_reported_unavailable_on_cpu(llama_engine):
+    reasons = llama_engine.unavailable(CPU.with_(cuda_graph=True, kv_cache="dynamic", compile=True))
+    assert "CUDA" in reasons["cuda_graph"]
+    assert "static KV cache" in reasons["compile"]
+
+
+def test_bad_sampling_params_are_refused():
+    for bad in (dict(temperature=-1), dict(top_p=1.5), dict(top_p=float("nan")), dict(max_new_tokens=0),
+                dict(max_new_tokens=10**9), dict(repetition_penalty=0)):
+        with pytest.raises(OptionsError):
+            SamplingParams(**bad).validate()
+    for n in (0, 1000):
+        with pytest.raises(OptionsError, match="candidates"):
+            EngineOptions(candidates=n).validate()
+
+
+def test_empty_prompt_is_refused(llama_engine):
+    with pytest.raises(GenerationError):
+        llama_engine.generate([{"role": "user", "content": "   "}], SamplingParams(max_new_tokens=4))
+
+
+def test_long_prompt_is_cut_with_a_notice(llama_engine):
+    long = [{"role": "user", "content": "the quick brown fox " * 40}, {"role": "assistant", "content": "ok"}] * 4
+    long.append({"role": "user", "content": "hello"})
+    result = llama_engine.generate(long, SamplingParams(temperature=0, max_new_tokens=16))
+    assert result.notices, "the prompt does not fit a 256-token context, so a notice is expected"
+    assert result.metrics.prompt_tokens + 16 <= llama_engine.context_length
+
+
+def test_load_reports_progress(tiny_llama):
+    seen: list[Progress] = []
+    eng = Engine.load(str(tiny_llama), CPU, progress=seen.append)
+    eng.close()
+    assert any(p.stage == "load" for p in seen)
