@@ -117,12 +117,13 @@ class ChatFlow(QObject):
 
     # ---- the visible branch --------------------------------------------------------------------------
 
-    def items(self) -> list[MessageItem]:
+    def items(self, leaf_id: Optional[int] = None) -> list[MessageItem]:
+        """The visible branch (to the active leaf, or to `leaf_id`), without the answer now streaming."""
         if self.chat_id is None:
             return []
         streaming = set(self.answer.message_ids) if self.answer and self.answer.chat_id == self.chat_id else set()
         out = []
-        for m in self.store.thread(self.chat_id):
+        for m in self.store.thread(self.chat_id, leaf_id):
             if m.id in streaming:
                 continue  # shown by the live stream instead
             sibs = self.store.siblings(m.id)
@@ -195,8 +196,8 @@ class ChatFlow(QObject):
         old = self.store.get_message(assistant_message_id)
         if old.parent_id is None:
             return False
-        self._guard(lambda: self.store.set_active_leaf(old.chat_id, old.parent_id))
-        self.reload()
+        # Show the branch up to the question; the new answer becomes the active leaf once it is stored.
+        self.threadChanged.emit(self._guard(lambda: self.items(old.parent_id)) or [])
         return self._ask(self.store.get_message(old.parent_id))
 
     def stop(self) -> None:

@@ -1,0 +1,297 @@
+"""The main window with the real engine on a tiny random model: streaming into the view and the database,
+reopening, stop, edit-and-resend branches, option changes recorded per answer, candidates, a failed load."""
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QPushButton
+
+from app.gui import build
+from app.paths import AppPaths
+from engine.types import SamplingParams
+
+TIMEOUT_MS = 120_000
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    return tmp_path / "data"
+
+
+def open_app(qtbot, data_dir, model=None):
+    gui = build(AppPaths.resolve(data_dir), "light")
+    gui.window.show()
+    if model is not None:
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            gui.window.load_model(str(model))
+    # Greedy and short: the same answer every run, so tests can compare texts token for token.
+    gui.window.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+    return gui
+
+
+def close_app(gui):
+    gui.window.close()
+    gui.close()
+
+
+@pytest.fixture
+def app(qtbot, data_dir, tiny_llama):
+    gui = open_app(qtbot, data_dir, tiny_llama)
+    yield gui
+    close_app(gui)
+
+
+def send(qtbot, gui, text):
+    """Type into the composer, press Enter, wait for the answer; return the GenerationResult."""
+    w = gui.window
+    w.composer.edit.setFocus()
+    w.composer.set_text(text)
+    with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as blocker:
+        qtbot.keyClick(w.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    return blocker.args[1]
+
+
+def batches_text(batches, candidate=0):
+    return "".join(b.get(candidate, "") for b in batches)
+
+
+def test_reply_streams_into_view_and_database(qtbot, app):
+    w, store = app.window, app.store
+    batches = []
+    app.controller.textBatch.connect(lambda rid, b: batches.append(b))
+    result = send(qtbot, app, "hello world")
+
+    answer = result.texts[0]
+    assert answer and batches, "the answer arrived in text batches"
+    assert batches_text(batches) == answer  # streamed text is exactly the final text
+    chat_id = w.flow.chat_id
+    thread = store.thread(chat_id)
+    assert [(m.role, m.status) for m in thread] == [("user", "done"), ("assistant", "done")]
+    assert thread[0].content == "hello world"
+    assert thread[1].content == answer
+    assert thread[1].options == result.options.to_dict()
+    assert thread[1].metrics["new_tokens_total"] == result.metrics.new_tokens_total
+    assert thread[1].model_name == app.controller.info.name
+
+    shown = w.chat_view.messages()
+    assert [m.item.role for m in shown] == ["user", "assistant"]
+    assert shown[1].body.text == answer
+    stats = shown[1].stats_label.text()
+    assert f"{result.metrics.new_tokens_total} tokens" in stats
+    tok_s = result.metrics.decode_tok_s
+    assert (f"{tok_s:.1f} tok/s" if tok_s is not None else "n/a tok/s") in stats
+    assert "op gap" in stats  # on the CPU the profiler window measures the gap between aten ops
+    assert w.chat_list.chat_ids() == [chat_id]
+    assert w.chat_title.text() == "hello world"
+
+
+def test_reopening_the_window_shows_the_chat(qtbot, data_dir, tiny_llama):
+    gui = open_app(qtbot, data_dir, tiny_llama)
+    result = send(qtbot, gui, "Paris is the capital")
+    chat_id = gui.window.flow.chat_id
+    close_app(gui)
+
+    gui = open_app(qtbot, data_dir)  # no model: history does not need one
+    try:
+        w = gui.window
+        assert w.chat_list.chat_ids() == [chat_id]
+        w.chat_list.list.setCurrentRow(0)
+        texts = [(m.item.role, m.body.text) for m in w.chat_view.messages()]
+        assert texts == [("user", "Paris is the capital"), ("assistant", result.texts[0])]
+        assert "tokens" in w.chat_view.messages()[1].stats_label.text()  # the stats line stays
+    finally:
+        close_app(gui)
+
+
+def test_stop_keeps_the_partial_answer(qtbot, app):
+    w, c = app.window, app.controller
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
+    stopped = []
+
+    def stop_once(_rid, _batch):
+        if not stopped:
+            stopped.append(True)
+            w.composer.stop_button.click()
+
+    c.textBatch.connect(stop_once)
+    result = send(qtbot, app, "hello world the quick brown fox")
+    assert stopped
+    assert result.finish_reasons == ["cancelled"]
+    assert 0 < result.metrics.new_tokens_total < 200
+    m = app.store.thread(w.flow.chat_id)[-1]
+    assert m.status == "stopped"
+    assert m.content == result.texts[0] != ""
+    shown = w.chat_view.messages()[-1]
+    assert shown.body.text == result.texts[0]
+    assert "stopped" in shown.stats_label.text()
+
+
+def test_escape_stops_an_answer(qtbot, app):
+    w, c = app.window, app.controller
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
+    pressed = []
+
+    def press_escape(_rid, _batch):
+        if not pressed:
+            pressed.append(True)
+            qtbot.keyClick(w.composer.edit, Qt.Key.Key_Escape)  # Esc, from wherever the focus is in the window
+
+    c.textBatch.connect(press_escape)
+    result = send(qtbot, app, "def main")
+    assert result.finish_reasons == ["cancelled"]
+
+
+def test_edit_and_resend_makes_a_branch_and_both_are_reachable(qtbot, app):
+    w, store = app.window, app.store
+    first = send(qtbot, app, "hello world")
+    user_widget = w.chat_view.messages()[0]
+    user_widget.start_edit()
+    user_widget.editor_text.setPlainText("the quick brown fox")
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS) as blocker:
+        [b for b in user_widget.findChildren(QPushButton) if b.text() == "Send"][0].click()
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    second = blocker.args[1]
+
+    chat_id = w.flow.chat_id
+    roots = store.siblings(store.thread(chat_id)[0].id)
+    assert [m.content for m in roots] == ["hello world", "the quick brown fox"]
+    shown = w.chat_view.messages()
+    assert [m.body.text for m in shown] == ["the quick brown fox", second.texts[0]]
+    assert shown[0].branch_label.text() == "2/2" and shown[0].branch_label.isVisibleTo(w)
+
+    shown[0].prev_button.click()  # back to the first branch: its own answer comes with it
+    shown = w.chat_view.messages()
+    assert [m.body.text for m in shown] == ["hello world", first.texts[0]]
+    assert shown[0].branch_label.text() == "1/2"
+    shown[0].next_button.click()
+    assert [m.body.text for m in w.chat_view.messages()] == ["the quick brown fox", second.texts[0]]
+
+
+def test_regenerate_keeps_the_old_answer_as_a_sibling(qtbot, app):
+    w, store = app.window, app.store
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=None)
+    send(qtbot, app, "hello")
+    old = w.chat_view.messages()[1].item.id
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        w.chat_view.messages()[1].regen_button.click()
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    new = w.chat_view.messages()[1].item
+    assert new.id != old
+    assert [m.id for m in store.siblings(new.id)] == [old, new.id]
+    assert w.chat_view.messages()[1].branch_label.text() == "2/2"
+
+
+def test_an_option_change_is_recorded_on_the_next_answer(qtbot, app):
+    w, store = app.window, app.store
+    send(qtbot, app, "hello")
+    t = w.toggles
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.kv_cache.setCurrentIndex(t.kv_cache.findData("dynamic"))
+        t.kv_cache.activated.emit(t.kv_cache.currentIndex())
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.sampling.setCurrentIndex(t.sampling.findData("host"))
+        t.sampling.activated.emit(t.sampling.currentIndex())
+    assert app.settings.engine_options["kv_cache"] == "dynamic"
+    send(qtbot, app, "world")
+
+    answers = [m for m in store.thread(w.flow.chat_id) if m.role == "assistant"]
+    assert [(a.options["kv_cache"], a.options["sampling"]) for a in answers] == [("static", "device"), ("dynamic", "host")]
+    assert "dynamic KV" in w.chat_view.messages()[-1].stats_label.toolTip()
+
+
+def test_unavailable_option_is_turned_off_with_its_reason(qtbot, app):
+    t = app.window.toggles
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.cuda_graph.setChecked(True)  # this machine has no CUDA
+    qtbot.waitUntil(lambda: not t.cuda_graph.isChecked(), timeout=TIMEOUT_MS)
+    assert not t.cuda_graph.isEnabled()
+    assert "CUDA" in t.cuda_graph.toolTip() and t.cuda_graph.toolTip().startswith("Unavailable:")
+
+
+def test_candidates_stream_as_tabs_and_the_chosen_one_continues(qtbot, app):
+    w, store = app.window, app.store
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    t = w.toggles
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.candidates.setValue(3)
+    result = send(qtbot, app, "hello")
+    tabs = w.chat_view.candidate_tabs()
+    assert tabs is not None and tabs.tabs.count() == 3
+    assert [b.text for b in tabs.bodies] == result.texts
+    assert all(b.isEnabled() for b in tabs.use_buttons)
+
+    tabs.use_buttons[2].click()
+    thread = store.thread(w.flow.chat_id)
+    assert thread[-1].content == result.texts[2] and thread[-1].candidate_index == 2
+    siblings = store.siblings(thread[-1].id)
+    assert [s.candidate_index for s in siblings] == [0, 1, 2]
+    assert len({s.candidate_group for s in siblings}) == 1
+    last = w.chat_view.messages()[-1]
+    assert last.body.text == result.texts[2] and last.branch_label.text() == "3/3"
+
+
+def test_a_failed_load_leaves_the_app_usable(qtbot, app, tmp_path):
+    w = app.window
+    loaded = app.controller.info.name
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    with qtbot.waitSignal(app.controller.loadFailed, timeout=TIMEOUT_MS) as blocker:
+        w.load_model(str(empty))
+    message = blocker.args[1]
+    assert message
+    assert w.model_panel.error.isVisibleTo(w) and message in w.model_panel.error.text()
+    assert app.controller.info.name == loaded
+    assert w.model_panel.values["name"].text() == loaded
+    assert w.composer.send_button.isEnabled()
+    result = send(qtbot, app, "still here")
+    assert app.store.thread(w.flow.chat_id)[-1].content == result.texts[0]
+
+
+def test_chat_list_rename_search_delete(qtbot, app):
+    w, store = app.window, app.store
+    send(qtbot, app, "hello world")
+    first = w.flow.chat_id
+    w.new_chat()
+    assert w.chat_view.messages() == []
+    send(qtbot, app, "Paris question")
+    second = w.flow.chat_id
+    assert w.chat_list.chat_ids() == [second, first]
+
+    w.chat_list.renameRequested.emit(first, "Greetings")
+    assert store.get_chat(first).title == "Greetings"
+    with qtbot.waitSignal(w.chat_list.searchChanged, timeout=5000):
+        w.chat_list.search.setText("greet")
+    assert w.chat_list.chat_ids() == [first]
+    with qtbot.waitSignal(w.chat_list.searchChanged, timeout=5000):
+        w.chat_list.search.setText("")
+    w.chat_list.deleteRequested.emit(second)
+    assert [c.id for c in store.list_chats()] == [first]
+    assert w.flow.chat_id is None and w.chat_view.messages() == []
+
+
+def test_delete_message_removes_it_and_what_follows(qtbot, app):
+    w, store = app.window, app.store
+    send(qtbot, app, "one")
+    send(qtbot, app, "two")
+    assert len(w.chat_view.messages()) == 4
+    w.chat_view.messages()[2].delete_button.click()
+    assert [m.content for m in store.thread(w.flow.chat_id)][:1] == ["one"]
+    assert len(w.chat_view.messages()) == 2
+
+
+def test_chat_settings_apply_to_the_next_answer(qtbot, app):
+    w, store = app.window, app.store
+    send(qtbot, app, "hello")
+    w.open_chat_settings()
+    dialog = w._chat_settings_dialog
+    dialog.system_prompt.setPlainText("Answer briefly.")
+    dialog.max_new_tokens.setValue(5)
+    dialog.temperature.setValue(0.0)
+    dialog.accept()
+    chat = store.get_chat(w.flow.chat_id)
+    assert chat.system_prompt == "Answer briefly."
+    assert chat.sampling["max_new_tokens"] == 5
+    result = send(qtbot, app, "again")
+    assert result.metrics.new_tokens_total <= 5
+    assert w.flow.prompt_messages(store.thread(w.flow.chat_id)[-2])[0] == {"role": "system", "content": "Answer briefly."}
