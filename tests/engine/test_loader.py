@@ -138,16 +138,11 @@ def test_gguf_recognised_by_its_magic_without_the_suffix(tiny_gguf, tmp_path):
 
 @pytest.mark.slow
 def test_real_default_model(default_model_path):
-    ck = load_checkpoint(str(default_model_path))
+    ck = load_checkpoint("default")
+    assert ck.source_kind == "default" and ck.source == str(default_model_path.resolve())
+    assert ck.name == "SmolLM2-135M-Instruct.Q4_1"
     assert ck.config.model_type == "llama" and ck.config.tie_word_embeddings
     assert len(ck.state_dict) == 272 and "lm_head.weight" not in ck.state_dict
     assert ck.state_dict["model.embed_tokens.weight"].shape == (49152, 576)
     assert ck.tokenizer.chat_template and "<|im_start|>" in ck.tokenizer.chat_template
     assert ck.eos_token_ids == [2]
-
-
-@pytest.mark.slow
-def test_default_source(default_model_path):
-    ck = load_checkpoint("default")
-    assert ck.source_kind == "default" and ck.source == str(default_model_path.resolve())
-    assert ck.name == "SmolLM2-135M-Instruct.Q4_1"

@@ -1,0 +1,201 @@
+"""Known models: the default model, the recently opened ones (a small JSON file in the config dir) and the ones
+found in a models folder. Nothing here loads a model; it only looks at names and sizes on disk."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from app.store import move_aside
+from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
+
+log = logging.getLogger(__name__)
+
+RECENT_FILE = "recent_models.json"
+RECENT_VERSION = 1
+RECENT_MAX = 10
+SCAN_DEPTH = 2  # folders below the scanned one
+DEFAULT_SOURCE = "default"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    source: str  # what load_checkpoint takes: "default" or an absolute path
+    name: str
+    kind: str  # "default" | "gguf" | "hf-folder"
+    path: Optional[str]  # the file or folder on disk; None for the default model before it is downloaded
+    present: bool  # False: a recent model whose file is gone, or the default model not downloaded yet
+    size_bytes: Optional[int] = None  # of the file, or of the folder's weights
+    last_used: Optional[float] = None  # epoch seconds, recent models only
+    note: str = ""  # "not downloaded", "missing", ...
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kind_of(path: Path) -> Optional[str]:
+    """ "gguf", "hf-folder" or None, from names alone."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "hf-folder"
+    return None
+
+
+def _size(path: Path, kind: str) -> Optional[int]:
+    try:
+        if kind == "hf-folder":
+            return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def entry_for(path: Path, last_used: Optional[float] = None) -> ModelEntry:
+    path = Path(path)
+    kind = kind_of(path)
+    if kind is None:
+        return ModelEntry(str(path), path.name, "gguf" if path.suffix.lower() == ".gguf" else "hf-folder",
+                          str(path), False, None, last_used, "missing")
+    return ModelEntry(str(path), path.stem if kind == "gguf" else path.name, kind, str(path), True,
+                      _size(path, kind), last_used)
+
+
+def default_model_entry(spec: DefaultModelSpec = SMOLLM2_135M_Q4_1, cache_dir: Optional[Path] = None) -> ModelEntry:
+    path = cached_default_model(spec, cache_dir)
+    name = Path(spec.filename).stem
+    if path is None:
+        return ModelEntry(DEFAULT_SOURCE, name, "default", None, False, spec.size, None,
+                          f"not downloaded ({spec.wheel_size / 1e6:.0f} MB download)")
+    return ModelEntry(DEFAULT_SOURCE, name, "default", str(path), True, spec.size)
+
+
+def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelEntry]:
+    """GGUF files and HF folders in `folder` and up to `max_depth` levels below it, sorted by path.
+    Hidden entries, unreadable folders and symlinked folders (which could loop) are skipped."""
+    found: list[ModelEntry] = []
+
+    def walk(d: Path, depth: int) -> None:
+        try:
+            children = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as exc:
+            log.info("cannot scan %s: %s", d, exc)
+            return
+        for e in children:
+            if e.name.startswith("."):
+                continue
+            p = Path(e.path)
+            try:
+                if e.is_file() and e.name.lower().endswith(".gguf"):
+                    found.append(entry_for(p))
+                elif e.is_dir(follow_symlinks=False):
+                    if kind_of(p) == "hf-folder":
+                        found.append(entry_for(p))
+                    elif depth < max_depth:
+                        walk(p, depth + 1)
+            except OSError as exc:
+                log.info("cannot inspect %s: %s", p, exc)
+
+    root = Path(folder).expanduser()
+    if kind_of(root) == "hf-folder":
+        return [entry_for(root.resolve())]
+    if root.is_dir():
+        walk(root.resolve(), 0)
+    return found
+
+
+class RecentModels:
+    """The last models opened, newest first, one entry per resolved path, at most `limit`.
+
+    A file that cannot be read as this list is moved aside (`<name>.corrupt-<timestamp>`) and an empty list is
+    used; a write that fails (read-only or full disk) is logged and noted, never fatal."""
+
+    def __init__(self, config_dir: Path, limit: int = RECENT_MAX,
+                 default_entry: Callable[[], ModelEntry] = default_model_entry):
+        self.path = Path(config_dir) / RECENT_FILE
+        self.limit = limit
+        self.default_entry = default_entry
+        self.notices: list[str] = []
+
+    def entries(self) -> list[ModelEntry]:
+        out = []
+        for item in self._read():
+            source, when = item["source"], item.get("last_used")
+            if source == DEFAULT_SOURCE:
+                entry = self.default_entry()
+                out.append(ModelEntry(**{**entry.to_dict(), "last_used": when}))
+            else:
+                out.append(entry_for(Path(source), when))
+        return out
+
+    def add(self, source: str, now: Optional[float] = None) -> list[ModelEntry]:
+        key = _key(source)
+        items = [i for i in self._read() if _key(i["source"]) != key]
+        items.insert(0, {"source": key, "last_used": time.time() if now is None else now})
+        self._write(items[: self.limit])
+        return self.entries()
+
+    def remove(self, source: str) -> list[ModelEntry]:
+        key = _key(source)
+        self._write([i for i in self._read() if _key(i["source"]) != key])
+        return self.entries()
+
+    def _read(self) -> list[dict]:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self._note(f"the recent models list {self.path} cannot be read ({exc.strerror or exc})")
+            return []
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            items = data["models"]
+            if not isinstance(items, list) or not all(
+                isinstance(i, dict) and isinstance(i.get("source"), str) and i["source"]
+                and (i.get("last_used") is None or isinstance(i["last_used"], (int, float)))
+                for i in items
+            ):
+                raise ValueError("unexpected entries")
+        except (ValueError, KeyError, TypeError) as exc:
+            return self._move_aside(exc)
+        return items[: self.limit]
+
+    def _move_aside(self, exc: Exception) -> list[dict]:
+        try:
+            aside = move_aside(self.path, "corrupt")
+            self._note(f"the recent models list was unreadable ({exc}); it was kept as {aside.name} and a new one started")
+        except OSError as err:
+            self._note(f"the recent models list is unreadable ({exc}) and could not be moved aside ({err})")
+        return []
+
+    def _write(self, items: list[dict]) -> None:
+        data = json.dumps({"version": RECENT_VERSION, "models": items}, indent=1)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".recent-", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(data)
+                os.replace(tmp, self.path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as exc:
+            self._note(f"the recent models list could not be saved ({exc.strerror or exc})")
+
+    def _note(self, text: str) -> None:
+        log.warning("%s", text)
+        if text not in self.notices:
+            self.notices.append(text)
+
+
+def _key(source: str) -> str:
+    if source == DEFAULT_SOURCE:
+        return source
+    return str(Path(source).expanduser().resolve())

