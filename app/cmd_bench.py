@@ -110,7 +110,7 @@ def format_table(report: dict[str, Any]) -> str:
     everything = rungs + baselines
     cfg = report["config"]
     out.append("")
-    out.append(f"Model {report['model']['name']} ({report['model']['parameters'] / 1e6:.0f}M parameters) on "
+    out.append(f"Model {report['model']['name']} ({report['model']['parameters'] / 1e6:.1f}M parameters) on "
                f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {cfg['repeats']} runs "
                f"after {cfg['warmup']} warm-up.")
     out.append(report["dtype_note"] + ".")

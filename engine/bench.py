@@ -263,10 +263,13 @@ def run_baseline(model, prompt_ids: list[int], eos_ids: list[int], n_tokens: int
                     "decode_tok_s": ratio(len(new) - 1, total_s - first_s),
                 }
                 run["peak_memory_bytes"], run["peak_memory_source"] = _peak_memory(device)
+                run["unavailable"] = {}
                 if monitor is not None:
                     for metric, (value, source) in monitor.summary(t0, t1).items():
                         run[metric] = value
-                        run[metric.replace("_pct", "_source")] = source
+                        run[metric.replace("_pct", "_source")] = source if value is not None else None
+                        if value is None:
+                            run["unavailable"][metric] = source
                 base.runs.append(run)
                 base.token_ids = new
                 tok_s = run["decode_tok_s"]
@@ -281,7 +284,11 @@ def run_baseline(model, prompt_ids: list[int], eos_ids: list[int], n_tokens: int
     for f in ("peak_memory_source", "gpu_util_source", "sm_activity_source", "dram_bw_util_source"):
         base.median[f] = next((r[f] for r in base.runs if r.get(f)), None)
     base.median["kernel_gap_pct"] = None
-    base.median["kernel_gap_source"] = "not traced inside transformers generate()"
+    base.median["kernel_gap_source"] = None
+    base.median["unavailable"] = {"kernel_gap_pct": "not traced inside transformers generate()"}
+    for r in base.runs:
+        for k, v in r["unavailable"].items():
+            base.median["unavailable"].setdefault(k, v)
     return base
 
 

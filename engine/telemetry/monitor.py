@@ -110,7 +110,7 @@ class Monitor:
 
     def _open_nvml(self, nvml: Any) -> None:
         if self.device.type != "cuda":
-            self._mark_gpu_unavailable(f"the engine runs on the {self.device.type.upper()}, not on a GPU")
+            self._mark_gpu_unavailable(f"the model runs on the {self.device.type.upper()}, not on a GPU")
             return
         if nvml is None:
             try:

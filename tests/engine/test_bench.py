@@ -90,8 +90,8 @@ def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, n
                     "kernel_gap_source": "op gap — torch.profiler CPU ops, 8-step window (sampled)" if gap else None,
                     "sm_activity_pct": None, "gpu_util_pct": None, "peak_memory_bytes": 3 * 2**30,
                     "peak_memory_source": "process peak RSS since start (getrusage)", "new_tokens_total": 128.0,
-                    "unavailable": {"gpu_util_pct": "the engine runs on the CPU, not on a GPU",
-                                    "sm_activity_pct": "the engine runs on the CPU, not on a GPU"}}
+                    "unavailable": {"gpu_util_pct": "the model runs on the CPU, not on a GPU",
+                                    "sm_activity_pct": "the model runs on the CPU, not on a GPU"}}
     return r
 
 
@@ -166,7 +166,7 @@ def test_table_rows_figures_and_notes():
     bcells = [c.strip() for c in base.strip("|").split("|")]
     assert bcells[3:6] == ["20.0", "2.00×", "1.00×"] and bcells[7] == "n/a"
     assert "gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
-    assert "GPU util: n/a (the engine runs on the CPU, not on a GPU)." in table
+    assert "GPU util: n/a (the model runs on the CPU, not on a GPU)." in table
     assert "the first 128 of 128 / 128 agree" in table
     assert len({len(line) for line in lines[:8]}) == 1  # aligned columns
 
@@ -199,3 +199,68 @@ def test_matching_prefix():
     assert matching_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert matching_prefix([], [1]) == 0
     assert matching_prefix([7, 8], [7, 8]) == 2
+
+
+# ---- the real bench on a tiny model ------------------------------------------------------------------
+
+
+def bench_args(model, json_path, **kw):
+    base = dict(model=str(model), device="cpu", max_new_tokens=12, repeats=1, presets="naive,first-fixes",
+                candidates=None, baseline=False, compile=None, prompt="hello world", json=json_path)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_bench_tiny_model_without_baseline(tiny_llama, tmp_path, capsys):
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "bench.json"
+    assert run_bench(bench_args(tiny_llama, path)) == 0
+    out = capsys.readouterr().out
+    assert "| Naive " in out and "| Seeds' first fixes " in out and f"written: {path}" in out
+    report = json.loads(path.read_text(encoding="utf-8"))
+    assert set(report) >= {"command", "config", "machine", "model", "rungs", "baselines", "ratios", "dtype_note"}
+    assert report["baselines"] == [] and report["greedy_match_naive_vs_transformers"] is None
+    assert report["machine"]["libraries"]["torch"] and report["machine"]["cpu_cores_logical"] >= 1
+    assert report["model"]["family"] == "llama" and report["device"] == "cpu"
+    naive, fixes = report["rungs"]
+    assert (naive["name"], naive["status"], fixes["name"], fixes["status"]) == ("naive", "ok", "first-fixes", "ok")
+    assert naive["options"]["kv_cache"] == "dynamic" and naive["options"]["sampling"] == "host"
+    assert fixes["options"]["kv_cache"] == "static" and fixes["options"]["dtype"] == "fp32"
+    for r in (naive, fixes):
+        assert len(r["runs"]) == 1
+        m = r["runs"][0]["metrics"]
+        assert m["new_tokens_total"] == len(r["runs"][0]["token_ids"][0]) >= 1
+        assert r["median"]["decode_tok_s"] == m["decode_tok_s"]
+        assert r["median"]["gpu_util_pct"] is None and r["median"]["unavailable"]["gpu_util_pct"]
+    assert naive["speedup_vs_naive"] == 1.0 and naive["speedup_vs_transformers"] is None
+    assert fixes["speedup_vs_naive"] == pytest.approx(fixes["median"]["decode_tok_s"] / naive["median"]["decode_tok_s"])
+    # greedy decoding: the same tokens whatever the optimisations (both fp32)
+    assert naive["runs"][0]["token_ids"] == fixes["runs"][0]["token_ids"]
+
+
+def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path, capsys):
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "bench.json"
+    args = bench_args(tiny_llama, path, presets="naive,cuda-graph", baseline=True, compile=True, repeats=2)
+    assert run_bench(args) == 0
+    report = json.loads(path.read_text(encoding="utf-8"))
+    naive, graph = report["rungs"]
+    assert graph["status"] == "skipped" and "CUDA graphs need a CUDA device" in graph["reason"]
+    assert len(naive["runs"]) == 2
+    [hf] = report["baselines"]
+    assert hf["name"] == "transformers" and hf["status"] == "ok" and len(hf["runs"]) == 2
+    assert hf["settings"]["min_new_tokens"] == hf["settings"]["max_new_tokens"] == 12
+    assert all(r["new_tokens_total"] == 12 for r in hf["runs"])
+    assert hf["median"]["decode_tok_s"] > 0 and hf["median"]["kernel_gap_pct"] is None
+    assert report["prompt_tokens_transformers"] == naive["runs"][0]["metrics"]["prompt_tokens"]
+    ours = naive["runs"][0]["token_ids"][0]
+    match = report["greedy_match_naive_vs_transformers"]
+    # transformers is made to continue past EOS (min_new_tokens), so only an EOS of ours may differ
+    expected = len(ours) if naive["runs"][0]["finish_reasons"][0] == "length" else len(ours) - 1
+    assert match["matching_prefix"] >= expected
+    assert naive["speedup_vs_transformers"] == pytest.approx(naive["median"]["decode_tok_s"] / hf["median"]["decode_tok_s"])
+    assert report["ratios"]["transformers_decode_tok_s"] == hf["median"]["decode_tok_s"]
+    out = capsys.readouterr().out
+    assert "| transformers generate() " in out and "skipped (1)" in out

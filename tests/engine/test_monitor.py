@@ -175,7 +175,7 @@ def test_cpu_device_never_touches_nvml():
     nvml = FakeNVML()
     m = Monitor(torch.device("cpu"), nvml=nvml)
     assert nvml.calls == {}
-    assert m.unavailable["gpu_util_pct"] == "the engine runs on the CPU, not on a GPU"
+    assert m.unavailable["gpu_util_pct"] == "the model runs on the CPU, not on a GPU"
     s = m.sample_once()
     assert s.gpu_util_pct is None and s.process_rss_bytes is not None
 
