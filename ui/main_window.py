@@ -57,7 +57,6 @@ class MainWindow(QMainWindow):
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
         self._search = ""
-        self._generation_labels: dict[int, str] = {}
         self._build(settings)
         self._wire()
         self._shortcuts()
@@ -130,7 +129,7 @@ class MainWindow(QMainWindow):
         self.model_status = QLabel("No model", self)
         self.statusBar().addPermanentWidget(self.model_status)
         self.resize(1440, 900)
-        self.resizeDocks([self.options_dock], [440], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.options_dock], [500], Qt.Orientation.Horizontal)
 
     def _wire(self) -> None:
         f, v, c = self.flow, self.chat_view, self.controller
@@ -167,12 +166,13 @@ class MainWindow(QMainWindow):
         c.reconfigureFailed.connect(self.toggles.set_failed)
         c.generationStarted.connect(self._generation_started)
         c.generationFinished.connect(self._generation_finished)
+        c.generationFailed.connect(self._generation_failed)
         if self.hud is not None:
             c.steps.connect(lambda _rid, records: self.hud.add_steps(records))
             c.samples.connect(self.hud.add_samples)
             c.ladderProgress.connect(self.hud.set_ladder_progress)
             c.ladderFinished.connect(self.hud.set_ladder_results)
-            c.ladderFailed.connect(lambda msg: self._failed(f"The ladder failed: {msg}"))
+            c.ladderFailed.connect(self.hud.set_ladder_failed)
             self.hud.runLadderRequested.connect(self.run_ladder)
             self.hud.cancelLadderRequested.connect(c.cancel_ladder)
         if self.fetcher is not None:
@@ -264,20 +264,28 @@ class MainWindow(QMainWindow):
         self.status.setText("Answering…" if generating else "")
 
     def _generation_started(self, request_id: int, options: EngineOptions) -> None:
-        label = f"#{request_id} {options_label(options.to_dict())}"
-        self._generation_labels[request_id] = label
-        if self.hud is not None:
-            self.hud.begin_generation(label, options)
+        if self.hud is None:
+            return
+        # "auto" device and dtype name no preset; the loaded model says what they resolve to.
+        info = self.controller.info
+        shown = options.to_dict()
+        if info is not None:
+            shown.update({k: getattr(info, k) for k in ("device", "dtype") if shown[k] == "auto"})
+        self.hud.begin_generation(options_label(shown), options)
 
     def _generation_finished(self, request_id: int, result: GenerationResult) -> None:
-        label = self._generation_labels.pop(request_id, f"#{request_id}")
         self.toggles.progress.hide()
         if self.hud is not None:
-            self.hud.end_generation(result.metrics, result.options, label)
+            self.hud.end_generation(result.metrics, result.options, options_label(result.options.to_dict()))
         if result.notices:
             self.status.setText(" · ".join(result.notices))
         if result.unavailable:
             self.toggles.set_unavailable(result.unavailable)
+
+    def _generation_failed(self, _request_id: int, message: str) -> None:
+        self.toggles.progress.hide()
+        if self.hud is not None:
+            self.hud.generation_failed(message)
 
     def _candidates_finished(self, result: GenerationResult) -> None:
         self.chat_view.finish_candidates(result.texts, result.metrics.to_dict(), result.options.to_dict(),

@@ -56,7 +56,8 @@ class ModelPanel(QGroupBox):
             v = QLabel(NA, self)
             v.setObjectName("infoValue")
             v.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-            grid.addWidget(k, row, 0)
+            v.setWordWrap(key == "name")  # long file names wrap instead of widening the column
+            grid.addWidget(k, row, 0, Qt.AlignmentFlag.AlignTop)
             grid.addWidget(v, row, 1)
             self.values[key] = v
         grid.setColumnStretch(1, 1)

@@ -1,0 +1,65 @@
+"""`gapless gui --smoke-test` on the real default model, as a user (or the installer's check) runs it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_smoke(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "QT_QPA_PLATFORM": "offscreen"}
+    env.pop("GAPLESS_DATA_DIR", None)  # --data-dir decides
+    return subprocess.run(
+        [sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "gui", "--smoke-test",
+         "--screenshot", str(tmp_path / "shot.png"), "--report", str(tmp_path / "report.json"), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+    )
+
+
+@pytest.mark.slow
+def test_smoke_test_answers_on_the_default_model(tmp_path, default_model_path):
+    proc = run_smoke(tmp_path, "--max-new-tokens", "24")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+
+    assert report["model"]["source_kind"] == "default"
+    assert report["answer"].strip()
+    assert "Paris" in report["answer"]  # the fixed prompt asks for the capital of France; greedy-ish, seed 0
+    assert report["messages_in_store"] == 2 and report["messages_in_chat"] == 2
+    metrics = report["metrics"]
+    assert 0 < metrics["new_tokens_total"] <= 24
+    assert f"{metrics['new_tokens_total']} tokens" in report["stats_line"]
+    tok_s = metrics["decode_tok_s"]
+    assert (f"{tok_s:.1f} tok/s" if tok_s is not None else "n/a tok/s") in report["stats_line"]
+    assert report["options"]["device"] in ("cpu", "cuda")
+    lengths = report["hud"]["series_lengths"]
+    assert lengths and sum(lengths.values()) > 0
+    last = report["hud"]["last_values"]
+    assert any(last.get(name) is not None for name, n in lengths.items() if n > 0)
+    shot = tmp_path / "shot.png"
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The data dir given on the command line holds the chat, nothing else was touched.
+    from app.store import ChatStore
+
+    with ChatStore(tmp_path / "data" / "data" / "chats.sqlite3") as store:
+        chats = store.list_chats()
+        assert len(chats) == 1
+        assert [m.role for m in store.thread(chats[0].id)] == ["user", "assistant"]
+        assert store.thread(chats[0].id)[1].content == report["answer"]
+
+
+def test_smoke_test_fails_with_a_message_on_a_bad_model(tmp_path):
+    bad = tmp_path / "empty-model"
+    bad.mkdir()
+    proc = run_smoke(tmp_path, "--model", str(bad))
+    assert proc.returncode != 0
+    assert "smoke test failed: cannot load" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "report.json").exists()
