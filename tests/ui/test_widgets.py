@@ -1,0 +1,177 @@
+"""The conversation widgets on their own: markdown splitting and streaming renders, code copy, composer keys,
+the stats line, toggles and presets, chat settings validation, themes."""
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication
+
+from engine.types import PRESETS, EngineOptions, SamplingParams, preset_options
+from ui.composer import Composer
+from ui.dialogs import CHAT_DEFAULTS, ChatSettingsDialog
+from ui.markdown import CodeBlock, ProseView, SegmentsView, Segment, split_markdown
+from ui.stats import format_stats, preset_name
+from ui.toggles import TogglesPanel
+
+
+def test_split_markdown_prose_and_fences():
+    text = "Intro\n\n```python\nx = 1\n```\nAfter\n~~~\nraw ``` inside\n~~~\n```sh\nopen"
+    assert split_markdown(text) == [
+        Segment("prose", "Intro\n"),
+        Segment("code", "x = 1", "python"),
+        Segment("prose", "After"),
+        Segment("code", "raw ``` inside", ""),
+        Segment("code", "open", "sh", closed=False),
+    ]
+    assert split_markdown("") == []
+
+
+def test_streaming_appends_without_rendering_every_batch(qtbot):
+    view = SegmentsView("")
+    qtbot.addWidget(view)
+    view.show()
+    text = "Here is **bold** text and code:\n```python\ndef f(x):\n    return x\n```\nDone."
+    words = [text[i:i + 3] for i in range(0, len(text), 3)]
+    start = view.render_count
+    for w in words:
+        view.append(w)
+    assert view.text == text
+    assert view.render_count - start <= 1  # one render was scheduled, none ran per batch
+    qtbot.waitUntil(lambda: view.render_count - start >= 1, timeout=2000)
+    kinds = [type(w) for w in view._widgets]
+    assert kinds == [ProseView, CodeBlock, ProseView]
+    code = view.code_blocks()[0]
+    assert code.text == "def f(x):\n    return x"
+    assert "bold" in view._widgets[0].toPlainText() and "**" not in view._widgets[0].toPlainText()
+
+
+def test_code_block_copy_puts_the_code_on_the_clipboard(qtbot):
+    view = SegmentsView("Text\n```js\nconsole.log('hi');\n```")
+    qtbot.addWidget(view)
+    block = view.code_blocks()[0]
+    block.copy_button.click()
+    assert QGuiApplication.clipboard().text() == "console.log('hi');"
+    assert block.copy_button.text() == "Copied"
+
+
+def test_markdown_html_is_shown_as_text(qtbot):
+    view = SegmentsView("Use a <div> here")
+    qtbot.addWidget(view)
+    assert "<div>" in view._widgets[0].toPlainText()
+
+
+@pytest.mark.parametrize("send_with, key, mods, sends", [
+    ("enter", Qt.Key.Key_Return, Qt.KeyboardModifier.NoModifier, True),
+    ("enter", Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier, False),
+    ("ctrl+enter", Qt.Key.Key_Return, Qt.KeyboardModifier.NoModifier, False),
+    ("ctrl+enter", Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier, True),
+    ("ctrl+enter", Qt.Key.Key_Enter, Qt.KeyboardModifier.ShiftModifier, False),
+])
+def test_composer_send_keys(qtbot, send_with, key, mods, sends):
+    c = Composer(send_with)
+    qtbot.addWidget(c)
+    sent = []
+    c.sendRequested.connect(sent.append)
+    c.set_text("hello")
+    c.edit.moveCursor(c.edit.textCursor().MoveOperation.End)
+    qtbot.keyClick(c.edit, key, mods)
+    if sends:
+        assert sent == ["hello"] and c.text() == ""
+    else:
+        assert sent == [] and c.text() == "hello\n"
+
+
+def test_composer_does_not_send_blank_or_while_generating(qtbot):
+    c = Composer()
+    qtbot.addWidget(c)
+    sent = []
+    c.sendRequested.connect(sent.append)
+    c.set_text("   ")
+    c.send_button.click()
+    c.set_text("hi")
+    c.set_generating(True)
+    qtbot.keyClick(c.edit, Qt.Key.Key_Return)
+    assert sent == []
+    assert c.stop_button.isVisibleTo(c) and not c.send_button.isVisibleTo(c)
+    c.set_can_send(False, "No model loaded")
+    assert c.hint.text() == "No model loaded"
+
+
+def test_stats_line_says_na_and_names_sources():
+    metrics = {"new_tokens_total": 12, "prompt_tokens": 5, "ttft_ms": 80.4, "decode_tok_s": None,
+               "kernel_gap_pct": 33.3, "kernel_gap_source": "torch.profiler CUDA kernels", "unavailable": {}}
+    options = preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict()
+    line, tip = format_stats(metrics, options, "cuda")
+    assert line == "12 tokens · TTFT 80 ms · n/a tok/s · + CUDA graph · kernel gap 33.3%"
+    assert "source: torch.profiler CUDA kernels" in tip
+    line, tip = format_stats({"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}},
+                             options, "cpu", "cancelled")
+    assert line.endswith("op gap n/a · stopped")
+    assert "profiling off" in tip
+    assert format_stats(None, None, None)[0].startswith("n/a tokens")
+
+
+def test_every_preset_is_recognised():
+    for name, opts in PRESETS.items():
+        assert preset_name(opts.to_dict()) == name
+    assert preset_name(EngineOptions(dtype="fp16", kv_cache="none").to_dict()) is None
+
+
+def test_toggles_emit_options_and_presets(qtbot):
+    t = TogglesPanel(EngineOptions())
+    qtbot.addWidget(t)
+    got = []
+    t.optionsChanged.connect(got.append)
+    t.preset.setCurrentIndex(t.preset.findData("naive"))
+    t.preset.activated.emit(t.preset.currentIndex())
+    assert got[-1] == preset_options("naive", EngineOptions())
+    assert t.kv_cache.currentData() == "dynamic" and t.sampling.currentData() == "host"
+    t.compile.setChecked(True)
+    assert got[-1].compile is True
+    assert t.preset.currentData() == "custom"
+
+
+def test_toggles_turn_off_what_the_engine_cannot_do(qtbot):
+    t = TogglesPanel(EngineOptions(cuda_graph=True))
+    qtbot.addWidget(t)
+    got = []
+    t.optionsChanged.connect(got.append)
+    t.set_applied(EngineOptions(cuda_graph=True), {"cuda_graph": "CUDA graphs need a CUDA device"})
+    assert got and got[-1].cuda_graph is False
+    assert not t.cuda_graph.isChecked() and not t.cuda_graph.isEnabled()
+    assert t.cuda_graph.toolTip() == "Unavailable: CUDA graphs need a CUDA device"
+    cuda_graph_preset = t.preset.model().item(t.preset.findData("cuda-graph"))
+    assert not cuda_graph_preset.isEnabled()
+    t.reset_unavailable({})  # another model
+    assert t.cuda_graph.isEnabled()
+
+
+def test_chat_settings_dialog_defaults_and_validation(qtbot):
+    d = ChatSettingsDialog("", CHAT_DEFAULTS)
+    qtbot.addWidget(d)
+    assert d.values() == ("", CHAT_DEFAULTS)
+    assert (CHAT_DEFAULTS.temperature, CHAT_DEFAULTS.top_p, CHAT_DEFAULTS.top_k, CHAT_DEFAULTS.repetition_penalty,
+            CHAT_DEFAULTS.max_new_tokens, CHAT_DEFAULTS.seed) == (0.7, 0.95, 40, 1.1, 512, None)
+    d.system_prompt.setPlainText("  Be brief.  ")
+    d.seed.setText("42")
+    d.stop.setText("END, ###")
+    prompt, s = d.values()
+    assert prompt == "Be brief." and s.seed == 42 and s.stop == ("END", "###")
+    d.temperature.setValue(0.0)
+    d.max_new_tokens.setValue(1)
+    assert d.sampling() == SamplingParams(temperature=0.0, top_p=0.95, top_k=40, repetition_penalty=1.1,
+                                          max_new_tokens=1, seed=42, stop=("END", "###"))
+
+
+def test_theme_follows_choice(qapp):
+    from ui.theme import DARK, LIGHT, ThemeManager
+
+    tm = ThemeManager(qapp, "dark")
+    assert tm.scheme == "dark" and qapp.palette().base().color().name() == DARK.base
+    seen = []
+    tm.changed.connect(seen.append)
+    tm.set_choice("light")
+    assert seen == [LIGHT] and qapp.palette().base().color().name() == LIGHT.base
+    assert "@" not in qapp.styleSheet()
+    with pytest.raises(ValueError):
+        tm.set_choice("purple")
