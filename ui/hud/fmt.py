@@ -1,0 +1,63 @@
+"""How the HUD writes figures: one place, so the bars, the table and the plots agree. None is always "n/a"."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+NA = "n/a"
+
+
+def number(v: Optional[float], unit: str = "", digits: Optional[int] = None) -> str:
+    if v is None or not math.isfinite(v):
+        return NA
+    if digits is None:
+        a = abs(v)
+        digits = 0 if a >= 1000 else 1 if a >= 10 else 2
+    text = f"{v:,.{digits}f}"
+    return f"{text} {unit}" if unit else text
+
+
+def percent(v: Optional[float]) -> str:
+    return number(v, "%", 1)
+
+
+def size(v: Optional[float]) -> str:
+    """Bytes in binary units (MiB / GiB), as memory is counted."""
+    if v is None or not math.isfinite(v):
+        return NA
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(v) >= scale:
+            return f"{v / scale:,.1f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def delta(rel: Optional[float]) -> str:
+    """A relative change, e.g. +12.5% or ×4.4 when the value grew more than threefold."""
+    if rel is None or not math.isfinite(rel):
+        return NA
+    if rel >= 2.0:
+        return f"×{1.0 + rel:,.1f}"
+    return f"{rel * 100:+.1f}%"
+
+
+def nice_ceiling(v: float) -> float:
+    """The next of 1, 2, 5 × 10^k at or above v: a y range that only moves in steps, so plots do not jitter."""
+    if not math.isfinite(v) or v <= 0:
+        return 1.0
+    k = 10 ** math.floor(math.log10(v))
+    for m in (1, 2, 5, 10):
+        if v <= m * k * (1 + 1e-9):
+            return m * k
+    return 10 * k
+
+
+def options_summary(options) -> str:
+    """EngineOptions in a few words: dtype, KV cache, sampling, compile, graph, candidates."""
+    parts = [options.device, options.dtype, f"{options.kv_cache} KV", f"{options.sampling} sampling"]
+    if options.compile:
+        parts.append("compile")
+    if options.cuda_graph:
+        parts.append("CUDA graph")
+    if options.candidates > 1:
+        parts.append(f"×{options.candidates} candidates")
+    return " · ".join(parts)

@@ -1,0 +1,207 @@
+"""The HUD's live time series: what the engine measured, held in ring buffers, with the source of every series.
+
+Plain data, no Qt: the panel's slots push StepRecords and MonitorSamples in, the plots and the exports read
+out. Times stay on the engine's clock (time.perf_counter(), the same clock in this process); `t0` is the
+first time seen, and plots use seconds since it.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+from engine.types import EngineOptions, MonitorSample, StepRecord
+from ui.hud.ring import RingTable, last_finite
+
+STEP_COLUMNS = ("t", "generation", "tokens_total", "step_ms", "tokens_per_s", "profiled")
+SAMPLE_FIELDS = (
+    "gpu_util_pct",
+    "sm_activity_pct",
+    "sm_occupancy_pct",
+    "dram_bw_util_pct",
+    "gpu_memory_used_bytes",
+    "power_w",
+    "sm_clock_mhz",
+    "cpu_util_pct",
+    "process_rss_bytes",
+)
+SAMPLE_COLUMNS = ("t", "record", "generation") + SAMPLE_FIELDS  # record: 1, NaN on a gap row
+INT_FIELDS = frozenset({"generation", "tokens_total", "gpu_memory_used_bytes", "process_rss_bytes"})
+
+# The series the HUD plots and reports, in display order.
+STEP_SERIES = ("tokens_per_s", "step_ms")
+SAMPLE_SERIES = ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct", "cpu_util_pct", "process_rss_bytes")
+SERIES = STEP_SERIES + SAMPLE_SERIES
+
+
+@dataclass
+class Generation:
+    index: int
+    label: str
+    options: EngineOptions
+    t_start: float
+    t_end: Optional[float] = None
+
+
+class LiveSeries:
+    """Ring-buffered steps and monitor samples of this session, with sources and the generations' spans.
+
+    `rate_window_s`: tokens/s is the token count over the last window of step records (at least this long once
+    warm), restarted at each generation and after the profiled window, whose traced steps are left out as the
+    engine leaves them out of its own decode tok/s. `sample_break_s`: a pause in the monitor longer than this
+    is drawn as a gap rather than a line across time nobody measured.
+    """
+
+    def __init__(self, step_capacity: int = 65536, sample_capacity: int = 16384,
+                 rate_window_s: float = 1.0, sample_break_s: float = 2.0, max_generations: int = 256):
+        self.steps = RingTable(step_capacity, STEP_COLUMNS)
+        self.samples = RingTable(sample_capacity, SAMPLE_COLUMNS)
+        self.rate_window_s = rate_window_s
+        self.sample_break_s = sample_break_s
+        self.generations: deque[Generation] = deque(maxlen=max_generations)
+        self.sources: dict[str, str] = {}  # sample field -> source of its newest measured value
+        self.reasons: dict[str, str] = {}  # sample field -> why its newest reading was not measured
+        self.t0: Optional[float] = None
+        self._rate_window: deque[tuple[float, float]] = deque()
+        self._last_step_t: Optional[float] = None
+        self._last_sample_t: Optional[float] = None
+        self._running: Optional[Generation] = None
+        self._count = 0
+        self._spans = 0  # bumped when a generation span starts, moves or ends
+
+    # ---- producers -------------------------------------------------------------------------------------
+
+    def begin_generation(self, label: str, options: EngineOptions, t: float) -> Generation:
+        self._origin(t)
+        gen = Generation(index=self.take_index(), label=label, options=options, t_start=t)
+        self.generations.append(gen)
+        self._running = gen
+        self._spans += 1
+        self._rate_window.clear()
+        if self._last_step_t is not None:
+            # A NaN row keeps the step curves from joining the previous generation's last point to this one's first.
+            self.steps.append((self._last_step_t, gen.index) + (None,) * (len(STEP_COLUMNS) - 2))
+        return gen
+
+    def take_index(self) -> int:
+        """The next generation number of this session (the ladder's runs take theirs from here too)."""
+        self._count += 1
+        return self._count
+
+    def end_generation(self, t: float) -> Optional[Generation]:
+        gen, self._running = self._running, None
+        if gen is not None:
+            last = self._last_step_t
+            gen.t_end = last if last is not None and last >= gen.t_start else t
+            self._spans += 1
+        return gen
+
+    def add_steps(self, records: Iterable[StepRecord]) -> None:
+        gen = self._running
+        index = gen.index if gen is not None else None
+        rows = []
+        for r in records:
+            self._origin(r.t)
+            if gen is not None and r.t < gen.t_start:
+                # The GUI hears of a start after the worker has begun; the first record dates it better.
+                gen.t_start = r.t
+                self._spans += 1
+            rows.append((r.t, index, r.tokens_total, r.step_ms, self._rate(r), 1.0 if r.profiled else 0.0))
+            self._last_step_t = r.t
+        if rows:
+            self.steps.extend(rows)
+
+    def add_samples(self, samples: Iterable[MonitorSample]) -> None:
+        index = self._running.index if self._running is not None else None
+        rows = []
+        for s in samples:
+            self._origin(s.t)
+            if self._last_sample_t is not None and s.t - self._last_sample_t > self.sample_break_s:
+                rows.append((self._last_sample_t, None, None) + (None,) * len(SAMPLE_FIELDS))
+            values = tuple(getattr(s, f) for f in SAMPLE_FIELDS)
+            for f, v in zip(SAMPLE_FIELDS, values):
+                label = s.sources.get(f)
+                if v is not None and label:
+                    self.sources[f] = label
+                    self.reasons.pop(f, None)
+                elif v is None and label:
+                    self.reasons[f] = label
+            rows.append((s.t, 1.0, index) + values)
+            self._last_sample_t = s.t
+        if rows:
+            self.samples.extend(rows)
+
+    # ---- readers ---------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        return self.steps.version, self.samples.version, self._spans
+
+    def x(self, ring: RingTable) -> np.ndarray:
+        """Seconds since t0 of the held rows of `ring`."""
+        return ring.column("t") - (self.t0 or 0.0)
+
+    def values(self, name: str) -> np.ndarray:
+        ring = self.steps if name in STEP_COLUMNS else self.samples
+        return ring.column(name)
+
+    def series_lengths(self) -> dict[str, int]:
+        """Measured points held per series, plus the step records and monitor samples held."""
+        out = {name: int(np.isfinite(self.values(name)).sum()) for name in SERIES}
+        out["steps"] = int(np.isfinite(self.steps.column("tokens_total")).sum())
+        out["samples"] = int(np.isfinite(self.samples.column("record")).sum())
+        return out
+
+    def last_values(self) -> dict[str, Optional[float]]:
+        """The newest measured value of each series; None when none was measured."""
+        return {name: last_finite(self.values(name)) for name in SERIES}
+
+    def measured(self, name: str) -> bool:
+        return bool(np.isfinite(self.values(name)).any())
+
+    def step_rows(self) -> list[dict]:
+        """The held step records as dicts (generation breaks left out), None where not measured."""
+        return [r for r in _records(self.steps, self.t0) if r["tokens_total"] is not None]
+
+    def sample_rows(self) -> list[dict]:
+        return [r for r in _records(self.samples, self.t0) if r.pop("record") is not None]
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    def _origin(self, t: float) -> None:
+        if self.t0 is None:
+            self.t0 = t
+
+    def _rate(self, r: StepRecord) -> Optional[float]:
+        if r.profiled:
+            self._rate_window.clear()
+            return None
+        w = self._rate_window
+        w.append((r.t, float(r.tokens_total)))
+        while len(w) >= 2 and w[1][0] <= r.t - self.rate_window_s:
+            w.popleft()
+        if len(w) < 2:
+            return None
+        (t_a, n_a), (t_b, n_b) = w[0], w[-1]
+        return (n_b - n_a) / (t_b - t_a) if t_b > t_a else None
+
+
+def _records(ring: RingTable, t0: Optional[float]) -> list[dict]:
+    out = []
+    for row in ring.rows():
+        rec: dict = {}
+        for name, v in zip(ring.columns, row):
+            if math.isnan(v):
+                rec[name] = None
+            elif name in INT_FIELDS:
+                rec[name] = int(v)
+            elif name == "profiled":
+                rec[name] = bool(v)
+            else:
+                rec[name] = float(v)
+        rec["t_rel"] = rec["t"] - (t0 or 0.0)
+        out.append(rec)
+    return out
