@@ -1,0 +1,148 @@
+"""The figures of the last generation as numbers and small bars: kernel/op gap, TTFT, decode and prefill tok/s,
+p50/p99 step latency, peak memory. Each row names its source; a figure the engine did not measure is "n/a"
+with its reason in the tooltip.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from PySide6.QtCore import QRectF, QSize, Qt
+from PySide6.QtGui import QColor, QPainter, QPalette, QPen
+from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+
+from engine.types import EngineOptions, GenerationMetrics
+from ui.hud import fmt
+
+ENGINE_TIMING = "engine timing, device-synchronised"
+
+
+@dataclass(frozen=True)
+class BarRow:
+    key: str  # GenerationMetrics field
+    title: str
+    format: Callable[[Optional[float]], str]
+    color: str
+    source: Optional[str] = None  # fixed source; else read from `source_field`
+    source_field: Optional[str] = None
+    scale_group: Optional[str] = None  # rows sharing one bar scale (p50 and p99)
+    percent: bool = False  # bar scale 0-100 rather than the session's largest
+
+
+BAR_ROWS = (
+    BarRow("kernel_gap_pct", "Kernel / op gap", fmt.percent, "#e06c75", source_field="kernel_gap_source", percent=True),
+    BarRow("ttft_ms", "TTFT", lambda v: fmt.number(v, "ms"), "#e8a33d", source=ENGINE_TIMING),
+    BarRow("decode_tok_s", "Decode", lambda v: fmt.number(v, "tok/s"), "#4e9af1", source=ENGINE_TIMING),
+    BarRow("prefill_tok_s", "Prefill", lambda v: fmt.number(v, "tok/s"), "#56b6c2", source=ENGINE_TIMING),
+    BarRow("step_ms_p50", "Step p50", lambda v: fmt.number(v, "ms"), "#4cbf73", source=ENGINE_TIMING, scale_group="step"),
+    BarRow("step_ms_p99", "Step p99", lambda v: fmt.number(v, "ms"), "#4cbf73", source=ENGINE_TIMING, scale_group="step"),
+    BarRow("peak_memory_bytes", "Peak memory", fmt.size, "#c678dd", source_field="peak_memory_source"),
+)
+
+
+class MiniBar(QWidget):
+    """A thin horizontal bar; no fill at all when the figure is n/a."""
+
+    def __init__(self, color: str, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.color = QColor(color)
+        self.fraction: Optional[float] = None
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setMinimumWidth(40)
+
+    def sizeHint(self) -> QSize:
+        return QSize(90, 10)
+
+    def set_fraction(self, fraction: Optional[float]) -> None:
+        self.fraction = None if fraction is None else min(1.0, max(0.0, fraction))
+        self.update()
+
+    def paintEvent(self, event) -> None:
+        p = QPainter(self)
+        track = QColor(self.palette().color(QPalette.ColorRole.Text))
+        track.setAlpha(40)
+        r = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
+        if self.fraction is None:
+            pen = QPen(track, 1, Qt.PenStyle.DashLine)
+            p.setPen(pen)
+            p.drawRect(r)
+        else:
+            p.fillRect(r, track)
+            p.fillRect(QRectF(r.left(), r.top(), r.width() * self.fraction, r.height()), self.color)
+        p.end()
+
+
+class BarStrip(QWidget):
+    """Numbers and bars of one generation. Bars of unbounded figures are relative to the session's largest."""
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.header = QLabel("No generation yet")
+        self.header.setWordWrap(True)
+        self._largest: dict[str, float] = {}
+        self._rows: dict[str, tuple[QLabel, MiniBar, QLabel, QLabel]] = {}
+        grid = QGridLayout()
+        grid.setContentsMargins(2, 0, 2, 0)
+        grid.setHorizontalSpacing(8)
+        grid.setVerticalSpacing(2)
+        for i, row in enumerate(BAR_ROWS):
+            name, bar, value, source = QLabel(row.title), MiniBar(row.color), QLabel(fmt.NA), QLabel()
+            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            source.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+            for col, w in enumerate((name, value, bar, source)):
+                grid.addWidget(w, i, col)
+            self._rows[row.key] = (name, bar, value, source)
+        grid.setColumnStretch(2, 2)
+        grid.setColumnStretch(3, 3)
+        box = QVBoxLayout(self)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.addWidget(self.header)
+        box.addLayout(grid)
+        self._apply_palette()
+
+    def set_running(self, label: str) -> None:
+        self.header.setText(f"Running: {label} — the figures below are from the previous generation")
+
+    def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
+        self.header.setText(f"{label} · {metrics.new_tokens_total} new tokens · {fmt.options_summary(options)}")
+        for row in BAR_ROWS:
+            v = getattr(metrics, row.key)
+            if v is not None:
+                group = row.scale_group or row.key
+                self._largest[group] = max(self._largest.get(group, 0.0), float(v))
+        for row in BAR_ROWS:
+            name, bar, value, source = self._rows[row.key]
+            v = getattr(metrics, row.key)
+            src = row.source or (getattr(metrics, row.source_field) if row.source_field else None)
+            value.setText(row.format(v))
+            if v is None:
+                reason = metrics.unavailable.get(row.key, "not measured in this generation")
+                source.setText(f"{fmt.NA} — {reason}")
+                bar.set_fraction(None)
+                tip = f"{row.title}: {fmt.NA} — {reason}"
+            else:
+                source.setText(src or "source not reported")
+                largest = 100.0 if row.percent else self._largest.get(row.scale_group or row.key, 0.0)
+                bar.set_fraction(float(v) / largest if largest > 0 else 0.0)
+                scale = "bar: 0–100%" if row.percent else f"bar: share of this session's largest ({row.format(largest)})"
+                tip = f"{row.title}: {row.format(v)} — {src or 'source not reported'}\n{scale}"
+            for w in (name, bar, value, source):
+                w.setToolTip(tip)
+
+    def values(self) -> dict[str, dict]:
+        """What each row shows: text, source line and bar fraction (None when n/a)."""
+        return {
+            key: {"text": value.text(), "source": source.text(), "fraction": bar.fraction}
+            for key, (_, bar, value, source) in self._rows.items()
+        }
+
+    def _apply_palette(self) -> None:
+        muted = QColor(self.palette().color(QPalette.ColorRole.Text))
+        muted.setAlpha(150)
+        for _, _, _, source in self._rows.values():
+            source.setStyleSheet(f"color: rgba({muted.red()},{muted.green()},{muted.blue()},{muted.alpha()});")
+
+    def changeEvent(self, event) -> None:
+        super().changeEvent(event)
+        if event.type() == event.Type.PaletteChange:
+            self._apply_palette()
