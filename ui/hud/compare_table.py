@@ -1,0 +1,250 @@
+"""Past generations of this session side by side: the options each used and what they measured, sortable, with
+the change of every figure against a reference row the user picks (the first generation until then).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
+from PySide6.QtGui import QColor, QFont
+from PySide6.QtWidgets import QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableView, QVBoxLayout, QWidget
+
+from engine.types import EngineOptions, GenerationMetrics
+from ui.hud import fmt
+
+SORT_ROLE = Qt.ItemDataRole.UserRole + 1
+BETTER, WORSE = QColor("#3fa860"), QColor("#d9534f")
+
+
+@dataclass
+class CompareRow:
+    index: int  # generation number in this session
+    label: str
+    options: EngineOptions
+    metrics: GenerationMetrics
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    title: str
+    kind: str  # "index", "label", "option" or "metric"
+    format: Callable[[Any], str] = str
+    better: int = 0  # +1 higher is better, -1 lower is better, 0 neither
+    source_field: Optional[str] = None
+    tip: str = ""
+
+
+def _ms(v):
+    return fmt.number(v, "ms")
+
+
+def _tok_s(v):
+    return fmt.number(v, "tok/s")
+
+
+COLUMNS = (
+    Column("index", "#", "index"),
+    Column("label", "Generation", "label"),
+    Column("decode_tok_s", "Decode", "metric", _tok_s, +1, tip="aggregate over candidates, traced window left out"),
+    Column("prefill_tok_s", "Prefill", "metric", _tok_s, +1),
+    Column("ttft_ms", "TTFT", "metric", _ms, -1, tip="prompt in → first token on the host"),
+    Column("step_ms_p50", "Step p50", "metric", _ms, -1),
+    Column("step_ms_p99", "Step p99", "metric", _ms, -1),
+    Column("kernel_gap_pct", "Kernel/op gap", "metric", fmt.percent, -1, "kernel_gap_source"),
+    Column("sm_activity_pct", "SM activity", "metric", fmt.percent, +1, "sm_activity_source"),
+    Column("gpu_util_pct", "GPU util", "metric", fmt.percent, +1, "gpu_util_source"),
+    Column("dram_bw_util_pct", "DRAM bw", "metric", fmt.percent, +1, "dram_bw_util_source"),
+    Column("peak_memory_bytes", "Peak memory", "metric", fmt.size, -1, "peak_memory_source"),
+    Column("new_tokens_total", "New tokens", "metric", lambda v: fmt.number(v, digits=0)),
+    Column("prompt_tokens", "Prompt tokens", "metric", lambda v: fmt.number(v, digits=0)),
+    Column("options", "Options", "summary", tip="the options the generation ran with; one column each follows"),
+    Column("device", "Device", "option"),
+    Column("dtype", "Dtype", "option"),
+    Column("kv_cache", "KV cache", "option"),
+    Column("sampling", "Sampling", "option"),
+    Column("compile", "Compile", "option", lambda v: "on" if v else "off"),
+    Column("cuda_graph", "CUDA graph", "option", lambda v: "on" if v else "off"),
+    Column("candidates", "Candidates", "option"),
+)
+COLUMN_INDEX = {c.key: i for i, c in enumerate(COLUMNS)}
+
+
+class CompareModel(QAbstractTableModel):
+    """Rows of CompareRow; the reference row is the base of the deltas shown beside each figure."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.rows: list[CompareRow] = []
+        self.reference: Optional[int] = None  # row number in self.rows
+
+    def add(self, row: CompareRow) -> None:
+        n = len(self.rows)
+        self.beginInsertRows(QModelIndex(), n, n)
+        self.rows.append(row)
+        self.endInsertRows()
+        if self.reference is None:
+            self.set_reference(n)
+
+    def set_reference(self, row: Optional[int]) -> None:
+        if row is not None and not 0 <= row < len(self.rows):
+            raise IndexError(f"no row {row} in the compare table ({len(self.rows)} rows)")
+        self.reference = row
+        if self.rows:
+            self.dataChanged.emit(self.index(0, 0), self.index(len(self.rows) - 1, len(COLUMNS) - 1))
+
+    def clear(self) -> None:
+        self.beginResetModel()
+        self.rows.clear()
+        self.reference = None
+        self.endResetModel()
+
+    def value(self, row: int, key: str) -> Any:
+        r = self.rows[row]
+        col = COLUMNS[COLUMN_INDEX[key]]
+        if col.kind == "index":
+            return r.index
+        if col.kind == "label":
+            return r.label
+        if col.kind == "summary":
+            return fmt.options_summary(r.options)
+        if col.kind == "option":
+            return getattr(r.options, key)
+        return getattr(r.metrics, key)
+
+    def delta(self, row: int, key: str) -> Optional[float]:
+        """(value − reference) / reference for a metric; None for the reference row itself or where n/a."""
+        if COLUMNS[COLUMN_INDEX[key]].kind != "metric" or self.reference is None or row == self.reference:
+            return None
+        v, ref = self.value(row, key), self.value(self.reference, key)
+        if v is None or ref is None or ref == 0:
+            return None
+        return (float(v) - float(ref)) / abs(float(ref))
+
+    # ---- QAbstractTableModel ---------------------------------------------------------------------------
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(COLUMNS)
+
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if orientation != Qt.Orientation.Horizontal or not 0 <= section < len(COLUMNS):
+            return None
+        col = COLUMNS[section]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return col.title
+        if role == Qt.ItemDataRole.ToolTipRole:
+            direction = {1: "higher is better", -1: "lower is better"}.get(col.better, "")
+            return "; ".join(p for p in (col.tip, direction) if p) or None
+        return None
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        if not index.isValid():
+            return None
+        row, col = index.row(), COLUMNS[index.column()]
+        v = self.value(row, col.key)
+        if role == Qt.ItemDataRole.DisplayRole:
+            text = col.format(v) if v is not None else fmt.NA
+            if col.kind == "index" and row == self.reference:
+                return f"{text} (ref)"
+            d = self.delta(row, col.key)
+            return f"{text}  {fmt.delta(d)}" if d is not None else text
+        if role == SORT_ROLE:
+            return v
+        if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
+            return fmt.options_summary(self.rows[row].options)
+        if role == Qt.ItemDataRole.ToolTipRole and col.kind == "metric":
+            if v is None:
+                return f"{fmt.NA} — {self.rows[row].metrics.unavailable.get(col.key, 'not measured in this generation')}"
+            source = getattr(self.rows[row].metrics, col.source_field) if col.source_field else None
+            return source or ("engine counters" if col.key in ("new_tokens_total", "prompt_tokens") else
+                              "engine timing, device-synchronised")
+        if role == Qt.ItemDataRole.ForegroundRole:
+            d = self.delta(row, col.key)
+            if d is not None and col.better and abs(d) >= 0.02:
+                return BETTER if d * col.better > 0 else WORSE
+            return None
+        if role == Qt.ItemDataRole.FontRole and row == self.reference:
+            font = QFont()
+            font.setBold(True)
+            return font
+        if role == Qt.ItemDataRole.TextAlignmentRole and col.kind in ("metric", "index"):
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        return None
+
+
+class CompareProxy(QSortFilterProxyModel):
+    """Sorts on raw values; a figure that is n/a sorts last in either direction."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setSortRole(SORT_ROLE)
+
+    def lessThan(self, left, right) -> bool:
+        a, b = left.data(SORT_ROLE), right.data(SORT_ROLE)
+        if a is None or b is None:
+            # Descending order places `left` first when lessThan(right, left); answer so None ends up last both ways.
+            if a is None and b is None:
+                return False
+            ascending = self.sortOrder() == Qt.SortOrder.AscendingOrder
+            return ascending if b is None else not ascending
+        if isinstance(a, str) or isinstance(b, str):
+            return str(a) < str(b)
+        return float(a) < float(b)
+
+
+class CompareTable(QWidget):
+    """The compare table with its "use as reference" control."""
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.model = CompareModel(self)
+        self.proxy = CompareProxy(self)
+        self.proxy.setSourceModel(self.model)
+        self.view = QTableView()
+        self.view.setModel(self.proxy)
+        self.view.setSortingEnabled(True)
+        self.view.sortByColumn(0, Qt.SortOrder.AscendingOrder)
+        self.view.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.view.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        self.view.setAlternatingRowColors(True)
+        self.view.verticalHeader().setVisible(False)
+        self.view.verticalHeader().setDefaultSectionSize(self.view.fontMetrics().height() + 8)
+        self.view.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.view.doubleClicked.connect(lambda index: self.model.set_reference(self.proxy.mapToSource(index).row()))
+        self.reference_button = QPushButton("Use as reference")
+        self.reference_button.setToolTip("Deltas in the table are against the reference row (double-click a row too)")
+        self.reference_button.clicked.connect(self._use_selected_as_reference)
+        self.buttons = QHBoxLayout()
+        self.buttons.addWidget(self.reference_button)
+        self.buttons.addStretch(1)
+        hint = QLabel("Δ vs the reference row; green is better, red worse. Click a header to sort.")
+        hint.setWordWrap(True)
+        box = QVBoxLayout(self)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.addWidget(self.view, 1)
+        box.addWidget(hint)
+        box.addLayout(self.buttons)
+
+    def add(self, row: CompareRow) -> None:
+        self.model.add(row)
+
+    def selected_rows(self) -> list[int]:
+        """Selected rows as rows of the model (not of the sorted view), in ascending order."""
+        rows = {self.proxy.mapToSource(i).row() for i in self.view.selectionModel().selectedRows()}
+        return sorted(rows)
+
+    def select_rows(self, rows: list[int]) -> None:
+        sel = self.view.selectionModel()
+        sel.clearSelection()
+        for r in rows:
+            index = self.proxy.mapFromSource(self.model.index(r, 0))
+            sel.select(index, sel.SelectionFlag.Select | sel.SelectionFlag.Rows)
+
+    def _use_selected_as_reference(self) -> None:
+        rows = self.selected_rows()
+        if rows:
+            self.model.set_reference(rows[0])
