@@ -1,0 +1,197 @@
+"""The optimization ladder: one prompt through every preset, then decode tok/s and kernel gap per preset as
+horizontal bars, with the speed-up over the first rung that ran. While it runs: a progress bar and Cancel.
+
+Rows are the dicts of the engine's run_ladder: preset, label, options, skipped (reason or None), metrics,
+decode_tok_s, kernel_gap_pct, kernel_gap_source.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QEvent, Signal
+from PySide6.QtGui import QColor, QPalette
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
+
+from ui.hud import fmt
+
+TOK_COLOR = "#4e9af1"
+GAP_COLOR = "#e06c75"
+ROW_HEIGHT = 30
+
+
+class LadderChart(QWidget):
+    runRequested = Signal()
+    cancelRequested = Signal()
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.rows: list[dict] = []
+        self.running = False
+        self.run_button = QPushButton("Run ladder")
+        self.run_button.setToolTip("Run the current prompt through every preset and compare")
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.progress = QProgressBar()
+        self.progress.setVisible(False)
+        self.status = QLabel("Runs the last prompt through every preset, from Naive to the fastest.")
+        self.status.setWordWrap(True)
+        self.run_button.clicked.connect(self._run_clicked)
+        self.cancel_button.clicked.connect(self.cancelRequested)
+
+        self.chart = pg.GraphicsLayoutWidget()
+        self.chart.useOpenGL(False)
+        # Stacked, one row per preset in each, so long preset names fit a narrow dock.
+        self.tok_plot = self.chart.addPlot(row=0, col=0)
+        self.gap_plot = self.chart.addPlot(row=1, col=0)
+        for plot in (self.tok_plot, self.gap_plot):
+            plot.setMenuEnabled(False)
+            plot.setMouseEnabled(x=False, y=False)
+            plot.hideButtons()
+            plot.invertY(True)
+            plot.showGrid(x=True, y=False, alpha=0.15)
+        self.gap_plot.setYLink(self.tok_plot)
+        self.gap_plot.setXRange(0, 100, padding=0.02)
+        self._titles = ["Decode tok/s", "Kernel/op gap %"]
+        self.tok_bars = pg.BarGraphItem(x0=[], y=[], width=[], height=0.6, brush=TOK_COLOR, pen=None)
+        self.gap_bars = pg.BarGraphItem(x0=[], y=[], width=[], height=0.6, brush=GAP_COLOR, pen=None)
+        self.tok_plot.addItem(self.tok_bars)
+        self.gap_plot.addItem(self.gap_bars)
+        self._texts: list[tuple[pg.PlotItem, pg.TextItem]] = []
+
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.run_button)
+        buttons.addWidget(self.progress, 1)
+        buttons.addWidget(self.cancel_button)
+        self.buttons = buttons
+        box = QVBoxLayout(self)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.addLayout(buttons)
+        box.addWidget(self.status)
+        box.addWidget(self.chart, 1)
+        self.apply_palette()
+
+    # ---- run state -------------------------------------------------------------------------------------
+
+    def set_running(self, running: bool) -> None:
+        self.running = running
+        self.run_button.setEnabled(not running)
+        self.cancel_button.setEnabled(running)
+        self.progress.setVisible(running)
+
+    def set_progress(self, done: int, total: int, label: str) -> None:
+        if not self.running:
+            self.set_running(True)
+        self.progress.setRange(0, max(1, total))
+        self.progress.setValue(done)
+        self.progress.setFormat(f"{done}/{total} — {label}")
+        self.status.setText(f"Running {label}…")
+
+    def set_failed(self, message: str) -> None:
+        self.set_running(False)
+        self.status.setText(f"Ladder failed: {message}")
+
+    def set_results(self, rows: list[dict]) -> None:
+        self.set_running(False)
+        self.rows = list(rows)
+        n = len(self.rows)
+        ran = [r for r in self.rows if r.get("skipped") is None and r.get("decode_tok_s") is not None]
+        base = ran[0] if ran else None
+        self.status.setText(self._summary(base, ran))
+        ys = np.arange(n, dtype=float)
+        tok = np.array([_num(r.get("decode_tok_s")) for r in self.rows], dtype=float)
+        gap = np.array([_num(r.get("kernel_gap_pct")) for r in self.rows], dtype=float)
+        has_tok, has_gap = np.isfinite(tok), np.isfinite(gap)
+        self.tok_bars.setOpts(x0=np.zeros(int(has_tok.sum())), y=ys[has_tok], width=tok[has_tok], height=0.6)
+        self.gap_bars.setOpts(x0=np.zeros(int(has_gap.sum())), y=ys[has_gap], width=gap[has_gap], height=0.6)
+        ticks = [[(float(i), r.get("label") or r.get("preset", "")) for i, r in enumerate(self.rows)]]
+        width = max((len(label) for _, label in ticks[0]), default=4) * 7 + 12
+        for plot in (self.tok_plot, self.gap_plot):
+            plot.getAxis("left").setTicks(ticks)
+            plot.getAxis("left").setWidth(width)
+        self.tok_plot.setYRange(-0.6, max(n, 1) - 0.4, padding=0)
+        top = float(np.nanmax(tok)) if has_tok.any() else 1.0
+        self.tok_plot.setXRange(0, top * 1.45, padding=0)
+        sources = sorted({r.get("kernel_gap_source") for r in self.rows if r.get("kernel_gap_source")})
+        self._titles = ["Decode tok/s — engine timing", f"Kernel/op gap % — {', '.join(sources) if sources else fmt.NA}"]
+        self._set_titles()
+        self._draw_texts(base)
+        self.chart.setMinimumHeight(2 * (ROW_HEIGHT * max(n, 3) + 50))
+
+    def bar_values(self) -> dict[str, list]:
+        """What the chart draws: (row, value) of each tok/s and gap bar, and the text beside each row."""
+        return {
+            "tok_s": list(zip(self.tok_bars.opts["y"], self.tok_bars.opts["width"])),
+            "gap_pct": list(zip(self.gap_bars.opts["y"], self.gap_bars.opts["width"])),
+            "texts": [t.toPlainText() for _, t in self._texts],
+        }
+
+    def _draw_texts(self, base: Optional[dict]) -> None:
+        for plot, t in self._texts:
+            plot.removeItem(t)
+        self._texts = []
+        fg = self.palette().color(QPalette.ColorRole.Text)
+        for i, r in enumerate(self.rows):
+            if r.get("skipped") is not None:
+                tok_text, gap_text = f"skipped — {r['skipped']}", ""
+            else:
+                v = r.get("decode_tok_s")
+                speedup = (f"  ×{v / base['decode_tok_s']:.1f}" if v is not None and base is not None
+                           and base["decode_tok_s"] else "")
+                tok_text = f"{fmt.number(v)}{speedup}"
+                gap_text = fmt.percent(r.get("kernel_gap_pct"))
+            for plot, text in ((self.tok_plot, tok_text), (self.gap_plot, gap_text)):
+                item = pg.TextItem(text, color=fg, anchor=(0, 0.5))
+                item.setPos(_num(r.get("decode_tok_s" if plot is self.tok_plot else "kernel_gap_pct"), 0.0), i)
+                plot.addItem(item, ignoreBounds=True)
+                self._texts.append((plot, item))
+
+    def _summary(self, base: Optional[dict], ran: list[dict]) -> str:
+        if not self.rows:
+            return "The ladder returned no rows."
+        skipped = len(self.rows) - len(ran)
+        text = f"{len(ran)} presets ran"
+        if skipped:
+            text += f", {skipped} skipped (reasons beside them)"
+        if base is not None and len(ran) > 1:
+            best = max(ran, key=lambda r: r["decode_tok_s"])
+            text += (f". Best: {best.get('label')} at {fmt.number(best['decode_tok_s'], 'tok/s')}, "
+                     f"×{best['decode_tok_s'] / base['decode_tok_s']:.1f} over {base.get('label')}")
+        return text + "."
+
+    def _run_clicked(self) -> None:
+        self.set_running(True)
+        self.progress.setRange(0, 0)  # busy until the first progress report
+        self.status.setText("Starting the ladder…")
+        self.runRequested.emit()
+
+    # ---- palette ---------------------------------------------------------------------------------------
+
+    def changeEvent(self, event) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange:
+            self.apply_palette()
+
+    def apply_palette(self) -> None:
+        pal = self.palette()
+        fg = pal.color(QPalette.ColorRole.Text)
+        muted = QColor(fg)
+        muted.setAlpha(150)
+        self.chart.setBackground(pal.color(QPalette.ColorRole.Base))
+        for plot in (self.tok_plot, self.gap_plot):
+            for name in ("left", "bottom"):
+                plot.getAxis(name).setPen(pg.mkPen(muted, width=1))
+                plot.getAxis(name).setTextPen(pg.mkPen(fg))
+        for _, t in self._texts:
+            t.setColor(fg)
+        self._set_titles()
+
+    def _set_titles(self) -> None:
+        fg = self.palette().color(QPalette.ColorRole.Text).name()
+        for plot, title in zip((self.tok_plot, self.gap_plot), self._titles):
+            plot.setTitle(title, size="9pt", color=fg)
+
+
+def _num(v, default: float = np.nan) -> float:
+    return default if v is None else float(v)
