@@ -1,0 +1,117 @@
+"""Exports of the HUD: the compare table and the time series as CSV and JSON, the plots as PNG.
+
+What is written is what the HUD holds: numbers unrounded (CSV cells round-trip through float()), a figure that
+was not measured is an empty CSV cell and a JSON null, and the JSON carries the source of every series.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Union
+
+from PySide6.QtWidgets import QWidget
+
+from engine.types import EngineOptions, GenerationMetrics
+from ui.hud.compare_table import CompareModel
+from ui.hud.series import SAMPLE_FIELDS, LiveSeries
+
+PathLike = Union[str, Path]
+OPTION_FIELDS = tuple(f.name for f in fields(EngineOptions))
+METRIC_FIELDS = tuple(f.name for f in fields(GenerationMetrics))
+STEP_FIELDS = ("tokens_total", "step_ms", "tokens_per_s", "profiled")
+SERIES_CSV_COLUMNS = ("kind", "t", "t_rel", "generation") + STEP_FIELDS + SAMPLE_FIELDS
+
+
+def compare_records(model: CompareModel) -> list[dict]:
+    return [
+        {
+            "index": r.index,
+            "label": r.label,
+            "reference": i == model.reference,
+            "options": r.options.to_dict(),
+            "metrics": r.metrics.to_dict(),
+        }
+        for i, r in enumerate(model.rows)
+    ]
+
+
+def write_compare_json(path: PathLike, model: CompareModel) -> Path:
+    return _write_json(path, {"generations": compare_records(model)})
+
+
+def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
+    header = ["index", "label", "reference"] + list(OPTION_FIELDS) + list(METRIC_FIELDS)
+    rows = []
+    for rec in compare_records(model):
+        rows.append([rec["index"], rec["label"], rec["reference"]]
+                    + [rec["options"][k] for k in OPTION_FIELDS]
+                    + [rec["metrics"][k] for k in METRIC_FIELDS])
+    return _write_csv(path, header, rows)
+
+
+def series_document(series: LiveSeries) -> dict:
+    t0 = series.t0
+    return {
+        "clock": "time.perf_counter() seconds; t_rel is seconds since t0",
+        "t0": t0,
+        "sources": {**series.sources,
+                    "tokens_per_s": f"engine step records, rolling {series.rate_window_s:g} s, traced window left out",
+                    "step_ms": "engine step timings"},
+        "unavailable": dict(series.reasons),
+        "generations": [
+            {"index": g.index, "label": g.label, "options": g.options.to_dict(), "t_start": g.t_start, "t_end": g.t_end}
+            for g in series.generations
+        ],
+        "steps": series.step_rows(),
+        "samples": series.sample_rows(),
+    }
+
+
+def write_series_json(path: PathLike, series: LiveSeries) -> Path:
+    return _write_json(path, series_document(series))
+
+
+def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
+    """Steps and samples in one table ordered by time; `kind` says which, the other kind's cells are empty."""
+    merged = [("step", r) for r in series.step_rows()] + [("sample", r) for r in series.sample_rows()]
+    merged.sort(key=lambda kr: kr[1]["t"])
+    rows = [[kind] + [r.get(c) for c in SERIES_CSV_COLUMNS[1:]] for kind, r in merged]
+    return _write_csv(path, list(SERIES_CSV_COLUMNS), rows)
+
+
+def save_png(path: PathLike, widget: QWidget) -> Path:
+    """The widget as it is drawn now, as a PNG file."""
+    path = Path(path)
+    pixmap = widget.grab()
+    if pixmap.isNull():
+        raise OSError(f"could not render {type(widget).__name__} to an image (zero size?)")
+    if not pixmap.save(str(path), "PNG"):
+        raise OSError(f"could not write PNG to {path}")
+    return path
+
+
+def _cell(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, sort_keys=True)
+    return v
+
+
+def _write_csv(path: PathLike, header: list[str], rows: list[list[Any]]) -> Path:
+    path = Path(path)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for row in rows:
+            w.writerow([_cell(v) for v in row])
+    return path
+
+
+def _write_json(path: PathLike, doc: dict) -> Path:
+    path = Path(path)
+    # allow_nan=False: a NaN reaching here would be a bug (not-measured values are None), so fail loudly.
+    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return path
