@@ -1,0 +1,192 @@
+"""HudPanel: the performance HUD as one widget with three tabs — Live (last generation's bars over the live
+plots), Compare (past generations of this session) and Ladder (every preset on one prompt).
+
+The main window feeds it from the worker's signals (begin_generation / add_steps / add_samples /
+end_generation, set_ladder_progress / set_ladder_results) and listens to runLadderRequested and
+cancelLadderRequested. All calls come on the GUI thread; none of them paints: the live plots paint on their
+own timer, and only while visible.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QMessageBox, QPushButton, QTabWidget, QVBoxLayout, QWidget
+
+from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
+from ui.hud import export
+from ui.hud.bars import BarStrip
+from ui.hud.compare_table import CompareRow, CompareTable
+from ui.hud.ladder_chart import LadderChart
+from ui.hud.live_plots import LivePlots
+from ui.hud.series import LiveSeries
+
+# (parent, caption, suggested file name, filter) -> chosen path, "" when cancelled
+SaveDialog = Callable[[QWidget, str, str, str], str]
+
+
+def ask_save_path(parent: QWidget, caption: str, name: str, file_filter: str) -> str:
+    path, _ = QFileDialog.getSaveFileName(parent, caption, str(Path.home() / name), file_filter)
+    return path
+
+
+class HudPanel(QWidget):
+    runLadderRequested = Signal()
+    cancelLadderRequested = Signal()
+
+    def __init__(self, series: Optional[LiveSeries] = None, clock: Callable[[], float] = time.perf_counter,
+                 save_dialog: SaveDialog = ask_save_path, paint_hz: float = 25.0, label_hz: float = 2.0,
+                 parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.series = series if series is not None else LiveSeries()
+        self._clock = clock  # the engine's clock (perf_counter), to date generation starts
+        self._save_dialog = save_dialog
+
+        self.bars = BarStrip()
+        self.live = LivePlots(self.series, paint_hz=paint_hz, label_hz=label_hz)
+        self.compare = CompareTable()
+        self.ladder = LadderChart()
+        self.ladder.runRequested.connect(self.runLadderRequested)
+        self.ladder.cancelRequested.connect(self.cancelLadderRequested)
+
+        live_tab = QWidget()
+        live_box = QVBoxLayout(live_tab)
+        live_box.setContentsMargins(4, 4, 4, 4)
+        live_box.addWidget(self.bars)
+        live_box.addWidget(self.live, 1)
+        live_box.addLayout(self._buttons((
+            ("Series CSV…", "Export the time series held as CSV", self._ask_series_csv),
+            ("Series JSON…", "Export the time series held, with sources, as JSON", self._ask_series_json),
+            ("Plots PNG…", "Save the plots as they are drawn now", self._ask_plots_png),
+        )))
+        for text, tip, slot in (("Export CSV…", "Export the compare table as CSV", self._ask_compare_csv),
+                                ("Export JSON…", "Export the compare table as JSON", self._ask_compare_json)):
+            self.compare.buttons.addWidget(_button(text, tip, slot))
+        self.ladder.buttons.addWidget(_button("PNG…", "Save the ladder chart as PNG", self._ask_ladder_png))
+
+        self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)
+        self.tabs.addTab(live_tab, "Live")
+        self.tabs.addTab(self.compare, "Compare")
+        self.tabs.addTab(self.ladder, "Ladder")
+        box = QVBoxLayout(self)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.addWidget(self.tabs)
+
+    # ---- the main window's interface -------------------------------------------------------------------
+
+    def begin_generation(self, label: str, options: EngineOptions) -> None:
+        self.series.begin_generation(label, options, self._clock())
+        self.bars.set_running(label)
+
+    def add_steps(self, records: Iterable[StepRecord]) -> None:
+        self.series.add_steps(records)
+
+    def add_samples(self, samples: Iterable[MonitorSample]) -> None:
+        self.series.add_samples(samples)
+
+    def end_generation(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
+        gen = self.series.end_generation(self._clock())
+        index = gen.index if gen is not None else len(self.compare.model.rows) + 1
+        self.compare.add(CompareRow(index=index, label=label, options=options, metrics=metrics))
+        self.bars.set_metrics(metrics, options, f"#{index} {label}")
+
+    def generation_failed(self, message: str) -> None:
+        """Closes the running generation's span; it gets no row, as it has no figures."""
+        self.series.end_generation(self._clock())
+        self.bars.header.setText(f"The last generation failed: {message}")
+
+    def set_ladder_progress(self, done: int, total: int, label: str) -> None:
+        self.ladder.set_progress(done, total, label)
+
+    def set_ladder_results(self, rows: list[dict]) -> None:
+        """Draws the chart; every rung that ran also becomes a row of the compare table."""
+        self.ladder.set_results(rows)
+        for r in rows:
+            if r.get("skipped") is None and r.get("metrics") is not None:
+                label = f"ladder · {r.get('label') or r.get('preset')}"
+                self.compare.add(CompareRow(index=self.series.take_index(), label=label,
+                                            options=_options(r.get("options") or {}),
+                                            metrics=GenerationMetrics.from_dict(r["metrics"])))
+
+    def set_ladder_failed(self, message: str) -> None:
+        self.ladder.set_failed(message)
+
+    def series_lengths(self) -> dict[str, int]:
+        return self.series.series_lengths()
+
+    def last_values(self) -> dict[str, Optional[float]]:
+        return self.series.last_values()
+
+    # ---- exports (the buttons ask for a path, then call these) -----------------------------------------
+
+    def export_compare_csv(self, path) -> Path:
+        return export.write_compare_csv(path, self.compare.model)
+
+    def export_compare_json(self, path) -> Path:
+        return export.write_compare_json(path, self.compare.model)
+
+    def export_series_csv(self, path) -> Path:
+        return export.write_series_csv(path, self.series)
+
+    def export_series_json(self, path) -> Path:
+        return export.write_series_json(path, self.series)
+
+    def export_plots_png(self, path) -> Path:
+        self.live.paint()
+        return export.save_png(path, self.live)
+
+    def export_ladder_png(self, path) -> Path:
+        return export.save_png(path, self.ladder.chart)
+
+    def _ask(self, caption: str, name: str, file_filter: str, write: Callable[[str], Path]) -> Optional[Path]:
+        path = self._save_dialog(self, caption, name, file_filter)
+        if not path:
+            return None
+        try:
+            return write(path)
+        except OSError as e:
+            QMessageBox.warning(self, caption, f"Could not write {path}: {e}")
+            return None
+
+    def _ask_series_csv(self) -> None:
+        self._ask("Export time series", "gapless-series.csv", "CSV (*.csv)", self.export_series_csv)
+
+    def _ask_series_json(self) -> None:
+        self._ask("Export time series", "gapless-series.json", "JSON (*.json)", self.export_series_json)
+
+    def _ask_plots_png(self) -> None:
+        self._ask("Save plots", "gapless-live.png", "PNG (*.png)", self.export_plots_png)
+
+    def _ask_compare_csv(self) -> None:
+        self._ask("Export compare table", "gapless-compare.csv", "CSV (*.csv)", self.export_compare_csv)
+
+    def _ask_compare_json(self) -> None:
+        self._ask("Export compare table", "gapless-compare.json", "JSON (*.json)", self.export_compare_json)
+
+    def _ask_ladder_png(self) -> None:
+        self._ask("Save ladder chart", "gapless-ladder.png", "PNG (*.png)", self.export_ladder_png)
+
+    @staticmethod
+    def _buttons(specs) -> QHBoxLayout:
+        row = QHBoxLayout()
+        row.addStretch(1)
+        for text, tip, slot in specs:
+            row.addWidget(_button(text, tip, slot))
+        return row
+
+
+def _options(data: dict) -> EngineOptions:
+    """EngineOptions from a ladder row's options dict; keys this version does not know are left out."""
+    known = {f.name for f in fields(EngineOptions)}
+    return EngineOptions(**{k: v for k, v in data.items() if k in known})
+
+
+def _button(text: str, tip: str, slot) -> QPushButton:
+    b = QPushButton(text)
+    b.setToolTip(tip)
+    b.clicked.connect(slot)
+    return b
