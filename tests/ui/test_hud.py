@@ -1,0 +1,509 @@
+"""The performance HUD fed with synthetic metric streams: what it holds, what it draws, what it exports."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QImage
+
+from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
+from hud_streams import (ESTIMATE, GPM, GPU_RUNGS, NVML, NVML_MISSING, ManualClock, cpu_sources, feed_gpu_session,
+                         gpu_sources, ladder_rows, metrics_for, samples, steps)
+from ui.hud import HudPanel
+from ui.hud.compare_table import COLUMN_INDEX
+from ui.hud.ring import RingTable
+from ui.hud.series import LiveSeries
+
+GPU_VIEWS = ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")
+CPU_VIEWS = ("cpu_util_pct", "process_rss_bytes")
+
+
+@pytest.fixture
+def hud(qtbot, tmp_path):
+    clock = ManualClock(1000.0)
+    asked = []
+
+    def save_dialog(parent, caption, name, file_filter):
+        asked.append((caption, name))
+        return str(tmp_path / name)
+
+    panel = HudPanel(clock=clock, save_dialog=save_dialog)
+    panel.resize(520, 1000)
+    qtbot.addWidget(panel)
+    panel.asked = asked
+    return panel, clock
+
+
+def show_and_paint(qtbot, panel):
+    panel.show()
+    panel.tabs.setCurrentIndex(0)
+    qtbot.waitExposed(panel)
+    qtbot.waitUntil(lambda: panel.live.paint_count > 0, timeout=3000)
+    panel.live.refresh_labels()
+
+
+def curve_xy(item):
+    x, y = item.getData()
+    return (np.array([]), np.array([])) if x is None else (np.asarray(x), np.asarray(y))
+
+
+def sample_column(stream, field):
+    return np.array([np.nan if getattr(s, field) is None else getattr(s, field) for s in stream], dtype=float)
+
+
+# ---- ring buffers ---------------------------------------------------------------------------------------
+
+
+def test_ring_wraps_around_in_order_without_reallocating():
+    ring = RingTable(5, ("t", "v"))
+    storage = ring._data
+    ring.extend([(0, 0), (1, 10), (2, None)])
+    assert len(ring) == 3 and ring.total == 3
+    np.testing.assert_array_equal(ring.column("t"), [0, 1, 2])
+    assert math.isnan(ring.column("v")[2]) and ring.last("v") is None
+
+    ring.extend([(i, i * 10) for i in range(3, 7)])  # wraps: 7 rows into 5 slots
+    assert len(ring) == 5 and ring.total == 7 and ring.dropped == 2
+    np.testing.assert_array_equal(ring.column("t"), [2, 3, 4, 5, 6])
+    np.testing.assert_array_equal(ring.column("v"), [np.nan, 30, 40, 50, 60])
+    assert ring.last("v") == 60.0
+
+    ring.extend(np.array([(i, -i) for i in range(100, 112)], dtype=float))  # a block larger than the ring
+    np.testing.assert_array_equal(ring.column("t"), [107, 108, 109, 110, 111])
+    ring.append((112, 1.5))
+    np.testing.assert_array_equal(ring.column("t"), [108, 109, 110, 111, 112])
+    assert ring.total == 20 and ring._data is storage
+
+    with pytest.raises(ValueError, match="2 values"):
+        ring.append((1, 2, 3))
+    with pytest.raises(ValueError, match="capacity"):
+        RingTable(0, ("t",))
+
+
+def test_series_ring_keeps_the_newest_steps(hud, qtbot):
+    series = LiveSeries(step_capacity=64)
+    series.begin_generation("long", EngineOptions(), 0.0)
+    fed = steps(0.0, 200, 5.0, profiled=(0, 0))
+    series.add_steps(fed)
+    assert series.series_lengths()["steps"] == 64
+    np.testing.assert_array_equal(series.steps.column("t"), [r.t for r in fed[-64:]])
+    np.testing.assert_array_equal(series.steps.column("tokens_total"), [r.tokens_total for r in fed[-64:]])
+
+
+# ---- the tokens/s series ---------------------------------------------------------------------------------
+
+
+def test_tokens_per_s_is_a_rolling_rate_over_untraced_steps():
+    series = LiveSeries(rate_window_s=1.0)
+    series.begin_generation("g", EngineOptions(candidates=2), 10.0)
+    recs, t = [], 10.0
+    for i in range(1, 81):
+        t += 0.05 if i <= 40 else 0.1  # 40 tok/s (2 candidates), then 20 tok/s
+        recs.append(StepRecord(t=t, step=i, tokens_total=2 * i, step_ms=50.0, profiled=10 <= i < 14))
+    series.add_steps(recs)
+    rate = series.values("tokens_per_s")
+
+    def expected(i):  # independent: the newest record at least 1 s back in the same untraced run, else its first
+        if recs[i].profiled:
+            return math.nan
+        start = max([j + 1 for j in range(i) if recs[j].profiled], default=0)
+        run = range(start, i)
+        if not run:
+            return math.nan
+        back = [j for j in run if recs[j].t <= recs[i].t - 1.0]
+        j = back[-1] if back else start
+        return (recs[i].tokens_total - recs[j].tokens_total) / (recs[i].t - recs[j].t)
+
+    np.testing.assert_allclose(rate, [expected(i) for i in range(len(recs))], rtol=1e-12)
+    assert np.isnan(rate[0]) and np.isnan(rate[9:13]).all() and np.isnan(rate[13])  # first, traced, first after
+    assert np.isfinite(rate[1:9]).all() and np.isfinite(rate[14:]).all()
+    assert rate[30] == pytest.approx(40.0) and rate[79] == pytest.approx(20.0)
+
+    series.end_generation(20.0)
+    series.begin_generation("next", EngineOptions(), 30.0)
+    series.add_steps([StepRecord(t=30.1, step=1, tokens_total=1, step_ms=5.0)])
+    assert series.last_values()["tokens_per_s"] == pytest.approx(20.0)  # the new run has no rate yet
+    assert np.isnan(series.values("tokens_per_s")[-1])
+
+
+# ---- what the plots draw ---------------------------------------------------------------------------------
+
+
+def test_plots_draw_exactly_what_was_fed_with_sources(hud, qtbot):
+    panel, clock = hud
+    panel.begin_generation("first", EngineOptions(device="cuda"))
+    recs = steps(1000.0, 60, 4.0, profiled=(16, 24))
+    stream = samples(1000.0, 1000.3, 100.0, {"gpu_util_pct": 55.0, "sm_activity_pct": 30.0, "dram_bw_util_pct": 9.0},
+                     gpu_sources(GPM))
+    stream[3] = MonitorSample(t=stream[3].t, gpu_util_pct=None, sm_activity_pct=31.0, dram_bw_util_pct=None,
+                              cpu_util_pct=99.0, process_rss_bytes=10, sources=gpu_sources(GPM))
+    panel.add_steps(recs)
+    panel.add_samples(stream)
+    show_and_paint(qtbot, panel)
+    t0 = panel.series.t0
+    assert t0 == 1000.0
+
+    for field in GPU_VIEWS:
+        x, y = curve_xy(panel.live.view(field).curve)
+        np.testing.assert_array_equal(x, [s.t - t0 for s in stream])
+        np.testing.assert_array_equal(y, sample_column(stream, field))
+    _, gpu_y = curve_xy(panel.live.view("gpu_util_pct").curve)
+    assert np.isnan(gpu_y[3])  # not measured stays a gap, never 0
+
+    step_x, step_y = curve_xy(panel.live.view("step_ms").curve)
+    traced_x, traced_y = curve_xy(panel.live.view("step_ms").profiled_curve)
+    np.testing.assert_array_equal(step_x, [r.t - t0 for r in recs])
+    np.testing.assert_array_equal(step_y, [math.nan if r.profiled else r.step_ms for r in recs])
+    np.testing.assert_array_equal(traced_y, [r.step_ms if r.profiled else math.nan for r in recs])
+    tok_x, tok_y = curve_xy(panel.live.view("tokens_per_s").curve)
+    np.testing.assert_array_equal(tok_y, panel.series.values("tokens_per_s"))
+
+    labels = {name: panel.live.view(name).label_text for name in panel.live.views}
+    assert labels["gpu_util_pct"] == f"GPU util — {NVML}"
+    assert labels["sm_activity_pct"] == "SM activity — NVML GPM"
+    assert labels["dram_bw_util_pct"] == "DRAM bandwidth — NVML GPM"
+    assert labels["tokens_per_s"].startswith("Tokens/s — engine step records")
+    assert panel.live.view("gpu_util_pct").value.text() == f"{stream[-1].gpu_util_pct:,.1f} %"
+    assert not panel.live.cpu_mode()
+    assert all(panel.live.view(n).isHidden() for n in CPU_VIEWS)
+    assert all(panel.live.view(n).plot_widget.isVisible() for n in GPU_VIEWS)
+
+
+def test_estimated_sm_activity_is_labelled_as_an_estimate(hud, qtbot):
+    panel, _ = hud
+    stream = samples(1000.0, 1001.0, 10.0, {"gpu_util_pct": 70.0, "sm_activity_pct": 44.0, "dram_bw_util_pct": 20.0},
+                     gpu_sources(ESTIMATE))
+    panel.add_samples(stream)
+    show_and_paint(qtbot, panel)
+    assert panel.live.view("sm_activity_pct").label_text == "SM activity — estimated from profiler window"
+    assert panel.live.view("dram_bw_util_pct").label_text == "DRAM bandwidth — estimated from profiler window"
+    np.testing.assert_array_equal(curve_xy(panel.live.view("sm_activity_pct").curve)[1],
+                                  sample_column(stream, "sm_activity_pct"))
+
+
+def test_missing_nvml_shows_na_with_reason_and_cpu_series_instead(hud, qtbot):
+    panel, clock = hud
+    panel.begin_generation("cpu", EngineOptions(device="cpu"))
+    gpu_none = {"gpu_util_pct": None, "sm_activity_pct": None, "dram_bw_util_pct": None}
+    stream = samples(1000.0, 1002.0, 10.0, gpu_none, cpu_sources(), cpu_util=180.0)
+    panel.add_steps(steps(1000.0, 80, 25.0))
+    panel.add_samples(stream)
+    show_and_paint(qtbot, panel)
+
+    for name in GPU_VIEWS:
+        view = panel.live.view(name)
+        assert view.na_label.isVisible() and not view.plot_widget.isVisible()
+        assert view.na_label.text() == f"n/a — {NVML_MISSING}"
+        assert view.value.text() == "n/a" and view.label_text.endswith("— n/a")
+        assert len(curve_xy(view.curve)[0]) == 0  # nothing drawn, not even zeros
+    assert panel.live.cpu_mode()
+    for name, unit_source in (("cpu_util_pct", "/proc/self/stat"), ("process_rss_bytes", "/proc/self/statm")):
+        view = panel.live.view(name)
+        assert view.isVisible() and view.plot_widget.isVisible()
+        assert view.label_text.endswith(f"— {unit_source}")
+        x, y = curve_xy(view.curve)
+        np.testing.assert_array_equal(y, sample_column(stream, name))
+    assert panel.live.view("cpu_util_pct").plot.viewRange()[1][1] >= 200  # a core at a time: 180% fits
+
+    lengths, last = panel.series_lengths(), panel.last_values()
+    assert lengths["gpu_util_pct"] == lengths["sm_activity_pct"] == lengths["dram_bw_util_pct"] == 0
+    assert lengths["cpu_util_pct"] == lengths["process_rss_bytes"] == lengths["samples"] == len(stream)
+    assert lengths["steps"] == lengths["step_ms"] == 80
+    assert last["gpu_util_pct"] is None and last["sm_activity_pct"] is None
+    assert last["process_rss_bytes"] == stream[-1].process_rss_bytes
+
+
+def test_before_any_data_every_series_says_why_it_is_empty(hud, qtbot):
+    panel, _ = hud
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.live.refresh_labels()
+    assert panel.live.view("tokens_per_s").na_label.text() == "n/a — no decode steps yet"
+    assert panel.live.view("gpu_util_pct").na_label.text() == "n/a — no monitor samples yet"
+    assert panel.series_lengths()["steps"] == 0 and panel.last_values()["tokens_per_s"] is None
+
+
+def test_generation_boundaries_are_marked(hud, qtbot):
+    panel, clock = hud
+    clock.t = 1000.5  # the GUI hears of the start after the worker's first record: that record dates it
+    panel.begin_generation("a", EngineOptions())
+    first = steps(1000.0, 30, 10.0, first_step_delay_s=0.1)
+    panel.add_steps(first)
+    clock.t = 1002.0
+    panel.end_generation(metrics_for(first, GPU_RUNGS[0]), EngineOptions(), "a")
+    clock.t = 1003.0
+    panel.begin_generation("b", EngineOptions())
+    second = steps(1003.0, 30, 10.0)
+    panel.add_steps(second)
+    show_and_paint(qtbot, panel)
+
+    t0 = panel.series.t0
+    expected = [first[0].t - t0, first[-1].t - t0, 1003.0 - t0]  # b is still running: no end line yet
+    for name in ("tokens_per_s", "gpu_util_pct", "step_ms"):
+        np.testing.assert_allclose(panel.live.view(name).boundary_values(), expected)
+    # The step curve breaks between generations instead of joining a's last point to b's first.
+    _, y = curve_xy(panel.live.view("step_ms").curve)
+    assert np.isnan(y[len(first)]) and len(y) == len(first) + 1 + len(second)
+
+
+# ---- paint discipline ------------------------------------------------------------------------------------
+
+
+def test_nothing_paints_while_hidden(hud, qtbot):
+    panel, clock = hud
+    calls = []
+    for view in panel.live.views.values():
+        original = view.curve.setData
+        view.curve.setData = lambda *a, _o=original, **k: (calls.append(panel.live.isVisible()), _o(*a, **k))[1]
+    panel.begin_generation("hidden", EngineOptions())
+    panel.add_steps(steps(1000.0, 50, 10.0))
+    panel.add_samples(samples(1000.0, 1000.5, 10.0, {"gpu_util_pct": 50.0}, gpu_sources()))
+    qtbot.wait(300)
+    assert panel.live.tick_count == 0 and panel.live.paint_count == 0 and calls == []
+    assert panel.live.paint() is False
+
+    show_and_paint(qtbot, panel)
+    assert calls and all(calls)
+    painted = panel.live.paint_count
+    length = len(curve_xy(panel.live.view("step_ms").curve)[0])
+
+    panel.tabs.setCurrentIndex(1)  # the Live tab is hidden behind Compare
+    assert not panel.live.isVisible()
+    ticks, n_calls = panel.live.tick_count, len(calls)
+    panel.add_steps(steps(1000.6, 50, 10.0, seed=3))
+    qtbot.wait(300)
+    assert panel.live.tick_count == ticks and panel.live.paint_count == painted and len(calls) == n_calls
+    assert len(curve_xy(panel.live.view("step_ms").curve)[0]) == length
+
+    panel.tabs.setCurrentIndex(0)
+    qtbot.waitUntil(lambda: len(curve_xy(panel.live.view("step_ms").curve)[0]) == length + 50, timeout=3000)
+    assert all(calls)
+
+    panel.hide()
+    ticks = panel.live.tick_count
+    qtbot.wait(200)
+    assert panel.live.tick_count == ticks
+
+
+def test_paint_and_label_rates_are_bounded(hud):
+    panel, _ = hud
+    assert panel.live._paint_timer.interval() >= 1000 / 30
+    assert 250 <= panel.live._label_timer.interval() <= 1000
+    with pytest.raises(ValueError, match="paint rate"):
+        HudPanel(paint_hz=60)
+
+
+# ---- the last generation's bars --------------------------------------------------------------------------
+
+
+def test_bars_show_the_last_generation_with_sources(hud):
+    panel, clock = hud
+    recs = steps(1000.0, 100, 4.6)
+    m = metrics_for(recs, GPU_RUNGS[1])
+    panel.begin_generation("fixes", GPU_RUNGS[1].options)
+    panel.end_generation(m, GPU_RUNGS[1].options, "fixes")
+    v = panel.bars.values()
+    assert 100 < m.decode_tok_s < 1000 and v["decode_tok_s"]["text"] == f"{m.decode_tok_s:,.1f} tok/s"
+    assert v["kernel_gap_pct"] == {"text": "42.0 %", "source": m.kernel_gap_source, "fraction": pytest.approx(0.42)}
+    assert v["ttft_ms"]["source"] == "engine timing, device-synchronised"
+    assert v["step_ms_p99"]["fraction"] == pytest.approx(1.0)  # p50 and p99 share the scale of the largest
+    assert v["step_ms_p50"]["fraction"] == pytest.approx(m.step_ms_p50 / m.step_ms_p99)
+    assert v["peak_memory_bytes"]["text"] == "392.9 MiB"
+    assert "fixes" in panel.bars.header.text()
+
+    cpu = metrics_for(recs, GPU_RUNGS[0], gpu=False)
+    panel.end_generation(cpu, EngineOptions(device="cpu"), "cpu")
+    v = panel.bars.values()
+    assert v["peak_memory_bytes"] == {"text": "n/a", "source": "n/a — no device memory counter on CPU", "fraction": None}
+    assert v["kernel_gap_pct"]["source"] == "torch.profiler aten ops (op gap), sampled window"
+
+
+# ---- the compare table -----------------------------------------------------------------------------------
+
+
+def _three_generations(panel):
+    opts = [EngineOptions(dtype="fp32", sampling="host", kv_cache="dynamic"), EngineOptions(dtype="fp16"),
+            EngineOptions(dtype="bf16", compile=True)]
+    mets = [GenerationMetrics(decode_tok_s=50.0, ttft_ms=80.0, kernel_gap_pct=80.0, kernel_gap_source="k"),
+            GenerationMetrics(decode_tok_s=200.0, ttft_ms=40.0, kernel_gap_pct=40.0, kernel_gap_source="k"),
+            GenerationMetrics(decode_tok_s=None, ttft_ms=20.0, kernel_gap_pct=None,
+                              unavailable={"decode_tok_s": "cancelled before the first decode step"})]
+    for label, o, m in zip(("naive", "half", "compiled"), opts, mets):
+        panel.begin_generation(label, o)
+        panel.end_generation(m, o, label)
+    return opts, mets
+
+
+def test_compare_table_rows_deltas_and_reference(hud, qtbot):
+    panel, _ = hud
+    opts, mets = _three_generations(panel)
+    model = panel.compare.model
+    assert model.rowCount() == 3
+    cell = lambda r, key: model.data(model.index(r, COLUMN_INDEX[key]))
+    assert [cell(r, "label") for r in range(3)] == ["naive", "half", "compiled"]
+    assert [cell(r, "dtype") for r in range(3)] == ["fp32", "fp16", "bf16"]
+    assert cell(2, "compile") == "on" and cell(0, "sampling") == "host"
+    assert cell(0, "index") == "1 (ref)"  # the first generation is the reference until one is chosen
+    assert model.delta(1, "decode_tok_s") == pytest.approx(3.0)
+    assert cell(1, "decode_tok_s") == "200.0 tok/s  ×4.0"
+    assert model.delta(1, "ttft_ms") == pytest.approx(-0.5) and cell(1, "ttft_ms") == "40.0 ms  -50.0%"
+    assert model.delta(2, "decode_tok_s") is None and cell(2, "decode_tok_s") == "n/a"
+    assert model.data(model.index(2, COLUMN_INDEX["decode_tok_s"]), Qt.ItemDataRole.ToolTipRole) == \
+        "n/a — cancelled before the first decode step"
+    assert model.data(model.index(1, COLUMN_INDEX["ttft_ms"]), Qt.ItemDataRole.ForegroundRole).name() == "#3fa860"
+
+    panel.show()
+    panel.tabs.setCurrentIndex(1)
+    panel.compare.select_rows([1])
+    assert panel.compare.selected_rows() == [1]
+    qtbot.mouseClick(panel.compare.reference_button, Qt.MouseButton.LeftButton)
+    assert model.reference == 1
+    assert model.delta(0, "decode_tok_s") == pytest.approx(-0.75) and cell(0, "decode_tok_s") == "50.0 tok/s  -75.0%"
+    assert model.delta(1, "decode_tok_s") is None and cell(1, "index") == "2 (ref)"
+
+
+def test_compare_table_sorts_on_values_with_na_last(hud):
+    panel, _ = hud
+    _three_generations(panel)
+    panel.begin_generation("fast", EngineOptions())
+    panel.end_generation(GenerationMetrics(decode_tok_s=1000.0), EngineOptions(dtype="fp16"), "fast")
+    proxy, view = panel.compare.proxy, panel.compare.view
+    labels = lambda: [proxy.data(proxy.index(r, COLUMN_INDEX["label"])) for r in range(proxy.rowCount())]
+
+    view.sortByColumn(COLUMN_INDEX["decode_tok_s"], Qt.SortOrder.DescendingOrder)
+    assert labels() == ["fast", "half", "naive", "compiled"]
+    view.sortByColumn(COLUMN_INDEX["decode_tok_s"], Qt.SortOrder.AscendingOrder)
+    assert labels() == ["naive", "half", "fast", "compiled"]
+    view.sortByColumn(COLUMN_INDEX["dtype"], Qt.SortOrder.AscendingOrder)
+    assert labels()[0] == "compiled"  # bf16 < fp16 < fp32
+    view.sortByColumn(COLUMN_INDEX["index"], Qt.SortOrder.DescendingOrder)
+    assert labels() == ["fast", "compiled", "half", "naive"]
+
+
+# ---- exports ---------------------------------------------------------------------------------------------
+
+
+def test_compare_exports_equal_what_was_fed(hud, tmp_path):
+    panel, _ = hud
+    opts, mets = _three_generations(panel)
+    doc = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())
+    assert [g["label"] for g in doc["generations"]] == ["naive", "half", "compiled"]
+    assert [g["options"] for g in doc["generations"]] == [o.to_dict() for o in opts]
+    assert [g["metrics"] for g in doc["generations"]] == [m.to_dict() for m in mets]
+    assert [g["reference"] for g in doc["generations"]] == [True, False, False]
+
+    with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["label"] for r in rows] == ["naive", "half", "compiled"]
+    assert [r["dtype"] for r in rows] == ["fp32", "fp16", "bf16"]
+    assert [float(r["decode_tok_s"]) if r["decode_tok_s"] else None for r in rows] == [m.decode_tok_s for m in mets]
+    assert rows[2]["kernel_gap_pct"] == "" and json.loads(rows[2]["unavailable"]) == mets[2].unavailable
+
+
+def test_series_exports_equal_what_was_fed(hud, tmp_path):
+    panel, clock = hud
+    panel.begin_generation("g", EngineOptions(device="cpu"))
+    recs = steps(1000.0, 40, 20.0)
+    stream = samples(1000.0, 1001.0, 10.0, {"gpu_util_pct": None, "sm_activity_pct": None}, cpu_sources())
+    panel.add_steps(recs)
+    panel.add_samples(stream)
+    clock.t = 1001.5
+    panel.end_generation(metrics_for(recs, GPU_RUNGS[0], gpu=False), EngineOptions(device="cpu"), "g")
+
+    doc = json.loads(panel.export_series_json(tmp_path / "s.json").read_text())
+    assert doc["t0"] == 1000.0
+    assert [(s["t"], s["tokens_total"], s["step_ms"], s["profiled"]) for s in doc["steps"]] == \
+        [(r.t, r.tokens_total, r.step_ms, r.profiled) for r in recs]
+    for field in ("gpu_util_pct", "sm_activity_pct", "cpu_util_pct", "process_rss_bytes"):
+        assert [s[field] for s in doc["samples"]] == [getattr(s, field) for s in stream]
+    assert doc["sources"]["cpu_util_pct"] == "/proc/self/stat"
+    assert doc["unavailable"]["gpu_util_pct"] == NVML_MISSING
+    assert doc["generations"][0]["label"] == "g" and doc["generations"][0]["t_end"] == recs[-1].t
+
+    with open(panel.export_series_csv(tmp_path / "s.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    step_rows = [r for r in rows if r["kind"] == "step"]
+    sample_rows = [r for r in rows if r["kind"] == "sample"]
+    assert [float(r["t"]) for r in rows] == sorted(float(r["t"]) for r in rows)
+    assert [(float(r["t"]), int(r["tokens_total"]), float(r["step_ms"])) for r in step_rows] == \
+        [(r.t, r.tokens_total, r.step_ms) for r in recs]
+    assert [float(r["cpu_util_pct"]) for r in sample_rows] == [s.cpu_util_pct for s in stream]
+    assert all(r["gpu_util_pct"] == "" for r in sample_rows)
+    assert [int(r["process_rss_bytes"]) for r in sample_rows] == [s.process_rss_bytes for s in stream]
+
+
+def test_png_exports_are_written(hud, qtbot, tmp_path):
+    panel, clock = hud
+    feed_gpu_session(panel, clock, n_steps=40)
+    panel.set_ladder_results(ladder_rows())
+    show_and_paint(qtbot, panel)
+    for path in (panel.export_plots_png(tmp_path / "live.png"), panel.export_ladder_png(tmp_path / "ladder.png")):
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+        image = QImage(str(path))
+        assert not image.isNull() and image.width() > 100 and image.height() > 100
+
+    # The buttons ask for a path, then write there.
+    buttons = {b.text(): b for b in panel.findChildren(type(panel.compare.reference_button))}
+    for text, name in (("Series CSV…", "gapless-series.csv"), ("Export JSON…", "gapless-compare.json"),
+                       ("Plots PNG…", "gapless-live.png")):
+        buttons[text].click()
+        assert (tmp_path / name).stat().st_size > 0
+    assert [name for _, name in panel.asked] == ["gapless-series.csv", "gapless-compare.json", "gapless-live.png"]
+
+
+# ---- the ladder ------------------------------------------------------------------------------------------
+
+
+def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
+    panel, _ = hud
+    panel.show()
+    panel.tabs.setCurrentIndex(2)
+    ladder = panel.ladder
+    assert ladder.run_button.isEnabled() and not ladder.cancel_button.isEnabled()
+    with qtbot.waitSignal(panel.runLadderRequested, timeout=1000):
+        qtbot.mouseClick(ladder.run_button, Qt.MouseButton.LeftButton)
+    assert not ladder.run_button.isEnabled() and ladder.cancel_button.isEnabled() and ladder.progress.isVisible()
+
+    panel.set_ladder_progress(2, 7, "+ device sampling")
+    assert (ladder.progress.value(), ladder.progress.maximum()) == (2, 7)
+    assert ladder.progress.format() == "2/7 — + device sampling"
+    with qtbot.waitSignal(panel.cancelLadderRequested, timeout=1000):
+        qtbot.mouseClick(ladder.cancel_button, Qt.MouseButton.LeftButton)
+
+    rows = ladder_rows(gpu=False)  # CUDA graph and candidates are skipped on a CPU
+    panel.set_ladder_results(rows)
+    assert ladder.run_button.isEnabled() and not ladder.cancel_button.isEnabled() and not ladder.progress.isVisible()
+    drawn = ladder.bar_values()
+    ran = [(i, r) for i, r in enumerate(rows) if r["skipped"] is None]
+    assert [(float(y), float(w)) for y, w in drawn["tok_s"]] == [(i, r["decode_tok_s"]) for i, r in ran]
+    assert [(float(y), float(w)) for y, w in drawn["gap_pct"]] == [(i, r["kernel_gap_pct"]) for i, r in ran]
+    texts = drawn["texts"]
+    assert "skipped — CUDA graphs need a CUDA device" in texts
+    assert texts[0] == f"{rows[0]['decode_tok_s']:,.2f}  ×1.0"
+    speedup = rows[3]["decode_tok_s"] / rows[0]["decode_tok_s"]
+    assert texts[6] == f"{rows[3]['decode_tok_s']:,.2f}  ×{speedup:.1f}"
+    assert "5 presets ran, 2 skipped" in ladder.status.text()
+    # Every rung that ran is also a row of the compare table.
+    labels = [r.label for r in panel.compare.model.rows]
+    assert labels == [f"ladder · {r['label']}" for _, r in ran]
+
+    panel.set_ladder_failed("model unloaded")
+    assert ladder.status.text() == "Ladder failed: model unloaded" and ladder.run_button.isEnabled()
+
+
+def test_full_synthetic_session_lengths_and_last_values(hud, qtbot):
+    panel, clock = hud
+    feed_gpu_session(panel, clock, n_steps=40)
+    lengths, last = panel.series_lengths(), panel.last_values()
+    n_steps = sum(40 * (1 if r.step_ms > 1 else 8) for r in GPU_RUNGS)
+    assert lengths["steps"] == lengths["step_ms"] == n_steps
+    assert lengths["samples"] == lengths["gpu_util_pct"] == lengths["sm_activity_pct"] > 0
+    assert lengths["tokens_per_s"] == n_steps - 3 * (1 + 8 + 1)  # first, traced and first-after per generation
+    assert last["gpu_util_pct"] is not None and last["tokens_per_s"] == pytest.approx(
+        panel.series.values("tokens_per_s")[-1])
+    assert panel.compare.model.rowCount() == 3
