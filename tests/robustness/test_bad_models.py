@@ -296,3 +296,50 @@ def test_broken_tokenizer(tiny_llama, tmp_path):
     folder = shutil.copytree(tiny_llama, tmp_path / "badtok")
     (folder / "tokenizer.json").write_text("{ broken")
     _refused(ModelLoadError, folder, "the tokenizer could not be loaded")
+
+
+# ---- through the CLI: one line on stderr, a non-zero exit, no traceback -------------------------------------
+
+
+def _cli_generate(model: Path, tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), GAPLESS_DATA_DIR=str(tmp_path / "data"))
+    return subprocess.run(
+        [sys.executable, "-m", "app", "generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "4"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.mark.parametrize("case", ["pickle", "pickle-folder", "remote-code", "truncated-gguf", "shapes"])
+def test_cli_answers_a_bad_model_with_one_line(tiny_llama, tiny_gguf, tmp_path, marker, case):
+    if case == "pickle":
+        model = tmp_path / "model.pt"
+        torch.save({"weight": Payload(marker)}, model)
+        expected = "pickle checkpoint refused"
+    elif case == "pickle-folder":
+        model = shutil.copytree(tiny_llama, tmp_path / "pickled")
+        (model / "model.safetensors").unlink()
+        torch.save({"weight": Payload(marker)}, model / "pytorch_model.bin")
+        expected = "only pickle weights (pytorch_model.bin)"
+    elif case == "remote-code":
+        model = _remote_code_folder(tiny_llama, tmp_path / "remote", marker, model_type="evil")
+        expected = "asks for remote code"
+    elif case == "truncated-gguf":
+        model = tmp_path / "cut.gguf"
+        model.write_bytes(tiny_gguf.read_bytes()[:-1000])
+        expected = "truncated GGUF file"
+    else:
+        model = shutil.copytree(tiny_llama, tmp_path / "shapes")
+        cfg = json.loads((model / "config.json").read_text())
+        cfg["hidden_size"] = 32
+        (model / "config.json").write_text(json.dumps(cfg))
+        expected = "but the config expects"
+    r = _cli_generate(model, tmp_path)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("gapless: error: ") and expected in lines[0]
