@@ -287,7 +287,8 @@ class EngineWorker(QObject):
             emit(self.ladderProgress, done, total, label)
 
         try:
-            rows = self._ladder_runner(self.engine, cmd.messages, cmd.sampling, cmd.presets, on_progress, cmd.cancel)
+            rows = self._ladder_runner(self.engine, cmd.messages, cmd.sampling, presets=cmd.presets,
+                                       on_progress=on_progress, cancel=cmd.cancel)
         except Exception as exc:
             self._log_unless_expected(exc, "running the ladder")
             emit(self.ladderFailed, one_line(exc))
@@ -415,8 +416,9 @@ class EngineController(QObject):
         return request_id
 
     def cancel(self) -> None:
-        """Stop the running generation (and any queued one): each finishes with its partial text."""
-        for event in self._generation_cancels.values():
+        """Stop the running generation (and any queued one): each finishes with its partial text.
+        Safe to call from any thread (it only sets events)."""
+        for event in list(self._generation_cancels.values()):
             event.set()
 
     def run_ladder(self, messages: list, sampling: SamplingParams, presets: Optional[list] = None) -> None:
@@ -425,7 +427,7 @@ class EngineController(QObject):
         self._put(Ladder(list(messages), sampling, list(presets) if presets is not None else None, cancel))
 
     def cancel_ladder(self) -> None:
-        for event in self._ladder_cancels:
+        for event in list(self._ladder_cancels):
             event.set()
 
     def shutdown(self, timeout: float = 10.0) -> bool:
