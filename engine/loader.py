@@ -54,6 +54,8 @@ def load_checkpoint(source: str, progress: Optional[ProgressFn] = None) -> Check
         path = ensure_default_model(progress)
         return _load_gguf(Path(path).resolve(), report, kind="default")
 
+    if not source or not str(source).strip():
+        raise ModelLoadError("no model given: choose a .gguf file, a Hugging Face folder, or the default model")
     path = Path(source).expanduser()
     refuse_pickle_path(path)
     if not path.exists():
@@ -80,7 +82,7 @@ _EXPECTED = "expected a .gguf file, or a folder with config.json and *.safetenso
 
 def refuse_pickle_path(path: Path) -> None:
     """Refuse a pickle checkpoint by its name alone, before the file is opened."""
-    if path.suffix.lower() in PICKLE_SUFFIXES:
+    if path.suffix.lower() in PICKLE_SUFFIXES and not path.is_dir():
         raise UnsafeModelError(f"{path.name}: pickle checkpoint refused; {_PICKLE_REASON}")
 
 

