@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+import PySide6
+from PySide6.QtCore import QObject, QThread, Signal, SignalInstance, Slot
 
 from engine.errors import GaplessError
 from engine.types import EngineOptions, MonitorSample, Progress, SamplingParams, StepRecord, TextDelta
@@ -49,9 +50,9 @@ def _run_ladder(*args: Any, **kwargs: Any) -> list:
 
 def _emit_drops_a_reference() -> bool:
     """PySide6 6.12 on CPython 3.11 returns the bool of SignalInstance.emit() without a new reference, so every
-    emit from Python takes one reference from True; after a few hundred the interpreter aborts ("bool_dealloc").
-    Probed, not keyed on version numbers: a fixed release, or CPython 3.12 (immortal bools), turns this off."""
-    if sys.version_info >= (3, 12):
+    emit from Python takes one reference from True; after a few hundred emits the interpreter aborts
+    ("bool_dealloc"). Probed rather than keyed on version numbers, so a fixed release turns the repair off."""
+    if sys.version_info >= (3, 12):  # immortal bools: a missing reference does no harm
         return False
 
     class Probe(QObject):
@@ -67,14 +68,28 @@ def _emit_drops_a_reference() -> bool:
     return drops
 
 
-_EMIT_DROPS_A_REFERENCE = _emit_drops_a_reference()
+def repair_signal_emit() -> bool:
+    """Make SignalInstance.emit give back the reference it takes, for every signal in the process (the GUI
+    emits from Python at ~30 Hz while streaming). Idempotent; True when the repair is in place."""
+    if getattr(SignalInstance.emit, "_gapless_repaired", False):
+        return True
+    if not _emit_drops_a_reference():
+        return False
+    broken = SignalInstance.emit
 
-
-def emit(signal: Any, *args: Any) -> None:
-    """signal.emit(*args), giving back the reference the broken binding takes (see _emit_drops_a_reference)."""
-    result = signal.emit(*args)
-    if _EMIT_DROPS_A_REFERENCE:
+    def emit(self: SignalInstance, *args: Any) -> Any:
+        result = broken(self, *args)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(result))
+        return result
+
+    emit._gapless_repaired = True  # type: ignore[attr-defined]
+    SignalInstance.emit = emit
+    log.info("PySide6 %s drops a reference on every signal emit; repaired", PySide6.__version__)
+    return True
+
+
+# The worker and every widget emit through the same type; the repair must precede the first emit that matters.
+repair_signal_emit()
 
 
 def one_line(exc: BaseException) -> str:
@@ -201,15 +216,15 @@ class EngineWorker(QObject):
                 break
             if not self._busy:
                 self._busy = True
-                emit(self.busyChanged, True)
+                self.busyChanged.emit(True)
             self._dispatch(command)
             if self.commands.empty():
                 self._busy = False
-                emit(self.busyChanged, False)
+                self.busyChanged.emit(False)
         self._close_engine(self.engine)
         self.engine = None
         if self._busy:
-            emit(self.busyChanged, False)
+            self.busyChanged.emit(False)
         self.thread().quit()
 
     def _dispatch(self, command: Any) -> None:
@@ -222,7 +237,7 @@ class EngineWorker(QObject):
     # ---- commands ----
 
     def _load(self, cmd: Load) -> None:
-        emit(self.loadStarted, cmd.source)
+        self.loadStarted.emit(cmd.source)
         if cmd.options is not None:
             options = cmd.options
         elif self.engine is not None:
@@ -234,13 +249,13 @@ class EngineWorker(QObject):
             unavailable = dict(engine.unavailable())
         except Exception as exc:
             self._log_unless_expected(exc, f"loading {cmd.source}")
-            emit(self.loadFailed, cmd.source, one_line(exc))  # the previous engine stays loaded and usable
+            self.loadFailed.emit(cmd.source, one_line(exc))  # the previous engine stays loaded and usable
             return
         previous, self.engine = self.engine, engine
         self._pending_options = None
         self._close_engine(previous)
-        emit(self.loadedOptions, engine.options)
-        emit(self.loaded, engine.info, unavailable)
+        self.loadedOptions.emit(engine.options)
+        self.loaded.emit(engine.info, unavailable)
 
     def _reconfigure(self, cmd: Reconfigure) -> None:
         if self.engine is None:
@@ -248,52 +263,52 @@ class EngineWorker(QObject):
                 self._pending_options = cmd.options.validate()
             except Exception as exc:
                 self._log_unless_expected(exc, "choosing options")
-                emit(self.reconfigureFailed, one_line(exc))
+                self.reconfigureFailed.emit(one_line(exc))
                 return
-            emit(self.reconfigured, self._pending_options, {})
+            self.reconfigured.emit(self._pending_options, {})
             return
         try:
             self.engine.reconfigure(cmd.options, self._on_progress)
             unavailable = dict(self.engine.unavailable())
         except Exception as exc:
             self._log_unless_expected(exc, "reconfiguring")
-            emit(self.reconfigureFailed, one_line(exc))
+            self.reconfigureFailed.emit(one_line(exc))
             return
-        emit(self.reconfigured, self.engine.options, unavailable)
+        self.reconfigured.emit(self.engine.options, unavailable)
 
     def _generate(self, cmd: Generate) -> None:
         if self.engine is None:
-            emit(self.generationFailed, cmd.request_id, "no model is loaded")
+            self.generationFailed.emit(cmd.request_id, "no model is loaded")
             return
         self._request_id = cmd.request_id
         self._batcher.take()  # start clean
-        emit(self.generationStarted, cmd.request_id, self.engine.options)
+        self.generationStarted.emit(cmd.request_id, self.engine.options)
         try:
             result = self.engine.generate(cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw)
         except Exception as exc:
             self._flush()
             self._log_unless_expected(exc, "generating")
-            emit(self.generationFailed, cmd.request_id, one_line(exc))
+            self.generationFailed.emit(cmd.request_id, one_line(exc))
             return
         self._flush()
-        emit(self.generationFinished, cmd.request_id, result)
+        self.generationFinished.emit(cmd.request_id, result)
 
     def _ladder(self, cmd: Ladder) -> None:
         if self.engine is None:
-            emit(self.ladderFailed, "no model is loaded")
+            self.ladderFailed.emit("no model is loaded")
             return
 
         def on_progress(done: int, total: int, label: str) -> None:
-            emit(self.ladderProgress, done, total, label)
+            self.ladderProgress.emit(done, total, label)
 
         try:
             rows = self._ladder_runner(self.engine, cmd.messages, cmd.sampling, presets=cmd.presets,
                                        on_progress=on_progress, cancel=cmd.cancel)
         except Exception as exc:
             self._log_unless_expected(exc, "running the ladder")
-            emit(self.ladderFailed, one_line(exc))
+            self.ladderFailed.emit(one_line(exc))
             return
-        emit(self.ladderFinished, rows)
+        self.ladderFinished.emit(rows)
 
     # ---- engine callbacks (worker thread) ----
 
@@ -306,11 +321,11 @@ class EngineWorker(QObject):
     def _flush(self) -> None:
         text, steps, samples = self._batcher.take()
         if text:
-            emit(self.textBatch, self._request_id, text)
+            self.textBatch.emit(self._request_id, text)
         if steps:
-            emit(self.steps, self._request_id, steps)
+            self.steps.emit(self._request_id, steps)
         if samples:
-            emit(self.samples, samples)
+            self.samples.emit(samples)
 
     def _on_progress(self, p: Progress) -> None:
         # Downloads report many small steps: pass stage changes and the ends, and the rest at ~30 Hz.
@@ -318,7 +333,7 @@ class EngineWorker(QObject):
         last_t, last_stage = self._last_progress
         if p.stage != last_stage or p.fraction in (None, 0.0, 1.0) or now - last_t >= PROGRESS_INTERVAL_S:
             self._last_progress = (now, p.stage)
-            emit(self.progress, p)
+            self.progress.emit(p)
 
     # ---- helpers ----
 
@@ -457,23 +472,23 @@ class EngineController(QObject):
     def _on_loaded(self, info: Any, unavailable: Any) -> None:
         self.info = info
         self.unavailable = dict(unavailable)
-        emit(self.loaded, info, unavailable)
+        self.loaded.emit(info, unavailable)
 
     @Slot(object, object)
     def _on_reconfigured(self, options: EngineOptions, unavailable: Any) -> None:
         self.options = options
         self.unavailable = dict(unavailable)
-        emit(self.reconfigured, options, unavailable)
+        self.reconfigured.emit(options, unavailable)
 
     @Slot(int, object)
     def _on_generation_finished(self, request_id: int, result: Any) -> None:
         self._generation_cancels.pop(request_id, None)
-        emit(self.generationFinished, request_id, result)
+        self.generationFinished.emit(request_id, result)
 
     @Slot(int, str)
     def _on_generation_failed(self, request_id: int, message: str) -> None:
         self._generation_cancels.pop(request_id, None)
-        emit(self.generationFailed, request_id, message)
+        self.generationFailed.emit(request_id, message)
 
     @Slot()
     def _on_ladder_done(self, *_: Any) -> None:
@@ -483,4 +498,4 @@ class EngineController(QObject):
     @Slot(bool)
     def _on_busy(self, busy: bool) -> None:
         self.busy = busy
-        emit(self.busyChanged, busy)
+        self.busyChanged.emit(busy)
