@@ -127,6 +127,7 @@ def _as_nobody(fn) -> tuple[int, str]:
     pid = os.fork()
     if pid == 0:  # child
         os.close(r)
+        signal.alarm(60)  # a child stuck on a lock inherited from another thread dies instead of hanging the suite
         code, text = 0, ""
         try:
             if os.geteuid() == 0:
