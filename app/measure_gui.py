@@ -1,0 +1,178 @@
+"""Does the GUI stay fluid while the engine streams at full speed, and does it cost decode speed?
+
+    python -m app.measure_gui [--model default] [--runs 3] [--max-new-tokens 128] [--json out.json]
+
+Two figures, both measured here, never estimated:
+- GUI event-loop latency while an answer streams into the real main window (HUD visible): a 10 ms precise
+  QTimer records how late each tick fires; p50 / p99 / max of the lateness over all streaming time.
+- Decode tok/s (the engine's own device-synchronised figure) with the GUI attached, vs the same engine
+  driven headless (Engine.generate on this thread, no Qt event loop running). Runs alternate
+  headless / GUI so a change in machine load hits both alike; the ratio is of the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map. Use many paragraphs."
+TICK_MS = 10
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+class LatencyProbe:
+    """A precise timer that records how late each tick fires, while `recording` is on."""
+
+    def __init__(self, tick_ms: int = TICK_MS):
+        from PySide6.QtCore import Qt, QTimer
+
+        self.tick_s = tick_ms / 1000
+        self.late_ms: list[float] = []
+        self.recording = False
+        self._last: Optional[float] = None
+        self.timer = QTimer(interval=tick_ms, timerType=Qt.TimerType.PreciseTimer)
+        self.timer.timeout.connect(self._tick)
+        self.timer.start()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.recording and self._last is not None:
+            self.late_ms.append(max(0.0, (now - self._last - self.tick_s) * 1000))
+        self._last = now
+
+
+def headless_tok_s(engine, sampling) -> tuple[Optional[float], int]:
+    r = engine.generate([{"role": "user", "content": PROMPT}], sampling)
+    return r.metrics.decode_tok_s, r.metrics.new_tokens_total
+
+
+def gui_tok_s(gui, probe: LatencyProbe, sampling) -> tuple[Optional[float], int]:
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    w, c = gui.window, gui.controller
+    w.new_chat()
+    w.flow.default_sampling = sampling
+    loop = QEventLoop()
+    out: list = []
+    slots = [
+        (c.generationStarted, lambda *_: setattr(probe, "recording", True)),
+        (c.generationFinished, lambda _rid, r: (out.append(r), loop.quit())),
+        (c.generationFailed, lambda _rid, m: (out.append(m), loop.quit())),
+    ]
+    for sig, slot in slots:
+        sig.connect(slot)
+    QTimer.singleShot(0, lambda: (w.composer.set_text(PROMPT), w.composer.send_button.click()))
+    loop.exec()
+    probe.recording = False
+    for sig, slot in slots:
+        sig.disconnect(slot)
+    r = out[0]
+    if isinstance(r, str):
+        raise RuntimeError(f"the answer failed: {r}")
+    return r.metrics.decode_tok_s, r.metrics.new_tokens_total
+
+
+def measure(model: str, runs: int, max_new_tokens: int) -> dict:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    from app.gui import build, qt_application
+    from app.paths import AppPaths
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=0)  # the same tokens every run
+    options = EngineOptions()
+    app = qt_application()
+    data = tempfile.mkdtemp(prefix="gapless-measure-")
+    gui = build(AppPaths.resolve(Path(data)), "light")
+    gui.window.show()
+    loop = QEventLoop()
+    gui.controller.loaded.connect(lambda *_: loop.quit())
+    gui.controller.loadFailed.connect(lambda s, m: (print(f"cannot load {s}: {m}", file=sys.stderr), loop.quit()))
+    gui.window.load_model(model)
+    loop.exec()
+    if gui.controller.info is None:
+        gui.close()
+        raise SystemExit(1)
+    headless = Engine.load(model, options)
+    probe = LatencyProbe()
+
+    idle = LatencyProbe()  # the same probe with the window idle, for reference
+    idle.recording = True
+    idle_loop = QEventLoop()
+    QTimer.singleShot(2000, idle_loop.quit)
+    idle_loop.exec()
+    idle.recording = False
+    idle.timer.stop()
+
+    headless_tok_s(headless, sampling)  # warm-up, not counted
+    gui_tok_s(gui, probe, sampling)
+    probe.late_ms.clear()
+    rows = []
+    for i in range(runs):
+        h, hn = headless_tok_s(headless, sampling)
+        g, gn = gui_tok_s(gui, probe, sampling)
+        rows.append({"run": i + 1, "headless_tok_s": h, "gui_tok_s": g, "tokens": [hn, gn]})
+        print(f"run {i + 1}: headless {h:.2f} tok/s, GUI {g:.2f} tok/s ({hn}/{gn} tokens)", file=sys.stderr)
+    headless.close()
+    gui.window.close()
+    gui.close()
+    shutil.rmtree(data, ignore_errors=True)
+
+    hs = [r["headless_tok_s"] for r in rows if r["headless_tok_s"]]
+    gs = [r["gui_tok_s"] for r in rows if r["gui_tok_s"]]
+    h_med = statistics.median(hs) if hs else None
+    g_med = statistics.median(gs) if gs else None
+    return {
+        "model": gui.controller.info.to_dict() if gui.controller.info else model,
+        "options": options.to_dict(),
+        "max_new_tokens": max_new_tokens,
+        "runs": rows,
+        "decode_tok_s": {"headless_median": h_med, "gui_median": g_med,
+                         "ratio": (g_med / h_med) if (g_med and h_med) else None,
+                         "source": "GenerationMetrics.decode_tok_s (engine, device-synchronised, profiled window excluded)"},
+        "event_loop_lateness_ms": {
+            "while_streaming": {"ticks": len(probe.late_ms), "p50": percentile(probe.late_ms, 0.5),
+                                "p99": percentile(probe.late_ms, 0.99), "max": max(probe.late_ms, default=None)},
+            "idle": {"ticks": len(idle.late_ms), "p50": percentile(idle.late_ms, 0.5),
+                     "p99": percentile(idle.late_ms, 0.99), "max": max(idle.late_ms, default=None)},
+            "source": f"{TICK_MS} ms Qt PreciseTimer on the GUI thread, lateness of each tick (time.perf_counter)",
+        },
+        "machine": {"cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "platform": sys.platform,
+                    "qt_platform": os.environ.get("QT_QPA_PLATFORM")},
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m app.measure_gui", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    result = measure(args.model, args.runs, args.max_new_tokens)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        args.json.write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
