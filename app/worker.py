@@ -200,7 +200,6 @@ class EngineWorker(QObject):
         self.engine: Any = None  # touched only on the worker thread
         self._engine_factory = engine_factory
         self._ladder_runner = ladder_runner
-        self._batch_interval_s = batch_interval_s
         self._pending_options: Optional[EngineOptions] = None  # options chosen before any model was loaded
         self._request_id = 0
         self._batcher = _Batcher(batch_interval_s)
@@ -231,8 +230,17 @@ class EngineWorker(QObject):
         handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder}
         try:
             handler[type(command)](command)
-        except Exception:  # a bug in a handler must not end the command loop; it is logged whole
+        except Exception as exc:  # a bug here must neither end the loop nor leave the GUI waiting for an answer
             log.exception("engine worker: %s failed", type(command).__name__)
+            message = one_line(exc)
+            if isinstance(command, Load):
+                self.loadFailed.emit(command.source, message)
+            elif isinstance(command, Reconfigure):
+                self.reconfigureFailed.emit(message)
+            elif isinstance(command, Generate):
+                self.generationFailed.emit(command.request_id, message)
+            else:
+                self.ladderFailed.emit(message)
 
     # ---- commands ----
 

@@ -311,6 +311,12 @@ def test_errors_become_one_line_messages(qtbot, scripted):
         ctl.load("missing-x")
     assert failed.args == ["missing-x", "model not found: missing-x"]
     made[0].fail_with = None
+    options = made[0].options
+    del made[0].options  # a fault outside the engine call itself still answers the request
+    with qtbot.waitSignal(ctl.generationFailed, timeout=TIMEOUT_MS) as failed:
+        ctl.generate(MESSAGES, SamplingParams())
+    assert failed.args[1].startswith("internal error: AttributeError:")
+    made[0].options = options
     _, result = generate(qtbot, ctl, SamplingParams(max_new_tokens=2))  # the worker and the engine still work
     assert result.texts == ["t0 t1 "] and ctl.info.name == "tiny"
 
