@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 1 / 30  # text and step records leave at most this often
 MONITOR_INTERVAL_S = 0.1
-READBACK_EVERY = 8  # device sampling: steps between copies to the host
+READBACK_EVERY = 8  # device sampling on CUDA: steps between copies to the host (on a CPU a copy costs no sync)
 
 
 @dataclass
@@ -56,6 +56,7 @@ def run_loop(
     now = time.perf_counter
     clock = StepClock(device)
     readback = None if host_sync else Readback(runner.out)
+    readback_every = READBACK_EVERY if device.type == "cuda" else 1
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if monitor is not None:
@@ -116,7 +117,7 @@ def run_loop(
             for r, t in zip(rows, toks):
                 r.feed([t])
             seen = step + 1
-        elif step % READBACK_EVERY == 0:
+        elif step % readback_every == 0:
             readback.issue(step + 1)
             visible = readback.poll()
             if visible > seen:
