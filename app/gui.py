@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from importlib import resources
 from typing import Any, Optional
 
@@ -20,7 +21,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
-RECENT_MAX = 8
 
 
 @dataclass
@@ -54,13 +54,37 @@ def default_sampling(settings: Any):
     return CHAT_DEFAULTS if saved == SamplingParams() else saved
 
 
-def recent_models(settings: Any) -> list[str]:
-    """Models opened before, newest first (kept in the settings as the list after the last model)."""
-    seen: list[str] = []
-    for s in [settings.last_model, *getattr(settings, "recent_models", [])]:
-        if s and s not in seen:
-            seen.append(s)
-    return seen[:RECENT_MAX]
+class ModelCatalog:
+    """The models the window offers: the default, the recent ones (app.registry, shared with `gapless models
+    list`) and those in the models folder chosen in the settings."""
+
+    def __init__(self, recent: Any, settings: Any):
+        self._recent = recent  # app.registry.RecentModels
+        self._settings = settings
+
+    @property
+    def folder(self) -> Optional[str]:
+        return self._settings.models_folder
+
+    def default(self):
+        from app.registry import default_model_entry
+
+        return default_model_entry()
+
+    def recent(self) -> list:
+        return self._recent.entries()
+
+    def scanned(self) -> list:
+        from app.registry import scan_models_folder
+
+        return scan_models_folder(Path(self.folder)) if self.folder else []
+
+    def remember(self, source: str) -> None:
+        self._recent.add(source)
+
+    def take_notices(self) -> list[str]:
+        notices, self._recent.notices = list(self._recent.notices), []
+        return notices
 
 
 def app_icon():
@@ -85,6 +109,7 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None) -> GuiApp:
     """Open the settings, the chat store and the engine controller, and build the main window (not shown).
     A QApplication must exist. Raises StoreError when the chat database cannot be opened."""
     from app.fetcher import DefaultModelFetcher
+    from app.registry import RecentModels
     from app.settings import SettingsStore
     from app.store import ChatStore
     from app.worker import EngineController
@@ -105,12 +130,10 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None) -> GuiApp:
     fetcher = DefaultModelFetcher()
     hud = HudPanel()
 
-    def remember(source: str) -> None:
-        settings.recent_models = [s for s in recent_models(settings) if s != source][: RECENT_MAX - 1]
-
+    catalog = ModelCatalog(RecentModels(paths.config), settings)
     window = MainWindow(
         store, controller, settings, settings_store.save, theme, default_sampling(settings), hud=hud,
-        fetcher=fetcher, recent=lambda: recent_models(settings), remember=remember,
+        fetcher=fetcher, catalog=catalog,
     )
     window.setWindowIcon(app_icon())
     return GuiApp(paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window)

@@ -30,16 +30,12 @@ from ui.toggles import TogglesPanel
 
 log = logging.getLogger(__name__)
 
-RECENT_MAX = 8
-
-
 class MainWindow(QMainWindow):
     closed = Signal()
 
     def __init__(self, store: Any, controller: Any, settings: Any, save_settings: Callable[[Any], None],
                  theme: ThemeManager, default_sampling: SamplingParams, hud: Optional[QWidget] = None,
-                 fetcher: Any = None, recent: Optional[Callable[[], list[str]]] = None,
-                 remember: Optional[Callable[[str], None]] = None):
+                 fetcher: Any = None, catalog: Any = None):
         super().__init__()
         self.setWindowTitle("Gapless")
         self.setObjectName("mainWindow")
@@ -50,8 +46,7 @@ class MainWindow(QMainWindow):
         self.theme = theme
         self.hud = hud
         self.fetcher = fetcher
-        self._recent = recent or (lambda: [])
-        self._remember = remember or (lambda _s: None)
+        self.catalog = catalog  # known models: default, recent, scanned folder (app.gui.ModelCatalog)
         self.flow = ChatFlow(store, controller, default_sampling, self)
         self._loading: Optional[str] = None  # the source being loaded
         self._fetch_dialog: Optional[ProgressDialog] = None
@@ -155,6 +150,7 @@ class MainWindow(QMainWindow):
         self.composer.sendRequested.connect(f.send)
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
+        self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
         self.toggles.optionsChanged.connect(self._options_chosen)
         self.theme.changed.connect(v.set_colors)
 
@@ -259,7 +255,6 @@ class MainWindow(QMainWindow):
     def _generating_changed(self, generating: bool) -> None:
         self.composer.set_generating(generating)
         self.chat_view.set_busy(generating)
-        self.model_panel.set_busy(generating)
         self.chat_list.new_button.setEnabled(True)
         self.status.setText("Answering…" if generating else "")
 
@@ -350,6 +345,18 @@ class MainWindow(QMainWindow):
             self._fetch_dialog.deleteLater()
             self._fetch_dialog = None
 
+    def refresh_models(self) -> None:
+        c = self.catalog
+        if c is not None:
+            self.model_panel.set_models(c.default(), c.recent(), c.scanned(), c.folder)
+            for notice in c.take_notices():
+                self.status.setText(notice)
+
+    def set_models_folder(self, folder: str) -> None:
+        self.settings.models_folder = folder
+        self.refresh_models()
+        self._persist()
+
     def _load_started(self, source: str) -> None:
         self._loading = source
         self.model_panel.set_loading(source)
@@ -372,8 +379,9 @@ class MainWindow(QMainWindow):
         self.toggles.reset_unavailable(unavailable)
         self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}")
         self.settings.last_model = source
-        self._remember(source)
-        self.model_panel.set_recent(self._recent())
+        if self.catalog is not None:
+            self.catalog.remember(source)
+        self.refresh_models()
         self._update_can_send()
         self._persist()
 
@@ -422,7 +430,7 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(QByteArray(base64.b64decode(s.window_geometry)))
         if s.window_state:
             self.restoreState(QByteArray(base64.b64decode(s.window_state)))
-        self.model_panel.set_recent(self._recent())
+        self.refresh_models()
 
     def _persist(self) -> None:
         s = self.settings

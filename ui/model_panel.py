@@ -3,7 +3,7 @@ another one (GGUF file, Hugging Face folder, a recent model, the default). A fai
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -40,6 +40,7 @@ def source_label(source: str) -> str:
 
 class ModelPanel(QGroupBox):
     openRequested = Signal(str)  # "default", a GGUF path or a folder
+    modelsFolderChosen = Signal(str)  # a folder to scan for models
 
     FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend")
 
@@ -82,10 +83,10 @@ class ModelPanel(QGroupBox):
         self.open_folder_button.setToolTip("Load a Hugging Face model folder (config.json + *.safetensors)")
         self.open_folder_button.clicked.connect(self._open_folder)
         self.recent_button = QToolButton(self)
-        self.recent_button.setText("Recent models")
+        self.recent_button.setText("Models")
         self.recent_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
         self.recent_button.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.recent_button.setToolTip("Models opened before")
+        self.recent_button.setToolTip("The default model, models opened before, and those in your models folder")
         self.recent_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self._recent_menu = QMenu(self)
         self.recent_button.setMenu(self._recent_menu)
@@ -103,7 +104,6 @@ class ModelPanel(QGroupBox):
         lay.addLayout(buttons)
         lay.addWidget(self.recent_button)
         self.info: Optional[ModelInfo] = None
-        self.set_recent([])
 
     def set_info(self, info: Optional[ModelInfo]) -> None:
         self.info = info
@@ -152,25 +152,44 @@ class ModelPanel(QGroupBox):
         self.error.show()
         self.status.setText(f"Still using {self.info.name}" if self.info else "No model loaded")
 
-    def set_busy(self, busy: bool) -> None:
-        """While an answer streams, the model stays as it is."""
-        self._set_buttons(not busy)
-
     def _set_buttons(self, enabled: bool) -> None:
         for b in (self.open_file_button, self.open_folder_button, self.recent_button):
             b.setEnabled(enabled)
 
-    def set_recent(self, sources: list[str]) -> None:
-        self._recent_menu.clear()
-        self._recent_menu.addAction("Default model (SmolLM2-135M-Instruct)", lambda: self.openRequested.emit("default"))
-        if sources:
-            self._recent_menu.addSeparator()
-        for s in sources:
-            if s == "default":
-                continue
-            act = self._recent_menu.addAction(source_label(s), lambda s=s: self.openRequested.emit(s))
-            act.setToolTip(s)
-        self._recent_menu.setToolTipsVisible(True)
+    def set_models(self, default: Any, recent: list[Any], scanned: list[Any], folder: Optional[str]) -> None:
+        """The models menu. Entries carry `source`, `name`, `present` and `note` (app.registry.ModelEntry)."""
+        menu = self._recent_menu
+        menu.clear()
+
+        def add(entry: Any, label: Optional[str] = None) -> None:
+            text = label or entry.name
+            if entry.note:
+                text += f" ({entry.note})"
+            act = menu.addAction(text, lambda s=entry.source: self.openRequested.emit(s))
+            act.setToolTip(entry.path or entry.source)
+            # a missing file cannot be opened; the default model can always be (it is downloaded first)
+            act.setEnabled(entry.present or entry.source == "default")
+
+        add(default, f"Default model: {default.name}")
+        others = [e for e in recent if e.source != "default"]
+        if others:
+            menu.addSection("Recent")
+            for e in others:
+                add(e)
+        if folder:
+            menu.addSection(f"In {folder}")
+            for e in scanned:
+                add(e)
+            if not scanned:
+                menu.addAction("no models found").setEnabled(False)
+        menu.addSeparator()
+        menu.addAction("Choose a models folder…", self._choose_models_folder)
+        menu.setToolTipsVisible(True)
+
+    def _choose_models_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "A folder with GGUF files or model folders to list here")
+        if path:
+            self.modelsFolderChosen.emit(path)
 
     def _open_file(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf);;All files (*)")

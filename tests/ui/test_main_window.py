@@ -295,3 +295,14 @@ def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     result = send(qtbot, app, "again")
     assert result.metrics.new_tokens_total <= 5
     assert w.flow.prompt_messages(store.thread(w.flow.chat_id)[-2])[0] == {"role": "system", "content": "Answer briefly."}
+
+
+def test_a_loaded_model_is_offered_again(qtbot, app, tiny_llama, data_dir):
+    from app.registry import RecentModels
+
+    paths = AppPaths.resolve(data_dir)
+    assert [e.path for e in RecentModels(paths.config).entries()] == [str(tiny_llama.resolve())]
+    labels = [a.text() for a in app.window.model_panel.recent_button.menu().actions()]
+    assert labels[0].startswith("Default model: ")
+    assert app.controller.info.name in labels
+    assert app.settings.last_model == str(tiny_llama)
