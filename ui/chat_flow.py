@@ -39,6 +39,7 @@ class _Answer:
     message_ids: list[int] = field(default_factory=list)
     savers: list[StreamSaver] = field(default_factory=list)
     candidates: int = 1
+    discarded: bool = False  # its chat was deleted: nothing more is saved
 
 
 class ChatFlow(QObject):
@@ -88,6 +89,7 @@ class ChatFlow(QObject):
 
     def delete_chat(self, chat_id: int) -> None:
         if self.answer is not None and self.answer.chat_id == chat_id:
+            self.answer.discarded = True
             self.stop()
         if self._guard(lambda: self.store.delete_chat(chat_id)) is False:
             return
@@ -242,7 +244,7 @@ class ChatFlow(QObject):
 
     def _on_started(self, request_id: int, options: Any) -> None:
         a = self.answer
-        if a is None or a.request_id != request_id:
+        if a is None or a.request_id != request_id or a.discarded:
             return
         n = max(1, int(getattr(options, "candidates", 1)))
         a.candidates = n
@@ -267,6 +269,8 @@ class ChatFlow(QObject):
         a = self.answer
         if a is None or a.request_id != request_id or not a.savers:
             return
+        if a.discarded:
+            return
         for i, delta in deltas.items():
             if 0 <= i < len(a.savers):
                 a.savers[i].append(delta)
@@ -278,6 +282,9 @@ class ChatFlow(QObject):
         if a is None or a.request_id != request_id:
             return
         self.last_result = result
+        if a.discarded:
+            self._end()
+            return
         options = result.options.to_dict()
         metrics = result.metrics.to_dict()
         try:
@@ -303,7 +310,7 @@ class ChatFlow(QObject):
         a = self.answer
         if a is None or a.request_id != request_id:
             return
-        for saver in a.savers:
+        for saver in ([] if a.discarded else a.savers):
             try:
                 if saver.text:
                     saver.finish("error")  # keep what was written before the failure
@@ -322,7 +329,7 @@ class ChatFlow(QObject):
         self.generatingChanged.emit(False)
 
     def _flush_savers(self) -> None:
-        if self.answer is not None:
+        if self.answer is not None and not self.answer.discarded:
             for s in self.answer.savers:
                 s.flush()
 

@@ -1,4 +1,4 @@
-"""The message composer: a growing text field, Send / Stop, and the chat's settings button.
+"""The message composer: a text field that grows with its content, Send / Stop, and a line of key hints.
 
 Enter sends and Shift+Enter (or Ctrl+Enter) adds a newline, or the other way round when the send key is
 "ctrl+enter" — the choice lives in the settings. Esc stops an answer anywhere in the window (main_window).
@@ -48,7 +48,6 @@ class ComposerEdit(QPlainTextEdit):
 class Composer(QFrame):
     sendRequested = Signal(str)
     stopRequested = Signal()
-    settingsRequested = Signal()
 
     def __init__(self, send_with: str = "enter", parent: Optional[QWidget] = None):
         super().__init__(parent)
@@ -64,9 +63,6 @@ class Composer(QFrame):
         self.stop_button.setToolTip("Stop the answer (Esc); the text so far is kept")
         self.stop_button.clicked.connect(self.stopRequested)
         self.stop_button.hide()
-        self.settings_button = QPushButton("Chat settings…", self)
-        self.settings_button.setToolTip("System prompt and sampling parameters of this chat")
-        self.settings_button.clicked.connect(self.settingsRequested)
         self.hint = QLabel(self)
         self.hint.setObjectName("composerHint")
 
@@ -78,14 +74,11 @@ class Composer(QFrame):
         buttons.addWidget(self.stop_button)
         buttons.addStretch(1)
         row.addLayout(buttons)
-        foot = QHBoxLayout()
-        foot.addWidget(self.hint, 1)
-        foot.addWidget(self.settings_button)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(16, 10, 16, 10)
         lay.setSpacing(6)
         lay.addLayout(row)
-        lay.addLayout(foot)
+        lay.addWidget(self.hint)
         self._generating = False
         self._can_send = True
         self._why_not = ""

@@ -70,8 +70,8 @@ class MainWindow(QMainWindow):
         self.chat_title = QLabel("New chat", self)
         self.chat_title.setObjectName("chatTitle")
         self.chat_settings_button = QPushButton("Chat settings…", self)
+        self.chat_settings_button.setToolTip("System prompt and sampling parameters of this chat")
         self.chat_settings_button.clicked.connect(self.open_chat_settings)
-        self.composer.settings_button.hide()  # the header has it, next to the chat's title
         header = QWidget(self)
         header.setObjectName("chatHeader")
         hl = QHBoxLayout(header)

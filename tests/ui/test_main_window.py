@@ -306,3 +306,23 @@ def test_a_loaded_model_is_offered_again(qtbot, app, tiny_llama, data_dir):
     assert labels[0].startswith("Default model: ")
     assert app.controller.info.name in labels
     assert app.settings.last_model == str(tiny_llama)
+
+
+def test_deleting_the_chat_that_is_answering_stops_quietly(qtbot, app):
+    w, c = app.window, app.controller
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
+    errors = []
+    w.flow.failed.connect(errors.append)
+    deleted = []
+
+    def delete_once(_rid, _batch):
+        if not deleted:
+            deleted.append(w.flow.chat_id)
+            w.flow.delete_chat(w.flow.chat_id)
+
+    c.textBatch.connect(delete_once)
+    result = send(qtbot, app, "hello world")
+    assert deleted and result.finish_reasons == ["cancelled"]
+    assert errors == []
+    assert app.store.list_chats() == [] and app.store.count_messages() == 0
+    assert w.chat_view.messages() == []
