@@ -66,6 +66,8 @@ def series_document(series: LiveSeries) -> dict:
         ],
         "steps": series.step_rows(),
         "samples": series.sample_rows(),
+        # Per-generation figures drawn where the monitor had no live reading (e.g. SM activity without GPM).
+        "estimates": series.estimate_rows(),
     }
 
 

@@ -40,6 +40,11 @@ def delta(rel: Optional[float]) -> str:
     return f"{rel * 100:+.1f}%"
 
 
+def bare_source(source: str) -> str:
+    """The engine's labels name the figure first ("SM activity — NVML GPM"); beside a title, keep the rest."""
+    return source.split(" — ", 1)[1] if " — " in source else source
+
+
 def nice_ceiling(v: float) -> float:
     """The next of 1, 2, 5 × 10^k at or above v: a y range that only moves in steps, so plots do not jitter."""
     if not math.isfinite(v) or v <= 0:

@@ -19,7 +19,7 @@ from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from ui.hud import fmt
-from ui.hud.series import LiveSeries
+from ui.hud.series import ESTIMATED_SERIES, LiveSeries
 
 TOKENS_SOURCE = "engine step records, rolling 1 s"
 STEP_SOURCE = "engine step timings; traced window in orange"
@@ -34,7 +34,7 @@ class PlotSpec:
     title: str
     format: Callable[[Optional[float]], str]
     color: str
-    axis_units: str = ""  # pyqtgraph axis units; "B" gets SI prefixes
+    axis_gib: bool = False  # the data are bytes; the axis reads GiB (the data stay as fed)
     percent: bool = False  # fixed 0-100 y range
     y_top: Optional[Callable[[float], float]] = None  # y range top from the largest value shown (None: fixed)
     cpu: bool = False  # shown instead of the GPU series when the GPU is not measured
@@ -53,7 +53,7 @@ PLOTS = (
     # CPU use counts every core (100% = one core busy), so the range grows a core at a time.
     PlotSpec("cpu_util_pct", "CPU (this process)", fmt.percent, "#4cbf73", cpu=True,
              y_top=lambda m: max(100.0, 100.0 * math.ceil(m / 100.0))),
-    PlotSpec("process_rss_bytes", "Process memory", fmt.size, "#c678dd", axis_units="B", cpu=True,
+    PlotSpec("process_rss_bytes", "Process memory", fmt.size, "#c678dd", axis_gib=True, cpu=True,
              y_top=lambda m: fmt.nice_ceiling(m * 1.05)),
 )
 
@@ -86,11 +86,23 @@ class SeriesView(QWidget):
         self.plot.setDownsampling(auto=True, mode="peak")
         self.plot.showGrid(x=False, y=True, alpha=0.15)
         self.plot.getAxis("left").setWidth(48)
-        self.plot.getAxis("left").setLabel(units=spec.axis_units or None)
+        if spec.axis_gib:
+            left = self.plot.getAxis("left")
+            left.enableAutoSIPrefix(False)
+            left.setScale(1.0 / (1 << 30))
+            left.setLabel("GiB")
         self.plot.disableAutoRange()
         self.plot.setYRange(0, 100 if spec.percent else 1, padding=0.02)
         self.curve = self.plot.plot(pen=pg.mkPen(spec.color, width=1), antialias=False, connect="finite")
         self.profiled_curve = None
+        self.estimate_curve = None
+        if spec.name in ESTIMATED_SERIES:
+            # Separate segments, a handful of points: drawn as pairs, never clipped or downsampled (either
+            # could split a pair).
+            self.estimate_curve = self.plot.plot(pen=pg.mkPen(spec.color, width=1, style=Qt.PenStyle.DashLine),
+                                                 antialias=False, connect="pairs")
+            self.estimate_curve.setClipToView(False)
+            self.estimate_curve.setDownsampling(ds=1, auto=False)
         if spec.name == "step_ms":
             self.profiled_curve = self.plot.plot(pen=pg.mkPen(PROFILED_COLOR, width=1), antialias=False,
                                                  connect="finite")
@@ -110,7 +122,7 @@ class SeriesView(QWidget):
         self.set_measured(False, spec.idle_reason)
 
     def set_measured(self, measured: bool, reason: Optional[str]) -> None:
-        self.na_reason = None if measured else (reason or "not measured on this machine")
+        self.na_reason = None if measured else (reason or "not measured so far")
         self.na_label.setText(f"{fmt.NA} — {self.na_reason}" if self.na_reason else "")
         self.plot_widget.setVisible(measured)
         self.na_label.setVisible(not measured)
@@ -137,6 +149,12 @@ class SeriesView(QWidget):
             if top != self._y_top:
                 self._y_top = top
                 self.plot.setYRange(0, top, padding=0.02)
+
+    def set_estimates(self, estimates, t0: float) -> None:
+        """Each estimate as a dashed level over the time it describes."""
+        x = np.array([[e.t_start - t0, e.t_end - t0] for e in estimates], dtype=float).ravel()
+        y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
+        self.estimate_curve.setData(x, y)
 
     def set_boundaries(self, spans: list[tuple[float, Optional[float], str]], pen: QColor, labelled: bool) -> None:
         needed = sum(1 if end is None else 2 for _, end, _ in spans)
@@ -242,6 +260,8 @@ class LivePlots(QWidget):
         profiled = s.steps.column("profiled")
         for view in self.views.values():
             name = view.spec.name
+            if view.estimate_curve is not None and s.estimates[name]:
+                view.set_estimates(s.estimates[name], s.t0 or 0.0)
             ys = s.values(name)
             if not np.isfinite(ys).any():
                 continue
@@ -262,13 +282,16 @@ class LivePlots(QWidget):
         cpu_mode = self.cpu_mode()
         for view in self.views.values():
             name = view.spec.name
-            measured = s.measured(name)
-            if measured:
-                source = view.spec.source or s.sources.get(name) or "source not reported"
+            estimates = s.estimates.get(name)
+            measured = s.measured(name) or bool(estimates)
+            if s.measured(name):
+                source = view.spec.source or fmt.bare_source(s.sources[name])
+            elif estimates:
+                source = fmt.bare_source(estimates[-1].source)
             else:
                 source = None
             idle = s.steps.total == 0 if name in ("tokens_per_s", "step_ms") else s.samples.total == 0
-            reason = view.spec.idle_reason if idle else (s.reasons.get(name) or "not measured on this machine")
+            reason = view.spec.idle_reason if idle else (s.reasons.get(name) or "not measured so far")
             view.set_measured(measured, None if measured else reason)
             self._box.setStretchFactor(view, 1 if measured else 0)
             view.set_header(source, last.get(name))

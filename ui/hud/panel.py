@@ -89,7 +89,7 @@ class HudPanel(QWidget):
         self.series.add_samples(samples)
 
     def end_generation(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
-        gen = self.series.end_generation(self._clock())
+        gen = self.series.end_generation(self._clock(), metrics)
         index = gen.index if gen is not None else len(self.compare.model.rows) + 1
         self.compare.add(CompareRow(index=index, label=label, options=options, metrics=metrics))
         self.bars.set_metrics(metrics, options, f"#{index} {label}")

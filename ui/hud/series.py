@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from engine.types import EngineOptions, MonitorSample, StepRecord
+from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
 from ui.hud.ring import RingTable, last_finite
 
 STEP_COLUMNS = ("t", "generation", "tokens_total", "step_ms", "tokens_per_s", "profiled")
@@ -35,6 +35,22 @@ INT_FIELDS = frozenset({"generation", "tokens_total", "gpu_memory_used_bytes", "
 STEP_SERIES = ("tokens_per_s", "step_ms")
 SAMPLE_SERIES = ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct", "cpu_util_pct", "process_rss_bytes")
 SERIES = STEP_SERIES + SAMPLE_SERIES
+
+
+# Per-generation figures that stand in for a live series the monitor could not measure (no NVML GPM):
+# each is drawn over the stretch of time it describes.
+ESTIMATED_SERIES = ("sm_activity_pct", "dram_bw_util_pct")
+LIVE_REASON_FIELDS = ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    field: str
+    t_start: float
+    t_end: float
+    value: float
+    source: str
+    generation: int
 
 
 @dataclass
@@ -63,7 +79,8 @@ class LiveSeries:
         self.sample_break_s = sample_break_s
         self.generations: deque[Generation] = deque(maxlen=max_generations)
         self.sources: dict[str, str] = {}  # sample field -> source of its newest measured value
-        self.reasons: dict[str, str] = {}  # sample field -> why its newest reading was not measured
+        self.reasons: dict[str, str] = {}  # sample field -> why it is n/a, from the last generation's metrics
+        self.estimates: dict[str, deque[Estimate]] = {f: deque(maxlen=max_generations) for f in ESTIMATED_SERIES}
         self.t0: Optional[float] = None
         self._rate_window: deque[tuple[float, float]] = deque()
         self._last_step_t: Optional[float] = None
@@ -91,13 +108,51 @@ class LiveSeries:
         self._count += 1
         return self._count
 
-    def end_generation(self, t: float) -> Optional[Generation]:
+    def end_generation(self, t: float, metrics: Optional[GenerationMetrics] = None) -> Optional[Generation]:
+        """Closes the running generation's span. `metrics` adds what the engine knows beyond the samples:
+        why a GPU series is n/a, and estimates standing in for series the monitor did not measure."""
         gen, self._running = self._running, None
         if gen is not None:
             last = self._last_step_t
             gen.t_end = last if last is not None and last >= gen.t_start else t
             self._spans += 1
+        if metrics is not None:
+            for f in LIVE_REASON_FIELDS:
+                if f in metrics.unavailable and not self.measured(f):
+                    self.reasons[f] = metrics.unavailable[f]
+            if gen is not None:
+                self._add_estimates(gen, metrics)
         return gen
+
+    def _add_estimates(self, gen: Generation, metrics: GenerationMetrics) -> None:
+        t = self.samples.column("t")
+        during = (t >= gen.t_start) & (t <= gen.t_end)
+        for f in ESTIMATED_SERIES:
+            value, source = getattr(metrics, f), getattr(metrics, f.replace("_pct", "_source"))
+            if value is None or np.isfinite(self.samples.column(f)[during]).any():
+                continue  # nothing to add, or the monitor measured it live
+            # SM activity is estimated from the traced window; DRAM bandwidth from the decode steps' times.
+            span = self._steps_span(gen, traced_only=(f == "sm_activity_pct"))
+            t_a, t_b = span or (gen.t_start, gen.t_end)
+            self.estimates[f].append(Estimate(f, t_a, t_b, float(value), source or "estimate", gen.index))
+            self.reasons.pop(f, None)
+            self._spans += 1
+
+    def _steps_span(self, gen: Generation, traced_only: bool) -> Optional[tuple[float, float]]:
+        """From the start of the generation's first (traced) decode step to the end of its last one."""
+        rows = self.steps.rows()
+        if rows.size == 0:
+            return None
+        col = {name: i for i, name in enumerate(STEP_COLUMNS)}
+        keep = rows[:, col["generation"]] == gen.index
+        if traced_only:
+            keep &= rows[:, col["profiled"]] > 0.5
+        mine = rows[keep & np.isfinite(rows[:, col["tokens_total"]])]
+        if mine.size == 0:
+            return None
+        first_ms = mine[0, col["step_ms"]]
+        start = mine[0, col["t"]] - (first_ms / 1000.0 if np.isfinite(first_ms) else 0.0)
+        return float(start), float(mine[-1, col["t"]])
 
     def add_steps(self, records: Iterable[StepRecord]) -> None:
         gen = self._running
@@ -123,12 +178,9 @@ class LiveSeries:
                 rows.append((self._last_sample_t, None, None) + (None,) * len(SAMPLE_FIELDS))
             values = tuple(getattr(s, f) for f in SAMPLE_FIELDS)
             for f, v in zip(SAMPLE_FIELDS, values):
-                label = s.sources.get(f)
-                if v is not None and label:
-                    self.sources[f] = label
+                if v is not None:
+                    self.sources[f] = s.sources.get(f) or "source not reported"
                     self.reasons.pop(f, None)
-                elif v is None and label:
-                    self.reasons[f] = label
             rows.append((s.t, 1.0, index) + values)
             self._last_sample_t = s.t
         if rows:
@@ -149,22 +201,32 @@ class LiveSeries:
         return ring.column(name)
 
     def series_lengths(self) -> dict[str, int]:
-        """Measured points held per series, plus the step records and monitor samples held."""
-        out = {name: int(np.isfinite(self.values(name)).sum()) for name in SERIES}
+        """Measured points held per series (an estimate segment counts as one), plus the step records and
+        monitor samples held."""
+        out = {name: int(np.isfinite(self.values(name)).sum()) + len(self.estimates.get(name, ())) for name in SERIES}
         out["steps"] = int(np.isfinite(self.steps.column("tokens_total")).sum())
         out["samples"] = int(np.isfinite(self.samples.column("record")).sum())
         return out
 
     def last_values(self) -> dict[str, Optional[float]]:
-        """The newest measured value of each series; None when none was measured."""
-        return {name: last_finite(self.values(name)) for name in SERIES}
+        """The newest measured value of each series (else its newest estimate); None when there is neither."""
+        out = {name: last_finite(self.values(name)) for name in SERIES}
+        for name, est in self.estimates.items():
+            if out[name] is None and est:
+                out[name] = est[-1].value
+        return out
 
     def measured(self, name: str) -> bool:
+        """Whether the monitor (or the step records) measured this series at least once in what is held."""
         return bool(np.isfinite(self.values(name)).any())
 
     def step_rows(self) -> list[dict]:
         """The held step records as dicts (generation breaks left out), None where not measured."""
         return [r for r in _records(self.steps, self.t0) if r["tokens_total"] is not None]
+
+    def estimate_rows(self) -> list[dict]:
+        return [{"series": e.field, "t_start": e.t_start, "t_end": e.t_end, "value": e.value, "source": e.source,
+                 "generation": e.generation} for est in self.estimates.values() for e in est]
 
     def sample_rows(self) -> list[dict]:
         return [r for r in _records(self.samples, self.t0) if r.pop("record") is not None]
