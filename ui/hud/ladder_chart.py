@@ -29,6 +29,7 @@ class LadderChart(QWidget):
         super().__init__(parent)
         self.rows: list[dict] = []
         self.running = False
+        self._base: Optional[dict] = None  # the first rung that ran: speed-ups are against it
         self.run_button = QPushButton("Run ladder")
         self.run_button.setToolTip("Run the current prompt through every preset and compare")
         self.cancel_button = QPushButton("Cancel")
@@ -114,8 +115,9 @@ class LadderChart(QWidget):
         top = float(np.nanmax(tok)) if has_tok.any() else 1.0
         self.tok_plot.setXRange(0, top * 1.45, padding=0)
         sources = sorted({r.get("kernel_gap_source") for r in self.rows if r.get("kernel_gap_source")})
-        self._titles = ["Decode tok/s — engine timing", f"Kernel/op gap % — {', '.join(sources) if sources else fmt.NA}"]
+        self._titles = ["Decode tok/s — engine timing", f"Gap % — {'; '.join(sources) if sources else fmt.NA}"]
         self._set_titles()
+        self._base = base
         self._draw_texts(base)
         self.chart.setMinimumHeight(2 * (ROW_HEIGHT * max(n, 3) + 50))
 
@@ -142,8 +144,10 @@ class LadderChart(QWidget):
                 tok_text = f"{fmt.number(v)}{speedup}"
                 gap_text = fmt.percent(r.get("kernel_gap_pct"))
             for plot, text in ((self.tok_plot, tok_text), (self.gap_plot, gap_text)):
-                item = pg.TextItem(text, color=fg, anchor=(0, 0.5))
-                item.setPos(_num(r.get("decode_tok_s" if plot is self.tok_plot else "kernel_gap_pct"), 0.0), i)
+                x = _num(r.get("decode_tok_s" if plot is self.tok_plot else "kernel_gap_pct"), 0.0)
+                inside = plot is self.gap_plot and x > 75.0  # the gap axis stops at 100: write long bars' ends inside
+                item = pg.TextItem(text, color="#ffffff" if inside else fg, anchor=(1, 0.5) if inside else (0, 0.5))
+                item.setPos(x, i)
                 plot.addItem(item, ignoreBounds=True)
                 self._texts.append((plot, item))
 
@@ -183,8 +187,7 @@ class LadderChart(QWidget):
             for name in ("left", "bottom"):
                 plot.getAxis(name).setPen(pg.mkPen(muted, width=1))
                 plot.getAxis(name).setTextPen(pg.mkPen(fg))
-        for _, t in self._texts:
-            t.setColor(fg)
+        self._draw_texts(self._base)
         self._set_titles()
 
     def _set_titles(self) -> None:
