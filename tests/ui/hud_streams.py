@@ -16,12 +16,17 @@ import numpy as np
 
 from engine.types import PRESET_LABELS, EngineOptions, GenerationMetrics, MonitorSample, StepRecord, preset_options
 
-GPM = "NVML GPM"
-NVML = "NVML utilization samples"
-ESTIMATE = "estimated from profiler window"
-NVML_MISSING = "NVML unavailable: libnvidia-ml.so.1 not found"
-GPU_FIELDS = ("gpu_util_pct", "sm_activity_pct", "sm_occupancy_pct", "dram_bw_util_pct", "gpu_memory_used_bytes",
-              "power_w", "sm_clock_mhz")
+from engine.telemetry.monitor import SOURCES
+
+# The labels the engine's monitor and profiler window put on their figures.
+GPM = SOURCES["sm_activity_pct"]  # "SM activity — NVML GPM"
+NVML = SOURCES["gpu_util_samples"]
+SM_ESTIMATE = "SM activity — estimate from the profiler window (kernel time × min(1, blocks/132 SMs))"
+DRAM_ESTIMATE = "estimate: weight + KV bytes per step / median step time / NVML peak bandwidth"
+CPU_REASON = "the model runs on the CPU, not on a GPU"
+NVML_MISSING = "NVML not available: nvidia-ml-py not installed (No module named 'pynvml')"
+KERNEL_GAP = "kernel gap — torch.profiler, 8-step window (sampled)"
+OP_GAP = "op gap — torch.profiler CPU ops, 8-step window (sampled)"
 
 
 class ManualClock:
@@ -81,18 +86,21 @@ def samples(t_start: float, t_end: float, hz: float, values: dict[str, Optional[
     return out
 
 
-def gpu_sources(sm_source: str = GPM) -> dict[str, str]:
-    return {"gpu_util_pct": NVML, "sm_activity_pct": sm_source, "dram_bw_util_pct": sm_source,
-            "cpu_util_pct": "/proc/self/stat", "process_rss_bytes": "/proc/self/statm"}
+def gpu_sources(gpm: bool = True) -> dict[str, str]:
+    """Sources of a GPU sample; without GPM the monitor reads no SM activity or DRAM bandwidth at all."""
+    out = {"gpu_util_pct": NVML, **cpu_sources()}
+    if gpm:
+        out.update({f: SOURCES[f] for f in ("sm_activity_pct", "sm_occupancy_pct", "dram_bw_util_pct")})
+    return out
 
 
 def cpu_sources() -> dict[str, str]:
-    """On a machine without NVML every GPU field is None and its entry says why."""
-    return {**{f: NVML_MISSING for f in GPU_FIELDS},
-            "cpu_util_pct": "/proc/self/stat", "process_rss_bytes": "/proc/self/statm"}
+    """Without NVML a sample carries only the process figures; why the GPU ones are n/a is in the metrics."""
+    return {"cpu_util_pct": SOURCES["cpu_util_pct"], "process_rss_bytes": SOURCES["process_rss_bytes"]}
 
 
-def metrics_for(records: list[StepRecord], rung: Rung, prompt_tokens: int = 42, gpu: bool = True) -> GenerationMetrics:
+def metrics_for(records: list[StepRecord], rung: Rung, prompt_tokens: int = 42, gpu: bool = True,
+                gpm: bool = True, gpu_reason: str = CPU_REASON) -> GenerationMetrics:
     """Per-generation figures consistent with the records (the engine computes its own; this mirrors them)."""
     untraced = [r for r in records if not r.profiled]
     ms = np.array([r.step_ms for r in untraced])
@@ -104,18 +112,18 @@ def metrics_for(records: list[StepRecord], rung: Rung, prompt_tokens: int = 42, 
         decode_tok_s=len(untraced) * rung.candidates / span, decode_steps=len(records), decode_seconds=span,
         step_ms_p50=float(np.percentile(ms, 50)), step_ms_p90=float(np.percentile(ms, 90)),
         step_ms_p99=float(np.percentile(ms, 99)),
-        kernel_gap_pct=rung.gap_pct, kernel_gap_source="torch.profiler CUDA kernels, sampled window" if gpu
-        else "torch.profiler aten ops (op gap), sampled window",
+        kernel_gap_pct=rung.gap_pct, kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
         profiled_steps=sum(r.profiled for r in records),
     )
     if gpu:
         m.peak_memory_bytes, m.peak_memory_source = 412_000_000, "torch.cuda.max_memory_allocated"
-        m.sm_activity_pct, m.sm_activity_source = rung.sm_activity, GPM
         m.gpu_util_pct, m.gpu_util_source = rung.gpu_util, NVML
-        m.dram_bw_util_pct, m.dram_bw_util_source = rung.dram_bw, GPM
+        m.sm_activity_pct, m.sm_activity_source = rung.sm_activity, GPM if gpm else SM_ESTIMATE
+        m.dram_bw_util_pct, m.dram_bw_util_source = rung.dram_bw, SOURCES["dram_bw_util_pct"] if gpm else DRAM_ESTIMATE
     else:
-        for k in ("sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct", "peak_memory_bytes"):
-            m.unavailable[k] = NVML_MISSING if k != "peak_memory_bytes" else "no device memory counter on CPU"
+        for k in ("sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct"):
+            m.unavailable[k] = gpu_reason
+        m.unavailable["peak_memory_bytes"] = "no device memory counter on CPU"
     return m
 
 
@@ -130,7 +138,7 @@ def ladder_rows(gpu: bool = True) -> list[dict]:
         opts = preset_options(preset, EngineOptions(device="cuda" if gpu else "cpu"))
         skipped = None if gpu or preset not in ("cuda-graph", "candidates") else "CUDA graphs need a CUDA device"
         m = None if skipped else GenerationMetrics(decode_tok_s=tok if gpu else tok / 40, kernel_gap_pct=gap,
-                                                   kernel_gap_source="torch.profiler CUDA kernels, sampled window",
+                                                   kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
                                                    new_tokens_total=128, new_tokens=[128], prompt_tokens=42)
         rows.append({"preset": preset, "label": PRESET_LABELS[preset], "options": opts.to_dict(), "skipped": skipped,
                      "metrics": None if m is None else m.to_dict(),
@@ -140,7 +148,7 @@ def ladder_rows(gpu: bool = True) -> list[dict]:
     return rows
 
 
-def feed_gpu_session(panel, clock: ManualClock, n_steps: int = 160, sm_source: str = GPM) -> float:
+def feed_gpu_session(panel, clock: ManualClock, n_steps: int = 160, gpm: bool = True) -> float:
     """Three generations (Naive, first fixes, CUDA graph) with GPU samples at 10 Hz from clock.t on.
     Returns the end time."""
     t = clock.t
@@ -149,15 +157,16 @@ def feed_gpu_session(panel, clock: ManualClock, n_steps: int = 160, sm_source: s
         panel.begin_generation(rung.label, rung.options)
         recs = steps(t, n_steps * (1 if rung.step_ms > 1 else 8), rung.step_ms, seed=i)
         end = recs[-1].t
-        vals = {"gpu_util_pct": rung.gpu_util, "sm_activity_pct": rung.sm_activity, "dram_bw_util_pct": rung.dram_bw}
-        panel.add_samples(samples(t, end, 10.0, vals, gpu_sources(sm_source), seed=i))
+        vals = {"gpu_util_pct": rung.gpu_util, "sm_activity_pct": rung.sm_activity if gpm else None,
+                "dram_bw_util_pct": rung.dram_bw if gpm else None}
+        panel.add_samples(samples(t, end, 10.0, vals, gpu_sources(gpm), seed=i))
         for k in range(0, len(recs), 16):  # the worker batches records at ~30 Hz
             panel.add_steps(recs[k:k + 16])
         clock.t = end + 0.01
-        panel.end_generation(metrics_for(recs, rung), rung.options, rung.label)
+        panel.end_generation(metrics_for(recs, rung, gpm=gpm), rung.options, rung.label)
         t = end + 0.8
-        idle = {"gpu_util_pct": 0.0, "sm_activity_pct": 0.0, "dram_bw_util_pct": 0.0}
-        panel.add_samples(samples(end + 0.1, t - 0.05, 10.0, idle, gpu_sources(sm_source), seed=10 + i, cpu_util=3.0))
+        idle = {"gpu_util_pct": 0.0, "sm_activity_pct": 0.0 if gpm else None, "dram_bw_util_pct": 0.0 if gpm else None}
+        panel.add_samples(samples(end + 0.1, t - 0.05, 10.0, idle, gpu_sources(gpm), seed=10 + i, cpu_util=3.0))
     return t
 
 
@@ -186,17 +195,29 @@ def feed_cpu_session(panel, clock: ManualClock, n_steps: int = 120) -> float:
 
 
 def write_screenshots(out_dir: Path) -> list[Path]:
-    from PySide6.QtGui import QPalette
+    """The HUD after a synthetic GPU session (each tab, dark and light) and a CPU session (dark)."""
     from PySide6.QtWidgets import QApplication
 
     from ui.hud.panel import HudPanel
+    from ui.theme import ThemeManager
 
     app = QApplication.instance() or QApplication(["hud-screenshots"])
-    app.setStyle("Fusion")
+    theme = ThemeManager(app, "dark")
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for theme, palette in (("", dark_palette()), ("-light", QPalette(app.style().standardPalette()))):
-        app.setPalette(palette)
+
+    def shoot(panel, tab: int, name: str) -> None:
+        panel.tabs.setCurrentIndex(tab)
+        app.processEvents()
+        panel.live.refresh_labels()
+        panel.live.paint()
+        app.processEvents()
+        path = out_dir / f"{name}.png"
+        panel.grab().save(str(path))
+        written.append(path)
+
+    for choice, suffix in (("dark", ""), ("light", "-light")):
+        theme.set_choice(choice)
         clock = ManualClock(1000.0)
         panel = HudPanel(clock=clock)
         panel.resize(560, 1020)
@@ -204,48 +225,19 @@ def write_screenshots(out_dir: Path) -> list[Path]:
         panel.set_ladder_results(ladder_rows())
         panel.show()
         for tab, name in ((0, "hud-synthetic"), (1, "hud-compare-synthetic"), (2, "hud-ladder-synthetic")):
-            panel.tabs.setCurrentIndex(tab)
-            app.processEvents()
-            panel.live.refresh_labels()
-            panel.live.paint()
-            app.processEvents()
-            path = out_dir / f"{name}{theme}.png"
-            panel.grab().save(str(path))
-            written.append(path)
+            shoot(panel, tab, name + suffix)
         panel.close()
-        if theme == "":
+        if choice == "dark":
             clock = ManualClock(1000.0)
             panel = HudPanel(clock=clock)
             panel.resize(560, 1020)
             feed_cpu_session(panel, clock)
             panel.set_ladder_results(ladder_rows(gpu=False))
             panel.show()
-            app.processEvents()
-            panel.live.refresh_labels()
-            panel.live.paint()
-            app.processEvents()
-            path = out_dir / "hud-synthetic-cpu.png"
-            panel.grab().save(str(path))
-            written.append(path)
+            shoot(panel, 0, "hud-synthetic-cpu")
+            shoot(panel, 2, "hud-ladder-synthetic-cpu")
             panel.close()
     return written
-
-
-def dark_palette():
-    from PySide6.QtGui import QColor, QPalette
-
-    p = QPalette()
-    roles = {
-        QPalette.ColorRole.Window: "#1f2228", QPalette.ColorRole.WindowText: "#d7dae0",
-        QPalette.ColorRole.Base: "#16181d", QPalette.ColorRole.AlternateBase: "#1c1f25",
-        QPalette.ColorRole.Text: "#d7dae0", QPalette.ColorRole.Button: "#2a2e36",
-        QPalette.ColorRole.ButtonText: "#d7dae0", QPalette.ColorRole.Highlight: "#3d6fb4",
-        QPalette.ColorRole.HighlightedText: "#ffffff", QPalette.ColorRole.ToolTipBase: "#2a2e36",
-        QPalette.ColorRole.ToolTipText: "#d7dae0", QPalette.ColorRole.PlaceholderText: "#7f848e",
-    }
-    for role, color in roles.items():
-        p.setColor(role, QColor(color))
-    return p
 
 
 if __name__ == "__main__":

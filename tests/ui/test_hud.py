@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
 
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
-from hud_streams import (ESTIMATE, GPM, GPU_RUNGS, NVML, NVML_MISSING, ManualClock, cpu_sources, feed_gpu_session,
-                         gpu_sources, ladder_rows, metrics_for, samples, steps)
+from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_MISSING, OP_GAP, SM_ESTIMATE,
+                         ManualClock, cpu_sources, feed_gpu_session, gpu_sources, ladder_rows, metrics_for, samples,
+                         steps)
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX
 from ui.hud.ring import RingTable
@@ -138,9 +140,9 @@ def test_plots_draw_exactly_what_was_fed_with_sources(hud, qtbot):
     panel.begin_generation("first", EngineOptions(device="cuda"))
     recs = steps(1000.0, 60, 4.0, profiled=(16, 24))
     stream = samples(1000.0, 1000.3, 100.0, {"gpu_util_pct": 55.0, "sm_activity_pct": 30.0, "dram_bw_util_pct": 9.0},
-                     gpu_sources(GPM))
+                     gpu_sources())
     stream[3] = MonitorSample(t=stream[3].t, gpu_util_pct=None, sm_activity_pct=31.0, dram_bw_util_pct=None,
-                              cpu_util_pct=99.0, process_rss_bytes=10, sources=gpu_sources(GPM))
+                              cpu_util_pct=99.0, process_rss_bytes=10, sources=gpu_sources())
     panel.add_steps(recs)
     panel.add_samples(stream)
     show_and_paint(qtbot, panel)
@@ -163,7 +165,7 @@ def test_plots_draw_exactly_what_was_fed_with_sources(hud, qtbot):
     np.testing.assert_array_equal(tok_y, panel.series.values("tokens_per_s"))
 
     labels = {name: panel.live.view(name).label_text for name in panel.live.views}
-    assert labels["gpu_util_pct"] == f"GPU util — {NVML}"
+    assert labels["gpu_util_pct"] == "GPU util — NVML samples"  # the engine's "GPU util — NVML samples"
     assert labels["sm_activity_pct"] == "SM activity — NVML GPM"
     assert labels["dram_bw_util_pct"] == "DRAM bandwidth — NVML GPM"
     assert labels["tokens_per_s"].startswith("Tokens/s — engine step records")
@@ -173,16 +175,52 @@ def test_plots_draw_exactly_what_was_fed_with_sources(hud, qtbot):
     assert all(panel.live.view(n).plot_widget.isVisible() for n in GPU_VIEWS)
 
 
-def test_estimated_sm_activity_is_labelled_as_an_estimate(hud, qtbot):
-    panel, _ = hud
-    stream = samples(1000.0, 1001.0, 10.0, {"gpu_util_pct": 70.0, "sm_activity_pct": 44.0, "dram_bw_util_pct": 20.0},
-                     gpu_sources(ESTIMATE))
+def test_without_gpm_the_generation_estimates_are_drawn_and_labelled_as_estimates(hud, qtbot):
+    panel, clock = hud
+    rung = GPU_RUNGS[1]
+    panel.begin_generation("no gpm", rung.options)
+    recs = steps(1000.0, 60, rung.step_ms, profiled=(16, 24))
+    stream = samples(1000.0, recs[-1].t, 10.0, {"gpu_util_pct": 70.0, "sm_activity_pct": None,
+                                                 "dram_bw_util_pct": None}, gpu_sources(gpm=False))
+    panel.add_steps(recs)
     panel.add_samples(stream)
     show_and_paint(qtbot, panel)
-    assert panel.live.view("sm_activity_pct").label_text == "SM activity — estimated from profiler window"
-    assert panel.live.view("dram_bw_util_pct").label_text == "DRAM bandwidth — estimated from profiler window"
-    np.testing.assert_array_equal(curve_xy(panel.live.view("sm_activity_pct").curve)[1],
-                                  sample_column(stream, "sm_activity_pct"))
+    assert panel.live.view("sm_activity_pct").na_reason == "not measured so far"
+
+    clock.t = recs[-1].t + 0.01
+    m = metrics_for(recs, rung, gpm=False)
+    panel.end_generation(m, rung.options, "no gpm")
+    qtbot.waitUntil(lambda: len(curve_xy(panel.live.view("sm_activity_pct").estimate_curve)[0]) == 2, timeout=3000)
+    panel.live.refresh_labels()
+
+    t0, traced = panel.series.t0, [r for r in recs if r.profiled]
+    sm = panel.live.view("sm_activity_pct")
+    x, y = curve_xy(sm.estimate_curve)  # over the traced window the estimate comes from
+    np.testing.assert_allclose(x, [traced[0].t - traced[0].step_ms / 1000 - t0, traced[-1].t - t0])
+    np.testing.assert_array_equal(y, [m.sm_activity_pct, m.sm_activity_pct])
+    assert len(curve_xy(sm.curve)[0]) == 0  # no live SM samples drawn: none were measured
+    assert sm.plot_widget.isVisible() and sm.na_reason is None
+    assert sm.label_text == "SM activity — estimate from the profiler window (kernel time × min(1, blocks/132 SMs))"
+    dram = panel.live.view("dram_bw_util_pct")
+    x, y = curve_xy(dram.estimate_curve)  # over the decode steps
+    np.testing.assert_allclose(x, [recs[0].t - recs[0].step_ms / 1000 - t0, recs[-1].t - t0])
+    np.testing.assert_array_equal(y, [m.dram_bw_util_pct] * 2)
+    assert dram.label_text == f"DRAM bandwidth — {DRAM_ESTIMATE}"
+    assert panel.series_lengths()["sm_activity_pct"] == 1
+    assert panel.last_values()["sm_activity_pct"] == m.sm_activity_pct
+    assert panel.live.view("gpu_util_pct").label_text == "GPU util — NVML samples"
+
+
+def test_live_gpm_samples_take_precedence_over_estimates(hud):
+    panel, clock = hud
+    rung = GPU_RUNGS[2]
+    panel.begin_generation("gpm", rung.options)
+    recs = steps(1000.0, 60, rung.step_ms)
+    panel.add_steps(recs)
+    panel.add_samples(samples(1000.0, recs[-1].t, 100.0, {"gpu_util_pct": 90.0, "sm_activity_pct": 70.0,
+                                                          "dram_bw_util_pct": 40.0}, gpu_sources()))
+    panel.end_generation(metrics_for(recs, rung, gpm=False), rung.options, "gpm")
+    assert not panel.series.estimates["sm_activity_pct"] and not panel.series.estimates["dram_bw_util_pct"]
 
 
 def test_missing_nvml_shows_na_with_reason_and_cpu_series_instead(hud, qtbot):
@@ -190,10 +228,15 @@ def test_missing_nvml_shows_na_with_reason_and_cpu_series_instead(hud, qtbot):
     panel.begin_generation("cpu", EngineOptions(device="cpu"))
     gpu_none = {"gpu_util_pct": None, "sm_activity_pct": None, "dram_bw_util_pct": None}
     stream = samples(1000.0, 1002.0, 10.0, gpu_none, cpu_sources(), cpu_util=180.0)
-    panel.add_steps(steps(1000.0, 80, 25.0))
+    recs = steps(1000.0, 80, 25.0)
+    panel.add_steps(recs)
     panel.add_samples(stream)
     show_and_paint(qtbot, panel)
+    assert panel.live.view("gpu_util_pct").na_label.text() == "n/a — not measured so far"
 
+    clock.t = 1002.5  # the generation's metrics say why
+    panel.end_generation(metrics_for(recs, GPU_RUNGS[0], gpu=False, gpu_reason=NVML_MISSING), EngineOptions(), "cpu")
+    panel.live.refresh_labels()
     for name in GPU_VIEWS:
         view = panel.live.view(name)
         assert view.na_label.isVisible() and not view.plot_widget.isVisible()
@@ -201,10 +244,11 @@ def test_missing_nvml_shows_na_with_reason_and_cpu_series_instead(hud, qtbot):
         assert view.value.text() == "n/a" and view.label_text.endswith("— n/a")
         assert len(curve_xy(view.curve)[0]) == 0  # nothing drawn, not even zeros
     assert panel.live.cpu_mode()
-    for name, unit_source in (("cpu_util_pct", "/proc/self/stat"), ("process_rss_bytes", "/proc/self/statm")):
+    for name, label in (("cpu_util_pct", "CPU (this process) — process CPU time (time.process_time)"),
+                        ("process_rss_bytes", "Process memory — /proc/self/statm")):
         view = panel.live.view(name)
         assert view.isVisible() and view.plot_widget.isVisible()
-        assert view.label_text.endswith(f"— {unit_source}")
+        assert view.label_text == label
         x, y = curve_xy(view.curve)
         np.testing.assert_array_equal(y, sample_column(stream, name))
     assert panel.live.view("cpu_util_pct").plot.viewRange()[1][1] >= 200  # a core at a time: 180% fits
@@ -308,7 +352,7 @@ def test_bars_show_the_last_generation_with_sources(hud):
     panel.end_generation(m, GPU_RUNGS[1].options, "fixes")
     v = panel.bars.values()
     assert 100 < m.decode_tok_s < 1000 and v["decode_tok_s"]["text"] == f"{m.decode_tok_s:,.1f} tok/s"
-    assert v["kernel_gap_pct"] == {"text": "42.0 %", "source": m.kernel_gap_source, "fraction": pytest.approx(0.42)}
+    assert v["kernel_gap_pct"] == {"text": "42.0 %", "source": KERNEL_GAP, "fraction": pytest.approx(0.42)}
     assert v["ttft_ms"]["source"] == "engine timing, device-synchronised"
     assert v["step_ms_p99"]["fraction"] == pytest.approx(1.0)  # p50 and p99 share the scale of the largest
     assert v["step_ms_p50"]["fraction"] == pytest.approx(m.step_ms_p50 / m.step_ms_p99)
@@ -319,7 +363,7 @@ def test_bars_show_the_last_generation_with_sources(hud):
     panel.end_generation(cpu, EngineOptions(device="cpu"), "cpu")
     v = panel.bars.values()
     assert v["peak_memory_bytes"] == {"text": "n/a", "source": "n/a — no device memory counter on CPU", "fraction": None}
-    assert v["kernel_gap_pct"]["source"] == "torch.profiler aten ops (op gap), sampled window"
+    assert v["kernel_gap_pct"]["source"] == OP_GAP
 
 
 # ---- the compare table -----------------------------------------------------------------------------------
@@ -420,8 +464,8 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
         [(r.t, r.tokens_total, r.step_ms, r.profiled) for r in recs]
     for field in ("gpu_util_pct", "sm_activity_pct", "cpu_util_pct", "process_rss_bytes"):
         assert [s[field] for s in doc["samples"]] == [getattr(s, field) for s in stream]
-    assert doc["sources"]["cpu_util_pct"] == "/proc/self/stat"
-    assert doc["unavailable"]["gpu_util_pct"] == NVML_MISSING
+    assert doc["sources"]["cpu_util_pct"] == "CPU util — process CPU time (time.process_time)"
+    assert doc["unavailable"]["gpu_util_pct"] == CPU_REASON
     assert doc["generations"][0]["label"] == "g" and doc["generations"][0]["t_end"] == recs[-1].t
 
     with open(panel.export_series_csv(tmp_path / "s.csv"), newline="") as f:
@@ -507,3 +551,67 @@ def test_full_synthetic_session_lengths_and_last_values(hud, qtbot):
     assert last["gpu_util_pct"] is not None and last["tokens_per_s"] == pytest.approx(
         panel.series.values("tokens_per_s")[-1])
     assert panel.compare.model.rowCount() == 3
+
+
+def test_hud_follows_the_application_palette(hud, qapp):
+    from ui.theme import DARK, LIGHT, build_palette
+
+    panel, _ = hud
+    before = qapp.palette()
+    try:
+        for colors in (DARK, LIGHT):
+            qapp.setPalette(build_palette(colors))
+            qapp.processEvents()  # palette changes reach widgets as posted events
+            background = panel.live.view("tokens_per_s").plot_widget.backgroundBrush().color().name()
+            assert background == colors.base
+            assert panel.ladder.chart.backgroundBrush().color().name() == colors.base
+    finally:
+        qapp.setPalette(before)
+
+
+def test_hud_fed_by_a_real_generation_on_a_tiny_model(hud, qtbot, tiny_llama, tmp_path):
+    from engine.engine import Engine
+    from engine.types import SamplingParams
+
+    panel, clock = hud
+    engine = Engine.load(str(tiny_llama), EngineOptions(device="cpu"))
+    try:
+        events = []
+
+        def on_event(e):
+            events.append(e)
+            if isinstance(e, StepRecord):
+                panel.add_steps([e])
+            elif isinstance(e, MonitorSample):
+                panel.add_samples([e])
+
+        clock.t = time.perf_counter()
+        panel.begin_generation("tiny", engine.options)
+        result = engine.generate([{"role": "user", "content": "hello"}],
+                                 SamplingParams(temperature=0, max_new_tokens=48), on_event=on_event)
+    finally:
+        engine.close()
+    clock.t = time.perf_counter()
+    panel.end_generation(result.metrics, result.options, "tiny")
+    records = [e for e in events if isinstance(e, StepRecord)]
+    readings = [e for e in events if isinstance(e, MonitorSample)]
+    assert records
+
+    lengths = panel.series_lengths()
+    assert lengths["steps"] == len(records) and lengths["samples"] == len(readings)
+    assert lengths["gpu_util_pct"] == 0 and panel.last_values()["gpu_util_pct"] is None
+    show_and_paint(qtbot, panel)
+    reason = result.metrics.unavailable["gpu_util_pct"]
+    assert panel.live.view("gpu_util_pct").na_label.text() == f"n/a — {reason}"
+    _, y = curve_xy(panel.live.view("step_ms").curve)
+    assert np.nanmax(y) == max(r.step_ms for r in records if not r.profiled)
+    if readings:
+        assert panel.live.view("cpu_util_pct").label_text == "CPU (this process) — process CPU time (time.process_time)"
+
+    row = panel.compare.model.rows[-1]
+    assert row.metrics is result.metrics and row.options == result.options
+    assert panel.bars.values()["kernel_gap_pct"]["source"] == (result.metrics.kernel_gap_source
+                                                               or f"n/a — {result.metrics.unavailable['kernel_gap_pct']}")
+    doc = json.loads(panel.export_series_json(tmp_path / "real.json").read_text())
+    assert [(s["t"], s["tokens_total"], s["step_ms"]) for s in doc["steps"]] == \
+        [(r.t, r.tokens_total, r.step_ms) for r in records]
