@@ -325,7 +325,8 @@ def test_stop_reaches_queued_generations_and_busy_spans_the_queue(qtbot, scripte
     ctl, made = scripted
     rec = Recorder(ctl)
     load(qtbot, ctl, "tiny")
-    assert rec.of("busyChanged") == [(True,), (False,)] and not ctl.busy
+    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)  # busyChanged(False) follows loaded
+    assert rec.of("busyChanged") == [(True,), (False,)]
     made[0].gate = threading.Event()
     rid1 = ctl.generate(MESSAGES, SamplingParams(max_new_tokens=50))
     rid2 = ctl.generate(MESSAGES, SamplingParams(max_new_tokens=50))
