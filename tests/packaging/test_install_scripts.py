@@ -1,0 +1,274 @@
+"""packaging/linux/install.sh and uninstall.sh on a small stand-in for the bundle: what goes where, the manifest,
+that uninstall removes exactly what was installed, and that the user's data stays unless --purge.
+
+The real bundle is checked end to end by packaging/check_install.sh (it needs a PyInstaller build)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Linux installer scripts")
+
+ROOT = Path(__file__).resolve().parents[2]
+LINUX = ROOT / "packaging" / "linux"
+VERSION = "9.8.7"
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> Path:
+    """An unpacked installer archive whose bundle is a shell script, a library stand-in, a subfolder and a link."""
+    top = tmp_path / "gapless-archive"
+    bundle = top / "gapless"
+    (bundle / "_internal" / "models").mkdir(parents=True)
+    exe = bundle / "gapless"
+    exe.write_text(f'#!/bin/sh\necho "gapless {VERSION} $*"\n')
+    exe.chmod(0o755)
+    (bundle / "_internal" / "libpython3.11.so.1.0").write_bytes(b"\x7fELF stand-in")
+    (bundle / "_internal" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + bytes(64))
+    (bundle / "_internal" / "libpython3.so").symlink_to("libpython3.11.so.1.0")
+    share = top / "share"
+    share.mkdir()
+    shutil.copy(LINUX / "gapless.desktop", share / "gapless.desktop")
+    shutil.copy(ROOT / "assets" / "gapless.svg", share / "gapless.svg")
+    (share / "gapless-256.png").write_bytes(b"\x89PNG stand-in")
+    (share / "VERSION").write_text(VERSION + "\n")
+    for script in ("install.sh", "uninstall.sh"):
+        shutil.copy(LINUX / script, top / script)
+        (top / script).chmod(0o755)
+    return top
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    h = tmp_path / "home"
+    h.mkdir()
+    return h
+
+
+def user_env(home: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+    env.update(HOME=str(home), PATH=f"{home}/.local/bin:/usr/bin:/bin", **extra)
+    return env
+
+
+def run(script: Path, *args: str, env: dict, ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+    if ok:
+        assert proc.returncode == 0, f"{script.name} {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def tree(root: Path) -> set[str]:
+    """Every path under root, relative, folders marked with a trailing slash."""
+    out = set()
+    for p in root.rglob("*"):
+        rel = p.relative_to(root).as_posix()
+        out.add(rel + "/" if p.is_dir() and not p.is_symlink() else rel)
+    return out
+
+
+def manifest_paths(app_dir: Path) -> list[str]:
+    lines = (app_dir / "install-manifest.txt").read_text().splitlines()
+    return [line[2:] for line in lines if line and not line.startswith("#")]
+
+
+def test_per_user_install_puts_each_part_in_its_xdg_place(archive: Path, home: Path):
+    env = user_env(home)
+    out = run(archive / "install.sh", env=env).stdout
+    app = home / ".local/share/gapless-app"
+    launcher = home / ".local/bin/gapless"
+    desktop = home / ".local/share/applications/gapless.desktop"
+    svg = home / ".local/share/icons/hicolor/scalable/apps/gapless.svg"
+    png = home / ".local/share/icons/hicolor/256x256/apps/gapless.png"
+
+    assert (app / "_internal/models/SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == b"GGUF" + bytes(64)
+    assert os.readlink(app / "_internal/libpython3.so") == "libpython3.11.so.1.0"  # relative links kept as links
+    assert os.access(app / "uninstall.sh", os.X_OK)
+    assert launcher.is_symlink() and os.readlink(launcher) == str(app / "gapless")
+    assert subprocess.run([str(launcher), "--version"], capture_output=True, text=True).stdout == f"gapless {VERSION} --version\n"
+    assert svg.read_bytes() == (ROOT / "assets/gapless.svg").read_bytes()
+    assert png.read_bytes() == b"\x89PNG stand-in"
+
+    entry = dict(line.split("=", 1) for line in desktop.read_text().splitlines() if "=" in line)
+    assert entry["Exec"] == f'"{app}/gapless" gui'
+    assert entry["TryExec"] == f"{app}/gapless"
+    assert entry["Icon"] == str(svg)
+    assert "@" not in desktop.read_text()
+
+    listed = manifest_paths(app)
+    installed = {str(home / p.rstrip("/")) for p in tree(home)}
+    assert set(listed) == installed  # every path the install made, and nothing else (home was empty)
+    assert len(listed) == len(set(listed))
+    assert str(launcher) in out and "uninstall.sh" in out
+
+
+def test_uninstall_removes_exactly_the_manifest_and_keeps_user_data(archive: Path, home: Path):
+    env = user_env(home)
+    # Things that were there before the install: a folder on the way and a file beside the launcher.
+    (home / ".local/bin").mkdir(parents=True)
+    (home / ".local/bin/other-tool").write_text("#!/bin/sh\n")
+    before = tree(home)
+    run(archive / "install.sh", env=env)
+    # What the app writes while used: chats, settings, logs, the cache.
+    user_files = [
+        home / ".local/share/gapless/chats.sqlite3",
+        home / ".config/gapless/settings.json",
+        home / ".local/state/gapless/log/gapless.log",
+        home / ".cache/gapless/models/smollm2/bundled-abc.verified",
+    ]
+    for f in user_files:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("kept")
+
+    out = run(home / ".local/share/gapless-app/uninstall.sh", env=env).stdout
+    assert "your chats and settings are kept" in out
+    user_tree = {
+        ".local/", ".local/share/", ".local/share/gapless/", ".local/share/gapless/chats.sqlite3",
+        ".config/", ".config/gapless/", ".config/gapless/settings.json",
+        ".local/state/", ".local/state/gapless/", ".local/state/gapless/log/", ".local/state/gapless/log/gapless.log",
+        ".cache/", ".cache/gapless/", ".cache/gapless/models/", ".cache/gapless/models/smollm2/",
+        ".cache/gapless/models/smollm2/bundled-abc.verified",
+    }
+    assert tree(home) == before | user_tree
+    assert all(f.read_text() == "kept" for f in user_files)
+
+
+def test_purge_deletes_the_user_data_too(archive: Path, home: Path):
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    (home / ".local/share/gapless").mkdir(parents=True)
+    (home / ".local/share/gapless/chats.sqlite3").write_text("x")
+    (home / ".config/gapless").mkdir(parents=True)
+    (home / ".config/gapless/settings.json").write_text("{}")
+    (home / ".cache/gapless").mkdir(parents=True)
+    (home / "notes.txt").write_text("not ours")
+
+    out = run(home / ".local/share/gapless-app/uninstall.sh", "--purge", env=env).stdout
+    assert f"deleted {home}/.local/share/gapless" in out
+    # The purge removes the gapless folders; then ~/.local/share, made by the installer, is empty and goes too.
+    # ~/.config and ~/.cache were made by the app (here: the test), so they stay.
+    assert tree(home) == {"notes.txt", ".config/", ".cache/"}
+
+
+def test_prefix_install_and_uninstall_leave_the_prefix_as_it_was(archive: Path, home: Path, tmp_path: Path):
+    prefix = tmp_path / "opt"
+    prefix.mkdir()
+    (prefix / "keep.txt").write_text("mine")
+    env = user_env(home)
+    run(archive / "install.sh", "--prefix", str(prefix), env=env)
+    app = prefix / "lib/gapless-app"
+    assert (prefix / "bin/gapless").is_symlink() and os.readlink(prefix / "bin/gapless") == str(app / "gapless")
+    assert (prefix / "share/applications/gapless.desktop").is_file()
+    assert (prefix / "share/icons/hicolor/scalable/apps/gapless.svg").is_file()
+    assert tree(home) == set()  # nothing per-user
+
+    run(app / "uninstall.sh", env=env)
+    assert tree(prefix) == {"keep.txt"}
+
+
+def test_relative_prefix_and_no_desktop(archive: Path, home: Path, tmp_path: Path):
+    env = user_env(home)
+    proc = subprocess.run(["bash", str(archive / "install.sh"), "--prefix", "rel", "--no-desktop"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    prefix = tmp_path / "rel"
+    assert (prefix / "bin/gapless").is_symlink()
+    assert not (prefix / "share").exists()
+    run(prefix / "lib/gapless-app/uninstall.sh", env=env)
+    assert not prefix.exists()  # the installer made it, so the uninstaller removes it
+
+
+def test_files_added_inside_the_app_folder_are_left_with_a_warning(archive: Path, home: Path):
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    app = home / ".local/share/gapless-app"
+    (app / "_internal/user-plugin.txt").write_text("someone else's")
+    proc = run(app / "uninstall.sh", env=env)
+    assert f"left {app}/_internal (holds files Gapless did not install)" in proc.stderr
+    assert tree(home) == {".local/", ".local/share/", ".local/share/gapless-app/", ".local/share/gapless-app/_internal/",
+                          ".local/share/gapless-app/_internal/user-plugin.txt"}
+
+
+def test_a_foreign_launcher_is_only_replaced_with_force(archive: Path, home: Path):
+    env = user_env(home)
+    foreign = home / ".local/bin/gapless"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text("#!/bin/sh\necho pip-installed\n")
+    proc = run(archive / "install.sh", env=env, ok=False)
+    assert proc.returncode == 1
+    assert f"{foreign} already exists" in proc.stderr and "--force" in proc.stderr
+    assert foreign.read_text() == "#!/bin/sh\necho pip-installed\n"
+    assert not (home / ".local/share").exists()  # refused before anything was written
+
+    run(archive / "install.sh", "--force", env=env)
+    assert foreign.is_symlink()
+
+
+def test_a_foreign_app_folder_is_refused(archive: Path, home: Path):
+    env = user_env(home)
+    app = home / ".local/share/gapless-app"
+    app.mkdir(parents=True)
+    (app / "something").write_text("x")
+    proc = run(archive / "install.sh", env=env, ok=False)
+    assert proc.returncode == 1 and "was not made by this installer" in proc.stderr
+    assert tree(app) == {"something"}
+
+
+def test_reinstall_replaces_the_previous_installation(archive: Path, home: Path):
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    app = home / ".local/share/gapless-app"
+    first = set(manifest_paths(app))
+    (archive / "gapless/_internal/new-in-this-version.so").write_bytes(b"new")
+    (archive / "gapless/_internal/libpython3.11.so.1.0").unlink()
+    (archive / "gapless/_internal/libpython3.so").unlink()
+    out = run(archive / "install.sh", env=env).stdout
+    assert "replacing the Gapless installation" in out
+    second = set(manifest_paths(app))
+    assert second - first == {str(app / "_internal/new-in-this-version.so")}
+    assert first - second == {str(app / "_internal/libpython3.11.so.1.0"), str(app / "_internal/libpython3.so")}
+    assert not (app / "_internal/libpython3.11.so.1.0").exists()
+    run(app / "uninstall.sh", env=env)
+    assert tree(home) == set()
+
+
+def test_a_failed_install_removes_what_it_had_done(archive: Path, home: Path):
+    env = user_env(home)
+    # A file where the menu folder should be: the install fails after the bundle was copied.
+    (home / ".local/share").mkdir(parents=True)
+    (home / ".local/share/applications").write_text("in the way")
+    proc = run(archive / "install.sh", env=env, ok=False)
+    assert proc.returncode != 0
+    assert "failed; removing what was installed" in proc.stderr
+    assert tree(home) == {".local/", ".local/share/", ".local/share/applications"}
+
+
+def test_uninstall_without_a_manifest_removes_nothing(tmp_path: Path, home: Path):
+    script = tmp_path / "uninstall.sh"
+    shutil.copy(LINUX / "uninstall.sh", script)
+    (tmp_path / "gapless").write_text("x")
+    proc = run(script, env=user_env(home), ok=False)
+    assert proc.returncode == 1 and "no manifest" in proc.stderr
+    assert (tmp_path / "gapless").exists()
+
+
+def test_render_icon_writes_png_and_ico(tmp_path: Path):
+    sys.path.insert(0, str(ROOT / "packaging"))
+    try:
+        from render_icon import SIZE, render
+    finally:
+        sys.path.remove(str(ROOT / "packaging"))
+    png, ico = render(ROOT / "assets" / "gapless.svg", tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ico.read_bytes()[:4] == b"\x00\x00\x01\x00"  # ICO header: reserved 0, type 1 (icon)
+    from PySide6.QtGui import QImage
+
+    image = QImage(str(png))
+    assert (image.width(), image.height()) == (SIZE, SIZE)
+    assert image.pixelColor(2, 2).alpha() == 0  # the corner outside the bubble stays transparent
+    assert image.pixelColor(SIZE // 2, SIZE // 5).alpha() == 255
