@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -84,7 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_and_offline() -> None:
+    """Nothing but the explicit default-model fetch reaches the network; libraries draw no progress bars of
+    their own on stderr (the app reports progress itself)."""
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "TQDM_DISABLE"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def run(argv: Optional[Sequence[str]] = None) -> int:
+    _quiet_and_offline()
     parser = build_parser()
     args = parser.parse_args(argv)
     from app.logs import setup_logging

@@ -79,13 +79,8 @@ class Engine:
             return None
 
     def _eos_ids(self) -> list[int]:
-        ids: list[int] = []
-        for value in (getattr(self.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(value, int):
-                ids.append(value)
-            elif isinstance(value, (list, tuple)):
-                ids.extend(int(v) for v in value)
-        return sorted(set(ids))
+        """End-of-sequence ids from the config, generation_config.json and the tokenizer (via the loader)."""
+        return sorted(set(self.checkpoint.eos_token_ids))
 
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))

@@ -1,0 +1,98 @@
+"""The `gapless` command line: help, version, generate --json on a tiny model, and one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gapless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_help_lists_the_subcommands():
+    r = gapless("--help")
+    assert r.returncode == 0
+    for sub in ("gui", "generate", "bench", "models"):
+        assert sub in r.stdout
+
+
+def test_version():
+    from app import __version__
+
+    r = gapless("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"gapless {__version__}"
+
+
+def test_generate_json_on_a_tiny_model(tiny_llama):
+    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hello world", "--max-new-tokens", "12",
+                "--device", "cpu", "--kv", "dynamic", "--sampling", "host", "--candidates", "2", "--seed", "3",
+                "--temperature", "0.7", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["texts"]) == 2 and len(out["token_ids"]) == 2
+    assert all(1 <= len(t) <= 12 for t in out["token_ids"])
+    assert out["options"]["kv_cache"] == "dynamic" and out["options"]["sampling"] == "host"
+    assert out["options"]["candidates"] == 2 and "unavailable" in out["options"]
+    assert out["model"]["family"] == "llama" and out["model"]["source"] == str(tiny_llama.resolve())
+    m = out["metrics"]
+    assert m["prompt_tokens"] > 0 and m["new_tokens_total"] == sum(len(t) for t in out["token_ids"])
+    assert m["ttft_ms"] > 0
+    assert m["gpu_util_pct"] is None and m["unavailable"]["gpu_util_pct"]
+
+
+def test_generate_streams_text_and_matches_json(tiny_llama):
+    args = ("generate", "--model", str(tiny_llama), "--prompt", "the quick brown fox", "--max-new-tokens", "16",
+            "--device", "cpu", "--temperature", "0")
+    streamed = gapless(*args)
+    as_json = gapless(*args, "--json")
+    assert streamed.returncode == 0 and as_json.returncode == 0
+    assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["texts"][0].rstrip("\n")
+
+
+def test_raw_completion_skips_the_template(tiny_llama):
+    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hello world", "--raw", "--max-new-tokens", "4",
+                "--device", "cpu", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    assert json.loads(r.stdout)["metrics"]["prompt_tokens"] == len(tok("hello world")["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--temperature", "-1"), "temperature"),
+        (("--top-p", "1.5"), "top_p"),
+        (("--candidates", "0"), "candidates"),
+        (("--candidates", "1000"), "candidates"),
+        (("--max-new-tokens", "0"), "max_new_tokens"),
+        (("--preset", "warp-speed"), "preset"),
+    ],
+)
+def test_bad_options_give_one_line_and_nonzero_exit(tiny_llama, args, words):
+    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hi", "--device", "cpu", *args)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gapless: error:") and words in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_model_is_one_line(tmp_path):
+    r = gapless("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "nope.gguf" in r.stderr
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+    r = gapless("--verbose", "generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi")
+    assert r.returncode == 2 and "Traceback" in r.stderr
