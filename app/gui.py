@@ -87,6 +87,13 @@ class ModelCatalog:
         return notices
 
 
+def preset_for_device(name: str, base: Any, device_type: str):
+    """A preset as `gapless bench` runs it on this device (on a CPU: the half rung in bf16, the rest in fp32)."""
+    from engine.bench import rung_options
+
+    return rung_options(name, base, device_type, None)
+
+
 def app_icon():
     from PySide6.QtGui import QIcon
 
@@ -105,7 +112,7 @@ def qt_application(argv0: str = "gapless"):
     return app
 
 
-def build(paths: AppPaths, theme_choice: Optional[str] = None) -> GuiApp:
+def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = None) -> GuiApp:
     """Open the settings, the chat store and the engine controller, and build the main window (not shown).
     A QApplication must exist. Raises StoreError when the chat database cannot be opened."""
     from app.fetcher import DefaultModelFetcher
@@ -127,13 +134,13 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None) -> GuiApp:
     notices = notices + list(store.notices)
     theme = ThemeManager(QApplication.instance(), settings.theme)
     controller = EngineController()
-    fetcher = DefaultModelFetcher()
+    fetcher = fetcher if fetcher is not None else DefaultModelFetcher()
     hud = HudPanel()
 
     catalog = ModelCatalog(RecentModels(paths.config), settings)
     window = MainWindow(
         store, controller, settings, settings_store.save, theme, default_sampling(settings), hud=hud,
-        fetcher=fetcher, catalog=catalog,
+        fetcher=fetcher, catalog=catalog, preset_resolver=preset_for_device,
     )
     window.setWindowIcon(app_icon())
     return GuiApp(paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QDockWidget, QHBoxLayout, QLabel, QMainWindow, QPushButton, QSplitter, QVBoxLayout, QWidget,
+    QDockWidget, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout, QWidget,
 )
 
 from app.settings import SettingsError
@@ -35,7 +35,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, store: Any, controller: Any, settings: Any, save_settings: Callable[[Any], None],
                  theme: ThemeManager, default_sampling: SamplingParams, hud: Optional[QWidget] = None,
-                 fetcher: Any = None, catalog: Any = None):
+                 fetcher: Any = None, catalog: Any = None, preset_resolver: Any = None):
         super().__init__()
         self.setWindowTitle("Gapless")
         self.setObjectName("mainWindow")
@@ -52,6 +52,7 @@ class MainWindow(QMainWindow):
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
         self._search = ""
+        self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._build(settings)
         self._wire()
         self._shortcuts()
@@ -107,7 +108,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
 
         # Right: the optimizations over the HUD, so a toggle and its effect are in view together.
-        self.toggles = TogglesPanel(settings.options(), self)
+        self.toggles = TogglesPanel(settings.options(), self._preset_resolver, self)
         self.options_dock = QDockWidget("Optimizations", self)
         self.options_dock.setObjectName("optionsDock")
         self.options_dock.setWidget(self.toggles)
@@ -116,7 +117,13 @@ class MainWindow(QMainWindow):
         if self.hud is not None:
             self.hud_dock = QDockWidget("Performance", self)
             self.hud_dock.setObjectName("hudDock")
-            self.hud_dock.setWidget(self.hud)
+            # In a scroll area, the HUD's plots never force the window taller than the screen.
+            hud_scroll = QScrollArea(self)
+            hud_scroll.setWidgetResizable(True)
+            hud_scroll.setFrameShape(QFrame.Shape.NoFrame)
+            hud_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+            hud_scroll.setWidget(self.hud)
+            self.hud_dock.setWidget(hud_scroll)
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.hud_dock)
             self.hud_dock.setVisible(settings.hud_visible)
         self.status = QLabel("", self)
@@ -375,6 +382,7 @@ class MainWindow(QMainWindow):
         source = self._loading or info.source
         self._loading = None
         self.model_panel.set_loaded(info)
+        self.toggles.set_resolved(info.device, info.dtype)
         self.toggles.set_applied(self.controller.options, {})
         self.toggles.reset_unavailable(unavailable)
         self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}")

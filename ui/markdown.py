@@ -199,13 +199,19 @@ class CodeBlock(QFrame):
     def set_colors(self, colors: Colors) -> None:
         self._highlighter.set_colors(colors)
 
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self._fit_height()  # the line height is known once the block is laid out
+
     def _fit_height(self, *_args) -> None:
         lines = min(max(self.edit.document().blockCount(), 1), CODE_MAX_LINES)
-        fm = self.edit.fontMetrics()
-        frame = 2 * self.edit.frameWidth() + int(self.edit.document().documentMargin() * 2)
+        # Without wrapping a block is one line; its laid-out height includes the leading a font metric omits.
+        line = self.edit.blockBoundingRect(self.edit.document().firstBlock()).height() or self.edit.fontMetrics().lineSpacing()
+        margins = self.edit.contentsMargins()
+        frame = margins.top() + margins.bottom() + int(self.edit.document().documentMargin() * 2) + 2
         hbar = self.edit.horizontalScrollBar()
         scroll = hbar.sizeHint().height() if hbar.maximum() > 0 else 0  # room for a long line's scroll bar
-        self.edit.setFixedHeight(lines * fm.lineSpacing() + frame + scroll)
+        self.edit.setFixedHeight(int(lines * line) + frame + scroll)
 
 
 # ---- prose --------------------------------------------------------------------------------------------

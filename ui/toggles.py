@@ -3,18 +3,24 @@ recompile / recapture progress shows here. Options this machine or model cannot 
 reason as the tooltip."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import (
-    QCheckBox, QComboBox, QGridLayout, QGroupBox, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
+    QCheckBox, QComboBox, QGridLayout, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
 )
 
 from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
 from ui.stats import preset_name
 
 CUSTOM = "custom"
+# (preset name, current options, device type "cpu" | "cuda") -> the preset's options on that device
+PresetResolver = Callable[[str, EngineOptions, str], EngineOptions]
+
+
+def _as_defined(name: str, base: EngineOptions, _device_type: str) -> EngineOptions:
+    return preset_options(name, base)
 TIPS = {
     "device": "auto: CUDA when this machine has it, else the CPU",
     "dtype": "Weight and activation precision. fp32 moves twice the bytes of fp16/bf16 per token.",
@@ -34,10 +40,11 @@ def _combo(values: tuple[str, ...], parent: QWidget) -> QComboBox:
     return c
 
 
-class TogglesPanel(QGroupBox):
+class TogglesPanel(QWidget):
     optionsChanged = Signal(object)  # EngineOptions
 
-    def __init__(self, options: EngineOptions = EngineOptions(), parent: Optional[QWidget] = None):
+    def __init__(self, options: EngineOptions = EngineOptions(), preset_resolver: Optional[PresetResolver] = None,
+                 parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.setObjectName("togglesPanel")
         self.preset = QComboBox(self)
@@ -90,7 +97,8 @@ class TogglesPanel(QGroupBox):
 
         self._options = options
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
-        self._half_dtype = "fp16"
+        self._resolve_preset: PresetResolver = preset_resolver or _as_defined
+        self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
         self._quiet = False
         self.set_options(options)
         self.preset.activated.connect(self._preset_chosen)
@@ -106,9 +114,14 @@ class TogglesPanel(QGroupBox):
     def options(self) -> EngineOptions:
         return self._options
 
-    def set_half_dtype(self, dtype: str) -> None:
-        """The precision the presets' half-precision rungs use on this device (fp16, bf16, or fp32 on a CPU)."""
-        self._half_dtype = dtype
+    def set_resolved(self, device: str, dtype: str) -> None:
+        """What "auto" resolves to for the loaded model, so the preset in use can be named."""
+        self._resolved = {"device": device, "dtype": dtype}
+        self.set_options(self._options)
+
+    def _device_type(self) -> str:
+        device = self._options.device
+        return device if device != "auto" else self._resolved.get("device", "cpu")
 
     def set_options(self, options: EngineOptions) -> None:
         """Show `options` without emitting a change (e.g. what the engine now runs with)."""
@@ -187,7 +200,7 @@ class TogglesPanel(QGroupBox):
     def _preset_unavailable(self, name: str) -> Optional[str]:
         if name == CUSTOM:
             return None
-        opts = preset_options(name, self._options, half_dtype=self._half_dtype)
+        opts = self._resolve_preset(name, self._options, self._device_type())
         for field in self.controls:
             why = self._known.get((field, getattr(opts, field)))
             if why:
@@ -195,7 +208,9 @@ class TogglesPanel(QGroupBox):
         return None
 
     def _show_preset(self) -> None:
-        name = preset_name(self._options.to_dict()) or CUSTOM
+        shown = self._options.to_dict()
+        shown.update({k: v for k, v in self._resolved.items() if shown[k] == "auto"})
+        name = preset_name(shown) or CUSTOM
         self.preset.setCurrentIndex(max(0, self.preset.findData(name)))
 
     def _read(self) -> EngineOptions:
@@ -216,7 +231,7 @@ class TogglesPanel(QGroupBox):
         name = self.preset.itemData(index)
         if name == CUSTOM:
             return
-        self._change(self._without_unavailable(preset_options(name, self._options, half_dtype=self._half_dtype)))
+        self._change(self._without_unavailable(self._resolve_preset(name, self._options, self._device_type())))
 
     def _change(self, options: EngineOptions) -> None:
         if options == self._options:
