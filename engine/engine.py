@@ -16,7 +16,7 @@ from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
 from engine.sampling import SamplerKind
 from engine.stream import RowText
-from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams
+from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +226,9 @@ class Engine:
         cancel: Optional[threading.Event] = None,
         raw: bool = False,
     ) -> GenerationResult:
+        """Generate with the current options. A compile failure falls back to eager; running out of device
+        memory before any text left falls back to no CUDA graph, then to fewer candidates; each with a notice."""
         from engine.prompt import build_prompt
-        from engine.telemetry.window import ProfileWindow
 
         sampling = sampling.validate()
         on_event = on_event or _noop
@@ -244,27 +245,23 @@ class Engine:
                 raise GenerationError(f"the prompt fills the whole {self.context_length}-token context")
             if max_new < sampling.max_new_tokens:
                 notices.append(f"answer limited to {max_new} tokens by the {self.context_length}-token context")
-            batch = opts.candidates
-            runner = self._runner(opts, batch, len(prompt.ids) + max_new)
-            kind = SamplerKind.of(sampling)
-            runner.sampler.set_params(sampling)
-            if isinstance(runner, StaticRunner):
-                self._prepare_compile(runner, opts)
-                if opts.compile or opts.cuda_graph:
-                    def report(msg: str, frac: float) -> None:
-                        on_event(Progress("capture" if opts.cuda_graph else "compile", frac, msg))
-
-                    runner.warm_up(runner.buckets_for(len(prompt.ids), max_new), kind, opts.cuda_graph, report)
             seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
-            torch.manual_seed(seed)
-            stop_ids = set(self.eos_ids)
-            rows = [RowText(self.tokenizer, stop_ids, sampling.stop) for _ in range(batch)]
-            prompt_t = torch.tensor(prompt.ids, dtype=torch.long, device=self.device)
-            window = ProfileWindow(self.device, enabled=opts.profile_window)
-            loop = run_loop(
-                runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor,
-            )
+            streamed = []
+
+            def watch(event) -> None:
+                if isinstance(event, TextDelta):
+                    streamed.append(True)
+                on_event(event)
+
+            while True:
+                try:
+                    loop, opts = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, notices, reasons)
+                    break
+                except torch.OutOfMemoryError as exc:
+                    self._free_device_memory()
+                    if streamed:
+                        raise GenerationError(f"out of device memory while generating: {exc}") from exc
+                    opts = self._smaller(opts, notices, reasons)
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
@@ -275,6 +272,58 @@ class Engine:
             seed=seed,
             notices=notices + loop.notices,
         )
+
+    def _run(self, prompt_ids, max_new, sampling, opts, seed, on_event, cancel, notices, reasons):
+        from engine.telemetry.window import ProfileWindow
+
+        runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
+        kind = SamplerKind.of(sampling)
+        runner.sampler.set_params(sampling)
+        if isinstance(runner, StaticRunner):
+            self._prepare_compile(runner, opts)
+            if opts.compile or opts.cuda_graph:
+                stage = "capture" if opts.cuda_graph else "compile"
+                buckets = runner.buckets_for(len(prompt_ids), max_new)
+                try:
+                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
+                    if not opts.compile:
+                        raise
+                    log.exception("compile failed; falling back to eager")
+                    runner.set_compiled(None)
+                    reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
+                    opts = replace(opts, compile=False)
+                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+        torch.manual_seed(seed)
+        rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
+        prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        window = ProfileWindow(self.device, enabled=opts.profile_window)
+        loop = run_loop(
+            runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
+            window=window, monitor=self.monitor,
+        )
+        return loop, opts
+
+    def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
+        """The next, smaller configuration to try after running out of device memory."""
+        if opts.cuda_graph:
+            notices.append("out of device memory while capturing the CUDA graph: ran without it")
+            reasons["cuda_graph"] = "out of device memory at capture"
+            return replace(opts, cuda_graph=False)
+        if opts.candidates > 1:
+            fewer = max(1, opts.candidates // 2)
+            notices.append(f"out of device memory with {opts.candidates} candidates: ran {fewer}")
+            reasons["candidates"] = f"out of device memory at {opts.candidates}"
+            return replace(opts, candidates=fewer)
+        raise GenerationError("out of device memory, even with one candidate and no CUDA graph")
+
+    def _free_device_memory(self) -> None:
+        self._runners.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         with self._lock:

@@ -201,3 +201,42 @@ def test_load_reports_progress(tiny_llama):
     eng = Engine.load(str(tiny_llama), CPU, progress=seen.append)
     eng.close()
     assert any(p.stage == "load" for p in seen)
+
+
+def test_compile_failure_falls_back_to_eager_with_a_notice(llama_engine, monkeypatch):
+    def broken_compile(fn, **kw):
+        def step(*a, **k):
+            raise RuntimeError("inductor exploded")
+        return step
+
+    llama_engine.reconfigure(CPU)
+    want = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=10)).token_ids
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    llama_engine._runners.clear()
+    llama_engine.reconfigure(CPU.with_(compile=True))
+    result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=10))
+    assert result.options.compile is False
+    assert "inductor exploded" in result.unavailable["compile"]
+    assert any("compile failed" in n for n in result.notices)
+    assert result.token_ids == want
+    llama_engine._runners.clear()
+    llama_engine.reconfigure(CPU)
+
+
+def test_out_of_memory_falls_back_to_fewer_candidates(llama_engine, monkeypatch):
+    from engine.engine import Engine as E
+
+    real = E._runner
+
+    def tight(self, opts, batch, needed):
+        if batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, opts, batch, needed)
+
+    monkeypatch.setattr(E, "_runner", tight)
+    llama_engine.reconfigure(CPU.with_(candidates=8))
+    result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0.7, max_new_tokens=8, seed=1))
+    assert result.options.candidates == 2 and len(result.texts) == 2
+    assert any("out of device memory with 8 candidates" in n for n in result.notices)
+    assert any("with 4 candidates" in n for n in result.notices)
+    llama_engine.reconfigure(CPU)
