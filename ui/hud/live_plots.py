@@ -77,7 +77,7 @@ class SeriesView(QWidget):
 
         self.plot_widget = pg.PlotWidget()
         self.plot_widget.useOpenGL(False)
-        self.plot_widget.setMinimumHeight(64)
+        self.plot_widget.setMinimumHeight(52)
         self.plot = self.plot_widget.getPlotItem()
         self.plot.setMenuEnabled(False)
         self.plot.setMouseEnabled(x=False, y=False)
@@ -194,7 +194,7 @@ class SeriesView(QWidget):
 class LivePlots(QWidget):
     """The live plots over a LiveSeries. Call paint() / refresh_labels() to update now (both no-ops when hidden)."""
 
-    def __init__(self, series: LiveSeries, paint_hz: float = 25.0, label_hz: float = 2.0,
+    def __init__(self, series: LiveSeries, paint_hz: float = 20.0, label_hz: float = 2.0,
                  parent: Optional[QWidget] = None):
         super().__init__(parent)
         if not 0 < paint_hz <= 30 or not 1 <= label_hz <= 4:
@@ -204,6 +204,8 @@ class LivePlots(QWidget):
         self.tick_count = 0  # paint-timer ticks
         self.window_s: Optional[float] = 60.0
         self._painted = None
+        self._x_shown: Optional[tuple[float, float]] = None
+        self._bounds_shown: Optional[tuple] = None
         self._boundary_pen = QColor(BOUNDARY_COLOR)
 
         self.window_box = QComboBox()
@@ -254,24 +256,43 @@ class LivePlots(QWidget):
         latest = max([float(a[-1]) for a in (xs_step, xs_sample) if a.size], default=None)
         if latest is None:
             return False
-        x_lo = float(min(a[0] for a in (xs_step, xs_sample) if a.size))
-        if self.window_s is not None:
-            x_lo = max(x_lo, latest - self.window_s)
-        profiled = s.steps.column("profiled")
+        first = float(min(a[0] for a in (xs_step, xs_sample) if a.size))
+        x_lo, x_hi = self._x_range(first, latest)
+        # Only the rows in the time window go to pyqtgraph (one before it, so a line enters from the edge).
+        i_step = max(0, int(np.searchsorted(xs_step, x_lo)) - 1)
+        i_sample = max(0, int(np.searchsorted(xs_sample, x_lo)) - 1)
+        profiled = s.steps.column("profiled")[i_step:]
         for view in self.views.values():
             name = view.spec.name
+            if view.isHidden():
+                continue
             if view.estimate_curve is not None and s.estimates[name]:
                 view.set_estimates(s.estimates[name], s.t0 or 0.0)
             ys = s.values(name)
             if not np.isfinite(ys).any():
                 continue
-            xs = xs_step if name in ("tokens_per_s", "step_ms") else xs_sample
-            view.set_data(xs, ys, profiled if name == "step_ms" else None, x_lo)
-        for view in self.views.values():
-            view.plot.setXRange(x_lo, max(latest, x_lo + 1.0), padding=0.01)
-        self._paint_boundaries(x_lo)
+            if name in ("tokens_per_s", "step_ms"):
+                view.set_data(xs_step[i_step:], ys[i_step:], profiled if name == "step_ms" else None, x_lo)
+            else:
+                view.set_data(xs_sample[i_sample:], ys[i_sample:], None, x_lo)
+        if (x_lo, x_hi) != self._x_shown:
+            self._x_shown = (x_lo, x_hi)
+            for view in self.views.values():
+                view.plot.setXRange(x_lo, x_hi, padding=0.01)
+        if (s.spans_version, x_lo, self.cpu_mode()) != self._bounds_shown:
+            self._bounds_shown = (s.spans_version, x_lo, self.cpu_mode())
+            self._paint_boundaries(x_lo)
         self.paint_count += 1
         return True
+
+    def _x_range(self, first: float, latest: float) -> tuple[float, float]:
+        """The time window shown. Its right end moves in steps of a tenth of the window, not on every paint:
+        a range change makes pyqtgraph reprocess every curve, so it is kept rare."""
+        span = self.window_s if self.window_s is not None else max(latest - first, 1.0)
+        step = span / 10.0
+        x_hi = max(first + step, math.ceil(latest / step) * step)
+        x_lo = first if self.window_s is None else max(first, x_hi - span)
+        return x_lo, x_hi
 
     def refresh_labels(self) -> None:
         """Sources, newest values and n/a states. Runs at the label rate, not the paint rate."""
@@ -334,7 +355,7 @@ class LivePlots(QWidget):
 
     def showEvent(self, event) -> None:
         super().showEvent(event)
-        self._painted = None
+        self._painted = self._x_shown = self._bounds_shown = None
         self.refresh_labels()
         self.paint()
         self._paint_timer.start()

@@ -38,7 +38,7 @@ class HudPanel(QWidget):
     cancelLadderRequested = Signal()
 
     def __init__(self, series: Optional[LiveSeries] = None, clock: Callable[[], float] = time.perf_counter,
-                 save_dialog: SaveDialog = ask_save_path, paint_hz: float = 25.0, label_hz: float = 2.0,
+                 save_dialog: SaveDialog = ask_save_path, paint_hz: float = 20.0, label_hz: float = 2.0,
                  parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.series = series if series is not None else LiveSeries()

@@ -192,6 +192,11 @@ class LiveSeries:
     def version(self) -> tuple[int, int, int]:
         return self.steps.version, self.samples.version, self._spans
 
+    @property
+    def spans_version(self) -> int:
+        """Changes whenever a generation span starts, moves or ends, or an estimate is added."""
+        return self._spans
+
     def x(self, ring: RingTable) -> np.ndarray:
         """Seconds since t0 of the held rows of `ring`."""
         return ring.column("t") - (self.t0 or 0.0)
@@ -208,9 +213,11 @@ class LiveSeries:
         out["samples"] = int(np.isfinite(self.samples.column("record")).sum())
         return out
 
-    def last_values(self) -> dict[str, Optional[float]]:
+    def last_values(self) -> dict[str, Optional[float]]:  # process_rss_bytes as an int
         """The newest measured value of each series (else its newest estimate); None when there is neither."""
         out = {name: last_finite(self.values(name)) for name in SERIES}
+        for name in INT_FIELDS & set(SERIES):
+            out[name] = None if out[name] is None else int(out[name])
         for name, est in self.estimates.items():
             if out[name] is None and est:
                 out[name] = est[-1].value
