@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from importlib import resources
 from typing import Optional
 
@@ -68,9 +69,11 @@ def build_palette(c: Colors) -> QPalette:
 
 
 def style_sheet(c: Colors) -> str:
-    """assets/app.qss with every `@name` replaced by the colour of that name."""
-    template = resources.files("assets").joinpath("app.qss").read_text(encoding="utf-8")
-    values = asdict(c)
+    """assets/app.qss with every `@name` replaced by the colour of that name, and `@assets` by the folder of
+    the images it uses."""
+    folder = resources.files("assets")
+    template = folder.joinpath("app.qss").read_text(encoding="utf-8")
+    values = {**asdict(c), "assets": Path(str(folder)).as_posix()}
 
     def sub(m: re.Match) -> str:
         name = m.group(1)

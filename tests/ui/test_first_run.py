@@ -17,6 +17,16 @@ from engine.default_model import DefaultModelSpec
 SIZE = 4_000_000
 
 
+@pytest.fixture(autouse=True)
+def _restore_app_look(qapp):
+    """The window themes the whole application; later tests get the look they started with."""
+    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
+    yield
+    qapp.setStyleSheet(sheet)
+    qapp.setPalette(palette)
+    qapp.setStyle(style)
+
+
 class TrickleServer:
     """Announces `length` bytes, then sends 64 KiB every 50 ms (or stops at once with `length` wrong)."""
 
