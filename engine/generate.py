@@ -184,7 +184,7 @@ def run_loop(
     else:
         metrics.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         metrics.peak_memory_source = "process peak RSS since start (getrusage)"
-    _fill_telemetry(metrics, stats, monitor, runner, device, t_start, t_end, durations, prompt.numel())
+    _fill_telemetry(metrics, stats, window, monitor, runner, device, t_start, t_end, durations, prompt.numel())
     return LoopResult(rows=rows, metrics=metrics)
 
 
@@ -215,13 +215,18 @@ def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_
     return upto
 
 
-def _fill_telemetry(metrics: GenerationMetrics, stats, monitor, runner, device, t0, t1, durations, prompt_len) -> None:
+def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, device, t0, t1, durations, prompt_len) -> None:
     na = metrics.unavailable
     if stats is not None and stats.gap_pct is not None:
         metrics.kernel_gap_pct = stats.gap_pct
         metrics.kernel_gap_source = stats.gap_source
+    elif window is None or not window.enabled:
+        na["kernel_gap_pct"] = "profiler window off"
+    elif stats is None:
+        na["kernel_gap_pct"] = (f"the answer ended before the traced window (decode steps {window.start}-"
+                                f"{window.start + window.steps - 1})")
     else:
-        na["kernel_gap_pct"] = "profiler window off" if stats is None else "no events traced in the window"
+        na["kernel_gap_pct"] = "no events traced in the window"
     summary = monitor.summary(t0, t1) if monitor is not None else {}
     for name in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
         value, source = summary.get(name, (None, "no monitor"))
