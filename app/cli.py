@@ -16,6 +16,14 @@ EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line on stderr like every other error of the command line (the full usage is in
+    --help), so scripts can show it as it is."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"gapless: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a GGUF file, or a Hugging Face folder")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -31,7 +39,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="gapless",
         description="Chat with local language models and see where the GPU's time goes.",
     )
