@@ -1,0 +1,300 @@
+"""Faults while a generation runs, on the real engine with a tiny model: stop in the middle of the stream,
+options or the model switched underneath, NVML lost mid-run. Each is compared token for token with the same
+generation left alone."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pynvml
+import pytest
+import torch
+
+from app.worker import EngineController, EngineWorker
+from engine.engine import Engine
+from engine.telemetry.monitor import Monitor
+from engine.types import EngineOptions, MonitorSample, SamplingParams, TextDelta
+
+CPU = EngineOptions(device="cpu")
+MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
+TIMEOUT_MS = 120_000
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = Engine.load(str(tiny_llama), CPU)
+    yield eng
+    eng.close()
+
+
+# ---- stop in the middle of the token stream ------------------------------------------------------------------
+
+
+def cancel_on_first_text(engine, sampling):
+    cancel = threading.Event()
+    deltas: list[TextDelta] = []
+
+    def on_event(e):
+        if isinstance(e, TextDelta):
+            deltas.append(e)
+            cancel.set()
+
+    result = engine.generate(MESSAGES, sampling, on_event, cancel)
+    return result, deltas
+
+
+@pytest.mark.parametrize("candidates", [1, 3])
+@pytest.mark.parametrize("sampling", ["device", "host"])
+@pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
+def test_stop_after_the_first_text_keeps_an_exact_prefix(engine, kv, sampling, candidates):
+    engine.reconfigure(CPU.with_(kv_cache=kv, sampling=sampling, candidates=candidates))
+    full = engine.generate(MESSAGES, greedy(200))
+    assert full.finish_reasons == ["length"] * candidates, "the reference must run to its budget"
+    stopped, deltas = cancel_on_first_text(engine, greedy(200))
+    assert stopped.finish_reasons == ["cancelled"] * candidates
+    for row, (ids, text) in enumerate(zip(stopped.token_ids, stopped.texts)):
+        assert 1 <= len(ids) < 200
+        assert ids == full.token_ids[row][: len(ids)]
+        assert full.texts[row].startswith(text)
+        assert "".join(d.text for d in deltas if d.candidate == row) == text
+    assert stopped.metrics.new_tokens == [len(ids) for ids in stopped.token_ids]
+    engine.reconfigure(CPU)
+
+
+def test_stop_before_the_first_step_returns_the_first_token(engine):
+    engine.reconfigure(CPU)
+    full = engine.generate(MESSAGES, greedy(20))
+    cancel = threading.Event()
+    cancel.set()  # stop pressed before the worker reached this generation
+    result = engine.generate(MESSAGES, greedy(20), cancel=cancel)
+    assert result.finish_reasons == ["cancelled"]
+    assert result.token_ids[0] == full.token_ids[0][:1]
+
+
+# ---- options switched from another thread while generating ---------------------------------------------------
+
+
+def test_reconfigure_from_another_thread_waits_for_the_running_generation(engine):
+    engine.reconfigure(CPU)
+    reference = engine.generate(MESSAGES, greedy(120))
+    switched = threading.Event()
+    seen_switched: list[bool] = []
+    other: list[threading.Thread] = []
+    new = CPU.with_(kv_cache="dynamic", dtype="bf16", candidates=2)  # bf16 re-places every weight
+
+    def switch():
+        engine.reconfigure(new)
+        switched.set()
+
+    def on_event(e):
+        if isinstance(e, TextDelta) and not other:
+            other.append(threading.Thread(target=switch, name="switcher"))
+            other[0].start()
+            other[0].join(0.3)  # give the switch every chance to get in while this generation runs
+        seen_switched.append(switched.is_set())
+
+    running = engine.generate(MESSAGES, greedy(120), on_event=on_event)
+    other[0].join(60)
+    assert switched.is_set() and not other[0].is_alive()
+    assert seen_switched and not any(seen_switched), "the switch happened while the generation was running"
+    assert running.token_ids == reference.token_ids and running.texts == reference.texts
+    assert (running.options.kv_cache, running.options.dtype, running.options.candidates) == ("static", "fp32", 1)
+    after = engine.generate(MESSAGES, greedy(8))
+    assert (after.options.kv_cache, after.options.dtype, after.options.candidates) == ("dynamic", "bf16", 2)
+    assert engine.info.dtype == "bf16"
+    engine.reconfigure(CPU)
+
+
+# ---- the model switched while generating, through the app's controller ----------------------------------------
+
+
+@pytest.fixture
+def ctl(qtbot):
+    controller = EngineController(EngineWorker())
+    yield controller
+    assert controller.shutdown(60)
+
+
+def generate_and_wait(qtbot, ctl, sampling, during=None):
+    """Start a generation (calling during() in the GUI thread at its first text batch); wait for its result."""
+    box: dict = {}
+
+    def on_batch(rid, _batch):
+        if rid == box.get("rid") and during is not None and "fired" not in box:
+            box["fired"] = True
+            during()
+
+    ctl.textBatch.connect(on_batch)
+    try:
+        with qtbot.waitSignal(ctl.generationFinished, timeout=TIMEOUT_MS,
+                              check_params_cb=lambda rid, _r: rid == box.get("rid")) as blocker:
+            box["rid"] = ctl.generate(MESSAGES, sampling)
+    finally:
+        ctl.textBatch.disconnect(on_batch)
+    return blocker.args[1]
+
+
+def test_switch_to_a_broken_model_while_generating_keeps_the_old_one(qtbot, ctl, tiny_llama, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ not json")
+    with qtbot.waitSignal(ctl.loaded, timeout=TIMEOUT_MS):
+        ctl.load(str(tiny_llama), CPU)
+    reference = generate_and_wait(qtbot, ctl, greedy(200))
+    failures: list[tuple] = []
+    ctl.loadFailed.connect(lambda source, message: failures.append((source, message)))
+
+    with qtbot.waitSignal(ctl.loadFailed, timeout=TIMEOUT_MS):
+        stopped = generate_and_wait(qtbot, ctl, greedy(200), during=lambda: ctl.load(str(broken)))
+    assert stopped.finish_reasons == ["cancelled"]
+    assert 1 <= len(stopped.token_ids[0]) < 200
+    assert stopped.token_ids[0] == reference.token_ids[0][: len(stopped.token_ids[0])]
+    [(source, message)] = failures
+    assert source == str(broken) and "config.json" in message and "\n" not in message
+    assert ctl.info.source == str(tiny_llama.resolve()) or ctl.info.source == str(tiny_llama)
+    again = generate_and_wait(qtbot, ctl, greedy(200))
+    assert again.token_ids == reference.token_ids  # the previous model is whole and in use
+
+
+# ---- NVML lost during a real generation -------------------------------------------------------------------
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int):
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return {3: "Not Supported", 15: "GPU is lost"}.get(self.value, f"error {self.value}")
+
+
+class LosableNVML:
+    """The NVML calls the monitor makes, answering until `lost` is set, then failing as a fallen-off GPU does
+    (NVML_ERROR_GPU_IS_LOST). Utilization samples and GPM are not supported, as on many consumer cards."""
+
+    NVMLError = NVMLError
+    NVML_SUCCESS = 0
+    NVML_ERROR_NOT_FOUND = 6
+    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
+    NVML_CLOCK_MEM = pynvml.NVML_CLOCK_MEM
+    NVML_GPU_UTILIZATION_SAMPLES = pynvml.NVML_GPU_UTILIZATION_SAMPLES
+
+    def __init__(self):
+        self.lost = threading.Event()
+        self.failed_calls = 0
+
+    def _answer(self, value):
+        if self.lost.is_set():
+            self.failed_calls += 1
+            raise NVMLError(15)
+        return value
+
+    def nvmlInit(self):
+        return None
+
+    def nvmlShutdown(self):
+        return None
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self._answer(("gpu", i))
+
+    def nvmlGpmQueryDeviceSupport(self, h):
+        return self._answer(SimpleNamespace(isSupportedDevice=0))
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        return self._answer(2619)
+
+    def nvmlDeviceGetMemoryBusWidth(self, h):
+        return self._answer(5120)
+
+    def nvmlDeviceGetSamples(self, h, kind, last_ts):
+        raise NVMLError(3)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return self._answer(SimpleNamespace(gpu=55, memory=20))
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return self._answer(SimpleNamespace(used=3 << 30, total=24 << 30, free=21 << 30))
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return self._answer(90_000)
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return self._answer(1800)
+
+
+@pytest.fixture
+def nvml_engine(tiny_llama):
+    """An engine whose monitor reads a GPU through `nvml` (the model itself runs on the CPU)."""
+    eng = Engine.load(str(tiny_llama), CPU.with_(kv_cache="none"))
+    nvml = LosableNVML()
+    eng.monitor.close()
+    eng.monitor = Monitor(torch.device("cuda", 0), interval_s=0.005, nvml=nvml)
+    eng.monitor.start()
+    yield eng, nvml
+    eng.close()
+
+
+def wait_for_gpu_sample(monitor: Monitor) -> None:
+    deadline = time.monotonic() + 30
+    while not any(s.gpu_util_pct is not None for s in monitor.history()):
+        assert time.monotonic() < deadline, "the monitor never read the GPU"
+        time.sleep(0.01)
+
+
+def test_nvml_lost_in_the_middle_of_a_generation(engine, nvml_engine):
+    eng, nvml = nvml_engine
+    engine.reconfigure(CPU.with_(kv_cache="none"))
+    reference = engine.generate(MESSAGES, greedy(150))
+    engine.reconfigure(CPU)
+    wait_for_gpu_sample(eng.monitor)
+    samples: list[MonitorSample] = []
+
+    def on_event(e):
+        if isinstance(e, MonitorSample):
+            samples.append(e)
+        elif isinstance(e, TextDelta):
+            nvml.lost.set()
+
+    result = eng.generate(MESSAGES, greedy(150), on_event=on_event)
+    assert result.token_ids == reference.token_ids and result.finish_reasons == ["length"]
+    assert nvml.lost.is_set() and nvml.failed_calls > 0
+    assert eng.monitor.unavailable["gpu_util_pct"] == "nvmlDeviceGetUtilizationRates failed: GPU is lost"
+    assert eng.monitor.unavailable["power_w"] == "nvmlDeviceGetPowerUsage failed: GPU is lost"
+    assert eng.monitor._thread.is_alive(), "the monitor goes on with the figures it still has"
+    last = samples[-1]
+    assert last.gpu_util_pct is None and last.power_w is None and last.gpu_memory_used_bytes is None
+    assert last.process_rss_bytes is not None and last.cpu_util_pct is not None
+    # A figure measured over part of the generation keeps its source; none is invented for the rest.
+    m = result.metrics
+    assert m.gpu_util_pct in (None, 55.0)
+    if m.gpu_util_pct is None:
+        assert m.unavailable["gpu_util_pct"] == "nvmlDeviceGetUtilizationRates failed: GPU is lost"
+    else:
+        assert m.gpu_util_source == "GPU util — NVML utilization rates"
+
+
+def test_nvml_lost_before_a_generation_gives_na_with_the_reason(engine, nvml_engine):
+    eng, nvml = nvml_engine
+    engine.reconfigure(CPU.with_(kv_cache="none"))
+    reference = engine.generate(MESSAGES, greedy(150))
+    engine.reconfigure(CPU)
+    wait_for_gpu_sample(eng.monitor)
+    nvml.lost.set()
+    deadline = time.monotonic() + 30
+    while "gpu_util_pct" not in eng.monitor.unavailable:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    result = eng.generate(MESSAGES, greedy(150))
+    assert result.token_ids == reference.token_ids
+    m = result.metrics
+    assert m.gpu_util_pct is None and m.gpu_util_source is None
+    assert m.unavailable["gpu_util_pct"] == "nvmlDeviceGetUtilizationRates failed: GPU is lost"
+    assert m.sm_activity_pct is None and m.unavailable["sm_activity_pct"] == "GPM not supported on this GPU"
+    again = eng.generate(MESSAGES, greedy(10))  # and the engine keeps going
+    assert again.token_ids[0] == reference.token_ids[0][:10]
