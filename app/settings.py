@@ -144,7 +144,7 @@ class SettingsStore:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise _Unreadable(f"it is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+            raise _Unreadable(f"it is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
         if not isinstance(data, dict):
             raise _Unreadable(f"it holds a JSON {type(data).__name__}, not an object")
         version = data.get("version", SETTINGS_VERSION)
