@@ -58,13 +58,23 @@ def profiler_busy() -> bool:
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False)) or torch._C._autograd._profiler_enabled()
 
 
+# The profiler is one per process: two windows started from two threads at once (two engines in one process)
+# both pass the `profiler_busy()` check and crash kineto when they stop. This lock makes the second one skip.
+_ONE_WINDOW = threading.Lock()
+
+
 def warm_up_profiler(device: torch.device) -> None:
     """Pay the profiler's one-time initialisation (about 1-2 s on the first start in a process) now, e.g.
     while a model loads, instead of inside the first generation's window."""
-    if profiler_busy():
+    if not _ONE_WINDOW.acquire(blocking=False):
         return
-    with torch.profiler.profile(activities=_activities(torch.device(device))):
-        pass
+    try:
+        if profiler_busy():
+            return
+        with torch.profiler.profile(activities=_activities(torch.device(device))):
+            pass
+    finally:
+        _ONE_WINDOW.release()
 
 
 def _activities(device: torch.device) -> list:
@@ -101,7 +111,11 @@ class ProfileWindow:
     def step_begin(self, step: int) -> None:
         if not self.enabled or step != self.start or self._prof is not None:
             return
+        if not _ONE_WINDOW.acquire(blocking=False):
+            log.warning("profile window skipped: another generation in this process is being profiled")
+            return
         if profiler_busy():
+            _ONE_WINDOW.release()
             log.warning("profile window skipped: another torch profiler is running in this process")
             return
         prof = torch.profiler.profile(activities=_activities(self.device))
@@ -109,6 +123,7 @@ class ProfileWindow:
         try:
             prof.__enter__()
         except RuntimeError as exc:  # e.g. kineto or CUPTI refusing to start
+            _ONE_WINDOW.release()
             log.warning("profile window skipped: the profiler could not start: %s", exc)
             return
         self._prof = prof
@@ -135,7 +150,10 @@ class ProfileWindow:
             self._t_end = self._last_step_t if self._last_step_t is not None else time.perf_counter()
         self._running = False
         assert self._prof is not None
-        self._prof.__exit__(None, None, None)
+        try:
+            self._prof.__exit__(None, None, None)
+        finally:
+            _ONE_WINDOW.release()
 
     def finish(self) -> Optional[WindowStats]:
         """Stop the profiler if it is still running and analyse the window; None if it never started."""
