@@ -298,3 +298,38 @@ def test_nvml_lost_before_a_generation_gives_na_with_the_reason(engine, nvml_eng
     assert m.sm_activity_pct is None and m.unavailable["sm_activity_pct"] == "GPM not supported on this GPU"
     again = eng.generate(MESSAGES, greedy(10))  # and the engine keeps going
     assert again.token_ids[0] == reference.token_ids[0][:10]
+
+
+# ---- two engines in one process profile at once ---------------------------------------------------------------
+
+
+def test_two_profile_windows_at_once_one_skips_and_nothing_crashes():
+    """The torch profiler is one per process, and its busy flag is per thread: two engines' windows opened from
+    two threads both used to start, and kineto crashed the process when they stopped."""
+    from engine.telemetry.window import ProfileWindow
+
+    barrier = threading.Barrier(2, timeout=30)
+    windows = [ProfileWindow(torch.device("cpu"), start=0, steps=1) for _ in range(2)]
+    started: list[bool] = []
+
+    def run(w: ProfileWindow) -> None:
+        barrier.wait()
+        w.step_begin(0)
+        started.append(w._prof is not None)
+        barrier.wait()  # both have tried before either stops
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        w.step_end(0)
+        w.finish()
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in windows]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(started) == [False, True]
+    again = ProfileWindow(torch.device("cpu"), start=0, steps=1)  # the profiler is free again afterwards
+    again.step_begin(0)
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    again.step_end(0)
+    stats = again.finish()
+    assert stats is not None and stats.events > 0
