@@ -301,10 +301,14 @@ class Engine:
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         window = ProfileWindow(self.device, enabled=opts.profile_window)
-        loop = run_loop(
-            runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-            window=window, monitor=self.monitor,
-        )
+        try:
+            loop = run_loop(
+                runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
+                window=window, monitor=self.monitor,
+            )
+        except BaseException:
+            window.discard()  # a profiler left running would record every later op and block every later window
+            raise
         return loop, opts
 
     def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:

@@ -155,6 +155,12 @@ class ProfileWindow:
         finally:
             _ONE_WINDOW.release()
 
+    def discard(self) -> None:
+        """Stop a window that a failed generation left open, without analysing it."""
+        if self._running:
+            self._stop(synced_end=False)
+        self._prof = None
+
     def finish(self) -> Optional[WindowStats]:
         """Stop the profiler if it is still running and analyse the window; None if it never started."""
         if self._prof is None:
