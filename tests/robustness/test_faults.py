@@ -333,3 +333,53 @@ def test_two_profile_windows_at_once_one_skips_and_nothing_crashes():
     again.step_end(0)
     stats = again.finish()
     assert stats is not None and stats.events > 0
+
+
+# ---- a generation failing inside the profiled window ------------------------------------------------------------
+
+
+def failing_step(monkeypatch, at: int, error: BaseException, times: int = 1):
+    from engine.decode import StaticRunner
+
+    real = StaticRunner.step
+    left = [times]
+
+    def step(self, i):
+        if i == at and left[0] > 0:
+            left[0] -= 1
+            raise error
+        return real(self, i)
+
+    monkeypatch.setattr(StaticRunner, "step", step)
+
+
+def test_a_fault_inside_the_profiled_window_leaves_later_generations_profiled(engine, monkeypatch):
+    from engine.telemetry.window import profiler_busy
+
+    engine.reconfigure(CPU)
+    reference = engine.generate(MESSAGES, greedy(30))
+    assert reference.metrics.kernel_gap_pct is not None, "steps 8-15 are traced on every generation"
+    failing_step(monkeypatch, at=10, error=RuntimeError("device fault (simulated)"))
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(MESSAGES, greedy(30))
+    assert not profiler_busy()
+    after = engine.generate(MESSAGES, greedy(30))
+    assert after.token_ids == reference.token_ids
+    assert after.metrics.kernel_gap_pct is not None and after.metrics.kernel_gap_source.startswith("op gap")
+
+
+def test_out_of_memory_inside_the_window_retries_with_a_profiled_window(engine, monkeypatch):
+    import engine.generate as loop_module
+
+    engine.reconfigure(CPU.with_(candidates=2))
+    reference = engine.generate(MESSAGES, greedy(30))
+    # The engine retries smaller only while no text has left; hold the text back so this does not depend on
+    # how fast the first ten steps run on a busy machine.
+    monkeypatch.setattr(loop_module, "FLUSH_INTERVAL_S", 3600.0)
+    failing_step(monkeypatch, at=10, error=torch.OutOfMemoryError("out of memory (simulated)"))
+    result = engine.generate(MESSAGES, greedy(30))
+    assert result.options.candidates == 1
+    assert "out of device memory with 2 candidates: ran 1" in result.notices
+    assert result.token_ids == reference.token_ids[:1]
+    assert result.metrics.kernel_gap_pct is not None
+    engine.reconfigure(CPU)
