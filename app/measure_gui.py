@@ -87,7 +87,7 @@ def gui_tok_s(gui, probe: LatencyProbe, sampling) -> tuple[Optional[float], int]
     return r.metrics.decode_tok_s, r.metrics.new_tokens_total
 
 
-def measure(model: str, runs: int, max_new_tokens: int) -> dict:
+def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False) -> dict:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtCore import QEventLoop, QTimer
 
@@ -102,6 +102,8 @@ def measure(model: str, runs: int, max_new_tokens: int) -> dict:
     data = tempfile.mkdtemp(prefix="gapless-measure-")
     gui = build(AppPaths.resolve(Path(data)), "light")
     gui.window.show()
+    if hide_hud and gui.window.hud_dock is not None:
+        gui.window.hud_dock.hide()  # to tell the HUD's share of the cost from the conversation's
     loop = QEventLoop()
     gui.controller.loaded.connect(lambda *_: loop.quit())
     gui.controller.loadFailed.connect(lambda s, m: (print(f"cannot load {s}: {m}", file=sys.stderr), loop.quit()))
@@ -143,6 +145,7 @@ def measure(model: str, runs: int, max_new_tokens: int) -> dict:
         "model": gui.controller.info.to_dict() if gui.controller.info else model,
         "options": options.to_dict(),
         "max_new_tokens": max_new_tokens,
+        "hud_visible": not hide_hud,
         "runs": rows,
         "decode_tok_s": {"headless_median": h_med, "gui_median": g_med,
                          "ratio": (g_med / h_med) if (g_med and h_med) else None,
@@ -164,9 +167,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--hide-hud", action="store_true", help="measure with the performance HUD hidden")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    result = measure(args.model, args.runs, args.max_new_tokens)
+    result = measure(args.model, args.runs, args.max_new_tokens, args.hide_hud)
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")

@@ -10,7 +10,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QActionGroup, QKeySequence, QShortcut
+from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout, QWidget,
 )
@@ -55,7 +55,6 @@ class MainWindow(QMainWindow):
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._build(settings)
         self._wire()
-        self._shortcuts()
         self._menus()
         self.refresh_chats()
         self.flow.new_chat()
@@ -183,25 +182,30 @@ class MainWindow(QMainWindow):
             self.fetcher.finished.connect(self._fetch_finished)
             self.fetcher.failed.connect(self._fetch_failed)
 
-    def _shortcuts(self) -> None:
-        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.flow.stop,
-                  context=Qt.ShortcutContext.WindowShortcut)
-        QShortcut(QKeySequence.StandardKey.New, self, activated=self.new_chat)
-        QShortcut(QKeySequence.StandardKey.Find, self, activated=self.chat_list.focus_search)
-
     def _menus(self) -> None:
+        def action(menu, text: str, slot, shortcut=None, tip: str = "") -> QAction:
+            act = QAction(text, self)
+            if shortcut is not None:
+                act.setShortcut(QKeySequence(shortcut))
+                act.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+            act.setStatusTip(tip)
+            act.triggered.connect(lambda _checked=False: slot())
+            menu.addAction(act)
+            return act
+
         bar = self.menuBar()
         file = bar.addMenu("&File")
-        file.addAction("New chat", self.new_chat).setShortcutVisibleInContextMenu(True)
-        file.addAction("Open GGUF…", self.model_panel._open_file)
-        file.addAction("Open model folder…", self.model_panel._open_folder)
-        file.addAction("Load the default model", lambda: self.load_model("default"))
+        action(file, "New chat", self.new_chat, QKeySequence.StandardKey.New)
+        action(file, "Open GGUF…", self.model_panel.open_file_dialog)
+        action(file, "Open model folder…", self.model_panel.open_folder_dialog)
+        action(file, "Load the default model", lambda: self.load_model("default"))
         file.addSeparator()
-        file.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
+        action(file, "Quit", self.close, QKeySequence.StandardKey.Quit)
         chat = bar.addMenu("&Chat")
-        chat.addAction("Chat settings…", self.open_chat_settings)
-        chat.addAction("Stop the answer (Esc)", self.flow.stop)
-        chat.addAction("Search chats (Ctrl+F)", self.chat_list.focus_search)
+        self.stop_action = action(chat, "Stop the answer", self.flow.stop, Qt.Key.Key_Escape,
+                                  "Stop the answer; the text so far is kept")
+        action(chat, "Search chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
+        action(chat, "Chat settings…", self.open_chat_settings)
         view = bar.addMenu("&View")
         themes = QActionGroup(self)
         for choice in THEME_CHOICES:

@@ -78,10 +78,10 @@ class ModelPanel(QGroupBox):
 
         self.open_file_button = QPushButton("Open GGUF…", self)
         self.open_file_button.setToolTip("Load a .gguf model file")
-        self.open_file_button.clicked.connect(self._open_file)
+        self.open_file_button.clicked.connect(self.open_file_dialog)
         self.open_folder_button = QPushButton("Folder…", self)
         self.open_folder_button.setToolTip("Load a Hugging Face model folder (config.json + *.safetensors)")
-        self.open_folder_button.clicked.connect(self._open_folder)
+        self.open_folder_button.clicked.connect(self.open_folder_dialog)
         self.recent_button = QToolButton(self)
         self.recent_button.setText("Models")
         self.recent_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
@@ -191,12 +191,12 @@ class ModelPanel(QGroupBox):
         if path:
             self.modelsFolderChosen.emit(path)
 
-    def _open_file(self) -> None:
+    def open_file_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf);;All files (*)")
         if path:
             self.openRequested.emit(path)
 
-    def _open_folder(self) -> None:
+    def open_folder_dialog(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Open a Hugging Face model folder")
         if path:
             self.openRequested.emit(path)
