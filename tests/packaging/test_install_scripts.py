@@ -99,6 +99,9 @@ def test_per_user_install_puts_each_part_in_its_xdg_place(archive: Path, home: P
     assert entry["TryExec"] == f"{app}/gapless"
     assert entry["Icon"] == str(svg)
     assert "@" not in desktop.read_text()
+    if shutil.which("desktop-file-validate"):  # desktop-file-utils, where installed
+        check = subprocess.run(["desktop-file-validate", str(desktop)], capture_output=True, text=True)
+        assert check.returncode == 0 and not check.stdout.strip(), check.stdout
 
     listed = manifest_paths(app)
     installed = {str(home / p.rstrip("/")) for p in tree(home)}
@@ -169,6 +172,23 @@ def test_prefix_install_and_uninstall_leave_the_prefix_as_it_was(archive: Path, 
 
     run(app / "uninstall.sh", env=env)
     assert tree(prefix) == {"keep.txt"}
+
+
+def test_a_path_with_spaces_is_quoted_in_the_desktop_entry(archive: Path, home: Path, tmp_path: Path):
+    prefix = tmp_path / "my apps"
+    run(archive / "install.sh", "--prefix", str(prefix), env=user_env(home))
+    entry = (prefix / "share/applications/gapless.desktop").read_text()
+    assert f'Exec="{prefix}/lib/gapless-app/gapless" gui\n' in entry
+    if shutil.which("desktop-file-validate"):
+        check = subprocess.run(["desktop-file-validate", str(prefix / "share/applications/gapless.desktop")],
+                               capture_output=True, text=True)
+        assert check.returncode == 0 and not check.stdout.strip(), check.stdout
+
+
+def test_a_path_the_desktop_entry_cannot_quote_is_refused(archive: Path, home: Path, tmp_path: Path):
+    proc = run(archive / "install.sh", "--prefix", str(tmp_path / "a$b"), env=user_env(home), ok=False)
+    assert proc.returncode == 1 and "may not contain" in proc.stderr
+    assert not (tmp_path / "a$b").exists()
 
 
 def test_relative_prefix_and_no_desktop(archive: Path, home: Path, tmp_path: Path):
