@@ -113,6 +113,12 @@ def format_table(report: dict[str, Any]) -> str:
     out.append(f"Model {report['model']['name']} ({report['model']['parameters'] / 1e6:.1f}M parameters) on "
                f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {cfg['repeats']} runs "
                f"after {cfg['warmup']} warm-up.")
+    machine = report.get("machine") or {}
+    start, end = machine.get("load_average_at_start"), machine.get("load_average_1_5_15min")
+    if start and end:
+        out.append(f"Machine: {machine.get('cpu_model') or 'unknown CPU'}, {machine.get('cpu_cores_logical')} logical "
+                   f"cores, {machine.get('gpu_name') or 'no GPU'}; load average (1 min) {start[0]:.1f} at the start, "
+                   f"{end[0]:.1f} at the end.")
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
     sources = [("gap", "kernel_gap_source"), ("SM activity", "sm_activity_source"), ("GPU util", "gpu_util_source"),

@@ -8,6 +8,7 @@ The baseline is transformers' `generate()` on the same weights, prompt ids and t
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -367,6 +368,7 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
 
     config = validate(config)
     started = time.time()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window),
                          progress=lambda p: progress(f"{p.stage}: {p.message}"))
     try:
@@ -405,13 +407,15 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
                             "transformers_tokens": len(plain.token_ids)}
 
     ratios = add_ratios(rungs, baselines)
+    machine = describe_machine(nvml=nvml)
+    machine["load_average_at_start"] = load_at_start
     return {
         "command": command,
         "created_unix": started,
         "wall_seconds": time.time() - started,
         "config": {**asdict(config), "presets": list(config.presets),
                    "compile_rungs": compile_enabled(config, device.type)},
-        "machine": describe_machine(nvml=nvml),
+        "machine": machine,
         "model": info,
         "device": device.type,
         "dtype_note": CPU_DTYPE_NOTE if device.type != "cuda" else "CUDA ladder: half-precision rungs in fp16",

@@ -93,6 +93,8 @@ def describe_machine(nvml: Any = None) -> dict[str, Any]:
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_bytes": _memory_bytes(),
         "os": platform.platform(),
+        # Other work on the machine slows every figure; the load when the description was taken says how much.
+        "load_average_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": sys.version.split()[0],
         "libraries": library_versions(),
         "torch_threads": torch.get_num_threads(),
