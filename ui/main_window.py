@@ -9,7 +9,7 @@ import base64
 import logging
 from typing import Any, Callable, Optional
 
-from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout, QWidget,
@@ -29,6 +29,38 @@ from ui.theme import THEME_CHOICES, ThemeManager
 from ui.toggles import TogglesPanel
 
 log = logging.getLogger(__name__)
+
+class FitScrollArea(QScrollArea):
+    """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height, so a
+    tall panel never forces the window taller than the screen (a plain resizable scroll area would size a
+    word-wrapping panel by its preferred height and always scroll)."""
+
+    def __init__(self, widget: QWidget, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setWidgetResizable(False)
+        self.setWidget(widget)
+        widget.installEventFilter(self)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.widget() and event.type() == QEvent.Type.LayoutRequest:
+            QTimer.singleShot(0, self._fit)  # after the widget's layout has settled
+        return super().eventFilter(obj, event)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit()
+
+    def _fit(self) -> None:
+        w = self.widget()
+        if w is None:
+            return
+        bar = self.verticalScrollBar().sizeHint().width()
+        height = max(self.viewport().height(), w.minimumSizeHint().height())
+        width = self.width() - (bar if height > self.height() else 0)
+        w.resize(width, height)
+
 
 class MainWindow(QMainWindow):
     closed = Signal()
@@ -116,13 +148,7 @@ class MainWindow(QMainWindow):
         if self.hud is not None:
             self.hud_dock = QDockWidget("Performance", self)
             self.hud_dock.setObjectName("hudDock")
-            # In a scroll area, the HUD's plots never force the window taller than the screen.
-            hud_scroll = QScrollArea(self)
-            hud_scroll.setWidgetResizable(True)
-            hud_scroll.setFrameShape(QFrame.Shape.NoFrame)
-            hud_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-            hud_scroll.setWidget(self.hud)
-            self.hud_dock.setWidget(hud_scroll)
+            self.hud_dock.setWidget(FitScrollArea(self.hud, self))
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.hud_dock)
             self.hud_dock.setVisible(settings.hud_visible)
         self.status = QLabel("", self)
@@ -131,6 +157,9 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.model_status)
         self.resize(1440, 900)
         self.resizeDocks([self.options_dock], [500], Qt.Orientation.Horizontal)
+        if self.hud_dock is not None:  # the toggles take what they need, the HUD the rest
+            self.resizeDocks([self.options_dock, self.hud_dock], [self.toggles.sizeHint().height(), 2000],
+                             Qt.Orientation.Vertical)
 
     def _wire(self) -> None:
         f, v, c = self.flow, self.chat_view, self.controller

@@ -94,6 +94,7 @@ class TogglesPanel(QWidget):
         lay.addLayout(grid)
         lay.addWidget(self.note)
         lay.addWidget(self.progress)
+        lay.addStretch(1)
 
         self._options = options
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
