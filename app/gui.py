@@ -128,11 +128,9 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     paths.ensure()
     settings_store = SettingsStore(paths.settings_file)
     settings, notices = settings_store.load()
-    if theme_choice:
-        settings.theme = theme_choice
     store = ChatStore(paths.database)
     notices = notices + list(store.notices)
-    theme = ThemeManager(QApplication.instance(), settings.theme)
+    theme = ThemeManager(QApplication.instance(), theme_choice or settings.theme)  # --theme: this run only
     controller = EngineController()
     fetcher = fetcher if fetcher is not None else DefaultModelFetcher()
     hud = HudPanel()

@@ -28,8 +28,8 @@ def data_dir(tmp_path):
     return tmp_path / "data"
 
 
-def open_app(qtbot, data_dir, model=None):
-    gui = build(AppPaths.resolve(data_dir), "light")
+def open_app(qtbot, data_dir, model=None, theme="light"):
+    gui = build(AppPaths.resolve(data_dir), theme)
     gui.window.show()
     if model is not None:
         with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
@@ -336,3 +336,32 @@ def test_deleting_the_chat_that_is_answering_stops_quietly(qtbot, app):
     assert errors == []
     assert app.store.list_chats() == [] and app.store.count_messages() == 0
     assert w.chat_view.messages() == []
+
+
+def test_a_precision_change_shows_its_progress_and_applies_next(qtbot, app):
+    w, t = app.window, app.window.toggles
+    seen = []
+    app.controller.progress.connect(lambda p: seen.append((p.message, t.note.text(), t.progress.isVisibleTo(w))))
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.dtype.setCurrentIndex(t.dtype.findData("bf16"))
+        t.dtype.activated.emit(t.dtype.currentIndex())
+    assert seen, "re-placing the weights reports progress"
+    assert all(note == message and visible for message, note, visible in seen)
+    assert t.note.text() == "Ready: the next answer uses these options."
+    result = send(qtbot, app, "hello")
+    assert result.options.dtype == "bf16"
+    assert app.store.thread(w.flow.chat_id)[-1].options["dtype"] == "bf16"
+
+
+def test_window_settings_persist(qtbot, data_dir):
+    gui = open_app(qtbot, data_dir)
+    gui.window.set_send_with("ctrl+enter")
+    gui.window.set_theme("dark")
+    close_app(gui)
+    gui = open_app(qtbot, data_dir, theme=None)  # no --theme: the saved choice
+    try:
+        assert gui.window.composer.edit.send_with == "ctrl+enter"
+        assert gui.theme.scheme == "dark"
+        assert gui.settings.window_state is not None
+    finally:
+        close_app(gui)
