@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from engine.errors import GaplessError
 from engine.telemetry.machine import describe_machine
 from engine.types import PRESET_LABELS, PRESETS, EngineOptions, SamplingParams, preset_options
 
@@ -172,7 +173,7 @@ def run_ladder(engine, config: BenchConfig, progress: Progress = log.info) -> li
             continue
         try:
             _run_rung(engine, rung, opts, messages, sampling, config, progress)
-        except (RuntimeError, ValueError) as exc:  # e.g. out of memory or a compile failure: record, go on
+        except (GaplessError, RuntimeError, ValueError) as exc:  # e.g. out of memory, a compile failure: go on
             log.exception("bench rung %s failed", name)
             rung.status, rung.reason = "failed", f"{type(exc).__name__}: {exc}"
             progress(f"{name}: failed: {rung.reason}")
@@ -202,8 +203,10 @@ def _sync(device: torch.device) -> None:
 def _peak_memory(device: torch.device) -> tuple[Optional[int], str]:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (this generation)"
-    import resource
-
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None, "no getrusage on this OS"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS since start (getrusage)"
 
 
