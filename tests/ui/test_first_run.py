@@ -39,11 +39,14 @@ class TrickleServer:
                 handler.send_header("Content-Length", str(SIZE))
                 handler.end_headers()
                 sent = 0
-                while sent < SIZE and not self.stop.is_set():
-                    handler.wfile.write(b"\0" * 65536)
-                    handler.wfile.flush()
-                    sent += 65536
-                    time.sleep(0.05)
+                try:
+                    while sent < SIZE and not self.stop.is_set():
+                        handler.wfile.write(b"\0" * 65536)
+                        handler.wfile.flush()
+                        sent += 65536
+                        time.sleep(0.05)
+                except (BrokenPipeError, ConnectionResetError):
+                    return  # the client cancelled: that is the point of the test
 
             def log_message(self, *args):
                 return None
