@@ -365,3 +365,14 @@ def test_window_settings_persist(qtbot, data_dir):
         assert gui.settings.window_state is not None
     finally:
         close_app(gui)
+
+
+def test_keyboard_new_chat_and_search(qtbot, app):
+    w = app.window
+    send(qtbot, app, "hello")
+    assert w.chat_view.messages()
+    w.activateWindow()
+    qtbot.keyClick(w.composer.edit, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
+    assert w.flow.chat_id is None and w.chat_view.messages() == []
+    qtbot.keyClick(w.composer.edit, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
+    assert w.chat_list.search.hasFocus()
