@@ -6,3 +6,6 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+# torch.compile's parallel compile workers are started as `sys.executable <worker script>`; in the bundle that is the
+# app itself, not a Python interpreter, so compiling stays in the app's own process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
