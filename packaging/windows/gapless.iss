@@ -34,8 +34,8 @@ UninstallDisplayIcon={app}\gapless.exe
 UninstallDisplayName=Gapless
 Compression=lzma2
 SolidCompression=yes
-; A bundle with the CUDA build of torch is several GB; beyond about 2 GB Inno Setup needs disk spanning
-; (setup.exe plus .bin files) -- uncomment for such builds.
+; A bundle with the CUDA build of torch is several GB. Above 4,200,000,000 bytes compressed Inno Setup requires
+; disk spanning (setup.exe plus setup-*.bin files next to it); uncomment for such builds.
 ; DiskSpanning=yes
 WizardStyle=modern
 CloseApplications=yes
