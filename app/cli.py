@@ -101,10 +101,21 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+SUBCOMMANDS = ("gui", "generate", "bench", "models")
+
+
+def _smoke_test_alias(argv: list[str]) -> list[str]:
+    """`gapless --smoke-test ...` (as the installed bundle is checked) means `gapless gui --smoke-test ...`."""
+    if "--smoke-test" in argv and not any(a in SUBCOMMANDS for a in argv):
+        i = argv.index("--smoke-test")
+        return argv[:i] + ["gui"] + argv[i:]
+    return argv
+
+
 def run(argv: Optional[Sequence[str]] = None) -> int:
     _quiet_and_offline()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_smoke_test_alias(list(sys.argv[1:] if argv is None else argv)))
     from app.logs import setup_logging
     from app.paths import AppPaths
 

@@ -96,3 +96,12 @@ def test_missing_model_is_one_line(tmp_path):
 def test_verbose_shows_the_traceback(tmp_path):
     r = gapless("--verbose", "generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi")
     assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_top_level_smoke_test_means_gui_smoke_test():
+    from app.cli import _smoke_test_alias
+
+    assert _smoke_test_alias(["--data-dir", "/d", "--smoke-test", "--report", "r.json"]) == [
+        "--data-dir", "/d", "gui", "--smoke-test", "--report", "r.json"]
+    assert _smoke_test_alias(["gui", "--smoke-test"]) == ["gui", "--smoke-test"]
+    assert _smoke_test_alias(["generate", "--prompt", "x"]) == ["generate", "--prompt", "x"]
