@@ -94,6 +94,7 @@ class MessageWidget(QFrame):
         self.body = SegmentsView(item.content, colors, self)
         self.stats_label = QLabel(self)
         self.stats_label.setObjectName("statsLine")
+        self.stats_label.setWordWrap(True)  # a narrow window wraps the line instead of widening the column
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self._editor: Optional[QWidget] = None
         self._busy = False
@@ -204,13 +205,15 @@ class CandidateTabs(QFrame):
             body = SegmentsView("", colors, page)
             stats = QLabel("generating…", page)
             stats.setObjectName("statsLine")
+            stats.setWordWrap(True)
             use = QPushButton("Use this answer", page)
             use.setObjectName("primaryButton")
+            use.setToolTip("Continue the chat from this answer; the others stay as alternatives (‹ › above it)")
             use.setEnabled(False)
             use.clicked.connect(lambda _=False, i=i: self.chosen.emit(i))
             row = QHBoxLayout()
             row.addWidget(stats, 1)
-            row.addWidget(use)
+            row.addWidget(use, 0, Qt.AlignmentFlag.AlignBottom)
             lay.addWidget(body)
             lay.addLayout(row)
             self.tabs.addTab(page, f"Candidate {i + 1}")
@@ -231,14 +234,12 @@ class CandidateTabs(QFrame):
 
     def finish(self, texts: list[str], metrics: Optional[dict], options: Optional[dict], device: Optional[str],
                finish_reasons: list[str], can_choose: bool) -> None:
-        per = (metrics or {}).get("new_tokens") or []
         for i, body in enumerate(self.bodies):
             if i < len(texts):
                 body.set_text(texts[i])
             body.flush()
-            line, tip = format_stats(metrics, options, device, finish_reasons[i] if i < len(finish_reasons) else None)
-            own = f"{per[i]} tokens of {metrics.get('new_tokens_total')} in the batch · " if metrics and i < len(per) else ""
-            self.stats[i].setText(own + line)
+            line, tip = format_stats(metrics, options, device, finish_reasons[i] if i < len(finish_reasons) else None, i)
+            self.stats[i].setText(line)
             self.stats[i].setToolTip(tip)
             self.use_buttons[i].setEnabled(can_choose)
 

@@ -57,13 +57,19 @@ def gap_label(device: Optional[str]) -> str:
 
 
 def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, Any]], device: Optional[str],
-                 finish_reason: Optional[str] = None) -> tuple[str, str]:
-    """(line, tooltip) for one answer. `device` is where it ran ("cpu", "cuda"), deciding kernel vs op gap."""
+                 finish_reason: Optional[str] = None, candidate: Optional[int] = None) -> tuple[str, str]:
+    """(line, tooltip) for one answer. `device` is where it ran ("cpu", "cuda"), deciding kernel vs op gap;
+    `candidate` is the answer's index in a batch of candidates (the figures are the batch's)."""
     m = metrics or {}
     tokens = m.get("new_tokens_total")
     gap = gap_label(device)
+    per = m.get("new_tokens") or []
+    if candidate is not None and candidate < len(per):
+        count = f"{per[candidate]} of {tokens} tokens in the batch"
+    else:
+        count = f"{tokens if tokens is not None and metrics else NA} tokens"
     line = " · ".join([
-        f"{tokens if tokens is not None and metrics else NA} tokens",
+        count,
         f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}",
         f"{fmt(m.get('decode_tok_s'))} tok/s",
         options_label(options),
