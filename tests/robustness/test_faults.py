@@ -383,3 +383,42 @@ def test_out_of_memory_inside_the_window_retries_with_a_profiled_window(engine, 
     assert result.token_ids == reference.token_ids[:1]
     assert result.metrics.kernel_gap_pct is not None
     engine.reconfigure(CPU)
+
+
+# ---- out of device memory at CUDA-graph capture (the GPU-only fault, injected) ---------------------------------
+
+
+def test_out_of_memory_at_graph_capture_drops_the_graph_then_candidates(engine, monkeypatch):
+    """On a GPU the capture allocates the graph's memory pool; running out there must drop the graph first, then
+    halve the candidates. Here the effective options keep cuda_graph as a CUDA machine's would, and the run
+    raises torch.OutOfMemoryError wherever that configuration would not fit."""
+    from dataclasses import replace
+
+    engine.reconfigure(CPU.with_(candidates=4))
+    reference = engine.generate(MESSAGES, greedy(12))
+    real_effective, real_run = Engine.effective, Engine._run
+    attempts: list[tuple[bool, int]] = []
+
+    def effective_on_cuda(self, options):
+        eff, reasons = real_effective(self, options)
+        reasons.pop("cuda_graph", None)
+        return replace(eff, cuda_graph=True), reasons
+
+    def run(self, prompt_ids, max_new, sampling, opts, *rest):
+        attempts.append((opts.cuda_graph, opts.candidates))
+        if opts.cuda_graph or opts.candidates > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_run(self, prompt_ids, max_new, sampling, opts, *rest)
+
+    monkeypatch.setattr(Engine, "effective", effective_on_cuda)
+    monkeypatch.setattr(Engine, "_run", run)
+    result = engine.generate(MESSAGES, greedy(12))
+    assert attempts == [(True, 4), (False, 4), (False, 2)]
+    assert result.notices == ["out of device memory while capturing the CUDA graph: ran without it",
+                              "out of device memory with 4 candidates: ran 2"]
+    assert result.unavailable["cuda_graph"] == "out of device memory at capture"
+    assert result.unavailable["candidates"] == "out of device memory at 4"
+    assert (result.options.cuda_graph, result.options.candidates) == (False, 2)
+    assert result.token_ids == reference.token_ids[:2]  # greedy: every candidate is the same answer
+    monkeypatch.undo()
+    engine.reconfigure(CPU)
