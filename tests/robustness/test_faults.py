@@ -51,9 +51,13 @@ def cancel_on_first_text(engine, sampling):
 @pytest.mark.parametrize("candidates", [1, 3])
 @pytest.mark.parametrize("sampling", ["device", "host"])
 @pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
-def test_stop_after_the_first_text_keeps_an_exact_prefix(engine, kv, sampling, candidates):
+def test_stop_after_the_first_text_keeps_an_exact_prefix(engine, kv, sampling, candidates, monkeypatch):
+    import engine.generate as loop_module
+
     engine.reconfigure(CPU.with_(kv_cache=kv, sampling=sampling, candidates=candidates))
     full = engine.generate(MESSAGES, greedy(200))
+    # Text leaves after every step, so the stop lands a few tokens in however fast this machine decodes.
+    monkeypatch.setattr(loop_module, "FLUSH_INTERVAL_S", 0.0)
     assert full.finish_reasons == ["length"] * candidates, "the reference must run to its budget"
     stopped, deltas = cancel_on_first_text(engine, greedy(200))
     assert stopped.finish_reasons == ["cancelled"] * candidates
@@ -258,8 +262,12 @@ def test_nvml_lost_in_the_middle_of_a_generation(engine, nvml_engine):
     def on_event(e):
         if isinstance(e, MonitorSample):
             samples.append(e)
-        elif isinstance(e, TextDelta):
+        elif isinstance(e, TextDelta) and not nvml.lost.is_set():
             nvml.lost.set()
+            # hold this generation until the monitor has met the lost GPU, so the failure falls inside it
+            deadline = time.monotonic() + 30
+            while "gpu_util_pct" not in eng.monitor.unavailable and time.monotonic() < deadline:
+                time.sleep(0.005)
 
     result = eng.generate(MESSAGES, greedy(150), on_event=on_event)
     assert result.token_ids == reference.token_ids and result.finish_reasons == ["length"]
