@@ -160,7 +160,7 @@ def test_switch_to_a_broken_model_while_generating_keeps_the_old_one(qtbot, ctl,
     assert stopped.token_ids[0] == reference.token_ids[0][: len(stopped.token_ids[0])]
     [(source, message)] = failures
     assert source == str(broken) and "config.json" in message and "\n" not in message
-    assert ctl.info.source == str(tiny_llama.resolve()) or ctl.info.source == str(tiny_llama)
+    assert ctl.info.source == str(tiny_llama)
     again = generate_and_wait(qtbot, ctl, greedy(200))
     assert again.token_ids == reference.token_ids  # the previous model is whole and in use
 
