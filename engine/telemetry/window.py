@@ -156,10 +156,15 @@ class ProfileWindow:
             _ONE_WINDOW.release()
 
     def discard(self) -> None:
-        """Stop a window that a failed generation left open, without analysing it."""
-        if self._running:
-            self._stop(synced_end=False)
-        self._release()
+        """Stop a window that a failed generation left open, without analysing it. Called while that failure
+        propagates, so a profiler that will not stop cleanly is logged rather than raised over it."""
+        try:
+            if self._running:
+                self._stop(synced_end=False)
+        except RuntimeError as exc:
+            log.warning("profile window: the profiler did not stop cleanly after a failed generation: %s", exc)
+        finally:
+            self._release()
 
     def _release(self) -> None:
         """Let go of the trace now. torch.profiler.profile sits in a reference cycle (its action map holds its
