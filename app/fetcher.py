@@ -11,13 +11,12 @@ from PySide6.QtCore import QObject, Signal
 
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model, ensure_default_model
 from engine.errors import FetchError
-from engine.types import Progress
 
 log = logging.getLogger(__name__)
 
 
 class DefaultModelFetcher(QObject):
-    progress = Signal(object)  # Progress
+    progress = Signal(object)  # engine.types.Progress
     finished = Signal(str)  # path of the verified GGUF
     failed = Signal(str)  # message (also after a cancel)
 

@@ -102,6 +102,7 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False) 
     data = tempfile.mkdtemp(prefix="gapless-measure-")
     gui = build(AppPaths.resolve(Path(data)), "light")
     gui.window.show()
+    app.processEvents()
     if hide_hud and gui.window.hud_dock is not None:
         gui.window.hud_dock.hide()  # to tell the HUD's share of the cost from the conversation's
     loop = QEventLoop()
