@@ -132,15 +132,20 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     notices = notices + list(store.notices)
     theme = ThemeManager(QApplication.instance(), theme_choice or settings.theme)  # --theme: this run only
     controller = EngineController()
-    fetcher = fetcher if fetcher is not None else DefaultModelFetcher()
-    hud = HudPanel()
-
-    catalog = ModelCatalog(RecentModels(paths.config), settings)
-    window = MainWindow(
-        store, controller, settings, settings_store.save, theme, default_sampling(settings), hud=hud,
-        fetcher=fetcher, catalog=catalog, preset_resolver=preset_for_device,
-    )
-    window.setWindowIcon(app_icon())
+    try:
+        fetcher = fetcher if fetcher is not None else DefaultModelFetcher()
+        hud = HudPanel()
+        catalog = ModelCatalog(RecentModels(paths.config), settings)
+        window = MainWindow(
+            store, controller, settings, settings_store.save, theme, default_sampling(settings), hud=hud,
+            fetcher=fetcher, catalog=catalog, preset_resolver=preset_for_device,
+        )
+        window.setWindowIcon(app_icon())
+    except BaseException:
+        # the engine thread is running: stop it, or Qt aborts the process when the QThread is destroyed
+        controller.shutdown()
+        store.close()
+        raise
     return GuiApp(paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window)
 
 

@@ -376,3 +376,28 @@ def test_keyboard_new_chat_and_search(qtbot, app):
     assert w.flow.chat_id is None and w.chat_view.messages() == []
     qtbot.keyClick(w.composer.edit, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
     assert w.chat_list.search.hasFocus()
+
+
+def test_a_failure_while_building_the_window_stops_the_engine_thread(tmp_path, monkeypatch):
+    """Without this, Qt aborts the process ('QThread destroyed while still running') instead of reporting."""
+    import app.gui as gui_mod
+    import ui.main_window as mw
+    from app.paths import AppPaths
+    from app.worker import EngineController
+
+    stopped = []
+    real = EngineController.shutdown
+
+    def spy(self, *a, **k):
+        stopped.append(True)
+        return real(self, *a, **k)
+
+    def broken(*a, **k):
+        raise RuntimeError("window construction failed")
+
+    monkeypatch.setattr(EngineController, "shutdown", spy)
+    monkeypatch.setattr(mw, "MainWindow", broken)
+    gui_mod.qt_application()
+    with pytest.raises(RuntimeError, match="window construction failed"):
+        gui_mod.build(AppPaths.resolve(tmp_path))
+    assert stopped == [True]
