@@ -32,6 +32,16 @@ def _num(v: Optional[float], fmt: str = "{:.1f}") -> str:
     return NA if v is None else fmt.format(v)
 
 
+def _tok_s(m: dict[str, Any]) -> str:
+    """Median, and the range over the repeats when there was more than one distinct figure."""
+    v, lo, hi = m.get("decode_tok_s"), m.get("decode_tok_s_min"), m.get("decode_tok_s_max")
+    if v is None:
+        return NA
+    if lo is None or hi is None or lo == hi:
+        return f"{v:.1f}"
+    return f"{v:.1f} ({lo:.1f}–{hi:.1f})"
+
+
 def _times(v: Optional[float]) -> str:
     return NA if v is None else f"{v:.2f}×"
 
@@ -63,7 +73,7 @@ def format_table(report: dict[str, Any]) -> str:
     """A Markdown table of the rungs and baselines, with notes that name every figure's source."""
     rungs, baselines = report["rungs"], report["baselines"]
     compiled = any(b["name"] == "transformers-static-compile" and b["status"] == "ok" for b in baselines)
-    head = ["rung", "options", "tokens", "decode tok/s", "× Naive", "× transformers"]
+    head = ["rung", "options", "tokens", "decode tok/s (range)", "× Naive", "× transformers"]
     if compiled:
         head.append("× transformers compiled")
     head += ["TTFT ms", "gap %", "SM activity %", "GPU util %", "peak memory"]
@@ -80,7 +90,7 @@ def format_table(report: dict[str, Any]) -> str:
         for note in r.get("notes") or []:
             notes.append(f"{label}: {note}")
             opts += f" ({len(notes)})"
-        row = [label, opts, _num(m.get("new_tokens_total"), "{:.0f}"), _num(m.get("decode_tok_s")),
+        row = [label, opts, _num(m.get("new_tokens_total"), "{:.0f}"), _tok_s(m),
                _times(r.get("speedup_vs_naive")), _times(r.get("speedup_vs_transformers"))]
         if compiled:
             row.append(_times(r.get("speedup_vs_transformers_compiled")))
@@ -96,7 +106,7 @@ def format_table(report: dict[str, Any]) -> str:
         m, s = b["median"], b["settings"]
         tok_s = m.get("decode_tok_s")
         row = [b["label"], f"{s['dtype']}, {s['cache_implementation']} cache", _num(m.get("new_tokens_total"), "{:.0f}"),
-               _num(tok_s), _times(None if tok_s is None or not naive else tok_s / naive), "1.00×" if b["name"] == "transformers" else ""]
+               _tok_s(m), _times(None if tok_s is None or not naive else tok_s / naive), "1.00×" if b["name"] == "transformers" else ""]
         if compiled:
             row.append("1.00×" if b["name"] == "transformers-static-compile" else "")
         row += [_num(m.get("ttft_ms")), NA, _num(m.get("sm_activity_pct")), _num(m.get("gpu_util_pct")),

@@ -74,6 +74,10 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-field median over repeated runs (GenerationMetrics dicts); sources from the first run that has one."""
     out: dict[str, Any] = {f: median(r.get(f) for r in runs) for f in MEDIAN_FIELDS}
+    tok_s = [r["decode_tok_s"] for r in runs if r.get("decode_tok_s") is not None]
+    # The spread says how far one run's figure can be trusted on this machine (other load only slows runs down).
+    out["decode_tok_s_min"] = min(tok_s) if tok_s else None
+    out["decode_tok_s_max"] = max(tok_s) if tok_s else None
     for f in SOURCE_FIELDS:
         out[f] = next((r[f] for r in runs if r.get(f)), None)
     reasons: dict[str, str] = {}
@@ -285,6 +289,9 @@ def run_baseline(model, prompt_ids: list[int], eos_ids: list[int], n_tokens: int
     base.median = {f: median(r.get(f) for r in base.runs)
                    for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", "peak_memory_bytes",
                              "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
+    tok_s = [r["decode_tok_s"] for r in base.runs if r.get("decode_tok_s") is not None]
+    base.median["decode_tok_s_min"] = min(tok_s) if tok_s else None
+    base.median["decode_tok_s_max"] = max(tok_s) if tok_s else None
     for f in ("peak_memory_source", "gpu_util_source", "sm_activity_source", "dram_bw_util_source"):
         base.median[f] = next((r[f] for r in base.runs if r.get(f)), None)
     base.median["kernel_gap_pct"] = None

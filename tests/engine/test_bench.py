@@ -43,6 +43,7 @@ def test_median_metrics_per_field_sources_and_reasons():
     ]
     m = median_metrics(runs)
     assert m["decode_tok_s"] == 20.0 and m["ttft_ms"] == 45.0
+    assert (m["decode_tok_s_min"], m["decode_tok_s_max"]) == (10.0, 30.0)
     assert m["kernel_gap_pct"] == 75.0  # median of the two runs that measured it
     assert m["kernel_gap_source"] == "op gap — x"
     assert m["gpu_util_pct"] is None and m["unavailable"] == {"gpu_util_pct": "no GPU"}
@@ -108,6 +109,7 @@ def sample_report(with_compiled=False):
         rung("candidates", "+ 4 candidates", 60.0, opts(dtype="fp32", candidates=4), gap=10.0,
              notes=["without cuda_graph: CUDA graphs need a CUDA device"]),
     ]
+    rungs[0].median.update(decode_tok_s_min=8.0, decode_tok_s_max=12.0)
     baselines = [Baseline("transformers", "transformers generate()", "ok",
                           settings={"dtype": "float32", "cache_implementation": "default (dynamic)"},
                           median={"decode_tok_s": 20.0, "ttft_ms": 90.0, "new_tokens_total": 128.0,
@@ -158,6 +160,8 @@ def test_table_rows_figures_and_notes():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells == ["Seeds' first fixes", "fp32, kv static, device sampling", "128", "25.0", "2.50×", "1.25×",
                      "100.0", "20.0", "n/a", "n/a", "3.00 GiB"]
+    naive = next(line for line in lines if line.startswith("| Naive"))
+    assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
     skipped = next(line for line in lines if line.startswith("| + compile"))
     assert "skipped (1)" in skipped
     assert "(1) + compile: skipped: compile off for this bench" in table
