@@ -17,6 +17,7 @@ from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_
                          steps)
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX
+from ui.hud.decimate import peak_decimate
 from ui.hud.ring import RingTable
 from ui.hud.series import LiveSeries
 
@@ -84,6 +85,54 @@ def test_ring_wraps_around_in_order_without_reallocating():
         ring.append((1, 2, 3))
     with pytest.raises(ValueError, match="capacity"):
         RingTable(0, ("t",))
+
+
+def test_ring_reads_a_time_window_in_place():
+    ring = RingTable(8, ("t", "v"))
+    ring.extend([(t, 10 * t) for t in range(5)])  # not full yet
+    assert ring.search("t", 2.5) == 3 and ring.search("t", -1) == 0 and ring.search("t", 99) == 5
+    np.testing.assert_array_equal(ring.column("v", 3), [30, 40])
+    assert ring.first("t") == 0.0
+    ring.extend([(t, 10 * t) for t in range(5, 13)])  # wrapped: holds 5..12, the oldest in the middle of storage
+    held = ring.column("t")
+    np.testing.assert_array_equal(held, np.arange(5, 13))
+    for value in (-1, 5, 5.5, 7, 8, 9.5, 12, 12.5):
+        start = ring.search("t", value)
+        assert start == int(np.searchsorted(held, value))
+        np.testing.assert_array_equal(ring.column("t", start), held[start:])
+        np.testing.assert_array_equal(ring.column("v", start), 10 * held[start:])
+    assert ring.first("t") == 5.0 and ring.last("t") == 12.0
+    assert RingTable(4, ("t",)).first("t") is None
+
+
+# ---- decimation ------------------------------------------------------------------------------------------
+
+
+def test_peak_decimation_keeps_extremes_edges_and_gaps():
+    rng = np.random.default_rng(1)
+    x = np.sort(rng.uniform(0.0, 60.0, 20000))
+    x[0], x[-1] = -0.5, 59.9  # one row before the window lets the line enter from the edge
+    y = rng.normal(50.0, 5.0, x.size)
+    gap = (x >= 20.0) & (x < 25.0)
+    y[gap] = np.nan  # five seconds nobody measured
+    y[np.searchsorted(x, 40.0)] = np.nan  # one missing point: narrower than a pixel
+    y[np.searchsorted(x, 10.0)] = 500.0  # a single spike must survive
+    columns = 100
+    dx, dy = peak_decimate(x, y, 0.0, 60.0, columns)
+
+    assert dx.size <= 2 * columns + columns // 10 + 1  # two per column, plus gap markers and the edge row
+    assert (dx[0], dy[0]) == (x[0], y[0]) and dx[-1] == x[-1]
+    assert np.all(np.diff(dx) >= 0)
+    assert np.nanmax(dy) == 500.0 and np.nanmin(dy) == np.nanmin(y) and np.nanmax(dy[dy < 500]) == np.nanmax(
+        y[y < 500])
+    # The gap stays a gap: nothing drawn inside it, and the runs either side are not joined.
+    inside = (dx > 20.0 + 0.6) & (dx < 25.0 - 0.6)
+    assert np.isnan(dy[inside]).all()
+    before, after = np.flatnonzero(dx < 20.0)[-1], np.flatnonzero(dx >= 25.0)[0]
+    assert np.isnan(dy[before + 1:after]).any()
+    # Small series are drawn as they are.
+    sx, sy = x[:150], y[:150]
+    assert peak_decimate(sx, sy, 0.0, 60.0, columns) == (sx, sy)
 
 
 def test_series_ring_keeps_the_newest_steps(hud, qtbot):

@@ -59,9 +59,27 @@ class RingTable:
             self._data[:n - first] = rows[first:]
         self._next = (self._next + n) % self.capacity
 
-    def column(self, name: str) -> np.ndarray:
-        """The held values of one column, oldest first (a copy)."""
-        return self._ordered(self._data[:, self._index[name]])
+    def column(self, name: str, start: int = 0) -> np.ndarray:
+        """The held values of one column, oldest first (a copy), from the `start`-th held row on."""
+        return self._ordered(self._data[:, self._index[name]], start)
+
+    def search(self, name: str, value: float) -> int:
+        """How many held rows (oldest first) come before the first whose `name` is >= value; the column must
+        be sorted oldest first, as times are. Reads the ring in place: no copy, O(log n)."""
+        col = self._data[:, self._index[name]]
+        if self.total < self.capacity:
+            return int(np.searchsorted(col[:self.total], value))
+        older, newer = col[self._next:], col[:self._next]  # the held rows are these two runs, in this order
+        if older.size and older[-1] >= value:
+            return int(np.searchsorted(older, value))
+        return older.size + int(np.searchsorted(newer, value))
+
+    def first(self, name: str) -> Optional[float]:
+        """The oldest held value of a column, None when nothing is held or it was not measured."""
+        if self.total == 0:
+            return None
+        v = self._data[self._next if self.total >= self.capacity else 0, self._index[name]]
+        return None if np.isnan(v) else float(v)
 
     def rows(self) -> np.ndarray:
         """All held rows, oldest first (a copy), shape [len, columns]."""
@@ -80,10 +98,13 @@ class RingTable:
         self.total = 0
         self.version += 1
 
-    def _ordered(self, a: np.ndarray) -> np.ndarray:
+    def _ordered(self, a: np.ndarray, start: int = 0) -> np.ndarray:
         if self.total < self.capacity:
-            return a[:self.total].copy()
-        return np.concatenate((a[self._next:], a[:self._next]))
+            return a[start:self.total].copy()
+        older = a[self._next:]
+        if start >= len(older):
+            return a[start - len(older):self._next].copy()
+        return np.concatenate((older[start:], a[:self._next]))
 
 
 def _as_row(row: Sequence[Optional[float]], width: int) -> list[float]:
