@@ -18,6 +18,8 @@ from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX
 from ui.hud.decimate import peak_decimate
+from ui.hud.live_plots import LivePlots
+from ui.hud.paint_rate import PaintRate
 from ui.hud.ring import RingTable
 from ui.hud.series import LiveSeries
 
@@ -380,6 +382,95 @@ def test_nothing_paints_while_hidden(hud, qtbot):
     ticks = panel.live.tick_count
     qtbot.wait(200)
     assert panel.live.tick_count == ticks
+
+
+def test_a_long_stream_is_drawn_at_two_points_per_pixel_column(hud, qtbot):
+    panel, _ = hud
+    panel.begin_generation("fast", EngineOptions(device="cpu"))
+    recs = steps(1000.0, 24000, 2.5, profiled=(12000, 12008))  # ~60 s at 400 tok/s
+    for k in range(0, len(recs), 4000):
+        panel.add_steps(recs[k:k + 4000])
+    show_and_paint(qtbot, panel)
+    panel.live.paint()  # the first paint may come before the layout settled; a new width re-feeds the curves
+    t0 = panel.series.t0
+    view = panel.live.view("step_ms")
+    columns = view.columns()
+    assert 300 < columns < 520
+    x, y = curve_xy(view.curve)
+    tx, ty = curve_xy(view.profiled_curve)
+    assert x.size <= 2 * columns + 8 and tx.size <= 2 * columns + 8
+    x_lo, x_hi = panel.live._x_shown
+    shown = [r for r in recs if r.t - t0 >= x_lo]
+    assert np.nanmax(y) == max(r.step_ms for r in shown if not r.profiled)
+    assert np.nanmin(y) == min(r.step_ms for r in shown if not r.profiled)
+    assert np.nanmax(ty) == max(r.step_ms for r in recs if r.profiled)
+    assert x[-1] == pytest.approx(recs[-1].t - t0) and x_hi >= x[-1]
+    _, tok = curve_xy(panel.live.view("tokens_per_s").curve)
+    rate = panel.series.values("tokens_per_s")
+    assert tok.size <= 2 * columns + 8 and np.nanmax(tok) == np.nanmax(rate[-len(shown):])
+
+
+def test_only_changed_and_shown_series_are_fed(hud, qtbot):
+    panel, clock = hud
+    panel.begin_generation("cpu", EngineOptions(device="cpu"))
+    gpu_none = {"gpu_util_pct": None, "sm_activity_pct": None, "dram_bw_util_pct": None}
+    panel.add_steps(steps(1000.0, 40, 10.0))
+    panel.add_samples(samples(1000.0, 1000.4, 10.0, gpu_none, cpu_sources()))
+    show_and_paint(qtbot, panel)
+    qtbot.waitUntil(lambda: panel.live.view("cpu_util_pct").plot_widget.isVisible(), timeout=3000)
+    panel.live.paint()
+    fed = []
+    for name, view in panel.live.views.items():
+        for curve in (view.curve, view.profiled_curve):
+            if curve is not None:
+                original = curve.setData
+                curve.setData = lambda *a, _o=original, _n=name, **k: (fed.append(_n), _o(*a, **k))[1]
+
+    assert panel.live.paint() is False and fed == []  # nothing new: nothing fed
+    last = steps(1000.0, 41, 10.0)[-1]
+    panel.add_steps([StepRecord(t=last.t, step=41, tokens_total=41, step_ms=last.step_ms)])
+    assert panel.live.paint() is True
+    assert set(fed) == {"tokens_per_s", "step_ms"}  # the samples did not change: their plots are left alone
+    fed.clear()
+    panel.add_samples(samples(1000.5, 1000.5, 10.0, gpu_none, cpu_sources()))
+    assert panel.live.paint() is True
+    assert set(fed) == {"cpu_util_pct", "process_rss_bytes"}  # the GPU series are n/a: never fed
+    assert all(len(curve_xy(panel.live.view(n).curve)[0]) == 0 for n in GPU_VIEWS)
+
+
+def test_paint_rate_keeps_painting_within_its_budget():
+    rate = PaintRate(max_hz=20, min_hz=5, budget=0.03)
+    assert rate.interval_ms == 50 and rate.share is None
+    assert rate.frame(0.001, fed=True) == 50  # 1 ms a frame: 20 Hz costs 2 %
+    rate = PaintRate(max_hz=20, min_hz=5, budget=0.03, smoothing=1.0)
+    assert rate.frame(0.0015, fed=True) == 50
+    rate.add_render(0.0015)  # the plots' paint events after the slot count towards the next frame
+    assert rate.frame(0.0015, fed=True) == 100  # 3 ms a frame: 10 Hz keeps it at 3 %
+    assert rate.share == pytest.approx(0.03)
+    assert rate.frame(0.050, fed=False) == 100  # a tick that fed nothing leaves the rate as it is
+    assert rate.frame(0.020, fed=True) == 200  # never slower than 5 Hz
+    assert rate.frame(0.0001, fed=True) == 50  # and back up when painting is cheap again
+    assert rate.frames == 4 and rate.render_s == pytest.approx(0.0015)
+    with pytest.raises(ValueError, match="budget"):
+        PaintRate(budget=0.0)
+
+
+def test_the_paint_timer_slows_down_when_painting_is_expensive(qtbot):
+    ticks = iter(range(10**6))
+    slow_clock = lambda: next(ticks) * 0.004  # every reading 4 ms later: each paint slot "costs" 4 ms
+    series = LiveSeries()
+    live = LivePlots(series, paint_hz=20, clock=slow_clock)
+    live.resize(500, 800)
+    qtbot.addWidget(live)
+    series.begin_generation("g", EngineOptions(), 1000.0)
+    live.show()
+    qtbot.waitExposed(live)
+    assert live._paint_timer.interval() == 50
+    for k in range(5):
+        series.add_steps(steps(1000.0 + k, 20, 10.0, seed=k))
+        live._tick()
+    assert 135 <= live._paint_timer.interval() <= 200  # >= 4 ms / 3 %, within 5 Hz
+    assert live.rate.share is not None and live.rate.share <= 0.03 + 1e-9
 
 
 def test_paint_and_label_rates_are_bounded(hud):

@@ -1,0 +1,256 @@
+"""One live series in the HUD: a header (title — source, newest value) over either its plot or its
+"n/a — reason" line, and what each series is (PlotSpec, PLOTS).
+
+Cheap to repaint by construction: the curves are PlotCurveItems fed already-decimated data (no clipping or
+downsampling left to pyqtgraph), the axes (and the grid the left axis draws) are cached as pixmaps so a curve
+update does not replay their text, and the y range moves only in steps, at the label rate.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+
+from ui.hud import fmt
+from ui.hud.decimate import peak_decimate
+from ui.hud.series import ESTIMATED_SERIES
+
+TOKENS_SOURCE = "engine step records, rolling 1 s"
+STEP_SOURCE = "engine step timings; traced window in orange"
+PROFILED_COLOR = "#e8a33d"
+LEFT_AXIS_PX = 48
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    name: str  # the LiveSeries series
+    title: str
+    format: Callable[[Optional[float]], str]
+    color: str
+    axis_gib: bool = False  # the data are bytes; the axis reads GiB (the data stay as fed)
+    percent: bool = False  # fixed 0-100 y range
+    y_top: Optional[Callable[[float], float]] = None  # y range top from the largest value shown (None: fixed)
+    cpu: bool = False  # shown instead of the GPU series when the GPU is not measured
+    source: Optional[str] = None  # fixed source of an engine-side series; else the samples' own labels
+    idle_reason: str = "no monitor samples yet"
+
+    @property
+    def from_steps(self) -> bool:
+        """Drawn from the step records (else from the monitor samples)."""
+        return self.name in ("tokens_per_s", "step_ms")
+
+
+PLOTS = (
+    PlotSpec("tokens_per_s", "Tokens/s", lambda v: fmt.number(v, "tok/s"), "#4e9af1",
+             y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=TOKENS_SOURCE, idle_reason="no decode steps yet"),
+    PlotSpec("step_ms", "Step latency", lambda v: fmt.number(v, "ms"), "#56b6c2",
+             y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=STEP_SOURCE, idle_reason="no decode steps yet"),
+    PlotSpec("gpu_util_pct", "GPU util", fmt.percent, "#4cbf73", percent=True),
+    PlotSpec("sm_activity_pct", "SM activity", fmt.percent, "#c678dd", percent=True),
+    PlotSpec("dram_bw_util_pct", "DRAM bandwidth", fmt.percent, "#e06c75", percent=True),
+    # CPU use counts every core (100% = one core busy), so the range grows a core at a time.
+    PlotSpec("cpu_util_pct", "CPU (this process)", fmt.percent, "#4cbf73", cpu=True,
+             y_top=lambda m: max(100.0, 100.0 * math.ceil(m / 100.0))),
+    PlotSpec("process_rss_bytes", "Process memory", fmt.size, "#c678dd", axis_gib=True, cpu=True,
+             y_top=lambda m: fmt.nice_ceiling(m * 1.05)),
+)
+
+
+class MeteredPlotWidget(pg.PlotWidget):
+    """A PlotWidget that reports the time each of its paint events takes, so the paint rate can be budgeted."""
+
+    def __init__(self, on_paint: Callable[[float], None], clock: Callable[[], float] = time.thread_time):
+        super().__init__()
+        self._on_paint = on_paint
+        self._clock = clock
+
+    def paintEvent(self, event) -> None:
+        start = self._clock()
+        super().paintEvent(event)
+        self._on_paint(self._clock() - start)
+
+
+class SeriesView(QWidget):
+    """One series: a header (title — source, newest value) over either its plot or its "n/a — reason" line.
+    `on_paint` hears the duration of each of the plot's paint events (seconds, from `clock`)."""
+
+    def __init__(self, spec: PlotSpec, on_paint: Callable[[float], None] = lambda s: None,
+                 clock: Callable[[], float] = time.thread_time, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.spec = spec
+        self.label_text = spec.title
+        self.na_reason: Optional[str] = None
+        self.fed_key: Optional[tuple] = None  # what the curves were last fed from (LivePlots decides)
+        self.estimates_key: Optional[int] = None
+        self._header: Optional[tuple] = None
+        self._measured: Optional[tuple] = None
+        self._shown_max: Optional[float] = None  # largest value drawn right of the window's left edge
+        self._y_top: Optional[float] = None
+        self.title = QLabel(spec.title)
+        self.title.setTextFormat(Qt.TextFormat.RichText)
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.value = QLabel(fmt.NA)
+        self.value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        self.na_label = QLabel()
+        self.na_label.setWordWrap(True)
+        self.na_label.setContentsMargins(52, 2, 4, 6)
+
+        self.plot_widget = MeteredPlotWidget(on_paint, clock)
+        self.plot_widget.useOpenGL(False)
+        self.plot_widget.setMinimumHeight(52)
+        self.plot = self.plot_widget.getPlotItem()
+        self.plot.setMenuEnabled(False)
+        self.plot.setMouseEnabled(x=False, y=False)
+        self.plot.hideButtons()
+        self.plot.showGrid(x=False, y=True, alpha=0.15)
+        left = self.plot.getAxis("left")
+        left.setWidth(LEFT_AXIS_PX)
+        if spec.axis_gib:
+            left.enableAutoSIPrefix(False)
+            left.setScale(1.0 / (1 << 30))
+            left.setLabel("GiB")
+        for name in ("left", "bottom"):
+            # Redrawn only when their range changes; a curve update repaints a pixmap, not the tick text.
+            self.plot.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+        self.plot.disableAutoRange()
+        self.plot.setYRange(0, 100 if spec.percent else 1, padding=0.02)
+        self.curve = self._curve(pg.mkPen(spec.color, width=1), "finite")
+        self.profiled_curve = None
+        self.estimate_curve = None
+        if spec.name in ESTIMATED_SERIES:
+            # Separate segments, a handful of points, drawn as pairs.
+            self.estimate_curve = self._curve(pg.mkPen(spec.color, width=1, style=Qt.PenStyle.DashLine), "pairs")
+        if spec.name == "step_ms":
+            self.profiled_curve = self._curve(pg.mkPen(PROFILED_COLOR, width=1), "finite")
+        self.lines: list[pg.InfiniteLine] = []  # generation boundaries, a pool reused as they scroll by
+
+        header = QHBoxLayout()
+        header.setContentsMargins(2, 0, 2, 0)
+        header.addWidget(self.title, 1)
+        header.addWidget(self.value)
+        box = QVBoxLayout(self)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.setSpacing(0)
+        box.addLayout(header)
+        box.addWidget(self.plot_widget, 1)
+        box.addWidget(self.na_label)
+        self.set_measured(False, spec.idle_reason)
+
+    def _curve(self, pen, connect: str) -> pg.PlotCurveItem:
+        curve = pg.PlotCurveItem(pen=pen, antialias=False, connect=connect)
+        self.plot.addItem(curve)
+        return curve
+
+    @property
+    def plotted(self) -> bool:
+        """Whether the plot is on screen (not hidden as a CPU series, not replaced by its n/a line)."""
+        return not self.isHidden() and not self.plot_widget.isHidden()
+
+    def columns(self) -> int:
+        """Pixel columns the data area spans: the most points worth drawing is two per column."""
+        width = int(self.plot.vb.width())
+        return width if width > 0 else max(1, self.plot_widget.width() - LEFT_AXIS_PX)
+
+    def set_measured(self, measured: bool, reason: Optional[str]) -> None:
+        state = (measured, reason)
+        if state == self._measured:
+            return  # re-applying the same state would still relayout the whole column of plots
+        self._measured = state
+        self.na_reason = None if measured else (reason or "not measured so far")
+        self.na_label.setText(f"{fmt.NA} — {self.na_reason}" if self.na_reason else "")
+        self.plot_widget.setVisible(measured)
+        self.na_label.setVisible(not measured)
+        # An n/a series shrinks to its two lines, leaving the height to the plots that have data.
+        vertical = QSizePolicy.Policy.Expanding if measured else QSizePolicy.Policy.Maximum
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, vertical)
+
+    def set_header(self, source: Optional[str], value: Optional[float]) -> None:
+        header = (source, value)
+        if header == self._header:
+            return
+        self._header = header
+        self.label_text = f"{self.spec.title} — {source or fmt.NA}"
+        self.title.setText(f"<b>{self.spec.title}</b> — {source or fmt.NA}")
+        self.title.setToolTip(self.label_text)
+        self.value.setText(self.spec.format(value))
+
+    def set_data(self, x: np.ndarray, y: np.ndarray, profiled: Optional[np.ndarray], x_lo: float, x_hi: float) -> None:
+        """Draws y over x (sorted; rows before x_lo only let the line enter from the edge), decimated to the
+        plot's pixel columns; with `profiled`, the traced rows go to the orange curve instead."""
+        if not np.isfinite(y).any():
+            x = y = np.empty(0)  # nothing measured in the window: nothing drawn, not even zeros
+        columns = self.columns()
+        shown = []
+        if self.profiled_curve is not None and profiled is not None:
+            traced = profiled > 0.5
+            if traced.any():
+                tx, ty = peak_decimate(x, np.where(traced, y, np.nan), x_lo, x_hi, columns)
+                self.profiled_curve.setData(tx, ty)
+                shown.append(ty[tx >= x_lo])
+                y = np.where(traced, np.nan, y)
+            elif self.profiled_curve.xData is not None and self.profiled_curve.xData.size:
+                self.profiled_curve.setData(np.empty(0), np.empty(0))  # the traced window left the view
+        dx, dy = peak_decimate(x, y, x_lo, x_hi, columns)
+        self.curve.setData(dx, dy)
+        shown.append(dy[dx >= x_lo])
+        # The decimated curves keep every extreme, so their largest value is the data's.
+        top = max((float(np.fmax.reduce(a)) for a in shown if a.size), default=math.nan)
+        self._shown_max = top if math.isfinite(top) else None
+        if self._y_top is None:
+            self.fit_y()  # the first data: no waiting for the label timer
+
+    def fit_y(self) -> None:
+        """Moves the y range top (in 1-2-5 steps) to fit what is shown; fixed ranges stay."""
+        if self.spec.y_top is None or self._shown_max is None:
+            return
+        top = self.spec.y_top(self._shown_max)
+        if top != self._y_top:
+            self._y_top = top
+            self.plot.setYRange(0, top, padding=0.02)
+
+    def set_estimates(self, estimates, t0: float) -> None:
+        """Each estimate as a dashed level over the time it describes."""
+        x = np.array([[e.t_start - t0, e.t_end - t0] for e in estimates], dtype=float).ravel()
+        y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
+        self.estimate_curve.setData(x, y)
+
+    def set_boundaries(self, spans: list[tuple[float, Optional[float], str]], pen: QColor, labelled: bool) -> None:
+        needed = sum(1 if end is None else 2 for _, end, _ in spans)
+        while len(self.lines) < needed:
+            line = pg.InfiniteLine(angle=90, movable=False, label="" if labelled else None,
+                                   labelOpts={"position": 0.97, "color": pen, "anchors": [(0, 0), (0, 0)]})
+            self.plot.addItem(line, ignoreBounds=True)
+            self.lines.append(line)
+        i = 0
+        for start, end, label in spans:
+            for x, style, text in ((start, Qt.PenStyle.SolidLine, label), (end, Qt.PenStyle.DashLine, "")):
+                if x is None:
+                    continue
+                line = self.lines[i]
+                line.setPen(pg.mkPen(pen, width=1, style=style))
+                line.setValue(x)
+                label = getattr(line, "label", None)  # only the top plot's lines carry one
+                if label is not None:
+                    label.setFormat(text)
+                line.show()
+                i += 1
+        for line in self.lines[i:]:
+            line.hide()
+
+    def boundary_values(self) -> list[float]:
+        return [float(line.value()) for line in self.lines if line.isVisible()]
+
+    def apply_palette(self, background: QColor, foreground: QColor, muted: QColor) -> None:
+        self.plot_widget.setBackground(background)
+        for name in ("left", "bottom"):
+            axis = self.plot.getAxis(name)
+            axis.setPen(pg.mkPen(muted, width=1))
+            axis.setTextPen(pg.mkPen(foreground))
+        self.na_label.setStyleSheet(f"color: {muted.name()};")
