@@ -506,6 +506,27 @@ def test_bars_show_the_last_generation_with_sources(hud):
     assert v["kernel_gap_pct"]["source"] == OP_GAP
 
 
+def test_long_bar_sources_are_elided_with_the_full_text_in_the_tooltip(hud, qtbot):
+    panel, clock = hud
+    long_source = "op gap — torch.profiler CPU ops, 8-step window (sampled), " + "a very long explanation " * 6
+    m = GenerationMetrics(decode_tok_s=50.0, kernel_gap_pct=38.0, kernel_gap_source=long_source)
+    panel.begin_generation("g", EngineOptions())
+    panel.end_generation(m, EngineOptions(), "g")
+    panel.show()
+    qtbot.waitExposed(panel)
+    _, _, _, source = panel.bars._rows["kernel_gap_pct"]
+    assert source.text() == long_source == panel.bars.values()["kernel_gap_pct"]["source"]
+    shown = source.shown_text()
+    assert shown.endswith("…") and long_source.startswith(shown[:-1]) and len(shown) < len(long_source)
+    assert source.fontMetrics().horizontalAdvance(shown) <= source.contentsRect().width()
+    assert long_source in source.toolTip()
+    assert panel.bars.minimumSizeHint().width() < 400  # the source never widens the dock
+    panel.resize(1400, 1000)
+    qtbot.waitUntil(lambda: panel.bars.width() > 1000, timeout=3000)
+    _, _, _, short = panel.bars._rows["decode_tok_s"]
+    assert short.shown_text() == short.text() == "engine timing, device-synchronised"  # shown whole where it fits
+
+
 # ---- the compare table -----------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """The figures of the last generation as numbers and small bars: kernel/op gap, TTFT, decode and prefill tok/s,
-p50/p99 step latency, peak memory. Each row names its source; a figure the engine did not measure is "n/a"
-with its reason in the tooltip.
+p50/p99 step latency, peak memory. Each row names its source (cut to the dock's width with "…", in full in the
+tooltip); a figure the engine did not measure is "n/a" with its reason in the tooltip.
 """
 from __future__ import annotations
 
@@ -72,6 +72,28 @@ class MiniBar(QWidget):
         p.end()
 
 
+class ElidedLabel(QLabel):
+    """A one-line label that shows as much of its text as fits, ending in "…"; text() stays the full text.
+    It takes no width of its own, so a long source never widens the dock."""
+
+    def __init__(self, text: str = "", parent: Optional[QWidget] = None):
+        super().__init__(text, parent)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(0, super().minimumSizeHint().height())
+
+    def shown_text(self) -> str:
+        """What is drawn at the current width."""
+        return self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, self.contentsRect().width())
+
+    def paintEvent(self, event) -> None:
+        p = QPainter(self)
+        self.style().drawItemText(p, self.contentsRect(), int(self.alignment()), self.palette(), self.isEnabled(),
+                                  self.shown_text(), self.foregroundRole())
+        p.end()
+
+
 class BarStrip(QWidget):
     """Numbers and bars of one generation. Bars of unbounded figures are relative to the session's largest."""
 
@@ -86,9 +108,8 @@ class BarStrip(QWidget):
         grid.setHorizontalSpacing(8)
         grid.setVerticalSpacing(2)
         for i, row in enumerate(BAR_ROWS):
-            name, bar, value, source = QLabel(row.title), MiniBar(row.color), QLabel(fmt.NA), QLabel()
+            name, bar, value, source = QLabel(row.title), MiniBar(row.color), QLabel(fmt.NA), ElidedLabel()
             value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            source.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
             for col, w in enumerate((name, value, bar, source)):
                 grid.addWidget(w, i, col)
             self._rows[row.key] = (name, bar, value, source)
