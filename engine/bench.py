@@ -1,9 +1,10 @@
 """The optimization ladder and the transformers baseline, measured in one process on one prompt.
 
-Each rung is a preset of `engine.types.PRESETS`, run through the engine facade: one warm-up generation
-(compile, capture and the profiler's first start happen there) and then `repeats` timed generations, greedy,
+Each rung is a preset of `engine.types.PRESETS`, run through the engine facade: warm-up generations first
+(compile, capture and the profiler's first start happen there), then `repeats` timed greedy generations
 whose figures are the engine's own device-synchronised metrics; a rung's figure is the median over repeats.
-The baseline is transformers' `generate()` on the same weights, prompt ids and token count.
+The baseline is transformers' `generate()` on the same weights, prompt ids and token count. On the CPU the
+repeats are interleaved (see `run_suite`), because a shared machine's load drifts over minutes.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class BenchConfig:
     candidates: Optional[int] = None  # N of the candidates rung (default 4)
     baseline: bool = True
     compile: Optional[bool] = None  # None: on with CUDA, off on the CPU (a cold compile takes minutes there)
+    interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
     prompt: str = DEFAULT_PROMPT
     profile_window: bool = True
 
@@ -140,48 +142,83 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
     return opts, None, notes
 
 
-def _run_rung(engine, rung: Rung, opts: EngineOptions, messages: list[dict], sampling: SamplingParams,
-              config: BenchConfig, progress: Progress) -> None:
-    engine.reconfigure(opts)
-    for i in range(config.warmup):
-        progress(f"{rung.name}: warm-up {i + 1}/{config.warmup}")
-        engine.generate(messages, sampling)
-    for i in range(config.repeats):
-        result = engine.generate(messages, sampling)
+def _failed(rung: Rung, exc: BaseException, progress: Progress) -> None:
+    log.error("bench rung %s failed", rung.name, exc_info=exc)
+    rung.status, rung.reason = "failed", f"{type(exc).__name__}: {exc}"
+    progress(f"{rung.name}: failed: {rung.reason}")
+
+
+# Errors that end one rung or baseline but not the bench: out of memory, a compile failure, an engine refusal.
+RUN_ERRORS = (GaplessError, RuntimeError, ValueError)
+
+
+class LadderRunner:
+    """The engine side of the bench: plans the rungs, warms each one up, then times one repeat at a time."""
+
+    def __init__(self, engine, config: BenchConfig, progress: Progress):
+        self.engine, self.config, self.progress = engine, config, progress
+        self.device_type = torch.device(engine.info.device).type
+        self.sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
+        self.messages = [{"role": "user", "content": config.prompt}]
+        self.rungs: list[Rung] = []
+        self.opts: dict[str, EngineOptions] = {}
+        self._current: Optional[EngineOptions] = None
+        base = EngineOptions(device=config.device, profile_window=config.profile_window)
+        for name in [p for p in PRESETS if p in config.presets]:
+            opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
+            label = f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
+            self.rungs.append(Rung(name, label, "skipped" if skip else "ok", reason=skip, notes=notes))
+            if skip:
+                progress(f"{name}: skipped: {skip}")
+            else:
+                self.opts[name] = opts
+
+    def ok(self) -> list[Rung]:
+        return [r for r in self.rungs if r.status == "ok"]
+
+    def _switch(self, rung: Rung, warm: bool = True) -> None:
+        """Options of `rung`; a change of dtype or device re-places the weights (and drops compiled steps), so
+        the first generation after it is a warm-up, not a measurement."""
+        opts = self.opts[rung.name]
+        rebuilt = self._current is not None and (opts.dtype, opts.device) != (self._current.dtype, self._current.device)
+        self.engine.reconfigure(opts)
+        self._current = opts
+        if rebuilt and warm:
+            self.progress(f"{rung.name}: warm-up after re-placing the weights")
+            self.engine.generate(self.messages, self.sampling)
+
+    def warm_up(self) -> None:
+        for rung in self.ok():
+            try:
+                self._switch(rung, warm=False)
+                for i in range(self.config.warmup):
+                    self.progress(f"{rung.name}: warm-up {i + 1}/{self.config.warmup}")
+                    self.engine.generate(self.messages, self.sampling)
+            except RUN_ERRORS as exc:
+                _failed(rung, exc, self.progress)
+
+    def run_once(self, rung: Rung, index: int) -> None:
+        if rung.status != "ok":
+            return
+        try:
+            self._switch(rung)
+            result = self.engine.generate(self.messages, self.sampling)
+        except RUN_ERRORS as exc:
+            _failed(rung, exc, self.progress)
+            return
         m = result.metrics.to_dict()
         rung.options = result.options.to_dict()
         rung.runs.append({"metrics": m, "new_tokens": m["new_tokens"], "finish_reasons": result.finish_reasons,
                           "token_ids": result.token_ids, "unavailable_options": dict(result.unavailable)})
         tok_s = m.get("decode_tok_s")
-        progress(f"{rung.name}: run {i + 1}/{config.repeats}: "
-                 f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s, {m['new_tokens_total']} tokens")
-    rung.median = median_metrics([r["metrics"] for r in rung.runs])
+        self.progress(f"{rung.name}: run {index + 1}/{self.config.repeats}: "
+                      f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s, {m['new_tokens_total']} tokens")
 
-
-def run_ladder(engine, config: BenchConfig, progress: Progress = log.info) -> list[Rung]:
-    """Every requested preset, in ladder order, on the loaded engine."""
-    device_type = torch.device(engine.info.device).type
-    base = EngineOptions(device=config.device, profile_window=config.profile_window)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
-    messages = [{"role": "user", "content": config.prompt}]
-    rungs: list[Rung] = []
-    for name in [p for p in PRESETS if p in config.presets]:
-        label = PRESET_LABELS[name]
-        opts, skip, notes = plan_rung(engine, name, base, device_type, config)
-        if opts is not None and opts.candidates > 1:
-            label = f"+ {opts.candidates} candidates"
-        rung = Rung(name, label, "skipped" if skip else "ok", reason=skip, notes=notes)
-        rungs.append(rung)
-        if skip:
-            progress(f"{name}: skipped: {skip}")
-            continue
-        try:
-            _run_rung(engine, rung, opts, messages, sampling, config, progress)
-        except (GaplessError, RuntimeError, ValueError) as exc:  # e.g. out of memory, a compile failure: go on
-            log.exception("bench rung %s failed", name)
-            rung.status, rung.reason = "failed", f"{type(exc).__name__}: {exc}"
-            progress(f"{name}: failed: {rung.reason}")
-    return rungs
+    def finish(self) -> list[Rung]:
+        for rung in self.rungs:
+            if rung.runs:
+                rung.median = median_metrics([r["metrics"] for r in rung.runs])
+        return self.rungs
 
 
 # ---- the transformers baseline ---------------------------------------------------------------------------
@@ -214,93 +251,105 @@ def _peak_memory(device: torch.device) -> tuple[Optional[int], str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS since start (getrusage)"
 
 
-def run_baseline(model, prompt_ids: list[int], eos_ids: list[int], n_tokens: int, device: torch.device,
-                 config: BenchConfig, static_compile: bool, monitor=None, progress: Progress = log.info) -> Baseline:
+class BaselineRunner:
     """transformers' generate(), greedy, exactly `n_tokens` new tokens (min_new_tokens = max_new_tokens).
 
     TTFT is a 1-token generate(); decode tok/s is (n - 1) / (time of n tokens - time of 1 token), both
     device-synchronised, so prefill is left out as in the engine's decode figure.
     """
-    from transformers import GenerationConfig
 
-    name = "transformers-static-compile" if static_compile else "transformers"
-    label = "transformers generate(), static cache + compile" if static_compile else "transformers generate()"
-    settings: dict[str, Any] = {
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
-        "do_sample": False, "max_new_tokens": n_tokens, "min_new_tokens": n_tokens,
-        "cache_implementation": "static" if static_compile else "default (dynamic)",
-        "compile": ("transformers auto-compile of the forward with a static cache (CompileConfig defaults)"
-                    if static_compile else "off"),
-    }
-    base = Baseline(name, label, "ok", settings=settings)
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    mask = torch.ones_like(ids)
-    pad = eos_ids[0] if eos_ids else 0
+    def __init__(self, model, prompt_ids: list[int], eos_ids: list[int], n_tokens: int, device: torch.device,
+                 config: BenchConfig, static_compile: bool, monitor=None, progress: Progress = log.info):
+        self.model, self.device, self.config, self.monitor, self.progress = model, device, config, monitor, progress
+        self.n_tokens, self.static_compile = n_tokens, static_compile
+        self.ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        self.eos_ids = list(eos_ids)
+        name = "transformers-static-compile" if static_compile else "transformers"
+        label = "transformers generate(), static cache + compile" if static_compile else "transformers generate()"
+        self.result = Baseline(name, label, "ok", settings={
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
+            "do_sample": False, "max_new_tokens": n_tokens, "min_new_tokens": n_tokens,
+            "cache_implementation": "static" if static_compile else "default (dynamic)",
+            "compile": ("transformers auto-compile of the forward with a static cache (CompileConfig defaults)"
+                        if static_compile else "off"),
+        })
 
-    def gen_config(n: int) -> GenerationConfig:
-        g = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=eos_ids or None,
-                             pad_token_id=pad)
-        if static_compile:
+    def _timed(self, n: int) -> tuple[float, torch.Tensor, float, float]:
+        from transformers import GenerationConfig
+
+        g = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=self.eos_ids or None,
+                             pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
+        if self.static_compile:
             g.cache_implementation = "static"
-        return g
-
-    def timed(n: int) -> tuple[float, torch.Tensor, float, float]:
-        _sync(device)
+        _sync(self.device)
         t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config(n))
-        _sync(device)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids), generation_config=g)
+        _sync(self.device)
         t1 = time.perf_counter()
         return t1 - t0, out, t0, t1
 
-    try:
-        with torch.inference_mode():
-            for i in range(config.warmup + (1 if static_compile else 0)):  # compile needs a second warm-up
-                progress(f"{name}: warm-up {i + 1}")
-                timed(1)
-                timed(n_tokens)
-            for i in range(config.repeats):
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                first_s, _, _, _ = timed(1)
-                total_s, out, t0, t1 = timed(n_tokens)
-                new = out[0, len(prompt_ids):].tolist()
-                run: dict[str, Any] = {
-                    "ttft_ms": first_s * 1e3,
-                    "total_s": total_s,
-                    "new_tokens_total": len(new),
-                    "decode_tok_s": ratio(len(new) - 1, total_s - first_s),
-                }
-                run["peak_memory_bytes"], run["peak_memory_source"] = _peak_memory(device)
-                run["unavailable"] = {}
-                if monitor is not None:
-                    for metric, (value, source) in monitor.summary(t0, t1).items():
-                        run[metric] = value
-                        run[metric.replace("_pct", "_source")] = source if value is not None else None
-                        if value is None:
-                            run["unavailable"][metric] = source
-                base.runs.append(run)
-                base.token_ids = new
-                tok_s = run["decode_tok_s"]
-                progress(f"{name}: run {i + 1}/{config.repeats}: {'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s")
-    except (RuntimeError, ValueError, TypeError) as exc:  # e.g. a compile failure: report it, keep the ladder
-        log.exception("baseline %s failed", name)
-        base.status, base.reason = "failed", f"{type(exc).__name__}: {exc}"
+    def _fail(self, exc: BaseException) -> None:
+        log.error("baseline %s failed", self.result.name, exc_info=exc)
+        self.result.status, self.result.reason = "failed", f"{type(exc).__name__}: {exc}"
+        self.progress(f"{self.result.name}: failed: {self.result.reason}")
+
+    def warm_up(self) -> None:
+        for i in range(self.config.warmup + (1 if self.static_compile else 0)):  # compile needs a second one
+            self.progress(f"{self.result.name}: warm-up {i + 1}")
+            try:
+                self._timed(1)
+                self._timed(self.n_tokens)
+            except RUN_ERRORS + (TypeError,) as exc:
+                self._fail(exc)
+                return
+
+    def run_once(self, index: int) -> None:
+        if self.result.status != "ok":
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            first_s, _, _, _ = self._timed(1)
+            total_s, out, t0, t1 = self._timed(self.n_tokens)
+        except RUN_ERRORS + (TypeError,) as exc:
+            self._fail(exc)
+            return
+        new = out[0, self.ids.shape[1]:].tolist()
+        run: dict[str, Any] = {"ttft_ms": first_s * 1e3, "total_s": total_s, "new_tokens_total": len(new),
+                               "decode_tok_s": ratio(len(new) - 1, total_s - first_s), "unavailable": {}}
+        run["peak_memory_bytes"], run["peak_memory_source"] = _peak_memory(self.device)
+        if self.monitor is not None:
+            for metric, (value, source) in self.monitor.summary(t0, t1).items():
+                run[metric] = value
+                run[metric.replace("_pct", "_source")] = source if value is not None else None
+                if value is None:
+                    run["unavailable"][metric] = source
+        self.result.runs.append(run)
+        self.result.token_ids = new
+        tok_s = run["decode_tok_s"]
+        self.progress(f"{self.result.name}: run {index + 1}/{self.config.repeats}: "
+                      f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s")
+
+    def finish(self) -> Baseline:
+        base = self.result
+        if not base.runs:
+            return base
+        base.median = {f: median(r.get(f) for r in base.runs)
+                       for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", "peak_memory_bytes",
+                                 "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
+        tok_s = [r["decode_tok_s"] for r in base.runs if r.get("decode_tok_s") is not None]
+        base.median["decode_tok_s_min"] = min(tok_s) if tok_s else None
+        base.median["decode_tok_s_max"] = max(tok_s) if tok_s else None
+        for f in ("peak_memory_source", "gpu_util_source", "sm_activity_source", "dram_bw_util_source"):
+            base.median[f] = next((r[f] for r in base.runs if r.get(f)), None)
+        base.median["kernel_gap_pct"] = None
+        base.median["kernel_gap_source"] = None
+        base.median["unavailable"] = {"kernel_gap_pct": "not traced inside transformers generate()"}
+        for r in base.runs:
+            for k, v in r["unavailable"].items():
+                base.median["unavailable"].setdefault(k, v)
         return base
-    base.median = {f: median(r.get(f) for r in base.runs)
-                   for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", "peak_memory_bytes",
-                             "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
-    tok_s = [r["decode_tok_s"] for r in base.runs if r.get("decode_tok_s") is not None]
-    base.median["decode_tok_s_min"] = min(tok_s) if tok_s else None
-    base.median["decode_tok_s_max"] = max(tok_s) if tok_s else None
-    for f in ("peak_memory_source", "gpu_util_source", "sm_activity_source", "dram_bw_util_source"):
-        base.median[f] = next((r[f] for r in base.runs if r.get(f)), None)
-    base.median["kernel_gap_pct"] = None
-    base.median["kernel_gap_source"] = None
-    base.median["unavailable"] = {"kernel_gap_pct": "not traced inside transformers generate()"}
-    for r in base.runs:
-        for k, v in r["unavailable"].items():
-            base.median["unavailable"].setdefault(k, v)
-    return base
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
@@ -367,63 +416,103 @@ def add_ratios(rungs: list[Rung], baselines: list[Baseline]) -> dict[str, Any]:
     }
 
 
-def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optional[list[str]] = None,
-              nvml: Any = None) -> dict[str, Any]:
-    """Load the model, run the ladder and the baselines, and return the report (plain JSON-able data)."""
-    from engine.engine import Engine
+def interleaved(config: BenchConfig, device_type: str) -> bool:
+    return config.interleave if config.interleave is not None else device_type != "cuda"
+
+
+def _baseline_runners(config: BenchConfig, context_length: int, device: torch.device, nvml: Any,
+                      progress: Progress) -> tuple[list[BaselineRunner], list[int], Any]:
+    """The transformers model on the same weights and prompt ids, and a monitor for its GPU figures."""
     from engine.fallback import build_hf_model
     from engine.loader import load_checkpoint
     from engine.prompt import build_prompt
     from engine.telemetry.monitor import Monitor
+
+    ckpt = load_checkpoint(config.model, lambda p: progress(f"{p.stage}: {p.message}"))
+    messages = [{"role": "user", "content": config.prompt}]
+    prompt_ids = list(build_prompt(ckpt.tokenizer, messages, context_length, config.max_new_tokens).ids)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32  # generate()'s usual choice per device
+    model = build_hf_model(ckpt.config, ckpt.state_dict, dtype, device)
+    eos_ids = list(ckpt.eos_token_ids)
+    monitor = Monitor(device, nvml=nvml)
+    monitor.start()
+    kinds = [False] + ([True] if device.type == "cuda" and compile_enabled(config, device.type) else [])
+    runners = [BaselineRunner(model, prompt_ids, eos_ids, config.max_new_tokens, device, config, static_compile=k,
+                              monitor=monitor, progress=progress) for k in kinds]
+    return runners, prompt_ids, monitor
+
+
+def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optional[list[str]] = None,
+              nvml: Any = None) -> dict[str, Any]:
+    """Load the model, run the ladder and the baselines, and return the report (plain JSON-able data).
+
+    Interleaved (the default on the CPU, where the machine is often shared): after every warm-up, each round
+    runs every rung and the baseline once, so a stretch of outside load slows all of them alike instead of
+    one rung. Sequential (the default on CUDA): each rung's repeats back to back, so compiled steps and
+    captured graphs are not rebuilt for every round.
+    """
+    from engine.engine import Engine
 
     config = validate(config)
     started = time.time()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window),
                          progress=lambda p: progress(f"{p.stage}: {p.message}"))
+    runners: list[BaselineRunner] = []
+    prompt_ids: Optional[list[int]] = None
+    monitor = None
     try:
         info = engine.info.to_dict()
         device = torch.device(engine.info.device)
-        rungs = run_ladder(engine, config, progress)
+        inter = interleaved(config, device.type)
+        ladder = LadderRunner(engine, config, progress)
+        ladder.warm_up()
+        if inter:
+            if config.baseline:
+                runners, prompt_ids, monitor = _baseline_runners(config, info["context_length"], device, nvml, progress)
+                for b in runners:
+                    b.warm_up()
+            for i in range(config.repeats):
+                for rung in ladder.ok():
+                    ladder.run_once(rung, i)
+                for b in runners:
+                    b.run_once(i)
+        else:
+            for rung in ladder.ok():
+                for i in range(config.repeats):
+                    ladder.run_once(rung, i)
+        rungs = ladder.finish()
     finally:
         engine.close()
-
-    messages = [{"role": "user", "content": config.prompt}]
-    baselines: list[Baseline] = []
-    prompt_ids: Optional[list[int]] = None
-    greedy_match: Optional[dict[str, int]] = None
-    if config.baseline:
-        ckpt = load_checkpoint(config.model, lambda p: progress(f"{p.stage}: {p.message}"))
-        prompt_ids = list(build_prompt(ckpt.tokenizer, messages, info["context_length"], config.max_new_tokens).ids)
-        dtype = torch.float16 if device.type == "cuda" else torch.float32  # generate()'s usual choice per device
-        model = build_hf_model(ckpt.config, ckpt.state_dict, dtype, device)
-        eos_ids = list(ckpt.eos_token_ids)
-        del ckpt
-        monitor = Monitor(device, nvml=nvml)
-        monitor.start()
-        try:
-            baselines.append(run_baseline(model, prompt_ids, eos_ids, config.max_new_tokens, device, config,
-                                          static_compile=False, monitor=monitor, progress=progress))
-            if device.type == "cuda" and compile_enabled(config, device.type):
-                baselines.append(run_baseline(model, prompt_ids, eos_ids, config.max_new_tokens, device, config,
-                                              static_compile=True, monitor=monitor, progress=progress))
-        finally:
+    try:
+        if config.baseline and not inter:
+            runners, prompt_ids, monitor = _baseline_runners(config, info["context_length"], device, nvml, progress)
+            for b in runners:
+                b.warm_up()
+                for i in range(config.repeats):
+                    b.run_once(i)
+    finally:
+        if monitor is not None:
             monitor.close()
-        naive = next((r for r in rungs if r.name == "naive" and r.runs), None)
-        plain = next((b for b in baselines if b.name == "transformers" and b.token_ids), None)
-        if naive is not None and plain is not None:
-            ours = naive.runs[0]["token_ids"][0]
-            greedy_match = {"matching_prefix": matching_prefix(ours, plain.token_ids), "naive_tokens": len(ours),
-                            "transformers_tokens": len(plain.token_ids)}
+    baselines = [b.finish() for b in runners]
 
+    greedy_match: Optional[dict[str, int]] = None
+    naive = next((r for r in rungs if r.name == "naive" and r.runs), None)
+    plain = next((b for b in baselines if b.name == "transformers" and b.token_ids), None)
+    if naive is not None and plain is not None:
+        ours = naive.runs[0]["token_ids"][0]
+        greedy_match = {"matching_prefix": matching_prefix(ours, plain.token_ids), "naive_tokens": len(ours),
+                        "transformers_tokens": len(plain.token_ids)}
     ratios = add_ratios(rungs, baselines)
     machine = describe_machine(nvml=nvml)
     machine["load_average_at_start"] = load_at_start
+    order = ("interleaved: each round runs every rung and the baseline once" if inter
+             else "sequential: each rung's repeats back to back, then the baseline")
     return {
         "command": command,
         "created_unix": started,
         "wall_seconds": time.time() - started,
-        "config": {**asdict(config), "presets": list(config.presets),
+        "config": {**asdict(config), "presets": list(config.presets), "interleaved": inter,
                    "compile_rungs": compile_enabled(config, device.type)},
         "machine": machine,
         "model": info,
@@ -434,7 +523,8 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
         "greedy_match_naive_vs_transformers": greedy_match,
         "method": ("engine rungs: the engine's own metrics (device-synchronised; the profiled window's steps are "
                    "excluded from decode tok/s), median of the repeats after warm-up; transformers: generate() "
-                   "greedy with min_new_tokens = max_new_tokens, decode tok/s = (n - 1) / (t(n tokens) - t(1 token))"),
+                   "greedy with min_new_tokens = max_new_tokens, decode tok/s = (n - 1) / (t(n tokens) - t(1 token)); "
+                   f"order {order}"),
         "rungs": [asdict(r) for r in rungs],
         "baselines": [asdict(b) for b in baselines],
         "ratios": ratios,

@@ -247,12 +247,18 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     from app.cmd_bench import run_bench
 
     path = tmp_path / "bench.json"
-    args = bench_args(tiny_llama, path, presets="naive,cuda-graph", baseline=True, compile=True, repeats=2)
+    args = bench_args(tiny_llama, path, presets="naive,first-fixes,cuda-graph", baseline=True, compile=True, repeats=2)
     assert run_bench(args) == 0
     report = json.loads(path.read_text(encoding="utf-8"))
-    naive, graph = report["rungs"]
+    naive, fixes, graph = report["rungs"]
     assert graph["status"] == "skipped" and "CUDA graphs need a CUDA device" in graph["reason"]
-    assert len(naive["runs"]) == 2
+    assert len(naive["runs"]) == len(fixes["runs"]) == 2
+    # on the CPU the repeats are interleaved: every rung and the baseline once per round
+    assert report["config"]["interleaved"] is True
+    err = capsys.readouterr().err
+    runs = [line.split(":")[0] + line.split(":")[1] for line in err.splitlines() if ": run " in line]
+    assert runs == ["naive run 1/2", "first-fixes run 1/2", "transformers run 1/2",
+                    "naive run 2/2", "first-fixes run 2/2", "transformers run 2/2"]
     [hf] = report["baselines"]
     assert hf["name"] == "transformers" and hf["status"] == "ok" and len(hf["runs"]) == 2
     assert hf["settings"]["min_new_tokens"] == hf["settings"]["max_new_tokens"] == 12
@@ -266,5 +272,18 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     assert match["matching_prefix"] >= expected
     assert naive["speedup_vs_transformers"] == pytest.approx(naive["median"]["decode_tok_s"] / hf["median"]["decode_tok_s"])
     assert report["ratios"]["transformers_decode_tok_s"] == hf["median"]["decode_tok_s"]
-    out = capsys.readouterr().out
+    out = format_table(report)
     assert "| transformers generate() " in out and "skipped (1)" in out
+
+
+def test_bench_sequential_order(tiny_llama):
+    from engine.bench import run_suite
+
+    msgs: list[str] = []
+    config = BenchConfig(model=str(tiny_llama), device="cpu", max_new_tokens=10, repeats=2,
+                         presets=("naive", "first-fixes"), baseline=False, interleave=False, prompt="hello")
+    report = run_suite(config, progress=msgs.append)
+    assert report["config"]["interleaved"] is False and report["baselines"] == []
+    runs = [m.split(":")[0] + m.split(":")[1] for m in msgs if ": run " in m]
+    assert runs == ["naive run 1/2", "naive run 2/2", "first-fixes run 1/2", "first-fixes run 2/2"]
+    assert "sequential" in report["method"]
