@@ -102,15 +102,22 @@ class StaticRunner(RunnerBase):
         self.cache.attn_len = bucket
         (self.compiled or self._step_impl)(bucket, kind)
 
+    def _step_exact(self, pos: int, kind: SamplerKind) -> None:
+        """The eager step: attend over exactly the pos + 1 filled positions, no mask. Fixed shapes buy nothing
+        without compile or a graph, and a masked attention over the whole bucket costs more on a CPU."""
+        self.cache.attn_len = pos + 1
+        logits = self.model(self.tok, self.pos, self.cache, None)[:, -1]
+        self._accept(sample(logits, kind, self.sampler), kind)
+        self.pos += 1
+
     # -- public ----------------------------------------------------------------------------------------
     def prefill(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
         """prompt: [T] on the device. Fills row 0's cache, shares it with every row, samples the first tokens."""
         self._start(prompt, kind)
         T = prompt.numel()
-        bucket = bucket_for(T, self.length)
-        self.cache.attn_len = bucket
+        self.cache.attn_len = T  # the prompt attends causally over itself: no mask needed
         pos = self.arange[:T]
-        mask = self.arange[:bucket][None, :] <= pos[:, None]  # [T, bucket]
+        mask = None
         saved_cache = self.cache
         if self.batch > 1:  # prefill once at batch 1 into row 0, then copy the rows
             row0 = _RowView(self.cache)
@@ -129,8 +136,10 @@ class StaticRunner(RunnerBase):
         graph = self.graphs.get((bucket, kind))
         if graph is not None:
             graph.replay()
-        else:
+        elif self.compiled is not None:
             self._call(bucket, kind)
+        else:
+            self._step_exact(pos, kind)
 
     def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
         first = bucket_for(prompt_len + 1, self.length)
