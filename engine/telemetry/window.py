@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from engine.telemetry.stats import device_sync_fn, gap_fraction, merge_intervals
+from engine.telemetry.quiet import native_stderr_filtered
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def warm_up_profiler(device: torch.device) -> None:
     try:
         if profiler_busy():
             return
-        with torch.profiler.profile(activities=_activities(torch.device(device))):
+        with native_stderr_filtered(), torch.profiler.profile(activities=_activities(torch.device(device))):
             pass
     finally:
         _ONE_WINDOW.release()
@@ -121,7 +122,8 @@ class ProfileWindow:
         prof = torch.profiler.profile(activities=_activities(self.device))
         self._sync()
         try:
-            prof.__enter__()
+            with native_stderr_filtered():
+                prof.__enter__()
         except RuntimeError as exc:  # e.g. kineto or CUPTI refusing to start
             _ONE_WINDOW.release()
             log.warning("profile window skipped: the profiler could not start: %s", exc)
@@ -151,7 +153,8 @@ class ProfileWindow:
         self._running = False
         assert self._prof is not None
         try:
-            self._prof.__exit__(None, None, None)
+            with native_stderr_filtered():
+                self._prof.__exit__(None, None, None)
         finally:
             _ONE_WINDOW.release()
 
