@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
+from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
 from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_MISSING, OP_GAP, SM_ESTIMATE,
@@ -471,6 +472,54 @@ def test_the_paint_timer_slows_down_when_painting_is_expensive(qtbot):
         live._tick()
     assert 135 <= live._paint_timer.interval() <= 200  # >= 4 ms / 3 %, within 5 Hz
     assert live.rate.share is not None and live.rate.share <= 0.03 + 1e-9
+
+
+def test_new_values_in_the_headers_do_not_repaint_the_rest_of_the_dock(qtbot):
+    from PySide6.QtCore import QEvent, QObject
+    from PySide6.QtWidgets import QDockWidget, QMainWindow, QTextEdit
+
+    from ui.hud.bars import MiniBar
+
+    clock = ManualClock(1000.0)
+    panel = HudPanel(clock=clock)
+    window = QMainWindow()
+    window.setCentralWidget(QTextEdit())
+    dock = QDockWidget("Performance", window)
+    dock.setWidget(panel)
+    window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
+    window.resize(1200, 900)
+    qtbot.addWidget(window)
+    feed_gpu_session(panel, clock, n_steps=20)
+    window.show()
+    qtbot.waitExposed(window)
+    qtbot.wait(200)
+    panel.live._label_timer.stop()
+    panel.live._paint_timer.stop()
+
+    painted = []
+
+    class PaintSpy(QObject):
+        def eventFilter(self, obj, event):
+            if event.type() == QEvent.Type.Paint:
+                painted.append(obj)
+            return False
+
+    spy = PaintSpy()
+    for w in panel.findChildren(QWidget):
+        w.installEventFilter(spy)
+    for view in panel.live.views.values():
+        assert view.value.minimumSize() == view.value.maximumSize()  # a fixed size: no relayout on new text
+        wide = view.spec.format(88_888.0)
+        assert view.value.fontMetrics().horizontalAdvance(wide) <= view.value.contentsRect().width()
+    before = panel.live.view("gpu_util_pct").value.text()
+    t = panel.series.samples.last("t")
+    panel.add_samples(samples(t + 0.1, t + 0.3, 10.0, {"gpu_util_pct": 3.0, "sm_activity_pct": 2.0,
+                                                        "dram_bw_util_pct": 1.0}, gpu_sources(), cpu_util=1234.5))
+    panel.live.refresh_labels()
+    assert panel.live.view("gpu_util_pct").value.text() != before
+    qtbot.wait(200)
+    assert any(w is panel.live.view("gpu_util_pct").value for w in painted)
+    assert not [w for w in painted if isinstance(w, MiniBar)]
 
 
 def test_paint_and_label_rates_are_bounded(hud):

@@ -26,6 +26,7 @@ TOKENS_SOURCE = "engine step records, rolling 1 s"
 STEP_SOURCE = "engine step timings; traced window in orange"
 PROFILED_COLOR = "#e8a33d"
 LEFT_AXIS_PX = 48
+WIDE_VALUES = (88_888.0, 8_888.8, 888.88, 1_023.9 * (1 << 20), 999.9 * (1 << 30))  # the value label's width fits these
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class SeriesView(QWidget):
         self.na_reason: Optional[str] = None
         self.fed_key: Optional[tuple] = None  # what the curves were last fed from (LivePlots decides)
         self.estimates_key: Optional[int] = None
-        self._header: Optional[tuple] = None
+        self._source: Optional[str] = ""  # no header set yet
         self._measured: Optional[tuple] = None
         self._shown_max: Optional[float] = None  # largest value drawn right of the window's left edge
         self._y_top: Optional[float] = None
@@ -98,6 +99,10 @@ class SeriesView(QWidget):
         self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.value = QLabel(fmt.NA)
         self.value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        # A fixed size: a label whose text changes at the label rate would otherwise ask its window for a new
+        # layout each time, and in a dock that repaints the whole HUD.
+        widest = max(self.value.fontMetrics().horizontalAdvance(spec.format(v)) for v in WIDE_VALUES)
+        self.value.setFixedSize(widest + 8, self.value.sizeHint().height())
         self.na_label = QLabel()
         self.na_label.setWordWrap(True)
         self.na_label.setContentsMargins(52, 2, 4, 6)
@@ -172,13 +177,11 @@ class SeriesView(QWidget):
         self.setSizePolicy(QSizePolicy.Policy.Preferred, vertical)
 
     def set_header(self, source: Optional[str], value: Optional[float]) -> None:
-        header = (source, value)
-        if header == self._header:
-            return
-        self._header = header
-        self.label_text = f"{self.spec.title} — {source or fmt.NA}"
-        self.title.setText(f"<b>{self.spec.title}</b> — {source or fmt.NA}")
-        self.title.setToolTip(self.label_text)
+        if source != self._source:
+            self._source = source
+            self.label_text = f"{self.spec.title} — {source or fmt.NA}"
+            self.title.setText(f"<b>{self.spec.title}</b> — {source or fmt.NA}")
+            self.title.setToolTip(self.label_text)
         self.value.setText(self.spec.format(value))
 
     def set_data(self, x: np.ndarray, y: np.ndarray, profiled: Optional[np.ndarray], x_lo: float, x_hi: float) -> None:
