@@ -411,6 +411,25 @@ def test_a_long_stream_is_drawn_at_two_points_per_pixel_column(hud, qtbot):
     assert tok.size <= 2 * columns + 8 and np.nanmax(tok) == np.nanmax(rate[-len(shown):])
 
 
+def test_showing_all_held_moves_the_time_range_in_steps(hud, qtbot):
+    panel, _ = hud
+    panel.begin_generation("long", EngineOptions(device="cpu"))
+    recs = steps(1000.0, 6000, 10.0, profiled=(0, 0))  # 60 s
+    panel.add_steps(recs[:1000])
+    show_and_paint(qtbot, panel)
+    panel.live.window_box.setCurrentIndex(panel.live.window_box.count() - 1)  # all held
+    assert panel.live.window_s is None
+    ranges = []
+    for k in range(1000, 6000, 25):
+        panel.add_steps(recs[k:k + 25])
+        panel.live.paint()
+        ranges.append(panel.live._x_shown)
+        first, latest = recs[0].t - panel.series.t0, recs[k + 24].t - panel.series.t0
+        x_lo, x_hi = panel.live._x_shown
+        assert x_lo == pytest.approx(first) and latest <= x_hi <= first + 1.25 * (latest - first)
+    assert len(set(ranges)) <= 15  # of 200 paints: each range change repaints every axis
+
+
 def test_only_changed_and_shown_series_are_fed(hud, qtbot):
     panel, clock = hud
     panel.begin_generation("cpu", EngineOptions(device="cpu"))

@@ -140,12 +140,15 @@ class LivePlots(QWidget):
 
     def _x_range(self, first: float, latest: float) -> tuple[float, float]:
         """The time window shown. Its right end moves in steps of a tenth of the window, not on every paint:
-        a range change repaints the axes and re-feeds every curve, so it is kept rare."""
-        span = self.window_s if self.window_s is not None else max(latest - first, 1.0)
-        step = span / 10.0
+        a range change repaints the axes and re-feeds every curve, so it is kept rare. Showing all that is held,
+        the span grows in tenths of its 1-2-5 magnitude, for the same reason."""
+        if self.window_s is None:
+            held = max(latest - first, 1.0)
+            step = fmt.nice_ceiling(held) / 10.0
+            return first, first + math.ceil(held / step) * step
+        step = self.window_s / 10.0
         x_hi = max(first + step, math.ceil(latest / step) * step)
-        x_lo = first if self.window_s is None else max(first, x_hi - span)
-        return x_lo, x_hi
+        return max(first, x_hi - self.window_s), x_hi
 
     def refresh_labels(self) -> None:
         """Sources, newest values, n/a states and y ranges. Runs at the label rate, not the paint rate."""
