@@ -169,7 +169,8 @@ class LivePlots(QWidget):
             else:
                 source = None
             idle = s.steps.total == 0 if view.spec.from_steps else s.samples.total == 0
-            reason = view.spec.idle_reason if idle else (s.reasons.get(name) or "not measured so far")
+            # Why the last generation could not measure it, when known, even if no sample came in at all.
+            reason = s.reasons.get(name) or (view.spec.idle_reason if idle else "not measured so far")
             view.set_measured(measured, None if measured else reason)
             view.set_header(source, last.get(name))
             view.fit_y()
