@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -197,15 +198,17 @@ class LadderRunner:
             except RUN_ERRORS as exc:
                 _failed(rung, exc, self.progress)
 
-    def run_once(self, rung: Rung, index: int) -> None:
+    def run_once(self, rung: Rung, index: int, cancel: Optional[threading.Event] = None) -> None:
         if rung.status != "ok":
             return
         try:
             self._switch(rung)
-            result = self.engine.generate(self.messages, self.sampling)
+            result = self.engine.generate(self.messages, self.sampling, cancel=cancel)
         except RUN_ERRORS as exc:
             _failed(rung, exc, self.progress)
             return
+        if "cancelled" in result.finish_reasons:
+            return  # a cut-short run is no measurement
         m = result.metrics.to_dict()
         rung.options = result.options.to_dict()
         rung.runs.append({"metrics": m, "new_tokens": m["new_tokens"], "finish_reasons": result.finish_reasons,
@@ -219,6 +222,61 @@ class LadderRunner:
             if rung.runs:
                 rung.median = median_metrics([r["metrics"] for r in rung.runs])
         return self.rungs
+
+
+def run_ladder(engine, messages: list[dict], sampling: SamplingParams, presets: Optional[list[str]] = None,
+               on_progress: Optional[Callable[[int, int, str], None]] = None,
+               cancel: Optional[threading.Event] = None, repeats: int = 1,
+               candidates: Optional[int] = None) -> list[dict[str, Any]]:
+    """The app's "Run ladder": the user's prompt through every preset, as `gapless bench` runs them (the same
+    plan, warm-up and timing), one rung after another so progress and cancel are per rung. The engine's
+    options are restored afterwards. Returns one plain dict per preset."""
+    previous = engine.options
+    config = validate(BenchConfig(
+        model=engine.info.source, device=previous.device, max_new_tokens=max(2, sampling.max_new_tokens),
+        repeats=repeats, warmup=1, presets=tuple(presets or PRESETS), candidates=candidates, baseline=False,
+        prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
+        profile_window=previous.profile_window,
+    ))
+    runner = LadderRunner(engine, config, log.info)
+    runner.messages = list(messages)
+    runner.sampling = replace(sampling, seed=sampling.seed if sampling.seed is not None else 0)
+    todo = runner.ok()
+    total, done = len(todo) * (1 + repeats), 0
+    report = on_progress or (lambda d, t, label: None)
+    try:
+        for rung in todo:
+            if cancel is not None and cancel.is_set():
+                break
+            report(done, total, f"{rung.label}: warm-up")
+            try:
+                runner._switch(rung, warm=False)
+                engine.generate(runner.messages, runner.sampling, cancel=cancel)
+            except RUN_ERRORS as exc:
+                _failed(rung, exc, log.info)
+            done += 1
+            for i in range(repeats):
+                if cancel is not None and cancel.is_set():
+                    break
+                report(done, total, rung.label)
+                runner.run_once(rung, i, cancel)
+                done += 1
+        report(total, total, "done")
+    finally:
+        engine.reconfigure(previous)
+    return [_ladder_row(r) for r in runner.finish()]
+
+
+def _ladder_row(rung: Rung) -> dict[str, Any]:
+    m = rung.median or None
+    reason = rung.reason if rung.status != "ok" else (None if rung.runs else "cancelled before it ran")
+    return {
+        "preset": rung.name, "label": rung.label, "status": rung.status, "options": rung.options,
+        "skipped": reason, "notes": list(rung.notes), "metrics": m,
+        "decode_tok_s": m.get("decode_tok_s") if m else None,
+        "kernel_gap_pct": m.get("kernel_gap_pct") if m else None,
+        "kernel_gap_source": m.get("kernel_gap_source") if m else None,
+    }
 
 
 # ---- the transformers baseline ---------------------------------------------------------------------------

@@ -404,3 +404,21 @@ def test_signal_emits_keep_the_interpreter_whole():
         talker.said.emit(i)
     assert len(heard) == 2000
     assert abs(sys.getrefcount(True) - before) < 100
+
+
+def test_ladder_on_the_real_engine_gives_rows_and_keeps_the_options(qtbot, ctl, tiny_llama):
+    """The app's Run ladder through the worker and engine.bench.run_ladder, end to end."""
+    opts = EngineOptions(device="cpu", kv_cache="none")
+    load(qtbot, ctl, tiny_llama, opts)
+    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
+    rec = Recorder(ctl)
+    with qtbot.waitSignal(ctl.ladderFinished, timeout=TIMEOUT_MS) as done:
+        ctl.run_ladder(MESSAGES, greedy(6), presets=["naive", "first-fixes"])
+    rows = done.args[0]
+    assert [r["preset"] for r in rows] == ["naive", "first-fixes"]
+    assert all(r["skipped"] is None and r["decode_tok_s"] > 0 for r in rows)
+    progress = rec.of("ladderProgress")
+    assert progress and progress[-1][0] == progress[-1][1]
+    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
+    rid, result = generate(qtbot, ctl, greedy(4))
+    assert result.options.kv_cache == "none"

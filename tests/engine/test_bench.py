@@ -287,3 +287,34 @@ def test_bench_sequential_order(tiny_llama):
     runs = [m.split(":")[0] + m.split(":")[1] for m in msgs if ": run " in m]
     assert runs == ["naive run 1/2", "naive run 2/2", "first-fixes run 1/2", "first-fixes run 2/2"]
     assert "sequential" in report["method"]
+
+
+def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_llama):
+    """The app's "Run ladder": rows per preset, the user's prompt, progress per step, options restored."""
+    import threading
+
+    from engine.bench import run_ladder
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    before = EngineOptions(device="cpu", kv_cache="none", sampling="host")
+    eng = Engine.load(str(tiny_llama), before)
+    try:
+        progress = []
+        rows = run_ladder(eng, [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6),
+                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, l: progress.append((d, t, l)),
+                          cancel=threading.Event())
+        assert [r["preset"] for r in rows] == ["naive", "first-fixes", "cuda-graph"]
+        naive, fixes, graph = rows
+        assert naive["skipped"] is None and naive["decode_tok_s"] > 0 and naive["metrics"]["ttft_ms"] > 0
+        assert naive["options"]["kv_cache"] == "dynamic" and fixes["options"]["kv_cache"] == "static"
+        assert graph["skipped"] and graph["decode_tok_s"] is None and graph["metrics"] is None
+        assert progress[-1][0] == progress[-1][1] and all(d <= t for d, t, _ in progress)
+        assert eng.options == before
+        cancel = threading.Event()
+        cancel.set()
+        rows = run_ladder(eng, [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), presets=["naive"], cancel=cancel)
+        assert rows[0]["skipped"] == "cancelled before it ran" and rows[0]["metrics"] is None
+        assert eng.options == before
+    finally:
+        eng.close()
