@@ -115,7 +115,7 @@ class Engine:
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
-            architecture=(getattr(self.config, "architectures", None) or [type(self.model).__name__])[0],
+            architecture=(getattr(self.config, "architectures", None) or [f"{self.config.model_type} (from GGUF metadata)"])[0],
             backend="fast" if self.fast else "transformers",
             parameters=int(params),
             dtype=self.dtype,

@@ -6,7 +6,6 @@ The loop is the same for every option; the runner decides how a step is computed
 from __future__ import annotations
 
 import logging
-import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -182,8 +181,13 @@ def run_loop(
         metrics.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
         metrics.peak_memory_source = "torch.cuda.max_memory_allocated (this generation)"
     else:
-        metrics.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        metrics.peak_memory_source = "process peak RSS since start (getrusage)"
+        try:
+            import resource  # POSIX only
+
+            metrics.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            metrics.peak_memory_source = "process peak RSS since start (getrusage)"
+        except ImportError:
+            metrics.unavailable["peak_memory_bytes"] = "no getrusage on this platform"
     _fill_telemetry(metrics, stats, window, monitor, runner, device, t_start, t_end, durations, prompt.numel())
     return LoopResult(rows=rows, metrics=metrics)
 
