@@ -1,0 +1,85 @@
+"""Screenshots of the HUD from real runs for the README: during a generation, after it, and the ladder chart.
+
+    QT_QPA_PLATFORM=offscreen python docs/make_screenshots.py [--model default] [--out docs/screenshots]
+
+Every figure in them is measured on the machine that runs this script (nothing is synthetic).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="default")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "screenshots")
+    p.add_argument("--prompt", default="Explain how a GPU runs a small language model, step by step, in about 150 words.")
+    p.add_argument("--ladder-tokens", type=int, default=32)
+    args = p.parse_args()
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    from app.gui import build, qt_application
+    from app.paths import AppPaths
+
+    app = qt_application()
+    gui = build(AppPaths.resolve(Path(tempfile.mkdtemp(prefix="gapless-shots-"))), "dark")
+    w, c, hud = gui.window, gui.controller, gui.hud
+    w.resize(1440, 900)
+    w.show()
+
+    def wait(signal, timeout_s: float = 900) -> tuple:
+        loop, got = QEventLoop(), []
+        signal.connect(lambda *a: (got.append(a), loop.quit()))
+        QTimer.singleShot(int(timeout_s * 1000), loop.quit)
+        loop.exec()
+        if not got:
+            raise SystemExit(f"timed out waiting for {signal}")
+        return got[0]
+
+    def settle(ms: int = 600) -> None:
+        loop = QEventLoop()
+        QTimer.singleShot(ms, loop.quit)
+        loop.exec()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        w.load_model(args.model)
+        wait(c.loaded)
+        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=160, seed=0)
+        batches, finished = [], []
+        c.textBatch.connect(lambda *a: batches.append(1))
+        c.generationFinished.connect(lambda *a: finished.append(1))
+        w.composer.set_text(args.prompt)
+        w.composer.send_button.click()
+        while len(batches) < 12 and not finished:
+            settle(100)
+        w.grab().save(str(args.out / "hud-during.png"))
+        while not finished:
+            settle(200)
+        settle()
+        w.grab().save(str(args.out / "hud-after.png"))
+        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=args.ladder_tokens)
+        hud.tabs.setCurrentWidget(hud.ladder)
+        c.run_ladder([{"role": "user", "content": args.prompt}], replace(w.flow.sampling(), temperature=0.0,
+                                                                              max_new_tokens=args.ladder_tokens),
+                     ["naive", "half", "device-sampling", "first-fixes", "candidates"])
+        rows = wait(c.ladderFinished, 1800)[0]
+        settle()
+        hud.grab().save(str(args.out / "hud-ladder.png"))
+        for r in rows:
+            print(r["label"], r["decode_tok_s"], r["skipped"])
+    finally:
+        gui.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
