@@ -117,6 +117,7 @@ def option_grid(device: str, candidates: tuple[int, ...]):
 def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tuple[int, ...], report: Report,
            with_compile: bool) -> dict:
     """Every option combination against the eager reference (dynamic cache, host sampling) in the same dtype."""
+    from engine.bench import matching_prefix
     from engine.engine import Engine
     from engine.types import EngineOptions, SamplingParams
 
@@ -136,7 +137,7 @@ def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tupl
             t = time.perf_counter()
             res = eng.generate(msgs, greedy)
             got = res.token_ids
-            prefix = [_prefix(r, ref) for r in got]
+            prefix = [matching_prefix(r, ref) for r in got]
             rows.append({
                 "options": res.options.to_dict(), "unavailable": res.unavailable, "notices": res.notices,
                 "identical": all(r == ref for r in got), "matching_prefix": prefix, "tokens": [len(r) for r in got],
@@ -171,15 +172,6 @@ def first_step_logits(eng, dtype: str) -> dict:
         tol = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}[dtype]
         out = {"max_abs_diff": diff, "max_abs_logit": scale, "tolerance": tol, "within": diff <= tol}
     return out
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def probe_nvml() -> dict:
