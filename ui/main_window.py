@@ -45,7 +45,7 @@ class FitScrollArea(QScrollArea):
 
     def eventFilter(self, obj, event) -> bool:
         if obj is self.widget() and event.type() == QEvent.Type.LayoutRequest:
-            QTimer.singleShot(0, self._fit)  # after the widget's layout has settled
+            QTimer.singleShot(0, self, self._fit)  # after the layout settles; dropped if this area is deleted first
         return super().eventFilter(obj, event)
 
     def resizeEvent(self, event) -> None:
