@@ -430,33 +430,54 @@ def test_showing_all_held_moves_the_time_range_in_steps(hud, qtbot):
     assert len(set(ranges)) <= 15  # of 200 paints: each range change repaints every axis
 
 
-def test_only_changed_and_shown_series_are_fed(hud, qtbot):
-    panel, clock = hud
-    panel.begin_generation("cpu", EngineOptions(device="cpu"))
+def test_only_changed_and_shown_series_are_fed_at_most_once_a_pixel_column(qtbot):
+    wall = ManualClock(5000.0)
+    series = LiveSeries()
+    live = LivePlots(series, now=wall)
+    live.resize(500, 900)
+    qtbot.addWidget(live)
+    series.begin_generation("cpu", EngineOptions(device="cpu"), 1000.0)
     gpu_none = {"gpu_util_pct": None, "sm_activity_pct": None, "dram_bw_util_pct": None}
-    panel.add_steps(steps(1000.0, 40, 10.0))
-    panel.add_samples(samples(1000.0, 1000.4, 10.0, gpu_none, cpu_sources()))
-    show_and_paint(qtbot, panel)
-    qtbot.waitUntil(lambda: panel.live.view("cpu_util_pct").plot_widget.isVisible(), timeout=3000)
-    panel.live.paint()
+    recs = steps(1000.0, 60, 10.0, profiled=(0, 0))
+    series.add_steps(recs[:40])
+    series.add_samples(samples(1000.0, 1000.4, 10.0, gpu_none, cpu_sources()))
+    live.show()
+    qtbot.waitExposed(live)
+    live.refresh_labels()
+    qtbot.waitUntil(lambda: live.view("cpu_util_pct").plot_widget.isVisible(), timeout=3000)
+    live.paint()
     fed = []
-    for name, view in panel.live.views.items():
+    for name, view in live.views.items():
         for curve in (view.curve, view.profiled_curve):
             if curve is not None:
                 original = curve.setData
                 curve.setData = lambda *a, _o=original, _n=name, **k: (fed.append(_n), _o(*a, **k))[1]
+    x_lo, x_hi = live._x_shown
+    column_s = (x_hi - x_lo) / live.view("step_ms").columns()  # data time per pixel column
 
-    assert panel.live.paint() is False and fed == []  # nothing new: nothing fed
-    last = steps(1000.0, 41, 10.0)[-1]
-    panel.add_steps([StepRecord(t=last.t, step=41, tokens_total=41, step_ms=last.step_ms)])
-    assert panel.live.paint() is True
+    assert live.paint() is False and fed == []  # nothing new: nothing fed
+    series.add_steps(recs[40:41])
+    wall.t += column_s / 2
+    assert live.paint() is False and fed == []  # not a pixel column's worth of time since the last feed
+    wall.t += column_s / 2
+    assert live.paint() is True
     assert set(fed) == {"tokens_per_s", "step_ms"}  # the samples did not change: their plots are left alone
     fed.clear()
-    panel.add_samples(samples(1000.5, 1000.5, 10.0, gpu_none, cpu_sources()))
-    assert panel.live.paint() is True
+    series.add_samples(samples(1000.5, 1000.5, 10.0, gpu_none, cpu_sources()))
+    wall.t += column_s
+    assert live.paint() is True
     assert set(fed) == {"cpu_util_pct", "process_rss_bytes"}  # the GPU series are n/a: never fed
-    assert all(len(curve_xy(panel.live.view(n).curve)[0]) == 0 for n in GPU_VIEWS)
-
+    assert all(len(curve_xy(live.view(n).curve)[0]) == 0 for n in GPU_VIEWS)
+    fed.clear()
+    series.add_steps(recs[41:])  # the last records of a generation are drawn once the time has passed
+    assert live.paint() is False
+    wall.t += column_s
+    assert live.paint() is True and set(fed) == {"tokens_per_s", "step_ms"}
+    x, y = curve_xy(live.view("step_ms").curve)
+    assert x[-1] == recs[-1].t - series.t0 and y[-1] == recs[-1].step_ms
+    series.add_steps(steps(recs[-1].t, 1, 10.0, profiled=(0, 0)))
+    assert live.paint(force=True) is True  # as the PNG export does: everything held, at once
+    assert curve_xy(live.view("step_ms").curve)[0].size == len(recs) + 1
 
 def test_paint_rate_keeps_painting_within_its_budget():
     rate = PaintRate(max_hz=20, min_hz=5, budget=0.03)

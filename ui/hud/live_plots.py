@@ -34,17 +34,20 @@ class LivePlots(QWidget):
 
     `paint_hz` is the top paint rate; the timer slows down to `min_paint_hz` when a frame (feeding the curves
     and the paint events that follow) would otherwise take more than `paint_budget` of the GUI thread's time.
-    `clock` measures that cost (CPU time of the calling thread)."""
+    `clock` measures that cost (CPU time of the calling thread); `now` is the time a curve was last fed at
+    (seconds, like the series' clock)."""
 
     def __init__(self, series: LiveSeries, paint_hz: float = 20.0, label_hz: float = 2.0,
                  min_paint_hz: float = 5.0, paint_budget: float = 0.03,
-                 clock: Callable[[], float] = time.thread_time, parent: Optional[QWidget] = None):
+                 clock: Callable[[], float] = time.thread_time, now: Callable[[], float] = time.perf_counter,
+                 parent: Optional[QWidget] = None):
         super().__init__(parent)
         if not 0 < paint_hz <= 30 or not 1 <= label_hz <= 4:
             raise ValueError(f"paint rate must be in (0, 30] Hz and label rate in [1, 4] Hz, got {paint_hz}, {label_hz}")
         self.series = series
         self.rate = PaintRate(max_hz=paint_hz, min_hz=min_paint_hz, budget=paint_budget)
         self._clock = clock
+        self._now = now
         self.paint_count = 0  # paints that fed setData
         self.tick_count = 0  # paint-timer ticks
         self.window_s: Optional[float] = 60.0
@@ -88,11 +91,14 @@ class LivePlots(QWidget):
 
     # ---- painting --------------------------------------------------------------------------------------
 
-    def paint(self) -> bool:
-        """Feed the curves whose data or time range changed since they were last fed. Returns whether any was."""
+    def paint(self, force: bool = False) -> bool:
+        """Feed the curves whose time range or width changed, and those whose data changed once the time axis
+        has moved on by a pixel column since they were last fed (sooner, little could be seen: the newest
+        column just grows), or at once with `force`. Returns whether any curve was fed."""
         if not self.isVisible():
             return False
         s = self.series
+        now = self._now()
         t0 = s.t0
         ends = [(ring.first("t"), ring.last("t")) for ring in (s.steps, s.samples) if len(ring)]
         if t0 is None or not ends:
@@ -118,10 +124,11 @@ class LivePlots(QWidget):
                     view.set_estimates(s.estimates[name], t0)
                     fed = True
             ring = s.steps if view.spec.from_steps else s.samples
-            key = (ring.version, x_lo, x_hi, view.columns())
-            if key == view.fed_key:
+            key = (x_lo, x_hi, view.columns())
+            if key == view.fed_key and (ring.version == view.fed_version
+                                        or (not force and now - view.fed_at < (x_hi - x_lo) / key[2])):
                 continue
-            view.fed_key = key
+            view.fed_key, view.fed_version, view.fed_at = key, ring.version, now
             start, x = window(ring)
             profiled = ring.column("profiled", start) if name == "step_ms" else None
             view.set_data(x, ring.column(name, start), profiled, x_lo, x_hi)

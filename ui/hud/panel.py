@@ -136,7 +136,7 @@ class HudPanel(QWidget):
         return export.write_series_json(path, self.series)
 
     def export_plots_png(self, path) -> Path:
-        self.live.paint()
+        self.live.paint(force=True)  # everything held, even what came in since the last paint
         return export.save_png(path, self.live)
 
     def export_ladder_png(self, path) -> Path:

@@ -88,7 +88,9 @@ class SeriesView(QWidget):
         self.spec = spec
         self.label_text = spec.title
         self.na_reason: Optional[str] = None
-        self.fed_key: Optional[tuple] = None  # what the curves were last fed from (LivePlots decides)
+        self.fed_key: Optional[tuple] = None  # time range and width the curves were last fed for (LivePlots decides)
+        self.fed_version: Optional[int] = None  # the ring's version then
+        self.fed_at = 0.0  # and when
         self.estimates_key: Optional[int] = None
         self._source: Optional[str] = ""  # no header set yet
         self._measured: Optional[tuple] = None
