@@ -137,8 +137,9 @@ class LivePlots(QWidget):
             self._x_shown = (x_lo, x_hi)
             for view in self.views.values():
                 view.plot.setXRange(x_lo, x_hi, padding=0.01)
-        if (s.spans_version, x_lo, self.cpu_mode()) != self._bounds_shown:
-            self._bounds_shown = (s.spans_version, x_lo, self.cpu_mode())
+        bounds = (s.spans_version, x_lo, self.cpu_mode())
+        if bounds != self._bounds_shown:
+            self._bounds_shown = bounds
             self._paint_boundaries(x_lo)
             fed = True
         if fed:
