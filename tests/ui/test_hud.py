@@ -20,7 +20,7 @@ from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX
 from ui.hud.decimate import peak_decimate
 from ui.hud.live_plots import LivePlots
-from ui.hud.paint_rate import PaintRate
+from ui.hud.paint_rate import PaintRate, budget_for
 from ui.hud.ring import RingTable
 from ui.hud.series import LiveSeries
 
@@ -496,11 +496,25 @@ def test_paint_rate_keeps_painting_within_its_budget():
         PaintRate(budget=0.0)
 
 
+def test_the_paint_budget_is_a_share_of_the_machine(qtbot, monkeypatch):
+    assert budget_for(2) == pytest.approx(0.015)
+    assert budget_for(8) == pytest.approx(0.06)
+    assert budget_for(64) == pytest.approx(0.10)  # never more than a tenth of the GUI thread
+    assert budget_for(None) == pytest.approx(0.0075)  # core count unknown: as if one core
+    monkeypatch.setattr("ui.hud.live_plots.os.cpu_count", lambda: 2)
+    live = LivePlots(LiveSeries())
+    qtbot.addWidget(live)
+    assert live.rate.budget == pytest.approx(0.015) and live.rate.max_ms == 500  # down to 2 Hz on a laptop
+    other = LivePlots(LiveSeries(), paint_budget=0.05)
+    qtbot.addWidget(other)
+    assert other.rate.budget == 0.05
+
+
 def test_the_paint_timer_slows_down_when_painting_is_expensive(qtbot):
     ticks = iter(range(10**6))
     slow_clock = lambda: next(ticks) * 0.004  # every reading 4 ms later: each paint slot "costs" 4 ms
     series = LiveSeries()
-    live = LivePlots(series, paint_hz=20, clock=slow_clock)
+    live = LivePlots(series, paint_hz=20, min_paint_hz=5, paint_budget=0.03, clock=slow_clock)
     live.resize(500, 800)
     qtbot.addWidget(live)
     series.begin_generation("g", EngineOptions(), 1000.0)

@@ -11,6 +11,7 @@ measured shows "n/a — <reason>" in place of its plot.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Optional
 
@@ -20,7 +21,7 @@ from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from ui.hud import fmt
-from ui.hud.paint_rate import PaintRate
+from ui.hud.paint_rate import PaintRate, budget_for
 from ui.hud.ring import RingTable
 from ui.hud.series import LiveSeries
 from ui.hud.series_view import PLOTS, SeriesView
@@ -33,19 +34,21 @@ class LivePlots(QWidget):
     """The live plots over a LiveSeries. Call paint() / refresh_labels() to update now (both no-ops when hidden).
 
     `paint_hz` is the top paint rate; the timer slows down to `min_paint_hz` when a frame (feeding the curves
-    and the paint events that follow) would otherwise take more than `paint_budget` of the GUI thread's time.
+    and the paint events that follow) would otherwise take more than `paint_budget` of the GUI thread's time
+    (by default a small share of the machine's cores, see paint_rate.budget_for).
     `clock` measures that cost (CPU time of the calling thread); `now` is the time a curve was last fed at
     (seconds, like the series' clock)."""
 
     def __init__(self, series: LiveSeries, paint_hz: float = 20.0, label_hz: float = 2.0,
-                 min_paint_hz: float = 5.0, paint_budget: float = 0.03,
+                 min_paint_hz: float = 2.0, paint_budget: Optional[float] = None,
                  clock: Callable[[], float] = time.thread_time, now: Callable[[], float] = time.perf_counter,
                  parent: Optional[QWidget] = None):
         super().__init__(parent)
         if not 0 < paint_hz <= 30 or not 1 <= label_hz <= 4:
             raise ValueError(f"paint rate must be in (0, 30] Hz and label rate in [1, 4] Hz, got {paint_hz}, {label_hz}")
         self.series = series
-        self.rate = PaintRate(max_hz=paint_hz, min_hz=min_paint_hz, budget=paint_budget)
+        budget = budget_for(os.cpu_count()) if paint_budget is None else paint_budget
+        self.rate = PaintRate(max_hz=paint_hz, min_hz=min_paint_hz, budget=budget)
         self._clock = clock
         self._now = now
         self.paint_count = 0  # paints that fed setData

@@ -5,6 +5,9 @@ The GUI thread and the engine's Python share one interpreter lock, so every mill
 millisecond the decoder may wait. A frame's cost is the paint slot (feeding the curves) plus the plots' paint
 events that follow it, in CPU time of the GUI thread; the interval is the smoothed cost over the budget,
 clamped to [1/max_hz, 1/min_hz].
+
+The budget is set as a share of the whole machine (`budget_for`): the engine's intra-op threads use every
+core, so a millisecond of GUI time on a 2-core laptop costs the decoder far more than on a 16-core workstation.
 """
 from __future__ import annotations
 
@@ -12,10 +15,17 @@ import math
 from typing import Optional
 
 STEP_MS = 5  # intervals move in steps of this, so the timer is not restarted for noise
+MACHINE_SHARE = 0.0075  # painting may take this share of all cores while an answer streams
+MAX_BUDGET = 0.10  # and never more than this share of the GUI thread
+
+
+def budget_for(cores: Optional[int], machine_share: float = MACHINE_SHARE) -> float:
+    """The GUI thread's paint budget on a machine with `cores` cores: 1.5 % on 2 cores, 6 % on 8, at most 10 %."""
+    return min(MAX_BUDGET, machine_share * max(1, cores or 1))
 
 
 class PaintRate:
-    def __init__(self, max_hz: float = 20.0, min_hz: float = 5.0, budget: float = 0.03, smoothing: float = 0.25):
+    def __init__(self, max_hz: float = 20.0, min_hz: float = 2.0, budget: float = 0.03, smoothing: float = 0.25):
         if not 0 < budget < 1 or not 0 < smoothing <= 1:
             raise ValueError(f"budget and smoothing must be in (0, 1), got {budget}, {smoothing}")
         self.min_ms = math.ceil(1000.0 / max_hz)
