@@ -7,7 +7,10 @@ Two figures, both measured here, never estimated:
   QTimer records how late each tick fires; p50 / p99 / max of the lateness over all streaming time.
 - Decode tok/s (the engine's own device-synchronised figure) with the GUI attached, vs the same engine
   driven headless (Engine.generate on this thread, no Qt event loop running). Runs alternate
-  headless / GUI so a change in machine load hits both alike; the ratio is of the medians.
+  headless / GUI so a change in machine load hits both alike; the ratio is of the medians, and the median of
+  the per-pair ratios is given beside it. The GUI thread's CPU time during each GUI run is recorded too.
+  The latency probe ticks 100 times a second on the GUI thread, itself a cost, so it runs only in separate
+  GUI runs after the speed pairs, never during them.
 """
 from __future__ import annotations
 
@@ -47,7 +50,13 @@ class LatencyProbe:
         self._last: Optional[float] = None
         self.timer = QTimer(interval=tick_ms, timerType=Qt.TimerType.PreciseTimer)
         self.timer.timeout.connect(self._tick)
+
+    def start(self) -> None:
+        self._last = None
         self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()
 
     def _tick(self) -> None:
         now = time.perf_counter()
@@ -61,7 +70,8 @@ def headless_tok_s(engine, sampling) -> tuple[Optional[float], int]:
     return r.metrics.decode_tok_s, r.metrics.new_tokens_total
 
 
-def gui_tok_s(gui, probe: LatencyProbe, sampling) -> tuple[Optional[float], int]:
+def gui_tok_s(gui, probe: LatencyProbe, sampling) -> tuple[Optional[float], int, float]:
+    """One answer through the real window: (decode tok/s, new tokens, GUI thread CPU seconds meanwhile)."""
     from PySide6.QtCore import QEventLoop, QTimer
 
     w, c = gui.window, gui.controller
@@ -77,17 +87,19 @@ def gui_tok_s(gui, probe: LatencyProbe, sampling) -> tuple[Optional[float], int]
     for sig, slot in slots:
         sig.connect(slot)
     QTimer.singleShot(0, lambda: (w.composer.set_text(PROMPT), w.composer.send_button.click()))
+    cpu0 = time.thread_time()
     loop.exec()
+    cpu = time.thread_time() - cpu0
     probe.recording = False
     for sig, slot in slots:
         sig.disconnect(slot)
     r = out[0]
     if isinstance(r, str):
         raise RuntimeError(f"the answer failed: {r}")
-    return r.metrics.decode_tok_s, r.metrics.new_tokens_total
+    return r.metrics.decode_tok_s, r.metrics.new_tokens_total, cpu
 
 
-def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False) -> dict:
+def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False, lateness_runs: int = 3) -> dict:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtCore import QEventLoop, QTimer
 
@@ -117,22 +129,28 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False) 
     probe = LatencyProbe()
 
     idle = LatencyProbe()  # the same probe with the window idle, for reference
+    idle.start()
     idle.recording = True
     idle_loop = QEventLoop()
     QTimer.singleShot(2000, idle_loop.quit)
     idle_loop.exec()
     idle.recording = False
-    idle.timer.stop()
+    idle.stop()
 
     headless_tok_s(headless, sampling)  # warm-up, not counted
     gui_tok_s(gui, probe, sampling)
-    probe.late_ms.clear()
     rows = []
-    for i in range(runs):
+    for i in range(runs):  # speed pairs, the probe not ticking
         h, hn = headless_tok_s(headless, sampling)
-        g, gn = gui_tok_s(gui, probe, sampling)
-        rows.append({"run": i + 1, "headless_tok_s": h, "gui_tok_s": g, "tokens": [hn, gn]})
-        print(f"run {i + 1}: headless {h:.2f} tok/s, GUI {g:.2f} tok/s ({hn}/{gn} tokens)", file=sys.stderr)
+        g, gn, cpu = gui_tok_s(gui, probe, sampling)
+        rows.append({"run": i + 1, "headless_tok_s": h, "gui_tok_s": g, "tokens": [hn, gn],
+                     "gui_thread_cpu_s": cpu})
+        print(f"run {i + 1}: headless {h:.2f} tok/s, GUI {g:.2f} tok/s ({hn}/{gn} tokens), "
+              f"GUI thread CPU {cpu:.3f} s", file=sys.stderr)
+    probe.start()
+    for i in range(lateness_runs):  # then the lateness, with the probe ticking
+        gui_tok_s(gui, probe, sampling)
+    probe.stop()
     headless.close()
     gui.window.close()
     gui.close()
@@ -142,6 +160,7 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False) 
     gs = [r["gui_tok_s"] for r in rows if r["gui_tok_s"]]
     h_med = statistics.median(hs) if hs else None
     g_med = statistics.median(gs) if gs else None
+    pairs = [r["gui_tok_s"] / r["headless_tok_s"] for r in rows if r["gui_tok_s"] and r["headless_tok_s"]]
     return {
         "model": gui.controller.info.to_dict() if gui.controller.info else model,
         "options": options.to_dict(),
@@ -150,8 +169,11 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False) 
         "runs": rows,
         "decode_tok_s": {"headless_median": h_med, "gui_median": g_med,
                          "ratio": (g_med / h_med) if (g_med and h_med) else None,
+                         "pair_ratio_median": statistics.median(pairs) if pairs else None,
                          "source": "GenerationMetrics.decode_tok_s (engine, device-synchronised, profiled window excluded)"},
+        "gui_thread_cpu_s_median": statistics.median(r["gui_thread_cpu_s"] for r in rows) if rows else None,
         "event_loop_lateness_ms": {
+            "runs": lateness_runs,
             "while_streaming": {"ticks": len(probe.late_ms), "p50": percentile(probe.late_ms, 0.5),
                                 "p99": percentile(probe.late_ms, 0.99), "max": max(probe.late_ms, default=None)},
             "idle": {"ticks": len(idle.late_ms), "p50": percentile(idle.late_ms, 0.5),
@@ -168,10 +190,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--lateness-runs", type=int, default=3, help="GUI runs with the latency probe, after the speed pairs")
     p.add_argument("--hide-hud", action="store_true", help="measure with the performance HUD hidden")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    result = measure(args.model, args.runs, args.max_new_tokens, args.hide_hud)
+    result = measure(args.model, args.runs, args.max_new_tokens, args.hide_hud, args.lateness_runs)
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
