@@ -15,12 +15,12 @@ import math
 from typing import Optional
 
 STEP_MS = 5  # intervals move in steps of this, so the timer is not restarted for noise
-MACHINE_SHARE = 0.0075  # painting may take this share of all cores while an answer streams
+MACHINE_SHARE = 0.005  # painting may take this share of all cores while an answer streams
 MAX_BUDGET = 0.10  # and never more than this share of the GUI thread
 
 
 def budget_for(cores: Optional[int], machine_share: float = MACHINE_SHARE) -> float:
-    """The GUI thread's paint budget on a machine with `cores` cores: 1.5 % on 2 cores, 6 % on 8, at most 10 %."""
+    """The GUI thread's paint budget on a machine with `cores` cores: 1 % on 2 cores, 4 % on 8, at most 10 %."""
     return min(MAX_BUDGET, machine_share * max(1, cores or 1))
 
 
