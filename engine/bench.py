@@ -127,6 +127,10 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
     notes: list[str] = []
     compile_on = compile_enabled(config, device_type)
     if name in COMPILED_RUNGS and not compile_on:
+        # A rung this device cannot run at all says so first; "compile off" is only the reason where it could.
+        own = engine.unavailable(replace(opts, compile=False)) if name == "cuda-graph" else {}
+        if own:
+            return None, "; ".join(f"{k}: {v}" for k, v in own.items()), notes
         return None, "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)", notes
     if name == "candidates" and not compile_on and opts.compile:
         opts = replace(opts, compile=False, cuda_graph=False)

@@ -219,7 +219,7 @@ def test_bench_tiny_model_without_baseline(tiny_llama, tmp_path, capsys):
     from app.cmd_bench import run_bench
 
     path = tmp_path / "bench.json"
-    assert run_bench(bench_args(tiny_llama, path)) == 0
+    assert run_bench(bench_args(tiny_llama, path, presets="naive,first-fixes,compile,cuda-graph")) == 0
     out = capsys.readouterr().out
     assert "| Naive " in out and "| Seeds' first fixes " in out and f"written: {path}" in out
     report = json.loads(path.read_text(encoding="utf-8"))
@@ -227,8 +227,11 @@ def test_bench_tiny_model_without_baseline(tiny_llama, tmp_path, capsys):
     assert report["baselines"] == [] and report["greedy_match_naive_vs_transformers"] is None
     assert report["machine"]["libraries"]["torch"] and report["machine"]["cpu_cores_logical"] >= 1
     assert report["model"]["family"] == "llama" and report["device"] == "cpu"
-    naive, fixes = report["rungs"]
+    naive, fixes, compiled, graph = report["rungs"]
     assert (naive["name"], naive["status"], fixes["name"], fixes["status"]) == ("naive", "ok", "first-fixes", "ok")
+    # compile is off by default on the CPU; the CUDA graph rung could not run here even with it, and says why
+    assert compiled["status"] == "skipped" and compiled["reason"].startswith("compile off for this bench")
+    assert graph["status"] == "skipped" and graph["reason"].startswith("cuda_graph: CUDA graphs need a CUDA device")
     assert naive["options"]["kv_cache"] == "dynamic" and naive["options"]["sampling"] == "host"
     assert fixes["options"]["kv_cache"] == "static" and fixes["options"]["dtype"] == "fp32"
     for r in (naive, fixes):
