@@ -13,9 +13,12 @@ last one, which is where a host-bound decode loop (a `.item()` sync per token, P
 spends it. Should the trace's own extent exceed the host span (the trace clock and perf_counter are separate
 clocks), the extent is used so busy time can never exceed the span.
 
-The analysis reads the chrome-trace JSON that `prof.export_chrome_trace` writes: the same code handles CPU
-and CUDA traces, and the CUDA branch is tested on hand-written traces in kineto's format
-(`"ph": "X", "cat": "kernel", "ts", "dur", "args": {"grid": [x, y, z], "block": [...], "device": N}`).
+The CUDA analysis reads the chrome-trace JSON that `prof.export_chrome_trace` writes, tested on hand-written
+traces in kineto's format (`"ph": "X", "cat": "kernel", "ts", "dur", "args": {"grid": [x, y, z], "block":
+[...], "device": N}`). A CPU window reads the profiler's results directly instead (`_cpu_op_intervals`):
+a decode step of a small model is thousands of aten ops, and writing them out as JSON and parsing it back held
+the interpreter lock for 0.15-0.35 s at the end of every answer, a stall of the GUI thread. The op intervals
+are the same either way (tested); where the results cannot be read directly, the JSON route is taken.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from engine.telemetry.stats import device_sync_fn, gap_fraction, merge_intervals
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # Device-side activity in kineto's chrome trace (libkineto ActivityType names).
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# A range around a CPU window on its own thread: the profiler's results name threads by their own ids, and this
+# marker's id is the window thread's.
+WINDOW_MARKER = "gapless::profile_window"
 COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 
 
@@ -104,6 +111,7 @@ class ProfileWindow:
         self._last_step_t: Optional[float] = None
         self._last_step = -1
         self._tid: Optional[int] = None
+        self._marker: Optional[torch.profiler.record_function] = None
         self._sync = device_sync_fn(self.device) if enabled else None
 
     def in_window(self, step: int) -> bool:
@@ -131,6 +139,9 @@ class ProfileWindow:
         self._prof = prof
         self._running = True
         self._tid = threading.get_native_id()
+        if self.device.type == "cpu":
+            self._marker = torch.profiler.record_function(WINDOW_MARKER)
+            self._marker.__enter__()
         self._t0 = time.perf_counter()
 
     def step_end(self, step: int) -> None:
@@ -153,6 +164,9 @@ class ProfileWindow:
         self._running = False
         assert self._prof is not None
         try:
+            if self._marker is not None:
+                marker, self._marker = self._marker, None
+                marker.__exit__(None, None, None)
             with native_stderr_filtered():
                 self._prof.__exit__(None, None, None)
         finally:
@@ -185,6 +199,12 @@ class ProfileWindow:
             self._stop(synced_end=False)
         assert self._t_end is not None
         steps = self._last_step - self.start + 1 if self._last_step >= self.start else 0
+        span_us = (self._t_end - self._t0) * 1e6
+        if self.device.type == "cpu":
+            ops = _cpu_op_intervals(self._prof)
+            if ops is not None:
+                self._release()
+                return _analyse_cpu_ops(ops[0], ops[1], span_us, steps)
         trace = _export_trace(self._prof)
         self._release()
         if trace is None:
@@ -192,11 +212,36 @@ class ProfileWindow:
         return analyse_trace(
             trace,
             device=self.device,
-            span_us=(self._t_end - self._t0) * 1e6,
+            span_us=span_us,
             steps=steps,
             sm_count=self.sm_count if self.sm_count is not None else _sm_count(self.device),
             tid=self._tid,
         )
+
+
+def _cpu_op_intervals(prof: torch.profiler.profile) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Starts and ends (µs) of the `aten::` ops of the window's thread, read from the profiler's results without
+    the JSON round trip (a CPU window records CPU activity only); None when this torch's results cannot be
+    read so, or the marker is missing."""
+    try:
+        events = prof.profiler.kineto_results.events()
+        names = [e.name() for e in events]
+        threads = [e.start_thread_id() for e in events]
+        starts = np.fromiter((e.start_ns() for e in events), dtype=np.int64, count=len(events))
+        durs = np.fromiter((e.duration_ns() for e in events), dtype=np.int64, count=len(events))
+    except (AttributeError, RuntimeError, TypeError) as exc:
+        log.info("profile window: reading the results directly failed (%s); exporting the trace instead", exc)
+        return None
+    try:
+        thread = threads[names.index(WINDOW_MARKER)]
+    except ValueError:
+        return None
+    keep = np.fromiter((t == thread and n.startswith("aten::") for n, t in zip(names, threads)), dtype=bool,
+                       count=len(names))
+    starts, durs = starts[keep], np.maximum(durs[keep], 0)
+    if starts.size:
+        starts = starts - starts.min()  # nanoseconds since the epoch would lose sub-microsecond detail as floats
+    return starts / 1000.0, (starts + durs) / 1000.0
 
 
 def _export_trace(prof: torch.profiler.profile) -> Optional[dict]:
@@ -326,18 +371,42 @@ def _trace_sm_count(trace: dict, index: Optional[int]) -> Optional[int]:
 def _analyse_cpu(events: list[dict], span_us: Optional[float], steps: int, tid: Optional[int]) -> WindowStats:
     ops = [e for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("aten::")
            and "ts" in e and (tid is None or e.get("tid") == tid)]
-    intervals = sorted(_interval(e) for e in ops)
-    span, fell_back = _span(intervals, span_us)
-    busy, gap = _gap(intervals, span)
+    starts = np.array([_interval(e)[0] for e in ops], dtype=np.float64)
+    ends = np.array([_interval(e)[1] for e in ops], dtype=np.float64)
+    return _analyse_cpu_ops(starts, ends, span_us, steps)
+
+
+def op_union(starts: np.ndarray, ends: np.ndarray) -> tuple[float, float, float, int]:
+    """(busy, first start, last end, top-level ops) of op intervals: busy is the length of their union with
+    zero-length ones dropped (as `merge_intervals`); a top-level op is one not inside an earlier op's interval,
+    ties in start taken longest first. Vectorised: a CPU window holds tens of thousands of ops."""
+    if starts.size == 0:
+        return 0.0, 0.0, 0.0, 0
+    order = np.lexsort((-ends, starts))
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)  # the furthest end so far
+    before = np.concatenate(([-np.inf], reach[:-1]))
+    top = int(np.count_nonzero(s >= before))
+    pos = e > s
+    if not pos.any():
+        return 0.0, 0.0, 0.0, top
+    s, e = s[pos], e[pos]
+    reach = np.maximum.accumulate(e)
+    new_run = s > np.concatenate(([-np.inf], reach[:-1]))  # touching intervals merge, as merge_intervals
+    first = np.flatnonzero(new_run)
+    last = np.concatenate((first[1:] - 1, [s.size - 1]))
+    busy = float(np.sum(reach[last] - s[first]))
+    return busy, float(s[0]), float(reach[-1]), top
+
+
+def _analyse_cpu_ops(starts: np.ndarray, ends: np.ndarray, span_us: Optional[float], steps: int) -> WindowStats:
+    """Op gap and top-level op count of a CPU window's ops (µs)."""
+    busy, first, last, top = op_union(starts, ends)
+    extent = last - first
+    fell_back = span_us is None or span_us < extent
+    span = extent if fell_back else span_us
+    gap = None if busy == 0.0 or span <= 0 else 100.0 * max(0.0, 1.0 - busy / span)
     label = f"op gap — torch.profiler CPU ops, {steps}-step window (sampled)"
     if fell_back:
         label += ", span = first to last op"
-    # Top-level ops: those not inside an earlier op's interval (sorted by start, longest first on ties).
-    top, reach = 0, float("-inf")
-    for s, e in sorted(intervals, key=lambda iv: (iv[0], -iv[1])):
-        if s >= reach:
-            top += 1
-            reach = e
-        else:
-            reach = max(reach, e)
     return WindowStats(steps, span, busy, gap, label, top, None, None, None)

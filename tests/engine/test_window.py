@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import engine.telemetry.window as window_mod
 from engine.telemetry.window import ProfileWindow, analyse_trace, warm_up_profiler
 
 CUDA0 = torch.device("cuda", 0)
@@ -89,6 +90,70 @@ def test_injected_idle_grows_the_gap(one_thread):
     injected_us = steps * sleep_s * 1e6
     assert b.span_us - b.busy_us >= 0.98 * injected_us
     assert b.gap_pct > a.gap_pct + 30.0, (a, b)
+
+
+def test_cpu_results_read_directly_equal_the_exported_trace():
+    """The CPU window reads the profiler's results without the JSON round trip; what it measures must be what
+    the exported trace says, also while another thread runs ops (this torch records only the profiling
+    thread's; both routes keep to the window's thread should it record more)."""
+    x = torch.randn(48, 48)
+    stop = threading.Event()
+
+    def other_thread():  # aten ops on another thread all through the window
+        while not stop.is_set():
+            torch.relu(x @ x)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        w = ProfileWindow(torch.device("cpu"), start=0, steps=3)
+        run_loop(w, 3, matmuls(x, 3))  # the last step stops the profiler; nothing is analysed yet
+    finally:
+        stop.set()
+        t.join()
+    trace = window_mod._export_trace(w._prof)
+    assert trace is not None
+    assert any(e.get("name") == window_mod.WINDOW_MARKER for e in trace["traceEvents"])
+    span_us = (w._t_end - w._t0) * 1e6
+    via_trace = analyse_trace(trace, torch.device("cpu"), span_us=span_us, steps=3, tid=w._tid)
+    via_results = w.finish()
+    assert via_results is not None
+    assert via_results.events == via_trace.events == 3 * 3 * 2  # a matmul and a tanh per iteration
+    assert via_results.span_us == via_trace.span_us
+    assert via_results.busy_us == pytest.approx(via_trace.busy_us, abs=0.01 * via_trace.events)
+    assert via_results.gap_pct == pytest.approx(via_trace.gap_pct, abs=1e-3)
+    assert via_results.gap_source == via_trace.gap_source
+
+
+def test_op_union_agrees_with_merging_interval_by_interval():
+    import numpy as np
+
+    from engine.telemetry.stats import busy_time, merge_intervals
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 200):
+        starts = rng.integers(0, 50, n).astype(float)
+        ends = starts + rng.integers(0, 8, n)  # zero-length ones, ties, nesting and touching all occur
+        ivs = list(zip(starts.tolist(), ends.tolist()))
+        merged = merge_intervals(ivs)
+        top, reach = 0, float("-inf")  # the interval-by-interval definition
+        for s, e in sorted(ivs, key=lambda iv: (iv[0], -iv[1])):
+            top, reach = (top + 1, e) if s >= reach else (top, max(reach, e))
+        busy, first, last, count = window_mod.op_union(starts, ends)
+        assert busy == busy_time(merged) and count == top
+        assert (first, last) == ((merged[0][0], merged[-1][1]) if merged else (0.0, 0.0))
+    assert window_mod.op_union(np.empty(0), np.empty(0)) == (0.0, 0.0, 0.0, 0)
+
+
+def test_cpu_window_falls_back_to_the_exported_trace(monkeypatch):
+    monkeypatch.setattr(window_mod, "_cpu_op_intervals", lambda prof: None)
+    exported = []
+    real_export = window_mod._export_trace
+    monkeypatch.setattr(window_mod, "_export_trace", lambda prof: exported.append(1) or real_export(prof))
+    w = ProfileWindow(torch.device("cpu"), start=0, steps=2)
+    run_loop(w, 3, matmuls(torch.randn(32, 32), 2))
+    st = w.finish()
+    assert exported == [1] and st is not None and st.events == 2 * 2 * 2
 
 
 def test_window_in_a_worker_thread_sees_that_threads_ops():
