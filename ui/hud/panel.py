@@ -93,6 +93,7 @@ class HudPanel(QWidget):
         index = gen.index if gen is not None else len(self.compare.model.rows) + 1
         self.compare.add(CompareRow(index=index, label=label, options=options, metrics=metrics))
         self.bars.set_metrics(metrics, options, f"#{index} {label}")
+        self.live.refresh_labels()  # why a series is n/a, as the metrics now say, shows with the bars, not later
 
     def generation_failed(self, message: str) -> None:
         """Closes the running generation's span; it gets no row, as it has no figures."""
