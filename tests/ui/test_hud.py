@@ -866,8 +866,14 @@ def test_hud_fed_by_a_real_generation_on_a_tiny_model(hud, qtbot, tiny_llama, tm
     show_and_paint(qtbot, panel)
     reason = result.metrics.unavailable["gpu_util_pct"]
     assert panel.live.view("gpu_util_pct").na_label.text() == f"n/a — {reason}"
-    _, y = curve_xy(panel.live.view("step_ms").curve)
-    assert np.nanmax(y) == max(r.step_ms for r in records if not r.profiled)
+    # Records come in batches as timings reach the host; on a fast tiny model one batch may span the whole
+    # traced window or more, so either curve may be empty. Each shows exactly its own records' peak.
+    step_view = panel.live.view("step_ms")
+    for curve, traced in ((step_view.curve, False), (step_view.profiled_curve, True)):
+        _, y = curve_xy(curve)
+        shown = y[np.isfinite(y)]
+        wanted = [r.step_ms for r in records if r.profiled == traced]
+        assert (shown.max() if shown.size else None) == (max(wanted) if wanted else None)
     if readings:
         assert panel.live.view("cpu_util_pct").label_text == "CPU (this process) — process CPU time (time.process_time)"
 
