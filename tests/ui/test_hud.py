@@ -586,6 +586,25 @@ def test_paint_and_label_rates_are_bounded(hud):
 # ---- the last generation's bars --------------------------------------------------------------------------
 
 
+def test_a_long_plot_source_is_elided_with_the_whole_line_kept(qtbot):
+    from ui.hud.series_view import PLOTS, SeriesView
+
+    spec = next(p for p in PLOTS if p.name == "step_ms")
+    view = SeriesView(spec)
+    qtbot.addWidget(view)
+    source = "engine step timings; traced window in orange, left out of tokens/s"
+    view.set_header(source, 58.4)
+    view.resize(260, 120)
+    view.show()
+    qtbot.waitExposed(view)
+    title = view.title
+    whole = f"{spec.title} — {source}"
+    assert title.text() == title.toolTip() == view.label_text == whole
+    assert title.shown_source().endswith("…") and len(title.shown_source()) < len(source)
+    view.resize(1400, 120)
+    qtbot.waitUntil(lambda: title.shown_source() == f" — {source}", timeout=2000)  # all of it once it fits
+
+
 def test_bars_show_the_last_generation_with_sources(hud):
     panel, clock = hud
     recs = steps(1000.0, 100, 4.6)

@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from ui.hud import fmt
@@ -78,6 +78,49 @@ class MeteredPlotWidget(pg.PlotWidget):
         self._on_paint(self._clock() - start)
 
 
+class TitleLabel(QLabel):
+    """A plot's header: the title in bold, then " — source", which ends in "…" where it does not fit; text()
+    and the tooltip keep the whole line. It takes no width of its own, so a long source never widens the dock."""
+
+    def __init__(self, title: str, parent: Optional[QWidget] = None):
+        super().__init__(title, parent)
+        self.title = title
+        self.source = ""
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+
+    def set_source(self, source: str) -> None:
+        self.source = source
+        self.setText(f"{self.title} — {source}")
+        self.setToolTip(self.text())
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(0, super().minimumSizeHint().height())
+
+    def _bold(self) -> QFont:
+        font = QFont(self.font())
+        font.setBold(True)
+        return font
+
+    def shown_source(self) -> str:
+        """The part after the title drawn at the current width."""
+        if not self.source:
+            return ""
+        room = self.contentsRect().width() - QFontMetrics(self._bold()).horizontalAdvance(self.title)
+        return self.fontMetrics().elidedText(f" — {self.source}", Qt.TextElideMode.ElideRight, max(0, room))
+
+    def paintEvent(self, event) -> None:
+        p = QPainter(self)
+        rect = self.contentsRect()
+        flags = int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
+        p.setPen(self.palette().color(self.foregroundRole()))
+        p.setFont(self._bold())
+        p.drawText(rect, flags, self.title)
+        rect.setLeft(rect.left() + QFontMetrics(self._bold()).horizontalAdvance(self.title))
+        p.setFont(self.font())
+        p.drawText(rect, flags, self.shown_source())
+        p.end()
+
+
 class SeriesView(QWidget):
     """One series: a header (title — source, newest value) over either its plot or its "n/a — reason" line.
     `on_paint` hears the duration of each of the plot's paint events (seconds, from `clock`)."""
@@ -96,9 +139,7 @@ class SeriesView(QWidget):
         self._measured: Optional[tuple] = None
         self._shown_max: Optional[float] = None  # largest value drawn right of the window's left edge
         self._y_top: Optional[float] = None
-        self.title = QLabel(spec.title)
-        self.title.setTextFormat(Qt.TextFormat.RichText)
-        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.title = TitleLabel(spec.title)
         self.value = QLabel(fmt.NA)
         self.value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         # A fixed size: a label whose text changes at the label rate would otherwise ask its window for a new
@@ -182,8 +223,7 @@ class SeriesView(QWidget):
         if source != self._source:
             self._source = source
             self.label_text = f"{self.spec.title} — {source or fmt.NA}"
-            self.title.setText(f"<b>{self.spec.title}</b> — {source or fmt.NA}")
-            self.title.setToolTip(self.label_text)
+            self.title.set_source(source or fmt.NA)
         self.value.setText(self.spec.format(value))
 
     def set_data(self, x: np.ndarray, y: np.ndarray, profiled: Optional[np.ndarray], x_lo: float, x_hi: float) -> None:
