@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 
 # Device-side activity in kineto's chrome trace (libkineto ActivityType names).
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 # A range around a CPU window on its own thread: the profiler's results name threads by their own ids, and this
 # marker's id is the window thread's.
 WINDOW_MARKER = "gapless::profile_window"
-COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 
 
 @dataclass(frozen=True)
@@ -371,9 +371,8 @@ def _trace_sm_count(trace: dict, index: Optional[int]) -> Optional[int]:
 def _analyse_cpu(events: list[dict], span_us: Optional[float], steps: int, tid: Optional[int]) -> WindowStats:
     ops = [e for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("aten::")
            and "ts" in e and (tid is None or e.get("tid") == tid)]
-    starts = np.array([_interval(e)[0] for e in ops], dtype=np.float64)
-    ends = np.array([_interval(e)[1] for e in ops], dtype=np.float64)
-    return _analyse_cpu_ops(starts, ends, span_us, steps)
+    intervals = np.array([_interval(e) for e in ops], dtype=np.float64).reshape(-1, 2)
+    return _analyse_cpu_ops(intervals[:, 0], intervals[:, 1], span_us, steps)
 
 
 def op_union(starts: np.ndarray, ends: np.ndarray) -> tuple[float, float, float, int]:
