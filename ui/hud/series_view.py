@@ -14,11 +14,12 @@ from typing import Callable, Optional
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from ui.hud import fmt
+from ui.hud.bars import ElidedLabel
 from ui.hud.decimate import peak_decimate
 from ui.hud.series import ESTIMATED_SERIES
 
@@ -78,23 +79,19 @@ class MeteredPlotWidget(pg.PlotWidget):
         self._on_paint(self._clock() - start)
 
 
-class TitleLabel(QLabel):
+class TitleLabel(ElidedLabel):
     """A plot's header: the title in bold, then " — source", which ends in "…" where it does not fit; text()
-    and the tooltip keep the whole line. It takes no width of its own, so a long source never widens the dock."""
+    and the tooltip keep the whole line. Like any ElidedLabel it takes no width of its own."""
 
     def __init__(self, title: str, parent: Optional[QWidget] = None):
         super().__init__(title, parent)
         self.title = title
         self.source = ""
-        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
     def set_source(self, source: str) -> None:
         self.source = source
         self.setText(f"{self.title} — {source}")
         self.setToolTip(self.text())
-
-    def minimumSizeHint(self) -> QSize:
-        return QSize(0, super().minimumSizeHint().height())
 
     def _bold(self) -> QFont:
         font = QFont(self.font())
@@ -129,7 +126,6 @@ class SeriesView(QWidget):
                  clock: Callable[[], float] = time.thread_time, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.spec = spec
-        self.label_text = spec.title
         self.na_reason: Optional[str] = None
         self.fed_key: Optional[tuple] = None  # time range and width the curves were last fed for (LivePlots decides)
         self.fed_version: Optional[int] = None  # the ring's version then
@@ -219,10 +215,14 @@ class SeriesView(QWidget):
         vertical = QSizePolicy.Policy.Expanding if measured else QSizePolicy.Policy.Maximum
         self.setSizePolicy(QSizePolicy.Policy.Preferred, vertical)
 
+    @property
+    def label_text(self) -> str:
+        """The header as one line of text: "title — source" once a source is set."""
+        return self.title.text()
+
     def set_header(self, source: Optional[str], value: Optional[float]) -> None:
         if source != self._source:
             self._source = source
-            self.label_text = f"{self.spec.title} — {source or fmt.NA}"
             self.title.set_source(source or fmt.NA)
         self.value.setText(self.spec.format(value))
 
