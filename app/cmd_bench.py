@@ -142,6 +142,10 @@ def format_table(report: dict[str, Any]) -> str:
             why = next((r["median"].get("unavailable", {}).get(metric) for r in everything
                         if r.get("median", {}).get("unavailable", {}).get(metric)), None)
             out.append(f"{name}: n/a" + (f" ({why})." if why else "."))
+    warm = [f"{r['label']} {sum(r['warmup_seconds']):.1f}" for r in everything if r.get("warmup_seconds")]
+    if warm:
+        out.append("Warm-up seconds, not timed (compile and graph capture happen there; a warm compile cache "
+                   "shortens them): " + ", ".join(warm) + ".")
     match = report.get("greedy_match_naive_vs_transformers")
     if match:
         out.append(f"Greedy tokens, Naive vs transformers: the first {match['matching_prefix']} of "

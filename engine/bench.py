@@ -104,6 +104,8 @@ class Rung:
     speedup_vs_naive: Optional[float] = None
     speedup_vs_transformers: Optional[float] = None
     speedup_vs_transformers_compiled: Optional[float] = None
+    # Wall time of each warm-up generation, device-synchronised: compile and graph capture happen in the first.
+    warmup_seconds: list[float] = field(default_factory=list)
 
 
 def compile_enabled(config: BenchConfig, device_type: str) -> bool:
@@ -198,7 +200,9 @@ class LadderRunner:
                 self._switch(rung, warm=False)
                 for i in range(self.config.warmup):
                     self.progress(f"{rung.name}: warm-up {i + 1}/{self.config.warmup}")
+                    t0 = time.perf_counter()
                     self.engine.generate(self.messages, self.sampling)
+                    rung.warmup_seconds.append(time.perf_counter() - t0)
             except RUN_ERRORS as exc:
                 _failed(rung, exc, self.progress)
 
@@ -296,6 +300,7 @@ class Baseline:
     runs: list[dict[str, Any]] = field(default_factory=list)
     median: dict[str, Any] = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)
+    warmup_seconds: list[float] = field(default_factory=list)  # each warm-up (a 1-token and a full generate())
 
 
 def _sync(device: torch.device) -> None:
@@ -360,8 +365,8 @@ class BaselineRunner:
         for i in range(self.config.warmup + (1 if self.static_compile else 0)):  # compile needs a second one
             self.progress(f"{self.result.name}: warm-up {i + 1}")
             try:
-                self._timed(1)
-                self._timed(self.n_tokens)
+                first_s = self._timed(1)[0]
+                self.result.warmup_seconds.append(first_s + self._timed(self.n_tokens)[0])
             except RUN_ERRORS + (TypeError,) as exc:
                 self._fail(exc)
                 return

@@ -267,6 +267,9 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     assert hf["settings"]["min_new_tokens"] == hf["settings"]["max_new_tokens"] == 12
     assert all(r["new_tokens_total"] == 12 for r in hf["runs"])
     assert hf["median"]["decode_tok_s"] > 0 and hf["median"]["kernel_gap_pct"] is None
+    # one warm-up each (config.warmup), timed and kept out of the runs; the table names them
+    assert len(naive["warmup_seconds"]) == len(fixes["warmup_seconds"]) == len(hf["warmup_seconds"]) == 1
+    assert all(s > 0 for s in naive["warmup_seconds"] + hf["warmup_seconds"])
     assert report["prompt_tokens_transformers"] == naive["runs"][0]["metrics"]["prompt_tokens"]
     ours = naive["runs"][0]["token_ids"][0]
     match = report["greedy_match_naive_vs_transformers"]
@@ -277,6 +280,8 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     assert report["ratios"]["transformers_decode_tok_s"] == hf["median"]["decode_tok_s"]
     out = format_table(report)
     assert "| transformers generate() " in out and "skipped (1)" in out
+    warm = next(line for line in out.splitlines() if line.startswith("Warm-up seconds"))
+    assert f"Naive {naive['warmup_seconds'][0]:.1f}" in warm and "transformers generate() " in warm
 
 
 def test_bench_sequential_order(tiny_llama):
