@@ -61,12 +61,16 @@ class Readback:
     On CUDA: non-blocking copies into pinned memory, each followed by an event; the host reads a slice only once
     its event has completed. At most `max_pending` copies are in flight, which bounds how far the device can
     run ahead of what the host has seen (and so how many steps past EOS are wasted).
+
+    The host copy is kept step-major, [L, B]: the columns a..b of `out` [B, L] land in rows a..b, one contiguous
+    block of pinned memory. A copy into a non-contiguous slice of [B, L] (any B > 1) would go through a pageable
+    temporary, which makes the copy synchronous: the host would wait for the device at every readback.
     """
 
     def __init__(self, out: torch.Tensor, max_pending: int = 3):
         self.out = out
         self.cuda = out.is_cuda
-        self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.cuda)
+        self.host = torch.empty((out.shape[1], out.shape[0]), dtype=out.dtype, pin_memory=self.cuda)  # [L, B]
         self.pending: deque = deque()
         self.issued = 0  # columns [0, issued) copied or in flight
         self.visible = 0  # columns [0, visible) readable on the host
@@ -77,14 +81,14 @@ class Readback:
             return
         a, b = self.issued, upto
         if self.cuda:
-            self.host[:, a:b].copy_(self.out[:, a:b], non_blocking=True)
+            self.host[a:b].copy_(self.out[:, a:b].t(), non_blocking=True)  # transposed on the device, then DMA
             event = torch.cuda.Event()
             event.record()
             self.pending.append((b, event))
             while len(self.pending) > self.max_pending:
                 self._wait_oldest()
         else:
-            self.host[:, a:b].copy_(self.out[:, a:b])
+            self.host[a:b].copy_(self.out[:, a:b].t())
             self.visible = b
         self.issued = b
 
@@ -100,7 +104,8 @@ class Readback:
         return self.visible
 
     def columns(self, a: int, b: int) -> list[list[int]]:
-        return self.host[:, a:b].tolist()
+        """Tokens of steps a..b, one list per row."""
+        return self.host[a:b].t().tolist()
 
 
 class StepClock:
