@@ -86,6 +86,7 @@ class StaticRunner(RunnerBase):
         self.compiled: Optional[Callable] = None
         self.graphs: dict[tuple[int, SamplerKind], "torch.cuda.CUDAGraph"] = {}
         self.graph_pool = None
+        self.use_graphs = False  # replay the captured graphs; kept when off, so switching back on is free
 
     # -- the step, as a function of buffers ------------------------------------------------------------
     def _step_impl(self, bucket: int, kind: SamplerKind) -> None:
@@ -95,8 +96,12 @@ class StaticRunner(RunnerBase):
         self.pos += 1
 
     def set_compiled(self, fn: Optional[Callable]) -> None:
+        """The step function changes, so the graphs captured from the old one go. Their memory pool goes with
+        them: a pool whose graphs are all gone may still hold blocks (e.g. a library workspace allocated during
+        capture), and capturing into it again is refused by the allocator."""
         self.compiled = fn
         self.graphs.clear()
+        self.graph_pool = None
 
     def _call(self, bucket: int, kind: SamplerKind) -> None:
         self.cache.attn_len = bucket
@@ -133,7 +138,7 @@ class StaticRunner(RunnerBase):
         pos = self.prompt_len + step_index - 1  # position of the token being fed
         kind = self.kind
         bucket = bucket_for(pos + 1, self.length)
-        graph = self.graphs.get((bucket, kind))
+        graph = self.graphs.get((bucket, kind)) if self.use_graphs else None
         if graph is not None:
             graph.replay()
         elif self.compiled is not None:

@@ -21,6 +21,7 @@ from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, S
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
 
 
 def _target_device(requested: str) -> torch.device:
@@ -213,6 +214,15 @@ class Engine:
 
     def _prepare_compile(self, runner: StaticRunner, opts: EngineOptions) -> None:
         want = opts.compile
+        if want:
+            # Every runner's step is the same code object, so each dtype x candidates x context bucket x sampler
+            # kind is one more recompile of it; past dynamo's limit (8 by default) it would run eagerly while
+            # saying "compiled". Room for what a long session of option switches reaches.
+            import torch._dynamo
+
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         if want and runner.compiled is None:
             runner.set_compiled(torch.compile(runner._step_impl, dynamic=False))
         elif not want and runner.compiled is not None:
@@ -281,6 +291,7 @@ class Engine:
         runner.sampler.set_params(sampling)
         if isinstance(runner, StaticRunner):
             self._prepare_compile(runner, opts)
+            runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
@@ -314,8 +325,8 @@ class Engine:
     def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
         """The next, smaller configuration to try after running out of device memory."""
         if opts.cuda_graph:
-            notices.append("out of device memory while capturing the CUDA graph: ran without it")
-            reasons["cuda_graph"] = "out of device memory at capture"
+            notices.append("out of device memory with the CUDA graph on: ran without it")
+            reasons["cuda_graph"] = "ran out of device memory with it on"
             return replace(opts, cuda_graph=False)
         if opts.candidates > 1:
             fewer = max(1, opts.candidates // 2)

@@ -219,6 +219,10 @@ def test_compile_failure_falls_back_to_eager_with_a_notice(llama_engine, monkeyp
     assert "inductor exploded" in result.unavailable["compile"]
     assert any("compile failed" in n for n in result.notices)
     assert result.token_ids == want
+    # the step's compiled variants (dtype x candidates x bucket x sampler) are not capped at dynamo's default 8
+    from engine.engine import RECOMPILE_LIMIT
+
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT > 8
     llama_engine._runners.clear()
     llama_engine.reconfigure(CPU)
 
@@ -240,3 +244,55 @@ def test_out_of_memory_falls_back_to_fewer_candidates(llama_engine, monkeypatch)
     assert any("out of device memory with 8 candidates" in n for n in result.notices)
     assert any("with 4 candidates" in n for n in result.notices)
     llama_engine.reconfigure(CPU)
+
+
+class StepAsCaptured:
+    """A captured CUDA graph's stand-in on the CPU: each replay runs what the capture records, the decode step as
+    a function of the runner's buffers over one context bucket (`StaticRunner._call`), eagerly."""
+
+    def __init__(self, runner, bucket, kind):
+        self.runner, self.bucket, self.kind, self.replays = runner, bucket, kind, 0
+
+    def replay(self):
+        self.replays += 1
+        self.runner._call(self.bucket, self.kind)
+
+
+def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switched_off(tiny_factory, monkeypatch):
+    from engine.decode import StaticRunner
+
+    path = tiny_factory("llama", max_position_embeddings=1024)
+    captured: list[StepAsCaptured] = []
+
+    def capture(self, bucket, kind):
+        captured.append(StepAsCaptured(self, bucket, kind))
+        self.graphs[(bucket, kind)] = captured[-1]
+
+    real_unavailable = Engine.unavailable
+
+    def graphs_on_cpu(self, options=None):
+        out = real_unavailable(self, options)
+        if (options or self.options).kv_cache == "static":
+            out.pop("cuda_graph", None)
+        return out
+
+    monkeypatch.setattr(StaticRunner, "_capture", capture)
+    monkeypatch.setattr(Engine, "unavailable", graphs_on_cpu)
+    eng = Engine.load(str(path), CPU.with_(cuda_graph=True))
+    try:
+        n = 300  # prompt + 300 positions cross the first 256-position bucket
+        greedy = SamplingParams(temperature=0, max_new_tokens=n)
+        res = eng.generate(MESSAGES, greedy)
+        assert res.options.cuda_graph and res.finish_reasons == ["length"]
+        assert sorted(g.bucket for g in captured) == [256, 512]  # captured before the prefill, one per bucket
+        assert all(g.replays > 0 for g in captured)
+        assert sum(g.replays for g in captured) == n - 1  # every decode step after the prefill's token
+        assert res.token_ids[0] == hf_greedy(path, prompt_ids(eng, max_new=n), n)
+
+        eng.reconfigure(CPU)  # graphs off: the runner keeps them but runs its eager step
+        replays = sum(g.replays for g in captured)
+        again = eng.generate(MESSAGES, greedy)
+        assert not again.options.cuda_graph and sum(g.replays for g in captured) == replays
+        assert again.token_ids == res.token_ids
+    finally:
+        eng.close()

@@ -422,9 +422,9 @@ def test_out_of_memory_at_graph_capture_drops_the_graph_then_candidates(engine, 
     monkeypatch.setattr(Engine, "_run", run)
     result = engine.generate(MESSAGES, greedy(12))
     assert attempts == [(True, 4), (False, 4), (False, 2)]
-    assert result.notices == ["out of device memory while capturing the CUDA graph: ran without it",
+    assert result.notices == ["out of device memory with the CUDA graph on: ran without it",
                               "out of device memory with 4 candidates: ran 2"]
-    assert result.unavailable["cuda_graph"] == "out of device memory at capture"
+    assert result.unavailable["cuda_graph"] == "ran out of device memory with it on"
     assert result.unavailable["candidates"] == "out of device memory at 4"
     assert (result.options.cuda_graph, result.options.candidates) == (False, 2)
     assert result.token_ids == reference.token_ids[:2]  # greedy: every candidate is the same answer
