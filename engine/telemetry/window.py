@@ -113,6 +113,11 @@ class ProfileWindow:
         self._tid: Optional[int] = None
         self._marker: Optional[torch.profiler.record_function] = None
         self._sync = device_sync_fn(self.device) if enabled else None
+        if enabled and self.device.type == "cuda":
+            # One profiler session per generation: keep CUPTI set up between them. Tearing it down after each
+            # and initialising it again is what torch itself avoids when CUDA graphs are in play (re-inits after a
+            # teardown have crashed, or recorded no kernels, with graphs); kineto reads this before its first use.
+            os.environ.setdefault("TEARDOWN_CUPTI", "0")
 
     def in_window(self, step: int) -> bool:
         return self.enabled and self.start <= step <= self._last
@@ -132,7 +137,7 @@ class ProfileWindow:
         try:
             with native_stderr_filtered():
                 prof.__enter__()
-        except RuntimeError as exc:  # e.g. kineto or CUPTI refusing to start
+        except Exception as exc:  # e.g. kineto or CUPTI refusing to start; the lock must not stay held
             _ONE_WINDOW.release()
             log.warning("profile window skipped: the profiler could not start: %s", exc)
             return

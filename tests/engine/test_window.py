@@ -207,6 +207,29 @@ def test_another_profiler_running_skips_the_window(caplog):
     assert any(e.key == "aten::mm" for e in outer.key_averages())  # the outer session was left intact
 
 
+def test_a_profiler_that_cannot_start_skips_the_window_and_frees_the_next(monkeypatch, caplog):
+    class Refusing:
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            raise ValueError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    x = torch.randn(16, 16)
+    real = torch.profiler.profile
+    monkeypatch.setattr(torch.profiler, "profile", Refusing)
+    w = ProfileWindow(torch.device("cpu"), start=0, steps=2)
+    with caplog.at_level(logging.WARNING, logger="engine.telemetry.window"):
+        run_loop(w, 3, matmuls(x, 1))
+    assert w.finish() is None
+    assert "the profiler could not start: CUPTI_ERROR_NOT_INITIALIZED" in caplog.text
+    monkeypatch.setattr(torch.profiler, "profile", real)
+    later = ProfileWindow(torch.device("cpu"), start=0, steps=2)  # the one-window lock was released
+    run_loop(later, 3, matmuls(x, 1))
+    st = later.finish()
+    assert st is not None and st.steps == 2
+
+
 def test_bad_window_arguments():
     with pytest.raises(ValueError):
         ProfileWindow(torch.device("cpu"), start=-1)
