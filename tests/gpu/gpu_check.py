@@ -1,7 +1,7 @@
 """The whole GPU check in one run: token-exact parity of every option combination against eager, the ladder of
 presets with the transformers baselines, NVML/GPM probing, kernel-gap figures and the out-of-memory fallback.
 
-    python tests/gpu/gpu_check.py --out "$OUT" [--budget-s 420] [--model PATH|smollm2-shaped|tiny]
+    python tests/gpu/gpu_check.py --out "$OUT" [--budget-s 480] [--model PATH|smollm2-shaped|tiny]
 
 Writes OUT/gpu_check.json after every section, so a run stopped by its time limit still reports what it did.
 The device machine has no network and a small transfer limit, so by default the model is SmolLM2-135M's exact
@@ -85,20 +85,49 @@ class Report:
             self.data["sections"][name] = {"skipped": f"time budget: {self.left():.0f}s left, needs ~{need_s:.0f}s"}
         else:
             t = time.perf_counter()
+            self.data["sections"][name] = {"running": True}
             try:
                 result = fn()
-                self.data["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t, "result": result}
+                self.data["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t, "result": result,
+                                               **self._progress_of(name)}
             except Exception as exc:  # a check script records every failure and goes on to the next section
                 self.data["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t,
-                                               "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+                                               "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                                               **self._progress_of(name)}
+            except BaseException:  # stopped from outside (the time limit's SIGINT): keep what the section said
+                self.data["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t,
+                                               "error": "interrupted (time limit)", **self._progress_of(name)}
+                self.write()
+                raise
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {name}: "
               f"{ {k: v for k, v in self.data['sections'][name].items() if k in ('ok', 'skipped', 'error', 'seconds')} }",
               flush=True)
         self.write()
 
+    def _progress_of(self, name: str) -> dict:
+        lines = self.data.get("progress", {}).pop(name, None)
+        return {"progress": lines} if lines else {}
+
+    def progress(self, name: str) -> Callable[[str], None]:
+        """A progress callback for a long section: its lines are kept in the report (written at most every 2 s), so
+        a section stopped by the time limit still says how far it got and what it measured on the way."""
+        last = [0.0]
+
+        def say(msg: str) -> None:
+            print("  ", msg, flush=True)
+            self.data.setdefault("progress", {}).setdefault(name, []).append(f"{time.perf_counter() - self.t0:.1f}s {msg}")
+            if time.perf_counter() - last[0] > 2.0:
+                last[0] = time.perf_counter()
+                self.write()
+
+        return say
+
     def write(self) -> None:
         self.data["elapsed_s"] = time.perf_counter() - self.t0
-        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=1, default=str))
+        path = self.out / "gpu_check.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(path)
 
 
 def option_grid(device: str, candidates: tuple[int, ...]):
@@ -115,7 +144,7 @@ def option_grid(device: str, candidates: tuple[int, ...]):
 
 
 def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tuple[int, ...], report: Report,
-           with_compile: bool) -> dict:
+           with_compile: bool, profile_window: bool = True) -> dict:
     """Every option combination against the eager reference (dynamic cache, host sampling) in the same dtype."""
     from engine.bench import matching_prefix
     from engine.engine import Engine
@@ -123,7 +152,8 @@ def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tupl
 
     msgs = [{"role": "user", "content": PROMPT}]
     greedy = SamplingParams(temperature=0, max_new_tokens=max_new)
-    eng = Engine.load(str(folder), EngineOptions(device=device, dtype=dtype, kv_cache="dynamic", sampling="host"))
+    eng = Engine.load(str(folder), EngineOptions(device=device, dtype=dtype, kv_cache="dynamic", sampling="host",
+                                                 profile_window=profile_window))
     try:
         ref = eng.generate(msgs, greedy).token_ids[0]
         rows = []
@@ -133,7 +163,7 @@ def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tupl
             if report.left() < 30:
                 rows.append({"options": opts.to_dict(), "skipped": "time budget"})
                 continue
-            eng.reconfigure(opts.with_(dtype=dtype))
+            eng.reconfigure(opts.with_(dtype=dtype, profile_window=profile_window))
             t = time.perf_counter()
             res = eng.generate(msgs, greedy)
             got = res.token_ids
@@ -142,36 +172,58 @@ def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tupl
                 "options": res.options.to_dict(), "unavailable": res.unavailable, "notices": res.notices,
                 "identical": all(r == ref for r in got), "matching_prefix": prefix, "tokens": [len(r) for r in got],
                 "decode_tok_s": res.metrics.decode_tok_s, "kernel_gap_pct": res.metrics.kernel_gap_pct,
+                "kernel_gap_source": res.metrics.kernel_gap_source, "metrics_unavailable": res.metrics.unavailable,
                 "seconds_with_warmup": time.perf_counter() - t,
             })
-        logits = first_step_logits(eng, dtype) if device == "cuda" else None
         return {"dtype": dtype, "reference_tokens": len(ref), "all_identical": all(r.get("identical", False) for r in rows if "skipped" not in r),
-                "first_step_logits": logits, "rows": rows}
+                "rows": rows}
     finally:
         eng.close()
 
 
-def first_step_logits(eng, dtype: str) -> dict:
-    """Max |logit difference| of the first decode step: compiled static step vs eager model, same dtype."""
+def logits_check(folder: Path, device: str, dtype: str, compile_fn: Callable = torch.compile) -> dict:
+    """First-step logits of the compiled decode step against the eager one, same dtype (its own section: one
+    more compile)."""
+    from engine.engine import Engine
+    from engine.types import EngineOptions
+
+    eng = Engine.load(str(folder), EngineOptions(device=device, dtype=dtype))
+    try:
+        return first_step_logits(eng, dtype, compile_fn)
+    finally:
+        eng.close()
+
+
+LOGIT_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}  # max |difference| of first-step logits
+
+
+def first_step_logits(eng, dtype: str, compile_fn: Callable = torch.compile) -> dict:
+    """Max |logit difference| of the first decode step after a 40-token prompt: the model compiled by `compile_fn`
+    against the eager model, both fed the step the way the static runner feeds its compiled and captured step
+    (static cache, whole 256-position bucket attended under the position mask)."""
     from engine.decode import StaticRunner
     from engine.sampling import SamplerKind
 
     g = SamplerKind(greedy=True, top_k=False, top_p=False, repetition=False)
-    prompt = torch.randint(3, eng.config.vocab_size, (40,), device=eng.device, generator=None)
-    out = {}
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, eng.config.vocab_size, (40,), generator=gen).to(eng.device)
+    bucket = 256
+    dtype_t = eng.model.tok_embeddings.weight.dtype
+
+    def first_step(model) -> torch.Tensor:
+        runner = StaticRunner(eng.model, 1, bucket, eng.eos_ids, eng.device, dtype_t)
+        runner.prefill(prompt, g)
+        runner.cache.attn_len = bucket  # what StaticRunner._call sets for the compiled step
+        mask = runner.arange[:bucket][None, :] <= runner.pos[:, None]
+        return model(runner.tok, runner.pos, runner.cache, mask)[:, -1].float()
+
     with torch.inference_mode():
-        eager = StaticRunner(eng.model, 1, 256, eng.eos_ids, eng.device, eng.model.tok_embeddings.weight.dtype)
-        eager.prefill(prompt, g)
-        logits_e = eng.model(eager.tok, eager.pos, eager.cache, torch.arange(256, device=eng.device)[None, :] <= eager.pos[:, None])[:, -1]
-        compiled_model = torch.compile(eng.model, dynamic=False)
-        other = StaticRunner(eng.model, 1, 256, eng.eos_ids, eng.device, eng.model.tok_embeddings.weight.dtype)
-        other.prefill(prompt, g)
-        logits_c = compiled_model(other.tok, other.pos, other.cache, torch.arange(256, device=eng.device)[None, :] <= other.pos[:, None])[:, -1]
+        logits_e = first_step(eng.model)
+        logits_c = first_step(compile_fn(eng.model, dynamic=False))
         diff = (logits_e - logits_c).abs().max().item()
-        scale = logits_e.abs().max().item()
-        tol = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}[dtype]
-        out = {"max_abs_diff": diff, "max_abs_logit": scale, "tolerance": tol, "within": diff <= tol}
-    return out
+        tol = LOGIT_TOLERANCE[dtype]
+        return {"max_abs_diff": diff, "max_abs_logit": logits_e.abs().max().item(), "tolerance": tol,
+                "within": diff <= tol, "same_argmax": bool((logits_e.argmax(-1) == logits_c.argmax(-1)).all())}
 
 
 def probe_nvml() -> dict:
@@ -194,12 +246,16 @@ def probe_nvml() -> dict:
             "last_sample": samples[-1].__dict__ if samples else None, "peak_dram_bw_bytes_s": mon.peak_dram_bw_bytes_s}
 
 
-def ladder(folder: Path, max_new: int, candidates: int, repeats: int) -> dict:
+def ladder(folder: Path, max_new: int, candidates: int, repeats: int, progress: Callable[[str], None]) -> dict:
+    from app.cmd_bench import format_table
     from engine.bench import BenchConfig, run_suite
 
     cfg = BenchConfig(model=str(folder), device="cuda", max_new_tokens=max_new, repeats=repeats,
                       candidates=candidates, baseline=True, compile=True, prompt=PROMPT)
-    return run_suite(cfg, progress=lambda m: print("  ", m, flush=True), command=sys.argv)
+    report = run_suite(cfg, progress=progress, command=sys.argv)
+    report["table"] = format_table(report)
+    print(report["table"], flush=True)
+    return report
 
 
 def oom_fallback(folder: Path) -> dict:
@@ -222,36 +278,53 @@ def oom_fallback(folder: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--budget-s", type=float, default=420)
+    p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--model", default="smollm2-shaped", help="smollm2-shaped | tiny | a model folder or GGUF")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--ladder-tokens", type=int, default=256)
+    p.add_argument("--ladder-tokens", type=int, default=200, help="prompt + these stay in one 256-position bucket")
     args = p.parse_args(argv)
     report = Report(args.out, args.budget_s)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     work = Path(tempfile.mkdtemp(prefix="gapless-gpu-"))
+    found: dict[str, Path] = {}
+
+    def model() -> dict:
+        if args.model in ("smollm2-shaped", "tiny"):
+            shape = SMOLLM2 if args.model == "smollm2-shaped" else TINY
+            found["folder"] = make_model_folder(work / args.model, shape)
+            return {"kind": args.model, "shape": shape, "weights": "random (seed 0)"}
+        found["folder"] = Path(args.model)
+        return {"kind": "path", "path": args.model}
 
     from engine.telemetry.machine import describe_machine
 
-    report.section("machine", describe_machine)
-    if args.model in ("smollm2-shaped", "tiny"):
-        shape = SMOLLM2 if args.model == "smollm2-shaped" else TINY
-        folder = make_model_folder(work / args.model, shape)
-        report.data["model"] = {"kind": args.model, "shape": shape, "weights": "random (seed 0)"}
-    else:
-        folder = Path(args.model)
-        report.data["model"] = {"kind": "path", "path": str(folder)}
-    report.section("nvml", probe_nvml, need_s=5, cuda=True)
-    report.section("parity_fp32", lambda: parity(folder, device, "fp32", args.max_new_tokens, (1, 4), report, with_compile=cuda), need_s=60)
-    report.section("ladder", lambda: ladder(folder, args.ladder_tokens, 16, 3), need_s=120, cuda=True)
-    report.section("parity_fp16", lambda: parity(folder, device, "fp16", args.max_new_tokens, (1, 4), report, with_compile=True), need_s=90, cuda=True)
-    report.section("parity_bf16", lambda: parity(folder, device, "bf16", args.max_new_tokens, (1,), report, with_compile=True), need_s=90, cuda=True)
-    report.section("oom_fallback", lambda: oom_fallback(folder), need_s=40, cuda=True)
-    report.write()
+    # Most telling first: fp32 parity of every option (the CUDA graph and compiled paths included) and the
+    # ladder; then the fallbacks and half precision, whose compiles the ladder's have mostly warmed up.
+    try:
+        report.section("machine", describe_machine)
+        report.section("model", model)
+        folder = found.get("folder")
+        if folder is not None:
+            report.section("nvml", probe_nvml, need_s=5, cuda=True)
+            report.section("parity_fp32", lambda: parity(folder, device, "fp32", args.max_new_tokens, (1, 4), report,
+                                                         with_compile=cuda), need_s=60)
+            report.section("ladder", lambda: ladder(folder, args.ladder_tokens, 16, 3, report.progress("ladder")),
+                           need_s=150, cuda=True)
+            report.section("oom_fallback", lambda: oom_fallback(folder), need_s=40, cuda=True)
+            for dtype in ("fp16", "bf16"):
+                report.section(f"parity_{dtype}", lambda d=dtype: parity(folder, device, d, args.max_new_tokens, (1,), report,
+                                                                         with_compile=True, profile_window=False),
+                               need_s=60, cuda=True)
+            for dtype in ("fp16", "bf16"):
+                report.section(f"logits_{dtype}", lambda d=dtype: logits_check(folder, device, d), need_s=60, cuda=True)
+    except KeyboardInterrupt:
+        report.data["interrupted"] = "stopped by the time limit; the sections above say how far each got"
+    finally:
+        report.write()
     failed = [k for k, v in report.data["sections"].items() if v.get("ok") is False]
     print("failed sections:", failed or "none")
-    return 1 if failed else 0
+    return 1 if failed or "interrupted" in report.data else 0
 
 
 if __name__ == "__main__":

@@ -13,14 +13,55 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
         import pytest
 
         pytest.skip("this test checks the CPU behaviour of the script")
-    rc = main(["--out", str(tmp_path), "--model", "tiny", "--max-new-tokens", "8", "--budget-s", "300"])
+    rc = main(["--out", str(tmp_path), "--model", "tiny", "--max-new-tokens", "24", "--budget-s", "300"])
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = data["sections"]
     assert rc == 0, {k: v.get("error") for k, v in sections.items()}
     assert sections["machine"]["ok"] and sections["machine"]["result"]["cpu_model"]
-    for name in ("nvml", "ladder", "parity_fp16", "parity_bf16", "oom_fallback"):
+    assert sections["model"]["result"]["kind"] == "tiny"
+    for name in ("nvml", "ladder", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
     par = sections["parity_fp32"]["result"]
     combos = {(r["options"]["kv_cache"], r["options"]["sampling"], r["options"]["candidates"]) for r in par["rows"]}
     assert len(combos) == 12  # 3 cache modes x 2 sampling modes x candidates 1 and 4
     assert par["all_identical"] is True
+    row = next(r for r in par["rows"] if r["options"]["kv_cache"] == "static" and r["options"]["candidates"] == 1)
+    assert row["kernel_gap_source"].startswith("op gap")  # the window ran in every row
+
+
+def test_first_step_logits_feed_the_step_as_the_compiled_runner_does(tmp_path):
+    """The logits comparison itself, with an identity in place of torch.compile: equal logits, and the step fed
+    the way the static runner feeds its compiled and captured step (the whole bucket under the position mask)."""
+    from gpu.gpu_check import TINY, logits_check, make_model_folder
+
+    folder = make_model_folder(tmp_path / "tiny", TINY)
+    seen = []
+
+    def identity(model, **kw):
+        seen.append(kw)
+        return model
+
+    got = logits_check(folder, "cpu", "fp32", compile_fn=identity)
+    assert seen == [{"dynamic": False}]
+    assert got["max_abs_diff"] == 0.0 and got["within"] and got["same_argmax"]
+    assert got["max_abs_logit"] > 0
+
+
+def test_an_interrupted_section_keeps_its_progress(tmp_path):
+    from gpu.gpu_check import Report
+
+    report = Report(tmp_path, budget_s=60)
+
+    def long_section():
+        say = report.progress("ladder")
+        say("naive: run 1/3: 212.0 tok/s, 200 tokens")
+        raise KeyboardInterrupt
+
+    try:
+        report.section("ladder", long_section)
+    except KeyboardInterrupt:
+        pass
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    sec = data["sections"]["ladder"]
+    assert sec["ok"] is False and sec["error"] == "interrupted (time limit)"
+    assert sec["progress"][0].endswith("naive: run 1/3: 212.0 tok/s, 200 tokens")
