@@ -627,6 +627,16 @@ def test_bars_show_the_last_generation_with_sources(hud):
     assert v["kernel_gap_pct"]["source"] == OP_GAP
 
 
+def test_bar_header_while_running_says_whose_figures_are_shown(hud):
+    panel, _ = hud
+    panel.begin_generation("Naive", EngineOptions())
+    assert panel.bars.header.text().endswith("Naive — its figures show when it ends")
+    panel.end_generation(GenerationMetrics(decode_tok_s=50.0, new_tokens_total=12), EngineOptions(), "Naive")
+    assert "Naive · 12 new tokens" in panel.bars.header.text()
+    panel.begin_generation("Naive", EngineOptions())
+    assert panel.bars.header.text().endswith("Naive — the figures below are from the previous generation")
+
+
 def test_long_bar_sources_are_elided_with_the_full_text_in_the_tooltip(hud, qtbot):
     panel, clock = hud
     long_source = "op gap — torch.profiler CPU ops, 8-step window (sampled), " + "a very long explanation " * 6
@@ -820,6 +830,30 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
 
     panel.set_ladder_failed("model unloaded")
     assert ladder.status.text() == "Ladder failed: model unloaded" and ladder.run_button.isEnabled()
+
+
+def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):
+    from PySide6.QtCore import QSizeF
+
+    from ui.hud.ladder_chart import LadderChart
+
+    chart = LadderChart()
+    qtbot.addWidget(chart)
+    chart.resize(360, 700)
+    chart.show()
+    rows = [dict(r, kernel_gap_source="op gap — torch.profiler CPU ops, 8-step window (sampled), decode thread only")
+            for r in ladder_rows(gpu=False)]
+    chart.set_results(rows)
+    qtbot.wait(50)
+    layout = chart.chart.ci
+    needed = layout.effectiveSizeHint(Qt.SizeHint.MinimumSize, QSizeF(-1, -1)).width()
+    assert needed <= chart.chart.width()  # the plots, bars and labels stay inside the visible chart
+    tok_title, gap_title = chart.shown_titles()
+    assert gap_title.startswith("Gap % — op gap") and gap_title.endswith("…")
+    assert "decode thread only" in chart.chart.toolTip()  # the whole source, on hover
+    chart.resize(1400, 700)
+    qtbot.wait(50)
+    assert chart.shown_titles()[1].endswith("decode thread only")
 
 
 def test_full_synthetic_session_lengths_and_last_values(hud, qtbot):

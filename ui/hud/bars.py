@@ -102,6 +102,7 @@ class BarStrip(QWidget):
         self.header = QLabel("No generation yet")
         self.header.setWordWrap(True)
         self._largest: dict[str, float] = {}
+        self._shown: Optional[str] = None  # the generation whose figures are shown
         self._rows: dict[str, tuple[QLabel, MiniBar, QLabel, QLabel]] = {}
         grid = QGridLayout()
         grid.setContentsMargins(2, 0, 2, 0)
@@ -122,9 +123,12 @@ class BarStrip(QWidget):
         self._apply_palette()
 
     def set_running(self, label: str) -> None:
-        self.header.setText(f"Running: {label} — the figures below are from the previous generation")
+        shown = self._shown is not None
+        self.header.setText(f"Running: {label} — " + ("the figures below are from the previous generation" if shown
+                                                       else "its figures show when it ends"))
 
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
+        self._shown = label
         self.header.setText(f"{label} · {metrics.new_tokens_total} new tokens · {fmt.options_summary(options)}")
         for row in BAR_ROWS:
             v = getattr(metrics, row.key)

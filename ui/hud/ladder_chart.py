@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Signal
+from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
@@ -19,6 +19,7 @@ from ui.hud import fmt
 TOK_COLOR = "#4e9af1"
 GAP_COLOR = "#e06c75"
 ROW_HEIGHT = 30
+TITLE_PT = 9
 
 
 class LadderChart(QWidget):
@@ -190,10 +191,35 @@ class LadderChart(QWidget):
         self._draw_texts(self._base)
         self._set_titles()
 
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._set_titles()
+
+    def shown_titles(self) -> list[str]:
+        """The plot titles as drawn (cut with "…" to fit, the whole of each in the chart's tooltip)."""
+        return [plot.titleLabel.text for plot in (self.tok_plot, self.gap_plot)]
+
     def _set_titles(self) -> None:
+        """A plot title asks the layout for its whole width, so a long source would widen the plots past the
+        dock's edge and cut off their right side: each title is cut to the room beside the row labels, measured
+        as drawn."""
         fg = self.palette().color(QPalette.ColorRole.Text).name()
         for plot, title in zip((self.tok_plot, self.gap_plot), self._titles):
-            plot.setTitle(title, size="9pt", color=fg)
+            axis = plot.getAxis("left").effectiveSizeHint(Qt.SizeHint.MinimumSize).width()  # before it is laid out
+            room = self.chart.width() - axis - 24
+            label = plot.titleLabel
+
+            def fits(n: int) -> bool:
+                plot.setTitle(title if n >= len(title) else title[:n].rstrip() + "…", size=f"{TITLE_PT}pt", color=fg)
+                return label.itemRect().width() <= room
+
+            if not fits(len(title)):
+                lo, hi = 1, len(title) - 1  # the longest cut that fits (at least one character)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+                fits(lo)
+        self.chart.setToolTip("\n".join(self._titles))
 
 
 def _num(v, default: float = np.nan) -> float:
