@@ -1,4 +1,5 @@
-"""Screenshots of the HUD from real runs for the README: during a generation, after it, and the ladder chart.
+"""Screenshots from real runs for the README: the main window with an answer (dark and light theme), the HUD
+during a generation, after it, and the ladder chart.
 
     QT_QPA_PLATFORM=offscreen python docs/make_screenshots.py [--model default] [--out docs/screenshots]
 
@@ -22,6 +23,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "screenshots")
     p.add_argument("--prompt", default="Explain how a GPU runs a small language model, step by step, in about 150 words.")
     p.add_argument("--ladder-tokens", type=int, default=32)
+    p.add_argument("--main-prompt", default="Write a Python function that returns the n-th Fibonacci number. "
+                                            "Put the code in a code block, then explain it briefly.")
     args = p.parse_args()
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtCore import QEventLoop, QTimer
@@ -76,6 +79,20 @@ def main() -> int:
         hud.grab().save(str(args.out / "hud-ladder.png"))
         for r in rows:
             print(r["label"], r["decode_tok_s"], r["skipped"])
+        # the main window: a fresh chat with an answer that has a code block, in both themes
+        hud.tabs.setCurrentIndex(0)  # Live
+        w.new_chat()
+        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=200, seed=0)
+        finished.clear()
+        w.composer.set_text(args.main_prompt)
+        w.composer.send_button.click()
+        while not finished:
+            settle(200)
+        settle()
+        w.grab().save(str(args.out / "main-dark.png"))
+        gui.theme.set_choice("light")
+        settle()
+        w.grab().save(str(args.out / "main-light.png"))
     finally:
         gui.close()
     return 0
