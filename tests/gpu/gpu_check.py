@@ -69,9 +69,13 @@ TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_
             num_key_value_heads=2, max_position_embeddings=1024)
 
 
+SECTIONS = ("nvml", "parity_fp32", "ladder", "oom_fallback", "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
+
+
 class Report:
-    def __init__(self, out: Path, budget_s: float):
+    def __init__(self, out: Path, budget_s: float, chosen=None):
         self.out, self.t0, self.budget_s = out, time.perf_counter(), budget_s
+        self.chosen = set(SECTIONS if chosen is None else chosen)
         self.data: dict[str, Any] = {"sections": {}, "started_unix": time.time()}
         out.mkdir(parents=True, exist_ok=True)
 
@@ -79,6 +83,8 @@ class Report:
         return self.budget_s - (time.perf_counter() - self.t0)
 
     def section(self, name: str, fn: Callable[[], Any], need_s: float = 0.0, cuda: bool = False) -> None:
+        if name in SECTIONS and name not in self.chosen:
+            return
         if cuda and not torch.cuda.is_available():
             self.data["sections"][name] = {"skipped": "no CUDA device on this machine"}
         elif self.left() < need_s:
@@ -282,8 +288,14 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-shaped", help="smollm2-shaped | tiny | a model folder or GGUF")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ladder-tokens", type=int, default=200, help="prompt + these stay in one 256-position bucket")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated, run in the fixed order (e.g. the ones a shorter run had to leave out)")
     args = p.parse_args(argv)
-    report = Report(args.out, args.budget_s)
+    chosen = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    report = Report(args.out, args.budget_s, chosen)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     work = Path(tempfile.mkdtemp(prefix="gapless-gpu-"))

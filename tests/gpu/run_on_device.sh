@@ -18,5 +18,5 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export GAPLESS_CACHE_DIR="${GAPLESS_CACHE_DIR:-/tmp/gapless-cache}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.csv" 2>&1
-timeout -s INT -k 20 "${LIMIT_S:-540}" python3 tests/gpu/gpu_check.py --out "$OUT" --budget-s "${BUDGET_S:-480}" 2>&1 \
+timeout -s INT -k 20 "${LIMIT_S:-540}" python3 tests/gpu/gpu_check.py --out "$OUT" --budget-s "${BUDGET_S:-480}" "$@" 2>&1 \
   | tee "$OUT/gpu_check.log"

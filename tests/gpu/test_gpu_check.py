@@ -65,3 +65,14 @@ def test_an_interrupted_section_keeps_its_progress(tmp_path):
     sec = data["sections"]["ladder"]
     assert sec["ok"] is False and sec["error"] == "interrupted (time limit)"
     assert sec["progress"][0].endswith("naive: run 1/3: 212.0 tok/s, 200 tokens")
+
+
+def test_chosen_sections_only_and_unknown_ones_refused(tmp_path, capsys):
+    import pytest
+
+    rc = main(["--out", str(tmp_path), "--model", "tiny", "--sections", "nvml,logits_fp16"])
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert rc == 0 and set(sections) == {"machine", "model", "nvml", "logits_fp16"}
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--sections", "ladder,warp_drive"])
+    assert "unknown sections ['warp_drive']" in capsys.readouterr().err
