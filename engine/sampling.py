@@ -59,13 +59,14 @@ def mark_seen(state: SamplerState, tokens: torch.Tensor) -> None:
     state.seen.scatter_(1, tokens[:, None], True)
 
 
-def sample(logits: torch.Tensor, kind: SamplerKind, state: SamplerState) -> torch.Tensor:
-    """logits: [B, V] float32 -> next tokens [B] long, on the device."""
+def process(logits: torch.Tensor, kind: SamplerKind, state: SamplerState) -> torch.Tensor:
+    """The logits processors, in transformers' order: [B, V] -> [B, V], removed tokens at -inf. Greedy stops after
+    the repetition penalty (temperature and filters do not change the argmax)."""
     if kind.repetition:
         penalised = torch.where(logits > 0, logits / state.penalty, logits * state.penalty)
         logits = torch.where(state.seen, penalised, logits)
     if kind.greedy:
-        return torch.argmax(logits, dim=-1)
+        return logits
     logits = logits / state.temperature
     if kind.top_k or kind.top_p:
         sorted_logits, _ = torch.sort(logits, dim=-1, descending=True)
@@ -81,6 +82,14 @@ def sample(logits: torch.Tensor, kind: SamplerKind, state: SamplerState) -> torc
             keep = (cum - probs) < state.top_p
             cutoff = torch.where(keep, sorted_logits, torch.full_like(sorted_logits, float("inf"))).amin(-1, keepdim=True)
             logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, kind: SamplerKind, state: SamplerState) -> torch.Tensor:
+    """logits: [B, V] float32 -> next tokens [B] long, on the device."""
+    logits = process(logits, kind, state)
+    if kind.greedy:
+        return torch.argmax(logits, dim=-1)
     probs = torch.softmax(logits, dim=-1)
     # A categorical draw with no host sync: argmax(p / q), q ~ Exponential(1) (the exponential race).
     # The default generator, seeded per generation: it is what CUDA graphs capture safely and compile traces.
