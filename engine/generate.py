@@ -93,13 +93,17 @@ def run_loop(
             cancelled = True
             step -= 1
             break
-        in_window = window is not None and window.in_window(step)
-        if in_window:
-            if not window_steps:
+        in_window = False
+        if window is not None and window.in_window(step):
+            if step == window.start:
                 _sync(device)
-                t_window0 = now()
-            window_steps.add(step)
-            window.step_begin(step)
+                t_open = now()
+                window.step_begin(step)
+                t_window0 = t_open if window.tracing else None
+            # Only steps the profiler records are slowed by it, and only those are left out of tok/s.
+            in_window = window.tracing
+            if in_window:
+                window_steps.add(step)
         runner.step(step)
         if in_window:
             window.step_end(step)
@@ -226,6 +230,8 @@ def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, 
         metrics.kernel_gap_source = stats.gap_source
     elif window is None or not window.enabled:
         na["kernel_gap_pct"] = "profiler window off"
+    elif stats is None and window.skipped:
+        na["kernel_gap_pct"] = f"window not traced: {window.skipped}"
     elif stats is None:
         na["kernel_gap_pct"] = (f"the answer ended before the traced window (decode steps {window.start}-"
                                 f"{window.start + window.steps - 1})")

@@ -113,6 +113,7 @@ class ProfileWindow:
         self._tid: Optional[int] = None
         self._marker: Optional[torch.profiler.record_function] = None
         self._sync = device_sync_fn(self.device) if enabled else None
+        self.skipped: Optional[str] = None  # why the window traced nothing, when it was reached but did not start
         if enabled and self.device.type == "cuda":
             # One profiler session per generation: keep CUPTI set up between them. Tearing it down after each
             # and initialising it again is what torch itself avoids when CUDA graphs are in play (re-inits after a
@@ -122,15 +123,24 @@ class ProfileWindow:
     def in_window(self, step: int) -> bool:
         return self.enabled and self.start <= step <= self._last
 
+    @property
+    def tracing(self) -> bool:
+        """The profiler is recording this window's steps now."""
+        return self._running
+
+    def _skip(self, reason: str) -> None:
+        self.skipped = reason
+        log.warning("profile window skipped: %s", reason)
+
     def step_begin(self, step: int) -> None:
         if not self.enabled or step != self.start or self._prof is not None:
             return
         if not _ONE_WINDOW.acquire(blocking=False):
-            log.warning("profile window skipped: another generation in this process is being profiled")
+            self._skip("another generation in this process is being profiled")
             return
         if profiler_busy():
             _ONE_WINDOW.release()
-            log.warning("profile window skipped: another torch profiler is running in this process")
+            self._skip("another torch profiler is running in this process")
             return
         prof = torch.profiler.profile(activities=_activities(self.device))
         self._sync()
@@ -139,7 +149,7 @@ class ProfileWindow:
                 prof.__enter__()
         except Exception as exc:  # e.g. kineto or CUPTI refusing to start; the lock must not stay held
             _ONE_WINDOW.release()
-            log.warning("profile window skipped: the profiler could not start: %s", exc)
+            self._skip(f"the profiler could not start: {exc}")
             return
         self._prof = prof
         self._running = True
@@ -213,6 +223,7 @@ class ProfileWindow:
         trace = _export_trace(self._prof)
         self._release()
         if trace is None:
+            self.skipped = "the trace could not be exported or read (details in the log)"
             return None
         return analyse_trace(
             trace,

@@ -296,3 +296,22 @@ def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switc
         assert again.token_ids == res.token_ids
     finally:
         eng.close()
+
+
+def test_a_window_that_could_not_trace_leaves_no_steps_out(llama_engine):
+    """Another profiler running: the window traces nothing, so no step is left out of tok/s or the step
+    percentiles, none is marked traced, and the gap says why it is n/a."""
+    llama_engine.reconfigure(CPU)
+    records: list[StepRecord] = []
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        res = llama_engine.generate(MESSAGES, params, on_event=lambda e: records.append(e) if isinstance(e, StepRecord) else None)
+    m = res.metrics
+    assert m.decode_steps == len(res.token_ids[0]) - 1 >= 20
+    assert m.profiled_steps == 0 and not any(r.profiled for r in records)
+    assert m.kernel_gap_pct is None
+    assert m.unavailable["kernel_gap_pct"] == "window not traced: another torch profiler is running in this process"
+    assert m.decode_tok_s == pytest.approx(m.decode_steps / m.decode_seconds)
+    traced = llama_engine.generate(MESSAGES, params).metrics  # and without the other profiler, the window runs
+    assert traced.profiled_steps == 8 and traced.kernel_gap_pct is not None
+    assert traced.decode_tok_s == pytest.approx((traced.decode_steps - 8) / traced.decode_seconds)
