@@ -90,6 +90,7 @@ class Monitor:
         self._gpm_prev_t: Optional[float] = None
         self._util_samples = True  # nvmlDeviceGetSamples until it fails, then utilization rates
         self._util_last_ts = 0
+        self._util_last: Optional[float] = None  # the newest NVML utilization sample's value
         self._cpu_prev: Optional[tuple[float, float]] = None
         self._page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
         if not os.path.exists("/proc/self/statm"):
@@ -207,18 +208,30 @@ class Monitor:
 
     def summary(self, t0: float, t1: float, metrics: tuple[str, ...] = SUMMARY_METRICS
                 ) -> dict[str, tuple[Optional[float], str]]:
-        """Per metric: (mean over the samples taken in [t0, t1], source) or (None, why)."""
+        """Per metric: (mean over [t0, t1], source) or (None, why).
+
+        A sample describes the period since the one before it (an NVML sample or GPM pair covers the time up to
+        its reading), so each is weighted by how much of that period lies in [t0, t1]: the first reading after a
+        short generation's start is mostly idle time before it and counts only for its part inside.
+        """
         with self._lock:
-            window = [s for s in self._history if t0 <= s.t <= t1]
+            history = list(self._history)
+        weighted = []  # (sample, weight)
+        for i, smp in enumerate(history):
+            start = history[i - 1].t if i else smp.t - self.interval_s
+            overlap = min(smp.t, t1) - max(start, t0)
+            if overlap > 0:
+                weighted.append((smp, overlap))
         out: dict[str, tuple[Optional[float], str]] = {}
         for m in metrics:
-            vals = [(getattr(s, m), s.sources.get(m, "")) for s in window if getattr(s, m) is not None]
+            vals = [(getattr(smp, m), w, smp.sources.get(m, "")) for smp, w in weighted if getattr(smp, m) is not None]
             if vals:
-                sources = collections.Counter(src for _, src in vals)
-                out[m] = (sum(v for v, _ in vals) / len(vals), sources.most_common(1)[0][0])
+                sources = collections.Counter(src for _, _, src in vals)
+                total = sum(w for _, w, _ in vals)
+                out[m] = (sum(v * w for v, w, _ in vals) / total, sources.most_common(1)[0][0])
             elif m in self.unavailable:
                 out[m] = (None, self.unavailable[m])
-            elif not window:
+            elif not weighted:
                 out[m] = (None, "no monitor sample in the interval (shorter than the sampling period)")
             else:
                 out[m] = (None, "not measured in the interval")
@@ -327,20 +340,27 @@ class Monitor:
             return None
         nvml, h = self._nvml, self._handle
         if self._util_samples:
+            # The driver samples utilization at its own rate (about 6 Hz on many GPUs), slower than this poll:
+            # a poll with no new sample holds the newest one, so the series keeps one source and the summary's
+            # time weighting sees a sample-and-hold signal. Utilization rates only once samples have failed.
+            held = (self._util_last, SOURCES["gpu_util_samples"]) if self._util_last is not None else None
             try:
                 vtype, samples = nvml.nvmlDeviceGetSamples(h, nvml.NVML_GPU_UTILIZATION_SAMPLES, self._util_last_ts)
                 new = [s for s in samples if s.timeStamp > self._util_last_ts]
-                if new:
-                    self._util_last_ts = max(s.timeStamp for s in new)
-                    vals = [_sample_value(s.sampleValue, vtype) for s in new]
-                    if all(0 <= v <= 100 for v in vals):
-                        return sum(vals) / len(vals), SOURCES["gpu_util_samples"]
-                    self._util_samples = False
-                    log.info("NVML utilization samples out of 0..100 (%s); using utilization rates", vals[:4])
+                if not new:
+                    return held
+                self._util_last_ts = max(s.timeStamp for s in new)
+                vals = [_sample_value(s.sampleValue, vtype) for s in new]
+                if all(0 <= v <= 100 for v in vals):
+                    self._util_last = sum(vals) / len(vals)
+                    return self._util_last, SOURCES["gpu_util_samples"]
+                self._util_samples = False
+                log.info("NVML utilization samples out of 0..100 (%s); using utilization rates", vals[:4])
             except self._errors() as exc:
-                if not self._is_not_found(exc):  # NOT_FOUND: no sample newer than the last one yet
-                    self._util_samples = False
-                    log.info("NVML utilization samples failed, using utilization rates: %s", exc)
+                if self._is_not_found(exc):  # no sample newer than the last one yet
+                    return held
+                self._util_samples = False
+                log.info("NVML utilization samples failed, using utilization rates: %s", exc)
         rates = self._read("gpu_util_pct", "nvmlDeviceGetUtilizationRates",
                            lambda: nvml.nvmlDeviceGetUtilizationRates(h))
         if rates is None:

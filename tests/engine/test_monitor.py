@@ -40,8 +40,10 @@ class FakeNVML:
     NVML_GPM_METRICS_GET_VERSION = pynvml.NVML_GPM_METRICS_GET_VERSION
     c_nvmlGpmMetricsGet_t = pynvml.c_nvmlGpmMetricsGet_t
 
-    def __init__(self, gpm=True, init_error=None, fail=None, fail_code=15, gpm_metric_errors=None, util_scale=1):
+    def __init__(self, gpm=True, init_error=None, fail=None, fail_code=15, gpm_metric_errors=None, util_scale=1,
+                 util_every=1):
         self.gpm = gpm
+        self.util_every = util_every  # a new utilization sample on every n-th call (the driver's own rate)
         self.util_scale = util_scale
         self.init_error = init_error
         self.fail = dict(fail or {})
@@ -89,8 +91,9 @@ class FakeNVML:
     def nvmlDeviceGetSamples(self, h, kind, last_ts):
         self._call("nvmlDeviceGetSamples")
         assert kind == self.NVML_GPU_UTILIZATION_SAMPLES
-        self.util_ts += 50_000
-        self.util_value = (self.util_value + 10) % 100
+        if self.calls["nvmlDeviceGetSamples"] % self.util_every == 0:
+            self.util_ts += 50_000
+            self.util_value = (self.util_value + 10) % 100
         value = self.util_value * self.util_scale
         samples = [SimpleNamespace(timeStamp=self.util_ts, sampleValue=pynvml.c_nvmlValue_t(uiVal=value))]
         samples = [s for s in samples if s.timeStamp > last_ts]
@@ -268,18 +271,45 @@ def test_thread_drain_and_summary_with_fake_nvml():
     assert first[-1].t < second[0].t
     everything = first + second
     assert len(everything) == len(m.history())
-    values = [s.gpu_util_pct for s in everything]
     mean, source = m.summary(t0, t1)["gpu_util_pct"]
-    assert mean == pytest.approx(sum(values) / len(values))
+    assert min(s.gpu_util_pct for s in everything) <= mean <= max(s.gpu_util_pct for s in everything)
     assert source == "GPU util — NVML samples"
     assert m.summary(t0, t1)["sm_activity_pct"] == (None, "GPM not supported on this GPU")
-    part = [s for s in everything if s.t <= first[-1].t]
-    assert m.summary(t0, first[-1].t)["gpu_util_pct"][0] == pytest.approx(sum(s.gpu_util_pct for s in part) / len(part))
     assert m.summary(t1 + 1, t1 + 2)["gpu_util_pct"][0] is None
     m.start()  # can run again after a stop
     time.sleep(0.03)
     m.close()
     assert m.drain()
+
+
+def test_polls_between_the_drivers_samples_hold_the_newest_sample():
+    clock = StepClock()
+    nvml = FakeNVML(gpm=False, util_every=2)  # NVML has a new sample on every second poll only
+    m = primed(nvml, clock)
+    readings = []
+    for _ in range(6):
+        clock.t += 0.1
+        readings.append(m.sample_once())
+    assert {s.sources["gpu_util_pct"] for s in readings} == {"GPU util — NVML samples"}
+    assert "nvmlDeviceGetUtilizationRates" not in nvml.calls  # never mixed with the other source
+    values = [s.gpu_util_pct for s in readings]
+    assert values == [50.0, 50.0, 60.0, 60.0, 70.0, 70.0]
+
+
+def test_summary_weights_each_sample_by_its_period_inside_the_interval():
+    clock = StepClock()
+    m = primed(FakeNVML(gpm=False), clock)  # util 50 at t=10.0 ... each poll +10
+    with m._lock:
+        m._history.clear()
+    for _ in range(4):
+        clock.t += 0.1
+        m._history.append(m.sample_once())  # 60 @ 10.1, 70 @ 10.2, 80 @ 10.3, 90 @ 10.4
+    # [10.15, 10.35]: half of 70's period (10.1-10.2], all of 80's (10.2-10.3], half of 90's (10.3-10.4]
+    mean, _ = m.summary(10.15, 10.35)["gpu_util_pct"]
+    assert mean == pytest.approx((70 * 0.05 + 80 * 0.1 + 90 * 0.05) / 0.2)
+    # the first sample covers one interval before it: [10.0, 10.1] is the 60 alone
+    assert m.summary(10.0, 10.1)["gpu_util_pct"][0] == pytest.approx(60.0)
+    assert m.summary(11.0, 12.0)["gpu_util_pct"][0] is None
 
 
 def test_utilization_samples_out_of_range_are_not_shown_as_percent():
