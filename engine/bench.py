@@ -38,7 +38,7 @@ CPU_DTYPE_NOTE = (
 MEDIAN_FIELDS = (
     "decode_tok_s", "ttft_ms", "prefill_tok_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "decode_seconds",
     "kernel_gap_pct", "sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct", "peak_memory_bytes",
-    "new_tokens_total",
+    "new_tokens_total", "prompt_tokens", "decode_steps", "profiled_steps",
 )
 SOURCE_FIELDS = ("kernel_gap_source", "sm_activity_source", "gpu_util_source", "dram_bw_util_source",
                  "peak_memory_source")

@@ -315,6 +315,12 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         assert [r["preset"] for r in rows] == ["naive", "first-fixes", "cuda-graph"]
         naive, fixes, graph = rows
         assert naive["skipped"] is None and naive["decode_tok_s"] > 0 and naive["metrics"]["ttft_ms"] > 0
+        # the counts the compare table shows for a ladder row (they were missing, so shown as 0)
+        from engine.prompt import build_prompt
+
+        n_prompt = len(build_prompt(eng.tokenizer, [{"role": "user", "content": "hello world"}], eng.context_length, 6).ids)
+        assert naive["metrics"]["prompt_tokens"] == fixes["metrics"]["prompt_tokens"] == n_prompt
+        assert naive["metrics"]["decode_steps"] == naive["metrics"]["new_tokens_total"] - 1
         assert naive["options"]["kv_cache"] == "dynamic" and fixes["options"]["kv_cache"] == "static"
         assert graph["skipped"] and graph["decode_tok_s"] is None and graph["metrics"] is None
         assert progress[-1][0] == progress[-1][1] and all(d <= t for d, t, _ in progress)
