@@ -25,6 +25,7 @@ class RowText:
     def feed(self, new_tokens: list[int]) -> None:
         if self.finish is not None:
             return
+        before = len(self.tokens)
         for t in new_tokens:
             self.tokens.append(t)
             if t in self.eos_ids:
@@ -33,8 +34,15 @@ class RowText:
         ids = self.tokens[:-1] if self.finish == "eos" else self.tokens
         self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if self.stop:
-            cut = _find_stop(self.text, self.stop, start=max(0, self.emitted - self.hold))
+            start = max(0, self.emitted - self.hold)
+            cut = _find_stop(self.text, self.stop, start=start)
             if cut is not None:
+                # Tokens arrive in chunks with device sampling: keep only those up to the one that completed the
+                # stop string, so the token count and ids match the answer that was cut there.
+                for n in range(before + 1, len(ids) + 1):
+                    if _find_stop(self.tokenizer.decode(ids[:n], skip_special_tokens=True), self.stop, start) is not None:
+                        del self.tokens[n:]
+                        break
                 self.text = self.text[:cut]
                 self.finish = "stop"
 

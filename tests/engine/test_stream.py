@@ -25,3 +25,22 @@ def test_readback_destination_of_every_copy_is_contiguous():
         rb = Readback(torch.zeros(batch, 64, dtype=torch.long))
         for a, b in ((0, 1), (1, 9), (9, 64)):
             assert rb.host[a:b].is_contiguous(), (batch, a, b)
+
+
+def test_a_stop_string_inside_a_chunk_keeps_only_the_tokens_up_to_it():
+    from tiny_models import make_tokenizer
+
+    from engine.stream import RowText
+
+    tok = make_tokenizer()
+    ids = tok("the quick brown fox jumps over the lazy dog", add_special_tokens=False)["input_ids"]
+    upto = next(n for n in range(1, len(ids) + 1) if "fox" in tok.decode(ids[:n]))
+    one = RowText(tok, set(), ("fox",))
+    one.feed(ids[:3])
+    one.feed(ids[3:])  # the rest in one chunk, as a device-sampling read-back delivers it
+    assert one.finish == "stop" and one.text == tok.decode(ids).split("fox")[0]
+    assert one.tokens == ids[:upto] and len(one.tokens) < len(ids)
+    each = RowText(tok, set(), ("fox",))  # one token at a time (host sampling) ends at the same token
+    for t in ids:
+        each.feed([t])
+    assert each.tokens == one.tokens and each.text == one.text
