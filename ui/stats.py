@@ -64,14 +64,16 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
     tokens = m.get("new_tokens_total")
     gap = gap_label(device)
     per = m.get("new_tokens") or []
-    if candidate is not None and candidate < len(per):
+    batch = candidate is not None and candidate < len(per)
+    if batch:
         count = f"{per[candidate]} of {tokens} tokens in the batch"
     else:
         count = f"{tokens if tokens is not None and metrics else NA} tokens"
+    rate = f"{fmt(m.get('decode_tok_s'))} tok/s" + (f" (all {len(per)} candidates)" if batch else "")
     line = " · ".join([
         count,
         f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}",
-        f"{fmt(m.get('decode_tok_s'))} tok/s",
+        rate,
         options_label(options),
         f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
     ])
@@ -82,7 +84,8 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
         f"Time to first token: {fmt(m.get('ttft_ms'), ' ms', 0)}",
         f"Prefill: {fmt(m.get('prefill_tok_s'))} tok/s",
-        f"Decode: {fmt(m.get('decode_tok_s'))} tok/s (device-synchronised, profiled steps excluded)",
+        f"Decode: {fmt(m.get('decode_tok_s'))} tok/s (device-synchronised, profiled steps excluded"
+        + (f"; all {len(per)} candidates together)" if batch else ")"),
         f"Step latency p50 / p99: {fmt(m.get('step_ms_p50'), ' ms', 2)} / {fmt(m.get('step_ms_p99'), ' ms', 2)}",
         f"Options: {describe_options(options) if options else NA}",
     ]

@@ -119,6 +119,10 @@ def test_stats_line_says_na_and_names_sources():
     assert line.endswith("op gap n/a · stopped")
     assert "profiling off" in tip
     assert format_stats(None, None, None)[0].startswith("n/a tokens")
+    batch = {"new_tokens_total": 30, "new_tokens": [12, 18], "decode_tok_s": 56.0, "unavailable": {}}
+    line, tip = format_stats(batch, options, "cuda", candidate=1)
+    assert line.startswith("18 of 30 tokens in the batch · TTFT n/a · 56.0 tok/s (all 2 candidates) · ")
+    assert "all 2 candidates together" in tip
 
 
 def test_every_preset_is_recognised():
