@@ -17,6 +17,7 @@ from engine.decode import RunnerBase
 from engine.sampling import SamplerKind
 from engine.stream import Readback, RowText, StepClock
 from engine.types import GenerationMetrics, StepRecord, TextDelta
+from engine.telemetry.monitor import estimate_dram_bw_util
 from engine.telemetry.stats import percentile
 
 log = logging.getLogger(__name__)
@@ -251,8 +252,11 @@ def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, 
         na.pop("sm_activity_pct", None)
     peak_bw = getattr(monitor, "peak_dram_bw_bytes_s", None) if monitor is not None else None
     if metrics.dram_bw_util_pct is None and peak_bw and durations and device.type == "cuda":
-        step_s = sorted(durations)[len(durations) // 2]
-        moved = runner.bytes_per_step(prompt_len + len(durations))
-        metrics.dram_bw_util_pct = min(100.0, 100.0 * moved / step_s / peak_bw)
-        metrics.dram_bw_util_source = "estimate: weight + KV bytes per step / median step time / NVML peak bandwidth"
-        na.pop("dram_bw_util_pct", None)
+        # The median step against the bytes a step reads halfway through the answer (weights + KV attended
+        # there). Not capped: above 100 % says the estimate's premise (every byte read from DRAM) does not hold.
+        value, source = estimate_dram_bw_util(runner.bytes_per_step(prompt_len + metrics.decode_steps // 2),
+                                              percentile(durations, 50), peak_bw)
+        if value is not None:
+            metrics.dram_bw_util_pct = value
+            metrics.dram_bw_util_source = source
+            na.pop("dram_bw_util_pct", None)

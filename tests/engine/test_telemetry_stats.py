@@ -139,3 +139,36 @@ def test_device_timer_on_cpu_real_work():
     assert t.seconds >= 0.05
     assert tokens_per_second(tokens, t.seconds) == pytest.approx(tokens / t.seconds)
     assert tokens_per_second(tokens, t.seconds) <= tokens / 0.05
+
+
+def test_dram_bandwidth_estimate_of_a_generation_without_gpm():
+    """Without GPM the generation's DRAM figure is bytes a step reads halfway through the answer / median step
+    time / the card's peak, labelled an estimate, and never capped."""
+    import torch
+
+    from engine.generate import _fill_telemetry
+    from engine.types import GenerationMetrics
+
+    asked = []
+
+    class Runner:
+        def bytes_per_step(self, pos):
+            asked.append(pos)
+            return 300e6
+
+    class Monitor:
+        peak_dram_bw_bytes_s = 4.8e12
+
+        def summary(self, t0, t1):
+            return {m: (None, "GPM not supported on this GPU") for m in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
+
+    m = GenerationMetrics(prompt_tokens=20, decode_steps=100)
+    durations = [0.0001] * 50 + [0.00005] * 49 + [0.01]  # median 0.1 ms: 300 MB in it is 3 TB/s
+    _fill_telemetry(m, None, None, Monitor(), Runner(), torch.device("cuda"), 0.0, 1.0, durations, 20)
+    assert asked == [70]
+    assert m.dram_bw_util_pct == pytest.approx(100 * 300e6 / 0.0001 / 4.8e12)
+    assert m.dram_bw_util_source.startswith("DRAM bandwidth — estimate")
+    assert "dram_bw_util_pct" not in m.unavailable
+    fast = GenerationMetrics(prompt_tokens=20, decode_steps=100)
+    _fill_telemetry(fast, None, None, Monitor(), Runner(), torch.device("cuda"), 0.0, 1.0, [0.00001] * 10, 20)
+    assert fast.dram_bw_util_pct == pytest.approx(625.0)  # shown as computed: the premise fails, not the figure
