@@ -187,6 +187,27 @@ def test_tokens_per_s_is_a_rolling_rate_over_untraced_steps():
 # ---- what the plots draw ---------------------------------------------------------------------------------
 
 
+def test_headers_show_the_running_generations_figures_only():
+    series = LiveSeries()
+    series.begin_generation("one", EngineOptions(), 100.0)
+    first = steps(100.0, 40, 10.0, profiled=(16, 24))
+    series.add_steps(first)
+    series.end_generation(first[-1].t)
+    after_one = series.header_values()
+    assert after_one["step_ms"] == first[-1].step_ms and after_one["tokens_per_s"] == pytest.approx(100, rel=0.2)
+
+    series.begin_generation("two", EngineOptions(), 200.0)
+    assert series.header_values()["tokens_per_s"] is None and series.header_values()["step_ms"] is None
+    second = steps(200.0, 23, 5.0, profiled=(16, 24))  # ends inside its traced window
+    series.add_steps(second[:1])
+    assert series.header_values()["step_ms"] == second[0].step_ms
+    assert series.header_values()["tokens_per_s"] is None  # one record gives no rate yet, and no old one shows
+    series.add_steps(second[1:])
+    shown = series.header_values()
+    assert shown["step_ms"] == second[14].step_ms  # the last untraced step, not a traced (slowed) one
+    assert series.last_values()["step_ms"] == second[-1].step_ms  # what the plot's last point is
+
+
 def test_plots_draw_exactly_what_was_fed_with_sources(hud, qtbot):
     panel, clock = hud
     panel.begin_generation("first", EngineOptions(device="cuda"))

@@ -166,7 +166,7 @@ class LivePlots(QWidget):
         if not self.isVisible():
             return
         s = self.series
-        last = s.last_values()
+        last = s.header_values()
         cpu_mode = self.cpu_mode()
         for view in self.views.values():
             name = view.spec.name

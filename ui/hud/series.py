@@ -223,6 +223,24 @@ class LiveSeries:
                 out[name] = est[-1].value
         return out
 
+    def header_values(self) -> dict[str, Optional[float]]:
+        """What each plot's header shows as its current figure. Monitor series: the newest sample (it describes
+        now). Step series: the newest value of the running generation, else of the last one; None until the
+        running one has one, so a previous answer's figure is never shown as this one's. The traced window's
+        step times are left out (tracing slows those steps)."""
+        out = self.last_values()
+        gens = self.steps.column("generation")
+        held = gens[np.isfinite(gens)]
+        if held.size == 0 and self._running is None:
+            return out
+        current = self._running.index if self._running is not None else held[-1]
+        mine = gens == current
+        traced = self.steps.column("profiled") > 0.5
+        for name in STEP_SERIES:
+            rows = mine & ~traced if name == "step_ms" else mine
+            out[name] = last_finite(self.values(name)[rows])
+        return out
+
     def measured(self, name: str) -> bool:
         """Whether the monitor (or the step records) measured this series at least once in what is held."""
         return bool(np.isfinite(self.values(name)).any())
