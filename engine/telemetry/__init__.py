@@ -3,21 +3,16 @@ description of the machine. No Qt; every figure carries its source or is None wi
 from engine.telemetry.machine import describe_machine
 from engine.telemetry.monitor import Monitor, estimate_dram_bw_util
 from engine.telemetry.stats import (
-    DeviceTimer,
-    StepStats,
     busy_time,
     gap_fraction,
     merge_intervals,
     percentile,
-    tokens_per_second,
 )
 from engine.telemetry.window import ProfileWindow, WindowStats, warm_up_profiler
 
 __all__ = [
-    "DeviceTimer",
     "Monitor",
     "ProfileWindow",
-    "StepStats",
     "WindowStats",
     "busy_time",
     "describe_machine",
@@ -25,6 +20,5 @@ __all__ = [
     "gap_fraction",
     "merge_intervals",
     "percentile",
-    "tokens_per_second",
     "warm_up_profiler",
 ]

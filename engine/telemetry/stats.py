@@ -1,4 +1,4 @@
-"""Small, exact statistics for the measuring code: interval merging, idle gap, percentiles, throughput.
+"""Small, exact statistics for the measuring code: interval merging, idle gap, percentiles, device sync.
 
 Plain Python on purpose: these run on a few thousand values per generation, must not need numpy at import,
 and are unit-tested against hand-made data.
@@ -6,8 +6,6 @@ and are unit-tested against hand-made data.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 Interval = tuple[float, float]
@@ -66,30 +64,6 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return xs[lo] + (xs[hi] - xs[lo]) * frac
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """Latency percentiles of decode steps, in milliseconds. None where there were no steps."""
-
-    count: int
-    mean_ms: Optional[float]
-    p50_ms: Optional[float]
-    p90_ms: Optional[float]
-    p99_ms: Optional[float]
-
-    @classmethod
-    def from_seconds(cls, seconds: Sequence[float]) -> "StepStats":
-        ms = [s * 1000.0 for s in seconds]
-        mean = sum(ms) / len(ms) if ms else None
-        return cls(len(ms), mean, percentile(ms, 50), percentile(ms, 90), percentile(ms, 99))
-
-
-def tokens_per_second(tokens: int, seconds: Optional[float]) -> Optional[float]:
-    """Throughput; None when the time is unknown or not positive (never a division by ~0)."""
-    if seconds is None or not seconds > 0 or tokens < 0:
-        return None
-    return tokens / seconds
-
-
 def device_sync_fn(device) -> Callable[[], None]:
     """A function that waits for all queued work on `device` (a no-op on the CPU, where ops are eager)."""
     import torch
@@ -100,37 +74,3 @@ def device_sync_fn(device) -> Callable[[], None]:
     if dev.type == "mps":
         return torch.mps.synchronize
     return lambda: None
-
-
-class DeviceTimer:
-    """Wall time of a block of device work: the device is synchronised before the start and before the end
-    reading, so queued kernels are neither charged to the block before it nor missed at its end.
-
-        with DeviceTimer(device) as t:
-            run_steps()
-        tok_s = tokens_per_second(n, t.seconds)
-    """
-
-    def __init__(self, device=None, sync: Optional[Callable[[], None]] = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        if sync is None:
-            sync = device_sync_fn(device if device is not None else "cpu")
-        self._sync = sync
-        self._clock = clock
-        self.start: Optional[float] = None
-        self.end: Optional[float] = None
-
-    def __enter__(self) -> "DeviceTimer":
-        self._sync()
-        self.start = self._clock()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._sync()
-        self.end = self._clock()
-
-    @property
-    def seconds(self) -> Optional[float]:
-        if self.start is None or self.end is None:
-            return None
-        return self.end - self.start
