@@ -97,6 +97,10 @@ class Engine:
             else:
                 from engine.fallback import build_hf_model
 
+                if getattr(self.config, "rope_freq_factors", None) is not None:
+                    raise ModelLoadError("this GGUF's rope frequency factors (rope_freqs) are applied only on the fast "
+                                         "path, which this model cannot use (details in the log)")
+
                 self.model = build_hf_model(self.config, self.checkpoint.state_dict, dtype, self.device)
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -224,3 +225,24 @@ def check_gguf(path: Path, supported_architectures: set[str]) -> GGUFHeader:
 
 def _plain(name: str) -> str:
     return name.replace("-", "").replace("_", "").lower()
+
+
+def read_gguf_rope(path: Path, architecture: str) -> tuple[Optional[str], Optional[float], Optional[np.ndarray]]:
+    """(scaling type, scaling factor, per-frequency factors) from a GGUF's metadata and its `rope_freqs.weight`
+    tensor; None where absent."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path), "r")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{Path(path).name}: cannot read the GGUF metadata: {exc}") from exc
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        return None if f is None or not f.data else f.contents()
+
+    kind = field(f"{architecture}.rope.scaling.type")
+    factor = field(f"{architecture}.rope.scaling.factor")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    factors = None if freqs is None else np.array(freqs.data, dtype=np.float32).reshape(-1)
+    return (str(kind) if kind is not None else None, float(factor) if factor is not None else None, factors)

@@ -101,6 +101,7 @@ def _load_gguf(path: Path, report: ProgressFn, kind: str) -> Checkpoint:
     except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
         raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
     _check_causal_lm(config.model_type, label, architecture=header.architecture)
+    _apply_gguf_rope(path, header, config, label)
     report(Progress("load", 1 / 3, "reading the tokenizer"))
     tokenizer = _load_tokenizer(path.parent, label, gguf_file=path.name)
     report(Progress("load", 2 / 3, "building the model layout"))
@@ -124,6 +125,32 @@ def _load_gguf(path: Path, report: ProgressFn, kind: str) -> Checkpoint:
         source_kind=kind,
         eos_token_ids=_eos_ids(config, tokenizer, None),
     )
+
+
+def _apply_gguf_rope(path: Path, header, config, label: str) -> None:
+    """Rope settings llama.cpp's converter writes that transformers' GGUF reading leaves out: linear scaling
+    goes into the config; per-frequency factors (`rope_freqs.weight`, Llama 3.1+ long-context rope) are kept on
+    the config for the fast path, which divides the base frequencies by them as llama.cpp does. Anything else
+    is refused: running without it would give wrong answers."""
+    from engine.gguf_header import read_gguf_rope
+    from engine.model import FAST_FAMILIES, rope_parameters
+
+    kind, factor, freq_factors = read_gguf_rope(path, header.architecture)
+    if kind not in (None, "none"):
+        if kind != "linear" or not factor:
+            raise ModelLoadError(f"{label}: rope scaling {kind!r} in this GGUF is not supported; its Hugging Face "
+                                 f"folder can be opened instead")
+        params = rope_parameters(config)
+        params.update(rope_type="linear", factor=float(factor))
+        if isinstance(getattr(config, "rope_parameters", None), dict):
+            config.rope_parameters = params  # transformers 5 (rope_scaling is its alias there)
+        else:
+            config.rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if freq_factors is not None:
+        if config.model_type not in FAST_FAMILIES:
+            raise ModelLoadError(f"{label}: rope frequency factors (rope_freqs) are only applied on the fast path, "
+                                 f"which {config.model_type} does not use")
+        config.rope_freq_factors = [float(x) for x in freq_factors]
 
 
 def gguf_architectures() -> set[str]:
@@ -246,6 +273,12 @@ def _load_config(folder: Path) -> "PretrainedConfig":
             f"is unknown to the installed transformers"
         )
     _check_causal_lm(model_type, label, architecture=arch)
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ModelLoadError(
+            f"{label}: the weights are quantised ({method}); Gapless runs unquantised safetensors folders and "
+            f"GGUF files (use the model's unquantised folder or a GGUF of it)")
     if raw.get("auto_map"):
         log.info("%s: ignoring auto_map; model type %r has a native transformers class", label, model_type)
     try:

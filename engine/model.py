@@ -56,9 +56,18 @@ class ModelArgs:
         if family == "qwen3" and getattr(cfg, "layer_types", None):
             if any(t != "full_attention" for t in cfg.layer_types):
                 raise ValueError("sliding-window layers are not on the fast path")
-        rope_type = rope_parameters(cfg).get("rope_type", "default")
+        rope = rope_parameters(cfg)
+        rope_type = rope.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not on the fast path")
+        factors = getattr(cfg, "rope_freq_factors", None)
+        if factors is not None and rope_type != "default":
+            raise ValueError(f"rope frequency factors on top of rope type {rope_type!r}")
+        if factors is not None and len(factors) != head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(factors)} factors for {head_dim // 2} frequencies")
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not on the fast path")
         return cls(
             family=family,
             vocab_size=cfg.vocab_size,
@@ -71,9 +80,11 @@ class ModelArgs:
             norm_eps=cfg.rms_norm_eps,
             max_seq_len=context,
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=attention_bias or family == "qwen2",
-            o_bias=attention_bias and family != "qwen2",
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            # As transformers builds each family: Qwen2 has q/k/v biases always; Llama and Qwen3 follow
+            # attention_bias (o_proj too); only Llama reads mlp_bias; Mistral has no biases.
+            qkv_bias=family == "qwen2" or (attention_bias and family in ("llama", "qwen3")),
+            o_bias=attention_bias and family in ("llama", "qwen3"),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)) and family == "llama",
             qk_norm=family == "qwen3",
             hidden_act=act,
         )
@@ -98,6 +109,12 @@ def rope_tables(cfg, head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, tor
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scaling = 1.0
+        factors = getattr(cfg, "rope_freq_factors", None)  # from a GGUF's rope_freqs tensor, as llama.cpp applies it
+        if factors is not None:
+            factors = torch.tensor(factors, dtype=torch.float)
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"rope_freqs has {factors.numel()} factors for {inv_freq.numel()} frequencies")
+            inv_freq = inv_freq / factors
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

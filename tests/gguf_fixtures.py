@@ -46,9 +46,12 @@ def hf_llama_to_gguf(
     architecture: str = "llama",
     tensor_types: Optional[dict[str, str]] = None,
     chat_template: bool = True,
+    rope_freqs: Optional[np.ndarray] = None,
+    rope_scaling: Optional[tuple[str, float]] = None,
 ) -> Path:
     """Write the tiny Llama in `hf_folder` as the GGUF `out`. `quant` applies to 2-D weights (F32, F16, Q8_0, …);
-    `tensor_types` forces a ggml type on single GGUF tensors (raw zero bytes for types gguf cannot quantise)."""
+    `tensor_types` forces a ggml type on single GGUF tensors (raw zero bytes for types gguf cannot quantise);
+    `rope_freqs` adds llama.cpp's per-frequency rope factors, `rope_scaling` its (type, factor) metadata."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -71,6 +74,9 @@ def hf_llama_to_gguf(
     w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
 
     vocab = tok["model"]["vocab"]
     specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
@@ -109,6 +115,8 @@ def hf_llama_to_gguf(
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, arr)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -146,3 +146,71 @@ def test_real_default_model(default_model_path):
     assert ck.state_dict["model.embed_tokens.weight"].shape == (49152, 576)
     assert ck.tokenizer.chat_template and "<|im_start|>" in ck.tokenizer.chat_template
     assert ck.eos_token_ids == [2]
+
+
+def _hf_with_rope(folder: Path, rope: dict):
+    """transformers' own model for the weights in `folder`, with `rope` as its rope settings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+    cfg.rope_parameters = {"rope_theta": theta, **rope}
+    return AutoModelForCausalLM.from_pretrained(str(folder), config=cfg, dtype=torch.float32).eval()
+
+
+def _our_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    from engine.model import build_transformer
+
+    ck = load_checkpoint(str(path))
+    model = build_transformer(ck.config, ck.state_dict, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]), None, None, last_only=False)
+
+
+LONG_IDS = torch.randint(0, 300, (1, 200), generator=torch.Generator().manual_seed(3))
+
+
+def test_gguf_rope_frequency_factors_are_applied_as_llama3_rope(tiny_llama, tmp_path):
+    """llama.cpp stores Llama 3.1+'s rope as per-frequency factors (rope_freqs); the fast path divides the base
+    frequencies by them, which is transformers' llama3 rope exactly."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}
+    ref = _hf_with_rope(tiny_llama, rope)
+    llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](ref.config, torch.device("cpu"))
+    default = _hf_with_rope(tiny_llama, {"rope_type": "default"})
+    head_dim = ref.config.hidden_size // ref.config.num_attention_heads
+    plain = 1.0 / (ref.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    factors = (plain / llama3).numpy()
+    assert factors.max() > 1.5  # the low frequencies really are scaled here
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "llama31.gguf", rope_freqs=factors)
+    with torch.no_grad():
+        expected, unscaled = ref(input_ids=LONG_IDS).logits, default(input_ids=LONG_IDS).logits
+    got = _our_logits(path, LONG_IDS)
+    assert (expected - unscaled).abs().max() > 1e-2  # without the factors the answer would differ
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_gguf_linear_rope_scaling_is_read_and_other_kinds_refused(tiny_llama, tmp_path):
+    from engine.errors import ModelLoadError
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "linear.gguf", rope_scaling=("linear", 4.0))
+    with torch.no_grad():
+        expected = _hf_with_rope(tiny_llama, {"rope_type": "linear", "factor": 4.0})(input_ids=LONG_IDS).logits
+    torch.testing.assert_close(_our_logits(path, LONG_IDS), expected, atol=1e-4, rtol=0)
+    yarn = hf_llama_to_gguf(tiny_llama, tmp_path / "yarn.gguf", rope_scaling=("yarn", 4.0))
+    with pytest.raises(ModelLoadError, match="rope scaling 'yarn' in this GGUF is not supported"):
+        load_checkpoint(str(yarn))
+
+
+def test_quantised_folder_is_refused_with_its_method(tiny_llama, tmp_path):
+    from engine.errors import ModelLoadError
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"fp8: the weights are quantised \(fp8\)"):
+        load_checkpoint(str(folder))

@@ -24,6 +24,10 @@ FAMILIES = {
     "qwen2": dict(family="qwen2"),
     "qwen3": dict(family="qwen3"),
     "llama-mha": dict(family="llama", num_key_value_heads=4),
+    # bias flags transformers does not read for these families: no biases, as there
+    "mistral-bias-flags": dict(family="mistral", sliding_window=None, attention_bias=True, mlp_bias=True),
+    "qwen2-mlp-bias-flag": dict(family="qwen2", mlp_bias=True),
+    "qwen3-bias": dict(family="qwen3", attention_bias=True, mlp_bias=True),
 }
 
 
@@ -160,3 +164,12 @@ def test_missing_weight_is_named():
     del sd["model.layers.1.mlp.down_proj.weight"]
     with pytest.raises(ModelLoadError, match="down_proj"):
         build_transformer(cfg, sd, torch.float32, torch.device("cpu"))
+
+
+def test_partial_rotary_embedding_is_not_on_the_fast_path():
+    from engine.model import ModelArgs
+
+    cfg, _ = hf_model("llama")
+    cfg.partial_rotary_factor = 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        ModelArgs.from_hf_config(cfg)
