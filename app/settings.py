@@ -79,9 +79,13 @@ def _base64(v: Any) -> bool:
     return True
 
 
+MAX_PANE_PX = 100_000  # a splitter pane's saved width or height; Qt takes 32-bit ints
+
+
 def _sizes(v: Any) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(s, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in s)
+        isinstance(k, str) and isinstance(s, list)
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_PANE_PX for n in s)
         for k, s in v.items()
     )
 

@@ -41,6 +41,9 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        for name in ("compile", "cuda_graph", "profile_window"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.candidates, int) or isinstance(self.candidates, bool):
             raise OptionsError(f"candidates must be an integer, got {self.candidates!r}")
         if not 1 <= self.candidates <= MAX_CANDIDATES:

@@ -53,6 +53,7 @@ def test_round_trip(path):
     ('{"hud_visible": "yes"}', 'hud_visible is "yes", not true or false'),
     ('{"recent_models": ["a", 2]}', "recent_models is"),
     ('{"splitter_sizes": {"main": [1, -2]}}', "splitter_sizes"),
+    ('{"splitter_sizes": {"main": [100000000000]}}', "splitter_sizes"),  # past Qt's 32-bit sizes
     ('{"window_geometry": "@@not base64@@"}', "window_geometry"),
     ('{"version": "1"}', "its version is '1'"),
 ])
@@ -111,6 +112,16 @@ def test_invalid_engine_options_fall_back_alone(path):
     assert "optimization settings" in notices[0] and "dtype must be one of" in notices[0]
     assert "sampling parameters" in notices[1] and "temperature must be >= 0" in notices[1]
     assert path.exists() and asides(path, "corrupt") == []
+
+
+@pytest.mark.parametrize("bad", [{"compile": "false"}, {"cuda_graph": None}, {"profile_window": 1}])
+def test_options_of_the_wrong_type_fall_back_with_a_notice(path, bad):
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"theme": "dark", "engine_options": bad}))
+    s, notices = SettingsStore(path).load()
+    name = next(iter(bad))
+    assert s.theme == "dark" and s.engine_options == EngineOptions().to_dict()
+    assert len(notices) == 1 and f"{name} must be true or false" in notices[0]
 
 
 def test_partial_options_are_completed(path):
