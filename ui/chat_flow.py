@@ -172,7 +172,10 @@ class ChatFlow(QObject):
                 return False
             self.chat_id = chat.id
             self.chatOpened.emit(chat.id)
-        leaf = self.store.get_chat(self.chat_id).active_leaf_id
+        chat = self._guard(lambda: self.store.get_chat(self.chat_id))  # gone, if another window deleted it
+        if not chat:
+            return False
+        leaf = chat.active_leaf_id
         user = self._guard(lambda: self.store.add_message(self.chat_id, "user", text, leaf))
         if not user:
             return False

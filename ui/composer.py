@@ -116,9 +116,11 @@ class Composer(QFrame):
     def set_text(self, text: str) -> None:
         self.edit.setPlainText(text)
 
+    def clear(self) -> None:
+        self.edit.clear()
+
     def _send(self) -> None:
         text = self.edit.toPlainText()
         if self._generating or not self._can_send or not text.strip():
             return
-        self.edit.clear()
-        self.sendRequested.emit(text)
+        self.sendRequested.emit(text)  # the receiver clears the box once the message is stored (clear())

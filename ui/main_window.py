@@ -182,7 +182,7 @@ class MainWindow(QMainWindow):
         v.deleteRequested.connect(f.delete_message)
         v.siblingRequested.connect(f.step_sibling)
         v.candidateChosen.connect(f.choose_candidate)
-        self.composer.sendRequested.connect(f.send)
+        self.composer.sendRequested.connect(self._send)
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
         self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
@@ -257,6 +257,11 @@ class MainWindow(QMainWindow):
             view.addAction(self.hud_dock.toggleViewAction())
 
     # ---- chats ---------------------------------------------------------------------------------------
+
+    def _send(self, text: str) -> None:
+        """The draft goes only once the message is stored: a failed send (a locked or full disk) keeps it."""
+        if self.flow.send(text):
+            self.composer.clear()
 
     def new_chat(self) -> None:
         self.flow.new_chat()

@@ -66,6 +66,29 @@ def batches_text(batches, candidate=0):
     return "".join(b.get(candidate, "") for b in batches)
 
 
+def test_a_send_the_store_refuses_keeps_the_draft(qtbot, app):
+    from app.store import StoreError
+
+    w = app.window
+    errors = []
+    w.flow.failed.connect(errors.append)
+
+    def locked(*a, **k):
+        raise StoreError("database is locked")
+
+    real = app.store.add_message
+    app.store.add_message = locked
+    try:
+        w.composer.set_text("a long question I typed")
+        w.composer.send_button.click()
+        assert errors == ["database is locked"] and not w.flow.generating
+        assert w.composer.text() == "a long question I typed"  # nothing lost
+    finally:
+        app.store.add_message = real
+    send(qtbot, app, "a long question I typed")  # once the store takes it, the box empties
+    assert w.composer.text() == ""
+
+
 def test_reply_streams_into_view_and_database(qtbot, app):
     w, store = app.window, app.store
     batches = []
