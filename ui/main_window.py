@@ -83,6 +83,7 @@ class MainWindow(QMainWindow):
         self._loading: Optional[str] = None  # the source being loaded
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
+        self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
         self._search = ""
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._build(settings)
@@ -205,6 +206,8 @@ class MainWindow(QMainWindow):
             c.ladderFinished.connect(self.hud.set_ladder_results)
             c.ladderFailed.connect(self.hud.set_ladder_failed)
             self.hud.runLadderRequested.connect(self.run_ladder)
+            c.ladderFinished.connect(lambda _rows: self._ladder_ended())
+            c.ladderFailed.connect(lambda _msg: self._ladder_ended())
             self.hud.cancelLadderRequested.connect(c.cancel_ladder)
         if self.fetcher is not None:
             self.fetcher.progress.connect(self._fetch_progress)
@@ -336,7 +339,13 @@ class MainWindow(QMainWindow):
         """The HUD's "Run ladder": the last user prompt of this chat (or a fixed one) through every preset."""
         prompt = next((m.content for m in reversed(self.chat_view.items()) if m.role == "user"),
                       "Explain in three sentences why the sky is blue.")
+        self._laddering = True
+        self._update_can_send()
         self.controller.run_ladder([{"role": "user", "content": prompt}], self.flow.sampling())
+
+    def _ladder_ended(self) -> None:
+        self._laddering = False
+        self._update_can_send()
 
     def _failed(self, message: str) -> None:
         self.status.setText(message)
@@ -455,6 +464,8 @@ class MainWindow(QMainWindow):
             self.composer.set_can_send(False, f"Loading {source_label(self._loading)}…")
         elif self.controller.info is None:
             self.composer.set_can_send(False, "No model loaded: open one in the model panel (bottom left)")
+        elif self._laddering:
+            self.composer.set_can_send(False, "The ladder is running (Cancel in the HUD's Ladder tab to chat now)")
         else:
             self.composer.set_can_send(True)
 

@@ -424,3 +424,13 @@ def test_a_failure_while_building_the_window_stops_the_engine_thread(tmp_path, m
     with pytest.raises(RuntimeError, match="window construction failed"):
         gui_mod.build(AppPaths.resolve(tmp_path))
     assert stopped == [True]
+
+
+def test_chat_waits_while_the_ladder_runs(qtbot, app):
+    w = app.window
+    assert w.composer.send_button.isEnabled()
+    with qtbot.waitSignal(app.controller.ladderFinished, timeout=TIMEOUT_MS):
+        w.run_ladder()
+        assert not w.composer.send_button.isEnabled()
+        assert "ladder is running" in w.composer.hint.text()
+    qtbot.waitUntil(lambda: w.composer.send_button.isEnabled(), timeout=TIMEOUT_MS)
