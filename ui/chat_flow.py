@@ -290,6 +290,17 @@ class ChatFlow(QObject):
             return
         options = result.options.to_dict()
         metrics = result.metrics.to_dict()
+        ran = len(result.texts)
+        if a.candidates > 1 and 0 < ran < len(a.savers):
+            # The engine ran fewer candidates than asked (out of device memory): the answers it did not make
+            # are not kept as empty ones a user could pick.
+            try:
+                for message_id in a.message_ids[ran:]:
+                    self.store.delete_message(message_id)
+            except StoreError as exc:
+                self.failed.emit(f"The answer could not be saved: {exc}")
+            del a.message_ids[ran:], a.savers[ran:]
+            a.candidates = ran
         try:
             for i, saver in enumerate(a.savers):
                 reason = result.finish_reasons[i] if i < len(result.finish_reasons) else "cancelled"

@@ -222,6 +222,7 @@ class CandidateTabs(QFrame):
             self.use_buttons.append(use)
         title = QLabel(f"{author or 'Assistant'} — {n} candidates", self)
         title.setObjectName("roleLabel")
+        self.title, self._author = title, author
         lay = QVBoxLayout(self)
         lay.setContentsMargins(12, 8, 12, 8)
         lay.addWidget(title)
@@ -234,6 +235,11 @@ class CandidateTabs(QFrame):
 
     def finish(self, texts: list[str], metrics: Optional[dict], options: Optional[dict], device: Optional[str],
                finish_reasons: list[str], can_choose: bool) -> None:
+        if 0 < len(texts) < len(self.bodies):  # the engine made fewer than asked (out of device memory)
+            for i in range(len(self.bodies) - 1, len(texts) - 1, -1):
+                self.tabs.removeTab(i)
+            del self.bodies[len(texts):], self.stats[len(texts):], self.use_buttons[len(texts):]
+            self.title.setText(f"{self._author or 'Assistant'} — {len(texts)} candidates")
         for i, body in enumerate(self.bodies):
             if i < len(texts):
                 body.set_text(texts[i])

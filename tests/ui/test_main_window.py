@@ -434,3 +434,29 @@ def test_chat_waits_while_the_ladder_runs(qtbot, app):
         assert not w.composer.send_button.isEnabled()
         assert "ladder is running" in w.composer.hint.text()
     qtbot.waitUntil(lambda: w.composer.send_button.isEnabled(), timeout=TIMEOUT_MS)
+
+
+def test_fewer_candidates_than_asked_leave_no_empty_answers(qtbot, app, monkeypatch):
+    """Out of device memory, the engine runs fewer candidates than asked: only those it made are kept and shown."""
+    import torch
+
+    from engine.engine import Engine
+
+    real = Engine._runner
+
+    def tight(self, opts, batch, needed):
+        if batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, opts, batch, needed)
+
+    monkeypatch.setattr(Engine, "_runner", tight)
+    w, store = app.window, app.store
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(4)
+    result = send(qtbot, app, "hello")
+    assert len(result.texts) == 2
+    tabs = w.chat_view.candidate_tabs()
+    assert tabs.tabs.count() == 2 and [b.text for b in tabs.bodies] == result.texts
+    answers = store.siblings(store.thread(w.flow.chat_id)[-1].id)
+    assert [m.content for m in answers] == result.texts and all(m.status == "done" for m in answers)
