@@ -209,6 +209,10 @@ class ChatFlow(QObject):
         if self.answer is not None:
             self.controller.cancel()
 
+    def awaiting_choice(self) -> bool:
+        """A batch of candidates is shown and none has been chosen yet."""
+        return bool(self._candidate_ids)
+
     def choose_candidate(self, index: int) -> None:
         """Continue the chat from candidate `index` of the last batch; the others stay as siblings."""
         ids = self._candidate_ids

@@ -262,7 +262,11 @@ class MainWindow(QMainWindow):
     # ---- chats ---------------------------------------------------------------------------------------
 
     def _send(self, text: str) -> None:
-        """The draft goes only once the message is stored: a failed send (a locked or full disk) keeps it."""
+        """The draft goes only once the message is stored: a failed send (a locked or full disk) keeps it.
+        Replying while candidates wait for a choice continues from the one on screen."""
+        tabs = self.chat_view.candidate_tabs()
+        if tabs is not None and self.flow.awaiting_choice():
+            self.flow.choose_candidate(tabs.tabs.currentIndex())
         if self.flow.send(text):
             self.composer.clear()
 

@@ -264,6 +264,21 @@ def test_candidates_stream_as_tabs_and_the_chosen_one_continues(qtbot, app):
     assert last.body.text == result.texts[2] and last.branch_label.text() == "3/3"
 
 
+def test_replying_without_a_choice_continues_from_the_candidate_on_screen(qtbot, app):
+    w, store = app.window, app.store
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(3)
+    result = send(qtbot, app, "hello")
+    w.chat_view.candidate_tabs().tabs.setCurrentIndex(2)
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(1)
+    send(qtbot, app, "and then?")
+    thread = store.thread(w.flow.chat_id)
+    assert [m.role for m in thread] == ["user", "assistant", "user", "assistant"]
+    assert thread[1].content == result.texts[2] and thread[1].candidate_index == 2
+
+
 def test_a_failed_load_leaves_the_app_usable(qtbot, app, tmp_path):
     w = app.window
     loaded = app.controller.info.name
