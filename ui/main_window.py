@@ -84,6 +84,7 @@ class MainWindow(QMainWindow):
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
         self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
+        self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._search = ""
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._build(settings)
@@ -195,7 +196,7 @@ class MainWindow(QMainWindow):
         c.loaded.connect(self._loaded)
         c.loadFailed.connect(self._load_failed)
         c.reconfigured.connect(self._reconfigured)
-        c.reconfigureFailed.connect(self.toggles.set_failed)
+        c.reconfigureFailed.connect(self._reconfigure_failed)
         c.generationStarted.connect(self._generation_started)
         c.generationFinished.connect(self._generation_finished)
         c.generationFailed.connect(self._generation_failed)
@@ -455,9 +456,19 @@ class MainWindow(QMainWindow):
 
     def _options_chosen(self, options: EngineOptions) -> None:
         self.settings.engine_options = options.to_dict()
+        self._requested = options
         self.controller.reconfigure(options)
 
+    def _reconfigure_failed(self, message: str) -> None:
+        self._requested = None
+        self.toggles.set_failed(message)
+
     def _reconfigured(self, options: EngineOptions, unavailable: dict) -> None:
+        if self._requested is not None and options != self._requested:
+            # The reply to a choice the user has since replaced (changes wait while an answer runs): the
+            # panel keeps the newer choice, whose own reply follows, and its reasons are not pinned on it.
+            return
+        self._requested = None
         self.toggles.set_applied(options, unavailable)
         self.settings.engine_options = options.to_dict()
 

@@ -475,3 +475,23 @@ def test_fewer_candidates_than_asked_leave_no_empty_answers(qtbot, app, monkeypa
     assert tabs.tabs.count() == 2 and [b.text for b in tabs.bodies] == result.texts
     answers = store.siblings(store.thread(w.flow.chat_id)[-1].id)
     assert [m.content for m in answers] == result.texts and all(m.status == "done" for m in answers)
+
+
+def test_a_reply_to_a_replaced_option_choice_does_not_undo_the_newer_one(qtbot, app):
+    """Compile with the dynamic cache (unavailable), then the static cache, both sent before the first reply:
+    the panel ends on the second choice, compile on and usable."""
+    w = app.window
+    base = app.controller.options
+    first = base.with_(kv_cache="dynamic", compile=True)
+    second = base.with_(kv_cache="static", compile=True)
+    replies = []
+    app.controller.reconfigured.connect(lambda o, u: replies.append((o, u)))
+    w.toggles.set_options(second)  # what the panel shows after the user's two clicks
+    w._options_chosen(first)
+    w._options_chosen(second)
+    qtbot.waitUntil(lambda: len(replies) >= 2, timeout=TIMEOUT_MS)
+    qtbot.wait(300)  # a panel that undid the choice would send another
+    assert len(replies) == 2
+    assert replies[0][1] == {"compile": "compile needs the static KV cache (shapes change every step otherwise)"}
+    assert w.toggles.options == second and w.toggles.compile.isChecked() and w.toggles.compile.isEnabled()
+    assert app.controller.options == second and w.settings.engine_options == second.to_dict()
