@@ -38,11 +38,26 @@ class GuiApp:
     hud: Any  # ui.hud.HudPanel
     window: Any  # ui.main_window.MainWindow
 
-    def close(self, timeout: float = 15.0) -> None:
+    def close(self, timeout: float = 15.0) -> bool:
+        """Stop the engine worker and the fetcher, close the chat store. False if the worker is still busy (in
+        a load or a compile, which cannot be interrupted) after `timeout` s."""
         self.fetcher.cancel()
-        self.controller.shutdown(timeout)
+        stopped = self.controller.shutdown(timeout)
         self.fetcher.wait(5.0)
         self.store.close()
+        return stopped
+
+
+def leave(code: int, stopped: bool) -> int:
+    """Return the exit code, or, when the engine worker is still busy, exit now: the chats are saved and the
+    store closed, and Qt would abort the process when it tears down a thread still running."""
+    if stopped:
+        return code
+    log.warning("exiting with the engine still busy (a load or compile that cannot be interrupted)")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def default_sampling(settings: Any):
@@ -168,11 +183,12 @@ def run_gui(args: Any, paths: AppPaths) -> int:
     for notice in gui.notices:
         show_error(gui.window, "Gapless", notice)
     gui.window.load_model(args.model or gui.settings.last_model or "default")
+    stopped = False
     try:
         code = app.exec()
     finally:
-        gui.close()
-    return code
+        stopped = gui.close()
+    return leave(code, stopped)
 
 
 def _run_smoke(args: Any, paths: AppPaths) -> int:

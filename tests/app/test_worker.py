@@ -422,3 +422,38 @@ def test_ladder_on_the_real_engine_gives_rows_and_keeps_the_options(qtbot, ctl, 
     qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
     rid, result = generate(qtbot, ctl, greedy(4))
     assert result.options.kv_cache == "none"
+
+
+QUIT_WHILE_LOADING = r"""
+import os, sys, time
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+sys.path.insert(0, sys.argv[1])
+from engine.engine import Engine
+Engine.load = classmethod(lambda cls, *a, **k: time.sleep(60))  # a load that cannot be interrupted
+from app.gui import build, leave, qt_application
+from app.paths import AppPaths
+from PySide6.QtCore import QEventLoop, QTimer
+app = qt_application()
+gui = build(AppPaths.resolve(sys.argv[2]), "light")
+gui.window.load_model(sys.argv[3])
+loop = QEventLoop(); QTimer.singleShot(500, loop.quit); loop.exec()
+stopped = gui.close(timeout=0.5)
+print("stopped" if stopped else "busy", flush=True)
+sys.exit(leave(0, stopped))
+"""
+
+
+def test_quitting_during_a_load_that_cannot_be_interrupted_exits_cleanly(tmp_path, tiny_llama):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", QUIT_WHILE_LOADING, str(root), str(tmp_path / "data"), str(tiny_llama)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "busy"  # the worker was still in the load
+    assert proc.returncode == 0, proc.stderr[-2000:]  # not Qt's abort on a running thread (134)
+    assert time.perf_counter() - t0 < 50  # and without waiting for the load
+    assert (tmp_path / "data").exists()
