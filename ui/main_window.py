@@ -365,6 +365,9 @@ class MainWindow(QMainWindow):
             self._start_fetch()
             return
         self.controller.load(source, self.toggles.options)
+        # Chat waits from now, not from when the worker starts the load: a message sent in between would be
+        # answered by the new model but credited to the old one.
+        self._load_started(source)
 
     def _start_fetch(self) -> None:
         size = self.fetcher.size_text()

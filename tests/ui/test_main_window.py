@@ -495,3 +495,12 @@ def test_a_reply_to_a_replaced_option_choice_does_not_undo_the_newer_one(qtbot, 
     assert replies[0][1] == {"compile": "compile needs the static KV cache (shapes change every step otherwise)"}
     assert w.toggles.options == second and w.toggles.compile.isChecked() and w.toggles.compile.isEnabled()
     assert app.controller.options == second and w.settings.engine_options == second.to_dict()
+
+
+def test_chat_waits_from_the_moment_another_model_is_chosen(qtbot, app, tiny_llama):
+    w = app.window
+    assert w.composer.send_button.isEnabled()
+    with qtbot.waitSignal(app.controller.loaded, timeout=TIMEOUT_MS):
+        w.load_model(str(tiny_llama))
+        assert not w.composer.send_button.isEnabled()  # before the worker has even started the load
+    qtbot.waitUntil(lambda: w.composer.send_button.isEnabled(), timeout=TIMEOUT_MS)
