@@ -71,12 +71,14 @@ class Engine:
         return cls(checkpoint, options, progress)
 
     def _fast_args(self) -> Optional[ModelArgs]:
+        self.fast_reason = ""
         if self.config.model_type not in FAST_FAMILIES:
             return None
         try:
             return ModelArgs.from_hf_config(self.config)
         except ValueError as exc:
             log.info("fast path unavailable for this model: %s", exc)
+            self.fast_reason = str(exc)
             return None
 
     def _eos_ids(self) -> list[int]:
@@ -122,6 +124,7 @@ class Engine:
             family=self.config.model_type,
             architecture=(getattr(self.config, "architectures", None) or [f"{self.config.model_type} (from GGUF metadata)"])[0],
             backend="fast" if self.fast else "transformers",
+            backend_reason=self.fast_reason,
             parameters=int(params),
             dtype=self.dtype,
             device=str(self.device),
@@ -149,19 +152,23 @@ class Engine:
             if not on_cuda:
                 out["cuda_graph"] = "CUDA graphs need a CUDA device; this machine runs on the CPU"
             elif not self.fast:
-                out["cuda_graph"] = f"{self.config.model_type} runs on the transformers fallback, which has no captured step"
+                out["cuda_graph"] = f"{self._on_fallback()}, which has no captured step"
             elif o.kv_cache != "static":
                 out["cuda_graph"] = "CUDA graphs need the static KV cache (fixed shapes and addresses)"
         if o.compile:
             if not self.fast:
-                out["compile"] = f"{self.config.model_type} runs on the transformers fallback, which is not compiled"
+                out["compile"] = f"{self._on_fallback()}, which is not compiled"
             elif o.kv_cache != "static":
                 out["compile"] = "compile needs the static KV cache (shapes change every step otherwise)"
         if o.kv_cache == "static" and not self.fast:
-            out["kv_cache"] = f"{self.config.model_type} runs on the transformers fallback, which uses its own dynamic cache"
+            out["kv_cache"] = f"{self._on_fallback()}, which uses its own dynamic cache"
         if o.dtype == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
             out["dtype"] = "this GPU has no bf16 support"
         return out
+
+    def _on_fallback(self) -> str:
+        why = f" ({self.fast_reason})" if self.fast_reason else ""
+        return f"{self.config.model_type} runs on the transformers fallback{why}"
 
     def effective(self, options: EngineOptions) -> tuple[EngineOptions, dict[str, str]]:
         """The options a generation actually runs with (device and dtype resolved), and why any changed."""

@@ -173,6 +173,7 @@ class ModelInfo:
     weight_bytes: int
     source: str  # the path the model was loaded from
     source_kind: str  # "gguf", "hf-folder" or "default"
+    backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

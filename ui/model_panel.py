@@ -121,6 +121,10 @@ class ModelPanel(QGroupBox):
             self.values[key].setText(text)
         self.values["name"].setToolTip(info.source)
         self.values["family"].setToolTip(info.architecture)
+        self.values["backend"].setToolTip(
+            "Gapless's own decoder: every optimization can be switched" if info.backend == "fast"
+            else f"transformers runs this model{f': {info.backend_reason}' if info.backend_reason else ''}; "
+                 "compile, CUDA graphs and the static KV cache are not available on it")
 
     def set_loading(self, source: str) -> None:
         self.error.hide()

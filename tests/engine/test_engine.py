@@ -315,3 +315,18 @@ def test_a_window_that_could_not_trace_leaves_no_steps_out(llama_engine):
     traced = llama_engine.generate(MESSAGES, params).metrics  # and without the other profiler, the window runs
     assert traced.profiled_steps == 8 and traced.kernel_gap_pct is not None
     assert traced.decode_tok_s == pytest.approx((traced.decode_steps - 8) / traced.decode_seconds)
+
+
+def test_a_fast_family_model_on_the_fallback_says_why(tmp_path):
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "dynamic-rope", "llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    eng = Engine.load(str(path), CPU.with_(compile=True))
+    try:
+        info = eng.info
+        assert info.backend == "transformers"
+        assert info.backend_reason == "rope type 'dynamic' is not on the fast path"
+        assert eng.unavailable()["compile"] == (
+            "llama runs on the transformers fallback (rope type 'dynamic' is not on the fast path), which is not compiled")
+    finally:
+        eng.close()
