@@ -46,6 +46,7 @@ class ChatFlow(QObject):
     chatsChanged = Signal()  # titles, order or membership of the chat list changed
     chatOpened = Signal(object)  # chat id or None
     threadChanged = Signal(object)  # [MessageItem] of the open chat's active branch
+    messageAppended = Signal(object)  # MessageItem added at the end of the branch on screen
     streamStarted = Signal(object, int)  # MessageItem of the answer, candidate count
     streamDelta = Signal(object)  # {candidate: text}
     streamFinished = Signal(object)  # MessageItem (one candidate)
@@ -180,7 +181,12 @@ class ChatFlow(QObject):
         if not user:
             return False
         self.chatsChanged.emit()
-        self.reload()
+        if self._candidate_ids or leaf is None:
+            self.reload()  # candidates on screen, or a new chat: the view is rebuilt from the store
+        else:
+            # The message goes under the branch's last one, which is what the view shows: append it rather
+            # than render the whole conversation again (that took ~0.8 s at 200 messages).
+            self.messageAppended.emit(self._item(user, 0, 1))
         return self._ask(user)
 
     def edit(self, user_message_id: int, text: str) -> bool:

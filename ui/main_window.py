@@ -173,6 +173,7 @@ class MainWindow(QMainWindow):
         f.chatsChanged.connect(self.refresh_chats)
         f.chatOpened.connect(self._chat_opened)
         f.threadChanged.connect(v.set_messages)
+        f.messageAppended.connect(v.add_message)
         f.streamStarted.connect(v.begin_stream)
         f.streamDelta.connect(v.append_stream)
         f.streamFinished.connect(v.finish_stream)

@@ -504,3 +504,16 @@ def test_chat_waits_from_the_moment_another_model_is_chosen(qtbot, app, tiny_lla
         w.load_model(str(tiny_llama))
         assert not w.composer.send_button.isEnabled()  # before the worker has even started the load
     qtbot.waitUntil(lambda: w.composer.send_button.isEnabled(), timeout=TIMEOUT_MS)
+
+
+def test_a_reply_appends_to_the_conversation_without_rebuilding_it(qtbot, app):
+    w = app.window
+    send(qtbot, app, "hello")
+    first = w.chat_view.messages()[:2]
+    rebuilt = []
+    w.flow.threadChanged.connect(rebuilt.append)
+    result = send(qtbot, app, "and again")
+    views = w.chat_view.messages()
+    assert rebuilt == [] and views[:2] == first  # the earlier messages' widgets were kept
+    assert [v.body.text for v in views[2:]] == ["and again", result.texts[0]]
+    assert [m.content for m in app.store.thread(w.flow.chat_id)][2:] == ["and again", result.texts[0]]
