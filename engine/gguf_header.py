@@ -46,6 +46,9 @@ class GGUFHeader:
     tensors: tuple[GGUFTensor, ...]
     data_start: int
     file_size: int
+    byte_order: str = "<"  # struct/numpy prefix: "<" little-endian, ">" big-endian
+    rope_scaling_type: str | None = None  # {architecture}.rope.scaling.type
+    rope_scaling_factor: float | None = None  # {architecture}.rope.scaling.factor
 
 
 class _Truncated(Exception):
@@ -130,6 +133,7 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
         raise ValueError(f"impossible counts: {tensor_count} tensors, {kv_count} metadata entries")
 
     wanted = {b"general.architecture": None, b"general.name": None, b"general.alignment": None}
+    rope: dict[bytes, object] = {}  # every "*.rope.scaling.type|factor": the architecture may come later
     for _ in range(kv_count):
         key = cur.string()
         type_id = cur.take("I")
@@ -137,8 +141,13 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
             wanted[key] = cur.string().decode("utf-8")
         elif key == b"general.alignment" and type_id in _FIXED:
             wanted[key] = cur.take(_FIXED[type_id])
+        elif key.endswith(b".rope.scaling.type") and type_id == _STRING:
+            rope[key] = cur.string().decode("utf-8")
+        elif key.endswith(b".rope.scaling.factor") and type_id in _FIXED:
+            rope[key] = float(cur.take(_FIXED[type_id]))
         else:
             cur.skip_value(type_id)
+    arch = (wanted[b"general.architecture"] or "").encode("utf-8")
 
     tensors = []
     for _ in range(tensor_count):
@@ -175,6 +184,9 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
         tensors=tuple(checked),
         data_start=data_start,
         file_size=size,
+        byte_order=order,
+        rope_scaling_type=rope.get(arch + b".rope.scaling.type"),
+        rope_scaling_factor=rope.get(arch + b".rope.scaling.factor"),
     )
 
 
@@ -227,22 +239,14 @@ def _plain(name: str) -> str:
     return name.replace("-", "").replace("_", "").lower()
 
 
-def read_gguf_rope(path: Path, architecture: str) -> tuple[Optional[str], Optional[float], Optional[np.ndarray]]:
-    """(scaling type, scaling factor, per-frequency factors) from a GGUF's metadata and its `rope_freqs.weight`
-    tensor; None where absent."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path), "r")
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{Path(path).name}: cannot read the GGUF metadata: {exc}") from exc
-
-    def field(key: str):
-        f = reader.fields.get(key)
-        return None if f is None or not f.data else f.contents()
-
-    kind = field(f"{architecture}.rope.scaling.type")
-    factor = field(f"{architecture}.rope.scaling.factor")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    factors = None if freqs is None else np.array(freqs.data, dtype=np.float32).reshape(-1)
-    return (str(kind) if kind is not None else None, float(factor) if factor is not None else None, factors)
+def read_gguf_rope(header: GGUFHeader) -> tuple[Optional[str], Optional[float], Optional[np.ndarray]]:
+    """(scaling type, scaling factor, per-frequency factors) of a GGUF: its rope scaling metadata, as parsed
+    with the header, and its `rope_freqs.weight` tensor (F32), read from the file; None where absent."""
+    factors = None
+    t = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if t is not None:
+        if t.type_name != "F32":
+            raise ModelLoadError(f"{header.path.name}: rope_freqs.weight is {t.type_name}, not F32")
+        factors = np.fromfile(header.path, dtype=np.dtype(header.byte_order + "f4"), count=prod(t.shape),
+                              offset=header.data_start + t.offset)
+    return header.rope_scaling_type, header.rope_scaling_factor, factors

@@ -101,7 +101,7 @@ def _load_gguf(path: Path, report: ProgressFn, kind: str) -> Checkpoint:
     except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
         raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
     _check_causal_lm(config.model_type, label, architecture=header.architecture)
-    _apply_gguf_rope(path, header, config, label)
+    _apply_gguf_rope(header, config, label)
     report(Progress("load", 1 / 3, "reading the tokenizer"))
     tokenizer = _load_tokenizer(path.parent, label, gguf_file=path.name)
     report(Progress("load", 2 / 3, "building the model layout"))
@@ -127,7 +127,7 @@ def _load_gguf(path: Path, report: ProgressFn, kind: str) -> Checkpoint:
     )
 
 
-def _apply_gguf_rope(path: Path, header, config, label: str) -> None:
+def _apply_gguf_rope(header, config, label: str) -> None:
     """Rope settings llama.cpp's converter writes that transformers' GGUF reading leaves out: linear scaling
     goes into the config; per-frequency factors (`rope_freqs.weight`, Llama 3.1+ long-context rope) are kept on
     the config for the fast path, which divides the base frequencies by them as llama.cpp does. Anything else
@@ -135,7 +135,7 @@ def _apply_gguf_rope(path: Path, header, config, label: str) -> None:
     from engine.gguf_header import read_gguf_rope
     from engine.model import FAST_FAMILIES, rope_parameters
 
-    kind, factor, freq_factors = read_gguf_rope(path, header.architecture)
+    kind, factor, freq_factors = read_gguf_rope(header)
     if kind not in (None, "none"):
         if kind != "linear" or not factor:
             raise ModelLoadError(f"{label}: rope scaling {kind!r} in this GGUF is not supported; its Hugging Face "
