@@ -110,11 +110,8 @@ def rope_tables(cfg, head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, tor
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scaling = 1.0
         factors = getattr(cfg, "rope_freq_factors", None)  # from a GGUF's rope_freqs tensor, as llama.cpp applies it
-        if factors is not None:
-            factors = torch.tensor(factors, dtype=torch.float)
-            if factors.shape != inv_freq.shape:
-                raise ValueError(f"rope_freqs has {factors.numel()} factors for {inv_freq.numel()} frequencies")
-            inv_freq = inv_freq / factors
+        if factors is not None:  # their count is checked with the rest of the config (ModelArgs.from_hf_config)
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
