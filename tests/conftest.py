@@ -57,3 +57,20 @@ def default_model_path() -> Path:
     from engine.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture
+def memory_for_two_candidates(monkeypatch):
+    """The engine runs out of device memory for a batch of more than two candidates (simulated on any device)."""
+    import torch
+
+    from engine.engine import Engine
+
+    real = Engine._runner
+
+    def tight(self, opts, batch, needed):
+        if batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, opts, batch, needed)
+
+    monkeypatch.setattr(Engine, "_runner", tight)

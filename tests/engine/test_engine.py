@@ -227,17 +227,7 @@ def test_compile_failure_falls_back_to_eager_with_a_notice(llama_engine, monkeyp
     llama_engine.reconfigure(CPU)
 
 
-def test_out_of_memory_falls_back_to_fewer_candidates(llama_engine, monkeypatch):
-    from engine.engine import Engine as E
-
-    real = E._runner
-
-    def tight(self, opts, batch, needed):
-        if batch > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, opts, batch, needed)
-
-    monkeypatch.setattr(E, "_runner", tight)
+def test_out_of_memory_falls_back_to_fewer_candidates(llama_engine, memory_for_two_candidates):
     llama_engine.reconfigure(CPU.with_(candidates=8))
     result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0.7, max_new_tokens=8, seed=1))
     assert result.options.candidates == 2 and len(result.texts) == 2

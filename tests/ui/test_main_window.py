@@ -451,20 +451,8 @@ def test_chat_waits_while_the_ladder_runs(qtbot, app):
     qtbot.waitUntil(lambda: w.composer.send_button.isEnabled(), timeout=TIMEOUT_MS)
 
 
-def test_fewer_candidates_than_asked_leave_no_empty_answers(qtbot, app, monkeypatch):
+def test_fewer_candidates_than_asked_leave_no_empty_answers(qtbot, app, memory_for_two_candidates):
     """Out of device memory, the engine runs fewer candidates than asked: only those it made are kept and shown."""
-    import torch
-
-    from engine.engine import Engine
-
-    real = Engine._runner
-
-    def tight(self, opts, batch, needed):
-        if batch > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, opts, batch, needed)
-
-    monkeypatch.setattr(Engine, "_runner", tight)
     w, store = app.window, app.store
     w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
     with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
