@@ -220,13 +220,17 @@ class CandidateTabs(QFrame):
             self.bodies.append(body)
             self.stats.append(stats)
             self.use_buttons.append(use)
-        title = QLabel(f"{author or 'Assistant'} — {n} candidates", self)
+        self._author = author
+        title = QLabel(self._title_text(n), self)
         title.setObjectName("roleLabel")
-        self.title, self._author = title, author
+        self.title = title
         lay = QVBoxLayout(self)
         lay.setContentsMargins(12, 8, 12, 8)
         lay.addWidget(title)
         lay.addWidget(self.tabs)
+
+    def _title_text(self, n: int) -> str:
+        return f"{self._author or 'Assistant'} — {n} candidates"
 
     def append(self, deltas: dict[int, str]) -> None:
         for i, delta in deltas.items():
@@ -239,7 +243,7 @@ class CandidateTabs(QFrame):
             for i in range(len(self.bodies) - 1, len(texts) - 1, -1):
                 self.tabs.removeTab(i)
             del self.bodies[len(texts):], self.stats[len(texts):], self.use_buttons[len(texts):]
-            self.title.setText(f"{self._author or 'Assistant'} — {len(texts)} candidates")
+            self.title.setText(self._title_text(len(texts)))
         for i, body in enumerate(self.bodies):
             if i < len(texts):
                 body.set_text(texts[i])
