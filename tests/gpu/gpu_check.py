@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 import tempfile
 import time
@@ -69,7 +70,7 @@ TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_
             num_key_value_heads=2, max_position_embeddings=1024)
 
 
-SECTIONS = ("nvml", "parity_fp32", "ladder", "oom_fallback", "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
+SECTIONS = ("nvml", "parity_fp32", "kernels", "ladder", "oom_fallback", "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
 
 
 class Report:
@@ -264,6 +265,117 @@ def ladder(folder: Path, max_new: int, candidates: int, repeats: int, progress: 
     return report
 
 
+KERNEL_KINDS = (  # kernel name -> kind, first match wins (cuBLAS, PyTorch's SDPA kernels, inductor's Triton)
+    ("attention", re.compile(r"fmha|attention|flash|softmax", re.I)),
+    ("matmul (cuBLAS/CUTLASS)", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk", re.I)),
+    ("fused (inductor Triton)", re.compile(r"^triton_")),
+    ("copy / index / fill", re.compile(r"copy|index|fill|scatter|gather|cat", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def kernel_table(trace: dict, forward_passes: int) -> dict:
+    """Per forward pass: how many kernels of each kind ran and for how long, and the longest kernels."""
+    by_name: dict[str, list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "kernel" and "dur" in e:
+            by_name.setdefault(e["name"], []).append(float(e["dur"]))
+    kinds: dict[str, dict[str, float]] = {}
+    for name, durs in by_name.items():
+        k = kinds.setdefault(kernel_kind(name), {"kernels_per_pass": 0.0, "us_per_pass": 0.0})
+        k["kernels_per_pass"] += len(durs) / forward_passes
+        k["us_per_pass"] += sum(durs) / forward_passes
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "forward_passes": forward_passes,
+        "kernels_per_pass": sum(len(d) for d in by_name.values()) / forward_passes,
+        "kernel_us_per_pass": sum(sum(d) for d in by_name.values()) / forward_passes,
+        "by_kind": kinds,
+        "top": [{"name": n[:160], "kind": kernel_kind(n), "per_pass": len(d) / forward_passes,
+                 "mean_us": sum(d) / len(d), "us_per_pass": sum(d) / forward_passes} for n, d in top],
+    }
+
+
+KERNEL_VARIANTS = (  # (name, fold GQA at decode, inductor config, candidates)
+    ("enable_gqa attention", False, {}, 1),
+    ("folded GQA attention", True, {}, 1),
+    ("folded + coordinate-descent tuning", True, {"coordinate_descent_tuning": True}, 1),
+    ("folded, 16 candidates", True, {}, 16),
+)
+
+
+def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, device: str = "cuda",
+            fast_path: bool = True) -> dict:
+    """Where a compiled, CUDA-graph decode step's time goes: kernels per forward pass by kind, the longest
+    kernels, the step time and the kernel gap, for the attention and inductor variants above (fp16, one engine
+    each, compiled from scratch). Then the folded attention's fp32 tokens against the eager path."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    import engine.model
+    from engine.engine import Engine
+    from engine.telemetry.window import _export_trace
+    from engine.types import EngineOptions, SamplingParams
+
+    msgs = [{"role": "user", "content": PROMPT}]
+    greedy = SamplingParams(temperature=0, max_new_tokens=max_new)
+    rows, tokens = [], {}
+    fold_default = engine.model.FOLD_GQA_DECODE
+    try:
+        for name, fold, inductor, n in KERNEL_VARIANTS:
+            engine.model.FOLD_GQA_DECODE = fold
+            torch._dynamo.reset()  # compile again under this variant, not from the last one's cached code
+            opts = EngineOptions(device=device, dtype="fp16" if device == "cuda" else "fp32", kv_cache="static",
+                                 sampling="device", compile=fast_path, cuda_graph=fast_path, candidates=n)
+            with inductor_config.patch(inductor):
+                eng = Engine.load(str(folder), opts)
+                try:
+                    t = time.perf_counter()
+                    eng.generate(msgs, greedy)  # compile + capture
+                    warm = time.perf_counter() - t
+                    timed = [eng.generate(msgs, greedy) for _ in range(3)]
+                    eng.reconfigure(opts.with_(profile_window=False))
+                    activity = torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU
+                    with torch.profiler.profile(activities=[activity]) as prof:
+                        res = eng.generate(msgs, greedy)
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                    trace = _export_trace(prof)
+                finally:
+                    eng.close()
+            tokens[name] = res.token_ids[0]
+            med = sorted(timed, key=lambda r: r.metrics.decode_tok_s)[1].metrics
+            row = {"variant": name, "fold_gqa": fold, "inductor": inductor, "candidates": n, "warmup_s": warm,
+                   "decode_tok_s": med.decode_tok_s, "step_ms_p50": med.step_ms_p50,
+                   "kernel_gap_pct": med.kernel_gap_pct, "kernel_gap_source": med.kernel_gap_source,
+                   "same_tokens_as_first_variant": res.token_ids[0] == next(iter(tokens.values())),
+                   **(kernel_table(trace, len(res.token_ids[0])) if trace else {"trace": "not exported"})}
+            rows.append(row)
+            progress(f"{name}: {row['decode_tok_s']:.0f} tok/s, step {row['step_ms_p50']:.3f} ms, "
+                     f"gap {row['kernel_gap_pct']}, {row.get('kernels_per_pass', 0):.0f} kernels/pass")
+        engine.model.FOLD_GQA_DECODE = True
+        torch._dynamo.reset()
+        fp32 = EngineOptions(device=device, dtype="fp32", kv_cache="dynamic", sampling="host", candidates=4)
+        eng = Engine.load(str(folder), fp32)
+        try:
+            ref = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
+            eng.reconfigure(fp32.with_(kv_cache="static", sampling="device", compile=fast_path, cuda_graph=fast_path))
+            got = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
+        finally:
+            eng.close()
+        parity = {"options": "fp32, static, device sampling, compile, CUDA graph, 4 candidates, folded GQA",
+                  "reference": "fp32 eager, dynamic cache, host sampling", "identical": got == ref}
+        progress(f"fp32 folded C+G x4 vs eager: identical={got == ref}")
+    finally:
+        engine.model.FOLD_GQA_DECODE = fold_default
+        torch._dynamo.reset()
+    return {"max_new_tokens": max_new, "dtype": "fp16", "variants": rows, "fp32_parity": parity,
+            "note": "kernels per pass over prefill + every decode step (tokens generated = forward passes); step "
+                    "time and gap from the engine's metrics, median of 3 runs"}
+
+
 def oom_fallback(folder: Path) -> dict:
     """Fill the GPU so a 32-candidate CUDA-graph generation cannot fit; the engine must fall back with notices."""
     from engine.engine import Engine
@@ -321,6 +433,7 @@ def main(argv=None) -> int:
             report.section("nvml", probe_nvml, need_s=5, cuda=True)
             report.section("parity_fp32", lambda: parity(folder, device, "fp32", args.max_new_tokens, (1, 4), report,
                                                          with_compile=cuda), need_s=60)
+            report.section("kernels", lambda: kernels(folder, report.progress("kernels")), need_s=100, cuda=True)
             report.section("ladder", lambda: ladder(folder, args.ladder_tokens, 16, 3, report.progress("ladder")),
                            need_s=150, cuda=True)
             report.section("oom_fallback", lambda: oom_fallback(folder), need_s=40, cuda=True)

@@ -76,3 +76,22 @@ def test_chosen_sections_only_and_unknown_ones_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--sections", "ladder,warp_drive"])
     assert "unknown sections ['warp_drive']" in capsys.readouterr().err
+
+
+def test_kernel_table_counts_kernels_per_pass_by_kind():
+    from gpu.gpu_check import kernel_table
+
+    ev = lambda name, dur, cat="kernel": {"name": name, "dur": dur, "cat": cat, "ts": 0}  # noqa: E731
+    trace = {"traceEvents": [
+        ev("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", 4.0), ev("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", 6.0),
+        ev("fmha_cutlassF_f16_aligned_64x64_rf_sm80", 3.0), ev("triton_red_fused_add_mean_mul_rsqrt_0", 1.0),
+        ev("triton_poi_fused_index_copy_1", 1.0), ev("void at::native::vectorized_elementwise_kernel", 2.0),
+        ev("cudaGraphLaunch", 50.0, cat="cuda_runtime"),  # not a kernel: left out
+    ]}
+    t = kernel_table(trace, forward_passes=2)
+    assert t["kernels_per_pass"] == 3.0 and t["kernel_us_per_pass"] == 8.5
+    assert t["by_kind"]["matmul (cuBLAS/CUTLASS)"] == {"kernels_per_pass": 1.0, "us_per_pass": 5.0}
+    assert t["by_kind"]["attention"]["kernels_per_pass"] == 0.5
+    assert t["by_kind"]["fused (inductor Triton)"]["kernels_per_pass"] == 1.0
+    assert t["by_kind"]["other"]["us_per_pass"] == 1.0
+    assert t["top"][0]["name"].startswith("nvjet") and t["top"][0]["mean_us"] == 5.0
