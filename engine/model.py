@@ -17,10 +17,6 @@ from engine.errors import ModelLoadError
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope types whose frequencies do not depend on the sequence length: one table serves every position.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# A masked one-token decode step with grouped-query attention attends each KV head's group of query heads as
-# the rows of one plain attention (no enable_gqa), which lets CUDA pick its fused memory-efficient kernel for
-# a masked attention instead of the math path (several kernels per layer).
-FOLD_GQA_DECODE = True
 
 
 @dataclass(frozen=True)
@@ -229,9 +225,6 @@ class Attention(nn.Module):
         if mask is None:  # no cache, or a dynamic cache: causal over the keys, queries are the last T
             causal = T > 1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-        elif gqa and T == 1 and FOLD_GQA_DECODE:  # mask [1, S] is the same for every row of a group
-            group = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
-            y = F.scaled_dot_product_attention(group, k, v, attn_mask=mask).reshape(B, self.n_heads, 1, self.head_dim)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.q_size)
