@@ -70,7 +70,7 @@ TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_
             num_key_value_heads=2, max_position_embeddings=1024)
 
 
-SECTIONS = ("nvml", "parity_fp32", "kernels", "ladder", "oom_fallback", "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
+SECTIONS = ("nvml", "parity_fp32", "ladder", "sdpa_first_use", "kernels", "oom_fallback", "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
 
 
 class Report:
@@ -299,22 +299,21 @@ def kernel_table(trace: dict, forward_passes: int) -> dict:
     }
 
 
-KERNEL_VARIANTS = (  # (name, fold GQA at decode, inductor config, candidates)
-    ("enable_gqa attention", False, {}, 1),
-    ("folded GQA attention", True, {}, 1),
-    ("folded + coordinate-descent tuning", True, {"coordinate_descent_tuning": True}, 1),
-    ("folded, 16 candidates", True, {}, 16),
+KERNEL_VARIANTS = (  # (name, inductor config, candidates)
+    ("inductor defaults", {}, 1),
+    ("coordinate-descent tuning", {"coordinate_descent_tuning": True}, 1),
+    ("16 candidates", {}, 16),
 )
 
 
 def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, device: str = "cuda",
             fast_path: bool = True) -> dict:
     """Where a compiled, CUDA-graph decode step's time goes: kernels per forward pass by kind, the longest
-    kernels, the step time and the kernel gap, for the attention and inductor variants above (fp16, one engine
-    each, compiled from scratch). Then the folded attention's fp32 tokens against the eager path."""
+    kernels, the step time and the kernel gap, for the inductor variants above (fp16, one engine each, compiled
+    from scratch). Then coordinate-descent tuning's fp32 tokens against the eager path (whether it could be
+    the default without losing token parity)."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
-    import engine.model
     from engine.engine import Engine
     from engine.telemetry.window import _export_trace
     from engine.types import EngineOptions, SamplingParams
@@ -322,10 +321,8 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
     msgs = [{"role": "user", "content": PROMPT}]
     greedy = SamplingParams(temperature=0, max_new_tokens=max_new)
     rows, tokens = [], {}
-    fold_default = engine.model.FOLD_GQA_DECODE
     try:
-        for name, fold, inductor, n in KERNEL_VARIANTS:
-            engine.model.FOLD_GQA_DECODE = fold
+        for name, inductor, n in KERNEL_VARIANTS:
             torch._dynamo.reset()  # compile again under this variant, not from the last one's cached code
             opts = EngineOptions(device=device, dtype="fp16" if device == "cuda" else "fp32", kv_cache="static",
                                  sampling="device", compile=fast_path, cuda_graph=fast_path, candidates=n)
@@ -347,7 +344,7 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
                     eng.close()
             tokens[name] = res.token_ids[0]
             med = sorted(timed, key=lambda r: r.metrics.decode_tok_s)[1].metrics
-            row = {"variant": name, "fold_gqa": fold, "inductor": inductor, "candidates": n, "warmup_s": warm,
+            row = {"variant": name, "inductor": inductor, "candidates": n, "warmup_s": warm,
                    "decode_tok_s": med.decode_tok_s, "step_ms_p50": med.step_ms_p50,
                    "kernel_gap_pct": med.kernel_gap_pct, "kernel_gap_source": med.kernel_gap_source,
                    "same_tokens_as_first_variant": res.token_ids[0] == next(iter(tokens.values())),
@@ -355,25 +352,55 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
             rows.append(row)
             progress(f"{name}: {row['decode_tok_s']:.0f} tok/s, step {row['step_ms_p50']:.3f} ms, "
                      f"gap {row['kernel_gap_pct']}, {row.get('kernels_per_pass', 0):.0f} kernels/pass")
-        engine.model.FOLD_GQA_DECODE = True
         torch._dynamo.reset()
         fp32 = EngineOptions(device=device, dtype="fp32", kv_cache="dynamic", sampling="host", candidates=4)
-        eng = Engine.load(str(folder), fp32)
-        try:
-            ref = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
-            eng.reconfigure(fp32.with_(kv_cache="static", sampling="device", compile=fast_path, cuda_graph=fast_path))
-            got = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
-        finally:
-            eng.close()
-        parity = {"options": "fp32, static, device sampling, compile, CUDA graph, 4 candidates, folded GQA",
+        with inductor_config.patch({"coordinate_descent_tuning": True}):
+            eng = Engine.load(str(folder), fp32)
+            try:
+                ref = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
+                eng.reconfigure(fp32.with_(kv_cache="static", sampling="device", compile=fast_path, cuda_graph=fast_path))
+                got = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
+            finally:
+                eng.close()
+        parity = {"options": "fp32, static, device sampling, compile (coordinate-descent tuning), CUDA graph, 4 candidates",
                   "reference": "fp32 eager, dynamic cache, host sampling", "identical": got == ref}
-        progress(f"fp32 folded C+G x4 vs eager: identical={got == ref}")
+        progress(f"fp32 coordinate-descent C+G x4 vs eager: identical={got == ref}")
     finally:
-        engine.model.FOLD_GQA_DECODE = fold_default
         torch._dynamo.reset()
     return {"max_new_tokens": max_new, "dtype": "fp16", "variants": rows, "fp32_parity": parity,
             "note": "kernels per pass over prefill + every decode step (tokens generated = forward passes); step "
                     "time and gap from the engine's metrics, median of 3 runs"}
+
+
+def sdpa_first_use(folder: Path, progress: Callable[[str], None], device: str = "cuda") -> dict:
+    """Eager half precision attends a new key length at every step. With cuDNN's attention enabled each new
+    length may build a new cuDNN plan, so the first answer over unseen lengths runs slower than the same answer
+    again. Measured with cuDNN attention on and off, each over lengths no earlier section has used (raw prompts
+    of 300 and 600 words), two runs each: first and second decode tok/s."""
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_new_tokens=150)
+    eng = Engine.load(str(folder), EngineOptions(device=device, dtype="bf16", kv_cache="dynamic", sampling="device",
+                                                 profile_window=False))
+    rows = []
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled() if device == "cuda" else None
+    try:
+        for cudnn, words in ((True, 300), (False, 600)):
+            if device == "cuda":
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            prompt = [{"role": "user", "content": " ".join(f"w{i % 500 + 3}" for i in range(words))}]
+            runs = [eng.generate(prompt, greedy, raw=True).metrics for _ in range(2)]
+            rows.append({"cudnn_sdp": cudnn, "prompt_tokens": runs[0].prompt_tokens,
+                         "first_tok_s": runs[0].decode_tok_s, "second_tok_s": runs[1].decode_tok_s,
+                         "first_over_second": runs[0].decode_tok_s / runs[1].decode_tok_s})
+            progress(f"cuDNN attention {'on' if cudnn else 'off'}: first {runs[0].decode_tok_s:.1f} tok/s, "
+                     f"second {runs[1].decode_tok_s:.1f} tok/s")
+    finally:
+        if cudnn_before is not None:
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
+        eng.close()
+    return {"dtype": "bf16", "kv_cache": "dynamic", "rows": rows}
 
 
 def oom_fallback(folder: Path) -> dict:
@@ -433,9 +460,11 @@ def main(argv=None) -> int:
             report.section("nvml", probe_nvml, need_s=5, cuda=True)
             report.section("parity_fp32", lambda: parity(folder, device, "fp32", args.max_new_tokens, (1, 4), report,
                                                          with_compile=cuda), need_s=60)
-            report.section("kernels", lambda: kernels(folder, report.progress("kernels")), need_s=100, cuda=True)
             report.section("ladder", lambda: ladder(folder, args.ladder_tokens, 16, 3, report.progress("ladder")),
                            need_s=150, cuda=True)
+            report.section("sdpa_first_use", lambda: sdpa_first_use(folder, report.progress("sdpa_first_use")),
+                           need_s=40, cuda=True)
+            report.section("kernels", lambda: kernels(folder, report.progress("kernels")), need_s=100, cuda=True)
             report.section("oom_fallback", lambda: oom_fallback(folder), need_s=40, cuda=True)
             for dtype in ("fp16", "bf16"):
                 report.section(f"parity_{dtype}", lambda d=dtype: parity(folder, device, d, args.max_new_tokens, (1,), report,
