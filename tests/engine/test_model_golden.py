@@ -2,6 +2,8 @@
 on prefill and on 8 decode steps, for every kv_cache mode; candidate rows equal the single row under greedy."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -67,11 +69,12 @@ def _reference_decode(ref, prompt: torch.Tensor, steps: int) -> tuple[list[int],
     from transformers import DynamicCache
 
     cache = DynamicCache(config=ref.config)
+    cache_arg = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
     ids = prompt[None, :]
     tokens, logits_seq = [], []
     with torch.no_grad():
         for _ in range(steps + 1):
-            out = ref(input_ids=ids, cache=cache, use_cache=True)
+            out = ref(input_ids=ids, use_cache=True, **{cache_arg: cache})
             logits = out.logits[:, -1].float()
             logits_seq.append(logits[0])
             nxt = int(torch.argmax(logits, -1))
