@@ -19,7 +19,7 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
     assert rc == 0, {k: v.get("error") for k, v in sections.items()}
     assert sections["machine"]["ok"] and sections["machine"]["result"]["cpu_model"]
     assert sections["model"]["result"]["kind"] == "tiny"
-    for name in ("nvml", "ladder", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
+    for name in ("nvml", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
     par = sections["parity_fp32"]["result"]
     combos = {(r["options"]["kv_cache"], r["options"]["sampling"], r["options"]["candidates"]) for r in par["rows"]}
@@ -95,3 +95,23 @@ def test_kernel_table_counts_kernels_per_pass_by_kind():
     assert t["by_kind"]["fused (inductor Triton)"]["kernels_per_pass"] == 1.0
     assert t["by_kind"]["other"]["us_per_pass"] == 1.0
     assert t["top"][0]["name"].startswith("nvjet") and t["top"][0]["mean_us"] == 5.0
+
+
+def test_kernels_and_sdpa_sections_run_their_course_on_the_cpu(tmp_path):
+    """The two measuring sections run end to end on the CPU (eager, no graph; CPU ops carry no kernels), so a
+    lent GPU's minutes are not spent finding a slip in them."""
+    import torch._inductor.config as inductor_config
+
+    from gpu.gpu_check import KERNEL_VARIANTS, TINY, kernels, make_model_folder, sdpa_first_use
+
+    folder = make_model_folder(tmp_path / "tiny", TINY)
+    before = inductor_config.coordinate_descent_tuning
+    got = kernels(folder, lambda msg: None, max_new=8, device="cpu", fast_path=False)
+    assert inductor_config.coordinate_descent_tuning == before  # the variants' settings do not leak out
+    assert [v["variant"] for v in got["variants"]] == [v[0] for v in KERNEL_VARIANTS]
+    assert all(v["same_tokens_as_first_variant"] and v["forward_passes"] == 8 for v in got["variants"])
+    assert got["variants"][-1]["candidates"] == 16
+    assert got["fp32_parity"]["identical"] is True
+    first_use = sdpa_first_use(folder, lambda msg: None, device="cpu")
+    assert [r["prompt_tokens"] for r in first_use["rows"]] == [300, 600]
+    assert all(r["first_tok_s"] > 0 and r["second_tok_s"] > 0 for r in first_use["rows"])
