@@ -76,7 +76,7 @@ def format_table(report: dict[str, Any]) -> str:
     head = ["rung", "options", "tokens", "decode tok/s (range)", "× Naive", "× transformers"]
     if compiled:
         head.append("× transformers compiled")
-    head += ["TTFT ms", "gap %", "SM activity %", "GPU util %", "peak memory"]
+    head += ["TTFT ms", "gap %", "launches/step", "SM activity %", "GPU util %", "peak memory"]
     rows: list[list[str]] = []
     notes: list[str] = []
     for r in rungs:
@@ -94,7 +94,8 @@ def format_table(report: dict[str, Any]) -> str:
                _times(r.get("speedup_vs_naive")), _times(r.get("speedup_vs_transformers"))]
         if compiled:
             row.append(_times(r.get("speedup_vs_transformers_compiled")))
-        row += [_num(m.get("ttft_ms")), _num(m.get("kernel_gap_pct")), _num(m.get("sm_activity_pct")),
+        row += [_num(m.get("ttft_ms")), _num(m.get("kernel_gap_pct")), _num(m.get("launches_per_step"), "{:.0f}"),
+                _num(m.get("sm_activity_pct")),
                 _num(m.get("gpu_util_pct")), _bytes(m.get("peak_memory_bytes"))]
         rows.append(row)
     naive = report["ratios"].get("naive_decode_tok_s")
@@ -109,7 +110,7 @@ def format_table(report: dict[str, Any]) -> str:
                _tok_s(m), _times(None if tok_s is None or not naive else tok_s / naive), "1.00×" if b["name"] == "transformers" else ""]
         if compiled:
             row.append("1.00×" if b["name"] == "transformers-static-compile" else "")
-        row += [_num(m.get("ttft_ms")), NA, _num(m.get("sm_activity_pct")), _num(m.get("gpu_util_pct")),
+        row += [_num(m.get("ttft_ms")), NA, NA, _num(m.get("sm_activity_pct")), _num(m.get("gpu_util_pct")),
                 _bytes(m.get("peak_memory_bytes"))]
         rows.append(row)
 
@@ -131,14 +132,13 @@ def format_table(report: dict[str, Any]) -> str:
                    f"{end[0]:.1f} at the end.")
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
-    sources = [("gap", "kernel_gap_source"), ("SM activity", "sm_activity_source"), ("GPU util", "gpu_util_source"),
-               ("peak memory", "peak_memory_source")]
-    for name, key in sources:
-        src = _first(rungs, key)
+    sources = [("gap", "kernel_gap_pct"), ("launches/step", "launches_per_step"), ("SM activity", "sm_activity_pct"),
+               ("GPU util", "gpu_util_pct"), ("peak memory", "peak_memory_bytes")]
+    for name, metric in sources:
+        src = _first(rungs, metric.removesuffix("_pct").removesuffix("_bytes") + "_source")
         if src:
             out.append(f"{name}: {src}.")
         else:
-            metric = key.replace("_source", "_pct")
             why = next((r["median"].get("unavailable", {}).get(metric) for r in everything
                         if r.get("median", {}).get("unavailable", {}).get(metric)), None)
             out.append(f"{name}: n/a" + (f" ({why})." if why else "."))

@@ -238,6 +238,11 @@ def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, 
                                 f"{window.start + window.steps - 1})")
     else:
         na["kernel_gap_pct"] = "no events traced in the window"
+    if stats is not None and stats.launches_per_step is not None:
+        metrics.launches_per_step = stats.launches_per_step
+        metrics.launches_per_step_source = stats.launches_source
+    else:
+        na["launches_per_step"] = na.get("kernel_gap_pct") or "no kernels or ops traced in the window"
     summary = monitor.summary(t0, t1) if monitor is not None else {}
     for name in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
         value, source = summary.get(name, (None, "no monitor"))

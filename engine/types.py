@@ -201,6 +201,8 @@ class GenerationMetrics:
     peak_memory_source: Optional[str] = None
     kernel_gap_pct: Metric = None
     kernel_gap_source: Optional[str] = None
+    launches_per_step: Metric = None  # kernels (CUDA) or top-level aten ops (CPU) per decode step, traced window
+    launches_per_step_source: Optional[str] = None
     sm_activity_pct: Metric = None
     sm_activity_source: Optional[str] = None
     gpu_util_pct: Metric = None

@@ -95,6 +95,12 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
     else:
         reason = unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap")
         tips.append(f"{gap.capitalize()}: n/a" + (f" — {reason}" if reason else ""))
+    if m.get("launches_per_step") is not None:
+        tips.append(f"Launches per step: {fmt(m.get('launches_per_step'), '', 0)} — source: "
+                    f"{m.get('launches_per_step_source') or NA}")
+    else:
+        reason = unavailable.get("launches_per_step")
+        tips.append("Launches per step: n/a" + (f" — {reason}" if reason else ""))
     if finish_reason:
         tips.append(f"Finished: {finish_reason}")
     return line, "\n".join(tips)

@@ -58,6 +58,10 @@ class WindowStats:
     sm_activity_est_pct: Optional[float]  # CUDA only: sum(dur * min(1, blocks / SMs)) / span
     sm_activity_source: Optional[str]  # the estimate's label, or why there is none
     bytes_per_step: Optional[float]  # CUDA: bytes of memcpy/memset per step (kernels' own reads are not traced)
+    # What the host had the device run per decode step: kernels (CUDA; a CUDA graph's replayed kernels count
+    # each) or top-level aten ops (CPU). Many tiny ones per token is why a small model is slow.
+    launches_per_step: Optional[float] = None
+    launches_source: Optional[str] = None
 
 
 def profiler_busy() -> bool:
@@ -368,7 +372,9 @@ def _analyse_cuda(trace: dict, events: list[dict], index: Optional[int], span_us
     bytes_per_step: Optional[float] = None
     if copies and steps > 0 and all(isinstance(b, (int, float)) for b in copy_bytes):
         bytes_per_step = float(sum(copy_bytes)) / steps
-    return WindowStats(steps, span, busy, gap, label, len(dev_events), sm_est, sm_src, bytes_per_step)
+    launches = len(kernels) / steps if steps > 0 and kernels else None
+    return WindowStats(steps, span, busy, gap, label, len(dev_events), sm_est, sm_src, bytes_per_step, launches,
+                       f"kernels per step — torch.profiler, {steps}-step window (sampled)" if launches else None)
 
 
 def _dims_ok(dims: Any) -> bool:
@@ -424,4 +430,6 @@ def _analyse_cpu_ops(starts: np.ndarray, ends: np.ndarray, span_us: Optional[flo
     label = f"op gap — torch.profiler CPU ops, {steps}-step window (sampled)"
     if fell_back:
         label += ", span = first to last op"
-    return WindowStats(steps, span, busy, gap, label, top, None, None, None)
+    launches = top / steps if steps > 0 and top else None
+    return WindowStats(steps, span, busy, gap, label, top, None, None, None, launches,
+                       f"aten ops per step — torch.profiler CPU ops, {steps}-step window (sampled)" if launches else None)

@@ -89,6 +89,9 @@ def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, n
     if status == "ok":
         r.median = {"decode_tok_s": tok_s, "ttft_ms": 100.0, "kernel_gap_pct": gap,
                     "kernel_gap_source": "op gap — torch.profiler CPU ops, 8-step window (sampled)" if gap else None,
+                    "launches_per_step": 4 * gap if gap else None,
+                    "launches_per_step_source": "aten ops per step — torch.profiler CPU ops, 8-step window (sampled)"
+                    if gap else None,
                     "sm_activity_pct": None, "gpu_util_pct": None, "peak_memory_bytes": 3 * 2**30,
                     "peak_memory_source": "process peak RSS since start (getrusage)", "new_tokens_total": 128.0,
                     "unavailable": {"gpu_util_pct": "the model runs on the CPU, not on a GPU",
@@ -159,7 +162,7 @@ def test_table_rows_figures_and_notes():
     row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells == ["Seeds' first fixes", "fp32, kv static, device sampling", "128", "25.0", "2.50×", "1.25×",
-                     "100.0", "20.0", "n/a", "n/a", "3.00 GiB"]
+                     "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB"]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
     skipped = next(line for line in lines if line.startswith("| + compile"))
@@ -168,8 +171,9 @@ def test_table_rows_figures_and_notes():
     assert "(2) + 4 candidates: without cuda_graph: CUDA graphs need a CUDA device" in table
     base = next(line for line in lines if line.startswith("| transformers generate()"))
     bcells = [c.strip() for c in base.strip("|").split("|")]
-    assert bcells[3:6] == ["20.0", "2.00×", "1.00×"] and bcells[7] == "n/a"
+    assert bcells[3:6] == ["20.0", "2.00×", "1.00×"] and bcells[7] == "n/a" and bcells[8] == "n/a"
     assert "gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "launches/step: aten ops per step — torch.profiler CPU ops, 8-step window (sampled)." in table
     assert "GPU util: n/a (the model runs on the CPU, not on a GPU)." in table
     assert "the first 128 of 128 / 128 agree" in table
     assert len({len(line) for line in lines[:8]}) == 1  # aligned columns

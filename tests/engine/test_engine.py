@@ -301,9 +301,13 @@ def test_a_window_that_could_not_trace_leaves_no_steps_out(llama_engine):
     assert m.profiled_steps == 0 and not any(r.profiled for r in records)
     assert m.kernel_gap_pct is None
     assert m.unavailable["kernel_gap_pct"] == "window not traced: another torch profiler is running in this process"
+    assert m.launches_per_step is None and m.unavailable["launches_per_step"] == m.unavailable["kernel_gap_pct"]
     assert m.decode_tok_s == pytest.approx(m.decode_steps / m.decode_seconds)
     traced = llama_engine.generate(MESSAGES, params).metrics  # and without the other profiler, the window runs
     assert traced.profiled_steps == 8 and traced.kernel_gap_pct is not None
+    # a 2-layer decoder step is dozens of aten ops (embedding, per layer norms, projections, rope, attention, ...)
+    assert traced.launches_per_step >= 20 and traced.launches_per_step == int(traced.launches_per_step * 8) / 8
+    assert traced.launches_per_step_source == "aten ops per step — torch.profiler CPU ops, 8-step window (sampled)"
     assert traced.decode_tok_s == pytest.approx((traced.decode_steps - 8) / traced.decode_seconds)
 
 

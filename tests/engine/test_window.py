@@ -47,6 +47,7 @@ def test_cpu_window_on_real_workload():
     assert st is not None
     assert st.steps == 3
     assert st.events >= 3 * 4 * 2  # at least a matmul and a tanh per iteration, top-level only
+    assert st.launches_per_step == st.events / 3
     assert 0.0 <= st.gap_pct <= 100.0
     assert 0 < st.busy_us <= st.span_us
     assert st.gap_source == "op gap — torch.profiler CPU ops, 3-step window (sampled)"
@@ -277,6 +278,8 @@ def test_cuda_trace_kernel_gap_and_sm_estimate():
     assert "132 SMs" in st.sm_activity_source
     assert st.bytes_per_step == pytest.approx(1024.0)
     assert st.gap_source == "kernel gap — torch.profiler, 4-step window (sampled)"
+    assert st.launches_per_step == 1.0  # 4 kernels over 4 steps; the copy is not a launch
+    assert st.launches_source == "kernels per step — torch.profiler, 4-step window (sampled)"
 
 
 def test_cuda_trace_sm_count_argument_wins_and_other_devices_are_ignored():
@@ -303,6 +306,7 @@ def test_cuda_trace_without_grid_or_kernels_gives_reasons_not_numbers():
     assert st.sm_activity_est_pct is None and "grid sizes missing" in st.sm_activity_source
     empty = analyse_trace(cuda_trace([]), CUDA0, span_us=100.0, steps=1)
     assert empty.gap_pct is None and empty.events == 0
+    assert empty.launches_per_step is None and empty.launches_source is None
     assert empty.sm_activity_est_pct is None and "no kernels" in empty.sm_activity_source
     unknown = analyse_trace({"traceEvents": [kernel(0.0, 10.0)]}, CUDA0, span_us=100.0, steps=1)
     assert unknown.sm_activity_est_pct is None and "SM count unknown" in unknown.sm_activity_source
@@ -322,3 +326,5 @@ def test_cpu_trace_counts_top_level_ops_of_the_thread():
     assert st.events == 2
     assert st.busy_us == pytest.approx(150.0)
     assert st.gap_pct == pytest.approx(100 * (1 - 150 / 400))
+    assert st.launches_per_step == 1.0  # 2 top-level ops of the thread over 2 steps
+    assert st.launches_source == "aten ops per step — torch.profiler CPU ops, 2-step window (sampled)"

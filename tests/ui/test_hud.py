@@ -685,7 +685,8 @@ def test_long_bar_sources_are_elided_with_the_full_text_in_the_tooltip(hud, qtbo
 def _three_generations(panel):
     opts = [EngineOptions(dtype="fp32", sampling="host", kv_cache="dynamic"), EngineOptions(dtype="fp16"),
             EngineOptions(dtype="bf16", compile=True)]
-    mets = [GenerationMetrics(decode_tok_s=50.0, ttft_ms=80.0, kernel_gap_pct=80.0, kernel_gap_source="k"),
+    mets = [GenerationMetrics(decode_tok_s=50.0, ttft_ms=80.0, kernel_gap_pct=80.0, kernel_gap_source="k",
+                              launches_per_step=348.0, launches_per_step_source="kernels per step — k"),
             GenerationMetrics(decode_tok_s=200.0, ttft_ms=40.0, kernel_gap_pct=40.0, kernel_gap_source="k"),
             GenerationMetrics(decode_tok_s=None, ttft_ms=20.0, kernel_gap_pct=None,
                               unavailable={"decode_tok_s": "cancelled before the first decode step"})]
@@ -712,6 +713,9 @@ def test_compare_table_rows_deltas_and_reference(hud, qtbot):
     assert model.data(model.index(2, COLUMN_INDEX["decode_tok_s"]), Qt.ItemDataRole.ToolTipRole) == \
         "n/a — cancelled before the first decode step"
     assert model.data(model.index(1, COLUMN_INDEX["ttft_ms"]), Qt.ItemDataRole.ForegroundRole).name() == "#3fa860"
+    assert cell(0, "launches_per_step") == "348" and cell(1, "launches_per_step") == "n/a"
+    assert model.data(model.index(0, COLUMN_INDEX["launches_per_step"]), Qt.ItemDataRole.ToolTipRole) == \
+        "kernels per step — k"
 
     panel.show()
     panel.tabs.setCurrentIndex(1)

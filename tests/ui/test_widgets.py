@@ -116,6 +116,10 @@ def test_stats_line_says_na_and_names_sources():
     line, tip = format_stats(metrics, options, "cuda")
     assert line == "12 tokens · TTFT 80 ms · n/a tok/s · + CUDA graph · kernel gap 33.3%"
     assert "source: torch.profiler CUDA kernels" in tip
+    assert "Launches per step: n/a" in tip
+    _, tip = format_stats({**metrics, "launches_per_step": 348.0, "launches_per_step_source": "kernels per step — x"},
+                          options, "cuda")
+    assert "Launches per step: 348 — source: kernels per step — x" in tip
     line, tip = format_stats({"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}},
                              options, "cpu", "cancelled")
     assert line.endswith("op gap n/a · stopped")

@@ -53,6 +53,8 @@ COLUMNS = (
     Column("step_ms_p50", "Step p50", "metric", _ms, -1),
     Column("step_ms_p99", "Step p99", "metric", _ms, -1),
     Column("kernel_gap_pct", "Kernel/op gap", "metric", fmt.percent, -1, "kernel_gap_source"),
+    Column("launches_per_step", "Launches/step", "metric", lambda v: fmt.number(v, digits=0), -1,
+           "launches_per_step_source", tip="kernels (GPU) or aten ops (CPU) per decode step, traced window"),
     Column("sm_activity_pct", "SM activity", "metric", fmt.percent, +1, "sm_activity_source"),
     Column("gpu_util_pct", "GPU util", "metric", fmt.percent, +1, "gpu_util_source"),
     Column("dram_bw_util_pct", "DRAM bw", "metric", fmt.percent, +1, "dram_bw_util_source"),
