@@ -132,10 +132,12 @@ def format_table(report: dict[str, Any]) -> str:
                    f"{end[0]:.1f} at the end.")
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
-    sources = [("gap", "kernel_gap_pct"), ("launches/step", "launches_per_step"), ("SM activity", "sm_activity_pct"),
-               ("GPU util", "gpu_util_pct"), ("peak memory", "peak_memory_bytes")]
-    for name, metric in sources:
-        src = _first(rungs, metric.removesuffix("_pct").removesuffix("_bytes") + "_source")
+    sources = [("gap", "kernel_gap_pct", "kernel_gap_source"),
+               ("launches/step", "launches_per_step", "launches_per_step_source"),
+               ("SM activity", "sm_activity_pct", "sm_activity_source"), ("GPU util", "gpu_util_pct", "gpu_util_source"),
+               ("peak memory", "peak_memory_bytes", "peak_memory_source")]
+    for name, metric, source in sources:
+        src = _first(rungs, source)
         if src:
             out.append(f"{name}: {src}.")
         else:

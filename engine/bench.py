@@ -37,11 +37,11 @@ CPU_DTYPE_NOTE = (
 # Figures reduced to a median over the repeats of a rung.
 MEDIAN_FIELDS = (
     "decode_tok_s", "ttft_ms", "prefill_tok_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "decode_seconds",
-    "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct", "peak_memory_bytes",
-    "new_tokens_total", "prompt_tokens", "decode_steps", "profiled_steps",
+    "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct",
+    "peak_memory_bytes", "new_tokens_total", "prompt_tokens", "decode_steps", "profiled_steps",
 )
-SOURCE_FIELDS = ("kernel_gap_source", "launches_per_step_source", "sm_activity_source", "gpu_util_source", "dram_bw_util_source",
-                 "peak_memory_source")
+SOURCE_FIELDS = ("kernel_gap_source", "launches_per_step_source", "sm_activity_source", "gpu_util_source",
+                 "dram_bw_util_source", "peak_memory_source")
 
 Progress = Callable[[str], None]
 
@@ -410,12 +410,10 @@ class BaselineRunner:
         base.median["decode_tok_s_max"] = max(tok_s) if tok_s else None
         for f in ("peak_memory_source", "gpu_util_source", "sm_activity_source", "dram_bw_util_source"):
             base.median[f] = next((r[f] for r in base.runs if r.get(f)), None)
-        base.median["kernel_gap_pct"] = None
-        base.median["kernel_gap_source"] = None
-        base.median["launches_per_step"] = None
-        base.median["launches_per_step_source"] = None
-        base.median["unavailable"] = {"kernel_gap_pct": "not traced inside transformers generate()",
-                                      "launches_per_step": "not traced inside transformers generate()"}
+        base.median["unavailable"] = {}
+        for metric, source in (("kernel_gap_pct", "kernel_gap_source"), ("launches_per_step", "launches_per_step_source")):
+            base.median[metric] = base.median[source] = None
+            base.median["unavailable"][metric] = "not traced inside transformers generate()"
         for r in base.runs:
             for k, v in r["unavailable"].items():
                 base.median["unavailable"].setdefault(k, v)

@@ -56,6 +56,13 @@ def gap_label(device: Optional[str]) -> str:
     return "kernel gap" if device == "cuda" else "op gap"
 
 
+def _sourced(label: str, value: Optional[float], shown: str, source: Optional[str], reason: Optional[str]) -> str:
+    """A tooltip line for a figure: the value and its source, or n/a and why."""
+    if value is not None:
+        return f"{label}: {shown} — source: {source or NA}"
+    return f"{label}: n/a" + (f" — {reason}" if reason else "")
+
+
 def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, Any]], device: Optional[str],
                  finish_reason: Optional[str] = None, candidate: Optional[int] = None) -> tuple[str, str]:
     """(line, tooltip) for one answer. `device` is where it ran ("cpu", "cuda"), deciding kernel vs op gap;
@@ -89,18 +96,10 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         f"Step latency p50 / p99: {fmt(m.get('step_ms_p50'), ' ms', 2)} / {fmt(m.get('step_ms_p99'), ' ms', 2)}",
         f"Options: {describe_options(options) if options else NA}",
     ]
-    source = m.get("kernel_gap_source")
-    if m.get("kernel_gap_pct") is not None:
-        tips.append(f"{gap.capitalize()}: {fmt(m.get('kernel_gap_pct'), '%')} — source: {source or NA}")
-    else:
-        reason = unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap")
-        tips.append(f"{gap.capitalize()}: n/a" + (f" — {reason}" if reason else ""))
-    if m.get("launches_per_step") is not None:
-        tips.append(f"Launches per step: {fmt(m.get('launches_per_step'), '', 0)} — source: "
-                    f"{m.get('launches_per_step_source') or NA}")
-    else:
-        reason = unavailable.get("launches_per_step")
-        tips.append("Launches per step: n/a" + (f" — {reason}" if reason else ""))
+    tips.append(_sourced(gap.capitalize(), m.get("kernel_gap_pct"), fmt(m.get("kernel_gap_pct"), "%"),
+                         m.get("kernel_gap_source"), unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap")))
+    tips.append(_sourced("Launches per step", m.get("launches_per_step"), fmt(m.get("launches_per_step"), "", 0),
+                         m.get("launches_per_step_source"), unavailable.get("launches_per_step")))
     if finish_reason:
         tips.append(f"Finished: {finish_reason}")
     return line, "\n".join(tips)

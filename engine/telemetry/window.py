@@ -431,5 +431,5 @@ def _analyse_cpu_ops(starts: np.ndarray, ends: np.ndarray, span_us: Optional[flo
     if fell_back:
         label += ", span = first to last op"
     launches = top / steps if steps > 0 and top else None
-    return WindowStats(steps, span, busy, gap, label, top, None, None, None, launches,
-                       f"aten ops per step — torch.profiler CPU ops, {steps}-step window (sampled)" if launches else None)
+    source = f"aten ops per step — torch.profiler CPU ops, {steps}-step window (sampled)" if launches else None
+    return WindowStats(steps, span, busy, gap, label, top, None, None, None, launches, source)
