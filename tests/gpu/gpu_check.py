@@ -18,8 +18,10 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -299,21 +301,36 @@ def kernel_table(trace: dict, forward_passes: int) -> dict:
     }
 
 
-KERNEL_VARIANTS = (  # (name, inductor config, candidates)
-    ("inductor defaults", {}, 1),
-    ("coordinate-descent tuning", {"coordinate_descent_tuning": True}, 1),
-    ("16 candidates", {}, 16),
+def flex_masked_attention(q, k, v, mask, gqa):
+    """engine.model.masked_attention through FlexAttention: under torch.compile a decode step's attention
+    becomes inductor's flex-decoding Triton kernels, in place of the mask kernel and cuDNN's attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def keep(score, b, h, q_idx, kv_idx):
+        return torch.where(mask[q_idx, kv_idx], score, float("-inf"))
+
+    return flex_attention(q, k, v, score_mod=keep, enable_gqa=gqa)
+
+
+KERNEL_VARIANTS = (  # (name, inductor config, candidates, masked attention in place of SDPA or None)
+    ("inductor defaults", {}, 1, None),
+    ("coordinate-descent tuning", {"coordinate_descent_tuning": True}, 1, None),
+    # Triton GEMM templates benchmarked against cuBLAS per shape, norms and adds fused into their epilogues
+    ("max-autotune GEMMs", {"max_autotune": True, "max_autotune_gemm_backends": "TRITON,ATEN"}, 1, None),
+    ("flex-decoding attention", {}, 1, flex_masked_attention),
+    ("16 candidates", {}, 16, None),
 )
 
 
 def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, device: str = "cuda",
             fast_path: bool = True) -> dict:
     """Where a compiled, CUDA-graph decode step's time goes: kernels per forward pass by kind, the longest
-    kernels, the step time and the kernel gap, for the inductor variants above (fp16, one engine each, compiled
-    from scratch). Then coordinate-descent tuning's fp32 tokens against the eager path (whether it could be
-    the default without losing token parity)."""
+    kernels, the step time and the kernel gap, for the variants above (fp16, one engine each, compiled from
+    scratch). Then each variant that changes the compiled code, in fp32 against the eager path: whether it could
+    be the default without losing token parity."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
+    from engine import model as model_mod
     from engine.engine import Engine
     from engine.telemetry.window import _export_trace
     from engine.types import EngineOptions, SamplingParams
@@ -322,11 +339,12 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
     greedy = SamplingParams(temperature=0, max_new_tokens=max_new)
     rows, tokens = [], {}
     try:
-        for name, inductor, n in KERNEL_VARIANTS:
+        for name, inductor, n, attention in KERNEL_VARIANTS:
             torch._dynamo.reset()  # compile again under this variant, not from the last one's cached code
             opts = EngineOptions(device=device, dtype="fp16" if device == "cuda" else "fp32", kv_cache="static",
                                  sampling="device", compile=fast_path, cuda_graph=fast_path, candidates=n)
-            with inductor_config.patch(inductor):
+            swap = mock.patch.object(model_mod, "masked_attention", attention) if attention else nullcontext()
+            with inductor_config.patch(inductor), swap:
                 eng = Engine.load(str(folder), opts)
                 try:
                     t = time.perf_counter()
@@ -344,7 +362,8 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
                     eng.close()
             tokens[name] = res.token_ids[0]
             med = sorted(timed, key=lambda r: r.metrics.decode_tok_s)[1].metrics
-            row = {"variant": name, "inductor": inductor, "candidates": n, "warmup_s": warm,
+            row = {"variant": name, "inductor": inductor, "candidates": n,
+                   "attention": attention.__name__ if attention else "sdpa", "warmup_s": warm,
                    "decode_tok_s": med.decode_tok_s, "step_ms_p50": med.step_ms_p50,
                    "kernel_gap_pct": med.kernel_gap_pct, "kernel_gap_source": med.kernel_gap_source,
                    "same_tokens_as_first_variant": res.token_ids[0] == next(iter(tokens.values())),
@@ -352,19 +371,28 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
             rows.append(row)
             progress(f"{name}: {row['decode_tok_s']:.0f} tok/s, step {row['step_ms_p50']:.3f} ms, "
                      f"gap {row['kernel_gap_pct']}, {row.get('kernels_per_pass', 0):.0f} kernels/pass")
-        torch._dynamo.reset()
         fp32 = EngineOptions(device=device, dtype="fp32", kv_cache="dynamic", sampling="host", candidates=4)
-        with inductor_config.patch({"coordinate_descent_tuning": True}):
-            eng = Engine.load(str(folder), fp32)
-            try:
-                ref = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
-                eng.reconfigure(fp32.with_(kv_cache="static", sampling="device", compile=fast_path, cuda_graph=fast_path))
-                got = eng.generate(msgs, SamplingParams(temperature=0, max_new_tokens=64)).token_ids
-            finally:
-                eng.close()
-        parity = {"options": "fp32, static, device sampling, compile (coordinate-descent tuning), CUDA graph, 4 candidates",
-                  "reference": "fp32 eager, dynamic cache, host sampling", "identical": got == ref}
-        progress(f"fp32 coordinate-descent C+G x4 vs eager: identical={got == ref}")
+        fast = fp32.with_(kv_cache="static", sampling="device", compile=fast_path, cuda_graph=fast_path)
+        greedy64 = SamplingParams(temperature=0, max_new_tokens=64)
+        parity = []
+        eng = Engine.load(str(folder), fp32)
+        try:
+            ref = eng.generate(msgs, greedy64).token_ids
+            for name, inductor, n, attention in KERNEL_VARIANTS:
+                if not inductor and attention is None:
+                    continue  # the defaults' fp32 tokens are the parity_fp32 section's
+                torch._dynamo.reset()
+                swap = mock.patch.object(model_mod, "masked_attention", attention) if attention else nullcontext()
+                with inductor_config.patch(inductor), swap:
+                    eng.reconfigure(fast)
+                    got = eng.generate(msgs, greedy64).token_ids
+                eng.reconfigure(fp32)
+                parity.append({"variant": name, "options": "fp32, static, device sampling, compile, CUDA graph, "
+                               "4 candidates", "reference": "fp32 eager, dynamic cache, host sampling",
+                               "identical": got == ref})
+                progress(f"fp32 {name} C+G x4 vs eager: identical={got == ref}")
+        finally:
+            eng.close()
     finally:
         torch._dynamo.reset()
     return {"max_new_tokens": max_new, "dtype": "fp16", "variants": rows, "fp32_parity": parity,

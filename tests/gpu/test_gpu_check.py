@@ -111,7 +111,9 @@ def test_kernels_and_sdpa_sections_run_their_course_on_the_cpu(tmp_path):
     assert [v["variant"] for v in got["variants"]] == [v[0] for v in KERNEL_VARIANTS]
     assert all(v["same_tokens_as_first_variant"] and v["forward_passes"] == 8 for v in got["variants"])
     assert got["variants"][-1]["candidates"] == 16
-    assert got["fp32_parity"]["identical"] is True
+    changed = [v[0] for v in KERNEL_VARIANTS if v[1] or v[3]]  # the variants that change the compiled code
+    assert [p["variant"] for p in got["fp32_parity"]] == changed
+    assert all(p["identical"] is True for p in got["fp32_parity"])
     first_use = sdpa_first_use(folder, lambda msg: None, device="cpu")
     assert [r["prompt_tokens"] for r in first_use["rows"]] == [300, 600]
     assert all(r["first_tok_s"] > 0 and r["second_tok_s"] > 0 for r in first_use["rows"])
