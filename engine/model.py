@@ -197,9 +197,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def masked_attention(q, k, v, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] bool (True = attend). Looked up as a module global at
-    trace time, so the GPU check can measure another attention kernel in its place."""
+def masked_attention(q, k, v, mask: torch.Tensor, input_pos: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] bool (True = attend), which is `s <= input_pos[t]` for
+    every caller. Looked up as a module global at trace time, so the GPU check can measure another attention
+    kernel in its place (one that builds the mask from the positions)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -232,7 +233,7 @@ class Attention(nn.Module):
             causal = T > 1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         else:
-            y = masked_attention(q, k, v, mask, gqa)
+            y = masked_attention(q, k, v, mask, input_pos, gqa)
         y = y.transpose(1, 2).reshape(B, T, self.q_size)
         return self.wo(y)
 

@@ -301,13 +301,15 @@ def kernel_table(trace: dict, forward_passes: int) -> dict:
     }
 
 
-def flex_masked_attention(q, k, v, mask, gqa):
+def flex_masked_attention(q, k, v, mask, input_pos, gqa):
     """engine.model.masked_attention through FlexAttention: under torch.compile a decode step's attention
-    becomes inductor's flex-decoding Triton kernels, in place of the mask kernel and cuDNN's attention."""
+    becomes inductor's flex-decoding Triton kernels, in place of the mask kernel and cuDNN's attention. The mask
+    is made inside the score function from the positions (inductor's templates take graph inputs there, not a
+    tensor computed in the step)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     def keep(score, b, h, q_idx, kv_idx):
-        return torch.where(mask[q_idx, kv_idx], score, float("-inf"))
+        return torch.where(kv_idx <= input_pos[q_idx], score, float("-inf"))
 
     return flex_attention(q, k, v, score_mod=keep, enable_gqa=gqa)
 
