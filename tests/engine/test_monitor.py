@@ -154,6 +154,20 @@ def primed(nvml, clock=None) -> Monitor:
     return m
 
 
+def wait_for_a_sample(m: Monitor, timeout_s: float = 10.0) -> None:
+    """Until the monitor thread has taken a sample newer than any it held at the call (a loaded machine may
+    start or schedule the thread late; one that never samples fails here)."""
+    before = m.history()
+    last = before[-1].t if before else None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = m.history()
+        if now and (last is None or now[-1].t > last):
+            return
+        assert time.monotonic() < deadline, f"the monitor thread took no sample within {timeout_s} s"
+        time.sleep(0.005)
+
+
 def test_no_nvml_on_this_machine_real_pynvml():
     m = Monitor(CUDA, interval_s=0.01)
     for metric in GPU_METRICS:
@@ -161,7 +175,7 @@ def test_no_nvml_on_this_machine_real_pynvml():
     assert "NVML Shared Library Not Found" in m.unavailable["gpu_util_pct"]
     assert m.peak_dram_bw_bytes_s is None
     m.start()
-    time.sleep(0.08)
+    wait_for_a_sample(m)
     m.stop()
     samples = m.drain()
     assert samples, "the process figures are sampled without NVML"
@@ -260,9 +274,9 @@ def test_thread_drain_and_summary_with_fake_nvml():
     t0 = time.perf_counter()
     m.start()
     m.start()  # idempotent
-    time.sleep(0.15)
+    wait_for_a_sample(m)
     first = m.drain()
-    time.sleep(0.05)
+    wait_for_a_sample(m)
     m.stop()
     m.stop()
     second = m.drain()
@@ -277,7 +291,7 @@ def test_thread_drain_and_summary_with_fake_nvml():
     assert m.summary(t0, t1)["sm_activity_pct"] == (None, "GPM not supported on this GPU")
     assert m.summary(t1 + 1, t1 + 2)["gpu_util_pct"][0] is None
     m.start()  # can run again after a stop
-    time.sleep(0.03)
+    wait_for_a_sample(m)
     m.close()
     assert m.drain()
 

@@ -50,18 +50,42 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def os_threads() -> frozenset[int]:
-    """The ids of this process's OS threads alive now."""
-    return frozenset(int(t) for t in os.listdir("/proc/self/task"))
+@dataclass(frozen=True)
+class ThreadCensus:
+    """The threads of this process at one moment. Leaks are judged by identity, not by counts: a thread alive at
+    the end that did not exist before is a leak; one that was running before (a pool left by earlier work in
+    the process) may end meanwhile, and that is not."""
+
+    os_ids: frozenset[int] = frozenset()  # OS thread ids alive
+    py_alive: frozenset[int] = frozenset()  # idents of the threads `threading` knows, alive
+    # Python 3.11 keeps a _DummyThread entry for every thread it did not start (here the worker's QThread) once
+    # Python code has run there, even after that thread has ended: bookkeeping of an ended thread
+    py_stale: frozenset[int] = frozenset()
+
+    @classmethod
+    def now(cls) -> "ThreadCensus":
+        os_ids = frozenset(int(t) for t in os.listdir("/proc/self/task"))
+        stale = {t.ident for t in threading.enumerate() if isinstance(t, threading._DummyThread) and t.native_id not in os_ids}
+        alive = {t.ident for t in threading.enumerate()} - stale
+        return cls(os_ids, frozenset(alive), frozenset(stale))
+
+    def started_since(self, before: "ThreadCensus") -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+        """(OS threads, Python threads) started since `before` and alive now, and stale entries of threads
+        `before` did not know."""
+        return (self.os_ids - before.os_ids, self.py_alive - before.py_alive,
+                self.py_stale - before.py_alive - before.py_stale)
 
 
-def python_threads() -> tuple[int, int]:
-    """(threads `threading` knows that are alive, stale entries). Python 3.11 keeps a _DummyThread entry for
-    every thread it did not start (here the worker's QThread) once Python code has run there, even after that
-    thread has ended: bookkeeping of one ended thread, not a running one."""
-    alive = {int(t) for t in os.listdir("/proc/self/task")}
-    stale = sum(1 for t in threading.enumerate() if isinstance(t, threading._DummyThread) and t.native_id not in alive)
-    return threading.active_count() - stale, stale
+def census_after(before: ThreadCensus, timeout_s: float = 5.0) -> ThreadCensus:
+    """A joined thread may stay listed by the OS for a moment after join() returns: wait that moment out. A
+    leaked thread never leaves, so the census still shows it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = ThreadCensus.now()
+        os_new, py_new, _ = now.started_since(before)
+        if (not os_new and not py_new) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
 
 
 @dataclass(frozen=True)
@@ -103,22 +127,12 @@ class SoakFigures:
     option_changes: int = 0
     rss_after_warmup: int = 0
     rss_at_end: int = 0
-    py_threads_before: int = 0
-    py_threads_after: int = 0
-    py_stale_before: int = 0
-    py_stale_after: int = 0
-    os_threads_before: frozenset[int] = frozenset()
-    os_threads_after: frozenset[int] = frozenset()
-    os_threads_during: frozenset[int] = frozenset()
+    threads_before: ThreadCensus = ThreadCensus()
+    threads_during: ThreadCensus = ThreadCensus()
+    threads_after: ThreadCensus = ThreadCensus()
     cpu_ms: list[float] = field(default_factory=list)  # per generation, this process's CPU time
     wall_ms: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
-
-    @property
-    def os_threads_started(self) -> frozenset[int]:
-        """Threads alive at the end that did not exist before: what a leak leaves. Threads that were already
-        running (a pool left by earlier work in the process) may end meanwhile; that is not a leak."""
-        return self.os_threads_after - self.os_threads_before
 
     @property
     def rss_growth_pct(self) -> float:
@@ -135,10 +149,11 @@ class SoakFigures:
             f"elapsed: {self.elapsed_s:.0f} s",
             f"RSS after warm-up: {self.rss_after_warmup / 2**20:.1f} MiB, at the end: {self.rss_at_end / 2**20:.1f} MiB "
             f"({self.rss_growth_pct:+.2f}%)",
-            f"Python threads before/after: {self.py_threads_before}/{self.py_threads_after} (+ ended foreign "
-            f"threads: {self.py_stale_before}/{self.py_stale_after}); OS threads "
-            f"before/during/after: {len(self.os_threads_before)}/{len(self.os_threads_during)}/"
-            f"{len(self.os_threads_after)}, started during the run and still alive: {len(self.os_threads_started)}",
+            "threads before/during/after: " + "/".join(
+                f"{len(c.os_ids)} OS, {len(c.py_alive)} Python (+{len(c.py_stale)} ended foreign)"
+                for c in (self.threads_before, self.threads_during, self.threads_after))
+            + "; started during the run, at the end: {} OS and {} Python alive, {} ended foreign".format(
+                *map(len, self.threads_after.started_since(self.threads_before))),
             f"median CPU ms per generation, generations {early.start + 1}-{early.stop} vs the last {-late.start}: "
             f"{e_cpu:.1f} vs {l_cpu:.1f} (x{l_cpu / e_cpu:.2f}); wall: {e_wall:.1f} vs {l_wall:.1f} "
             f"(x{l_wall / e_wall:.2f})",
@@ -171,8 +186,7 @@ def prime_process(model: str) -> None:
 def soak_engine(model: str, n: int = 1000, warmup: int = 100) -> SoakFigures:
     prime_process(model)
     gc.collect()
-    fig = SoakFigures(n, warmup, os_threads_before=os_threads())
-    fig.py_threads_before, fig.py_stale_before = python_threads()
+    fig = SoakFigures(n, warmup, threads_before=ThreadCensus.now())
     t0 = time.perf_counter()
     eng = Engine.load(model, CPU)
     try:
@@ -196,14 +210,14 @@ def soak_engine(model: str, n: int = 1000, warmup: int = 100) -> SoakFigures:
                 fig.rss_after_warmup = rss_bytes()
         gc.collect()
         fig.rss_at_end = rss_bytes()
-        fig.os_threads_during = os_threads()
+        fig.threads_during = ThreadCensus.now()
         assert len(eng._runners) <= 9, "one runner per (KV mode, candidates) at most"
     finally:
         eng.close()
     del eng
     gc.collect()
     fig.elapsed_s = time.perf_counter() - t0
-    (fig.py_threads_after, fig.py_stale_after), fig.os_threads_after = python_threads(), os_threads()
+    fig.threads_after = census_after(fig.threads_before)
     return fig
 
 
@@ -235,8 +249,7 @@ def soak_controller(model: str, n: int = 100, warmup: int = 20) -> SoakFigures:
 
     prime_process(model)
     gc.collect()
-    fig = SoakFigures(n, warmup, os_threads_before=os_threads())
-    fig.py_threads_before, fig.py_stale_before = python_threads()
+    fig = SoakFigures(n, warmup, threads_before=ThreadCensus.now())
     t0 = time.perf_counter()
     ctl = EngineController(EngineWorker())
     failures: list[str] = []
@@ -272,13 +285,13 @@ def soak_controller(model: str, n: int = 100, warmup: int = 20) -> SoakFigures:
                 fig.rss_after_warmup = rss_bytes()
         gc.collect()
         fig.rss_at_end = rss_bytes()
-        fig.os_threads_during = os_threads()
+        fig.threads_during = ThreadCensus.now()
     finally:
         assert ctl.shutdown(60), "the worker thread did not stop"
     del ctl
     gc.collect()
     fig.elapsed_s = time.perf_counter() - t0
-    (fig.py_threads_after, fig.py_stale_after), fig.os_threads_after = python_threads(), os_threads()
+    fig.threads_after = census_after(fig.threads_before)
     return fig
 
 
@@ -286,12 +299,26 @@ ENGINE_EARLY, ENGINE_LATE = slice(100, 200), slice(-100, None)
 CONTROLLER_EARLY, CONTROLLER_LATE = slice(20, 50), slice(-30, None)
 
 
+def test_the_census_sees_a_thread_left_running_and_not_one_that_ended():
+    before = ThreadCensus.now()
+    release = threading.Event()
+    t = threading.Thread(target=release.wait, daemon=True)
+    t.start()
+    try:
+        os_new, py_new, _ = census_after(before, timeout_s=0.3).started_since(before)
+        assert len(os_new) == 1 and py_new == {t.ident}
+    finally:
+        release.set()
+        t.join()
+    assert census_after(before).started_since(before) == (frozenset(), frozenset(), frozenset())
+
+
 def assert_steady(fig: SoakFigures, early: slice, late: slice, foreign_threads: int = 0) -> None:
     """`foreign_threads`: threads started outside Python (QThreads) that may leave a stale entry behind."""
     assert fig.rss_growth_pct < RSS_GROWTH_LIMIT_PCT, fig.lines(early, late)
-    assert fig.py_threads_after == fig.py_threads_before, fig.lines(early, late)
-    assert fig.py_stale_after - fig.py_stale_before <= foreign_threads, fig.lines(early, late)
-    assert not fig.os_threads_started, fig.lines(early, late)
+    os_new, py_new, stale_new = fig.threads_after.started_since(fig.threads_before)
+    assert not os_new and not py_new, fig.lines(early, late)
+    assert len(stale_new) <= foreign_threads, fig.lines(early, late)
     e, l = fig.medians(fig.cpu_ms, early, late)
     assert l <= SLOWDOWN_LIMIT * e, fig.lines(early, late)
 
