@@ -17,6 +17,7 @@ from app.worker import EngineController, EngineWorker
 from engine.errors import ModelLoadError
 from engine.types import (EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, MonitorSample, Progress,
                           SamplingParams, StepRecord, TextDelta)
+from worker_gate import hold_after_first_batch
 
 SIGNALS = ("loadStarted", "progress", "loaded", "loadFailed", "reconfigured", "reconfigureFailed",
            "generationStarted", "textBatch", "steps", "samples", "generationFinished", "generationFailed",
@@ -71,14 +72,19 @@ def generate(qtbot, ctl, sampling) -> tuple[int, GenerationResult]:
     return box["rid"], blocker.args[1]
 
 
-def on_first_batch(ctl, action):
-    """Run action() in the GUI thread when the first text batch arrives, as a user pressing a button would."""
+def on_first_batch(ctl, action, monkeypatch):
+    """Run action() in the GUI thread when the first text batch arrives, as a user pressing a button would; the
+    worker waits at that batch until action() has run, so the generation is still running when it does."""
     fired = []
+    release = hold_after_first_batch(monkeypatch)
 
     def slot(_rid, _batch):
         if not fired:
             fired.append(True)
-            action()
+            try:
+                action()
+            finally:
+                release.set()
 
     ctl.textBatch.connect(slot)
     return fired
@@ -123,10 +129,10 @@ def test_signal_order_of_a_load_and_a_generation(qtbot, ctl, tiny_llama):
     assert result.options.kv_cache == "static" and result.metrics.new_tokens_total == 24
 
 
-def test_cancel_keeps_the_partial_answer(qtbot, ctl, tiny_llama):
+def test_cancel_keeps_the_partial_answer(qtbot, ctl, tiny_llama, monkeypatch):
     load(qtbot, ctl, tiny_llama)
     rec = Recorder(ctl)
-    fired = on_first_batch(ctl, ctl.cancel)
+    fired = on_first_batch(ctl, ctl.cancel, monkeypatch)
     rid, result = generate(qtbot, ctl, greedy(200))
     assert fired
     assert result.finish_reasons == ["cancelled"]
@@ -169,7 +175,7 @@ def test_reconfigure_between_generations(qtbot, ctl, tiny_llama):
     assert second.token_ids == first.token_ids  # greedy: the cache mode changes speed, not tokens
 
 
-def test_reconfigure_while_generating_applies_after(qtbot, ctl, tiny_llama):
+def test_reconfigure_while_generating_applies_after(qtbot, ctl, tiny_llama, monkeypatch):
     load(qtbot, ctl, tiny_llama)
     rec = Recorder(ctl)
     later = {}
@@ -178,7 +184,7 @@ def test_reconfigure_while_generating_applies_after(qtbot, ctl, tiny_llama):
         ctl.reconfigure(EngineOptions(kv_cache="none"))
         later["rid"] = ctl.generate(MESSAGES, greedy(4))
 
-    on_first_batch(ctl, change_and_resend)
+    on_first_batch(ctl, change_and_resend, monkeypatch)
     rid1, first = generate(qtbot, ctl, greedy(40))
     second = wait_finished(qtbot, ctl, later["rid"])
     assert first.finish_reasons == ["length"] and first.options.kv_cache == "static"  # the running one untouched
@@ -189,11 +195,11 @@ def test_reconfigure_while_generating_applies_after(qtbot, ctl, tiny_llama):
     assert second.token_ids[0] == first.token_ids[0][:4]
 
 
-def test_load_while_generating_stops_it_then_loads(qtbot, ctl, tiny_llama, tiny_factory):
+def test_load_while_generating_stops_it_then_loads(qtbot, ctl, tiny_llama, tiny_factory, monkeypatch):
     other = tiny_factory("qwen2")
     load(qtbot, ctl, tiny_llama)
     rec = Recorder(ctl)
-    on_first_batch(ctl, lambda: ctl.load(str(other)))
+    on_first_batch(ctl, lambda: ctl.load(str(other)), monkeypatch)
     with qtbot.waitSignal(ctl.loaded, timeout=TIMEOUT_MS):
         rid = ctl.generate(MESSAGES, greedy(200))
     assert rec.names("generationFinished", "loadStarted", "loaded") == ["generationFinished", "loadStarted", "loaded"]

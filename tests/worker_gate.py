@@ -1,0 +1,26 @@
+"""Holding the engine's worker thread right after it sends a generation's first text batch, until the test lets
+it go. What a test does in the GUI thread at that batch (cancel, load another model, change options) then lands
+while the generation surely still runs, however late a loaded machine schedules the GUI thread."""
+from __future__ import annotations
+
+import threading
+
+from app.worker import EngineWorker
+
+
+def hold_after_first_batch(monkeypatch, timeout_s: float = 60.0) -> threading.Event:
+    """Patch the worker so that its first flush carrying text waits for the returned event (at most timeout_s,
+    so a test that forgets to set it fails on its own assertions rather than hanging)."""
+    release = threading.Event()
+    flush = EngineWorker._flush
+    held: list[bool] = []
+
+    def flush_then_hold(self):
+        carries_text = bool(self._batcher._text)
+        flush(self)
+        if carries_text and not held:
+            held.append(True)
+            release.wait(timeout_s)
+
+    monkeypatch.setattr(EngineWorker, "_flush", flush_then_hold)
+    return release
