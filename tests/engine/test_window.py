@@ -81,12 +81,16 @@ def test_injected_idle_grows_the_gap(one_thread):
 
     work()  # warm the kernel
     steps, sleep_s = 8, 0.02
-    tight = ProfileWindow(torch.device("cpu"), start=1, steps=steps)
-    run_loop(tight, steps + 2, work)
+    tights = []
+    for _ in range(3):  # a tight window is ~3 ms: one preemption can fill it; the least gap of three is the loop's
+        tight = ProfileWindow(torch.device("cpu"), start=1, steps=steps)
+        run_loop(tight, steps + 2, work)
+        tights.append(tight.finish())
     idle = ProfileWindow(torch.device("cpu"), start=1, steps=steps)
     run_loop(idle, steps + 2, work, idle_s=sleep_s)
-    a, b = tight.finish(), idle.finish()
-    assert a is not None and b is not None
+    b = idle.finish()
+    assert all(t is not None for t in tights) and b is not None
+    a = min(tights, key=lambda t: t.gap_pct)
     assert a.events == b.events == steps
     injected_us = steps * sleep_s * 1e6
     assert b.span_us - b.busy_us >= 0.98 * injected_us

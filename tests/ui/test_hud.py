@@ -44,10 +44,30 @@ def hud(qtbot, tmp_path):
     return panel, clock
 
 
+def wait_exposed(qtbot, widget) -> None:
+    """Until the window holding an already shown widget is on screen (the offscreen platform's "screen")."""
+    def exposed():
+        handle = widget.window().windowHandle()
+        return handle is not None and handle.isExposed()
+
+    qtbot.waitUntil(exposed, timeout=5000)
+
+
+def settle_paints(qtbot, painted: list, quiet_ms: int = 200, timeout_s: float = 10.0) -> None:
+    """Run the event loop until no paint has arrived for quiet_ms, then forget the paints seen so far."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = len(painted)
+        qtbot.wait(quiet_ms)
+        if len(painted) == seen:
+            break
+    painted.clear()
+
+
 def show_and_paint(qtbot, panel):
     panel.show()
     panel.tabs.setCurrentIndex(0)
-    qtbot.waitExposed(panel)
+    wait_exposed(qtbot, panel)
     qtbot.waitUntil(lambda: panel.live.paint_count > 0, timeout=3000)
     panel.live.refresh_labels()
 
@@ -336,7 +356,7 @@ def test_missing_nvml_shows_na_with_reason_and_cpu_series_instead(hud, qtbot):
 def test_before_any_data_every_series_says_why_it_is_empty(hud, qtbot):
     panel, _ = hud
     panel.show()
-    qtbot.waitExposed(panel)
+    wait_exposed(qtbot, panel)
     panel.live.refresh_labels()
     assert panel.live.view("tokens_per_s").na_label.text() == "n/a — no decode steps yet"
     assert panel.live.view("gpu_util_pct").na_label.text() == "n/a — no monitor samples yet"
@@ -462,7 +482,7 @@ def test_only_changed_and_shown_series_are_fed_at_most_once_a_pixel_column(qtbot
     series.add_steps(recs[:40])
     series.add_samples(samples(1000.0, 1000.4, 10.0, gpu_none, cpu_sources()))
     live.show()
-    qtbot.waitExposed(live)
+    wait_exposed(qtbot, live)
     live.refresh_labels()
     qtbot.waitUntil(lambda: live.view("cpu_util_pct").plot_widget.isVisible(), timeout=3000)
     live.paint()
@@ -539,7 +559,7 @@ def test_the_paint_timer_slows_down_when_painting_is_expensive(qtbot):
     qtbot.addWidget(live)
     series.begin_generation("g", EngineOptions(), 1000.0)
     live.show()
-    qtbot.waitExposed(live)
+    wait_exposed(qtbot, live)
     assert live._paint_timer.interval() == 50
     for k in range(5):
         series.add_steps(steps(1000.0 + k, 20, 10.0, seed=k))
@@ -565,8 +585,7 @@ def test_new_values_in_the_headers_do_not_repaint_the_rest_of_the_dock(qtbot):
     qtbot.addWidget(window)
     feed_gpu_session(panel, clock, n_steps=20)
     window.show()
-    qtbot.waitExposed(window)
-    qtbot.wait(200)
+    wait_exposed(qtbot, window)
     panel.live._label_timer.stop()
     panel.live._paint_timer.stop()
 
@@ -581,6 +600,7 @@ def test_new_values_in_the_headers_do_not_repaint_the_rest_of_the_dock(qtbot):
     spy = PaintSpy()
     for w in panel.findChildren(QWidget):
         w.installEventFilter(spy)
+    settle_paints(qtbot, painted)  # what the first show still had to paint
     for view in panel.live.views.values():
         assert view.value.minimumSize() == view.value.maximumSize()  # a fixed size: no relayout on new text
         wide = view.spec.format(88_888.0)
@@ -591,8 +611,8 @@ def test_new_values_in_the_headers_do_not_repaint_the_rest_of_the_dock(qtbot):
                                                         "dram_bw_util_pct": 1.0}, gpu_sources(), cpu_util=1234.5))
     panel.live.refresh_labels()
     assert panel.live.view("gpu_util_pct").value.text() != before
-    qtbot.wait(200)
-    assert any(w is panel.live.view("gpu_util_pct").value for w in painted)
+    qtbot.waitUntil(lambda: any(w is panel.live.view("gpu_util_pct").value for w in painted), timeout=5000)
+    qtbot.wait(200)  # a repaint of the rest would come with it
     assert not [w for w in painted if isinstance(w, MiniBar)]
 
 
@@ -617,7 +637,7 @@ def test_a_long_plot_source_is_elided_with_the_whole_line_kept(qtbot):
     view.set_header(source, 58.4)
     view.resize(260, 120)
     view.show()
-    qtbot.waitExposed(view)
+    wait_exposed(qtbot, view)
     title = view.title
     whole = f"{spec.title} — {source}"
     assert title.text() == title.toolTip() == view.label_text == whole
@@ -665,7 +685,7 @@ def test_long_bar_sources_are_elided_with_the_full_text_in_the_tooltip(hud, qtbo
     panel.begin_generation("g", EngineOptions())
     panel.end_generation(m, EngineOptions(), "g")
     panel.show()
-    qtbot.waitExposed(panel)
+    wait_exposed(qtbot, panel)
     _, _, _, source = panel.bars._rows["kernel_gap_pct"]
     assert source.text() == long_source == panel.bars.values()["kernel_gap_pct"]["source"]
     shown = source.shown_text()
