@@ -28,7 +28,8 @@ def _restore_app_look(qapp):
 
 
 class TrickleServer:
-    """Announces `length` bytes, then sends 64 KiB every 50 ms (or stops at once with `length` wrong)."""
+    """Announces SIZE bytes, sends 64 KiB every 50 ms up to half of them, then holds the connection until closed:
+    the download never completes, so a cancel made at any moment finds it running."""
 
     def __init__(self):
         self.stop = threading.Event()
@@ -40,11 +41,12 @@ class TrickleServer:
                 handler.end_headers()
                 sent = 0
                 try:
-                    while sent < SIZE and not self.stop.is_set():
+                    while sent < SIZE // 2 and not self.stop.is_set():
                         handler.wfile.write(b"\0" * 65536)
                         handler.wfile.flush()
                         sent += 65536
                         time.sleep(0.05)
+                    self.stop.wait()
                 except (BrokenPipeError, ConnectionResetError):
                     return  # the client cancelled: that is the point of the test
 
