@@ -435,14 +435,20 @@ import os, sys, time
 os.environ["QT_QPA_PLATFORM"] = "offscreen"
 sys.path.insert(0, sys.argv[1])
 from engine.engine import Engine
-Engine.load = classmethod(lambda cls, *a, **k: time.sleep(60))  # a load that cannot be interrupted
+marker = sys.argv[4]
+def stuck_load(cls, *a, **k):  # a load that cannot be interrupted
+    open(marker, "w").close()
+    time.sleep(600)
+Engine.load = classmethod(stuck_load)
 from app.gui import build, leave, qt_application
 from app.paths import AppPaths
-from PySide6.QtCore import QEventLoop, QTimer
+from PySide6.QtCore import QCoreApplication
 app = qt_application()
 gui = build(AppPaths.resolve(sys.argv[2]), "light")
 gui.window.load_model(sys.argv[3])
-loop = QEventLoop(); QTimer.singleShot(500, loop.quit); loop.exec()
+deadline = time.monotonic() + 60
+while not os.path.exists(marker) and time.monotonic() < deadline:  # until the worker is inside the load
+    QCoreApplication.processEvents(); time.sleep(0.01)
 stopped = gui.close(timeout=0.5)
 print("stopped" if stopped else "busy", flush=True)
 sys.exit(leave(0, stopped))
@@ -457,9 +463,11 @@ def test_quitting_during_a_load_that_cannot_be_interrupted_exits_cleanly(tmp_pat
 
     root = Path(__file__).resolve().parents[2]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", QUIT_WHILE_LOADING, str(root), str(tmp_path / "data"), str(tiny_llama)],
-                          capture_output=True, text=True, timeout=120)
+    marker = tmp_path / "inside-the-load"
+    proc = subprocess.run([sys.executable, "-c", QUIT_WHILE_LOADING, str(root), str(tmp_path / "data"), str(tiny_llama),
+                           str(marker)], capture_output=True, text=True, timeout=400)
+    assert marker.exists()
     assert proc.stdout.strip() == "busy"  # the worker was still in the load
     assert proc.returncode == 0, proc.stderr[-2000:]  # not Qt's abort on a running thread (134)
-    assert time.perf_counter() - t0 < 50  # and without waiting for the load
+    assert time.perf_counter() - t0 < 300  # and without waiting for the load (600 s)
     assert (tmp_path / "data").exists()
