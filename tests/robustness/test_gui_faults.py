@@ -22,6 +22,7 @@ from app.settings import SettingsStore
 from app.store import SCHEMA_VERSION, ChatStore
 from engine.types import EngineOptions, SamplingParams
 from ui.main_window import MainWindow
+from worker_gate import hold_after_first_batch
 
 TIMEOUT_S = 120
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
@@ -244,7 +245,7 @@ def test_first_model_fails_to_load_and_the_app_stays_usable(qapp, paths, tiny_ll
 # ---- a second instance on the same data folder ---------------------------------------------------------------
 
 
-def test_two_instances_stream_into_the_same_database(qtbot, paths, tiny_llama):
+def test_two_instances_stream_into_the_same_database(qtbot, paths, tiny_llama, monkeypatch):
     apps = [build(paths, "light") for _ in range(2)]
     try:
         for gui in apps:
@@ -253,8 +254,17 @@ def test_two_instances_stream_into_the_same_database(qtbot, paths, tiny_llama):
                 gui.window.load_model(str(tiny_llama))
             gui.window.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=120, seed=0)
         spans: list[list[list[float]]] = [[], []]  # per instance: [started, finished] of each answer
+        # The first worker to send text waits there until both answers have started, so the first round overlaps
+        # however the two threads are scheduled; the other rounds run free.
+        release = hold_after_first_batch(monkeypatch)
+
+        def started(i: int) -> None:
+            spans[i].append([time.monotonic()])
+            if all(spans):
+                release.set()
+
         for i, gui in enumerate(apps):
-            gui.controller.generationStarted.connect(lambda *_, i=i: spans[i].append([time.monotonic()]))
+            gui.controller.generationStarted.connect(lambda *_, i=i: started(i))
             gui.controller.generationFinished.connect(lambda *_, i=i: spans[i][-1].append(time.monotonic()))
         for round_ in range(3):  # both answer at the same time, three times over
             for i, gui in enumerate(apps):
