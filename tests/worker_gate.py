@@ -24,3 +24,22 @@ def hold_after_first_batch(monkeypatch, timeout_s: float = 60.0) -> threading.Ev
 
     monkeypatch.setattr(EngineWorker, "_flush", flush_then_hold)
     return release
+
+
+def on_first_batch(ctl, action, monkeypatch) -> list[bool]:
+    """Run action() in the GUI thread when the controller's next text batch arrives, as a user pressing a button
+    would; the worker waits at that batch until action() has run, so the generation is still running when it
+    does. The returned list holds True once action() has been called."""
+    fired: list[bool] = []
+    release = hold_after_first_batch(monkeypatch)
+
+    def slot(_rid, _batch):
+        if not fired:
+            fired.append(True)
+            try:
+                action()
+            finally:
+                release.set()
+
+    ctl.textBatch.connect(slot)
+    return fired

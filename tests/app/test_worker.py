@@ -17,7 +17,7 @@ from app.worker import EngineController, EngineWorker
 from engine.errors import ModelLoadError
 from engine.types import (EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, MonitorSample, Progress,
                           SamplingParams, StepRecord, TextDelta)
-from worker_gate import hold_after_first_batch
+from worker_gate import on_first_batch
 
 SIGNALS = ("loadStarted", "progress", "loaded", "loadFailed", "reconfigured", "reconfigureFailed",
            "generationStarted", "textBatch", "steps", "samples", "generationFinished", "generationFailed",
@@ -70,24 +70,6 @@ def generate(qtbot, ctl, sampling) -> tuple[int, GenerationResult]:
                           check_params_cb=lambda rid, _r: rid == box.get("rid")) as blocker:
         box["rid"] = ctl.generate(MESSAGES, sampling)
     return box["rid"], blocker.args[1]
-
-
-def on_first_batch(ctl, action, monkeypatch):
-    """Run action() in the GUI thread when the first text batch arrives, as a user pressing a button would; the
-    worker waits at that batch until action() has run, so the generation is still running when it does."""
-    fired = []
-    release = hold_after_first_batch(monkeypatch)
-
-    def slot(_rid, _batch):
-        if not fired:
-            fired.append(True)
-            try:
-                action()
-            finally:
-                release.set()
-
-    ctl.textBatch.connect(slot)
-    return fired
 
 
 # ---- the real engine on a tiny model ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from app.worker import EngineController, EngineWorker
 from engine.engine import Engine
 from engine.telemetry.monitor import Monitor
 from engine.types import EngineOptions, MonitorSample, SamplingParams, TextDelta
-from worker_gate import hold_after_first_batch
+from worker_gate import on_first_batch
 
 CPU = EngineOptions(device="cpu")
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
@@ -125,26 +125,12 @@ def ctl(qtbot):
     assert controller.shutdown(60)
 
 
-def generate_and_wait(qtbot, ctl, sampling, during=None, release=None):
-    """Start a generation (calling during() in the GUI thread at its first text batch, then setting `release`,
-    the event a worker held by hold_after_first_batch waits for); wait for its result."""
+def generate_and_wait(qtbot, ctl, sampling):
+    """Start a generation and wait for its result."""
     box: dict = {}
-
-    def on_batch(rid, _batch):
-        if rid == box.get("rid") and during is not None and "fired" not in box:
-            box["fired"] = True
-            try:
-                during()
-            finally:
-                release.set()
-
-    ctl.textBatch.connect(on_batch)
-    try:
-        with qtbot.waitSignal(ctl.generationFinished, timeout=TIMEOUT_MS,
-                              check_params_cb=lambda rid, _r: rid == box.get("rid")) as blocker:
-            box["rid"] = ctl.generate(MESSAGES, sampling)
-    finally:
-        ctl.textBatch.disconnect(on_batch)
+    with qtbot.waitSignal(ctl.generationFinished, timeout=TIMEOUT_MS,
+                          check_params_cb=lambda rid, _r: rid == box.get("rid")) as blocker:
+        box["rid"] = ctl.generate(MESSAGES, sampling)
     return blocker.args[1]
 
 
@@ -158,9 +144,10 @@ def test_switch_to_a_broken_model_while_generating_keeps_the_old_one(qtbot, ctl,
     failures: list[tuple] = []
     ctl.loadFailed.connect(lambda source, message: failures.append((source, message)))
 
-    release = hold_after_first_batch(monkeypatch)
+    fired = on_first_batch(ctl, lambda: ctl.load(str(broken)), monkeypatch)
     with qtbot.waitSignal(ctl.loadFailed, timeout=TIMEOUT_MS):
-        stopped = generate_and_wait(qtbot, ctl, greedy(200), during=lambda: ctl.load(str(broken)), release=release)
+        stopped = generate_and_wait(qtbot, ctl, greedy(200))
+    assert fired
     assert stopped.finish_reasons == ["cancelled"]
     assert 1 <= len(stopped.token_ids[0]) < 200
     assert stopped.token_ids[0] == reference.token_ids[0][: len(stopped.token_ids[0])]
