@@ -119,12 +119,6 @@ def test_decode_steps_match_transformers(name, kv):
         torch.testing.assert_close(got[0], want, atol=TOL, rtol=0)
 
 
-def _flex_attention():
-    from gpu.gpu_check import flex_masked_attention
-
-    return flex_masked_attention
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-mha"])
 def test_masked_decode_step_matches_transformers(name, attention, monkeypatch):
@@ -132,7 +126,9 @@ def test_masked_decode_step_matches_transformers(name, attention, monkeypatch):
     at once. Logits equal transformers' at every step; also with the FlexAttention variant the GPU check
     measures in place of SDPA."""
     if attention == "flex":
-        monkeypatch.setattr("engine.model.masked_attention", _flex_attention())
+        from gpu.gpu_check import flex_masked_attention
+
+        monkeypatch.setattr("engine.model.masked_attention", flex_masked_attention)
     cfg, ref = hf_model(name)
     ours = build_transformer(cfg, hf_state(ref), torch.float32, torch.device("cpu"))
     prompt = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(5))

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable
 from unittest import mock
@@ -324,6 +324,25 @@ KERNEL_VARIANTS = (  # (name, inductor config, candidates, masked attention in p
 )
 
 
+def changes_compiled_code(variant: tuple) -> bool:
+    """Whether a kernel variant compiles other code than the defaults (not just another batch size)."""
+    _, inductor, _, attention = variant
+    return bool(inductor) or attention is not None
+
+
+@contextmanager
+def compiled_as(variant: tuple):
+    """The inductor config and the masked attention of a kernel variant, in force inside the context."""
+    from engine import model as model_mod
+    import torch._inductor.config as inductor_config
+
+    _, inductor, _, attention = variant
+    with inductor_config.patch(inductor), ExitStack() as stack:
+        if attention is not None:
+            stack.enter_context(mock.patch.object(model_mod, "masked_attention", attention))
+        yield
+
+
 def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, device: str = "cuda",
             fast_path: bool = True) -> dict:
     """Where a compiled, CUDA-graph decode step's time goes: kernels per forward pass by kind, the longest
@@ -331,8 +350,6 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
     scratch). Then each variant that changes the compiled code, in fp32 against the eager path: whether it could
     be the default without losing token parity."""
     import torch._dynamo
-    import torch._inductor.config as inductor_config
-    from engine import model as model_mod
     from engine.engine import Engine
     from engine.telemetry.window import _export_trace
     from engine.types import EngineOptions, SamplingParams
@@ -341,12 +358,12 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
     greedy = SamplingParams(temperature=0, max_new_tokens=max_new)
     rows, tokens = [], {}
     try:
-        for name, inductor, n, attention in KERNEL_VARIANTS:
+        for variant in KERNEL_VARIANTS:
+            name, inductor, n, attention = variant
             torch._dynamo.reset()  # compile again under this variant, not from the last one's cached code
             opts = EngineOptions(device=device, dtype="fp16" if device == "cuda" else "fp32", kv_cache="static",
                                  sampling="device", compile=fast_path, cuda_graph=fast_path, candidates=n)
-            swap = mock.patch.object(model_mod, "masked_attention", attention) if attention else nullcontext()
-            with inductor_config.patch(inductor), swap:
+            with compiled_as(variant):
                 eng = Engine.load(str(folder), opts)
                 try:
                     t = time.perf_counter()
@@ -380,19 +397,16 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
         eng = Engine.load(str(folder), fp32)
         try:
             ref = eng.generate(msgs, greedy64).token_ids
-            for name, inductor, n, attention in KERNEL_VARIANTS:
-                if not inductor and attention is None:
-                    continue  # the defaults' fp32 tokens are the parity_fp32 section's
+            for variant in filter(changes_compiled_code, KERNEL_VARIANTS):  # the defaults' are parity_fp32's
                 torch._dynamo.reset()
-                swap = mock.patch.object(model_mod, "masked_attention", attention) if attention else nullcontext()
-                with inductor_config.patch(inductor), swap:
+                with compiled_as(variant):
                     eng.reconfigure(fast)
                     got = eng.generate(msgs, greedy64).token_ids
                 eng.reconfigure(fp32)
-                parity.append({"variant": name, "options": "fp32, static, device sampling, compile, CUDA graph, "
+                parity.append({"variant": variant[0], "options": "fp32, static, device sampling, compile, CUDA graph, "
                                "4 candidates", "reference": "fp32 eager, dynamic cache, host sampling",
                                "identical": got == ref})
-                progress(f"fp32 {name} C+G x4 vs eager: identical={got == ref}")
+                progress(f"fp32 {variant[0]} C+G x4 vs eager: identical={got == ref}")
         finally:
             eng.close()
     finally:

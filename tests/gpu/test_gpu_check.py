@@ -102,7 +102,7 @@ def test_kernels_and_sdpa_sections_run_their_course_on_the_cpu(tmp_path):
     lent GPU's minutes are not spent finding a slip in them."""
     import torch._inductor.config as inductor_config
 
-    from gpu.gpu_check import KERNEL_VARIANTS, TINY, kernels, make_model_folder, sdpa_first_use
+    from gpu.gpu_check import KERNEL_VARIANTS, TINY, changes_compiled_code, kernels, make_model_folder, sdpa_first_use
 
     folder = make_model_folder(tmp_path / "tiny", TINY)
     before = inductor_config.coordinate_descent_tuning
@@ -111,7 +111,7 @@ def test_kernels_and_sdpa_sections_run_their_course_on_the_cpu(tmp_path):
     assert [v["variant"] for v in got["variants"]] == [v[0] for v in KERNEL_VARIANTS]
     assert all(v["same_tokens_as_first_variant"] and v["forward_passes"] == 8 for v in got["variants"])
     assert got["variants"][-1]["candidates"] == 16
-    changed = [v[0] for v in KERNEL_VARIANTS if v[1] or v[3]]  # the variants that change the compiled code
+    changed = [v[0] for v in KERNEL_VARIANTS if changes_compiled_code(v)]
     assert [p["variant"] for p in got["fp32_parity"]] == changed
     assert all(p["identical"] is True for p in got["fp32_parity"])
     first_use = sdpa_first_use(folder, lambda msg: None, device="cpu")
