@@ -125,10 +125,9 @@ def format_table(report: dict[str, Any]) -> str:
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
     # Each machine-dependent figure of the table, with the source its rungs named or why it is n/a.
-    sources = [(figures.spec(k).label, k, figures.spec(k).source_field)
+    sources = [(figures.spec(k).label, k, figures.source_field_of(k))
                for k in ("kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "peak_memory_bytes")]
     for name, metric, source in sources:
-        assert source is not None
         src = _first(rungs, source)
         if src:
             out.append(f"{name}: {src}.")

@@ -20,7 +20,7 @@ import torch
 
 from engine.errors import GaplessError
 from engine.figures import GENERATION_FIGURES
-from engine.figures import spec as figure_spec
+from engine.figures import source_field_of
 from engine.telemetry.machine import describe_machine
 from engine.types import PRESET_LABELS, PRESETS, EngineOptions, SamplingParams, preset_options
 
@@ -386,9 +386,7 @@ class BaselineRunner:
         if self.monitor is not None:
             for metric, (value, source) in self.monitor.summary(t0, t1).items():
                 run[metric] = value
-                source_field = figure_spec(metric).source_field
-                if source_field:
-                    run[source_field] = source if value is not None else None
+                run[source_field_of(metric)] = source if value is not None else None
                 if value is None:
                     run["unavailable"][metric] = source
         self.result.runs.append(run)
@@ -409,12 +407,11 @@ class BaselineRunner:
         base.median["decode_tok_s_min"] = min(tok_s) if tok_s else None
         base.median["decode_tok_s_max"] = max(tok_s) if tok_s else None
         for f in ("peak_memory_bytes", "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
-            source_field = figure_spec(f).source_field
-            assert source_field is not None
+            source_field = source_field_of(f)
             base.median[source_field] = next((r[source_field] for r in base.runs if r.get(source_field)), None)
         base.median["unavailable"] = {}
         for metric in ("kernel_gap_pct", "launches_per_step"):
-            base.median[metric] = base.median[figure_spec(metric).source_field] = None
+            base.median[metric] = base.median[source_field_of(metric)] = None
             base.median["unavailable"][metric] = "not traced inside transformers generate()"
         for r in base.runs:
             for k, v in r["unavailable"].items():

@@ -90,6 +90,14 @@ def spec(key: str) -> FigureSpec:
         raise KeyError(f"{key!r} is not a registered figure (engine/figures.py)") from None
 
 
+def source_field_of(key: str) -> str:
+    """The field naming the source of a machine-dependent figure (gpu_util_pct -> gpu_util_source)."""
+    field = spec(key).source_field
+    if field is None:
+        raise KeyError(f"{key!r} has a fixed source ({spec(key).source}), no source field")
+    return field
+
+
 @dataclass(frozen=True)
 class Figure:
     """One measured figure: its value with its source, or None with the reason it is n/a."""

@@ -316,7 +316,7 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     try:
         progress = []
         rows = run_ladder(eng, [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6),
-                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, l: progress.append((d, t, l)),
+                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, label: progress.append((d, t, label)),
                           cancel=threading.Event())
         assert [r["preset"] for r in rows] == ["naive", "first-fixes", "cuda-graph"]
         naive, fixes, graph = rows
