@@ -44,7 +44,6 @@ class Settings:
     theme: str = "system"  # system | light | dark
     send_with: str = "enter"  # enter | ctrl+enter (the other inserts a newline)
     last_model: Optional[str] = None  # "default" or a path, reopened at start
-    recent_models: list[str] = field(default_factory=list)  # opened before last_model, newest first
     engine_options: dict[str, Any] = field(default_factory=_default_options)  # EngineOptions.to_dict()
     sampling: dict[str, Any] = field(default_factory=_default_sampling)  # defaults for new chats
     models_folder: Optional[str] = None  # scanned for models
@@ -95,7 +94,6 @@ _CHECKS = {
     "theme": (lambda v: v in THEMES, f"one of {', '.join(THEMES)}"),
     "send_with": (lambda v: v in SEND_KEYS, f"one of {', '.join(SEND_KEYS)}"),
     "last_model": (_optional_str, "a string or null"),
-    "recent_models": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "engine_options": (lambda v: isinstance(v, dict), "an object"),
     "sampling": (lambda v: isinstance(v, dict), "an object"),
     "models_folder": (_optional_str, "a string or null"),

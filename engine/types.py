@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from engine import figures
 from engine.errors import OptionsError
@@ -339,6 +339,4 @@ class GenerationResult:
 
 
 Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
-EventSink = Callable[[Event], None]
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

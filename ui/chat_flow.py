@@ -61,7 +61,6 @@ class ChatFlow(QObject):
         self.default_sampling = default_sampling
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
-        self.last_result: Optional[GenerationResult] = None
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         controller.generationStarted.connect(self._on_started)
         controller.textBatch.connect(self._on_text)
@@ -294,7 +293,6 @@ class ChatFlow(QObject):
         a = self.answer
         if a is None or a.request_id != request_id:
             return
-        self.last_result = result
         if a.discarded:
             self._end()
             return

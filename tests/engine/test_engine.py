@@ -250,14 +250,14 @@ def test_out_of_memory_falls_back_to_fewer_candidates(llama_engine, memory_for_t
 
 class StepAsCaptured:
     """A captured CUDA graph's stand-in on the CPU: each replay runs what the capture records, the decode step as
-    a function of the runner's buffers over one context bucket (`StaticRunner._call`), eagerly."""
+    a function of the runner's buffers over one context bucket (`StaticRunner.bucket_step`), eagerly."""
 
     def __init__(self, runner, bucket, kind):
         self.runner, self.bucket, self.kind, self.replays = runner, bucket, kind, 0
 
     def replay(self):
         self.replays += 1
-        self.runner._call(self.bucket, self.kind)
+        self.runner.bucket_step(self.bucket, self.kind)
 
 
 def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switched_off(tiny_factory, monkeypatch):

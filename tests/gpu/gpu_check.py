@@ -222,7 +222,7 @@ def first_step_logits(eng, dtype: str, compile_fn: Callable = torch.compile) -> 
     def first_step(model) -> torch.Tensor:
         runner = StaticRunner(eng.model, 1, bucket, eng.eos_ids, eng.device, dtype_t)
         runner.prefill(prompt, g)
-        runner.cache.attn_len = bucket  # what StaticRunner._call sets for the compiled step
+        runner.cache.attn_len = bucket  # what StaticRunner.bucket_step sets for the compiled step
         mask = runner.arange[:bucket][None, :] <= runner.pos[:, None]
         return model(runner.tok, runner.pos, runner.cache, mask)[:, -1].float()
 
