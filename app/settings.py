@@ -167,18 +167,16 @@ class SettingsStore:
         if unknown:
             log.warning("settings file %s: ignoring unknown key(s) %s", self.path, ", ".join(unknown))
         s = Settings(**{k: v for k, v in data.items() if k in _CHECKS})
-        try:
-            s.engine_options = EngineOptions.from_dict(s.engine_options).to_dict()
-        except (OptionsError, TypeError) as exc:
-            log.warning("settings file %s: invalid engine options: %s", self.path, exc)
-            notices.append(f"The saved optimization settings in {self.path} were invalid ({exc}); defaults are used.")
-            s.engine_options = _default_options()
-        try:
-            s.sampling = SamplingParams.from_dict(s.sampling).to_dict()
-        except (OptionsError, TypeError) as exc:
-            log.warning("settings file %s: invalid sampling parameters: %s", self.path, exc)
-            notices.append(f"The saved sampling parameters in {self.path} were invalid ({exc}); defaults are used.")
-            s.sampling = _default_sampling()
+        # Saved options that no longer validate (a renamed option, a hand edit) fall back to the defaults.
+        nested = (("engine_options", EngineOptions, _default_options, "optimization settings"),
+                  ("sampling", SamplingParams, _default_sampling, "sampling parameters"))
+        for name, kind, default, what in nested:
+            try:
+                setattr(s, name, kind.from_dict(getattr(s, name)).to_dict())
+            except (OptionsError, TypeError) as exc:
+                log.warning("settings file %s: invalid %s: %s", self.path, what, exc)
+                notices.append(f"The saved {what} in {self.path} were invalid ({exc}); defaults are used.")
+                setattr(s, name, default())
         return s
 
     def _aside(self, tag: str, reason: str, notices: list[str]) -> list[str]:

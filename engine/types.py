@@ -20,6 +20,12 @@ MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 
 
+def _refuse_unknown(cls: type, data: dict[str, Any], what: str) -> None:
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise OptionsError(f"unknown {what}: {', '.join(unknown)}")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """One choice of every decode optimization. Changing it takes effect at the next generation."""
@@ -59,10 +65,7 @@ class EngineOptions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineOptions":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown engine option(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "engine option(s)")
         return cls(**data).validate()
 
 
@@ -177,10 +180,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "sampling parameter(s)")
         d = dict(data)
         if "stop" in d:
             d["stop"] = tuple(d["stop"])

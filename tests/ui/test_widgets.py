@@ -14,16 +14,6 @@ from ui.stats import format_stats, preset_name
 from ui.toggles import TogglesPanel
 
 
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    """The window themes the whole application; later tests get the look they started with."""
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
-
-
 def test_split_markdown_prose_and_fences():
     text = "Intro\n\n```python\nx = 1\n```\nAfter\n~~~\nraw ``` inside\n~~~\n```sh\nopen"
     assert split_markdown(text) == [

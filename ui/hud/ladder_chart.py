@@ -10,11 +10,12 @@ from typing import Optional
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt, Signal
-from PySide6.QtGui import QColor, QPalette
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 from ui.hud import fmt
+from ui.theme import PaletteFollower, muted_text
 
 TOK_COLOR = "#4e9af1"
 GAP_COLOR = "#e06c75"
@@ -22,7 +23,7 @@ ROW_HEIGHT = 30
 TITLE_PT = 9
 
 
-class LadderChart(QWidget):
+class LadderChart(PaletteFollower):
     runRequested = Signal()
     cancelRequested = Signal()
 
@@ -173,16 +174,10 @@ class LadderChart(QWidget):
 
     # ---- palette ---------------------------------------------------------------------------------------
 
-    def changeEvent(self, event) -> None:
-        super().changeEvent(event)
-        if event.type() == QEvent.Type.PaletteChange:
-            self.apply_palette()
-
     def apply_palette(self) -> None:
         pal = self.palette()
         fg = pal.color(QPalette.ColorRole.Text)
-        muted = QColor(fg)
-        muted.setAlpha(150)
+        muted = muted_text(pal)
         self.chart.setBackground(pal.color(QPalette.ColorRole.Base))
         for plot in (self.tok_plot, self.gap_plot):
             for name in ("left", "bottom"):
