@@ -256,6 +256,12 @@ def scripted_ladder(engine, messages, sampling, presets=None, on_progress=None, 
     return rows
 
 
+def test_the_scripted_engine_is_what_the_app_needs():
+    from engine.protocol import EngineLike
+
+    assert isinstance(ScriptedEngine("m", EngineOptions()), EngineLike)
+
+
 @pytest.fixture
 def scripted(qtbot):
     made: list[ScriptedEngine] = []
