@@ -104,7 +104,7 @@ class ModelCatalog:
 
 def preset_for_device(name: str, base: Any, device_type: str):
     """A preset as `gapless bench` runs it on this device (on a CPU: the half rung in bf16, the rest in fp32)."""
-    from engine.bench import rung_options
+    from engine.ladder import rung_options
 
     return rung_options(name, base, device_type, None)
 

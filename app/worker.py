@@ -41,7 +41,7 @@ def _load_engine(source: str, options: EngineOptions, progress: Optional[Callabl
 
 
 def _run_ladder(*args: Any, **kwargs: Any) -> list:
-    from engine.bench import run_ladder
+    from engine.ladder import run_ladder
 
     return run_ladder(*args, **kwargs)
 

@@ -275,6 +275,43 @@ class GenerationMetrics:
 
 
 @dataclass(frozen=True)
+class LadderRow:
+    """One rung of the app's "Run ladder": what it ran with and its median figures, or why it has none."""
+
+    preset: str  # a key of PRESETS
+    label: str
+    status: str  # "ok" | "skipped" | "failed"
+    options: Optional[dict[str, Any]] = None  # the options the engine ran it with
+    skipped: Optional[str] = None  # why it has no figures (skipped, failed, cancelled); None when it ran
+    notes: tuple[str, ...] = ()  # e.g. optimisations left out of the candidates rung
+    metrics: Optional[dict[str, Any]] = None  # medians over its repeats, keyed as GenerationMetrics
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self.metrics or {}, key)
+
+    @property
+    def ran(self) -> bool:
+        return self.skipped is None and self.metrics is not None
+
+    @property
+    def decode_tok_s(self) -> Optional[float]:
+        return self.figure("decode_tok_s").value
+
+    @property
+    def kernel_gap_pct(self) -> Optional[float]:
+        return self.figure("kernel_gap_pct").value
+
+    @property
+    def kernel_gap_source(self) -> Optional[str]:
+        return self.figure("kernel_gap_pct").source
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+@dataclass(frozen=True)
 class Progress:
     stage: str  # "fetch", "load", "dequantise", "compile", "capture", "warmup", ...
     fraction: Optional[float]  # 0..1, None when unknown

@@ -257,7 +257,8 @@ def probe_nvml() -> dict:
 
 def ladder(folder: Path, max_new: int, candidates: int, repeats: int, progress: Callable[[str], None]) -> dict:
     from app.cmd_bench import format_table
-    from engine.bench import BenchConfig, run_suite
+    from engine.bench import run_suite
+    from engine.ladder import BenchConfig
 
     cfg = BenchConfig(model=str(folder), device="cuda", max_new_tokens=max_new, repeats=repeats,
                       candidates=candidates, baseline=True, compile=True, prompt=PROMPT)
