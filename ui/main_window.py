@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams
-from ui.chat_flow import ChatFlow
+from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer

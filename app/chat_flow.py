@@ -15,7 +15,6 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.store import ChatStore, Message, StoreError, StreamSaver
 from engine.types import GenerationResult, SamplingParams
-from ui.message import MessageItem
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +25,23 @@ SAVE_TICK_MS = 1000  # also save when tokens stall (a long prefill, a slow first
 def title_from(text: str) -> str:
     line = " ".join(text.strip().split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+@dataclass
+class MessageItem:
+    """What the conversation view shows of one stored message."""
+
+    id: Optional[int]
+    role: str  # "user" | "assistant" | "system"
+    content: str
+    sibling_index: int = 0  # position among the messages sharing its parent (branches, candidates)
+    sibling_count: int = 1
+    metrics: Optional[dict[str, Any]] = None
+    options: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+    device: Optional[str] = None  # where the answer was generated ("cpu", "cuda"), for the gap's name
+    author: str = ""  # the model's name over an answer
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
