@@ -105,12 +105,14 @@ def test_events_of_an_earlier_request_never_land_in_the_current_answer(flow):
     f.send("one")
     ctl.run(1, ["first answer"], ["eos"])
     f.send("two")
+    deltas = signals(f, "streamDelta")["streamDelta"]
     ctl.generationStarted.emit(2, EngineOptions())
     ctl.textBatch.emit(1, {0: " late text of request 1"})  # a batch that arrives after its answer ended
     ctl.textBatch.emit(2, {0: "second answer"})
     ctl.run(1, ["stale"], ["eos"])  # a whole stale generation is ignored too
     ctl.generationFinished.emit(2, GenerationResult(["second answer"], [[1]], ["eos"], GenerationMetrics(),
                                                     EngineOptions(), {}, 1))
+    assert deltas == [({0: "second answer"},)]  # on screen, only the current answer's text
     contents = [m.content for m in store.thread(f.chat_id)]
     assert contents == ["one", "first answer", "two", "second answer"]
 
