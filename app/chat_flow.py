@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.store import ChatStore, Message, StoreError, StreamSaver
 from engine.types import GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from app.worker import EngineController
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,8 @@ class ChatFlow(QObject):
     generatingChanged = Signal(bool)
     failed = Signal(str)  # a message for the user
 
-    def __init__(self, store: ChatStore, controller: Any, default_sampling: SamplingParams, parent: Optional[QObject] = None):
+    def __init__(self, store: ChatStore, controller: EngineController, default_sampling: SamplingParams,
+                 parent: Optional[QObject] = None):
         super().__init__(parent)
         self.store = store
         self.controller = controller

@@ -39,6 +39,10 @@ def _default_sampling() -> dict[str, Any]:
     return SamplingParams().to_dict()
 
 
+# The sampling of a new chat until the user saves defaults of their own: a chat model's usual settings.
+CHAT_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=512,
+                               seed=None)
+
 @dataclass
 class Settings:
     theme: str = "system"  # system | light | dark

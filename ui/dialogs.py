@@ -11,12 +11,12 @@ from PySide6.QtWidgets import (
     QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
+from app.settings import CHAT_DEFAULTS
 from engine.errors import OptionsError
 from ui.progress import show_progress
 from engine.types import MAX_NEW_TOKENS_LIMIT, Progress, SamplingParams
 
 # Sane defaults for a new chat: a little randomness, the usual nucleus/top-k cut, a light repetition penalty.
-CHAT_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=512, seed=None)
 
 
 def show_error(parent: Optional[QWidget], title: str, message: str) -> None:

@@ -8,7 +8,8 @@ from PySide6.QtGui import QGuiApplication
 
 from engine.types import PRESETS, EngineOptions, SamplingParams, preset_options
 from ui.composer import Composer
-from ui.dialogs import CHAT_DEFAULTS, ChatSettingsDialog
+from app.settings import CHAT_DEFAULTS
+from ui.dialogs import ChatSettingsDialog
 from ui.markdown import CodeBlock, ProseView, SegmentsView, Segment, split_markdown
 from ui.stats import format_stats, preset_name
 from ui.toggles import TogglesPanel
