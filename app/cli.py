@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--telemetry-out", type=Path, default=None,
+                     help="also save the generation's telemetry (steps, samples, figures) here, for `gapless replay`")
 
     bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
     bench.add_argument("--model", default="default")
@@ -84,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
+
+    replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
+    replay.add_argument("file", type=Path)
+    replay.add_argument("--screenshot", type=Path, default=None, help="save the HUD as PNG and exit")
+    replay.add_argument("--width", type=int, default=520)
+    replay.add_argument("--height", type=int, default=860)
+    replay.add_argument("--theme", choices=["system", "light", "dark"], default=None)
 
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
@@ -118,7 +127,7 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SUBCOMMANDS = ("gui", "generate", "bench", "models")
+SUBCOMMANDS = ("gui", "generate", "bench", "replay", "models")
 
 
 def _smoke_test_alias(argv: list[str]) -> list[str]:
@@ -152,6 +161,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         from app.cmd_bench import run_bench
 
         return run_bench(args)
+    if command == "replay":
+        from app.replay import run_replay
+
+        return run_replay(args)
     if command == "models":
         from app.cmd_models import run_models
 
