@@ -86,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model (until Ctrl+C)")
+    _add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api-key)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; 503 past it")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
+    serve.add_argument("--cors-origin", action="append", default=[], help="allow browser requests from ORIGIN (repeatable)")
+
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
     msub.add_parser("fetch-default", help="download the default model (if needed) and print its path")
@@ -101,7 +111,7 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SUBCOMMANDS = ("gui", "generate", "bench", "models")
+SUBCOMMANDS = ("gui", "generate", "bench", "serve", "models")
 
 
 def _smoke_test_alias(argv: list[str]) -> list[str]:
@@ -135,6 +145,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         from app.cmd_bench import run_bench
 
         return run_bench(args)
+    if command == "serve":
+        from app.cmd_serve import run_serve
+
+        return run_serve(args)
     if command == "models":
         from app.cmd_models import run_models
 
