@@ -7,6 +7,7 @@ worker's thread does, so API requests and the app's own chats take turns on one 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
@@ -129,7 +130,7 @@ class EngineQueue:
                 self._current = job
             t0 = time.perf_counter()
             try:
-                self._run_on_engine(lambda engine, job=job: self._execute(engine, job))
+                self._run_on_engine(functools.partial(self._execute, job=job))
             except Exception as exc:  # the runner itself failed (e.g. the app's engine went away)
                 log.exception("serve: running a request failed")
                 self._fail(job, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
@@ -146,7 +147,7 @@ class EngineQueue:
             self.stats.last_error = error.message
         job.sink(Failed(error))
 
-    def _execute(self, engine: Any, job: Job) -> None:
+    def _execute(self, engine: Any, *, job: Job) -> None:
         req = job.request
         queue_ms = (time.perf_counter() - job.accepted) * 1e3
         if engine is None:

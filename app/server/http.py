@@ -164,7 +164,7 @@ class Api:
         except QueueFull as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry in {exc.retry_after_s} s", "server_error",
                            code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from None
-        gone = asyncio.ensure_future(self._disconnected(request))
+        gone: "asyncio.Future[Any]" = asyncio.ensure_future(self._disconnected(request))
         try:
             first = await self._next(items, gone, cancel, (Started, Failed))
             if isinstance(first, Failed):
@@ -189,17 +189,18 @@ class Api:
             pass
 
     @staticmethod
-    async def _next(items: "asyncio.Queue[Item]", gone: "asyncio.Future[None]", cancel: threading.Event,
+    async def _next(items: "asyncio.Queue[Item]", gone: "asyncio.Future[Any]", cancel: threading.Event,
                     kinds: tuple[type, ...]) -> Item:
         """The next item of one of `kinds` (text before it is dropped); the client going away cancels."""
         while True:
-            get = asyncio.ensure_future(items.get())
-            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            get: "asyncio.Future[Any]" = asyncio.ensure_future(items.get())
+            waiters: "list[asyncio.Future[Any]]" = [get, gone]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
                 cancel.set()
                 raise ApiError(499, "the client went away", code="cancelled")
-            item = get.result()
+            item: Item = get.result()
             if isinstance(item, kinds):
                 return item
 
@@ -230,7 +231,8 @@ class Api:
             cancel.set()
 
 
-def create_app(engines: EngineQueue, config: ServeConfig = ServeConfig()) -> Starlette:
+def create_app(engines: EngineQueue, config: Optional[ServeConfig] = None) -> Starlette:
+    config = config or ServeConfig()
     api = Api(engines, config)
     routes = [
         Route("/v1/models", api.models, methods=["GET"]),

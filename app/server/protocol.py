@@ -14,7 +14,7 @@ from typing import Any, Optional
 from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, GenerationMetrics, GenerationResult
 
 MAX_STOP_STRINGS = 16
-ENGINE_TIMING = "engine timing, device-synchronised"
+SERVED_FIGURES = ("ttft_ms", "decode_tok_s", "kernel_gap_pct")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 # Fields whose meaning this server cannot honour: refused rather than silently ignored.
 UNSUPPORTED = {
@@ -207,23 +207,18 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
 # ---- responses ---------------------------------------------------------------------------------------------
 
 
-def figure(value: Optional[float], source: Optional[str], reason: str) -> dict[str, Any]:
-    if value is None:
-        return {"value": None, "reason": reason}
-    return {"value": value, "source": source}
+def _figure(m: GenerationMetrics, key: str) -> dict[str, Any]:
+    f = m.figure(key)
+    if f.available:
+        return {"value": f.value, "source": f.source}
+    return {"value": None, "reason": f.reason or "not measured on this run"}
 
 
 def gapless_figures(m: GenerationMetrics, queue_ms: float) -> dict[str, Any]:
     """The HUD's headline figures, each with its source or the reason it is n/a (an extension field)."""
-    na = m.unavailable
-    return {
-        "ttft_ms": figure(m.ttft_ms, f"{ENGINE_TIMING}; prompt in -> first token, queue wait excluded",
-                          "no token was generated"),
-        "decode_tok_s": figure(m.decode_tok_s, f"{ENGINE_TIMING}; traced window excluded",
-                               na.get("decode_tok_s", "fewer than two tokens were decoded outside the traced window")),
-        "kernel_gap_pct": figure(m.kernel_gap_pct, m.kernel_gap_source, na.get("kernel_gap_pct", "not measured")),
-        "queue_wait_ms": figure(queue_ms, "server clock: request accepted -> generation started", ""),
-    }
+    out = {key: _figure(m, key) for key in SERVED_FIGURES}
+    out["queue_wait_ms"] = {"value": queue_ms, "source": "server clock: request accepted -> generation started"}
+    return out
 
 
 def usage(result: GenerationResult) -> dict[str, int]:

@@ -6,7 +6,7 @@ import ipaddress
 import logging
 import socket
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import uvicorn
 
@@ -68,17 +68,15 @@ def uvicorn_server(engines: EngineQueue, config: ServeConfig) -> uvicorn.Server:
                                          timeout_graceful_shutdown=5))
 
 
-class BackgroundServer:
-    """uvicorn on its own thread. stop() lets the running requests end (their clients are cancelled after the
-    graceful-shutdown time) and closes the socket."""
+class AsgiThread:
+    """An ASGI app served by uvicorn on its own thread, on a socket bound here. stop() lets running requests
+    end (cut after the graceful-shutdown time) and closes the socket."""
 
-    def __init__(self, engines: EngineQueue, host: str = "127.0.0.1", port: int = 0,
-                 config: ServeConfig = ServeConfig()):
-        check_address(host, config.api_key)
-        self.engines = engines
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self.server = uvicorn_server(engines, config)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                                    timeout_graceful_shutdown=5))
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="gapless-serve-http", daemon=True)
         self._thread.start()
@@ -94,3 +92,14 @@ class BackgroundServer:
         self.server.should_exit = True
         self._thread.join(timeout_s)
         self.sock.close()
+
+
+class BackgroundServer(AsgiThread):
+    """`gapless serve`'s app on a thread (the app's Server panel, the tests)."""
+
+    def __init__(self, engines: EngineQueue, host: str = "127.0.0.1", port: int = 0,
+                 config: Optional[ServeConfig] = None):
+        config = config or ServeConfig()
+        check_address(host, config.api_key)
+        self.engines = engines
+        super().__init__(create_app(engines, config), host, port)

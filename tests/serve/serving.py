@@ -20,7 +20,7 @@ def load_engine(path) -> Any:
 
 
 @contextmanager
-def serving(engine: Any, max_waiting: int = 16, config: ServeConfig = ServeConfig()) -> Iterator[BackgroundServer]:
+def serving(engine: Any, max_waiting: int = 16, config: Optional[ServeConfig] = None) -> Iterator[BackgroundServer]:
     engines = EngineQueue(engine, max_waiting=max_waiting)
     server = BackgroundServer(engines, "127.0.0.1", 0, config)
     try:

@@ -51,16 +51,17 @@ def test_past_the_queue_bound_is_503_with_retry_after(held):
 
 
 def test_a_stream_closed_by_the_client_cancels_its_generation(held):
+    # seed 5 runs past 220 tokens without an end-of-sequence, so the cancel lands mid-answer
     with serving(held) as server:
         with httpx.stream("POST", f"{server.url}/chat/completions", timeout=60,
-                          json=body(server, max_tokens=200, seed=3, stream=True)) as r:
+                          json=body(server, max_tokens=220, seed=5, stream=True)) as r:
             assert r.status_code == 200
             assert held.reached.wait(60)
         assert held.cancel is not None and held.cancel.wait(60)  # set by the server on the disconnect
         held.release.set()
         assert wait_until(lambda: server.engines.stats.cancelled == 1)
         result = held.results[0]
-        assert result.finish_reasons == ["cancelled"] and len(result.token_ids[0]) < 200
+        assert result.finish_reasons == ["cancelled"] and len(result.token_ids[0]) < 220
         assert server.engines.stats.served == 0
 
 
@@ -75,7 +76,7 @@ def _raw_post(url: str, payload: dict) -> socket.socket:
 
 def test_a_client_gone_before_the_whole_answer_cancels_it(held):
     with serving(held) as server:
-        sock = _raw_post(server.url, body(server, max_tokens=200, seed=3))
+        sock = _raw_post(server.url, body(server, max_tokens=220, seed=5))
         assert held.reached.wait(60)
         sock.close()
         assert held.cancel is not None and held.cancel.wait(60)
