@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--width", type=int, default=520)
     replay.add_argument("--height", type=int, default=860)
     replay.add_argument("--theme", choices=["system", "light", "dark"], default=None)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model (until Ctrl+C)")
+    _add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api-key)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; 503 past it")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
+    serve.add_argument("--cors-origin", action="append", default=[], help="allow browser requests from ORIGIN (repeatable)")
 
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
@@ -127,7 +136,7 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SUBCOMMANDS = ("gui", "generate", "bench", "replay", "models")
+SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models")
 
 
 def _smoke_test_alias(argv: list[str]) -> list[str]:
@@ -165,6 +174,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         from app.replay import run_replay
 
         return run_replay(args)
+    if command == "serve":
+        from app.cmd_serve import run_serve
+
+        return run_serve(args)
     if command == "models":
         from app.cmd_models import run_models
 

@@ -43,7 +43,7 @@ def sampling_from_args(args) -> SamplingParams:
 
 
 def run_generate(args) -> int:
-    from engine.engine import Engine
+    from app.engines import load_engine
 
     options = options_from_args(args)
     sampling = sampling_from_args(args)
@@ -58,7 +58,7 @@ def run_generate(args) -> int:
             frac = f" {p.fraction:.0%}" if p.fraction is not None else ""
             print(f"\r[{p.stage}{frac}] {p.message}\033[K", end="", file=sys.stderr, flush=True)
 
-    engine = Engine.load(args.model, options, progress)
+    engine = load_engine(args.model, options, progress)
     try:
         many = options.candidates > 1
 

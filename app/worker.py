@@ -35,9 +35,9 @@ LadderRunner = Callable[..., list]
 
 def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]) -> EngineLike:
     # Imported on first use: torch and transformers take seconds to import, the window should not wait for them.
-    from engine.engine import Engine
+    from app.engines import load_engine
 
-    return Engine.load(source, options, progress)
+    return load_engine(source, options, progress)
 
 
 def _run_ladder(*args: Any, **kwargs: Any) -> list:

@@ -237,6 +237,18 @@ class GenerationMetrics:
     dram_bw_util_pct: Metric = None
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    # A remote engine: what the client measures over HTTP, and what the server reports about itself.
+    http_ttft_ms: Metric = None
+    http_decode_tok_s: Metric = None
+    inter_token_ms_p50: Metric = None
+    inter_token_ms_p99: Metric = None
+    server_ttft_ms: Metric = None
+    server_ttft_source: Optional[str] = None
+    server_decode_tok_s: Metric = None
+    server_decode_source: Optional[str] = None
+    server_running_requests: Metric = None
+    server_waiting_requests: Metric = None
+    server_kv_cache_pct: Metric = None
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
 
     def put(self, key: str, value: Optional[float], source: Optional[str] = None) -> None:
