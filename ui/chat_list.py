@@ -7,9 +7,11 @@ from typing import Optional
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
 from PySide6.QtWidgets import (
-    QFrame, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPushButton, QVBoxLayout,
+    QFrame, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QPushButton, QVBoxLayout,
     QWidget,
 )
+
+from ui.dialogs import confirm
 
 SEARCH_DELAY_MS = 200  # search once typing pauses, not on every key
 
@@ -126,9 +128,6 @@ class ChatList(QFrame):
             self.renameRequested.emit(chat_id, title.strip())
 
     def ask_delete(self, chat_id: int) -> None:
-        answer = QMessageBox.question(
-            self, "Delete chat", f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
-            QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel, QMessageBox.StandardButton.Cancel,
-        )
-        if answer == QMessageBox.StandardButton.Delete:
+        if confirm(self, "Delete chat", f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
+                   "Delete"):
             self.deleteRequested.emit(chat_id)
