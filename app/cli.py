@@ -44,8 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with local language models and see where the GPU's time goes.",
     )
     parser.add_argument("--version", action="version", version=f"gapless {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging to stderr; tracebacks on errors")
-    parser.add_argument("--data-dir", type=Path, default=None, help="keep chats, settings and logs under this folder")
+    _add_global_options(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gui = sub.add_parser("gui", help="open the desktop app (the default)")
@@ -90,7 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
     msub.add_parser("fetch-default", help="download the default model (if needed) and print its path")
     msub.add_parser("list", help="list the default, recent and scanned models")
+    _global_options_after_the_command(parser)
     return parser
+
+
+def _add_global_options(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=False if default is None else default,
+                   help="debug logging to stderr; tracebacks on errors")
+    p.add_argument("--data-dir", type=Path, default=default, help="keep chats, settings and logs under this folder")
+
+
+def _global_options_after_the_command(parser: argparse.ArgumentParser) -> None:
+    """`gapless gui --data-dir DIR` as well as `gapless --data-dir DIR gui`: every subcommand (and its actions)
+    takes the global options too. Their default there is SUPPRESS, so a value given before the command stands
+    unless it is given again after it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_global_options(sub, argparse.SUPPRESS)
+                _global_options_after_the_command(sub)
 
 
 def _quiet_and_offline() -> None:

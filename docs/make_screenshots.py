@@ -32,7 +32,7 @@ def main() -> int:
     from app.gui import build, qt_application
     from app.paths import AppPaths
 
-    app = qt_application()
+    qt_application()  # before any widget
     gui = build(AppPaths.resolve(Path(tempfile.mkdtemp(prefix="gapless-shots-"))), "dark")
     w, c, hud = gui.window, gui.controller, gui.hud
     w.resize(1440, 900)

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine.errors import GaplessError
+from engine.figures import GENERATION_FIGURES
+from engine.figures import source_field_of
 from engine.telemetry.machine import describe_machine
 from engine.types import PRESET_LABELS, PRESETS, EngineOptions, SamplingParams, preset_options
 
@@ -34,14 +36,9 @@ CPU_DTYPE_NOTE = (
     "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
     "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
 )
-# Figures reduced to a median over the repeats of a rung.
-MEDIAN_FIELDS = (
-    "decode_tok_s", "ttft_ms", "prefill_tok_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "decode_seconds",
-    "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct",
-    "peak_memory_bytes", "new_tokens_total", "prompt_tokens", "decode_steps", "profiled_steps",
-)
-SOURCE_FIELDS = ("kernel_gap_source", "launches_per_step_source", "sm_activity_source", "gpu_util_source",
-                 "dram_bw_util_source", "peak_memory_source")
+# Figures reduced to a median over the repeats of a rung: every per-generation figure of the registry.
+MEDIAN_FIELDS = tuple(f.key for f in GENERATION_FIGURES)
+SOURCE_FIELDS = tuple(f.source_field for f in GENERATION_FIGURES if f.source_field)
 
 Progress = Callable[[str], None]
 
@@ -389,7 +386,7 @@ class BaselineRunner:
         if self.monitor is not None:
             for metric, (value, source) in self.monitor.summary(t0, t1).items():
                 run[metric] = value
-                run[metric.replace("_pct", "_source")] = source if value is not None else None
+                run[source_field_of(metric)] = source if value is not None else None
                 if value is None:
                     run["unavailable"][metric] = source
         self.result.runs.append(run)
@@ -405,14 +402,16 @@ class BaselineRunner:
         base.median = {f: median(r.get(f) for r in base.runs)
                        for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", "peak_memory_bytes",
                                  "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
+        # Only these figures are measured around transformers' generate(); the rest are n/a with the reason.
         tok_s = [r["decode_tok_s"] for r in base.runs if r.get("decode_tok_s") is not None]
         base.median["decode_tok_s_min"] = min(tok_s) if tok_s else None
         base.median["decode_tok_s_max"] = max(tok_s) if tok_s else None
-        for f in ("peak_memory_source", "gpu_util_source", "sm_activity_source", "dram_bw_util_source"):
-            base.median[f] = next((r[f] for r in base.runs if r.get(f)), None)
+        for f in ("peak_memory_bytes", "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
+            source_field = source_field_of(f)
+            base.median[source_field] = next((r[source_field] for r in base.runs if r.get(source_field)), None)
         base.median["unavailable"] = {}
-        for metric, source in (("kernel_gap_pct", "kernel_gap_source"), ("launches_per_step", "launches_per_step_source")):
-            base.median[metric] = base.median[source] = None
+        for metric in ("kernel_gap_pct", "launches_per_step"):
+            base.median[metric] = base.median[source_field_of(metric)] = None
             base.median["unavailable"][metric] = "not traced inside transformers generate()"
         for r in base.runs:
             for k, v in r["unavailable"].items():

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.errors import GenerationError, ModelLoadError
 from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
 from engine.sampling import SamplerKind

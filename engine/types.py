@@ -9,6 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Literal, Optional, Union
 
+from engine import figures
 from engine.errors import OptionsError
 
 DTYPES = ("auto", "fp32", "fp16", "bf16")
@@ -63,6 +64,32 @@ class EngineOptions:
         if unknown:
             raise OptionsError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**data).validate()
+
+
+_DESCRIBED = ("device", "dtype", "kv_cache", "sampling", "compile", "cuda_graph", "candidates", "profile_window")
+
+
+def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str = " · ", device: bool = False) -> str:
+    """The one way options are written in a few words: "fp16 · static KV · device sampling · compiled · CUDA
+    graph · 4 candidates", then every other option that differs from its default ("kernels fused"). Takes the
+    options or their dict form (JSON, the store); "" for none."""
+    if not options:
+        return ""
+    o = options.to_dict() if isinstance(options, EngineOptions) else dict(options)
+    parts = [str(o["device"])] if device and "device" in o else []
+    parts += [str(o.get("dtype", "?")), f"{o.get('kv_cache', '?')} KV", f"{o.get('sampling', '?')} sampling",
+              "compiled" if o.get("compile") else "eager"]
+    if o.get("cuda_graph"):
+        parts.append("CUDA graph")
+    n = o.get("candidates", 1)
+    if isinstance(n, int) and n > 1:
+        parts.append(f"{n} candidates")
+    defaults = EngineOptions().to_dict()
+    for name, value in o.items():
+        if name not in _DESCRIBED and name in defaults and value != defaults[name]:
+            shown = ("on" if value else "off") if isinstance(value, bool) else value
+            parts.append(f"{name.replace('_', ' ')} {shown}")
+    return sep.join(parts)
 
 
 # The ladder, in the order a user should apply the fixes. Each preset is complete (not a delta), except that
@@ -211,6 +238,29 @@ class GenerationMetrics:
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
+
+    def put(self, key: str, value: Optional[float], source: Optional[str] = None) -> None:
+        """Sets figure `key` (registered in engine.figures) with its source; a value clears an earlier n/a."""
+        s = figures.spec(key)
+        if value is None:
+            raise ValueError(f"{key}: a figure without a value is set with mark_na(key, reason)")
+        setattr(self, key, value)
+        if s.source_field:
+            if not source:
+                raise ValueError(f"{key}: its source depends on the machine and must be given")
+            setattr(self, s.source_field, source)
+        self.unavailable.pop(key, None)
+
+    def mark_na(self, key: str, reason: str) -> None:
+        """Figure `key` is n/a on this run, for `reason`."""
+        s = figures.spec(key)
+        setattr(self, key, None)
+        if s.source_field:
+            setattr(self, s.source_field, None)
+        self.unavailable[key] = reason
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self, key)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app.cmd_bench import config_from_args, describe_options, format_table, write_json
+from app.cmd_bench import config_from_args, format_table, options_text, write_json
 from engine.bench import (
     Baseline,
     BenchConfig,
@@ -161,7 +161,7 @@ def test_table_rows_figures_and_notes():
     assert lines[0].startswith("| rung ") and "× transformers compiled" not in lines[0]
     row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells == ["Seeds' first fixes", "fp32, kv static, device sampling", "128", "25.0", "2.50×", "1.25×",
+    assert cells == ["Seeds' first fixes", "fp32, static KV, device sampling, eager", "128", "25.0", "2.50×", "1.25×",
                      "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB"]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
@@ -172,8 +172,8 @@ def test_table_rows_figures_and_notes():
     base = next(line for line in lines if line.startswith("| transformers generate()"))
     bcells = [c.strip() for c in base.strip("|").split("|")]
     assert bcells[3:6] == ["20.0", "2.00×", "1.00×"] and bcells[7] == "n/a" and bcells[8] == "n/a"
-    assert "gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
-    assert "launches/step: aten ops per step — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "Kernel / op gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "Launches/step: aten ops per step — torch.profiler CPU ops, 8-step window (sampled)." in table
     assert "GPU util: n/a (the model runs on the CPU, not on a GPU)." in table
     assert "the first 128 of 128 / 128 agree" in table
     assert len({len(line) for line in lines[:8]}) == 1  # aligned columns
@@ -188,9 +188,11 @@ def test_table_with_compiled_baseline_has_its_column():
 
 
 def test_describe_options():
-    assert describe_options(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
-        "fp16, kv static, device sampling, compile, CUDA graph, 16 candidates")
-    assert describe_options(None) == ""
+    assert options_text(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
+        "fp16, static KV, device sampling, compiled, CUDA graph, 16 candidates")
+    assert options_text(opts(dtype="fp32", sampling="host", profile_window=False)) == (
+        "fp32, static KV, host sampling, eager")
+    assert options_text(None) == ""
 
 
 def test_write_json_round_trip(tmp_path):
@@ -314,7 +316,7 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     try:
         progress = []
         rows = run_ladder(eng, [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6),
-                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, l: progress.append((d, t, l)),
+                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, label: progress.append((d, t, label)),
                           cancel=threading.Event())
         assert [r["preset"] for r in rows] == ["naive", "first-fixes", "cuda-graph"]
         naive, fixes, graph = rows

@@ -29,10 +29,22 @@ def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llama_engine(tiny_llama):
+def _llama_engine_once(tiny_llama):
     eng = Engine.load(str(tiny_llama), CPU)
-    yield eng
-    eng.close()
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+@pytest.fixture
+def llama_engine(_llama_engine_once):
+    """The module's engine, back on the CPU defaults after every test, whether the test passed or not, so one
+    failure does not change the options the next test starts from."""
+    try:
+        yield _llama_engine_once
+    finally:
+        _llama_engine_once.reconfigure(CPU)
 
 
 def prompt_ids(engine, messages=MESSAGES, max_new=32) -> list[int]:

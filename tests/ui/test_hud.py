@@ -13,8 +13,7 @@ from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
-from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_MISSING, OP_GAP, SM_ESTIMATE,
-                         ManualClock, cpu_sources, feed_gpu_session, gpu_sources, ladder_rows, metrics_for, samples,
+from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_MISSING, OP_GAP, ManualClock, cpu_sources, feed_gpu_session, gpu_sources, ladder_rows, metrics_for, samples,
                          steps)
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX

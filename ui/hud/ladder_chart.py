@@ -209,7 +209,7 @@ class LadderChart(QWidget):
             room = self.chart.width() - axis - 24
             label = plot.titleLabel
 
-            def fits(n: int) -> bool:
+            def fits(n: int, plot=plot, title=title, label=label, room=room) -> bool:
                 plot.setTitle(title if n >= len(title) else title[:n].rstrip() + "…", size=f"{TITLE_PT}pt", color=fg)
                 return label.itemRect().width() <= room
 
