@@ -79,28 +79,28 @@ def menu_action(window, menu_title: str, action: str):
 # ---- the scan -------------------------------------------------------------------------------------------
 
 
+def _dialog_calls(node: ast.AST, scope: list[str], rel: str, found: set[tuple[str, str]]) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            _dialog_calls(child, scope + [child.name, "<locals>"], rel, found)
+            continue
+        if isinstance(child, ast.ClassDef):
+            _dialog_calls(child, scope + [child.name], rel, found)
+            continue
+        if isinstance(child, ast.Call):
+            f = child.func
+            name = f.id if isinstance(f, ast.Name) else (
+                f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+            if name in DIALOG_CLASSES:
+                found.add((rel, ".".join(scope[:-1] if scope and scope[-1] == "<locals>" else scope) or "<module>"))
+        _dialog_calls(child, scope, rel, found)
+
+
 def dialog_call_sites() -> set[tuple[str, str]]:
     """(file, enclosing function) of every call to a dialog class or one of its static functions in ui/, app/."""
     found: set[tuple[str, str]] = set()
     for path in sorted([*(ROOT / "ui").rglob("*.py"), *(ROOT / "app").rglob("*.py")]):
-        rel = path.relative_to(ROOT).as_posix()
-
-        def visit(node: ast.AST, scope: list[str]) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    inner = scope + ([child.name, "<locals>"] if not isinstance(child, ast.ClassDef) else [child.name])
-                    visit(child, inner)
-                    continue
-                if isinstance(child, ast.Call):
-                    f = child.func
-                    name = f.id if isinstance(f, ast.Name) else (
-                        f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
-                    if name in DIALOG_CLASSES:
-                        qual = ".".join(scope[:-1] if scope and scope[-1] == "<locals>" else scope) or "<module>"
-                        found.add((rel, qual))
-                visit(child, scope)
-
-        visit(ast.parse(path.read_text(encoding="utf-8")), [])
+        _dialog_calls(ast.parse(path.read_text(encoding="utf-8")), [], path.relative_to(ROOT).as_posix(), found)
     return found
 
 
