@@ -150,6 +150,7 @@ class EngineWorker(EngineEvents):
     """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
 
     loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
+    reconfiguredInfo = Signal(object)  # ModelInfo after a reconfigure (dtype, device, weight bytes); before `reconfigured`
 
     def __init__(
         self,
@@ -244,6 +245,7 @@ class EngineWorker(EngineEvents):
             self._log_unless_expected(exc, "reconfiguring")
             self.reconfigureFailed.emit(one_line(exc))
             return
+        self.reconfiguredInfo.emit(self.engine.info)
         self.reconfigured.emit(self.engine.options, unavailable)
 
     def _generate(self, cmd: Generate) -> None:
@@ -349,6 +351,7 @@ class EngineController(EngineEvents):
         # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
         self.worker.loadedOptions.connect(self._on_loaded_options)
         self.worker.loaded.connect(self._on_loaded)
+        self.worker.reconfiguredInfo.connect(self._on_reconfigured_info)
         self.worker.reconfigured.connect(self._on_reconfigured)
         self.worker.generationFinished.connect(self._on_generation_finished)
         self.worker.generationFailed.connect(self._on_generation_failed)
@@ -427,6 +430,10 @@ class EngineController(EngineEvents):
         self.info = info
         self.unavailable = dict(unavailable)
         self.loaded.emit(info, unavailable)
+
+    @Slot(object)
+    def _on_reconfigured_info(self, info: Any) -> None:
+        self.info = info
 
     @Slot(object, object)
     def _on_reconfigured(self, options: EngineOptions, unavailable: Any) -> None:

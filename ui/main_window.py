@@ -30,6 +30,10 @@ from ui.toggles import TogglesPanel
 
 log = logging.getLogger(__name__)
 
+def model_status_text(info: Optional[ModelInfo]) -> str:
+    return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
+
+
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height, so a
     tall panel never forces the window taller than the screen (a plain resizable scroll area would size a
@@ -441,7 +445,7 @@ class MainWindow(QMainWindow):
         self.toggles.set_resolved(info.device, info.dtype)
         self.toggles.set_applied(self.controller.options, {})
         self.toggles.reset_unavailable(unavailable)
-        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}")
+        self.model_status.setText(model_status_text(info))
         self.settings.last_model = source
         if self.catalog is not None:
             self.catalog.remember(source)
@@ -453,7 +457,7 @@ class MainWindow(QMainWindow):
         self._loading = None
         self.model_panel.set_failed(source, message)
         info = self.controller.info
-        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}" if info else "No model")
+        self.model_status.setText(model_status_text(info))
         self._update_can_send()
         show_error(self, "Model not loaded", f"Could not load {source}:\n{message}"
                    + (f"\n\n{info.name} is still loaded." if info else ""))
@@ -468,6 +472,11 @@ class MainWindow(QMainWindow):
         self.toggles.set_failed(message)
 
     def _reconfigured(self, options: EngineOptions, unavailable: dict) -> None:
+        info = self.controller.info  # the precision and device now in force, whichever choice this replies to
+        if info is not None:
+            self.model_panel.set_info(info)
+            self.model_status.setText(model_status_text(info))
+            self.toggles.set_resolved(info.device, info.dtype)
         if self._requested is not None and options != self._requested:
             # The reply to a choice the user has since replaced (changes wait while an answer runs): the
             # panel keeps the newer choice, whose own reply follows, and its reasons are not pinned on it.
