@@ -328,6 +328,8 @@ class MainWindow(QMainWindow):
 
     def _generation_finished(self, request_id: int, result: GenerationResult) -> None:
         self.toggles.progress.hide()
+        if self._loading is None:
+            self.model_panel.clear_error()
         if self.hud is not None:
             self.hud.end_generation(result.metrics, result.options, options_label(result.options.to_dict()))
         if result.notices:

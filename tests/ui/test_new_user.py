@@ -41,3 +41,16 @@ def test_the_precision_shown_is_the_one_in_force(qtbot, app):
     assert w.model_panel.values["dtype"].text() == "bf16"
     choose(qtbot, app, w.toggles.dtype, "auto")  # auto on a CPU is fp32 again
     assert w.model_panel.values["dtype"].text() == "fp32" and w.model_status.text().endswith("· cpu · fp32")
+
+
+def test_a_load_error_clears_once_the_model_in_use_answers(qtbot, app, tmp_path):
+    w = app.window
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    with qtbot.waitSignal(app.controller.loadFailed, timeout=TIMEOUT_MS):
+        w.load_model(str(empty))
+    assert w.model_panel.error.isVisibleTo(w) and "no-weights" in w.model_panel.error.text()
+    assert w.model_panel.status.text() == f"Still using {app.controller.info.name}"
+    send(qtbot, app, "still here")
+    assert not w.model_panel.error.isVisibleTo(w)
+    assert w.model_panel.status.text() == "Ready"
