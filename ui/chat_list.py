@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QMouseEvent
 from PySide6.QtWidgets import (
     QFrame, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QPushButton, QVBoxLayout,
     QWidget,
@@ -34,6 +35,17 @@ def age(updated: float, now: Optional[float] = None) -> str:
     return time.strftime("%Y-%m-%d", time.localtime(updated))
 
 
+class _ChatListWidget(QListWidget):
+    """A right-click opens the menu of the chat under the pointer without opening that chat: the open one
+    stays current and on screen."""
+
+    def mousePressEvent(self, event: QMouseEvent) -> None:
+        if event.button() == Qt.MouseButton.RightButton:
+            event.accept()
+            return
+        super().mousePressEvent(event)
+
+
 class ChatList(QFrame):
     chatSelected = Signal(int)
     newChatRequested = Signal()
@@ -56,7 +68,7 @@ class ChatList(QFrame):
                                     timeout=lambda: self.searchChanged.emit(self.search.text().strip()))
         self.search.textChanged.connect(lambda _t: self._search_timer.start())
         self.search.returnPressed.connect(self._search_now)
-        self.list = QListWidget(self)
+        self.list = _ChatListWidget(self)
         self.list.setObjectName("chatList")
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)

@@ -76,6 +76,7 @@ class ChatView(QScrollArea):
     def _clear(self) -> None:
         for w in self._widgets:
             self._column.removeWidget(w)
+            w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
             w.deleteLater()
         self._widgets = []
         self._stream = None
@@ -157,6 +158,7 @@ class ChatView(QScrollArea):
     def _drop_candidates(self) -> None:
         if self._candidates is not None:
             self._column.removeWidget(self._candidates)
+            self._candidates.hide()
             self._candidates.deleteLater()
             self._candidates = None
 

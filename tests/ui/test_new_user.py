@@ -3,6 +3,8 @@ candidates' own figures, errors that still hold), and a right-click never shows 
 from __future__ import annotations
 
 import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMenu
 
 from test_main_window import TIMEOUT_MS, close_app, open_app, send
 
@@ -54,3 +56,45 @@ def test_a_load_error_clears_once_the_model_in_use_answers(qtbot, app, tmp_path)
     send(qtbot, app, "still here")
     assert not w.model_panel.error.isVisibleTo(w)
     assert w.model_panel.status.text() == "Ready"
+
+
+def shown_texts(view) -> list[str]:
+    """The message bodies painted in the conversation now: its visible message widgets, top to bottom."""
+    from ui.message import MessageWidget
+
+    widgets = [m for m in view.widget().findChildren(MessageWidget) if m.isVisible()]
+    return [m.body.text for m in sorted(widgets, key=lambda m: m.y())]
+
+
+def test_right_clicking_another_chat_leaves_the_open_one_on_screen(qtbot, tmp_path):
+    from dialog_driver import DialogDriver, right_click
+
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w, store = gui.window, gui.store
+        chats = {}
+        for title in ("first", "second"):
+            chat = store.create_chat(title, "", None)
+            user = store.add_message(chat.id, "user", f"{title} question", None)
+            store.add_message(chat.id, "assistant", f"{title} answer", user.id)
+            chats[title] = chat.id
+        w.refresh_chats()
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chats["first"]))
+        qtbot.waitUntil(lambda: shown_texts(w.chat_view) == ["first question", "first answer"], timeout=TIMEOUT_MS)
+
+        seen: list = []
+        driver = DialogDriver().look(QMenu, lambda _menu: seen.append((w.flow.chat_id, shown_texts(w.chat_view))))
+        driver.start()
+        row = w.chat_list.list.item(w.chat_list.chat_ids().index(chats["second"]))
+        right_click(w.chat_list.list.viewport(), w.chat_list.list.visualItemRect(row).center())
+        qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+        assert seen == [(chats["first"], ["first question", "first answer"])]  # while the menu is up
+        qtbot.wait(50)
+        assert w.flow.chat_id == chats["first"] and w.chat_list.current_id() == chats["first"]
+        assert shown_texts(w.chat_view) == ["first question", "first answer"]
+        qtbot.mouseClick(w.chat_list.list.viewport(), Qt.MouseButton.LeftButton,
+                         pos=w.chat_list.list.visualItemRect(row).center())  # a left click opens it
+        assert w.flow.chat_id == chats["second"]
+        qtbot.waitUntil(lambda: shown_texts(w.chat_view) == ["second question", "second answer"], timeout=TIMEOUT_MS)
+    finally:
+        close_app(gui)
