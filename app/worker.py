@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import GaplessError
-from engine.types import EngineOptions, MonitorSample, Progress, SamplingParams, StepRecord, TextDelta
+from engine.types import EngineOptions, MonitorSample, Progress, RowFinished, SamplingParams, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class _Batcher:
         self._text: dict[int, str] = {}
         self._steps: list[StepRecord] = []
         self._samples: list[MonitorSample] = []
+        self._ended: dict[int, str] = {}  # candidate -> finish reason, since the last take
         self._last = 0.0
 
     def add(self, event: Any) -> bool:
@@ -111,6 +112,8 @@ class _Batcher:
                 self._steps.append(event)
             elif isinstance(event, MonitorSample):
                 self._samples.append(event)
+            elif isinstance(event, RowFinished):
+                self._ended[event.candidate] = event.reason
             return time.monotonic() - self._last >= self.interval_s
 
     def take(self) -> tuple[dict[int, str], list[StepRecord], list[MonitorSample]]:
@@ -118,6 +121,11 @@ class _Batcher:
             out = (self._text, self._steps, self._samples)
             self._text, self._steps, self._samples = {}, [], []
             self._last = time.monotonic()
+            return out
+
+    def take_ended(self) -> dict[int, str]:
+        with self._lock:
+            out, self._ended = self._ended, {}
             return out
 
 
@@ -133,6 +141,7 @@ class EngineEvents(QObject):
     reconfigureFailed = Signal(str)  # message; the previous options stay in force
     generationStarted = Signal(int, object)  # request id, EngineOptions used
     textBatch = Signal(int, object)  # request id, {candidate: text since the last batch}
+    rowsFinished = Signal(int, object)  # request id, {candidate: finish reason} of candidates ended since the last
     steps = Signal(int, object)  # request id, [StepRecord]
     samples = Signal(object)  # [MonitorSample]
     generationFinished = Signal(int, object)  # request id, GenerationResult
@@ -292,8 +301,11 @@ class EngineWorker(EngineEvents):
 
     def _flush(self) -> None:
         text, steps, samples = self._batcher.take()
+        ended = self._batcher.take_ended()
         if text:
             self.textBatch.emit(self._request_id, text)
+        if ended:
+            self.rowsFinished.emit(self._request_id, ended)
         if steps:
             self.steps.emit(self._request_id, steps)
         if samples:

@@ -288,6 +288,15 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class RowFinished:
+    """One candidate's answer ended while the others may go on; reason as in GenerationResult.finish_reasons.
+    Sent once per candidate, after its last TextDelta."""
+
+    candidate: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One decode step (or a batch of steps read back together in device sampling)."""
 
@@ -338,7 +347,7 @@ class GenerationResult:
         }
 
 
-Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
+Event = Union[Progress, TextDelta, RowFinished, StepRecord, MonitorSample]
 EventSink = Callable[[Event], None]
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

@@ -49,6 +49,7 @@ class ChatFlow(QObject):
     messageAppended = Signal(object)  # MessageItem added at the end of the branch on screen
     streamStarted = Signal(object, int)  # MessageItem of the answer, candidate count
     streamDelta = Signal(object)  # {candidate: text}
+    streamRowsFinished = Signal(object)  # {candidate: finish reason} of candidates that ended (others go on)
     streamFinished = Signal(object)  # MessageItem (one candidate)
     candidatesFinished = Signal(object)  # GenerationResult (N candidates, awaiting a choice)
     generatingChanged = Signal(bool)
@@ -65,6 +66,7 @@ class ChatFlow(QObject):
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         controller.generationStarted.connect(self._on_started)
         controller.textBatch.connect(self._on_text)
+        controller.rowsFinished.connect(self._on_rows_finished)
         controller.generationFinished.connect(self._on_finished)
         controller.generationFailed.connect(self._on_failed)
         self._save_timer = QTimer(self, interval=SAVE_TICK_MS, timeout=self._flush_savers)
@@ -77,6 +79,7 @@ class ChatFlow(QObject):
 
     def open_chat(self, chat_id: Optional[int]) -> None:
         self.chat_id = chat_id
+        self._candidate_ids = []  # candidates left on screen in another chat are no longer there to choose from
         self.chatOpened.emit(chat_id)
         self.reload()
 
@@ -138,7 +141,7 @@ class ChatFlow(QObject):
         return MessageItem(
             id=m.id, role=m.role, content=m.content, sibling_index=index, sibling_count=count, metrics=m.metrics,
             options=m.options, finish_reason={"stopped": "cancelled", "error": "error"}.get(m.status),
-            device=device, author=m.model_name or "",
+            device=device, author=m.model_name or "", candidate=m.candidate_index,
         )
 
     def reload(self) -> None:
@@ -289,6 +292,11 @@ class ChatFlow(QObject):
                 a.savers[i].append(delta)
         if a.chat_id == self.chat_id:
             self.streamDelta.emit(deltas)
+
+    def _on_rows_finished(self, request_id: int, ended: dict) -> None:
+        a = self.answer
+        if a is not None and a.request_id == request_id and not a.discarded and a.chat_id == self.chat_id:
+            self.streamRowsFinished.emit(ended)
 
     def _on_finished(self, request_id: int, result: GenerationResult) -> None:
         a = self.answer

@@ -127,6 +127,10 @@ class ChatView(QScrollArea):
         elif self._candidates is not None:
             self._candidates.append(deltas)
 
+    def rows_finished(self, ended: dict[int, str]) -> None:
+        if self._candidates is not None:
+            self._candidates.mark_ended(ended)
+
     def streaming_text(self, candidate: int = 0) -> str:
         if self._stream is not None:
             return self._stream.body.text

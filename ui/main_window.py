@@ -90,6 +90,7 @@ class MainWindow(QMainWindow):
         self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._search = ""
+        self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._build(settings)
         self._wire()
@@ -180,6 +181,7 @@ class MainWindow(QMainWindow):
         f.messageAppended.connect(v.add_message)
         f.streamStarted.connect(v.begin_stream)
         f.streamDelta.connect(v.append_stream)
+        f.streamRowsFinished.connect(v.rows_finished)
         f.streamFinished.connect(v.finish_stream)
         f.candidatesFinished.connect(self._candidates_finished)
         f.generatingChanged.connect(self._generating_changed)
@@ -189,6 +191,7 @@ class MainWindow(QMainWindow):
         v.deleteRequested.connect(f.delete_message)
         v.siblingRequested.connect(f.step_sibling)
         v.candidateChosen.connect(f.choose_candidate)
+        v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
         self.composer.sendRequested.connect(self._send)
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
@@ -297,6 +300,7 @@ class MainWindow(QMainWindow):
         self.refresh_chats()
 
     def _chat_opened(self, chat_id: Optional[int]) -> None:
+        self._clear_pick_notice()
         self.chat_title.setText(self.store.get_chat(chat_id).title if chat_id is not None else "New chat")
         self.refresh_chats()
 
@@ -345,7 +349,13 @@ class MainWindow(QMainWindow):
     def _candidates_finished(self, result: GenerationResult) -> None:
         self.chat_view.finish_candidates(result.texts, result.metrics.to_dict(), result.options.to_dict(),
                                          result.options.device, result.finish_reasons, can_choose=True)
-        self.status.setText(f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it")
+        self._pick_notice = f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it"
+        self.status.setText(self._pick_notice)
+
+    def _clear_pick_notice(self) -> None:
+        """The notice asking for a choice goes once there is nothing to choose (a pick, another chat)."""
+        if not self.flow.awaiting_choice() and self.status.text() == self._pick_notice:
+            self.status.clear()
 
     def run_ladder(self) -> None:
         """The HUD's "Run ladder": the last user prompt of this chat (or a fixed one) through every preset."""

@@ -12,6 +12,17 @@ from engine.types import PRESET_LABELS, PRESETS, EngineOptions, describe_options
 NA = "n/a"
 
 
+# Why an answer ended (GenerationResult.finish_reasons, "context" where the context left less room than asked).
+FINISH_WORDS = {
+    "eos": "end of answer", "length": "token limit", "stop": "stop string", "cancelled": "stopped by you",
+    "context": "context full", "error": "failed",
+}
+
+
+def finish_words(reason: Optional[str]) -> Optional[str]:
+    return None if reason is None else FINISH_WORDS.get(reason, reason)
+
+
 def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
     if value is None:
         return NA

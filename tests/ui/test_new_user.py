@@ -6,6 +6,7 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMenu
 
+from engine.types import SamplingParams
 from test_main_window import TIMEOUT_MS, close_app, open_app, send
 
 
@@ -98,3 +99,42 @@ def test_right_clicking_another_chat_leaves_the_open_one_on_screen(qtbot, tmp_pa
         qtbot.waitUntil(lambda: shown_texts(w.chat_view) == ["second question", "second answer"], timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
+
+
+def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qtbot, app):
+    w = app.window
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(3)
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=120, seed=11)
+    first = send(qtbot, app, "hello")
+    # A stop string that candidate 0 says early and the others never say: it ends long before them.
+    text0, others = first.texts[0], first.texts[1:]
+    stop = next(text0[i:i + 4] for i in range(1, len(text0) // 3)
+                if text0[i:i + 4].strip() and text0[i:i + 4] not in text0[:i + 3] and all(text0[i:i + 4] not in t for t in others))
+    w.new_chat()
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=120, seed=11, stop=(stop,))
+
+    seen = []
+
+    def on_ended(_rid, ended):
+        tabs = w.chat_view.candidate_tabs()
+        seen.append((dict(ended), [s.text() for s in tabs.stats]))
+
+    app.controller.rowsFinished.connect(on_ended)  # after the window's own slot: it sees what the user sees
+    result = send(qtbot, app, "hello")
+    assert result.finish_reasons[0] == "stop" and result.finish_reasons[1:] == ["length", "length"]
+    first_ended, shown = seen[0]
+    assert first_ended == {0: "stop"}
+    assert shown[0] == "Finished: stop string · waiting for the other candidates…"
+    assert shown[1:] == ["generating…", "generating…"]
+    assert sorted(k for ended, _ in seen for k in ended) == [0, 1, 2]
+
+    tabs = w.chat_view.candidate_tabs()
+    assert [s.text().split(" · ")[0] for s in tabs.stats] == [f"{n} of {result.metrics.new_tokens_total} tokens in the batch"
+                                                               for n in result.metrics.new_tokens]
+    assert w.status.text().startswith("3 candidates: pick one")
+    tabs.use_buttons[0].click()
+    assert w.status.text() == ""
+    footer = w.chat_view.messages()[-1].stats_label.text()
+    own, total = result.metrics.new_tokens[0], result.metrics.new_tokens_total
+    assert own < total and footer.startswith(f"{own} of {total} tokens in the batch")
