@@ -28,6 +28,14 @@ def title_from(text: str) -> str:
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
 
 
+def finish_reasons(result: GenerationResult, max_new_tokens: int) -> list[str]:
+    """The engine's finish reasons, with "context" for a token limit reached below the `max_new_tokens` asked
+    for (the engine then had less room left in the context than that)."""
+    per = result.metrics.new_tokens or []
+    return ["context" if r == "length" and i < len(per) and per[i] < max_new_tokens else r
+            for i, r in enumerate(result.finish_reasons)]
+
+
 @dataclass
 class _Answer:
     """The generation in flight: where its messages go once the engine says how many candidates it runs."""
@@ -40,6 +48,7 @@ class _Answer:
     savers: list[StreamSaver] = field(default_factory=list)
     candidates: int = 1
     discarded: bool = False  # its chat was deleted: nothing more is saved
+    max_new_tokens: int = 0  # what was asked for: a token limit reached below it was the context's
 
 
 class ChatFlow(QObject):
@@ -63,6 +72,7 @@ class ChatFlow(QObject):
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
         self.last_result: Optional[GenerationResult] = None
+        self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         controller.generationStarted.connect(self._on_started)
         controller.textBatch.connect(self._on_text)
@@ -140,7 +150,8 @@ class ChatFlow(QObject):
         device = (m.options or {}).get("device")
         return MessageItem(
             id=m.id, role=m.role, content=m.content, sibling_index=index, sibling_count=count, metrics=m.metrics,
-            options=m.options, finish_reason={"stopped": "cancelled", "error": "error"}.get(m.status),
+            options=m.options,
+            finish_reason=(m.metrics or {}).get("finish_reason") or {"stopped": "cancelled", "error": "error"}.get(m.status),
             device=device, author=m.model_name or "", candidate=m.candidate_index,
         )
 
@@ -251,7 +262,8 @@ class ChatFlow(QObject):
             return False
         info = getattr(self.controller, "info", None)
         request_id = self.controller.generate(messages, sampling)
-        self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None)
+        self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None,
+                              max_new_tokens=sampling.max_new_tokens)
         self._candidate_ids = []
         self.generatingChanged.emit(True)
         return True
@@ -319,11 +331,14 @@ class ChatFlow(QObject):
                 self.failed.emit(f"The answer could not be saved: {exc}")
             del a.message_ids[ran:], a.savers[ran:]
             a.candidates = ran
+        reasons = finish_reasons(result, a.max_new_tokens)
+        self.last_finish_reasons = reasons
         try:
             for i, saver in enumerate(a.savers):
-                reason = result.finish_reasons[i] if i < len(result.finish_reasons) else "cancelled"
+                reason = reasons[i] if i < len(reasons) else "cancelled"
                 text = result.texts[i] if i < len(result.texts) else None
-                saver.finish("stopped" if reason == "cancelled" else "done", metrics=metrics, options=options, text=text)
+                saver.finish("stopped" if reason == "cancelled" else "done", metrics={**metrics, "finish_reason": reason},
+                             options=options, text=text)
         except StoreError as exc:
             self.failed.emit(f"The answer could not be saved: {exc}")
         self._end()

@@ -348,7 +348,7 @@ class MainWindow(QMainWindow):
 
     def _candidates_finished(self, result: GenerationResult) -> None:
         self.chat_view.finish_candidates(result.texts, result.metrics.to_dict(), result.options.to_dict(),
-                                         result.options.device, result.finish_reasons, can_choose=True)
+                                         result.options.device, self.flow.last_finish_reasons, can_choose=True)
         self._pick_notice = f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it"
         self.status.setText(self._pick_notice)
 

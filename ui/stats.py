@@ -83,8 +83,8 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         options_label(options),
         f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
     ])
-    if finish_reason == "cancelled":
-        line += " · stopped"
+    if finish_reason:
+        line += f" · {finish_words(finish_reason)}"
     unavailable = m.get("unavailable") or {}
     tips = [
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
@@ -100,5 +100,5 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
     tips.append(_sourced("Launches per step", m.get("launches_per_step"), fmt(m.get("launches_per_step"), "", 0),
                          m.get("launches_per_step_source"), unavailable.get("launches_per_step")))
     if finish_reason:
-        tips.append(f"Finished: {finish_reason}")
+        tips.append(f"Finished: {finish_words(finish_reason)}")
     return line, "\n".join(tips)

@@ -130,6 +130,7 @@ def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qt
     assert sorted(k for ended, _ in seen for k in ended) == [0, 1, 2]
 
     tabs = w.chat_view.candidate_tabs()
+    assert tabs.stats[0].text().endswith(" · stop string") and tabs.stats[1].text().endswith(" · token limit")
     assert [s.text().split(" · ")[0] for s in tabs.stats] == [f"{n} of {result.metrics.new_tokens_total} tokens in the batch"
                                                                for n in result.metrics.new_tokens]
     assert w.status.text().startswith("3 candidates: pick one")
@@ -138,3 +139,31 @@ def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qt
     footer = w.chat_view.messages()[-1].stats_label.text()
     own, total = result.metrics.new_tokens[0], result.metrics.new_tokens_total
     assert own < total and footer.startswith(f"{own} of {total} tokens in the batch")
+
+
+def test_the_stats_line_says_why_an_answer_ended_also_after_a_restart(qtbot, tmp_path, tiny_factory):
+    small = tiny_factory("llama", max_position_embeddings=48)  # a 48-token context
+    gui = open_app(qtbot, tmp_path / "data", small)
+    try:
+        w = gui.window
+        w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=6, seed=0)
+        result = send(qtbot, gui, "hello")
+        assert result.finish_reasons == ["length"]
+        assert w.chat_view.messages()[-1].stats_label.text().endswith(" · token limit")
+        w.flow.set_chat_settings("", SamplingParams(temperature=0.0, max_new_tokens=200, seed=0))
+        result = send(qtbot, gui, "and more")  # fewer than 200 tokens fit in what is left of the context
+        assert result.finish_reasons == ["length"] and result.metrics.new_tokens_total < 200
+        assert any("by the 48-token context" in n for n in result.notices)
+        assert w.chat_view.messages()[-1].stats_label.text().endswith(" · context full")
+        chat_id = w.flow.chat_id
+    finally:
+        close_app(gui)
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w = gui.window
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat_id))
+        lines = [m.stats_label.text() for m in w.chat_view.messages() if m.item.role == "assistant"]
+        assert [line.rsplit(" · ", 1)[1] for line in lines] == ["token limit", "context full"]
+        assert "Finished: context full" in w.chat_view.messages()[-1].stats_label.toolTip()
+    finally:
+        close_app(gui)
