@@ -109,7 +109,7 @@ PRESET_LABELS: dict[str, str] = {
     "naive": "Naive",
     "half": "+ half precision",
     "device-sampling": "+ device sampling",
-    "first-fixes": "Seeds' first fixes",
+    "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
     "candidates": "+ N candidates",

@@ -167,3 +167,10 @@ def test_the_stats_line_says_why_an_answer_ended_also_after_a_restart(qtbot, tmp
         assert "Finished: context full" in w.chat_view.messages()[-1].stats_label.toolTip()
     finally:
         close_app(gui)
+
+
+def test_the_static_kv_cache_preset_is_named_for_what_it_does(qtbot, app):
+    preset = app.window.toggles.preset
+    labels = {preset.itemData(i): preset.itemText(i) for i in range(preset.count())}
+    assert labels["first-fixes"] == "+ static KV cache"  # the key scripts use stays
+    assert all(text == "Naive" or text == "Custom" or text.startswith("+ ") for text in labels.values())
