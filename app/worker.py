@@ -52,6 +52,26 @@ def one_line(exc: BaseException) -> str:
     return f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
+def option_limits(engine: Any) -> dict[tuple[str, Any], str]:
+    """{(option, value): reason} for the values the engine cannot run on its model and device whatever the other
+    options are: each value is asked about with the others set as it needs them (compile and CUDA graphs with
+    the static cache)."""
+    base = engine.options
+    probes = {
+        ("device", "cuda"): base.with_(device="cuda"),
+        ("dtype", "bf16"): base.with_(dtype="bf16"),
+        ("kv_cache", "static"): base.with_(kv_cache="static"),
+        ("compile", True): base.with_(kv_cache="static", compile=True),
+        ("cuda_graph", True): base.with_(kv_cache="static", compile=True, cuda_graph=True),
+    }
+    out: dict[tuple[str, Any], str] = {}
+    for (name, value), probe in probes.items():
+        why = engine.unavailable(probe).get(name)
+        if why:
+            out[(name, value)] = why
+    return out
+
+
 # ---- commands ---------------------------------------------------------------------------------------------
 
 
@@ -159,6 +179,7 @@ class EngineWorker(EngineEvents):
     """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
 
     loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
+    limits = Signal(object)  # {(option, value): reason} this model and machine never run; before loaded/reconfigured
     reconfiguredInfo = Signal(object)  # ModelInfo after a reconfigure (dtype, device, weight bytes); before `reconfigured`
 
     def __init__(
@@ -235,6 +256,7 @@ class EngineWorker(EngineEvents):
         self._pending_options = None
         self._close_engine(previous)
         self.loadedOptions.emit(engine.options)
+        self.limits.emit(option_limits(engine))
         self.loaded.emit(engine.info, unavailable)
 
     def _reconfigure(self, cmd: Reconfigure) -> None:
@@ -255,6 +277,7 @@ class EngineWorker(EngineEvents):
             self.reconfigureFailed.emit(one_line(exc))
             return
         self.reconfiguredInfo.emit(self.engine.info)
+        self.limits.emit(option_limits(self.engine))
         self.reconfigured.emit(self.engine.options, unavailable)
 
     def _generate(self, cmd: Generate) -> None:
@@ -354,6 +377,7 @@ class EngineController(EngineEvents):
         self.info: Any = None  # ModelInfo of the loaded model, None before the first load
         self.options: EngineOptions = EngineOptions()
         self.unavailable: dict[str, str] = {}
+        self.limits: dict[tuple[str, Any], str] = {}  # what the loaded model and this machine never run
         self.busy = False
         self._ids = itertools.count(1)
         self._generation_cancels: dict[int, threading.Event] = {}
@@ -364,6 +388,7 @@ class EngineController(EngineEvents):
         self.worker.loadedOptions.connect(self._on_loaded_options)
         self.worker.loaded.connect(self._on_loaded)
         self.worker.reconfiguredInfo.connect(self._on_reconfigured_info)
+        self.worker.limits.connect(self._on_limits)
         self.worker.reconfigured.connect(self._on_reconfigured)
         self.worker.generationFinished.connect(self._on_generation_finished)
         self.worker.generationFailed.connect(self._on_generation_failed)
@@ -442,6 +467,10 @@ class EngineController(EngineEvents):
         self.info = info
         self.unavailable = dict(unavailable)
         self.loaded.emit(info, unavailable)
+
+    @Slot(object)
+    def _on_limits(self, limits: Any) -> None:
+        self.limits = dict(limits)
 
     @Slot(object)
     def _on_reconfigured_info(self, info: Any) -> None:

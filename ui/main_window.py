@@ -457,6 +457,7 @@ class MainWindow(QMainWindow):
         self.toggles.set_resolved(info.device, info.dtype)
         self.toggles.set_applied(self.controller.options, {})
         self.toggles.reset_unavailable(unavailable)
+        self.toggles.set_limits(self.controller.limits)
         self.model_status.setText(model_status_text(info))
         self.settings.last_model = source
         if self.catalog is not None:
@@ -489,6 +490,7 @@ class MainWindow(QMainWindow):
             self.model_panel.set_info(info)
             self.model_status.setText(model_status_text(info))
             self.toggles.set_resolved(info.device, info.dtype)
+            self.toggles.set_limits(self.controller.limits)
         if self._requested is not None and options != self._requested:
             # The reply to a choice the user has since replaced (changes wait while an answer runs): the
             # panel keeps the newer choice, whose own reply follows, and its reasons are not pinned on it.

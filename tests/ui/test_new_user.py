@@ -174,3 +174,27 @@ def test_the_static_kv_cache_preset_is_named_for_what_it_does(qtbot, app):
     labels = {preset.itemData(i): preset.itemText(i) for i in range(preset.count())}
     assert labels["first-fixes"] == "+ static KV cache"  # the key scripts use stays
     assert all(text == "Naive" or text == "Custom" or text.startswith("+ ") for text in labels.values())
+
+
+def test_what_cannot_run_here_is_unavailable_from_the_start_with_the_reason_in_view(qtbot, app):
+    w, t = app.window, app.window.toggles
+    # Right after the load, before anything was clicked: this CPU-only machine runs no CUDA graph.
+    assert not t.cuda_graph.isEnabled() and not t.cuda_graph.isChecked()
+    reason = t.reasons["cuda_graph"]
+    assert reason.isVisibleTo(w) and "CUDA graphs need a CUDA device" in reason.text()
+    cuda = t.device.findData("cuda")
+    assert not t.device.model().item(cuda).isEnabled()
+    assert t.reasons["device"].isVisibleTo(w) and "CUDA is not available" in t.reasons["device"].text()
+    assert not t.reasons["compile"].isVisibleTo(w) and t.compile.isEnabled()  # compile runs on a CPU
+    labels = {t.preset.itemData(i): i for i in range(t.preset.count())}
+    assert not t.preset.model().item(labels["cuda-graph"]).isEnabled()
+    assert "CUDA" in t.preset.model().item(labels["cuda-graph"]).toolTip()
+    assert t.preset.model().item(labels["candidates"]).isEnabled()  # candidates run on a CPU, without the graph
+
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.preset.setCurrentIndex(labels["candidates"])
+        t.preset.activated.emit(labels["candidates"])
+    assert t.options.candidates > 1 and not t.options.cuda_graph
+    assert app.controller.options == t.options
+    assert t.preset.currentData() == "candidates"
+    assert not t.cuda_graph.isEnabled() and t.reasons["cuda_graph"].isVisibleTo(w)
