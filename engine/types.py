@@ -112,7 +112,7 @@ PRESET_LABELS: dict[str, str] = {
     "naive": "Naive",
     "half": "+ half precision",
     "device-sampling": "+ device sampling",
-    "first-fixes": "Seeds' first fixes",
+    "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
     "candidates": "+ N candidates",
@@ -337,6 +337,15 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class RowFinished:
+    """One candidate's answer ended while the others may go on; reason as in GenerationResult.finish_reasons.
+    Sent once per candidate, after its last TextDelta."""
+
+    candidate: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One decode step (or a batch of steps read back together in device sampling)."""
 
@@ -387,5 +396,5 @@ class GenerationResult:
         }
 
 
-Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
+Event = Union[Progress, TextDelta, RowFinished, StepRecord, MonitorSample]
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

@@ -151,6 +151,12 @@ class ModelPanel(QGroupBox):
         self.error.show()
         self.status.setText(f"Still using {self.info.name}" if self.info else "No model loaded")
 
+    def clear_error(self) -> None:
+        """A failed load no longer holds once the model in use has answered: its message goes."""
+        if self.error.isVisibleTo(self) and self.info is not None:
+            self.error.hide()
+            self.status.setText("Ready")
+
     def _set_buttons(self, enabled: bool) -> None:
         for b in (self.open_file_button, self.open_folder_button, self.recent_button):
             b.setEnabled(enabled)

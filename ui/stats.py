@@ -12,6 +12,17 @@ from engine.types import PRESET_LABELS, PRESETS, EngineOptions, describe_options
 NA = "n/a"
 
 
+# Why an answer ended (GenerationResult.finish_reasons, "context" where the context left less room than asked).
+FINISH_WORDS = {
+    "eos": "end of answer", "length": "token limit", "stop": "stop string", "cancelled": "stopped by you",
+    "context": "context full", "error": "failed",
+}
+
+
+def finish_words(reason: Optional[str]) -> Optional[str]:
+    return None if reason is None else FINISH_WORDS.get(reason, reason)
+
+
 def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
     if value is None:
         return NA
@@ -72,8 +83,8 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         options_label(options),
         f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
     ])
-    if finish_reason == "cancelled":
-        line += " · stopped"
+    if finish_reason:
+        line += f" · {finish_words(finish_reason)}"
     unavailable = m.get("unavailable") or {}
     tips = [
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
@@ -89,5 +100,5 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
     tips.append(_sourced("Launches per step", m.get("launches_per_step"), fmt(m.get("launches_per_step"), "", 0),
                          m.get("launches_per_step_source"), unavailable.get("launches_per_step")))
     if finish_reason:
-        tips.append(f"Finished: {finish_reason}")
+        tips.append(f"Finished: {finish_words(finish_reason)}")
     return line, "\n".join(tips)

@@ -113,8 +113,12 @@ def test_stats_line_says_na_and_names_sources():
     assert "Launches per step: 348 — source: kernels per step — x" in tip
     line, tip = format_stats({"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}},
                              options, "cpu", "cancelled")
-    assert line.endswith("op gap n/a · stopped")
+    assert line.endswith("op gap n/a · stopped by you")
     assert "profiling off" in tip
+    for reason, words in (("eos", "end of answer"), ("length", "token limit"), ("stop", "stop string"),
+                          ("context", "context full")):
+        line, tip = format_stats(metrics, options, "cuda", reason)
+        assert line.endswith(f"kernel gap 33.3% · {words}") and f"Finished: {words}" in tip
     assert format_stats(None, None, None)[0].startswith("n/a tokens")
     batch = {"new_tokens_total": 30, "new_tokens": [12, 18], "decode_tok_s": 56.0, "unavailable": {}}
     line, tip = format_stats(batch, options, "cuda", candidate=1)
