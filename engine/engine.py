@@ -5,6 +5,7 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
 
 def _target_device(requested: str) -> torch.device:
@@ -56,6 +58,7 @@ class Engine:
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
         self._compiled_for: Optional[tuple] = None
+        self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
         self.monitor = self._start_monitor()
@@ -65,10 +68,15 @@ class Engine:
     def load(cls, source: str, options: EngineOptions = EngineOptions(), progress: Optional[Callable[[Progress], None]] = None) -> "Engine":
         from engine.loader import load_checkpoint
 
+        started = time.perf_counter()
         progress = progress or _noop
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache()))
-        checkpoint = load_checkpoint(source, progress)
-        return cls(checkpoint, options, progress)
+        device = _target_device(options.validate().device)
+        dtype = TORCH_DTYPES[resolve_dtype(options.dtype, device)]
+        checkpoint = load_checkpoint(source, progress, dtype=dtype, device=device)  # GGUF: straight into these
+        engine = cls(checkpoint, options, progress)
+        engine.load_seconds = time.perf_counter() - started
+        return engine
 
     def _fast_args(self) -> Optional[ModelArgs]:
         self.fast_reason = ""
@@ -94,8 +102,9 @@ class Engine:
             torch.cuda.empty_cache()
         dtype = TORCH_DTYPES[self.dtype]
         try:
+            state = self.checkpoint.weights(dtype, self.device)
             if self.fast:
-                self.model = build_transformer(self.config, self.checkpoint.state_dict, dtype, self.device)
+                self.model = build_transformer(self.config, state, dtype, self.device)
             else:
                 from engine.fallback import build_hf_model
 
@@ -103,9 +112,11 @@ class Engine:
                     raise ModelLoadError("this GGUF's rope frequency factors (rope_freqs) are applied only on the fast "
                                          "path, which this model cannot use (details in the log)")
 
-                self.model = build_hf_model(self.config, self.checkpoint.state_dict, dtype, self.device)
+                self.model = build_hf_model(self.config, state, dtype, self.device)
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
+        del state
+        self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
 
     def _start_monitor(self):
@@ -132,6 +143,8 @@ class Engine:
             weight_bytes=int(wbytes),
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
+            load_seconds=self.load_seconds,
+            load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
 
     @property

@@ -174,6 +174,8 @@ class ModelInfo:
     source: str  # the path the model was loaded from
     source_kind: str  # "gguf", "hf-folder" or "default"
     backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
+    load_seconds: Optional[float] = None  # how long the load took, file to model ready
+    load_seconds_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
