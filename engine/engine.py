@@ -104,7 +104,9 @@ class Engine:
         try:
             state = self.checkpoint.weights(dtype, self.device)
             if self.fast:
-                self.model = build_transformer(self.config, state, dtype, self.device)
+                # a checkpoint that can read its weights again gives them up as they are fused
+                reloadable = self.checkpoint.materialise is not None
+                self.model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
             else:
                 from engine.fallback import build_hf_model
 
