@@ -62,6 +62,8 @@ def describe_options(o: Optional[dict[str, Any]]) -> str:
         parts.append("CUDA graph")
     if o.get("candidates", 1) > 1:
         parts.append(f"{o['candidates']} candidates")
+    if o.get("weights", "native") != "native":
+        parts.append(f"{o['weights']} weights")
     return ", ".join(parts)
 
 

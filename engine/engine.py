@@ -55,6 +55,7 @@ class Engine:
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
         self.dtype = eff.dtype
+        self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
         self._compiled_for: Optional[tuple] = None
@@ -107,6 +108,11 @@ class Engine:
                 # a checkpoint that can read its weights again gives them up as they are fused
                 reloadable = self.checkpoint.materialise is not None
                 self.model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
+                if self.weights != "native":
+                    from engine.quant import quantize_linears
+
+                    progress(Progress("load", None, f"quantising the linears to {self.weights}"))
+                    quantize_linears(self.model, self.weights, dtype)
             else:
                 from engine.fallback import build_hf_model
 
@@ -130,8 +136,10 @@ class Engine:
 
     @property
     def info(self) -> ModelInfo:
+        from engine.quant import weight_bytes
+
         params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
-        wbytes = self.model.weight_bytes() if self.fast else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        wbytes = weight_bytes(self.model)
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
@@ -145,6 +153,7 @@ class Engine:
             weight_bytes=int(wbytes),
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
+            weights=self.weights,
             load_seconds=self.load_seconds,
             load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
@@ -179,7 +188,22 @@ class Engine:
             out["kv_cache"] = f"{self._on_fallback()}, which uses its own dynamic cache"
         if o.dtype == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
             out["dtype"] = "this GPU has no bf16 support"
+        if o.weights != "native":
+            why = self._weights_unavailable(o.weights, _target_device(o.device))
+            if why:
+                out["weights"] = why
         return out
+
+    def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
+        from engine.quant import why_not
+
+        args = self._fast_args() if self.fast else None
+        if args is None:
+            return f"{self._on_fallback()}, whose linears are transformers' own"
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        shapes = {"wqkv": (q + 2 * kv, args.dim), "wo": (args.dim, q), "w13": (2 * args.intermediate_size, args.dim),
+                  "w2": (args.dim, args.intermediate_size), "output": (args.vocab_size, args.dim)}
+        return why_not(fmt, shapes, device)
 
     def _on_fallback(self) -> str:
         why = f" ({self.fast_reason})" if self.fast_reason else ""
@@ -197,19 +221,21 @@ class Engine:
             eff = replace(eff, kv_cache="dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
+        if "weights" in reasons:
+            eff = replace(eff, weights="native")
         device = _target_device(eff.device)
         return replace(eff, device=device.type, dtype=resolve_dtype(eff.dtype, device)), reasons
 
     def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
         """Switch options for the next generation. Waits for a running generation; weights are re-placed only
-        when device or dtype change (from the loaded checkpoint, so precision is never lost)."""
+        when device, dtype or weight format change (from the loaded checkpoint, so precision is never lost)."""
         progress = progress or _noop
         options = options.validate()
         with self._lock:
             eff, _ = self.effective(options)
             device = torch.device(eff.device)
-            if device != self.device or eff.dtype != self.dtype:
-                self.device, self.dtype = device, eff.dtype
+            if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
+                self.device, self.dtype, self.weights = device, eff.dtype, eff.weights
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()
