@@ -33,7 +33,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--candidates", type=int, default=None)
-    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, candidates)")
+    p.add_argument("--weights", choices=["native", "int8", "int4"], default=None,
+                   help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups")
+    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, int8, "
+                        "candidates)")
     p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
                    help="trace a short window of decode steps for the kernel/op gap (default on)")
 

@@ -5,6 +5,7 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
 
 def _target_device(requested: str) -> torch.device:
@@ -53,8 +55,10 @@ class Engine:
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
         self.dtype = eff.dtype
+        self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
+        self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
         self.monitor = self._start_monitor()
@@ -64,10 +68,15 @@ class Engine:
     def load(cls, source: str, options: EngineOptions = EngineOptions(), progress: Optional[Callable[[Progress], None]] = None) -> "Engine":
         from engine.loader import load_checkpoint
 
+        started = time.perf_counter()
         progress = progress or _noop
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache()))
-        checkpoint = load_checkpoint(source, progress)
-        return cls(checkpoint, options, progress)
+        device = _target_device(options.validate().device)
+        dtype = TORCH_DTYPES[resolve_dtype(options.dtype, device)]
+        checkpoint = load_checkpoint(source, progress, dtype=dtype, device=device)  # GGUF: straight into these
+        engine = cls(checkpoint, options, progress)
+        engine.load_seconds = time.perf_counter() - started
+        return engine
 
     def _fast_args(self) -> Optional[ModelArgs]:
         self.fast_reason = ""
@@ -92,8 +101,16 @@ class Engine:
             torch.cuda.empty_cache()
         dtype = TORCH_DTYPES[self.dtype]
         try:
+            state = self.checkpoint.weights(dtype, self.device)
             if self.fast:
-                self.model = build_transformer(self.config, self.checkpoint.state_dict, dtype, self.device)
+                # a checkpoint that can read its weights again gives them up as they are fused
+                reloadable = self.checkpoint.materialise is not None
+                self.model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
+                if self.weights != "native":
+                    from engine.quant import quantize_linears
+
+                    progress(Progress("load", None, f"quantising the linears to {self.weights}"))
+                    quantize_linears(self.model, self.weights, dtype)
             else:
                 from engine.fallback import build_hf_model
 
@@ -101,9 +118,11 @@ class Engine:
                     raise ModelLoadError("this GGUF's rope frequency factors (rope_freqs) are applied only on the fast "
                                          "path, which this model cannot use (details in the log)")
 
-                self.model = build_hf_model(self.config, self.checkpoint.state_dict, dtype, self.device)
+                self.model = build_hf_model(self.config, state, dtype, self.device)
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
+        del state
+        self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
 
     def _start_monitor(self):
@@ -115,8 +134,10 @@ class Engine:
 
     @property
     def info(self) -> ModelInfo:
+        from engine.quant import weight_bytes
+
         params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
-        wbytes = self.model.weight_bytes() if self.fast else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        wbytes = weight_bytes(self.model)
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
@@ -130,6 +151,9 @@ class Engine:
             weight_bytes=int(wbytes),
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
+            weights=self.weights,
+            load_seconds=self.load_seconds,
+            load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
 
     @property
@@ -162,7 +186,22 @@ class Engine:
             out["kv_cache"] = f"{self._on_fallback()}, which uses its own dynamic cache"
         if o.dtype == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
             out["dtype"] = "this GPU has no bf16 support"
+        if o.weights != "native":
+            why = self._weights_unavailable(o.weights, _target_device(o.device))
+            if why:
+                out["weights"] = why
         return out
+
+    def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
+        from engine.quant import why_not
+
+        args = self._fast_args() if self.fast else None
+        if args is None:
+            return f"{self._on_fallback()}, whose linears are transformers' own"
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        shapes = {"wqkv": (q + 2 * kv, args.dim), "wo": (args.dim, q), "w13": (2 * args.intermediate_size, args.dim),
+                  "w2": (args.dim, args.intermediate_size), "output": (args.vocab_size, args.dim)}
+        return why_not(fmt, shapes, device)
 
     def _on_fallback(self) -> str:
         why = f" ({self.fast_reason})" if self.fast_reason else ""
@@ -180,19 +219,21 @@ class Engine:
             eff = replace(eff, kv_cache="dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
+        if "weights" in reasons:
+            eff = replace(eff, weights="native")
         device = _target_device(eff.device)
         return replace(eff, device=device.type, dtype=resolve_dtype(eff.dtype, device)), reasons
 
     def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
         """Switch options for the next generation. Waits for a running generation; weights are re-placed only
-        when device or dtype change (from the loaded checkpoint, so precision is never lost)."""
+        when device, dtype or weight format change (from the loaded checkpoint, so precision is never lost)."""
         progress = progress or _noop
         options = options.validate()
         with self._lock:
             eff, _ = self.effective(options)
             device = torch.device(eff.device)
-            if device != self.device or eff.dtype != self.dtype:
-                self.device, self.dtype = device, eff.dtype
+            if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
+                self.device, self.dtype, self.weights = device, eff.dtype, eff.weights
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()

@@ -28,6 +28,8 @@ DEFAULT_PROMPT = (
 )
 DEFAULT_CANDIDATES = 4
 COMPILED_RUNGS = ("compile", "cuda-graph")
+# rungs whose own optimisation is not compile or graphs: they run without those where this bench lacks them
+RELAXED_RUNGS = ("int8", "candidates")
 CPU_DTYPE_NOTE = (
     "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
     "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
@@ -117,7 +119,7 @@ def rung_options(name: str, base: EngineOptions, device_type: str, candidates: O
 def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
               ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
     """(options, skip reason, notes). A rung whose defining optimisation cannot run here is skipped; the
-    candidates rung keeps running without the optimisations this machine lacks, and says which."""
+    int8 and candidates rungs keep running without the optimisations this machine lacks, and say which."""
     opts = rung_options(name, base, device_type, config.candidates)
     notes: list[str] = []
     compile_on = compile_enabled(config, device_type)
@@ -127,11 +129,11 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
         if own:
             return None, "; ".join(f"{k}: {v}" for k, v in own.items()), notes
         return None, "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)", notes
-    if name == "candidates" and not compile_on and opts.compile:
+    if name in RELAXED_RUNGS and not compile_on and opts.compile:
         opts = replace(opts, compile=False, cuda_graph=False)
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
-    if reasons and name == "candidates":
+    if reasons and name in RELAXED_RUNGS:
         for key, why in reasons.items():
             if key in ("compile", "cuda_graph") and getattr(opts, key):
                 opts = opts.with_(**{key: False})

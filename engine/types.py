@@ -16,6 +16,7 @@ DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 
@@ -38,6 +39,7 @@ class EngineOptions:
     cuda_graph: bool = False  # capture the decode step once per candidate count, replay per token
     candidates: int = 1  # same-prompt answers decoded as one batch
     profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
+    weights: str = "native"  # native (dtype) | int8 (per-channel, weight-only) | int4 (group-wise, weight-only)
 
     def validate(self) -> "EngineOptions":
         if self.device not in DEVICES:
@@ -48,6 +50,8 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise OptionsError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         for name in ("compile", "cuda_graph", "profile_window"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -104,6 +108,7 @@ PRESETS: dict[str, EngineOptions] = {
     "first-fixes": EngineOptions(dtype="fp16", kv_cache="static", sampling="device"),
     "compile": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True),
     "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
+    "int8": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"),
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
     ),
@@ -115,6 +120,7 @@ PRESET_LABELS: dict[str, str] = {
     "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
+    "int8": "+ int8 weights",
     "candidates": "+ N candidates",
 }
 
@@ -201,6 +207,9 @@ class ModelInfo:
     source: str  # the path the model was loaded from
     source_kind: str  # "gguf", "hf-folder" or "default"
     backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
+    weights: str = "native"  # the weight format the linears run in (EngineOptions.weights, as applied)
+    load_seconds: Optional[float] = None  # how long the load took, file to model ready
+    load_seconds_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

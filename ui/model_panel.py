@@ -43,7 +43,7 @@ class ModelPanel(QGroupBox):
     openRequested = Signal(str)  # "default", a GGUF path or a folder
     modelsFolderChosen = Signal(str)  # a folder to scan for models
 
-    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend")
+    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend", "load")
 
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__("Model", parent)
@@ -51,7 +51,8 @@ class ModelPanel(QGroupBox):
         grid.setHorizontalSpacing(10)
         grid.setVerticalSpacing(2)
         self.values: dict[str, QLabel] = {}
-        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend")))
+        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend",
+                                         "Load time")))
         for row, key in enumerate(self.FIELDS):
             k = QLabel(labels[key], self)
             k.setObjectName("infoKey")
@@ -117,11 +118,13 @@ class ModelPanel(QGroupBox):
             "dtype": info.dtype, "device": info.device, "context": f"{info.context_length:,}",
             "weights": human_bytes(info.weight_bytes),
             "backend": "fast path" if info.backend == "fast" else f"{info.backend} fallback",
+            "load": NA if info.load_seconds is None else f"{info.load_seconds:.2f} s",
         }
         for key, text in shown.items():
             self.values[key].setText(text)
         self.values["name"].setToolTip(info.source)
         self.values["family"].setToolTip(info.architecture)
+        self.values["load"].setToolTip(info.load_seconds_source or "n/a: this model was not timed as it loaded")
         self.values["backend"].setToolTip(
             "Gapless's own decoder: every optimization can be switched" if info.backend == "fast"
             else f"transformers runs this model{f': {info.backend_reason}' if info.backend_reason else ''}; "

@@ -403,7 +403,7 @@ def test_the_controller_passes_on_every_worker_event_once(qtbot, ctl):
 
     args = {"loadStarted": ("m",), "progress": (None,), "loaded": (None, {}), "loadFailed": ("m", "bad"),
             "reconfigured": (EngineOptions(), {}), "reconfigureFailed": ("bad",), "generationStarted": (7, None),
-            "textBatch": (7, {0: "x"}), "rowsFinished": (7, {0: "eos"}), "rowsFinished": (7, {0: "eos"}), "steps": (7, []), "samples": ([],),
+            "textBatch": (7, {0: "x"}), "rowsFinished": (7, {0: "eos"}), "steps": (7, []), "samples": ([],),
             "generationFinished": (7, None),
             "generationFailed": (8, "bad"), "ladderProgress": (1, 2, "x"), "ladderFinished": ([],),
             "ladderFailed": ("bad",), "busyChanged": (False,)}
