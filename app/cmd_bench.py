@@ -22,6 +22,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         presets=presets,
         candidates=args.candidates,
+        kernels=getattr(args, "kernels", None),
         baseline=args.baseline,
         compile=args.compile,
         prompt=args.prompt or DEFAULT_PROMPT,
@@ -60,6 +61,8 @@ def describe_options(o: Optional[dict[str, Any]]) -> str:
         parts.append("compile")
     if o.get("cuda_graph"):
         parts.append("CUDA graph")
+    if o.get("kernels") == "fused":
+        parts.append("fused kernels")
     if o.get("candidates", 1) > 1:
         parts.append(f"{o['candidates']} candidates")
     return ", ".join(parts)

@@ -21,7 +21,10 @@ def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
 def describe_options(options: dict[str, Any]) -> str:
     """A compact, readable line: "fp16 · static KV · device sampling · compiled · CUDA graph · 4 candidates"."""
     parts = [str(options.get("dtype", "?")), f"{options.get('kv_cache', '?')} KV", f"{options.get('sampling', '?')} sampling"]
-    parts.append("compiled" if options.get("compile") else "eager")
+    if options.get("kernels") == "fused":
+        parts.append("fused kernels")
+    else:
+        parts.append("compiled" if options.get("compile") else "eager")
     if options.get("cuda_graph"):
         parts.append("CUDA graph")
     n = options.get("candidates", 1)

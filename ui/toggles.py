@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QGridLayout, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
 from ui.stats import preset_name
 
 CUSTOM = "custom"
@@ -29,6 +29,8 @@ TIPS = {
     "compile": "torch.compile the decode step: fewer, fused kernels (a first compile takes a while)",
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
+    "kernels": "torch: the model's modules (compiled with torch.compile when on) · fused: Triton kernels, about five per "
+               "layer, on the static KV cache",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
 }
 
@@ -61,9 +63,11 @@ class TogglesPanel(QWidget):
         self.candidates = QSpinBox(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
+        self.kernels = _combo(KERNELS, self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
+            "kernels": self.kernels,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -81,7 +85,8 @@ class TogglesPanel(QWidget):
         for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
-                                     ((None, self.profile_window), (None, self.cuda_graph))), start=1):
+                                     ((None, self.profile_window), (None, self.cuda_graph)),
+                                     (("Kernels", self.kernels),)), start=1):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, row, 2 * col, 1, 2)
@@ -129,7 +134,7 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "kernels"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
@@ -219,6 +224,7 @@ class TogglesPanel(QWidget):
             device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+            kernels=self.kernels.currentData(),
         )
 
     def _edited(self, name: str) -> None:

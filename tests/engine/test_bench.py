@@ -81,7 +81,7 @@ def test_config_from_args():
     c = config_from_args(args)
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
     args.presets = None
-    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 7
+    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 8
 
 
 def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
