@@ -16,19 +16,21 @@ MAX_ROWS = 32  # the greedy pick serves every row in one program
 
 @dataclass(frozen=True)
 class Blocks:
-    """Tile limits. The GPU's: about one program per SM of a large GPU for a GEMV, small weight tiles. The
-    interpreter's: few programs with large tiles, since it pays per program and per op, not per element."""
+    """Tile limits. The GPU's: a GEMV over at least ~one program per SM of a large GPU, and per program a
+    [ROWS_PER_PROGRAM, BLOCK_N, BLOCK_K] product of at most 4,096 values (32 registers a thread at 4 warps; larger
+    tiles spill, as ptxas's resource usage showed for sm_90). The interpreter's: few programs with large tiles,
+    since it pays per program and per op, not per element."""
 
     gemv_programs: int  # programs over N a GEMV aims at, per row block
     max_block_n: int
     max_block_k: int
-    max_tile: int  # BLOCK_N * BLOCK_K at most
+    max_tile: int  # BLOCK_N * BLOCK_K at most (and BLOCK_S * BLOCK_D * BLOCK_G for attention)
     rope_pairs: int  # output pairs per program of the QKV kernel (fewer when head_dim / 2 needs it)
-    attn_block_s: int  # keys per attention loop iteration
+    attn_block_s: int  # keys per attention loop iteration at most
 
 
 PROFILES = {
-    "gpu": Blocks(gemv_programs=128, max_block_n=64, max_block_k=128, max_tile=64 * 128, rope_pairs=8, attn_block_s=32),
+    "gpu": Blocks(gemv_programs=128, max_block_n=64, max_block_k=128, max_tile=1024, rope_pairs=8, attn_block_s=64),
     "interpreter": Blocks(gemv_programs=1, max_block_n=256, max_block_k=1024, max_tile=1 << 18, rope_pairs=1 << 20,
                           attn_block_s=256),
 }
@@ -65,6 +67,16 @@ def rope_pairs(head_dim: int, qk_norm: bool) -> int:
     return pairs
 
 
+def qkv_block_k(dim: int, pairs: int) -> int:
+    b = blocks()
+    return max(16, min(b.max_block_k, _pow2_ceil(dim), _pow2_floor(b.max_tile // pairs)))
+
+
+def attn_block_s(group: int, head_dim: int) -> int:
+    b = blocks()
+    return max(8, min(b.attn_block_s, _pow2_floor(4 * b.max_tile // (_pow2_ceil(group) * _pow2_ceil(head_dim)))))
+
+
 def _row_blocks(rows: int) -> int:
     return -(-rows // ROWS_PER_PROGRAM)
 
@@ -91,7 +103,7 @@ def qkv_rope(x: torch.Tensor, tok: torch.Tensor, emb: Optional[torch.Tensor], no
         q_norm if qk_norm else norm_w, k_norm if qk_norm else norm_w, cos, sin, pos, q_out, k_cache, v_cache,
         rows, eps, k_cache.shape[2], DIM=dim, H=n_heads, HKV=n_kv, D=head_dim, EMBED=emb is not None,
         HAS_BIAS=b is not None, QK_NORM=qk_norm, PAIRS=pairs, BLOCK_M=ROWS_PER_PROGRAM,
-        BLOCK_K=min(blocks().max_block_k, _pow2_ceil(dim)), USE_PDL=use_pdl, **_opts(use_pdl),
+        BLOCK_K=qkv_block_k(dim, pairs), USE_PDL=use_pdl, **_opts(use_pdl),
     )
 
 
@@ -104,7 +116,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = n_heads // n_kv
     k.decode_attention_kernel[(rows, n_kv)](
         q, k_cache, v_cache, pos, y, k_cache.shape[2], head_dim ** -0.5, H=n_heads, HKV=n_kv, D=head_dim,
-        GROUP=group, BLOCK_G=_pow2_ceil(group), BLOCK_D=_pow2_ceil(head_dim), BLOCK_S=blocks().attn_block_s,
+        GROUP=group, BLOCK_G=_pow2_ceil(group), BLOCK_D=_pow2_ceil(head_dim), BLOCK_S=attn_block_s(group, head_dim),
         USE_PDL=use_pdl, **_opts(use_pdl),
     )
 
@@ -161,6 +173,6 @@ def greedy_accept(pmax: torch.Tensor, pidx: torch.Tensor, eos: torch.Tensor, don
         raise ValueError(f"the fused greedy pick serves at most {MAX_ROWS} rows, got {rows}")
     k.greedy_accept_kernel[(1,)](
         pmax, pidx, eos, done, out, tok, counter, pos, rows, blocks, out.stride(0), eos.numel(),
-        BLOCK_B=MAX_ROWS, BLOCK_P=min(256, _pow2_ceil(blocks)), BLOCK_E=_pow2_ceil(eos.numel()),
+        BLOCK_B=MAX_ROWS, BLOCK_P=min(64, _pow2_ceil(blocks)), BLOCK_E=_pow2_ceil(eos.numel()),
         USE_PDL=use_pdl, **_opts(use_pdl),
     )

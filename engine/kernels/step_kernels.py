@@ -7,7 +7,8 @@ depend on the previous kernel (weights, norms, rope tables) before gdc_wait(), a
 own prologue at once: nothing before a kernel's wait writes memory, so the early start is safe.
 
 Rounding follows the eager model (engine/model.py) op by op: the norm's output, each projection, the rope terms and
-the activation are rounded to the model's dtype where the eager path rounds them; sums run in fp32.
+the activation are rounded to the model's dtype where the eager path rounds them; sums run in fp32. The row
+count B is not specialised on, so 1 row and 32 rows run the same compiled code.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def _dot_rows(h, w):
     return tl.sum(h[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def qkv_rope_kernel(
     x_ptr, tok_ptr, emb_ptr, norm_w, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
     q_ptr, kc_ptr, vc_ptr, B, eps, cache_len,
@@ -121,7 +122,7 @@ def qkv_rope_kernel(
     a2 = acc2.to(dt).to(tl.float32)
     is_v = head >= H + HKV
     if QK_NORM:
-        if not is_v:
+        if head < H + HKV:
             ss = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
             r = 1.0 / tl.sqrt(ss / D + eps)
             if head < H:
@@ -171,7 +172,7 @@ def decode_attention_kernel(
     gmask = g < GROUP
     dmask = d < D
     _pdl_wait(USE_PDL)
-    n = tl.load(pos_ptr) + 1
+    n = (tl.load(pos_ptr) + 1).to(tl.int32)
     qh = row * H + kvh * GROUP + g
     q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     base = (row * HKV + kvh) * cache_len * D
@@ -196,7 +197,7 @@ def decode_attention_kernel(
     tl.store(y_ptr + qh[:, None] * D + d[None, :], out.to(dt), mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def gemv_residual_kernel(
     a_ptr, w_ptr, b_ptr, x_ptr, B, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -229,7 +230,7 @@ def gemv_residual_kernel(
     tl.store(xp, (x + o).to(dt), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def norm_gate_up_kernel(
     x_ptr, norm_w, w_ptr, b_ptr, out_ptr, B, eps, DIM: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -268,7 +269,7 @@ def norm_gate_up_kernel(
     tl.store(out_ptr + rows[:, None] * INTER + n[None, :], (act * up).to(dt), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def norm_head_kernel(
     x_ptr, norm_w, w_ptr, logits_ptr, pmax_ptr, pidx_ptr, B, eps, V, DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -303,7 +304,7 @@ def norm_head_kernel(
     tl.store(pidx_ptr + rows * nblocks + pid, first, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def greedy_accept_kernel(
     pmax_ptr, pidx_ptr, eos_ptr, done_ptr, out_ptr, tok_ptr, counter_ptr, pos_ptr, B, NBLOCKS, out_stride, N_EOS,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
@@ -319,19 +320,19 @@ def greedy_accept_kernel(
     eos0 = tl.load(eos_ptr)
     _pdl_wait(USE_PDL)
     best = tl.full([BLOCK_B], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK_B], tl.int64)
+    best_i = tl.zeros([BLOCK_B], tl.int32)
     for p0 in range(0, NBLOCKS, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         mask = rmask[:, None] & (p < NBLOCKS)[None, :]
         vals = tl.load(pmax_ptr + rows[:, None] * NBLOCKS + p[None, :], mask=mask, other=float("-inf"))
-        idx = tl.load(pidx_ptr + rows[:, None] * NBLOCKS + p[None, :], mask=mask, other=0).to(tl.int64)
+        idx = tl.load(pidx_ptr + rows[:, None] * NBLOCKS + p[None, :], mask=mask, other=0)
         m = tl.max(vals, axis=1)
-        at = tl.min(tl.where(vals == m[:, None], idx, 1 << 62), axis=1)
+        at = tl.min(tl.where(vals == m[:, None], idx, 2147483647), axis=1)
         better = m > best  # strictly: an equal maximum in a later block keeps the earlier index
         best_i = tl.where(better, at, best_i)
         best = tl.where(better, m, best)
     done = tl.load(done_ptr + rows, mask=rmask, other=0) != 0
-    tok = tl.where(done, eos0, best_i)
+    tok = tl.where(done, eos0, best_i.to(tl.int64))
     hit = tl.sum((tok[:, None] == eos[None, :]).to(tl.int32), axis=1) > 0
     counter = tl.load(counter_ptr)
     pos = tl.load(pos_ptr)
