@@ -4,11 +4,12 @@ row's result independent of how many rows run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Optional
 
 import torch
 
-from engine.kernels import interpreting, load_triton
+from engine.kernels import import_error, interpreting, load_triton
 
 ROWS_PER_PROGRAM = 4
 MAX_ROWS = 32  # the greedy pick serves every row in one program
@@ -77,6 +78,13 @@ def attn_block_s(group: int, head_dim: int) -> int:
     return max(8, min(b.attn_block_s, _pow2_floor(4 * b.max_tile // (_pow2_ceil(group) * _pow2_ceil(head_dim)))))
 
 
+def _kernels() -> ModuleType:
+    mod = load_triton()
+    if mod is None:
+        raise RuntimeError(f"the fused kernels cannot run: {import_error()}")
+    return mod
+
+
 def _row_blocks(rows: int) -> int:
     return -(-rows // ROWS_PER_PROGRAM)
 
@@ -91,7 +99,7 @@ def qkv_rope(x: torch.Tensor, tok: torch.Tensor, emb: Optional[torch.Tensor], no
              v_cache: torch.Tensor, eps: float, use_pdl: bool = False) -> None:
     """x [B, dim] (written from emb[tok] when emb is given), w [(H + 2 Hkv) D, dim], q_out [B, H, D],
     caches [B, Hkv, L, D], cos/sin [L, D] in the model's dtype, pos [1]."""
-    k = load_triton()
+    k = _kernels()
     rows, dim = x.shape
     _, n_heads, head_dim = q_out.shape
     n_kv = k_cache.shape[1]
@@ -110,7 +118,7 @@ def qkv_rope(x: torch.Tensor, tok: torch.Tensor, emb: Optional[torch.Tensor], no
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      y: torch.Tensor, use_pdl: bool = False) -> None:
     """q [B, H, D] against the cache over [0, pos] -> y [B, H * D]."""
-    k = load_triton()
+    k = _kernels()
     rows, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
@@ -124,7 +132,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def gemv_residual(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], x: torch.Tensor,
                   use_pdl: bool = False) -> None:
     """x += a @ w.T (+ b), in place: a [B, K], w [N, K], x [B, N]."""
-    k = load_triton()
+    k = _kernels()
     rows, kdim = a.shape
     n = w.shape[0]
     block_n, block_k = gemv_blocks(n, kdim)
@@ -137,7 +145,7 @@ def gemv_residual(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], x
 def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor,
                  eps: float, use_pdl: bool = False) -> None:
     """out = silu(gate) * up of RMSNorm(x): w [2 I, dim], out [B, I]."""
-    k = load_triton()
+    k = _kernels()
     rows, dim = x.shape
     inter = out.shape[1]
     block_n, block_k = gemv_blocks(inter, dim)
@@ -154,7 +162,7 @@ def head_blocks(vocab: int, dim: int) -> int:
 def norm_head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, logits: torch.Tensor, pmax: torch.Tensor,
               pidx: torch.Tensor, eps: float, use_pdl: bool = False) -> None:
     """logits [B, V] fp32 of RMSNorm(x) @ w.T, and each vocabulary block's max and first index: pmax/pidx [B, blocks]."""
-    k = load_triton()
+    k = _kernels()
     rows, dim = x.shape
     vocab = w.shape[0]
     block_n, block_k = gemv_blocks(vocab, dim)
@@ -167,7 +175,7 @@ def norm_head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, logits: to
 def greedy_accept(pmax: torch.Tensor, pidx: torch.Tensor, eos: torch.Tensor, done: torch.Tensor, out: torch.Tensor,
                   tok: torch.Tensor, counter: torch.Tensor, pos: torch.Tensor, use_pdl: bool = False) -> None:
     """The greedy tokens from the head's block maxima, written as RunnerBase._accept writes them; counter, pos += 1."""
-    k = load_triton()
+    k = _kernels()
     rows, blocks = pmax.shape
     if rows > MAX_ROWS:
         raise ValueError(f"the fused greedy pick serves at most {MAX_ROWS} rows, got {rows}")

@@ -9,13 +9,13 @@ and attend over [0, pos], so one CUDA graph per sampler kind serves every contex
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
 from engine.decode import StaticRunner
 from engine.kernels import launch, pdl_status
-from engine.model import Transformer
+from engine.model import Block, Transformer
 from engine.sampling import SamplerKind, sample
 
 log = logging.getLogger(__name__)
@@ -37,14 +37,14 @@ class FusedRunner(StaticRunner):
         blocks = launch.head_blocks(a.vocab_size, a.dim)
         self.pmax = torch.zeros(batch, blocks, dtype=torch.float32, device=device)
         self.pidx = torch.zeros(batch, blocks, dtype=torch.int32, device=device)
-        self.cos = model.rope_cos.to(dtype)  # the eager model casts the tables to its dtype at use
-        self.sin = model.rope_sin.to(dtype)
+        self.cos = cast(torch.Tensor, model.rope_cos).to(dtype)  # the eager model casts the tables at use
+        self.sin = cast(torch.Tensor, model.rope_sin).to(dtype)
         self._warm: set[SamplerKind] = set()
 
     def fused_step(self, kind: SamplerKind) -> None:
         """One decode step: feeds self.tok at self.pos, writes the next token, advances pos and the counter."""
         m, pdl, eps = self.model, self.use_pdl, self.model.args.norm_eps
-        for i, block in enumerate(m.layers):
+        for i, block in enumerate(cast("list[Block]", list(m.layers))):
             at, ff = block.attention, block.feed_forward
             kc, vc = self.cache.k[i], self.cache.v[i]
             launch.qkv_rope(
@@ -65,18 +65,22 @@ class FusedRunner(StaticRunner):
             self._accept(sample(self.logits, kind, self.sampler), kind)
             self.pos += 1
 
-    def _call(self, bucket: int, kind: SamplerKind) -> None:
+    def bucket_step(self, bucket: int, kind: SamplerKind) -> None:
+        """What StaticRunner's warm-up and capture run: the fused step, whatever the bucket."""
         self.fused_step(kind)
 
     def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
         return [self.length]
 
     def step(self, step_index: int) -> None:
-        graph = self.graphs.get((self.length, self.kind)) if self.use_graphs else None
+        kind = self.kind
+        if kind is None:
+            raise RuntimeError("a decode step before the prefill")
+        graph = self.graphs.get((self.length, kind)) if self.use_graphs else None
         if graph is not None:
             graph.replay()
         else:
-            self.fused_step(self.kind)
+            self.fused_step(kind)
 
     def warm_up(self, buckets: list[int], kind: SamplerKind, use_graphs: bool,
                 progress: Callable[[str, float], None]) -> None:

@@ -177,7 +177,7 @@ def decode_attention_kernel(
     q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     base = (row * HKV + kvh) * cache_len * D
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for s0 in range(0, n, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
@@ -189,11 +189,11 @@ def decode_attention_kernel(
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + base + s[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = acc / l[:, None]
+    out = acc / denom[:, None]
     tl.store(y_ptr + qh[:, None] * D + d[None, :], out.to(dt), mask=gmask[:, None] & dmask[None, :])
 
 

@@ -107,7 +107,7 @@ def test_kernels_option_validation_preset_and_cli():
 
 
 def test_bench_plans_the_fused_rung_and_fused_candidates(qwen2_engine, monkeypatch):
-    from engine.bench import BenchConfig, plan_rung, validate
+    from engine.ladder import BenchConfig, plan_rung, validate
 
     base = EngineOptions(device="cpu")
     opts, skip, _ = plan_rung(qwen2_engine, "fused", base, "cpu", BenchConfig(device="cpu"))

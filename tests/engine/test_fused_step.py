@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.decode import StaticRunner  # noqa: E402
-from engine.kernels import INTERPRET_ENV, interpreting, launch  # noqa: E402
+from engine.kernels import interpreting, launch  # noqa: E402
 from engine.kernels.runner import FusedRunner  # noqa: E402
 from engine.model import StaticKVCache, build_transformer  # noqa: E402
 from engine.sampling import SamplerKind  # noqa: E402
@@ -38,7 +38,7 @@ def model_of(name: str, dtype=torch.float32):
 
 def eager_logits(model, ids: list[int]) -> torch.Tensor:
     """[T, V]: the eager model's logits at every position of `ids`, one forward over them all."""
-    cache = StaticKVCache(model.args, 1, 64, torch.float32, CPU)
+    cache = StaticKVCache.allocate(model.args, 1, 64, torch.float32, CPU)
     cache.attn_len = len(ids)
     return model(torch.tensor([ids]), torch.arange(len(ids)), cache, None, last_only=False)[0]
 
@@ -69,7 +69,7 @@ def test_fused_step_logits_match_eager_on_the_prompt_and_8_decode_steps(name):
             ref = eager_logits(model, ids)
             torch.testing.assert_close(got[0], ref[-1], atol=LOGIT_TOL, rtol=LOGIT_TOL)
         # and every position of the prompt, compared after the fact from the cache the kernels wrote
-        k_ref = StaticKVCache(model.args, 1, 64, torch.float32, CPU)
+        k_ref = StaticKVCache.allocate(model.args, 1, 64, torch.float32, CPU)
         k_ref.attn_len = len(ids)
         model(torch.tensor([ids]), torch.arange(len(ids)), k_ref, None)
         for layer in range(model.args.n_layers):
@@ -89,7 +89,7 @@ def test_fused_step_half_precision_logits_near_eager(dtype):
         runner = FusedRunner(model, 1, 64, [], CPU, dtype)
         for p, t in enumerate(prompt):
             got = feed(runner, torch.tensor([t]), p)
-        cache = StaticKVCache(model.args, 1, 64, dtype, CPU)
+        cache = StaticKVCache.allocate(model.args, 1, 64, dtype, CPU)
         cache.attn_len = len(prompt)
         ref = model(torch.tensor([prompt]), torch.arange(len(prompt)), cache, None)[0, -1]
     tol = 0.05 if dtype == torch.float16 else 0.3
@@ -155,3 +155,15 @@ def test_greedy_tokens_equal_eager_over_32_steps_on_smollm2_shape():
             for s in range(1, 33):
                 r.step(s)
     assert fused.out[0, :33].tolist() == ref.out[0, :33].tolist()
+
+
+def test_what_the_graph_captures_is_the_fused_step(monkeypatch):
+    """StaticRunner._capture runs bucket_step on a side stream and under capture; for the fused runner that must be
+    the fused step (a CUDA graph cannot be captured here, so this checks the call it would capture)."""
+    model = model_of("llama")
+    runner = FusedRunner(model, 1, 64, [], CPU, torch.float32)
+    ran = []
+    monkeypatch.setattr(runner, "fused_step", ran.append)
+    monkeypatch.setattr(StaticRunner, "masked_step", lambda *a: pytest.fail("the torch step was run"))
+    runner.bucket_step(64, GREEDY)
+    assert ran == [GREEDY] and runner.buckets_for(10, 20) == [64]

@@ -159,38 +159,53 @@ def speed(folder: Path, device: str, pdl: bool, progress: Callable[[str], None],
         os.environ.pop("GAPLESS_PDL", None)
 
 
+def _copy_gb_s() -> float:
+    """A device-to-device copy of 256 MiB: bytes read + written over the median time."""
+    import triton.testing
+
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def _gemv_call(name: str, n: int, k: int) -> Callable[[], None]:
+    """One row through one GEMV kernel in fp16 with random operands: the launch do_bench times."""
+    from engine.kernels import launch
+
+    dev, dt = torch.device("cuda"), torch.float16
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev).to(dt)
+
+    w, x, nw = r(n, k) * 0.02, r(1, k), r(k)
+    if name == "qkv_rope":
+        q, kc, vc = r(1, 9, 64), r(1, 3, 256, 64), r(1, 3, 256, 64)
+        cos, sin = r(256, 64), r(256, 64)
+        pos, tok = torch.tensor([7], device=dev), torch.zeros(1, 1, dtype=torch.long, device=dev)
+        return lambda: launch.qkv_rope(x, tok, None, nw, w, None, None, None, cos, sin, pos, q, kc, vc, 1e-5)
+    if name in ("o_proj", "down"):
+        res = r(1, n)
+        return lambda: launch.gemv_residual(x, w, None, res)
+    if name == "gate_up":
+        act = r(1, n // 2)
+        return lambda: launch.norm_gate_up(x, nw, w, None, act, 1e-5)
+    blocks = launch.head_blocks(n, k)
+    logits = torch.empty(1, n, device=dev)
+    pmax, pidx = torch.empty(1, blocks, device=dev), torch.empty(1, blocks, dtype=torch.int32, device=dev)
+    return lambda: launch.norm_head(x, nw, w, logits, pmax, pidx, 1e-5)
+
+
 def gemv_bandwidth(progress: Callable[[str], None]) -> dict:
     """Each GEMV kernel alone at one row in fp16, L2 flushed between runs by do_bench; bytes = what it reads."""
     import triton.testing
 
     from engine.kernels import launch
 
-    dev, dt = torch.device("cuda"), torch.float16
-    src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    copy_gbs = 2 * src.numel() / (copy_ms * 1e-3) / 1e9  # read + write
-    del src, dst
+    copy_gbs = _copy_gb_s()
     rows = []
-    r = lambda *s: torch.randn(*s, device=dev).to(dt)  # noqa: E731
     for name, n, k in GEMV_SHAPES:
-        w, x, nw = r(n, k) * 0.02, r(1, k), r(k)
-        if name == "qkv_rope":
-            heads, kv, d = 9, 3, 64
-            q, kc, vc = r(1, heads, d), r(1, kv, 256, d), r(1, kv, 256, d)
-            cos, sin, pos, tok = r(256, d), r(256, d), torch.tensor([7], device=dev), torch.zeros(1, 1, dtype=torch.long, device=dev)
-            fn = lambda: launch.qkv_rope(x, tok, None, nw, w, None, None, None, cos, sin, pos, q, kc, vc, 1e-5)  # noqa: E731
-        elif name in ("o_proj", "down"):
-            res = r(1, n)
-            fn = lambda: launch.gemv_residual(x, w, None, res)  # noqa: E731
-        elif name == "gate_up":
-            act = r(1, n // 2)
-            fn = lambda: launch.norm_gate_up(x, nw, w, None, act, 1e-5)  # noqa: E731
-        else:
-            blocks = launch.head_blocks(n, k)
-            logits = torch.empty(1, n, device=dev)
-            pmax, pidx = torch.empty(1, blocks, device=dev), torch.empty(1, blocks, dtype=torch.int32, device=dev)
-            fn = lambda: launch.norm_head(x, nw, w, logits, pmax, pidx, 1e-5)  # noqa: E731
+        fn = _gemv_call(name, n, k)
         fn()
         ms = triton.testing.do_bench(fn, return_mode="median")
         nbytes = (n * k + 2 * k) * 2

@@ -2,8 +2,7 @@
 engine that cannot run the fused kernels turns it back to torch with the reason on the disabled entry."""
 from __future__ import annotations
 
-from engine.types import EngineOptions, preset_options
-from ui.stats import describe_options
+from engine.types import EngineOptions, describe_options, preset_options
 from ui.toggles import TogglesPanel
 
 
@@ -33,4 +32,4 @@ def test_kernels_choice_follows_presets_edits_and_the_engine(qtbot):
 
 def test_describe_options_names_the_fused_kernels():
     text = describe_options(preset_options("fused", EngineOptions(device="cuda")).to_dict())
-    assert text == "fp16 · static KV · device sampling · fused kernels · CUDA graph"
+    assert text == "fp16 · static KV · device sampling · eager · CUDA graph · kernels fused"
