@@ -23,6 +23,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         presets=presets,
         candidates=args.candidates,
+        kernels=getattr(args, "kernels", None),
         baseline=args.baseline,
         compile=args.compile,
         prompt=args.prompt or DEFAULT_PROMPT,

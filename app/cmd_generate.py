@@ -26,6 +26,7 @@ def options_from_args(args) -> EngineOptions:
         "cuda_graph": args.cuda_graph,
         "candidates": args.candidates,
         "profile_window": args.profile_window,
+        "kernels": getattr(args, "kernels", None),
         "weights": getattr(args, "weights", None),
     }
     return replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()

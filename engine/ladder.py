@@ -50,6 +50,7 @@ class BenchConfig:
     warmup: int = 1
     presets: tuple[str, ...] = tuple(PRESETS)
     candidates: Optional[int] = None  # N of the candidates rung (default 4)
+    kernels: Optional[str] = None  # the candidates rung's kernels; None: as its preset (torch, compiled)
     baseline: bool = True
     compile: Optional[bool] = None  # None: on with CUDA, off on the CPU (a cold compile takes minutes there)
     interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
@@ -122,6 +123,8 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
     int8 and candidates rungs keep running without the optimisations this machine lacks, and say which."""
     opts = rung_options(name, base, device_type, config.candidates)
     notes: list[str] = []
+    if name == "candidates" and config.kernels == "fused":  # the fused step replaces the compiled one
+        opts = replace(opts, kernels="fused", compile=False)
     compile_on = compile_enabled(config, device_type)
     if name in COMPILED_RUNGS and not compile_on:
         # A rung this device cannot run at all says so first; "compile off" is only the reason where it could.
@@ -134,6 +137,9 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
     if reasons and name in RELAXED_RUNGS:
+        if "kernels" in reasons and opts.kernels == "fused":
+            opts = replace(opts, kernels="torch")
+            notes.append(f"without fused kernels: {reasons['kernels']}")
         for key, why in reasons.items():
             if key in ("compile", "cuda_graph") and getattr(opts, key):
                 opts = opts.with_(**{key: False})
@@ -289,6 +295,8 @@ def validate(config: BenchConfig) -> BenchConfig:
         raise OptionsError(f"max_new_tokens must be >= 2 for a decode figure, got {config.max_new_tokens}")
     if config.candidates is not None:
         EngineOptions(candidates=config.candidates).validate()
+    if config.kernels is not None:
+        EngineOptions(kernels=config.kernels).validate()
     if not config.prompt.strip():
         raise OptionsError("the prompt is empty")
     return config

@@ -16,6 +16,7 @@ DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("torch", "fused")
 WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -39,6 +40,7 @@ class EngineOptions:
     cuda_graph: bool = False  # capture the decode step once per candidate count, replay per token
     candidates: int = 1  # same-prompt answers decoded as one batch
     profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
+    kernels: str = "torch"  # torch (the model's modules) | fused (Triton decode kernels; implies the static cache)
     weights: str = "native"  # native (dtype) | int8 (per-channel, weight-only) | int4 (group-wise, weight-only)
 
     def validate(self) -> "EngineOptions":
@@ -50,6 +52,8 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.kernels not in KERNELS:
+            raise OptionsError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise OptionsError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         for name in ("compile", "cuda_graph", "profile_window"):
@@ -108,6 +112,8 @@ PRESETS: dict[str, EngineOptions] = {
     "first-fixes": EngineOptions(dtype="fp16", kv_cache="static", sampling="device"),
     "compile": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True),
     "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
+    # The fused kernels replace the compiled step, so compile is off here; the graph captures the kernels.
+    "fused": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", cuda_graph=True, kernels="fused"),
     "int8": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"),
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
@@ -120,6 +126,7 @@ PRESET_LABELS: dict[str, str] = {
     "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
+    "fused": "+ fused kernels",
     "int8": "+ int8 weights",
     "candidates": "+ N candidates",
 }

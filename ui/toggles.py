@@ -12,7 +12,7 @@ from PySide6.QtWidgets import (
 )
 
 from ui.progress import show_progress
-from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
 from engine.types import WEIGHT_FORMATS
 from ui.stats import preset_name
 
@@ -20,7 +20,7 @@ CUSTOM = "custom"
 # The option each preset adds to the rung before it: the preset cannot run where that option cannot.
 DEFINING_OPTION: dict[str, Optional[str]] = {
     "naive": None, "half": "dtype", "device-sampling": "sampling", "first-fixes": "kv_cache", "compile": "compile",
-    "cuda-graph": "cuda_graph", "candidates": "candidates",
+    "cuda-graph": "cuda_graph", "fused": "kernels", "candidates": "candidates",
 }
 # (preset name, current options, device type "cpu" | "cuda") -> the preset's options on that device
 PresetResolver = Callable[[str, EngineOptions, str], EngineOptions]
@@ -36,6 +36,8 @@ TIPS = {
     "compile": "torch.compile the decode step: fewer, fused kernels (a first compile takes a while)",
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
+    "kernels": "torch: the model's modules (compiled with torch.compile when on) · fused: Triton kernels, about five per "
+               "layer, on the static KV cache",
     "weights": "native: the linears in the chosen precision · int8: weight-only, one scale per output channel "
                "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
@@ -71,10 +73,11 @@ class TogglesPanel(QWidget):
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
         self.weights = _combo(WEIGHT_FORMATS, self)
+        self.kernels = _combo(KERNELS, self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
-            "weights": self.weights,
+            "weights": self.weights, "kernels": self.kernels,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -95,7 +98,7 @@ class TogglesPanel(QWidget):
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
                                      ((None, self.profile_window), (None, self.cuda_graph)),
-                                     (("Weights", self.weights),))):
+                                     (("Weights", self.weights), ("Kernels", self.kernels)))):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
@@ -151,7 +154,7 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling", "weights"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "kernels"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
@@ -268,6 +271,7 @@ class TogglesPanel(QWidget):
             device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+            kernels=self.kernels.currentData(),
             weights=self.weights.currentData(),
         )
 
