@@ -44,8 +44,8 @@ class RemoteSource:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise OptionsError(f"a remote server's address is an http(s) URL such as http://host:8000/v1, "
                                f"got {self.base_url!r}")
-        if not self.model or "#" in self.model:
-            raise OptionsError(f"a remote model needs a name (without '#'), got {self.model!r}")
+        if not self.model or "#" in self.model or "|" in self.model:
+            raise OptionsError(f"a remote model needs a name (without '#' or '|'), got {self.model!r}")
         if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= 3600:
             raise OptionsError(f"the remote timeout must be in (0, 3600] seconds, got {self.timeout_s}")
         return self
@@ -213,10 +213,12 @@ class RemoteEngine:
     # ---- options ----
 
     def unavailable(self, options: Optional[EngineOptions] = None) -> dict[str, str]:
+        """Every option but the candidate count (sent as n) is the server's: one set away from its default is
+        reported (the app turns it back, and the default is what the server's own setting stands for)."""
         o = options or self.options
-        out = {f.name: f"{REMOTE_REASON}, which decides its own {f.name.replace('_', ' ')}"
-               for f in fields(o) if f.name != "candidates"}
-        return out
+        default = EngineOptions()
+        return {f.name: f"{REMOTE_REASON}, which decides its own {f.name.replace('_', ' ')}"
+                for f in fields(o) if f.name != "candidates" and getattr(o, f.name) != getattr(default, f.name)}
 
     def effective(self, options: EngineOptions) -> tuple[EngineOptions, dict[str, str]]:
         return options, self.unavailable(options)

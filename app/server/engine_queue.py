@@ -76,12 +76,13 @@ class ServerStats:
 
 
 class EngineQueue:
-    def __init__(self, engine: Any, max_waiting: int = 16, run_on_engine: Optional[RunOnEngine] = None):
+    def __init__(self, engine: Any, max_waiting: int = 16, run_on_engine: Optional[RunOnEngine] = None,
+                 model_id: Optional[str] = None):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.model_id = engine.info.name
+        self.model_id = model_id if model_id is not None else engine.info.name
         self.stats = ServerStats()
         self._run_on_engine = run_on_engine or (lambda fn: fn(self.engine))
         self._lock = threading.Lock()

@@ -83,10 +83,14 @@ def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
 
 
 def test_options_other_than_candidates_are_unavailable_with_the_reason(remote):
-    na = remote.unavailable()
-    assert "candidates" not in na
-    assert {"device", "dtype", "kv_cache", "compile", "cuda_graph"} <= set(na)
-    assert all(REMOTE_REASON in why for why in na.values())
+    assert remote.unavailable() == {}  # the defaults stand for the server's own settings
+    asked = EngineOptions(device="cuda", dtype="fp16", kv_cache="dynamic", compile=True, cuda_graph=True,
+                          candidates=3, profile_window=False)
+    na = remote.unavailable(asked)
+    assert set(na) == {"device", "dtype", "kv_cache", "compile", "cuda_graph", "profile_window"}
+    assert all(why.startswith(REMOTE_REASON) for why in na.values())
+    remote.reconfigure(asked)
+    assert remote.effective(asked)[1] == na and remote.unavailable() == na
     info = remote.info
     assert info.backend == "remote" and info.source_kind == "remote" and info.source.startswith("remote:http://127.0.0.1")
 
@@ -157,9 +161,11 @@ def test_the_app_opens_a_remote_source_with_the_stored_key(server, local, use_fi
 
 @pytest.fixture
 def use_file_keys(monkeypatch):
+    import app.engines
     import app.keys
 
     monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    monkeypatch.setattr(app.engines, "keys_dir", None)
 
 
 def test_generate_on_the_command_line_through_a_remote(server, local):
