@@ -167,3 +167,30 @@ def test_a_remote_model_opens_through_the_model_panel(qtbot, gui, tiny_llama, mo
         with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as done:
             gui.controller.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8))
         assert done.args[1].metrics.http_ttft_ms > 0 and done.args[1].texts[0]
+
+
+def test_the_hud_bars_show_the_client_side_figures_of_a_remote_model(qtbot):
+    from engine.types import EngineOptions, GenerationMetrics
+    from ui.hud.bars import BarStrip
+
+    m = GenerationMetrics(prompt_tokens=5, new_tokens_total=20)
+    m.put("http_ttft_ms", 42.0)
+    m.put("http_decode_tok_s", 31.0)
+    m.put("inter_token_ms_p50", 30.0)
+    for key in ("ttft_ms", "decode_tok_s", "step_ms_p50", "step_ms_p99", "kernel_gap_pct"):
+        m.mark_na(key, "the model runs on a remote server; measured there, not here")
+    m.mark_na("inter_token_ms_p99", "too few text chunks arrived to time")
+    strip = BarStrip()
+    qtbot.addWidget(strip)
+    strip.set_metrics(m, EngineOptions(), "remote")
+    shown = strip.values()
+    assert shown["ttft_ms"]["text"].startswith("42") and shown["ttft_ms"]["source"] == "client-side timing over HTTP"
+    assert strip._rows["ttft_ms"][0].text() == "TTFT (HTTP)"
+    assert shown["decode_tok_s"]["source"] == "client-side timing over HTTP"
+    assert strip._rows["step_ms_p50"][0].text() == "Inter-token p50 (HTTP)"
+    assert shown["step_ms_p99"]["fraction"] is None and "remote server" in shown["step_ms_p99"]["source"]
+    assert shown["kernel_gap_pct"]["fraction"] is None and "remote server" in shown["kernel_gap_pct"]["source"]
+    local = GenerationMetrics(new_tokens_total=3)
+    local.put("ttft_ms", 7.0)
+    strip.set_metrics(local, EngineOptions(), "local")
+    assert strip._rows["ttft_ms"][0].text() == "TTFT" and "engine timing" in strip.values()["ttft_ms"]["source"]
