@@ -313,6 +313,10 @@ class RemoteEngine:
             m.put("server_ttft_ms", float(t["prompt_ms"]), "llama.cpp timings.prompt_ms (prompt processing)")
         if t and isinstance(t.get("predicted_per_second"), (int, float)):
             m.put("server_decode_tok_s", float(t["predicted_per_second"]), "llama.cpp timings.predicted_per_second")
+        for key, name in (("server_ttft_ms", "ttft_ms"), ("server_decode_tok_s", "decode_tok_s")):
+            f = (stream.gapless or {}).get(name)
+            if isinstance(f, dict) and isinstance(f.get("value"), (int, float)) and f.get("source"):
+                m.put(key, float(f["value"]), f"gapless serve: {f['source']}")
         if before is not None and after is not None:
             key = "vllm:time_to_first_token_seconds"
             count = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
@@ -364,7 +368,8 @@ class _Stream:
         self.texts: dict[int, str] = {}
         self.finish: dict[int, str] = {}
         self.usage: Optional[dict] = None
-        self.timings: Optional[dict] = None
+        self.timings: Optional[dict] = None  # llama.cpp's server
+        self.gapless: Optional[dict] = None  # gapless serve's figures
         self.error: Optional[str] = None
         self.done = False
         self.cancelled = False
@@ -395,6 +400,8 @@ class _Stream:
             self.usage = obj["usage"]
         if isinstance(obj.get("timings"), dict):
             self.timings = obj["timings"]
+        if isinstance(obj.get("x_gapless"), dict):
+            self.gapless = obj["x_gapless"]
         first = False
         now = time.perf_counter()
         for choice in obj.get("choices") or []:

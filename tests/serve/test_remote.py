@@ -77,6 +77,8 @@ def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
     for key in ("gpu_util_pct", "kernel_gap_pct", "sm_activity_pct", "ttft_ms", "decode_tok_s", "peak_memory_bytes"):
         f = m.figure(key)
         assert f.value is None and REMOTE_REASON in f.reason, key
+    server_ttft = m.figure("server_ttft_ms")  # gapless serve's own figure, from x_gapless
+    assert server_ttft.value > 0 and server_ttft.source.startswith("gapless serve: engine timing")
     for key in ("server_running_requests", "server_kv_cache_pct"):
         assert m.figure(key).reason == "the server has no vLLM /metrics endpoint"
     assert all(getattr(m, s.key) is not None or s.key in m.unavailable for s in figures.GENERATION_FIGURES)
