@@ -55,7 +55,6 @@ class Engine:
         self.dtype = eff.dtype
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
-        self._compiled_for: Optional[tuple] = None
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
         self.monitor = self._start_monitor()
@@ -88,7 +87,6 @@ class Engine:
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
-        self._compiled_for = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -235,7 +233,7 @@ class Engine:
             dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         if want and runner.compiled is None:
-            runner.set_compiled(torch.compile(runner._step_impl, dynamic=False))
+            runner.set_compiled(torch.compile(runner.masked_step, dynamic=False))
         elif not want and runner.compiled is not None:
             runner.set_compiled(None)
 
@@ -282,7 +280,9 @@ class Engine:
                     self._free_device_memory()
                     if streamed:
                         raise GenerationError(f"out of device memory while generating: {exc}") from exc
-                    opts = self._smaller(opts, notices, reasons)
+                    opts, option, reason, notice = self._smaller(opts)
+                    reasons[option] = reason
+                    notices.append(notice)
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
@@ -333,17 +333,17 @@ class Engine:
             raise
         return loop, opts
 
-    def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
-        """The next, smaller configuration to try after running out of device memory."""
+    @staticmethod
+    def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
+        """After running out of device memory: (the next, smaller options to try, the option given up, why,
+        the notice for the user)."""
         if opts.cuda_graph:
-            notices.append("out of device memory with the CUDA graph on: ran without it")
-            reasons["cuda_graph"] = "ran out of device memory with it on"
-            return replace(opts, cuda_graph=False)
+            return (replace(opts, cuda_graph=False), "cuda_graph", "ran out of device memory with it on",
+                    "out of device memory with the CUDA graph on: ran without it")
         if opts.candidates > 1:
             fewer = max(1, opts.candidates // 2)
-            notices.append(f"out of device memory with {opts.candidates} candidates: ran {fewer}")
-            reasons["candidates"] = f"out of device memory at {opts.candidates}"
-            return replace(opts, candidates=fewer)
+            return (replace(opts, candidates=fewer), "candidates", f"out of device memory at {opts.candidates}",
+                    f"out of device memory with {opts.candidates} candidates: ran {fewer}")
         raise GenerationError("out of device memory, even with one candidate and no CUDA graph")
 
     def _free_device_memory(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from engine import figures
 from engine.errors import OptionsError
@@ -18,6 +18,12 @@ SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+def _refuse_unknown(cls: type, data: dict[str, Any], what: str) -> None:
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise OptionsError(f"unknown {what}: {', '.join(unknown)}")
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,7 @@ class EngineOptions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineOptions":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown engine option(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "engine option(s)")
         return cls(**data).validate()
 
 
@@ -177,10 +180,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "sampling parameter(s)")
         d = dict(data)
         if "stop" in d:
             d["stop"] = tuple(d["stop"])
@@ -287,6 +287,43 @@ class GenerationMetrics:
 
 
 @dataclass(frozen=True)
+class LadderRow:
+    """One rung of the app's "Run ladder": what it ran with and its median figures, or why it has none."""
+
+    preset: str  # a key of PRESETS
+    label: str
+    status: str  # "ok" | "skipped" | "failed"
+    options: Optional[dict[str, Any]] = None  # the options the engine ran it with
+    skipped: Optional[str] = None  # why it has no figures (skipped, failed, cancelled); None when it ran
+    notes: tuple[str, ...] = ()  # e.g. optimisations left out of the candidates rung
+    metrics: Optional[dict[str, Any]] = None  # medians over its repeats, keyed as GenerationMetrics
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self.metrics or {}, key)
+
+    @property
+    def ran(self) -> bool:
+        return self.skipped is None and self.metrics is not None
+
+    @property
+    def decode_tok_s(self) -> Optional[float]:
+        return self.figure("decode_tok_s").value
+
+    @property
+    def kernel_gap_pct(self) -> Optional[float]:
+        return self.figure("kernel_gap_pct").value
+
+    @property
+    def kernel_gap_source(self) -> Optional[str]:
+        return self.figure("kernel_gap_pct").source
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+@dataclass(frozen=True)
 class Progress:
     stage: str  # "fetch", "load", "dequantise", "compile", "capture", "warmup", ...
     fraction: Optional[float]  # 0..1, None when unknown
@@ -351,6 +388,4 @@ class GenerationResult:
 
 
 Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
-EventSink = Callable[[Event], None]
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")
