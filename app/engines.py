@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
+from engine.protocol import EngineLike
 from engine.types import EngineOptions, Progress
 
 API_KEY_ENV = "GAPLESS_REMOTE_API_KEY"
 keys_dir: Optional[Path] = None  # where the app keeps API keys (its config folder); None: the default one
 
 
-def load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> Any:
+def load_engine(source: str, options: EngineOptions,
+                progress: Optional[Callable[[Progress], None]] = None) -> EngineLike:
     from engine.remote import RemoteEngine, RemoteSource, is_remote
 
     if is_remote(source):
