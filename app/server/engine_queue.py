@@ -208,6 +208,13 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
     (the engine would cut the prompt to fit; a client of this API expects to be told instead)."""
     from engine.prompt import build_prompt
 
+    if getattr(engine, "tokenizer", None) is None:  # a remote model: its server checks the context itself
+        if req.max_tokens is None:
+            raise bad("this model runs on a remote server whose context is not known here: give max_tokens",
+                      "max_tokens", "missing_max_tokens")
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
+                                  seed=req.seed, stop=req.stop).validate()
+        return sampling, 0
     ctx = engine.context_length
     full = build_prompt(engine.tokenizer, req.messages, 1 << 40, 1, raw=req.raw)
     n = len(full.ids)

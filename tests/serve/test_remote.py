@@ -188,3 +188,21 @@ def test_generate_on_the_command_line_through_a_remote(server, local):
     assert out["texts"] == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
     assert out["model"]["backend"] == "remote" and KEY not in r.stdout + r.stderr
     assert out["metrics"]["http_ttft_ms"] > 0
+
+
+def test_gapless_serve_can_front_a_remote_model(server, local):
+    """A Gapless server whose model is itself remote (e.g. the app serving the remote model it chats with)."""
+    import openai
+
+    remote = RemoteEngine.load(RemoteSource(server.url, server.engines.model_id), api_key=KEY)
+    try:
+        with serving(remote) as front:
+            client = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0)
+            r = client.chat.completions.create(model=front.engines.model_id, messages=HELLO, max_tokens=8,
+                                               temperature=0)
+            with pytest.raises(openai.BadRequestError, match="give max_tokens"):
+                client.chat.completions.create(model=front.engines.model_id, messages=HELLO)
+    finally:
+        remote.close()
+    assert r.choices[0].message.content == local.generate(HELLO, SamplingParams(temperature=0.0,
+                                                                                max_new_tokens=8)).texts[0]
