@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.errors import GenerationError, ModelLoadError
 from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
 from engine.sampling import SamplerKind
@@ -51,7 +51,9 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.fast = self._fast_args() is not None
+        self.args = self._fast_args()
+        self.fast = self.args is not None
+        self._fused_failed: Optional[str] = None  # why the fused kernels failed here once; not tried again
         self.options = options.validate()
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
@@ -59,7 +61,6 @@ class Engine:
         self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
-        self._compiled_for: Optional[tuple] = None
         self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
@@ -98,7 +99,7 @@ class Engine:
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
-        self._compiled_for = None
+        self._fused_failed = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -194,16 +195,28 @@ class Engine:
         if o.device == "cuda" and not torch.cuda.is_available():
             out["device"] = "CUDA is not available on this machine"
         on_cuda = _target_device(o.device).type == "cuda"
+        fused = False
+        if o.kernels == "fused":
+            why = self._fused_unavailable(o)
+            if why:
+                out["kernels"] = why
+            else:
+                fused = True
+                if o.kv_cache != "static":
+                    out["kv_cache"] = "the fused kernels run on the static KV cache (switch them off for another cache)"
+        kv_cache = "static" if fused else o.kv_cache
         if o.cuda_graph:
             if not on_cuda:
                 out["cuda_graph"] = "CUDA graphs need a CUDA device; this machine runs on the CPU"
             elif not self.fast:
                 out["cuda_graph"] = f"{self._on_fallback()}, which has no captured step"
-            elif o.kv_cache != "static":
+            elif kv_cache != "static":
                 out["cuda_graph"] = "CUDA graphs need the static KV cache (fixed shapes and addresses)"
         if o.compile:
             if not self.fast:
                 out["compile"] = f"{self._on_fallback()}, which is not compiled"
+            elif fused:
+                out["compile"] = "the fused kernels replace the compiled decode step"
             elif o.kv_cache != "static":
                 out["compile"] = "compile needs the static KV cache (shapes change every step otherwise)"
         if o.kv_cache == "static" and not self.fast:
@@ -215,6 +228,24 @@ class Engine:
             if why:
                 out["weights"] = why
         return out
+
+    def _fused_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no fused kernels"
+        if self._fused_failed:
+            return self._fused_failed
+        if o.weights != "native":
+            return f"the fused kernels read the weights in the model's dtype; {o.weights} weights run on the torch kernels"
+        from engine.kernels import unavailable_reason
+
+        return unavailable_reason(self.args, _target_device(o.device))
+
+    def fused_status(self) -> Optional[dict[str, object]]:
+        """Whether the fused runners launch with Programmatic Dependent Launch, and why (None before any ran)."""
+        runner = next((r for k, r in self._runners.items() if k[2] == "fused"), None)
+        if runner is None:
+            return None
+        return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
 
     def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
         from engine.quant import why_not
@@ -239,8 +270,10 @@ class Engine:
             eff = replace(eff, cuda_graph=False)
         if "compile" in reasons:
             eff = replace(eff, compile=False)
+        if "kernels" in reasons:
+            eff = replace(eff, kernels="torch")
         if "kv_cache" in reasons:
-            eff = replace(eff, kv_cache="dynamic")
+            eff = replace(eff, kv_cache="static" if eff.kernels == "fused" else "dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
         if "weights" in reasons:
@@ -266,7 +299,7 @@ class Engine:
     # ---- generation ---------------------------------------------------------------------------------------
     def _runner(self, opts: EngineOptions, batch: int, needed: int) -> RunnerBase:
         length = bucket_for(needed, self.context_length)
-        key = (opts.kv_cache, batch)
+        key = (opts.kv_cache, batch, opts.kernels)
         runner = self._runners.get(key)
         if runner is not None and runner.length >= length:
             return runner
@@ -277,6 +310,10 @@ class Engine:
             from engine.fallback import HFRunner
 
             runner = HFRunner(self.model, batch, length, self.config.vocab_size, self.eos_ids, self.device, opts.kv_cache)
+        elif opts.kernels == "fused":
+            from engine.kernels.runner import FusedRunner
+
+            runner = FusedRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "static":
             runner = StaticRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "dynamic":
@@ -298,7 +335,7 @@ class Engine:
             dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         if want and runner.compiled is None:
-            runner.set_compiled(torch.compile(runner._step_impl, dynamic=False))
+            runner.set_compiled(torch.compile(runner.masked_step, dynamic=False))
         elif not want and runner.compiled is not None:
             runner.set_compiled(None)
 
@@ -345,7 +382,9 @@ class Engine:
                     self._free_device_memory()
                     if streamed:
                         raise GenerationError(f"out of device memory while generating: {exc}") from exc
-                    opts = self._smaller(opts, notices, reasons)
+                    opts, option, reason, notice = self._smaller(opts)
+                    reasons[option] = reason
+                    notices.append(notice)
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
@@ -363,7 +402,9 @@ class Engine:
         runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
         kind = SamplerKind.of(sampling)
         runner.sampler.set_params(sampling)
-        if isinstance(runner, StaticRunner):
+        if opts.kernels == "fused":
+            runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons)
+        if isinstance(runner, StaticRunner) and opts.kernels == "torch":
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
@@ -396,17 +437,54 @@ class Engine:
             raise
         return loop, opts
 
-    def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
-        """The next, smaller configuration to try after running out of device memory."""
+    def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
+        """Compile (and capture) the fused step. A failure with PDL on is tried once more without it; any other
+        failure ends the fused kernels for this engine: the torch path runs, with a notice."""
+        def progress(message: str, fraction: float) -> None:
+            on_event(Progress("capture" if opts.cuda_graph else "compile", fraction, message))
+
+        kind = SamplerKind.of(sampling)
+        runner.use_graphs = opts.cuda_graph
+        buckets = runner.buckets_for(prompt_len, max_new)
+        try:
+            try:
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:
+                if not runner.use_pdl:
+                    raise
+                log.exception("the fused step failed with Programmatic Dependent Launch; trying without it")
+                runner.use_pdl = False
+                runner.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                runner.graphs.clear()
+                runner.graph_pool = None
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a kernel that does not compile or launch here
+            log.exception("the fused kernels failed; falling back to the torch kernels")
+            self._fused_failed = f"the fused kernels failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            reasons["kernels"] = self._fused_failed
+            notices.append("the fused kernels failed to compile or run, so this generation ran on the torch kernels "
+                           "(details in the log)")
+            self._runners.pop((opts.kv_cache, opts.candidates, "fused"), None)
+            opts = replace(opts, kernels="torch")
+            runner = self._runner(opts, opts.candidates, prompt_len + max_new)
+            runner.sampler.set_params(sampling)
+        return runner, opts
+
+    @staticmethod
+    def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
+        """After running out of device memory: (the next, smaller options to try, the option given up, why,
+        the notice for the user)."""
         if opts.cuda_graph:
-            notices.append("out of device memory with the CUDA graph on: ran without it")
-            reasons["cuda_graph"] = "ran out of device memory with it on"
-            return replace(opts, cuda_graph=False)
+            return (replace(opts, cuda_graph=False), "cuda_graph", "ran out of device memory with it on",
+                    "out of device memory with the CUDA graph on: ran without it")
         if opts.candidates > 1:
             fewer = max(1, opts.candidates // 2)
-            notices.append(f"out of device memory with {opts.candidates} candidates: ran {fewer}")
-            reasons["candidates"] = f"out of device memory at {opts.candidates}"
-            return replace(opts, candidates=fewer)
+            return (replace(opts, candidates=fewer), "candidates", f"out of device memory at {opts.candidates}",
+                    f"out of device memory with {opts.candidates} candidates: ran {fewer}")
         raise GenerationError("out of device memory, even with one candidate and no CUDA graph")
 
     def _free_device_memory(self) -> None:

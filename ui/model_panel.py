@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout, QWidget,
 )
 
+from ui.progress import show_progress
 from engine.types import ModelInfo, Progress
 
 NA = "n/a"
@@ -144,13 +145,7 @@ class ModelPanel(QGroupBox):
         self._set_buttons(False)
 
     def set_progress(self, p: Progress) -> None:
-        self.status.setText(p.message or p.stage)
-        if p.fraction is None:
-            self.progress.setRange(0, 0)
-        else:
-            self.progress.setRange(0, 1000)
-            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
-        self.progress.show()
+        show_progress(self.progress, self.status, p)
 
     def set_loaded(self, info: ModelInfo) -> None:
         self.set_info(info)
@@ -165,6 +160,12 @@ class ModelPanel(QGroupBox):
         self.error.setText(f"Could not load {source_label(source)}: {message}")
         self.error.show()
         self.status.setText(f"Still using {self.info.name}" if self.info else "No model loaded")
+
+    def clear_error(self) -> None:
+        """A failed load no longer holds once the model in use has answered: its message goes."""
+        if self.error.isVisibleTo(self) and self.info is not None:
+            self.error.hide()
+            self.status.setText("Ready")
 
     def _set_buttons(self, enabled: bool) -> None:
         for b in (self.open_file_button, self.open_folder_button, self.recent_button):

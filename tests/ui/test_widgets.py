@@ -8,20 +8,11 @@ from PySide6.QtGui import QGuiApplication
 
 from engine.types import PRESETS, EngineOptions, SamplingParams, preset_options
 from ui.composer import Composer
-from ui.dialogs import CHAT_DEFAULTS, ChatSettingsDialog
+from app.settings import CHAT_DEFAULTS
+from ui.dialogs import ChatSettingsDialog
 from ui.markdown import CodeBlock, ProseView, SegmentsView, Segment, split_markdown
 from ui.stats import format_stats, preset_name
 from ui.toggles import TogglesPanel
-
-
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    """The window themes the whole application; later tests get the look they started with."""
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
 
 
 def test_split_markdown_prose_and_fences():
@@ -122,8 +113,12 @@ def test_stats_line_says_na_and_names_sources():
     assert "Launches per step: 348 — source: kernels per step — x" in tip
     line, tip = format_stats({"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}},
                              options, "cpu", "cancelled")
-    assert line.endswith("op gap n/a · stopped")
+    assert line.endswith("op gap n/a · stopped by you")
     assert "profiling off" in tip
+    for reason, words in (("eos", "end of answer"), ("length", "token limit"), ("stop", "stop string"),
+                          ("context", "context full")):
+        line, tip = format_stats(metrics, options, "cuda", reason)
+        assert line.endswith(f"kernel gap 33.3% · {words}") and f"Finished: {words}" in tip
     assert format_stats(None, None, None)[0].startswith("n/a tokens")
     batch = {"new_tokens_total": 30, "new_tokens": [12, 18], "decode_tok_s": 56.0, "unavailable": {}}
     line, tip = format_stats(batch, options, "cuda", candidate=1)
