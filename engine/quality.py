@@ -69,6 +69,10 @@ def teacher_forced(model: torch.nn.Module, ids: list[int], device: torch.device,
     return nll, torch.cat(argmax)
 
 
+def _relay(progress: Callable[[str], None], label: str) -> Callable[[Any], None]:
+    return lambda p: progress(f"{label}: {p.message}")
+
+
 def run_quality(config: QualityConfig, progress: Callable[[str], None], command: Optional[list[str]] = None
                 ) -> dict[str, Any]:
     from engine.engine import Engine
@@ -93,10 +97,11 @@ def run_quality(config: QualityConfig, progress: Callable[[str], None], command:
                 r.status, r.reason = "skipped", "; ".join(f"{k}: {v}" for k, v in why.items())
                 progress(f"{label}: skipped: {r.reason}")
                 continue
-            engine.reconfigure(opts, lambda p: progress(f"{label}: {p.message}"))
+            engine.reconfigure(opts, _relay(progress, label))
             info = engine.info
             r.weight_bytes, r.bytes_per_token = info.weight_bytes, info.bytes_per_token
             progress(f"{label}: perplexity over {len(ids)} tokens")
+            assert engine.model is not None  # placed by reconfigure
             nll, top1 = teacher_forced(engine.model, ids, engine.device, window)
             r.positions = len(top1)
             r.perplexity = math.exp(nll / r.positions)

@@ -46,6 +46,9 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 
 class Int8Linear(nn.Module):
+    weight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype):
         super().__init__()
         q, scales = quantize_int8(weight)
@@ -69,6 +72,11 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    weight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    scales_zeros: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype,
                  group: int = INT4_GROUP):
         super().__init__()
