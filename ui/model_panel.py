@@ -46,7 +46,8 @@ class ModelPanel(QGroupBox):
     modelsFolderChosen = Signal(str)  # a folder to scan for models
     remoteRequested = Signal(str, str, str, float)  # base URL, model, API key ("": keep the stored one), timeout s
 
-    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend", "load")
+    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "per_token", "floor", "backend",
+              "load")
 
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__("Model", parent)
@@ -54,8 +55,8 @@ class ModelPanel(QGroupBox):
         grid.setHorizontalSpacing(10)
         grid.setVerticalSpacing(2)
         self.values: dict[str, QLabel] = {}
-        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend",
-                                         "Load time")))
+        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights",
+                                         "Bytes/token", "Memory floor", "Backend", "Load time")))
         for row, key in enumerate(self.FIELDS):
             k = QLabel(labels[key], self)
             k.setObjectName("infoKey")
@@ -126,6 +127,8 @@ class ModelPanel(QGroupBox):
             "weights": human_bytes(info.weight_bytes),
             "backend": "fast path" if info.backend == "fast" else f"{info.backend} fallback",
             "load": NA if info.load_seconds is None else f"{info.load_seconds:.2f} s",
+            "per_token": human_bytes(info.bytes_per_token),
+            "floor": NA if info.memory_floor_ms is None else f"{info.memory_floor_ms:.3f} ms/token",
         }
         if info.backend == "remote":  # the server says nothing of its weights; the context only sometimes
             shown.update(parameters=f"{NA} (remote)", weights=f"{NA} (remote)", backend="remote server",
@@ -135,6 +138,10 @@ class ModelPanel(QGroupBox):
         self.values["name"].setToolTip(info.source)
         self.values["family"].setToolTip(info.architecture)
         self.values["load"].setToolTip(info.load_seconds_source or "n/a: this model was not timed as it loaded")
+        self.values["per_token"].setToolTip(info.bytes_per_token_source or "n/a: not counted for this model")
+        self.values["floor"].setToolTip(info.memory_floor_source or "n/a: not computed for this model")
+        if info.weights != "native":
+            self.values["weights"].setText(f"{human_bytes(info.weight_bytes)} ({info.weights})")
         self.values["backend"].setToolTip(
             f"{info.backend_reason}: its options and GPU figures are the server's" if info.backend == "remote"
             else "Gapless's own decoder: every optimization can be switched" if info.backend == "fast"
