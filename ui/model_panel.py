@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
+    QFileDialog, QGridLayout, QGroupBox, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
     QVBoxLayout, QWidget,
 )
 
@@ -90,8 +90,8 @@ class ModelPanel(QGroupBox):
         self.recent_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self._recent_menu = QMenu(self)
         self.recent_button.setMenu(self._recent_menu)
-        buttons = QHBoxLayout()
-        buttons.setSpacing(6)
+        buttons = QVBoxLayout()  # stacked, so a narrow column does not cut them off
+        buttons.setSpacing(4)
         buttons.addWidget(self.open_file_button)
         buttons.addWidget(self.open_folder_button)
 
