@@ -33,7 +33,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--candidates", type=int, default=None)
-    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, candidates)")
+    p.add_argument("--weights", choices=["native", "int8", "int4"], default=None,
+                   help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups")
+    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, int8, "
+                        "candidates)")
     p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
                    help="trace a short window of decode steps for the kernel/op gap (default on)")
 
@@ -70,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--telemetry-out", type=Path, default=None,
+                     help="also save the generation's telemetry (steps, samples, figures) here, for `gapless replay`")
 
     bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
     bench.add_argument("--model", default="default")
@@ -84,6 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
+
+    replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
+    replay.add_argument("file", type=Path)
+    replay.add_argument("--screenshot", type=Path, default=None, help="save the HUD as PNG and exit")
+    replay.add_argument("--width", type=int, default=520)
+    replay.add_argument("--height", type=int, default=860)
+    replay.add_argument("--theme", choices=["system", "light", "dark"], default=None)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model (until Ctrl+C)")
+    _add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api-key)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; 503 past it")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
+    serve.add_argument("--cors-origin", action="append", default=[], help="allow browser requests from ORIGIN (repeatable)")
 
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
@@ -118,7 +139,7 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SUBCOMMANDS = ("gui", "generate", "bench", "models")
+SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models")
 
 
 def _smoke_test_alias(argv: list[str]) -> list[str]:
@@ -152,6 +173,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         from app.cmd_bench import run_bench
 
         return run_bench(args)
+    if command == "replay":
+        from app.replay import run_replay
+
+        return run_replay(args)
+    if command == "serve":
+        from app.cmd_serve import run_serve
+
+        return run_serve(args)
     if command == "models":
         from app.cmd_models import run_models
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.bench import DEFAULT_PROMPT, BenchConfig
+from engine.ladder import DEFAULT_PROMPT, BenchConfig
 from engine import figures
 from engine.types import PRESETS, describe_options
 

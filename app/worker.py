@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import GaplessError
+from engine.protocol import EngineLike
 from engine.types import EngineOptions, MonitorSample, Progress, RowFinished, SamplingParams, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
@@ -28,19 +29,19 @@ log = logging.getLogger(__name__)
 BATCH_INTERVAL_S = 1 / 30  # text, step records and samples reach the GUI at most this often
 PROGRESS_INTERVAL_S = 1 / 30
 
-EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], Any]
+EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], EngineLike]
 LadderRunner = Callable[..., list]
 
 
-def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]):
+def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]) -> EngineLike:
     # Imported on first use: torch and transformers take seconds to import, the window should not wait for them.
-    from engine.engine import Engine
+    from app.engines import load_engine
 
-    return Engine.load(source, options, progress)
+    return load_engine(source, options, progress)
 
 
 def _run_ladder(*args: Any, **kwargs: Any) -> list:
-    from engine.bench import run_ladder
+    from engine.ladder import run_ladder
 
     return run_ladder(*args, **kwargs)
 
@@ -190,7 +191,7 @@ class EngineWorker(EngineEvents):
     ):
         super().__init__()
         self.commands: "queue.Queue[Any]" = queue.Queue()
-        self.engine: Any = None  # touched only on the worker thread
+        self.engine: Optional[EngineLike] = None  # touched only on the worker thread
         self._engine_factory = engine_factory
         self._ladder_runner = ladder_runner
         self._pending_options: Optional[EngineOptions] = None  # options chosen before any model was loaded

@@ -78,7 +78,7 @@ def main() -> int:
         settle()
         hud.grab().save(str(args.out / "hud-ladder.png"))
         for r in rows:
-            print(r["label"], r["decode_tok_s"], r["skipped"])
+            print(r.label, r.decode_tok_s, r.skipped)
         # the main window: a fresh chat with an answer that has a code block, in both themes
         hud.tabs.setCurrentIndex(0)  # Live
         w.new_chat()

@@ -18,6 +18,8 @@ Unit = Literal["tok/s", "ms", "s", "%", "bytes", "tokens", "count", "W", "MHz", 
 
 ENGINE_TIMING = "engine timing, device-synchronised"
 ENGINE_COUNT = "engine token count"
+HTTP_TIMING = "client-side timing over HTTP"
+VLLM_METRICS = "vLLM Prometheus /metrics, read while the answer streamed"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,20 @@ FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("decode_steps", "Decode steps", "count", 0, ("generation",), ENGINE_COUNT, digits=0),
     FigureSpec("profiled_steps", "Traced steps", "count", 0, ("generation",), ENGINE_COUNT, digits=0,
                tip="decode steps inside the traced window, left out of tok/s"),
+    # A remote engine (engine/remote.py): timed by the client over HTTP, or reported by the server.
+    FigureSpec("http_ttft_ms", "TTFT (HTTP)", "ms", -1, ("generation",), HTTP_TIMING,
+               tip="request sent → first text chunk received, network and the server's queue included"),
+    FigureSpec("http_decode_tok_s", "Decode (HTTP)", "tok/s", +1, ("generation",), HTTP_TIMING,
+               tip="the server's token count over the time between the first and the last text chunk"),
+    FigureSpec("inter_token_ms_p50", "Inter-token p50 (HTTP)", "ms", -1, ("generation",), HTTP_TIMING,
+               tip="gap between text chunks as they arrive (one token per chunk on vLLM, llama.cpp, Ollama)"),
+    FigureSpec("inter_token_ms_p99", "Inter-token p99 (HTTP)", "ms", -1, ("generation",), HTTP_TIMING),
+    FigureSpec("server_ttft_ms", "TTFT (server)", "ms", -1, ("generation",), source_field="server_ttft_source"),
+    FigureSpec("server_decode_tok_s", "Decode (server)", "tok/s", +1, ("generation",),
+               source_field="server_decode_source"),
+    FigureSpec("server_running_requests", "Server running", "count", 0, ("generation",), VLLM_METRICS, digits=0),
+    FigureSpec("server_waiting_requests", "Server waiting", "count", -1, ("generation",), VLLM_METRICS, digits=0),
+    FigureSpec("server_kv_cache_pct", "Server KV cache", "%", 0, ("generation",), VLLM_METRICS, digits=1),
     # Per decode step, from the engine's step records.
     FigureSpec("step_ms", "Step latency", "ms", -1, ("step",), ENGINE_TIMING),
     FigureSpec("tokens_per_s", "Tokens/s", "tok/s", +1, ("step",), ENGINE_TIMING),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from engine import figures
 from engine.errors import OptionsError
@@ -16,8 +16,15 @@ DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+def _refuse_unknown(cls: type, data: dict[str, Any], what: str) -> None:
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise OptionsError(f"unknown {what}: {', '.join(unknown)}")
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class EngineOptions:
     cuda_graph: bool = False  # capture the decode step once per candidate count, replay per token
     candidates: int = 1  # same-prompt answers decoded as one batch
     profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
+    weights: str = "native"  # native (dtype) | int8 (per-channel, weight-only) | int4 (group-wise, weight-only)
 
     def validate(self) -> "EngineOptions":
         if self.device not in DEVICES:
@@ -42,6 +50,8 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise OptionsError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         for name in ("compile", "cuda_graph", "profile_window"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -59,10 +69,7 @@ class EngineOptions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineOptions":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown engine option(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "engine option(s)")
         return cls(**data).validate()
 
 
@@ -101,6 +108,7 @@ PRESETS: dict[str, EngineOptions] = {
     "first-fixes": EngineOptions(dtype="fp16", kv_cache="static", sampling="device"),
     "compile": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True),
     "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
+    "int8": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"),
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
     ),
@@ -112,6 +120,7 @@ PRESET_LABELS: dict[str, str] = {
     "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
+    "int8": "+ int8 weights",
     "candidates": "+ N candidates",
 }
 
@@ -177,10 +186,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "sampling parameter(s)")
         d = dict(data)
         if "stop" in d:
             d["stop"] = tuple(d["stop"])
@@ -201,6 +207,9 @@ class ModelInfo:
     source: str  # the path the model was loaded from
     source_kind: str  # "gguf", "hf-folder" or "default"
     backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
+    weights: str = "native"  # the weight format the linears run in (EngineOptions.weights, as applied)
+    load_seconds: Optional[float] = None  # how long the load took, file to model ready
+    load_seconds_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,6 +246,18 @@ class GenerationMetrics:
     dram_bw_util_pct: Metric = None
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    # A remote engine: what the client measures over HTTP, and what the server reports about itself.
+    http_ttft_ms: Metric = None
+    http_decode_tok_s: Metric = None
+    inter_token_ms_p50: Metric = None
+    inter_token_ms_p99: Metric = None
+    server_ttft_ms: Metric = None
+    server_ttft_source: Optional[str] = None
+    server_decode_tok_s: Metric = None
+    server_decode_source: Optional[str] = None
+    server_running_requests: Metric = None
+    server_waiting_requests: Metric = None
+    server_kv_cache_pct: Metric = None
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
 
     def put(self, key: str, value: Optional[float], source: Optional[str] = None) -> None:
@@ -272,6 +293,43 @@ class GenerationMetrics:
 
 
 # ---- events streamed by Engine.generate / Engine.load -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LadderRow:
+    """One rung of the app's "Run ladder": what it ran with and its median figures, or why it has none."""
+
+    preset: str  # a key of PRESETS
+    label: str
+    status: str  # "ok" | "skipped" | "failed"
+    options: Optional[dict[str, Any]] = None  # the options the engine ran it with
+    skipped: Optional[str] = None  # why it has no figures (skipped, failed, cancelled); None when it ran
+    notes: tuple[str, ...] = ()  # e.g. optimisations left out of the candidates rung
+    metrics: Optional[dict[str, Any]] = None  # medians over its repeats, keyed as GenerationMetrics
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self.metrics or {}, key)
+
+    @property
+    def ran(self) -> bool:
+        return self.skipped is None and self.metrics is not None
+
+    @property
+    def decode_tok_s(self) -> Optional[float]:
+        return self.figure("decode_tok_s").value
+
+    @property
+    def kernel_gap_pct(self) -> Optional[float]:
+        return self.figure("kernel_gap_pct").value
+
+    @property
+    def kernel_gap_source(self) -> Optional[str]:
+        return self.figure("kernel_gap_pct").source
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
 
 
 @dataclass(frozen=True)
@@ -348,6 +406,4 @@ class GenerationResult:
 
 
 Event = Union[Progress, TextDelta, RowFinished, StepRecord, MonitorSample]
-EventSink = Callable[[Event], None]
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

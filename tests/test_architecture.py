@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 UI_MAY_IMPORT_FROM_ENGINE = {"engine", "engine.types", "engine.figures", "engine.errors"}
 HEAVY = {"torch", "transformers", "gguf", "safetensors", "triton"}
 QT = {"PySide6", "pyqtgraph", "shiboken6"}
-APP_GUI_BUILDERS = {"app/gui.py"}  # the app modules that build widgets
+APP_GUI_BUILDERS = {"app/gui.py", "app/replay.py"}  # the app modules that build widgets
 
 
 def imports(path: Path) -> list[tuple[int, str]]:

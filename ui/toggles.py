@@ -11,7 +11,9 @@ from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QGridLayout, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
 )
 
+from ui.progress import show_progress
 from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import WEIGHT_FORMATS
 from ui.stats import preset_name
 
 CUSTOM = "custom"
@@ -34,6 +36,8 @@ TIPS = {
     "compile": "torch.compile the decode step: fewer, fused kernels (a first compile takes a while)",
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
+    "weights": "native: the linears in the chosen precision · int8: weight-only, one scale per output channel "
+               "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
 }
 
@@ -69,9 +73,11 @@ class TogglesPanel(QWidget):
         self.candidates = QSpinBox(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
+        self.weights = _combo(WEIGHT_FORMATS, self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
+            "weights": self.weights,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -91,7 +97,8 @@ class TogglesPanel(QWidget):
         for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
-                                     ((None, self.profile_window), (None, self.cuda_graph)))):
+                                     ((None, self.profile_window), (None, self.cuda_graph)),
+                                     (("Weights", self.weights),))):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
@@ -147,7 +154,7 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "weights"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
@@ -264,6 +271,7 @@ class TogglesPanel(QWidget):
             device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+            weights=self.weights.currentData(),
         )
 
     def _edited(self, name: str) -> None:
@@ -290,13 +298,7 @@ class TogglesPanel(QWidget):
 
     def set_progress(self, p: Progress) -> None:
         """Recompile / recapture / warm-up progress after a change."""
-        self.note.setText(p.message or p.stage)
-        if p.fraction is None:
-            self.progress.setRange(0, 0)
-        else:
-            self.progress.setRange(0, 1000)
-            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
-        self.progress.show()
+        show_progress(self.progress, self.note, p)
 
     def set_applied(self, options: EngineOptions, unavailable: dict[str, str]) -> None:
         """The engine accepted `options` for the next answer."""

@@ -7,20 +7,10 @@ import json
 import pytest
 
 from app.cmd_bench import config_from_args, format_table, options_text, write_json
-from engine.bench import (
-    Baseline,
-    BenchConfig,
-    Rung,
-    add_ratios,
-    matching_prefix,
-    median,
-    median_metrics,
-    ratio,
-    rung_options,
-    validate,
-)
+from engine.bench import Baseline, add_ratios, matching_prefix
+from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
 from engine.errors import OptionsError
-from engine.types import EngineOptions
+from engine.types import PRESETS, EngineOptions
 
 
 def test_median_and_ratio():
@@ -81,7 +71,7 @@ def test_config_from_args():
     c = config_from_args(args)
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
     args.presets = None
-    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 7
+    assert config_from_args(args).presets[0] == "naive" and config_from_args(args).presets == tuple(PRESETS)
 
 
 def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
@@ -307,7 +297,7 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     """The app's "Run ladder": rows per preset, the user's prompt, progress per step, options restored."""
     import threading
 
-    from engine.bench import run_ladder
+    from engine.ladder import run_ladder
     from engine.engine import Engine
     from engine.types import EngineOptions, SamplingParams
 
@@ -318,23 +308,23 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         rows = run_ladder(eng, [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6),
                           presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, label: progress.append((d, t, label)),
                           cancel=threading.Event())
-        assert [r["preset"] for r in rows] == ["naive", "first-fixes", "cuda-graph"]
+        assert [r.preset for r in rows] == ["naive", "first-fixes", "cuda-graph"]
         naive, fixes, graph = rows
-        assert naive["skipped"] is None and naive["decode_tok_s"] > 0 and naive["metrics"]["ttft_ms"] > 0
+        assert naive.skipped is None and naive.decode_tok_s > 0 and naive.metrics["ttft_ms"] > 0
         # the counts the compare table shows for a ladder row (they were missing, so shown as 0)
         from engine.prompt import build_prompt
 
         n_prompt = len(build_prompt(eng.tokenizer, [{"role": "user", "content": "hello world"}], eng.context_length, 6).ids)
-        assert naive["metrics"]["prompt_tokens"] == fixes["metrics"]["prompt_tokens"] == n_prompt
-        assert naive["metrics"]["decode_steps"] == naive["metrics"]["new_tokens_total"] - 1
-        assert naive["options"]["kv_cache"] == "dynamic" and fixes["options"]["kv_cache"] == "static"
-        assert graph["skipped"] and graph["decode_tok_s"] is None and graph["metrics"] is None
+        assert naive.metrics["prompt_tokens"] == fixes.metrics["prompt_tokens"] == n_prompt
+        assert naive.metrics["decode_steps"] == naive.metrics["new_tokens_total"] - 1
+        assert naive.options["kv_cache"] == "dynamic" and fixes.options["kv_cache"] == "static"
+        assert graph.skipped and graph.decode_tok_s is None and graph.metrics is None
         assert progress[-1][0] == progress[-1][1] and all(d <= t for d, t, _ in progress)
         assert eng.options == before
         cancel = threading.Event()
         cancel.set()
         rows = run_ladder(eng, [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), presets=["naive"], cancel=cancel)
-        assert rows[0]["skipped"] == "cancelled before it ran" and rows[0]["metrics"] is None
+        assert rows[0].skipped == "cancelled before it ran" and rows[0].metrics is None
         assert eng.options == before
     finally:
         eng.close()

@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 
 from engine import figures
-from engine.bench import MEDIAN_FIELDS, SOURCE_FIELDS, median_metrics
+from engine.ladder import MEDIAN_FIELDS, SOURCE_FIELDS, median_metrics
 from engine.types import GenerationMetrics, MonitorSample
 
 BOOKKEEPING = {"new_tokens", "unavailable"}  # GenerationMetrics fields that are not figures

@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWi
 from engine import figures
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
+from ui.theme import PaletteFollower, muted_text
 
 @dataclass(frozen=True)
 class BarRow:
@@ -104,7 +105,7 @@ class ElidedLabel(QLabel):
         p.end()
 
 
-class BarStrip(QWidget):
+class BarStrip(PaletteFollower):
     """Numbers and bars of one generation. Bars of unbounded figures are relative to the session's largest."""
 
     def __init__(self, parent: Optional[QWidget] = None):
@@ -130,7 +131,7 @@ class BarStrip(QWidget):
         box.setContentsMargins(0, 0, 0, 0)
         box.addWidget(self.header)
         box.addLayout(grid)
-        self._apply_palette()
+        self.apply_palette()
 
     def set_running(self, label: str) -> None:
         shown = self._shown is not None
@@ -171,13 +172,7 @@ class BarStrip(QWidget):
             for key, (_, bar, value, source) in self._rows.items()
         }
 
-    def _apply_palette(self) -> None:
-        muted = QColor(self.palette().color(QPalette.ColorRole.Text))
-        muted.setAlpha(150)
+    def apply_palette(self) -> None:
+        muted = muted_text(self.palette())
         for _, _, _, source in self._rows.values():
             source.setStyleSheet(f"color: rgba({muted.red()},{muted.green()},{muted.blue()},{muted.alpha()});")
-
-    def changeEvent(self, event) -> None:
-        super().changeEvent(event)
-        if event.type() == event.Type.PaletteChange:
-            self._apply_palette()

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.store import ChatStore, Message, StoreError, StreamSaver
 from engine.types import GenerationResult, SamplingParams
-from ui.message import MessageItem
+
+if TYPE_CHECKING:
+    from app.worker import EngineController
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,24 @@ def finish_reasons(result: GenerationResult, max_new_tokens: int) -> list[str]:
     per = result.metrics.new_tokens or []
     return ["context" if r == "length" and i < len(per) and per[i] < max_new_tokens else r
             for i, r in enumerate(result.finish_reasons)]
+
+
+@dataclass
+class MessageItem:
+    """What the conversation view shows of one stored message."""
+
+    id: Optional[int]
+    role: str  # "user" | "assistant" | "system"
+    content: str
+    sibling_index: int = 0  # position among the messages sharing its parent (branches, candidates)
+    sibling_count: int = 1
+    metrics: Optional[dict[str, Any]] = None
+    options: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+    device: Optional[str] = None  # where the answer was generated ("cpu", "cuda"), for the gap's name
+    author: str = ""  # the model's name over an answer
+    candidate: Optional[int] = None  # its index in a batch of candidates (whose figures are the batch's)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,14 +84,14 @@ class ChatFlow(QObject):
     generatingChanged = Signal(bool)
     failed = Signal(str)  # a message for the user
 
-    def __init__(self, store: ChatStore, controller: Any, default_sampling: SamplingParams, parent: Optional[QObject] = None):
+    def __init__(self, store: ChatStore, controller: EngineController, default_sampling: SamplingParams,
+                 parent: Optional[QObject] = None):
         super().__init__(parent)
         self.store = store
         self.controller = controller
         self.default_sampling = default_sampling
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
-        self.last_result: Optional[GenerationResult] = None
         self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         controller.generationStarted.connect(self._on_started)
@@ -314,7 +334,6 @@ class ChatFlow(QObject):
         a = self.answer
         if a is None or a.request_id != request_id:
             return
-        self.last_result = result
         if a.discarded:
             self._end()
             return
