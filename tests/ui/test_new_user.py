@@ -287,3 +287,20 @@ def test_saved_splitter_sizes_that_no_longer_fit_are_dropped(qtbot, tmp_path):
             assert sum(sizes) <= w.splitter.width() and sizes[0] >= 180 and sizes[1] >= 280
         finally:
             close_app(gui)
+
+
+def test_the_hud_and_the_stats_tooltip_say_what_limits_the_answer(qtbot, app):
+    from engine.diagnosis import diagnose
+
+    w = app.window
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+    result = send(qtbot, app, "hello")
+    m, o = result.metrics.to_dict(), result.options.to_dict()
+    d = diagnose(m, o, "cpu")
+    assert m["kernel_gap_pct"] is not None, m["unavailable"]  # the traced window measured the op gap
+    assert d.verdict.startswith("CPU") and d.evidence and d.next_step
+    label = app.hud.bars.diagnosis
+    assert label.isVisibleTo(app.hud) and label.text() == f"Limit: {d.line}"
+    assert d.evidence[0] in label.toolTip()
+    tip = w.chat_view.messages()[-1].stats_label.toolTip()
+    assert f"Diagnosis: {d.line}" in tip and f"  from {d.evidence[0]}" in tip
