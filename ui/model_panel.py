@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
+    QFileDialog, QGridLayout, QGroupBox, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
     QVBoxLayout, QWidget,
 )
 
@@ -99,8 +99,8 @@ class ModelPanel(QGroupBox):
         self.remote_button = QPushButton("Remote…", self)
         self.remote_button.setToolTip("Chat through an OpenAI-compatible server: vLLM, llama.cpp, Ollama, Gapless")
         self.remote_button.clicked.connect(self.open_remote_dialog)
-        buttons = QHBoxLayout()
-        buttons.setSpacing(6)
+        buttons = QVBoxLayout()  # stacked, so a narrow column does not cut them off
+        buttons.setSpacing(4)
         buttons.addWidget(self.open_file_button)
         buttons.addWidget(self.open_folder_button)
         buttons.addWidget(self.remote_button)

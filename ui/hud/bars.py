@@ -12,6 +12,7 @@ from PySide6.QtGui import QColor, QPainter, QPalette, QPen
 from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine import figures
+from engine.diagnosis import diagnose
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
 from ui.theme import PaletteFollower, muted_text
@@ -140,9 +141,16 @@ class BarStrip(PaletteFollower):
             self._rows[row.key] = (name, bar, value, source)
         grid.setColumnStretch(2, 2)
         grid.setColumnStretch(3, 3)
+        # What limits the shown generation, in words (engine.diagnosis); the figures behind it in the tooltip.
+        self.diagnosis = QLabel("")
+        self.diagnosis.setObjectName("diagnosis")
+        self.diagnosis.setWordWrap(True)
+        self.diagnosis.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.diagnosis.hide()
         box = QVBoxLayout(self)
         box.setContentsMargins(0, 0, 0, 0)
         box.addWidget(self.header)
+        box.addWidget(self.diagnosis)
         box.addLayout(grid)
         self.apply_palette()
 
@@ -154,6 +162,11 @@ class BarStrip(PaletteFollower):
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
         self._shown = label
         self.header.setText(f"{label} · {metrics.new_tokens_total} new tokens · {fmt.options_summary(options)}")
+        d = diagnose(metrics.to_dict(), options.to_dict(), options.device if options.device != "auto" else None)
+        self.diagnosis.setText(f"Limit: {d.line}")
+        self.diagnosis.setToolTip("\n".join(["From: " + "; ".join(d.evidence) if d.evidence else "From: no figures"]
+                                            + ([f"Missing: {'; '.join(d.missing)}"] if d.missing else [])))
+        self.diagnosis.show()
         for row in BAR_ROWS:
             v = shown_figure(metrics, row.key).value
             if v is not None:
