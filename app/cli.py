@@ -24,6 +24,25 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"gapless: error: {message} (see {self.prog} --help)\n")
 
 
+def _draft_tokens(value: str) -> int:
+    """'auto' is 0, the adaptive draft length; a number is checked against the option's range later."""
+    if value == "auto":
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
+
+
+def _add_speculation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculation", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding: drafts from the prompt and answer (ngram) or a smaller model (draft)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default=None, metavar="K",
+                   help="drafts verified per step, 1..15, or 'auto' (adaptive, the default)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft model for --speculation draft (a GGUF file or a folder, same tokenizer)")
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a GGUF file, or a Hugging Face folder")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -33,7 +52,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--candidates", type=int, default=None)
-    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, candidates)")
+    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, candidates, speculation)")
+    _add_speculation_options(p)
     p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
                    help="trace a short window of decode steps for the kernel/op gap (default on)")
 
@@ -85,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
+    _add_speculation_options(bench)
+    bench.add_argument("--speculation-workloads", action="store_true",
+                       help="instead of the ladder: decode speed with and without speculation on rewrite, summary "
+                            "and free-chat prompts")
 
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")

@@ -25,6 +25,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         baseline=args.baseline,
         compile=args.compile,
         prompt=args.prompt or DEFAULT_PROMPT,
+        speculation=getattr(args, "speculation", None) or "ngram",
+        draft_tokens=getattr(args, "draft_tokens", None) or 0,
+        draft_model=getattr(args, "draft_model", None) or "",
     )
 
 
@@ -62,6 +65,8 @@ def describe_options(o: Optional[dict[str, Any]]) -> str:
         parts.append("CUDA graph")
     if o.get("candidates", 1) > 1:
         parts.append(f"{o['candidates']} candidates")
+    if o.get("speculation", "off") != "off":
+        parts.append(f"{o['speculation']} speculation, {o.get('draft_tokens') or 'adaptive'} drafts")
     return ", ".join(parts)
 
 
@@ -76,7 +81,7 @@ def format_table(report: dict[str, Any]) -> str:
     head = ["rung", "options", "tokens", "decode tok/s (range)", "× Naive", "× transformers"]
     if compiled:
         head.append("× transformers compiled")
-    head += ["TTFT ms", "gap %", "launches/step", "SM activity %", "GPU util %", "peak memory"]
+    head += ["TTFT ms", "gap %", "launches/step", "SM activity %", "GPU util %", "peak memory", "tok/step", "accepted %"]
     rows: list[list[str]] = []
     notes: list[str] = []
     for r in rungs:
@@ -94,9 +99,11 @@ def format_table(report: dict[str, Any]) -> str:
                _times(r.get("speedup_vs_naive")), _times(r.get("speedup_vs_transformers"))]
         if compiled:
             row.append(_times(r.get("speedup_vs_transformers_compiled")))
+        rate = m.get("acceptance_rate")
         row += [_num(m.get("ttft_ms")), _num(m.get("kernel_gap_pct")), _num(m.get("launches_per_step"), "{:.0f}"),
                 _num(m.get("sm_activity_pct")),
-                _num(m.get("gpu_util_pct")), _bytes(m.get("peak_memory_bytes"))]
+                _num(m.get("gpu_util_pct")), _bytes(m.get("peak_memory_bytes")),
+                _num(m.get("tokens_per_step"), "{:.2f}"), _num(None if rate is None else 100 * rate)]
         rows.append(row)
     naive = report["ratios"].get("naive_decode_tok_s")
     for b in baselines:
@@ -111,7 +118,7 @@ def format_table(report: dict[str, Any]) -> str:
         if compiled:
             row.append("1.00×" if b["name"] == "transformers-static-compile" else "")
         row += [_num(m.get("ttft_ms")), NA, NA, _num(m.get("sm_activity_pct")), _num(m.get("gpu_util_pct")),
-                _bytes(m.get("peak_memory_bytes"))]
+                _bytes(m.get("peak_memory_bytes")), NA, NA]
         rows.append(row)
 
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
@@ -132,10 +139,12 @@ def format_table(report: dict[str, Any]) -> str:
                    f"{end[0]:.1f} at the end.")
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
+    out.append("tok/step: engine counters (tokens kept / decode steps; above 1 only where drafts were accepted).")
     sources = [("gap", "kernel_gap_pct", "kernel_gap_source"),
                ("launches/step", "launches_per_step", "launches_per_step_source"),
                ("SM activity", "sm_activity_pct", "sm_activity_source"), ("GPU util", "gpu_util_pct", "gpu_util_source"),
-               ("peak memory", "peak_memory_bytes", "peak_memory_source")]
+               ("peak memory", "peak_memory_bytes", "peak_memory_source"),
+               ("accepted", "acceptance_rate", "speculation_source")]
     for name, metric, source in sources:
         src = _first(rungs, source)
         if src:

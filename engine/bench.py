@@ -30,6 +30,7 @@ DEFAULT_PROMPT = (
 )
 DEFAULT_CANDIDATES = 4
 COMPILED_RUNGS = ("compile", "cuda-graph")
+KEEP_GOING_RUNGS = ("candidates", "speculation")  # run without the compile or graph this machine lacks, saying so
 CPU_DTYPE_NOTE = (
     "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
     "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
@@ -39,9 +40,10 @@ MEDIAN_FIELDS = (
     "decode_tok_s", "ttft_ms", "prefill_tok_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "decode_seconds",
     "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "dram_bw_util_pct",
     "peak_memory_bytes", "new_tokens_total", "prompt_tokens", "decode_steps", "profiled_steps",
+    "tokens_per_step", "acceptance_rate", "drafted_tokens", "accepted_tokens", "verify_steps",
 )
 SOURCE_FIELDS = ("kernel_gap_source", "launches_per_step_source", "sm_activity_source", "gpu_util_source",
-                 "dram_bw_util_source", "peak_memory_source")
+                 "dram_bw_util_source", "peak_memory_source", "speculation_source")
 
 Progress = Callable[[str], None]
 
@@ -60,6 +62,9 @@ class BenchConfig:
     interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
     prompt: str = DEFAULT_PROMPT
     profile_window: bool = True
+    speculation: str = "ngram"  # how the speculation rung drafts
+    draft_tokens: int = 0
+    draft_model: str = ""
 
 
 def median(values) -> Optional[float]:
@@ -112,10 +117,13 @@ def compile_enabled(config: BenchConfig, device_type: str) -> bool:
     return config.compile if config.compile is not None else device_type == "cuda"
 
 
-def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int]) -> EngineOptions:
+def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int],
+                 speculation: str = "ngram") -> EngineOptions:
     """A preset's options for this bench: on CUDA as defined; on the CPU the half rung in bf16 and the
-    later rungs in fp32 (see CPU_DTYPE_NOTE)."""
+    later rungs in fp32 (see CPU_DTYPE_NOTE). The speculation rung drafts as `speculation` says."""
     opts = preset_options(name, base, candidates=candidates if candidates is not None else DEFAULT_CANDIDATES)
+    if opts.speculation != "off":
+        opts = replace(opts, speculation=speculation)
     if device_type != "cuda" and opts.dtype == "fp16":
         opts = replace(opts, dtype="bf16" if name == "half" else "fp32")
     return opts
@@ -125,7 +133,7 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
               ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
     """(options, skip reason, notes). A rung whose defining optimisation cannot run here is skipped; the
     candidates rung keeps running without the optimisations this machine lacks, and says which."""
-    opts = rung_options(name, base, device_type, config.candidates)
+    opts = rung_options(name, base, device_type, config.candidates, config.speculation)
     notes: list[str] = []
     compile_on = compile_enabled(config, device_type)
     if name in COMPILED_RUNGS and not compile_on:
@@ -134,11 +142,11 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
         if own:
             return None, "; ".join(f"{k}: {v}" for k, v in own.items()), notes
         return None, "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)", notes
-    if name == "candidates" and not compile_on and opts.compile:
+    if name in KEEP_GOING_RUNGS and not compile_on and opts.compile:
         opts = replace(opts, compile=False, cuda_graph=False)
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
-    if reasons and name == "candidates":
+    if reasons and name in KEEP_GOING_RUNGS:
         for key, why in reasons.items():
             if key in ("compile", "cuda_graph") and getattr(opts, key):
                 opts = replace(opts, **{key: False})
@@ -170,7 +178,8 @@ class LadderRunner:
         self.rungs: list[Rung] = []
         self.opts: dict[str, EngineOptions] = {}
         self._current: Optional[EngineOptions] = None
-        base = EngineOptions(device=config.device, profile_window=config.profile_window)
+        base = EngineOptions(device=config.device, profile_window=config.profile_window,
+                             draft_tokens=config.draft_tokens, draft_model=config.draft_model)
         for name in [p for p in PRESETS if p in config.presets]:
             opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
             label = f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
@@ -441,6 +450,10 @@ def validate(config: BenchConfig) -> BenchConfig:
         raise OptionsError(f"unknown preset(s): {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
     if not config.presets:
         raise OptionsError("no preset to run")
+    if config.speculation not in ("ngram", "draft"):
+        raise OptionsError(f"the speculation rung drafts with ngram or draft, got {config.speculation!r}")
+    if config.speculation == "draft" and not config.draft_model:
+        raise OptionsError("--speculation draft needs --draft-model PATH")
     if config.repeats < 1 or config.warmup < 0:
         raise OptionsError(f"repeats must be >= 1 and warm-up >= 0, got {config.repeats} and {config.warmup}")
     if config.max_new_tokens < 2:

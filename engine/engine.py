@@ -11,10 +11,11 @@ from typing import Callable, Optional
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.errors import GaplessError, GenerationError, ModelLoadError, OptionsError
 from engine.generate import run_loop
-from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
+from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.sampling import SamplerKind
+from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
 from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta
 
@@ -56,8 +57,11 @@ class Engine:
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
         self._compiled_for: Optional[tuple] = None
+        self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
+        self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
+        self._load_draft(self.options, progress)
         self.monitor = self._start_monitor()
 
     # ---- loading ------------------------------------------------------------------------------------------
@@ -89,6 +93,7 @@ class Engine:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
         self._compiled_for = None
+        self._draft_models.clear()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -107,6 +112,42 @@ class Engine:
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
         progress(Progress("load", 1.0, "model ready"))
+
+    def _load_draft(self, options: EngineOptions, progress: Callable[[Progress], None]) -> Optional[Transformer]:
+        """The draft model of `options` on this model's device and dtype, loaded once; None when the options
+        name none or it cannot draft for this model (the reason is kept for unavailable())."""
+        path = options.draft_model
+        if options.speculation != "draft" or not path or not self.fast or path in self._draft_refused:
+            return None
+        key = (path, str(self.device), self.dtype)
+        if key in self._draft_models:
+            return self._draft_models[key]
+        from engine.loader import load_checkpoint
+        from engine.speculative import vocabulary_mismatch
+
+        progress(Progress("load", None, f"loading the draft model {path}"))
+        try:
+            draft = load_checkpoint(path, progress)
+        except GaplessError as exc:
+            self._draft_refused[path] = f"the draft model could not be loaded: {exc}"
+            return None
+        why = vocabulary_mismatch(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
+        if why is None:
+            try:
+                ModelArgs.from_hf_config(draft.config)
+            except ValueError as exc:
+                why = f"the draft model runs only on the fast path, and cannot: {exc}"
+        if why is not None:
+            self._draft_refused[path] = why
+            return None
+        try:
+            model = build_transformer(draft.config, draft.state_dict, TORCH_DTYPES[self.dtype], self.device)
+        except (ModelLoadError, RuntimeError) as exc:
+            self._draft_refused[path] = f"the draft model could not be placed on {self.device}: {exc}"
+            return None
+        self._draft_models = {key: model}  # one draft model at a time
+        progress(Progress("load", 1.0, "draft model ready"))
+        return model
 
     def _start_monitor(self):
         from engine.telemetry.monitor import Monitor
@@ -164,7 +205,26 @@ class Engine:
             out["kv_cache"] = f"{self._on_fallback()}, which uses its own dynamic cache"
         if o.dtype == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
             out["dtype"] = "this GPU has no bf16 support"
+        why = self._speculation_unavailable(o)
+        if why:
+            out["speculation"] = why
         return out
+
+    def _speculation_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if o.speculation == "off":
+            return None
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no verify step"
+        if o.kv_cache != "static":
+            return "speculation needs the static KV cache (drafts are verified in place, rejected ones dropped by moving its position)"
+        if o.candidates > 1:
+            return ("speculation verifies the drafts of one answer; several candidates would accept different numbers "
+                    "of tokens per step")
+        if o.speculation == "draft":
+            if not o.draft_model:
+                return "no draft model chosen (--draft-model PATH)"
+            return self._draft_refused.get(o.draft_model)
+        return None
 
     def _on_fallback(self) -> str:
         why = f" ({self.fast_reason})" if self.fast_reason else ""
@@ -182,6 +242,8 @@ class Engine:
             eff = replace(eff, kv_cache="dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
+        if "speculation" in reasons:
+            eff = replace(eff, speculation="off")
         device = _target_device(eff.device)
         return replace(eff, device=device.type, dtype=resolve_dtype(eff.dtype, device)), reasons
 
@@ -198,6 +260,7 @@ class Engine:
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()
+            self._load_draft(options, progress)
             self.options = options
 
     # ---- generation ---------------------------------------------------------------------------------------
@@ -300,6 +363,12 @@ class Engine:
         runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
         kind = SamplerKind.of(sampling)
         runner.sampler.set_params(sampling)
+        spec = self._speculator(opts, runner, on_event) if isinstance(runner, StaticRunner) else None
+        if opts.speculation != "off" and spec is None:
+            reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
+            notices.append(f"speculation off for this answer: {reasons['speculation']}")
+            opts = replace(opts, speculation="off")
+        verify_ks = (spec.shapes or ()) if spec is not None else ()
         if isinstance(runner, StaticRunner):
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
@@ -307,7 +376,7 @@ class Engine:
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
@@ -318,7 +387,8 @@ class Engine:
                     reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                   verify_ks)
         torch.manual_seed(seed)
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
@@ -326,12 +396,29 @@ class Engine:
         try:
             loop = run_loop(
                 runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor,
+                window=window, monitor=self.monitor, spec=spec,
             )
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
         return loop, opts
+
+    def _speculator(self, opts: EngineOptions, runner: StaticRunner, on_event: Callable) -> Optional[Speculator]:
+        """The speculation of this generation, or None when off (or the draft model cannot be had)."""
+        if opts.speculation == "off":
+            return None
+        k = opts.draft_tokens
+        schedule = f"{k} drafts per step" if k else f"adaptive k (one of {', '.join(map(str, ADAPTIVE_KS))})"
+        shapes = ((k,) if k else ADAPTIVE_KS) if opts.compile or opts.cuda_graph else None
+        if opts.speculation == "ngram":
+            source = f"engine counters: n-gram prompt lookup (n = {NGRAM_MAX}..1) on the host, {schedule}"
+            return Speculator(NgramProposer(), k, shapes, source)
+        model = self._load_draft(opts, on_event)
+        if model is None:
+            return None
+        proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device)
+        source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
+        return Speculator(proposer, k, shapes, source)
 
     def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
         """The next, smaller configuration to try after running out of device memory."""

@@ -11,7 +11,10 @@ from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QGridLayout, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import (
+    DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, MAX_DRAFT_TOKENS, PRESET_LABELS, PRESETS, SAMPLING_MODES, SPECULATION_MODES,
+    EngineOptions, Progress, preset_options,
+)
 from ui.stats import preset_name
 
 CUSTOM = "custom"
@@ -29,6 +32,9 @@ TIPS = {
     "compile": "torch.compile the decode step: fewer, fused kernels (a first compile takes a while)",
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
+    "speculation": ("Speculative decoding: drafts looked up in the prompt and answer (ngram) or made by a smaller model "
+                    "(draft) are verified in one step; the answer is the one plain decoding gives"),
+    "draft_tokens": "Drafts verified per step; auto lengthens them while they are accepted and pauses them when not",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
 }
 
@@ -61,9 +67,14 @@ class TogglesPanel(QWidget):
         self.candidates = QSpinBox(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
+        self.speculation = _combo(SPECULATION_MODES, self)
+        self.draft_tokens = QSpinBox(self)
+        self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
+        self.draft_tokens.setSpecialValueText("auto")
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
+            "speculation": self.speculation, "draft_tokens": self.draft_tokens,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -81,7 +92,8 @@ class TogglesPanel(QWidget):
         for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
-                                     ((None, self.profile_window), (None, self.cuda_graph))), start=1):
+                                     ((None, self.profile_window), (None, self.cuda_graph)),
+                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens))), start=1):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, row, 2 * col, 1, 2)
@@ -129,12 +141,13 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "speculation"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
             self.cuda_graph.setChecked(options.cuda_graph)
             self.candidates.setValue(options.candidates)
+            self.draft_tokens.setValue(options.draft_tokens)
             self.profile_window.setChecked(options.profile_window)
             self._show_preset()
             self._apply_tooltips()
@@ -189,8 +202,8 @@ class TogglesPanel(QWidget):
                 why = self._known.get((name, True))
                 w.setEnabled(why is None or w.isChecked())
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
-            else:  # candidates
-                why = self._known.get((name, self._options.candidates))
+            else:  # candidates, draft_tokens
+                why = self._known.get((name, getattr(self._options, name)))
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
         for i in range(self.preset.count()):
             why = self._preset_unavailable(self.preset.itemData(i))
@@ -219,6 +232,7 @@ class TogglesPanel(QWidget):
             device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+            speculation=self.speculation.currentData(), draft_tokens=self.draft_tokens.value(),
         )
 
     def _edited(self, name: str) -> None:

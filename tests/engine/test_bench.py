@@ -77,17 +77,23 @@ def test_validate_rejects_bad_configs():
 
 def test_config_from_args():
     args = argparse.Namespace(model="m.gguf", device="cpu", max_new_tokens=16, repeats=2, presets="naive, first-fixes",
-                              candidates=None, baseline=False, compile=None, prompt=None, json=None)
+                              candidates=None, baseline=False, compile=None, prompt=None, json=None,
+                              speculation=None, draft_tokens=None, draft_model=None)
     c = config_from_args(args)
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
+    assert (c.speculation, c.draft_tokens, c.draft_model) == ("ngram", 0, "")
     args.presets = None
-    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 7
+    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 8
+    assert config_from_args(args).presets[-1] == "speculation"
+    args.speculation, args.draft_tokens, args.draft_model = "draft", 4, "small.gguf"
+    c = config_from_args(args)
+    assert (c.speculation, c.draft_tokens, c.draft_model) == ("draft", 4, "small.gguf")
 
 
 def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
     r = Rung(name, label, status, reason=reason, options=options, notes=list(notes))
     if status == "ok":
-        r.median = {"decode_tok_s": tok_s, "ttft_ms": 100.0, "kernel_gap_pct": gap,
+        r.median = {"decode_tok_s": tok_s, "ttft_ms": 100.0, "kernel_gap_pct": gap, "tokens_per_step": 1.0,
                     "kernel_gap_source": "op gap — torch.profiler CPU ops, 8-step window (sampled)" if gap else None,
                     "launches_per_step": 4 * gap if gap else None,
                     "launches_per_step_source": "aten ops per step — torch.profiler CPU ops, 8-step window (sampled)"
@@ -162,7 +168,7 @@ def test_table_rows_figures_and_notes():
     row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells == ["Seeds' first fixes", "fp32, kv static, device sampling", "128", "25.0", "2.50×", "1.25×",
-                     "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB"]
+                     "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB", "1.00", "n/a"]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
     skipped = next(line for line in lines if line.startswith("| + compile"))
@@ -191,6 +197,8 @@ def test_describe_options():
     assert describe_options(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
         "fp16, kv static, device sampling, compile, CUDA graph, 16 candidates")
     assert describe_options(None) == ""
+    assert describe_options(opts(dtype="fp32", speculation="ngram", draft_tokens=0)) == (
+        "fp32, kv static, device sampling, ngram speculation, adaptive drafts")
 
 
 def test_write_json_round_trip(tmp_path):

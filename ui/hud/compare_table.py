@@ -59,6 +59,10 @@ COLUMNS = (
     Column("gpu_util_pct", "GPU util", "metric", fmt.percent, +1, "gpu_util_source"),
     Column("dram_bw_util_pct", "DRAM bw", "metric", fmt.percent, +1, "dram_bw_util_source"),
     Column("peak_memory_bytes", "Peak memory", "metric", fmt.size, -1, "peak_memory_source"),
+    Column("tokens_per_step", "Tok/step", "metric", lambda v: fmt.number(v, digits=2), +1,
+           tip="tokens kept per decode step and candidate: above 1 with speculation"),
+    Column("acceptance_rate", "Accepted", "metric", lambda v: fmt.percent(None if v is None else 100 * v), +1,
+           "speculation_source", tip="speculation: drafts the model accepted, of those it verified"),
     Column("new_tokens_total", "New tokens", "metric", lambda v: fmt.number(v, digits=0)),
     Column("prompt_tokens", "Prompt tokens", "metric", lambda v: fmt.number(v, digits=0)),
     Column("options", "Options", "summary", tip="the options the generation ran with; one column each follows"),
@@ -69,6 +73,8 @@ COLUMNS = (
     Column("compile", "Compile", "option", lambda v: "on" if v else "off"),
     Column("cuda_graph", "CUDA graph", "option", lambda v: "on" if v else "off"),
     Column("candidates", "Candidates", "option"),
+    Column("speculation", "Speculation", "option"),
+    Column("draft_tokens", "Drafts", "option", lambda v: str(v) if v else "auto"),
 )
 COLUMN_INDEX = {c.key: i for i, c in enumerate(COLUMNS)}
 
@@ -162,8 +168,8 @@ class CompareModel(QAbstractTableModel):
             if v is None:
                 return f"{fmt.NA} — {self.rows[row].metrics.unavailable.get(col.key, 'not measured in this generation')}"
             source = getattr(self.rows[row].metrics, col.source_field) if col.source_field else None
-            return source or ("engine counters" if col.key in ("new_tokens_total", "prompt_tokens") else
-                              "engine timing, device-synchronised")
+            return source or ("engine counters" if col.key in ("new_tokens_total", "prompt_tokens", "tokens_per_step")
+                              else "engine timing, device-synchronised")
         if role == Qt.ItemDataRole.ForegroundRole:
             d = self.delta(row, col.key)
             if d is not None and col.better and abs(d) >= 0.02:

@@ -65,4 +65,6 @@ def options_summary(options) -> str:
         parts.append("CUDA graph")
     if options.candidates > 1:
         parts.append(f"×{options.candidates} candidates")
+    if options.speculation != "off":
+        parts.append(f"{options.speculation} speculation ({options.draft_tokens or 'auto'})")
     return " · ".join(parts)
