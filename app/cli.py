@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--speculation-workloads", action="store_true",
                        help="instead of the ladder: decode speed with and without speculation on rewrite, summary "
                             "and free-chat prompts")
+    bench.add_argument("--dtypes", default=None, help="with --speculation-workloads: comma-separated dtypes "
+                                                      "(default fp32 on the CPU, fp16 on CUDA)")
+    bench.add_argument("--cuda-graph", action="store_true", help="with --speculation-workloads: capture the steps")
+    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the bench")
 
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")

@@ -174,8 +174,36 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def spec_config_from_args(args: argparse.Namespace):
+    from engine.bench_spec import SpecBenchConfig
+
+    dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip()) if args.dtypes else ()
+    return SpecBenchConfig(
+        model=args.model, device=args.device, dtypes=dtypes, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, speculation=args.speculation or "ngram", draft_tokens=args.draft_tokens or 0,
+        draft_model=args.draft_model or "", compile=bool(args.compile), cuda_graph=args.cuda_graph,
+        threads=args.threads,
+    )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_suite
+
+    if getattr(args, "speculation_workloads", False):
+        from engine.bench_spec import format_workloads, run_speculation_workloads
+
+        report = run_speculation_workloads(spec_config_from_args(args),
+                                           progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                           command=list(sys.argv))
+        print(format_workloads(report))
+        if args.json is not None:
+            write_json(args.json, report)
+            print(f"\nwritten: {args.json}")
+        return 0
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     config = config_from_args(args)
     report = run_suite(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))

@@ -111,9 +111,12 @@ def run_loop(
             in_window = window.tracing
             if in_window:
                 window_steps.add(step)
-        made = 1 if spec is None else spec.step(runner, max_new - produced)
         if spec is None:
             runner.step(step)
+            made = 1
+        else:
+            new = spec.step(runner, max_new - produced)
+            made = len(new)
         if in_window:
             window.step_end(step)
             if not window.in_window(step + 1):
@@ -124,7 +127,7 @@ def run_loop(
         made = min(made, max_new - produced)
         token_step.extend([step] * made)
         if spec is not None:  # the host reads every step's tokens: the next drafts follow from them
-            new = runner.out[0, produced:produced + made].tolist()
+            new = new[:made]
             rows[0].feed(new)
             spec.accepted(new)
             produced += made

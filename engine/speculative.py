@@ -7,6 +7,7 @@ since both proposers draft deterministically: accept x with probability p(x), el
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -19,10 +20,11 @@ from engine.sampling import SamplerKind, SamplerState, process
 NGRAM_MAX = 3  # the longest suffix matched; shorter ones are tried after it, down to one token
 ADAPTIVE_KS = (1, 2, 4, 8, 15)  # draft lengths the adaptive schedule moves between (one graph each)
 ADAPTIVE_START = 2  # index into ADAPTIVE_KS
-# Adaptive back-off: after this many verify steps in a row that accepted nothing, drafts pause for a number of
-# steps that doubles at each further miss (up to PAUSE_MAX), so a chat with nothing to copy runs plain steps.
-MISSES_BEFORE_PAUSE = 2
+# Adaptive back-off: when verify steps make fewer tokens per second than plain steps (measured), drafts pause for a
+# number of steps that doubles at each further loss (up to PAUSE_MAX), so a chat with nothing to copy runs plain
+# steps and only probes now and then.
 PAUSE_MAX = 64
+EMA = 0.3  # weight of the newest measurement in the running step times and speed ratio
 
 
 class Proposer(Protocol):
@@ -48,6 +50,7 @@ class NgramProposer:
         self.max_n = max_n
         self.tokens: list[int] = []
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.last_match = 0  # the length of the n-gram the last proposal matched
 
     def reset(self, tokens: list[int]) -> None:
         self.tokens = []
@@ -70,6 +73,7 @@ class NgramProposer:
         for n in range(min(self.max_n, end), 0, -1):
             start = self.index[n].get(tuple(h[end - n:]))
             if start is not None:
+                self.last_match = n
                 # A continuation that runs into the answer's end goes on copying its own drafts: the match says
                 # the text repeats with period end - start, as in a run of one token or a repeated line.
                 out: list[int] = []
@@ -148,45 +152,76 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, kind: SamplerKind, state:
     return Verdict(tokens=tokens, n_emit=valid.sum(), n_accepted=n_acc, eos_hit=(is_eos & valid).any())
 
 
+@dataclass
+class _Gate:
+    """Whether drafts of one kind (an n-gram match of one length, or the draft model) are worth verifying."""
+
+    pause: int = 0  # chances to draft left to skip
+    backoff: int = 1  # the next pause
+    speed: float = 1.0  # running tokens per second of verify steps, over plain steps'
+
+
 class AdaptiveK:
-    """The draft length: longer after a step that accepted every draft, shorter after one that accepted fewer
-    than half; after MISSES_BEFORE_PAUSE verify steps that accepted nothing, no drafts for a pause that doubles
-    with every further miss (a chat with nothing to copy then runs plain steps, probing now and then)."""
+    """The draft length and whether to draft at all.
+
+    Length: one step of ADAPTIVE_KS longer after a verify step that accepted every draft, one shorter after one
+    that accepted fewer than half. Whether: a verify step of k drafts costs more than a plain step (on a CPU 1.5-3x,
+    measured in docs/benchmarks.md), so it pays only when it makes more tokens than its cost ratio. The host times
+    both kinds of step (each ends with reading its tokens back, so the times are the device's); while the running
+    ratio tokens x t_plain / t_verify stays below 1, drafts pause for a back-off that doubles at each loss. The
+    ratio is kept per kind of draft (`key`: the n-gram match length), since a 3-token match is accepted far more
+    often than a 1-token one. A fixed draft length (`fixed` > 0) drafts at every step that has a proposal.
+    """
 
     def __init__(self, fixed: int = 0, ks: tuple[int, ...] = ADAPTIVE_KS):
         self.fixed = fixed
         self.ks = ks
         self.level = min(ADAPTIVE_START, len(ks) - 1)
-        self.misses = 0
-        self.pause = 0  # plain steps left before the next draft
-        self.backoff = 1
+        self.gates: dict[int, _Gate] = {}
+        self.t_plain: Optional[float] = None  # running seconds of a plain step
+        self.t_verify: dict[int, float] = {}  # running seconds of a verify step, per length
 
     @property
     def k(self) -> int:
         return self.fixed or self.ks[self.level]
 
-    def wants_drafts(self) -> bool:
+    def gate(self, key: int = 0) -> _Gate:
+        return self.gates.setdefault(key, _Gate())
+
+    def wants_drafts(self, key: int = 0) -> bool:
         if self.fixed:
             return True
-        if self.pause > 0:
-            self.pause -= 1
+        if self.t_plain is None:
+            return False  # one plain step first, to know what a verify step must beat
+        g = self.gate(key)
+        if g.pause > 0:
+            g.pause -= 1
             return False
         return True
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if self.fixed or drafted == 0:
+    def plain_step(self, seconds: float) -> None:
+        self.t_plain = seconds if self.t_plain is None else (1 - EMA) * self.t_plain + EMA * seconds
+
+    def verify_step(self, shape: int, drafted: int, accepted: int, emitted: int, seconds: float,
+                    key: int = 0) -> None:
+        t = self.t_verify.get(shape)
+        self.t_verify[shape] = seconds if t is None else (1 - EMA) * t + EMA * seconds
+        if self.fixed:
             return
         if accepted == drafted:
             self.level = min(self.level + 1, len(self.ks) - 1)
         elif 2 * accepted < drafted:
             self.level = max(self.level - 1, 0)
-        if accepted:
-            self.misses, self.backoff = 0, 1
+        if self.t_plain is None:
             return
-        self.misses += 1
-        if self.misses >= MISSES_BEFORE_PAUSE:
-            self.pause = self.backoff
-            self.backoff = min(2 * self.backoff, PAUSE_MAX)
+        g = self.gate(key)
+        g.speed = (1 - EMA) * g.speed + EMA * emitted * self.t_plain / self.t_verify[shape]
+        if g.speed >= 1.0:
+            g.backoff = 1
+            return
+        g.pause = g.backoff
+        g.backoff = min(2 * g.backoff, PAUSE_MAX)
+        g.speed = 1.0  # the next probe is judged on its own
 
 
 @dataclass
@@ -257,25 +292,33 @@ class Speculator:
     def accepted(self, tokens: list[int]) -> None:
         self.proposer.extend(tokens)
 
-    def step(self, runner, remaining: int) -> int:
-        """One decode step of `runner` (a StaticRunner) with `remaining` tokens still wanted; returns the number
-        of tokens it wrote to the runner's output."""
+    def step(self, runner, remaining: int) -> list[int]:
+        """One decode step of `runner` (a StaticRunner) with `remaining` tokens still wanted; returns the tokens it
+        wrote to the runner's output (read back, so its time is the device's)."""
         room = runner.verify_room()
         k = min(self.schedule.k, remaining - 1, room)
-        drafts = self.proposer.propose(k) if k >= 1 and self.schedule.wants_drafts() else []
+        drafts = self.proposer.propose(k) if k >= 1 else []
+        key = getattr(self.proposer, "last_match", 0)
+        if drafts and not self.schedule.wants_drafts(key):
+            drafts = []
+        start = runner.host_pos - runner.prompt_len + 1  # tokens written so far (the runner's counter, known here)
+        t0 = time.perf_counter()
         if not drafts:
             runner.step(0)
+            tokens = runner.out[0, start:start + 1].tolist()
+            self.schedule.plain_step(time.perf_counter() - t0)
             self.counts.plain_steps += 1
-            return 1
+            return tokens
         shape = len(drafts)
         if self.shapes:  # the shortest step compiled for this many drafts, if the cache has room for it
             shape = next((s for s in self.shapes if s >= len(drafts) and s <= room), len(drafts))
         emitted, accepted = runner.speculate(drafts, shape)
+        tokens = runner.out[0, start:start + emitted].tolist()
+        self.schedule.verify_step(shape, len(drafts), accepted, emitted, time.perf_counter() - t0, key)
         self.counts.verify_steps += 1
         self.counts.drafted += len(drafts)
         self.counts.accepted += accepted
-        self.schedule.update(len(drafts), accepted)
-        return emitted
+        return tokens
 
 
 def vocabulary_mismatch(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> Optional[str]:

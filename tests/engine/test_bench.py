@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from app.cmd_bench import config_from_args, describe_options, format_table, write_json
 from engine.bench import (
@@ -344,3 +345,49 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         assert eng.options == before
     finally:
         eng.close()
+
+
+def test_speculation_rung_runs_on_the_cpu_without_compile(tiny_llama, tmp_path, capsys):
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "bench.json"
+    assert run_bench(bench_args(tiny_llama, path, presets="first-fixes,speculation")) == 0
+    report = json.loads(path.read_text(encoding="utf-8"))
+    fixes, spec = report["rungs"]
+    assert spec["name"] == "speculation" and spec["status"] == "ok" and spec["label"] == "+ speculation"
+    assert spec["options"]["speculation"] == "ngram" and spec["options"]["compile"] is False
+    assert spec["notes"] == ["without compile and CUDA graph (compile off for this bench)"]
+    assert spec["runs"][0]["token_ids"] == fixes["runs"][0]["token_ids"]  # greedy: the same answer
+    m = spec["median"]
+    assert m["tokens_per_step"] is not None and m["speculation_source"].startswith("engine counters: n-gram")
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| + speculation"))
+    assert "ngram speculation, adaptive drafts" in row
+
+
+def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):
+    from app.cli import build_parser
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "spec.json"
+    args = build_parser().parse_args(["bench", "--model", str(tiny_llama), "--device", "cpu", "--speculation-workloads",
+                                      "--max-new-tokens", "24", "--threads", "1", "--json", str(path)])
+    threads = torch.get_num_threads()
+    try:
+        assert run_bench(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(path.read_text(encoding="utf-8"))
+    assert report["torch_threads"] == 1 and report["config"]["speculation"] == "ngram"
+    results = report["results"]
+    assert [r["workload"] for r in results] == ["rewrite", "summarise", "free chat"]
+    for r in results:
+        assert r["status"] == "ok" and r["dtype"] == "fp32"
+        assert all(p["identical"] for p in r["prompts"])  # greedy: the same tokens with and without
+        off, on = r["plain"], r["speculation"]
+        assert off["tokens_per_step"] == 1.0 and off["drafted_tokens"] == 0
+        assert on["decode_tokens"] == off["decode_tokens"]
+        assert r["speedup"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"])
+    assert results[0]["standing"].startswith("target >= 1.5x") and results[1]["standing"] is None
+    out = capsys.readouterr().out
+    assert "| fp32  | rewrite " in out and "1 torch thread(s)" in out

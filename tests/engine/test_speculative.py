@@ -120,28 +120,32 @@ def test_device_lookup_proposes_what_the_host_lookup_does():
         assert host[: len(got)] == got and (len(got) == 0) == (len(host) == 0)
 
 
-def test_adaptive_k_grows_shrinks_and_pauses():
+def test_adaptive_k_grows_shrinks_and_pauses_when_verifying_does_not_pay():
     a = AdaptiveK()
-    assert a.k == 4
-    a.update(4, 4)  # all accepted: longer
-    assert a.k == 8
-    a.update(8, 3)  # fewer than half: shorter
+    assert not a.wants_drafts()  # the first step is plain: its time is what a verify step must beat
+    a.plain_step(0.010)
     assert a.k == 4 and a.wants_drafts()
-    a.update(4, 2)  # half: kept
+    a.verify_step(4, 4, 4, 5, 0.015)  # all accepted: longer; 5 tokens for 1.5 plain steps pays
+    assert a.k == 8 and a.wants_drafts()
+    a.verify_step(8, 8, 3, 4, 0.020)  # fewer than half: shorter; 4 tokens for 2 plain steps still pays
+    assert a.k == 4 and a.wants_drafts()
+    a.verify_step(4, 4, 2, 3, 0.015)  # half: kept
     assert a.k == 4
-    a.update(4, 0)
-    assert a.k == 2 and a.wants_drafts()
-    a.update(2, 0)  # the second miss in a row: a pause of one plain step
-    assert a.k == 1
-    assert not a.wants_drafts() and a.wants_drafts()
-    a.update(1, 0)  # the pause doubles
-    assert not a.wants_drafts() and not a.wants_drafts() and a.wants_drafts()
-    a.update(1, 1)  # an accepted draft ends the back-off
-    a.update(2, 0)
-    assert a.wants_drafts()
+    for _ in range(3):  # nothing accepted: 1 token for 1.5 plain steps loses, but the running ratio is above 1
+        a.verify_step(4, 4, 0, 1, 0.015)
+        assert a.gate().pause == 0
+    a.verify_step(4, 4, 0, 1, 0.015)  # now below: a pause of one plain step
+    assert a.k == 1 and not a.wants_drafts() and a.wants_drafts()
+    assert a.wants_drafts(key=3)  # matches of another length have their own record
+    a.verify_step(2, 2, 0, 1, 0.015)
+    assert not a.wants_drafts() and not a.wants_drafts() and a.wants_drafts()  # the pause doubled
+    a.verify_step(2, 2, 2, 3, 0.012)  # paid again: the back-off ends
+    a.verify_step(4, 4, 4, 5, 0.012)
+    assert a.wants_drafts() and a.gate().backoff == 1
     fixed = AdaptiveK(fixed=6)
-    fixed.update(6, 0)
-    fixed.update(6, 0)
+    assert fixed.wants_drafts()
+    fixed.verify_step(6, 6, 0, 1, 0.1)
+    fixed.verify_step(6, 6, 0, 1, 0.1)
     assert fixed.k == 6 and fixed.wants_drafts()
 
 

@@ -19,7 +19,8 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
     assert rc == 0, {k: v.get("error") for k, v in sections.items()}
     assert sections["machine"]["ok"] and sections["machine"]["result"]["cpu_model"]
     assert sections["model"]["result"]["kind"] == "tiny"
-    for name in ("nvml", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
+    for name in ("nvml", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16",
+                 "speculation"):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
     par = sections["parity_fp32"]["result"]
     combos = {(r["options"]["kv_cache"], r["options"]["sampling"], r["options"]["candidates"]) for r in par["rows"]}
@@ -117,3 +118,21 @@ def test_kernels_and_sdpa_sections_run_their_course_on_the_cpu(tmp_path):
     first_use = sdpa_first_use(folder, lambda msg: None, device="cpu")
     assert [r["prompt_tokens"] for r in first_use["rows"]] == [300, 600]
     assert all(r["first_tok_s"] > 0 and r["second_tok_s"] > 0 for r in first_use["rows"])
+
+
+def test_speculation_section_runs_its_course_on_the_cpu(tmp_path):
+    """The speculation section eager on the CPU: every workload with both arms, the same greedy tokens, and the
+    step costs of every draft length."""
+    from gpu.gpu_check import TINY, make_model_folder, speculation
+
+    folder = make_model_folder(tmp_path / "tiny", TINY)
+    threads = torch.get_num_threads()
+    try:
+        got = speculation(folder, lambda msg: None, device="cpu", max_new=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["workload"] for r in got["results"]] == ["rewrite", "summarise", "free chat"]
+    assert all(r["status"] == "ok" and all(p["identical"] for p in r["prompts"]) for r in got["results"])
+    costs = got["step_costs"][0]
+    assert set(costs["verify_step_ms"]) == {"1", "2", "4", "8", "15"} and costs["plain_step_ms"] > 0
+    assert "| fp32  | rewrite " in got["table"]
