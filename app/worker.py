@@ -10,86 +10,40 @@ queued to receivers in the GUI thread.
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import PySide6
-from PySide6.QtCore import QObject, QThread, Signal, SignalInstance, Slot
+from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import GaplessError
-from engine.types import EngineOptions, MonitorSample, Progress, SamplingParams, StepRecord, TextDelta
+from engine.protocol import EngineLike
+from engine.types import EngineOptions, MonitorSample, Progress, RowFinished, SamplingParams, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
 
 BATCH_INTERVAL_S = 1 / 30  # text, step records and samples reach the GUI at most this often
 PROGRESS_INTERVAL_S = 1 / 30
 
-EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], Any]
+EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], EngineLike]
 LadderRunner = Callable[..., list]
 
 
-def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]):
+def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]) -> EngineLike:
     # Imported on first use: torch and transformers take seconds to import, the window should not wait for them.
-    from engine.engine import Engine
+    from app.engines import load_engine
 
-    return Engine.load(source, options, progress)
+    return load_engine(source, options, progress)
 
 
 def _run_ladder(*args: Any, **kwargs: Any) -> list:
-    from engine.bench import run_ladder
+    from engine.ladder import run_ladder
 
     return run_ladder(*args, **kwargs)
-
-
-def _emit_drops_a_reference() -> bool:
-    """PySide6 6.12 on CPython 3.11 returns the bool of SignalInstance.emit() without a new reference, so every
-    emit from Python takes one reference from True; after a few hundred emits the interpreter aborts
-    ("bool_dealloc"). Probed rather than keyed on version numbers, so a fixed release turns the repair off."""
-    if sys.version_info >= (3, 12):  # immortal bools: a missing reference does no harm
-        return False
-
-    class Probe(QObject):
-        fired = Signal()
-
-    probe, n = Probe(), 16
-    before = sys.getrefcount(True)
-    for _ in range(n):
-        probe.fired.emit()
-    drops = before - sys.getrefcount(True) >= n
-    for _ in range(n if drops else 0):
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(True))
-    return drops
-
-
-def repair_signal_emit() -> bool:
-    """Make SignalInstance.emit give back the reference it takes, for every signal in the process (the GUI
-    emits from Python at ~30 Hz while streaming). Idempotent; True when the repair is in place."""
-    if getattr(SignalInstance.emit, "_gapless_repaired", False):
-        return True
-    if not _emit_drops_a_reference():
-        return False
-    broken = SignalInstance.emit
-
-    def emit(self: SignalInstance, *args: Any) -> Any:
-        result = broken(self, *args)
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(result))
-        return result
-
-    emit._gapless_repaired = True  # type: ignore[attr-defined]
-    SignalInstance.emit = emit
-    log.info("PySide6 %s drops a reference on every signal emit; repaired", PySide6.__version__)
-    return True
-
-
-# The worker and every widget emit through the same type; the repair must precede the first emit that matters.
-repair_signal_emit()
 
 
 def one_line(exc: BaseException) -> str:
@@ -97,6 +51,26 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, GaplessError):
         return " ".join(str(exc).split()) or type(exc).__name__
     return f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def option_limits(engine: Any) -> dict[tuple[str, Any], str]:
+    """{(option, value): reason} for the values the engine cannot run on its model and device whatever the other
+    options are: each value is asked about with the others set as it needs them (compile and CUDA graphs with
+    the static cache)."""
+    base = engine.options
+    probes = {
+        ("device", "cuda"): base.with_(device="cuda"),
+        ("dtype", "bf16"): base.with_(dtype="bf16"),
+        ("kv_cache", "static"): base.with_(kv_cache="static"),
+        ("compile", True): base.with_(kv_cache="static", compile=True),
+        ("cuda_graph", True): base.with_(kv_cache="static", compile=True, cuda_graph=True),
+    }
+    out: dict[tuple[str, Any], str] = {}
+    for (name, value), probe in probes.items():
+        why = engine.unavailable(probe).get(name)
+        if why:
+            out[(name, value)] = why
+    return out
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
@@ -147,6 +121,7 @@ class _Batcher:
         self._text: dict[int, str] = {}
         self._steps: list[StepRecord] = []
         self._samples: list[MonitorSample] = []
+        self._ended: dict[int, str] = {}  # candidate -> finish reason, since the last take
         self._last = 0.0
 
     def add(self, event: Any) -> bool:
@@ -158,6 +133,8 @@ class _Batcher:
                 self._steps.append(event)
             elif isinstance(event, MonitorSample):
                 self._samples.append(event)
+            elif isinstance(event, RowFinished):
+                self._ended[event.candidate] = event.reason
             return time.monotonic() - self._last >= self.interval_s
 
     def take(self) -> tuple[dict[int, str], list[StepRecord], list[MonitorSample]]:
@@ -167,9 +144,15 @@ class _Batcher:
             self._last = time.monotonic()
             return out
 
+    def take_ended(self) -> dict[int, str]:
+        with self._lock:
+            out, self._ended = self._ended, {}
+            return out
 
-class EngineWorker(QObject):
-    """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
+
+class EngineEvents(QObject):
+    """What the engine's worker reports, declared once: the worker emits these on its thread and the controller
+    passes each on to the GUI thread under the same name."""
 
     loadStarted = Signal(str)
     progress = Signal(object)  # Progress
@@ -179,6 +162,7 @@ class EngineWorker(QObject):
     reconfigureFailed = Signal(str)  # message; the previous options stay in force
     generationStarted = Signal(int, object)  # request id, EngineOptions used
     textBatch = Signal(int, object)  # request id, {candidate: text since the last batch}
+    rowsFinished = Signal(int, object)  # request id, {candidate: finish reason} of candidates ended since the last
     steps = Signal(int, object)  # request id, [StepRecord]
     samples = Signal(object)  # [MonitorSample]
     generationFinished = Signal(int, object)  # request id, GenerationResult
@@ -187,7 +171,17 @@ class EngineWorker(QObject):
     ladderFinished = Signal(object)  # rows
     ladderFailed = Signal(str)
     busyChanged = Signal(bool)
+
+
+EVENT_NAMES: tuple[str, ...] = tuple(name for name, v in vars(EngineEvents).items() if isinstance(v, Signal))
+
+
+class EngineWorker(EngineEvents):
+    """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
+
     loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
+    limits = Signal(object)  # {(option, value): reason} this model and machine never run; before loaded/reconfigured
+    reconfiguredInfo = Signal(object)  # ModelInfo after a reconfigure (dtype, device, weight bytes); before `reconfigured`
 
     def __init__(
         self,
@@ -197,7 +191,7 @@ class EngineWorker(QObject):
     ):
         super().__init__()
         self.commands: "queue.Queue[Any]" = queue.Queue()
-        self.engine: Any = None  # touched only on the worker thread
+        self.engine: Optional[EngineLike] = None  # touched only on the worker thread
         self._engine_factory = engine_factory
         self._ladder_runner = ladder_runner
         self._pending_options: Optional[EngineOptions] = None  # options chosen before any model was loaded
@@ -263,6 +257,7 @@ class EngineWorker(QObject):
         self._pending_options = None
         self._close_engine(previous)
         self.loadedOptions.emit(engine.options)
+        self.limits.emit(option_limits(engine))
         self.loaded.emit(engine.info, unavailable)
 
     def _reconfigure(self, cmd: Reconfigure) -> None:
@@ -282,6 +277,8 @@ class EngineWorker(QObject):
             self._log_unless_expected(exc, "reconfiguring")
             self.reconfigureFailed.emit(one_line(exc))
             return
+        self.reconfiguredInfo.emit(self.engine.info)
+        self.limits.emit(option_limits(self.engine))
         self.reconfigured.emit(self.engine.options, unavailable)
 
     def _generate(self, cmd: Generate) -> None:
@@ -328,8 +325,11 @@ class EngineWorker(QObject):
 
     def _flush(self) -> None:
         text, steps, samples = self._batcher.take()
+        ended = self._batcher.take_ended()
         if text:
             self.textBatch.emit(self._request_id, text)
+        if ended:
+            self.rowsFinished.emit(self._request_id, ended)
         if steps:
             self.steps.emit(self._request_id, steps)
         if samples:
@@ -365,29 +365,12 @@ class EngineWorker(QObject):
 # ---- the GUI-thread facade --------------------------------------------------------------------------------
 
 
-class EngineController(QObject):
+class EngineController(EngineEvents):
     """What the GUI talks to. Every method returns at once; results arrive as this object's signals, in the
     GUI thread. `info`, `options`, `unavailable` and `busy` mirror the worker's last reports."""
 
-    loadStarted = Signal(str)
-    progress = Signal(object)
-    loaded = Signal(object, object)
-    loadFailed = Signal(str, str)
-    reconfigured = Signal(object, object)
-    reconfigureFailed = Signal(str)
-    generationStarted = Signal(int, object)
-    textBatch = Signal(int, object)
-    steps = Signal(int, object)
-    samples = Signal(object)
-    generationFinished = Signal(int, object)
-    generationFailed = Signal(int, str)
-    ladderProgress = Signal(int, int, str)
-    ladderFinished = Signal(object)
-    ladderFailed = Signal(str)
-    busyChanged = Signal(bool)
-
-    _FORWARDED = ("loadStarted", "progress", "loadFailed", "reconfigureFailed", "generationStarted", "textBatch",
-                  "steps", "samples", "ladderProgress", "ladderFinished", "ladderFailed")
+    # Events that update the mirrors first; their handlers emit them on. Every other event is passed on as is.
+    _MIRRORED = ("loaded", "reconfigured", "generationFinished", "generationFailed", "busyChanged")
 
     def __init__(self, worker: Optional[EngineWorker] = None, parent: Optional[QObject] = None):
         super().__init__(parent)
@@ -395,6 +378,7 @@ class EngineController(QObject):
         self.info: Any = None  # ModelInfo of the loaded model, None before the first load
         self.options: EngineOptions = EngineOptions()
         self.unavailable: dict[str, str] = {}
+        self.limits: dict[tuple[str, Any], str] = {}  # what the loaded model and this machine never run
         self.busy = False
         self._ids = itertools.count(1)
         self._generation_cancels: dict[int, threading.Event] = {}
@@ -404,14 +388,17 @@ class EngineController(QObject):
         # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
         self.worker.loadedOptions.connect(self._on_loaded_options)
         self.worker.loaded.connect(self._on_loaded)
+        self.worker.reconfiguredInfo.connect(self._on_reconfigured_info)
+        self.worker.limits.connect(self._on_limits)
         self.worker.reconfigured.connect(self._on_reconfigured)
         self.worker.generationFinished.connect(self._on_generation_finished)
         self.worker.generationFailed.connect(self._on_generation_failed)
         self.worker.ladderFinished.connect(self._on_ladder_done)
         self.worker.ladderFailed.connect(self._on_ladder_done)
         self.worker.busyChanged.connect(self._on_busy)
-        for name in self._FORWARDED:
-            getattr(self.worker, name).connect(getattr(self, name))
+        for name in EVENT_NAMES:
+            if name not in self._MIRRORED:
+                getattr(self.worker, name).connect(getattr(self, name))
 
         self._thread = QThread()
         self._thread.setObjectName("engine-worker")
@@ -481,6 +468,14 @@ class EngineController(QObject):
         self.info = info
         self.unavailable = dict(unavailable)
         self.loaded.emit(info, unavailable)
+
+    @Slot(object)
+    def _on_limits(self, limits: Any) -> None:
+        self.limits = dict(limits)
+
+    @Slot(object)
+    def _on_reconfigured_info(self, info: Any) -> None:
+        self.info = info
 
     @Slot(object, object)
     def _on_reconfigured(self, options: EngineOptions, unavailable: Any) -> None:

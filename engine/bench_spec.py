@@ -172,7 +172,7 @@ def run_speculation_workloads(config: SpecBenchConfig, progress: Callable[[str],
         device = engine.info.device
         dtypes = config.dtypes or (("fp16",) if device.startswith("cuda") else ("fp32",))
         sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
-        results = []
+        results: list[dict[str, Any]] = []
         step_cost_rows: list[dict[str, Any]] = []
         for dtype in dtypes:
             plain = EngineOptions(device=config.device, dtype=dtype, kv_cache="static", sampling="device",
@@ -197,7 +197,7 @@ def run_speculation_workloads(config: SpecBenchConfig, progress: Callable[[str],
                 for prompt in WORKLOADS[workload]:
                     messages = [{"role": "user", "content": prompt}]
                     tokens: dict[str, list[int]] = {}
-                    for i in range(config.repeats):
+                    for _ in range(config.repeats):
                         for arm, opts in (("off", plain), ("on", spec)):
                             engine.reconfigure(opts)
                             res = engine.generate(messages, sampling)

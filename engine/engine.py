@@ -5,13 +5,14 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GaplessError, GenerationError, ModelLoadError, OptionsError
+from engine.errors import GaplessError, GenerationError, ModelLoadError
 from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.sampling import SamplerKind
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
 
 def _target_device(requested: str) -> torch.device:
@@ -54,11 +56,12 @@ class Engine:
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
         self.dtype = eff.dtype
+        self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
-        self._compiled_for: Optional[tuple] = None
         self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
         self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
+        self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
         self._load_draft(self.options, progress)
@@ -69,10 +72,15 @@ class Engine:
     def load(cls, source: str, options: EngineOptions = EngineOptions(), progress: Optional[Callable[[Progress], None]] = None) -> "Engine":
         from engine.loader import load_checkpoint
 
+        started = time.perf_counter()
         progress = progress or _noop
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache()))
-        checkpoint = load_checkpoint(source, progress)
-        return cls(checkpoint, options, progress)
+        device = _target_device(options.validate().device)
+        dtype = TORCH_DTYPES[resolve_dtype(options.dtype, device)]
+        checkpoint = load_checkpoint(source, progress, dtype=dtype, device=device)  # GGUF: straight into these
+        engine = cls(checkpoint, options, progress)
+        engine.load_seconds = time.perf_counter() - started
+        return engine
 
     def _fast_args(self) -> Optional[ModelArgs]:
         self.fast_reason = ""
@@ -92,15 +100,22 @@ class Engine:
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
-        self._compiled_for = None
         self._draft_models.clear()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         dtype = TORCH_DTYPES[self.dtype]
         try:
+            state = self.checkpoint.weights(dtype, self.device)
             if self.fast:
-                self.model = build_transformer(self.config, self.checkpoint.state_dict, dtype, self.device)
+                # a checkpoint that can read its weights again gives them up as they are fused
+                reloadable = self.checkpoint.materialise is not None
+                self.model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
+                if self.weights != "native":
+                    from engine.quant import quantize_linears
+
+                    progress(Progress("load", None, f"quantising the linears to {self.weights}"))
+                    quantize_linears(self.model, self.weights, dtype)
             else:
                 from engine.fallback import build_hf_model
 
@@ -108,9 +123,11 @@ class Engine:
                     raise ModelLoadError("this GGUF's rope frequency factors (rope_freqs) are applied only on the fast "
                                          "path, which this model cannot use (details in the log)")
 
-                self.model = build_hf_model(self.config, self.checkpoint.state_dict, dtype, self.device)
+                self.model = build_hf_model(self.config, state, dtype, self.device)
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
+        del state
+        self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
 
     def _load_draft(self, options: EngineOptions, progress: Callable[[Progress], None]) -> Optional[Transformer]:
@@ -140,11 +157,14 @@ class Engine:
         if why is not None:
             self._draft_refused[path] = why
             return None
+        dtype = TORCH_DTYPES[self.dtype]
         try:
-            model = build_transformer(draft.config, draft.state_dict, TORCH_DTYPES[self.dtype], self.device)
+            model = build_transformer(draft.config, draft.weights(dtype, self.device), dtype, self.device,
+                                      consume=draft.materialise is not None)
         except (ModelLoadError, RuntimeError) as exc:
             self._draft_refused[path] = f"the draft model could not be placed on {self.device}: {exc}"
             return None
+        draft.release()
         self._draft_models = {key: model}  # one draft model at a time
         progress(Progress("load", 1.0, "draft model ready"))
         return model
@@ -158,8 +178,10 @@ class Engine:
 
     @property
     def info(self) -> ModelInfo:
+        from engine.quant import weight_bytes
+
         params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
-        wbytes = self.model.weight_bytes() if self.fast else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        wbytes = weight_bytes(self.model)
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
@@ -173,6 +195,9 @@ class Engine:
             weight_bytes=int(wbytes),
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
+            weights=self.weights,
+            load_seconds=self.load_seconds,
+            load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
 
     @property
@@ -205,6 +230,10 @@ class Engine:
             out["kv_cache"] = f"{self._on_fallback()}, which uses its own dynamic cache"
         if o.dtype == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
             out["dtype"] = "this GPU has no bf16 support"
+        if o.weights != "native":
+            why = self._weights_unavailable(o.weights, _target_device(o.device))
+            if why:
+                out["weights"] = why
         why = self._speculation_unavailable(o)
         if why:
             out["speculation"] = why
@@ -226,6 +255,17 @@ class Engine:
             return self._draft_refused.get(o.draft_model)
         return None
 
+    def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
+        from engine.quant import why_not
+
+        args = self._fast_args() if self.fast else None
+        if args is None:
+            return f"{self._on_fallback()}, whose linears are transformers' own"
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        shapes = {"wqkv": (q + 2 * kv, args.dim), "wo": (args.dim, q), "w13": (2 * args.intermediate_size, args.dim),
+                  "w2": (args.dim, args.intermediate_size), "output": (args.vocab_size, args.dim)}
+        return why_not(fmt, shapes, device)
+
     def _on_fallback(self) -> str:
         why = f" ({self.fast_reason})" if self.fast_reason else ""
         return f"{self.config.model_type} runs on the transformers fallback{why}"
@@ -244,19 +284,21 @@ class Engine:
             eff = replace(eff, dtype="fp16")
         if "speculation" in reasons:
             eff = replace(eff, speculation="off")
+        if "weights" in reasons:
+            eff = replace(eff, weights="native")
         device = _target_device(eff.device)
         return replace(eff, device=device.type, dtype=resolve_dtype(eff.dtype, device)), reasons
 
     def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
         """Switch options for the next generation. Waits for a running generation; weights are re-placed only
-        when device or dtype change (from the loaded checkpoint, so precision is never lost)."""
+        when device, dtype or weight format change (from the loaded checkpoint, so precision is never lost)."""
         progress = progress or _noop
         options = options.validate()
         with self._lock:
             eff, _ = self.effective(options)
             device = torch.device(eff.device)
-            if device != self.device or eff.dtype != self.dtype:
-                self.device, self.dtype = device, eff.dtype
+            if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
+                self.device, self.dtype, self.weights = device, eff.dtype, eff.weights
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()
@@ -298,7 +340,7 @@ class Engine:
             dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         if want and runner.compiled is None:
-            runner.set_compiled(torch.compile(runner._step_impl, dynamic=False))
+            runner.set_compiled(torch.compile(runner.masked_step, dynamic=False))
         elif not want and runner.compiled is not None:
             runner.set_compiled(None)
 
@@ -345,7 +387,9 @@ class Engine:
                     self._free_device_memory()
                     if streamed:
                         raise GenerationError(f"out of device memory while generating: {exc}") from exc
-                    opts = self._smaller(opts, notices, reasons)
+                    opts, option, reason, notice = self._smaller(opts)
+                    reasons[option] = reason
+                    notices.append(notice)
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
@@ -420,17 +464,17 @@ class Engine:
         source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
         return Speculator(proposer, k, shapes, source)
 
-    def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
-        """The next, smaller configuration to try after running out of device memory."""
+    @staticmethod
+    def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
+        """After running out of device memory: (the next, smaller options to try, the option given up, why,
+        the notice for the user)."""
         if opts.cuda_graph:
-            notices.append("out of device memory with the CUDA graph on: ran without it")
-            reasons["cuda_graph"] = "ran out of device memory with it on"
-            return replace(opts, cuda_graph=False)
+            return (replace(opts, cuda_graph=False), "cuda_graph", "ran out of device memory with it on",
+                    "out of device memory with the CUDA graph on: ran without it")
         if opts.candidates > 1:
             fewer = max(1, opts.candidates // 2)
-            notices.append(f"out of device memory with {opts.candidates} candidates: ran {fewer}")
-            reasons["candidates"] = f"out of device memory at {opts.candidates}"
-            return replace(opts, candidates=fewer)
+            return (replace(opts, candidates=fewer), "candidates", f"out of device memory at {opts.candidates}",
+                    f"out of device memory with {opts.candidates} candidates: ran {fewer}")
         raise GenerationError("out of device memory, even with one candidate and no CUDA graph")
 
     def _free_device_memory(self) -> None:

@@ -18,7 +18,7 @@ from engine.decode import RunnerBase
 from engine.sampling import SamplerKind
 from engine.speculative import Speculator
 from engine.stream import Readback, RowText, StepClock
-from engine.types import GenerationMetrics, StepRecord, TextDelta
+from engine.types import GenerationMetrics, RowFinished, StepRecord, TextDelta
 from engine.telemetry.monitor import estimate_dram_bw_util
 from engine.telemetry.stats import percentile
 
@@ -87,6 +87,7 @@ def run_loop(
     last_flush = t_first
     last_monitor = t_first
     records_from = 1
+    ended: set[int] = set()  # rows whose end was reported
     step = 0
     produced = 1  # tokens per row the device has written
     token_step = [0]  # token index -> the step that made it (0: the prefill)
@@ -152,7 +153,7 @@ def run_loop(
                     seen = visible
         t = now()
         if t - last_flush >= FLUSH_INTERVAL_S:
-            _emit_text(rows, on_event)
+            _emit_text(rows, on_event, ended)
             records_from = _emit_steps(clock, records_from, _steps_seen(token_step, seen), rows, on_event,
                                        window_steps, token_step)
             last_flush = t
@@ -178,7 +179,7 @@ def run_loop(
     for r in rows:
         if r.finish is None:
             r.finish = "cancelled" if cancelled else "length"
-    _emit_text(rows, on_event, final=True)
+    _emit_text(rows, on_event, ended, final=True)
     _emit_steps(clock, records_from, steps_done + 1, rows, on_event, window_steps, token_step)
     if monitor is not None:
         for s in monitor.drain():
@@ -202,45 +203,40 @@ def run_loop(
     metrics.decode_tok_s = decode_tokens / decode_s if steps_done and decode_s > 0 and decode_tokens else None
     kept = sum(len(r.tokens) for r in rows) - B  # decode steps' tokens the rows kept (the first is the prefill's)
     if steps_done:
-        metrics.tokens_per_step = kept / B / steps_done
-        metrics.unavailable.pop("tokens_per_step", None)
+        metrics.put("tokens_per_step", kept / B / steps_done)
     else:
-        metrics.unavailable["tokens_per_step"] = "no decode step ran"
-    if spec is not None:
-        c = spec.counts
-        metrics.drafted_tokens, metrics.accepted_tokens, metrics.verify_steps = c.drafted, c.accepted, c.verify_steps
-        metrics.speculation_source = spec.source
-        if c.drafted:
-            metrics.acceptance_rate = c.accepted / c.drafted
-        else:
-            metrics.unavailable["acceptance_rate"] = "nothing was drafted in this answer (no proposal, or it ended first)"
-    else:
-        metrics.unavailable["acceptance_rate"] = "speculation off"
+        metrics.mark_na("tokens_per_step", "no decode step ran")
+    _fill_speculation(metrics, spec)
     durations = [d for i, d in enumerate(clock.durations_s(steps_done + 1), start=1) if i not in window_steps]
     if durations:
         metrics.step_ms_p50 = percentile(durations, 50) * 1e3
         metrics.step_ms_p90 = percentile(durations, 90) * 1e3
         metrics.step_ms_p99 = percentile(durations, 99) * 1e3
     if device.type == "cuda":
-        metrics.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
-        metrics.peak_memory_source = "torch.cuda.max_memory_allocated (this generation)"
+        metrics.put("peak_memory_bytes", int(torch.cuda.max_memory_allocated(device)),
+                    "torch.cuda.max_memory_allocated (this generation)")
     else:
         try:
             import resource  # POSIX only
 
-            metrics.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            metrics.peak_memory_source = "process peak RSS since start (getrusage)"
+            metrics.put("peak_memory_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                        "process peak RSS since start (getrusage)")
         except ImportError:
-            metrics.unavailable["peak_memory_bytes"] = "no getrusage on this platform"
+            metrics.mark_na("peak_memory_bytes", "no getrusage on this platform")
     _fill_telemetry(metrics, stats, window, monitor, runner, device, t_start, t_end, durations, prompt.numel())
     return LoopResult(rows=rows, metrics=metrics)
 
 
-def _emit_text(rows: list[RowText], on_event: Callable, final: bool = False) -> None:
+def _emit_text(rows: list[RowText], on_event: Callable, ended: set[int], final: bool = False) -> None:
+    """Each row's new text; a row that has finished since the last call also says so (`ended` holds those
+    that have)."""
     for i, r in enumerate(rows):
         delta = r.take_delta(final=final)
         if delta:
             on_event(TextDelta(candidate=i, text=delta))
+        if r.finish is not None and i not in ended:
+            ended.add(i)
+            on_event(RowFinished(candidate=i, reason=r.finish))
 
 
 def _steps_seen(token_step: list[int], seen: int) -> int:
@@ -271,37 +267,47 @@ def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_
     return upto
 
 
+def _fill_speculation(metrics: GenerationMetrics, spec: Optional[Speculator]) -> None:
+    names = ("drafted_tokens", "accepted_tokens", "verify_steps", "acceptance_rate")
+    if spec is None:
+        for name in names:
+            metrics.mark_na(name, "speculation off")
+        return
+    c = spec.counts
+    for name, value in zip(names, (c.drafted, c.accepted, c.verify_steps)):
+        metrics.put(name, value, spec.source)
+    if c.drafted:
+        metrics.put("acceptance_rate", c.accepted / c.drafted, spec.source)
+    else:
+        metrics.mark_na("acceptance_rate", "nothing was drafted in this answer (no proposal, or it ended first)")
+
+
 def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, device, t0, t1, durations, prompt_len) -> None:
-    na = metrics.unavailable
     if stats is not None and stats.gap_pct is not None:
-        metrics.kernel_gap_pct = stats.gap_pct
-        metrics.kernel_gap_source = stats.gap_source
+        metrics.put("kernel_gap_pct", stats.gap_pct, stats.gap_source)
     elif window is None or not window.enabled:
-        na["kernel_gap_pct"] = "profiler window off"
+        metrics.mark_na("kernel_gap_pct", "profiler window off")
     elif stats is None and window.skipped:
-        na["kernel_gap_pct"] = f"window not traced: {window.skipped}"
+        metrics.mark_na("kernel_gap_pct", f"window not traced: {window.skipped}")
     elif stats is None:
-        na["kernel_gap_pct"] = (f"the answer ended before the traced window (decode steps {window.start}-"
-                                f"{window.start + window.steps - 1})")
+        metrics.mark_na("kernel_gap_pct", f"the answer ended before the traced window (decode steps {window.start}-"
+                                          f"{window.start + window.steps - 1})")
     else:
-        na["kernel_gap_pct"] = "no events traced in the window"
+        metrics.mark_na("kernel_gap_pct", "no events traced in the window")
     if stats is not None and stats.launches_per_step is not None:
-        metrics.launches_per_step = stats.launches_per_step
-        metrics.launches_per_step_source = stats.launches_source
+        metrics.put("launches_per_step", stats.launches_per_step, stats.launches_source)
     else:
-        na["launches_per_step"] = na.get("kernel_gap_pct") or "no kernels or ops traced in the window"
+        metrics.mark_na("launches_per_step",
+                        metrics.unavailable.get("kernel_gap_pct") or "no kernels or ops traced in the window")
     summary = monitor.summary(t0, t1) if monitor is not None else {}
     for name in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
         value, source = summary.get(name, (None, "no monitor"))
         if value is not None:
-            setattr(metrics, name, value)
-            setattr(metrics, name.replace("_pct", "_source"), source)
+            metrics.put(name, value, source)
         else:
-            na[name] = source
+            metrics.mark_na(name, source)
     if metrics.sm_activity_pct is None and stats is not None and stats.sm_activity_est_pct is not None:
-        metrics.sm_activity_pct = stats.sm_activity_est_pct
-        metrics.sm_activity_source = stats.sm_activity_source
-        na.pop("sm_activity_pct", None)
+        metrics.put("sm_activity_pct", stats.sm_activity_est_pct, stats.sm_activity_source)
     peak_bw = getattr(monitor, "peak_dram_bw_bytes_s", None) if monitor is not None else None
     if metrics.dram_bw_util_pct is None and peak_bw and durations and device.type == "cuda":
         # The median step against the bytes a step reads halfway through the answer (weights + KV attended
@@ -309,6 +315,4 @@ def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, 
         value, source = estimate_dram_bw_util(runner.bytes_per_step(prompt_len + metrics.decode_steps // 2),
                                               percentile(durations, 50), peak_bw)
         if value is not None:
-            metrics.dram_bw_util_pct = value
-            metrics.dram_bw_util_source = source
-            na.pop("dram_bw_util_pct", None)
+            metrics.put("dram_bw_util_pct", value, source)

@@ -127,16 +127,27 @@ class KVCache(Protocol):
         ...
 
 
-class StaticKVCache(nn.Module):
-    """Preallocated once: [B, Hkv, L, D] per layer, written with index_copy_, read over the first attn_len rows."""
+class StaticKVCache:
+    """Preallocated once: [B, Hkv, L, D] per layer, written with index_copy_, read over the first attn_len rows.
+    Plain tensors owned by the runner (no parameters, nothing to register with the model)."""
 
-    def __init__(self, args: ModelArgs, batch: int, length: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v = k, v
+        self.batch, self.length = k[0].shape[0], k[0].shape[2]
+        self.attn_len = self.length  # set by the caller before each forward: the context bucket in use
+
+    @classmethod
+    def allocate(cls, args: ModelArgs, batch: int, length: int, dtype: torch.dtype,
+                 device: torch.device) -> "StaticKVCache":
         shape = (batch, args.n_kv_heads, length, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.batch, self.length = batch, length
-        self.attn_len = length  # set by the caller before each forward: the context bucket in use
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)])
+
+    def rows(self, n: int) -> "StaticKVCache":
+        """The first n rows, sharing this cache's storage (the batch-1 prefill of a multi-candidate batch)."""
+        view = StaticKVCache([t[:n] for t in self.k], [t[:n] for t in self.v])
+        view.attn_len = self.attn_len
+        return view
 
     def update(self, layer, input_pos, k, v):
         kc, vc = self.k[layer], self.v[layer]
@@ -300,9 +311,19 @@ class Transformer(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
-def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each."""
-    sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+class _TakenOnRead(dict):
+    """A dict whose reads remove the entry: each weight is dropped as soon as it is fused or moved."""
+
+    def __getitem__(self, key):
+        return self.pop(key)
+
+
+def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs, consume: bool = False) -> dict[str, torch.Tensor]:
+    """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each. With `consume`, the given dict
+    is emptied first, so the host never holds the unfused and the fused model at once."""
+    sd = (_TakenOnRead if consume else dict)((k.removeprefix("model."), v) for k, v in state_dict.items())
+    if consume:
+        state_dict.clear()
     out = {"tok_embeddings.weight": sd["embed_tokens.weight"], "norm.weight": sd["norm.weight"]}
     if not args.tie_embeddings:
         key = "lm_head.weight" if "lm_head.weight" in sd else None
@@ -332,14 +353,16 @@ def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
     return out
 
 
-def build_transformer(cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
-    """Our decoder from an HF config and HF-named weights, in `dtype` on `device`."""
+def build_transformer(
+    cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, consume: bool = False
+) -> Transformer:
+    """Our decoder from an HF config and HF-named weights, in `dtype` on `device` (`consume`: see _hf_to_fast)."""
     args = ModelArgs.from_hf_config(cfg)
     cos, sin = rope_tables(cfg, args.head_dim, args.max_seq_len)
     with torch.device("meta"):
         model = Transformer(args, cos, sin)
     try:
-        weights = _hf_to_fast(state_dict, args)
+        weights = _hf_to_fast(state_dict, args, consume)
     except KeyError as exc:
         raise ModelLoadError(f"the checkpoint lacks the weight {exc.args[0]!r} that a {args.family} model needs") from None
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}

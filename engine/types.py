@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
+from engine import figures
 from engine.errors import OptionsError
 
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 SPECULATION_MODES = ("off", "ngram", "draft")
 MAX_DRAFT_TOKENS = 15
+
+
+def _refuse_unknown(cls: type, data: dict[str, Any], what: str) -> None:
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise OptionsError(f"unknown {what}: {', '.join(unknown)}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class EngineOptions:
     speculation: str = "off"  # off | ngram (drafts looked up in the prompt and answer) | draft (a smaller model)
     draft_tokens: int = 0  # drafts verified per step, 1..15; 0 = adaptive
     draft_model: str = ""  # the draft model for speculation "draft" (a GGUF file or a folder); "" = none
+    weights: str = "native"  # native (dtype) | int8 (per-channel, weight-only) | int4 (group-wise, weight-only)
 
     def validate(self) -> "EngineOptions":
         if self.device not in DEVICES:
@@ -46,6 +55,8 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise OptionsError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         for name in ("compile", "cuda_graph", "profile_window"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -71,11 +82,34 @@ class EngineOptions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineOptions":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown engine option(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "engine option(s)")
         return cls(**data).validate()
+
+
+_DESCRIBED = ("device", "dtype", "kv_cache", "sampling", "compile", "cuda_graph", "candidates", "profile_window")
+
+
+def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str = " · ", device: bool = False) -> str:
+    """The one way options are written in a few words: "fp16 · static KV · device sampling · compiled · CUDA
+    graph · 4 candidates", then every other option that differs from its default ("kernels fused"). Takes the
+    options or their dict form (JSON, the store); "" for none."""
+    if not options:
+        return ""
+    o = options.to_dict() if isinstance(options, EngineOptions) else dict(options)
+    parts = [str(o["device"])] if device and "device" in o else []
+    parts += [str(o.get("dtype", "?")), f"{o.get('kv_cache', '?')} KV", f"{o.get('sampling', '?')} sampling",
+              "compiled" if o.get("compile") else "eager"]
+    if o.get("cuda_graph"):
+        parts.append("CUDA graph")
+    n = o.get("candidates", 1)
+    if isinstance(n, int) and n > 1:
+        parts.append(f"{n} candidates")
+    defaults = EngineOptions().to_dict()
+    for name, value in o.items():
+        if name not in _DESCRIBED and name in defaults and value != defaults[name]:
+            shown = ("on" if value else "off") if isinstance(value, bool) else value
+            parts.append(f"{name.replace('_', ' ')} {shown}")
+    return sep.join(parts)
 
 
 # The ladder, in the order a user should apply the fixes. Each preset is complete (not a delta), except that
@@ -87,6 +121,7 @@ PRESETS: dict[str, EngineOptions] = {
     "first-fixes": EngineOptions(dtype="fp16", kv_cache="static", sampling="device"),
     "compile": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True),
     "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
+    "int8": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"),
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
     ),
@@ -98,9 +133,10 @@ PRESET_LABELS: dict[str, str] = {
     "naive": "Naive",
     "half": "+ half precision",
     "device-sampling": "+ device sampling",
-    "first-fixes": "Seeds' first fixes",
+    "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
+    "int8": "+ int8 weights",
     "candidates": "+ N candidates",
     "speculation": "+ speculation",
 }
@@ -168,10 +204,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "sampling parameter(s)")
         d = dict(data)
         if "stop" in d:
             d["stop"] = tuple(d["stop"])
@@ -192,6 +225,9 @@ class ModelInfo:
     source: str  # the path the model was loaded from
     source_kind: str  # "gguf", "hf-folder" or "default"
     backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
+    weights: str = "native"  # the weight format the linears run in (EngineOptions.weights, as applied)
+    load_seconds: Optional[float] = None  # how long the load took, file to model ready
+    load_seconds_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -234,7 +270,42 @@ class GenerationMetrics:
     acceptance_rate: Metric = None  # accepted / drafted
     verify_steps: Optional[int] = None  # speculation: decode steps that verified drafts (the rest ran plain)
     speculation_source: Optional[str] = None  # what drafted and how k was chosen
+    # A remote engine: what the client measures over HTTP, and what the server reports about itself.
+    http_ttft_ms: Metric = None
+    http_decode_tok_s: Metric = None
+    inter_token_ms_p50: Metric = None
+    inter_token_ms_p99: Metric = None
+    server_ttft_ms: Metric = None
+    server_ttft_source: Optional[str] = None
+    server_decode_tok_s: Metric = None
+    server_decode_source: Optional[str] = None
+    server_running_requests: Metric = None
+    server_waiting_requests: Metric = None
+    server_kv_cache_pct: Metric = None
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
+
+    def put(self, key: str, value: Optional[float], source: Optional[str] = None) -> None:
+        """Sets figure `key` (registered in engine.figures) with its source; a value clears an earlier n/a."""
+        s = figures.spec(key)
+        if value is None:
+            raise ValueError(f"{key}: a figure without a value is set with mark_na(key, reason)")
+        setattr(self, key, value)
+        if s.source_field:
+            if not source:
+                raise ValueError(f"{key}: its source depends on the machine and must be given")
+            setattr(self, s.source_field, source)
+        self.unavailable.pop(key, None)
+
+    def mark_na(self, key: str, reason: str) -> None:
+        """Figure `key` is n/a on this run, for `reason`."""
+        s = figures.spec(key)
+        setattr(self, key, None)
+        if s.source_field:
+            setattr(self, s.source_field, None)
+        self.unavailable[key] = reason
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self, key)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -249,6 +320,43 @@ class GenerationMetrics:
 
 
 @dataclass(frozen=True)
+class LadderRow:
+    """One rung of the app's "Run ladder": what it ran with and its median figures, or why it has none."""
+
+    preset: str  # a key of PRESETS
+    label: str
+    status: str  # "ok" | "skipped" | "failed"
+    options: Optional[dict[str, Any]] = None  # the options the engine ran it with
+    skipped: Optional[str] = None  # why it has no figures (skipped, failed, cancelled); None when it ran
+    notes: tuple[str, ...] = ()  # e.g. optimisations left out of the candidates rung
+    metrics: Optional[dict[str, Any]] = None  # medians over its repeats, keyed as GenerationMetrics
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self.metrics or {}, key)
+
+    @property
+    def ran(self) -> bool:
+        return self.skipped is None and self.metrics is not None
+
+    @property
+    def decode_tok_s(self) -> Optional[float]:
+        return self.figure("decode_tok_s").value
+
+    @property
+    def kernel_gap_pct(self) -> Optional[float]:
+        return self.figure("kernel_gap_pct").value
+
+    @property
+    def kernel_gap_source(self) -> Optional[str]:
+        return self.figure("kernel_gap_pct").source
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+@dataclass(frozen=True)
 class Progress:
     stage: str  # "fetch", "load", "dequantise", "compile", "capture", "warmup", ...
     fraction: Optional[float]  # 0..1, None when unknown
@@ -259,6 +367,15 @@ class Progress:
 class TextDelta:
     candidate: int
     text: str
+
+
+@dataclass(frozen=True)
+class RowFinished:
+    """One candidate's answer ended while the others may go on; reason as in GenerationResult.finish_reasons.
+    Sent once per candidate, after its last TextDelta."""
+
+    candidate: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -313,7 +430,5 @@ class GenerationResult:
         }
 
 
-Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
-EventSink = Callable[[Event], None]
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+Event = Union[Progress, TextDelta, RowFinished, StepRecord, MonitorSample]
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

@@ -10,7 +10,8 @@ from typing import Optional
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
-from ui.message import CandidateTabs, MessageItem, MessageWidget
+from app.chat_flow import MessageItem
+from ui.message import CandidateTabs, MessageWidget
 from ui.theme import LIGHT, Colors
 
 EMPTY_HINT = (
@@ -76,6 +77,7 @@ class ChatView(QScrollArea):
     def _clear(self) -> None:
         for w in self._widgets:
             self._column.removeWidget(w)
+            w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
             w.deleteLater()
         self._widgets = []
         self._stream = None
@@ -126,6 +128,10 @@ class ChatView(QScrollArea):
         elif self._candidates is not None:
             self._candidates.append(deltas)
 
+    def rows_finished(self, ended: dict[int, str]) -> None:
+        if self._candidates is not None:
+            self._candidates.mark_ended(ended)
+
     def streaming_text(self, candidate: int = 0) -> str:
         if self._stream is not None:
             return self._stream.body.text
@@ -157,6 +163,7 @@ class ChatView(QScrollArea):
     def _drop_candidates(self) -> None:
         if self._candidates is not None:
             self._column.removeWidget(self._candidates)
+            self._candidates.hide()
             self._candidates.deleteLater()
             self._candidates = None
 

@@ -1,13 +1,13 @@
 """The main window: chat list | conversation and composer | right docks (model and optimizations; the HUD).
 
-The window only arranges widgets and routes signals: the conversation logic is ui.chat_flow.ChatFlow, the
+The window only arranges widgets and routes signals: the conversation logic is app.chat_flow.ChatFlow, the
 engine is behind the controller (app.worker.EngineController), which never blocks this thread.
 """
 from __future__ import annotations
 
 import base64
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams
-from ui.chat_flow import ChatFlow
+from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
@@ -28,7 +28,18 @@ from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
 from ui.toggles import TogglesPanel
 
+if TYPE_CHECKING:
+    from app.fetcher import DefaultModelFetcher
+    from app.gui import ModelCatalog
+    from app.settings import Settings
+    from app.store import ChatStore
+    from app.worker import EngineController
+
 log = logging.getLogger(__name__)
+
+def model_status_text(info: Optional[ModelInfo]) -> str:
+    return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
+
 
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height, so a
@@ -65,9 +76,11 @@ class FitScrollArea(QScrollArea):
 class MainWindow(QMainWindow):
     closed = Signal()
 
-    def __init__(self, store: Any, controller: Any, settings: Any, save_settings: Callable[[Any], None],
-                 theme: ThemeManager, default_sampling: SamplingParams, hud: Optional[QWidget] = None,
-                 fetcher: Any = None, catalog: Any = None, preset_resolver: Any = None):
+    def __init__(self, store: ChatStore, controller: EngineController, settings: Settings,
+                 save_settings: Callable[[Settings], None], theme: ThemeManager, default_sampling: SamplingParams,
+                 hud: Optional[QWidget] = None, fetcher: Optional[DefaultModelFetcher] = None,
+                 catalog: Optional[ModelCatalog] = None,
+                 preset_resolver: Optional[Callable[[str, EngineOptions, str], EngineOptions]] = None):
         super().__init__()
         self.setWindowTitle("Gapless")
         self.setObjectName("mainWindow")
@@ -86,6 +99,7 @@ class MainWindow(QMainWindow):
         self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._search = ""
+        self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._build(settings)
         self._wire()
@@ -176,6 +190,7 @@ class MainWindow(QMainWindow):
         f.messageAppended.connect(v.add_message)
         f.streamStarted.connect(v.begin_stream)
         f.streamDelta.connect(v.append_stream)
+        f.streamRowsFinished.connect(v.rows_finished)
         f.streamFinished.connect(v.finish_stream)
         f.candidatesFinished.connect(self._candidates_finished)
         f.generatingChanged.connect(self._generating_changed)
@@ -185,6 +200,7 @@ class MainWindow(QMainWindow):
         v.deleteRequested.connect(f.delete_message)
         v.siblingRequested.connect(f.step_sibling)
         v.candidateChosen.connect(f.choose_candidate)
+        v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
         self.composer.sendRequested.connect(self._send)
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
@@ -293,6 +309,7 @@ class MainWindow(QMainWindow):
         self.refresh_chats()
 
     def _chat_opened(self, chat_id: Optional[int]) -> None:
+        self._clear_pick_notice()
         self.chat_title.setText(self.store.get_chat(chat_id).title if chat_id is not None else "New chat")
         self.refresh_chats()
 
@@ -324,6 +341,8 @@ class MainWindow(QMainWindow):
 
     def _generation_finished(self, request_id: int, result: GenerationResult) -> None:
         self.toggles.progress.hide()
+        if self._loading is None:
+            self.model_panel.clear_error()
         if self.hud is not None:
             self.hud.end_generation(result.metrics, result.options, options_label(result.options.to_dict()))
         if result.notices:
@@ -338,8 +357,14 @@ class MainWindow(QMainWindow):
 
     def _candidates_finished(self, result: GenerationResult) -> None:
         self.chat_view.finish_candidates(result.texts, result.metrics.to_dict(), result.options.to_dict(),
-                                         result.options.device, result.finish_reasons, can_choose=True)
-        self.status.setText(f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it")
+                                         result.options.device, self.flow.last_finish_reasons, can_choose=True)
+        self._pick_notice = f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it"
+        self.status.setText(self._pick_notice)
+
+    def _clear_pick_notice(self) -> None:
+        """The notice asking for a choice goes once there is nothing to choose (a pick, another chat)."""
+        if not self.flow.awaiting_choice() and self.status.text() == self._pick_notice:
+            self.status.clear()
 
     def run_ladder(self) -> None:
         """The HUD's "Run ladder": the last user prompt of this chat (or a fixed one) through every preset."""
@@ -441,7 +466,8 @@ class MainWindow(QMainWindow):
         self.toggles.set_resolved(info.device, info.dtype)
         self.toggles.set_applied(self.controller.options, {})
         self.toggles.reset_unavailable(unavailable)
-        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}")
+        self.toggles.set_limits(self.controller.limits)
+        self.model_status.setText(model_status_text(info))
         self.settings.last_model = source
         if self.catalog is not None:
             self.catalog.remember(source)
@@ -453,7 +479,7 @@ class MainWindow(QMainWindow):
         self._loading = None
         self.model_panel.set_failed(source, message)
         info = self.controller.info
-        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}" if info else "No model")
+        self.model_status.setText(model_status_text(info))
         self._update_can_send()
         show_error(self, "Model not loaded", f"Could not load {source}:\n{message}"
                    + (f"\n\n{info.name} is still loaded." if info else ""))
@@ -468,6 +494,12 @@ class MainWindow(QMainWindow):
         self.toggles.set_failed(message)
 
     def _reconfigured(self, options: EngineOptions, unavailable: dict) -> None:
+        info = self.controller.info  # the precision and device now in force, whichever choice this replies to
+        if info is not None:
+            self.model_panel.set_info(info)
+            self.model_status.setText(model_status_text(info))
+            self.toggles.set_resolved(info.device, info.dtype)
+            self.toggles.set_limits(self.controller.limits)
         if self._requested is not None and options != self._requested:
             # The reply to a choice the user has since replaced (changes wait while an answer runs): the
             # panel keeps the newer choice, whose own reply follows, and its reasons are not pinned on it.

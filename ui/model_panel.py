@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout, QWidget,
 )
 
+from ui.progress import show_progress
 from engine.types import ModelInfo, Progress
 
 NA = "n/a"
@@ -42,7 +43,7 @@ class ModelPanel(QGroupBox):
     openRequested = Signal(str)  # "default", a GGUF path or a folder
     modelsFolderChosen = Signal(str)  # a folder to scan for models
 
-    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend")
+    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend", "load")
 
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__("Model", parent)
@@ -50,7 +51,8 @@ class ModelPanel(QGroupBox):
         grid.setHorizontalSpacing(10)
         grid.setVerticalSpacing(2)
         self.values: dict[str, QLabel] = {}
-        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend")))
+        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend",
+                                         "Load time")))
         for row, key in enumerate(self.FIELDS):
             k = QLabel(labels[key], self)
             k.setObjectName("infoKey")
@@ -116,11 +118,13 @@ class ModelPanel(QGroupBox):
             "dtype": info.dtype, "device": info.device, "context": f"{info.context_length:,}",
             "weights": human_bytes(info.weight_bytes),
             "backend": "fast path" if info.backend == "fast" else f"{info.backend} fallback",
+            "load": NA if info.load_seconds is None else f"{info.load_seconds:.2f} s",
         }
         for key, text in shown.items():
             self.values[key].setText(text)
         self.values["name"].setToolTip(info.source)
         self.values["family"].setToolTip(info.architecture)
+        self.values["load"].setToolTip(info.load_seconds_source or "n/a: this model was not timed as it loaded")
         self.values["backend"].setToolTip(
             "Gapless's own decoder: every optimization can be switched" if info.backend == "fast"
             else f"transformers runs this model{f': {info.backend_reason}' if info.backend_reason else ''}; "
@@ -134,13 +138,7 @@ class ModelPanel(QGroupBox):
         self._set_buttons(False)
 
     def set_progress(self, p: Progress) -> None:
-        self.status.setText(p.message or p.stage)
-        if p.fraction is None:
-            self.progress.setRange(0, 0)
-        else:
-            self.progress.setRange(0, 1000)
-            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
-        self.progress.show()
+        show_progress(self.progress, self.status, p)
 
     def set_loaded(self, info: ModelInfo) -> None:
         self.set_info(info)
@@ -155,6 +153,12 @@ class ModelPanel(QGroupBox):
         self.error.setText(f"Could not load {source_label(source)}: {message}")
         self.error.show()
         self.status.setText(f"Still using {self.info.name}" if self.info else "No model loaded")
+
+    def clear_error(self) -> None:
+        """A failed load no longer holds once the model in use has answered: its message goes."""
+        if self.error.isVisibleTo(self) and self.info is not None:
+            self.error.hide()
+            self.status.setText("Ready")
 
     def _set_buttons(self, enabled: bool) -> None:
         for b in (self.open_file_button, self.open_folder_button, self.recent_button):

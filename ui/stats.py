@@ -7,30 +7,26 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from engine.types import PRESET_LABELS, PRESETS, EngineOptions, preset_options
+from engine.types import PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
 
 NA = "n/a"
+
+
+# Why an answer ended (GenerationResult.finish_reasons, "context" where the context left less room than asked).
+FINISH_WORDS = {
+    "eos": "end of answer", "length": "token limit", "stop": "stop string", "cancelled": "stopped by you",
+    "context": "context full", "error": "failed",
+}
+
+
+def finish_words(reason: Optional[str]) -> Optional[str]:
+    return None if reason is None else FINISH_WORDS.get(reason, reason)
 
 
 def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
     if value is None:
         return NA
     return f"{value:.{digits}f}{unit}"
-
-
-def describe_options(options: dict[str, Any]) -> str:
-    """A compact, readable line: "fp16 · static KV · device sampling · compiled · CUDA graph · 4 candidates"."""
-    parts = [str(options.get("dtype", "?")), f"{options.get('kv_cache', '?')} KV", f"{options.get('sampling', '?')} sampling"]
-    parts.append("compiled" if options.get("compile") else "eager")
-    if options.get("cuda_graph"):
-        parts.append("CUDA graph")
-    n = options.get("candidates", 1)
-    if n and n > 1:
-        parts.append(f"{n} candidates")
-    spec = options.get("speculation", "off")
-    if spec and spec != "off":
-        parts.append(f"{spec} speculation ({options.get('draft_tokens') or 'auto'} drafts)")
-    return " · ".join(parts)
 
 
 def preset_name(options: dict[str, Any]) -> Optional[str]:
@@ -92,8 +88,8 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         rate = m.get("acceptance_rate")
         line += (f" · {fmt(m.get('tokens_per_step'), ' tok/step', 2)}, "
                  f"{NA if rate is None else f'{100 * rate:.0f}%'} accepted")
-    if finish_reason == "cancelled":
-        line += " · stopped"
+    if finish_reason:
+        line += f" · {finish_words(finish_reason)}"
     unavailable = m.get("unavailable") or {}
     tips = [
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
@@ -117,5 +113,5 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         tips.append(_sourced("Drafts accepted", rate, shown, m.get("speculation_source"),
                              unavailable.get("acceptance_rate")))
     if finish_reason:
-        tips.append(f"Finished: {finish_reason}")
+        tips.append(f"Finished: {finish_words(finish_reason)}")
     return line, "\n".join(tips)

@@ -11,13 +11,20 @@ from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QGridLayout, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
 )
 
+from ui.progress import show_progress
 from engine.types import (
     DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, MAX_DRAFT_TOKENS, PRESET_LABELS, PRESETS, SAMPLING_MODES, SPECULATION_MODES,
     EngineOptions, Progress, preset_options,
 )
+from engine.types import WEIGHT_FORMATS
 from ui.stats import preset_name
 
 CUSTOM = "custom"
+# The option each preset adds to the rung before it: the preset cannot run where that option cannot.
+DEFINING_OPTION: dict[str, Optional[str]] = {
+    "naive": None, "half": "dtype", "device-sampling": "sampling", "first-fixes": "kv_cache", "compile": "compile",
+    "cuda-graph": "cuda_graph", "candidates": "candidates",
+}
 # (preset name, current options, device type "cpu" | "cuda") -> the preset's options on that device
 PresetResolver = Callable[[str, EngineOptions, str], EngineOptions]
 
@@ -32,6 +39,8 @@ TIPS = {
     "compile": "torch.compile the decode step: fewer, fused kernels (a first compile takes a while)",
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
+    "weights": "native: the linears in the chosen precision · int8: weight-only, one scale per output channel "
+               "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
     "speculation": ("Speculative decoding: drafts looked up in the prompt and answer (ngram) or made by a smaller model "
                     "(draft) are verified in one step; the answer is the one plain decoding gives"),
     "draft_tokens": "Drafts verified per step; auto lengthens them while they are accepted and pauses them when not",
@@ -67,6 +76,7 @@ class TogglesPanel(QWidget):
         self.candidates = QSpinBox(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
+        self.weights = _combo(WEIGHT_FORMATS, self)
         self.speculation = _combo(SPECULATION_MODES, self)
         self.draft_tokens = QSpinBox(self)
         self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
@@ -74,7 +84,7 @@ class TogglesPanel(QWidget):
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
-            "speculation": self.speculation, "draft_tokens": self.draft_tokens,
+            "weights": self.weights, "speculation": self.speculation, "draft_tokens": self.draft_tokens,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -89,17 +99,27 @@ class TogglesPanel(QWidget):
         grid.setVerticalSpacing(4)
         grid.addWidget(QLabel("Preset", self), 0, 0)
         grid.addWidget(self.preset, 0, 1, 1, 3)
+        # Under each control, why a value of it cannot run here (hidden while everything can).
+        self.reasons: dict[str, QLabel] = {}
         for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
                                      ((None, self.profile_window), (None, self.cuda_graph)),
-                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens))), start=1):
+                                     (("Weights", self.weights),),
+                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens)))):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
-                    grid.addWidget(w, row, 2 * col, 1, 2)
+                    grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
                 else:
-                    grid.addWidget(QLabel(label, self), row, 2 * col)
-                    grid.addWidget(w, row, 2 * col + 1)
+                    grid.addWidget(QLabel(label, self), 2 * row + 1, 2 * col)
+                    grid.addWidget(w, 2 * row + 1, 2 * col + 1)
+                name = next(k for k, v in self.controls.items() if v is w)
+                reason = QLabel(self)
+                reason.setObjectName("unavailableReason")
+                reason.setWordWrap(True)
+                reason.hide()
+                grid.addWidget(reason, 2 * row + 2, 2 * col, 1, 2)
+                self.reasons[name] = reason
         grid.setColumnStretch(1, 1)
         grid.setColumnStretch(3, 1)
         lay = QVBoxLayout(self)
@@ -110,6 +130,7 @@ class TogglesPanel(QWidget):
 
         self._options = options
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
+        self._limits: dict[tuple[str, object], str] = {}  # the same, for what this machine and model never run
         self._resolve_preset: PresetResolver = preset_resolver or _as_defined
         self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
         self._quiet = False
@@ -141,7 +162,7 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling", "speculation"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "speculation"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
@@ -153,6 +174,18 @@ class TogglesPanel(QWidget):
             self._apply_tooltips()
         finally:
             self._quiet = False
+
+    def set_limits(self, limits: dict[tuple[str, object], str]) -> None:
+        """What this machine and model can never run, whatever else is chosen ({(option, value): reason}): shown
+        unavailable from the start, with the reason under the control; a value in use is replaced."""
+        self._limits = dict(limits)
+        self._apply_tooltips()
+        fixed = self._without_unavailable(self._options)
+        if fixed != self._options:
+            self._change(fixed)
+
+    def _why(self, name: str, value: object) -> Optional[str]:
+        return self._limits.get((name, value)) or self._known.get((name, value))
 
     def reset_unavailable(self, unavailable: dict[str, str]) -> None:
         """A new model: forget what the previous one could not do."""
@@ -175,12 +208,12 @@ class TogglesPanel(QWidget):
 
     def _without_unavailable(self, options: EngineOptions) -> EngineOptions:
         changes = {}
-        for (name, value), _reason in self._known.items():
+        for (name, value) in {**self._limits, **self._known}:
             if getattr(options, name) != value:
                 continue
             w = self.controls[name]
             if isinstance(w, QComboBox):
-                usable = [w.itemData(i) for i in range(w.count()) if (name, w.itemData(i)) not in self._known]
+                usable = [w.itemData(i) for i in range(w.count()) if self._why(name, w.itemData(i)) is None]
                 if usable:
                     changes[name] = usable[0]
             elif isinstance(value, bool):
@@ -189,22 +222,29 @@ class TogglesPanel(QWidget):
 
     def _apply_tooltips(self) -> None:
         for name, w in self.controls.items():
+            shown: list[str] = []  # the reasons written under the control
             if isinstance(w, QComboBox):
                 model = w.model()
                 for i in range(w.count()):
-                    why = self._known.get((name, w.itemData(i)))
+                    why = self._why(name, w.itemData(i))
                     item = model.item(i) if isinstance(model, QStandardItemModel) else None
                     if item is not None:
                         item.setEnabled(why is None)
                         item.setToolTip(f"Unavailable: {why}" if why else "")
+                    if why and (name, w.itemData(i)) in self._limits:
+                        shown.append(f"{w.itemText(i)} unavailable: {why}")
                 w.setToolTip(TIPS[name])
             elif isinstance(w, QCheckBox):
-                why = self._known.get((name, True))
+                why = self._why(name, True)
                 w.setEnabled(why is None or w.isChecked())
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
+                if why and (name, True) in self._limits:
+                    shown.append(f"Unavailable: {why}")
             else:  # candidates, draft_tokens
-                why = self._known.get((name, getattr(self._options, name)))
+                why = self._why(name, getattr(self._options, name))
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
+            self.reasons[name].setText("\n".join(shown))
+            self.reasons[name].setVisible(bool(shown))
         for i in range(self.preset.count()):
             why = self._preset_unavailable(self.preset.itemData(i))
             item = self.preset.model().item(i)
@@ -212,26 +252,35 @@ class TogglesPanel(QWidget):
             item.setToolTip(f"Unavailable: {why}" if why else "")
 
     def _preset_unavailable(self, name: str) -> Optional[str]:
+        """A preset is unavailable when the option that defines it cannot run; others it names that cannot
+        are left off when it is chosen (as the bench's ladder runs the candidates rung without CUDA graphs)."""
         if name == CUSTOM:
             return None
         opts = self._resolve_preset(name, self._options, self._device_type())
-        for field in self.controls:
-            why = self._known.get((field, getattr(opts, field)))
-            if why:
-                return why
-        return None
+        field = DEFINING_OPTION.get(name)
+        return self._why(field, getattr(opts, field)) if field else None
 
     def _show_preset(self) -> None:
         shown = self._options.to_dict()
         shown.update({k: v for k, v in self._resolved.items() if shown[k] == "auto"})
-        name = preset_name(shown) or CUSTOM
+        name = preset_name(shown) or self._chosen_preset() or CUSTOM
         self.preset.setCurrentIndex(max(0, self.preset.findData(name)))
+
+    def _chosen_preset(self) -> Optional[str]:
+        """The preset that, chosen here, gives the options in use (less what cannot run here)."""
+        for name in PRESETS:
+            if self._preset_unavailable(name) is None:
+                opts = self._without_unavailable(self._resolve_preset(name, self._options, self._device_type()))
+                if opts == self._options:
+                    return name
+        return None
 
     def _read(self) -> EngineOptions:
         return self._options.with_(
             device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+            weights=self.weights.currentData(),
             speculation=self.speculation.currentData(), draft_tokens=self.draft_tokens.value(),
         )
 
@@ -259,13 +308,7 @@ class TogglesPanel(QWidget):
 
     def set_progress(self, p: Progress) -> None:
         """Recompile / recapture / warm-up progress after a change."""
-        self.note.setText(p.message or p.stage)
-        if p.fraction is None:
-            self.progress.setRange(0, 0)
-        else:
-            self.progress.setRange(0, 1000)
-            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
-        self.progress.show()
+        show_progress(self.progress, self.note, p)
 
     def set_applied(self, options: EngineOptions, unavailable: dict[str, str]) -> None:
         """The engine accepted `options` for the next answer."""

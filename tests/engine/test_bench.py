@@ -7,21 +7,11 @@ import json
 import pytest
 import torch
 
-from app.cmd_bench import config_from_args, describe_options, format_table, write_json
-from engine.bench import (
-    Baseline,
-    BenchConfig,
-    Rung,
-    add_ratios,
-    matching_prefix,
-    median,
-    median_metrics,
-    ratio,
-    rung_options,
-    validate,
-)
+from app.cmd_bench import config_from_args, format_table, options_text, write_json
+from engine.bench import Baseline, add_ratios, matching_prefix
+from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
 from engine.errors import OptionsError
-from engine.types import EngineOptions
+from engine.types import PRESETS, EngineOptions
 
 
 def test_median_and_ratio():
@@ -84,7 +74,7 @@ def test_config_from_args():
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
     assert (c.speculation, c.draft_tokens, c.draft_model) == ("ngram", 0, "")
     args.presets = None
-    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 8
+    assert config_from_args(args).presets[0] == "naive" and config_from_args(args).presets == tuple(PRESETS)
     assert config_from_args(args).presets[-1] == "speculation"
     args.speculation, args.draft_tokens, args.draft_model = "draft", 4, "small.gguf"
     c = config_from_args(args)
@@ -114,7 +104,7 @@ def sample_report(with_compiled=False):
     rungs = [
         rung("naive", "Naive", 10.0, opts(dtype="fp32", kv_cache="dynamic", sampling="host"), gap=60.0),
         rung("half", "+ half precision", 8.0, opts(dtype="bf16", kv_cache="dynamic", sampling="host"), gap=55.0),
-        rung("first-fixes", "Seeds' first fixes", 25.0, opts(dtype="fp32"), gap=20.0),
+        rung("first-fixes", "+ static KV cache", 25.0, opts(dtype="fp32"), gap=20.0),
         rung("compile", "+ compile", None, status="skipped", reason="compile off for this bench"),
         rung("candidates", "+ 4 candidates", 60.0, opts(dtype="fp32", candidates=4), gap=10.0,
              notes=["without cuda_graph: CUDA graphs need a CUDA device"]),
@@ -155,7 +145,7 @@ def test_ratios_against_naive_and_transformers():
 
 
 def test_ratios_without_naive_or_baseline_are_none():
-    rungs = [rung("first-fixes", "Seeds' first fixes", 25.0, opts())]
+    rungs = [rung("first-fixes", "+ static KV cache", 25.0, opts())]
     ratios = add_ratios(rungs, [])
     assert rungs[0].speedup_vs_naive is None and rungs[0].speedup_vs_transformers is None
     assert ratios["naive_decode_tok_s"] is None and ratios["best_single_stream"]["decode_tok_s"] == 25.0
@@ -166,9 +156,9 @@ def test_table_rows_figures_and_notes():
     table = format_table(report)
     lines = table.splitlines()
     assert lines[0].startswith("| rung ") and "× transformers compiled" not in lines[0]
-    row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
+    row = next(line for line in lines if line.startswith("| + static KV cache"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells == ["Seeds' first fixes", "fp32, kv static, device sampling", "128", "25.0", "2.50×", "1.25×",
+    assert cells == ["+ static KV cache", "fp32, static KV, device sampling, eager", "128", "25.0", "2.50×", "1.25×",
                      "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB", "1.00", "n/a"]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
@@ -179,8 +169,8 @@ def test_table_rows_figures_and_notes():
     base = next(line for line in lines if line.startswith("| transformers generate()"))
     bcells = [c.strip() for c in base.strip("|").split("|")]
     assert bcells[3:6] == ["20.0", "2.00×", "1.00×"] and bcells[7] == "n/a" and bcells[8] == "n/a"
-    assert "gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
-    assert "launches/step: aten ops per step — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "Kernel / op gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "Launches/step: aten ops per step — torch.profiler CPU ops, 8-step window (sampled)." in table
     assert "GPU util: n/a (the model runs on the CPU, not on a GPU)." in table
     assert "the first 128 of 128 / 128 agree" in table
     assert len({len(line) for line in lines[:8]}) == 1  # aligned columns
@@ -190,16 +180,18 @@ def test_table_with_compiled_baseline_has_its_column():
     report, _ = sample_report(with_compiled=True)
     lines = format_table(report).splitlines()
     assert "× transformers compiled" in lines[0]
-    row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
+    row = next(line for line in lines if line.startswith("| + static KV cache"))
     assert "0.62×" in row
 
 
 def test_describe_options():
-    assert describe_options(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
-        "fp16, kv static, device sampling, compile, CUDA graph, 16 candidates")
-    assert describe_options(None) == ""
-    assert describe_options(opts(dtype="fp32", speculation="ngram", draft_tokens=0)) == (
-        "fp32, kv static, device sampling, ngram speculation, adaptive drafts")
+    assert options_text(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
+        "fp16, static KV, device sampling, compiled, CUDA graph, 16 candidates")
+    assert options_text(opts(dtype="fp32", sampling="host", profile_window=False)) == (
+        "fp32, static KV, host sampling, eager")
+    assert options_text(None) == ""
+    assert options_text(opts(dtype="fp32", speculation="ngram", draft_tokens=0)) == (
+        "fp32, static KV, device sampling, eager, speculation ngram")
 
 
 def test_write_json_round_trip(tmp_path):
@@ -234,7 +226,7 @@ def test_bench_tiny_model_without_baseline(tiny_llama, tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert run_bench(bench_args(tiny_llama, path, presets="naive,first-fixes,compile,cuda-graph")) == 0
     out = capsys.readouterr().out
-    assert "| Naive " in out and "| Seeds' first fixes " in out and f"written: {path}" in out
+    assert "| Naive " in out and "| + static KV cache " in out and f"written: {path}" in out
     report = json.loads(path.read_text(encoding="utf-8"))
     assert set(report) >= {"command", "config", "machine", "model", "rungs", "baselines", "ratios", "dtype_note"}
     assert report["baselines"] == [] and report["greedy_match_naive_vs_transformers"] is None
@@ -314,7 +306,7 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     """The app's "Run ladder": rows per preset, the user's prompt, progress per step, options restored."""
     import threading
 
-    from engine.bench import run_ladder
+    from engine.ladder import run_ladder
     from engine.engine import Engine
     from engine.types import EngineOptions, SamplingParams
 
@@ -323,25 +315,25 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     try:
         progress = []
         rows = run_ladder(eng, [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6),
-                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, l: progress.append((d, t, l)),
+                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, label: progress.append((d, t, label)),
                           cancel=threading.Event())
-        assert [r["preset"] for r in rows] == ["naive", "first-fixes", "cuda-graph"]
+        assert [r.preset for r in rows] == ["naive", "first-fixes", "cuda-graph"]
         naive, fixes, graph = rows
-        assert naive["skipped"] is None and naive["decode_tok_s"] > 0 and naive["metrics"]["ttft_ms"] > 0
+        assert naive.skipped is None and naive.decode_tok_s > 0 and naive.metrics["ttft_ms"] > 0
         # the counts the compare table shows for a ladder row (they were missing, so shown as 0)
         from engine.prompt import build_prompt
 
         n_prompt = len(build_prompt(eng.tokenizer, [{"role": "user", "content": "hello world"}], eng.context_length, 6).ids)
-        assert naive["metrics"]["prompt_tokens"] == fixes["metrics"]["prompt_tokens"] == n_prompt
-        assert naive["metrics"]["decode_steps"] == naive["metrics"]["new_tokens_total"] - 1
-        assert naive["options"]["kv_cache"] == "dynamic" and fixes["options"]["kv_cache"] == "static"
-        assert graph["skipped"] and graph["decode_tok_s"] is None and graph["metrics"] is None
+        assert naive.metrics["prompt_tokens"] == fixes.metrics["prompt_tokens"] == n_prompt
+        assert naive.metrics["decode_steps"] == naive.metrics["new_tokens_total"] - 1
+        assert naive.options["kv_cache"] == "dynamic" and fixes.options["kv_cache"] == "static"
+        assert graph.skipped and graph.decode_tok_s is None and graph.metrics is None
         assert progress[-1][0] == progress[-1][1] and all(d <= t for d, t, _ in progress)
         assert eng.options == before
         cancel = threading.Event()
         cancel.set()
         rows = run_ladder(eng, [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), presets=["naive"], cancel=cancel)
-        assert rows[0]["skipped"] == "cancelled before it ran" and rows[0]["metrics"] is None
+        assert rows[0].skipped == "cancelled before it ran" and rows[0].metrics is None
         assert eng.options == before
     finally:
         eng.close()
@@ -362,7 +354,7 @@ def test_speculation_rung_runs_on_the_cpu_without_compile(tiny_llama, tmp_path, 
     assert m["tokens_per_step"] is not None and m["speculation_source"].startswith("engine counters: n-gram")
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| + speculation"))
-    assert "ngram speculation, adaptive drafts" in row
+    assert "eager, speculation ngram (1)" in row
 
 
 def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):

@@ -14,7 +14,8 @@ from typing import Optional
 
 import numpy as np
 
-from engine.types import PRESET_LABELS, EngineOptions, GenerationMetrics, MonitorSample, StepRecord, preset_options
+from engine.types import (PRESET_LABELS, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord,
+                          preset_options)
 
 from engine.telemetry.monitor import SOURCES
 
@@ -53,7 +54,7 @@ class Rung:
 
 GPU_RUNGS = (
     Rung("Naive", preset_options("naive", EngineOptions(device="cuda")), 21.0, 24.0, 11.0, 2.5, 81.0),
-    Rung("Seeds' first fixes", preset_options("first-fixes", EngineOptions(device="cuda")), 4.6, 58.0, 31.0, 9.0, 42.0),
+    Rung("+ static KV cache", preset_options("first-fixes", EngineOptions(device="cuda")), 4.6, 58.0, 31.0, 9.0, 42.0),
     Rung("+ CUDA graph", preset_options("cuda-graph", EngineOptions(device="cuda")), 0.48, 96.0, 78.0, 46.0, 6.0),
 )
 
@@ -127,8 +128,8 @@ def metrics_for(records: list[StepRecord], rung: Rung, prompt_tokens: int = 42, 
     return m
 
 
-def ladder_rows(gpu: bool = True) -> list[dict]:
-    """Rows shaped like engine.bench.run_ladder's, one rung skipped with its reason."""
+def ladder_rows(gpu: bool = True) -> list[LadderRow]:
+    """Rows as engine.ladder.run_ladder makes them, one rung skipped with its reason."""
     figures = {  # preset -> (decode tok/s, kernel gap %)
         "naive": (47.6, 81.0), "half": (52.0, 79.5), "device-sampling": (118.0, 58.0), "first-fixes": (214.0, 42.0),
         "compile": (905.0, 17.0), "cuda-graph": (2080.0, 6.0), "candidates": (7900.0, 5.1),
@@ -140,16 +141,13 @@ def ladder_rows(gpu: bool = True) -> list[dict]:
         m = None if skipped else GenerationMetrics(decode_tok_s=tok if gpu else tok / 40, kernel_gap_pct=gap,
                                                    kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
                                                    new_tokens_total=128, new_tokens=[128], prompt_tokens=42)
-        rows.append({"preset": preset, "label": PRESET_LABELS[preset], "options": opts.to_dict(), "skipped": skipped,
-                     "metrics": None if m is None else m.to_dict(),
-                     "decode_tok_s": None if m is None else m.decode_tok_s,
-                     "kernel_gap_pct": None if m is None else m.kernel_gap_pct,
-                     "kernel_gap_source": None if m is None else m.kernel_gap_source})
+        rows.append(LadderRow(preset, PRESET_LABELS[preset], "skipped" if skipped else "ok", opts.to_dict(), skipped,
+                              metrics=None if m is None else m.to_dict()))
     return rows
 
 
 def feed_gpu_session(panel, clock: ManualClock, n_steps: int = 160, gpm: bool = True) -> float:
-    """Three generations (Naive, first fixes, CUDA graph) with GPU samples at 10 Hz from clock.t on.
+    """Three generations (Naive, static KV cache, CUDA graph) with GPU samples at 10 Hz from clock.t on.
     Returns the end time."""
     t = clock.t
     for i, rung in enumerate(GPU_RUNGS):
@@ -174,7 +172,7 @@ def feed_cpu_session(panel, clock: ManualClock, n_steps: int = 120) -> float:
     """Two generations on a CPU without NVML: every GPU field None with its reason, CPU use and memory measured."""
     t = clock.t
     cpu_rungs = (Rung("Naive", preset_options("naive", EngineOptions(device="cpu")), 31.0, None, None, None, 64.0),
-                 Rung("Seeds' first fixes", preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32"),
+                 Rung("+ static KV cache", preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32"),
                       19.0, None, None, None, 38.0))
     for i, rung in enumerate(cpu_rungs):
         clock.t = t

@@ -8,20 +8,11 @@ from PySide6.QtGui import QGuiApplication
 
 from engine.types import PRESETS, EngineOptions, SamplingParams, preset_options
 from ui.composer import Composer
-from ui.dialogs import CHAT_DEFAULTS, ChatSettingsDialog
+from app.settings import CHAT_DEFAULTS
+from ui.dialogs import ChatSettingsDialog
 from ui.markdown import CodeBlock, ProseView, SegmentsView, Segment, split_markdown
 from ui.stats import format_stats, preset_name
 from ui.toggles import TogglesPanel
-
-
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    """The window themes the whole application; later tests get the look they started with."""
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
 
 
 def test_split_markdown_prose_and_fences():
@@ -122,8 +113,12 @@ def test_stats_line_says_na_and_names_sources():
     assert "Launches per step: 348 — source: kernels per step — x" in tip
     line, tip = format_stats({"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}},
                              options, "cpu", "cancelled")
-    assert line.endswith("op gap n/a · stopped")
+    assert line.endswith("op gap n/a · stopped by you")
     assert "profiling off" in tip
+    for reason, words in (("eos", "end of answer"), ("length", "token limit"), ("stop", "stop string"),
+                          ("context", "context full")):
+        line, tip = format_stats(metrics, options, "cuda", reason)
+        assert line.endswith(f"kernel gap 33.3% · {words}") and f"Finished: {words}" in tip
     assert format_stats(None, None, None)[0].startswith("n/a tokens")
     batch = {"new_tokens_total": 30, "new_tokens": [12, 18], "decode_tok_s": 56.0, "unavailable": {}}
     line, tip = format_stats(batch, options, "cuda", candidate=1)
@@ -195,3 +190,35 @@ def test_theme_follows_choice(qapp):
     assert "@" not in qapp.styleSheet()
     with pytest.raises(ValueError):
         tm.set_choice("purple")
+
+
+def test_model_panel_shows_the_load_time_with_its_source(qtbot):
+    from engine.types import ModelInfo
+    from ui.model_panel import ModelPanel
+
+    panel = ModelPanel()
+    qtbot.addWidget(panel)
+    base = dict(name="m", family="llama", architecture="LlamaForCausalLM", backend="fast", parameters=10,
+                dtype="fp32", device="cpu", context_length=256, weight_bytes=40, source="/m.gguf", source_kind="gguf")
+    panel.set_info(ModelInfo(**base, load_seconds=1.234, load_seconds_source="perf_counter around Engine.load"))
+    assert panel.values["load"].text() == "1.23 s"
+    assert panel.values["load"].toolTip() == "perf_counter around Engine.load"
+    panel.set_info(ModelInfo(**base))
+    assert panel.values["load"].text() == "n/a" and "not timed" in panel.values["load"].toolTip()
+
+
+def test_weights_toggle_and_its_unavailable_formats(qtbot):
+    t = TogglesPanel(EngineOptions())
+    qtbot.addWidget(t)
+    got = []
+    t.optionsChanged.connect(got.append)
+    t.weights.setCurrentIndex(t.weights.findData("int8"))
+    t.weights.activated.emit(t.weights.currentIndex())
+    assert got[-1].weights == "int8"
+    t.preset.setCurrentIndex(t.preset.findData("int8"))
+    t.preset.activated.emit(t.preset.currentIndex())
+    assert got[-1] == preset_options("int8", EngineOptions()) and got[-1].weights == "int8"
+    t.set_applied(EngineOptions(weights="int4"), {"weights": "int4 needs inputs in groups of 32"})
+    assert got[-1].weights == "native" and t.weights.currentData() == "native"
+    item = t.weights.model().item(t.weights.findData("int4"))
+    assert not item.isEnabled() and item.toolTip() == "Unavailable: int4 needs inputs in groups of 32"
