@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
     msub.add_parser("fetch-default", help="download the default model (if needed) and print its path")
     msub.add_parser("list", help="list the default, recent and scanned models")
+
+    chats = sub.add_parser("chats", help="list, export and import chats")
+    csub = chats.add_subparsers(dest="chats_command", metavar="ACTION")
+    csub.add_parser("list", help="id, last change, message count and title of every chat")
+    export = csub.add_parser("export", help="a chat with all its branches and figures, as JSON (or --markdown)")
+    export.add_argument("chat_id", type=int)
+    export.add_argument("-o", "--output", type=Path, default=None, help="write here (default: standard output)")
+    export.add_argument("--markdown", action="store_true", help="Markdown for reading instead of JSON")
+    imp = csub.add_parser("import", help="add a chat exported as JSON (validated whole; a bad file changes nothing)")
+    imp.add_argument("path", type=Path)
     return parser
 
 
@@ -101,7 +111,7 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SUBCOMMANDS = ("gui", "generate", "bench", "models")
+SUBCOMMANDS = ("gui", "generate", "bench", "models", "chats")
 
 
 def _smoke_test_alias(argv: list[str]) -> list[str]:
@@ -141,6 +151,12 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         if not args.models_command:
             parser.parse_args(["models", "--help"])
         return run_models(args, paths)
+    if command == "chats":
+        from app.cmd_chats import run_chats
+
+        if not args.chats_command:
+            parser.parse_args(["chats", "--help"])
+        return run_chats(args, paths)
     parser.error(f"unknown command {command!r}")
     return EXIT_USER_ERROR
 

@@ -498,6 +498,39 @@ class ChatStore:
         row = db.execute("SELECT MAX(id) FROM messages WHERE chat_id = ? AND parent_id IS NULL", (chat_id,)).fetchone()
         return None if row[0] is None else self._descend(db, row[0])
 
+    def all_messages(self, chat_id: int) -> list[Message]:
+        """Every message of the chat, every branch, oldest first (a parent always before its children)."""
+        self.get_chat(chat_id)
+        return [_message(r) for r in self._read(
+            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,))]
+
+    def import_chat(self, chat: Any) -> int:
+        """Store a validated chat file (app.chat_io.ImportedChat) as a new chat, in one transaction; its id.
+        Message parents are indexes of earlier messages; candidate groups get numbers no message uses yet."""
+        with self._write("import the chat") as db:
+            cur = db.execute(
+                "INSERT INTO chats (title, created, updated, system_prompt, sampling_json) VALUES (?, ?, ?, ?, ?)",
+                (chat.title, chat.created, chat.updated, chat.system_prompt, _dumps(chat.sampling)),
+            )
+            chat_id = cur.lastrowid
+            next_group = db.execute("SELECT COALESCE(MAX(candidate_group), 0) + 1 FROM messages").fetchone()[0]
+            groups: dict[int, int] = {}
+            ids: list[int] = []
+            for m in chat.messages:
+                group = None
+                if m["candidate_group"] is not None:
+                    group = groups.setdefault(m["candidate_group"], next_group + len(groups))
+                parent = ids[m["parent"]] if m["parent"] is not None else None
+                cur = db.execute(
+                    f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (chat_id, parent, m["role"], m["content"], m["status"], m["created"], m["updated"],
+                     _dumps(m["options"]), _dumps(m["metrics"]), group, m["candidate_index"], m["model_name"]),
+                )
+                ids.append(cur.lastrowid)
+            if chat.active_leaf is not None:
+                db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (ids[chat.active_leaf], chat_id))
+        return chat_id
+
     def count_messages(self, chat_id: Optional[int] = None) -> int:
         if chat_id is None:
             return self._read("SELECT COUNT(*) FROM messages")[0][0]

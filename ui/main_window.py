@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
-    QDockWidget, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout, QWidget,
+    QDockWidget, QFileDialog, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout,
+    QWidget,
 )
 
 from app.settings import SettingsError
@@ -234,6 +235,12 @@ class MainWindow(QMainWindow):
         action(file, "Open model folder…", self.model_panel.open_folder_dialog)
         action(file, "Load the default model", lambda: self.load_model("default"))
         file.addSeparator()
+        self.export_json_action = action(file, "Export chat as JSON…", lambda: self.export_chat(False),
+                                         tip="Every branch and each answer's figures, in a file Gapless imports")
+        self.export_md_action = action(file, "Export chat as Markdown…", lambda: self.export_chat(True),
+                                       tip="Every branch, for reading")
+        self.import_action = action(file, "Import chat…", self.import_chat, tip="Add a chat exported as JSON")
+        file.addSeparator()
         action(file, "Quit", self.close, QKeySequence.StandardKey.Quit)
         chat = bar.addMenu("&Chat")
         self.stop_action = action(chat, "Stop the answer", self.flow.stop, Qt.Key.Key_Escape,
@@ -303,6 +310,41 @@ class MainWindow(QMainWindow):
         dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values()))
         dialog.open()
         self._chat_settings_dialog = dialog  # kept for tests and so it is not collected while open
+
+    def export_chat(self, markdown: bool) -> None:
+        from app.chat_io import ChatFileError, export_json, export_markdown, write_text
+
+        chat_id = self.flow.chat_id
+        if chat_id is None:
+            self._failed("Nothing to export: this chat has no messages yet")
+            return
+        suffix, kind = (".md", "Markdown (*.md)") if markdown else (".json", "Gapless chat (*.json)")
+        name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in self.chat_title.text()).strip() or "chat"
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", name + suffix, kind)
+        if not path:
+            return
+        try:
+            text = export_markdown(self.store, chat_id) if markdown else export_json(self.store, chat_id)
+            write_text(path, text)
+        except (ChatFileError, StoreError) as exc:
+            self._failed(f"The chat was not exported: {exc}")
+            return
+        self.status.setText(f"Chat exported to {path}")
+
+    def import_chat(self) -> None:
+        from app.chat_io import ChatFileError, import_chat
+
+        path, _ = QFileDialog.getOpenFileName(self, "Import chat", "", "Gapless chat (*.json);;All files (*)")
+        if not path:
+            return
+        try:
+            chat_id = import_chat(self.store, path)
+        except ChatFileError as exc:
+            self._failed(f"The chat was not imported: {exc}")
+            return
+        self.flow.open_chat(chat_id)
+        self.refresh_chats()
+        self.status.setText(f"Chat imported from {path}")
 
     # ---- generation ----------------------------------------------------------------------------------
 
