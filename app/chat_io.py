@@ -4,7 +4,8 @@ in one transaction: a bad or hostile file is refused with the reason and leaves 
 
 JSON format (version 1):
     {"format": "gapless-chat", "version": 1, "exported": <unix time>,
-     "chat": {"title", "created", "updated", "system_prompt", "sampling": {...} | null, "active_leaf": id | null},
+     "chat": {"title", "created", "updated", "system_prompt", "sampling": {...} | null, "active_leaf": id | null,
+              "overflow_policy": "rolling" | "truncate-middle" | "stop" | null (null: the app's default)},
      "messages": [{"id", "parent": id | null, "role", "content", "status", "created", "updated",
                    "options": {...} | null, "metrics": {...} | null, "candidate_group": n | null,
                    "candidate_index": n | null, "model_name": str | null}, ...]}
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 from app.store import ROLES, ChatStore, Message, StoreError
 from engine.errors import GaplessError, OptionsError
-from engine.types import SamplingParams
+from engine.types import OVERFLOW_POLICIES, SamplingParams
 
 FORMAT = "gapless-chat"
 VERSION = 1
@@ -49,6 +50,7 @@ class ImportedChat:
     updated: float
     system_prompt: str
     sampling: Optional[dict]
+    overflow_policy: Optional[str]
     active_leaf: Optional[int]  # index into messages
     messages: list[dict]  # parent: index into messages (earlier) or None; candidate_group: the file's number
 
@@ -80,7 +82,7 @@ def chat_document(store: ChatStore, chat_id: int) -> dict:
         "exported": time.time(),
         "chat": {
             "title": chat.title, "created": chat.created, "updated": chat.updated,
-            "system_prompt": chat.system_prompt, "sampling": chat.sampling,
+            "system_prompt": chat.system_prompt, "sampling": chat.sampling, "overflow_policy": chat.overflow_policy,
             "active_leaf": local.get(chat.active_leaf_id) if chat.active_leaf_id is not None else None,
         },
         "messages": out,
@@ -274,7 +276,7 @@ def _depth(v: Any) -> int:
     return 0
 
 
-CHAT_KEYS = {"title", "created", "updated", "system_prompt", "sampling", "active_leaf"}
+CHAT_KEYS = {"title", "created", "updated", "system_prompt", "sampling", "active_leaf", "overflow_policy"}
 MESSAGE_KEYS = {"id", "parent", "role", "content", "status", "created", "updated", "options", "metrics",
                 "candidate_group", "candidate_index", "model_name"}
 
@@ -307,6 +309,9 @@ def validate(doc: Any) -> ImportedChat:
             sampling = SamplingParams.from_dict(sampling).to_dict()
         except (OptionsError, TypeError) as exc:
             raise _fail("chat.sampling", str(exc)) from None
+    overflow = chat.get("overflow_policy")
+    if overflow is not None and overflow not in OVERFLOW_POLICIES:
+        raise _fail("chat.overflow_policy", f"must be one of {', '.join(OVERFLOW_POLICIES)} or null, got {overflow!r}"[:200])
     raw = doc["messages"]
     if not isinstance(raw, list):
         raise _fail("messages", f"must be a list, got {_kind(raw)}")
@@ -360,8 +365,8 @@ def validate(doc: Any) -> ImportedChat:
         raise _fail("chat.active_leaf", f"names message {leaf}, which the file does not have")
     if leaf is None and messages:
         raise _fail("chat.active_leaf", "is null, but the chat has messages")
-    return ImportedChat(title, created, updated, system, sampling, position.get(leaf) if leaf is not None else None,
-                        messages)
+    return ImportedChat(title, created, updated, system, sampling, overflow,
+                        position.get(leaf) if leaf is not None else None, messages)
 
 
 def import_chat(store: ChatStore, path: Path) -> int:

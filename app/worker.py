@@ -120,6 +120,7 @@ class Generate:
     sampling: SamplingParams
     raw: bool
     cancel: threading.Event = field(compare=False)
+    overflow: str = "rolling"  # engine.types.OVERFLOW_POLICIES
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,8 @@ class EngineWorker(QObject):
         self._batcher.take()  # start clean
         self.generationStarted.emit(cmd.request_id, self.engine.options)
         try:
-            result = self.engine.generate(cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw)
+            result = self.engine.generate(cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw,
+                                          overflow=cmd.overflow)
         except Exception as exc:
             self._flush()
             self._log_unless_expected(exc, "generating")
@@ -431,11 +433,11 @@ class EngineController(QObject):
         """Use `options` from the next generation on; a running generation is not touched."""
         self._put(Reconfigure(options))
 
-    def generate(self, messages: list, sampling: SamplingParams, raw: bool = False) -> int:
+    def generate(self, messages: list, sampling: SamplingParams, raw: bool = False, overflow: str = "rolling") -> int:
         request_id = next(self._ids)
         cancel = threading.Event()
         self._generation_cancels[request_id] = cancel
-        self._put(Generate(request_id, list(messages), sampling, raw, cancel))
+        self._put(Generate(request_id, list(messages), sampling, raw, cancel, overflow))
         return request_id
 
     def cancel(self) -> None:

@@ -246,6 +246,7 @@ class Engine:
         on_event: Optional[Callable] = None,
         cancel: Optional[threading.Event] = None,
         raw: bool = False,
+        overflow: str = "rolling",
     ) -> GenerationResult:
         """Generate with the current options. A compile failure falls back to eager; running out of device
         memory before any text left falls back to no CUDA graph, then to fewer candidates; each with a notice."""
@@ -256,7 +257,8 @@ class Engine:
         cancel = cancel or threading.Event()
         with self._lock, torch.inference_mode():
             opts, reasons = self.effective(self.options)
-            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw)
+            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw,
+                                  overflow=overflow)
             notices = list(prompt.notices)
             if not prompt.ids:
                 raise GenerationError("the prompt is empty after tokenization")
@@ -283,6 +285,8 @@ class Engine:
                     if streamed:
                         raise GenerationError(f"out of device memory while generating: {exc}") from exc
                     opts = self._smaller(opts, notices, reasons)
+        loop.metrics.overflow_policy = overflow
+        loop.metrics.prompt_cut = prompt.cut or None
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],

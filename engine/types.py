@@ -17,6 +17,12 @@ SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+# What a prompt longer than the context does (engine.prompt): drop the oldest turns, drop turns from the middle
+# (the system prompt and the first user message stay), or refuse with a message.
+OVERFLOW_POLICIES = ("rolling", "truncate-middle", "stop")
+OVERFLOW_LABELS = {"rolling": "Rolling window (drop the oldest turns)",
+                   "truncate-middle": "Truncate the middle (keep the system prompt and the first message)",
+                   "stop": "Stop at the limit"}
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,8 @@ class GenerationMetrics:
     dram_bw_util_pct: Metric = None
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    overflow_policy: Optional[str] = None  # the policy the prompt was fitted with (engine.prompt)
+    prompt_cut: Optional[str] = None  # what was dropped to fit the context, e.g. "2 oldest messages dropped"
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
 
     def to_dict(self) -> dict[str, Any]:

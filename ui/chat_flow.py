@@ -59,6 +59,7 @@ class ChatFlow(QObject):
         self.store = store
         self.controller = controller
         self.default_sampling = default_sampling
+        self.default_overflow = "rolling"  # for chats without their own policy (the settings' choice)
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
         self.last_result: Optional[GenerationResult] = None
@@ -105,18 +106,32 @@ class ChatFlow(QObject):
         saved = self.store.get_chat(chat_id).sampling
         return SamplingParams.from_dict(saved) if saved else self.default_sampling
 
+    def overflow_policy(self, chat_id: Optional[int] = None) -> str:
+        """The policy answers of this chat are fitted to the context with: its own, else the default."""
+        chat_id = chat_id if chat_id is not None else self.chat_id
+        own = self.store.get_chat(chat_id).overflow_policy if chat_id is not None else None
+        return own or self.default_overflow
+
+    def chat_overflow_policy(self) -> Optional[str]:
+        """The chat's own policy; None when it follows the default."""
+        return self.store.get_chat(self.chat_id).overflow_policy if self.chat_id is not None else None
+
     def system_prompt(self) -> str:
         return self.store.get_chat(self.chat_id).system_prompt if self.chat_id is not None else ""
 
-    def set_chat_settings(self, system_prompt: str, sampling: SamplingParams) -> None:
+    def set_chat_settings(self, system_prompt: str, sampling: SamplingParams, overflow_policy: str = "") -> None:
+        """overflow_policy "" follows the default."""
         if self.chat_id is None:
             chat = self._guard(lambda: self.store.create_chat("New chat", system_prompt, sampling))
-            if chat:
-                self.chat_id = chat.id
-                self.chatsChanged.emit()
-                self.chatOpened.emit(chat.id)
+            if not chat:
+                return
+            self.chat_id = chat.id
+            self._guard(lambda: self.store.update_chat(chat.id, overflow_policy=overflow_policy))
+            self.chatsChanged.emit()
+            self.chatOpened.emit(chat.id)
             return
-        self._guard(lambda: self.store.update_chat(self.chat_id, system_prompt=system_prompt, sampling=sampling))
+        self._guard(lambda: self.store.update_chat(self.chat_id, system_prompt=system_prompt, sampling=sampling,
+                                                   overflow_policy=overflow_policy))
 
     # ---- the visible branch --------------------------------------------------------------------------
 
@@ -243,11 +258,12 @@ class ChatFlow(QObject):
         try:
             messages = self.prompt_messages(user)
             sampling = self.sampling(user.chat_id)
+            overflow = self.overflow_policy(user.chat_id)
         except StoreError as exc:
             self.failed.emit(str(exc))
             return False
         info = getattr(self.controller, "info", None)
-        request_id = self.controller.generate(messages, sampling)
+        request_id = self.controller.generate(messages, sampling, overflow=overflow)
         self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None)
         self._candidate_ids = []
         self.generatingChanged.emit(True)

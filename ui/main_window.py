@@ -18,7 +18,9 @@ from PySide6.QtWidgets import (
 
 from app.settings import SettingsError
 from app.store import StoreError
-from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams
+from engine.types import (
+    OVERFLOW_LABELS, OVERFLOW_POLICIES, EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams,
+)
 from ui.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
@@ -81,6 +83,7 @@ class MainWindow(QMainWindow):
         self.fetcher = fetcher
         self.catalog = catalog  # known models: default, recent, scanned folder (app.gui.ModelCatalog)
         self.flow = ChatFlow(store, controller, default_sampling, self)
+        self.flow.default_overflow = settings.overflow_policy
         self._loading: Optional[str] = None  # the source being loaded
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
@@ -247,6 +250,16 @@ class MainWindow(QMainWindow):
                                   "Stop the answer; the text so far is kept")
         action(chat, "Search chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
         action(chat, "Chat settings…", self.open_chat_settings)
+        overflow = chat.addMenu("When a chat outgrows the context (default)")
+        policies = QActionGroup(self)
+        self.overflow_actions: dict[str, QAction] = {}
+        for policy in OVERFLOW_POLICIES:
+            act = QAction(OVERFLOW_LABELS[policy], self, checkable=True)
+            act.setChecked(self.settings.overflow_policy == policy)
+            act.triggered.connect(lambda _c=False, policy=policy: self.set_default_overflow(policy))
+            policies.addAction(act)
+            overflow.addAction(act)
+            self.overflow_actions[policy] = act
         view = bar.addMenu("&View")
         themes = QActionGroup(self)
         for choice in THEME_CHOICES:
@@ -306,8 +319,9 @@ class MainWindow(QMainWindow):
     def open_chat_settings(self) -> None:
         info: Optional[ModelInfo] = self.controller.info
         dialog = ChatSettingsDialog(self.flow.system_prompt(), self.flow.sampling(),
-                                    info.context_length if info else None, self)
-        dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values()))
+                                    info.context_length if info else None, self,
+                                    self.flow.chat_overflow_policy(), self.settings.overflow_policy)
+        dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values(), dialog.overflow_policy()))
         dialog.open()
         self._chat_settings_dialog = dialog  # kept for tests and so it is not collected while open
 
@@ -535,6 +549,12 @@ class MainWindow(QMainWindow):
     def set_theme(self, choice: str) -> None:
         self.theme.set_choice(choice)
         self.settings.theme = choice
+        self._persist()
+
+    def set_default_overflow(self, policy: str) -> None:
+        """The policy of chats that have none of their own (Chat settings can give one its own)."""
+        self.flow.default_overflow = policy
+        self.settings.overflow_policy = policy
         self._persist()
 
     def set_send_with(self, key: str) -> None:

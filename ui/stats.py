@@ -84,6 +84,8 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         options_label(options),
         f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
     ])
+    if m.get("prompt_cut"):
+        line += f" · context full: {m['prompt_cut']}"
     if finish_reason == "cancelled":
         line += " · stopped"
     unavailable = m.get("unavailable") or {}
@@ -96,6 +98,9 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         f"Step latency p50 / p99: {fmt(m.get('step_ms_p50'), ' ms', 2)} / {fmt(m.get('step_ms_p99'), ' ms', 2)}",
         f"Options: {describe_options(options) if options else NA}",
     ]
+    if m.get("overflow_policy"):
+        tips.append(f"Context full: {m.get('prompt_cut') or 'nothing dropped'} (overflow policy: "
+                    f"{m['overflow_policy']}; source: the engine's prompt fitting)")
     tips.append(_sourced(gap.capitalize(), m.get("kernel_gap_pct"), fmt(m.get("kernel_gap_pct"), "%"),
                          m.get("kernel_gap_source"), unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap")))
     tips.append(_sourced("Launches per step", m.get("launches_per_step"), fmt(m.get("launches_per_step"), "", 0),

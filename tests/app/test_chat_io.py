@@ -43,6 +43,7 @@ def make_chat(store: ChatStore) -> int:
     store.add_message(chat.id, "assistant", "Joke two 🙂", u2.id, candidate_group=group, candidate_index=1)
     store.add_message(chat.id, "user", "Tell me a story", a1.id)  # an edit: a branch beside u2
     store.set_active_leaf(chat.id, c0.id)
+    store.update_chat(chat.id, overflow_policy="truncate-middle")
     return chat.id
 
 
@@ -70,6 +71,7 @@ def test_json_round_trip_gives_the_same_chat(store, tmp_path):
     old_groups = {m.candidate_group for m in store.all_messages(chat_id) if m.candidate_group is not None}
     assert len(groups) == 1 and not groups & old_groups
     assert store.get_message(store.thread(new_id)[1].id).metrics["ttft_ms"] == 41.5
+    assert store.get_chat(new_id).overflow_policy == "truncate-middle"
 
 
 def test_markdown_has_every_branch_and_the_figures(store):
@@ -133,6 +135,8 @@ BAD = {
                          "candidate_group and candidate_index go together"),
     "candidates of different questions": (
         lambda d: _mutated(d, lambda x: x["messages"][5].update(parent=1)), "holds answers to different messages"),
+    "unknown overflow policy": (lambda d: _mutated(d, lambda x: x["chat"].update(overflow_policy="forget")),
+                                "chat.overflow_policy: must be one of rolling, truncate-middle, stop or null"),
     "streaming status": (lambda d: _mutated(d, lambda x: x["messages"][1].update(status="streaming")),
                          "message 2: status must be one of done, stopped, error"),
 }
