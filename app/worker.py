@@ -17,6 +17,7 @@ import queue
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -387,6 +388,7 @@ class EngineController(QObject):
     ladderFinished = Signal(object)
     ladderFailed = Signal(str)
     busyChanged = Signal(bool)
+    contextCounted = Signal(int, object)  # request id, engine.types.ContextUse or a message saying why not
 
     _FORWARDED = ("loadStarted", "progress", "loadFailed", "reconfigureFailed", "generationStarted", "textBatch",
                   "steps", "samples", "ladderProgress", "ladderFinished", "ladderFailed")
@@ -402,6 +404,10 @@ class EngineController(QObject):
         self._generation_cancels: dict[int, threading.Event] = {}
         self._ladder_cancels: list[threading.Event] = []
         self._shut_down = False
+        # Counting for the context meter runs beside the engine worker, which may be busy generating.
+        self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="context-meter")
+        self._count_ids = itertools.count(1)
+        self._count_latest = 0
 
         # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
         self.worker.loadedOptions.connect(self._on_loaded_options)
@@ -440,6 +446,31 @@ class EngineController(QObject):
         self._put(Generate(request_id, list(messages), sampling, raw, cancel, overflow))
         return request_id
 
+    def measure_context(self, messages: list, max_new_tokens: int, overflow: str = "rolling") -> int:
+        """Count what `messages` would take of the loaded model's context, off this thread; the answer comes as
+        contextCounted(request id, ContextUse). A newer request makes the older ones not counted at all."""
+        request_id = next(self._count_ids)
+        self._count_latest = request_id
+        if not self._shut_down:
+            self._counter.submit(self._measure, request_id, list(messages), max_new_tokens, overflow)
+        return request_id
+
+    def _measure(self, request_id: int, messages: list, max_new_tokens: int, overflow: str) -> None:
+        if request_id != self._count_latest:
+            return
+        engine = self.worker.engine  # a reference: a load replacing it meanwhile leaves this one usable
+        if engine is None:
+            self.contextCounted.emit(request_id, "no model is loaded")
+            return
+        try:
+            use = engine.measure_prompt(messages, max_new_tokens, overflow)
+        except Exception as exc:  # reported in the meter; a bad count must not end the counting thread
+            if not isinstance(exc, GaplessError):
+                log.exception("counting the context failed")
+            self.contextCounted.emit(request_id, one_line(exc))
+            return
+        self.contextCounted.emit(request_id, use)
+
     def cancel(self) -> None:
         """Stop the running generation (and any queued one): each finishes with its partial text.
         Safe to call from any thread (it only sets events)."""
@@ -462,6 +493,7 @@ class EngineController(QObject):
             self.cancel()
             self.cancel_ladder()
             self.worker.commands.put(Shutdown())
+            self._counter.shutdown(wait=True, cancel_futures=True)
         finished = self._thread.wait(int(timeout * 1000))
         if not finished:
             log.warning("the engine worker did not stop within %.1f s", timeout)

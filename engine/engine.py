@@ -298,6 +298,13 @@ class Engine:
             notices=notices + loop.notices,
         )
 
+    def measure_prompt(self, messages: list[dict], max_new_tokens: int, overflow: str = "rolling"):
+        """engine.types.ContextUse of `messages`: the prompt rendering of generate(), without the engine lock, so
+        it answers while a generation runs (the tokenizer is only read)."""
+        from engine.prompt import measure_prompt
+
+        return measure_prompt(self.tokenizer, messages, self.context_length, max_new_tokens, overflow)
+
     def _run(self, prompt_ids, max_new, sampling, opts, seed, on_event, cancel, notices, reasons):
         from engine.telemetry.window import ProfileWindow
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.errors import GenerationError
-from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, ROLES
+from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, ROLES, ContextUse
 
 FALLBACK_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
 
@@ -63,6 +63,29 @@ def build_prompt(tokenizer, messages: list[dict], context_length: int, max_new_t
     if overflow == "truncate-middle":
         return _fit_middle(tokenizer, render, msgs, budget, context_length, notices)
     return _fit(tokenizer, render, msgs, budget, context_length, notices)
+
+
+def measure_prompt(tokenizer, messages: list[dict], context_length: int, max_new_tokens: int,
+                   overflow: str = "rolling") -> ContextUse:
+    """What `messages` would take of the context. The last user message may be empty (nothing typed yet): it is
+    counted as an empty turn, and nothing is fitted."""
+    budget = prompt_budget(context_length, max_new_tokens)
+    last = messages[-1] if messages else {}
+    empty = isinstance(last, dict) and last.get("role") == "user" and not str(last.get("content", "")).strip()
+    fitted, refused = None, ""
+    if not empty:
+        try:
+            fitted = build_prompt(tokenizer, messages, context_length, max_new_tokens, overflow=overflow)
+        except GenerationError as exc:
+            refused = str(exc)
+    clean, notices = _clean([*messages[:-1], {"role": "user", "content": "."}] if empty else messages)
+    if empty:
+        clean[-1]["content"] = ""
+    _, full = _renderer(tokenizer, clean, notices)(clean)
+    if empty:
+        return ContextUse(len(full), len(full) if len(full) <= budget else None, context_length, budget, overflow)
+    return ContextUse(len(full), len(fitted.ids) if fitted else None, context_length, budget, overflow,
+                      cut=fitted.cut if fitted else "", refused=refused)
 
 
 def _stop_if_over(n: int, budget: int, context: int) -> None:

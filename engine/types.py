@@ -229,6 +229,20 @@ class GenerationMetrics:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+@dataclass(frozen=True)
+class ContextUse:
+    """What a conversation would take of the model's context (Engine.measure_prompt), counted with the same
+    prompt rendering a generation uses."""
+
+    tokens: int  # the whole conversation, as the chat template renders it, nothing dropped
+    prompt_tokens: Optional[int]  # what a generation would feed after the overflow policy; None: it would refuse
+    context_length: int
+    budget: int  # the most prompt tokens allowed (the context less room for the answer)
+    policy: str  # the overflow policy it was counted under
+    cut: str = ""  # what the policy would drop, "" when nothing
+    refused: str = ""  # why a generation would refuse this prompt, "" when it would not
+
+
 # ---- events streamed by Engine.generate / Engine.load -------------------------------------------------
 
 

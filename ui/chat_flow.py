@@ -254,6 +254,21 @@ class ChatFlow(QObject):
             out.append({"role": m.role, "content": m.content})
         return out
 
+    def draft_messages(self, draft: str) -> list[dict]:
+        """The engine's messages if `draft` were sent now: the system prompt, the branch on screen, the draft."""
+        out: list[dict] = []
+        if self.chat_id is not None:
+            chat = self.store.get_chat(self.chat_id)
+            if chat.system_prompt.strip():
+                out.append({"role": "system", "content": chat.system_prompt})
+            streaming = set(self.answer.message_ids) if self.answer is not None else set()
+            for m in self.store.thread(self.chat_id) if chat.active_leaf_id is not None else []:
+                if m.role == "assistant" and (not m.content or m.id in streaming):
+                    continue  # an empty answer says nothing; the one streaming is not part of the next prompt yet
+                out.append({"role": m.role, "content": m.content})
+        out.append({"role": "user", "content": draft})
+        return out
+
     def _ask(self, user: Message) -> bool:
         try:
             messages = self.prompt_messages(user)

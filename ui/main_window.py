@@ -33,6 +33,8 @@ from ui.toggles import TogglesPanel
 
 log = logging.getLogger(__name__)
 
+METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
+
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height, so a
     tall panel never forces the window taller than the screen (a plain resizable scroll area would size a
@@ -91,6 +93,8 @@ class MainWindow(QMainWindow):
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._search = ""
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
+        self._meter_request = 0  # the newest context count asked for
+        self._meter_timer = QTimer(self, singleShot=True, interval=METER_DEBOUNCE_MS, timeout=self.count_context)
         self._build(settings)
         self._wire()
         self._menus()
@@ -190,6 +194,10 @@ class MainWindow(QMainWindow):
         v.siblingRequested.connect(f.step_sibling)
         v.candidateChosen.connect(f.choose_candidate)
         self.composer.sendRequested.connect(self._send)
+        self.composer.edit.textChanged.connect(self.recount_context)
+        for signal in (f.threadChanged, f.messageAppended, f.streamFinished, f.candidatesFinished, c.loaded):
+            signal.connect(lambda *_a: self.recount_context())
+        c.contextCounted.connect(self._context_counted)
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
         self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
@@ -322,6 +330,7 @@ class MainWindow(QMainWindow):
                                     info.context_length if info else None, self,
                                     self.flow.chat_overflow_policy(), self.settings.overflow_policy)
         dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values(), dialog.overflow_policy()))
+        dialog.accepted.connect(self.recount_context)  # the answer's room or the policy may have changed
         dialog.open()
         self._chat_settings_dialog = dialog  # kept for tests and so it is not collected while open
 
@@ -359,6 +368,32 @@ class MainWindow(QMainWindow):
         self.flow.open_chat(chat_id)
         self.refresh_chats()
         self.status.setText(f"Chat imported from {path}")
+
+    def recount_context(self) -> None:
+        """The draft or the conversation changed: counts asked for before are stale; count once typing pauses."""
+        self._meter_request = 0
+        self._meter_timer.start()
+
+    def count_context(self) -> None:
+        """Ask the engine (off this thread) what the conversation and the draft would take of the context."""
+        if self.controller.info is None:
+            self.composer.set_context(None)
+            return
+        try:
+            messages = self.flow.draft_messages(self.composer.text())
+            max_new, overflow = self.flow.sampling().max_new_tokens, self.flow.overflow_policy()
+        except StoreError as exc:
+            self.composer.set_context(None, str(exc))
+            return
+        self._meter_request = self.controller.measure_context(messages, max_new, overflow)
+
+    def _context_counted(self, request_id: int, use: Any) -> None:
+        if request_id != self._meter_request:
+            return  # an older draft's count
+        if isinstance(use, str):
+            self.composer.set_context(None, use)
+        else:
+            self.composer.set_context(use)
 
     # ---- generation ----------------------------------------------------------------------------------
 
@@ -556,6 +591,7 @@ class MainWindow(QMainWindow):
         self.flow.default_overflow = policy
         self.settings.overflow_policy = policy
         self._persist()
+        self.recount_context()
 
     def set_send_with(self, key: str) -> None:
         self.composer.set_send_with(key)

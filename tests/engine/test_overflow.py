@@ -119,3 +119,23 @@ def test_the_engine_reports_what_was_dropped(tiny_llama, policy):
             eng.generate(msgs, SamplingParams(temperature=0.0, max_new_tokens=4), overflow="stop")
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("policy", ["rolling", "truncate-middle", "stop"])
+def test_measure_prompt_counts_what_build_prompt_feeds(tok, policy):
+    from engine.prompt import measure_prompt
+
+    short = long_chat(1)
+    use = measure_prompt(tok, short, 256, 16, overflow=policy)
+    assert use.tokens == use.prompt_tokens == len(ids(tok, short)) and use.cut == "" and use.refused == ""
+    msgs = long_chat(10)
+    context = len(ids(tok, msgs)) // 2
+    use = measure_prompt(tok, msgs, context, 16, overflow=policy)
+    assert use.tokens == len(ids(tok, msgs)) and use.budget == prompt_budget(context, 16)
+    if policy == "stop":
+        assert use.prompt_tokens is None and "nothing was dropped" in use.refused
+    else:
+        fitted = build_prompt(tok, msgs, context, 16, overflow=policy)
+        assert use.prompt_tokens == len(fitted.ids) and use.cut == fitted.cut != ""
+    draft = measure_prompt(tok, [*short[:-1], {"role": "user", "content": ""}], 256, 16, overflow=policy)
+    assert draft.tokens == len(ids(tok, [*short[:-1], {"role": "user", "content": ""}]))
