@@ -36,6 +36,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, candidates)")
     p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
                    help="trace a short window of decode steps for the kernel/op gap (default on)")
+    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the KV cache between generations and compute only past the common prefix (default on)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
+    bench.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep the KV cache between generations (default on; a repeat then reuses its prompt)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
 
     models = sub.add_parser("models", help="the default model and known models")

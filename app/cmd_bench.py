@@ -25,6 +25,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         baseline=args.baseline,
         compile=args.compile,
         prompt=args.prompt or DEFAULT_PROMPT,
+        prefix_reuse=getattr(args, "prefix_reuse", True),
     )
 
 

@@ -25,6 +25,7 @@ def options_from_args(args) -> EngineOptions:
         "cuda_graph": args.cuda_graph,
         "candidates": args.candidates,
         "profile_window": args.profile_window,
+        "prefix_reuse": getattr(args, "prefix_reuse", None),
     }
     return replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
 

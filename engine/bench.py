@@ -60,6 +60,7 @@ class BenchConfig:
     interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
     prompt: str = DEFAULT_PROMPT
     profile_window: bool = True
+    prefix_reuse: bool = True  # repeats of the prompt then reuse its KV cache (prompt_reused_tokens says how much)
 
 
 def median(values) -> Optional[float]:
@@ -170,7 +171,8 @@ class LadderRunner:
         self.rungs: list[Rung] = []
         self.opts: dict[str, EngineOptions] = {}
         self._current: Optional[EngineOptions] = None
-        base = EngineOptions(device=config.device, profile_window=config.profile_window)
+        base = EngineOptions(device=config.device, profile_window=config.profile_window,
+                             prefix_reuse=config.prefix_reuse)
         for name in [p for p in PRESETS if p in config.presets]:
             opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
             label = f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
@@ -524,7 +526,8 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
     config = validate(config)
     started = time.time()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window),
+    engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window,
+                                                     prefix_reuse=config.prefix_reuse),
                          progress=lambda p: progress(f"{p.stage}: {p.message}"))
     runners: list[BaselineRunner] = []
     prompt_ids: Optional[list[int]] = None

@@ -14,6 +14,7 @@ from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner
 from engine.errors import GenerationError, ModelLoadError, OptionsError
 from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
+from engine.prefix import PrefixCache, prefill_fn, preserved
 from engine.sampling import SamplerKind
 from engine.stream import RowText
 from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta
@@ -56,6 +57,7 @@ class Engine:
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
         self._compiled_for: Optional[tuple] = None
+        self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
         self.monitor = self._start_monitor()
@@ -209,7 +211,7 @@ class Engine:
             return runner
         if runner is not None:
             length = max(length, runner.length)
-        self._runners.pop(key, None)
+        old = self._runners.pop(key, None)
         if not self.fast:
             from engine.fallback import HFRunner
 
@@ -220,6 +222,8 @@ class Engine:
             runner = DynamicRunner(self.model, batch, length, self.eos_ids, self.device)
         else:
             runner = NoCacheRunner(self.model, batch, length, self.eos_ids, self.device)
+        if old is not None:
+            self._prefix.carry(old, runner)
         self._runners[key] = runner
         return runner
 
@@ -318,7 +322,8 @@ class Engine:
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    with preserved(runner):  # the cached prefix survives the warm-up's writes
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
@@ -329,19 +334,28 @@ class Engine:
                     reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    with preserved(runner):
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
         torch.manual_seed(seed)
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         window = ProfileWindow(self.device, enabled=opts.profile_window)
+        plan = self._prefix.plan(runner, list(prompt_ids), opts.prefix_reuse)
+        self._prefix.forget(runner)  # rewritten from here on; remembered again once the generation is complete
         try:
             loop = run_loop(
                 runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor,
+                window=window, monitor=self.monitor, prefill=prefill_fn(runner, plan),
             )
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
+        self._prefix.remember(runner, list(prompt_ids), loop.metrics.decode_steps)
+        m = loop.metrics
+        m.prompt_reused_tokens, m.prompt_computed_tokens = plan.start, len(prompt_ids) - plan.start
+        m.prompt_reuse_source = plan.source
+        if m.ttft_ms:  # the prefill's rate is of the positions it computed
+            m.prefill_tok_s = m.prompt_computed_tokens / (m.ttft_ms / 1e3)
         return loop, opts
 
     def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
@@ -359,6 +373,7 @@ class Engine:
 
     def _free_device_memory(self) -> None:
         self._runners.clear()
+        self._prefix.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

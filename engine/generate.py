@@ -51,6 +51,7 @@ def run_loop(
     cancel: threading.Event,
     window=None,  # engine.telemetry.window.ProfileWindow or None
     monitor=None,  # engine.telemetry.monitor.Monitor or None
+    prefill: Optional[Callable] = None,  # (prompt, kind) -> None in place of runner.prefill (engine.prefix)
 ) -> LoopResult:
     B = runner.batch
     now = time.perf_counter
@@ -64,7 +65,7 @@ def run_loop(
 
     _sync(device)
     t_start = now()
-    runner.prefill(prompt, kind)
+    (prefill or runner.prefill)(prompt, kind)
     clock.mark()
     if host_sync:
         first = runner.tok.view(-1).tolist()  # the per-token host sync of this mode

@@ -37,6 +37,7 @@ class EngineOptions:
     cuda_graph: bool = False  # capture the decode step once per candidate count, replay per token
     candidates: int = 1  # same-prompt answers decoded as one batch
     profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
+    prefix_reuse: bool = True  # keep the KV cache across generations; compute only past the common prefix
 
     def validate(self) -> "EngineOptions":
         if self.device not in DEVICES:
@@ -47,7 +48,7 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
-        for name in ("compile", "cuda_graph", "profile_window"):
+        for name in ("compile", "cuda_graph", "profile_window", "prefix_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.candidates, int) or isinstance(self.candidates, bool):
@@ -72,7 +73,7 @@ class EngineOptions:
 
 
 # The ladder, in the order a user should apply the fixes. Each preset is complete (not a delta), except that
-# the device and profile_window of the current options are kept when a preset is applied.
+# the device, profile_window and prefix_reuse of the current options are kept when a preset is applied.
 PRESETS: dict[str, EngineOptions] = {
     "naive": EngineOptions(dtype="fp32", kv_cache="dynamic", sampling="host", compile=False, cuda_graph=False),
     "half": EngineOptions(dtype="fp16", kv_cache="dynamic", sampling="host"),
@@ -106,7 +107,8 @@ def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", can
     p = PRESETS[name]
     dtype = half_dtype if p.dtype == "fp16" else p.dtype
     n = candidates if (candidates is not None and p.candidates > 1) else p.candidates
-    return replace(p, device=base.device, profile_window=base.profile_window, dtype=dtype, candidates=n).validate()
+    return replace(p, device=base.device, profile_window=base.profile_window, prefix_reuse=base.prefix_reuse,
+                   dtype=dtype, candidates=n).validate()
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,9 @@ class GenerationMetrics:
     dram_bw_util_pct: Metric = None
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    prompt_reused_tokens: Optional[int] = None  # prompt positions taken from the last generation's KV cache
+    prompt_computed_tokens: Optional[int] = None  # prompt positions the prefill computed
+    prompt_reuse_source: Optional[str] = None
     overflow_policy: Optional[str] = None  # the policy the prompt was fitted with (engine.prompt)
     prompt_cut: Optional[str] = None  # what was dropped to fit the context, e.g. "2 oldest messages dropped"
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a

@@ -84,6 +84,9 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         options_label(options),
         f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
     ])
+    reused = m.get("prompt_reused_tokens")
+    if reused:
+        line += f" · prompt {m.get('prompt_tokens')} ({reused} reused)"
     if m.get("prompt_cut"):
         line += f" · context full: {m['prompt_cut']}"
     if finish_reason == "cancelled":
@@ -98,6 +101,9 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         f"Step latency p50 / p99: {fmt(m.get('step_ms_p50'), ' ms', 2)} / {fmt(m.get('step_ms_p99'), ' ms', 2)}",
         f"Options: {describe_options(options) if options else NA}",
     ]
+    if reused is not None:
+        tips.append(f"Prompt: {reused} tokens reused, {m.get('prompt_computed_tokens')} computed — source: "
+                    f"{m.get('prompt_reuse_source') or NA}")
     if m.get("overflow_policy"):
         tips.append(f"Context full: {m.get('prompt_cut') or 'nothing dropped'} (overflow policy: "
                     f"{m['overflow_policy']}; source: the engine's prompt fitting)")

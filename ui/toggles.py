@@ -30,6 +30,7 @@ TIPS = {
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
+    "prefix_reuse": "Keep the KV cache between answers: the part of the next prompt it already holds is not computed again",
 }
 
 
@@ -61,9 +62,11 @@ class TogglesPanel(QWidget):
         self.candidates = QSpinBox(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
+        self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
+            "prefix_reuse": self.prefix_reuse,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -81,7 +84,8 @@ class TogglesPanel(QWidget):
         for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
-                                     ((None, self.profile_window), (None, self.cuda_graph))), start=1):
+                                     ((None, self.profile_window), (None, self.cuda_graph)),
+                                     ((None, self.prefix_reuse),)), start=1):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, row, 2 * col, 1, 2)
@@ -136,6 +140,7 @@ class TogglesPanel(QWidget):
             self.cuda_graph.setChecked(options.cuda_graph)
             self.candidates.setValue(options.candidates)
             self.profile_window.setChecked(options.profile_window)
+            self.prefix_reuse.setChecked(options.prefix_reuse)
             self._show_preset()
             self._apply_tooltips()
         finally:
@@ -219,6 +224,7 @@ class TogglesPanel(QWidget):
             device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+            prefix_reuse=self.prefix_reuse.isChecked(),
         )
 
     def _edited(self, name: str) -> None:
