@@ -14,10 +14,12 @@ from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner
 from engine.errors import GenerationError, ModelLoadError, OptionsError
 from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
-from engine.prefix import PrefixCache, prefill_fn, preserved
+from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.sampling import SamplerKind
 from engine.stream import RowText
-from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta
+from engine.types import (
+    EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +286,8 @@ class Engine:
                 try:
                     loop, opts = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, notices, reasons)
                     break
+                except PrefillCancelled as exc:
+                    return self._stopped_reading(exc, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut)
                 except torch.OutOfMemoryError as exc:
                     self._free_device_memory()
                     if streamed:
@@ -342,11 +346,23 @@ class Engine:
         window = ProfileWindow(self.device, enabled=opts.profile_window)
         plan = self._prefix.plan(runner, list(prompt_ids), opts.prefix_reuse)
         self._prefix.forget(runner)  # rewritten from here on; remembered again once the generation is complete
+        T = len(prompt_ids)
+        chunk = PREFILL_CHUNK if T - plan.start > PREFILL_CHUNK else None
+
+        def reading(done: int, total: int) -> None:
+            on_event(Progress("prefill", done / total, f"reading the conversation: {done:,} of {total:,} tokens"))
+
         try:
             loop = run_loop(
                 runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor, prefill=prefill_fn(runner, plan),
+                window=window, monitor=self.monitor,
+                prefill=prefill_fn(runner, plan, chunk, reading if chunk else None, cancel),
             )
+        except PrefillCancelled as exc:
+            window.discard()
+            self._prefix.remember_read(runner, list(prompt_ids[: exc.done]))
+            exc.reused = plan.start
+            raise
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
@@ -357,6 +373,20 @@ class Engine:
         if m.ttft_ms:  # the prefill's rate is of the positions it computed
             m.prefill_tok_s = m.prompt_computed_tokens / (m.ttft_ms / 1e3)
         return loop, opts
+
+    def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
+                         seed: int, notices: list[str], overflow: str, cut: str) -> GenerationResult:
+        """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
+        n = opts.candidates
+        m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
+                              prompt_cut=cut or None)
+        reused = getattr(exc, "reused", 0)
+        m.prompt_reused_tokens, m.prompt_computed_tokens = reused, exc.done - reused
+        m.prompt_reuse_source = "stopped while reading: the positions read before the stop"
+        for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
+            m.unavailable[name] = "stopped before the first token"
+        return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
+                                metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
 
     def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
         """The next, smaller configuration to try after running out of device memory."""

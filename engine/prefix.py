@@ -26,12 +26,18 @@ from engine.errors import GaplessError
 from engine.model import DynamicKVCache
 from engine.sampling import SamplerKind, sample
 
+PREFILL_CHUNK = 256  # prompt positions per prefill chunk: bounds a long prompt's activations, paces its progress
 WARMUP_POSITIONS = 8  # a compile warm-up or a graph capture writes at most the first few positions (pos 0..3)
 SOURCE = "longest common token prefix with the last generation's KV cache"
 
 
 class PrefillCancelled(GaplessError):
     """The user stopped the answer while the prompt was being read (between two chunks)."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"stopped while reading the conversation ({done:,} of {total:,} tokens read)")
+        self.done, self.total = done, total
+        self.reused = 0  # of the positions read, those that came from the cache (set by the engine)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,11 @@ class PrefixCache:
             new.cache = old.cache
         self._rows[new] = rows
 
+    def remember_read(self, runner: RunnerBase, read: list[int]) -> None:
+        """A prefill stopped between chunks: row 0 holds the positions read so far."""
+        if supports(runner) is None and read:
+            self._rows[runner] = [read]
+
     def remember(self, runner: RunnerBase, prompt: list[int], steps: int) -> None:
         """After a generation of `steps` decode steps: each row's cache holds the prompt and the first `steps`
         tokens of its answer (the token a step feeds is the one the step before wrote)."""
@@ -159,7 +170,7 @@ def _between(done: int, total: int, last: bool, progress: Optional[Progress], ca
     if progress is not None:
         progress(done, total)
     if not last and cancel is not None and cancel.is_set():
-        raise PrefillCancelled(f"stopped while reading the conversation ({done:,} of {total:,} tokens read)")
+        raise PrefillCancelled(done, total)
 
 
 def _causal(arange: torch.Tensor, pos: torch.Tensor, upto: int) -> torch.Tensor:
@@ -198,7 +209,7 @@ def _dynamic(runner: DynamicRunner, prompt: torch.Tensor, kind: SamplerKind, pla
         r, n = plan.row, plan.start
         cache.k = [k[r : r + 1, :, :n] for k in old.k]
         cache.v = [v[r : r + 1, :, :n] for v in old.v]
-    runner.cache = None  # the old rows are referenced only by the views above until the first chunk replaces them
+    runner.cache = cache  # a prefill stopped between chunks leaves what it read here
     arange = torch.arange(T, device=runner.device)
     logits = None
     for i, (a, b) in enumerate(spans):
@@ -206,7 +217,6 @@ def _dynamic(runner: DynamicRunner, prompt: torch.Tensor, kind: SamplerKind, pla
         mask = None if a == 0 else _causal(arange, pos, b)
         logits = runner.model(prompt[None, a:b], pos, cache, mask)[:, -1]
         _between(b, T, i == len(spans) - 1, progress, cancel)
-    runner.cache = cache
     if runner.batch > 1:
         cache.expand_rows(runner.batch)
         logits = logits.expand(runner.batch, -1)

@@ -329,6 +329,17 @@ class ChatFlow(QObject):
         if a.discarded:
             self._end()
             return
+        if all(r == "cancelled" for r in result.finish_reasons) and not any(result.texts):
+            # Stopped while the prompt was read: there is no answer to keep, only the question.
+            try:
+                for message_id in a.message_ids:
+                    self.store.delete_message(message_id)
+            except StoreError as exc:
+                self.failed.emit(f"The stopped answer could not be removed: {exc}")
+            self._end()
+            if a.chat_id == self.chat_id:
+                self.reload()
+            return
         options = result.options.to_dict()
         metrics = result.metrics.to_dict()
         ran = len(result.texts)

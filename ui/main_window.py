@@ -518,6 +518,10 @@ class MainWindow(QMainWindow):
         self._update_can_send()
 
     def _progress(self, p: Progress) -> None:
+        if p.stage == "prefill":  # a long prompt read in chunks: "reading the conversation: 1,200 of 3,000 tokens"
+            self.status.setText(f"{p.message} · Esc stops")
+            self.chat_view.set_stream_status(p.message)
+            return
         if self._loading is not None:
             self.model_panel.set_progress(p)
         else:  # reconfigure, recompile, recapture
