@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
+    bench.add_argument("--conversation", action="store_true",
+                       help="instead of the ladder: TTFT along a growing conversation, prefix reuse on against off")
+    bench.add_argument("--turns", type=int, default=10, help="with --conversation: the conversation's turns")
     bench.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
                        help="keep the KV cache between generations (default on; a repeat then reuses its prompt)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")

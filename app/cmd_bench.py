@@ -166,7 +166,27 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def run_conversation_bench(args: argparse.Namespace) -> int:
+    from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
+
+    if args.turns < 1 or args.repeats < 1:
+        from engine.errors import OptionsError
+
+        raise OptionsError("--turns and --repeats must be at least 1")
+    config = ConversationConfig(model=args.model, device=args.device, turns=args.turns,
+                                max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    report = run_conversation(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              command=list(sys.argv))
+    print(format_conversation(report))
+    if args.json is not None:
+        write_json(args.json, report)
+        print(f"\nwritten: {args.json}")
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "conversation", False):
+        return run_conversation_bench(args)
     from engine.bench import run_suite
 
     config = config_from_args(args)

@@ -306,6 +306,11 @@ class Engine:
             notices=notices + loop.notices,
         )
 
+    def forget_prefix(self) -> None:
+        """The next generation starts from an empty cache (benchmarks)."""
+        with self._lock:
+            self._prefix.clear()
+
     def measure_prompt(self, messages: list[dict], max_new_tokens: int, overflow: str = "rolling"):
         """engine.types.ContextUse of `messages`: the prompt rendering of generate(), without the engine lock, so
         it answers while a generation runs (the tokenizer is only read)."""
