@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # On a workstation with an NVIDIA GPU, use TORCH_SPEC="torch==2.13.0" with PyTorch's CUDA index instead.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test install install-test bench bundle clean
+.PHONY: run test lint install install-test bench bundle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,11 @@ install-test: $(VENV)/.torch
 run: install
 	$(VENV)/bin/gapless gui --model default
 
-test: install-test
+lint: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 bench: install

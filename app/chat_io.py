@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from app.store import ROLES, ChatStore, Message, StoreError
 from engine.errors import GaplessError, OptionsError
-from engine.types import OVERFLOW_POLICIES, SamplingParams
+from engine.types import OVERFLOW_POLICIES, SamplingParams, describe_options
 
 FORMAT = "gapless-chat"
 VERSION = 1
@@ -95,8 +95,6 @@ def export_json(store: ChatStore, chat_id: int) -> str:
 
 def export_markdown(store: ChatStore, chat_id: int) -> str:
     """Every branch, depth first from each root, the active branch's messages marked; each answer's figures."""
-    from ui.stats import format_stats  # plain formatting, no Qt
-
     chat = store.get_chat(chat_id)
     messages = store.all_messages(chat_id)
     active = {m.id for m in store.thread(chat_id)} if chat.active_leaf_id is not None else set()
@@ -128,12 +126,31 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
             lines += [f"*in reply to #{number[m.parent_id]}*", ""]
         lines += [m.content if m.content else "*(empty)*", ""]
         if m.role == "assistant" and (m.metrics or m.options):
-            finish = {"stopped": "cancelled", "error": "error"}.get(m.status)
-            stats, _ = format_stats(m.metrics, m.options, (m.options or {}).get("device"), finish)
-            lines += [f"<sub>{stats}</sub>", ""]
+            lines += [f"<sub>{_figures_line(m)}</sub>", ""]
         previous = m.id
         stack.extend(reversed(children.get(m.id, [])))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _figures_line(m: Message) -> str:
+    """An answer's stored figures in a few words; a missing one is n/a."""
+    metrics = m.metrics or {}
+
+    def num(key: str, unit: str, digits: int) -> str:
+        v = metrics.get(key)
+        return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+
+    parts = [f"{metrics.get('new_tokens_total', 'n/a')} tokens", f"TTFT {num('ttft_ms', ' ms', 0)}",
+             f"{num('decode_tok_s', '', 1)} tok/s"]
+    if metrics.get("prompt_reused_tokens"):
+        parts.append(f"{metrics['prompt_reused_tokens']} of {metrics.get('prompt_tokens')} prompt tokens reused")
+    if metrics.get("prompt_cut"):
+        parts.append(f"context full: {metrics['prompt_cut']}")
+    if m.options:
+        parts.append(describe_options(m.options))
+    if m.status == "stopped":
+        parts.append("stopped")
+    return " · ".join(parts)
 
 
 def _quote(text: str) -> str:
@@ -243,11 +260,17 @@ def _time(v: Any, where: str) -> float:
     return float(v)
 
 
-def _index(v: Any, where: str, optional: bool = True) -> Optional[int]:
-    if v is None and optional:
+def _index(v: Any, where: str) -> Optional[int]:
+    if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 2**62:
-        raise _fail(where, f"must be a whole number >= 0{' or null' if optional else ''}, got {v!r}"[:200])
+        raise _fail(where, f"must be a whole number >= 0 or null, got {v!r}"[:200])
+    return v
+
+
+def _id(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 2**62:
+        raise _fail(where, f"must be a whole number >= 0, got {v!r}"[:200])
     return v
 
 
@@ -324,7 +347,7 @@ def validate(doc: Any) -> ImportedChat:
     for i, m in enumerate(raw):
         where = f"message {i + 1}"
         _obj(m, where, MESSAGE_KEYS, {"id", "role", "content"})
-        mid = _index(m["id"], f"{where}: id", optional=False)
+        mid = _id(m["id"], f"{where}: id")
         if mid in position:
             raise _fail(where, f"id {mid} is used by message {position[mid] + 1} too")
         parent = _index(m.get("parent"), f"{where}: parent")
@@ -347,7 +370,7 @@ def validate(doc: Any) -> ImportedChat:
                 raise _fail(where, "only answers can be candidates")
             if group_parent.setdefault(group, parent_at) != parent_at:
                 raise _fail(where, f"candidate group {group} holds answers to different messages")
-            if index in group_indexes.setdefault(group, set()):
+            if index is None or index in group_indexes.setdefault(group, set()):
                 raise _fail(where, f"candidate {index} appears twice in group {group}")
             group_indexes[group].add(index)
         model = m.get("model_name")

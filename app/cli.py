@@ -46,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with local language models and see where the GPU's time goes.",
     )
     parser.add_argument("--version", action="version", version=f"gapless {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging to stderr; tracebacks on errors")
-    parser.add_argument("--data-dir", type=Path, default=None, help="keep chats, settings and logs under this folder")
+    _add_global_options(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gui = sub.add_parser("gui", help="open the desktop app (the default)")
@@ -73,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--telemetry-out", type=Path, default=None,
+                     help="also save the generation's telemetry (steps, samples, figures) here, for `gapless replay`")
 
     bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
     bench.add_argument("--model", default="default")
@@ -93,6 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the KV cache between generations (default on; a repeat then reuses its prompt)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
 
+    replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
+    replay.add_argument("file", type=Path)
+    replay.add_argument("--screenshot", type=Path, default=None, help="save the HUD as PNG and exit")
+    replay.add_argument("--width", type=int, default=520)
+    replay.add_argument("--height", type=int, default=860)
+    replay.add_argument("--theme", choices=["system", "light", "dark"], default=None)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model (until Ctrl+C)")
+    _add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api-key)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; 503 past it")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
+    serve.add_argument("--cors-origin", action="append", default=[], help="allow browser requests from ORIGIN (repeatable)")
+
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
     msub.add_parser("fetch-default", help="download the default model (if needed) and print its path")
@@ -107,7 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--markdown", action="store_true", help="Markdown for reading instead of JSON")
     imp = csub.add_parser("import", help="add a chat exported as JSON (validated whole; a bad file changes nothing)")
     imp.add_argument("path", type=Path)
+    _global_options_after_the_command(parser)
     return parser
+
+
+def _add_global_options(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=False if default is None else default,
+                   help="debug logging to stderr; tracebacks on errors")
+    p.add_argument("--data-dir", type=Path, default=default, help="keep chats, settings and logs under this folder")
+
+
+def _global_options_after_the_command(parser: argparse.ArgumentParser) -> None:
+    """`gapless gui --data-dir DIR` as well as `gapless --data-dir DIR gui`: every subcommand (and its actions)
+    takes the global options too. Their default there is SUPPRESS, so a value given before the command stands
+    unless it is given again after it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_global_options(sub, argparse.SUPPRESS)
+                _global_options_after_the_command(sub)
 
 
 def _quiet_and_offline() -> None:
@@ -118,7 +153,7 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SUBCOMMANDS = ("gui", "generate", "bench", "models", "chats")
+SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models", "chats")
 
 
 def _smoke_test_alias(argv: list[str]) -> list[str]:
@@ -152,6 +187,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         from app.cmd_bench import run_bench
 
         return run_bench(args)
+    if command == "replay":
+        from app.replay import run_replay
+
+        return run_replay(args)
+    if command == "serve":
+        from app.cmd_serve import run_serve
+
+        return run_serve(args)
     if command == "models":
         from app.cmd_models import run_models
 

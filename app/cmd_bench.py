@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.bench import DEFAULT_PROMPT, BenchConfig
-from engine.types import PRESETS
+from engine.ladder import DEFAULT_PROMPT, BenchConfig
+from engine import figures
+from engine.types import PRESETS, describe_options
 
 NA = "n/a"
 
@@ -53,17 +54,8 @@ def _bytes(v: Optional[float]) -> str:
     return f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.0f} MiB"
 
 
-def describe_options(o: Optional[dict[str, Any]]) -> str:
-    if not o:
-        return ""
-    parts = [o["dtype"], f"kv {o['kv_cache']}", f"{o['sampling']} sampling"]
-    if o.get("compile"):
-        parts.append("compile")
-    if o.get("cuda_graph"):
-        parts.append("CUDA graph")
-    if o.get("candidates", 1) > 1:
-        parts.append(f"{o['candidates']} candidates")
-    return ", ".join(parts)
+def options_text(o: Optional[dict[str, Any]]) -> str:
+    return describe_options(o, sep=", ")
 
 
 def _first(rows: list[dict[str, Any]], key: str) -> Optional[str]:
@@ -87,7 +79,7 @@ def format_table(report: dict[str, Any]) -> str:
             rows.append([label, f"{r['status']} ({len(notes)})"] + [""] * (len(head) - 2))
             continue
         m = r["median"]
-        opts = describe_options(r["options"])
+        opts = options_text(r["options"])
         for note in r.get("notes") or []:
             notes.append(f"{label}: {note}")
             opts += f" ({len(notes)})"
@@ -133,10 +125,9 @@ def format_table(report: dict[str, Any]) -> str:
                    f"{end[0]:.1f} at the end.")
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
-    sources = [("gap", "kernel_gap_pct", "kernel_gap_source"),
-               ("launches/step", "launches_per_step", "launches_per_step_source"),
-               ("SM activity", "sm_activity_pct", "sm_activity_source"), ("GPU util", "gpu_util_pct", "gpu_util_source"),
-               ("peak memory", "peak_memory_bytes", "peak_memory_source")]
+    # Each machine-dependent figure of the table, with the source its rungs named or why it is n/a.
+    sources = [(figures.spec(k).label, k, figures.source_field_of(k))
+               for k in ("kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "peak_memory_bytes")]
     for name, metric, source in sources:
         src = _first(rungs, source)
         if src:

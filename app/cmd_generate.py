@@ -7,7 +7,8 @@ import threading
 from dataclasses import replace
 
 from engine.errors import OptionsError
-from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, preset_options
+from engine.recording import Recorder, save
+from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, describe_options, preset_options
 
 
 def options_from_args(args) -> EngineOptions:
@@ -43,7 +44,7 @@ def sampling_from_args(args) -> SamplingParams:
 
 
 def run_generate(args) -> int:
-    from engine.engine import Engine
+    from app.engines import load_engine
 
     options = options_from_args(args)
     sampling = sampling_from_args(args)
@@ -58,7 +59,7 @@ def run_generate(args) -> int:
             frac = f" {p.fraction:.0%}" if p.fraction is not None else ""
             print(f"\r[{p.stage}{frac}] {p.message}\033[K", end="", file=sys.stderr, flush=True)
 
-    engine = Engine.load(args.model, options, progress)
+    engine = load_engine(args.model, options, progress)
     try:
         many = options.candidates > 1
 
@@ -69,7 +70,14 @@ def run_generate(args) -> int:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
 
-        result = engine.generate(messages, sampling, on_event=on_event, cancel=threading.Event(), raw=args.raw)
+        recorder = Recorder(on_event) if args.telemetry_out is not None else None
+        result = engine.generate(messages, sampling, on_event=recorder or on_event, cancel=threading.Event(),
+                                 raw=args.raw)
+        if recorder is not None:
+            from engine.telemetry.machine import describe_machine
+
+            label = f"{engine.info.name} · {describe_options(result.options, device=True)}"
+            save(recorder.finish(result, label, engine.info.to_dict(), describe_machine()), args.telemetry_out)
         if args.json:
             out = result.to_dict()
             out["model"] = engine.info.to_dict()

@@ -12,9 +12,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from importlib import resources
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from app.paths import AppPaths
+
+if TYPE_CHECKING:
+    from app.registry import RecentModels
+    from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +66,8 @@ def leave(code: int, stopped: bool) -> int:
 
 def default_sampling(settings: Any):
     """The sampling of a new chat: what the user saved as the default, else the app's sane defaults."""
+    from app.settings import CHAT_DEFAULTS
     from engine.types import SamplingParams
-    from ui.dialogs import CHAT_DEFAULTS
 
     saved = settings.sampling_params()
     return CHAT_DEFAULTS if saved == SamplingParams() else saved
@@ -73,8 +77,8 @@ class ModelCatalog:
     """The models the window offers: the default, the recent ones (app.registry, shared with `gapless models
     list`) and those in the models folder chosen in the settings."""
 
-    def __init__(self, recent: Any, settings: Any):
-        self._recent = recent  # app.registry.RecentModels
+    def __init__(self, recent: RecentModels, settings: Settings):
+        self._recent = recent
         self._settings = settings
 
     @property
@@ -104,7 +108,7 @@ class ModelCatalog:
 
 def preset_for_device(name: str, base: Any, device_type: str):
     """A preset as `gapless bench` runs it on this device (on a CPU: the half rung in bf16, the rest in fp32)."""
-    from engine.bench import rung_options
+    from engine.ladder import rung_options
 
     return rung_options(name, base, device_type, None)
 

@@ -148,7 +148,7 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False, 
         print(f"run {i + 1}: headless {h:.2f} tok/s, GUI {g:.2f} tok/s ({hn}/{gn} tokens), "
               f"GUI thread CPU {cpu:.3f} s", file=sys.stderr)
     probe.start()
-    for i in range(lateness_runs):  # then the lateness, with the probe ticking
+    for _ in range(lateness_runs):  # then the lateness, with the probe ticking
         gui_tok_s(gui, probe, sampling)
     probe.stop()
     headless.close()

@@ -39,12 +39,15 @@ def _default_sampling() -> dict[str, Any]:
     return SamplingParams().to_dict()
 
 
+# The sampling of a new chat until the user saves defaults of their own: a chat model's usual settings.
+CHAT_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=512,
+                               seed=None)
+
 @dataclass
 class Settings:
     theme: str = "system"  # system | light | dark
     send_with: str = "enter"  # enter | ctrl+enter (the other inserts a newline)
     last_model: Optional[str] = None  # "default" or a path, reopened at start
-    recent_models: list[str] = field(default_factory=list)  # opened before last_model, newest first
     engine_options: dict[str, Any] = field(default_factory=_default_options)  # EngineOptions.to_dict()
     sampling: dict[str, Any] = field(default_factory=_default_sampling)  # defaults for new chats
     models_folder: Optional[str] = None  # scanned for models
@@ -96,7 +99,6 @@ _CHECKS = {
     "theme": (lambda v: v in THEMES, f"one of {', '.join(THEMES)}"),
     "send_with": (lambda v: v in SEND_KEYS, f"one of {', '.join(SEND_KEYS)}"),
     "last_model": (_optional_str, "a string or null"),
-    "recent_models": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "engine_options": (lambda v: isinstance(v, dict), "an object"),
     "sampling": (lambda v: isinstance(v, dict), "an object"),
     "models_folder": (_optional_str, "a string or null"),
@@ -171,18 +173,16 @@ class SettingsStore:
         if unknown:
             log.warning("settings file %s: ignoring unknown key(s) %s", self.path, ", ".join(unknown))
         s = Settings(**{k: v for k, v in data.items() if k in _CHECKS})
-        try:
-            s.engine_options = EngineOptions.from_dict(s.engine_options).to_dict()
-        except (OptionsError, TypeError) as exc:
-            log.warning("settings file %s: invalid engine options: %s", self.path, exc)
-            notices.append(f"The saved optimization settings in {self.path} were invalid ({exc}); defaults are used.")
-            s.engine_options = _default_options()
-        try:
-            s.sampling = SamplingParams.from_dict(s.sampling).to_dict()
-        except (OptionsError, TypeError) as exc:
-            log.warning("settings file %s: invalid sampling parameters: %s", self.path, exc)
-            notices.append(f"The saved sampling parameters in {self.path} were invalid ({exc}); defaults are used.")
-            s.sampling = _default_sampling()
+        # Saved options that no longer validate (a renamed option, a hand edit) fall back to the defaults.
+        nested = (("engine_options", EngineOptions, _default_options, "optimization settings"),
+                  ("sampling", SamplingParams, _default_sampling, "sampling parameters"))
+        for name, kind, default, what in nested:
+            try:
+                setattr(s, name, kind.from_dict(getattr(s, name)).to_dict())
+            except (OptionsError, TypeError) as exc:
+                log.warning("settings file %s: invalid %s: %s", self.path, what, exc)
+                notices.append(f"The saved {what} in {self.path} were invalid ({exc}); defaults are used.")
+                setattr(s, name, default())
         return s
 
     def _aside(self, tag: str, reason: str, notices: list[str]) -> list[str]:

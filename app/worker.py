@@ -10,21 +10,19 @@ queued to receivers in the GUI thread.
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import PySide6
-from PySide6.QtCore import QObject, QThread, Signal, SignalInstance, Slot
+from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import GaplessError
+from engine.protocol import EngineLike
 from engine.types import EngineOptions, MonitorSample, Progress, SamplingParams, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
@@ -32,65 +30,21 @@ log = logging.getLogger(__name__)
 BATCH_INTERVAL_S = 1 / 30  # text, step records and samples reach the GUI at most this often
 PROGRESS_INTERVAL_S = 1 / 30
 
-EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], Any]
+EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], EngineLike]
 LadderRunner = Callable[..., list]
 
 
-def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]):
+def _load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]]) -> EngineLike:
     # Imported on first use: torch and transformers take seconds to import, the window should not wait for them.
-    from engine.engine import Engine
+    from app.engines import load_engine
 
-    return Engine.load(source, options, progress)
+    return load_engine(source, options, progress)
 
 
 def _run_ladder(*args: Any, **kwargs: Any) -> list:
-    from engine.bench import run_ladder
+    from engine.ladder import run_ladder
 
     return run_ladder(*args, **kwargs)
-
-
-def _emit_drops_a_reference() -> bool:
-    """PySide6 6.12 on CPython 3.11 returns the bool of SignalInstance.emit() without a new reference, so every
-    emit from Python takes one reference from True; after a few hundred emits the interpreter aborts
-    ("bool_dealloc"). Probed rather than keyed on version numbers, so a fixed release turns the repair off."""
-    if sys.version_info >= (3, 12):  # immortal bools: a missing reference does no harm
-        return False
-
-    class Probe(QObject):
-        fired = Signal()
-
-    probe, n = Probe(), 16
-    before = sys.getrefcount(True)
-    for _ in range(n):
-        probe.fired.emit()
-    drops = before - sys.getrefcount(True) >= n
-    for _ in range(n if drops else 0):
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(True))
-    return drops
-
-
-def repair_signal_emit() -> bool:
-    """Make SignalInstance.emit give back the reference it takes, for every signal in the process (the GUI
-    emits from Python at ~30 Hz while streaming). Idempotent; True when the repair is in place."""
-    if getattr(SignalInstance.emit, "_gapless_repaired", False):
-        return True
-    if not _emit_drops_a_reference():
-        return False
-    broken = SignalInstance.emit
-
-    def emit(self: SignalInstance, *args: Any) -> Any:
-        result = broken(self, *args)
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(result))
-        return result
-
-    emit._gapless_repaired = True  # type: ignore[attr-defined]
-    SignalInstance.emit = emit
-    log.info("PySide6 %s drops a reference on every signal emit; repaired", PySide6.__version__)
-    return True
-
-
-# The worker and every widget emit through the same type; the repair must precede the first emit that matters.
-repair_signal_emit()
 
 
 def one_line(exc: BaseException) -> str:
@@ -170,8 +124,9 @@ class _Batcher:
             return out
 
 
-class EngineWorker(QObject):
-    """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
+class EngineEvents(QObject):
+    """What the engine's worker reports, declared once: the worker emits these on its thread and the controller
+    passes each on to the GUI thread under the same name."""
 
     loadStarted = Signal(str)
     progress = Signal(object)  # Progress
@@ -189,6 +144,14 @@ class EngineWorker(QObject):
     ladderFinished = Signal(object)  # rows
     ladderFailed = Signal(str)
     busyChanged = Signal(bool)
+
+
+EVENT_NAMES: tuple[str, ...] = tuple(name for name, v in vars(EngineEvents).items() if isinstance(v, Signal))
+
+
+class EngineWorker(EngineEvents):
+    """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
+
     loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
 
     def __init__(
@@ -199,7 +162,7 @@ class EngineWorker(QObject):
     ):
         super().__init__()
         self.commands: "queue.Queue[Any]" = queue.Queue()
-        self.engine: Any = None  # touched only on the worker thread
+        self.engine: Optional[EngineLike] = None  # touched only on the worker thread
         self._engine_factory = engine_factory
         self._ladder_runner = ladder_runner
         self._pending_options: Optional[EngineOptions] = None  # options chosen before any model was loaded
@@ -368,30 +331,13 @@ class EngineWorker(QObject):
 # ---- the GUI-thread facade --------------------------------------------------------------------------------
 
 
-class EngineController(QObject):
+class EngineController(EngineEvents):
     """What the GUI talks to. Every method returns at once; results arrive as this object's signals, in the
     GUI thread. `info`, `options`, `unavailable` and `busy` mirror the worker's last reports."""
 
-    loadStarted = Signal(str)
-    progress = Signal(object)
-    loaded = Signal(object, object)
-    loadFailed = Signal(str, str)
-    reconfigured = Signal(object, object)
-    reconfigureFailed = Signal(str)
-    generationStarted = Signal(int, object)
-    textBatch = Signal(int, object)
-    steps = Signal(int, object)
-    samples = Signal(object)
-    generationFinished = Signal(int, object)
-    generationFailed = Signal(int, str)
-    ladderProgress = Signal(int, int, str)
-    ladderFinished = Signal(object)
-    ladderFailed = Signal(str)
-    busyChanged = Signal(bool)
+    # Events that update the mirrors first; their handlers emit them on. Every other event is passed on as is.
+    _MIRRORED = ("loaded", "reconfigured", "generationFinished", "generationFailed", "busyChanged")
     contextCounted = Signal(int, object)  # request id, engine.types.ContextUse or a message saying why not
-
-    _FORWARDED = ("loadStarted", "progress", "loadFailed", "reconfigureFailed", "generationStarted", "textBatch",
-                  "steps", "samples", "ladderProgress", "ladderFinished", "ladderFailed")
 
     def __init__(self, worker: Optional[EngineWorker] = None, parent: Optional[QObject] = None):
         super().__init__(parent)
@@ -418,8 +364,9 @@ class EngineController(QObject):
         self.worker.ladderFinished.connect(self._on_ladder_done)
         self.worker.ladderFailed.connect(self._on_ladder_done)
         self.worker.busyChanged.connect(self._on_busy)
-        for name in self._FORWARDED:
-            getattr(self.worker, name).connect(getattr(self, name))
+        for name in EVENT_NAMES:
+            if name not in self._MIRRORED:
+                getattr(self.worker, name).connect(getattr(self, name))
 
         self._thread = QThread()
         self._thread.setObjectName("engine-worker")

@@ -32,7 +32,7 @@ def main() -> int:
     from app.gui import build, qt_application
     from app.paths import AppPaths
 
-    app = qt_application()
+    qt_application()  # before any widget
     gui = build(AppPaths.resolve(Path(tempfile.mkdtemp(prefix="gapless-shots-"))), "dark")
     w, c, hud = gui.window, gui.controller, gui.hud
     w.resize(1440, 900)
@@ -78,7 +78,7 @@ def main() -> int:
         settle()
         hud.grab().save(str(args.out / "hud-ladder.png"))
         for r in rows:
-            print(r["label"], r["decode_tok_s"], r["skipped"])
+            print(r.label, r.decode_tok_s, r.skipped)
         # the main window: a fresh chat with an answer that has a code block, in both themes
         hud.tabs.setCurrentIndex(0)  # Live
         w.new_chat()

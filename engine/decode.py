@@ -80,7 +80,7 @@ class StaticRunner(RunnerBase):
     def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device, dtype: torch.dtype):
         super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
         self.model = model
-        self.cache = StaticKVCache(model.args, batch, length, dtype, device)
+        self.cache = StaticKVCache.allocate(model.args, batch, length, dtype, device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # position of self.tok
         self.arange = torch.arange(length, device=device)
         self.compiled: Optional[Callable] = None
@@ -89,7 +89,9 @@ class StaticRunner(RunnerBase):
         self.use_graphs = False  # replay the captured graphs; kept when off, so switching back on is free
 
     # -- the step, as a function of buffers ------------------------------------------------------------
-    def _step_impl(self, bucket: int, kind: SamplerKind) -> None:
+    def masked_step(self, bucket: int, kind: SamplerKind) -> None:
+        """The step over a whole context bucket with a mask from `pos`: static shapes, what is compiled and
+        captured."""
         mask = self.arange[:bucket][None, :] <= self.pos[:, None]  # [1, bucket]
         logits = self.model(self.tok, self.pos, self.cache, mask)[:, -1]
         self._accept(sample(logits, kind, self.sampler), kind)
@@ -103,11 +105,12 @@ class StaticRunner(RunnerBase):
         self.graphs.clear()
         self.graph_pool = None
 
-    def _call(self, bucket: int, kind: SamplerKind) -> None:
+    def bucket_step(self, bucket: int, kind: SamplerKind) -> None:
+        """The masked step in a context bucket, compiled where a compiled one is set."""
         self.cache.attn_len = bucket
-        (self.compiled or self._step_impl)(bucket, kind)
+        (self.compiled or self.masked_step)(bucket, kind)
 
-    def _step_exact(self, pos: int, kind: SamplerKind) -> None:
+    def exact_step(self, pos: int, kind: SamplerKind) -> None:
         """The eager step: attend over exactly the pos + 1 filled positions, no mask. Fixed shapes buy nothing
         without compile or a graph, and a masked attention over the whole bucket costs more on a CPU."""
         self.cache.attn_len = pos + 1
@@ -125,7 +128,7 @@ class StaticRunner(RunnerBase):
         mask = None
         saved_cache = self.cache
         if self.batch > 1:  # prefill once at batch 1 into row 0, then copy the rows
-            row0 = _RowView(self.cache)
+            row0 = self.cache.rows(1)
             logits = self.model(prompt[None, :], pos, row0, mask)[:, -1]
             self.cache.copy_row0_to_all(T)
             logits = logits.expand(self.batch, -1)
@@ -142,9 +145,9 @@ class StaticRunner(RunnerBase):
         if graph is not None:
             graph.replay()
         elif self.compiled is not None:
-            self._call(bucket, kind)
+            self.bucket_step(bucket, kind)
         else:
-            self._step_exact(pos, kind)
+            self.exact_step(pos, kind)
 
     def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
         first = bucket_for(prompt_len + 1, self.length)
@@ -171,7 +174,7 @@ class StaticRunner(RunnerBase):
                 self._capture(bucket, kind)
             elif self.compiled is not None:
                 progress(f"compiling the decode step (context {bucket})", i / max(len(todo), 1))
-                self._call(bucket, kind)
+                self.bucket_step(bucket, kind)
         self.pos.zero_()
         self.counter.zero_()
         self.done.zero_()
@@ -181,33 +184,19 @@ class StaticRunner(RunnerBase):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):  # allocator and lazy initialisation happen outside the graph
-                self._call(bucket, kind)
+                self.bucket_step(bucket, kind)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            self._call(bucket, kind)
+            self.bucket_step(bucket, kind)
         torch.cuda.synchronize()
         self.graphs[(bucket, kind)] = graph
 
     def bytes_per_step(self, pos: int) -> int:
         per_pos = self.cache.nbytes() // max(self.cache.length, 1)
         return self.model.weight_bytes() + per_pos * bucket_for(pos + 1, self.length)
-
-
-class _RowView:
-    """Row 0 of a static cache, for the batch-1 prefill of a multi-candidate batch."""
-
-    def __init__(self, cache: StaticKVCache):
-        self.cache = cache
-
-    def update(self, layer, input_pos, k, v):
-        kc, vc = self.cache.k[layer][:1], self.cache.v[layer][:1]
-        kc.index_copy_(2, input_pos, k)
-        vc.index_copy_(2, input_pos, v)
-        n = self.cache.attn_len
-        return kc[:, :, :n], vc[:, :, :n]
 
 
 class DynamicRunner(RunnerBase):

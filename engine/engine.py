@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.errors import GenerationError, ModelLoadError
 from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
@@ -58,7 +58,6 @@ class Engine:
         self.dtype = eff.dtype
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
-        self._compiled_for: Optional[tuple] = None
         self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
@@ -92,7 +91,6 @@ class Engine:
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
-        self._compiled_for = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -241,7 +239,7 @@ class Engine:
             dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         if want and runner.compiled is None:
-            runner.set_compiled(torch.compile(runner._step_impl, dynamic=False))
+            runner.set_compiled(torch.compile(runner.masked_step, dynamic=False))
         elif not want and runner.compiled is not None:
             runner.set_compiled(None)
 
@@ -292,7 +290,9 @@ class Engine:
                     self._free_device_memory()
                     if streamed:
                         raise GenerationError(f"out of device memory while generating: {exc}") from exc
-                    opts = self._smaller(opts, notices, reasons)
+                    opts, option, reason, notice = self._smaller(opts)
+                    reasons[option] = reason
+                    notices.append(notice)
         loop.metrics.overflow_policy = overflow
         loop.metrics.prompt_cut = prompt.cut or None
         return GenerationResult(
@@ -373,10 +373,10 @@ class Engine:
             raise
         self._prefix.remember(runner, list(prompt_ids), loop.metrics.decode_steps)
         m = loop.metrics
-        m.prompt_reused_tokens, m.prompt_computed_tokens = plan.start, len(prompt_ids) - plan.start
-        m.prompt_reuse_source = plan.source
+        m.put("prompt_reused_tokens", plan.start, plan.source)
+        m.put("prompt_computed_tokens", T - plan.start)
         if m.ttft_ms:  # the prefill's rate is of the positions it computed
-            m.prefill_tok_s = m.prompt_computed_tokens / (m.ttft_ms / 1e3)
+            m.put("prefill_tok_s", (T - plan.start) / (m.ttft_ms / 1e3))
         return loop, opts
 
     def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
@@ -385,25 +385,24 @@ class Engine:
         n = opts.candidates
         m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
                               prompt_cut=cut or None)
-        reused = getattr(exc, "reused", 0)
-        m.prompt_reused_tokens, m.prompt_computed_tokens = reused, exc.done - reused
-        m.prompt_reuse_source = "stopped while reading: the positions read before the stop"
+        m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
+        m.put("prompt_computed_tokens", exc.done - exc.reused)
         for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
-            m.unavailable[name] = "stopped before the first token"
+            m.mark_na(name, "stopped before the first token")
         return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
                                 metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
 
-    def _smaller(self, opts: EngineOptions, notices: list[str], reasons: dict[str, str]) -> EngineOptions:
-        """The next, smaller configuration to try after running out of device memory."""
+    @staticmethod
+    def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
+        """After running out of device memory: (the next, smaller options to try, the option given up, why,
+        the notice for the user)."""
         if opts.cuda_graph:
-            notices.append("out of device memory with the CUDA graph on: ran without it")
-            reasons["cuda_graph"] = "ran out of device memory with it on"
-            return replace(opts, cuda_graph=False)
+            return (replace(opts, cuda_graph=False), "cuda_graph", "ran out of device memory with it on",
+                    "out of device memory with the CUDA graph on: ran without it")
         if opts.candidates > 1:
             fewer = max(1, opts.candidates // 2)
-            notices.append(f"out of device memory with {opts.candidates} candidates: ran {fewer}")
-            reasons["candidates"] = f"out of device memory at {opts.candidates}"
-            return replace(opts, candidates=fewer)
+            return (replace(opts, candidates=fewer), "candidates", f"out of device memory at {opts.candidates}",
+                    f"out of device memory with {opts.candidates} candidates: ran {fewer}")
         raise GenerationError("out of device memory, even with one candidate and no CUDA graph")
 
     def _free_device_memory(self) -> None:

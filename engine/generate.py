@@ -184,16 +184,16 @@ def run_loop(
         metrics.step_ms_p90 = percentile(durations, 90) * 1e3
         metrics.step_ms_p99 = percentile(durations, 99) * 1e3
     if device.type == "cuda":
-        metrics.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
-        metrics.peak_memory_source = "torch.cuda.max_memory_allocated (this generation)"
+        metrics.put("peak_memory_bytes", int(torch.cuda.max_memory_allocated(device)),
+                    "torch.cuda.max_memory_allocated (this generation)")
     else:
         try:
             import resource  # POSIX only
 
-            metrics.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            metrics.peak_memory_source = "process peak RSS since start (getrusage)"
+            metrics.put("peak_memory_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                        "process peak RSS since start (getrusage)")
         except ImportError:
-            metrics.unavailable["peak_memory_bytes"] = "no getrusage on this platform"
+            metrics.mark_na("peak_memory_bytes", "no getrusage on this platform")
     _fill_telemetry(metrics, stats, window, monitor, runner, device, t_start, t_end, durations, prompt.numel())
     return LoopResult(rows=rows, metrics=metrics)
 
@@ -226,36 +226,31 @@ def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_
 
 
 def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, device, t0, t1, durations, prompt_len) -> None:
-    na = metrics.unavailable
     if stats is not None and stats.gap_pct is not None:
-        metrics.kernel_gap_pct = stats.gap_pct
-        metrics.kernel_gap_source = stats.gap_source
+        metrics.put("kernel_gap_pct", stats.gap_pct, stats.gap_source)
     elif window is None or not window.enabled:
-        na["kernel_gap_pct"] = "profiler window off"
+        metrics.mark_na("kernel_gap_pct", "profiler window off")
     elif stats is None and window.skipped:
-        na["kernel_gap_pct"] = f"window not traced: {window.skipped}"
+        metrics.mark_na("kernel_gap_pct", f"window not traced: {window.skipped}")
     elif stats is None:
-        na["kernel_gap_pct"] = (f"the answer ended before the traced window (decode steps {window.start}-"
-                                f"{window.start + window.steps - 1})")
+        metrics.mark_na("kernel_gap_pct", f"the answer ended before the traced window (decode steps {window.start}-"
+                                          f"{window.start + window.steps - 1})")
     else:
-        na["kernel_gap_pct"] = "no events traced in the window"
+        metrics.mark_na("kernel_gap_pct", "no events traced in the window")
     if stats is not None and stats.launches_per_step is not None:
-        metrics.launches_per_step = stats.launches_per_step
-        metrics.launches_per_step_source = stats.launches_source
+        metrics.put("launches_per_step", stats.launches_per_step, stats.launches_source)
     else:
-        na["launches_per_step"] = na.get("kernel_gap_pct") or "no kernels or ops traced in the window"
+        metrics.mark_na("launches_per_step",
+                        metrics.unavailable.get("kernel_gap_pct") or "no kernels or ops traced in the window")
     summary = monitor.summary(t0, t1) if monitor is not None else {}
     for name in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
         value, source = summary.get(name, (None, "no monitor"))
         if value is not None:
-            setattr(metrics, name, value)
-            setattr(metrics, name.replace("_pct", "_source"), source)
+            metrics.put(name, value, source)
         else:
-            na[name] = source
+            metrics.mark_na(name, source)
     if metrics.sm_activity_pct is None and stats is not None and stats.sm_activity_est_pct is not None:
-        metrics.sm_activity_pct = stats.sm_activity_est_pct
-        metrics.sm_activity_source = stats.sm_activity_source
-        na.pop("sm_activity_pct", None)
+        metrics.put("sm_activity_pct", stats.sm_activity_est_pct, stats.sm_activity_source)
     peak_bw = getattr(monitor, "peak_dram_bw_bytes_s", None) if monitor is not None else None
     if metrics.dram_bw_util_pct is None and peak_bw and durations and device.type == "cuda":
         # The median step against the bytes a step reads halfway through the answer (weights + KV attended
@@ -263,6 +258,4 @@ def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, 
         value, source = estimate_dram_bw_util(runner.bytes_per_step(prompt_len + metrics.decode_steps // 2),
                                               percentile(durations, 50), peak_bw)
         if value is not None:
-            metrics.dram_bw_util_pct = value
-            metrics.dram_bw_util_source = source
-            na.pop("dram_bw_util_pct", None)
+            metrics.put("dram_bw_util_pct", value, source)

@@ -127,16 +127,27 @@ class KVCache(Protocol):
         ...
 
 
-class StaticKVCache(nn.Module):
-    """Preallocated once: [B, Hkv, L, D] per layer, written with index_copy_, read over the first attn_len rows."""
+class StaticKVCache:
+    """Preallocated once: [B, Hkv, L, D] per layer, written with index_copy_, read over the first attn_len rows.
+    Plain tensors owned by the runner (no parameters, nothing to register with the model)."""
 
-    def __init__(self, args: ModelArgs, batch: int, length: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v = k, v
+        self.batch, self.length = k[0].shape[0], k[0].shape[2]
+        self.attn_len = self.length  # set by the caller before each forward: the context bucket in use
+
+    @classmethod
+    def allocate(cls, args: ModelArgs, batch: int, length: int, dtype: torch.dtype,
+                 device: torch.device) -> "StaticKVCache":
         shape = (batch, args.n_kv_heads, length, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.batch, self.length = batch, length
-        self.attn_len = length  # set by the caller before each forward: the context bucket in use
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)])
+
+    def rows(self, n: int) -> "StaticKVCache":
+        """The first n rows, sharing this cache's storage (the batch-1 prefill of a multi-candidate batch)."""
+        view = StaticKVCache([t[:n] for t in self.k], [t[:n] for t in self.v])
+        view.attn_len = self.attn_len
+        return view
 
     def update(self, layer, input_pos, k, v):
         kc, vc = self.k[layer], self.v[layer]

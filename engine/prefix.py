@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from engine.decode import DynamicRunner, RunnerBase, StaticRunner, _RowView
+from engine.decode import DynamicRunner, RunnerBase, StaticRunner
 from engine.errors import GaplessError
 from engine.model import DynamicKVCache
 from engine.sampling import SamplerKind, sample
@@ -100,14 +100,16 @@ class PrefixCache:
         rows = self._rows.pop(old, None)
         if rows is None or type(old) is not type(new) or old.batch != new.batch:
             return
-        if isinstance(old, StaticRunner):
+        if isinstance(old, StaticRunner) and isinstance(new, StaticRunner):
             n = min(old.cache.length, new.cache.length)
             for ko, vo, kn, vn in zip(old.cache.k, old.cache.v, new.cache.k, new.cache.v):
                 kn[:, :, :n].copy_(ko[:, :, :n])
                 vn[:, :, :n].copy_(vo[:, :, :n])
             rows = [r[:n] for r in rows]
-        else:
+        elif isinstance(old, DynamicRunner) and isinstance(new, DynamicRunner):
             new.cache = old.cache
+        else:  # the fallback's runners: a transformers cache that grows as it is used
+            new.cache = old.cache  # type: ignore[attr-defined]
         self._rows[new] = rows
 
     def remember_read(self, runner: RunnerBase, read: list[int]) -> None:
@@ -173,6 +175,17 @@ def _between(done: int, total: int, last: bool, progress: Optional[Progress], ca
         raise PrefillCancelled(done, total)
 
 
+def _read(spans: list[tuple[int, int]], total: int, forward: Callable[[int, int], torch.Tensor],
+          progress: Optional[Progress], cancel: Optional[threading.Event]) -> torch.Tensor:
+    """Run forward(a, b) over each span of prompt positions; the last span's logits (spans is never empty: the
+    last prompt position is always computed)."""
+    logits = torch.empty(0)
+    for i, (a, b) in enumerate(spans):
+        logits = forward(a, b)
+        _between(b, total, i == len(spans) - 1, progress, cancel)
+    return logits
+
+
 def _causal(arange: torch.Tensor, pos: torch.Tensor, upto: int) -> torch.Tensor:
     return arange[:upto][None, :] <= pos[:, None]  # [T, S]: a chunk's queries attend to all before them
 
@@ -185,14 +198,15 @@ def _static(runner: StaticRunner, prompt: torch.Tensor, kind: SamplerKind, plan:
         for kc, vc in zip(cache.k, cache.v):
             kc[0, :, : plan.start].copy_(kc[plan.row, :, : plan.start])
             vc[0, :, : plan.start].copy_(vc[plan.row, :, : plan.start])
-    target = _RowView(cache) if runner.batch > 1 else cache
-    logits = None
-    for i, (a, b) in enumerate(spans):
-        cache.attn_len = b
+    target = cache.rows(1) if runner.batch > 1 else cache  # candidates: read once into row 0, then copied
+
+    def forward(a: int, b: int) -> torch.Tensor:
+        cache.attn_len = target.attn_len = b
         pos = runner.arange[a:b]
         mask = None if a == 0 else _causal(runner.arange, pos, b)  # from 0: causal over itself, as the runner does
-        logits = runner.model(prompt[None, a:b], pos, target, mask)[:, -1]
-        _between(b, T, i == len(spans) - 1, progress, cancel)
+        return runner.model(prompt[None, a:b], pos, target, mask)[:, -1]
+
+    logits = _read(spans, T, forward, progress, cancel)
     if runner.batch > 1:
         cache.copy_row0_to_all(T)
         logits = logits.expand(runner.batch, -1)
@@ -205,18 +219,19 @@ def _dynamic(runner: DynamicRunner, prompt: torch.Tensor, kind: SamplerKind, pla
     T = int(prompt.numel())
     old = runner.cache
     cache = DynamicKVCache(runner.model.args.n_layers)
-    if plan.start:
+    if plan.start and old is not None:
         r, n = plan.row, plan.start
-        cache.k = [k[r : r + 1, :, :n] for k in old.k]
-        cache.v = [v[r : r + 1, :, :n] for v in old.v]
+        cache.k = [None if k is None else k[r : r + 1, :, :n] for k in old.k]
+        cache.v = [None if v is None else v[r : r + 1, :, :n] for v in old.v]
     runner.cache = cache  # a prefill stopped between chunks leaves what it read here
     arange = torch.arange(T, device=runner.device)
-    logits = None
-    for i, (a, b) in enumerate(spans):
+
+    def forward(a: int, b: int) -> torch.Tensor:
         pos = arange[a:b]
         mask = None if a == 0 else _causal(arange, pos, b)
-        logits = runner.model(prompt[None, a:b], pos, cache, mask)[:, -1]
-        _between(b, T, i == len(spans) - 1, progress, cancel)
+        return runner.model(prompt[None, a:b], pos, cache, mask)[:, -1]
+
+    logits = _read(spans, T, forward, progress, cancel)
     if runner.batch > 1:
         cache.expand_rows(runner.batch)
         logits = logits.expand(runner.batch, -1)
@@ -240,10 +255,7 @@ def _hf(runner, prompt: torch.Tensor, kind: SamplerKind, plan: Plan, spans, prog
         cfg = runner.model.config
         cache = DynamicCache(config=cfg) if _accepts(DynamicCache.__init__, "config") else DynamicCache()
     runner.cache = cache
-    logits = None
-    for i, (a, b) in enumerate(spans):
-        logits = runner._forward(prompt[None, a:b], use_cache=True)
-        _between(b, T, i == len(spans) - 1, progress, cancel)
+    logits = _read(spans, T, lambda a, b: runner._forward(prompt[None, a:b], use_cache=True), progress, cancel)
     if runner.batch > 1:
         cache.batch_repeat_interleave(runner.batch)
     runner._accept(sample(logits.expand(runner.batch, -1), kind, runner.sampler), kind)

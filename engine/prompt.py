@@ -279,15 +279,15 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
     while lo <= hi:
         mid = (lo + hi) // 2
         kept, gone = kept_after(mid)
-        t, i = render(kept)
-        if len(i) <= budget:
-            best, hi = (t, i, gone), mid - 1
+        t, fitted = render(kept)
+        if len(fitted) <= budget:
+            best, hi = (t, fitted, gone), mid - 1
         else:
             lo = mid + 1
     if best is not None:
-        t, i, gone = best
+        t, fitted, gone = best
         what = _cut(notices, context, _middle_what(gone, convo))
-        return Prompt(i, t, len(gone), notices, what)
+        return Prompt(fitted, t, len(gone), notices, what)
     kept, gone = kept_after(len(units))
     return _cut_last(tokenizer, render, kept, len(gone), budget, context, notices,
                      dropped_what=_middle_what(gone, convo) if gone else "",

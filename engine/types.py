@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
+from engine import figures
 from engine.errors import OptionsError
 
 DTYPES = ("auto", "fp32", "fp16", "bf16")
@@ -23,6 +24,12 @@ OVERFLOW_POLICIES = ("rolling", "truncate-middle", "stop")
 OVERFLOW_LABELS = {"rolling": "Rolling window (drop the oldest turns)",
                    "truncate-middle": "Truncate the middle (keep the system prompt and the first message)",
                    "stop": "Stop at the limit"}
+
+
+def _refuse_unknown(cls: type, data: dict[str, Any], what: str) -> None:
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise OptionsError(f"unknown {what}: {', '.join(unknown)}")
 
 
 @dataclass(frozen=True)
@@ -65,11 +72,34 @@ class EngineOptions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineOptions":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown engine option(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "engine option(s)")
         return cls(**data).validate()
+
+
+_DESCRIBED = ("device", "dtype", "kv_cache", "sampling", "compile", "cuda_graph", "candidates", "profile_window")
+
+
+def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str = " · ", device: bool = False) -> str:
+    """The one way options are written in a few words: "fp16 · static KV · device sampling · compiled · CUDA
+    graph · 4 candidates", then every other option that differs from its default ("kernels fused"). Takes the
+    options or their dict form (JSON, the store); "" for none."""
+    if not options:
+        return ""
+    o = options.to_dict() if isinstance(options, EngineOptions) else dict(options)
+    parts = [str(o["device"])] if device and "device" in o else []
+    parts += [str(o.get("dtype", "?")), f"{o.get('kv_cache', '?')} KV", f"{o.get('sampling', '?')} sampling",
+              "compiled" if o.get("compile") else "eager"]
+    if o.get("cuda_graph"):
+        parts.append("CUDA graph")
+    n = o.get("candidates", 1)
+    if isinstance(n, int) and n > 1:
+        parts.append(f"{n} candidates")
+    defaults = EngineOptions().to_dict()
+    for name, value in o.items():
+        if name not in _DESCRIBED and name in defaults and value != defaults[name]:
+            shown = ("on" if value else "off") if isinstance(value, bool) else value
+            parts.append(f"{name.replace('_', ' ')} {shown}")
+    return sep.join(parts)
 
 
 # The ladder, in the order a user should apply the fixes. Each preset is complete (not a delta), except that
@@ -158,10 +188,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise OptionsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        _refuse_unknown(cls, data, "sampling parameter(s)")
         d = dict(data)
         if "stop" in d:
             d["stop"] = tuple(d["stop"])
@@ -218,12 +245,47 @@ class GenerationMetrics:
     dram_bw_util_pct: Metric = None
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    # A remote engine: what the client measures over HTTP, and what the server reports about itself.
+    http_ttft_ms: Metric = None
+    http_decode_tok_s: Metric = None
+    inter_token_ms_p50: Metric = None
+    inter_token_ms_p99: Metric = None
+    server_ttft_ms: Metric = None
+    server_ttft_source: Optional[str] = None
+    server_decode_tok_s: Metric = None
+    server_decode_source: Optional[str] = None
+    server_running_requests: Metric = None
+    server_waiting_requests: Metric = None
+    server_kv_cache_pct: Metric = None
     prompt_reused_tokens: Optional[int] = None  # prompt positions taken from the last generation's KV cache
     prompt_computed_tokens: Optional[int] = None  # prompt positions the prefill computed
     prompt_reuse_source: Optional[str] = None
     overflow_policy: Optional[str] = None  # the policy the prompt was fitted with (engine.prompt)
     prompt_cut: Optional[str] = None  # what was dropped to fit the context, e.g. "2 oldest messages dropped"
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
+
+    def put(self, key: str, value: Optional[float], source: Optional[str] = None) -> None:
+        """Sets figure `key` (registered in engine.figures) with its source; a value clears an earlier n/a."""
+        s = figures.spec(key)
+        if value is None:
+            raise ValueError(f"{key}: a figure without a value is set with mark_na(key, reason)")
+        setattr(self, key, value)
+        if s.source_field:
+            if not source:
+                raise ValueError(f"{key}: its source depends on the machine and must be given")
+            setattr(self, s.source_field, source)
+        self.unavailable.pop(key, None)
+
+    def mark_na(self, key: str, reason: str) -> None:
+        """Figure `key` is n/a on this run, for `reason`."""
+        s = figures.spec(key)
+        setattr(self, key, None)
+        if s.source_field:
+            setattr(self, s.source_field, None)
+        self.unavailable[key] = reason
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self, key)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -249,6 +311,43 @@ class ContextUse:
 
 
 # ---- events streamed by Engine.generate / Engine.load -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LadderRow:
+    """One rung of the app's "Run ladder": what it ran with and its median figures, or why it has none."""
+
+    preset: str  # a key of PRESETS
+    label: str
+    status: str  # "ok" | "skipped" | "failed"
+    options: Optional[dict[str, Any]] = None  # the options the engine ran it with
+    skipped: Optional[str] = None  # why it has no figures (skipped, failed, cancelled); None when it ran
+    notes: tuple[str, ...] = ()  # e.g. optimisations left out of the candidates rung
+    metrics: Optional[dict[str, Any]] = None  # medians over its repeats, keyed as GenerationMetrics
+
+    def figure(self, key: str) -> figures.Figure:
+        return figures.read(self.metrics or {}, key)
+
+    @property
+    def ran(self) -> bool:
+        return self.skipped is None and self.metrics is not None
+
+    @property
+    def decode_tok_s(self) -> Optional[float]:
+        return self.figure("decode_tok_s").value
+
+    @property
+    def kernel_gap_pct(self) -> Optional[float]:
+        return self.figure("kernel_gap_pct").value
+
+    @property
+    def kernel_gap_source(self) -> Optional[str]:
+        return self.figure("kernel_gap_pct").source
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
 
 
 @dataclass(frozen=True)
@@ -316,6 +415,4 @@ class GenerationResult:
 
 
 Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
-EventSink = Callable[[Event], None]
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

@@ -28,6 +28,21 @@ def _private_dirs(tmp_path_factory):
         os.environ["GAPLESS_DATA_DIR"] = old
 
 
+@pytest.fixture(autouse=True)
+def _restore_app_look(request):
+    """A window themes the whole application (style sheet, palette, style); every Qt test leaves the look as it
+    found it, so a later test sees the look it started with."""
+    if not {"qapp", "qtbot"} & set(request.fixturenames):
+        yield
+        return
+    qapp = request.getfixturevalue("qapp")
+    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
+    yield
+    qapp.setStyleSheet(sheet)
+    qapp.setPalette(palette)
+    qapp.setStyle(style)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     from tiny_models import make_tiny_model

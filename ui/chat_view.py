@@ -10,7 +10,8 @@ from typing import Optional
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
-from ui.message import CandidateTabs, MessageItem, MessageWidget
+from app.chat_flow import MessageItem
+from ui.message import CandidateTabs, MessageWidget
 from ui.theme import LIGHT, Colors
 
 EMPTY_HINT = (

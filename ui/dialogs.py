@@ -11,11 +11,12 @@ from PySide6.QtWidgets import (
     QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
+from app.settings import CHAT_DEFAULTS
 from engine.errors import OptionsError
+from ui.progress import show_progress
 from engine.types import MAX_NEW_TOKENS_LIMIT, OVERFLOW_LABELS, OVERFLOW_POLICIES, Progress, SamplingParams
 
 # Sane defaults for a new chat: a little randomness, the usual nucleus/top-k cut, a light repetition penalty.
-CHAT_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=512, seed=None)
 
 
 def show_error(parent: Optional[QWidget], title: str, message: str) -> None:
@@ -55,12 +56,7 @@ class ProgressDialog(QDialog):
     def set_progress(self, p: Progress) -> None:
         """The bar follows the fraction (busy when unknown); the line under it says what happens now —
         for a download, the bytes done of the total and the speed."""
-        self.detail.setText(p.message or p.stage)
-        if p.fraction is None:
-            self.bar.setRange(0, 0)
-        else:
-            self.bar.setRange(0, 1000)
-            self.bar.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
+        show_progress(self.bar, self.detail, p)
 
     def _cancel(self) -> None:
         self.cancelled = True

@@ -1,13 +1,13 @@
 """The main window: chat list | conversation and composer | right docks (model and optimizations; the HUD).
 
-The window only arranges widgets and routes signals: the conversation logic is ui.chat_flow.ChatFlow, the
+The window only arranges widgets and routes signals: the conversation logic is app.chat_flow.ChatFlow, the
 engine is behind the controller (app.worker.EngineController), which never blocks this thread.
 """
 from __future__ import annotations
 
 import base64
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
@@ -21,7 +21,7 @@ from app.store import StoreError
 from engine.types import (
     OVERFLOW_LABELS, OVERFLOW_POLICIES, EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams,
 )
-from ui.chat_flow import ChatFlow
+from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
@@ -30,6 +30,13 @@ from ui.model_panel import ModelPanel, source_label
 from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
 from ui.toggles import TogglesPanel
+
+if TYPE_CHECKING:
+    from app.fetcher import DefaultModelFetcher
+    from app.gui import ModelCatalog
+    from app.settings import Settings
+    from app.store import ChatStore
+    from app.worker import EngineController
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +77,11 @@ class FitScrollArea(QScrollArea):
 class MainWindow(QMainWindow):
     closed = Signal()
 
-    def __init__(self, store: Any, controller: Any, settings: Any, save_settings: Callable[[Any], None],
-                 theme: ThemeManager, default_sampling: SamplingParams, hud: Optional[QWidget] = None,
-                 fetcher: Any = None, catalog: Any = None, preset_resolver: Any = None):
+    def __init__(self, store: ChatStore, controller: EngineController, settings: Settings,
+                 save_settings: Callable[[Settings], None], theme: ThemeManager, default_sampling: SamplingParams,
+                 hud: Optional[QWidget] = None, fetcher: Optional[DefaultModelFetcher] = None,
+                 catalog: Optional[ModelCatalog] = None,
+                 preset_resolver: Optional[Callable[[str, EngineOptions, str], EngineOptions]] = None):
         super().__init__()
         self.setWindowTitle("Gapless")
         self.setObjectName("mainWindow")

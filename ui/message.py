@@ -1,8 +1,7 @@
 """One message of the conversation: header with actions and branch navigation, body, and the stats line."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
@@ -10,26 +9,10 @@ from PySide6.QtWidgets import (
     QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTabWidget, QToolButton, QVBoxLayout, QWidget,
 )
 
+from app.chat_flow import MessageItem
 from ui.markdown import SegmentsView
 from ui.stats import format_stats
 from ui.theme import Colors
-
-
-@dataclass
-class MessageItem:
-    """What the conversation view shows of one stored message."""
-
-    id: Optional[int]
-    role: str  # "user" | "assistant" | "system"
-    content: str
-    sibling_index: int = 0  # position among the messages sharing its parent (branches, candidates)
-    sibling_count: int = 1
-    metrics: Optional[dict[str, Any]] = None
-    options: Optional[dict[str, Any]] = None
-    finish_reason: Optional[str] = None
-    device: Optional[str] = None  # where the answer was generated ("cpu", "cuda"), for the gap's name
-    author: str = ""  # the model's name over an answer
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _action(text: str, tip: str, parent: QWidget) -> QToolButton:

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout, QWidget,
 )
 
+from ui.progress import show_progress
 from engine.types import ModelInfo, Progress
 
 NA = "n/a"
@@ -134,13 +135,7 @@ class ModelPanel(QGroupBox):
         self._set_buttons(False)
 
     def set_progress(self, p: Progress) -> None:
-        self.status.setText(p.message or p.stage)
-        if p.fraction is None:
-            self.progress.setRange(0, 0)
-        else:
-            self.progress.setRange(0, 1000)
-            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
-        self.progress.show()
+        show_progress(self.progress, self.status, p)
 
     def set_loaded(self, info: ModelInfo) -> None:
         self.set_info(info)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from engine.types import PRESET_LABELS, PRESETS, EngineOptions, preset_options
+from engine.types import PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
 
 NA = "n/a"
 
@@ -16,18 +16,6 @@ def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
     if value is None:
         return NA
     return f"{value:.{digits}f}{unit}"
-
-
-def describe_options(options: dict[str, Any]) -> str:
-    """A compact, readable line: "fp16 · static KV · device sampling · compiled · CUDA graph · 4 candidates"."""
-    parts = [str(options.get("dtype", "?")), f"{options.get('kv_cache', '?')} KV", f"{options.get('sampling', '?')} sampling"]
-    parts.append("compiled" if options.get("compile") else "eager")
-    if options.get("cuda_graph"):
-        parts.append("CUDA graph")
-    n = options.get("candidates", 1)
-    if n and n > 1:
-        parts.append(f"{n} candidates")
-    return " · ".join(parts)
 
 
 def preset_name(options: dict[str, Any]) -> Optional[str]:

@@ -11,11 +11,36 @@ from pathlib import Path
 from importlib import resources
 from typing import Optional
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QEvent, QObject, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QWidget
 
 THEME_CHOICES = ("system", "light", "dark")
+
+
+class PaletteFollower(QWidget):
+    """A widget that draws with colours of its own and re-applies them (`apply_palette`) whenever its palette
+    changes, e.g. when the user switches the theme."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.apply_palette is PaletteFollower.apply_palette:
+            raise TypeError(f"{cls.__name__} follows the palette, so it must define apply_palette()")
+
+    def apply_palette(self) -> None:
+        """Re-applies the widget's own colours from its palette (each subclass defines it)."""
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange:
+            self.apply_palette()
+
+
+def muted_text(palette: QPalette) -> QColor:
+    """The palette's text colour at about 60 % opacity: axes, sources and other secondary text."""
+    c = QColor(palette.color(QPalette.ColorRole.Text))
+    c.setAlpha(150)
+    return c
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QGridLayout, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
 )
 
+from ui.progress import show_progress
 from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
 from ui.stats import preset_name
 
@@ -251,13 +252,7 @@ class TogglesPanel(QWidget):
 
     def set_progress(self, p: Progress) -> None:
         """Recompile / recapture / warm-up progress after a change."""
-        self.note.setText(p.message or p.stage)
-        if p.fraction is None:
-            self.progress.setRange(0, 0)
-        else:
-            self.progress.setRange(0, 1000)
-            self.progress.setValue(int(1000 * max(0.0, min(1.0, p.fraction))))
-        self.progress.show()
+        show_progress(self.progress, self.note, p)
 
     def set_applied(self, options: EngineOptions, unavailable: dict[str, str]) -> None:
         """The engine accepted `options` for the next answer."""

@@ -62,10 +62,12 @@ def _gpus(nvml: Any) -> tuple[list[dict[str, Any]], Optional[str], Optional[str]
                          "memory_bytes": p.total_memory, "compute_capability": f"{p.major}.{p.minor}"})
     if nvml is None:
         try:
-            import pynvml as nvml
+            nvml = importlib.import_module("pynvml")
         except ImportError as exc:
             return gpus, None, f"nvidia-ml-py not installed: {exc}"
-    errors = tuple(e for e in (getattr(nvml, "NVMLError", None), AttributeError, OSError) if isinstance(e, type))
+    errors: tuple[type[BaseException], ...] = tuple(
+        e for e in (getattr(nvml, "NVMLError", None), AttributeError, OSError)
+        if isinstance(e, type) and issubclass(e, BaseException))
     try:
         nvml.nvmlInit()
     except errors as exc:

@@ -103,11 +103,11 @@ class Monitor:
         for m in metrics:
             self.unavailable.setdefault(m, reason)
 
-    def _errors(self) -> tuple[type, ...]:
+    def _errors(self) -> tuple[type[BaseException], ...]:
         # NVMLError for the library's failures; AttributeError for a function this nvidia-ml-py lacks;
         # OSError for a broken driver library.
         err = getattr(self._nvml, "NVMLError", None)
-        return tuple(e for e in (err, AttributeError, OSError) if isinstance(e, type))
+        return tuple(e for e in (err, AttributeError, OSError) if isinstance(e, type) and issubclass(e, BaseException))
 
     def _open_nvml(self, nvml: Any) -> None:
         if self.device.type != "cuda":

@@ -105,3 +105,23 @@ def test_top_level_smoke_test_means_gui_smoke_test():
         "--data-dir", "/d", "gui", "--smoke-test", "--report", "r.json"]
     assert _smoke_test_alias(["gui", "--smoke-test"]) == ["gui", "--smoke-test"]
     assert _smoke_test_alias(["generate", "--prompt", "x"]) == ["generate", "--prompt", "x"]
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_global_options_are_accepted_before_or_after_the_command(tmp_path, before):
+    data = tmp_path / "data"
+    opts = ["--data-dir", str(data), "--verbose"]
+    r = gapless(*(opts + ["models", "list"] if before else ["models", "list"] + opts))
+    assert r.returncode == 0, r.stderr
+    logs = list(data.rglob("gapless.log"))  # the log went under the data dir, at debug level
+    assert logs, sorted(p.name for p in data.rglob("*"))
+    assert "DEBUG" in logs[0].read_text(encoding="utf-8")
+
+
+def test_a_global_option_given_after_the_command_wins():
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["--data-dir", "/first", "gui", "--data-dir", "/second"])
+    assert args.data_dir == Path("/second")
+    assert build_parser().parse_args(["--data-dir", "/first", "gui"]).data_dir == Path("/first")
+    assert build_parser().parse_args(["gui"]).verbose is False

@@ -15,7 +15,7 @@ import pytest
 
 from app.worker import EngineController, EngineWorker
 from engine.errors import ModelLoadError
-from engine.types import (EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, MonitorSample, Progress,
+from engine.types import (EngineOptions, GenerationMetrics, LadderRow, GenerationResult, ModelInfo, MonitorSample, Progress,
                           SamplingParams, StepRecord, TextDelta)
 from worker_gate import on_first_batch
 
@@ -251,9 +251,14 @@ def scripted_ladder(engine, messages, sampling, presets=None, on_progress=None, 
     rows = []
     for i, name in enumerate(names):
         on_progress(i, len(names), name)
-        rows.append({"preset": name, "label": name, "options": engine.options.to_dict(), "skipped": None,
-                     "metrics": None, "decode_tok_s": None, "kernel_gap_pct": None, "kernel_gap_source": None})
+        rows.append(LadderRow(name, name, "ok", engine.options.to_dict()))
     return rows
+
+
+def test_the_scripted_engine_is_what_the_app_needs():
+    from engine.protocol import EngineLike
+
+    assert isinstance(ScriptedEngine("m", EngineOptions()), EngineLike)
 
 
 @pytest.fixture
@@ -352,7 +357,7 @@ def test_ladder_progress_and_rows(qtbot, scripted):
     with qtbot.waitSignal(ctl.ladderFinished, timeout=TIMEOUT_MS) as done:
         ctl.run_ladder(MESSAGES, SamplingParams(), presets=["naive", "compile"])
     assert rec.of("ladderProgress") == [(0, 2, "naive"), (1, 2, "compile")]
-    assert [r["preset"] for r in done.args[0]] == ["naive", "compile"]
+    assert [r.preset for r in done.args[0]] == ["naive", "compile"]
 
 
 def test_shutdown_stops_the_generation_and_closes_the_engine(qtbot):
@@ -373,25 +378,42 @@ def test_shutdown_stops_the_generation_and_closes_the_engine(qtbot):
 
 
 def test_signal_emits_keep_the_interpreter_whole():
-    """PySide6 6.12 on CPython 3.11 drops a reference to True on every emit; app.worker repairs that at import.
-    Without the repair, the 2,000 emits below take 2,000 references and the interpreter aborts soon after."""
+    """PySide6 6.12.0 on CPython 3.11 drops a reference to True on every emit, and the interpreter aborts after a
+    few hundred; pyproject.toml pins PySide6 below 6.12 for that. This test fails on such a release: the pin can
+    go once a newer release passes it."""
     import sys
 
     from PySide6.QtCore import QObject, Signal
-
-    from app.worker import repair_signal_emit
 
     class Talker(QObject):
         said = Signal(object)
 
     talker, heard = Talker(), []
     talker.said.connect(heard.append)
-    repair_signal_emit()  # idempotent
     before = sys.getrefcount(True)
     for i in range(2000):
         talker.said.emit(i)
     assert len(heard) == 2000
     assert abs(sys.getrefcount(True) - before) < 100
+
+
+def test_the_controller_passes_on_every_worker_event_once(qtbot, ctl):
+    """The events are declared once (EngineEvents); each one the worker emits reaches the GUI under its name."""
+    from app.worker import EVENT_NAMES
+
+    args = {"loadStarted": ("m",), "progress": (None,), "loaded": (None, {}), "loadFailed": ("m", "bad"),
+            "reconfigured": (EngineOptions(), {}), "reconfigureFailed": ("bad",), "generationStarted": (7, None),
+            "textBatch": (7, {0: "x"}), "steps": (7, []), "samples": ([],), "generationFinished": (7, None),
+            "generationFailed": (8, "bad"), "ladderProgress": (1, 2, "x"), "ladderFinished": ([],),
+            "ladderFailed": ("bad",), "busyChanged": (False,)}
+    assert set(EVENT_NAMES) == set(args)
+    heard: list[str] = []
+    for name in EVENT_NAMES:
+        getattr(ctl, name).connect(lambda *_, name=name: heard.append(name))
+    for name in EVENT_NAMES:
+        getattr(ctl.worker, name).emit(*args[name])
+    qtbot.waitUntil(lambda: len(heard) >= len(EVENT_NAMES), timeout=5000)
+    assert sorted(heard) == sorted(EVENT_NAMES)
 
 
 def test_ladder_on_the_real_engine_gives_rows_and_keeps_the_options(qtbot, ctl, tiny_llama):
@@ -403,8 +425,8 @@ def test_ladder_on_the_real_engine_gives_rows_and_keeps_the_options(qtbot, ctl, 
     with qtbot.waitSignal(ctl.ladderFinished, timeout=TIMEOUT_MS) as done:
         ctl.run_ladder(MESSAGES, greedy(6), presets=["naive", "first-fixes"])
     rows = done.args[0]
-    assert [r["preset"] for r in rows] == ["naive", "first-fixes"]
-    assert all(r["skipped"] is None and r["decode_tok_s"] > 0 for r in rows)
+    assert [r.preset for r in rows] == ["naive", "first-fixes"]
+    assert all(r.skipped is None and (r.decode_tok_s or 0) > 0 for r in rows)
     progress = rec.of("ladderProgress")
     assert progress and progress[-1][0] == progress[-1][1]
     qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)

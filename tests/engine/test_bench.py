@@ -6,19 +6,9 @@ import json
 
 import pytest
 
-from app.cmd_bench import config_from_args, describe_options, format_table, write_json
-from engine.bench import (
-    Baseline,
-    BenchConfig,
-    Rung,
-    add_ratios,
-    matching_prefix,
-    median,
-    median_metrics,
-    ratio,
-    rung_options,
-    validate,
-)
+from app.cmd_bench import config_from_args, format_table, options_text, write_json
+from engine.bench import Baseline, add_ratios, matching_prefix
+from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
 from engine.errors import OptionsError
 from engine.types import EngineOptions
 
@@ -161,7 +151,7 @@ def test_table_rows_figures_and_notes():
     assert lines[0].startswith("| rung ") and "× transformers compiled" not in lines[0]
     row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells == ["Seeds' first fixes", "fp32, kv static, device sampling", "128", "25.0", "2.50×", "1.25×",
+    assert cells == ["Seeds' first fixes", "fp32, static KV, device sampling, eager", "128", "25.0", "2.50×", "1.25×",
                      "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB"]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
@@ -172,8 +162,8 @@ def test_table_rows_figures_and_notes():
     base = next(line for line in lines if line.startswith("| transformers generate()"))
     bcells = [c.strip() for c in base.strip("|").split("|")]
     assert bcells[3:6] == ["20.0", "2.00×", "1.00×"] and bcells[7] == "n/a" and bcells[8] == "n/a"
-    assert "gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
-    assert "launches/step: aten ops per step — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "Kernel / op gap: op gap — torch.profiler CPU ops, 8-step window (sampled)." in table
+    assert "Launches/step: aten ops per step — torch.profiler CPU ops, 8-step window (sampled)." in table
     assert "GPU util: n/a (the model runs on the CPU, not on a GPU)." in table
     assert "the first 128 of 128 / 128 agree" in table
     assert len({len(line) for line in lines[:8]}) == 1  # aligned columns
@@ -188,9 +178,11 @@ def test_table_with_compiled_baseline_has_its_column():
 
 
 def test_describe_options():
-    assert describe_options(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
-        "fp16, kv static, device sampling, compile, CUDA graph, 16 candidates")
-    assert describe_options(None) == ""
+    assert options_text(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
+        "fp16, static KV, device sampling, compiled, CUDA graph, 16 candidates")
+    assert options_text(opts(dtype="fp32", sampling="host", profile_window=False)) == (
+        "fp32, static KV, host sampling, eager")
+    assert options_text(None) == ""
 
 
 def test_write_json_round_trip(tmp_path):
@@ -305,7 +297,7 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     """The app's "Run ladder": rows per preset, the user's prompt, progress per step, options restored."""
     import threading
 
-    from engine.bench import run_ladder
+    from engine.ladder import run_ladder
     from engine.engine import Engine
     from engine.types import EngineOptions, SamplingParams
 
@@ -314,25 +306,25 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     try:
         progress = []
         rows = run_ladder(eng, [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6),
-                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, l: progress.append((d, t, l)),
+                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, label: progress.append((d, t, label)),
                           cancel=threading.Event())
-        assert [r["preset"] for r in rows] == ["naive", "first-fixes", "cuda-graph"]
+        assert [r.preset for r in rows] == ["naive", "first-fixes", "cuda-graph"]
         naive, fixes, graph = rows
-        assert naive["skipped"] is None and naive["decode_tok_s"] > 0 and naive["metrics"]["ttft_ms"] > 0
+        assert naive.skipped is None and naive.decode_tok_s > 0 and naive.metrics["ttft_ms"] > 0
         # the counts the compare table shows for a ladder row (they were missing, so shown as 0)
         from engine.prompt import build_prompt
 
         n_prompt = len(build_prompt(eng.tokenizer, [{"role": "user", "content": "hello world"}], eng.context_length, 6).ids)
-        assert naive["metrics"]["prompt_tokens"] == fixes["metrics"]["prompt_tokens"] == n_prompt
-        assert naive["metrics"]["decode_steps"] == naive["metrics"]["new_tokens_total"] - 1
-        assert naive["options"]["kv_cache"] == "dynamic" and fixes["options"]["kv_cache"] == "static"
-        assert graph["skipped"] and graph["decode_tok_s"] is None and graph["metrics"] is None
+        assert naive.metrics["prompt_tokens"] == fixes.metrics["prompt_tokens"] == n_prompt
+        assert naive.metrics["decode_steps"] == naive.metrics["new_tokens_total"] - 1
+        assert naive.options["kv_cache"] == "dynamic" and fixes.options["kv_cache"] == "static"
+        assert graph.skipped and graph.decode_tok_s is None and graph.metrics is None
         assert progress[-1][0] == progress[-1][1] and all(d <= t for d, t, _ in progress)
         assert eng.options == before
         cancel = threading.Event()
         cancel.set()
         rows = run_ladder(eng, [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), presets=["naive"], cancel=cancel)
-        assert rows[0]["skipped"] == "cancelled before it ran" and rows[0]["metrics"] is None
+        assert rows[0].skipped == "cancelled before it ran" and rows[0].metrics is None
         assert eng.options == before
     finally:
         eng.close()

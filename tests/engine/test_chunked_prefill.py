@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 import engine.engine as engine_module

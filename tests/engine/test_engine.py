@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from engine.protocol import EngineLike
 from engine.engine import Engine
 from engine.errors import GenerationError, OptionsError
 from engine.types import EngineOptions, Progress, SamplingParams, StepRecord, TextDelta
@@ -29,10 +30,26 @@ def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llama_engine(tiny_llama):
+def _llama_engine_once(tiny_llama):
     eng = Engine.load(str(tiny_llama), CPU)
-    yield eng
-    eng.close()
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+@pytest.fixture
+def llama_engine(_llama_engine_once):
+    """The module's engine, back on the CPU defaults after every test, whether the test passed or not, so one
+    failure does not change the options the next test starts from."""
+    try:
+        yield _llama_engine_once
+    finally:
+        _llama_engine_once.reconfigure(CPU)
+
+
+def test_the_engine_is_what_the_app_needs(llama_engine):
+    assert isinstance(llama_engine, EngineLike)
 
 
 def prompt_ids(engine, messages=MESSAGES, max_new=32) -> list[int]:
@@ -72,6 +89,7 @@ def test_fallback_path_matches_generate_and_reports_unavailable(tiny_factory):
     eng = Engine.load(str(path), CPU.with_(kv_cache="static", compile=True))
     try:
         assert eng.info.backend == "transformers"
+        assert isinstance(eng, EngineLike)
         reasons = eng.unavailable()
         assert "fallback" in reasons["kv_cache"] and "fallback" in reasons["compile"]
         for kv in ("static", "none"):
@@ -238,14 +256,14 @@ def test_out_of_memory_falls_back_to_fewer_candidates(llama_engine, memory_for_t
 
 class StepAsCaptured:
     """A captured CUDA graph's stand-in on the CPU: each replay runs what the capture records, the decode step as
-    a function of the runner's buffers over one context bucket (`StaticRunner._call`), eagerly."""
+    a function of the runner's buffers over one context bucket (`StaticRunner.bucket_step`), eagerly."""
 
     def __init__(self, runner, bucket, kind):
         self.runner, self.bucket, self.kind, self.replays = runner, bucket, kind, 0
 
     def replay(self):
         self.replays += 1
-        self.runner._call(self.bucket, self.kind)
+        self.runner.bucket_step(self.bucket, self.kind)
 
 
 def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switched_off(tiny_factory, monkeypatch):

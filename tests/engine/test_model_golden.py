@@ -135,7 +135,7 @@ def test_masked_decode_step_matches_transformers(name, attention, monkeypatch):
     want_tokens, want_logits = _reference_decode(ref, prompt, steps=8)
     tap = _Tap(ours)
     runner = StaticRunner(tap, 2, 256, [], torch.device("cpu"), torch.float32)
-    runner.set_compiled(runner._step_impl)  # the step as compile and capture see it: masked, whole bucket
+    runner.set_compiled(runner.masked_step)  # the step as compile and capture see it: masked, whole bucket
     with torch.no_grad():
         runner.prefill(prompt, GREEDY)
         for s in range(1, 9):

@@ -194,7 +194,7 @@ def test_a_warm_up_leaves_the_cached_prefix_as_it_was(tiny_llama):
         runner = next(iter(eng._runners.values()))
         with torch.inference_mode():
             before = [t.clone() for t in runner.cache.k + runner.cache.v]
-            runner.set_compiled(runner._step_impl)
+            runner.set_compiled(runner.masked_step)
             with preserved(runner):
                 runner.warm_up(runner.buckets_for(10, 4), runner.kind, False, lambda m, f: None)
             assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.k + runner.cache.v))

@@ -72,7 +72,8 @@ TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_
             num_key_value_heads=2, max_position_embeddings=1024)
 
 
-SECTIONS = ("nvml", "parity_fp32", "ladder", "sdpa_first_use", "kernels", "oom_fallback", "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
+SECTIONS = ("nvml", "parity_fp32", "ladder", "telemetry", "sdpa_first_use", "kernels", "oom_fallback", "parity_fp16",
+            "parity_bf16", "logits_fp16", "logits_bf16")
 
 
 class Report:
@@ -222,7 +223,7 @@ def first_step_logits(eng, dtype: str, compile_fn: Callable = torch.compile) -> 
     def first_step(model) -> torch.Tensor:
         runner = StaticRunner(eng.model, 1, bucket, eng.eos_ids, eng.device, dtype_t)
         runner.prefill(prompt, g)
-        runner.cache.attn_len = bucket  # what StaticRunner._call sets for the compiled step
+        runner.cache.attn_len = bucket  # what StaticRunner.bucket_step sets for the compiled step
         mask = runner.arange[:bucket][None, :] <= runner.pos[:, None]
         return model(runner.tok, runner.pos, runner.cache, mask)[:, -1].float()
 
@@ -257,7 +258,8 @@ def probe_nvml() -> dict:
 
 def ladder(folder: Path, max_new: int, candidates: int, repeats: int, progress: Callable[[str], None]) -> dict:
     from app.cmd_bench import format_table
-    from engine.bench import BenchConfig, run_suite
+    from engine.bench import run_suite
+    from engine.ladder import BenchConfig
 
     cfg = BenchConfig(model=str(folder), device="cuda", max_new_tokens=max_new, repeats=repeats,
                       candidates=candidates, baseline=True, compile=True, prompt=PROMPT)
@@ -273,6 +275,33 @@ KERNEL_KINDS = (  # kernel name -> kind, first match wins (cuBLAS, PyTorch's SDP
     ("fused (inductor Triton)", re.compile(r"^triton_")),
     ("copy / index / fill", re.compile(r"copy|index|fill|scatter|gather|cat", re.I)),
 )
+
+
+def telemetry(folder: Path, out: Path, device: str, max_new: int = 200) -> dict:
+    """One generation on the ladder's top single-stream rung, its telemetry saved as `telemetry.json` for
+    `gapless replay` on a machine with Qt (the README's HUD-on-a-GPU screenshot comes from it)."""
+    from engine.engine import Engine
+    from engine.recording import Recorder, save
+    from engine.telemetry.machine import describe_machine
+    from engine.types import EngineOptions, SamplingParams, describe_options
+
+    on_gpu = device == "cuda"
+    opts = EngineOptions(device=device, dtype="fp16" if on_gpu else "fp32", compile=on_gpu, cuda_graph=on_gpu)
+    eng = Engine.load(str(folder), opts)
+    try:
+        messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new, seed=0)
+        eng.generate(messages, sampling)  # compile and capture happen here, outside the recording
+        rec = Recorder()
+        result = eng.generate(messages, sampling, on_event=rec)
+        label = f"{eng.info.name} · {describe_options(result.options, device=True)}"
+        recording = rec.finish(result, label, eng.info.to_dict(), describe_machine())
+    finally:
+        eng.close()
+    save(recording, out / "telemetry.json")
+    m = recording.metrics
+    return {"file": "telemetry.json", "steps": len(recording.steps), "samples": len(recording.samples),
+            "decode_tok_s": m.decode_tok_s, "kernel_gap_pct": m.kernel_gap_pct, "options": result.options.to_dict()}
 
 
 def kernel_kind(name: str) -> str:
@@ -506,6 +535,7 @@ def main(argv=None) -> int:
                                                          with_compile=cuda), need_s=60)
             report.section("ladder", lambda: ladder(folder, args.ladder_tokens, 16, 3, report.progress("ladder")),
                            need_s=150, cuda=True)
+            report.section("telemetry", lambda: telemetry(folder, args.out, device), need_s=60)
             report.section("sdpa_first_use", lambda: sdpa_first_use(folder, report.progress("sdpa_first_use")),
                            need_s=40, cuda=True)
             report.section("kernels", lambda: kernels(folder, report.progress("kernels")), need_s=100, cuda=True)

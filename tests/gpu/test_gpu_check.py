@@ -21,6 +21,12 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
     assert sections["model"]["result"]["kind"] == "tiny"
     for name in ("nvml", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
+    tel = sections["telemetry"]["result"]  # the recording runs on any device; the GPU's is the one that counts
+    from engine.recording import load
+
+    recording = load(tmp_path / tel["file"])
+    assert len(recording.steps) == tel["steps"] > 0 and recording.machine["cpu_model"]
+    assert recording.metrics.decode_tok_s == tel["decode_tok_s"]
     par = sections["parity_fp32"]["result"]
     combos = {(r["options"]["kv_cache"], r["options"]["sampling"], r["options"]["candidates"]) for r in par["rows"]}
     assert len(combos) == 12  # 3 cache modes x 2 sampling modes x candidates 1 and 4

@@ -30,16 +30,6 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
 Script = Callable[[MainWindow], Iterator[Callable[[], bool]]]
 
 
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    """The window themes the whole application; later tests get the look they started with."""
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
-
-
 @pytest.fixture
 def paths(tmp_path) -> AppPaths:
     return AppPaths.resolve(tmp_path / "gapless").ensure()

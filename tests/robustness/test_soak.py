@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch
@@ -275,7 +275,7 @@ def soak_controller(model: str, n: int = 100, warmup: int = 20) -> SoakFigures:
                 fig.option_changes += 1
             c0, w0 = time.process_time(), time.perf_counter()
             rid = ctl.generate(step.messages, step.sampling)
-            _, result = wait_for(ctl.generationFinished, lambda r, _res: r == rid)
+            _, result = wait_for(ctl.generationFinished, lambda r, _res, rid=rid: r == rid)
             fig.cpu_ms.append(1e3 * (time.process_time() - c0))
             fig.wall_ms.append(1e3 * (time.perf_counter() - w0))
             assert not failures, failures
@@ -319,8 +319,8 @@ def assert_steady(fig: SoakFigures, early: slice, late: slice, foreign_threads: 
     os_new, py_new, stale_new = fig.threads_after.started_since(fig.threads_before)
     assert not os_new and not py_new, fig.lines(early, late)
     assert len(stale_new) <= foreign_threads, fig.lines(early, late)
-    e, l = fig.medians(fig.cpu_ms, early, late)
-    assert l <= SLOWDOWN_LIMIT * e, fig.lines(early, late)
+    e, la = fig.medians(fig.cpu_ms, early, late)
+    assert la <= SLOWDOWN_LIMIT * e, fig.lines(early, late)
 
 
 def test_a_profiled_window_frees_its_trace_without_waiting_for_the_collector():

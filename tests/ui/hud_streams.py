@@ -14,7 +14,8 @@ from typing import Optional
 
 import numpy as np
 
-from engine.types import PRESET_LABELS, EngineOptions, GenerationMetrics, MonitorSample, StepRecord, preset_options
+from engine.types import (PRESET_LABELS, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord,
+                          preset_options)
 
 from engine.telemetry.monitor import SOURCES
 
@@ -127,8 +128,8 @@ def metrics_for(records: list[StepRecord], rung: Rung, prompt_tokens: int = 42, 
     return m
 
 
-def ladder_rows(gpu: bool = True) -> list[dict]:
-    """Rows shaped like engine.bench.run_ladder's, one rung skipped with its reason."""
+def ladder_rows(gpu: bool = True) -> list[LadderRow]:
+    """Rows as engine.ladder.run_ladder makes them, one rung skipped with its reason."""
     figures = {  # preset -> (decode tok/s, kernel gap %)
         "naive": (47.6, 81.0), "half": (52.0, 79.5), "device-sampling": (118.0, 58.0), "first-fixes": (214.0, 42.0),
         "compile": (905.0, 17.0), "cuda-graph": (2080.0, 6.0), "candidates": (7900.0, 5.1),
@@ -140,11 +141,8 @@ def ladder_rows(gpu: bool = True) -> list[dict]:
         m = None if skipped else GenerationMetrics(decode_tok_s=tok if gpu else tok / 40, kernel_gap_pct=gap,
                                                    kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
                                                    new_tokens_total=128, new_tokens=[128], prompt_tokens=42)
-        rows.append({"preset": preset, "label": PRESET_LABELS[preset], "options": opts.to_dict(), "skipped": skipped,
-                     "metrics": None if m is None else m.to_dict(),
-                     "decode_tok_s": None if m is None else m.decode_tok_s,
-                     "kernel_gap_pct": None if m is None else m.kernel_gap_pct,
-                     "kernel_gap_source": None if m is None else m.kernel_gap_source})
+        rows.append(LadderRow(preset, PRESET_LABELS[preset], "skipped" if skipped else "ok", opts.to_dict(), skipped,
+                              metrics=None if m is None else m.to_dict()))
     return rows
 
 

@@ -2,12 +2,26 @@
 (a tiny model answers, so the answer carries real figures)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from PySide6.QtWidgets import QFileDialog
 
 from app.chat_io import chat_document
-from test_main_window import _restore_app_look, app, data_dir, send  # noqa: F401  (fixtures)
+from test_main_window import close_app, open_app, send
+
+@pytest.fixture
+def data_dir(tmp_path):
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def app(qtbot, data_dir, tiny_llama):
+    gui = open_app(qtbot, data_dir, tiny_llama)
+    yield gui
+    close_app(gui)
+
 
 
 def choose(monkeypatch, path):

@@ -2,13 +2,27 @@
 the prompt tokens the engine then feeds, and warning near and over the limit with what the policy will drop."""
 from __future__ import annotations
 
+import pytest
+
 import threading
 
 from PySide6.QtCore import Qt
 
 from engine.engine import Engine
-from test_main_window import TIMEOUT_MS, _restore_app_look, app, data_dir, send  # noqa: F401  (fixtures)
+from test_main_window import TIMEOUT_MS, close_app, open_app
 from test_overflow_gui import long_history
+
+@pytest.fixture
+def data_dir(tmp_path):
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def app(qtbot, data_dir, tiny_llama):
+    gui = open_app(qtbot, data_dir, tiny_llama)
+    yield gui
+    close_app(gui)
+
 
 
 def fresh_count(qtbot, w, draft: str):

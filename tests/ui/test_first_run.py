@@ -17,16 +17,6 @@ from engine.default_model import DefaultModelSpec
 SIZE = 4_000_000
 
 
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    """The window themes the whole application; later tests get the look they started with."""
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
-
-
 class TrickleServer:
     """Announces SIZE bytes, sends 64 KiB every 50 ms up to half of them, then holds the connection until closed:
     the download never completes, so a cancel made at any moment finds it running."""

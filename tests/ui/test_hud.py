@@ -1,6 +1,8 @@
 """The performance HUD fed with synthetic metric streams: what it holds, what it draws, what it exports."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import csv
 import json
 import math
@@ -13,8 +15,7 @@ from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
-from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_MISSING, OP_GAP, SM_ESTIMATE,
-                         ManualClock, cpu_sources, feed_gpu_session, gpu_sources, ladder_rows, metrics_for, samples,
+from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_MISSING, OP_GAP, ManualClock, cpu_sources, feed_gpu_session, gpu_sources, ladder_rows, metrics_for, samples,
                          steps)
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX
@@ -860,18 +861,18 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
     panel.set_ladder_results(rows)
     assert ladder.run_button.isEnabled() and not ladder.cancel_button.isEnabled() and not ladder.progress.isVisible()
     drawn = ladder.bar_values()
-    ran = [(i, r) for i, r in enumerate(rows) if r["skipped"] is None]
-    assert [(float(y), float(w)) for y, w in drawn["tok_s"]] == [(i, r["decode_tok_s"]) for i, r in ran]
-    assert [(float(y), float(w)) for y, w in drawn["gap_pct"]] == [(i, r["kernel_gap_pct"]) for i, r in ran]
+    ran = [(i, r) for i, r in enumerate(rows) if r.skipped is None]
+    assert [(float(y), float(w)) for y, w in drawn["tok_s"]] == [(i, r.decode_tok_s) for i, r in ran]
+    assert [(float(y), float(w)) for y, w in drawn["gap_pct"]] == [(i, r.kernel_gap_pct) for i, r in ran]
     texts = drawn["texts"]
     assert "skipped — CUDA graphs need a CUDA device" in texts
-    assert texts[0] == f"{rows[0]['decode_tok_s']:,.2f}  ×1.0"
-    speedup = rows[3]["decode_tok_s"] / rows[0]["decode_tok_s"]
-    assert texts[6] == f"{rows[3]['decode_tok_s']:,.2f}  ×{speedup:.1f}"
+    assert texts[0] == f"{rows[0].decode_tok_s:,.2f}  ×1.0"
+    speedup = rows[3].decode_tok_s / rows[0].decode_tok_s
+    assert texts[6] == f"{rows[3].decode_tok_s:,.2f}  ×{speedup:.1f}"
     assert "5 presets ran, 2 skipped" in ladder.status.text()
     # Every rung that ran is also a row of the compare table.
     labels = [r.label for r in panel.compare.model.rows]
-    assert labels == [f"ladder · {r['label']}" for _, r in ran]
+    assert labels == [f"ladder · {r.label}" for _, r in ran]
 
     panel.set_ladder_failed("model unloaded")
     assert ladder.status.text() == "Ladder failed: model unloaded" and ladder.run_button.isEnabled()
@@ -886,7 +887,8 @@ def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):
     qtbot.addWidget(chart)
     chart.resize(360, 700)
     chart.show()
-    rows = [dict(r, kernel_gap_source="op gap — torch.profiler CPU ops, 8-step window (sampled), decode thread only")
+    long = "op gap — torch.profiler CPU ops, 8-step window (sampled), decode thread only"
+    rows = [replace(r, metrics=None if r.metrics is None else dict(r.metrics, kernel_gap_source=long))
             for r in ladder_rows(gpu=False)]
     chart.set_results(rows)
     qtbot.wait(50)

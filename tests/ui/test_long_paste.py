@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt
 
 from app.worker import EngineWorker
 from engine.prefix import PREFILL_CHUNK
-from test_main_window import TIMEOUT_MS, _restore_app_look, close_app, data_dir, open_app  # noqa: F401
+from test_main_window import TIMEOUT_MS, close_app, open_app
 
 LONG = " ".join(f"word{n % 37} the quick brown fox" for n in range(160))
 
@@ -30,8 +30,8 @@ def hold_at_first_reading(monkeypatch) -> threading.Event:
     return release
 
 
-def test_a_long_paste_shows_its_progress_and_stops(qtbot, data_dir, tiny_factory, monkeypatch):
-    gui = open_app(qtbot, data_dir, tiny_factory("llama", max_position_embeddings=2048))
+def test_a_long_paste_shows_its_progress_and_stops(qtbot, tmp_path, tiny_factory, monkeypatch):
+    gui = open_app(qtbot, tmp_path / "data", tiny_factory("llama", max_position_embeddings=2048))
     try:
         w = gui.window
         release = hold_at_first_reading(monkeypatch)

@@ -13,16 +13,6 @@ from engine.types import SamplingParams
 TIMEOUT_MS = 120_000
 
 
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    """The window themes the whole application; later tests get the look they started with."""
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
-
-
 @pytest.fixture
 def data_dir(tmp_path):
     return tmp_path / "data"

@@ -8,20 +8,11 @@ from PySide6.QtGui import QGuiApplication
 
 from engine.types import PRESETS, EngineOptions, SamplingParams, preset_options
 from ui.composer import Composer
-from ui.dialogs import CHAT_DEFAULTS, ChatSettingsDialog
+from app.settings import CHAT_DEFAULTS
+from ui.dialogs import ChatSettingsDialog
 from ui.markdown import CodeBlock, ProseView, SegmentsView, Segment, split_markdown
 from ui.stats import format_stats, preset_name
 from ui.toggles import TogglesPanel
-
-
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    """The window themes the whole application; later tests get the look they started with."""
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
 
 
 def test_split_markdown_prose_and_fences():

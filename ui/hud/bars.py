@@ -5,38 +5,49 @@ tooltip); a figure the engine did not measure is "n/a" with its reason in the to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPalette, QPen
 from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from engine import figures
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
-
-ENGINE_TIMING = "engine timing, device-synchronised"
-
+from ui.theme import PaletteFollower, muted_text
 
 @dataclass(frozen=True)
 class BarRow:
-    key: str  # GenerationMetrics field
-    title: str
-    format: Callable[[Optional[float]], str]
+    """A registered figure (engine/figures.py) shown as a bar: its title, unit and source come from there."""
+
+    key: str
     color: str
-    source: Optional[str] = None  # fixed source; else read from `source_field`
-    source_field: Optional[str] = None
     scale_group: Optional[str] = None  # rows sharing one bar scale (p50 and p99)
-    percent: bool = False  # bar scale 0-100 rather than the session's largest
+
+    @property
+    def spec(self) -> figures.FigureSpec:
+        return figures.spec(self.key)
+
+    @property
+    def title(self) -> str:
+        return self.spec.label
+
+    @property
+    def percent(self) -> bool:  # bar scale 0-100 rather than the session's largest
+        return self.spec.unit == "%"
+
+    def format(self, v: Optional[float]) -> str:
+        return fmt.figure_value(self.spec, v)
 
 
 BAR_ROWS = (
-    BarRow("kernel_gap_pct", "Kernel / op gap", fmt.percent, "#e06c75", source_field="kernel_gap_source", percent=True),
-    BarRow("ttft_ms", "TTFT", lambda v: fmt.number(v, "ms"), "#e8a33d", source=ENGINE_TIMING),
-    BarRow("decode_tok_s", "Decode", lambda v: fmt.number(v, "tok/s"), "#4e9af1", source=ENGINE_TIMING),
-    BarRow("prefill_tok_s", "Prefill", lambda v: fmt.number(v, "tok/s"), "#56b6c2", source=ENGINE_TIMING),
-    BarRow("step_ms_p50", "Step p50", lambda v: fmt.number(v, "ms"), "#4cbf73", source=ENGINE_TIMING, scale_group="step"),
-    BarRow("step_ms_p99", "Step p99", lambda v: fmt.number(v, "ms"), "#4cbf73", source=ENGINE_TIMING, scale_group="step"),
-    BarRow("peak_memory_bytes", "Peak memory", fmt.size, "#c678dd", source_field="peak_memory_source"),
+    BarRow("kernel_gap_pct", "#e06c75"),
+    BarRow("ttft_ms", "#e8a33d"),
+    BarRow("decode_tok_s", "#4e9af1"),
+    BarRow("prefill_tok_s", "#56b6c2"),
+    BarRow("step_ms_p50", "#4cbf73", scale_group="step"),
+    BarRow("step_ms_p99", "#4cbf73", scale_group="step"),
+    BarRow("peak_memory_bytes", "#c678dd"),
 )
 
 
@@ -94,7 +105,7 @@ class ElidedLabel(QLabel):
         p.end()
 
 
-class BarStrip(QWidget):
+class BarStrip(PaletteFollower):
     """Numbers and bars of one generation. Bars of unbounded figures are relative to the session's largest."""
 
     def __init__(self, parent: Optional[QWidget] = None):
@@ -120,7 +131,7 @@ class BarStrip(QWidget):
         box.setContentsMargins(0, 0, 0, 0)
         box.addWidget(self.header)
         box.addLayout(grid)
-        self._apply_palette()
+        self.apply_palette()
 
     def set_running(self, label: str) -> None:
         shown = self._shown is not None
@@ -137,11 +148,11 @@ class BarStrip(QWidget):
                 self._largest[group] = max(self._largest.get(group, 0.0), float(v))
         for row in BAR_ROWS:
             name, bar, value, source = self._rows[row.key]
-            v = getattr(metrics, row.key)
-            src = row.source or (getattr(metrics, row.source_field) if row.source_field else None)
+            fig = metrics.figure(row.key)
+            v, src = fig.value, fig.source
             value.setText(row.format(v))
             if v is None:
-                reason = metrics.unavailable.get(row.key, "not measured in this generation")
+                reason = fig.reason or "not measured in this generation"
                 source.setText(f"{fmt.NA} — {reason}")
                 bar.set_fraction(None)
                 tip = f"{row.title}: {fmt.NA} — {reason}"
@@ -161,13 +172,7 @@ class BarStrip(QWidget):
             for key, (_, bar, value, source) in self._rows.items()
         }
 
-    def _apply_palette(self) -> None:
-        muted = QColor(self.palette().color(QPalette.ColorRole.Text))
-        muted.setAlpha(150)
+    def apply_palette(self) -> None:
+        muted = muted_text(self.palette())
         for _, _, _, source in self._rows.values():
             source.setStyleSheet(f"color: rgba({muted.red()},{muted.green()},{muted.blue()},{muted.alpha()});")
-
-    def changeEvent(self, event) -> None:
-        super().changeEvent(event)
-        if event.type() == event.Type.PaletteChange:
-            self._apply_palette()

@@ -10,6 +10,7 @@ from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyMod
 from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableView, QVBoxLayout, QWidget
 
+from engine import figures
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
 
@@ -29,45 +30,36 @@ class CompareRow:
 class Column:
     key: str
     title: str
-    kind: str  # "index", "label", "option" or "metric"
+    kind: str  # "index", "label", "summary", "option" or "metric"
     format: Callable[[Any], str] = str
     better: int = 0  # +1 higher is better, -1 lower is better, 0 neither
     source_field: Optional[str] = None
     tip: str = ""
 
 
-def _ms(v):
-    return fmt.number(v, "ms")
+def metric_column(key: str) -> Column:
+    """A column for a registered figure (engine/figures.py): title, unit, direction and source from there."""
+    s = figures.spec(key)
+    return Column(key, s.label, "metric", lambda v: fmt.figure_value(s, v), s.better, s.source_field, s.tip)
 
 
-def _tok_s(v):
-    return fmt.number(v, "tok/s")
+def _on_off(v: Any) -> str:
+    return "on" if v else "off"
 
 
 COLUMNS = (
     Column("index", "#", "index"),
     Column("label", "Generation", "label"),
-    Column("decode_tok_s", "Decode", "metric", _tok_s, +1, tip="aggregate over candidates, traced window left out"),
-    Column("prefill_tok_s", "Prefill", "metric", _tok_s, +1),
-    Column("ttft_ms", "TTFT", "metric", _ms, -1, tip="prompt in → first token on the host"),
-    Column("step_ms_p50", "Step p50", "metric", _ms, -1),
-    Column("step_ms_p99", "Step p99", "metric", _ms, -1),
-    Column("kernel_gap_pct", "Kernel/op gap", "metric", fmt.percent, -1, "kernel_gap_source"),
-    Column("launches_per_step", "Launches/step", "metric", lambda v: fmt.number(v, digits=0), -1,
-           "launches_per_step_source", tip="kernels (GPU) or aten ops (CPU) per decode step, traced window"),
-    Column("sm_activity_pct", "SM activity", "metric", fmt.percent, +1, "sm_activity_source"),
-    Column("gpu_util_pct", "GPU util", "metric", fmt.percent, +1, "gpu_util_source"),
-    Column("dram_bw_util_pct", "DRAM bw", "metric", fmt.percent, +1, "dram_bw_util_source"),
-    Column("peak_memory_bytes", "Peak memory", "metric", fmt.size, -1, "peak_memory_source"),
-    Column("new_tokens_total", "New tokens", "metric", lambda v: fmt.number(v, digits=0)),
-    Column("prompt_tokens", "Prompt tokens", "metric", lambda v: fmt.number(v, digits=0)),
+    *(metric_column(k) for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "step_ms_p50", "step_ms_p99",
+                                 "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct",
+                                 "dram_bw_util_pct", "peak_memory_bytes", "new_tokens_total", "prompt_tokens")),
     Column("options", "Options", "summary", tip="the options the generation ran with; one column each follows"),
     Column("device", "Device", "option"),
     Column("dtype", "Dtype", "option"),
     Column("kv_cache", "KV cache", "option"),
     Column("sampling", "Sampling", "option"),
-    Column("compile", "Compile", "option", lambda v: "on" if v else "off"),
-    Column("cuda_graph", "CUDA graph", "option", lambda v: "on" if v else "off"),
+    Column("compile", "Compile", "option", _on_off),
+    Column("cuda_graph", "CUDA graph", "option", _on_off),
     Column("candidates", "Candidates", "option"),
 )
 COLUMN_INDEX = {c.key: i for i, c in enumerate(COLUMNS)}
@@ -159,11 +151,10 @@ class CompareModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
             return fmt.options_summary(self.rows[row].options)
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "metric":
+            fig = self.rows[row].metrics.figure(col.key)
             if v is None:
-                return f"{fmt.NA} — {self.rows[row].metrics.unavailable.get(col.key, 'not measured in this generation')}"
-            source = getattr(self.rows[row].metrics, col.source_field) if col.source_field else None
-            return source or ("engine counters" if col.key in ("new_tokens_total", "prompt_tokens") else
-                              "engine timing, device-synchronised")
+                return f"{fmt.NA} — {fig.reason or 'not measured in this generation'}"
+            return fig.source or "source not reported"
         if role == Qt.ItemDataRole.ForegroundRole:
             d = self.delta(row, col.key)
             if d is not None and col.better and abs(d) >= 0.02:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from engine.figures import FigureSpec
+from engine.types import EngineOptions, describe_options
+
 NA = "n/a"
 
 
@@ -31,6 +34,19 @@ def size(v: Optional[float]) -> str:
     return f"{v:,.0f} B"
 
 
+def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
+    """A registered figure's value in its unit (engine/figures.py), "n/a" when None."""
+    if spec.unit == "%":
+        return number(v, "%", 1 if spec.digits is None else spec.digits)
+    if spec.unit == "bytes":
+        return size(v)
+    if spec.unit in ("tokens", "count"):
+        return number(v, digits=0 if spec.digits is None else spec.digits)
+    if spec.unit == "ratio":
+        return NA if v is None or not math.isfinite(v) else f"×{v:,.2f}"
+    return number(v, spec.unit, spec.digits)
+
+
 def delta(rel: Optional[float]) -> str:
     """A relative change, e.g. +12.5% or ×4.4 when the value grew more than threefold."""
     if rel is None or not math.isfinite(rel):
@@ -56,13 +72,6 @@ def nice_ceiling(v: float) -> float:
     return 10 * k
 
 
-def options_summary(options) -> str:
-    """EngineOptions in a few words: dtype, KV cache, sampling, compile, graph, candidates."""
-    parts = [options.device, options.dtype, f"{options.kv_cache} KV", f"{options.sampling} sampling"]
-    if options.compile:
-        parts.append("compile")
-    if options.cuda_graph:
-        parts.append("CUDA graph")
-    if options.candidates > 1:
-        parts.append(f"×{options.candidates} candidates")
-    return " · ".join(parts)
+def options_summary(options: EngineOptions) -> str:
+    """EngineOptions in a few words, with the device first (engine.types.describe_options)."""
+    return describe_options(options, device=True)

@@ -10,11 +10,13 @@ from typing import Optional
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt, Signal
-from PySide6.QtGui import QColor, QPalette
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
+from engine.types import LadderRow
 from ui.hud import fmt
+from ui.theme import PaletteFollower, muted_text
 
 TOK_COLOR = "#4e9af1"
 GAP_COLOR = "#e06c75"
@@ -22,15 +24,15 @@ ROW_HEIGHT = 30
 TITLE_PT = 9
 
 
-class LadderChart(QWidget):
+class LadderChart(PaletteFollower):
     runRequested = Signal()
     cancelRequested = Signal()
 
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__(parent)
-        self.rows: list[dict] = []
+        self.rows: list[LadderRow] = []
         self.running = False
-        self._base: Optional[dict] = None  # the first rung that ran: speed-ups are against it
+        self._base: Optional[LadderRow] = None  # the first rung that ran: speed-ups are against it
         self.run_button = QPushButton("Run ladder")
         self.run_button.setToolTip("Run the current prompt through every preset and compare")
         self.cancel_button = QPushButton("Cancel")
@@ -94,20 +96,20 @@ class LadderChart(QWidget):
         self.set_running(False)
         self.status.setText(f"Ladder failed: {message}")
 
-    def set_results(self, rows: list[dict]) -> None:
+    def set_results(self, rows: list[LadderRow]) -> None:
         self.set_running(False)
         self.rows = list(rows)
         n = len(self.rows)
-        ran = [r for r in self.rows if r.get("skipped") is None and r.get("decode_tok_s") is not None]
+        ran = [r for r in self.rows if r.skipped is None and r.decode_tok_s is not None]
         base = ran[0] if ran else None
         self.status.setText(self._summary(base, ran))
         ys = np.arange(n, dtype=float)
-        tok = np.array([_num(r.get("decode_tok_s")) for r in self.rows], dtype=float)
-        gap = np.array([_num(r.get("kernel_gap_pct")) for r in self.rows], dtype=float)
+        tok = np.array([_num(r.decode_tok_s) for r in self.rows], dtype=float)
+        gap = np.array([_num(r.kernel_gap_pct) for r in self.rows], dtype=float)
         has_tok, has_gap = np.isfinite(tok), np.isfinite(gap)
         self.tok_bars.setOpts(x0=np.zeros(int(has_tok.sum())), y=ys[has_tok], width=tok[has_tok], height=0.6)
         self.gap_bars.setOpts(x0=np.zeros(int(has_gap.sum())), y=ys[has_gap], width=gap[has_gap], height=0.6)
-        ticks = [[(float(i), r.get("label") or r.get("preset", "")) for i, r in enumerate(self.rows)]]
+        ticks = [[(float(i), r.label or r.preset) for i, r in enumerate(self.rows)]]
         width = max((len(label) for _, label in ticks[0]), default=4) * 7 + 12
         for plot in (self.tok_plot, self.gap_plot):
             plot.getAxis("left").setTicks(ticks)
@@ -115,7 +117,7 @@ class LadderChart(QWidget):
         self.tok_plot.setYRange(-0.6, max(n, 1) - 0.4, padding=0)
         top = float(np.nanmax(tok)) if has_tok.any() else 1.0
         self.tok_plot.setXRange(0, top * 1.45, padding=0)
-        sources = sorted({r.get("kernel_gap_source") for r in self.rows if r.get("kernel_gap_source")})
+        sources = sorted({s for s in (r.kernel_gap_source for r in self.rows) if s})
         self._titles = ["Decode tok/s — engine timing", f"Gap % — {'; '.join(sources) if sources else fmt.NA}"]
         self._set_titles()
         self._base = base
@@ -130,39 +132,38 @@ class LadderChart(QWidget):
             "texts": [t.toPlainText() for _, t in self._texts],
         }
 
-    def _draw_texts(self, base: Optional[dict]) -> None:
+    def _draw_texts(self, base: Optional[LadderRow]) -> None:
         for plot, t in self._texts:
             plot.removeItem(t)
         self._texts = []
         fg = self.palette().color(QPalette.ColorRole.Text)
         for i, r in enumerate(self.rows):
-            if r.get("skipped") is not None:
-                tok_text, gap_text = f"skipped — {r['skipped']}", ""
+            if r.skipped is not None:
+                tok_text, gap_text = f"skipped — {r.skipped}", ""
             else:
-                v = r.get("decode_tok_s")
-                speedup = (f"  ×{v / base['decode_tok_s']:.1f}" if v is not None and base is not None
-                           and base["decode_tok_s"] else "")
+                v, b = r.decode_tok_s, base.decode_tok_s if base is not None else None
+                speedup = f"  ×{v / b:.1f}" if v is not None and b else ""
                 tok_text = f"{fmt.number(v)}{speedup}"
-                gap_text = fmt.percent(r.get("kernel_gap_pct"))
+                gap_text = fmt.percent(r.kernel_gap_pct)
             for plot, text in ((self.tok_plot, tok_text), (self.gap_plot, gap_text)):
-                x = _num(r.get("decode_tok_s" if plot is self.tok_plot else "kernel_gap_pct"), 0.0)
+                x = _num(r.decode_tok_s if plot is self.tok_plot else r.kernel_gap_pct, 0.0)
                 inside = plot is self.gap_plot and x > 75.0  # the gap axis stops at 100: write long bars' ends inside
                 item = pg.TextItem(text, color="#ffffff" if inside else fg, anchor=(1, 0.5) if inside else (0, 0.5))
                 item.setPos(x, i)
                 plot.addItem(item, ignoreBounds=True)
                 self._texts.append((plot, item))
 
-    def _summary(self, base: Optional[dict], ran: list[dict]) -> str:
+    def _summary(self, base: Optional[LadderRow], ran: list[LadderRow]) -> str:
         if not self.rows:
             return "The ladder returned no rows."
         skipped = len(self.rows) - len(ran)
         text = f"{len(ran)} presets ran"
         if skipped:
             text += f", {skipped} skipped (reasons beside them)"
-        if base is not None and len(ran) > 1:
-            best = max(ran, key=lambda r: r["decode_tok_s"])
-            text += (f". Best: {best.get('label')} at {fmt.number(best['decode_tok_s'], 'tok/s')}, "
-                     f"×{best['decode_tok_s'] / base['decode_tok_s']:.1f} over {base.get('label')}")
+        if base is not None and base.decode_tok_s and len(ran) > 1:
+            best = max(ran, key=lambda r: r.decode_tok_s or 0.0)
+            text += (f". Best: {best.label} at {fmt.number(best.decode_tok_s, 'tok/s')}, "
+                     f"×{(best.decode_tok_s or 0.0) / base.decode_tok_s:.1f} over {base.label}")
         return text + "."
 
     def _run_clicked(self) -> None:
@@ -173,16 +174,10 @@ class LadderChart(QWidget):
 
     # ---- palette ---------------------------------------------------------------------------------------
 
-    def changeEvent(self, event) -> None:
-        super().changeEvent(event)
-        if event.type() == QEvent.Type.PaletteChange:
-            self.apply_palette()
-
     def apply_palette(self) -> None:
         pal = self.palette()
         fg = pal.color(QPalette.ColorRole.Text)
-        muted = QColor(fg)
-        muted.setAlpha(150)
+        muted = muted_text(pal)
         self.chart.setBackground(pal.color(QPalette.ColorRole.Base))
         for plot in (self.tok_plot, self.gap_plot):
             for name in ("left", "bottom"):
@@ -209,7 +204,7 @@ class LadderChart(QWidget):
             room = self.chart.width() - axis - 24
             label = plot.titleLabel
 
-            def fits(n: int) -> bool:
+            def fits(n: int, plot=plot, title=title, label=label, room=room) -> bool:
                 plot.setTitle(title if n >= len(title) else title[:n].rstrip() + "…", size=f"{TITLE_PT}pt", color=fg)
                 return label.itemRect().width() <= room
 

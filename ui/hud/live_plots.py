@@ -16,11 +16,12 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
-from PySide6.QtCore import QEvent, QTimer
+from PySide6.QtCore import QTimer
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from ui.hud import fmt
+from ui.theme import PaletteFollower, muted_text
 from ui.hud.paint_rate import PaintRate, budget_for
 from ui.hud.ring import RingTable
 from ui.hud.series import LiveSeries
@@ -30,7 +31,7 @@ BOUNDARY_COLOR = "#8a8f98"
 WINDOWS = (("last 10 s", 10.0), ("last 30 s", 30.0), ("last 60 s", 60.0), ("last 5 min", 300.0), ("all held", None))
 
 
-class LivePlots(QWidget):
+class LivePlots(PaletteFollower):
     """The live plots over a LiveSeries. Call paint() / refresh_labels() to update now (both no-ops when hidden).
 
     `paint_hz` is the top paint rate; the timer slows down to `min_paint_hz` when a frame (feeding the curves
@@ -249,17 +250,11 @@ class LivePlots(QWidget):
         self._label_timer.stop()
         super().hideEvent(event)
 
-    def changeEvent(self, event) -> None:
-        super().changeEvent(event)
-        if event.type() == QEvent.Type.PaletteChange:
-            self.apply_palette()
-
     def apply_palette(self) -> None:
         pal = self.palette()
         background = pal.color(QPalette.ColorRole.Base)
         foreground = pal.color(QPalette.ColorRole.Text)
-        muted = QColor(foreground)
-        muted.setAlpha(150)
+        muted = muted_text(pal)
         self._boundary_pen = QColor(BOUNDARY_COLOR)
         for view in self.views.values():
             view.apply_palette(background, foreground, muted)

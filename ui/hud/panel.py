@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QMessageBox, QPushButton, QTabWidget, QVBoxLayout, QWidget
 
-from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
+from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.hud import export
 from ui.hud.bars import BarStrip
 from ui.hud.compare_table import CompareRow, CompareTable
@@ -103,15 +103,14 @@ class HudPanel(QWidget):
     def set_ladder_progress(self, done: int, total: int, label: str) -> None:
         self.ladder.set_progress(done, total, label)
 
-    def set_ladder_results(self, rows: list[dict]) -> None:
+    def set_ladder_results(self, rows: list[LadderRow]) -> None:
         """Draws the chart; every rung that ran also becomes a row of the compare table."""
         self.ladder.set_results(rows)
         for r in rows:
-            if r.get("skipped") is None and r.get("metrics") is not None:
-                label = f"ladder · {r.get('label') or r.get('preset')}"
-                self.compare.add(CompareRow(index=self.series.take_index(), label=label,
-                                            options=_options(r.get("options") or {}),
-                                            metrics=GenerationMetrics.from_dict(r["metrics"])))
+            if r.ran and r.metrics is not None:
+                self.compare.add(CompareRow(index=self.series.take_index(), label=f"ladder · {r.label or r.preset}",
+                                            options=_options(r.options or {}),
+                                            metrics=GenerationMetrics.from_dict(r.metrics)))
 
     def set_ladder_failed(self, message: str) -> None:
         self.ladder.set_failed(message)

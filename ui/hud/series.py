@@ -13,21 +13,12 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from engine.figures import SAMPLE_FIGURES
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
 from ui.hud.ring import RingTable, last_finite
 
 STEP_COLUMNS = ("t", "generation", "tokens_total", "step_ms", "tokens_per_s", "profiled")
-SAMPLE_FIELDS = (
-    "gpu_util_pct",
-    "sm_activity_pct",
-    "sm_occupancy_pct",
-    "dram_bw_util_pct",
-    "gpu_memory_used_bytes",
-    "power_w",
-    "sm_clock_mhz",
-    "cpu_util_pct",
-    "process_rss_bytes",
-)
+SAMPLE_FIELDS = tuple(f.key for f in SAMPLE_FIGURES)  # every per-sample figure of engine/figures.py
 SAMPLE_COLUMNS = ("t", "record", "generation") + SAMPLE_FIELDS  # record: 1, NaN on a gap row
 INT_FIELDS = frozenset({"generation", "tokens_total", "gpu_memory_used_bytes", "process_rss_bytes"})
 
@@ -128,7 +119,8 @@ class LiveSeries:
         t = self.samples.column("t")
         during = (t >= gen.t_start) & (t <= gen.t_end)
         for f in ESTIMATED_SERIES:
-            value, source = getattr(metrics, f), getattr(metrics, f.replace("_pct", "_source"))
+            fig = metrics.figure(f)
+            value, source = fig.value, fig.source
             if value is None or np.isfinite(self.samples.column(f)[during]).any():
                 continue  # nothing to add, or the monitor measured it live
             # SM activity is estimated from the traced window; DRAM bandwidth from the decode steps' times.

@@ -18,6 +18,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from engine import figures
 from ui.hud import fmt
 from ui.hud.bars import ElidedLabel
 from ui.hud.decimate import peak_decimate
@@ -32,36 +33,51 @@ WIDE_VALUES = (88_888.0, 8_888.8, 888.88, 1_023.9 * (1 << 20), 999.9 * (1 << 30)
 
 @dataclass(frozen=True)
 class PlotSpec:
-    name: str  # the LiveSeries series
-    title: str
-    format: Callable[[Optional[float]], str]
+    """A registered figure (engine/figures.py) drawn live: title, unit and format come from the registry."""
+
+    name: str  # the LiveSeries series, a figure key
     color: str
-    axis_gib: bool = False  # the data are bytes; the axis reads GiB (the data stay as fed)
-    percent: bool = False  # fixed 0-100 y range
     y_top: Optional[Callable[[float], float]] = None  # y range top from the largest value shown (None: fixed)
     cpu: bool = False  # shown instead of the GPU series when the GPU is not measured
-    source: Optional[str] = None  # fixed source of an engine-side series; else the samples' own labels
+    source: Optional[str] = None  # the source of an engine-side series; else the samples' own labels
     idle_reason: str = "no monitor samples yet"
+
+    @property
+    def figure(self) -> figures.FigureSpec:
+        return figures.spec(self.name)
+
+    @property
+    def title(self) -> str:
+        return self.figure.label
+
+    @property
+    def percent(self) -> bool:  # fixed 0-100 y range
+        return self.figure.unit == "%" and self.y_top is None
+
+    @property
+    def axis_gib(self) -> bool:  # the data are bytes; the axis reads GiB (the data stay as fed)
+        return self.figure.unit == "bytes"
+
+    def format(self, v: Optional[float]) -> str:
+        return fmt.figure_value(self.figure, v)
 
     @property
     def from_steps(self) -> bool:
         """Drawn from the step records (else from the monitor samples)."""
-        return self.name in ("tokens_per_s", "step_ms")
+        return "step" in self.figure.scopes
 
 
 PLOTS = (
-    PlotSpec("tokens_per_s", "Tokens/s", lambda v: fmt.number(v, "tok/s"), "#4e9af1",
-             y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=TOKENS_SOURCE, idle_reason="no decode steps yet"),
-    PlotSpec("step_ms", "Step latency", lambda v: fmt.number(v, "ms"), "#56b6c2",
-             y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=STEP_SOURCE, idle_reason="no decode steps yet"),
-    PlotSpec("gpu_util_pct", "GPU util", fmt.percent, "#4cbf73", percent=True),
-    PlotSpec("sm_activity_pct", "SM activity", fmt.percent, "#c678dd", percent=True),
-    PlotSpec("dram_bw_util_pct", "DRAM bandwidth", fmt.percent, "#e06c75", percent=True),
+    PlotSpec("tokens_per_s", "#4e9af1", y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=TOKENS_SOURCE,
+             idle_reason="no decode steps yet"),
+    PlotSpec("step_ms", "#56b6c2", y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=STEP_SOURCE,
+             idle_reason="no decode steps yet"),
+    PlotSpec("gpu_util_pct", "#4cbf73"),
+    PlotSpec("sm_activity_pct", "#c678dd"),
+    PlotSpec("dram_bw_util_pct", "#e06c75"),
     # CPU use counts every core (100% = one core busy), so the range grows a core at a time.
-    PlotSpec("cpu_util_pct", "CPU (this process)", fmt.percent, "#4cbf73", cpu=True,
-             y_top=lambda m: max(100.0, 100.0 * math.ceil(m / 100.0))),
-    PlotSpec("process_rss_bytes", "Process memory", fmt.size, "#c678dd", axis_gib=True, cpu=True,
-             y_top=lambda m: fmt.nice_ceiling(m * 1.05)),
+    PlotSpec("cpu_util_pct", "#4cbf73", cpu=True, y_top=lambda m: max(100.0, 100.0 * math.ceil(m / 100.0))),
+    PlotSpec("process_rss_bytes", "#c678dd", cpu=True, y_top=lambda m: fmt.nice_ceiling(m * 1.05)),
 )
 
 

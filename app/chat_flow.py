@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.store import ChatStore, Message, StoreError, StreamSaver
 from engine.types import GenerationResult, SamplingParams
-from ui.message import MessageItem
+
+if TYPE_CHECKING:
+    from app.worker import EngineController
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,23 @@ SAVE_TICK_MS = 1000  # also save when tokens stall (a long prefill, a slow first
 def title_from(text: str) -> str:
     line = " ".join(text.strip().split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+@dataclass
+class MessageItem:
+    """What the conversation view shows of one stored message."""
+
+    id: Optional[int]
+    role: str  # "user" | "assistant" | "system"
+    content: str
+    sibling_index: int = 0  # position among the messages sharing its parent (branches, candidates)
+    sibling_count: int = 1
+    metrics: Optional[dict[str, Any]] = None
+    options: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+    device: Optional[str] = None  # where the answer was generated ("cpu", "cuda"), for the gap's name
+    author: str = ""  # the model's name over an answer
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -54,7 +73,8 @@ class ChatFlow(QObject):
     generatingChanged = Signal(bool)
     failed = Signal(str)  # a message for the user
 
-    def __init__(self, store: ChatStore, controller: Any, default_sampling: SamplingParams, parent: Optional[QObject] = None):
+    def __init__(self, store: ChatStore, controller: EngineController, default_sampling: SamplingParams,
+                 parent: Optional[QObject] = None):
         super().__init__(parent)
         self.store = store
         self.controller = controller
@@ -62,7 +82,6 @@ class ChatFlow(QObject):
         self.default_overflow = "rolling"  # for chats without their own policy (the settings' choice)
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
-        self.last_result: Optional[GenerationResult] = None
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         controller.generationStarted.connect(self._on_started)
         controller.textBatch.connect(self._on_text)
@@ -325,7 +344,6 @@ class ChatFlow(QObject):
         a = self.answer
         if a is None or a.request_id != request_id:
             return
-        self.last_result = result
         if a.discarded:
             self._end()
             return

@@ -1,0 +1,98 @@
+"""API keys of remote servers: in the OS keyring when the `keyring` package is installed and has a working
+backend, else in the config folder in a file only its owner can read. Keys are never logged."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+SERVICE = "gapless-remote"
+FILE_NAME = "remote_keys.json"
+
+
+def _keyring() -> Optional[Any]:
+    """The keyring module when it can store secrets here (no backend, e.g. a headless Linux: None)."""
+    try:
+        import keyring
+        from keyring.backends import fail
+    except ImportError:
+        return None
+    try:
+        if isinstance(keyring.get_keyring(), fail.Keyring):
+            return None
+    except Exception as exc:  # a broken backend configuration: fall back to the file
+        log.info("keyring unusable: %s", type(exc).__name__)
+        return None
+    return keyring
+
+
+class KeyStore:
+    def __init__(self, config_dir: Path, use_keyring: bool = True):
+        self.file = Path(config_dir) / FILE_NAME
+        self.keyring = _keyring() if use_keyring else None
+
+    @property
+    def where(self) -> str:
+        return "the OS keyring" if self.keyring is not None else f"{self.file} (readable by its owner only)"
+
+    def get(self, base_url: str) -> Optional[str]:
+        if self.keyring is not None:
+            try:
+                return self.keyring.get_password(SERVICE, base_url)
+            except Exception as exc:  # the keyring went away (locked, no daemon): the file may still have it
+                log.warning("keyring read failed (%s); trying %s", type(exc).__name__, self.file)
+        return self._read().get(base_url)
+
+    def set(self, base_url: str, key: Optional[str]) -> None:
+        """Store the key for `base_url` (None or "" forgets it)."""
+        if self.keyring is not None:
+            try:
+                if key:
+                    self.keyring.set_password(SERVICE, base_url, key)
+                else:
+                    self._keyring_delete(base_url)
+                return
+            except Exception as exc:  # fall back to the file rather than lose the key
+                log.warning("keyring write failed (%s); keeping the key in %s", type(exc).__name__, self.file)
+        keys = self._read()
+        if key:
+            keys[base_url] = key
+        else:
+            keys.pop(base_url, None)
+        self._write(keys)
+
+    def _keyring_delete(self, base_url: str) -> None:
+        assert self.keyring is not None
+        from keyring.errors import PasswordDeleteError
+
+        try:
+            self.keyring.delete_password(SERVICE, base_url)
+        except PasswordDeleteError:
+            return
+
+    def _read(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("API key file %s unreadable: %s", self.file, type(exc).__name__)
+            return {}
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+    def _write(self, keys: dict[str, str]) -> None:
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=".keys-")  # created owner-only
+        try:
+            os.chmod(tmp, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(keys, f)
+            os.replace(tmp, self.file)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,224 @@
+"""One engine thread for the server. Requests wait first come first served in a bounded queue; past its bound a
+request is refused at once (503 with Retry-After) rather than left waiting without end.
+
+The engine is reached through `run_on_engine(fn)`, which runs fn(engine) on the thread that owns the engine and
+returns when it is done: by default the queue's own thread owns it (`gapless serve`); in the app, the engine
+worker's thread does, so API requests and the app's own chats take turns on one engine.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from app.server.protocol import ApiError, Request, bad
+from engine.errors import GaplessError
+from engine.types import GenerationResult, SamplingParams, TextDelta
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Any], None]
+RunOnEngine = Callable[[Callable[[Any], None]], None]
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    queue_ms: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: GenerationResult
+    queue_ms: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ApiError
+
+
+@dataclass
+class Job:
+    """A request on its way through the engine. `sink` receives, on the engine thread, Started, the TextDeltas,
+    then Finished, or Failed at any point; `cancel` stops it, queued or running."""
+
+    request: Request
+    sink: Sink
+    cancel: threading.Event = field(default_factory=threading.Event)
+    accepted: float = field(default_factory=time.perf_counter)
+
+
+class QueueFull(Exception):
+    def __init__(self, waiting: int, retry_after_s: int):
+        super().__init__(f"{waiting} requests are already waiting for the engine")
+        self.waiting = waiting
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class ServerStats:
+    served: int = 0  # answered in full
+    cancelled: int = 0  # the client went away first
+    rejected: int = 0  # 503: the queue was full
+    failed: int = 0  # refused by the engine (e.g. a prompt too long) or an internal error
+    waiting: int = 0
+    running: int = 0
+    last_error: str = ""
+
+    def snapshot(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class EngineQueue:
+    def __init__(self, engine: Any, max_waiting: int = 16, run_on_engine: Optional[RunOnEngine] = None):
+        if max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.model_id = engine.info.name
+        self.stats = ServerStats()
+        self._run_on_engine = run_on_engine or (lambda fn: fn(self.engine))
+        self._lock = threading.Lock()
+        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._mean_job_s: Optional[float] = None
+        self._current: Optional[Job] = None
+        self._thread = threading.Thread(target=self._loop, name="gapless-serve-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.stats.waiting >= self.max_waiting + (0 if self.stats.running else 1):
+                self.stats.rejected += 1
+                raise QueueFull(self.stats.waiting, self._retry_after_s())
+            self.stats.waiting += 1
+        self._jobs.put(job)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop taking jobs: the queued ones are cancelled, the running one stops at its next step."""
+        pending = []
+        while True:
+            try:
+                pending.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in [self._current, *pending]:
+            if job is not None:
+                job.cancel.set()
+        for job in pending:
+            self._jobs.put(job)
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def _retry_after_s(self) -> int:
+        per_job = self._mean_job_s if self._mean_job_s is not None else 1.0
+        return max(1, min(600, math.ceil(per_job * (self.stats.waiting + 1))))
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self.stats.waiting -= 1
+                self.stats.running += 1
+                self._current = job
+            t0 = time.perf_counter()
+            try:
+                self._run_on_engine(functools.partial(self._execute, job=job))
+            except Exception as exc:  # the runner itself failed (e.g. the app's engine went away)
+                log.exception("serve: running a request failed")
+                self._fail(job, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+            finally:
+                with self._lock:
+                    self.stats.running -= 1
+                    self._current = None
+                    took = time.perf_counter() - t0
+                    self._mean_job_s = took if self._mean_job_s is None else 0.8 * self._mean_job_s + 0.2 * took
+
+    def _fail(self, job: Job, error: ApiError) -> None:
+        with self._lock:
+            self.stats.failed += 1
+            self.stats.last_error = error.message
+        job.sink(Failed(error))
+
+    def _execute(self, engine: Any, *, job: Job) -> None:
+        req = job.request
+        queue_ms = (time.perf_counter() - job.accepted) * 1e3
+        if engine is None:
+            self._fail(job, ApiError(503, "no model is loaded", "server_error", code="no_model"))
+            return
+        if job.cancel.is_set():
+            with self._lock:
+                self.stats.cancelled += 1
+            job.sink(Failed(ApiError(499, "the client went away before the request started", code="cancelled")))
+            return
+        try:
+            sampling, prompt_tokens = prepare(engine, req)
+        except ApiError as exc:
+            self._fail(job, exc)
+            return
+        except GaplessError as exc:
+            self._fail(job, bad(str(exc), "messages" if req.chat else "prompt"))
+            return
+        job.sink(Started(prompt_tokens, queue_ms))
+        previous = engine.options
+        try:
+            if previous.candidates != req.n:
+                engine.reconfigure(previous.with_(candidates=req.n))
+            result = engine.generate(req.messages, sampling, on_event=_texts_to(job.sink), cancel=job.cancel,
+                                     raw=req.raw)
+        except GaplessError as exc:
+            self._fail(job, ApiError(500, str(exc), "server_error", code="generation_failed"))
+            return
+        except Exception as exc:
+            log.exception("serve: generation failed")
+            self._fail(job, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+            return
+        finally:
+            if engine.options != previous:
+                try:
+                    engine.reconfigure(previous)
+                except GaplessError as exc:
+                    log.warning("serve: restoring the engine options failed: %s", exc)
+        with self._lock:
+            if job.cancel.is_set() and "cancelled" in result.finish_reasons:
+                self.stats.cancelled += 1
+            else:
+                self.stats.served += 1
+        job.sink(Finished(result, queue_ms))
+
+
+def _texts_to(sink: Sink) -> Callable[[Any], None]:
+    def on_event(event: Any) -> None:
+        if isinstance(event, TextDelta) and event.text:
+            sink(event)
+
+    return on_event
+
+
+def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
+    """Sampling for `req` and its prompt length, or a 400 when the prompt and the answer do not fit the context
+    (the engine would cut the prompt to fit; a client of this API expects to be told instead)."""
+    from engine.prompt import build_prompt
+
+    ctx = engine.context_length
+    full = build_prompt(engine.tokenizer, req.messages, 1 << 40, 1, raw=req.raw)
+    n = len(full.ids)
+    where = "messages" if req.chat else "prompt"
+    if n >= ctx:
+        raise bad(f"this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens", where,
+                  "context_length_exceeded")
+    room = ctx - n
+    max_new = req.max_tokens if req.max_tokens is not None else room
+    if max_new > room:
+        raise bad(f"this model's maximum context length is {ctx} tokens, but {n + max_new} were requested ({n} in "
+                  f"the prompt, {max_new} for the answer)", "max_tokens", "context_length_exceeded")
+    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_new, seed=req.seed,
+                              stop=req.stop).validate()
+    return sampling, n

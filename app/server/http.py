@@ -1,0 +1,251 @@
+"""The Starlette app of `gapless serve`: the OpenAI routes, the API key, the body limit and SSE streaming.
+
+Every answer that is not a completion is an OpenAI error object; no traceback ever reaches a client. A client that
+goes away (while queued, while waiting for a whole answer, or mid-stream) cancels its generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from app.server.engine_queue import EngineQueue, Failed, Finished, Job, QueueFull, Started
+from app.server.protocol import (FINISH, ApiError, Request, bad, chunk, completion_object, delta_choice,
+                                 gapless_figures, parse_request, usage)
+from engine.types import TextDelta
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    api_key: Optional[str] = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    cors_origins: tuple[str, ...] = ()
+
+
+Item = Union[Started, Finished, Failed, TextDelta]
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _api_error(_request: HttpRequest, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _error_response(exc)
+
+
+async def _http_error(_request: HttpRequest, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    messages = {404: "no such endpoint", 405: "method not allowed for this endpoint"}
+    message = messages.get(exc.status_code, str(exc.detail))
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return _error_response(ApiError(exc.status_code, message, code=codes.get(exc.status_code),
+                                    headers=dict(exc.headers or {})))
+
+
+async def _internal_error(_request: HttpRequest, exc: Exception) -> Response:
+    log.error("serve: unexpected error", exc_info=exc)
+    return _error_response(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that also listens for the client going away whatever the ASGI server's version, and then sets
+    the generation's cancel event."""
+
+    def __init__(self, content: AsyncIterator[str], cancel: threading.Event):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.cancel = cancel
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    self.cancel.set()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            self.cancel.set()
+            tg.cancel_scope.cancel()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Api:
+    def __init__(self, engines: EngineQueue, config: ServeConfig):
+        self.engines = engines
+        self.config = config
+
+    def check_key(self, request: HttpRequest) -> None:
+        if self.config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if not header:
+            raise ApiError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.config.api_key.encode()):
+            raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_json(self, request: HttpRequest) -> Any:
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is over the {limit}-byte limit", code="request_too_large")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise ApiError(413, f"the request body is over the {limit}-byte limit", code="request_too_large")
+        try:
+            return json.loads(bytes(data))
+        except (ValueError, RecursionError) as exc:
+            raise bad(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+
+    def model_object(self) -> dict[str, Any]:
+        return {"id": self.engines.model_id, "object": "model", "created": 0, "owned_by": "gapless"}
+
+    async def models(self, request: HttpRequest) -> Response:
+        self.check_key(request)
+        return JSONResponse({"object": "list", "data": [self.model_object()]})
+
+    async def model(self, request: HttpRequest) -> Response:
+        self.check_key(request)
+        if request.path_params["model"] != self.engines.model_id:
+            raise ApiError(404, f"the model {request.path_params['model']!r} does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(self.model_object())
+
+    async def chat(self, request: HttpRequest) -> Response:
+        return await self.complete(request, chat=True)
+
+    async def text(self, request: HttpRequest) -> Response:
+        return await self.complete(request, chat=False)
+
+    async def complete(self, request: HttpRequest, chat: bool) -> Response:
+        self.check_key(request)
+        req = parse_request(await self.read_json(request), chat, self.engines.model_id)
+        loop = asyncio.get_running_loop()
+        items: "asyncio.Queue[Item]" = asyncio.Queue()
+        cancel = threading.Event()
+
+        def sink(item: Item) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: the server is stopping
+                cancel.set()
+
+        try:
+            self.engines.submit(Job(req, sink, cancel))
+        except QueueFull as exc:
+            raise ApiError(503, f"the server is busy: {exc}; retry in {exc.retry_after_s} s", "server_error",
+                           code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from None
+        gone: "asyncio.Future[Any]" = asyncio.ensure_future(self._disconnected(request))
+        try:
+            first = await self._next(items, gone, cancel, (Started, Failed))
+            if isinstance(first, Failed):
+                raise first.error
+            if not req.stream:
+                last = await self._next(items, gone, cancel, (Finished, Failed))
+                if isinstance(last, Failed):
+                    raise last.error
+                assert isinstance(last, Finished)
+                return JSONResponse(completion_object(req, last.result, last.queue_ms))
+        except BaseException:
+            cancel.set()
+            raise
+        finally:
+            gone.cancel()
+        assert isinstance(first, Started)
+        return SSEResponse(self._events(req, items, cancel), cancel)
+
+    @staticmethod
+    async def _disconnected(request: HttpRequest) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    @staticmethod
+    async def _next(items: "asyncio.Queue[Item]", gone: "asyncio.Future[Any]", cancel: threading.Event,
+                    kinds: tuple[type, ...]) -> Item:
+        """The next item of one of `kinds` (text before it is dropped); the client going away cancels."""
+        while True:
+            get: "asyncio.Future[Any]" = asyncio.ensure_future(items.get())
+            waiters: "list[asyncio.Future[Any]]" = [get, gone]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                cancel.set()
+                raise ApiError(499, "the client went away", code="cancelled")
+            item: Item = get.result()
+            if isinstance(item, kinds):
+                return item
+
+    async def _events(self, req: Request, items: "asyncio.Queue[Item]", cancel: threading.Event) -> AsyncIterator[str]:
+        started: set[int] = set()
+        extra = {"usage": None} if req.include_usage else {}
+        try:
+            while True:
+                item = await items.get()
+                if isinstance(item, TextDelta):
+                    choice = delta_choice(req, item.candidate, item.text, first=item.candidate not in started)
+                    started.add(item.candidate)
+                    yield _sse(chunk(req, [choice], **extra))
+                elif isinstance(item, Finished):
+                    r = item.result
+                    last = [delta_choice(req, i, "", FINISH[f], first=i not in started)
+                            for i, f in enumerate(r.finish_reasons)]
+                    yield _sse(chunk(req, last, **extra, x_gapless=gapless_figures(r.metrics, item.queue_ms)))
+                    if req.include_usage:
+                        yield _sse(chunk(req, [], usage=usage(r)))
+                    yield "data: [DONE]\n\n"
+                    return
+                elif isinstance(item, Failed):
+                    yield _sse(item.error.body())
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            cancel.set()
+
+
+def create_app(engines: EngineQueue, config: Optional[ServeConfig] = None) -> Starlette:
+    config = config or ServeConfig()
+    api = Api(engines, config)
+    routes = [
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.text, methods=["POST"]),
+    ]
+    middleware = []
+    if config.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+    )

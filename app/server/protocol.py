@@ -1,0 +1,271 @@
+"""The OpenAI wire format: request bodies checked field by field into a `Request`, results into response objects.
+
+Every refusal is an `ApiError` carrying the HTTP status and OpenAI's error object ({"error": {message, type,
+param, code}}), so a client library raises its usual exception with a message that names the field.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, GenerationMetrics, GenerationResult
+
+MAX_STOP_STRINGS = 16
+SERVED_FIGURES = ("ttft_ms", "decode_tok_s", "kernel_gap_pct")
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+# Fields whose meaning this server cannot honour: refused rather than silently ignored.
+UNSUPPORTED = {
+    "tools": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "logprobs": "logprobs are not supported",
+    "top_logprobs": "logprobs are not supported",
+    "echo": "echo is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "audio": "audio output is not supported",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass
+class Request:
+    """One completion request as the engine will run it."""
+
+    chat: bool
+    model: str
+    messages: list[dict]
+    raw: bool
+    n: int = 1
+    max_tokens: Optional[int] = None  # None: up to the end of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# ---- parsing -----------------------------------------------------------------------------------------------
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{name}' must be an integer, got {type(v).__name__}", name, "invalid_type")
+    if not lo <= v <= hi:
+        raise bad(f"'{name}' must be between {lo} and {hi}, got {v}", name, "invalid_value")
+    return v
+
+
+def _num(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise bad(f"'{name}' must be a finite number, got {v!r}", name, "invalid_type")
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        raise bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name, "invalid_value")
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be true or false, got {type(v).__name__}", name, "invalid_type")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop", "invalid_value")
+    if any(not s for s in items):
+        raise bad("'stop' strings must not be empty", "stop", "invalid_value")
+    return tuple(items)
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
+                          "invalid_value")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content",
+              "invalid_type")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages", "invalid_type")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        role = "system" if role == "developer" else role
+        if role not in ("system", "user", "assistant"):
+            raise bad(f"messages[{i}].role must be system, developer, user or assistant, got {m.get('role')!r}",
+                      f"messages[{i}].role", "invalid_value")
+        out.append({"role": role, "content": _content(m, i)})
+    if out[-1]["role"] != "user":
+        raise bad("the last message must be from the user", f"messages[{len(out) - 1}].role", "invalid_value")
+    return out
+
+
+def _prompt(body: dict) -> str:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str):
+        raise bad("'prompt' must be a string (token-id prompts and lists of prompts are not supported)", "prompt",
+                  "invalid_type")
+    if not p:
+        raise bad("'prompt' is empty", "prompt", "invalid_value")
+    return p
+
+
+def parse_request(body: Any, chat: bool, model_id: str) -> Request:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad("'model' must be a string", "model", "invalid_type")
+    if model != model_id:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_id!r}", param="model",
+                       code="model_not_found")
+    for name, why in UNSUPPORTED.items():
+        v = body.get(name)
+        if v not in (None, False, [], 0):
+            raise bad(f"'{name}': {why}", name, "unsupported_parameter")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _num(body, name, -2.0, 2.0, 0.0) != 0.0:
+            raise bad(f"'{name}' is not supported (only 0)", name, "unsupported_parameter")
+    if _int(body, "best_of", 1, 1) not in (None, 1):
+        raise bad("'best_of' is not supported", "best_of", "unsupported_parameter")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    max_tokens = _int(body, "max_completion_tokens", 1, MAX_NEW_TOKENS_LIMIT) if chat else None
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, MAX_NEW_TOKENS_LIMIT)
+    seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    req = Request(
+        chat=chat,
+        model=model,
+        messages=_messages(body) if chat else [{"role": "user", "content": _prompt(body)}],
+        raw=not chat,
+        n=_int(body, "n", 1, MAX_CANDIDATES) or 1,
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+        seed=None if seed is None else seed % 2**63,
+        stop=_stop(body),
+        stream=_bool(body, "stream"),
+        include_usage=_bool(stream_options or {}, "include_usage"),
+    )
+    return req
+
+
+# ---- responses ---------------------------------------------------------------------------------------------
+
+
+def _figure(m: GenerationMetrics, key: str) -> dict[str, Any]:
+    f = m.figure(key)
+    if f.available:
+        return {"value": f.value, "source": f.source}
+    return {"value": None, "reason": f.reason or "not measured on this run"}
+
+
+def gapless_figures(m: GenerationMetrics, queue_ms: float) -> dict[str, Any]:
+    """The HUD's headline figures, each with its source or the reason it is n/a (an extension field)."""
+    out = {key: _figure(m, key) for key in SERVED_FIGURES}
+    out["queue_wait_ms"] = {"value": queue_ms, "source": "server clock: request accepted -> generation started"}
+    return out
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    prompt = result.metrics.prompt_tokens
+    completion = sum(len(t) for t in result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_object(req: Request, result: GenerationResult, queue_ms: float) -> dict[str, Any]:
+    choices = []
+    for i, (text, finish) in enumerate(zip(result.texts, result.finish_reasons)):
+        if req.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "finish_reason": FINISH[finish], "logprobs": None})
+        else:
+            choices.append({"index": i, "text": text, "finish_reason": FINISH[finish], "logprobs": None})
+    return {
+        "id": response_id(req),
+        "object": "chat.completion" if req.chat else "text_completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(result),
+        "x_gapless": gapless_figures(result.metrics, queue_ms),
+    }
+
+
+def response_id(req: Request) -> str:
+    return f"{'chatcmpl' if req.chat else 'cmpl'}-{req.id}"
+
+
+def chunk(req: Request, choices: list[dict], **extra: Any) -> dict[str, Any]:
+    return {
+        "id": response_id(req),
+        "object": "chat.completion.chunk" if req.chat else "text_completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": choices,
+        **extra,
+    }
+
+
+def delta_choice(req: Request, index: int, text: str, finish: Optional[str] = None,
+                 first: bool = False) -> dict[str, Any]:
+    if req.chat:
+        delta: dict[str, Any] = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}

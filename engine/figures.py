@@ -1,0 +1,147 @@
+"""Every figure Gapless measures, in one table: what it is called, its unit, which way is better, where it is
+measured (per generation, per decode step, per monitor sample) and where its value comes from.
+
+A figure's value lives in a plain field (`GenerationMetrics.decode_tok_s`, `MonitorSample.gpu_util_pct`, a bench
+median of the same name); its source is either fixed here (`source`) or, where it depends on the machine, the
+field named by `source_field`; when it could not be measured, `GenerationMetrics.unavailable[key]` says why.
+`Figure` joins the three. The HUD's bars, compare columns and plots, the bench medians and tables, the stats
+tooltip and the exports are built from this table, so a new figure is one entry here plus the code that
+measures it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Optional
+
+Scope = Literal["generation", "step", "sample"]
+Unit = Literal["tok/s", "ms", "s", "%", "bytes", "tokens", "count", "W", "MHz", "ratio"]
+
+ENGINE_TIMING = "engine timing, device-synchronised"
+ENGINE_COUNT = "engine token count"
+HTTP_TIMING = "client-side timing over HTTP"
+VLLM_METRICS = "vLLM Prometheus /metrics, read while the answer streamed"
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    key: str  # the field name in GenerationMetrics / MonitorSample / bench medians / JSON
+    label: str  # as a title: "Decode", "Kernel / op gap"
+    unit: Unit
+    better: int  # +1 higher is better, -1 lower is better, 0 neither
+    scopes: tuple[Scope, ...]
+    source: Optional[str] = None  # a fixed source, when it does not depend on the machine
+    source_field: Optional[str] = None  # else the field that names the source of this run's value
+    digits: Optional[int] = None  # decimals when shown; None: by magnitude
+    tip: str = ""  # one line on what it means, for tooltips and docs
+
+    @property
+    def per_generation(self) -> bool:
+        return "generation" in self.scopes
+
+
+FIGURES: tuple[FigureSpec, ...] = (
+    FigureSpec("decode_tok_s", "Decode", "tok/s", +1, ("generation",), ENGINE_TIMING,
+               tip="aggregate over candidates, traced window left out"),
+    FigureSpec("prefill_tok_s", "Prefill", "tok/s", +1, ("generation",), ENGINE_TIMING),
+    FigureSpec("ttft_ms", "TTFT", "ms", -1, ("generation",), ENGINE_TIMING,
+               tip="prompt in → first token on the host"),
+    FigureSpec("step_ms_p50", "Step p50", "ms", -1, ("generation",), ENGINE_TIMING),
+    FigureSpec("step_ms_p90", "Step p90", "ms", -1, ("generation",), ENGINE_TIMING),
+    FigureSpec("step_ms_p99", "Step p99", "ms", -1, ("generation",), ENGINE_TIMING),
+    FigureSpec("decode_seconds", "Decode time", "s", -1, ("generation",), ENGINE_TIMING, digits=2),
+    FigureSpec("kernel_gap_pct", "Kernel / op gap", "%", -1, ("generation",), source_field="kernel_gap_source",
+               digits=1, tip="share of the traced window's span with no kernel (GPU) or aten op (CPU) running"),
+    FigureSpec("launches_per_step", "Launches/step", "count", -1, ("generation",),
+               source_field="launches_per_step_source", digits=0,
+               tip="kernels (GPU) or top-level aten ops (CPU) per decode step, traced window"),
+    FigureSpec("sm_activity_pct", "SM activity", "%", +1, ("generation", "sample"), source_field="sm_activity_source",
+               digits=1),
+    FigureSpec("gpu_util_pct", "GPU util", "%", +1, ("generation", "sample"), source_field="gpu_util_source",
+               digits=1),
+    FigureSpec("dram_bw_util_pct", "DRAM bandwidth", "%", +1, ("generation", "sample"), source_field="dram_bw_util_source",
+               digits=1),
+    FigureSpec("peak_memory_bytes", "Peak memory", "bytes", -1, ("generation",), source_field="peak_memory_source"),
+    FigureSpec("new_tokens_total", "New tokens", "tokens", 0, ("generation",), ENGINE_COUNT, digits=0),
+    FigureSpec("prompt_tokens", "Prompt tokens", "tokens", 0, ("generation",), ENGINE_COUNT, digits=0),
+    FigureSpec("decode_steps", "Decode steps", "count", 0, ("generation",), ENGINE_COUNT, digits=0),
+    FigureSpec("profiled_steps", "Traced steps", "count", 0, ("generation",), ENGINE_COUNT, digits=0,
+               tip="decode steps inside the traced window, left out of tok/s"),
+    FigureSpec("prompt_reused_tokens", "Prompt reused", "tokens", +1, ("generation",),
+               source_field="prompt_reuse_source", digits=0,
+               tip="prompt positions taken from the last generation's KV cache, not computed again"),
+    FigureSpec("prompt_computed_tokens", "Prompt computed", "tokens", -1, ("generation",), ENGINE_COUNT, digits=0,
+               tip="prompt positions the prefill computed"),
+    # A remote engine (engine/remote.py): timed by the client over HTTP, or reported by the server.
+    FigureSpec("http_ttft_ms", "TTFT (HTTP)", "ms", -1, ("generation",), HTTP_TIMING,
+               tip="request sent → first text chunk received, network and the server's queue included"),
+    FigureSpec("http_decode_tok_s", "Decode (HTTP)", "tok/s", +1, ("generation",), HTTP_TIMING,
+               tip="the server's token count over the time between the first and the last text chunk"),
+    FigureSpec("inter_token_ms_p50", "Inter-token p50 (HTTP)", "ms", -1, ("generation",), HTTP_TIMING,
+               tip="gap between text chunks as they arrive (one token per chunk on vLLM, llama.cpp, Ollama)"),
+    FigureSpec("inter_token_ms_p99", "Inter-token p99 (HTTP)", "ms", -1, ("generation",), HTTP_TIMING),
+    FigureSpec("server_ttft_ms", "TTFT (server)", "ms", -1, ("generation",), source_field="server_ttft_source"),
+    FigureSpec("server_decode_tok_s", "Decode (server)", "tok/s", +1, ("generation",),
+               source_field="server_decode_source"),
+    FigureSpec("server_running_requests", "Server running", "count", 0, ("generation",), VLLM_METRICS, digits=0),
+    FigureSpec("server_waiting_requests", "Server waiting", "count", -1, ("generation",), VLLM_METRICS, digits=0),
+    FigureSpec("server_kv_cache_pct", "Server KV cache", "%", 0, ("generation",), VLLM_METRICS, digits=1),
+    # Per decode step, from the engine's step records.
+    FigureSpec("step_ms", "Step latency", "ms", -1, ("step",), ENGINE_TIMING),
+    FigureSpec("tokens_per_s", "Tokens/s", "tok/s", +1, ("step",), ENGINE_TIMING),
+    # Per monitor sample only (the monitor names each sample's source).
+    FigureSpec("sm_occupancy_pct", "SM occupancy", "%", +1, ("sample",), digits=1),
+    FigureSpec("gpu_memory_used_bytes", "GPU memory", "bytes", -1, ("sample",)),
+    FigureSpec("power_w", "Power", "W", 0, ("sample",), digits=0),
+    FigureSpec("sm_clock_mhz", "SM clock", "MHz", 0, ("sample",), digits=0),
+    FigureSpec("cpu_util_pct", "CPU (this process)", "%", 0, ("sample",), digits=1),
+    FigureSpec("process_rss_bytes", "Process memory", "bytes", -1, ("sample",)),
+)
+
+BY_KEY: dict[str, FigureSpec] = {f.key: f for f in FIGURES}
+GENERATION_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "generation" in f.scopes)
+SAMPLE_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "sample" in f.scopes)
+STEP_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "step" in f.scopes)
+SOURCE_FIELDS: tuple[str, ...] = tuple(f.source_field for f in FIGURES if f.source_field)
+
+
+def spec(key: str) -> FigureSpec:
+    try:
+        return BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"{key!r} is not a registered figure (engine/figures.py)") from None
+
+
+def source_field_of(key: str) -> str:
+    """The field naming the source of a machine-dependent figure (gpu_util_pct -> gpu_util_source)."""
+    field = spec(key).source_field
+    if field is None:
+        raise KeyError(f"{key!r} has a fixed source ({spec(key).source}), no source field")
+    return field
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure: its value with its source, or None with the reason it is n/a."""
+
+    spec: FigureSpec
+    value: Optional[float]
+    source: Optional[str]
+    reason: Optional[str] = None
+
+    @property
+    def available(self) -> bool:
+        return self.value is not None
+
+
+def read(data: Any, key: str) -> Figure:
+    """The figure `key` of a GenerationMetrics, or of its dict form (JSON, bench medians, the store)."""
+    s = spec(key)
+    get = data.get if isinstance(data, Mapping) else lambda name, default=None: getattr(data, name, default)
+    value = get(key)
+    if s.source_field:
+        source = get(s.source_field)
+    else:
+        source = s.source
+    unavailable = get("unavailable") or {}
+    reason = None if value is not None else unavailable.get(key)
+    return Figure(s, None if value is None else value, source if value is not None else None, reason)

@@ -1,0 +1,210 @@
+"""A generation's telemetry kept as a file: the step records and monitor samples as they streamed, the final
+figures with their sources, the options, the model and the machine, in a versioned JSON document.
+
+`gapless generate --telemetry-out FILE` writes one, the GPU check writes one from the GPU it runs on, and
+`gapless replay FILE` shows it in the HUD on a machine that has Qt (the GPU machine has none). Reading is
+strict: a file that is not ours, of another version or with a field of the wrong type is refused with where
+and why; nothing in it is executed (plain JSON, never pickle).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from engine.errors import GaplessError
+from engine.types import EngineOptions, Event, GenerationMetrics, GenerationResult, MonitorSample, StepRecord
+
+FORMAT = "gapless-telemetry"
+VERSION = 1
+MAX_BYTES = 64 << 20  # a recording of a long answer with samples at 10 Hz is a few MB
+
+
+class RecordingError(GaplessError):
+    pass
+
+
+@dataclass
+class Recording:
+    label: str  # what the HUD calls the generation
+    options: EngineOptions
+    metrics: GenerationMetrics
+    steps: list[StepRecord] = field(default_factory=list)
+    samples: list[MonitorSample] = field(default_factory=list)
+    t_start: Optional[float] = None  # the engine clock (perf_counter) when the prompt went in
+    t_end: Optional[float] = None
+    model: dict[str, Any] = field(default_factory=dict)  # ModelInfo.to_dict()
+    machine: dict[str, Any] = field(default_factory=dict)  # engine.telemetry.machine.describe_machine()
+    created: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "created": self.created, "label": self.label,
+            "options": self.options.to_dict(), "metrics": self.metrics.to_dict(),
+            "t_start": self.t_start, "t_end": self.t_end,
+            "steps": [asdict(s) for s in self.steps], "samples": [asdict(s) for s in self.samples],
+            "model": self.model, "machine": self.machine,
+        }
+
+
+class Recorder:
+    """Wraps a generation's event callback and keeps the step records and monitor samples it passes on."""
+
+    def __init__(self, on_event: Optional[Callable[[Event], None]] = None, clock: Callable[[], float] = time.perf_counter):
+        self._on_event = on_event
+        self._clock = clock
+        self.steps: list[StepRecord] = []
+        self.samples: list[MonitorSample] = []
+        self.t_start = clock()
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, StepRecord):
+            self.steps.append(event)
+        elif isinstance(event, MonitorSample):
+            self.samples.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def finish(self, result: GenerationResult, label: str, model: Optional[dict[str, Any]] = None,
+               machine: Optional[dict[str, Any]] = None) -> Recording:
+        return Recording(label=label, options=result.options, metrics=result.metrics, steps=list(self.steps),
+                         samples=list(self.samples), t_start=self.t_start, t_end=self._clock(),
+                         model=dict(model or {}), machine=dict(machine or {}))
+
+
+def save(recording: Recording, path: Path) -> None:
+    """Written whole or not at all: to a temporary file beside `path`, then renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_finite(recording.to_dict()), ensure_ascii=False, allow_nan=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # an ordinary document, like the exports (mkstemp makes it owner-only)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: a figure that is not a finite number is written as null (n/a)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def load(path: Path) -> Recording:
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise RecordingError(f"cannot read the telemetry file {path}: {exc.strerror or exc}") from exc
+    if size > MAX_BYTES:
+        raise RecordingError(f"{path} is {size / 2**20:.0f} MiB; a telemetry file is at most {MAX_BYTES >> 20} MiB")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordingError(f"{path} is not a telemetry file (not valid JSON: {exc})") from exc
+    return from_dict(doc, str(path))
+
+
+def from_dict(doc: Any, where: str = "the recording") -> Recording:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise RecordingError(f"{where} is not a Gapless telemetry file (no \"format\": \"{FORMAT}\")")
+    if doc.get("version") != VERSION:
+        raise RecordingError(f"{where} has telemetry version {doc.get('version')!r}; this Gapless reads {VERSION}")
+    label = _typed(doc, "label", str, where)
+    try:
+        options = EngineOptions.from_dict(_typed(doc, "options", dict, where))
+    except (GaplessError, TypeError) as exc:
+        raise RecordingError(f"{where}: options: {exc}") from exc
+    metrics = _metrics(_typed(doc, "metrics", dict, where), f"{where}: metrics")
+    steps = [_step(s, f"{where}: steps[{i}]") for i, s in enumerate(_typed(doc, "steps", list, where))]
+    samples = [_sample(s, f"{where}: samples[{i}]") for i, s in enumerate(_typed(doc, "samples", list, where))]
+    return Recording(label=label, options=options, metrics=metrics, steps=steps, samples=samples,
+                     t_start=_number(doc.get("t_start"), f"{where}: t_start", optional=True),
+                     t_end=_number(doc.get("t_end"), f"{where}: t_end", optional=True),
+                     model=_typed(doc, "model", dict, where), machine=_typed(doc, "machine", dict, where),
+                     created=_number(doc.get("created", 0.0), f"{where}: created") or 0.0)
+
+
+def _typed(doc: dict, key: str, kind: type, where: str) -> Any:
+    if key not in doc:
+        raise RecordingError(f"{where}: \"{key}\" is missing")
+    value = doc[key]
+    if not isinstance(value, kind):
+        raise RecordingError(f"{where}: \"{key}\" is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _number(value: Any, where: str, optional: bool = False) -> Optional[float]:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RecordingError(f"{where} is {value!r}, not a finite number")
+    return float(value)
+
+
+def _metrics(d: dict, where: str) -> GenerationMetrics:
+    m = GenerationMetrics()
+    for f in fields(GenerationMetrics):
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if f.name == "new_tokens":
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise RecordingError(f"{where}: new_tokens is not a list of integers")
+        elif f.name == "unavailable":
+            if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(r, str) for k, r in v.items()):
+                raise RecordingError(f"{where}: unavailable is not an object of reasons")
+        elif f.name.endswith("_source"):
+            if v is not None and not isinstance(v, str):
+                raise RecordingError(f"{where}: {f.name} is not text")
+        elif v is not None:
+            x = _number(v, f"{where}: {f.name}")
+            integral = f.name in ("prompt_tokens", "new_tokens_total", "decode_steps", "profiled_steps",
+                                  "peak_memory_bytes")
+            v = int(x) if integral and x is not None else x
+        setattr(m, f.name, v)
+    return m
+
+
+def _step(d: Any, where: str) -> StepRecord:
+    if not isinstance(d, dict):
+        raise RecordingError(f"{where} is not an object")
+    try:
+        return StepRecord(t=_number(d.get("t"), f"{where}: t") or 0.0, step=int(_number(d.get("step"), f"{where}: step") or 0),
+                          tokens_total=int(_number(d.get("tokens_total"), f"{where}: tokens_total") or 0),
+                          step_ms=_number(d.get("step_ms"), f"{where}: step_ms", optional=True),
+                          profiled=bool(d.get("profiled", False)))
+    except (TypeError, ValueError) as exc:
+        raise RecordingError(f"{where}: {exc}") from exc
+
+
+def _sample(d: Any, where: str) -> MonitorSample:
+    if not isinstance(d, dict):
+        raise RecordingError(f"{where} is not an object")
+    values: dict[str, Any] = {}
+    for f in fields(MonitorSample):
+        if f.name == "sources":
+            src = d.get("sources", {})
+            if not isinstance(src, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in src.items()):
+                raise RecordingError(f"{where}: sources is not an object of labels")
+            values["sources"] = dict(src)
+        elif f.name == "t":
+            values["t"] = _number(d.get("t"), f"{where}: t")
+        else:
+            v = _number(d.get(f.name), f"{where}: {f.name}", optional=True)
+            values[f.name] = int(v) if v is not None and f.name.endswith("_bytes") else v
+    return MonitorSample(**values)

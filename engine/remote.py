@@ -1,0 +1,452 @@
+"""A remote engine: chats through an OpenAI-compatible server (vLLM, llama.cpp's server, Ollama, `gapless serve`)
+with the generate interface of engine.engine.Engine, so the worker, the CLI and the server use it unchanged.
+
+What a client can measure it measures over HTTP (TTFT, decode tok/s and inter-token latency from the arrival
+times of the SSE chunks; token counts from `usage`); what the server reports about itself it reads where it does
+(llama.cpp's `timings`, vLLM's Prometheus `/metrics`), each with its source. Figures of the GPU are n/a: the
+model runs on another machine. The API key goes in the Authorization header only; it is never logged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
+
+import httpx
+
+from engine import figures
+from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.types import (EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams,
+                          TextDelta)
+
+log = logging.getLogger(__name__)
+
+PREFIX = "remote:"
+REMOTE_REASON = "the model runs on a remote server"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where a remote model is: the server's OpenAI base URL (…/v1) and the model's name there."""
+
+    base_url: str
+    model: str
+    timeout_s: float = DEFAULT_TIMEOUT_S  # connect, and the longest wait for the next chunk
+
+    def validate(self) -> "RemoteSource":
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise OptionsError(f"a remote server's address is an http(s) URL such as http://host:8000/v1, "
+                               f"got {self.base_url!r}")
+        if not self.model or "#" in self.model:
+            raise OptionsError(f"a remote model needs a name (without '#'), got {self.model!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= 3600:
+            raise OptionsError(f"the remote timeout must be in (0, 3600] seconds, got {self.timeout_s}")
+        return self
+
+    def to_source(self) -> str:
+        """The source string the app stores and loads: remote:<base URL>#<model>[|timeout=<s>]."""
+        tail = "" if self.timeout_s == DEFAULT_TIMEOUT_S else f"|timeout={self.timeout_s:g}"
+        return f"{PREFIX}{self.base_url.rstrip('/')}#{self.model}{tail}"
+
+    @classmethod
+    def parse(cls, source: str) -> "RemoteSource":
+        if not is_remote(source):
+            raise OptionsError(f"not a remote source: {source!r}")
+        rest, _, opts = source[len(PREFIX):].partition("|")
+        url, sep, model = rest.rpartition("#")
+        if not sep:
+            raise OptionsError(f"a remote source is remote:<base URL>#<model>, got {source!r}")
+        timeout = DEFAULT_TIMEOUT_S
+        if opts:
+            name, _, value = opts.partition("=")
+            try:
+                timeout = float(value) if name == "timeout" else float("nan")
+            except ValueError:
+                timeout = float("nan")
+            if timeout != timeout:
+                raise OptionsError(f"a remote source takes |timeout=<seconds> after the model, got {opts!r}")
+        return cls(url.rstrip("/"), model, timeout).validate()
+
+
+def is_remote(source: str) -> bool:
+    return source.startswith(PREFIX)
+
+
+def _server_root(base_url: str) -> str:
+    return base_url.removesuffix("/").removesuffix("/v1")
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The server's own error message where it sent one (OpenAI's {"error": {"message"}} or a plain string)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return " ".join(response.text.split())[:200] or response.reason_phrase
+    err = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(err, dict):
+        err = err.get("message") or err
+    return " ".join(str(err).split())[:300]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+class VllmMetrics:
+    """vLLM's Prometheus endpoint: running and waiting requests, KV-cache usage, and its TTFT histogram."""
+
+    def __init__(self, client: httpx.Client, url: str):
+        self.client = client
+        self.url = url
+
+    def read(self) -> dict[str, float]:
+        """Each vllm: series, summed over its labels (one model per server: the sum is that model's)."""
+        out: dict[str, float] = {}
+        for line in self.client.get(self.url).text.splitlines():
+            m = _PROM_LINE.match(line)
+            if m is None:
+                continue
+            try:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+            except ValueError:
+                continue
+        return out
+
+
+_PROM_LINE = re.compile(r"^(vllm:[A-Za-z0-9_:]+)(?:\{[^}]*\})?\s+(\S+)")
+
+
+class RemoteEngine:
+    """One model on an OpenAI-compatible server. Same methods as Engine; options other than the candidate count
+    cannot apply and are reported unavailable with the reason."""
+
+    def __init__(self, source: RemoteSource, options: EngineOptions, api_key: Optional[str] = None,
+                 transport: Optional[httpx.BaseTransport] = None):
+        self.source = source.validate()
+        self.options = options.validate()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(headers=headers, timeout=httpx.Timeout(source.timeout_s), transport=transport)
+        self._context_length = 0
+        self._vllm: Optional[VllmMetrics] = None
+        self.tokenizer = None
+
+    # ---- loading ----
+
+    @classmethod
+    def load(cls, source: "str | RemoteSource", options: EngineOptions = EngineOptions(),
+             progress: Optional[Callable[[Progress], None]] = None,
+             api_key: Optional[str] = None) -> "RemoteEngine":
+        """Connect: the model must be among those the server lists."""
+        src = RemoteSource.parse(source) if isinstance(source, str) else source
+        engine = cls(src, options, api_key)
+        try:
+            if progress is not None:
+                progress(Progress("load", None, f"asking {src.base_url} for its models"))
+            engine._connect()
+        except BaseException:
+            engine.close()
+            raise
+        if progress is not None:
+            progress(Progress("load", 1.0, "remote model ready"))
+        return engine
+
+    def _connect(self) -> None:
+        url = f"{self.source.base_url}/models"
+        try:
+            r = self._client.get(url)
+        except httpx.TimeoutException as exc:
+            raise ModelLoadError(f"the remote server at {self.source.base_url} did not answer within "
+                                 f"{self.source.timeout_s:g} s") from exc
+        except httpx.HTTPError as exc:
+            raise ModelLoadError(f"cannot reach the remote server at {self.source.base_url}: {exc}") from exc
+        if r.status_code in (401, 403):
+            raise ModelLoadError(f"the remote server at {self.source.base_url} refused the API key "
+                                 f"(HTTP {r.status_code}): {_error_text(r)}")
+        if r.status_code != 200:
+            raise ModelLoadError(f"the remote server at {self.source.base_url} answered HTTP {r.status_code} to "
+                                 f"GET /models: {_error_text(r)}")
+        try:
+            listed = r.json()["data"]
+            ids = {m["id"]: m for m in listed}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{url} did not answer with an OpenAI model list") from exc
+        if self.source.model not in ids:
+            names = ", ".join(sorted(ids)[:8]) or "none"
+            raise ModelLoadError(f"the remote server at {self.source.base_url} has no model "
+                                 f"{self.source.model!r}; it serves: {names}")
+        entry = ids[self.source.model]
+        ctx = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx_train") or entry.get("context_length")
+        self._context_length = int(ctx) if isinstance(ctx, int) and ctx > 0 else 0
+        self._probe_vllm()
+
+    def _probe_vllm(self) -> None:
+        url = f"{_server_root(self.source.base_url)}/metrics"
+        try:
+            r = self._client.get(url, timeout=min(5.0, self.source.timeout_s))
+        except httpx.HTTPError:
+            return
+        if r.status_code == 200 and "vllm:" in r.text:
+            self._vllm = VllmMetrics(self._client, url)
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            name=self.source.model, family="remote", architecture="OpenAI-compatible server", backend="remote",
+            parameters=0, dtype="set by the server", device=self.source.base_url,
+            context_length=self._context_length, weight_bytes=0, source=self.source.to_source(),
+            source_kind="remote", backend_reason=REMOTE_REASON,
+        )
+
+    @property
+    def context_length(self) -> int:
+        """0 when the server does not report it."""
+        return self._context_length
+
+    # ---- options ----
+
+    def unavailable(self, options: Optional[EngineOptions] = None) -> dict[str, str]:
+        o = options or self.options
+        out = {f.name: f"{REMOTE_REASON}, which decides its own {f.name.replace('_', ' ')}"
+               for f in fields(o) if f.name != "candidates"}
+        return out
+
+    def effective(self, options: EngineOptions) -> tuple[EngineOptions, dict[str, str]]:
+        return options, self.unavailable(options)
+
+    def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
+        self.options = options.validate()
+
+    # ---- generation ----
+
+    def generate(self, messages: list[dict], sampling: SamplingParams, on_event: Optional[Callable] = None,
+                 cancel: Optional[threading.Event] = None, raw: bool = False) -> GenerationResult:
+        """Stream one answer (n = the candidate count) from the server. A server that is down, slow, sends
+        garbage or drops the stream raises GenerationError; the text streamed until then has been delivered."""
+        sampling = sampling.validate()
+        emit = on_event or (lambda _e: None)
+        cancel = cancel or threading.Event()
+        n = self.options.candidates
+        body: dict[str, Any] = {
+            "model": self.source.model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        }
+        if n > 1:
+            body["n"] = n
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if raw:
+            body["prompt"] = messages[-1]["content"]
+        else:
+            body["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
+        before = self._vllm_read()
+        stream = _Stream(n)
+        side: dict[str, Optional[dict[str, float]]] = {}
+        reader: Optional[threading.Thread] = None
+        path = "/completions" if raw else "/chat/completions"
+        try:
+            with self._client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise GenerationError(f"the remote server refused the request (HTTP {r.status_code}): "
+                                          f"{_error_text(r)}")
+                for line in r.iter_lines():
+                    if cancel.is_set():
+                        stream.cancelled = True
+                        break
+                    if stream.feed(line, raw, emit) and reader is None and self._vllm is not None:
+                        reader = threading.Thread(target=lambda: side.update(during=self._vllm_read()), daemon=True)
+                        reader.start()
+                    if stream.done:
+                        break
+        except _Garbage as exc:
+            raise GenerationError(self._dropped(stream, str(exc))) from None
+        except httpx.TimeoutException as exc:
+            raise GenerationError(self._dropped(stream, f"did not send anything for {self.source.timeout_s:g} s "
+                                                        "(the timeout is set in the model panel)")) from exc
+        except httpx.ConnectError as exc:
+            raise GenerationError(f"cannot reach the remote server at {self.source.base_url}: {exc}") from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            raise GenerationError(self._dropped(stream, f"dropped the connection ({exc})")) from exc
+        except httpx.HTTPError as exc:
+            raise GenerationError(self._dropped(stream, f"failed: {exc}")) from exc
+        if stream.error:
+            raise GenerationError(self._dropped(stream, f"reported an error: {stream.error}"))
+        if not stream.done and not stream.cancelled:
+            raise GenerationError(self._dropped(stream, "closed the stream before the answer ended"))
+        if reader is not None:
+            reader.join(self.source.timeout_s)
+        result = stream.result(sampling, self.options, self.unavailable())
+        self._server_figures(result.metrics, stream, before, side.get("during"), self._vllm_read())
+        if n > 1 and len(stream.texts) < n:
+            result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")
+        return result
+
+    def _dropped(self, stream: "_Stream", what: str) -> str:
+        kept = " (the partial answer is kept)" if any(stream.texts.values()) else ""
+        return f"the remote server at {self.source.base_url} {what}{kept}"
+
+    def _vllm_read(self) -> Optional[dict[str, float]]:
+        if self._vllm is None:
+            return None
+        try:
+            return self._vllm.read()
+        except httpx.HTTPError as exc:
+            log.info("vLLM /metrics unreadable: %s", exc)
+            return None
+
+    def _server_figures(self, m: GenerationMetrics, stream: "_Stream", before: Optional[dict],
+                        during: Optional[dict], after: Optional[dict]) -> None:
+        t = stream.timings
+        if t and isinstance(t.get("prompt_ms"), (int, float)):
+            m.put("server_ttft_ms", float(t["prompt_ms"]), "llama.cpp timings.prompt_ms (prompt processing)")
+        if t and isinstance(t.get("predicted_per_second"), (int, float)):
+            m.put("server_decode_tok_s", float(t["predicted_per_second"]), "llama.cpp timings.predicted_per_second")
+        if before is not None and after is not None:
+            key = "vllm:time_to_first_token_seconds"
+            count = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
+            total = after.get(f"{key}_sum", 0.0) - before.get(f"{key}_sum", 0.0)
+            if count >= 1:
+                m.put("server_ttft_ms", total / count * 1e3,
+                      f"vLLM /metrics time_to_first_token_seconds (mean of {count:.0f} request(s) meanwhile)")
+        if during is not None:
+            for key, name in (("server_running_requests", "vllm:num_requests_running"),
+                              ("server_waiting_requests", "vllm:num_requests_waiting")):
+                if name in during:
+                    m.put(key, during[name])
+            kv = during.get("vllm:kv_cache_usage_perc", during.get("vllm:gpu_cache_usage_perc"))
+            if kv is not None:
+                m.put("server_kv_cache_pct", kv * 100)
+        for spec in figures.GENERATION_FIGURES:
+            if getattr(m, spec.key) is None and spec.key not in m.unavailable:
+                m.mark_na(spec.key, self._reason(spec.key))
+
+    def _reason(self, key: str) -> str:
+        if key.startswith("server_"):
+            if self._vllm is None and key in ("server_running_requests", "server_waiting_requests",
+                                              "server_kv_cache_pct"):
+                return "the server has no vLLM /metrics endpoint"
+            return "the server did not report it"
+        if key in ("prompt_tokens", "new_tokens_total"):
+            return "the server reported no token usage"
+        if key.startswith(("http_", "inter_token")):
+            return "too few text chunks arrived to time"
+        return f"{REMOTE_REASON}; measured there, not here"
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _Garbage(GenerationError):
+    """A line of the stream that is not an OpenAI event."""
+
+
+class _Stream:
+    """The SSE lines of one answer as they arrive: text per choice, arrival times, usage, llama.cpp timings."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.t_sent = time.perf_counter()
+        self.arrivals: list[float] = []  # text chunks of choice 0
+        self.first_text: Optional[float] = None
+        self.last_text: Optional[float] = None
+        self.texts: dict[int, str] = {}
+        self.finish: dict[int, str] = {}
+        self.usage: Optional[dict] = None
+        self.timings: Optional[dict] = None
+        self.error: Optional[str] = None
+        self.done = False
+        self.cancelled = False
+
+    def feed(self, line: str, raw: bool, emit: Callable) -> bool:
+        """Take one SSE line; True when it carried the answer's first text."""
+        line = line.strip()
+        if not line or line.startswith(":") or line.startswith(("event:", "id:", "retry:")):
+            return False
+        if not line.startswith("data:"):
+            raise _Garbage(f"sent something that is not an event stream: {line[:80]!r}")
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return False
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise _Garbage(f"sent an event that is not JSON: {data[:80]!r}") from None
+        if not isinstance(obj, dict):
+            raise _Garbage(f"sent an unexpected event: {data[:80]!r}")
+        if "error" in obj:
+            err = obj["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            self.done = True
+            return False
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        if isinstance(obj.get("timings"), dict):
+            self.timings = obj["timings"]
+        first = False
+        now = time.perf_counter()
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            i = choice.get("index", 0)
+            i = i if isinstance(i, int) and 0 <= i < max(self.n, 1) else 0
+            text = choice.get("text") if raw else (choice.get("delta") or {}).get("content")
+            if isinstance(text, str) and text:
+                first = first or self.first_text is None
+                self.first_text = self.first_text or now
+                self.last_text = now
+                if i == 0:
+                    self.arrivals.append(now)
+                self.texts[i] = self.texts.get(i, "") + text
+                emit(TextDelta(i, text))
+            if choice.get("finish_reason"):
+                self.finish[i] = str(choice["finish_reason"])
+        return first
+
+    def result(self, sampling: SamplingParams, options: EngineOptions, unavailable: dict[str, str]) -> GenerationResult:
+        count = max(self.texts.keys() | self.finish.keys(), default=0) + 1
+        stop_reason = "stop" if sampling.stop else "eos"
+        finishes = []
+        for i in range(count):
+            f = self.finish.get(i)
+            finishes.append("cancelled" if self.cancelled and f is None else
+                            "length" if f == "length" else stop_reason if f else "cancelled")
+        m = GenerationMetrics()
+        completion = None
+        if self.usage:
+            prompt, completion = self.usage.get("prompt_tokens"), self.usage.get("completion_tokens")
+            if isinstance(prompt, int):
+                m.prompt_tokens = prompt
+            if isinstance(completion, int):
+                m.new_tokens_total = completion
+                m.new_tokens = [completion] if count == 1 else []
+        if self.first_text is not None:
+            m.put("http_ttft_ms", (self.first_text - self.t_sent) * 1e3)
+            span = (self.last_text or self.first_text) - self.first_text
+            if isinstance(completion, int) and completion > count and span > 0:
+                m.put("http_decode_tok_s", (completion - count) / span)
+            elif not isinstance(completion, int):
+                m.mark_na("http_decode_tok_s", "the server reported no token usage")
+        gaps = [(b - a) * 1e3 for a, b in zip(self.arrivals, self.arrivals[1:])]
+        if gaps:
+            m.put("inter_token_ms_p50", _percentile(gaps, 50))
+            m.put("inter_token_ms_p99", _percentile(gaps, 99))
+        return GenerationResult(
+            texts=[self.texts.get(i, "") for i in range(count)],
+            token_ids=[[] for _ in range(count)],
+            finish_reasons=finishes,
+            metrics=m,
+            options=options,
+            unavailable=unavailable,
+            seed=sampling.seed,
+        )

@@ -1,0 +1,152 @@
+"""ChatFlow (app/chat_flow.py) on a real chat store and a fake engine controller: what is stored and emitted for
+sends, streams, stops, failures, stale events, branches and candidates, without a window or an engine."""
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import QObject, Signal
+
+from app.chat_flow import ChatFlow, title_from
+from app.store import ChatStore
+from engine.types import EngineOptions, GenerationMetrics, GenerationResult, SamplingParams
+
+SAMPLING = SamplingParams(temperature=0.0, max_new_tokens=8, seed=1)
+
+
+class FakeController(QObject):
+    """The controller's face as ChatFlow sees it: generate() returns a request id, events come as signals."""
+
+    generationStarted = Signal(int, object)
+    textBatch = Signal(int, object)
+    generationFinished = Signal(int, object)
+    generationFailed = Signal(int, str)
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[list[dict]] = []
+        self.cancels = 0
+        self.info = None
+
+    def generate(self, messages, sampling, raw=False, overflow="rolling") -> int:
+        self.asked.append(messages)
+        return len(self.asked)
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+    # what the worker would send for request `rid`
+    def run(self, rid: int, texts: list[str], reasons: list[str], options: EngineOptions = EngineOptions()) -> None:
+        self.generationStarted.emit(rid, options)
+        self.textBatch.emit(rid, {i: t for i, t in enumerate(texts)})
+        metrics = GenerationMetrics(new_tokens=[len(t) for t in texts], new_tokens_total=sum(map(len, texts)))
+        self.generationFinished.emit(rid, GenerationResult(texts, [[1] * len(t) for t in texts], reasons, metrics,
+                                                           options, {}, 1))
+
+
+@pytest.fixture
+def flow(tmp_path, qapp):
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    ctl = FakeController()
+    f = ChatFlow(store, ctl, SAMPLING)
+    yield f, store, ctl
+    store.close()
+
+
+def signals(f: ChatFlow, *names: str) -> dict[str, list]:
+    heard: dict[str, list] = {n: [] for n in names}
+    for n in names:
+        getattr(f, n).connect(lambda *a, n=n: heard[n].append(a))
+    return heard
+
+
+def test_a_first_message_makes_a_chat_and_its_answer_is_stored(flow):
+    f, store, ctl = flow
+    heard = signals(f, "chatOpened", "streamStarted", "streamDelta", "streamFinished", "generatingChanged")
+    assert f.send("Why is the sky blue?")
+    chat = store.get_chat(f.chat_id)
+    assert chat.title == title_from("Why is the sky blue?")
+    assert ctl.asked == [[{"role": "user", "content": "Why is the sky blue?"}]]
+    ctl.run(1, ["Rayleigh scattering."], ["eos"])
+    user, answer = store.thread(f.chat_id)
+    assert (user.role, answer.role, answer.content, answer.status) == ("user", "assistant", "Rayleigh scattering.", "done")
+    assert answer.parent_id == user.id and answer.metrics["new_tokens_total"] == len("Rayleigh scattering.")
+    assert heard["streamDelta"] == [({0: "Rayleigh scattering."},)]
+    assert heard["streamFinished"][0][0].content == "Rayleigh scattering."
+    assert heard["generatingChanged"] == [(True,), (False,)] and not f.generating
+
+
+def test_a_stopped_answer_keeps_its_text_and_says_stopped(flow):
+    f, store, ctl = flow
+    f.send("count")
+    f.stop()
+    assert ctl.cancels == 1
+    ctl.run(1, ["1 2 3"], ["cancelled"])
+    answer = store.thread(f.chat_id)[-1]
+    assert (answer.content, answer.status) == ("1 2 3", "stopped")
+
+
+def test_a_failure_keeps_text_written_before_it_and_drops_an_empty_answer(flow):
+    f, store, ctl = flow
+    failed = signals(f, "failed")["failed"]
+    f.send("first")
+    ctl.generationStarted.emit(1, EngineOptions())
+    ctl.generationFailed.emit(1, "out of device memory")
+    assert [m.role for m in store.thread(f.chat_id)] == ["user"]  # nothing to keep
+    assert failed == [("The answer failed: out of device memory",)]
+    f.send("second")
+    ctl.generationStarted.emit(2, EngineOptions())
+    ctl.textBatch.emit(2, {0: "partial"})
+    ctl.generationFailed.emit(2, "engine error")
+    answer = store.thread(f.chat_id)[-1]
+    assert (answer.content, answer.status) == ("partial", "error")
+
+
+def test_events_of_an_earlier_request_never_land_in_the_current_answer(flow):
+    f, store, ctl = flow
+    f.send("one")
+    ctl.run(1, ["first answer"], ["eos"])
+    f.send("two")
+    deltas = signals(f, "streamDelta")["streamDelta"]
+    ctl.generationStarted.emit(2, EngineOptions())
+    ctl.textBatch.emit(1, {0: " late text of request 1"})  # a batch that arrives after its answer ended
+    ctl.textBatch.emit(2, {0: "second answer"})
+    ctl.run(1, ["stale"], ["eos"])  # a whole stale generation is ignored too
+    ctl.generationFinished.emit(2, GenerationResult(["second answer"], [[1]], ["eos"], GenerationMetrics(),
+                                                    EngineOptions(), {}, 1))
+    assert deltas == [({0: "second answer"},)]  # on screen, only the current answer's text
+    contents = [m.content for m in store.thread(f.chat_id)]
+    assert contents == ["one", "first answer", "two", "second answer"]
+
+
+def test_regenerate_and_edit_make_siblings_and_the_prompt_skips_empty_answers(flow):
+    f, store, ctl = flow
+    f.send("question")
+    ctl.run(1, ["answer A"], ["eos"])
+    first = store.thread(f.chat_id)[-1]
+    f.regenerate(first.id)
+    ctl.run(2, ["answer B"], ["eos"])
+    assert [s.content for s in store.siblings(first.id)] == ["answer A", "answer B"]
+    assert ctl.asked[1] == [{"role": "user", "content": "question"}]
+    user = store.thread(f.chat_id)[0]
+    f.edit(user.id, "question, edited")
+    ctl.generationStarted.emit(3, EngineOptions())
+    ctl.generationFailed.emit(3, "no")  # an answer that failed empty is dropped
+    assert [s.content for s in store.siblings(user.id)] == ["question", "question, edited"]
+    f.set_chat_settings("Be brief.", SAMPLING)
+    f.send("more")
+    assert ctl.asked[-1][0] == {"role": "system", "content": "Be brief."}
+    assert all(m["content"] for m in ctl.asked[-1])
+
+
+def test_candidates_wait_for_a_choice_and_the_chosen_one_continues_the_chat(flow):
+    f, store, ctl = flow
+    done = signals(f, "candidatesFinished")["candidatesFinished"]
+    f.send("name a colour")
+    ctl.run(1, ["red", "green", "blue"], ["eos", "eos", "length"], EngineOptions(candidates=3))
+    assert len(done) == 1 and f.awaiting_choice()
+    answers = store.siblings(store.thread(f.chat_id)[-1].id)
+    assert [(a.content, a.candidate_index) for a in answers] == [("red", 0), ("green", 1), ("blue", 2)]
+    f.choose_candidate(1)
+    assert not f.awaiting_choice()
+    assert store.thread(f.chat_id)[-1].content == "green"
+    f.send("why?")
+    assert ctl.asked[-1][-2:] == [{"role": "assistant", "content": "green"}, {"role": "user", "content": "why?"}]

@@ -1,0 +1,87 @@
+"""The figures registry (engine/figures.py) and every place that reads figures agree on names and sources."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from engine import figures
+from engine.ladder import MEDIAN_FIELDS, SOURCE_FIELDS, median_metrics
+from engine.types import GenerationMetrics, MonitorSample
+
+BOOKKEEPING = {"new_tokens", "unavailable", "overflow_policy", "prompt_cut"}  # GenerationMetrics fields that are not figures
+
+
+def _metric_fields() -> set[str]:
+    source_fields = {f.source_field for f in figures.FIGURES if f.source_field}
+    return {f.name for f in fields(GenerationMetrics)} - BOOKKEEPING - source_fields
+
+
+def test_every_generation_field_is_registered_and_every_entry_is_a_field():
+    registered = {f.key for f in figures.GENERATION_FIGURES}
+    assert _metric_fields() == registered
+    names = {f.name for f in fields(GenerationMetrics)}
+    for f in figures.GENERATION_FIGURES:
+        if f.source_field:
+            assert f.source_field in names, f"{f.key}: source field {f.source_field} missing from GenerationMetrics"
+
+
+def test_monitor_sample_fields_are_the_sample_figures():
+    sample = {f.name for f in fields(MonitorSample)} - {"t", "sources"}
+    assert sample == {f.key for f in figures.SAMPLE_FIGURES}
+
+
+def test_each_figure_names_a_source_or_a_source_field():
+    for f in figures.FIGURES:
+        if "sample" in f.scopes and "generation" not in f.scopes:
+            continue  # the monitor names each sample's source
+        assert (f.source is None) != (f.source_field is None), f.key
+        assert f.better in (-1, 0, 1)
+        assert f.label and f.unit
+
+
+def test_keys_are_unique_and_lookup_of_an_unknown_figure_says_where_to_register():
+    assert len({f.key for f in figures.FIGURES}) == len(figures.FIGURES)
+    with pytest.raises(KeyError, match="engine/figures.py"):
+        figures.spec("acceptance_rate_typo")
+
+
+def test_put_sets_value_and_source_and_clears_na():
+    m = GenerationMetrics()
+    m.mark_na("kernel_gap_pct", "profiler window off")
+    assert m.figure("kernel_gap_pct") == figures.Figure(figures.spec("kernel_gap_pct"), None, None,
+                                                        "profiler window off")
+    m.put("kernel_gap_pct", 25.8, "kernel gap — torch.profiler")
+    fig = m.figure("kernel_gap_pct")
+    assert (fig.value, fig.source, fig.reason) == (25.8, "kernel gap — torch.profiler", None)
+    assert "kernel_gap_pct" not in m.unavailable and m.kernel_gap_source == "kernel gap — torch.profiler"
+    m.mark_na("kernel_gap_pct", "no events")
+    assert m.kernel_gap_pct is None and m.kernel_gap_source is None and m.unavailable["kernel_gap_pct"] == "no events"
+
+
+def test_a_machine_dependent_figure_needs_its_source_and_a_fixed_one_has_it():
+    m = GenerationMetrics()
+    with pytest.raises(ValueError, match="source"):
+        m.put("gpu_util_pct", 50.0)
+    with pytest.raises(ValueError, match="mark_na"):
+        m.put("ttft_ms", None)
+    m.put("ttft_ms", 12.5)
+    assert m.figure("ttft_ms").source == figures.ENGINE_TIMING
+
+
+def test_dict_form_reads_the_same_figure():
+    m = GenerationMetrics(decode_tok_s=17.5)
+    m.put("gpu_util_pct", 40.0, "GPU util — NVML samples")
+    m.mark_na("sm_activity_pct", "no GPM on this GPU")
+    d = m.to_dict()
+    for key in ("decode_tok_s", "gpu_util_pct", "sm_activity_pct", "kernel_gap_pct"):
+        assert figures.read(d, key) == m.figure(key)
+
+
+def test_bench_medians_cover_every_generation_figure_with_its_source():
+    assert set(MEDIAN_FIELDS) == {f.key for f in figures.GENERATION_FIGURES}
+    assert set(SOURCE_FIELDS) == {f.source_field for f in figures.GENERATION_FIGURES if f.source_field}
+    a, b = GenerationMetrics(decode_tok_s=10.0), GenerationMetrics(decode_tok_s=30.0)
+    b.put("kernel_gap_pct", 5.0, "op gap — torch.profiler CPU ops")
+    out = median_metrics([a.to_dict(), b.to_dict(), GenerationMetrics(decode_tok_s=20.0).to_dict()])
+    assert out["decode_tok_s"] == 20.0 and out["kernel_gap_source"] == "op gap — torch.profiler CPU ops"

@@ -1,0 +1,103 @@
+"""Telemetry files (engine/recording.py): a generation's events and figures saved and read back exactly, and
+every kind of bad file refused with where and why."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from engine.engine import Engine
+from engine.recording import FORMAT, VERSION, Recorder, RecordingError, load, save
+from engine.types import EngineOptions, MonitorSample, SamplingParams, StepRecord
+
+CPU = EngineOptions(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_llama, tmp_path_factory):
+    eng = Engine.load(str(tiny_llama), CPU)
+    try:
+        seen = []
+        rec = Recorder(seen.append)
+        result = eng.generate([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_new_tokens=12),
+                              on_event=rec)
+        recording = rec.finish(result, "tiny", eng.info.to_dict(), {"cpu_model": "test"})
+    finally:
+        eng.close()
+    path = tmp_path_factory.mktemp("rec") / "t.json"
+    save(recording, path)
+    return recording, path, seen, result
+
+
+def test_the_recorder_passes_every_event_on_and_keeps_steps_and_samples(recorded):
+    recording, _, seen, result = recorded
+    assert recording.steps == [e for e in seen if isinstance(e, StepRecord)] and recording.steps
+    assert recording.samples == [e for e in seen if isinstance(e, MonitorSample)]
+    assert recording.metrics == result.metrics and recording.options == result.options
+    assert recording.t_start <= recording.steps[0].t <= recording.steps[-1].t <= recording.t_end
+
+
+def test_a_saved_recording_reads_back_equal(recorded):
+    recording, path, _, _ = recorded
+    back = load(path)
+    assert back.steps == recording.steps and back.samples == recording.samples
+    assert back.metrics == recording.metrics and back.options == recording.options
+    assert (back.label, back.model, back.machine) == (recording.label, recording.model, recording.machine)
+    assert back.metrics.figure("kernel_gap_pct") == recording.metrics.figure("kernel_gap_pct")
+
+
+def test_figures_that_are_not_finite_are_written_as_na(recorded, tmp_path):
+    recording, _, _, _ = recorded
+    recording.metrics.decode_tok_s = math.nan
+    try:
+        save(recording, tmp_path / "nan.json")
+    finally:
+        recording.metrics.decode_tok_s = load(recorded[1]).metrics.decode_tok_s
+    assert json.loads((tmp_path / "nan.json").read_text())["metrics"]["decode_tok_s"] is None
+    assert load(tmp_path / "nan.json").metrics.decode_tok_s is None
+
+
+def _doc(path):
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: "[1, 2" , "not valid JSON"),
+    (lambda d: {"hello": 1}, "not a Gapless telemetry file"),
+    (lambda d: dict(d, version=VERSION + 1), f"telemetry version {VERSION + 1}"),
+    (lambda d: {k: v for k, v in d.items() if k != "metrics"}, '"metrics" is missing'),
+    (lambda d: dict(d, steps={"0": 1}), '"steps" is dict, not list'),
+    (lambda d: dict(d, options=dict(d["options"], dtype="fp8")), "options: dtype must be one of"),
+    (lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms="fast")), "metrics: ttft_ms is 'fast'"),
+    (lambda d: dict(d, steps=[dict(d["steps"][0], t=None)]), "steps[0]: t is None"),
+    (lambda d: dict(d, samples=[{"t": 1.0, "sources": {"gpu": 3}}]), "samples[0]: sources"),
+])
+def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):
+    _, path, _, _ = recorded
+    bad = change(_doc(path))
+    target = tmp_path / "bad.json"
+    target.write_text(bad if isinstance(bad, str) else json.dumps(bad), encoding="utf-8")
+    with pytest.raises(RecordingError) as info:
+        load(target)
+    assert words in str(info.value)
+
+
+def test_a_missing_file_says_so(tmp_path):
+    with pytest.raises(RecordingError, match="cannot read the telemetry file"):
+        load(tmp_path / "none.json")
+
+
+def test_a_write_that_fails_leaves_no_partial_file(recorded, tmp_path, monkeypatch):
+    recording, _, _, _ = recorded
+    target = tmp_path / "out.json"
+    target.write_text('{"format": "%s", "kept": true}' % FORMAT, encoding="utf-8")
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("engine.recording.os.replace", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save(recording, target)
+    assert json.loads(target.read_text())["kept"] is True
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

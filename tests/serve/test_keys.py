@@ -1,0 +1,58 @@
+"""API keys of remote servers: in a file only its owner can read when no keyring is usable; never logged."""
+from __future__ import annotations
+
+import stat
+import sys
+import types
+
+from app.keys import SERVICE, KeyStore
+
+
+def test_the_file_store_is_owner_only_and_round_trips(tmp_path, caplog):
+    caplog.set_level("DEBUG")
+    store = KeyStore(tmp_path / "config", use_keyring=False)
+    assert store.get("http://h:8000/v1") is None
+    store.set("http://h:8000/v1", "sk-secret-1")
+    store.set("http://other/v1", "sk-secret-2")
+    assert stat.S_IMODE(store.file.stat().st_mode) == 0o600
+    again = KeyStore(tmp_path / "config", use_keyring=False)
+    assert again.get("http://h:8000/v1") == "sk-secret-1" and again.get("http://other/v1") == "sk-secret-2"
+    again.set("http://h:8000/v1", None)
+    assert KeyStore(tmp_path / "config", use_keyring=False).get("http://h:8000/v1") is None
+    assert stat.S_IMODE(store.file.stat().st_mode) == 0o600
+    assert not any("sk-secret" in r.getMessage() for r in caplog.records)
+    assert "readable by its owner only" in store.where
+
+
+def test_a_corrupt_key_file_reads_as_empty(tmp_path):
+    store = KeyStore(tmp_path, use_keyring=False)
+    store.file.write_text("{not json")
+    assert store.get("http://h/v1") is None
+    store.set("http://h/v1", "k")
+    assert store.get("http://h/v1") == "k"
+
+
+def test_a_working_keyring_is_preferred(tmp_path, monkeypatch):
+    saved: dict = {}
+
+    class Backend:
+        pass
+
+    keyring = types.ModuleType("keyring")
+    keyring.get_keyring = lambda: Backend()
+    keyring.get_password = lambda service, user: saved.get((service, user))
+    keyring.set_password = lambda service, user, key: saved.__setitem__((service, user), key)
+    backends = types.ModuleType("keyring.backends")
+    fail = types.ModuleType("keyring.backends.fail")
+    fail.Keyring = type("Keyring", (), {})
+    backends.fail = fail
+    monkeypatch.setitem(sys.modules, "keyring", keyring)
+    monkeypatch.setitem(sys.modules, "keyring.backends", backends)
+    monkeypatch.setitem(sys.modules, "keyring.backends.fail", fail)
+    store = KeyStore(tmp_path)
+    assert store.where == "the OS keyring"
+    store.set("http://h/v1", "sk-k")
+    assert saved == {(SERVICE, "http://h/v1"): "sk-k"} and not store.file.exists()
+    assert store.get("http://h/v1") == "sk-k"
+    keyring.get_keyring = lambda: fail.Keyring()  # no backend (a headless Linux): the file
+    assert KeyStore(tmp_path).keyring is None

@@ -1,0 +1,108 @@
+"""The engine takes one request at a time: the others wait first come first served, past the bound they get
+503 with Retry-After, and a client that goes away (queued, waiting, or mid-stream) cancels its generation."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from urllib.parse import urlsplit
+
+import httpx
+import openai
+import pytest
+from serving import HeldEngine, load_engine, serving, wait_until
+
+
+@pytest.fixture
+def held(tiny_llama):
+    engine = load_engine(tiny_llama)
+    yield HeldEngine(engine)
+    engine.close()
+
+
+def body(server, content: str = "hello world", **fields) -> dict:
+    return {"model": server.engines.model_id, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def test_past_the_queue_bound_is_503_with_retry_after(held):
+    with serving(held, max_waiting=1) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        first = client.chat.completions.create(**body(server, max_tokens=6, seed=1), stream=True)
+        assert held.reached.wait(60)  # the first request holds the engine
+        second: dict = {}
+        waiter = threading.Thread(target=lambda: second.update(r=client.chat.completions.create(
+            **body(server, "the quick brown fox", max_tokens=5, temperature=0))))
+        waiter.start()
+        assert wait_until(lambda: server.engines.stats.waiting == 1)
+        r = httpx.post(f"{server.url}/chat/completions", json=body(server, max_tokens=2), timeout=60)
+        assert r.status_code == 503
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full" and "busy" in r.json()["error"]["message"]
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=server.engines.model_id, prompt="hi", max_tokens=2)
+        assert info.value.status_code == 503
+        held.release.set()
+        text = "".join(c.choices[0].delta.content or "" for c in first if c.choices)
+        waiter.join(120)
+        assert text == held.results[0].texts[0]
+        assert second["r"].choices[0].message.content == held.results[1].texts[0]
+        stats = server.engines.stats
+        assert (stats.served, stats.rejected, stats.waiting, stats.running) == (2, 2, 0, 0)
+
+
+def test_a_stream_closed_by_the_client_cancels_its_generation(held):
+    # seed 5 runs past 220 tokens without an end-of-sequence, so the cancel lands mid-answer
+    with serving(held) as server:
+        with httpx.stream("POST", f"{server.url}/chat/completions", timeout=60,
+                          json=body(server, max_tokens=220, seed=5, stream=True)) as r:
+            assert r.status_code == 200
+            assert held.reached.wait(60)
+        assert held.cancel is not None and held.cancel.wait(60)  # set by the server on the disconnect
+        held.release.set()
+        assert wait_until(lambda: server.engines.stats.cancelled == 1)
+        result = held.results[0]
+        assert result.finish_reasons == ["cancelled"] and len(result.token_ids[0]) < 220
+        assert server.engines.stats.served == 0
+
+
+def _raw_post(url: str, payload: dict) -> socket.socket:
+    parts = urlsplit(url)
+    data = json.dumps(payload).encode()
+    sock = socket.create_connection((parts.hostname, parts.port))
+    sock.sendall(f"POST {parts.path}/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_a_client_gone_before_the_whole_answer_cancels_it(held):
+    with serving(held) as server:
+        sock = _raw_post(server.url, body(server, max_tokens=220, seed=5))
+        assert held.reached.wait(60)
+        sock.close()
+        assert held.cancel is not None and held.cancel.wait(60)
+        held.release.set()
+        assert wait_until(lambda: server.engines.stats.cancelled == 1)
+        assert held.results[0].finish_reasons == ["cancelled"]
+
+
+def test_a_client_gone_while_queued_never_reaches_the_engine(held):
+    with serving(held) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        first = client.chat.completions.create(**body(server, max_tokens=4, seed=1), stream=True)
+        assert held.reached.wait(60)
+        sock = _raw_post(server.url, body(server, max_tokens=50))
+        assert wait_until(lambda: server.engines.stats.waiting == 1)
+        queued = list(server.engines._jobs.queue)[0]
+        sock.close()
+        assert queued.cancel.wait(60)  # seen while the request waits
+        third: dict = {}
+        t = threading.Thread(target=lambda: third.update(r=client.chat.completions.create(
+            **body(server, max_tokens=3, temperature=0))))
+        t.start()
+        assert wait_until(lambda: server.engines.stats.waiting == 2)
+        held.release.set()
+        list(first)
+        t.join(120)
+        assert third["r"].usage.completion_tokens >= 1
+        assert len(held.results) == 2  # the first and the third: the second was skipped
+        assert server.engines.stats.cancelled == 1 and server.engines.stats.served == 2

@@ -1,0 +1,182 @@
+"""The remote engine against `gapless serve` on loopback: the same text as the engine called directly, figures
+measured over HTTP with their sources, GPU figures n/a with the reason, options reported unavailable; bad
+addresses, models and keys are one clear error."""
+from __future__ import annotations
+
+import pytest
+from serving import load_engine, serving
+
+from app.server.http import ServeConfig
+from engine import figures
+from engine.errors import ModelLoadError, OptionsError
+from engine.remote import REMOTE_REASON, RemoteEngine, RemoteSource, is_remote
+from engine.types import EngineOptions, SamplingParams, TextDelta
+
+HELLO = [{"role": "user", "content": "hello world"}]
+KEY = "sk-remote-test"
+
+
+@pytest.fixture(scope="module")
+def local(tiny_llama):
+    engine = load_engine(tiny_llama)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(local):
+    with serving(local, config=ServeConfig(api_key=KEY)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def remote(server):
+    engine = RemoteEngine.load(RemoteSource(server.url, server.engines.model_id), EngineOptions(), api_key=KEY)
+    yield engine
+    engine.close()
+
+
+def test_sources_round_trip_and_bad_ones_are_refused():
+    src = RemoteSource("http://10.0.0.5:8000/v1/", "llama3:8b", 12.5)
+    assert is_remote(src.to_source()) and src.to_source() == "remote:http://10.0.0.5:8000/v1#llama3:8b|timeout=12.5"
+    back = RemoteSource.parse(src.to_source())
+    assert (back.base_url, back.model, back.timeout_s) == ("http://10.0.0.5:8000/v1", "llama3:8b", 12.5)
+    assert RemoteSource.parse("remote:http://h/v1#m").timeout_s == 60.0
+    for bad in ("remote:ftp://h/v1#m", "remote:http://h/v1", "remote:http://h/v1#", "remote:http://h/v1#m|timeout=x",
+                "remote:http://h/v1#m|timeout=0", "remote:http://h/v1#m|speed=3"):
+        with pytest.raises(OptionsError):
+            RemoteSource.parse(bad)
+
+
+def test_remote_text_is_the_local_engine_s(remote, local, server):
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=16)
+    deltas: list[TextDelta] = []
+    got = remote.generate(HELLO, sampling, on_event=deltas.append)
+    want = local.generate(HELLO, sampling)
+    assert got.texts == want.texts
+    assert "".join(d.text for d in deltas) == want.texts[0]
+    assert got.finish_reasons == [{"eos": "eos", "length": "length"}[want.finish_reasons[0]]]
+    m = got.metrics
+    assert m.prompt_tokens == want.metrics.prompt_tokens
+    assert m.new_tokens_total == len(want.token_ids[0])
+    raw = remote.generate([{"role": "user", "content": "the quick"}], SamplingParams(temperature=0.0, max_new_tokens=6),
+                          raw=True)
+    assert raw.texts == local.generate([{"role": "user", "content": "the quick"}],
+                                       SamplingParams(temperature=0.0, max_new_tokens=6), raw=True).texts
+
+
+def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
+    r = remote.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=24))
+    m = r.metrics
+    ttft = m.figure("http_ttft_ms")
+    assert ttft.value > 0 and ttft.source == "client-side timing over HTTP"
+    for key in ("inter_token_ms_p50", "inter_token_ms_p99", "http_decode_tok_s"):  # text comes in ~30 Hz batches
+        f = m.figure(key)
+        assert (f.value is not None and f.source == "client-side timing over HTTP") or \
+            f.reason == "too few text chunks arrived to time", key
+    for key in ("gpu_util_pct", "kernel_gap_pct", "sm_activity_pct", "ttft_ms", "decode_tok_s", "peak_memory_bytes"):
+        f = m.figure(key)
+        assert f.value is None and REMOTE_REASON in f.reason, key
+    for key in ("server_running_requests", "server_kv_cache_pct"):
+        assert m.figure(key).reason == "the server has no vLLM /metrics endpoint"
+    assert all(getattr(m, s.key) is not None or s.key in m.unavailable for s in figures.GENERATION_FIGURES)
+
+
+def test_options_other_than_candidates_are_unavailable_with_the_reason(remote):
+    na = remote.unavailable()
+    assert "candidates" not in na
+    assert {"device", "dtype", "kv_cache", "compile", "cuda_graph"} <= set(na)
+    assert all(REMOTE_REASON in why for why in na.values())
+    info = remote.info
+    assert info.backend == "remote" and info.source_kind == "remote" and info.source.startswith("remote:http://127.0.0.1")
+
+
+def test_candidates_go_as_n(remote, local):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=9)
+    remote.reconfigure(EngineOptions(candidates=2))
+    got = remote.generate(HELLO, sampling)
+    local.reconfigure(EngineOptions(device="cpu", candidates=2))
+    try:
+        want = local.generate(HELLO, sampling)
+    finally:
+        local.reconfigure(EngineOptions(device="cpu"))
+    assert got.texts == want.texts and len(got.texts) == 2
+    assert got.metrics.new_tokens_total == sum(len(t) for t in want.token_ids)
+
+
+def test_stop_and_seed_pass_through(remote, local):
+    greedy = local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=24)).texts[0]
+    stop = greedy[5:7]
+    r = remote.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=24, stop=(stop,)))
+    assert r.texts == [greedy[: greedy.find(stop)]] and r.finish_reasons == ["stop"]
+    a, b = (remote.generate(HELLO, SamplingParams(temperature=1.0, max_new_tokens=12, seed=21)).texts for _ in "ab")
+    assert a == b
+
+
+def test_a_wrong_key_unknown_model_or_dead_server_is_one_clear_error(server):
+    with pytest.raises(ModelLoadError, match="refused the API key"):
+        RemoteEngine.load(RemoteSource(server.url, server.engines.model_id), api_key="sk-wrong")
+    with pytest.raises(ModelLoadError, match=r"has no model 'nope'; it serves: "):
+        RemoteEngine.load(RemoteSource(server.url, "nope"), api_key=KEY)
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with pytest.raises(ModelLoadError, match=f"cannot reach the remote server at http://127.0.0.1:{port}/v1"):
+        RemoteEngine.load(RemoteSource(f"http://127.0.0.1:{port}/v1", "m", 5.0))
+
+
+def test_the_key_is_never_logged(server, caplog):
+    caplog.set_level("DEBUG")
+    engine = RemoteEngine.load(RemoteSource(server.url, server.engines.model_id), api_key=KEY)
+    try:
+        engine.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=4))
+    finally:
+        engine.close()
+    assert caplog.records and not any(KEY in r.getMessage() for r in caplog.records)
+
+
+def test_the_app_opens_a_remote_source_with_the_stored_key(server, local, use_file_keys):
+    from app.engines import load_engine as open_source
+    from app.keys import KeyStore
+    from app.paths import AppPaths
+
+    KeyStore(AppPaths.resolve().config).set(server.url, KEY)
+    source = RemoteSource(server.url, server.engines.model_id, 30.0).to_source()
+    engine = open_source(source, EngineOptions())
+    try:
+        assert isinstance(engine, RemoteEngine) and engine.source.timeout_s == 30.0
+        got = engine.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
+    finally:
+        engine.close()
+        KeyStore(AppPaths.resolve().config).set(server.url, None)
+    assert got == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
+
+
+@pytest.fixture
+def use_file_keys(monkeypatch):
+    import app.keys
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+
+
+def test_generate_on_the_command_line_through_a_remote(server, local):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), GAPLESS_REMOTE_API_KEY=KEY)
+    source = RemoteSource(server.url, server.engines.model_id).to_source()
+    r = subprocess.run([sys.executable, "-m", "app", "generate", "--model", source, "--prompt", "hello world",
+                        "--max-new-tokens", "8", "--json"], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["texts"] == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
+    assert out["model"]["backend"] == "remote" and KEY not in r.stdout + r.stderr
+    assert out["metrics"]["http_ttft_ms"] > 0

@@ -1,0 +1,175 @@
+"""The remote engine against a misbehaving stand-in server on loopback: garbage, a stream dropped mid-answer, a
+server that stops sending, an HTTP error; each a clear message with the text streamed until then delivered. And
+the server figures it reads: llama.cpp's `timings`, vLLM's `/metrics`."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from app.server.run import AsgiThread
+from engine.errors import GenerationError
+from engine.remote import RemoteEngine, RemoteSource
+from engine.types import SamplingParams, TextDelta
+
+HELLO = [{"role": "user", "content": "hi"}]
+MODELS = ["garbage", "drop", "unfinished", "stall", "error500", "midstream-error", "llamacpp", "vllm"]
+
+
+class StandIn:
+    """Each model name is one behaviour. `vllm_requests` counts the TTFT histogram's observations."""
+
+    def __init__(self) -> None:
+        self.vllm_requests = 0
+        self.release: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/models", self.models),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/metrics", self.metrics),
+        ])
+
+    async def models(self, _r: Request):
+        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]})
+
+    async def metrics(self, _r: Request):
+        n = self.vllm_requests
+        return PlainTextResponse(
+            "# HELP vllm:num_requests_running Number of requests running.\n"
+            f'vllm:num_requests_running{{model_name="vllm"}} 3.0\n'
+            f'vllm:num_requests_waiting{{model_name="vllm"}} 1.0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="vllm"}} 0.25\n'
+            f'vllm:time_to_first_token_seconds_sum{{model_name="vllm"}} {0.040 * n}\n'
+            f'vllm:time_to_first_token_seconds_count{{model_name="vllm"}} {float(n)}\n')
+
+    @staticmethod
+    def chunk(text: str, finish=None, **extra) -> str:
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
+                                      **extra}) + "\n\n"
+
+    async def chat(self, request: Request):
+        body = await request.json()
+        model = body["model"]
+        if model == "error500":
+            return JSONResponse({"error": {"message": "CUDA out of memory on the server"}}, status_code=500)
+
+        async def events():
+            yield self.chunk("Hello")
+            yield self.chunk(" there")
+            if model == "garbage":
+                yield "data: <html>502 Bad Gateway</html>\n\n"
+            elif model == "drop":
+                raise RuntimeError("the stand-in drops the connection")
+            elif model == "unfinished":
+                return
+            elif model == "stall":
+                self.loop = asyncio.get_running_loop()
+                self.release = asyncio.Event()
+                await self.release.wait()
+            elif model == "midstream-error":
+                yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
+            elif model == "llamacpp":
+                yield self.chunk("", "stop", timings={"prompt_ms": 12.5, "predicted_per_second": 88.0})
+                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
+                                                                     "total_tokens": 7}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            elif model == "vllm":
+                self.vllm_requests += 1
+                yield self.chunk("", "length")
+                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
+                                                                     "total_tokens": 7}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    s = StandIn()
+    server = AsgiThread(s.app())
+    yield s, server
+    if s.release is not None:  # let the stalled answer end
+        s.loop.call_soon_threadsafe(s.release.set)
+    server.stop()
+
+
+def run(server, model: str, timeout_s: float = 30.0):
+    engine = RemoteEngine.load(RemoteSource(server.url, model, timeout_s))
+    deltas: list[TextDelta] = []
+    try:
+        with pytest.raises(GenerationError) as info:
+            engine.generate(HELLO, SamplingParams(max_new_tokens=8), on_event=deltas.append)
+    finally:
+        engine.close()
+    return str(info.value), "".join(d.text for d in deltas)
+
+
+@pytest.mark.parametrize("model, words", [
+    ("garbage", "sent an event that is not JSON: '<html>502 Bad Gateway</html>'"),
+    ("drop", "dropped the connection"),
+    ("unfinished", "closed the stream before the answer ended"),
+    ("midstream-error", "reported an error: the model crashed"),
+])
+def test_a_broken_stream_is_a_clear_error_and_the_partial_text_was_delivered(stand_in, model, words):
+    _, server = stand_in
+    message, text = run(server, model)
+    assert words in message and f"the remote server at {server.url}" in message
+    assert message.endswith("(the partial answer is kept)")
+    assert text == "Hello there"
+
+
+def test_a_server_that_stops_sending_times_out_at_the_user_s_timeout(stand_in):
+    s, server = stand_in
+    message, text = run(server, "stall", timeout_s=0.5)
+    assert "did not send anything for 0.5 s" in message and text == "Hello there"
+
+
+def test_an_http_error_gives_the_server_s_message(stand_in):
+    _, server = stand_in
+    message, text = run(server, "error500")
+    assert message == "the remote server refused the request (HTTP 500): CUDA out of memory on the server"
+    assert text == ""
+
+
+def test_llama_cpp_timings_are_read_with_their_source(stand_in):
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "llamacpp"))
+    try:
+        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+    finally:
+        engine.close()
+    m = r.metrics
+    assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
+    assert (m.prompt_tokens, m.new_tokens_total) == (4, 3)
+    assert m.figure("server_ttft_ms").value == 12.5
+    assert m.figure("server_ttft_ms").source == "llama.cpp timings.prompt_ms (prompt processing)"
+    assert m.figure("server_decode_tok_s").value == 88.0
+    gap = m.figure("inter_token_ms_p50")  # two text chunks: one gap
+    assert gap.value is not None and gap.value >= 0 and gap.source == "client-side timing over HTTP"
+    assert m.figure("http_ttft_ms").value > 0
+    assert m.figure("http_decode_tok_s").value > 0  # 3 tokens over the span of the two text chunks
+    assert m.figure("kernel_gap_pct").reason.startswith("the model runs on a remote server")
+
+
+def test_vllm_metrics_are_read_with_their_source(stand_in):
+    s, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "vllm"))
+    try:
+        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+    finally:
+        engine.close()
+    m = r.metrics
+    assert r.finish_reasons == ["length"]
+    assert m.figure("server_running_requests").value == 3.0
+    assert m.figure("server_waiting_requests").value == 1.0
+    assert m.figure("server_kv_cache_pct").value == 25.0
+    assert "vLLM Prometheus /metrics" in m.figure("server_kv_cache_pct").source
+    ttft = m.figure("server_ttft_ms")
+    assert ttft.value == pytest.approx(40.0) and "mean of 1 request(s)" in ttft.source

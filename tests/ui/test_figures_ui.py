@@ -1,0 +1,42 @@
+"""The HUD's bars, compare columns and plots are built from the figures registry."""
+from __future__ import annotations
+
+from engine import figures
+from engine.types import GenerationMetrics
+from ui.hud import fmt
+from ui.hud.bars import BAR_ROWS
+from ui.hud.compare_table import COLUMNS
+from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS
+from ui.hud.series_view import PLOTS
+
+
+def test_hud_rows_columns_and_plots_are_registered_figures():
+    for row in BAR_ROWS:
+        assert row.title == figures.spec(row.key).label
+    for col in COLUMNS:
+        if col.kind == "metric":
+            s = figures.spec(col.key)
+            assert (col.title, col.better, col.source_field) == (s.label, s.better, s.source_field)
+    for plot in PLOTS:
+        assert plot.title == figures.spec(plot.name).label
+        if plot.from_steps:
+            assert plot.name in STEP_COLUMNS
+        else:
+            assert plot.name in SAMPLE_FIELDS
+    assert set(SAMPLE_FIELDS) == {f.key for f in figures.SAMPLE_FIGURES}
+
+
+def test_values_are_written_in_the_registered_unit():
+    assert fmt.figure_value(figures.spec("kernel_gap_pct"), 25.81) == "25.8 %"
+    assert fmt.figure_value(figures.spec("decode_tok_s"), 969.4) == "969.4 tok/s"
+    assert fmt.figure_value(figures.spec("peak_memory_bytes"), 3 * 2**30) == "3.0 GiB"
+    assert fmt.figure_value(figures.spec("launches_per_step"), 348.0) == "348"
+    assert fmt.figure_value(figures.spec("ttft_ms"), None) == fmt.NA
+
+
+def test_a_compare_column_formats_and_sources_from_the_registry():
+    col = next(c for c in COLUMNS if c.key == "gpu_util_pct")
+    m = GenerationMetrics()
+    m.put("gpu_util_pct", 42.0, "GPU util — NVML samples")
+    assert col.format(m.gpu_util_pct) == "42.0 %"
+    assert m.figure(col.key).source == "GPU util — NVML samples"

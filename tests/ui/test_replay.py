@@ -1,0 +1,27 @@
+"""`gapless replay`: a recorded generation shown in the HUD with its figures and sources."""
+from __future__ import annotations
+
+from app.replay import show
+from engine.recording import Recording
+from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
+
+
+def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
+    m = GenerationMetrics(prompt_tokens=20, new_tokens=[64], new_tokens_total=64, ttft_ms=12.0, decode_tok_s=969.0)
+    m.put("kernel_gap_pct", 25.8, "kernel gap — torch.profiler, 8-step window (sampled)")
+    m.put("gpu_util_pct", 71.0, "GPU util — NVML samples")
+    m.mark_na("sm_activity_pct", "no GPM on this GPU")
+    steps = [StepRecord(t=100.0 + i * 0.01, step=i, tokens_total=i + 1, step_ms=1.03) for i in range(1, 64)]
+    samples = [MonitorSample(t=100.0 + i * 0.1, gpu_util_pct=70.0 + i, sources={"gpu_util_pct": "GPU util — NVML samples"})
+               for i in range(6)]
+    rec = Recording("H200 · fp16 · CUDA graph", EngineOptions(device="cuda", dtype="fp16"), m, steps, samples,
+                    t_start=99.99, t_end=100.7, machine={"gpus": [{"name": "NVIDIA H200"}]})
+    panel = show(rec)
+    qtbot.addWidget(panel)
+    values = panel.bars.values()
+    assert values["decode_tok_s"]["text"] == "969.0 tok/s"
+    assert values["kernel_gap_pct"]["source"] == "kernel gap — torch.profiler, 8-step window (sampled)"
+    rows = panel.compare.model.rows
+    assert len(rows) == 1 and rows[0].label == "H200 · fp16 · CUDA graph" and rows[0].metrics == m
+    lengths = panel.series_lengths()
+    assert lengths["step_ms"] == len(steps) and lengths["gpu_util_pct"] == len(samples)
