@@ -18,8 +18,8 @@ from engine.types import EngineOptions, SamplingParams
 
 TARGET_RATIO = 0.2  # turn-10 TTFT with reuse at most this share of TTFT without
 
-# Each user turn is a request with pasted material, as in a real working session, so the conversation grows by a
-# few hundred tokens a turn.
+# Each user turn is a request with pasted notes, as in a real working session, so the conversation grows by about
+# two hundred tokens a turn.
 TOPICS = [
     "the water cycle", "how a bicycle gear works", "why bread rises", "the phases of the moon",
     "how vaccines train the immune system", "what a compiler does", "how bees make honey",
@@ -37,7 +37,7 @@ NOTES = ("Here are my notes so far, which may contain mistakes: {topic} is somet
 
 def user_turn(turn: int) -> str:
     topic = TOPICS[turn % len(TOPICS)]
-    return (f"Question {turn + 1}: explain {topic} in a few sentences. " + NOTES.format(topic=topic) * 2
+    return (f"Question {turn + 1}: explain {topic} in a few sentences. " + NOTES.format(topic=topic)
             + "Please answer briefly and say which of my notes is wrong.")
 
 
