@@ -30,6 +30,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         speculation=getattr(args, "speculation", None) or "ngram",
         draft_tokens=getattr(args, "draft_tokens", None) or 0,
         draft_model=getattr(args, "draft_model", None) or "",
+        prefix_reuse=getattr(args, "prefix_reuse", True),
     )
 
 
@@ -176,7 +177,27 @@ def spec_config_from_args(args: argparse.Namespace):
     )
 
 
+def run_conversation_bench(args: argparse.Namespace) -> int:
+    from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
+
+    if args.turns < 1 or args.repeats < 1:
+        from engine.errors import OptionsError
+
+        raise OptionsError("--turns and --repeats must be at least 1")
+    config = ConversationConfig(model=args.model, device=args.device, turns=args.turns,
+                                max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    report = run_conversation(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              command=list(sys.argv))
+    print(format_conversation(report))
+    if args.json is not None:
+        write_json(args.json, report)
+        print(f"\nwritten: {args.json}")
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "conversation", False):
+        return run_conversation_bench(args)
     from engine.bench import run_suite
 
     if getattr(args, "quality", False):

@@ -59,6 +59,7 @@ class BenchConfig:
     speculation: str = "ngram"  # how the speculation rung drafts
     draft_tokens: int = 0
     draft_model: str = ""
+    prefix_reuse: bool = True  # repeats of the prompt then reuse its KV cache (prompt_reused_tokens says how much)
 
 
 def median(values) -> Optional[float]:
@@ -178,7 +179,8 @@ class LadderRunner:
         self.opts: dict[str, EngineOptions] = {}
         self._current: Optional[EngineOptions] = None
         base = EngineOptions(device=config.device, profile_window=config.profile_window,
-                             draft_tokens=config.draft_tokens, draft_model=config.draft_model)
+                             draft_tokens=config.draft_tokens, draft_model=config.draft_model,
+                             prefix_reuse=config.prefix_reuse)
         for name in [p for p in PRESETS if p in config.presets]:
             opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
             label = f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
@@ -252,7 +254,7 @@ def run_ladder(engine, messages: list[dict], sampling: SamplingParams, presets: 
         model=engine.info.source, device=previous.device, max_new_tokens=max(2, sampling.max_new_tokens),
         repeats=repeats, warmup=1, presets=tuple(presets or PRESETS), candidates=candidates, baseline=False,
         prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
-        profile_window=previous.profile_window,
+        profile_window=previous.profile_window, prefix_reuse=previous.prefix_reuse,
     ))
     runner = LadderRunner(engine, config, log.info)
     runner.messages = list(messages)

@@ -47,6 +47,7 @@ TIPS = {
                     "(draft) are verified in one step; the answer is the one plain decoding gives"),
     "draft_tokens": "Drafts verified per step; auto lengthens them while they are accepted and pauses them when not",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
+    "prefix_reuse": "Keep the KV cache between answers: the part of the next prompt it already holds is not computed again",
 }
 
 
@@ -87,11 +88,12 @@ class TogglesPanel(QWidget):
         self.draft_tokens = QSpinBox(self)
         self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
         self.draft_tokens.setSpecialValueText("auto")
+        self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
             "weights": self.weights, "kernels": self.kernels, "speculation": self.speculation,
-            "draft_tokens": self.draft_tokens,
+            "draft_tokens": self.draft_tokens, "prefix_reuse": self.prefix_reuse,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -113,7 +115,8 @@ class TogglesPanel(QWidget):
                                      (("Candidates", self.candidates), (None, self.compile)),
                                      ((None, self.profile_window), (None, self.cuda_graph)),
                                      (("Weights", self.weights), ("Kernels", self.kernels)),
-                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens)))):
+                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
+                                     ((None, self.prefix_reuse),))):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
@@ -177,6 +180,7 @@ class TogglesPanel(QWidget):
             self.candidates.setValue(options.candidates)
             self.draft_tokens.setValue(options.draft_tokens)
             self.profile_window.setChecked(options.profile_window)
+            self.prefix_reuse.setChecked(options.prefix_reuse)
             self._show_preset()
             self._apply_tooltips()
         finally:
@@ -290,6 +294,7 @@ class TogglesPanel(QWidget):
             kernels=self.kernels.currentData(),
             weights=self.weights.currentData(),
             speculation=self.speculation.currentData(), draft_tokens=self.draft_tokens.value(),
+            prefix_reuse=self.prefix_reuse.isChecked(),
         )
 
     def _edited(self, name: str) -> None:
