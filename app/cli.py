@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
+    bench.add_argument("--quality", action="store_true",
+                       help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
+                            "format (fp32, bf16, int8, int4) on a fixed text")
 
     replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
     replay.add_argument("file", type=Path)

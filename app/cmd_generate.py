@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from engine.errors import OptionsError
 from engine.recording import Recorder, save
+from engine.diagnosis import diagnose
 from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, describe_options, preset_options
 
 
@@ -82,6 +83,7 @@ def run_generate(args) -> int:
         if args.json:
             out = result.to_dict()
             out["model"] = engine.info.to_dict()
+            out["diagnosis"] = diagnose(out["metrics"], out["options"], engine.info.device).to_dict()
             print(json.dumps(out, ensure_ascii=False))
         else:
             sys.stdout.write("\n")

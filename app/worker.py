@@ -105,6 +105,15 @@ class Ladder:
 
 
 @dataclass(frozen=True)
+class Call:
+    """Run fn(engine) on the worker thread (the API server's requests share the engine this way)."""
+
+    fn: Callable[[Any], None]
+    done: threading.Event = field(compare=False)
+    errors: list = field(compare=False, default_factory=list)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -221,7 +230,8 @@ class EngineWorker(EngineEvents):
         self.thread().quit()
 
     def _dispatch(self, command: Any) -> None:
-        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder}
+        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder,
+                   Call: self._call}
         try:
             handler[type(command)](command)
         except Exception as exc:  # a bug here must neither end the loop nor leave the GUI waiting for an answer
@@ -297,6 +307,14 @@ class EngineWorker(EngineEvents):
             return
         self._flush()
         self.generationFinished.emit(cmd.request_id, result)
+
+    def _call(self, cmd: Call) -> None:
+        try:
+            cmd.fn(self.engine)
+        except Exception as exc:  # handed back to the caller, which reports it
+            cmd.errors.append(exc)
+        finally:
+            cmd.done.set()
 
     def _ladder(self, cmd: Ladder) -> None:
         if self.engine is None:

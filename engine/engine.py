@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+BYTES_PER_TOKEN_SOURCE = "weights the decode step reads: every linear (quantised as held) and norm, one embedding row"
 LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
 
@@ -141,6 +142,7 @@ class Engine:
 
         params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
         wbytes = weight_bytes(self.model)
+        per_token, floor_ms, floor_source = self._memory_floor()
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
@@ -155,9 +157,29 @@ class Engine:
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
             weights=self.weights,
+            bytes_per_token=per_token,
+            bytes_per_token_source=BYTES_PER_TOKEN_SOURCE,
+            memory_floor_ms=floor_ms,
+            memory_floor_source=floor_source,
             load_seconds=self.load_seconds,
             load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
+
+    def _memory_floor(self) -> tuple[int, Optional[float], str]:
+        """(weight bytes per decode token, the time reading them takes at the device's peak bandwidth or None,
+        that time's source or why it is n/a)."""
+        from engine.quant import bytes_per_token
+
+        if self.fast:
+            per_token = bytes_per_token(self.model, self.model.tok_embeddings, self.model.output)
+        else:
+            per_token = bytes_per_token(self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings())
+        peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None) if hasattr(self, "monitor") else None
+        if not peak:
+            where = "the CPU's memory bandwidth is not known here" if self.device.type == "cpu" else \
+                "this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
+            return per_token, None, f"n/a: {where}"
+        return per_token, per_token / peak * 1e3, "bytes per token / NVML peak bandwidth (memory clock x bus width x 2)"
 
     @property
     def context_length(self) -> int:

@@ -50,6 +50,16 @@ def _restore_app_look(request):
     qapp.setStyle(style)
 
 
+@pytest.fixture
+def ctl(qtbot):
+    """An engine controller with a real worker thread (no model loaded), shut down after the test."""
+    from app.worker import EngineController, EngineWorker
+
+    controller = EngineController(EngineWorker())
+    yield controller
+    assert controller.shutdown(60)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     from tiny_models import make_tiny_model

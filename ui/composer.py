@@ -65,6 +65,7 @@ class Composer(QFrame):
         self.stop_button.hide()
         self.hint = QLabel(self)
         self.hint.setObjectName("composerHint")
+        self.hint.setWordWrap(True)  # a narrow window wraps the key hints instead of widening the column
 
         row = QHBoxLayout()
         row.setSpacing(8)

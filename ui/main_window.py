@@ -41,15 +41,34 @@ def model_status_text(info: Optional[ModelInfo]) -> str:
     return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
 
 
+LEFT_MIN_WIDTH = 180  # the chat list and the model panel
+CENTER_MIN_WIDTH = 280  # the conversation and the composer
+DOCK_MIN_WIDTH = 260  # the optimizations and the HUD
+LEFT_SHARE = 0.2  # of the splitter, when no saved sizes fit
+DOCK_SHARE = 500 / 1440  # of the window's width, until the user drags the docks' edge
+
+
+def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[int]]:
+    """The saved splitter sizes if they still fit: one per pane, each at least its pane's minimum, together no
+    wider than `total`; None otherwise (they are then dropped)."""
+    if not isinstance(saved, list) or len(saved) != len(minimums):
+        return None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in saved):
+        return None
+    if any(x < m for x, m in zip(saved, minimums)) or sum(saved) > total:
+        return None
+    return saved
+
+
 class FitScrollArea(QScrollArea):
-    """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height, so a
-    tall panel never forces the window taller than the screen (a plain resizable scroll area would size a
-    word-wrapping panel by its preferred height and always scroll)."""
+    """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height or width, so
+    a tall or wide panel never forces the window larger than the screen (a plain resizable scroll area would
+    size a word-wrapping panel by its preferred height and always scroll)."""
 
     def __init__(self, widget: QWidget, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.setFrameShape(QFrame.Shape.NoFrame)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self.setWidgetResizable(False)
         self.setWidget(widget)
         widget.installEventFilter(self)
@@ -69,7 +88,7 @@ class FitScrollArea(QScrollArea):
             return
         bar = self.verticalScrollBar().sizeHint().width()
         height = max(self.viewport().height(), w.minimumSizeHint().height())
-        width = self.width() - (bar if height > self.height() else 0)
+        width = max(self.width() - (bar if height > self.height() else 0), w.minimumSizeHint().width())
         w.resize(width, height)
 
 
@@ -145,26 +164,35 @@ class MainWindow(QMainWindow):
         model_box.setContentsMargins(10, 0, 10, 10)
         model_box.addWidget(self.model_panel)
         ll.addLayout(model_box)
-        left.setMinimumWidth(220)
+        left.setMinimumWidth(LEFT_MIN_WIDTH)
+        center.setMinimumWidth(CENTER_MIN_WIDTH)
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.setObjectName("mainSplitter")
         self.splitter.addWidget(left)
         self.splitter.addWidget(center)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes(settings.splitter_sizes.get("main", [260, 760]))
+        self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
+        self._saved_splitter = settings.splitter_sizes.get("main")  # applied once shown, where they still fit
+        self._splitter_fitted = False
 
         # Right: the optimizations over the HUD, so a toggle and its effect are in view together.
         self.toggles = TogglesPanel(settings.options(), self._preset_resolver, self)
         self.options_dock = QDockWidget("Optimizations", self)
         self.options_dock.setObjectName("optionsDock")
-        self.options_dock.setWidget(self.toggles)
+        self.options_dock.setWidget(FitScrollArea(self.toggles, self))
+        self.options_dock.setMinimumWidth(DOCK_MIN_WIDTH)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
+        self._dock_share = DOCK_SHARE
+        self._dock_resizing = False
+        self._width_seen = 0  # the window width the docks were last fitted to
+        self.options_dock.installEventFilter(self)
         self.hud_dock: Optional[QDockWidget] = None
         if self.hud is not None:
             self.hud_dock = QDockWidget("Performance", self)
             self.hud_dock.setObjectName("hudDock")
             self.hud_dock.setWidget(FitScrollArea(self.hud, self))
+            self.hud_dock.setMinimumWidth(DOCK_MIN_WIDTH)
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.hud_dock)
             self.hud_dock.setVisible(settings.hud_visible)
         self.status = QLabel("", self)
@@ -552,6 +580,45 @@ class MainWindow(QMainWindow):
         except SettingsError as exc:  # a read-only or full disk: the app keeps running
             log.error("%s", exc)
             self.status.setText(str(exc))
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        if not self._splitter_fitted:
+            QTimer.singleShot(0, self, self._fit_splitter)  # once the first layout has given the splitter its width
+
+    def _fit_splitter(self) -> None:
+        if self._splitter_fitted:
+            return
+        self._splitter_fitted = True
+        total = self.splitter.width() - self.splitter.handleWidth()
+        mins = [max(w.minimumWidth(), w.minimumSizeHint().width()) for w in (self.splitter.widget(0), self.splitter.widget(1))]
+        sizes = fitting_sizes(self._saved_splitter, mins, total)
+        if sizes is None:
+            left = max(mins[0], int(total * LEFT_SHARE))
+            sizes = [left, max(mins[1], total - left)]
+        self.splitter.setSizes(sizes)
+
+    def resizeEvent(self, event) -> None:
+        """The docks keep their share of the window's width (changed only by dragging their edge): a window
+        made narrow and wide again gets its panels back at their width, not the narrow one."""
+        super().resizeEvent(event)
+        if self.isVisible() and event.size().width() != self._width_seen:
+            # The window's layout has squeezed or stretched the docks already (before this event): not a drag.
+            self._width_seen = event.size().width()
+            width = max(DOCK_MIN_WIDTH, int(self._dock_share * self._width_seen))
+            QTimer.singleShot(0, self, lambda: self._resize_docks(width))
+
+    def _resize_docks(self, width: int) -> None:
+        if not self.options_dock.isFloating():
+            self._dock_resizing = True
+            self.resizeDocks([self.options_dock], [width], Qt.Orientation.Horizontal)
+            self._dock_resizing = False
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.options_dock and event.type() == QEvent.Type.Resize and self.isVisible() \
+                and not self._dock_resizing and self.width() == self._width_seen and not self.options_dock.isFloating():
+            self._dock_share = self.options_dock.width() / self.width()  # the user dragged the edge
+        return super().eventFilter(obj, event)
 
     def closeEvent(self, event) -> None:
         self.flow.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from engine.diagnosis import diagnose
 from engine.types import PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
 
 NA = "n/a"
@@ -48,6 +49,16 @@ def options_label(options: Optional[dict[str, Any]]) -> str:
         return NA
     name = preset_name(options)
     return PRESET_LABELS[name] if name else "custom"
+
+
+def diagnosis_lines(metrics: dict[str, Any], options: dict[str, Any], device: Optional[str]) -> list[str]:
+    """What limits this answer (engine.diagnosis), with the figures behind it and those that were missing."""
+    d = diagnose(metrics, options, device)
+    lines = [f"Diagnosis: {d.line}"]
+    lines += [f"  from {e}" for e in d.evidence]
+    if d.missing:
+        lines.append(f"  missing: {'; '.join(d.missing)}")
+    return lines
 
 
 def gap_label(device: Optional[str]) -> str:
@@ -101,4 +112,6 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
                          m.get("launches_per_step_source"), unavailable.get("launches_per_step")))
     if finish_reason:
         tips.append(f"Finished: {finish_words(finish_reason)}")
+    if metrics and options:
+        tips.extend(diagnosis_lines(metrics, options, device))
     return line, "\n".join(tips)

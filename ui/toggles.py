@@ -67,6 +67,9 @@ class TogglesPanel(QWidget):
         self.dtype = _combo(DTYPES, self)
         self.kv_cache = _combo(KV_MODES, self)
         self.sampling = _combo(SAMPLING_MODES, self)
+        # Sized to a few characters, not the longest preset name, so the dock can be narrow; the list shows all.
+        self.preset.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.preset.setMinimumContentsLength(8)
         self.compile = QCheckBox("torch.compile", self)
         self.cuda_graph = QCheckBox("CUDA graph", self)
         self.candidates = QSpinBox(self)

@@ -75,13 +75,6 @@ def generate(qtbot, ctl, sampling) -> tuple[int, GenerationResult]:
 # ---- the real engine on a tiny model ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def ctl(qtbot):
-    controller = EngineController(EngineWorker())
-    yield controller
-    assert controller.shutdown(60)
-
-
 def test_signal_order_of_a_load_and_a_generation(qtbot, ctl, tiny_llama):
     rec = Recorder(ctl)
     with qtbot.waitSignals([ctl.loadStarted, ctl.loaded], order="strict", timeout=TIMEOUT_MS):
