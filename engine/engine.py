@@ -571,7 +571,8 @@ class Engine:
         buckets = runner.buckets_for(prompt_len, max_new)
         try:
             try:
-                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+                with preserved(runner):  # a cached prefix survives the warm-up's writes at position 0
+                    runner.warm_up(buckets, kind, opts.cuda_graph, progress)
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:
@@ -582,7 +583,8 @@ class Engine:
                 runner.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 runner.graphs.clear()
                 runner.graph_pool = None
-                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+                with preserved(runner):
+                    runner.warm_up(buckets, kind, opts.cuda_graph, progress)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # a kernel that does not compile or launch here

@@ -4,6 +4,7 @@ serve, and the fall back to the torch kernels, with a notice, when a kernel fail
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -121,3 +122,26 @@ def test_bench_plans_the_fused_rung_and_fused_candidates(qwen2_engine, monkeypat
     assert skip is None and opts.kernels == "torch" and notes[0].startswith("without fused kernels: the fused kernels")
     with pytest.raises(OptionsError, match="kernels must be"):
         validate(BenchConfig(kernels="cuda"))
+
+
+def test_a_reused_prefix_survives_the_fused_warm_up(tiny_factory):
+    """A follow-up that reuses the cached prompt and samples (a new sampler kind: the fused step is warmed up again,
+    writing at position 0) gives the torch kernels' tokens for the same two turns."""
+    def two_turns(options: EngineOptions):
+        eng = Engine.load(str(tiny_factory("qwen2")), options)
+        try:
+            first = eng.generate(MESSAGES, GREEDY)
+            follow = MESSAGES + [{"role": "assistant", "content": first.texts[0]},
+                                 {"role": "user", "content": "the lazy dog"}]
+            second = eng.generate(follow, SamplingParams(temperature=0.8, max_new_tokens=6, seed=5))
+            cache = eng._runners[("static", 1, options.kernels)].cache
+            return first, second, [k[:, :, :second.metrics.prompt_tokens].clone() for k in cache.k]
+        finally:
+            eng.close()
+
+    (t1, t2, t_keys), (f1, f2, f_keys) = two_turns(TORCH), two_turns(FUSED)
+    assert f2.options.kernels == "fused" and f2.metrics.prompt_reused_tokens > 0
+    assert f2.metrics.prompt_reused_tokens == t2.metrics.prompt_reused_tokens
+    for a, b in zip(f_keys, t_keys):  # the prompt's keys, the reused ones included, as the torch path holds them
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (f1.token_ids, f2.token_ids) == (t1.token_ids, t2.token_ids)
