@@ -174,7 +174,7 @@ def _metrics(d: dict, where: str) -> GenerationMetrics:
         elif v is not None:
             x = _number(v, f"{where}: {f.name}")
             integral = f.name in ("prompt_tokens", "new_tokens_total", "decode_steps", "profiled_steps",
-                                  "peak_memory_bytes")
+                                  "peak_memory_bytes", "drafted_tokens", "accepted_tokens", "verify_steps")
             v = int(x) if integral and x is not None else x
         setattr(m, f.name, v)
     return m
@@ -187,7 +187,8 @@ def _step(d: Any, where: str) -> StepRecord:
         return StepRecord(t=_number(d.get("t"), f"{where}: t") or 0.0, step=int(_number(d.get("step"), f"{where}: step") or 0),
                           tokens_total=int(_number(d.get("tokens_total"), f"{where}: tokens_total") or 0),
                           step_ms=_number(d.get("step_ms"), f"{where}: step_ms", optional=True),
-                          profiled=bool(d.get("profiled", False)))
+                          profiled=bool(d.get("profiled", False)),
+                          tokens_per_step=_number(d.get("tokens_per_step"), f"{where}: tokens_per_step", optional=True))
     except (TypeError, ValueError) as exc:
         raise RecordingError(f"{where}: {exc}") from exc
 
