@@ -23,12 +23,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         presets=presets,
         candidates=args.candidates,
+        kernels=getattr(args, "kernels", None),
         baseline=args.baseline,
         compile=args.compile,
         prompt=args.prompt or DEFAULT_PROMPT,
         speculation=getattr(args, "speculation", None) or "ngram",
         draft_tokens=getattr(args, "draft_tokens", None) or 0,
         draft_model=getattr(args, "draft_model", None) or "",
+        prefix_reuse=getattr(args, "prefix_reuse", True),
     )
 
 
@@ -175,9 +177,31 @@ def spec_config_from_args(args: argparse.Namespace):
     )
 
 
+def run_conversation_bench(args: argparse.Namespace) -> int:
+    from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
+
+    if args.turns < 1 or args.repeats < 1:
+        from engine.errors import OptionsError
+
+        raise OptionsError("--turns and --repeats must be at least 1")
+    config = ConversationConfig(model=args.model, device=args.device, turns=args.turns,
+                                max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    report = run_conversation(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              command=list(sys.argv))
+    print(format_conversation(report))
+    if args.json is not None:
+        write_json(args.json, report)
+        print(f"\nwritten: {args.json}")
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "conversation", False):
+        return run_conversation_bench(args)
     from engine.bench import run_suite
 
+    if getattr(args, "quality", False):
+        return run_quality_bench(args)
     if getattr(args, "speculation_workloads", False):
         from engine.bench_spec import format_workloads, run_speculation_workloads
 
@@ -197,6 +221,19 @@ def run_bench(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     report = run_suite(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
     print(format_table(report))
+    if args.json is not None:
+        write_json(args.json, report)
+        print(f"\nwritten: {args.json}")
+    return 0
+
+
+def run_quality_bench(args: argparse.Namespace) -> int:
+    from engine.quality import QualityConfig, format_quality_table, run_quality
+
+    config = QualityConfig(model=args.model, device=args.device, decode_tokens=min(args.max_new_tokens, 64),
+                           repeats=args.repeats)
+    report = run_quality(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
+    print(format_quality_table(report))
     if args.json is not None:
         write_json(args.json, report)
         print(f"\nwritten: {args.json}")

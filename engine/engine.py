@@ -15,15 +15,19 @@ from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner
 from engine.errors import GaplessError, GenerationError, ModelLoadError
 from engine.generate import run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
+from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.sampling import SamplerKind
 from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
-from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta
+from engine.types import (
+    EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta,
+)
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+BYTES_PER_TOKEN_SOURCE = "weights the decode step reads: every linear (quantised as held) and norm, one embedding row"
 LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
 
@@ -51,7 +55,9 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.fast = self._fast_args() is not None
+        self.args = self._fast_args()
+        self.fast = self.args is not None
+        self._fused_failed: Optional[str] = None  # why the fused kernels failed here once; not tried again
         self.options = options.validate()
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
@@ -62,6 +68,7 @@ class Engine:
         self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
         self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
         self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
+        self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
         self._load_draft(self.options, progress)
@@ -100,6 +107,7 @@ class Engine:
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
+        self._fused_failed = None
         self._draft_models.clear()
         self.model = None
         if self.device.type == "cuda":
@@ -182,6 +190,7 @@ class Engine:
 
         params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
         wbytes = weight_bytes(self.model)
+        per_token, floor_ms, floor_source = self._memory_floor()
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
@@ -196,9 +205,29 @@ class Engine:
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
             weights=self.weights,
+            bytes_per_token=per_token,
+            bytes_per_token_source=BYTES_PER_TOKEN_SOURCE,
+            memory_floor_ms=floor_ms,
+            memory_floor_source=floor_source,
             load_seconds=self.load_seconds,
             load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
+
+    def _memory_floor(self) -> tuple[int, Optional[float], str]:
+        """(weight bytes per decode token, the time reading them takes at the device's peak bandwidth or None,
+        that time's source or why it is n/a)."""
+        from engine.quant import bytes_per_token
+
+        if self.fast:
+            per_token = bytes_per_token(self.model, self.model.tok_embeddings, self.model.output)
+        else:
+            per_token = bytes_per_token(self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings())
+        peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None) if hasattr(self, "monitor") else None
+        if not peak:
+            where = "the CPU's memory bandwidth is not known here" if self.device.type == "cpu" else \
+                "this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
+            return per_token, None, f"n/a: {where}"
+        return per_token, per_token / peak * 1e3, "bytes per token / NVML peak bandwidth (memory clock x bus width x 2)"
 
     @property
     def context_length(self) -> int:
@@ -214,16 +243,28 @@ class Engine:
         if o.device == "cuda" and not torch.cuda.is_available():
             out["device"] = "CUDA is not available on this machine"
         on_cuda = _target_device(o.device).type == "cuda"
+        fused = False
+        if o.kernels == "fused":
+            why = self._fused_unavailable(o)
+            if why:
+                out["kernels"] = why
+            else:
+                fused = True
+                if o.kv_cache != "static":
+                    out["kv_cache"] = "the fused kernels run on the static KV cache (switch them off for another cache)"
+        kv_cache = "static" if fused else o.kv_cache
         if o.cuda_graph:
             if not on_cuda:
                 out["cuda_graph"] = "CUDA graphs need a CUDA device; this machine runs on the CPU"
             elif not self.fast:
                 out["cuda_graph"] = f"{self._on_fallback()}, which has no captured step"
-            elif o.kv_cache != "static":
+            elif kv_cache != "static":
                 out["cuda_graph"] = "CUDA graphs need the static KV cache (fixed shapes and addresses)"
         if o.compile:
             if not self.fast:
                 out["compile"] = f"{self._on_fallback()}, which is not compiled"
+            elif fused:
+                out["compile"] = "the fused kernels replace the compiled decode step"
             elif o.kv_cache != "static":
                 out["compile"] = "compile needs the static KV cache (shapes change every step otherwise)"
         if o.kv_cache == "static" and not self.fast:
@@ -239,6 +280,24 @@ class Engine:
             out["speculation"] = why
         return out
 
+    def _fused_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no fused kernels"
+        if self._fused_failed:
+            return self._fused_failed
+        if o.weights != "native":
+            return f"the fused kernels read the weights in the model's dtype; {o.weights} weights run on the torch kernels"
+        from engine.kernels import unavailable_reason
+
+        return unavailable_reason(self.args, _target_device(o.device))
+
+    def fused_status(self) -> Optional[dict[str, object]]:
+        """Whether the fused runners launch with Programmatic Dependent Launch, and why (None before any ran)."""
+        runner = next((r for k, r in self._runners.items() if k[2] == "fused"), None)
+        if runner is None:
+            return None
+        return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
+
     def _speculation_unavailable(self, o: EngineOptions) -> Optional[str]:
         if o.speculation == "off":
             return None
@@ -249,6 +308,8 @@ class Engine:
         if o.candidates > 1:
             return ("speculation verifies the drafts of one answer; several candidates would accept different numbers "
                     "of tokens per step")
+        if o.kernels == "fused":
+            return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
         if o.speculation == "draft":
             if not o.draft_model:
                 return "no draft model chosen (--draft-model PATH)"
@@ -278,8 +339,10 @@ class Engine:
             eff = replace(eff, cuda_graph=False)
         if "compile" in reasons:
             eff = replace(eff, compile=False)
+        if "kernels" in reasons:
+            eff = replace(eff, kernels="torch")
         if "kv_cache" in reasons:
-            eff = replace(eff, kv_cache="dynamic")
+            eff = replace(eff, kv_cache="static" if eff.kernels == "fused" else "dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
         if "speculation" in reasons:
@@ -308,23 +371,29 @@ class Engine:
     # ---- generation ---------------------------------------------------------------------------------------
     def _runner(self, opts: EngineOptions, batch: int, needed: int) -> RunnerBase:
         length = bucket_for(needed, self.context_length)
-        key = (opts.kv_cache, batch)
+        key = (opts.kv_cache, batch, opts.kernels)
         runner = self._runners.get(key)
         if runner is not None and runner.length >= length:
             return runner
         if runner is not None:
             length = max(length, runner.length)
-        self._runners.pop(key, None)
+        old = self._runners.pop(key, None)
         if not self.fast:
             from engine.fallback import HFRunner
 
             runner = HFRunner(self.model, batch, length, self.config.vocab_size, self.eos_ids, self.device, opts.kv_cache)
+        elif opts.kernels == "fused":
+            from engine.kernels.runner import FusedRunner
+
+            runner = FusedRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "static":
             runner = StaticRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "dynamic":
             runner = DynamicRunner(self.model, batch, length, self.eos_ids, self.device)
         else:
             runner = NoCacheRunner(self.model, batch, length, self.eos_ids, self.device)
+        if old is not None:
+            self._prefix.carry(old, runner)
         self._runners[key] = runner
         return runner
 
@@ -351,6 +420,7 @@ class Engine:
         on_event: Optional[Callable] = None,
         cancel: Optional[threading.Event] = None,
         raw: bool = False,
+        overflow: str = "rolling",
     ) -> GenerationResult:
         """Generate with the current options. A compile failure falls back to eager; running out of device
         memory before any text left falls back to no CUDA graph, then to fewer candidates; each with a notice."""
@@ -361,7 +431,8 @@ class Engine:
         cancel = cancel or threading.Event()
         with self._lock, torch.inference_mode():
             opts, reasons = self.effective(self.options)
-            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw)
+            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw,
+                                  overflow=overflow)
             notices = list(prompt.notices)
             if not prompt.ids:
                 raise GenerationError("the prompt is empty after tokenization")
@@ -383,6 +454,8 @@ class Engine:
                 try:
                     loop, opts = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, notices, reasons)
                     break
+                except PrefillCancelled as exc:
+                    return self._stopped_reading(exc, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut)
                 except torch.OutOfMemoryError as exc:
                     self._free_device_memory()
                     if streamed:
@@ -390,6 +463,8 @@ class Engine:
                     opts, option, reason, notice = self._smaller(opts)
                     reasons[option] = reason
                     notices.append(notice)
+        loop.metrics.overflow_policy = overflow
+        loop.metrics.prompt_cut = prompt.cut or None
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
@@ -401,26 +476,43 @@ class Engine:
             notices=notices + loop.notices,
         )
 
+    def forget_prefix(self) -> None:
+        """The next generation starts from an empty cache (benchmarks)."""
+        with self._lock:
+            self._prefix.clear()
+
+    def measure_prompt(self, messages: list[dict], max_new_tokens: int, overflow: str = "rolling"):
+        """engine.types.ContextUse of `messages`: the prompt rendering of generate(), without the engine lock, so
+        it answers while a generation runs (the tokenizer is only read)."""
+        from engine.prompt import measure_prompt
+
+        return measure_prompt(self.tokenizer, messages, self.context_length, max_new_tokens, overflow)
+
     def _run(self, prompt_ids, max_new, sampling, opts, seed, on_event, cancel, notices, reasons):
         from engine.telemetry.window import ProfileWindow
 
         runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
         kind = SamplerKind.of(sampling)
         runner.sampler.set_params(sampling)
-        spec = self._speculator(opts, runner, on_event) if isinstance(runner, StaticRunner) else None
+        if opts.kernels == "fused":
+            runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons)
+        torch_step = isinstance(runner, StaticRunner) and opts.kernels == "torch"
+        spec = self._speculator(opts, runner, on_event) if torch_step else None
         if opts.speculation != "off" and spec is None:
             reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
             notices.append(f"speculation off for this answer: {reasons['speculation']}")
             opts = replace(opts, speculation="off")
         verify_ks = (spec.shapes or ()) if spec is not None else ()
-        if isinstance(runner, StaticRunner):
+        if torch_step:
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks)
+                    with preserved(runner):  # the cached prefix survives the warm-up's writes
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
@@ -431,21 +523,79 @@ class Engine:
                     reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
-                                   verify_ks)
+                    with preserved(runner):
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
         torch.manual_seed(seed)
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         window = ProfileWindow(self.device, enabled=opts.profile_window)
+        plan = self._prefix.plan(runner, list(prompt_ids), opts.prefix_reuse)
+        self._prefix.forget(runner)  # rewritten from here on; remembered again once the generation is complete
+        T = len(prompt_ids)
+        chunk = PREFILL_CHUNK if T - plan.start > PREFILL_CHUNK else None
+
+        def reading(done: int, total: int) -> None:
+            on_event(Progress("prefill", done / total, f"reading the conversation: {done:,} of {total:,} tokens"))
+
         try:
             loop = run_loop(
                 runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
                 window=window, monitor=self.monitor, spec=spec,
+                prefill=prefill_fn(runner, plan, chunk, reading if chunk else None, cancel),
             )
+        except PrefillCancelled as exc:
+            window.discard()
+            self._prefix.remember_read(runner, list(prompt_ids[: exc.done]))
+            exc.reused = plan.start
+            raise
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
+        self._prefix.remember(runner, list(prompt_ids), loop.metrics.decode_steps)
+        m = loop.metrics
+        m.put("prompt_reused_tokens", plan.start, plan.source)
+        m.put("prompt_computed_tokens", T - plan.start)
+        if m.ttft_ms:  # the prefill's rate is of the positions it computed
+            m.put("prefill_tok_s", (T - plan.start) / (m.ttft_ms / 1e3))
         return loop, opts
+
+    def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
+        """Compile (and capture) the fused step. A failure with PDL on is tried once more without it; any other
+        failure ends the fused kernels for this engine: the torch path runs, with a notice."""
+        def progress(message: str, fraction: float) -> None:
+            on_event(Progress("capture" if opts.cuda_graph else "compile", fraction, message))
+
+        kind = SamplerKind.of(sampling)
+        runner.use_graphs = opts.cuda_graph
+        buckets = runner.buckets_for(prompt_len, max_new)
+        try:
+            try:
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:
+                if not runner.use_pdl:
+                    raise
+                log.exception("the fused step failed with Programmatic Dependent Launch; trying without it")
+                runner.use_pdl = False
+                runner.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                runner.graphs.clear()
+                runner.graph_pool = None
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a kernel that does not compile or launch here
+            log.exception("the fused kernels failed; falling back to the torch kernels")
+            self._fused_failed = f"the fused kernels failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            reasons["kernels"] = self._fused_failed
+            notices.append("the fused kernels failed to compile or run, so this generation ran on the torch kernels "
+                           "(details in the log)")
+            self._runners.pop((opts.kv_cache, opts.candidates, "fused"), None)
+            opts = replace(opts, kernels="torch")
+            runner = self._runner(opts, opts.candidates, prompt_len + max_new)
+            runner.sampler.set_params(sampling)
+        return runner, opts
 
     def _speculator(self, opts: EngineOptions, runner: StaticRunner, on_event: Callable) -> Optional[Speculator]:
         """The speculation of this generation, or None when off (or the draft model cannot be had)."""
@@ -464,6 +614,19 @@ class Engine:
         source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
         return Speculator(proposer, k, shapes, source)
 
+    def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
+                         seed: int, notices: list[str], overflow: str, cut: str) -> GenerationResult:
+        """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
+        n = opts.candidates
+        m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
+                              prompt_cut=cut or None)
+        m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
+        m.put("prompt_computed_tokens", exc.done - exc.reused)
+        for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
+            m.mark_na(name, "stopped before the first token")
+        return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
+                                metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
+
     @staticmethod
     def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
         """After running out of device memory: (the next, smaller options to try, the option given up, why,
@@ -479,6 +642,7 @@ class Engine:
 
     def _free_device_memory(self) -> None:
         self._runners.clear()
+        self._prefix.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

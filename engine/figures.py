@@ -78,6 +78,11 @@ FIGURES: tuple[FigureSpec, ...] = (
                digits=0, tip="accepted / drafted, shown as a percentage"),
     FigureSpec("verify_steps", "Verify steps", "count", 0, ("generation",), source_field="speculation_source", digits=0,
                tip="decode steps that verified drafts; the others ran plain"),
+    FigureSpec("prompt_reused_tokens", "Prompt reused", "tokens", +1, ("generation",),
+               source_field="prompt_reuse_source", digits=0,
+               tip="prompt positions taken from the last generation's KV cache, not computed again"),
+    FigureSpec("prompt_computed_tokens", "Prompt computed", "tokens", -1, ("generation",), ENGINE_COUNT, digits=0,
+               tip="prompt positions the prefill computed"),
     # A remote engine (engine/remote.py): timed by the client over HTTP, or reported by the server.
     FigureSpec("http_ttft_ms", "TTFT (HTTP)", "ms", -1, ("generation",), HTTP_TIMING,
                tip="request sent → first text chunk received, network and the server's queue included"),

@@ -54,6 +54,7 @@ def run_loop(
     window=None,  # engine.telemetry.window.ProfileWindow or None
     monitor=None,  # engine.telemetry.monitor.Monitor or None
     spec: Optional[Speculator] = None,  # speculative decoding (batch 1, static cache) or None
+    prefill: Optional[Callable] = None,  # (prompt, kind) -> None in place of runner.prefill (engine.prefix)
 ) -> LoopResult:
     B = runner.batch
     now = time.perf_counter
@@ -67,7 +68,7 @@ def run_loop(
 
     _sync(device)
     t_start = now()
-    runner.prefill(prompt, kind)
+    (prefill or runner.prefill)(prompt, kind)
     clock.mark()
     if host_sync or spec is not None:
         first = runner.tok.view(-1).tolist()  # the per-token host sync of this mode

@@ -50,6 +50,7 @@ class BenchConfig:
     warmup: int = 1
     presets: tuple[str, ...] = tuple(PRESETS)
     candidates: Optional[int] = None  # N of the candidates rung (default 4)
+    kernels: Optional[str] = None  # the candidates rung's kernels; None: as its preset (torch, compiled)
     baseline: bool = True
     compile: Optional[bool] = None  # None: on with CUDA, off on the CPU (a cold compile takes minutes there)
     interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
@@ -58,6 +59,7 @@ class BenchConfig:
     speculation: str = "ngram"  # how the speculation rung drafts
     draft_tokens: int = 0
     draft_model: str = ""
+    prefix_reuse: bool = True  # repeats of the prompt then reuse its KV cache (prompt_reused_tokens says how much)
 
 
 def median(values) -> Optional[float]:
@@ -128,6 +130,8 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
     int8, candidates and speculation rungs keep running without the optimisations this machine lacks, and say which."""
     opts = rung_options(name, base, device_type, config.candidates, config.speculation)
     notes: list[str] = []
+    if name == "candidates" and config.kernels == "fused":  # the fused step replaces the compiled one
+        opts = replace(opts, kernels="fused", compile=False)
     compile_on = compile_enabled(config, device_type)
     if name in COMPILED_RUNGS and not compile_on:
         # A rung this device cannot run at all says so first; "compile off" is only the reason where it could.
@@ -140,6 +144,9 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
     if reasons and name in RELAXED_RUNGS:
+        if "kernels" in reasons and opts.kernels == "fused":
+            opts = replace(opts, kernels="torch")
+            notes.append(f"without fused kernels: {reasons['kernels']}")
         for key, why in reasons.items():
             if key in ("compile", "cuda_graph") and getattr(opts, key):
                 opts = opts.with_(**{key: False})
@@ -172,7 +179,8 @@ class LadderRunner:
         self.opts: dict[str, EngineOptions] = {}
         self._current: Optional[EngineOptions] = None
         base = EngineOptions(device=config.device, profile_window=config.profile_window,
-                             draft_tokens=config.draft_tokens, draft_model=config.draft_model)
+                             draft_tokens=config.draft_tokens, draft_model=config.draft_model,
+                             prefix_reuse=config.prefix_reuse)
         for name in [p for p in PRESETS if p in config.presets]:
             opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
             label = f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
@@ -246,7 +254,7 @@ def run_ladder(engine, messages: list[dict], sampling: SamplingParams, presets: 
         model=engine.info.source, device=previous.device, max_new_tokens=max(2, sampling.max_new_tokens),
         repeats=repeats, warmup=1, presets=tuple(presets or PRESETS), candidates=candidates, baseline=False,
         prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
-        profile_window=previous.profile_window,
+        profile_window=previous.profile_window, prefix_reuse=previous.prefix_reuse,
     ))
     runner = LadderRunner(engine, config, log.info)
     runner.messages = list(messages)
@@ -300,6 +308,8 @@ def validate(config: BenchConfig) -> BenchConfig:
         raise OptionsError(f"max_new_tokens must be >= 2 for a decode figure, got {config.max_new_tokens}")
     if config.candidates is not None:
         EngineOptions(candidates=config.candidates).validate()
+    if config.kernels is not None:
+        EngineOptions(kernels=config.kernels).validate()
     if not config.prompt.strip():
         raise OptionsError("the prompt is empty")
     return config
