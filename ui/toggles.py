@@ -23,7 +23,8 @@ CUSTOM = "custom"
 # The option each preset adds to the rung before it: the preset cannot run where that option cannot.
 DEFINING_OPTION: dict[str, Optional[str]] = {
     "naive": None, "half": "dtype", "device-sampling": "sampling", "first-fixes": "kv_cache", "compile": "compile",
-    "cuda-graph": "cuda_graph", "fused": "kernels", "candidates": "candidates",
+    "cuda-graph": "cuda_graph", "fused": "kernels", "int8": "weights", "candidates": "candidates",
+    "speculation": "speculation",
 }
 # (preset name, current options, device type "cpu" | "cuda") -> the preset's options on that device
 PresetResolver = Callable[[str, EngineOptions, str], EngineOptions]
