@@ -51,9 +51,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine(default_model_path):
+    # One thread: on a loaded machine a two-thread matmul of a few rows waits for a descheduled thread at every
+    # barrier (tens of ms each), which makes the verify steps, not the check, take the time.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     eng = Engine.load(str(default_model_path), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
     yield eng
     eng.close()
+    torch.set_num_threads(threads)
 
 
 def top2_gap(engine: Engine, ids: list[int]) -> float:
