@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from engine.errors import OptionsError
 from engine.recording import Recorder, save
+from engine.diagnosis import diagnose
 from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, describe_options, preset_options
 
 
@@ -27,7 +28,11 @@ def options_from_args(args) -> EngineOptions:
         "candidates": args.candidates,
         "profile_window": args.profile_window,
         "kernels": getattr(args, "kernels", None),
+        "speculation": getattr(args, "speculation", None),
+        "draft_tokens": getattr(args, "draft_tokens", None),
+        "draft_model": getattr(args, "draft_model", None),
         "weights": getattr(args, "weights", None),
+        "prefix_reuse": getattr(args, "prefix_reuse", None),
     }
     return replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
 
@@ -82,6 +87,7 @@ def run_generate(args) -> int:
         if args.json:
             out = result.to_dict()
             out["model"] = engine.info.to_dict()
+            out["diagnosis"] = diagnose(out["metrics"], out["options"], engine.info.device).to_dict()
             print(json.dumps(out, ensure_ascii=False))
         else:
             sys.stdout.write("\n")

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from app.store import move_aside
 from engine.errors import GaplessError, OptionsError
-from engine.types import EngineOptions, SamplingParams
+from engine.types import OVERFLOW_POLICIES, EngineOptions, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Settings:
     window_state: Optional[str] = None  # base64 of QMainWindow.saveState()
     hud_visible: bool = True
     splitter_sizes: dict[str, list[int]] = field(default_factory=dict)  # splitter name -> sizes
+    overflow_policy: str = "rolling"  # for chats without their own (engine.types.OVERFLOW_POLICIES)
 
     def options(self) -> EngineOptions:
         return EngineOptions.from_dict(self.engine_options)
@@ -105,6 +106,7 @@ _CHECKS = {
     "window_state": (_base64, "base64 text or null"),
     "hud_visible": (lambda v: isinstance(v, bool), "true or false"),
     "splitter_sizes": (_sizes, "an object of lists of sizes"),
+    "overflow_policy": (lambda v: v in OVERFLOW_POLICIES, f"one of {', '.join(OVERFLOW_POLICIES)}"),
 }
 assert set(_CHECKS) == {f.name for f in fields(Settings)}
 

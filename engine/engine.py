@@ -12,12 +12,16 @@ from typing import Callable, Optional
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GenerationError, ModelLoadError
+from engine.errors import GaplessError, GenerationError, ModelLoadError
 from engine.generate import run_loop
-from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
+from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
+from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.sampling import SamplerKind
+from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
-from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta
+from engine.types import (
+    EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,13 @@ class Engine:
         self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
+        self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
+        self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
         self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
+        self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
+        self._load_draft(self.options, progress)
         self.monitor = self._start_monitor()
 
     # ---- loading ------------------------------------------------------------------------------------------
@@ -100,6 +108,7 @@ class Engine:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
         self._fused_failed = None
+        self._draft_models.clear()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -128,6 +137,45 @@ class Engine:
         del state
         self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
+
+    def _load_draft(self, options: EngineOptions, progress: Callable[[Progress], None]) -> Optional[Transformer]:
+        """The draft model of `options` on this model's device and dtype, loaded once; None when the options
+        name none or it cannot draft for this model (the reason is kept for unavailable())."""
+        path = options.draft_model
+        if options.speculation != "draft" or not path or not self.fast or path in self._draft_refused:
+            return None
+        key = (path, str(self.device), self.dtype)
+        if key in self._draft_models:
+            return self._draft_models[key]
+        from engine.loader import load_checkpoint
+        from engine.speculative import vocabulary_mismatch
+
+        progress(Progress("load", None, f"loading the draft model {path}"))
+        try:
+            draft = load_checkpoint(path, progress)
+        except GaplessError as exc:
+            self._draft_refused[path] = f"the draft model could not be loaded: {exc}"
+            return None
+        why = vocabulary_mismatch(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
+        if why is None:
+            try:
+                ModelArgs.from_hf_config(draft.config)
+            except ValueError as exc:
+                why = f"the draft model runs only on the fast path, and cannot: {exc}"
+        if why is not None:
+            self._draft_refused[path] = why
+            return None
+        dtype = TORCH_DTYPES[self.dtype]
+        try:
+            model = build_transformer(draft.config, draft.weights(dtype, self.device), dtype, self.device,
+                                      consume=draft.materialise is not None)
+        except (ModelLoadError, RuntimeError) as exc:
+            self._draft_refused[path] = f"the draft model could not be placed on {self.device}: {exc}"
+            return None
+        draft.release()
+        self._draft_models = {key: model}  # one draft model at a time
+        progress(Progress("load", 1.0, "draft model ready"))
+        return model
 
     def _start_monitor(self):
         from engine.telemetry.monitor import Monitor
@@ -227,6 +275,9 @@ class Engine:
             why = self._weights_unavailable(o.weights, _target_device(o.device))
             if why:
                 out["weights"] = why
+        why = self._speculation_unavailable(o)
+        if why:
+            out["speculation"] = why
         return out
 
     def _fused_unavailable(self, o: EngineOptions) -> Optional[str]:
@@ -246,6 +297,24 @@ class Engine:
         if runner is None:
             return None
         return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
+
+    def _speculation_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if o.speculation == "off":
+            return None
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no verify step"
+        if o.kv_cache != "static":
+            return "speculation needs the static KV cache (drafts are verified in place, rejected ones dropped by moving its position)"
+        if o.candidates > 1:
+            return ("speculation verifies the drafts of one answer; several candidates would accept different numbers "
+                    "of tokens per step")
+        if o.kernels == "fused":
+            return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
+        if o.speculation == "draft":
+            if not o.draft_model:
+                return "no draft model chosen (--draft-model PATH)"
+            return self._draft_refused.get(o.draft_model)
+        return None
 
     def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
         from engine.quant import why_not
@@ -276,6 +345,8 @@ class Engine:
             eff = replace(eff, kv_cache="static" if eff.kernels == "fused" else "dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
+        if "speculation" in reasons:
+            eff = replace(eff, speculation="off")
         if "weights" in reasons:
             eff = replace(eff, weights="native")
         device = _target_device(eff.device)
@@ -294,6 +365,7 @@ class Engine:
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()
+            self._load_draft(options, progress)
             self.options = options
 
     # ---- generation ---------------------------------------------------------------------------------------
@@ -305,7 +377,7 @@ class Engine:
             return runner
         if runner is not None:
             length = max(length, runner.length)
-        self._runners.pop(key, None)
+        old = self._runners.pop(key, None)
         if not self.fast:
             from engine.fallback import HFRunner
 
@@ -320,6 +392,8 @@ class Engine:
             runner = DynamicRunner(self.model, batch, length, self.eos_ids, self.device)
         else:
             runner = NoCacheRunner(self.model, batch, length, self.eos_ids, self.device)
+        if old is not None:
+            self._prefix.carry(old, runner)
         self._runners[key] = runner
         return runner
 
@@ -346,6 +420,7 @@ class Engine:
         on_event: Optional[Callable] = None,
         cancel: Optional[threading.Event] = None,
         raw: bool = False,
+        overflow: str = "rolling",
     ) -> GenerationResult:
         """Generate with the current options. A compile failure falls back to eager; running out of device
         memory before any text left falls back to no CUDA graph, then to fewer candidates; each with a notice."""
@@ -356,7 +431,8 @@ class Engine:
         cancel = cancel or threading.Event()
         with self._lock, torch.inference_mode():
             opts, reasons = self.effective(self.options)
-            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw)
+            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw,
+                                  overflow=overflow)
             notices = list(prompt.notices)
             if not prompt.ids:
                 raise GenerationError("the prompt is empty after tokenization")
@@ -378,6 +454,8 @@ class Engine:
                 try:
                     loop, opts = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, notices, reasons)
                     break
+                except PrefillCancelled as exc:
+                    return self._stopped_reading(exc, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut)
                 except torch.OutOfMemoryError as exc:
                     self._free_device_memory()
                     if streamed:
@@ -385,6 +463,8 @@ class Engine:
                     opts, option, reason, notice = self._smaller(opts)
                     reasons[option] = reason
                     notices.append(notice)
+        loop.metrics.overflow_policy = overflow
+        loop.metrics.prompt_cut = prompt.cut or None
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
@@ -396,6 +476,18 @@ class Engine:
             notices=notices + loop.notices,
         )
 
+    def forget_prefix(self) -> None:
+        """The next generation starts from an empty cache (benchmarks)."""
+        with self._lock:
+            self._prefix.clear()
+
+    def measure_prompt(self, messages: list[dict], max_new_tokens: int, overflow: str = "rolling"):
+        """engine.types.ContextUse of `messages`: the prompt rendering of generate(), without the engine lock, so
+        it answers while a generation runs (the tokenizer is only read)."""
+        from engine.prompt import measure_prompt
+
+        return measure_prompt(self.tokenizer, messages, self.context_length, max_new_tokens, overflow)
+
     def _run(self, prompt_ids, max_new, sampling, opts, seed, on_event, cancel, notices, reasons):
         from engine.telemetry.window import ProfileWindow
 
@@ -404,14 +496,23 @@ class Engine:
         runner.sampler.set_params(sampling)
         if opts.kernels == "fused":
             runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons)
-        if isinstance(runner, StaticRunner) and opts.kernels == "torch":
+        torch_step = isinstance(runner, StaticRunner) and opts.kernels == "torch"
+        spec = self._speculator(opts, runner, on_event) if torch_step else None
+        if opts.speculation != "off" and spec is None:
+            reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
+            notices.append(f"speculation off for this answer: {reasons['speculation']}")
+            opts = replace(opts, speculation="off")
+        verify_ks = (spec.shapes or ()) if spec is not None else ()
+        if torch_step:
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    with preserved(runner):  # the cached prefix survives the warm-up's writes
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
@@ -422,19 +523,41 @@ class Engine:
                     reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    with preserved(runner):
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
         torch.manual_seed(seed)
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         window = ProfileWindow(self.device, enabled=opts.profile_window)
+        plan = self._prefix.plan(runner, list(prompt_ids), opts.prefix_reuse)
+        self._prefix.forget(runner)  # rewritten from here on; remembered again once the generation is complete
+        T = len(prompt_ids)
+        chunk = PREFILL_CHUNK if T - plan.start > PREFILL_CHUNK else None
+
+        def reading(done: int, total: int) -> None:
+            on_event(Progress("prefill", done / total, f"reading the conversation: {done:,} of {total:,} tokens"))
+
         try:
             loop = run_loop(
                 runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor,
+                window=window, monitor=self.monitor, spec=spec,
+                prefill=prefill_fn(runner, plan, chunk, reading if chunk else None, cancel),
             )
+        except PrefillCancelled as exc:
+            window.discard()
+            self._prefix.remember_read(runner, list(prompt_ids[: exc.done]))
+            exc.reused = plan.start
+            raise
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
+        self._prefix.remember(runner, list(prompt_ids), loop.metrics.decode_steps)
+        m = loop.metrics
+        m.put("prompt_reused_tokens", plan.start, plan.source)
+        m.put("prompt_computed_tokens", T - plan.start)
+        if m.ttft_ms:  # the prefill's rate is of the positions it computed
+            m.put("prefill_tok_s", (T - plan.start) / (m.ttft_ms / 1e3))
         return loop, opts
 
     def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
@@ -474,6 +597,36 @@ class Engine:
             runner.sampler.set_params(sampling)
         return runner, opts
 
+    def _speculator(self, opts: EngineOptions, runner: StaticRunner, on_event: Callable) -> Optional[Speculator]:
+        """The speculation of this generation, or None when off (or the draft model cannot be had)."""
+        if opts.speculation == "off":
+            return None
+        k = opts.draft_tokens
+        schedule = f"{k} drafts per step" if k else f"adaptive k (one of {', '.join(map(str, ADAPTIVE_KS))})"
+        shapes = ((k,) if k else ADAPTIVE_KS) if opts.compile or opts.cuda_graph else None
+        if opts.speculation == "ngram":
+            source = f"engine counters: n-gram prompt lookup (n = {NGRAM_MAX}..1) on the host, {schedule}"
+            return Speculator(NgramProposer(), k, shapes, source)
+        model = self._load_draft(opts, on_event)
+        if model is None:
+            return None
+        proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device)
+        source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
+        return Speculator(proposer, k, shapes, source)
+
+    def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
+                         seed: int, notices: list[str], overflow: str, cut: str) -> GenerationResult:
+        """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
+        n = opts.candidates
+        m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
+                              prompt_cut=cut or None)
+        m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
+        m.put("prompt_computed_tokens", exc.done - exc.reused)
+        for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
+            m.mark_na(name, "stopped before the first token")
+        return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
+                                metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
+
     @staticmethod
     def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
         """After running out of device memory: (the next, smaller options to try, the option given up, why,
@@ -489,6 +642,7 @@ class Engine:
 
     def _free_device_memory(self) -> None:
         self._runners.clear()
+        self._prefix.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -34,12 +34,13 @@ class ChatView(QScrollArea):
         self.setObjectName("chatView")
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        # The column follows the view's width and wraps; only below its narrowest does it scroll sideways.
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self._colors = colors
         self._container = QWidget()
         self._container.setObjectName("chatContainer")
         self._column = QVBoxLayout(self._container)
-        self._column.setContentsMargins(24, 16, 24, 16)
+        self._column.setContentsMargins(12, 16, 12, 16)
         self._column.setSpacing(10)
         self._empty = QLabel(EMPTY_HINT, self._container)
         self._empty.setObjectName("emptyHint")
@@ -131,6 +132,11 @@ class ChatView(QScrollArea):
     def rows_finished(self, ended: dict[int, str]) -> None:
         if self._candidates is not None:
             self._candidates.mark_ended(ended)
+
+    def set_stream_status(self, text: str) -> None:
+        """A line under the answer before its text arrives (e.g. how much of the prompt has been read)."""
+        if self._stream is not None and not self._stream.body.text:
+            self._stream.stats_label.setText(text)
 
     def streaming_text(self, candidate: int = 0) -> str:
         if self._stream is not None:

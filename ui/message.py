@@ -10,6 +10,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat_flow import MessageItem
+from ui.hud.bars import ElidedLabel
 from ui.markdown import SegmentsView
 from ui.stats import finish_words, format_stats
 from ui.theme import Colors
@@ -43,9 +44,10 @@ class MessageWidget(QFrame):
         header.setContentsMargins(0, 0, 0, 0)
         header.setSpacing(2)
         who = {"user": "You", "system": "System prompt"}.get(item.role, item.author or "Assistant")
-        self.role_label = QLabel(who, self)
+        self.role_label = ElidedLabel(who, self)  # a long model name never widens the conversation
         self.role_label.setObjectName("roleLabel")
-        header.addWidget(self.role_label)
+        self.role_label.setToolTip(who)
+        header.addWidget(self.role_label, 1)
         header.addSpacing(8)
 
         self.prev_button = _action("‹", "Previous version", self)

@@ -12,7 +12,10 @@ from PySide6.QtWidgets import (
 )
 
 from ui.progress import show_progress
-from engine.types import DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import (
+    DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, MAX_DRAFT_TOKENS, PRESET_LABELS, PRESETS, SAMPLING_MODES,
+    SPECULATION_MODES, EngineOptions, Progress, preset_options,
+)
 from engine.types import WEIGHT_FORMATS
 from ui.stats import preset_name
 
@@ -40,7 +43,11 @@ TIPS = {
                "layer, on the static KV cache",
     "weights": "native: the linears in the chosen precision · int8: weight-only, one scale per output channel "
                "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
+    "speculation": ("Speculative decoding: drafts looked up in the prompt and answer (ngram) or made by a smaller model "
+                    "(draft) are verified in one step; the answer is the one plain decoding gives"),
+    "draft_tokens": "Drafts verified per step; auto lengthens them while they are accepted and pauses them when not",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
+    "prefix_reuse": "Keep the KV cache between answers: the part of the next prompt it already holds is not computed again",
 }
 
 
@@ -67,6 +74,9 @@ class TogglesPanel(QWidget):
         self.dtype = _combo(DTYPES, self)
         self.kv_cache = _combo(KV_MODES, self)
         self.sampling = _combo(SAMPLING_MODES, self)
+        # Sized to a few characters, not the longest preset name, so the dock can be narrow; the list shows all.
+        self.preset.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.preset.setMinimumContentsLength(8)
         self.compile = QCheckBox("torch.compile", self)
         self.cuda_graph = QCheckBox("CUDA graph", self)
         self.candidates = QSpinBox(self)
@@ -74,10 +84,16 @@ class TogglesPanel(QWidget):
         self.profile_window = QCheckBox("Measure the gap", self)
         self.weights = _combo(WEIGHT_FORMATS, self)
         self.kernels = _combo(KERNELS, self)
+        self.speculation = _combo(SPECULATION_MODES, self)
+        self.draft_tokens = QSpinBox(self)
+        self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
+        self.draft_tokens.setSpecialValueText("auto")
+        self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
-            "weights": self.weights, "kernels": self.kernels,
+            "weights": self.weights, "kernels": self.kernels, "speculation": self.speculation,
+            "draft_tokens": self.draft_tokens, "prefix_reuse": self.prefix_reuse,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -98,7 +114,9 @@ class TogglesPanel(QWidget):
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
                                      ((None, self.profile_window), (None, self.cuda_graph)),
-                                     (("Weights", self.weights), ("Kernels", self.kernels)))):
+                                     (("Weights", self.weights), ("Kernels", self.kernels)),
+                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
+                                     ((None, self.prefix_reuse),))):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
@@ -154,13 +172,15 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "kernels"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "kernels", "speculation"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
             self.cuda_graph.setChecked(options.cuda_graph)
             self.candidates.setValue(options.candidates)
+            self.draft_tokens.setValue(options.draft_tokens)
             self.profile_window.setChecked(options.profile_window)
+            self.prefix_reuse.setChecked(options.prefix_reuse)
             self._show_preset()
             self._apply_tooltips()
         finally:
@@ -231,8 +251,8 @@ class TogglesPanel(QWidget):
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
                 if why and (name, True) in self._limits:
                     shown.append(f"Unavailable: {why}")
-            else:  # candidates
-                why = self._why(name, self._options.candidates)
+            else:  # candidates, draft_tokens
+                why = self._why(name, getattr(self._options, name))
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
             self.reasons[name].setText("\n".join(shown))
             self.reasons[name].setVisible(bool(shown))
@@ -273,6 +293,8 @@ class TogglesPanel(QWidget):
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
             kernels=self.kernels.currentData(),
             weights=self.weights.currentData(),
+            speculation=self.speculation.currentData(), draft_tokens=self.draft_tokens.value(),
+            prefix_reuse=self.prefix_reuse.isChecked(),
         )
 
     def _edited(self, name: str) -> None:

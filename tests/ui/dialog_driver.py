@@ -45,12 +45,12 @@ class Answered:
     buttons: list[str] = field(default_factory=list)  # a message box's button texts, as shown
 
 
-def _shown(kind: type) -> Optional[QWidget]:
+def _shown(kind: type, stale: set[int]) -> Optional[QWidget]:
     if kind is QMenu:
         popup = QApplication.activePopupWidget()
         return popup if isinstance(popup, QMenu) and popup.isVisible() else None
     for w in QApplication.topLevelWidgets():
-        if isinstance(w, kind) and w.isVisible():
+        if isinstance(w, kind) and w.isVisible() and id(w) not in stale:
             return w
     return None
 
@@ -66,6 +66,7 @@ class DialogDriver:
         self._steps: list[tuple[type, Callable[[QWidget], None]]] = []
         self._timers: list[QTimer] = []
         self._expected = 0
+        self._stale: set[int] = set()  # dialogs already on screen at start(): not the ones to answer
 
     # ---- answers -----------------------------------------------------------------------------------
 
@@ -129,6 +130,7 @@ class DialogDriver:
 
     def start(self) -> "DialogDriver":
         """Start polling for the first answer's dialog; call before the action that opens it."""
+        self._stale = {id(w) for w in QApplication.topLevelWidgets() if w.isVisible()}
         self._next()
         return self
 
@@ -157,7 +159,7 @@ class DialogDriver:
 
         def poll() -> None:
             polls[0] += 1
-            w = _shown(kind)
+            w = _shown(kind, self._stale)
             if w is None:
                 if polls[0] >= MAX_POLLS:
                     timer.stop()

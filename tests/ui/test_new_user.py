@@ -6,6 +6,7 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMenu
 
+from dialog_driver import DialogDriver
 from engine.types import SamplingParams
 from test_main_window import TIMEOUT_MS, close_app, open_app, send
 
@@ -50,8 +51,10 @@ def test_a_load_error_clears_once_the_model_in_use_answers(qtbot, app, tmp_path)
     w = app.window
     empty = tmp_path / "no-weights"
     empty.mkdir()
+    driver = DialogDriver().click("OK").start()  # the error box, as the user closes it
     with qtbot.waitSignal(app.controller.loadFailed, timeout=TIMEOUT_MS):
         w.load_model(str(empty))
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
     assert w.model_panel.error.isVisibleTo(w) and "no-weights" in w.model_panel.error.text()
     assert w.model_panel.status.text() == f"Still using {app.controller.info.name}"
     send(qtbot, app, "still here")
@@ -68,7 +71,7 @@ def shown_texts(view) -> list[str]:
 
 
 def test_right_clicking_another_chat_leaves_the_open_one_on_screen(qtbot, tmp_path):
-    from dialog_driver import DialogDriver, right_click
+    from dialog_driver import right_click
 
     gui = open_app(qtbot, tmp_path / "data")
     try:
@@ -198,3 +201,106 @@ def test_what_cannot_run_here_is_unavailable_from_the_start_with_the_reason_in_v
     assert app.controller.options == t.options
     assert t.preset.currentData() == "candidates"
     assert not t.cuda_graph.isEnabled() and t.reasons["cuda_graph"].isVisibleTo(w)
+
+
+def long_chat(store) -> int:
+    chat = store.create_chat("long", "", None)
+    parent = None
+    for i in range(4):
+        user = store.add_message(chat.id, "user", f"question {i} " + "with many words " * 40, parent)
+        answer = store.add_message(chat.id, "assistant", f"answer {i} " + "a long reply that has to wrap " * 40,
+                                   user.id)
+        parent = answer.id
+    return chat.id
+
+
+def assert_fits(w) -> None:
+    """Nothing of the conversation is cut off: each message and its buttons lie inside the visible column."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtWidgets import QToolButton
+
+    view = w.chat_view
+    port = view.viewport()
+    assert view.widget().width() <= port.width()
+    assert not view.horizontalScrollBar().isVisible()
+    for m in view.messages():
+        right = m.mapTo(port, QPoint(m.width(), 0)).x()
+        assert right <= port.width(), (right, port.width())
+        for b in m.findChildren(QToolButton):
+            if b.isVisible():
+                assert b.mapTo(port, QPoint(b.width(), 0)).x() <= port.width()
+        assert m.body.width() <= port.width()
+
+
+@pytest.mark.parametrize("size", [(1000, 700), (800, 600)])
+def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_back(qtbot, tmp_path, size):
+    from ui.main_window import CENTER_MIN_WIDTH, DOCK_MIN_WIDTH, LEFT_MIN_WIDTH
+
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w = gui.window
+        chat = long_chat(gui.store)
+        w.refresh_chats()
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat))
+        wide_dock = w.options_dock.width()
+        w.resize(*size)
+        qtbot.waitUntil(lambda: w.width() == size[0] and w.height() == size[1], timeout=TIMEOUT_MS)
+        # the long conversation scrolls instead (once rendered and the docks fitted to the new width)
+        qtbot.waitUntil(lambda: w.chat_view.verticalScrollBar().isVisible(), timeout=TIMEOUT_MS)
+        qtbot.wait(100)
+        assert_fits(w)
+        left, center = w.splitter.sizes()
+        assert left >= LEFT_MIN_WIDTH and center >= CENTER_MIN_WIDTH
+        assert w.options_dock.width() >= DOCK_MIN_WIDTH and w.hud_dock.width() >= DOCK_MIN_WIDTH
+        text_height = w.chat_view.messages()[1].body.height()
+        w.resize(1440, 900)
+        qtbot.waitUntil(lambda: abs(w.options_dock.width() - wide_dock) <= 8, timeout=TIMEOUT_MS)
+        assert_fits(w)
+        assert w.chat_view.messages()[1].body.height() < text_height  # wider lines, fewer of them
+    finally:
+        close_app(gui)
+
+
+def test_saved_splitter_sizes_that_no_longer_fit_are_dropped(qtbot, tmp_path):
+    import json
+
+    from ui.main_window import fitting_sizes
+
+    assert fitting_sizes([300, 600], [180, 280], 930) == [300, 600]
+    assert fitting_sizes([900, 1200], [180, 280], 930) is None
+    assert fitting_sizes([100, 800], [180, 280], 930) is None and fitting_sizes("x", [180, 280], 930) is None
+    data = tmp_path / "data"
+    for saved, kept in (([900, 1200], False), ([300, 500], True)):
+        gui = open_app(qtbot, data)
+        settings_file = gui.paths.settings_file
+        close_app(gui)
+        doc = json.loads(settings_file.read_text())
+        doc["splitter_sizes"] = {"main": saved}
+        doc["window_geometry"] = doc["window_state"] = None  # the window opens at its own size, whatever the screen
+        settings_file.write_text(json.dumps(doc))
+        gui = open_app(qtbot, data)
+        try:
+            w = gui.window
+            qtbot.waitUntil(lambda w=w: w._splitter_fitted, timeout=TIMEOUT_MS)
+            sizes = w.splitter.sizes()
+            assert (sizes[0] == saved[0]) is kept
+            assert sum(sizes) <= w.splitter.width() and sizes[0] >= 180 and sizes[1] >= 280
+        finally:
+            close_app(gui)
+
+
+def test_the_hud_and_the_stats_tooltip_say_what_limits_the_answer(qtbot, app):
+    from engine.diagnosis import diagnose
+
+    w = app.window
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+    result = send(qtbot, app, "hello")
+    m, o = result.metrics.to_dict(), result.options.to_dict()
+    d = diagnose(m, o, "cpu")
+    assert m["kernel_gap_pct"] is not None, m["unavailable"]  # the traced window measured the op gap
+    assert d.verdict.startswith("CPU") and d.evidence and d.next_step
+    label = app.hud.bars.diagnosis
+    assert label.isVisibleTo(app.hud) and label.text() == f"Limit: {d.line}"
+    assert d.evidence[0] in label.toolTip()
+    tip = w.chat_view.messages()[-1].stats_label.toolTip()
+    assert f"Diagnosis: {d.line}" in tip and f"  from {d.evidence[0]}" in tip
