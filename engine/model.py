@@ -278,7 +278,8 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, cos: torch.Tensor, sin: torch.Tensor):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # given storage, so no random init runs: on the meta device Embedding's normal_ imports torch._dynamo (3 s)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -69,6 +69,26 @@ def teacher_forced(model: torch.nn.Module, ids: list[int], device: torch.device,
     return nll, torch.cat(argmax)
 
 
+def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int) -> dict[str, Any]:
+    """llama.cpp's decode speed on the same GGUF, when llama-cpp-python is installed (an optional extra)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return {"status": "skipped", "reason": "llama-cpp-python is not installed (optional; it has no prebuilt "
+                                               "wheel for this machine and builds llama.cpp from source)"}
+    if not gguf_path or not gguf_path.lower().endswith(".gguf"):
+        return {"status": "skipped", "reason": "llama.cpp reads GGUF files; this model is a Hugging Face folder"}
+    llm = llama_cpp.Llama(model_path=gguf_path, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
+    runs = []
+    for i in range(repeats + 1):  # the first call warms up
+        started = time.perf_counter()
+        out = llm.create_chat_completion(messages=PROMPT, max_tokens=decode_tokens, temperature=0.0)
+        if i:
+            runs.append(out["usage"]["completion_tokens"] / (time.perf_counter() - started))
+    return {"status": "ok", "decode_tok_s": median(runs), "decode_tok_s_runs": runs, "threads": torch.get_num_threads(),
+            "figure": "completion tokens / wall time of create_chat_completion (its prompt evaluation included)"}
+
+
 def _relay(progress: Callable[[str], None], label: str) -> Callable[[Any], None]:
     return lambda p: progress(f"{label}: {p.message}")
 
@@ -120,6 +140,8 @@ def run_quality(config: QualityConfig, progress: Callable[[str], None], command:
         model_info = engine.info.to_dict()
     finally:
         engine.close()
+    progress("llama.cpp: decode on the same GGUF")
+    llama_cpp = llama_cpp_column(model_info["source"], config.decode_tokens, config.repeats)
     return {
         "kind": "quality",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -132,6 +154,7 @@ def run_quality(config: QualityConfig, progress: Callable[[str], None], command:
         "decode": {"prompt": PROMPT[0]["content"], "new_tokens": config.decode_tokens, "repeats": config.repeats,
                    "figure": "median of the engine's decode_tok_s (device-synchronised) after one warm-up"},
         "formats": [r.__dict__ for r in results],
+        "llama_cpp": llama_cpp,
     }
 
 
@@ -153,6 +176,11 @@ def format_quality_table(report: dict[str, Any]) -> str:
         rows.append(f"| {f['label']} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
                     f"{_num(f['perplexity'], '{:.3f}')} | {_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
                     f"{_num(f['decode_tok_s'], '{:.1f}')} |")
+    lc = report.get("llama_cpp") or {}
+    if lc.get("status") == "ok":
+        rows.append(f"| llama.cpp (same GGUF) | | | | | {_num(lc.get('decode_tok_s'), '{:.1f}')} |")
+    elif lc:
+        rows.append(f"| llama.cpp | skipped: {lc.get('reason')} | | | | |")
     t = report["text"]
     rows.append("")
     rows.append(f"Perplexity and top-1 over {t['tokens']} tokens of {t['source']} in windows of {t['window']}; "

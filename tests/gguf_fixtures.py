@@ -19,6 +19,11 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",  # Qwen2
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -80,7 +85,7 @@ def hf_llama_to_gguf(
     tok = json.loads((hf_folder / "tokenizer.json").read_text())
     state = load_file(str(hf_folder / "model.safetensors"))
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg["hidden_size"] // n_head
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
 
     w = gguf.GGUFWriter(str(out), architecture)
     w.add_name("tiny llama")
@@ -93,6 +98,9 @@ def hf_llama_to_gguf(
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
     w.add_rope_dimension_count(head_dim)
+    if architecture == "qwen3":  # llama.cpp writes the head size, which Qwen3 lets differ from hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
@@ -121,9 +129,9 @@ def hf_llama_to_gguf(
     for hf, arr in state.items():
         name = gguf_name(hf)
         arr = arr.astype(np.float32)
-        if hf.endswith("q_proj.weight"):
+        if architecture == "llama" and hf.endswith("q_proj.weight"):  # llama.cpp permutes Llama's only
             arr = _permute(arr, n_head)
-        elif hf.endswith("k_proj.weight"):
+        elif architecture == "llama" and hf.endswith("k_proj.weight"):
             arr = _permute(arr, n_kv)
         if name in forced:
             qtype = gguf.GGMLQuantizationType[forced[name]]

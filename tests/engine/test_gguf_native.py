@@ -127,6 +127,16 @@ def test_tiny_gguf_loads_to_transformers_tensors(tiny_llama, tmp_path, quant):
     _assert_same_checkpoint(load_checkpoint(str(path)), _reference(path))
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_ggufs_load_natively_to_transformers_tensors(tiny_factory, tmp_path, family, conversions):
+    # transformers' GGUF config for qwen3 leaves head_dim at Qwen3Config's 128 (real Qwen3 models' size)
+    folder = tiny_factory(family, **({"head_dim": 128} if family == "qwen3" else {}))
+    path = hf_llama_to_gguf(folder, tmp_path / f"tiny-{family}.Q8_0.gguf", quant="Q8_0", architecture=family)
+    ck = load_checkpoint(str(path))
+    assert conversions == [path.name] and ck.config.model_type == family  # the native path, not transformers'
+    _assert_same_checkpoint(ck, _reference(path))
+
+
 def test_k_quant_gguf_loads_to_transformers_tensors(tiny_factory, tmp_path):
     folder = tiny_factory("llama", tie=False, hidden_size=256, intermediate_size=512)
     names = [n for n in ("model.embed_tokens.weight", "lm_head.weight")] + [

@@ -28,6 +28,7 @@ def test_quality_report_per_format(tiny_llama, monkeypatch):
     assert by["int4"]["status"] == "skipped" and "_weight_int4pack_mm_for_cpu" in by["int4"]["reason"]
     table = format_quality_table(report)
     assert "| int4 | skipped: weights: this torch has no" in table and "| fp32 |" in table
+    assert report["llama_cpp"]["status"] == "skipped" and "llama-cpp-python is not installed" in table
 
 
 def test_bench_quality_cli_writes_json(tiny_llama, tmp_path, capsys):

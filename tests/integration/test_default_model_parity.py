@@ -27,7 +27,8 @@ def engine(default_model_path):
 def reference(engine):
     """transformers generate() on the same checkpoint and prompt (min_new_tokens keeps the count equal)."""
     ids = build_prompt(engine.tokenizer, MESSAGES, engine.context_length, N).ids
-    model = build_hf_model(engine.config, engine.checkpoint.state_dict, torch.float32, torch.device("cpu"))
+    weights = engine.checkpoint.weights(torch.float32, torch.device("cpu"))  # re-read from the GGUF: the engine holds none
+    model = build_hf_model(engine.config, weights, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
