@@ -340,11 +340,13 @@ class Engine:
 
         runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
         kind = SamplerKind.of(sampling)
+        compile_s: Optional[float] = None  # the compile / capture warm-up of this generation
         runner.sampler.set_params(sampling)
         if isinstance(runner, StaticRunner):
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
+                t_compile = time.perf_counter()
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
@@ -360,6 +362,9 @@ class Engine:
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
                     runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                compile_s = time.perf_counter() - t_compile
+                done = "captured" if opts.cuda_graph else "compiled" if opts.compile else "warmed up"
+                on_event(Progress(stage, 1.0, f"decode step {done} in {compile_s:.1f} s"))
         torch.manual_seed(seed)
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
@@ -372,6 +377,10 @@ class Engine:
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
+        if compile_s is not None:
+            loop.metrics.put("compile_seconds", compile_s)
+        else:
+            loop.metrics.mark_na("compile_seconds", "compile and CUDA graph off: nothing is compiled or captured")
         return loop, opts
 
     @staticmethod

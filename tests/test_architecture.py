@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-UI_MAY_IMPORT_FROM_ENGINE = {"engine", "engine.types", "engine.figures", "engine.errors"}
+UI_MAY_IMPORT_FROM_ENGINE = {"engine", "engine.types", "engine.figures", "engine.errors", "engine.diagnosis"}
 HEAVY = {"torch", "transformers", "gguf", "safetensors", "triton"}
 QT = {"PySide6", "pyqtgraph", "shiboken6"}
 APP_GUI_BUILDERS = {"app/gui.py", "app/replay.py"}  # the app modules that build widgets
