@@ -55,6 +55,7 @@ class Settings:
     window_state: Optional[str] = None  # base64 of QMainWindow.saveState()
     hud_visible: bool = True
     splitter_sizes: dict[str, list[int]] = field(default_factory=dict)  # splitter name -> sizes
+    last_folder: Optional[str] = None  # where the last file dialog was left: the next one starts there
 
     def options(self) -> EngineOptions:
         return EngineOptions.from_dict(self.engine_options)
@@ -105,6 +106,7 @@ _CHECKS = {
     "window_state": (_base64, "base64 text or null"),
     "hud_visible": (lambda v: isinstance(v, bool), "true or false"),
     "splitter_sizes": (_sizes, "an object of lists of sizes"),
+    "last_folder": (_optional_str, "a string or null"),
 }
 assert set(_CHECKS) == {f.name for f in fields(Settings)}
 

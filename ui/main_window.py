@@ -22,7 +22,7 @@ from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
-from ui.dialogs import ChatSettingsDialog, ProgressDialog, show_error
+from ui.dialogs import ChatSettingsDialog, ProgressDialog, show_error, show_info
 from ui.model_panel import ModelPanel, source_label
 from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
@@ -233,6 +233,11 @@ class MainWindow(QMainWindow):
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
         self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
+        self.model_panel.folderUsed.connect(self._folder_used)
+        self.model_panel.last_folder = self.settings.last_folder or ""
+        if self.hud is not None and hasattr(self.hud, "folderUsed"):
+            self.hud.folderUsed.connect(self._folder_used)
+            self.hud.last_folder = self.settings.last_folder or ""
         self.toggles.optionsChanged.connect(self._options_chosen)
         self.theme.changed.connect(v.set_colors)
 
@@ -302,8 +307,40 @@ class MainWindow(QMainWindow):
             view.addAction(act)
         view.addSeparator()
         view.addAction(self.options_dock.toggleViewAction())
+        help_menu = bar.addMenu("&Help")
+        action(help_menu, "Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
+        action(help_menu, "About Gapless", self.show_about)
         if self.hud_dock is not None:
             view.addAction(self.hud_dock.toggleViewAction())
+
+    def shortcut_lines(self) -> list[str]:
+        """Every menu action with a shortcut, as the menus have it, then the composer's keys."""
+        lines = []
+        for menu_action in self.menuBar().actions():
+            for act in menu_action.menu().actions():
+                keys = act.shortcut().toString(QKeySequence.SequenceFormat.NativeText)
+                if keys:
+                    lines.append(f"{keys}\t{act.text()}")
+        send = "Enter" if self.composer.edit.send_with == "enter" else "Ctrl+Enter"
+        newline = "Shift+Enter" if send == "Enter" else "Enter"
+        lines += [f"{send}\tSend the message", f"{newline}\tA new line in the message"]
+        return lines
+
+    def show_shortcuts(self) -> None:
+        self._info_box = show_info(self, "Keyboard shortcuts", "\n".join(self.shortcut_lines()))
+
+    def show_about(self) -> None:
+        import PySide6
+        from PySide6.QtCore import qVersion
+
+        from app import __version__
+
+        self._info_box = show_info(
+            self, "About Gapless",
+            f"Gapless {__version__}\n\nA desktop chat app for local language models with a live performance HUD: "
+            "each decode optimization can be switched on and off, and the HUD shows what it changes.\n\n"
+            f"Qt {qVersion()} · PySide6 {PySide6.__version__} · Apache-2.0",
+        )
 
     # ---- chats ---------------------------------------------------------------------------------------
 
@@ -467,6 +504,14 @@ class MainWindow(QMainWindow):
             self.model_panel.set_models(c.default(), c.recent(), c.scanned(), c.folder)
             for notice in c.take_notices():
                 self.status.setText(notice)
+
+    def _folder_used(self, folder: str) -> None:
+        """Every file dialog starts where the last one was left, in this run and the next."""
+        self.settings.last_folder = folder
+        self.model_panel.last_folder = folder
+        if self.hud is not None:
+            self.hud.last_folder = folder
+        self._persist()
 
     def set_models_folder(self, folder: str) -> None:
         self.settings.models_folder = folder
