@@ -22,7 +22,7 @@ from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
-from ui.dialogs import ChatSettingsDialog, ProgressDialog, show_error, show_info
+from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
 from ui.model_panel import ModelPanel, source_label
 from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
@@ -225,7 +225,7 @@ class MainWindow(QMainWindow):
         f.failed.connect(self._failed)
         v.editSubmitted.connect(f.edit)
         v.regenerateRequested.connect(f.regenerate)
-        v.deleteRequested.connect(f.delete_message)
+        v.deleteRequested.connect(self.ask_delete_message)
         v.siblingRequested.connect(f.step_sibling)
         v.candidateChosen.connect(f.choose_candidate)
         v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
@@ -352,6 +352,15 @@ class MainWindow(QMainWindow):
             self.flow.choose_candidate(tabs.tabs.currentIndex())
         if self.flow.send(text):
             self.composer.clear()
+
+    def ask_delete_message(self, message_id: int) -> None:
+        """A message goes with everything after it on its branch: asked first, Cancel the default."""
+        later = [m for m in self.chat_view.items() if m.id is not None]
+        ids = [m.id for m in later]
+        after = len(ids) - ids.index(message_id) - 1 if message_id in ids else 0
+        text = "Delete this message" + (f" and the {after} after it" if after else "") + "? This cannot be undone."
+        if confirm(self, "Delete message", text, "Delete"):
+            self.flow.delete_message(message_id)
 
     def new_chat(self) -> None:
         self.flow.new_chat()
