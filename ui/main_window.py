@@ -41,10 +41,10 @@ def model_status_text(info: Optional[ModelInfo]) -> str:
     return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
 
 
-LEFT_MIN_WIDTH = 180  # the chat list and the model panel
+LEFT_MIN_WIDTH = 220  # the chat list and the model panel
 CENTER_MIN_WIDTH = 280  # the conversation and the composer
 DOCK_MIN_WIDTH = 260  # the optimizations and the HUD
-LEFT_SHARE = 0.2  # of the splitter, when no saved sizes fit
+LEFT_SHARE = 0.28  # of the splitter, when no saved sizes fit
 DOCK_SHARE = 500 / 1440  # of the window's width, until the user drags the docks' edge
 
 
@@ -65,9 +65,12 @@ class FitScrollArea(QScrollArea):
     a tall or wide panel never forces the window larger than the screen (a plain resizable scroll area would
     size a word-wrapping panel by its preferred height and always scroll)."""
 
-    def __init__(self, widget: QWidget, parent: Optional[QWidget] = None):
+    def __init__(self, widget: QWidget, parent: Optional[QWidget] = None, scroll_vertically: bool = True):
         super().__init__(parent)
+        self._scroll_vertically = scroll_vertically  # False: as tall as the widget needs, scrolling only sideways
         self.setFrameShape(QFrame.Shape.NoFrame)
+        if not scroll_vertically:
+            self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self.setWidgetResizable(False)
         self.setWidget(widget)
@@ -87,6 +90,9 @@ class FitScrollArea(QScrollArea):
         if w is None:
             return
         bar = self.verticalScrollBar().sizeHint().width()
+        if not self._scroll_vertically:
+            wide = w.minimumSizeHint().width() > self.width()
+            self.setMinimumHeight(w.minimumSizeHint().height() + (self.horizontalScrollBar().sizeHint().height() if wide else 0))
         height = max(self.viewport().height(), w.minimumSizeHint().height())
         width = max(self.width() - (bar if height > self.height() else 0), w.minimumSizeHint().width())
         w.resize(width, height)
@@ -180,7 +186,7 @@ class MainWindow(QMainWindow):
         self.toggles = TogglesPanel(settings.options(), self._preset_resolver, self)
         self.options_dock = QDockWidget("Optimizations", self)
         self.options_dock.setObjectName("optionsDock")
-        self.options_dock.setWidget(FitScrollArea(self.toggles, self))
+        self.options_dock.setWidget(FitScrollArea(self.toggles, self, scroll_vertically=False))
         self.options_dock.setMinimumWidth(DOCK_MIN_WIDTH)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
         self._dock_share = DOCK_SHARE
