@@ -91,8 +91,14 @@ class FitScrollArea(QScrollArea):
             return
         bar = self.verticalScrollBar().sizeHint().width()
         if not self._scroll_vertically:
-            wide = w.minimumSizeHint().width() > self.width()
-            self.setMinimumHeight(w.minimumSizeHint().height() + (self.horizontalScrollBar().sizeHint().height() if wide else 0))
+            # As tall as the widget needs at the width it gets (wrapped lines included); sideways scroll below it.
+            width = max(self.width(), w.minimumSizeHint().width())
+            need = w.heightForWidth(width) if w.hasHeightForWidth() else w.minimumSizeHint().height()
+            need = max(need, w.minimumSizeHint().height())
+            wide = width > self.width()
+            self.setMinimumHeight(need + (self.horizontalScrollBar().sizeHint().height() if wide else 0))
+            w.resize(width, need)
+            return
         height = max(self.viewport().height(), w.minimumSizeHint().height())
         width = max(self.width() - (bar if height > self.height() else 0), w.minimumSizeHint().width())
         w.resize(width, height)
