@@ -27,6 +27,7 @@ def main() -> int:
                                             "Put the code in a code block, then explain it briefly.")
     p.add_argument("--parts", default="hud,ladder,main", help="which shots to make: hud, ladder, main (comma-separated)")
     p.add_argument("--main-tokens", type=int, default=200)
+    p.add_argument("--hud-tokens", type=int, default=160)
     args = p.parse_args()
     parts = set(args.parts.split(","))
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -62,7 +63,7 @@ def main() -> int:
     c.generationFinished.connect(lambda *a: finished.append(1))
 
     def hud_shots() -> None:
-        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=160, seed=0)
+        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=args.hud_tokens, seed=0)
         w.composer.set_text(args.prompt)
         w.composer.send_button.click()
         while len(batches) < 12 and not finished:
