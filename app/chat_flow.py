@@ -90,6 +90,7 @@ class ChatFlow(QObject):
         self.store = store
         self.controller = controller
         self.default_sampling = default_sampling
+        self.default_overflow = "rolling"  # for chats without their own policy (the settings' choice)
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
         self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
@@ -138,18 +139,32 @@ class ChatFlow(QObject):
         saved = self.store.get_chat(chat_id).sampling
         return SamplingParams.from_dict(saved) if saved else self.default_sampling
 
+    def overflow_policy(self, chat_id: Optional[int] = None) -> str:
+        """The policy answers of this chat are fitted to the context with: its own, else the default."""
+        chat_id = chat_id if chat_id is not None else self.chat_id
+        own = self.store.get_chat(chat_id).overflow_policy if chat_id is not None else None
+        return own or self.default_overflow
+
+    def chat_overflow_policy(self) -> Optional[str]:
+        """The chat's own policy; None when it follows the default."""
+        return self.store.get_chat(self.chat_id).overflow_policy if self.chat_id is not None else None
+
     def system_prompt(self) -> str:
         return self.store.get_chat(self.chat_id).system_prompt if self.chat_id is not None else ""
 
-    def set_chat_settings(self, system_prompt: str, sampling: SamplingParams) -> None:
+    def set_chat_settings(self, system_prompt: str, sampling: SamplingParams, overflow_policy: str = "") -> None:
+        """overflow_policy "" follows the default."""
         if self.chat_id is None:
             chat = self._guard(lambda: self.store.create_chat("New chat", system_prompt, sampling))
-            if chat:
-                self.chat_id = chat.id
-                self.chatsChanged.emit()
-                self.chatOpened.emit(chat.id)
+            if not chat:
+                return
+            self.chat_id = chat.id
+            self._guard(lambda: self.store.update_chat(chat.id, overflow_policy=overflow_policy))
+            self.chatsChanged.emit()
+            self.chatOpened.emit(chat.id)
             return
-        self._guard(lambda: self.store.update_chat(self.chat_id, system_prompt=system_prompt, sampling=sampling))
+        self._guard(lambda: self.store.update_chat(self.chat_id, system_prompt=system_prompt, sampling=sampling,
+                                                   overflow_policy=overflow_policy))
 
     # ---- the visible branch --------------------------------------------------------------------------
 
@@ -273,15 +288,31 @@ class ChatFlow(QObject):
             out.append({"role": m.role, "content": m.content})
         return out
 
+    def draft_messages(self, draft: str) -> list[dict]:
+        """The engine's messages if `draft` were sent now: the system prompt, the branch on screen, the draft."""
+        out: list[dict] = []
+        if self.chat_id is not None:
+            chat = self.store.get_chat(self.chat_id)
+            if chat.system_prompt.strip():
+                out.append({"role": "system", "content": chat.system_prompt})
+            streaming = set(self.answer.message_ids) if self.answer is not None else set()
+            for m in self.store.thread(self.chat_id) if chat.active_leaf_id is not None else []:
+                if m.role == "assistant" and (not m.content or m.id in streaming):
+                    continue  # an empty answer says nothing; the one streaming is not part of the next prompt yet
+                out.append({"role": m.role, "content": m.content})
+        out.append({"role": "user", "content": draft})
+        return out
+
     def _ask(self, user: Message) -> bool:
         try:
             messages = self.prompt_messages(user)
             sampling = self.sampling(user.chat_id)
+            overflow = self.overflow_policy(user.chat_id)
         except StoreError as exc:
             self.failed.emit(str(exc))
             return False
         info = getattr(self.controller, "info", None)
-        request_id = self.controller.generate(messages, sampling)
+        request_id = self.controller.generate(messages, sampling, overflow=overflow)
         self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None,
                               max_new_tokens=sampling.max_new_tokens)
         self._candidate_ids = []
@@ -336,6 +367,17 @@ class ChatFlow(QObject):
             return
         if a.discarded:
             self._end()
+            return
+        if all(r == "cancelled" for r in result.finish_reasons) and not any(result.texts):
+            # Stopped while the prompt was read: there is no answer to keep, only the question.
+            try:
+                for message_id in a.message_ids:
+                    self.store.delete_message(message_id)
+            except StoreError as exc:
+                self.failed.emit(f"The stopped answer could not be removed: {exc}")
+            self._end()
+            if a.chat_id == self.chat_id:
+                self.reload()
             return
         options = result.options.to_dict()
         metrics = result.metrics.to_dict()

@@ -24,6 +24,25 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"gapless: error: {message} (see {self.prog} --help)\n")
 
 
+def _draft_tokens(value: str) -> int:
+    """'auto' is 0, the adaptive draft length; a number is checked against the option's range later."""
+    if value == "auto":
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
+
+
+def _add_speculation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculation", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding: drafts from the prompt and answer (ngram) or a smaller model (draft)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default=None, metavar="K",
+                   help="drafts verified per step, 1..15, or 'auto' (adaptive, the default)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft model for --speculation draft (a GGUF file or a folder, same tokenizer)")
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a GGUF file, or a Hugging Face folder")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -33,12 +52,17 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--candidates", type=int, default=None)
+    p.add_argument("--kernels", choices=["torch", "fused"], default=None,
+                   help="decode step kernels: torch modules, or fused Triton kernels (implies the static KV cache)")
     p.add_argument("--weights", choices=["native", "int8", "int4"], default=None,
                    help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups")
-    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, int8, "
-                        "candidates)")
+    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, fused, "
+                        "int8, candidates, speculation)")
+    _add_speculation_options(p)
     p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
                    help="trace a short window of decode steps for the kernel/op gap (default on)")
+    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the KV cache between generations and compute only past the common prefix (default on)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,12 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the whole ladder)")
     bench.add_argument("--candidates", type=int, default=None, help="N for the candidates rung")
+    bench.add_argument("--kernels", choices=["torch", "fused"], default=None,
+                       help="kernels of the candidates rung (fused: the fused Triton kernels in a CUDA graph)")
     bench.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                        help="also time transformers generate() on the same model")
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
+    bench.add_argument("--conversation", action="store_true",
+                       help="instead of the ladder: TTFT along a growing conversation, prefix reuse on against off")
+    bench.add_argument("--turns", type=int, default=10, help="with --conversation: the conversation's turns")
+    bench.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep the KV cache between generations (default on; a repeat then reuses its prompt)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
+    bench.add_argument("--quality", action="store_true",
+                       help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
+                            "format (fp32, bf16, int8, int4) on a fixed text")
+    _add_speculation_options(bench)
+    bench.add_argument("--speculation-workloads", action="store_true",
+                       help="instead of the ladder: decode speed with and without speculation on rewrite, summary "
+                            "and free-chat prompts")
+    bench.add_argument("--dtypes", default=None, help="with --speculation-workloads: comma-separated dtypes "
+                                                      "(default fp32 on the CPU, fp16 on CUDA)")
+    bench.add_argument("--cuda-graph", action="store_true", help="with --speculation-workloads: capture the steps")
+    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the bench")
 
     replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
     replay.add_argument("file", type=Path)
@@ -110,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
     msub.add_parser("fetch-default", help="download the default model (if needed) and print its path")
     msub.add_parser("list", help="list the default, recent and scanned models")
+
+    chats = sub.add_parser("chats", help="list, export and import chats")
+    csub = chats.add_subparsers(dest="chats_command", metavar="ACTION")
+    csub.add_parser("list", help="id, last change, message count and title of every chat")
+    export = csub.add_parser("export", help="a chat with all its branches and figures, as JSON (or --markdown)")
+    export.add_argument("chat_id", type=int)
+    export.add_argument("-o", "--output", type=Path, default=None, help="write here (default: standard output)")
+    export.add_argument("--markdown", action="store_true", help="Markdown for reading instead of JSON")
+    imp = csub.add_parser("import", help="add a chat exported as JSON (validated whole; a bad file changes nothing)")
+    imp.add_argument("path", type=Path)
     _global_options_after_the_command(parser)
     return parser
 
@@ -139,7 +191,7 @@ def _quiet_and_offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models")
+SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models", "chats")
 
 
 def _smoke_test_alias(argv: list[str]) -> list[str]:
@@ -187,6 +239,12 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         if not args.models_command:
             parser.parse_args(["models", "--help"])
         return run_models(args, paths)
+    if command == "chats":
+        from app.cmd_chats import run_chats
+
+        if not args.chats_command:
+            parser.parse_args(["chats", "--help"])
+        return run_chats(args, paths)
     parser.error(f"unknown command {command!r}")
     return EXIT_USER_ERROR
 

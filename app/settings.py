@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from app.store import move_aside
 from engine.errors import GaplessError, OptionsError
-from engine.types import EngineOptions, SamplingParams
+from engine.types import OVERFLOW_POLICIES, EngineOptions, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class Settings:
     hud_visible: bool = True
     splitter_sizes: dict[str, list[int]] = field(default_factory=dict)  # splitter name -> sizes
     last_folder: Optional[str] = None  # where the last file dialog was left: the next one starts there
+    overflow_policy: str = "rolling"  # for chats without their own (engine.types.OVERFLOW_POLICIES)
 
     def options(self) -> EngineOptions:
         return EngineOptions.from_dict(self.engine_options)
@@ -107,6 +108,7 @@ _CHECKS = {
     "hud_visible": (lambda v: isinstance(v, bool), "true or false"),
     "splitter_sizes": (_sizes, "an object of lists of sizes"),
     "last_folder": (_optional_str, "a string or null"),
+    "overflow_policy": (lambda v: v in OVERFLOW_POLICIES, f"one of {', '.join(OVERFLOW_POLICIES)}"),
 }
 assert set(_CHECKS) == {f.name for f in fields(Settings)}
 

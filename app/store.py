@@ -58,6 +58,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX messages_by_parent ON messages(parent_id, id)",
         "CREATE INDEX chats_by_updated ON chats(updated DESC, id DESC)",
     ),
+    # NULL: the default policy from the settings
+    2: ("ALTER TABLE chats ADD COLUMN overflow_policy TEXT",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -75,6 +77,7 @@ class Chat:
     system_prompt: str
     sampling: Optional[dict]  # SamplingParams.to_dict(), None = the app's defaults
     active_leaf_id: Optional[int]
+    overflow_policy: Optional[str] = None  # engine.types.OVERFLOW_POLICIES; None = the settings' default
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ _MESSAGE_COLUMNS = (
     "id, chat_id, parent_id, role, content, status, created, updated, options_json, metrics_json, "
     "candidate_group, candidate_index, model_name"
 )
-_CHAT_COLUMNS = "id, title, created, updated, system_prompt, sampling_json, active_leaf_id"
+_CHAT_COLUMNS = "id, title, created, updated, system_prompt, sampling_json, active_leaf_id, overflow_policy"
 
 
 def _loads(text: Optional[str]) -> Optional[dict]:
@@ -118,7 +121,7 @@ def _message(row: tuple) -> Message:
 
 
 def _chat(row: tuple) -> Chat:
-    return Chat(row[0], row[1], row[2], row[3], row[4], _loads(row[5]), row[6])
+    return Chat(row[0], row[1], row[2], row[3], row[4], _loads(row[5]), row[6], row[7])
 
 
 def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
@@ -328,9 +331,17 @@ class ChatStore:
             db.execute("UPDATE chats SET title = ?, updated = ? WHERE id = ?", (title, time.time(), chat_id))
         return self.get_chat(chat_id)
 
-    def update_chat(self, chat_id: int, system_prompt: Optional[str] = None, sampling: Any = None) -> Chat:
+    def update_chat(self, chat_id: int, system_prompt: Optional[str] = None, sampling: Any = None,
+                    overflow_policy: Optional[str] = None) -> Chat:
+        """Change what is given (None: unchanged); overflow_policy "" means the settings' default again."""
+        from engine.types import OVERFLOW_POLICIES
+
+        if overflow_policy not in (None, "", *OVERFLOW_POLICIES):
+            raise StoreError(f"unknown overflow policy {overflow_policy!r}")
         with self._write("update the chat") as db:
             self._require_chat(db, chat_id)
+            if overflow_policy is not None:
+                db.execute("UPDATE chats SET overflow_policy = ? WHERE id = ?", (overflow_policy or None, chat_id))
             if system_prompt is not None:
                 db.execute("UPDATE chats SET system_prompt = ? WHERE id = ?", (system_prompt, chat_id))
             if sampling is not None:
@@ -497,6 +508,41 @@ class ChatStore:
             return self._descend(db, parent_id)
         row = db.execute("SELECT MAX(id) FROM messages WHERE chat_id = ? AND parent_id IS NULL", (chat_id,)).fetchone()
         return None if row[0] is None else self._descend(db, row[0])
+
+    def all_messages(self, chat_id: int) -> list[Message]:
+        """Every message of the chat, every branch, oldest first (a parent always before its children)."""
+        self.get_chat(chat_id)
+        return [_message(r) for r in self._read(
+            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,))]
+
+    def import_chat(self, chat: Any) -> int:
+        """Store a validated chat file (app.chat_io.ImportedChat) as a new chat, in one transaction; its id.
+        Message parents are indexes of earlier messages; candidate groups get numbers no message uses yet."""
+        with self._write("import the chat") as db:
+            cur = db.execute(
+                "INSERT INTO chats (title, created, updated, system_prompt, sampling_json, overflow_policy) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (chat.title, chat.created, chat.updated, chat.system_prompt, _dumps(chat.sampling),
+                 chat.overflow_policy),
+            )
+            chat_id = cur.lastrowid
+            next_group = db.execute("SELECT COALESCE(MAX(candidate_group), 0) + 1 FROM messages").fetchone()[0]
+            groups: dict[int, int] = {}
+            ids: list[int] = []
+            for m in chat.messages:
+                group = None
+                if m["candidate_group"] is not None:
+                    group = groups.setdefault(m["candidate_group"], next_group + len(groups))
+                parent = ids[m["parent"]] if m["parent"] is not None else None
+                cur = db.execute(
+                    f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (chat_id, parent, m["role"], m["content"], m["status"], m["created"], m["updated"],
+                     _dumps(m["options"]), _dumps(m["metrics"]), group, m["candidate_index"], m["model_name"]),
+                )
+                ids.append(cur.lastrowid)
+            if chat.active_leaf is not None:
+                db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (ids[chat.active_leaf], chat_id))
+        return chat_id
 
     def count_messages(self, chat_id: Optional[int] = None) -> int:
         if chat_id is None:

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -94,6 +95,7 @@ class Generate:
     sampling: SamplingParams
     raw: bool
     cancel: threading.Event = field(compare=False)
+    overflow: str = "rolling"  # engine.types.OVERFLOW_POLICIES
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,15 @@ class Ladder:
     sampling: SamplingParams
     presets: Optional[list]
     cancel: threading.Event = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run fn(engine) on the worker thread (the API server's requests share the engine this way)."""
+
+    fn: Callable[[Any], None]
+    done: threading.Event = field(compare=False)
+    errors: list = field(compare=False, default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -221,7 +232,8 @@ class EngineWorker(EngineEvents):
         self.thread().quit()
 
     def _dispatch(self, command: Any) -> None:
-        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder}
+        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder,
+                   Call: self._call}
         try:
             handler[type(command)](command)
         except Exception as exc:  # a bug here must neither end the loop nor leave the GUI waiting for an answer
@@ -289,7 +301,8 @@ class EngineWorker(EngineEvents):
         self._batcher.take()  # start clean
         self.generationStarted.emit(cmd.request_id, self.engine.options)
         try:
-            result = self.engine.generate(cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw)
+            result = self.engine.generate(cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw,
+                                          overflow=cmd.overflow)
         except Exception as exc:
             self._flush()
             self._log_unless_expected(exc, "generating")
@@ -297,6 +310,14 @@ class EngineWorker(EngineEvents):
             return
         self._flush()
         self.generationFinished.emit(cmd.request_id, result)
+
+    def _call(self, cmd: Call) -> None:
+        try:
+            cmd.fn(self.engine)
+        except Exception as exc:  # handed back to the caller, which reports it
+            cmd.errors.append(exc)
+        finally:
+            cmd.done.set()
 
     def _ladder(self, cmd: Ladder) -> None:
         if self.engine is None:
@@ -371,6 +392,7 @@ class EngineController(EngineEvents):
 
     # Events that update the mirrors first; their handlers emit them on. Every other event is passed on as is.
     _MIRRORED = ("loaded", "reconfigured", "generationFinished", "generationFailed", "busyChanged")
+    contextCounted = Signal(int, object)  # request id, engine.types.ContextUse or a message saying why not
 
     def __init__(self, worker: Optional[EngineWorker] = None, parent: Optional[QObject] = None):
         super().__init__(parent)
@@ -384,6 +406,10 @@ class EngineController(EngineEvents):
         self._generation_cancels: dict[int, threading.Event] = {}
         self._ladder_cancels: list[threading.Event] = []
         self._shut_down = False
+        # Counting for the context meter runs beside the engine worker, which may be busy generating.
+        self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="context-meter")
+        self._count_ids = itertools.count(1)
+        self._count_latest = 0
 
         # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
         self.worker.loadedOptions.connect(self._on_loaded_options)
@@ -418,12 +444,37 @@ class EngineController(EngineEvents):
         """Use `options` from the next generation on; a running generation is not touched."""
         self._put(Reconfigure(options))
 
-    def generate(self, messages: list, sampling: SamplingParams, raw: bool = False) -> int:
+    def generate(self, messages: list, sampling: SamplingParams, raw: bool = False, overflow: str = "rolling") -> int:
         request_id = next(self._ids)
         cancel = threading.Event()
         self._generation_cancels[request_id] = cancel
-        self._put(Generate(request_id, list(messages), sampling, raw, cancel))
+        self._put(Generate(request_id, list(messages), sampling, raw, cancel, overflow))
         return request_id
+
+    def measure_context(self, messages: list, max_new_tokens: int, overflow: str = "rolling") -> int:
+        """Count what `messages` would take of the loaded model's context, off this thread; the answer comes as
+        contextCounted(request id, ContextUse). A newer request makes the older ones not counted at all."""
+        request_id = next(self._count_ids)
+        self._count_latest = request_id
+        if not self._shut_down:
+            self._counter.submit(self._measure, request_id, list(messages), max_new_tokens, overflow)
+        return request_id
+
+    def _measure(self, request_id: int, messages: list, max_new_tokens: int, overflow: str) -> None:
+        if request_id != self._count_latest:
+            return
+        engine = self.worker.engine  # a reference: a load replacing it meanwhile leaves this one usable
+        if engine is None:
+            self.contextCounted.emit(request_id, "no model is loaded")
+            return
+        try:
+            use = engine.measure_prompt(messages, max_new_tokens, overflow)
+        except Exception as exc:  # reported in the meter; a bad count must not end the counting thread
+            if not isinstance(exc, GaplessError):
+                log.exception("counting the context failed")
+            self.contextCounted.emit(request_id, one_line(exc))
+            return
+        self.contextCounted.emit(request_id, use)
 
     def cancel(self) -> None:
         """Stop the running generation (and any queued one): each finishes with its partial text.
@@ -447,6 +498,7 @@ class EngineController(EngineEvents):
             self.cancel()
             self.cancel_ladder()
             self.worker.commands.put(Shutdown())
+            self._counter.shutdown(wait=True, cancel_futures=True)
         finished = self._thread.wait(int(timeout * 1000))
         if not finished:
             log.warning("the engine worker did not stop within %.1f s", timeout)

@@ -252,7 +252,8 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
     config = validate(config)
     started = time.time()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window),
+    engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window,
+                                                     prefix_reuse=config.prefix_reuse),
                          progress=lambda p: progress(f"{p.stage}: {p.message}"))
     runners: list[BaselineRunner] = []
     prompt_ids: Optional[list[int]] = None

@@ -12,17 +12,22 @@ from typing import Callable, Optional
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GenerationError, ModelLoadError
+from engine.errors import GaplessError, GenerationError, ModelLoadError
 from engine.generate import run_loop
-from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
+from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
+from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.sampling import SamplerKind
+from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
-from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta
+from engine.types import (
+    EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta,
+)
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+BYTES_PER_TOKEN_SOURCE = "weights the decode step reads: every linear (quantised as held) and norm, one embedding row"
 LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
 
@@ -50,7 +55,9 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.fast = self._fast_args() is not None
+        self.args = self._fast_args()
+        self.fast = self.args is not None
+        self._fused_failed: Optional[str] = None  # why the fused kernels failed here once; not tried again
         self.options = options.validate()
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
@@ -58,9 +65,13 @@ class Engine:
         self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
+        self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
+        self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
         self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
+        self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
+        self._load_draft(self.options, progress)
         self.monitor = self._start_monitor()
 
     # ---- loading ------------------------------------------------------------------------------------------
@@ -96,6 +107,8 @@ class Engine:
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
+        self._fused_failed = None
+        self._draft_models.clear()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -125,6 +138,45 @@ class Engine:
         self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
 
+    def _load_draft(self, options: EngineOptions, progress: Callable[[Progress], None]) -> Optional[Transformer]:
+        """The draft model of `options` on this model's device and dtype, loaded once; None when the options
+        name none or it cannot draft for this model (the reason is kept for unavailable())."""
+        path = options.draft_model
+        if options.speculation != "draft" or not path or not self.fast or path in self._draft_refused:
+            return None
+        key = (path, str(self.device), self.dtype)
+        if key in self._draft_models:
+            return self._draft_models[key]
+        from engine.loader import load_checkpoint
+        from engine.speculative import vocabulary_mismatch
+
+        progress(Progress("load", None, f"loading the draft model {path}"))
+        try:
+            draft = load_checkpoint(path, progress)
+        except GaplessError as exc:
+            self._draft_refused[path] = f"the draft model could not be loaded: {exc}"
+            return None
+        why = vocabulary_mismatch(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
+        if why is None:
+            try:
+                ModelArgs.from_hf_config(draft.config)
+            except ValueError as exc:
+                why = f"the draft model runs only on the fast path, and cannot: {exc}"
+        if why is not None:
+            self._draft_refused[path] = why
+            return None
+        dtype = TORCH_DTYPES[self.dtype]
+        try:
+            model = build_transformer(draft.config, draft.weights(dtype, self.device), dtype, self.device,
+                                      consume=draft.materialise is not None)
+        except (ModelLoadError, RuntimeError) as exc:
+            self._draft_refused[path] = f"the draft model could not be placed on {self.device}: {exc}"
+            return None
+        draft.release()
+        self._draft_models = {key: model}  # one draft model at a time
+        progress(Progress("load", 1.0, "draft model ready"))
+        return model
+
     def _start_monitor(self):
         from engine.telemetry.monitor import Monitor
 
@@ -138,6 +190,7 @@ class Engine:
 
         params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
         wbytes = weight_bytes(self.model)
+        per_token, floor_ms, floor_source = self._memory_floor()
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
@@ -152,9 +205,29 @@ class Engine:
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
             weights=self.weights,
+            bytes_per_token=per_token,
+            bytes_per_token_source=BYTES_PER_TOKEN_SOURCE,
+            memory_floor_ms=floor_ms,
+            memory_floor_source=floor_source,
             load_seconds=self.load_seconds,
             load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
+
+    def _memory_floor(self) -> tuple[int, Optional[float], str]:
+        """(weight bytes per decode token, the time reading them takes at the device's peak bandwidth or None,
+        that time's source or why it is n/a)."""
+        from engine.quant import bytes_per_token
+
+        if self.fast:
+            per_token = bytes_per_token(self.model, self.model.tok_embeddings, self.model.output)
+        else:
+            per_token = bytes_per_token(self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings())
+        peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None) if hasattr(self, "monitor") else None
+        if not peak:
+            where = "the CPU's memory bandwidth is not known here" if self.device.type == "cpu" else \
+                "this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
+            return per_token, None, f"n/a: {where}"
+        return per_token, per_token / peak * 1e3, "bytes per token / NVML peak bandwidth (memory clock x bus width x 2)"
 
     @property
     def context_length(self) -> int:
@@ -170,16 +243,28 @@ class Engine:
         if o.device == "cuda" and not torch.cuda.is_available():
             out["device"] = "CUDA is not available on this machine"
         on_cuda = _target_device(o.device).type == "cuda"
+        fused = False
+        if o.kernels == "fused":
+            why = self._fused_unavailable(o)
+            if why:
+                out["kernels"] = why
+            else:
+                fused = True
+                if o.kv_cache != "static":
+                    out["kv_cache"] = "the fused kernels run on the static KV cache (switch them off for another cache)"
+        kv_cache = "static" if fused else o.kv_cache
         if o.cuda_graph:
             if not on_cuda:
                 out["cuda_graph"] = "CUDA graphs need a CUDA device; this machine runs on the CPU"
             elif not self.fast:
                 out["cuda_graph"] = f"{self._on_fallback()}, which has no captured step"
-            elif o.kv_cache != "static":
+            elif kv_cache != "static":
                 out["cuda_graph"] = "CUDA graphs need the static KV cache (fixed shapes and addresses)"
         if o.compile:
             if not self.fast:
                 out["compile"] = f"{self._on_fallback()}, which is not compiled"
+            elif fused:
+                out["compile"] = "the fused kernels replace the compiled decode step"
             elif o.kv_cache != "static":
                 out["compile"] = "compile needs the static KV cache (shapes change every step otherwise)"
         if o.kv_cache == "static" and not self.fast:
@@ -190,7 +275,46 @@ class Engine:
             why = self._weights_unavailable(o.weights, _target_device(o.device))
             if why:
                 out["weights"] = why
+        why = self._speculation_unavailable(o)
+        if why:
+            out["speculation"] = why
         return out
+
+    def _fused_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no fused kernels"
+        if self._fused_failed:
+            return self._fused_failed
+        if o.weights != "native":
+            return f"the fused kernels read the weights in the model's dtype; {o.weights} weights run on the torch kernels"
+        from engine.kernels import unavailable_reason
+
+        return unavailable_reason(self.args, _target_device(o.device))
+
+    def fused_status(self) -> Optional[dict[str, object]]:
+        """Whether the fused runners launch with Programmatic Dependent Launch, and why (None before any ran)."""
+        runner = next((r for k, r in self._runners.items() if k[2] == "fused"), None)
+        if runner is None:
+            return None
+        return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
+
+    def _speculation_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if o.speculation == "off":
+            return None
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no verify step"
+        if o.kv_cache != "static":
+            return "speculation needs the static KV cache (drafts are verified in place, rejected ones dropped by moving its position)"
+        if o.candidates > 1:
+            return ("speculation verifies the drafts of one answer; several candidates would accept different numbers "
+                    "of tokens per step")
+        if o.kernels == "fused":
+            return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
+        if o.speculation == "draft":
+            if not o.draft_model:
+                return "no draft model chosen (--draft-model PATH)"
+            return self._draft_refused.get(o.draft_model)
+        return None
 
     def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
         from engine.quant import why_not
@@ -215,10 +339,14 @@ class Engine:
             eff = replace(eff, cuda_graph=False)
         if "compile" in reasons:
             eff = replace(eff, compile=False)
+        if "kernels" in reasons:
+            eff = replace(eff, kernels="torch")
         if "kv_cache" in reasons:
-            eff = replace(eff, kv_cache="dynamic")
+            eff = replace(eff, kv_cache="static" if eff.kernels == "fused" else "dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
+        if "speculation" in reasons:
+            eff = replace(eff, speculation="off")
         if "weights" in reasons:
             eff = replace(eff, weights="native")
         device = _target_device(eff.device)
@@ -237,28 +365,35 @@ class Engine:
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()
+            self._load_draft(options, progress)
             self.options = options
 
     # ---- generation ---------------------------------------------------------------------------------------
     def _runner(self, opts: EngineOptions, batch: int, needed: int) -> RunnerBase:
         length = bucket_for(needed, self.context_length)
-        key = (opts.kv_cache, batch)
+        key = (opts.kv_cache, batch, opts.kernels)
         runner = self._runners.get(key)
         if runner is not None and runner.length >= length:
             return runner
         if runner is not None:
             length = max(length, runner.length)
-        self._runners.pop(key, None)
+        old = self._runners.pop(key, None)
         if not self.fast:
             from engine.fallback import HFRunner
 
             runner = HFRunner(self.model, batch, length, self.config.vocab_size, self.eos_ids, self.device, opts.kv_cache)
+        elif opts.kernels == "fused":
+            from engine.kernels.runner import FusedRunner
+
+            runner = FusedRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "static":
             runner = StaticRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "dynamic":
             runner = DynamicRunner(self.model, batch, length, self.eos_ids, self.device)
         else:
             runner = NoCacheRunner(self.model, batch, length, self.eos_ids, self.device)
+        if old is not None:
+            self._prefix.carry(old, runner)
         self._runners[key] = runner
         return runner
 
@@ -285,6 +420,7 @@ class Engine:
         on_event: Optional[Callable] = None,
         cancel: Optional[threading.Event] = None,
         raw: bool = False,
+        overflow: str = "rolling",
     ) -> GenerationResult:
         """Generate with the current options. A compile failure falls back to eager; running out of device
         memory before any text left falls back to no CUDA graph, then to fewer candidates; each with a notice."""
@@ -295,7 +431,8 @@ class Engine:
         cancel = cancel or threading.Event()
         with self._lock, torch.inference_mode():
             opts, reasons = self.effective(self.options)
-            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw)
+            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw,
+                                  overflow=overflow)
             notices = list(prompt.notices)
             if not prompt.ids:
                 raise GenerationError("the prompt is empty after tokenization")
@@ -317,6 +454,8 @@ class Engine:
                 try:
                     loop, opts = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, notices, reasons)
                     break
+                except PrefillCancelled as exc:
+                    return self._stopped_reading(exc, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut)
                 except torch.OutOfMemoryError as exc:
                     self._free_device_memory()
                     if streamed:
@@ -324,6 +463,8 @@ class Engine:
                     opts, option, reason, notice = self._smaller(opts)
                     reasons[option] = reason
                     notices.append(notice)
+        loop.metrics.overflow_policy = overflow
+        loop.metrics.prompt_cut = prompt.cut or None
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
@@ -335,6 +476,18 @@ class Engine:
             notices=notices + loop.notices,
         )
 
+    def forget_prefix(self) -> None:
+        """The next generation starts from an empty cache (benchmarks)."""
+        with self._lock:
+            self._prefix.clear()
+
+    def measure_prompt(self, messages: list[dict], max_new_tokens: int, overflow: str = "rolling"):
+        """engine.types.ContextUse of `messages`: the prompt rendering of generate(), without the engine lock, so
+        it answers while a generation runs (the tokenizer is only read)."""
+        from engine.prompt import measure_prompt
+
+        return measure_prompt(self.tokenizer, messages, self.context_length, max_new_tokens, overflow)
+
     def _run(self, prompt_ids, max_new, sampling, opts, seed, on_event, cancel, notices, reasons):
         from engine.telemetry.window import ProfileWindow
 
@@ -342,7 +495,16 @@ class Engine:
         kind = SamplerKind.of(sampling)
         compile_s: Optional[float] = None  # the compile / capture warm-up of this generation
         runner.sampler.set_params(sampling)
-        if isinstance(runner, StaticRunner):
+        if opts.kernels == "fused":
+            runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons)
+        torch_step = isinstance(runner, StaticRunner) and opts.kernels == "torch"
+        spec = self._speculator(opts, runner, on_event) if torch_step else None
+        if opts.speculation != "off" and spec is None:
+            reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
+            notices.append(f"speculation off for this answer: {reasons['speculation']}")
+            opts = replace(opts, speculation="off")
+        verify_ks = (spec.shapes or ()) if spec is not None else ()
+        if torch_step:
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
@@ -350,7 +512,9 @@ class Engine:
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    with preserved(runner):  # the cached prefix survives the warm-up's writes
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
@@ -361,7 +525,9 @@ class Engine:
                     reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
-                    runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                    with preserved(runner):
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
                 compile_s = time.perf_counter() - t_compile
                 done = "captured" if opts.cuda_graph else "compiled" if opts.compile else "warmed up"
                 on_event(Progress(stage, 1.0, f"decode step {done} in {compile_s:.1f} s"))
@@ -369,11 +535,25 @@ class Engine:
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         window = ProfileWindow(self.device, enabled=opts.profile_window)
+        plan = self._prefix.plan(runner, list(prompt_ids), opts.prefix_reuse)
+        self._prefix.forget(runner)  # rewritten from here on; remembered again once the generation is complete
+        T = len(prompt_ids)
+        chunk = PREFILL_CHUNK if T - plan.start > PREFILL_CHUNK else None
+
+        def reading(done: int, total: int) -> None:
+            on_event(Progress("prefill", done / total, f"reading the conversation: {done:,} of {total:,} tokens"))
+
         try:
             loop = run_loop(
                 runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor,
+                window=window, monitor=self.monitor, spec=spec,
+                prefill=prefill_fn(runner, plan, chunk, reading if chunk else None, cancel),
             )
+        except PrefillCancelled as exc:
+            window.discard()
+            self._prefix.remember_read(runner, list(prompt_ids[: exc.done]))
+            exc.reused = plan.start
+            raise
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
@@ -381,7 +561,80 @@ class Engine:
             loop.metrics.put("compile_seconds", compile_s)
         else:
             loop.metrics.mark_na("compile_seconds", "compile and CUDA graph off: nothing is compiled or captured")
+        self._prefix.remember(runner, list(prompt_ids), loop.metrics.decode_steps)
+        m = loop.metrics
+        m.put("prompt_reused_tokens", plan.start, plan.source)
+        m.put("prompt_computed_tokens", T - plan.start)
+        if m.ttft_ms:  # the prefill's rate is of the positions it computed
+            m.put("prefill_tok_s", (T - plan.start) / (m.ttft_ms / 1e3))
         return loop, opts
+
+    def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
+        """Compile (and capture) the fused step. A failure with PDL on is tried once more without it; any other
+        failure ends the fused kernels for this engine: the torch path runs, with a notice."""
+        def progress(message: str, fraction: float) -> None:
+            on_event(Progress("capture" if opts.cuda_graph else "compile", fraction, message))
+
+        kind = SamplerKind.of(sampling)
+        runner.use_graphs = opts.cuda_graph
+        buckets = runner.buckets_for(prompt_len, max_new)
+        try:
+            try:
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:
+                if not runner.use_pdl:
+                    raise
+                log.exception("the fused step failed with Programmatic Dependent Launch; trying without it")
+                runner.use_pdl = False
+                runner.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                runner.graphs.clear()
+                runner.graph_pool = None
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a kernel that does not compile or launch here
+            log.exception("the fused kernels failed; falling back to the torch kernels")
+            self._fused_failed = f"the fused kernels failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            reasons["kernels"] = self._fused_failed
+            notices.append("the fused kernels failed to compile or run, so this generation ran on the torch kernels "
+                           "(details in the log)")
+            self._runners.pop((opts.kv_cache, opts.candidates, "fused"), None)
+            opts = replace(opts, kernels="torch")
+            runner = self._runner(opts, opts.candidates, prompt_len + max_new)
+            runner.sampler.set_params(sampling)
+        return runner, opts
+
+    def _speculator(self, opts: EngineOptions, runner: StaticRunner, on_event: Callable) -> Optional[Speculator]:
+        """The speculation of this generation, or None when off (or the draft model cannot be had)."""
+        if opts.speculation == "off":
+            return None
+        k = opts.draft_tokens
+        schedule = f"{k} drafts per step" if k else f"adaptive k (one of {', '.join(map(str, ADAPTIVE_KS))})"
+        shapes = ((k,) if k else ADAPTIVE_KS) if opts.compile or opts.cuda_graph else None
+        if opts.speculation == "ngram":
+            source = f"engine counters: n-gram prompt lookup (n = {NGRAM_MAX}..1) on the host, {schedule}"
+            return Speculator(NgramProposer(), k, shapes, source)
+        model = self._load_draft(opts, on_event)
+        if model is None:
+            return None
+        proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device)
+        source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
+        return Speculator(proposer, k, shapes, source)
+
+    def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
+                         seed: int, notices: list[str], overflow: str, cut: str) -> GenerationResult:
+        """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
+        n = opts.candidates
+        m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
+                              prompt_cut=cut or None)
+        m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
+        m.put("prompt_computed_tokens", exc.done - exc.reused)
+        for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
+            m.mark_na(name, "stopped before the first token")
+        return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
+                                metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
 
     @staticmethod
     def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
@@ -398,6 +651,7 @@ class Engine:
 
     def _free_device_memory(self) -> None:
         self._runners.clear()
+        self._prefix.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

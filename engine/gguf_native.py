@@ -98,9 +98,9 @@ def config_dict(header: GGUFHeader) -> dict[str, Any]:
     # transformers tests membership in a one-item list here: only a model named exactly "mistral" qualifies
     updated = "mistral" if "llama" in arch and "mistral" in ([name] if name is not None else []) else arch
     config: dict[str, Any] = {"tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors)}
-    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
-        config.setdefault(key, value)
-    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    for key, default in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, default)
+    renames: dict[str, dict[str, Any]] = GGUF_TO_TRANSFORMERS_MAPPING["config"]  # type: ignore[assignment]
     for key, value in meta.items():
         prefix, _, config_key = key.replace(arch, updated).partition(".")
         if isinstance(value, list) and len(value) == 1:
@@ -153,7 +153,7 @@ def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    cls: Any = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
     if getattr(cls, "__name__", "") == "MistralCommonBackend" or cls is None:
         cls = TokenizersBackend
     try:
@@ -195,7 +195,7 @@ def build_config(cfg: dict[str, Any], label: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = cfg.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ModelLoadError(f"{label}: unsupported architecture: model type {model_type!r} is unknown to transformers")
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(cfg))

@@ -29,7 +29,7 @@ DEFAULT_PROMPT = (
 DEFAULT_CANDIDATES = 4
 COMPILED_RUNGS = ("compile", "cuda-graph")
 # rungs whose own optimisation is not compile or graphs: they run without those where this bench lacks them
-RELAXED_RUNGS = ("int8", "candidates")
+RELAXED_RUNGS = ("int8", "candidates", "speculation")
 CPU_DTYPE_NOTE = (
     "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
     "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
@@ -50,11 +50,16 @@ class BenchConfig:
     warmup: int = 1
     presets: tuple[str, ...] = tuple(PRESETS)
     candidates: Optional[int] = None  # N of the candidates rung (default 4)
+    kernels: Optional[str] = None  # the candidates rung's kernels; None: as its preset (torch, compiled)
     baseline: bool = True
     compile: Optional[bool] = None  # None: on with CUDA, off on the CPU (a cold compile takes minutes there)
     interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
     prompt: str = DEFAULT_PROMPT
     profile_window: bool = True
+    speculation: str = "ngram"  # how the speculation rung drafts
+    draft_tokens: int = 0
+    draft_model: str = ""
+    prefix_reuse: bool = True  # repeats of the prompt then reuse its KV cache (prompt_reused_tokens says how much)
 
 
 def median(values) -> Optional[float]:
@@ -107,10 +112,13 @@ def compile_enabled(config: BenchConfig, device_type: str) -> bool:
     return config.compile if config.compile is not None else device_type == "cuda"
 
 
-def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int]) -> EngineOptions:
+def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int],
+                 speculation: str = "ngram") -> EngineOptions:
     """A preset's options for this bench: on CUDA as defined; on the CPU the half rung in bf16 and the
-    later rungs in fp32 (see CPU_DTYPE_NOTE)."""
+    later rungs in fp32 (see CPU_DTYPE_NOTE). The speculation rung drafts as `speculation` says."""
     opts = preset_options(name, base, candidates=candidates if candidates is not None else DEFAULT_CANDIDATES)
+    if opts.speculation != "off":
+        opts = replace(opts, speculation=speculation)
     if device_type != "cuda" and opts.dtype == "fp16":
         opts = replace(opts, dtype="bf16" if name == "half" else "fp32")
     return opts
@@ -119,9 +127,11 @@ def rung_options(name: str, base: EngineOptions, device_type: str, candidates: O
 def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
               ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
     """(options, skip reason, notes). A rung whose defining optimisation cannot run here is skipped; the
-    int8 and candidates rungs keep running without the optimisations this machine lacks, and say which."""
-    opts = rung_options(name, base, device_type, config.candidates)
+    int8, candidates and speculation rungs keep running without the optimisations this machine lacks, and say which."""
+    opts = rung_options(name, base, device_type, config.candidates, config.speculation)
     notes: list[str] = []
+    if name == "candidates" and config.kernels == "fused":  # the fused step replaces the compiled one
+        opts = replace(opts, kernels="fused", compile=False)
     compile_on = compile_enabled(config, device_type)
     if name in COMPILED_RUNGS and not compile_on:
         # A rung this device cannot run at all says so first; "compile off" is only the reason where it could.
@@ -134,6 +144,9 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
     if reasons and name in RELAXED_RUNGS:
+        if "kernels" in reasons and opts.kernels == "fused":
+            opts = replace(opts, kernels="torch")
+            notes.append(f"without fused kernels: {reasons['kernels']}")
         for key, why in reasons.items():
             if key in ("compile", "cuda_graph") and getattr(opts, key):
                 opts = opts.with_(**{key: False})
@@ -165,7 +178,9 @@ class LadderRunner:
         self.rungs: list[Rung] = []
         self.opts: dict[str, EngineOptions] = {}
         self._current: Optional[EngineOptions] = None
-        base = EngineOptions(device=config.device, profile_window=config.profile_window)
+        base = EngineOptions(device=config.device, profile_window=config.profile_window,
+                             draft_tokens=config.draft_tokens, draft_model=config.draft_model,
+                             prefix_reuse=config.prefix_reuse)
         for name in [p for p in PRESETS if p in config.presets]:
             opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
             label = f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
@@ -239,7 +254,7 @@ def run_ladder(engine, messages: list[dict], sampling: SamplingParams, presets: 
         model=engine.info.source, device=previous.device, max_new_tokens=max(2, sampling.max_new_tokens),
         repeats=repeats, warmup=1, presets=tuple(presets or PRESETS), candidates=candidates, baseline=False,
         prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
-        profile_window=previous.profile_window,
+        profile_window=previous.profile_window, prefix_reuse=previous.prefix_reuse,
     ))
     runner = LadderRunner(engine, config, log.info)
     runner.messages = list(messages)
@@ -283,12 +298,18 @@ def validate(config: BenchConfig) -> BenchConfig:
         raise OptionsError(f"unknown preset(s): {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
     if not config.presets:
         raise OptionsError("no preset to run")
+    if config.speculation not in ("ngram", "draft"):
+        raise OptionsError(f"the speculation rung drafts with ngram or draft, got {config.speculation!r}")
+    if config.speculation == "draft" and not config.draft_model:
+        raise OptionsError("--speculation draft needs --draft-model PATH")
     if config.repeats < 1 or config.warmup < 0:
         raise OptionsError(f"repeats must be >= 1 and warm-up >= 0, got {config.repeats} and {config.warmup}")
     if config.max_new_tokens < 2:
         raise OptionsError(f"max_new_tokens must be >= 2 for a decode figure, got {config.max_new_tokens}")
     if config.candidates is not None:
         EngineOptions(candidates=config.candidates).validate()
+    if config.kernels is not None:
+        EngineOptions(kernels=config.kernels).validate()
     if not config.prompt.strip():
         raise OptionsError("the prompt is empty")
     return config

@@ -308,7 +308,9 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        # parameters, and the buffers that stand for weights (quantised linears); the rope tables are not weights
+        held = [*self.parameters(), *(b for n, b in self.named_buffers() if not n.startswith("rope_"))]
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 class _TakenOnRead(dict):

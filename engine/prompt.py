@@ -4,9 +4,14 @@ Room for the answer: a prompt that is too long is cut until `max_new_tokens` mor
 but the reserve is capped at a quarter of the context. A long conversation is worth more than room for an answer
 of the full requested length; the engine still stops the answer at the end of the context.
 
-Cutting order: the oldest non-system messages go first (a leading assistant reply left without its question goes
-with it); the system prompt and the last user message stay. If those two alone are still too long, the last user
-message keeps its tail. Every cut is reported in `notices`.
+Cutting order, by overflow policy (engine.types.OVERFLOW_POLICIES):
+- rolling: the oldest non-system messages go first (a leading assistant reply left without its question goes
+  with it); the system prompt and the last user message stay.
+- truncate-middle: whole turns after the first one go, oldest first, then the first question's answers; the
+  system prompt, the first user message and the last user message stay.
+- stop: nothing is cut; a prompt that does not fit is refused with a message.
+If what must stay is still too long, the last user message keeps its tail. Every cut is reported in `notices`,
+and what was dropped in `cut` (for the answer's stats line).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.errors import GenerationError
-from engine.types import ROLES
+from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, ROLES, ContextUse
 
 FALLBACK_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
 
@@ -23,8 +28,9 @@ FALLBACK_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
 class Prompt:
     ids: list[int]
     text: str  # what was tokenized (for logs and debugging)
-    dropped_messages: int  # oldest messages removed to fit
+    dropped_messages: int  # messages removed to fit
     notices: list[str] = field(default_factory=list)
+    cut: str = ""  # what was dropped or cut to fit, "" when nothing was
 
 
 def prompt_budget(context_length: int, max_new_tokens: int) -> int:
@@ -32,20 +38,69 @@ def prompt_budget(context_length: int, max_new_tokens: int) -> int:
     return context_length - min(max(max_new_tokens, 1), context_length // 4)
 
 
-def build_prompt(tokenizer, messages: list[dict], context_length: int, max_new_tokens: int, raw: bool = False) -> Prompt:
+def build_prompt(tokenizer, messages: list[dict], context_length: int, max_new_tokens: int, raw: bool = False,
+                 overflow: str = "rolling") -> Prompt:
     """Token ids for `messages` (dicts with "role" and "content"; the last from the user).
 
     raw=True: the last user message only, tokenized as the tokenizer does by default (its special tokens, e.g.
-    BOS, included), no template: plain completion.
+    BOS, included), no template: plain completion. `overflow`: what a prompt too long for the context does.
     """
+    if overflow not in OVERFLOW_POLICIES:
+        raise GenerationError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
     if context_length < 4:
         raise GenerationError(f"the model's context ({context_length} tokens) is too short for a prompt")
     msgs, notices = _clean(messages)
     budget = prompt_budget(context_length, max_new_tokens)
     if raw:
+        if overflow == "stop":
+            _stop_if_over(len(tokenizer(msgs[-1]["content"])["input_ids"]), budget, context_length)
         return _fit_raw(tokenizer, msgs[-1]["content"], budget, context_length, notices)
     render = _renderer(tokenizer, msgs, notices)
+    if overflow == "stop":
+        text, ids = render(msgs)
+        _stop_if_over(len(ids), budget, context_length)
+        return Prompt(ids, text, 0, notices)
+    if overflow == "truncate-middle":
+        return _fit_middle(tokenizer, render, msgs, budget, context_length, notices)
     return _fit(tokenizer, render, msgs, budget, context_length, notices)
+
+
+def measure_prompt(tokenizer, messages: list[dict], context_length: int, max_new_tokens: int,
+                   overflow: str = "rolling") -> ContextUse:
+    """What `messages` would take of the context. The last user message may be empty (nothing typed yet): it is
+    counted as an empty turn, and nothing is fitted."""
+    budget = prompt_budget(context_length, max_new_tokens)
+    last = messages[-1] if messages else {}
+    empty = isinstance(last, dict) and last.get("role") == "user" and not str(last.get("content", "")).strip()
+    fitted, refused = None, ""
+    if not empty:
+        try:
+            fitted = build_prompt(tokenizer, messages, context_length, max_new_tokens, overflow=overflow)
+        except GenerationError as exc:
+            refused = str(exc)
+    clean, notices = _clean([*messages[:-1], {"role": "user", "content": "."}] if empty else messages)
+    if empty:
+        clean[-1]["content"] = ""
+    _, full = _renderer(tokenizer, clean, notices)(clean)
+    if empty:
+        return ContextUse(len(full), len(full) if len(full) <= budget else None, context_length, budget, overflow)
+    return ContextUse(len(full), len(fitted.ids) if fitted else None, context_length, budget, overflow,
+                      cut=fitted.cut if fitted else "", refused=refused)
+
+
+def _stop_if_over(n: int, budget: int, context: int) -> None:
+    if n > budget:
+        raise GenerationError(
+            f"the conversation takes {n:,} tokens, more than the {budget:,} the {context:,}-token context leaves "
+            f"for it with room for an answer; nothing was dropped, as this chat's overflow policy is "
+            f"\"{OVERFLOW_LABELS['stop']}\": start a new chat, delete or shorten earlier messages, or choose "
+            f"another overflow policy"
+        )
+
+
+def _cut(notices: list[str], context: int, what: str) -> str:
+    notices.append(f"prompt cut to fit the {context}-token context: {what}")
+    return what
 
 
 # ---- validation ------------------------------------------------------------------------------------------
@@ -165,20 +220,21 @@ def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int,
             lo = mid + 1
     if best is not None:
         t, i, dropped = best
-        notices.append(f"prompt cut to fit the {context}-token context: {_plural(dropped, 'oldest message')} dropped")
-        return Prompt(i, t, dropped, notices)
+        what = _cut(notices, context, f"{_plural(dropped, 'oldest message')} dropped")
+        return Prompt(i, t, dropped, notices, what)
     kept, dropped = _keep(msgs, droppable)
     return _cut_last(tokenizer, render, kept, dropped, budget, context, notices)
 
 
-def _cut_last(tokenizer, render: Render, kept: list[dict], dropped: int, budget: int, context: int, notices: list[str]) -> Prompt:
+def _cut_last(tokenizer, render: Render, kept: list[dict], dropped: int, budget: int, context: int, notices: list[str],
+              dropped_what: str = "", kept_what: str = "the system prompt and chat format") -> Prompt:
     """Keep the tail of the last user message so that the prompt fits."""
     head = kept[:-1]
     _, frame = render([*head, {"role": "user", "content": ""}])
     room = budget - len(frame)
     if room < 1:
         raise GenerationError(
-            f"the system prompt and chat format take {len(frame)} tokens, leaving no room for the message "
+            f"{kept_what} take {len(frame)} tokens, leaving no room for the message "
             f"in the {context}-token context"
         )
     content_ids = list(tokenizer(kept[-1]["content"], add_special_tokens=False)["input_ids"])
@@ -188,13 +244,61 @@ def _cut_last(tokenizer, render: Render, kept: list[dict], dropped: int, budget:
         if len(ids) <= budget:
             what = f"the last message was cut to its last {room} tokens"
             if dropped:
-                what = f"{_plural(dropped, 'oldest message')} dropped and {what}"
-            notices.append(f"prompt cut to fit the {context}-token context: {what}")
-            return Prompt(ids, text, dropped, notices)
+                what = f"{dropped_what or _plural(dropped, 'oldest message') + ' dropped'} and {what}"
+            _cut(notices, context, what)
+            return Prompt(ids, text, dropped, notices, what)
         room -= max(len(ids) - budget, 1)
         if room < 1:
             break
     raise GenerationError(f"the message cannot be cut to fit the {context}-token context")
+
+
+def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]) -> Prompt:
+    """Drop whole turns between the first user message and the last one, oldest first, then the first
+    question's answers; the system prompt and the first and last user messages stay."""
+    text, ids = render(msgs)
+    if len(ids) <= budget:
+        return Prompt(ids, text, 0, notices)
+    convo = [i for i, m in enumerate(msgs) if m["role"] != "system"]  # the chat's numbering: 1 = convo[0]
+    first = next(i for i in convo if msgs[i]["role"] == "user")
+    middle = [i for i in convo if first < i < len(msgs) - 1]
+    units: list[list[int]] = []  # turns: a user message and the answers after it
+    for i in middle:
+        if msgs[i]["role"] == "user" or not units:
+            units.append([i])
+        else:
+            units[-1].append(i)
+    if units and msgs[units[0][0]]["role"] == "assistant":  # the first question's answers go last
+        units = units[1:] + units[:1]
+
+    def kept_after(k: int) -> tuple[list[dict], list[int]]:
+        gone = sorted(i for u in units[:k] for i in u)
+        return [m for i, m in enumerate(msgs) if i not in set(gone)], gone
+
+    lo, hi, best = 1, len(units), None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kept, gone = kept_after(mid)
+        t, fitted = render(kept)
+        if len(fitted) <= budget:
+            best, hi = (t, fitted, gone), mid - 1
+        else:
+            lo = mid + 1
+    if best is not None:
+        t, fitted, gone = best
+        what = _cut(notices, context, _middle_what(gone, convo))
+        return Prompt(fitted, t, len(gone), notices, what)
+    kept, gone = kept_after(len(units))
+    return _cut_last(tokenizer, render, kept, len(gone), budget, context, notices,
+                     dropped_what=_middle_what(gone, convo) if gone else "",
+                     kept_what="the system prompt, the first message and the chat format")
+
+
+def _middle_what(gone: list[int], convo: list[int]) -> str:
+    numbers = [convo.index(i) + 1 for i in gone]
+    span = f"message {numbers[0]}" if len(numbers) == 1 else f"messages {numbers[0]}–{numbers[-1]}"
+    return (f"{_plural(len(gone), 'message')} from the middle dropped ({span} of {len(convo)}; the system prompt "
+            "and the first message kept)")
 
 
 def _fit_raw(tokenizer, content: str, budget: int, context: int, notices: list[str]) -> Prompt:
@@ -207,8 +311,8 @@ def _fit_raw(tokenizer, content: str, budget: int, context: int, notices: list[s
         lead += 1
     kept = ids[:lead] + ids[len(ids) - (budget - lead) :]
     text = tokenizer.decode(kept[lead:]).lstrip("\ufffd")
-    notices.append(f"prompt cut to fit the {context}-token context: kept its last {budget - lead} tokens")
-    return Prompt(kept, text, 0, notices)
+    what = _cut(notices, context, f"kept its last {budget - lead} tokens")
+    return Prompt(kept, text, 0, notices, what)
 
 
 def _plural(n: int, noun: str) -> str:

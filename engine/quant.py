@@ -46,6 +46,9 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 
 class Int8Linear(nn.Module):
+    weight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype):
         super().__init__()
         q, scales = quantize_int8(weight)
@@ -69,6 +72,11 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    weight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    scales_zeros: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype,
                  group: int = INT4_GROUP):
         super().__init__()
@@ -142,9 +150,19 @@ def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights a decode step reads or holds: parameters and the quantised linears' buffers."""
+    """Bytes of the weights the model holds: parameters and the quantised linears' buffers."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
         if isinstance(m, (Int8Linear, Int4Linear)):
             total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+    return total
+
+
+def bytes_per_token(model: nn.Module, embedding: nn.Embedding, head: nn.Module) -> int:
+    """Weight bytes one decode token reads: everything held, except that an embedding the head does not share
+    is read one row per token."""
+    total = weight_bytes(model)
+    if getattr(head, "weight", None) is not embedding.weight:
+        w = embedding.weight
+        total -= w.numel() * w.element_size() - w.shape[1] * w.element_size()
     return total

@@ -16,9 +16,18 @@ DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("torch", "fused")
 WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+SPECULATION_MODES = ("off", "ngram", "draft")
+MAX_DRAFT_TOKENS = 15
+# What a prompt longer than the context does (engine.prompt): drop the oldest turns, drop turns from the middle
+# (the system prompt and the first user message stay), or refuse with a message.
+OVERFLOW_POLICIES = ("rolling", "truncate-middle", "stop")
+OVERFLOW_LABELS = {"rolling": "Rolling window (drop the oldest turns)",
+                   "truncate-middle": "Truncate the middle (keep the system prompt and the first message)",
+                   "stop": "Stop at the limit"}
 
 
 def _refuse_unknown(cls: type, data: dict[str, Any], what: str) -> None:
@@ -39,7 +48,12 @@ class EngineOptions:
     cuda_graph: bool = False  # capture the decode step once per candidate count, replay per token
     candidates: int = 1  # same-prompt answers decoded as one batch
     profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
+    kernels: str = "torch"  # torch (the model's modules) | fused (Triton decode kernels; implies the static cache)
+    speculation: str = "off"  # off | ngram (drafts looked up in the prompt and answer) | draft (a smaller model)
+    draft_tokens: int = 0  # drafts verified per step, 1..15; 0 = adaptive
+    draft_model: str = ""  # the draft model for speculation "draft" (a GGUF file or a folder); "" = none
     weights: str = "native"  # native (dtype) | int8 (per-channel, weight-only) | int4 (group-wise, weight-only)
+    prefix_reuse: bool = True  # keep the KV cache across generations; compute only past the common prefix
 
     def validate(self) -> "EngineOptions":
         if self.device not in DEVICES:
@@ -50,15 +64,25 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.kernels not in KERNELS:
+            raise OptionsError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise OptionsError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
-        for name in ("compile", "cuda_graph", "profile_window"):
+        for name in ("compile", "cuda_graph", "profile_window", "prefix_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.candidates, int) or isinstance(self.candidates, bool):
             raise OptionsError(f"candidates must be an integer, got {self.candidates!r}")
         if not 1 <= self.candidates <= MAX_CANDIDATES:
             raise OptionsError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
+        if self.speculation not in SPECULATION_MODES:
+            raise OptionsError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool):
+            raise OptionsError(f"draft_tokens must be an integer, got {self.draft_tokens!r}")
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise OptionsError(f"draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (0 = adaptive), got {self.draft_tokens}")
+        if not isinstance(self.draft_model, str):
+            raise OptionsError(f"draft_model must be a path (a string), got {self.draft_model!r}")
         return self
 
     def with_(self, **changes: Any) -> "EngineOptions":
@@ -100,7 +124,8 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
 
 
 # The ladder, in the order a user should apply the fixes. Each preset is complete (not a delta), except that
-# the device and profile_window of the current options are kept when a preset is applied.
+# the device, profile_window, prefix_reuse, draft_tokens and draft_model of the current options are kept when a
+# preset is applied.
 PRESETS: dict[str, EngineOptions] = {
     "naive": EngineOptions(dtype="fp32", kv_cache="dynamic", sampling="host", compile=False, cuda_graph=False),
     "half": EngineOptions(dtype="fp16", kv_cache="dynamic", sampling="host"),
@@ -108,9 +133,14 @@ PRESETS: dict[str, EngineOptions] = {
     "first-fixes": EngineOptions(dtype="fp16", kv_cache="static", sampling="device"),
     "compile": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True),
     "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
+    # The fused kernels replace the compiled step, so compile is off here; the graph captures the kernels.
+    "fused": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", cuda_graph=True, kernels="fused"),
     "int8": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"),
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
+    ),
+    "speculation": EngineOptions(
+        dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, speculation="ngram"
     ),
 }
 PRESET_LABELS: dict[str, str] = {
@@ -120,13 +150,15 @@ PRESET_LABELS: dict[str, str] = {
     "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
+    "fused": "+ fused kernels",
     "int8": "+ int8 weights",
     "candidates": "+ N candidates",
+    "speculation": "+ speculation",
 }
 
 
 def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", candidates: Optional[int] = None) -> EngineOptions:
-    """The options of preset `name`, keeping `base`'s device and profiling switch.
+    """The options of preset `name`, keeping `base`'s device, profiling switch, draft length and draft model.
 
     `half_dtype` replaces fp16 in the presets (bf16 where fp16 is a poor fit, fp32 on a CPU where half
     precision is slower than single); `candidates` overrides the candidate count of the last rung.
@@ -136,7 +168,8 @@ def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", can
     p = PRESETS[name]
     dtype = half_dtype if p.dtype == "fp16" else p.dtype
     n = candidates if (candidates is not None and p.candidates > 1) else p.candidates
-    return replace(p, device=base.device, profile_window=base.profile_window, dtype=dtype, candidates=n).validate()
+    return replace(p, device=base.device, profile_window=base.profile_window, prefix_reuse=base.prefix_reuse,
+                   dtype=dtype, candidates=n, draft_tokens=base.draft_tokens, draft_model=base.draft_model).validate()
 
 
 @dataclass(frozen=True)
@@ -208,6 +241,10 @@ class ModelInfo:
     source_kind: str  # "gguf", "hf-folder" or "default"
     backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
     weights: str = "native"  # the weight format the linears run in (EngineOptions.weights, as applied)
+    bytes_per_token: Optional[int] = None  # weight bytes one decode token reads
+    bytes_per_token_source: str = ""
+    memory_floor_ms: Optional[float] = None  # bytes_per_token at the device's peak bandwidth; None where unknown
+    memory_floor_source: str = ""  # the source, or "n/a: why"
     load_seconds: Optional[float] = None  # how long the load took, file to model ready
     load_seconds_source: str = ""
 
@@ -247,6 +284,12 @@ class GenerationMetrics:
     dram_bw_util_pct: Metric = None
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    tokens_per_step: Metric = None  # tokens kept per decode step and candidate (1 without speculation)
+    drafted_tokens: Optional[int] = None  # speculation: drafts verified by the target
+    accepted_tokens: Optional[int] = None  # speculation: drafts the target accepted
+    acceptance_rate: Metric = None  # accepted / drafted
+    verify_steps: Optional[int] = None  # speculation: decode steps that verified drafts (the rest ran plain)
+    speculation_source: Optional[str] = None  # what drafted and how k was chosen
     # A remote engine: what the client measures over HTTP, and what the server reports about itself.
     http_ttft_ms: Metric = None
     http_decode_tok_s: Metric = None
@@ -259,6 +302,11 @@ class GenerationMetrics:
     server_running_requests: Metric = None
     server_waiting_requests: Metric = None
     server_kv_cache_pct: Metric = None
+    prompt_reused_tokens: Optional[int] = None  # prompt positions taken from the last generation's KV cache
+    prompt_computed_tokens: Optional[int] = None  # prompt positions the prefill computed
+    prompt_reuse_source: Optional[str] = None
+    overflow_policy: Optional[str] = None  # the policy the prompt was fitted with (engine.prompt)
+    prompt_cut: Optional[str] = None  # what was dropped to fit the context, e.g. "2 oldest messages dropped"
     unavailable: dict[str, str] = field(default_factory=dict)  # metric name -> why it is n/a
 
     def put(self, key: str, value: Optional[float], source: Optional[str] = None) -> None:
@@ -291,6 +339,20 @@ class GenerationMetrics:
     def from_dict(cls, data: dict[str, Any]) -> "GenerationMetrics":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ContextUse:
+    """What a conversation would take of the model's context (Engine.measure_prompt), counted with the same
+    prompt rendering a generation uses."""
+
+    tokens: int  # the whole conversation, as the chat template renders it, nothing dropped
+    prompt_tokens: Optional[int]  # what a generation would feed after the overflow policy; None: it would refuse
+    context_length: int
+    budget: int  # the most prompt tokens allowed (the context less room for the answer)
+    policy: str  # the overflow policy it was counted under
+    cut: str = ""  # what the policy would drop, "" when nothing
+    refused: str = ""  # why a generation would refuse this prompt, "" when it would not
 
 
 # ---- events streamed by Engine.generate / Engine.load -------------------------------------------------
@@ -364,6 +426,7 @@ class StepRecord:
     tokens_total: int  # tokens generated so far, all candidates
     step_ms: Optional[float]  # mean device-synchronised step latency over the steps this record covers
     profiled: bool = False  # inside the traced window
+    tokens_per_step: Optional[float] = None  # tokens per row made by the steps this record covers
 
 
 @dataclass(frozen=True)

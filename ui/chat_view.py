@@ -133,6 +133,11 @@ class ChatView(QScrollArea):
         if self._candidates is not None:
             self._candidates.mark_ended(ended)
 
+    def set_stream_status(self, text: str) -> None:
+        """A line under the answer before its text arrives (e.g. how much of the prompt has been read)."""
+        if self._stream is not None and not self._stream.body.text:
+            self._stream.stats_label.setText(text)
+
     def streaming_text(self, candidate: int = 0) -> str:
         if self._stream is not None:
             return self._stream.body.text

@@ -1,4 +1,5 @@
-"""The message composer: a text field that grows with its content, Send / Stop, and a line of key hints.
+"""The message composer: a text field that grows with its content, Send / Stop, a line of key hints, and the
+context meter (what the conversation and the draft would take of the model's context, counted by the engine).
 
 Enter sends and Shift+Enter (or Ctrl+Enter) adds a newline, or the other way round when the send key is
 "ctrl+enter" — the choice lives in the settings. Esc stops an answer anywhere in the window (main_window).
@@ -11,8 +12,15 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
+from engine.types import ContextUse
+
 SEND_KEYS = ("enter", "ctrl+enter")
 MAX_LINES = 10
+NEAR_LIMIT = 0.85  # of the prompt budget: the meter warns from here
+OVER_WHAT = {
+    "rolling": "the oldest messages will be dropped",
+    "truncate-middle": "messages from the middle will be dropped",
+}
 
 
 class ComposerEdit(QPlainTextEdit):
@@ -66,6 +74,11 @@ class Composer(QFrame):
         self.hint = QLabel(self)
         self.hint.setObjectName("composerHint")
         self.hint.setWordWrap(True)  # a narrow window wraps the key hints instead of widening the column
+        self.meter = QLabel(self)
+        self.meter.setObjectName("contextMeter")
+        self.meter.setWordWrap(True)
+        self.meter.hide()
+        self.context_use: Optional[ContextUse] = None  # the last count shown
 
         row = QHBoxLayout()
         row.setSpacing(8)
@@ -79,6 +92,7 @@ class Composer(QFrame):
         lay.setContentsMargins(16, 10, 16, 10)
         lay.setSpacing(6)
         lay.addLayout(row)
+        lay.addWidget(self.meter)
         lay.addWidget(self.hint)
         self._generating = False
         self._can_send = True
@@ -110,6 +124,48 @@ class Composer(QFrame):
         self.send_button.setEnabled(self._can_send)
         self.send_button.setToolTip(self._why_not or "Send the message")
         self.hint.setText(self._why_not if (self._why_not and not self._can_send) else self._hint_keys)
+
+    def set_context(self, use: Optional[ContextUse], why_not: str = "") -> None:
+        """Show a count (None: hide the meter, or say `why_not` when there is a reason)."""
+        self.context_use = use
+        if use is None:
+            self.meter.setVisible(bool(why_not))
+            self.meter.setText(f"Context: n/a ({why_not})" if why_not else "")
+            self.meter.setToolTip("")
+            self._set_level("ok")
+            return
+        share = use.tokens / use.context_length if use.context_length else 0.0
+        text = f"Context: {use.tokens:,} of {use.context_length:,} tokens ({share:.0%})"
+        if use.tokens > use.budget:
+            level = "over"
+            if use.refused or use.policy == "stop":
+                text += " — over the limit: the answer will be refused (this chat stops at the limit)"
+            else:
+                text += f" — over the limit: {OVER_WHAT.get(use.policy, 'messages will be dropped')}"
+                if use.cut:
+                    text += f" ({use.cut})"
+        elif use.tokens >= NEAR_LIMIT * use.budget:
+            level = "near"
+            text += f" — near the limit ({use.budget - use.tokens:,} tokens left before messages are dropped)"
+        else:
+            level = "ok"
+        self.meter.setText(text)
+        self.meter.setToolTip(
+            f"The conversation and your draft as the model's chat template renders them: {use.tokens:,} tokens.\n"
+            f"Room kept for the answer: {use.context_length - use.budget:,} of the {use.context_length:,}-token "
+            f"context, so prompts up to {use.budget:,} tokens are sent whole.\n"
+            f"When the conversation is longer: {use.policy} (Chat settings).\nSource: the engine's tokenizer.")
+        self.meter.show()
+        self._set_level(level)
+
+    def meter_level(self) -> str:
+        return str(self.meter.property("level") or "ok")
+
+    def _set_level(self, level: str) -> None:
+        if self.meter.property("level") != level:
+            self.meter.setProperty("level", level)
+            self.meter.style().unpolish(self.meter)
+            self.meter.style().polish(self.meter)
 
     def text(self) -> str:
         return self.edit.toPlainText()

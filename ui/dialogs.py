@@ -7,14 +7,14 @@ from typing import Optional
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QIntValidator
 from PySide6.QtWidgets import (
-    QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
+    QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
     QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
 from app.settings import CHAT_DEFAULTS
 from engine.errors import OptionsError
 from ui.progress import show_progress
-from engine.types import MAX_NEW_TOKENS_LIMIT, Progress, SamplingParams
+from engine.types import MAX_NEW_TOKENS_LIMIT, OVERFLOW_LABELS, OVERFLOW_POLICIES, Progress, SamplingParams
 
 # Sane defaults for a new chat: a little randomness, the usual nucleus/top-k cut, a light repetition penalty.
 
@@ -92,9 +92,16 @@ class ChatSettingsDialog(QDialog):
     """A chat's system prompt and sampling parameters, validated by SamplingParams before they are accepted."""
 
     def __init__(self, system_prompt: str, sampling: SamplingParams, context_length: Optional[int] = None,
-                 parent: Optional[QWidget] = None):
+                 parent: Optional[QWidget] = None, overflow_policy: Optional[str] = None,
+                 default_overflow: str = "rolling"):
         super().__init__(parent)
         self.setWindowTitle("Chat settings")
+        self.overflow = QComboBox(self)
+        self.overflow.addItem(f"Default: {OVERFLOW_LABELS[default_overflow]}", "")
+        for policy in OVERFLOW_POLICIES:
+            self.overflow.addItem(OVERFLOW_LABELS[policy], policy)
+        self.overflow.setCurrentIndex(max(0, self.overflow.findData(overflow_policy or "")))
+        self.overflow.setToolTip("What happens when the conversation no longer fits the model's context")
         self.setMinimumWidth(460)
         self.system_prompt = QPlainTextEdit(self)
         self.system_prompt.setPlaceholderText("Optional: how the model should behave in this chat")
@@ -141,6 +148,7 @@ class ChatSettingsDialog(QDialog):
         form.addRow("Max tokens", self.max_new_tokens)
         form.addRow("Seed", self.seed)
         form.addRow("Stop strings", self.stop)
+        form.addRow("Context full", self.overflow)
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
             | QDialogButtonBox.StandardButton.RestoreDefaults, self,
@@ -175,6 +183,10 @@ class ChatSettingsDialog(QDialog):
 
     def values(self) -> tuple[str, SamplingParams]:
         return self.system_prompt.toPlainText().strip(), self.sampling()
+
+    def overflow_policy(self) -> str:
+        """The chosen policy, "" for the app's default."""
+        return self.overflow.currentData()
 
     def accept(self) -> None:
         try:

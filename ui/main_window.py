@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
-    QDockWidget, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout, QWidget,
+    QDockWidget, QFileDialog, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout,
+    QWidget,
 )
 
 from app.settings import SettingsError
 from app.store import StoreError
-from engine.types import EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams
+from engine.types import (
+    OVERFLOW_LABELS, OVERFLOW_POLICIES, EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams,
+)
 from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
@@ -59,6 +62,7 @@ def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[
         return None
     return saved
 
+METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
 
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height or width, so
@@ -124,6 +128,7 @@ class MainWindow(QMainWindow):
         self.fetcher = fetcher
         self.catalog = catalog  # known models: default, recent, scanned folder (app.gui.ModelCatalog)
         self.flow = ChatFlow(store, controller, default_sampling, self)
+        self.flow.default_overflow = settings.overflow_policy
         self._loading: Optional[str] = None  # the source being loaded
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
@@ -132,6 +137,8 @@ class MainWindow(QMainWindow):
         self._search = ""
         self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
+        self._meter_request = 0  # the newest context count asked for
+        self._meter_timer = QTimer(self, singleShot=True, interval=METER_DEBOUNCE_MS, timeout=self.count_context)
         self._build(settings)
         self._wire()
         self._menus()
@@ -242,6 +249,10 @@ class MainWindow(QMainWindow):
         v.candidateChosen.connect(f.choose_candidate)
         v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
         self.composer.sendRequested.connect(self._send)
+        self.composer.edit.textChanged.connect(self.recount_context)
+        for signal in (f.threadChanged, f.messageAppended, f.streamFinished, f.candidatesFinished, c.loaded):
+            signal.connect(lambda *_a: self.recount_context())
+        c.contextCounted.connect(self._context_counted)
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
         self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
@@ -295,12 +306,28 @@ class MainWindow(QMainWindow):
         action(file, "Open model folder…", self.model_panel.open_folder_dialog)
         action(file, "Load the default model", lambda: self.load_model("default"))
         file.addSeparator()
+        self.export_json_action = action(file, "Export chat as JSON…", lambda: self.export_chat(False),
+                                         tip="Every branch and each answer's figures, in a file Gapless imports")
+        self.export_md_action = action(file, "Export chat as Markdown…", lambda: self.export_chat(True),
+                                       tip="Every branch, for reading")
+        self.import_action = action(file, "Import chat…", self.import_chat, tip="Add a chat exported as JSON")
+        file.addSeparator()
         action(file, "Quit", self.close, QKeySequence.StandardKey.Quit)
         chat = bar.addMenu("&Chat")
         self.stop_action = action(chat, "Stop the answer", self.flow.stop, Qt.Key.Key_Escape,
                                   "Stop the answer; the text so far is kept")
         action(chat, "Search chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
         action(chat, "Chat settings…", self.open_chat_settings)
+        overflow = chat.addMenu("When a chat outgrows the context (default)")
+        policies = QActionGroup(self)
+        self.overflow_actions: dict[str, QAction] = {}
+        for policy in OVERFLOW_POLICIES:
+            act = QAction(OVERFLOW_LABELS[policy], self, checkable=True)
+            act.setChecked(self.settings.overflow_policy == policy)
+            act.triggered.connect(lambda _c=False, policy=policy: self.set_default_overflow(policy))
+            policies.addAction(act)
+            overflow.addAction(act)
+            self.overflow_actions[policy] = act
         view = bar.addMenu("&View")
         themes = QActionGroup(self)
         for choice in THEME_CHOICES:
@@ -402,10 +429,73 @@ class MainWindow(QMainWindow):
     def open_chat_settings(self) -> None:
         info: Optional[ModelInfo] = self.controller.info
         dialog = ChatSettingsDialog(self.flow.system_prompt(), self.flow.sampling(),
-                                    info.context_length if info else None, self)
-        dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values()))
+                                    info.context_length if info else None, self,
+                                    self.flow.chat_overflow_policy(), self.settings.overflow_policy)
+        dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values(), dialog.overflow_policy()))
+        dialog.accepted.connect(self.recount_context)  # the answer's room or the policy may have changed
         dialog.open()
         self._chat_settings_dialog = dialog  # kept for tests and so it is not collected while open
+
+    def export_chat(self, markdown: bool) -> None:
+        from app.chat_io import ChatFileError, export_json, export_markdown, write_text
+
+        chat_id = self.flow.chat_id
+        if chat_id is None:
+            self._failed("Nothing to export: this chat has no messages yet")
+            return
+        suffix, kind = (".md", "Markdown (*.md)") if markdown else (".json", "Gapless chat (*.json)")
+        name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in self.chat_title.text()).strip() or "chat"
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", name + suffix, kind)
+        if not path:
+            return
+        try:
+            text = export_markdown(self.store, chat_id) if markdown else export_json(self.store, chat_id)
+            write_text(path, text)
+        except (ChatFileError, StoreError) as exc:
+            self._failed(f"The chat was not exported: {exc}")
+            return
+        self.status.setText(f"Chat exported to {path}")
+
+    def import_chat(self) -> None:
+        from app.chat_io import ChatFileError, import_chat
+
+        path, _ = QFileDialog.getOpenFileName(self, "Import chat", "", "Gapless chat (*.json);;All files (*)")
+        if not path:
+            return
+        try:
+            chat_id = import_chat(self.store, path)
+        except ChatFileError as exc:
+            self._failed(f"The chat was not imported: {exc}")
+            return
+        self.flow.open_chat(chat_id)
+        self.refresh_chats()
+        self.status.setText(f"Chat imported from {path}")
+
+    def recount_context(self) -> None:
+        """The draft or the conversation changed: counts asked for before are stale; count once typing pauses."""
+        self._meter_request = 0
+        self._meter_timer.start()
+
+    def count_context(self) -> None:
+        """Ask the engine (off this thread) what the conversation and the draft would take of the context."""
+        if self.controller.info is None:
+            self.composer.set_context(None)
+            return
+        try:
+            messages = self.flow.draft_messages(self.composer.text())
+            max_new, overflow = self.flow.sampling().max_new_tokens, self.flow.overflow_policy()
+        except StoreError as exc:
+            self.composer.set_context(None, str(exc))
+            return
+        self._meter_request = self.controller.measure_context(messages, max_new, overflow)
+
+    def _context_counted(self, request_id: int, use: Any) -> None:
+        if request_id != self._meter_request:
+            return  # an older draft's count
+        if isinstance(use, str):
+            self.composer.set_context(None, use)
+        else:
+            self.composer.set_context(use)
 
     # ---- generation ----------------------------------------------------------------------------------
 
@@ -546,6 +636,10 @@ class MainWindow(QMainWindow):
         self._update_can_send()
 
     def _progress(self, p: Progress) -> None:
+        if p.stage == "prefill":  # a long prompt read in chunks: "reading the conversation: 1,200 of 3,000 tokens"
+            self.status.setText(f"{p.message} · Esc stops")
+            self.chat_view.set_stream_status(p.message)
+            return
         if self._loading is not None:
             self.model_panel.set_progress(p)
         else:  # reconfigure, recompile, recapture
@@ -620,6 +714,13 @@ class MainWindow(QMainWindow):
         self.theme.set_choice(choice)
         self.settings.theme = choice
         self._persist()
+
+    def set_default_overflow(self, policy: str) -> None:
+        """The policy of chats that have none of their own (Chat settings can give one its own)."""
+        self.flow.default_overflow = policy
+        self.settings.overflow_policy = policy
+        self._persist()
+        self.recount_context()
 
     def set_send_with(self, key: str) -> None:
         self.composer.set_send_with(key)

@@ -27,7 +27,7 @@ class FakeController(QObject):
         self.cancels = 0
         self.info = None
 
-    def generate(self, messages, sampling) -> int:
+    def generate(self, messages, sampling, raw=False, overflow="rolling") -> int:
         self.asked.append(messages)
         return len(self.asked)
 

@@ -212,7 +212,7 @@ class ScriptedEngine:
     def reconfigure(self, options, progress=None):
         self.options = options.validate()
 
-    def generate(self, messages, sampling, on_event=None, cancel=None, raw=False):
+    def generate(self, messages, sampling, on_event=None, cancel=None, raw=False, overflow="rolling"):
         if self.fail_with:
             raise self.fail_with
         text, reason = "", "length"

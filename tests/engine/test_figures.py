@@ -9,7 +9,7 @@ from engine import figures
 from engine.ladder import MEDIAN_FIELDS, SOURCE_FIELDS, median_metrics
 from engine.types import GenerationMetrics, MonitorSample
 
-BOOKKEEPING = {"new_tokens", "unavailable"}  # GenerationMetrics fields that are not figures
+BOOKKEEPING = {"new_tokens", "unavailable", "overflow_policy", "prompt_cut"}  # GenerationMetrics fields that are not figures
 
 
 def _metric_fields() -> set[str]:

@@ -32,6 +32,9 @@ DIALOG_SITES = {
     ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
     ("ui/hud/panel.py", "HudPanel._ask"): "test_hud_export_that_cannot_write_says_so",
     ("app/gui.py", "run_gui"): "test_a_chat_database_that_cannot_open_says_so_at_start",
+    ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
+    ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
+    ("ui/remote_dialog.py", "RemoteDialog.__init__"): "test_the_remote_model_dialog_cancels_with_its_button",
 }
 
 
@@ -312,3 +315,39 @@ def test_file_dialogs_start_in_the_last_folder_used(qtbot, gui, driver, tmp_path
     driver = DialogDriver().choose_file(None).start()
     w.model_panel.open_folder_button.click()
     assert driver.done and Path(driver.answered[0].folder) == folder
+
+
+# ---- chat files and remote models ------------------------------------------------------------------------
+
+
+def test_a_chat_exported_to_a_file_imports_again(qtbot, gui, driver, tmp_path):
+    w, store = gui.window, gui.store
+    chat = add_chat(store, "To keep", "the question")
+    w.refresh_chats()
+    w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat))
+    target = tmp_path / "kept.json"
+    driver.choose_file(target).start()
+    w.export_chat(False)
+    assert driver.done and ("ui/main_window.py", "MainWindow.export_chat") in driver.answered[0].sites
+    assert target.exists() and "the question" in target.read_text()
+    driver = DialogDriver().choose_file(target).start()
+    w.import_chat()
+    assert driver.done and ("ui/main_window.py", "MainWindow.import_chat") in driver.answered[0].sites
+    assert len(store.list_chats()) == 2 and w.flow.chat_id != chat
+    assert [m.content for m in store.thread(w.flow.chat_id)] == ["the question"]
+
+
+def test_the_remote_model_dialog_cancels_with_its_button(qtbot, gui):
+    from ui.remote_dialog import RemoteDialog
+
+    asked = []
+    gui.window.model_panel.remoteRequested.connect(lambda *a: asked.append(a))
+
+    def cancel(dialog):
+        assert dialog.windowTitle() == "Open a remote model"
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Cancel).click()
+
+    driver = DialogDriver().look(RemoteDialog, cancel, close=False).start()
+    gui.window.model_panel.open_remote_dialog()
+    assert driver.done and ("ui/model_panel.py", "ModelPanel.open_remote_dialog") in driver.answered[0].sites
+    assert asked == []

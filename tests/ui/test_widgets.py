@@ -195,7 +195,7 @@ def test_theme_follows_choice(qapp):
         tm.set_choice("purple")
 
 
-def test_model_panel_shows_the_load_time_with_its_source(qtbot):
+def test_model_panel_shows_load_time_bytes_per_token_and_floor_with_sources(qtbot):
     from engine.types import ModelInfo
     from ui.model_panel import ModelPanel
 
@@ -203,11 +203,17 @@ def test_model_panel_shows_the_load_time_with_its_source(qtbot):
     qtbot.addWidget(panel)
     base = dict(name="m", family="llama", architecture="LlamaForCausalLM", backend="fast", parameters=10,
                 dtype="fp32", device="cpu", context_length=256, weight_bytes=40, source="/m.gguf", source_kind="gguf")
-    panel.set_info(ModelInfo(**base, load_seconds=1.234, load_seconds_source="perf_counter around Engine.load"))
+    panel.set_info(ModelInfo(**base, load_seconds=1.234, load_seconds_source="perf_counter around Engine.load",
+                             bytes_per_token=3 << 20, bytes_per_token_source="weights read", memory_floor_ms=0.0625,
+                             memory_floor_source="NVML peak", weights="int8"))
     assert panel.values["load"].text() == "1.23 s"
     assert panel.values["load"].toolTip() == "perf_counter around Engine.load"
-    panel.set_info(ModelInfo(**base))
+    assert panel.values["per_token"].text() == "3.0 MiB" and panel.values["per_token"].toolTip() == "weights read"
+    assert panel.values["floor"].text() == "0.062 ms/token" and panel.values["floor"].toolTip() == "NVML peak"
+    assert panel.values["weights"].text() == "40 B (int8)"
+    panel.set_info(ModelInfo(**base, memory_floor_source="n/a: the CPU's memory bandwidth is not known here"))
     assert panel.values["load"].text() == "n/a" and "not timed" in panel.values["load"].toolTip()
+    assert panel.values["floor"].text() == "n/a" and "bandwidth is not known" in panel.values["floor"].toolTip()
 
 
 def test_weights_toggle_and_its_unavailable_formats(qtbot):

@@ -1,0 +1,401 @@
+"""A chat as a file: JSON (every branch and each answer's figures; our own format, read back by `import_chat`) and
+Markdown (for people). An imported file is validated whole before anything is written, then stored as a new chat
+in one transaction: a bad or hostile file is refused with the reason and leaves the store as it was.
+
+JSON format (version 1):
+    {"format": "gapless-chat", "version": 1, "exported": <unix time>,
+     "chat": {"title", "created", "updated", "system_prompt", "sampling": {...} | null, "active_leaf": id | null,
+              "overflow_policy": "rolling" | "truncate-middle" | "stop" | null (null: the app's default)},
+     "messages": [{"id", "parent": id | null, "role", "content", "status", "created", "updated",
+                   "options": {...} | null, "metrics": {...} | null, "candidate_group": n | null,
+                   "candidate_index": n | null, "model_name": str | null}, ...]}
+Message ids are the file's own (1..N, parents before children); the store gives new ones on import.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from app.store import ROLES, ChatStore, Message, StoreError
+from engine.errors import GaplessError, OptionsError
+from engine.types import OVERFLOW_POLICIES, SamplingParams, describe_options
+
+FORMAT = "gapless-chat"
+VERSION = 1
+MAX_FILE_BYTES = 64 << 20
+MAX_MESSAGES = 100_000
+MAX_TEXT_CHARS = 4 << 20  # one message's content or the system prompt
+MAX_TITLE_CHARS = 1000
+MAX_FIGURES_BYTES = 64 << 10  # one message's options or metrics object, as JSON
+MAX_DEPTH = 8  # nesting inside an options or metrics object
+IMPORT_STATUSES = ("done", "stopped", "error")
+
+
+class ChatFileError(GaplessError):
+    """The file cannot be imported (or written); the message says why. Nothing in the store changed."""
+
+
+@dataclass(frozen=True)
+class ImportedChat:
+    """A validated file, ready to be stored."""
+
+    title: str
+    created: float
+    updated: float
+    system_prompt: str
+    sampling: Optional[dict]
+    overflow_policy: Optional[str]
+    active_leaf: Optional[int]  # index into messages
+    messages: list[dict]  # parent: index into messages (earlier) or None; candidate_group: the file's number
+
+
+# ---- export -------------------------------------------------------------------------------------------
+
+
+def chat_document(store: ChatStore, chat_id: int) -> dict:
+    """The chat with every branch, as the JSON document (ids renumbered 1..N in the store's order)."""
+    chat = store.get_chat(chat_id)
+    messages = store.all_messages(chat_id)
+    local = {m.id: i for i, m in enumerate(messages, start=1)}
+    groups: dict[int, int] = {}
+    out = []
+    for m in messages:
+        group = None
+        if m.candidate_group is not None:
+            group = groups.setdefault(m.candidate_group, len(groups) + 1)
+        out.append({
+            "id": local[m.id], "parent": local.get(m.parent_id) if m.parent_id is not None else None,
+            "role": m.role, "content": m.content,
+            "status": "stopped" if m.status == "streaming" else m.status,
+            "created": m.created, "updated": m.updated, "options": m.options, "metrics": m.metrics,
+            "candidate_group": group, "candidate_index": m.candidate_index, "model_name": m.model_name,
+        })
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "exported": time.time(),
+        "chat": {
+            "title": chat.title, "created": chat.created, "updated": chat.updated,
+            "system_prompt": chat.system_prompt, "sampling": chat.sampling, "overflow_policy": chat.overflow_policy,
+            "active_leaf": local.get(chat.active_leaf_id) if chat.active_leaf_id is not None else None,
+        },
+        "messages": out,
+    }
+
+
+def export_json(store: ChatStore, chat_id: int) -> str:
+    return json.dumps(chat_document(store, chat_id), ensure_ascii=False, indent=1, allow_nan=False) + "\n"
+
+
+def export_markdown(store: ChatStore, chat_id: int) -> str:
+    """Every branch, depth first from each root, the active branch's messages marked; each answer's figures."""
+    chat = store.get_chat(chat_id)
+    messages = store.all_messages(chat_id)
+    active = {m.id for m in store.thread(chat_id)} if chat.active_leaf_id is not None else set()
+    children: dict[Optional[int], list[Message]] = {}
+    for m in messages:
+        children.setdefault(m.parent_id, []).append(m)
+    number = {m.id: i for i, m in enumerate(messages, start=1)}
+    lines = [f"# {chat.title}", ""]
+    if chat.system_prompt.strip():
+        lines += ["**System prompt**", "", _quote(chat.system_prompt), ""]
+    branched = any(len(v) > 1 for v in children.values())
+    if branched:
+        lines += ["Messages on the branch on screen are marked ★; the others are alternatives (edits, regenerated "
+                  "answers, candidates).", ""]
+    stack = list(reversed(children.get(None, [])))
+    previous: Optional[int] = None
+    while stack:
+        m = stack.pop()
+        sibs = children.get(m.parent_id, [])
+        head = f"### #{number[m.id]} · {m.role.capitalize()}"
+        if m.role == "assistant" and m.model_name:
+            head += f" ({m.model_name})"
+        if len(sibs) > 1:
+            head += f" · branch {sibs.index(m) + 1} of {len(sibs)}"
+        if branched and m.id in active:
+            head += " ★"
+        lines += [head, ""]
+        if m.parent_id is not None and m.parent_id != previous:
+            lines += [f"*in reply to #{number[m.parent_id]}*", ""]
+        lines += [m.content if m.content else "*(empty)*", ""]
+        if m.role == "assistant" and (m.metrics or m.options):
+            lines += [f"<sub>{_figures_line(m)}</sub>", ""]
+        previous = m.id
+        stack.extend(reversed(children.get(m.id, [])))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _figures_line(m: Message) -> str:
+    """An answer's stored figures in a few words; a missing one is n/a."""
+    metrics = m.metrics or {}
+
+    def num(key: str, unit: str, digits: int) -> str:
+        v = metrics.get(key)
+        return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+
+    parts = [f"{metrics.get('new_tokens_total', 'n/a')} tokens", f"TTFT {num('ttft_ms', ' ms', 0)}",
+             f"{num('decode_tok_s', '', 1)} tok/s"]
+    if metrics.get("prompt_reused_tokens"):
+        parts.append(f"{metrics['prompt_reused_tokens']} of {metrics.get('prompt_tokens')} prompt tokens reused")
+    if metrics.get("prompt_cut"):
+        parts.append(f"context full: {metrics['prompt_cut']}")
+    if m.options:
+        parts.append(describe_options(m.options))
+    if m.status == "stopped":
+        parts.append("stopped")
+    return " · ".join(parts)
+
+
+def _quote(text: str) -> str:
+    return "\n".join("> " + line for line in text.splitlines())
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write atomically: a failed write leaves no half file at `path`."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
+    except OSError as exc:
+        raise ChatFileError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ChatFileError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+# ---- import -------------------------------------------------------------------------------------------
+
+
+def read_chat_file(path: Path) -> ImportedChat:
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ChatFileError(f"{path.name} is {size / 2**20:.0f} MiB; a chat file may be at most "
+                                f"{MAX_FILE_BYTES >> 20} MiB")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ChatFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return parse_chat(data)
+
+
+def parse_chat(data: bytes) -> ImportedChat:
+    """The chat in `data`, validated whole; ChatFileError says what is wrong."""
+    if len(data) > MAX_FILE_BYTES:
+        raise ChatFileError(f"the file is larger than {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatFileError(f"not a Gapless chat file: not UTF-8 text (byte {exc.start})") from None
+    try:
+        doc = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ChatFileError(f"not a Gapless chat file: invalid JSON at line {exc.lineno}, column {exc.colno}: "
+                            f"{exc.msg}") from None
+    except RecursionError:
+        raise ChatFileError("not a Gapless chat file: JSON nested too deeply") from None
+    return validate(doc)
+
+
+def _no_constant(name: str) -> Any:
+    raise ChatFileError(f"not a Gapless chat file: {name} is not a number JSON allows")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ChatFileError(f"not a Gapless chat file: the key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def _fail(where: str, what: str) -> ChatFileError:
+    return ChatFileError(f"{where}: {what}")
+
+
+def _obj(v: Any, where: str, keys: set[str], required: set[str]) -> dict:
+    if not isinstance(v, dict):
+        raise _fail(where, f"must be an object, got {_kind(v)}")
+    unknown = sorted(set(v) - keys)
+    if unknown:
+        raise _fail(where, f"unknown field(s) {', '.join(unknown)}")
+    missing = sorted(required - set(v))
+    if missing:
+        raise _fail(where, f"missing field(s) {', '.join(missing)}")
+    return v
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else {bool: "true/false", int: "a number", float: "a number", str: "text",
+                                     list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _text(v: Any, where: str, limit: int) -> str:
+    if not isinstance(v, str):
+        raise _fail(where, f"must be text, got {_kind(v)}")
+    if len(v) > limit:
+        raise _fail(where, f"is {len(v):,} characters long; at most {limit:,} are allowed")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _fail(where, "contains an invalid character (a lone surrogate)") from None
+    return v
+
+
+def _time(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1e11:
+        raise _fail(where, f"must be a unix time in seconds, got {v!r}"[:200])
+    return float(v)
+
+
+def _index(v: Any, where: str) -> Optional[int]:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 2**62:
+        raise _fail(where, f"must be a whole number >= 0 or null, got {v!r}"[:200])
+    return v
+
+
+def _id(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 2**62:
+        raise _fail(where, f"must be a whole number >= 0, got {v!r}"[:200])
+    return v
+
+
+def _figures(v: Any, where: str) -> Optional[dict]:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _fail(where, f"must be an object or null, got {_kind(v)}")
+    if _depth(v) > MAX_DEPTH:
+        raise _fail(where, f"is nested deeper than {MAX_DEPTH} levels")
+    size = len(json.dumps(v, ensure_ascii=False))
+    if size > MAX_FIGURES_BYTES:
+        raise _fail(where, f"is {size:,} bytes as JSON; at most {MAX_FIGURES_BYTES:,} are allowed")
+    try:
+        json.dumps(v, allow_nan=False).encode("utf-8")
+    except (ValueError, UnicodeEncodeError):
+        raise _fail(where, "contains a value that cannot be stored (a lone surrogate)") from None
+    return v
+
+
+def _depth(v: Any) -> int:
+    if isinstance(v, dict):
+        return 1 + max((_depth(x) for x in v.values()), default=0)
+    if isinstance(v, list):
+        return 1 + max((_depth(x) for x in v), default=0)
+    return 0
+
+
+CHAT_KEYS = {"title", "created", "updated", "system_prompt", "sampling", "active_leaf", "overflow_policy"}
+MESSAGE_KEYS = {"id", "parent", "role", "content", "status", "created", "updated", "options", "metrics",
+                "candidate_group", "candidate_index", "model_name"}
+
+
+def validate(doc: Any) -> ImportedChat:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ChatFileError("not a Gapless chat file (no \"format\": \"gapless-chat\" at the top)")
+    version = doc.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ChatFileError(f"the chat file has no valid version number (got {version!r})"[:200])
+    if version > VERSION:
+        raise ChatFileError(f"the chat file is version {version}, written by a newer Gapless; this one reads "
+                            f"version {VERSION} and older")
+    if version < 1:
+        raise ChatFileError(f"the chat file's version {version} is not one Gapless ever wrote")
+    _obj(doc, "the file", {"format", "version", "exported", "chat", "messages"}, {"chat", "messages"})
+    if "exported" in doc:
+        _time(doc["exported"], "exported")
+    chat = _obj(doc["chat"], "chat", CHAT_KEYS, {"title"})
+    title = _text(chat["title"], "chat.title", MAX_TITLE_CHARS)
+    now = time.time()
+    created = _time(chat.get("created", now), "chat.created")
+    updated = _time(chat.get("updated", created), "chat.updated")
+    system = _text(chat.get("system_prompt", ""), "chat.system_prompt", MAX_TEXT_CHARS)
+    sampling = chat.get("sampling")
+    if sampling is not None:
+        if not isinstance(sampling, dict):
+            raise _fail("chat.sampling", f"must be an object or null, got {_kind(sampling)}")
+        try:
+            sampling = SamplingParams.from_dict(sampling).to_dict()
+        except (OptionsError, TypeError) as exc:
+            raise _fail("chat.sampling", str(exc)) from None
+    overflow = chat.get("overflow_policy")
+    if overflow is not None and overflow not in OVERFLOW_POLICIES:
+        raise _fail("chat.overflow_policy", f"must be one of {', '.join(OVERFLOW_POLICIES)} or null, got {overflow!r}"[:200])
+    raw = doc["messages"]
+    if not isinstance(raw, list):
+        raise _fail("messages", f"must be a list, got {_kind(raw)}")
+    if len(raw) > MAX_MESSAGES:
+        raise _fail("messages", f"{len(raw):,} messages; at most {MAX_MESSAGES:,} are allowed")
+    position: dict[int, int] = {}  # file id -> index
+    group_parent: dict[int, Optional[int]] = {}
+    group_indexes: dict[int, set[int]] = {}
+    messages = []
+    for i, m in enumerate(raw):
+        where = f"message {i + 1}"
+        _obj(m, where, MESSAGE_KEYS, {"id", "role", "content"})
+        mid = _id(m["id"], f"{where}: id")
+        if mid in position:
+            raise _fail(where, f"id {mid} is used by message {position[mid] + 1} too")
+        parent = _index(m.get("parent"), f"{where}: parent")
+        if parent is not None and parent not in position:
+            raise _fail(where, f"its parent {parent} is not an earlier message of the file")
+        role = m["role"]
+        if role not in ROLES:
+            raise _fail(where, f"role must be one of {', '.join(ROLES)}, got {role!r}"[:200])
+        status = m.get("status", "done")
+        if status not in IMPORT_STATUSES:
+            raise _fail(where, f"status must be one of {', '.join(IMPORT_STATUSES)}, got {status!r}"[:200])
+        m_created = _time(m.get("created", created), f"{where}: created")
+        group = _index(m.get("candidate_group"), f"{where}: candidate_group")
+        index = _index(m.get("candidate_index"), f"{where}: candidate_index")
+        if (group is None) != (index is None):
+            raise _fail(where, "candidate_group and candidate_index go together (both set or both null)")
+        parent_at = position.get(parent) if parent is not None else None
+        if group is not None:
+            if role != "assistant":
+                raise _fail(where, "only answers can be candidates")
+            if group_parent.setdefault(group, parent_at) != parent_at:
+                raise _fail(where, f"candidate group {group} holds answers to different messages")
+            if index is None or index in group_indexes.setdefault(group, set()):
+                raise _fail(where, f"candidate {index} appears twice in group {group}")
+            group_indexes[group].add(index)
+        model = m.get("model_name")
+        messages.append({
+            "parent": parent_at, "role": role, "content": _text(m["content"], f"{where}: content", MAX_TEXT_CHARS),
+            "status": status, "created": m_created, "updated": _time(m.get("updated", m_created), f"{where}: updated"),
+            "options": _figures(m.get("options"), f"{where}: options"),
+            "metrics": _figures(m.get("metrics"), f"{where}: metrics"),
+            "candidate_group": group, "candidate_index": index,
+            "model_name": None if model is None else _text(model, f"{where}: model_name", MAX_TITLE_CHARS),
+        })
+        position[mid] = i
+    leaf = _index(chat.get("active_leaf"), "chat.active_leaf")
+    if leaf is not None and leaf not in position:
+        raise _fail("chat.active_leaf", f"names message {leaf}, which the file does not have")
+    if leaf is None and messages:
+        raise _fail("chat.active_leaf", "is null, but the chat has messages")
+    return ImportedChat(title, created, updated, system, sampling, overflow,
+                        position.get(leaf) if leaf is not None else None, messages)
+
+
+def import_chat(store: ChatStore, path: Path) -> int:
+    """Store the chat in the file at `path` as a new chat; its id. Refused whole (ChatFileError) or stored whole."""
+    chat = read_chat_file(path)
+    try:
+        return store.import_chat(chat)
+    except StoreError as exc:
+        raise ChatFileError(f"the chat could not be stored: {exc}") from exc

@@ -1,0 +1,40 @@
+"""`gapless chats list | export | import`: the chat store from the command line."""
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from app.chat_io import ChatFileError, export_json, export_markdown, import_chat, write_text
+from app.paths import AppPaths
+from app.store import ChatStore
+
+EXIT_OK = 0
+
+
+def run_chats(args: Any, paths: AppPaths) -> int:
+    paths.ensure()
+    with ChatStore(paths.database) as store:
+        if args.chats_command == "list":
+            for c in store.list_chats():
+                when = datetime.fromtimestamp(c.updated).strftime("%Y-%m-%d %H:%M")
+                print(f"{c.id}\t{when}\t{store.count_messages(c.id)} messages\t{c.title}")
+            return EXIT_OK
+        if args.chats_command == "export":
+            store.get_chat(args.chat_id)  # "no chat with id N" before anything is written
+            text = export_markdown(store, args.chat_id) if args.markdown else export_json(store, args.chat_id)
+            if args.output is None or str(args.output) == "-":
+                sys.stdout.write(text)
+            else:
+                write_text(args.output, text)
+                print(f"chat {args.chat_id} written to {args.output}", file=sys.stderr)
+            return EXIT_OK
+        if args.chats_command == "import":
+            try:
+                chat_id = import_chat(store, Path(args.path))
+            except ChatFileError as exc:
+                raise ChatFileError(f"{args.path} was not imported: {exc}") from exc
+            print(f"imported as chat {chat_id}: {store.get_chat(chat_id).title}")
+            return EXIT_OK
+    raise ValueError(f"unknown chats command {args.chats_command!r}")

@@ -1,0 +1,157 @@
+"""`gapless bench --conversation`: time to first token along a growing conversation, prefix reuse on against off.
+
+Two engines on the same model, one with prefix reuse and one without, answer the same scripted conversation
+turn by turn (greedy, so the answers must be the same token for token; the next turn carries the answer). The
+two are interleaved per turn so that both see the same machine load. Each repeat starts both from an empty
+cache; the report gives each turn's median TTFT over the repeats, for each engine, and their ratio.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+from engine.telemetry.machine import describe_machine
+from engine.types import EngineOptions, SamplingParams
+
+TARGET_RATIO = 0.2  # turn-10 TTFT with reuse at most this share of TTFT without
+
+# Each user turn is a request with pasted notes, as in a real working session, so the conversation grows by about
+# two hundred tokens a turn.
+TOPICS = [
+    "the water cycle", "how a bicycle gear works", "why bread rises", "the phases of the moon",
+    "how vaccines train the immune system", "what a compiler does", "how bees make honey",
+    "why the sky is blue", "how a refrigerator moves heat", "what causes the seasons",
+    "how a lock and key work", "why leaves change colour",
+]
+NOTES = ("Here are my notes so far, which may contain mistakes: {topic} is something people often explain with "
+         "a simple picture, but the details matter. First there is a starting state, then something changes it, "
+         "and finally the result feeds back into the start. Each step has a cause, a mechanism and an effect, "
+         "and the effect of one step is often the cause of the next. I have read that the energy comes from "
+         "outside the system, that the process repeats on its own once started, and that small changes at one "
+         "step can have large effects later. I would like to understand which of these claims are true, which "
+         "are half true, and what the usual misconceptions are. ")
+
+
+def user_turn(turn: int) -> str:
+    topic = TOPICS[turn % len(TOPICS)]
+    return (f"Question {turn + 1}: explain {topic} in a few sentences. " + NOTES.format(topic=topic)
+            + "Please answer briefly and say which of my notes is wrong.")
+
+
+@dataclass
+class ConversationConfig:
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    turns: int = 10
+    max_new_tokens: int = 48
+    repeats: int = 3
+    system: str = "You are a concise, careful tutor."
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def run_conversation(config: ConversationConfig, progress: Callable[[str], None] = print,
+                     command: Optional[list[str]] = None) -> dict[str, Any]:
+    from engine.engine import Engine
+
+    started = time.time()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
+    base = EngineOptions(device=config.device, dtype=config.dtype, profile_window=False)
+    engines = {
+        "reuse": Engine.load(config.model, base.with_(prefix_reuse=True), lambda p: progress(f"{p.stage}: {p.message}")),
+        "no_reuse": Engine.load(config.model, base.with_(prefix_reuse=False)),
+    }
+    turns: list[dict[str, list]] = [{"ttft_reuse": [], "ttft_no_reuse": [], "prompt_tokens": [], "reused": [],
+                                     "computed": [], "identical": []} for _ in range(config.turns)]
+    try:
+        for eng in engines.values():  # allocator and first-call costs stay out of the figures
+            eng.generate([{"role": "user", "content": "Say hello."}], sampling)
+        info = engines["reuse"].info.to_dict()
+        for rep in range(config.repeats):
+            for eng in engines.values():
+                eng.forget_prefix()
+            msgs: list[dict] = [{"role": "system", "content": config.system}]
+            for t in range(config.turns):
+                msgs.append({"role": "user", "content": user_turn(t)})
+                a = engines["reuse"].generate(msgs, sampling)
+                b = engines["no_reuse"].generate(msgs, sampling)
+                row = turns[t]
+                row["ttft_reuse"].append(a.metrics.ttft_ms)
+                row["ttft_no_reuse"].append(b.metrics.ttft_ms)
+                row["prompt_tokens"].append(a.metrics.prompt_tokens)
+                row["reused"].append(a.metrics.prompt_reused_tokens)
+                row["computed"].append(a.metrics.prompt_computed_tokens)
+                row["identical"].append(a.token_ids == b.token_ids)
+                progress(f"repeat {rep + 1}/{config.repeats} turn {t + 1}: {a.metrics.prompt_tokens} prompt tokens "
+                         f"({a.metrics.prompt_reused_tokens} reused), TTFT {a.metrics.ttft_ms:.0f} ms with reuse, "
+                         f"{b.metrics.ttft_ms:.0f} ms without")
+                msgs.append({"role": "assistant", "content": a.texts[0]})
+    finally:
+        for eng in engines.values():
+            eng.close()
+    rows = []
+    for t, row in enumerate(turns):
+        with_, without = _median(row["ttft_reuse"]), _median(row["ttft_no_reuse"])
+        rows.append({
+            "turn": t + 1,
+            "prompt_tokens": row["prompt_tokens"][0],
+            "prompt_reused_tokens": row["reused"][0],
+            "prompt_computed_tokens": row["computed"][0],
+            "ttft_ms_reuse_median": with_,
+            "ttft_ms_no_reuse_median": without,
+            "ttft_ms_reuse_runs": row["ttft_reuse"],
+            "ttft_ms_no_reuse_runs": row["ttft_no_reuse"],
+            "ttft_ratio": with_ / without if with_ is not None and without else None,
+            "answers_identical": all(row["identical"]),
+        })
+    last = rows[-1]
+    machine = describe_machine()
+    machine["load_average_at_start"] = load_at_start
+    machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {
+        "benchmark": "conversation",
+        "command": command,
+        "created_unix": started,
+        "wall_seconds": time.time() - started,
+        "config": asdict(config),
+        "machine": machine,
+        "model": info,
+        "method": ("two engines on the same model, prefix reuse on and off, answer the same conversation turn by "
+                   "turn, interleaved; greedy; the conversation carries the reuse engine's answers; TTFT is the "
+                   "engine's own (prompt in -> first token on the host), median over the repeats, each repeat "
+                   "from an empty cache; one warm-up generation per engine first"),
+        "turns": rows,
+        "last_turn": {
+            "turn": last["turn"],
+            "prompt_tokens": last["prompt_tokens"],
+            "ttft_ratio": last["ttft_ratio"],
+            "target_ratio": TARGET_RATIO,
+            "target_met": last["ttft_ratio"] is not None and last["ttft_ratio"] <= TARGET_RATIO,
+        },
+        "answers_identical": all(r["answers_identical"] for r in rows),
+    }
+
+
+def format_conversation(report: dict[str, Any]) -> str:
+    lines = [f"{'turn':>4}  {'prompt':>6}  {'reused':>6}  {'TTFT reuse':>11}  {'TTFT without':>12}  {'ratio':>6}  same"]
+    for r in report["turns"]:
+        def ms(v: Optional[float]) -> str:
+            return "n/a" if v is None else f"{v:.0f} ms"
+        ratio = "n/a" if r["ttft_ratio"] is None else f"{r['ttft_ratio']:.2f}×"
+        lines.append(f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {r['prompt_reused_tokens']:>6}  "
+                     f"{ms(r['ttft_ms_reuse_median']):>11}  {ms(r['ttft_ms_no_reuse_median']):>12}  {ratio:>6}  "
+                     f"{'yes' if r['answers_identical'] else 'NO'}")
+    last = report["last_turn"]
+    verdict = "met" if last["target_met"] else "missed"
+    ratio = "n/a" if last["ttft_ratio"] is None else f"{last['ttft_ratio']:.2f}×"
+    lines.append(f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
+                 f"{verdict}); answers identical: {report['answers_identical']}")
+    return "\n".join(lines)

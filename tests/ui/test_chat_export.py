@@ -1,0 +1,67 @@
+"""Export and import through the File menu: only the file dialog's choice is replaced; the rest is the real app
+(a tiny model answers, so the answer carries real figures)."""
+from __future__ import annotations
+
+import pytest
+
+import json
+
+from PySide6.QtWidgets import QFileDialog
+
+from app.chat_io import chat_document
+from test_main_window import close_app, open_app, send
+
+@pytest.fixture
+def data_dir(tmp_path):
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def app(qtbot, data_dir, tiny_llama):
+    gui = open_app(qtbot, data_dir, tiny_llama)
+    yield gui
+    close_app(gui)
+
+
+
+def choose(monkeypatch, path):
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", staticmethod(lambda *a, **k: (str(path), "")))
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", staticmethod(lambda *a, **k: (str(path), "")))
+
+
+def test_export_then_import_through_the_menu_gives_the_same_chat(qtbot, app, tmp_path, monkeypatch):
+    w = app.window
+    send(qtbot, app, "hello there")
+    send(qtbot, app, "and again")
+    first = w.flow.chat_id
+    shown = [(m.role, m.content, m.metrics) for m in w.chat_view.items()]
+    path = tmp_path / "exported.json"
+    choose(monkeypatch, path)
+    w.export_json_action.trigger()
+    assert json.loads(path.read_text(encoding="utf-8"))["format"] == "gapless-chat"
+    w.import_action.trigger()
+    assert w.flow.chat_id != first and f"Chat imported from {path}" in w.status.text()
+    assert [(m.role, m.content, m.metrics) for m in w.chat_view.items()] == shown
+    assert sorted(w.chat_list.chat_ids()) == sorted([first, w.flow.chat_id])
+    assert w.chat_list.current_id() == w.flow.chat_id
+    a, b = (chat_document(app.store, c) for c in (first, w.flow.chat_id))
+    a.pop("exported"), b.pop("exported")
+    assert a == b
+    md = tmp_path / "exported.md"
+    choose(monkeypatch, md)
+    w.export_md_action.trigger()
+    assert "and again" in md.read_text(encoding="utf-8") and "TTFT" in md.read_text(encoding="utf-8")
+
+
+def test_a_bad_file_through_the_menu_is_refused_and_changes_nothing(qtbot, app, tmp_path, monkeypatch):
+    w = app.window
+    send(qtbot, app, "hello there")
+    chats = [c.id for c in app.store.list_chats()]
+    count = app.store.count_messages()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "gapless-chat", "version": 1, "chat": {"title": "x"}, "messages": [{"id": 1, '
+                   '"parent": 5, "role": "user", "content": "hi"}]}', encoding="utf-8")
+    choose(monkeypatch, bad)
+    w.import_action.trigger()
+    assert "The chat was not imported: message 1: its parent 5 is not an earlier message" in w.status.text()
+    assert [c.id for c in app.store.list_chats()] == chats and app.store.count_messages() == count
