@@ -55,6 +55,7 @@ class Settings:
     window_state: Optional[str] = None  # base64 of QMainWindow.saveState()
     hud_visible: bool = True
     splitter_sizes: dict[str, list[int]] = field(default_factory=dict)  # splitter name -> sizes
+    last_folder: Optional[str] = None  # where the last file dialog was left: the next one starts there
     overflow_policy: str = "rolling"  # for chats without their own (engine.types.OVERFLOW_POLICIES)
 
     def options(self) -> EngineOptions:
@@ -106,6 +107,7 @@ _CHECKS = {
     "window_state": (_base64, "base64 text or null"),
     "hud_visible": (lambda v: isinstance(v, bool), "true or false"),
     "splitter_sizes": (_sizes, "an object of lists of sizes"),
+    "last_folder": (_optional_str, "a string or null"),
     "overflow_policy": (lambda v: v in OVERFLOW_POLICIES, f"one of {', '.join(OVERFLOW_POLICIES)}"),
 }
 assert set(_CHECKS) == {f.name for f in fields(Settings)}

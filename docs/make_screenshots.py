@@ -1,5 +1,5 @@
-"""Screenshots from real runs for the README: the main window with an answer (dark and light theme), the HUD
-during a generation, after it, and the ladder chart.
+"""Screenshots from real runs for the README: the main window with an answer (dark and light theme, and at
+800×600), the HUD during a generation, after it with its diagnosis line, and the ladder chart.
 
     QT_QPA_PLATFORM=offscreen python docs/make_screenshots.py [--model default] [--out docs/screenshots]
 
@@ -25,7 +25,11 @@ def main() -> int:
     p.add_argument("--ladder-tokens", type=int, default=32)
     p.add_argument("--main-prompt", default="Write a Python function that returns the n-th Fibonacci number. "
                                             "Put the code in a code block, then explain it briefly.")
+    p.add_argument("--parts", default="hud,ladder,main", help="which shots to make: hud, ladder, main (comma-separated)")
+    p.add_argument("--main-tokens", type=int, default=200)
+    p.add_argument("--hud-tokens", type=int, default=160)
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtCore import QEventLoop, QTimer
 
@@ -53,13 +57,13 @@ def main() -> int:
         loop.exec()
 
     args.out.mkdir(parents=True, exist_ok=True)
-    try:
-        w.load_model(args.model)
-        wait(c.loaded)
-        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=160, seed=0)
-        batches, finished = [], []
-        c.textBatch.connect(lambda *a: batches.append(1))
-        c.generationFinished.connect(lambda *a: finished.append(1))
+    batches: list = []
+    finished: list = []
+    c.textBatch.connect(lambda *a: batches.append(1))
+    c.generationFinished.connect(lambda *a: finished.append(1))
+
+    def hud_shots() -> None:
+        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=args.hud_tokens, seed=0)
         w.composer.set_text(args.prompt)
         w.composer.send_button.click()
         while len(batches) < 12 and not finished:
@@ -69,7 +73,10 @@ def main() -> int:
             settle(200)
         settle()
         w.grab().save(str(args.out / "hud-after.png"))
-        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=args.ladder_tokens)
+        hud.bars.grab().save(str(args.out / "hud-diagnosis.png"))  # the figures and what limited the answer
+        print("diagnosis:", hud.bars.diagnosis.text())
+
+    def ladder_shot() -> None:
         hud.tabs.setCurrentWidget(hud.ladder)
         c.run_ladder([{"role": "user", "content": args.prompt}], replace(w.flow.sampling(), temperature=0.0,
                                                                               max_new_tokens=args.ladder_tokens),
@@ -79,10 +86,12 @@ def main() -> int:
         hud.grab().save(str(args.out / "hud-ladder.png"))
         for r in rows:
             print(r.label, r.decode_tok_s, r.skipped)
-        # the main window: a fresh chat with an answer that has a code block, in both themes
+
+    def main_shots() -> None:
+        # a fresh chat with an answer that has a code block, in both themes, then in a narrow window
         hud.tabs.setCurrentIndex(0)  # Live
         w.new_chat()
-        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=200, seed=0)
+        w.flow.default_sampling = replace(w.flow.default_sampling, max_new_tokens=args.main_tokens, seed=0)
         finished.clear()
         w.composer.set_text(args.main_prompt)
         w.composer.send_button.click()
@@ -93,6 +102,19 @@ def main() -> int:
         gui.theme.set_choice("light")
         settle()
         w.grab().save(str(args.out / "main-light.png"))
+        w.resize(800, 600)  # the conversation wraps to its width
+        settle(1000)
+        w.grab().save(str(args.out / "main-narrow.png"))
+
+    try:
+        w.load_model(args.model)
+        wait(c.loaded)
+        if "hud" in parts:
+            hud_shots()
+        if "ladder" in parts:
+            ladder_shot()
+        if "main" in parts:
+            main_shots()
     finally:
         gui.close()
     return 0

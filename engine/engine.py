@@ -493,6 +493,7 @@ class Engine:
 
         runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
         kind = SamplerKind.of(sampling)
+        compile_s: Optional[float] = None  # the compile / capture warm-up of this generation
         runner.sampler.set_params(sampling)
         if opts.kernels == "fused":
             runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons)
@@ -507,6 +508,7 @@ class Engine:
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
+                t_compile = time.perf_counter()
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
@@ -526,6 +528,9 @@ class Engine:
                     with preserved(runner):
                         runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
                                        verify_ks)
+                compile_s = time.perf_counter() - t_compile
+                done = "captured" if opts.cuda_graph else "compiled" if opts.compile else "warmed up"
+                on_event(Progress(stage, 1.0, f"decode step {done} in {compile_s:.1f} s"))
         torch.manual_seed(seed)
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
@@ -552,6 +557,10 @@ class Engine:
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
+        if compile_s is not None:
+            loop.metrics.put("compile_seconds", compile_s)
+        else:
+            loop.metrics.mark_na("compile_seconds", "compile and CUDA graph off: nothing is compiled or captured")
         self._prefix.remember(runner, list(prompt_ids), loop.metrics.decode_steps)
         m = loop.metrics
         m.put("prompt_reused_tokens", plan.start, plan.source)

@@ -263,6 +263,7 @@ class GenerationMetrics:
     new_tokens: list[int] = field(default_factory=list)  # per candidate
     new_tokens_total: int = 0
     ttft_ms: Metric = None  # prompt in -> first token on the host
+    compile_seconds: Metric = None  # compile / capture warm-up before the first token (not part of ttft_ms)
     prefill_tok_s: Metric = None
     decode_tok_s: Metric = None  # aggregate over candidates, device-synchronised, profiled window excluded
     decode_steps: int = 0

@@ -25,6 +25,15 @@ def show_error(parent: Optional[QWidget], title: str, message: str) -> None:
     box.open()  # never blocks the event loop: streaming and the HUD keep running behind it
 
 
+def show_info(parent: Optional[QWidget], title: str, message: str) -> QMessageBox:
+    """A message for reading (shortcuts, about), never blocking the event loop."""
+    box = QMessageBox(QMessageBox.Icon.Information, title, message, QMessageBox.StandardButton.Close, parent)
+    box.setTextFormat(Qt.TextFormat.PlainText)
+    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    box.open()
+    return box
+
+
 def confirm(parent: Optional[QWidget], title: str, text: str, action: str) -> bool:
     """Ask before a destructive `action` ("Delete"): True only when its button was clicked. Cancel is the
     default, so Enter or Esc keep everything."""

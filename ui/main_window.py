@@ -25,7 +25,7 @@ from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
-from ui.dialogs import ChatSettingsDialog, ProgressDialog, show_error
+from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
 from ui.model_panel import ModelPanel, source_label
 from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
@@ -44,10 +44,10 @@ def model_status_text(info: Optional[ModelInfo]) -> str:
     return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
 
 
-LEFT_MIN_WIDTH = 180  # the chat list and the model panel
+LEFT_MIN_WIDTH = 220  # the chat list and the model panel
 CENTER_MIN_WIDTH = 280  # the conversation and the composer
 DOCK_MIN_WIDTH = 260  # the optimizations and the HUD
-LEFT_SHARE = 0.2  # of the splitter, when no saved sizes fit
+LEFT_SHARE = 0.28  # of the splitter, when no saved sizes fit
 DOCK_SHARE = 500 / 1440  # of the window's width, until the user drags the docks' edge
 
 
@@ -69,9 +69,12 @@ class FitScrollArea(QScrollArea):
     a tall or wide panel never forces the window larger than the screen (a plain resizable scroll area would
     size a word-wrapping panel by its preferred height and always scroll)."""
 
-    def __init__(self, widget: QWidget, parent: Optional[QWidget] = None):
+    def __init__(self, widget: QWidget, parent: Optional[QWidget] = None, scroll_vertically: bool = True):
         super().__init__(parent)
+        self._scroll_vertically = scroll_vertically  # False: as tall as the widget needs, scrolling only sideways
         self.setFrameShape(QFrame.Shape.NoFrame)
+        if not scroll_vertically:
+            self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self.setWidgetResizable(False)
         self.setWidget(widget)
@@ -91,6 +94,15 @@ class FitScrollArea(QScrollArea):
         if w is None:
             return
         bar = self.verticalScrollBar().sizeHint().width()
+        if not self._scroll_vertically:
+            # As tall as the widget needs at the width it gets (wrapped lines included); sideways scroll below it.
+            width = max(self.width(), w.minimumSizeHint().width())
+            need = w.heightForWidth(width) if w.hasHeightForWidth() else w.minimumSizeHint().height()
+            need = max(need, w.minimumSizeHint().height())
+            wide = width > self.width()
+            self.setMinimumHeight(need + (self.horizontalScrollBar().sizeHint().height() if wide else 0))
+            w.resize(width, need)
+            return
         height = max(self.viewport().height(), w.minimumSizeHint().height())
         width = max(self.width() - (bar if height > self.height() else 0), w.minimumSizeHint().width())
         w.resize(width, height)
@@ -187,7 +199,7 @@ class MainWindow(QMainWindow):
         self.toggles = TogglesPanel(settings.options(), self._preset_resolver, self)
         self.options_dock = QDockWidget("Optimizations", self)
         self.options_dock.setObjectName("optionsDock")
-        self.options_dock.setWidget(FitScrollArea(self.toggles, self))
+        self.options_dock.setWidget(FitScrollArea(self.toggles, self, scroll_vertically=False))
         self.options_dock.setMinimumWidth(DOCK_MIN_WIDTH)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
         self._dock_share = DOCK_SHARE
@@ -232,7 +244,7 @@ class MainWindow(QMainWindow):
         f.failed.connect(self._failed)
         v.editSubmitted.connect(f.edit)
         v.regenerateRequested.connect(f.regenerate)
-        v.deleteRequested.connect(f.delete_message)
+        v.deleteRequested.connect(self.ask_delete_message)
         v.siblingRequested.connect(f.step_sibling)
         v.candidateChosen.connect(f.choose_candidate)
         v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
@@ -244,6 +256,11 @@ class MainWindow(QMainWindow):
         self.composer.stopRequested.connect(f.stop)
         self.model_panel.openRequested.connect(self.load_model)
         self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
+        self.model_panel.folderUsed.connect(self._folder_used)
+        self.model_panel.last_folder = self.settings.last_folder or ""
+        if self.hud is not None and hasattr(self.hud, "folderUsed"):
+            self.hud.folderUsed.connect(self._folder_used)
+            self.hud.last_folder = self.settings.last_folder or ""
         self.toggles.optionsChanged.connect(self._options_chosen)
         self.theme.changed.connect(v.set_colors)
 
@@ -329,8 +346,40 @@ class MainWindow(QMainWindow):
             view.addAction(act)
         view.addSeparator()
         view.addAction(self.options_dock.toggleViewAction())
+        help_menu = bar.addMenu("&Help")
+        action(help_menu, "Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
+        action(help_menu, "About Gapless", self.show_about)
         if self.hud_dock is not None:
             view.addAction(self.hud_dock.toggleViewAction())
+
+    def shortcut_lines(self) -> list[str]:
+        """Every menu action with a shortcut, as the menus have it, then the composer's keys."""
+        lines = []
+        for menu_action in self.menuBar().actions():
+            for act in menu_action.menu().actions():
+                keys = act.shortcut().toString(QKeySequence.SequenceFormat.NativeText)
+                if keys:
+                    lines.append(f"{keys}\t{act.text()}")
+        send = "Enter" if self.composer.edit.send_with == "enter" else "Ctrl+Enter"
+        newline = "Shift+Enter" if send == "Enter" else "Enter"
+        lines += [f"{send}\tSend the message", f"{newline}\tA new line in the message"]
+        return lines
+
+    def show_shortcuts(self) -> None:
+        self._info_box = show_info(self, "Keyboard shortcuts", "\n".join(self.shortcut_lines()))
+
+    def show_about(self) -> None:
+        import PySide6
+        from PySide6.QtCore import qVersion
+
+        from app import __version__
+
+        self._info_box = show_info(
+            self, "About Gapless",
+            f"Gapless {__version__}\n\nA desktop chat app for local language models with a live performance HUD: "
+            "each decode optimization can be switched on and off, and the HUD shows what it changes.\n\n"
+            f"Qt {qVersion()} · PySide6 {PySide6.__version__} · Apache-2.0",
+        )
 
     # ---- chats ---------------------------------------------------------------------------------------
 
@@ -342,6 +391,15 @@ class MainWindow(QMainWindow):
             self.flow.choose_candidate(tabs.tabs.currentIndex())
         if self.flow.send(text):
             self.composer.clear()
+
+    def ask_delete_message(self, message_id: int) -> None:
+        """A message goes with everything after it on its branch: asked first, Cancel the default."""
+        later = [m for m in self.chat_view.items() if m.id is not None]
+        ids = [m.id for m in later]
+        after = len(ids) - ids.index(message_id) - 1 if message_id in ids else 0
+        text = "Delete this message" + (f" and the {after} after it" if after else "") + "? This cannot be undone."
+        if confirm(self, "Delete message", text, "Delete"):
+            self.flow.delete_message(message_id)
 
     def new_chat(self) -> None:
         self.flow.new_chat()
@@ -557,6 +615,14 @@ class MainWindow(QMainWindow):
             self.model_panel.set_models(c.default(), c.recent(), c.scanned(), c.folder)
             for notice in c.take_notices():
                 self.status.setText(notice)
+
+    def _folder_used(self, folder: str) -> None:
+        """Every file dialog starts where the last one was left, in this run and the next."""
+        self.settings.last_folder = folder
+        self.model_panel.last_folder = folder
+        if self.hud is not None:
+            self.hud.last_folder = folder
+        self._persist()
 
     def set_models_folder(self, folder: str) -> None:
         self.settings.models_folder = folder

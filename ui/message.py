@@ -85,7 +85,7 @@ class MessageWidget(QFrame):
         self._busy = False
 
         self._layout = QVBoxLayout(self)
-        self._layout.setContentsMargins(12, 8, 12, 8)
+        self._layout.setContentsMargins(8, 8, 8, 8)
         self._layout.setSpacing(4)
         self._layout.addLayout(header)
         self._layout.addWidget(self.body)

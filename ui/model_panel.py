@@ -44,6 +44,7 @@ def source_label(source: str) -> str:
 class ModelPanel(QGroupBox):
     openRequested = Signal(str)  # "default", a GGUF path or a folder
     modelsFolderChosen = Signal(str)  # a folder to scan for models
+    folderUsed = Signal(str)  # the folder a file dialog was left in (the next one starts there)
     remoteRequested = Signal(str, str, str, float)  # base URL, model, API key ("": keep the stored one), timeout s
 
     FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "per_token", "floor", "backend",
@@ -114,6 +115,7 @@ class ModelPanel(QGroupBox):
         lay.addLayout(buttons)
         lay.addWidget(self.recent_button)
         self.info: Optional[ModelInfo] = None
+        self.last_folder = ""  # where file dialogs start ("" = Qt's choice)
 
     def set_info(self, info: Optional[ModelInfo]) -> None:
         self.info = info
@@ -213,13 +215,17 @@ class ModelPanel(QGroupBox):
         menu.setToolTipsVisible(True)
 
     def _choose_models_folder(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "A folder with GGUF files or model folders to list here")
+        path = QFileDialog.getExistingDirectory(self, "A folder with GGUF files or model folders to list here",
+                                                self.last_folder)
         if path:
+            self._used(str(Path(path).parent))
             self.modelsFolderChosen.emit(path)
 
     def open_file_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf);;All files (*)")
+        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", self.last_folder,
+                                              "GGUF models (*.gguf);;All files (*)")
         if path:
+            self._used(str(Path(path).parent))
             self.openRequested.emit(path)
 
     def open_remote_dialog(self) -> None:
@@ -230,6 +236,11 @@ class ModelPanel(QGroupBox):
             self.remoteRequested.emit(*dialog.values())
 
     def open_folder_dialog(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Open a Hugging Face model folder")
+        path = QFileDialog.getExistingDirectory(self, "Open a Hugging Face model folder", self.last_folder)
         if path:
+            self._used(str(Path(path).parent))
             self.openRequested.emit(path)
+
+    def _used(self, folder: str) -> None:
+        self.last_folder = folder
+        self.folderUsed.emit(folder)

@@ -86,10 +86,12 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         count = f"{per[candidate]} of {tokens} tokens in the batch"
     else:
         count = f"{tokens if tokens is not None and metrics else NA} tokens"
+    compile_s = m.get("compile_seconds")
+    compile_part = f" + compile {compile_s:.1f} s" if compile_s is not None else ""
     rate = f"{fmt(m.get('decode_tok_s'))} tok/s" + (f" (all {len(per)} candidates)" if batch else "")
     line = " · ".join([
         count,
-        f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}",
+        f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}" + compile_part,
         rate,
         options_label(options),
         f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
@@ -109,7 +111,8 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
     unavailable = m.get("unavailable") or {}
     tips = [
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
-        f"Time to first token: {fmt(m.get('ttft_ms'), ' ms', 0)}",
+        f"Time to first token: {fmt(m.get('ttft_ms'), ' ms', 0)}"
+        + (f", after {compile_s:.1f} s compiling / capturing the decode step" if compile_s is not None else ""),
         f"Prefill: {fmt(m.get('prefill_tok_s'))} tok/s",
         f"Decode: {fmt(m.get('decode_tok_s'))} tok/s (device-synchronised, profiled steps excluded"
         + (f"; all {len(per)} candidates together)" if batch else ")"),

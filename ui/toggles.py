@@ -17,9 +17,16 @@ from engine.types import (
     SPECULATION_MODES, EngineOptions, Progress, preset_options,
 )
 from engine.types import WEIGHT_FORMATS
+from ui.dialogs import confirm
 from ui.stats import preset_name
 
 CUSTOM = "custom"
+COMPILE_ON_CPU = (
+    "torch.compile on a CPU takes minutes: the first answer with it waits while the decode step compiles, once for "
+    "each context size the answer reaches (a cold compile cost about 33 s a step shape on 2 cores in "
+    "docs/benchmarks.md, and over 2 minutes on a loaded machine). Later answers reuse it. The time shows as "
+    "\"+ compile N s\" beside TTFT.\n\nOn a CPU it gains little (19.6 against 17.9 tok/s there)."
+)
 # The option each preset adds to the rung before it: the preset cannot run where that option cannot.
 DEFINING_OPTION: dict[str, Optional[str]] = {
     "naive": None, "half": "dtype", "device-sampling": "sampling", "first-fixes": "kv_cache", "compile": "compile",
@@ -314,9 +321,19 @@ class TogglesPanel(QWidget):
     def _change(self, options: EngineOptions) -> None:
         if options == self._options:
             return
+        if options.compile and not self._options.compile and not self._compile_is_fast(options):
+            if not confirm(self, "Compile on the CPU", COMPILE_ON_CPU, "Compile anyway"):
+                self.set_options(self._options)  # the switch shows what is still in force
+                self.note.setText("Compile stays off.")
+                return
         self.set_options(options)
         self.note.setText("Changes apply to the next answer.")
         self.optionsChanged.emit(options)
+
+    def _compile_is_fast(self, options: EngineOptions) -> bool:
+        """False where a compile is known to take minutes: the loaded model runs on a CPU."""
+        device = options.device if options.device != "auto" else self._resolved.get("device")
+        return device != "cpu"
 
     # ---- engine feedback -----------------------------------------------------------------------------
 

@@ -221,6 +221,25 @@ def test_load_reports_progress(tiny_llama):
     assert any(p.stage == "load" for p in seen)
 
 
+def test_without_compile_or_graph_there_is_no_compile_time(llama_engine):
+    llama_engine.reconfigure(CPU)
+    m = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=4)).metrics
+    assert m.compile_seconds is None and "compile and CUDA graph off" in m.unavailable["compile_seconds"]
+
+
+@pytest.mark.slow
+def test_a_real_compile_reports_its_time_apart_from_ttft(tiny_llama):
+    eng = Engine.load(str(tiny_llama), CPU.with_(kv_cache="static", compile=True))
+    try:
+        first = eng.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=8)).metrics
+        again = eng.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=8)).metrics
+    finally:
+        eng.close()
+    assert first.compile_seconds is not None and again.compile_seconds is not None
+    assert first.compile_seconds > first.ttft_ms / 1e3  # the compile is not hidden in TTFT
+    assert again.compile_seconds < first.compile_seconds  # compiled once, reused
+
+
 def test_compile_failure_falls_back_to_eager_with_a_notice(llama_engine, monkeypatch):
     def broken_compile(fn, **kw):
         def step(*a, **k):
@@ -232,9 +251,14 @@ def test_compile_failure_falls_back_to_eager_with_a_notice(llama_engine, monkeyp
     monkeypatch.setattr(torch, "compile", broken_compile)
     llama_engine._runners.clear()
     llama_engine.reconfigure(CPU.with_(compile=True))
-    result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=10))
+    seen: list = []
+    result = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=10), on_event=seen.append)
     assert result.options.compile is False
     assert "inductor exploded" in result.unavailable["compile"]
+    # The warm-up before the first token (the failed compile, then eagerly) is its own figure, not part of TTFT.
+    assert result.metrics.compile_seconds is not None and result.metrics.compile_seconds > 0
+    last = [e for e in seen if isinstance(e, Progress)][-1]
+    assert last.fraction == 1.0 and last.message == f"decode step warmed up in {result.metrics.compile_seconds:.1f} s"
     assert any("compile failed" in n for n in result.notices)
     assert result.token_ids == want
     # the step's compiled variants (dtype x candidates x bucket x sampler) are not capped at dynamo's default 8

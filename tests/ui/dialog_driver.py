@@ -43,6 +43,7 @@ class Answered:
     text: str
     sites: list[tuple[str, str]]  # where the app opened it (see app_sites)
     buttons: list[str] = field(default_factory=list)  # a message box's button texts, as shown
+    folder: str = ""  # the folder a file dialog opened in
 
 
 def _shown(kind: type, stale: set[int]) -> Optional[QWidget]:
@@ -167,7 +168,8 @@ class DialogDriver:
             timer.stop()
             buttons = [b.text().replace("&", "") for b in w.findChildren(QAbstractButton)] if isinstance(w, QMessageBox) else []
             text = w.text() if isinstance(w, QMessageBox) else w.labelText() if isinstance(w, QInputDialog) else ""
-            self.answered.append(Answered(type(w).__name__, w.windowTitle(), text, app_sites(), buttons))
+            folder = w.directory().absolutePath() if isinstance(w, QFileDialog) else ""
+            self.answered.append(Answered(type(w).__name__, w.windowTitle(), text, app_sites(), buttons, folder))
             self._next()  # the next dialog may open inside this answer's click
             act(w)
 

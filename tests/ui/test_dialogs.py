@@ -23,6 +23,7 @@ DIALOG_CLASSES = {"QMessageBox", "QFileDialog", "QInputDialog", "QColorDialog", 
 DIALOG_SITES = {
     ("ui/dialogs.py", "confirm"): "test_delete_from_the_chat_menu_asks_and_deletes",
     ("ui/dialogs.py", "show_error"): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
+    ("ui/dialogs.py", "show_info"): "test_help_lists_the_shortcuts_and_says_what_gapless_is",
     ("ui/dialogs.py", "ChatSettingsDialog.__init__"): "test_chat_settings_restore_defaults_and_ok",
     ("ui/chat_list.py", "ChatList.ask_rename"): "test_rename_from_the_chat_menu",
     ("ui/model_panel.py", "ModelPanel.open_file_dialog"): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
@@ -31,6 +32,9 @@ DIALOG_SITES = {
     ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
     ("ui/hud/panel.py", "HudPanel._ask"): "test_hud_export_that_cannot_write_says_so",
     ("app/gui.py", "run_gui"): "test_a_chat_database_that_cannot_open_says_so_at_start",
+    ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
+    ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
+    ("ui/remote_dialog.py", "RemoteDialog.__init__"): "test_the_remote_model_dialog_cancels_with_its_button",
 }
 
 
@@ -270,3 +274,80 @@ def test_a_chat_database_that_cannot_open_says_so_at_start(qtbot, tmp_path, driv
     assert ("app/gui.py", "run_gui") in box.sites and box.title == "Gapless cannot start"
     assert str(paths.database) in box.text
     assert "gapless: error:" in capsys.readouterr().err
+
+
+# ---- help and folders ------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_shortcuts_and_says_what_gapless_is(qtbot, gui, driver):
+    from app import __version__
+
+    w = gui.window
+    driver.click("Close").start()
+    menu_action(w, "Help", "Keyboard shortcuts").trigger()
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    text = driver.answered[0].text
+    assert driver.answered[0].title == "Keyboard shortcuts"
+    for line in ("Ctrl+N\tNew chat", "Esc\tStop the answer", "Ctrl+F\tSearch chats", "Enter\tSend the message"):
+        assert line in text
+    driver = DialogDriver().click("Close").start()
+    menu_action(w, "Help", "About Gapless").trigger()
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert driver.answered[0].title == "About Gapless" and f"Gapless {__version__}" in driver.answered[0].text
+    assert not [x for x in QApplication.topLevelWidgets() if isinstance(x, QMessageBox) and x.isVisible()]
+
+
+def test_file_dialogs_start_in_the_last_folder_used(qtbot, gui, driver, tmp_path):
+    w = gui.window
+    folder = tmp_path / "my models"
+    folder.mkdir()
+    bad = folder / "broken.gguf"
+    bad.write_bytes(b"not a gguf")
+    driver.choose_file(bad).click("OK").start()
+    with qtbot.waitSignal(gui.controller.loadFailed, timeout=TIMEOUT_MS):
+        w.model_panel.open_file_button.click()
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert gui.settings.last_folder == str(folder)
+    assert json.loads(gui.paths.settings_file.read_text())["last_folder"] == str(folder)  # kept for the next run
+    driver = DialogDriver().choose_file(None).start()  # the HUD's save dialog, cancelled
+    _hud_button(gui.hud, "Series CSV…").click()
+    assert driver.done and Path(driver.answered[0].folder) == folder
+    driver = DialogDriver().choose_file(None).start()
+    w.model_panel.open_folder_button.click()
+    assert driver.done and Path(driver.answered[0].folder) == folder
+
+
+# ---- chat files and remote models ------------------------------------------------------------------------
+
+
+def test_a_chat_exported_to_a_file_imports_again(qtbot, gui, driver, tmp_path):
+    w, store = gui.window, gui.store
+    chat = add_chat(store, "To keep", "the question")
+    w.refresh_chats()
+    w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat))
+    target = tmp_path / "kept.json"
+    driver.choose_file(target).start()
+    w.export_chat(False)
+    assert driver.done and ("ui/main_window.py", "MainWindow.export_chat") in driver.answered[0].sites
+    assert target.exists() and "the question" in target.read_text()
+    driver = DialogDriver().choose_file(target).start()
+    w.import_chat()
+    assert driver.done and ("ui/main_window.py", "MainWindow.import_chat") in driver.answered[0].sites
+    assert len(store.list_chats()) == 2 and w.flow.chat_id != chat
+    assert [m.content for m in store.thread(w.flow.chat_id)] == ["the question"]
+
+
+def test_the_remote_model_dialog_cancels_with_its_button(qtbot, gui):
+    from ui.remote_dialog import RemoteDialog
+
+    asked = []
+    gui.window.model_panel.remoteRequested.connect(lambda *a: asked.append(a))
+
+    def cancel(dialog):
+        assert dialog.windowTitle() == "Open a remote model"
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Cancel).click()
+
+    driver = DialogDriver().look(RemoteDialog, cancel, close=False).start()
+    gui.window.model_panel.open_remote_dialog()
+    assert driver.done and ("ui/model_panel.py", "ModelPanel.open_remote_dialog") in driver.answered[0].sites
+    assert asked == []

@@ -728,8 +728,8 @@ def test_compare_table_rows_deltas_and_reference(hud, qtbot):
     assert cell(2, "compile") == "on" and cell(0, "sampling") == "host"
     assert cell(0, "index") == "1 (ref)"  # the first generation is the reference until one is chosen
     assert model.delta(1, "decode_tok_s") == pytest.approx(3.0)
-    assert cell(1, "decode_tok_s") == "200.0 tok/s  ×4.0"
-    assert model.delta(1, "ttft_ms") == pytest.approx(-0.5) and cell(1, "ttft_ms") == "40.0 ms  -50.0%"
+    assert cell(1, "decode_tok_s") == "200.0 tok/s  ×4.00"  # one form for every delta: the ratio
+    assert model.delta(1, "ttft_ms") == pytest.approx(-0.5) and cell(1, "ttft_ms") == "40.0 ms  ×0.50"
     assert model.delta(2, "decode_tok_s") is None and cell(2, "decode_tok_s") == "n/a"
     assert model.data(model.index(2, COLUMN_INDEX["decode_tok_s"]), Qt.ItemDataRole.ToolTipRole) == \
         "n/a — cancelled before the first decode step"
@@ -744,7 +744,7 @@ def test_compare_table_rows_deltas_and_reference(hud, qtbot):
     assert panel.compare.selected_rows() == [1]
     qtbot.mouseClick(panel.compare.reference_button, Qt.MouseButton.LeftButton)
     assert model.reference == 1
-    assert model.delta(0, "decode_tok_s") == pytest.approx(-0.75) and cell(0, "decode_tok_s") == "50.0 tok/s  -75.0%"
+    assert model.delta(0, "decode_tok_s") == pytest.approx(-0.75) and cell(0, "decode_tok_s") == "50.0 tok/s  ×0.25"
     assert model.delta(1, "decode_tok_s") is None and cell(1, "index") == "2 (ref)"
 
 
@@ -984,3 +984,15 @@ def test_hud_fed_by_a_real_generation_on_a_tiny_model(hud, qtbot, tiny_llama, tm
     doc = json.loads(panel.export_series_json(tmp_path / "real.json").read_text())
     assert [(s["t"], s["tokens_total"], s["step_ms"]) for s in doc["steps"]] == \
         [(r.t, r.tokens_total, r.step_ms) for r in records]
+
+
+def test_the_empty_ladder_tab_says_what_run_ladder_does(qtbot):
+    from ui.hud.ladder_chart import LadderChart
+
+    chart = LadderChart()
+    qtbot.addWidget(chart)
+    chart.show()
+    assert not chart.chart.isVisible()  # no empty axes before a run
+    assert chart.status.isVisible() and "every preset" in chart.status.text() and "Run ladder" in chart.status.text()
+    chart.set_results(ladder_rows(gpu=False))
+    assert chart.chart.isVisible()

@@ -313,7 +313,15 @@ def test_delete_message_removes_it_and_what_follows(qtbot, app):
     send(qtbot, app, "one")
     send(qtbot, app, "two")
     assert len(w.chat_view.messages()) == 4
+    from dialog_driver import DialogDriver
+
+    driver = DialogDriver().click("Cancel").start()  # asked first: Cancel keeps it
     w.chat_view.messages()[2].delete_button.click()
+    assert driver.done and driver.answered[0].text == "Delete this message and the 1 after it? This cannot be undone."
+    assert len(w.chat_view.messages()) == 4 and len(store.thread(w.flow.chat_id)) == 4
+    driver = DialogDriver().click("Delete").start()
+    w.chat_view.messages()[2].delete_button.click()
+    assert driver.done
     assert [m.content for m in store.thread(w.flow.chat_id)][:1] == ["one"]
     assert len(w.chat_view.messages()) == 2
 

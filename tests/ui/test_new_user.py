@@ -194,9 +194,11 @@ def test_what_cannot_run_here_is_unavailable_from_the_start_with_the_reason_in_v
     assert "CUDA" in t.preset.model().item(labels["cuda-graph"]).toolTip()
     assert t.preset.model().item(labels["candidates"]).isEnabled()  # candidates run on a CPU, without the graph
 
+    driver = DialogDriver().click("Compile anyway").start()  # the candidates preset compiles: asked first on a CPU
     with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
         t.preset.setCurrentIndex(labels["candidates"])
         t.preset.activated.emit(labels["candidates"])
+    assert driver.done and driver.answered[0].title == "Compile on the CPU"
     assert t.options.candidates > 1 and not t.options.cuda_graph
     assert app.controller.options == t.options
     assert t.preset.currentData() == "candidates"
@@ -304,3 +306,18 @@ def test_the_hud_and_the_stats_tooltip_say_what_limits_the_answer(qtbot, app):
     assert d.evidence[0] in label.toolTip()
     tip = w.chat_view.messages()[-1].stats_label.toolTip()
     assert f"Diagnosis: {d.line}" in tip and f"  from {d.evidence[0]}" in tip
+
+
+def test_turning_compile_on_on_a_cpu_says_first_that_it_takes_minutes(qtbot, app):
+    t = app.window.toggles
+    sent = []
+    t.optionsChanged.connect(sent.append)
+    driver = DialogDriver().click("Cancel").start()
+    t.compile.click()
+    assert driver.done and "takes minutes" in driver.answered[0].text
+    assert sent == [] and not t.compile.isChecked() and not t.options.compile
+    driver = DialogDriver().click("Compile anyway").start()
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.compile.click()
+    assert driver.done and sent[-1].compile and t.compile.isChecked()
+    assert app.controller.options.compile

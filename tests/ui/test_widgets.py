@@ -120,6 +120,9 @@ def test_stats_line_says_na_and_names_sources():
         line, tip = format_stats(metrics, options, "cuda", reason)
         assert line.endswith(f"kernel gap 33.3% · {words}") and f"Finished: {words}" in tip
     assert format_stats(None, None, None)[0].startswith("n/a tokens")
+    line, tip = format_stats({**metrics, "compile_seconds": 125.4}, options, "cuda")
+    assert line.startswith("12 tokens · TTFT 80 ms + compile 125.4 s · ")
+    assert "Time to first token: 80 ms, after 125.4 s compiling / capturing the decode step" in tip
     batch = {"new_tokens_total": 30, "new_tokens": [12, 18], "decode_tok_s": 56.0, "unavailable": {}}
     line, tip = format_stats(batch, options, "cuda", candidate=1)
     assert line.startswith("18 of 30 tokens in the batch · TTFT n/a · 56.0 tok/s (all 2 candidates) · ")

@@ -50,7 +50,7 @@ def _on_off(v: Any) -> str:
 COLUMNS = (
     Column("index", "#", "index"),
     Column("label", "Generation", "label"),
-    *(metric_column(k) for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "step_ms_p50", "step_ms_p99",
+    *(metric_column(k) for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "compile_seconds", "step_ms_p50", "step_ms_p99",
                                  "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct",
                                  "dram_bw_util_pct", "peak_memory_bytes", "tokens_per_step", "acceptance_rate",
                                  "new_tokens_total", "prompt_tokens")),

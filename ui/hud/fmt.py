@@ -50,12 +50,10 @@ def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
 
 
 def delta(rel: Optional[float]) -> str:
-    """A relative change, e.g. +12.5% or ×4.4 when the value grew more than threefold."""
+    """A relative change, always as the ratio to the reference (×1.13, ×0.50, ×4.00), as the ladder's speed-ups are."""
     if rel is None or not math.isfinite(rel):
         return NA
-    if rel >= 2.0:
-        return f"×{1.0 + rel:,.1f}"
-    return f"{rel * 100:+.1f}%"
+    return f"×{1.0 + rel:,.2f}"
 
 
 def bare_source(source: str) -> str:

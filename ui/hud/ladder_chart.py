@@ -24,6 +24,10 @@ ROW_HEIGHT = 30
 TITLE_PT = 9
 
 
+EMPTY_TEXT = ("Run ladder sends the last prompt of this chat through every preset, from Naive to the fastest, "
+              "one after the other, and draws each one's decode tok/s and gap here (each also becomes a row of "
+              "Compare). Chat waits while it runs; Cancel stops it.")
+
 class LadderChart(PaletteFollower):
     runRequested = Signal()
     cancelRequested = Signal()
@@ -39,7 +43,7 @@ class LadderChart(PaletteFollower):
         self.cancel_button.setEnabled(False)
         self.progress = QProgressBar()
         self.progress.setVisible(False)
-        self.status = QLabel("Runs the last prompt through every preset, from Naive to the fastest.")
+        self.status = QLabel(EMPTY_TEXT)
         self.status.setWordWrap(True)
         self.run_button.clicked.connect(self._run_clicked)
         self.cancel_button.clicked.connect(self.cancelRequested)
@@ -74,6 +78,8 @@ class LadderChart(PaletteFollower):
         box.addLayout(buttons)
         box.addWidget(self.status)
         box.addWidget(self.chart, 1)
+        box.addStretch(1)  # holds the empty tab's text at the top while there is no chart
+        self.chart.hide()  # empty axes before a run would say nothing (and upside down)
         self.apply_palette()
 
     # ---- run state -------------------------------------------------------------------------------------
@@ -99,6 +105,7 @@ class LadderChart(PaletteFollower):
     def set_results(self, rows: list[LadderRow]) -> None:
         self.set_running(False)
         self.rows = list(rows)
+        self.chart.setVisible(bool(self.rows))
         n = len(self.rows)
         ran = [r for r in self.rows if r.skipped is None and r.decode_tok_s is not None]
         base = ran[0] if ran else None

@@ -29,13 +29,16 @@ SaveDialog = Callable[[QWidget, str, str, str], str]
 
 
 def ask_save_path(parent: QWidget, caption: str, name: str, file_filter: str) -> str:
-    path, _ = QFileDialog.getSaveFileName(parent, caption, str(Path.home() / name), file_filter)
+    """The path to save to; the dialog starts in the folder last used (`parent.last_folder`), else home."""
+    folder = getattr(parent, "last_folder", "") or str(Path.home())
+    path, _ = QFileDialog.getSaveFileName(parent, caption, str(Path(folder) / name), file_filter)
     return path
 
 
 class HudPanel(QWidget):
     runLadderRequested = Signal()
     cancelLadderRequested = Signal()
+    folderUsed = Signal(str)  # where an export was saved (the next save dialog starts there)
 
     def __init__(self, series: Optional[LiveSeries] = None, clock: Callable[[], float] = time.perf_counter,
                  save_dialog: SaveDialog = ask_save_path, paint_hz: float = 20.0, label_hz: float = 2.0,
@@ -44,6 +47,7 @@ class HudPanel(QWidget):
         self.series = series if series is not None else LiveSeries()
         self._clock = clock  # the engine's clock (perf_counter), to date generation starts
         self._save_dialog = save_dialog
+        self.last_folder = ""  # where save dialogs start ("" = the home folder)
 
         self.bars = BarStrip()
         self.live = LivePlots(self.series, paint_hz=paint_hz, label_hz=label_hz)
@@ -146,6 +150,8 @@ class HudPanel(QWidget):
         path = self._save_dialog(self, caption, name, file_filter)
         if not path:
             return None
+        self.last_folder = str(Path(path).parent)
+        self.folderUsed.emit(self.last_folder)
         try:
             return write(path)
         except OSError as e:
