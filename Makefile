@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # On a workstation with an NVIDIA GPU, use TORCH_SPEC="torch==2.13.0" with PyTorch's CUDA index instead.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test lint install install-test bench bundle clean
+.PHONY: run test test-heavy lint install install-test bench bundle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,10 @@ lint: install-test
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not heavy"
+
+test-heavy: install-test
+	$(PY) -m pytest -q -m heavy
 
 bench: install
 	$(VENV)/bin/gapless bench --model default --json docs/bench-cpu.json

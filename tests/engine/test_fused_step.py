@@ -136,7 +136,8 @@ def test_runner_prefill_and_steps_give_the_static_runners_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(7200)  # through the interpreter a SmolLM2-shaped step takes about a minute on 2 cores
+@pytest.mark.heavy  # through the interpreter a SmolLM2-shaped step takes about a minute on 2 cores: `make test-heavy`
+@pytest.mark.timeout(7200)
 def test_greedy_tokens_equal_eager_over_32_steps_on_smollm2_shape():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
