@@ -26,6 +26,7 @@ install-test: $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[test]"
 
 run: install
+	$(PY) -m app.qt_deps
 	$(VENV)/bin/gapless gui --model default
 
 lint: install-test

@@ -30,6 +30,14 @@ def title_from(text: str) -> str:
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
 
 
+def finish_reasons(result: GenerationResult, max_new_tokens: int) -> list[str]:
+    """The engine's finish reasons, with "context" for a token limit reached below the `max_new_tokens` asked
+    for (the engine then had less room left in the context than that)."""
+    per = result.metrics.new_tokens or []
+    return ["context" if r == "length" and i < len(per) and per[i] < max_new_tokens else r
+            for i, r in enumerate(result.finish_reasons)]
+
+
 @dataclass
 class MessageItem:
     """What the conversation view shows of one stored message."""
@@ -44,6 +52,7 @@ class MessageItem:
     finish_reason: Optional[str] = None
     device: Optional[str] = None  # where the answer was generated ("cpu", "cuda"), for the gap's name
     author: str = ""  # the model's name over an answer
+    candidate: Optional[int] = None  # its index in a batch of candidates (whose figures are the batch's)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,6 +68,7 @@ class _Answer:
     savers: list[StreamSaver] = field(default_factory=list)
     candidates: int = 1
     discarded: bool = False  # its chat was deleted: nothing more is saved
+    max_new_tokens: int = 0  # what was asked for: a token limit reached below it was the context's
 
 
 class ChatFlow(QObject):
@@ -68,6 +78,7 @@ class ChatFlow(QObject):
     messageAppended = Signal(object)  # MessageItem added at the end of the branch on screen
     streamStarted = Signal(object, int)  # MessageItem of the answer, candidate count
     streamDelta = Signal(object)  # {candidate: text}
+    streamRowsFinished = Signal(object)  # {candidate: finish reason} of candidates that ended (others go on)
     streamFinished = Signal(object)  # MessageItem (one candidate)
     candidatesFinished = Signal(object)  # GenerationResult (N candidates, awaiting a choice)
     generatingChanged = Signal(bool)
@@ -82,9 +93,11 @@ class ChatFlow(QObject):
         self.default_overflow = "rolling"  # for chats without their own policy (the settings' choice)
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
+        self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         controller.generationStarted.connect(self._on_started)
         controller.textBatch.connect(self._on_text)
+        controller.rowsFinished.connect(self._on_rows_finished)
         controller.generationFinished.connect(self._on_finished)
         controller.generationFailed.connect(self._on_failed)
         self._save_timer = QTimer(self, interval=SAVE_TICK_MS, timeout=self._flush_savers)
@@ -97,6 +110,7 @@ class ChatFlow(QObject):
 
     def open_chat(self, chat_id: Optional[int]) -> None:
         self.chat_id = chat_id
+        self._candidate_ids = []  # candidates left on screen in another chat are no longer there to choose from
         self.chatOpened.emit(chat_id)
         self.reload()
 
@@ -171,8 +185,9 @@ class ChatFlow(QObject):
         device = (m.options or {}).get("device")
         return MessageItem(
             id=m.id, role=m.role, content=m.content, sibling_index=index, sibling_count=count, metrics=m.metrics,
-            options=m.options, finish_reason={"stopped": "cancelled", "error": "error"}.get(m.status),
-            device=device, author=m.model_name or "",
+            options=m.options,
+            finish_reason=(m.metrics or {}).get("finish_reason") or {"stopped": "cancelled", "error": "error"}.get(m.status),
+            device=device, author=m.model_name or "", candidate=m.candidate_index,
         )
 
     def reload(self) -> None:
@@ -298,7 +313,8 @@ class ChatFlow(QObject):
             return False
         info = getattr(self.controller, "info", None)
         request_id = self.controller.generate(messages, sampling, overflow=overflow)
-        self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None)
+        self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None,
+                              max_new_tokens=sampling.max_new_tokens)
         self._candidate_ids = []
         self.generatingChanged.emit(True)
         return True
@@ -340,6 +356,11 @@ class ChatFlow(QObject):
         if a.chat_id == self.chat_id:
             self.streamDelta.emit(deltas)
 
+    def _on_rows_finished(self, request_id: int, ended: dict) -> None:
+        a = self.answer
+        if a is not None and a.request_id == request_id and not a.discarded and a.chat_id == self.chat_id:
+            self.streamRowsFinished.emit(ended)
+
     def _on_finished(self, request_id: int, result: GenerationResult) -> None:
         a = self.answer
         if a is None or a.request_id != request_id:
@@ -371,11 +392,14 @@ class ChatFlow(QObject):
                 self.failed.emit(f"The answer could not be saved: {exc}")
             del a.message_ids[ran:], a.savers[ran:]
             a.candidates = ran
+        reasons = finish_reasons(result, a.max_new_tokens)
+        self.last_finish_reasons = reasons
         try:
             for i, saver in enumerate(a.savers):
-                reason = result.finish_reasons[i] if i < len(result.finish_reasons) else "cancelled"
+                reason = reasons[i] if i < len(reasons) else "cancelled"
                 text = result.texts[i] if i < len(result.texts) else None
-                saver.finish("stopped" if reason == "cancelled" else "done", metrics=metrics, options=options, text=text)
+                saver.finish("stopped" if reason == "cancelled" else "done", metrics={**metrics, "finish_reason": reason},
+                             options=options, text=text)
         except StoreError as exc:
             self.failed.emit(f"The answer could not be saved: {exc}")
         self._end()

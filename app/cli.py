@@ -33,7 +33,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--candidates", type=int, default=None)
-    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, candidates)")
+    p.add_argument("--kernels", choices=["torch", "fused"], default=None,
+                   help="decode step kernels: torch modules, or fused Triton kernels (implies the static KV cache)")
+    p.add_argument("--weights", choices=["native", "int8", "int4"], default=None,
+                   help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups")
+    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, fused, "
+                        "int8, candidates)")
     p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
                    help="trace a short window of decode steps for the kernel/op gap (default on)")
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
@@ -82,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the whole ladder)")
     bench.add_argument("--candidates", type=int, default=None, help="N for the candidates rung")
+    bench.add_argument("--kernels", choices=["torch", "fused"], default=None,
+                       help="kernels of the candidates rung (fused: the fused Triton kernels in a CUDA graph)")
     bench.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                        help="also time transformers generate() on the same model")
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -93,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
                        help="keep the KV cache between generations (default on; a repeat then reuses its prompt)")
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
+    bench.add_argument("--quality", action="store_true",
+                       help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
+                            "format (fp32, bf16, int8, int4) on a fixed text")
 
     replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
     replay.add_argument("file", type=Path)

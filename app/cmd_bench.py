@@ -23,6 +23,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         presets=presets,
         candidates=args.candidates,
+        kernels=getattr(args, "kernels", None),
         baseline=args.baseline,
         compile=args.compile,
         prompt=args.prompt or DEFAULT_PROMPT,
@@ -180,9 +181,24 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_conversation_bench(args)
     from engine.bench import run_suite
 
+    if getattr(args, "quality", False):
+        return run_quality_bench(args)
     config = config_from_args(args)
     report = run_suite(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
     print(format_table(report))
+    if args.json is not None:
+        write_json(args.json, report)
+        print(f"\nwritten: {args.json}")
+    return 0
+
+
+def run_quality_bench(args: argparse.Namespace) -> int:
+    from engine.quality import QualityConfig, format_quality_table, run_quality
+
+    config = QualityConfig(model=args.model, device=args.device, decode_tokens=min(args.max_new_tokens, 64),
+                           repeats=args.repeats)
+    report = run_quality(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
+    print(format_quality_table(report))
     if args.json is not None:
         write_json(args.json, report)
         print(f"\nwritten: {args.json}")

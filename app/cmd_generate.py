@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from engine.errors import OptionsError
 from engine.recording import Recorder, save
+from engine.diagnosis import diagnose
 from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, describe_options, preset_options
 
 
@@ -26,6 +27,8 @@ def options_from_args(args) -> EngineOptions:
         "cuda_graph": args.cuda_graph,
         "candidates": args.candidates,
         "profile_window": args.profile_window,
+        "kernels": getattr(args, "kernels", None),
+        "weights": getattr(args, "weights", None),
         "prefix_reuse": getattr(args, "prefix_reuse", None),
     }
     return replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
@@ -81,6 +84,7 @@ def run_generate(args) -> int:
         if args.json:
             out = result.to_dict()
             out["model"] = engine.info.to_dict()
+            out["diagnosis"] = diagnose(out["metrics"], out["options"], engine.info.device).to_dict()
             print(json.dumps(out, ensure_ascii=False))
         else:
             sys.stdout.write("\n")

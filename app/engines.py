@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Callable, Optional
 
+from engine.protocol import EngineLike
 from engine.types import EngineOptions, Progress
 
 API_KEY_ENV = "GAPLESS_REMOTE_API_KEY"
+keys_dir: Optional[Path] = None  # where the app keeps API keys (its config folder); None: the default one
 
 
-def load_engine(source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> Any:
+def load_engine(source: str, options: EngineOptions,
+                progress: Optional[Callable[[Progress], None]] = None) -> EngineLike:
     from engine.remote import RemoteEngine, RemoteSource, is_remote
 
     if is_remote(source):
@@ -18,7 +22,7 @@ def load_engine(source: str, options: EngineOptions, progress: Optional[Callable
         from app.paths import AppPaths
 
         remote = RemoteSource.parse(source)
-        key = os.environ.get(API_KEY_ENV) or KeyStore(AppPaths.resolve().config).get(remote.base_url)
+        key = os.environ.get(API_KEY_ENV) or KeyStore(keys_dir or AppPaths.resolve().config).get(remote.base_url)
         return RemoteEngine.load(remote, options, progress, api_key=key)
     from engine.engine import Engine
 

@@ -41,10 +41,16 @@ class GuiApp:
     fetcher: Any  # app.fetcher.DefaultModelFetcher
     hud: Any  # ui.hud.HudPanel
     window: Any  # ui.main_window.MainWindow
+    server: Any = None  # app.serve_app.AppServer
 
     def close(self, timeout: float = 15.0) -> bool:
         """Stop the engine worker and the fetcher, close the chat store. False if the worker is still busy (in
         a load or a compile, which cannot be interrupted) after `timeout` s."""
+        if self.server is not None:
+            import app.engines
+
+            self.server.stop()
+            app.engines.keys_dir = None
         self.fetcher.cancel()
         stopped = self.controller.shutdown(timeout)
         self.fetcher.wait(5.0)
@@ -160,12 +166,60 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
             fetcher=fetcher, catalog=catalog, preset_resolver=preset_for_device,
         )
         window.setWindowIcon(app_icon())
+        server = attach_server(window, controller, paths)
     except BaseException:
         # the engine thread is running: stop it, or Qt aborts the process when the QThread is destroyed
         controller.shutdown()
         store.close()
         raise
-    return GuiApp(paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window)
+    return GuiApp(paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window, server)
+
+
+def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
+    """The Server dock (hidden until View > Server) and the model panel's remote models."""
+    import app.engines
+    from app.serve_app import AppServer
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QDockWidget
+    from ui.server_panel import ServerPanel
+
+    app.engines.keys_dir = paths.config
+    server = AppServer(controller, window)
+    panel = ServerPanel()
+    dock = QDockWidget("Server", window)
+    dock.setObjectName("serverDock")
+    dock.setWidget(panel)
+    window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
+    dock.hide()
+    for act in window.menuBar().actions():
+        if act.text().replace("&", "") == "View" and act.menu() is not None:
+            act.menu().addAction(dock.toggleViewAction())
+    panel.startRequested.connect(server.start)
+    panel.stopRequested.connect(server.stop)
+    server.started.connect(panel.set_running)
+    server.stopped.connect(lambda: panel.set_running(None))
+    server.failed.connect(panel.set_error)
+    server.statsChanged.connect(panel.set_stats)
+    window.server_dock, window.server_panel = dock, panel
+    window.model_panel.remoteRequested.connect(
+        lambda url, model, key, timeout: open_remote(window, paths, url, model, key, timeout))
+    return server
+
+
+def open_remote(window: Any, paths: AppPaths, base_url: str, model: str, api_key: str, timeout_s: float) -> None:
+    """Keep the key (if one was given) and open the remote model like any other."""
+    from app.keys import KeyStore
+    from engine.errors import OptionsError
+    from engine.remote import RemoteSource
+
+    try:
+        source = RemoteSource(base_url, model, timeout_s).validate()
+    except OptionsError as exc:
+        window.model_panel.set_failed(f"remote:{base_url}#{model}", str(exc))
+        return
+    if api_key:
+        KeyStore(paths.config).set(source.base_url, api_key)
+    window.load_model(source.to_source())
 
 
 def run_gui(args: Any, paths: AppPaths) -> int:

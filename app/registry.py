@@ -21,13 +21,14 @@ RECENT_VERSION = 1
 RECENT_MAX = 10
 SCAN_DEPTH = 2  # folders below the scanned one
 DEFAULT_SOURCE = "default"
+REMOTE_PREFIX = "remote:"  # engine.remote.PREFIX; kept here so the registry does not import httpx
 
 
 @dataclass(frozen=True)
 class ModelEntry:
     source: str  # what load_checkpoint takes: "default" or an absolute path
     name: str
-    kind: str  # "default" | "gguf" | "hf-folder"
+    kind: str  # "default" | "gguf" | "hf-folder" | "remote"
     path: Optional[str]  # the file or folder on disk; None for the default model before it is downloaded
     present: bool  # False: a recent model whose file is gone, or the default model not downloaded yet
     size_bytes: Optional[int] = None  # of the file, or of the folder's weights
@@ -129,6 +130,9 @@ class RecentModels:
             if source == DEFAULT_SOURCE:
                 entry = self.default_entry()
                 out.append(ModelEntry(**{**entry.to_dict(), "last_used": when}))
+            elif source.startswith(REMOTE_PREFIX):  # a server's model: whether it is up is known on opening it
+                label = source[len(REMOTE_PREFIX):].split("|")[0]
+                out.append(ModelEntry(source, label.rpartition("#")[2], "remote", None, True, None, when, "remote"))
             else:
                 out.append(entry_for(Path(source), when))
         return out
@@ -196,6 +200,6 @@ class RecentModels:
 
 
 def _key(source: str) -> str:
-    if source == DEFAULT_SOURCE:
+    if source == DEFAULT_SOURCE or source.startswith(REMOTE_PREFIX):
         return source
     return str(Path(source).expanduser().resolve())

@@ -23,7 +23,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import GaplessError
 from engine.protocol import EngineLike
-from engine.types import EngineOptions, MonitorSample, Progress, SamplingParams, StepRecord, TextDelta
+from engine.types import EngineOptions, MonitorSample, Progress, RowFinished, SamplingParams, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,26 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, GaplessError):
         return " ".join(str(exc).split()) or type(exc).__name__
     return f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def option_limits(engine: Any) -> dict[tuple[str, Any], str]:
+    """{(option, value): reason} for the values the engine cannot run on its model and device whatever the other
+    options are: each value is asked about with the others set as it needs them (compile and CUDA graphs with
+    the static cache)."""
+    base = engine.options
+    probes = {
+        ("device", "cuda"): base.with_(device="cuda"),
+        ("dtype", "bf16"): base.with_(dtype="bf16"),
+        ("kv_cache", "static"): base.with_(kv_cache="static"),
+        ("compile", True): base.with_(kv_cache="static", compile=True),
+        ("cuda_graph", True): base.with_(kv_cache="static", compile=True, cuda_graph=True),
+    }
+    out: dict[tuple[str, Any], str] = {}
+    for (name, value), probe in probes.items():
+        why = engine.unavailable(probe).get(name)
+        if why:
+            out[(name, value)] = why
+    return out
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
@@ -87,6 +107,15 @@ class Ladder:
 
 
 @dataclass(frozen=True)
+class Call:
+    """Run fn(engine) on the worker thread (the API server's requests share the engine this way)."""
+
+    fn: Callable[[Any], None]
+    done: threading.Event = field(compare=False)
+    errors: list = field(compare=False, default_factory=list)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -103,6 +132,7 @@ class _Batcher:
         self._text: dict[int, str] = {}
         self._steps: list[StepRecord] = []
         self._samples: list[MonitorSample] = []
+        self._ended: dict[int, str] = {}  # candidate -> finish reason, since the last take
         self._last = 0.0
 
     def add(self, event: Any) -> bool:
@@ -114,6 +144,8 @@ class _Batcher:
                 self._steps.append(event)
             elif isinstance(event, MonitorSample):
                 self._samples.append(event)
+            elif isinstance(event, RowFinished):
+                self._ended[event.candidate] = event.reason
             return time.monotonic() - self._last >= self.interval_s
 
     def take(self) -> tuple[dict[int, str], list[StepRecord], list[MonitorSample]]:
@@ -121,6 +153,11 @@ class _Batcher:
             out = (self._text, self._steps, self._samples)
             self._text, self._steps, self._samples = {}, [], []
             self._last = time.monotonic()
+            return out
+
+    def take_ended(self) -> dict[int, str]:
+        with self._lock:
+            out, self._ended = self._ended, {}
             return out
 
 
@@ -136,6 +173,7 @@ class EngineEvents(QObject):
     reconfigureFailed = Signal(str)  # message; the previous options stay in force
     generationStarted = Signal(int, object)  # request id, EngineOptions used
     textBatch = Signal(int, object)  # request id, {candidate: text since the last batch}
+    rowsFinished = Signal(int, object)  # request id, {candidate: finish reason} of candidates ended since the last
     steps = Signal(int, object)  # request id, [StepRecord]
     samples = Signal(object)  # [MonitorSample]
     generationFinished = Signal(int, object)  # request id, GenerationResult
@@ -153,6 +191,8 @@ class EngineWorker(EngineEvents):
     """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
 
     loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
+    limits = Signal(object)  # {(option, value): reason} this model and machine never run; before loaded/reconfigured
+    reconfiguredInfo = Signal(object)  # ModelInfo after a reconfigure (dtype, device, weight bytes); before `reconfigured`
 
     def __init__(
         self,
@@ -192,7 +232,8 @@ class EngineWorker(EngineEvents):
         self.thread().quit()
 
     def _dispatch(self, command: Any) -> None:
-        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder}
+        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder,
+                   Call: self._call}
         try:
             handler[type(command)](command)
         except Exception as exc:  # a bug here must neither end the loop nor leave the GUI waiting for an answer
@@ -228,6 +269,7 @@ class EngineWorker(EngineEvents):
         self._pending_options = None
         self._close_engine(previous)
         self.loadedOptions.emit(engine.options)
+        self.limits.emit(option_limits(engine))
         self.loaded.emit(engine.info, unavailable)
 
     def _reconfigure(self, cmd: Reconfigure) -> None:
@@ -247,6 +289,8 @@ class EngineWorker(EngineEvents):
             self._log_unless_expected(exc, "reconfiguring")
             self.reconfigureFailed.emit(one_line(exc))
             return
+        self.reconfiguredInfo.emit(self.engine.info)
+        self.limits.emit(option_limits(self.engine))
         self.reconfigured.emit(self.engine.options, unavailable)
 
     def _generate(self, cmd: Generate) -> None:
@@ -266,6 +310,14 @@ class EngineWorker(EngineEvents):
             return
         self._flush()
         self.generationFinished.emit(cmd.request_id, result)
+
+    def _call(self, cmd: Call) -> None:
+        try:
+            cmd.fn(self.engine)
+        except Exception as exc:  # handed back to the caller, which reports it
+            cmd.errors.append(exc)
+        finally:
+            cmd.done.set()
 
     def _ladder(self, cmd: Ladder) -> None:
         if self.engine is None:
@@ -294,8 +346,11 @@ class EngineWorker(EngineEvents):
 
     def _flush(self) -> None:
         text, steps, samples = self._batcher.take()
+        ended = self._batcher.take_ended()
         if text:
             self.textBatch.emit(self._request_id, text)
+        if ended:
+            self.rowsFinished.emit(self._request_id, ended)
         if steps:
             self.steps.emit(self._request_id, steps)
         if samples:
@@ -345,6 +400,7 @@ class EngineController(EngineEvents):
         self.info: Any = None  # ModelInfo of the loaded model, None before the first load
         self.options: EngineOptions = EngineOptions()
         self.unavailable: dict[str, str] = {}
+        self.limits: dict[tuple[str, Any], str] = {}  # what the loaded model and this machine never run
         self.busy = False
         self._ids = itertools.count(1)
         self._generation_cancels: dict[int, threading.Event] = {}
@@ -358,6 +414,8 @@ class EngineController(EngineEvents):
         # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
         self.worker.loadedOptions.connect(self._on_loaded_options)
         self.worker.loaded.connect(self._on_loaded)
+        self.worker.reconfiguredInfo.connect(self._on_reconfigured_info)
+        self.worker.limits.connect(self._on_limits)
         self.worker.reconfigured.connect(self._on_reconfigured)
         self.worker.generationFinished.connect(self._on_generation_finished)
         self.worker.generationFailed.connect(self._on_generation_failed)
@@ -462,6 +520,14 @@ class EngineController(EngineEvents):
         self.info = info
         self.unavailable = dict(unavailable)
         self.loaded.emit(info, unavailable)
+
+    @Slot(object)
+    def _on_limits(self, limits: Any) -> None:
+        self.limits = dict(limits)
+
+    @Slot(object)
+    def _on_reconfigured_info(self, info: Any) -> None:
+        self.info = info
 
     @Slot(object, object)
     def _on_reconfigured(self, options: EngineOptions, unavailable: Any) -> None:

@@ -5,6 +5,7 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+BYTES_PER_TOKEN_SOURCE = "weights the decode step reads: every linear (quantised as held) and norm, one embedding row"
+LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
 
 def _target_device(requested: str) -> torch.device:
@@ -51,14 +54,18 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.fast = self._fast_args() is not None
+        self.args = self._fast_args()
+        self.fast = self.args is not None
+        self._fused_failed: Optional[str] = None  # why the fused kernels failed here once; not tried again
         self.options = options.validate()
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
         self.dtype = eff.dtype
+        self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
         self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
+        self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
         self.monitor = self._start_monitor()
@@ -68,10 +75,15 @@ class Engine:
     def load(cls, source: str, options: EngineOptions = EngineOptions(), progress: Optional[Callable[[Progress], None]] = None) -> "Engine":
         from engine.loader import load_checkpoint
 
+        started = time.perf_counter()
         progress = progress or _noop
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache()))
-        checkpoint = load_checkpoint(source, progress)
-        return cls(checkpoint, options, progress)
+        device = _target_device(options.validate().device)
+        dtype = TORCH_DTYPES[resolve_dtype(options.dtype, device)]
+        checkpoint = load_checkpoint(source, progress, dtype=dtype, device=device)  # GGUF: straight into these
+        engine = cls(checkpoint, options, progress)
+        engine.load_seconds = time.perf_counter() - started
+        return engine
 
     def _fast_args(self) -> Optional[ModelArgs]:
         self.fast_reason = ""
@@ -91,13 +103,22 @@ class Engine:
     def _build_model(self, progress: Callable[[Progress], None]) -> None:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
+        self._fused_failed = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         dtype = TORCH_DTYPES[self.dtype]
         try:
+            state = self.checkpoint.weights(dtype, self.device)
             if self.fast:
-                self.model = build_transformer(self.config, self.checkpoint.state_dict, dtype, self.device)
+                # a checkpoint that can read its weights again gives them up as they are fused
+                reloadable = self.checkpoint.materialise is not None
+                self.model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
+                if self.weights != "native":
+                    from engine.quant import quantize_linears
+
+                    progress(Progress("load", None, f"quantising the linears to {self.weights}"))
+                    quantize_linears(self.model, self.weights, dtype)
             else:
                 from engine.fallback import build_hf_model
 
@@ -105,9 +126,11 @@ class Engine:
                     raise ModelLoadError("this GGUF's rope frequency factors (rope_freqs) are applied only on the fast "
                                          "path, which this model cannot use (details in the log)")
 
-                self.model = build_hf_model(self.config, self.checkpoint.state_dict, dtype, self.device)
+                self.model = build_hf_model(self.config, state, dtype, self.device)
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
+        del state
+        self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
 
     def _start_monitor(self):
@@ -119,8 +142,11 @@ class Engine:
 
     @property
     def info(self) -> ModelInfo:
+        from engine.quant import weight_bytes
+
         params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
-        wbytes = self.model.weight_bytes() if self.fast else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        wbytes = weight_bytes(self.model)
+        per_token, floor_ms, floor_source = self._memory_floor()
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
@@ -134,7 +160,30 @@ class Engine:
             weight_bytes=int(wbytes),
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
+            weights=self.weights,
+            bytes_per_token=per_token,
+            bytes_per_token_source=BYTES_PER_TOKEN_SOURCE,
+            memory_floor_ms=floor_ms,
+            memory_floor_source=floor_source,
+            load_seconds=self.load_seconds,
+            load_seconds_source=LOAD_SECONDS_SOURCE if self.load_seconds is not None else "",
         )
+
+    def _memory_floor(self) -> tuple[int, Optional[float], str]:
+        """(weight bytes per decode token, the time reading them takes at the device's peak bandwidth or None,
+        that time's source or why it is n/a)."""
+        from engine.quant import bytes_per_token
+
+        if self.fast:
+            per_token = bytes_per_token(self.model, self.model.tok_embeddings, self.model.output)
+        else:
+            per_token = bytes_per_token(self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings())
+        peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None) if hasattr(self, "monitor") else None
+        if not peak:
+            where = "the CPU's memory bandwidth is not known here" if self.device.type == "cpu" else \
+                "this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
+            return per_token, None, f"n/a: {where}"
+        return per_token, per_token / peak * 1e3, "bytes per token / NVML peak bandwidth (memory clock x bus width x 2)"
 
     @property
     def context_length(self) -> int:
@@ -150,23 +199,68 @@ class Engine:
         if o.device == "cuda" and not torch.cuda.is_available():
             out["device"] = "CUDA is not available on this machine"
         on_cuda = _target_device(o.device).type == "cuda"
+        fused = False
+        if o.kernels == "fused":
+            why = self._fused_unavailable(o)
+            if why:
+                out["kernels"] = why
+            else:
+                fused = True
+                if o.kv_cache != "static":
+                    out["kv_cache"] = "the fused kernels run on the static KV cache (switch them off for another cache)"
+        kv_cache = "static" if fused else o.kv_cache
         if o.cuda_graph:
             if not on_cuda:
                 out["cuda_graph"] = "CUDA graphs need a CUDA device; this machine runs on the CPU"
             elif not self.fast:
                 out["cuda_graph"] = f"{self._on_fallback()}, which has no captured step"
-            elif o.kv_cache != "static":
+            elif kv_cache != "static":
                 out["cuda_graph"] = "CUDA graphs need the static KV cache (fixed shapes and addresses)"
         if o.compile:
             if not self.fast:
                 out["compile"] = f"{self._on_fallback()}, which is not compiled"
+            elif fused:
+                out["compile"] = "the fused kernels replace the compiled decode step"
             elif o.kv_cache != "static":
                 out["compile"] = "compile needs the static KV cache (shapes change every step otherwise)"
         if o.kv_cache == "static" and not self.fast:
             out["kv_cache"] = f"{self._on_fallback()}, which uses its own dynamic cache"
         if o.dtype == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
             out["dtype"] = "this GPU has no bf16 support"
+        if o.weights != "native":
+            why = self._weights_unavailable(o.weights, _target_device(o.device))
+            if why:
+                out["weights"] = why
         return out
+
+    def _fused_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no fused kernels"
+        if self._fused_failed:
+            return self._fused_failed
+        if o.weights != "native":
+            return f"the fused kernels read the weights in the model's dtype; {o.weights} weights run on the torch kernels"
+        from engine.kernels import unavailable_reason
+
+        return unavailable_reason(self.args, _target_device(o.device))
+
+    def fused_status(self) -> Optional[dict[str, object]]:
+        """Whether the fused runners launch with Programmatic Dependent Launch, and why (None before any ran)."""
+        runner = next((r for k, r in self._runners.items() if k[2] == "fused"), None)
+        if runner is None:
+            return None
+        return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
+
+    def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
+        from engine.quant import why_not
+
+        args = self._fast_args() if self.fast else None
+        if args is None:
+            return f"{self._on_fallback()}, whose linears are transformers' own"
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        shapes = {"wqkv": (q + 2 * kv, args.dim), "wo": (args.dim, q), "w13": (2 * args.intermediate_size, args.dim),
+                  "w2": (args.dim, args.intermediate_size), "output": (args.vocab_size, args.dim)}
+        return why_not(fmt, shapes, device)
 
     def _on_fallback(self) -> str:
         why = f" ({self.fast_reason})" if self.fast_reason else ""
@@ -180,23 +274,27 @@ class Engine:
             eff = replace(eff, cuda_graph=False)
         if "compile" in reasons:
             eff = replace(eff, compile=False)
+        if "kernels" in reasons:
+            eff = replace(eff, kernels="torch")
         if "kv_cache" in reasons:
-            eff = replace(eff, kv_cache="dynamic")
+            eff = replace(eff, kv_cache="static" if eff.kernels == "fused" else "dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
+        if "weights" in reasons:
+            eff = replace(eff, weights="native")
         device = _target_device(eff.device)
         return replace(eff, device=device.type, dtype=resolve_dtype(eff.dtype, device)), reasons
 
     def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
         """Switch options for the next generation. Waits for a running generation; weights are re-placed only
-        when device or dtype change (from the loaded checkpoint, so precision is never lost)."""
+        when device, dtype or weight format change (from the loaded checkpoint, so precision is never lost)."""
         progress = progress or _noop
         options = options.validate()
         with self._lock:
             eff, _ = self.effective(options)
             device = torch.device(eff.device)
-            if device != self.device or eff.dtype != self.dtype:
-                self.device, self.dtype = device, eff.dtype
+            if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
+                self.device, self.dtype, self.weights = device, eff.dtype, eff.weights
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()
@@ -205,7 +303,7 @@ class Engine:
     # ---- generation ---------------------------------------------------------------------------------------
     def _runner(self, opts: EngineOptions, batch: int, needed: int) -> RunnerBase:
         length = bucket_for(needed, self.context_length)
-        key = (opts.kv_cache, batch)
+        key = (opts.kv_cache, batch, opts.kernels)
         runner = self._runners.get(key)
         if runner is not None and runner.length >= length:
             return runner
@@ -216,6 +314,10 @@ class Engine:
             from engine.fallback import HFRunner
 
             runner = HFRunner(self.model, batch, length, self.config.vocab_size, self.eos_ids, self.device, opts.kv_cache)
+        elif opts.kernels == "fused":
+            from engine.kernels.runner import FusedRunner
+
+            runner = FusedRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "static":
             runner = StaticRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "dynamic":
@@ -324,7 +426,11 @@ class Engine:
         runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
         kind = SamplerKind.of(sampling)
         runner.sampler.set_params(sampling)
-        if isinstance(runner, StaticRunner):
+        if opts.kernels == "fused":
+            with preserved(runner):  # its warm-up writes the first positions too
+                runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices,
+                                                reasons)
+        if isinstance(runner, StaticRunner) and opts.kernels == "torch":
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
@@ -391,6 +497,42 @@ class Engine:
             m.mark_na(name, "stopped before the first token")
         return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
                                 metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
+    def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
+        """Compile (and capture) the fused step. A failure with PDL on is tried once more without it; any other
+        failure ends the fused kernels for this engine: the torch path runs, with a notice."""
+        def progress(message: str, fraction: float) -> None:
+            on_event(Progress("capture" if opts.cuda_graph else "compile", fraction, message))
+
+        kind = SamplerKind.of(sampling)
+        runner.use_graphs = opts.cuda_graph
+        buckets = runner.buckets_for(prompt_len, max_new)
+        try:
+            try:
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:
+                if not runner.use_pdl:
+                    raise
+                log.exception("the fused step failed with Programmatic Dependent Launch; trying without it")
+                runner.use_pdl = False
+                runner.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                runner.graphs.clear()
+                runner.graph_pool = None
+                runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a kernel that does not compile or launch here
+            log.exception("the fused kernels failed; falling back to the torch kernels")
+            self._fused_failed = f"the fused kernels failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            reasons["kernels"] = self._fused_failed
+            notices.append("the fused kernels failed to compile or run, so this generation ran on the torch kernels "
+                           "(details in the log)")
+            self._runners.pop((opts.kv_cache, opts.candidates, "fused"), None)
+            opts = replace(opts, kernels="torch")
+            runner = self._runner(opts, opts.candidates, prompt_len + max_new)
+            runner.sampler.set_params(sampling)
+        return runner, opts
 
     @staticmethod
     def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:

@@ -16,7 +16,7 @@ import torch
 from engine.decode import RunnerBase
 from engine.sampling import SamplerKind
 from engine.stream import Readback, RowText, StepClock
-from engine.types import GenerationMetrics, StepRecord, TextDelta
+from engine.types import GenerationMetrics, RowFinished, StepRecord, TextDelta
 from engine.telemetry.monitor import estimate_dram_bw_util
 from engine.telemetry.stats import percentile
 
@@ -85,6 +85,7 @@ def run_loop(
     last_flush = t_first
     last_monitor = t_first
     records_from = 1
+    ended: set[int] = set()  # rows whose end was reported
     step = 0
     cancelled = False
     for step in range(1, max_new):
@@ -131,7 +132,7 @@ def run_loop(
                 seen = visible
         t = now()
         if t - last_flush >= FLUSH_INTERVAL_S:
-            _emit_text(rows, on_event)
+            _emit_text(rows, on_event, ended)
             records_from = _emit_steps(clock, records_from, seen, rows, on_event, window_steps)
             last_flush = t
         if monitor is not None and t - last_monitor >= MONITOR_INTERVAL_S:
@@ -156,7 +157,7 @@ def run_loop(
     for r in rows:
         if r.finish is None:
             r.finish = "cancelled" if cancelled else "length"
-    _emit_text(rows, on_event, final=True)
+    _emit_text(rows, on_event, ended, final=True)
     _emit_steps(clock, records_from, steps_done + 1, rows, on_event, window_steps)
     if monitor is not None:
         for s in monitor.drain():
@@ -198,11 +199,16 @@ def run_loop(
     return LoopResult(rows=rows, metrics=metrics)
 
 
-def _emit_text(rows: list[RowText], on_event: Callable, final: bool = False) -> None:
+def _emit_text(rows: list[RowText], on_event: Callable, ended: set[int], final: bool = False) -> None:
+    """Each row's new text; a row that has finished since the last call also says so (`ended` holds those
+    that have)."""
     for i, r in enumerate(rows):
         delta = r.take_delta(final=final)
         if delta:
             on_event(TextDelta(candidate=i, text=delta))
+        if r.finish is not None and i not in ended:
+            ended.add(i)
+            on_event(RowFinished(candidate=i, reason=r.finish))
 
 
 def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_steps) -> int:

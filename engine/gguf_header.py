@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 from typing import Optional
@@ -25,6 +25,7 @@ DEFAULT_ALIGNMENT = 32  # llama.cpp's, when general.alignment is absent
 # metadata value types: fixed-size ones by struct code; 8 = string and 9 = array are walked
 _FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_ARRAY_KEPT = 4096  # longer arrays (vocabularies, token types, scores) are only measured
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class GGUFHeader:
     byte_order: str = "<"  # struct/numpy prefix: "<" little-endian, ">" big-endian
     rope_scaling_type: str | None = None  # {architecture}.rope.scaling.type
     rope_scaling_factor: float | None = None  # {architecture}.rope.scaling.factor
+    # every scalar and string value, and fixed-type arrays of up to _ARRAY_KEPT items as lists, in file order
+    metadata: dict[str, object] = field(default_factory=dict)
+    array_lengths: dict[str, int] = field(default_factory=dict)  # every array's length (a vocabulary's, say)
 
 
 class _Truncated(Exception):
@@ -134,19 +138,36 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
 
     wanted = {b"general.architecture": None, b"general.name": None, b"general.alignment": None}
     rope: dict[bytes, object] = {}  # every "*.rope.scaling.type|factor": the architecture may come later
+    metadata: dict[str, object] = {}
+    lengths: dict[str, int] = {}
     for _ in range(kv_count):
         key = cur.string()
         type_id = cur.take("I")
-        if key in wanted and type_id == _STRING:
-            wanted[key] = cur.string().decode("utf-8")
-        elif key == b"general.alignment" and type_id in _FIXED:
-            wanted[key] = cur.take(_FIXED[type_id])
-        elif key.endswith(b".rope.scaling.type") and type_id == _STRING:
-            rope[key] = cur.string().decode("utf-8")
-        elif key.endswith(b".rope.scaling.factor") and type_id in _FIXED:
-            rope[key] = float(cur.take(_FIXED[type_id]))
+        value: object = None
+        if type_id in _FIXED:
+            value = cur.take(_FIXED[type_id])
+        elif type_id == _STRING:
+            value = cur.string().decode("utf-8")
+        elif type_id == _ARRAY:
+            item_type, count = cur.take("I"), cur.take("Q")
+            lengths[key.decode("utf-8")] = count
+            if item_type in _FIXED and count <= _ARRAY_KEPT:
+                value = [cur.take(_FIXED[item_type]) for _ in range(count)]
+            else:
+                cur.pos -= 12
+                cur.skip_value(type_id)
         else:
             cur.skip_value(type_id)
+        if value is not None:
+            metadata[key.decode("utf-8")] = value
+        if key in wanted and type_id == _STRING:
+            wanted[key] = value
+        elif key == b"general.alignment" and type_id in _FIXED:
+            wanted[key] = value
+        elif key.endswith(b".rope.scaling.type") and type_id == _STRING:
+            rope[key] = value
+        elif key.endswith(b".rope.scaling.factor") and type_id in _FIXED:
+            rope[key] = float(value)  # type: ignore[arg-type]
     arch = (wanted[b"general.architecture"] or "").encode("utf-8")
 
     tensors = []
@@ -187,6 +208,8 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
         byte_order=order,
         rope_scaling_type=rope.get(arch + b".rope.scaling.type"),
         rope_scaling_factor=rope.get(arch + b".rope.scaling.factor"),
+        metadata=metadata,
+        array_lengths=lengths,
     )
 
 
@@ -207,12 +230,13 @@ def can_dequantise(type_id: int) -> bool:
     return True
 
 
-def check_gguf(path: Path, supported_architectures: set[str]) -> GGUFHeader:
-    """The header of `path`, after checking it can be loaded here: architecture, quantisation, completeness.
+def check_gguf(path: Path, supported_architectures: set[str], header: Optional[GGUFHeader] = None) -> GGUFHeader:
+    """The header of `path` (read here unless given), after checking it can be loaded here: architecture,
+    quantisation, completeness.
 
     Architecture names match with "-" and "_" ignored: llama.cpp writes "qwen2moe" where transformers says
     "qwen2_moe"."""
-    header = read_gguf_header(path)
+    header = header or read_gguf_header(path)
     label = header.path.name
     if not header.architecture:
         raise ModelLoadError(f"{label}: corrupt GGUF header (no general.architecture)")

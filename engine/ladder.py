@@ -28,6 +28,8 @@ DEFAULT_PROMPT = (
 )
 DEFAULT_CANDIDATES = 4
 COMPILED_RUNGS = ("compile", "cuda-graph")
+# rungs whose own optimisation is not compile or graphs: they run without those where this bench lacks them
+RELAXED_RUNGS = ("int8", "candidates")
 CPU_DTYPE_NOTE = (
     "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
     "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
@@ -48,6 +50,7 @@ class BenchConfig:
     warmup: int = 1
     presets: tuple[str, ...] = tuple(PRESETS)
     candidates: Optional[int] = None  # N of the candidates rung (default 4)
+    kernels: Optional[str] = None  # the candidates rung's kernels; None: as its preset (torch, compiled)
     baseline: bool = True
     compile: Optional[bool] = None  # None: on with CUDA, off on the CPU (a cold compile takes minutes there)
     interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
@@ -118,9 +121,11 @@ def rung_options(name: str, base: EngineOptions, device_type: str, candidates: O
 def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
               ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
     """(options, skip reason, notes). A rung whose defining optimisation cannot run here is skipped; the
-    candidates rung keeps running without the optimisations this machine lacks, and says which."""
+    int8 and candidates rungs keep running without the optimisations this machine lacks, and say which."""
     opts = rung_options(name, base, device_type, config.candidates)
     notes: list[str] = []
+    if name == "candidates" and config.kernels == "fused":  # the fused step replaces the compiled one
+        opts = replace(opts, kernels="fused", compile=False)
     compile_on = compile_enabled(config, device_type)
     if name in COMPILED_RUNGS and not compile_on:
         # A rung this device cannot run at all says so first; "compile off" is only the reason where it could.
@@ -128,11 +133,14 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
         if own:
             return None, "; ".join(f"{k}: {v}" for k, v in own.items()), notes
         return None, "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)", notes
-    if name == "candidates" and not compile_on and opts.compile:
+    if name in RELAXED_RUNGS and not compile_on and opts.compile:
         opts = replace(opts, compile=False, cuda_graph=False)
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
-    if reasons and name == "candidates":
+    if reasons and name in RELAXED_RUNGS:
+        if "kernels" in reasons and opts.kernels == "fused":
+            opts = replace(opts, kernels="torch")
+            notes.append(f"without fused kernels: {reasons['kernels']}")
         for key, why in reasons.items():
             if key in ("compile", "cuda_graph") and getattr(opts, key):
                 opts = opts.with_(**{key: False})
@@ -289,6 +297,8 @@ def validate(config: BenchConfig) -> BenchConfig:
         raise OptionsError(f"max_new_tokens must be >= 2 for a decode figure, got {config.max_new_tokens}")
     if config.candidates is not None:
         EngineOptions(candidates=config.candidates).validate()
+    if config.kernels is not None:
+        EngineOptions(kernels=config.kernels).validate()
     if not config.prompt.strip():
         raise OptionsError("the prompt is empty")
     return config

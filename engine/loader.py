@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from engine.errors import ModelLoadError, UnsafeModelError
-from engine.gguf_header import GGUF_MAGIC, check_gguf
+from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
 from engine.types import Progress
 
 if TYPE_CHECKING:
@@ -42,17 +43,44 @@ class Checkpoint:
     source: str  # resolved absolute path
     source_kind: str  # "gguf" | "hf-folder" | "default"
     eos_token_ids: list[int] = field(default_factory=list)  # config, generation_config.json and tokenizer, merged
+    load_seconds: Optional[float] = None  # perf_counter around load_checkpoint
+    # GGUF on the native path: the weights again from the file, in any dtype on any device
+    materialise: Optional[Callable[[torch.dtype, torch.device], dict[str, torch.Tensor]]] = None
+
+    def weights(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The state dict to build a model from: the one held, or (after release) a fresh one from the file."""
+        if not self.state_dict and self.materialise is not None:
+            return self.materialise(dtype, device)
+        return self.state_dict
+
+    def release(self) -> None:
+        """Drop the held state dict once a model has its own copy, where the file can give it again."""
+        if self.materialise is not None:
+            self.state_dict = {}
 
 
-def load_checkpoint(source: str, progress: Optional[ProgressFn] = None) -> Checkpoint:
+def load_checkpoint(
+    source: str,
+    progress: Optional[ProgressFn] = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = torch.device("cpu"),
+) -> Checkpoint:
     """Load `source`: "default", a .gguf file, or a Hugging Face folder (a .safetensors or config.json inside it
-    stands for its folder). Raises UnsafeModelError for pickle or remote code, ModelLoadError otherwise."""
+    stands for its folder). GGUF weights come in `dtype` on `device`; safetensors weights in their stored dtype
+    on the CPU. Raises UnsafeModelError for pickle or remote code, ModelLoadError otherwise."""
+    started = time.perf_counter()
+    checkpoint = _load(source, progress, dtype, device)
+    checkpoint.load_seconds = time.perf_counter() - started
+    return checkpoint
+
+
+def _load(source: str, progress: Optional[ProgressFn], dtype: torch.dtype, device: torch.device) -> Checkpoint:
     report = progress or _ignore
     if source == "default":
         from engine.default_model import ensure_default_model
 
         path = ensure_default_model(progress)
-        return _load_gguf(Path(path).resolve(), report, kind="default")
+        return _load_gguf(Path(path).resolve(), report, "default", dtype, device)
 
     if not source or not str(source).strip():
         raise ModelLoadError("no model given: choose a .gguf file, a Hugging Face folder, or the default model")
@@ -65,12 +93,12 @@ def load_checkpoint(source: str, progress: Optional[ProgressFn] = None) -> Check
         return _load_hf_folder(path, report)
     suffix = path.suffix.lower()
     if suffix == ".gguf":
-        return _load_gguf(path, report, kind="gguf")
+        return _load_gguf(path, report, "gguf", dtype, device)
     if suffix == ".safetensors" or path.name == "config.json":
         return _load_hf_folder(path.parent, report)
     head = _read_head(path)
     if head.startswith(GGUF_MAGIC):
-        return _load_gguf(path, report, kind="gguf")
+        return _load_gguf(path, report, "gguf", dtype, device)
     if head.startswith(_PICKLE_HEADS):
         raise UnsafeModelError(f"{path.name}: looks like a PyTorch pickle checkpoint; {_PICKLE_REASON}")
     raise ModelLoadError(f"{path.name}: not a model Gapless can load ({_EXPECTED})")
@@ -89,13 +117,66 @@ def refuse_pickle_path(path: Path) -> None:
 # ---- GGUF ------------------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, report: ProgressFn, kind: str) -> Checkpoint:
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def _load_gguf(path: Path, report: ProgressFn, kind: str, dtype: torch.dtype, device: torch.device) -> Checkpoint:
+    from engine.gguf_dequant import supported
+    from engine.gguf_native import NATIVE_ARCHITECTURES, native_architecture
 
     label = path.name
     report(Progress("load", 0.0, f"checking {label}"))
-    header = check_gguf(path, gguf_architectures())
+    header = read_gguf_header(path)
+    # transformers' table of GGUF architectures costs a heavy import; the native ones do not need it
+    known = set(NATIVE_ARCHITECTURES) if header.architecture in NATIVE_ARCHITECTURES else gguf_architectures()
+    header = check_gguf(path, known, header)
+    odd = sorted({t.type_name for t in header.tensors if not supported(t.type_name)})
+    if native_architecture(header) and not odd:
+        return _load_gguf_native(header, report, kind, dtype, device)
+    why = f"its tensor types {', '.join(odd)}" if odd else f"architecture {header.architecture!r}"
+    log.info("%s: loading through transformers' GGUF reader (%s not on the native path)", label, why)
+    return _load_gguf_transformers(header, report, kind)
+
+
+def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype, device: torch.device) -> Checkpoint:
+    from engine.gguf_native import build_config, check_shapes, dequantise_tensors, load_converted
+
+    path, label = header.path, header.path.name
+    report(Progress("load", 0.1, "reading the settings and tokenizer"))
+    conv = load_converted(header, label, report)
+    config = build_config(conv.config, label)
+    config.name_or_path = str(path.parent)  # as transformers' GGUF reading names it
+    _check_causal_lm(config.model_type, label, architecture=header.architecture)
+    _apply_gguf_rope(header, config, label)
+    check_shapes(header, conv, label)
+    report(Progress("load", 1.0, "settings and tokenizer ready" + (" (cached)" if conv.from_cache else "")))
+    report(Progress("dequantise", 0.0, f"de-quantising {len(conv.plan)} tensors into {dtype} on {device}"))
+
+    st = path.stat()
+    seen = (st.st_size, st.st_mtime_ns)
+
+    def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
+        now = path.stat()
+        if (now.st_size, now.st_mtime_ns) != seen:
+            raise ModelLoadError(f"{label}: the file changed since it was loaded; open it again")
+        return dequantise_tensors(header, conv.plan, dt, dev, _ignore)
+
+    state = dequantise_tensors(header, conv.plan, dtype, device, report)
+    return Checkpoint(
+        config=config,
+        state_dict=state,
+        tokenizer=conv.tokenizer,
+        name=path.stem,
+        source=str(path),
+        source_kind=kind,
+        eos_token_ids=_eos_ids(config, conv.tokenizer, None),
+        materialise=materialise,
+    )
+
+
+def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint:
+    """transformers' own GGUF path: for what the native path does not cover, and the tests' reference."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path, label = header.path, header.path.name
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
@@ -336,22 +417,25 @@ class _Layout:
         return key
 
     def verify(self, stored: dict[str, tuple[int, ...]]) -> None:
-        wrong = [(n, s, self.shapes[n]) for n, s in stored.items() if n in self.shapes and s != self.shapes[n]]
-        if wrong:
-            name, got, want = wrong[0]
-            more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-            raise ModelLoadError(
-                f"{self.label}: tensor {name} has shape {list(got)} but the config expects {list(want)}{more}"
-            )
-        missing = [
-            n for n in self.shapes if n not in stored and not (n in self.tied and self.tied[n] in stored)
-        ]
-        if missing:
-            more = f" (and {len(missing) - _NAMES_SHOWN} more)" if len(missing) > _NAMES_SHOWN else ""
-            raise ModelLoadError(
-                f"{self.label}: missing weights: {', '.join(missing[:_NAMES_SHOWN])}{more}; "
-                f"the checkpoint does not match its config"
-            )
+        verify_shapes(self.label, self.shapes, self.tied, stored)
+
+
+def verify_shapes(
+    label: str, shapes: dict[str, tuple[int, ...]], tied: dict[str, str], stored: dict[str, tuple[int, ...]]
+) -> None:
+    """Every parameter the model class has is stored (or tied to one that is), each in the expected shape."""
+    wrong = [(n, s, shapes[n]) for n, s in stored.items() if n in shapes and s != shapes[n]]
+    if wrong:
+        name, got, want = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise ModelLoadError(f"{label}: tensor {name} has shape {list(got)} but the config expects {list(want)}{more}")
+    missing = [n for n in shapes if n not in stored and not (n in tied and tied[n] in stored)]
+    if missing:
+        more = f" (and {len(missing) - _NAMES_SHOWN} more)" if len(missing) > _NAMES_SHOWN else ""
+        raise ModelLoadError(
+            f"{label}: missing weights: {', '.join(missing[:_NAMES_SHOWN])}{more}; "
+            f"the checkpoint does not match its config"
+        )
 
 
 def _load_tokenizer(folder: Path, label: str, gguf_file: Optional[str] = None) -> "PreTrainedTokenizerBase":

@@ -308,12 +308,24 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        # parameters, and the buffers that stand for weights (quantised linears); the rope tables are not weights
+        held = [*self.parameters(), *(b for n, b in self.named_buffers() if not n.startswith("rope_"))]
+        return sum(t.numel() * t.element_size() for t in held)
 
 
-def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each."""
-    sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+class _TakenOnRead(dict):
+    """A dict whose reads remove the entry: each weight is dropped as soon as it is fused or moved."""
+
+    def __getitem__(self, key):
+        return self.pop(key)
+
+
+def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs, consume: bool = False) -> dict[str, torch.Tensor]:
+    """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each. With `consume`, the given dict
+    is emptied first, so the host never holds the unfused and the fused model at once."""
+    sd = (_TakenOnRead if consume else dict)((k.removeprefix("model."), v) for k, v in state_dict.items())
+    if consume:
+        state_dict.clear()
     out = {"tok_embeddings.weight": sd["embed_tokens.weight"], "norm.weight": sd["norm.weight"]}
     if not args.tie_embeddings:
         key = "lm_head.weight" if "lm_head.weight" in sd else None
@@ -343,14 +355,16 @@ def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
     return out
 
 
-def build_transformer(cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
-    """Our decoder from an HF config and HF-named weights, in `dtype` on `device`."""
+def build_transformer(
+    cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, consume: bool = False
+) -> Transformer:
+    """Our decoder from an HF config and HF-named weights, in `dtype` on `device` (`consume`: see _hf_to_fast)."""
     args = ModelArgs.from_hf_config(cfg)
     cos, sin = rope_tables(cfg, args.head_dim, args.max_seq_len)
     with torch.device("meta"):
         model = Transformer(args, cos, sin)
     try:
-        weights = _hf_to_fast(state_dict, args)
+        weights = _hf_to_fast(state_dict, args, consume)
     except KeyError as exc:
         raise ModelLoadError(f"the checkpoint lacks the weight {exc.args[0]!r} that a {args.family} model needs") from None
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import threading
 import time
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 PREFIX = "remote:"
 REMOTE_REASON = "the model runs on a remote server"
 DEFAULT_TIMEOUT_S = 60.0
+CANCEL_POLL_S = 0.05  # how often a generation waiting for the server looks at its cancel event
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,8 @@ class RemoteSource:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise OptionsError(f"a remote server's address is an http(s) URL such as http://host:8000/v1, "
                                f"got {self.base_url!r}")
-        if not self.model or "#" in self.model:
-            raise OptionsError(f"a remote model needs a name (without '#'), got {self.model!r}")
+        if not self.model or "#" in self.model or "|" in self.model:
+            raise OptionsError(f"a remote model needs a name (without '#' or '|'), got {self.model!r}")
         if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= 3600:
             raise OptionsError(f"the remote timeout must be in (0, 3600] seconds, got {self.timeout_s}")
         return self
@@ -213,10 +215,12 @@ class RemoteEngine:
     # ---- options ----
 
     def unavailable(self, options: Optional[EngineOptions] = None) -> dict[str, str]:
+        """Every option but the candidate count (sent as n) is the server's: one set away from its default is
+        reported (the app turns it back, and the default is what the server's own setting stands for)."""
         o = options or self.options
-        out = {f.name: f"{REMOTE_REASON}, which decides its own {f.name.replace('_', ' ')}"
-               for f in fields(o) if f.name != "candidates"}
-        return out
+        default = EngineOptions()
+        return {f.name: f"{REMOTE_REASON}, which decides its own {f.name.replace('_', ' ')}"
+                for f in fields(o) if f.name != "candidates" and getattr(o, f.name) != getattr(default, f.name)}
 
     def effective(self, options: EngineOptions) -> tuple[EngineOptions, dict[str, str]]:
         return options, self.unavailable(options)
@@ -253,17 +257,26 @@ class RemoteEngine:
         side: dict[str, Optional[dict[str, float]]] = {}
         reader: Optional[threading.Thread] = None
         path = "/completions" if raw else "/chat/completions"
+        lines: "queue.Queue[tuple[str, Any, float]]" = queue.Queue()
+        stop_reading = threading.Event()
+        pump = threading.Thread(target=self._pump, args=(path, body, lines, stop_reading), daemon=True,
+                                name="gapless-remote-read")
         try:
-            with self._client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    raise GenerationError(f"the remote server refused the request (HTTP {r.status_code}): "
-                                          f"{_error_text(r)}")
-                for line in r.iter_lines():
-                    if cancel.is_set():
-                        stream.cancelled = True
-                        break
-                    if stream.feed(line, raw, emit) and reader is None and self._vllm is not None:
+            pump.start()
+            while True:
+                try:
+                    kind, value, t = lines.get(timeout=CANCEL_POLL_S)
+                except queue.Empty:
+                    kind = "wait"
+                if cancel.is_set():  # a stalled server must not hold up a stop: the reader is left to end alone
+                    stream.cancelled = True
+                    break
+                if kind == "error":
+                    raise value
+                if kind == "end":
+                    break
+                if kind == "line":
+                    if stream.feed(value, raw, emit, t) and reader is None and self._vllm is not None:
                         reader = threading.Thread(target=lambda: side.update(during=self._vllm_read()), daemon=True)
                         reader.start()
                     if stream.done:
@@ -279,6 +292,8 @@ class RemoteEngine:
             raise GenerationError(self._dropped(stream, f"dropped the connection ({exc})")) from exc
         except httpx.HTTPError as exc:
             raise GenerationError(self._dropped(stream, f"failed: {exc}")) from exc
+        finally:
+            stop_reading.set()
         if stream.error:
             raise GenerationError(self._dropped(stream, f"reported an error: {stream.error}"))
         if not stream.done and not stream.cancelled:
@@ -290,6 +305,24 @@ class RemoteEngine:
         if n > 1 and len(stream.texts) < n:
             result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")
         return result
+
+    def _pump(self, path: str, body: dict, lines: "queue.Queue[tuple[str, Any, float]]",
+              stop: threading.Event) -> None:
+        """The HTTP stream's lines with their arrival times, read on a thread of their own; then "end", or
+        "error" with the exception."""
+        try:
+            with self._client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise GenerationError(f"the remote server refused the request (HTTP {r.status_code}): "
+                                          f"{_error_text(r)}")
+                for line in r.iter_lines():
+                    lines.put(("line", line, time.perf_counter()))
+                    if stop.is_set():
+                        return
+            lines.put(("end", None, time.perf_counter()))
+        except Exception as exc:  # handed to the generating thread, which says what went wrong
+            lines.put(("error", exc, time.perf_counter()))
 
     def _dropped(self, stream: "_Stream", what: str) -> str:
         kept = " (the partial answer is kept)" if any(stream.texts.values()) else ""
@@ -311,6 +344,10 @@ class RemoteEngine:
             m.put("server_ttft_ms", float(t["prompt_ms"]), "llama.cpp timings.prompt_ms (prompt processing)")
         if t and isinstance(t.get("predicted_per_second"), (int, float)):
             m.put("server_decode_tok_s", float(t["predicted_per_second"]), "llama.cpp timings.predicted_per_second")
+        for key, name in (("server_ttft_ms", "ttft_ms"), ("server_decode_tok_s", "decode_tok_s")):
+            f = (stream.gapless or {}).get(name)
+            if isinstance(f, dict) and isinstance(f.get("value"), (int, float)) and f.get("source"):
+                m.put(key, float(f["value"]), f"gapless serve: {f['source']}")
         if before is not None and after is not None:
             key = "vllm:time_to_first_token_seconds"
             count = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
@@ -362,12 +399,13 @@ class _Stream:
         self.texts: dict[int, str] = {}
         self.finish: dict[int, str] = {}
         self.usage: Optional[dict] = None
-        self.timings: Optional[dict] = None
+        self.timings: Optional[dict] = None  # llama.cpp's server
+        self.gapless: Optional[dict] = None  # gapless serve's figures
         self.error: Optional[str] = None
         self.done = False
         self.cancelled = False
 
-    def feed(self, line: str, raw: bool, emit: Callable) -> bool:
+    def feed(self, line: str, raw: bool, emit: Callable, now: float) -> bool:
         """Take one SSE line; True when it carried the answer's first text."""
         line = line.strip()
         if not line or line.startswith(":") or line.startswith(("event:", "id:", "retry:")):
@@ -393,8 +431,9 @@ class _Stream:
             self.usage = obj["usage"]
         if isinstance(obj.get("timings"), dict):
             self.timings = obj["timings"]
+        if isinstance(obj.get("x_gapless"), dict):
+            self.gapless = obj["x_gapless"]
         first = False
-        now = time.perf_counter()
         for choice in obj.get("choices") or []:
             if not isinstance(choice, dict):
                 continue

@@ -16,6 +16,8 @@ DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("torch", "fused")
+WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 # What a prompt longer than the context does (engine.prompt): drop the oldest turns, drop turns from the middle
@@ -45,6 +47,8 @@ class EngineOptions:
     candidates: int = 1  # same-prompt answers decoded as one batch
     profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
     prefix_reuse: bool = True  # keep the KV cache across generations; compute only past the common prefix
+    kernels: str = "torch"  # torch (the model's modules) | fused (Triton decode kernels; implies the static cache)
+    weights: str = "native"  # native (dtype) | int8 (per-channel, weight-only) | int4 (group-wise, weight-only)
 
     def validate(self) -> "EngineOptions":
         if self.device not in DEVICES:
@@ -55,6 +59,10 @@ class EngineOptions:
             raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.sampling not in SAMPLING_MODES:
             raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.kernels not in KERNELS:
+            raise OptionsError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise OptionsError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         for name in ("compile", "cuda_graph", "profile_window", "prefix_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -111,6 +119,9 @@ PRESETS: dict[str, EngineOptions] = {
     "first-fixes": EngineOptions(dtype="fp16", kv_cache="static", sampling="device"),
     "compile": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True),
     "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
+    # The fused kernels replace the compiled step, so compile is off here; the graph captures the kernels.
+    "fused": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", cuda_graph=True, kernels="fused"),
+    "int8": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"),
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
     ),
@@ -119,9 +130,11 @@ PRESET_LABELS: dict[str, str] = {
     "naive": "Naive",
     "half": "+ half precision",
     "device-sampling": "+ device sampling",
-    "first-fixes": "Seeds' first fixes",
+    "first-fixes": "+ static KV cache",
     "compile": "+ compile",
     "cuda-graph": "+ CUDA graph",
+    "fused": "+ fused kernels",
+    "int8": "+ int8 weights",
     "candidates": "+ N candidates",
 }
 
@@ -209,6 +222,13 @@ class ModelInfo:
     source: str  # the path the model was loaded from
     source_kind: str  # "gguf", "hf-folder" or "default"
     backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
+    weights: str = "native"  # the weight format the linears run in (EngineOptions.weights, as applied)
+    bytes_per_token: Optional[int] = None  # weight bytes one decode token reads
+    bytes_per_token_source: str = ""
+    memory_floor_ms: Optional[float] = None  # bytes_per_token at the device's peak bandwidth; None where unknown
+    memory_floor_source: str = ""  # the source, or "n/a: why"
+    load_seconds: Optional[float] = None  # how long the load took, file to model ready
+    load_seconds_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -364,6 +384,15 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class RowFinished:
+    """One candidate's answer ended while the others may go on; reason as in GenerationResult.finish_reasons.
+    Sent once per candidate, after its last TextDelta."""
+
+    candidate: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One decode step (or a batch of steps read back together in device sampling)."""
 
@@ -414,5 +443,5 @@ class GenerationResult:
         }
 
 
-Event = Union[Progress, TextDelta, StepRecord, MonitorSample]
+Event = Union[Progress, TextDelta, RowFinished, StepRecord, MonitorSample]
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")

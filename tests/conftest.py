@@ -10,6 +10,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # The fused Triton kernels are tested through Triton's interpreter, which Triton chooses at its own import.
+    os.environ.setdefault("GAPLESS_TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
@@ -41,6 +48,16 @@ def _restore_app_look(request):
     qapp.setStyleSheet(sheet)
     qapp.setPalette(palette)
     qapp.setStyle(style)
+
+
+@pytest.fixture
+def ctl(qtbot):
+    """An engine controller with a real worker thread (no model loaded), shut down after the test."""
+    from app.worker import EngineController, EngineWorker
+
+    controller = EngineController(EngineWorker())
+    yield controller
+    assert controller.shutdown(60)
 
 
 @pytest.fixture(scope="session")

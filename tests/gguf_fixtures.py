@@ -27,6 +27,25 @@ _TOP_NAMES = {
 }
 
 
+# where each block keeps its fp16 scales (and mins): random bytes there could be inf or nan
+_HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
+    """`n_blocks` blocks of random bytes in ggml type `type_name`, with small finite fp16 scales: for the types
+    the gguf package cannot quantise (the K types), and to reach every bit pattern of the others."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    for at in _HALF_FIELDS.get(type_name, ()):
+        raw[:, at : at + 2] = (rng.standard_normal(n_blocks) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
 def gguf_name(hf_name: str) -> str:
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
@@ -50,7 +69,8 @@ def hf_llama_to_gguf(
     rope_scaling: Optional[tuple[str, float]] = None,
 ) -> Path:
     """Write the tiny Llama in `hf_folder` as the GGUF `out`. `quant` applies to 2-D weights (F32, F16, Q8_0, …);
-    `tensor_types` forces a ggml type on single GGUF tensors (raw zero bytes for types gguf cannot quantise);
+    `tensor_types` forces a ggml type on single GGUF tensors (random blocks for the types de-quantised here,
+    raw zero bytes for others gguf cannot quantise);
     `rope_freqs` adds llama.cpp's per-frequency rope factors, `rope_scaling` its (type, factor) metadata."""
     import gguf
     from safetensors.numpy import load_file
@@ -108,7 +128,11 @@ def hf_llama_to_gguf(
         if name in forced:
             qtype = gguf.GGMLQuantizationType[forced[name]]
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            raw = np.zeros((*arr.shape[:-1], arr.shape[-1] // block * size), dtype=np.uint8)
+            if forced[name] in _HALF_FIELDS:
+                n = arr.size // block
+                raw = random_blocks(forced[name], n, seed=len(name)).reshape(*arr.shape[:-1], -1)
+            else:
+                raw = np.zeros((*arr.shape[:-1], arr.shape[-1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qtype)
         elif arr.ndim == 2 and quant != "F32":
             qtype = gguf.GGMLQuantizationType[quant]

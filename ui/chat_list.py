@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QMouseEvent
 from PySide6.QtWidgets import (
-    QFrame, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPushButton, QVBoxLayout,
+    QFrame, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QPushButton, QVBoxLayout,
     QWidget,
 )
+
+from ui.dialogs import confirm
 
 SEARCH_DELAY_MS = 200  # search once typing pauses, not on every key
 
@@ -30,6 +33,17 @@ def age(updated: float, now: Optional[float] = None) -> str:
     if seconds < 86400:
         return f"{int(seconds // 3600)} h ago"
     return time.strftime("%Y-%m-%d", time.localtime(updated))
+
+
+class _ChatListWidget(QListWidget):
+    """A right-click opens the menu of the chat under the pointer without opening that chat: the open one
+    stays current and on screen."""
+
+    def mousePressEvent(self, event: QMouseEvent) -> None:
+        if event.button() == Qt.MouseButton.RightButton:
+            event.accept()
+            return
+        super().mousePressEvent(event)
 
 
 class ChatList(QFrame):
@@ -54,7 +68,7 @@ class ChatList(QFrame):
                                     timeout=lambda: self.searchChanged.emit(self.search.text().strip()))
         self.search.textChanged.connect(lambda _t: self._search_timer.start())
         self.search.returnPressed.connect(self._search_now)
-        self.list = QListWidget(self)
+        self.list = _ChatListWidget(self)
         self.list.setObjectName("chatList")
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
@@ -126,9 +140,6 @@ class ChatList(QFrame):
             self.renameRequested.emit(chat_id, title.strip())
 
     def ask_delete(self, chat_id: int) -> None:
-        answer = QMessageBox.question(
-            self, "Delete chat", f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
-            QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel, QMessageBox.StandardButton.Cancel,
-        )
-        if answer == QMessageBox.StandardButton.Delete:
+        if confirm(self, "Delete chat", f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
+                   "Delete"):
             self.deleteRequested.emit(chat_id)

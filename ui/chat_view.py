@@ -34,12 +34,13 @@ class ChatView(QScrollArea):
         self.setObjectName("chatView")
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        # The column follows the view's width and wraps; only below its narrowest does it scroll sideways.
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self._colors = colors
         self._container = QWidget()
         self._container.setObjectName("chatContainer")
         self._column = QVBoxLayout(self._container)
-        self._column.setContentsMargins(24, 16, 24, 16)
+        self._column.setContentsMargins(12, 16, 12, 16)
         self._column.setSpacing(10)
         self._empty = QLabel(EMPTY_HINT, self._container)
         self._empty.setObjectName("emptyHint")
@@ -77,6 +78,7 @@ class ChatView(QScrollArea):
     def _clear(self) -> None:
         for w in self._widgets:
             self._column.removeWidget(w)
+            w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
             w.deleteLater()
         self._widgets = []
         self._stream = None
@@ -132,6 +134,10 @@ class ChatView(QScrollArea):
         if self._stream is not None and not self._stream.body.text:
             self._stream.stats_label.setText(text)
 
+    def rows_finished(self, ended: dict[int, str]) -> None:
+        if self._candidates is not None:
+            self._candidates.mark_ended(ended)
+
     def streaming_text(self, candidate: int = 0) -> str:
         if self._stream is not None:
             return self._stream.body.text
@@ -163,6 +169,7 @@ class ChatView(QScrollArea):
     def _drop_candidates(self) -> None:
         if self._candidates is not None:
             self._column.removeWidget(self._candidates)
+            self._candidates.hide()
             self._candidates.deleteLater()
             self._candidates = None
 

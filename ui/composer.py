@@ -73,6 +73,7 @@ class Composer(QFrame):
         self.stop_button.hide()
         self.hint = QLabel(self)
         self.hint.setObjectName("composerHint")
+        self.hint.setWordWrap(True)  # a narrow window wraps the key hints instead of widening the column
         self.meter = QLabel(self)
         self.meter.setObjectName("contextMeter")
         self.meter.setWordWrap(True)

@@ -25,6 +25,16 @@ def show_error(parent: Optional[QWidget], title: str, message: str) -> None:
     box.open()  # never blocks the event loop: streaming and the HUD keep running behind it
 
 
+def confirm(parent: Optional[QWidget], title: str, text: str, action: str) -> bool:
+    """Ask before a destructive `action` ("Delete"): True only when its button was clicked. Cancel is the
+    default, so Enter or Esc keep everything."""
+    box = QMessageBox(QMessageBox.Icon.Question, title, text, QMessageBox.StandardButton.Cancel, parent)
+    chosen = box.addButton(action, QMessageBox.ButtonRole.DestructiveRole)
+    box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+    box.exec()
+    return box.clickedButton() is chosen
+
+
 class ProgressDialog(QDialog):
     """Progress of a download or a load: what is happening, a bar, a detail line, and Cancel."""
 

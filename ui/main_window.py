@@ -42,15 +42,39 @@ log = logging.getLogger(__name__)
 
 METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
 
+
+def model_status_text(info: Optional[ModelInfo]) -> str:
+    return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
+
+
+LEFT_MIN_WIDTH = 180  # the chat list and the model panel
+CENTER_MIN_WIDTH = 280  # the conversation and the composer
+DOCK_MIN_WIDTH = 260  # the optimizations and the HUD
+LEFT_SHARE = 0.2  # of the splitter, when no saved sizes fit
+DOCK_SHARE = 500 / 1440  # of the window's width, until the user drags the docks' edge
+
+
+def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[int]]:
+    """The saved splitter sizes if they still fit: one per pane, each at least its pane's minimum, together no
+    wider than `total`; None otherwise (they are then dropped)."""
+    if not isinstance(saved, list) or len(saved) != len(minimums):
+        return None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in saved):
+        return None
+    if any(x < m for x, m in zip(saved, minimums)) or sum(saved) > total:
+        return None
+    return saved
+
+
 class FitScrollArea(QScrollArea):
-    """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height, so a
-    tall panel never forces the window taller than the screen (a plain resizable scroll area would size a
-    word-wrapping panel by its preferred height and always scroll)."""
+    """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height or width, so
+    a tall or wide panel never forces the window larger than the screen (a plain resizable scroll area would
+    size a word-wrapping panel by its preferred height and always scroll)."""
 
     def __init__(self, widget: QWidget, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.setFrameShape(QFrame.Shape.NoFrame)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self.setWidgetResizable(False)
         self.setWidget(widget)
         widget.installEventFilter(self)
@@ -70,7 +94,7 @@ class FitScrollArea(QScrollArea):
             return
         bar = self.verticalScrollBar().sizeHint().width()
         height = max(self.viewport().height(), w.minimumSizeHint().height())
-        width = self.width() - (bar if height > self.height() else 0)
+        width = max(self.width() - (bar if height > self.height() else 0), w.minimumSizeHint().width())
         w.resize(width, height)
 
 
@@ -101,6 +125,7 @@ class MainWindow(QMainWindow):
         self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._search = ""
+        self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._meter_request = 0  # the newest context count asked for
         self._meter_timer = QTimer(self, singleShot=True, interval=METER_DEBOUNCE_MS, timeout=self.count_context)
@@ -148,26 +173,35 @@ class MainWindow(QMainWindow):
         model_box.setContentsMargins(10, 0, 10, 10)
         model_box.addWidget(self.model_panel)
         ll.addLayout(model_box)
-        left.setMinimumWidth(220)
+        left.setMinimumWidth(LEFT_MIN_WIDTH)
+        center.setMinimumWidth(CENTER_MIN_WIDTH)
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.setObjectName("mainSplitter")
         self.splitter.addWidget(left)
         self.splitter.addWidget(center)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes(settings.splitter_sizes.get("main", [260, 760]))
+        self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
+        self._saved_splitter = settings.splitter_sizes.get("main")  # applied once shown, where they still fit
+        self._splitter_fitted = False
 
         # Right: the optimizations over the HUD, so a toggle and its effect are in view together.
         self.toggles = TogglesPanel(settings.options(), self._preset_resolver, self)
         self.options_dock = QDockWidget("Optimizations", self)
         self.options_dock.setObjectName("optionsDock")
-        self.options_dock.setWidget(self.toggles)
+        self.options_dock.setWidget(FitScrollArea(self.toggles, self))
+        self.options_dock.setMinimumWidth(DOCK_MIN_WIDTH)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
+        self._dock_share = DOCK_SHARE
+        self._dock_resizing = False
+        self._width_seen = 0  # the window width the docks were last fitted to
+        self.options_dock.installEventFilter(self)
         self.hud_dock: Optional[QDockWidget] = None
         if self.hud is not None:
             self.hud_dock = QDockWidget("Performance", self)
             self.hud_dock.setObjectName("hudDock")
             self.hud_dock.setWidget(FitScrollArea(self.hud, self))
+            self.hud_dock.setMinimumWidth(DOCK_MIN_WIDTH)
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.hud_dock)
             self.hud_dock.setVisible(settings.hud_visible)
         self.status = QLabel("", self)
@@ -193,6 +227,7 @@ class MainWindow(QMainWindow):
         f.messageAppended.connect(v.add_message)
         f.streamStarted.connect(v.begin_stream)
         f.streamDelta.connect(v.append_stream)
+        f.streamRowsFinished.connect(v.rows_finished)
         f.streamFinished.connect(v.finish_stream)
         f.candidatesFinished.connect(self._candidates_finished)
         f.generatingChanged.connect(self._generating_changed)
@@ -202,6 +237,7 @@ class MainWindow(QMainWindow):
         v.deleteRequested.connect(f.delete_message)
         v.siblingRequested.connect(f.step_sibling)
         v.candidateChosen.connect(f.choose_candidate)
+        v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
         self.composer.sendRequested.connect(self._send)
         self.composer.edit.textChanged.connect(self.recount_context)
         for signal in (f.threadChanged, f.messageAppended, f.streamFinished, f.candidatesFinished, c.loaded):
@@ -330,6 +366,7 @@ class MainWindow(QMainWindow):
         self.refresh_chats()
 
     def _chat_opened(self, chat_id: Optional[int]) -> None:
+        self._clear_pick_notice()
         self.chat_title.setText(self.store.get_chat(chat_id).title if chat_id is not None else "New chat")
         self.refresh_chats()
 
@@ -424,6 +461,8 @@ class MainWindow(QMainWindow):
 
     def _generation_finished(self, request_id: int, result: GenerationResult) -> None:
         self.toggles.progress.hide()
+        if self._loading is None:
+            self.model_panel.clear_error()
         if self.hud is not None:
             self.hud.end_generation(result.metrics, result.options, options_label(result.options.to_dict()))
         if result.notices:
@@ -438,8 +477,14 @@ class MainWindow(QMainWindow):
 
     def _candidates_finished(self, result: GenerationResult) -> None:
         self.chat_view.finish_candidates(result.texts, result.metrics.to_dict(), result.options.to_dict(),
-                                         result.options.device, result.finish_reasons, can_choose=True)
-        self.status.setText(f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it")
+                                         result.options.device, self.flow.last_finish_reasons, can_choose=True)
+        self._pick_notice = f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it"
+        self.status.setText(self._pick_notice)
+
+    def _clear_pick_notice(self) -> None:
+        """The notice asking for a choice goes once there is nothing to choose (a pick, another chat)."""
+        if not self.flow.awaiting_choice() and self.status.text() == self._pick_notice:
+            self.status.clear()
 
     def run_ladder(self) -> None:
         """The HUD's "Run ladder": the last user prompt of this chat (or a fixed one) through every preset."""
@@ -545,7 +590,8 @@ class MainWindow(QMainWindow):
         self.toggles.set_resolved(info.device, info.dtype)
         self.toggles.set_applied(self.controller.options, {})
         self.toggles.reset_unavailable(unavailable)
-        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}")
+        self.toggles.set_limits(self.controller.limits)
+        self.model_status.setText(model_status_text(info))
         self.settings.last_model = source
         if self.catalog is not None:
             self.catalog.remember(source)
@@ -557,7 +603,7 @@ class MainWindow(QMainWindow):
         self._loading = None
         self.model_panel.set_failed(source, message)
         info = self.controller.info
-        self.model_status.setText(f"{info.name} · {info.device} · {info.dtype}" if info else "No model")
+        self.model_status.setText(model_status_text(info))
         self._update_can_send()
         show_error(self, "Model not loaded", f"Could not load {source}:\n{message}"
                    + (f"\n\n{info.name} is still loaded." if info else ""))
@@ -572,6 +618,12 @@ class MainWindow(QMainWindow):
         self.toggles.set_failed(message)
 
     def _reconfigured(self, options: EngineOptions, unavailable: dict) -> None:
+        info = self.controller.info  # the precision and device now in force, whichever choice this replies to
+        if info is not None:
+            self.model_panel.set_info(info)
+            self.model_status.setText(model_status_text(info))
+            self.toggles.set_resolved(info.device, info.dtype)
+            self.toggles.set_limits(self.controller.limits)
         if self._requested is not None and options != self._requested:
             # The reply to a choice the user has since replaced (changes wait while an answer runs): the
             # panel keeps the newer choice, whose own reply follows, and its reasons are not pinned on it.
@@ -631,6 +683,45 @@ class MainWindow(QMainWindow):
         except SettingsError as exc:  # a read-only or full disk: the app keeps running
             log.error("%s", exc)
             self.status.setText(str(exc))
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        if not self._splitter_fitted:
+            QTimer.singleShot(0, self, self._fit_splitter)  # once the first layout has given the splitter its width
+
+    def _fit_splitter(self) -> None:
+        if self._splitter_fitted:
+            return
+        self._splitter_fitted = True
+        total = self.splitter.width() - self.splitter.handleWidth()
+        mins = [max(w.minimumWidth(), w.minimumSizeHint().width()) for w in (self.splitter.widget(0), self.splitter.widget(1))]
+        sizes = fitting_sizes(self._saved_splitter, mins, total)
+        if sizes is None:
+            left = max(mins[0], int(total * LEFT_SHARE))
+            sizes = [left, max(mins[1], total - left)]
+        self.splitter.setSizes(sizes)
+
+    def resizeEvent(self, event) -> None:
+        """The docks keep their share of the window's width (changed only by dragging their edge): a window
+        made narrow and wide again gets its panels back at their width, not the narrow one."""
+        super().resizeEvent(event)
+        if self.isVisible() and event.size().width() != self._width_seen:
+            # The window's layout has squeezed or stretched the docks already (before this event): not a drag.
+            self._width_seen = event.size().width()
+            width = max(DOCK_MIN_WIDTH, int(self._dock_share * self._width_seen))
+            QTimer.singleShot(0, self, lambda: self._resize_docks(width))
+
+    def _resize_docks(self, width: int) -> None:
+        if not self.options_dock.isFloating():
+            self._dock_resizing = True
+            self.resizeDocks([self.options_dock], [width], Qt.Orientation.Horizontal)
+            self._dock_resizing = False
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.options_dock and event.type() == QEvent.Type.Resize and self.isVisible() \
+                and not self._dock_resizing and self.width() == self._width_seen and not self.options_dock.isFloating():
+            self._dock_share = self.options_dock.width() / self.width()  # the user dragged the edge
+        return super().eventFilter(obj, event)
 
     def closeEvent(self, event) -> None:
         self.flow.stop()

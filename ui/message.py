@@ -10,8 +10,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat_flow import MessageItem
+from ui.hud.bars import ElidedLabel
 from ui.markdown import SegmentsView
-from ui.stats import format_stats
+from ui.stats import finish_words, format_stats
 from ui.theme import Colors
 
 
@@ -43,9 +44,10 @@ class MessageWidget(QFrame):
         header.setContentsMargins(0, 0, 0, 0)
         header.setSpacing(2)
         who = {"user": "You", "system": "System prompt"}.get(item.role, item.author or "Assistant")
-        self.role_label = QLabel(who, self)
+        self.role_label = ElidedLabel(who, self)  # a long model name never widens the conversation
         self.role_label.setObjectName("roleLabel")
-        header.addWidget(self.role_label)
+        self.role_label.setToolTip(who)
+        header.addWidget(self.role_label, 1)
         header.addSpacing(8)
 
         self.prev_button = _action("‹", "Previous version", self)
@@ -102,7 +104,7 @@ class MessageWidget(QFrame):
                 self.stats_label.setText("generating…" if item.extra.get("streaming") else "n/a")
                 self.stats_label.setToolTip("" if item.extra.get("streaming") else "No metrics were stored for this answer")
             else:
-                line, tip = format_stats(item.metrics, item.options, item.device, item.finish_reason)
+                line, tip = format_stats(item.metrics, item.options, item.device, item.finish_reason, item.candidate)
                 self.stats_label.setText(line)
                 self.stats_label.setToolTip(tip)
         self.stats_label.setVisible(item.role == "assistant")
@@ -219,6 +221,12 @@ class CandidateTabs(QFrame):
         for i, delta in deltas.items():
             if 0 <= i < len(self.bodies):
                 self.bodies[i].append(delta)
+
+    def mark_ended(self, ended: dict[int, str]) -> None:
+        """Candidates that are done while others still run say why they ended; their figures come with the batch's."""
+        for i, reason in ended.items():
+            if 0 <= i < len(self.stats):
+                self.stats[i].setText(f"Finished: {finish_words(reason)} · waiting for the other candidates…")
 
     def finish(self, texts: list[str], metrics: Optional[dict], options: Optional[dict], device: Optional[str],
                finish_reasons: list[str], can_choose: bool) -> None:

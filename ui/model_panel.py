@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
+    QFileDialog, QGridLayout, QGroupBox, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
     QVBoxLayout, QWidget,
 )
 
@@ -36,14 +36,18 @@ def human_bytes(n: Optional[int]) -> str:
 
 
 def source_label(source: str) -> str:
+    if source.startswith("remote:"):
+        return source[len("remote:"):].split("|")[0].replace("#", " · ")
     return "Default model" if source == "default" else Path(source).name or source
 
 
 class ModelPanel(QGroupBox):
     openRequested = Signal(str)  # "default", a GGUF path or a folder
     modelsFolderChosen = Signal(str)  # a folder to scan for models
+    remoteRequested = Signal(str, str, str, float)  # base URL, model, API key ("": keep the stored one), timeout s
 
-    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "backend")
+    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "per_token", "floor", "backend",
+              "load")
 
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__("Model", parent)
@@ -51,7 +55,8 @@ class ModelPanel(QGroupBox):
         grid.setHorizontalSpacing(10)
         grid.setVerticalSpacing(2)
         self.values: dict[str, QLabel] = {}
-        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights", "Backend")))
+        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights",
+                                         "Bytes/token", "Memory floor", "Backend", "Load time")))
         for row, key in enumerate(self.FIELDS):
             k = QLabel(labels[key], self)
             k.setObjectName("infoKey")
@@ -91,10 +96,14 @@ class ModelPanel(QGroupBox):
         self.recent_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self._recent_menu = QMenu(self)
         self.recent_button.setMenu(self._recent_menu)
-        buttons = QHBoxLayout()
-        buttons.setSpacing(6)
+        self.remote_button = QPushButton("Remote…", self)
+        self.remote_button.setToolTip("Chat through an OpenAI-compatible server: vLLM, llama.cpp, Ollama, Gapless")
+        self.remote_button.clicked.connect(self.open_remote_dialog)
+        buttons = QVBoxLayout()  # stacked, so a narrow column does not cut them off
+        buttons.setSpacing(4)
         buttons.addWidget(self.open_file_button)
         buttons.addWidget(self.open_folder_button)
+        buttons.addWidget(self.remote_button)
 
         lay = QVBoxLayout(self)
         lay.setSpacing(6)
@@ -117,13 +126,25 @@ class ModelPanel(QGroupBox):
             "dtype": info.dtype, "device": info.device, "context": f"{info.context_length:,}",
             "weights": human_bytes(info.weight_bytes),
             "backend": "fast path" if info.backend == "fast" else f"{info.backend} fallback",
+            "load": NA if info.load_seconds is None else f"{info.load_seconds:.2f} s",
+            "per_token": human_bytes(info.bytes_per_token),
+            "floor": NA if info.memory_floor_ms is None else f"{info.memory_floor_ms:.3f} ms/token",
         }
+        if info.backend == "remote":  # the server says nothing of its weights; the context only sometimes
+            shown.update(parameters=f"{NA} (remote)", weights=f"{NA} (remote)", backend="remote server",
+                         context=f"{info.context_length:,}" if info.context_length else f"{NA} (not reported)")
         for key, text in shown.items():
             self.values[key].setText(text)
         self.values["name"].setToolTip(info.source)
         self.values["family"].setToolTip(info.architecture)
+        self.values["load"].setToolTip(info.load_seconds_source or "n/a: this model was not timed as it loaded")
+        self.values["per_token"].setToolTip(info.bytes_per_token_source or "n/a: not counted for this model")
+        self.values["floor"].setToolTip(info.memory_floor_source or "n/a: not computed for this model")
+        if info.weights != "native":
+            self.values["weights"].setText(f"{human_bytes(info.weight_bytes)} ({info.weights})")
         self.values["backend"].setToolTip(
-            "Gapless's own decoder: every optimization can be switched" if info.backend == "fast"
+            f"{info.backend_reason}: its options and GPU figures are the server's" if info.backend == "remote"
+            else "Gapless's own decoder: every optimization can be switched" if info.backend == "fast"
             else f"transformers runs this model{f': {info.backend_reason}' if info.backend_reason else ''}; "
                  "compile, CUDA graphs and the static KV cache are not available on it")
 
@@ -151,8 +172,14 @@ class ModelPanel(QGroupBox):
         self.error.show()
         self.status.setText(f"Still using {self.info.name}" if self.info else "No model loaded")
 
+    def clear_error(self) -> None:
+        """A failed load no longer holds once the model in use has answered: its message goes."""
+        if self.error.isVisibleTo(self) and self.info is not None:
+            self.error.hide()
+            self.status.setText("Ready")
+
     def _set_buttons(self, enabled: bool) -> None:
-        for b in (self.open_file_button, self.open_folder_button, self.recent_button):
+        for b in (self.open_file_button, self.open_folder_button, self.remote_button, self.recent_button):
             b.setEnabled(enabled)
 
     def set_models(self, default: Any, recent: list[Any], scanned: list[Any], folder: Optional[str]) -> None:
@@ -194,6 +221,13 @@ class ModelPanel(QGroupBox):
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf);;All files (*)")
         if path:
             self.openRequested.emit(path)
+
+    def open_remote_dialog(self) -> None:
+        from ui.remote_dialog import RemoteDialog
+
+        dialog = RemoteDialog(self)
+        if dialog.exec() == RemoteDialog.DialogCode.Accepted:
+            self.remoteRequested.emit(*dialog.values())
 
     def open_folder_dialog(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Open a Hugging Face model folder")

@@ -7,9 +7,21 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from engine.diagnosis import diagnose
 from engine.types import PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
 
 NA = "n/a"
+
+
+# Why an answer ended (GenerationResult.finish_reasons, "context" where the context left less room than asked).
+FINISH_WORDS = {
+    "eos": "end of answer", "length": "token limit", "stop": "stop string", "cancelled": "stopped by you",
+    "context": "context full", "error": "failed",
+}
+
+
+def finish_words(reason: Optional[str]) -> Optional[str]:
+    return None if reason is None else FINISH_WORDS.get(reason, reason)
 
 
 def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
@@ -37,6 +49,16 @@ def options_label(options: Optional[dict[str, Any]]) -> str:
         return NA
     name = preset_name(options)
     return PRESET_LABELS[name] if name else "custom"
+
+
+def diagnosis_lines(metrics: dict[str, Any], options: dict[str, Any], device: Optional[str]) -> list[str]:
+    """What limits this answer (engine.diagnosis), with the figures behind it and those that were missing."""
+    d = diagnose(metrics, options, device)
+    lines = [f"Diagnosis: {d.line}"]
+    lines += [f"  from {e}" for e in d.evidence]
+    if d.missing:
+        lines.append(f"  missing: {'; '.join(d.missing)}")
+    return lines
 
 
 def gap_label(device: Optional[str]) -> str:
@@ -77,8 +99,8 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         line += f" · prompt {m.get('prompt_tokens')} ({reused} reused)"
     if m.get("prompt_cut"):
         line += f" · context full: {m['prompt_cut']}"
-    if finish_reason == "cancelled":
-        line += " · stopped"
+    if finish_reason:
+        line += f" · {finish_words(finish_reason)}"
     unavailable = m.get("unavailable") or {}
     tips = [
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
@@ -100,5 +122,7 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
     tips.append(_sourced("Launches per step", m.get("launches_per_step"), fmt(m.get("launches_per_step"), "", 0),
                          m.get("launches_per_step_source"), unavailable.get("launches_per_step")))
     if finish_reason:
-        tips.append(f"Finished: {finish_reason}")
+        tips.append(f"Finished: {finish_words(finish_reason)}")
+    if metrics and options:
+        tips.extend(diagnosis_lines(metrics, options, device))
     return line, "\n".join(tips)

@@ -12,10 +12,16 @@ from PySide6.QtWidgets import (
 )
 
 from ui.progress import show_progress
-from engine.types import DEVICES, DTYPES, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import WEIGHT_FORMATS
 from ui.stats import preset_name
 
 CUSTOM = "custom"
+# The option each preset adds to the rung before it: the preset cannot run where that option cannot.
+DEFINING_OPTION: dict[str, Optional[str]] = {
+    "naive": None, "half": "dtype", "device-sampling": "sampling", "first-fixes": "kv_cache", "compile": "compile",
+    "cuda-graph": "cuda_graph", "fused": "kernels", "candidates": "candidates",
+}
 # (preset name, current options, device type "cpu" | "cuda") -> the preset's options on that device
 PresetResolver = Callable[[str, EngineOptions, str], EngineOptions]
 
@@ -30,6 +36,10 @@ TIPS = {
     "compile": "torch.compile the decode step: fewer, fused kernels (a first compile takes a while)",
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
+    "kernels": "torch: the model's modules (compiled with torch.compile when on) · fused: Triton kernels, about five per "
+               "layer, on the static KV cache",
+    "weights": "native: the linears in the chosen precision · int8: weight-only, one scale per output channel "
+               "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
     "prefix_reuse": "Keep the KV cache between answers: the part of the next prompt it already holds is not computed again",
 }
@@ -58,16 +68,21 @@ class TogglesPanel(QWidget):
         self.dtype = _combo(DTYPES, self)
         self.kv_cache = _combo(KV_MODES, self)
         self.sampling = _combo(SAMPLING_MODES, self)
+        # Sized to a few characters, not the longest preset name, so the dock can be narrow; the list shows all.
+        self.preset.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.preset.setMinimumContentsLength(8)
         self.compile = QCheckBox("torch.compile", self)
         self.cuda_graph = QCheckBox("CUDA graph", self)
         self.candidates = QSpinBox(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
         self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
+        self.weights = _combo(WEIGHT_FORMATS, self)
+        self.kernels = _combo(KERNELS, self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
-            "prefix_reuse": self.prefix_reuse,
+            "weights": self.weights, "kernels": self.kernels, "prefix_reuse": self.prefix_reuse,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -82,17 +97,27 @@ class TogglesPanel(QWidget):
         grid.setVerticalSpacing(4)
         grid.addWidget(QLabel("Preset", self), 0, 0)
         grid.addWidget(self.preset, 0, 1, 1, 3)
+        # Under each control, why a value of it cannot run here (hidden while everything can).
+        self.reasons: dict[str, QLabel] = {}
         for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
                                      (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
                                      (("Candidates", self.candidates), (None, self.compile)),
                                      ((None, self.profile_window), (None, self.cuda_graph)),
-                                     ((None, self.prefix_reuse),)), start=1):
+                                     (("Weights", self.weights), ("Kernels", self.kernels)),
+                                     ((None, self.prefix_reuse),))):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
-                    grid.addWidget(w, row, 2 * col, 1, 2)
+                    grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
                 else:
-                    grid.addWidget(QLabel(label, self), row, 2 * col)
-                    grid.addWidget(w, row, 2 * col + 1)
+                    grid.addWidget(QLabel(label, self), 2 * row + 1, 2 * col)
+                    grid.addWidget(w, 2 * row + 1, 2 * col + 1)
+                name = next(k for k, v in self.controls.items() if v is w)
+                reason = QLabel(self)
+                reason.setObjectName("unavailableReason")
+                reason.setWordWrap(True)
+                reason.hide()
+                grid.addWidget(reason, 2 * row + 2, 2 * col, 1, 2)
+                self.reasons[name] = reason
         grid.setColumnStretch(1, 1)
         grid.setColumnStretch(3, 1)
         lay = QVBoxLayout(self)
@@ -103,6 +128,7 @@ class TogglesPanel(QWidget):
 
         self._options = options
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
+        self._limits: dict[tuple[str, object], str] = {}  # the same, for what this machine and model never run
         self._resolve_preset: PresetResolver = preset_resolver or _as_defined
         self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
         self._quiet = False
@@ -134,7 +160,7 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "kernels"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
@@ -146,6 +172,18 @@ class TogglesPanel(QWidget):
             self._apply_tooltips()
         finally:
             self._quiet = False
+
+    def set_limits(self, limits: dict[tuple[str, object], str]) -> None:
+        """What this machine and model can never run, whatever else is chosen ({(option, value): reason}): shown
+        unavailable from the start, with the reason under the control; a value in use is replaced."""
+        self._limits = dict(limits)
+        self._apply_tooltips()
+        fixed = self._without_unavailable(self._options)
+        if fixed != self._options:
+            self._change(fixed)
+
+    def _why(self, name: str, value: object) -> Optional[str]:
+        return self._limits.get((name, value)) or self._known.get((name, value))
 
     def reset_unavailable(self, unavailable: dict[str, str]) -> None:
         """A new model: forget what the previous one could not do."""
@@ -168,12 +206,12 @@ class TogglesPanel(QWidget):
 
     def _without_unavailable(self, options: EngineOptions) -> EngineOptions:
         changes = {}
-        for (name, value), _reason in self._known.items():
+        for (name, value) in {**self._limits, **self._known}:
             if getattr(options, name) != value:
                 continue
             w = self.controls[name]
             if isinstance(w, QComboBox):
-                usable = [w.itemData(i) for i in range(w.count()) if (name, w.itemData(i)) not in self._known]
+                usable = [w.itemData(i) for i in range(w.count()) if self._why(name, w.itemData(i)) is None]
                 if usable:
                     changes[name] = usable[0]
             elif isinstance(value, bool):
@@ -182,22 +220,29 @@ class TogglesPanel(QWidget):
 
     def _apply_tooltips(self) -> None:
         for name, w in self.controls.items():
+            shown: list[str] = []  # the reasons written under the control
             if isinstance(w, QComboBox):
                 model = w.model()
                 for i in range(w.count()):
-                    why = self._known.get((name, w.itemData(i)))
+                    why = self._why(name, w.itemData(i))
                     item = model.item(i) if isinstance(model, QStandardItemModel) else None
                     if item is not None:
                         item.setEnabled(why is None)
                         item.setToolTip(f"Unavailable: {why}" if why else "")
+                    if why and (name, w.itemData(i)) in self._limits:
+                        shown.append(f"{w.itemText(i)} unavailable: {why}")
                 w.setToolTip(TIPS[name])
             elif isinstance(w, QCheckBox):
-                why = self._known.get((name, True))
+                why = self._why(name, True)
                 w.setEnabled(why is None or w.isChecked())
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
+                if why and (name, True) in self._limits:
+                    shown.append(f"Unavailable: {why}")
             else:  # candidates
-                why = self._known.get((name, self._options.candidates))
+                why = self._why(name, self._options.candidates)
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
+            self.reasons[name].setText("\n".join(shown))
+            self.reasons[name].setVisible(bool(shown))
         for i in range(self.preset.count()):
             why = self._preset_unavailable(self.preset.itemData(i))
             item = self.preset.model().item(i)
@@ -205,20 +250,28 @@ class TogglesPanel(QWidget):
             item.setToolTip(f"Unavailable: {why}" if why else "")
 
     def _preset_unavailable(self, name: str) -> Optional[str]:
+        """A preset is unavailable when the option that defines it cannot run; others it names that cannot
+        are left off when it is chosen (as the bench's ladder runs the candidates rung without CUDA graphs)."""
         if name == CUSTOM:
             return None
         opts = self._resolve_preset(name, self._options, self._device_type())
-        for field in self.controls:
-            why = self._known.get((field, getattr(opts, field)))
-            if why:
-                return why
-        return None
+        field = DEFINING_OPTION.get(name)
+        return self._why(field, getattr(opts, field)) if field else None
 
     def _show_preset(self) -> None:
         shown = self._options.to_dict()
         shown.update({k: v for k, v in self._resolved.items() if shown[k] == "auto"})
-        name = preset_name(shown) or CUSTOM
+        name = preset_name(shown) or self._chosen_preset() or CUSTOM
         self.preset.setCurrentIndex(max(0, self.preset.findData(name)))
+
+    def _chosen_preset(self) -> Optional[str]:
+        """The preset that, chosen here, gives the options in use (less what cannot run here)."""
+        for name in PRESETS:
+            if self._preset_unavailable(name) is None:
+                opts = self._without_unavailable(self._resolve_preset(name, self._options, self._device_type()))
+                if opts == self._options:
+                    return name
+        return None
 
     def _read(self) -> EngineOptions:
         return self._options.with_(
@@ -226,6 +279,8 @@ class TogglesPanel(QWidget):
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
             prefix_reuse=self.prefix_reuse.isChecked(),
+            kernels=self.kernels.currentData(),
+            weights=self.weights.currentData(),
         )
 
     def _edited(self, name: str) -> None:

@@ -76,12 +76,13 @@ class ServerStats:
 
 
 class EngineQueue:
-    def __init__(self, engine: Any, max_waiting: int = 16, run_on_engine: Optional[RunOnEngine] = None):
+    def __init__(self, engine: Any, max_waiting: int = 16, run_on_engine: Optional[RunOnEngine] = None,
+                 model_id: Optional[str] = None):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.model_id = engine.info.name
+        self.model_id = model_id if model_id is not None else engine.info.name
         self.stats = ServerStats()
         self._run_on_engine = run_on_engine or (lambda fn: fn(self.engine))
         self._lock = threading.Lock()
@@ -207,6 +208,13 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
     (the engine would cut the prompt to fit; a client of this API expects to be told instead)."""
     from engine.prompt import build_prompt
 
+    if getattr(engine, "tokenizer", None) is None:  # a remote model: its server checks the context itself
+        if req.max_tokens is None:
+            raise bad("this model runs on a remote server whose context is not known here: give max_tokens",
+                      "max_tokens", "missing_max_tokens")
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
+                                  seed=req.seed, stop=req.stop).validate()
+        return sampling, 0
     ctx = engine.context_length
     full = build_prompt(engine.tokenizer, req.messages, 1 << 40, 1, raw=req.raw)
     n = len(full.ids)

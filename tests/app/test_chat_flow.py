@@ -17,6 +17,7 @@ class FakeController(QObject):
 
     generationStarted = Signal(int, object)
     textBatch = Signal(int, object)
+    rowsFinished = Signal(int, object)
     generationFinished = Signal(int, object)
     generationFailed = Signal(int, str)
 

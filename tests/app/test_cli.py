@@ -46,6 +46,13 @@ def test_generate_json_on_a_tiny_model(tiny_llama):
     assert m["prompt_tokens"] > 0 and m["new_tokens_total"] == sum(len(t) for t in out["token_ids"])
     assert m["ttft_ms"] > 0
     assert m["gpu_util_pct"] is None and m["unavailable"]["gpu_util_pct"]
+    from engine.diagnosis import diagnose
+
+    d = out["diagnosis"]  # what limited this answer, from the figures printed beside it
+    assert d == diagnose(m, out["options"], "cpu").to_dict()
+    if m["kernel_gap_pct"] is not None:
+        shown = f"{m['kernel_gap_pct']:.0f} %" if m["kernel_gap_pct"] >= 10 else f"{m['kernel_gap_pct']:.1f} %"
+        assert d["verdict"].startswith("CPU") and f"{shown}" in d["line"] and d["next_step"]
 
 
 def test_generate_streams_text_and_matches_json(tiny_llama):

@@ -75,13 +75,6 @@ def generate(qtbot, ctl, sampling) -> tuple[int, GenerationResult]:
 # ---- the real engine on a tiny model ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def ctl(qtbot):
-    controller = EngineController(EngineWorker())
-    yield controller
-    assert controller.shutdown(60)
-
-
 def test_signal_order_of_a_load_and_a_generation(qtbot, ctl, tiny_llama):
     rec = Recorder(ctl)
     with qtbot.waitSignals([ctl.loadStarted, ctl.loaded], order="strict", timeout=TIMEOUT_MS):
@@ -403,7 +396,8 @@ def test_the_controller_passes_on_every_worker_event_once(qtbot, ctl):
 
     args = {"loadStarted": ("m",), "progress": (None,), "loaded": (None, {}), "loadFailed": ("m", "bad"),
             "reconfigured": (EngineOptions(), {}), "reconfigureFailed": ("bad",), "generationStarted": (7, None),
-            "textBatch": (7, {0: "x"}), "steps": (7, []), "samples": ([],), "generationFinished": (7, None),
+            "textBatch": (7, {0: "x"}), "rowsFinished": (7, {0: "eos"}), "steps": (7, []), "samples": ([],),
+            "generationFinished": (7, None),
             "generationFailed": (8, "bad"), "ladderProgress": (1, 2, "x"), "ladderFinished": ([],),
             "ladderFailed": ("bad",), "busyChanged": (False,)}
     assert set(EVENT_NAMES) == set(args)

@@ -10,7 +10,7 @@ from app.cmd_bench import config_from_args, format_table, options_text, write_js
 from engine.bench import Baseline, add_ratios, matching_prefix
 from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
 from engine.errors import OptionsError
-from engine.types import EngineOptions
+from engine.types import PRESETS, EngineOptions
 
 
 def test_median_and_ratio():
@@ -71,7 +71,7 @@ def test_config_from_args():
     c = config_from_args(args)
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
     args.presets = None
-    assert config_from_args(args).presets[0] == "naive" and len(config_from_args(args).presets) == 7
+    assert config_from_args(args).presets[0] == "naive" and config_from_args(args).presets == tuple(PRESETS)
 
 
 def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
@@ -97,7 +97,7 @@ def sample_report(with_compiled=False):
     rungs = [
         rung("naive", "Naive", 10.0, opts(dtype="fp32", kv_cache="dynamic", sampling="host"), gap=60.0),
         rung("half", "+ half precision", 8.0, opts(dtype="bf16", kv_cache="dynamic", sampling="host"), gap=55.0),
-        rung("first-fixes", "Seeds' first fixes", 25.0, opts(dtype="fp32"), gap=20.0),
+        rung("first-fixes", "+ static KV cache", 25.0, opts(dtype="fp32"), gap=20.0),
         rung("compile", "+ compile", None, status="skipped", reason="compile off for this bench"),
         rung("candidates", "+ 4 candidates", 60.0, opts(dtype="fp32", candidates=4), gap=10.0,
              notes=["without cuda_graph: CUDA graphs need a CUDA device"]),
@@ -138,7 +138,7 @@ def test_ratios_against_naive_and_transformers():
 
 
 def test_ratios_without_naive_or_baseline_are_none():
-    rungs = [rung("first-fixes", "Seeds' first fixes", 25.0, opts())]
+    rungs = [rung("first-fixes", "+ static KV cache", 25.0, opts())]
     ratios = add_ratios(rungs, [])
     assert rungs[0].speedup_vs_naive is None and rungs[0].speedup_vs_transformers is None
     assert ratios["naive_decode_tok_s"] is None and ratios["best_single_stream"]["decode_tok_s"] == 25.0
@@ -149,9 +149,9 @@ def test_table_rows_figures_and_notes():
     table = format_table(report)
     lines = table.splitlines()
     assert lines[0].startswith("| rung ") and "× transformers compiled" not in lines[0]
-    row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
+    row = next(line for line in lines if line.startswith("| + static KV cache"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells == ["Seeds' first fixes", "fp32, static KV, device sampling, eager", "128", "25.0", "2.50×", "1.25×",
+    assert cells == ["+ static KV cache", "fp32, static KV, device sampling, eager", "128", "25.0", "2.50×", "1.25×",
                      "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB"]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
@@ -173,7 +173,7 @@ def test_table_with_compiled_baseline_has_its_column():
     report, _ = sample_report(with_compiled=True)
     lines = format_table(report).splitlines()
     assert "× transformers compiled" in lines[0]
-    row = next(line for line in lines if line.startswith("| Seeds' first fixes"))
+    row = next(line for line in lines if line.startswith("| + static KV cache"))
     assert "0.62×" in row
 
 
@@ -217,7 +217,7 @@ def test_bench_tiny_model_without_baseline(tiny_llama, tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert run_bench(bench_args(tiny_llama, path, presets="naive,first-fixes,compile,cuda-graph")) == 0
     out = capsys.readouterr().out
-    assert "| Naive " in out and "| Seeds' first fixes " in out and f"written: {path}" in out
+    assert "| Naive " in out and "| + static KV cache " in out and f"written: {path}" in out
     report = json.loads(path.read_text(encoding="utf-8"))
     assert set(report) >= {"command", "config", "machine", "model", "rungs", "baselines", "ratios", "dtype_note"}
     assert report["baselines"] == [] and report["greedy_match_naive_vs_transformers"] is None

@@ -25,6 +25,7 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # gpu.fused_check, when run as a script
 
 import torch  # noqa: E402
 
@@ -72,8 +73,8 @@ TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_
             num_key_value_heads=2, max_position_embeddings=1024)
 
 
-SECTIONS = ("nvml", "parity_fp32", "ladder", "telemetry", "sdpa_first_use", "kernels", "oom_fallback", "parity_fp16",
-            "parity_bf16", "logits_fp16", "logits_bf16")
+SECTIONS = ("nvml", "fused", "parity_fp32", "ladder", "telemetry", "sdpa_first_use", "kernels", "oom_fallback",
+            "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
 
 
 class Report:
@@ -308,7 +309,7 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
-def kernel_table(trace: dict, forward_passes: int) -> dict:
+def kernel_table(trace: dict, forward_passes: int, kind: Callable[[str], str] = kernel_kind) -> dict:
     """Per forward pass: how many kernels of each kind ran and for how long, and the longest kernels."""
     by_name: dict[str, list[float]] = {}
     for e in trace.get("traceEvents", []):
@@ -316,7 +317,7 @@ def kernel_table(trace: dict, forward_passes: int) -> dict:
             by_name.setdefault(e["name"], []).append(float(e["dur"]))
     kinds: dict[str, dict[str, float]] = {}
     for name, durs in by_name.items():
-        k = kinds.setdefault(kernel_kind(name), {"kernels_per_pass": 0.0, "us_per_pass": 0.0})
+        k = kinds.setdefault(kind(name), {"kernels_per_pass": 0.0, "us_per_pass": 0.0})
         k["kernels_per_pass"] += len(durs) / forward_passes
         k["us_per_pass"] += sum(durs) / forward_passes
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
@@ -325,7 +326,7 @@ def kernel_table(trace: dict, forward_passes: int) -> dict:
         "kernels_per_pass": sum(len(d) for d in by_name.values()) / forward_passes,
         "kernel_us_per_pass": sum(sum(d) for d in by_name.values()) / forward_passes,
         "by_kind": kinds,
-        "top": [{"name": n[:160], "kind": kernel_kind(n), "per_pass": len(d) / forward_passes,
+        "top": [{"name": n[:160], "kind": kind(n), "per_pass": len(d) / forward_passes,
                  "mean_us": sum(d) / len(d), "us_per_pass": sum(d) / forward_passes} for n, d in top],
     }
 
@@ -493,6 +494,12 @@ def oom_fallback(folder: Path) -> dict:
         eng.close()
 
 
+def _fused_check(folder: Path, progress: Callable[[str], None]) -> dict:
+    from gpu.fused_check import fused_check
+
+    return fused_check(folder, progress)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -531,6 +538,7 @@ def main(argv=None) -> int:
         folder = found.get("folder")
         if folder is not None:
             report.section("nvml", probe_nvml, need_s=5, cuda=True)
+            report.section("fused", lambda: _fused_check(folder, report.progress("fused")), need_s=150, cuda=True)
             report.section("parity_fp32", lambda: parity(folder, device, "fp32", args.max_new_tokens, (1, 4), report,
                                                          with_compile=cuda), need_s=60)
             report.section("ladder", lambda: ladder(folder, args.ladder_tokens, 16, 3, report.progress("ladder")),

@@ -19,7 +19,7 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
     assert rc == 0, {k: v.get("error") for k, v in sections.items()}
     assert sections["machine"]["ok"] and sections["machine"]["result"]["cpu_model"]
     assert sections["model"]["result"]["kind"] == "tiny"
-    for name in ("nvml", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
+    for name in ("nvml", "fused", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
     tel = sections["telemetry"]["result"]  # the recording runs on any device; the GPU's is the one that counts
     from engine.recording import load
@@ -123,3 +123,40 @@ def test_kernels_and_sdpa_sections_run_their_course_on_the_cpu(tmp_path):
     first_use = sdpa_first_use(folder, lambda msg: None, device="cpu")
     assert [r["prompt_tokens"] for r in first_use["rows"]] == [300, 600]
     assert all(r["first_tok_s"] > 0 and r["second_tok_s"] > 0 for r in first_use["rows"])
+
+
+def test_fused_section_runs_its_cpu_parts_through_the_interpreter(tmp_path):
+    """The fused section's parity and half-precision parts, on the CPU through Triton's interpreter, so a lent
+    GPU's minutes are not spent finding a slip in them; the speed and bandwidth parts need CUDA."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from engine.kernels import interpreting
+    from gpu.fused_check import fused_check
+    from gpu.gpu_check import TINY, make_model_folder
+
+    if not interpreting():
+        pytest.skip("needs GAPLESS_TRITON_INTERPRET=1 (set by conftest on a machine without CUDA)")
+    folder = make_model_folder(tmp_path / "tiny", dict(TINY, num_hidden_layers=1))
+    said = []
+    got = fused_check(folder, said.append, device="cpu", max_new=6)
+    par = got["parity_fp32"]
+    assert par["all_identical"] and [r["options"]["kernels"] for r in par["rows"]] == ["fused", "fused"]
+    assert [r["options"]["candidates"] for r in par["rows"]] == [1, 4]
+    for dtype in ("fp16", "bf16"):
+        h = got[f"half_{dtype}"]
+        assert h["options"]["kernels"] == "fused" and h["within"] and h["same_argmax"]
+        assert h["first_divergence"] is None or 0 <= h["first_divergence"] < 6
+    assert "speed_pdl" not in got and said[0].startswith("fp32 fused vs eager: identical=True")
+
+
+def test_fused_trace_helpers():
+    from gpu.fused_check import fused_kind, overlapping_pairs
+
+    ev = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur, "cat": "kernel"}  # noqa: E731
+    trace = {"traceEvents": [ev("qkv_rope_kernel", 0, 3), ev("decode_attention_kernel", 2, 3),
+                             ev("gemv_residual_kernel", 6, 1), ev("nvjet_hsh_64x8", 7, 2),
+                             {"name": "cudaGraphLaunch", "ts": 0, "dur": 50, "cat": "cuda_runtime"}]}
+    assert overlapping_pairs(trace) == 1  # the attention starts before the QKV kernel ends; the rest do not
+    assert fused_kind("norm_head_kernel") == "norm_head_kernel"
+    assert fused_kind("nvjet_hsh_64x8") == "torch matmul (cuBLAS/CUTLASS)"

@@ -11,7 +11,6 @@ import pynvml
 import pytest
 import torch
 
-from app.worker import EngineController, EngineWorker
 from engine.engine import Engine
 from engine.telemetry.monitor import Monitor
 from engine.types import EngineOptions, MonitorSample, SamplingParams, TextDelta
@@ -116,13 +115,6 @@ def test_reconfigure_from_another_thread_waits_for_the_running_generation(engine
 
 
 # ---- the model switched while generating, through the app's controller ----------------------------------------
-
-
-@pytest.fixture
-def ctl(qtbot):
-    controller = EngineController(EngineWorker())
-    yield controller
-    assert controller.shutdown(60)
 
 
 def generate_and_wait(qtbot, ctl, sampling):

@@ -66,3 +66,25 @@ class HeldEngine:
         result = self._engine.generate(messages, sampling, held, cancel, raw)
         self.results.append(result)
         return result
+
+
+class BrokenEngine:
+    """The real engine, whose generations fail with an unexpected error: at once, or after its first text."""
+
+    def __init__(self, engine: Any, after_text: bool):
+        self._engine = engine
+        self.after_text = after_text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, messages, sampling, on_event=None, cancel=None, raw=False) -> GenerationResult:
+        def broken(event: Any) -> None:
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, TextDelta) and self.after_text:
+                raise RuntimeError("a bug in the engine")
+
+        if not self.after_text:
+            raise RuntimeError("a bug in the engine")
+        return self._engine.generate(messages, sampling, broken, cancel, raw)

@@ -1,6 +1,6 @@
 """`gapless serve` as a process: it refuses to listen beyond loopback without a key, says a taken port in one
 line, serves a tiny model on a free port, and stops on SIGINT; and on the default model (slow) the served greedy
-text is Engine.generate's."""
+text is Engine.generate's, also through the remote engine."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from engine.remote import RemoteEngine, RemoteSource
 from engine.types import EngineOptions, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +87,12 @@ def test_default_model_served_greedy_text_is_the_engine_s(default_model_path):
             streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
                 model=server.engines.model_id, messages=messages, max_tokens=32, temperature=0, stream=True)
                 if c.choices)
+            remote = RemoteEngine.load(RemoteSource(server.url, server.engines.model_id))
+            try:
+                via_remote = remote.generate(messages, SamplingParams(temperature=0.0, max_new_tokens=32))
+            finally:
+                remote.close()
+        assert via_remote.texts == want.texts and via_remote.metrics.new_tokens_total == len(want.token_ids[0])
         assert r.choices[0].message.content == want.texts[0] == streamed
         assert "Paris" in want.texts[0]
         assert r.usage.completion_tokens == len(want.token_ids[0])

@@ -77,16 +77,22 @@ def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
     for key in ("gpu_util_pct", "kernel_gap_pct", "sm_activity_pct", "ttft_ms", "decode_tok_s", "peak_memory_bytes"):
         f = m.figure(key)
         assert f.value is None and REMOTE_REASON in f.reason, key
+    server_ttft = m.figure("server_ttft_ms")  # gapless serve's own figure, from x_gapless
+    assert server_ttft.value > 0 and server_ttft.source.startswith("gapless serve: engine timing")
     for key in ("server_running_requests", "server_kv_cache_pct"):
         assert m.figure(key).reason == "the server has no vLLM /metrics endpoint"
     assert all(getattr(m, s.key) is not None or s.key in m.unavailable for s in figures.GENERATION_FIGURES)
 
 
 def test_options_other_than_candidates_are_unavailable_with_the_reason(remote):
-    na = remote.unavailable()
-    assert "candidates" not in na
-    assert {"device", "dtype", "kv_cache", "compile", "cuda_graph"} <= set(na)
-    assert all(REMOTE_REASON in why for why in na.values())
+    assert remote.unavailable() == {}  # the defaults stand for the server's own settings
+    asked = EngineOptions(device="cuda", dtype="fp16", kv_cache="dynamic", compile=True, cuda_graph=True,
+                          candidates=3, profile_window=False)
+    na = remote.unavailable(asked)
+    assert set(na) == {"device", "dtype", "kv_cache", "compile", "cuda_graph", "profile_window"}
+    assert all(why.startswith(REMOTE_REASON) for why in na.values())
+    remote.reconfigure(asked)
+    assert remote.effective(asked)[1] == na and remote.unavailable() == na
     info = remote.info
     assert info.backend == "remote" and info.source_kind == "remote" and info.source.startswith("remote:http://127.0.0.1")
 
@@ -157,9 +163,11 @@ def test_the_app_opens_a_remote_source_with_the_stored_key(server, local, use_fi
 
 @pytest.fixture
 def use_file_keys(monkeypatch):
+    import app.engines
     import app.keys
 
     monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    monkeypatch.setattr(app.engines, "keys_dir", None)
 
 
 def test_generate_on_the_command_line_through_a_remote(server, local):
@@ -180,3 +188,21 @@ def test_generate_on_the_command_line_through_a_remote(server, local):
     assert out["texts"] == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
     assert out["model"]["backend"] == "remote" and KEY not in r.stdout + r.stderr
     assert out["metrics"]["http_ttft_ms"] > 0
+
+
+def test_gapless_serve_can_front_a_remote_model(server, local):
+    """A Gapless server whose model is itself remote (e.g. the app serving the remote model it chats with)."""
+    import openai
+
+    remote = RemoteEngine.load(RemoteSource(server.url, server.engines.model_id), api_key=KEY)
+    try:
+        with serving(remote) as front:
+            client = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0)
+            r = client.chat.completions.create(model=front.engines.model_id, messages=HELLO, max_tokens=8,
+                                               temperature=0)
+            with pytest.raises(openai.BadRequestError, match="give max_tokens"):
+                client.chat.completions.create(model=front.engines.model_id, messages=HELLO)
+    finally:
+        remote.close()
+    assert r.choices[0].message.content == local.generate(HELLO, SamplingParams(temperature=0.0,
+                                                                                max_new_tokens=8)).texts[0]

@@ -26,7 +26,7 @@ class StandIn:
 
     def __init__(self) -> None:
         self.vllm_requests = 0
-        self.release: asyncio.Event | None = None
+        self.stalled: list[asyncio.Event] = []
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def app(self) -> Starlette:
@@ -71,8 +71,9 @@ class StandIn:
                 return
             elif model == "stall":
                 self.loop = asyncio.get_running_loop()
-                self.release = asyncio.Event()
-                await self.release.wait()
+                release = asyncio.Event()
+                self.stalled.append(release)
+                await release.wait()
             elif model == "midstream-error":
                 yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
             elif model == "llamacpp":
@@ -95,8 +96,8 @@ def stand_in():
     s = StandIn()
     server = AsgiThread(s.app())
     yield s, server
-    if s.release is not None:  # let the stalled answer end
-        s.loop.call_soon_threadsafe(s.release.set)
+    for release in s.stalled:  # let the stalled answers end
+        s.loop.call_soon_threadsafe(release.set)
     server.stop()
 
 
@@ -129,6 +130,25 @@ def test_a_server_that_stops_sending_times_out_at_the_user_s_timeout(stand_in):
     s, server = stand_in
     message, text = run(server, "stall", timeout_s=0.5)
     assert "did not send anything for 0.5 s" in message and text == "Hello there"
+
+
+def test_stop_does_not_wait_for_a_stalled_server(stand_in):
+    import threading
+
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "stall", 120.0))
+    cancel = threading.Event()
+    deltas: list[TextDelta] = []
+
+    def on_event(event) -> None:
+        deltas.append(event)
+        cancel.set()  # the user presses stop at the first text; the server then sends nothing more
+
+    try:
+        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8), on_event=on_event, cancel=cancel)
+    finally:
+        engine.close()
+    assert r.finish_reasons == ["cancelled"] and r.texts == ["Hello"] and [d.text for d in deltas] == ["Hello"]
 
 
 def test_an_http_error_gives_the_server_s_message(stand_in):

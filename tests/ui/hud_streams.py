@@ -54,7 +54,7 @@ class Rung:
 
 GPU_RUNGS = (
     Rung("Naive", preset_options("naive", EngineOptions(device="cuda")), 21.0, 24.0, 11.0, 2.5, 81.0),
-    Rung("Seeds' first fixes", preset_options("first-fixes", EngineOptions(device="cuda")), 4.6, 58.0, 31.0, 9.0, 42.0),
+    Rung("+ static KV cache", preset_options("first-fixes", EngineOptions(device="cuda")), 4.6, 58.0, 31.0, 9.0, 42.0),
     Rung("+ CUDA graph", preset_options("cuda-graph", EngineOptions(device="cuda")), 0.48, 96.0, 78.0, 46.0, 6.0),
 )
 
@@ -147,7 +147,7 @@ def ladder_rows(gpu: bool = True) -> list[LadderRow]:
 
 
 def feed_gpu_session(panel, clock: ManualClock, n_steps: int = 160, gpm: bool = True) -> float:
-    """Three generations (Naive, first fixes, CUDA graph) with GPU samples at 10 Hz from clock.t on.
+    """Three generations (Naive, static KV cache, CUDA graph) with GPU samples at 10 Hz from clock.t on.
     Returns the end time."""
     t = clock.t
     for i, rung in enumerate(GPU_RUNGS):
@@ -172,7 +172,7 @@ def feed_cpu_session(panel, clock: ManualClock, n_steps: int = 120) -> float:
     """Two generations on a CPU without NVML: every GPU field None with its reason, CPU use and memory measured."""
     t = clock.t
     cpu_rungs = (Rung("Naive", preset_options("naive", EngineOptions(device="cpu")), 31.0, None, None, None, 64.0),
-                 Rung("Seeds' first fixes", preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32"),
+                 Rung("+ static KV cache", preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32"),
                       19.0, None, None, None, 38.0))
     for i, rung in enumerate(cpu_rungs):
         clock.t = t

@@ -113,8 +113,12 @@ def test_stats_line_says_na_and_names_sources():
     assert "Launches per step: 348 — source: kernels per step — x" in tip
     line, tip = format_stats({"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}},
                              options, "cpu", "cancelled")
-    assert line.endswith("op gap n/a · stopped")
+    assert line.endswith("op gap n/a · stopped by you")
     assert "profiling off" in tip
+    for reason, words in (("eos", "end of answer"), ("length", "token limit"), ("stop", "stop string"),
+                          ("context", "context full")):
+        line, tip = format_stats(metrics, options, "cuda", reason)
+        assert line.endswith(f"kernel gap 33.3% · {words}") and f"Finished: {words}" in tip
     assert format_stats(None, None, None)[0].startswith("n/a tokens")
     batch = {"new_tokens_total": 30, "new_tokens": [12, 18], "decode_tok_s": 56.0, "unavailable": {}}
     line, tip = format_stats(batch, options, "cuda", candidate=1)
@@ -186,3 +190,41 @@ def test_theme_follows_choice(qapp):
     assert "@" not in qapp.styleSheet()
     with pytest.raises(ValueError):
         tm.set_choice("purple")
+
+
+def test_model_panel_shows_load_time_bytes_per_token_and_floor_with_sources(qtbot):
+    from engine.types import ModelInfo
+    from ui.model_panel import ModelPanel
+
+    panel = ModelPanel()
+    qtbot.addWidget(panel)
+    base = dict(name="m", family="llama", architecture="LlamaForCausalLM", backend="fast", parameters=10,
+                dtype="fp32", device="cpu", context_length=256, weight_bytes=40, source="/m.gguf", source_kind="gguf")
+    panel.set_info(ModelInfo(**base, load_seconds=1.234, load_seconds_source="perf_counter around Engine.load",
+                             bytes_per_token=3 << 20, bytes_per_token_source="weights read", memory_floor_ms=0.0625,
+                             memory_floor_source="NVML peak", weights="int8"))
+    assert panel.values["load"].text() == "1.23 s"
+    assert panel.values["load"].toolTip() == "perf_counter around Engine.load"
+    assert panel.values["per_token"].text() == "3.0 MiB" and panel.values["per_token"].toolTip() == "weights read"
+    assert panel.values["floor"].text() == "0.062 ms/token" and panel.values["floor"].toolTip() == "NVML peak"
+    assert panel.values["weights"].text() == "40 B (int8)"
+    panel.set_info(ModelInfo(**base, memory_floor_source="n/a: the CPU's memory bandwidth is not known here"))
+    assert panel.values["load"].text() == "n/a" and "not timed" in panel.values["load"].toolTip()
+    assert panel.values["floor"].text() == "n/a" and "bandwidth is not known" in panel.values["floor"].toolTip()
+
+
+def test_weights_toggle_and_its_unavailable_formats(qtbot):
+    t = TogglesPanel(EngineOptions())
+    qtbot.addWidget(t)
+    got = []
+    t.optionsChanged.connect(got.append)
+    t.weights.setCurrentIndex(t.weights.findData("int8"))
+    t.weights.activated.emit(t.weights.currentIndex())
+    assert got[-1].weights == "int8"
+    t.preset.setCurrentIndex(t.preset.findData("int8"))
+    t.preset.activated.emit(t.preset.currentIndex())
+    assert got[-1] == preset_options("int8", EngineOptions()) and got[-1].weights == "int8"
+    t.set_applied(EngineOptions(weights="int4"), {"weights": "int4 needs inputs in groups of 32"})
+    assert got[-1].weights == "native" and t.weights.currentData() == "native"
+    item = t.weights.model().item(t.weights.findData("int4"))
+    assert not item.isEnabled() and item.toolTip() == "Unavailable: int4 needs inputs in groups of 32"

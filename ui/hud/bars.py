@@ -12,6 +12,7 @@ from PySide6.QtGui import QColor, QPainter, QPalette, QPen
 from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine import figures
+from engine.diagnosis import diagnose
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
 from ui.theme import PaletteFollower, muted_text
@@ -49,6 +50,19 @@ BAR_ROWS = (
     BarRow("step_ms_p99", "#4cbf73", scale_group="step"),
     BarRow("peak_memory_bytes", "#c678dd"),
 )
+
+# Where the engine's own timing is n/a because the model runs on a remote server, the row shows what the client
+# measured over HTTP instead, under that figure's title and source.
+REMOTE_STAND_INS = {"ttft_ms": "http_ttft_ms", "decode_tok_s": "http_decode_tok_s",
+                    "step_ms_p50": "inter_token_ms_p50", "step_ms_p99": "inter_token_ms_p99"}
+
+
+def shown_figure(metrics: GenerationMetrics, key: str) -> figures.Figure:
+    fig = metrics.figure(key)
+    alt = REMOTE_STAND_INS.get(key)
+    if fig.value is None and alt is not None and metrics.figure(alt).value is not None:
+        return metrics.figure(alt)
+    return fig
 
 
 class MiniBar(QWidget):
@@ -127,9 +141,16 @@ class BarStrip(PaletteFollower):
             self._rows[row.key] = (name, bar, value, source)
         grid.setColumnStretch(2, 2)
         grid.setColumnStretch(3, 3)
+        # What limits the shown generation, in words (engine.diagnosis); the figures behind it in the tooltip.
+        self.diagnosis = QLabel("")
+        self.diagnosis.setObjectName("diagnosis")
+        self.diagnosis.setWordWrap(True)
+        self.diagnosis.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.diagnosis.hide()
         box = QVBoxLayout(self)
         box.setContentsMargins(0, 0, 0, 0)
         box.addWidget(self.header)
+        box.addWidget(self.diagnosis)
         box.addLayout(grid)
         self.apply_palette()
 
@@ -141,27 +162,33 @@ class BarStrip(PaletteFollower):
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
         self._shown = label
         self.header.setText(f"{label} · {metrics.new_tokens_total} new tokens · {fmt.options_summary(options)}")
+        d = diagnose(metrics.to_dict(), options.to_dict(), options.device if options.device != "auto" else None)
+        self.diagnosis.setText(f"Limit: {d.line}")
+        self.diagnosis.setToolTip("\n".join(["From: " + "; ".join(d.evidence) if d.evidence else "From: no figures"]
+                                            + ([f"Missing: {'; '.join(d.missing)}"] if d.missing else [])))
+        self.diagnosis.show()
         for row in BAR_ROWS:
-            v = getattr(metrics, row.key)
+            v = shown_figure(metrics, row.key).value
             if v is not None:
                 group = row.scale_group or row.key
                 self._largest[group] = max(self._largest.get(group, 0.0), float(v))
         for row in BAR_ROWS:
             name, bar, value, source = self._rows[row.key]
-            fig = metrics.figure(row.key)
+            fig = shown_figure(metrics, row.key)
             v, src = fig.value, fig.source
+            name.setText(fig.spec.label)
             value.setText(row.format(v))
             if v is None:
                 reason = fig.reason or "not measured in this generation"
                 source.setText(f"{fmt.NA} — {reason}")
                 bar.set_fraction(None)
-                tip = f"{row.title}: {fmt.NA} — {reason}"
+                tip = f"{fig.spec.label}: {fmt.NA} — {reason}"
             else:
                 source.setText(src or "source not reported")
                 largest = 100.0 if row.percent else self._largest.get(row.scale_group or row.key, 0.0)
                 bar.set_fraction(float(v) / largest if largest > 0 else 0.0)
                 scale = "bar: 0–100%" if row.percent else f"bar: share of this session's largest ({row.format(largest)})"
-                tip = f"{row.title}: {row.format(v)} — {src or 'source not reported'}\n{scale}"
+                tip = f"{fig.spec.label}: {row.format(v)} — {src or 'source not reported'}\n{scale}"
             for w in (name, bar, value, source):
                 w.setToolTip(tip)
 

@@ -1,0 +1,96 @@
+"""The app's API server: `gapless serve`'s HTTP app on a thread, its requests run on the engine worker's thread
+between the app's own commands, so chats and API requests take turns on one engine without touching each
+other's state. The Server panel (ui/server_panel.py) drives it through app/gui.py."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from app.server.engine_queue import EngineQueue
+from app.server.http import ServeConfig
+from app.server.run import BackgroundServer
+from app.worker import Call, EngineController
+from engine.errors import GaplessError
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_MS = 500
+
+
+class AppServer(QObject):
+    started = Signal(str)  # the base URL
+    stopped = Signal()
+    failed = Signal(str)  # why it could not start, or why it stopped
+    statsChanged = Signal(object)  # ServerStats.snapshot()
+
+    def __init__(self, controller: EngineController, parent: Optional[QObject] = None):
+        super().__init__(parent)
+        self.controller = controller
+        self.engines: Optional[EngineQueue] = None
+        self.server: Optional[BackgroundServer] = None
+        self._closing = threading.Event()
+        self._timer = QTimer(self)
+        self._timer.setInterval(STATS_INTERVAL_MS)
+        self._timer.timeout.connect(self._poll)
+        controller.loaded.connect(self._on_loaded)
+
+    @property
+    def running(self) -> bool:
+        return self.server is not None
+
+    def start(self, host: str, port: int, api_key: str = "", max_waiting: int = 16) -> None:
+        if self.server is not None:
+            return
+        self._closing.clear()
+        model_id = self.controller.info.name if self.controller.info is not None else "no-model-loaded"
+        engines = EngineQueue(None, max_waiting, run_on_engine=self._run_on_worker, model_id=model_id)
+        try:
+            server = BackgroundServer(engines, host, port, ServeConfig(api_key=api_key or None))
+        except GaplessError as exc:
+            engines.close()
+            self.failed.emit(str(exc))
+            return
+        self.engines, self.server = engines, server
+        self._timer.start()
+        self.started.emit(server.url)
+        self._poll()
+
+    def stop(self) -> None:
+        if self.server is None:
+            return
+        self._closing.set()
+        self._timer.stop()
+        server, engines = self.server, self.engines
+        self.server = self.engines = None
+        server.stop()
+        if engines is not None:
+            engines.close(timeout_s=10.0)
+            self.statsChanged.emit(engines.stats.snapshot())
+        self.stopped.emit()
+
+    def _run_on_worker(self, fn: Callable[[Any], None]) -> None:
+        """Called on the queue's thread: hand fn to the worker and wait until it has run there."""
+        done = threading.Event()
+        call = Call(fn, done)
+        self.controller.worker.commands.put(call)
+        while not done.wait(0.25):
+            if self._closing.is_set() and not done.is_set():
+                raise RuntimeError("the app's server is stopping")
+        if call.errors:
+            raise call.errors[0]
+
+    def _on_loaded(self, info: Any, _unavailable: Any) -> None:
+        if self.engines is not None:
+            self.engines.model_id = info.name
+
+    def _poll(self) -> None:
+        if self.engines is None or self.server is None:
+            return
+        self.statsChanged.emit(self.engines.stats.snapshot())
+        if self.server.error is not None:
+            message = f"the server stopped: {type(self.server.error).__name__}: {self.server.error}"
+            self.stop()
+            self.failed.emit(message)

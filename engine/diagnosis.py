@@ -1,0 +1,110 @@
+"""What limits a generation, in words: a verdict from its own figures, the evidence, and the one option to try next.
+
+Every claim names the figure behind it (value and source); a rule whose figures are missing makes no claim, and
+the figures that were missing are listed with the reason the metrics give. Plain data in, plain data out: the
+HUD, the stats tooltip and `gapless generate --json` show the same result.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+HOST_SYNC_GAP_PCT = 50.0  # idle share of a traced step above which per-token host reads dominate
+LAUNCH_GAP_PCT = 15.0  # idle share above which launch overhead, not kernel time, sets the pace
+MEMORY_BOUND_PCT = 60.0  # DRAM bandwidth share above which the weights' reads set the pace
+
+# The figures the rules read, and how they are named in the list of missing ones.
+FIGURES = {
+    "kernel_gap_pct": "gap",
+    "launches_per_step": "launches a step",
+    "dram_bw_util_pct": "DRAM bandwidth",
+    "sm_activity_pct": "SM activity",
+    "gpu_util_pct": "GPU util",
+}
+CPU_FIGURES = ("kernel_gap_pct", "launches_per_step")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    verdict: str  # "host sync", "launch-bound", "memory-bound", "GPU kernels", "CPU, op-bound", "CPU", "unknown"
+    line: str  # the whole statement: verdict, its figures, and the option to try
+    evidence: list[str] = field(default_factory=list)  # each figure used: "gap 89.6 % (torch.profiler ...)"
+    next_step: Optional[str] = None  # the option to try next, in the toggles' words
+    missing: list[str] = field(default_factory=list)  # "SM activity: no NVML on this machine"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _pct(v: float) -> str:
+    return f"{v:.0f} %" if v >= 10 else f"{v:.1f} %"
+
+
+def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[str] = None) -> Diagnosis:
+    """The verdict for one generation from GenerationMetrics.to_dict() and EngineOptions.to_dict()."""
+    m, o = metrics or {}, options or {}
+    dev = device or o.get("device") or "cpu"
+    cuda = dev == "cuda"
+    unavailable = m.get("unavailable") or {}
+    values = {k: _num(m.get(k)) for k in FIGURES}
+    missing = [f"{FIGURES[k]}: {unavailable.get(k) or 'not measured'}" for k, v in values.items()
+               if v is None and (cuda or k in CPU_FIGURES)]
+
+    def ev(key: str, shown: str) -> str:
+        source = m.get(key.replace("_pct", "") + "_source")
+        return f"{shown} ({source})" if source else shown
+
+    gap, launches = values["kernel_gap_pct"], values["launches_per_step"]
+    dram, sm = values["dram_bw_util_pct"], values["sm_activity_pct"]
+    unit = "kernels" if cuda else "ops"
+    sampling, compiled, graph = o.get("sampling"), bool(o.get("compile")), bool(o.get("cuda_graph"))
+    static = o.get("kv_cache") == "static"
+    evidence: list[str] = []
+
+    def done(verdict: str, claim: str, step: Optional[str]) -> Diagnosis:
+        return Diagnosis(verdict, f"{claim} → {step}" if step else claim, evidence, step, missing)
+
+    def launch_step() -> Optional[str]:
+        if not static:
+            return "static KV cache (compile and CUDA graphs need it)"
+        if not compiled:
+            return "compile"
+        if cuda and not graph:
+            return "CUDA graph"
+        return "fused kernels" if cuda else "int8 weights"
+
+    if gap is None:
+        return done("unknown", f"not enough figures to say what limits this answer: {missing[0] if missing else 'gap n/a'}",
+                    "turn on Measure the gap" if "profiler window off" in (unavailable.get("kernel_gap_pct") or "") else None)
+    evidence.append(ev("kernel_gap_pct", f"gap {_pct(gap)}"))
+    if launches is not None:
+        evidence.append(ev("launches_per_step", f"{launches:,.0f} {unit} a step"))
+    count = f"{launches:,.0f} {unit} a token, " if launches is not None else ""
+
+    if cuda and sampling == "host" and gap >= HOST_SYNC_GAP_PCT:
+        evidence.append("sampling on the host: .item() every token")
+        return done("host sync", f"host sync every token (.item()): the GPU idle {_pct(gap)} of each step",
+                    "device sampling")
+    if cuda and dram is not None and dram >= MEMORY_BOUND_PCT:
+        evidence.append(ev("dram_bw_util_pct", f"DRAM bandwidth {_pct(dram)} of peak"))
+        step = "more candidates (each weight read serves all)" if int(o.get("candidates") or 1) == 1 else "int8 weights"
+        return done("memory-bound", f"memory-bound: DRAM bandwidth {_pct(dram)} of peak", step)
+    if cuda and gap >= LAUNCH_GAP_PCT:
+        floor = f", {100 / dram:.0f}× over the memory floor" if dram else ""
+        if dram:
+            evidence.append(ev("dram_bw_util_pct", f"DRAM bandwidth {_pct(dram)} of peak"))
+        return done("launch-bound", f"launch-bound: {count}the GPU idle {_pct(gap)} between kernels{floor}",
+                    launch_step())
+    if cuda:
+        if sm is not None:
+            evidence.append(ev("sm_activity_pct", f"SM activity {_pct(sm)}"))
+        busy = f", SM activity {_pct(sm)}" if sm is not None else ""
+        return done("GPU kernels", f"GPU kernels: the GPU is busy (gap {_pct(gap)}){busy}", launch_step())
+    if launches is not None:
+        return done("CPU, op-bound", f"CPU, op-bound: {launches:,.0f} ops a step, {_pct(gap)} idle between ops",
+                    launch_step())
+    return done("CPU", f"CPU: ops run back to back (gap {_pct(gap)}); ops a step n/a", launch_step())

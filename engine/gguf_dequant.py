@@ -1,0 +1,161 @@
+"""De-quantising GGUF tensors with vectorised torch, on whichever device the raw bytes are on.
+
+Each block layout follows the `gguf` package's quants.py (and llama.cpp's ggml-common.h). The arithmetic is
+fp32 in the same order as quants.py does it, so the result is bit-exact with `gguf.quants.dequantize`; a cast
+to the target dtype comes last. Large tensors go through in row chunks written into the output, so the
+temporaries stay a fixed size however big the tensor is.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+QK_K = 256
+CHUNK_ELEMENTS = 1 << 22  # values de-quantised per step: ~16 MB of fp32 temporaries
+
+# ggml type name -> (values per block, bytes per block)
+BLOCKS: dict[str, tuple[int, int]] = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (QK_K, 144),
+    "Q5_K": (QK_K, 176),
+    "Q6_K": (QK_K, 210),
+}
+_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 stored at bytes [start, start + 2) of each block, as fp32 [n, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, m] packed bytes -> [n, 2m]: the m low nibbles, then the m high ones (ggml's order in a block)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """[n, m] bytes -> [n, 8m] single bits, bit i of byte j at 8j + i (a little-endian bit field)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float() * _half(b, 0)
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 2:]).to(torch.int8) - 8
+    return _half(b, 0) * q.float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 4:]).float()
+    return (_half(b, 0) * q) + _half(b, 2)
+
+
+def _q5(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    return _nibbles(b[:, qh_at + 4 :]) | (_bits(b[:, qh_at : qh_at + 4]) << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _q5(b, 2).to(torch.int8) - 16
+    return _half(b, 0) * q.float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return (_half(b, 0) * _q5(b, 4).float()) + _half(b, 2)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and 8 six-bit mins packed in 12 bytes (Q4_K, Q5_K)."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_sub_blocks(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: q [n, 8, 32] of one super-block, scaled per sub-block of 32 and offset by its min."""
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_half(b, 0) * sc.float()).view(n, 8, 1)
+    dm = (_half(b, 2) * mn.float()).view(n, 8, 1)
+    return (d * q.float() - dm).view(n, QK_K)
+
+
+def _q4_k_low(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 128] -> [n, 8, 32]: four groups of 32 bytes, each giving its low nibbles then its high ones."""
+    n = qs.shape[0]
+    g = qs.view(n, 4, 1, 32)
+    return torch.cat([g & 0x0F, g >> 4], dim=2).view(n, 8, 32)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _k_sub_blocks(b, _q4_k_low(b[:, 16:]))
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    high = (b[:, 16:48].reshape(n, 1, 32) >> shifts) & 1  # sub-block i takes bit i of each of the 32 bytes
+    return _k_sub_blocks(b, _q4_k_low(b[:, 48:]) | (high << 4))
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_half(b, 208) * scales).view(n, 16, 1)
+    ql = b[:, 0:128].reshape(n, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).view(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).view(n, 8, 32)
+    q = (ql | (qh << 4)).to(torch.int8) - 32
+    return (d * q.view(n, 16, 16).float()).view(n, QK_K)
+
+
+_KERNELS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
+
+
+def supported(type_name: str) -> bool:
+    return type_name in BLOCKS
+
+
+def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of `shape` (torch order) stored as `raw` (uint8, the ggml bytes, any device) in `dtype`.
+
+    A result that would alias `raw` (the same stored type and dtype) is a copy, so it never pins the file's
+    mapping."""
+    if type_name not in BLOCKS:
+        raise ValueError(f"no de-quantisation for ggml type {type_name}")
+    block, size = BLOCKS[type_name]
+    cols = shape[-1] if shape else 1
+    rows = raw.numel() // size * block // cols
+    if cols % block or rows * cols // block * size != raw.numel():
+        raise ValueError(f"{raw.numel()} bytes of {type_name} do not hold a tensor of shape {list(shape)}")
+    raw = raw.reshape(rows, cols // block * size)
+    if type_name in _PLAIN:
+        return raw.view(_PLAIN[type_name]).to(dtype, copy=True).view(shape)
+    kernel = _KERNELS[type_name]
+    out = torch.empty(rows, cols, dtype=dtype, device=raw.device)
+    step = max(1, CHUNK_ELEMENTS // cols)
+    for r in range(0, rows, step):
+        part = raw[r : r + step]
+        out[r : r + step] = kernel(part.reshape(-1, size)).view(part.shape[0], cols)
+    return out.view(shape)

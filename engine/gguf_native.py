@@ -1,0 +1,376 @@
+"""GGUF loading on the project's own path: the metadata parsed once (engine.gguf_header), the tensor names mapped
+once, each tensor de-quantised straight into the target dtype on the target device (engine.gguf_dequant).
+
+transformers still builds what it is good at, the config class and the tokenizer, once per file: the results
+(config JSON, the saved tokenizer with its chat template and special tokens, the tensor layout) are kept in the
+user cache dir keyed by the file's identity (path, size, mtime_ns and a hash of its header), so a second load
+converts nothing. A changed file misses the cache; a damaged entry is rebuilt, with a log line.
+
+Architectures whose GGUF tensors transformers reshapes in ways not mirrored here load through transformers'
+own GGUF path instead (engine.loader decides, with `native_architecture`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.gguf_dequant import dequantize
+from engine.gguf_header import GGUFHeader
+from engine.types import Progress
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+CACHE_ENTRIES_KEPT = 32
+# GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
+NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+PROGRESS_EVERY = 16  # tensors
+
+ProgressFn = Callable[[Progress], None]
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One GGUF tensor as the model takes it."""
+
+    gguf_name: str
+    hf_name: str
+    permute_heads: int  # > 0: un-permute the rows of llama.cpp's rotary layout over this many heads
+
+
+@dataclass
+class Converted:
+    """What a GGUF file converts to besides its weights; the cached part of a load."""
+
+    config: dict[str, Any]  # the config dict transformers' GGUF reading builds
+    tokenizer: "PreTrainedTokenizerBase"
+    plan: list[TensorPlan]
+    shapes: dict[str, list[int]]  # every parameter the model class has, with its shape
+    tied: dict[str, str]  # alias -> the parameter it shares storage with
+    from_cache: bool
+
+
+def native_architecture(header: GGUFHeader) -> bool:
+    return header.architecture in NATIVE_ARCHITECTURES and header.byte_order == "<"
+
+
+def cache_root() -> Path:
+    from engine.paths import cache_dir
+
+    return cache_dir() / "gguf"
+
+
+def file_identity(header: GGUFHeader) -> dict[str, Any]:
+    st = header.path.stat()
+    h = hashlib.sha256()
+    with open(header.path, "rb") as f:
+        h.update(f.read(header.data_start))
+    return {"path": str(header.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "header_sha256": h.hexdigest()}
+
+
+# ---- conversion (a cache miss) ---------------------------------------------------------------------------
+
+
+def config_dict(header: GGUFHeader) -> dict[str, Any]:
+    """The config dict transformers' `load_gguf_checkpoint` builds, from metadata already parsed: the same
+    renames (its GGUF_TO_TRANSFORMERS_MAPPING), defaults and fix-ups, for the architectures handled here."""
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    meta = header.metadata
+    arch = header.architecture
+    name = meta.get("general.name")
+    # transformers tests membership in a one-item list here: only a model named exactly "mistral" qualifies
+    updated = "mistral" if "llama" in arch and "mistral" in ([name] if name is not None else []) else arch
+    config: dict[str, Any] = {"tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors)}
+    for key, default in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, default)
+    renames: dict[str, dict[str, Any]] = GGUF_TO_TRANSFORMERS_MAPPING["config"]  # type: ignore[assignment]
+    for key, value in meta.items():
+        prefix, _, config_key = key.replace(arch, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        target = renames.get(prefix, {}).get(config_key) if prefix in renames else None
+        if target is not None and target != -1:
+            config[target] = value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.array_lengths:
+        config["vocab_size"] = header.array_lengths["tokenizer.ggml.tokens"]
+    return config
+
+
+def tensor_name_map(model: torch.nn.Module, model_type: str, n_layers: int) -> dict[str, str]:
+    """GGUF name -> HF name, as transformers' `get_gguf_hf_weights_map` maps them (each module's names tried
+    relative to it, the first found kept), with the gguf package's name table built once, not per module."""
+    import gguf
+
+    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == model_type), None)
+    if arch is None:
+        raise ModelLoadError(f"the gguf package has no tensor names for {model_type!r}")
+    names = gguf.get_tensor_name_map(arch, n_layers)
+
+    def walk(module: torch.nn.Module, qual: str) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for hf_name in module.state_dict(keep_vars=True):
+            base, suffix = hf_name, ""
+            if hf_name.endswith((".weight", ".bias")):
+                base, _, tail = hf_name.rpartition(".")
+                suffix = "." + tail
+            gguf_name = names.get_name(base)
+            if gguf_name is not None:
+                found[gguf_name + suffix] = qual + hf_name
+        for child_name, child in module.named_children():
+            for k, v in walk(child, f"{qual}{child_name}.").items():
+                found.setdefault(k, v)
+        return found
+
+    return walk(model, "")
+
+
+def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizerBase":
+    """The tokenizer AutoTokenizer builds for this GGUF, by its own class choice for a folder without a
+    tokenizer_config.json (the usual case), without AutoTokenizer parsing the whole file again for the config."""
+    from engine.loader import _load_tokenizer
+
+    if (path.parent / "tokenizer_config.json").exists():  # AutoTokenizer's choice can depend on it
+        return _load_tokenizer(path.parent, label, gguf_file=path.name)
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls: Any = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    if getattr(cls, "__name__", "") == "MistralCommonBackend" or cls is None:
+        cls = TokenizersBackend
+    try:
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # the tokenizers backend raises plain Exception on a vocabulary it cannot build
+        raise ModelLoadError(f"{label}: the tokenizer could not be built from this GGUF: {_one_line(exc)}") from exc
+
+
+def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
+    from engine.loader import _check_causal_lm, _Layout
+
+    cfg = config_dict(header)
+    config = build_config(cfg, label)
+    _check_causal_lm(config.model_type, label, architecture=header.architecture)
+    report(Progress("load", 0.2, "reading the tokenizer"))
+    tokenizer = _tokenizer_from_file(header.path, config, label)
+    report(Progress("load", 0.5, "building the model layout"))
+    layout = _Layout.of(config, label)
+    names = tensor_name_map(layout.model, config.model_type, config.num_hidden_layers)
+    permute = NATIVE_ARCHITECTURES.get(header.architecture, False)
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    plan = []
+    for t in header.tensors:
+        hf = names.get(t.name)
+        if hf is None or hf not in layout.shapes:
+            continue
+        n = 0
+        if permute and heads is not None and kv_heads is not None:  # transformers skips both when either is unset
+            if ".attn_q." in t.name:
+                n = heads
+            elif ".attn_k." in t.name:
+                n = kv_heads
+        plan.append(TensorPlan(t.name, hf, n))
+    shapes = {k: list(v) for k, v in layout.shapes.items()}
+    return Converted(cfg, tokenizer, plan, shapes, dict(layout.tied), from_cache=False)
+
+
+def build_config(cfg: dict[str, Any], label: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(f"{label}: unsupported architecture: model type {model_type!r} is unknown to transformers")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(cfg))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
+
+
+# ---- the cache -------------------------------------------------------------------------------------------
+
+
+def _entry(root: Path, path: Path) -> Path:
+    return root / hashlib.sha256(str(path).encode("utf-8")).hexdigest()[:20]
+
+
+def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
+    """The cached conversion of this very file, or None (absent, of another version of the file, or damaged:
+    damaged and stale entries are removed, with a log line)."""
+    entry = _entry(root, Path(identity["path"]))
+    if not entry.exists():
+        return None
+    try:
+        manifest = json.loads((entry / "manifest.json").read_text(encoding="utf-8"))
+        if manifest.get("version") != CACHE_VERSION or manifest.get("identity") != identity:
+            log.info("%s changed since it was converted; converting it again", Path(identity["path"]).name)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        data = json.loads((entry / "layout.json").read_text(encoding="utf-8"))
+        plan = [TensorPlan(str(g), str(h), int(n)) for g, h, n in data["plan"]]
+        shapes = {str(k): [int(x) for x in v] for k, v in data["shapes"].items()}
+        tied = {str(k): str(v) for k, v in data["tied"].items()}
+        cfg = json.loads((entry / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(cfg, dict) or "model_type" not in cfg:
+            raise ValueError("config.json is not a model config")
+        tokenizer = _saved_tokenizer(entry / "tokenizer", str(manifest["tokenizer_class"]))
+    except Exception as exc:  # any damage (JSON, files, a tokenizer that will not load) means: convert again
+        log.warning("the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name,
+                    _one_line(exc))
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    os.utime(entry / "manifest.json")  # recency, for pruning
+    return Converted(cfg, tokenizer, plan, shapes, tied, from_cache=True)
+
+
+def _saved_tokenizer(folder: Path, class_name: str) -> "PreTrainedTokenizerBase":
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    cls = tokenizer_class_from_name(class_name)
+    if cls is None:
+        raise ValueError(f"unknown tokenizer class {class_name!r}")
+    return cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
+    """Written into a fresh folder and renamed into place, so a reader never sees half an entry."""
+    entry = _entry(root, Path(identity["path"]))
+    tmp = root / f".tmp-{uuid.uuid4().hex}"
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(conv.config, indent=1), encoding="utf-8")
+        layout = {"plan": [[p.gguf_name, p.hf_name, p.permute_heads] for p in conv.plan],
+                  "shapes": conv.shapes, "tied": conv.tied}
+        (tmp / "layout.json").write_text(json.dumps(layout), encoding="utf-8")
+        conv.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        manifest = {"version": CACHE_VERSION, "identity": identity, "tokenizer_class": type(conv.tokenizer).__name__}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        if entry.exists():
+            shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+    except OSError as exc:  # a read-only or full cache dir costs a conversion at the next start, nothing more
+        log.warning("cannot write the converted cache of %s: %s", Path(identity["path"]).name, exc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    _prune(root)
+
+
+def _prune(root: Path) -> None:
+    entries = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    if len(entries) <= CACHE_ENTRIES_KEPT:
+        return
+
+    def used(p: Path) -> float:
+        try:
+            return (p / "manifest.json").stat().st_mtime
+        except OSError:
+            return 0.0
+
+    for old in sorted(entries, key=used)[: len(entries) - CACHE_ENTRIES_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- weights ---------------------------------------------------------------------------------------------
+
+
+def dequantise_tensors(
+    header: GGUFHeader,
+    plan: list[TensorPlan],
+    dtype: torch.dtype,
+    device: torch.device,
+    report: ProgressFn,
+) -> dict[str, torch.Tensor]:
+    """HF name -> tensor in `dtype` on `device`, one tensor at a time from the mapped file: the host holds the
+    mapped pages, the results (when `device` is the CPU) and the temporaries of one tensor."""
+    state: dict[str, torch.Tensor] = {}
+    threads = torch.get_num_threads()
+    # Memory-bound byte ops on small tensors gain nothing from intra-op threads, and lose much when the cores
+    # are busy: the default model took 0.9 s on one thread, 21.8 s on two, on a loaded 2-core machine.
+    torch.set_num_threads(1)
+    try:
+        with open(header.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buf:
+            _dequantise_all(buf, header, plan, state, dtype, device, report)
+    finally:
+        torch.set_num_threads(threads)
+    return state
+
+
+def _dequantise_all(
+    buf: mmap.mmap,
+    header: GGUFHeader,
+    plan: list[TensorPlan],
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    report: ProgressFn,
+) -> None:
+    by_name = {t.name: t for t in header.tensors}
+    total = len(plan)
+    for i, p in enumerate(plan, 1):
+        t = by_name[p.gguf_name]
+        error = None
+        try:
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=header.data_start + t.offset)
+            w = dequantize(raw.to(device), t.type_name, t.shape, dtype)
+            del raw
+            if p.permute_heads:
+                w = _unpermute(w, p.permute_heads)
+            state[p.hf_name] = w
+        except (ValueError, RuntimeError) as exc:
+            error = _one_line(exc)  # raised below, once no frame holds a view of the mapping it must close
+        if error is not None:
+            raise ModelLoadError(f"{header.path.name}: cannot de-quantise tensor {t.name} ({t.type_name}): {error}")
+        if i % PROGRESS_EVERY == 0 or i == total:
+            report(Progress("dequantise", i / total, f"de-quantised {i}/{total} tensors"))
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of each head's two rotary halves (rows along dim 0)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def check_shapes(header: GGUFHeader, conv: Converted, label: str) -> None:
+    from engine.loader import verify_shapes
+
+    by_name = {t.name: t for t in header.tensors}
+    missing = [p.gguf_name for p in conv.plan if p.gguf_name not in by_name]
+    if missing:
+        raise ModelLoadError(f"{label}: tensor {missing[0]} is not in the file")
+    stored = {p.hf_name: tuple(by_name[p.gguf_name].shape) for p in conv.plan}
+    verify_shapes(label, {k: tuple(v) for k, v in conv.shapes.items()}, conv.tied, stored)
+
+
+def load_converted(header: GGUFHeader, label: str, report: ProgressFn, root: Optional[Path] = None) -> Converted:
+    """The conversion of this file: from the cache when it holds this very file, else built and cached."""
+    root = root or cache_root()
+    identity = file_identity(header)
+    conv = read_cache(root, identity)
+    if conv is not None:
+        return conv
+    started = time.perf_counter()
+    conv = convert(header, label, report)
+    log.info("%s: converted config and tokenizer in %.2f s", label, time.perf_counter() - started)
+    write_cache(root, identity, conv)
+    return conv
+
+
+def _one_line(exc: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"

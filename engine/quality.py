@@ -1,0 +1,160 @@
+"""Quality and speed per weight format: perplexity on a fixed text, top-1 agreement with fp32, decode tok/s.
+
+Each format runs on the same loaded model (the engine re-places the weights from the checkpoint between them).
+Perplexity is over non-overlapping windows of WINDOW tokens (the context, if shorter) of engine.quality_text, each window read from a
+fresh context; top-1 agreement is the share of those positions whose most likely next token equals fp32's.
+Decode tok/s is the engine's own device-synchronised figure, the median over short greedy generations.
+"""
+from __future__ import annotations
+
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Callable, Optional
+
+import torch
+
+from engine.quality_text import QUALITY_TEXT
+from engine.types import EngineOptions, SamplingParams
+
+WINDOW = 512
+# (label, dtype, weights); the first is the reference the others are compared with
+FORMATS: tuple[tuple[str, str, str], ...] = (
+    ("fp32", "fp32", "native"),
+    ("bf16", "bf16", "native"),
+    ("int8", "fp32", "int8"),
+    ("int4", "fp32", "int4"),
+)
+PROMPT = [{"role": "user", "content": "Write a short paragraph about lighthouses."}]
+
+
+@dataclass
+class QualityConfig:
+    model: str = "default"
+    device: str = "cpu"
+    decode_tokens: int = 32
+    repeats: int = 3
+    formats: tuple[str, ...] = tuple(f[0] for f in FORMATS)
+
+
+@dataclass
+class FormatResult:
+    label: str
+    dtype: str
+    weights: str
+    status: str = "ok"  # ok | skipped
+    reason: str = ""
+    perplexity: Optional[float] = None
+    top1_agreement_vs_fp32: Optional[float] = None
+    positions: int = 0
+    decode_tok_s: Optional[float] = None
+    decode_tok_s_runs: list[float] = field(default_factory=list)
+    weight_bytes: Optional[int] = None
+    bytes_per_token: Optional[int] = None
+
+
+def teacher_forced(model: torch.nn.Module, ids: list[int], device: torch.device, window: int
+                   ) -> tuple[float, torch.Tensor]:
+    """(summed negative log-likelihood of every next token, the argmax at every position), window by window."""
+    nll, argmax = 0.0, []
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor(ids[start : start + window + 1], device=device)
+            x, y = chunk[:-1], chunk[1:]
+            logits = model(x[None], torch.arange(len(x), device=device), last_only=False)[0].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+            argmax.append(logits.argmax(-1).cpu())
+    return nll, torch.cat(argmax)
+
+
+def _relay(progress: Callable[[str], None], label: str) -> Callable[[Any], None]:
+    return lambda p: progress(f"{label}: {p.message}")
+
+
+def run_quality(config: QualityConfig, progress: Callable[[str], None], command: Optional[list[str]] = None
+                ) -> dict[str, Any]:
+    from engine.engine import Engine
+
+    base = EngineOptions(device=config.device, dtype="fp32", kv_cache="static", sampling="device",
+                         profile_window=False)
+    engine = Engine.load(config.model, base, lambda p: progress(f"{p.stage}: {p.message}"))
+    try:
+        if not engine.fast:
+            raise ValueError("the quality bench runs on the fast path; this model runs on the transformers fallback")
+        ids = engine.tokenizer(QUALITY_TEXT)["input_ids"]
+        window = min(WINDOW, engine.context_length)
+        results, reference = [], None
+        for label, dtype, weights in FORMATS:
+            if label not in config.formats:
+                continue
+            r = FormatResult(label, dtype, weights)
+            results.append(r)
+            opts = base.with_(dtype=dtype, weights=weights)
+            why = engine.unavailable(opts)
+            if why:
+                r.status, r.reason = "skipped", "; ".join(f"{k}: {v}" for k, v in why.items())
+                progress(f"{label}: skipped: {r.reason}")
+                continue
+            engine.reconfigure(opts, _relay(progress, label))
+            info = engine.info
+            r.weight_bytes, r.bytes_per_token = info.weight_bytes, info.bytes_per_token
+            progress(f"{label}: perplexity over {len(ids)} tokens")
+            assert engine.model is not None  # placed by reconfigure
+            nll, top1 = teacher_forced(engine.model, ids, engine.device, window)
+            r.positions = len(top1)
+            r.perplexity = math.exp(nll / r.positions)
+            if reference is None and label == "fp32":
+                reference = top1
+            if reference is not None:
+                r.top1_agreement_vs_fp32 = float((top1 == reference).float().mean())
+            params = SamplingParams(temperature=0.0, max_new_tokens=config.decode_tokens, seed=0)
+            engine.generate(PROMPT, params)  # warm-up
+            for i in range(config.repeats):
+                tok_s = engine.generate(PROMPT, params).metrics.decode_tok_s
+                if tok_s is not None:
+                    r.decode_tok_s_runs.append(tok_s)
+                progress(f"{label}: decode run {i + 1}/{config.repeats}: {tok_s or 0:.1f} tok/s")
+            r.decode_tok_s = median(r.decode_tok_s_runs) if r.decode_tok_s_runs else None
+        model_info = engine.info.to_dict()
+    finally:
+        engine.close()
+    return {
+        "kind": "quality",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command or [],
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "model": {k: model_info[k] for k in ("name", "source", "parameters", "context_length")},
+        "text": {"source": "engine/quality_text.py", "tokens": len(ids), "window": window},
+        "decode": {"prompt": PROMPT[0]["content"], "new_tokens": config.decode_tokens, "repeats": config.repeats,
+                   "figure": "median of the engine's decode_tok_s (device-synchronised) after one warm-up"},
+        "formats": [r.__dict__ for r in results],
+    }
+
+
+def _num(v: Optional[float], fmt: str) -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def _mib(b: Optional[int]) -> str:
+    return "n/a" if b is None else f"{b / 2**20:.0f} MiB"
+
+
+def format_quality_table(report: dict[str, Any]) -> str:
+    rows = ["| format | weights held | bytes/token | perplexity | top-1 = fp32 | decode tok/s (median) |",
+            "|---|---|---|---|---|---|"]
+    for f in report["formats"]:
+        if f["status"] != "ok":
+            rows.append(f"| {f['label']} | skipped: {f['reason']} | | | | |")
+            continue
+        rows.append(f"| {f['label']} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
+                    f"{_num(f['perplexity'], '{:.3f}')} | {_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
+                    f"{_num(f['decode_tok_s'], '{:.1f}')} |")
+    t = report["text"]
+    rows.append("")
+    rows.append(f"Perplexity and top-1 over {t['tokens']} tokens of {t['source']} in windows of {t['window']}; "
+                f"decode: {report['decode']['figure']}, {report['decode']['new_tokens']} new tokens.")
+    return "\n".join(rows)

@@ -1,0 +1,168 @@
+"""Weight-only quantised linears: int8 with one scale per output channel, int4 with a scale and a zero per group
+of INT4_GROUP inputs. The activations stay in floating point; the matmul reads the quantised weights.
+
+CPU: torch's packed kernels, `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`, both fed bf16
+activations (the int8 kernel with fp32 activations was 8x slower, measured on this project's CPU).
+CUDA: gpt-fast's form, the weight de-quantised inside the linear (`F.linear(x, w_int8.to(x.dtype)) * scales`),
+which inductor fuses into the GEMV under compile; written from that construction, not yet run on a GPU here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WEIGHT_BITS = {"int8": 8, "int4": 4}
+INT4_GROUP = 32
+INT4_INNER_K_TILES = 2  # the CPU int4 packing's tile parameter (2, 4 or 8; results are identical)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [N, K] int8, scales [N] fp32) with w ~ q * scales[:, None]."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 in the tinygemm convention: (q [N, K] in 0..15 as uint8, scales [N, K/group],
+    zeros [N, K/group]) with w ~ (q - 8) * scale + zero, zero being the value that q = 8 stands for."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    scales = ((hi - lo) / 15).clamp(min=1e-6)
+    zeros = lo + scales * 8
+    q = torch.round((g - lo) / scales).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scales.squeeze(-1), zeros.squeeze(-1)
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    n, k = q.shape
+    g = q.reshape(n, k // group, group).float() - 8
+    return (g * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
+
+
+class Int8Linear(nn.Module):
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype):
+        super().__init__()
+        q, scales = quantize_int8(weight)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.on_cpu = weight.device.type == "cpu"
+        self.register_buffer("weight", q)
+        # the CPU kernel takes bf16 scales; on CUDA the scales multiply the activations' dtype
+        self.register_buffer("scales", scales.to(torch.bfloat16 if self.on_cpu else act_dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.on_cpu:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
+        else:
+            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    weight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype,
+                 group: int = INT4_GROUP):
+        super().__init__()
+        q, scales, zeros = quantize_int4(weight, group)
+        self.in_features, self.out_features, self.group = weight.shape[1], weight.shape[0], group
+        self.on_cpu = weight.device.type == "cpu"
+        if self.on_cpu:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INT4_INNER_K_TILES)
+            self.register_buffer("weight", packed)
+            # [K/group, N, 2]: the kernel's layout of the scales and zeros
+            self.register_buffer("scales_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+                                 .to(torch.bfloat16))
+        else:
+            self.register_buffer("weight", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # two inputs per byte
+            self.register_buffer("scales", scales.to(act_dtype))
+            self.register_buffer("zeros", zeros.to(act_dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.on_cpu:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.weight, self.group,
+                                                          self.scales_zeros).to(x.dtype)
+        else:
+            q = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=-1).view(self.out_features, -1)
+            n_groups = self.in_features // self.group
+            w = (q.view(self.out_features, n_groups, self.group).to(x.dtype) - 8) * self.scales.unsqueeze(-1)
+            w = (w + self.zeros.unsqueeze(-1)).view(self.out_features, self.in_features)
+            y = F.linear(x2, w)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) -> Optional[str]:
+    """Why `fmt` cannot quantise linears of these (out, in) shapes on `device`, or None when it can."""
+    if fmt == "native":
+        return None
+    if device.type == "cpu":
+        op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
+        if not has_op(op):
+            return f"this torch has no aten.{op} for the CPU"
+    if fmt == "int4":
+        odd = [(n, s) for n, s in shapes.items() if s[1] % INT4_GROUP or s[0] % 8]
+        if odd:
+            name, (out, inp) = odd[0]
+            return f"int4 needs inputs in groups of {INT4_GROUP} and outputs in eights; {name} is {out}x{inp}"
+    return None
+
+
+def has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
+    """Replace every nn.Linear of `model` (the head too, which then no longer shares the embedding's storage)
+    by its `fmt` form, in place; the float weights are freed as each is replaced. Returns how many."""
+    cls = Int8Linear if fmt == "int8" else Int4Linear
+    done = 0
+    for name, lin in _linears(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, cls(lin.weight.detach(), lin.bias, act_dtype))
+        done += 1
+    return done
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights the model holds: parameters and the quantised linears' buffers."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, (Int8Linear, Int4Linear)):
+            total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+    return total
+
+
+def bytes_per_token(model: nn.Module, embedding: nn.Embedding, head: nn.Module) -> int:
+    """Weight bytes one decode token reads: everything held, except that an embedding the head does not share
+    is read one row per token."""
+    total = weight_bytes(model)
+    if getattr(head, "weight", None) is not embedding.weight:
+        w = embedding.weight
+        total -= w.numel() * w.element_size() - w.shape[1] * w.element_size()
+    return total

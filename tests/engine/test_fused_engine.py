@@ -1,0 +1,123 @@
+"""The `kernels` option end to end on tiny models, the fused kernels through Triton's interpreter: the same tokens
+as the torch kernels (greedy and sampled, one row and candidates), what is reported when the fused kernels cannot
+serve, and the fall back to the torch kernels, with a notice, when a kernel fails."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from engine.engine import Engine  # noqa: E402
+from engine.errors import OptionsError  # noqa: E402
+from engine.kernels import INTERPRET_ENV, interpreting, launch  # noqa: E402
+from engine.types import PRESET_LABELS, PRESETS, EngineOptions, SamplingParams, preset_options  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="these run the kernels through Triton's interpreter "
+                                "(GAPLESS_TRITON_INTERPRET=1, set by conftest on a machine without CUDA)")
+
+MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
+TORCH = EngineOptions(device="cpu", dtype="fp32")
+FUSED = TORCH.with_(kernels="fused")
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def qwen2_engine(tiny_factory):
+    eng = Engine.load(str(tiny_factory("qwen2")), TORCH)
+    yield eng
+    eng.close()
+
+
+def run(engine: Engine, options: EngineOptions, sampling: SamplingParams = GREEDY):
+    engine.reconfigure(options)
+    return engine.generate(MESSAGES, sampling)
+
+
+def test_fused_greedy_and_sampled_tokens_equal_the_torch_kernels(qwen2_engine):
+    for sampling in (GREEDY, SamplingParams(temperature=0.9, top_k=40, max_new_tokens=8, seed=3)):
+        want = run(qwen2_engine, TORCH, sampling)
+        got = run(qwen2_engine, FUSED, sampling)
+        assert got.options.kernels == "fused" and got.unavailable == {}
+        assert got.token_ids == want.token_ids
+        assert got.to_dict()["options"]["kernels"] == "fused"
+    status = qwen2_engine.fused_status()
+    assert status == {"pdl": False, "pdl_reason": "Programmatic Dependent Launch is a CUDA feature (Hopper and newer)"}
+
+
+def test_fused_candidates_equal_the_single_row(qwen2_engine):
+    single = run(qwen2_engine, FUSED).token_ids[0]
+    both = run(qwen2_engine, FUSED.with_(candidates=2))
+    assert both.token_ids == [single, single]
+
+
+def test_fused_implies_the_static_cache_and_replaces_compile(qwen2_engine):
+    eff, reasons = qwen2_engine.effective(FUSED.with_(kv_cache="dynamic", compile=True))
+    assert (eff.kernels, eff.kv_cache, eff.compile) == ("fused", "static", False)
+    assert "static KV cache" in reasons["kv_cache"]
+    assert reasons["compile"] == "the fused kernels replace the compiled decode step"
+
+
+def test_without_the_interpreter_fused_is_unavailable_on_the_cpu_and_the_answer_still_comes(qwen2_engine, monkeypatch):
+    want = run(qwen2_engine, TORCH).token_ids
+    monkeypatch.delenv(INTERPRET_ENV)
+    got = run(qwen2_engine, FUSED.with_(kv_cache="dynamic"))
+    assert got.options.kernels == "torch" and got.options.kv_cache == "dynamic"
+    assert "Triton GPU kernels" in got.unavailable["kernels"] and INTERPRET_ENV in got.unavailable["kernels"]
+    assert got.token_ids == want
+
+
+def test_a_kernel_that_fails_falls_back_to_the_torch_kernels_with_a_notice(tiny_factory, monkeypatch):
+    eng = Engine.load(str(tiny_factory("llama")), TORCH)
+    try:
+        want = run(eng, TORCH).token_ids
+
+        def broken(*_a, **_k):
+            raise RuntimeError("PassManager::run failed")
+
+        monkeypatch.setattr(launch, "qkv_rope", broken)
+        got = run(eng, FUSED)
+        assert got.options.kernels == "torch" and got.token_ids == want
+        assert any("fused kernels failed" in n for n in got.notices)
+        assert "RuntimeError: PassManager::run failed" in got.unavailable["kernels"]
+        again = run(eng, FUSED)  # not tried again on this engine; reported as unavailable
+        assert again.options.kernels == "torch" and "failed here" in again.unavailable["kernels"]
+        assert again.token_ids == want
+    finally:
+        eng.close()
+
+
+def test_kernels_option_validation_preset_and_cli():
+    with pytest.raises(OptionsError, match="kernels must be one of torch, fused"):
+        EngineOptions(kernels="cuda").validate()
+    assert EngineOptions.from_dict(FUSED.to_dict()) == FUSED
+    names = list(PRESETS)
+    assert names.index("fused") == names.index("cuda-graph") + 1 and PRESET_LABELS["fused"] == "+ fused kernels"
+    p = preset_options("fused", EngineOptions(device="cuda"))
+    assert (p.kernels, p.kv_cache, p.cuda_graph, p.compile, p.dtype) == ("fused", "static", True, False, "fp16")
+
+    from app.cli import build_parser
+    from app.cmd_generate import options_from_args
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--kernels", "fused", "--kv", "static"])
+    assert options_from_args(args).kernels == "fused"
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--preset", "fused", "--kernels", "torch"])
+    assert options_from_args(args).kernels == "torch"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--kernels", "cuda"])
+
+
+def test_bench_plans_the_fused_rung_and_fused_candidates(qwen2_engine, monkeypatch):
+    from engine.ladder import BenchConfig, plan_rung, validate
+
+    base = EngineOptions(device="cpu")
+    opts, skip, _ = plan_rung(qwen2_engine, "fused", base, "cpu", BenchConfig(device="cpu"))
+    assert opts is None and "cuda_graph: CUDA graphs need a CUDA device" in skip
+    config = BenchConfig(device="cpu", kernels="fused")
+    opts, skip, notes = plan_rung(qwen2_engine, "candidates", base, "cpu", config)
+    assert skip is None and (opts.kernels, opts.compile, opts.cuda_graph) == ("fused", False, False)
+    assert notes == ["without cuda_graph: CUDA graphs need a CUDA device; this machine runs on the CPU"]
+    monkeypatch.delenv(INTERPRET_ENV)
+    opts, skip, notes = plan_rung(qwen2_engine, "candidates", base, "cpu", config)
+    assert skip is None and opts.kernels == "torch" and notes[0].startswith("without fused kernels: the fused kernels")
+    with pytest.raises(OptionsError, match="kernels must be"):
+        validate(BenchConfig(kernels="cuda"))

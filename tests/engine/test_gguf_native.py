@@ -1,0 +1,284 @@
+"""The native GGUF path against its references: every block type de-quantised bit-exactly as the gguf package
+does it, tiny GGUF models loaded to exactly transformers' tensors, config and tokenizer, the converted cache
+(used, invalidated, rebuilt), and the default model (slow)."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import gguf_native
+from engine.gguf_dequant import BLOCKS, dequantize
+from engine.gguf_header import check_gguf, read_gguf_header
+from engine.loader import _load_gguf_transformers, gguf_architectures, load_checkpoint
+from gguf_fixtures import gguf_name, hf_llama_to_gguf, random_blocks
+
+TEXT = "hello world <|im_start|>user\nParis is the capital of France. 42 ünï"
+WRITER_QUANTISES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    root = tmp_path / "converted"
+    monkeypatch.setattr(gguf_native, "cache_root", lambda: root)
+    return root
+
+
+def _reference(path: Path):
+    return _load_gguf_transformers(check_gguf(path, gguf_architectures()), lambda p: None, "gguf")
+
+
+def _assert_same_checkpoint(ck, ref) -> None:
+    assert sorted(ck.state_dict) == sorted(ref.state_dict)
+    for name, t in ref.state_dict.items():
+        got = ck.state_dict[name]
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got.view(torch.int32), t.contiguous().view(torch.int32)), name  # bit for bit
+    assert ck.config.to_dict() == ref.config.to_dict()
+    assert type(ck.tokenizer) is type(ref.tokenizer)
+    assert ck.tokenizer(TEXT)["input_ids"] == ref.tokenizer(TEXT)["input_ids"]
+    assert ck.tokenizer.chat_template == ref.tokenizer.chat_template
+    assert ck.tokenizer.all_special_tokens == ref.tokenizer.all_special_tokens
+    assert ck.eos_token_ids == ref.eos_token_ids
+
+
+# ---- de-quantisation -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def every_type_gguf(tmp_path_factory) -> Path:
+    """One 2-D tensor per type, written with the gguf writer: quantised by gguf where it can, random blocks
+    (every bit pattern, finite scales) otherwise, and random blocks of the quantisable types too."""
+    import gguf
+
+    path = tmp_path_factory.mktemp("types") / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(1)
+    rows, cols = 6, 512
+    for name in BLOCKS:
+        qtype = gguf.GGMLQuantizationType[name]
+        if name == "F32":
+            w.add_tensor(name, rng.standard_normal((rows, cols)).astype(np.float32))
+        elif name == "F16":
+            w.add_tensor(name, rng.standard_normal((rows, cols)).astype(np.float16))
+        elif name == "BF16":
+            raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+            w.add_tensor(name, raw, raw_dtype=qtype)
+        else:
+            if name in WRITER_QUANTISES:
+                x = rng.standard_normal((rows, cols)).astype(np.float32)
+                w.add_tensor(f"{name}.quantised", gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+            block, _ = gguf.GGML_QUANT_SIZES[qtype]
+            raw = random_blocks(name, rows * cols // block, seed=len(name)).reshape(rows, -1)
+            w.add_tensor(f"{name}.random", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("type_name", list(BLOCKS))
+def test_dequantise_is_bit_exact_with_the_gguf_package(every_type_gguf, type_name):
+    import gguf
+    from gguf.quants import dequantize as reference
+
+    header = read_gguf_header(every_type_gguf)
+    reader = gguf.GGUFReader(str(every_type_gguf))
+    stored = {t.name: t for t in reader.tensors}
+    tensors = [t for t in header.tensors if t.name.split(".")[0] == type_name]
+    assert tensors and all(t.type_name == type_name for t in tensors)
+    data = every_type_gguf.read_bytes()
+    for t in tensors:
+        start = header.data_start + t.offset
+        raw = torch.frombuffer(bytearray(data[start : start + t.nbytes]), dtype=torch.uint8)
+        want = torch.from_numpy(np.array(reference(stored[t.name].data, stored[t.name].tensor_type)))
+        want = want.float().reshape(t.shape)
+        got = dequantize(raw, type_name, t.shape, torch.float32)
+        assert got.shape == want.shape
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), t.name
+        assert torch.isfinite(got).all()
+        for dtype in (torch.bfloat16, torch.float16):  # straight into the target dtype: fp32, then one rounding
+            assert torch.equal(dequantize(raw, type_name, t.shape, dtype), want.to(dtype)), (t.name, dtype)
+
+
+def test_dequantise_in_chunks_matches_one_pass(monkeypatch):
+    raw = torch.from_numpy(random_blocks("Q6_K", 64, seed=3).reshape(-1))
+    whole = dequantize(raw, "Q6_K", (16, 1024), torch.float32)
+    monkeypatch.setattr("engine.gguf_dequant.CHUNK_ELEMENTS", 3000)  # two rows a step, the last one short
+    assert torch.equal(dequantize(raw, "Q6_K", (16, 1024), torch.float32), whole)
+
+
+def test_dequantise_refuses_a_wrong_size():
+    with pytest.raises(ValueError, match="do not hold a tensor"):
+        dequantize(torch.zeros(35, dtype=torch.uint8), "Q8_0", (32,), torch.float32)
+
+
+# ---- whole models against transformers' path ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", ["F32", "F16", "Q8_0", "Q4_0", "Q5_1"])
+def test_tiny_gguf_loads_to_transformers_tensors(tiny_llama, tmp_path, quant):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / f"tiny.{quant}.gguf", quant=quant)
+    _assert_same_checkpoint(load_checkpoint(str(path)), _reference(path))
+
+
+def test_k_quant_gguf_loads_to_transformers_tensors(tiny_factory, tmp_path):
+    folder = tiny_factory("llama", tie=False, hidden_size=256, intermediate_size=512)
+    names = [n for n in ("model.embed_tokens.weight", "lm_head.weight")] + [
+        f"model.layers.{i}.{m}.weight" for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    ]
+    kinds = ["Q4_K", "Q5_K", "Q6_K"]
+    types = {gguf_name(n): kinds[i % 3] for i, n in enumerate(names)}
+    path = hf_llama_to_gguf(folder, tmp_path / "tiny.Q4_K_M.gguf", quant="F32", tensor_types=types)
+    assert {t.type_name for t in read_gguf_header(path).tensors} >= set(kinds)
+    _assert_same_checkpoint(load_checkpoint(str(path)), _reference(path))
+
+
+def test_tensor_names_and_config_as_transformers_builds_them(tiny_llama, tmp_path):
+    from transformers.modeling_gguf_pytorch_utils import (LlamaTensorProcessor, get_gguf_hf_weights_map,
+                                                           load_gguf_checkpoint)
+
+    from engine.loader import _Layout
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "names.gguf")
+    header = read_gguf_header(path)
+    cfg = gguf_native.config_dict(header)
+    assert cfg == load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    model = _Layout.of(gguf_native.build_config(cfg, "names.gguf"), "names.gguf").model
+    assert gguf_native.tensor_name_map(model, "llama", 2) == get_gguf_hf_weights_map(model, LlamaTensorProcessor(cfg))
+
+
+def test_weights_come_in_the_asked_dtype(tiny_llama, tmp_path):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "tiny.Q8_0.gguf", quant="Q8_0")
+    full = load_checkpoint(str(path))
+    half = load_checkpoint(str(path), dtype=torch.bfloat16)
+    for name, t in full.state_dict.items():
+        assert half.state_dict[name].dtype == torch.bfloat16
+        assert torch.equal(half.state_dict[name], t.to(torch.bfloat16)), name
+    again = half.materialise(torch.float32, torch.device("cpu"))
+    assert all(torch.equal(again[n], t) for n, t in full.state_dict.items())
+
+
+# ---- the converted cache ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def conversions(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real = gguf_native.convert
+
+    def counted(header, label, report):
+        calls.append(label)
+        return real(header, label, report)
+
+    monkeypatch.setattr(gguf_native, "convert", counted)
+    return calls
+
+
+def test_second_load_converts_nothing(tiny_llama, tmp_path, conversions, _private_cache):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "cached.gguf")
+    first = load_checkpoint(str(path))
+    assert conversions == ["cached.gguf"]
+    assert (_private_cache / next(os.walk(_private_cache))[1][0] / "tokenizer" / "tokenizer.json").is_file()
+    events = []
+    second = load_checkpoint(str(path), progress=events.append)
+    assert conversions == ["cached.gguf"]  # not called again
+    assert any("(cached)" in e.message for e in events)
+    _assert_same_checkpoint(second, first)
+
+
+def test_a_changed_file_is_converted_again(tiny_factory, tmp_path, conversions):
+    path = tmp_path / "changing.gguf"
+    hf_llama_to_gguf(tiny_factory("llama", seed=0), path)
+    load_checkpoint(str(path))
+    other = tiny_factory("llama", seed=0, tie=False)  # another layout under the same path
+    hf_llama_to_gguf(other, path)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    ck = load_checkpoint(str(path))
+    assert conversions == ["changing.gguf", "changing.gguf"]
+    assert not ck.config.tie_word_embeddings and "lm_head.weight" in ck.state_dict
+    _assert_same_checkpoint(ck, _reference(path))
+
+
+@pytest.mark.parametrize("damage", ["config.json", "tokenizer/tokenizer.json", "manifest.json", "layout.json"])
+def test_a_damaged_cache_is_rebuilt(tiny_llama, tmp_path, conversions, _private_cache, caplog, damage):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "damaged.gguf")
+    ref = load_checkpoint(str(path))
+    entry = _private_cache / next(os.walk(_private_cache))[1][0]
+    (entry / damage).write_text("{ not json", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="engine.gguf_native"):
+        ck = load_checkpoint(str(path))
+    assert conversions == ["damaged.gguf", "damaged.gguf"]
+    assert any("damaged" in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records)
+    _assert_same_checkpoint(ck, ref)
+    load_checkpoint(str(path))
+    assert len(conversions) == 2  # the rebuilt entry serves the next load
+
+
+def test_an_unwritable_cache_still_loads(tiny_llama, tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    monkeypatch.setattr(gguf_native, "cache_root", lambda: blocked / "converted")
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "nocache.gguf")
+    with caplog.at_level(logging.WARNING, logger="engine.gguf_native"):
+        ck = load_checkpoint(str(path))
+    assert "model.embed_tokens.weight" in ck.state_dict
+    assert any("cannot write the converted cache" in r.getMessage() for r in caplog.records)
+
+
+# ---- the engine holds no second copy -----------------------------------------------------------------------
+
+
+def test_engine_releases_the_state_dict_and_reloads_from_the_file(tiny_llama, tmp_path):
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "engine.gguf")
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, seed=0)
+    msgs = [{"role": "user", "content": "hello"}]
+    engine = Engine.load(str(path), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        assert engine.checkpoint.state_dict == {}
+        assert engine.info.load_seconds is not None and engine.info.load_seconds > 0
+        assert engine.info.load_seconds_source
+        before = engine.generate(msgs, params).token_ids
+        engine.reconfigure(engine.options.with_(dtype="bf16"))
+        assert engine.model.output.weight.dtype == torch.bfloat16
+        engine.reconfigure(engine.options.with_(dtype="fp32"))
+        exact = load_checkpoint(str(path)).state_dict["model.embed_tokens.weight"]
+        assert torch.equal(engine.model.tok_embeddings.weight, exact)  # fp32 again from the file, not from bf16
+        assert engine.generate(msgs, params).token_ids == before
+    finally:
+        engine.close()
+
+
+# ---- the default model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_path(default_model_path):
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    ck = load_checkpoint(str(default_model_path))
+    ref = _reference(Path(default_model_path))
+    _assert_same_checkpoint(ck, ref)
+    options = EngineOptions(device="cpu", dtype="fp32", profile_window=False)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    tokens = []
+    for checkpoint in (ck, ref):
+        engine = Engine(checkpoint, options, lambda p: None)
+        try:
+            tokens.append(engine.generate(msgs, params).token_ids)
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1]

@@ -1,0 +1,122 @@
+"""Weight-only int8/int4 linears against a de-quantised fp32 reference, the weights option through the engine
+(validation, unavailable combinations, re-placing), and a tiny model's greedy tokens in int8 beside native."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import OptionsError
+from engine.quant import (INT4_GROUP, Int4Linear, Int8Linear, dequantize_int4, quantize_int4, quantize_int8,
+                          quantize_linears, weight_bytes)
+from engine.types import EngineOptions, SamplingParams
+
+SHAPES = [(1536, 576), (576, 1536), (192, 64)]
+
+
+def _bf16_matmul_tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
+    # The kernels take bf16 activations and round their output to bf16: the error is that of the rounded input
+    # (2^-8 relative per element, summed over K with random signs) plus one output rounding.
+    scale = (x.abs() @ w.abs().T).max().item()
+    return 2 * 2**-8 * scale
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_int8_linear_matches_its_dequantised_weights(n, k, m):
+    torch.manual_seed(n + k + m)
+    w, b, x = torch.randn(n, k) * 0.05, torch.randn(n) * 0.01, torch.randn(2, m, k)
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    # per channel: the round trip is within half a step of each row's scale
+    assert ((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-7).all()
+    ref_w = q.float() * scales.to(torch.bfloat16).float()[:, None]  # the kernel's bf16 scales
+    want = x @ ref_w.T + b
+    got = Int8Linear(w, b, torch.float32)(x)
+    assert got.dtype == torch.float32 and got.shape == (2, m, n)
+    torch.testing.assert_close(got, want, atol=_bf16_matmul_tolerance(x.reshape(-1, k), ref_w), rtol=0)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_linear_matches_its_dequantised_weights(n, k, m):
+    torch.manual_seed(n * k + m)
+    w, x = torch.randn(n, k) * 0.05, torch.randn(m, k)
+    q, scales, zeros = quantize_int4(w)
+    assert int(q.max()) <= 15 and scales.shape == (n, k // INT4_GROUP)
+    deq = dequantize_int4(q, scales, zeros)
+    assert ((deq - w).abs() <= scales.repeat_interleave(INT4_GROUP, dim=1) / 2 + 1e-6).all()
+    ref_w = dequantize_int4(q, scales.to(torch.bfloat16), zeros.to(torch.bfloat16))  # the kernel's bf16 pairs
+    got = Int4Linear(w, None, torch.float32)(x)
+    torch.testing.assert_close(got, x @ ref_w.T, atol=_bf16_matmul_tolerance(x, ref_w), rtol=0)
+
+
+def test_quantised_model_holds_fewer_bytes():
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False))
+    full = weight_bytes(lin)
+    assert quantize_linears(lin, "int8", torch.float32) == 2
+    assert weight_bytes(lin) == 2 * 256 * 512 + 2 * (512 + 256)  # int8 weights and bf16 scales
+    assert weight_bytes(lin) < full / 3
+
+
+def test_weights_option_is_validated():
+    assert EngineOptions(weights="int4").validate().weights == "int4"
+    with pytest.raises(OptionsError, match="weights must be one of native, int8, int4"):
+        EngineOptions(weights="int3").validate()
+    with pytest.raises(OptionsError):
+        EngineOptions.from_dict({"weights": 8})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_factory):
+    from engine.engine import Engine
+
+    folder = tiny_factory("llama", hidden_size=64, intermediate_size=128)
+    e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    yield e
+    e.close()
+
+
+def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
+    msgs = [{"role": "user", "content": "Tell me about Paris"}]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+    native = engine.generate(msgs, params).token_ids[0]
+    native_bytes = engine.info.weight_bytes
+    assert engine.info.bytes_per_token == native_bytes  # tied: the head reads the whole embedding
+    assert engine.info.memory_floor_ms is None and engine.info.memory_floor_source.startswith("n/a: the CPU")
+    engine.reconfigure(engine.options.with_(weights="int8"))
+    try:
+        emb = engine.model.tok_embeddings.weight
+        assert engine.info.weights == "int8" and engine.info.weight_bytes < native_bytes
+        # the int8 head is a copy; the fp32 embedding is read one row per token
+        assert engine.info.bytes_per_token == engine.info.weight_bytes - emb.numel() * 4 + emb.shape[1] * 4
+        result = engine.generate(msgs, params)
+        assert result.options.weights == "int8" and "weights" not in result.unavailable
+        int8 = result.token_ids[0]
+    finally:
+        engine.reconfigure(engine.options.with_(weights="native"))
+    agree = sum(a == b for a, b in zip(native, int8)) / max(len(native), 1)
+    print(f"tiny llama, greedy, 24 tokens: int8 agrees with native on {agree:.0%} of positions")
+    assert len(int8) == len(native) and int8[0] == native[0]  # the first token comes from the same prompt logits
+    assert engine.info.weights == "native" and engine.info.weight_bytes == native_bytes
+
+
+def test_unavailable_weights_are_reported_and_not_applied(engine, monkeypatch):
+    import engine.quant as quant
+
+    monkeypatch.setattr(quant, "has_op", lambda name: name != "_weight_int4pack_mm_for_cpu")  # an older torch
+    opts = engine.options.with_(weights="int4")
+    reasons = engine.unavailable(opts)
+    assert reasons["weights"] == "this torch has no aten._weight_int4pack_mm_for_cpu for the CPU"
+    eff, _ = engine.effective(opts)
+    assert eff.weights == "native"
+
+
+def test_weights_unavailable_on_the_fallback(tiny_factory):
+    from engine.engine import Engine
+
+    e = Engine.load(str(tiny_factory("gpt2")), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        why = e.unavailable(e.options.with_(weights="int8"))["weights"]
+        assert "fallback" in why and "transformers' own" in why
+    finally:
+        e.close()

@@ -1,0 +1,272 @@
+"""Every dialog the app opens, opened by the app's own code with the installed PySide6's real enums and answered
+with the dialog's real buttons (tests/ui/dialog_driver.py); a scan of ui/ and app/ fails on a dialog call site
+that no test here reaches."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
+
+from app.gui import build
+from app.paths import AppPaths
+from dialog_driver import ROOT, DialogDriver, right_click
+
+TIMEOUT_MS = 60_000
+DIALOG_CLASSES = {"QMessageBox", "QFileDialog", "QInputDialog", "QColorDialog", "QFontDialog", "QProgressDialog",
+                  "QErrorMessage", "QDialogButtonBox"}
+
+# Each function of ui/ and app/ that makes a dialog, and the test below that opens it and clicks it.
+DIALOG_SITES = {
+    ("ui/dialogs.py", "confirm"): "test_delete_from_the_chat_menu_asks_and_deletes",
+    ("ui/dialogs.py", "show_error"): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
+    ("ui/dialogs.py", "ChatSettingsDialog.__init__"): "test_chat_settings_restore_defaults_and_ok",
+    ("ui/chat_list.py", "ChatList.ask_rename"): "test_rename_from_the_chat_menu",
+    ("ui/model_panel.py", "ModelPanel.open_file_dialog"): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
+    ("ui/model_panel.py", "ModelPanel.open_folder_dialog"): "test_open_folder_dialog_loads_the_chosen_folder",
+    ("ui/model_panel.py", "ModelPanel._choose_models_folder"): "test_choosing_a_models_folder_lists_it",
+    ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
+    ("ui/hud/panel.py", "HudPanel._ask"): "test_hud_export_that_cannot_write_says_so",
+    ("app/gui.py", "run_gui"): "test_a_chat_database_that_cannot_open_says_so_at_start",
+}
+
+
+@pytest.fixture(autouse=True)
+def _restore_app_look(qapp):
+    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
+    yield
+    qapp.setStyleSheet(sheet)
+    qapp.setPalette(palette)
+    qapp.setStyle(style)
+
+
+@pytest.fixture
+def gui(qtbot, tmp_path):
+    g = build(AppPaths.resolve(tmp_path / "data"), "light")
+    g.window.show()
+    qtbot.waitExposed(g.window)
+    yield g
+    g.window.close()
+    g.close()
+
+
+@pytest.fixture
+def driver():
+    d = DialogDriver()
+    yield d
+    d.stop()
+
+
+def add_chat(store, title: str, text: str) -> int:
+    chat = store.create_chat(title, "", None)
+    store.add_message(chat.id, "user", text, None)
+    return chat.id
+
+
+def chat_row_pos(chat_list, chat_id: int):
+    row = chat_list.chat_ids().index(chat_id)
+    return chat_list.list.visualItemRect(chat_list.list.item(row)).center()
+
+
+def menu_action(window, menu_title: str, action: str):
+    menu = next(a.menu() for a in window.menuBar().actions() if a.text().replace("&", "") == menu_title)
+    return next(a for a in menu.actions() if a.text() == action)
+
+
+# ---- the scan -------------------------------------------------------------------------------------------
+
+
+def _dialog_calls(node: ast.AST, scope: list[str], rel: str, found: set[tuple[str, str]]) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            _dialog_calls(child, scope + [child.name, "<locals>"], rel, found)
+            continue
+        if isinstance(child, ast.ClassDef):
+            _dialog_calls(child, scope + [child.name], rel, found)
+            continue
+        if isinstance(child, ast.Call):
+            f = child.func
+            name = f.id if isinstance(f, ast.Name) else (
+                f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+            if name in DIALOG_CLASSES:
+                found.add((rel, ".".join(scope[:-1] if scope and scope[-1] == "<locals>" else scope) or "<module>"))
+        _dialog_calls(child, scope, rel, found)
+
+
+def dialog_call_sites() -> set[tuple[str, str]]:
+    """(file, enclosing function) of every call to a dialog class or one of its static functions in ui/, app/."""
+    found: set[tuple[str, str]] = set()
+    for path in sorted([*(ROOT / "ui").rglob("*.py"), *(ROOT / "app").rglob("*.py")]):
+        _dialog_calls(ast.parse(path.read_text(encoding="utf-8")), [], path.relative_to(ROOT).as_posix(), found)
+    return found
+
+
+def test_every_dialog_call_site_has_a_test_that_clicks_it():
+    sites = dialog_call_sites()
+    assert ("ui/dialogs.py", "confirm") in sites  # the scan sees what it must
+    missing = sorted(sites - DIALOG_SITES.keys())
+    assert not missing, f"dialog calls without a test in {Path(__file__).name}: {missing}"
+    stale = sorted(DIALOG_SITES.keys() - sites)
+    assert not stale, f"DIALOG_SITES names call sites that are gone: {stale}"
+    tests = {name for name, value in globals().items() if name.startswith("test_") and callable(value)}
+    assert set(DIALOG_SITES.values()) <= tests
+
+
+# ---- the chat list's menu ---------------------------------------------------------------------------------
+
+
+def test_delete_from_the_chat_menu_asks_and_deletes(qtbot, gui, driver):
+    w, store = gui.window, gui.store
+    keep = add_chat(store, "Keep me", "first")
+    doomed = add_chat(store, "Delete me", "second")
+    w.refresh_chats()
+
+    driver.menu("Delete…").click("Cancel").start()  # Cancel keeps it
+    right_click(w.chat_list.list.viewport(), chat_row_pos(w.chat_list, doomed))
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    box = driver.answered[1]
+    assert box.kind == "QMessageBox" and box.title == "Delete chat" and "“Delete me”" in box.text
+    assert {"Delete", "Cancel"} <= set(box.buttons)
+    assert ("ui/dialogs.py", "confirm") in box.sites and ("ui/chat_list.py", "ChatList.ask_delete") in box.sites
+    assert {c.id for c in store.list_chats()} == {keep, doomed}
+
+    driver.menu("Delete…").click("Delete").start()
+    right_click(w.chat_list.list.viewport(), chat_row_pos(w.chat_list, doomed))
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    qtbot.waitUntil(lambda: w.chat_list.chat_ids() == [keep], timeout=TIMEOUT_MS)
+    assert [c.id for c in store.list_chats()] == [keep]
+    assert store.thread(keep)[0].content == "first"
+
+
+def test_rename_from_the_chat_menu(qtbot, gui, driver):
+    w, store = gui.window, gui.store
+    chat = add_chat(store, "Old title", "hello")
+    w.refresh_chats()
+    driver.menu("Rename…").type_text("  New title ").start()
+    right_click(w.chat_list.list.viewport(), chat_row_pos(w.chat_list, chat))
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert ("ui/chat_list.py", "ChatList.ask_rename") in driver.answered[1].sites
+    assert driver.answered[1].text == "Title:"
+    assert store.get_chat(chat).title == "New title"
+    qtbot.waitUntil(lambda: w.chat_list.list.item(0).text() == "New title", timeout=TIMEOUT_MS)
+
+
+# ---- the model panel --------------------------------------------------------------------------------------
+
+
+def test_a_failed_open_shows_an_error_box_that_its_ok_button_closes(qtbot, gui, driver, tmp_path):
+    w = gui.window
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    driver.choose_file(bad).click("OK").start()
+    with qtbot.waitSignal(gui.controller.loadFailed, timeout=TIMEOUT_MS) as failed:
+        menu_action(w, "File", "Open GGUF…").trigger()
+    assert failed.args[0] == str(bad)
+    assert ("ui/model_panel.py", "ModelPanel.open_file_dialog") in driver.answered[0].sites
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    box = driver.answered[1]
+    assert box.title == "Model not loaded" and str(bad) in box.text and failed.args[1] in box.text
+    qtbot.waitUntil(lambda: not [x for x in QApplication.topLevelWidgets()
+                                 if isinstance(x, QMessageBox) and x.isVisible()], timeout=TIMEOUT_MS)
+
+
+def test_open_folder_dialog_loads_the_chosen_folder(qtbot, gui, driver, tiny_llama):
+    w = gui.window
+    driver.choose_file(tiny_llama).start()
+    with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+        w.model_panel.open_folder_button.click()
+    assert ("ui/model_panel.py", "ModelPanel.open_folder_dialog") in driver.answered[0].sites
+    assert gui.controller.info.source == str(tiny_llama)
+
+
+def test_choosing_a_models_folder_lists_it(qtbot, gui, driver, tmp_path):
+    w = gui.window
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "one.gguf").write_bytes(b"GGUF")
+    driver.choose_file(folder).start()
+    choose = next(a for a in w.model_panel.recent_button.menu().actions() if a.text() == "Choose a models folder…")
+    choose.trigger()
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert ("ui/model_panel.py", "ModelPanel._choose_models_folder") in driver.answered[0].sites
+    assert gui.settings.models_folder == str(folder)
+    saved = json.loads(gui.paths.settings_file.read_text())
+    assert saved["models_folder"] == str(folder)
+    texts = [a.text() for a in w.model_panel.recent_button.menu().actions()]
+    assert f"In {folder}" in texts
+
+
+# ---- chat settings ----------------------------------------------------------------------------------------
+
+
+def test_chat_settings_restore_defaults_and_ok(qtbot, gui):
+    from ui.dialogs import CHAT_DEFAULTS
+
+    w, store = gui.window, gui.store
+    chat = add_chat(store, "A chat", "hi")
+    w.refresh_chats()
+    w.chat_list.list.setCurrentRow(0)
+    menu_action(w, "Chat", "Chat settings…").trigger()
+    dialog = w._chat_settings_dialog
+    qtbot.waitUntil(dialog.isVisible, timeout=TIMEOUT_MS)
+    box = dialog.findChild(QDialogButtonBox)
+    dialog.temperature.setValue(2.5)
+    box.button(QDialogButtonBox.StandardButton.RestoreDefaults).click()
+    assert dialog.temperature.value() == CHAT_DEFAULTS.temperature
+    dialog.system_prompt.setPlainText("Be brief.")
+    box.button(QDialogButtonBox.StandardButton.Ok).click()
+    assert not dialog.isVisible()
+    saved = store.get_chat(chat)
+    assert saved.system_prompt == "Be brief." and saved.sampling["temperature"] == CHAT_DEFAULTS.temperature
+
+
+# ---- the HUD's exports ------------------------------------------------------------------------------------
+
+
+def _hud_button(hud, text: str):
+    from PySide6.QtWidgets import QPushButton
+
+    return next(b for b in hud.findChildren(QPushButton) if b.text() == text)
+
+
+def test_hud_export_asks_where_and_writes_there(qtbot, gui, driver, tmp_path):
+    target = tmp_path / "out" / "series.json"
+    target.parent.mkdir()
+    driver.choose_file(target).start()
+    _hud_button(gui.hud, "Series JSON…").click()
+    assert driver.done
+    assert ("ui/hud/panel.py", "ask_save_path") in driver.answered[0].sites
+    assert driver.answered[0].title == "Export time series"
+    assert set(json.loads(target.read_text())) >= {"sources", "steps", "samples"}
+
+
+def test_hud_export_that_cannot_write_says_so(qtbot, gui, driver, tmp_path):
+    target = tmp_path / "no such folder" / "compare.csv"
+    driver.choose_file(target).click("OK").start()
+    _hud_button(gui.hud, "Export CSV…").click()
+    assert driver.done
+    box = driver.answered[1]
+    assert ("ui/hud/panel.py", "HudPanel._ask") in box.sites
+    assert box.title == "Export compare table" and f"Could not write {target}" in box.text
+    assert not target.exists()
+
+
+# ---- start-up ---------------------------------------------------------------------------------------------
+
+
+def test_a_chat_database_that_cannot_open_says_so_at_start(qtbot, tmp_path, driver, capsys):
+    from app.gui import EXIT_USER_ERROR, run_gui
+
+    paths = AppPaths.resolve(tmp_path / "data")
+    paths.ensure()
+    paths.database.mkdir()  # a folder where the database file should be
+    driver.click("OK").start()
+    code = run_gui(SimpleNamespace(smoke_test=False, theme="light", model=None), paths)
+    assert code == EXIT_USER_ERROR
+    box = driver.answered[0]
+    assert ("app/gui.py", "run_gui") in box.sites and box.title == "Gapless cannot start"
+    assert str(paths.database) in box.text
+    assert "gapless: error:" in capsys.readouterr().err

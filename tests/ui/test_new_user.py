@@ -1,0 +1,306 @@
+"""The window as a new user meets it, on a tiny random model: what it shows is what is in force (precision,
+candidates' own figures, errors that still hold), and a right-click never shows another chat's messages."""
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMenu
+
+from dialog_driver import DialogDriver
+from engine.types import SamplingParams
+from test_main_window import TIMEOUT_MS, close_app, open_app, send
+
+
+@pytest.fixture(autouse=True)
+def _restore_app_look(qapp):
+    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
+    yield
+    qapp.setStyleSheet(sheet)
+    qapp.setPalette(palette)
+    qapp.setStyle(style)
+
+
+@pytest.fixture
+def app(qtbot, tmp_path, tiny_llama):
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    yield gui
+    close_app(gui)
+
+
+def choose(qtbot, gui, combo, value) -> None:
+    """Pick `value` in one of the toggles' combo boxes as a user does, and wait for the engine to take it."""
+    with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):
+        combo.setCurrentIndex(combo.findData(value))
+        combo.activated.emit(combo.currentIndex())
+
+
+def test_the_precision_shown_is_the_one_in_force(qtbot, app):
+    w = app.window
+    assert w.model_panel.values["dtype"].text() == "fp32"
+    choose(qtbot, app, w.toggles.dtype, "bf16")
+    assert w.model_panel.values["dtype"].text() == "bf16"
+    assert w.model_status.text().endswith("· cpu · bf16")
+    result = send(qtbot, app, "hello")
+    assert result.options.dtype == "bf16"
+    assert w.model_panel.values["dtype"].text() == "bf16"
+    choose(qtbot, app, w.toggles.dtype, "auto")  # auto on a CPU is fp32 again
+    assert w.model_panel.values["dtype"].text() == "fp32" and w.model_status.text().endswith("· cpu · fp32")
+
+
+def test_a_load_error_clears_once_the_model_in_use_answers(qtbot, app, tmp_path):
+    w = app.window
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    driver = DialogDriver().click("OK").start()  # the error box, as the user closes it
+    with qtbot.waitSignal(app.controller.loadFailed, timeout=TIMEOUT_MS):
+        w.load_model(str(empty))
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert w.model_panel.error.isVisibleTo(w) and "no-weights" in w.model_panel.error.text()
+    assert w.model_panel.status.text() == f"Still using {app.controller.info.name}"
+    send(qtbot, app, "still here")
+    assert not w.model_panel.error.isVisibleTo(w)
+    assert w.model_panel.status.text() == "Ready"
+
+
+def shown_texts(view) -> list[str]:
+    """The message bodies painted in the conversation now: its visible message widgets, top to bottom."""
+    from ui.message import MessageWidget
+
+    widgets = [m for m in view.widget().findChildren(MessageWidget) if m.isVisible()]
+    return [m.body.text for m in sorted(widgets, key=lambda m: m.y())]
+
+
+def test_right_clicking_another_chat_leaves_the_open_one_on_screen(qtbot, tmp_path):
+    from dialog_driver import right_click
+
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w, store = gui.window, gui.store
+        chats = {}
+        for title in ("first", "second"):
+            chat = store.create_chat(title, "", None)
+            user = store.add_message(chat.id, "user", f"{title} question", None)
+            store.add_message(chat.id, "assistant", f"{title} answer", user.id)
+            chats[title] = chat.id
+        w.refresh_chats()
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chats["first"]))
+        qtbot.waitUntil(lambda: shown_texts(w.chat_view) == ["first question", "first answer"], timeout=TIMEOUT_MS)
+
+        seen: list = []
+        driver = DialogDriver().look(QMenu, lambda _menu: seen.append((w.flow.chat_id, shown_texts(w.chat_view))))
+        driver.start()
+        row = w.chat_list.list.item(w.chat_list.chat_ids().index(chats["second"]))
+        right_click(w.chat_list.list.viewport(), w.chat_list.list.visualItemRect(row).center())
+        qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+        assert seen == [(chats["first"], ["first question", "first answer"])]  # while the menu is up
+        qtbot.wait(50)
+        assert w.flow.chat_id == chats["first"] and w.chat_list.current_id() == chats["first"]
+        assert shown_texts(w.chat_view) == ["first question", "first answer"]
+        qtbot.mouseClick(w.chat_list.list.viewport(), Qt.MouseButton.LeftButton,
+                         pos=w.chat_list.list.visualItemRect(row).center())  # a left click opens it
+        assert w.flow.chat_id == chats["second"]
+        qtbot.waitUntil(lambda: shown_texts(w.chat_view) == ["second question", "second answer"], timeout=TIMEOUT_MS)
+    finally:
+        close_app(gui)
+
+
+def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qtbot, app):
+    w = app.window
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(3)
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=120, seed=11)
+    first = send(qtbot, app, "hello")
+    # A stop string that candidate 0 says early and the others never say: it ends long before them.
+    text0, others = first.texts[0], first.texts[1:]
+    stop = next(text0[i:i + 4] for i in range(1, len(text0) // 3)
+                if text0[i:i + 4].strip() and text0[i:i + 4] not in text0[:i + 3] and all(text0[i:i + 4] not in t for t in others))
+    w.new_chat()
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=120, seed=11, stop=(stop,))
+
+    seen = []
+
+    def on_ended(_rid, ended):
+        tabs = w.chat_view.candidate_tabs()
+        seen.append((dict(ended), [s.text() for s in tabs.stats]))
+
+    app.controller.rowsFinished.connect(on_ended)  # after the window's own slot: it sees what the user sees
+    result = send(qtbot, app, "hello")
+    assert result.finish_reasons[0] == "stop" and result.finish_reasons[1:] == ["length", "length"]
+    first_ended, shown = seen[0]
+    assert first_ended == {0: "stop"}
+    assert shown[0] == "Finished: stop string · waiting for the other candidates…"
+    assert shown[1:] == ["generating…", "generating…"]
+    assert sorted(k for ended, _ in seen for k in ended) == [0, 1, 2]
+
+    tabs = w.chat_view.candidate_tabs()
+    assert tabs.stats[0].text().endswith(" · stop string") and tabs.stats[1].text().endswith(" · token limit")
+    assert [s.text().split(" · ")[0] for s in tabs.stats] == [f"{n} of {result.metrics.new_tokens_total} tokens in the batch"
+                                                               for n in result.metrics.new_tokens]
+    assert w.status.text().startswith("3 candidates: pick one")
+    tabs.use_buttons[0].click()
+    assert w.status.text() == ""
+    footer = w.chat_view.messages()[-1].stats_label.text()
+    own, total = result.metrics.new_tokens[0], result.metrics.new_tokens_total
+    assert own < total and footer.startswith(f"{own} of {total} tokens in the batch")
+
+
+def test_the_stats_line_says_why_an_answer_ended_also_after_a_restart(qtbot, tmp_path, tiny_factory):
+    small = tiny_factory("llama", max_position_embeddings=48)  # a 48-token context
+    gui = open_app(qtbot, tmp_path / "data", small)
+    try:
+        w = gui.window
+        w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=6, seed=0)
+        result = send(qtbot, gui, "hello")
+        assert result.finish_reasons == ["length"]
+        assert w.chat_view.messages()[-1].stats_label.text().endswith(" · token limit")
+        w.flow.set_chat_settings("", SamplingParams(temperature=0.0, max_new_tokens=200, seed=0))
+        result = send(qtbot, gui, "and more")  # fewer than 200 tokens fit in what is left of the context
+        assert result.finish_reasons == ["length"] and result.metrics.new_tokens_total < 200
+        assert any("by the 48-token context" in n for n in result.notices)
+        assert w.chat_view.messages()[-1].stats_label.text().endswith(" · context full")
+        chat_id = w.flow.chat_id
+    finally:
+        close_app(gui)
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w = gui.window
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat_id))
+        lines = [m.stats_label.text() for m in w.chat_view.messages() if m.item.role == "assistant"]
+        assert [line.rsplit(" · ", 1)[1] for line in lines] == ["token limit", "context full"]
+        assert "Finished: context full" in w.chat_view.messages()[-1].stats_label.toolTip()
+    finally:
+        close_app(gui)
+
+
+def test_the_static_kv_cache_preset_is_named_for_what_it_does(qtbot, app):
+    preset = app.window.toggles.preset
+    labels = {preset.itemData(i): preset.itemText(i) for i in range(preset.count())}
+    assert labels["first-fixes"] == "+ static KV cache"  # the key scripts use stays
+    assert all(text == "Naive" or text == "Custom" or text.startswith("+ ") for text in labels.values())
+
+
+def test_what_cannot_run_here_is_unavailable_from_the_start_with_the_reason_in_view(qtbot, app):
+    w, t = app.window, app.window.toggles
+    # Right after the load, before anything was clicked: this CPU-only machine runs no CUDA graph.
+    assert not t.cuda_graph.isEnabled() and not t.cuda_graph.isChecked()
+    reason = t.reasons["cuda_graph"]
+    assert reason.isVisibleTo(w) and "CUDA graphs need a CUDA device" in reason.text()
+    cuda = t.device.findData("cuda")
+    assert not t.device.model().item(cuda).isEnabled()
+    assert t.reasons["device"].isVisibleTo(w) and "CUDA is not available" in t.reasons["device"].text()
+    assert not t.reasons["compile"].isVisibleTo(w) and t.compile.isEnabled()  # compile runs on a CPU
+    labels = {t.preset.itemData(i): i for i in range(t.preset.count())}
+    assert not t.preset.model().item(labels["cuda-graph"]).isEnabled()
+    assert "CUDA" in t.preset.model().item(labels["cuda-graph"]).toolTip()
+    assert t.preset.model().item(labels["candidates"]).isEnabled()  # candidates run on a CPU, without the graph
+
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        t.preset.setCurrentIndex(labels["candidates"])
+        t.preset.activated.emit(labels["candidates"])
+    assert t.options.candidates > 1 and not t.options.cuda_graph
+    assert app.controller.options == t.options
+    assert t.preset.currentData() == "candidates"
+    assert not t.cuda_graph.isEnabled() and t.reasons["cuda_graph"].isVisibleTo(w)
+
+
+def long_chat(store) -> int:
+    chat = store.create_chat("long", "", None)
+    parent = None
+    for i in range(4):
+        user = store.add_message(chat.id, "user", f"question {i} " + "with many words " * 40, parent)
+        answer = store.add_message(chat.id, "assistant", f"answer {i} " + "a long reply that has to wrap " * 40,
+                                   user.id)
+        parent = answer.id
+    return chat.id
+
+
+def assert_fits(w) -> None:
+    """Nothing of the conversation is cut off: each message and its buttons lie inside the visible column."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtWidgets import QToolButton
+
+    view = w.chat_view
+    port = view.viewport()
+    assert view.widget().width() <= port.width()
+    assert not view.horizontalScrollBar().isVisible()
+    for m in view.messages():
+        right = m.mapTo(port, QPoint(m.width(), 0)).x()
+        assert right <= port.width(), (right, port.width())
+        for b in m.findChildren(QToolButton):
+            if b.isVisible():
+                assert b.mapTo(port, QPoint(b.width(), 0)).x() <= port.width()
+        assert m.body.width() <= port.width()
+
+
+@pytest.mark.parametrize("size", [(1000, 700), (800, 600)])
+def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_back(qtbot, tmp_path, size):
+    from ui.main_window import CENTER_MIN_WIDTH, DOCK_MIN_WIDTH, LEFT_MIN_WIDTH
+
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w = gui.window
+        chat = long_chat(gui.store)
+        w.refresh_chats()
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat))
+        wide_dock = w.options_dock.width()
+        w.resize(*size)
+        qtbot.waitUntil(lambda: w.width() == size[0] and w.height() == size[1], timeout=TIMEOUT_MS)
+        # the long conversation scrolls instead (once rendered and the docks fitted to the new width)
+        qtbot.waitUntil(lambda: w.chat_view.verticalScrollBar().isVisible(), timeout=TIMEOUT_MS)
+        qtbot.wait(100)
+        assert_fits(w)
+        left, center = w.splitter.sizes()
+        assert left >= LEFT_MIN_WIDTH and center >= CENTER_MIN_WIDTH
+        assert w.options_dock.width() >= DOCK_MIN_WIDTH and w.hud_dock.width() >= DOCK_MIN_WIDTH
+        text_height = w.chat_view.messages()[1].body.height()
+        w.resize(1440, 900)
+        qtbot.waitUntil(lambda: abs(w.options_dock.width() - wide_dock) <= 8, timeout=TIMEOUT_MS)
+        assert_fits(w)
+        assert w.chat_view.messages()[1].body.height() < text_height  # wider lines, fewer of them
+    finally:
+        close_app(gui)
+
+
+def test_saved_splitter_sizes_that_no_longer_fit_are_dropped(qtbot, tmp_path):
+    import json
+
+    from ui.main_window import fitting_sizes
+
+    assert fitting_sizes([300, 600], [180, 280], 930) == [300, 600]
+    assert fitting_sizes([900, 1200], [180, 280], 930) is None
+    assert fitting_sizes([100, 800], [180, 280], 930) is None and fitting_sizes("x", [180, 280], 930) is None
+    data = tmp_path / "data"
+    for saved, kept in (([900, 1200], False), ([300, 500], True)):
+        gui = open_app(qtbot, data)
+        settings_file = gui.paths.settings_file
+        close_app(gui)
+        doc = json.loads(settings_file.read_text())
+        doc["splitter_sizes"] = {"main": saved}
+        doc["window_geometry"] = doc["window_state"] = None  # the window opens at its own size, whatever the screen
+        settings_file.write_text(json.dumps(doc))
+        gui = open_app(qtbot, data)
+        try:
+            w = gui.window
+            qtbot.waitUntil(lambda w=w: w._splitter_fitted, timeout=TIMEOUT_MS)
+            sizes = w.splitter.sizes()
+            assert (sizes[0] == saved[0]) is kept
+            assert sum(sizes) <= w.splitter.width() and sizes[0] >= 180 and sizes[1] >= 280
+        finally:
+            close_app(gui)
+
+
+def test_the_hud_and_the_stats_tooltip_say_what_limits_the_answer(qtbot, app):
+    from engine.diagnosis import diagnose
+
+    w = app.window
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+    result = send(qtbot, app, "hello")
+    m, o = result.metrics.to_dict(), result.options.to_dict()
+    d = diagnose(m, o, "cpu")
+    assert m["kernel_gap_pct"] is not None, m["unavailable"]  # the traced window measured the op gap
+    assert d.verdict.startswith("CPU") and d.evidence and d.next_step
+    label = app.hud.bars.diagnosis
+    assert label.isVisibleTo(app.hud) and label.text() == f"Limit: {d.line}"
+    assert d.evidence[0] in label.toolTip()
+    tip = w.chat_view.messages()[-1].stats_label.toolTip()
+    assert f"Diagnosis: {d.line}" in tip and f"  from {d.evidence[0]}" in tip

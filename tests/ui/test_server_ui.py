@@ -1,0 +1,196 @@
+"""The Server dock and the remote model dialog: the widgets alone, then in the app with the real engine on a tiny
+model (API requests answered by the worker's engine between the app's own chats; a remote model opened through
+the model panel with its key stored)."""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import openai
+import pytest
+from PySide6.QtCore import Qt
+
+from app.gui import build
+from app.keys import KeyStore
+from app.paths import AppPaths
+from engine.types import ModelInfo, SamplingParams
+from ui.model_panel import ModelPanel
+from ui.remote_dialog import RemoteDialog
+from ui.server_panel import ServerPanel
+
+TIMEOUT_MS = 120_000
+HELLO = [{"role": "user", "content": "hello world"}]
+
+
+def test_server_panel_start_stop_and_figures(qtbot):
+    panel = ServerPanel()
+    qtbot.addWidget(panel)
+    panel.port.setValue(9123)
+    panel.api_key.setText("k")
+    with qtbot.waitSignal(panel.startRequested) as start:
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    assert start.args == ["127.0.0.1", 9123, "k"]
+    panel.set_running("http://127.0.0.1:9123/v1")
+    assert panel.button.text() == "Stop server" and not panel.host.isEnabled()
+    assert "http://127.0.0.1:9123/v1" in panel.address.text()
+    panel.set_stats({"served": 3, "cancelled": 1, "rejected": 2, "failed": 1, "running": 1, "waiting": 4,
+                     "last_error": "prompt too long"})
+    assert "Requests served: 3" in panel.counts.text() and "4 waiting" in panel.counts.text()
+    assert panel.error.text() == "Last error: prompt too long"
+    with qtbot.waitSignal(panel.stopRequested):
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    panel.set_running(None)
+    assert panel.button.text() == "Start server" and panel.host.isEnabled()
+
+
+def test_remote_dialog_refuses_a_bad_url_and_returns_the_values(qtbot):
+    d = RemoteDialog(None, "ftp://x", "m")
+    qtbot.addWidget(d)
+    d.accept()
+    assert d.result() != RemoteDialog.DialogCode.Accepted and "http://" in d.error.text()
+    d.base_url.setText("http://10.0.0.2:8000/v1/")
+    d.model.setText("")
+    d.accept()
+    assert "model's name" in d.error.text()
+    d.model.setText("qwen2.5:7b")
+    d.api_key.setText("sk-1")
+    d.timeout.setValue(15)
+    d.accept()
+    assert d.result() == RemoteDialog.DialogCode.Accepted
+    assert d.values() == ("http://10.0.0.2:8000/v1", "qwen2.5:7b", "sk-1", 15.0)
+
+
+def test_model_panel_shows_a_remote_model_without_invented_numbers(qtbot):
+    panel = ModelPanel()
+    qtbot.addWidget(panel)
+    panel.set_info(ModelInfo("llama3", "remote", "OpenAI-compatible server", "remote", 0, "set by the server",
+                             "http://h:8000/v1", 0, 0, "remote:http://h:8000/v1#llama3", "remote",
+                             "the model runs on a remote server"))
+    assert panel.values["parameters"].text() == "n/a (remote)" and panel.values["weights"].text() == "n/a (remote)"
+    assert panel.values["context"].text() == "n/a (not reported)"
+    assert panel.values["backend"].text() == "remote server"
+
+
+@pytest.fixture
+def gui(qtbot, tmp_path, tiny_llama):
+    g = build(AppPaths.resolve(tmp_path / "data"), "light")
+    g.window.show()
+    with qtbot.waitSignal(g.controller.loaded, timeout=TIMEOUT_MS):
+        g.window.load_model(str(tiny_llama))
+    yield g
+    g.window.close()
+    g.close()
+
+
+def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama):
+    from engine.engine import Engine
+    from engine.types import EngineOptions
+
+    panel, server = gui.window.server_panel, gui.server
+    assert gui.window.server_dock.isHidden()
+    panel.host.setText("0.0.0.0")  # beyond loopback without a key: refused with the reason, the app goes on
+    with qtbot.waitSignal(server.failed, timeout=TIMEOUT_MS) as failed:
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    assert failed.args[0].startswith("refusing to listen on 0.0.0.0 without an API key")
+    assert not panel.error.isHidden() and panel.error.text().startswith("refusing") and not server.running
+    panel.host.setText("127.0.0.1")
+    server_port = _free_port()
+    panel.port.setValue(server_port)
+    with qtbot.waitSignal(server.started, timeout=TIMEOUT_MS):
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    assert panel.address.text() == f"Listening at http://127.0.0.1:{server_port}/v1"
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server_port}/v1", api_key="unused", max_retries=0)
+    api: dict = {}
+    asker = threading.Thread(target=lambda: api.update(r=client.chat.completions.create(
+        model=tiny_llama.name, messages=HELLO, max_tokens=12, temperature=0)))
+    asker.start()
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=16)
+    with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as chat:
+        gui.controller.generate([{"role": "user", "content": "the quick brown fox"}], sampling)
+    qtbot.waitUntil(lambda: not asker.is_alive(), timeout=TIMEOUT_MS)
+    ref = Engine.load(str(tiny_llama), EngineOptions(device="cpu"))
+    try:
+        assert api["r"].choices[0].message.content == ref.generate(
+            HELLO, SamplingParams(temperature=0.0, max_new_tokens=12)).texts[0]
+        assert chat.args[1].texts == ref.generate([{"role": "user", "content": "the quick brown fox"}],
+                                                  sampling).texts
+    finally:
+        ref.close()
+    qtbot.waitUntil(lambda: panel.counts.text().startswith("Requests served: 1"), timeout=TIMEOUT_MS)
+    with qtbot.waitSignal(server.stopped, timeout=TIMEOUT_MS):
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    assert panel.address.text() == "Not running"
+
+
+@contextmanager
+def served(model_path, api_key: str):
+    """`gapless serve` on a second engine, in this process, on a free loopback port."""
+    from app.server.engine_queue import EngineQueue
+    from app.server.http import ServeConfig
+    from app.server.run import BackgroundServer
+    from engine.engine import Engine
+    from engine.types import EngineOptions
+
+    engine = Engine.load(str(model_path), EngineOptions(device="cpu"))
+    engines = EngineQueue(engine)
+    server = BackgroundServer(engines, config=ServeConfig(api_key=api_key))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        engines.close()
+        engine.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_a_remote_model_opens_through_the_model_panel(qtbot, gui, tiny_llama, monkeypatch):
+    import app.keys
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    with served(tiny_llama, api_key="sk-ui") as url:
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS) as loaded:
+            gui.window.model_panel.remoteRequested.emit(url, tiny_llama.name, "sk-ui", 30.0)
+        info = loaded.args[0]
+        assert info.backend == "remote" and info.source == f"remote:{url}#{tiny_llama.name}|timeout=30"
+        assert KeyStore(gui.paths.config, use_keyring=False).get(url) == "sk-ui"
+        assert gui.window.model_panel.values["backend"].text() == "remote server"
+        with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as done:
+            gui.controller.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8))
+        assert done.args[1].metrics.http_ttft_ms > 0 and done.args[1].texts[0]
+
+
+def test_the_hud_bars_show_the_client_side_figures_of_a_remote_model(qtbot):
+    from engine.types import EngineOptions, GenerationMetrics
+    from ui.hud.bars import BarStrip
+
+    m = GenerationMetrics(prompt_tokens=5, new_tokens_total=20)
+    m.put("http_ttft_ms", 42.0)
+    m.put("http_decode_tok_s", 31.0)
+    m.put("inter_token_ms_p50", 30.0)
+    for key in ("ttft_ms", "decode_tok_s", "step_ms_p50", "step_ms_p99", "kernel_gap_pct"):
+        m.mark_na(key, "the model runs on a remote server; measured there, not here")
+    m.mark_na("inter_token_ms_p99", "too few text chunks arrived to time")
+    strip = BarStrip()
+    qtbot.addWidget(strip)
+    strip.set_metrics(m, EngineOptions(), "remote")
+    shown = strip.values()
+    assert shown["ttft_ms"]["text"].startswith("42") and shown["ttft_ms"]["source"] == "client-side timing over HTTP"
+    assert strip._rows["ttft_ms"][0].text() == "TTFT (HTTP)"
+    assert shown["decode_tok_s"]["source"] == "client-side timing over HTTP"
+    assert strip._rows["step_ms_p50"][0].text() == "Inter-token p50 (HTTP)"
+    assert shown["step_ms_p99"]["fraction"] is None and "remote server" in shown["step_ms_p99"]["source"]
+    assert shown["kernel_gap_pct"]["fraction"] is None and "remote server" in shown["kernel_gap_pct"]["source"]
+    local = GenerationMetrics(new_tokens_total=3)
+    local.put("ttft_ms", 7.0)
+    strip.set_metrics(local, EngineOptions(), "local")
+    assert strip._rows["ttft_ms"][0].text() == "TTFT" and "engine timing" in strip.values()["ttft_ms"]["source"]

@@ -1,0 +1,74 @@
+"""Open a remote model: an OpenAI-compatible server's base URL (vLLM, llama.cpp's server, Ollama, another
+Gapless), the model's name there, its API key and how long to wait for it."""
+from __future__ import annotations
+
+from typing import Optional
+from urllib.parse import urlsplit
+
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel, QLineEdit,
+                               QVBoxLayout, QWidget)
+
+EXAMPLES = ("vLLM: http://host:8000/v1 · llama.cpp server: http://host:8080/v1 · Ollama: http://host:11434/v1 · "
+            "gapless serve: http://host:8080/v1")
+
+
+class RemoteDialog(QDialog):
+    def __init__(self, parent: Optional[QWidget] = None, base_url: str = "", model: str = "",
+                 timeout_s: float = 60.0):
+        super().__init__(parent)
+        self.setWindowTitle("Open a remote model")
+        self.base_url = QLineEdit(base_url, self)
+        self.base_url.setPlaceholderText("http://127.0.0.1:8000/v1")
+        self.model = QLineEdit(model, self)
+        self.model.setPlaceholderText("the model's name on the server (GET /v1/models lists them)")
+        self.api_key = QLineEdit(self)
+        self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.api_key.setPlaceholderText("kept in the OS keyring, or an owner-only file; empty: keep the stored one")
+        self.timeout = QDoubleSpinBox(self)
+        self.timeout.setRange(1.0, 3600.0)
+        self.timeout.setDecimals(0)
+        self.timeout.setSuffix(" s")
+        self.timeout.setValue(timeout_s)
+        self.timeout.setToolTip("how long to wait to connect, and for each next piece of the answer")
+        hint = QLabel(EXAMPLES, self)
+        hint.setWordWrap(True)
+        hint.setObjectName("notice")
+        self.error = QLabel(self)
+        self.error.setObjectName("errorText")
+        self.error.setWordWrap(True)
+        self.error.hide()
+        form = QFormLayout()
+        form.addRow("Server URL", self.base_url)
+        form.addRow("Model", self.model)
+        form.addRow("API key", self.api_key)
+        form.addRow("Timeout", self.timeout)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel, self)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        lay = QVBoxLayout(self)
+        lay.addLayout(form)
+        lay.addWidget(hint)
+        lay.addWidget(self.error)
+        lay.addWidget(buttons)
+
+    def problem(self) -> str:
+        parts = urlsplit(self.base_url.text().strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return "The server URL must start with http:// or https:// and name a host, e.g. http://127.0.0.1:8000/v1"
+        model = self.model.text().strip()
+        if not model or "#" in model or "|" in model:
+            return "Give the model's name as the server lists it (without '#' or '|')"
+        return ""
+
+    def accept(self) -> None:
+        why = self.problem()
+        if why:
+            self.error.setText(why)
+            self.error.show()
+            return
+        super().accept()
+
+    def values(self) -> tuple[str, str, str, float]:
+        """(base URL, model, API key or "", timeout in seconds)."""
+        return (self.base_url.text().strip().rstrip("/"), self.model.text().strip(), self.api_key.text(),
+                float(self.timeout.value()))
