@@ -24,6 +24,25 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"gapless: error: {message} (see {self.prog} --help)\n")
 
 
+def _draft_tokens(value: str) -> int:
+    """'auto' is 0, the adaptive draft length; a number is checked against the option's range later."""
+    if value == "auto":
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
+
+
+def _add_speculation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculation", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding: drafts from the prompt and answer (ngram) or a smaller model (draft)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default=None, metavar="K",
+                   help="drafts verified per step, 1..15, or 'auto' (adaptive, the default)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft model for --speculation draft (a GGUF file or a folder, same tokenizer)")
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a GGUF file, or a Hugging Face folder")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -38,7 +57,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["native", "int8", "int4"], default=None,
                    help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups")
     p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, fused, "
-                        "int8, candidates)")
+                        "int8, candidates, speculation)")
+    _add_speculation_options(p)
     p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
                    help="trace a short window of decode steps for the kernel/op gap (default on)")
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
@@ -103,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quality", action="store_true",
                        help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
                             "format (fp32, bf16, int8, int4) on a fixed text")
+    _add_speculation_options(bench)
+    bench.add_argument("--speculation-workloads", action="store_true",
+                       help="instead of the ladder: decode speed with and without speculation on rewrite, summary "
+                            "and free-chat prompts")
+    bench.add_argument("--dtypes", default=None, help="with --speculation-workloads: comma-separated dtypes "
+                                                      "(default fp32 on the CPU, fp16 on CUDA)")
+    bench.add_argument("--cuda-graph", action="store_true", help="with --speculation-workloads: capture the steps")
+    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the bench")
 
     replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
     replay.add_argument("file", type=Path)

@@ -27,6 +27,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         baseline=args.baseline,
         compile=args.compile,
         prompt=args.prompt or DEFAULT_PROMPT,
+        speculation=getattr(args, "speculation", None) or "ngram",
+        draft_tokens=getattr(args, "draft_tokens", None) or 0,
+        draft_model=getattr(args, "draft_model", None) or "",
         prefix_reuse=getattr(args, "prefix_reuse", True),
     )
 
@@ -70,7 +73,7 @@ def format_table(report: dict[str, Any]) -> str:
     head = ["rung", "options", "tokens", "decode tok/s (range)", "× Naive", "× transformers"]
     if compiled:
         head.append("× transformers compiled")
-    head += ["TTFT ms", "gap %", "launches/step", "SM activity %", "GPU util %", "peak memory"]
+    head += ["TTFT ms", "gap %", "launches/step", "SM activity %", "GPU util %", "peak memory", "tok/step", "accepted %"]
     rows: list[list[str]] = []
     notes: list[str] = []
     for r in rungs:
@@ -88,9 +91,11 @@ def format_table(report: dict[str, Any]) -> str:
                _times(r.get("speedup_vs_naive")), _times(r.get("speedup_vs_transformers"))]
         if compiled:
             row.append(_times(r.get("speedup_vs_transformers_compiled")))
+        rate = m.get("acceptance_rate")
         row += [_num(m.get("ttft_ms")), _num(m.get("kernel_gap_pct")), _num(m.get("launches_per_step"), "{:.0f}"),
                 _num(m.get("sm_activity_pct")),
-                _num(m.get("gpu_util_pct")), _bytes(m.get("peak_memory_bytes"))]
+                _num(m.get("gpu_util_pct")), _bytes(m.get("peak_memory_bytes")),
+                _num(m.get("tokens_per_step"), "{:.2f}"), _num(None if rate is None else 100 * rate)]
         rows.append(row)
     naive = report["ratios"].get("naive_decode_tok_s")
     for b in baselines:
@@ -105,7 +110,7 @@ def format_table(report: dict[str, Any]) -> str:
         if compiled:
             row.append("1.00×" if b["name"] == "transformers-static-compile" else "")
         row += [_num(m.get("ttft_ms")), NA, NA, _num(m.get("sm_activity_pct")), _num(m.get("gpu_util_pct")),
-                _bytes(m.get("peak_memory_bytes"))]
+                _bytes(m.get("peak_memory_bytes")), NA, NA]
         rows.append(row)
 
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
@@ -127,8 +132,10 @@ def format_table(report: dict[str, Any]) -> str:
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
     # Each machine-dependent figure of the table, with the source its rungs named or why it is n/a.
+    out.append(f"tok/step: {figures.spec('tokens_per_step').source} (above 1 only where drafts were accepted).")
     sources = [(figures.spec(k).label, k, figures.source_field_of(k))
-               for k in ("kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "peak_memory_bytes")]
+               for k in ("kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "peak_memory_bytes",
+                         "acceptance_rate")]
     for name, metric, source in sources:
         src = _first(rungs, source)
         if src:
@@ -158,6 +165,18 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def spec_config_from_args(args: argparse.Namespace):
+    from engine.bench_spec import SpecBenchConfig
+
+    dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip()) if args.dtypes else ()
+    return SpecBenchConfig(
+        model=args.model, device=args.device, dtypes=dtypes, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, speculation=args.speculation or "ngram", draft_tokens=args.draft_tokens or 0,
+        draft_model=args.draft_model or "", compile=bool(args.compile), cuda_graph=args.cuda_graph,
+        threads=args.threads,
+    )
+
+
 def run_conversation_bench(args: argparse.Namespace) -> int:
     from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
 
@@ -183,6 +202,22 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if getattr(args, "quality", False):
         return run_quality_bench(args)
+    if getattr(args, "speculation_workloads", False):
+        from engine.bench_spec import format_workloads, run_speculation_workloads
+
+        report = run_speculation_workloads(spec_config_from_args(args),
+                                           progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                           command=list(sys.argv))
+        print(format_workloads(report))
+        if args.json is not None:
+            write_json(args.json, report)
+            print(f"\nwritten: {args.json}")
+        return 0
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
     config = config_from_args(args)
     report = run_suite(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
     print(format_table(report))

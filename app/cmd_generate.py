@@ -28,6 +28,9 @@ def options_from_args(args) -> EngineOptions:
         "candidates": args.candidates,
         "profile_window": args.profile_window,
         "kernels": getattr(args, "kernels", None),
+        "speculation": getattr(args, "speculation", None),
+        "draft_tokens": getattr(args, "draft_tokens", None),
+        "draft_model": getattr(args, "draft_model", None),
         "weights": getattr(args, "weights", None),
         "prefix_reuse": getattr(args, "prefix_reuse", None),
     }

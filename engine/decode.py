@@ -14,10 +14,12 @@ import torch
 
 from engine.model import DynamicKVCache, StaticKVCache, Transformer
 from engine.sampling import SamplerKind, SamplerState, mark_seen, sample
+from engine.speculative import verify
 
 log = logging.getLogger(__name__)
 
 BUCKET_MIN = 256
+MAX_VERIFY = 15  # the most drafts one verify step takes
 
 
 def bucket_for(n: int, limit: int) -> int:
@@ -84,7 +86,13 @@ class StaticRunner(RunnerBase):
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # position of self.tok
         self.arange = torch.arange(length, device=device)
         self.compiled: Optional[Callable] = None
-        self.graphs: dict[tuple[int, SamplerKind], "torch.cuda.CUDAGraph"] = {}
+        self.compiled_verify: Optional[Callable] = None
+        self.graphs: dict[tuple, "torch.cuda.CUDAGraph"] = {}  # (bucket, kind) or (bucket, kind, k) for verify
+        # Speculative verify: drafts copied in by the host, and what the step made of them (read back after it).
+        self.drafts = torch.zeros(1, MAX_VERIFY, dtype=torch.long, device=device)
+        self.n_emit = torch.zeros((), dtype=torch.long, device=device)
+        self.n_accepted = torch.zeros((), dtype=torch.long, device=device)
+        self.host_pos = 0  # position of self.tok, as the host knows it
         self.graph_pool = None
         self.use_graphs = False  # replay the captured graphs; kept when off, so switching back on is free
 
@@ -97,18 +105,47 @@ class StaticRunner(RunnerBase):
         self._accept(sample(logits, kind, self.sampler), kind)
         self.pos += 1
 
+    def masked_verify(self, bucket: int, k: int, kind: SamplerKind) -> None:
+        """Feed the current token and k drafts at positions pos..pos+k (causal among them, the cache before them),
+        emit the verified tokens into `out`, advance pos and the counter by their number. The cache rows of
+        rejected drafts stay, unread: the next step writes its own tokens there before anything attends to them."""
+        T = k + 1
+        steps = self.arange[:T]
+        positions = self.pos + steps  # [T]
+        mask = self.arange[:bucket][None, :] <= positions[:, None]  # [T, bucket]
+        ids = torch.cat([self.tok, self.drafts[:, :k]], dim=1)  # [1, T]
+        logits = self.model(ids, positions, self.cache, mask, last_only=False)[0]  # [T, V]
+        v = verify(logits, self.drafts[0, :k], kind, self.sampler, self.eos)
+        self.out.index_copy_(1, self.counter + steps, v.tokens[None, :])
+        last = v.tokens.gather(0, (v.n_emit - 1)[None])  # [1]
+        if kind.repetition:
+            emitted = (steps < v.n_emit).long()
+            marks = torch.zeros(self.sampler.seen.shape[1], dtype=torch.long, device=self.device)
+            self.sampler.seen[0] |= marks.scatter_reduce(0, v.tokens, emitted, "amax").bool()
+        self.done |= v.eos_hit
+        self.tok.copy_(last[None, :])
+        self.n_emit.copy_(v.n_emit)
+        self.n_accepted.copy_(v.n_accepted)
+        self.pos += v.n_emit
+        self.counter += v.n_emit
+
     def set_compiled(self, fn: Optional[Callable]) -> None:
         """The step function changes, so the graphs captured from the old one go. Their memory pool goes with
         them: a pool whose graphs are all gone may still hold blocks (e.g. a library workspace allocated during
         capture), and capturing into it again is refused by the allocator."""
         self.compiled = fn
+        self.compiled_verify = torch.compile(self.masked_verify, dynamic=False) if fn is not None else None
         self.graphs.clear()
         self.graph_pool = None
 
-    def bucket_step(self, bucket: int, kind: SamplerKind) -> None:
-        """The masked step in a context bucket, compiled where a compiled one is set."""
+    def bucket_step(self, bucket: int, kind: SamplerKind, k: Optional[int] = None) -> None:
+        """The masked step in a context bucket (the verify step of k drafts when k is given), compiled where a
+        compiled one is set."""
         self.cache.attn_len = bucket
-        (self.compiled or self.masked_step)(bucket, kind)
+        if k is None:
+            (self.compiled or self.masked_step)(bucket, kind)
+        else:
+            (self.compiled_verify or self.masked_verify)(bucket, k, kind)
 
     def exact_step(self, pos: int, kind: SamplerKind) -> None:
         """The eager step: attend over exactly the pos + 1 filled positions, no mask. Fixed shapes buy nothing
@@ -136,9 +173,11 @@ class StaticRunner(RunnerBase):
             logits = self.model(prompt[None, :], pos, saved_cache, mask)[:, -1]
         self._accept(sample(logits, kind, self.sampler), kind)
         self.pos.fill_(T)
+        self.host_pos = T
 
     def step(self, step_index: int) -> None:
-        pos = self.prompt_len + step_index - 1  # position of the token being fed
+        pos = self.host_pos  # position of the token being fed
+        self.host_pos += 1
         kind = self.kind
         bucket = bucket_for(pos + 1, self.length)
         graph = self.graphs.get((bucket, kind)) if self.use_graphs else None
@@ -148,6 +187,34 @@ class StaticRunner(RunnerBase):
             self.bucket_step(bucket, kind)
         else:
             self.exact_step(pos, kind)
+
+    def speculate(self, drafts: list[int], k: int) -> tuple[int, int]:
+        """One verify step over `drafts` (padded to k, the length of a compiled or captured verify step; eager
+        runs exactly len(drafts)). Returns (tokens emitted, drafts accepted), read back from the device."""
+        kind = self.kind
+        n = len(drafts)
+        if self.compiled is None and not self.use_graphs:
+            k = n
+        self.drafts[0, :n].copy_(torch.tensor(drafts, dtype=torch.long), non_blocking=True)
+        if k > n:
+            self.drafts[0, n:k].fill_(drafts[-1])
+        pos = self.host_pos
+        bucket = bucket_for(pos + k + 1, self.length)
+        graph = self.graphs.get((bucket, kind, k)) if self.use_graphs else None
+        if graph is not None:
+            graph.replay()
+        elif self.compiled_verify is not None:
+            self.bucket_step(bucket, kind, k)
+        else:  # eager: attend over exactly the filled positions and the new ones
+            self.cache.attn_len = pos + k + 1
+            self.masked_verify(pos + k + 1, k, kind)
+        emitted, accepted = torch.stack([self.n_emit, self.n_accepted]).tolist()
+        self.host_pos += emitted
+        return emitted, min(accepted, n)
+
+    def verify_room(self) -> int:
+        """The longest draft the cache can verify from the current position."""
+        return min(MAX_VERIFY, self.length - 1 - self.host_pos)
 
     def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
         first = bucket_for(prompt_len + 1, self.length)
@@ -159,40 +226,48 @@ class StaticRunner(RunnerBase):
                 return out
             b = min(b * 2, self.length)
 
-    def warm_up(self, buckets: list[int], kind: SamplerKind, use_graphs: bool, progress: Callable[[str, float], None]) -> None:
-        """Compile (first calls) and capture every bucket a generation may cross, before its prefill.
+    def warm_up(self, buckets: list[int], kind: SamplerKind, use_graphs: bool, progress: Callable[[str, float], None],
+                verify_ks: tuple[int, ...] = ()) -> None:
+        """Compile (first calls) and capture every bucket a generation may cross, before its prefill, for the
+        plain step and for the verify step of each draft length in `verify_ks`.
 
         The writes this makes land in cache rows the prefill and later steps overwrite before reading, and the
         token state is reset by the prefill, so a warm-up never changes a generation's result.
         """
-        todo = [b for b in buckets if (b, kind) not in self.graphs] if use_graphs else list(buckets)
-        for i, bucket in enumerate(todo):
+        shapes = [(b, None) for b in buckets] + [(b, k) for k in verify_ks for b in buckets]
+        todo = [(b, k) for b, k in shapes if self._graph_key(b, kind, k) not in self.graphs] if use_graphs else shapes
+        for i, (bucket, k) in enumerate(todo):
             self.pos.fill_(0)
             self.counter.zero_()
+            what = "decode step" if k is None else f"verify step ({k} drafts)"
             if use_graphs:
-                progress(f"capturing the decode step (context {bucket})", i / max(len(todo), 1))
-                self._capture(bucket, kind)
+                progress(f"capturing the {what} (context {bucket})", i / max(len(todo), 1))
+                self._capture(bucket, kind, k)
             elif self.compiled is not None:
-                progress(f"compiling the decode step (context {bucket})", i / max(len(todo), 1))
-                self.bucket_step(bucket, kind)
+                progress(f"compiling the {what} (context {bucket})", i / max(len(todo), 1))
+                self.bucket_step(bucket, kind, k)
         self.pos.zero_()
         self.counter.zero_()
         self.done.zero_()
 
-    def _capture(self, bucket: int, kind: SamplerKind) -> None:
+    @staticmethod
+    def _graph_key(bucket: int, kind: SamplerKind, k: Optional[int]) -> tuple:
+        return (bucket, kind) if k is None else (bucket, kind, k)
+
+    def _capture(self, bucket: int, kind: SamplerKind, k: Optional[int] = None) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):  # allocator and lazy initialisation happen outside the graph
-                self.bucket_step(bucket, kind)
+                self.bucket_step(bucket, kind, k)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            self.bucket_step(bucket, kind)
+            self.bucket_step(bucket, kind, k)
         torch.cuda.synchronize()
-        self.graphs[(bucket, kind)] = graph
+        self.graphs[self._graph_key(bucket, kind, k)] = graph
 
     def bytes_per_step(self, pos: int) -> int:
         per_pos = self.cache.nbytes() // max(self.cache.length, 1)

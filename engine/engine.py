@@ -12,11 +12,12 @@ from typing import Callable, Optional
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GenerationError, ModelLoadError
+from engine.errors import GaplessError, GenerationError, ModelLoadError
 from engine.generate import run_loop
-from engine.model import FAST_FAMILIES, ModelArgs, build_transformer
+from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.sampling import SamplerKind
+from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
 from engine.types import (
     EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta,
@@ -64,10 +65,13 @@ class Engine:
         self.weights = eff.weights
         self.model = None
         self._runners: dict[tuple, RunnerBase] = {}
-        self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
+        self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
+        self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
         self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
+        self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()
         self._build_model(progress)
+        self._load_draft(self.options, progress)
         self.monitor = self._start_monitor()
 
     # ---- loading ------------------------------------------------------------------------------------------
@@ -104,6 +108,7 @@ class Engine:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
         self._fused_failed = None
+        self._draft_models.clear()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -132,6 +137,45 @@ class Engine:
         del state
         self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
+
+    def _load_draft(self, options: EngineOptions, progress: Callable[[Progress], None]) -> Optional[Transformer]:
+        """The draft model of `options` on this model's device and dtype, loaded once; None when the options
+        name none or it cannot draft for this model (the reason is kept for unavailable())."""
+        path = options.draft_model
+        if options.speculation != "draft" or not path or not self.fast or path in self._draft_refused:
+            return None
+        key = (path, str(self.device), self.dtype)
+        if key in self._draft_models:
+            return self._draft_models[key]
+        from engine.loader import load_checkpoint
+        from engine.speculative import vocabulary_mismatch
+
+        progress(Progress("load", None, f"loading the draft model {path}"))
+        try:
+            draft = load_checkpoint(path, progress)
+        except GaplessError as exc:
+            self._draft_refused[path] = f"the draft model could not be loaded: {exc}"
+            return None
+        why = vocabulary_mismatch(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
+        if why is None:
+            try:
+                ModelArgs.from_hf_config(draft.config)
+            except ValueError as exc:
+                why = f"the draft model runs only on the fast path, and cannot: {exc}"
+        if why is not None:
+            self._draft_refused[path] = why
+            return None
+        dtype = TORCH_DTYPES[self.dtype]
+        try:
+            model = build_transformer(draft.config, draft.weights(dtype, self.device), dtype, self.device,
+                                      consume=draft.materialise is not None)
+        except (ModelLoadError, RuntimeError) as exc:
+            self._draft_refused[path] = f"the draft model could not be placed on {self.device}: {exc}"
+            return None
+        draft.release()
+        self._draft_models = {key: model}  # one draft model at a time
+        progress(Progress("load", 1.0, "draft model ready"))
+        return model
 
     def _start_monitor(self):
         from engine.telemetry.monitor import Monitor
@@ -231,6 +275,9 @@ class Engine:
             why = self._weights_unavailable(o.weights, _target_device(o.device))
             if why:
                 out["weights"] = why
+        why = self._speculation_unavailable(o)
+        if why:
+            out["speculation"] = why
         return out
 
     def _fused_unavailable(self, o: EngineOptions) -> Optional[str]:
@@ -250,6 +297,24 @@ class Engine:
         if runner is None:
             return None
         return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
+
+    def _speculation_unavailable(self, o: EngineOptions) -> Optional[str]:
+        if o.speculation == "off":
+            return None
+        if not self.fast:
+            return f"{self._on_fallback()}, which has no verify step"
+        if o.kv_cache != "static":
+            return "speculation needs the static KV cache (drafts are verified in place, rejected ones dropped by moving its position)"
+        if o.candidates > 1:
+            return ("speculation verifies the drafts of one answer; several candidates would accept different numbers "
+                    "of tokens per step")
+        if o.kernels == "fused":
+            return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
+        if o.speculation == "draft":
+            if not o.draft_model:
+                return "no draft model chosen (--draft-model PATH)"
+            return self._draft_refused.get(o.draft_model)
+        return None
 
     def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
         from engine.quant import why_not
@@ -280,6 +345,8 @@ class Engine:
             eff = replace(eff, kv_cache="static" if eff.kernels == "fused" else "dynamic")
         if "dtype" in reasons:
             eff = replace(eff, dtype="fp16")
+        if "speculation" in reasons:
+            eff = replace(eff, speculation="off")
         if "weights" in reasons:
             eff = replace(eff, weights="native")
         device = _target_device(eff.device)
@@ -298,6 +365,7 @@ class Engine:
                 self._build_model(progress)
                 self.monitor.close()
                 self.monitor = self._start_monitor()
+            self._load_draft(options, progress)
             self.options = options
 
     # ---- generation ---------------------------------------------------------------------------------------
@@ -430,7 +498,14 @@ class Engine:
             with preserved(runner):  # its warm-up writes the first positions too
                 runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices,
                                                 reasons)
-        if isinstance(runner, StaticRunner) and opts.kernels == "torch":
+        torch_step = isinstance(runner, StaticRunner) and opts.kernels == "torch"
+        spec = self._speculator(opts, runner, on_event) if torch_step else None
+        if opts.speculation != "off" and spec is None:
+            reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
+            notices.append(f"speculation off for this answer: {reasons['speculation']}")
+            opts = replace(opts, speculation="off")
+        verify_ks = (spec.shapes or ()) if spec is not None else ()
+        if torch_step:
             self._prepare_compile(runner, opts)
             runner.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
@@ -438,7 +513,8 @@ class Engine:
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
                     with preserved(runner):  # the cached prefix survives the warm-up's writes
-                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
@@ -450,7 +526,8 @@ class Engine:
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
                     with preserved(runner):
-                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)))
+                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
+                                       verify_ks)
         torch.manual_seed(seed)
         rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
@@ -466,7 +543,7 @@ class Engine:
         try:
             loop = run_loop(
                 runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor,
+                window=window, monitor=self.monitor, spec=spec,
                 prefill=prefill_fn(runner, plan, chunk, reading if chunk else None, cancel),
             )
         except PrefillCancelled as exc:
@@ -485,18 +562,6 @@ class Engine:
             m.put("prefill_tok_s", (T - plan.start) / (m.ttft_ms / 1e3))
         return loop, opts
 
-    def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
-                         seed: int, notices: list[str], overflow: str, cut: str) -> GenerationResult:
-        """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
-        n = opts.candidates
-        m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
-                              prompt_cut=cut or None)
-        m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
-        m.put("prompt_computed_tokens", exc.done - exc.reused)
-        for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
-            m.mark_na(name, "stopped before the first token")
-        return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
-                                metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
     def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
         """Compile (and capture) the fused step. A failure with PDL on is tried once more without it; any other
         failure ends the fused kernels for this engine: the torch path runs, with a notice."""
@@ -533,6 +598,36 @@ class Engine:
             runner = self._runner(opts, opts.candidates, prompt_len + max_new)
             runner.sampler.set_params(sampling)
         return runner, opts
+
+    def _speculator(self, opts: EngineOptions, runner: StaticRunner, on_event: Callable) -> Optional[Speculator]:
+        """The speculation of this generation, or None when off (or the draft model cannot be had)."""
+        if opts.speculation == "off":
+            return None
+        k = opts.draft_tokens
+        schedule = f"{k} drafts per step" if k else f"adaptive k (one of {', '.join(map(str, ADAPTIVE_KS))})"
+        shapes = ((k,) if k else ADAPTIVE_KS) if opts.compile or opts.cuda_graph else None
+        if opts.speculation == "ngram":
+            source = f"engine counters: n-gram prompt lookup (n = {NGRAM_MAX}..1) on the host, {schedule}"
+            return Speculator(NgramProposer(), k, shapes, source)
+        model = self._load_draft(opts, on_event)
+        if model is None:
+            return None
+        proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device)
+        source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
+        return Speculator(proposer, k, shapes, source)
+
+    def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
+                         seed: int, notices: list[str], overflow: str, cut: str) -> GenerationResult:
+        """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
+        n = opts.candidates
+        m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
+                              prompt_cut=cut or None)
+        m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
+        m.put("prompt_computed_tokens", exc.done - exc.reused)
+        for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
+            m.mark_na(name, "stopped before the first token")
+        return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
+                                metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
 
     @staticmethod
     def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:

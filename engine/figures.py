@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
 Scope = Literal["generation", "step", "sample"]
-Unit = Literal["tok/s", "ms", "s", "%", "bytes", "tokens", "count", "W", "MHz", "ratio"]
+Unit = Literal["tok/s", "ms", "s", "%", "bytes", "tokens", "count", "W", "MHz", "ratio", "fraction", "tok/step"]
 
 ENGINE_TIMING = "engine timing, device-synchronised"
 ENGINE_COUNT = "engine token count"
 HTTP_TIMING = "client-side timing over HTTP"
+SPEC_COUNT = "engine counters: tokens kept / decode steps"
 VLLM_METRICS = "vLLM Prometheus /metrics, read while the answer streamed"
 
 
@@ -66,6 +67,17 @@ FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("decode_steps", "Decode steps", "count", 0, ("generation",), ENGINE_COUNT, digits=0),
     FigureSpec("profiled_steps", "Traced steps", "count", 0, ("generation",), ENGINE_COUNT, digits=0,
                tip="decode steps inside the traced window, left out of tok/s"),
+    # Speculative decoding (engine/speculative.py): the engine's counters, the drafter named by the source.
+    FigureSpec("tokens_per_step", "Tokens/step", "tok/step", +1, ("generation",), SPEC_COUNT, digits=2,
+               tip="tokens kept per decode step and candidate: above 1 where drafts were accepted"),
+    FigureSpec("drafted_tokens", "Drafted", "tokens", 0, ("generation",), source_field="speculation_source", digits=0,
+               tip="drafts the model verified"),
+    FigureSpec("accepted_tokens", "Accepted drafts", "tokens", +1, ("generation",), source_field="speculation_source",
+               digits=0),
+    FigureSpec("acceptance_rate", "Acceptance", "fraction", +1, ("generation",), source_field="speculation_source",
+               digits=0, tip="accepted / drafted, shown as a percentage"),
+    FigureSpec("verify_steps", "Verify steps", "count", 0, ("generation",), source_field="speculation_source", digits=0,
+               tip="decode steps that verified drafts; the others ran plain"),
     FigureSpec("prompt_reused_tokens", "Prompt reused", "tokens", +1, ("generation",),
                source_field="prompt_reuse_source", digits=0,
                tip="prompt positions taken from the last generation's KV cache, not computed again"),

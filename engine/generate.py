@@ -5,6 +5,7 @@ The loop is the same for every option; the runner decides how a step is computed
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 
 from engine.decode import RunnerBase
 from engine.sampling import SamplerKind
+from engine.speculative import Speculator
 from engine.stream import Readback, RowText, StepClock
 from engine.types import GenerationMetrics, RowFinished, StepRecord, TextDelta
 from engine.telemetry.monitor import estimate_dram_bw_util
@@ -51,12 +53,13 @@ def run_loop(
     cancel: threading.Event,
     window=None,  # engine.telemetry.window.ProfileWindow or None
     monitor=None,  # engine.telemetry.monitor.Monitor or None
+    spec: Optional[Speculator] = None,  # speculative decoding (batch 1, static cache) or None
     prefill: Optional[Callable] = None,  # (prompt, kind) -> None in place of runner.prefill (engine.prefix)
 ) -> LoopResult:
     B = runner.batch
     now = time.perf_counter
     clock = StepClock(device)
-    readback = None if host_sync else Readback(runner.out)
+    readback = None if host_sync or spec is not None else Readback(runner.out)
     readback_every = READBACK_EVERY if device.type == "cuda" else 1
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -67,7 +70,7 @@ def run_loop(
     t_start = now()
     (prefill or runner.prefill)(prompt, kind)
     clock.mark()
-    if host_sync:
+    if host_sync or spec is not None:
         first = runner.tok.view(-1).tolist()  # the per-token host sync of this mode
         for r, t in zip(rows, first):
             r.feed([t])
@@ -87,15 +90,18 @@ def run_loop(
     records_from = 1
     ended: set[int] = set()  # rows whose end was reported
     step = 0
+    produced = 1  # tokens per row the device has written
+    token_step = [0]  # token index -> the step that made it (0: the prefill)
     cancelled = False
-    for step in range(1, max_new):
+    if spec is not None:
+        spec.start(prompt.tolist() + rows[0].tokens)
+    while produced < max_new:
         if all(r.finish is not None for r in rows):
-            step -= 1
             break
         if cancel.is_set():
             cancelled = True
-            step -= 1
             break
+        step += 1
         in_window = False
         if window is not None and window.in_window(step):
             if step == window.start:
@@ -107,7 +113,12 @@ def run_loop(
             in_window = window.tracing
             if in_window:
                 window_steps.add(step)
-        runner.step(step)
+        if spec is None:
+            runner.step(step)
+            made = 1
+        else:
+            new = spec.step(runner, max_new - produced)
+            made = len(new)
         if in_window:
             window.step_end(step)
             if not window.in_window(step + 1):
@@ -115,25 +126,37 @@ def run_loop(
                 window_s += now() - t_window0
                 t_window0 = None
         clock.mark()
-        if host_sync:
+        made = min(made, max_new - produced)
+        token_step.extend([step] * made)
+        if spec is not None:  # the host reads every step's tokens: the next drafts follow from them
+            new = new[:made]
+            rows[0].feed(new)
+            spec.accepted(new)
+            produced += made
+            seen = produced
+        elif host_sync:
+            produced += 1
             if B == 1:
                 toks = [runner.tok.item()]
             else:
                 toks = runner.tok.view(-1).tolist()
             for r, t in zip(rows, toks):
                 r.feed([t])
-            seen = step + 1
-        elif step % readback_every == 0:
-            readback.issue(step + 1)
-            visible = readback.poll()
-            if visible > seen:
-                for r, col in zip(rows, readback.columns(seen, visible)):
-                    r.feed(col)
-                seen = visible
+            seen = produced
+        else:
+            produced += 1
+            if step % readback_every == 0:
+                readback.issue(produced)
+                visible = readback.poll()
+                if visible > seen:
+                    for r, col in zip(rows, readback.columns(seen, visible)):
+                        r.feed(col)
+                    seen = visible
         t = now()
         if t - last_flush >= FLUSH_INTERVAL_S:
             _emit_text(rows, on_event, ended)
-            records_from = _emit_steps(clock, records_from, seen, rows, on_event, window_steps)
+            records_from = _emit_steps(clock, records_from, _steps_seen(token_step, seen), rows, on_event,
+                                       window_steps, token_step)
             last_flush = t
         if monitor is not None and t - last_monitor >= MONITOR_INTERVAL_S:
             for s in monitor.drain():
@@ -148,8 +171,8 @@ def run_loop(
         stats = window.finish()
     else:
         stats = None
-    if not host_sync:
-        readback.issue(steps_done + 1)
+    if readback is not None:
+        readback.issue(produced)
         visible = readback.poll(wait=True)
         if visible > seen:
             for r, col in zip(rows, readback.columns(seen, visible)):
@@ -158,7 +181,7 @@ def run_loop(
         if r.finish is None:
             r.finish = "cancelled" if cancelled else "length"
     _emit_text(rows, on_event, ended, final=True)
-    _emit_steps(clock, records_from, steps_done + 1, rows, on_event, window_steps)
+    _emit_steps(clock, records_from, steps_done + 1, rows, on_event, window_steps, token_step)
     if monitor is not None:
         for s in monitor.drain():
             on_event(s)
@@ -172,13 +195,19 @@ def run_loop(
     # Decode throughput: tokens made by decode steps outside the traced window, over the synchronised wall time
     # of the decode loop less the window.
     decode_tokens = sum(
-        sum(1 for s in range(1, len(r.tokens)) if s not in window_steps) for r in rows
+        sum(1 for s in token_step[1:len(r.tokens)] if s not in window_steps) for r in rows
     )
     decode_s = (t_end - t_first) - window_s
     metrics.decode_steps = steps_done
     metrics.profiled_steps = len(window_steps)
     metrics.decode_seconds = decode_s if steps_done else None
     metrics.decode_tok_s = decode_tokens / decode_s if steps_done and decode_s > 0 and decode_tokens else None
+    kept = sum(len(r.tokens) for r in rows) - B  # decode steps' tokens the rows kept (the first is the prefill's)
+    if steps_done:
+        metrics.put("tokens_per_step", kept / B / steps_done)
+    else:
+        metrics.mark_na("tokens_per_step", "no decode step ran")
+    _fill_speculation(metrics, spec)
     durations = [d for i, d in enumerate(clock.durations_s(steps_done + 1), start=1) if i not in window_steps]
     if durations:
         metrics.step_ms_p50 = percentile(durations, 50) * 1e3
@@ -211,14 +240,21 @@ def _emit_text(rows: list[RowText], on_event: Callable, ended: set[int], final: 
             on_event(RowFinished(candidate=i, reason=r.finish))
 
 
-def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_steps) -> int:
+def _steps_seen(token_step: list[int], seen: int) -> int:
+    """The step bound [1, n) of the tokens the host has read: steps up to the one that made token seen - 1."""
+    return token_step[min(seen, len(token_step)) - 1] + 1
+
+
+def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_steps, token_step: list[int]) -> int:
     """One StepRecord for the steps [start, upto) whose timings are known; returns the next start."""
     if upto <= start:
         return start
     durations = clock.durations_s(upto)[start - 1 :]
     if not durations:
         return start
-    tokens = sum(min(len(r.tokens), upto) for r in rows)
+    made_by = bisect.bisect_right(token_step, upto - 1)  # tokens per row made by steps before `upto`
+    made_before = bisect.bisect_right(token_step, start - 1)
+    tokens = sum(min(len(r.tokens), made_by) for r in rows)
     on_event(
         StepRecord(
             t=time.perf_counter(),
@@ -226,9 +262,25 @@ def _emit_steps(clock: StepClock, start: int, upto: int, rows, on_event, window_
             tokens_total=tokens,
             step_ms=1e3 * sum(durations) / len(durations),
             profiled=any(s in window_steps for s in range(start, upto)),
+            tokens_per_step=(made_by - made_before) / (upto - start),
         )
     )
     return upto
+
+
+def _fill_speculation(metrics: GenerationMetrics, spec: Optional[Speculator]) -> None:
+    names = ("drafted_tokens", "accepted_tokens", "verify_steps", "acceptance_rate")
+    if spec is None:
+        for name in names:
+            metrics.mark_na(name, "speculation off")
+        return
+    c = spec.counts
+    for name, value in zip(names, (c.drafted, c.accepted, c.verify_steps)):
+        metrics.put(name, value, spec.source)
+    if c.drafted:
+        metrics.put("acceptance_rate", c.accepted / c.drafted, spec.source)
+    else:
+        metrics.mark_na("acceptance_rate", "nothing was drafted in this answer (no proposal, or it ended first)")
 
 
 def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, device, t0, t1, durations, prompt_len) -> None:

@@ -29,7 +29,7 @@ DEFAULT_PROMPT = (
 DEFAULT_CANDIDATES = 4
 COMPILED_RUNGS = ("compile", "cuda-graph")
 # rungs whose own optimisation is not compile or graphs: they run without those where this bench lacks them
-RELAXED_RUNGS = ("int8", "candidates")
+RELAXED_RUNGS = ("int8", "candidates", "speculation")
 CPU_DTYPE_NOTE = (
     "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
     "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
@@ -56,6 +56,9 @@ class BenchConfig:
     interleave: Optional[bool] = None  # rounds over all rungs and the baseline; None: on the CPU only
     prompt: str = DEFAULT_PROMPT
     profile_window: bool = True
+    speculation: str = "ngram"  # how the speculation rung drafts
+    draft_tokens: int = 0
+    draft_model: str = ""
     prefix_reuse: bool = True  # repeats of the prompt then reuse its KV cache (prompt_reused_tokens says how much)
 
 
@@ -109,10 +112,13 @@ def compile_enabled(config: BenchConfig, device_type: str) -> bool:
     return config.compile if config.compile is not None else device_type == "cuda"
 
 
-def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int]) -> EngineOptions:
+def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int],
+                 speculation: str = "ngram") -> EngineOptions:
     """A preset's options for this bench: on CUDA as defined; on the CPU the half rung in bf16 and the
-    later rungs in fp32 (see CPU_DTYPE_NOTE)."""
+    later rungs in fp32 (see CPU_DTYPE_NOTE). The speculation rung drafts as `speculation` says."""
     opts = preset_options(name, base, candidates=candidates if candidates is not None else DEFAULT_CANDIDATES)
+    if opts.speculation != "off":
+        opts = replace(opts, speculation=speculation)
     if device_type != "cuda" and opts.dtype == "fp16":
         opts = replace(opts, dtype="bf16" if name == "half" else "fp32")
     return opts
@@ -121,8 +127,8 @@ def rung_options(name: str, base: EngineOptions, device_type: str, candidates: O
 def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
               ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
     """(options, skip reason, notes). A rung whose defining optimisation cannot run here is skipped; the
-    int8 and candidates rungs keep running without the optimisations this machine lacks, and say which."""
-    opts = rung_options(name, base, device_type, config.candidates)
+    int8, candidates and speculation rungs keep running without the optimisations this machine lacks, and say which."""
+    opts = rung_options(name, base, device_type, config.candidates, config.speculation)
     notes: list[str] = []
     if name == "candidates" and config.kernels == "fused":  # the fused step replaces the compiled one
         opts = replace(opts, kernels="fused", compile=False)
@@ -173,6 +179,7 @@ class LadderRunner:
         self.opts: dict[str, EngineOptions] = {}
         self._current: Optional[EngineOptions] = None
         base = EngineOptions(device=config.device, profile_window=config.profile_window,
+                             draft_tokens=config.draft_tokens, draft_model=config.draft_model,
                              prefix_reuse=config.prefix_reuse)
         for name in [p for p in PRESETS if p in config.presets]:
             opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
@@ -291,6 +298,10 @@ def validate(config: BenchConfig) -> BenchConfig:
         raise OptionsError(f"unknown preset(s): {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
     if not config.presets:
         raise OptionsError("no preset to run")
+    if config.speculation not in ("ngram", "draft"):
+        raise OptionsError(f"the speculation rung drafts with ngram or draft, got {config.speculation!r}")
+    if config.speculation == "draft" and not config.draft_model:
+        raise OptionsError("--speculation draft needs --draft-model PATH")
     if config.repeats < 1 or config.warmup < 0:
         raise OptionsError(f"repeats must be >= 1 and warm-up >= 0, got {config.repeats} and {config.warmup}")
     if config.max_new_tokens < 2:

@@ -212,6 +212,7 @@ def _static(runner: StaticRunner, prompt: torch.Tensor, kind: SamplerKind, plan:
         logits = logits.expand(runner.batch, -1)
     runner._accept(sample(logits, kind, runner.sampler), kind)
     runner.pos.fill_(T)
+    runner.host_pos = T  # as StaticRunner.prefill leaves it: the steps and the verify step count from here
 
 
 def _dynamic(runner: DynamicRunner, prompt: torch.Tensor, kind: SamplerKind, plan: Plan, spans, progress, cancel) -> None:

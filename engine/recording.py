@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from engine import figures
 from engine.errors import GaplessError
 from engine.types import EngineOptions, Event, GenerationMetrics, GenerationResult, MonitorSample, StepRecord
 
@@ -157,6 +158,7 @@ def _number(value: Any, where: str, optional: bool = False) -> Optional[float]:
 
 
 def _metrics(d: dict, where: str) -> GenerationMetrics:
+    """A registered figure is a finite number (or null); its source and the other fields are plain JSON scalars."""
     m = GenerationMetrics()
     for f in fields(GenerationMetrics):
         if f.name not in d:
@@ -168,14 +170,13 @@ def _metrics(d: dict, where: str) -> GenerationMetrics:
         elif f.name == "unavailable":
             if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(r, str) for k, r in v.items()):
                 raise RecordingError(f"{where}: unavailable is not an object of reasons")
-        elif f.name.endswith("_source"):
-            if v is not None and not isinstance(v, str):
-                raise RecordingError(f"{where}: {f.name} is not text")
-        elif v is not None:
-            x = _number(v, f"{where}: {f.name}")
-            integral = f.name in ("prompt_tokens", "new_tokens_total", "decode_steps", "profiled_steps",
-                                  "peak_memory_bytes")
-            v = int(x) if integral and x is not None else x
+        elif f.name in figures.BY_KEY:
+            if v is not None:
+                x = _number(v, f"{where}: {f.name}")
+                integral = figures.BY_KEY[f.name].unit in ("tokens", "count", "bytes") or isinstance(v, int)
+                v = int(x) if integral and x is not None and float(x).is_integer() else x
+        elif v is not None and not isinstance(v, (str, int, float, bool)):
+            raise RecordingError(f"{where}: {f.name} is {type(v).__name__}, not text or a number")
         setattr(m, f.name, v)
     return m
 
@@ -183,13 +184,17 @@ def _metrics(d: dict, where: str) -> GenerationMetrics:
 def _step(d: Any, where: str) -> StepRecord:
     if not isinstance(d, dict):
         raise RecordingError(f"{where} is not an object")
-    try:
-        return StepRecord(t=_number(d.get("t"), f"{where}: t") or 0.0, step=int(_number(d.get("step"), f"{where}: step") or 0),
-                          tokens_total=int(_number(d.get("tokens_total"), f"{where}: tokens_total") or 0),
-                          step_ms=_number(d.get("step_ms"), f"{where}: step_ms", optional=True),
-                          profiled=bool(d.get("profiled", False)))
-    except (TypeError, ValueError) as exc:
-        raise RecordingError(f"{where}: {exc}") from exc
+    values: dict[str, Any] = {}
+    for f in fields(StepRecord):
+        v = d.get(f.name)
+        if f.name == "profiled":
+            values[f.name] = bool(v)
+        elif f.name in ("t", "step", "tokens_total"):
+            x = _number(v, f"{where}: {f.name}")
+            values[f.name] = x if f.name == "t" else int(x or 0)
+        else:  # the step's optional figures (None when not measured)
+            values[f.name] = _number(v, f"{where}: {f.name}", optional=True)
+    return StepRecord(**values)
 
 
 def _sample(d: Any, where: str) -> MonitorSample:

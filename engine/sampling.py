@@ -7,6 +7,8 @@ Order of the logits processors follows transformers' generate(): repetition pena
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from engine.types import SamplingParams
@@ -59,12 +61,14 @@ def mark_seen(state: SamplerState, tokens: torch.Tensor) -> None:
     state.seen.scatter_(1, tokens[:, None], True)
 
 
-def process(logits: torch.Tensor, kind: SamplerKind, state: SamplerState) -> torch.Tensor:
+def process(logits: torch.Tensor, kind: SamplerKind, state: SamplerState,
+            seen: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The logits processors, in transformers' order: [B, V] -> [B, V], removed tokens at -inf. Greedy stops after
-    the repetition penalty (temperature and filters do not change the argmax)."""
+    the repetition penalty (temperature and filters do not change the argmax). `seen` [B, V] replaces the
+    state's tokens seen (speculative verify: each position has seen the drafts before it)."""
     if kind.repetition:
         penalised = torch.where(logits > 0, logits / state.penalty, logits * state.penalty)
-        logits = torch.where(state.seen, penalised, logits)
+        logits = torch.where(state.seen if seen is None else seen, penalised, logits)
     if kind.greedy:
         return logits
     logits = logits / state.temperature

@@ -20,6 +20,8 @@ KERNELS = ("torch", "fused")
 WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+SPECULATION_MODES = ("off", "ngram", "draft")
+MAX_DRAFT_TOKENS = 15
 # What a prompt longer than the context does (engine.prompt): drop the oldest turns, drop turns from the middle
 # (the system prompt and the first user message stay), or refuse with a message.
 OVERFLOW_POLICIES = ("rolling", "truncate-middle", "stop")
@@ -46,9 +48,12 @@ class EngineOptions:
     cuda_graph: bool = False  # capture the decode step once per candidate count, replay per token
     candidates: int = 1  # same-prompt answers decoded as one batch
     profile_window: bool = True  # trace a short window of decode steps for kernel/op gap
-    prefix_reuse: bool = True  # keep the KV cache across generations; compute only past the common prefix
     kernels: str = "torch"  # torch (the model's modules) | fused (Triton decode kernels; implies the static cache)
+    speculation: str = "off"  # off | ngram (drafts looked up in the prompt and answer) | draft (a smaller model)
+    draft_tokens: int = 0  # drafts verified per step, 1..15; 0 = adaptive
+    draft_model: str = ""  # the draft model for speculation "draft" (a GGUF file or a folder); "" = none
     weights: str = "native"  # native (dtype) | int8 (per-channel, weight-only) | int4 (group-wise, weight-only)
+    prefix_reuse: bool = True  # keep the KV cache across generations; compute only past the common prefix
 
     def validate(self) -> "EngineOptions":
         if self.device not in DEVICES:
@@ -70,6 +75,14 @@ class EngineOptions:
             raise OptionsError(f"candidates must be an integer, got {self.candidates!r}")
         if not 1 <= self.candidates <= MAX_CANDIDATES:
             raise OptionsError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
+        if self.speculation not in SPECULATION_MODES:
+            raise OptionsError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool):
+            raise OptionsError(f"draft_tokens must be an integer, got {self.draft_tokens!r}")
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise OptionsError(f"draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (0 = adaptive), got {self.draft_tokens}")
+        if not isinstance(self.draft_model, str):
+            raise OptionsError(f"draft_model must be a path (a string), got {self.draft_model!r}")
         return self
 
     def with_(self, **changes: Any) -> "EngineOptions":
@@ -111,7 +124,8 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
 
 
 # The ladder, in the order a user should apply the fixes. Each preset is complete (not a delta), except that
-# the device, profile_window and prefix_reuse of the current options are kept when a preset is applied.
+# the device, profile_window, prefix_reuse, draft_tokens and draft_model of the current options are kept when a
+# preset is applied.
 PRESETS: dict[str, EngineOptions] = {
     "naive": EngineOptions(dtype="fp32", kv_cache="dynamic", sampling="host", compile=False, cuda_graph=False),
     "half": EngineOptions(dtype="fp16", kv_cache="dynamic", sampling="host"),
@@ -125,6 +139,9 @@ PRESETS: dict[str, EngineOptions] = {
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
     ),
+    "speculation": EngineOptions(
+        dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, speculation="ngram"
+    ),
 }
 PRESET_LABELS: dict[str, str] = {
     "naive": "Naive",
@@ -136,11 +153,12 @@ PRESET_LABELS: dict[str, str] = {
     "fused": "+ fused kernels",
     "int8": "+ int8 weights",
     "candidates": "+ N candidates",
+    "speculation": "+ speculation",
 }
 
 
 def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", candidates: Optional[int] = None) -> EngineOptions:
-    """The options of preset `name`, keeping `base`'s device and profiling switch.
+    """The options of preset `name`, keeping `base`'s device, profiling switch, draft length and draft model.
 
     `half_dtype` replaces fp16 in the presets (bf16 where fp16 is a poor fit, fp32 on a CPU where half
     precision is slower than single); `candidates` overrides the candidate count of the last rung.
@@ -151,7 +169,7 @@ def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", can
     dtype = half_dtype if p.dtype == "fp16" else p.dtype
     n = candidates if (candidates is not None and p.candidates > 1) else p.candidates
     return replace(p, device=base.device, profile_window=base.profile_window, prefix_reuse=base.prefix_reuse,
-                   dtype=dtype, candidates=n).validate()
+                   dtype=dtype, candidates=n, draft_tokens=base.draft_tokens, draft_model=base.draft_model).validate()
 
 
 @dataclass(frozen=True)
@@ -265,6 +283,12 @@ class GenerationMetrics:
     dram_bw_util_pct: Metric = None
     dram_bw_util_source: Optional[str] = None
     profiled_steps: int = 0  # decode steps inside the traced window (left out of tok/s)
+    tokens_per_step: Metric = None  # tokens kept per decode step and candidate (1 without speculation)
+    drafted_tokens: Optional[int] = None  # speculation: drafts verified by the target
+    accepted_tokens: Optional[int] = None  # speculation: drafts the target accepted
+    acceptance_rate: Metric = None  # accepted / drafted
+    verify_steps: Optional[int] = None  # speculation: decode steps that verified drafts (the rest ran plain)
+    speculation_source: Optional[str] = None  # what drafted and how k was chosen
     # A remote engine: what the client measures over HTTP, and what the server reports about itself.
     http_ttft_ms: Metric = None
     http_decode_tok_s: Metric = None
@@ -401,6 +425,7 @@ class StepRecord:
     tokens_total: int  # tokens generated so far, all candidates
     step_ms: Optional[float]  # mean device-synchronised step latency over the steps this record covers
     profiled: bool = False  # inside the traced window
+    tokens_per_step: Optional[float] = None  # tokens per row made by the steps this record covers
 
 
 @dataclass(frozen=True)

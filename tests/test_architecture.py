@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-UI_MAY_IMPORT_FROM_ENGINE = {"engine", "engine.types", "engine.figures", "engine.errors"}
+# Plain data and pure functions over it (the diagnosis reads a generation's figures); nothing that runs a model.
+UI_MAY_IMPORT_FROM_ENGINE = {"engine", "engine.types", "engine.figures", "engine.errors", "engine.diagnosis"}
+PLAIN_ENGINE_MODULES = ("types", "figures", "errors", "diagnosis")
 HEAVY = {"torch", "transformers", "gguf", "safetensors", "triton"}
 QT = {"PySide6", "pyqtgraph", "shiboken6"}
 APP_GUI_BUILDERS = {"app/gui.py", "app/replay.py"}  # the app modules that build widgets
@@ -51,6 +53,13 @@ def violations(root: Path) -> list[str]:
 
 def test_the_shipped_code_keeps_the_layers():
     assert violations(ROOT) == []
+
+
+def test_the_engine_modules_the_ui_may_read_import_no_inference_stack():
+    for name in PLAIN_ENGINE_MODULES:
+        path = ROOT / "engine" / f"{name}.py"
+        heavy = [m for _, m in imports(path) if m.split(".", 1)[0] in HEAVY | QT]
+        assert heavy == [], f"engine/{name}.py imports {heavy}: the UI may not read it then"
 
 
 @pytest.mark.parametrize("rel, source, rule", [

@@ -77,6 +77,7 @@ def make_tiny_model(
     seed: int = 0,
     tie: bool = True,
     chat_template: Optional[str] = CHATML,
+    vocab_size: int = 320,
     **config_overrides,
 ) -> Path:
     """Write a tiny random causal LM of `family` (any transformers model_type) into `path` and return it."""
@@ -84,7 +85,7 @@ def make_tiny_model(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer()
+    tok = make_tokenizer(vocab_size)
     if chat_template is not None:
         tok.chat_template = chat_template
     eos = tok.convert_tokens_to_ids("<|im_end|>")

@@ -129,14 +129,14 @@ class ChatView(QScrollArea):
         elif self._candidates is not None:
             self._candidates.append(deltas)
 
+    def rows_finished(self, ended: dict[int, str]) -> None:
+        if self._candidates is not None:
+            self._candidates.mark_ended(ended)
+
     def set_stream_status(self, text: str) -> None:
         """A line under the answer before its text arrives (e.g. how much of the prompt has been read)."""
         if self._stream is not None and not self._stream.body.text:
             self._stream.stats_label.setText(text)
-
-    def rows_finished(self, ended: dict[int, str]) -> None:
-        if self._candidates is not None:
-            self._candidates.mark_ended(ended)
 
     def streaming_text(self, candidate: int = 0) -> str:
         if self._stream is not None:

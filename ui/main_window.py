@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
-
-
 def model_status_text(info: Optional[ModelInfo]) -> str:
     return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
 
@@ -65,6 +62,7 @@ def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[
         return None
     return saved
 
+METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
 
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height or width, so

@@ -94,6 +94,11 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         options_label(options),
         f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
     ])
+    speculating = bool(options and options.get("speculation", "off") != "off")
+    if speculating:
+        rate = m.get("acceptance_rate")
+        line += (f" · {fmt(m.get('tokens_per_step'), ' tok/step', 2)}, "
+                 f"{NA if rate is None else f'{100 * rate:.0f}%'} accepted")
     reused = m.get("prompt_reused_tokens")
     if reused:
         line += f" · prompt {m.get('prompt_tokens')} ({reused} reused)"
@@ -121,6 +126,14 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
                          m.get("kernel_gap_source"), unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap")))
     tips.append(_sourced("Launches per step", m.get("launches_per_step"), fmt(m.get("launches_per_step"), "", 0),
                          m.get("launches_per_step_source"), unavailable.get("launches_per_step")))
+    tips.append(_sourced("Tokens per step", m.get("tokens_per_step"), fmt(m.get("tokens_per_step"), "", 2),
+                         "engine counters: tokens kept / decode steps", unavailable.get("tokens_per_step")))
+    if speculating or m.get("acceptance_rate") is not None:
+        rate = m.get("acceptance_rate")
+        shown = (f"{100 * rate:.1f}% ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
+                 f"{m.get('verify_steps')} verify steps)") if rate is not None else NA
+        tips.append(_sourced("Drafts accepted", rate, shown, m.get("speculation_source"),
+                             unavailable.get("acceptance_rate")))
     if finish_reason:
         tips.append(f"Finished: {finish_words(finish_reason)}")
     if metrics and options:

@@ -12,7 +12,10 @@ from PySide6.QtWidgets import (
 )
 
 from ui.progress import show_progress
-from engine.types import DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, PRESET_LABELS, PRESETS, SAMPLING_MODES, EngineOptions, Progress, preset_options
+from engine.types import (
+    DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, MAX_DRAFT_TOKENS, PRESET_LABELS, PRESETS, SAMPLING_MODES,
+    SPECULATION_MODES, EngineOptions, Progress, preset_options,
+)
 from engine.types import WEIGHT_FORMATS
 from ui.stats import preset_name
 
@@ -20,7 +23,8 @@ CUSTOM = "custom"
 # The option each preset adds to the rung before it: the preset cannot run where that option cannot.
 DEFINING_OPTION: dict[str, Optional[str]] = {
     "naive": None, "half": "dtype", "device-sampling": "sampling", "first-fixes": "kv_cache", "compile": "compile",
-    "cuda-graph": "cuda_graph", "fused": "kernels", "candidates": "candidates",
+    "cuda-graph": "cuda_graph", "fused": "kernels", "int8": "weights", "candidates": "candidates",
+    "speculation": "speculation",
 }
 # (preset name, current options, device type "cpu" | "cuda") -> the preset's options on that device
 PresetResolver = Callable[[str, EngineOptions, str], EngineOptions]
@@ -40,6 +44,9 @@ TIPS = {
                "layer, on the static KV cache",
     "weights": "native: the linears in the chosen precision · int8: weight-only, one scale per output channel "
                "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
+    "speculation": ("Speculative decoding: drafts looked up in the prompt and answer (ngram) or made by a smaller model "
+                    "(draft) are verified in one step; the answer is the one plain decoding gives"),
+    "draft_tokens": "Drafts verified per step; auto lengthens them while they are accepted and pauses them when not",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
     "prefix_reuse": "Keep the KV cache between answers: the part of the next prompt it already holds is not computed again",
 }
@@ -76,13 +83,18 @@ class TogglesPanel(QWidget):
         self.candidates = QSpinBox(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
-        self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
         self.weights = _combo(WEIGHT_FORMATS, self)
         self.kernels = _combo(KERNELS, self)
+        self.speculation = _combo(SPECULATION_MODES, self)
+        self.draft_tokens = QSpinBox(self)
+        self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
+        self.draft_tokens.setSpecialValueText("auto")
+        self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
         self.controls = {
             "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
             "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
-            "weights": self.weights, "kernels": self.kernels, "prefix_reuse": self.prefix_reuse,
+            "weights": self.weights, "kernels": self.kernels, "speculation": self.speculation,
+            "draft_tokens": self.draft_tokens, "prefix_reuse": self.prefix_reuse,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -104,6 +116,7 @@ class TogglesPanel(QWidget):
                                      (("Candidates", self.candidates), (None, self.compile)),
                                      ((None, self.profile_window), (None, self.cuda_graph)),
                                      (("Weights", self.weights), ("Kernels", self.kernels)),
+                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
                                      ((None, self.prefix_reuse),))):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
@@ -160,12 +173,13 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "kernels"):
+            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "kernels", "speculation"):
                 c: QComboBox = self.controls[name]
                 c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
             self.compile.setChecked(options.compile)
             self.cuda_graph.setChecked(options.cuda_graph)
             self.candidates.setValue(options.candidates)
+            self.draft_tokens.setValue(options.draft_tokens)
             self.profile_window.setChecked(options.profile_window)
             self.prefix_reuse.setChecked(options.prefix_reuse)
             self._show_preset()
@@ -238,8 +252,8 @@ class TogglesPanel(QWidget):
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
                 if why and (name, True) in self._limits:
                     shown.append(f"Unavailable: {why}")
-            else:  # candidates
-                why = self._why(name, self._options.candidates)
+            else:  # candidates, draft_tokens
+                why = self._why(name, getattr(self._options, name))
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
             self.reasons[name].setText("\n".join(shown))
             self.reasons[name].setVisible(bool(shown))
@@ -278,9 +292,10 @@ class TogglesPanel(QWidget):
             device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
             compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
             candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
-            prefix_reuse=self.prefix_reuse.isChecked(),
             kernels=self.kernels.currentData(),
             weights=self.weights.currentData(),
+            speculation=self.speculation.currentData(), draft_tokens=self.draft_tokens.value(),
+            prefix_reuse=self.prefix_reuse.isChecked(),
         )
 
     def _edited(self, name: str) -> None:

@@ -9,7 +9,7 @@ and attend over [0, pos], so one CUDA graph per sampler kind serves every contex
 from __future__ import annotations
 
 import logging
-from typing import Callable, cast
+from typing import Callable, Optional, cast
 
 import torch
 
@@ -65,8 +65,11 @@ class FusedRunner(StaticRunner):
             self._accept(sample(self.logits, kind, self.sampler), kind)
             self.pos += 1
 
-    def bucket_step(self, bucket: int, kind: SamplerKind) -> None:
-        """What StaticRunner's warm-up and capture run: the fused step, whatever the bucket."""
+    def bucket_step(self, bucket: int, kind: SamplerKind, k: Optional[int] = None) -> None:
+        """What StaticRunner's warm-up and capture run: the fused step, whatever the bucket. The fused kernels
+        have no verify step for k drafts (the engine reports speculation unavailable with them)."""
+        if k is not None:
+            raise ValueError("the fused step has no verify step for drafts")
         self.fused_step(kind)
 
     def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
@@ -83,9 +86,11 @@ class FusedRunner(StaticRunner):
             self.fused_step(kind)
 
     def warm_up(self, buckets: list[int], kind: SamplerKind, use_graphs: bool,
-                progress: Callable[[str, float], None]) -> None:
+                progress: Callable[[str, float], None], verify_ks: tuple[int, ...] = ()) -> None:
         """Compile the kernels (their first launch) and, with use_graphs, capture the step. Its writes land where
         the prefill and later steps write before they read, as StaticRunner.warm_up explains."""
+        if verify_ks:
+            raise ValueError("the fused step has no verify step for drafts")
         if (self.length, kind) in self.graphs if use_graphs else kind in self._warm:
             return
         self.pos.fill_(0)

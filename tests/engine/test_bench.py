@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from app.cmd_bench import config_from_args, format_table, options_text, write_json
 from engine.bench import Baseline, add_ratios, matching_prefix
@@ -67,17 +68,23 @@ def test_validate_rejects_bad_configs():
 
 def test_config_from_args():
     args = argparse.Namespace(model="m.gguf", device="cpu", max_new_tokens=16, repeats=2, presets="naive, first-fixes",
-                              candidates=None, baseline=False, compile=None, prompt=None, json=None)
+                              candidates=None, baseline=False, compile=None, prompt=None, json=None,
+                              speculation=None, draft_tokens=None, draft_model=None)
     c = config_from_args(args)
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
+    assert (c.speculation, c.draft_tokens, c.draft_model) == ("ngram", 0, "")
     args.presets = None
     assert config_from_args(args).presets[0] == "naive" and config_from_args(args).presets == tuple(PRESETS)
+    assert config_from_args(args).presets[-1] == "speculation"
+    args.speculation, args.draft_tokens, args.draft_model = "draft", 4, "small.gguf"
+    c = config_from_args(args)
+    assert (c.speculation, c.draft_tokens, c.draft_model) == ("draft", 4, "small.gguf")
 
 
 def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
     r = Rung(name, label, status, reason=reason, options=options, notes=list(notes))
     if status == "ok":
-        r.median = {"decode_tok_s": tok_s, "ttft_ms": 100.0, "kernel_gap_pct": gap,
+        r.median = {"decode_tok_s": tok_s, "ttft_ms": 100.0, "kernel_gap_pct": gap, "tokens_per_step": 1.0,
                     "kernel_gap_source": "op gap — torch.profiler CPU ops, 8-step window (sampled)" if gap else None,
                     "launches_per_step": 4 * gap if gap else None,
                     "launches_per_step_source": "aten ops per step — torch.profiler CPU ops, 8-step window (sampled)"
@@ -152,7 +159,7 @@ def test_table_rows_figures_and_notes():
     row = next(line for line in lines if line.startswith("| + static KV cache"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells == ["+ static KV cache", "fp32, static KV, device sampling, eager", "128", "25.0", "2.50×", "1.25×",
-                     "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB"]
+                     "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB", "1.00", "n/a"]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
     skipped = next(line for line in lines if line.startswith("| + compile"))
@@ -183,6 +190,8 @@ def test_describe_options():
     assert options_text(opts(dtype="fp32", sampling="host", profile_window=False)) == (
         "fp32, static KV, host sampling, eager")
     assert options_text(None) == ""
+    assert options_text(opts(dtype="fp32", speculation="ngram", draft_tokens=0)) == (
+        "fp32, static KV, device sampling, eager, speculation ngram")
 
 
 def test_write_json_round_trip(tmp_path):
@@ -328,3 +337,49 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         assert eng.options == before
     finally:
         eng.close()
+
+
+def test_speculation_rung_runs_on_the_cpu_without_compile(tiny_llama, tmp_path, capsys):
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "bench.json"
+    assert run_bench(bench_args(tiny_llama, path, presets="first-fixes,speculation")) == 0
+    report = json.loads(path.read_text(encoding="utf-8"))
+    fixes, spec = report["rungs"]
+    assert spec["name"] == "speculation" and spec["status"] == "ok" and spec["label"] == "+ speculation"
+    assert spec["options"]["speculation"] == "ngram" and spec["options"]["compile"] is False
+    assert spec["notes"] == ["without compile and CUDA graph (compile off for this bench)"]
+    assert spec["runs"][0]["token_ids"] == fixes["runs"][0]["token_ids"]  # greedy: the same answer
+    m = spec["median"]
+    assert m["tokens_per_step"] is not None and m["speculation_source"].startswith("engine counters: n-gram")
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| + speculation"))
+    assert "eager, speculation ngram (1)" in row
+
+
+def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):
+    from app.cli import build_parser
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "spec.json"
+    args = build_parser().parse_args(["bench", "--model", str(tiny_llama), "--device", "cpu", "--speculation-workloads",
+                                      "--max-new-tokens", "24", "--threads", "1", "--json", str(path)])
+    threads = torch.get_num_threads()
+    try:
+        assert run_bench(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(path.read_text(encoding="utf-8"))
+    assert report["torch_threads"] == 1 and report["config"]["speculation"] == "ngram"
+    results = report["results"]
+    assert [r["workload"] for r in results] == ["rewrite", "summarise", "free chat"]
+    for r in results:
+        assert r["status"] == "ok" and r["dtype"] == "fp32"
+        assert all(p["identical"] for p in r["prompts"])  # greedy: the same tokens with and without
+        off, on = r["plain"], r["speculation"]
+        assert off["tokens_per_step"] == 1.0 and off["drafted_tokens"] == 0
+        assert on["decode_tokens"] == off["decode_tokens"]
+        assert r["speedup"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"])
+    assert results[0]["standing"].startswith("target >= 1.5x") and results[1]["standing"] is None
+    out = capsys.readouterr().out
+    assert "| fp32  | rewrite " in out and "1 torch thread(s)" in out

@@ -258,12 +258,12 @@ class StepAsCaptured:
     """A captured CUDA graph's stand-in on the CPU: each replay runs what the capture records, the decode step as
     a function of the runner's buffers over one context bucket (`StaticRunner.bucket_step`), eagerly."""
 
-    def __init__(self, runner, bucket, kind):
-        self.runner, self.bucket, self.kind, self.replays = runner, bucket, kind, 0
+    def __init__(self, runner, bucket, kind, k=None):
+        self.runner, self.bucket, self.kind, self.k, self.replays = runner, bucket, kind, k, 0
 
     def replay(self):
         self.replays += 1
-        self.runner.bucket_step(self.bucket, self.kind)
+        self.runner.bucket_step(self.bucket, self.kind, self.k)
 
 
 def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switched_off(tiny_factory, monkeypatch):
@@ -272,9 +272,9 @@ def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switc
     path = tiny_factory("llama", max_position_embeddings=1024)
     captured: list[StepAsCaptured] = []
 
-    def capture(self, bucket, kind):
-        captured.append(StepAsCaptured(self, bucket, kind))
-        self.graphs[(bucket, kind)] = captured[-1]
+    def capture(self, bucket, kind, k=None):
+        captured.append(StepAsCaptured(self, bucket, kind, k))
+        self.graphs[self._graph_key(bucket, kind, k)] = captured[-1]
 
     real_unavailable = Engine.unavailable
 

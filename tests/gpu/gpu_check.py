@@ -74,7 +74,7 @@ TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_
 
 
 SECTIONS = ("nvml", "fused", "parity_fp32", "ladder", "telemetry", "sdpa_first_use", "kernels", "oom_fallback",
-            "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16")
+            "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16", "speculation")
 
 
 class Report:
@@ -477,6 +477,23 @@ def sdpa_first_use(folder: Path, progress: Callable[[str], None], device: str = 
     return {"dtype": "bf16", "kv_cache": "dynamic", "rows": rows}
 
 
+def speculation(folder: Path, progress: Callable[[str], None], device: str = "cuda", max_new: int = 128) -> dict:
+    """Speculative decoding against plain decoding, both compiled and captured (fp16 on CUDA): the rewrite,
+    summary and free-chat workloads of `gapless bench --speculation-workloads`, and what a verify step of k drafts
+    costs against a plain step (the figure that carries over to real weights, whose acceptance the CPU run of the
+    default model measures: greedy tokens, and so drafts and acceptance, are the same on every device). With random
+    weights the workloads' acceptance says nothing about real text."""
+    from engine.bench_spec import SpecBenchConfig, format_workloads, run_speculation_workloads
+
+    cuda = device == "cuda"
+    cfg = SpecBenchConfig(model=str(folder), device=device, dtypes=("fp16",) if cuda else ("fp32",),
+                          max_new_tokens=max_new, compile=cuda, cuda_graph=cuda)
+    report = run_speculation_workloads(cfg, progress, command=sys.argv)
+    report["table"] = format_workloads(report)
+    print(report["table"], flush=True)
+    return report
+
+
 def oom_fallback(folder: Path) -> dict:
     """Fill the GPU so a 32-candidate CUDA-graph generation cannot fit; the engine must fall back with notices."""
     from engine.engine import Engine
@@ -554,6 +571,8 @@ def main(argv=None) -> int:
                                need_s=60, cuda=True)
             for dtype in ("fp16", "bf16"):
                 report.section(f"logits_{dtype}", lambda d=dtype: logits_check(folder, device, d), need_s=60, cuda=True)
+            report.section("speculation", lambda: speculation(folder, report.progress("speculation")), need_s=120,
+                           cuda=True)
     except KeyboardInterrupt:
         report.data["interrupted"] = "stopped by the time limit; the sections above say how far each got"
     finally:

@@ -19,7 +19,8 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
     assert rc == 0, {k: v.get("error") for k, v in sections.items()}
     assert sections["machine"]["ok"] and sections["machine"]["result"]["cpu_model"]
     assert sections["model"]["result"]["kind"] == "tiny"
-    for name in ("nvml", "fused", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback", "logits_fp16", "logits_bf16"):
+    for name in ("nvml", "fused", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback",
+                 "logits_fp16", "logits_bf16", "speculation"):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
     tel = sections["telemetry"]["result"]  # the recording runs on any device; the GPU's is the one that counts
     from engine.recording import load
@@ -160,3 +161,21 @@ def test_fused_trace_helpers():
     assert overlapping_pairs(trace) == 1  # the attention starts before the QKV kernel ends; the rest do not
     assert fused_kind("norm_head_kernel") == "norm_head_kernel"
     assert fused_kind("nvjet_hsh_64x8") == "torch matmul (cuBLAS/CUTLASS)"
+
+
+def test_speculation_section_runs_its_course_on_the_cpu(tmp_path):
+    """The speculation section eager on the CPU: every workload with both arms, the same greedy tokens, and the
+    step costs of every draft length."""
+    from gpu.gpu_check import TINY, make_model_folder, speculation
+
+    folder = make_model_folder(tmp_path / "tiny", TINY)
+    threads = torch.get_num_threads()
+    try:
+        got = speculation(folder, lambda msg: None, device="cpu", max_new=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["workload"] for r in got["results"]] == ["rewrite", "summarise", "free chat"]
+    assert all(r["status"] == "ok" and all(p["identical"] for p in r["prompts"]) for r in got["results"])
+    costs = got["step_costs"][0]
+    assert set(costs["verify_step_ms"]) == {"1", "2", "4", "8", "15"} and costs["plain_step_ms"] > 0
+    assert "| fp32  | rewrite " in got["table"]

@@ -52,7 +52,8 @@ COLUMNS = (
     Column("label", "Generation", "label"),
     *(metric_column(k) for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "step_ms_p50", "step_ms_p99",
                                  "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct",
-                                 "dram_bw_util_pct", "peak_memory_bytes", "new_tokens_total", "prompt_tokens")),
+                                 "dram_bw_util_pct", "peak_memory_bytes", "tokens_per_step", "acceptance_rate",
+                                 "new_tokens_total", "prompt_tokens")),
     Column("options", "Options", "summary", tip="the options the generation ran with; one column each follows"),
     Column("device", "Device", "option"),
     Column("dtype", "Dtype", "option"),
@@ -61,6 +62,8 @@ COLUMNS = (
     Column("compile", "Compile", "option", _on_off),
     Column("cuda_graph", "CUDA graph", "option", _on_off),
     Column("candidates", "Candidates", "option"),
+    Column("speculation", "Speculation", "option"),
+    Column("draft_tokens", "Drafts", "option", lambda v: str(v) if v else "auto"),
 )
 COLUMN_INDEX = {c.key: i for i, c in enumerate(COLUMNS)}
 

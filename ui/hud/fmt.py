@@ -42,6 +42,8 @@ def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
         return size(v)
     if spec.unit in ("tokens", "count"):
         return number(v, digits=0 if spec.digits is None else spec.digits)
+    if spec.unit == "fraction":  # stored 0..1, shown as a percentage
+        return NA if v is None or not math.isfinite(v) else number(100 * v, "%", 0 if spec.digits is None else spec.digits)
     if spec.unit == "ratio":
         return NA if v is None or not math.isfinite(v) else f"×{v:,.2f}"
     return number(v, spec.unit, spec.digits)

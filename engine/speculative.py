@@ -1,0 +1,333 @@
+"""Speculative decoding: drafts proposed cheaply, verified by the target model in one forward over k+1 positions.
+
+Drafts come from the conversation itself (n-gram prompt lookup) or from a smaller model with the same tokenizer.
+The verify rule keeps the target's answer: under greedy decoding the tokens are the ones plain decoding would
+make; under sampling they are distributed as plain sampling's (speculative sampling with a point-mass draft,
+since both proposers draft deterministically: accept x with probability p(x), else sample p with x removed).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import StaticKVCache, Transformer
+from engine.sampling import SamplerKind, SamplerState, process
+
+NGRAM_MAX = 3  # the longest suffix matched; shorter ones are tried after it, down to one token
+ADAPTIVE_KS = (1, 2, 4, 8, 15)  # draft lengths the adaptive schedule moves between (one graph each)
+ADAPTIVE_START = 2  # index into ADAPTIVE_KS
+# Adaptive back-off: when verify steps make fewer tokens per second than plain steps (measured), drafts pause for a
+# number of steps that doubles at each further loss (up to PAUSE_MAX), so a chat with nothing to copy runs plain
+# steps and only probes now and then.
+PAUSE_MAX = 64
+EMA = 0.3  # weight of the newest measurement in the running step times and speed ratio
+
+
+class Proposer(Protocol):
+    def reset(self, tokens: list[int]) -> None:
+        """A new generation: `tokens` is the prompt followed by the first generated token."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens accepted since the last call, in order."""
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k drafts to follow the last token; [] when there is nothing worth verifying."""
+
+
+class NgramProposer:
+    """Prompt lookup on the host: the last n tokens (n = NGRAM_MAX down to 1) are looked up among the earlier
+    n-grams of prompt + answer, and the k tokens that followed the latest match are proposed.
+
+    An index from each n-gram to the position after its latest occurrence is kept up to date as tokens arrive,
+    so a proposal costs a few dictionary look-ups whatever the length of the conversation.
+    """
+
+    def __init__(self, max_n: int = NGRAM_MAX):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.last_match = 0  # the length of the n-gram the last proposal matched
+
+    def reset(self, tokens: list[int]) -> None:
+        self.tokens = []
+        self.index = [{} for _ in range(self.max_n + 1)]
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        h = self.tokens
+        for t in tokens:
+            # The n-grams ending at the current last token get the new token's position as their continuation.
+            end = len(h)
+            for n in range(1, self.max_n + 1):
+                if end >= n:
+                    self.index[n][tuple(h[end - n:end])] = end
+            h.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        h = self.tokens
+        end = len(h)
+        for n in range(min(self.max_n, end), 0, -1):
+            start = self.index[n].get(tuple(h[end - n:]))
+            if start is not None:
+                self.last_match = n
+                # A continuation that runs into the answer's end goes on copying its own drafts: the match says
+                # the text repeats with period end - start, as in a run of one token or a repeated line.
+                out: list[int] = []
+                for j in range(start, start + k):
+                    out.append(h[j] if j < end else out[j - end])
+                return out
+        return []
+
+
+def ngram_propose_tensor(history: torch.Tensor, length: int, k: int, max_n: int = NGRAM_MAX) -> torch.Tensor:
+    """The same look-up on the device, with no host state: history [L] long (prompt + answer, the first `length`
+    valid), returns [k] drafts, -1 where there is no proposal. Kept to measure against the host look-up
+    (docs/benchmarks.md, "where the look-up runs"); the engine uses NgramProposer."""
+    out = torch.full((k,), -1, dtype=torch.long, device=history.device)
+    h = history[:length]
+    for n in range(min(max_n, length - 1), 0, -1):
+        windows = h[: length - 1].unfold(0, n, 1)  # [length - n, n]: every n-gram that has a continuation
+        hits = (windows == h[length - n:]).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            cont = h[start:start + k]
+            out[: cont.numel()] = cont
+            return out
+    return out
+
+
+@dataclass
+class Verdict:
+    """One verify step on the device: the tokens it emits, in order, and how many of them are valid."""
+
+    tokens: torch.Tensor  # [k+1] long: positions past n_emit are not part of the answer
+    n_emit: torch.Tensor  # [] long, 1..k+1
+    n_accepted: torch.Tensor  # [] long, drafts accepted (0..k), before any EOS cut
+    eos_hit: torch.Tensor  # [] bool: an EOS is among the emitted tokens
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, kind: SamplerKind, state: SamplerState,
+           eos: torch.Tensor) -> Verdict:
+    """logits [k+1, V] float32: the target's logits at the current token and at each of the k drafts [k].
+
+    Greedy: accept the longest prefix of drafts equal to the target's choices; the next token is the target's
+    choice after it (a correction, or the bonus token when every draft was accepted). Sampling: each draft x is
+    accepted with probability p(x) under the processed distribution at its position; at the first rejection the
+    token is drawn from p with x removed, after a full acceptance from the next position's p. The processors
+    (repetition penalty, temperature, top-k, top-p) see at position i the drafts before i as generated tokens,
+    exactly as plain decoding would have seen them. Tokens after an emitted EOS are not emitted.
+    Everything stays on the device and has static shapes (one compiled or captured graph per k).
+    """
+    T, V = logits.shape
+    k = T - 1
+    seen = None
+    if kind.repetition:
+        drafted = F.one_hot(drafts, V).cumsum(0) > 0  # [k, V]: drafts up to and including i
+        seen = state.seen[:1] | torch.cat([torch.zeros(1, V, dtype=torch.bool, device=logits.device), drafted])
+    logits = process(logits, kind, state, seen=seen)
+    steps = torch.arange(T, device=logits.device)
+    if kind.greedy:
+        choice = torch.argmax(logits, dim=-1)  # [T]
+        match = drafts == choice[:k]
+        n_acc = torch.cumprod(match.long(), 0).sum()
+        tokens = choice
+    else:
+        probs = torch.softmax(logits, dim=-1)  # [T, V]
+        p_draft = probs[:k].gather(1, drafts[:, None])[:, 0]
+        match = torch.rand(k, device=logits.device) < p_draft
+        n_acc = torch.cumprod(match.long(), 0).sum()
+        residual = probs.clone()
+        residual[:k].scatter_(1, drafts[:, None], 0.0)
+        # The exponential race (as sampling.sample) over the unnormalised residual: the same draw as normalised.
+        q = torch.empty_like(residual).exponential_()
+        drawn = torch.argmax(residual / q, dim=-1)
+        tokens = torch.where(steps < n_acc, torch.cat([drafts, drafts[-1:]]), drawn)
+    is_eos = torch.isin(tokens, eos)
+    eos_before = torch.cumsum(is_eos.long(), 0) - is_eos.long()
+    valid = (steps <= n_acc) & (eos_before == 0)
+    return Verdict(tokens=tokens, n_emit=valid.sum(), n_accepted=n_acc, eos_hit=(is_eos & valid).any())
+
+
+@dataclass
+class _Gate:
+    """Whether drafts of one kind (an n-gram match of one length, or the draft model) are worth verifying."""
+
+    pause: int = 0  # chances to draft left to skip
+    backoff: int = 1  # the next pause
+    speed: float = 1.0  # running tokens per second of verify steps, over plain steps'
+
+
+class AdaptiveK:
+    """The draft length and whether to draft at all.
+
+    Length: one step of ADAPTIVE_KS longer after a verify step that accepted every draft, one shorter after one
+    that accepted fewer than half. Whether: a verify step of k drafts costs more than a plain step (on a CPU 1.5-3x,
+    measured in docs/benchmarks.md), so it pays only when it makes more tokens than its cost ratio. The host times
+    both kinds of step (each ends with reading its tokens back, so the times are the device's); while the running
+    ratio tokens x t_plain / t_verify stays below 1, drafts pause for a back-off that doubles at each loss. The
+    ratio is kept per kind of draft (`key`: the n-gram match length), since a 3-token match is accepted far more
+    often than a 1-token one. A fixed draft length (`fixed` > 0) drafts at every step that has a proposal.
+    """
+
+    def __init__(self, fixed: int = 0, ks: tuple[int, ...] = ADAPTIVE_KS):
+        self.fixed = fixed
+        self.ks = ks
+        self.level = min(ADAPTIVE_START, len(ks) - 1)
+        self.gates: dict[int, _Gate] = {}
+        self.t_plain: Optional[float] = None  # running seconds of a plain step
+        self.t_verify: dict[int, float] = {}  # running seconds of a verify step, per length
+
+    @property
+    def k(self) -> int:
+        return self.fixed or self.ks[self.level]
+
+    def gate(self, key: int = 0) -> _Gate:
+        return self.gates.setdefault(key, _Gate())
+
+    def wants_drafts(self, key: int = 0) -> bool:
+        if self.fixed:
+            return True
+        if self.t_plain is None:
+            return False  # one plain step first, to know what a verify step must beat
+        g = self.gate(key)
+        if g.pause > 0:
+            g.pause -= 1
+            return False
+        return True
+
+    def plain_step(self, seconds: float) -> None:
+        self.t_plain = seconds if self.t_plain is None else (1 - EMA) * self.t_plain + EMA * seconds
+
+    def verify_step(self, shape: int, drafted: int, accepted: int, emitted: int, seconds: float,
+                    key: int = 0) -> None:
+        t = self.t_verify.get(shape)
+        self.t_verify[shape] = seconds if t is None else (1 - EMA) * t + EMA * seconds
+        if self.fixed:
+            return
+        if accepted == drafted:
+            self.level = min(self.level + 1, len(self.ks) - 1)
+        elif 2 * accepted < drafted:
+            self.level = max(self.level - 1, 0)
+        if self.t_plain is None:
+            return
+        g = self.gate(key)
+        g.speed = (1 - EMA) * g.speed + EMA * emitted * self.t_plain / self.t_verify[shape]
+        if g.speed >= 1.0:
+            g.backoff = 1
+            return
+        g.pause = g.backoff
+        g.backoff = min(2 * g.backoff, PAUSE_MAX)
+        g.speed = 1.0  # the next probe is judged on its own
+
+
+@dataclass
+class SpecCounts:
+    """What speculation did in one generation: the figures of GenerationMetrics."""
+
+    verify_steps: int = 0  # steps that verified drafts
+    plain_steps: int = 0  # steps with no drafts (nothing matched, or a pause)
+    drafted: int = 0  # drafts verified (real drafts, not the padding up to a graph's k)
+    accepted: int = 0  # of those, accepted by the target
+
+
+class DraftProposer:
+    """A smaller model with the target's tokenizer drafts k tokens greedily, one forward each, on its own static
+    cache. Tokens accepted since its last proposal are fed first, in one forward; drafts the target rejected stay
+    in its cache past the accepted ones and are overwritten by that next forward, as in the target's cache."""
+
+    def __init__(self, model: Transformer, length: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.length = min(length, model.args.max_seq_len)
+        self.cache = StaticKVCache.allocate(model.args, 1, self.length, dtype, device)
+        self.device = device
+        self.arange = torch.arange(self.length, device=device)
+        self.tokens: list[int] = []
+        self.filled = 0  # leading tokens whose keys and values are in the cache
+
+    def reset(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        self.filled = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def _next(self, ids: list[int], start: int) -> int:
+        positions = self.arange[start:start + len(ids)]
+        self.cache.attn_len = start + len(ids)
+        mask = self.arange[: start + len(ids)][None, :] <= positions[:, None]
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        return int(self.model(x, positions, self.cache, mask)[0, -1].argmax())
+
+    def propose(self, k: int) -> list[int]:
+        n = len(self.tokens)
+        k = min(k, self.length - n)
+        if k < 1:
+            return []
+        drafts = [self._next(self.tokens[self.filled:], self.filled)]
+        self.filled = n
+        for i in range(1, k):
+            drafts.append(self._next(drafts[-1:], n + i - 1))
+        return drafts
+
+
+class Speculator:
+    """Speculation for one generation: asks the proposer for drafts, picks the verify step's length, runs it (or a
+    plain step when there is nothing to verify) and keeps the counts."""
+
+    def __init__(self, proposer: Proposer, draft_tokens: int, shapes: Optional[tuple[int, ...]] = None,
+                 source: str = ""):
+        self.proposer = proposer
+        self.source = source  # for the figures: what drafted and how k was chosen
+        self.schedule = AdaptiveK(draft_tokens)
+        self.shapes = shapes  # verify lengths with a compiled or captured step; None: eager, any length
+        self.counts = SpecCounts()
+
+    def start(self, tokens: list[int]) -> None:
+        self.proposer.reset(tokens)
+
+    def accepted(self, tokens: list[int]) -> None:
+        self.proposer.extend(tokens)
+
+    def step(self, runner, remaining: int) -> list[int]:
+        """One decode step of `runner` (a StaticRunner) with `remaining` tokens still wanted; returns the tokens it
+        wrote to the runner's output (read back, so its time is the device's)."""
+        room = runner.verify_room()
+        k = min(self.schedule.k, remaining - 1, room)
+        drafts = self.proposer.propose(k) if k >= 1 else []
+        key = getattr(self.proposer, "last_match", 0)
+        if drafts and not self.schedule.wants_drafts(key):
+            drafts = []
+        start = runner.host_pos - runner.prompt_len + 1  # tokens written so far (the runner's counter, known here)
+        t0 = time.perf_counter()
+        if not drafts:
+            runner.step(0)
+            tokens = runner.out[0, start:start + 1].tolist()
+            self.schedule.plain_step(time.perf_counter() - t0)
+            self.counts.plain_steps += 1
+            return tokens
+        shape = len(drafts)
+        if self.shapes:  # the shortest step compiled for this many drafts, if the cache has room for it
+            shape = next((s for s in self.shapes if s >= len(drafts) and s <= room), len(drafts))
+        emitted, accepted = runner.speculate(drafts, shape)
+        tokens = runner.out[0, start:start + emitted].tolist()
+        self.schedule.verify_step(shape, len(drafts), accepted, emitted, time.perf_counter() - t0, key)
+        self.counts.verify_steps += 1
+        self.counts.drafted += len(drafts)
+        self.counts.accepted += accepted
+        return tokens
+
+
+def vocabulary_mismatch(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> Optional[str]:
+    """Why a draft model cannot draft for the target (their token ids mean different things), or None."""
+    if target_vocab != draft_vocab:
+        return (f"the draft model's vocabulary has {draft_vocab} entries and the target's {target_vocab}: "
+                "drafts must use the target's token ids")
+    a, b = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if a != b:
+        differing = sum(1 for tok, i in a.items() if b.get(tok) != i) + sum(1 for tok in b if tok not in a)
+        return f"the draft model's tokenizer differs from the target's ({differing} tokens map to other ids)"
+    return None

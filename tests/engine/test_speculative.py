@@ -1,0 +1,496 @@
+"""Speculative decoding on tiny models: greedy tokens identical to plain decoding for every fast family and draft
+length, EOS and max_new_tokens inside an accepted run, the sampling distribution unchanged (a chi-square test with
+a control that it can fail), the draft-model path and its refusal of a mismatched pair, the options and flags."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.errors import OptionsError
+from engine.sampling import SamplerKind, SamplerState
+from engine.speculative import AdaptiveK, NgramProposer, ngram_propose_tensor, verify, vocabulary_mismatch
+from engine.types import EngineOptions, SamplingParams, StepRecord
+
+CPU = EngineOptions(device="cpu")
+REPEATS = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
+                                       "the quick brown fox jumps over the lazy dog."}]
+PLAIN = [{"role": "user", "content": "Paris is the capital of France."}]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family_engine(request, tiny_factory):
+    eng = Engine.load(str(tiny_factory(request.param)), CPU)
+    yield eng
+    eng.close()
+
+
+def generate(eng: Engine, messages, sampling, **options):
+    eng.reconfigure(CPU.with_(**options))
+    return eng.generate(messages, sampling)
+
+
+# ---- options and flags ------------------------------------------------------------------------------------
+
+
+def test_options_validate_and_round_trip():
+    o = EngineOptions(speculation="draft", draft_tokens=7, draft_model="/m/small.gguf").validate()
+    assert EngineOptions.from_dict(o.to_dict()) == o
+    assert o.to_dict()["speculation"] == "draft" and o.to_dict()["draft_tokens"] == 7
+    for bad, needle in [(dict(speculation="lookahead"), "speculation must be one of off, ngram, draft"),
+                        (dict(draft_tokens=16), "between 1 and 15 (0 = adaptive), got 16"),
+                        (dict(draft_tokens=-1), "got -1"), (dict(draft_tokens=True), "must be an integer"),
+                        (dict(draft_model=None), "draft_model must be a path")]:
+        with pytest.raises(OptionsError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            EngineOptions(**bad).validate()
+
+
+def test_cli_flags_reach_the_options():
+    from app.cli import build_parser
+    from app.cmd_generate import options_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--speculation", "ngram", "--draft-tokens", "auto"])
+    assert options_from_args(args).speculation == "ngram" and options_from_args(args).draft_tokens == 0
+    args = parser.parse_args(["generate", "--prompt", "x", "--speculation", "draft", "--draft-tokens", "5",
+                              "--draft-model", "small.gguf"])
+    o = options_from_args(args)
+    assert (o.speculation, o.draft_tokens, o.draft_model) == ("draft", 5, "small.gguf")
+    args = parser.parse_args(["generate", "--prompt", "x", "--draft-tokens", "20"])
+    with pytest.raises(OptionsError, match="draft_tokens must be between"):
+        options_from_args(args)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--draft-tokens", "many"])
+    bench = parser.parse_args(["bench", "--speculation-workloads", "--draft-tokens", "3"])
+    assert bench.speculation_workloads and bench.draft_tokens == 3
+
+
+def test_speculation_needs_the_static_cache_and_one_candidate(llama_engine_spec):
+    eng = llama_engine_spec
+    assert "static KV cache" in eng.unavailable(CPU.with_(speculation="ngram", kv_cache="dynamic"))["speculation"]
+    assert "several candidates" in eng.unavailable(CPU.with_(speculation="ngram", candidates=2))["speculation"]
+    assert "no draft model chosen" in eng.unavailable(CPU.with_(speculation="draft"))["speculation"]
+    assert "speculation" not in eng.unavailable(CPU.with_(speculation="ngram"))
+    eng.reconfigure(CPU.with_(speculation="ngram", candidates=2))
+    res = eng.generate(REPEATS, SamplingParams(temperature=0, max_new_tokens=8))
+    assert res.options.speculation == "off" and "several candidates" in res.unavailable["speculation"]
+    assert res.metrics.unavailable["acceptance_rate"] == "speculation off"
+
+
+@pytest.fixture(scope="module")
+def llama_engine_spec(tiny_llama):
+    eng = Engine.load(str(tiny_llama), CPU)
+    yield eng
+    eng.close()
+
+
+# ---- the n-gram look-up -----------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    p = NgramProposer()
+    p.reset([1, 2, 3, 9, 9, 2, 3, 7, 8, 5, 6, 1, 2, 3])
+    assert p.propose(3) == [9, 9, 2]  # [2, 3] was seen later (then 7, 8), but the longer [1, 2, 3] wins
+    p.reset([5, 2, 3, 7, 8, 4, 2, 3, 6, 1, 3])
+    assert p.propose(2) == [6, 1]  # only [3] matches: its latest earlier occurrence was followed by 6, 1
+    p.reset([1, 2, 3])
+    assert p.propose(4) == []
+    p.reset([4, 4, 4, 4])
+    assert p.propose(5) == [4, 4, 4, 4, 4]  # a run goes on copying itself
+    p.reset([1, 2, 1, 2, 1])
+    assert p.propose(5) == [2, 1, 2, 1, 2]
+    p.extend([2, 9])
+    assert p.propose(2) == []  # 9 never seen before
+
+
+def test_device_lookup_proposes_what_the_host_lookup_does():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(2, 40, (1,), generator=g))
+        h = torch.randint(0, 6, (n,), generator=g)
+        p = NgramProposer()
+        p.reset(h.tolist())
+        host = p.propose(4)
+        dev = ngram_propose_tensor(h, n, 4)
+        # The device look-up stops at the answer's end; the host one goes on copying a periodic match.
+        got = [t for t in dev.tolist() if t >= 0]
+        assert host[: len(got)] == got and (len(got) == 0) == (len(host) == 0)
+
+
+def test_adaptive_k_grows_shrinks_and_pauses_when_verifying_does_not_pay():
+    a = AdaptiveK()
+    assert not a.wants_drafts()  # the first step is plain: its time is what a verify step must beat
+    a.plain_step(0.010)
+    assert a.k == 4 and a.wants_drafts()
+    a.verify_step(4, 4, 4, 5, 0.015)  # all accepted: longer; 5 tokens for 1.5 plain steps pays
+    assert a.k == 8 and a.wants_drafts()
+    a.verify_step(8, 8, 3, 4, 0.020)  # fewer than half: shorter; 4 tokens for 2 plain steps still pays
+    assert a.k == 4 and a.wants_drafts()
+    a.verify_step(4, 4, 2, 3, 0.015)  # half: kept
+    assert a.k == 4
+    for _ in range(3):  # nothing accepted: 1 token for 1.5 plain steps loses, but the running ratio is above 1
+        a.verify_step(4, 4, 0, 1, 0.015)
+        assert a.gate().pause == 0
+    a.verify_step(4, 4, 0, 1, 0.015)  # now below: a pause of one plain step
+    assert a.k == 1 and not a.wants_drafts() and a.wants_drafts()
+    assert a.wants_drafts(key=3)  # matches of another length have their own record
+    a.verify_step(2, 2, 0, 1, 0.015)
+    assert not a.wants_drafts() and not a.wants_drafts() and a.wants_drafts()  # the pause doubled
+    a.verify_step(2, 2, 2, 3, 0.012)  # paid again: the back-off ends
+    a.verify_step(4, 4, 4, 5, 0.012)
+    assert a.wants_drafts() and a.gate().backoff == 1
+    fixed = AdaptiveK(fixed=6)
+    assert fixed.wants_drafts()
+    fixed.verify_step(6, 6, 0, 1, 0.1)
+    fixed.verify_step(6, 6, 0, 1, 0.1)
+    assert fixed.k == 6 and fixed.wants_drafts()
+
+
+# ---- the verify rule --------------------------------------------------------------------------------------
+
+
+def _logits(choices: list[int], vocab: int = 8) -> torch.Tensor:
+    out = torch.zeros(len(choices), vocab)
+    out[torch.arange(len(choices)), torch.tensor(choices)] = 5.0
+    return out
+
+
+def test_greedy_verify_accepts_the_matching_prefix_and_adds_the_next_choice():
+    state = SamplerState(1, 8, torch.device("cpu"))
+    kind = SamplerKind(greedy=True, top_k=False, top_p=False, repetition=False)
+    eos = torch.tensor([7])
+    v = verify(_logits([3, 4, 5, 6]), torch.tensor([3, 4, 1]), kind, state, eos)
+    assert v.tokens[: int(v.n_emit)].tolist() == [3, 4, 5] and int(v.n_accepted) == 2 and not bool(v.eos_hit)
+    v = verify(_logits([3, 4, 5, 6]), torch.tensor([3, 4, 5]), kind, state, eos)
+    assert v.tokens[: int(v.n_emit)].tolist() == [3, 4, 5, 6]  # all accepted: the bonus token
+    v = verify(_logits([2, 4, 5]), torch.tensor([3, 4]), kind, state, eos)
+    assert v.tokens[: int(v.n_emit)].tolist() == [2]  # the first draft rejected: the correction only
+    v = verify(_logits([3, 7, 5, 6]), torch.tensor([3, 7, 5]), kind, state, eos)
+    assert v.tokens[: int(v.n_emit)].tolist() == [3, 7] and bool(v.eos_hit)  # nothing after an accepted EOS
+
+
+def test_verify_sees_earlier_drafts_under_the_repetition_penalty():
+    state = SamplerState(1, 8, torch.device("cpu"))
+    state.penalty.fill_(10.0)
+    state.seen.zero_()
+    kind = SamplerKind(greedy=True, top_k=False, top_p=False, repetition=True)
+    logits = torch.zeros(3, 8)
+    logits[:, 3] = 5.0
+    logits[:, 4] = 4.0  # 3 wins unless it was generated before: then 5 / 10 < 4
+    v = verify(logits, torch.tensor([3, 3]), kind, state, torch.tensor([7]))
+    # Position 0 has not seen 3 (takes it); position 1 has (the draft 3 is rejected, 4 instead).
+    assert v.tokens[: int(v.n_emit)].tolist() == [3, 4]
+
+
+# ---- greedy parity in the engine --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 4, 15, 0])
+def test_greedy_tokens_identical_with_speculation(family_engine, k):
+    for messages in (REPEATS, PLAIN):
+        want = generate(family_engine, messages, GREEDY)
+        got = generate(family_engine, messages, GREEDY, speculation="ngram", draft_tokens=k)
+        assert got.token_ids == want.token_ids and got.finish_reasons == want.finish_reasons
+        assert got.texts == want.texts
+        m = got.metrics
+        assert m.new_tokens_total == want.metrics.new_tokens_total
+        assert m.decode_steps == m.verify_steps + (m.decode_steps - m.verify_steps)
+        assert m.tokens_per_step == pytest.approx((m.new_tokens_total - 1) / m.decode_steps)
+        if m.drafted_tokens:
+            assert m.acceptance_rate == m.accepted_tokens / m.drafted_tokens
+            assert 0 <= m.accepted_tokens <= m.drafted_tokens
+        assert "n-gram prompt lookup" in m.speculation_source
+    # The repeating prompt's answer (tiny random models loop) is where drafts are accepted.
+    assert got.options.speculation == "ngram"
+
+
+def test_accepted_drafts_mean_fewer_steps(family_engine):
+    want = generate(family_engine, REPEATS, GREEDY)
+    got = generate(family_engine, REPEATS, GREEDY, speculation="ngram", draft_tokens=8)
+    assert got.token_ids == want.token_ids
+    assert got.metrics.accepted_tokens > 0 and got.metrics.decode_steps < want.metrics.decode_steps
+    assert got.metrics.tokens_per_step > 1.0 and want.metrics.tokens_per_step == 1.0
+
+
+class Oracle:
+    """Drafts the answer plain decoding gave (then tokens past it), so every draft is accepted: the EOS and the
+    token budget fall inside an accepted run."""
+
+    def __init__(self, answer: list[int], junk: int):
+        self.answer, self.junk, self.n = answer, junk, 0
+
+    def reset(self, tokens):
+        self.n = 1
+
+    def extend(self, tokens):
+        self.n += len(tokens)
+
+    def propose(self, k):
+        return (self.answer[self.n:self.n + k] + [self.junk] * k)[:k]
+
+
+def _with_oracle(monkeypatch, answer, junk=5):
+    import engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "NgramProposer", lambda: Oracle(answer, junk))
+
+
+def test_eos_inside_an_accepted_run_drops_what_follows(llama_engine_spec, monkeypatch):
+    eng = llama_engine_spec
+    plain = generate(eng, PLAIN, GREEDY).token_ids[0]
+    eos = next(t for i, t in enumerate(plain) if i >= 3 and t not in plain[:i])  # a token first made at step >= 3
+    monkeypatch.setattr(eng, "eos_ids", [eos])
+    monkeypatch.setattr(eng, "_runners", {})  # runners made with this EOS go when the test ends
+    want = generate(eng, PLAIN, GREEDY)
+    assert want.finish_reasons == ["eos"] and want.token_ids[0][-1] == eos
+    _with_oracle(monkeypatch, want.token_ids[0])
+    got = generate(eng, PLAIN, GREEDY, speculation="ngram", draft_tokens=15)
+    assert got.token_ids == want.token_ids and got.finish_reasons == ["eos"] and got.texts == want.texts
+    assert got.metrics.verify_steps == 1 and got.metrics.accepted_tokens == len(want.token_ids[0]) - 1
+
+
+@pytest.mark.parametrize("n", [2, 7, 17])
+def test_max_new_tokens_exact_inside_an_accepted_run(llama_engine_spec, monkeypatch, n):
+    eng = llama_engine_spec
+    sampling = SamplingParams(temperature=0, max_new_tokens=n)
+    want = generate(eng, PLAIN, sampling)
+    _with_oracle(monkeypatch, want.token_ids[0])
+    got = generate(eng, PLAIN, sampling, speculation="ngram", draft_tokens=15)
+    assert got.token_ids == want.token_ids and len(got.token_ids[0]) == n and got.finish_reasons == ["length"]
+
+
+def test_rejected_drafts_leave_the_answer_unchanged(llama_engine_spec, monkeypatch):
+    eng = llama_engine_spec
+    want = generate(eng, PLAIN, GREEDY)
+    wrong = [(t + 1) % eng.config.vocab_size for t in want.token_ids[0]]
+    _with_oracle(monkeypatch, wrong)
+    got = generate(eng, PLAIN, GREEDY, speculation="ngram", draft_tokens=4)
+    assert got.token_ids == want.token_ids
+    assert got.metrics.accepted_tokens == 0 and got.metrics.acceptance_rate == 0.0
+
+
+def test_step_records_count_several_tokens_per_step(llama_engine_spec):
+    eng = llama_engine_spec
+    eng.reconfigure(CPU.with_(speculation="ngram", draft_tokens=8))
+    records: list[StepRecord] = []
+    res = eng.generate(REPEATS, GREEDY, on_event=lambda e: records.append(e) if isinstance(e, StepRecord) else None)
+    assert records[-1].tokens_total == res.metrics.new_tokens_total
+    assert records[-1].step == res.metrics.decode_steps
+    made = sum(r.tokens_per_step * (r.step - prev) for r, prev in zip(records, [0] + [r.step for r in records]))
+    assert made == pytest.approx(res.metrics.new_tokens_total - 1)
+
+
+def test_the_graph_verify_step_matches_plain_decoding(tiny_factory, monkeypatch):
+    """Static shapes as compiled and captured: drafts padded to one of the adaptive lengths, the mask over a
+    whole context bucket (the captured step stands in for the graph on the CPU, as in test_engine)."""
+    from engine.decode import StaticRunner
+    from test_engine import StepAsCaptured
+
+    path = tiny_factory("llama", max_position_embeddings=1024)
+    captured: list[StepAsCaptured] = []
+
+    def capture(self, bucket, kind, k=None):
+        captured.append(StepAsCaptured(self, bucket, kind, k))
+        self.graphs[self._graph_key(bucket, kind, k)] = captured[-1]
+
+    real_unavailable = Engine.unavailable
+
+    def graphs_on_cpu(self, options=None):
+        out = real_unavailable(self, options)
+        out.pop("cuda_graph", None)
+        return out
+
+    monkeypatch.setattr(StaticRunner, "_capture", capture)
+    monkeypatch.setattr(Engine, "unavailable", graphs_on_cpu)
+    eng = Engine.load(str(path), CPU)
+    try:
+        sampling = SamplingParams(temperature=0, max_new_tokens=300)  # crosses the 256-position bucket
+        want = eng.generate(REPEATS, sampling)
+        eng.reconfigure(CPU.with_(cuda_graph=True, speculation="ngram"))
+        got = eng.generate(REPEATS, sampling)
+        assert got.options.cuda_graph and got.token_ids == want.token_ids
+        verify_graphs = [g for g in captured if g.k is not None]
+        assert {g.k for g in verify_graphs} == {1, 2, 4, 8, 15} and {g.bucket for g in verify_graphs} == {256, 512}
+        assert sum(g.replays for g in verify_graphs) == got.metrics.verify_steps > 0
+    finally:
+        eng.close()
+
+
+# ---- sampling: the distribution is the target's -----------------------------------------------------------
+
+
+def chi_square_p(a: list[int], b: list[int]) -> float:
+    """p-value of a chi-square test that two samples of categories come from one distribution."""
+    both = a + b
+    common = {c for c in set(both) if both.count(c) >= 10}  # rarer categories pooled, as the test's premise needs
+    a = [c if c in common else "rare" for c in a]
+    b = [c if c in common else "rare" for c in b]
+    cats = sorted(set(a) | set(b))
+    table = torch.tensor([[a.count(c) for c in cats], [b.count(c) for c in cats]], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    df = len(cats) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def _goodness_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of a chi-square goodness-of-fit test of `counts` [V] against `probs` [V]; tokens expected fewer
+    than 5 times are pooled into one category."""
+    n = float(counts.sum())
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+# Temperatures at which the tiny model's greedy token has a probability near 1/4: drafts accepted and rejected.
+SAMPLINGS = [
+    SamplingParams(temperature=0.3, max_new_tokens=3),
+    SamplingParams(temperature=0.4, top_k=20, top_p=0.9, repetition_penalty=1.3, max_new_tokens=3),
+]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "top-k-top-p-penalty"])
+def test_verify_sampling_gives_the_target_distribution(llama_engine_spec, monkeypatch, sampling):
+    """The tiny model's logits over a context and two drafts (its greedy choices: accepted often, rejected often),
+    verified many times: the first token is distributed as plain sampling's next token, and so is the second
+    after an accepted first draft (chi-square against the exact processed distributions). A control that accepts
+    every draft must fail the same test, so the test can tell."""
+    import engine.speculative as spec_mod
+    from engine.prompt import build_prompt
+    from engine.sampling import process
+
+    eng = llama_engine_spec
+    torch.manual_seed(0)
+    ids = build_prompt(eng.tokenizer, PLAIN, eng.context_length, 8).ids
+    kind, V = SamplerKind.of(sampling), eng.config.vocab_size
+    state = SamplerState(1, V, torch.device("cpu"))
+    state.set_params(sampling)
+    state.reset_seen(torch.tensor(ids))
+    with torch.inference_mode():
+        ctx = torch.tensor([ids])
+        first = eng.model(ctx, torch.arange(len(ids)), None, None)[0, -1]
+        d1 = int(first.argmax())
+        second = eng.model(torch.tensor([ids + [d1]]), torch.arange(len(ids) + 1), None, None)[0, -1]
+        d2 = int(second.argmax())
+        logits = eng.model(torch.tensor([ids + [d1, d2]]), torch.arange(len(ids) + 2), None, None,
+                           last_only=False)[0, -3:]
+        p0 = torch.softmax(process(logits[:1].clone(), kind, state), -1)[0]
+        seen1 = state.seen.clone()
+        seen1[0, d1] = True
+        p1 = torch.softmax(process(logits[1:2].clone(), kind, state, seen=seen1), -1)[0]
+        drafts, eos = torch.tensor([d1, d2]), torch.tensor([-1])
+
+        def run(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            c0, c1 = torch.zeros(V, dtype=torch.long), torch.zeros(V, dtype=torch.long)
+            for _ in range(n):
+                v = verify(logits, drafts, kind, state, eos)
+                t = v.tokens.tolist()
+                c0[t[0]] += 1
+                if int(v.n_emit) >= 2:
+                    c1[t[1]] += 1
+            return c0, c1
+
+        n = 2000
+        c0, c1 = run(n)
+        assert 0.05 < p0[d1] < 0.95  # drafts both accepted and rejected: the test covers both branches
+        assert _goodness_p(c0, p0) > 1e-3 and _goodness_p(c1, p1) > 1e-3
+        assert c1.sum() == pytest.approx(n * float(p0[d1]), rel=0.2)
+
+        monkeypatch.setattr(spec_mod.torch, "rand", lambda *size, **kw: torch.zeros(*size))  # accept every draft
+        c0, _ = run(n // 2)
+        assert _goodness_p(c0, p0) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "top-k-top-p-penalty"])
+def test_sampled_answers_distributed_as_without_speculation(llama_engine_spec, monkeypatch, sampling):
+    """Whole generations, many seeds, with and without speculation (drafts: the greedy answer): the second and
+    third tokens' distributions agree (chi-square, two samples)."""
+    from dataclasses import replace
+
+    eng = llama_engine_spec
+    greedy = generate(eng, PLAIN, SamplingParams(temperature=0, max_new_tokens=3)).token_ids[0]
+
+    def samples(n: int, **options) -> list[list[int]]:
+        eng.reconfigure(CPU.with_(profile_window=False, **options))
+        return [eng.generate(PLAIN, replace(sampling, seed=s)).token_ids[0] for s in range(n)]
+
+    plain = samples(300)
+    _with_oracle(monkeypatch, greedy)
+    spec = samples(300, speculation="ngram", draft_tokens=2)
+    for i in (1, 2):
+        p = chi_square_p([t[i] for t in plain], [t[i] for t in spec])
+        assert p > 1e-3, f"token {i + 1}: speculative sampling differs from plain sampling (chi-square p = {p:.2e})"
+
+
+# ---- the draft model --------------------------------------------------------------------------------------
+
+
+def test_draft_model_with_the_same_vocabulary_keeps_greedy_tokens(tiny_factory, tmp_path):
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    eng = Engine.load(str(target), CPU)
+    try:
+        for k in (1, 4, 0):
+            want = generate(eng, REPEATS, GREEDY)
+            got = generate(eng, REPEATS, GREEDY, speculation="draft", draft_model=str(draft), draft_tokens=k)
+            assert got.options.speculation == "draft" and "speculation" not in got.unavailable
+            assert got.token_ids == want.token_ids and got.texts == want.texts
+            assert got.metrics.drafted_tokens > 0 and "draft model draft" in got.metrics.speculation_source
+        # The target drafting for itself: every draft accepted.
+        same = generate(eng, PLAIN, GREEDY, speculation="draft", draft_model=str(target), draft_tokens=4)
+        assert same.metrics.acceptance_rate == 1.0
+        assert same.token_ids == generate(eng, PLAIN, GREEDY).token_ids
+    finally:
+        eng.close()
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_factory, tmp_path):
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=300)
+    eng = Engine.load(str(target), CPU)
+    try:
+        eng.reconfigure(CPU.with_(speculation="draft", draft_model=str(other)))
+        why = eng.unavailable()["speculation"]
+        assert "vocabulary has" in why and "the target's 320" in why
+        res = eng.generate(PLAIN, SamplingParams(temperature=0, max_new_tokens=6))
+        assert res.options.speculation == "off" and res.unavailable["speculation"] == why
+        missing = str(tmp_path / "nowhere")
+        eng.reconfigure(CPU.with_(speculation="draft", draft_model=missing))
+        assert "could not be loaded" in eng.unavailable()["speculation"]
+    finally:
+        eng.close()
+
+
+def test_vocabulary_mismatch_names_remapped_tokens():
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return dict(self.vocab)
+
+    a = Tok({"a": 0, "b": 1, "c": 2})
+    assert vocabulary_mismatch(a, Tok({"a": 0, "b": 1, "c": 2}), 3, 3) is None
+    assert "2 tokens map to other ids" in vocabulary_mismatch(a, Tok({"a": 0, "b": 2, "c": 1}), 3, 3)
+    assert "has 4 entries and the target's 3" in vocabulary_mismatch(a, a, 3, 4)
+
+
+def test_parser_type_for_draft_tokens():
+    from app.cli import _draft_tokens
+
+    assert _draft_tokens("auto") == 0 and _draft_tokens("12") == 12
+    with pytest.raises(argparse.ArgumentTypeError, match="'auto'"):
+        _draft_tokens("x")
