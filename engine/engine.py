@@ -496,7 +496,9 @@ class Engine:
         compile_s: Optional[float] = None  # the compile / capture warm-up of this generation
         runner.sampler.set_params(sampling)
         if opts.kernels == "fused":
-            runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons)
+            with preserved(runner):  # its warm-up writes the first positions too
+                runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices,
+                                                reasons)
         torch_step = isinstance(runner, StaticRunner) and opts.kernels == "torch"
         spec = self._speculator(opts, runner, on_event) if torch_step else None
         if opts.speculation != "off" and spec is None:
