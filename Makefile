@@ -31,6 +31,7 @@ run: install
 
 lint: install-test
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 test: lint

@@ -5,6 +5,7 @@ Every answer is saved while it streams (app.store.StreamSaver): a stop keeps the
 most about a second of it. Events of a generation are matched to it by request id, so a late batch from a
 stopped answer can never land in the next one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,10 @@ def finish_reasons(result: GenerationResult, max_new_tokens: int) -> list[str]:
     """The engine's finish reasons, with "context" for a token limit reached below the `max_new_tokens` asked
     for (the engine then had less room left in the context than that)."""
     per = result.metrics.new_tokens or []
-    return ["context" if r == "length" and i < len(per) and per[i] < max_new_tokens else r
-            for i, r in enumerate(result.finish_reasons)]
+    return [
+        "context" if r == "length" and i < len(per) and per[i] < max_new_tokens else r
+        for i, r in enumerate(result.finish_reasons)
+    ]
 
 
 @dataclass
@@ -84,8 +87,13 @@ class ChatFlow(QObject):
     generatingChanged = Signal(bool)
     failed = Signal(str)  # a message for the user
 
-    def __init__(self, store: ChatStore, controller: EngineController, default_sampling: SamplingParams,
-                 parent: Optional[QObject] = None):
+    def __init__(
+        self,
+        store: ChatStore,
+        controller: EngineController,
+        default_sampling: SamplingParams,
+        parent: Optional[QObject] = None,
+    ):
         super().__init__(parent)
         self.store = store
         self.controller = controller
@@ -163,8 +171,11 @@ class ChatFlow(QObject):
             self.chatsChanged.emit()
             self.chatOpened.emit(chat.id)
             return
-        self._guard(lambda: self.store.update_chat(self.chat_id, system_prompt=system_prompt, sampling=sampling,
-                                                   overflow_policy=overflow_policy))
+        self._guard(
+            lambda: self.store.update_chat(
+                self.chat_id, system_prompt=system_prompt, sampling=sampling, overflow_policy=overflow_policy
+            )
+        )
 
     # ---- the visible branch --------------------------------------------------------------------------
 
@@ -184,10 +195,18 @@ class ChatFlow(QObject):
     def _item(self, m: Message, index: int, count: int) -> MessageItem:
         device = (m.options or {}).get("device")
         return MessageItem(
-            id=m.id, role=m.role, content=m.content, sibling_index=index, sibling_count=count, metrics=m.metrics,
+            id=m.id,
+            role=m.role,
+            content=m.content,
+            sibling_index=index,
+            sibling_count=count,
+            metrics=m.metrics,
             options=m.options,
-            finish_reason=(m.metrics or {}).get("finish_reason") or {"stopped": "cancelled", "error": "error"}.get(m.status),
-            device=device, author=m.model_name or "", candidate=m.candidate_index,
+            finish_reason=(m.metrics or {}).get("finish_reason")
+            or {"stopped": "cancelled", "error": "error"}.get(m.status),
+            device=device,
+            author=m.model_name or "",
+            candidate=m.candidate_index,
         )
 
     def reload(self) -> None:
@@ -313,8 +332,13 @@ class ChatFlow(QObject):
             return False
         info = getattr(self.controller, "info", None)
         request_id = self.controller.generate(messages, sampling, overflow=overflow)
-        self.answer = _Answer(request_id, user.chat_id, user.id, info.name if info is not None else None,
-                              max_new_tokens=sampling.max_new_tokens)
+        self.answer = _Answer(
+            request_id,
+            user.chat_id,
+            user.id,
+            info.name if info is not None else None,
+            max_new_tokens=sampling.max_new_tokens,
+        )
         self._candidate_ids = []
         self.generatingChanged.emit(True)
         return True
@@ -331,8 +355,15 @@ class ChatFlow(QObject):
         try:
             for i in range(n):
                 m = self.store.add_message(
-                    a.chat_id, "assistant", "", a.parent_id, status="streaming", options=options,
-                    candidate_group=group, candidate_index=i if n > 1 else None, model_name=a.model_name,
+                    a.chat_id,
+                    "assistant",
+                    "",
+                    a.parent_id,
+                    status="streaming",
+                    options=options,
+                    candidate_group=group,
+                    candidate_index=i if n > 1 else None,
+                    model_name=a.model_name,
                 )
                 a.message_ids.append(m.id)
                 a.savers.append(StreamSaver(self.store, m.id))
@@ -398,8 +429,12 @@ class ChatFlow(QObject):
             for i, saver in enumerate(a.savers):
                 reason = reasons[i] if i < len(reasons) else "cancelled"
                 text = result.texts[i] if i < len(result.texts) else None
-                saver.finish("stopped" if reason == "cancelled" else "done", metrics={**metrics, "finish_reason": reason},
-                             options=options, text=text)
+                saver.finish(
+                    "stopped" if reason == "cancelled" else "done",
+                    metrics={**metrics, "finish_reason": reason},
+                    options=options,
+                    text=text,
+                )
         except StoreError as exc:
             self.failed.emit(f"The answer could not be saved: {exc}")
         self._end()
@@ -418,7 +453,7 @@ class ChatFlow(QObject):
         a = self.answer
         if a is None or a.request_id != request_id:
             return
-        for saver in ([] if a.discarded else a.savers):
+        for saver in [] if a.discarded else a.savers:
             try:
                 if saver.text:
                     saver.finish("error")  # keep what was written before the failure

@@ -11,6 +11,7 @@ JSON format (version 1):
                    "candidate_index": n | null, "model_name": str | null}, ...]}
 Message ids are the file's own (1..N, parents before children); the store gives new ones on import.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,20 +70,33 @@ def chat_document(store: ChatStore, chat_id: int) -> dict:
         group = None
         if m.candidate_group is not None:
             group = groups.setdefault(m.candidate_group, len(groups) + 1)
-        out.append({
-            "id": local[m.id], "parent": local.get(m.parent_id) if m.parent_id is not None else None,
-            "role": m.role, "content": m.content,
-            "status": "stopped" if m.status == "streaming" else m.status,
-            "created": m.created, "updated": m.updated, "options": m.options, "metrics": m.metrics,
-            "candidate_group": group, "candidate_index": m.candidate_index, "model_name": m.model_name,
-        })
+        out.append(
+            {
+                "id": local[m.id],
+                "parent": local.get(m.parent_id) if m.parent_id is not None else None,
+                "role": m.role,
+                "content": m.content,
+                "status": "stopped" if m.status == "streaming" else m.status,
+                "created": m.created,
+                "updated": m.updated,
+                "options": m.options,
+                "metrics": m.metrics,
+                "candidate_group": group,
+                "candidate_index": m.candidate_index,
+                "model_name": m.model_name,
+            }
+        )
     return {
         "format": FORMAT,
         "version": VERSION,
         "exported": time.time(),
         "chat": {
-            "title": chat.title, "created": chat.created, "updated": chat.updated,
-            "system_prompt": chat.system_prompt, "sampling": chat.sampling, "overflow_policy": chat.overflow_policy,
+            "title": chat.title,
+            "created": chat.created,
+            "updated": chat.updated,
+            "system_prompt": chat.system_prompt,
+            "sampling": chat.sampling,
+            "overflow_policy": chat.overflow_policy,
             "active_leaf": local.get(chat.active_leaf_id) if chat.active_leaf_id is not None else None,
         },
         "messages": out,
@@ -107,8 +121,11 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
         lines += ["**System prompt**", "", _quote(chat.system_prompt), ""]
     branched = any(len(v) > 1 for v in children.values())
     if branched:
-        lines += ["Messages on the branch on screen are marked ★; the others are alternatives (edits, regenerated "
-                  "answers, candidates).", ""]
+        lines += [
+            "Messages on the branch on screen are marked ★; the others are alternatives (edits, regenerated "
+            "answers, candidates).",
+            "",
+        ]
     stack = list(reversed(children.get(None, [])))
     previous: Optional[int] = None
     while stack:
@@ -140,8 +157,11 @@ def _figures_line(m: Message) -> str:
         v = metrics.get(key)
         return "n/a" if v is None else f"{v:.{digits}f}{unit}"
 
-    parts = [f"{metrics.get('new_tokens_total', 'n/a')} tokens", f"TTFT {num('ttft_ms', ' ms', 0)}",
-             f"{num('decode_tok_s', '', 1)} tok/s"]
+    parts = [
+        f"{metrics.get('new_tokens_total', 'n/a')} tokens",
+        f"TTFT {num('ttft_ms', ' ms', 0)}",
+        f"{num('decode_tok_s', '', 1)} tok/s",
+    ]
     if metrics.get("prompt_reused_tokens"):
         parts.append(f"{metrics['prompt_reused_tokens']} of {metrics.get('prompt_tokens')} prompt tokens reused")
     if metrics.get("prompt_cut"):
@@ -181,8 +201,9 @@ def read_chat_file(path: Path) -> ImportedChat:
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
-            raise ChatFileError(f"{path.name} is {size / 2**20:.0f} MiB; a chat file may be at most "
-                                f"{MAX_FILE_BYTES >> 20} MiB")
+            raise ChatFileError(
+                f"{path.name} is {size / 2**20:.0f} MiB; a chat file may be at most {MAX_FILE_BYTES >> 20} MiB"
+            )
         with open(path, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
@@ -201,8 +222,9 @@ def parse_chat(data: bytes) -> ImportedChat:
     try:
         doc = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
-        raise ChatFileError(f"not a Gapless chat file: invalid JSON at line {exc.lineno}, column {exc.colno}: "
-                            f"{exc.msg}") from None
+        raise ChatFileError(
+            f"not a Gapless chat file: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
     except RecursionError:
         raise ChatFileError("not a Gapless chat file: JSON nested too deeply") from None
     return validate(doc)
@@ -238,8 +260,18 @@ def _obj(v: Any, where: str, keys: set[str], required: set[str]) -> dict:
 
 
 def _kind(v: Any) -> str:
-    return "null" if v is None else {bool: "true/false", int: "a number", float: "a number", str: "text",
-                                     list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+    return (
+        "null"
+        if v is None
+        else {
+            bool: "true/false",
+            int: "a number",
+            float: "a number",
+            str: "text",
+            list: "a list",
+            dict: "an object",
+        }.get(type(v), type(v).__name__)
+    )
 
 
 def _text(v: Any, where: str, limit: int) -> str:
@@ -300,19 +332,33 @@ def _depth(v: Any) -> int:
 
 
 CHAT_KEYS = {"title", "created", "updated", "system_prompt", "sampling", "active_leaf", "overflow_policy"}
-MESSAGE_KEYS = {"id", "parent", "role", "content", "status", "created", "updated", "options", "metrics",
-                "candidate_group", "candidate_index", "model_name"}
+MESSAGE_KEYS = {
+    "id",
+    "parent",
+    "role",
+    "content",
+    "status",
+    "created",
+    "updated",
+    "options",
+    "metrics",
+    "candidate_group",
+    "candidate_index",
+    "model_name",
+}
 
 
 def validate(doc: Any) -> ImportedChat:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ChatFileError("not a Gapless chat file (no \"format\": \"gapless-chat\" at the top)")
+        raise ChatFileError('not a Gapless chat file (no "format": "gapless-chat" at the top)')
     version = doc.get("version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise ChatFileError(f"the chat file has no valid version number (got {version!r})"[:200])
     if version > VERSION:
-        raise ChatFileError(f"the chat file is version {version}, written by a newer Gapless; this one reads "
-                            f"version {VERSION} and older")
+        raise ChatFileError(
+            f"the chat file is version {version}, written by a newer Gapless; this one reads "
+            f"version {VERSION} and older"
+        )
     if version < 1:
         raise ChatFileError(f"the chat file's version {version} is not one Gapless ever wrote")
     _obj(doc, "the file", {"format", "version", "exported", "chat", "messages"}, {"chat", "messages"})
@@ -334,7 +380,9 @@ def validate(doc: Any) -> ImportedChat:
             raise _fail("chat.sampling", str(exc)) from None
     overflow = chat.get("overflow_policy")
     if overflow is not None and overflow not in OVERFLOW_POLICIES:
-        raise _fail("chat.overflow_policy", f"must be one of {', '.join(OVERFLOW_POLICIES)} or null, got {overflow!r}"[:200])
+        raise _fail(
+            "chat.overflow_policy", f"must be one of {', '.join(OVERFLOW_POLICIES)} or null, got {overflow!r}"[:200]
+        )
     raw = doc["messages"]
     if not isinstance(raw, list):
         raise _fail("messages", f"must be a list, got {_kind(raw)}")
@@ -374,22 +422,30 @@ def validate(doc: Any) -> ImportedChat:
                 raise _fail(where, f"candidate {index} appears twice in group {group}")
             group_indexes[group].add(index)
         model = m.get("model_name")
-        messages.append({
-            "parent": parent_at, "role": role, "content": _text(m["content"], f"{where}: content", MAX_TEXT_CHARS),
-            "status": status, "created": m_created, "updated": _time(m.get("updated", m_created), f"{where}: updated"),
-            "options": _figures(m.get("options"), f"{where}: options"),
-            "metrics": _figures(m.get("metrics"), f"{where}: metrics"),
-            "candidate_group": group, "candidate_index": index,
-            "model_name": None if model is None else _text(model, f"{where}: model_name", MAX_TITLE_CHARS),
-        })
+        messages.append(
+            {
+                "parent": parent_at,
+                "role": role,
+                "content": _text(m["content"], f"{where}: content", MAX_TEXT_CHARS),
+                "status": status,
+                "created": m_created,
+                "updated": _time(m.get("updated", m_created), f"{where}: updated"),
+                "options": _figures(m.get("options"), f"{where}: options"),
+                "metrics": _figures(m.get("metrics"), f"{where}: metrics"),
+                "candidate_group": group,
+                "candidate_index": index,
+                "model_name": None if model is None else _text(model, f"{where}: model_name", MAX_TITLE_CHARS),
+            }
+        )
         position[mid] = i
     leaf = _index(chat.get("active_leaf"), "chat.active_leaf")
     if leaf is not None and leaf not in position:
         raise _fail("chat.active_leaf", f"names message {leaf}, which the file does not have")
     if leaf is None and messages:
         raise _fail("chat.active_leaf", "is null, but the chat has messages")
-    return ImportedChat(title, created, updated, system, sampling, overflow,
-                        position.get(leaf) if leaf is not None else None, messages)
+    return ImportedChat(
+        title, created, updated, system, sampling, overflow, position.get(leaf) if leaf is not None else None, messages
+    )
 
 
 def import_chat(store: ChatStore, path: Path) -> int:

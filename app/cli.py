@@ -1,4 +1,5 @@
 """`gapless`: the GUI by default, and headless subcommands for generation, benchmarks and models."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,25 @@ def _draft_tokens(value: str) -> int:
 
 
 def _add_speculation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculation", choices=["off", "ngram", "draft"], default=None,
-                   help="speculative decoding: drafts from the prompt and answer (ngram) or a smaller model (draft)")
-    p.add_argument("--draft-tokens", type=_draft_tokens, default=None, metavar="K",
-                   help="drafts verified per step, 1..15, or 'auto' (adaptive, the default)")
-    p.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="the draft model for --speculation draft (a GGUF file or a folder, same tokenizer)")
+    p.add_argument(
+        "--speculation",
+        choices=["off", "ngram", "draft"],
+        default=None,
+        help="speculative decoding: drafts from the prompt and answer (ngram) or a smaller model (draft)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=_draft_tokens,
+        default=None,
+        metavar="K",
+        help="drafts verified per step, 1..15, or 'auto' (adaptive, the default)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="the draft model for --speculation draft (a GGUF file or a folder, same tokenizer)",
+    )
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -52,17 +66,37 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--candidates", type=int, default=None)
-    p.add_argument("--kernels", choices=["torch", "fused"], default=None,
-                   help="decode step kernels: torch modules, or fused Triton kernels (implies the static KV cache)")
-    p.add_argument("--weights", choices=["native", "int8", "int4"], default=None,
-                   help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups")
-    p.add_argument("--preset", default=None, help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, fused, "
-                        "int8, candidates, speculation)")
+    p.add_argument(
+        "--kernels",
+        choices=["torch", "fused"],
+        default=None,
+        help="decode step kernels: torch modules, or fused Triton kernels (implies the static KV cache)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["native", "int8", "int4"],
+        default=None,
+        help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, fused, "
+        "int8, candidates, speculation)",
+    )
     _add_speculation_options(p)
-    p.add_argument("--profile-window", action=argparse.BooleanOptionalAction, default=None,
-                   help="trace a short window of decode steps for the kernel/op gap (default on)")
-    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep the KV cache between generations and compute only past the common prefix (default on)")
+    p.add_argument(
+        "--profile-window",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="trace a short window of decode steps for the kernel/op gap (default on)",
+    )
+    p.add_argument(
+        "--prefix-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the KV cache between generations and compute only past the common prefix (default on)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,11 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     gui = sub.add_parser("gui", help="open the desktop app (the default)")
     gui.add_argument("--model", default=None, help="model to open at start ('default', a GGUF file or a folder)")
-    gui.add_argument("--smoke-test", action="store_true", help="open offscreen, load the model, answer one prompt, exit")
+    gui.add_argument(
+        "--smoke-test", action="store_true", help="open offscreen, load the model, answer one prompt, exit"
+    )
     gui.add_argument("--screenshot", type=Path, default=None, help="with --smoke-test: save the main window as PNG")
     gui.add_argument("--report", type=Path, default=None, help="with --smoke-test: write a JSON report")
-    gui.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.",
-                     help="with --smoke-test: the prompt to send")
+    gui.add_argument(
+        "--prompt",
+        default="What is the capital of France? Answer in one sentence.",
+        help="with --smoke-test: the prompt to send",
+    )
     gui.add_argument("--max-new-tokens", type=int, default=48, help="with --smoke-test: answer length")
     gui.add_argument("--theme", choices=["system", "light", "dark"], default=None)
 
@@ -97,8 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--telemetry-out", type=Path, default=None,
-                     help="also save the generation's telemetry (steps, samples, figures) here, for `gapless replay`")
+    gen.add_argument(
+        "--telemetry-out",
+        type=Path,
+        default=None,
+        help="also save the generation's telemetry (steps, samples, figures) here, for `gapless replay`",
+    )
 
     bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
     bench.add_argument("--model", default="default")
@@ -107,28 +150,56 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the whole ladder)")
     bench.add_argument("--candidates", type=int, default=None, help="N for the candidates rung")
-    bench.add_argument("--kernels", choices=["torch", "fused"], default=None,
-                       help="kernels of the candidates rung (fused: the fused Triton kernels in a CUDA graph)")
-    bench.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
-                       help="also time transformers generate() on the same model")
-    bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                       help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)")
+    bench.add_argument(
+        "--kernels",
+        choices=["torch", "fused"],
+        default=None,
+        help="kernels of the candidates rung (fused: the fused Triton kernels in a CUDA graph)",
+    )
+    bench.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time transformers generate() on the same model",
+    )
+    bench.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)",
+    )
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
-    bench.add_argument("--conversation", action="store_true",
-                       help="instead of the ladder: TTFT along a growing conversation, prefix reuse on against off")
+    bench.add_argument(
+        "--conversation",
+        action="store_true",
+        help="instead of the ladder: TTFT along a growing conversation, prefix reuse on against off",
+    )
     bench.add_argument("--turns", type=int, default=10, help="with --conversation: the conversation's turns")
-    bench.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
-                       help="keep the KV cache between generations (default on; a repeat then reuses its prompt)")
+    bench.add_argument(
+        "--prefix-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the KV cache between generations (default on; a repeat then reuses its prompt)",
+    )
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
-    bench.add_argument("--quality", action="store_true",
-                       help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
-                            "format (fp32, bf16, int8, int4) on a fixed text")
+    bench.add_argument(
+        "--quality",
+        action="store_true",
+        help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
+        "format (fp32, bf16, int8, int4) on a fixed text",
+    )
     _add_speculation_options(bench)
-    bench.add_argument("--speculation-workloads", action="store_true",
-                       help="instead of the ladder: decode speed with and without speculation on rewrite, summary "
-                            "and free-chat prompts")
-    bench.add_argument("--dtypes", default=None, help="with --speculation-workloads: comma-separated dtypes "
-                                                      "(default fp32 on the CPU, fp16 on CUDA)")
+    bench.add_argument(
+        "--speculation-workloads",
+        action="store_true",
+        help="instead of the ladder: decode speed with and without speculation on rewrite, summary "
+        "and free-chat prompts",
+    )
+    bench.add_argument(
+        "--dtypes",
+        default=None,
+        help="with --speculation-workloads: comma-separated dtypes (default fp32 on the CPU, fp16 on CUDA)",
+    )
     bench.add_argument("--cuda-graph", action="store_true", help="with --speculation-workloads: capture the steps")
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the bench")
 
@@ -146,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
     serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; 503 past it")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
-    serve.add_argument("--cors-origin", action="append", default=[], help="allow browser requests from ORIGIN (repeatable)")
+    serve.add_argument(
+        "--cors-origin", action="append", default=[], help="allow browser requests from ORIGIN (repeatable)"
+    )
 
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
@@ -167,8 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_global_options(p: argparse.ArgumentParser, default: object) -> None:
-    p.add_argument("-v", "--verbose", action="store_true", default=False if default is None else default,
-                   help="debug logging to stderr; tracebacks on errors")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if default is None else default,
+        help="debug logging to stderr; tracebacks on errors",
+    )
     p.add_argument("--data-dir", type=Path, default=default, help="keep chats, settings and logs under this folder")
 
 

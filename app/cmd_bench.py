@@ -1,4 +1,5 @@
 """`gapless bench`: the optimization ladder and the transformers baseline, as a table and as JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.ladder import DEFAULT_PROMPT, BenchConfig
 from engine import figures
+from engine.ladder import DEFAULT_PROMPT, BenchConfig
 from engine.types import PRESETS, describe_options
 
 NA = "n/a"
@@ -73,7 +74,16 @@ def format_table(report: dict[str, Any]) -> str:
     head = ["rung", "options", "tokens", "decode tok/s (range)", "× Naive", "× transformers"]
     if compiled:
         head.append("× transformers compiled")
-    head += ["TTFT ms", "gap %", "launches/step", "SM activity %", "GPU util %", "peak memory", "tok/step", "accepted %"]
+    head += [
+        "TTFT ms",
+        "gap %",
+        "launches/step",
+        "SM activity %",
+        "GPU util %",
+        "peak memory",
+        "tok/step",
+        "accepted %",
+    ]
     rows: list[list[str]] = []
     notes: list[str] = []
     for r in rungs:
@@ -87,15 +97,27 @@ def format_table(report: dict[str, Any]) -> str:
         for note in r.get("notes") or []:
             notes.append(f"{label}: {note}")
             opts += f" ({len(notes)})"
-        row = [label, opts, _num(m.get("new_tokens_total"), "{:.0f}"), _tok_s(m),
-               _times(r.get("speedup_vs_naive")), _times(r.get("speedup_vs_transformers"))]
+        row = [
+            label,
+            opts,
+            _num(m.get("new_tokens_total"), "{:.0f}"),
+            _tok_s(m),
+            _times(r.get("speedup_vs_naive")),
+            _times(r.get("speedup_vs_transformers")),
+        ]
         if compiled:
             row.append(_times(r.get("speedup_vs_transformers_compiled")))
         rate = m.get("acceptance_rate")
-        row += [_num(m.get("ttft_ms")), _num(m.get("kernel_gap_pct")), _num(m.get("launches_per_step"), "{:.0f}"),
-                _num(m.get("sm_activity_pct")),
-                _num(m.get("gpu_util_pct")), _bytes(m.get("peak_memory_bytes")),
-                _num(m.get("tokens_per_step"), "{:.2f}"), _num(None if rate is None else 100 * rate)]
+        row += [
+            _num(m.get("ttft_ms")),
+            _num(m.get("kernel_gap_pct")),
+            _num(m.get("launches_per_step"), "{:.0f}"),
+            _num(m.get("sm_activity_pct")),
+            _num(m.get("gpu_util_pct")),
+            _bytes(m.get("peak_memory_bytes")),
+            _num(m.get("tokens_per_step"), "{:.2f}"),
+            _num(None if rate is None else 100 * rate),
+        ]
         rows.append(row)
     naive = report["ratios"].get("naive_decode_tok_s")
     for b in baselines:
@@ -105,12 +127,26 @@ def format_table(report: dict[str, Any]) -> str:
             continue
         m, s = b["median"], b["settings"]
         tok_s = m.get("decode_tok_s")
-        row = [b["label"], f"{s['dtype']}, {s['cache_implementation']} cache", _num(m.get("new_tokens_total"), "{:.0f}"),
-               _tok_s(m), _times(None if tok_s is None or not naive else tok_s / naive), "1.00×" if b["name"] == "transformers" else ""]
+        row = [
+            b["label"],
+            f"{s['dtype']}, {s['cache_implementation']} cache",
+            _num(m.get("new_tokens_total"), "{:.0f}"),
+            _tok_s(m),
+            _times(None if tok_s is None or not naive else tok_s / naive),
+            "1.00×" if b["name"] == "transformers" else "",
+        ]
         if compiled:
             row.append("1.00×" if b["name"] == "transformers-static-compile" else "")
-        row += [_num(m.get("ttft_ms")), NA, NA, _num(m.get("sm_activity_pct")), _num(m.get("gpu_util_pct")),
-                _bytes(m.get("peak_memory_bytes")), NA, NA]
+        row += [
+            _num(m.get("ttft_ms")),
+            NA,
+            NA,
+            _num(m.get("sm_activity_pct")),
+            _num(m.get("gpu_util_pct")),
+            _bytes(m.get("peak_memory_bytes")),
+            NA,
+            NA,
+        ]
         rows.append(row)
 
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
@@ -120,38 +156,60 @@ def format_table(report: dict[str, Any]) -> str:
     everything = rungs + baselines
     cfg = report["config"]
     out.append("")
-    out.append(f"Model {report['model']['name']} ({report['model']['parameters'] / 1e6:.1f}M parameters) on "
-               f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {cfg['repeats']} runs "
-               f"after {cfg['warmup']} warm-up.")
+    out.append(
+        f"Model {report['model']['name']} ({report['model']['parameters'] / 1e6:.1f}M parameters) on "
+        f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {cfg['repeats']} runs "
+        f"after {cfg['warmup']} warm-up."
+    )
     machine = report.get("machine") or {}
     start, end = machine.get("load_average_at_start"), machine.get("load_average_1_5_15min")
     if start and end:
-        out.append(f"Machine: {machine.get('cpu_model') or 'unknown CPU'}, {machine.get('cpu_cores_logical')} logical "
-                   f"cores, {machine.get('gpu_name') or 'no GPU'}; load average (1 min) {start[0]:.1f} at the start, "
-                   f"{end[0]:.1f} at the end.")
+        out.append(
+            f"Machine: {machine.get('cpu_model') or 'unknown CPU'}, {machine.get('cpu_cores_logical')} logical "
+            f"cores, {machine.get('gpu_name') or 'no GPU'}; load average (1 min) {start[0]:.1f} at the start, "
+            f"{end[0]:.1f} at the end."
+        )
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
     # Each machine-dependent figure of the table, with the source its rungs named or why it is n/a.
     out.append(f"tok/step: {figures.spec('tokens_per_step').source} (above 1 only where drafts were accepted).")
-    sources = [(figures.spec(k).label, k, figures.source_field_of(k))
-               for k in ("kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct", "peak_memory_bytes",
-                         "acceptance_rate")]
+    sources = [
+        (figures.spec(k).label, k, figures.source_field_of(k))
+        for k in (
+            "kernel_gap_pct",
+            "launches_per_step",
+            "sm_activity_pct",
+            "gpu_util_pct",
+            "peak_memory_bytes",
+            "acceptance_rate",
+        )
+    ]
     for name, metric, source in sources:
         src = _first(rungs, source)
         if src:
             out.append(f"{name}: {src}.")
         else:
-            why = next((r["median"].get("unavailable", {}).get(metric) for r in everything
-                        if r.get("median", {}).get("unavailable", {}).get(metric)), None)
+            why = next(
+                (
+                    r["median"].get("unavailable", {}).get(metric)
+                    for r in everything
+                    if r.get("median", {}).get("unavailable", {}).get(metric)
+                ),
+                None,
+            )
             out.append(f"{name}: n/a" + (f" ({why})." if why else "."))
     warm = [f"{r['label']} {sum(r['warmup_seconds']):.1f}" for r in everything if r.get("warmup_seconds")]
     if warm:
-        out.append("Warm-up seconds, not timed (compile and graph capture happen there; a warm compile cache "
-                   "shortens them): " + ", ".join(warm) + ".")
+        out.append(
+            "Warm-up seconds, not timed (compile and graph capture happen there; a warm compile cache "
+            "shortens them): " + ", ".join(warm) + "."
+        )
     match = report.get("greedy_match_naive_vs_transformers")
     if match:
-        out.append(f"Greedy tokens, Naive vs transformers: the first {match['matching_prefix']} of "
-                   f"{match['naive_tokens']} / {match['transformers_tokens']} agree.")
+        out.append(
+            f"Greedy tokens, Naive vs transformers: the first {match['matching_prefix']} of "
+            f"{match['naive_tokens']} / {match['transformers_tokens']} agree."
+        )
     for i, note in enumerate(notes, 1):
         out.append(f"({i}) {note}")
     return "\n".join(out)
@@ -170,9 +228,16 @@ def spec_config_from_args(args: argparse.Namespace):
 
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip()) if args.dtypes else ()
     return SpecBenchConfig(
-        model=args.model, device=args.device, dtypes=dtypes, max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats, speculation=args.speculation or "ngram", draft_tokens=args.draft_tokens or 0,
-        draft_model=args.draft_model or "", compile=bool(args.compile), cuda_graph=args.cuda_graph,
+        model=args.model,
+        device=args.device,
+        dtypes=dtypes,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        speculation=args.speculation or "ngram",
+        draft_tokens=args.draft_tokens or 0,
+        draft_model=args.draft_model or "",
+        compile=bool(args.compile),
+        cuda_graph=args.cuda_graph,
         threads=args.threads,
     )
 
@@ -184,10 +249,12 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
         from engine.errors import OptionsError
 
         raise OptionsError("--turns and --repeats must be at least 1")
-    config = ConversationConfig(model=args.model, device=args.device, turns=args.turns,
-                                max_new_tokens=args.max_new_tokens, repeats=args.repeats)
-    report = run_conversation(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-                              command=list(sys.argv))
+    config = ConversationConfig(
+        model=args.model, device=args.device, turns=args.turns, max_new_tokens=args.max_new_tokens, repeats=args.repeats
+    )
+    report = run_conversation(
+        config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv)
+    )
     print(format_conversation(report))
     if args.json is not None:
         write_json(args.json, report)
@@ -205,9 +272,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if getattr(args, "speculation_workloads", False):
         from engine.bench_spec import format_workloads, run_speculation_workloads
 
-        report = run_speculation_workloads(spec_config_from_args(args),
-                                           progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                           command=list(sys.argv))
+        report = run_speculation_workloads(
+            spec_config_from_args(args),
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+            command=list(sys.argv),
+        )
         print(format_workloads(report))
         if args.json is not None:
             write_json(args.json, report)
@@ -230,8 +299,9 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_quality_bench(args: argparse.Namespace) -> int:
     from engine.quality import QualityConfig, format_quality_table, run_quality
 
-    config = QualityConfig(model=args.model, device=args.device, decode_tokens=min(args.max_new_tokens, 64),
-                           repeats=args.repeats)
+    config = QualityConfig(
+        model=args.model, device=args.device, decode_tokens=min(args.max_new_tokens, 64), repeats=args.repeats
+    )
     report = run_quality(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
     print(format_quality_table(report))
     if args.json is not None:

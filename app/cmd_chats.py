@@ -1,4 +1,5 @@
 """`gapless chats list | export | import`: the chat store from the command line."""
+
 from __future__ import annotations
 
 import sys

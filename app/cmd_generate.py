@@ -1,4 +1,5 @@
 """`gapless generate`: one answer, streamed to stdout or printed as one JSON object."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,9 @@ import sys
 import threading
 from dataclasses import replace
 
+from engine.diagnosis import diagnose
 from engine.errors import OptionsError
 from engine.recording import Recorder, save
-from engine.diagnosis import diagnose
 from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, describe_options, preset_options
 
 
@@ -77,8 +78,9 @@ def run_generate(args) -> int:
                 sys.stdout.flush()
 
         recorder = Recorder(on_event) if args.telemetry_out is not None else None
-        result = engine.generate(messages, sampling, on_event=recorder or on_event, cancel=threading.Event(),
-                                 raw=args.raw)
+        result = engine.generate(
+            messages, sampling, on_event=recorder or on_event, cancel=threading.Event(), raw=args.raw
+        )
         if recorder is not None:
             from engine.telemetry.machine import describe_machine
 

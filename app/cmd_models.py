@@ -1,4 +1,5 @@
 """`gapless models fetch-default | list`: the default model's path, and the models Gapless knows about."""
+
 from __future__ import annotations
 
 import logging
@@ -75,7 +76,9 @@ def list_models(paths: AppPaths, out: TextIO) -> int:
     for where, e in rows:
         size = f"{e.size_bytes / 1e6:.0f} MB" if e.size_bytes is not None else "n/a"
         state = e.note or ("" if e.present else "missing")
-        out.write(f"{where:<8} {e.kind:<10} {size:>8}  {e.name}  {e.path or e.source}{f'  ({state})' if state else ''}\n")
+        out.write(
+            f"{where:<8} {e.kind:<10} {size:>8}  {e.name}  {e.path or e.source}{f'  ({state})' if state else ''}\n"
+        )
     for notice in recent.notices:
         print(f"gapless: {notice}", file=sys.stderr)
     if folder is not None and not any(w == "folder" for w, _ in rows):

@@ -1,4 +1,5 @@
 """`gapless serve`: the OpenAI-compatible server on one engine, in the foreground until Ctrl+C."""
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,9 @@ from engine.types import Progress
 def run_serve(args) -> int:
     from engine.engine import Engine
 
-    config = ServeConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                         cors_origins=tuple(args.cors_origin))
+    config = ServeConfig(
+        api_key=args.api_key or None, max_body_bytes=args.max_body_bytes, cors_origins=tuple(args.cors_origin)
+    )
     if args.max_queue < 0:
         raise ServeError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1024:
@@ -39,8 +41,11 @@ def run_serve(args) -> int:
             engines.model_id = args.served_model_name
         for option, reason in engine.unavailable().items():
             print(f"note: {option} unavailable: {reason}", file=sys.stderr)
-        print(f"\rserving {engines.model_id} at {url_of(sock)}"
-              f"{' (API key required)' if config.api_key else ''}\033[K", file=sys.stderr, flush=True)
+        print(
+            f"\rserving {engines.model_id} at {url_of(sock)}{' (API key required)' if config.api_key else ''}\033[K",
+            file=sys.stderr,
+            flush=True,
+        )
         uvicorn_server(engines, config).run(sockets=[sock])
     finally:
         engines.close()

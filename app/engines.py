@@ -1,5 +1,6 @@
 """Opening an engine for a model source: a local model (engine.engine.Engine) or a remote server
 (engine.remote.RemoteEngine, its API key from the key store or $GAPLESS_REMOTE_API_KEY)."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,9 @@ API_KEY_ENV = "GAPLESS_REMOTE_API_KEY"
 keys_dir: Optional[Path] = None  # where the app keeps API keys (its config folder); None: the default one
 
 
-def load_engine(source: str, options: EngineOptions,
-                progress: Optional[Callable[[Progress], None]] = None) -> EngineLike:
+def load_engine(
+    source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None
+) -> EngineLike:
     from engine.remote import RemoteEngine, RemoteSource, is_remote
 
     if is_remote(source):

@@ -1,5 +1,6 @@
 """The first-run download of the default model, on a thread of its own so the window stays responsive and the
 user can cancel it. Progress and the outcome come back as queued signals."""
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,12 @@ class DefaultModelFetcher(QObject):
     finished = Signal(str)  # path of the verified GGUF
     failed = Signal(str)  # message (also after a cancel)
 
-    def __init__(self, cache_dir: Optional[Path] = None, spec: DefaultModelSpec = SMOLLM2_135M_Q4_1,
-                 parent: Optional[QObject] = None):
+    def __init__(
+        self,
+        cache_dir: Optional[Path] = None,
+        spec: DefaultModelSpec = SMOLLM2_135M_Q4_1,
+        parent: Optional[QObject] = None,
+    ):
         super().__init__(parent)
         self._cache_dir = cache_dir
         self._spec = spec

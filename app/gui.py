@@ -2,6 +2,7 @@
 
 With --smoke-test it opens the same window offscreen, answers one prompt and writes a report (app.smoke).
 """
+
 from __future__ import annotations
 
 import logging
@@ -10,8 +11,8 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.paths import AppPaths
@@ -140,6 +141,8 @@ def qt_application(argv0: str = "gapless"):
 def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = None) -> GuiApp:
     """Open the settings, the chat store and the engine controller, and build the main window (not shown).
     A QApplication must exist. Raises StoreError when the chat database cannot be opened."""
+    from PySide6.QtWidgets import QApplication
+
     from app.fetcher import DefaultModelFetcher
     from app.registry import RecentModels
     from app.settings import SettingsStore
@@ -148,7 +151,6 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     from ui.hud import HudPanel
     from ui.main_window import MainWindow
     from ui.theme import ThemeManager
-    from PySide6.QtWidgets import QApplication
 
     paths.ensure()
     settings_store = SettingsStore(paths.settings_file)
@@ -162,8 +164,16 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
         hud = HudPanel()
         catalog = ModelCatalog(RecentModels(paths.config), settings)
         window = MainWindow(
-            store, controller, settings, settings_store.save, theme, default_sampling(settings), hud=hud,
-            fetcher=fetcher, catalog=catalog, preset_resolver=preset_for_device,
+            store,
+            controller,
+            settings,
+            settings_store.save,
+            theme,
+            default_sampling(settings),
+            hud=hud,
+            fetcher=fetcher,
+            catalog=catalog,
+            preset_resolver=preset_for_device,
         )
         window.setWindowIcon(app_icon())
         server = attach_server(window, controller, paths)
@@ -177,10 +187,11 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
 
 def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     """The Server dock (hidden until View > Server) and the model panel's remote models."""
-    import app.engines
-    from app.serve_app import AppServer
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QDockWidget
+
+    import app.engines
+    from app.serve_app import AppServer
     from ui.server_panel import ServerPanel
 
     app.engines.keys_dir = paths.config
@@ -202,7 +213,8 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     server.statsChanged.connect(panel.set_stats)
     window.server_dock, window.server_panel = dock, panel
     window.model_panel.remoteRequested.connect(
-        lambda url, model, key, timeout: open_remote(window, paths, url, model, key, timeout))
+        lambda url, model, key, timeout: open_remote(window, paths, url, model, key, timeout)
+    )
     return server
 
 

@@ -1,5 +1,6 @@
 """API keys of remote servers: in the OS keyring when the `keyring` package is installed and has a working
 backend, else in the config folder in a file only its owner can read. Keys are never logged."""
+
 from __future__ import annotations
 
 import json
@@ -83,7 +84,11 @@ class KeyStore:
         except (OSError, ValueError) as exc:
             log.warning("API key file %s unreadable: %s", self.file, type(exc).__name__)
             return {}
-        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+        return (
+            {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+            if isinstance(data, dict)
+            else {}
+        )
 
     def _write(self, keys: dict[str, str]) -> None:
         self.file.parent.mkdir(parents=True, exist_ok=True)

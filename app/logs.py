@@ -1,4 +1,5 @@
 """Logging to a rotating file in the user log dir, and to stderr with --verbose."""
+
 from __future__ import annotations
 
 import logging

@@ -12,6 +12,7 @@ Two figures, both measured here, never estimated:
   The latency probe ticks 100 times a second on the GUI thread, itself a cost, so it runs only in separate
   GUI runs after the speed pairs, never during them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -143,10 +144,11 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False, 
     for i in range(runs):  # speed pairs, the probe not ticking
         h, hn = headless_tok_s(headless, sampling)
         g, gn, cpu = gui_tok_s(gui, probe, sampling)
-        rows.append({"run": i + 1, "headless_tok_s": h, "gui_tok_s": g, "tokens": [hn, gn],
-                     "gui_thread_cpu_s": cpu})
-        print(f"run {i + 1}: headless {h:.2f} tok/s, GUI {g:.2f} tok/s ({hn}/{gn} tokens), "
-              f"GUI thread CPU {cpu:.3f} s", file=sys.stderr)
+        rows.append({"run": i + 1, "headless_tok_s": h, "gui_tok_s": g, "tokens": [hn, gn], "gui_thread_cpu_s": cpu})
+        print(
+            f"run {i + 1}: headless {h:.2f} tok/s, GUI {g:.2f} tok/s ({hn}/{gn} tokens), GUI thread CPU {cpu:.3f} s",
+            file=sys.stderr,
+        )
     probe.start()
     for _ in range(lateness_runs):  # then the lateness, with the probe ticking
         gui_tok_s(gui, probe, sampling)
@@ -167,21 +169,36 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False, 
         "max_new_tokens": max_new_tokens,
         "hud_visible": not hide_hud,
         "runs": rows,
-        "decode_tok_s": {"headless_median": h_med, "gui_median": g_med,
-                         "ratio": (g_med / h_med) if (g_med and h_med) else None,
-                         "pair_ratio_median": statistics.median(pairs) if pairs else None,
-                         "source": "GenerationMetrics.decode_tok_s (engine, device-synchronised, profiled window excluded)"},
+        "decode_tok_s": {
+            "headless_median": h_med,
+            "gui_median": g_med,
+            "ratio": (g_med / h_med) if (g_med and h_med) else None,
+            "pair_ratio_median": statistics.median(pairs) if pairs else None,
+            "source": "GenerationMetrics.decode_tok_s (engine, device-synchronised, profiled window excluded)",
+        },
         "gui_thread_cpu_s_median": statistics.median(r["gui_thread_cpu_s"] for r in rows) if rows else None,
         "event_loop_lateness_ms": {
             "runs": lateness_runs,
-            "while_streaming": {"ticks": len(probe.late_ms), "p50": percentile(probe.late_ms, 0.5),
-                                "p99": percentile(probe.late_ms, 0.99), "max": max(probe.late_ms, default=None)},
-            "idle": {"ticks": len(idle.late_ms), "p50": percentile(idle.late_ms, 0.5),
-                     "p99": percentile(idle.late_ms, 0.99), "max": max(idle.late_ms, default=None)},
+            "while_streaming": {
+                "ticks": len(probe.late_ms),
+                "p50": percentile(probe.late_ms, 0.5),
+                "p99": percentile(probe.late_ms, 0.99),
+                "max": max(probe.late_ms, default=None),
+            },
+            "idle": {
+                "ticks": len(idle.late_ms),
+                "p50": percentile(idle.late_ms, 0.5),
+                "p99": percentile(idle.late_ms, 0.99),
+                "max": max(idle.late_ms, default=None),
+            },
             "source": f"{TICK_MS} ms Qt PreciseTimer on the GUI thread, lateness of each tick (time.perf_counter)",
         },
-        "machine": {"cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "platform": sys.platform,
-                    "qt_platform": os.environ.get("QT_QPA_PLATFORM")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0],
+            "platform": sys.platform,
+            "qt_platform": os.environ.get("QT_QPA_PLATFORM"),
+        },
     }
 
 
@@ -190,7 +207,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--lateness-runs", type=int, default=3, help="GUI runs with the latency probe, after the speed pairs")
+    p.add_argument(
+        "--lateness-runs", type=int, default=3, help="GUI runs with the latency probe, after the speed pairs"
+    )
     p.add_argument("--hide-hud", action="store_true", help="measure with the performance HUD hidden")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)

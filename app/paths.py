@@ -1,4 +1,5 @@
 """The app's folders: data (chats), config (settings), logs. Overridable for tests and the smoke test."""
+
 from __future__ import annotations
 
 import os

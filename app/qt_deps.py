@@ -5,6 +5,7 @@ libraries the plugin (and what it links) cannot find, names the Debian/Ubuntu pa
 prints the one `apt-get install` line. `python -m app.qt_deps` exits 1 when something is missing (`make run`
 runs it first), 0 otherwise or where the xcb plugin is not the one Qt will use.
 """
+
 from __future__ import annotations
 
 import os
@@ -104,8 +105,10 @@ def check(run: Runner = _run, plugin: Optional[Path] = None, environ: Optional[d
     missing = missing_libraries(plugin, run)
     if not missing:
         return True, "the xcb platform plugin finds all its libraries"
-    return False, (f"Qt's xcb platform plugin cannot start: missing {', '.join(missing)}.\n"
-                   f"Install them with:\n  {install_line(missing)}")
+    return False, (
+        f"Qt's xcb platform plugin cannot start: missing {', '.join(missing)}.\n"
+        f"Install them with:\n  {install_line(missing)}"
+    )
 
 
 def main() -> int:

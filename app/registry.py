@@ -1,5 +1,6 @@
 """Known models: the default model, the recently opened ones (a small JSON file in the config dir) and the ones
 found in a models folder. Nothing here loads a model; it only looks at names and sizes on disk."""
+
 from __future__ import annotations
 
 import json
@@ -61,18 +62,35 @@ def entry_for(path: Path, last_used: Optional[float] = None) -> ModelEntry:
     path = Path(path)
     kind = kind_of(path)
     if kind is None:
-        return ModelEntry(str(path), path.name, "gguf" if path.suffix.lower() == ".gguf" else "hf-folder",
-                          str(path), False, None, last_used, "missing")
-    return ModelEntry(str(path), path.stem if kind == "gguf" else path.name, kind, str(path), True,
-                      _size(path, kind), last_used)
+        return ModelEntry(
+            str(path),
+            path.name,
+            "gguf" if path.suffix.lower() == ".gguf" else "hf-folder",
+            str(path),
+            False,
+            None,
+            last_used,
+            "missing",
+        )
+    return ModelEntry(
+        str(path), path.stem if kind == "gguf" else path.name, kind, str(path), True, _size(path, kind), last_used
+    )
 
 
 def default_model_entry(spec: DefaultModelSpec = SMOLLM2_135M_Q4_1, cache_dir: Optional[Path] = None) -> ModelEntry:
     path = cached_default_model(spec, cache_dir)
     name = Path(spec.filename).stem
     if path is None:
-        return ModelEntry(DEFAULT_SOURCE, name, "default", None, False, spec.size, None,
-                          f"not downloaded ({spec.wheel_size / 1e6:.0f} MB download)")
+        return ModelEntry(
+            DEFAULT_SOURCE,
+            name,
+            "default",
+            None,
+            False,
+            spec.size,
+            None,
+            f"not downloaded ({spec.wheel_size / 1e6:.0f} MB download)",
+        )
     return ModelEntry(DEFAULT_SOURCE, name, "default", str(path), True, spec.size)
 
 
@@ -116,8 +134,9 @@ class RecentModels:
     A file that cannot be read as this list is moved aside (`<name>.corrupt-<timestamp>`) and an empty list is
     used; a write that fails (read-only or full disk) is logged and noted, never fatal."""
 
-    def __init__(self, config_dir: Path, limit: int = RECENT_MAX,
-                 default_entry: Callable[[], ModelEntry] = default_model_entry):
+    def __init__(
+        self, config_dir: Path, limit: int = RECENT_MAX, default_entry: Callable[[], ModelEntry] = default_model_entry
+    ):
         self.path = Path(config_dir) / RECENT_FILE
         self.limit = limit
         self.default_entry = default_entry
@@ -131,7 +150,7 @@ class RecentModels:
                 entry = self.default_entry()
                 out.append(ModelEntry(**{**entry.to_dict(), "last_used": when}))
             elif source.startswith(REMOTE_PREFIX):  # a server's model: whether it is up is known on opening it
-                label = source[len(REMOTE_PREFIX):].split("|")[0]
+                label = source[len(REMOTE_PREFIX) :].split("|")[0]
                 out.append(ModelEntry(source, label.rpartition("#")[2], "remote", None, True, None, when, "remote"))
             else:
                 out.append(entry_for(Path(source), when))
@@ -161,7 +180,9 @@ class RecentModels:
             data = json.loads(raw.decode("utf-8"))
             items = data["models"]
             if not isinstance(items, list) or not all(
-                isinstance(i, dict) and isinstance(i.get("source"), str) and i["source"]
+                isinstance(i, dict)
+                and isinstance(i.get("source"), str)
+                and i["source"]
                 and (i.get("last_used") is None or isinstance(i["last_used"], (int, float)))
                 for i in items
             ):
@@ -173,7 +194,9 @@ class RecentModels:
     def _move_aside(self, exc: Exception) -> list[dict]:
         try:
             aside = move_aside(self.path, "corrupt")
-            self._note(f"the recent models list was unreadable ({exc}); it was kept as {aside.name} and a new one started")
+            self._note(
+                f"the recent models list was unreadable ({exc}); it was kept as {aside.name} and a new one started"
+            )
         except OSError as err:
             self._note(f"the recent models list is unreadable ({exc}) and could not be moved aside ({err})")
         return []

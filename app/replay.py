@@ -1,5 +1,6 @@
 """`gapless replay FILE`: a generation's recorded telemetry (engine/recording.py) shown in the HUD, as it looked
 on the machine it ran on — a GPU machine without Qt records, this one replays."""
+
 from __future__ import annotations
 
 import argparse

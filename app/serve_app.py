@@ -1,6 +1,7 @@
 """The app's API server: `gapless serve`'s HTTP app on a thread, its requests run on the engine worker's thread
 between the app's own commands, so chats and API requests take turns on one engine without touching each
 other's state. The Server panel (ui/server_panel.py) drives it through app/gui.py."""
+
 from __future__ import annotations
 
 import logging

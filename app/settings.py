@@ -4,6 +4,7 @@ A file that cannot be read as our settings is moved aside (`settings.json.corrup
 used; a file written by a newer version is moved aside too (`settings.json.newer-<timestamp>`), so saving ours
 never overwrites it. Each such case leaves a notice for the app to show.
 """
+
 from __future__ import annotations
 
 import base64
@@ -40,8 +41,10 @@ def _default_sampling() -> dict[str, Any]:
 
 
 # The sampling of a new chat until the user saves defaults of their own: a chat model's usual settings.
-CHAT_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=512,
-                               seed=None)
+CHAT_DEFAULTS = SamplingParams(
+    temperature=0.7, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=512, seed=None
+)
+
 
 @dataclass
 class Settings:
@@ -89,7 +92,8 @@ MAX_PANE_PX = 100_000  # a splitter pane's saved width or height; Qt takes 32-bi
 
 def _sizes(v: Any) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(s, list)
+        isinstance(k, str)
+        and isinstance(s, list)
         and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_PANE_PX for n in s)
         for k, s in v.items()
     )
@@ -132,8 +136,9 @@ class SettingsStore:
             if isinstance(exc, UnicodeDecodeError):
                 return Settings(), self._aside("corrupt", f"it is not UTF-8 text ({exc.reason})", notices)
             log.error("cannot read the settings file %s: %s", self.path, exc)
-            notices.append(f"The settings file {self.path} could not be read ({exc.strerror or exc}); "
-                           "default settings are used.")
+            notices.append(
+                f"The settings file {self.path} could not be read ({exc.strerror or exc}); default settings are used."
+            )
             return Settings(), notices
         try:
             data = self._parse(text)
@@ -142,8 +147,11 @@ class SettingsStore:
         version = data.get("version", SETTINGS_VERSION)
         if version > SETTINGS_VERSION:  # checked before the fields: a newer file may use values we do not know
             return Settings(), self._aside(
-                "newer", f"it was written by a newer version of Gapless (settings version {version}, "
-                         f"this version reads up to {SETTINGS_VERSION})", notices)
+                "newer",
+                f"it was written by a newer version of Gapless (settings version {version}, "
+                f"this version reads up to {SETTINGS_VERSION})",
+                notices,
+            )
         try:
             self._check_types(data)
         except _Unreadable as exc:
@@ -176,8 +184,10 @@ class SettingsStore:
             log.warning("settings file %s: ignoring unknown key(s) %s", self.path, ", ".join(unknown))
         s = Settings(**{k: v for k, v in data.items() if k in _CHECKS})
         # Saved options that no longer validate (a renamed option, a hand edit) fall back to the defaults.
-        nested = (("engine_options", EngineOptions, _default_options, "optimization settings"),
-                  ("sampling", SamplingParams, _default_sampling, "sampling parameters"))
+        nested = (
+            ("engine_options", EngineOptions, _default_options, "optimization settings"),
+            ("sampling", SamplingParams, _default_sampling, "sampling parameters"),
+        )
         for name, kind, default, what in nested:
             try:
                 setattr(s, name, kind.from_dict(getattr(s, name)).to_dict())
@@ -192,12 +202,16 @@ class SettingsStore:
             aside = move_aside(self.path, tag)
         except OSError as exc:
             log.error("settings file %s is unusable (%s) and cannot be moved aside: %s", self.path, reason, exc)
-            notices.append(f"The settings file {self.path} could not be used: {reason}. Default settings are used "
-                           f"(it could not be moved aside: {exc.strerror or exc}).")
+            notices.append(
+                f"The settings file {self.path} could not be used: {reason}. Default settings are used "
+                f"(it could not be moved aside: {exc.strerror or exc})."
+            )
             return notices
         log.error("settings file %s is unusable (%s); moved to %s", self.path, reason, aside)
-        notices.append(f"The settings file {self.path} could not be used: {reason}. It was kept as {aside.name} "
-                       "and default settings are used.")
+        notices.append(
+            f"The settings file {self.path} could not be used: {reason}. It was kept as {aside.name} "
+            "and default settings are used."
+        )
         return notices
 
     def save(self, settings: Settings) -> None:

@@ -1,6 +1,7 @@
 """`gapless gui --smoke-test`: the real main window, offscreen, loads a model, answers one prompt through the
 composer, then saves a screenshot and a JSON report of what the user would see. Exit 0 only when all of it
 happened; otherwise one line on stderr says which step failed."""
+
 from __future__ import annotations
 
 import json
@@ -58,6 +59,7 @@ class SmokeTest(QObject):
                 if not got:
                     got.append((i, a))
                     loop.quit()
+
             return slot
 
         slots = [make(i) for i in range(len(signals))]

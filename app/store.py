@@ -4,6 +4,7 @@ Messages form a tree through `parent_id`: editing a user message and resending a
 parent (a branch); N candidates of one answer are assistant siblings sharing a `candidate_group`. A chat
 remembers the leaf of the branch on screen (`active_leaf_id`); `thread()` is the root-to-leaf path.
 """
+
 from __future__ import annotations
 
 import json
@@ -180,8 +181,9 @@ class ChatStore:
         try:
             aside = move_aside(self.path)
         except OSError as exc:
-            raise StoreError(f"the chat database {self.path} is damaged ({reason}) and cannot be moved aside: "
-                             f"{exc.strerror or exc}") from exc
+            raise StoreError(
+                f"the chat database {self.path} is damaged ({reason}) and cannot be moved aside: {exc.strerror or exc}"
+            ) from exc
         log.error("chat database %s is damaged (%s); moved to %s", self.path, reason, aside)
         self.notices.append(
             f"The chat database was damaged ({reason}). It was kept as {aside.name} and a new, empty one was created."
@@ -331,8 +333,13 @@ class ChatStore:
             db.execute("UPDATE chats SET title = ?, updated = ? WHERE id = ?", (title, time.time(), chat_id))
         return self.get_chat(chat_id)
 
-    def update_chat(self, chat_id: int, system_prompt: Optional[str] = None, sampling: Any = None,
-                    overflow_policy: Optional[str] = None) -> Chat:
+    def update_chat(
+        self,
+        chat_id: int,
+        system_prompt: Optional[str] = None,
+        sampling: Any = None,
+        overflow_policy: Optional[str] = None,
+    ) -> Chat:
         """Change what is given (None: unchanged); overflow_policy "" means the settings' default again."""
         from engine.types import OVERFLOW_POLICIES
 
@@ -390,8 +397,20 @@ class ChatStore:
                     raise StoreError(f"message {parent_id} is not in chat {chat_id}")
             cur = db.execute(
                 f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (chat_id, parent_id, role, content, status, now, now, _dumps(options), _dumps(metrics),
-                 candidate_group, candidate_index, model_name),
+                (
+                    chat_id,
+                    parent_id,
+                    role,
+                    content,
+                    status,
+                    now,
+                    now,
+                    _dumps(options),
+                    _dumps(metrics),
+                    candidate_group,
+                    candidate_index,
+                    model_name,
+                ),
             )
             message_id = cur.lastrowid
             if not candidate_index:
@@ -421,8 +440,12 @@ class ChatStore:
         if status is not None and status not in STATUSES:
             raise StoreError(f"unknown message status {status!r}")
         sets, params = ["updated = ?"], [time.time()]
-        for column, value in (("content", content), ("status", status),
-                              ("options_json", _dumps(options)), ("metrics_json", _dumps(metrics))):
+        for column, value in (
+            ("content", content),
+            ("status", status),
+            ("options_json", _dumps(options)),
+            ("metrics_json", _dumps(metrics)),
+        ):
             if value is not None:
                 sets.append(f"{column} = ?")
                 params.append(value)
@@ -441,9 +464,14 @@ class ChatStore:
             if row is None:
                 raise StoreError(f"no message with id {message_id}")
             chat_id, parent_id = row
-            doomed = [r[0] for r in db.execute(
-                "WITH RECURSIVE sub(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN sub ON m.parent_id = sub.id) "
-                "SELECT id FROM sub", (message_id,))]
+            doomed = [
+                r[0]
+                for r in db.execute(
+                    "WITH RECURSIVE sub(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN sub ON m.parent_id = sub.id) "
+                    "SELECT id FROM sub",
+                    (message_id,),
+                )
+            ]
             active = db.execute("SELECT active_leaf_id FROM chats WHERE id = ?", (chat_id,)).fetchone()[0]
             db.execute(f"DELETE FROM messages WHERE id IN ({','.join('?' * len(doomed))})", doomed)
             if active is None or active in doomed:
@@ -482,7 +510,9 @@ class ChatStore:
                 (m.chat_id,),
             )
         else:
-            rows = self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE parent_id = ? ORDER BY id", (m.parent_id,))
+            rows = self._read(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE parent_id = ? ORDER BY id", (m.parent_id,)
+            )
         return [_message(r) for r in rows]
 
     def set_active_leaf(self, chat_id: int, leaf_id: int) -> int:
@@ -512,8 +542,10 @@ class ChatStore:
     def all_messages(self, chat_id: int) -> list[Message]:
         """Every message of the chat, every branch, oldest first (a parent always before its children)."""
         self.get_chat(chat_id)
-        return [_message(r) for r in self._read(
-            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,))]
+        return [
+            _message(r)
+            for r in self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,))
+        ]
 
     def import_chat(self, chat: Any) -> int:
         """Store a validated chat file (app.chat_io.ImportedChat) as a new chat, in one transaction; its id.
@@ -522,8 +554,14 @@ class ChatStore:
             cur = db.execute(
                 "INSERT INTO chats (title, created, updated, system_prompt, sampling_json, overflow_policy) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
-                (chat.title, chat.created, chat.updated, chat.system_prompt, _dumps(chat.sampling),
-                 chat.overflow_policy),
+                (
+                    chat.title,
+                    chat.created,
+                    chat.updated,
+                    chat.system_prompt,
+                    _dumps(chat.sampling),
+                    chat.overflow_policy,
+                ),
             )
             chat_id = cur.lastrowid
             next_group = db.execute("SELECT COALESCE(MAX(candidate_group), 0) + 1 FROM messages").fetchone()[0]
@@ -536,8 +574,20 @@ class ChatStore:
                 parent = ids[m["parent"]] if m["parent"] is not None else None
                 cur = db.execute(
                     f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (chat_id, parent, m["role"], m["content"], m["status"], m["created"], m["updated"],
-                     _dumps(m["options"]), _dumps(m["metrics"]), group, m["candidate_index"], m["model_name"]),
+                    (
+                        chat_id,
+                        parent,
+                        m["role"],
+                        m["content"],
+                        m["status"],
+                        m["created"],
+                        m["updated"],
+                        _dumps(m["options"]),
+                        _dumps(m["metrics"]),
+                        group,
+                        m["candidate_index"],
+                        m["model_name"],
+                    ),
                 )
                 ids.append(cur.lastrowid)
             if chat.active_leaf is not None:

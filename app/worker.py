@@ -8,6 +8,7 @@ The GUI thread never waits on the engine: commands are put on a `queue.Queue`, s
 engine checks between steps (set directly, never queued), and results come back as signals, which Qt delivers
 queued to receivers in the GUI thread.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -192,7 +193,9 @@ class EngineWorker(EngineEvents):
 
     loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
     limits = Signal(object)  # {(option, value): reason} this model and machine never run; before loaded/reconfigured
-    reconfiguredInfo = Signal(object)  # ModelInfo after a reconfigure (dtype, device, weight bytes); before `reconfigured`
+    reconfiguredInfo = Signal(
+        object
+    )  # ModelInfo after a reconfigure (dtype, device, weight bytes); before `reconfigured`
 
     def __init__(
         self,
@@ -232,8 +235,13 @@ class EngineWorker(EngineEvents):
         self.thread().quit()
 
     def _dispatch(self, command: Any) -> None:
-        handler = {Load: self._load, Reconfigure: self._reconfigure, Generate: self._generate, Ladder: self._ladder,
-                   Call: self._call}
+        handler = {
+            Load: self._load,
+            Reconfigure: self._reconfigure,
+            Generate: self._generate,
+            Ladder: self._ladder,
+            Call: self._call,
+        }
         try:
             handler[type(command)](command)
         except Exception as exc:  # a bug here must neither end the loop nor leave the GUI waiting for an answer
@@ -301,8 +309,9 @@ class EngineWorker(EngineEvents):
         self._batcher.take()  # start clean
         self.generationStarted.emit(cmd.request_id, self.engine.options)
         try:
-            result = self.engine.generate(cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw,
-                                          overflow=cmd.overflow)
+            result = self.engine.generate(
+                cmd.messages, cmd.sampling, self._on_event, cmd.cancel, cmd.raw, overflow=cmd.overflow
+            )
         except Exception as exc:
             self._flush()
             self._log_unless_expected(exc, "generating")
@@ -328,8 +337,9 @@ class EngineWorker(EngineEvents):
             self.ladderProgress.emit(done, total, label)
 
         try:
-            rows = self._ladder_runner(self.engine, cmd.messages, cmd.sampling, presets=cmd.presets,
-                                       on_progress=on_progress, cancel=cmd.cancel)
+            rows = self._ladder_runner(
+                self.engine, cmd.messages, cmd.sampling, presets=cmd.presets, on_progress=on_progress, cancel=cmd.cancel
+            )
         except Exception as exc:
             self._log_unless_expected(exc, "running the ladder")
             self.ladderFailed.emit(one_line(exc))

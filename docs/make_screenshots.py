@@ -5,6 +5,7 @@
 
 Every figure in them is measured on the machine that runs this script (nothing is synthetic).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,18 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="default")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "screenshots")
-    p.add_argument("--prompt", default="Explain how a GPU runs a small language model, step by step, in about 150 words.")
+    p.add_argument(
+        "--prompt", default="Explain how a GPU runs a small language model, step by step, in about 150 words."
+    )
     p.add_argument("--ladder-tokens", type=int, default=32)
-    p.add_argument("--main-prompt", default="Write a Python function that returns the n-th Fibonacci number. "
-                                            "Put the code in a code block, then explain it briefly.")
-    p.add_argument("--parts", default="hud,ladder,main", help="which shots to make: hud, ladder, main (comma-separated)")
+    p.add_argument(
+        "--main-prompt",
+        default="Write a Python function that returns the n-th Fibonacci number. "
+        "Put the code in a code block, then explain it briefly.",
+    )
+    p.add_argument(
+        "--parts", default="hud,ladder,main", help="which shots to make: hud, ladder, main (comma-separated)"
+    )
     p.add_argument("--main-tokens", type=int, default=200)
     p.add_argument("--hud-tokens", type=int, default=160)
     args = p.parse_args()
@@ -78,9 +86,11 @@ def main() -> int:
 
     def ladder_shot() -> None:
         hud.tabs.setCurrentWidget(hud.ladder)
-        c.run_ladder([{"role": "user", "content": args.prompt}], replace(w.flow.sampling(), temperature=0.0,
-                                                                              max_new_tokens=args.ladder_tokens),
-                     ["naive", "half", "device-sampling", "first-fixes", "candidates"])
+        c.run_ladder(
+            [{"role": "user", "content": args.prompt}],
+            replace(w.flow.sampling(), temperature=0.0, max_new_tokens=args.ladder_tokens),
+            ["naive", "half", "device-sampling", "first-fixes", "candidates"],
+        )
         rows = wait(c.ladderFinished, 1800)[0]
         settle()
         hud.grab().save(str(args.out / "hud-ladder.png"))

@@ -1,4 +1,5 @@
 """Gapless inference engine: model, decode paths, telemetry. Never imports Qt."""
+
 import os as _os
 
 # Triton decides at its import whether it interprets; something (transformers, inductor) may import it before the

@@ -4,6 +4,7 @@ process on one prompt.
 The baseline is transformers' `generate()` on the same weights, prompt ids and token count. On the CPU the
 repeats are interleaved (see `run_suite`), because a shared machine's load drifts over minutes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,27 +71,53 @@ class BaselineRunner:
     device-synchronised, so prefill is left out as in the engine's decode figure.
     """
 
-    def __init__(self, model, prompt_ids: list[int], eos_ids: list[int], n_tokens: int, device: torch.device,
-                 config: BenchConfig, static_compile: bool, monitor=None, progress: Progress = log.info):
+    def __init__(
+        self,
+        model,
+        prompt_ids: list[int],
+        eos_ids: list[int],
+        n_tokens: int,
+        device: torch.device,
+        config: BenchConfig,
+        static_compile: bool,
+        monitor=None,
+        progress: Progress = log.info,
+    ):
         self.model, self.device, self.config, self.monitor, self.progress = model, device, config, monitor, progress
         self.n_tokens, self.static_compile = n_tokens, static_compile
         self.ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         self.eos_ids = list(eos_ids)
         name = "transformers-static-compile" if static_compile else "transformers"
         label = "transformers generate(), static cache + compile" if static_compile else "transformers generate()"
-        self.result = Baseline(name, label, "ok", settings={
-            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
-            "do_sample": False, "max_new_tokens": n_tokens, "min_new_tokens": n_tokens,
-            "cache_implementation": "static" if static_compile else "default (dynamic)",
-            "compile": ("transformers auto-compile of the forward with a static cache (CompileConfig defaults)"
-                        if static_compile else "off"),
-        })
+        self.result = Baseline(
+            name,
+            label,
+            "ok",
+            settings={
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                "device": str(device),
+                "do_sample": False,
+                "max_new_tokens": n_tokens,
+                "min_new_tokens": n_tokens,
+                "cache_implementation": "static" if static_compile else "default (dynamic)",
+                "compile": (
+                    "transformers auto-compile of the forward with a static cache (CompileConfig defaults)"
+                    if static_compile
+                    else "off"
+                ),
+            },
+        )
 
     def _timed(self, n: int) -> tuple[float, torch.Tensor, float, float]:
         from transformers import GenerationConfig
 
-        g = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=self.eos_ids or None,
-                             pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
+        g = GenerationConfig(
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=self.eos_ids or None,
+            pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
+        )
         if self.static_compile:
             g.cache_implementation = "static"
         _sync(self.device)
@@ -127,9 +154,14 @@ class BaselineRunner:
         except RUN_ERRORS + (TypeError,) as exc:
             self._fail(exc)
             return
-        new = out[0, self.ids.shape[1]:].tolist()
-        run: dict[str, Any] = {"ttft_ms": first_s * 1e3, "total_s": total_s, "new_tokens_total": len(new),
-                               "decode_tok_s": ratio(len(new) - 1, total_s - first_s), "unavailable": {}}
+        new = out[0, self.ids.shape[1] :].tolist()
+        run: dict[str, Any] = {
+            "ttft_ms": first_s * 1e3,
+            "total_s": total_s,
+            "new_tokens_total": len(new),
+            "decode_tok_s": ratio(len(new) - 1, total_s - first_s),
+            "unavailable": {},
+        }
         run["peak_memory_bytes"], run["peak_memory_source"] = _peak_memory(self.device)
         if self.monitor is not None:
             for metric, (value, source) in self.monitor.summary(t0, t1).items():
@@ -140,16 +172,28 @@ class BaselineRunner:
         self.result.runs.append(run)
         self.result.token_ids = new
         tok_s = run["decode_tok_s"]
-        self.progress(f"{self.result.name}: run {index + 1}/{self.config.repeats}: "
-                      f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s")
+        self.progress(
+            f"{self.result.name}: run {index + 1}/{self.config.repeats}: "
+            f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s"
+        )
 
     def finish(self) -> Baseline:
         base = self.result
         if not base.runs:
             return base
-        base.median = {f: median(r.get(f) for r in base.runs)
-                       for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", "peak_memory_bytes",
-                                 "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
+        base.median = {
+            f: median(r.get(f) for r in base.runs)
+            for f in (
+                "decode_tok_s",
+                "ttft_ms",
+                "total_s",
+                "new_tokens_total",
+                "peak_memory_bytes",
+                "gpu_util_pct",
+                "sm_activity_pct",
+                "dram_bw_util_pct",
+            )
+        }
         # Only these figures are measured around transformers' generate(); the rest are n/a with the reason.
         tok_s = [r["decode_tok_s"] for r in base.runs if r.get("decode_tok_s") is not None]
         base.median["decode_tok_s_min"] = min(tok_s) if tok_s else None
@@ -198,10 +242,14 @@ def add_ratios(rungs: list[Rung], baselines: list[Baseline]) -> dict[str, Any]:
         if not ok:
             return None
         r = max(ok, key=lambda x: x.median["decode_tok_s"])
-        return {"rung": r.name, "decode_tok_s": r.median["decode_tok_s"], "vs_naive": r.speedup_vs_naive,
-                "vs_transformers": r.speedup_vs_transformers,
-                "vs_transformers_compiled": r.speedup_vs_transformers_compiled,
-                "kernel_gap_pct": r.median.get("kernel_gap_pct")}
+        return {
+            "rung": r.name,
+            "decode_tok_s": r.median["decode_tok_s"],
+            "vs_naive": r.speedup_vs_naive,
+            "vs_transformers": r.speedup_vs_transformers,
+            "vs_transformers_compiled": r.speedup_vs_transformers_compiled,
+            "kernel_gap_pct": r.median.get("kernel_gap_pct"),
+        }
 
     return {
         "naive_decode_tok_s": naive_tok_s,
@@ -216,8 +264,9 @@ def interleaved(config: BenchConfig, device_type: str) -> bool:
     return config.interleave if config.interleave is not None else device_type != "cuda"
 
 
-def _baseline_runners(config: BenchConfig, context_length: int, device: torch.device, nvml: Any,
-                      progress: Progress) -> tuple[list[BaselineRunner], list[int], Any]:
+def _baseline_runners(
+    config: BenchConfig, context_length: int, device: torch.device, nvml: Any, progress: Progress
+) -> tuple[list[BaselineRunner], list[int], Any]:
     """The transformers model on the same weights and prompt ids, and a monitor for its GPU figures."""
     from engine.fallback import build_hf_model
     from engine.loader import load_checkpoint
@@ -233,13 +282,26 @@ def _baseline_runners(config: BenchConfig, context_length: int, device: torch.de
     monitor = Monitor(device, nvml=nvml)
     monitor.start()
     kinds = [False] + ([True] if device.type == "cuda" and compile_enabled(config, device.type) else [])
-    runners = [BaselineRunner(model, prompt_ids, eos_ids, config.max_new_tokens, device, config, static_compile=k,
-                              monitor=monitor, progress=progress) for k in kinds]
+    runners = [
+        BaselineRunner(
+            model,
+            prompt_ids,
+            eos_ids,
+            config.max_new_tokens,
+            device,
+            config,
+            static_compile=k,
+            monitor=monitor,
+            progress=progress,
+        )
+        for k in kinds
+    ]
     return runners, prompt_ids, monitor
 
 
-def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optional[list[str]] = None,
-              nvml: Any = None) -> dict[str, Any]:
+def run_suite(
+    config: BenchConfig, progress: Progress = log.info, command: Optional[list[str]] = None, nvml: Any = None
+) -> dict[str, Any]:
     """Load the model, run the ladder and the baselines, and return the report (plain JSON-able data).
 
     Interleaved (the default on the CPU, where the machine is often shared): after every warm-up, each round
@@ -252,9 +314,11 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
     config = validate(config)
     started = time.time()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=config.profile_window,
-                                                     prefix_reuse=config.prefix_reuse),
-                         progress=lambda p: progress(f"{p.stage}: {p.message}"))
+    engine = Engine.load(
+        config.model,
+        EngineOptions(device=config.device, profile_window=config.profile_window, prefix_reuse=config.prefix_reuse),
+        progress=lambda p: progress(f"{p.stage}: {p.message}"),
+    )
     runners: list[BaselineRunner] = []
     prompt_ids: Optional[list[int]] = None
     monitor = None
@@ -298,19 +362,29 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
     plain = next((b for b in baselines if b.name == "transformers" and b.token_ids), None)
     if naive is not None and plain is not None:
         ours = naive.runs[0]["token_ids"][0]
-        greedy_match = {"matching_prefix": matching_prefix(ours, plain.token_ids), "naive_tokens": len(ours),
-                        "transformers_tokens": len(plain.token_ids)}
+        greedy_match = {
+            "matching_prefix": matching_prefix(ours, plain.token_ids),
+            "naive_tokens": len(ours),
+            "transformers_tokens": len(plain.token_ids),
+        }
     ratios = add_ratios(rungs, baselines)
     machine = describe_machine(nvml=nvml)
     machine["load_average_at_start"] = load_at_start
-    order = ("interleaved: each round runs every rung and the baseline once" if inter
-             else "sequential: each rung's repeats back to back, then the baseline")
+    order = (
+        "interleaved: each round runs every rung and the baseline once"
+        if inter
+        else "sequential: each rung's repeats back to back, then the baseline"
+    )
     return {
         "command": command,
         "created_unix": started,
         "wall_seconds": time.time() - started,
-        "config": {**asdict(config), "presets": list(config.presets), "interleaved": inter,
-                   "compile_rungs": compile_enabled(config, device.type)},
+        "config": {
+            **asdict(config),
+            "presets": list(config.presets),
+            "interleaved": inter,
+            "compile_rungs": compile_enabled(config, device.type),
+        },
         "machine": machine,
         "model": info,
         "device": device.type,
@@ -318,10 +392,12 @@ def run_suite(config: BenchConfig, progress: Progress = log.info, command: Optio
         "prompt": config.prompt,
         "prompt_tokens_transformers": len(prompt_ids) if prompt_ids is not None else None,
         "greedy_match_naive_vs_transformers": greedy_match,
-        "method": ("engine rungs: the engine's own metrics (device-synchronised; the profiled window's steps are "
-                   "excluded from decode tok/s), median of the repeats after warm-up; transformers: generate() "
-                   "greedy with min_new_tokens = max_new_tokens, decode tok/s = (n - 1) / (t(n tokens) - t(1 token)); "
-                   f"order {order}"),
+        "method": (
+            "engine rungs: the engine's own metrics (device-synchronised; the profiled window's steps are "
+            "excluded from decode tok/s), median of the repeats after warm-up; transformers: generate() "
+            "greedy with min_new_tokens = max_new_tokens, decode tok/s = (n - 1) / (t(n tokens) - t(1 token)); "
+            f"order {order}"
+        ),
         "rungs": [asdict(r) for r in rungs],
         "baselines": [asdict(b) for b in baselines],
         "ratios": ratios,

@@ -5,6 +5,7 @@ Per workload and dtype: decode tok/s of each arm (tokens made by decode steps ov
 over the workload's prompts and repeats), the ratio, acceptance rate and tokens per step, and whether the greedy
 tokens of the two arms agree (they must, up to near-ties; the first difference is reported).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,19 +20,23 @@ from engine.errors import OptionsError
 from engine.telemetry.machine import describe_machine
 from engine.types import EngineOptions, SamplingParams
 
-_CODE = '''def total_price(items, tax_rate):
+_CODE = """def total_price(items, tax_rate):
     total = 0
     for item in items:
         total = total + item.price * item.quantity
     total = total + total * tax_rate
     return total
-'''
-_TEXT = ("The committee met on Tuesday to discuss the new budget. After a long debate, the members agreed to increase "
-         "funding for public libraries by ten percent, while reducing spending on road maintenance. The decision will "
-         "take effect next month, and a public hearing is planned for the spring.")
-_NOTES = ("Our team moved the weekly meeting from Monday to Wednesday because two members teach on Mondays. The new "
-          "room is on the third floor, next to the kitchen. Please bring your laptop, since we will review the "
-          "quarterly numbers together and plan the release of version two.")
+"""
+_TEXT = (
+    "The committee met on Tuesday to discuss the new budget. After a long debate, the members agreed to increase "
+    "funding for public libraries by ten percent, while reducing spending on road maintenance. The decision will "
+    "take effect next month, and a public hearing is planned for the spring."
+)
+_NOTES = (
+    "Our team moved the weekly meeting from Monday to Wednesday because two members teach on Mondays. The new "
+    "room is on the third floor, next to the kitchen. Please bring your laptop, since we will review the "
+    "quarterly numbers together and plan the release of version two."
+)
 WORKLOADS: dict[str, list[str]] = {
     "rewrite": [
         "Repeat the following text exactly, word for word, but write Friday instead of Tuesday:\n\n" + _TEXT,
@@ -87,9 +92,12 @@ def _arm(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     accepted = sum(m.get("accepted_tokens") or 0 for m in metrics)
     return {
         "decode_tok_s": tokens / seconds if seconds > 0 else None,
-        "decode_tokens": tokens, "decode_seconds": seconds, "decode_steps": steps,
+        "decode_tokens": tokens,
+        "decode_seconds": seconds,
+        "decode_steps": steps,
         "tokens_per_step": tokens / steps if steps else None,
-        "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
         "verify_steps": sum(m.get("verify_steps") or 0 for m in metrics),
         "per_run_decode_tok_s": [m["decode_tok_s"] for m in metrics],
@@ -107,8 +115,9 @@ def standing(workload: str, ratio: Optional[float]) -> Optional[str]:
     return f"target >= {target}x: missed ({ratio:.2f}x, {target - ratio:.2f} short)"
 
 
-def step_costs(engine, options: EngineOptions, position: int = 200, repeats: int = 7,
-               ks: tuple[int, ...] = (1, 2, 4, 8, 15)) -> dict[str, Any]:
+def step_costs(
+    engine, options: EngineOptions, position: int = 200, repeats: int = 7, ks: tuple[int, ...] = (1, 2, 4, 8, 15)
+) -> dict[str, Any]:
     """Median seconds of one plain decode step and of one verify step of k drafts at `position`, on the engine's
     static runner with `options` (compiled and captured steps included), each ending with its tokens read back
     as speculation reads them: what a verify step must beat. Writes only the runner's cache, which the next
@@ -142,7 +151,7 @@ def step_costs(engine, options: EngineOptions, position: int = 200, repeats: int
                 runner.out[0, 1:2].tolist()
             else:
                 n, _ = runner.speculate([1] * k, k)
-                runner.out[0, 1:1 + n].tolist()
+                runner.out[0, 1 : 1 + n].tolist()
             return time.perf_counter() - t0
 
         out: dict[str, Any] = {}
@@ -150,15 +159,19 @@ def step_costs(engine, options: EngineOptions, position: int = 200, repeats: int
             timed(k)  # first use: compile of an eager shape, allocator
             out[str(k)] = statistics.median(timed(k) for _ in range(repeats))
     plain = out.pop("0")
-    return {"position": position, "plain_step_ms": plain * 1e3,
-            "verify_step_ms": {k: v * 1e3 for k, v in out.items()},
-            "verify_over_plain": {k: v / plain for k, v in out.items()},
-            "options": opts.to_dict(),
-            "method": f"median of {repeats} steps at position {position}, host wall time of the step and its read-back"}
+    return {
+        "position": position,
+        "plain_step_ms": plain * 1e3,
+        "verify_step_ms": {k: v * 1e3 for k, v in out.items()},
+        "verify_over_plain": {k: v / plain for k, v in out.items()},
+        "options": opts.to_dict(),
+        "method": f"median of {repeats} steps at position {position}, host wall time of the step and its read-back",
+    }
 
 
-def run_speculation_workloads(config: SpecBenchConfig, progress: Callable[[str], None],
-                              command: Optional[list[str]] = None) -> dict[str, Any]:
+def run_speculation_workloads(
+    config: SpecBenchConfig, progress: Callable[[str], None], command: Optional[list[str]] = None
+) -> dict[str, Any]:
     from engine.engine import Engine
 
     config = validate(config)
@@ -166,8 +179,11 @@ def run_speculation_workloads(config: SpecBenchConfig, progress: Callable[[str],
         torch.set_num_threads(config.threads)
     started = time.time()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    engine = Engine.load(config.model, EngineOptions(device=config.device, profile_window=False),
-                         progress=lambda p: progress(f"{p.stage}: {p.message}"))
+    engine = Engine.load(
+        config.model,
+        EngineOptions(device=config.device, profile_window=False),
+        progress=lambda p: progress(f"{p.stage}: {p.message}"),
+    )
     try:
         device = engine.info.device
         dtypes = config.dtypes or (("fp16",) if device.startswith("cuda") else ("fp32",))
@@ -175,14 +191,23 @@ def run_speculation_workloads(config: SpecBenchConfig, progress: Callable[[str],
         results: list[dict[str, Any]] = []
         step_cost_rows: list[dict[str, Any]] = []
         for dtype in dtypes:
-            plain = EngineOptions(device=config.device, dtype=dtype, kv_cache="static", sampling="device",
-                                  compile=config.compile, cuda_graph=config.cuda_graph, profile_window=False)
-            spec = replace(plain, speculation=config.speculation, draft_tokens=config.draft_tokens,
-                           draft_model=config.draft_model)
+            plain = EngineOptions(
+                device=config.device,
+                dtype=dtype,
+                kv_cache="static",
+                sampling="device",
+                compile=config.compile,
+                cuda_graph=config.cuda_graph,
+                profile_window=False,
+            )
+            spec = replace(
+                plain, speculation=config.speculation, draft_tokens=config.draft_tokens, draft_model=config.draft_model
+            )
             reasons = engine.unavailable(spec)
             if reasons:
-                results.append({"dtype": dtype, "status": "skipped",
-                                "reason": "; ".join(f"{k}: {v}" for k, v in reasons.items())})
+                results.append(
+                    {"dtype": dtype, "status": "skipped", "reason": "; ".join(f"{k}: {v}" for k, v in reasons.items())}
+                )
                 continue
             progress(f"{dtype}: step costs")
             costs = step_costs(engine, plain)
@@ -204,18 +229,33 @@ def run_speculation_workloads(config: SpecBenchConfig, progress: Callable[[str],
                             m = res.metrics.to_dict()
                             runs[arm].append(m)
                             tokens[arm] = res.token_ids[0]
-                            progress(f"{dtype} {workload}: speculation {arm}, {m['decode_tok_s'] or 0:.1f} tok/s, "
-                                     f"{m['tokens_per_step'] or 0:.2f} tok/step")
+                            progress(
+                                f"{dtype} {workload}: speculation {arm}, {m['decode_tok_s'] or 0:.1f} tok/s, "
+                                f"{m['tokens_per_step'] or 0:.2f} tok/step"
+                            )
                     same = matching_prefix(tokens["off"], tokens["on"])
-                    prompts.append({"prompt": prompt, "tokens": len(tokens["off"]),
-                                    "identical": tokens["off"] == tokens["on"],
-                                    "first_difference": None if tokens["off"] == tokens["on"] else same})
+                    prompts.append(
+                        {
+                            "prompt": prompt,
+                            "tokens": len(tokens["off"]),
+                            "identical": tokens["off"] == tokens["on"],
+                            "first_difference": None if tokens["off"] == tokens["on"] else same,
+                        }
+                    )
                 off, on = _arm(runs["off"]), _arm(runs["on"])
-                ratio = (on["decode_tok_s"] / off["decode_tok_s"]
-                         if on["decode_tok_s"] and off["decode_tok_s"] else None)
-                results.append({"dtype": dtype, "workload": workload, "status": "ok", "plain": off,
-                                "speculation": on, "speedup": ratio, "standing": standing(workload, ratio),
-                                "prompts": prompts})
+                ratio = on["decode_tok_s"] / off["decode_tok_s"] if on["decode_tok_s"] and off["decode_tok_s"] else None
+                results.append(
+                    {
+                        "dtype": dtype,
+                        "workload": workload,
+                        "status": "ok",
+                        "plain": off,
+                        "speculation": on,
+                        "speedup": ratio,
+                        "standing": standing(workload, ratio),
+                        "prompts": prompts,
+                    }
+                )
             step_cost_rows.append({"dtype": dtype, **costs})
         info = engine.info.to_dict()
     finally:
@@ -223,21 +263,36 @@ def run_speculation_workloads(config: SpecBenchConfig, progress: Callable[[str],
     machine = describe_machine()
     machine["load_average_at_start"] = load_at_start
     return {
-        "command": command, "created_unix": started, "wall_seconds": time.time() - started,
+        "command": command,
+        "created_unix": started,
+        "wall_seconds": time.time() - started,
         "config": {**asdict(config), "dtypes": list(config.dtypes), "workloads": list(config.workloads)},
-        "machine": machine, "torch_threads": torch.get_num_threads(), "model": info,
-        "method": ("greedy; per workload its prompts, each run with speculation off then on (same options "
-                   "otherwise: static KV cache, device sampling, no profiler window); decode tok/s = decode tokens "
-                   "over decode seconds summed over the runs, the engine's own device-synchronised figures; "
-                   "acceptance = accepted / drafted drafts, tokens per step = decode tokens / decode steps"),
+        "machine": machine,
+        "torch_threads": torch.get_num_threads(),
+        "model": info,
+        "method": (
+            "greedy; per workload its prompts, each run with speculation off then on (same options "
+            "otherwise: static KV cache, device sampling, no profiler window); decode tok/s = decode tokens "
+            "over decode seconds summed over the runs, the engine's own device-synchronised figures; "
+            "acceptance = accepted / drafted drafts, tokens per step = decode tokens / decode steps"
+        ),
         "results": results,
         "step_costs": step_cost_rows,
     }
 
 
 def format_workloads(report: dict[str, Any]) -> str:
-    head = ["dtype", "workload", "plain tok/s", "speculation tok/s", "speedup", "accepted %", "tok/step",
-            "identical", "target"]
+    head = [
+        "dtype",
+        "workload",
+        "plain tok/s",
+        "speculation tok/s",
+        "speedup",
+        "accepted %",
+        "tok/step",
+        "identical",
+        "target",
+    ]
     rows = []
     for r in report["results"]:
         if r["status"] != "ok":
@@ -246,29 +301,43 @@ def format_workloads(report: dict[str, Any]) -> str:
         p, s = r["plain"], r["speculation"]
         rate = s["acceptance_rate"]
         same = sum(1 for x in r["prompts"] if x["identical"])
-        rows.append([
-            r["dtype"], r["workload"], _f(p["decode_tok_s"]), _f(s["decode_tok_s"]),
-            "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}×", "n/a" if rate is None else f"{100 * rate:.0f}",
-            _f(s["tokens_per_step"], 2), f"{same}/{len(r['prompts'])}", r["standing"] or "",
-        ])
+        rows.append(
+            [
+                r["dtype"],
+                r["workload"],
+                _f(p["decode_tok_s"]),
+                _f(s["decode_tok_s"]),
+                "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}×",
+                "n/a" if rate is None else f"{100 * rate:.0f}",
+                _f(s["tokens_per_step"], 2),
+                f"{same}/{len(r['prompts'])}",
+                r["standing"] or "",
+            ]
+        )
     widths = [max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i]) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows), ""]
     m = report["machine"]
     load = m.get("load_average_at_start")
-    out.append(f"Model {report['model']['name']} on {report['model']['device']}, {report['torch_threads']} torch "
-               f"thread(s); {report['config']['max_new_tokens']} new tokens, {report['config']['repeats']} run(s) "
-               f"per prompt and arm" + (f"; load average {load[0]:.1f} at the start." if load else "."))
+    out.append(
+        f"Model {report['model']['name']} on {report['model']['device']}, {report['torch_threads']} torch "
+        f"thread(s); {report['config']['max_new_tokens']} new tokens, {report['config']['repeats']} run(s) "
+        f"per prompt and arm" + (f"; load average {load[0]:.1f} at the start." if load else ".")
+    )
     out.append("Method: " + report["method"] + ".")
     for c in report.get("step_costs", []):
         ratios = ", ".join(f"k={k} {v:.2f}×" for k, v in c["verify_over_plain"].items())
-        out.append(f"{c['dtype']}: a plain step {c['plain_step_ms']:.1f} ms; a verify step over a plain one: {ratios} "
-                   f"({c['method']}).")
+        out.append(
+            f"{c['dtype']}: a plain step {c['plain_step_ms']:.1f} ms; a verify step over a plain one: {ratios} "
+            f"({c['method']})."
+        )
     for r in report["results"]:
         for x in r.get("prompts", []):
             if not x["identical"]:
-                out.append(f"{r['dtype']} {r['workload']}: tokens differ from token {x['first_difference']} "
-                           f"of {x['tokens']} ({x['prompt'][:40]!r}...)")
+                out.append(
+                    f"{r['dtype']} {r['workload']}: tokens differ from token {x['first_difference']} "
+                    f"of {x['tokens']} ({x['prompt'][:40]!r}...)"
+                )
     return "\n".join(out)
 
 

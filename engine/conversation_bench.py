@@ -5,6 +5,7 @@ turn by turn (greedy, so the answers must be the same token for token; the next 
 two are interleaved per turn so that both see the same machine load. Each repeat starts both from an empty
 cache; the report gives each turn's median TTFT over the repeats, for each engine, and their ratio.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,24 +22,37 @@ TARGET_RATIO = 0.2  # turn-10 TTFT with reuse at most this share of TTFT without
 # Each user turn is a request with pasted notes, as in a real working session, so the conversation grows by about
 # two hundred tokens a turn.
 TOPICS = [
-    "the water cycle", "how a bicycle gear works", "why bread rises", "the phases of the moon",
-    "how vaccines train the immune system", "what a compiler does", "how bees make honey",
-    "why the sky is blue", "how a refrigerator moves heat", "what causes the seasons",
-    "how a lock and key work", "why leaves change colour",
+    "the water cycle",
+    "how a bicycle gear works",
+    "why bread rises",
+    "the phases of the moon",
+    "how vaccines train the immune system",
+    "what a compiler does",
+    "how bees make honey",
+    "why the sky is blue",
+    "how a refrigerator moves heat",
+    "what causes the seasons",
+    "how a lock and key work",
+    "why leaves change colour",
 ]
-NOTES = ("Here are my notes so far, which may contain mistakes: {topic} is something people often explain with "
-         "a simple picture, but the details matter. First there is a starting state, then something changes it, "
-         "and finally the result feeds back into the start. Each step has a cause, a mechanism and an effect, "
-         "and the effect of one step is often the cause of the next. I have read that the energy comes from "
-         "outside the system, that the process repeats on its own once started, and that small changes at one "
-         "step can have large effects later. I would like to understand which of these claims are true, which "
-         "are half true, and what the usual misconceptions are. ")
+NOTES = (
+    "Here are my notes so far, which may contain mistakes: {topic} is something people often explain with "
+    "a simple picture, but the details matter. First there is a starting state, then something changes it, "
+    "and finally the result feeds back into the start. Each step has a cause, a mechanism and an effect, "
+    "and the effect of one step is often the cause of the next. I have read that the energy comes from "
+    "outside the system, that the process repeats on its own once started, and that small changes at one "
+    "step can have large effects later. I would like to understand which of these claims are true, which "
+    "are half true, and what the usual misconceptions are. "
+)
 
 
 def user_turn(turn: int) -> str:
     topic = TOPICS[turn % len(TOPICS)]
-    return (f"Question {turn + 1}: explain {topic} in a few sentences. " + NOTES.format(topic=topic)
-            + "Please answer briefly and say which of my notes is wrong.")
+    return (
+        f"Question {turn + 1}: explain {topic} in a few sentences. "
+        + NOTES.format(topic=topic)
+        + "Please answer briefly and say which of my notes is wrong."
+    )
 
 
 @dataclass
@@ -57,8 +71,9 @@ def _median(xs: list[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def run_conversation(config: ConversationConfig, progress: Callable[[str], None] = print,
-                     command: Optional[list[str]] = None) -> dict[str, Any]:
+def run_conversation(
+    config: ConversationConfig, progress: Callable[[str], None] = print, command: Optional[list[str]] = None
+) -> dict[str, Any]:
     from engine.engine import Engine
 
     started = time.time()
@@ -66,11 +81,15 @@ def run_conversation(config: ConversationConfig, progress: Callable[[str], None]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
     base = EngineOptions(device=config.device, dtype=config.dtype, profile_window=False)
     engines = {
-        "reuse": Engine.load(config.model, base.with_(prefix_reuse=True), lambda p: progress(f"{p.stage}: {p.message}")),
+        "reuse": Engine.load(
+            config.model, base.with_(prefix_reuse=True), lambda p: progress(f"{p.stage}: {p.message}")
+        ),
         "no_reuse": Engine.load(config.model, base.with_(prefix_reuse=False)),
     }
-    turns: list[dict[str, list]] = [{"ttft_reuse": [], "ttft_no_reuse": [], "prompt_tokens": [], "reused": [],
-                                     "computed": [], "identical": []} for _ in range(config.turns)]
+    turns: list[dict[str, list]] = [
+        {"ttft_reuse": [], "ttft_no_reuse": [], "prompt_tokens": [], "reused": [], "computed": [], "identical": []}
+        for _ in range(config.turns)
+    ]
     try:
         for eng in engines.values():  # allocator and first-call costs stay out of the figures
             eng.generate([{"role": "user", "content": "Say hello."}], sampling)
@@ -90,9 +109,11 @@ def run_conversation(config: ConversationConfig, progress: Callable[[str], None]
                 row["reused"].append(a.metrics.prompt_reused_tokens)
                 row["computed"].append(a.metrics.prompt_computed_tokens)
                 row["identical"].append(a.token_ids == b.token_ids)
-                progress(f"repeat {rep + 1}/{config.repeats} turn {t + 1}: {a.metrics.prompt_tokens} prompt tokens "
-                         f"({a.metrics.prompt_reused_tokens} reused), TTFT {a.metrics.ttft_ms:.0f} ms with reuse, "
-                         f"{b.metrics.ttft_ms:.0f} ms without")
+                progress(
+                    f"repeat {rep + 1}/{config.repeats} turn {t + 1}: {a.metrics.prompt_tokens} prompt tokens "
+                    f"({a.metrics.prompt_reused_tokens} reused), TTFT {a.metrics.ttft_ms:.0f} ms with reuse, "
+                    f"{b.metrics.ttft_ms:.0f} ms without"
+                )
                 msgs.append({"role": "assistant", "content": a.texts[0]})
     finally:
         for eng in engines.values():
@@ -100,18 +121,20 @@ def run_conversation(config: ConversationConfig, progress: Callable[[str], None]
     rows = []
     for t, row in enumerate(turns):
         with_, without = _median(row["ttft_reuse"]), _median(row["ttft_no_reuse"])
-        rows.append({
-            "turn": t + 1,
-            "prompt_tokens": row["prompt_tokens"][0],
-            "prompt_reused_tokens": row["reused"][0],
-            "prompt_computed_tokens": row["computed"][0],
-            "ttft_ms_reuse_median": with_,
-            "ttft_ms_no_reuse_median": without,
-            "ttft_ms_reuse_runs": row["ttft_reuse"],
-            "ttft_ms_no_reuse_runs": row["ttft_no_reuse"],
-            "ttft_ratio": with_ / without if with_ is not None and without else None,
-            "answers_identical": all(row["identical"]),
-        })
+        rows.append(
+            {
+                "turn": t + 1,
+                "prompt_tokens": row["prompt_tokens"][0],
+                "prompt_reused_tokens": row["reused"][0],
+                "prompt_computed_tokens": row["computed"][0],
+                "ttft_ms_reuse_median": with_,
+                "ttft_ms_no_reuse_median": without,
+                "ttft_ms_reuse_runs": row["ttft_reuse"],
+                "ttft_ms_no_reuse_runs": row["ttft_no_reuse"],
+                "ttft_ratio": with_ / without if with_ is not None and without else None,
+                "answers_identical": all(row["identical"]),
+            }
+        )
     last = rows[-1]
     machine = describe_machine()
     machine["load_average_at_start"] = load_at_start
@@ -124,10 +147,12 @@ def run_conversation(config: ConversationConfig, progress: Callable[[str], None]
         "config": asdict(config),
         "machine": machine,
         "model": info,
-        "method": ("two engines on the same model, prefix reuse on and off, answer the same conversation turn by "
-                   "turn, interleaved; greedy; the conversation carries the reuse engine's answers; TTFT is the "
-                   "engine's own (prompt in -> first token on the host), median over the repeats, each repeat "
-                   "from an empty cache; one warm-up generation per engine first"),
+        "method": (
+            "two engines on the same model, prefix reuse on and off, answer the same conversation turn by "
+            "turn, interleaved; greedy; the conversation carries the reuse engine's answers; TTFT is the "
+            "engine's own (prompt in -> first token on the host), median over the repeats, each repeat "
+            "from an empty cache; one warm-up generation per engine first"
+        ),
         "turns": rows,
         "last_turn": {
             "turn": last["turn"],
@@ -143,15 +168,21 @@ def run_conversation(config: ConversationConfig, progress: Callable[[str], None]
 def format_conversation(report: dict[str, Any]) -> str:
     lines = [f"{'turn':>4}  {'prompt':>6}  {'reused':>6}  {'TTFT reuse':>11}  {'TTFT without':>12}  {'ratio':>6}  same"]
     for r in report["turns"]:
+
         def ms(v: Optional[float]) -> str:
             return "n/a" if v is None else f"{v:.0f} ms"
+
         ratio = "n/a" if r["ttft_ratio"] is None else f"{r['ttft_ratio']:.2f}×"
-        lines.append(f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {r['prompt_reused_tokens']:>6}  "
-                     f"{ms(r['ttft_ms_reuse_median']):>11}  {ms(r['ttft_ms_no_reuse_median']):>12}  {ratio:>6}  "
-                     f"{'yes' if r['answers_identical'] else 'NO'}")
+        lines.append(
+            f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {r['prompt_reused_tokens']:>6}  "
+            f"{ms(r['ttft_ms_reuse_median']):>11}  {ms(r['ttft_ms_no_reuse_median']):>12}  {ratio:>6}  "
+            f"{'yes' if r['answers_identical'] else 'NO'}"
+        )
     last = report["last_turn"]
     verdict = "met" if last["target_met"] else "missed"
     ratio = "n/a" if last["ttft_ratio"] is None else f"{last['ttft_ratio']:.2f}×"
-    lines.append(f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
-                 f"{verdict}); answers identical: {report['answers_identical']}")
+    lines.append(
+        f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
+        f"{verdict}); answers identical: {report['answers_identical']}"
+    )
     return "\n".join(lines)

@@ -4,6 +4,7 @@ State every runner keeps on the device: `out` [B, L] (generated tokens), `done` 
 fed next, and the sampler state. The host knows only how many steps it issued; it learns tokens by reading
 `out` (every step with host sampling, a few steps behind with device sampling).
 """
+
 from __future__ import annotations
 
 import abc
@@ -79,7 +80,9 @@ class StaticRunner(RunnerBase):
     """Preallocated KV cache, index writes, static shapes: the step is a function of buffers only, so it can be
     compiled and captured in a CUDA graph (one per context bucket and sampler kind)."""
 
-    def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device, dtype: torch.dtype
+    ):
         super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
         self.model = model
         self.cache = StaticKVCache.allocate(model.args, batch, length, dtype, device)
@@ -226,8 +229,14 @@ class StaticRunner(RunnerBase):
                 return out
             b = min(b * 2, self.length)
 
-    def warm_up(self, buckets: list[int], kind: SamplerKind, use_graphs: bool, progress: Callable[[str, float], None],
-                verify_ks: tuple[int, ...] = ()) -> None:
+    def warm_up(
+        self,
+        buckets: list[int],
+        kind: SamplerKind,
+        use_graphs: bool,
+        progress: Callable[[str, float], None],
+        verify_ks: tuple[int, ...] = (),
+    ) -> None:
         """Compile (first calls) and capture every bucket a generation may cross, before its prefill, for the
         plain step and for the verify step of each draft length in `verify_ks`.
 
@@ -299,7 +308,11 @@ class DynamicRunner(RunnerBase):
         self._accept(sample(logits, self.kind, self.sampler), self.kind)
 
     def bytes_per_step(self, pos: int) -> int:
-        kv = sum(t.numel() * t.element_size() for t in (self.cache.k + self.cache.v) if t is not None) if self.cache else 0
+        kv = (
+            sum(t.numel() * t.element_size() for t in (self.cache.k + self.cache.v) if t is not None)
+            if self.cache
+            else 0
+        )
         return self.model.weight_bytes() + kv
 
 

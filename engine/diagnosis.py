@@ -4,6 +4,7 @@ Every claim names the figure behind it (value and source); a rule whose figures 
 the figures that were missing are listed with the reason the metrics give. Plain data in, plain data out: the
 HUD, the stats tooltip and `gapless generate --json` show the same result.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -51,8 +52,11 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
     cuda = dev == "cuda"
     unavailable = m.get("unavailable") or {}
     values = {k: _num(m.get(k)) for k in FIGURES}
-    missing = [f"{FIGURES[k]}: {unavailable.get(k) or 'not measured'}" for k, v in values.items()
-               if v is None and (cuda or k in CPU_FIGURES)]
+    missing = [
+        f"{FIGURES[k]}: {unavailable.get(k) or 'not measured'}"
+        for k, v in values.items()
+        if v is None and (cuda or k in CPU_FIGURES)
+    ]
 
     def ev(key: str, shown: str) -> str:
         source = m.get(key.replace("_pct", "") + "_source")
@@ -78,8 +82,11 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         return "fused kernels" if cuda else "int8 weights"
 
     if gap is None:
-        return done("unknown", f"not enough figures to say what limits this answer: {missing[0] if missing else 'gap n/a'}",
-                    "turn on Measure the gap" if "profiler window off" in (unavailable.get("kernel_gap_pct") or "") else None)
+        return done(
+            "unknown",
+            f"not enough figures to say what limits this answer: {missing[0] if missing else 'gap n/a'}",
+            "turn on Measure the gap" if "profiler window off" in (unavailable.get("kernel_gap_pct") or "") else None,
+        )
     evidence.append(ev("kernel_gap_pct", f"gap {_pct(gap)}"))
     if launches is not None:
         evidence.append(ev("launches_per_step", f"{launches:,.0f} {unit} a step"))
@@ -87,8 +94,9 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
 
     if cuda and sampling == "host" and gap >= HOST_SYNC_GAP_PCT:
         evidence.append("sampling on the host: .item() every token")
-        return done("host sync", f"host sync every token (.item()): the GPU idle {_pct(gap)} of each step",
-                    "device sampling")
+        return done(
+            "host sync", f"host sync every token (.item()): the GPU idle {_pct(gap)} of each step", "device sampling"
+        )
     if cuda and dram is not None and dram >= MEMORY_BOUND_PCT:
         evidence.append(ev("dram_bw_util_pct", f"DRAM bandwidth {_pct(dram)} of peak"))
         step = "more candidates (each weight read serves all)" if int(o.get("candidates") or 1) == 1 else "int8 weights"
@@ -97,14 +105,16 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         floor = f", {100 / dram:.0f}× over the memory floor" if dram else ""
         if dram:
             evidence.append(ev("dram_bw_util_pct", f"DRAM bandwidth {_pct(dram)} of peak"))
-        return done("launch-bound", f"launch-bound: {count}the GPU idle {_pct(gap)} between kernels{floor}",
-                    launch_step())
+        return done(
+            "launch-bound", f"launch-bound: {count}the GPU idle {_pct(gap)} between kernels{floor}", launch_step()
+        )
     if cuda:
         if sm is not None:
             evidence.append(ev("sm_activity_pct", f"SM activity {_pct(sm)}"))
         busy = f", SM activity {_pct(sm)}" if sm is not None else ""
         return done("GPU kernels", f"GPU kernels: the GPU is busy (gap {_pct(gap)}){busy}", launch_step())
     if launches is not None:
-        return done("CPU, op-bound", f"CPU, op-bound: {launches:,.0f} ops a step, {_pct(gap)} idle between ops",
-                    launch_step())
+        return done(
+            "CPU, op-bound", f"CPU, op-bound: {launches:,.0f} ops a step, {_pct(gap)} idle between ops", launch_step()
+        )
     return done("CPU", f"CPU: ops run back to back (gap {_pct(gap)}); ops a step n/a", launch_step())

@@ -1,4 +1,5 @@
 """The engine facade: load a model once, switch options between generations, generate with live events."""
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,13 @@ from engine.sampling import SamplerKind
 from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
 from engine.types import (
-    EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams, TextDelta,
+    EngineOptions,
+    GenerationMetrics,
+    GenerationResult,
+    ModelInfo,
+    Progress,
+    SamplingParams,
+    TextDelta,
 )
 
 log = logging.getLogger(__name__)
@@ -76,7 +83,12 @@ class Engine:
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, source: str, options: EngineOptions = EngineOptions(), progress: Optional[Callable[[Progress], None]] = None) -> "Engine":
+    def load(
+        cls,
+        source: str,
+        options: EngineOptions = EngineOptions(),
+        progress: Optional[Callable[[Progress], None]] = None,
+    ) -> "Engine":
         from engine.loader import load_checkpoint
 
         started = time.perf_counter()
@@ -128,8 +140,10 @@ class Engine:
                 from engine.fallback import build_hf_model
 
                 if getattr(self.config, "rope_freq_factors", None) is not None:
-                    raise ModelLoadError("this GGUF's rope frequency factors (rope_freqs) are applied only on the fast "
-                                         "path, which this model cannot use (details in the log)")
+                    raise ModelLoadError(
+                        "this GGUF's rope frequency factors (rope_freqs) are applied only on the fast "
+                        "path, which this model cannot use (details in the log)"
+                    )
 
                 self.model = build_hf_model(self.config, state, dtype, self.device)
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
@@ -167,8 +181,13 @@ class Engine:
             return None
         dtype = TORCH_DTYPES[self.dtype]
         try:
-            model = build_transformer(draft.config, draft.weights(dtype, self.device), dtype, self.device,
-                                      consume=draft.materialise is not None)
+            model = build_transformer(
+                draft.config,
+                draft.weights(dtype, self.device),
+                dtype,
+                self.device,
+                consume=draft.materialise is not None,
+            )
         except (ModelLoadError, RuntimeError) as exc:
             self._draft_refused[path] = f"the draft model could not be placed on {self.device}: {exc}"
             return None
@@ -194,7 +213,9 @@ class Engine:
         return ModelInfo(
             name=self.checkpoint.name,
             family=self.config.model_type,
-            architecture=(getattr(self.config, "architectures", None) or [f"{self.config.model_type} (from GGUF metadata)"])[0],
+            architecture=(
+                getattr(self.config, "architectures", None) or [f"{self.config.model_type} (from GGUF metadata)"]
+            )[0],
             backend="fast" if self.fast else "transformers",
             backend_reason=self.fast_reason,
             parameters=int(params),
@@ -221,11 +242,16 @@ class Engine:
         if self.fast:
             per_token = bytes_per_token(self.model, self.model.tok_embeddings, self.model.output)
         else:
-            per_token = bytes_per_token(self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings())
+            per_token = bytes_per_token(
+                self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings()
+            )
         peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None) if hasattr(self, "monitor") else None
         if not peak:
-            where = "the CPU's memory bandwidth is not known here" if self.device.type == "cpu" else \
-                "this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
+            where = (
+                "the CPU's memory bandwidth is not known here"
+                if self.device.type == "cpu"
+                else "this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
+            )
             return per_token, None, f"n/a: {where}"
         return per_token, per_token / peak * 1e3, "bytes per token / NVML peak bandwidth (memory clock x bus width x 2)"
 
@@ -286,7 +312,9 @@ class Engine:
         if self._fused_failed:
             return self._fused_failed
         if o.weights != "native":
-            return f"the fused kernels read the weights in the model's dtype; {o.weights} weights run on the torch kernels"
+            return (
+                f"the fused kernels read the weights in the model's dtype; {o.weights} weights run on the torch kernels"
+            )
         from engine.kernels import unavailable_reason
 
         return unavailable_reason(self.args, _target_device(o.device))
@@ -306,8 +334,10 @@ class Engine:
         if o.kv_cache != "static":
             return "speculation needs the static KV cache (drafts are verified in place, rejected ones dropped by moving its position)"
         if o.candidates > 1:
-            return ("speculation verifies the drafts of one answer; several candidates would accept different numbers "
-                    "of tokens per step")
+            return (
+                "speculation verifies the drafts of one answer; several candidates would accept different numbers "
+                "of tokens per step"
+            )
         if o.kernels == "fused":
             return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
         if o.speculation == "draft":
@@ -323,8 +353,13 @@ class Engine:
         if args is None:
             return f"{self._on_fallback()}, whose linears are transformers' own"
         q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        shapes = {"wqkv": (q + 2 * kv, args.dim), "wo": (args.dim, q), "w13": (2 * args.intermediate_size, args.dim),
-                  "w2": (args.dim, args.intermediate_size), "output": (args.vocab_size, args.dim)}
+        shapes = {
+            "wqkv": (q + 2 * kv, args.dim),
+            "wo": (args.dim, q),
+            "w13": (2 * args.intermediate_size, args.dim),
+            "w2": (args.dim, args.intermediate_size),
+            "output": (args.vocab_size, args.dim),
+        }
         return why_not(fmt, shapes, device)
 
     def _on_fallback(self) -> str:
@@ -381,7 +416,9 @@ class Engine:
         if not self.fast:
             from engine.fallback import HFRunner
 
-            runner = HFRunner(self.model, batch, length, self.config.vocab_size, self.eos_ids, self.device, opts.kv_cache)
+            runner = HFRunner(
+                self.model, batch, length, self.config.vocab_size, self.eos_ids, self.device, opts.kv_cache
+            )
         elif opts.kernels == "fused":
             from engine.kernels.runner import FusedRunner
 
@@ -431,8 +468,9 @@ class Engine:
         cancel = cancel or threading.Event()
         with self._lock, torch.inference_mode():
             opts, reasons = self.effective(self.options)
-            prompt = build_prompt(self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw,
-                                  overflow=overflow)
+            prompt = build_prompt(
+                self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw, overflow=overflow
+            )
             notices = list(prompt.notices)
             if not prompt.ids:
                 raise GenerationError("the prompt is empty after tokenization")
@@ -455,7 +493,9 @@ class Engine:
                     loop, opts = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, notices, reasons)
                     break
                 except PrefillCancelled as exc:
-                    return self._stopped_reading(exc, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut)
+                    return self._stopped_reading(
+                        exc, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut
+                    )
                 except torch.OutOfMemoryError as exc:
                     self._free_device_memory()
                     if streamed:
@@ -497,8 +537,9 @@ class Engine:
         runner.sampler.set_params(sampling)
         if opts.kernels == "fused":
             with preserved(runner):  # its warm-up writes the first positions too
-                runner, opts = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event, notices,
-                                                reasons)
+                runner, opts = self._warm_fused(
+                    runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons
+                )
         torch_step = isinstance(runner, StaticRunner) and opts.kernels == "torch"
         spec = self._speculator(opts, runner, on_event) if torch_step else None
         if opts.speculation != "off" and spec is None:
@@ -515,8 +556,9 @@ class Engine:
                 buckets = runner.buckets_for(len(prompt_ids), max_new)
                 try:
                     with preserved(runner):  # the cached prefix survives the warm-up's writes
-                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
-                                       verify_ks)
+                        runner.warm_up(
+                            buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks
+                        )
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor/dynamo failures: the step still runs eagerly
@@ -528,8 +570,9 @@ class Engine:
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
                     with preserved(runner):
-                        runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)),
-                                       verify_ks)
+                        runner.warm_up(
+                            buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks
+                        )
                 compile_s = time.perf_counter() - t_compile
                 done = "captured" if opts.cuda_graph else "compiled" if opts.compile else "warmed up"
                 on_event(Progress(stage, 1.0, f"decode step {done} in {compile_s:.1f} s"))
@@ -547,8 +590,18 @@ class Engine:
 
         try:
             loop = run_loop(
-                runner, prompt_t, kind, max_new, opts.sampling == "host", rows, self.device, on_event, cancel,
-                window=window, monitor=self.monitor, spec=spec,
+                runner,
+                prompt_t,
+                kind,
+                max_new,
+                opts.sampling == "host",
+                rows,
+                self.device,
+                on_event,
+                cancel,
+                window=window,
+                monitor=self.monitor,
+                spec=spec,
                 prefill=prefill_fn(runner, plan, chunk, reading if chunk else None, cancel),
             )
         except PrefillCancelled as exc:
@@ -574,6 +627,7 @@ class Engine:
     def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
         """Compile (and capture) the fused step. A failure with PDL on is tried once more without it; any other
         failure ends the fused kernels for this engine: the torch path runs, with a notice."""
+
         def progress(message: str, fraction: float) -> None:
             on_event(Progress("capture" if opts.cuda_graph else "compile", fraction, message))
 
@@ -600,10 +654,14 @@ class Engine:
             raise
         except Exception as exc:  # a kernel that does not compile or launch here
             log.exception("the fused kernels failed; falling back to the torch kernels")
-            self._fused_failed = f"the fused kernels failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            self._fused_failed = (
+                f"the fused kernels failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            )
             reasons["kernels"] = self._fused_failed
-            notices.append("the fused kernels failed to compile or run, so this generation ran on the torch kernels "
-                           "(details in the log)")
+            notices.append(
+                "the fused kernels failed to compile or run, so this generation ran on the torch kernels "
+                "(details in the log)"
+            )
             self._runners.pop((opts.kv_cache, opts.candidates, "fused"), None)
             opts = replace(opts, kernels="torch")
             runner = self._runner(opts, opts.candidates, prompt_len + max_new)
@@ -627,30 +685,56 @@ class Engine:
         source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
         return Speculator(proposer, k, shapes, source)
 
-    def _stopped_reading(self, exc: PrefillCancelled, prompt_tokens: int, opts: EngineOptions, reasons: dict,
-                         seed: int, notices: list[str], overflow: str, cut: str) -> GenerationResult:
+    def _stopped_reading(
+        self,
+        exc: PrefillCancelled,
+        prompt_tokens: int,
+        opts: EngineOptions,
+        reasons: dict,
+        seed: int,
+        notices: list[str],
+        overflow: str,
+        cut: str,
+    ) -> GenerationResult:
         """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
         n = opts.candidates
-        m = GenerationMetrics(prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow,
-                              prompt_cut=cut or None)
+        m = GenerationMetrics(
+            prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow, prompt_cut=cut or None
+        )
         m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
         m.put("prompt_computed_tokens", exc.done - exc.reused)
         for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
             m.mark_na(name, "stopped before the first token")
-        return GenerationResult(texts=[""] * n, token_ids=[[] for _ in range(n)], finish_reasons=["cancelled"] * n,
-                                metrics=m, options=opts, unavailable=reasons, seed=seed, notices=[*notices, str(exc)])
+        return GenerationResult(
+            texts=[""] * n,
+            token_ids=[[] for _ in range(n)],
+            finish_reasons=["cancelled"] * n,
+            metrics=m,
+            options=opts,
+            unavailable=reasons,
+            seed=seed,
+            notices=[*notices, str(exc)],
+        )
 
     @staticmethod
     def _smaller(opts: EngineOptions) -> tuple[EngineOptions, str, str, str]:
         """After running out of device memory: (the next, smaller options to try, the option given up, why,
         the notice for the user)."""
         if opts.cuda_graph:
-            return (replace(opts, cuda_graph=False), "cuda_graph", "ran out of device memory with it on",
-                    "out of device memory with the CUDA graph on: ran without it")
+            return (
+                replace(opts, cuda_graph=False),
+                "cuda_graph",
+                "ran out of device memory with it on",
+                "out of device memory with the CUDA graph on: ran without it",
+            )
         if opts.candidates > 1:
             fewer = max(1, opts.candidates // 2)
-            return (replace(opts, candidates=fewer), "candidates", f"out of device memory at {opts.candidates}",
-                    f"out of device memory with {opts.candidates} candidates: ran {fewer}")
+            return (
+                replace(opts, candidates=fewer),
+                "candidates",
+                f"out of device memory at {opts.candidates}",
+                f"out of device memory with {opts.candidates} candidates: ran {fewer}",
+            )
         raise GenerationError("out of device memory, even with one candidate and no CUDA graph")
 
     def _free_device_memory(self) -> None:

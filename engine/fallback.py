@@ -4,6 +4,7 @@ Only the forward pass is transformers'; sampling, streaming and metrics are the 
 fallback generation mean the same as those of the fast path. Options that need our own graph (static cache,
 compile, CUDA graph) are reported unavailable by the engine.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -68,7 +69,9 @@ class HFRunner(RunnerBase):
             self.ids = ids.expand(self.batch, -1)
             logits = self._forward(ids, use_cache=False)
         else:
-            self.cache = DynamicCache(config=self.model.config) if _accepts(DynamicCache.__init__, "config") else DynamicCache()
+            self.cache = (
+                DynamicCache(config=self.model.config) if _accepts(DynamicCache.__init__, "config") else DynamicCache()
+            )
             logits = self._forward(ids, use_cache=True)
             if self.batch > 1:
                 self.cache.batch_repeat_interleave(self.batch)

@@ -3,6 +3,7 @@
 The loop is the same for every option; the runner decides how a step is computed (kv mode, compile, graph),
 `host_sync` decides whether the host reads every token (.item()) or reads copies a few steps behind.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -18,9 +19,9 @@ from engine.decode import RunnerBase
 from engine.sampling import SamplerKind
 from engine.speculative import Speculator
 from engine.stream import Readback, RowText, StepClock
-from engine.types import GenerationMetrics, RowFinished, StepRecord, TextDelta
 from engine.telemetry.monitor import estimate_dram_bw_util
 from engine.telemetry.stats import percentile
+from engine.types import GenerationMetrics, RowFinished, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,9 @@ def run_loop(
         t = now()
         if t - last_flush >= FLUSH_INTERVAL_S:
             _emit_text(rows, on_event, ended)
-            records_from = _emit_steps(clock, records_from, _steps_seen(token_step, seen), rows, on_event,
-                                       window_steps, token_step)
+            records_from = _emit_steps(
+                clock, records_from, _steps_seen(token_step, seen), rows, on_event, window_steps, token_step
+            )
             last_flush = t
         if monitor is not None and t - last_monitor >= MONITOR_INTERVAL_S:
             for s in monitor.drain():
@@ -194,9 +196,7 @@ def run_loop(
     metrics.prefill_tok_s = metrics.prompt_tokens / prefill_s if prefill_s > 0 else None
     # Decode throughput: tokens made by decode steps outside the traced window, over the synchronised wall time
     # of the decode loop less the window.
-    decode_tokens = sum(
-        sum(1 for s in token_step[1:len(r.tokens)] if s not in window_steps) for r in rows
-    )
+    decode_tokens = sum(sum(1 for s in token_step[1 : len(r.tokens)] if s not in window_steps) for r in rows)
     decode_s = (t_end - t_first) - window_s
     metrics.decode_steps = steps_done
     metrics.profiled_steps = len(window_steps)
@@ -214,14 +214,20 @@ def run_loop(
         metrics.step_ms_p90 = percentile(durations, 90) * 1e3
         metrics.step_ms_p99 = percentile(durations, 99) * 1e3
     if device.type == "cuda":
-        metrics.put("peak_memory_bytes", int(torch.cuda.max_memory_allocated(device)),
-                    "torch.cuda.max_memory_allocated (this generation)")
+        metrics.put(
+            "peak_memory_bytes",
+            int(torch.cuda.max_memory_allocated(device)),
+            "torch.cuda.max_memory_allocated (this generation)",
+        )
     else:
         try:
             import resource  # POSIX only
 
-            metrics.put("peak_memory_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        "process peak RSS since start (getrusage)")
+            metrics.put(
+                "peak_memory_bytes",
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "process peak RSS since start (getrusage)",
+            )
         except ImportError:
             metrics.mark_na("peak_memory_bytes", "no getrusage on this platform")
     _fill_telemetry(metrics, stats, window, monitor, runner, device, t_start, t_end, durations, prompt.numel())
@@ -283,7 +289,9 @@ def _fill_speculation(metrics: GenerationMetrics, spec: Optional[Speculator]) ->
         metrics.mark_na("acceptance_rate", "nothing was drafted in this answer (no proposal, or it ended first)")
 
 
-def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, device, t0, t1, durations, prompt_len) -> None:
+def _fill_telemetry(
+    metrics: GenerationMetrics, stats, window, monitor, runner, device, t0, t1, durations, prompt_len
+) -> None:
     if stats is not None and stats.gap_pct is not None:
         metrics.put("kernel_gap_pct", stats.gap_pct, stats.gap_source)
     elif window is None or not window.enabled:
@@ -291,15 +299,19 @@ def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, 
     elif stats is None and window.skipped:
         metrics.mark_na("kernel_gap_pct", f"window not traced: {window.skipped}")
     elif stats is None:
-        metrics.mark_na("kernel_gap_pct", f"the answer ended before the traced window (decode steps {window.start}-"
-                                          f"{window.start + window.steps - 1})")
+        metrics.mark_na(
+            "kernel_gap_pct",
+            f"the answer ended before the traced window (decode steps {window.start}-"
+            f"{window.start + window.steps - 1})",
+        )
     else:
         metrics.mark_na("kernel_gap_pct", "no events traced in the window")
     if stats is not None and stats.launches_per_step is not None:
         metrics.put("launches_per_step", stats.launches_per_step, stats.launches_source)
     else:
-        metrics.mark_na("launches_per_step",
-                        metrics.unavailable.get("kernel_gap_pct") or "no kernels or ops traced in the window")
+        metrics.mark_na(
+            "launches_per_step", metrics.unavailable.get("kernel_gap_pct") or "no kernels or ops traced in the window"
+        )
     summary = monitor.summary(t0, t1) if monitor is not None else {}
     for name in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
         value, source = summary.get(name, (None, "no monitor"))
@@ -313,7 +325,8 @@ def _fill_telemetry(metrics: GenerationMetrics, stats, window, monitor, runner, 
     if metrics.dram_bw_util_pct is None and peak_bw and durations and device.type == "cuda":
         # The median step against the bytes a step reads halfway through the answer (weights + KV attended
         # there). Not capped: above 100 % says the estimate's premise (every byte read from DRAM) does not hold.
-        value, source = estimate_dram_bw_util(runner.bytes_per_step(prompt_len + metrics.decode_steps // 2),
-                                              percentile(durations, 50), peak_bw)
+        value, source = estimate_dram_bw_util(
+            runner.bytes_per_step(prompt_len + metrics.decode_steps // 2), percentile(durations, 50), peak_bw
+        )
         if value is not None:
             metrics.put("dram_bw_util_pct", value, source)

@@ -5,6 +5,7 @@ fp32 in the same order as quants.py does it, so the result is bit-exact with `gg
 to the target dtype comes last. Large tensors go through in row chunks written into the output, so the
 temporaries stay a fixed size however big the tensor is.
 """
+
 from __future__ import annotations
 
 from typing import Callable

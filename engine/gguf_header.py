@@ -5,6 +5,7 @@ the header here (magic, version, metadata, tensor table) costs well under a seco
 vocabulary, and lets the loader say in one line what is wrong: not a GGUF file, truncated, an architecture or a
 quantisation nobody here can read. Nothing is executed from the file; it is only measured.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -109,12 +110,16 @@ def read_gguf_header(path: Path) -> GGUFHeader:
         raise ModelLoadError(f"{label}: the file is empty")
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
-            raise ModelLoadError(f"{label}: corrupt header, not a GGUF file (it does not start with the GGUF magic bytes)")
+            raise ModelLoadError(
+                f"{label}: corrupt header, not a GGUF file (it does not start with the GGUF magic bytes)"
+            )
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
                 return _parse(path, buf, size)
             except _Truncated:
-                raise ModelLoadError(f"{label}: truncated GGUF file (the header ends past the end of its {size} bytes)") from None
+                raise ModelLoadError(
+                    f"{label}: truncated GGUF file (the header ends past the end of its {size} bytes)"
+                ) from None
             except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
                 raise ModelLoadError(f"{label}: corrupt GGUF header ({exc})") from None
 
@@ -253,9 +258,7 @@ def check_gguf(path: Path, supported_architectures: set[str], header: Optional[G
             raise ModelLoadError(f"{label}: unsupported GGUF quantisation {t.type_name} (tensor {t.name!r})")
     end = max((header.data_start + t.offset + t.nbytes for t in header.tensors), default=header.data_start)
     if end > header.file_size:
-        raise ModelLoadError(
-            f"{label}: truncated GGUF file ({header.file_size} bytes; its tensors need {end} bytes)"
-        )
+        raise ModelLoadError(f"{label}: truncated GGUF file ({header.file_size} bytes; its tensors need {end} bytes)")
     return header
 
 
@@ -271,6 +274,10 @@ def read_gguf_rope(header: GGUFHeader) -> tuple[Optional[str], Optional[float], 
     if t is not None:
         if t.type_name != "F32":
             raise ModelLoadError(f"{header.path.name}: rope_freqs.weight is {t.type_name}, not F32")
-        factors = np.fromfile(header.path, dtype=np.dtype(header.byte_order + "f4"), count=prod(t.shape),
-                              offset=header.data_start + t.offset)
+        factors = np.fromfile(
+            header.path,
+            dtype=np.dtype(header.byte_order + "f4"),
+            count=prod(t.shape),
+            offset=header.data_start + t.offset,
+        )
     return header.rope_scaling_type, header.rope_scaling_factor, factors

@@ -9,6 +9,7 @@ converts nothing. A changed file misses the cache; a damaged entry is rebuilt, w
 Architectures whose GGUF tensors transformers reshapes in ways not mirrored here load through transformers'
 own GGUF path instead (engine.loader decides, with `native_architecture`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -157,7 +158,9 @@ def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizer
     if getattr(cls, "__name__", "") == "MistralCommonBackend" or cls is None:
         cls = TokenizersBackend
     try:
-        return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True, trust_remote_code=False)
+        return cls.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True, trust_remote_code=False
+        )
     except Exception as exc:  # the tokenizers backend raises plain Exception on a vocabulary it cannot build
         raise ModelLoadError(f"{label}: the tokenizer could not be built from this GGUF: {_one_line(exc)}") from exc
 
@@ -231,8 +234,9 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
             raise ValueError("config.json is not a model config")
         tokenizer = _saved_tokenizer(entry / "tokenizer", str(manifest["tokenizer_class"]))
     except Exception as exc:  # any damage (JSON, files, a tokenizer that will not load) means: convert again
-        log.warning("the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name,
-                    _one_line(exc))
+        log.warning(
+            "the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name, _one_line(exc)
+        )
         shutil.rmtree(entry, ignore_errors=True)
         return None
     os.utime(entry / "manifest.json")  # recency, for pruning
@@ -255,8 +259,11 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
     try:
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(conv.config, indent=1), encoding="utf-8")
-        layout = {"plan": [[p.gguf_name, p.hf_name, p.permute_heads] for p in conv.plan],
-                  "shapes": conv.shapes, "tied": conv.tied}
+        layout = {
+            "plan": [[p.gguf_name, p.hf_name, p.permute_heads] for p in conv.plan],
+            "shapes": conv.shapes,
+            "tied": conv.tied,
+        }
         (tmp / "layout.json").write_text(json.dumps(layout), encoding="utf-8")
         conv.tokenizer.save_pretrained(str(tmp / "tokenizer"))
         manifest = {"version": CACHE_VERSION, "identity": identity, "tokenizer_class": type(conv.tokenizer).__name__}

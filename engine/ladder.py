@@ -5,6 +5,7 @@ Each rung gets warm-up generations first (compile, capture and the profiler's fi
 figure is the median over repeats. `run_ladder` is the app's "Run ladder"; engine/bench.py runs the same rungs
 with the transformers baseline for `gapless bench`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -112,8 +113,9 @@ def compile_enabled(config: BenchConfig, device_type: str) -> bool:
     return config.compile if config.compile is not None else device_type == "cuda"
 
 
-def rung_options(name: str, base: EngineOptions, device_type: str, candidates: Optional[int],
-                 speculation: str = "ngram") -> EngineOptions:
+def rung_options(
+    name: str, base: EngineOptions, device_type: str, candidates: Optional[int], speculation: str = "ngram"
+) -> EngineOptions:
     """A preset's options for this bench: on CUDA as defined; on the CPU the half rung in bf16 and the
     later rungs in fp32 (see CPU_DTYPE_NOTE). The speculation rung drafts as `speculation` says."""
     opts = preset_options(name, base, candidates=candidates if candidates is not None else DEFAULT_CANDIDATES)
@@ -124,8 +126,9 @@ def rung_options(name: str, base: EngineOptions, device_type: str, candidates: O
     return opts
 
 
-def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
-              ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
+def plan_rung(
+    engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
+) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
     """(options, skip reason, notes). A rung whose defining optimisation cannot run here is skipped; the
     int8, candidates and speculation rungs keep running without the optimisations this machine lacks, and say which."""
     opts = rung_options(name, base, device_type, config.candidates, config.speculation)
@@ -138,7 +141,11 @@ def plan_rung(engine, name: str, base: EngineOptions, device_type: str, config: 
         own = engine.unavailable(replace(opts, compile=False)) if name == "cuda-graph" else {}
         if own:
             return None, "; ".join(f"{k}: {v}" for k, v in own.items()), notes
-        return None, "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)", notes
+        return (
+            None,
+            "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)",
+            notes,
+        )
     if name in RELAXED_RUNGS and not compile_on and opts.compile:
         opts = replace(opts, compile=False, cuda_graph=False)
         notes.append("without compile and CUDA graph (compile off for this bench)")
@@ -178,12 +185,18 @@ class LadderRunner:
         self.rungs: list[Rung] = []
         self.opts: dict[str, EngineOptions] = {}
         self._current: Optional[EngineOptions] = None
-        base = EngineOptions(device=config.device, profile_window=config.profile_window,
-                             draft_tokens=config.draft_tokens, draft_model=config.draft_model,
-                             prefix_reuse=config.prefix_reuse)
+        base = EngineOptions(
+            device=config.device,
+            profile_window=config.profile_window,
+            draft_tokens=config.draft_tokens,
+            draft_model=config.draft_model,
+            prefix_reuse=config.prefix_reuse,
+        )
         for name in [p for p in PRESETS if p in config.presets]:
             opts, skip, notes = plan_rung(engine, name, base, self.device_type, config)
-            label = f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
+            label = (
+                f"+ {opts.candidates} candidates" if opts is not None and opts.candidates > 1 else PRESET_LABELS[name]
+            )
             self.rungs.append(Rung(name, label, "skipped" if skip else "ok", reason=skip, notes=notes))
             if opts is None:
                 progress(f"{name}: skipped: {skip}")
@@ -229,11 +242,20 @@ class LadderRunner:
             return  # a cut-short run is no measurement
         m = result.metrics.to_dict()
         rung.options = result.options.to_dict()
-        rung.runs.append({"metrics": m, "new_tokens": m["new_tokens"], "finish_reasons": result.finish_reasons,
-                          "token_ids": result.token_ids, "unavailable_options": dict(result.unavailable)})
+        rung.runs.append(
+            {
+                "metrics": m,
+                "new_tokens": m["new_tokens"],
+                "finish_reasons": result.finish_reasons,
+                "token_ids": result.token_ids,
+                "unavailable_options": dict(result.unavailable),
+            }
+        )
         tok_s = m.get("decode_tok_s")
-        self.progress(f"{rung.name}: run {index + 1}/{self.config.repeats}: "
-                      f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s, {m['new_tokens_total']} tokens")
+        self.progress(
+            f"{rung.name}: run {index + 1}/{self.config.repeats}: "
+            f"{'n/a' if tok_s is None else f'{tok_s:.1f}'} tok/s, {m['new_tokens_total']} tokens"
+        )
 
     def finish(self) -> list[Rung]:
         for rung in self.rungs:
@@ -242,20 +264,35 @@ class LadderRunner:
         return self.rungs
 
 
-def run_ladder(engine, messages: list[dict], sampling: SamplingParams, presets: Optional[list[str]] = None,
-               on_progress: Optional[Callable[[int, int, str], None]] = None,
-               cancel: Optional[threading.Event] = None, repeats: int = 1,
-               candidates: Optional[int] = None) -> list[LadderRow]:
+def run_ladder(
+    engine,
+    messages: list[dict],
+    sampling: SamplingParams,
+    presets: Optional[list[str]] = None,
+    on_progress: Optional[Callable[[int, int, str], None]] = None,
+    cancel: Optional[threading.Event] = None,
+    repeats: int = 1,
+    candidates: Optional[int] = None,
+) -> list[LadderRow]:
     """The app's "Run ladder": the user's prompt through every preset, as `gapless bench` runs them (the same
     plan, warm-up and timing), one rung after another so progress and cancel are per rung. The engine's
     options are restored afterwards. Returns one row per preset."""
     previous = engine.options
-    config = validate(BenchConfig(
-        model=engine.info.source, device=previous.device, max_new_tokens=max(2, sampling.max_new_tokens),
-        repeats=repeats, warmup=1, presets=tuple(presets or PRESETS), candidates=candidates, baseline=False,
-        prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
-        profile_window=previous.profile_window, prefix_reuse=previous.prefix_reuse,
-    ))
+    config = validate(
+        BenchConfig(
+            model=engine.info.source,
+            device=previous.device,
+            max_new_tokens=max(2, sampling.max_new_tokens),
+            repeats=repeats,
+            warmup=1,
+            presets=tuple(presets or PRESETS),
+            candidates=candidates,
+            baseline=False,
+            prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
+            profile_window=previous.profile_window,
+            prefix_reuse=previous.prefix_reuse,
+        )
+    )
     runner = LadderRunner(engine, config, log.info)
     runner.messages = list(messages)
     runner.sampling = replace(sampling, seed=sampling.seed if sampling.seed is not None else 0)
@@ -313,4 +350,3 @@ def validate(config: BenchConfig) -> BenchConfig:
     if not config.prompt.strip():
         raise OptionsError("the prompt is empty")
     return config
-

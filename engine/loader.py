@@ -5,6 +5,7 @@ Safety comes first and is decided from names and magic bytes before any file is 
 refused (nothing here calls torch.load), and a folder that needs its own Python code is refused rather than run.
 Every other failure becomes a ModelLoadError with one line that names the file and the problem.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,9 @@ ProgressFn = Callable[[Progress], None]
 @dataclass
 class Checkpoint:
     config: "PretrainedConfig"  # a transformers config (native class, never remote code)
-    state_dict: dict[str, torch.Tensor]  # HF parameter names -> CPU tensors (fp32 from GGUF; stored dtype from safetensors)
+    state_dict: dict[
+        str, torch.Tensor
+    ]  # HF parameter names -> CPU tensors (fp32 from GGUF; stored dtype from safetensors)
     tokenizer: "PreTrainedTokenizerBase"
     name: str  # display name: file stem or folder name
     source: str  # resolved absolute path
@@ -219,8 +222,10 @@ def _apply_gguf_rope(header, config, label: str) -> None:
     kind, factor, freq_factors = read_gguf_rope(header)
     if kind not in (None, "none"):
         if kind != "linear" or not factor:
-            raise ModelLoadError(f"{label}: rope scaling {kind!r} in this GGUF is not supported; its Hugging Face "
-                                 f"folder can be opened instead")
+            raise ModelLoadError(
+                f"{label}: rope scaling {kind!r} in this GGUF is not supported; its Hugging Face "
+                f"folder can be opened instead"
+            )
         params = rope_parameters(config)
         params.update(rope_type="linear", factor=float(factor))
         if isinstance(getattr(config, "rope_parameters", None), dict):
@@ -229,8 +234,10 @@ def _apply_gguf_rope(header, config, label: str) -> None:
             config.rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     if freq_factors is not None:
         if config.model_type not in FAST_FAMILIES:
-            raise ModelLoadError(f"{label}: rope frequency factors (rope_freqs) are only applied on the fast path, "
-                                 f"which {config.model_type} does not use")
+            raise ModelLoadError(
+                f"{label}: rope frequency factors (rope_freqs) are only applied on the fast path, "
+                f"which {config.model_type} does not use"
+            )
         config.rope_freq_factors = [float(x) for x in freq_factors]
 
 
@@ -309,7 +316,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(map(str, weight_map.values())))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(f"{label}: weight shard(s) listed in {_INDEX_FILE} are missing: {', '.join(missing[:_NAMES_SHOWN])}")
+            raise ModelLoadError(
+                f"{label}: weight shard(s) listed in {_INDEX_FILE} are missing: {', '.join(missing[:_NAMES_SHOWN])}"
+            )
         return files
     files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     # Mistral folders carry a second, differently named copy of the weights ("consolidated.safetensors")
@@ -359,7 +368,8 @@ def _load_config(folder: Path) -> "PretrainedConfig":
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise ModelLoadError(
             f"{label}: the weights are quantised ({method}); Gapless runs unquantised safetensors folders and "
-            f"GGUF files (use the model's unquantised folder or a GGUF of it)")
+            f"GGUF files (use the model's unquantised folder or a GGUF of it)"
+        )
     if raw.get("auto_map"):
         log.info("%s: ignoring auto_map; model type %r has a native transformers class", label, model_type)
     try:
@@ -377,7 +387,9 @@ def _check_causal_lm(model_type: str, label: str, architecture: Optional[str]) -
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         what = f"{architecture} (model type {model_type!r})" if architecture else f"model type {model_type!r}"
-        raise ModelLoadError(f"{label}: unsupported architecture: {what} is not a causal language model transformers can run")
+        raise ModelLoadError(
+            f"{label}: unsupported architecture: {what} is not a causal language model transformers can run"
+        )
 
 
 @dataclass
@@ -398,7 +410,9 @@ class _Layout:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ZeroDivisionError) as exc:
-            raise ModelLoadError(f"{label}: cannot build {type(config).__name__} from its settings: {_one_line(exc)}") from exc
+            raise ModelLoadError(
+                f"{label}: cannot build {type(config).__name__} from its settings: {_one_line(exc)}"
+            ) from exc
         shapes: dict[str, tuple[int, ...]] = {}
         first: dict[int, str] = {}
         tied: dict[str, str] = {}

@@ -3,6 +3,7 @@
 Built from a Hugging Face config and loaded from an HF-named state dict. Attention reads and writes a KV cache
 object handed in by the caller (static, dynamic or none), so the same module serves every kv_cache mode.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -122,7 +123,9 @@ def rope_tables(cfg, head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, tor
 
 
 class KVCache(Protocol):
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, D] at input_pos [T]; return the keys/values to attend over."""
         ...
 
@@ -137,11 +140,14 @@ class StaticKVCache:
         self.attn_len = self.length  # set by the caller before each forward: the context bucket in use
 
     @classmethod
-    def allocate(cls, args: ModelArgs, batch: int, length: int, dtype: torch.dtype,
-                 device: torch.device) -> "StaticKVCache":
+    def allocate(
+        cls, args: ModelArgs, batch: int, length: int, dtype: torch.dtype, device: torch.device
+    ) -> "StaticKVCache":
         shape = (batch, args.n_kv_heads, length, args.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)])
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
+        )
 
     def rows(self, n: int) -> "StaticKVCache":
         """The first n rows, sharing this cache's storage (the batch-1 prefill of a multi-candidate batch)."""
@@ -336,9 +342,13 @@ def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs, consume: b
     for i in range(args.n_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        out[p + "attention.wqkv.weight"] = torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
+        out[p + "attention.wqkv.weight"] = torch.cat(
+            [sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]
+        )
         if args.qkv_bias:
-            out[p + "attention.wqkv.bias"] = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
+            out[p + "attention.wqkv.bias"] = torch.cat(
+                [sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]]
+            )
         out[p + "attention.wo.weight"] = sd[a + "o_proj.weight"]
         if args.o_bias:
             out[p + "attention.wo.bias"] = sd[a + "o_proj.bias"]
@@ -367,7 +377,9 @@ def build_transformer(
     try:
         weights = _hf_to_fast(state_dict, args, consume)
     except KeyError as exc:
-        raise ModelLoadError(f"the checkpoint lacks the weight {exc.args[0]!r} that a {args.family} model needs") from None
+        raise ModelLoadError(
+            f"the checkpoint lacks the weight {exc.args[0]!r} that a {args.family} model needs"
+        ) from None
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     model.load_state_dict(weights, strict=False, assign=True)
     if args.tie_embeddings:

@@ -1,4 +1,5 @@
 """Where the engine keeps downloaded models and compiled artifacts (the user cache dir, or $GAPLESS_CACHE_DIR)."""
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ The prefill computes the positions past the reused prefix in chunks of at most `
 to everything before it, so a long prompt's attention scores and activations are bounded by the chunk; between
 chunks it reports progress and honours a cancel. A cancel there raises PrefillCancelled, before any token exists.
 """
+
 from __future__ import annotations
 
 import threading
@@ -145,8 +146,13 @@ def preserved(runner: RunnerBase) -> Iterator[None]:
 Progress = Callable[[int, int], None]  # (prompt tokens read so far, prompt tokens)
 
 
-def prefill_fn(runner: RunnerBase, plan: Plan, chunk: Optional[int] = None, progress: Optional[Progress] = None,
-               cancel: Optional[threading.Event] = None) -> Callable[[torch.Tensor, SamplerKind], None]:
+def prefill_fn(
+    runner: RunnerBase,
+    plan: Plan,
+    chunk: Optional[int] = None,
+    progress: Optional[Progress] = None,
+    cancel: Optional[threading.Event] = None,
+) -> Callable[[torch.Tensor, SamplerKind], None]:
     """The prefill for this generation: the runner's own when nothing is reused or chunked, else ours."""
     if (plan.start == 0 and chunk is None) or supports(runner) is not None:
         return runner.prefill
@@ -168,15 +174,22 @@ def _spans(start: int, total: int, chunk: Optional[int]) -> list[tuple[int, int]
     return [(a, min(a + step, total)) for a in range(start, total, step)]
 
 
-def _between(done: int, total: int, last: bool, progress: Optional[Progress], cancel: Optional[threading.Event]) -> None:
+def _between(
+    done: int, total: int, last: bool, progress: Optional[Progress], cancel: Optional[threading.Event]
+) -> None:
     if progress is not None:
         progress(done, total)
     if not last and cancel is not None and cancel.is_set():
         raise PrefillCancelled(done, total)
 
 
-def _read(spans: list[tuple[int, int]], total: int, forward: Callable[[int, int], torch.Tensor],
-          progress: Optional[Progress], cancel: Optional[threading.Event]) -> torch.Tensor:
+def _read(
+    spans: list[tuple[int, int]],
+    total: int,
+    forward: Callable[[int, int], torch.Tensor],
+    progress: Optional[Progress],
+    cancel: Optional[threading.Event],
+) -> torch.Tensor:
     """Run forward(a, b) over each span of prompt positions; the last span's logits (spans is never empty: the
     last prompt position is always computed)."""
     logits = torch.empty(0)
@@ -215,7 +228,9 @@ def _static(runner: StaticRunner, prompt: torch.Tensor, kind: SamplerKind, plan:
     runner.host_pos = T  # as StaticRunner.prefill leaves it: the steps and the verify step count from here
 
 
-def _dynamic(runner: DynamicRunner, prompt: torch.Tensor, kind: SamplerKind, plan: Plan, spans, progress, cancel) -> None:
+def _dynamic(
+    runner: DynamicRunner, prompt: torch.Tensor, kind: SamplerKind, plan: Plan, spans, progress, cancel
+) -> None:
     runner._start(prompt, kind)
     T = int(prompt.numel())
     old = runner.cache

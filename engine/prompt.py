@@ -13,6 +13,7 @@ Cutting order, by overflow policy (engine.types.OVERFLOW_POLICIES):
 If what must stay is still too long, the last user message keeps its tail. Every cut is reported in `notices`,
 and what was dropped in `cut` (for the answer's stats line).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,8 +39,14 @@ def prompt_budget(context_length: int, max_new_tokens: int) -> int:
     return context_length - min(max(max_new_tokens, 1), context_length // 4)
 
 
-def build_prompt(tokenizer, messages: list[dict], context_length: int, max_new_tokens: int, raw: bool = False,
-                 overflow: str = "rolling") -> Prompt:
+def build_prompt(
+    tokenizer,
+    messages: list[dict],
+    context_length: int,
+    max_new_tokens: int,
+    raw: bool = False,
+    overflow: str = "rolling",
+) -> Prompt:
     """Token ids for `messages` (dicts with "role" and "content"; the last from the user).
 
     raw=True: the last user message only, tokenized as the tokenizer does by default (its special tokens, e.g.
@@ -65,8 +72,9 @@ def build_prompt(tokenizer, messages: list[dict], context_length: int, max_new_t
     return _fit(tokenizer, render, msgs, budget, context_length, notices)
 
 
-def measure_prompt(tokenizer, messages: list[dict], context_length: int, max_new_tokens: int,
-                   overflow: str = "rolling") -> ContextUse:
+def measure_prompt(
+    tokenizer, messages: list[dict], context_length: int, max_new_tokens: int, overflow: str = "rolling"
+) -> ContextUse:
     """What `messages` would take of the context. The last user message may be empty (nothing typed yet): it is
     counted as an empty turn, and nothing is fitted."""
     budget = prompt_budget(context_length, max_new_tokens)
@@ -84,8 +92,15 @@ def measure_prompt(tokenizer, messages: list[dict], context_length: int, max_new
     _, full = _renderer(tokenizer, clean, notices)(clean)
     if empty:
         return ContextUse(len(full), len(full) if len(full) <= budget else None, context_length, budget, overflow)
-    return ContextUse(len(full), len(fitted.ids) if fitted else None, context_length, budget, overflow,
-                      cut=fitted.cut if fitted else "", refused=refused)
+    return ContextUse(
+        len(full),
+        len(fitted.ids) if fitted else None,
+        context_length,
+        budget,
+        overflow,
+        cut=fitted.cut if fitted else "",
+        refused=refused,
+    )
 
 
 def _stop_if_over(n: int, budget: int, context: int) -> None:
@@ -93,7 +108,7 @@ def _stop_if_over(n: int, budget: int, context: int) -> None:
         raise GenerationError(
             f"the conversation takes {n:,} tokens, more than the {budget:,} the {context:,}-token context leaves "
             f"for it with room for an answer; nothing was dropped, as this chat's overflow policy is "
-            f"\"{OVERFLOW_LABELS['stop']}\": start a new chat, delete or shorten earlier messages, or choose "
+            f'"{OVERFLOW_LABELS["stop"]}": start a new chat, delete or shorten earlier messages, or choose '
             f"another overflow policy"
         )
 
@@ -176,7 +191,9 @@ def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
         merged(msgs)
     except jinja2.TemplateError as exc:
         raise GenerationError(f"the model's chat template failed: {first_error}") from exc
-    notices.append("this model's chat template has no system role: the system prompt was put before the first user message")
+    notices.append(
+        "this model's chat template has no system role: the system prompt was put before the first user message"
+    )
     return merged
 
 
@@ -226,16 +243,24 @@ def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int,
     return _cut_last(tokenizer, render, kept, dropped, budget, context, notices)
 
 
-def _cut_last(tokenizer, render: Render, kept: list[dict], dropped: int, budget: int, context: int, notices: list[str],
-              dropped_what: str = "", kept_what: str = "the system prompt and chat format") -> Prompt:
+def _cut_last(
+    tokenizer,
+    render: Render,
+    kept: list[dict],
+    dropped: int,
+    budget: int,
+    context: int,
+    notices: list[str],
+    dropped_what: str = "",
+    kept_what: str = "the system prompt and chat format",
+) -> Prompt:
     """Keep the tail of the last user message so that the prompt fits."""
     head = kept[:-1]
     _, frame = render([*head, {"role": "user", "content": ""}])
     room = budget - len(frame)
     if room < 1:
         raise GenerationError(
-            f"{kept_what} take {len(frame)} tokens, leaving no room for the message "
-            f"in the {context}-token context"
+            f"{kept_what} take {len(frame)} tokens, leaving no room for the message in the {context}-token context"
         )
     content_ids = list(tokenizer(kept[-1]["content"], add_special_tokens=False)["input_ids"])
     for _ in range(8):  # re-tokenizing a cut text can merge differently at the cut: shrink until it fits
@@ -289,16 +314,26 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
         what = _cut(notices, context, _middle_what(gone, convo))
         return Prompt(fitted, t, len(gone), notices, what)
     kept, gone = kept_after(len(units))
-    return _cut_last(tokenizer, render, kept, len(gone), budget, context, notices,
-                     dropped_what=_middle_what(gone, convo) if gone else "",
-                     kept_what="the system prompt, the first message and the chat format")
+    return _cut_last(
+        tokenizer,
+        render,
+        kept,
+        len(gone),
+        budget,
+        context,
+        notices,
+        dropped_what=_middle_what(gone, convo) if gone else "",
+        kept_what="the system prompt, the first message and the chat format",
+    )
 
 
 def _middle_what(gone: list[int], convo: list[int]) -> str:
     numbers = [convo.index(i) + 1 for i in gone]
     span = f"message {numbers[0]}" if len(numbers) == 1 else f"messages {numbers[0]}–{numbers[-1]}"
-    return (f"{_plural(len(gone), 'message')} from the middle dropped ({span} of {len(convo)}; the system prompt "
-            "and the first message kept)")
+    return (
+        f"{_plural(len(gone), 'message')} from the middle dropped ({span} of {len(convo)}; the system prompt "
+        "and the first message kept)"
+    )
 
 
 def _fit_raw(tokenizer, content: str, budget: int, context: int, notices: list[str]) -> Prompt:

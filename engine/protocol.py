@@ -1,5 +1,6 @@
 """What the app needs of an engine: the embedded engine (engine.engine.Engine, fast path or transformers
 fallback), a remote one, and the tests' scripted engine all provide it."""
+
 from __future__ import annotations
 
 import threading

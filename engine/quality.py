@@ -5,6 +5,7 @@ Perplexity is over non-overlapping windows of WINDOW tokens (the context, if sho
 fresh context; top-1 agreement is the share of those positions whose most likely next token equals fp32's.
 Decode tok/s is the engine's own device-synchronised figure, the median over short greedy generations.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,9 @@ class FormatResult:
     bytes_per_token: Optional[int] = None
 
 
-def teacher_forced(model: torch.nn.Module, ids: list[int], device: torch.device, window: int
-                   ) -> tuple[float, torch.Tensor]:
+def teacher_forced(
+    model: torch.nn.Module, ids: list[int], device: torch.device, window: int
+) -> tuple[float, torch.Tensor]:
     """(summed negative log-likelihood of every next token, the argmax at every position), window by window."""
     nll, argmax = 0.0, []
     with torch.inference_mode():
@@ -74,8 +76,11 @@ def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int)
     try:
         import llama_cpp
     except ImportError:
-        return {"status": "skipped", "reason": "llama-cpp-python is not installed (optional; it has no prebuilt "
-                                               "wheel for this machine and builds llama.cpp from source)"}
+        return {
+            "status": "skipped",
+            "reason": "llama-cpp-python is not installed (optional; it has no prebuilt "
+            "wheel for this machine and builds llama.cpp from source)",
+        }
     if not gguf_path or not gguf_path.lower().endswith(".gguf"):
         return {"status": "skipped", "reason": "llama.cpp reads GGUF files; this model is a Hugging Face folder"}
     llm = llama_cpp.Llama(model_path=gguf_path, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
@@ -85,20 +90,25 @@ def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int)
         out = llm.create_chat_completion(messages=PROMPT, max_tokens=decode_tokens, temperature=0.0)
         if i:
             runs.append(out["usage"]["completion_tokens"] / (time.perf_counter() - started))
-    return {"status": "ok", "decode_tok_s": median(runs), "decode_tok_s_runs": runs, "threads": torch.get_num_threads(),
-            "figure": "completion tokens / wall time of create_chat_completion (its prompt evaluation included)"}
+    return {
+        "status": "ok",
+        "decode_tok_s": median(runs),
+        "decode_tok_s_runs": runs,
+        "threads": torch.get_num_threads(),
+        "figure": "completion tokens / wall time of create_chat_completion (its prompt evaluation included)",
+    }
 
 
 def _relay(progress: Callable[[str], None], label: str) -> Callable[[Any], None]:
     return lambda p: progress(f"{label}: {p.message}")
 
 
-def run_quality(config: QualityConfig, progress: Callable[[str], None], command: Optional[list[str]] = None
-                ) -> dict[str, Any]:
+def run_quality(
+    config: QualityConfig, progress: Callable[[str], None], command: Optional[list[str]] = None
+) -> dict[str, Any]:
     from engine.engine import Engine
 
-    base = EngineOptions(device=config.device, dtype="fp32", kv_cache="static", sampling="device",
-                         profile_window=False)
+    base = EngineOptions(device=config.device, dtype="fp32", kv_cache="static", sampling="device", profile_window=False)
     engine = Engine.load(config.model, base, lambda p: progress(f"{p.stage}: {p.message}"))
     try:
         if not engine.fast:
@@ -146,13 +156,21 @@ def run_quality(config: QualityConfig, progress: Callable[[str], None], command:
         "kind": "quality",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": command or [],
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
         "model": {k: model_info[k] for k in ("name", "source", "parameters", "context_length")},
         "text": {"source": "engine/quality_text.py", "tokens": len(ids), "window": window},
-        "decode": {"prompt": PROMPT[0]["content"], "new_tokens": config.decode_tokens, "repeats": config.repeats,
-                   "figure": "median of the engine's decode_tok_s (device-synchronised) after one warm-up"},
+        "decode": {
+            "prompt": PROMPT[0]["content"],
+            "new_tokens": config.decode_tokens,
+            "repeats": config.repeats,
+            "figure": "median of the engine's decode_tok_s (device-synchronised) after one warm-up",
+        },
         "formats": [r.__dict__ for r in results],
         "llama_cpp": llama_cpp,
     }
@@ -167,15 +185,19 @@ def _mib(b: Optional[int]) -> str:
 
 
 def format_quality_table(report: dict[str, Any]) -> str:
-    rows = ["| format | weights held | bytes/token | perplexity | top-1 = fp32 | decode tok/s (median) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| format | weights held | bytes/token | perplexity | top-1 = fp32 | decode tok/s (median) |",
+        "|---|---|---|---|---|---|",
+    ]
     for f in report["formats"]:
         if f["status"] != "ok":
             rows.append(f"| {f['label']} | skipped: {f['reason']} | | | | |")
             continue
-        rows.append(f"| {f['label']} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
-                    f"{_num(f['perplexity'], '{:.3f}')} | {_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
-                    f"{_num(f['decode_tok_s'], '{:.1f}')} |")
+        rows.append(
+            f"| {f['label']} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
+            f"{_num(f['perplexity'], '{:.3f}')} | {_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
+            f"{_num(f['decode_tok_s'], '{:.1f}')} |"
+        )
     lc = report.get("llama_cpp") or {}
     if lc.get("status") == "ok":
         rows.append(f"| llama.cpp (same GGUF) | | | | | {_num(lc.get('decode_tok_s'), '{:.1f}')} |")
@@ -183,6 +205,8 @@ def format_quality_table(report: dict[str, Any]) -> str:
         rows.append(f"| llama.cpp | skipped: {lc.get('reason')} | | | | |")
     t = report["text"]
     rows.append("")
-    rows.append(f"Perplexity and top-1 over {t['tokens']} tokens of {t['source']} in windows of {t['window']}; "
-                f"decode: {report['decode']['figure']}, {report['decode']['new_tokens']} new tokens.")
+    rows.append(
+        f"Perplexity and top-1 over {t['tokens']} tokens of {t['source']} in windows of {t['window']}; "
+        f"decode: {report['decode']['figure']}, {report['decode']['new_tokens']} new tokens."
+    )
     return "\n".join(rows)

@@ -6,6 +6,7 @@ activations (the int8 kernel with fp32 activations was 8x slower, measured on th
 CUDA: gpt-fast's form, the weight de-quantised inside the linear (`F.linear(x, w_int8.to(x.dtype)) * scales`),
 which inductor fuses into the GEMV under compile; written from that construction, not yet run on a GPU here.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -39,7 +40,9 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q, scales.squeeze(-1), zeros.squeeze(-1)
 
 
-def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+def dequantize_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int = INT4_GROUP
+) -> torch.Tensor:
     n, k = q.shape
     g = q.reshape(n, k // group, group).float() - 8
     return (g * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
@@ -77,8 +80,9 @@ class Int4Linear(nn.Module):
     zeros: torch.Tensor
     scales_zeros: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype,
-                 group: int = INT4_GROUP):
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype, group: int = INT4_GROUP
+    ):
         super().__init__()
         q, scales, zeros = quantize_int4(weight, group)
         self.in_features, self.out_features, self.group = weight.shape[1], weight.shape[0], group
@@ -87,8 +91,9 @@ class Int4Linear(nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INT4_INNER_K_TILES)
             self.register_buffer("weight", packed)
             # [K/group, N, 2]: the kernel's layout of the scales and zeros
-            self.register_buffer("scales_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-                                 .to(torch.bfloat16))
+            self.register_buffer(
+                "scales_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            )
         else:
             self.register_buffer("weight", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # two inputs per byte
             self.register_buffer("scales", scales.to(act_dtype))
@@ -99,8 +104,9 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.on_cpu:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.weight, self.group,
-                                                          self.scales_zeros).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self.weight, self.group, self.scales_zeros
+            ).to(x.dtype)
         else:
             q = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=-1).view(self.out_features, -1)
             n_groups = self.in_features // self.group

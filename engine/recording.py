@@ -6,6 +6,7 @@ figures with their sources, the options, the model and the machine, in a version
 strict: a file that is not ours, of another version or with a field of the wrong type is refused with where
 and why; nothing in it is executed (plain JSON, never pickle).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,18 +46,27 @@ class Recording:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": VERSION, "created": self.created, "label": self.label,
-            "options": self.options.to_dict(), "metrics": self.metrics.to_dict(),
-            "t_start": self.t_start, "t_end": self.t_end,
-            "steps": [asdict(s) for s in self.steps], "samples": [asdict(s) for s in self.samples],
-            "model": self.model, "machine": self.machine,
+            "format": FORMAT,
+            "version": VERSION,
+            "created": self.created,
+            "label": self.label,
+            "options": self.options.to_dict(),
+            "metrics": self.metrics.to_dict(),
+            "t_start": self.t_start,
+            "t_end": self.t_end,
+            "steps": [asdict(s) for s in self.steps],
+            "samples": [asdict(s) for s in self.samples],
+            "model": self.model,
+            "machine": self.machine,
         }
 
 
 class Recorder:
     """Wraps a generation's event callback and keeps the step records and monitor samples it passes on."""
 
-    def __init__(self, on_event: Optional[Callable[[Event], None]] = None, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self, on_event: Optional[Callable[[Event], None]] = None, clock: Callable[[], float] = time.perf_counter
+    ):
         self._on_event = on_event
         self._clock = clock
         self.steps: list[StepRecord] = []
@@ -71,11 +81,24 @@ class Recorder:
         if self._on_event is not None:
             self._on_event(event)
 
-    def finish(self, result: GenerationResult, label: str, model: Optional[dict[str, Any]] = None,
-               machine: Optional[dict[str, Any]] = None) -> Recording:
-        return Recording(label=label, options=result.options, metrics=result.metrics, steps=list(self.steps),
-                         samples=list(self.samples), t_start=self.t_start, t_end=self._clock(),
-                         model=dict(model or {}), machine=dict(machine or {}))
+    def finish(
+        self,
+        result: GenerationResult,
+        label: str,
+        model: Optional[dict[str, Any]] = None,
+        machine: Optional[dict[str, Any]] = None,
+    ) -> Recording:
+        return Recording(
+            label=label,
+            options=result.options,
+            metrics=result.metrics,
+            steps=list(self.steps),
+            samples=list(self.samples),
+            t_start=self.t_start,
+            t_end=self._clock(),
+            model=dict(model or {}),
+            machine=dict(machine or {}),
+        )
 
 
 def save(recording: Recording, path: Path) -> None:
@@ -122,7 +145,7 @@ def load(path: Path) -> Recording:
 
 def from_dict(doc: Any, where: str = "the recording") -> Recording:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise RecordingError(f"{where} is not a Gapless telemetry file (no \"format\": \"{FORMAT}\")")
+        raise RecordingError(f'{where} is not a Gapless telemetry file (no "format": "{FORMAT}")')
     if doc.get("version") != VERSION:
         raise RecordingError(f"{where} has telemetry version {doc.get('version')!r}; this Gapless reads {VERSION}")
     label = _typed(doc, "label", str, where)
@@ -133,19 +156,26 @@ def from_dict(doc: Any, where: str = "the recording") -> Recording:
     metrics = _metrics(_typed(doc, "metrics", dict, where), f"{where}: metrics")
     steps = [_step(s, f"{where}: steps[{i}]") for i, s in enumerate(_typed(doc, "steps", list, where))]
     samples = [_sample(s, f"{where}: samples[{i}]") for i, s in enumerate(_typed(doc, "samples", list, where))]
-    return Recording(label=label, options=options, metrics=metrics, steps=steps, samples=samples,
-                     t_start=_number(doc.get("t_start"), f"{where}: t_start", optional=True),
-                     t_end=_number(doc.get("t_end"), f"{where}: t_end", optional=True),
-                     model=_typed(doc, "model", dict, where), machine=_typed(doc, "machine", dict, where),
-                     created=_number(doc.get("created", 0.0), f"{where}: created") or 0.0)
+    return Recording(
+        label=label,
+        options=options,
+        metrics=metrics,
+        steps=steps,
+        samples=samples,
+        t_start=_number(doc.get("t_start"), f"{where}: t_start", optional=True),
+        t_end=_number(doc.get("t_end"), f"{where}: t_end", optional=True),
+        model=_typed(doc, "model", dict, where),
+        machine=_typed(doc, "machine", dict, where),
+        created=_number(doc.get("created", 0.0), f"{where}: created") or 0.0,
+    )
 
 
 def _typed(doc: dict, key: str, kind: type, where: str) -> Any:
     if key not in doc:
-        raise RecordingError(f"{where}: \"{key}\" is missing")
+        raise RecordingError(f'{where}: "{key}" is missing')
     value = doc[key]
     if not isinstance(value, kind):
-        raise RecordingError(f"{where}: \"{key}\" is {type(value).__name__}, not {kind.__name__}")
+        raise RecordingError(f'{where}: "{key}" is {type(value).__name__}, not {kind.__name__}')
     return value
 
 

@@ -6,6 +6,7 @@ times of the SSE chunks; token counts from `usage`); what the server reports abo
 (llama.cpp's `timings`, vLLM's Prometheus `/metrics`), each with its source. Figures of the GPU are n/a: the
 model runs on another machine. The API key goes in the Authorization header only; it is never logged.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ import httpx
 
 from engine import figures
 from engine.errors import GenerationError, ModelLoadError, OptionsError
-from engine.types import (EngineOptions, GenerationMetrics, GenerationResult, ModelInfo, Progress, SamplingParams,
-                          TextDelta)
+from engine.types import (
+    EngineOptions,
+    GenerationMetrics,
+    GenerationResult,
+    ModelInfo,
+    Progress,
+    SamplingParams,
+    TextDelta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +52,9 @@ class RemoteSource:
     def validate(self) -> "RemoteSource":
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise OptionsError(f"a remote server's address is an http(s) URL such as http://host:8000/v1, "
-                               f"got {self.base_url!r}")
+            raise OptionsError(
+                f"a remote server's address is an http(s) URL such as http://host:8000/v1, got {self.base_url!r}"
+            )
         if not self.model or "#" in self.model or "|" in self.model:
             raise OptionsError(f"a remote model needs a name (without '#' or '|'), got {self.model!r}")
         if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= 3600:
@@ -61,7 +70,7 @@ class RemoteSource:
     def parse(cls, source: str) -> "RemoteSource":
         if not is_remote(source):
             raise OptionsError(f"not a remote source: {source!r}")
-        rest, _, opts = source[len(PREFIX):].partition("|")
+        rest, _, opts = source[len(PREFIX) :].partition("|")
         url, sep, model = rest.rpartition("#")
         if not sep:
             raise OptionsError(f"a remote source is remote:<base URL>#<model>, got {source!r}")
@@ -130,8 +139,13 @@ class RemoteEngine:
     """One model on an OpenAI-compatible server. Same methods as Engine; options other than the candidate count
     cannot apply and are reported unavailable with the reason."""
 
-    def __init__(self, source: RemoteSource, options: EngineOptions, api_key: Optional[str] = None,
-                 transport: Optional[httpx.BaseTransport] = None):
+    def __init__(
+        self,
+        source: RemoteSource,
+        options: EngineOptions,
+        api_key: Optional[str] = None,
+        transport: Optional[httpx.BaseTransport] = None,
+    ):
         self.source = source.validate()
         self.options = options.validate()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -143,9 +157,13 @@ class RemoteEngine:
     # ---- loading ----
 
     @classmethod
-    def load(cls, source: "str | RemoteSource", options: EngineOptions = EngineOptions(),
-             progress: Optional[Callable[[Progress], None]] = None,
-             api_key: Optional[str] = None) -> "RemoteEngine":
+    def load(
+        cls,
+        source: "str | RemoteSource",
+        options: EngineOptions = EngineOptions(),
+        progress: Optional[Callable[[Progress], None]] = None,
+        api_key: Optional[str] = None,
+    ) -> "RemoteEngine":
         """Connect: the model must be among those the server lists."""
         src = RemoteSource.parse(source) if isinstance(source, str) else source
         engine = cls(src, options, api_key)
@@ -165,16 +183,21 @@ class RemoteEngine:
         try:
             r = self._client.get(url)
         except httpx.TimeoutException as exc:
-            raise ModelLoadError(f"the remote server at {self.source.base_url} did not answer within "
-                                 f"{self.source.timeout_s:g} s") from exc
+            raise ModelLoadError(
+                f"the remote server at {self.source.base_url} did not answer within {self.source.timeout_s:g} s"
+            ) from exc
         except httpx.HTTPError as exc:
             raise ModelLoadError(f"cannot reach the remote server at {self.source.base_url}: {exc}") from exc
         if r.status_code in (401, 403):
-            raise ModelLoadError(f"the remote server at {self.source.base_url} refused the API key "
-                                 f"(HTTP {r.status_code}): {_error_text(r)}")
+            raise ModelLoadError(
+                f"the remote server at {self.source.base_url} refused the API key "
+                f"(HTTP {r.status_code}): {_error_text(r)}"
+            )
         if r.status_code != 200:
-            raise ModelLoadError(f"the remote server at {self.source.base_url} answered HTTP {r.status_code} to "
-                                 f"GET /models: {_error_text(r)}")
+            raise ModelLoadError(
+                f"the remote server at {self.source.base_url} answered HTTP {r.status_code} to "
+                f"GET /models: {_error_text(r)}"
+            )
         try:
             listed = r.json()["data"]
             ids = {m["id"]: m for m in listed}
@@ -182,8 +205,9 @@ class RemoteEngine:
             raise ModelLoadError(f"{url} did not answer with an OpenAI model list") from exc
         if self.source.model not in ids:
             names = ", ".join(sorted(ids)[:8]) or "none"
-            raise ModelLoadError(f"the remote server at {self.source.base_url} has no model "
-                                 f"{self.source.model!r}; it serves: {names}")
+            raise ModelLoadError(
+                f"the remote server at {self.source.base_url} has no model {self.source.model!r}; it serves: {names}"
+            )
         entry = ids[self.source.model]
         ctx = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx_train") or entry.get("context_length")
         self._context_length = int(ctx) if isinstance(ctx, int) and ctx > 0 else 0
@@ -201,10 +225,18 @@ class RemoteEngine:
     @property
     def info(self) -> ModelInfo:
         return ModelInfo(
-            name=self.source.model, family="remote", architecture="OpenAI-compatible server", backend="remote",
-            parameters=0, dtype="set by the server", device=self.source.base_url,
-            context_length=self._context_length, weight_bytes=0, source=self.source.to_source(),
-            source_kind="remote", backend_reason=REMOTE_REASON,
+            name=self.source.model,
+            family="remote",
+            architecture="OpenAI-compatible server",
+            backend="remote",
+            parameters=0,
+            dtype="set by the server",
+            device=self.source.base_url,
+            context_length=self._context_length,
+            weight_bytes=0,
+            source=self.source.to_source(),
+            source_kind="remote",
+            backend_reason=REMOTE_REASON,
         )
 
     @property
@@ -219,8 +251,11 @@ class RemoteEngine:
         reported (the app turns it back, and the default is what the server's own setting stands for)."""
         o = options or self.options
         default = EngineOptions()
-        return {f.name: f"{REMOTE_REASON}, which decides its own {f.name.replace('_', ' ')}"
-                for f in fields(o) if f.name != "candidates" and getattr(o, f.name) != getattr(default, f.name)}
+        return {
+            f.name: f"{REMOTE_REASON}, which decides its own {f.name.replace('_', ' ')}"
+            for f in fields(o)
+            if f.name != "candidates" and getattr(o, f.name) != getattr(default, f.name)
+        }
 
     def effective(self, options: EngineOptions) -> tuple[EngineOptions, dict[str, str]]:
         return options, self.unavailable(options)
@@ -230,8 +265,14 @@ class RemoteEngine:
 
     # ---- generation ----
 
-    def generate(self, messages: list[dict], sampling: SamplingParams, on_event: Optional[Callable] = None,
-                 cancel: Optional[threading.Event] = None, raw: bool = False) -> GenerationResult:
+    def generate(
+        self,
+        messages: list[dict],
+        sampling: SamplingParams,
+        on_event: Optional[Callable] = None,
+        cancel: Optional[threading.Event] = None,
+        raw: bool = False,
+    ) -> GenerationResult:
         """Stream one answer (n = the candidate count) from the server. A server that is down, slow, sends
         garbage or drops the stream raises GenerationError; the text streamed until then has been delivered."""
         sampling = sampling.validate()
@@ -239,8 +280,12 @@ class RemoteEngine:
         cancel = cancel or threading.Event()
         n = self.options.candidates
         body: dict[str, Any] = {
-            "model": self.source.model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "model": self.source.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
         }
         if n > 1:
             body["n"] = n
@@ -259,8 +304,9 @@ class RemoteEngine:
         path = "/completions" if raw else "/chat/completions"
         lines: "queue.Queue[tuple[str, Any, float]]" = queue.Queue()
         stop_reading = threading.Event()
-        pump = threading.Thread(target=self._pump, args=(path, body, lines, stop_reading), daemon=True,
-                                name="gapless-remote-read")
+        pump = threading.Thread(
+            target=self._pump, args=(path, body, lines, stop_reading), daemon=True, name="gapless-remote-read"
+        )
         try:
             pump.start()
             while True:
@@ -284,8 +330,12 @@ class RemoteEngine:
         except _Garbage as exc:
             raise GenerationError(self._dropped(stream, str(exc))) from None
         except httpx.TimeoutException as exc:
-            raise GenerationError(self._dropped(stream, f"did not send anything for {self.source.timeout_s:g} s "
-                                                        "(the timeout is set in the model panel)")) from exc
+            raise GenerationError(
+                self._dropped(
+                    stream,
+                    f"did not send anything for {self.source.timeout_s:g} s (the timeout is set in the model panel)",
+                )
+            ) from exc
         except httpx.ConnectError as exc:
             raise GenerationError(f"cannot reach the remote server at {self.source.base_url}: {exc}") from exc
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
@@ -306,16 +356,16 @@ class RemoteEngine:
             result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")
         return result
 
-    def _pump(self, path: str, body: dict, lines: "queue.Queue[tuple[str, Any, float]]",
-              stop: threading.Event) -> None:
+    def _pump(self, path: str, body: dict, lines: "queue.Queue[tuple[str, Any, float]]", stop: threading.Event) -> None:
         """The HTTP stream's lines with their arrival times, read on a thread of their own; then "end", or
         "error" with the exception."""
         try:
             with self._client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
                 if r.status_code != 200:
                     r.read()
-                    raise GenerationError(f"the remote server refused the request (HTTP {r.status_code}): "
-                                          f"{_error_text(r)}")
+                    raise GenerationError(
+                        f"the remote server refused the request (HTTP {r.status_code}): {_error_text(r)}"
+                    )
                 for line in r.iter_lines():
                     lines.put(("line", line, time.perf_counter()))
                     if stop.is_set():
@@ -337,8 +387,14 @@ class RemoteEngine:
             log.info("vLLM /metrics unreadable: %s", exc)
             return None
 
-    def _server_figures(self, m: GenerationMetrics, stream: "_Stream", before: Optional[dict],
-                        during: Optional[dict], after: Optional[dict]) -> None:
+    def _server_figures(
+        self,
+        m: GenerationMetrics,
+        stream: "_Stream",
+        before: Optional[dict],
+        during: Optional[dict],
+        after: Optional[dict],
+    ) -> None:
         t = stream.timings
         if t and isinstance(t.get("prompt_ms"), (int, float)):
             m.put("server_ttft_ms", float(t["prompt_ms"]), "llama.cpp timings.prompt_ms (prompt processing)")
@@ -353,11 +409,16 @@ class RemoteEngine:
             count = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
             total = after.get(f"{key}_sum", 0.0) - before.get(f"{key}_sum", 0.0)
             if count >= 1:
-                m.put("server_ttft_ms", total / count * 1e3,
-                      f"vLLM /metrics time_to_first_token_seconds (mean of {count:.0f} request(s) meanwhile)")
+                m.put(
+                    "server_ttft_ms",
+                    total / count * 1e3,
+                    f"vLLM /metrics time_to_first_token_seconds (mean of {count:.0f} request(s) meanwhile)",
+                )
         if during is not None:
-            for key, name in (("server_running_requests", "vllm:num_requests_running"),
-                              ("server_waiting_requests", "vllm:num_requests_waiting")):
+            for key, name in (
+                ("server_running_requests", "vllm:num_requests_running"),
+                ("server_waiting_requests", "vllm:num_requests_waiting"),
+            ):
                 if name in during:
                     m.put(key, during[name])
             kv = during.get("vllm:kv_cache_usage_perc", during.get("vllm:gpu_cache_usage_perc"))
@@ -369,8 +430,11 @@ class RemoteEngine:
 
     def _reason(self, key: str) -> str:
         if key.startswith("server_"):
-            if self._vllm is None and key in ("server_running_requests", "server_waiting_requests",
-                                              "server_kv_cache_pct"):
+            if self._vllm is None and key in (
+                "server_running_requests",
+                "server_waiting_requests",
+                "server_kv_cache_pct",
+            ):
                 return "the server has no vLLM /metrics endpoint"
             return "the server did not report it"
         if key in ("prompt_tokens", "new_tokens_total"):
@@ -458,8 +522,15 @@ class _Stream:
         finishes = []
         for i in range(count):
             f = self.finish.get(i)
-            finishes.append("cancelled" if self.cancelled and f is None else
-                            "length" if f == "length" else stop_reason if f else "cancelled")
+            finishes.append(
+                "cancelled"
+                if self.cancelled and f is None
+                else "length"
+                if f == "length"
+                else stop_reason
+                if f
+                else "cancelled"
+            )
         m = GenerationMetrics()
         completion = None
         if self.usage:

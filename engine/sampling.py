@@ -4,6 +4,7 @@ The same function serves both sampling modes: "host" then calls .item() on its r
 leaves it in a device buffer. So the two modes differ only in the sync, which is what the HUD should show.
 Order of the logits processors follows transformers' generate(): repetition penalty, temperature, top-k, top-p.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,9 @@ def mark_seen(state: SamplerState, tokens: torch.Tensor) -> None:
     state.seen.scatter_(1, tokens[:, None], True)
 
 
-def process(logits: torch.Tensor, kind: SamplerKind, state: SamplerState,
-            seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+def process(
+    logits: torch.Tensor, kind: SamplerKind, state: SamplerState, seen: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The logits processors, in transformers' order: [B, V] -> [B, V], removed tokens at -inf. Greedy stops after
     the repetition penalty (temperature and filters do not change the argmax). `seen` [B, V] replaces the
     state's tokens seen (speculative verify: each position has seen the drafts before it)."""
@@ -84,7 +86,9 @@ def process(logits: torch.Tensor, kind: SamplerKind, state: SamplerState,
             cum = probs.cumsum(dim=-1)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             keep = (cum - probs) < state.top_p
-            cutoff = torch.where(keep, sorted_logits, torch.full_like(sorted_logits, float("inf"))).amin(-1, keepdim=True)
+            cutoff = torch.where(keep, sorted_logits, torch.full_like(sorted_logits, float("inf"))).amin(
+                -1, keepdim=True
+            )
             logits = logits.masked_fill(logits < cutoff, float("-inf"))
     return logits
 

@@ -5,6 +5,7 @@ The verify rule keeps the target's answer: under greedy decoding the tokens are 
 make; under sampling they are distributed as plain sampling's (speculative sampling with a point-mass draft,
 since both proposers draft deterministically: accept x with probability p(x), else sample p with x removed).
 """
+
 from __future__ import annotations
 
 import time
@@ -64,14 +65,14 @@ class NgramProposer:
             end = len(h)
             for n in range(1, self.max_n + 1):
                 if end >= n:
-                    self.index[n][tuple(h[end - n:end])] = end
+                    self.index[n][tuple(h[end - n : end])] = end
             h.append(t)
 
     def propose(self, k: int) -> list[int]:
         h = self.tokens
         end = len(h)
         for n in range(min(self.max_n, end), 0, -1):
-            start = self.index[n].get(tuple(h[end - n:]))
+            start = self.index[n].get(tuple(h[end - n :]))
             if start is not None:
                 self.last_match = n
                 # A continuation that runs into the answer's end goes on copying its own drafts: the match says
@@ -91,10 +92,10 @@ def ngram_propose_tensor(history: torch.Tensor, length: int, k: int, max_n: int 
     h = history[:length]
     for n in range(min(max_n, length - 1), 0, -1):
         windows = h[: length - 1].unfold(0, n, 1)  # [length - n, n]: every n-gram that has a continuation
-        hits = (windows == h[length - n:]).all(dim=1).nonzero()
+        hits = (windows == h[length - n :]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            cont = h[start:start + k]
+            cont = h[start : start + k]
             out[: cont.numel()] = cont
             return out
     return out
@@ -110,8 +111,9 @@ class Verdict:
     eos_hit: torch.Tensor  # [] bool: an EOS is among the emitted tokens
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, kind: SamplerKind, state: SamplerState,
-           eos: torch.Tensor) -> Verdict:
+def verify(
+    logits: torch.Tensor, drafts: torch.Tensor, kind: SamplerKind, state: SamplerState, eos: torch.Tensor
+) -> Verdict:
     """logits [k+1, V] float32: the target's logits at the current token and at each of the k drafts [k].
 
     Greedy: accept the longest prefix of drafts equal to the target's choices; the next token is the target's
@@ -202,8 +204,7 @@ class AdaptiveK:
     def plain_step(self, seconds: float) -> None:
         self.t_plain = seconds if self.t_plain is None else (1 - EMA) * self.t_plain + EMA * seconds
 
-    def verify_step(self, shape: int, drafted: int, accepted: int, emitted: int, seconds: float,
-                    key: int = 0) -> None:
+    def verify_step(self, shape: int, drafted: int, accepted: int, emitted: int, seconds: float, key: int = 0) -> None:
         t = self.t_verify.get(shape)
         self.t_verify[shape] = seconds if t is None else (1 - EMA) * t + EMA * seconds
         if self.fixed:
@@ -256,7 +257,7 @@ class DraftProposer:
         self.tokens.extend(tokens)
 
     def _next(self, ids: list[int], start: int) -> int:
-        positions = self.arange[start:start + len(ids)]
+        positions = self.arange[start : start + len(ids)]
         self.cache.attn_len = start + len(ids)
         mask = self.arange[: start + len(ids)][None, :] <= positions[:, None]
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -267,7 +268,7 @@ class DraftProposer:
         k = min(k, self.length - n)
         if k < 1:
             return []
-        drafts = [self._next(self.tokens[self.filled:], self.filled)]
+        drafts = [self._next(self.tokens[self.filled :], self.filled)]
         self.filled = n
         for i in range(1, k):
             drafts.append(self._next(drafts[-1:], n + i - 1))
@@ -278,8 +279,9 @@ class Speculator:
     """Speculation for one generation: asks the proposer for drafts, picks the verify step's length, runs it (or a
     plain step when there is nothing to verify) and keeps the counts."""
 
-    def __init__(self, proposer: Proposer, draft_tokens: int, shapes: Optional[tuple[int, ...]] = None,
-                 source: str = ""):
+    def __init__(
+        self, proposer: Proposer, draft_tokens: int, shapes: Optional[tuple[int, ...]] = None, source: str = ""
+    ):
         self.proposer = proposer
         self.source = source  # for the figures: what drafted and how k was chosen
         self.schedule = AdaptiveK(draft_tokens)
@@ -305,7 +307,7 @@ class Speculator:
         t0 = time.perf_counter()
         if not drafts:
             runner.step(0)
-            tokens = runner.out[0, start:start + 1].tolist()
+            tokens = runner.out[0, start : start + 1].tolist()
             self.schedule.plain_step(time.perf_counter() - t0)
             self.counts.plain_steps += 1
             return tokens
@@ -313,7 +315,7 @@ class Speculator:
         if self.shapes:  # the shortest step compiled for this many drafts, if the cache has room for it
             shape = next((s for s in self.shapes if s >= len(drafts) and s <= room), len(drafts))
         emitted, accepted = runner.speculate(drafts, shape)
-        tokens = runner.out[0, start:start + emitted].tolist()
+        tokens = runner.out[0, start : start + emitted].tolist()
         self.schedule.verify_step(shape, len(drafts), accepted, emitted, time.perf_counter() - t0, key)
         self.counts.verify_steps += 1
         self.counts.drafted += len(drafts)
@@ -324,8 +326,10 @@ class Speculator:
 def vocabulary_mismatch(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> Optional[str]:
     """Why a draft model cannot draft for the target (their token ids mean different things), or None."""
     if target_vocab != draft_vocab:
-        return (f"the draft model's vocabulary has {draft_vocab} entries and the target's {target_vocab}: "
-                "drafts must use the target's token ids")
+        return (
+            f"the draft model's vocabulary has {draft_vocab} entries and the target's {target_vocab}: "
+            "drafts must use the target's token ids"
+        )
     a, b = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if a != b:
         differing = sum(1 for tok, i in a.items() if b.get(tok) != i) + sum(1 for tok in b if tok not in a)

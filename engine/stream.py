@@ -1,5 +1,6 @@
 """Host side of a generation: tokens read back from the device become text, per candidate, with EOS and stop
 strings decided here, and device→host copies that never make the device wait."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -40,7 +41,10 @@ class RowText:
                 # Tokens arrive in chunks with device sampling: keep only those up to the one that completed the
                 # stop string, so the token count and ids match the answer that was cut there.
                 for n in range(before + 1, len(ids) + 1):
-                    if _find_stop(self.tokenizer.decode(ids[:n], skip_special_tokens=True), self.stop, start) is not None:
+                    if (
+                        _find_stop(self.tokenizer.decode(ids[:n], skip_special_tokens=True), self.stop, start)
+                        is not None
+                    ):
                         del self.tokens[n:]
                         break
                 self.text = self.text[:cut]

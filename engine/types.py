@@ -3,6 +3,7 @@
 Everything here is plain data (frozen dataclasses where the value is a setting), so the app and the UI can
 hold, display and persist it without importing torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,11 @@ MAX_DRAFT_TOKENS = 15
 # What a prompt longer than the context does (engine.prompt): drop the oldest turns, drop turns from the middle
 # (the system prompt and the first user message stay), or refuse with a message.
 OVERFLOW_POLICIES = ("rolling", "truncate-middle", "stop")
-OVERFLOW_LABELS = {"rolling": "Rolling window (drop the oldest turns)",
-                   "truncate-middle": "Truncate the middle (keep the system prompt and the first message)",
-                   "stop": "Stop at the limit"}
+OVERFLOW_LABELS = {
+    "rolling": "Rolling window (drop the oldest turns)",
+    "truncate-middle": "Truncate the middle (keep the system prompt and the first message)",
+    "stop": "Stop at the limit",
+}
 
 
 def _refuse_unknown(cls: type, data: dict[str, Any], what: str) -> None:
@@ -80,7 +83,9 @@ class EngineOptions:
         if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool):
             raise OptionsError(f"draft_tokens must be an integer, got {self.draft_tokens!r}")
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise OptionsError(f"draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (0 = adaptive), got {self.draft_tokens}")
+            raise OptionsError(
+                f"draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (0 = adaptive), got {self.draft_tokens}"
+            )
         if not isinstance(self.draft_model, str):
             raise OptionsError(f"draft_model must be a path (a string), got {self.draft_model!r}")
         return self
@@ -108,8 +113,12 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
         return ""
     o = options.to_dict() if isinstance(options, EngineOptions) else dict(options)
     parts = [str(o["device"])] if device and "device" in o else []
-    parts += [str(o.get("dtype", "?")), f"{o.get('kv_cache', '?')} KV", f"{o.get('sampling', '?')} sampling",
-              "compiled" if o.get("compile") else "eager"]
+    parts += [
+        str(o.get("dtype", "?")),
+        f"{o.get('kv_cache', '?')} KV",
+        f"{o.get('sampling', '?')} sampling",
+        "compiled" if o.get("compile") else "eager",
+    ]
     if o.get("cuda_graph"):
         parts.append("CUDA graph")
     n = o.get("candidates", 1)
@@ -135,7 +144,9 @@ PRESETS: dict[str, EngineOptions] = {
     "cuda-graph": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True),
     # The fused kernels replace the compiled step, so compile is off here; the graph captures the kernels.
     "fused": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", cuda_graph=True, kernels="fused"),
-    "int8": EngineOptions(dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"),
+    "int8": EngineOptions(
+        dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, weights="int8"
+    ),
     "candidates": EngineOptions(
         dtype="fp16", kv_cache="static", sampling="device", compile=True, cuda_graph=True, candidates=4
     ),
@@ -157,7 +168,9 @@ PRESET_LABELS: dict[str, str] = {
 }
 
 
-def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", candidates: Optional[int] = None) -> EngineOptions:
+def preset_options(
+    name: str, base: EngineOptions, half_dtype: str = "fp16", candidates: Optional[int] = None
+) -> EngineOptions:
     """The options of preset `name`, keeping `base`'s device, profiling switch, draft length and draft model.
 
     `half_dtype` replaces fp16 in the presets (bf16 where fp16 is a poor fit, fp32 on a CPU where half
@@ -168,8 +181,16 @@ def preset_options(name: str, base: EngineOptions, half_dtype: str = "fp16", can
     p = PRESETS[name]
     dtype = half_dtype if p.dtype == "fp16" else p.dtype
     n = candidates if (candidates is not None and p.candidates > 1) else p.candidates
-    return replace(p, device=base.device, profile_window=base.profile_window, prefix_reuse=base.prefix_reuse,
-                   dtype=dtype, candidates=n, draft_tokens=base.draft_tokens, draft_model=base.draft_model).validate()
+    return replace(
+        p,
+        device=base.device,
+        profile_window=base.profile_window,
+        prefix_reuse=base.prefix_reuse,
+        dtype=dtype,
+        candidates=n,
+        draft_tokens=base.draft_tokens,
+        draft_model=base.draft_model,
+    ).validate()
 
 
 @dataclass(frozen=True)
@@ -205,8 +226,12 @@ class SamplingParams:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
             raise OptionsError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise OptionsError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
+            raise OptionsError(
+                f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}"
+            )
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+        ):
             raise OptionsError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise OptionsError("stop strings must be non-empty strings")

@@ -3,6 +3,7 @@ executable and its Start-menu entry), with Qt's own SVG renderer so no other too
 
     python packaging/render_icon.py OUT_DIR        -> OUT_DIR/gapless-256.png, OUT_DIR/gapless.ico
 """
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """PyInstaller runtime hook, run before the app starts: the bundled app never asks the Hugging Face Hub for
 anything. Everything it needs (the default model, tokenizer data, package metadata) is inside the bundle, and
 the only download Gapless ever makes, the default model fetch, does not go through the Hub."""
+
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,4 +1,5 @@
 """Test configuration: headless Qt, a private data dir per test session, tiny-model and default-model fixtures."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """Tiny GGUF files for tests, written from a tiny HF Llama folder (tests/tiny_models.py) the way llama.cpp's
 converter writes them: GGUF tensor names, q/k rows permuted for its rotary layout, a byte-level BPE vocabulary
 with merges, and the chat template. Built in well under a second."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,16 @@ _TOP_NAMES = {
 
 
 # where each block keeps its fp16 scales (and mins): random bytes there could be inf or nan
-_HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,)}
+_HALF_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 def random_blocks(type_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:

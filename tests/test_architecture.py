@@ -1,4 +1,5 @@
 """The layering rules of docs/DEVELOPERS.md ("Architecture rules"), checked over every import of the shipped code."""
+
 from __future__ import annotations
 
 import ast
@@ -62,16 +63,19 @@ def test_the_engine_modules_the_ui_may_read_import_no_inference_stack():
         assert heavy == [], f"engine/{name}.py imports {heavy}: the UI may not read it then"
 
 
-@pytest.mark.parametrize("rel, source, rule", [
-    ("engine/x.py", "from PySide6.QtCore import QObject\n", "never imports Qt"),
-    ("engine/x.py", "def f():\n    import pyqtgraph\n", "never imports Qt"),
-    ("engine/x.py", "from ui.hud import fmt\n", "never imports Qt, pyqtgraph, app or ui"),
-    ("engine/telemetry/x.py", "import app.worker\n", "never imports Qt, pyqtgraph, app or ui"),
-    ("ui/x.py", "from engine.decode import StaticRunner\n", "plain-data modules"),
-    ("ui/x.py", "from engine import generate\n", "plain-data modules"),
-    ("ui/hud/x.py", "import torch\n", "inference stack"),
-    ("app/cmd_x.py", "from ui.main_window import MainWindow\n", "GUI builders"),
-])
+@pytest.mark.parametrize(
+    "rel, source, rule",
+    [
+        ("engine/x.py", "from PySide6.QtCore import QObject\n", "never imports Qt"),
+        ("engine/x.py", "def f():\n    import pyqtgraph\n", "never imports Qt"),
+        ("engine/x.py", "from ui.hud import fmt\n", "never imports Qt, pyqtgraph, app or ui"),
+        ("engine/telemetry/x.py", "import app.worker\n", "never imports Qt, pyqtgraph, app or ui"),
+        ("ui/x.py", "from engine.decode import StaticRunner\n", "plain-data modules"),
+        ("ui/x.py", "from engine import generate\n", "plain-data modules"),
+        ("ui/hud/x.py", "import torch\n", "inference stack"),
+        ("app/cmd_x.py", "from ui.main_window import MainWindow\n", "GUI builders"),
+    ],
+)
 def test_each_rule_catches_its_violation(tmp_path, rel, source, rule):
     path = tmp_path / rel
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """Tiny random models built in the test: an HF folder with config.json, model.safetensors and a byte-level BPE
 tokenizer with a ChatML chat template. Built in well under a second; the same seed gives the same weights."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Holding the engine's worker thread right after it sends a generation's first text batch, until the test lets
 it go. What a test does in the GUI thread at that batch (cancel, load another model, change options) then lands
 while the generation surely still runs, however late a loaded machine schedules the GUI thread."""
+
 from __future__ import annotations
 
 import threading

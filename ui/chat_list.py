@@ -1,4 +1,5 @@
 """The chat list: search, new chat, and the chats newest first (rename and delete from the context menu)."""
+
 from __future__ import annotations
 
 import time
@@ -8,7 +9,14 @@ from typing import Optional
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
 from PySide6.QtGui import QMouseEvent
 from PySide6.QtWidgets import (
-    QFrame, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QPushButton, QVBoxLayout,
+    QFrame,
+    QInputDialog,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QPushButton,
+    QVBoxLayout,
     QWidget,
 )
 
@@ -64,8 +72,12 @@ class ChatList(QFrame):
         self.search.setObjectName("chatSearch")
         self.search.setPlaceholderText("Search chats (Ctrl+F)")
         self.search.setClearButtonEnabled(True)
-        self._search_timer = QTimer(self, singleShot=True, interval=SEARCH_DELAY_MS,
-                                    timeout=lambda: self.searchChanged.emit(self.search.text().strip()))
+        self._search_timer = QTimer(
+            self,
+            singleShot=True,
+            interval=SEARCH_DELAY_MS,
+            timeout=lambda: self.searchChanged.emit(self.search.text().strip()),
+        )
         self.search.textChanged.connect(lambda _t: self._search_timer.start())
         self.search.returnPressed.connect(self._search_now)
         self.list = _ChatListWidget(self)
@@ -140,6 +152,10 @@ class ChatList(QFrame):
             self.renameRequested.emit(chat_id, title.strip())
 
     def ask_delete(self, chat_id: int) -> None:
-        if confirm(self, "Delete chat", f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
-                   "Delete"):
+        if confirm(
+            self,
+            "Delete chat",
+            f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
+            "Delete",
+        ):
             self.deleteRequested.emit(chat_id)

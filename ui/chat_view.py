@@ -3,6 +3,7 @@
 Streaming touches only the last message: each text batch is appended to it (see ui.markdown.SegmentsView for
 the plain-append / timed-render split); the rest of the conversation is built once per chat or branch switch.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -158,8 +159,15 @@ class ChatView(QScrollArea):
         w.body.flush()
         w.refresh()
 
-    def finish_candidates(self, texts: list[str], metrics: Optional[dict], options: Optional[dict],
-                          device: Optional[str], finish_reasons: list[str], can_choose: bool = True) -> None:
+    def finish_candidates(
+        self,
+        texts: list[str],
+        metrics: Optional[dict],
+        options: Optional[dict],
+        device: Optional[str],
+        finish_reasons: list[str],
+        can_choose: bool = True,
+    ) -> None:
         if self._candidates is not None:
             self._candidates.finish(texts, metrics, options, device, finish_reasons, can_choose)
 

@@ -4,13 +4,23 @@ context meter (what the conversation and the draft would take of the model's con
 Enter sends and Shift+Enter (or Ctrl+Enter) adds a newline, or the other way round when the send key is
 "ctrl+enter" — the choice lives in the settings. Esc stops an answer anywhere in the window (main_window).
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSizePolicy,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.types import ContextUse
 
@@ -49,7 +59,9 @@ class ComposerEdit(QPlainTextEdit):
     def _fit_height(self, *_args) -> None:
         # A plain-text document measures its height in lines, not pixels.
         lines = max(1, min(int(self.document().size().height()), MAX_LINES))
-        h = int(lines * self.fontMetrics().lineSpacing() + 2 * self.document().documentMargin() + 2 * self.frameWidth() + 8)
+        h = int(
+            lines * self.fontMetrics().lineSpacing() + 2 * self.document().documentMargin() + 2 * self.frameWidth() + 8
+        )
         self.setFixedHeight(max(h, 2 * self.fontMetrics().lineSpacing() + 20))
 
 
@@ -105,7 +117,9 @@ class Composer(QFrame):
         self.edit.send_with = send_with
         newline = "Shift+Enter" if send_with == "enter" else "Enter"
         self.edit.setPlaceholderText("Message the model…")
-        self._hint_keys = f"{'Enter' if send_with == 'enter' else 'Ctrl+Enter'} to send · {newline} for a new line · Esc stops"
+        self._hint_keys = (
+            f"{'Enter' if send_with == 'enter' else 'Ctrl+Enter'} to send · {newline} for a new line · Esc stops"
+        )
         self._update()
 
     def set_generating(self, generating: bool) -> None:
@@ -154,7 +168,8 @@ class Composer(QFrame):
             f"The conversation and your draft as the model's chat template renders them: {use.tokens:,} tokens.\n"
             f"Room kept for the answer: {use.context_length - use.budget:,} of the {use.context_length:,}-token "
             f"context, so prompts up to {use.budget:,} tokens are sent whole.\n"
-            f"When the conversation is longer: {use.policy} (Chat settings).\nSource: the engine's tokenizer.")
+            f"When the conversation is longer: {use.policy} (Chat settings).\nSource: the engine's tokenizer."
+        )
         self.meter.show()
         self._set_level(level)
 

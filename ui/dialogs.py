@@ -1,5 +1,6 @@
 """Dialogs: download / load progress (size, speed, cancel), errors, and a chat's settings (system prompt and
 sampling parameters)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -7,14 +8,27 @@ from typing import Optional
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QIntValidator
 from PySide6.QtWidgets import (
-    QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QMessageBox,
-    QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QVBoxLayout, QWidget,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QMessageBox,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
 )
 
 from app.settings import CHAT_DEFAULTS
 from engine.errors import OptionsError
-from ui.progress import show_progress
 from engine.types import MAX_NEW_TOKENS_LIMIT, OVERFLOW_LABELS, OVERFLOW_POLICIES, Progress, SamplingParams
+from ui.progress import show_progress
 
 # Sane defaults for a new chat: a little randomness, the usual nucleus/top-k cut, a light repetition penalty.
 
@@ -91,9 +105,15 @@ class ProgressDialog(QDialog):
 class ChatSettingsDialog(QDialog):
     """A chat's system prompt and sampling parameters, validated by SamplingParams before they are accepted."""
 
-    def __init__(self, system_prompt: str, sampling: SamplingParams, context_length: Optional[int] = None,
-                 parent: Optional[QWidget] = None, overflow_policy: Optional[str] = None,
-                 default_overflow: str = "rolling"):
+    def __init__(
+        self,
+        system_prompt: str,
+        sampling: SamplingParams,
+        context_length: Optional[int] = None,
+        parent: Optional[QWidget] = None,
+        overflow_policy: Optional[str] = None,
+        default_overflow: str = "rolling",
+    ):
         super().__init__(parent)
         self.setWindowTitle("Chat settings")
         self.overflow = QComboBox(self)
@@ -150,12 +170,16 @@ class ChatSettingsDialog(QDialog):
         form.addRow("Stop strings", self.stop)
         form.addRow("Context full", self.overflow)
         buttons = QDialogButtonBox(
-            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
-            | QDialogButtonBox.StandardButton.RestoreDefaults, self,
+            QDialogButtonBox.StandardButton.Ok
+            | QDialogButtonBox.StandardButton.Cancel
+            | QDialogButtonBox.StandardButton.RestoreDefaults,
+            self,
         )
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
-        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(lambda: self._show(CHAT_DEFAULTS))
+        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(
+            lambda: self._show(CHAT_DEFAULTS)
+        )
         lay = QVBoxLayout(self)
         lay.addLayout(form)
         lay.addWidget(self.error)
@@ -175,8 +199,11 @@ class ChatSettingsDialog(QDialog):
     def sampling(self) -> SamplingParams:
         seed = self.seed.text().strip()
         return SamplingParams(
-            temperature=round(self.temperature.value(), 4), top_p=round(self.top_p.value(), 4), top_k=self.top_k.value(),
-            repetition_penalty=round(self.repetition_penalty.value(), 4), max_new_tokens=self.max_new_tokens.value(),
+            temperature=round(self.temperature.value(), 4),
+            top_p=round(self.top_p.value(), 4),
+            top_k=self.top_k.value(),
+            repetition_penalty=round(self.repetition_penalty.value(), 4),
+            max_new_tokens=self.max_new_tokens.value(),
             seed=int(seed) if seed else None,
             stop=tuple(s.strip() for s in self.stop.text().split(",") if s.strip()),
         ).validate()

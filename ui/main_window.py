@@ -3,6 +3,7 @@
 The window only arranges widgets and routes signals: the conversation logic is app.chat_flow.ChatFlow, the
 engine is behind the controller (app.worker.EngineController), which never blocks this thread.
 """
+
 from __future__ import annotations
 
 import base64
@@ -12,16 +13,31 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
-    QDockWidget, QFileDialog, QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSplitter, QVBoxLayout,
+    QDockWidget,
+    QFileDialog,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QPushButton,
+    QScrollArea,
+    QSplitter,
+    QVBoxLayout,
     QWidget,
 )
 
+from app.chat_flow import ChatFlow
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import (
-    OVERFLOW_LABELS, OVERFLOW_POLICIES, EngineOptions, GenerationResult, ModelInfo, Progress, SamplingParams,
+    OVERFLOW_LABELS,
+    OVERFLOW_POLICIES,
+    EngineOptions,
+    GenerationResult,
+    ModelInfo,
+    Progress,
+    SamplingParams,
 )
-from app.chat_flow import ChatFlow
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
@@ -39,6 +55,7 @@ if TYPE_CHECKING:
     from app.worker import EngineController
 
 log = logging.getLogger(__name__)
+
 
 def model_status_text(info: Optional[ModelInfo]) -> str:
     return f"{info.name} · {info.device} · {info.dtype}" if info is not None else "No model"
@@ -62,7 +79,9 @@ def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[
         return None
     return saved
 
+
 METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
+
 
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height or width, so
@@ -111,11 +130,19 @@ class FitScrollArea(QScrollArea):
 class MainWindow(QMainWindow):
     closed = Signal()
 
-    def __init__(self, store: ChatStore, controller: EngineController, settings: Settings,
-                 save_settings: Callable[[Settings], None], theme: ThemeManager, default_sampling: SamplingParams,
-                 hud: Optional[QWidget] = None, fetcher: Optional[DefaultModelFetcher] = None,
-                 catalog: Optional[ModelCatalog] = None,
-                 preset_resolver: Optional[Callable[[str, EngineOptions, str], EngineOptions]] = None):
+    def __init__(
+        self,
+        store: ChatStore,
+        controller: EngineController,
+        settings: Settings,
+        save_settings: Callable[[Settings], None],
+        theme: ThemeManager,
+        default_sampling: SamplingParams,
+        hud: Optional[QWidget] = None,
+        fetcher: Optional[DefaultModelFetcher] = None,
+        catalog: Optional[ModelCatalog] = None,
+        preset_resolver: Optional[Callable[[str, EngineOptions, str], EngineOptions]] = None,
+    ):
         super().__init__()
         self.setWindowTitle("Gapless")
         self.setObjectName("mainWindow")
@@ -221,8 +248,9 @@ class MainWindow(QMainWindow):
         self.resize(1440, 900)
         self.resizeDocks([self.options_dock], [500], Qt.Orientation.Horizontal)
         if self.hud_dock is not None:  # the toggles take what they need, the HUD the rest
-            self.resizeDocks([self.options_dock, self.hud_dock], [self.toggles.sizeHint().height(), 2000],
-                             Qt.Orientation.Vertical)
+            self.resizeDocks(
+                [self.options_dock, self.hud_dock], [self.toggles.sizeHint().height(), 2000], Qt.Orientation.Vertical
+            )
 
     def _wire(self) -> None:
         f, v, c = self.flow, self.chat_view, self.controller
@@ -306,16 +334,22 @@ class MainWindow(QMainWindow):
         action(file, "Open model folder…", self.model_panel.open_folder_dialog)
         action(file, "Load the default model", lambda: self.load_model("default"))
         file.addSeparator()
-        self.export_json_action = action(file, "Export chat as JSON…", lambda: self.export_chat(False),
-                                         tip="Every branch and each answer's figures, in a file Gapless imports")
-        self.export_md_action = action(file, "Export chat as Markdown…", lambda: self.export_chat(True),
-                                       tip="Every branch, for reading")
+        self.export_json_action = action(
+            file,
+            "Export chat as JSON…",
+            lambda: self.export_chat(False),
+            tip="Every branch and each answer's figures, in a file Gapless imports",
+        )
+        self.export_md_action = action(
+            file, "Export chat as Markdown…", lambda: self.export_chat(True), tip="Every branch, for reading"
+        )
         self.import_action = action(file, "Import chat…", self.import_chat, tip="Add a chat exported as JSON")
         file.addSeparator()
         action(file, "Quit", self.close, QKeySequence.StandardKey.Quit)
         chat = bar.addMenu("&Chat")
-        self.stop_action = action(chat, "Stop the answer", self.flow.stop, Qt.Key.Key_Escape,
-                                  "Stop the answer; the text so far is kept")
+        self.stop_action = action(
+            chat, "Stop the answer", self.flow.stop, Qt.Key.Key_Escape, "Stop the answer; the text so far is kept"
+        )
         action(chat, "Search chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
         action(chat, "Chat settings…", self.open_chat_settings)
         overflow = chat.addMenu("When a chat outgrows the context (default)")
@@ -331,7 +365,11 @@ class MainWindow(QMainWindow):
         view = bar.addMenu("&View")
         themes = QActionGroup(self)
         for choice in THEME_CHOICES:
-            act = QAction(f"{choice.capitalize()} theme" if choice != "system" else "Follow the system theme", self, checkable=True)
+            act = QAction(
+                f"{choice.capitalize()} theme" if choice != "system" else "Follow the system theme",
+                self,
+                checkable=True,
+            )
             act.setChecked(self.theme.choice == choice)
             act.triggered.connect(lambda _c=False, choice=choice: self.set_theme(choice))
             themes.addAction(act)
@@ -375,7 +413,8 @@ class MainWindow(QMainWindow):
         from app import __version__
 
         self._info_box = show_info(
-            self, "About Gapless",
+            self,
+            "About Gapless",
             f"Gapless {__version__}\n\nA desktop chat app for local language models with a live performance HUD: "
             "each decode optimization can be switched on and off, and the HUD shows what it changes.\n\n"
             f"Qt {qVersion()} · PySide6 {PySide6.__version__} · Apache-2.0",
@@ -428,9 +467,14 @@ class MainWindow(QMainWindow):
 
     def open_chat_settings(self) -> None:
         info: Optional[ModelInfo] = self.controller.info
-        dialog = ChatSettingsDialog(self.flow.system_prompt(), self.flow.sampling(),
-                                    info.context_length if info else None, self,
-                                    self.flow.chat_overflow_policy(), self.settings.overflow_policy)
+        dialog = ChatSettingsDialog(
+            self.flow.system_prompt(),
+            self.flow.sampling(),
+            info.context_length if info else None,
+            self,
+            self.flow.chat_overflow_policy(),
+            self.settings.overflow_policy,
+        )
         dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values(), dialog.overflow_policy()))
         dialog.accepted.connect(self.recount_context)  # the answer's room or the policy may have changed
         dialog.open()
@@ -532,8 +576,14 @@ class MainWindow(QMainWindow):
             self.hud.generation_failed(message)
 
     def _candidates_finished(self, result: GenerationResult) -> None:
-        self.chat_view.finish_candidates(result.texts, result.metrics.to_dict(), result.options.to_dict(),
-                                         result.options.device, self.flow.last_finish_reasons, can_choose=True)
+        self.chat_view.finish_candidates(
+            result.texts,
+            result.metrics.to_dict(),
+            result.options.to_dict(),
+            result.options.device,
+            self.flow.last_finish_reasons,
+            can_choose=True,
+        )
         self._pick_notice = f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it"
         self.status.setText(self._pick_notice)
 
@@ -544,8 +594,10 @@ class MainWindow(QMainWindow):
 
     def run_ladder(self) -> None:
         """The HUD's "Run ladder": the last user prompt of this chat (or a fixed one) through every preset."""
-        prompt = next((m.content for m in reversed(self.chat_view.items()) if m.role == "user"),
-                      "Explain in three sentences why the sky is blue.")
+        prompt = next(
+            (m.content for m in reversed(self.chat_view.items()) if m.role == "user"),
+            "Explain in three sentences why the sky is blue.",
+        )
         self._laddering = True
         self._update_can_send()
         self.controller.run_ladder([{"role": "user", "content": prompt}], self.flow.sampling())
@@ -576,7 +628,10 @@ class MainWindow(QMainWindow):
         self._fetch_dialog = ProgressDialog(
             "Downloading the default model",
             f"Gapless needs a model to chat with. Downloading SmolLM2-135M-Instruct ({size}, Apache-2.0) "
-            "into the model cache; it is verified before use.", True, self)
+            "into the model cache; it is verified before use.",
+            True,
+            self,
+        )
         self._fetch_dialog.cancelRequested.connect(self.fetcher.cancel)
         self._fetch_dialog.open()
         self.model_panel.set_loading("default")
@@ -598,8 +653,11 @@ class MainWindow(QMainWindow):
         self._close_fetch_dialog()
         self.model_panel.set_failed("default", message)
         if not cancelled:
-            show_error(self, "Download failed", f"{message}\n\nOpen a model with File ▸ Open GGUF…, or try again "
-                                                "with File ▸ Load the default model.")
+            show_error(
+                self,
+                "Download failed",
+                f"{message}\n\nOpen a model with File ▸ Open GGUF…, or try again with File ▸ Load the default model.",
+            )
         self._update_can_send()
 
     def _close_fetch_dialog(self) -> None:
@@ -669,8 +727,11 @@ class MainWindow(QMainWindow):
         info = self.controller.info
         self.model_status.setText(model_status_text(info))
         self._update_can_send()
-        show_error(self, "Model not loaded", f"Could not load {source}:\n{message}"
-                   + (f"\n\n{info.name} is still loaded." if info else ""))
+        show_error(
+            self,
+            "Model not loaded",
+            f"Could not load {source}:\n{message}" + (f"\n\n{info.name} is still loaded." if info else ""),
+        )
 
     def _options_chosen(self, options: EngineOptions) -> None:
         self.settings.engine_options = options.to_dict()
@@ -758,7 +819,10 @@ class MainWindow(QMainWindow):
             return
         self._splitter_fitted = True
         total = self.splitter.width() - self.splitter.handleWidth()
-        mins = [max(w.minimumWidth(), w.minimumSizeHint().width()) for w in (self.splitter.widget(0), self.splitter.widget(1))]
+        mins = [
+            max(w.minimumWidth(), w.minimumSizeHint().width())
+            for w in (self.splitter.widget(0), self.splitter.widget(1))
+        ]
         sizes = fitting_sizes(self._saved_splitter, mins, total)
         if sizes is None:
             left = max(mins[0], int(total * LEFT_SHARE))
@@ -782,8 +846,14 @@ class MainWindow(QMainWindow):
             self._dock_resizing = False
 
     def eventFilter(self, obj, event) -> bool:
-        if obj is self.options_dock and event.type() == QEvent.Type.Resize and self.isVisible() \
-                and not self._dock_resizing and self.width() == self._width_seen and not self.options_dock.isFloating():
+        if (
+            obj is self.options_dock
+            and event.type() == QEvent.Type.Resize
+            and self.isVisible()
+            and not self._dock_resizing
+            and self.width() == self._width_seen
+            and not self.options_dock.isFloating()
+        ):
             self._dock_share = self.options_dock.width() / self.width()  # the user dragged the edge
         return super().eventFilter(obj, event)
 

@@ -4,6 +4,7 @@ A body is split into segments at code fences; prose segments render as markdown 
 code segments in their own block. While an answer streams, new text is appended as plain text and the
 markdown is rendered again only on a timer (a few times a second), never once per batch.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,13 +13,27 @@ from typing import Optional
 
 from PySide6.QtCore import QRegularExpression, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
-    QColor, QFontDatabase, QGuiApplication, QSyntaxHighlighter, QTextCharFormat, QTextCursor, QTextDocument,
+    QColor,
+    QFontDatabase,
+    QGuiApplication,
+    QSyntaxHighlighter,
+    QTextCharFormat,
+    QTextCursor,
+    QTextDocument,
 )
 from PySide6.QtWidgets import (
-    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QSizePolicy, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QSizePolicy,
+    QTextBrowser,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
 )
 
-from ui.theme import Colors, LIGHT
+from ui.theme import LIGHT, Colors
 
 MARKDOWN_FEATURES = QTextDocument.MarkdownFeature.MarkdownDialectGitHub | QTextDocument.MarkdownFeature.MarkdownNoHTML
 RENDER_INTERVAL_MS = 250  # markdown of a streaming body is rendered at most 4 times a second
@@ -74,8 +89,29 @@ _KEYWORDS = (
     "mod mut new nil None not null or package pass pub raise return self static struct super switch this throw "
     "trait true True try type typeof use var void while with yield int float double char bool string"
 ).split()
-_HASH_COMMENT_LANGS = {"python", "py", "sh", "bash", "shell", "zsh", "ruby", "rb", "yaml", "yml", "toml", "r",
-                       "perl", "make", "makefile", "dockerfile", "ini", "conf", "powershell", "ps1", ""}
+_HASH_COMMENT_LANGS = {
+    "python",
+    "py",
+    "sh",
+    "bash",
+    "shell",
+    "zsh",
+    "ruby",
+    "rb",
+    "yaml",
+    "yml",
+    "toml",
+    "r",
+    "perl",
+    "make",
+    "makefile",
+    "dockerfile",
+    "ini",
+    "conf",
+    "powershell",
+    "ps1",
+    "",
+}
 
 
 class CodeHighlighter(QSyntaxHighlighter):
@@ -84,7 +120,13 @@ class CodeHighlighter(QSyntaxHighlighter):
     def __init__(self, document: QTextDocument, lang: str, colors: Colors):
         super().__init__(document)
         lang = lang.lower()
-        comment = r"#[^\n]*" if lang in _HASH_COMMENT_LANGS else r"//[^\n]*|--[^\n]*" if lang in ("sql", "lua", "haskell") else r"//[^\n]*"
+        comment = (
+            r"#[^\n]*"
+            if lang in _HASH_COMMENT_LANGS
+            else r"//[^\n]*|--[^\n]*"
+            if lang in ("sql", "lua", "haskell")
+            else r"//[^\n]*"
+        )
         if lang == "":
             comment = r"#[^\n]*|//[^\n]*"
         self._patterns = [
@@ -155,12 +197,16 @@ class CodeBlock(QFrame):
         self.edit.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
         self.edit.setFrameShape(QFrame.Shape.NoFrame)
         self.edit.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
-        self.edit.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse | Qt.TextInteractionFlag.TextSelectableByKeyboard)
+        self.edit.setTextInteractionFlags(
+            Qt.TextInteractionFlag.TextSelectableByMouse | Qt.TextInteractionFlag.TextSelectableByKeyboard
+        )
         font = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         self.edit.setFont(font)
         self.edit.setPlainText(segment.text)
         self._highlighter = CodeHighlighter(self.edit.document(), segment.lang, colors)
-        self._reset_timer = QTimer(self, singleShot=True, interval=1500, timeout=lambda: self.copy_button.setText("Copy"))
+        self._reset_timer = QTimer(
+            self, singleShot=True, interval=1500, timeout=lambda: self.copy_button.setText("Copy")
+        )
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -187,7 +233,7 @@ class CodeBlock(QFrame):
         if segment.text == old:
             return
         if segment.text.startswith(old):
-            self.append_text(segment.text[len(old):])
+            self.append_text(segment.text[len(old) :])
         else:
             self.edit.setPlainText(segment.text)
 
@@ -206,7 +252,10 @@ class CodeBlock(QFrame):
     def _fit_height(self, *_args) -> None:
         lines = min(max(self.edit.document().blockCount(), 1), CODE_MAX_LINES)
         # Without wrapping a block is one line; its laid-out height includes the leading a font metric omits.
-        line = self.edit.blockBoundingRect(self.edit.document().firstBlock()).height() or self.edit.fontMetrics().lineSpacing()
+        line = (
+            self.edit.blockBoundingRect(self.edit.document().firstBlock()).height()
+            or self.edit.fontMetrics().lineSpacing()
+        )
         margins = self.edit.contentsMargins()
         frame = margins.top() + margins.bottom() + int(self.edit.document().documentMargin() * 2) + 2
         hbar = self.edit.horizontalScrollBar()

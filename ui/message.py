@@ -1,4 +1,5 @@
 """One message of the conversation: header with actions and branch navigation, body, and the stats line."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -6,7 +7,15 @@ from typing import Optional
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
-    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTabWidget, QToolButton, QVBoxLayout, QWidget,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QTabWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
 )
 
 from app.chat_flow import MessageItem
@@ -37,7 +46,13 @@ class MessageWidget(QFrame):
         super().__init__(parent)
         self.item = item
         self._colors = colors
-        self.setObjectName("userMessage" if item.role == "user" else "assistantMessage" if item.role == "assistant" else "systemMessage")
+        self.setObjectName(
+            "userMessage"
+            if item.role == "user"
+            else "assistantMessage"
+            if item.role == "assistant"
+            else "systemMessage"
+        )
         self.setFrameShape(QFrame.Shape.NoFrame)
 
         header = QHBoxLayout()
@@ -102,7 +117,9 @@ class MessageWidget(QFrame):
         if item.role == "assistant":
             if item.metrics is None and item.finish_reason is None:
                 self.stats_label.setText("generating…" if item.extra.get("streaming") else "n/a")
-                self.stats_label.setToolTip("" if item.extra.get("streaming") else "No metrics were stored for this answer")
+                self.stats_label.setToolTip(
+                    "" if item.extra.get("streaming") else "No metrics were stored for this answer"
+                )
             else:
                 line, tip = format_stats(item.metrics, item.options, item.device, item.finish_reason, item.candidate)
                 self.stats_label.setText(line)
@@ -228,18 +245,27 @@ class CandidateTabs(QFrame):
             if 0 <= i < len(self.stats):
                 self.stats[i].setText(f"Finished: {finish_words(reason)} · waiting for the other candidates…")
 
-    def finish(self, texts: list[str], metrics: Optional[dict], options: Optional[dict], device: Optional[str],
-               finish_reasons: list[str], can_choose: bool) -> None:
+    def finish(
+        self,
+        texts: list[str],
+        metrics: Optional[dict],
+        options: Optional[dict],
+        device: Optional[str],
+        finish_reasons: list[str],
+        can_choose: bool,
+    ) -> None:
         if 0 < len(texts) < len(self.bodies):  # the engine made fewer than asked (out of device memory)
             for i in range(len(self.bodies) - 1, len(texts) - 1, -1):
                 self.tabs.removeTab(i)
-            del self.bodies[len(texts):], self.stats[len(texts):], self.use_buttons[len(texts):]
+            del self.bodies[len(texts) :], self.stats[len(texts) :], self.use_buttons[len(texts) :]
             self.title.setText(self._title_text(len(texts)))
         for i, body in enumerate(self.bodies):
             if i < len(texts):
                 body.set_text(texts[i])
             body.flush()
-            line, tip = format_stats(metrics, options, device, finish_reasons[i] if i < len(finish_reasons) else None, i)
+            line, tip = format_stats(
+                metrics, options, device, finish_reasons[i] if i < len(finish_reasons) else None, i
+            )
             self.stats[i].setText(line)
             self.stats[i].setToolTip(tip)
             self.use_buttons[i].setEnabled(can_choose)

@@ -1,5 +1,6 @@
 """The model panel: what is loaded (family, parameters, dtype, device, context, weight memory), and how to open
 another one (GGUF file, Hugging Face folder, a recent model, the default). A failed load shows why here."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,12 +8,21 @@ from typing import Any, Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QFileDialog, QGridLayout, QGroupBox, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy, QToolButton,
-    QVBoxLayout, QWidget,
+    QFileDialog,
+    QGridLayout,
+    QGroupBox,
+    QLabel,
+    QMenu,
+    QProgressBar,
+    QPushButton,
+    QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
 )
 
-from ui.progress import show_progress
 from engine.types import ModelInfo, Progress
+from ui.progress import show_progress
 
 NA = "n/a"
 
@@ -37,7 +47,7 @@ def human_bytes(n: Optional[int]) -> str:
 
 def source_label(source: str) -> str:
     if source.startswith("remote:"):
-        return source[len("remote:"):].split("|")[0].replace("#", " · ")
+        return source[len("remote:") :].split("|")[0].replace("#", " · ")
     return "Default model" if source == "default" else Path(source).name or source
 
 
@@ -47,8 +57,19 @@ class ModelPanel(QGroupBox):
     folderUsed = Signal(str)  # the folder a file dialog was left in (the next one starts there)
     remoteRequested = Signal(str, str, str, float)  # base URL, model, API key ("": keep the stored one), timeout s
 
-    FIELDS = ("name", "family", "parameters", "dtype", "device", "context", "weights", "per_token", "floor", "backend",
-              "load")
+    FIELDS = (
+        "name",
+        "family",
+        "parameters",
+        "dtype",
+        "device",
+        "context",
+        "weights",
+        "per_token",
+        "floor",
+        "backend",
+        "load",
+    )
 
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__("Model", parent)
@@ -56,8 +77,24 @@ class ModelPanel(QGroupBox):
         grid.setHorizontalSpacing(10)
         grid.setVerticalSpacing(2)
         self.values: dict[str, QLabel] = {}
-        labels = dict(zip(self.FIELDS, ("Name", "Family", "Parameters", "Dtype", "Device", "Context", "Weights",
-                                         "Bytes/token", "Memory floor", "Backend", "Load time")))
+        labels = dict(
+            zip(
+                self.FIELDS,
+                (
+                    "Name",
+                    "Family",
+                    "Parameters",
+                    "Dtype",
+                    "Device",
+                    "Context",
+                    "Weights",
+                    "Bytes/token",
+                    "Memory floor",
+                    "Backend",
+                    "Load time",
+                ),
+            )
+        )
         for row, key in enumerate(self.FIELDS):
             k = QLabel(labels[key], self)
             k.setObjectName("infoKey")
@@ -124,8 +161,12 @@ class ModelPanel(QGroupBox):
                 v.setText(NA)
             return
         shown = {
-            "name": info.name, "family": info.family, "parameters": human_count(info.parameters),
-            "dtype": info.dtype, "device": info.device, "context": f"{info.context_length:,}",
+            "name": info.name,
+            "family": info.family,
+            "parameters": human_count(info.parameters),
+            "dtype": info.dtype,
+            "device": info.device,
+            "context": f"{info.context_length:,}",
             "weights": human_bytes(info.weight_bytes),
             "backend": "fast path" if info.backend == "fast" else f"{info.backend} fallback",
             "load": NA if info.load_seconds is None else f"{info.load_seconds:.2f} s",
@@ -133,8 +174,12 @@ class ModelPanel(QGroupBox):
             "floor": NA if info.memory_floor_ms is None else f"{info.memory_floor_ms:.3f} ms/token",
         }
         if info.backend == "remote":  # the server says nothing of its weights; the context only sometimes
-            shown.update(parameters=f"{NA} (remote)", weights=f"{NA} (remote)", backend="remote server",
-                         context=f"{info.context_length:,}" if info.context_length else f"{NA} (not reported)")
+            shown.update(
+                parameters=f"{NA} (remote)",
+                weights=f"{NA} (remote)",
+                backend="remote server",
+                context=f"{info.context_length:,}" if info.context_length else f"{NA} (not reported)",
+            )
         for key, text in shown.items():
             self.values[key].setText(text)
         self.values["name"].setToolTip(info.source)
@@ -145,10 +190,13 @@ class ModelPanel(QGroupBox):
         if info.weights != "native":
             self.values["weights"].setText(f"{human_bytes(info.weight_bytes)} ({info.weights})")
         self.values["backend"].setToolTip(
-            f"{info.backend_reason}: its options and GPU figures are the server's" if info.backend == "remote"
-            else "Gapless's own decoder: every optimization can be switched" if info.backend == "fast"
+            f"{info.backend_reason}: its options and GPU figures are the server's"
+            if info.backend == "remote"
+            else "Gapless's own decoder: every optimization can be switched"
+            if info.backend == "fast"
             else f"transformers runs this model{f': {info.backend_reason}' if info.backend_reason else ''}; "
-                 "compile, CUDA graphs and the static KV cache are not available on it")
+            "compile, CUDA graphs and the static KV cache are not available on it"
+        )
 
     def set_loading(self, source: str) -> None:
         self.error.hide()
@@ -215,15 +263,17 @@ class ModelPanel(QGroupBox):
         menu.setToolTipsVisible(True)
 
     def _choose_models_folder(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "A folder with GGUF files or model folders to list here",
-                                                self.last_folder)
+        path = QFileDialog.getExistingDirectory(
+            self, "A folder with GGUF files or model folders to list here", self.last_folder
+        )
         if path:
             self._used(str(Path(path).parent))
             self.modelsFolderChosen.emit(path)
 
     def open_file_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", self.last_folder,
-                                              "GGUF models (*.gguf);;All files (*)")
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Open a GGUF model", self.last_folder, "GGUF models (*.gguf);;All files (*)"
+        )
         if path:
             self._used(str(Path(path).parent))
             self.openRequested.emit(path)

@@ -1,4 +1,5 @@
 """How a Progress report is shown: one place for the bar and the line beside it."""
+
 from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel, QProgressBar

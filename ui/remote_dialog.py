@@ -1,20 +1,30 @@
 """Open a remote model: an OpenAI-compatible server's base URL (vLLM, llama.cpp's server, Ollama, another
 Gapless), the model's name there, its API key and how long to wait for it."""
+
 from __future__ import annotations
 
 from typing import Optional
 from urllib.parse import urlsplit
 
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel, QLineEdit,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QLabel,
+    QLineEdit,
+    QVBoxLayout,
+    QWidget,
+)
 
-EXAMPLES = ("vLLM: http://host:8000/v1 · llama.cpp server: http://host:8080/v1 · Ollama: http://host:11434/v1 · "
-            "gapless serve: http://host:8080/v1")
+EXAMPLES = (
+    "vLLM: http://host:8000/v1 · llama.cpp server: http://host:8080/v1 · Ollama: http://host:11434/v1 · "
+    "gapless serve: http://host:8080/v1"
+)
 
 
 class RemoteDialog(QDialog):
-    def __init__(self, parent: Optional[QWidget] = None, base_url: str = "", model: str = "",
-                 timeout_s: float = 60.0):
+    def __init__(self, parent: Optional[QWidget] = None, base_url: str = "", model: str = "", timeout_s: float = 60.0):
         super().__init__(parent)
         self.setWindowTitle("Open a remote model")
         self.base_url = QLineEdit(base_url, self)
@@ -70,5 +80,9 @@ class RemoteDialog(QDialog):
 
     def values(self) -> tuple[str, str, str, float]:
         """(base URL, model, API key or "", timeout in seconds)."""
-        return (self.base_url.text().strip().rstrip("/"), self.model.text().strip(), self.api_key.text(),
-                float(self.timeout.value()))
+        return (
+            self.base_url.text().strip().rstrip("/"),
+            self.model.text().strip(),
+            self.api_key.text(),
+            float(self.timeout.value()),
+        )

@@ -1,5 +1,6 @@
 """The Server panel: start and stop the OpenAI-compatible API on the loaded model, where it listens, how many
 requests it served, and its last error."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -66,7 +67,8 @@ class ServerPanel(QWidget):
             return
         self.counts.setText(
             f"Requests served: {stats['served']} · cancelled {stats['cancelled']} · refused busy {stats['rejected']}"
-            f" · failed {stats['failed']} · now {stats['running']} running, {stats['waiting']} waiting")
+            f" · failed {stats['failed']} · now {stats['running']} running, {stats['waiting']} waiting"
+        )
         if stats.get("last_error"):
             self.set_error(f"Last error: {stats['last_error']}")
 

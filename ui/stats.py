@@ -3,6 +3,7 @@
 Every figure comes from the stored GenerationMetrics; a missing one reads "n/a" and the tooltip says why
 where the engine gave a reason. Nothing here computes or estimates a figure.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -15,8 +16,12 @@ NA = "n/a"
 
 # Why an answer ended (GenerationResult.finish_reasons, "context" where the context left less room than asked).
 FINISH_WORDS = {
-    "eos": "end of answer", "length": "token limit", "stop": "stop string", "cancelled": "stopped by you",
-    "context": "context full", "error": "failed",
+    "eos": "end of answer",
+    "length": "token limit",
+    "stop": "stop string",
+    "cancelled": "stopped by you",
+    "context": "context full",
+    "error": "failed",
 }
 
 
@@ -73,8 +78,13 @@ def _sourced(label: str, value: Optional[float], shown: str, source: Optional[st
     return f"{label}: n/a" + (f" — {reason}" if reason else "")
 
 
-def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, Any]], device: Optional[str],
-                 finish_reason: Optional[str] = None, candidate: Optional[int] = None) -> tuple[str, str]:
+def format_stats(
+    metrics: Optional[dict[str, Any]],
+    options: Optional[dict[str, Any]],
+    device: Optional[str],
+    finish_reason: Optional[str] = None,
+    candidate: Optional[int] = None,
+) -> tuple[str, str]:
     """(line, tooltip) for one answer. `device` is where it ran ("cpu", "cuda"), deciding kernel vs op gap;
     `candidate` is the answer's index in a batch of candidates (the figures are the batch's)."""
     m = metrics or {}
@@ -89,18 +99,22 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
     compile_s = m.get("compile_seconds")
     compile_part = f" + compile {compile_s:.1f} s" if compile_s is not None else ""
     rate = f"{fmt(m.get('decode_tok_s'))} tok/s" + (f" (all {len(per)} candidates)" if batch else "")
-    line = " · ".join([
-        count,
-        f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}" + compile_part,
-        rate,
-        options_label(options),
-        f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
-    ])
+    line = " · ".join(
+        [
+            count,
+            f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}" + compile_part,
+            rate,
+            options_label(options),
+            f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
+        ]
+    )
     speculating = bool(options and options.get("speculation", "off") != "off")
     if speculating:
         rate = m.get("acceptance_rate")
-        line += (f" · {fmt(m.get('tokens_per_step'), ' tok/step', 2)}, "
-                 f"{NA if rate is None else f'{100 * rate:.0f}%'} accepted")
+        line += (
+            f" · {fmt(m.get('tokens_per_step'), ' tok/step', 2)}, "
+            f"{NA if rate is None else f'{100 * rate:.0f}%'} accepted"
+        )
     reused = m.get("prompt_reused_tokens")
     if reused:
         line += f" · prompt {m.get('prompt_tokens')} ({reused} reused)"
@@ -120,23 +134,55 @@ def format_stats(metrics: Optional[dict[str, Any]], options: Optional[dict[str, 
         f"Options: {describe_options(options) if options else NA}",
     ]
     if reused is not None:
-        tips.append(f"Prompt: {reused} tokens reused, {m.get('prompt_computed_tokens')} computed — source: "
-                    f"{m.get('prompt_reuse_source') or NA}")
+        tips.append(
+            f"Prompt: {reused} tokens reused, {m.get('prompt_computed_tokens')} computed — source: "
+            f"{m.get('prompt_reuse_source') or NA}"
+        )
     if m.get("overflow_policy"):
-        tips.append(f"Context full: {m.get('prompt_cut') or 'nothing dropped'} (overflow policy: "
-                    f"{m['overflow_policy']}; source: the engine's prompt fitting)")
-    tips.append(_sourced(gap.capitalize(), m.get("kernel_gap_pct"), fmt(m.get("kernel_gap_pct"), "%"),
-                         m.get("kernel_gap_source"), unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap")))
-    tips.append(_sourced("Launches per step", m.get("launches_per_step"), fmt(m.get("launches_per_step"), "", 0),
-                         m.get("launches_per_step_source"), unavailable.get("launches_per_step")))
-    tips.append(_sourced("Tokens per step", m.get("tokens_per_step"), fmt(m.get("tokens_per_step"), "", 2),
-                         "engine counters: tokens kept / decode steps", unavailable.get("tokens_per_step")))
+        tips.append(
+            f"Context full: {m.get('prompt_cut') or 'nothing dropped'} (overflow policy: "
+            f"{m['overflow_policy']}; source: the engine's prompt fitting)"
+        )
+    tips.append(
+        _sourced(
+            gap.capitalize(),
+            m.get("kernel_gap_pct"),
+            fmt(m.get("kernel_gap_pct"), "%"),
+            m.get("kernel_gap_source"),
+            unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap"),
+        )
+    )
+    tips.append(
+        _sourced(
+            "Launches per step",
+            m.get("launches_per_step"),
+            fmt(m.get("launches_per_step"), "", 0),
+            m.get("launches_per_step_source"),
+            unavailable.get("launches_per_step"),
+        )
+    )
+    tips.append(
+        _sourced(
+            "Tokens per step",
+            m.get("tokens_per_step"),
+            fmt(m.get("tokens_per_step"), "", 2),
+            "engine counters: tokens kept / decode steps",
+            unavailable.get("tokens_per_step"),
+        )
+    )
     if speculating or m.get("acceptance_rate") is not None:
         rate = m.get("acceptance_rate")
-        shown = (f"{100 * rate:.1f}% ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
-                 f"{m.get('verify_steps')} verify steps)") if rate is not None else NA
-        tips.append(_sourced("Drafts accepted", rate, shown, m.get("speculation_source"),
-                             unavailable.get("acceptance_rate")))
+        shown = (
+            (
+                f"{100 * rate:.1f}% ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
+                f"{m.get('verify_steps')} verify steps)"
+            )
+            if rate is not None
+            else NA
+        )
+        tips.append(
+            _sourced("Drafts accepted", rate, shown, m.get("speculation_source"), unavailable.get("acceptance_rate"))
+        )
     if finish_reason:
         tips.append(f"Finished: {finish_words(finish_reason)}")
     if metrics and options:

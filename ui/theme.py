@@ -3,12 +3,13 @@
 The app runs the Fusion style with an explicit palette for each scheme, so the look is the same on every
 platform (and offscreen), and a style sheet from assets/app.qss whose `@name` tokens take this palette's colours.
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from importlib import resources
+from pathlib import Path
 from typing import Optional
 
 from PySide6.QtCore import QEvent, QObject, Qt, Signal
@@ -65,14 +66,40 @@ class Colors:
 
 
 LIGHT = Colors(
-    window="#f3f4f7", panel="#eceef2", base="#ffffff", text="#1c2027", muted="#626b78", border="#d5d9e0",
-    accent="#2b62d9", accent_text="#ffffff", user_bubble="#e7eefc", code_bg="#f5f6f8", code_header="#e8eaee",
-    error="#b3261e", syn_keyword="#8a2be2", syn_string="#1a7f37", syn_comment="#6e7781", syn_number="#b35900",
+    window="#f3f4f7",
+    panel="#eceef2",
+    base="#ffffff",
+    text="#1c2027",
+    muted="#626b78",
+    border="#d5d9e0",
+    accent="#2b62d9",
+    accent_text="#ffffff",
+    user_bubble="#e7eefc",
+    code_bg="#f5f6f8",
+    code_header="#e8eaee",
+    error="#b3261e",
+    syn_keyword="#8a2be2",
+    syn_string="#1a7f37",
+    syn_comment="#6e7781",
+    syn_number="#b35900",
 )
 DARK = Colors(
-    window="#1d1f24", panel="#23262c", base="#17191d", text="#e4e6eb", muted="#9aa3b0", border="#343842",
-    accent="#5b8def", accent_text="#ffffff", user_bubble="#253149", code_bg="#111316", code_header="#262a31",
-    error="#f2857b", syn_keyword="#c792ea", syn_string="#a5d6a7", syn_comment="#7f8896", syn_number="#f7b267",
+    window="#1d1f24",
+    panel="#23262c",
+    base="#17191d",
+    text="#e4e6eb",
+    muted="#9aa3b0",
+    border="#343842",
+    accent="#5b8def",
+    accent_text="#ffffff",
+    user_bubble="#253149",
+    code_bg="#111316",
+    code_header="#262a31",
+    error="#f2857b",
+    syn_keyword="#c792ea",
+    syn_string="#a5d6a7",
+    syn_comment="#7f8896",
+    syn_number="#f7b267",
 )
 
 
@@ -80,11 +107,25 @@ def build_palette(c: Colors) -> QPalette:
     p = QPalette()
     role = QPalette.ColorRole
     for r, v in (
-        (role.Window, c.window), (role.WindowText, c.text), (role.Base, c.base), (role.AlternateBase, c.panel),
-        (role.Text, c.text), (role.Button, c.panel), (role.ButtonText, c.text), (role.ToolTipBase, c.panel),
-        (role.ToolTipText, c.text), (role.Highlight, c.accent), (role.HighlightedText, c.accent_text),
-        (role.Link, c.accent), (role.PlaceholderText, c.muted), (role.Mid, c.border), (role.Midlight, c.border),
-        (role.Light, c.base), (role.Dark, c.border), (role.Shadow, c.border), (role.BrightText, c.error),
+        (role.Window, c.window),
+        (role.WindowText, c.text),
+        (role.Base, c.base),
+        (role.AlternateBase, c.panel),
+        (role.Text, c.text),
+        (role.Button, c.panel),
+        (role.ButtonText, c.text),
+        (role.ToolTipBase, c.panel),
+        (role.ToolTipText, c.text),
+        (role.Highlight, c.accent),
+        (role.HighlightedText, c.accent_text),
+        (role.Link, c.accent),
+        (role.PlaceholderText, c.muted),
+        (role.Mid, c.border),
+        (role.Midlight, c.border),
+        (role.Light, c.base),
+        (role.Dark, c.border),
+        (role.Shadow, c.border),
+        (role.BrightText, c.error),
     ):
         p.setColor(r, QColor(v))
     disabled = QColor(c.muted)

@@ -1,6 +1,7 @@
 """Optimization toggles and presets. A change applies to the next answer (the running one is never touched);
 recompile / recapture progress shows here. Options this machine or model cannot honour are disabled, with the
 reason as the tooltip."""
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -8,16 +9,34 @@ from typing import Callable, Optional
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import (
-    QCheckBox, QComboBox, QGridLayout, QLabel, QProgressBar, QSpinBox, QVBoxLayout, QWidget,
+    QCheckBox,
+    QComboBox,
+    QGridLayout,
+    QLabel,
+    QProgressBar,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
 )
 
-from ui.progress import show_progress
 from engine.types import (
-    DEVICES, DTYPES, KERNELS, KV_MODES, MAX_CANDIDATES, MAX_DRAFT_TOKENS, PRESET_LABELS, PRESETS, SAMPLING_MODES,
-    SPECULATION_MODES, EngineOptions, Progress, preset_options,
+    DEVICES,
+    DTYPES,
+    KERNELS,
+    KV_MODES,
+    MAX_CANDIDATES,
+    MAX_DRAFT_TOKENS,
+    PRESET_LABELS,
+    PRESETS,
+    SAMPLING_MODES,
+    SPECULATION_MODES,
+    WEIGHT_FORMATS,
+    EngineOptions,
+    Progress,
+    preset_options,
 )
-from engine.types import WEIGHT_FORMATS
 from ui.dialogs import confirm
+from ui.progress import show_progress
 from ui.stats import preset_name
 
 CUSTOM = "custom"
@@ -25,12 +44,19 @@ COMPILE_ON_CPU = (
     "torch.compile on a CPU takes minutes: the first answer with it waits while the decode step compiles, once for "
     "each context size the answer reaches (a cold compile cost about 33 s a step shape on 2 cores in "
     "docs/benchmarks.md, and over 2 minutes on a loaded machine). Later answers reuse it. The time shows as "
-    "\"+ compile N s\" beside TTFT.\n\nOn a CPU it gains little (19.6 against 17.9 tok/s there)."
+    '"+ compile N s" beside TTFT.\n\nOn a CPU it gains little (19.6 against 17.9 tok/s there).'
 )
 # The option each preset adds to the rung before it: the preset cannot run where that option cannot.
 DEFINING_OPTION: dict[str, Optional[str]] = {
-    "naive": None, "half": "dtype", "device-sampling": "sampling", "first-fixes": "kv_cache", "compile": "compile",
-    "cuda-graph": "cuda_graph", "fused": "kernels", "int8": "weights", "candidates": "candidates",
+    "naive": None,
+    "half": "dtype",
+    "device-sampling": "sampling",
+    "first-fixes": "kv_cache",
+    "compile": "compile",
+    "cuda-graph": "cuda_graph",
+    "fused": "kernels",
+    "int8": "weights",
+    "candidates": "candidates",
     "speculation": "speculation",
 }
 # (preset name, current options, device type "cpu" | "cuda") -> the preset's options on that device
@@ -39,6 +65,8 @@ PresetResolver = Callable[[str, EngineOptions, str], EngineOptions]
 
 def _as_defined(name: str, base: EngineOptions, _device_type: str) -> EngineOptions:
     return preset_options(name, base)
+
+
 TIPS = {
     "device": "auto: CUDA when this machine has it, else the CPU",
     "dtype": "Weight and activation precision. fp32 moves twice the bytes of fp16/bf16 per token.",
@@ -48,11 +76,13 @@ TIPS = {
     "cuda_graph": "Capture the decode step once and replay it per token: no launch gaps between kernels",
     "candidates": "Answers to the same prompt decoded as one batch: each weight read serves all of them",
     "kernels": "torch: the model's modules (compiled with torch.compile when on) · fused: Triton kernels, about five per "
-               "layer, on the static KV cache",
+    "layer, on the static KV cache",
     "weights": "native: the linears in the chosen precision · int8: weight-only, one scale per output channel "
-               "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
-    "speculation": ("Speculative decoding: drafts looked up in the prompt and answer (ngram) or made by a smaller model "
-                    "(draft) are verified in one step; the answer is the one plain decoding gives"),
+    "(half the bytes of fp16) · int4: weight-only, a scale and zero per 32 inputs (a quarter)",
+    "speculation": (
+        "Speculative decoding: drafts looked up in the prompt and answer (ngram) or made by a smaller model "
+        "(draft) are verified in one step; the answer is the one plain decoding gives"
+    ),
     "draft_tokens": "Drafts verified per step; auto lengthens them while they are accepted and pauses them when not",
     "profile_window": "Trace a few decode steps of each answer to measure the kernel (or op) gap; those steps are left out of tok/s",
     "prefix_reuse": "Keep the KV cache between answers: the part of the next prompt it already holds is not computed again",
@@ -69,8 +99,12 @@ def _combo(values: tuple[str, ...], parent: QWidget) -> QComboBox:
 class TogglesPanel(QWidget):
     optionsChanged = Signal(object)  # EngineOptions
 
-    def __init__(self, options: EngineOptions = EngineOptions(), preset_resolver: Optional[PresetResolver] = None,
-                 parent: Optional[QWidget] = None):
+    def __init__(
+        self,
+        options: EngineOptions = EngineOptions(),
+        preset_resolver: Optional[PresetResolver] = None,
+        parent: Optional[QWidget] = None,
+    ):
         super().__init__(parent)
         self.setObjectName("togglesPanel")
         self.preset = QComboBox(self)
@@ -98,10 +132,19 @@ class TogglesPanel(QWidget):
         self.draft_tokens.setSpecialValueText("auto")
         self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
         self.controls = {
-            "device": self.device, "dtype": self.dtype, "kv_cache": self.kv_cache, "sampling": self.sampling, "compile": self.compile,
-            "cuda_graph": self.cuda_graph, "candidates": self.candidates, "profile_window": self.profile_window,
-            "weights": self.weights, "kernels": self.kernels, "speculation": self.speculation,
-            "draft_tokens": self.draft_tokens, "prefix_reuse": self.prefix_reuse,
+            "device": self.device,
+            "dtype": self.dtype,
+            "kv_cache": self.kv_cache,
+            "sampling": self.sampling,
+            "compile": self.compile,
+            "cuda_graph": self.cuda_graph,
+            "candidates": self.candidates,
+            "profile_window": self.profile_window,
+            "weights": self.weights,
+            "kernels": self.kernels,
+            "speculation": self.speculation,
+            "draft_tokens": self.draft_tokens,
+            "prefix_reuse": self.prefix_reuse,
         }
         self.note = QLabel("Changes apply to the next answer.", self)
         self.note.setObjectName("notice")
@@ -118,13 +161,17 @@ class TogglesPanel(QWidget):
         grid.addWidget(self.preset, 0, 1, 1, 3)
         # Under each control, why a value of it cannot run here (hidden while everything can).
         self.reasons: dict[str, QLabel] = {}
-        for row, pairs in enumerate(((("Device", self.device), ("Precision", self.dtype)),
-                                     (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
-                                     (("Candidates", self.candidates), (None, self.compile)),
-                                     ((None, self.profile_window), (None, self.cuda_graph)),
-                                     (("Weights", self.weights), ("Kernels", self.kernels)),
-                                     (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
-                                     ((None, self.prefix_reuse),))):
+        for row, pairs in enumerate(
+            (
+                (("Device", self.device), ("Precision", self.dtype)),
+                (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
+                (("Candidates", self.candidates), (None, self.compile)),
+                ((None, self.profile_window), (None, self.cuda_graph)),
+                (("Weights", self.weights), ("Kernels", self.kernels)),
+                (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
+                ((None, self.prefix_reuse),),
+            )
+        ):
             for col, (label, w) in enumerate(pairs):
                 if label is None:
                     grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
@@ -227,7 +274,7 @@ class TogglesPanel(QWidget):
 
     def _without_unavailable(self, options: EngineOptions) -> EngineOptions:
         changes = {}
-        for (name, value) in {**self._limits, **self._known}:
+        for name, value in {**self._limits, **self._known}:
             if getattr(options, name) != value:
                 continue
             w = self.controls[name]
@@ -296,12 +343,18 @@ class TogglesPanel(QWidget):
 
     def _read(self) -> EngineOptions:
         return self._options.with_(
-            device=self.device.currentData(), dtype=self.dtype.currentData(), kv_cache=self.kv_cache.currentData(), sampling=self.sampling.currentData(),
-            compile=self.compile.isChecked(), cuda_graph=self.cuda_graph.isChecked(),
-            candidates=self.candidates.value(), profile_window=self.profile_window.isChecked(),
+            device=self.device.currentData(),
+            dtype=self.dtype.currentData(),
+            kv_cache=self.kv_cache.currentData(),
+            sampling=self.sampling.currentData(),
+            compile=self.compile.isChecked(),
+            cuda_graph=self.cuda_graph.isChecked(),
+            candidates=self.candidates.value(),
+            profile_window=self.profile_window.isChecked(),
             kernels=self.kernels.currentData(),
             weights=self.weights.currentData(),
-            speculation=self.speculation.currentData(), draft_tokens=self.draft_tokens.value(),
+            speculation=self.speculation.currentData(),
+            draft_tokens=self.draft_tokens.value(),
             prefix_reuse=self.prefix_reuse.isChecked(),
         )
 

@@ -5,6 +5,7 @@ The engine is reached through `run_on_engine(fn)`, which runs fn(engine) on the 
 returns when it is done: by default the queue's own thread owns it (`gapless serve`); in the app, the engine
 worker's thread does, so API requests and the app's own chats take turns on one engine.
 """
+
 from __future__ import annotations
 
 import functools
@@ -76,8 +77,13 @@ class ServerStats:
 
 
 class EngineQueue:
-    def __init__(self, engine: Any, max_waiting: int = 16, run_on_engine: Optional[RunOnEngine] = None,
-                 model_id: Optional[str] = None):
+    def __init__(
+        self,
+        engine: Any,
+        max_waiting: int = 16,
+        run_on_engine: Optional[RunOnEngine] = None,
+        model_id: Optional[str] = None,
+    ):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         self.engine = engine
@@ -172,8 +178,9 @@ class EngineQueue:
         try:
             if previous.candidates != req.n:
                 engine.reconfigure(previous.with_(candidates=req.n))
-            result = engine.generate(req.messages, sampling, on_event=_texts_to(job.sink), cancel=job.cancel,
-                                     raw=req.raw)
+            result = engine.generate(
+                req.messages, sampling, on_event=_texts_to(job.sink), cancel=job.cancel, raw=req.raw
+            )
         except GaplessError as exc:
             self._fail(job, ApiError(500, str(exc), "server_error", code="generation_failed"))
             return
@@ -210,23 +217,35 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
 
     if getattr(engine, "tokenizer", None) is None:  # a remote model: its server checks the context itself
         if req.max_tokens is None:
-            raise bad("this model runs on a remote server whose context is not known here: give max_tokens",
-                      "max_tokens", "missing_max_tokens")
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
-                                  seed=req.seed, stop=req.stop).validate()
+            raise bad(
+                "this model runs on a remote server whose context is not known here: give max_tokens",
+                "max_tokens",
+                "missing_max_tokens",
+            )
+        sampling = SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens, seed=req.seed, stop=req.stop
+        ).validate()
         return sampling, 0
     ctx = engine.context_length
     full = build_prompt(engine.tokenizer, req.messages, 1 << 40, 1, raw=req.raw)
     n = len(full.ids)
     where = "messages" if req.chat else "prompt"
     if n >= ctx:
-        raise bad(f"this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens", where,
-                  "context_length_exceeded")
+        raise bad(
+            f"this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens",
+            where,
+            "context_length_exceeded",
+        )
     room = ctx - n
     max_new = req.max_tokens if req.max_tokens is not None else room
     if max_new > room:
-        raise bad(f"this model's maximum context length is {ctx} tokens, but {n + max_new} were requested ({n} in "
-                  f"the prompt, {max_new} for the answer)", "max_tokens", "context_length_exceeded")
-    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_new, seed=req.seed,
-                              stop=req.stop).validate()
+        raise bad(
+            f"this model's maximum context length is {ctx} tokens, but {n + max_new} were requested ({n} in "
+            f"the prompt, {max_new} for the answer)",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    sampling = SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_new, seed=req.seed, stop=req.stop
+    ).validate()
     return sampling, n

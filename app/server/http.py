@@ -3,6 +3,7 @@
 Every answer that is not a completion is an OpenAI error object; no traceback ever reaches a client. A client that
 goes away (while queued, while waiting for a whole answer, or mid-stream) cancels its generation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,18 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from app.server.engine_queue import EngineQueue, Failed, Finished, Job, QueueFull, Started
-from app.server.protocol import (FINISH, ApiError, Request, bad, chunk, completion_object, delta_choice,
-                                 gapless_figures, parse_request, usage)
+from app.server.protocol import (
+    FINISH,
+    ApiError,
+    Request,
+    bad,
+    chunk,
+    completion_object,
+    delta_choice,
+    gapless_figures,
+    parse_request,
+    usage,
+)
 from engine.types import TextDelta
 
 log = logging.getLogger(__name__)
@@ -57,8 +68,9 @@ async def _http_error(_request: HttpRequest, exc: Exception) -> Response:
     messages = {404: "no such endpoint", 405: "method not allowed for this endpoint"}
     message = messages.get(exc.status_code, str(exc.detail))
     codes = {404: "not_found", 405: "method_not_allowed"}
-    return _error_response(ApiError(exc.status_code, message, code=codes.get(exc.status_code),
-                                    headers=dict(exc.headers or {})))
+    return _error_response(
+        ApiError(exc.status_code, message, code=codes.get(exc.status_code), headers=dict(exc.headers or {}))
+    )
 
 
 async def _internal_error(_request: HttpRequest, exc: Exception) -> Response:
@@ -71,8 +83,9 @@ class SSEResponse(StreamingResponse):
     the generation's cancel event."""
 
     def __init__(self, content: AsyncIterator[str], cancel: threading.Event):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.cancel = cancel
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,8 +118,12 @@ class Api:
             return
         header = request.headers.get("authorization", "")
         if not header:
-            raise ApiError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "missing API key: send it as 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.config.api_key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -136,8 +153,9 @@ class Api:
     async def model(self, request: HttpRequest) -> Response:
         self.check_key(request)
         if request.path_params["model"] != self.engines.model_id:
-            raise ApiError(404, f"the model {request.path_params['model']!r} does not exist", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"the model {request.path_params['model']!r} does not exist", param="model", code="model_not_found"
+            )
         return JSONResponse(self.model_object())
 
     async def chat(self, request: HttpRequest) -> Response:
@@ -162,8 +180,13 @@ class Api:
         try:
             self.engines.submit(Job(req, sink, cancel))
         except QueueFull as exc:
-            raise ApiError(503, f"the server is busy: {exc}; retry in {exc.retry_after_s} s", "server_error",
-                           code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from None
+            raise ApiError(
+                503,
+                f"the server is busy: {exc}; retry in {exc.retry_after_s} s",
+                "server_error",
+                code="queue_full",
+                headers={"Retry-After": str(exc.retry_after_s)},
+            ) from None
         gone: "asyncio.Future[Any]" = asyncio.ensure_future(self._disconnected(request))
         try:
             first = await self._next(items, gone, cancel, (Started, Failed))
@@ -189,8 +212,9 @@ class Api:
             pass
 
     @staticmethod
-    async def _next(items: "asyncio.Queue[Item]", gone: "asyncio.Future[Any]", cancel: threading.Event,
-                    kinds: tuple[type, ...]) -> Item:
+    async def _next(
+        items: "asyncio.Queue[Item]", gone: "asyncio.Future[Any]", cancel: threading.Event, kinds: tuple[type, ...]
+    ) -> Item:
         """The next item of one of `kinds` (text before it is dropped); the client going away cancels."""
         while True:
             get: "asyncio.Future[Any]" = asyncio.ensure_future(items.get())
@@ -216,8 +240,10 @@ class Api:
                     yield _sse(chunk(req, [choice], **extra))
                 elif isinstance(item, Finished):
                     r = item.result
-                    last = [delta_choice(req, i, "", FINISH[f], first=i not in started)
-                            for i, f in enumerate(r.finish_reasons)]
+                    last = [
+                        delta_choice(req, i, "", FINISH[f], first=i not in started)
+                        for i, f in enumerate(r.finish_reasons)
+                    ]
                     yield _sse(chunk(req, last, **extra, x_gapless=gapless_figures(r.metrics, item.queue_ms)))
                     if req.include_usage:
                         yield _sse(chunk(req, [], usage=usage(r)))
@@ -242,8 +268,14 @@ def create_app(engines: EngineQueue, config: Optional[ServeConfig] = None) -> St
     ]
     middleware = []
     if config.cors_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
-                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
     return Starlette(
         routes=routes,
         middleware=middleware,

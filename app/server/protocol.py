@@ -3,6 +3,7 @@
 Every refusal is an `ApiError` carrying the HTTP status and OpenAI's error object ({"error": {message, type,
 param, code}}), so a client library raises its usual exception with a message that names the field.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,15 @@ UNSUPPORTED = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -123,12 +131,14 @@ def _content(m: dict, i: int) -> str:
         parts = []
         for p in c:
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
-                          "invalid_value")
+                raise bad(
+                    f"messages[{i}].content: only text parts are supported", f"messages[{i}].content", "invalid_value"
+                )
             parts.append(p["text"])
         return "".join(parts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content",
-              "invalid_type")
+    raise bad(
+        f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content", "invalid_type"
+    )
 
 
 def _messages(body: dict) -> list[dict]:
@@ -142,8 +152,11 @@ def _messages(body: dict) -> list[dict]:
         role = m.get("role")
         role = "system" if role == "developer" else role
         if role not in ("system", "user", "assistant"):
-            raise bad(f"messages[{i}].role must be system, developer, user or assistant, got {m.get('role')!r}",
-                      f"messages[{i}].role", "invalid_value")
+            raise bad(
+                f"messages[{i}].role must be system, developer, user or assistant, got {m.get('role')!r}",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
         out.append({"role": role, "content": _content(m, i)})
     if out[-1]["role"] != "user":
         raise bad("the last message must be from the user", f"messages[{len(out) - 1}].role", "invalid_value")
@@ -155,8 +168,11 @@ def _prompt(body: dict) -> str:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]
     if not isinstance(p, str):
-        raise bad("'prompt' must be a string (token-id prompts and lists of prompts are not supported)", "prompt",
-                  "invalid_type")
+        raise bad(
+            "'prompt' must be a string (token-id prompts and lists of prompts are not supported)",
+            "prompt",
+            "invalid_type",
+        )
     if not p:
         raise bad("'prompt' is empty", "prompt", "invalid_value")
     return p
@@ -169,8 +185,12 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
     if not isinstance(model, str):
         raise bad("'model' must be a string", "model", "invalid_type")
     if model != model_id:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_id!r}", param="model",
-                       code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
     for name, why in UNSUPPORTED.items():
         v = body.get(name)
         if v not in (None, False, [], 0):
@@ -231,8 +251,14 @@ def completion_object(req: Request, result: GenerationResult, queue_ms: float) -
     choices = []
     for i, (text, finish) in enumerate(zip(result.texts, result.finish_reasons)):
         if req.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                            "finish_reason": FINISH[finish], "logprobs": None})
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": FINISH[finish],
+                    "logprobs": None,
+                }
+            )
         else:
             choices.append({"index": i, "text": text, "finish_reason": FINISH[finish], "logprobs": None})
     return {
@@ -261,8 +287,9 @@ def chunk(req: Request, choices: list[dict], **extra: Any) -> dict[str, Any]:
     }
 
 
-def delta_choice(req: Request, index: int, text: str, finish: Optional[str] = None,
-                 first: bool = False) -> dict[str, Any]:
+def delta_choice(
+    req: Request, index: int, text: str, finish: Optional[str] = None, first: bool = False
+) -> dict[str, Any]:
     if req.chat:
         delta: dict[str, Any] = {"content": text}
         if first:

@@ -1,5 +1,6 @@
 """Listening: the address checks, the socket, and uvicorn run in the foreground (`gapless serve`) or on a
 thread (the app's Server panel and the tests)."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -32,8 +33,10 @@ def is_loopback(host: str) -> bool:
 
 def check_address(host: str, api_key: Optional[str]) -> None:
     if not is_loopback(host) and not api_key:
-        raise ServeError(f"refusing to listen on {host} without an API key: anyone who can reach this machine "
-                         "could use the model; pass --api-key KEY, or listen on 127.0.0.1")
+        raise ServeError(
+            f"refusing to listen on {host} without an API key: anyone who can reach this machine "
+            "could use the model; pass --api-key KEY, or listen on 127.0.0.1"
+        )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -64,8 +67,9 @@ def url_of(sock: socket.socket) -> str:
 
 def uvicorn_server(engines: EngineQueue, config: ServeConfig) -> uvicorn.Server:
     app = create_app(engines, config)
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                         timeout_graceful_shutdown=5))
+    return uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    )
 
 
 class AsgiThread:
@@ -75,8 +79,9 @@ class AsgiThread:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        )
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="gapless-serve-http", daemon=True)
         self._thread.start()
@@ -97,8 +102,9 @@ class AsgiThread:
 class BackgroundServer(AsgiThread):
     """`gapless serve`'s app on a thread (the app's Server panel, the tests)."""
 
-    def __init__(self, engines: EngineQueue, host: str = "127.0.0.1", port: int = 0,
-                 config: Optional[ServeConfig] = None):
+    def __init__(
+        self, engines: EngineQueue, host: str = "127.0.0.1", port: int = 0, config: Optional[ServeConfig] = None
+    ):
         config = config or ServeConfig()
         check_address(host, config.api_key)
         self.engines = engines

@@ -4,6 +4,7 @@ Triton is imported only here, on first use: GAPLESS_TRITON_INTERPRET=1 must set 
 for the kernels to run on CPU tensors through Triton's interpreter. GAPLESS_PDL=0 switches Programmatic Dependent
 Launch off, to compare.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,10 @@ def load_triton() -> Optional[ModuleType]:
             _import_error = f"Triton is not installed or does not import ({exc})"
         else:
             if interpreting() and not _interpreter_active():
-                _import_error = (f"Triton was imported before {INTERPRET_ENV}=1 took effect, so it cannot interpret; "
-                                 "set the variable before starting")
+                _import_error = (
+                    f"Triton was imported before {INTERPRET_ENV}=1 took effect, so it cannot interpret; "
+                    "set the variable before starting"
+                )
             else:
                 _triton = step_kernels
     return _triton
@@ -62,8 +65,10 @@ def import_error() -> Optional[str]:
 def unavailable_reason(args: ModelArgs, device: torch.device) -> Optional[str]:
     """Why the fused kernels cannot serve this model on this device, or None when they can."""
     if device.type == "cpu" and not interpreting():
-        return (f"the fused kernels are Triton GPU kernels and this runs on the CPU (set {INTERPRET_ENV}=1 to run "
-                "them through Triton's interpreter, slowly)")
+        return (
+            f"the fused kernels are Triton GPU kernels and this runs on the CPU (set {INTERPRET_ENV}=1 to run "
+            "them through Triton's interpreter, slowly)"
+        )
     if device.type == "cuda" and interpreting():
         return f"{INTERPRET_ENV}=1 runs the kernels on CPU tensors only; unset it to run them on the GPU"
     if device.type not in ("cpu", "cuda"):

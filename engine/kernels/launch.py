@@ -1,6 +1,7 @@
 """Launchers of the fused kernels: block sizes, grids and arguments. Block sizes follow from the shapes (K, N, head
 size) alone, never from the number of rows, and rows run in fixed blocks of ROWS_PER_PROGRAM: that is what makes a
 row's result independent of how many rows run."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ class Blocks:
 
 PROFILES = {
     "gpu": Blocks(gemv_programs=128, max_block_n=64, max_block_k=128, max_tile=1024, rope_pairs=8, attn_block_s=64),
-    "interpreter": Blocks(gemv_programs=1, max_block_n=256, max_block_k=1024, max_tile=1 << 18, rope_pairs=1 << 20,
-                          attn_block_s=256),
+    "interpreter": Blocks(
+        gemv_programs=1, max_block_n=256, max_block_k=1024, max_tile=1 << 18, rope_pairs=1 << 20, attn_block_s=256
+    ),
 }
 forced_profile: Optional[str] = None  # tests run the GPU's tiles through the interpreter by setting this
 
@@ -93,10 +95,24 @@ def _opts(use_pdl: bool) -> dict:
     return {"launch_pdl": True} if use_pdl else {}
 
 
-def qkv_rope(x: torch.Tensor, tok: torch.Tensor, emb: Optional[torch.Tensor], norm_w: torch.Tensor, w: torch.Tensor,
-             b: Optional[torch.Tensor], q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor],
-             cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, eps: float, use_pdl: bool = False) -> None:
+def qkv_rope(
+    x: torch.Tensor,
+    tok: torch.Tensor,
+    emb: Optional[torch.Tensor],
+    norm_w: torch.Tensor,
+    w: torch.Tensor,
+    b: Optional[torch.Tensor],
+    q_norm: Optional[torch.Tensor],
+    k_norm: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    eps: float,
+    use_pdl: bool = False,
+) -> None:
     """x [B, dim] (written from emb[tok] when emb is given), w [(H + 2 Hkv) D, dim], q_out [B, H, D],
     caches [B, Hkv, L, D], cos/sin [L, D] in the model's dtype, pos [1]."""
     k = _kernels()
@@ -107,51 +123,126 @@ def qkv_rope(x: torch.Tensor, tok: torch.Tensor, emb: Optional[torch.Tensor], no
     pairs = rope_pairs(head_dim, qk_norm)
     grid = ((n_heads + 2 * n_kv) * (head_dim // 2 // pairs), _row_blocks(rows))
     k.qkv_rope_kernel[grid](
-        x, tok, emb if emb is not None else x, norm_w, w, b if b is not None else w,
-        q_norm if qk_norm else norm_w, k_norm if qk_norm else norm_w, cos, sin, pos, q_out, k_cache, v_cache,
-        rows, eps, k_cache.shape[2], DIM=dim, H=n_heads, HKV=n_kv, D=head_dim, EMBED=emb is not None,
-        HAS_BIAS=b is not None, QK_NORM=qk_norm, PAIRS=pairs, BLOCK_M=ROWS_PER_PROGRAM,
-        BLOCK_K=qkv_block_k(dim, pairs), USE_PDL=use_pdl, **_opts(use_pdl),
+        x,
+        tok,
+        emb if emb is not None else x,
+        norm_w,
+        w,
+        b if b is not None else w,
+        q_norm if qk_norm else norm_w,
+        k_norm if qk_norm else norm_w,
+        cos,
+        sin,
+        pos,
+        q_out,
+        k_cache,
+        v_cache,
+        rows,
+        eps,
+        k_cache.shape[2],
+        DIM=dim,
+        H=n_heads,
+        HKV=n_kv,
+        D=head_dim,
+        EMBED=emb is not None,
+        HAS_BIAS=b is not None,
+        QK_NORM=qk_norm,
+        PAIRS=pairs,
+        BLOCK_M=ROWS_PER_PROGRAM,
+        BLOCK_K=qkv_block_k(dim, pairs),
+        USE_PDL=use_pdl,
+        **_opts(use_pdl),
     )
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     y: torch.Tensor, use_pdl: bool = False) -> None:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    y: torch.Tensor,
+    use_pdl: bool = False,
+) -> None:
     """q [B, H, D] against the cache over [0, pos] -> y [B, H * D]."""
     k = _kernels()
     rows, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
     k.decode_attention_kernel[(rows, n_kv)](
-        q, k_cache, v_cache, pos, y, k_cache.shape[2], head_dim ** -0.5, H=n_heads, HKV=n_kv, D=head_dim,
-        GROUP=group, BLOCK_G=_pow2_ceil(group), BLOCK_D=_pow2_ceil(head_dim), BLOCK_S=attn_block_s(group, head_dim),
-        USE_PDL=use_pdl, **_opts(use_pdl),
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        y,
+        k_cache.shape[2],
+        head_dim**-0.5,
+        H=n_heads,
+        HKV=n_kv,
+        D=head_dim,
+        GROUP=group,
+        BLOCK_G=_pow2_ceil(group),
+        BLOCK_D=_pow2_ceil(head_dim),
+        BLOCK_S=attn_block_s(group, head_dim),
+        USE_PDL=use_pdl,
+        **_opts(use_pdl),
     )
 
 
-def gemv_residual(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], x: torch.Tensor,
-                  use_pdl: bool = False) -> None:
+def gemv_residual(
+    a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], x: torch.Tensor, use_pdl: bool = False
+) -> None:
     """x += a @ w.T (+ b), in place: a [B, K], w [N, K], x [B, N]."""
     k = _kernels()
     rows, kdim = a.shape
     n = w.shape[0]
     block_n, block_k = gemv_blocks(n, kdim)
     k.gemv_residual_kernel[(-(-n // block_n), _row_blocks(rows))](
-        a, w, b if b is not None else w, x, rows, N=n, K=kdim, HAS_BIAS=b is not None,
-        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=use_pdl, **_opts(use_pdl),
+        a,
+        w,
+        b if b is not None else w,
+        x,
+        rows,
+        N=n,
+        K=kdim,
+        HAS_BIAS=b is not None,
+        BLOCK_M=ROWS_PER_PROGRAM,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        USE_PDL=use_pdl,
+        **_opts(use_pdl),
     )
 
 
-def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor,
-                 eps: float, use_pdl: bool = False) -> None:
+def norm_gate_up(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    w: torch.Tensor,
+    b: Optional[torch.Tensor],
+    out: torch.Tensor,
+    eps: float,
+    use_pdl: bool = False,
+) -> None:
     """out = silu(gate) * up of RMSNorm(x): w [2 I, dim], out [B, I]."""
     k = _kernels()
     rows, dim = x.shape
     inter = out.shape[1]
     block_n, block_k = gemv_blocks(inter, dim)
     k.norm_gate_up_kernel[(-(-inter // block_n), _row_blocks(rows))](
-        x, norm_w, w, b if b is not None else w, out, rows, eps, DIM=dim, INTER=inter, HAS_BIAS=b is not None,
-        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=use_pdl, **_opts(use_pdl),
+        x,
+        norm_w,
+        w,
+        b if b is not None else w,
+        out,
+        rows,
+        eps,
+        DIM=dim,
+        INTER=inter,
+        HAS_BIAS=b is not None,
+        BLOCK_M=ROWS_PER_PROGRAM,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        USE_PDL=use_pdl,
+        **_opts(use_pdl),
     )
 
 
@@ -159,28 +250,72 @@ def head_blocks(vocab: int, dim: int) -> int:
     return -(-vocab // gemv_blocks(vocab, dim)[0])
 
 
-def norm_head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, logits: torch.Tensor, pmax: torch.Tensor,
-              pidx: torch.Tensor, eps: float, use_pdl: bool = False) -> None:
+def norm_head(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    w: torch.Tensor,
+    logits: torch.Tensor,
+    pmax: torch.Tensor,
+    pidx: torch.Tensor,
+    eps: float,
+    use_pdl: bool = False,
+) -> None:
     """logits [B, V] fp32 of RMSNorm(x) @ w.T, and each vocabulary block's max and first index: pmax/pidx [B, blocks]."""
     k = _kernels()
     rows, dim = x.shape
     vocab = w.shape[0]
     block_n, block_k = gemv_blocks(vocab, dim)
     k.norm_head_kernel[(-(-vocab // block_n), _row_blocks(rows))](
-        x, norm_w, w, logits, pmax, pidx, rows, eps, vocab, DIM=dim, BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=block_n,
-        BLOCK_K=block_k, USE_PDL=use_pdl, **_opts(use_pdl),
+        x,
+        norm_w,
+        w,
+        logits,
+        pmax,
+        pidx,
+        rows,
+        eps,
+        vocab,
+        DIM=dim,
+        BLOCK_M=ROWS_PER_PROGRAM,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        USE_PDL=use_pdl,
+        **_opts(use_pdl),
     )
 
 
-def greedy_accept(pmax: torch.Tensor, pidx: torch.Tensor, eos: torch.Tensor, done: torch.Tensor, out: torch.Tensor,
-                  tok: torch.Tensor, counter: torch.Tensor, pos: torch.Tensor, use_pdl: bool = False) -> None:
+def greedy_accept(
+    pmax: torch.Tensor,
+    pidx: torch.Tensor,
+    eos: torch.Tensor,
+    done: torch.Tensor,
+    out: torch.Tensor,
+    tok: torch.Tensor,
+    counter: torch.Tensor,
+    pos: torch.Tensor,
+    use_pdl: bool = False,
+) -> None:
     """The greedy tokens from the head's block maxima, written as RunnerBase._accept writes them; counter, pos += 1."""
     k = _kernels()
     rows, blocks = pmax.shape
     if rows > MAX_ROWS:
         raise ValueError(f"the fused greedy pick serves at most {MAX_ROWS} rows, got {rows}")
     k.greedy_accept_kernel[(1,)](
-        pmax, pidx, eos, done, out, tok, counter, pos, rows, blocks, out.stride(0), eos.numel(),
-        BLOCK_B=MAX_ROWS, BLOCK_P=min(64, _pow2_ceil(blocks)), BLOCK_E=_pow2_ceil(eos.numel()),
-        USE_PDL=use_pdl, **_opts(use_pdl),
+        pmax,
+        pidx,
+        eos,
+        done,
+        out,
+        tok,
+        counter,
+        pos,
+        rows,
+        blocks,
+        out.stride(0),
+        eos.numel(),
+        BLOCK_B=MAX_ROWS,
+        BLOCK_P=min(64, _pow2_ceil(blocks)),
+        BLOCK_E=_pow2_ceil(eos.numel()),
+        USE_PDL=use_pdl,
+        **_opts(use_pdl),
     )

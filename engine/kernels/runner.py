@@ -6,6 +6,7 @@ temperature, filters or a repetition penalty runs the torch sampler (engine/samp
 prompt is prefilled by the eager model into the same static cache. The kernels read the position from the device
 and attend over [0, pos], so one CUDA graph per sampler kind serves every context length.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class FusedRunner(StaticRunner):
-    def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(
+        self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device, dtype: torch.dtype
+    ):
         if batch > launch.MAX_ROWS:
             raise ValueError(f"the fused kernels serve at most {launch.MAX_ROWS} rows, got {batch}")
         super().__init__(model, batch, length, eos_ids, device, dtype)
@@ -48,10 +50,22 @@ class FusedRunner(StaticRunner):
             at, ff = block.attention, block.feed_forward
             kc, vc = self.cache.k[i], self.cache.v[i]
             launch.qkv_rope(
-                self.x, self.tok, m.tok_embeddings.weight if i == 0 else None, block.attention_norm.weight,
-                at.wqkv.weight, at.wqkv.bias, at.q_norm.weight if at.q_norm is not None else None,
-                at.k_norm.weight if at.k_norm is not None else None, self.cos, self.sin, self.pos, self.q, kc, vc,
-                eps, pdl,
+                self.x,
+                self.tok,
+                m.tok_embeddings.weight if i == 0 else None,
+                block.attention_norm.weight,
+                at.wqkv.weight,
+                at.wqkv.bias,
+                at.q_norm.weight if at.q_norm is not None else None,
+                at.k_norm.weight if at.k_norm is not None else None,
+                self.cos,
+                self.sin,
+                self.pos,
+                self.q,
+                kc,
+                vc,
+                eps,
+                pdl,
             )
             launch.decode_attention(self.q, kc, vc, self.pos, self.y, pdl)
             launch.gemv_residual(self.y, at.wo.weight, at.wo.bias, self.x, pdl)
@@ -59,8 +73,9 @@ class FusedRunner(StaticRunner):
             launch.gemv_residual(self.act, ff.w2.weight, ff.w2.bias, self.x, pdl)
         launch.norm_head(self.x, m.norm.weight, m.output.weight, self.logits, self.pmax, self.pidx, eps, pdl)
         if kind.greedy and not kind.repetition:
-            launch.greedy_accept(self.pmax, self.pidx, self.eos, self.done, self.out, self.tok, self.counter,
-                                 self.pos, pdl)
+            launch.greedy_accept(
+                self.pmax, self.pidx, self.eos, self.done, self.out, self.tok, self.counter, self.pos, pdl
+            )
         else:
             self._accept(sample(self.logits, kind, self.sampler), kind)
             self.pos += 1
@@ -85,8 +100,14 @@ class FusedRunner(StaticRunner):
         else:
             self.fused_step(kind)
 
-    def warm_up(self, buckets: list[int], kind: SamplerKind, use_graphs: bool,
-                progress: Callable[[str, float], None], verify_ks: tuple[int, ...] = ()) -> None:
+    def warm_up(
+        self,
+        buckets: list[int],
+        kind: SamplerKind,
+        use_graphs: bool,
+        progress: Callable[[str, float], None],
+        verify_ks: tuple[int, ...] = (),
+    ) -> None:
         """Compile the kernels (their first launch) and, with use_graphs, capture the step. Its writes land where
         the prefill and later steps write before they read, as StaticRunner.warm_up explains."""
         if verify_ks:

@@ -10,6 +10,7 @@ Rounding follows the eager model (engine/model.py) op by op: the norm's output, 
 the activation are rounded to the model's dtype where the eager path rounds them; sums run in fp32. The row
 count B is not specialised on, so 1 row and 32 rows run the same compiled code.
 """
+
 from __future__ import annotations
 
 import triton
@@ -62,11 +63,34 @@ def _dot_rows(h, w):
 
 @triton.jit(do_not_specialize=["B"])
 def qkv_rope_kernel(
-    x_ptr, tok_ptr, emb_ptr, norm_w, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
-    q_ptr, kc_ptr, vc_ptr, B, eps, cache_len,
-    DIM: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    EMBED: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-    PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    tok_ptr,
+    emb_ptr,
+    norm_w,
+    w_ptr,
+    b_ptr,
+    qn_ptr,
+    kn_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    B,
+    eps,
+    cache_len,
+    DIM: tl.constexpr,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    EMBED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """RMSNorm + the QKV GEMV (+ bias, + q/k RMSNorm) + rope + the write of k and v into the cache at pos.
 
@@ -157,9 +181,21 @@ def qkv_rope_kernel(
 
 @triton.jit
 def decode_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, cache_len, scale,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    pos_ptr,
+    y_ptr,
+    cache_len,
+    scale,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Attention of one row's query heads of one KV head over cache positions [0, pos], online softmax over key
     blocks of BLOCK_S. Program (row, kv head); y [B, H * D]."""
@@ -199,8 +235,18 @@ def decode_attention_kernel(
 
 @triton.jit(do_not_specialize=["B"])
 def gemv_residual_kernel(
-    a_ptr, w_ptr, b_ptr, x_ptr, B, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    b_ptr,
+    x_ptr,
+    B,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """x[rows, n] = x + (a @ w.T + b) for a block of N outputs, in place (each program owns its outputs): the
     O projection and the down projection with their residual adds. a [B, K], w [N, K], x [B, N]."""
@@ -232,8 +278,20 @@ def gemv_residual_kernel(
 
 @triton.jit(do_not_specialize=["B"])
 def norm_gate_up_kernel(
-    x_ptr, norm_w, w_ptr, b_ptr, out_ptr, B, eps, DIM: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    norm_w,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    B,
+    eps,
+    DIM: tl.constexpr,
+    INTER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out = silu(gate) * up of RMSNorm(x) for a block of INTER features: w [2 * INTER, DIM] (gate rows, then up)."""
     _pdl_start(USE_PDL)
@@ -271,8 +329,20 @@ def norm_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["B"])
 def norm_head_kernel(
-    x_ptr, norm_w, w_ptr, logits_ptr, pmax_ptr, pidx_ptr, B, eps, V, DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    norm_w,
+    w_ptr,
+    logits_ptr,
+    pmax_ptr,
+    pidx_ptr,
+    B,
+    eps,
+    V,
+    DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Final RMSNorm + the output head for a block of the vocabulary: logits [B, V] in fp32 (rounded to the model's
     dtype first, as the eager head's output is), and the block's max and its first index per row [B, V/BLOCK_N]."""
@@ -306,8 +376,22 @@ def norm_head_kernel(
 
 @triton.jit(do_not_specialize=["B"])
 def greedy_accept_kernel(
-    pmax_ptr, pidx_ptr, eos_ptr, done_ptr, out_ptr, tok_ptr, counter_ptr, pos_ptr, B, NBLOCKS, out_stride, N_EOS,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
+    pmax_ptr,
+    pidx_ptr,
+    eos_ptr,
+    done_ptr,
+    out_ptr,
+    tok_ptr,
+    counter_ptr,
+    pos_ptr,
+    B,
+    NBLOCKS,
+    out_stride,
+    N_EOS,
+    BLOCK_B: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The greedy token of every row from the head's block maxima (the first index of the largest logit, as
     torch.argmax picks), then the runner's bookkeeping in the same program: rows already done emit their EOS,

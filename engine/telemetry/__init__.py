@@ -1,5 +1,6 @@
 """Measuring code: interval statistics, the profiler window (kernel/op gap), the NVML/process monitor and a
 description of the machine. No Qt; every figure carries its source or is None with a reason."""
+
 from engine.telemetry.machine import describe_machine
 from engine.telemetry.monitor import Monitor, estimate_dram_bw_util
 from engine.telemetry.stats import (

@@ -1,4 +1,5 @@
 """A description of the machine and libraries, stored with every benchmark so its figures can be compared."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -10,8 +11,17 @@ from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
-LIBRARIES = ("torch", "transformers", "gguf", "safetensors", "tokenizers", "numpy", "PySide6-Essentials",
-             "pyqtgraph", "nvidia-ml-py")
+LIBRARIES = (
+    "torch",
+    "transformers",
+    "gguf",
+    "safetensors",
+    "tokenizers",
+    "numpy",
+    "PySide6-Essentials",
+    "pyqtgraph",
+    "nvidia-ml-py",
+)
 
 
 def _cpu_model() -> Optional[str]:
@@ -58,16 +68,25 @@ def _gpus(nvml: Any) -> tuple[list[dict[str, Any]], Optional[str], Optional[str]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            gpus.append({"index": i, "name": p.name, "sm_count": p.multi_processor_count,
-                         "memory_bytes": p.total_memory, "compute_capability": f"{p.major}.{p.minor}"})
+            gpus.append(
+                {
+                    "index": i,
+                    "name": p.name,
+                    "sm_count": p.multi_processor_count,
+                    "memory_bytes": p.total_memory,
+                    "compute_capability": f"{p.major}.{p.minor}",
+                }
+            )
     if nvml is None:
         try:
             nvml = importlib.import_module("pynvml")
         except ImportError as exc:
             return gpus, None, f"nvidia-ml-py not installed: {exc}"
     errors: tuple[type[BaseException], ...] = tuple(
-        e for e in (getattr(nvml, "NVMLError", None), AttributeError, OSError)
-        if isinstance(e, type) and issubclass(e, BaseException))
+        e
+        for e in (getattr(nvml, "NVMLError", None), AttributeError, OSError)
+        if isinstance(e, type) and issubclass(e, BaseException)
+    )
     try:
         nvml.nvmlInit()
     except errors as exc:

@@ -4,6 +4,7 @@ Every NVML call can fail (no driver, no permission, a virtual GPU without counte
 Each metric is read on its own; a failure marks that metric unavailable with the reason, and sampling goes on
 with the others. Nothing here raises to the caller because a counter is missing.
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,8 +20,15 @@ from engine.types import MonitorSample
 
 log = logging.getLogger(__name__)
 
-GPU_METRICS = ("gpu_util_pct", "sm_activity_pct", "sm_occupancy_pct", "dram_bw_util_pct",
-               "gpu_memory_used_bytes", "power_w", "sm_clock_mhz")
+GPU_METRICS = (
+    "gpu_util_pct",
+    "sm_activity_pct",
+    "sm_occupancy_pct",
+    "dram_bw_util_pct",
+    "gpu_memory_used_bytes",
+    "power_w",
+    "sm_clock_mhz",
+)
 GPM_METRICS = ("sm_activity_pct", "sm_occupancy_pct", "dram_bw_util_pct")
 SUMMARY_METRICS = ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")
 GPM_MIN_INTERVAL_S = 0.1  # NVML computes GPM metrics from two samples at least this far apart
@@ -45,8 +53,9 @@ def _load_pynvml() -> Any:
     return pynvml
 
 
-def estimate_dram_bw_util(bytes_per_step: Optional[float], step_s: Optional[float],
-                          peak_bytes_s: Optional[float]) -> tuple[Optional[float], str]:
+def estimate_dram_bw_util(
+    bytes_per_step: Optional[float], step_s: Optional[float], peak_bytes_s: Optional[float]
+) -> tuple[Optional[float], str]:
     """DRAM bandwidth use estimated as bytes moved per decode step / step time / the card's peak.
 
     `bytes_per_step` should be what a step must read (the weights plus the attended KV cache, as in
@@ -69,8 +78,14 @@ class Monitor:
     and constants works, which is how the GPU branches are tested without a GPU.
     """
 
-    def __init__(self, device: torch.device, interval_s: float = 0.1, nvml: Any = None,
-                 clock: Callable[[], float] = time.perf_counter, history: int = 36_000):
+    def __init__(
+        self,
+        device: torch.device,
+        interval_s: float = 0.1,
+        nvml: Any = None,
+        clock: Callable[[], float] = time.perf_counter,
+        history: int = 36_000,
+    ):
         if not interval_s > 0:
             raise ValueError(f"monitor interval must be > 0, got {interval_s}")
         self.device = torch.device(device)
@@ -206,8 +221,9 @@ class Monitor:
         with self._lock:
             return list(self._history)
 
-    def summary(self, t0: float, t1: float, metrics: tuple[str, ...] = SUMMARY_METRICS
-                ) -> dict[str, tuple[Optional[float], str]]:
+    def summary(
+        self, t0: float, t1: float, metrics: tuple[str, ...] = SUMMARY_METRICS
+    ) -> dict[str, tuple[Optional[float], str]]:
         """Per metric: (mean over [t0, t1], source) or (None, why).
 
         A sample describes the period since the one before it (an NVML sample or GPM pair covers the time up to
@@ -327,8 +343,9 @@ class Monitor:
         if mw is not None:
             values["power_w"] = mw / 1000.0
             sources["power_w"] = SOURCES["power_w"]
-        mhz = self._read("sm_clock_mhz", "nvmlDeviceGetClockInfo",
-                         lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
+        mhz = self._read(
+            "sm_clock_mhz", "nvmlDeviceGetClockInfo", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)
+        )
         if mhz is not None:
             values["sm_clock_mhz"] = float(mhz)
             sources["sm_clock_mhz"] = SOURCES["sm_clock_mhz"]
@@ -361,8 +378,9 @@ class Monitor:
                     return held
                 self._util_samples = False
                 log.info("NVML utilization samples failed, using utilization rates: %s", exc)
-        rates = self._read("gpu_util_pct", "nvmlDeviceGetUtilizationRates",
-                           lambda: nvml.nvmlDeviceGetUtilizationRates(h))
+        rates = self._read(
+            "gpu_util_pct", "nvmlDeviceGetUtilizationRates", lambda: nvml.nvmlDeviceGetUtilizationRates(h)
+        )
         if rates is None:
             return None
         return float(rates.gpu), SOURCES["gpu_util_rates"]
@@ -374,9 +392,11 @@ class Monitor:
         if not wanted:
             self._gpm = False
             return
-        ids = {"sm_activity_pct": nvml.NVML_GPM_METRIC_SM_UTIL,
-               "sm_occupancy_pct": nvml.NVML_GPM_METRIC_SM_OCCUPANCY,
-               "dram_bw_util_pct": nvml.NVML_GPM_METRIC_DRAM_BW_UTIL}
+        ids = {
+            "sm_activity_pct": nvml.NVML_GPM_METRIC_SM_UTIL,
+            "sm_occupancy_pct": nvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+            "dram_bw_util_pct": nvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+        }
         try:
             nvml.nvmlGpmSampleGet(self._handle, cur)
             req = nvml.c_nvmlGpmMetricsGet_t()

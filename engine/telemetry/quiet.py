@@ -5,6 +5,7 @@ descriptor 2 every time a profiler starts or stops, with no setting to turn them
 descriptor is pointed at a temporary file; afterwards every line that is not such chatter is written back to the
 real stderr, so nothing another thread printed in those milliseconds is lost.
 """
+
 from __future__ import annotations
 
 import contextlib

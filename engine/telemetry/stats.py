@@ -3,6 +3,7 @@
 Plain Python on purpose: these run on a few thousand values per generation, must not need numpy at import,
 and are unit-tested against hand-made data.
 """
+
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ a decode step of a small model is thousands of aten ops, and writing them out as
 the interpreter lock for 0.15-0.35 s at the end of every answer, a stall of the GUI thread. The op intervals
 are the same either way (tested); where the results cannot be read directly, the JSON route is taken.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from engine.telemetry.stats import device_sync_fn, gap_fraction, merge_intervals
 from engine.telemetry.quiet import native_stderr_filtered
+from engine.telemetry.stats import device_sync_fn, gap_fraction, merge_intervals
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ class WindowStats:
 def profiler_busy() -> bool:
     """True when a torch profiler is already recording in this process. A second one would start silently and
     its stop would end the first one's session, so the window refuses to start instead."""
-    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False)) or torch._C._autograd._profiler_enabled()
+    return (
+        bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False)) or torch._C._autograd._profiler_enabled()
+    )
 
 
 # The profiler is one per process: two windows started from two threads at once (two engines in one process)
@@ -98,8 +101,9 @@ def _activities(device: torch.device) -> list:
 
 
 class ProfileWindow:
-    def __init__(self, device: torch.device, start: int = 8, steps: int = 8, enabled: bool = True,
-                 sm_count: Optional[int] = None):
+    def __init__(
+        self, device: torch.device, start: int = 8, steps: int = 8, enabled: bool = True, sm_count: Optional[int] = None
+    ):
         if start < 0 or steps < 1:
             raise ValueError(f"profile window needs start >= 0 and steps >= 1, got start={start}, steps={steps}")
         self.device = torch.device(device)
@@ -256,8 +260,9 @@ def _cpu_op_intervals(prof: torch.profiler.profile) -> Optional[tuple[np.ndarray
         thread = threads[names.index(WINDOW_MARKER)]
     except ValueError:
         return None
-    keep = np.fromiter((t == thread and n.startswith("aten::") for n, t in zip(names, threads)), dtype=bool,
-                       count=len(names))
+    keep = np.fromiter(
+        (t == thread and n.startswith("aten::") for n, t in zip(names, threads)), dtype=bool, count=len(names)
+    )
     starts, durs = starts[keep], np.maximum(durs[keep], 0)
     if starts.size:
         starts = starts - starts.min()  # nanoseconds since the epoch would lose sub-microsecond detail as floats
@@ -295,8 +300,14 @@ def _device_index(device: torch.device) -> Optional[int]:
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-def analyse_trace(trace: dict[str, Any], device: torch.device, span_us: Optional[float], steps: int,
-                  sm_count: Optional[int] = None, tid: Optional[int] = None) -> WindowStats:
+def analyse_trace(
+    trace: dict[str, Any],
+    device: torch.device,
+    span_us: Optional[float],
+    steps: int,
+    sm_count: Optional[int] = None,
+    tid: Optional[int] = None,
+) -> WindowStats:
     """Gap, event count and (CUDA) SM estimate and copy bytes of a chrome trace of `steps` decode steps.
 
     CUDA: device events (kernels, memcpy, memset) of this device. CPU: `aten::` ops of thread `tid`; ops nest
@@ -333,8 +344,9 @@ def _gap(intervals: list[tuple[float, float]], span: float) -> tuple[float, Opti
     return busy, None if frac is None else 100.0 * frac
 
 
-def _analyse_cuda(trace: dict, events: list[dict], index: Optional[int], span_us: Optional[float], steps: int,
-                  sm_count: Optional[int]) -> WindowStats:
+def _analyse_cuda(
+    trace: dict, events: list[dict], index: Optional[int], span_us: Optional[float], steps: int, sm_count: Optional[int]
+) -> WindowStats:
     dev_events = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "ts" in e]
     if index is not None:  # several GPUs in the trace: keep ours (events without a device field are kept)
         dev_events = [e for e in dev_events if (e.get("args") or {}).get("device", index) == index]
@@ -373,8 +385,19 @@ def _analyse_cuda(trace: dict, events: list[dict], index: Optional[int], span_us
     if copies and steps > 0 and all(isinstance(b, (int, float)) for b in copy_bytes):
         bytes_per_step = float(sum(copy_bytes)) / steps
     launches = len(kernels) / steps if steps > 0 and kernels else None
-    return WindowStats(steps, span, busy, gap, label, len(dev_events), sm_est, sm_src, bytes_per_step, launches,
-                       f"kernels per step — torch.profiler, {steps}-step window (sampled)" if launches else None)
+    return WindowStats(
+        steps,
+        span,
+        busy,
+        gap,
+        label,
+        len(dev_events),
+        sm_est,
+        sm_src,
+        bytes_per_step,
+        launches,
+        f"kernels per step — torch.profiler, {steps}-step window (sampled)" if launches else None,
+    )
 
 
 def _dims_ok(dims: Any) -> bool:
@@ -391,8 +414,14 @@ def _trace_sm_count(trace: dict, index: Optional[int]) -> Optional[int]:
 
 
 def _analyse_cpu(events: list[dict], span_us: Optional[float], steps: int, tid: Optional[int]) -> WindowStats:
-    ops = [e for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("aten::")
-           and "ts" in e and (tid is None or e.get("tid") == tid)]
+    ops = [
+        e
+        for e in events
+        if e.get("cat") == "cpu_op"
+        and str(e.get("name", "")).startswith("aten::")
+        and "ts" in e
+        and (tid is None or e.get("tid") == tid)
+    ]
     intervals = np.array([_interval(e) for e in ops], dtype=np.float64).reshape(-1, 2)
     return _analyse_cpu_ops(intervals[:, 0], intervals[:, 1], span_us, steps)
 

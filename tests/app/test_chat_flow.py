@@ -1,5 +1,6 @@
 """ChatFlow (app/chat_flow.py) on a real chat store and a fake engine controller: what is stored and emitted for
 sends, streams, stops, failures, stale events, branches and candidates, without a window or an engine."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,9 @@ class FakeController(QObject):
         self.generationStarted.emit(rid, options)
         self.textBatch.emit(rid, {i: t for i, t in enumerate(texts)})
         metrics = GenerationMetrics(new_tokens=[len(t) for t in texts], new_tokens_total=sum(map(len, texts)))
-        self.generationFinished.emit(rid, GenerationResult(texts, [[1] * len(t) for t in texts], reasons, metrics,
-                                                           options, {}, 1))
+        self.generationFinished.emit(
+            rid, GenerationResult(texts, [[1] * len(t) for t in texts], reasons, metrics, options, {}, 1)
+        )
 
 
 @pytest.fixture
@@ -68,7 +70,12 @@ def test_a_first_message_makes_a_chat_and_its_answer_is_stored(flow):
     assert ctl.asked == [[{"role": "user", "content": "Why is the sky blue?"}]]
     ctl.run(1, ["Rayleigh scattering."], ["eos"])
     user, answer = store.thread(f.chat_id)
-    assert (user.role, answer.role, answer.content, answer.status) == ("user", "assistant", "Rayleigh scattering.", "done")
+    assert (user.role, answer.role, answer.content, answer.status) == (
+        "user",
+        "assistant",
+        "Rayleigh scattering.",
+        "done",
+    )
     assert answer.parent_id == user.id and answer.metrics["new_tokens_total"] == len("Rayleigh scattering.")
     assert heard["streamDelta"] == [({0: "Rayleigh scattering."},)]
     assert heard["streamFinished"][0][0].content == "Rayleigh scattering."
@@ -111,8 +118,9 @@ def test_events_of_an_earlier_request_never_land_in_the_current_answer(flow):
     ctl.textBatch.emit(1, {0: " late text of request 1"})  # a batch that arrives after its answer ended
     ctl.textBatch.emit(2, {0: "second answer"})
     ctl.run(1, ["stale"], ["eos"])  # a whole stale generation is ignored too
-    ctl.generationFinished.emit(2, GenerationResult(["second answer"], [[1]], ["eos"], GenerationMetrics(),
-                                                    EngineOptions(), {}, 1))
+    ctl.generationFinished.emit(
+        2, GenerationResult(["second answer"], [[1]], ["eos"], GenerationMetrics(), EngineOptions(), {}, 1)
+    )
     assert deltas == [({0: "second answer"},)]  # on screen, only the current answer's text
     contents = [m.content for m in store.thread(f.chat_id)]
     assert contents == ["one", "first answer", "two", "second answer"]

@@ -1,5 +1,6 @@
 """Chat export (JSON, Markdown) and import: a round trip gives the same chat; every kind of bad file is refused
 with its reason and leaves the store exactly as it was; the command line does the same."""
+
 from __future__ import annotations
 
 import copy
@@ -29,17 +30,39 @@ def store(tmp_path):
 def make_chat(store: ChatStore) -> int:
     """A chat with an edit branch, a regenerated answer and a group of two candidates, figures on answers."""
     chat = store.create_chat("Branches — «test»", "Be brief.", SamplingParams(temperature=0.0, max_new_tokens=16))
-    metrics = GenerationMetrics(prompt_tokens=12, new_tokens=[5], new_tokens_total=5, ttft_ms=41.5,
-                                decode_tok_s=88.0, unavailable={"kernel_gap_pct": "profiler window off"}).to_dict()
-    options = {"device": "cpu", "dtype": "fp32", "kv_cache": "static", "sampling": "device", "compile": False,
-               "cuda_graph": False, "candidates": 1, "profile_window": False}
+    metrics = GenerationMetrics(
+        prompt_tokens=12,
+        new_tokens=[5],
+        new_tokens_total=5,
+        ttft_ms=41.5,
+        decode_tok_s=88.0,
+        unavailable={"kernel_gap_pct": "profiler window off"},
+    ).to_dict()
+    options = {
+        "device": "cpu",
+        "dtype": "fp32",
+        "kv_cache": "static",
+        "sampling": "device",
+        "compile": False,
+        "cuda_graph": False,
+        "candidates": 1,
+        "profile_window": False,
+    }
     u1 = store.add_message(chat.id, "user", "Hi there", None)
     a1 = store.add_message(chat.id, "assistant", "Hello!", u1.id, options=options, metrics=metrics, model_name="tiny")
     store.add_message(chat.id, "assistant", "Hey.", u1.id, status="stopped", options=options, metrics=metrics)
     u2 = store.add_message(chat.id, "user", "Tell me a joke", a1.id)
     group = store.new_candidate_group()
-    c0 = store.add_message(chat.id, "assistant", "Joke one", u2.id, candidate_group=group, candidate_index=0,
-                           options={**options, "candidates": 2}, metrics=metrics)
+    c0 = store.add_message(
+        chat.id,
+        "assistant",
+        "Joke one",
+        u2.id,
+        candidate_group=group,
+        candidate_index=0,
+        options={**options, "candidates": 2},
+        metrics=metrics,
+    )
     store.add_message(chat.id, "assistant", "Joke two 🙂", u2.id, candidate_group=group, candidate_index=1)
     store.add_message(chat.id, "user", "Tell me a story", a1.id)  # an edit: a branch beside u2
     store.set_active_leaf(chat.id, c0.id)
@@ -78,7 +101,16 @@ def test_markdown_has_every_branch_and_the_figures(store):
     chat_id = make_chat(store)
     md = export_markdown(store, chat_id)
     assert md.startswith("# Branches — «test»\n")
-    for text in ("Be brief.", "Hi there", "Hello!", "Hey.", "Tell me a joke", "Joke one", "Joke two 🙂", "Tell me a story"):
+    for text in (
+        "Be brief.",
+        "Hi there",
+        "Hello!",
+        "Hey.",
+        "Tell me a joke",
+        "Joke one",
+        "Joke two 🙂",
+        "Tell me a story",
+    ):
         assert text in md
     assert "branch 2 of 2" in md and "*in reply to #2*" in md
     assert "TTFT 42 ms" in md and "88.0 tok/s" in md  # the stored figures, as the stats line shows them
@@ -102,43 +134,78 @@ def _mutated(doc: dict, fn) -> dict:
 
 
 BAD = {
-    "not json": (lambda d: b"{\"format\": ", "invalid JSON at line 1"),
+    "not json": (lambda d: b'{"format": ', "invalid JSON at line 1"),
     "not utf-8": (lambda d: b"\xff\xfe{}", "not UTF-8 text"),
     "another format": (lambda d: {"format": "chatgpt", "version": 1}, "not a Gapless chat file"),
     "newer version": (lambda d: _mutated(d, lambda x: x.update(version=99)), "version 99, written by a newer Gapless"),
     "no version": (lambda d: _mutated(d, lambda x: x.pop("version")), "no valid version number"),
     "unknown field": (lambda d: _mutated(d, lambda x: x["chat"].update(owner="me")), "chat: unknown field(s) owner"),
     "missing messages": (lambda d: _mutated(d, lambda x: x.pop("messages")), "missing field(s) messages"),
-    "wrong type": (lambda d: _mutated(d, lambda x: x["messages"][0].update(content=7)),
-                   "message 1: content: must be text, got a number"),
-    "bad role": (lambda d: _mutated(d, lambda x: x["messages"][1].update(role="root")), "message 2: role must be one of"),
-    "dangling parent": (lambda d: _mutated(d, lambda x: x["messages"][2].update(parent=99)),
-                        "message 3: its parent 99 is not an earlier message"),
-    "forward parent (a cycle)": (lambda d: _mutated(d, lambda x: x["messages"][0].update(parent=2)),
-                                 "message 1: its parent 2 is not an earlier message"),
-    "duplicate id": (lambda d: _mutated(d, lambda x: x["messages"][3].update(id=1)), "message 4: id 1 is used by message 1"),
-    "dangling active leaf": (lambda d: _mutated(d, lambda x: x["chat"].update(active_leaf=500)),
-                             "chat.active_leaf: names message 500"),
-    "NaN figure": (lambda d: json.dumps(d).replace('"ttft_ms": 41.5', '"ttft_ms": NaN', 1).encode(),
-                   "NaN is not a number JSON allows"),
+    "wrong type": (
+        lambda d: _mutated(d, lambda x: x["messages"][0].update(content=7)),
+        "message 1: content: must be text, got a number",
+    ),
+    "bad role": (
+        lambda d: _mutated(d, lambda x: x["messages"][1].update(role="root")),
+        "message 2: role must be one of",
+    ),
+    "dangling parent": (
+        lambda d: _mutated(d, lambda x: x["messages"][2].update(parent=99)),
+        "message 3: its parent 99 is not an earlier message",
+    ),
+    "forward parent (a cycle)": (
+        lambda d: _mutated(d, lambda x: x["messages"][0].update(parent=2)),
+        "message 1: its parent 2 is not an earlier message",
+    ),
+    "duplicate id": (
+        lambda d: _mutated(d, lambda x: x["messages"][3].update(id=1)),
+        "message 4: id 1 is used by message 1",
+    ),
+    "dangling active leaf": (
+        lambda d: _mutated(d, lambda x: x["chat"].update(active_leaf=500)),
+        "chat.active_leaf: names message 500",
+    ),
+    "NaN figure": (
+        lambda d: json.dumps(d).replace('"ttft_ms": 41.5', '"ttft_ms": NaN', 1).encode(),
+        "NaN is not a number JSON allows",
+    ),
     "duplicate key": (lambda d: b'{"format": "gapless-chat", "format": "x"}', "the key 'format' appears twice"),
     "deep nesting": (lambda d: b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    "deep figures": (lambda d: _mutated(d, lambda x: x["messages"][1].update(metrics={"a": {"b": {"c": {"d": {"e": {
-        "f": {"g": {"h": {"i": 1}}}}}}}}})), "message 2: metrics: is nested deeper than 8 levels"),
-    "lone surrogate": (lambda d: json.dumps(d).replace("Hi there", "Hi \\ud800", 1).encode(),
-                       "message 1: content: contains an invalid character"),
-    "bad sampling": (lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(temperature=-1)),
-                     "chat.sampling: temperature must be >= 0"),
-    "bad time": (lambda d: _mutated(d, lambda x: x["messages"][0].update(created="yesterday")),
-                 "message 1: created: must be a unix time"),
-    "half a candidate": (lambda d: _mutated(d, lambda x: x["messages"][4].update(candidate_index=None)),
-                         "candidate_group and candidate_index go together"),
+    "deep figures": (
+        lambda d: _mutated(
+            d,
+            lambda x: x["messages"][1].update(metrics={"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": 1}}}}}}}}}),
+        ),
+        "message 2: metrics: is nested deeper than 8 levels",
+    ),
+    "lone surrogate": (
+        lambda d: json.dumps(d).replace("Hi there", "Hi \\ud800", 1).encode(),
+        "message 1: content: contains an invalid character",
+    ),
+    "bad sampling": (
+        lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(temperature=-1)),
+        "chat.sampling: temperature must be >= 0",
+    ),
+    "bad time": (
+        lambda d: _mutated(d, lambda x: x["messages"][0].update(created="yesterday")),
+        "message 1: created: must be a unix time",
+    ),
+    "half a candidate": (
+        lambda d: _mutated(d, lambda x: x["messages"][4].update(candidate_index=None)),
+        "candidate_group and candidate_index go together",
+    ),
     "candidates of different questions": (
-        lambda d: _mutated(d, lambda x: x["messages"][5].update(parent=1)), "holds answers to different messages"),
-    "unknown overflow policy": (lambda d: _mutated(d, lambda x: x["chat"].update(overflow_policy="forget")),
-                                "chat.overflow_policy: must be one of rolling, truncate-middle, stop or null"),
-    "streaming status": (lambda d: _mutated(d, lambda x: x["messages"][1].update(status="streaming")),
-                         "message 2: status must be one of done, stopped, error"),
+        lambda d: _mutated(d, lambda x: x["messages"][5].update(parent=1)),
+        "holds answers to different messages",
+    ),
+    "unknown overflow policy": (
+        lambda d: _mutated(d, lambda x: x["chat"].update(overflow_policy="forget")),
+        "chat.overflow_policy: must be one of rolling, truncate-middle, stop or null",
+    ),
+    "streaming status": (
+        lambda d: _mutated(d, lambda x: x["messages"][1].update(status="streaming")),
+        "message 2: status must be one of done, stopped, error",
+    ),
 }
 
 
@@ -174,8 +241,10 @@ def test_a_write_that_fails_half_way_leaves_nothing(store, tmp_path):
     """The database refuses the fourth message of the import: the chat and the three before it go too."""
     doc = good_doc(store)
     doc["messages"][3]["content"] = "boom"
-    store._read("CREATE TRIGGER refuse BEFORE INSERT ON messages WHEN NEW.content = 'boom' "
-                "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END")
+    store._read(
+        "CREATE TRIGGER refuse BEFORE INSERT ON messages WHEN NEW.content = 'boom' "
+        "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+    )
     before = snapshot(store)
     with pytest.raises(ChatFileError, match="could not be stored: .*refused by the test"):
         import_chat(store, _write(tmp_path, doc))
@@ -184,8 +253,14 @@ def test_a_write_that_fails_half_way_leaves_nothing(store, tmp_path):
 
 def gapless(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "app", "--data-dir", str(data_dir), *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "app", "--data-dir", str(data_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_the_command_line_exports_and_imports(tmp_path):

@@ -1,4 +1,5 @@
 """The `gapless` command line: help, version, generate --json on a tiny model, and one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def gapless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_help_lists_the_subcommands():
@@ -32,9 +35,28 @@ def test_version():
 
 
 def test_generate_json_on_a_tiny_model(tiny_llama):
-    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hello world", "--max-new-tokens", "12",
-                "--device", "cpu", "--kv", "dynamic", "--sampling", "host", "--candidates", "2", "--seed", "3",
-                "--temperature", "0.7", "--json")
+    r = gapless(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "12",
+        "--device",
+        "cpu",
+        "--kv",
+        "dynamic",
+        "--sampling",
+        "host",
+        "--candidates",
+        "2",
+        "--seed",
+        "3",
+        "--temperature",
+        "0.7",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["texts"]) == 2 and len(out["token_ids"]) == 2
@@ -56,8 +78,19 @@ def test_generate_json_on_a_tiny_model(tiny_llama):
 
 
 def test_generate_streams_text_and_matches_json(tiny_llama):
-    args = ("generate", "--model", str(tiny_llama), "--prompt", "the quick brown fox", "--max-new-tokens", "16",
-            "--device", "cpu", "--temperature", "0")
+    args = (
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "the quick brown fox",
+        "--max-new-tokens",
+        "16",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+    )
     streamed = gapless(*args)
     as_json = gapless(*args, "--json")
     assert streamed.returncode == 0 and as_json.returncode == 0
@@ -65,8 +98,21 @@ def test_generate_streams_text_and_matches_json(tiny_llama):
 
 
 def test_raw_completion_skips_the_template(tiny_llama):
-    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hello world", "--raw", "--max-new-tokens", "4",
-                "--device", "cpu", "--temperature", "0", "--json")
+    r = gapless(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "hello world",
+        "--raw",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     from transformers import AutoTokenizer
 
@@ -109,7 +155,13 @@ def test_top_level_smoke_test_means_gui_smoke_test():
     from app.cli import _smoke_test_alias
 
     assert _smoke_test_alias(["--data-dir", "/d", "--smoke-test", "--report", "r.json"]) == [
-        "--data-dir", "/d", "gui", "--smoke-test", "--report", "r.json"]
+        "--data-dir",
+        "/d",
+        "gui",
+        "--smoke-test",
+        "--report",
+        "r.json",
+    ]
     assert _smoke_test_alias(["gui", "--smoke-test"]) == ["gui", "--smoke-test"]
     assert _smoke_test_alias(["generate", "--prompt", "x"]) == ["generate", "--prompt", "x"]
 

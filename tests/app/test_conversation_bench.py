@@ -1,17 +1,20 @@
 """The conversation benchmark on a tiny model: the report's shape, reuse along the turns, identical answers,
 and the command line writing it as JSON."""
+
 from __future__ import annotations
 
 import json
 
-from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
 from test_cli import gapless
+
+from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
 
 
 def test_the_report_compares_reuse_with_none_turn_by_turn(tiny_factory):
     path = tiny_factory("llama", max_position_embeddings=4096)
-    report = run_conversation(ConversationConfig(model=str(path), device="cpu", turns=3, max_new_tokens=8,
-                                                 repeats=2), progress=lambda m: None)
+    report = run_conversation(
+        ConversationConfig(model=str(path), device="cpu", turns=3, max_new_tokens=8, repeats=2), progress=lambda m: None
+    )
     rows = report["turns"]
     assert [r["turn"] for r in rows] == [1, 2, 3] and report["answers_identical"] is True
     assert rows[0]["prompt_reused_tokens"] == 0
@@ -29,8 +32,22 @@ def test_the_report_compares_reuse_with_none_turn_by_turn(tiny_factory):
 def test_the_command_writes_json(tiny_factory, tmp_path):
     path = tiny_factory("llama", max_position_embeddings=4096)
     out = tmp_path / "conv.json"
-    r = gapless("bench", "--conversation", "--model", str(path), "--device", "cpu", "--turns", "2",
-                "--repeats", "1", "--max-new-tokens", "4", "--json", str(out))
+    r = gapless(
+        "bench",
+        "--conversation",
+        "--model",
+        str(path),
+        "--device",
+        "cpu",
+        "--turns",
+        "2",
+        "--repeats",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["benchmark"] == "conversation" and len(report["turns"]) == 2

@@ -1,21 +1,27 @@
 """The prefix-reuse switch: on the command line (generate, bench), in the toggles panel, kept by presets."""
+
 from __future__ import annotations
 
 import json
+
+from test_cli import gapless
 
 from app.cli import build_parser
 from app.cmd_bench import config_from_args
 from app.cmd_generate import options_from_args
 from engine.types import EngineOptions, preset_options
-from test_cli import gapless
 
 
 def test_the_flags_reach_the_options():
     p = build_parser()
     assert options_from_args(p.parse_args(["generate", "--prompt", "x"])).prefix_reuse is True
     assert options_from_args(p.parse_args(["generate", "--prompt", "x", "--no-prefix-reuse"])).prefix_reuse is False
-    assert options_from_args(p.parse_args(["generate", "--prompt", "x", "--preset", "naive",
-                                           "--no-prefix-reuse"])).prefix_reuse is False
+    assert (
+        options_from_args(
+            p.parse_args(["generate", "--prompt", "x", "--preset", "naive", "--no-prefix-reuse"])
+        ).prefix_reuse
+        is False
+    )
     assert config_from_args(p.parse_args(["bench"])).prefix_reuse is True
     assert config_from_args(p.parse_args(["bench", "--no-prefix-reuse"])).prefix_reuse is False
 
@@ -26,8 +32,19 @@ def test_a_preset_keeps_the_switch():
 
 
 def test_generate_json_reports_the_reuse_figures(tiny_llama):
-    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hello world", "--max-new-tokens", "4",
-                "--device", "cpu", "--no-prefix-reuse", "--json")
+    r = gapless(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--no-prefix-reuse",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["options"]["prefix_reuse"] is False

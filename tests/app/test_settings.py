@@ -1,4 +1,5 @@
 """Settings: round trip, atomic save, damaged or newer files moved aside with a notice, invalid parts defaulted."""
+
 from __future__ import annotations
 
 import base64
@@ -29,11 +30,15 @@ def test_missing_file_gives_defaults_quietly(path):
 
 def test_round_trip(path):
     s = Settings(
-        theme="dark", send_with="ctrl+enter", last_model="/models/x.gguf",
+        theme="dark",
+        send_with="ctrl+enter",
+        last_model="/models/x.gguf",
         engine_options=EngineOptions(dtype="fp16", kv_cache="dynamic", candidates=4).to_dict(),
         sampling=SamplingParams(temperature=0.0, top_k=40, seed=7, stop=("###",)).to_dict(),
-        models_folder="/models", window_geometry=base64.b64encode(b"\x01\xd9\xd0\xcb").decode(),
-        window_state=base64.b64encode(b"state").decode(), hud_visible=False,
+        models_folder="/models",
+        window_geometry=base64.b64encode(b"\x01\xd9\xd0\xcb").decode(),
+        window_state=base64.b64encode(b"state").decode(),
+        hud_visible=False,
         splitter_sizes={"main": [200, 700, 400]},
     )
     store = SettingsStore(path)
@@ -46,17 +51,20 @@ def test_round_trip(path):
     assert [p.name for p in path.parent.iterdir()] == ["settings.json"]  # no temp file left behind
 
 
-@pytest.mark.parametrize("content, reason", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON list, not an object"),
-    ('{"theme": 3}', "theme is 3, not one of system, light, dark"),
-    ('{"hud_visible": "yes"}', 'hud_visible is "yes", not true or false'),
-    ('{"last_model": 2}', "last_model is 2, not a string or null"),
-    ('{"splitter_sizes": {"main": [1, -2]}}', "splitter_sizes"),
-    ('{"splitter_sizes": {"main": [100000000000]}}', "splitter_sizes"),  # past Qt's 32-bit sizes
-    ('{"window_geometry": "@@not base64@@"}', "window_geometry"),
-    ('{"version": "1"}', "its version is '1'"),
-])
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON list, not an object"),
+        ('{"theme": 3}', "theme is 3, not one of system, light, dark"),
+        ('{"hud_visible": "yes"}', 'hud_visible is "yes", not true or false'),
+        ('{"last_model": 2}', "last_model is 2, not a string or null"),
+        ('{"splitter_sizes": {"main": [1, -2]}}', "splitter_sizes"),
+        ('{"splitter_sizes": {"main": [100000000000]}}', "splitter_sizes"),  # past Qt's 32-bit sizes
+        ('{"window_geometry": "@@not base64@@"}', "window_geometry"),
+        ('{"version": "1"}', "its version is '1'"),
+    ],
+)
 def test_damaged_file_is_moved_aside_with_a_notice(path, content, reason):
     path.parent.mkdir(parents=True)
     path.write_text(content)
@@ -100,11 +108,15 @@ def test_unknown_keys_are_ignored_with_a_warning(path, caplog):
 
 def test_invalid_engine_options_fall_back_alone(path):
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({
-        "theme": "dark",
-        "engine_options": {"dtype": "fp8", "kv_cache": "static"},
-        "sampling": {"temperature": -1},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "theme": "dark",
+                "engine_options": {"dtype": "fp8", "kv_cache": "static"},
+                "sampling": {"temperature": -1},
+            }
+        )
+    )
     s, notices = SettingsStore(path).load()
     assert s.theme == "dark"  # the valid parts stay
     assert s.engine_options == EngineOptions().to_dict() and s.sampling == SamplingParams().to_dict()

@@ -1,4 +1,5 @@
 """The chat store: CRUD, branches, candidates, search, cascades, crash recovery of streaming answers."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -61,8 +62,9 @@ def test_chat_crud_and_order(store):
 def test_messages_thread_and_metadata(store):
     chat = store.create_chat()
     u = store.add_message(chat.id, "user", "Hello 👋 مرحبا 你好", None)
-    a = store.add_message(chat.id, "assistant", "", u.id, status="streaming", model_name="tiny",
-                          options={"dtype": "fp32"})
+    a = store.add_message(
+        chat.id, "assistant", "", u.id, status="streaming", model_name="tiny", options={"dtype": "fp32"}
+    )
     store.update_message(a.id, content="Hi there", status="done", metrics={"decode_tok_s": None, "new_tokens": [2]})
     got = store.get_message(a.id)
     assert (got.content, got.status, got.model_name) == ("Hi there", "done", "tiny")

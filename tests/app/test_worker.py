@@ -5,6 +5,7 @@ The behaviour tests run the real engine on a tiny random model. A scripted engin
 needs what a real model cannot give on demand: a generation that pauses at a chosen token, a deliberate bug,
 hundreds of tokens in a blink.
 """
+
 from __future__ import annotations
 
 import threading
@@ -12,16 +13,41 @@ import time
 from dataclasses import replace
 
 import pytest
+from worker_gate import on_first_batch
 
 from app.worker import EngineController, EngineWorker
 from engine.errors import ModelLoadError
-from engine.types import (EngineOptions, GenerationMetrics, LadderRow, GenerationResult, ModelInfo, MonitorSample, Progress,
-                          SamplingParams, StepRecord, TextDelta)
-from worker_gate import on_first_batch
+from engine.types import (
+    EngineOptions,
+    GenerationMetrics,
+    GenerationResult,
+    LadderRow,
+    ModelInfo,
+    MonitorSample,
+    Progress,
+    SamplingParams,
+    StepRecord,
+    TextDelta,
+)
 
-SIGNALS = ("loadStarted", "progress", "loaded", "loadFailed", "reconfigured", "reconfigureFailed",
-           "generationStarted", "textBatch", "steps", "samples", "generationFinished", "generationFailed",
-           "ladderProgress", "ladderFinished", "ladderFailed", "busyChanged")
+SIGNALS = (
+    "loadStarted",
+    "progress",
+    "loaded",
+    "loadFailed",
+    "reconfigured",
+    "reconfigureFailed",
+    "generationStarted",
+    "textBatch",
+    "steps",
+    "samples",
+    "generationFinished",
+    "generationFailed",
+    "ladderProgress",
+    "ladderFinished",
+    "ladderFailed",
+    "busyChanged",
+)
 STREAM = {"textBatch", "steps", "samples", "progress"}
 TIMEOUT_MS = 120_000
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -58,16 +84,18 @@ def load(qtbot, ctl, source, options=None):
 
 
 def wait_finished(qtbot, ctl, request_id) -> GenerationResult:
-    with qtbot.waitSignal(ctl.generationFinished, timeout=TIMEOUT_MS,
-                          check_params_cb=lambda rid, _r: rid == request_id) as blocker:
+    with qtbot.waitSignal(
+        ctl.generationFinished, timeout=TIMEOUT_MS, check_params_cb=lambda rid, _r: rid == request_id
+    ) as blocker:
         pass
     return blocker.args[1]
 
 
 def generate(qtbot, ctl, sampling) -> tuple[int, GenerationResult]:
     box = {}
-    with qtbot.waitSignal(ctl.generationFinished, timeout=TIMEOUT_MS,
-                          check_params_cb=lambda rid, _r: rid == box.get("rid")) as blocker:
+    with qtbot.waitSignal(
+        ctl.generationFinished, timeout=TIMEOUT_MS, check_params_cb=lambda rid, _r: rid == box.get("rid")
+    ) as blocker:
         box["rid"] = ctl.generate(MESSAGES, sampling)
     return box["rid"], blocker.args[1]
 
@@ -94,8 +122,8 @@ def test_signal_order_of_a_load_and_a_generation(qtbot, ctl, tiny_llama):
     names = rec.names()
     first, last = names.index("generationStarted"), names.index("generationFinished")
     assert "textBatch" in names[first:last] and "steps" in names[first:last]
-    assert all(n in STREAM for n in names[first + 1:last])  # the stream lies between start and finish
-    (srid, started_options), = rec.of("generationStarted")
+    assert all(n in STREAM for n in names[first + 1 : last])  # the stream lies between start and finish
+    ((srid, started_options),) = rec.of("generationStarted")
     assert srid == rid and started_options == EngineOptions(device="cpu")
     result = rec.result(rid)
     assert result.finish_reasons == ["length"] and len(result.token_ids[0]) == 24
@@ -166,7 +194,11 @@ def test_reconfigure_while_generating_applies_after(qtbot, ctl, tiny_llama, monk
     assert second.options.kv_cache == "none"
     assert dict(rec.of("generationStarted"))[later["rid"]].kv_cache == "none"
     assert rec.names("generationFinished", "reconfigured", "generationStarted")[1:] == [
-        "generationFinished", "reconfigured", "generationStarted", "generationFinished"]
+        "generationFinished",
+        "reconfigured",
+        "generationStarted",
+        "generationFinished",
+    ]
     assert second.token_ids[0] == first.token_ids[0][:4]
 
 
@@ -198,8 +230,9 @@ class ScriptedEngine:
         if progress:
             progress(Progress("load", 0.0, "reading"))
             progress(Progress("load", 1.0, "loaded"))
-        self.info = ModelInfo(source, "llama", "LlamaForCausalLM", "fast", 1000, "fp32", "cpu", 128, 4000, source,
-                              "hf-folder")
+        self.info = ModelInfo(
+            source, "llama", "LlamaForCausalLM", "fast", 1000, "fp32", "cpu", 128, 4000, source, "hf-folder"
+        )
         self.options = options.validate()
         self.fail_with = None
         self.gate: threading.Event | None = None  # when given, the generation waits after its first token
@@ -394,12 +427,25 @@ def test_the_controller_passes_on_every_worker_event_once(qtbot, ctl):
     """The events are declared once (EngineEvents); each one the worker emits reaches the GUI under its name."""
     from app.worker import EVENT_NAMES
 
-    args = {"loadStarted": ("m",), "progress": (None,), "loaded": (None, {}), "loadFailed": ("m", "bad"),
-            "reconfigured": (EngineOptions(), {}), "reconfigureFailed": ("bad",), "generationStarted": (7, None),
-            "textBatch": (7, {0: "x"}), "rowsFinished": (7, {0: "eos"}), "steps": (7, []), "samples": ([],),
-            "generationFinished": (7, None),
-            "generationFailed": (8, "bad"), "ladderProgress": (1, 2, "x"), "ladderFinished": ([],),
-            "ladderFailed": ("bad",), "busyChanged": (False,)}
+    args = {
+        "loadStarted": ("m",),
+        "progress": (None,),
+        "loaded": (None, {}),
+        "loadFailed": ("m", "bad"),
+        "reconfigured": (EngineOptions(), {}),
+        "reconfigureFailed": ("bad",),
+        "generationStarted": (7, None),
+        "textBatch": (7, {0: "x"}),
+        "rowsFinished": (7, {0: "eos"}),
+        "steps": (7, []),
+        "samples": ([],),
+        "generationFinished": (7, None),
+        "generationFailed": (8, "bad"),
+        "ladderProgress": (1, 2, "x"),
+        "ladderFinished": ([],),
+        "ladderFailed": ("bad",),
+        "busyChanged": (False,),
+    }
     assert set(EVENT_NAMES) == set(args)
     heard: list[str] = []
     for name in EVENT_NAMES:
@@ -462,8 +508,12 @@ def test_quitting_during_a_load_that_cannot_be_interrupted_exits_cleanly(tmp_pat
     root = Path(__file__).resolve().parents[2]
     t0 = time.perf_counter()
     marker = tmp_path / "inside-the-load"
-    proc = subprocess.run([sys.executable, "-c", QUIT_WHILE_LOADING, str(root), str(tmp_path / "data"), str(tiny_llama),
-                           str(marker)], capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-c", QUIT_WHILE_LOADING, str(root), str(tmp_path / "data"), str(tiny_llama), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert marker.exists()
     assert proc.stdout.strip() == "busy"  # the worker was still in the load
     assert proc.returncode == 0, proc.stderr[-2000:]  # not Qt's abort on a running thread (134)

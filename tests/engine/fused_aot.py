@@ -5,6 +5,7 @@ spills (cuobjdump's resource usage). Run without TRITON_INTERPRET:
 
     python tests/engine/fused_aot.py --arch 90 --pdl --dtype fp16 --family llama --rows 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
-         torch.int32: "i32", torch.bool: "i1"}
+TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "i1",
+}
 SHAPES = {  # SmolLM2-135M's, and small Qwen-like ones with a bias or q/k norm (head_dim 128)
-    "llama": dict(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
-                  qkv_bias=False, qk_norm=False),
-    "qwen2": dict(dim=896, n_layers=2, n_heads=14, n_kv_heads=2, head_dim=64, intermediate_size=4864, vocab_size=4096,
-                  qkv_bias=True, qk_norm=False),
-    "qwen3": dict(dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=128, intermediate_size=3072,
-                  vocab_size=4096, qkv_bias=False, qk_norm=True),
+    "llama": dict(
+        dim=576,
+        n_layers=2,
+        n_heads=9,
+        n_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        qkv_bias=False,
+        qk_norm=False,
+    ),
+    "qwen2": dict(
+        dim=896,
+        n_layers=2,
+        n_heads=14,
+        n_kv_heads=2,
+        head_dim=64,
+        intermediate_size=4864,
+        vocab_size=4096,
+        qkv_bias=True,
+        qk_norm=False,
+    ),
+    "qwen3": dict(
+        dim=1024,
+        n_layers=2,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=4096,
+        qkv_bias=False,
+        qk_norm=True,
+    ),
 }
 
 
@@ -47,8 +81,16 @@ def record(family: str, dtype: torch.dtype, rows: int, pdl: bool) -> list:
     from engine.sampling import SamplerKind
 
     s = SHAPES[family]
-    args = ModelArgs(family=family, max_seq_len=256, tie_embeddings=True, o_bias=False, mlp_bias=False,
-                     hidden_act="silu", norm_eps=1e-6, **s)
+    args = ModelArgs(
+        family=family,
+        max_seq_len=256,
+        tie_embeddings=True,
+        o_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        norm_eps=1e-6,
+        **s,
+    )
     meta = torch.device("meta")
     with meta:
         model = Transformer(args, torch.zeros(256, s["head_dim"]), torch.zeros(256, s["head_dim"])).to(dtype)
@@ -72,7 +114,7 @@ def compile_call(name: str, args: tuple, kwargs: dict, arch: int) -> dict:
     fn = getattr(step_kernels, name)
     options = {k: kwargs.pop(k) for k in ("launch_pdl", "num_warps") if k in kwargs}
     sig, consts = {}, {}
-    for pname, value in zip(fn.arg_names, list(args) + [kwargs[n] for n in fn.arg_names[len(args):]]):
+    for pname, value in zip(fn.arg_names, list(args) + [kwargs[n] for n in fn.arg_names[len(args) :]]):
         if pname in kwargs:
             sig[pname], consts[(fn.arg_names.index(pname),)] = "constexpr", kwargs[pname]
         elif isinstance(value, torch.Tensor):
@@ -80,19 +122,24 @@ def compile_call(name: str, args: tuple, kwargs: dict, arch: int) -> dict:
         elif isinstance(value, bool):
             sig[pname] = "i1"
         elif isinstance(value, int):
-            sig[pname] = "i32" if -2**31 <= value < 2**31 else "i64"
+            sig[pname] = "i32" if -(2**31) <= value < 2**31 else "i64"
         else:
             sig[pname] = "fp32"
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                            options=options)
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32), options=options
+    )
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     os.unlink(f.name)
     fields = dict(re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage))
-    return {"kernel": name, "arch": arch, "pdl": bool(options.get("launch_pdl")),
-            **{k.lower(): int(v) for k, v in fields.items()}}
+    return {
+        "kernel": name,
+        "arch": arch,
+        "pdl": bool(options.get("launch_pdl")),
+        **{k.lower(): int(v) for k, v in fields.items()},
+    }
 
 
 def main() -> int:
@@ -108,13 +155,18 @@ def main() -> int:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     seen = set()
     for name, args, kwargs in record(a.family, dtype, a.rows, a.pdl):
-        key = (name, tuple(sorted((k, v) for k, v in kwargs.items())), tuple(
-            TYPES[x.dtype] if isinstance(x, torch.Tensor) else type(x).__name__ for x in args))
+        key = (
+            name,
+            tuple(sorted((k, v) for k, v in kwargs.items())),
+            tuple(TYPES[x.dtype] if isinstance(x, torch.Tensor) else type(x).__name__ for x in args),
+        )
         if key in seen:
             continue
         seen.add(key)
-        print(json.dumps({**compile_call(name, args, dict(kwargs), a.arch), "dtype": a.dtype, "family": a.family}),
-              flush=True)
+        print(
+            json.dumps({**compile_call(name, args, dict(kwargs), a.arch), "dtype": a.dtype, "family": a.family}),
+            flush=True,
+        )
     return 0
 
 

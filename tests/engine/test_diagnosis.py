@@ -1,5 +1,6 @@
 """The diagnosis rules on figures recorded by real runs (docs/bench-gpu.json: an H200 ladder; docs/bench-cpu.json:
 the 2-core CPU ladder; docs/gpu/h200-gpu-check-2-kernels.json: the kernels of the compiled, captured step)."""
+
 from __future__ import annotations
 
 import json
@@ -19,17 +20,36 @@ def rung(path: str, name: str) -> tuple[dict, dict]:
     return row["runs"][0]["metrics"], row["options"]
 
 
-@pytest.mark.parametrize("name, verdict, line, step", [
-    ("naive", "host sync", "host sync every token (.item()): the GPU idle 90 % of each step", "device sampling"),
-    ("device-sampling", "launch-bound", "launch-bound: the GPU idle 90 % between kernels, 296× over the memory floor",
-     "static KV cache (compile and CUDA graphs need it)"),
-    ("first-fixes", "launch-bound", "launch-bound: the GPU idle 90 % between kernels, 313× over the memory floor",
-     "compile"),
-    ("compile", "launch-bound", "launch-bound: the GPU idle 89 % between kernels, 124× over the memory floor",
-     "CUDA graph"),
-    ("cuda-graph", "launch-bound", "launch-bound: the GPU idle 26 % between kernels, 29× over the memory floor",
-     "fused kernels"),
-])
+@pytest.mark.parametrize(
+    "name, verdict, line, step",
+    [
+        ("naive", "host sync", "host sync every token (.item()): the GPU idle 90 % of each step", "device sampling"),
+        (
+            "device-sampling",
+            "launch-bound",
+            "launch-bound: the GPU idle 90 % between kernels, 296× over the memory floor",
+            "static KV cache (compile and CUDA graphs need it)",
+        ),
+        (
+            "first-fixes",
+            "launch-bound",
+            "launch-bound: the GPU idle 90 % between kernels, 313× over the memory floor",
+            "compile",
+        ),
+        (
+            "compile",
+            "launch-bound",
+            "launch-bound: the GPU idle 89 % between kernels, 124× over the memory floor",
+            "CUDA graph",
+        ),
+        (
+            "cuda-graph",
+            "launch-bound",
+            "launch-bound: the GPU idle 26 % between kernels, 29× over the memory floor",
+            "fused kernels",
+        ),
+    ],
+)
 def test_the_h200_ladder(name, verdict, line, step):
     metrics, options = rung("bench-gpu.json", name)
     d = diagnose(metrics, options)
@@ -42,23 +62,35 @@ def test_the_h200_ladder(name, verdict, line, step):
 def test_every_claim_carries_its_figure_and_source():
     metrics, options = rung("bench-gpu.json", "cuda-graph")
     d = diagnose(metrics, options)
-    assert f"DRAM bandwidth {metrics['dram_bw_util_pct']:.1f} % of peak ({metrics['dram_bw_util_source']})" in d.evidence
+    assert (
+        f"DRAM bandwidth {metrics['dram_bw_util_pct']:.1f} % of peak ({metrics['dram_bw_util_source']})" in d.evidence
+    )
     assert round(100 / metrics["dram_bw_util_pct"]) == 29
 
 
 def test_the_captured_step_with_its_kernel_count():
     doc = json.loads((DOCS / "gpu" / "h200-gpu-check-2-kernels.json").read_text())
     v = doc["sections"]["kernels"]["result"]["variants"][0]
-    metrics = {"kernel_gap_pct": v["kernel_gap_pct"], "kernel_gap_source": v["kernel_gap_source"],
-               "launches_per_step": v["kernels_per_pass"], "launches_per_step_source": "kernels per pass, torch.profiler"}
+    metrics = {
+        "kernel_gap_pct": v["kernel_gap_pct"],
+        "kernel_gap_source": v["kernel_gap_source"],
+        "launches_per_step": v["kernels_per_pass"],
+        "launches_per_step_source": "kernels per pass, torch.profiler",
+    }
     d = diagnose(metrics, preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict())
     assert d.line == "launch-bound: 348 kernels a token, the GPU idle 22 % between kernels → fused kernels"
     assert "348 kernels a step (kernels per pass, torch.profiler)" in d.evidence
     assert "DRAM bandwidth: not measured" in d.missing and "SM activity: not measured" in d.missing
 
 
-@pytest.mark.parametrize("name, step", [("naive", "static KV cache (compile and CUDA graphs need it)"),
-                                        ("first-fixes", "compile"), ("compile", "int8 weights")])
+@pytest.mark.parametrize(
+    "name, step",
+    [
+        ("naive", "static KV cache (compile and CUDA graphs need it)"),
+        ("first-fixes", "compile"),
+        ("compile", "int8 weights"),
+    ],
+)
 def test_the_cpu_ladder_says_what_it_cannot_know(name, step):
     metrics, options = rung("bench-cpu.json", name)
     d = diagnose(metrics, options)
@@ -69,8 +101,12 @@ def test_the_cpu_ladder_says_what_it_cannot_know(name, step):
 
 
 def test_cpu_op_bound_with_the_op_count():
-    metrics = {"kernel_gap_pct": 12.0, "kernel_gap_source": "op gap — torch.profiler CPU ops",
-               "launches_per_step": 1565.0, "launches_per_step_source": "top-level aten ops per step"}
+    metrics = {
+        "kernel_gap_pct": 12.0,
+        "kernel_gap_source": "op gap — torch.profiler CPU ops",
+        "launches_per_step": 1565.0,
+        "launches_per_step_source": "top-level aten ops per step",
+    }
     d = diagnose(metrics, preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32").to_dict())
     assert d.line == "CPU, op-bound: 1,565 ops a step, 12 % idle between ops → compile"
 

@@ -1,5 +1,6 @@
 """Engine behaviour on tiny models: token-exact parity with transformers generate() for every kv_cache x
 sampling combination, candidates, seeds, stop strings, cancel, option switches and the fallback path."""
+
 from __future__ import annotations
 
 import threading
@@ -7,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from engine.protocol import EngineLike
 from engine.engine import Engine
 from engine.errors import GenerationError, OptionsError
+from engine.protocol import EngineLike
 from engine.types import EngineOptions, Progress, SamplingParams, StepRecord, TextDelta
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
@@ -23,10 +24,13 @@ def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id,
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +196,14 @@ def test_cuda_graph_reported_unavailable_on_cpu(llama_engine):
 
 
 def test_bad_sampling_params_are_refused():
-    for bad in (dict(temperature=-1), dict(top_p=1.5), dict(top_p=float("nan")), dict(max_new_tokens=0),
-                dict(max_new_tokens=10**9), dict(repetition_penalty=0)):
+    for bad in (
+        dict(temperature=-1),
+        dict(top_p=1.5),
+        dict(top_p=float("nan")),
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=10**9),
+        dict(repetition_penalty=0),
+    ):
         with pytest.raises(OptionsError):
             SamplingParams(**bad).validate()
     for n in (0, 1000):
@@ -244,6 +254,7 @@ def test_compile_failure_falls_back_to_eager_with_a_notice(llama_engine, monkeyp
     def broken_compile(fn, **kw):
         def step(*a, **k):
             raise RuntimeError("inductor exploded")
+
         return step
 
     llama_engine.reconfigure(CPU)
@@ -337,7 +348,9 @@ def test_a_window_that_could_not_trace_leaves_no_steps_out(llama_engine):
     records: list[StepRecord] = []
     params = SamplingParams(temperature=0, max_new_tokens=30)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        res = llama_engine.generate(MESSAGES, params, on_event=lambda e: records.append(e) if isinstance(e, StepRecord) else None)
+        res = llama_engine.generate(
+            MESSAGES, params, on_event=lambda e: records.append(e) if isinstance(e, StepRecord) else None
+        )
     m = res.metrics
     assert m.decode_steps == len(res.token_ids[0]) - 1 >= 20
     assert m.profiled_steps == 0 and not any(r.profiled for r in records)
@@ -363,6 +376,7 @@ def test_a_fast_family_model_on_the_fallback_says_why(tmp_path):
         assert info.backend == "transformers"
         assert info.backend_reason == "rope type 'dynamic' is not on the fast path"
         assert eng.unavailable()["compile"] == (
-            "llama runs on the transformers fallback (rope type 'dynamic' is not on the fast path), which is not compiled")
+            "llama runs on the transformers fallback (rope type 'dynamic' is not on the fast path), which is not compiled"
+        )
     finally:
         eng.close()

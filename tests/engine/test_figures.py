@@ -1,4 +1,5 @@
 """The figures registry (engine/figures.py) and every place that reads figures agree on names and sources."""
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -9,7 +10,12 @@ from engine import figures
 from engine.ladder import MEDIAN_FIELDS, SOURCE_FIELDS, median_metrics
 from engine.types import GenerationMetrics, MonitorSample
 
-BOOKKEEPING = {"new_tokens", "unavailable", "overflow_policy", "prompt_cut"}  # GenerationMetrics fields that are not figures
+BOOKKEEPING = {
+    "new_tokens",
+    "unavailable",
+    "overflow_policy",
+    "prompt_cut",
+}  # GenerationMetrics fields that are not figures
 
 
 def _metric_fields() -> set[str]:
@@ -49,8 +55,9 @@ def test_keys_are_unique_and_lookup_of_an_unknown_figure_says_where_to_register(
 def test_put_sets_value_and_source_and_clears_na():
     m = GenerationMetrics()
     m.mark_na("kernel_gap_pct", "profiler window off")
-    assert m.figure("kernel_gap_pct") == figures.Figure(figures.spec("kernel_gap_pct"), None, None,
-                                                        "profiler window off")
+    assert m.figure("kernel_gap_pct") == figures.Figure(
+        figures.spec("kernel_gap_pct"), None, None, "profiler window off"
+    )
     m.put("kernel_gap_pct", 25.8, "kernel gap — torch.profiler")
     fig = m.figure("kernel_gap_pct")
     assert (fig.value, fig.source, fig.reason) == (25.8, "kernel gap — torch.profiler", None)

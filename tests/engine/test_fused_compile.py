@@ -2,6 +2,7 @@
 makes, for Hopper with PDL and for Ampere without, in each dtype, and no kernel spills registers (ptxas's resource
 usage: no stack frame, no local memory). The interpreter runs the same kernels' logic; this checks what only the
 GPU compiler sees (types, layouts, PDL's instructions)."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,24 @@ import pytest
 pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("fused_aot.py")
-KERNELS = {"qkv_rope_kernel", "decode_attention_kernel", "gemv_residual_kernel", "norm_gate_up_kernel",
-           "norm_head_kernel", "greedy_accept_kernel"}
+KERNELS = {
+    "qkv_rope_kernel",
+    "decode_attention_kernel",
+    "gemv_residual_kernel",
+    "norm_gate_up_kernel",
+    "norm_head_kernel",
+    "greedy_accept_kernel",
+}
 
 
-@pytest.mark.parametrize("arch,pdl,dtype,family,rows", [
-    (90, True, "fp16", "llama", 1),
-    (80, False, "bf16", "qwen3", 5),
-    (90, True, "fp32", "qwen2", 16),
-])
+@pytest.mark.parametrize(
+    "arch,pdl,dtype,family,rows",
+    [
+        (90, True, "fp16", "llama", 1),
+        (80, False, "bf16", "qwen3", 5),
+        (90, True, "fp32", "qwen2", 16),
+    ],
+)
 def test_every_kernel_compiles_for_the_gpu_without_spilling(arch, pdl, dtype, family, rows):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "GAPLESS_TRITON_INTERPRET")}
     cmd = [sys.executable, str(SCRIPT), "--arch", str(arch), "--dtype", dtype, "--family", family, "--rows", str(rows)]

@@ -1,6 +1,7 @@
 """The `kernels` option end to end on tiny models, the fused kernels through Triton's interpreter: the same tokens
 as the torch kernels (greedy and sampled, one row and candidates), what is reported when the fused kernels cannot
 serve, and the fall back to the torch kernels, with a notice, when a kernel fails."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,11 @@ from engine.errors import OptionsError  # noqa: E402
 from engine.kernels import INTERPRET_ENV, interpreting, launch  # noqa: E402
 from engine.types import PRESET_LABELS, PRESETS, EngineOptions, SamplingParams, preset_options  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="these run the kernels through Triton's interpreter "
-                                "(GAPLESS_TRITON_INTERPRET=1, set by conftest on a machine without CUDA)")
+pytestmark = pytest.mark.skipif(
+    not interpreting(),
+    reason="these run the kernels through Triton's interpreter "
+    "(GAPLESS_TRITON_INTERPRET=1, set by conftest on a machine without CUDA)",
+)
 
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
 TORCH = EngineOptions(device="cpu", dtype="fp32")
@@ -127,15 +131,18 @@ def test_bench_plans_the_fused_rung_and_fused_candidates(qwen2_engine, monkeypat
 def test_a_reused_prefix_survives_the_fused_warm_up(tiny_factory):
     """A follow-up that reuses the cached prompt and samples (a new sampler kind: the fused step is warmed up again,
     writing at position 0) gives the torch kernels' tokens for the same two turns."""
+
     def two_turns(options: EngineOptions):
         eng = Engine.load(str(tiny_factory("qwen2")), options)
         try:
             first = eng.generate(MESSAGES, GREEDY)
-            follow = MESSAGES + [{"role": "assistant", "content": first.texts[0]},
-                                 {"role": "user", "content": "the lazy dog"}]
+            follow = MESSAGES + [
+                {"role": "assistant", "content": first.texts[0]},
+                {"role": "user", "content": "the lazy dog"},
+            ]
             second = eng.generate(follow, SamplingParams(temperature=0.8, max_new_tokens=6, seed=5))
             cache = eng._runners[("static", 1, options.kernels)].cache
-            return first, second, [k[:, :, :second.metrics.prompt_tokens].clone() for k in cache.k]
+            return first, second, [k[:, :, : second.metrics.prompt_tokens].clone() for k in cache.k]
         finally:
             eng.close()
 

@@ -9,6 +9,7 @@ Triton's interpreter (3.9) converts fp32 to bf16 by truncation, not rounding to 
 = 1.1309 gives 1.1250 where torch gives 1.1328), and the kernels round at several points; the GPU rounds to
 nearest, and the GPU check compares bf16 there.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,11 @@ pytest.importorskip("triton")
 from engine.kernels import interpreting, launch  # noqa: E402
 from engine.model import RMSNorm, apply_rope  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="these run the kernels through Triton's interpreter "
-                                "(GAPLESS_TRITON_INTERPRET=1, set by conftest on a machine without CUDA)")
+pytestmark = pytest.mark.skipif(
+    not interpreting(),
+    reason="these run the kernels through Triton's interpreter "
+    "(GAPLESS_TRITON_INTERPRET=1, set by conftest on a machine without CUDA)",
+)
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -35,7 +39,7 @@ def profile(request, monkeypatch):
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16:
-        ulp = 2.0 ** -7 * float(b.float().abs().max())  # bf16 keeps 8 significant bits
+        ulp = 2.0**-7 * float(b.float().abs().max())  # bf16 keeps 8 significant bits
         torch.testing.assert_close(a.float(), b.float(), atol=4 * ulp, rtol=0)
         return
     atol, rtol = TOL[dtype]
@@ -76,12 +80,12 @@ def test_qkv_rope_matches_torch(profile, dtype, variant):
     rq, rk = rq.view(B, 1, H, D), rk.view(B, 1, HKV, D)
     if variant == "qk_norm":
         rq, rk = rms(rq, qn, eps), rms(rk, kn, eps)
-    rq = apply_rope(rq.transpose(1, 2), cos[pos:pos + 1], sin[pos:pos + 1])[:, :, 0]
-    rk = apply_rope(rk.transpose(1, 2), cos[pos:pos + 1], sin[pos:pos + 1])[:, :, 0]
+    rq = apply_rope(rq.transpose(1, 2), cos[pos : pos + 1], sin[pos : pos + 1])[:, :, 0]
+    rk = apply_rope(rk.transpose(1, 2), cos[pos : pos + 1], sin[pos : pos + 1])[:, :, 0]
     close(q, rq, dtype)
     close(kc[:, :, pos], rk, dtype)
     close(vc[:, :, pos], rv.view(B, HKV, D), dtype)
-    assert not kc[:, :, :pos].any() and not kc[:, :, pos + 1:].any(), "only position pos is written"
+    assert not kc[:, :, :pos].any() and not kc[:, :, pos + 1 :].any(), "only position pos is written"
     if emb is not None:
         assert torch.equal(x, x_in), "the first layer writes the embedded rows into the residual stream"
 
@@ -94,8 +98,9 @@ def test_decode_attention_matches_sdpa(profile, dtype, pos):
     kc, vc = rnd(B, HKV, L, D, dtype=dtype, seed=1), rnd(B, HKV, L, D, dtype=dtype, seed=2)
     y = torch.zeros(B, H * D, dtype=dtype)
     launch.decode_attention(q, kc, vc, torch.tensor([pos]), y)
-    ref = F.scaled_dot_product_attention(q[:, :, None].float(), kc[:, :, :pos + 1].float(), vc[:, :, :pos + 1].float(),
-                                         enable_gqa=True)
+    ref = F.scaled_dot_product_attention(
+        q[:, :, None].float(), kc[:, :, : pos + 1].float(), vc[:, :, : pos + 1].float(), enable_gqa=True
+    )
     close(y, ref[:, :, 0].reshape(B, H * D).to(dtype), dtype)
 
 
@@ -138,7 +143,7 @@ def test_norm_head_logits_and_block_maxima(profile, dtype):
     close(logits, F.linear(rms(x, norm_w, eps), w).float(), dtype)
     size = launch.gemv_blocks(V, DIM)[0]
     for blk in range(blocks):
-        part = logits[:, blk * size:(blk + 1) * size]
+        part = logits[:, blk * size : (blk + 1) * size]
         assert torch.equal(pmax[:, blk], part.max(dim=1).values)
         assert torch.equal(pidx[:, blk].long(), blk * size + part.argmax(dim=1))
 

@@ -1,6 +1,7 @@
 """The whole fused decode step against the eager model, through Triton's interpreter on CPU tensors: logits on the
 prompt (fed one token a step through the kernels) and over 8 greedy decode steps, for a tiny random model of each
 family; per-row results that do not depend on how many rows run; the engine's option, fallbacks and notices."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,15 +9,19 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_model_golden import hf_model, hf_state  # noqa: E402
+
 from engine.decode import StaticRunner  # noqa: E402
 from engine.kernels import interpreting, launch  # noqa: E402
 from engine.kernels.runner import FusedRunner  # noqa: E402
 from engine.model import StaticKVCache, build_transformer  # noqa: E402
 from engine.sampling import SamplerKind  # noqa: E402
-from test_model_golden import hf_model, hf_state  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="these run the kernels through Triton's interpreter "
-                                "(GAPLESS_TRITON_INTERPRET=1, set by conftest on a machine without CUDA)")
+pytestmark = pytest.mark.skipif(
+    not interpreting(),
+    reason="these run the kernels through Triton's interpreter "
+    "(GAPLESS_TRITON_INTERPRET=1, set by conftest on a machine without CUDA)",
+)
 
 GREEDY = SamplerKind(greedy=True, top_k=False, top_p=False, repetition=False)
 CPU = torch.device("cpu")
@@ -73,10 +78,18 @@ def test_fused_step_logits_match_eager_on_the_prompt_and_8_decode_steps(name):
         k_ref.attn_len = len(ids)
         model(torch.tensor([ids]), torch.arange(len(ids)), k_ref, None)
         for layer in range(model.args.n_layers):
-            torch.testing.assert_close(runner.cache.k[layer][:, :, :len(ids)], k_ref.k[layer][:, :, :len(ids)],
-                                       atol=LOGIT_TOL, rtol=LOGIT_TOL)
-            torch.testing.assert_close(runner.cache.v[layer][:, :, :len(ids)], k_ref.v[layer][:, :, :len(ids)],
-                                       atol=LOGIT_TOL, rtol=LOGIT_TOL)
+            torch.testing.assert_close(
+                runner.cache.k[layer][:, :, : len(ids)],
+                k_ref.k[layer][:, :, : len(ids)],
+                atol=LOGIT_TOL,
+                rtol=LOGIT_TOL,
+            )
+            torch.testing.assert_close(
+                runner.cache.v[layer][:, :, : len(ids)],
+                k_ref.v[layer][:, :, : len(ids)],
+                atol=LOGIT_TOL,
+                rtol=LOGIT_TOL,
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -111,7 +124,7 @@ def test_rows_give_the_same_result_whatever_their_number(profile, monkeypatch):
             many[rows].append(r.tok[:, 0].clone())
         for row in range(6):
             one = FusedRunner(model, 1, 64, [], CPU, torch.float32)
-            single = [feed(one, prompts[row:row + 1, p], p) for p in range(4)] + [one.tok[:, 0].clone()]
+            single = [feed(one, prompts[row : row + 1, p], p) for p in range(4)] + [one.tok[:, 0].clone()]
             for rows in (4, 6):
                 if row < rows:
                     for a, b in zip(single, many[rows]):
@@ -141,9 +154,18 @@ def test_runner_prefill_and_steps_give_the_static_runners_tokens():
 def test_greedy_tokens_equal_eager_over_32_steps_on_smollm2_shape():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                      rope_theta=100000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg)
     model = build_transformer(cfg, hf_state(hf), torch.float32, CPU)

@@ -1,6 +1,7 @@
 """The native GGUF path against its references: every block type de-quantised bit-exactly as the gguf package
 does it, tiny GGUF models loaded to exactly transformers' tensors, config and tokenizer, the converted cache
 (used, invalidated, rebuilt), and the default model (slow)."""
+
 from __future__ import annotations
 
 import logging
@@ -10,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_fixtures import gguf_name, hf_llama_to_gguf, random_blocks
 
 from engine import gguf_native
 from engine.gguf_dequant import BLOCKS, dequantize
 from engine.gguf_header import check_gguf, read_gguf_header
 from engine.loader import _load_gguf_transformers, gguf_architectures, load_checkpoint
-from gguf_fixtures import gguf_name, hf_llama_to_gguf, random_blocks
 
 TEXT = "hello world <|im_start|>user\nParis is the capital of France. 42 ünï"
 WRITER_QUANTISES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -140,9 +141,17 @@ def test_qwen_ggufs_load_natively_to_transformers_tensors(tiny_factory, tmp_path
 def test_k_quant_gguf_loads_to_transformers_tensors(tiny_factory, tmp_path):
     folder = tiny_factory("llama", tie=False, hidden_size=256, intermediate_size=512)
     names = [n for n in ("model.embed_tokens.weight", "lm_head.weight")] + [
-        f"model.layers.{i}.{m}.weight" for i in range(2)
-        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
     ]
     kinds = ["Q4_K", "Q5_K", "Q6_K"]
     types = {gguf_name(n): kinds[i % 3] for i, n in enumerate(names)}
@@ -152,8 +161,11 @@ def test_k_quant_gguf_loads_to_transformers_tensors(tiny_factory, tmp_path):
 
 
 def test_tensor_names_and_config_as_transformers_builds_them(tiny_llama, tmp_path):
-    from transformers.modeling_gguf_pytorch_utils import (LlamaTensorProcessor, get_gguf_hf_weights_map,
-                                                           load_gguf_checkpoint)
+    from transformers.modeling_gguf_pytorch_utils import (
+        LlamaTensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
 
     from engine.loader import _Layout
 

@@ -1,5 +1,6 @@
 """Loading checkpoints: HF folders (single, sharded, base-model names), GGUF files (exact round trip of a tiny
 Llama written the way llama.cpp writes it), progress, and the real default model (slow)."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_fixtures import hf_llama_to_gguf
 from safetensors.torch import load_file, save_file
 
 from engine.loader import Checkpoint, load_checkpoint
-from gguf_fixtures import hf_llama_to_gguf
 
 TEXT = "hello world <|im_start|>user\nParis is the capital of France. 42"
 
@@ -175,8 +176,13 @@ def test_gguf_rope_frequency_factors_are_applied_as_llama3_rope(tiny_llama, tmp_
     frequencies by them, which is transformers' llama3 rope exactly."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     ref = _hf_with_rope(tiny_llama, rope)
     llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](ref.config, torch.device("cpu"))
     default = _hf_with_rope(tiny_llama, {"rope_type": "default"})

@@ -1,16 +1,17 @@
 """Golden tests: our decoder's logits equal transformers' on tiny random models of every fast-path family,
 on prefill and on 8 decode steps, for every kv_cache mode; candidate rows equal the single row under greedy."""
+
 from __future__ import annotations
 
 import inspect
 
 import pytest
 import torch
+from tiny_models import make_config
 
 from engine.decode import DynamicRunner, NoCacheRunner, StaticRunner
 from engine.model import build_transformer
 from engine.sampling import SamplerKind
-from tiny_models import make_config
 
 TOL = 1e-4
 GREEDY = SamplerKind(greedy=True, top_k=False, top_p=False, repetition=False)
@@ -18,8 +19,15 @@ GREEDY = SamplerKind(greedy=True, top_k=False, top_p=False, repetition=False)
 FAMILIES = {
     "llama": dict(family="llama"),
     "llama-untied-rope-scaled": dict(
-        family="llama", tie=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        family="llama",
+        tie=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "llama-attention-bias": dict(family="llama", attention_bias=True, mlp_bias=True),
     "mistral": dict(family="mistral", sliding_window=None),

@@ -1,9 +1,10 @@
 """The monitor with no NVML (this machine), and with a fake NVML module that has or lacks GPM and fails mid-run."""
+
 from __future__ import annotations
 
 import time
-from typing import Optional
 from types import SimpleNamespace
+from typing import Optional
 
 import pynvml
 import pytest
@@ -22,7 +23,8 @@ class FakeNVMLError(Exception):
 
     def __str__(self) -> str:
         return {3: "Not Supported", 6: "Not Found", 12: "NVML Shared Library Not Found", 15: "GPU is lost"}.get(
-            self.value, f"error {self.value}")
+            self.value, f"error {self.value}"
+        )
 
 
 class FakeNVML:
@@ -41,8 +43,9 @@ class FakeNVML:
     NVML_GPM_METRICS_GET_VERSION = pynvml.NVML_GPM_METRICS_GET_VERSION
     c_nvmlGpmMetricsGet_t = pynvml.c_nvmlGpmMetricsGet_t
 
-    def __init__(self, gpm=True, init_error=None, fail=None, fail_code=15, gpm_metric_errors=None, util_scale=1,
-                 util_every=1):
+    def __init__(
+        self, gpm=True, init_error=None, fail=None, fail_code=15, gpm_metric_errors=None, util_scale=1, util_every=1
+    ):
         self.gpm = gpm
         self.util_every = util_every  # a new utilization sample on every n-th call (the driver's own rate)
         self.util_scale = util_scale
@@ -55,8 +58,11 @@ class FakeNVML:
         self.util_value = 40
         self.freed = 0
         self.shutdowns = 0
-        self.gpm_values = {pynvml.NVML_GPM_METRIC_SM_UTIL: 12.5, pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 6.25,
-                           pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 30.0}
+        self.gpm_values = {
+            pynvml.NVML_GPM_METRIC_SM_UTIL: 12.5,
+            pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 6.25,
+            pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 30.0,
+        }
 
     def _call(self, name):
         n = self.calls[name] = self.calls.get(name, 0) + 1
@@ -379,4 +385,5 @@ def test_describe_machine_here_and_with_a_driver():
     assert with_driver["driver_version"] == "570.124.06" and with_driver["driver_version_reason"] is None
     assert nvml.shutdowns == 1
     assert describe_machine(nvml=FakeNVML(init_error=12))["driver_version_reason"] == (
-        "NVML not available: NVML Shared Library Not Found")
+        "NVML not available: NVML Shared Library Not Found"
+    )

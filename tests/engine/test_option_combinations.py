@@ -1,4 +1,5 @@
 """Options that each change the decode path, together: greedy answers stay those of the plain path."""
+
 from __future__ import annotations
 
 import pytest

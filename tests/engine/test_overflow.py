@@ -1,13 +1,14 @@
 """Overflow policies: what a conversation longer than the context loses under each (engine.prompt), token-exact
 against the chat template, and the figures the engine reports for it."""
+
 from __future__ import annotations
 
 import pytest
+from tiny_models import CHATML, make_tokenizer
 
 from engine.errors import GenerationError
 from engine.prompt import build_prompt, prompt_budget
 from engine.types import SamplingParams
-from tiny_models import CHATML, make_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are brief."}
 
@@ -27,8 +28,10 @@ def ids(tok, messages) -> list[int]:
 def long_chat(turns: int) -> list[dict]:
     msgs = [SYSTEM]
     for n in range(turns):
-        msgs += [{"role": "user", "content": f"question {n}: the quick brown fox jumps over the lazy dog"},
-                 {"role": "assistant", "content": f"answer {n}: hello world " * 3}]
+        msgs += [
+            {"role": "user", "content": f"question {n}: the quick brown fox jumps over the lazy dog"},
+            {"role": "assistant", "content": f"answer {n}: hello world " * 3},
+        ]
     return msgs + [{"role": "user", "content": "the final question: Paris?"}]
 
 
@@ -41,11 +44,12 @@ def test_truncate_middle_keeps_the_system_prompt_and_the_first_message(tok):
     n = p.dropped_messages
     assert n > 0 and n % 2 == 0
     # the first turn stays whole, then the newest turns: messages 3 .. 2 + n (the chat's numbering) are gone
-    kept = [SYSTEM, msgs[1], msgs[2], *msgs[3 + n:]]
+    kept = [SYSTEM, msgs[1], msgs[2], *msgs[3 + n :]]
     assert p.ids == ids(tok, kept)
-    assert len(ids(tok, [SYSTEM, msgs[1], msgs[2], *msgs[3 + n - 2:]])) > budget  # the fewest turns dropped
-    what = (f"{n} messages from the middle dropped (messages 3–{2 + n} of 21; the system prompt and the first "
-            "message kept)")
+    assert len(ids(tok, [SYSTEM, msgs[1], msgs[2], *msgs[3 + n - 2 :]])) > budget  # the fewest turns dropped
+    what = (
+        f"{n} messages from the middle dropped (messages 3–{2 + n} of 21; the system prompt and the first message kept)"
+    )
     assert p.cut == what
     assert p.notices == [f"prompt cut to fit the {context}-token context: {what}"]
 
@@ -61,13 +65,19 @@ def test_truncate_middle_drops_the_first_answer_last(tok):
 
 def test_truncate_middle_cuts_the_last_message_when_the_kept_ones_fill_the_context(tok):
     words = " ".join(f"w{n}" for n in range(400)) + " THE END"
-    msgs = [SYSTEM, {"role": "user", "content": "first"}, {"role": "assistant", "content": "a"},
-            {"role": "user", "content": words}]
+    msgs = [
+        SYSTEM,
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": words},
+    ]
     p = build_prompt(tok, msgs, 128, 16, overflow="truncate-middle")
     assert p.text.startswith("<|im_start|>system\nYou are brief.<|im_end|>\n<|im_start|>user\nfirst<|im_end|>\n")
     assert p.text.endswith("THE END<|im_end|>\n<|im_start|>assistant\n") and "w0 " not in p.text
-    assert p.cut.startswith("1 message from the middle dropped (message 2 of 3; the system prompt and the first "
-                            "message kept) and the last message was cut to its last")
+    assert p.cut.startswith(
+        "1 message from the middle dropped (message 2 of 3; the system prompt and the first "
+        "message kept) and the last message was cut to its last"
+    )
     big_first = [SYSTEM, {"role": "user", "content": "hello world " * 200}, {"role": "user", "content": "hi"}]
     with pytest.raises(GenerationError, match="the system prompt, the first message and the chat format take"):
         build_prompt(tok, big_first, 128, 16, overflow="truncate-middle")
@@ -77,7 +87,7 @@ def test_rolling_drops_the_oldest_and_says_so(tok):
     msgs = long_chat(10)
     context = len(ids(tok, msgs)) // 2
     p = build_prompt(tok, msgs, context, 16, overflow="rolling")
-    assert p.ids == ids(tok, [SYSTEM, *msgs[1 + p.dropped_messages:]])
+    assert p.ids == ids(tok, [SYSTEM, *msgs[1 + p.dropped_messages :]])
     assert p.cut == f"{p.dropped_messages} oldest messages dropped"
 
 
@@ -88,8 +98,9 @@ def test_stop_refuses_a_conversation_that_does_not_fit_and_keeps_one_that_does(t
     with pytest.raises(GenerationError) as err:
         build_prompt(tok, msgs, context, 16, overflow="stop")
     budget = prompt_budget(context, 16)
-    assert str(err.value).startswith(f"the conversation takes {full:,} tokens, more than the {budget:,} the "
-                                     f"{context:,}-token context leaves")
+    assert str(err.value).startswith(
+        f"the conversation takes {full:,} tokens, more than the {budget:,} the {context:,}-token context leaves"
+    )
     assert "nothing was dropped" in str(err.value) and "choose another overflow policy" in str(err.value)
     p = build_prompt(tok, msgs, full + 16, 16, overflow="stop")
     assert p.ids == ids(tok, msgs) and p.cut == "" and p.notices == []

@@ -1,6 +1,7 @@
 """Prefix reuse: answers with the KV cache carried across generations are token for token those computed from an
 empty cache, on tiny models of every family and each cache mode, across follow-ups, edits, regenerates and a
 continued candidate; positions past the common prefix are never read; the figures say what was reused."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,9 @@ from engine.prompt import build_prompt
 from engine.types import EngineOptions, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
-CASES = [(f, kv) for f in ("llama", "qwen2", "qwen3", "mistral") for kv in ("static", "dynamic")] + [("gpt2", "dynamic")]
+CASES = [(f, kv) for f in ("llama", "qwen2", "qwen3", "mistral") for kv in ("static", "dynamic")] + [
+    ("gpt2", "dynamic")
+]
 
 
 def load(path, **opts) -> Engine:
@@ -66,8 +69,10 @@ def test_reuse_gives_the_answers_of_an_empty_cache(tiny_factory, family, kv):
             assert r.metrics.prompt_reused_tokens + r.metrics.prompt_computed_tokens == r.metrics.prompt_tokens
         assert reused[4] == a[4].metrics.prompt_tokens - 1  # a regenerate computes only the last prompt token
         # the edit reuses exactly up to the first token that changed (the turn before is all in the cache)
-        before, edit = (build_prompt(with_reuse.tokenizer, m, with_reuse.context_length, GREEDY.max_new_tokens).ids
-                        for m in sent[2:4])
+        before, edit = (
+            build_prompt(with_reuse.tokenizer, m, with_reuse.context_length, GREEDY.max_new_tokens).ids
+            for m in sent[2:4]
+        )
         assert reused[3] == common_prefix(before, edit) < len(edit) - 1
     finally:
         with_reuse.close()
@@ -144,7 +149,10 @@ def test_a_longer_cache_takes_over_the_prefix(tiny_factory):
         r2 = eng.generate(follow, GREEDY)
         assert next(iter(eng._runners.values())).length > 256
         assert r2.metrics.prompt_reused_tokens >= r1.metrics.prompt_tokens
-        assert [r1.token_ids, r2.token_ids] == [ref.generate(msgs, GREEDY).token_ids, ref.generate(follow, GREEDY).token_ids]
+        assert [r1.token_ids, r2.token_ids] == [
+            ref.generate(msgs, GREEDY).token_ids,
+            ref.generate(follow, GREEDY).token_ids,
+        ]
     finally:
         eng.close()
         ref.close()
@@ -173,8 +181,9 @@ def test_a_cancelled_answer_leaves_a_reusable_cache(tiny_llama):
         msgs = [user("hello world, the quick brown fox")]
         cancel = threading.Event()
         long = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
-        first = eng.generate(msgs, long, on_event=lambda e: cancel.set() if isinstance(e, TextDelta) else None,
-                             cancel=cancel)
+        first = eng.generate(
+            msgs, long, on_event=lambda e: cancel.set() if isinstance(e, TextDelta) else None, cancel=cancel
+        )
         assert first.finish_reasons == ["cancelled"]
         follow = [*msgs, assistant(first.texts[0]), user("go on")]
         r = eng.generate(follow, GREEDY)

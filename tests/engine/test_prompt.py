@@ -1,12 +1,13 @@
 """Prompt building: chat template (token-exact against apply_chat_template), the plain fallback, raw mode,
 validation, odd characters, and cutting a long conversation to fit the context."""
+
 from __future__ import annotations
 
 import pytest
+from tiny_models import CHATML, make_tokenizer
 
 from engine.errors import GenerationError
 from engine.prompt import build_prompt, prompt_budget
-from tiny_models import CHATML, make_tokenizer
 
 NO_SYSTEM = (
     "{% for message in messages %}{% if message['role'] == 'system' %}"
@@ -143,7 +144,10 @@ def test_budget_keeps_room_for_the_answer_up_to_a_quarter_of_the_context():
 def _long_chat(turns: int) -> list[dict]:
     msgs = [SYSTEM]
     for n in range(turns):
-        msgs += [_user(f"question {n}: the quick brown fox jumps over the lazy dog"), _assistant(f"answer {n}: hello world " * 3)]
+        msgs += [
+            _user(f"question {n}: the quick brown fox jumps over the lazy dog"),
+            _assistant(f"answer {n}: hello world " * 3),
+        ]
     return msgs + [_user("the final question: Paris?")]
 
 

@@ -1,5 +1,6 @@
 """The quality bench: perplexity, top-1 agreement with fp32 and decode tok/s per weight format, on a tiny model
 (the figures for the default model are in docs/benchmarks.md); a format this machine lacks is skipped with why."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,25 @@ def test_quality_report_per_format(tiny_llama, monkeypatch):
 
 def test_bench_quality_cli_writes_json(tiny_llama, tmp_path, capsys):
     out = tmp_path / "quality.json"
-    assert main(["bench", "--quality", "--model", str(tiny_llama), "--device", "cpu", "--repeats", "1",
-                 "--max-new-tokens", "4", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--quality",
+                "--model",
+                str(tiny_llama),
+                "--device",
+                "cpu",
+                "--repeats",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["kind"] == "quality" and [f["label"] for f in data["formats"]] == ["fp32", "bf16", "int8", "int4"]
     assert all(f["status"] == "ok" for f in data["formats"])

@@ -1,13 +1,22 @@
 """Weight-only int8/int4 linears against a de-quantised fp32 reference, the weights option through the engine
 (validation, unavailable combinations, re-placing), and a tiny model's greedy tokens in int8 beside native."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine.errors import OptionsError
-from engine.quant import (INT4_GROUP, Int4Linear, Int8Linear, dequantize_int4, quantize_int4, quantize_int8,
-                          quantize_linears, weight_bytes)
+from engine.quant import (
+    INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+    weight_bytes,
+)
 from engine.types import EngineOptions, SamplingParams
 
 SHAPES = [(1536, 576), (576, 1536), (192, 64)]

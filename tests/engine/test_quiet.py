@@ -1,4 +1,5 @@
 """Profiler chatter is kept off stderr; everything else written to stderr meanwhile still arrives."""
+
 from __future__ import annotations
 
 import os
@@ -12,11 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_filter_drops_kineto_lines_only():
-    data = (b"USDT:2026-11-30 13:15:29 10980:10980 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
-            b"real warning: disk almost full\n"
-            b"STAGE:2026-11-30 13:20:09 14796:14796 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n"
-            b"[W1130 External init callback must run in same thread as registerClient (1 != 2)\n"
-            b"USDT: not a kineto line\n")
+    data = (
+        b"USDT:2026-11-30 13:15:29 10980:10980 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+        b"real warning: disk almost full\n"
+        b"STAGE:2026-11-30 13:20:09 14796:14796 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n"
+        b"[W1130 External init callback must run in same thread as registerClient (1 != 2)\n"
+        b"USDT: not a kineto line\n"
+    )
     assert filter_chatter(data) == b"real warning: disk almost full\nUSDT: not a kineto line\n"
 
 

@@ -1,5 +1,6 @@
 """Telemetry files (engine/recording.py): a generation's events and figures saved and read back exactly, and
 every kind of bad file refused with where and why."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ def recorded(tiny_llama, tmp_path_factory):
     try:
         seen = []
         rec = Recorder(seen.append)
-        result = eng.generate([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_new_tokens=12),
-                              on_event=rec)
+        result = eng.generate(
+            [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_new_tokens=12), on_event=rec
+        )
         recording = rec.finish(result, "tiny", eng.info.to_dict(), {"cpu_model": "test"})
     finally:
         eng.close()
@@ -62,17 +64,20 @@ def _doc(path):
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda d: "[1, 2" , "not valid JSON"),
-    (lambda d: {"hello": 1}, "not a Gapless telemetry file"),
-    (lambda d: dict(d, version=VERSION + 1), f"telemetry version {VERSION + 1}"),
-    (lambda d: {k: v for k, v in d.items() if k != "metrics"}, '"metrics" is missing'),
-    (lambda d: dict(d, steps={"0": 1}), '"steps" is dict, not list'),
-    (lambda d: dict(d, options=dict(d["options"], dtype="fp8")), "options: dtype must be one of"),
-    (lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms="fast")), "metrics: ttft_ms is 'fast'"),
-    (lambda d: dict(d, steps=[dict(d["steps"][0], t=None)]), "steps[0]: t is None"),
-    (lambda d: dict(d, samples=[{"t": 1.0, "sources": {"gpu": 3}}]), "samples[0]: sources"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: "[1, 2", "not valid JSON"),
+        (lambda d: {"hello": 1}, "not a Gapless telemetry file"),
+        (lambda d: dict(d, version=VERSION + 1), f"telemetry version {VERSION + 1}"),
+        (lambda d: {k: v for k, v in d.items() if k != "metrics"}, '"metrics" is missing'),
+        (lambda d: dict(d, steps={"0": 1}), '"steps" is dict, not list'),
+        (lambda d: dict(d, options=dict(d["options"], dtype="fp8")), "options: dtype must be one of"),
+        (lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms="fast")), "metrics: ttft_ms is 'fast'"),
+        (lambda d: dict(d, steps=[dict(d["steps"][0], t=None)]), "steps[0]: t is None"),
+        (lambda d: dict(d, samples=[{"t": 1.0, "sources": {"gpu": 3}}]), "samples[0]: sources"),
+    ],
+)
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):
     _, path, _, _ = recorded
     bad = change(_doc(path))

@@ -1,5 +1,6 @@
 """Sampling on the device against transformers' logits processors, and the exponential-race draw against the
 distribution it should follow."""
+
 from __future__ import annotations
 
 import itertools
@@ -15,8 +16,13 @@ V = 64
 
 def hf_processed(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """transformers' processors, in generate()'s order, row by row (each row's own tokens seen)."""
-    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                              TopKLogitsWarper, TopPLogitsWarper)
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     procs = LogitsProcessorList()
     if p.repetition_penalty != 1.0:
@@ -51,7 +57,7 @@ PARAMS = [
 def test_processors_equal_transformers(p):
     g = torch.Generator().manual_seed(hash((p.temperature, p.top_k, p.top_p, p.repetition_penalty)) % 2**31)
     logits = torch.randn(8, V, generator=g) * 3  # no ties: where tokens tie at the cut, see the test below
-    logits[1, :V // 2] = -logits[1, :V // 2].abs()  # negative logits, which the penalty multiplies
+    logits[1, : V // 2] = -logits[1, : V // 2].abs()  # negative logits, which the penalty multiplies
     seen = torch.rand(8, V, generator=g) < 0.2
     seen[:, 0] = True  # every row has seen something
     want, got = hf_processed(logits, seen, p), ours(logits, seen, p)

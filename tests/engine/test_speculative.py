@@ -1,6 +1,7 @@
 """Speculative decoding on tiny models: greedy tokens identical to plain decoding for every fast family and draft
 length, EOS and max_new_tokens inside an accepted run, the sampling distribution unchanged (a chi-square test with
 a control that it can fail), the draft-model path and its refusal of a mismatched pair, the options and flags."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,13 @@ from engine.speculative import AdaptiveK, NgramProposer, ngram_propose_tensor, v
 from engine.types import EngineOptions, SamplingParams, StepRecord
 
 CPU = EngineOptions(device="cpu")
-REPEATS = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
-                                       "the quick brown fox jumps over the lazy dog."}]
+REPEATS = [
+    {
+        "role": "user",
+        "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
+        "the quick brown fox jumps over the lazy dog.",
+    }
+]
 PLAIN = [{"role": "user", "content": "Paris is the capital of France."}]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=40)
 
@@ -40,10 +46,13 @@ def test_options_validate_and_round_trip():
     o = EngineOptions(speculation="draft", draft_tokens=7, draft_model="/m/small.gguf").validate()
     assert EngineOptions.from_dict(o.to_dict()) == o
     assert o.to_dict()["speculation"] == "draft" and o.to_dict()["draft_tokens"] == 7
-    for bad, needle in [(dict(speculation="lookahead"), "speculation must be one of off, ngram, draft"),
-                        (dict(draft_tokens=16), "between 1 and 15 (0 = adaptive), got 16"),
-                        (dict(draft_tokens=-1), "got -1"), (dict(draft_tokens=True), "must be an integer"),
-                        (dict(draft_model=None), "draft_model must be a path")]:
+    for bad, needle in [
+        (dict(speculation="lookahead"), "speculation must be one of off, ngram, draft"),
+        (dict(draft_tokens=16), "between 1 and 15 (0 = adaptive), got 16"),
+        (dict(draft_tokens=-1), "got -1"),
+        (dict(draft_tokens=True), "must be an integer"),
+        (dict(draft_model=None), "draft_model must be a path"),
+    ]:
         with pytest.raises(OptionsError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             EngineOptions(**bad).validate()
 
@@ -55,8 +64,9 @@ def test_cli_flags_reach_the_options():
     parser = build_parser()
     args = parser.parse_args(["generate", "--prompt", "x", "--speculation", "ngram", "--draft-tokens", "auto"])
     assert options_from_args(args).speculation == "ngram" and options_from_args(args).draft_tokens == 0
-    args = parser.parse_args(["generate", "--prompt", "x", "--speculation", "draft", "--draft-tokens", "5",
-                              "--draft-model", "small.gguf"])
+    args = parser.parse_args(
+        ["generate", "--prompt", "x", "--speculation", "draft", "--draft-tokens", "5", "--draft-model", "small.gguf"]
+    )
     o = options_from_args(args)
     assert (o.speculation, o.draft_tokens, o.draft_model) == ("draft", 5, "small.gguf")
     args = parser.parse_args(["generate", "--prompt", "x", "--draft-tokens", "20"])
@@ -229,7 +239,7 @@ class Oracle:
         self.n += len(tokens)
 
     def propose(self, k):
-        return (self.answer[self.n:self.n + k] + [self.junk] * k)[:k]
+        return (self.answer[self.n : self.n + k] + [self.junk] * k)[:k]
 
 
 def _with_oracle(monkeypatch, answer, junk=5):
@@ -286,8 +296,9 @@ def test_step_records_count_several_tokens_per_step(llama_engine_spec):
 def test_the_graph_verify_step_matches_plain_decoding(tiny_factory, monkeypatch):
     """Static shapes as compiled and captured: drafts padded to one of the adaptive lengths, the mask over a
     whole context bucket (the captured step stands in for the graph on the CPU, as in test_engine)."""
-    from engine.decode import StaticRunner
     from test_engine import StepAsCaptured
+
+    from engine.decode import StaticRunner
 
     path = tiny_factory("llama", max_position_embeddings=1024)
     captured: list[StepAsCaptured] = []
@@ -380,8 +391,9 @@ def test_verify_sampling_gives_the_target_distribution(llama_engine_spec, monkey
         d1 = int(first.argmax())
         second = eng.model(torch.tensor([ids + [d1]]), torch.arange(len(ids) + 1), None, None)[0, -1]
         d2 = int(second.argmax())
-        logits = eng.model(torch.tensor([ids + [d1, d2]]), torch.arange(len(ids) + 2), None, None,
-                           last_only=False)[0, -3:]
+        logits = eng.model(torch.tensor([ids + [d1, d2]]), torch.arange(len(ids) + 2), None, None, last_only=False)[
+            0, -3:
+        ]
         p0 = torch.softmax(process(logits[:1].clone(), kind, state), -1)[0]
         seen1 = state.seen.clone()
         seen1[0, d1] = True

@@ -1,4 +1,5 @@
 """Host side of a generation: read-back of the device's token buffer and per-row text."""
+
 import torch
 
 from engine.stream import Readback

@@ -1,5 +1,6 @@
 """Interval merging, gap, percentiles and the DRAM estimate on hand-made data (decode tok/s itself is checked on
 real generations in test_engine.py)."""
+
 from __future__ import annotations
 
 import random
@@ -97,7 +98,10 @@ def test_dram_bandwidth_estimate_of_a_generation_without_gpm():
         peak_dram_bw_bytes_s = 4.8e12
 
         def summary(self, t0, t1):
-            return {m: (None, "GPM not supported on this GPU") for m in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")}
+            return {
+                m: (None, "GPM not supported on this GPU")
+                for m in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")
+            }
 
     m = GenerationMetrics(prompt_tokens=20, decode_steps=100)
     durations = [0.0001] * 50 + [0.00005] * 49 + [0.01]  # median 0.1 ms: 300 MB in it is 3 TB/s

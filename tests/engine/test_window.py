@@ -1,4 +1,5 @@
 """The profiler window: a real CPU trace, an injected idle, and hand-written CUDA traces in kineto's format."""
+
 from __future__ import annotations
 
 import logging
@@ -248,21 +249,51 @@ def test_bad_window_arguments():
 
 
 def kernel(ts, dur, grid=(1, 1, 1), device=0, name="k"):
-    return {"ph": "X", "cat": "kernel", "name": name, "pid": device, "tid": 7, "ts": ts, "dur": dur,
-            "args": {"device": device, "stream": 7, "grid": list(grid), "block": [128, 1, 1]}}
+    return {
+        "ph": "X",
+        "cat": "kernel",
+        "name": name,
+        "pid": device,
+        "tid": 7,
+        "ts": ts,
+        "dur": dur,
+        "args": {"device": device, "stream": 7, "grid": list(grid), "block": [128, 1, 1]},
+    }
 
 
 def memcpy(ts, dur, nbytes, device=0):
-    return {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "pid": device, "tid": 7,
-            "ts": ts, "dur": dur, "args": {"device": device, "stream": 7, "bytes": nbytes}}
+    return {
+        "ph": "X",
+        "cat": "gpu_memcpy",
+        "name": "Memcpy DtoH (Device -> Pinned)",
+        "pid": device,
+        "tid": 7,
+        "ts": ts,
+        "dur": dur,
+        "args": {"device": device, "stream": 7, "bytes": nbytes},
+    }
 
 
 def cuda_trace(events, num_sms=132):
-    runtime = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 0.0,
-               "dur": 5000.0, "args": {"cbid": 211}}
-    return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200", "numSms": num_sms}],
-            "traceEvents": [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
-                            runtime, *events]}
+    runtime = {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "pid": 1,
+        "tid": 1,
+        "ts": 0.0,
+        "dur": 5000.0,
+        "args": {"cbid": 211},
+    }
+    return {
+        "schemaVersion": 1,
+        "deviceProperties": [{"id": 0, "name": "NVIDIA H200", "numSms": num_sms}],
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
+            runtime,
+            *events,
+        ],
+    }
 
 
 def test_cuda_trace_kernel_gap_and_sm_estimate():
@@ -323,7 +354,9 @@ def test_cpu_trace_counts_top_level_ops_of_the_thread():
         return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
 
     events = [
-        op("aten::linear", 0.0, 100.0), op("aten::t", 1.0, 5.0), op("aten::addmm", 10.0, 80.0),
+        op("aten::linear", 0.0, 100.0),
+        op("aten::t", 1.0, 5.0),
+        op("aten::addmm", 10.0, 80.0),
         op("aten::silu", 150.0, 50.0),
         op("aten::mm", 300.0, 100.0, tid=99),  # another thread
         {"ph": "X", "cat": "python_function", "name": "decode", "pid": 1, "tid": 11, "ts": 0.0, "dur": 400.0},

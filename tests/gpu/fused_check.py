@@ -9,6 +9,7 @@
 - each GEMV kernel's achieved bandwidth on the bytes it reads (triton.testing.do_bench, L2 flushed between runs)
   on SmolLM2-135M's shapes, against the card's device-to-device copy bandwidth.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,13 +19,29 @@ from typing import Any, Callable
 
 import torch
 
-FUSED_KERNELS = ("qkv_rope_kernel", "decode_attention_kernel", "gemv_residual_kernel", "norm_gate_up_kernel",
-                 "norm_head_kernel", "greedy_accept_kernel")
+FUSED_KERNELS = (
+    "qkv_rope_kernel",
+    "decode_attention_kernel",
+    "gemv_residual_kernel",
+    "norm_gate_up_kernel",
+    "norm_head_kernel",
+    "greedy_accept_kernel",
+)
 # (name, N outputs, K inputs): the issue's 576x960, 576x576, 576x3072, 1536x576 and 576x49152 (K x N)
-GEMV_SHAPES = (("qkv_rope", 960, 576), ("o_proj", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
-               ("head", 49152, 576))
-TARGETS = {"single_stream_tok_s": 2000, "candidates16_tok_s": 30000, "kernels_per_layer": 6, "kernel_gap_pct": 10,
-           "gemv_pct_of_copy_bw": 50}
+GEMV_SHAPES = (
+    ("qkv_rope", 960, 576),
+    ("o_proj", 576, 576),
+    ("gate_up", 3072, 576),
+    ("down", 576, 1536),
+    ("head", 49152, 576),
+)
+TARGETS = {
+    "single_stream_tok_s": 2000,
+    "candidates16_tok_s": 30000,
+    "kernels_per_layer": 6,
+    "kernel_gap_pct": 10,
+    "gemv_pct_of_copy_bw": 50,
+}
 
 
 def fused_kind(name: str) -> str:
@@ -35,8 +52,11 @@ def fused_kind(name: str) -> str:
 
 def overlapping_pairs(trace: dict) -> int:
     """Consecutive kernels (by start) where the next starts before the previous ends."""
-    ks = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace.get("traceEvents", [])
-                if e.get("cat") == "kernel" and "dur" in e)
+    ks = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") == "kernel" and "dur" in e
+    )
     return sum(1 for (_, end), (start, _) in zip(ks, ks[1:]) if start < end)
 
 
@@ -61,11 +81,21 @@ def parity_fp32(folder: Path, device: str, max_new: int) -> dict:
         for n in (1, 4):
             eng.reconfigure(fused.with_(candidates=n))
             res = eng.generate(_messages(), greedy)
-            rows.append({"options": res.options.to_dict(), "unavailable": res.unavailable, "notices": res.notices,
-                         "identical": all(t == ref for t in res.token_ids),
-                         "matching_prefix": [matching_prefix(t, ref) for t in res.token_ids]})
-        return {"reference": "fp32 eager, dynamic cache, host sampling", "tokens": len(ref), "rows": rows,
-                "all_identical": all(r["identical"] for r in rows)}
+            rows.append(
+                {
+                    "options": res.options.to_dict(),
+                    "unavailable": res.unavailable,
+                    "notices": res.notices,
+                    "identical": all(t == ref for t in res.token_ids),
+                    "matching_prefix": [matching_prefix(t, ref) for t in res.token_ids],
+                }
+            )
+        return {
+            "reference": "fp32 eager, dynamic cache, host sampling",
+            "tokens": len(ref),
+            "rows": rows,
+            "all_identical": all(r["identical"] for r in rows),
+        }
     finally:
         eng.close()
 
@@ -88,7 +118,9 @@ def half_precision(folder: Path, device: str, dtype: str, max_new: int) -> dict:
         eng.reconfigure(eager.with_(cuda_graph=device == "cuda", kernels="fused"))
         res = eng.generate(_messages(), greedy)
         got = res.token_ids[0]
-        prompt = torch.randint(3, eng.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).to(eng.device)
+        prompt = torch.randint(3, eng.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).to(
+            eng.device
+        )
         dt = eng.model.tok_embeddings.weight.dtype
         with torch.inference_mode():
             e = StaticRunner(eng.model, 1, 256, eng.eos_ids, eng.device, dt)
@@ -101,21 +133,34 @@ def half_precision(folder: Path, device: str, dtype: str, max_new: int) -> dict:
             logits_f = f.logits.clone()
         diff = (logits_e - logits_f).abs().max().item()
         first = matching_prefix(got, ref)
-        return {"dtype": dtype, "options": res.options.to_dict(), "unavailable": res.unavailable,
-                "first_step_max_abs_diff": diff, "max_abs_logit": logits_e.abs().max().item(),
-                "tolerance": LOGIT_TOLERANCE[dtype], "within": diff <= LOGIT_TOLERANCE[dtype],
-                "same_argmax": bool((logits_e.argmax(-1) == logits_f.argmax(-1)).all()),
-                "tokens": len(ref), "first_divergence": None if got == ref else first, "identical": got == ref}
+        return {
+            "dtype": dtype,
+            "options": res.options.to_dict(),
+            "unavailable": res.unavailable,
+            "first_step_max_abs_diff": diff,
+            "max_abs_logit": logits_e.abs().max().item(),
+            "tolerance": LOGIT_TOLERANCE[dtype],
+            "within": diff <= LOGIT_TOLERANCE[dtype],
+            "same_argmax": bool((logits_e.argmax(-1) == logits_f.argmax(-1)).all()),
+            "tokens": len(ref),
+            "first_divergence": None if got == ref else first,
+            "identical": got == ref,
+        }
     finally:
         eng.close()
 
 
 def _median_run(eng, msgs, sampling, repeats: int = 3) -> dict:
     runs = [eng.generate(msgs, sampling).metrics for _ in range(repeats)]
-    med = lambda f: statistics.median(getattr(m, f) for m in runs if getattr(m, f) is not None) \
-        if any(getattr(m, f) is not None for m in runs) else None  # noqa: E731
+    med = lambda f: (
+        statistics.median(getattr(m, f) for m in runs if getattr(m, f) is not None)
+        if any(getattr(m, f) is not None for m in runs)
+        else None
+    )  # noqa: E731
     return {f: med(f) for f in ("decode_tok_s", "step_ms_p50", "kernel_gap_pct", "launches_per_step")} | {
-        "decode_tok_s_runs": [m.decode_tok_s for m in runs], "kernel_gap_source": runs[0].kernel_gap_source}
+        "decode_tok_s_runs": [m.decode_tok_s for m in runs],
+        "kernel_gap_source": runs[0].kernel_gap_source,
+    }
 
 
 def speed(folder: Path, device: str, pdl: bool, progress: Callable[[str], None], max_new: int = 200) -> dict:
@@ -130,8 +175,12 @@ def speed(folder: Path, device: str, pdl: bool, progress: Callable[[str], None],
     eng = Engine.load(str(folder), opts)
     try:
         first = eng.generate(_messages(), greedy)  # compile + capture
-        out: dict[str, Any] = {"pdl": eng.fused_status(), "options": first.options.to_dict(),
-                               "unavailable": first.unavailable, "notices": first.notices}
+        out: dict[str, Any] = {
+            "pdl": eng.fused_status(),
+            "options": first.options.to_dict(),
+            "unavailable": first.unavailable,
+            "notices": first.notices,
+        }
         out["single"] = _median_run(eng, _messages(), greedy)
         eng.reconfigure(opts.with_(profile_window=False))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -142,17 +191,22 @@ def speed(folder: Path, device: str, pdl: bool, progress: Callable[[str], None],
         steps = names.count("greedy_accept_kernel")
         ours = sum(1 for n in names if n in FUSED_KERNELS)
         layers = eng.model.args.n_layers
-        out["trace"] = {"decode_steps": steps, "fused_kernels_per_step": ours / steps if steps else None,
-                        "fused_kernels_per_layer": (ours - 2 * steps) / steps / layers if steps else None,
-                        "overlapping_kernel_pairs": overlapping_pairs(trace),
-                        "per_decode_step": kernel_table(trace, max(steps, 1), fused_kind),
-                        "tokens": len(res.token_ids[0])}
+        out["trace"] = {
+            "decode_steps": steps,
+            "fused_kernels_per_step": ours / steps if steps else None,
+            "fused_kernels_per_layer": (ours - 2 * steps) / steps / layers if steps else None,
+            "overlapping_kernel_pairs": overlapping_pairs(trace),
+            "per_decode_step": kernel_table(trace, max(steps, 1), fused_kind),
+            "tokens": len(res.token_ids[0]),
+        }
         eng.reconfigure(opts.with_(candidates=16))
         eng.generate(_messages(), greedy)  # capture at 16 rows
         out["candidates16"] = _median_run(eng, _messages(), greedy)
-        progress(f"PDL {'on' if pdl else 'off'} ({out['pdl']}): {out['single']['decode_tok_s']} tok/s single, "
-                 f"{out['candidates16']['decode_tok_s']} tok/s x16, {out['trace']['fused_kernels_per_step']} "
-                 f"kernels/step, {out['trace']['overlapping_kernel_pairs']} overlapping pairs")
+        progress(
+            f"PDL {'on' if pdl else 'off'} ({out['pdl']}): {out['single']['decode_tok_s']} tok/s single, "
+            f"{out['candidates16']['decode_tok_s']} tok/s x16, {out['trace']['fused_kernels_per_step']} "
+            f"kernels/step, {out['trace']['overlapping_kernel_pairs']} overlapping pairs"
+        )
         return out
     finally:
         eng.close()
@@ -210,25 +264,41 @@ def gemv_bandwidth(progress: Callable[[str], None]) -> dict:
         ms = triton.testing.do_bench(fn, return_mode="median")
         nbytes = (n * k + 2 * k) * 2
         gbs = nbytes / (ms * 1e-3) / 1e9
-        rows.append({"kernel": name, "shape_k_x_n": f"{k}x{n}", "us": ms * 1e3, "bytes_read": nbytes, "gb_s": gbs,
-                     "pct_of_copy_bw": 100 * gbs / copy_gbs, "block_n_k": launch.gemv_blocks(n, k)})
+        rows.append(
+            {
+                "kernel": name,
+                "shape_k_x_n": f"{k}x{n}",
+                "us": ms * 1e3,
+                "bytes_read": nbytes,
+                "gb_s": gbs,
+                "pct_of_copy_bw": 100 * gbs / copy_gbs,
+                "block_n_k": launch.gemv_blocks(n, k),
+            }
+        )
         progress(f"{name} {k}x{n}: {ms * 1e3:.2f} us, {gbs:.0f} GB/s ({100 * gbs / copy_gbs:.0f} % of copy)")
-    return {"copy_gb_s": copy_gbs, "copy_note": "device-to-device copy of 256 MiB, read + write bytes over time",
-            "rows": rows}
+    return {
+        "copy_gb_s": copy_gbs,
+        "copy_note": "device-to-device copy of 256 MiB, read + write bytes over time",
+        "rows": rows,
+    }
 
 
 def fused_check(folder: Path, progress: Callable[[str], None], device: str = "cuda", max_new: int = 64) -> dict:
     from engine.kernels import load_triton
 
     mod = load_triton()
-    out: dict[str, Any] = {"triton": getattr(__import__("triton"), "__version__", None) if mod else None,
-                           "targets": TARGETS}
+    out: dict[str, Any] = {
+        "triton": getattr(__import__("triton"), "__version__", None) if mod else None,
+        "targets": TARGETS,
+    }
     out["parity_fp32"] = parity_fp32(folder, device, max_new)
     progress(f"fp32 fused vs eager: identical={out['parity_fp32']['all_identical']}")
     for dtype in ("fp16", "bf16"):
         out[f"half_{dtype}"] = h = half_precision(folder, device, dtype, max_new)
-        progress(f"{dtype}: first-step max |diff| {h['first_step_max_abs_diff']:.4f}, first divergence "
-                 f"{h['first_divergence']}")
+        progress(
+            f"{dtype}: first-step max |diff| {h['first_step_max_abs_diff']:.4f}, first divergence "
+            f"{h['first_divergence']}"
+        )
     if device == "cuda":
         out["speed_pdl"] = speed(folder, device, True, progress)
         out["speed_no_pdl"] = speed(folder, device, False, progress)

@@ -8,6 +8,7 @@ The device machine has no network and a small transfer limit, so by default the 
 architecture (30 layers, 576 wide, GQA 9/3, 49152 vocab) with random weights: speed, kernel gaps and parity do
 not depend on the weights' values. On a CPU machine every CUDA section is recorded as skipped with the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,25 @@ sys.path.insert(0, str(ROOT / "tests"))  # gpu.fused_check, when run as a script
 import torch  # noqa: E402
 
 SMOLLM2 = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 PROMPT = "Explain in two sentences why small language models are often slow on large GPUs."
 
 
 def make_word_tokenizer(vocab: int):
     """A word-level tokenizer over `vocab` synthetic words: any token id decodes, so random weights stream text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -48,9 +58,7 @@ def make_word_tokenizer(vocab: int):
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.decoder = decoders.WordPiece(prefix="##")
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = (
-        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant{% endif %}"
-    )
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant{% endif %}"
     return tok
 
 
@@ -69,12 +77,33 @@ def make_model_folder(path: Path, shape: dict, seed: int = 0) -> Path:
     return path
 
 
-TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024)
+TINY = dict(
+    SMOLLM2,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 
-SECTIONS = ("nvml", "fused", "parity_fp32", "ladder", "telemetry", "sdpa_first_use", "kernels", "oom_fallback",
-            "parity_fp16", "parity_bf16", "logits_fp16", "logits_bf16", "speculation")
+SECTIONS = (
+    "nvml",
+    "fused",
+    "parity_fp32",
+    "ladder",
+    "telemetry",
+    "sdpa_first_use",
+    "kernels",
+    "oom_fallback",
+    "parity_fp16",
+    "parity_bf16",
+    "logits_fp16",
+    "logits_bf16",
+    "speculation",
+)
 
 
 class Report:
@@ -99,20 +128,34 @@ class Report:
             self.data["sections"][name] = {"running": True}
             try:
                 result = fn()
-                self.data["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t, "result": result,
-                                               **self._progress_of(name)}
+                self.data["sections"][name] = {
+                    "ok": True,
+                    "seconds": time.perf_counter() - t,
+                    "result": result,
+                    **self._progress_of(name),
+                }
             except Exception as exc:  # a check script records every failure and goes on to the next section
-                self.data["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t,
-                                               "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                                               **self._progress_of(name)}
+                self.data["sections"][name] = {
+                    "ok": False,
+                    "seconds": time.perf_counter() - t,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                    **self._progress_of(name),
+                }
             except BaseException:  # stopped from outside (the time limit's SIGINT): keep what the section said
-                self.data["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t,
-                                               "error": "interrupted (time limit)", **self._progress_of(name)}
+                self.data["sections"][name] = {
+                    "ok": False,
+                    "seconds": time.perf_counter() - t,
+                    "error": "interrupted (time limit)",
+                    **self._progress_of(name),
+                }
                 self.write()
                 raise
-        print(f"[{time.perf_counter() - self.t0:6.1f}s] {name}: "
-              f"{ {k: v for k, v in self.data['sections'][name].items() if k in ('ok', 'skipped', 'error', 'seconds')} }",
-              flush=True)
+        print(
+            f"[{time.perf_counter() - self.t0:6.1f}s] {name}: "
+            f"{ {k: v for k, v in self.data['sections'][name].items() if k in ('ok', 'skipped', 'error', 'seconds')} }",
+            flush=True,
+        )
         self.write()
 
     def _progress_of(self, name: str) -> dict:
@@ -126,7 +169,9 @@ class Report:
 
         def say(msg: str) -> None:
             print("  ", msg, flush=True)
-            self.data.setdefault("progress", {}).setdefault(name, []).append(f"{time.perf_counter() - self.t0:.1f}s {msg}")
+            self.data.setdefault("progress", {}).setdefault(name, []).append(
+                f"{time.perf_counter() - self.t0:.1f}s {msg}"
+            )
             if time.perf_counter() - last[0] > 2.0:
                 last[0] = time.perf_counter()
                 self.write()
@@ -151,11 +196,21 @@ def option_grid(device: str, candidates: tuple[int, ...]):
             continue  # compile and graphs need the static cache (reported unavailable otherwise)
         if graph and device != "cuda":
             continue
-        yield EngineOptions(device=device, kv_cache=kv, sampling=sampling, compile=compiled, cuda_graph=graph, candidates=n)
+        yield EngineOptions(
+            device=device, kv_cache=kv, sampling=sampling, compile=compiled, cuda_graph=graph, candidates=n
+        )
 
 
-def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tuple[int, ...], report: Report,
-           with_compile: bool, profile_window: bool = True) -> dict:
+def parity(
+    folder: Path,
+    device: str,
+    dtype: str,
+    max_new: int,
+    candidates: tuple[int, ...],
+    report: Report,
+    with_compile: bool,
+    profile_window: bool = True,
+) -> dict:
     """Every option combination against the eager reference (dynamic cache, host sampling) in the same dtype."""
     from engine.bench import matching_prefix
     from engine.engine import Engine
@@ -163,8 +218,10 @@ def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tupl
 
     msgs = [{"role": "user", "content": PROMPT}]
     greedy = SamplingParams(temperature=0, max_new_tokens=max_new)
-    eng = Engine.load(str(folder), EngineOptions(device=device, dtype=dtype, kv_cache="dynamic", sampling="host",
-                                                 profile_window=profile_window))
+    eng = Engine.load(
+        str(folder),
+        EngineOptions(device=device, dtype=dtype, kv_cache="dynamic", sampling="host", profile_window=profile_window),
+    )
     try:
         ref = eng.generate(msgs, greedy).token_ids[0]
         rows = []
@@ -179,15 +236,27 @@ def parity(folder: Path, device: str, dtype: str, max_new: int, candidates: tupl
             res = eng.generate(msgs, greedy)
             got = res.token_ids
             prefix = [matching_prefix(r, ref) for r in got]
-            rows.append({
-                "options": res.options.to_dict(), "unavailable": res.unavailable, "notices": res.notices,
-                "identical": all(r == ref for r in got), "matching_prefix": prefix, "tokens": [len(r) for r in got],
-                "decode_tok_s": res.metrics.decode_tok_s, "kernel_gap_pct": res.metrics.kernel_gap_pct,
-                "kernel_gap_source": res.metrics.kernel_gap_source, "metrics_unavailable": res.metrics.unavailable,
-                "seconds_with_warmup": time.perf_counter() - t,
-            })
-        return {"dtype": dtype, "reference_tokens": len(ref), "all_identical": all(r.get("identical", False) for r in rows if "skipped" not in r),
-                "rows": rows}
+            rows.append(
+                {
+                    "options": res.options.to_dict(),
+                    "unavailable": res.unavailable,
+                    "notices": res.notices,
+                    "identical": all(r == ref for r in got),
+                    "matching_prefix": prefix,
+                    "tokens": [len(r) for r in got],
+                    "decode_tok_s": res.metrics.decode_tok_s,
+                    "kernel_gap_pct": res.metrics.kernel_gap_pct,
+                    "kernel_gap_source": res.metrics.kernel_gap_source,
+                    "metrics_unavailable": res.metrics.unavailable,
+                    "seconds_with_warmup": time.perf_counter() - t,
+                }
+            )
+        return {
+            "dtype": dtype,
+            "reference_tokens": len(ref),
+            "all_identical": all(r.get("identical", False) for r in rows if "skipped" not in r),
+            "rows": rows,
+        }
     finally:
         eng.close()
 
@@ -233,8 +302,13 @@ def first_step_logits(eng, dtype: str, compile_fn: Callable = torch.compile) -> 
         logits_c = first_step(compile_fn(eng.model, dynamic=False))
         diff = (logits_e - logits_c).abs().max().item()
         tol = LOGIT_TOLERANCE[dtype]
-        return {"max_abs_diff": diff, "max_abs_logit": logits_e.abs().max().item(), "tolerance": tol,
-                "within": diff <= tol, "same_argmax": bool((logits_e.argmax(-1) == logits_c.argmax(-1)).all())}
+        return {
+            "max_abs_diff": diff,
+            "max_abs_logit": logits_e.abs().max().item(),
+            "tolerance": tol,
+            "within": diff <= tol,
+            "same_argmax": bool((logits_e.argmax(-1) == logits_c.argmax(-1)).all()),
+        }
 
 
 def probe_nvml() -> dict:
@@ -253,8 +327,13 @@ def probe_nvml() -> dict:
     samples = mon.drain()
     summary = mon.summary(t0, t1)
     mon.close()
-    return {"unavailable": mon.unavailable, "summary": summary, "samples": len(samples),
-            "last_sample": samples[-1].__dict__ if samples else None, "peak_dram_bw_bytes_s": mon.peak_dram_bw_bytes_s}
+    return {
+        "unavailable": mon.unavailable,
+        "summary": summary,
+        "samples": len(samples),
+        "last_sample": samples[-1].__dict__ if samples else None,
+        "peak_dram_bw_bytes_s": mon.peak_dram_bw_bytes_s,
+    }
 
 
 def ladder(folder: Path, max_new: int, candidates: int, repeats: int, progress: Callable[[str], None]) -> dict:
@@ -262,8 +341,16 @@ def ladder(folder: Path, max_new: int, candidates: int, repeats: int, progress: 
     from engine.bench import run_suite
     from engine.ladder import BenchConfig
 
-    cfg = BenchConfig(model=str(folder), device="cuda", max_new_tokens=max_new, repeats=repeats,
-                      candidates=candidates, baseline=True, compile=True, prompt=PROMPT)
+    cfg = BenchConfig(
+        model=str(folder),
+        device="cuda",
+        max_new_tokens=max_new,
+        repeats=repeats,
+        candidates=candidates,
+        baseline=True,
+        compile=True,
+        prompt=PROMPT,
+    )
     report = run_suite(cfg, progress=progress, command=sys.argv)
     report["table"] = format_table(report)
     print(report["table"], flush=True)
@@ -301,8 +388,14 @@ def telemetry(folder: Path, out: Path, device: str, max_new: int = 200) -> dict:
         eng.close()
     save(recording, out / "telemetry.json")
     m = recording.metrics
-    return {"file": "telemetry.json", "steps": len(recording.steps), "samples": len(recording.samples),
-            "decode_tok_s": m.decode_tok_s, "kernel_gap_pct": m.kernel_gap_pct, "options": result.options.to_dict()}
+    return {
+        "file": "telemetry.json",
+        "steps": len(recording.steps),
+        "samples": len(recording.samples),
+        "decode_tok_s": m.decode_tok_s,
+        "kernel_gap_pct": m.kernel_gap_pct,
+        "options": result.options.to_dict(),
+    }
 
 
 def kernel_kind(name: str) -> str:
@@ -326,8 +419,16 @@ def kernel_table(trace: dict, forward_passes: int, kind: Callable[[str], str] = 
         "kernels_per_pass": sum(len(d) for d in by_name.values()) / forward_passes,
         "kernel_us_per_pass": sum(sum(d) for d in by_name.values()) / forward_passes,
         "by_kind": kinds,
-        "top": [{"name": n[:160], "kind": kind(n), "per_pass": len(d) / forward_passes,
-                 "mean_us": sum(d) / len(d), "us_per_pass": sum(d) / forward_passes} for n, d in top],
+        "top": [
+            {
+                "name": n[:160],
+                "kind": kind(n),
+                "per_pass": len(d) / forward_passes,
+                "mean_us": sum(d) / len(d),
+                "us_per_pass": sum(d) / forward_passes,
+            }
+            for n, d in top
+        ],
     }
 
 
@@ -363,8 +464,9 @@ def changes_compiled_code(variant: tuple) -> bool:
 @contextmanager
 def compiled_as(variant: tuple):
     """The inductor config and the masked attention of a kernel variant, in force inside the context."""
-    from engine import model as model_mod
     import torch._inductor.config as inductor_config
+
+    from engine import model as model_mod
 
     _, inductor, _, attention = variant
     with inductor_config.patch(inductor), ExitStack() as stack:
@@ -373,13 +475,15 @@ def compiled_as(variant: tuple):
         yield
 
 
-def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, device: str = "cuda",
-            fast_path: bool = True) -> dict:
+def kernels(
+    folder: Path, progress: Callable[[str], None], max_new: int = 128, device: str = "cuda", fast_path: bool = True
+) -> dict:
     """Where a compiled, CUDA-graph decode step's time goes: kernels per forward pass by kind, the longest
     kernels, the step time and the kernel gap, for the variants above (fp16, one engine each, compiled from
     scratch). Then each variant that changes the compiled code, in fp32 against the eager path: whether it could
     be the default without losing token parity."""
     import torch._dynamo
+
     from engine.engine import Engine
     from engine.telemetry.window import _export_trace
     from engine.types import EngineOptions, SamplingParams
@@ -391,8 +495,15 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
         for variant in KERNEL_VARIANTS:
             name, inductor, n, attention = variant
             torch._dynamo.reset()  # compile again under this variant, not from the last one's cached code
-            opts = EngineOptions(device=device, dtype="fp16" if device == "cuda" else "fp32", kv_cache="static",
-                                 sampling="device", compile=fast_path, cuda_graph=fast_path, candidates=n)
+            opts = EngineOptions(
+                device=device,
+                dtype="fp16" if device == "cuda" else "fp32",
+                kv_cache="static",
+                sampling="device",
+                compile=fast_path,
+                cuda_graph=fast_path,
+                candidates=n,
+            )
             with compiled_as(variant):
                 eng = Engine.load(str(folder), opts)
                 try:
@@ -401,7 +512,11 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
                     warm = time.perf_counter() - t
                     timed = [eng.generate(msgs, greedy) for _ in range(3)]
                     eng.reconfigure(opts.with_(profile_window=False))
-                    activity = torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU
+                    activity = (
+                        torch.profiler.ProfilerActivity.CUDA
+                        if device == "cuda"
+                        else torch.profiler.ProfilerActivity.CPU
+                    )
                     with torch.profiler.profile(activities=[activity]) as prof:
                         res = eng.generate(msgs, greedy)
                         if device == "cuda":
@@ -411,15 +526,24 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
                     eng.close()
             tokens[name] = res.token_ids[0]
             med = sorted(timed, key=lambda r: r.metrics.decode_tok_s)[1].metrics
-            row = {"variant": name, "inductor": inductor, "candidates": n,
-                   "attention": attention.__name__ if attention else "sdpa", "warmup_s": warm,
-                   "decode_tok_s": med.decode_tok_s, "step_ms_p50": med.step_ms_p50,
-                   "kernel_gap_pct": med.kernel_gap_pct, "kernel_gap_source": med.kernel_gap_source,
-                   "same_tokens_as_first_variant": res.token_ids[0] == next(iter(tokens.values())),
-                   **(kernel_table(trace, len(res.token_ids[0])) if trace else {"trace": "not exported"})}
+            row = {
+                "variant": name,
+                "inductor": inductor,
+                "candidates": n,
+                "attention": attention.__name__ if attention else "sdpa",
+                "warmup_s": warm,
+                "decode_tok_s": med.decode_tok_s,
+                "step_ms_p50": med.step_ms_p50,
+                "kernel_gap_pct": med.kernel_gap_pct,
+                "kernel_gap_source": med.kernel_gap_source,
+                "same_tokens_as_first_variant": res.token_ids[0] == next(iter(tokens.values())),
+                **(kernel_table(trace, len(res.token_ids[0])) if trace else {"trace": "not exported"}),
+            }
             rows.append(row)
-            progress(f"{name}: {row['decode_tok_s']:.0f} tok/s, step {row['step_ms_p50']:.3f} ms, "
-                     f"gap {row['kernel_gap_pct']}, {row.get('kernels_per_pass', 0):.0f} kernels/pass")
+            progress(
+                f"{name}: {row['decode_tok_s']:.0f} tok/s, step {row['step_ms_p50']:.3f} ms, "
+                f"gap {row['kernel_gap_pct']}, {row.get('kernels_per_pass', 0):.0f} kernels/pass"
+            )
         fp32 = EngineOptions(device=device, dtype="fp32", kv_cache="dynamic", sampling="host", candidates=4)
         fast = fp32.with_(kv_cache="static", sampling="device", compile=fast_path, cuda_graph=fast_path)
         greedy64 = SamplingParams(temperature=0, max_new_tokens=64)
@@ -433,17 +557,27 @@ def kernels(folder: Path, progress: Callable[[str], None], max_new: int = 128, d
                     eng.reconfigure(fast)
                     got = eng.generate(msgs, greedy64).token_ids
                 eng.reconfigure(fp32)
-                parity.append({"variant": variant[0], "options": "fp32, static, device sampling, compile, CUDA graph, "
-                               "4 candidates", "reference": "fp32 eager, dynamic cache, host sampling",
-                               "identical": got == ref})
+                parity.append(
+                    {
+                        "variant": variant[0],
+                        "options": "fp32, static, device sampling, compile, CUDA graph, 4 candidates",
+                        "reference": "fp32 eager, dynamic cache, host sampling",
+                        "identical": got == ref,
+                    }
+                )
                 progress(f"fp32 {variant[0]} C+G x4 vs eager: identical={got == ref}")
         finally:
             eng.close()
     finally:
         torch._dynamo.reset()
-    return {"max_new_tokens": max_new, "dtype": "fp16", "variants": rows, "fp32_parity": parity,
-            "note": "kernels per pass over prefill + every decode step (tokens generated = forward passes); step "
-                    "time and gap from the engine's metrics, median of 3 runs"}
+    return {
+        "max_new_tokens": max_new,
+        "dtype": "fp16",
+        "variants": rows,
+        "fp32_parity": parity,
+        "note": "kernels per pass over prefill + every decode step (tokens generated = forward passes); step "
+        "time and gap from the engine's metrics, median of 3 runs",
+    }
 
 
 def sdpa_first_use(folder: Path, progress: Callable[[str], None], device: str = "cuda") -> dict:
@@ -455,8 +589,10 @@ def sdpa_first_use(folder: Path, progress: Callable[[str], None], device: str = 
     from engine.types import EngineOptions, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_new_tokens=150)
-    eng = Engine.load(str(folder), EngineOptions(device=device, dtype="bf16", kv_cache="dynamic", sampling="device",
-                                                 profile_window=False))
+    eng = Engine.load(
+        str(folder),
+        EngineOptions(device=device, dtype="bf16", kv_cache="dynamic", sampling="device", profile_window=False),
+    )
     rows = []
     cudnn_before = torch.backends.cuda.cudnn_sdp_enabled() if device == "cuda" else None
     try:
@@ -465,11 +601,19 @@ def sdpa_first_use(folder: Path, progress: Callable[[str], None], device: str = 
                 torch.backends.cuda.enable_cudnn_sdp(cudnn)
             prompt = [{"role": "user", "content": " ".join(f"w{i % 500 + 3}" for i in range(words))}]
             runs = [eng.generate(prompt, greedy, raw=True).metrics for _ in range(2)]
-            rows.append({"cudnn_sdp": cudnn, "prompt_tokens": runs[0].prompt_tokens,
-                         "first_tok_s": runs[0].decode_tok_s, "second_tok_s": runs[1].decode_tok_s,
-                         "first_over_second": runs[0].decode_tok_s / runs[1].decode_tok_s})
-            progress(f"cuDNN attention {'on' if cudnn else 'off'}: first {runs[0].decode_tok_s:.1f} tok/s, "
-                     f"second {runs[1].decode_tok_s:.1f} tok/s")
+            rows.append(
+                {
+                    "cudnn_sdp": cudnn,
+                    "prompt_tokens": runs[0].prompt_tokens,
+                    "first_tok_s": runs[0].decode_tok_s,
+                    "second_tok_s": runs[1].decode_tok_s,
+                    "first_over_second": runs[0].decode_tok_s / runs[1].decode_tok_s,
+                }
+            )
+            progress(
+                f"cuDNN attention {'on' if cudnn else 'off'}: first {runs[0].decode_tok_s:.1f} tok/s, "
+                f"second {runs[1].decode_tok_s:.1f} tok/s"
+            )
     finally:
         if cudnn_before is not None:
             torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
@@ -486,8 +630,14 @@ def speculation(folder: Path, progress: Callable[[str], None], device: str = "cu
     from engine.bench_spec import SpecBenchConfig, format_workloads, run_speculation_workloads
 
     cuda = device == "cuda"
-    cfg = SpecBenchConfig(model=str(folder), device=device, dtypes=("fp16",) if cuda else ("fp32",),
-                          max_new_tokens=max_new, compile=cuda, cuda_graph=cuda)
+    cfg = SpecBenchConfig(
+        model=str(folder),
+        device=device,
+        dtypes=("fp16",) if cuda else ("fp32",),
+        max_new_tokens=max_new,
+        compile=cuda,
+        cuda_graph=cuda,
+    )
     report = run_speculation_workloads(cfg, progress, command=sys.argv)
     report["table"] = format_workloads(report)
     print(report["table"], flush=True)
@@ -503,9 +653,15 @@ def oom_fallback(folder: Path) -> dict:
     free, _ = torch.cuda.mem_get_info()
     hog = torch.empty(max(0, free - (600 << 20)), dtype=torch.uint8, device="cuda")  # leave ~600 MB
     try:
-        res = eng.generate([{"role": "user", "content": PROMPT}], SamplingParams(temperature=0.8, max_new_tokens=2000, seed=1))
-        return {"options": res.options.to_dict(), "notices": res.notices, "unavailable": res.unavailable,
-                "tokens": [len(t) for t in res.token_ids]}
+        res = eng.generate(
+            [{"role": "user", "content": PROMPT}], SamplingParams(temperature=0.8, max_new_tokens=2000, seed=1)
+        )
+        return {
+            "options": res.options.to_dict(),
+            "notices": res.notices,
+            "unavailable": res.unavailable,
+            "tokens": [len(t) for t in res.token_ids],
+        }
     finally:
         del hog
         eng.close()
@@ -524,8 +680,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-shaped", help="smollm2-shaped | tiny | a model folder or GGUF")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ladder-tokens", type=int, default=200, help="prompt + these stay in one 256-position bucket")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help="comma-separated, run in the fixed order (e.g. the ones a shorter run had to leave out)")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="comma-separated, run in the fixed order (e.g. the ones a shorter run had to leave out)",
+    )
     args = p.parse_args(argv)
     chosen = [x.strip() for x in args.sections.split(",") if x.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))
@@ -556,23 +715,40 @@ def main(argv=None) -> int:
         if folder is not None:
             report.section("nvml", probe_nvml, need_s=5, cuda=True)
             report.section("fused", lambda: _fused_check(folder, report.progress("fused")), need_s=150, cuda=True)
-            report.section("parity_fp32", lambda: parity(folder, device, "fp32", args.max_new_tokens, (1, 4), report,
-                                                         with_compile=cuda), need_s=60)
-            report.section("ladder", lambda: ladder(folder, args.ladder_tokens, 16, 3, report.progress("ladder")),
-                           need_s=150, cuda=True)
+            report.section(
+                "parity_fp32",
+                lambda: parity(folder, device, "fp32", args.max_new_tokens, (1, 4), report, with_compile=cuda),
+                need_s=60,
+            )
+            report.section(
+                "ladder",
+                lambda: ladder(folder, args.ladder_tokens, 16, 3, report.progress("ladder")),
+                need_s=150,
+                cuda=True,
+            )
             report.section("telemetry", lambda: telemetry(folder, args.out, device), need_s=60)
-            report.section("sdpa_first_use", lambda: sdpa_first_use(folder, report.progress("sdpa_first_use")),
-                           need_s=40, cuda=True)
+            report.section(
+                "sdpa_first_use",
+                lambda: sdpa_first_use(folder, report.progress("sdpa_first_use")),
+                need_s=40,
+                cuda=True,
+            )
             report.section("kernels", lambda: kernels(folder, report.progress("kernels")), need_s=100, cuda=True)
             report.section("oom_fallback", lambda: oom_fallback(folder), need_s=40, cuda=True)
             for dtype in ("fp16", "bf16"):
-                report.section(f"parity_{dtype}", lambda d=dtype: parity(folder, device, d, args.max_new_tokens, (1,), report,
-                                                                         with_compile=True, profile_window=False),
-                               need_s=60, cuda=True)
+                report.section(
+                    f"parity_{dtype}",
+                    lambda d=dtype: parity(
+                        folder, device, d, args.max_new_tokens, (1,), report, with_compile=True, profile_window=False
+                    ),
+                    need_s=60,
+                    cuda=True,
+                )
             for dtype in ("fp16", "bf16"):
                 report.section(f"logits_{dtype}", lambda d=dtype: logits_check(folder, device, d), need_s=60, cuda=True)
-            report.section("speculation", lambda: speculation(folder, report.progress("speculation")), need_s=120,
-                           cuda=True)
+            report.section(
+                "speculation", lambda: speculation(folder, report.progress("speculation")), need_s=120, cuda=True
+            )
     except KeyboardInterrupt:
         report.data["interrupted"] = "stopped by the time limit; the sections above say how far each got"
     finally:

@@ -1,4 +1,5 @@
 """The GPU check script runs on a CPU machine too: CUDA sections skipped with the reason, CPU parity real."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,19 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
     assert rc == 0, {k: v.get("error") for k, v in sections.items()}
     assert sections["machine"]["ok"] and sections["machine"]["result"]["cpu_model"]
     assert sections["model"]["result"]["kind"] == "tiny"
-    for name in ("nvml", "fused", "ladder", "sdpa_first_use", "kernels", "parity_fp16", "parity_bf16", "oom_fallback",
-                 "logits_fp16", "logits_bf16", "speculation"):
+    for name in (
+        "nvml",
+        "fused",
+        "ladder",
+        "sdpa_first_use",
+        "kernels",
+        "parity_fp16",
+        "parity_bf16",
+        "oom_fallback",
+        "logits_fp16",
+        "logits_bf16",
+        "speculation",
+    ):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
     tel = sections["telemetry"]["result"]  # the recording runs on any device; the GPU's is the one that counts
     from engine.recording import load
@@ -89,12 +101,17 @@ def test_kernel_table_counts_kernels_per_pass_by_kind():
     from gpu.gpu_check import kernel_table
 
     ev = lambda name, dur, cat="kernel": {"name": name, "dur": dur, "cat": cat, "ts": 0}  # noqa: E731
-    trace = {"traceEvents": [
-        ev("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", 4.0), ev("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", 6.0),
-        ev("fmha_cutlassF_f16_aligned_64x64_rf_sm80", 3.0), ev("triton_red_fused_add_mean_mul_rsqrt_0", 1.0),
-        ev("triton_poi_fused_index_copy_1", 1.0), ev("void at::native::vectorized_elementwise_kernel", 2.0),
-        ev("cudaGraphLaunch", 50.0, cat="cuda_runtime"),  # not a kernel: left out
-    ]}
+    trace = {
+        "traceEvents": [
+            ev("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", 4.0),
+            ev("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", 6.0),
+            ev("fmha_cutlassF_f16_aligned_64x64_rf_sm80", 3.0),
+            ev("triton_red_fused_add_mean_mul_rsqrt_0", 1.0),
+            ev("triton_poi_fused_index_copy_1", 1.0),
+            ev("void at::native::vectorized_elementwise_kernel", 2.0),
+            ev("cudaGraphLaunch", 50.0, cat="cuda_runtime"),  # not a kernel: left out
+        ]
+    }
     t = kernel_table(trace, forward_passes=2)
     assert t["kernels_per_pass"] == 3.0 and t["kernel_us_per_pass"] == 8.5
     assert t["by_kind"]["matmul (cuBLAS/CUTLASS)"] == {"kernels_per_pass": 1.0, "us_per_pass": 5.0}
@@ -155,9 +172,15 @@ def test_fused_trace_helpers():
     from gpu.fused_check import fused_kind, overlapping_pairs
 
     ev = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur, "cat": "kernel"}  # noqa: E731
-    trace = {"traceEvents": [ev("qkv_rope_kernel", 0, 3), ev("decode_attention_kernel", 2, 3),
-                             ev("gemv_residual_kernel", 6, 1), ev("nvjet_hsh_64x8", 7, 2),
-                             {"name": "cudaGraphLaunch", "ts": 0, "dur": 50, "cat": "cuda_runtime"}]}
+    trace = {
+        "traceEvents": [
+            ev("qkv_rope_kernel", 0, 3),
+            ev("decode_attention_kernel", 2, 3),
+            ev("gemv_residual_kernel", 6, 1),
+            ev("nvjet_hsh_64x8", 7, 2),
+            {"name": "cudaGraphLaunch", "ts": 0, "dur": 50, "cat": "cuda_runtime"},
+        ]
+    }
     assert overlapping_pairs(trace) == 1  # the attention starts before the QKV kernel ends; the rest do not
     assert fused_kind("norm_head_kernel") == "norm_head_kernel"
     assert fused_kind("nvjet_hsh_64x8") == "torch matmul (cuBLAS/CUTLASS)"

@@ -1,5 +1,6 @@
 """The real default model (SmolLM2-135M-Instruct Q4_1 GGUF), CPU, fp32, greedy, 32 tokens: every kv_cache x
 sampling combination, and the compiled static + device path, give exactly transformers generate()'s tokens."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,14 +28,19 @@ def engine(default_model_path):
 def reference(engine):
     """transformers generate() on the same checkpoint and prompt (min_new_tokens keeps the count equal)."""
     ids = build_prompt(engine.tokenizer, MESSAGES, engine.context_length, N).ids
-    weights = engine.checkpoint.weights(torch.float32, torch.device("cpu"))  # re-read from the GGUF: the engine holds none
+    weights = engine.checkpoint.weights(
+        torch.float32, torch.device("cpu")
+    )  # re-read from the GGUF: the engine holds none
     model = build_hf_model(engine.config, weights, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=N, do_sample=False, pad_token_id=engine.eos_ids[0],
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=N,
+            do_sample=False,
+            pad_token_id=engine.eos_ids[0],
         )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def test_default_model_identity(engine):

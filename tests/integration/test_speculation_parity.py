@@ -1,6 +1,7 @@
 """The real default model, CPU, fp32, greedy: speculative decoding (n-gram drafts, adaptive and fixed k) gives the
 tokens of plain decoding on 24 prompts (code edits, summaries, lists, free chat), token for token. A difference is
 accepted only at a near-tie of plain decoding's logits (top two within 1e-4), and each one is reported."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,10 @@ pytestmark = pytest.mark.slow
 N = 48
 NEAR_TIE = 1e-4
 CODE = "def area(w, h):\n    result = w * h\n    return result\n"
-TEXT = ("The river flooded the old town twice this year. Volunteers filled sandbags, the school opened as a shelter, "
-        "and the council promised a new wall before next winter.")
+TEXT = (
+    "The river flooded the old town twice this year. Volunteers filled sandbags, the school opened as a shelter, "
+    "and the council promised a new wall before next winter."
+)
 PROMPTS = [
     # code edits
     "Rename the variable result to product in this function and output it:\n\n" + CODE,
@@ -89,9 +92,13 @@ def test_speculation_gives_plain_decodings_tokens_on_the_default_model(engine, d
         i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
         ids = build_prompt(engine.tokenizer, messages, engine.context_length, N).ids + want[:i]
         gap = top2_gap(engine, ids)
-        divergences.append(f"{prompt[:40]!r}: token {i} differs ({want[i:i + 1]} vs {got[i:i + 1]}), "
-                           f"plain decoding's top-2 logit gap there {gap:.2e}")
+        divergences.append(
+            f"{prompt[:40]!r}: token {i} differs ({want[i : i + 1]} vs {got[i : i + 1]}), "
+            f"plain decoding's top-2 logit gap there {gap:.2e}"
+        )
         assert gap < NEAR_TIE, divergences[-1]
-    print(f"\nk={draft_tokens or 'adaptive'}: {accepted} of {drafted} drafts accepted over {len(PROMPTS)} prompts; "
-          f"{len(divergences)} near-tie divergence(s)" + "".join(f"\n  {d}" for d in divergences))
+    print(
+        f"\nk={draft_tokens or 'adaptive'}: {accepted} of {drafted} drafts accepted over {len(PROMPTS)} prompts; "
+        f"{len(divergences)} near-tie divergence(s)" + "".join(f"\n  {d}" for d in divergences)
+    )
     assert drafted > 0 and accepted > 0

@@ -8,6 +8,7 @@ with `data: [DONE]` and exactly its prompt's reference text (anything else is mi
 is lost. Reports throughput (requests and tokens per second of wall time), client-side TTFT p50/p99, and the
 server's RSS after the warm-up and after the run. Stops by itself: a fixed number of requests, each with a timeout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,26 @@ def rss_bytes(pid: int) -> Optional[int]:
 
 def start_server(model: str, max_queue: int) -> tuple[subprocess.Popen, str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", model, "--port", "0", "--device", "cpu",
-                          "--max-queue", str(max_queue)], stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-queue",
+            str(max_queue),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert p.stderr is not None
     for line in p.stderr:
         m = re.search(r"serving (.+) at (http://\S+/v1)", line)
@@ -64,8 +83,14 @@ def start_server(model: str, max_queue: int) -> tuple[subprocess.Popen, str, str
 
 
 def one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     out: dict[str, Any] = {"prompt": prompt, "status": None, "text": "", "ttft_s": None, "done": False, "tokens": 0}
     try:
@@ -131,18 +156,29 @@ def run(model: str, requests: int, concurrency: int, max_tokens: int, max_queue:
     return {
         "command": " ".join(sys.argv),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.platform()}), "
-                   "no GPU, shared with other work",
+        "no GPU, shared with other work",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": model_id, "requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
-        "max_queue": max_queue, "completed": len(ok), "rejected_503": len(busy), "lost": len(lost),
-        "mixed": len(mixed), "wall_s": wall, "requests_per_s": len(ok) / wall, "completion_tok_s": tokens / wall,
-        "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p99": pct(ttfts, 99),
+        "model": model_id,
+        "requests": requests,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "max_queue": max_queue,
+        "completed": len(ok),
+        "rejected_503": len(busy),
+        "lost": len(lost),
+        "mixed": len(mixed),
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall,
+        "completion_tok_s": tokens / wall,
+        "ttft_ms_p50": pct(ttfts, 50),
+        "ttft_ms_p99": pct(ttfts, 99),
         "ttft_source": "client-side: request sent -> first text chunk, the wait in the server's queue included",
         "engine_ttft_ms_p50": pct([r["engine_ttft_ms"] for r in ok if r.get("engine_ttft_ms") is not None], 50),
         "engine_ttft_ms_p99": pct([r["engine_ttft_ms"] for r in ok if r.get("engine_ttft_ms") is not None], 99),
         "engine_ttft_source": "x_gapless.ttft_ms: engine timing, prompt in -> first token, queue excluded",
         "queue_wait_ms_p50": pct([r["queue_wait_ms"] for r in ok if r.get("queue_wait_ms") is not None], 50),
-        "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
+        "rss_before_bytes": rss_before,
+        "rss_after_bytes": rss_after,
         "rss_change_pct": (rss_after - rss_before) / rss_before * 100 if rss_before and rss_after else None,
         "lost_examples": [{k: r.get(k) for k in ("status", "error", "done")} for r in lost[:3]],
     }

@@ -1,5 +1,6 @@
 """The load script end to end on a tiny model with a short queue (slow: it starts a server process): every
 request completes with its own prompt's answer or gets a 503, none is lost."""
+
 from __future__ import annotations
 
 import pytest

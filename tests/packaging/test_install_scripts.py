@@ -2,6 +2,7 @@
 that uninstall removes exactly what was installed, and that the user's data stays unless --purge.
 
 The real bundle is checked end to end by packaging/check_install.sh (it needs a PyInstaller build)."""
+
 from __future__ import annotations
 
 import os
@@ -90,7 +91,10 @@ def test_per_user_install_puts_each_part_in_its_xdg_place(archive: Path, home: P
     assert os.readlink(app / "_internal/libpython3.so") == "libpython3.11.so.1.0"  # relative links kept as links
     assert os.access(app / "uninstall.sh", os.X_OK)
     assert launcher.is_symlink() and os.readlink(launcher) == str(app / "gapless")
-    assert subprocess.run([str(launcher), "--version"], capture_output=True, text=True).stdout == f"gapless {VERSION} --version\n"
+    assert (
+        subprocess.run([str(launcher), "--version"], capture_output=True, text=True).stdout
+        == f"gapless {VERSION} --version\n"
+    )
     assert svg.read_bytes() == (ROOT / "assets/gapless.svg").read_bytes()
     assert png.read_bytes() == b"\x89PNG stand-in"
 
@@ -131,10 +135,21 @@ def test_uninstall_removes_exactly_the_manifest_and_keeps_user_data(archive: Pat
     out = run(home / ".local/share/gapless-app/uninstall.sh", env=env).stdout
     assert "your chats and settings are kept" in out
     user_tree = {
-        ".local/", ".local/share/", ".local/share/gapless/", ".local/share/gapless/chats.sqlite3",
-        ".config/", ".config/gapless/", ".config/gapless/settings.json",
-        ".local/state/", ".local/state/gapless/", ".local/state/gapless/log/", ".local/state/gapless/log/gapless.log",
-        ".cache/", ".cache/gapless/", ".cache/gapless/models/", ".cache/gapless/models/smollm2/",
+        ".local/",
+        ".local/share/",
+        ".local/share/gapless/",
+        ".local/share/gapless/chats.sqlite3",
+        ".config/",
+        ".config/gapless/",
+        ".config/gapless/settings.json",
+        ".local/state/",
+        ".local/state/gapless/",
+        ".local/state/gapless/log/",
+        ".local/state/gapless/log/gapless.log",
+        ".cache/",
+        ".cache/gapless/",
+        ".cache/gapless/models/",
+        ".cache/gapless/models/smollm2/",
         ".cache/gapless/models/smollm2/bundled-abc.verified",
     }
     assert tree(home) == before | user_tree
@@ -180,8 +195,11 @@ def test_a_path_with_spaces_is_quoted_in_the_desktop_entry(archive: Path, home: 
     entry = (prefix / "share/applications/gapless.desktop").read_text()
     assert f'Exec="{prefix}/lib/gapless-app/gapless" gui\n' in entry
     if shutil.which("desktop-file-validate"):
-        check = subprocess.run(["desktop-file-validate", str(prefix / "share/applications/gapless.desktop")],
-                               capture_output=True, text=True)
+        check = subprocess.run(
+            ["desktop-file-validate", str(prefix / "share/applications/gapless.desktop")],
+            capture_output=True,
+            text=True,
+        )
         assert check.returncode == 0 and not check.stdout.strip(), check.stdout
 
 
@@ -193,8 +211,14 @@ def test_a_path_the_desktop_entry_cannot_quote_is_refused(archive: Path, home: P
 
 def test_relative_prefix_and_no_desktop(archive: Path, home: Path, tmp_path: Path):
     env = user_env(home)
-    proc = subprocess.run(["bash", str(archive / "install.sh"), "--prefix", "rel", "--no-desktop"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(archive / "install.sh"), "--prefix", "rel", "--no-desktop"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     prefix = tmp_path / "rel"
     assert (prefix / "bin/gapless").is_symlink()
@@ -210,8 +234,13 @@ def test_files_added_inside_the_app_folder_are_left_with_a_warning(archive: Path
     (app / "_internal/user-plugin.txt").write_text("someone else's")
     proc = run(app / "uninstall.sh", env=env)
     assert f"left {app}/_internal (holds files Gapless did not install)" in proc.stderr
-    assert tree(home) == {".local/", ".local/share/", ".local/share/gapless-app/", ".local/share/gapless-app/_internal/",
-                          ".local/share/gapless-app/_internal/user-plugin.txt"}
+    assert tree(home) == {
+        ".local/",
+        ".local/share/",
+        ".local/share/gapless-app/",
+        ".local/share/gapless-app/_internal/",
+        ".local/share/gapless-app/_internal/user-plugin.txt",
+    }
 
 
 def test_a_foreign_launcher_is_only_replaced_with_force(archive: Path, home: Path):

@@ -2,6 +2,7 @@
 
 Pickles carry a live payload (unpickling it creates a marker file; a control test proves that it does), so a
 refusal that happened after unpickling would leave the marker behind."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_fixtures import hf_llama_to_gguf
 
 from engine.errors import ModelLoadError, UnsafeModelError
 from engine.loader import load_checkpoint
-from gguf_fixtures import hf_llama_to_gguf
 
 
 class Payload:
@@ -100,7 +101,10 @@ def _remote_code_folder(tiny_llama: Path, dest: Path, marker: Path, model_type: 
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = model_type
     cfg["architectures"] = ["EvilForCausalLM"]
-    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    cfg["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     code = f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
     (folder / "configuration_evil.py").write_text(code + "class EvilConfig: pass\n")
@@ -235,7 +239,9 @@ def test_safetensors_shapes_do_not_match_the_config(tiny_llama, tmp_path):
     cfg["intermediate_size"] = 96  # the stored MLP weights are 128 wide
     (folder / "config.json").write_text(json.dumps(cfg))
     _refused(
-        ModelLoadError, folder, "tensor model.layers.0.mlp.down_proj.weight has shape [64, 128] but the config expects [64, 96]"
+        ModelLoadError,
+        folder,
+        "tensor model.layers.0.mlp.down_proj.weight has shape [64, 128] but the config expects [64, 96]",
     )
 
 
@@ -275,7 +281,11 @@ def test_index_naming_a_missing_shard(tiny_llama, tmp_path):
 @pytest.mark.parametrize(
     "model_type, arch, match",
     [
-        ("gapless_mystery", "MysteryForCausalLM", "unsupported architecture: model type 'gapless_mystery' (MysteryForCausalLM)"),
+        (
+            "gapless_mystery",
+            "MysteryForCausalLM",
+            "unsupported architecture: model type 'gapless_mystery' (MysteryForCausalLM)",
+        ),
         ("vit", "ViTModel", "ViTModel (model type 'vit') is not a causal language model"),
         (None, "LlamaForCausalLM", "config.json has no model_type"),
     ],
@@ -315,7 +325,11 @@ def _cli_generate(model: Path, tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=str(root), GAPLESS_DATA_DIR=str(tmp_path / "data"))
     return subprocess.run(
         [sys.executable, "-m", "app", "generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "4"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

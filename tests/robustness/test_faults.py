@@ -1,6 +1,7 @@
 """Faults while a generation runs, on the real engine with a tiny model: stop in the middle of the stream,
 options or the model switched underneath, NVML lost mid-run. Each is compared token for token with the same
 generation left alone."""
+
 from __future__ import annotations
 
 import threading
@@ -10,11 +11,11 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 import torch
+from worker_gate import on_first_batch
 
 from engine.engine import Engine
 from engine.telemetry.monitor import Monitor
 from engine.types import EngineOptions, MonitorSample, SamplingParams, TextDelta
-from worker_gate import on_first_batch
 
 CPU = EngineOptions(device="cpu")
 MESSAGES = [{"role": "user", "content": "hello world, the quick brown fox"}]
@@ -120,8 +121,9 @@ def test_reconfigure_from_another_thread_waits_for_the_running_generation(engine
 def generate_and_wait(qtbot, ctl, sampling):
     """Start a generation and wait for its result."""
     box: dict = {}
-    with qtbot.waitSignal(ctl.generationFinished, timeout=TIMEOUT_MS,
-                          check_params_cb=lambda rid, _r: rid == box.get("rid")) as blocker:
+    with qtbot.waitSignal(
+        ctl.generationFinished, timeout=TIMEOUT_MS, check_params_cb=lambda rid, _r: rid == box.get("rid")
+    ) as blocker:
         box["rid"] = ctl.generate(MESSAGES, sampling)
     return blocker.args[1]
 
@@ -407,8 +409,10 @@ def test_out_of_memory_at_graph_capture_drops_the_graph_then_candidates(engine, 
     monkeypatch.setattr(Engine, "_run", run)
     result = engine.generate(MESSAGES, greedy(12))
     assert attempts == [(True, 4), (False, 4), (False, 2)]
-    assert result.notices == ["out of device memory with the CUDA graph on: ran without it",
-                              "out of device memory with 4 candidates: ran 2"]
+    assert result.notices == [
+        "out of device memory with the CUDA graph on: ran without it",
+        "out of device memory with 4 candidates: ran 2",
+    ]
     assert result.unavailable["cuda_graph"] == "ran out of device memory with it on"
     assert result.unavailable["candidates"] == "out of device memory at 4"
     assert (result.options.cuda_graph, result.options.candidates) == (False, 2)

@@ -2,6 +2,7 @@
 a corrupt settings file or chat database is moved aside with a notice and the app opens and answers; a newer
 database stops the start with a message and is left untouched; a model that fails to load at start leaves the
 app usable; a second instance on the same data folder corrupts nothing."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +16,7 @@ from typing import Callable, Iterator, Optional
 import pytest
 from PySide6.QtCore import QEvent, QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
+from worker_gate import hold_after_first_batch
 
 from app.gui import build, run_gui
 from app.paths import AppPaths
@@ -22,7 +24,6 @@ from app.settings import SettingsStore
 from app.store import SCHEMA_VERSION, ChatStore
 from engine.types import EngineOptions, SamplingParams
 from ui.main_window import MainWindow
-from worker_gate import hold_after_first_batch
 
 TIMEOUT_S = 120
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
@@ -134,9 +135,11 @@ def test_corrupt_settings_at_start_are_moved_aside_and_defaults_used(qapp, paths
     [notice] = state["notices"]
     [aside] = list(paths.config.glob("settings.json.corrupt-*"))
     column = damaged.index(b'"stat') + 1
-    assert notice == (f"The settings file {paths.settings_file} could not be used: it is not valid JSON: "
-                      f"Unterminated string starting at (line 1, column {column}). It was kept as {aside.name} "
-                      "and default settings are used.")
+    assert notice == (
+        f"The settings file {paths.settings_file} could not be used: it is not valid JSON: "
+        f"Unterminated string starting at (line 1, column {column}). It was kept as {aside.name} "
+        "and default settings are used."
+    )
     assert aside.read_bytes() == damaged
     assert seen["options"] == EngineOptions()
     roles = answered(paths, "hello after a bad settings file")
@@ -192,8 +195,10 @@ def test_newer_database_stops_the_start_with_a_message_and_is_untouched(qapp, pa
     finally:
         timer.stop()
     assert code == 2
-    message = (f"the chat database {paths.database} was written by a newer version of Gapless (schema "
-               f"{SCHEMA_VERSION + 1}, this version reads up to {SCHEMA_VERSION}); it was left untouched")
+    message = (
+        f"the chat database {paths.database} was written by a newer version of Gapless (schema "
+        f"{SCHEMA_VERSION + 1}, this version reads up to {SCHEMA_VERSION}); it was left untouched"
+    )
     assert shown == [("Gapless cannot start", message)]
     assert capsys.readouterr().err.strip().splitlines() == [f"gapless: error: {message}"]
     assert sha(paths.database) == before

@@ -4,6 +4,7 @@ Text in any script reaches the tokenizer exactly as typed (only NUL characters a
 an empty prompt, a prompt longer than the context and out-of-range sampling values each give a clear answer:
 a notice when the answer can still come, one line on stderr and exit 2 when it cannot.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,15 @@ def template_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def gapless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="utf-8")
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, encoding="utf-8",
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def one_error_line(r: subprocess.CompletedProcess) -> str:
@@ -104,8 +112,11 @@ def test_raw_prompt_reaches_the_tokenizer_intact(engine, prefill_ids):
 
 def test_streamed_text_equals_the_decoded_tokens(engine):
     deltas: list[str] = []
-    result = engine.generate([{"role": "user", "content": WORLD}], SamplingParams(temperature=0, max_new_tokens=40),
-                             on_event=lambda e: deltas.append(e.text) if isinstance(e, TextDelta) else None)
+    result = engine.generate(
+        [{"role": "user", "content": WORLD}],
+        SamplingParams(temperature=0, max_new_tokens=40),
+        on_event=lambda e: deltas.append(e.text) if isinstance(e, TextDelta) else None,
+    )
     ids = result.token_ids[0]
     if result.finish_reasons[0] == "eos":
         ids = ids[:-1]
@@ -139,14 +150,18 @@ def test_one_message_longer_than_the_context_keeps_its_tail(engine, prefill_ids,
     result = engine.generate([{"role": "user", "content": words}], GREEDY, raw=raw)
     assert len(prefill_ids[0]) + 12 <= engine.context_length
     cut = "kept its last" if raw else "the last message was cut to its last"
-    assert any(n.startswith("prompt cut to fit the 256-token context") and cut in n for n in result.notices), result.notices
+    assert any(n.startswith("prompt cut to fit the 256-token context") and cut in n for n in result.notices), (
+        result.notices
+    )
     assert result.token_ids[0]
     prompt_text = engine.tokenizer.decode(prefill_ids[0])
     assert "w599" in prompt_text and "w0 " not in prompt_text  # the newest words stay, the oldest go
 
 
 def test_max_new_tokens_beyond_the_context_is_capped_with_a_notice(engine):
-    result = engine.generate([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_new_tokens=100_000))
+    result = engine.generate(
+        [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_new_tokens=100_000)
+    )
     room = engine.context_length - result.metrics.prompt_tokens
     assert f"answer limited to {room} tokens by the 256-token context" in result.notices
     assert 1 <= len(result.token_ids[0]) <= room
@@ -158,8 +173,21 @@ def test_max_new_tokens_beyond_the_context_is_capped_with_a_notice(engine):
 def test_cli_any_script_prompt(tiny_llama):
     from transformers import AutoTokenizer
 
-    r = gapless("generate", "--model", str(tiny_llama), "--prompt", WORLD, "--raw", "--max-new-tokens", "6",
-                "--device", "cpu", "--temperature", "0", "--json")
+    r = gapless(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        WORLD,
+        "--raw",
+        "--max-new-tokens",
+        "6",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     tok = AutoTokenizer.from_pretrained(tiny_llama)
@@ -171,8 +199,21 @@ def test_cli_prompt_with_nul_gets_a_notice(tiny_llama, capsys):
     """A NUL cannot travel in a process argument, so this runs the command line in this process."""
     from app.cli import main
 
-    code = main(["generate", "--model", str(tiny_llama), "--prompt", "hello\x00 world", "--max-new-tokens", "4",
-                 "--device", "cpu", "--temperature", "0"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--prompt",
+            "hello\x00 world",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+            "--temperature",
+            "0",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "note: removed 1 NUL character from the prompt" in err.splitlines()
@@ -187,8 +228,19 @@ def test_cli_empty_prompt_is_one_line(tiny_llama, prompt):
 
 
 def test_cli_prompt_longer_than_the_context_still_answers(tiny_llama):
-    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "the quick brown fox " * 200,
-                "--max-new-tokens", "8", "--device", "cpu", "--temperature", "0")
+    r = gapless(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "the quick brown fox " * 200,
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), "the answer still comes"
     notes = [line for line in r.stderr.splitlines() if line.startswith("note: prompt cut")]
@@ -197,8 +249,20 @@ def test_cli_prompt_longer_than_the_context_still_answers(tiny_llama):
 
 
 def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
-    r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hello", "--max-new-tokens", "100000",
-                "--device", "cpu", "--temperature", "0", "--json")
+    r = gapless(
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "100000",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     room = 256 - out["metrics"]["prompt_tokens"]

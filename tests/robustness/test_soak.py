@@ -6,6 +6,7 @@ The figures in docs/reliability.md come from one run of this file as a script:
 
     PYTHONPATH=. python tests/robustness/test_soak.py --report
 """
+
 from __future__ import annotations
 
 import gc
@@ -29,8 +30,11 @@ CPU = EngineOptions(device="cpu")
 PROMPTS = [
     [{"role": "user", "content": "hello world"}],
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "the quick brown fox"}],
-    [{"role": "user", "content": "Paris is"}, {"role": "assistant", "content": "the capital"},
-     {"role": "user", "content": "of France?"}],
+    [
+        {"role": "user", "content": "Paris is"},
+        {"role": "assistant", "content": "the capital"},
+        {"role": "user", "content": "of France?"},
+    ],
     [{"role": "user", "content": "def main():"}],
 ]
 # Process memory may move by allocator noise (glibc arenas, torch's CPU allocator keeping freed blocks, the
@@ -65,15 +69,22 @@ class ThreadCensus:
     @classmethod
     def now(cls) -> "ThreadCensus":
         os_ids = frozenset(int(t) for t in os.listdir("/proc/self/task"))
-        stale = {t.ident for t in threading.enumerate() if isinstance(t, threading._DummyThread) and t.native_id not in os_ids}
+        stale = {
+            t.ident
+            for t in threading.enumerate()
+            if isinstance(t, threading._DummyThread) and t.native_id not in os_ids
+        }
         alive = {t.ident for t in threading.enumerate()} - stale
         return cls(os_ids, frozenset(alive), frozenset(stale))
 
     def started_since(self, before: "ThreadCensus") -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
         """(OS threads, Python threads) started since `before` and alive now, and stale entries of threads
         `before` did not know."""
-        return (self.os_ids - before.os_ids, self.py_alive - before.py_alive,
-                self.py_stale - before.py_alive - before.py_stale)
+        return (
+            self.os_ids - before.os_ids,
+            self.py_alive - before.py_alive,
+            self.py_stale - before.py_alive - before.py_stale,
+        )
 
 
 def census_after(before: ThreadCensus, timeout_s: float = 5.0) -> ThreadCensus:
@@ -149,11 +160,14 @@ class SoakFigures:
             f"elapsed: {self.elapsed_s:.0f} s",
             f"RSS after warm-up: {self.rss_after_warmup / 2**20:.1f} MiB, at the end: {self.rss_at_end / 2**20:.1f} MiB "
             f"({self.rss_growth_pct:+.2f}%)",
-            "threads before/during/after: " + "/".join(
+            "threads before/during/after: "
+            + "/".join(
                 f"{len(c.os_ids)} OS, {len(c.py_alive)} Python (+{len(c.py_stale)} ended foreign)"
-                for c in (self.threads_before, self.threads_during, self.threads_after))
+                for c in (self.threads_before, self.threads_during, self.threads_after)
+            )
             + "; started during the run, at the end: {} OS and {} Python alive, {} ended foreign".format(
-                *map(len, self.threads_after.started_since(self.threads_before))),
+                *map(len, self.threads_after.started_since(self.threads_before))
+            ),
             f"median CPU ms per generation, generations {early.start + 1}-{early.stop} vs the last {-late.start}: "
             f"{e_cpu:.1f} vs {l_cpu:.1f} (x{l_cpu / e_cpu:.2f}); wall: {e_wall:.1f} vs {l_wall:.1f} "
             f"(x{l_wall / e_wall:.2f})",
@@ -387,10 +401,14 @@ def report() -> int:
     app = QApplication.instance() or QApplication([])
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(Path(tmp) / "tiny-llama", "llama"))
-        print(f"machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
-              f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, intra-op threads: 1")
-        for name, run, early, late, foreign in (("engine", soak_engine, ENGINE_EARLY, ENGINE_LATE, 0),
-                                                ("controller", soak_controller, CONTROLLER_EARLY, CONTROLLER_LATE, 1)):
+        print(
+            f"machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
+            f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, intra-op threads: 1"
+        )
+        for name, run, early, late, foreign in (
+            ("engine", soak_engine, ENGINE_EARLY, ENGINE_LATE, 0),
+            ("controller", soak_controller, CONTROLLER_EARLY, CONTROLLER_LATE, 1),
+        ):
             fig = run(model)
             print(f"[{name}]")
             for line in fig.lines(early, late):

@@ -1,5 +1,6 @@
 """The chat store under faults: a killed process, damaged or newer databases, read-only and full disks,
 a second process writing at the same time. Each keeps what was saved and says what happened."""
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,9 @@ while True:
 
 def test_kill_mid_answer_loses_at_most_about_a_second(tmp_path):
     db = tmp_path / "chats.sqlite3"
-    proc = subprocess.Popen([sys.executable, "-c", STREAMER, str(db)], stdout=subprocess.PIPE, text=True,
-                            env=child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STREAMER, str(db)], stdout=subprocess.PIPE, text=True, env=child_env()
+    )
     try:
         _, chat_id, answer_id = proc.stdout.readline().split()
         appended: list[tuple[int, float]] = []
@@ -113,7 +115,7 @@ def test_damaged_pages_are_detected_and_moved_aside(tmp_path):
     page = 4096
     assert len(data) > 8 * page
     for p in range(2, len(data) // page - 1, 2):  # scribble over every other b-tree page header
-        data[p * page: p * page + 64] = b"\xa5" * 64
+        data[p * page : p * page + 64] = b"\xa5" * 64
     path.write_bytes(bytes(data))
     with ChatStore(path) as s:
         assert s.notices and "damaged" in s.notices[0]
@@ -230,8 +232,12 @@ def test_second_process_writing_concurrently(tmp_path):
     theirs = store.create_chat("theirs")
     ours = store.create_chat("ours")
     n = 150
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(theirs.id), str(n)], env=child_env(),
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), str(theirs.id), str(n)],
+        env=child_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     parent = None
     deadline = time.monotonic() + 120
     i = 0

@@ -1,5 +1,6 @@
 """Helpers of the server tests: a tiny model served in-process on a free loopback port, and an engine held at
 its first text so that a test can act while a generation surely runs."""
+
 from __future__ import annotations
 
 import threading

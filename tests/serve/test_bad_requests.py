@@ -1,4 +1,5 @@
 """Each bad request gets its 4xx and an OpenAI error object (never a traceback); the server keeps serving."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,12 @@ def server(tiny_llama):
 
 
 def chat_body(server, **fields) -> dict:
-    return {"model": server.engines.model_id, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-            **fields}
+    return {
+        "model": server.engines.model_id,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        **fields,
+    }
 
 
 def assert_error(r: httpx.Response, status: int, param=None, code=None, words: str = "") -> dict:
@@ -43,59 +48,75 @@ def assert_error(r: httpx.Response, status: int, param=None, code=None, words: s
 
 def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
-                      timeout=120, **kw)
+    return httpx.post(
+        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=120, **kw
+    )
 
 
-@pytest.mark.parametrize("fields, param, code, words", [
-    ({"messages": "hello"}, "messages", "invalid_type", "non-empty list"),
-    ({"messages": []}, "messages", "invalid_type", "non-empty list"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "invalid_value", "role"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_type", "string"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-     "messages[1].role", "invalid_value", "last message"),
-    ({"temperature": "hot"}, "temperature", "invalid_type", "number"),
-    ({"temperature": 3}, "temperature", "invalid_value", "temperature"),
-    ({"top_p": 0}, "top_p", "invalid_value", "top_p"),
-    ({"max_tokens": "ten"}, "max_tokens", "invalid_type", "integer"),
-    ({"max_tokens": True}, "max_tokens", "invalid_type", "integer"),
-    ({"max_tokens": -5}, "max_tokens", "invalid_value", "between"),
-    ({"max_tokens": 0}, "max_tokens", "invalid_value", "between"),
-    ({"max_tokens": 10**12}, "max_tokens", "invalid_value", "between"),
-    ({"max_tokens": 5000}, "max_tokens", "context_length_exceeded", "context length"),
-    ({"max_completion_tokens": -1}, "max_completion_tokens", "invalid_value", "between"),
-    ({"n": 33}, "n", "invalid_value", "between 1 and 32"),
-    ({"n": 0}, "n", "invalid_value", "between"),
-    ({"n": 1.5}, "n", "invalid_type", "integer"),
-    ({"seed": "x"}, "seed", "invalid_type", "integer"),
-    ({"stop": 5}, "stop", "invalid_type", "string"),
-    ({"stop": [""]}, "stop", "invalid_value", "empty"),
-    ({"stream": "yes"}, "stream", "invalid_type", "true or false"),
-    ({"stream_options": {"include_usage": 1}}, "include_usage", "invalid_type", "true or false"),
-    ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter", "not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter", "not supported"),
-    ({"model": 7}, "model", "invalid_type", "string"),
-])
+@pytest.mark.parametrize(
+    "fields, param, code, words",
+    [
+        ({"messages": "hello"}, "messages", "invalid_type", "non-empty list"),
+        ({"messages": []}, "messages", "invalid_type", "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "invalid_value", "role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_type", "string"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            "messages[1].role",
+            "invalid_value",
+            "last message",
+        ),
+        ({"temperature": "hot"}, "temperature", "invalid_type", "number"),
+        ({"temperature": 3}, "temperature", "invalid_value", "temperature"),
+        ({"top_p": 0}, "top_p", "invalid_value", "top_p"),
+        ({"max_tokens": "ten"}, "max_tokens", "invalid_type", "integer"),
+        ({"max_tokens": True}, "max_tokens", "invalid_type", "integer"),
+        ({"max_tokens": -5}, "max_tokens", "invalid_value", "between"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_value", "between"),
+        ({"max_tokens": 10**12}, "max_tokens", "invalid_value", "between"),
+        ({"max_tokens": 5000}, "max_tokens", "context_length_exceeded", "context length"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens", "invalid_value", "between"),
+        ({"n": 33}, "n", "invalid_value", "between 1 and 32"),
+        ({"n": 0}, "n", "invalid_value", "between"),
+        ({"n": 1.5}, "n", "invalid_type", "integer"),
+        ({"seed": "x"}, "seed", "invalid_type", "integer"),
+        ({"stop": 5}, "stop", "invalid_type", "string"),
+        ({"stop": [""]}, "stop", "invalid_value", "empty"),
+        ({"stream": "yes"}, "stream", "invalid_type", "true or false"),
+        ({"stream_options": {"include_usage": 1}}, "include_usage", "invalid_type", "true or false"),
+        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter", "not supported"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter", "not supported"),
+        ({"model": 7}, "model", "invalid_type", "string"),
+    ],
+)
 def test_bad_fields_are_400_naming_the_field(server, fields, param, code, words):
     assert_error(post(server, chat_body(server, **fields)), 400, param, code, words)
 
 
 def test_a_prompt_longer_than_the_context_is_400(server):
     long = " ".join(["hello world"] * 300)  # over the tiny model's 256-token context
-    err = assert_error(post(server, chat_body(server, messages=[{"role": "user", "content": long}], max_tokens=None)),
-                       400, "messages", "context_length_exceeded", "maximum context length is 256")
+    err = assert_error(
+        post(server, chat_body(server, messages=[{"role": "user", "content": long}], max_tokens=None)),
+        400,
+        "messages",
+        "context_length_exceeded",
+        "maximum context length is 256",
+    )
     assert "prompt has" in err["message"]
     body = {"model": server.engines.model_id, "prompt": long}
     assert_error(post(server, body, "/completions"), 400, "prompt", "context_length_exceeded")
 
 
-@pytest.mark.parametrize("body, words", [
-    (b"{not json", "not valid JSON"),
-    (b"", "not valid JSON"),
-    (b"[1, 2]", "JSON object"),
-    (b"\xff\xfe", "not valid JSON"),
-    (b"[" * 3000 + b"]" * 3000, "JSON"),  # deeper than the parser recurses
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[" * 3000 + b"]" * 3000, "JSON"),  # deeper than the parser recurses
+    ],
+)
 def test_malformed_bodies_are_400(server, body, words):
     assert_error(post(server, body), 400, words=words)
 
@@ -112,8 +133,9 @@ def test_unknown_model_is_404(server):
 def test_the_openai_client_raises_bad_request_with_the_message(server):
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=server.engines.model_id, messages=[{"role": "user", "content": "hi"}],
-                                       n=40)
+        client.chat.completions.create(
+            model=server.engines.model_id, messages=[{"role": "user", "content": "hi"}], n=40
+        )
     assert info.value.status_code == 400 and info.value.param == "n"
 
 
@@ -140,8 +162,10 @@ def test_wrong_method_and_path(server):
 def test_no_cors_headers_unless_asked(server):
     r = httpx.get(f"{server.url}/models", headers={"Origin": "http://evil.example"})
     assert not any(h.lower().startswith("access-control") for h in r.headers)
-    pre = httpx.options(f"{server.url}/chat/completions", headers={
-        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    pre = httpx.options(
+        f"{server.url}/chat/completions",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert "access-control-allow-origin" not in pre.headers
 
 
@@ -160,25 +184,34 @@ def keyed(tiny_llama):
 
 
 def test_api_key_missing_or_wrong_is_401(keyed):
-    for headers, words in (({}, "missing API key"), ({"Authorization": "Bearer nope"}, "incorrect API key"),
-                           ({"Authorization": KEY}, "incorrect API key")):
-        err = assert_error(httpx.get(f"{keyed.url}/models", headers=headers), 401, code="invalid_api_key",
-                           words=words)
+    for headers, words in (
+        ({}, "missing API key"),
+        ({"Authorization": "Bearer nope"}, "incorrect API key"),
+        ({"Authorization": KEY}, "incorrect API key"),
+    ):
+        err = assert_error(httpx.get(f"{keyed.url}/models", headers=headers), 401, code="invalid_api_key", words=words)
         assert KEY not in err["message"]
     wrong = openai.OpenAI(base_url=keyed.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model=keyed.engines.model_id, messages=[{"role": "user", "content": "hi"}])
     right = openai.OpenAI(base_url=keyed.url, api_key=KEY, max_retries=0)
-    r = right.chat.completions.create(model=keyed.engines.model_id, messages=[{"role": "user", "content": "hi"}],
-                                      max_tokens=3)
+    r = right.chat.completions.create(
+        model=keyed.engines.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
     assert r.usage.completion_tokens >= 1
 
 
 def test_cors_only_for_the_given_origin(keyed):
-    ok = httpx.options(f"{keyed.url}/chat/completions", headers={
-        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
+    ok = httpx.options(
+        f"{keyed.url}/chat/completions",
+        headers={
+            "Origin": "http://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
-    other = httpx.get(f"{keyed.url}/models", headers={"Origin": "http://evil.example",
-                                                       "Authorization": f"Bearer {KEY}"})
+    other = httpx.get(
+        f"{keyed.url}/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"}
+    )
     assert "access-control-allow-origin" not in other.headers

@@ -1,6 +1,7 @@
 """`gapless serve` as a process: it refuses to listen beyond loopback without a key, says a taken port in one
 line, serves a tiny model on a free port, and stops on SIGINT; and on the default model (slow) the served greedy
 text is Engine.generate's, also through the remote engine."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def gapless_process(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "app", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "app", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_other_than_loopback_needs_an_api_key(tiny_llama):
@@ -47,8 +54,21 @@ def test_a_taken_port_is_one_line(tiny_llama):
 
 
 def test_serve_answers_and_stops_on_sigint(tiny_llama):
-    p = gapless_process("serve", "--model", str(tiny_llama), "--port", "0", "--device", "cpu", "--kv", "dynamic",
-                        "--api-key", "k1", "--served-model-name", "tiny")
+    p = gapless_process(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--kv",
+        "dynamic",
+        "--api-key",
+        "k1",
+        "--served-model-name",
+        "tiny",
+    )
     try:
         url = None
         for line in p.stderr:
@@ -58,8 +78,9 @@ def test_serve_answers_and_stops_on_sigint(tiny_llama):
                 break
         assert url, "the server never said where it listens"
         client = openai.OpenAI(base_url=url, api_key="k1", max_retries=0)
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                           max_tokens=5, temperature=0)
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
+        )
         assert r.usage.completion_tokens >= 1 and r.model == "tiny"
         p.send_signal(signal.SIGINT)
         p.wait(60)
@@ -82,11 +103,16 @@ def test_default_model_served_greedy_text_is_the_engine_s(default_model_path):
         want = engine.generate(messages, SamplingParams(temperature=0.0, max_new_tokens=32))
         with serving(engine) as server:
             client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-            r = client.chat.completions.create(model=server.engines.model_id, messages=messages, max_tokens=32,
-                                               temperature=0)
-            streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                model=server.engines.model_id, messages=messages, max_tokens=32, temperature=0, stream=True)
-                if c.choices)
+            r = client.chat.completions.create(
+                model=server.engines.model_id, messages=messages, max_tokens=32, temperature=0
+            )
+            streamed = "".join(
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(
+                    model=server.engines.model_id, messages=messages, max_tokens=32, temperature=0, stream=True
+                )
+                if c.choices
+            )
             remote = RemoteEngine.load(RemoteSource(server.url, server.engines.model_id))
             try:
                 via_remote = remote.generate(messages, SamplingParams(temperature=0.0, max_new_tokens=32))

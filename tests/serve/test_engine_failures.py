@@ -1,5 +1,6 @@
 """An engine that fails unexpectedly: a 500 with an OpenAI error object for a whole answer, an error event and
 [DONE] in a stream; never a traceback to the client, and the server keeps serving."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ def engine(tiny_llama):
 
 
 def body(server, **fields) -> dict:
-    return {"model": server.engines.model_id, "messages": [{"role": "user", "content": "hello world"}],
-            "max_tokens": 40, "seed": 5, **fields}
+    return {
+        "model": server.engines.model_id,
+        "messages": [{"role": "user", "content": "hello world"}],
+        "max_tokens": 40,
+        "seed": 5,
+        **fields,
+    }
 
 
 def test_a_failure_before_the_answer_is_a_500_error_object(engine):

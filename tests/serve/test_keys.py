@@ -1,4 +1,5 @@
 """API keys of remote servers: in a file only its owner can read when no keyring is usable; never logged."""
+
 from __future__ import annotations
 
 import stat

@@ -1,5 +1,6 @@
 """`gapless serve` through the official openai client, on a tiny random model: the served text, token for token,
 is what the engine makes for the same request; usage counts the engine's tokens; SSE ends in [DONE]."""
+
 from __future__ import annotations
 
 import json
@@ -102,8 +103,9 @@ def test_n_2_are_the_engine_candidates(client, server, reference):
     assert [c.message.content for c in r.choices] == ref.texts
     assert r.usage.completion_tokens == sum(len(t) for t in ref.token_ids)
     streamed = {0: "", 1: ""}
-    for c in client.chat.completions.create(model=model_id(server), messages=HELLO, max_tokens=10, seed=11, n=2,
-                                            stream=True):
+    for c in client.chat.completions.create(
+        model=model_id(server), messages=HELLO, max_tokens=10, seed=11, n=2, stream=True
+    ):
         for choice in c.choices:
             streamed[choice.index] += choice.delta.content or ""
     assert [streamed[0], streamed[1]] == ref.texts
@@ -120,26 +122,34 @@ def test_stop_cuts_where_the_engine_cuts(client, server, reference):
     greedy = direct(reference, HELLO, temperature=0.0, max_new_tokens=24).texts[0]
     stop = greedy[6:8]
     assert len(stop) == 2 and stop.strip()
-    r = client.chat.completions.create(model=model_id(server), messages=HELLO, max_tokens=24, temperature=0,
-                                       stop=[stop, "never seen"])
+    r = client.chat.completions.create(
+        model=model_id(server), messages=HELLO, max_tokens=24, temperature=0, stop=[stop, "never seen"]
+    )
     assert r.choices[0].message.content == greedy[: greedy.find(stop)]
     assert r.choices[0].finish_reason == "stop"
     ref = direct(reference, HELLO, temperature=0.0, max_new_tokens=24, stop=(stop,))
     assert r.usage.completion_tokens == len(ref.token_ids[0])
-    one = client.chat.completions.create(model=model_id(server), messages=HELLO, max_tokens=24, temperature=0,
-                                         stop=stop)
+    one = client.chat.completions.create(
+        model=model_id(server), messages=HELLO, max_tokens=24, temperature=0, stop=stop
+    )
     assert one.choices[0].message.content == r.choices[0].message.content
 
 
 def test_completions_are_plain_raw_prompts(client, server, reference):
     r = client.completions.create(model=model_id(server), prompt="the quick brown", max_tokens=8, temperature=0)
-    ref = direct(reference, [{"role": "user", "content": "the quick brown"}], raw=True, temperature=0.0,
-                 max_new_tokens=8)
+    ref = direct(
+        reference, [{"role": "user", "content": "the quick brown"}], raw=True, temperature=0.0, max_new_tokens=8
+    )
     assert r.object == "text_completion" and r.choices[0].text == ref.texts[0]
     assert r.usage.prompt_tokens == ref.metrics.prompt_tokens
     assert r.usage.completion_tokens == len(ref.token_ids[0])
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model_id(server), prompt="the quick brown", max_tokens=8, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model_id(server), prompt="the quick brown", max_tokens=8, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == ref.texts[0]
 
 

@@ -1,5 +1,6 @@
 """The engine takes one request at a time: the others wait first come first served, past the bound they get
 503 with Retry-After, and a client that goes away (queued, waiting, or mid-stream) cancels its generation."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,11 @@ def test_past_the_queue_bound_is_503_with_retry_after(held):
         first = client.chat.completions.create(**body(server, max_tokens=6, seed=1), stream=True)
         assert held.reached.wait(60)  # the first request holds the engine
         second: dict = {}
-        waiter = threading.Thread(target=lambda: second.update(r=client.chat.completions.create(
-            **body(server, "the quick brown fox", max_tokens=5, temperature=0))))
+        waiter = threading.Thread(
+            target=lambda: second.update(
+                r=client.chat.completions.create(**body(server, "the quick brown fox", max_tokens=5, temperature=0))
+            )
+        )
         waiter.start()
         assert wait_until(lambda: server.engines.stats.waiting == 1)
         r = httpx.post(f"{server.url}/chat/completions", json=body(server, max_tokens=2), timeout=60)
@@ -53,8 +57,9 @@ def test_past_the_queue_bound_is_503_with_retry_after(held):
 def test_a_stream_closed_by_the_client_cancels_its_generation(held):
     # seed 5 runs past 220 tokens without an end-of-sequence, so the cancel lands mid-answer
     with serving(held) as server:
-        with httpx.stream("POST", f"{server.url}/chat/completions", timeout=60,
-                          json=body(server, max_tokens=220, seed=5, stream=True)) as r:
+        with httpx.stream(
+            "POST", f"{server.url}/chat/completions", timeout=60, json=body(server, max_tokens=220, seed=5, stream=True)
+        ) as r:
             assert r.status_code == 200
             assert held.reached.wait(60)
         assert held.cancel is not None and held.cancel.wait(60)  # set by the server on the disconnect
@@ -69,8 +74,11 @@ def _raw_post(url: str, payload: dict) -> socket.socket:
     parts = urlsplit(url)
     data = json.dumps(payload).encode()
     sock = socket.create_connection((parts.hostname, parts.port))
-    sock.sendall(f"POST {parts.path}/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {parts.path}/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -96,8 +104,9 @@ def test_a_client_gone_while_queued_never_reaches_the_engine(held):
         sock.close()
         assert queued.cancel.wait(60)  # seen while the request waits
         third: dict = {}
-        t = threading.Thread(target=lambda: third.update(r=client.chat.completions.create(
-            **body(server, max_tokens=3, temperature=0))))
+        t = threading.Thread(
+            target=lambda: third.update(r=client.chat.completions.create(**body(server, max_tokens=3, temperature=0)))
+        )
         t.start()
         assert wait_until(lambda: server.engines.stats.waiting == 2)
         held.release.set()

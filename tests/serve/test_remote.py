@@ -1,6 +1,7 @@
 """The remote engine against `gapless serve` on loopback: the same text as the engine called directly, figures
 measured over HTTP with their sources, GPU figures n/a with the reason, options reported unavailable; bad
 addresses, models and keys are one clear error."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,14 @@ def test_sources_round_trip_and_bad_ones_are_refused():
     back = RemoteSource.parse(src.to_source())
     assert (back.base_url, back.model, back.timeout_s) == ("http://10.0.0.5:8000/v1", "llama3:8b", 12.5)
     assert RemoteSource.parse("remote:http://h/v1#m").timeout_s == 60.0
-    for bad in ("remote:ftp://h/v1#m", "remote:http://h/v1", "remote:http://h/v1#", "remote:http://h/v1#m|timeout=x",
-                "remote:http://h/v1#m|timeout=0", "remote:http://h/v1#m|speed=3"):
+    for bad in (
+        "remote:ftp://h/v1#m",
+        "remote:http://h/v1",
+        "remote:http://h/v1#",
+        "remote:http://h/v1#m|timeout=x",
+        "remote:http://h/v1#m|timeout=0",
+        "remote:http://h/v1#m|speed=3",
+    ):
         with pytest.raises(OptionsError):
             RemoteSource.parse(bad)
 
@@ -59,10 +66,15 @@ def test_remote_text_is_the_local_engine_s(remote, local, server):
     m = got.metrics
     assert m.prompt_tokens == want.metrics.prompt_tokens
     assert m.new_tokens_total == len(want.token_ids[0])
-    raw = remote.generate([{"role": "user", "content": "the quick"}], SamplingParams(temperature=0.0, max_new_tokens=6),
-                          raw=True)
-    assert raw.texts == local.generate([{"role": "user", "content": "the quick"}],
-                                       SamplingParams(temperature=0.0, max_new_tokens=6), raw=True).texts
+    raw = remote.generate(
+        [{"role": "user", "content": "the quick"}], SamplingParams(temperature=0.0, max_new_tokens=6), raw=True
+    )
+    assert (
+        raw.texts
+        == local.generate(
+            [{"role": "user", "content": "the quick"}], SamplingParams(temperature=0.0, max_new_tokens=6), raw=True
+        ).texts
+    )
 
 
 def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
@@ -72,8 +84,9 @@ def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
     assert ttft.value > 0 and ttft.source == "client-side timing over HTTP"
     for key in ("inter_token_ms_p50", "inter_token_ms_p99", "http_decode_tok_s"):  # text comes in ~30 Hz batches
         f = m.figure(key)
-        assert (f.value is not None and f.source == "client-side timing over HTTP") or \
-            f.reason == "too few text chunks arrived to time", key
+        assert (
+            f.value is not None and f.source == "client-side timing over HTTP"
+        ) or f.reason == "too few text chunks arrived to time", key
     for key in ("gpu_util_pct", "kernel_gap_pct", "sm_activity_pct", "ttft_ms", "decode_tok_s", "peak_memory_bytes"):
         f = m.figure(key)
         assert f.value is None and REMOTE_REASON in f.reason, key
@@ -86,15 +99,24 @@ def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
 
 def test_options_other_than_candidates_are_unavailable_with_the_reason(remote):
     assert remote.unavailable() == {}  # the defaults stand for the server's own settings
-    asked = EngineOptions(device="cuda", dtype="fp16", kv_cache="dynamic", compile=True, cuda_graph=True,
-                          candidates=3, profile_window=False)
+    asked = EngineOptions(
+        device="cuda",
+        dtype="fp16",
+        kv_cache="dynamic",
+        compile=True,
+        cuda_graph=True,
+        candidates=3,
+        profile_window=False,
+    )
     na = remote.unavailable(asked)
     assert set(na) == {"device", "dtype", "kv_cache", "compile", "cuda_graph", "profile_window"}
     assert all(why.startswith(REMOTE_REASON) for why in na.values())
     remote.reconfigure(asked)
     assert remote.effective(asked)[1] == na and remote.unavailable() == na
     info = remote.info
-    assert info.backend == "remote" and info.source_kind == "remote" and info.source.startswith("remote:http://127.0.0.1")
+    assert (
+        info.backend == "remote" and info.source_kind == "remote" and info.source.startswith("remote:http://127.0.0.1")
+    )
 
 
 def test_candidates_go_as_n(remote, local):
@@ -180,9 +202,26 @@ def test_generate_on_the_command_line_through_a_remote(server, local):
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), GAPLESS_REMOTE_API_KEY=KEY)
     source = RemoteSource(server.url, server.engines.model_id).to_source()
-    r = subprocess.run([sys.executable, "-m", "app", "generate", "--model", source, "--prompt", "hello world",
-                        "--max-new-tokens", "8", "--json"], capture_output=True, text=True, env=env, cwd=root,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "generate",
+            "--model",
+            source,
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["texts"] == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
@@ -198,11 +237,14 @@ def test_gapless_serve_can_front_a_remote_model(server, local):
     try:
         with serving(remote) as front:
             client = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0)
-            r = client.chat.completions.create(model=front.engines.model_id, messages=HELLO, max_tokens=8,
-                                               temperature=0)
+            r = client.chat.completions.create(
+                model=front.engines.model_id, messages=HELLO, max_tokens=8, temperature=0
+            )
             with pytest.raises(openai.BadRequestError, match="give max_tokens"):
                 client.chat.completions.create(model=front.engines.model_id, messages=HELLO)
     finally:
         remote.close()
-    assert r.choices[0].message.content == local.generate(HELLO, SamplingParams(temperature=0.0,
-                                                                                max_new_tokens=8)).texts[0]
+    assert (
+        r.choices[0].message.content
+        == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts[0]
+    )

@@ -1,6 +1,7 @@
 """The remote engine against a misbehaving stand-in server on loopback: garbage, a stream dropped mid-answer, a
 server that stops sending, an HTTP error; each a clear message with the text streamed until then delivered. And
 the server figures it reads: llama.cpp's `timings`, vLLM's `/metrics`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,11 +31,13 @@ class StandIn:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/v1/models", self.models),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/metrics", self.metrics),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/models", self.models),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/metrics", self.metrics),
+            ]
+        )
 
     async def models(self, _r: Request):
         return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]})
@@ -47,12 +50,16 @@ class StandIn:
             f'vllm:num_requests_waiting{{model_name="vllm"}} 1.0\n'
             f'vllm:kv_cache_usage_perc{{model_name="vllm"}} 0.25\n'
             f'vllm:time_to_first_token_seconds_sum{{model_name="vllm"}} {0.040 * n}\n'
-            f'vllm:time_to_first_token_seconds_count{{model_name="vllm"}} {float(n)}\n')
+            f'vllm:time_to_first_token_seconds_count{{model_name="vllm"}} {float(n)}\n'
+        )
 
     @staticmethod
     def chunk(text: str, finish=None, **extra) -> str:
-        return "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
-                                      **extra}) + "\n\n"
+        return (
+            "data: "
+            + json.dumps({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}], **extra})
+            + "\n\n"
+        )
 
     async def chat(self, request: Request):
         body = await request.json()
@@ -78,14 +85,24 @@ class StandIn:
                 yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
             elif model == "llamacpp":
                 yield self.chunk("", "stop", timings={"prompt_ms": 12.5, "predicted_per_second": 88.0})
-                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
-                                                                     "total_tokens": 7}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+                    )
+                    + "\n\n"
+                )
                 yield "data: [DONE]\n\n"
             elif model == "vllm":
                 self.vllm_requests += 1
                 yield self.chunk("", "length")
-                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
-                                                                     "total_tokens": 7}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+                    )
+                    + "\n\n"
+                )
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -112,12 +129,15 @@ def run(server, model: str, timeout_s: float = 30.0):
     return str(info.value), "".join(d.text for d in deltas)
 
 
-@pytest.mark.parametrize("model, words", [
-    ("garbage", "sent an event that is not JSON: '<html>502 Bad Gateway</html>'"),
-    ("drop", "dropped the connection"),
-    ("unfinished", "closed the stream before the answer ended"),
-    ("midstream-error", "reported an error: the model crashed"),
-])
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ("garbage", "sent an event that is not JSON: '<html>502 Bad Gateway</html>'"),
+        ("drop", "dropped the connection"),
+        ("unfinished", "closed the stream before the answer ended"),
+        ("midstream-error", "reported an error: the model crashed"),
+    ],
+)
 def test_a_broken_stream_is_a_clear_error_and_the_partial_text_was_delivered(stand_in, model, words):
     _, server = stand_in
     message, text = run(server, model)

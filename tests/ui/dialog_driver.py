@@ -6,6 +6,7 @@ the call, so a wrong enum name or a dialog that never opens fails the test.
 Each answered dialog records where the app opened it: the functions of ui/ and app/ on the Python stack
 while the dialog's own event loop runs (a blocking exec(), a static getOpenFileName, a menu's exec()).
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,7 +17,14 @@ from typing import Callable, Optional
 from PySide6.QtCore import QPoint, Qt, QTimer
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import (
-    QAbstractButton, QApplication, QFileDialog, QInputDialog, QLineEdit, QMenu, QMessageBox, QWidget,
+    QAbstractButton,
+    QApplication,
+    QFileDialog,
+    QInputDialog,
+    QLineEdit,
+    QMenu,
+    QMessageBox,
+    QWidget,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,23 +81,28 @@ class DialogDriver:
 
     def click(self, button: str) -> "DialogDriver":
         """A QMessageBox: click the button showing `button` (its text, mnemonic ampersands aside)."""
+
         def act(box: QWidget) -> None:
             assert isinstance(box, QMessageBox)
             matches = [b for b in box.buttons() if b.text().replace("&", "") == button]
             assert matches, f"no {button!r} button in the message box; it shows {self.answered[-1].buttons}"
             matches[0].click()
+
         return self._add(QMessageBox, act)
 
     def type_text(self, text: str, accept: bool = True) -> "DialogDriver":
         """A QInputDialog: type `text` and press OK (or Cancel)."""
+
         def act(dialog: QWidget) -> None:
             assert isinstance(dialog, QInputDialog)
             dialog.setTextValue(text)
             dialog.accept() if accept else dialog.reject()
+
         return self._add(QInputDialog, act)
 
     def choose_file(self, path: Optional[Path]) -> "DialogDriver":
         """A QFileDialog: choose `path` (a file, or in a directory dialog the folder), or Cancel when None."""
+
         def act(dialog: QWidget) -> None:
             assert isinstance(dialog, QFileDialog)
             if path is None:
@@ -102,20 +115,25 @@ class DialogDriver:
                 assert edit is not None, "a widget-based file dialog has a file name box"
                 edit.setText(str(path))
                 dialog.accept()
+
         return self._add(QFileDialog, act)
 
     def menu(self, action: str) -> "DialogDriver":
         """A context menu: click the entry showing `action`."""
+
         def act(menu: QWidget) -> None:
             assert isinstance(menu, QMenu)
             found = [a for a in menu.actions() if a.text() == action]
             assert found, f"no {action!r} in the menu: {[a.text() for a in menu.actions()]}"
-            QTest.mouseClick(menu, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier,
-                             menu.actionGeometry(found[0]).center())
+            QTest.mouseClick(
+                menu, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, menu.actionGeometry(found[0]).center()
+            )
+
         return self._add(QMenu, act)
 
     def look(self, kind: type, check: Callable[[QWidget], None], close: bool = True) -> "DialogDriver":
         """Run `check` while a dialog or menu of `kind` is on screen, then close it (Esc for a menu)."""
+
         def act(w: QWidget) -> None:
             try:
                 check(w)
@@ -125,6 +143,7 @@ class DialogDriver:
                         QTest.keyClick(w, Qt.Key.Key_Escape)
                     else:
                         w.close()
+
         return self._add(kind, act)
 
     # ---- running -----------------------------------------------------------------------------------
@@ -166,7 +185,11 @@ class DialogDriver:
                     timer.stop()
                 return
             timer.stop()
-            buttons = [b.text().replace("&", "") for b in w.findChildren(QAbstractButton)] if isinstance(w, QMessageBox) else []
+            buttons = (
+                [b.text().replace("&", "") for b in w.findChildren(QAbstractButton)]
+                if isinstance(w, QMessageBox)
+                else []
+            )
             text = w.text() if isinstance(w, QMessageBox) else w.labelText() if isinstance(w, QInputDialog) else ""
             folder = w.directory().absolutePath() if isinstance(w, QFileDialog) else ""
             self.answered.append(Answered(type(w).__name__, w.windowTitle(), text, app_sites(), buttons, folder))

@@ -5,6 +5,7 @@ engine emits on an H200 and on this CPU machine, so the tests and the synthetic 
 Run as a script to redraw the synthetic screenshots:
     PYTHONPATH=. QT_QPA_PLATFORM=offscreen python tests/ui/hud_streams.py docs/screenshots
 """
+
 from __future__ import annotations
 
 import sys
@@ -14,10 +15,16 @@ from typing import Optional
 
 import numpy as np
 
-from engine.types import (PRESET_LABELS, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord,
-                          preset_options)
-
 from engine.telemetry.monitor import SOURCES
+from engine.types import (
+    PRESET_LABELS,
+    EngineOptions,
+    GenerationMetrics,
+    LadderRow,
+    MonitorSample,
+    StepRecord,
+    preset_options,
+)
 
 # The labels the engine's monitor and profiler window put on their figures.
 GPM = SOURCES["sm_activity_pct"]  # "SM activity — NVML GPM"
@@ -59,8 +66,15 @@ GPU_RUNGS = (
 )
 
 
-def steps(t_start: float, n: int, step_ms: float, candidates: int = 1, profiled: tuple[int, int] = (16, 24),
-          seed: int = 0, first_step_delay_s: float = 0.02) -> list[StepRecord]:
+def steps(
+    t_start: float,
+    n: int,
+    step_ms: float,
+    candidates: int = 1,
+    profiled: tuple[int, int] = (16, 24),
+    seed: int = 0,
+    first_step_delay_s: float = 0.02,
+) -> list[StepRecord]:
     """n decode steps starting after a prefill delay; the steps in `profiled` are traced (and slower)."""
     rng = np.random.default_rng(seed)
     out, t = [], t_start + first_step_delay_s
@@ -72,17 +86,33 @@ def steps(t_start: float, n: int, step_ms: float, candidates: int = 1, profiled:
     return out
 
 
-def samples(t_start: float, t_end: float, hz: float, values: dict[str, Optional[float]], sources: dict[str, str],
-            seed: int = 0, cpu_util: float = 98.0, rss: int = 1_350_000_000) -> list[MonitorSample]:
+def samples(
+    t_start: float,
+    t_end: float,
+    hz: float,
+    values: dict[str, Optional[float]],
+    sources: dict[str, str],
+    seed: int = 0,
+    cpu_util: float = 98.0,
+    rss: int = 1_350_000_000,
+) -> list[MonitorSample]:
     """Monitor readings every 1/hz s: `values` gives each GPU field's mean (None: not measured)."""
     rng = np.random.default_rng(seed)
     out, t = [], t_start
     while t <= t_end:
-        jitter = {k: (None if v is None else float(np.clip(v * (1 + 0.06 * rng.standard_normal()), 0, 100)))
-                  for k, v in values.items()}
-        out.append(MonitorSample(t=t, cpu_util_pct=float(cpu_util + 4 * rng.standard_normal()),
-                                 process_rss_bytes=int(rss + rng.integers(0, 4_000_000)),
-                                 sources=dict(sources), **jitter))
+        jitter = {
+            k: (None if v is None else float(np.clip(v * (1 + 0.06 * rng.standard_normal()), 0, 100)))
+            for k, v in values.items()
+        }
+        out.append(
+            MonitorSample(
+                t=t,
+                cpu_util_pct=float(cpu_util + 4 * rng.standard_normal()),
+                process_rss_bytes=int(rss + rng.integers(0, 4_000_000)),
+                sources=dict(sources),
+                **jitter,
+            )
+        )
         t += 1.0 / hz
     return out
 
@@ -100,20 +130,33 @@ def cpu_sources() -> dict[str, str]:
     return {"cpu_util_pct": SOURCES["cpu_util_pct"], "process_rss_bytes": SOURCES["process_rss_bytes"]}
 
 
-def metrics_for(records: list[StepRecord], rung: Rung, prompt_tokens: int = 42, gpu: bool = True,
-                gpm: bool = True, gpu_reason: str = CPU_REASON) -> GenerationMetrics:
+def metrics_for(
+    records: list[StepRecord],
+    rung: Rung,
+    prompt_tokens: int = 42,
+    gpu: bool = True,
+    gpm: bool = True,
+    gpu_reason: str = CPU_REASON,
+) -> GenerationMetrics:
     """Per-generation figures consistent with the records (the engine computes its own; this mirrors them)."""
     untraced = [r for r in records if not r.profiled]
     ms = np.array([r.step_ms for r in untraced])
     span = sum(r.step_ms for r in untraced) / 1000.0
     n = records[-1].tokens_total
     m = GenerationMetrics(
-        prompt_tokens=prompt_tokens, new_tokens=[n // rung.candidates] * rung.candidates, new_tokens_total=n,
-        ttft_ms=20.0 + rung.step_ms, prefill_tok_s=prompt_tokens / (0.02 + rung.step_ms / 1000.0),
-        decode_tok_s=len(untraced) * rung.candidates / span, decode_steps=len(records), decode_seconds=span,
-        step_ms_p50=float(np.percentile(ms, 50)), step_ms_p90=float(np.percentile(ms, 90)),
+        prompt_tokens=prompt_tokens,
+        new_tokens=[n // rung.candidates] * rung.candidates,
+        new_tokens_total=n,
+        ttft_ms=20.0 + rung.step_ms,
+        prefill_tok_s=prompt_tokens / (0.02 + rung.step_ms / 1000.0),
+        decode_tok_s=len(untraced) * rung.candidates / span,
+        decode_steps=len(records),
+        decode_seconds=span,
+        step_ms_p50=float(np.percentile(ms, 50)),
+        step_ms_p90=float(np.percentile(ms, 90)),
         step_ms_p99=float(np.percentile(ms, 99)),
-        kernel_gap_pct=rung.gap_pct, kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
+        kernel_gap_pct=rung.gap_pct,
+        kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
         profiled_steps=sum(r.profiled for r in records),
     )
     if gpu:
@@ -131,18 +174,40 @@ def metrics_for(records: list[StepRecord], rung: Rung, prompt_tokens: int = 42, 
 def ladder_rows(gpu: bool = True) -> list[LadderRow]:
     """Rows as engine.ladder.run_ladder makes them, one rung skipped with its reason."""
     figures = {  # preset -> (decode tok/s, kernel gap %)
-        "naive": (47.6, 81.0), "half": (52.0, 79.5), "device-sampling": (118.0, 58.0), "first-fixes": (214.0, 42.0),
-        "compile": (905.0, 17.0), "cuda-graph": (2080.0, 6.0), "candidates": (7900.0, 5.1),
+        "naive": (47.6, 81.0),
+        "half": (52.0, 79.5),
+        "device-sampling": (118.0, 58.0),
+        "first-fixes": (214.0, 42.0),
+        "compile": (905.0, 17.0),
+        "cuda-graph": (2080.0, 6.0),
+        "candidates": (7900.0, 5.1),
     }
     rows = []
     for preset, (tok, gap) in figures.items():
         opts = preset_options(preset, EngineOptions(device="cuda" if gpu else "cpu"))
         skipped = None if gpu or preset not in ("cuda-graph", "candidates") else "CUDA graphs need a CUDA device"
-        m = None if skipped else GenerationMetrics(decode_tok_s=tok if gpu else tok / 40, kernel_gap_pct=gap,
-                                                   kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
-                                                   new_tokens_total=128, new_tokens=[128], prompt_tokens=42)
-        rows.append(LadderRow(preset, PRESET_LABELS[preset], "skipped" if skipped else "ok", opts.to_dict(), skipped,
-                              metrics=None if m is None else m.to_dict()))
+        m = (
+            None
+            if skipped
+            else GenerationMetrics(
+                decode_tok_s=tok if gpu else tok / 40,
+                kernel_gap_pct=gap,
+                kernel_gap_source=KERNEL_GAP if gpu else OP_GAP,
+                new_tokens_total=128,
+                new_tokens=[128],
+                prompt_tokens=42,
+            )
+        )
+        rows.append(
+            LadderRow(
+                preset,
+                PRESET_LABELS[preset],
+                "skipped" if skipped else "ok",
+                opts.to_dict(),
+                skipped,
+                metrics=None if m is None else m.to_dict(),
+            )
+        )
     return rows
 
 
@@ -155,11 +220,14 @@ def feed_gpu_session(panel, clock: ManualClock, n_steps: int = 160, gpm: bool = 
         panel.begin_generation(rung.label, rung.options)
         recs = steps(t, n_steps * (1 if rung.step_ms > 1 else 8), rung.step_ms, seed=i)
         end = recs[-1].t
-        vals = {"gpu_util_pct": rung.gpu_util, "sm_activity_pct": rung.sm_activity if gpm else None,
-                "dram_bw_util_pct": rung.dram_bw if gpm else None}
+        vals = {
+            "gpu_util_pct": rung.gpu_util,
+            "sm_activity_pct": rung.sm_activity if gpm else None,
+            "dram_bw_util_pct": rung.dram_bw if gpm else None,
+        }
         panel.add_samples(samples(t, end, 10.0, vals, gpu_sources(gpm), seed=i))
         for k in range(0, len(recs), 16):  # the worker batches records at ~30 Hz
-            panel.add_steps(recs[k:k + 16])
+            panel.add_steps(recs[k : k + 16])
         clock.t = end + 0.01
         panel.end_generation(metrics_for(recs, rung, gpm=gpm), rung.options, rung.label)
         t = end + 0.8
@@ -171,24 +239,46 @@ def feed_gpu_session(panel, clock: ManualClock, n_steps: int = 160, gpm: bool = 
 def feed_cpu_session(panel, clock: ManualClock, n_steps: int = 120) -> float:
     """Two generations on a CPU without NVML: every GPU field None with its reason, CPU use and memory measured."""
     t = clock.t
-    cpu_rungs = (Rung("Naive", preset_options("naive", EngineOptions(device="cpu")), 31.0, None, None, None, 64.0),
-                 Rung("+ static KV cache", preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32"),
-                      19.0, None, None, None, 38.0))
+    cpu_rungs = (
+        Rung("Naive", preset_options("naive", EngineOptions(device="cpu")), 31.0, None, None, None, 64.0),
+        Rung(
+            "+ static KV cache",
+            preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32"),
+            19.0,
+            None,
+            None,
+            None,
+            38.0,
+        ),
+    )
     for i, rung in enumerate(cpu_rungs):
         clock.t = t
         panel.begin_generation(rung.label, rung.options)
         recs = steps(t, n_steps, rung.step_ms, seed=i)
         end = recs[-1].t
         none = {"gpu_util_pct": None, "sm_activity_pct": None, "dram_bw_util_pct": None}
-        panel.add_samples(samples(t, end, 10.0, none, cpu_sources(), seed=i, cpu_util=185.0 - 60 * i,
-                                  rss=1_100_000_000 + 40_000_000 * i))
+        panel.add_samples(
+            samples(
+                t, end, 10.0, none, cpu_sources(), seed=i, cpu_util=185.0 - 60 * i, rss=1_100_000_000 + 40_000_000 * i
+            )
+        )
         for k in range(0, len(recs), 8):
-            panel.add_steps(recs[k:k + 8])
+            panel.add_steps(recs[k : k + 8])
         clock.t = end + 0.01
         panel.end_generation(metrics_for(recs, rung, gpu=False), rung.options, rung.label)
         t = end + 1.0
-        panel.add_samples(samples(end + 0.1, t - 0.05, 10.0, none, cpu_sources(), seed=10 + i, cpu_util=2.0,
-                                  rss=1_100_000_000 + 40_000_000 * i))
+        panel.add_samples(
+            samples(
+                end + 0.1,
+                t - 0.05,
+                10.0,
+                none,
+                cpu_sources(),
+                seed=10 + i,
+                cpu_util=2.0,
+                rss=1_100_000_000 + 40_000_000 * i,
+            )
+        )
     return t
 
 

@@ -1,15 +1,16 @@
 """Export and import through the File menu: only the file dialog's choice is replaced; the rest is the real app
 (a tiny model answers, so the answer carries real figures)."""
-from __future__ import annotations
 
-import pytest
+from __future__ import annotations
 
 import json
 
+import pytest
 from PySide6.QtWidgets import QFileDialog
+from test_main_window import close_app, open_app, send
 
 from app.chat_io import chat_document
-from test_main_window import close_app, open_app, send
+
 
 @pytest.fixture
 def data_dir(tmp_path):
@@ -21,7 +22,6 @@ def app(qtbot, data_dir, tiny_llama):
     gui = open_app(qtbot, data_dir, tiny_llama)
     yield gui
     close_app(gui)
-
 
 
 def choose(monkeypatch, path):
@@ -59,8 +59,11 @@ def test_a_bad_file_through_the_menu_is_refused_and_changes_nothing(qtbot, app, 
     chats = [c.id for c in app.store.list_chats()]
     count = app.store.count_messages()
     bad = tmp_path / "bad.json"
-    bad.write_text('{"format": "gapless-chat", "version": 1, "chat": {"title": "x"}, "messages": [{"id": 1, '
-                   '"parent": 5, "role": "user", "content": "hi"}]}', encoding="utf-8")
+    bad.write_text(
+        '{"format": "gapless-chat", "version": 1, "chat": {"title": "x"}, "messages": [{"id": 1, '
+        '"parent": 5, "role": "user", "content": "hi"}]}',
+        encoding="utf-8",
+    )
     choose(monkeypatch, bad)
     w.import_action.trigger()
     assert "The chat was not imported: message 1: its parent 5 is not an earlier message" in w.status.text()

@@ -1,16 +1,17 @@
 """The context meter under the composer: counted by the engine off the GUI thread as the user types, equal to
 the prompt tokens the engine then feeds, and warning near and over the limit with what the policy will drop."""
-from __future__ import annotations
 
-import pytest
+from __future__ import annotations
 
 import threading
 
+import pytest
 from PySide6.QtCore import Qt
-
-from engine.engine import Engine
 from test_main_window import TIMEOUT_MS, close_app, open_app
 from test_overflow_gui import long_history
+
+from engine.engine import Engine
+
 
 @pytest.fixture
 def data_dir(tmp_path):
@@ -24,13 +25,13 @@ def app(qtbot, data_dir, tiny_llama):
     close_app(gui)
 
 
-
 def fresh_count(qtbot, w, draft: str):
     """Type `draft` (replacing the box) and wait for the meter's count of it (counts of older text are dropped)."""
     before = w.composer.context_use
     w.composer.set_text(draft)
-    qtbot.waitUntil(lambda: w.composer.context_use is not None and w.composer.context_use is not before,
-                    timeout=TIMEOUT_MS)
+    qtbot.waitUntil(
+        lambda: w.composer.context_use is not None and w.composer.context_use is not before, timeout=TIMEOUT_MS
+    )
     return w.composer.context_use
 
 
@@ -99,5 +100,7 @@ def test_counting_runs_off_the_gui_thread_and_waits_for_typing_to_pause(qtbot, a
     assert threads and all(t is not threading.main_thread() for t in threads)
     assert len(threads) < len(text)  # one count per pause, not per key
     counted = w.composer.context_use
-    expected = app.controller.worker.engine.measure_prompt(w.flow.draft_messages(text), w.flow.sampling().max_new_tokens)
+    expected = app.controller.worker.engine.measure_prompt(
+        w.flow.draft_messages(text), w.flow.sampling().max_new_tokens
+    )
     assert counted == expected

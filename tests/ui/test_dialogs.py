@@ -1,6 +1,7 @@
 """Every dialog the app opens, opened by the app's own code with the installed PySide6's real enums and answered
 with the dialog's real buttons (tests/ui/dialog_driver.py); a scan of ui/ and app/ fails on a dialog call site
 that no test here reaches."""
+
 from __future__ import annotations
 
 import ast
@@ -9,15 +10,23 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from dialog_driver import ROOT, DialogDriver, right_click
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
 from app.gui import build
 from app.paths import AppPaths
-from dialog_driver import ROOT, DialogDriver, right_click
 
 TIMEOUT_MS = 60_000
-DIALOG_CLASSES = {"QMessageBox", "QFileDialog", "QInputDialog", "QColorDialog", "QFontDialog", "QProgressDialog",
-                  "QErrorMessage", "QDialogButtonBox"}
+DIALOG_CLASSES = {
+    "QMessageBox",
+    "QFileDialog",
+    "QInputDialog",
+    "QColorDialog",
+    "QFontDialog",
+    "QProgressDialog",
+    "QErrorMessage",
+    "QDialogButtonBox",
+}
 
 # Each function of ui/ and app/ that makes a dialog, and the test below that opens it and clicks it.
 DIALOG_SITES = {
@@ -26,7 +35,10 @@ DIALOG_SITES = {
     ("ui/dialogs.py", "show_info"): "test_help_lists_the_shortcuts_and_says_what_gapless_is",
     ("ui/dialogs.py", "ChatSettingsDialog.__init__"): "test_chat_settings_restore_defaults_and_ok",
     ("ui/chat_list.py", "ChatList.ask_rename"): "test_rename_from_the_chat_menu",
-    ("ui/model_panel.py", "ModelPanel.open_file_dialog"): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
+    (
+        "ui/model_panel.py",
+        "ModelPanel.open_file_dialog",
+    ): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
     ("ui/model_panel.py", "ModelPanel.open_folder_dialog"): "test_open_folder_dialog_loads_the_chosen_folder",
     ("ui/model_panel.py", "ModelPanel._choose_models_folder"): "test_choosing_a_models_folder_lists_it",
     ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
@@ -93,8 +105,11 @@ def _dialog_calls(node: ast.AST, scope: list[str], rel: str, found: set[tuple[st
             continue
         if isinstance(child, ast.Call):
             f = child.func
-            name = f.id if isinstance(f, ast.Name) else (
-                f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+            name = (
+                f.id
+                if isinstance(f, ast.Name)
+                else (f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+            )
             if name in DIALOG_CLASSES:
                 found.add((rel, ".".join(scope[:-1] if scope and scope[-1] == "<locals>" else scope) or "<module>"))
         _dialog_calls(child, scope, rel, found)
@@ -173,8 +188,10 @@ def test_a_failed_open_shows_an_error_box_that_its_ok_button_closes(qtbot, gui, 
     qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
     box = driver.answered[1]
     assert box.title == "Model not loaded" and str(bad) in box.text and failed.args[1] in box.text
-    qtbot.waitUntil(lambda: not [x for x in QApplication.topLevelWidgets()
-                                 if isinstance(x, QMessageBox) and x.isVisible()], timeout=TIMEOUT_MS)
+    qtbot.waitUntil(
+        lambda: not [x for x in QApplication.topLevelWidgets() if isinstance(x, QMessageBox) and x.isVisible()],
+        timeout=TIMEOUT_MS,
+    )
 
 
 def test_open_folder_dialog_loads_the_chosen_folder(qtbot, gui, driver, tiny_llama):

@@ -1,4 +1,5 @@
 """The HUD's bars, compare columns and plots are built from the figures registry."""
+
 from __future__ import annotations
 
 from engine import figures

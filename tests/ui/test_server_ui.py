@@ -1,6 +1,7 @@
 """The Server dock and the remote model dialog: the widgets alone, then in the app with the real engine on a tiny
 model (API requests answered by the worker's engine between the app's own chats; a remote model opened through
 the model panel with its key stored)."""
+
 from __future__ import annotations
 
 import threading
@@ -33,8 +34,17 @@ def test_server_panel_start_stop_and_figures(qtbot):
     panel.set_running("http://127.0.0.1:9123/v1")
     assert panel.button.text() == "Stop server" and not panel.host.isEnabled()
     assert "http://127.0.0.1:9123/v1" in panel.address.text()
-    panel.set_stats({"served": 3, "cancelled": 1, "rejected": 2, "failed": 1, "running": 1, "waiting": 4,
-                     "last_error": "prompt too long"})
+    panel.set_stats(
+        {
+            "served": 3,
+            "cancelled": 1,
+            "rejected": 2,
+            "failed": 1,
+            "running": 1,
+            "waiting": 4,
+            "last_error": "prompt too long",
+        }
+    )
     assert "Requests served: 3" in panel.counts.text() and "4 waiting" in panel.counts.text()
     assert panel.error.text() == "Last error: prompt too long"
     with qtbot.waitSignal(panel.stopRequested):
@@ -63,9 +73,22 @@ def test_remote_dialog_refuses_a_bad_url_and_returns_the_values(qtbot):
 def test_model_panel_shows_a_remote_model_without_invented_numbers(qtbot):
     panel = ModelPanel()
     qtbot.addWidget(panel)
-    panel.set_info(ModelInfo("llama3", "remote", "OpenAI-compatible server", "remote", 0, "set by the server",
-                             "http://h:8000/v1", 0, 0, "remote:http://h:8000/v1#llama3", "remote",
-                             "the model runs on a remote server"))
+    panel.set_info(
+        ModelInfo(
+            "llama3",
+            "remote",
+            "OpenAI-compatible server",
+            "remote",
+            0,
+            "set by the server",
+            "http://h:8000/v1",
+            0,
+            0,
+            "remote:http://h:8000/v1#llama3",
+            "remote",
+            "the model runs on a remote server",
+        )
+    )
     assert panel.values["parameters"].text() == "n/a (remote)" and panel.values["weights"].text() == "n/a (remote)"
     assert panel.values["context"].text() == "n/a (not reported)"
     assert panel.values["backend"].text() == "remote server"
@@ -102,8 +125,11 @@ def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama)
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server_port}/v1", api_key="unused", max_retries=0)
     api: dict = {}
-    asker = threading.Thread(target=lambda: api.update(r=client.chat.completions.create(
-        model=tiny_llama.name, messages=HELLO, max_tokens=12, temperature=0)))
+    asker = threading.Thread(
+        target=lambda: api.update(
+            r=client.chat.completions.create(model=tiny_llama.name, messages=HELLO, max_tokens=12, temperature=0)
+        )
+    )
     asker.start()
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16)
     with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as chat:
@@ -111,10 +137,11 @@ def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama)
     qtbot.waitUntil(lambda: not asker.is_alive(), timeout=TIMEOUT_MS)
     ref = Engine.load(str(tiny_llama), EngineOptions(device="cpu"))
     try:
-        assert api["r"].choices[0].message.content == ref.generate(
-            HELLO, SamplingParams(temperature=0.0, max_new_tokens=12)).texts[0]
-        assert chat.args[1].texts == ref.generate([{"role": "user", "content": "the quick brown fox"}],
-                                                  sampling).texts
+        assert (
+            api["r"].choices[0].message.content
+            == ref.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=12)).texts[0]
+        )
+        assert chat.args[1].texts == ref.generate([{"role": "user", "content": "the quick brown fox"}], sampling).texts
     finally:
         ref.close()
     qtbot.waitUntil(lambda: panel.counts.text().startswith("Requests served: 1"), timeout=TIMEOUT_MS)

@@ -1,4 +1,5 @@
 """`gapless gui --smoke-test` on the real default model, as a user (or the installer's check) runs it."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,25 @@ def run_smoke(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "QT_QPA_PLATFORM": "offscreen"}
     env.pop("GAPLESS_DATA_DIR", None)  # --data-dir decides
     return subprocess.run(
-        [sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "gui", "--smoke-test",
-         "--screenshot", str(tmp_path / "shot.png"), "--report", str(tmp_path / "report.json"), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "gui",
+            "--smoke-test",
+            "--screenshot",
+            str(tmp_path / "shot.png"),
+            "--report",
+            str(tmp_path / "report.json"),
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
 
 

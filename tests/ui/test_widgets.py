@@ -1,16 +1,17 @@
 """The conversation widgets on their own: markdown splitting and streaming renders, code copy, composer keys,
 the stats line, toggles and presets, chat settings validation, themes."""
+
 from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
+from app.settings import CHAT_DEFAULTS
 from engine.types import PRESETS, EngineOptions, SamplingParams, preset_options
 from ui.composer import Composer
-from app.settings import CHAT_DEFAULTS
 from ui.dialogs import ChatSettingsDialog
-from ui.markdown import CodeBlock, ProseView, SegmentsView, Segment, split_markdown
+from ui.markdown import CodeBlock, ProseView, Segment, SegmentsView, split_markdown
 from ui.stats import format_stats, preset_name
 from ui.toggles import TogglesPanel
 
@@ -32,7 +33,7 @@ def test_streaming_appends_without_rendering_every_batch(qtbot):
     qtbot.addWidget(view)
     view.show()
     text = "Here is **bold** text and code:\n```python\ndef f(x):\n    return x\n```\nDone."
-    words = [text[i:i + 3] for i in range(0, len(text), 3)]
+    words = [text[i : i + 3] for i in range(0, len(text), 3)]
     start = view.render_count
     for w in words:
         view.append(w)
@@ -61,13 +62,16 @@ def test_markdown_html_is_shown_as_text(qtbot):
     assert "<div>" in view._widgets[0].toPlainText()
 
 
-@pytest.mark.parametrize("send_with, key, mods, sends", [
-    ("enter", Qt.Key.Key_Return, Qt.KeyboardModifier.NoModifier, True),
-    ("enter", Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier, False),
-    ("ctrl+enter", Qt.Key.Key_Return, Qt.KeyboardModifier.NoModifier, False),
-    ("ctrl+enter", Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier, True),
-    ("ctrl+enter", Qt.Key.Key_Enter, Qt.KeyboardModifier.ShiftModifier, False),
-])
+@pytest.mark.parametrize(
+    "send_with, key, mods, sends",
+    [
+        ("enter", Qt.Key.Key_Return, Qt.KeyboardModifier.NoModifier, True),
+        ("enter", Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier, False),
+        ("ctrl+enter", Qt.Key.Key_Return, Qt.KeyboardModifier.NoModifier, False),
+        ("ctrl+enter", Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier, True),
+        ("ctrl+enter", Qt.Key.Key_Enter, Qt.KeyboardModifier.ShiftModifier, False),
+    ],
+)
 def test_composer_send_keys(qtbot, send_with, key, mods, sends):
     c = Composer(send_with)
     qtbot.addWidget(c)
@@ -101,22 +105,35 @@ def test_composer_does_not_send_blank_or_while_generating(qtbot):
 
 
 def test_stats_line_says_na_and_names_sources():
-    metrics = {"new_tokens_total": 12, "prompt_tokens": 5, "ttft_ms": 80.4, "decode_tok_s": None,
-               "kernel_gap_pct": 33.3, "kernel_gap_source": "torch.profiler CUDA kernels", "unavailable": {}}
+    metrics = {
+        "new_tokens_total": 12,
+        "prompt_tokens": 5,
+        "ttft_ms": 80.4,
+        "decode_tok_s": None,
+        "kernel_gap_pct": 33.3,
+        "kernel_gap_source": "torch.profiler CUDA kernels",
+        "unavailable": {},
+    }
     options = preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict()
     line, tip = format_stats(metrics, options, "cuda")
     assert line == "12 tokens · TTFT 80 ms · n/a tok/s · + CUDA graph · kernel gap 33.3%"
     assert "source: torch.profiler CUDA kernels" in tip
     assert "Launches per step: n/a" in tip
-    _, tip = format_stats({**metrics, "launches_per_step": 348.0, "launches_per_step_source": "kernels per step — x"},
-                          options, "cuda")
+    _, tip = format_stats(
+        {**metrics, "launches_per_step": 348.0, "launches_per_step_source": "kernels per step — x"}, options, "cuda"
+    )
     assert "Launches per step: 348 — source: kernels per step — x" in tip
-    line, tip = format_stats({"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}},
-                             options, "cpu", "cancelled")
+    line, tip = format_stats(
+        {"new_tokens_total": 3, "unavailable": {"kernel_gap_pct": "profiling off"}}, options, "cpu", "cancelled"
+    )
     assert line.endswith("op gap n/a · stopped by you")
     assert "profiling off" in tip
-    for reason, words in (("eos", "end of answer"), ("length", "token limit"), ("stop", "stop string"),
-                          ("context", "context full")):
+    for reason, words in (
+        ("eos", "end of answer"),
+        ("length", "token limit"),
+        ("stop", "stop string"),
+        ("context", "context full"),
+    ):
         line, tip = format_stats(metrics, options, "cuda", reason)
         assert line.endswith(f"kernel gap 33.3% · {words}") and f"Finished: {words}" in tip
     assert format_stats(None, None, None)[0].startswith("n/a tokens")
@@ -168,8 +185,14 @@ def test_chat_settings_dialog_defaults_and_validation(qtbot):
     d = ChatSettingsDialog("", CHAT_DEFAULTS)
     qtbot.addWidget(d)
     assert d.values() == ("", CHAT_DEFAULTS)
-    assert (CHAT_DEFAULTS.temperature, CHAT_DEFAULTS.top_p, CHAT_DEFAULTS.top_k, CHAT_DEFAULTS.repetition_penalty,
-            CHAT_DEFAULTS.max_new_tokens, CHAT_DEFAULTS.seed) == (0.7, 0.95, 40, 1.1, 512, None)
+    assert (
+        CHAT_DEFAULTS.temperature,
+        CHAT_DEFAULTS.top_p,
+        CHAT_DEFAULTS.top_k,
+        CHAT_DEFAULTS.repetition_penalty,
+        CHAT_DEFAULTS.max_new_tokens,
+        CHAT_DEFAULTS.seed,
+    ) == (0.7, 0.95, 40, 1.1, 512, None)
     d.system_prompt.setPlainText("  Be brief.  ")
     d.seed.setText("42")
     d.stop.setText("END, ###")
@@ -177,8 +200,9 @@ def test_chat_settings_dialog_defaults_and_validation(qtbot):
     assert prompt == "Be brief." and s.seed == 42 and s.stop == ("END", "###")
     d.temperature.setValue(0.0)
     d.max_new_tokens.setValue(1)
-    assert d.sampling() == SamplingParams(temperature=0.0, top_p=0.95, top_k=40, repetition_penalty=1.1,
-                                          max_new_tokens=1, seed=42, stop=("END", "###"))
+    assert d.sampling() == SamplingParams(
+        temperature=0.0, top_p=0.95, top_k=40, repetition_penalty=1.1, max_new_tokens=1, seed=42, stop=("END", "###")
+    )
 
 
 def test_theme_follows_choice(qapp):
@@ -201,11 +225,31 @@ def test_model_panel_shows_load_time_bytes_per_token_and_floor_with_sources(qtbo
 
     panel = ModelPanel()
     qtbot.addWidget(panel)
-    base = dict(name="m", family="llama", architecture="LlamaForCausalLM", backend="fast", parameters=10,
-                dtype="fp32", device="cpu", context_length=256, weight_bytes=40, source="/m.gguf", source_kind="gguf")
-    panel.set_info(ModelInfo(**base, load_seconds=1.234, load_seconds_source="perf_counter around Engine.load",
-                             bytes_per_token=3 << 20, bytes_per_token_source="weights read", memory_floor_ms=0.0625,
-                             memory_floor_source="NVML peak", weights="int8"))
+    base = dict(
+        name="m",
+        family="llama",
+        architecture="LlamaForCausalLM",
+        backend="fast",
+        parameters=10,
+        dtype="fp32",
+        device="cpu",
+        context_length=256,
+        weight_bytes=40,
+        source="/m.gguf",
+        source_kind="gguf",
+    )
+    panel.set_info(
+        ModelInfo(
+            **base,
+            load_seconds=1.234,
+            load_seconds_source="perf_counter around Engine.load",
+            bytes_per_token=3 << 20,
+            bytes_per_token_source="weights read",
+            memory_floor_ms=0.0625,
+            memory_floor_source="NVML peak",
+            weights="int8",
+        )
+    )
     assert panel.values["load"].text() == "1.23 s"
     assert panel.values["load"].toolTip() == "perf_counter around Engine.load"
     assert panel.values["per_token"].text() == "3.0 MiB" and panel.values["per_token"].toolTip() == "weights read"

@@ -2,6 +2,7 @@
 p50/p99 step latency, peak memory. Each row names its source (cut to the dock's width with "…", in full in the
 tooltip); a figure the engine did not measure is "n/a" with its reason in the tooltip.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from engine.diagnosis import diagnose
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
 from ui.theme import PaletteFollower, muted_text
+
 
 @dataclass(frozen=True)
 class BarRow:
@@ -53,8 +55,12 @@ BAR_ROWS = (
 
 # Where the engine's own timing is n/a because the model runs on a remote server, the row shows what the client
 # measured over HTTP instead, under that figure's title and source.
-REMOTE_STAND_INS = {"ttft_ms": "http_ttft_ms", "decode_tok_s": "http_decode_tok_s",
-                    "step_ms_p50": "inter_token_ms_p50", "step_ms_p99": "inter_token_ms_p99"}
+REMOTE_STAND_INS = {
+    "ttft_ms": "http_ttft_ms",
+    "decode_tok_s": "http_decode_tok_s",
+    "step_ms_p50": "inter_token_ms_p50",
+    "step_ms_p99": "inter_token_ms_p99",
+}
 
 
 def shown_figure(metrics: GenerationMetrics, key: str) -> figures.Figure:
@@ -114,8 +120,15 @@ class ElidedLabel(QLabel):
 
     def paintEvent(self, event) -> None:
         p = QPainter(self)
-        self.style().drawItemText(p, self.contentsRect(), int(self.alignment()), self.palette(), self.isEnabled(),
-                                  self.shown_text(), self.foregroundRole())
+        self.style().drawItemText(
+            p,
+            self.contentsRect(),
+            int(self.alignment()),
+            self.palette(),
+            self.isEnabled(),
+            self.shown_text(),
+            self.foregroundRole(),
+        )
         p.end()
 
 
@@ -156,16 +169,22 @@ class BarStrip(PaletteFollower):
 
     def set_running(self, label: str) -> None:
         shown = self._shown is not None
-        self.header.setText(f"Running: {label} — " + ("the figures below are from the previous generation" if shown
-                                                       else "its figures show when it ends"))
+        self.header.setText(
+            f"Running: {label} — "
+            + ("the figures below are from the previous generation" if shown else "its figures show when it ends")
+        )
 
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
         self._shown = label
         self.header.setText(f"{label} · {metrics.new_tokens_total} new tokens · {fmt.options_summary(options)}")
         d = diagnose(metrics.to_dict(), options.to_dict(), options.device if options.device != "auto" else None)
         self.diagnosis.setText(f"Limit: {d.line}")
-        self.diagnosis.setToolTip("\n".join(["From: " + "; ".join(d.evidence) if d.evidence else "From: no figures"]
-                                            + ([f"Missing: {'; '.join(d.missing)}"] if d.missing else [])))
+        self.diagnosis.setToolTip(
+            "\n".join(
+                ["From: " + "; ".join(d.evidence) if d.evidence else "From: no figures"]
+                + ([f"Missing: {'; '.join(d.missing)}"] if d.missing else [])
+            )
+        )
         self.diagnosis.show()
         for row in BAR_ROWS:
             v = shown_figure(metrics, row.key).value
@@ -187,7 +206,9 @@ class BarStrip(PaletteFollower):
                 source.setText(src or "source not reported")
                 largest = 100.0 if row.percent else self._largest.get(row.scale_group or row.key, 0.0)
                 bar.set_fraction(float(v) / largest if largest > 0 else 0.0)
-                scale = "bar: 0–100%" if row.percent else f"bar: share of this session's largest ({row.format(largest)})"
+                scale = (
+                    "bar: 0–100%" if row.percent else f"bar: share of this session's largest ({row.format(largest)})"
+                )
                 tip = f"{fig.spec.label}: {row.format(v)} — {src or 'source not reported'}\n{scale}"
             for w in (name, bar, value, source):
                 w.setToolTip(tip)

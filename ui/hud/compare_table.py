@@ -1,6 +1,7 @@
 """Past generations of this session side by side: the options each used and what they measured, sortable, with
 the change of every figure against a reference row the user picks (the first generation until then).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,16 @@ from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
 from PySide6.QtGui import QColor, QFont
-from PySide6.QtWidgets import QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableView, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine import figures
 from engine.types import EngineOptions, GenerationMetrics
@@ -50,10 +60,27 @@ def _on_off(v: Any) -> str:
 COLUMNS = (
     Column("index", "#", "index"),
     Column("label", "Generation", "label"),
-    *(metric_column(k) for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "compile_seconds", "step_ms_p50", "step_ms_p99",
-                                 "kernel_gap_pct", "launches_per_step", "sm_activity_pct", "gpu_util_pct",
-                                 "dram_bw_util_pct", "peak_memory_bytes", "tokens_per_step", "acceptance_rate",
-                                 "new_tokens_total", "prompt_tokens")),
+    *(
+        metric_column(k)
+        for k in (
+            "decode_tok_s",
+            "prefill_tok_s",
+            "ttft_ms",
+            "compile_seconds",
+            "step_ms_p50",
+            "step_ms_p99",
+            "kernel_gap_pct",
+            "launches_per_step",
+            "sm_activity_pct",
+            "gpu_util_pct",
+            "dram_bw_util_pct",
+            "peak_memory_bytes",
+            "tokens_per_step",
+            "acceptance_rate",
+            "new_tokens_total",
+            "prompt_tokens",
+        )
+    ),
     Column("options", "Options", "summary", tip="the options the generation ran with; one column each follows"),
     Column("device", "Device", "option"),
     Column("dtype", "Dtype", "option"),

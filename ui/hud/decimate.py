@@ -6,12 +6,15 @@ downsampling works on every point held on every paint. Here each column keeps it
 start or end stays a gap, so separate runs (generations, the traced window) are never joined across time that
 has no data. A series with at most two points per column is passed through unchanged.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
-def peak_decimate(x: np.ndarray, y: np.ndarray, x_lo: float, x_hi: float, columns: int) -> tuple[np.ndarray, np.ndarray]:
+def peak_decimate(
+    x: np.ndarray, y: np.ndarray, x_lo: float, x_hi: float, columns: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) for a plot spanning [x_lo, x_hi] over `columns` pixels. `x` is sorted; rows before x_lo (the one
     that lets a line enter from the left edge) are kept as they are. Per column, in time order: a NaN where the
     column starts with a gap, its lowest value at the column's first x, its highest at its last x, a NaN where it

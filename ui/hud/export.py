@@ -3,6 +3,7 @@
 What is written is what the HUD holds: numbers unrounded (CSV cells round-trip through float()), a figure that
 was not measured is an empty CSV cell and a JSON null, and the JSON carries the source of every series.
 """
+
 from __future__ import annotations
 
 import csv
@@ -45,9 +46,11 @@ def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
     header = ["index", "label", "reference"] + list(OPTION_FIELDS) + list(METRIC_FIELDS)
     rows = []
     for rec in compare_records(model):
-        rows.append([rec["index"], rec["label"], rec["reference"]]
-                    + [rec["options"][k] for k in OPTION_FIELDS]
-                    + [rec["metrics"][k] for k in METRIC_FIELDS])
+        rows.append(
+            [rec["index"], rec["label"], rec["reference"]]
+            + [rec["options"][k] for k in OPTION_FIELDS]
+            + [rec["metrics"][k] for k in METRIC_FIELDS]
+        )
     return _write_csv(path, header, rows)
 
 
@@ -56,9 +59,11 @@ def series_document(series: LiveSeries) -> dict:
     return {
         "clock": "time.perf_counter() seconds; t_rel is seconds since t0",
         "t0": t0,
-        "sources": {**series.sources,
-                    "tokens_per_s": f"engine step records, rolling {series.rate_window_s:g} s, traced window left out",
-                    "step_ms": "engine step timings"},
+        "sources": {
+            **series.sources,
+            "tokens_per_s": f"engine step records, rolling {series.rate_window_s:g} s, traced window left out",
+            "step_ms": "engine step timings",
+        },
         "unavailable": dict(series.reasons),
         "generations": [
             {"index": g.index, "label": g.label, "options": g.options.to_dict(), "t_start": g.t_start, "t_end": g.t_end}

@@ -1,4 +1,5 @@
 """How the HUD writes figures: one place, so the bars, the table and the plots agree. None is always "n/a"."""
+
 from __future__ import annotations
 
 import math
@@ -43,7 +44,9 @@ def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
     if spec.unit in ("tokens", "count"):
         return number(v, digits=0 if spec.digits is None else spec.digits)
     if spec.unit == "fraction":  # stored 0..1, shown as a percentage
-        return NA if v is None or not math.isfinite(v) else number(100 * v, "%", 0 if spec.digits is None else spec.digits)
+        return (
+            NA if v is None or not math.isfinite(v) else number(100 * v, "%", 0 if spec.digits is None else spec.digits)
+        )
     if spec.unit == "ratio":
         return NA if v is None or not math.isfinite(v) else f"×{v:,.2f}"
     return number(v, spec.unit, spec.digits)

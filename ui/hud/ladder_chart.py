@@ -4,6 +4,7 @@ horizontal bars, with the speed-up over the first rung that ran. While it runs: 
 Rows are the dicts of the engine's run_ladder: preset, label, options, skipped (reason or None), metrics,
 decode_tok_s, kernel_gap_pct, kernel_gap_source.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,9 +25,12 @@ ROW_HEIGHT = 30
 TITLE_PT = 9
 
 
-EMPTY_TEXT = ("Run ladder sends the last prompt of this chat through every preset, from Naive to the fastest, "
-              "one after the other, and draws each one's decode tok/s and gap here (each also becomes a row of "
-              "Compare). Chat waits while it runs; Cancel stops it.")
+EMPTY_TEXT = (
+    "Run ladder sends the last prompt of this chat through every preset, from Naive to the fastest, "
+    "one after the other, and draws each one's decode tok/s and gap here (each also becomes a row of "
+    "Compare). Chat waits while it runs; Cancel stops it."
+)
+
 
 class LadderChart(PaletteFollower):
     runRequested = Signal()
@@ -169,8 +173,10 @@ class LadderChart(PaletteFollower):
             text += f", {skipped} skipped (reasons beside them)"
         if base is not None and base.decode_tok_s and len(ran) > 1:
             best = max(ran, key=lambda r: r.decode_tok_s or 0.0)
-            text += (f". Best: {best.label} at {fmt.number(best.decode_tok_s, 'tok/s')}, "
-                     f"×{(best.decode_tok_s or 0.0) / base.decode_tok_s:.1f} over {base.label}")
+            text += (
+                f". Best: {best.label} at {fmt.number(best.decode_tok_s, 'tok/s')}, "
+                f"×{(best.decode_tok_s or 0.0) / base.decode_tok_s:.1f} over {base.label}"
+            )
         return text + "."
 
     def _run_clicked(self) -> None:

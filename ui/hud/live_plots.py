@@ -8,6 +8,7 @@ painting keeps to a small share of the GUI thread. The headers (source and newes
 refresh at `label_hz`. Each curve is created once and then only fed through setData. A series with nothing
 measured shows "n/a — <reason>" in place of its plot.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,11 @@ from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from ui.hud import fmt
-from ui.theme import PaletteFollower, muted_text
 from ui.hud.paint_rate import PaintRate, budget_for
 from ui.hud.ring import RingTable
 from ui.hud.series import LiveSeries
 from ui.hud.series_view import PLOTS, SeriesView
+from ui.theme import PaletteFollower, muted_text
 
 BOUNDARY_COLOR = "#8a8f98"
 WINDOWS = (("last 10 s", 10.0), ("last 30 s", 30.0), ("last 60 s", 60.0), ("last 5 min", 300.0), ("all held", None))
@@ -40,13 +41,22 @@ class LivePlots(PaletteFollower):
     `clock` measures that cost (CPU time of the calling thread); `now` is the time a curve was last fed at
     (seconds, like the series' clock)."""
 
-    def __init__(self, series: LiveSeries, paint_hz: float = 20.0, label_hz: float = 2.0,
-                 min_paint_hz: float = 2.0, paint_budget: Optional[float] = None,
-                 clock: Callable[[], float] = time.thread_time, now: Callable[[], float] = time.perf_counter,
-                 parent: Optional[QWidget] = None):
+    def __init__(
+        self,
+        series: LiveSeries,
+        paint_hz: float = 20.0,
+        label_hz: float = 2.0,
+        min_paint_hz: float = 2.0,
+        paint_budget: Optional[float] = None,
+        clock: Callable[[], float] = time.thread_time,
+        now: Callable[[], float] = time.perf_counter,
+        parent: Optional[QWidget] = None,
+    ):
         super().__init__(parent)
         if not 0 < paint_hz <= 30 or not 1 <= label_hz <= 4:
-            raise ValueError(f"paint rate must be in (0, 30] Hz and label rate in [1, 4] Hz, got {paint_hz}, {label_hz}")
+            raise ValueError(
+                f"paint rate must be in (0, 30] Hz and label rate in [1, 4] Hz, got {paint_hz}, {label_hz}"
+            )
         self.series = series
         budget = budget_for(os.cpu_count()) if paint_budget is None else paint_budget
         self.rate = PaintRate(max_hz=paint_hz, min_hz=min_paint_hz, budget=budget)
@@ -129,8 +139,9 @@ class LivePlots(PaletteFollower):
                     fed = True
             ring = s.steps if view.spec.from_steps else s.samples
             key = (x_lo, x_hi, view.columns())
-            if key == view.fed_key and (ring.version == view.fed_version
-                                        or (not force and now - view.fed_at < (x_hi - x_lo) / key[2])):
+            if key == view.fed_key and (
+                ring.version == view.fed_version or (not force and now - view.fed_at < (x_hi - x_lo) / key[2])
+            ):
                 continue
             view.fed_key, view.fed_version, view.fed_at = key, ring.version, now
             start, x = window(ring)

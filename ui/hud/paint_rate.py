@@ -9,6 +9,7 @@ clamped to [1/max_hz, 1/min_hz].
 The budget is set as a share of the whole machine (`budget_for`): the engine's intra-op threads use every
 core, so a millisecond of GUI time on a 2-core laptop costs the decoder far more than on a 16-core workstation.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ end_generation, set_ladder_progress / set_ladder_results) and listens to runLadd
 cancelLadderRequested. All calls come on the GUI thread; none of them paints: the live plots paint on their
 own timer, and only while visible.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,9 +41,15 @@ class HudPanel(QWidget):
     cancelLadderRequested = Signal()
     folderUsed = Signal(str)  # where an export was saved (the next save dialog starts there)
 
-    def __init__(self, series: Optional[LiveSeries] = None, clock: Callable[[], float] = time.perf_counter,
-                 save_dialog: SaveDialog = ask_save_path, paint_hz: float = 20.0, label_hz: float = 2.0,
-                 parent: Optional[QWidget] = None):
+    def __init__(
+        self,
+        series: Optional[LiveSeries] = None,
+        clock: Callable[[], float] = time.perf_counter,
+        save_dialog: SaveDialog = ask_save_path,
+        paint_hz: float = 20.0,
+        label_hz: float = 2.0,
+        parent: Optional[QWidget] = None,
+    ):
         super().__init__(parent)
         self.series = series if series is not None else LiveSeries()
         self._clock = clock  # the engine's clock (perf_counter), to date generation starts
@@ -61,13 +68,19 @@ class HudPanel(QWidget):
         live_box.setContentsMargins(4, 4, 4, 4)
         live_box.addWidget(self.bars)
         live_box.addWidget(self.live, 1)
-        live_box.addLayout(self._buttons((
-            ("Series CSV…", "Export the time series held as CSV", self._ask_series_csv),
-            ("Series JSON…", "Export the time series held, with sources, as JSON", self._ask_series_json),
-            ("Plots PNG…", "Save the plots as they are drawn now", self._ask_plots_png),
-        )))
-        for text, tip, slot in (("Export CSV…", "Export the compare table as CSV", self._ask_compare_csv),
-                                ("Export JSON…", "Export the compare table as JSON", self._ask_compare_json)):
+        live_box.addLayout(
+            self._buttons(
+                (
+                    ("Series CSV…", "Export the time series held as CSV", self._ask_series_csv),
+                    ("Series JSON…", "Export the time series held, with sources, as JSON", self._ask_series_json),
+                    ("Plots PNG…", "Save the plots as they are drawn now", self._ask_plots_png),
+                )
+            )
+        )
+        for text, tip, slot in (
+            ("Export CSV…", "Export the compare table as CSV", self._ask_compare_csv),
+            ("Export JSON…", "Export the compare table as JSON", self._ask_compare_json),
+        ):
             self.compare.buttons.addWidget(_button(text, tip, slot))
         self.ladder.buttons.addWidget(_button("PNG…", "Save the ladder chart as PNG", self._ask_ladder_png))
 
@@ -112,9 +125,14 @@ class HudPanel(QWidget):
         self.ladder.set_results(rows)
         for r in rows:
             if r.ran and r.metrics is not None:
-                self.compare.add(CompareRow(index=self.series.take_index(), label=f"ladder · {r.label or r.preset}",
-                                            options=_options(r.options or {}),
-                                            metrics=GenerationMetrics.from_dict(r.metrics)))
+                self.compare.add(
+                    CompareRow(
+                        index=self.series.take_index(),
+                        label=f"ladder · {r.label or r.preset}",
+                        options=_options(r.options or {}),
+                        metrics=GenerationMetrics.from_dict(r.metrics),
+                    )
+                )
 
     def set_ladder_failed(self, message: str) -> None:
         self.ladder.set_failed(message)

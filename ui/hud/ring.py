@@ -4,6 +4,7 @@ Producers append rows; readers get the held rows oldest-first. Memory is allocat
 costs the same as a short one, and appending never reallocates. A value that was not measured is stored as
 NaN and stays NaN: the plots draw it as a gap, the exports write it as empty / null.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
@@ -50,13 +51,13 @@ class RingTable:
         self.total += n
         self.version += 1
         if n >= self.capacity:
-            self._data[:] = rows[n - self.capacity:]
+            self._data[:] = rows[n - self.capacity :]
             self._next = 0
             return
         first = min(n, self.capacity - self._next)
-        self._data[self._next:self._next + first] = rows[:first]
+        self._data[self._next : self._next + first] = rows[:first]
         if first < n:
-            self._data[:n - first] = rows[first:]
+            self._data[: n - first] = rows[first:]
         self._next = (self._next + n) % self.capacity
 
     def column(self, name: str, start: int = 0) -> np.ndarray:
@@ -68,8 +69,8 @@ class RingTable:
         be sorted oldest first, as times are. Reads the ring in place: no copy, O(log n)."""
         col = self._data[:, self._index[name]]
         if self.total < self.capacity:
-            return int(np.searchsorted(col[:self.total], value))
-        older, newer = col[self._next:], col[:self._next]  # the held rows are these two runs, in this order
+            return int(np.searchsorted(col[: self.total], value))
+        older, newer = col[self._next :], col[: self._next]  # the held rows are these two runs, in this order
         if older.size and older[-1] >= value:
             return int(np.searchsorted(older, value))
         return older.size + int(np.searchsorted(newer, value))
@@ -100,11 +101,11 @@ class RingTable:
 
     def _ordered(self, a: np.ndarray, start: int = 0) -> np.ndarray:
         if self.total < self.capacity:
-            return a[start:self.total].copy()
-        older = a[self._next:]
+            return a[start : self.total].copy()
+        older = a[self._next :]
         if start >= len(older):
-            return a[start - len(older):self._next].copy()
-        return np.concatenate((older[start:], a[:self._next]))
+            return a[start - len(older) : self._next].copy()
+        return np.concatenate((older[start:], a[: self._next]))
 
 
 def _as_row(row: Sequence[Optional[float]], width: int) -> list[float]:

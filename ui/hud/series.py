@@ -4,6 +4,7 @@ Plain data, no Qt: the panel's slots push StepRecords and MonitorSamples in, the
 out. Times stay on the engine's clock (time.perf_counter(), the same clock in this process); `t0` is the
 first time seen, and plots use seconds since it.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,14 @@ class LiveSeries:
     is drawn as a gap rather than a line across time nobody measured.
     """
 
-    def __init__(self, step_capacity: int = 65536, sample_capacity: int = 16384,
-                 rate_window_s: float = 1.0, sample_break_s: float = 2.0, max_generations: int = 256):
+    def __init__(
+        self,
+        step_capacity: int = 65536,
+        sample_capacity: int = 16384,
+        rate_window_s: float = 1.0,
+        sample_break_s: float = 2.0,
+        max_generations: int = 256,
+    ):
         self.steps = RingTable(step_capacity, STEP_COLUMNS)
         self.samples = RingTable(sample_capacity, SAMPLE_COLUMNS)
         self.rate_window_s = rate_window_s
@@ -242,8 +249,18 @@ class LiveSeries:
         return [r for r in _records(self.steps, self.t0) if r["tokens_total"] is not None]
 
     def estimate_rows(self) -> list[dict]:
-        return [{"series": e.field, "t_start": e.t_start, "t_end": e.t_end, "value": e.value, "source": e.source,
-                 "generation": e.generation} for est in self.estimates.values() for e in est]
+        return [
+            {
+                "series": e.field,
+                "t_start": e.t_start,
+                "t_end": e.t_end,
+                "value": e.value,
+                "source": e.source,
+                "generation": e.generation,
+            }
+            for est in self.estimates.values()
+            for e in est
+        ]
 
     def sample_rows(self) -> list[dict]:
         return [r for r in _records(self.samples, self.t0) if r.pop("record") is not None]

@@ -5,6 +5,7 @@ Cheap to repaint by construction: the curves are PlotCurveItems fed already-deci
 downsampling left to pyqtgraph), the axes (and the grid the left axis draws) are cached as pixmaps so a curve
 update does not replay their text, and the y range moves only in steps, at the label rate.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,10 +69,20 @@ class PlotSpec:
 
 
 PLOTS = (
-    PlotSpec("tokens_per_s", "#4e9af1", y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=TOKENS_SOURCE,
-             idle_reason="no decode steps yet"),
-    PlotSpec("step_ms", "#56b6c2", y_top=lambda m: fmt.nice_ceiling(m * 1.05), source=STEP_SOURCE,
-             idle_reason="no decode steps yet"),
+    PlotSpec(
+        "tokens_per_s",
+        "#4e9af1",
+        y_top=lambda m: fmt.nice_ceiling(m * 1.05),
+        source=TOKENS_SOURCE,
+        idle_reason="no decode steps yet",
+    ),
+    PlotSpec(
+        "step_ms",
+        "#56b6c2",
+        y_top=lambda m: fmt.nice_ceiling(m * 1.05),
+        source=STEP_SOURCE,
+        idle_reason="no decode steps yet",
+    ),
     PlotSpec("gpu_util_pct", "#4cbf73"),
     PlotSpec("sm_activity_pct", "#c678dd"),
     PlotSpec("dram_bw_util_pct", "#e06c75"),
@@ -138,8 +149,13 @@ class SeriesView(QWidget):
     """One series: a header (title — source, newest value) over either its plot or its "n/a — reason" line.
     `on_paint` hears the duration of each of the plot's paint events (seconds, from `clock`)."""
 
-    def __init__(self, spec: PlotSpec, on_paint: Callable[[float], None] = lambda s: None,
-                 clock: Callable[[], float] = time.thread_time, parent: Optional[QWidget] = None):
+    def __init__(
+        self,
+        spec: PlotSpec,
+        on_paint: Callable[[float], None] = lambda s: None,
+        clock: Callable[[], float] = time.thread_time,
+        parent: Optional[QWidget] = None,
+    ):
         super().__init__(parent)
         self.spec = spec
         self.na_reason: Optional[str] = None
@@ -285,8 +301,12 @@ class SeriesView(QWidget):
     def set_boundaries(self, spans: list[tuple[float, Optional[float], str]], pen: QColor, labelled: bool) -> None:
         needed = sum(1 if end is None else 2 for _, end, _ in spans)
         while len(self.lines) < needed:
-            line = pg.InfiniteLine(angle=90, movable=False, label="" if labelled else None,
-                                   labelOpts={"position": 0.97, "color": pen, "anchors": [(0, 0), (0, 0)]})
+            line = pg.InfiniteLine(
+                angle=90,
+                movable=False,
+                label="" if labelled else None,
+                labelOpts={"position": 0.97, "color": pen, "anchors": [(0, 0), (0, 0)]},
+            )
             self.plot.addItem(line, ignoreBounds=True)
             self.lines.append(line)
         i = 0
