@@ -438,6 +438,7 @@ def test_sampled_answers_distributed_as_without_speculation(llama_engine_spec, m
     plain = samples(300)
     _with_oracle(monkeypatch, greedy)
     spec = samples(300, speculation="ngram", draft_tokens=2)
+
     def at(t: list[int], i: int):  # an answer that ended (EOS) before token i is its own category
         return t[i] if i < len(t) else "ended"
 
