@@ -4,7 +4,7 @@ fallback), a remote one, and the tests' scripted engine all provide it."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from engine.types import EngineOptions, Event, GenerationResult, ModelInfo, Progress, SamplingParams
 
@@ -29,7 +29,12 @@ class EngineLike(Protocol):
         on_event: Optional[Callable[[Event], None]] = None,
         cancel: Optional[threading.Event] = None,
         raw: bool = False,
+        overflow: str = "rolling",  # what a prompt longer than the context does (engine.types.OVERFLOW_POLICIES)
     ) -> GenerationResult: ...
+
+    def measure_prompt(self, messages: list[dict], max_new_tokens: int, overflow: str = "rolling") -> Any:
+        """What the conversation would take of the context (engine.types.ContextUse), for the context meter."""
+        ...
 
     def close(self) -> None: ...
 

@@ -265,6 +265,10 @@ class RemoteEngine:
 
     # ---- generation ----
 
+    def measure_prompt(self, messages: list[dict], max_new_tokens: int, overflow: str = "rolling"):
+        """The context meter's count needs the model's tokenizer, which stays on the server."""
+        raise GenerationError("n/a: the remote server tokenizes the conversation; its count is not known here")
+
     def generate(
         self,
         messages: list[dict],
@@ -272,6 +276,7 @@ class RemoteEngine:
         on_event: Optional[Callable] = None,
         cancel: Optional[threading.Event] = None,
         raw: bool = False,
+        overflow: str = "rolling",  # unused: the server fits the conversation to its own context
     ) -> GenerationResult:
         """Stream one answer (n = the candidate count) from the server. A server that is down, slow, sends
         garbage or drops the stream raises GenerationError; the text streamed until then has been delivered."""

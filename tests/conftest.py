@@ -43,12 +43,18 @@ def _restore_app_look(request):
     if not {"qapp", "qtbot"} & set(request.fixturenames):
         yield
         return
+    from PySide6.QtGui import QPalette
+
     qapp = request.getfixturevalue("qapp")
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
+    sheet, palette, style = qapp.styleSheet(), QPalette(qapp.palette()), qapp.style().name()
     yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
+    # Only what changed is set back: each set re-polishes every widget alive, which is slow with many of them.
+    if qapp.styleSheet() != sheet:
+        qapp.setStyleSheet(sheet)
+    if qapp.palette() != palette:
+        qapp.setPalette(palette)
+    if qapp.style().name() != style:
+        qapp.setStyle(style)
 
 
 @pytest.fixture

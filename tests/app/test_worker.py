@@ -245,6 +245,11 @@ class ScriptedEngine:
     def reconfigure(self, options, progress=None):
         self.options = options.validate()
 
+    def measure_prompt(self, messages, max_new_tokens, overflow="rolling"):
+        from engine.errors import GenerationError
+
+        raise GenerationError("the scripted engine has no tokenizer to count with")
+
     def generate(self, messages, sampling, on_event=None, cancel=None, raw=False, overflow="rolling"):
         if self.fail_with:
             raise self.fail_with
