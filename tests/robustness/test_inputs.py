@@ -22,7 +22,7 @@ from engine.stream import RowText
 from engine.types import MAX_NEW_TOKENS_LIMIT, EngineOptions, SamplingParams, TextDelta
 
 ROOT = Path(__file__).resolve().parents[2]
-CPU = EngineOptions(device="cpu")
+CPU = EngineOptions(device="cpu", prefix_reuse=False)  # the tests read the prompt the runner prefills whole
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, seed=0)
 # Chinese, Japanese, Korean, emoji (one with a skin tone and a zero-width joiner), Hebrew and Arabic (RTL),
 # with an explicit right-to-left mark between the RTL words.
