@@ -48,6 +48,12 @@ def _restore_app_look(request):
     qapp = request.getfixturevalue("qapp")
     sheet, palette, style = qapp.styleSheet(), QPalette(qapp.palette()), qapp.style().name()
     yield
+    # A dialog a test left open would be seen by the next test's "no message box is showing" checks.
+    from PySide6.QtWidgets import QApplication, QDialog
+
+    for w in QApplication.topLevelWidgets():
+        if isinstance(w, QDialog) and w.isVisible():
+            w.reject()
     # Only what changed is set back: each set re-polishes every widget alive, which is slow with many of them.
     if qapp.styleSheet() != sheet:
         qapp.setStyleSheet(sheet)
