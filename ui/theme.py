@@ -160,7 +160,8 @@ class ThemeManager(QObject):
         self._app = app
         self._choice = "system"
         self._scheme: Optional[str] = None
-        app.setStyle("Fusion")
+        if app.style().name().lower() != "fusion":  # setting it again re-polishes every widget alive
+            app.setStyle("Fusion")
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._system_changed)
         self.set_choice(choice)
 
