@@ -18,9 +18,10 @@ from engine.telemetry.machine import describe_machine
 from engine.types import EngineOptions, SamplingParams
 
 TARGET_RATIO = 0.2  # turn-10 TTFT with reuse at most this share of TTFT without
+TARGET_PROMPT_TOKENS = 2000  # the last turn's prompt must be at least this long for the ratio to count
 
 # Each user turn is a request with pasted notes, as in a real working session, so the conversation grows by about
-# two hundred tokens a turn.
+# 220 tokens a turn (prompt and template) plus the answer: past 2,000 tokens at turn 10 even with short answers.
 TOPICS = [
     "the water cycle",
     "how a bicycle gear works",
@@ -42,7 +43,9 @@ NOTES = (
     "and the effect of one step is often the cause of the next. I have read that the energy comes from "
     "outside the system, that the process repeats on its own once started, and that small changes at one "
     "step can have large effects later. I would like to understand which of these claims are true, which "
-    "are half true, and what the usual misconceptions are. "
+    "are half true, and what the usual misconceptions are. A friend told me that the whole thing is simpler "
+    "than it looks and that the textbooks overcomplicate it, but another friend said the opposite, so I am "
+    "not sure whom to believe. "
 )
 
 
@@ -160,6 +163,8 @@ def run_conversation(
             "ttft_ratio": last["ttft_ratio"],
             "target_ratio": TARGET_RATIO,
             "target_met": last["ttft_ratio"] is not None and last["ttft_ratio"] <= TARGET_RATIO,
+            "target_prompt_tokens": TARGET_PROMPT_TOKENS,
+            "prompt_target_met": last["prompt_tokens"] >= TARGET_PROMPT_TOKENS,
         },
         "answers_identical": all(r["answers_identical"] for r in rows),
     }
@@ -184,5 +189,10 @@ def format_conversation(report: dict[str, Any]) -> str:
     lines.append(
         f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
         f"{verdict}); answers identical: {report['answers_identical']}"
+    )
+    length = "met" if last["prompt_target_met"] else "missed"
+    lines.append(
+        f"turn {last['turn']}: {last['prompt_tokens']} prompt tokens (target >= {last['target_prompt_tokens']}: "
+        f"{length})"
     )
     return "\n".join(lines)

@@ -25,8 +25,14 @@ def test_the_report_compares_reuse_with_none_turn_by_turn(tiny_factory):
     for r in rows:
         assert len(r["ttft_ms_reuse_runs"]) == len(r["ttft_ms_no_reuse_runs"]) == 2
         assert r["ttft_ratio"] == r["ttft_ms_reuse_median"] / r["ttft_ms_no_reuse_median"]
-    assert report["last_turn"]["turn"] == 3 and report["last_turn"]["target_ratio"] == 0.2
-    assert "turn 3: TTFT with reuse" in format_conversation(report)
+    last = report["last_turn"]
+    assert last["turn"] == 3 and last["target_ratio"] == 0.2
+    assert last["prompt_tokens"] == rows[-1]["prompt_tokens"]
+    assert last["prompt_target_met"] is (rows[-1]["prompt_tokens"] >= last["target_prompt_tokens"] == 2000)
+    text = format_conversation(report)
+    assert "turn 3: TTFT with reuse" in text
+    verdict = "met" if rows[-1]["prompt_tokens"] >= 2000 else "missed"
+    assert f"turn 3: {rows[-1]['prompt_tokens']} prompt tokens (target >= 2000: {verdict})" in text
 
 
 def test_the_command_writes_json(tiny_factory, tmp_path):
