@@ -16,12 +16,13 @@ from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud.compare_table import CompareModel
-from ui.hud.series import SAMPLE_FIELDS, LiveSeries
+from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
+from ui.hud.series_view import PLOTS
 
 PathLike = Union[str, Path]
 OPTION_FIELDS = tuple(f.name for f in fields(EngineOptions))
 METRIC_FIELDS = tuple(f.name for f in fields(GenerationMetrics))
-STEP_FIELDS = ("tokens_total", "step_ms", "tokens_per_s", "profiled")
+STEP_FIELDS = STEP_COLUMNS[2:]  # the step records' values: tokens so far, every per-step figure, traced or not
 SERIES_CSV_COLUMNS = ("kind", "t", "t_rel", "generation") + STEP_FIELDS + SAMPLE_FIELDS
 
 
@@ -61,6 +62,7 @@ def series_document(series: LiveSeries) -> dict:
         "t0": t0,
         "sources": {
             **series.sources,
+            **{p.name: p.source for p in PLOTS if p.from_steps and p.source},
             "tokens_per_s": f"engine step records, rolling {series.rate_window_s:g} s, traced window left out",
             "step_ms": "engine step timings",
         },
