@@ -43,6 +43,7 @@ from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
 from ui.model_panel import ModelPanel, source_label
+from ui.preferences import Preferences, PreferencesDialog
 from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
 from ui.toggles import TogglesPanel
@@ -156,6 +157,7 @@ class MainWindow(QMainWindow):
         self.catalog = catalog  # known models: default, recent, scanned folder (app.gui.ModelCatalog)
         self.flow = ChatFlow(store, controller, default_sampling, self)
         self.flow.default_overflow = settings.overflow_policy
+        self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
@@ -345,6 +347,15 @@ class MainWindow(QMainWindow):
         )
         self.import_action = action(file, "Import chat…", self.import_chat, tip="Add a chat exported as JSON")
         file.addSeparator()
+        preferences = QKeySequence.keyBindings(QKeySequence.StandardKey.Preferences)  # none on some desktops
+        self.preferences_action = action(
+            file,
+            "Preferences…",
+            self.open_preferences,
+            preferences[0] if preferences else QKeySequence("Ctrl+,"),
+            "Theme, send key, the defaults of new chats, the models folder",
+        )
+        file.addSeparator()
         action(file, "Quit", self.close, QKeySequence.StandardKey.Quit)
         chat = bar.addMenu("&Chat")
         self.stop_action = action(
@@ -364,6 +375,7 @@ class MainWindow(QMainWindow):
             self.overflow_actions[policy] = act
         view = bar.addMenu("&View")
         themes = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
         for choice in THEME_CHOICES:
             act = QAction(
                 f"{choice.capitalize()} theme" if choice != "system" else "Follow the system theme",
@@ -374,14 +386,17 @@ class MainWindow(QMainWindow):
             act.triggered.connect(lambda _c=False, choice=choice: self.set_theme(choice))
             themes.addAction(act)
             view.addAction(act)
+            self.theme_actions[choice] = act
         view.addSeparator()
         sends = QActionGroup(self)
+        self.send_actions: dict[str, QAction] = {}
         for key, label in (("enter", "Send with Enter"), ("ctrl+enter", "Send with Ctrl+Enter")):
             act = QAction(label, self, checkable=True)
             act.setChecked(self.settings.send_with == key)
             act.triggered.connect(lambda _c=False, key=key: self.set_send_with(key))
             sends.addAction(act)
             view.addAction(act)
+            self.send_actions[key] = act
         view.addSeparator()
         view.addAction(self.options_dock.toggleViewAction())
         help_menu = bar.addMenu("&Help")
@@ -682,7 +697,7 @@ class MainWindow(QMainWindow):
             self.hud.last_folder = folder
         self._persist()
 
-    def set_models_folder(self, folder: str) -> None:
+    def set_models_folder(self, folder: Optional[str]) -> None:
         self.settings.models_folder = folder
         self.refresh_models()
         self._persist()
@@ -771,21 +786,61 @@ class MainWindow(QMainWindow):
 
     # ---- settings ------------------------------------------------------------------------------------
 
-    def set_theme(self, choice: str) -> None:
+    def set_theme(self, choice: str, save: bool = True) -> None:
         self.theme.set_choice(choice)
         self.settings.theme = choice
-        self._persist()
+        self.theme_actions[choice].setChecked(True)
+        if save:
+            self._persist()
 
-    def set_default_overflow(self, policy: str) -> None:
+    def set_default_overflow(self, policy: str, save: bool = True) -> None:
         """The policy of chats that have none of their own (Chat settings can give one its own)."""
         self.flow.default_overflow = policy
         self.settings.overflow_policy = policy
-        self._persist()
+        self.overflow_actions[policy].setChecked(True)
+        if save:
+            self._persist()
         self.recount_context()
 
-    def set_send_with(self, key: str) -> None:
+    def set_send_with(self, key: str, save: bool = True) -> None:
         self.composer.set_send_with(key)
         self.settings.send_with = key
+        self.send_actions[key].setChecked(True)
+        if save:
+            self._persist()
+
+    def current_preferences(self) -> Preferences:
+        s = self.settings
+        return Preferences(
+            self.theme.choice,  # a --theme of this run, else the saved one
+            s.send_with,
+            self.flow.default_sampling,
+            self.flow.default_system_prompt,
+            s.overflow_policy,
+            s.models_folder,
+        )
+
+    def open_preferences(self) -> None:
+        dialog = PreferencesDialog(self.current_preferences(), self.settings.last_folder or "", self)
+        dialog.accepted.connect(lambda: self.apply_preferences(dialog.preferences(), dialog.last_folder))
+        dialog.open()
+        self._preferences_dialog = dialog  # kept for tests and so it is not collected while open
+
+    def apply_preferences(self, p: Preferences, last_folder: str = "") -> None:
+        """In force at once and saved: the theme and the send key now, the defaults from the chat on screen if it
+        is still new and every new chat after it (chats with settings of their own keep them)."""
+        self.set_theme(p.theme, save=False)
+        self.set_send_with(p.send_with, save=False)
+        self.flow.default_sampling = p.sampling
+        self.settings.sampling = p.sampling.to_dict()
+        self.flow.default_system_prompt = p.system_prompt
+        self.settings.system_prompt = p.system_prompt
+        if last_folder and last_folder != self.settings.last_folder:
+            self._folder_used(last_folder)
+        if p.models_folder != self.settings.models_folder:
+            self.settings.models_folder = p.models_folder
+            self.refresh_models()
+        self.set_default_overflow(p.overflow_policy, save=False)  # recounts the context with the new defaults
         self._persist()
 
     def _restore_layout(self) -> None:
