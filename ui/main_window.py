@@ -313,10 +313,42 @@ class MainWindow(QMainWindow):
             c.ladderFinished.connect(lambda _rows: self._ladder_ended())
             c.ladderFailed.connect(lambda _msg: self._ladder_ended())
             self.hud.cancelLadderRequested.connect(c.cancel_ladder)
+            self._restore_compare_history()
         if self.fetcher is not None:
             self.fetcher.progress.connect(self._fetch_progress)
             self.fetcher.finished.connect(self._fetch_finished)
             self.fetcher.failed.connect(self._fetch_failed)
+
+    def _restore_compare_history(self) -> None:
+        """The compare table's rows are kept with the chats: those of earlier runs come back, new ones are added
+        as they come, and Clear history removes them from the store too."""
+        from app.store import CompareHistory
+        from ui.hud.compare_table import CompareRow
+
+        history = CompareHistory(self.store)
+        try:
+            rows = history.rows()
+        except StoreError as exc:
+            log.error("%s", exc)
+            self.status.setText(f"The compare history could not be read: {exc}")
+            rows = []
+        self.hud.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics) for r in rows)
+
+        def keep(row: CompareRow) -> None:
+            try:
+                history.add(row.index, row.label, row.options, row.metrics)
+            except StoreError as exc:
+                log.error("%s", exc)
+                self.status.setText(f"The compare row was not kept: {exc}")
+
+        def clear() -> None:
+            try:
+                history.clear()
+            except StoreError as exc:
+                self._failed(f"The compare history was not cleared: {exc}")
+
+        self.hud.compareRowAdded.connect(keep)
+        self.hud.compareCleared.connect(clear)
 
     def _menus(self) -> None:
         def action(menu, text: str, slot, shortcut=None, tip: str = "") -> QAction:

@@ -18,6 +18,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QMessageBox, QPushButton, QTabWidget, QVBoxLayout, QWidget
 
 from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
+from ui.dialogs import confirm
 from ui.hud import export
 from ui.hud.bars import BarStrip
 from ui.hud.compare_table import CompareRow, CompareTable
@@ -40,6 +41,8 @@ class HudPanel(QWidget):
     runLadderRequested = Signal()
     cancelLadderRequested = Signal()
     folderUsed = Signal(str)  # where an export was saved (the next save dialog starts there)
+    compareRowAdded = Signal(object)  # a CompareRow of this session, to keep with the chats
+    compareCleared = Signal()  # the user cleared the compare table
 
     def __init__(
         self,
@@ -82,6 +85,9 @@ class HudPanel(QWidget):
             ("Export JSON…", "Export the compare table as JSON", self._ask_compare_json),
         ):
             self.compare.buttons.addWidget(_button(text, tip, slot))
+        self.compare.buttons.addWidget(
+            _button("Clear history…", "Remove every row; they are kept across restarts until cleared", self.ask_clear)
+        )
         self.ladder.buttons.addWidget(_button("PNG…", "Save the ladder chart as PNG", self._ask_ladder_png))
 
         self.tabs = QTabWidget()
@@ -107,8 +113,8 @@ class HudPanel(QWidget):
 
     def end_generation(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
         gen = self.series.end_generation(self._clock(), metrics)
-        index = gen.index if gen is not None else len(self.compare.model.rows) + 1
-        self.compare.add(CompareRow(index=index, label=label, options=options, metrics=metrics))
+        index = gen.index if gen is not None else self.series.take_index()
+        self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics))
         self.bars.set_metrics(metrics, options, f"#{index} {label}")
         self.live.refresh_labels()  # why a series is n/a, as the metrics now say, shows with the bars, not later
 
@@ -125,7 +131,7 @@ class HudPanel(QWidget):
         self.ladder.set_results(rows)
         for r in rows:
             if r.ran and r.metrics is not None:
-                self.compare.add(
+                self._add_row(
                     CompareRow(
                         index=self.series.take_index(),
                         label=f"ladder · {r.label or r.preset}",
@@ -133,6 +139,27 @@ class HudPanel(QWidget):
                         metrics=GenerationMetrics.from_dict(r.metrics),
                     )
                 )
+
+    def _add_row(self, row: CompareRow) -> None:
+        self.compare.add(row)
+        self.compareRowAdded.emit(row)
+
+    def restore_compare(self, rows: Iterable[CompareRow]) -> None:
+        """Rows kept from earlier runs; the generations of this one are numbered after them."""
+        for row in rows:
+            self.compare.add(row)
+            self.series.number_after(row.index)
+
+    def ask_clear(self) -> None:
+        n = len(self.compare.model.rows)
+        if n and confirm(
+            self,
+            "Clear the compare history",
+            f"Remove the {n} row{'s' if n != 1 else ''} of the compare table? This cannot be undone.",
+            "Clear",
+        ):
+            self.compare.model.clear()
+            self.compareCleared.emit()
 
     def set_ladder_failed(self, message: str) -> None:
         self.ladder.set_failed(message)

@@ -108,6 +108,10 @@ class LiveSeries:
         self._count += 1
         return self._count
 
+    def number_after(self, index: int) -> None:
+        """The next generation is numbered after `index` (a row kept from an earlier run)."""
+        self._count = max(self._count, index)
+
     def end_generation(self, t: float, metrics: Optional[GenerationMetrics] = None) -> Optional[Generation]:
         """Closes the running generation's span. `metrics` adds what the engine knows beyond the samples:
         why a GPU series is n/a, and estimates standing in for series the monitor did not measure."""
