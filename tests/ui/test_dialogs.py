@@ -44,6 +44,7 @@ DIALOG_SITES = {
     ("ui/model_panel.py", "ModelPanel._choose_models_folder"): "test_choosing_a_models_folder_lists_it",
     ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
     ("ui/hud/panel.py", "HudPanel._ask"): "test_hud_export_that_cannot_write_says_so",
+    ("ui/hud/panel.py", "ImageSizeDialog.__init__"): "test_plots_png_asks_the_size_then_where",
     ("app/gui.py", "run_gui"): "test_a_chat_database_that_cannot_open_says_so_at_start",
     ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
@@ -362,6 +363,39 @@ def test_hud_export_that_cannot_write_says_so(qtbot, gui, driver, tmp_path):
     assert ("ui/hud/panel.py", "HudPanel._ask") in box.sites
     assert box.title == "Export compare table" and f"Could not write {target}" in box.text
     assert not target.exists()
+
+
+def test_plots_png_asks_the_size_then_where(qtbot, gui, driver, tmp_path):
+    from PySide6.QtGui import QImage
+
+    from engine.types import EngineOptions, GenerationMetrics, StepRecord
+    from ui.hud.panel import ImageSizeDialog
+
+    hud = gui.hud
+    hud.begin_generation("eager", EngineOptions(device="cpu"))
+    hud.add_steps(
+        StepRecord(t=hud._clock() + i * 0.01, step=i, tokens_total=i, step_ms=9.0, tokens_per_step=1.0)
+        for i in range(1, 40)
+    )
+    hud.end_generation(GenerationMetrics(), EngineOptions(device="cpu"), "eager")
+
+    def size(dialog):
+        assert dialog.windowTitle() == "Plots image size"
+        dialog.width_box.setValue(640)
+        dialog.height_box.setValue(480)
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok).click()
+
+    target = tmp_path / "plots.png"
+    driver.look(ImageSizeDialog, size, close=False).choose_file(target).start()
+    _hud_button(hud, "Plots PNG…").click()
+    assert driver.done
+    assert ("ui/hud/panel.py", "ask_image_size") in driver.answered[0].sites
+    assert driver.answered[1].title == "Save plots"
+    assert QImage(str(target)).size().toTuple() == (640, 480)
+
+    driver = DialogDriver().look(ImageSizeDialog, lambda d: d.reject(), close=False).start()
+    _hud_button(hud, "Plots PNG…").click()  # Cancel: no save dialog follows
+    assert driver.done and len(driver.answered) == 1
 
 
 # ---- start-up ---------------------------------------------------------------------------------------------

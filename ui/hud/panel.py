@@ -15,7 +15,20 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QMessageBox, QPushButton, QTabWidget, QVBoxLayout, QWidget
+from PySide6.QtGui import QPalette
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QMessageBox,
+    QPushButton,
+    QSpinBox,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.dialogs import confirm
@@ -28,6 +41,36 @@ from ui.hud.series import LiveSeries
 
 # (parent, caption, suggested file name, filter) -> chosen path, "" when cancelled
 SaveDialog = Callable[[QWidget, str, str, str], str]
+# (parent, suggested width, height) -> the image size chosen, None when cancelled
+SizeDialog = Callable[[QWidget, int, int], Optional[tuple[int, int]]]
+
+
+class ImageSizeDialog(QDialog):
+    """The pixel size of an exported image."""
+
+    def __init__(self, width: int, height: int, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setWindowTitle("Plots image size")
+        self.width_box, self.height_box = QSpinBox(self), QSpinBox(self)
+        for box, value in ((self.width_box, width), (self.height_box, height)):
+            box.setRange(export.MIN_IMAGE_PX, export.MAX_IMAGE_PX)
+            box.setSuffix(" px")
+            box.setValue(max(export.MIN_IMAGE_PX, min(export.MAX_IMAGE_PX, value)))
+        form = QFormLayout(self)
+        form.addRow("Width", self.width_box)
+        form.addRow("Height", self.height_box)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel, self)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def size_px(self) -> tuple[int, int]:
+        return self.width_box.value(), self.height_box.value()
+
+
+def ask_image_size(parent: QWidget, width: int, height: int) -> Optional[tuple[int, int]]:
+    dialog = ImageSizeDialog(width, height, parent)
+    return dialog.size_px() if dialog.exec() == QDialog.DialogCode.Accepted else None
 
 
 def ask_save_path(parent: QWidget, caption: str, name: str, file_filter: str) -> str:
@@ -49,6 +92,7 @@ class HudPanel(QWidget):
         series: Optional[LiveSeries] = None,
         clock: Callable[[], float] = time.perf_counter,
         save_dialog: SaveDialog = ask_save_path,
+        size_dialog: SizeDialog = ask_image_size,
         paint_hz: float = 20.0,
         label_hz: float = 2.0,
         parent: Optional[QWidget] = None,
@@ -57,6 +101,7 @@ class HudPanel(QWidget):
         self.series = series if series is not None else LiveSeries()
         self._clock = clock  # the engine's clock (perf_counter), to date generation starts
         self._save_dialog = save_dialog
+        self._size_dialog = size_dialog
         self.last_folder = ""  # where save dialogs start ("" = the home folder)
 
         self.bars = BarStrip()
@@ -76,7 +121,11 @@ class HudPanel(QWidget):
                 (
                     ("Series CSV…", "Export the time series held as CSV", self._ask_series_csv),
                     ("Series JSON…", "Export the time series held, with sources, as JSON", self._ask_series_json),
-                    ("Plots PNG…", "Save the plots as they are drawn now", self._ask_plots_png),
+                    (
+                        "Plots PNG…",
+                        "Save the plots as PNG, drawn again at a size you choose",
+                        self._ask_plots_png,
+                    ),
                 )
             )
         )
@@ -184,9 +233,19 @@ class HudPanel(QWidget):
     def export_series_json(self, path) -> Path:
         return export.write_series_json(path, self.series)
 
-    def export_plots_png(self, path) -> Path:
+    def export_plots_png(self, path, width: Optional[int] = None, height: Optional[int] = None) -> Path:
+        """The plots on screen drawn again at width × height (by default the size they have now)."""
         self.live.paint(force=True)  # everything held, even what came in since the last paint
-        return export.save_png(path, self.live)
+        self.live.refresh_labels()
+        pal = self.live.palette()
+        return export.save_plots(
+            path,
+            list(self.live.views.values()),
+            width or self.live.width(),
+            height or self.live.height(),
+            pal.color(QPalette.ColorRole.Base),
+            pal.color(QPalette.ColorRole.Text),
+        )
 
     def export_ladder_png(self, path) -> Path:
         return export.save_png(path, self.ladder.chart)
@@ -199,7 +258,7 @@ class HudPanel(QWidget):
         self.folderUsed.emit(self.last_folder)
         try:
             return write(path)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             QMessageBox.warning(self, caption, f"Could not write {path}: {e}")
             return None
 
@@ -210,7 +269,15 @@ class HudPanel(QWidget):
         self._ask("Export time series", "gapless-series.json", "JSON (*.json)", self.export_series_json)
 
     def _ask_plots_png(self) -> None:
-        self._ask("Save plots", "gapless-live.png", "PNG (*.png)", self.export_plots_png)
+        size = self._size_dialog(self, max(self.live.width(), 800), max(self.live.height(), 600))
+        if size is None:
+            return
+        self._ask(
+            "Save plots",
+            "gapless-live.png",
+            "PNG (*.png)",
+            lambda path: self.export_plots_png(path, *size),
+        )
 
     def _ask_compare_csv(self) -> None:
         self._ask("Export compare table", "gapless-compare.csv", "CSV (*.csv)", self.export_compare_csv)
