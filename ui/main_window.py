@@ -255,69 +255,80 @@ class MainWindow(QMainWindow):
             )
 
     def _wire(self) -> None:
-        f, v, c = self.flow, self.chat_view, self.controller
-        self.chat_list.chatSelected.connect(f.open_chat)
-        self.chat_list.newChatRequested.connect(self.new_chat)
-        self.chat_list.renameRequested.connect(f.rename_chat)
-        self.chat_list.deleteRequested.connect(f.delete_chat)
-        self.chat_list.searchChanged.connect(self._search_changed)
-        f.chatsChanged.connect(self.refresh_chats)
-        f.chatOpened.connect(self._chat_opened)
-        f.threadChanged.connect(v.set_messages)
-        f.messageAppended.connect(v.add_message)
-        f.streamStarted.connect(v.begin_stream)
-        f.streamDelta.connect(v.append_stream)
-        f.streamRowsFinished.connect(v.rows_finished)
-        f.streamFinished.connect(v.finish_stream)
-        f.candidatesFinished.connect(self._candidates_finished)
-        f.generatingChanged.connect(self._generating_changed)
-        f.failed.connect(self._failed)
-        v.editSubmitted.connect(f.edit)
-        v.regenerateRequested.connect(f.regenerate)
-        v.deleteRequested.connect(self.ask_delete_message)
-        v.siblingRequested.connect(f.step_sibling)
-        v.candidateChosen.connect(f.choose_candidate)
-        v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
-        self.composer.sendRequested.connect(self._send)
-        self.composer.edit.textChanged.connect(self.recount_context)
-        for signal in (f.threadChanged, f.messageAppended, f.streamFinished, f.candidatesFinished, c.loaded):
-            signal.connect(lambda *_a: self.recount_context())
-        c.contextCounted.connect(self._context_counted)
-        self.composer.stopRequested.connect(f.stop)
-        self.model_panel.openRequested.connect(self.load_model)
-        self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
-        self.model_panel.folderUsed.connect(self._folder_used)
-        self.model_panel.last_folder = self.settings.last_folder or ""
-        if self.hud is not None and hasattr(self.hud, "folderUsed"):
-            self.hud.folderUsed.connect(self._folder_used)
-            self.hud.last_folder = self.settings.last_folder or ""
-        self.toggles.optionsChanged.connect(self._options_chosen)
-        self.theme.changed.connect(v.set_colors)
-
-        c.loadStarted.connect(self._load_started)
-        c.progress.connect(self._progress)
-        c.loaded.connect(self._loaded)
-        c.loadFailed.connect(self._load_failed)
-        c.reconfigured.connect(self._reconfigured)
-        c.reconfigureFailed.connect(self._reconfigure_failed)
-        c.generationStarted.connect(self._generation_started)
-        c.generationFinished.connect(self._generation_finished)
-        c.generationFailed.connect(self._generation_failed)
+        f, v, c, chats, model = self.flow, self.chat_view, self.controller, self.chat_list, self.model_panel
+        recount = lambda *_a: self.recount_context()  # noqa: E731 - one slot for several signals
+        wiring: list[tuple[Any, Callable]] = [
+            (chats.chatSelected, f.open_chat),
+            (chats.newChatRequested, self.new_chat),
+            (chats.renameRequested, f.rename_chat),
+            (chats.deleteRequested, f.delete_chat),
+            (chats.searchChanged, self._search_changed),
+            (f.chatsChanged, self.refresh_chats),
+            (f.chatOpened, self._chat_opened),
+            (f.threadChanged, v.set_messages),
+            (f.messageAppended, v.add_message),
+            (f.streamStarted, v.begin_stream),
+            (f.streamDelta, v.append_stream),
+            (f.streamRowsFinished, v.rows_finished),
+            (f.streamFinished, v.finish_stream),
+            (f.candidatesFinished, self._candidates_finished),
+            (f.generatingChanged, self._generating_changed),
+            (f.failed, self._failed),
+            (v.editSubmitted, f.edit),
+            (v.regenerateRequested, f.regenerate),
+            (v.deleteRequested, self.ask_delete_message),
+            (v.siblingRequested, f.step_sibling),
+            (v.candidateChosen, f.choose_candidate),
+            (v.candidateChosen, lambda _i: self._clear_pick_notice()),
+            (self.composer.sendRequested, self._send),
+            (self.composer.edit.textChanged, self.recount_context),
+            *((signal, recount) for signal in (f.threadChanged, f.messageAppended, f.streamFinished)),
+            (f.candidatesFinished, recount),
+            (c.loaded, recount),
+            (c.contextCounted, self._context_counted),
+            (self.composer.stopRequested, f.stop),
+            (model.openRequested, self.load_model),
+            (model.modelsFolderChosen, self.set_models_folder),
+            (model.folderUsed, self._folder_used),
+            (self.toggles.optionsChanged, self._options_chosen),
+            (self.theme.changed, v.set_colors),
+            (c.loadStarted, self._load_started),
+            (c.progress, self._progress),
+            (c.loaded, self._loaded),
+            (c.loadFailed, self._load_failed),
+            (c.reconfigured, self._reconfigured),
+            (c.reconfigureFailed, self._reconfigure_failed),
+            (c.generationStarted, self._generation_started),
+            (c.generationFinished, self._generation_finished),
+            (c.generationFailed, self._generation_failed),
+        ]
+        model.last_folder = self.settings.last_folder or ""
         if self.hud is not None:
-            c.steps.connect(lambda _rid, records: self.hud.add_steps(records))
-            c.samples.connect(self.hud.add_samples)
-            c.ladderProgress.connect(self.hud.set_ladder_progress)
-            c.ladderFinished.connect(self.hud.set_ladder_results)
-            c.ladderFailed.connect(self.hud.set_ladder_failed)
-            self.hud.runLadderRequested.connect(self.run_ladder)
-            c.ladderFinished.connect(lambda _rows: self._ladder_ended())
-            c.ladderFailed.connect(lambda _msg: self._ladder_ended())
-            self.hud.cancelLadderRequested.connect(c.cancel_ladder)
-            self._restore_compare_history()
+            hud = self.hud
+            if hasattr(hud, "folderUsed"):
+                wiring.append((hud.folderUsed, self._folder_used))
+                hud.last_folder = self.settings.last_folder or ""
+            wiring += [
+                (c.steps, lambda _rid, records: hud.add_steps(records)),
+                (c.samples, hud.add_samples),
+                (c.ladderProgress, hud.set_ladder_progress),
+                (c.ladderFinished, hud.set_ladder_results),
+                (c.ladderFailed, hud.set_ladder_failed),
+                (hud.runLadderRequested, self.run_ladder),
+                (c.ladderFinished, lambda _rows: self._ladder_ended()),
+                (c.ladderFailed, lambda _msg: self._ladder_ended()),
+                (hud.cancelLadderRequested, c.cancel_ladder),
+            ]
         if self.fetcher is not None:
-            self.fetcher.progress.connect(self._fetch_progress)
-            self.fetcher.finished.connect(self._fetch_finished)
-            self.fetcher.failed.connect(self._fetch_failed)
+            wiring += [
+                (self.fetcher.progress, self._fetch_progress),
+                (self.fetcher.finished, self._fetch_finished),
+                (self.fetcher.failed, self._fetch_failed),
+            ]
+        for signal, slot in wiring:
+            signal.connect(slot)
+        if self.hud is not None:
+            self._restore_compare_history()
 
     def _restore_compare_history(self) -> None:
         """The compare table's rows are kept with the chats: those of earlier runs come back, new ones are added
