@@ -99,6 +99,7 @@ class ChatFlow(QObject):
         self.controller = controller
         self.default_sampling = default_sampling
         self.default_overflow = "rolling"  # for chats without their own policy (the settings' choice)
+        self.default_system_prompt = ""  # of a new chat (the settings' choice)
         self.chat_id: Optional[int] = None
         self.answer: Optional[_Answer] = None
         self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
@@ -158,7 +159,9 @@ class ChatFlow(QObject):
         return self.store.get_chat(self.chat_id).overflow_policy if self.chat_id is not None else None
 
     def system_prompt(self) -> str:
-        return self.store.get_chat(self.chat_id).system_prompt if self.chat_id is not None else ""
+        return (
+            self.store.get_chat(self.chat_id).system_prompt if self.chat_id is not None else self.default_system_prompt
+        )
 
     def set_chat_settings(self, system_prompt: str, sampling: SamplingParams, overflow_policy: str = "") -> None:
         """overflow_policy "" follows the default."""
@@ -236,7 +239,9 @@ class ChatFlow(QObject):
         if self.generating or not text.strip():
             return False
         if self.chat_id is None:
-            chat = self._guard(lambda: self.store.create_chat(title_from(text), "", self.default_sampling))
+            chat = self._guard(
+                lambda: self.store.create_chat(title_from(text), self.default_system_prompt, self.default_sampling)
+            )
             if not chat:
                 return False
             self.chat_id = chat.id
@@ -310,6 +315,8 @@ class ChatFlow(QObject):
     def draft_messages(self, draft: str) -> list[dict]:
         """The engine's messages if `draft` were sent now: the system prompt, the branch on screen, the draft."""
         out: list[dict] = []
+        if self.chat_id is None and self.default_system_prompt.strip():
+            out.append({"role": "system", "content": self.default_system_prompt})
         if self.chat_id is not None:
             chat = self.store.get_chat(self.chat_id)
             if chat.system_prompt.strip():

@@ -60,6 +60,7 @@ class Settings:
     splitter_sizes: dict[str, list[int]] = field(default_factory=dict)  # splitter name -> sizes
     last_folder: Optional[str] = None  # where the last file dialog was left: the next one starts there
     overflow_policy: str = "rolling"  # for chats without their own (engine.types.OVERFLOW_POLICIES)
+    system_prompt: str = ""  # of new chats (Preferences); "" = none
 
     def options(self) -> EngineOptions:
         return EngineOptions.from_dict(self.engine_options)
@@ -113,6 +114,7 @@ _CHECKS = {
     "splitter_sizes": (_sizes, "an object of lists of sizes"),
     "last_folder": (_optional_str, "a string or null"),
     "overflow_policy": (lambda v: v in OVERFLOW_POLICIES, f"one of {', '.join(OVERFLOW_POLICIES)}"),
+    "system_prompt": (lambda v: isinstance(v, str), "a string"),
 }
 assert set(_CHECKS) == {f.name for f in fields(Settings)}
 

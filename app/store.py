@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from engine.errors import GaplessError
+from engine import figures
+from engine.errors import GaplessError, OptionsError
+from engine.types import EngineOptions, GenerationMetrics
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,17 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # NULL: the default policy from the settings
     2: ("ALTER TABLE chats ADD COLUMN overflow_policy TEXT",),
+    # The HUD's compare table, kept across restarts until cleared: one row per generation measured.
+    3: (
+        """CREATE TABLE compare_rows (
+            id INTEGER PRIMARY KEY,
+            created REAL NOT NULL,
+            generation INTEGER NOT NULL,
+            label TEXT NOT NULL,
+            options_json TEXT NOT NULL,
+            metrics_json TEXT NOT NULL
+        )""",
+    ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -598,6 +611,75 @@ class ChatStore:
         if chat_id is None:
             return self._read("SELECT COUNT(*) FROM messages")[0][0]
         return self._read("SELECT COUNT(*) FROM messages WHERE chat_id = ?", (chat_id,))[0][0]
+
+
+@dataclass(frozen=True)
+class CompareRecord:
+    """A row of the HUD's compare table as stored: a generation's number, label, options and figures."""
+
+    id: int
+    created: float  # unix time
+    index: int  # the generation's number in the HUD
+    label: str
+    options: EngineOptions
+    metrics: GenerationMetrics
+
+
+class CompareHistory:
+    """The compare table's rows in the chat database: kept across restarts, cleared on request. A stored row
+    that is not a valid row (hand-edited, written by a broken version) is refused with its reason in the log,
+    and the others load."""
+
+    def __init__(self, store: ChatStore):
+        self.store = store
+
+    def add(self, index: int, label: str, options: EngineOptions, metrics: GenerationMetrics) -> int:
+        with self.store._write("keep the compare row") as db:
+            cur = db.execute(
+                "INSERT INTO compare_rows (created, generation, label, options_json, metrics_json) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (time.time(), index, label, _dumps(options), _dumps(metrics)),
+            )
+            return int(cur.lastrowid or 0)
+
+    def rows(self) -> list[CompareRecord]:
+        out = []
+        sql = "SELECT id, created, generation, label, options_json, metrics_json FROM compare_rows ORDER BY id"
+        for row in self.store._read(sql):
+            try:
+                out.append(_compare_record(row))
+            except (ValueError, TypeError, OptionsError) as exc:
+                log.error("chat database %s: compare row %s refused: %s", self.store.path, row[0], exc)
+        return out
+
+    def clear(self) -> int:
+        with self.store._write("clear the compare history") as db:
+            return db.execute("DELETE FROM compare_rows").rowcount
+
+
+def _compare_record(row: tuple) -> CompareRecord:
+    """A stored compare row, checked: ValueError (or OptionsError) with the reason when it is not one."""
+    rid, created, index, label, options_json, metrics_json = row
+    if isinstance(index, bool) or not isinstance(index, int) or index < 1:
+        raise ValueError(f"its generation number is {index!r}, not a positive integer")
+    if not isinstance(label, str):
+        raise ValueError(f"its label is {label!r}, not text")
+    options, metrics = json.loads(options_json), json.loads(metrics_json)
+    if not isinstance(options, dict) or not isinstance(metrics, dict):
+        raise ValueError("its options or metrics are not JSON objects")
+    for f in figures.GENERATION_FIGURES:
+        v = metrics.get(f.key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"its figure {f.key} is {json.dumps(v)[:40]}, not a number")
+    for name in figures.SOURCE_FIELDS:
+        if not isinstance(metrics.get(name), (str, type(None))):
+            raise ValueError(f"its {name} is not text")
+    unavailable = metrics.get("unavailable", {})
+    if not isinstance(unavailable, dict) or not all(isinstance(v, str) for v in unavailable.values()):
+        raise ValueError("its n/a reasons are not an object of texts")
+    return CompareRecord(
+        rid, created, index, label, EngineOptions.from_dict(options), GenerationMetrics.from_dict(metrics)
+    )
 
 
 class _Damaged(Exception):

@@ -120,10 +120,10 @@ FIGURES: tuple[FigureSpec, ...] = (
         "Tokens/step",
         "tok/step",
         +1,
-        ("generation",),
+        ("generation", "step"),  # per step: StepRecord.tokens_per_step, drawn live in the HUD
         SPEC_COUNT,
         digits=2,
-        tip="tokens kept per decode step and candidate: above 1 where drafts were accepted",
+        tip="tokens kept per decode step and candidate: 1 without speculation, above 1 where drafts were accepted",
     ),
     FigureSpec(
         "drafted_tokens",

@@ -1,5 +1,5 @@
-"""Dialogs: download / load progress (size, speed, cancel), errors, and a chat's settings (system prompt and
-sampling parameters)."""
+"""Dialogs: download / load progress (size, speed, cancel), errors, and a chat's settings (system prompt,
+sampling parameters and overflow policy) on the form Preferences shares for the defaults of new chats."""
 
 from __future__ import annotations
 
@@ -102,27 +102,16 @@ class ProgressDialog(QDialog):
             self._cancel()
 
 
-class ChatSettingsDialog(QDialog):
-    """A chat's system prompt and sampling parameters, validated by SamplingParams before they are accepted."""
+class SamplingDialog(QDialog):
+    """A system prompt and sampling parameters with OK, Cancel and Restore defaults, validated by SamplingParams
+    (and `problem()`) before the dialog is accepted: a chat's settings, and the defaults in Preferences.
+    Subclasses add their rows to `form` around `add_sampling_rows()`, then call `finish()`."""
 
-    def __init__(
-        self,
-        system_prompt: str,
-        sampling: SamplingParams,
-        context_length: Optional[int] = None,
-        parent: Optional[QWidget] = None,
-        overflow_policy: Optional[str] = None,
-        default_overflow: str = "rolling",
-    ):
+    def __init__(self, title: str, system_prompt: str, sampling: SamplingParams, context_length: Optional[int], parent):
         super().__init__(parent)
-        self.setWindowTitle("Chat settings")
-        self.overflow = QComboBox(self)
-        self.overflow.addItem(f"Default: {OVERFLOW_LABELS[default_overflow]}", "")
-        for policy in OVERFLOW_POLICIES:
-            self.overflow.addItem(OVERFLOW_LABELS[policy], policy)
-        self.overflow.setCurrentIndex(max(0, self.overflow.findData(overflow_policy or "")))
-        self.overflow.setToolTip("What happens when the conversation no longer fits the model's context")
+        self.setWindowTitle(title)
         self.setMinimumWidth(460)
+        self._initial = (system_prompt, sampling)
         self.system_prompt = QPlainTextEdit(self)
         self.system_prompt.setPlaceholderText("Optional: how the model should behave in this chat")
         self.system_prompt.setMinimumHeight(90)
@@ -158,34 +147,37 @@ class ChatSettingsDialog(QDialog):
         self.error.setObjectName("errorText")
         self.error.setWordWrap(True)
         self.error.hide()
-
-        form = QFormLayout()
-        form.addRow("System prompt", self.system_prompt)
-        form.addRow("Temperature", self.temperature)
-        form.addRow("Top-p", self.top_p)
-        form.addRow("Top-k", self.top_k)
-        form.addRow("Repetition penalty", self.repetition_penalty)
-        form.addRow("Max tokens", self.max_new_tokens)
-        form.addRow("Seed", self.seed)
-        form.addRow("Stop strings", self.stop)
-        form.addRow("Context full", self.overflow)
-        buttons = QDialogButtonBox(
+        self.form = QFormLayout()
+        self.buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok
             | QDialogButtonBox.StandardButton.Cancel
             | QDialogButtonBox.StandardButton.RestoreDefaults,
             self,
         )
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(
-            lambda: self._show(CHAT_DEFAULTS)
-        )
+        self.buttons.accepted.connect(self.accept)
+        self.buttons.rejected.connect(self.reject)
+        self.buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self.restore_defaults)
+
+    def add_sampling_rows(self, prompt_label: str = "System prompt") -> None:
+        self.form.addRow(prompt_label, self.system_prompt)
+        self.form.addRow("Temperature", self.temperature)
+        self.form.addRow("Top-p", self.top_p)
+        self.form.addRow("Top-k", self.top_k)
+        self.form.addRow("Repetition penalty", self.repetition_penalty)
+        self.form.addRow("Max tokens", self.max_new_tokens)
+        self.form.addRow("Seed", self.seed)
+        self.form.addRow("Stop strings", self.stop)
+
+    def finish(self) -> None:
         lay = QVBoxLayout(self)
-        lay.addLayout(form)
+        lay.addLayout(self.form)
         lay.addWidget(self.error)
-        lay.addWidget(buttons)
-        self.system_prompt.setPlainText(system_prompt)
-        self._show(sampling)
+        lay.addWidget(self.buttons)
+        self.system_prompt.setPlainText(self._initial[0])
+        self._show(self._initial[1])
+
+    def restore_defaults(self) -> None:
+        self._show(CHAT_DEFAULTS)
 
     def _show(self, s: SamplingParams) -> None:
         self.temperature.setValue(s.temperature)
@@ -211,15 +203,50 @@ class ChatSettingsDialog(QDialog):
     def values(self) -> tuple[str, SamplingParams]:
         return self.system_prompt.toPlainText().strip(), self.sampling()
 
-    def overflow_policy(self) -> str:
-        """The chosen policy, "" for the app's default."""
-        return self.overflow.currentData()
+    def problem(self) -> Optional[str]:
+        """What else keeps the dialog from being accepted, in words; None when nothing does."""
+        return None
 
     def accept(self) -> None:
         try:
             self.sampling()
         except OptionsError as exc:
-            self.error.setText(str(exc))
-            self.error.show()
+            self._refuse(str(exc))
+            return
+        problem = self.problem()
+        if problem is not None:
+            self._refuse(problem)
             return
         super().accept()
+
+    def _refuse(self, message: str) -> None:
+        self.error.setText(message)
+        self.error.show()
+
+
+class ChatSettingsDialog(SamplingDialog):
+    """A chat's system prompt, sampling parameters and overflow policy."""
+
+    def __init__(
+        self,
+        system_prompt: str,
+        sampling: SamplingParams,
+        context_length: Optional[int] = None,
+        parent: Optional[QWidget] = None,
+        overflow_policy: Optional[str] = None,
+        default_overflow: str = "rolling",
+    ):
+        super().__init__("Chat settings", system_prompt, sampling, context_length, parent)
+        self.overflow = QComboBox(self)
+        self.overflow.addItem(f"Default: {OVERFLOW_LABELS[default_overflow]}", "")
+        for policy in OVERFLOW_POLICIES:
+            self.overflow.addItem(OVERFLOW_LABELS[policy], policy)
+        self.overflow.setCurrentIndex(max(0, self.overflow.findData(overflow_policy or "")))
+        self.overflow.setToolTip("What happens when the conversation no longer fits the model's context")
+        self.add_sampling_rows()
+        self.form.addRow("Context full", self.overflow)
+        self.finish()
+
+    def overflow_policy(self) -> str:
+        """The chosen policy, "" for the app's default."""
+        return self.overflow.currentData()

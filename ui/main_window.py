@@ -43,6 +43,7 @@ from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
 from ui.model_panel import ModelPanel, source_label
+from ui.preferences import Preferences, PreferencesDialog
 from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
 from ui.toggles import TogglesPanel
@@ -156,6 +157,7 @@ class MainWindow(QMainWindow):
         self.catalog = catalog  # known models: default, recent, scanned folder (app.gui.ModelCatalog)
         self.flow = ChatFlow(store, controller, default_sampling, self)
         self.flow.default_overflow = settings.overflow_policy
+        self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
@@ -253,68 +255,111 @@ class MainWindow(QMainWindow):
             )
 
     def _wire(self) -> None:
-        f, v, c = self.flow, self.chat_view, self.controller
-        self.chat_list.chatSelected.connect(f.open_chat)
-        self.chat_list.newChatRequested.connect(self.new_chat)
-        self.chat_list.renameRequested.connect(f.rename_chat)
-        self.chat_list.deleteRequested.connect(f.delete_chat)
-        self.chat_list.searchChanged.connect(self._search_changed)
-        f.chatsChanged.connect(self.refresh_chats)
-        f.chatOpened.connect(self._chat_opened)
-        f.threadChanged.connect(v.set_messages)
-        f.messageAppended.connect(v.add_message)
-        f.streamStarted.connect(v.begin_stream)
-        f.streamDelta.connect(v.append_stream)
-        f.streamRowsFinished.connect(v.rows_finished)
-        f.streamFinished.connect(v.finish_stream)
-        f.candidatesFinished.connect(self._candidates_finished)
-        f.generatingChanged.connect(self._generating_changed)
-        f.failed.connect(self._failed)
-        v.editSubmitted.connect(f.edit)
-        v.regenerateRequested.connect(f.regenerate)
-        v.deleteRequested.connect(self.ask_delete_message)
-        v.siblingRequested.connect(f.step_sibling)
-        v.candidateChosen.connect(f.choose_candidate)
-        v.candidateChosen.connect(lambda _i: self._clear_pick_notice())
-        self.composer.sendRequested.connect(self._send)
-        self.composer.edit.textChanged.connect(self.recount_context)
-        for signal in (f.threadChanged, f.messageAppended, f.streamFinished, f.candidatesFinished, c.loaded):
-            signal.connect(lambda *_a: self.recount_context())
-        c.contextCounted.connect(self._context_counted)
-        self.composer.stopRequested.connect(f.stop)
-        self.model_panel.openRequested.connect(self.load_model)
-        self.model_panel.modelsFolderChosen.connect(self.set_models_folder)
-        self.model_panel.folderUsed.connect(self._folder_used)
-        self.model_panel.last_folder = self.settings.last_folder or ""
-        if self.hud is not None and hasattr(self.hud, "folderUsed"):
-            self.hud.folderUsed.connect(self._folder_used)
-            self.hud.last_folder = self.settings.last_folder or ""
-        self.toggles.optionsChanged.connect(self._options_chosen)
-        self.theme.changed.connect(v.set_colors)
-
-        c.loadStarted.connect(self._load_started)
-        c.progress.connect(self._progress)
-        c.loaded.connect(self._loaded)
-        c.loadFailed.connect(self._load_failed)
-        c.reconfigured.connect(self._reconfigured)
-        c.reconfigureFailed.connect(self._reconfigure_failed)
-        c.generationStarted.connect(self._generation_started)
-        c.generationFinished.connect(self._generation_finished)
-        c.generationFailed.connect(self._generation_failed)
+        f, v, c, chats, model = self.flow, self.chat_view, self.controller, self.chat_list, self.model_panel
+        recount = lambda *_a: self.recount_context()  # noqa: E731 - one slot for several signals
+        wiring: list[tuple[Any, Callable]] = [
+            (chats.chatSelected, f.open_chat),
+            (chats.newChatRequested, self.new_chat),
+            (chats.renameRequested, f.rename_chat),
+            (chats.deleteRequested, f.delete_chat),
+            (chats.searchChanged, self._search_changed),
+            (f.chatsChanged, self.refresh_chats),
+            (f.chatOpened, self._chat_opened),
+            (f.threadChanged, v.set_messages),
+            (f.messageAppended, v.add_message),
+            (f.streamStarted, v.begin_stream),
+            (f.streamDelta, v.append_stream),
+            (f.streamRowsFinished, v.rows_finished),
+            (f.streamFinished, v.finish_stream),
+            (f.candidatesFinished, self._candidates_finished),
+            (f.generatingChanged, self._generating_changed),
+            (f.failed, self._failed),
+            (v.editSubmitted, f.edit),
+            (v.regenerateRequested, f.regenerate),
+            (v.deleteRequested, self.ask_delete_message),
+            (v.siblingRequested, f.step_sibling),
+            (v.candidateChosen, f.choose_candidate),
+            (v.candidateChosen, lambda _i: self._clear_pick_notice()),
+            (self.composer.sendRequested, self._send),
+            (self.composer.edit.textChanged, self.recount_context),
+            *((signal, recount) for signal in (f.threadChanged, f.messageAppended, f.streamFinished)),
+            (f.candidatesFinished, recount),
+            (c.loaded, recount),
+            (c.contextCounted, self._context_counted),
+            (self.composer.stopRequested, f.stop),
+            (model.openRequested, self.load_model),
+            (model.modelsFolderChosen, self.set_models_folder),
+            (model.folderUsed, self._folder_used),
+            (self.toggles.optionsChanged, self._options_chosen),
+            (self.theme.changed, v.set_colors),
+            (c.loadStarted, self._load_started),
+            (c.progress, self._progress),
+            (c.loaded, self._loaded),
+            (c.loadFailed, self._load_failed),
+            (c.reconfigured, self._reconfigured),
+            (c.reconfigureFailed, self._reconfigure_failed),
+            (c.generationStarted, self._generation_started),
+            (c.generationFinished, self._generation_finished),
+            (c.generationFailed, self._generation_failed),
+        ]
+        model.last_folder = self.settings.last_folder or ""
         if self.hud is not None:
-            c.steps.connect(lambda _rid, records: self.hud.add_steps(records))
-            c.samples.connect(self.hud.add_samples)
-            c.ladderProgress.connect(self.hud.set_ladder_progress)
-            c.ladderFinished.connect(self.hud.set_ladder_results)
-            c.ladderFailed.connect(self.hud.set_ladder_failed)
-            self.hud.runLadderRequested.connect(self.run_ladder)
-            c.ladderFinished.connect(lambda _rows: self._ladder_ended())
-            c.ladderFailed.connect(lambda _msg: self._ladder_ended())
-            self.hud.cancelLadderRequested.connect(c.cancel_ladder)
+            hud = self.hud
+            if hasattr(hud, "folderUsed"):
+                wiring.append((hud.folderUsed, self._folder_used))
+                hud.last_folder = self.settings.last_folder or ""
+            wiring += [
+                (c.steps, lambda _rid, records: hud.add_steps(records)),
+                (c.samples, hud.add_samples),
+                (c.ladderProgress, hud.set_ladder_progress),
+                (c.ladderFinished, hud.set_ladder_results),
+                (c.ladderFailed, hud.set_ladder_failed),
+                (hud.runLadderRequested, self.run_ladder),
+                (c.ladderFinished, lambda _rows: self._ladder_ended()),
+                (c.ladderFailed, lambda _msg: self._ladder_ended()),
+                (hud.cancelLadderRequested, c.cancel_ladder),
+            ]
         if self.fetcher is not None:
-            self.fetcher.progress.connect(self._fetch_progress)
-            self.fetcher.finished.connect(self._fetch_finished)
-            self.fetcher.failed.connect(self._fetch_failed)
+            wiring += [
+                (self.fetcher.progress, self._fetch_progress),
+                (self.fetcher.finished, self._fetch_finished),
+                (self.fetcher.failed, self._fetch_failed),
+            ]
+        for signal, slot in wiring:
+            signal.connect(slot)
+        if self.hud is not None:
+            self._restore_compare_history()
+
+    def _restore_compare_history(self) -> None:
+        """The compare table's rows are kept with the chats: those of earlier runs come back, new ones are added
+        as they come, and Clear history removes them from the store too."""
+        from app.store import CompareHistory
+        from ui.hud.compare_table import CompareRow
+
+        history = CompareHistory(self.store)
+        try:
+            rows = history.rows()
+        except StoreError as exc:
+            log.error("%s", exc)
+            self.status.setText(f"The compare history could not be read: {exc}")
+            rows = []
+        self.hud.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics) for r in rows)
+
+        def keep(row: CompareRow) -> None:
+            try:
+                history.add(row.index, row.label, row.options, row.metrics)
+            except StoreError as exc:
+                log.error("%s", exc)
+                self.status.setText(f"The compare row was not kept: {exc}")
+
+        def clear() -> None:
+            try:
+                history.clear()
+            except StoreError as exc:
+                self._failed(f"The compare history was not cleared: {exc}")
+
+        self.hud.compareRowAdded.connect(keep)
+        self.hud.compareCleared.connect(clear)
 
     def _menus(self) -> None:
         def action(menu, text: str, slot, shortcut=None, tip: str = "") -> QAction:
@@ -345,6 +390,15 @@ class MainWindow(QMainWindow):
         )
         self.import_action = action(file, "Import chat…", self.import_chat, tip="Add a chat exported as JSON")
         file.addSeparator()
+        preferences = QKeySequence.keyBindings(QKeySequence.StandardKey.Preferences)  # none on some desktops
+        self.preferences_action = action(
+            file,
+            "Preferences…",
+            self.open_preferences,
+            preferences[0] if preferences else QKeySequence("Ctrl+,"),
+            "Theme, send key, the defaults of new chats, the models folder",
+        )
+        file.addSeparator()
         action(file, "Quit", self.close, QKeySequence.StandardKey.Quit)
         chat = bar.addMenu("&Chat")
         self.stop_action = action(
@@ -364,6 +418,7 @@ class MainWindow(QMainWindow):
             self.overflow_actions[policy] = act
         view = bar.addMenu("&View")
         themes = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
         for choice in THEME_CHOICES:
             act = QAction(
                 f"{choice.capitalize()} theme" if choice != "system" else "Follow the system theme",
@@ -374,14 +429,17 @@ class MainWindow(QMainWindow):
             act.triggered.connect(lambda _c=False, choice=choice: self.set_theme(choice))
             themes.addAction(act)
             view.addAction(act)
+            self.theme_actions[choice] = act
         view.addSeparator()
         sends = QActionGroup(self)
+        self.send_actions: dict[str, QAction] = {}
         for key, label in (("enter", "Send with Enter"), ("ctrl+enter", "Send with Ctrl+Enter")):
             act = QAction(label, self, checkable=True)
             act.setChecked(self.settings.send_with == key)
             act.triggered.connect(lambda _c=False, key=key: self.set_send_with(key))
             sends.addAction(act)
             view.addAction(act)
+            self.send_actions[key] = act
         view.addSeparator()
         view.addAction(self.options_dock.toggleViewAction())
         help_menu = bar.addMenu("&Help")
@@ -682,7 +740,7 @@ class MainWindow(QMainWindow):
             self.hud.last_folder = folder
         self._persist()
 
-    def set_models_folder(self, folder: str) -> None:
+    def set_models_folder(self, folder: Optional[str]) -> None:
         self.settings.models_folder = folder
         self.refresh_models()
         self._persist()
@@ -771,21 +829,61 @@ class MainWindow(QMainWindow):
 
     # ---- settings ------------------------------------------------------------------------------------
 
-    def set_theme(self, choice: str) -> None:
+    def set_theme(self, choice: str, save: bool = True) -> None:
         self.theme.set_choice(choice)
         self.settings.theme = choice
-        self._persist()
+        self.theme_actions[choice].setChecked(True)
+        if save:
+            self._persist()
 
-    def set_default_overflow(self, policy: str) -> None:
+    def set_default_overflow(self, policy: str, save: bool = True) -> None:
         """The policy of chats that have none of their own (Chat settings can give one its own)."""
         self.flow.default_overflow = policy
         self.settings.overflow_policy = policy
-        self._persist()
+        self.overflow_actions[policy].setChecked(True)
+        if save:
+            self._persist()
         self.recount_context()
 
-    def set_send_with(self, key: str) -> None:
+    def set_send_with(self, key: str, save: bool = True) -> None:
         self.composer.set_send_with(key)
         self.settings.send_with = key
+        self.send_actions[key].setChecked(True)
+        if save:
+            self._persist()
+
+    def current_preferences(self) -> Preferences:
+        s = self.settings
+        return Preferences(
+            self.theme.choice,  # a --theme of this run, else the saved one
+            s.send_with,
+            self.flow.default_sampling,
+            self.flow.default_system_prompt,
+            s.overflow_policy,
+            s.models_folder,
+        )
+
+    def open_preferences(self) -> None:
+        dialog = PreferencesDialog(self.current_preferences(), self.settings.last_folder or "", self)
+        dialog.accepted.connect(lambda: self.apply_preferences(dialog.preferences(), dialog.last_folder))
+        dialog.open()
+        self._preferences_dialog = dialog  # kept for tests and so it is not collected while open
+
+    def apply_preferences(self, p: Preferences, last_folder: str = "") -> None:
+        """In force at once and saved: the theme and the send key now, the defaults from the chat on screen if it
+        is still new and every new chat after it (chats with settings of their own keep them)."""
+        self.set_theme(p.theme, save=False)
+        self.set_send_with(p.send_with, save=False)
+        self.flow.default_sampling = p.sampling
+        self.settings.sampling = p.sampling.to_dict()
+        self.flow.default_system_prompt = p.system_prompt
+        self.settings.system_prompt = p.system_prompt
+        if last_folder and last_folder != self.settings.last_folder:
+            self._folder_used(last_folder)
+        if p.models_folder != self.settings.models_folder:
+            self.settings.models_folder = p.models_folder
+            self.refresh_models()
+        self.set_default_overflow(p.overflow_policy, save=False)  # recounts the context with the new defaults
         self._persist()
 
     def _restore_layout(self) -> None:

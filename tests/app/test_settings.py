@@ -40,6 +40,8 @@ def test_round_trip(path):
         window_state=base64.b64encode(b"state").decode(),
         hud_visible=False,
         splitter_sizes={"main": [200, 700, 400]},
+        overflow_policy="stop",
+        system_prompt="Be brief.",
     )
     store = SettingsStore(path)
     store.save(s)
@@ -59,6 +61,8 @@ def test_round_trip(path):
         ('{"theme": 3}', "theme is 3, not one of system, light, dark"),
         ('{"hud_visible": "yes"}', 'hud_visible is "yes", not true or false'),
         ('{"last_model": 2}', "last_model is 2, not a string or null"),
+        ('{"system_prompt": 3}', "system_prompt is 3, not a string"),
+        ('{"overflow_policy": "drop"}', 'overflow_policy is "drop", not one of rolling, truncate-middle, stop'),
         ('{"splitter_sizes": {"main": [1, -2]}}', "splitter_sizes"),
         ('{"splitter_sizes": {"main": [100000000000]}}', "splitter_sizes"),  # past Qt's 32-bit sizes
         ('{"window_geometry": "@@not base64@@"}', "window_geometry"),

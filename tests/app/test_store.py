@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 
 import pytest
 
-from app.store import SCHEMA_VERSION, ChatStore, StoreError, StreamSaver
-from engine.types import SamplingParams
+from app.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, CompareHistory, StoreError, StreamSaver
+from engine.types import EngineOptions, GenerationMetrics, SamplingParams
 
 
 @pytest.fixture
@@ -240,3 +241,78 @@ def test_closed_store_says_so(tmp_path):
     s.close()
     with pytest.raises(StoreError, match="closed"):
         s.list_chats()
+
+
+# ---- the compare history ------------------------------------------------------------------------------------
+
+
+def metrics(tok_s: float) -> GenerationMetrics:
+    m = GenerationMetrics(new_tokens_total=12, prompt_tokens=30)
+    m.put("decode_tok_s", tok_s, "engine timing, device-synchronised")
+    m.mark_na("gpu_util_pct", "the model runs on the CPU, not on a GPU")
+    return m
+
+
+def test_a_schema_2_database_gains_the_compare_history_and_keeps_its_chats(tmp_path):
+    path = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(path)
+    for step in (1, 2):
+        for statement in MIGRATIONS[step]:
+            db.execute(statement)
+    db.execute("INSERT INTO chats (title, created, updated) VALUES ('kept', 1, 1)")
+    db.execute("PRAGMA user_version = 2")
+    db.commit()
+    db.close()
+    with ChatStore(path) as s:
+        assert [c.title for c in s.list_chats()] == ["kept"]
+        history = CompareHistory(s)
+        assert history.rows() == []
+        history.add(1, "eager", EngineOptions(device="cpu"), metrics(20.0))
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+
+
+def test_compare_rows_round_trip_and_clear(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as s:
+        h = CompareHistory(s)
+        h.add(1, "eager", EngineOptions(device="cpu", kv_cache="dynamic"), metrics(20.0))
+        h.add(2, "+ static KV", EngineOptions(device="cpu", kv_cache="static"), metrics(31.5))
+    with ChatStore(path) as s:  # another run
+        rows = CompareHistory(s).rows()
+        assert [(r.index, r.label, r.options.kv_cache) for r in rows] == [
+            (1, "eager", "dynamic"),
+            (2, "+ static KV", "static"),
+        ]
+        assert rows[1].metrics == metrics(31.5)
+        assert rows[0].metrics.figure("gpu_util_pct").reason == "the model runs on the CPU, not on a GPU"
+        assert CompareHistory(s).clear() == 2 and CompareHistory(s).rows() == []
+
+
+@pytest.mark.parametrize(
+    "values, reason",
+    [
+        ((0, "x", "{}", "{}"), "its generation number is 0, not a positive integer"),
+        ((1, "x", "{not json", "{}"), "Expecting property name"),
+        ((1, "x", '{"kv_cache": "floppy"}', "{}"), "kv_cache"),
+        ((1, "x", '{"warp_drive": true}', "{}"), "warp_drive"),
+        ((1, "x", "{}", '{"decode_tok_s": "fast"}'), 'its figure decode_tok_s is "fast", not a number'),
+        ((1, "x", "{}", '{"unavailable": {"ttft_ms": 3}}'), "its n/a reasons are not an object of texts"),
+        ((1, "x", "[]", "{}"), "not JSON objects"),
+    ],
+)
+def test_a_bad_compare_row_is_refused_with_its_reason_and_the_others_load(tmp_path, caplog, values, reason):
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as s:
+        CompareHistory(s).add(1, "good", EngineOptions(device="cpu"), metrics(20.0))
+    db = sqlite3.connect(path)
+    db.execute(
+        "INSERT INTO compare_rows (created, generation, label, options_json, metrics_json) VALUES (1, ?, ?, ?, ?)",
+        values,
+    )
+    db.commit()
+    db.close()
+    with caplog.at_level(logging.ERROR, logger="app.store"), ChatStore(path) as s:
+        rows = CompareHistory(s).rows()
+    assert [r.label for r in rows] == ["good"]
+    refused = [r.getMessage() for r in caplog.records if "compare row 2 refused" in r.getMessage()]
+    assert len(refused) == 1 and reason in refused[0]

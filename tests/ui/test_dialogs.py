@@ -33,7 +33,8 @@ DIALOG_SITES = {
     ("ui/dialogs.py", "confirm"): "test_delete_from_the_chat_menu_asks_and_deletes",
     ("ui/dialogs.py", "show_error"): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
     ("ui/dialogs.py", "show_info"): "test_help_lists_the_shortcuts_and_says_what_gapless_is",
-    ("ui/dialogs.py", "ChatSettingsDialog.__init__"): "test_chat_settings_restore_defaults_and_ok",
+    ("ui/dialogs.py", "SamplingDialog.__init__"): "test_chat_settings_restore_defaults_and_ok",
+    ("ui/preferences.py", "PreferencesDialog.choose_folder"): "test_preferences_apply_at_once_and_are_kept",
     ("ui/chat_list.py", "ChatList.ask_rename"): "test_rename_from_the_chat_menu",
     (
         "ui/model_panel.py",
@@ -43,6 +44,7 @@ DIALOG_SITES = {
     ("ui/model_panel.py", "ModelPanel._choose_models_folder"): "test_choosing_a_models_folder_lists_it",
     ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
     ("ui/hud/panel.py", "HudPanel._ask"): "test_hud_export_that_cannot_write_says_so",
+    ("ui/hud/panel.py", "ImageSizeDialog.__init__"): "test_plots_png_asks_the_size_then_where",
     ("app/gui.py", "run_gui"): "test_a_chat_database_that_cannot_open_says_so_at_start",
     ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
@@ -244,6 +246,94 @@ def test_chat_settings_restore_defaults_and_ok(qtbot, gui):
     assert saved.system_prompt == "Be brief." and saved.sampling["temperature"] == CHAT_DEFAULTS.temperature
 
 
+# ---- preferences -------------------------------------------------------------------------------------------
+
+
+def test_preferences_apply_at_once_and_are_kept(qtbot, tmp_path):
+    from dataclasses import replace
+
+    from ui.dialogs import CHAT_DEFAULTS
+
+    data = tmp_path / "data"
+    paths = AppPaths.resolve(data)
+    paths.ensure()
+    last = tmp_path / "last used"
+    models = last / "models"
+    models.mkdir(parents=True)
+    paths.settings_file.write_text(json.dumps({"last_folder": str(last)}))
+    g = build(paths)
+    w = g.window
+    w.show()
+    qtbot.waitExposed(w)
+    try:
+        action = menu_action(w, "File", "Preferences…")
+        assert not action.shortcut().isEmpty()
+        action.trigger()
+        dialog = w._preferences_dialog
+        qtbot.waitUntil(dialog.isVisible, timeout=TIMEOUT_MS)
+        ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
+
+        # A folder that does not exist is refused with the reason; the dialog stays open.
+        dialog.models_folder.setText(str(tmp_path / "nowhere"))
+        ok.click()
+        assert dialog.isVisible() and dialog.error.isVisible()
+        assert dialog.error.text() == (
+            f"The models folder {tmp_path / 'nowhere'} does not exist: choose an existing folder, "
+            "or leave it empty for none."
+        )
+        dialog.models_folder.clear()
+        driver = DialogDriver().choose_file(models).start()
+        dialog.choose_button.click()
+        assert driver.done and Path(driver.answered[0].folder) == last  # the picker starts in the last folder
+        assert ("ui/preferences.py", "PreferencesDialog.choose_folder") in driver.answered[0].sites
+        assert dialog.models_folder.text() == str(models)
+
+        dialog.theme.setCurrentIndex(dialog.theme.findData("dark"))
+        dialog.send_with.setCurrentIndex(dialog.send_with.findData("ctrl+enter"))
+        dialog.overflow.setCurrentIndex(dialog.overflow.findData("stop"))
+        dialog.temperature.setValue(0.0)
+        dialog.top_k.setValue(7)
+        dialog.max_new_tokens.setValue(64)
+        dialog.system_prompt.setPlainText("Answer in French.")
+        ok.click()
+        assert not dialog.isVisible()
+
+        # In force at once: the theme, the send key, the menus' marks, the new chat's defaults.
+        assert g.theme.choice == "dark" and w.theme_actions["dark"].isChecked()
+        assert w.composer.edit.send_with == "ctrl+enter" and w.send_actions["ctrl+enter"].isChecked()
+        assert w.overflow_actions["stop"].isChecked() and w.flow.overflow_policy() == "stop"
+        want = replace(CHAT_DEFAULTS, temperature=0.0, top_k=7, max_new_tokens=64)
+        assert w.flow.sampling() == want
+        assert w.flow.draft_messages("hi")[0] == {"role": "system", "content": "Answer in French."}
+        assert w.catalog.folder == str(models)
+    finally:
+        w.close()
+        g.close()
+
+    saved = json.loads(paths.settings_file.read_text())
+    assert (saved["theme"], saved["send_with"], saved["overflow_policy"]) == ("dark", "ctrl+enter", "stop")
+    assert saved["system_prompt"] == "Answer in French." and saved["models_folder"] == str(models)
+
+    g = build(paths)  # kept across a restart
+    try:
+        w = g.window
+        assert g.theme.choice == "dark" and w.composer.edit.send_with == "ctrl+enter"
+        assert w.flow.sampling() == want and w.flow.system_prompt() == "Answer in French."
+        assert w.flow.overflow_policy() == "stop"
+        assert w.flow.draft_messages("hi")[0] == {"role": "system", "content": "Answer in French."}
+        w.show()
+        qtbot.waitExposed(w)
+        menu_action(w, "File", "Preferences…").trigger()
+        dialog = w._preferences_dialog
+        qtbot.waitUntil(dialog.isVisible, timeout=TIMEOUT_MS)
+        assert dialog.temperature.value() == 0.0 and dialog.models_folder.text() == str(models)
+        dialog.buttons.button(QDialogButtonBox.StandardButton.Cancel).click()
+        assert not dialog.isVisible()
+    finally:
+        g.window.close()
+        g.close()
+
+
 # ---- the HUD's exports ------------------------------------------------------------------------------------
 
 
@@ -273,6 +363,39 @@ def test_hud_export_that_cannot_write_says_so(qtbot, gui, driver, tmp_path):
     assert ("ui/hud/panel.py", "HudPanel._ask") in box.sites
     assert box.title == "Export compare table" and f"Could not write {target}" in box.text
     assert not target.exists()
+
+
+def test_plots_png_asks_the_size_then_where(qtbot, gui, driver, tmp_path):
+    from PySide6.QtGui import QImage
+
+    from engine.types import EngineOptions, GenerationMetrics, StepRecord
+    from ui.hud.panel import ImageSizeDialog
+
+    hud = gui.hud
+    hud.begin_generation("eager", EngineOptions(device="cpu"))
+    hud.add_steps(
+        StepRecord(t=hud._clock() + i * 0.01, step=i, tokens_total=i, step_ms=9.0, tokens_per_step=1.0)
+        for i in range(1, 40)
+    )
+    hud.end_generation(GenerationMetrics(), EngineOptions(device="cpu"), "eager")
+
+    def size(dialog):
+        assert dialog.windowTitle() == "Plots image size"
+        dialog.width_box.setValue(640)
+        dialog.height_box.setValue(480)
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok).click()
+
+    target = tmp_path / "plots.png"
+    driver.look(ImageSizeDialog, size, close=False).choose_file(target).start()
+    _hud_button(hud, "Plots PNG…").click()
+    assert driver.done
+    assert ("ui/hud/panel.py", "ask_image_size") in driver.answered[0].sites
+    assert driver.answered[1].title == "Save plots"
+    assert QImage(str(target)).size().toTuple() == (640, 480)
+
+    driver = DialogDriver().look(ImageSizeDialog, lambda d: d.reject(), close=False).start()
+    _hud_button(hud, "Plots PNG…").click()  # Cancel: no save dialog follows
+    assert driver.done and len(driver.answered) == 1
 
 
 # ---- start-up ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from hud_streams import (
     steps,
 )
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QImage
+from PySide6.QtGui import QImage, QPalette
 from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
@@ -52,7 +52,11 @@ def hud(qtbot, tmp_path):
         asked.append((caption, name))
         return str(tmp_path / name)
 
-    panel = HudPanel(clock=clock, save_dialog=save_dialog)
+    def size_dialog(parent, width, height):
+        asked.append(("size", f"{width}x{height}"))
+        return 900, 700
+
+    panel = HudPanel(clock=clock, save_dialog=save_dialog, size_dialog=size_dialog)
     panel.resize(520, 1000)
     qtbot.addWidget(panel)
     panel.asked = asked
@@ -899,6 +903,15 @@ def test_png_exports_are_written(hud, qtbot, tmp_path):
         image = QImage(str(path))
         assert not image.isNull() and image.width() > 100 and image.height() > 100
 
+    # The plots themselves, drawn again at the size asked for: the curves in their colours, no window controls.
+    image = QImage(str(panel.export_plots_png(tmp_path / "big.png", 1200, 900)))
+    assert (image.width(), image.height()) == (1200, 900)
+    colors = plot_colors(image)
+    assert {"#4e9af1", "#56b6c2", "#4cbf73"} <= colors  # tokens/s, step latency, GPU util
+    assert image.pixelColor(2, 2) == panel.live.palette().color(QPalette.ColorRole.Base)  # no combo box corner
+    with pytest.raises(ValueError, match="the image width must be 200 to 8000 pixels, got 50"):
+        panel.export_plots_png(tmp_path / "tiny.png", 50, 400)
+
     # The buttons ask for a path, then write there.
     buttons = {b.text(): b for b in panel.findChildren(type(panel.compare.reference_button))}
     for text, name in (
@@ -908,7 +921,28 @@ def test_png_exports_are_written(hud, qtbot, tmp_path):
     ):
         buttons[text].click()
         assert (tmp_path / name).stat().st_size > 0
-    assert [name for _, name in panel.asked] == ["gapless-series.csv", "gapless-compare.json", "gapless-live.png"]
+    assert [name for _, name in panel.asked] == [
+        "gapless-series.csv",
+        "gapless-compare.json",
+        f"{max(panel.live.width(), 800)}x{max(panel.live.height(), 600)}",
+        "gapless-live.png",
+    ]
+    assert QImage(str(tmp_path / "gapless-live.png")).size().toTuple() == (900, 700)  # the size chosen
+
+
+def plot_colors(image: QImage) -> set[str]:
+    """The series colours (ui/hud/series_view.PLOTS) drawn somewhere in the image, antialiasing allowed for."""
+    from ui.hud.series_view import PLOTS
+
+    rgb = image.convertToFormat(QImage.Format.Format_RGB888)
+    pixels = np.frombuffer(rgb.constBits(), np.uint8).reshape(rgb.height(), rgb.bytesPerLine())
+    pixels = pixels[:, : 3 * rgb.width()].reshape(-1, 3).astype(int)
+    found = set()
+    for color in {p.color for p in PLOTS}:
+        want = np.array([int(color[i : i + 2], 16) for i in (1, 3, 5)])
+        if (np.abs(pixels - want).max(axis=1) <= 24).any():
+            found.add(color)
+    return found
 
 
 # ---- the ladder ------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Exports of the HUD: the compare table and the time series as CSV and JSON, the plots as PNG.
 
 What is written is what the HUD holds: numbers unrounded (CSV cells round-trip through float()), a figure that
-was not measured is an empty CSV cell and a JSON null, and the JSON carries the source of every series.
+was not measured is an empty CSV cell and a JSON null, and the JSON carries the source of every series. The
+plots are drawn again at the size asked for through pyqtgraph's image exporter.
 """
 
 from __future__ import annotations
@@ -10,18 +11,20 @@ import csv
 import json
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud.compare_table import CompareModel
-from ui.hud.series import SAMPLE_FIELDS, LiveSeries
+from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
+from ui.hud.series_view import PLOTS, SeriesView
 
 PathLike = Union[str, Path]
 OPTION_FIELDS = tuple(f.name for f in fields(EngineOptions))
 METRIC_FIELDS = tuple(f.name for f in fields(GenerationMetrics))
-STEP_FIELDS = ("tokens_total", "step_ms", "tokens_per_s", "profiled")
+STEP_FIELDS = STEP_COLUMNS[2:]  # the step records' values: tokens so far, every per-step figure, traced or not
 SERIES_CSV_COLUMNS = ("kind", "t", "t_rel", "generation") + STEP_FIELDS + SAMPLE_FIELDS
 
 
@@ -61,6 +64,7 @@ def series_document(series: LiveSeries) -> dict:
         "t0": t0,
         "sources": {
             **series.sources,
+            **{p.name: p.source for p in PLOTS if p.from_steps and p.source},
             "tokens_per_s": f"engine step records, rolling {series.rate_window_s:g} s, traced window left out",
             "step_ms": "engine step timings",
         },
@@ -86,6 +90,69 @@ def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
     merged.sort(key=lambda kr: kr[1]["t"])
     rows = [[kind] + [r.get(c) for c in SERIES_CSV_COLUMNS[1:]] for kind, r in merged]
     return _write_csv(path, list(SERIES_CSV_COLUMNS), rows)
+
+
+MIN_IMAGE_PX, MAX_IMAGE_PX = 200, 8000  # a plots image's width and height
+
+
+def save_plots(
+    path: PathLike, views: Sequence[SeriesView], width: int, height: int, background: QColor, foreground: QColor
+) -> Path:
+    """The plotted series drawn again through pyqtgraph's ImageExporter as a `width` × `height` PNG (its SVG
+    exporter fails on the paths this Qt writes): one plot per series on screen, titled with its header (title — source, newest
+    value), with the curves as the HUD draws them and the same time range; no controls around them."""
+    import pyqtgraph as pg
+    from pyqtgraph.exporters import ImageExporter
+    from PySide6.QtCore import Qt
+
+    path = Path(path)
+    for name, px in (("width", width), ("height", height)):
+        if not MIN_IMAGE_PX <= px <= MAX_IMAGE_PX:
+            raise ValueError(f"the image {name} must be {MIN_IMAGE_PX} to {MAX_IMAGE_PX} pixels, got {px}")
+    shown = [v for v in views if v.plotted]
+    if not shown:
+        raise OSError("no series has anything to plot yet")
+    figure = pg.GraphicsLayoutWidget()
+    figure.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen, True)  # laid out at its size, never on screen
+    try:
+        figure.setBackground(background)
+        figure.ci.setContentsMargins(6, 6, 12, 6)
+        for i, view in enumerate(shown):
+            plot = figure.addPlot(row=i, col=0)
+            plot.setTitle(f"{view.label_text} · {view.value.text()}", color=foreground.name(), size="9pt")
+            for item in view.plot.items:
+                if isinstance(item, pg.PlotCurveItem) and item.xData is not None and len(item.xData):
+                    plot.addItem(pg.PlotCurveItem(item.xData, item.yData, pen=item.opts["pen"], connect="finite"))
+            (x_lo, x_hi), (y_lo, y_hi) = view.plot.viewRange()
+            plot.setXRange(x_lo, x_hi, padding=0)
+            plot.setYRange(y_lo, y_hi, padding=0)
+            plot.showGrid(x=False, y=True, alpha=0.15)
+            left = plot.getAxis("left")
+            left.setWidth(56)
+            if view.spec.axis_gib:
+                left.enableAutoSIPrefix(False)
+                left.setScale(1.0 / (1 << 30))
+            left.setLabel(view.spec.figure.unit if not view.spec.axis_gib else "GiB", color=foreground.name())
+            for axis in ("left", "bottom"):
+                plot.getAxis(axis).setTextPen(pg.mkPen(foreground))
+            if i < len(shown) - 1:
+                plot.hideAxis("bottom")
+            else:
+                plot.setLabel("bottom", "Time since the first record (s)", color=foreground.name())
+        figure.resize(width, height)
+        figure.show()  # offscreen: sends the resize that lays the plots out at the image's size
+        figure.ci.layout.activate()
+        exporter = ImageExporter(figure.ci)
+        exporter.parameters().param("width").setValue(width, blockSignal=exporter.widthChanged)
+        exporter.parameters().param("height").setValue(height, blockSignal=exporter.heightChanged)
+        exporter.parameters()["background"] = background
+        image = exporter.export(toBytes=True)
+        if image is None or image.isNull() or not image.save(str(path), "PNG"):
+            raise OSError(f"could not write PNG to {path}")
+    finally:
+        figure.close()
+        figure.deleteLater()
+    return path
 
 
 def save_png(path: PathLike, widget: QWidget) -> Path:

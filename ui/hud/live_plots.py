@@ -1,5 +1,5 @@
-"""Live plots of the current session: tokens/s, step latency, GPU util, SM activity, DRAM bandwidth, and on a
-machine without GPU counters the process's CPU use and memory instead.
+"""Live plots of the current session: tokens/s, step latency, tokens per step, GPU util, SM activity, DRAM bandwidth,
+and on a machine without GPU counters the process's CPU use and memory instead.
 
 Data rate and paint rate are separate (as in friture): the panel pushes records into LiveSeries' rings as they
 arrive; a timer here repaints only while visible, only the curves whose data or time range changed, with only

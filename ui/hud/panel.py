@@ -15,9 +15,23 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QMessageBox, QPushButton, QTabWidget, QVBoxLayout, QWidget
+from PySide6.QtGui import QPalette
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QMessageBox,
+    QPushButton,
+    QSpinBox,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
+from ui.dialogs import confirm
 from ui.hud import export
 from ui.hud.bars import BarStrip
 from ui.hud.compare_table import CompareRow, CompareTable
@@ -27,6 +41,36 @@ from ui.hud.series import LiveSeries
 
 # (parent, caption, suggested file name, filter) -> chosen path, "" when cancelled
 SaveDialog = Callable[[QWidget, str, str, str], str]
+# (parent, suggested width, height) -> the image size chosen, None when cancelled
+SizeDialog = Callable[[QWidget, int, int], Optional[tuple[int, int]]]
+
+
+class ImageSizeDialog(QDialog):
+    """The pixel size of an exported image."""
+
+    def __init__(self, width: int, height: int, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setWindowTitle("Plots image size")
+        self.width_box, self.height_box = QSpinBox(self), QSpinBox(self)
+        for box, value in ((self.width_box, width), (self.height_box, height)):
+            box.setRange(export.MIN_IMAGE_PX, export.MAX_IMAGE_PX)
+            box.setSuffix(" px")
+            box.setValue(max(export.MIN_IMAGE_PX, min(export.MAX_IMAGE_PX, value)))
+        form = QFormLayout(self)
+        form.addRow("Width", self.width_box)
+        form.addRow("Height", self.height_box)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel, self)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def size_px(self) -> tuple[int, int]:
+        return self.width_box.value(), self.height_box.value()
+
+
+def ask_image_size(parent: QWidget, width: int, height: int) -> Optional[tuple[int, int]]:
+    dialog = ImageSizeDialog(width, height, parent)
+    return dialog.size_px() if dialog.exec() == QDialog.DialogCode.Accepted else None
 
 
 def ask_save_path(parent: QWidget, caption: str, name: str, file_filter: str) -> str:
@@ -40,12 +84,15 @@ class HudPanel(QWidget):
     runLadderRequested = Signal()
     cancelLadderRequested = Signal()
     folderUsed = Signal(str)  # where an export was saved (the next save dialog starts there)
+    compareRowAdded = Signal(object)  # a CompareRow of this session, to keep with the chats
+    compareCleared = Signal()  # the user cleared the compare table
 
     def __init__(
         self,
         series: Optional[LiveSeries] = None,
         clock: Callable[[], float] = time.perf_counter,
         save_dialog: SaveDialog = ask_save_path,
+        size_dialog: SizeDialog = ask_image_size,
         paint_hz: float = 20.0,
         label_hz: float = 2.0,
         parent: Optional[QWidget] = None,
@@ -54,6 +101,7 @@ class HudPanel(QWidget):
         self.series = series if series is not None else LiveSeries()
         self._clock = clock  # the engine's clock (perf_counter), to date generation starts
         self._save_dialog = save_dialog
+        self._size_dialog = size_dialog
         self.last_folder = ""  # where save dialogs start ("" = the home folder)
 
         self.bars = BarStrip()
@@ -73,7 +121,11 @@ class HudPanel(QWidget):
                 (
                     ("Series CSV…", "Export the time series held as CSV", self._ask_series_csv),
                     ("Series JSON…", "Export the time series held, with sources, as JSON", self._ask_series_json),
-                    ("Plots PNG…", "Save the plots as they are drawn now", self._ask_plots_png),
+                    (
+                        "Plots PNG…",
+                        "Save the plots as PNG, drawn again at a size you choose",
+                        self._ask_plots_png,
+                    ),
                 )
             )
         )
@@ -82,6 +134,9 @@ class HudPanel(QWidget):
             ("Export JSON…", "Export the compare table as JSON", self._ask_compare_json),
         ):
             self.compare.buttons.addWidget(_button(text, tip, slot))
+        self.compare.buttons.addWidget(
+            _button("Clear history…", "Remove every row; they are kept across restarts until cleared", self.ask_clear)
+        )
         self.ladder.buttons.addWidget(_button("PNG…", "Save the ladder chart as PNG", self._ask_ladder_png))
 
         self.tabs = QTabWidget()
@@ -107,8 +162,8 @@ class HudPanel(QWidget):
 
     def end_generation(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
         gen = self.series.end_generation(self._clock(), metrics)
-        index = gen.index if gen is not None else len(self.compare.model.rows) + 1
-        self.compare.add(CompareRow(index=index, label=label, options=options, metrics=metrics))
+        index = gen.index if gen is not None else self.series.take_index()
+        self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics))
         self.bars.set_metrics(metrics, options, f"#{index} {label}")
         self.live.refresh_labels()  # why a series is n/a, as the metrics now say, shows with the bars, not later
 
@@ -125,7 +180,7 @@ class HudPanel(QWidget):
         self.ladder.set_results(rows)
         for r in rows:
             if r.ran and r.metrics is not None:
-                self.compare.add(
+                self._add_row(
                     CompareRow(
                         index=self.series.take_index(),
                         label=f"ladder · {r.label or r.preset}",
@@ -133,6 +188,27 @@ class HudPanel(QWidget):
                         metrics=GenerationMetrics.from_dict(r.metrics),
                     )
                 )
+
+    def _add_row(self, row: CompareRow) -> None:
+        self.compare.add(row)
+        self.compareRowAdded.emit(row)
+
+    def restore_compare(self, rows: Iterable[CompareRow]) -> None:
+        """Rows kept from earlier runs; the generations of this one are numbered after them."""
+        for row in rows:
+            self.compare.add(row)
+            self.series.number_after(row.index)
+
+    def ask_clear(self) -> None:
+        n = len(self.compare.model.rows)
+        if n and confirm(
+            self,
+            "Clear the compare history",
+            f"Remove the {n} row{'s' if n != 1 else ''} of the compare table? This cannot be undone.",
+            "Clear",
+        ):
+            self.compare.model.clear()
+            self.compareCleared.emit()
 
     def set_ladder_failed(self, message: str) -> None:
         self.ladder.set_failed(message)
@@ -157,9 +233,19 @@ class HudPanel(QWidget):
     def export_series_json(self, path) -> Path:
         return export.write_series_json(path, self.series)
 
-    def export_plots_png(self, path) -> Path:
+    def export_plots_png(self, path, width: Optional[int] = None, height: Optional[int] = None) -> Path:
+        """The plots on screen drawn again at width × height (by default the size they have now)."""
         self.live.paint(force=True)  # everything held, even what came in since the last paint
-        return export.save_png(path, self.live)
+        self.live.refresh_labels()
+        pal = self.live.palette()
+        return export.save_plots(
+            path,
+            list(self.live.views.values()),
+            width or self.live.width(),
+            height or self.live.height(),
+            pal.color(QPalette.ColorRole.Base),
+            pal.color(QPalette.ColorRole.Text),
+        )
 
     def export_ladder_png(self, path) -> Path:
         return export.save_png(path, self.ladder.chart)
@@ -172,7 +258,7 @@ class HudPanel(QWidget):
         self.folderUsed.emit(self.last_folder)
         try:
             return write(path)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             QMessageBox.warning(self, caption, f"Could not write {path}: {e}")
             return None
 
@@ -183,7 +269,15 @@ class HudPanel(QWidget):
         self._ask("Export time series", "gapless-series.json", "JSON (*.json)", self.export_series_json)
 
     def _ask_plots_png(self) -> None:
-        self._ask("Save plots", "gapless-live.png", "PNG (*.png)", self.export_plots_png)
+        size = self._size_dialog(self, max(self.live.width(), 800), max(self.live.height(), 600))
+        if size is None:
+            return
+        self._ask(
+            "Save plots",
+            "gapless-live.png",
+            "PNG (*.png)",
+            lambda path: self.export_plots_png(path, *size),
+        )
 
     def _ask_compare_csv(self) -> None:
         self._ask("Export compare table", "gapless-compare.csv", "CSV (*.csv)", self.export_compare_csv)

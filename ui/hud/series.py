@@ -10,21 +10,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from engine.figures import SAMPLE_FIGURES
+from engine.figures import SAMPLE_FIGURES, STEP_FIGURES
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
 from ui.hud.ring import RingTable, last_finite
 
-STEP_COLUMNS = ("t", "generation", "tokens_total", "step_ms", "tokens_per_s", "profiled")
+# Every per-step figure of engine/figures.py (scope "step") is a column and a series here. Its value is the
+# StepRecord field of the same name, unless STEP_PRODUCERS computes it from the records (tokens/s is a rate).
+STEP_SERIES = tuple(f.key for f in STEP_FIGURES)
+STEP_COLUMNS = ("t", "generation", "tokens_total") + STEP_SERIES + ("profiled",)
 SAMPLE_FIELDS = tuple(f.key for f in SAMPLE_FIGURES)  # every per-sample figure of engine/figures.py
 SAMPLE_COLUMNS = ("t", "record", "generation") + SAMPLE_FIELDS  # record: 1, NaN on a gap row
 INT_FIELDS = frozenset({"generation", "tokens_total", "gpu_memory_used_bytes", "process_rss_bytes"})
 
-# The series the HUD plots and reports, in display order.
-STEP_SERIES = ("tokens_per_s", "step_ms")
+# The series the HUD plots and reports.
 SAMPLE_SERIES = ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct", "cpu_util_pct", "process_rss_bytes")
 SERIES = STEP_SERIES + SAMPLE_SERIES
 
@@ -106,6 +108,10 @@ class LiveSeries:
         self._count += 1
         return self._count
 
+    def number_after(self, index: int) -> None:
+        """The next generation is numbered after `index` (a row kept from an earlier run)."""
+        self._count = max(self._count, index)
+
     def end_generation(self, t: float, metrics: Optional[GenerationMetrics] = None) -> Optional[Generation]:
         """Closes the running generation's span. `metrics` adds what the engine knows beyond the samples:
         why a GPU series is n/a, and estimates standing in for series the monitor did not measure."""
@@ -163,7 +169,10 @@ class LiveSeries:
                 # The GUI hears of a start after the worker has begun; the first record dates it better.
                 gen.t_start = r.t
                 self._spans += 1
-            rows.append((r.t, index, r.tokens_total, r.step_ms, self._rate(r), 1.0 if r.profiled else 0.0))
+            values = tuple(
+                STEP_PRODUCERS[name](self, r) if name in STEP_PRODUCERS else getattr(r, name) for name in STEP_SERIES
+            )
+            rows.append((r.t, index, r.tokens_total) + values + (1.0 if r.profiled else 0.0,))
             self._last_step_t = r.t
         if rows:
             self.steps.extend(rows)
@@ -283,6 +292,13 @@ class LiveSeries:
             return None
         (t_a, n_a), (t_b, n_b) = w[0], w[-1]
         return (n_b - n_a) / (t_b - t_a) if t_b > t_a else None
+
+
+# A per-step series computed from the records rather than read from one (see STEP_SERIES).
+STEP_PRODUCERS: dict[str, Callable[[LiveSeries, StepRecord], Optional[float]]] = {
+    "tokens_per_s": LiveSeries._rate,
+}
+assert set(STEP_PRODUCERS) <= set(STEP_SERIES)
 
 
 def _records(ring: RingTable, t0: Optional[float]) -> list[dict]:

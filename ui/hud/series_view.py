@@ -27,6 +27,7 @@ from ui.hud.series import ESTIMATED_SERIES
 
 TOKENS_SOURCE = "engine step records, rolling 1 s"
 STEP_SOURCE = "engine step timings; traced window in orange"
+TOKENS_PER_STEP_SOURCE = "engine step records: tokens per candidate / decode steps"
 PROFILED_COLOR = "#e8a33d"
 LEFT_AXIS_PX = 48
 WIDE_VALUES = (88_888.0, 8_888.8, 888.88, 1_023.9 * (1 << 20), 999.9 * (1 << 30))  # the value label's width fits these
@@ -81,6 +82,14 @@ PLOTS = (
         "#56b6c2",
         y_top=lambda m: fmt.nice_ceiling(m * 1.05),
         source=STEP_SOURCE,
+        idle_reason="no decode steps yet",
+    ),
+    # Speculative decoding makes one step give several tokens; without it the line stays at 1.
+    PlotSpec(
+        "tokens_per_step",
+        "#d19a66",
+        y_top=lambda m: max(2.0, fmt.nice_ceiling(m * 1.05)),
+        source=TOKENS_PER_STEP_SOURCE,
         idle_reason="no decode steps yet",
     ),
     PlotSpec("gpu_util_pct", "#4cbf73"),
