@@ -545,6 +545,11 @@ class _Stream:
             if isinstance(completion, int):
                 m.new_tokens_total = completion
                 m.new_tokens = [completion] if count == 1 else []
+        # Without usage (llama-cpp-python's server sends none in a stream) the counts are unknown: n/a, not 0.
+        if not (self.usage and isinstance(self.usage.get("prompt_tokens"), int)):
+            m.mark_na("prompt_tokens", "the server reported no token usage")
+        if not isinstance(completion, int):
+            m.mark_na("new_tokens_total", "the server reported no token usage")
         if self.first_text is not None:
             m.put("http_ttft_ms", (self.first_text - self.t_sent) * 1e3)
             span = (self.last_text or self.first_text) - self.first_text

@@ -242,8 +242,9 @@ def gapless_figures(m: GenerationMetrics, queue_ms: float) -> dict[str, Any]:
 
 
 def usage(result: GenerationResult) -> dict[str, int]:
-    prompt = result.metrics.prompt_tokens
-    completion = sum(len(t) for t in result.token_ids)
+    # A remote model behind this server may not have reported its counts (n/a there): usage must be numbers.
+    prompt = result.metrics.prompt_tokens or 0
+    completion = sum(len(t) for t in result.token_ids) or result.metrics.new_tokens_total or 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

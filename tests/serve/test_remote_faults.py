@@ -19,7 +19,7 @@ from engine.remote import RemoteEngine, RemoteSource
 from engine.types import SamplingParams, TextDelta
 
 HELLO = [{"role": "user", "content": "hi"}]
-MODELS = ["garbage", "drop", "unfinished", "stall", "error500", "midstream-error", "llamacpp", "vllm"]
+MODELS = ["garbage", "drop", "unfinished", "stall", "error500", "midstream-error", "llamacpp", "vllm", "nousage"]
 
 
 class StandIn:
@@ -81,6 +81,9 @@ class StandIn:
                 release = asyncio.Event()
                 self.stalled.append(release)
                 await release.wait()
+            elif model == "nousage":  # as llama-cpp-python's server streams: no usage chunk, no timings
+                yield self.chunk("", "stop")
+                yield "data: [DONE]\n\n"
             elif model == "midstream-error":
                 yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
             elif model == "llamacpp":
@@ -178,13 +181,18 @@ def test_an_http_error_gives_the_server_s_message(stand_in):
     assert text == ""
 
 
-def test_llama_cpp_timings_are_read_with_their_source(stand_in):
+def answer(stand_in, model: str):
+    """One answer of the stand-in's `model` through a fresh remote engine."""
     _, server = stand_in
-    engine = RemoteEngine.load(RemoteSource(server.url, "llamacpp"))
+    engine = RemoteEngine.load(RemoteSource(server.url, model))
     try:
-        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+        return engine.generate(HELLO, SamplingParams(max_new_tokens=8))
     finally:
         engine.close()
+
+
+def test_llama_cpp_timings_are_read_with_their_source(stand_in):
+    r = answer(stand_in, "llamacpp")
     m = r.metrics
     assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
     assert (m.prompt_tokens, m.new_tokens_total) == (4, 3)
@@ -213,3 +221,17 @@ def test_vllm_metrics_are_read_with_their_source(stand_in):
     assert "vLLM Prometheus /metrics" in m.figure("server_kv_cache_pct").source
     ttft = m.figure("server_ttft_ms")
     assert ttft.value == pytest.approx(40.0) and "mean of 1 request(s)" in ttft.source
+
+
+def test_counts_a_server_does_not_report_are_na_not_zero(stand_in):
+    from ui.stats import format_stats
+
+    r = answer(stand_in, "nousage")
+    m = r.metrics
+    assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
+    for key in ("prompt_tokens", "new_tokens_total", "http_decode_tok_s"):
+        f = m.figure(key)
+        assert f.value is None and f.reason == "the server reported no token usage", key
+    assert m.figure("http_ttft_ms").value > 0  # what the client measures itself is still there
+    line, _tip = format_stats(m.to_dict(), None, None)
+    assert line.startswith("n/a tokens")

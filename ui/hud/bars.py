@@ -63,6 +63,10 @@ REMOTE_STAND_INS = {
 }
 
 
+def _count(n: Optional[int]) -> str:
+    return fmt.NA if n is None else str(n)
+
+
 def shown_figure(metrics: GenerationMetrics, key: str) -> figures.Figure:
     fig = metrics.figure(key)
     alt = REMOTE_STAND_INS.get(key)
@@ -176,7 +180,7 @@ class BarStrip(PaletteFollower):
 
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
         self._shown = label
-        self.header.setText(f"{label} · {metrics.new_tokens_total} new tokens · {fmt.options_summary(options)}")
+        self.header.setText(f"{label} · {_count(metrics.new_tokens_total)} new tokens · {fmt.options_summary(options)}")
         d = diagnose(metrics.to_dict(), options.to_dict(), options.device if options.device != "auto" else None)
         self.diagnosis.setText(f"Limit: {d.line}")
         self.diagnosis.setToolTip(
