@@ -6,6 +6,10 @@ transformers still builds what it is good at, the config class and the tokenizer
 user cache dir keyed by the file's identity (path, size, mtime_ns and a hash of its header), so a second load
 converts nothing. A changed file misses the cache; a damaged entry is rebuilt, with a log line.
 
+A cached load imports none of transformers where the conversion found that nothing needs it: the config comes
+back as a CachedConfig (the attributes transformers' config class resolved, read from JSON) and the tokenizer
+as engine.fast_tokenizer's, each used only where the conversion checked it gives what transformers' gives.
+
 Architectures whose GGUF tensors transformers reshapes in ways not mirrored here load through transformers'
 own GGUF path instead (engine.loader decides, with `native_architecture`).
 """
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 CACHE_ENTRIES_KEPT = 32
 # GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
 NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
@@ -59,11 +63,55 @@ class Converted:
     """What a GGUF file converts to besides its weights; the cached part of a load."""
 
     config: dict[str, Any]  # the config dict transformers' GGUF reading builds
-    tokenizer: "PreTrainedTokenizerBase"
+    tokenizer: Any  # transformers' class, or a FastTokenizer where the conversion checked it agrees
     plan: list[TensorPlan]
     shapes: dict[str, list[int]]  # every parameter the model class has, with its shape
     tied: dict[str, str]  # alias -> the parameter it shares storage with
     from_cache: bool
+    # the attributes of transformers' config object, where a CachedConfig made of them stands in for it
+    resolved: Optional[dict[str, Any]] = None
+    tokenizer_facts: Optional[dict[str, Any]] = None  # what a FastTokenizer needs, where it stands in
+    built: Any = None  # transformers' config object, when this conversion just made it
+
+    def config_object(self, label: str):
+        """The model config: the one just built, a CachedConfig where the conversion allowed it, or else
+        transformers' class built again."""
+        if self.built is not None:
+            return self.built
+        if self.resolved is not None:
+            return CachedConfig(self.resolved, self.config, label)
+        return build_config(self.config, label)
+
+
+class CachedConfig:
+    """A model config read back from the cache: the attributes transformers' config class gave this file, as
+    plain values, without importing transformers. `to_transformers()` builds the real one where code needs it
+    (transformers' own model classes)."""
+
+    def __init__(self, resolved: dict[str, Any], source: dict[str, Any], label: str):
+        self.__dict__.update({k: v for k, v in resolved.items() if not k.startswith("_")})
+        self.name_or_path = str(resolved.get("_name_or_path", ""))
+        if isinstance(resolved.get("id2label"), dict):  # JSON made its int keys strings; transformers' are ints
+            self.id2label = {int(k): v for k, v in resolved["id2label"].items()}
+        self._resolved = resolved
+        self._source = source
+        self._label = label
+
+    def to_dict(self) -> dict[str, Any]:
+        """As transformers' `to_dict` gives it: the resolved attributes, with any set since."""
+        out = {**self._resolved, **{k: v for k, v in vars(self).items() if not k.startswith("_")}}
+        out["_name_or_path"] = out.pop("name_or_path")
+        return out
+
+    def to_transformers(self):
+        config = build_config(self._source, self._label)
+        config.name_or_path = self.name_or_path
+        if getattr(self, "rope_freq_factors", None) is not None:
+            config.rope_freq_factors = self.rope_freq_factors
+        return config
+
+    def __repr__(self) -> str:
+        return f"CachedConfig({vars(self).get('model_type')!r})"
 
 
 def native_architecture(header: GGUFHeader) -> bool:
@@ -170,6 +218,7 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
 
     cfg = config_dict(header)
     config = build_config(cfg, label)
+    resolved = _resolved(config, cfg, label)
     _check_causal_lm(config.model_type, label, architecture=header.architecture)
     report(Progress("load", 0.2, "reading the tokenizer"))
     tokenizer = _tokenizer_from_file(header.path, config, label)
@@ -191,7 +240,29 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
                 n = kv_heads
         plan.append(TensorPlan(t.name, hf, n))
     shapes = {k: list(v) for k, v in layout.shapes.items()}
-    return Converted(cfg, tokenizer, plan, shapes, dict(layout.tied), from_cache=False)
+    return Converted(cfg, tokenizer, plan, shapes, dict(layout.tied), from_cache=False, resolved=resolved, built=config)
+
+
+# what the engine reads of a config besides ModelArgs' fields
+_ENGINE_ATTRIBUTES = ("model_type", "vocab_size", "max_position_embeddings", "eos_token_id", "architectures")
+
+
+def _resolved(config, cfg: dict[str, Any], label: str) -> Optional[dict[str, Any]]:
+    """transformers' config as plain attributes, where a CachedConfig of them gives the engine the same model
+    (the fast path's arguments and the rest it reads); None where it does not, or the fast path is not taken."""
+    from engine.model import ModelArgs
+
+    try:
+        resolved = json.loads(json.dumps(config.to_dict()))
+        light = CachedConfig(resolved, cfg, label)
+        same = ModelArgs.from_hf_config(light) == ModelArgs.from_hf_config(config)
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        log.info("%s: the config is kept as transformers' class (%s)", label, _one_line(exc))
+        return None
+    if not same or any(getattr(light, a, None) != getattr(config, a, None) for a in _ENGINE_ATTRIBUTES):
+        log.info("%s: the config is kept as transformers' class (its plain attributes differ)", label)
+        return None
+    return resolved
 
 
 def build_config(cfg: dict[str, Any], label: str):
@@ -232,7 +303,14 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         cfg = json.loads((entry / "config.json").read_text(encoding="utf-8"))
         if not isinstance(cfg, dict) or "model_type" not in cfg:
             raise ValueError("config.json is not a model config")
-        tokenizer = _saved_tokenizer(entry / "tokenizer", str(manifest["tokenizer_class"]))
+        facts = manifest.get("fast_tokenizer")
+        if isinstance(facts, dict):
+            from engine.fast_tokenizer import FastTokenizer
+
+            tokenizer: Any = FastTokenizer(entry / "tokenizer" / "tokenizer.json", facts)
+        else:
+            tokenizer = _saved_tokenizer(entry / "tokenizer", str(manifest["tokenizer_class"]))
+        resolved = manifest.get("resolved_config")
     except Exception as exc:  # any damage (JSON, files, a tokenizer that will not load) means: convert again
         log.warning(
             "the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name, _one_line(exc)
@@ -240,7 +318,16 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         shutil.rmtree(entry, ignore_errors=True)
         return None
     os.utime(entry / "manifest.json")  # recency, for pruning
-    return Converted(cfg, tokenizer, plan, shapes, tied, from_cache=True)
+    return Converted(
+        cfg,
+        tokenizer,
+        plan,
+        shapes,
+        tied,
+        from_cache=True,
+        resolved=resolved if isinstance(resolved, dict) else None,
+        tokenizer_facts=facts if isinstance(facts, dict) else None,
+    )
 
 
 def _saved_tokenizer(folder: Path, class_name: str) -> "PreTrainedTokenizerBase":
@@ -266,7 +353,13 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
         }
         (tmp / "layout.json").write_text(json.dumps(layout), encoding="utf-8")
         conv.tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        manifest = {"version": CACHE_VERSION, "identity": identity, "tokenizer_class": type(conv.tokenizer).__name__}
+        manifest = {
+            "version": CACHE_VERSION,
+            "identity": identity,
+            "tokenizer_class": type(conv.tokenizer).__name__,
+            "fast_tokenizer": _fast_tokenizer_facts(tmp / "tokenizer", conv.tokenizer, Path(identity["path"]).name),
+            "resolved_config": conv.resolved,
+        }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)
@@ -276,6 +369,22 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         return
     _prune(root)
+
+
+def _fast_tokenizer_facts(folder: Path, tokenizer, label: str) -> Optional[dict[str, Any]]:
+    """What a FastTokenizer over the saved tokenizer.json needs, where it agrees with transformers' class on
+    the probe; else None (and the cached load uses transformers' class)."""
+    from engine.fast_tokenizer import FastTokenizer, disagreement, tokenizer_facts
+
+    facts = tokenizer_facts(tokenizer)
+    if facts is None or not (folder / "tokenizer.json").is_file():
+        log.info("%s: the tokenizer is kept as transformers' %s", label, type(tokenizer).__name__)
+        return None
+    why = disagreement(FastTokenizer(folder / "tokenizer.json", facts), tokenizer)
+    if why is not None:
+        log.info("%s: the tokenizer is kept as transformers' class: the fast one differs on %s", label, why)
+        return None
+    return facts
 
 
 def _prune(root: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 from gguf_fixtures import gguf_name, hf_llama_to_gguf, random_blocks
 
 from engine import gguf_native
+from engine.fast_tokenizer import FastTokenizer
 from engine.gguf_dequant import BLOCKS, dequantize
 from engine.gguf_header import check_gguf, read_gguf_header
 from engine.loader import _load_gguf_transformers, gguf_architectures, load_checkpoint
@@ -40,10 +41,14 @@ def _assert_same_checkpoint(ck, ref) -> None:
         assert got.dtype == t.dtype and got.shape == t.shape, name
         assert torch.equal(got.view(torch.int32), t.contiguous().view(torch.int32)), name  # bit for bit
     assert ck.config.to_dict() == ref.config.to_dict()
-    assert type(ck.tokenizer) is type(ref.tokenizer)
-    assert ck.tokenizer(TEXT)["input_ids"] == ref.tokenizer(TEXT)["input_ids"]
+    if not isinstance(ck.tokenizer, FastTokenizer):  # a cached load's stand-in, checked when it was converted
+        assert type(ck.tokenizer) is type(ref.tokenizer)
+        assert ck.tokenizer.all_special_tokens == ref.tokenizer.all_special_tokens
+    ids = ck.tokenizer(TEXT)["input_ids"]
+    assert ids == ref.tokenizer(TEXT)["input_ids"]
+    assert ck.tokenizer.decode(ids, skip_special_tokens=True) == ref.tokenizer.decode(ids, skip_special_tokens=True)
     assert ck.tokenizer.chat_template == ref.tokenizer.chat_template
-    assert ck.tokenizer.all_special_tokens == ref.tokenizer.all_special_tokens
+    assert ck.tokenizer.all_special_ids == ref.tokenizer.all_special_ids
     assert ck.eos_token_ids == ref.eos_token_ids
 
 
@@ -304,3 +309,65 @@ def test_default_model_matches_transformers_path(default_model_path):
         finally:
             engine.close()
     assert tokens[0] == tokens[1]
+
+
+# ---- a cached load without transformers --------------------------------------------------------------------
+
+_CHILD = """
+import json, sys
+from engine.loader import load_checkpoint
+ck = load_checkpoint(sys.argv[1])
+tok = ck.tokenizer
+ids = tok(sys.argv[2])["input_ids"]
+print(json.dumps({
+    "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers"),
+    "tokenizer": type(tok).__name__,
+    "config": type(ck.config).__name__,
+    "ids": ids,
+    "text": tok.decode(ids, skip_special_tokens=True),
+    "chat": tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False),
+    "eos": ck.eos_token_ids,
+    "tensors": sorted(ck.state_dict),
+}))
+"""
+
+
+def test_a_cached_load_imports_no_transformers(tiny_llama, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "fresh.gguf")
+    env = {**os.environ, "GAPLESS_CACHE_DIR": str(tmp_path / "cache")}
+    root = Path(__file__).resolve().parents[2]
+
+    def child() -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(path), TEXT], env=env, cwd=root, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first, second = child(), child()
+    assert first["transformers"] and first["tokenizer"] != "FastTokenizer"
+    assert second["transformers"] == [], second["transformers"]
+    assert (second["tokenizer"], second["config"]) == ("FastTokenizer", "CachedConfig")
+    for key in ("ids", "text", "chat", "eos", "tensors"):
+        assert second[key] == first[key], key
+
+
+def test_the_fast_tokenizer_stands_in_only_where_it_agrees(tiny_llama, tmp_path):
+    from engine.fast_tokenizer import disagreement, tokenizer_facts
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "probe.gguf")
+    ref = _reference(path).tokenizer
+    folder = tmp_path / "saved"
+    ref.save_pretrained(str(folder))
+    facts = tokenizer_facts(ref)
+    assert facts is not None and disagreement(FastTokenizer(folder / "tokenizer.json", facts), ref) is None
+    other = {**facts, "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    assert "chat template" in disagreement(FastTokenizer(folder / "tokenizer.json", other), ref)
+    changed = {**facts, "special_tokens_map": {}}
+    assert disagreement(FastTokenizer(folder / "tokenizer.json", changed), ref) == "the special tokens"
+    ref.clean_up_tokenization_spaces = True  # a decoding step the fast one does not have
+    assert tokenizer_facts(ref) is None
