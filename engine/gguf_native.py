@@ -165,8 +165,14 @@ def config_dict(header: GGUFHeader) -> dict[str, Any]:
 
 
 def tensor_name_map(model: torch.nn.Module, model_type: str, n_layers: int) -> dict[str, str]:
-    """GGUF name -> HF name, as transformers' `get_gguf_hf_weights_map` maps them (each module's names tried
-    relative to it, the first found kept), with the gguf package's name table built once, not per module."""
+    """GGUF name -> HF name for a model object (see name_map)."""
+    return name_map(list(model.state_dict(keep_vars=True)), model_type, n_layers)
+
+
+def name_map(hf_names: list[str], model_type: str, n_layers: int) -> dict[str, str]:
+    """GGUF name -> HF name, as transformers' `get_gguf_hf_weights_map` maps a model's parameters (each module's
+    names tried relative to it, the first found kept; the modules here are the dotted prefixes of the names,
+    in the order they appear), with the gguf package's name table built once, not per module."""
     import gguf
 
     arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == model_type), None)
@@ -174,9 +180,10 @@ def tensor_name_map(model: torch.nn.Module, model_type: str, n_layers: int) -> d
         raise ModelLoadError(f"the gguf package has no tensor names for {model_type!r}")
     names = gguf.get_tensor_name_map(arch, n_layers)
 
-    def walk(module: torch.nn.Module, qual: str) -> dict[str, str]:
+    def walk(relative: list[str], qual: str) -> dict[str, str]:
         found: dict[str, str] = {}
-        for hf_name in module.state_dict(keep_vars=True):
+        children: dict[str, list[str]] = {}
+        for hf_name in relative:
             base, suffix = hf_name, ""
             if hf_name.endswith((".weight", ".bias")):
                 base, _, tail = hf_name.rpartition(".")
@@ -184,12 +191,60 @@ def tensor_name_map(model: torch.nn.Module, model_type: str, n_layers: int) -> d
             gguf_name = names.get_name(base)
             if gguf_name is not None:
                 found[gguf_name + suffix] = qual + hf_name
-        for child_name, child in module.named_children():
+            head, dot, rest = hf_name.partition(".")
+            if dot:
+                children.setdefault(head, []).append(rest)
+        for child_name, child in children.items():
             for k, v in walk(child, f"{qual}{child_name}.").items():
                 found.setdefault(k, v)
         return found
 
-    return walk(model, "")
+    return walk(hf_names, "")
+
+
+def native_layout(config) -> Optional[tuple[dict[str, tuple[int, ...]], dict[str, str]]]:
+    """The parameters (names and shapes, in transformers' order) and ties of transformers' model class for the
+    families loaded natively, from the config alone: building the class, even on the meta device, imports
+    transformers' modelling code (~130 MiB of it resident, on a first launch). None for other families.
+    Tested against the model class for each family and option (tests/engine/test_gguf_native.py)."""
+    family = config.model_type
+    if family not in ("llama", "mistral", "qwen2", "qwen3"):
+        return None
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or hidden // heads
+    attention_bias = bool(getattr(config, "attention_bias", False)) and family in ("llama", "qwen3")
+    qkv_bias = family == "qwen2" or attention_bias
+    mlp_bias = bool(getattr(config, "mlp_bias", False)) and family == "llama"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for proj, rows, cols, bias in (
+            ("q_proj", heads * hd, hidden, qkv_bias),
+            ("k_proj", kv * hd, hidden, qkv_bias),
+            ("v_proj", kv * hd, hidden, qkv_bias),
+            ("o_proj", hidden, heads * hd, attention_bias),
+        ):
+            shapes[f"{a}{proj}.weight"] = (rows, cols)
+            if bias:
+                shapes[f"{a}{proj}.bias"] = (rows,)
+        if family == "qwen3":
+            shapes[a + "q_norm.weight"] = shapes[a + "k_norm.weight"] = (hd,)
+        for proj, rows, cols in (
+            ("gate_proj", inter, hidden),
+            ("up_proj", inter, hidden),
+            ("down_proj", hidden, inter),
+        ):
+            shapes[f"{m}{proj}.weight"] = (rows, cols)
+            if mlp_bias:
+                shapes[f"{m}{proj}.bias"] = (rows,)
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if getattr(config, "tie_word_embeddings", False) else {}
+    return shapes, tied
 
 
 def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizerBase":
@@ -223,14 +278,19 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
     report(Progress("load", 0.2, "reading the tokenizer"))
     tokenizer = _tokenizer_from_file(header.path, config, label)
     report(Progress("load", 0.5, "building the model layout"))
-    layout = _Layout.of(config, label)
-    names = tensor_name_map(layout.model, config.model_type, config.num_hidden_layers)
+    native = native_layout(config)
+    if native is not None:
+        layout_shapes, layout_tied = native
+    else:
+        layout = _Layout.of(config, label)
+        layout_shapes, layout_tied = layout.shapes, layout.tied
+    names = name_map(list(layout_shapes), config.model_type, config.num_hidden_layers)
     permute = NATIVE_ARCHITECTURES.get(header.architecture, False)
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     plan = []
     for t in header.tensors:
         hf = names.get(t.name)
-        if hf is None or hf not in layout.shapes:
+        if hf is None or hf not in layout_shapes:
             continue
         n = 0
         if permute and heads is not None and kv_heads is not None:  # transformers skips both when either is unset
@@ -239,8 +299,8 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
             elif ".attn_k." in t.name:
                 n = kv_heads
         plan.append(TensorPlan(t.name, hf, n))
-    shapes = {k: list(v) for k, v in layout.shapes.items()}
-    return Converted(cfg, tokenizer, plan, shapes, dict(layout.tied), from_cache=False, resolved=resolved, built=config)
+    shapes = {k: list(v) for k, v in layout_shapes.items()}
+    return Converted(cfg, tokenizer, plan, shapes, dict(layout_tied), from_cache=False, resolved=resolved, built=config)
 
 
 # what the engine reads of a config besides ModelArgs' fields

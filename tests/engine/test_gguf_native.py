@@ -371,3 +371,31 @@ def test_the_fast_tokenizer_stands_in_only_where_it_agrees(tiny_llama, tmp_path)
     assert disagreement(FastTokenizer(folder / "tokenizer.json", changed), ref) == "the special tokens"
     ref.clean_up_tokenization_spaces = True  # a decoding step the fast one does not have
     assert tokenizer_facts(ref) is None
+
+
+@pytest.mark.parametrize(
+    "family, changes",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True, "head_dim": 24}),
+        ("mistral", {}),
+        ("qwen2", {"tie_word_embeddings": False}),
+        ("qwen3", {"attention_bias": True, "head_dim": 12}),
+    ],
+)
+def test_the_native_layout_is_the_model_classs(family, changes):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from engine.loader import _Layout
+
+    settings = dict(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    config = CONFIG_MAPPING[family](**{**settings, **changes})
+    layout = _Layout.of(config, "layout")
+    shapes, tied = gguf_native.native_layout(config)
+    assert list(shapes.items()) == list(layout.shapes.items())  # the same names, shapes and order
+    assert tied == layout.tied
+    names = "llama" if family == "mistral" else family  # the gguf package has no table of its own for Mistral
+    assert gguf_native.name_map(list(shapes), names, 2) == gguf_native.tensor_name_map(layout.model, names, 2)
