@@ -399,3 +399,67 @@ def test_the_native_layout_is_the_model_classs(family, changes):
     assert tied == layout.tied
     names = "llama" if family == "mistral" else family  # the gguf package has no table of its own for Mistral
     assert gguf_native.name_map(list(shapes), names, 2) == gguf_native.tensor_name_map(layout.model, names, 2)
+
+
+# ---- peak memory of a large load ---------------------------------------------------------------------------
+
+_MEASURE = """
+import json, os, resource, sys
+import numpy as np, torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from engine.loader import load_checkpoint
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+CONFIG_MAPPING["llama"]  # the imports a conversion makes, in the baseline: the bound is about the load's data
+before = resident()
+ck = load_checkpoint(sys.argv[1], dtype=torch.bfloat16)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+weights = sum(t.numel() * t.element_size() for t in ck.state_dict.values())
+
+import gguf
+from engine.gguf_header import read_gguf_header
+header = read_gguf_header(ck.source)
+t = next(t for t in header.tensors if t.name == "blk.3.attn_v.weight")
+raw = np.fromfile(ck.source, dtype=np.uint8, count=t.nbytes, offset=header.data_start + t.offset)
+ref = torch.from_numpy(gguf.quants.dequantize(raw.reshape(t.shape[0], -1), gguf.GGMLQuantizationType.Q8_0))
+print(json.dumps({
+    "growth": peak - before, "weights": weights, "file": os.path.getsize(ck.source), "tensors": len(ck.state_dict),
+    "params": sum(t.numel() for t in ck.state_dict.values()),
+    "same": torch.equal(ck.state_dict["model.layers.3.self_attn.v_proj.weight"], ref.to(torch.bfloat16)),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_a_1b_q8_0_gguf_loads_within_the_peak_memory_bound(tiny_llama, tmp_path):
+    """Peak RSS of a load, measured in a child process from just before it: at most the final weights + 25 %
+    + the mapped file, on a first launch (converting) and a cached one."""
+    import json
+    import subprocess
+    import sys
+
+    from gguf_fixtures import write_large_llama_q8_0
+
+    path = write_large_llama_q8_0(tmp_path / "large.Q8_0.gguf", tiny_llama)
+    env = {**os.environ, "GAPLESS_CACHE_DIR": str(tmp_path / "cache")}
+    for launch in ("first", "cached"):
+        out = subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(path)],
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = json.loads(out.stdout.splitlines()[-1])
+        assert got["tensors"] == 2 + 16 * 9 and 1.0e9 < got["params"] < 1.1e9
+        assert got["same"], "blk.3.attn_v.weight differs from the gguf package's de-quantisation"
+        bound = got["weights"] * 1.25 + got["file"]
+        assert got["growth"] <= bound, (
+            f"{launch} launch: peak RSS grew {got['growth'] / 2**20:.0f} MiB (bound {bound / 2**20:.0f})"
+        )
