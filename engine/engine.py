@@ -145,10 +145,7 @@ class Engine:
                         "path, which this model cannot use (details in the log)"
                     )
 
-                to_transformers = getattr(self.config, "to_transformers", None)  # a config read from the cache
-                self.model = build_hf_model(
-                    to_transformers() if to_transformers else self.config, state, dtype, self.device
-                )
+                self.model = build_hf_model(self.config, state, dtype, self.device)
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
         del state

@@ -463,3 +463,16 @@ def test_a_1b_q8_0_gguf_loads_within_the_peak_memory_bound(tiny_llama, tmp_path)
         assert got["growth"] <= bound, (
             f"{launch} launch: peak RSS grew {got['growth'] / 2**20:.0f} MiB (bound {bound / 2**20:.0f})"
         )
+
+
+def test_transformers_model_builds_from_a_cached_config(tiny_llama, tmp_path):
+    from engine.fallback import build_hf_model
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "hf.gguf")
+    first, second = load_checkpoint(str(path)), load_checkpoint(str(path))
+    assert type(second.config).__name__ == "CachedConfig"
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    with torch.no_grad():
+        want = build_hf_model(first.config, first.state_dict, torch.float32, torch.device("cpu"))(ids).logits
+        got = build_hf_model(second.config, second.state_dict, torch.float32, torch.device("cpu"))(ids).logits
+    assert torch.equal(got, want)
