@@ -22,6 +22,9 @@ def build_hf_model(cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
 
     from engine.errors import ModelLoadError
 
+    to_transformers = getattr(cfg, "to_transformers", None)  # a config read back from the GGUF cache
+    if to_transformers is not None:
+        cfg = to_transformers()
     model = AutoModelForCausalLM.from_config(cfg)  # buffers (rotary tables, ...) are built here, for real
     missing, _ = model.load_state_dict(state_dict, strict=False)
     model.tie_weights()

@@ -374,12 +374,17 @@ def build_transformer(
     cos, sin = rope_tables(cfg, args.head_dim, args.max_seq_len)
     with torch.device("meta"):
         model = Transformer(args, cos, sin)
+    threads = torch.get_num_threads()
+    # copies gain nothing from intra-op threads and lose much when the cores are busy (as in de-quantising)
+    torch.set_num_threads(1)
     try:
         weights = _hf_to_fast(state_dict, args, consume)
     except KeyError as exc:
         raise ModelLoadError(
             f"the checkpoint lacks the weight {exc.args[0]!r} that a {args.family} model needs"
         ) from None
+    finally:
+        torch.set_num_threads(threads)
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     model.load_state_dict(weights, strict=False, assign=True)
     if args.tie_embeddings:
