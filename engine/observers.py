@@ -196,8 +196,8 @@ class TextFlush(_Paced):
     """Streams each row's new text (TextDelta, RowFinished once a row ends) and a StepRecord of the steps whose
     tokens the host has read, at most every `interval_s`, and what is left at the end."""
 
-    def __init__(self, on_event: Event, interval_s: float = FLUSH_INTERVAL_S):
-        super().__init__(on_event, interval_s)
+    def __init__(self, on_event: Event, interval_s: Optional[float] = None):
+        super().__init__(on_event, FLUSH_INTERVAL_S if interval_s is None else interval_s)
         self.ended: set[int] = set()  # rows whose end was reported
         self.records_from = 1  # the first step not yet in a StepRecord
 
@@ -247,8 +247,8 @@ class MonitorDrain(_Paced):
     GPU figures from the samples taken while it ran: utilisation, SM activity, DRAM bandwidth (estimated from
     the median step when the monitor has no measure of it)."""
 
-    def __init__(self, monitor: Monitor, on_event: Event, interval_s: float = MONITOR_INTERVAL_S):
-        super().__init__(on_event, interval_s)
+    def __init__(self, monitor: Monitor, on_event: Event, interval_s: Optional[float] = None):
+        super().__init__(on_event, MONITOR_INTERVAL_S if interval_s is None else interval_s)
         self.monitor = monitor
 
     def on_start(self, run: LoopState) -> None:
