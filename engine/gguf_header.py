@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -183,14 +183,14 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
     if tensor_count > size or kv_count > size:  # each entry takes at least a byte: the counts are garbage
         raise ValueError(f"impossible counts: {tensor_count} tensors, {kv_count} metadata entries")
 
-    wanted = {b"general.architecture": None, b"general.name": None, b"general.alignment": None}
-    rope: dict[bytes, object] = {}  # every "*.rope.scaling.type|factor": the architecture may come later
+    wanted: dict[bytes, Any] = {b"general.architecture": None, b"general.name": None, b"general.alignment": None}
+    rope: dict[bytes, Any] = {}  # every "*.rope.scaling.type|factor": the architecture may come later
     metadata: dict[str, object] = {}
     lengths: dict[str, int] = {}
     for _ in range(kv_count):
         key = cur.string()
         type_id = cur.take("I")
-        value: object = None
+        value: Any = None  # by type_id: int, float or bool; str; a list of them
         if type_id in _FIXED:
             value = cur.take(_FIXED[type_id])
         elif type_id == _STRING:
@@ -214,7 +214,7 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
         elif key.endswith(b".rope.scaling.type") and type_id == _STRING:
             rope[key] = value
         elif key.endswith(b".rope.scaling.factor") and type_id in _FIXED:
-            rope[key] = float(value)  # type: ignore[arg-type]
+            rope[key] = float(value)
     arch = (wanted[b"general.architecture"] or "").encode("utf-8")
 
     tensors = []

@@ -493,7 +493,7 @@ def _eos_ids(config: "PretrainedConfig", tokenizer: "PreTrainedTokenizerBase", f
             data = json.loads(gen.read_text(encoding="utf-8"))
             found.append(data.get("eos_token_id") if isinstance(data, dict) else None)
         except (OSError, ValueError) as exc:
-            log.warning("%s: ignoring unreadable generation_config.json: %s", folder.name, exc)
+            log.warning("%s: ignoring unreadable generation_config.json: %s", gen.parent.name, exc)
     found.append(getattr(tokenizer, "eos_token_id", None))
     ids: list[int] = []
     for item in found:
