@@ -109,7 +109,9 @@ class ChatFlow(QObject):
         controller.rowsFinished.connect(self._on_rows_finished)
         controller.generationFinished.connect(self._on_finished)
         controller.generationFailed.connect(self._on_failed)
-        self._save_timer = QTimer(self, interval=SAVE_TICK_MS, timeout=self._flush_savers)
+        self._save_timer = QTimer(self)
+        self._save_timer.setInterval(SAVE_TICK_MS)
+        self._save_timer.timeout.connect(self._flush_savers)
 
     # ---- chats ---------------------------------------------------------------------------------------
 

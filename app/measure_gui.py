@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map. Use many paragraphs."
 TICK_MS = 10
@@ -80,10 +80,15 @@ def gui_tok_s(gui, probe: LatencyProbe, sampling) -> tuple[Optional[float], int,
     w.flow.default_sampling = sampling
     loop = QEventLoop()
     out: list = []
+
+    def ended(_rid: int, result: object) -> None:  # a GenerationResult, or the message of a failure
+        out.append(result)
+        loop.quit()
+
     slots = [
         (c.generationStarted, lambda *_: setattr(probe, "recording", True)),
-        (c.generationFinished, lambda _rid, r: (out.append(r), loop.quit())),
-        (c.generationFailed, lambda _rid, m: (out.append(m), loop.quit())),
+        (c.generationFinished, ended),
+        (c.generationFailed, ended),
     ]
     for sig, slot in slots:
         sig.connect(slot)
@@ -120,7 +125,12 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False, 
         gui.window.hud_dock.hide()  # to tell the HUD's share of the cost from the conversation's
     loop = QEventLoop()
     gui.controller.loaded.connect(lambda *_: loop.quit())
-    gui.controller.loadFailed.connect(lambda s, m: (print(f"cannot load {s}: {m}", file=sys.stderr), loop.quit()))
+
+    def load_failed(source: str, message: str) -> None:
+        print(f"cannot load {source}: {message}", file=sys.stderr)
+        loop.quit()
+
+    gui.controller.loadFailed.connect(load_failed)
     gui.window.load_model(model)
     loop.exec()
     if gui.controller.info is None:
@@ -140,7 +150,7 @@ def measure(model: str, runs: int, max_new_tokens: int, hide_hud: bool = False, 
 
     headless_tok_s(headless, sampling)  # warm-up, not counted
     gui_tok_s(gui, probe, sampling)
-    rows = []
+    rows: list[dict[str, Any]] = []  # one per run, as the JSON report has them
     for i in range(runs):  # speed pairs, the probe not ticking
         h, hn = headless_tok_s(headless, sampling)
         g, gn, cpu = gui_tok_s(gui, probe, sampling)

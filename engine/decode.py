@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 
 from engine.model import DynamicKVCache, StaticKVCache, Transformer
 from engine.sampling import SamplerKind, SamplerState, mark_seen, sample
 from engine.speculative import verify
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # the type torch.cuda.graph_pool_handle() returns
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,16 @@ def bucket_for(n: int, limit: int) -> int:
     while b < n:
         b *= 2
     return min(b, limit)
+
+
+T = TypeVar("T")
+
+
+def after_prefill(value: Optional[T]) -> T:
+    """A runner's state that its prefill sets; a step before any prefill is a bug of the caller."""
+    if value is None:
+        raise RuntimeError("a decode step runs only after the prefill of its generation")
+    return value
 
 
 class RunnerBase(abc.ABC):
@@ -54,6 +67,11 @@ class RunnerBase(abc.ABC):
         self.out.index_copy_(1, self.counter, nxt[:, None])
         self.tok.copy_(nxt[:, None])
         self.counter += 1
+
+    @property
+    def step_kind(self) -> SamplerKind:
+        """The sampler kind of the generation the prefill started (a step runs only after one)."""
+        return after_prefill(self.kind)
 
     def _start(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
         self.kind = kind
@@ -96,7 +114,7 @@ class StaticRunner(RunnerBase):
         self.n_emit = torch.zeros((), dtype=torch.long, device=device)
         self.n_accepted = torch.zeros((), dtype=torch.long, device=device)
         self.host_pos = 0  # position of self.tok, as the host knows it
-        self.graph_pool = None
+        self.graph_pool: Optional[_POOL_HANDLE] = None  # torch.cuda.graph_pool_handle(), shared by the graphs
         self.use_graphs = False  # replay the captured graphs; kept when off, so switching back on is free
 
     # -- the step, as a function of buffers ------------------------------------------------------------
@@ -181,7 +199,7 @@ class StaticRunner(RunnerBase):
     def step(self, step_index: int) -> None:
         pos = self.host_pos  # position of the token being fed
         self.host_pos += 1
-        kind = self.kind
+        kind = self.step_kind
         bucket = bucket_for(pos + 1, self.length)
         graph = self.graphs.get((bucket, kind)) if self.use_graphs else None
         if graph is not None:
@@ -194,7 +212,7 @@ class StaticRunner(RunnerBase):
     def speculate(self, drafts: list[int], k: int) -> tuple[int, int]:
         """One verify step over `drafts` (padded to k, the length of a compiled or captured verify step; eager
         runs exactly len(drafts)). Returns (tokens emitted, drafts accepted), read back from the device."""
-        kind = self.kind
+        kind = self.step_kind
         n = len(drafts)
         if self.compiled is None and not self.use_graphs:
             k = n
@@ -305,7 +323,7 @@ class DynamicRunner(RunnerBase):
         pos = self.prompt_len + step_index - 1
         input_pos = torch.tensor([pos], device=self.device)
         logits = self.model(self.tok, input_pos, self.cache, None)[:, -1]
-        self._accept(sample(logits, self.kind, self.sampler), self.kind)
+        self._accept(sample(logits, self.step_kind, self.sampler), self.step_kind)
 
     def bytes_per_step(self, pos: int) -> int:
         kv = (
@@ -332,10 +350,10 @@ class NoCacheRunner(RunnerBase):
         self._accept(sample(logits.expand(self.batch, -1), kind, self.sampler), kind)
 
     def step(self, step_index: int) -> None:
-        self.ids = torch.cat([self.ids, self.tok], dim=1)
+        self.ids = torch.cat([after_prefill(self.ids), self.tok], dim=1)
         n = self.ids.shape[1]
         logits = self.model(self.ids, torch.arange(n, device=self.device), None, None)[:, -1]
-        self._accept(sample(logits, self.kind, self.sampler), self.kind)
+        self._accept(sample(logits, self.step_kind, self.sampler), self.step_kind)
 
     def bytes_per_step(self, pos: int) -> int:
         return self.model.weight_bytes()

@@ -7,15 +7,16 @@ import os
 import random
 import threading
 import time
-from dataclasses import replace
-from typing import Callable, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
 from engine.errors import GaplessError, GenerationError, ModelLoadError
-from engine.generate import run_loop
+from engine.generate import LoopResult, run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
+from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver, reader_for
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.sampling import SamplerKind
 from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
@@ -29,6 +30,9 @@ from engine.types import (
     SamplingParams,
     TextDelta,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +53,20 @@ def resolve_dtype(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _noop(_event) -> None:
+def _noop(_event: object) -> None:
     return None
+
+
+@dataclass
+class _Attempt:
+    """One try at a generation: the options it ran with, its loop (or, when stopped while the prompt was read, that
+    stop), and what it found: the options it gave up with why, and notices for the user."""
+
+    opts: EngineOptions
+    loop: Optional[LoopResult] = None
+    stopped: Optional[PrefillCancelled] = None
+    reasons: dict[str, str] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
 
 
 class Engine:
@@ -70,7 +86,7 @@ class Engine:
         self.device = torch.device(eff.device)
         self.dtype = eff.dtype
         self.weights = eff.weights
-        self.model = None
+        self.model: Optional[Union[Transformer, PreTrainedModel]] = None  # the fast path's or the fallback's
         self._runners: dict[tuple, RunnerBase] = {}
         self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
         self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
@@ -130,12 +146,13 @@ class Engine:
             if self.fast:
                 # a checkpoint that can read its weights again gives them up as they are fused
                 reloadable = self.checkpoint.materialise is not None
-                self.model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
+                model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
                 if self.weights != "native":
                     from engine.quant import quantize_linears
 
                     progress(Progress("load", None, f"quantising the linears to {self.weights}"))
-                    quantize_linears(self.model, self.weights, dtype)
+                    quantize_linears(model, self.weights, dtype)
+                self.model = model
             else:
                 from engine.fallback import build_hf_model
 
@@ -207,8 +224,11 @@ class Engine:
     def info(self) -> ModelInfo:
         from engine.quant import weight_bytes
 
-        params = self.model.num_parameters() if self.fast else sum(p.numel() for p in self.model.parameters())
-        wbytes = weight_bytes(self.model)
+        model = self._placed()
+        params = (
+            model.num_parameters() if isinstance(model, Transformer) else sum(p.numel() for p in model.parameters())
+        )
+        wbytes = weight_bytes(model)
         per_token, floor_ms, floor_source = self._memory_floor()
         return ModelInfo(
             name=self.checkpoint.name,
@@ -239,12 +259,11 @@ class Engine:
         that time's source or why it is n/a)."""
         from engine.quant import bytes_per_token
 
-        if self.fast:
-            per_token = bytes_per_token(self.model, self.model.tok_embeddings, self.model.output)
+        model = self._placed()
+        if isinstance(model, Transformer):
+            per_token = bytes_per_token(model, model.tok_embeddings, model.output)
         else:
-            per_token = bytes_per_token(
-                self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings()
-            )
+            per_token = bytes_per_token(model, model.get_input_embeddings(), model.get_output_embeddings())
         peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None) if hasattr(self, "monitor") else None
         if not peak:
             where = (
@@ -258,8 +277,21 @@ class Engine:
     @property
     def context_length(self) -> int:
         if self.fast:
-            return self.model.args.max_seq_len
-        return int(getattr(self.config, "max_position_embeddings", None) or getattr(self.config, "n_positions", 2048))
+            return self._fast_model().args.max_seq_len
+        return int(
+            getattr(self.config, "max_position_embeddings", None) or getattr(self.config, "n_positions", None) or 2048
+        )
+
+    def _placed(self) -> Union[Transformer, PreTrainedModel]:
+        if self.model is None:
+            raise GenerationError("the model is not on the device (the engine was closed, or placing it failed)")
+        return self.model
+
+    def _fast_model(self) -> Transformer:
+        model = self._placed()
+        if not isinstance(model, Transformer):
+            raise TypeError(f"{self.config.model_type} runs on the transformers fallback, not the fast path")
+        return model
 
     # ---- options ------------------------------------------------------------------------------------------
     def unavailable(self, options: Optional[EngineOptions] = None) -> dict[str, str]:
@@ -307,7 +339,7 @@ class Engine:
         return out
 
     def _fused_unavailable(self, o: EngineOptions) -> Optional[str]:
-        if not self.fast:
+        if self.args is None:  # not self.fast
             return f"{self._on_fallback()}, which has no fused kernels"
         if self._fused_failed:
             return self._fused_failed
@@ -324,6 +356,9 @@ class Engine:
         runner = next((r for k, r in self._runners.items() if k[2] == "fused"), None)
         if runner is None:
             return None
+        from engine.kernels.runner import FusedRunner
+
+        assert isinstance(runner, FusedRunner)  # the runners keyed "fused" are made so in _runner
         return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
 
     def _speculation_unavailable(self, o: EngineOptions) -> Optional[str]:
@@ -422,13 +457,15 @@ class Engine:
         elif opts.kernels == "fused":
             from engine.kernels.runner import FusedRunner
 
-            runner = FusedRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
+            runner = FusedRunner(self._fast_model(), batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
         elif opts.kv_cache == "static":
-            runner = StaticRunner(self.model, batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
+            runner = StaticRunner(
+                self._fast_model(), batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype]
+            )
         elif opts.kv_cache == "dynamic":
-            runner = DynamicRunner(self.model, batch, length, self.eos_ids, self.device)
+            runner = DynamicRunner(self._fast_model(), batch, length, self.eos_ids, self.device)
         else:
-            runner = NoCacheRunner(self.model, batch, length, self.eos_ids, self.device)
+            runner = NoCacheRunner(self._fast_model(), batch, length, self.eos_ids, self.device)
         if old is not None:
             self._prefix.carry(old, runner)
         self._runners[key] = runner
@@ -490,12 +527,8 @@ class Engine:
 
             while True:
                 try:
-                    loop, opts = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, notices, reasons)
+                    attempt = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel)
                     break
-                except PrefillCancelled as exc:
-                    return self._stopped_reading(
-                        exc, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut
-                    )
                 except torch.OutOfMemoryError as exc:
                     self._free_device_memory()
                     if streamed:
@@ -503,17 +536,24 @@ class Engine:
                     opts, option, reason, notice = self._smaller(opts)
                     reasons[option] = reason
                     notices.append(notice)
+        opts, reasons, notices = attempt.opts, {**reasons, **attempt.reasons}, notices + attempt.notices
+        if attempt.stopped is not None:
+            return self._stopped_reading(
+                attempt.stopped, len(prompt.ids), opts, reasons, seed, notices, overflow, prompt.cut
+            )
+        loop = attempt.loop
+        assert loop is not None
         loop.metrics.overflow_policy = overflow
         loop.metrics.prompt_cut = prompt.cut or None
         return GenerationResult(
             texts=[r.text for r in loop.rows],
             token_ids=[list(r.tokens) for r in loop.rows],
-            finish_reasons=[r.finish for r in loop.rows],
+            finish_reasons=[r.reason for r in loop.rows],
             metrics=loop.metrics,
             options=opts,
             unavailable=reasons,
             seed=seed,
-            notices=notices + loop.notices,
+            notices=notices,
         )
 
     def forget_prefix(self) -> None:
@@ -528,35 +568,53 @@ class Engine:
 
         return measure_prompt(self.tokenizer, messages, self.context_length, max_new_tokens, overflow)
 
-    def _run(self, prompt_ids, max_new, sampling, opts, seed, on_event, cancel, notices, reasons):
+    def _run(
+        self,
+        prompt_ids: list[int],
+        max_new: int,
+        sampling: SamplingParams,
+        opts: EngineOptions,
+        seed: int,
+        on_event: Callable[[object], None],
+        cancel: threading.Event,
+    ) -> _Attempt:
+        """One try at the generation with `opts`; what it finds (options it had to give up, notices) comes back
+        in the attempt. Out of device memory propagates: the caller tries smaller options from scratch."""
         from engine.telemetry.window import ProfileWindow
 
+        reasons: dict[str, str] = {}
+        notices: list[str] = []
         runner = self._runner(opts, opts.candidates, len(prompt_ids) + max_new)
         kind = SamplerKind.of(sampling)
         compile_s: Optional[float] = None  # the compile / capture warm-up of this generation
         runner.sampler.set_params(sampling)
         if opts.kernels == "fused":
             with preserved(runner):  # its warm-up writes the first positions too
-                runner, opts = self._warm_fused(
-                    runner, opts, sampling, len(prompt_ids), max_new, on_event, notices, reasons
+                runner, failed = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event)
+            if failed is not None:
+                reasons["kernels"] = failed
+                notices.append(
+                    "the fused kernels failed to compile or run, so this generation ran on the torch kernels "
+                    "(details in the log)"
                 )
-        torch_step = isinstance(runner, StaticRunner) and opts.kernels == "torch"
-        spec = self._speculator(opts, runner, on_event) if torch_step else None
+                opts = replace(opts, kernels="torch")
+        static = runner if isinstance(runner, StaticRunner) and opts.kernels == "torch" else None  # the torch step
+        spec = self._speculator(opts, static, on_event) if static is not None else None
         if opts.speculation != "off" and spec is None:
             reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
             notices.append(f"speculation off for this answer: {reasons['speculation']}")
             opts = replace(opts, speculation="off")
         verify_ks = (spec.shapes or ()) if spec is not None else ()
-        if torch_step:
-            self._prepare_compile(runner, opts)
-            runner.use_graphs = opts.cuda_graph
+        if static is not None:
+            self._prepare_compile(static, opts)
+            static.use_graphs = opts.cuda_graph
             if opts.compile or opts.cuda_graph:
                 t_compile = time.perf_counter()
                 stage = "capture" if opts.cuda_graph else "compile"
-                buckets = runner.buckets_for(len(prompt_ids), max_new)
+                buckets = static.buckets_for(len(prompt_ids), max_new)
                 try:
-                    with preserved(runner):  # the cached prefix survives the warm-up's writes
-                        runner.warm_up(
+                    with preserved(static):  # the cached prefix survives the warm-up's writes
+                        static.warm_up(
                             buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks
                         )
                 except torch.OutOfMemoryError:
@@ -565,12 +623,12 @@ class Engine:
                     if not opts.compile:
                         raise
                     log.exception("compile failed; falling back to eager")
-                    runner.set_compiled(None)
+                    static.set_compiled(None)
                     reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
-                    with preserved(runner):
-                        runner.warm_up(
+                    with preserved(static):
+                        static.warm_up(
                             buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks
                         )
                 compile_s = time.perf_counter() - t_compile
@@ -588,19 +646,22 @@ class Engine:
         def reading(done: int, total: int) -> None:
             on_event(Progress("prefill", done / total, f"reading the conversation: {done:,} of {total:,} tokens"))
 
+        observers = [
+            WindowObserver(window),  # first: it closes before anything else runs after its last step
+            reader_for(runner, host_reads=opts.sampling == "host" or spec is not None),
+            TextFlush(on_event),
+            MonitorDrain(self.monitor, on_event),
+            PeakMemory(),
+        ]
         try:
             loop = run_loop(
                 runner,
                 prompt_t,
                 kind,
                 max_new,
-                opts.sampling == "host",
                 rows,
-                self.device,
-                on_event,
                 cancel,
-                window=window,
-                monitor=self.monitor,
+                observers,
                 spec=spec,
                 prefill=prefill_fn(runner, plan, chunk, reading if chunk else None, cancel),
             )
@@ -608,7 +669,7 @@ class Engine:
             window.discard()
             self._prefix.remember_read(runner, list(prompt_ids[: exc.done]))
             exc.reused = plan.start
-            raise
+            return _Attempt(opts, stopped=exc, reasons=reasons, notices=notices)
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
@@ -622,34 +683,46 @@ class Engine:
         m.put("prompt_computed_tokens", T - plan.start)
         if m.ttft_ms:  # the prefill's rate is of the positions it computed
             m.put("prefill_tok_s", (T - plan.start) / (m.ttft_ms / 1e3))
-        return loop, opts
+        return _Attempt(opts, loop=loop, reasons=reasons, notices=notices)
 
-    def _warm_fused(self, runner, opts, sampling, prompt_len, max_new, on_event, notices, reasons):
+    def _warm_fused(
+        self,
+        runner: RunnerBase,
+        opts: EngineOptions,
+        sampling: SamplingParams,
+        prompt_len: int,
+        max_new: int,
+        on_event: Callable[[object], None],
+    ) -> tuple[RunnerBase, Optional[str]]:
         """Compile (and capture) the fused step. A failure with PDL on is tried once more without it; any other
-        failure ends the fused kernels for this engine: the torch path runs, with a notice."""
+        failure ends the fused kernels for this engine: returns the torch runner to run on, and why."""
+        from engine.kernels.runner import FusedRunner
+
+        assert isinstance(runner, FusedRunner)
+        fused = runner
 
         def progress(message: str, fraction: float) -> None:
             on_event(Progress("capture" if opts.cuda_graph else "compile", fraction, message))
 
         kind = SamplerKind.of(sampling)
-        runner.use_graphs = opts.cuda_graph
-        buckets = runner.buckets_for(prompt_len, max_new)
+        fused.use_graphs = opts.cuda_graph
+        buckets = fused.buckets_for(prompt_len, max_new)
         try:
             try:
-                with preserved(runner):  # a cached prefix survives the warm-up's writes at position 0
-                    runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+                with preserved(fused):  # a cached prefix survives the warm-up's writes at position 0
+                    fused.warm_up(buckets, kind, opts.cuda_graph, progress)
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:
-                if not runner.use_pdl:
+                if not fused.use_pdl:
                     raise
                 log.exception("the fused step failed with Programmatic Dependent Launch; trying without it")
-                runner.use_pdl = False
-                runner.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                runner.graphs.clear()
-                runner.graph_pool = None
-                with preserved(runner):
-                    runner.warm_up(buckets, kind, opts.cuda_graph, progress)
+                fused.use_pdl = False
+                fused.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                fused.graphs.clear()
+                fused.graph_pool = None
+                with preserved(fused):
+                    fused.warm_up(buckets, kind, opts.cuda_graph, progress)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # a kernel that does not compile or launch here
@@ -657,16 +730,11 @@ class Engine:
             self._fused_failed = (
                 f"the fused kernels failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             )
-            reasons["kernels"] = self._fused_failed
-            notices.append(
-                "the fused kernels failed to compile or run, so this generation ran on the torch kernels "
-                "(details in the log)"
-            )
             self._runners.pop((opts.kv_cache, opts.candidates, "fused"), None)
-            opts = replace(opts, kernels="torch")
-            runner = self._runner(opts, opts.candidates, prompt_len + max_new)
-            runner.sampler.set_params(sampling)
-        return runner, opts
+            torch_runner = self._runner(replace(opts, kernels="torch"), opts.candidates, prompt_len + max_new)
+            torch_runner.sampler.set_params(sampling)
+            return torch_runner, self._fused_failed
+        return fused, None
 
     def _speculator(self, opts: EngineOptions, runner: StaticRunner, on_event: Callable) -> Optional[Speculator]:
         """The speculation of this generation, or None when off (or the draft model cannot be had)."""

@@ -8,12 +8,15 @@ compile, CUDA graph) are reported unavailable by the engine.
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from engine.decode import RunnerBase
+from engine.decode import RunnerBase, after_prefill
 from engine.sampling import SamplerKind, sample
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 def build_hf_model(cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
@@ -22,6 +25,9 @@ def build_hf_model(cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
 
     from engine.errors import ModelLoadError
 
+    to_transformers = getattr(cfg, "to_transformers", None)  # a config read back from the GGUF cache
+    if to_transformers is not None:
+        cfg = to_transformers()
     model = AutoModelForCausalLM.from_config(cfg)  # buffers (rotary tables, ...) are built here, for real
     missing, _ = model.load_state_dict(state_dict, strict=False)
     model.tie_weights()
@@ -48,7 +54,7 @@ class HFRunner(RunnerBase):
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self.keep_arg = "logits_to_keep" if "logits_to_keep" in params else None
-        self.cache = None
+        self.cache: Optional[DynamicCache] = None
         self.ids: Optional[torch.Tensor] = None
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -79,11 +85,11 @@ class HFRunner(RunnerBase):
 
     def step(self, step_index: int) -> None:
         if self.kv == "none":
-            self.ids = torch.cat([self.ids, self.tok], dim=1)
+            self.ids = torch.cat([after_prefill(self.ids), self.tok], dim=1)
             logits = self._forward(self.ids, use_cache=False)
         else:
             logits = self._forward(self.tok, use_cache=True)
-        self._accept(sample(logits, self.kind, self.sampler), self.kind)
+        self._accept(sample(logits, self.step_kind, self.sampler), self.step_kind)
 
     def bytes_per_step(self, pos: int) -> int:
         return self.weight_bytes

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -89,11 +89,25 @@ class _Cursor:
             item_type, count = self.take("I"), self.take("Q")
             if item_type in _FIXED:
                 self.skip(count * struct.calcsize(_FIXED[item_type]))
+            elif item_type == _STRING:
+                self.skip_strings(count)
             else:
                 for _ in range(count):
                     self.skip_value(item_type)
         else:
             raise ValueError(f"unknown metadata value type {type_id} at byte {self.pos}")
+
+    def skip_strings(self, count: int) -> None:
+        """Past `count` strings (a vocabulary's ~50k, say) in one tight loop: each is its u64 length and bytes."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = struct.Struct(self.order + "Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise _Truncated
+            pos += 8 + length(buf, pos)[0]
+        if pos > end:
+            raise _Truncated
+        self.pos = pos
 
     def skip(self, n: int) -> None:
         if self.pos + n > len(self.buf):
@@ -124,9 +138,37 @@ def read_gguf_header(path: Path) -> GGUFHeader:
                 raise ModelLoadError(f"{label}: corrupt GGUF header ({exc})") from None
 
 
-def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
+# ggml type id -> (name, values per block, bytes per block) for the types most files hold (ggml.h's numbering,
+# the sizes of ggml-common.h), so a header of these reads without importing the gguf package; others ask it.
+_COMMON_TYPES = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+
+
+def _ggml_type(type_id: int) -> Optional[tuple[str, int, int]]:
+    if type_id in _COMMON_TYPES:
+        return _COMMON_TYPES[type_id]
     import gguf
 
+    try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+    except ValueError:
+        return None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return qtype.name, block, type_size
+
+
+def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
     if size < 24:  # magic, version and the two counts
         raise _Truncated
     (raw_version,) = struct.unpack_from("<I", buf, 4)
@@ -141,14 +183,14 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
     if tensor_count > size or kv_count > size:  # each entry takes at least a byte: the counts are garbage
         raise ValueError(f"impossible counts: {tensor_count} tensors, {kv_count} metadata entries")
 
-    wanted = {b"general.architecture": None, b"general.name": None, b"general.alignment": None}
-    rope: dict[bytes, object] = {}  # every "*.rope.scaling.type|factor": the architecture may come later
+    wanted: dict[bytes, Any] = {b"general.architecture": None, b"general.name": None, b"general.alignment": None}
+    rope: dict[bytes, Any] = {}  # every "*.rope.scaling.type|factor": the architecture may come later
     metadata: dict[str, object] = {}
     lengths: dict[str, int] = {}
     for _ in range(kv_count):
         key = cur.string()
         type_id = cur.take("I")
-        value: object = None
+        value: Any = None  # by type_id: int, float or bool; str; a list of them
         if type_id in _FIXED:
             value = cur.take(_FIXED[type_id])
         elif type_id == _STRING:
@@ -172,7 +214,7 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
         elif key.endswith(b".rope.scaling.type") and type_id == _STRING:
             rope[key] = value
         elif key.endswith(b".rope.scaling.factor") and type_id in _FIXED:
-            rope[key] = float(value)  # type: ignore[arg-type]
+            rope[key] = float(value)
     arch = (wanted[b"general.architecture"] or "").encode("utf-8")
 
     tensors = []
@@ -192,16 +234,15 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
 
     checked = []
     for name, shape, type_id, offset in tensors:
-        try:
-            qtype = gguf.GGMLQuantizationType(type_id)
-        except ValueError:
+        known = _ggml_type(type_id)
+        if known is None:
             checked.append(GGUFTensor(name, shape, type_id, f"type {type_id}", offset, 0))
             continue
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        type_name, block, type_size = known
         n = prod(shape)
         if n % block:
-            raise ValueError(f"tensor {name!r} of {n} elements is not a whole number of {qtype.name} blocks")
-        checked.append(GGUFTensor(name, shape, type_id, qtype.name, offset, n // block * type_size))
+            raise ValueError(f"tensor {name!r} of {n} elements is not a whole number of {type_name} blocks")
+        checked.append(GGUFTensor(name, shape, type_id, type_name, offset, n // block * type_size))
     return GGUFHeader(
         path=path,
         version=version,
@@ -219,7 +260,11 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
 
 
 def can_dequantise(type_id: int) -> bool:
-    """Whether the installed gguf package turns tensors of this ggml type into floats."""
+    """Whether tensors of this ggml type can be turned into floats: the common types by the project's own
+    de-quantisation (engine.gguf_dequant, and the gguf package alike), others where the installed gguf package
+    can."""
+    if type_id in _COMMON_TYPES:
+        return True
     import gguf
     from gguf.quants import dequantize
 

@@ -6,6 +6,10 @@ transformers still builds what it is good at, the config class and the tokenizer
 user cache dir keyed by the file's identity (path, size, mtime_ns and a hash of its header), so a second load
 converts nothing. A changed file misses the cache; a damaged entry is rebuilt, with a log line.
 
+A cached load imports none of transformers where the conversion found that nothing needs it: the config comes
+back as a CachedConfig (the attributes transformers' config class resolved, read from JSON) and the tokenizer
+as engine.fast_tokenizer's, each used only where the conversion checked it gives what transformers' gives.
+
 Architectures whose GGUF tensors transformers reshapes in ways not mirrored here load through transformers'
 own GGUF path instead (engine.loader decides, with `native_architecture`).
 """
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 CACHE_ENTRIES_KEPT = 32
 # GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
 NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
@@ -59,11 +63,55 @@ class Converted:
     """What a GGUF file converts to besides its weights; the cached part of a load."""
 
     config: dict[str, Any]  # the config dict transformers' GGUF reading builds
-    tokenizer: "PreTrainedTokenizerBase"
+    tokenizer: Any  # transformers' class, or a FastTokenizer where the conversion checked it agrees
     plan: list[TensorPlan]
     shapes: dict[str, list[int]]  # every parameter the model class has, with its shape
     tied: dict[str, str]  # alias -> the parameter it shares storage with
     from_cache: bool
+    # the attributes of transformers' config object, where a CachedConfig made of them stands in for it
+    resolved: Optional[dict[str, Any]] = None
+    tokenizer_facts: Optional[dict[str, Any]] = None  # what a FastTokenizer needs, where it stands in
+    built: Any = None  # transformers' config object, when this conversion just made it
+
+    def config_object(self, label: str):
+        """The model config: the one just built, a CachedConfig where the conversion allowed it, or else
+        transformers' class built again."""
+        if self.built is not None:
+            return self.built
+        if self.resolved is not None:
+            return CachedConfig(self.resolved, self.config, label)
+        return build_config(self.config, label)
+
+
+class CachedConfig:
+    """A model config read back from the cache: the attributes transformers' config class gave this file, as
+    plain values, without importing transformers. `to_transformers()` builds the real one where code needs it
+    (transformers' own model classes)."""
+
+    def __init__(self, resolved: dict[str, Any], source: dict[str, Any], label: str):
+        self.__dict__.update({k: v for k, v in resolved.items() if not k.startswith("_")})
+        self.name_or_path = str(resolved.get("_name_or_path", ""))
+        if isinstance(resolved.get("id2label"), dict):  # JSON made its int keys strings; transformers' are ints
+            self.id2label = {int(k): v for k, v in resolved["id2label"].items()}
+        self._resolved = resolved
+        self._source = source
+        self._label = label
+
+    def to_dict(self) -> dict[str, Any]:
+        """As transformers' `to_dict` gives it: the resolved attributes, with any set since."""
+        out = {**self._resolved, **{k: v for k, v in vars(self).items() if not k.startswith("_")}}
+        out["_name_or_path"] = out.pop("name_or_path")
+        return out
+
+    def to_transformers(self):
+        config = build_config(self._source, self._label)
+        config.name_or_path = self.name_or_path
+        if getattr(self, "rope_freq_factors", None) is not None:
+            config.rope_freq_factors = self.rope_freq_factors
+        return config
+
+    def __repr__(self) -> str:
+        return f"CachedConfig({vars(self).get('model_type')!r})"
 
 
 def native_architecture(header: GGUFHeader) -> bool:
@@ -117,8 +165,14 @@ def config_dict(header: GGUFHeader) -> dict[str, Any]:
 
 
 def tensor_name_map(model: torch.nn.Module, model_type: str, n_layers: int) -> dict[str, str]:
-    """GGUF name -> HF name, as transformers' `get_gguf_hf_weights_map` maps them (each module's names tried
-    relative to it, the first found kept), with the gguf package's name table built once, not per module."""
+    """GGUF name -> HF name for a model object (see name_map)."""
+    return name_map(list(model.state_dict(keep_vars=True)), model_type, n_layers)
+
+
+def name_map(hf_names: list[str], model_type: str, n_layers: int) -> dict[str, str]:
+    """GGUF name -> HF name, as transformers' `get_gguf_hf_weights_map` maps a model's parameters (each module's
+    names tried relative to it, the first found kept; the modules here are the dotted prefixes of the names,
+    in the order they appear), with the gguf package's name table built once, not per module."""
     import gguf
 
     arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == model_type), None)
@@ -126,9 +180,10 @@ def tensor_name_map(model: torch.nn.Module, model_type: str, n_layers: int) -> d
         raise ModelLoadError(f"the gguf package has no tensor names for {model_type!r}")
     names = gguf.get_tensor_name_map(arch, n_layers)
 
-    def walk(module: torch.nn.Module, qual: str) -> dict[str, str]:
+    def walk(relative: list[str], qual: str) -> dict[str, str]:
         found: dict[str, str] = {}
-        for hf_name in module.state_dict(keep_vars=True):
+        children: dict[str, list[str]] = {}
+        for hf_name in relative:
             base, suffix = hf_name, ""
             if hf_name.endswith((".weight", ".bias")):
                 base, _, tail = hf_name.rpartition(".")
@@ -136,12 +191,60 @@ def tensor_name_map(model: torch.nn.Module, model_type: str, n_layers: int) -> d
             gguf_name = names.get_name(base)
             if gguf_name is not None:
                 found[gguf_name + suffix] = qual + hf_name
-        for child_name, child in module.named_children():
+            head, dot, rest = hf_name.partition(".")
+            if dot:
+                children.setdefault(head, []).append(rest)
+        for child_name, child in children.items():
             for k, v in walk(child, f"{qual}{child_name}.").items():
                 found.setdefault(k, v)
         return found
 
-    return walk(model, "")
+    return walk(hf_names, "")
+
+
+def native_layout(config) -> Optional[tuple[dict[str, tuple[int, ...]], dict[str, str]]]:
+    """The parameters (names and shapes, in transformers' order) and ties of transformers' model class for the
+    families loaded natively, from the config alone: building the class, even on the meta device, imports
+    transformers' modelling code (~130 MiB of it resident, on a first launch). None for other families.
+    Tested against the model class for each family and option (tests/engine/test_gguf_native.py)."""
+    family = config.model_type
+    if family not in ("llama", "mistral", "qwen2", "qwen3"):
+        return None
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or hidden // heads
+    attention_bias = bool(getattr(config, "attention_bias", False)) and family in ("llama", "qwen3")
+    qkv_bias = family == "qwen2" or attention_bias
+    mlp_bias = bool(getattr(config, "mlp_bias", False)) and family == "llama"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for proj, rows, cols, bias in (
+            ("q_proj", heads * hd, hidden, qkv_bias),
+            ("k_proj", kv * hd, hidden, qkv_bias),
+            ("v_proj", kv * hd, hidden, qkv_bias),
+            ("o_proj", hidden, heads * hd, attention_bias),
+        ):
+            shapes[f"{a}{proj}.weight"] = (rows, cols)
+            if bias:
+                shapes[f"{a}{proj}.bias"] = (rows,)
+        if family == "qwen3":
+            shapes[a + "q_norm.weight"] = shapes[a + "k_norm.weight"] = (hd,)
+        for proj, rows, cols in (
+            ("gate_proj", inter, hidden),
+            ("up_proj", inter, hidden),
+            ("down_proj", hidden, inter),
+        ):
+            shapes[f"{m}{proj}.weight"] = (rows, cols)
+            if mlp_bias:
+                shapes[f"{m}{proj}.bias"] = (rows,)
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if getattr(config, "tie_word_embeddings", False) else {}
+    return shapes, tied
 
 
 def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizerBase":
@@ -170,18 +273,24 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
 
     cfg = config_dict(header)
     config = build_config(cfg, label)
+    resolved = _resolved(config, cfg, label)
     _check_causal_lm(config.model_type, label, architecture=header.architecture)
     report(Progress("load", 0.2, "reading the tokenizer"))
     tokenizer = _tokenizer_from_file(header.path, config, label)
     report(Progress("load", 0.5, "building the model layout"))
-    layout = _Layout.of(config, label)
-    names = tensor_name_map(layout.model, config.model_type, config.num_hidden_layers)
+    native = native_layout(config)
+    if native is not None:
+        layout_shapes, layout_tied = native
+    else:
+        layout = _Layout.of(config, label)
+        layout_shapes, layout_tied = layout.shapes, layout.tied
+    names = name_map(list(layout_shapes), config.model_type, config.num_hidden_layers)
     permute = NATIVE_ARCHITECTURES.get(header.architecture, False)
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     plan = []
     for t in header.tensors:
         hf = names.get(t.name)
-        if hf is None or hf not in layout.shapes:
+        if hf is None or hf not in layout_shapes:
             continue
         n = 0
         if permute and heads is not None and kv_heads is not None:  # transformers skips both when either is unset
@@ -190,8 +299,30 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
             elif ".attn_k." in t.name:
                 n = kv_heads
         plan.append(TensorPlan(t.name, hf, n))
-    shapes = {k: list(v) for k, v in layout.shapes.items()}
-    return Converted(cfg, tokenizer, plan, shapes, dict(layout.tied), from_cache=False)
+    shapes = {k: list(v) for k, v in layout_shapes.items()}
+    return Converted(cfg, tokenizer, plan, shapes, dict(layout_tied), from_cache=False, resolved=resolved, built=config)
+
+
+# what the engine reads of a config besides ModelArgs' fields
+_ENGINE_ATTRIBUTES = ("model_type", "vocab_size", "max_position_embeddings", "eos_token_id", "architectures")
+
+
+def _resolved(config, cfg: dict[str, Any], label: str) -> Optional[dict[str, Any]]:
+    """transformers' config as plain attributes, where a CachedConfig of them gives the engine the same model
+    (the fast path's arguments and the rest it reads); None where it does not, or the fast path is not taken."""
+    from engine.model import ModelArgs
+
+    try:
+        resolved = json.loads(json.dumps(config.to_dict()))
+        light = CachedConfig(resolved, cfg, label)
+        same = ModelArgs.from_hf_config(light) == ModelArgs.from_hf_config(config)
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        log.info("%s: the config is kept as transformers' class (%s)", label, _one_line(exc))
+        return None
+    if not same or any(getattr(light, a, None) != getattr(config, a, None) for a in _ENGINE_ATTRIBUTES):
+        log.info("%s: the config is kept as transformers' class (its plain attributes differ)", label)
+        return None
+    return resolved
 
 
 def build_config(cfg: dict[str, Any], label: str):
@@ -232,7 +363,14 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         cfg = json.loads((entry / "config.json").read_text(encoding="utf-8"))
         if not isinstance(cfg, dict) or "model_type" not in cfg:
             raise ValueError("config.json is not a model config")
-        tokenizer = _saved_tokenizer(entry / "tokenizer", str(manifest["tokenizer_class"]))
+        facts = manifest.get("fast_tokenizer")
+        if isinstance(facts, dict):
+            from engine.fast_tokenizer import FastTokenizer
+
+            tokenizer: Any = FastTokenizer(entry / "tokenizer" / "tokenizer.json", facts)
+        else:
+            tokenizer = _saved_tokenizer(entry / "tokenizer", str(manifest["tokenizer_class"]))
+        resolved = manifest.get("resolved_config")
     except Exception as exc:  # any damage (JSON, files, a tokenizer that will not load) means: convert again
         log.warning(
             "the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name, _one_line(exc)
@@ -240,7 +378,16 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         shutil.rmtree(entry, ignore_errors=True)
         return None
     os.utime(entry / "manifest.json")  # recency, for pruning
-    return Converted(cfg, tokenizer, plan, shapes, tied, from_cache=True)
+    return Converted(
+        cfg,
+        tokenizer,
+        plan,
+        shapes,
+        tied,
+        from_cache=True,
+        resolved=resolved if isinstance(resolved, dict) else None,
+        tokenizer_facts=facts if isinstance(facts, dict) else None,
+    )
 
 
 def _saved_tokenizer(folder: Path, class_name: str) -> "PreTrainedTokenizerBase":
@@ -266,7 +413,13 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
         }
         (tmp / "layout.json").write_text(json.dumps(layout), encoding="utf-8")
         conv.tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        manifest = {"version": CACHE_VERSION, "identity": identity, "tokenizer_class": type(conv.tokenizer).__name__}
+        manifest = {
+            "version": CACHE_VERSION,
+            "identity": identity,
+            "tokenizer_class": type(conv.tokenizer).__name__,
+            "fast_tokenizer": _fast_tokenizer_facts(tmp / "tokenizer", conv.tokenizer, Path(identity["path"]).name),
+            "resolved_config": conv.resolved,
+        }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)
@@ -276,6 +429,22 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         return
     _prune(root)
+
+
+def _fast_tokenizer_facts(folder: Path, tokenizer, label: str) -> Optional[dict[str, Any]]:
+    """What a FastTokenizer over the saved tokenizer.json needs, where it agrees with transformers' class on
+    the probe; else None (and the cached load uses transformers' class)."""
+    from engine.fast_tokenizer import FastTokenizer, disagreement, tokenizer_facts
+
+    facts = tokenizer_facts(tokenizer)
+    if facts is None or not (folder / "tokenizer.json").is_file():
+        log.info("%s: the tokenizer is kept as transformers' %s", label, type(tokenizer).__name__)
+        return None
+    why = disagreement(FastTokenizer(folder / "tokenizer.json", facts), tokenizer)
+    if why is not None:
+        log.info("%s: the tokenizer is kept as transformers' class: the fast one differs on %s", label, why)
+        return None
+    return facts
 
 
 def _prune(root: Path) -> None:
@@ -333,9 +502,11 @@ def _dequantise_all(
         t = by_name[p.gguf_name]
         error = None
         try:
-            raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=header.data_start + t.offset)
+            start = header.data_start + t.offset
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=start)
             w = dequantize(raw.to(device), t.type_name, t.shape, dtype)
             del raw
+            _drop_pages(buf, start, t.nbytes)
             if p.permute_heads:
                 w = _unpermute(w, p.permute_heads)
             state[p.hf_name] = w
@@ -345,6 +516,20 @@ def _dequantise_all(
             raise ModelLoadError(f"{header.path.name}: cannot de-quantise tensor {t.name} ({t.type_name}): {error}")
         if i % PROGRESS_EVERY == 0 or i == total:
             report(Progress("dequantise", i / total, f"de-quantised {i}/{total} tensors"))
+
+
+def _drop_pages(buf: mmap.mmap, start: int, nbytes: int) -> None:
+    """Hand the pages of a tensor already read back to the OS: the mapping is private and never written, so
+    they are clean copies of the file (read again from it if touched). Without this a load ends holding the
+    whole file resident besides the weights (~1 GiB for a 1B Q8_0 file)."""
+    advise = getattr(buf, "madvise", None)
+    if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    first = start - start % mmap.PAGESIZE
+    try:
+        advise(mmap.MADV_DONTNEED, first, start + nbytes - first)
+    except (OSError, ValueError):  # advice only
+        pass
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

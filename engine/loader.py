@@ -139,14 +139,18 @@ def _load_gguf(path: Path, report: ProgressFn, kind: str, dtype: torch.dtype, de
 
 
 def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype, device: torch.device) -> Checkpoint:
-    from engine.gguf_native import build_config, check_shapes, dequantise_tensors, load_converted
+    from engine.gguf_header import read_gguf_rope
+    from engine.gguf_native import check_shapes, dequantise_tensors, load_converted
 
     path, label = header.path, header.path.name
     report(Progress("load", 0.1, "reading the settings and tokenizer"))
     conv = load_converted(header, label, report)
-    config = build_config(conv.config, label)
+    config = conv.config_object(label)
     config.name_or_path = str(path.parent)  # as transformers' GGUF reading names it
-    _check_causal_lm(config.model_type, label, architecture=header.architecture)
+    if not conv.from_cache:  # a cached conversion passed this check when it was made
+        _check_causal_lm(config.model_type, label, architecture=header.architecture)
+    if read_gguf_rope(header)[0] not in (None, "none") and hasattr(config, "to_transformers"):
+        config = config.to_transformers()  # transformers computes the scaled rope from its own config class
     _apply_gguf_rope(header, config, label)
     check_shapes(header, conv, label)
     report(Progress("load", 1.0, "settings and tokenizer ready" + (" (cached)" if conv.from_cache else "")))
@@ -489,7 +493,7 @@ def _eos_ids(config: "PretrainedConfig", tokenizer: "PreTrainedTokenizerBase", f
             data = json.loads(gen.read_text(encoding="utf-8"))
             found.append(data.get("eos_token_id") if isinstance(data, dict) else None)
         except (OSError, ValueError) as exc:
-            log.warning("%s: ignoring unreadable generation_config.json: %s", folder.name, exc)
+            log.warning("%s: ignoring unreadable generation_config.json: %s", gen.parent.name, exc)
     found.append(getattr(tokenizer, "eos_token_id", None))
     ids: list[int] = []
     for item in found:

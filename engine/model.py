@@ -187,8 +187,10 @@ class DynamicKVCache:
         return self.k[layer], self.v[layer]
 
     def expand_rows(self, batch: int) -> None:
-        self.k = [t.expand(batch, -1, -1, -1).contiguous() for t in self.k]
-        self.v = [t.expand(batch, -1, -1, -1).contiguous() for t in self.v]
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            if k is None or v is None:
+                raise RuntimeError("the dynamic cache's rows are shared after the prefill has filled every layer")
+            self.k[i], self.v[i] = k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -238,7 +240,7 @@ class Attention(nn.Module):
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
@@ -281,6 +283,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, args: ModelArgs, cos: torch.Tensor, sin: torch.Tensor):
         super().__init__()
         self.args = args
@@ -374,12 +379,17 @@ def build_transformer(
     cos, sin = rope_tables(cfg, args.head_dim, args.max_seq_len)
     with torch.device("meta"):
         model = Transformer(args, cos, sin)
+    threads = torch.get_num_threads()
+    # copies gain nothing from intra-op threads and lose much when the cores are busy (as in de-quantising)
+    torch.set_num_threads(1)
     try:
         weights = _hf_to_fast(state_dict, args, consume)
     except KeyError as exc:
         raise ModelLoadError(
             f"the checkpoint lacks the weight {exc.args[0]!r} that a {args.family} model needs"
         ) from None
+    finally:
+        torch.set_num_threads(threads)
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     model.load_state_dict(weights, strict=False, assign=True)
     if args.tie_embeddings:

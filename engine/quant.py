@@ -164,11 +164,12 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def bytes_per_token(model: nn.Module, embedding: nn.Embedding, head: nn.Module) -> int:
+def bytes_per_token(model: nn.Module, embedding: nn.Module, head: nn.Module) -> int:
     """Weight bytes one decode token reads: everything held, except that an embedding the head does not share
-    is read one row per token."""
+    is read one row per token. `embedding` is the input embedding (an nn.Embedding, or transformers' own)."""
     total = weight_bytes(model)
-    if getattr(head, "weight", None) is not embedding.weight:
-        w = embedding.weight
+    w = embedding.weight
+    assert isinstance(w, torch.Tensor), "an input embedding holds its table as `weight`"
+    if getattr(head, "weight", None) is not w:
         total -= w.numel() * w.element_size() - w.shape[1] * w.element_size()
     return total

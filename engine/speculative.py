@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import StaticKVCache, Transformer
+from engine.observers import LoopState, StepObserver
 from engine.sampling import SamplerKind, SamplerState, process
+from engine.types import GenerationMetrics
 
 NGRAM_MAX = 3  # the longest suffix matched; shorter ones are tried after it, down to one token
 ADAPTIVE_KS = (1, 2, 4, 8, 15)  # draft lengths the adaptive schedule moves between (one graph each)
@@ -275,9 +277,18 @@ class DraftProposer:
         return drafts
 
 
-class Speculator:
+SPECULATION_FIGURES = ("drafted_tokens", "accepted_tokens", "verify_steps", "acceptance_rate")
+
+
+def speculation_off(metrics: GenerationMetrics) -> None:
+    for name in SPECULATION_FIGURES:
+        metrics.mark_na(name, "speculation off")
+
+
+class Speculator(StepObserver):
     """Speculation for one generation: asks the proposer for drafts, picks the verify step's length, runs it (or a
-    plain step when there is nothing to verify) and keeps the counts."""
+    plain step when there is nothing to verify) and keeps the counts. As the loop's observer it gives the proposer
+    the prompt and every step's tokens, and fills the speculation figures."""
 
     def __init__(
         self, proposer: Proposer, draft_tokens: int, shapes: Optional[tuple[int, ...]] = None, source: str = ""
@@ -293,6 +304,21 @@ class Speculator:
 
     def accepted(self, tokens: list[int]) -> None:
         self.proposer.extend(tokens)
+
+    def on_step(self, run: LoopState) -> None:
+        if run.step == 0:  # the host reads every step's tokens: the next drafts follow from them
+            self.start(run.prompt.tolist() + run.rows[0].tokens)
+        elif run.fresh is not None:
+            self.accepted(run.fresh)
+
+    def fill(self, run: LoopState, metrics: GenerationMetrics) -> None:
+        c = self.counts
+        for name, value in zip(SPECULATION_FIGURES, (c.drafted, c.accepted, c.verify_steps)):
+            metrics.put(name, value, self.source)
+        if c.drafted:
+            metrics.put("acceptance_rate", c.accepted / c.drafted, self.source)
+        else:
+            metrics.mark_na("acceptance_rate", "nothing was drafted in this answer (no proposal, or it ended first)")
 
     def step(self, runner, remaining: int) -> list[int]:
         """One decode step of `runner` (a StaticRunner) with `remaining` tokens still wanted; returns the tokens it

@@ -50,6 +50,13 @@ class RowText:
                 self.text = self.text[:cut]
                 self.finish = "stop"
 
+    @property
+    def reason(self) -> str:
+        """Why the row ended; asked once the loop has closed every row (engine.observers.Reader)."""
+        if self.finish is None:
+            raise RuntimeError("the row is still open: its answer has not ended")
+        return self.finish
+
     def take_delta(self, final: bool = False) -> str:
         text = self.text
         end = len(text)

@@ -91,48 +91,11 @@ def hf_llama_to_gguf(
 
     hf_folder, out = Path(hf_folder), Path(out)
     cfg = json.loads((hf_folder / "config.json").read_text())
-    tok = json.loads((hf_folder / "tokenizer.json").read_text())
     state = load_file(str(hf_folder / "model.safetensors"))
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-
     w = gguf.GGUFWriter(str(out), architecture)
-    w.add_name("tiny llama")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
-    w.add_rope_dimension_count(head_dim)
-    if architecture == "qwen3":  # llama.cpp writes the head size, which Qwen3 lets differ from hidden / heads
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    w.add_vocab_size(cfg["vocab_size"])
-    if rope_scaling is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
-        w.add_rope_scaling_factor(rope_scaling[1])
-
-    vocab = tok["model"]["vocab"]
-    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    tokens = [""] * cfg["vocab_size"]
-    for text, i in {**vocab, **specials}.items():
-        tokens[i] = text
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_eos_token_id(specials["<|im_end|>"])
-    w.add_pad_token_id(specials["<|endoftext|>"])
-    tok_cfg = json.loads((hf_folder / "tokenizer_config.json").read_text())
-    template = tok_cfg.get("chat_template")
-    if template is None and (hf_folder / "chat_template.jinja").exists():
-        template = (hf_folder / "chat_template.jinja").read_text()
-    if chat_template and template:
-        w.add_chat_template(template)
+    _add_settings(w, cfg, architecture, rope_scaling)
+    _add_tokenizer(w, hf_folder, cfg["vocab_size"], chat_template)
 
     forced = tensor_types or {}
     for hf, arr in state.items():
@@ -161,5 +124,110 @@ def hf_llama_to_gguf(
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_settings(w, cfg: dict, architecture: str = "llama", rope_scaling: Optional[tuple[str, float]] = None) -> None:
+    import gguf
+
+    n_head = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    w.add_name("tiny llama")
+    w.add_head_count(n_head)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    w.add_rope_dimension_count(head_dim)
+    if architecture == "qwen3":  # llama.cpp writes the head size, which Qwen3 lets differ from hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
+
+
+def _add_tokenizer(w, hf_folder: Path, vocab_size: int, chat_template: bool = True) -> None:
+    """The tiny model's byte-level BPE, its ids past the tiny vocabulary filled with unused tokens."""
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = [f"<unused{i}>" for i in range(vocab_size)]
+    for text, i in {**vocab, **specials}.items():
+        tokens[i] = text
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(specials["<|im_end|>"])
+    w.add_pad_token_id(specials["<|endoftext|>"])
+    tok_cfg = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    template = tok_cfg.get("chat_template")
+    if template is None and (hf_folder / "chat_template.jinja").exists():
+        template = (hf_folder / "chat_template.jinja").read_text()
+    if chat_template and template:
+        w.add_chat_template(template)
+
+
+def write_large_llama_q8_0(
+    out: Path,
+    tokenizer_folder: Path,
+    hidden: int = 2048,
+    layers: int = 16,
+    intermediate: int = 8192,
+    heads: int = 32,
+    kv_heads: int = 8,
+    vocab: int = 32000,
+) -> Path:
+    """A Llama-shaped GGUF of random Q8_0 weights (about 1.04B parameters at the defaults: Llama-3.2-1B's
+    shapes with a 32k vocabulary), written tensor by tensor so the writer never holds more than one: random
+    bytes for the quants, small finite fp16 scales. The tokenizer is the tiny model's, padded to `vocab`."""
+    import gguf
+
+    cfg = dict(
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate, rms_norm_eps=1e-5,
+        rope_theta=500000.0, vocab_size=vocab,
+    )  # fmt: skip
+    head_dim = hidden // heads
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (hidden,), p + "attn_q.weight": (heads * head_dim, hidden),
+            p + "attn_k.weight": (kv_heads * head_dim, hidden), p + "attn_v.weight": (kv_heads * head_dim, hidden),
+            p + "attn_output.weight": (hidden, heads * head_dim), p + "ffn_norm.weight": (hidden,),
+            p + "ffn_gate.weight": (intermediate, hidden), p + "ffn_up.weight": (intermediate, hidden),
+            p + "ffn_down.weight": (hidden, intermediate),
+        })  # fmt: skip
+    shapes["output_norm.weight"] = (hidden,)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    w = gguf.GGUFWriter(str(out), "llama")
+    _add_settings(w, cfg)
+    _add_tokenizer(w, Path(tokenizer_folder), vocab)
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
+        else:
+            row = shape[1] // 32 * 34  # the writer takes a quantised tensor's shape in bytes
+            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    for shape in shapes.values():
+        if len(shape) == 1:
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
+            continue
+        raw = rng.integers(0, 256, (shape[0], shape[1] // 32, 34), dtype=np.uint8)
+        raw[:, :, 0:2] = scale
+        w.write_tensor_data(raw.reshape(shape[0], -1))
     w.close()
     return out

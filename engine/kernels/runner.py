@@ -39,8 +39,8 @@ class FusedRunner(StaticRunner):
         blocks = launch.head_blocks(a.vocab_size, a.dim)
         self.pmax = torch.zeros(batch, blocks, dtype=torch.float32, device=device)
         self.pidx = torch.zeros(batch, blocks, dtype=torch.int32, device=device)
-        self.cos = cast(torch.Tensor, model.rope_cos).to(dtype)  # the eager model casts the tables at use
-        self.sin = cast(torch.Tensor, model.rope_sin).to(dtype)
+        self.cos = model.rope_cos.to(dtype)  # the eager model casts the tables at use
+        self.sin = model.rope_sin.to(dtype)
         self._warm: set[SamplerKind] = set()
 
     def fused_step(self, kind: SamplerKind) -> None:

@@ -120,7 +120,7 @@ class ProfileWindow:
         self._last_step = -1
         self._tid: Optional[int] = None
         self._marker: Optional[torch.profiler.record_function] = None
-        self._sync = device_sync_fn(self.device) if enabled else None
+        self._sync = device_sync_fn(self.device)
         self.skipped: Optional[str] = None  # why the window traced nothing, when it was reached but did not start
         if enabled and self.device.type == "cuda":
             # One profiler session per generation: keep CUPTI set up between them. Tearing it down after each
@@ -248,6 +248,8 @@ def _cpu_op_intervals(prof: torch.profiler.profile) -> Optional[tuple[np.ndarray
     the JSON round trip (a CPU window records CPU activity only); None when this torch's results cannot be
     read so, or the marker is missing."""
     try:
+        if prof.profiler is None or prof.profiler.kineto_results is None:
+            raise AttributeError("the profiler kept no results")
         events = prof.profiler.kineto_results.events()
         names = [e.name() for e in events]
         threads = [e.start_thread_id() for e in events]
@@ -380,9 +382,9 @@ def _analyse_cuda(
         sm_src = f"SM activity — estimate from the profiler window (kernel time × min(1, blocks/{sm_count} SMs))"
 
     copies = [e for e in dev_events if e.get("cat") in COPY_CATEGORIES]
-    copy_bytes = [(e.get("args") or {}).get("bytes") for e in copies]
+    copy_bytes = [b for b in ((e.get("args") or {}).get("bytes") for e in copies) if isinstance(b, (int, float))]
     bytes_per_step: Optional[float] = None
-    if copies and steps > 0 and all(isinstance(b, (int, float)) for b in copy_bytes):
+    if copies and steps > 0 and len(copy_bytes) == len(copies):  # every copy says its size
         bytes_per_step = float(sum(copy_bytes)) / steps
     launches = len(kernels) / steps if steps > 0 and kernels else None
     return WindowStats(
@@ -453,8 +455,8 @@ def _analyse_cpu_ops(starts: np.ndarray, ends: np.ndarray, span_us: Optional[flo
     """Op gap and top-level op count of a CPU window's ops (µs)."""
     busy, first, last, top = op_union(starts, ends)
     extent = last - first
-    fell_back = span_us is None or span_us < extent
-    span = extent if fell_back else span_us
+    span = span_us if span_us is not None and span_us >= extent else extent
+    fell_back = span != span_us
     gap = None if busy == 0.0 or span <= 0 else 100.0 * max(0.0, 1.0 - busy / span)
     label = f"op gap — torch.profiler CPU ops, {steps}-step window (sampled)"
     if fell_back:

@@ -14,6 +14,7 @@ import torch
 from gguf_fixtures import gguf_name, hf_llama_to_gguf, random_blocks
 
 from engine import gguf_native
+from engine.fast_tokenizer import FastTokenizer
 from engine.gguf_dequant import BLOCKS, dequantize
 from engine.gguf_header import check_gguf, read_gguf_header
 from engine.loader import _load_gguf_transformers, gguf_architectures, load_checkpoint
@@ -40,10 +41,14 @@ def _assert_same_checkpoint(ck, ref) -> None:
         assert got.dtype == t.dtype and got.shape == t.shape, name
         assert torch.equal(got.view(torch.int32), t.contiguous().view(torch.int32)), name  # bit for bit
     assert ck.config.to_dict() == ref.config.to_dict()
-    assert type(ck.tokenizer) is type(ref.tokenizer)
-    assert ck.tokenizer(TEXT)["input_ids"] == ref.tokenizer(TEXT)["input_ids"]
+    if not isinstance(ck.tokenizer, FastTokenizer):  # a cached load's stand-in, checked when it was converted
+        assert type(ck.tokenizer) is type(ref.tokenizer)
+        assert ck.tokenizer.all_special_tokens == ref.tokenizer.all_special_tokens
+    ids = ck.tokenizer(TEXT)["input_ids"]
+    assert ids == ref.tokenizer(TEXT)["input_ids"]
+    assert ck.tokenizer.decode(ids, skip_special_tokens=True) == ref.tokenizer.decode(ids, skip_special_tokens=True)
     assert ck.tokenizer.chat_template == ref.tokenizer.chat_template
-    assert ck.tokenizer.all_special_tokens == ref.tokenizer.all_special_tokens
+    assert ck.tokenizer.all_special_ids == ref.tokenizer.all_special_ids
     assert ck.eos_token_ids == ref.eos_token_ids
 
 
@@ -304,3 +309,170 @@ def test_default_model_matches_transformers_path(default_model_path):
         finally:
             engine.close()
     assert tokens[0] == tokens[1]
+
+
+# ---- a cached load without transformers --------------------------------------------------------------------
+
+_CHILD = """
+import json, sys
+from engine.loader import load_checkpoint
+ck = load_checkpoint(sys.argv[1])
+tok = ck.tokenizer
+ids = tok(sys.argv[2])["input_ids"]
+print(json.dumps({
+    "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers"),
+    "tokenizer": type(tok).__name__,
+    "config": type(ck.config).__name__,
+    "ids": ids,
+    "text": tok.decode(ids, skip_special_tokens=True),
+    "chat": tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False),
+    "eos": ck.eos_token_ids,
+    "tensors": sorted(ck.state_dict),
+}))
+"""
+
+
+def test_a_cached_load_imports_no_transformers(tiny_llama, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "fresh.gguf")
+    env = {**os.environ, "GAPLESS_CACHE_DIR": str(tmp_path / "cache")}
+    root = Path(__file__).resolve().parents[2]
+
+    def child() -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(path), TEXT], env=env, cwd=root, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first, second = child(), child()
+    assert first["transformers"] and first["tokenizer"] != "FastTokenizer"
+    assert second["transformers"] == [], second["transformers"]
+    assert (second["tokenizer"], second["config"]) == ("FastTokenizer", "CachedConfig")
+    for key in ("ids", "text", "chat", "eos", "tensors"):
+        assert second[key] == first[key], key
+
+
+def test_the_fast_tokenizer_stands_in_only_where_it_agrees(tiny_llama, tmp_path):
+    from engine.fast_tokenizer import disagreement, tokenizer_facts
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "probe.gguf")
+    ref = _reference(path).tokenizer
+    folder = tmp_path / "saved"
+    ref.save_pretrained(str(folder))
+    facts = tokenizer_facts(ref)
+    assert facts is not None and disagreement(FastTokenizer(folder / "tokenizer.json", facts), ref) is None
+    other = {**facts, "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    assert "chat template" in disagreement(FastTokenizer(folder / "tokenizer.json", other), ref)
+    changed = {**facts, "special_tokens_map": {}}
+    assert disagreement(FastTokenizer(folder / "tokenizer.json", changed), ref) == "the special tokens"
+    ref.clean_up_tokenization_spaces = True  # a decoding step the fast one does not have
+    assert tokenizer_facts(ref) is None
+
+
+@pytest.mark.parametrize(
+    "family, changes",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True, "head_dim": 24}),
+        ("mistral", {}),
+        ("qwen2", {"tie_word_embeddings": False}),
+        ("qwen3", {"attention_bias": True, "head_dim": 12}),
+    ],
+)
+def test_the_native_layout_is_the_model_classs(family, changes):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from engine.loader import _Layout
+
+    settings = dict(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    config = CONFIG_MAPPING[family](**{**settings, **changes})
+    layout = _Layout.of(config, "layout")
+    shapes, tied = gguf_native.native_layout(config)
+    assert list(shapes.items()) == list(layout.shapes.items())  # the same names, shapes and order
+    assert tied == layout.tied
+    names = "llama" if family == "mistral" else family  # the gguf package has no table of its own for Mistral
+    assert gguf_native.name_map(list(shapes), names, 2) == gguf_native.tensor_name_map(layout.model, names, 2)
+
+
+# ---- peak memory of a large load ---------------------------------------------------------------------------
+
+_MEASURE = """
+import json, os, resource, sys
+import numpy as np, torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from engine.loader import load_checkpoint
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+CONFIG_MAPPING["llama"]  # the imports a conversion makes, in the baseline: the bound is about the load's data
+before = resident()
+ck = load_checkpoint(sys.argv[1], dtype=torch.bfloat16)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+weights = sum(t.numel() * t.element_size() for t in ck.state_dict.values())
+
+import gguf
+from engine.gguf_header import read_gguf_header
+header = read_gguf_header(ck.source)
+t = next(t for t in header.tensors if t.name == "blk.3.attn_v.weight")
+raw = np.fromfile(ck.source, dtype=np.uint8, count=t.nbytes, offset=header.data_start + t.offset)
+ref = torch.from_numpy(gguf.quants.dequantize(raw.reshape(t.shape[0], -1), gguf.GGMLQuantizationType.Q8_0))
+print(json.dumps({
+    "growth": peak - before, "weights": weights, "file": os.path.getsize(ck.source), "tensors": len(ck.state_dict),
+    "params": sum(t.numel() for t in ck.state_dict.values()),
+    "same": torch.equal(ck.state_dict["model.layers.3.self_attn.v_proj.weight"], ref.to(torch.bfloat16)),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_a_1b_q8_0_gguf_loads_within_the_peak_memory_bound(tiny_llama, tmp_path):
+    """Peak RSS of a load, measured in a child process from just before it: at most the final weights + 25 %
+    + the mapped file, on a first launch (converting) and a cached one."""
+    import json
+    import subprocess
+    import sys
+
+    from gguf_fixtures import write_large_llama_q8_0
+
+    path = write_large_llama_q8_0(tmp_path / "large.Q8_0.gguf", tiny_llama)
+    env = {**os.environ, "GAPLESS_CACHE_DIR": str(tmp_path / "cache")}
+    for launch in ("first", "cached"):
+        out = subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(path)],
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = json.loads(out.stdout.splitlines()[-1])
+        assert got["tensors"] == 2 + 16 * 9 and 1.0e9 < got["params"] < 1.1e9
+        assert got["same"], "blk.3.attn_v.weight differs from the gguf package's de-quantisation"
+        bound = got["weights"] * 1.25 + got["file"]
+        assert got["growth"] <= bound, (
+            f"{launch} launch: peak RSS grew {got['growth'] / 2**20:.0f} MiB (bound {bound / 2**20:.0f})"
+        )
+
+
+def test_transformers_model_builds_from_a_cached_config(tiny_llama, tmp_path):
+    from engine.fallback import build_hf_model
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "hf.gguf")
+    first, second = load_checkpoint(str(path)), load_checkpoint(str(path))
+    assert type(second.config).__name__ == "CachedConfig"
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    with torch.no_grad():
+        want = build_hf_model(first.config, first.state_dict, torch.float32, torch.device("cpu"))(ids).logits
+        got = build_hf_model(second.config, second.state_dict, torch.float32, torch.device("cpu"))(ids).logits
+    assert torch.equal(got, want)

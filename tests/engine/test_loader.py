@@ -196,6 +196,7 @@ def test_gguf_rope_frequency_factors_are_applied_as_llama3_rope(tiny_llama, tmp_
     got = _our_logits(path, LONG_IDS)
     assert (expected - unscaled).abs().max() > 1e-2  # without the factors the answer would differ
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert torch.equal(_our_logits(path, LONG_IDS), got)  # from the converted cache, the same
 
 
 def test_gguf_linear_rope_scaling_is_read_and_other_kinds_refused(tiny_llama, tmp_path):
@@ -204,7 +205,9 @@ def test_gguf_linear_rope_scaling_is_read_and_other_kinds_refused(tiny_llama, tm
     path = hf_llama_to_gguf(tiny_llama, tmp_path / "linear.gguf", rope_scaling=("linear", 4.0))
     with torch.no_grad():
         expected = _hf_with_rope(tiny_llama, {"rope_type": "linear", "factor": 4.0})(input_ids=LONG_IDS).logits
-    torch.testing.assert_close(_our_logits(path, LONG_IDS), expected, atol=1e-4, rtol=0)
+    got = _our_logits(path, LONG_IDS)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert torch.equal(_our_logits(path, LONG_IDS), got)  # from the converted cache, the same
     yarn = hf_llama_to_gguf(tiny_llama, tmp_path / "yarn.gguf", rope_scaling=("yarn", 4.0))
     with pytest.raises(ModelLoadError, match="rope scaling 'yarn' in this GGUF is not supported"):
         load_checkpoint(str(yarn))

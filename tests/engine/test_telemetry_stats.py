@@ -84,12 +84,15 @@ def test_dram_bandwidth_estimate_of_a_generation_without_gpm():
     time / the card's peak, labelled an estimate, and never capped."""
     import torch
 
-    from engine.generate import _fill_telemetry
+    from engine.observers import LoopState, MonitorDrain
+    from engine.stream import StepClock
     from engine.types import GenerationMetrics
 
     asked = []
 
     class Runner:
+        device = torch.device("cuda")
+
         def bytes_per_step(self, pos):
             asked.append(pos)
             return 300e6
@@ -103,13 +106,21 @@ def test_dram_bandwidth_estimate_of_a_generation_without_gpm():
                 for m in ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")
             }
 
+    def run(durations):
+        """A finished generation of 20 prompt tokens whose decode steps took `durations` (the host clock's marks)."""
+        clock = StepClock(torch.device("cpu"))
+        clock.marks = [0.0]
+        for d in durations:
+            clock.marks.append(clock.marks[-1] + d)
+        return LoopState(Runner(), torch.zeros(20, dtype=torch.long), [], 0, clock, step=len(durations), t_end=1.0)
+
     m = GenerationMetrics(prompt_tokens=20, decode_steps=100)
     durations = [0.0001] * 50 + [0.00005] * 49 + [0.01]  # median 0.1 ms: 300 MB in it is 3 TB/s
-    _fill_telemetry(m, None, None, Monitor(), Runner(), torch.device("cuda"), 0.0, 1.0, durations, 20)
+    MonitorDrain(Monitor(), print).fill(run(durations), m)
     assert asked == [70]
     assert m.dram_bw_util_pct == pytest.approx(100 * 300e6 / 0.0001 / 4.8e12)
     assert m.dram_bw_util_source.startswith("DRAM bandwidth — estimate")
     assert "dram_bw_util_pct" not in m.unavailable
     fast = GenerationMetrics(prompt_tokens=20, decode_steps=100)
-    _fill_telemetry(fast, None, None, Monitor(), Runner(), torch.device("cuda"), 0.0, 1.0, [0.00001] * 10, 20)
+    MonitorDrain(Monitor(), print).fill(run([0.00001] * 10), fast)
     assert fast.dram_bw_util_pct == pytest.approx(625.0)  # shown as computed: the premise fails, not the figure

@@ -53,7 +53,7 @@ def cancel_on_first_text(engine, sampling):
 @pytest.mark.parametrize("sampling", ["device", "host"])
 @pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
 def test_stop_after_the_first_text_keeps_an_exact_prefix(engine, kv, sampling, candidates, monkeypatch):
-    import engine.generate as loop_module
+    import engine.observers as loop_module
 
     engine.reconfigure(CPU.with_(kv_cache=kv, sampling=sampling, candidates=candidates))
     full = engine.generate(MESSAGES, greedy(200))
@@ -364,7 +364,7 @@ def test_a_fault_inside_the_profiled_window_leaves_later_generations_profiled(en
 
 
 def test_out_of_memory_inside_the_window_retries_with_a_profiled_window(engine, monkeypatch):
-    import engine.generate as loop_module
+    import engine.observers as loop_module
 
     engine.reconfigure(CPU.with_(candidates=2))
     reference = engine.generate(MESSAGES, greedy(30))

@@ -1,0 +1,135 @@
+"""The decode loop's observers (engine.observers): what each is told, in which order, and what an observer can do
+to a generation (fill a figure, stop it)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.decode import StaticRunner
+from engine.engine import Engine
+from engine.generate import run_loop
+from engine.observers import HostReader, LoopState, StepObserver, TextFlush, reader_for
+from engine.sampling import SamplerKind
+from engine.stream import RowText
+from engine.types import EngineOptions, GenerationMetrics, RowFinished, SamplingParams, StepRecord, TextDelta
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = Engine.load(str(tiny_llama), EngineOptions(device="cpu"))
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+class Recorder(StepObserver):
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.metrics: GenerationMetrics | None = None
+        self.seen_at_finish = -1
+
+    def on_start(self, run: LoopState) -> None:
+        self.calls.append(("on_start", run.step))
+
+    def before_step(self, run: LoopState) -> None:
+        self.calls.append(("before_step", run.step))
+
+    def after_step(self, run: LoopState) -> None:
+        self.calls.append(("after_step", run.step))
+
+    def on_step(self, run: LoopState) -> None:
+        self.calls.append(("on_step", run.step))
+
+    def on_finish(self, run: LoopState) -> None:
+        self.calls.append(("on_finish", run.step))
+        self.seen_at_finish = run.seen
+
+    def fill(self, run: LoopState, metrics: GenerationMetrics) -> None:
+        self.calls.append(("fill", run.step))
+        self.metrics = metrics
+
+
+def loop(engine: Engine, observers, max_new: int = 10, cancel: threading.Event | None = None, eos=()):
+    """The loop on a fresh static runner of the engine's model, no EOS unless given: a greedy answer of max_new."""
+    runner = StaticRunner(engine.model, 1, 64, list(eos), engine.device, torch.float32)
+    runner.sampler.set_params(GREEDY)
+    prompt = torch.tensor(engine.tokenizer("hello world, the quick brown fox")["input_ids"], dtype=torch.long)
+    rows = [RowText(engine.tokenizer, set(eos), ())]
+    kind = SamplerKind.of(GREEDY)
+    observers = [o(runner) if callable(o) and not isinstance(o, StepObserver) else o for o in observers]
+    return run_loop(runner, prompt, kind, max_new, rows, cancel or threading.Event(), observers)
+
+
+def test_an_observer_is_told_every_step_in_order_and_sees_the_metrics(engine):
+    rec = Recorder()
+    result = loop(engine, [lambda r: reader_for(r, host_reads=False), rec])
+    steps = range(1, 10)  # 10 tokens: the prefill's and nine decode steps'
+    assert rec.calls == [
+        ("on_start", 0),
+        ("on_step", 0),
+        *[(hook, s) for s in steps for hook in ("before_step", "after_step", "on_step")],
+        ("on_finish", 9),
+        ("fill", 9),
+    ]
+    assert rec.seen_at_finish == 10  # the reader, listed first, had read every token when the recorder was told
+    assert rec.metrics is result.metrics
+    assert rec.metrics.decode_steps == 9 and rec.metrics.new_tokens == [10]
+    assert result.rows[0].finish == "length"
+
+
+def test_the_host_reader_and_the_device_reader_give_the_same_answer(engine):
+    device = loop(engine, [lambda r: reader_for(r, host_reads=False)]).rows[0]
+    host = loop(engine, [HostReader()]).rows[0]
+    assert len(host.tokens) == 10
+    assert (host.tokens, host.text) == (device.tokens, device.text)
+
+
+def test_a_loop_without_exactly_one_reader_is_refused(engine):
+    with pytest.raises(ValueError, match="one reader of its tokens among its observers, got 0"):
+        loop(engine, [Recorder()])
+    with pytest.raises(ValueError, match="got 2"):
+        loop(engine, [HostReader(), HostReader()])
+
+
+def test_an_observer_that_cancels_stops_the_loop_before_the_next_step(engine):
+    cancel = threading.Event()
+
+    class CancelAtStep3(StepObserver):
+        def on_step(self, run: LoopState) -> None:
+            if run.step == 3:
+                cancel.set()
+
+    rec = Recorder()
+    result = loop(engine, [HostReader(), CancelAtStep3(), rec], cancel=cancel)
+    assert [s for hook, s in rec.calls if hook == "before_step"] == [1, 2, 3]
+    assert result.rows[0].finish == "cancelled" and len(result.rows[0].tokens) == 4
+    assert result.metrics.decode_steps == 3
+
+
+def test_the_flush_streams_the_whole_answer_and_one_end_per_row(engine):
+    events: list = []
+    eos = loop(engine, [HostReader()]).rows[0].tokens[4]  # the fifth token ends the answer this time
+    result = loop(engine, [HostReader(), TextFlush(events.append)], eos=[eos])
+    row = result.rows[0]
+    assert row.finish == "eos" and row.tokens[-1] == eos and len(row.tokens) <= 5
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == row.text
+    assert [(e.candidate, e.reason) for e in events if isinstance(e, RowFinished)] == [(0, "eos")]
+    records = [e for e in events if isinstance(e, StepRecord)]
+    assert records[-1].step == result.metrics.decode_steps and records[-1].tokens_total == len(row.tokens)
+
+
+def test_an_observer_fills_the_figure_it_measured(engine):
+    class PeakMemoryByHand(StepObserver):
+        def fill(self, run: LoopState, metrics: GenerationMetrics) -> None:
+            metrics.put("peak_memory_bytes", 1234, "counted by hand in this test")
+
+    m = loop(engine, [HostReader(), PeakMemoryByHand()]).metrics
+    assert (m.peak_memory_bytes, m.peak_memory_source) == (1234, "counted by hand in this test")
+    assert "peak_memory_bytes" not in m.unavailable
+    assert m.unavailable["drafted_tokens"] == "speculation off"  # the loop's own: no speculator was given
