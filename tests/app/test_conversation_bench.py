@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from test_cli import gapless
+from cli_runner import gapless
 
 from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
 
