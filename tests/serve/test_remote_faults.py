@@ -16,7 +16,7 @@ from starlette.routing import Route
 from app.server.run import AsgiThread
 from engine.errors import GenerationError
 from engine.remote import RemoteEngine, RemoteSource
-from engine.types import SamplingParams, TextDelta
+from engine.types import GenerationResult, SamplingParams, TextDelta
 
 HELLO = [{"role": "user", "content": "hi"}]
 MODELS = ["garbage", "drop", "unfinished", "stall", "error500", "midstream-error", "llamacpp", "vllm"]
@@ -61,6 +61,12 @@ class StandIn:
             + "\n\n"
         )
 
+    @staticmethod
+    def usage_and_done() -> list[str]:
+        """The usage-only event both servers send after the last token, then the end of the stream."""
+        usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        return ["data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n", "data: [DONE]\n\n"]
+
     async def chat(self, request: Request):
         body = await request.json()
         model = body["model"]
@@ -85,25 +91,13 @@ class StandIn:
                 yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
             elif model == "llamacpp":
                 yield self.chunk("", "stop", timings={"prompt_ms": 12.5, "predicted_per_second": 88.0})
-                yield (
-                    "data: "
-                    + json.dumps(
-                        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
-                    )
-                    + "\n\n"
-                )
-                yield "data: [DONE]\n\n"
+                for event in self.usage_and_done():
+                    yield event
             elif model == "vllm":
                 self.vllm_requests += 1
                 yield self.chunk("", "length")
-                yield (
-                    "data: "
-                    + json.dumps(
-                        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
-                    )
-                    + "\n\n"
-                )
-                yield "data: [DONE]\n\n"
+                for event in self.usage_and_done():
+                    yield event
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -178,13 +172,17 @@ def test_an_http_error_gives_the_server_s_message(stand_in):
     assert text == ""
 
 
-def test_llama_cpp_timings_are_read_with_their_source(stand_in):
-    _, server = stand_in
-    engine = RemoteEngine.load(RemoteSource(server.url, "llamacpp"))
+def answer(server, model: str) -> GenerationResult:
+    engine = RemoteEngine.load(RemoteSource(server.url, model))
     try:
-        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+        return engine.generate(HELLO, SamplingParams(max_new_tokens=8))
     finally:
         engine.close()
+
+
+def test_llama_cpp_timings_are_read_with_their_source(stand_in):
+    _, server = stand_in
+    r = answer(server, "llamacpp")
     m = r.metrics
     assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
     assert (m.prompt_tokens, m.new_tokens_total) == (4, 3)
@@ -200,11 +198,7 @@ def test_llama_cpp_timings_are_read_with_their_source(stand_in):
 
 def test_vllm_metrics_are_read_with_their_source(stand_in):
     s, server = stand_in
-    engine = RemoteEngine.load(RemoteSource(server.url, "vllm"))
-    try:
-        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
-    finally:
-        engine.close()
+    r = answer(server, "vllm")
     m = r.metrics
     assert r.finish_reasons == ["length"]
     assert m.figure("server_running_requests").value == 3.0
