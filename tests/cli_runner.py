@@ -24,6 +24,13 @@ def gapless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def bench_argv(mode: str, model: Path, out: Path, *flags: str) -> list[str]:
+    """The arguments of `gapless bench <mode>` at its smallest on the CPU (one repeat of 4 tokens), writing its
+    JSON to `out`."""
+    smallest = ["--repeats", "1", "--max-new-tokens", "4"]
+    return ["bench", mode, "--model", str(model), "--device", "cpu", *flags, *smallest, "--json", str(out)]
+
+
 def generate_json(model: Path, prompt: str, *flags: str) -> dict:
     """`gapless generate --json` of `prompt` on the CPU: the command succeeds, and its JSON is returned."""
     r = gapless("generate", "--model", str(model), "--prompt", prompt, "--device", "cpu", *flags, "--json")
