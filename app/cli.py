@@ -10,6 +10,16 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from app import __version__
+from engine.types import (
+    DEVICES,
+    DTYPES,
+    KERNELS,
+    KV_MODES,
+    PRESETS,
+    SAMPLING_MODES,
+    SPECULATION_MODES,
+    WEIGHT_FORMATS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +48,7 @@ def _draft_tokens(value: str) -> int:
 def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculation",
-        choices=["off", "ngram", "draft"],
+        choices=SPECULATION_MODES,
         default=None,
         help="speculative decoding: drafts from the prompt and answer (ngram) or a smaller model (draft)",
     )
@@ -59,44 +69,43 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a GGUF file, or a Hugging Face folder")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default=None)
-    p.add_argument("--kv", choices=["static", "dynamic", "none"], default=None, help="KV cache mode")
-    p.add_argument("--sampling", choices=["device", "host"], default=None)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--kv", choices=KV_MODES, default=None, help="KV cache mode")
+    p.add_argument("--sampling", choices=SAMPLING_MODES, default=None)
+    _switch(p, "--compile", None)
+    _switch(p, "--cuda-graph", None)
     p.add_argument("--candidates", type=int, default=None)
     p.add_argument(
         "--kernels",
-        choices=["torch", "fused"],
+        choices=KERNELS,
         default=None,
         help="decode step kernels: torch modules, or fused Triton kernels (implies the static KV cache)",
     )
     p.add_argument(
         "--weights",
-        choices=["native", "int8", "int4"],
+        choices=WEIGHT_FORMATS,
         default=None,
         help="weight format of the linears: native (the dtype), int8 per channel, int4 in groups",
     )
     p.add_argument(
         "--preset",
         default=None,
-        help="start from a preset (naive, half, device-sampling, first-fixes, compile, cuda-graph, fused, "
-        "int8, candidates, speculation)",
+        help=f"start from a preset ({', '.join(PRESETS)})",
     )
     _add_speculation_options(p)
-    p.add_argument(
-        "--profile-window",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="trace a short window of decode steps for the kernel/op gap (default on)",
-    )
-    p.add_argument(
+    _switch(p, "--profile-window", None, "trace a short window of decode steps for the kernel/op gap (default on)")
+    _switch(
+        p,
         "--prefix-reuse",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="keep the KV cache between generations and compute only past the common prefix (default on)",
+        None,
+        "keep the KV cache between generations and compute only past the common prefix (default on)",
     )
+
+
+def _switch(p: argparse.ArgumentParser, flag: str, default: Optional[bool], help: Optional[str] = None) -> None:
+    """--flag and --no-flag: on, off, or `default` when neither is given."""
+    p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,28 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
     bench.add_argument("--model", default="default")
-    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--device", choices=DEVICES, default="auto")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the whole ladder)")
     bench.add_argument("--candidates", type=int, default=None, help="N for the candidates rung")
     bench.add_argument(
         "--kernels",
-        choices=["torch", "fused"],
+        choices=KERNELS,
         default=None,
         help="kernels of the candidates rung (fused: the fused Triton kernels in a CUDA graph)",
     )
-    bench.add_argument(
-        "--baseline",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time transformers generate() on the same model",
-    )
-    bench.add_argument(
+    _switch(bench, "--baseline", True, "also time transformers generate() on the same model")
+    _switch(
+        bench,
         "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)",
+        None,
+        "include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)",
     )
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
     bench.add_argument(
@@ -175,11 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the ladder: TTFT along a growing conversation, prefix reuse on against off",
     )
     bench.add_argument("--turns", type=int, default=10, help="with --conversation: the conversation's turns")
-    bench.add_argument(
+    _switch(
+        bench,
         "--prefix-reuse",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep the KV cache between generations (default on; a repeat then reuses its prompt)",
+        True,
+        "keep the KV cache between generations (default on; a repeat then reuses its prompt)",
     )
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
     bench.add_argument(

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from engine import figures
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
@@ -252,14 +252,7 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
     config = ConversationConfig(
         model=args.model, device=args.device, turns=args.turns, max_new_tokens=args.max_new_tokens, repeats=args.repeats
     )
-    report = run_conversation(
-        config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv)
-    )
-    print(format_conversation(report))
-    if args.json is not None:
-        write_json(args.json, report)
-        print(f"\nwritten: {args.json}")
-    return 0
+    return _report(args, run_conversation, config, format_conversation)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -272,28 +265,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if getattr(args, "speculation_workloads", False):
         from engine.bench_spec import format_workloads, run_speculation_workloads
 
-        report = run_speculation_workloads(
-            spec_config_from_args(args),
-            progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-            command=list(sys.argv),
-        )
-        print(format_workloads(report))
-        if args.json is not None:
-            write_json(args.json, report)
-            print(f"\nwritten: {args.json}")
-        return 0
+        return _report(args, run_speculation_workloads, spec_config_from_args(args), format_workloads)
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
 
-    config = config_from_args(args)
-    report = run_suite(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
-    print(format_table(report))
-    if args.json is not None:
-        write_json(args.json, report)
-        print(f"\nwritten: {args.json}")
-    return 0
+    return _report(args, run_suite, config_from_args(args), format_table)
 
 
 def run_quality_bench(args: argparse.Namespace) -> int:
@@ -302,8 +280,13 @@ def run_quality_bench(args: argparse.Namespace) -> int:
     config = QualityConfig(
         model=args.model, device=args.device, decode_tokens=min(args.max_new_tokens, 64), repeats=args.repeats
     )
-    report = run_quality(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
-    print(format_quality_table(report))
+    return _report(args, run_quality, config, format_quality_table)
+
+
+def _report(args: argparse.Namespace, run: Callable[..., Any], config: Any, table: Callable[[Any], str]) -> int:
+    """Run one benchmark with its progress on stderr, print its table, and write its JSON where --json says."""
+    report = run(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
+    print(table(report))
     if args.json is not None:
         write_json(args.json, report)
         print(f"\nwritten: {args.json}")

@@ -17,7 +17,7 @@ and what was dropped in `cut` (for the answer's stats line).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional, TypeVar
 
 from engine.errors import GenerationError
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, ROLES, ContextUse
@@ -220,21 +220,33 @@ def _keep(msgs: list[dict], drop: int) -> tuple[list[dict], int]:
     return [m for i, m in enumerate(msgs) if i not in gone], len(gone)
 
 
+Dropped = TypeVar("Dropped")
+
+
+def _fewest_dropped(
+    render: Render, budget: int, units: int, kept_after: Callable[[int], tuple[list[dict], Dropped]]
+) -> Optional[tuple[str, list[int], Dropped]]:
+    """The prompt with the fewest of `units` dropped (fewer dropped -> longer prompt) that fits `budget`, found by
+    bisection: (text, ids, what kept_after(k) says was dropped), or None when all of them dropped is still too long.
+    kept_after(k) -> (the messages kept with k units dropped, what was dropped)."""
+    lo, hi, best = 1, units, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kept, dropped = kept_after(mid)
+        text, ids = render(kept)
+        if len(ids) <= budget:
+            best, hi = (text, ids, dropped), mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
 def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]) -> Prompt:
     text, ids = render(msgs)
     if len(ids) <= budget:
         return Prompt(ids, text, 0, notices)
     droppable = sum(1 for m in msgs[:-1] if m["role"] != "system")
-    lo, hi = 1, droppable  # find the fewest dropped messages that fit (fewer dropped -> longer prompt)
-    best = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        kept, dropped = _keep(msgs, mid)
-        t, i = render(kept)
-        if len(i) <= budget:
-            best, hi = (t, i, dropped), mid - 1
-        else:
-            lo = mid + 1
+    best = _fewest_dropped(render, budget, droppable, lambda k: _keep(msgs, k))
     if best is not None:
         t, i, dropped = best
         what = _cut(notices, context, f"{_plural(dropped, 'oldest message')} dropped")
@@ -300,15 +312,7 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
         gone = sorted(i for u in units[:k] for i in u)
         return [m for i, m in enumerate(msgs) if i not in set(gone)], gone
 
-    lo, hi, best = 1, len(units), None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        kept, gone = kept_after(mid)
-        t, fitted = render(kept)
-        if len(fitted) <= budget:
-            best, hi = (t, fitted, gone), mid - 1
-        else:
-            lo = mid + 1
+    best = _fewest_dropped(render, budget, len(units), kept_after)
     if best is not None:
         t, fitted, gone = best
         what = _cut(notices, context, _middle_what(gone, convo))

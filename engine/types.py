@@ -59,33 +59,24 @@ class EngineOptions:
     prefix_reuse: bool = True  # keep the KV cache across generations; compute only past the common prefix
 
     def validate(self) -> "EngineOptions":
-        if self.device not in DEVICES:
-            raise OptionsError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise OptionsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache not in KV_MODES:
-            raise OptionsError(f"kv_cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
-        if self.sampling not in SAMPLING_MODES:
-            raise OptionsError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
-        if self.kernels not in KERNELS:
-            raise OptionsError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
-        if self.weights not in WEIGHT_FORMATS:
-            raise OptionsError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        choices = {
+            "device": DEVICES,
+            "dtype": DTYPES,
+            "kv_cache": KV_MODES,
+            "sampling": SAMPLING_MODES,
+            "kernels": KERNELS,
+            "weights": WEIGHT_FORMATS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise OptionsError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("compile", "cuda_graph", "profile_window", "prefix_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.candidates, int) or isinstance(self.candidates, bool):
-            raise OptionsError(f"candidates must be an integer, got {self.candidates!r}")
-        if not 1 <= self.candidates <= MAX_CANDIDATES:
-            raise OptionsError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
+        _check_int("candidates", self.candidates, 1, MAX_CANDIDATES)
         if self.speculation not in SPECULATION_MODES:
             raise OptionsError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
-        if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool):
-            raise OptionsError(f"draft_tokens must be an integer, got {self.draft_tokens!r}")
-        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise OptionsError(
-                f"draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (0 = adaptive), got {self.draft_tokens}"
-            )
+        _check_int("draft_tokens", self.draft_tokens, 0, MAX_DRAFT_TOKENS, f"1 and {MAX_DRAFT_TOKENS} (0 = adaptive)")
         if not isinstance(self.draft_model, str):
             raise OptionsError(f"draft_model must be a path (a string), got {self.draft_model!r}")
         return self
@@ -193,6 +184,15 @@ def preset_options(
     ).validate()
 
 
+def _check_int(name: str, value: Any, lo: int, hi: int, between: Optional[str] = None) -> None:
+    """`value` is an int (not a bool) in [lo, hi], else the OptionsError saying so; `between` words the range
+    when "lo and hi" would not."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OptionsError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise OptionsError(f"{name} must be between {between or f'{lo} and {hi}'}, got {value}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. temperature 0 means greedy."""
@@ -223,12 +223,7 @@ class SamplingParams:
         rp = finite("repetition_penalty", self.repetition_penalty)
         if not 0 < rp <= 10:
             raise OptionsError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
-            raise OptionsError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise OptionsError(
-                f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}"
-            )
+        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
         ):

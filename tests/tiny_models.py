@@ -27,6 +27,41 @@ FAMILY_CONFIGS = {
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"]),
 }
 
+# The layers of a tiny model: small enough that a test builds one in well under a second.
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+# SmolLM2-135M's architecture (30 layers, 576 wide, GQA 9/3, 49152 vocab), for checks at the default model's shape
+# with random weights.
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def greedy_continuation(model, prompt_ids: list[int], n: int, pad_token_id: Optional[int]) -> list[int]:
+    """transformers generate(), greedy: the n token ids `model` appends to prompt_ids, the engine's reference."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
 
 def make_tokenizer(vocab_size: int = 320):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -49,12 +84,8 @@ def make_config(family: str = "llama", vocab_size: int = 320, tie: bool = True, 
     from transformers import AutoConfig
 
     base = dict(
+        TINY_SHAPE,
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,

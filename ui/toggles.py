@@ -227,15 +227,13 @@ class TogglesPanel(QWidget):
         self._quiet = True
         try:
             self._options = options
-            for name in ("device", "dtype", "kv_cache", "sampling", "weights", "kernels", "speculation"):
-                c: QComboBox = self.controls[name]
-                c.setCurrentIndex(max(0, c.findData(getattr(options, name))))
-            self.compile.setChecked(options.compile)
-            self.cuda_graph.setChecked(options.cuda_graph)
-            self.candidates.setValue(options.candidates)
-            self.draft_tokens.setValue(options.draft_tokens)
-            self.profile_window.setChecked(options.profile_window)
-            self.prefix_reuse.setChecked(options.prefix_reuse)
+            for name, w in self.controls.items():
+                if isinstance(w, QComboBox):
+                    w.setCurrentIndex(max(0, w.findData(getattr(options, name))))
+                elif isinstance(w, QCheckBox):
+                    w.setChecked(getattr(options, name))
+                else:
+                    w.setValue(getattr(options, name))
             self._show_preset()
             self._apply_tooltips()
         finally:
@@ -342,21 +340,16 @@ class TogglesPanel(QWidget):
         return None
 
     def _read(self) -> EngineOptions:
-        return self._options.with_(
-            device=self.device.currentData(),
-            dtype=self.dtype.currentData(),
-            kv_cache=self.kv_cache.currentData(),
-            sampling=self.sampling.currentData(),
-            compile=self.compile.isChecked(),
-            cuda_graph=self.cuda_graph.isChecked(),
-            candidates=self.candidates.value(),
-            profile_window=self.profile_window.isChecked(),
-            kernels=self.kernels.currentData(),
-            weights=self.weights.currentData(),
-            speculation=self.speculation.currentData(),
-            draft_tokens=self.draft_tokens.value(),
-            prefix_reuse=self.prefix_reuse.isChecked(),
-        )
+        """The options the controls show: a combo box's data, a check box's state, a spin box's number."""
+        shown: dict[str, object] = {}
+        for name, w in self.controls.items():
+            if isinstance(w, QComboBox):
+                shown[name] = w.currentData()
+            elif isinstance(w, QCheckBox):
+                shown[name] = w.isChecked()
+            else:
+                shown[name] = w.value()
+        return self._options.with_(**shown)
 
     def _edited(self, name: str) -> None:
         if self._quiet:

@@ -262,15 +262,9 @@ def completion_object(req: Request, result: GenerationResult, queue_ms: float) -
             )
         else:
             choices.append({"index": i, "text": text, "finish_reason": FINISH[finish], "logprobs": None})
-    return {
-        "id": response_id(req),
-        "object": "chat.completion" if req.chat else "text_completion",
-        "created": req.created,
-        "model": req.model,
-        "choices": choices,
-        "usage": usage(result),
-        "x_gapless": gapless_figures(result.metrics, queue_ms),
-    }
+    return _response(
+        req, "chat.completion", choices, usage=usage(result), x_gapless=gapless_figures(result.metrics, queue_ms)
+    )
 
 
 def response_id(req: Request) -> str:
@@ -278,9 +272,15 @@ def response_id(req: Request) -> str:
 
 
 def chunk(req: Request, choices: list[dict], **extra: Any) -> dict[str, Any]:
+    return _response(req, "chat.completion.chunk", choices, **extra)
+
+
+def _response(req: Request, chat_object: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+    """A response or stream chunk: `chat_object` is its type for the chat endpoint (the text endpoint's is
+    always text_completion)."""
     return {
         "id": response_id(req),
-        "object": "chat.completion.chunk" if req.chat else "text_completion",
+        "object": chat_object if req.chat else "text_completion",
         "created": req.created,
         "model": req.model,
         "choices": choices,

@@ -19,6 +19,16 @@ INTERPRET_ENV = "GAPLESS_TRITON_INTERPRET"
 PDL_ENV = "GAPLESS_PDL"
 MIN_CAPABILITY = (7, 5)  # Triton's oldest supported NVIDIA architecture (Turing)
 PDL_CAPABILITY = (9, 0)  # griddepcontrol is Hopper and newer
+# The kernels of one fused decode step (engine/kernels/step_kernels.py), in launch order: five per layer, the head
+# and the greedy pick.
+STEP_KERNELS = (
+    "qkv_rope_kernel",
+    "decode_attention_kernel",
+    "gemv_residual_kernel",
+    "norm_gate_up_kernel",
+    "norm_head_kernel",
+    "greedy_accept_kernel",
+)
 
 
 def interpreting() -> bool:

@@ -5,8 +5,9 @@ row's result independent of how many rows run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -91,8 +92,18 @@ def _row_blocks(rows: int) -> int:
     return -(-rows // ROWS_PER_PROGRAM)
 
 
-def _opts(use_pdl: bool) -> dict:
-    return {"launch_pdl": True} if use_pdl else {}
+def _pdl(use_pdl: bool) -> dict:
+    """The kernel's USE_PDL constexpr and, when set, the launch option that lets it start before the previous
+    kernel ends."""
+    return {"USE_PDL": use_pdl, "launch_pdl": True} if use_pdl else {"USE_PDL": False}
+
+
+def _gemv_launch(kernel: Any, n: int, kdim: int, rows: int, use_pdl: bool) -> Callable[..., None]:
+    """The launch of a GEMV-shaped kernel, to call with the kernel's own arguments: programs over n outputs in
+    blocks of BLOCK_N and over the rows in blocks of ROWS_PER_PROGRAM, each reducing kdim inputs by BLOCK_K."""
+    block_n, block_k = gemv_blocks(n, kdim)
+    run = kernel[(-(-n // block_n), _row_blocks(rows))]
+    return partial(run, BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=block_n, BLOCK_K=block_k, **_pdl(use_pdl))
 
 
 def qkv_rope(
@@ -150,8 +161,7 @@ def qkv_rope(
         PAIRS=pairs,
         BLOCK_M=ROWS_PER_PROGRAM,
         BLOCK_K=qkv_block_k(dim, pairs),
-        USE_PDL=use_pdl,
-        **_opts(use_pdl),
+        **_pdl(use_pdl),
     )
 
 
@@ -183,8 +193,7 @@ def decode_attention(
         BLOCK_G=_pow2_ceil(group),
         BLOCK_D=_pow2_ceil(head_dim),
         BLOCK_S=attn_block_s(group, head_dim),
-        USE_PDL=use_pdl,
-        **_opts(use_pdl),
+        **_pdl(use_pdl),
     )
 
 
@@ -192,24 +201,11 @@ def gemv_residual(
     a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], x: torch.Tensor, use_pdl: bool = False
 ) -> None:
     """x += a @ w.T (+ b), in place: a [B, K], w [N, K], x [B, N]."""
-    k = _kernels()
     rows, kdim = a.shape
     n = w.shape[0]
-    block_n, block_k = gemv_blocks(n, kdim)
-    k.gemv_residual_kernel[(-(-n // block_n), _row_blocks(rows))](
-        a,
-        w,
-        b if b is not None else w,
-        x,
-        rows,
-        N=n,
-        K=kdim,
-        HAS_BIAS=b is not None,
-        BLOCK_M=ROWS_PER_PROGRAM,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        USE_PDL=use_pdl,
-        **_opts(use_pdl),
+    bias = b if b is not None else w
+    _gemv_launch(_kernels().gemv_residual_kernel, n, kdim, rows, use_pdl)(
+        a, w, bias, x, rows, N=n, K=kdim, HAS_BIAS=b is not None
     )
 
 
@@ -223,26 +219,11 @@ def norm_gate_up(
     use_pdl: bool = False,
 ) -> None:
     """out = silu(gate) * up of RMSNorm(x): w [2 I, dim], out [B, I]."""
-    k = _kernels()
     rows, dim = x.shape
     inter = out.shape[1]
-    block_n, block_k = gemv_blocks(inter, dim)
-    k.norm_gate_up_kernel[(-(-inter // block_n), _row_blocks(rows))](
-        x,
-        norm_w,
-        w,
-        b if b is not None else w,
-        out,
-        rows,
-        eps,
-        DIM=dim,
-        INTER=inter,
-        HAS_BIAS=b is not None,
-        BLOCK_M=ROWS_PER_PROGRAM,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        USE_PDL=use_pdl,
-        **_opts(use_pdl),
+    bias = b if b is not None else w
+    _gemv_launch(_kernels().norm_gate_up_kernel, inter, dim, rows, use_pdl)(
+        x, norm_w, w, bias, out, rows, eps, DIM=dim, INTER=inter, HAS_BIAS=b is not None
     )
 
 
@@ -261,26 +242,10 @@ def norm_head(
     use_pdl: bool = False,
 ) -> None:
     """logits [B, V] fp32 of RMSNorm(x) @ w.T, and each vocabulary block's max and first index: pmax/pidx [B, blocks]."""
-    k = _kernels()
     rows, dim = x.shape
     vocab = w.shape[0]
-    block_n, block_k = gemv_blocks(vocab, dim)
-    k.norm_head_kernel[(-(-vocab // block_n), _row_blocks(rows))](
-        x,
-        norm_w,
-        w,
-        logits,
-        pmax,
-        pidx,
-        rows,
-        eps,
-        vocab,
-        DIM=dim,
-        BLOCK_M=ROWS_PER_PROGRAM,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        USE_PDL=use_pdl,
-        **_opts(use_pdl),
+    _gemv_launch(_kernels().norm_head_kernel, vocab, dim, rows, use_pdl)(
+        x, norm_w, w, logits, pmax, pidx, rows, eps, vocab, DIM=dim
     )
 
 
@@ -316,6 +281,5 @@ def greedy_accept(
         BLOCK_B=MAX_ROWS,
         BLOCK_P=min(64, _pow2_ceil(blocks)),
         BLOCK_E=_pow2_ceil(eos.numel()),
-        USE_PDL=use_pdl,
-        **_opts(use_pdl),
+        **_pdl(use_pdl),
     )

@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def gapless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-    )
+from cli_runner import gapless, generate_json
 
 
 def test_help_lists_the_subcommands():
@@ -35,30 +24,8 @@ def test_version():
 
 
 def test_generate_json_on_a_tiny_model(tiny_llama):
-    r = gapless(
-        "generate",
-        "--model",
-        str(tiny_llama),
-        "--prompt",
-        "hello world",
-        "--max-new-tokens",
-        "12",
-        "--device",
-        "cpu",
-        "--kv",
-        "dynamic",
-        "--sampling",
-        "host",
-        "--candidates",
-        "2",
-        "--seed",
-        "3",
-        "--temperature",
-        "0.7",
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    flags = "--max-new-tokens 12 --kv dynamic --sampling host --candidates 2 --seed 3 --temperature 0.7"
+    out = generate_json(tiny_llama, "hello world", *flags.split())
     assert len(out["texts"]) == 2 and len(out["token_ids"]) == 2
     assert all(1 <= len(t) <= 12 for t in out["token_ids"])
     assert out["options"]["kv_cache"] == "dynamic" and out["options"]["sampling"] == "host"
@@ -98,26 +65,11 @@ def test_generate_streams_text_and_matches_json(tiny_llama):
 
 
 def test_raw_completion_skips_the_template(tiny_llama):
-    r = gapless(
-        "generate",
-        "--model",
-        str(tiny_llama),
-        "--prompt",
-        "hello world",
-        "--raw",
-        "--max-new-tokens",
-        "4",
-        "--device",
-        "cpu",
-        "--temperature",
-        "0",
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
+    out = generate_json(tiny_llama, "hello world", "--raw", "--max-new-tokens", "4", "--temperature", "0")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    assert json.loads(r.stdout)["metrics"]["prompt_tokens"] == len(tok("hello world")["input_ids"])
+    assert out["metrics"]["prompt_tokens"] == len(tok("hello world")["input_ids"])
 
 
 @pytest.mark.parametrize(

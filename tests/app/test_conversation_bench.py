@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from test_cli import gapless
+from cli_runner import bench_argv, gapless
 
 from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
 
@@ -38,22 +38,7 @@ def test_the_report_compares_reuse_with_none_turn_by_turn(tiny_factory):
 def test_the_command_writes_json(tiny_factory, tmp_path):
     path = tiny_factory("llama", max_position_embeddings=4096)
     out = tmp_path / "conv.json"
-    r = gapless(
-        "bench",
-        "--conversation",
-        "--model",
-        str(path),
-        "--device",
-        "cpu",
-        "--turns",
-        "2",
-        "--repeats",
-        "1",
-        "--max-new-tokens",
-        "4",
-        "--json",
-        str(out),
-    )
+    r = gapless(*bench_argv("--conversation", path, out, "--turns", "2"))
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["benchmark"] == "conversation" and len(report["turns"]) == 2

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from test_cli import gapless
+from cli_runner import generate_json
 
 from app.cli import build_parser
 from app.cmd_bench import config_from_args
@@ -32,21 +30,7 @@ def test_a_preset_keeps_the_switch():
 
 
 def test_generate_json_reports_the_reuse_figures(tiny_llama):
-    r = gapless(
-        "generate",
-        "--model",
-        str(tiny_llama),
-        "--prompt",
-        "hello world",
-        "--max-new-tokens",
-        "4",
-        "--device",
-        "cpu",
-        "--no-prefix-reuse",
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = generate_json(tiny_llama, "hello world", "--max-new-tokens", "4", "--no-prefix-reuse")
     assert out["options"]["prefix_reuse"] is False
     m = out["metrics"]
     assert m["prompt_reused_tokens"] == 0 and m["prompt_computed_tokens"] == m["prompt_tokens"]

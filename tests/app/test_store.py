@@ -6,6 +6,7 @@ import logging
 import sqlite3
 
 import pytest
+from chat_threads import chain, streaming_answer
 
 from app.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, CompareHistory, StoreError, StreamSaver
 from engine.types import EngineOptions, GenerationMetrics, SamplingParams
@@ -90,10 +91,7 @@ def test_nul_character_survives(store):
 
 def test_edit_and_resend_creates_a_branch_and_both_stay_reachable(store):
     chat = store.create_chat()
-    u1 = store.add_message(chat.id, "user", "q1", None)
-    a1 = store.add_message(chat.id, "assistant", "a1", u1.id)
-    u2 = store.add_message(chat.id, "user", "q2", a1.id)
-    a2 = store.add_message(chat.id, "assistant", "a2", u2.id)
+    u1, a1, u2, a2 = chain(store, chat.id, "q1", "a1", "q2", "a2")
     # Edit q2 and resend: a sibling of u2 under the same parent.
     u2b = store.add_message(chat.id, "user", "q2 edited", a1.id)
     a2b = store.add_message(chat.id, "assistant", "a2 edited", u2b.id)
@@ -147,11 +145,9 @@ def test_search_titles_and_content(store):
 
 def test_delete_message_cascades_and_fixes_the_active_leaf(store):
     chat = store.create_chat()
-    u1 = store.add_message(chat.id, "user", "q1", None)
-    a1 = store.add_message(chat.id, "assistant", "a1", u1.id)
+    u1, a1 = chain(store, chat.id, "q1", "a1")
     a1b = store.add_message(chat.id, "assistant", "a1 regenerated", u1.id)
-    u2 = store.add_message(chat.id, "user", "q2", a1b.id)
-    store.add_message(chat.id, "assistant", "a2", u2.id)
+    chain(store, chat.id, "q2", "a2", parent=a1b.id)
     store.delete_message(a1b.id)  # with q2 and a2 below it
     assert store.count_messages(chat.id) == 2
     assert texts(store.thread(chat.id)) == ["q1", "a1"]  # the remaining branch
@@ -185,9 +181,7 @@ def test_delete_chat_cascades_to_messages(store):
 def test_streaming_answer_becomes_stopped_on_reopen(tmp_path):
     path = tmp_path / "c.sqlite3"
     s = ChatStore(path)
-    chat = s.create_chat()
-    u = s.add_message(chat.id, "user", "q", None)
-    a = s.add_message(chat.id, "assistant", "", u.id, status="streaming")
+    _, _, a = streaming_answer(s, "q")
     saver = StreamSaver(s, a.id, min_interval_s=0.0)
     saver.append("partial ")
     saver.append("answer")

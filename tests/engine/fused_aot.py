@@ -29,40 +29,14 @@ TYPES = {
     torch.int32: "i32",
     torch.bool: "i1",
 }
+_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size")
 SHAPES = {  # SmolLM2-135M's, and small Qwen-like ones with a bias or q/k norm (head_dim 128)
-    "llama": dict(
-        dim=576,
-        n_layers=2,
-        n_heads=9,
-        n_kv_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        vocab_size=49152,
-        qkv_bias=False,
-        qk_norm=False,
-    ),
-    "qwen2": dict(
-        dim=896,
-        n_layers=2,
-        n_heads=14,
-        n_kv_heads=2,
-        head_dim=64,
-        intermediate_size=4864,
-        vocab_size=4096,
-        qkv_bias=True,
-        qk_norm=False,
-    ),
-    "qwen3": dict(
-        dim=1024,
-        n_layers=2,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=4096,
-        qkv_bias=False,
-        qk_norm=True,
-    ),
+    family: dict(zip(_SHAPE_FIELDS, sizes), qkv_bias=qkv_bias, qk_norm=qk_norm)
+    for family, sizes, qkv_bias, qk_norm in (
+        ("llama", (576, 2, 9, 3, 64, 1536, 49152), False, False),
+        ("qwen2", (896, 2, 14, 2, 64, 4864, 4096), True, False),
+        ("qwen3", (1024, 2, 16, 8, 128, 3072, 4096), False, True),
+    )
 }
 
 

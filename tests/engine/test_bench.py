@@ -89,21 +89,8 @@ def test_validate_rejects_bad_configs():
 
 
 def test_config_from_args():
-    args = argparse.Namespace(
-        model="m.gguf",
-        device="cpu",
-        max_new_tokens=16,
-        repeats=2,
-        presets="naive, first-fixes",
-        candidates=None,
-        baseline=False,
-        compile=None,
-        prompt=None,
-        json=None,
-        speculation=None,
-        draft_tokens=None,
-        draft_model=None,
-    )
+    args = bench_args("m.gguf", None, max_new_tokens=16, repeats=2, presets="naive, first-fixes", prompt=None)
+    args.speculation = args.draft_tokens = args.draft_model = None
     c = config_from_args(args)
     assert c.presets == ("naive", "first-fixes") and c.baseline is False and c.prompt
     assert (c.speculation, c.draft_tokens, c.draft_model) == ("ngram", 0, "")

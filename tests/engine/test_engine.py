@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from tiny_models import greedy_continuation
 
 from engine.engine import Engine
 from engine.errors import GenerationError, OptionsError
@@ -22,15 +23,7 @@ def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=model.config.eos_token_id,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    return greedy_continuation(model, prompt_ids, n, model.config.eos_token_id)
 
 
 @pytest.fixture(scope="module")
@@ -301,10 +294,11 @@ class StepAsCaptured:
         self.runner.bucket_step(self.bucket, self.kind, self.k)
 
 
-def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switched_off(tiny_factory, monkeypatch):
+def graphs_on_cpu(monkeypatch) -> list[StepAsCaptured]:
+    """CUDA graphs on the CPU: the engine offers them with the static cache, as on a GPU, and each capture
+    records a StepAsCaptured, into the list returned."""
     from engine.decode import StaticRunner
 
-    path = tiny_factory("llama", max_position_embeddings=1024)
     captured: list[StepAsCaptured] = []
 
     def capture(self, bucket, kind, k=None):
@@ -313,14 +307,20 @@ def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switc
 
     real_unavailable = Engine.unavailable
 
-    def graphs_on_cpu(self, options=None):
+    def unavailable(self, options=None):
         out = real_unavailable(self, options)
         if (options or self.options).kv_cache == "static":
             out.pop("cuda_graph", None)
         return out
 
     monkeypatch.setattr(StaticRunner, "_capture", capture)
-    monkeypatch.setattr(Engine, "unavailable", graphs_on_cpu)
+    monkeypatch.setattr(Engine, "unavailable", unavailable)
+    return captured
+
+
+def test_the_graph_step_matches_transformers_across_buckets_and_stops_when_switched_off(tiny_factory, monkeypatch):
+    path = tiny_factory("llama", max_position_embeddings=1024)
+    captured = graphs_on_cpu(monkeypatch)
     eng = Engine.load(str(path), CPU.with_(cuda_graph=True))
     try:
         n = 300  # prompt + 300 positions cross the first 256-position bucket

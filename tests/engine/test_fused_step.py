@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from test_model_golden import hf_model, hf_state  # noqa: E402
+from tiny_models import SMOLLM2  # noqa: E402
 
 from engine.decode import StaticRunner  # noqa: E402
 from engine.kernels import interpreting, launch  # noqa: E402
@@ -154,18 +155,7 @@ def test_runner_prefill_and_steps_give_the_static_runners_tokens():
 def test_greedy_tokens_equal_eager_over_32_steps_on_smollm2_shape():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    )
+    cfg = LlamaConfig(**dict(SMOLLM2, max_position_embeddings=2048))
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg)
     model = build_transformer(cfg, hf_state(hf), torch.float32, CPU)

@@ -9,6 +9,7 @@ from typing import Optional
 import pynvml
 import pytest
 import torch
+from fake_nvml import FakeNVMLError, NVMLConstants
 
 from engine.telemetry.machine import describe_machine
 from engine.telemetry.monitor import GPU_METRICS, Monitor, estimate_dram_bw_util
@@ -16,27 +17,10 @@ from engine.telemetry.monitor import GPU_METRICS, Monitor, estimate_dram_bw_util
 CUDA = torch.device("cuda", 0)
 
 
-class FakeNVMLError(Exception):
-    def __init__(self, value: int):
-        super().__init__(value)
-        self.value = value
-
-    def __str__(self) -> str:
-        return {3: "Not Supported", 6: "Not Found", 12: "NVML Shared Library Not Found", 15: "GPU is lost"}.get(
-            self.value, f"error {self.value}"
-        )
-
-
-class FakeNVML:
+class FakeNVML(NVMLConstants):
     """The subset of pynvml the monitor uses. `fail` maps a function name to the call number (1-based)
     from which it raises `fail_code`; `gpm_metric_errors` gives per-metric return codes."""
 
-    NVMLError = FakeNVMLError
-    NVML_SUCCESS = 0
-    NVML_ERROR_NOT_FOUND = 6
-    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
-    NVML_CLOCK_MEM = pynvml.NVML_CLOCK_MEM
-    NVML_GPU_UTILIZATION_SAMPLES = pynvml.NVML_GPU_UTILIZATION_SAMPLES
     NVML_GPM_METRIC_SM_UTIL = pynvml.NVML_GPM_METRIC_SM_UTIL
     NVML_GPM_METRIC_SM_OCCUPANCY = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
     NVML_GPM_METRIC_DRAM_BW_UTIL = pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+from cli_runner import bench_argv
+
 from app.cli import main
 from engine.quality import QualityConfig, format_quality_table, run_quality
 
@@ -34,25 +36,7 @@ def test_quality_report_per_format(tiny_llama, monkeypatch):
 
 def test_bench_quality_cli_writes_json(tiny_llama, tmp_path, capsys):
     out = tmp_path / "quality.json"
-    assert (
-        main(
-            [
-                "bench",
-                "--quality",
-                "--model",
-                str(tiny_llama),
-                "--device",
-                "cpu",
-                "--repeats",
-                "1",
-                "--max-new-tokens",
-                "4",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert main(bench_argv("--quality", tiny_llama, out)) == 0
     data = json.loads(out.read_text())
     assert data["kind"] == "quality" and [f["label"] for f in data["formats"]] == ["fp32", "bf16", "int8", "int4"]
     assert all(f["status"] == "ok" for f in data["formats"])

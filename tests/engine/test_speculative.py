@@ -296,26 +296,10 @@ def test_step_records_count_several_tokens_per_step(llama_engine_spec):
 def test_the_graph_verify_step_matches_plain_decoding(tiny_factory, monkeypatch):
     """Static shapes as compiled and captured: drafts padded to one of the adaptive lengths, the mask over a
     whole context bucket (the captured step stands in for the graph on the CPU, as in test_engine)."""
-    from test_engine import StepAsCaptured
-
-    from engine.decode import StaticRunner
+    from test_engine import graphs_on_cpu
 
     path = tiny_factory("llama", max_position_embeddings=1024)
-    captured: list[StepAsCaptured] = []
-
-    def capture(self, bucket, kind, k=None):
-        captured.append(StepAsCaptured(self, bucket, kind, k))
-        self.graphs[self._graph_key(bucket, kind, k)] = captured[-1]
-
-    real_unavailable = Engine.unavailable
-
-    def graphs_on_cpu(self, options=None):
-        out = real_unavailable(self, options)
-        out.pop("cuda_graph", None)
-        return out
-
-    monkeypatch.setattr(StaticRunner, "_capture", capture)
-    monkeypatch.setattr(Engine, "unavailable", graphs_on_cpu)
+    captured = graphs_on_cpu(monkeypatch)
     eng = Engine.load(str(path), CPU)
     try:
         sampling = SamplingParams(temperature=0, max_new_tokens=300)  # crosses the 256-position bucket

@@ -19,14 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-FUSED_KERNELS = (
-    "qkv_rope_kernel",
-    "decode_attention_kernel",
-    "gemv_residual_kernel",
-    "norm_gate_up_kernel",
-    "norm_head_kernel",
-    "greedy_accept_kernel",
-)
+from engine.kernels import STEP_KERNELS
+
 # (name, N outputs, K inputs): the 576x960, 576x576, 576x3072, 1536x576 and 576x49152 (K x N)
 GEMV_SHAPES = (
     ("qkv_rope", 960, 576),
@@ -47,7 +41,7 @@ TARGETS = {
 def fused_kind(name: str) -> str:
     from gpu.gpu_check import kernel_kind
 
-    return name if name in FUSED_KERNELS else f"torch {kernel_kind(name)}"
+    return name if name in STEP_KERNELS else f"torch {kernel_kind(name)}"
 
 
 def overlapping_pairs(trace: dict) -> int:
@@ -189,7 +183,7 @@ def speed(folder: Path, device: str, pdl: bool, progress: Callable[[str], None],
         trace = _export_trace(prof) or {}
         names = [e["name"] for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
         steps = names.count("greedy_accept_kernel")
-        ours = sum(1 for n in names if n in FUSED_KERNELS)
+        ours = sum(1 for n in names if n in STEP_KERNELS)
         layers = eng.model.args.n_layers
         out["trace"] = {
             "decode_steps": steps,

@@ -29,21 +29,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # gpu.fused_check, when run as a script
 
 import torch  # noqa: E402
+from tiny_models import SMOLLM2, TINY_SHAPE  # noqa: E402
 
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 PROMPT = "Explain in two sentences why small language models are often slow on large GPUs."
 
 
@@ -77,16 +64,7 @@ def make_model_folder(path: Path, shape: dict, seed: int = 0) -> Path:
     return path
 
 
-TINY = dict(
-    SMOLLM2,
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
+TINY = dict(SMOLLM2, **TINY_SHAPE, vocab_size=512, max_position_embeddings=1024)
 
 
 SECTIONS = (

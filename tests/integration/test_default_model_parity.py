@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import greedy_continuation
 
 from engine.engine import Engine
 from engine.fallback import build_hf_model
@@ -32,15 +33,7 @@ def reference(engine):
         torch.float32, torch.device("cpu")
     )  # re-read from the GGUF: the engine holds none
     model = build_hf_model(engine.config, weights, torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=N,
-            do_sample=False,
-            pad_token_id=engine.eos_ids[0],
-        )
-    return out[0, len(ids) :].tolist()
+    return greedy_continuation(model, ids, N, engine.eos_ids[0])
 
 
 def test_default_model_identity(engine):

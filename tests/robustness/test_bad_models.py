@@ -51,22 +51,26 @@ def test_payload_is_live(tmp_path):
     assert control.exists()
 
 
-@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".PT"])
-def test_pickle_file_is_refused_before_unpickling(tmp_path, marker, suffix):
-    path = tmp_path / f"model{suffix}"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".PT")
+
+
+@pytest.mark.parametrize(
+    "name, cls, match",
+    [
+        *[(f"model{suffix}", UnsafeModelError, "pickle") for suffix in PICKLE_SUFFIXES],
+        pytest.param("weights", UnsafeModelError, "pickle", id="zip-pickle-without-suffix-is-recognised"),
+        pytest.param("model.gguf", ModelLoadError, "not a GGUF file", id="pickle-disguised-as-gguf"),
+    ],
+)
+def test_pickle_file_is_refused_before_unpickling(tmp_path, marker, name, cls, match):
+    path = tmp_path / name
     torch.save({"weight": Payload(marker)}, path)  # the zip + pickle format of a real checkpoint
-    _refused(UnsafeModelError, path, "pickle")
+    _refused(cls, path, match)
 
 
 def test_bare_pickle_without_suffix_is_recognised(tmp_path, marker):
     path = tmp_path / "model"
     path.write_bytes(pickle.dumps({"weight": Payload(marker)}, protocol=4))
-    _refused(UnsafeModelError, path, "pickle")
-
-
-def test_zip_pickle_without_suffix_is_recognised(tmp_path, marker):
-    path = tmp_path / "weights"
-    torch.save({"weight": Payload(marker)}, path)
     _refused(UnsafeModelError, path, "pickle")
 
 
@@ -82,12 +86,6 @@ def test_folder_with_safetensors_and_pickle_uses_safetensors(tiny_llama, tmp_pat
     folder = shutil.copytree(tiny_llama, tmp_path / "both")
     torch.save({"model.embed_tokens.weight": Payload(marker)}, folder / "pytorch_model.bin")
     assert load_checkpoint(str(folder)).source_kind == "hf-folder"
-
-
-def test_pickle_disguised_as_gguf(tmp_path, marker):
-    path = tmp_path / "model.gguf"
-    torch.save({"weight": Payload(marker)}, path)
-    _refused(ModelLoadError, path, "not a GGUF file")
 
 
 def test_pickle_disguised_as_safetensors(tiny_llama, tmp_path, marker):

@@ -8,9 +8,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-import pynvml
 import pytest
 import torch
+from fake_nvml import FakeNVMLError, NVMLConstants
 from worker_gate import on_first_batch
 
 from engine.engine import Engine
@@ -155,25 +155,9 @@ def test_switch_to_a_broken_model_while_generating_keeps_the_old_one(qtbot, ctl,
 # ---- NVML lost during a real generation -------------------------------------------------------------------
 
 
-class NVMLError(Exception):
-    def __init__(self, value: int):
-        super().__init__(value)
-        self.value = value
-
-    def __str__(self) -> str:
-        return {3: "Not Supported", 15: "GPU is lost"}.get(self.value, f"error {self.value}")
-
-
-class LosableNVML:
+class LosableNVML(NVMLConstants):
     """The NVML calls the monitor makes, answering until `lost` is set, then failing as a fallen-off GPU does
     (NVML_ERROR_GPU_IS_LOST). Utilization samples and GPM are not supported, as on many consumer cards."""
-
-    NVMLError = NVMLError
-    NVML_SUCCESS = 0
-    NVML_ERROR_NOT_FOUND = 6
-    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
-    NVML_CLOCK_MEM = pynvml.NVML_CLOCK_MEM
-    NVML_GPU_UTILIZATION_SAMPLES = pynvml.NVML_GPU_UTILIZATION_SAMPLES
 
     def __init__(self):
         self.lost = threading.Event()
@@ -182,7 +166,7 @@ class LosableNVML:
     def _answer(self, value):
         if self.lost.is_set():
             self.failed_calls += 1
-            raise NVMLError(15)
+            raise FakeNVMLError(15)
         return value
 
     def nvmlInit(self):
@@ -204,7 +188,7 @@ class LosableNVML:
         return self._answer(5120)
 
     def nvmlDeviceGetSamples(self, h, kind, last_ts):
-        raise NVMLError(3)
+        raise FakeNVMLError(3)
 
     def nvmlDeviceGetUtilizationRates(self, h):
         return self._answer(SimpleNamespace(gpu=55, memory=20))
@@ -238,12 +222,19 @@ def wait_for_gpu_sample(monitor: Monitor) -> None:
         time.sleep(0.01)
 
 
-def test_nvml_lost_in_the_middle_of_a_generation(engine, nvml_engine):
+@pytest.fixture
+def sampled_nvml_engine(engine, nvml_engine):
+    """nvml_engine once its monitor has read the GPU, with the answer it must keep giving (read on `engine`)."""
     eng, nvml = nvml_engine
     engine.reconfigure(CPU.with_(kv_cache="none"))
     reference = engine.generate(MESSAGES, greedy(150))
     engine.reconfigure(CPU)
     wait_for_gpu_sample(eng.monitor)
+    return eng, nvml, reference
+
+
+def test_nvml_lost_in_the_middle_of_a_generation(sampled_nvml_engine):
+    eng, nvml, reference = sampled_nvml_engine
     samples: list[MonitorSample] = []
 
     def on_event(e):
@@ -274,12 +265,8 @@ def test_nvml_lost_in_the_middle_of_a_generation(engine, nvml_engine):
         assert m.gpu_util_source == "GPU util — NVML utilization rates"
 
 
-def test_nvml_lost_before_a_generation_gives_na_with_the_reason(engine, nvml_engine):
-    eng, nvml = nvml_engine
-    engine.reconfigure(CPU.with_(kv_cache="none"))
-    reference = engine.generate(MESSAGES, greedy(150))
-    engine.reconfigure(CPU)
-    wait_for_gpu_sample(eng.monitor)
+def test_nvml_lost_before_a_generation_gives_na_with_the_reason(sampled_nvml_engine):
+    eng, nvml, reference = sampled_nvml_engine
     nvml.lost.set()
     deadline = time.monotonic() + 30
     while "gpu_util_pct" not in eng.monitor.unavailable:

@@ -7,13 +7,11 @@ a notice when the answer can still come, one line on stderr and exit 2 when it c
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import gapless, generate_json
 
 from engine.decode import StaticRunner
 from engine.engine import Engine
@@ -54,19 +52,6 @@ def prefill_ids(monkeypatch) -> list[list[int]]:
 def template_ids(tokenizer, messages: list[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def gapless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="utf-8")
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args],
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
 
 
 def one_error_line(r: subprocess.CompletedProcess) -> str:
@@ -173,23 +158,7 @@ def test_max_new_tokens_beyond_the_context_is_capped_with_a_notice(engine):
 def test_cli_any_script_prompt(tiny_llama):
     from transformers import AutoTokenizer
 
-    r = gapless(
-        "generate",
-        "--model",
-        str(tiny_llama),
-        "--prompt",
-        WORLD,
-        "--raw",
-        "--max-new-tokens",
-        "6",
-        "--device",
-        "cpu",
-        "--temperature",
-        "0",
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = generate_json(tiny_llama, WORLD, "--raw", "--max-new-tokens", "6", "--temperature", "0")
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     assert out["metrics"]["prompt_tokens"] == len(tok(WORLD)["input_ids"])
     assert out["notices"] == [] and len(out["token_ids"][0]) >= 1
@@ -249,22 +218,7 @@ def test_cli_prompt_longer_than_the_context_still_answers(tiny_llama):
 
 
 def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
-    r = gapless(
-        "generate",
-        "--model",
-        str(tiny_llama),
-        "--prompt",
-        "hello",
-        "--max-new-tokens",
-        "100000",
-        "--device",
-        "cpu",
-        "--temperature",
-        "0",
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = generate_json(tiny_llama, "hello", "--max-new-tokens", "100000", "--temperature", "0")
     room = 256 - out["metrics"]["prompt_tokens"]
     assert out["notices"] == [f"answer limited to {room} tokens by the 256-token context"]
     assert 1 <= len(out["token_ids"][0]) <= room

@@ -145,6 +145,18 @@ class SoakFigures:
     wall_ms: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
 
+    def generated(self, i: int) -> None:
+        """Generation i is done and checked: the RSS is taken once the warm-up is over."""
+        if i + 1 == self.warmup:
+            gc.collect()
+            self.rss_after_warmup = rss_bytes()
+
+    def ran_all(self) -> None:
+        """Every generation is done, the engine still open: the RSS and threads at the end."""
+        gc.collect()
+        self.rss_at_end = rss_bytes()
+        self.threads_during = ThreadCensus.now()
+
     @property
     def rss_growth_pct(self) -> float:
         return 100.0 * (self.rss_at_end - self.rss_after_warmup) / self.rss_after_warmup
@@ -219,12 +231,8 @@ def soak_engine(model: str, n: int = 1000, warmup: int = 100) -> SoakFigures:
             fig.cpu_ms.append(1e3 * (time.process_time() - c0))
             fig.wall_ms.append(1e3 * (time.perf_counter() - w0))
             check_result(result, step, streamed)
-            if i + 1 == warmup:
-                gc.collect()
-                fig.rss_after_warmup = rss_bytes()
-        gc.collect()
-        fig.rss_at_end = rss_bytes()
-        fig.threads_during = ThreadCensus.now()
+            fig.generated(i)
+        fig.ran_all()
         assert len(eng._runners) <= 9, "one runner per (KV mode, candidates) at most"
     finally:
         eng.close()
@@ -294,12 +302,8 @@ def soak_controller(model: str, n: int = 100, warmup: int = 20) -> SoakFigures:
             fig.wall_ms.append(1e3 * (time.perf_counter() - w0))
             assert not failures, failures
             check_result(result, step, streamed.pop(rid, {}))
-            if i + 1 == warmup:
-                gc.collect()
-                fig.rss_after_warmup = rss_bytes()
-        gc.collect()
-        fig.rss_at_end = rss_bytes()
-        fig.threads_during = ThreadCensus.now()
+            fig.generated(i)
+        fig.ran_all()
     finally:
         assert ctl.shutdown(60), "the worker thread did not stop"
     del ctl

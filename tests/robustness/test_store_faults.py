@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from chat_threads import streaming_answer
 
 from app.store import SCHEMA_VERSION, ChatStore, StoreError, StreamSaver
 
@@ -193,9 +194,7 @@ def test_read_only_folder_keeps_the_existing_chats(shared_tmp):
 def test_full_disk_write_fails_clearly_and_keeps_saved_data(tmp_path):
     path = tmp_path / "chats.sqlite3"
     s = ChatStore(path)
-    chat = s.create_chat()
-    u = s.add_message(chat.id, "user", "saved before the disk filled", None)
-    a = s.add_message(chat.id, "assistant", "", u.id, status="streaming")
+    chat, _, a = streaming_answer(s, "saved before the disk filled")
     pages = s._db.execute("PRAGMA page_count").fetchone()[0]
     s._db.execute(f"PRAGMA max_page_count = {pages + 1}")  # the file cannot grow: SQLITE_FULL, as on a full disk
     with pytest.raises(StoreError, match="cannot save the message in the chat database: database or disk is full"):

@@ -31,6 +31,11 @@ def serving(engine: Any, max_waiting: int = 16, config: Optional[ServeConfig] = 
         engines.close()
 
 
+def request_body(server: BackgroundServer, content: str = "hello world", **fields: Any) -> dict:
+    """A chat completion request of one user message to the served model; `fields` add to it or replace."""
+    return {"model": server.engines.model_id, "messages": [{"role": "user", "content": content}], **fields}
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
     """Poll until predicate() holds (bounded: a broken server fails the test's assertion instead of hanging)."""
     end = time.monotonic() + timeout_s

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from serving import load_engine, serving
+from serving import load_engine, request_body, serving
 
 from app.server.http import ServeConfig
 
@@ -24,12 +24,7 @@ def server(tiny_llama):
 
 
 def chat_body(server, **fields) -> dict:
-    return {
-        "model": server.engines.model_id,
-        "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 4,
-        **fields,
-    }
+    return request_body(server, "hello", **{"max_tokens": 4, **fields})
 
 
 def assert_error(r: httpx.Response, status: int, param=None, code=None, words: str = "") -> dict:

@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from serving import BrokenEngine, load_engine, serving
+from serving import BrokenEngine, load_engine, request_body, serving
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +19,7 @@ def engine(tiny_llama):
 
 
 def body(server, **fields) -> dict:
-    return {
-        "model": server.engines.model_id,
-        "messages": [{"role": "user", "content": "hello world"}],
-        "max_tokens": 40,
-        "seed": 5,
-        **fields,
-    }
+    return request_body(server, **{"max_tokens": 40, "seed": 5, **fields})
 
 
 def test_a_failure_before_the_answer_is_a_500_error_object(engine):

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 import pytest
-from serving import HeldEngine, load_engine, serving, wait_until
+from serving import HeldEngine, load_engine, request_body, serving, wait_until
 
 
 @pytest.fixture
@@ -21,24 +21,22 @@ def held(tiny_llama):
     engine.close()
 
 
-def body(server, content: str = "hello world", **fields) -> dict:
-    return {"model": server.engines.model_id, "messages": [{"role": "user", "content": content}], **fields}
-
-
 def test_past_the_queue_bound_is_503_with_retry_after(held):
     with serving(held, max_waiting=1) as server:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        first = client.chat.completions.create(**body(server, max_tokens=6, seed=1), stream=True)
+        first = client.chat.completions.create(**request_body(server, max_tokens=6, seed=1), stream=True)
         assert held.reached.wait(60)  # the first request holds the engine
         second: dict = {}
         waiter = threading.Thread(
             target=lambda: second.update(
-                r=client.chat.completions.create(**body(server, "the quick brown fox", max_tokens=5, temperature=0))
+                r=client.chat.completions.create(
+                    **request_body(server, "the quick brown fox", max_tokens=5, temperature=0)
+                )
             )
         )
         waiter.start()
         assert wait_until(lambda: server.engines.stats.waiting == 1)
-        r = httpx.post(f"{server.url}/chat/completions", json=body(server, max_tokens=2), timeout=60)
+        r = httpx.post(f"{server.url}/chat/completions", json=request_body(server, max_tokens=2), timeout=60)
         assert r.status_code == 503
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full" and "busy" in r.json()["error"]["message"]
@@ -58,7 +56,10 @@ def test_a_stream_closed_by_the_client_cancels_its_generation(held):
     # seed 5 runs past 220 tokens without an end-of-sequence, so the cancel lands mid-answer
     with serving(held) as server:
         with httpx.stream(
-            "POST", f"{server.url}/chat/completions", timeout=60, json=body(server, max_tokens=220, seed=5, stream=True)
+            "POST",
+            f"{server.url}/chat/completions",
+            timeout=60,
+            json=request_body(server, max_tokens=220, seed=5, stream=True),
         ) as r:
             assert r.status_code == 200
             assert held.reached.wait(60)
@@ -84,7 +85,7 @@ def _raw_post(url: str, payload: dict) -> socket.socket:
 
 def test_a_client_gone_before_the_whole_answer_cancels_it(held):
     with serving(held) as server:
-        sock = _raw_post(server.url, body(server, max_tokens=220, seed=5))
+        sock = _raw_post(server.url, request_body(server, max_tokens=220, seed=5))
         assert held.reached.wait(60)
         sock.close()
         assert held.cancel is not None and held.cancel.wait(60)
@@ -96,16 +97,18 @@ def test_a_client_gone_before_the_whole_answer_cancels_it(held):
 def test_a_client_gone_while_queued_never_reaches_the_engine(held):
     with serving(held) as server:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        first = client.chat.completions.create(**body(server, max_tokens=4, seed=1), stream=True)
+        first = client.chat.completions.create(**request_body(server, max_tokens=4, seed=1), stream=True)
         assert held.reached.wait(60)
-        sock = _raw_post(server.url, body(server, max_tokens=50))
+        sock = _raw_post(server.url, request_body(server, max_tokens=50))
         assert wait_until(lambda: server.engines.stats.waiting == 1)
         queued = list(server.engines._jobs.queue)[0]
         sock.close()
         assert queued.cancel.wait(60)  # seen while the request waits
         third: dict = {}
         t = threading.Thread(
-            target=lambda: third.update(r=client.chat.completions.create(**body(server, max_tokens=3, temperature=0)))
+            target=lambda: third.update(
+                r=client.chat.completions.create(**request_body(server, max_tokens=3, temperature=0))
+            )
         )
         t.start()
         assert wait_until(lambda: server.engines.stats.waiting == 2)

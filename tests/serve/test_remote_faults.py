@@ -16,7 +16,7 @@ from starlette.routing import Route
 from app.server.run import AsgiThread
 from engine.errors import GenerationError
 from engine.remote import RemoteEngine, RemoteSource
-from engine.types import SamplingParams, TextDelta
+from engine.types import GenerationResult, SamplingParams, TextDelta
 
 HELLO = [{"role": "user", "content": "hi"}]
 MODELS = ["garbage", "drop", "unfinished", "stall", "error500", "midstream-error", "llamacpp", "vllm", "nousage"]
@@ -61,6 +61,12 @@ class StandIn:
             + "\n\n"
         )
 
+    @staticmethod
+    def usage_and_done() -> list[str]:
+        """The usage-only event both servers send after the last token, then the end of the stream."""
+        usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        return ["data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n", "data: [DONE]\n\n"]
+
     async def chat(self, request: Request):
         body = await request.json()
         model = body["model"]
@@ -88,25 +94,13 @@ class StandIn:
                 yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
             elif model == "llamacpp":
                 yield self.chunk("", "stop", timings={"prompt_ms": 12.5, "predicted_per_second": 88.0})
-                yield (
-                    "data: "
-                    + json.dumps(
-                        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
-                    )
-                    + "\n\n"
-                )
-                yield "data: [DONE]\n\n"
+                for event in self.usage_and_done():
+                    yield event
             elif model == "vllm":
                 self.vllm_requests += 1
                 yield self.chunk("", "length")
-                yield (
-                    "data: "
-                    + json.dumps(
-                        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
-                    )
-                    + "\n\n"
-                )
-                yield "data: [DONE]\n\n"
+                for event in self.usage_and_done():
+                    yield event
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -181,9 +175,8 @@ def test_an_http_error_gives_the_server_s_message(stand_in):
     assert text == ""
 
 
-def answer(stand_in, model: str):
+def answer(server, model: str) -> GenerationResult:
     """One answer of the stand-in's `model` through a fresh remote engine."""
-    _, server = stand_in
     engine = RemoteEngine.load(RemoteSource(server.url, model))
     try:
         return engine.generate(HELLO, SamplingParams(max_new_tokens=8))
@@ -192,7 +185,8 @@ def answer(stand_in, model: str):
 
 
 def test_llama_cpp_timings_are_read_with_their_source(stand_in):
-    r = answer(stand_in, "llamacpp")
+    _, server = stand_in
+    r = answer(server, "llamacpp")
     m = r.metrics
     assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
     assert (m.prompt_tokens, m.new_tokens_total) == (4, 3)
@@ -208,11 +202,7 @@ def test_llama_cpp_timings_are_read_with_their_source(stand_in):
 
 def test_vllm_metrics_are_read_with_their_source(stand_in):
     s, server = stand_in
-    engine = RemoteEngine.load(RemoteSource(server.url, "vllm"))
-    try:
-        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
-    finally:
-        engine.close()
+    r = answer(server, "vllm")
     m = r.metrics
     assert r.finish_reasons == ["length"]
     assert m.figure("server_running_requests").value == 3.0
@@ -226,7 +216,8 @@ def test_vllm_metrics_are_read_with_their_source(stand_in):
 def test_counts_a_server_does_not_report_are_na_not_zero(stand_in):
     from ui.stats import format_stats
 
-    r = answer(stand_in, "nousage")
+    _, server = stand_in
+    r = answer(server, "nousage")
     m = r.metrics
     assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
     for key in ("prompt_tokens", "new_tokens_total", "http_decode_tok_s"):

@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from PySide6.QtWidgets import QFileDialog
-from test_main_window import close_app, open_app, send
+from test_main_window import send
 
 from app.chat_io import chat_document
-
-
-@pytest.fixture
-def data_dir(tmp_path):
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def app(qtbot, data_dir, tiny_llama):
-    gui = open_app(qtbot, data_dir, tiny_llama)
-    yield gui
-    close_app(gui)
 
 
 def choose(monkeypatch, path):

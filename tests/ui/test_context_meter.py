@@ -5,24 +5,11 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 from PySide6.QtCore import Qt
-from test_main_window import TIMEOUT_MS, close_app, open_app
+from test_main_window import TIMEOUT_MS
 from test_overflow_gui import long_history
 
 from engine.engine import Engine
-
-
-@pytest.fixture
-def data_dir(tmp_path):
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def app(qtbot, data_dir, tiny_llama):
-    gui = open_app(qtbot, data_dir, tiny_llama)
-    yield gui
-    close_app(gui)
 
 
 def fresh_count(qtbot, w, draft: str):

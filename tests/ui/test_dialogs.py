@@ -52,15 +52,6 @@ DIALOG_SITES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
-
-
 @pytest.fixture
 def gui(qtbot, tmp_path):
     g = build(AppPaths.resolve(tmp_path / "data"), "light")

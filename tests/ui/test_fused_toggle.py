@@ -3,26 +3,21 @@ engine that cannot run the fused kernels turns it back to torch with the reason 
 
 from __future__ import annotations
 
+from toggles_driver import pick, toggles_panel
+
 from engine.types import EngineOptions, describe_options, preset_options
-from ui.toggles import TogglesPanel
 
 
 def test_kernels_choice_follows_presets_edits_and_the_engine(qtbot):
-    t = TogglesPanel(EngineOptions())
-    qtbot.addWidget(t)
-    got = []
-    t.optionsChanged.connect(got.append)
+    t, got = toggles_panel(qtbot, EngineOptions())
     assert t.kernels.currentData() == "torch"
-    t.preset.setCurrentIndex(t.preset.findData("fused"))
-    t.preset.activated.emit(t.preset.currentIndex())
+    pick(t.preset, "fused")
     assert got[-1] == preset_options("fused", EngineOptions())
     assert t.kernels.currentData() == "fused" and t.cuda_graph.isChecked() and not t.compile.isChecked()
-    t.kernels.setCurrentIndex(t.kernels.findData("torch"))
-    t.kernels.activated.emit(t.kernels.currentIndex())
+    pick(t.kernels, "torch")
     assert got[-1].kernels == "torch" and t.preset.currentData() == "custom"
 
-    t.kernels.setCurrentIndex(t.kernels.findData("fused"))
-    t.kernels.activated.emit(t.kernels.currentIndex())
+    pick(t.kernels, "fused")
     why = "the fused kernels are Triton GPU kernels and this runs on the CPU"
     t.set_applied(got[-1], {"kernels": why})
     assert got[-1].kernels == "torch" and t.kernels.currentData() == "torch"

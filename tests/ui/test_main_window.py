@@ -14,11 +14,6 @@ from engine.types import SamplingParams
 TIMEOUT_MS = 120_000
 
 
-@pytest.fixture
-def data_dir(tmp_path):
-    return tmp_path / "data"
-
-
 def open_app(qtbot, data_dir, model=None, theme="light"):
     gui = build(AppPaths.resolve(data_dir), theme)
     gui.window.show()
@@ -33,13 +28,6 @@ def open_app(qtbot, data_dir, model=None, theme="light"):
 def close_app(gui):
     gui.window.close()
     gui.close()
-
-
-@pytest.fixture
-def app(qtbot, data_dir, tiny_llama):
-    gui = open_app(qtbot, data_dir, tiny_llama)
-    yield gui
-    close_app(gui)
 
 
 def send(qtbot, gui, text):
@@ -128,19 +116,25 @@ def test_reopening_the_window_shows_the_chat(qtbot, data_dir, tiny_llama):
         close_app(gui)
 
 
-def test_stop_keeps_the_partial_answer(qtbot, app):
-    w, c = app.window, app.controller
-    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
+def send_and_stop(qtbot, gui, text, stop):
+    """Send `text` with room for a long answer, and call stop() when its first text arrives; the result."""
+    gui.window.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
     stopped = []
 
     def stop_once(_rid, _batch):
         if not stopped:
             stopped.append(True)
-            w.composer.stop_button.click()
+            stop()
 
-    c.textBatch.connect(stop_once)
-    result = send(qtbot, app, "hello world the quick brown fox")
+    gui.controller.textBatch.connect(stop_once)
+    result = send(qtbot, gui, text)
     assert stopped
+    return result
+
+
+def test_stop_keeps_the_partial_answer(qtbot, app):
+    w = app.window
+    result = send_and_stop(qtbot, app, "hello world the quick brown fox", w.composer.stop_button.click)
     assert result.finish_reasons == ["cancelled"]
     assert 0 < result.metrics.new_tokens_total < 200
     m = app.store.thread(w.flow.chat_id)[-1]
@@ -152,17 +146,10 @@ def test_stop_keeps_the_partial_answer(qtbot, app):
 
 
 def test_escape_stops_an_answer(qtbot, app):
-    w, c = app.window, app.controller
-    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
-    pressed = []
+    def escape():  # from wherever the focus is in the window
+        qtbot.keyClick(app.window.composer.edit, Qt.Key.Key_Escape)
 
-    def press_escape(_rid, _batch):
-        if not pressed:
-            pressed.append(True)
-            qtbot.keyClick(w.composer.edit, Qt.Key.Key_Escape)  # Esc, from wherever the focus is in the window
-
-    c.textBatch.connect(press_escape)
-    result = send(qtbot, app, "def main")
+    result = send_and_stop(qtbot, app, "def main", escape)
     assert result.finish_reasons == ["cancelled"]
 
 

@@ -12,22 +12,6 @@ from test_main_window import TIMEOUT_MS, close_app, open_app, send
 from engine.types import SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _restore_app_look(qapp):
-    sheet, palette, style = qapp.styleSheet(), qapp.palette(), qapp.style().name()
-    yield
-    qapp.setStyleSheet(sheet)
-    qapp.setPalette(palette)
-    qapp.setStyle(style)
-
-
-@pytest.fixture
-def app(qtbot, tmp_path, tiny_llama):
-    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
-    yield gui
-    close_app(gui)
-
-
 def choose(qtbot, gui, combo, value) -> None:
     """Pick `value` in one of the toggles' combo boxes as a user does, and wait for the engine to take it."""
     with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):

@@ -3,24 +3,11 @@ what it says, and the status notice and the answer's stats line name what was dr
 
 from __future__ import annotations
 
-import pytest
 from PySide6.QtWidgets import QDialogButtonBox
-from test_main_window import TIMEOUT_MS, close_app, open_app, send
+from test_main_window import TIMEOUT_MS, send
 
 from app.settings import SettingsStore
 from engine.prompt import build_prompt
-
-
-@pytest.fixture
-def data_dir(tmp_path):
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def app(qtbot, data_dir, tiny_llama):
-    gui = open_app(qtbot, data_dir, tiny_llama)
-    yield gui
-    close_app(gui)
 
 
 def long_history(gui) -> int:

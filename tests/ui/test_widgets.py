@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
+from toggles_driver import pick, toggles_panel
 
 from app.settings import CHAT_DEFAULTS
 from engine.types import PRESETS, EngineOptions, SamplingParams, preset_options
@@ -13,7 +14,6 @@ from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog
 from ui.markdown import CodeBlock, ProseView, Segment, SegmentsView, split_markdown
 from ui.stats import format_stats, preset_name
-from ui.toggles import TogglesPanel
 
 
 def test_split_markdown_prose_and_fences():
@@ -153,12 +153,8 @@ def test_every_preset_is_recognised():
 
 
 def test_toggles_emit_options_and_presets(qtbot):
-    t = TogglesPanel(EngineOptions())
-    qtbot.addWidget(t)
-    got = []
-    t.optionsChanged.connect(got.append)
-    t.preset.setCurrentIndex(t.preset.findData("naive"))
-    t.preset.activated.emit(t.preset.currentIndex())
+    t, got = toggles_panel(qtbot, EngineOptions())
+    pick(t.preset, "naive")
     assert got[-1] == preset_options("naive", EngineOptions())
     assert t.kv_cache.currentData() == "dynamic" and t.sampling.currentData() == "host"
     t.compile.setChecked(True)
@@ -167,10 +163,7 @@ def test_toggles_emit_options_and_presets(qtbot):
 
 
 def test_toggles_turn_off_what_the_engine_cannot_do(qtbot):
-    t = TogglesPanel(EngineOptions(cuda_graph=True))
-    qtbot.addWidget(t)
-    got = []
-    t.optionsChanged.connect(got.append)
+    t, got = toggles_panel(qtbot, EngineOptions(cuda_graph=True))
     t.set_applied(EngineOptions(cuda_graph=True), {"cuda_graph": "CUDA graphs need a CUDA device"})
     assert got and got[-1].cuda_graph is False
     assert not t.cuda_graph.isChecked() and not t.cuda_graph.isEnabled()
@@ -261,15 +254,10 @@ def test_model_panel_shows_load_time_bytes_per_token_and_floor_with_sources(qtbo
 
 
 def test_weights_toggle_and_its_unavailable_formats(qtbot):
-    t = TogglesPanel(EngineOptions())
-    qtbot.addWidget(t)
-    got = []
-    t.optionsChanged.connect(got.append)
-    t.weights.setCurrentIndex(t.weights.findData("int8"))
-    t.weights.activated.emit(t.weights.currentIndex())
+    t, got = toggles_panel(qtbot, EngineOptions())
+    pick(t.weights, "int8")
     assert got[-1].weights == "int8"
-    t.preset.setCurrentIndex(t.preset.findData("int8"))
-    t.preset.activated.emit(t.preset.currentIndex())
+    pick(t.preset, "int8")
     assert got[-1] == preset_options("int8", EngineOptions()) and got[-1].weights == "int8"
     t.set_applied(EngineOptions(weights="int4"), {"weights": "int4 needs inputs in groups of 32"})
     assert got[-1].weights == "native" and t.weights.currentData() == "native"
