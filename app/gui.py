@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from app.paths import AppPaths
 
 if TYPE_CHECKING:
+    from PySide6.QtWidgets import QApplication
+
     from app.registry import RecentModels
     from app.settings import Settings
 
@@ -127,10 +129,11 @@ def app_icon():
         return QIcon(str(path))
 
 
-def qt_application(argv0: str = "gapless"):
+def qt_application(argv0: str = "gapless") -> QApplication:
     from PySide6.QtWidgets import QApplication
 
-    app = QApplication.instance() or QApplication([argv0])
+    existing = QApplication.instance()  # typed QCoreApplication: the singleton, whichever class made it
+    app = existing if isinstance(existing, QApplication) else QApplication([argv0])
     app.setApplicationName("Gapless")
     app.setApplicationDisplayName("Gapless")
     app.setDesktopFileName("gapless")
@@ -152,12 +155,15 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     from ui.main_window import MainWindow
     from ui.theme import ThemeManager
 
+    qapp = QApplication.instance()
+    if not isinstance(qapp, QApplication):
+        raise RuntimeError("build() needs a QApplication; create one first (qt_application())")
     paths.ensure()
     settings_store = SettingsStore(paths.settings_file)
     settings, notices = settings_store.load()
     store = ChatStore(paths.database)
     notices = notices + list(store.notices)
-    theme = ThemeManager(QApplication.instance(), theme_choice or settings.theme)  # --theme: this run only
+    theme = ThemeManager(qapp, theme_choice or settings.theme)  # --theme: this run only
     controller = EngineController()
     try:
         fetcher = fetcher if fetcher is not None else DefaultModelFetcher()
@@ -269,7 +275,7 @@ def _run_smoke(args: Any, paths: AppPaths) -> int:
     temp: Optional[str] = None
     if args.data_dir is None and not os.environ.get("GAPLESS_DATA_DIR"):
         temp = tempfile.mkdtemp(prefix="gapless-smoke-")
-        paths = AppPaths.resolve(temp)
+        paths = AppPaths.resolve(Path(temp))
     app = qt_application()
     try:
         gui = build(paths, getattr(args, "theme", None))

@@ -131,7 +131,16 @@ def _dumps(value: Any) -> Optional[str]:
 
 
 def _message(row: tuple) -> Message:
-    return Message(*row[:8], _loads(row[8]), _loads(row[9]), *row[10:])
+    return Message(
+        row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], _loads(row[8]), _loads(row[9]), *row[10:13]
+    )
+
+
+def _inserted_id(cur: sqlite3.Cursor) -> int:
+    """The id of the row the INSERT on `cur` just added (typed Optional by sqlite3: None before any INSERT)."""
+    if cur.lastrowid is None:
+        raise StoreError("the database did not report the id of the row it just added")
+    return cur.lastrowid
 
 
 def _chat(row: tuple) -> Chat:
@@ -173,7 +182,7 @@ class ChatStore:
         self.notices: list[str] = []  # for the user: the database was repaired, moved aside, ...
         self._lock = threading.RLock()
         self._busy_timeout_ms = busy_timeout_ms
-        self._db = self._open()
+        self._db: Optional[sqlite3.Connection] = self._open()
         self._recover_streaming()
 
     # ---- opening -------------------------------------------------------------------------------------
@@ -317,7 +326,7 @@ class ChatStore:
                 "INSERT INTO chats (title, created, updated, system_prompt, sampling_json) VALUES (?, ?, ?, ?, ?)",
                 (title, now, now, system_prompt, _dumps(sampling)),
             )
-            chat_id = cur.lastrowid
+            chat_id = _inserted_id(cur)
         return self.get_chat(chat_id)
 
     def get_chat(self, chat_id: int) -> Chat:
@@ -425,7 +434,7 @@ class ChatStore:
                     model_name,
                 ),
             )
-            message_id = cur.lastrowid
+            message_id = _inserted_id(cur)
             if not candidate_index:
                 db.execute("UPDATE chats SET active_leaf_id = ?, updated = ? WHERE id = ?", (message_id, now, chat_id))
             else:
@@ -452,7 +461,8 @@ class ChatStore:
     ) -> None:
         if status is not None and status not in STATUSES:
             raise StoreError(f"unknown message status {status!r}")
-        sets, params = ["updated = ?"], [time.time()]
+        sets: list[str] = ["updated = ?"]
+        params: list[Any] = [time.time()]
         for column, value in (
             ("content", content),
             ("status", status),
@@ -576,7 +586,7 @@ class ChatStore:
                     chat.overflow_policy,
                 ),
             )
-            chat_id = cur.lastrowid
+            chat_id = _inserted_id(cur)
             next_group = db.execute("SELECT COALESCE(MAX(candidate_group), 0) + 1 FROM messages").fetchone()[0]
             groups: dict[int, int] = {}
             ids: list[int] = []
@@ -602,7 +612,7 @@ class ChatStore:
                         m["model_name"],
                     ),
                 )
-                ids.append(cur.lastrowid)
+                ids.append(_inserted_id(cur))
             if chat.active_leaf is not None:
                 db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (ids[chat.active_leaf], chat_id))
         return chat_id

@@ -235,7 +235,7 @@ class EngineWorker(EngineEvents):
         self.thread().quit()
 
     def _dispatch(self, command: Any) -> None:
-        handler = {
+        handler: dict[type, Callable[[Any], None]] = {
             Load: self._load,
             Reconfigure: self._reconfigure,
             Generate: self._generate,

@@ -72,7 +72,7 @@ class ChatList(QFrame):
         self.search.setObjectName("chatSearch")
         self.search.setPlaceholderText("Search chats (Ctrl+F)")
         self.search.setClearButtonEnabled(True)
-        self._search_timer = QTimer(
+        self._search_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
             self,
             singleShot=True,
             interval=SEARCH_DELAY_MS,

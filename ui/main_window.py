@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
@@ -19,6 +20,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMenu,
     QPushButton,
     QScrollArea,
     QSplitter,
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from app.settings import Settings
     from app.store import ChatStore
     from app.worker import EngineController
+    from ui.hud import HudPanel
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ class MainWindow(QMainWindow):
         save_settings: Callable[[Settings], None],
         theme: ThemeManager,
         default_sampling: SamplingParams,
-        hud: Optional[QWidget] = None,
+        hud: Optional[HudPanel] = None,
         fetcher: Optional[DefaultModelFetcher] = None,
         catalog: Optional[ModelCatalog] = None,
         preset_resolver: Optional[Callable[[str, EngineOptions, str], EngineOptions]] = None,
@@ -167,7 +170,9 @@ class MainWindow(QMainWindow):
         self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._meter_request = 0  # the newest context count asked for
-        self._meter_timer = QTimer(self, singleShot=True, interval=METER_DEBOUNCE_MS, timeout=self.count_context)
+        self._meter_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
+            self, singleShot=True, interval=METER_DEBOUNCE_MS, timeout=self.count_context
+        )
         self._build(settings)
         self._wire()
         self._menus()
@@ -218,6 +223,7 @@ class MainWindow(QMainWindow):
         self.splitter.setObjectName("mainSplitter")
         self.splitter.addWidget(left)
         self.splitter.addWidget(center)
+        self._panes = (left, center)  # the splitter's widgets, in order
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
@@ -328,9 +334,9 @@ class MainWindow(QMainWindow):
         for signal, slot in wiring:
             signal.connect(slot)
         if self.hud is not None:
-            self._restore_compare_history()
+            self._restore_compare_history(self.hud)
 
-    def _restore_compare_history(self) -> None:
+    def _restore_compare_history(self, hud: HudPanel) -> None:
         """The compare table's rows are kept with the chats: those of earlier runs come back, new ones are added
         as they come, and Clear history removes them from the store too."""
         from app.store import CompareHistory
@@ -343,7 +349,7 @@ class MainWindow(QMainWindow):
             log.error("%s", exc)
             self.status.setText(f"The compare history could not be read: {exc}")
             rows = []
-        self.hud.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics) for r in rows)
+        hud.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics) for r in rows)
 
         def keep(row: CompareRow) -> None:
             try:
@@ -358,8 +364,8 @@ class MainWindow(QMainWindow):
             except StoreError as exc:
                 self._failed(f"The compare history was not cleared: {exc}")
 
-        self.hud.compareRowAdded.connect(keep)
-        self.hud.compareCleared.connect(clear)
+        hud.compareRowAdded.connect(keep)
+        hud.compareCleared.connect(clear)
 
     def _menus(self) -> None:
         def action(menu, text: str, slot, shortcut=None, tip: str = "") -> QAction:
@@ -452,7 +458,8 @@ class MainWindow(QMainWindow):
         """Every menu action with a shortcut, as the menus have it, then the composer's keys."""
         lines = []
         for menu_action in self.menuBar().actions():
-            for act in menu_action.menu().actions():
+            menu = cast(QMenu, menu_action.menu())  # the stubs type menu() as QObject; Qt returns the QMenu
+            for act in menu.actions():
                 keys = act.shortcut().toString(QKeySequence.SequenceFormat.NativeText)
                 if keys:
                     lines.append(f"{keys}\t{act.text()}")
@@ -552,7 +559,7 @@ class MainWindow(QMainWindow):
             return
         try:
             text = export_markdown(self.store, chat_id) if markdown else export_json(self.store, chat_id)
-            write_text(path, text)
+            write_text(Path(path), text)
         except (ChatFileError, StoreError) as exc:
             self._failed(f"The chat was not exported: {exc}")
             return
@@ -565,7 +572,7 @@ class MainWindow(QMainWindow):
         if not path:
             return
         try:
-            chat_id = import_chat(self.store, path)
+            chat_id = import_chat(self.store, Path(path))
         except ChatFileError as exc:
             self._failed(f"The chat was not imported: {exc}")
             return
@@ -682,7 +689,10 @@ class MainWindow(QMainWindow):
         self._load_started(source)
 
     def _start_fetch(self) -> None:
-        size = self.fetcher.size_text()
+        fetcher = self.fetcher
+        if fetcher is None:
+            raise RuntimeError("no model fetcher was given: the default model cannot be downloaded")
+        size = fetcher.size_text()
         self._fetch_dialog = ProgressDialog(
             "Downloading the default model",
             f"Gapless needs a model to chat with. Downloading SmolLM2-135M-Instruct ({size}, Apache-2.0) "
@@ -690,12 +700,12 @@ class MainWindow(QMainWindow):
             True,
             self,
         )
-        self._fetch_dialog.cancelRequested.connect(self.fetcher.cancel)
+        self._fetch_dialog.cancelRequested.connect(fetcher.cancel)
         self._fetch_dialog.open()
         self.model_panel.set_loading("default")
         self._fetching = True
         self._update_can_send()
-        self.fetcher.start()
+        fetcher.start()
 
     def _fetch_progress(self, p: Progress) -> None:
         if self._fetch_dialog is not None:
@@ -896,8 +906,8 @@ class MainWindow(QMainWindow):
 
     def _persist(self) -> None:
         s = self.settings
-        s.window_geometry = base64.b64encode(bytes(self.saveGeometry())).decode("ascii")
-        s.window_state = base64.b64encode(bytes(self.saveState())).decode("ascii")
+        s.window_geometry = base64.b64encode(self.saveGeometry().data()).decode("ascii")
+        s.window_state = base64.b64encode(self.saveState().data()).decode("ascii")
         s.splitter_sizes = {**s.splitter_sizes, "main": [int(x) for x in self.splitter.sizes()]}
         if self.hud_dock is not None:
             s.hud_visible = self.hud_dock.isVisible()
@@ -917,10 +927,7 @@ class MainWindow(QMainWindow):
             return
         self._splitter_fitted = True
         total = self.splitter.width() - self.splitter.handleWidth()
-        mins = [
-            max(w.minimumWidth(), w.minimumSizeHint().width())
-            for w in (self.splitter.widget(0), self.splitter.widget(1))
-        ]
+        mins = [max(w.minimumWidth(), w.minimumSizeHint().width()) for w in self._panes]
         sizes = fitting_sizes(self._saved_splitter, mins, total)
         if sizes is None:
             left = max(mins[0], int(total * LEFT_SHARE))

@@ -204,7 +204,7 @@ class CodeBlock(QFrame):
         self.edit.setFont(font)
         self.edit.setPlainText(segment.text)
         self._highlighter = CodeHighlighter(self.edit.document(), segment.lang, colors)
-        self._reset_timer = QTimer(
+        self._reset_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
             self, singleShot=True, interval=1500, timeout=lambda: self.copy_button.setText("Copy")
         )
 
@@ -325,10 +325,12 @@ class SegmentsView(QWidget):
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(0, 0, 0, 0)
         self._layout.setSpacing(6)
-        self._widgets: list[QWidget] = []
+        self._widgets: list[CodeBlock | ProseView] = []
         self._text = ""
         self._rendered = ""  # the text the widgets show as rendered markdown
-        self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS, timeout=self.render)
+        self._render_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
+            self, singleShot=True, interval=RENDER_INTERVAL_MS, timeout=self._render
+        )
         self.render_count = 0
         self.set_text(text)
 
@@ -338,7 +340,7 @@ class SegmentsView(QWidget):
 
     def set_text(self, text: str) -> None:
         self._text = text
-        self.render()
+        self._render()
 
     def append(self, delta: str) -> None:
         """Streaming append: plain text into the last segment now, markdown at the next timer tick."""
@@ -360,14 +362,14 @@ class SegmentsView(QWidget):
     def flush(self) -> None:
         """Render now (end of a stream)."""
         self._render_timer.stop()
-        self.render()
+        self._render()
 
-    def render(self) -> None:
+    def _render(self) -> None:  # not `render`: that would hide QWidget.render(target, ...)
         self.render_count += 1
         segments = split_markdown(self._text)
         keep = 0
         for seg, w in zip(segments, self._widgets):
-            if w.kind != seg.kind or (seg.kind == "code" and w.lang != seg.lang):
+            if w.kind != seg.kind or (isinstance(w, CodeBlock) and w.lang != seg.lang):
                 break
             w.update_segment(seg)
             keep += 1

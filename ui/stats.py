@@ -92,7 +92,7 @@ def format_stats(
     gap = gap_label(device)
     per = m.get("new_tokens") or []
     batch = candidate is not None and candidate < len(per)
-    if batch:
+    if batch and candidate is not None:  # `batch` implies a candidate; the test narrows it for the checker
         count = f"{per[candidate]} of {tokens} tokens in the batch"
     else:
         count = f"{tokens if tokens is not None and metrics else NA} tokens"
@@ -110,10 +110,10 @@ def format_stats(
     )
     speculating = bool(options and options.get("speculation", "off") != "off")
     if speculating:
-        rate = m.get("acceptance_rate")
+        accepted = m.get("acceptance_rate")
         line += (
             f" · {fmt(m.get('tokens_per_step'), ' tok/step', 2)}, "
-            f"{NA if rate is None else f'{100 * rate:.0f}%'} accepted"
+            f"{NA if accepted is None else f'{100 * accepted:.0f}%'} accepted"
         )
     reused = m.get("prompt_reused_tokens")
     if reused:
@@ -171,17 +171,19 @@ def format_stats(
         )
     )
     if speculating or m.get("acceptance_rate") is not None:
-        rate = m.get("acceptance_rate")
+        accepted = m.get("acceptance_rate")
         shown = (
             (
-                f"{100 * rate:.1f}% ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
+                f"{100 * accepted:.1f}% ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
                 f"{m.get('verify_steps')} verify steps)"
             )
-            if rate is not None
+            if accepted is not None
             else NA
         )
         tips.append(
-            _sourced("Drafts accepted", rate, shown, m.get("speculation_source"), unavailable.get("acceptance_rate"))
+            _sourced(
+                "Drafts accepted", accepted, shown, m.get("speculation_source"), unavailable.get("acceptance_rate")
+            )
         )
     if finish_reason:
         tips.append(f"Finished: {finish_words(finish_reason)}")

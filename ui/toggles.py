@@ -4,7 +4,7 @@ reason as the tooltip."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QStandardItemModel
@@ -131,7 +131,7 @@ class TogglesPanel(QWidget):
         self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
         self.draft_tokens.setSpecialValueText("auto")
         self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
-        self.controls = {
+        self.controls: dict[str, QComboBox | QCheckBox | QSpinBox] = {
             "device": self.device,
             "dtype": self.dtype,
             "kv_cache": self.kv_cache,
@@ -311,7 +311,7 @@ class TogglesPanel(QWidget):
             self.reasons[name].setVisible(bool(shown))
         for i in range(self.preset.count()):
             why = self._preset_unavailable(self.preset.itemData(i))
-            item = self.preset.model().item(i)
+            item = cast(QStandardItemModel, self.preset.model()).item(i)  # a combo's own model: a standard one
             item.setEnabled(why is None)
             item.setToolTip(f"Unavailable: {why}" if why else "")
 

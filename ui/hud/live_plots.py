@@ -114,7 +114,9 @@ class LivePlots(PaletteFollower):
         s = self.series
         now = self._now()
         t0 = s.t0
-        ends = [(ring.first("t"), ring.last("t")) for ring in (s.steps, s.samples) if len(ring)]
+        # A held row always has its time, so first/last are None only for an empty ring (left out here).
+        spans = [(ring.first("t"), ring.last("t")) for ring in (s.steps, s.samples) if len(ring)]
+        ends = [(a, b) for a, b in spans if a is not None and b is not None]
         if t0 is None or not ends:
             return False
         x_lo, x_hi = self._x_range(min(a for a, _ in ends) - t0, max(b for _, b in ends) - t0)

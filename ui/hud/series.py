@@ -129,8 +129,11 @@ class LiveSeries:
         return gen
 
     def _add_estimates(self, gen: Generation, metrics: GenerationMetrics) -> None:
+        t_end = gen.t_end
+        if t_end is None:
+            raise ValueError(f"generation {gen.index} has no end yet: its estimates span start to end")
         t = self.samples.column("t")
-        during = (t >= gen.t_start) & (t <= gen.t_end)
+        during = (t >= gen.t_start) & (t <= t_end)
         for f in ESTIMATED_SERIES:
             fig = metrics.figure(f)
             value, source = fig.value, fig.source
@@ -138,7 +141,7 @@ class LiveSeries:
                 continue  # nothing to add, or the monitor measured it live
             # SM activity is estimated from the traced window; DRAM bandwidth from the decode steps' times.
             span = self._steps_span(gen, traced_only=(f == "sm_activity_pct"))
-            t_a, t_b = span or (gen.t_start, gen.t_end)
+            t_a, t_b = span or (gen.t_start, t_end)
             self.estimates[f].append(Estimate(f, t_a, t_b, float(value), source or "estimate", gen.index))
             self.reasons.pop(f, None)
             self._spans += 1
@@ -225,7 +228,8 @@ class LiveSeries:
         """The newest measured value of each series (else its newest estimate); None when there is neither."""
         out = {name: last_finite(self.values(name)) for name in SERIES}
         for name in INT_FIELDS & set(SERIES):
-            out[name] = None if out[name] is None else int(out[name])
+            value = out[name]
+            out[name] = None if value is None else int(value)
         for name, est in self.estimates.items():
             if out[name] is None and est:
                 out[name] = est[-1].value

@@ -303,6 +303,8 @@ class SeriesView(QWidget):
 
     def set_estimates(self, estimates, t0: float) -> None:
         """Each estimate as a dashed level over the time it describes."""
+        if self.estimate_curve is None:
+            raise ValueError(f"the {self.spec.name} plot draws no estimates")
         x = np.array([[e.t_start - t0, e.t_end - t0] for e in estimates], dtype=float).ravel()
         y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
         self.estimate_curve.setData(x, y)
@@ -326,9 +328,9 @@ class SeriesView(QWidget):
                 line = self.lines[i]
                 line.setPen(pg.mkPen(pen, width=1, style=style))
                 line.setValue(x)
-                label = getattr(line, "label", None)  # only the top plot's lines carry one
-                if label is not None:
-                    label.setFormat(text)
+                line_label = getattr(line, "label", None)  # only the top plot's lines carry one
+                if line_label is not None:
+                    line_label.setFormat(text)
                 line.show()
                 i += 1
         for line in self.lines[i:]:
