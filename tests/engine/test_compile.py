@@ -66,3 +66,15 @@ def test_one_compile_serves_every_bucket_of_a_conversation(engine):
     engine.reconfigure(CPU)
     want = engine.generate(follow_up, longer)
     assert got.token_ids == want.token_ids
+
+
+def test_the_warm_up_covers_the_bucket_a_padded_verify_step_reaches():
+    from types import SimpleNamespace
+
+    from engine.decode import StaticRunner
+
+    runner = SimpleNamespace(length=1024)
+    assert StaticRunner.buckets_for(runner, 200, 50) == [256]  # type: ignore[arg-type]
+    # 15 drafts verified from the last wanted position attend past 256: that bucket is warmed before the answer
+    assert StaticRunner.buckets_for(runner, 200, 50, slack=15) == [256, 512]  # type: ignore[arg-type]
+    assert StaticRunner.buckets_for(runner, 1000, 20, slack=15) == [1024]  # type: ignore[arg-type]
