@@ -160,10 +160,11 @@ class StaticRunner(RunnerBase):
         next. Without, each bucket is a compile of its own, with the bucket's length a constant in the kernels.
 
         Measured on the CPU (docs/benchmarks.md, "Compiling the bucket dimension once"): per bucket, every new
-        bucket or runner length a conversation reaches is a compile of its own (~7 s on the tiny test model, ~2
-        minutes reported for the default model), at an answer's start or again after a restart; symbolic, the
-        next buckets cost nothing, for a slower step (tiny model: 0.6-1.2 ms against 0.2-0.3 ms). Chosen for
-        the CPU, where a compile is minutes. On CUDA the per-bucket compile stays (not measured there; each
+        bucket or runner length a conversation reaches is a compile of its own (~7 s on the tiny test model, ~50 s
+        for the default model), at an answer's start or again after a restart; symbolic, the
+        next buckets cost nothing (default model: 0.1 s against ~50 s a bucket), for a slower step on the tiny
+        model (0.6-1.2 ms against 0.2-0.3 ms; the default model's comparison is still open). Chosen for the CPU,
+        where a compile is minutes. On CUDA the per-bucket compile stays (not measured there; each
         bucket is captured in a graph of its own either way)."""
         if not symbolic_bucket:
             self.set_compiled(
