@@ -103,7 +103,10 @@ class StaticRunner(RunnerBase):
     ):
         super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
         self.model = model
-        self.cache = StaticKVCache.allocate(model.args, batch, length, dtype, device)
+        # One spare position past the last bucket: the view a step attends over is then never the whole cache,
+        # so a step compiled with the bucket length symbolic does not specialise on "bucket == cache length"
+        # (that view alone would be contiguous: another guard, another compile).
+        self.cache = StaticKVCache.allocate(model.args, batch, length + 1, dtype, device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # position of self.tok
         self.arange = torch.arange(length, device=device)
         self.compiled: Optional[Callable] = None
@@ -121,8 +124,13 @@ class StaticRunner(RunnerBase):
     def masked_step(self, bucket: int, kind: SamplerKind) -> None:
         """The step over a whole context bucket with a mask from `pos`: static shapes, what is compiled and
         captured."""
-        mask = self.arange[:bucket][None, :] <= self.pos[:, None]  # [1, bucket]
-        logits = self.model(self.tok, self.pos, self.cache, mask)[:, -1]
+        self.span_step(self.arange[:bucket], kind)
+
+    def span_step(self, span: torch.Tensor, kind: SamplerKind) -> None:
+        """masked_step over the positions `span` ([bucket], 0..bucket-1): the bucket is a tensor's length, so a
+        compile can keep it symbolic (see compile_step)."""
+        mask = span[None, :] <= self.pos[:, None]  # [1, bucket]
+        logits = self.model(self.tok, self.pos, self.cache.over(span.shape[0]), mask)[:, -1]
         self._accept(sample(logits, kind, self.sampler), kind)
         self.pos += 1
 
@@ -130,12 +138,16 @@ class StaticRunner(RunnerBase):
         """Feed the current token and k drafts at positions pos..pos+k (causal among them, the cache before them),
         emit the verified tokens into `out`, advance pos and the counter by their number. The cache rows of
         rejected drafts stay, unread: the next step writes its own tokens there before anything attends to them."""
+        self.span_verify(self.arange[:bucket], k, kind)
+
+    def span_verify(self, span: torch.Tensor, k: int, kind: SamplerKind) -> None:
+        """masked_verify over the positions `span`, as span_step is to masked_step."""
         T = k + 1
-        steps = self.arange[:T]
+        steps = span[:T]
         positions = self.pos + steps  # [T]
-        mask = self.arange[:bucket][None, :] <= positions[:, None]  # [T, bucket]
+        mask = span[None, :] <= positions[:, None]  # [T, bucket]
         ids = torch.cat([self.tok, self.drafts[:, :k]], dim=1)  # [1, T]
-        logits = self.model(ids, positions, self.cache, mask, last_only=False)[0]  # [T, V]
+        logits = self.model(ids, positions, self.cache.over(span.shape[0]), mask, last_only=False)[0]  # [T, V]
         v = verify(logits, self.drafts[0, :k], kind, self.sampler, self.eos)
         self.out.index_copy_(1, self.counter + steps, v.tokens[None, :])
         last = v.tokens.gather(0, (v.n_emit - 1)[None])  # [1]
@@ -150,14 +162,52 @@ class StaticRunner(RunnerBase):
         self.pos += v.n_emit
         self.counter += v.n_emit
 
-    def set_compiled(self, fn: Optional[Callable]) -> None:
-        """The step function changes, so the graphs captured from the old one go. Their memory pool goes with
-        them: a pool whose graphs are all gone may still hold blocks (e.g. a library workspace allocated during
-        capture), and capturing into it again is refused by the allocator."""
+    def set_compiled(self, fn: Optional[Callable], verify_fn: Optional[Callable] = None) -> None:
+        """The step function (bucket, kind) and the verify step (bucket, k, kind) change, so the graphs captured
+        from the old ones go. Their memory pool goes with them: a pool whose graphs are all gone may still hold
+        blocks (e.g. a library workspace allocated during capture), and capturing into it again is refused by
+        the allocator. Without a verify_fn, a step set by hand verifies eagerly over the whole bucket."""
         self.compiled = fn
-        self.compiled_verify = torch.compile(self.masked_verify, dynamic=False) if fn is not None else None
+        self.compiled_verify = (verify_fn or self.masked_verify) if fn is not None else None
         self.graphs.clear()
         self.graph_pool = None
+
+    def compile_step(self, symbolic_bucket: bool) -> None:
+        """torch.compile the step and the verify step. With `symbolic_bucket`, the context bucket is a symbolic
+        length: one compile serves every bucket (and each draft length k one more), in this conversation and the
+        next. Without, each bucket is a compile of its own, with the bucket's length a constant in the kernels.
+
+        Measured on the CPU (docs/benchmarks.md, "Compiling the bucket dimension once"): per bucket, every new
+        bucket or runner length a conversation reaches is a compile of its own (~7 s on the tiny test model, ~50 s
+        for the default model), at an answer's start or again after a restart; symbolic, the
+        next buckets cost nothing (default model: 0.1 s against ~50 s a bucket), for a slower step on the tiny
+        model (0.6-1.2 ms against 0.2-0.3 ms; the default model's step is not slower symbolic, within noise). Chosen for the CPU,
+        where a compile is minutes. On CUDA the per-bucket compile stays (not measured there; each
+        bucket is captured in a graph of its own either way)."""
+        if not symbolic_bucket:
+            self.set_compiled(
+                torch.compile(self.masked_step, dynamic=False), torch.compile(self.masked_verify, dynamic=False)
+            )
+            return
+        from torch._dynamo import mark_dynamic
+
+        # The runner's length too: a longer conversation gets a longer runner, whose buffers then pass the same
+        # compiled step's guards (every runner's step is one code object).
+        for t, dim in [(self.out, 1), (self.arange, 0), *((c, 2) for c in self.cache.k + self.cache.v)]:
+            mark_dynamic(t, dim)
+        step = torch.compile(self.span_step, dynamic=False)
+        verify = torch.compile(self.span_verify, dynamic=False)
+        self.set_compiled(
+            lambda bucket, kind: step(self._span(bucket), kind),
+            lambda bucket, k, kind: verify(self._span(bucket), k, kind),
+        )
+
+    def _span(self, bucket: int) -> torch.Tensor:
+        from torch._dynamo import mark_dynamic  # imported on first use: 3 s, and only a compiled step needs it
+
+        span = self.arange[:bucket]
+        mark_dynamic(span, 0)  # a compile that would specialise the bucket fails (eager fallback)
+        return span
 
     def bucket_step(self, bucket: int, kind: SamplerKind, k: Optional[int] = None) -> None:
         """The masked step in a context bucket (the verify step of k drafts when k is given), compiled where a
@@ -237,9 +287,11 @@ class StaticRunner(RunnerBase):
         """The longest draft the cache can verify from the current position."""
         return min(MAX_VERIFY, self.length - 1 - self.host_pos)
 
-    def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
+    def buckets_for(self, prompt_len: int, max_new: int, slack: int = 0) -> list[int]:
+        """Every bucket a generation of max_new tokens after prompt_len may attend over; `slack`: the longest
+        verify step, whose drafts may run past the last token wanted (padded to a compiled length)."""
         first = bucket_for(prompt_len + 1, self.length)
-        last = bucket_for(min(prompt_len + max_new, self.length), self.length)
+        last = bucket_for(min(prompt_len + max_new + slack, self.length), self.length)
         out, b = [], first
         while True:
             out.append(b)

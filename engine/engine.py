@@ -483,7 +483,7 @@ class Engine:
             dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         if want and runner.compiled is None:
-            runner.set_compiled(torch.compile(runner.masked_step, dynamic=False))
+            runner.compile_step(symbolic_bucket=self.device.type != "cuda")
         elif not want and runner.compiled is not None:
             runner.set_compiled(None)
 
@@ -611,7 +611,7 @@ class Engine:
             if opts.compile or opts.cuda_graph:
                 t_compile = time.perf_counter()
                 stage = "capture" if opts.cuda_graph else "compile"
-                buckets = static.buckets_for(len(prompt_ids), max_new)
+                buckets = static.buckets_for(len(prompt_ids), max_new, max(verify_ks, default=0))
                 try:
                     with preserved(static):  # the cached prefix survives the warm-up's writes
                         static.warm_up(

@@ -155,6 +155,12 @@ class StaticKVCache:
         view.attn_len = self.attn_len
         return view
 
+    def over(self, n: int) -> "StaticKVCache":
+        """This cache attending over its first n positions (n may be symbolic in a compiled step)."""
+        view = StaticKVCache(self.k, self.v)
+        view.attn_len = n
+        return view
+
     def update(self, layer, input_pos, k, v):
         kc, vc = self.k[layer], self.v[layer]
         kc.index_copy_(2, input_pos, k)

@@ -87,7 +87,7 @@ class FusedRunner(StaticRunner):
             raise ValueError("the fused step has no verify step for drafts")
         self.fused_step(kind)
 
-    def buckets_for(self, prompt_len: int, max_new: int) -> list[int]:
+    def buckets_for(self, prompt_len: int, max_new: int, slack: int = 0) -> list[int]:
         return [self.length]
 
     def step(self, step_index: int) -> None:
