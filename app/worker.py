@@ -191,11 +191,10 @@ EVENT_NAMES: tuple[str, ...] = tuple(name for name, v in vars(EngineEvents).item
 class EngineWorker(EngineEvents):
     """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
 
-    loadedOptions = Signal(object)  # EngineOptions in force after a load; emitted just before `loaded`
-    limits = Signal(object)  # {(option, value): reason} this model and machine never run; before loaded/reconfigured
-    reconfiguredInfo = Signal(
-        object
-    )  # ModelInfo after a reconfigure (dtype, device, weight bytes); before `reconfigured`
+    # The engine's state after a load or a reconfigure, emitted just before `loaded` / `reconfigured`: the
+    # EngineOptions in force, the ModelInfo (dtype, device, weight bytes) and {(option, value): reason} for what this
+    # model and machine never run.
+    engineState = Signal(object, object, object)
 
     def __init__(
         self,
@@ -276,8 +275,7 @@ class EngineWorker(EngineEvents):
         previous, self.engine = self.engine, engine
         self._pending_options = None
         self._close_engine(previous)
-        self.loadedOptions.emit(engine.options)
-        self.limits.emit(option_limits(engine))
+        self.engineState.emit(engine.options, engine.info, option_limits(engine))
         self.loaded.emit(engine.info, unavailable)
 
     def _reconfigure(self, cmd: Reconfigure) -> None:
@@ -297,8 +295,7 @@ class EngineWorker(EngineEvents):
             self._log_unless_expected(exc, "reconfiguring")
             self.reconfigureFailed.emit(one_line(exc))
             return
-        self.reconfiguredInfo.emit(self.engine.info)
-        self.limits.emit(option_limits(self.engine))
+        self.engineState.emit(self.engine.options, self.engine.info, option_limits(self.engine))
         self.reconfigured.emit(self.engine.options, unavailable)
 
     def _generate(self, cmd: Generate) -> None:
@@ -422,10 +419,8 @@ class EngineController(EngineEvents):
         self._count_latest = 0
 
         # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
-        self.worker.loadedOptions.connect(self._on_loaded_options)
+        self.worker.engineState.connect(self._on_engine_state)
         self.worker.loaded.connect(self._on_loaded)
-        self.worker.reconfiguredInfo.connect(self._on_reconfigured_info)
-        self.worker.limits.connect(self._on_limits)
         self.worker.reconfigured.connect(self._on_reconfigured)
         self.worker.generationFinished.connect(self._on_generation_finished)
         self.worker.generationFailed.connect(self._on_generation_failed)
@@ -521,27 +516,20 @@ class EngineController(EngineEvents):
 
     # ---- mirrors (GUI thread) ----
 
-    @Slot(object)
-    def _on_loaded_options(self, options: EngineOptions) -> None:
+    @Slot(object, object, object)
+    def _on_engine_state(self, options: EngineOptions, info: Any, limits: Any) -> None:
         self.options = options
+        self.info = info
+        self.limits = dict(limits)
 
     @Slot(object, object)
     def _on_loaded(self, info: Any, unavailable: Any) -> None:
-        self.info = info
         self.unavailable = dict(unavailable)
         self.loaded.emit(info, unavailable)
 
-    @Slot(object)
-    def _on_limits(self, limits: Any) -> None:
-        self.limits = dict(limits)
-
-    @Slot(object)
-    def _on_reconfigured_info(self, info: Any) -> None:
-        self.info = info
-
     @Slot(object, object)
     def _on_reconfigured(self, options: EngineOptions, unavailable: Any) -> None:
-        self.options = options
+        self.options = options  # also where no model is loaded yet: the options wait for the load, no state came
         self.unavailable = dict(unavailable)
         self.reconfigured.emit(options, unavailable)
 

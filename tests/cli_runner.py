@@ -7,12 +7,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def gapless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="utf-8")
+def gapless(
+    *args: str, timeout: float = 300, extra_env: Optional[dict[str, str]] = None
+) -> subprocess.CompletedProcess:
+    """Run `gapless ARGS`; `extra_env` adds variables to the test process's environment (an API key)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="utf-8", **(extra_env or {}))
     return subprocess.run(
         [sys.executable, "-m", "app", *args],
         capture_output=True,

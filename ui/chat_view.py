@@ -159,18 +159,6 @@ class ChatView(QScrollArea):
         w.body.flush()
         w.refresh()
 
-    def finish_candidates(
-        self,
-        texts: list[str],
-        metrics: Optional[dict],
-        options: Optional[dict],
-        device: Optional[str],
-        finish_reasons: list[str],
-        can_choose: bool = True,
-    ) -> None:
-        if self._candidates is not None:
-            self._candidates.finish(texts, metrics, options, device, finish_reasons, can_choose)
-
     def candidate_tabs(self) -> Optional[CandidateTabs]:
         return self._candidates
 

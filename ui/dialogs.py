@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 from app.settings import CHAT_DEFAULTS
 from engine.errors import OptionsError
 from engine.types import MAX_NEW_TOKENS_LIMIT, OVERFLOW_LABELS, OVERFLOW_POLICIES, Progress, SamplingParams
+from ui.parts import error_label
 from ui.progress import show_progress
 
 # Sane defaults for a new chat: a little randomness, the usual nucleus/top-k cut, a light repetition penalty.
@@ -115,24 +116,16 @@ class SamplingDialog(QDialog):
         self.system_prompt = QPlainTextEdit(self)
         self.system_prompt.setPlaceholderText("Optional: how the model should behave in this chat")
         self.system_prompt.setMinimumHeight(90)
-        self.temperature = QDoubleSpinBox(self)
-        self.temperature.setRange(0.0, 5.0)
-        self.temperature.setSingleStep(0.05)
-        self.temperature.setDecimals(2)
-        self.temperature.setToolTip("0 = greedy (always the most likely token)")
-        self.top_p = QDoubleSpinBox(self)
-        self.top_p.setRange(0.01, 1.0)
-        self.top_p.setSingleStep(0.01)
-        self.top_p.setDecimals(2)
-        self.top_p.setToolTip("Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1 = off)")
+        self.temperature = self._fraction_box(0.0, 5.0, 0.05, "0 = greedy (always the most likely token)")
+        self.top_p = self._fraction_box(
+            0.01, 1.0, 0.01, "Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1 = off)"
+        )
         self.top_k = QSpinBox(self)
         self.top_k.setRange(0, 100_000)
         self.top_k.setToolTip("Keep the k most likely tokens (0 = off)")
-        self.repetition_penalty = QDoubleSpinBox(self)
-        self.repetition_penalty.setRange(0.5, 3.0)
-        self.repetition_penalty.setSingleStep(0.05)
-        self.repetition_penalty.setDecimals(2)
-        self.repetition_penalty.setToolTip("Above 1 discourages repeating tokens already generated (1 = off)")
+        self.repetition_penalty = self._fraction_box(
+            0.5, 3.0, 0.05, "Above 1 discourages repeating tokens already generated (1 = off)"
+        )
         self.max_new_tokens = QSpinBox(self)
         self.max_new_tokens.setRange(1, min(MAX_NEW_TOKENS_LIMIT, context_length or MAX_NEW_TOKENS_LIMIT))
         self.max_new_tokens.setToolTip("The longest answer, in tokens")
@@ -143,10 +136,7 @@ class SamplingDialog(QDialog):
         self.stop = QLineEdit(self)
         self.stop.setPlaceholderText("comma-separated, optional")
         self.stop.setToolTip("Stop the answer when one of these strings appears")
-        self.error = QLabel(self)
-        self.error.setObjectName("errorText")
-        self.error.setWordWrap(True)
-        self.error.hide()
+        self.error = error_label(self)
         self.form = QFormLayout()
         self.buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok
@@ -157,6 +147,15 @@ class SamplingDialog(QDialog):
         self.buttons.accepted.connect(self.accept)
         self.buttons.rejected.connect(self.reject)
         self.buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self.restore_defaults)
+
+    def _fraction_box(self, low: float, high: float, step: float, tip: str) -> QDoubleSpinBox:
+        """A sampling knob shown to two decimals."""
+        box = QDoubleSpinBox(self)
+        box.setRange(low, high)
+        box.setSingleStep(step)
+        box.setDecimals(2)
+        box.setToolTip(tip)
+        return box
 
     def add_sampling_rows(self, prompt_label: str = "System prompt") -> None:
         self.form.addRow(prompt_label, self.system_prompt)

@@ -45,6 +45,7 @@ from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
 from ui.model_panel import ModelPanel, source_label
+from ui.parts import tight_column
 from ui.preferences import Preferences, PreferencesDialog
 from ui.stats import options_label
 from ui.theme import THEME_CHOICES, ThemeManager
@@ -199,24 +200,15 @@ class MainWindow(QMainWindow):
         hl.addWidget(self.chat_title, 1)
         hl.addWidget(self.chat_settings_button)
         center = QWidget(self)
-        cl = QVBoxLayout(center)
-        cl.setContentsMargins(0, 0, 0, 0)
-        cl.setSpacing(0)
-        cl.addWidget(header)
-        cl.addWidget(self.chat_view, 1)
-        cl.addWidget(self.composer)
+        tight_column(center, header, (self.chat_view, 1), self.composer)
         # Left: chats above the model (the model rarely changes; chats do, so they get the height).
         self.model_panel = ModelPanel(self)
         left = QWidget(self)
         left.setObjectName("leftColumn")
-        ll = QVBoxLayout(left)
-        ll.setContentsMargins(0, 0, 0, 0)
-        ll.setSpacing(0)
-        ll.addWidget(self.chat_list, 1)
         model_box = QVBoxLayout()
         model_box.setContentsMargins(10, 0, 10, 10)
         model_box.addWidget(self.model_panel)
-        ll.addLayout(model_box)
+        tight_column(left, (self.chat_list, 1), model_box)
         left.setMinimumWidth(LEFT_MIN_WIDTH)
         center.setMinimumWidth(CENTER_MIN_WIDTH)
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
@@ -641,14 +633,16 @@ class MainWindow(QMainWindow):
             self.hud.generation_failed(message)
 
     def _candidates_finished(self, result: GenerationResult) -> None:
-        self.chat_view.finish_candidates(
-            result.texts,
-            result.metrics.to_dict(),
-            result.options.to_dict(),
-            result.options.device,
-            self.flow.last_finish_reasons,
-            can_choose=True,
-        )
+        tabs = self.chat_view.candidate_tabs()
+        if tabs is not None:
+            tabs.finish(
+                result.texts,
+                result.metrics.to_dict(),
+                result.options.to_dict(),
+                result.options.device,
+                self.flow.last_finish_reasons,
+                can_choose=True,
+            )
         self._pick_notice = f"{len(result.texts)} candidates: pick one with “Use this answer” to continue from it"
         self.status.setText(self._pick_notice)
 

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.types import ModelInfo, Progress
+from ui.parts import error_label
 from ui.progress import show_progress
 
 NA = "n/a"
@@ -110,11 +111,7 @@ class ModelPanel(QGroupBox):
         self.status = QLabel("No model loaded", self)
         self.status.setObjectName("notice")
         self.status.setWordWrap(True)
-        self.error = QLabel(self)
-        self.error.setObjectName("errorText")
-        self.error.setWordWrap(True)
-        self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.error.hide()
+        self.error = error_label(self, selectable=True)
         self.progress = QProgressBar(self)
         self.progress.setTextVisible(False)
         self.progress.setMaximumHeight(6)

@@ -17,6 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ui.parts import error_label
+
 EXAMPLES = (
     "vLLM: http://host:8000/v1 · llama.cpp server: http://host:8080/v1 · Ollama: http://host:11434/v1 · "
     "gapless serve: http://host:8080/v1"
@@ -43,10 +45,7 @@ class RemoteDialog(QDialog):
         hint = QLabel(EXAMPLES, self)
         hint.setWordWrap(True)
         hint.setObjectName("notice")
-        self.error = QLabel(self)
-        self.error.setObjectName("errorText")
-        self.error.setWordWrap(True)
-        self.error.hide()
+        self.error = error_label(self)
         form = QFormLayout()
         form.addRow("Server URL", self.base_url)
         form.addRow("Model", self.model)

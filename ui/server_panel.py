@@ -8,6 +8,8 @@ from typing import Any, Optional
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QFormLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget
 
+from ui.parts import error_label
+
 
 class ServerPanel(QWidget):
     startRequested = Signal(str, int, str)  # host, port, API key ("" for none)
@@ -28,11 +30,7 @@ class ServerPanel(QWidget):
         self.address = QLabel("Not running", self)
         self.address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.counts = QLabel("", self)
-        self.error = QLabel("", self)
-        self.error.setObjectName("errorText")
-        self.error.setWordWrap(True)
-        self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.error.hide()
+        self.error = error_label(self, selectable=True)
         form = QFormLayout()
         form.addRow("Host", self.host)
         form.addRow("Port", self.port)

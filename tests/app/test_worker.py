@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from worker_gate import on_first_batch
 
-from app.worker import EngineController, EngineWorker
+from app.worker import EngineController, EngineWorker, option_limits
 from engine.errors import ModelLoadError
 from engine.types import (
     EngineOptions,
@@ -109,6 +109,8 @@ def test_signal_order_of_a_load_and_a_generation(qtbot, ctl, tiny_llama):
         ctl.load(str(tiny_llama), EngineOptions(device="cpu"))
     assert ctl.info.name == tiny_llama.name and ctl.info.backend == "fast"
     assert ctl.options == EngineOptions(device="cpu") and ctl.unavailable == {}
+    # The limits are mirrored with the options and the info, before `loaded`.
+    assert ctl.limits and ctl.limits == option_limits(ctl.worker.engine)
     qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
     rec.events.clear()
     box = {}

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -57,8 +58,10 @@ def user_env(home: Path, **extra: str) -> dict:
     return env
 
 
-def run(script: Path, *args: str, env: dict, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+def run(
+    script: Path, *args: str, env: dict, ok: bool = True, cwd: Optional[Path] = None
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", str(script), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
     if ok:
         assert proc.returncode == 0, f"{script.name} {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -211,15 +214,7 @@ def test_a_path_the_desktop_entry_cannot_quote_is_refused(archive: Path, home: P
 
 def test_relative_prefix_and_no_desktop(archive: Path, home: Path, tmp_path: Path):
     env = user_env(home)
-    proc = subprocess.run(
-        ["bash", str(archive / "install.sh"), "--prefix", "rel", "--no-desktop"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    run(archive / "install.sh", "--prefix", "rel", "--no-desktop", env=env, cwd=tmp_path)
     prefix = tmp_path / "rel"
     assert (prefix / "bin/gapless").is_symlink()
     assert not (prefix / "share").exists()

@@ -17,7 +17,7 @@ from engine.decode import StaticRunner
 from engine.engine import Engine
 from engine.errors import GenerationError
 from engine.stream import RowText
-from engine.types import MAX_NEW_TOKENS_LIMIT, EngineOptions, SamplingParams, TextDelta
+from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, PRESETS, EngineOptions, SamplingParams, TextDelta
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = EngineOptions(device="cpu", prefix_reuse=False)  # the tests read the prompt the runner prefills whole
@@ -228,6 +228,12 @@ def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
     "args, message",
     [
         (("--max-new-tokens", str(10**9)), f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {10**9}"),
+        (("--max-new-tokens", "0"), f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got 0"),
+        (("--temperature", "-1"), "temperature must be >= 0, got -1.0"),
+        (("--top-p", "1.5"), "top_p must be in (0, 1], got 1.5"),
+        (("--candidates", "0"), f"candidates must be between 1 and {MAX_CANDIDATES}, got 0"),
+        (("--candidates", "1000"), f"candidates must be between 1 and {MAX_CANDIDATES}, got 1000"),
+        (("--preset", "warp-speed"), f"unknown preset 'warp-speed'; choose from {', '.join(PRESETS)}"),
         (("--temperature", "nan"), "temperature must be a finite number, got nan"),
         (("--temperature", "inf"), "temperature must be a finite number, got inf"),
         (("--top-p", "nan"), "top_p must be a finite number, got nan"),
@@ -237,7 +243,7 @@ def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
         (("--seed", "-1"), "seed must be an integer in [0, 2**63), got -1"),
     ],
 )
-def test_cli_bad_sampling_values_are_one_line(tiny_llama, args, message):
+def test_cli_bad_values_are_one_line(tiny_llama, args, message):
     r = gapless("generate", "--model", str(tiny_llama), "--prompt", "hi", "--device", "cpu", *args)
     assert one_error_line(r) == f"gapless: error: {message}"
     assert r.stdout == ""

@@ -4,7 +4,10 @@ addresses, models and keys are one clear error."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from cli_runner import gapless
 from serving import load_engine, serving
 
 from app.server.http import ServeConfig
@@ -193,34 +196,17 @@ def use_file_keys(monkeypatch):
 
 
 def test_generate_on_the_command_line_through_a_remote(server, local):
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root), GAPLESS_REMOTE_API_KEY=KEY)
     source = RemoteSource(server.url, server.engines.model_id).to_source()
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "generate",
-            "--model",
-            source,
-            "--prompt",
-            "hello world",
-            "--max-new-tokens",
-            "8",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=root,
-        timeout=300,
+    r = gapless(
+        "generate",
+        "--model",
+        source,
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        extra_env={"GAPLESS_REMOTE_API_KEY": KEY},
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -19,11 +19,11 @@ def test_hud_rows_columns_and_plots_are_registered_figures():
             s = figures.spec(col.key)
             assert (col.title, col.better, col.source_field) == (s.label, s.better, s.source_field)
     for plot in PLOTS:
-        assert plot.title == figures.spec(plot.name).label
+        assert plot.title == figures.spec(plot.key).label
         if plot.from_steps:
-            assert plot.name in STEP_COLUMNS
+            assert plot.key in STEP_COLUMNS
         else:
-            assert plot.name in SAMPLE_FIELDS
+            assert plot.key in SAMPLE_FIELDS
     assert set(SAMPLE_FIELDS) == {f.key for f in figures.SAMPLE_FIGURES}
 
 

@@ -680,7 +680,7 @@ def test_paint_and_label_rates_are_bounded(hud):
 def test_a_long_plot_source_is_elided_with_the_whole_line_kept(qtbot):
     from ui.hud.series_view import PLOTS, SeriesView
 
-    spec = next(p for p in PLOTS if p.name == "step_ms")
+    spec = next(p for p in PLOTS if p.key == "step_ms")
     view = SeriesView(spec)
     qtbot.addWidget(view)
     source = "engine step timings; traced window in orange, left out of tokens/s"

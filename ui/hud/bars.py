@@ -20,27 +20,14 @@ from ui.theme import PaletteFollower, muted_text
 
 
 @dataclass(frozen=True)
-class BarRow:
-    """A registered figure (engine/figures.py) shown as a bar: its title, unit and source come from there."""
+class BarRow(fmt.ShownFigure):
+    """A registered figure shown as a bar."""
 
-    key: str
-    color: str
     scale_group: Optional[str] = None  # rows sharing one bar scale (p50 and p99)
 
     @property
-    def spec(self) -> figures.FigureSpec:
-        return figures.spec(self.key)
-
-    @property
-    def title(self) -> str:
-        return self.spec.label
-
-    @property
     def percent(self) -> bool:  # bar scale 0-100 rather than the session's largest
-        return self.spec.unit == "%"
-
-    def format(self, v: Optional[float]) -> str:
-        return fmt.figure_value(self.spec, v)
+        return self.figure.unit == "%"
 
 
 BAR_ROWS = (

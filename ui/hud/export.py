@@ -64,7 +64,7 @@ def series_document(series: LiveSeries) -> dict:
         "t0": t0,
         "sources": {
             **series.sources,
-            **{p.name: p.source for p in PLOTS if p.from_steps and p.source},
+            **{p.key: p.source for p in PLOTS if p.from_steps and p.source},
             "tokens_per_s": f"engine step records, rolling {series.rate_window_s:g} s, traced window left out",
             "step_ms": "engine step timings",
         },

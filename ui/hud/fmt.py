@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
+from engine import figures
 from engine.figures import FigureSpec
 from engine.types import EngineOptions, describe_options
 
@@ -50,6 +52,26 @@ def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
     if spec.unit == "ratio":
         return NA if v is None or not math.isfinite(v) else f"×{v:,.2f}"
     return number(v, spec.unit, spec.digits)
+
+
+@dataclass(frozen=True)
+class ShownFigure:
+    """A registered figure (engine/figures.py) the HUD draws in a colour (a bar, a plot): its title, unit and
+    format come from the registry."""
+
+    key: str  # the figure's key in the registry
+    color: str
+
+    @property
+    def figure(self) -> FigureSpec:
+        return figures.spec(self.key)
+
+    @property
+    def title(self) -> str:
+        return self.figure.label
+
+    def format(self, v: Optional[float]) -> str:
+        return figure_value(self.figure, v)
 
 
 def delta(rel: Optional[float]) -> str:

@@ -77,7 +77,7 @@ class LivePlots(PaletteFollower):
         self.window_box.currentIndexChanged.connect(self._window_changed)
         # No setXLink: pyqtgraph links views by screen position, which goes wrong while some are hidden.
         # paint() gives every plot the same time range instead.
-        self.views = {spec.name: SeriesView(spec, self.rate.add_render, clock) for spec in PLOTS}
+        self.views = {spec.key: SeriesView(spec, self.rate.add_render, clock) for spec in PLOTS}
 
         top = QHBoxLayout()
         top.setContentsMargins(2, 0, 2, 0)
@@ -133,7 +133,7 @@ class LivePlots(PaletteFollower):
         for view in self.views.values():
             if not view.plotted:
                 continue  # fed when it shows: its key is left as it was
-            name = view.spec.name
+            name = view.spec.key
             if view.estimate_curve is not None and view.estimates_key != s.spans_version:
                 view.estimates_key = s.spans_version
                 if s.estimates[name]:
@@ -183,7 +183,7 @@ class LivePlots(PaletteFollower):
         last = s.header_values()
         cpu_mode = self.cpu_mode()
         for view in self.views.values():
-            name = view.spec.name
+            name = view.spec.key
             estimates = s.estimates.get(name)
             live = s.measured(name)
             measured = live or bool(estimates)

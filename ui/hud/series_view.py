@@ -17,13 +17,13 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
-from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QSizePolicy, QWidget
 
-from engine import figures
 from ui.hud import fmt
 from ui.hud.bars import ElidedLabel
 from ui.hud.decimate import peak_decimate
 from ui.hud.series import ESTIMATED_SERIES
+from ui.parts import tight_column
 
 TOKENS_SOURCE = "engine step records, rolling 1 s"
 STEP_SOURCE = "engine step timings; traced window in orange"
@@ -34,23 +34,13 @@ WIDE_VALUES = (88_888.0, 8_888.8, 888.88, 1_023.9 * (1 << 20), 999.9 * (1 << 30)
 
 
 @dataclass(frozen=True)
-class PlotSpec:
-    """A registered figure (engine/figures.py) drawn live: title, unit and format come from the registry."""
+class PlotSpec(fmt.ShownFigure):
+    """A registered figure drawn live; its key names the LiveSeries series."""
 
-    name: str  # the LiveSeries series, a figure key
-    color: str
     y_top: Optional[Callable[[float], float]] = None  # y range top from the largest value shown (None: fixed)
     cpu: bool = False  # shown instead of the GPU series when the GPU is not measured
     source: Optional[str] = None  # the source of an engine-side series; else the samples' own labels
     idle_reason: str = "no monitor samples yet"
-
-    @property
-    def figure(self) -> figures.FigureSpec:
-        return figures.spec(self.name)
-
-    @property
-    def title(self) -> str:
-        return self.figure.label
 
     @property
     def percent(self) -> bool:  # fixed 0-100 y range
@@ -60,44 +50,33 @@ class PlotSpec:
     def axis_gib(self) -> bool:  # the data are bytes; the axis reads GiB (the data stay as fed)
         return self.figure.unit == "bytes"
 
-    def format(self, v: Optional[float]) -> str:
-        return fmt.figure_value(self.figure, v)
-
     @property
     def from_steps(self) -> bool:
         """Drawn from the step records (else from the monitor samples)."""
         return "step" in self.figure.scopes
 
 
+def _headroom(m: float) -> float:
+    """A y range top a little above the largest value, on a round number."""
+    return fmt.nice_ceiling(m * 1.05)
+
+
+def _step_plot(name: str, color: str, source: str, y_top: Callable[[float], float] = _headroom) -> PlotSpec:
+    """A series the engine's step records feed: idle until the first decode step."""
+    return PlotSpec(name, color, y_top=y_top, source=source, idle_reason="no decode steps yet")
+
+
 PLOTS = (
-    PlotSpec(
-        "tokens_per_s",
-        "#4e9af1",
-        y_top=lambda m: fmt.nice_ceiling(m * 1.05),
-        source=TOKENS_SOURCE,
-        idle_reason="no decode steps yet",
-    ),
-    PlotSpec(
-        "step_ms",
-        "#56b6c2",
-        y_top=lambda m: fmt.nice_ceiling(m * 1.05),
-        source=STEP_SOURCE,
-        idle_reason="no decode steps yet",
-    ),
+    _step_plot("tokens_per_s", "#4e9af1", TOKENS_SOURCE),
+    _step_plot("step_ms", "#56b6c2", STEP_SOURCE),
     # Speculative decoding makes one step give several tokens; without it the line stays at 1.
-    PlotSpec(
-        "tokens_per_step",
-        "#d19a66",
-        y_top=lambda m: max(2.0, fmt.nice_ceiling(m * 1.05)),
-        source=TOKENS_PER_STEP_SOURCE,
-        idle_reason="no decode steps yet",
-    ),
+    _step_plot("tokens_per_step", "#d19a66", TOKENS_PER_STEP_SOURCE, y_top=lambda m: max(2.0, _headroom(m))),
     PlotSpec("gpu_util_pct", "#4cbf73"),
     PlotSpec("sm_activity_pct", "#c678dd"),
     PlotSpec("dram_bw_util_pct", "#e06c75"),
     # CPU use counts every core (100% = one core busy), so the range grows a core at a time.
     PlotSpec("cpu_util_pct", "#4cbf73", cpu=True, y_top=lambda m: max(100.0, 100.0 * math.ceil(m / 100.0))),
-    PlotSpec("process_rss_bytes", "#c678dd", cpu=True, y_top=lambda m: fmt.nice_ceiling(m * 1.05)),
+    PlotSpec("process_rss_bytes", "#c678dd", cpu=True, y_top=_headroom),
 )
 
 
@@ -209,10 +188,10 @@ class SeriesView(QWidget):
         self.curve = self._curve(pg.mkPen(spec.color, width=1), "finite")
         self.profiled_curve = None
         self.estimate_curve = None
-        if spec.name in ESTIMATED_SERIES:
+        if spec.key in ESTIMATED_SERIES:
             # Separate segments, a handful of points, drawn as pairs.
             self.estimate_curve = self._curve(pg.mkPen(spec.color, width=1, style=Qt.PenStyle.DashLine), "pairs")
-        if spec.name == "step_ms":
+        if spec.key == "step_ms":
             self.profiled_curve = self._curve(pg.mkPen(PROFILED_COLOR, width=1), "finite")
         self.lines: list[pg.InfiniteLine] = []  # generation boundaries, a pool reused as they scroll by
 
@@ -220,12 +199,7 @@ class SeriesView(QWidget):
         header.setContentsMargins(2, 0, 2, 0)
         header.addWidget(self.title, 1)
         header.addWidget(self.value)
-        box = QVBoxLayout(self)
-        box.setContentsMargins(0, 0, 0, 0)
-        box.setSpacing(0)
-        box.addLayout(header)
-        box.addWidget(self.plot_widget, 1)
-        box.addWidget(self.na_label)
+        tight_column(self, header, (self.plot_widget, 1), self.na_label)
         self.set_measured(False, spec.idle_reason)
 
     def _curve(self, pen, connect: str) -> pg.PlotCurveItem:
@@ -304,7 +278,7 @@ class SeriesView(QWidget):
     def set_estimates(self, estimates, t0: float) -> None:
         """Each estimate as a dashed level over the time it describes."""
         if self.estimate_curve is None:
-            raise ValueError(f"the {self.spec.name} plot draws no estimates")
+            raise ValueError(f"the {self.spec.key} plot draws no estimates")
         x = np.array([[e.t_start - t0, e.t_end - t0] for e in estimates], dtype=float).ravel()
         y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
         self.estimate_curve.setData(x, y)
