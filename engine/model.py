@@ -206,6 +206,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the same arithmetic without the two casts, which are no-ops here
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -220,6 +222,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, H, T, D]; cos, sin: [T, D]
     return x * cos + rotate_half(x) * sin
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == x.roll(D/2, -1) * signed_sin(sin), bit for bit
+    (a negation is exact, and rounding is symmetric in sign)."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((-s1, s2), dim=-1)
+
+
+def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """apply_rope with the sign folded into the table once a step: four ops instead of six."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def masked_attention(q, k, v, mask: torch.Tensor, input_pos: torch.Tensor, gqa: bool) -> torch.Tensor:
@@ -241,16 +255,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x, cos, sin, input_pos, cache: Optional[KVCache], mask: Optional[torch.Tensor]):
-        B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+    def forward(self, x, B: int, T: int, cos, sin, input_pos, cache: Optional[KVCache], mask: Optional[torch.Tensor]):
+        """x [B * T, dim] (the rows of the batch's tokens, so no linear reshapes); cos [T, D] and sin [T, D] with
+        its first half negated (signed_sin)."""
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.q_norm(q.view(B, T, H, D)), self.k_norm(k.view(B, T, Hkv, D))
+            q = apply_rope_signed(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+            k = apply_rope_signed(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        else:  # q and k are adjacent in the fused projection: one rope over both heads' sets
+            qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = apply_rope_signed(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)  # [B, H + Hkv, T, D]
+            q, k = qk.split([H, Hkv], dim=1)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, input_pos, k, v)
         gqa = self.n_heads != self.n_kv_heads
@@ -259,7 +277,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         else:
             y = masked_attention(q, k, v, mask, input_pos, gqa)
-        y = y.transpose(1, 2).reshape(B, T, self.q_size)
+        y = y.transpose(1, 2).reshape(B * T, self.q_size)
         return self.wo(y)
 
 
@@ -283,8 +301,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, input_pos, cache, mask):
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, cache, mask)
+    def forward(self, x, B: int, T: int, cos, sin, input_pos, cache, mask):
+        h = x + self.attention(self.attention_norm(x), B, T, cos, sin, input_pos, cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -313,11 +331,16 @@ class Transformer(nn.Module):
         mask: Optional[torch.Tensor] = None,  # [T, S] bool, True = attend; None = causal over the keys
         last_only: bool = True,
     ) -> torch.Tensor:
-        x = self.tok_embeddings(idx)
-        cos = self.rope_cos[input_pos].to(x.dtype)
-        sin = self.rope_sin[input_pos].to(x.dtype)
+        B, T = idx.shape
+        x = self.tok_embeddings(idx.view(B * T))  # [B * T, dim] through the blocks
+        dtype = x.dtype
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        sin = signed_sin(sin)
         for block in self.layers:
-            x = block(x, cos, sin, input_pos, cache, mask)
+            x = block(x, B, T, cos, sin, input_pos, cache, mask)
+        x = x.view(B, T, -1)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x)).float()  # [B, T or 1, V]

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 INT4_GROUP = 32
 INT4_INNER_K_TILES = 2  # the CPU int4 packing's tile parameter (2, 4 or 8; results are identical)
+# Linears whose CPU output may stay in the kernel's bf16: what reads it (the residual add, the head's .float())
+# promotes it to fp32 exactly as a cast would, so the cast back is one op a linear saved.
+KEEP_KERNEL_DTYPE = ("attention.wo", "feed_forward.w2", "output")
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +51,15 @@ def dequantize_int4(
     return (g * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
 
 
-class Int8Linear(nn.Module):
+class _QuantLinear(nn.Module):
+    keep_kernel_dtype = False  # set on the linears of KEEP_KERNEL_DTYPE by quantize_linears
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The CPU kernel's bf16 output in the activations' dtype, or as it is where its reader promotes it."""
+        return y if self.keep_kernel_dtype and x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class Int8Linear(_QuantLinear):
     weight: torch.Tensor
     scales: torch.Tensor
 
@@ -64,17 +75,17 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.on_cpu:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
+            y = self._out(torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales), x)
         else:
             y = F.linear(x2, self.weight.to(x.dtype)) * self.scales
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantLinear):
     weight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
@@ -102,11 +113,14 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.on_cpu:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self.weight, self.group, self.scales_zeros
-            ).to(x.dtype)
+            y = self._out(
+                torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x2.to(torch.bfloat16), self.weight, self.group, self.scales_zeros
+                ),
+                x,
+            )
         else:
             q = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=-1).view(self.out_features, -1)
             n_groups = self.in_features // self.group
@@ -115,7 +129,7 @@ class Int4Linear(nn.Module):
             y = F.linear(x2, w)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
 
 
 def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) -> Optional[str]:
@@ -150,7 +164,9 @@ def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
     for name, lin in _linears(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, cls(lin.weight.detach(), lin.bias, act_dtype))
+        q = cls(lin.weight.detach(), lin.bias, act_dtype)
+        q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE)
+        setattr(parent, child, q)
         done += 1
     return done
 

@@ -129,3 +129,38 @@ def test_weights_unavailable_on_the_fallback(tiny_factory):
         assert "fallback" in why and "transformers' own" in why
     finally:
         e.close()
+
+
+def _top_level_aten_ops(model) -> int:
+    """Top-level aten ops of one eager decode step (as the engine's launches/step counts them on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.model import StaticKVCache
+
+    cache = StaticKVCache.allocate(model.args, 1, 16, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        cache.attn_len = 4
+        model(torch.arange(1, 5)[None], torch.arange(4), cache, None)
+        cache.attn_len = 5
+        tok, pos = torch.tensor([[7]]), torch.tensor([4])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(tok, pos, cache, None)
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8", "int4"])
+def test_decode_step_op_count_stays_bounded(engine, fmt):
+    # The CPU step is bound by its op count as much as by its matmuls: 52 ops a layer in fp32 and 68 with the
+    # quantised linears before they were cut to 38 and 44 (one rope over q and k, no reshapes around the linears,
+    # no no-op casts), plus about 20 once a step (embedding, rope tables, final norm, head). A bound per layer
+    # catches a change that adds ops to every layer.
+    engine.reconfigure(engine.options.with_(weights=fmt))
+    try:
+        layers = engine.model.args.n_layers
+        ops = _top_level_aten_ops(engine.model)
+    finally:
+        engine.reconfigure(engine.options.with_(weights="native"))
+    per_layer = {"native": 38, "int8": 44, "int4": 44}[fmt]
+    print(f"{fmt}: {ops} top-level aten ops a step over {layers} layers")
+    assert ops <= per_layer * layers + 22
