@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -168,7 +169,7 @@ class DeviceReader(Reader):
         super().on_finish(run)
 
 
-class _Paced(StepObserver):
+class _Paced(StepObserver, ABC):
     """Passes events on (`emit`) at most every `interval_s` from the first token on, and once more at the end."""
 
     def __init__(self, on_event: Event, interval_s: float):
@@ -188,8 +189,9 @@ class _Paced(StepObserver):
     def on_finish(self, run: LoopState) -> None:
         self.emit(run, final=True)
 
+    @abstractmethod
     def emit(self, run: LoopState, final: bool) -> None:
-        raise NotImplementedError
+        """Pass on what has come since the last emit (all that is left when `final`)."""
 
 
 class TextFlush(_Paced):

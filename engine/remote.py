@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 PREFIX = "remote:"
 REMOTE_REASON = "the model runs on a remote server"
 DEFAULT_TIMEOUT_S = 60.0
+NO_USAGE = "the server reported no token usage"  # why the counts (and what needs them) are n/a
 CANCEL_POLL_S = 0.05  # how often a generation waiting for the server looks at its cancel event
 
 
@@ -443,7 +444,7 @@ class RemoteEngine:
                 return "the server has no vLLM /metrics endpoint"
             return "the server did not report it"
         if key in ("prompt_tokens", "new_tokens_total"):
-            return "the server reported no token usage"
+            return NO_USAGE
         if key.startswith(("http_", "inter_token")):
             return "too few text chunks arrived to time"
         return f"{REMOTE_REASON}; measured there, not here"
@@ -537,26 +538,25 @@ class _Stream:
                 else "cancelled"
             )
         m = GenerationMetrics()
-        completion = None
-        if self.usage:
-            prompt, completion = self.usage.get("prompt_tokens"), self.usage.get("completion_tokens")
-            if isinstance(prompt, int):
-                m.prompt_tokens = prompt
-            if isinstance(completion, int):
-                m.new_tokens_total = completion
-                m.new_tokens = [completion] if count == 1 else []
         # Without usage (llama-cpp-python's server sends none in a stream) the counts are unknown: n/a, not 0.
-        if not (self.usage and isinstance(self.usage.get("prompt_tokens"), int)):
-            m.mark_na("prompt_tokens", "the server reported no token usage")
-        if not isinstance(completion, int):
-            m.mark_na("new_tokens_total", "the server reported no token usage")
+        usage = self.usage or {}
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int):
+            m.prompt_tokens = prompt
+        else:
+            m.mark_na("prompt_tokens", NO_USAGE)
+        if isinstance(completion, int):
+            m.new_tokens_total = completion
+            m.new_tokens = [completion] if count == 1 else []
+        else:
+            m.mark_na("new_tokens_total", NO_USAGE)
         if self.first_text is not None:
             m.put("http_ttft_ms", (self.first_text - self.t_sent) * 1e3)
             span = (self.last_text or self.first_text) - self.first_text
             if isinstance(completion, int) and completion > count and span > 0:
                 m.put("http_decode_tok_s", (completion - count) / span)
             elif not isinstance(completion, int):
-                m.mark_na("http_decode_tok_s", "the server reported no token usage")
+                m.mark_na("http_decode_tok_s", NO_USAGE)
         gaps = [(b - a) * 1e3 for a, b in zip(self.arrivals, self.arrivals[1:])]
         if gaps:
             m.put("inter_token_ms_p50", _percentile(gaps, 50))
