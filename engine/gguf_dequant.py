@@ -3,12 +3,13 @@
 Each block layout follows the `gguf` package's quants.py (and llama.cpp's ggml-common.h). The arithmetic is
 fp32 in the same order as quants.py does it, so the result is bit-exact with `gguf.quants.dequantize`; a cast
 to the target dtype comes last. Large tensors go through in row chunks written into the output, so the
-temporaries stay a fixed size however big the tensor is.
+temporaries stay a fixed size however big the tensor is. Into fp32, the commonest types are computed straight
+into the output (no fp32 temporary, no copy): half the time of the default model's load.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -129,6 +130,29 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.view(n, 16, 16).float()).view(n, QK_K)
 
 
+# The same arithmetic written into an fp32 output [blocks, 32]: the integers are copied in (an exact conversion;
+# a mixed-dtype multiply takes torch's slow casting loop, 4x slower), then scaled in place, so the results are
+# the bits of the kernels above.
+
+
+def _q8_0_into(b: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(b[:, 2:].view(torch.int8)).mul_(_half(b, 0))
+
+
+def _q4_0_into(b: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_nibbles(b[:, 2:])).sub_(8).mul_(_half(b, 0))
+
+
+def _q4_1_into(b: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_nibbles(b[:, 4:])).mul_(_half(b, 0)).add_(_half(b, 2))
+
+
+_INTO_FP32: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "Q8_0": _q8_0_into,
+    "Q4_0": _q4_0_into,
+    "Q4_1": _q4_1_into,
+}
+
 _KERNELS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
@@ -145,8 +169,16 @@ def supported(type_name: str) -> bool:
     return type_name in BLOCKS
 
 
-def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The tensor of `shape` (torch order) stored as `raw` (uint8, the ggml bytes, any device) in `dtype`.
+def dequantize(
+    raw: torch.Tensor,
+    type_name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The tensor of `shape` (torch order) stored as `raw` (uint8, the ggml bytes, any device) in `dtype`,
+    written into `out` when given (contiguous, of that shape and dtype, on raw's device; e.g. a slice of a
+    fused matrix).
 
     A result that would alias `raw` (the same stored type and dtype) is a copy, so it never pins the file's
     mapping."""
@@ -157,13 +189,22 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...], dtype:
     rows = raw.numel() // size * block // cols
     if cols % block or rows * cols // block * size != raw.numel():
         raise ValueError(f"{raw.numel()} bytes of {type_name} do not hold a tensor of shape {list(shape)}")
+    if out is None:
+        out = torch.empty(rows, cols, dtype=dtype, device=raw.device)
+    elif out.dtype != dtype or out.numel() != rows * cols or not out.is_contiguous():
+        raise ValueError(f"the output for a {list(shape)} tensor must be a contiguous {dtype} of that size")
+    out = out.view(rows, cols)
     raw = raw.reshape(rows, cols // block * size)
     if type_name in _PLAIN:
-        return raw.view(_PLAIN[type_name]).to(dtype, copy=True).view(shape)
+        out.copy_(raw.view(_PLAIN[type_name]))
+        return out.view(shape)
+    into = _INTO_FP32.get(type_name) if dtype == torch.float32 else None
     kernel = _KERNELS[type_name]
-    out = torch.empty(rows, cols, dtype=dtype, device=raw.device)
     step = max(1, CHUNK_ELEMENTS // cols)
     for r in range(0, rows, step):
         part = raw[r : r + step]
-        out[r : r + step] = kernel(part.reshape(-1, size)).view(part.shape[0], cols)
+        if into is not None:
+            into(part.reshape(-1, size), out[r : r + step].view(-1, block))
+        else:
+            out[r : r + step] = kernel(part.reshape(-1, size)).view(part.shape[0], cols)
     return out.view(shape)

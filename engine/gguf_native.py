@@ -487,6 +487,41 @@ def dequantise_tensors(
     return state
 
 
+# Weights the fast decoder fuses into one matrix, in its row order: de-quantised straight into their rows of
+# one buffer, so building the model takes the buffer as it is instead of concatenating (engine.model.joined).
+FUSED_GROUPS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+)
+
+
+def _fused_slots(
+    plan: list[TensorPlan], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[tuple[str, ...], int, int]]:
+    """HF name -> (its group's names, the first row of it in the group's buffer, the group's rows), for every
+    tensor whose whole group is in the plan with the same row length."""
+    slots: dict[str, tuple[tuple[str, ...], int, int]] = {}
+    for p in plan:
+        prefix, dot, _ = p.hf_name.rpartition(".layers.")
+        layer = p.hf_name[len(prefix) + len(dot) :].split(".", 1)[0]
+        for group in FUSED_GROUPS:
+            names = tuple(f"{prefix}.layers.{layer}.{member}" for member in group)
+            if p.hf_name != names[0] or not all(n in shapes for n in names):
+                continue
+            tails = {shapes[n][1:] for n in names}
+            if len(tails) != 1:
+                continue
+            row = 0
+            for n in names:
+                slots[n] = (names, row, 0)
+                row += shapes[n][0]
+            for n in names:
+                slots[n] = (names, slots[n][1], row)
+    return slots
+
+
 def _dequantise_all(
     buf: mmap.mmap,
     header: GGUFHeader,
@@ -497,6 +532,8 @@ def _dequantise_all(
     report: ProgressFn,
 ) -> None:
     by_name = {t.name: t for t in header.tensors}
+    slots = _fused_slots(plan, {p.hf_name: tuple(by_name[p.gguf_name].shape) for p in plan if p.gguf_name in by_name})
+    buffers: dict[tuple[str, ...], torch.Tensor] = {}
     total = len(plan)
     for i, p in enumerate(plan, 1):
         t = by_name[p.gguf_name]
@@ -504,11 +541,19 @@ def _dequantise_all(
         try:
             start = header.data_start + t.offset
             raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=start)
-            w = dequantize(raw.to(device), t.type_name, t.shape, dtype)
+            out = None
+            slot = slots.get(p.hf_name)
+            if slot is not None:
+                names, first, rows = slot
+                if names not in buffers:
+                    buffers[names] = torch.empty(rows, *t.shape[1:], dtype=dtype, device=device)
+                out = buffers[names][first : first + t.shape[0]]
+            if p.permute_heads:
+                w = _unpermute(dequantize(raw.to(device), t.type_name, t.shape, dtype), p.permute_heads, out)
+            else:
+                w = dequantize(raw.to(device), t.type_name, t.shape, dtype, out)
             del raw
             _drop_pages(buf, start, t.nbytes)
-            if p.permute_heads:
-                w = _unpermute(w, p.permute_heads)
             state[p.hf_name] = w
         except (ValueError, RuntimeError) as exc:
             error = _one_line(exc)  # raised below, once no frame holds a view of the mapping it must close
@@ -532,10 +577,14 @@ def _drop_pages(buf: mmap.mmap, start: int, nbytes: int) -> None:
         pass
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of each head's two rotary halves (rows along dim 0)."""
+def _unpermute(w: torch.Tensor, n_head: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of each head's two rotary halves (rows along dim 0), into `out` if given."""
     dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    swapped = w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2)
+    if out is None:
+        return swapped.reshape(w.shape)
+    out.view(swapped.shape).copy_(swapped)
+    return out
 
 
 def check_shapes(header: GGUFHeader, conv: Converted, label: str) -> None:

@@ -361,6 +361,25 @@ class _TakenOnRead(dict):
         return self.pop(key)
 
 
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along dim 0, without a copy when the parts already lie one after another in one buffer
+    (as the GGUF loader de-quantises q/k/v and gate/up)."""
+    first = parts[0]
+    at = first.storage_offset()
+    for p in parts:
+        if (
+            not p.is_contiguous()
+            or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or p.storage_offset() != at
+            or p.shape[1:] != first.shape[1:]
+            or p.dtype != first.dtype
+        ):
+            return torch.cat(parts)
+        at += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs, consume: bool = False) -> dict[str, torch.Tensor]:
     """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each. With `consume`, the given dict
     is emptied first, so the host never holds the unfused and the fused model at once."""
@@ -376,11 +395,11 @@ def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs, consume: b
     for i in range(args.n_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        out[p + "attention.wqkv.weight"] = torch.cat(
+        out[p + "attention.wqkv.weight"] = joined(
             [sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]
         )
         if args.qkv_bias:
-            out[p + "attention.wqkv.bias"] = torch.cat(
+            out[p + "attention.wqkv.bias"] = joined(
                 [sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]]
             )
         out[p + "attention.wo.weight"] = sd[a + "o_proj.weight"]
@@ -389,9 +408,9 @@ def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs, consume: b
         if args.qk_norm:
             out[p + "attention.q_norm.weight"] = sd[a + "q_norm.weight"]
             out[p + "attention.k_norm.weight"] = sd[a + "k_norm.weight"]
-        out[p + "feed_forward.w13.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+        out[p + "feed_forward.w13.weight"] = joined([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
         if args.mlp_bias:
-            out[p + "feed_forward.w13.bias"] = torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]])
+            out[p + "feed_forward.w13.bias"] = joined([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]])
         out[p + "feed_forward.w2.weight"] = sd[m + "down_proj.weight"]
         if args.mlp_bias:
             out[p + "feed_forward.w2.bias"] = sd[m + "down_proj.bias"]

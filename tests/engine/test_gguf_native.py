@@ -119,6 +119,28 @@ def test_dequantise_in_chunks_matches_one_pass(monkeypatch):
     assert torch.equal(dequantize(raw, "Q6_K", (16, 1024), torch.float32), whole)
 
 
+@pytest.mark.parametrize("type_name", ["F16", "Q8_0", "Q4_1", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantise_into_a_slice_writes_only_its_rows(type_name, dtype):
+    block, size = BLOCKS[type_name]
+    cols = 2 * max(block, 32)
+    raw = torch.from_numpy(random_blocks(type_name, 6 * cols // block, seed=5).reshape(-1))
+    alone = dequantize(raw, type_name, (6, cols), dtype)
+    buffer = torch.full((10, cols), 7.0, dtype=dtype)
+    got = dequantize(raw, type_name, (6, cols), dtype, out=buffer[3:9])
+    assert got.data_ptr() == buffer[3].data_ptr()
+    torch.testing.assert_close(buffer[3:9], alone, rtol=0, atol=0, equal_nan=True)  # random F16 bits hold NaNs
+    assert (buffer[:3] == 7).all() and (buffer[9:] == 7).all()
+
+
+def test_dequantise_refuses_an_output_it_cannot_fill():
+    raw = torch.from_numpy(random_blocks("Q8_0", 4, seed=1).reshape(-1))
+    with pytest.raises(ValueError, match="must be a contiguous torch.float32"):
+        dequantize(raw, "Q8_0", (2, 64), torch.float32, out=torch.empty(64, 2).t())
+    with pytest.raises(ValueError, match="must be a contiguous torch.float32"):
+        dequantize(raw, "Q8_0", (2, 64), torch.float32, out=torch.empty(2, 64, dtype=torch.float16))
+
+
 def test_dequantise_refuses_a_wrong_size():
     with pytest.raises(ValueError, match="do not hold a tensor"):
         dequantize(torch.zeros(35, dtype=torch.uint8), "Q8_0", (32,), torch.float32)
@@ -131,6 +153,39 @@ def test_dequantise_refuses_a_wrong_size():
 def test_tiny_gguf_loads_to_transformers_tensors(tiny_llama, tmp_path, quant):
     path = hf_llama_to_gguf(tiny_llama, tmp_path / f"tiny.{quant}.gguf", quant=quant)
     _assert_same_checkpoint(load_checkpoint(str(path)), _reference(path))
+
+
+def test_fused_weights_are_read_into_one_buffer_and_built_without_a_copy(tiny_llama, tmp_path):
+    """q/k/v (q and k un-permuted on the way) and gate/up land in adjacent rows of one buffer per layer, which the
+    decoder takes as its wqkv / w13 as is; the values are torch.cat's."""
+    from engine.model import build_transformer
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "tiny.Q8_0.gguf", quant="Q8_0")
+    ck = load_checkpoint(str(path))
+    sd = ck.state_dict
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    qkv = [sd[a + n + "_proj.weight"] for n in "qkv"]
+    gate_up = [sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]
+    want_qkv, want_w13 = torch.cat(qkv), torch.cat(gate_up)
+    assert all(t.untyped_storage().data_ptr() == qkv[0].untyped_storage().data_ptr() for t in qkv)
+    model = build_transformer(ck.config, dict(sd), torch.float32, torch.device("cpu"))
+    wqkv = model.layers[1].attention.wqkv.weight
+    w13 = model.layers[1].feed_forward.w13.weight
+    assert wqkv.data_ptr() == qkv[0].data_ptr() and w13.data_ptr() == gate_up[0].data_ptr()
+    assert torch.equal(wqkv, want_qkv) and torch.equal(w13, want_w13)
+
+
+def test_joined_copies_parts_that_do_not_lie_together():
+    from engine.model import joined
+
+    base = torch.arange(24.0).view(6, 4)
+    together = joined([base[0:2], base[2:5]])
+    assert together.data_ptr() == base.data_ptr() and torch.equal(together, base[0:5])
+    apart = [base[0:2], base[3:5]]
+    got = joined(apart)
+    assert got.data_ptr() != base.data_ptr() and torch.equal(got, torch.cat(apart))
+    swapped = joined([base[2:4], base[0:2]])
+    assert torch.equal(swapped, torch.cat([base[2:4], base[0:2]]))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
