@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from engine.protocol import EngineLike
-from engine.types import EngineOptions, Progress
+from engine.types import EngineOptions, Progress, is_remote
 
 API_KEY_ENV = "GAPLESS_REMOTE_API_KEY"
 keys_dir: Optional[Path] = None  # where the app keeps API keys (its config folder); None: the default one
@@ -17,11 +17,10 @@ keys_dir: Optional[Path] = None  # where the app keeps API keys (its config fold
 def load_engine(
     source: str, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None
 ) -> EngineLike:
-    from engine.remote import RemoteEngine, RemoteSource, is_remote
-
-    if is_remote(source):
+    if is_remote(source):  # httpx is imported only for a remote model
         from app.keys import KeyStore
         from app.paths import AppPaths
+        from engine.remote import RemoteEngine, RemoteSource
 
         remote = RemoteSource.parse(source)
         key = os.environ.get(API_KEY_ENV) or KeyStore(keys_dir or AppPaths.resolve().config).get(remote.base_url)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
+from engine.types import REMOTE_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,6 @@ RECENT_VERSION = 1
 RECENT_MAX = 10
 SCAN_DEPTH = 2  # folders below the scanned one
 DEFAULT_SOURCE = "default"
-REMOTE_PREFIX = "remote:"  # engine.remote.PREFIX; kept here so the registry does not import httpx
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import httpx
 from engine import figures
 from engine.errors import GenerationError, ModelLoadError, OptionsError
 from engine.types import (
+    REMOTE_PREFIX,
     EngineOptions,
     GenerationMetrics,
     GenerationResult,
@@ -31,11 +32,11 @@ from engine.types import (
     Progress,
     SamplingParams,
     TextDelta,
+    is_remote,
 )
 
 log = logging.getLogger(__name__)
 
-PREFIX = "remote:"
 REMOTE_REASON = "the model runs on a remote server"
 DEFAULT_TIMEOUT_S = 60.0
 NO_USAGE = "the server reported no token usage"  # why the counts (and what needs them) are n/a
@@ -65,13 +66,13 @@ class RemoteSource:
     def to_source(self) -> str:
         """The source string the app stores and loads: remote:<base URL>#<model>[|timeout=<s>]."""
         tail = "" if self.timeout_s == DEFAULT_TIMEOUT_S else f"|timeout={self.timeout_s:g}"
-        return f"{PREFIX}{self.base_url.rstrip('/')}#{self.model}{tail}"
+        return f"{REMOTE_PREFIX}{self.base_url.rstrip('/')}#{self.model}{tail}"
 
     @classmethod
     def parse(cls, source: str) -> "RemoteSource":
         if not is_remote(source):
             raise OptionsError(f"not a remote source: {source!r}")
-        rest, _, opts = source[len(PREFIX) :].partition("|")
+        rest, _, opts = source[len(REMOTE_PREFIX) :].partition("|")
         url, sep, model = rest.rpartition("#")
         if not sep:
             raise OptionsError(f"a remote source is remote:<base URL>#<model>, got {source!r}")
@@ -85,10 +86,6 @@ class RemoteSource:
             if timeout != timeout:
                 raise OptionsError(f"a remote source takes |timeout=<seconds> after the model, got {opts!r}")
         return cls(url.rstrip("/"), model, timeout).validate()
-
-
-def is_remote(source: str) -> bool:
-    return source.startswith(PREFIX)
 
 
 def _server_root(base_url: str) -> str:

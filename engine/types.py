@@ -13,6 +13,13 @@ from typing import Any, Literal, Optional, Union
 from engine import figures
 from engine.errors import OptionsError
 
+REMOTE_PREFIX = "remote:"  # a model source on an OpenAI-compatible server: remote:URL#MODEL (engine.remote)
+
+
+def is_remote(source: str) -> bool:
+    return source.startswith(REMOTE_PREFIX)
+
+
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
@@ -159,10 +166,15 @@ PRESET_LABELS: dict[str, str] = {
 }
 
 
+# What a preset takes from the options it is applied to rather than setting itself.
+PRESET_KEEPS = ("device", "profile_window", "prefix_reuse", "draft_tokens", "draft_model")
+
+
 def preset_options(
     name: str, base: EngineOptions, half_dtype: str = "fp16", candidates: Optional[int] = None
 ) -> EngineOptions:
-    """The options of preset `name`, keeping `base`'s device, profiling switch, draft length and draft model.
+    """The options of preset `name`, keeping `base`'s PRESET_KEEPS (device, profiling switch, prompt-cache reuse,
+    draft length and draft model).
 
     `half_dtype` replaces fp16 in the presets (bf16 where fp16 is a poor fit, fp32 on a CPU where half
     precision is slower than single); `candidates` overrides the candidate count of the last rung.
@@ -172,16 +184,8 @@ def preset_options(
     p = PRESETS[name]
     dtype = half_dtype if p.dtype == "fp16" else p.dtype
     n = candidates if (candidates is not None and p.candidates > 1) else p.candidates
-    return replace(
-        p,
-        device=base.device,
-        profile_window=base.profile_window,
-        prefix_reuse=base.prefix_reuse,
-        dtype=dtype,
-        candidates=n,
-        draft_tokens=base.draft_tokens,
-        draft_model=base.draft_model,
-    ).validate()
+    kept = {key: getattr(base, key) for key in PRESET_KEEPS}
+    return replace(p, dtype=dtype, candidates=n, **kept).validate()
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int, between: Optional[str] = None) -> None:
