@@ -8,6 +8,7 @@ fed next, and the sampler state. The host knows only how many steps it issued; i
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
@@ -92,6 +93,10 @@ class RunnerBase(abc.ABC):
     @abc.abstractmethod
     def bytes_per_step(self, pos: int) -> int:
         """Bytes one step at position `pos` must read from memory at least (weights + attended KV)."""
+
+
+def _say(progress: Callable[[str, float], None], fraction: float, text: str) -> None:
+    progress(text, fraction)
 
 
 class StaticRunner(RunnerBase):
@@ -313,21 +318,33 @@ class StaticRunner(RunnerBase):
         The writes this makes land in cache rows the prefill and later steps overwrite before reading, and the
         token state is reset by the prefill, so a warm-up never changes a generation's result.
         """
-        shapes = [(b, None) for b in buckets] + [(b, k) for k in verify_ks for b in buckets]
-        todo = [(b, k) for b, k in shapes if self._graph_key(b, kind, k) not in self.graphs] if use_graphs else shapes
+        todo = self._warm_up_plan(buckets, kind, use_graphs, verify_ks)
         for i, (bucket, k) in enumerate(todo):
             self.pos.fill_(0)
             self.counter.zero_()
-            what = "decode step" if k is None else f"verify step ({k} drafts)"
-            if use_graphs:
-                progress(f"capturing the {what} (context {bucket})", i / max(len(todo), 1))
-                self._capture(bucket, kind, k)
-            elif self.compiled is not None:
-                progress(f"compiling the {what} (context {bucket})", i / max(len(todo), 1))
-                self.bucket_step(bucket, kind, k)
+            self._warm_up_one(bucket, kind, k, use_graphs, functools.partial(_say, progress, i / max(len(todo), 1)))
         self.pos.zero_()
         self.counter.zero_()
         self.done.zero_()
+
+    def _warm_up_plan(
+        self, buckets: list[int], kind: SamplerKind, use_graphs: bool, verify_ks: tuple[int, ...]
+    ) -> list[tuple[int, Optional[int]]]:
+        """(bucket, draft length or None) of every step shape a warm-up still has to compile or capture."""
+        shapes: list[tuple[int, Optional[int]]] = [(b, None) for b in buckets]
+        shapes += [(b, k) for k in verify_ks for b in buckets]
+        return [(b, k) for b, k in shapes if self._graph_key(b, kind, k) not in self.graphs] if use_graphs else shapes
+
+    def _warm_up_one(
+        self, bucket: int, kind: SamplerKind, k: Optional[int], use_graphs: bool, say: Callable[[str], None]
+    ) -> None:
+        what = "decode step" if k is None else f"verify step ({k} drafts)"
+        if use_graphs:
+            say(f"capturing the {what} (context {bucket})")
+            self._capture(bucket, kind, k)
+        elif self.compiled is not None:
+            say(f"compiling the {what} (context {bucket})")
+            self.bucket_step(bucket, kind, k)
 
     @staticmethod
     def _graph_key(bucket: int, kind: SamplerKind, k: Optional[int]) -> tuple:

@@ -65,42 +65,27 @@ class Colors:
     syn_number: str
 
 
-LIGHT = Colors(
-    window="#f3f4f7",
-    panel="#eceef2",
-    base="#ffffff",
-    text="#1c2027",
-    muted="#626b78",
-    border="#d5d9e0",
-    accent="#2b62d9",
-    accent_text="#ffffff",
-    user_bubble="#e7eefc",
-    code_bg="#f5f6f8",
-    code_header="#e8eaee",
-    error="#b3261e",
-    syn_keyword="#8a2be2",
-    syn_string="#1a7f37",
-    syn_comment="#6e7781",
-    syn_number="#b35900",
-)
-DARK = Colors(
-    window="#1d1f24",
-    panel="#23262c",
-    base="#17191d",
-    text="#e4e6eb",
-    muted="#9aa3b0",
-    border="#343842",
-    accent="#5b8def",
-    accent_text="#ffffff",
-    user_bubble="#253149",
-    code_bg="#111316",
-    code_header="#262a31",
-    error="#f2857b",
-    syn_keyword="#c792ea",
-    syn_string="#a5d6a7",
-    syn_comment="#7f8896",
-    syn_number="#f7b267",
-)
+# Each colour of Colors in the light and the dark theme, side by side: a colour added to one is added to both.
+_SHADES: dict[str, tuple[str, str]] = {
+    "window": ("#f3f4f7", "#1d1f24"),
+    "panel": ("#eceef2", "#23262c"),
+    "base": ("#ffffff", "#17191d"),
+    "text": ("#1c2027", "#e4e6eb"),
+    "muted": ("#626b78", "#9aa3b0"),
+    "border": ("#d5d9e0", "#343842"),
+    "accent": ("#2b62d9", "#5b8def"),
+    "accent_text": ("#ffffff", "#ffffff"),
+    "user_bubble": ("#e7eefc", "#253149"),
+    "code_bg": ("#f5f6f8", "#111316"),
+    "code_header": ("#e8eaee", "#262a31"),
+    "error": ("#b3261e", "#f2857b"),
+    "syn_keyword": ("#8a2be2", "#c792ea"),
+    "syn_string": ("#1a7f37", "#a5d6a7"),
+    "syn_comment": ("#6e7781", "#7f8896"),
+    "syn_number": ("#b35900", "#f7b267"),
+}
+LIGHT = Colors(**{name: light for name, (light, _dark) in _SHADES.items()})
+DARK = Colors(**{name: dark for name, (_light, dark) in _SHADES.items()})
 
 
 def build_palette(c: Colors) -> QPalette:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from app.server.protocol import ApiError, Request, bad
 from engine.errors import GaplessError
@@ -27,20 +27,18 @@ Sink = Callable[[Any], None]
 RunOnEngine = Callable[[Callable[[Any], None]], None]
 
 
-@dataclass(frozen=True)
-class Started:
+# What a job's sink receives besides the TextDeltas: small immutable messages, one per event.
+class Started(NamedTuple):
     prompt_tokens: int
     queue_ms: float
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(NamedTuple):
     result: GenerationResult
     queue_ms: float
 
 
-@dataclass(frozen=True)
-class Failed:
+class Failed(NamedTuple):
     error: ApiError
 
 

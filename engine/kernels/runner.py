@@ -100,32 +100,27 @@ class FusedRunner(StaticRunner):
         else:
             self.fused_step(kind)
 
-    def warm_up(
-        self,
-        buckets: list[int],
-        kind: SamplerKind,
-        use_graphs: bool,
-        progress: Callable[[str, float], None],
-        verify_ks: tuple[int, ...] = (),
-    ) -> None:
-        """Compile the kernels (their first launch) and, with use_graphs, capture the step. Its writes land where
-        the prefill and later steps write before they read, as StaticRunner.warm_up explains."""
+    def _warm_up_plan(
+        self, buckets: list[int], kind: SamplerKind, use_graphs: bool, verify_ks: tuple[int, ...]
+    ) -> list[tuple[int, Optional[int]]]:
+        """One shape whatever the buckets: the fused step reads the cache to `pos`, not to a bucket. Its writes
+        land where the prefill and later steps write before they read, as StaticRunner.warm_up explains."""
         if verify_ks:
             raise ValueError("the fused step has no verify step for drafts")
-        if (self.length, kind) in self.graphs if use_graphs else kind in self._warm:
-            return
-        self.pos.fill_(0)
-        self.counter.zero_()
+        warm = (self.length, kind) in self.graphs if use_graphs else kind in self._warm
+        return [] if warm else [(self.length, None)]
+
+    def _warm_up_one(
+        self, bucket: int, kind: SamplerKind, k: Optional[int], use_graphs: bool, say: Callable[[str], None]
+    ) -> None:
+        """Compile the kernels (their first launch) and, with use_graphs, capture the step."""
         if use_graphs:
-            progress("compiling the fused kernels and capturing the decode step", 0.0)
+            say("compiling the fused kernels and capturing the decode step")
             self._capture(self.length, kind)
         else:
-            progress("compiling the fused kernels", 0.0)
+            say("compiling the fused kernels")
             self.fused_step(kind)
         self._warm.add(kind)
-        self.pos.zero_()
-        self.counter.zero_()
-        self.done.zero_()
 
     def bytes_per_step(self, pos: int) -> int:
         per_pos = self.cache.nbytes() // max(self.cache.length, 1)

@@ -28,18 +28,16 @@ DIALOG_CLASSES = {
     "QDialogButtonBox",
 }
 
+FAILED_OPEN = "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes"
 # Each function of ui/ and app/ that makes a dialog, and the test below that opens it and clicks it.
 DIALOG_SITES = {
     ("ui/dialogs.py", "confirm"): "test_delete_from_the_chat_menu_asks_and_deletes",
-    ("ui/dialogs.py", "show_error"): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
+    ("ui/dialogs.py", "show_error"): FAILED_OPEN,
     ("ui/dialogs.py", "show_info"): "test_help_lists_the_shortcuts_and_says_what_gapless_is",
     ("ui/dialogs.py", "SamplingDialog.__init__"): "test_chat_settings_restore_defaults_and_ok",
     ("ui/preferences.py", "PreferencesDialog.choose_folder"): "test_preferences_apply_at_once_and_are_kept",
     ("ui/chat_list.py", "ChatList.ask_rename"): "test_rename_from_the_chat_menu",
-    (
-        "ui/model_panel.py",
-        "ModelPanel.open_file_dialog",
-    ): "test_a_failed_open_shows_an_error_box_that_its_ok_button_closes",
+    ("ui/model_panel.py", "ModelPanel.open_file_dialog"): FAILED_OPEN,
     ("ui/model_panel.py", "ModelPanel.open_folder_dialog"): "test_open_folder_dialog_loads_the_chosen_folder",
     ("ui/model_panel.py", "ModelPanel._choose_models_folder"): "test_choosing_a_models_folder_lists_it",
     ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
