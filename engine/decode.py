@@ -8,12 +8,14 @@ fed next, and the sampler state. The host knows only how many steps it issued; i
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import logging
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 
+from engine import heap
 from engine.model import DynamicKVCache, StaticKVCache, Transformer
 from engine.sampling import SamplerKind, SamplerState, mark_seen, sample
 from engine.speculative import verify
@@ -117,6 +119,7 @@ class StaticRunner(RunnerBase):
         self.compiled: Optional[Callable] = None
         self.compiled_verify: Optional[Callable] = None
         self.graphs: dict[tuple, "torch.cuda.CUDAGraph"] = {}  # (bucket, kind) or (bucket, kind, k) for verify
+        self.compiled_warm: set[tuple] = set()  # the same keys, run once through the compiled step (no graphs)
         # Speculative verify: drafts copied in by the host, and what the step made of them (read back after it).
         self.drafts = torch.zeros(1, MAX_VERIFY, dtype=torch.long, device=device)
         self.n_emit = torch.zeros((), dtype=torch.long, device=device)
@@ -174,6 +177,7 @@ class StaticRunner(RunnerBase):
         the allocator. Without a verify_fn, a step set by hand verifies eagerly over the whole bucket."""
         self.compiled = fn
         self.compiled_verify = (verify_fn or self.masked_verify) if fn is not None else None
+        self.compiled_warm.clear()
         self.graphs.clear()
         self.graph_pool = None
 
@@ -319,10 +323,12 @@ class StaticRunner(RunnerBase):
         token state is reset by the prefill, so a warm-up never changes a generation's result.
         """
         todo = self._warm_up_plan(buckets, kind, use_graphs, verify_ks)
-        for i, (bucket, k) in enumerate(todo):
-            self.pos.fill_(0)
-            self.counter.zero_()
-            self._warm_up_one(bucket, kind, k, use_graphs, functools.partial(_say, progress, i / max(len(todo), 1)))
+        with heap.building() if todo else contextlib.nullcontext():  # what a compile builds, kept out of gc's way
+            for i, (bucket, k) in enumerate(todo):
+                self.pos.fill_(0)
+                self.counter.zero_()
+                say = functools.partial(_say, progress, i / max(len(todo), 1))
+                self._warm_up_one(bucket, kind, k, use_graphs, say)
         self.pos.zero_()
         self.counter.zero_()
         self.done.zero_()
@@ -333,7 +339,10 @@ class StaticRunner(RunnerBase):
         """(bucket, draft length or None) of every step shape a warm-up still has to compile or capture."""
         shapes: list[tuple[int, Optional[int]]] = [(b, None) for b in buckets]
         shapes += [(b, k) for k in verify_ks for b in buckets]
-        return [(b, k) for b, k in shapes if self._graph_key(b, kind, k) not in self.graphs] if use_graphs else shapes
+        if not use_graphs and self.compiled is None:
+            return []  # eager: nothing to compile or capture
+        done = self.graphs if use_graphs else self.compiled_warm
+        return [(b, k) for b, k in shapes if self._graph_key(b, kind, k) not in done]
 
     def _warm_up_one(
         self, bucket: int, kind: SamplerKind, k: Optional[int], use_graphs: bool, say: Callable[[str], None]
@@ -345,6 +354,7 @@ class StaticRunner(RunnerBase):
         elif self.compiled is not None:
             say(f"compiling the {what} (context {bucket})")
             self.bucket_step(bucket, kind, k)
+            self.compiled_warm.add(self._graph_key(bucket, kind, k))
 
     @staticmethod
     def _graph_key(bucket: int, kind: SamplerKind, k: Optional[int]) -> tuple:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from engine import heap
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
 from engine.errors import GaplessError, GenerationError, ModelLoadError
 from engine.generate import LoopResult, run_loop
@@ -114,6 +115,7 @@ class Engine:
         dtype = TORCH_DTYPES[resolve_dtype(options.dtype, device)]
         checkpoint = load_checkpoint(source, progress, dtype=dtype, device=device)  # GGUF: straight into these
         engine = cls(checkpoint, options, progress)
+        heap.settle()  # what torch, the tokenizer and the model built stays: out of the collector's full passes
         engine.load_seconds = time.perf_counter() - started
         return engine
 
@@ -816,6 +818,7 @@ class Engine:
             self.monitor.close()
             self._runners.clear()
             self.model = None
+            heap.release()  # cycles among what was frozen with the model (compiled steps hold some) go now
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
