@@ -23,13 +23,23 @@ def build_hf_model(cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
     """transformers' model for `cfg` (never remote code) with the checkpoint's weights, in dtype on device."""
     from transformers import AutoModelForCausalLM
 
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4 keeps it in modeling_utils
+        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
+
     from engine.errors import ModelLoadError
 
     to_transformers = getattr(cfg, "to_transformers", None)  # a config read back from the GGUF cache
     if to_transformers is not None:
         cfg = to_transformers()
-    model = AutoModelForCausalLM.from_config(cfg)  # buffers (rotary tables, ...) are built here, for real
-    missing, _ = model.load_state_dict(state_dict, strict=False)
+    # Built on the real device, so the buffers (rotary tables, embedding scales) get their values here; every
+    # parameter comes from the checkpoint, so random initialisation is skipped (it took 9.2 of a 270M model's
+    # 22 s load) and the checkpoint's tensors are taken as they are instead of copied in (one copy of the
+    # weights in memory, not two).
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg)
+    missing, _ = model.load_state_dict(state_dict, strict=False, assign=True)
     model.tie_weights()
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     missing = [m for m in missing if m not in tied]
