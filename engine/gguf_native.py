@@ -40,10 +40,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 CACHE_ENTRIES_KEPT = 32
 # GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
-NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False}
+# GGUF architecture -> what llama.cpp added to its norms' weights (Gemma scales by 1 + weight and stores the sum)
+NORM_OFFSETS = {"gemma3": 1.0}
+# transformers' model type -> the gguf package's architecture name, where they differ
+GGUF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 PROGRESS_EVERY = 16  # tensors
 
 ProgressFn = Callable[[Progress], None]
@@ -56,6 +60,7 @@ class TensorPlan:
     gguf_name: str
     hf_name: str
     permute_heads: int  # > 0: un-permute the rows of llama.cpp's rotary layout over this many heads
+    offset: float = 0.0  # subtracted from the stored values (in fp32, before the cast), as transformers does
 
 
 @dataclass
@@ -161,6 +166,8 @@ def config_dict(header: GGUFHeader) -> dict[str, Any]:
             config[target] = value
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.array_lengths:
         config["vocab_size"] = header.array_lengths["tokenizer.ggml.tokens"]
+    if config.get("model_type") == "gemma3":  # a Gemma-3 GGUF holds the text model only
+        config["model_type"] = "gemma3_text"
     return config
 
 
@@ -175,6 +182,7 @@ def name_map(hf_names: list[str], model_type: str, n_layers: int) -> dict[str, s
     in the order they appear), with the gguf package's name table built once, not per module."""
     import gguf
 
+    model_type = GGUF_MODEL_TYPES.get(model_type, model_type)
     arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == model_type), None)
     if arch is None:
         raise ModelLoadError(f"the gguf package has no tensor names for {model_type!r}")
@@ -287,6 +295,7 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
     names = name_map(list(layout_shapes), config.model_type, config.num_hidden_layers)
     permute = NATIVE_ARCHITECTURES.get(header.architecture, False)
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    norm_offset = NORM_OFFSETS.get(header.architecture, 0.0)
     plan = []
     for t in header.tensors:
         hf = names.get(t.name)
@@ -298,7 +307,7 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
                 n = heads
             elif ".attn_k." in t.name:
                 n = kv_heads
-        plan.append(TensorPlan(t.name, hf, n))
+        plan.append(TensorPlan(t.name, hf, n, norm_offset if "norm.weight" in t.name else 0.0))
     shapes = {k: list(v) for k, v in layout_shapes.items()}
     return Converted(cfg, tokenizer, plan, shapes, dict(layout_tied), from_cache=False, resolved=resolved, built=config)
 
@@ -357,7 +366,7 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
             shutil.rmtree(entry, ignore_errors=True)
             return None
         data = json.loads((entry / "layout.json").read_text(encoding="utf-8"))
-        plan = [TensorPlan(str(g), str(h), int(n)) for g, h, n in data["plan"]]
+        plan = [TensorPlan(str(g), str(h), int(n), float(o)) for g, h, n, o in data["plan"]]
         shapes = {str(k): [int(x) for x in v] for k, v in data["shapes"].items()}
         tied = {str(k): str(v) for k, v in data["tied"].items()}
         cfg = json.loads((entry / "config.json").read_text(encoding="utf-8"))
@@ -407,7 +416,7 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(conv.config, indent=1), encoding="utf-8")
         layout = {
-            "plan": [[p.gguf_name, p.hf_name, p.permute_heads] for p in conv.plan],
+            "plan": [[p.gguf_name, p.hf_name, p.permute_heads, p.offset] for p in conv.plan],
             "shapes": conv.shapes,
             "tied": conv.tied,
         }
@@ -550,6 +559,8 @@ def _dequantise_all(
                 out = buffers[names][first : first + t.shape[0]]
             if p.permute_heads:
                 w = _unpermute(dequantize(raw.to(device), t.type_name, t.shape, dtype), p.permute_heads, out)
+            elif p.offset:
+                w = (dequantize(raw.to(device), t.type_name, t.shape, torch.float32) - p.offset).to(dtype)
             else:
                 w = dequantize(raw.to(device), t.type_name, t.shape, dtype, out)
             del raw

@@ -25,7 +25,10 @@ _LAYER_NAMES = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",  # Gemma-3: a norm before and after each block
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+_GEMMA3_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight"}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -60,11 +63,12 @@ def random_blocks(type_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
     return raw
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, architecture: str = "llama") -> str:
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+    names = {**_LAYER_NAMES, **_GEMMA3_NAMES} if architecture == "gemma3" else _LAYER_NAMES
+    return f"blk.{layer}.{names[rest]}"
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -99,8 +103,10 @@ def hf_llama_to_gguf(
 
     forced = tensor_types or {}
     for hf, arr in state.items():
-        name = gguf_name(hf)
+        name = gguf_name(hf, architecture)
         arr = arr.astype(np.float32)
+        if architecture == "gemma3" and hf.endswith("norm.weight"):
+            arr = arr + 1  # llama.cpp stores Gemma's norms as the factor they scale by (1 + weight)
         if architecture == "llama" and hf.endswith("q_proj.weight"):  # llama.cpp permutes Llama's only
             arr = _permute(arr, n_head)
         elif architecture == "llama" and hf.endswith("k_proj.weight"):
@@ -143,9 +149,11 @@ def _add_settings(w, cfg: dict, architecture: str = "llama", rope_scaling: Optio
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
     w.add_rope_dimension_count(head_dim)
-    if architecture == "qwen3":  # llama.cpp writes the head size, which Qwen3 lets differ from hidden / heads
+    if architecture in ("qwen3", "gemma3"):  # llama.cpp writes the head size where it may differ from hidden / heads
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if architecture == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_vocab_size(cfg["vocab_size"])
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
@@ -229,5 +237,92 @@ def write_large_llama_q8_0(
         raw = rng.integers(0, 256, (shape[0], shape[1] // 32, 34), dtype=np.uint8)
         raw[:, :, 0:2] = scale
         w.write_tensor_data(raw.reshape(shape[0], -1))
+    w.close()
+    return out
+
+
+def write_gemma3_270m_shaped(out: Path, vocab: int = 262144) -> Path:
+    """A GGUF in Gemma-3-270M's shapes (18 layers, 640 wide, 4 query heads of 256 and one KV head, a
+    262,144-piece vocabulary) with random weights, typed as llama.cpp's Q4_K_M types that model (its 640-wide
+    rows fall back from the K types to Q5_0 and Q8_0; the norms F32, stored as 1 + weight) and a sentencepiece
+    vocabulary built by joining pieces, as large as the real one: for timing a load (docs/benchmarks.md)."""
+    import gguf
+
+    hidden, inter, layers, heads, kv_heads, head_dim = 640, 2048, 18, 4, 1, 256
+    rng = np.random.default_rng(0)
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
+    types = [3] * len(specials) + [6] * 256
+    first = len(tokens)
+    alphabet = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"()-_/") + ["\u2581"]
+    alphabet += [chr(c) for c in range(0xE0, 0x17F)]
+    seen = set(tokens)
+    for piece in alphabet:
+        seen.add(piece)
+        tokens.append(piece)
+        types.append(1)
+    while len(tokens) < vocab:  # join two earlier pieces, the commoner short ones more often
+        made = len(tokens) - first
+        a = tokens[first + int(rng.integers(0, min(made, 20000)))]
+        b = tokens[first + int(rng.integers(0, min(made, 5000)))]
+        piece = ("\u2581" + a if rng.random() < 0.3 and not a.startswith("\u2581") else a) + b.lstrip("\u2581")
+        if piece not in seen and len(piece) < 24:
+            seen.add(piece)
+            tokens.append(piece)
+            types.append(1)
+    w = gguf.GGUFWriter(str(out), "gemma3")
+    w.add_name("gemma-3-270m-shaped random")
+    w.add_context_length(32768)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_sliding_window(512)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(vocab)])
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+    w.add_chat_template(
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}"
+        "\n{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+
+    def add(name: str, shape: tuple[int, ...], kind: str) -> None:
+        if kind == "F32":
+            w.add_tensor(name, (1 + 0.05 * rng.standard_normal(shape)).astype(np.float32))
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        raw = random_blocks(kind, shape[0] * shape[1] // block, seed=len(name)).reshape(shape[0], -1)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+
+    add("token_embd.weight", (vocab, hidden), "Q8_0")
+    add("output_norm.weight", (hidden,), "F32")
+    for i in range(layers):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            add(p + norm + ".weight", (hidden,), "F32")
+        add(p + "attn_q_norm.weight", (head_dim,), "F32")
+        add(p + "attn_k_norm.weight", (head_dim,), "F32")
+        add(p + "attn_q.weight", (heads * head_dim, hidden), "Q5_0")
+        add(p + "attn_k.weight", (kv_heads * head_dim, hidden), "Q5_0")
+        add(p + "attn_v.weight", (kv_heads * head_dim, hidden), "Q8_0")
+        add(p + "attn_output.weight", (hidden, heads * head_dim), "Q4_K")
+        add(p + "ffn_gate.weight", (inter, hidden), "Q5_0")
+        add(p + "ffn_up.weight", (inter, hidden), "Q5_0")
+        add(p + "ffn_down.weight", (hidden, inter), "Q6_K")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
     w.close()
     return out

@@ -25,6 +25,7 @@ FAMILY_CONFIGS = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"]),
+    "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"]),
 }
 
 # The layers of a tiny model: small enough that a test builds one in well under a second.
@@ -99,6 +100,9 @@ def make_config(family: str = "llama", vocab_size: int = 320, tie: bool = True, 
     base.update(fam)
     if family == "qwen3":
         base["head_dim"] = 16
+    if family == "gemma3_text":  # five sliding-window layers to one global, as Gemma-3 has them
+        base.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3)
+        base["layer_types"] = ["sliding_attention", "sliding_attention", "full_attention"]
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)
 

@@ -198,6 +198,47 @@ def test_qwen_ggufs_load_natively_to_transformers_tensors(tiny_factory, tmp_path
     _assert_same_checkpoint(ck, _reference(path))
 
 
+def test_a_gemma3_gguf_loads_natively_to_transformers_tensors(tiny_factory, tmp_path, conversions):
+    """Gemma-3: the text model's config, the norms llama.cpp stores as 1 + weight given back as transformers
+    holds them (in fp32 before any cast), first from a conversion and then from the cache; the decoder is
+    transformers' (the engine's fallback), and answers as transformers' model on the same tensors does."""
+    from tiny_models import greedy_continuation
+    from transformers import AutoModelForCausalLM
+
+    from engine.engine import Engine
+    from engine.fallback import build_hf_model
+    from engine.prompt import build_prompt
+    from engine.types import EngineOptions, SamplingParams
+
+    folder = tiny_factory("gemma3_text")
+    path = hf_llama_to_gguf(folder, tmp_path / "tiny-gemma3.Q8_0.gguf", quant="Q8_0", architecture="gemma3")
+    ref = _reference(path)
+    ck = load_checkpoint(str(path))
+    assert conversions == [path.name] and ck.config.model_type == "gemma3_text"  # the native path
+    _assert_same_checkpoint(ck, ref)
+    _assert_same_checkpoint(load_checkpoint(str(path)), ref)
+    assert conversions == [path.name]  # the second load read the cache
+    bf16 = load_checkpoint(str(path), dtype=torch.bfloat16).state_dict["model.norm.weight"]
+    assert torch.equal(bf16, ref.state_dict["model.norm.weight"].to(torch.bfloat16))
+
+    model = AutoModelForCausalLM.from_config(ref.config)
+    model.load_state_dict(ref.state_dict, strict=False)  # the tied head is the embedding
+    model.tie_weights()
+    fallback = build_hf_model(ref.config, dict(ref.state_dict), torch.float32, torch.device("cpu"))
+    embedding = ref.state_dict["model.embed_tokens.weight"]
+    assert fallback.get_input_embeddings().weight.data_ptr() == embedding.data_ptr()  # taken, not copied
+    eng = Engine.load(str(path), EngineOptions(device="cpu"))
+    try:
+        messages = [{"role": "user", "content": "hello world"}]
+        got = eng.generate(messages, SamplingParams(temperature=0, max_new_tokens=8))
+        assert eng.info.backend == "transformers"
+        prompt = build_prompt(eng.tokenizer, messages, eng.context_length, 8).ids
+        want = greedy_continuation(model.eval(), prompt, 8, None)
+        assert got.token_ids[0] == want[: len(got.token_ids[0])] and got.token_ids[0]
+    finally:
+        eng.close()
+
+
 def test_k_quant_gguf_loads_to_transformers_tensors(tiny_factory, tmp_path):
     folder = tiny_factory("llama", tie=False, hidden_size=256, intermediate_size=512)
     names = [n for n in ("model.embed_tokens.weight", "lm_head.weight")] + [
