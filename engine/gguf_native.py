@@ -519,15 +519,12 @@ def _fused_slots(
             names = tuple(f"{prefix}.layers.{layer}.{member}" for member in group)
             if p.hf_name != names[0] or not all(n in shapes for n in names):
                 continue
-            tails = {shapes[n][1:] for n in names}
-            if len(tails) != 1:
+            if len({shapes[n][1:] for n in names}) != 1:
                 continue
-            row = 0
+            total, first = sum(shapes[n][0] for n in names), 0
             for n in names:
-                slots[n] = (names, row, 0)
-                row += shapes[n][0]
-            for n in names:
-                slots[n] = (names, slots[n][1], row)
+                slots[n] = (names, first, total)
+                first += shapes[n][0]
     return slots
 
 

@@ -41,7 +41,6 @@ class FusedRunner(StaticRunner):
         self.pidx = torch.zeros(batch, blocks, dtype=torch.int32, device=device)
         self.cos = model.rope_cos.to(dtype)  # the eager model casts the tables at use
         self.sin = model.rope_sin.to(dtype)
-        self._warm: set[SamplerKind] = set()
 
     def fused_step(self, kind: SamplerKind) -> None:
         """One decode step: feeds self.tok at self.pos, writes the next token, advances pos and the counter."""
@@ -107,8 +106,8 @@ class FusedRunner(StaticRunner):
         land where the prefill and later steps write before they read, as StaticRunner.warm_up explains."""
         if verify_ks:
             raise ValueError("the fused step has no verify step for drafts")
-        warm = (self.length, kind) in self.graphs if use_graphs else kind in self._warm
-        return [] if warm else [(self.length, None)]
+        done = self.graphs if use_graphs else self.compiled_warm
+        return [] if self._graph_key(self.length, kind, None) in done else [(self.length, None)]
 
     def _warm_up_one(
         self, bucket: int, kind: SamplerKind, k: Optional[int], use_graphs: bool, say: Callable[[str], None]
@@ -120,7 +119,7 @@ class FusedRunner(StaticRunner):
         else:
             say("compiling the fused kernels")
             self.fused_step(kind)
-        self._warm.add(kind)
+        self.compiled_warm.add(self._graph_key(self.length, kind, None))
 
     def bytes_per_step(self, pos: int) -> int:
         per_pos = self.cache.nbytes() // max(self.cache.length, 1)
