@@ -83,7 +83,8 @@ def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int)
         }
     if not gguf_path or not gguf_path.lower().endswith(".gguf"):
         return {"status": "skipped", "reason": "llama.cpp reads GGUF files; this model is a Hugging Face folder"}
-    llm = llama_cpp.Llama(model_path=gguf_path, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
+    # typed loosely: the optional extra is type-checked only where it is installed
+    llm: Any = llama_cpp.Llama(model_path=gguf_path, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
     runs = []
     for i in range(repeats + 1):  # the first call warms up
         started = time.perf_counter()
