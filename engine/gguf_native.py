@@ -216,13 +216,14 @@ def native_layout(config) -> Optional[tuple[dict[str, tuple[int, ...]], dict[str
     transformers' modelling code (~130 MiB of it resident, on a first launch). None for other families.
     Tested against the model class for each family and option (tests/engine/test_gguf_native.py)."""
     family = config.model_type
-    if family not in ("llama", "mistral", "qwen2", "qwen3"):
+    if family not in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text"):
         return None
+    gemma = family == "gemma3_text"
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or hidden // heads
-    attention_bias = bool(getattr(config, "attention_bias", False)) and family in ("llama", "qwen3")
+    attention_bias = bool(getattr(config, "attention_bias", False)) and family in ("llama", "qwen3", "gemma3_text")
     qkv_bias = family == "qwen2" or attention_bias
     mlp_bias = bool(getattr(config, "mlp_bias", False)) and family == "llama"
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
@@ -237,7 +238,7 @@ def native_layout(config) -> Optional[tuple[dict[str, tuple[int, ...]], dict[str
             shapes[f"{a}{proj}.weight"] = (rows, cols)
             if bias:
                 shapes[f"{a}{proj}.bias"] = (rows,)
-        if family == "qwen3":
+        if family == "qwen3" or gemma:
             shapes[a + "q_norm.weight"] = shapes[a + "k_norm.weight"] = (hd,)
         for proj, rows, cols in (
             ("gate_proj", inter, hidden),
@@ -249,6 +250,9 @@ def native_layout(config) -> Optional[tuple[dict[str, tuple[int, ...]], dict[str
                 shapes[f"{m}{proj}.bias"] = (rows,)
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+        if gemma:
+            shapes[f"model.layers.{i}.pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"model.layers.{i}.post_feedforward_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if getattr(config, "tie_word_embeddings", False) else {}

@@ -232,7 +232,10 @@ def _apply_gguf_rope(header, config, label: str) -> None:
             )
         params = rope_parameters(config)
         params.update(rope_type="linear", factor=float(factor))
-        if isinstance(getattr(config, "rope_parameters", None), dict):
+        nested = getattr(config, "rope_parameters", None)
+        if isinstance(nested, dict) and isinstance(nested.get("full_attention"), dict):
+            nested["full_attention"] = params  # per layer type (Gemma-3): the scaling is the global layers'
+        elif isinstance(nested, dict):
             config.rope_parameters = params  # transformers 5 (rope_scaling is its alias there)
         else:
             config.rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}

@@ -15,14 +15,15 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 
-FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA_FAMILIES = ("gemma3_text",)
 # Rope types whose frequencies do not depend on the sequence length: one table serves every position.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma3_text
     vocab_size: int
     dim: int
     n_layers: int
@@ -36,16 +37,28 @@ class ModelArgs:
     qkv_bias: bool  # Qwen2, or attention_bias
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rope
+    qk_norm: bool  # Qwen3, Gemma-3: RMSNorm over each head of q and k before rope
     hidden_act: str
+    # Gemma-3: the embedding scaled by sqrt(dim), norms that scale by 1 + weight in fp32, a norm after the
+    # attention and on both sides of the MLP, its own attention scale, and sliding-window layers with a rope base
+    # of their own; a final soft cap on the logits where the config sets one.
+    gemma: bool = False
+    attn_scale: Optional[float] = None  # None: head_dim ** -0.5
+    sliding_window: Optional[int] = None  # the keys a sliding layer sees: the last `sliding_window` positions
+    sliding_layers: tuple[bool, ...] = ()  # per layer: a sliding-window layer
+    final_softcap: Optional[float] = None
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelArgs":
         family = cfg.model_type
         if family not in FAST_FAMILIES:
             raise ValueError(f"{family} is not on the fast path")
-        act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        gemma = family in GEMMA_FAMILIES
+        if gemma:
+            act = getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
+        else:
+            act = getattr(cfg, "hidden_act", "silu")
+        if act not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
             raise ValueError(f"activation {act!r} is not on the fast path")
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -57,6 +70,19 @@ class ModelArgs:
         if family == "qwen3" and getattr(cfg, "layer_types", None):
             if any(t != "full_attention" for t in cfg.layer_types):
                 raise ValueError("sliding-window layers are not on the fast path")
+        sliding: tuple[bool, ...] = ()
+        if gemma:
+            if getattr(cfg, "use_bidirectional_attention", False):
+                raise ValueError("bidirectional attention is not on the fast path")
+            if getattr(cfg, "attn_logit_softcapping", None) is not None:
+                raise ValueError("attention logit soft-capping is not on the fast path")
+            sliding = tuple(t == "sliding_attention" for t in cfg.layer_types)
+            if any(t not in ("sliding_attention", "full_attention") for t in cfg.layer_types):
+                raise ValueError(f"layer types {sorted(set(cfg.layer_types))} are not on the fast path")
+            if any(sliding) and not window:
+                raise ValueError("sliding-window layers without a window size")
+            if rope_parameters(cfg, "sliding_attention").get("rope_type", "default") != "default":
+                raise ValueError("a scaled rope on the sliding-window layers is not on the fast path")
         rope = rope_parameters(cfg)
         rope_type = rope.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
@@ -81,19 +107,27 @@ class ModelArgs:
             norm_eps=cfg.rms_norm_eps,
             max_seq_len=context,
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            # As transformers builds each family: Qwen2 has q/k/v biases always; Llama and Qwen3 follow
+            # As transformers builds each family: Qwen2 has q/k/v biases always; Llama, Qwen3 and Gemma-3 follow
             # attention_bias (o_proj too); only Llama reads mlp_bias; Mistral has no biases.
-            qkv_bias=family == "qwen2" or (attention_bias and family in ("llama", "qwen3")),
-            o_bias=attention_bias and family in ("llama", "qwen3"),
+            qkv_bias=family == "qwen2" or (attention_bias and family in ("llama", "qwen3", *GEMMA_FAMILIES)),
+            o_bias=attention_bias and family in ("llama", "qwen3", *GEMMA_FAMILIES),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)) and family == "llama",
-            qk_norm=family == "qwen3",
+            qk_norm=family == "qwen3" or gemma,
             hidden_act=act,
+            gemma=gemma,
+            attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else None,
+            sliding_window=int(window) if any(sliding) and window else None,
+            sliding_layers=sliding if any(sliding) else (),
+            final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
         )
 
 
-def rope_parameters(cfg) -> dict:
-    """Rope settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
+def rope_parameters(cfg, layer_type: str = "full_attention") -> dict:
+    """Rope settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`); for
+    a model whose layer types have settings of their own (Gemma-3), those of `layer_type`."""
     params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         return dict(params)
     out = dict(getattr(cfg, "rope_scaling", None) or {})
@@ -102,9 +136,11 @@ def rope_parameters(cfg) -> dict:
     return out
 
 
-def rope_tables(cfg, head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    cfg, head_dim: int, max_seq_len: int, layer_type: str = "full_attention"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_seq_len, head_dim] in fp32, computed as transformers does (so logits match)."""
-    params = rope_parameters(cfg)
+    params = rope_parameters(cfg, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params["rope_theta"]
@@ -116,7 +152,9 @@ def rope_tables(cfg, head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, tor
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        nested = isinstance(getattr(cfg, "rope_parameters", None), dict) and layer_type in cfg.rope_parameters
+        kw = {"layer_type": layer_type} if nested else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), **kw)
     freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
@@ -214,6 +252,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and scales in fp32, before the cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(args: ModelArgs, dim: int) -> RMSNorm:
+    return GemmaRMSNorm(dim, args.norm_eps) if args.gemma else RMSNorm(dim, args.norm_eps)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -236,11 +287,21 @@ def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def masked_attention(q, k, v, mask: torch.Tensor, input_pos: torch.Tensor, gqa: bool) -> torch.Tensor:
+def masked_attention(
+    q, k, v, mask: torch.Tensor, input_pos: torch.Tensor, gqa: bool, scale: Optional[float] = None
+) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] bool (True = attend), which is `s <= input_pos[t]` for
     every caller. Looked up as a module global at trace time, so the GPU check can measure another attention
     kernel in its place (one that builds the mask from the positions)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+
+
+def window_mask(input_pos: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """[T, keys] bool: query t at position input_pos[t] sees the keys at positions (input_pos[t] - window,
+    input_pos[t]], the keys being positions 0..keys-1 (as every cache holds them)."""
+    s = torch.arange(keys, device=input_pos.device)[None, :]
+    pos = input_pos[:, None]
+    return (s <= pos) & (s > pos - window)
 
 
 class Attention(nn.Module):
@@ -252,12 +313,15 @@ class Attention(nn.Module):
         self.kv_size = args.n_kv_heads * args.head_dim
         self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.wo = nn.Linear(self.q_size, args.dim, bias=args.o_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.q_norm = make_norm(args, args.head_dim) if args.qk_norm else None
+        self.k_norm = make_norm(args, args.head_dim) if args.qk_norm else None
+        self.scale = args.attn_scale
+        self.window = args.sliding_window if args.sliding_layers and args.sliding_layers[layer] else None
 
     def forward(self, x, B: int, T: int, cos, sin, input_pos, cache: Optional[KVCache], mask: Optional[torch.Tensor]):
         """x [B * T, dim] (the rows of the batch's tokens, so no linear reshapes); cos [T, D] and sin [T, D] with
-        its first half negated (signed_sin)."""
+        its first half negated (signed_sin). A sliding-window layer is given its window's mask (or None, where
+        it builds one over the keys the cache returns)."""
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -272,11 +336,15 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, input_pos, k, v)
         gqa = self.n_heads != self.n_kv_heads
-        if mask is None:  # no cache, or a dynamic cache: causal over the keys, queries are the last T
+        if self.window is not None:
+            if mask is None:
+                mask = window_mask(input_pos, k.shape[2], self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
+        elif mask is None:  # no cache, or a dynamic cache: causal over the keys, queries are the last T
             causal = T > 1
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=self.scale)
         else:
-            y = masked_attention(q, k, v, mask, input_pos, gqa)
+            y = masked_attention(q, k, v, mask, input_pos, gqa, self.scale)
         y = y.transpose(1, 2).reshape(B * T, self.q_size)
         return self.wo(y)
 
@@ -287,41 +355,61 @@ class FeedForward(nn.Module):
         self.inter = args.intermediate_size
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate and up, fused
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x):
         gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)
-        return self.w2(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(act * up)
 
 
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = make_norm(args, args.dim)
         self.attention = Attention(args, layer)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = make_norm(args, args.dim)
         self.feed_forward = FeedForward(args)
+        # Gemma: a norm on the attention's output and on the MLP's, before each joins the residual stream
+        self.post_attention_norm = make_norm(args, args.dim) if args.gemma else None
+        self.post_ffn_norm = make_norm(args, args.dim) if args.gemma else None
 
     def forward(self, x, B: int, T: int, cos, sin, input_pos, cache, mask):
-        h = x + self.attention(self.attention_norm(x), B, T, cos, sin, input_pos, cache, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), B, T, cos, sin, input_pos, cache, mask)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class Transformer(nn.Module):
     rope_cos: torch.Tensor  # buffers, registered in __init__
     rope_sin: torch.Tensor
+    rope_cos_local: Optional[torch.Tensor]  # the sliding-window layers' tables, where their rope differs
+    rope_sin_local: Optional[torch.Tensor]
+    embed_scale: Optional[torch.Tensor]  # Gemma: sqrt(dim) in the model's dtype, as transformers rounds it
 
-    def __init__(self, args: ModelArgs, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(
+        self,
+        args: ModelArgs,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        local: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ):
         super().__init__()
         self.args = args
         # given storage, so no random init runs: on the meta device Embedding's normal_ imports torch._dynamo (3 s)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = make_norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", cos, persistent=False)  # [L, D] fp32, cast at use
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos_local", None if local is None else local[0], persistent=False)
+        self.register_buffer("rope_sin_local", None if local is None else local[1], persistent=False)
+        scale = torch.tensor(args.dim**0.5) if args.gemma else None
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     def forward(
         self,
@@ -334,23 +422,51 @@ class Transformer(nn.Module):
         B, T = idx.shape
         x = self.tok_embeddings(idx.view(B * T))  # [B * T, dim] through the blocks
         dtype = x.dtype
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        if cos.dtype != dtype:
-            cos, sin = cos.to(dtype), sin.to(dtype)
-        sin = signed_sin(sin)
-        for block in self.layers:
-            x = block(x, B, T, cos, sin, input_pos, cache, mask)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(dtype)
+        cos, sin = self._rope(self.rope_cos, self.rope_sin, input_pos, dtype)
+        sliding = self.args.sliding_layers
+        if sliding:
+            local = (cos, sin)
+            if self.rope_cos_local is not None and self.rope_sin_local is not None:
+                local = self._rope(self.rope_cos_local, self.rope_sin_local, input_pos, dtype)
+            # the window's mask over the keys the full mask covers; without one each layer builds it over its keys
+            window = None
+            if mask is not None and self.args.sliding_window is not None:
+                window = mask & window_mask(input_pos, mask.shape[1], self.args.sliding_window)
+            for block, slides in zip(self.layers, sliding):
+                if slides:
+                    x = block(x, B, T, *local, input_pos, cache, window)
+                else:
+                    x = block(x, B, T, cos, sin, input_pos, cache, mask)
+        else:
+            for block in self.layers:
+                x = block(x, B, T, cos, sin, input_pos, cache, mask)
         x = x.view(B, T, -1)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x)).float()  # [B, T or 1, V]
+        logits = self.output(self.norm(x))
+        cap = self.args.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()  # [B, T or 1, V]
+
+    @staticmethod
+    def _rope(cos_table, sin_table, input_pos, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_table[input_pos], sin_table[input_pos]
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, signed_sin(sin)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def weight_bytes(self) -> int:
         # parameters, and the buffers that stand for weights (quantised linears); the rope tables are not weights
-        held = [*self.parameters(), *(b for n, b in self.named_buffers() if not n.startswith("rope_"))]
+        held = [
+            *self.parameters(),
+            *(b for n, b in self.named_buffers() if not n.startswith("rope_") and n != "embed_scale"),
+        ]
         return sum(t.numel() * t.element_size() for t in held)
 
 
@@ -415,7 +531,12 @@ def _hf_to_fast(state_dict: dict[str, torch.Tensor], args: ModelArgs, consume: b
         if args.mlp_bias:
             out[p + "feed_forward.w2.bias"] = sd[m + "down_proj.bias"]
         out[p + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[p + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        if args.gemma:  # Gemma's post_attention_layernorm is on the attention's output; the MLP has norms of its own
+            out[p + "post_attention_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+            out[p + "ffn_norm.weight"] = sd[p + "pre_feedforward_layernorm.weight"]
+            out[p + "post_ffn_norm.weight"] = sd[p + "post_feedforward_layernorm.weight"]
+        else:
+            out[p + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
     return out
 
 
@@ -425,8 +546,11 @@ def build_transformer(
     """Our decoder from an HF config and HF-named weights, in `dtype` on `device` (`consume`: see _hf_to_fast)."""
     args = ModelArgs.from_hf_config(cfg)
     cos, sin = rope_tables(cfg, args.head_dim, args.max_seq_len)
+    local = None
+    if args.sliding_layers and rope_parameters(cfg, "sliding_attention") != rope_parameters(cfg):
+        local = rope_tables(cfg, args.head_dim, args.max_seq_len, "sliding_attention")
     with torch.device("meta"):
-        model = Transformer(args, cos, sin)
+        model = Transformer(args, cos, sin, local)
     threads = torch.get_num_threads()
     # copies gain nothing from intra-op threads and lose much when the cores are busy (as in de-quantising)
     torch.set_num_threads(1)
@@ -444,6 +568,10 @@ def build_transformer(
         model.output.weight = model.tok_embeddings.weight
     model.rope_cos = cos.to(device)
     model.rope_sin = sin.to(device)
+    if local is not None:
+        model.rope_cos_local, model.rope_sin_local = local[0].to(device), local[1].to(device)
+    if args.gemma:
+        model.embed_scale = torch.tensor(args.dim**0.5, device=device)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelLoadError(f"weights missing for {', '.join(missing[:4])}")

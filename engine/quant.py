@@ -165,10 +165,20 @@ def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         q = cls(lin.weight.detach(), lin.bias, act_dtype)
-        q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE)
+        q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE) and not _rounds_its_input(model, name)
         setattr(parent, child, q)
         done += 1
     return done
+
+
+def _rounds_its_input(model: nn.Module, name: str) -> bool:
+    """Whether what reads this linear's output would round a bf16 output differently from the cast fp32 one:
+    Gemma's norms after the attention and the MLP give back their input's dtype, and a logit soft cap computes
+    in it."""
+    args = getattr(model, "args", None)
+    if args is None or not getattr(args, "gemma", False):
+        return False
+    return not name.endswith("output") or args.final_softcap is not None
 
 
 def weight_bytes(model: nn.Module) -> int:

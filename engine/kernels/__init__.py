@@ -87,6 +87,11 @@ def unavailable_reason(args: ModelArgs, device: torch.device) -> Optional[str]:
         cap = torch.cuda.get_device_capability(device)
         if cap < MIN_CAPABILITY:
             return f"this GPU (compute capability {cap[0]}.{cap[1]}) is older than Triton supports ({MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]})"
+    if args.gemma:
+        return (
+            f"the fused kernels serve the Llama, Mistral and Qwen families; {args.family} (Gemma's norms, "
+            "sliding-window layers) runs the torch path"
+        )
     if args.hidden_act not in ("silu", "swish"):
         return f"activation {args.hidden_act!r} has no fused kernel"
     if args.head_dim % 2:

@@ -152,3 +152,14 @@ def test_a_reused_prefix_survives_the_fused_warm_up(tiny_factory):
     for a, b in zip(f_keys, t_keys):  # the prompt's keys, the reused ones included, as the torch path holds them
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert (f1.token_ids, f2.token_ids) == (t1.token_ids, t2.token_ids)
+
+
+def test_a_gemma3_model_runs_the_torch_kernels_and_says_why(tiny_factory):
+    eng = Engine.load(str(tiny_factory("gemma3_text")), TORCH)
+    try:
+        want = run(eng, TORCH).token_ids
+        got = run(eng, FUSED)
+        assert got.options.kernels == "torch" and "sliding-window" in got.unavailable["kernels"]
+        assert got.token_ids == want
+    finally:
+        eng.close()

@@ -200,8 +200,8 @@ def test_qwen_ggufs_load_natively_to_transformers_tensors(tiny_factory, tmp_path
 
 def test_a_gemma3_gguf_loads_natively_to_transformers_tensors(tiny_factory, tmp_path, conversions):
     """Gemma-3: the text model's config, the norms llama.cpp stores as 1 + weight given back as transformers
-    holds them (in fp32 before any cast), first from a conversion and then from the cache; the decoder is
-    transformers' (the engine's fallback), and answers as transformers' model on the same tensors does."""
+    holds them (in fp32 before any cast), first from a conversion and then from the cache; the engine's own
+    decoder answers as transformers' model on the same tensors does."""
     from tiny_models import greedy_continuation
     from transformers import AutoModelForCausalLM
 
@@ -231,7 +231,7 @@ def test_a_gemma3_gguf_loads_natively_to_transformers_tensors(tiny_factory, tmp_
     try:
         messages = [{"role": "user", "content": "hello world"}]
         got = eng.generate(messages, SamplingParams(temperature=0, max_new_tokens=8))
-        assert eng.info.backend == "transformers"
+        assert eng.info.backend == "fast"
         prompt = build_prompt(eng.tokenizer, messages, eng.context_length, 8).ids
         want = greedy_continuation(model.eval(), prompt, 8, None)
         assert got.token_ids[0] == want[: len(got.token_ids[0])] and got.token_ids[0]
@@ -477,6 +477,8 @@ def test_the_fast_tokenizer_stands_in_only_where_it_agrees(tiny_llama, tmp_path)
         ("mistral", {}),
         ("qwen2", {"tie_word_embeddings": False}),
         ("qwen3", {"attention_bias": True, "head_dim": 12}),
+        ("gemma3_text", {}),
+        ("gemma3_text", {"tie_word_embeddings": False, "attention_bias": True, "head_dim": 16}),
     ],
 )
 def test_the_native_layout_is_the_model_classs(family, changes):
@@ -493,7 +495,8 @@ def test_the_native_layout_is_the_model_classs(family, changes):
     shapes, tied = gguf_native.native_layout(config)
     assert list(shapes.items()) == list(layout.shapes.items())  # the same names, shapes and order
     assert tied == layout.tied
-    names = "llama" if family == "mistral" else family  # the gguf package has no table of its own for Mistral
+    # the gguf package has no table of its own for Mistral, and names Gemma-3's architecture gemma3
+    names = {"mistral": "llama", "gemma3_text": "gemma3"}.get(family, family)
     assert gguf_native.name_map(list(shapes), names, 2) == gguf_native.tensor_name_map(layout.model, names, 2)
 
 

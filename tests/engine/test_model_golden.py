@@ -38,6 +38,10 @@ FAMILIES = {
     "mistral-bias-flags": dict(family="mistral", sliding_window=None, attention_bias=True, mlp_bias=True),
     "qwen2-mlp-bias-flag": dict(family="qwen2", mlp_bias=True),
     "qwen3-bias": dict(family="qwen3", attention_bias=True, mlp_bias=True),
+    # sliding-window layers (window 8) with a rope base of their own beside a full layer; the prompts run past
+    # the window, so its mask is what is checked
+    "gemma3": dict(family="gemma3_text", rope_theta=1000000.0),
+    "gemma3-softcap-bias": dict(family="gemma3_text", final_logit_softcapping=3.0, attention_bias=True),
 }
 
 
@@ -108,7 +112,7 @@ class _Tap:
 
 
 @pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-untied-rope-scaled"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-untied-rope-scaled", "gemma3"])
 def test_decode_steps_match_transformers(name, kv):
     cfg, ref = hf_model(name)
     ours = build_transformer(cfg, hf_state(ref), torch.float32, torch.device("cpu"))
@@ -128,7 +132,7 @@ def test_decode_steps_match_transformers(name, kv):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-mha"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-mha", "gemma3"])
 def test_masked_decode_step_matches_transformers(name, attention, monkeypatch):
     """The step that is compiled and captured attends the whole context bucket under a position mask, two rows
     at once. Logits equal transformers' at every step; also with the FlexAttention variant the GPU check

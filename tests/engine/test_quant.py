@@ -109,6 +109,25 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
     assert engine.info.weights == "native" and engine.info.weight_bytes == native_bytes
 
 
+@pytest.mark.parametrize("family, keeps", [("llama", True), ("gemma3_text", False)])
+def test_which_int8_linears_keep_the_kernels_bf16_output(tiny_factory, family, keeps):
+    """Llama's residual adds promote a bf16 output exactly as a cast would, so the linears before them keep it;
+    Gemma's norms after the attention and the MLP give back their input's dtype, so there it is cast back."""
+    from engine.loader import load_checkpoint
+    from engine.model import build_transformer
+
+    cpu = torch.device("cpu")
+    ck = load_checkpoint(str(tiny_factory(family)))
+    model = build_transformer(ck.config, ck.weights(torch.float32, cpu), torch.float32, cpu)
+    quantize_linears(model, "int8", torch.float32)
+    block = model.layers[0]
+    for lin in (block.attention.wo, block.feed_forward.w2):
+        assert isinstance(lin, Int8Linear) and lin.keep_kernel_dtype is keeps
+        out = lin(torch.randn(3, lin.in_features))
+        assert out.dtype == (torch.bfloat16 if keeps else torch.float32)
+    assert model.output.keep_kernel_dtype  # nothing rounds the logits before .float() without a soft cap
+
+
 def test_unavailable_weights_are_reported_and_not_applied(engine, monkeypatch):
     import engine.quant as quant
 

@@ -410,7 +410,7 @@ def kernel_table(trace: dict, forward_passes: int, kind: Callable[[str], str] = 
     }
 
 
-def flex_masked_attention(q, k, v, mask, input_pos, gqa):
+def flex_masked_attention(q, k, v, mask, input_pos, gqa, scale=None):
     """engine.model.masked_attention through FlexAttention: under torch.compile a decode step's attention
     becomes inductor's flex-decoding Triton kernels, in place of the mask kernel and cuDNN's attention. The mask
     is made inside the score function from the positions (inductor's templates take graph inputs there, not a
@@ -420,7 +420,7 @@ def flex_masked_attention(q, k, v, mask, input_pos, gqa):
     def keep(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx <= input_pos[q_idx], score, float("-inf"))
 
-    return flex_attention(q, k, v, score_mod=keep, enable_gqa=gqa)
+    return flex_attention(q, k, v, score_mod=keep, enable_gqa=gqa, scale=scale)
 
 
 KERNEL_VARIANTS = (  # (name, inductor config, candidates, masked attention in place of SDPA or None)
