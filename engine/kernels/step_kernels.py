@@ -61,6 +61,43 @@ def _dot_rows(h, w):
     return tl.sum(h[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
 
 
+@triton.jit
+def _gemv_block(B, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's outputs and rows of a GEMV over B rows and N outputs: (n, n < N, rows, rows < B)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return n, n < N, rows, rows < B
+
+
+@triton.jit
+def _first_chunk(w_rows, nmask, K, BLOCK_K: tl.constexpr):
+    """The first BLOCK_K inputs of the weight rows starting at w_rows [N]: what a kernel loads before its wait."""
+    first = tl.arange(0, BLOCK_K)
+    return tl.load(w_rows[:, None] + first[None, :], mask=nmask[:, None] & (first < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _norm_dot2(
+    x_row, rmask, rstd, norm_w, dt, rows1, w1, rows2, w2, nmask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """RMSNorm(x) of BLOCK_M rows (row pointers x_row, 1/rms rstd) against two sets of weight rows of a [*, K]
+    matrix (row pointers rows1, rows2 [N]; w1, w2 their first chunk, loaded before the caller's wait): two fp32
+    [BLOCK_M, N] sums, each in the order fixed by BLOCK_K."""
+    acc1 = tl.zeros([BLOCK_M, w1.shape[0]], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, w2.shape[0]], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs < K
+        h = _normed(x_row, rmask, offs, kmask, rstd, norm_w, dt)
+        if k0 > 0:  # the first chunk was loaded before the wait
+            wmask = nmask[:, None] & kmask[None, :]
+            w1 = tl.load(rows1[:, None] + offs[None, :], mask=wmask, other=0.0)
+            w2 = tl.load(rows2[:, None] + offs[None, :], mask=wmask, other=0.0)
+        acc1 += _dot_rows(h, w1)
+        acc2 += _dot_rows(h, w2)
+    return acc1, acc2
+
+
 @triton.jit(do_not_specialize=["B"])
 def qkv_rope_kernel(
     x_ptr,
@@ -110,9 +147,9 @@ def qkv_rope_kernel(
     j = chunk * PAIRS + tl.arange(0, PAIRS)
     n1 = head * D + j
     n2 = n1 + HALF
-    first = tl.arange(0, BLOCK_K)
-    w1 = tl.load(w_ptr + n1[:, None] * DIM + first[None, :], mask=(first < DIM)[None, :], other=0.0)
-    w2 = tl.load(w_ptr + n2[:, None] * DIM + first[None, :], mask=(first < DIM)[None, :], other=0.0)
+    jmask = j < HALF  # always: PAIRS divides D / 2
+    w1 = _first_chunk(w_ptr + n1 * DIM, jmask, DIM, BLOCK_K)
+    w2 = _first_chunk(w_ptr + n2 * DIM, jmask, DIM, BLOCK_K)
     if HAS_BIAS:
         b1 = tl.load(b_ptr + n1).to(tl.float32)
         b2 = tl.load(b_ptr + n2).to(tl.float32)
@@ -124,21 +161,16 @@ def qkv_rope_kernel(
     else:
         x_row = x_ptr + rows * DIM
     rstd = _rstd(x_row, rmask, DIM, eps, BLOCK_M, BLOCK_K)
-    acc1 = tl.zeros([BLOCK_M, PAIRS], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, PAIRS], tl.float32)
-    for k0 in range(0, DIM, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs < DIM
-        h = _normed(x_row, rmask, offs, kmask, rstd, norm_w, dt)
-        if k0 > 0:  # the first chunk was loaded before the wait
-            w1 = tl.load(w_ptr + n1[:, None] * DIM + offs[None, :], mask=kmask[None, :], other=0.0)
-            w2 = tl.load(w_ptr + n2[:, None] * DIM + offs[None, :], mask=kmask[None, :], other=0.0)
-        acc1 += _dot_rows(h, w1)
-        acc2 += _dot_rows(h, w2)
-        if EMBED:
-            if tl.program_id(0) == 0:
-                xv = tl.load(x_row[:, None] + offs[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                tl.store(x_ptr + rows[:, None] * DIM + offs[None, :], xv, mask=rmask[:, None] & kmask[None, :])
+    acc1, acc2 = _norm_dot2(
+        x_row, rmask, rstd, norm_w, dt, w_ptr + n1 * DIM, w1, w_ptr + n2 * DIM, w2, jmask, DIM, BLOCK_M, BLOCK_K
+    )
+    if EMBED:
+        if tl.program_id(0) == 0:
+            for k0 in range(0, DIM, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                emask = rmask[:, None] & (offs < DIM)[None, :]
+                xv = tl.load(x_row[:, None] + offs[None, :], mask=emask, other=0.0)
+                tl.store(x_ptr + rows[:, None] * DIM + offs[None, :], xv, mask=emask)
     if HAS_BIAS:
         acc1 += b1[None, :]
         acc2 += b2[None, :]
@@ -251,13 +283,9 @@ def gemv_residual_kernel(
     """x[rows, n] = x + (a @ w.T + b) for a block of N outputs, in place (each program owns its outputs): the
     O projection and the down projection with their residual adds. a [B, K], w [N, K], x [B, N]."""
     _pdl_start(USE_PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
-    nmask = n < N
+    n, nmask, rows, rmask = _gemv_block(B, N, BLOCK_M, BLOCK_N)
     dt = x_ptr.dtype.element_ty
-    first = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + n[:, None] * K + first[None, :], mask=nmask[:, None] & (first < K)[None, :], other=0.0)
+    w = _first_chunk(w_ptr + n * K, nmask, K, BLOCK_K)
     _pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -295,28 +323,19 @@ def norm_gate_up_kernel(
 ):
     """out = silu(gate) * up of RMSNorm(x) for a block of INTER features: w [2 * INTER, DIM] (gate rows, then up)."""
     _pdl_start(USE_PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
-    nmask = n < INTER
+    n, nmask, rows, rmask = _gemv_block(B, INTER, BLOCK_M, BLOCK_N)
     dt = out_ptr.dtype.element_ty
+    gate_rows = w_ptr + n * DIM
+    up_rows = w_ptr + (INTER + n) * DIM
+    wg = _first_chunk(gate_rows, nmask, DIM, BLOCK_K)
+    wu = _first_chunk(up_rows, nmask, DIM, BLOCK_K)
     if HAS_BIAS:
         bg = tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
         bu = tl.load(b_ptr + INTER + n, mask=nmask, other=0.0).to(tl.float32)
     _pdl_wait(USE_PDL)
     x_row = x_ptr + rows * DIM
     rstd = _rstd(x_row, rmask, DIM, eps, BLOCK_M, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, DIM, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs < DIM
-        h = _normed(x_row, rmask, offs, kmask, rstd, norm_w, dt)
-        wmask = nmask[:, None] & kmask[None, :]
-        wg = tl.load(w_ptr + n[:, None] * DIM + offs[None, :], mask=wmask, other=0.0)
-        wu = tl.load(w_ptr + (INTER + n[:, None]) * DIM + offs[None, :], mask=wmask, other=0.0)
-        acc_g += _dot_rows(h, wg)
-        acc_u += _dot_rows(h, wu)
+    acc_g, acc_u = _norm_dot2(x_row, rmask, rstd, norm_w, dt, gate_rows, wg, up_rows, wu, nmask, DIM, BLOCK_M, BLOCK_K)
     if HAS_BIAS:
         acc_g += bg[None, :]
         acc_u += bu[None, :]
@@ -348,10 +367,7 @@ def norm_head_kernel(
     dtype first, as the eager head's output is), and the block's max and its first index per row [B, V/BLOCK_N]."""
     _pdl_start(USE_PDL)
     pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
-    nmask = n < V
+    n, nmask, rows, rmask = _gemv_block(B, V, BLOCK_M, BLOCK_N)
     dt = x_ptr.dtype.element_ty
     _pdl_wait(USE_PDL)
     x_row = x_ptr + rows * DIM
