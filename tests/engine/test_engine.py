@@ -380,3 +380,27 @@ def test_a_fast_family_model_on_the_fallback_says_why(tmp_path):
         )
     finally:
         eng.close()
+
+
+def test_a_gemma3_model_answers_as_transformers_in_every_cache_mode_and_with_drafts(tiny_factory):
+    """Gemma-3 on the engine's decoder: greedy tokens equal transformers' generate() past the sliding window
+    (8 positions in the tiny model), for each cache mode, candidates and n-gram speculation's verify step."""
+    path = tiny_factory("gemma3_text")
+    eng = Engine.load(str(path), CPU.with_(dtype="fp32", profile_window=False))
+    try:
+        assert eng.info.backend == "fast"
+        want = hf_greedy(path, prompt_ids(eng, max_new=20), 20)
+        for opts in (
+            {},
+            {"kv_cache": "dynamic"},
+            {"kv_cache": "none"},
+            {"candidates": 2},
+            {"speculation": "ngram", "draft_tokens": 3},
+        ):
+            eng.reconfigure(CPU.with_(dtype="fp32", profile_window=False, **opts))
+            result = eng.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=20))
+            assert result.unavailable == {}, opts
+            for row in result.token_ids:
+                assert row == want[: len(row)] and len(row) > 8, opts
+    finally:
+        eng.close()
