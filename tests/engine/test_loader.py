@@ -213,6 +213,33 @@ def test_gguf_linear_rope_scaling_is_read_and_other_kinds_refused(tiny_llama, tm
         load_checkpoint(str(yarn))
 
 
+def test_gguf_linear_rope_scaling_of_a_gemma3_scales_its_global_layers_only(tmp_path):
+    """Gemma-3's larger models scale the global layers' rope linearly; llama.cpp writes the scaling once, and it
+    goes to the full-attention layers' settings, the sliding-window layers keeping their own base."""
+    from tiny_models import make_tiny_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # six layers, the last global (Gemma-3's pattern, which transformers assumes for a GGUF), and the attention
+    # scale transformers' GGUF reading assumes (the GGUF does not carry it)
+    layers = ["sliding_attention"] * 5 + ["full_attention"]
+    folder = make_tiny_model(
+        tmp_path / "gemma3", "gemma3_text", num_hidden_layers=6, layer_types=layers, query_pre_attn_scalar=256
+    )
+    path = hf_llama_to_gguf(
+        folder, tmp_path / "gemma3-linear.gguf", architecture="gemma3", rope_scaling=("linear", 8.0)
+    )
+    ids = LONG_IDS[:, :40]
+    cfg = AutoConfig.from_pretrained(str(folder))
+    cfg.rope_parameters["full_attention"].update(rope_type="linear", factor=8.0)
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), config=cfg, dtype=torch.float32).eval()
+    unscaled = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected, plain = ref(input_ids=ids).logits, unscaled(input_ids=ids).logits
+    got = _our_logits(path, ids)
+    assert (expected - plain).abs().max() > 1e-3  # without the scaling the answer would differ
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
 def test_quantised_folder_is_refused_with_its_method(tiny_llama, tmp_path):
     from engine.errors import ModelLoadError
 

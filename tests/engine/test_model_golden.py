@@ -42,6 +42,8 @@ FAMILIES = {
     # the window, so its mask is what is checked
     "gemma3": dict(family="gemma3_text", rope_theta=1000000.0),
     "gemma3-softcap-bias": dict(family="gemma3_text", final_logit_softcapping=3.0, attention_bias=True),
+    # the larger Gemma-3 models scale the global layers' rope linearly; the sliding layers keep theirs
+    "gemma3-rope-linear": dict(family="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0}),
 }
 
 
