@@ -152,6 +152,7 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
     if read_gguf_rope(header)[0] not in (None, "none") and hasattr(config, "to_transformers"):
         config = config.to_transformers()  # transformers computes the scaled rope from its own config class
     _apply_gguf_rope(header, config, label)
+    _apply_gguf_attention_scale(config)
     check_shapes(header, conv, label)
     report(Progress("load", 1.0, "settings and tokenizer ready" + (" (cached)" if conv.from_cache else "")))
     report(Progress("dequantise", 0.0, f"de-quantising {len(conv.plan)} tensors into {dtype} on {device}"))
@@ -190,6 +191,7 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
         raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
     _check_causal_lm(config.model_type, label, architecture=header.architecture)
     _apply_gguf_rope(header, config, label)
+    _apply_gguf_attention_scale(config)
     report(Progress("load", 1 / 3, "reading the tokenizer"))
     tokenizer = _load_tokenizer(path.parent, label, gguf_file=path.name)
     report(Progress("load", 2 / 3, "building the model layout"))
@@ -246,6 +248,21 @@ def _apply_gguf_rope(header, config, label: str) -> None:
                 f"which {config.model_type} does not use"
             )
         config.rope_freq_factors = [float(x) for x in freq_factors]
+
+
+GEMMA3_27B_LAYERS = 62  # how llama.cpp tells Gemma-3 27B from the smaller sizes
+
+
+def _apply_gguf_attention_scale(config) -> None:
+    """Gemma-3's attention scale, which a GGUF does not store, as llama.cpp takes it: 1/sqrt(head size), and for
+    the 27B model 1/sqrt(hidden / heads) (168, as its original config says). transformers' GGUF reading leaves
+    its default of 256, which is the head size of the 270M to 12B models only."""
+    if config.model_type != "gemma3_text":
+        return
+    if config.num_hidden_layers == GEMMA3_27B_LAYERS:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
 
 
 def gguf_architectures() -> set[str]:

@@ -219,12 +219,9 @@ def test_gguf_linear_rope_scaling_of_a_gemma3_scales_its_global_layers_only(tmp_
     from tiny_models import make_tiny_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # six layers, the last global (Gemma-3's pattern, which transformers assumes for a GGUF), and the attention
-    # scale transformers' GGUF reading assumes (the GGUF does not carry it)
+    # six layers, the last global: Gemma-3's pattern, which a GGUF does not store and its reading assumes
     layers = ["sliding_attention"] * 5 + ["full_attention"]
-    folder = make_tiny_model(
-        tmp_path / "gemma3", "gemma3_text", num_hidden_layers=6, layer_types=layers, query_pre_attn_scalar=256
-    )
+    folder = make_tiny_model(tmp_path / "gemma3", "gemma3_text", num_hidden_layers=6, layer_types=layers)
     path = hf_llama_to_gguf(
         folder, tmp_path / "gemma3-linear.gguf", architecture="gemma3", rope_scaling=("linear", 8.0)
     )
@@ -238,6 +235,36 @@ def test_gguf_linear_rope_scaling_of_a_gemma3_scales_its_global_layers_only(tmp_
     got = _our_logits(path, ids)
     assert (expected - plain).abs().max() > 1e-3  # without the scaling the answer would differ
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("layers, scalar", [(6, 32), (62, 16)])
+def test_a_gemma3_gguf_takes_llama_cpps_attention_scale(tmp_path, layers, scalar):
+    """A GGUF does not store Gemma-3's attention scale: llama.cpp takes the head size, and for the 62-layer 27B
+    hidden / heads; so does the loader, where transformers' GGUF reading would leave its default of 256."""
+    from tiny_models import make_tiny_model
+
+    folder = make_tiny_model(
+        tmp_path / "gemma3",
+        "gemma3_text",
+        num_hidden_layers=layers,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6)
+        + ["sliding_attention"] * (layers % 6),
+        head_dim=32,
+        query_pre_attn_scalar=scalar,
+    )
+    path = hf_llama_to_gguf(folder, tmp_path / "gemma3.gguf", architecture="gemma3")
+    assert load_checkpoint(str(path)).config.query_pre_attn_scalar == scalar  # hidden 64 / 4 heads = 16
+    assert load_checkpoint(str(path)).config.query_pre_attn_scalar == scalar  # from the converted cache too
+    ids = LONG_IDS[:, :24]
+    with torch.no_grad():
+        expected = _hf_with_settings(folder)(input_ids=ids).logits
+    torch.testing.assert_close(_our_logits(path, ids), expected, atol=1e-4, rtol=0)
+
+
+def _hf_with_settings(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def test_quantised_folder_is_refused_with_its_method(tiny_llama, tmp_path):
