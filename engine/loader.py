@@ -151,8 +151,7 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
         _check_causal_lm(config.model_type, label, architecture=header.architecture)
     if read_gguf_rope(header)[0] not in (None, "none") and hasattr(config, "to_transformers"):
         config = config.to_transformers()  # transformers computes the scaled rope from its own config class
-    _apply_gguf_rope(header, config, label)
-    _apply_gguf_attention_scale(config)
+    _apply_gguf_settings(header, config, label)
     check_shapes(header, conv, label)
     report(Progress("load", 1.0, "settings and tokenizer ready" + (" (cached)" if conv.from_cache else "")))
     report(Progress("dequantise", 0.0, f"de-quantising {len(conv.plan)} tensors into {dtype} on {device}"))
@@ -190,8 +189,7 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
     except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
         raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
     _check_causal_lm(config.model_type, label, architecture=header.architecture)
-    _apply_gguf_rope(header, config, label)
-    _apply_gguf_attention_scale(config)
+    _apply_gguf_settings(header, config, label)
     report(Progress("load", 1 / 3, "reading the tokenizer"))
     tokenizer = _load_tokenizer(path.parent, label, gguf_file=path.name)
     report(Progress("load", 2 / 3, "building the model layout"))
@@ -248,6 +246,12 @@ def _apply_gguf_rope(header, config, label: str) -> None:
                 f"which {config.model_type} does not use"
             )
         config.rope_freq_factors = [float(x) for x in freq_factors]
+
+
+def _apply_gguf_settings(header, config, label: str) -> None:
+    """What a GGUF means that transformers' reading of it leaves out, on either load path."""
+    _apply_gguf_rope(header, config, label)
+    _apply_gguf_attention_scale(config)
 
 
 GEMMA3_27B_LAYERS = 62  # how llama.cpp tells Gemma-3 27B from the smaller sizes

@@ -424,24 +424,16 @@ class Transformer(nn.Module):
         dtype = x.dtype
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(dtype)
-        cos, sin = self._rope(self.rope_cos, self.rope_sin, input_pos, dtype)
-        sliding = self.args.sliding_layers
-        if sliding:
-            local = (cos, sin)
-            if self.rope_cos_local is not None and self.rope_sin_local is not None:
-                local = self._rope(self.rope_cos_local, self.rope_sin_local, input_pos, dtype)
-            # the window's mask over the keys the full mask covers; without one each layer builds it over its keys
-            window = None
-            if mask is not None and self.args.sliding_window is not None:
-                window = mask & window_mask(input_pos, mask.shape[1], self.args.sliding_window)
-            for block, slides in zip(self.layers, sliding):
-                if slides:
-                    x = block(x, B, T, *local, input_pos, cache, window)
-                else:
-                    x = block(x, B, T, cos, sin, input_pos, cache, mask)
-        else:
-            for block in self.layers:
-                x = block(x, B, T, cos, sin, input_pos, cache, mask)
+        rope = self._rope(self.rope_cos, self.rope_sin, input_pos, dtype)
+        local, window = rope, mask  # what the sliding-window layers take (Gemma-3)
+        if self.rope_cos_local is not None and self.rope_sin_local is not None:
+            local = self._rope(self.rope_cos_local, self.rope_sin_local, input_pos, dtype)
+        if mask is not None and self.args.sliding_window is not None:
+            # over the keys the full mask covers; without a mask each sliding layer builds its own over its keys
+            window = window_mask(input_pos, mask.shape[1], self.args.sliding_window)
+        sliding = self.args.sliding_layers or (False,) * len(self.layers)
+        for block, slides in zip(self.layers, sliding):
+            x = block(x, B, T, *(local if slides else rope), input_pos, cache, window if slides else mask)
         x = x.view(B, T, -1)
         if last_only:
             x = x[:, -1:]
