@@ -224,7 +224,7 @@ class Engine:
 
     @property
     def info(self) -> ModelInfo:
-        from engine.quant import weight_bytes
+        from engine.quant import kernel_name, weight_bytes
 
         model = self._placed()
         params = (
@@ -248,6 +248,7 @@ class Engine:
             source=self.checkpoint.source,
             source_kind=self.checkpoint.source_kind,
             weights=self.weights,
+            weights_kernel=kernel_name(self.weights, self.device) if self.fast else "",
             bytes_per_token=per_token,
             bytes_per_token_source=BYTES_PER_TOKEN_SOURCE,
             memory_floor_ms=floor_ms,

@@ -54,6 +54,7 @@ class FormatResult:
     decode_tok_s_runs: list[float] = field(default_factory=list)
     weight_bytes: Optional[int] = None
     bytes_per_token: Optional[int] = None
+    kernel: str = ""  # what computes the quantised linears ("" for native weights)
 
 
 def teacher_forced(
@@ -130,7 +131,7 @@ def run_quality(
                 continue
             engine.reconfigure(opts, _relay(progress, label))
             info = engine.info
-            r.weight_bytes, r.bytes_per_token = info.weight_bytes, info.bytes_per_token
+            r.weight_bytes, r.bytes_per_token, r.kernel = info.weight_bytes, info.bytes_per_token, info.weights_kernel
             progress(f"{label}: perplexity over {len(ids)} tokens")
             assert engine.model is not None  # placed by reconfigure
             nll, top1 = teacher_forced(engine.model, ids, engine.device, window)
@@ -206,6 +207,9 @@ def format_quality_table(report: dict[str, Any]) -> str:
         rows.append(f"| llama.cpp | skipped: {lc.get('reason')} | | | | |")
     t = report["text"]
     rows.append("")
+    for f in report["formats"]:
+        if f["status"] == "ok" and f.get("kernel"):
+            rows.append(f"{f['label']} linears: {f['kernel']}.")
     rows.append(
         f"Perplexity and top-1 over {t['tokens']} tokens of {t['source']} in windows of {t['window']}; "
         f"decode: {report['decode']['figure']}, {report['decode']['new_tokens']} new tokens."

@@ -265,6 +265,7 @@ class ModelInfo:
     source_kind: str  # "gguf", "hf-folder" or "default"
     backend_reason: str = ""  # why a model of a fast-path family runs on the fallback ("" otherwise)
     weights: str = "native"  # the weight format the linears run in (EngineOptions.weights, as applied)
+    weights_kernel: str = ""  # what computes the quantised linears ("" for native weights)
     bytes_per_token: Optional[int] = None  # weight bytes one decode token reads
     bytes_per_token_source: str = ""
     memory_floor_ms: Optional[float] = None  # bytes_per_token at the device's peak bandwidth; None where unknown

@@ -186,6 +186,10 @@ class ModelPanel(QGroupBox):
         self.values["floor"].setToolTip(info.memory_floor_source or "n/a: not computed for this model")
         if info.weights != "native":
             self.values["weights"].setText(f"{human_bytes(info.weight_bytes)} ({info.weights})")
+            kernel = info.weights_kernel or f"{NA} (not reported)"
+            self.values["weights"].setToolTip(f"{info.weights} linears: {kernel}")
+        else:
+            self.values["weights"].setToolTip("")
         self.values["backend"].setToolTip(
             f"{info.backend_reason}: its options and GPU figures are the server's"
             if info.backend == "remote"

@@ -46,6 +46,9 @@ COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 # A range around a CPU window on its own thread: the profiler's results name threads by their own ids, and this
 # marker's id is the window thread's.
 WINDOW_MARKER = "gapless::profile_window"
+# What a CPU window counts as an op: torch's, and the project's own CPU kernels, which mark their calls with a
+# record_function of this prefix while a profiler runs (engine/cpu_int8.py). The marker itself is not an op.
+CPU_OP_PREFIXES = ("aten::", "gapless::kernel::")
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,8 @@ class ProfileWindow:
             ops = _cpu_op_intervals(self._prof)
             if ops is not None:
                 self._release()
-                return _analyse_cpu_ops(ops[0], ops[1], span_us, steps)
+                starts, ends, own = ops
+                return _analyse_cpu_ops(starts, ends, span_us, steps, own)
         trace = _export_trace(self._prof)
         self._release()
         if trace is None:
@@ -243,10 +247,10 @@ class ProfileWindow:
         )
 
 
-def _cpu_op_intervals(prof: torch.profiler.profile) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """Starts and ends (µs) of the `aten::` ops of the window's thread, read from the profiler's results without
-    the JSON round trip (a CPU window records CPU activity only); None when this torch's results cannot be
-    read so, or the marker is missing."""
+def _cpu_op_intervals(prof: torch.profiler.profile) -> Optional[tuple[np.ndarray, np.ndarray, bool]]:
+    """Starts and ends (µs) of the ops of the window's thread (CPU_OP_PREFIXES), and whether the project's own
+    kernels are among them, read from the profiler's results without the JSON round trip (a CPU window records CPU
+    activity only); None when this torch's results cannot be read so, or the marker is missing."""
     try:
         if prof.profiler is None or prof.profiler.kineto_results is None:
             raise AttributeError("the profiler kept no results")
@@ -263,12 +267,13 @@ def _cpu_op_intervals(prof: torch.profiler.profile) -> Optional[tuple[np.ndarray
     except ValueError:
         return None
     keep = np.fromiter(
-        (t == thread and n.startswith("aten::") for n, t in zip(names, threads)), dtype=bool, count=len(names)
+        (t == thread and n.startswith(CPU_OP_PREFIXES) for n, t in zip(names, threads)), dtype=bool, count=len(names)
     )
+    own = any(k and not n.startswith("aten::") for k, n in zip(keep, names))
     starts, durs = starts[keep], np.maximum(durs[keep], 0)
     if starts.size:
         starts = starts - starts.min()  # nanoseconds since the epoch would lose sub-microsecond detail as floats
-    return starts / 1000.0, (starts + durs) / 1000.0
+    return starts / 1000.0, (starts + durs) / 1000.0, own
 
 
 def _export_trace(prof: torch.profiler.profile) -> Optional[dict]:
@@ -312,8 +317,9 @@ def analyse_trace(
 ) -> WindowStats:
     """Gap, event count and (CUDA) SM estimate and copy bytes of a chrome trace of `steps` decode steps.
 
-    CUDA: device events (kernels, memcpy, memset) of this device. CPU: `aten::` ops of thread `tid`; ops nest
-    (aten::linear contains aten::addmm), and merging all their intervals counts each moment once.
+    CUDA: device events (kernels, memcpy, memset) of this device. CPU: `aten::` ops and the own kernels' marked
+    calls of thread `tid`; ops nest (aten::linear contains aten::addmm), and merging all their intervals counts
+    each moment once.
     """
     device = torch.device(device)
     events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
@@ -419,13 +425,14 @@ def _analyse_cpu(events: list[dict], span_us: Optional[float], steps: int, tid: 
     ops = [
         e
         for e in events
-        if e.get("cat") == "cpu_op"
-        and str(e.get("name", "")).startswith("aten::")
+        if e.get("cat") in ("cpu_op", "user_annotation")
+        and str(e.get("name", "")).startswith(CPU_OP_PREFIXES)
         and "ts" in e
         and (tid is None or e.get("tid") == tid)
     ]
     intervals = np.array([_interval(e) for e in ops], dtype=np.float64).reshape(-1, 2)
-    return _analyse_cpu_ops(intervals[:, 0], intervals[:, 1], span_us, steps)
+    own = any(not str(e["name"]).startswith("aten::") for e in ops)
+    return _analyse_cpu_ops(intervals[:, 0], intervals[:, 1], span_us, steps, own)
 
 
 def op_union(starts: np.ndarray, ends: np.ndarray) -> tuple[float, float, float, int]:
@@ -451,8 +458,11 @@ def op_union(starts: np.ndarray, ends: np.ndarray) -> tuple[float, float, float,
     return busy, float(s[0]), float(reach[-1]), top
 
 
-def _analyse_cpu_ops(starts: np.ndarray, ends: np.ndarray, span_us: Optional[float], steps: int) -> WindowStats:
-    """Op gap and top-level op count of a CPU window's ops (µs)."""
+def _analyse_cpu_ops(
+    starts: np.ndarray, ends: np.ndarray, span_us: Optional[float], steps: int, own_kernels: bool = False
+) -> WindowStats:
+    """Op gap and top-level op count of a CPU window's ops (µs); `own_kernels`: the project's kernels are among
+    them."""
     busy, first, last, top = op_union(starts, ends)
     extent = last - first
     span = span_us if span_us is not None and span_us >= extent else extent
@@ -462,5 +472,6 @@ def _analyse_cpu_ops(starts: np.ndarray, ends: np.ndarray, span_us: Optional[flo
     if fell_back:
         label += ", span = first to last op"
     launches = top / steps if steps > 0 and top else None
-    source = f"aten ops per step — torch.profiler CPU ops, {steps}-step window (sampled)" if launches else None
+    counted = "aten and own-kernel ops" if own_kernels else "aten ops"
+    source = f"{counted} per step — torch.profiler CPU ops, {steps}-step window (sampled)" if launches else None
     return WindowStats(steps, span, busy, gap, label, top, None, None, None, launches, source)

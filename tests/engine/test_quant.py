@@ -29,20 +29,40 @@ def _bf16_matmul_tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
     return 2 * 2**-8 * scale
 
 
+@pytest.fixture(params=["own", "aten"])
+def int8_kernel(request, monkeypatch):
+    """Both CPU int8 paths: the project's kernel (where it builds) and torch's packed one that replaces it."""
+    import engine.cpu_int8 as cpu_int8
+
+    if request.param == "own":
+        if cpu_int8.kernel() is None:
+            pytest.skip(f"the int8 kernel did not build: {cpu_int8.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(cpu_int8, "kernel", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 5])
-def test_int8_linear_matches_its_dequantised_weights(n, k, m):
+def test_int8_linear_matches_its_dequantised_weights(n, k, m, int8_kernel):
     torch.manual_seed(n + k + m)
     w, b, x = torch.randn(n, k) * 0.05, torch.randn(n) * 0.01, torch.randn(2, m, k)
     q, scales = quantize_int8(w)
     assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
     # per channel: the round trip is within half a step of each row's scale
     assert ((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-7).all()
-    ref_w = q.float() * scales.to(torch.bfloat16).float()[:, None]  # the kernel's bf16 scales
-    want = x @ ref_w.T + b
-    got = Int8Linear(w, b, torch.float32)(x)
+    lin = Int8Linear(w, b, torch.float32)
+    assert lin.own_kernel == (int8_kernel == "own")
+    got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (2, m, n)
-    torch.testing.assert_close(got, want, atol=_bf16_matmul_tolerance(x.reshape(-1, k), ref_w), rtol=0)
+    if int8_kernel == "own":  # fp32 activations and scales, fp32 sums
+        want = x.double() @ (q.double() * scales.double()[:, None]).T + b.double()
+        atol = 8 * 2**-24 * (x.abs().double() @ (q.abs().double() * scales.double()[:, None]).T).max().item()
+        assert (got.double() - want).abs().max().item() <= atol
+    else:
+        ref_w = q.float() * scales.to(torch.bfloat16).float()[:, None]  # the kernel's bf16 scales
+        want = x @ ref_w.T + b
+        torch.testing.assert_close(got, want, atol=_bf16_matmul_tolerance(x.reshape(-1, k), ref_w), rtol=0)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -59,11 +79,12 @@ def test_int4_linear_matches_its_dequantised_weights(n, k, m):
     torch.testing.assert_close(got, x @ ref_w.T, atol=_bf16_matmul_tolerance(x, ref_w), rtol=0)
 
 
-def test_quantised_model_holds_fewer_bytes():
+def test_quantised_model_holds_fewer_bytes(int8_kernel):
     lin = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False))
     full = weight_bytes(lin)
     assert quantize_linears(lin, "int8", torch.float32) == 2
-    assert weight_bytes(lin) == 2 * 256 * 512 + 2 * (512 + 256)  # int8 weights and bf16 scales
+    scale_bytes = 4 if int8_kernel == "own" else 2  # fp32 scales for the own kernel, bf16 for torch's
+    assert weight_bytes(lin) == 2 * 256 * 512 + scale_bytes * (512 + 256)  # int8 weights and the scales
     assert weight_bytes(lin) < full / 3
 
 
@@ -86,6 +107,8 @@ def engine(tiny_factory):
 
 
 def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
+    import engine.cpu_int8 as cpu_int8
+
     msgs = [{"role": "user", "content": "Tell me about Paris"}]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
     native = engine.generate(msgs, params).token_ids[0]
@@ -96,6 +119,7 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
     try:
         emb = engine.model.tok_embeddings.weight
         assert engine.info.weights == "int8" and engine.info.weight_bytes < native_bytes
+        assert engine.info.weights_kernel == cpu_int8.describe()  # the own kernel, or torch's with the reason
         # the int8 head is a copy; the fp32 embedding is read one row per token
         assert engine.info.bytes_per_token == engine.info.weight_bytes - emb.numel() * 4 + emb.shape[1] * 4
         result = engine.generate(msgs, params)
@@ -107,13 +131,18 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
     print(f"tiny llama, greedy, 24 tokens: int8 agrees with native on {agree:.0%} of positions")
     assert len(int8) == len(native) and int8[0] == native[0]  # the first token comes from the same prompt logits
     assert engine.info.weights == "native" and engine.info.weight_bytes == native_bytes
+    assert engine.info.weights_kernel == ""
 
 
 @pytest.mark.parametrize("family, keeps", [("llama", True), ("gemma3_text", False)])
-def test_which_int8_linears_keep_the_kernels_bf16_output(tiny_factory, family, keeps):
+def test_which_int8_linears_keep_the_kernels_bf16_output(tiny_factory, family, keeps, monkeypatch):
     """Llama's residual adds promote a bf16 output exactly as a cast would, so the linears before them keep it;
-    Gemma's norms after the attention and the MLP give back their input's dtype, so there it is cast back."""
+    Gemma's norms after the attention and the MLP give back their input's dtype, so there it is cast back. (Torch's
+    packed kernel, which answers in bf16; the project's own one answers in fp32.)"""
+    import engine.cpu_int8 as cpu_int8
     from engine.loader import load_checkpoint
+
+    monkeypatch.setattr(cpu_int8, "kernel", lambda: None)
     from engine.model import build_transformer
 
     cpu = torch.device("cpu")
@@ -183,3 +212,29 @@ def test_decode_step_op_count_stays_bounded(engine, fmt):
     per_layer = {"native": 38, "int8": 44, "int4": 44}[fmt]
     print(f"{fmt}: {ops} top-level aten ops a step over {layers} layers")
     assert ops <= per_layer * layers + 22
+
+
+def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_kernel):
+    """Candidates and a speculative verify run several rows through the int8 linears at once; with the own kernel
+    each row's sums do not depend on how many run, so greedy answers equal plain decoding's (Qwen2: biases on
+    q/k/v, added inside the kernel)."""
+    from engine.engine import Engine
+
+    folder = tiny_factory("qwen2", hidden_size=64, intermediate_size=128)
+    e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", weights="int8", profile_window=False))
+    try:
+        assert e.model.layers[0].attention.wqkv.bias is not None
+        msgs = [{"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat on the mat."}]
+        params = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+        plain = e.generate(msgs, params).token_ids[0]
+        e.reconfigure(e.options.with_(candidates=3))
+        rows = e.generate(msgs, params).token_ids
+        e.reconfigure(e.options.with_(candidates=1, speculation="ngram", draft_tokens=4))
+        spec = e.generate(msgs, params)
+    finally:
+        e.close()
+    if int8_kernel == "own":
+        assert rows == [plain] * 3
+        assert spec.token_ids[0] == plain and not spec.unavailable
+    else:  # torch's packed kernel makes no such promise; the first token comes from the same prompt logits
+        assert all(r[0] == plain[0] for r in rows)

@@ -367,3 +367,30 @@ def test_cpu_trace_counts_top_level_ops_of_the_thread():
     assert st.gap_pct == pytest.approx(100 * (1 - 150 / 400))
     assert st.launches_per_step == 1.0  # 2 top-level ops of the thread over 2 steps
     assert st.launches_source == "aten ops per step — torch.profiler CPU ops, 2-step window (sampled)"
+
+
+@pytest.mark.parametrize("route", ["results", "exported trace"])
+def test_cpu_window_counts_the_own_int8_kernel_as_an_op(monkeypatch, route):
+    """The int8 kernel is a ctypes call torch does not see; unmarked, its time would read as idle and its calls
+    would be missing from the op count."""
+    import engine.cpu_int8 as cpu_int8
+    from engine.quant import quantize_int8
+
+    kernel = cpu_int8.kernel()
+    if kernel is None:
+        pytest.skip(f"the int8 kernel did not build: {cpu_int8.unavailable_reason()}")
+    if route == "exported trace":
+        monkeypatch.setattr(window_mod, "_cpu_op_intervals", lambda prof: None)
+    q, scales = quantize_int8(torch.randn(4096, 1024))
+    x = torch.randn(1, 1024)
+
+    def work():
+        for _ in range(3):
+            kernel.linear(x, q, scales, None)
+
+    w = ProfileWindow(torch.device("cpu"), start=0, steps=2)
+    run_loop(w, 3, work)
+    st = w.finish()
+    assert st is not None and st.launches_per_step == 3.0  # the kernel's calls; its aten::empty nests inside
+    assert st.launches_source == "aten and own-kernel ops per step — torch.profiler CPU ops, 2-step window (sampled)"
+    assert st.gap_pct is not None and st.gap_pct < 50  # the 4 MiB streamed three times a step is busy time

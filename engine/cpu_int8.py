@@ -1,0 +1,233 @@
+"""The CPU int8 GEMV of engine/cpu_int8.c: built on first use with the machine's C compiler, cached in the user
+cache dir under a key of the source, the compiler, its flags and the CPU, and loaded with ctypes.
+
+torch's packed kernel (`aten._weight_int8pack_mm`) streamed the default model's 129 MiB of int8 weights at about
+13 GB/s where one thread reads fp32 at 34 (docs/benchmarks.md), so a token took 10 of its 14 ms in it; this loop
+streams them near the memory's rate and keeps the activations in fp32. Where it cannot be built (no compiler, a
+failed build, not allowed by GAPLESS_CPU_INT8=0), `unavailable_reason()` says why and the int8 linears use torch's
+kernel.
+
+The OpenMP runtime the library needs is the one torch has already loaded (the same soname, libgomp.so.1, on Linux),
+so its threads are torch's and `torch.set_num_threads` sizes them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_int8.c")
+SWITCH_ENV = "GAPLESS_CPU_INT8"  # "0": torch's packed kernel instead, to compare
+# Tried in order; the first set the compiler accepts is kept. Without -fopenmp the loop runs on one thread.
+FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-fopenmp"),
+    ("-O3",),
+)
+_COMMON_FLAGS = ("-shared", "-fPIC", "-std=c99")
+BUILD_TIMEOUT_S = 120
+OP_NAME = "gapless::kernel::int8_linear"  # what a profile shows for a call (engine/telemetry/window.py counts it)
+
+
+class Int8Kernel:
+    """The loaded library: `linear(x, weight, scales, bias)` for fp32 activations of any number of rows."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, flags: tuple[str, ...]):
+        self.path, self.flags = path, flags
+        lib.gapless_int8_vector.restype = ctypes.c_char_p
+        self.vector = lib.gapless_int8_vector().decode()
+        fn = lib.gapless_int8_linear
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int,
+        ]
+        self._fn = fn
+        self._lib = lib  # keeps the library loaded while the function is referenced
+
+    @property
+    def description(self) -> str:
+        threads = "OpenMP threads" if "-fopenmp" in self.flags else "one thread (no OpenMP)"
+        return f"own int8 GEMV ({self.vector}, {threads})"
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """x [m, k] fp32 contiguous, weight [n, k] int8, scales [n] fp32, bias [n] fp32 or None -> y [m, n] fp32."""
+        if torch._C._autograd._profiler_enabled():
+            with torch.profiler.record_function(OP_NAME):
+                return self._linear(x, weight, scales, bias)
+        return self._linear(x, weight, scales, bias)
+
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = self._fn(
+            x.data_ptr(),
+            m,
+            weight.data_ptr(),
+            scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"the int8 kernel could not allocate a row of {k} fp32 values")
+        return y
+
+
+_lock = threading.Lock()
+_loaded: Optional[Int8Kernel] = None
+_reason: Optional[str] = None
+_tried = False
+
+
+def kernel() -> Optional[Int8Kernel]:
+    """The built kernel, building it on the first call; None when it cannot be (see unavailable_reason)."""
+    global _loaded, _reason, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _loaded = _load()
+            except KernelUnavailable as e:
+                _reason = str(e)
+                log.info("CPU int8 kernel unavailable: %s", e)
+        return _loaded
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the own int8 kernel does not run (torch's packed kernel does instead), or None when it does."""
+    kernel()
+    return _reason
+
+
+def describe() -> str:
+    """What computes a CPU int8 linear here, for the model panel and the bench JSON."""
+    k = kernel()
+    return k.description if k is not None else f"aten._weight_int8pack_mm ({_reason})"
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return str(shutil.which(name))
+    raise KernelUnavailable("no C compiler on PATH (cc, gcc or clang) to build it")
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cc} --version failed: {e}") from e
+    return out.stdout
+
+
+def _load() -> Int8Kernel:
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        raise KernelUnavailable(f"switched off ({SWITCH_ENV}=0)")
+    from engine.paths import cache_dir
+
+    cc = _compiler()
+    source = SOURCE.read_bytes()
+    identity = "\0".join([_compiler_version(cc), platform.machine(), _cpu_identity(), torch.__version__])
+    out_dir = cache_dir() / "cpu-kernels"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(source + identity.encode() + " ".join(flags).encode()).hexdigest()[:20]
+        path = out_dir / f"int8-{key}.so"
+        if not path.exists():
+            err = _build(cc, flags, path)
+            if err:
+                errors.append(f"{' '.join(flags)}: {err}")
+                continue
+        try:
+            return Int8Kernel(ctypes.CDLL(str(path)), path, flags)
+        except (OSError, AttributeError) as e:
+            errors.append(f"{' '.join(flags)}: could not load {path.name}: {e}")
+    raise KernelUnavailable(f"{Path(cc).name} could not build engine/cpu_int8.c: {errors[-1][:300]}")
+
+
+def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:
+    """Compile into a temporary file renamed into place, so a crash or a second process never sees half a
+    library; the compiler's last error line, or None."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, *_COMMON_FLAGS, "-o", tmp, str(SOURCE)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        except (OSError, subprocess.SubprocessError) as e:
+            return str(e)
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+            return lines[-1] if lines else f"exit status {done.returncode}"
+        os.replace(tmp, path)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@torch.library.custom_op("gapless::int8_linear", mutates_args=())
+def _int8_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    k = kernel()
+    assert k is not None, "the int8 linear op is only used where the kernel loaded"
+    return k.linear(x, weight, scales, bias)
+
+
+@_int8_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """The kernel's linear: a direct call in eager mode, an opaque custom op where torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return _int8_linear_op(x, weight, scales, bias)
+    k = _loaded
+    assert k is not None, "int8_linear runs only where kernel() loaded the library"
+    return k.linear(x, weight, scales, bias)

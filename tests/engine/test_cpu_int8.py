@@ -1,0 +1,183 @@
+"""The project's CPU int8 GEMV (engine/cpu_int8.c): results against an fp64 reference, each row's result the same
+whatever the number of rows, the build cached and rebuilt when it must be, and clear reasons where it cannot run,
+with torch's packed kernel taking over."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+import engine.cpu_int8 as cpu_int8
+from engine.quant import Int8Linear, quantize_int8
+
+KERNEL = cpu_int8.kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the int8 kernel did not build: {cpu_int8._reason}")
+
+
+def _reference(x, q, scales, bias):
+    y = (x.double() @ q.double().T) * scales.double()
+    return y if bias is None else y + bias.double()
+
+
+def _tolerance(x, q, scales):
+    # fp32 products summed over K: a few units of fp32 rounding of the sum of magnitudes
+    return 8 * 2**-24 * ((x.abs().double() @ q.abs().double().T) * scales.double()).max().item() + 1e-7
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (37, 100), (8, 31), (3, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_an_fp64_reference(n, k, with_bias):
+    torch.manual_seed(n * 7 + k)
+    q, scales = quantize_int8(torch.randn(n, k))
+    bias = torch.randn(n) if with_bias else None
+    x = torch.randn(3, k)
+    got = KERNEL.linear(x, q, scales, bias)
+    assert got.dtype == torch.float32 and got.shape == (3, n)
+    want = _reference(x, q, scales, bias)
+    assert (got.double() - want).abs().max().item() <= _tolerance(x, q, scales)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [2, 4, 17, 64])
+def test_each_rows_result_does_not_depend_on_how_many_rows_run(m):
+    """A verify step or candidates run several rows; greedy answers must not change with their number."""
+    torch.manual_seed(m)
+    q, scales = quantize_int8(torch.randn(200, 576))
+    bias = torch.randn(200)
+    x = torch.randn(m, 576)
+    together = KERNEL.linear(x, q, scales, bias)
+    alone = torch.cat([KERNEL.linear(x[i : i + 1].contiguous(), q, scales, bias) for i in range(m)])
+    assert torch.equal(together, alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_count_does_not_change_the_result(threads):
+    torch.manual_seed(0)
+    q, scales = quantize_int8(torch.randn(301, 640))
+    x = torch.randn(2, 640)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = KERNEL.linear(x, q, scales, None)
+        torch.set_num_threads(threads)
+        many = KERNEL.linear(x, q, scales, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+@needs_kernel
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime_in_the_process():
+    """The library's OpenMP is the runtime torch loaded, so its threads are torch's and not a second pool."""
+    maps = open("/proc/self/maps", encoding="utf-8").read()
+    assert str(KERNEL.path) in maps
+    runtimes = set(re.findall(r"\S*lib[gi]omp[\w.-]*\.so[\w.]*", maps))
+    assert len(runtimes) <= 1, runtimes
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_uses_it_with_fp32_scales(dtype):
+    torch.manual_seed(1)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = Int8Linear(w.to(dtype), b.to(dtype), dtype)
+    assert lin.own_kernel and lin.scales.dtype == torch.float32
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    got = lin(x)
+    assert got.dtype == dtype and got.shape == (2, 5, 96)
+    q, scales = quantize_int8(w.to(dtype))
+    want = _reference(x.reshape(-1, 64).float(), q, scales, b.to(dtype).float()).reshape(2, 5, 96)
+    atol = 0 if dtype == torch.float32 else 2**-7 * want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= atol + _tolerance(x.reshape(-1, 64).float(), q, scales)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A kernel module state that has not tried to build yet, building into an empty cache dir."""
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_int8, "_tried", False)
+    monkeypatch.setattr(cpu_int8, "_loaded", None)
+    monkeypatch.setattr(cpu_int8, "_reason", None)
+    return tmp_path
+
+
+def test_switched_off_uses_torchs_kernel(fresh, monkeypatch):
+    monkeypatch.setenv(cpu_int8.SWITCH_ENV, "0")
+    assert cpu_int8.kernel() is None
+    assert cpu_int8.unavailable_reason() == "switched off (GAPLESS_CPU_INT8=0)"
+    assert cpu_int8.describe() == "aten._weight_int8pack_mm (switched off (GAPLESS_CPU_INT8=0))"
+    torch.manual_seed(2)
+    w = torch.randn(64, 32)
+    lin = Int8Linear(w, None, torch.float32)
+    assert not lin.own_kernel and lin.scales.dtype == torch.bfloat16
+    x = torch.randn(3, 32)
+    q, scales = quantize_int8(w)
+    want = x @ (q.float() * scales.bfloat16().float()[:, None]).T
+    torch.testing.assert_close(lin(x), want, atol=0.05, rtol=0.02)
+
+
+def test_no_compiler_says_so(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(cpu_int8.shutil, "which", lambda name: None)
+    assert cpu_int8.kernel() is None
+    assert cpu_int8.unavailable_reason() == "no C compiler on PATH (cc, gcc or clang) to build it"
+
+
+def test_a_compiler_that_fails_says_why(fresh, monkeypatch, tmp_path):
+    cc = tmp_path / "broken-cc"
+    cc.write_text(
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\necho 'fatal: no space' >&2\nexit 1\n"
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert cpu_int8.kernel() is None
+    reason = cpu_int8.unavailable_reason()
+    assert reason.startswith("broken-cc could not build engine/cpu_int8.c") and "fatal: no space" in reason
+    assert not list((fresh / "cpu-kernels").glob("*.so"))  # nothing half-built left behind
+
+
+@pytest.mark.skipif(KERNEL is None, reason="needs a working C compiler")
+def test_the_build_is_cached_and_keyed_by_its_source(fresh, monkeypatch, tmp_path):
+    builds = []
+    real_build = cpu_int8._build
+    monkeypatch.setattr(cpu_int8, "_build", lambda *a: builds.append(a[2]) or real_build(*a))
+
+    def load_again():
+        monkeypatch.setattr(cpu_int8, "_tried", False)
+        monkeypatch.setattr(cpu_int8, "_loaded", None)
+        return cpu_int8.kernel()
+
+    built = cpu_int8.kernel()
+    assert built is not None and built.path.parent == fresh / "cpu-kernels" and builds == [built.path]
+    again = load_again()
+    assert again is not None and again.path == built.path and len(builds) == 1  # not rebuilt
+    edited = tmp_path / "cpu_int8.c"
+    edited.write_text(cpu_int8.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(cpu_int8, "SOURCE", edited)
+    rebuilt = load_again()
+    assert rebuilt is not None and rebuilt.path != built.path and builds == [built.path, rebuilt.path]
+
+
+@pytest.mark.skipif(KERNEL is None or KERNEL.vector != "avx2+fma", reason="needs an x86 CPU with AVX2 and a compiler")
+def test_the_portable_loop_a_cpu_without_avx2_builds(tmp_path):
+    """The same source without AVX2/FMA takes its portable C loop; it must give the same sums in its own order."""
+    import ctypes
+
+    path = tmp_path / "portable.so"
+    flags = ("-O3", "-mno-avx2", "-mno-fma", "-fopenmp")
+    assert cpu_int8._build(cpu_int8._compiler(), flags, path) is None
+    portable = cpu_int8.Int8Kernel(ctypes.CDLL(str(path)), path, flags)
+    assert portable.vector == "portable"
+    torch.manual_seed(3)
+    q, scales = quantize_int8(torch.randn(130, 200))
+    bias, x = torch.randn(130), torch.randn(4, 200)
+    got = portable.linear(x, q, scales, bias)
+    assert (got.double() - _reference(x, q, scales, bias)).abs().max().item() <= _tolerance(x, q, scales)
+    alone = torch.cat([portable.linear(x[i : i + 1].contiguous(), q, scales, bias) for i in range(4)])
+    assert torch.equal(got, alone)
