@@ -451,7 +451,15 @@ class Transformer(nn.Module):
         return cos, signed_sin(sin)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """The model's parameters whatever the weight format: a quantised linear holds its weight as buffers, so it
+        counts as its in x out, and the quantised copy of a tied head is the embedding's, not counted again."""
+        from engine.quant import QUANTISED_LINEARS
+
+        n = sum(p.numel() for p in self.parameters())
+        for name, m in self.named_modules():
+            if isinstance(m, QUANTISED_LINEARS) and not (name == "output" and self.args.tie_embeddings):
+                n += m.in_features * m.out_features
+        return n
 
     def weight_bytes(self) -> int:
         # parameters, and the buffers that stand for weights (quantised linears); the rope tables are not weights

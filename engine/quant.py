@@ -147,6 +147,9 @@ class Int4Linear(_QuantLinear):
         return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
 
 
+QUANTISED_LINEARS = (Int8Linear, Int4Linear)
+
+
 def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) -> Optional[str]:
     """Why `fmt` cannot quantise linears of these (out, in) shapes on `device`, or None when it can."""
     if fmt == "native":
@@ -209,7 +212,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights the model holds: parameters and the quantised linears' buffers."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear)):
+        if isinstance(m, QUANTISED_LINEARS):
             total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
     return total
 

@@ -112,7 +112,7 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
     msgs = [{"role": "user", "content": "Tell me about Paris"}]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
     native = engine.generate(msgs, params).token_ids[0]
-    native_bytes = engine.info.weight_bytes
+    native_bytes, parameters = engine.info.weight_bytes, engine.info.parameters
     assert engine.info.bytes_per_token == native_bytes  # tied: the head reads the whole embedding
     assert engine.info.memory_floor_ms is None and engine.info.memory_floor_source.startswith("n/a: the CPU")
     engine.reconfigure(engine.options.with_(weights="int8"))
@@ -120,6 +120,7 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
         emb = engine.model.tok_embeddings.weight
         assert engine.info.weights == "int8" and engine.info.weight_bytes < native_bytes
         assert engine.info.weights_kernel == cpu_int8.describe()  # the own kernel, or torch's with the reason
+        assert engine.info.parameters == parameters  # the quantised linears' weights still count, the tied head once
         # the int8 head is a copy; the fp32 embedding is read one row per token
         assert engine.info.bytes_per_token == engine.info.weight_bytes - emb.numel() * 4 + emb.shape[1] * 4
         result = engine.generate(msgs, params)
