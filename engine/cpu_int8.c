@@ -20,7 +20,9 @@
 #define GAPLESS_VECTOR "portable"
 #endif
 
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
+#endif
 #define STEP 32
 
 const char *gapless_int8_vector(void) { return GAPLESS_VECTOR; }

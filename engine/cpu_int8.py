@@ -84,6 +84,25 @@ class Int8Kernel:
     ) -> torch.Tensor:
         m, k = x.shape
         n = weight.shape[0]
+        # C reads these by pointer: a wrong dtype, layout or size would read past the tensors, so check them
+        if not (
+            x.dtype == torch.float32
+            and weight.dtype == torch.int8
+            and scales.dtype == torch.float32
+            and weight.shape[1] == k
+            and scales.numel() == n
+            and x.is_contiguous()
+            and weight.is_contiguous()
+            and scales.is_contiguous()
+            and x.device.type == "cpu"
+            and (bias is None or (bias.dtype == torch.float32 and bias.numel() == n and bias.is_contiguous()))
+        ):
+            raise ValueError(
+                f"int8 kernel arguments: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+                f"scales {tuple(scales.shape)} {scales.dtype}, bias "
+                f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: want contiguous fp32 x [m, k] on "
+                "the CPU, int8 weight [n, k], fp32 scales [n] and bias [n]"
+            )
         y = torch.empty((m, n), dtype=torch.float32)
         rc = self._fn(
             x.data_ptr(),

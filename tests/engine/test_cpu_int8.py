@@ -42,6 +42,24 @@ def test_matches_an_fp64_reference(n, k, with_bias):
 
 
 @needs_kernel
+def test_arguments_it_cannot_read_safely_are_refused():
+    q, scales = quantize_int8(torch.randn(16, 64))
+    x = torch.randn(2, 64)
+    bad = {
+        "bf16 activations": (x.bfloat16(), q, scales, None),
+        "a transposed input": (torch.randn(64, 2).t(), q, scales, None),
+        "too few inputs": (torch.randn(2, 32), q, scales, None),
+        "bf16 scales": (x, q, scales.bfloat16(), None),
+        "a short bias": (x, q, scales, torch.randn(8)),
+        "fp32 weights": (x, q.float(), scales, None),
+    }
+    for what, args in bad.items():
+        with pytest.raises(ValueError, match="int8 kernel arguments"):
+            KERNEL.linear(*args)
+            pytest.fail(f"{what} was accepted")
+
+
+@needs_kernel
 @pytest.mark.parametrize("m", [2, 4, 17, 64])
 def test_each_rows_result_does_not_depend_on_how_many_rows_run(m):
     """A verify step or candidates run several rows; greedy answers must not change with their number."""
