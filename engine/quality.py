@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine.quality_text import QUALITY_TEXT
+from engine.telemetry.machine import describe_machine
 from engine.types import EngineOptions, SamplingParams
 
 WINDOW = 512
@@ -159,6 +160,7 @@ def run_quality(
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": command or [],
         "machine": {
+            **describe_machine(),
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "torch": torch.__version__,

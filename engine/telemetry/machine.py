@@ -110,6 +110,7 @@ def describe_machine(nvml: Any = None) -> dict[str, Any]:
     gpus, driver, driver_reason = _gpus(nvml)
     return {
         "cpu_model": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the widest vector ISA torch's kernels use
         "cpu_cores_logical": os.cpu_count(),
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_bytes": _memory_bytes(),
