@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.errors import ModelLoadError
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -237,6 +238,14 @@ class DynamicKVCache:
             self.k[i], self.v[i] = k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()
 
 
+def eager_cpu_kernels(x: torch.Tensor) -> Optional["cpu_kernels.CpuKernels"]:
+    """The engine's own CPU kernels where they serve x: fp32 on the CPU in an eager step (under compile, inductor
+    fuses these ops itself) and the library built; None otherwise, and torch's ops run."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return cpu_kernels.loaded()
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -245,6 +254,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the same arithmetic without the two casts, which are no-ops here
+            kernels = eager_cpu_kernels(x)  # one call for the six ops below
+            if kernels is not None and x.is_contiguous():
+                return kernels.rms_norm(x, self.weight, self.eps)
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         xf = x.float()
@@ -330,7 +342,11 @@ class Attention(nn.Module):
             k = apply_rope_signed(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         else:  # q and k are adjacent in the fused projection: one rope over both heads' sets
             qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            qk = apply_rope_signed(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)  # [B, H + Hkv, T, D]
+            kernels = eager_cpu_kernels(qk)
+            if kernels is not None and qk.dim() == 2 and qk.stride(1) == 1 and cos.is_contiguous():
+                qk = kernels.rope(qk, B, T, H + Hkv, D, cos, sin)  # the same roundings, one call
+            else:
+                qk = apply_rope_signed(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)  # [B, H + Hkv, T, D]
             q, k = qk.split([H, Hkv], dim=1)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         if cache is not None:
@@ -358,7 +374,11 @@ class FeedForward(nn.Module):
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x):
-        gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)
+        h = self.w13(x)
+        kernels = None if self.gelu else eager_cpu_kernels(h)
+        if kernels is not None and h.dim() == 2:
+            return self.w2(kernels.silu_mul(h))
+        gate, up = h.split([self.inter, self.inter], dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.w2(act * up)
 

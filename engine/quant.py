@@ -1,7 +1,7 @@
 """Weight-only quantised linears: int8 with one scale per output channel, int4 with a scale and a zero per group
 of INT4_GROUP inputs. The activations stay in floating point; the matmul reads the quantised weights.
 
-CPU: int8 through the project's own GEMV (engine/cpu_int8.c: fp32 activations, streamed int8 weights), or where it
+CPU: int8 through the project's own GEMV (engine/cpu_kernels.c: fp32 activations, streamed int8 weights), or where it
 cannot be built torch's packed `aten._weight_int8pack_mm` fed bf16 activations (with fp32 ones it was 8x slower,
 measured on this project's CPU); int4 through `aten._weight_int4pack_mm_for_cpu`, fed bf16.
 CUDA: gpt-fast's form, the weight de-quantised inside the linear (`F.linear(x, w_int8.to(x.dtype)) * scales`),
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine import cpu_int8
+from engine import cpu_kernels
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 INT4_GROUP = 32
@@ -71,7 +71,7 @@ class Int8Linear(_QuantLinear):
         q, scales = quantize_int8(weight)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.on_cpu = weight.device.type == "cpu"
-        self.own_kernel = self.on_cpu and cpu_int8.kernel() is not None
+        self.own_kernel = self.on_cpu and cpu_kernels.kernel() is not None
         self.register_buffer("weight", q)
         # the own CPU kernel takes fp32 scales, torch's packed one bf16; on CUDA they multiply the activations' dtype
         scales_dtype = torch.float32 if self.own_kernel else torch.bfloat16 if self.on_cpu else act_dtype
@@ -86,7 +86,7 @@ class Int8Linear(_QuantLinear):
             # no no-op casts: on the CPU every call is an op the step dispatches
             xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
             in_kernel = bias if bias is not None and bias.dtype == torch.float32 else None
-            y = cpu_int8.int8_linear(xf, self.weight, self.scales, in_kernel)
+            y = cpu_kernels.int8_linear(xf, self.weight, self.scales, in_kernel)
             if x.dtype != torch.float32:
                 y = y.to(x.dtype)
             if in_kernel is not None:
@@ -154,7 +154,7 @@ def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) 
     """Why `fmt` cannot quantise linears of these (out, in) shapes on `device`, or None when it can."""
     if fmt == "native":
         return None
-    if device.type == "cpu" and not (fmt == "int8" and cpu_int8.kernel() is not None):
+    if device.type == "cpu" and not (fmt == "int8" and cpu_kernels.kernel() is not None):
         op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
         if not has_op(op):
             return f"this torch has no aten.{op} for the CPU"
@@ -171,7 +171,7 @@ def kernel_name(fmt: str, device: torch.device) -> str:
     if fmt == "native":
         return ""
     if device.type == "cpu":
-        return cpu_int8.describe() if fmt == "int8" else "aten._weight_int4pack_mm_for_cpu"
+        return cpu_kernels.describe() if fmt == "int8" else "aten._weight_int4pack_mm_for_cpu"
     return "de-quantised inside the linear (F.linear on the weights cast to the activations' dtype)"
 
 

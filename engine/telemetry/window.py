@@ -47,7 +47,7 @@ COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 # marker's id is the window thread's.
 WINDOW_MARKER = "gapless::profile_window"
 # What a CPU window counts as an op: torch's, and the project's own CPU kernels, which mark their calls with a
-# record_function of this prefix while a profiler runs (engine/cpu_int8.py). The marker itself is not an op.
+# record_function of this prefix while a profiler runs (engine/cpu_kernels.py). The marker itself is not an op.
 CPU_OP_PREFIXES = ("aten::", "gapless::kernel::")
 
 

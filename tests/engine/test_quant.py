@@ -32,13 +32,13 @@ def _bf16_matmul_tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
 @pytest.fixture(params=["own", "aten"])
 def int8_kernel(request, monkeypatch):
     """Both CPU int8 paths: the project's kernel (where it builds) and torch's packed one that replaces it."""
-    import engine.cpu_int8 as cpu_int8
+    import engine.cpu_kernels as cpu_kernels
 
     if request.param == "own":
-        if cpu_int8.kernel() is None:
-            pytest.skip(f"the int8 kernel did not build: {cpu_int8.unavailable_reason()}")
+        if cpu_kernels.kernel() is None:
+            pytest.skip(f"the int8 kernel did not build: {cpu_kernels.unavailable_reason()}")
     else:
-        monkeypatch.setattr(cpu_int8, "kernel", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
     return request.param
 
 
@@ -107,7 +107,7 @@ def engine(tiny_factory):
 
 
 def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
-    import engine.cpu_int8 as cpu_int8
+    import engine.cpu_kernels as cpu_kernels
 
     msgs = [{"role": "user", "content": "Tell me about Paris"}]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
@@ -119,7 +119,7 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
     try:
         emb = engine.model.tok_embeddings.weight
         assert engine.info.weights == "int8" and engine.info.weight_bytes < native_bytes
-        assert engine.info.weights_kernel == cpu_int8.describe()  # the own kernel, or torch's with the reason
+        assert engine.info.weights_kernel == cpu_kernels.describe()  # the own kernel, or torch's with the reason
         assert engine.info.parameters == parameters  # the quantised linears' weights still count, the tied head once
         # the int8 head is a copy; the fp32 embedding is read one row per token
         assert engine.info.bytes_per_token == engine.info.weight_bytes - emb.numel() * 4 + emb.shape[1] * 4
@@ -140,10 +140,10 @@ def test_which_int8_linears_keep_the_kernels_bf16_output(tiny_factory, family, k
     """Llama's residual adds promote a bf16 output exactly as a cast would, so the linears before them keep it;
     Gemma's norms after the attention and the MLP give back their input's dtype, so there it is cast back. (Torch's
     packed kernel, which answers in bf16; the project's own one answers in fp32.)"""
-    import engine.cpu_int8 as cpu_int8
+    import engine.cpu_kernels as cpu_kernels
     from engine.loader import load_checkpoint
 
-    monkeypatch.setattr(cpu_int8, "kernel", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
     from engine.model import build_transformer
 
     cpu = torch.device("cpu")

@@ -373,12 +373,12 @@ def test_cpu_trace_counts_top_level_ops_of_the_thread():
 def test_cpu_window_counts_the_own_int8_kernel_as_an_op(monkeypatch, route):
     """The int8 kernel is a ctypes call torch does not see; unmarked, its time would read as idle and its calls
     would be missing from the op count."""
-    import engine.cpu_int8 as cpu_int8
+    import engine.cpu_kernels as cpu_kernels
     from engine.quant import quantize_int8
 
-    kernel = cpu_int8.kernel()
+    kernel = cpu_kernels.kernel()
     if kernel is None:
-        pytest.skip(f"the int8 kernel did not build: {cpu_int8.unavailable_reason()}")
+        pytest.skip(f"the int8 kernel did not build: {cpu_kernels.unavailable_reason()}")
     if route == "exported trace":
         monkeypatch.setattr(window_mod, "_cpu_op_intervals", lambda prof: None)
     q, scales = quantize_int8(torch.randn(4096, 1024))

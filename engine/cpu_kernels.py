@@ -1,11 +1,13 @@
-"""The CPU int8 GEMV of engine/cpu_int8.c: built on first use with the machine's C compiler, cached in the user
-cache dir under a key of the source, the compiler, its flags and the CPU, and loaded with ctypes.
+"""The engine's own CPU kernels (engine/cpu_kernels.c: the int8 GEMV, RMSNorm, RoPE, SiLU·mul for the eager step),
+built on first use with the machine's C compiler, cached in the user cache dir under a key of the source, the
+compiler, its flags and the CPU, and loaded with ctypes.
 
 torch's packed kernel (`aten._weight_int8pack_mm`) streamed the default model's 129 MiB of int8 weights at about
 13 GB/s where one thread reads fp32 at 34 (docs/benchmarks.md), so a token took 10 of its 14 ms in it; this loop
-streams them near the memory's rate and keeps the activations in fp32. Where it cannot be built (no compiler, a
-failed build, not allowed by GAPLESS_CPU_INT8=0), `unavailable_reason()` says why and the int8 linears use torch's
-kernel.
+streams them near the memory's rate and keeps the activations in fp32. The other three are one call each where
+torch dispatches three to six ops (the eager CPU step is bound by its op count as much as by its matmuls). Where
+the library cannot be built (no compiler, a failed build, not allowed by GAPLESS_CPU_KERNELS=0),
+`unavailable_reason()` says why and torch's ops run.
 
 The OpenMP runtime the library needs is the one torch has already loaded (the same soname, libgomp.so.1, on Linux),
 so its threads are torch's and `torch.set_num_threads` sizes them.
@@ -13,6 +15,7 @@ so its threads are torch's and `torch.set_num_threads` sizes them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -23,14 +26,14 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_int8.c")
-SWITCH_ENV = "GAPLESS_CPU_INT8"  # "0": torch's packed kernel instead, to compare
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SWITCH_ENV = "GAPLESS_CPU_KERNELS"  # "0": torch's kernels instead, to compare
 # Tried in order; the first set the compiler accepts is kept. Without -fopenmp the loop runs on one thread.
 FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -39,11 +42,26 @@ FLAG_SETS = (
 )
 _COMMON_FLAGS = ("-shared", "-fPIC", "-std=c99")
 BUILD_TIMEOUT_S = 120
-OP_NAME = "gapless::kernel::int8_linear"  # what a profile shows for a call (engine/telemetry/window.py counts it)
+# what a profile shows for a call (engine/telemetry/window.py counts them as ops)
+OP_NAME = "gapless::kernel::int8_linear"
+NORM_OP_NAME = "gapless::kernel::rms_norm"
+SILU_OP_NAME = "gapless::kernel::silu_mul"
+ROPE_OP_NAME = "gapless::kernel::rope"
 
 
-class Int8Kernel:
-    """The loaded library: `linear(x, weight, scales, bias)` for fp32 activations of any number of rows."""
+@contextlib.contextmanager
+def _marked(name: str) -> Iterator[None]:
+    """A record_function around a call while a profiler runs, so the profile window sees it; nothing otherwise."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            yield
+    else:
+        yield
+
+
+class CpuKernels:
+    """The loaded library: `linear(x, weight, scales, bias)`, the int8 linear for fp32 activations of any number of
+    rows, and `rms_norm(x, weight, eps)`."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, flags: tuple[str, ...]):
         self.path, self.flags = path, flags
@@ -63,7 +81,19 @@ class Int8Kernel:
             ctypes.c_int,
         ]
         self._fn = fn
-        self._lib = lib  # keeps the library loaded while the function is referenced
+        norm = lib.gapless_rms_norm
+        norm.restype = None
+        norm.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+        self._norm = norm
+        silu = lib.gapless_silu_mul
+        silu.restype = None
+        silu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._silu_mul = silu
+        rope = lib.gapless_rope
+        rope.restype = None
+        rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 4]
+        self._rope = rope
+        self._lib = lib  # keeps the library loaded while the functions are referenced
 
     @property
     def description(self) -> str:
@@ -78,6 +108,66 @@ class Int8Kernel:
             with torch.profiler.record_function(OP_NAME):
                 return self._linear(x, weight, scales, bias)
         return self._linear(x, weight, scales, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dimension; x and weight fp32, contiguous."""
+        d = x.shape[-1]
+        if not (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and weight.numel() == d
+            and x.is_contiguous()
+            and weight.is_contiguous()
+            and x.device.type == "cpu"
+        ):
+            raise ValueError(
+                f"RMSNorm kernel arguments: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                f"{weight.dtype}: want contiguous fp32 tensors on the CPU, the weight as long as x's last dimension"
+            )
+        y = torch.empty_like(x)
+        if torch._C._autograd._profiler_enabled():
+            with torch.profiler.record_function(NORM_OP_NAME):
+                self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // d if d else 0, d, eps)
+        else:
+            self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // d if d else 0, d, eps)
+        return y
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for x [m, 2 * inter] = [gate | up] (rows may be strided, the columns contiguous)."""
+        m, two = x.shape
+        inter = two // 2
+        if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 and two % 2 == 0):
+            raise ValueError(f"SiLU-mul kernel arguments: x {tuple(x.shape)} {x.dtype} with strides {x.stride()}")
+        y = torch.empty((m, inter), dtype=torch.float32)
+        with _marked(SILU_OP_NAME):
+            self._silu_mul(x.data_ptr(), x.stride(0), y.data_ptr(), m, inter)
+        return y
+
+    def rope(
+        self, x: torch.Tensor, b: int, t: int, heads: int, d: int, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> torch.Tensor:
+        """Rotary embedding of x [b * t, >= heads * d] (the first heads * d columns, rows may be strided) into a new
+        [b, heads, t, d]; cos and sin_signed [t, d] (engine.model.signed_sin), as engine.model.apply_rope_signed."""
+        if not (
+            x.dtype == cos.dtype == sin_signed.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape[0] == b * t
+            and x.shape[1] >= heads * d
+            and x.stride(1) == 1
+            and d % 2 == 0
+            and cos.shape == sin_signed.shape == (t, d)
+            and cos.is_contiguous()
+            and sin_signed.is_contiguous()
+        ):
+            raise ValueError(
+                f"RoPE kernel arguments: x {tuple(x.shape)} {x.dtype} strides {x.stride()}, cos "
+                f"{tuple(cos.shape)}, sin {tuple(sin_signed.shape)} for {b}x{t} rows of {heads} heads of {d}"
+            )
+        out = torch.empty((b, heads, t, d), dtype=torch.float32)
+        with _marked(ROPE_OP_NAME):
+            self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), b, t, heads, d)
+        return out
 
     def _linear(
         self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
@@ -121,13 +211,13 @@ class Int8Kernel:
 
 
 _lock = threading.Lock()
-_loaded: Optional[Int8Kernel] = None
+_loaded: Optional[CpuKernels] = None
 _reason: Optional[str] = None
 _tried = False
 
 
-def kernel() -> Optional[Int8Kernel]:
-    """The built kernel, building it on the first call; None when it cannot be (see unavailable_reason)."""
+def kernel() -> Optional[CpuKernels]:
+    """The built library, building it on the first call; None when it cannot be (see unavailable_reason)."""
     global _loaded, _reason, _tried
     with _lock:
         if not _tried:
@@ -140,8 +230,14 @@ def kernel() -> Optional[Int8Kernel]:
         return _loaded
 
 
+def loaded() -> Optional[CpuKernels]:
+    """The library where it is built (building it on the first call), without taking the lock after that: for the
+    hot path."""
+    return _loaded if _tried else kernel()
+
+
 def unavailable_reason() -> Optional[str]:
-    """Why the own int8 kernel does not run (torch's packed kernel does instead), or None when it does."""
+    """Why the own kernels do not run (torch's do instead), or None when they do."""
     kernel()
     return _reason
 
@@ -180,7 +276,7 @@ def _compiler_version(cc: str) -> str:
     return out.stdout
 
 
-def _load() -> Int8Kernel:
+def _load() -> CpuKernels:
     if os.environ.get(SWITCH_ENV, "1") == "0":
         raise KernelUnavailable(f"switched off ({SWITCH_ENV}=0)")
     from engine.paths import cache_dir
@@ -193,17 +289,17 @@ def _load() -> Int8Kernel:
     errors = []
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + identity.encode() + " ".join(flags).encode()).hexdigest()[:20]
-        path = out_dir / f"int8-{key}.so"
+        path = out_dir / f"kernels-{key}.so"
         if not path.exists():
             err = _build(cc, flags, path)
             if err:
                 errors.append(f"{' '.join(flags)}: {err}")
                 continue
         try:
-            return Int8Kernel(ctypes.CDLL(str(path)), path, flags)
+            return CpuKernels(ctypes.CDLL(str(path)), path, flags)
         except (OSError, AttributeError) as e:
             errors.append(f"{' '.join(flags)}: could not load {path.name}: {e}")
-    raise KernelUnavailable(f"{Path(cc).name} could not build engine/cpu_int8.c: {errors[-1][:300]}")
+    raise KernelUnavailable(f"{Path(cc).name} could not build engine/cpu_kernels.c: {errors[-1][:300]}")
 
 
 def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:
@@ -212,7 +308,7 @@ def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, *_COMMON_FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [cc, *flags, *_COMMON_FLAGS, "-o", tmp, str(SOURCE), "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         except (OSError, subprocess.SubprocessError) as e:

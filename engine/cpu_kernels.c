@@ -1,5 +1,6 @@
-/* Weight-only int8 linear for the CPU: y[i, r] = scale[r] * sum_k w[r, k] * x[i, k] (+ bias[r]).
+/* The engine's own CPU kernels, for the eager decode step where torch's are slow for its shapes.
  *
+ * gapless_int8_linear: weight-only int8 linear, y[i, r] = scale[r] * sum_k w[r, k] * x[i, k] (+ bias[r]).
  * Activations and accumulation stay fp32; the weights are read as int8, one scale per output row. A decode step
  * (one row of activations) is a GEMV that streams the weights once, so the loop is written for the memory: one
  * weight row at a time, 32 inputs a step into four accumulators, and a software prefetch PREFETCH_BYTES ahead in
@@ -8,8 +9,15 @@
  * activation row is dotted with it in the same order as the one-row loop, so a row's result does not depend on
  * how many rows run.
  *
+ * gapless_rms_norm: y[i, :] = w * (x[i, :] / sqrt(mean(x[i, :]^2) + eps)) in fp32, one call where torch dispatches
+ * six ops (pow, mean, add, rsqrt, mul, mul), each with its own fixed cost, sixty-one times a token.
+ * gapless_silu_mul: the gated MLP's silu(gate) * up from the fused gate/up projection's rows, one call for three.
+ * gapless_rope: rotary embedding of the fused projection's q and k heads straight into [B, H, T, D], one call for
+ * the view, transpose, roll, two multiplies and the add, with the same roundings (no contraction into FMAs).
+ *
  * Built on first use with the machine's C compiler (-O3 -march=native -fopenmp) and loaded with ctypes; the
  * OpenMP runtime is the one torch has loaded (same soname), so the threads are torch's. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -132,4 +140,53 @@ int gapless_int8_linear(const float *x, int64_t m, const int8_t *w, const float 
         free(wf);
     }
     return failed ? -1 : 0;
+}
+
+void gapless_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps)
+{
+    for (int64_t i = 0; i < m; i++) {
+        const float *xi = x + i * d;
+        float *yi = y + i * d;
+        float a[8] = {0};
+        int64_t j = 0;
+        for (; j + 8 <= d; j += 8)
+            for (int l = 0; l < 8; l++) a[l] += xi[j + l] * xi[j + l];
+        float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        for (; j < d; j++) s += xi[j] * xi[j];
+        float r = 1.0f / sqrtf(s / (float)d + eps);
+        for (j = 0; j < d; j++) yi[j] = w[j] * (xi[j] * r);
+    }
+}
+
+void gapless_silu_mul(const float *x, int64_t ldx, float *y, int64_t m, int64_t inter)
+{
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = x + i * ldx, *u = g + inter;
+        float *yi = y + i * inter;
+        for (int64_t j = 0; j < inter; j++) yi[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* x: rows b * T + t of the projection (row stride ldx), head h at columns h * D .. h * D + D; cos and sin_signed:
+ * [T, D] (sin with its first half negated); out: [B, H, T, D]. out = x * cos + roll(x, D / 2) * sin_signed. */
+void gapless_rope(const float *x, int64_t ldx, const float *cos, const float *sin_signed, float *out, int64_t b_n,
+                  int64_t t_n, int64_t h_n, int64_t d)
+{
+    int64_t half = d / 2;
+    for (int64_t b = 0; b < b_n; b++)
+        for (int64_t h = 0; h < h_n; h++)
+            for (int64_t t = 0; t < t_n; t++) {
+                const float *src = x + (b * t_n + t) * ldx + h * d, *c = cos + t * d, *s = sin_signed + t * d;
+                float *o = out + ((b * h_n + h) * t_n + t) * d;
+                for (int64_t j = 0; j < half; j++) {
+                    float a = src[j] * c[j];
+                    float r = src[j + half] * s[j];
+                    o[j] = a + r;
+                }
+                for (int64_t j = half; j < d; j++) {
+                    float a = src[j] * c[j];
+                    float r = src[j - half] * s[j];
+                    o[j] = a + r;
+                }
+            }
 }

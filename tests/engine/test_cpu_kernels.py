@@ -1,0 +1,318 @@
+"""The project's CPU int8 GEMV (engine/cpu_kernels.c): results against an fp64 reference, each row's result the same
+whatever the number of rows, the build cached and rebuilt when it must be, and clear reasons where it cannot run,
+with torch's packed kernel taking over."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+import engine.cpu_kernels as cpu_kernels
+from engine.quant import Int8Linear, quantize_int8
+
+KERNEL = cpu_kernels.kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the int8 kernel did not build: {cpu_kernels._reason}")
+
+
+def _reference(x, q, scales, bias):
+    y = (x.double() @ q.double().T) * scales.double()
+    return y if bias is None else y + bias.double()
+
+
+def _tolerance(x, q, scales):
+    # fp32 products summed over K: a few units of fp32 rounding of the sum of magnitudes
+    return 8 * 2**-24 * ((x.abs().double() @ q.abs().double().T) * scales.double()).max().item() + 1e-7
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (37, 100), (8, 31), (3, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_an_fp64_reference(n, k, with_bias):
+    torch.manual_seed(n * 7 + k)
+    q, scales = quantize_int8(torch.randn(n, k))
+    bias = torch.randn(n) if with_bias else None
+    x = torch.randn(3, k)
+    got = KERNEL.linear(x, q, scales, bias)
+    assert got.dtype == torch.float32 and got.shape == (3, n)
+    want = _reference(x, q, scales, bias)
+    assert (got.double() - want).abs().max().item() <= _tolerance(x, q, scales)
+
+
+@needs_kernel
+def test_arguments_it_cannot_read_safely_are_refused():
+    q, scales = quantize_int8(torch.randn(16, 64))
+    x = torch.randn(2, 64)
+    bad = {
+        "bf16 activations": (x.bfloat16(), q, scales, None),
+        "a transposed input": (torch.randn(64, 2).t(), q, scales, None),
+        "too few inputs": (torch.randn(2, 32), q, scales, None),
+        "bf16 scales": (x, q, scales.bfloat16(), None),
+        "a short bias": (x, q, scales, torch.randn(8)),
+        "fp32 weights": (x, q.float(), scales, None),
+    }
+    for what, args in bad.items():
+        with pytest.raises(ValueError, match="int8 kernel arguments"):
+            KERNEL.linear(*args)
+            pytest.fail(f"{what} was accepted")
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [2, 4, 17, 64])
+def test_each_rows_result_does_not_depend_on_how_many_rows_run(m):
+    """A verify step or candidates run several rows; greedy answers must not change with their number."""
+    torch.manual_seed(m)
+    q, scales = quantize_int8(torch.randn(200, 576))
+    bias = torch.randn(200)
+    x = torch.randn(m, 576)
+    together = KERNEL.linear(x, q, scales, bias)
+    alone = torch.cat([KERNEL.linear(x[i : i + 1].contiguous(), q, scales, bias) for i in range(m)])
+    assert torch.equal(together, alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_count_does_not_change_the_result(threads):
+    torch.manual_seed(0)
+    q, scales = quantize_int8(torch.randn(301, 640))
+    x = torch.randn(2, 640)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = KERNEL.linear(x, q, scales, None)
+        torch.set_num_threads(threads)
+        many = KERNEL.linear(x, q, scales, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+@needs_kernel
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime_in_the_process():
+    """The library's OpenMP is the runtime torch loaded, so its threads are torch's and not a second pool."""
+    maps = open("/proc/self/maps", encoding="utf-8").read()
+    assert str(KERNEL.path) in maps
+    runtimes = set(re.findall(r"\S*lib[gi]omp[\w.-]*\.so[\w.]*", maps))
+    assert len(runtimes) <= 1, runtimes
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_uses_it_with_fp32_scales(dtype):
+    torch.manual_seed(1)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = Int8Linear(w.to(dtype), b.to(dtype), dtype)
+    assert lin.own_kernel and lin.scales.dtype == torch.float32
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    got = lin(x)
+    assert got.dtype == dtype and got.shape == (2, 5, 96)
+    q, scales = quantize_int8(w.to(dtype))
+    want = _reference(x.reshape(-1, 64).float(), q, scales, b.to(dtype).float()).reshape(2, 5, 96)
+    atol = 0 if dtype == torch.float32 else 2**-7 * want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= atol + _tolerance(x.reshape(-1, 64).float(), q, scales)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A kernel module state that has not tried to build yet, building into an empty cache dir."""
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_reason", None)
+    return tmp_path
+
+
+def test_switched_off_uses_torchs_kernel(fresh, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "0")
+    assert cpu_kernels.kernel() is None
+    assert cpu_kernels.unavailable_reason() == "switched off (GAPLESS_CPU_KERNELS=0)"
+    assert cpu_kernels.describe() == "aten._weight_int8pack_mm (switched off (GAPLESS_CPU_KERNELS=0))"
+    torch.manual_seed(2)
+    w = torch.randn(64, 32)
+    lin = Int8Linear(w, None, torch.float32)
+    assert not lin.own_kernel and lin.scales.dtype == torch.bfloat16
+    x = torch.randn(3, 32)
+    q, scales = quantize_int8(w)
+    want = x @ (q.float() * scales.bfloat16().float()[:, None]).T
+    torch.testing.assert_close(lin(x), want, atol=0.05, rtol=0.02)
+
+
+def test_no_compiler_says_so(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert cpu_kernels.kernel() is None
+    assert cpu_kernels.unavailable_reason() == "no C compiler on PATH (cc, gcc or clang) to build it"
+
+
+def test_a_compiler_that_fails_says_why(fresh, monkeypatch, tmp_path):
+    cc = tmp_path / "broken-cc"
+    cc.write_text(
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\necho 'fatal: no space' >&2\nexit 1\n"
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert cpu_kernels.kernel() is None
+    reason = cpu_kernels.unavailable_reason()
+    assert reason.startswith("broken-cc could not build engine/cpu_kernels.c") and "fatal: no space" in reason
+    assert not list((fresh / "cpu-kernels").glob("*.so"))  # nothing half-built left behind
+
+
+@pytest.mark.skipif(KERNEL is None, reason="needs a working C compiler")
+def test_the_build_is_cached_and_keyed_by_its_source(fresh, monkeypatch, tmp_path):
+    builds = []
+    real_build = cpu_kernels._build
+    monkeypatch.setattr(cpu_kernels, "_build", lambda *a: builds.append(a[2]) or real_build(*a))
+
+    def load_again():
+        monkeypatch.setattr(cpu_kernels, "_tried", False)
+        monkeypatch.setattr(cpu_kernels, "_loaded", None)
+        return cpu_kernels.kernel()
+
+    built = cpu_kernels.kernel()
+    assert built is not None and built.path.parent == fresh / "cpu-kernels" and builds == [built.path]
+    again = load_again()
+    assert again is not None and again.path == built.path and len(builds) == 1  # not rebuilt
+    edited = tmp_path / "cpu_kernels.c"
+    edited.write_text(cpu_kernels.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", edited)
+    rebuilt = load_again()
+    assert rebuilt is not None and rebuilt.path != built.path and builds == [built.path, rebuilt.path]
+
+
+@pytest.mark.skipif(KERNEL is None or KERNEL.vector != "avx2+fma", reason="needs an x86 CPU with AVX2 and a compiler")
+def test_the_portable_loop_a_cpu_without_avx2_builds(tmp_path):
+    """The same source without AVX2/FMA takes its portable C loop; it must give the same sums in its own order."""
+    import ctypes
+
+    path = tmp_path / "portable.so"
+    flags = ("-O3", "-mno-avx2", "-mno-fma", "-fopenmp")
+    assert cpu_kernels._build(cpu_kernels._compiler(), flags, path) is None
+    portable = cpu_kernels.CpuKernels(ctypes.CDLL(str(path)), path, flags)
+    assert portable.vector == "portable"
+    torch.manual_seed(3)
+    q, scales = quantize_int8(torch.randn(130, 200))
+    bias, x = torch.randn(130), torch.randn(4, 200)
+    got = portable.linear(x, q, scales, bias)
+    assert (got.double() - _reference(x, q, scales, bias)).abs().max().item() <= _tolerance(x, q, scales)
+    alone = torch.cat([portable.linear(x[i : i + 1].contiguous(), q, scales, bias) for i in range(4)])
+    assert torch.equal(got, alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,d", [(1, 576), (5, 64), (3, 7), (2, 1536)])
+def test_rms_norm_matches_torchs(m, d):
+    torch.manual_seed(m * d)
+    x, w = torch.randn(m, d) * 3, torch.randn(d)
+    got = KERNEL.rms_norm(x, w, 1e-5)
+    want = w.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=2e-6)
+
+
+@needs_kernel
+def test_the_models_rms_norm_takes_the_kernel_only_where_it_can(monkeypatch):
+    from engine.model import RMSNorm
+
+    calls = []
+    real = KERNEL.rms_norm
+    monkeypatch.setattr(KERNEL, "rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
+    norm = RMSNorm(64, 1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(4, 64)
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm(x), want, atol=1e-6, rtol=1e-6)
+    assert calls == [(4, 64)]
+    norm(torch.randn(64, 4).t())  # a strided view: torch's ops
+    norm.to(torch.bfloat16)(x.bfloat16())  # bf16: torch's ops, with its casts
+    assert calls == [(4, 64)]
+
+
+@needs_kernel
+def test_rms_norm_refuses_what_it_cannot_read():
+    x = torch.randn(2, 16)
+    for args in [(x, torch.randn(8)), (x.bfloat16(), torch.randn(16)), (torch.randn(16, 2).t(), torch.randn(16))]:
+        with pytest.raises(ValueError, match="RMSNorm kernel arguments"):
+            KERNEL.rms_norm(args[0], args[1], 1e-5)
+
+
+@needs_kernel
+def test_the_kernels_calls_are_named_in_a_profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    q, scales = quantize_int8(torch.randn(32, 64))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        KERNEL.rms_norm(torch.randn(2, 64), torch.randn(64), 1e-5)
+        KERNEL.linear(torch.randn(1, 64), q, scales, None)
+    names = {e.name for e in prof.events()}
+    assert {cpu_kernels.OP_NAME, cpu_kernels.NORM_OP_NAME} <= names
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,t,heads,d", [(1, 1, 12, 64), (2, 3, 5, 8), (1, 7, 4, 16)])
+def test_rope_is_bit_for_bit_torchs(b, t, heads, d):
+    """The same multiplies and add, each rounded (the C is built without FMA contraction): bit for bit."""
+    from engine.model import apply_rope_signed, signed_sin
+
+    torch.manual_seed(b * t * heads)
+    proj = torch.randn(b * t, heads * d + 24)  # q and k heads, then v's columns: rows strided as after the split
+    x = proj[:, : heads * d]
+    cos, sin = torch.randn(t, d), signed_sin(torch.randn(t, d))
+    got = KERNEL.rope(x, b, t, heads, d, cos, sin)
+    want = apply_rope_signed(x.reshape(b, t, heads, d).transpose(1, 2), cos, sin)
+    assert got.shape == (b, heads, t, d) and torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,inter", [(1, 1536), (5, 48), (3, 7)])
+def test_silu_mul_matches_torchs(m, inter):
+    torch.manual_seed(m + inter)
+    h = torch.randn(m, 2 * inter + 3)[:, : 2 * inter] * 4  # strided rows
+    got = KERNEL.silu_mul(h)
+    want = torch.nn.functional.silu(h[:, :inter].double()) * h[:, inter:].double()
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+def test_rope_and_silu_mul_refuse_what_they_cannot_read():
+    with pytest.raises(ValueError, match="RoPE kernel arguments"):
+        KERNEL.rope(torch.randn(3, 16), 1, 3, 2, 8, torch.randn(2, 8), torch.randn(2, 8))  # tables for 2 positions
+    with pytest.raises(ValueError, match="RoPE kernel arguments"):
+        KERNEL.rope(torch.randn(16, 3).t(), 1, 3, 2, 8, torch.randn(3, 8), torch.randn(3, 8))  # strided columns
+    with pytest.raises(ValueError, match="SiLU-mul kernel arguments"):
+        KERNEL.silu_mul(torch.randn(2, 8).bfloat16())
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3_text"])
+def test_a_model_step_with_and_without_the_kernels(tiny_factory, family, monkeypatch):
+    """The eager step with the own kernels against torch's ops: logits within fp32 rounding for each family."""
+    from engine.loader import load_checkpoint
+    from engine.model import StaticKVCache, build_transformer
+
+    cpu = torch.device("cpu")
+    ck = load_checkpoint(str(tiny_factory(family)))
+    model = build_transformer(ck.config, ck.weights(torch.float32, cpu), torch.float32, cpu)
+    ids = torch.randint(0, model.args.vocab_size, (1, 9))
+
+    def run():
+        cache = StaticKVCache.allocate(model.args, 1, 16, torch.float32, cpu)
+        with torch.inference_mode():
+            cache.attn_len = 8
+            first = model(ids[:, :8], torch.arange(8), cache, None)
+            cache.attn_len = 9
+            return first, model(ids[:, 8:], torch.tensor([8]), cache, None)
+
+    used = set()
+    for name in ("rms_norm", "rope", "silu_mul"):
+        real = getattr(KERNEL, name)
+        monkeypatch.setattr(KERNEL, name, lambda *a, _n=name, _f=real: used.add(_n) or _f(*a))
+    with_kernels = run()
+    # Qwen3's and Gemma's q/k norms take their own rope path; Gemma's norms and GELU are its own
+    expected = {"qwen3": {"rms_norm", "silu_mul"}, "gemma3_text": set()}.get(family, {"rms_norm", "rope", "silu_mul"})
+    assert used == expected
+    monkeypatch.setattr(cpu_kernels, "loaded", lambda: None)
+    without = run()
+    for a, b in zip(with_kernels, without):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
