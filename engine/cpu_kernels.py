@@ -236,6 +236,11 @@ def loaded() -> Optional[CpuKernels]:
     return _loaded if _tried else kernel()
 
 
+def tried() -> bool:
+    """Whether this process has built or loaded the library already (or found it cannot)."""
+    return _tried
+
+
 def unavailable_reason() -> Optional[str]:
     """Why the own kernels do not run (torch's do instead), or None when they do."""
     kernel()

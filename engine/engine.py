@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
-from engine import heap
+from engine import cpu_kernels, heap
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
 from engine.errors import GaplessError, GenerationError, ModelLoadError
 from engine.generate import LoopResult, run_loop
@@ -149,6 +149,10 @@ class Engine:
                 # a checkpoint that can read its weights again gives them up as they are fused
                 reloadable = self.checkpoint.materialise is not None
                 model = build_transformer(self.config, state, dtype, self.device, consume=reloadable)
+                if self.device.type == "cpu" and not cpu_kernels.tried():
+                    # built here, not inside the first answer (about a second on the first launch, then cached)
+                    progress(Progress("load", None, "preparing the CPU kernels"))
+                    cpu_kernels.kernel()
                 if self.weights != "native":
                     from engine.quant import quantize_linears
 

@@ -316,3 +316,20 @@ def test_a_model_step_with_and_without_the_kernels(tiny_factory, family, monkeyp
     without = run()
     for a, b in zip(with_kernels, without):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cpu_load_prepares_the_kernels_before_the_first_answer(fresh, tiny_factory):
+    from engine.engine import Engine
+    from engine.types import EngineOptions
+
+    messages = []
+    e = Engine.load(
+        str(tiny_factory("llama")),
+        EngineOptions(device="cpu", dtype="fp32", profile_window=False),
+        progress=lambda p: messages.append(p.message),
+    )
+    try:
+        assert "preparing the CPU kernels" in messages and cpu_kernels.tried()
+        assert (cpu_kernels.kernel() is None) == (cpu_kernels.unavailable_reason() is not None)
+    finally:
+        e.close()
