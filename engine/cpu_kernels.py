@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -49,14 +49,13 @@ SILU_OP_NAME = "gapless::kernel::silu_mul"
 ROPE_OP_NAME = "gapless::kernel::rope"
 
 
-@contextlib.contextmanager
-def _marked(name: str) -> Iterator[None]:
-    """A record_function around a call while a profiler runs, so the profile window sees it; nothing otherwise."""
-    if torch._C._autograd._profiler_enabled():
-        with torch.profiler.record_function(name):
-            yield
-    else:
-        yield
+_UNMARKED = contextlib.nullcontext()
+
+
+def _marked(name: str) -> contextlib.AbstractContextManager:
+    """A record_function around a call while a profiler runs, so the profile window sees it; a no-op otherwise
+    (one flag read on the hot path)."""
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _UNMARKED
 
 
 class CpuKernels:
@@ -104,10 +103,8 @@ class CpuKernels:
         self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
     ) -> torch.Tensor:
         """x [m, k] fp32 contiguous, weight [n, k] int8, scales [n] fp32, bias [n] fp32 or None -> y [m, n] fp32."""
-        if torch._C._autograd._profiler_enabled():
-            with torch.profiler.record_function(OP_NAME):
-                return self._linear(x, weight, scales, bias)
-        return self._linear(x, weight, scales, bias)
+        with _marked(OP_NAME):
+            return self._linear(x, weight, scales, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dimension; x and weight fp32, contiguous."""
@@ -125,10 +122,7 @@ class CpuKernels:
                 f"{weight.dtype}: want contiguous fp32 tensors on the CPU, the weight as long as x's last dimension"
             )
         y = torch.empty_like(x)
-        if torch._C._autograd._profiler_enabled():
-            with torch.profiler.record_function(NORM_OP_NAME):
-                self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // d if d else 0, d, eps)
-        else:
+        with _marked(NORM_OP_NAME):
             self._norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // d if d else 0, d, eps)
         return y
 
