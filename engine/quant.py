@@ -1,8 +1,8 @@
 """Weight-only quantised linears: int8 with one scale per output channel, int4 with a scale and a zero per group
 of INT4_GROUP inputs. The activations stay in floating point; the matmul reads the quantised weights.
 
-CPU: int8 through the project's own GEMV (engine/cpu_kernels.c: fp32 activations, streamed int8 weights), or where it
-cannot be built torch's packed `aten._weight_int8pack_mm` fed bf16 activations (with fp32 ones it was 8x slower,
+CPU: int8 through the project's own GEMV (engine/cpu_kernels.c: activations rounded to int16 in blocks of 64,
+exact integer products, streamed int8 weights), or where it cannot be built torch's packed `aten._weight_int8pack_mm` fed bf16 activations (with fp32 ones it was 8x slower,
 measured on this project's CPU); int4 through `aten._weight_int4pack_mm_for_cpu`, fed bf16.
 CUDA: gpt-fast's form, the weight de-quantised inside the linear (`F.linear(x, w_int8.to(x.dtype)) * scales`),
 which inductor fuses into the GEMV under compile; written from that construction, not yet run on a GPU here.
@@ -77,6 +77,17 @@ class Int8Linear(_QuantLinear):
         scales_dtype = torch.float32 if self.own_kernel else torch.bfloat16 if self.on_cpu else act_dtype
         self.register_buffer("scales", scales.to(scales_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._bound: Optional[cpu_kernels.BoundInt8Linear] = None  # the own kernel's call, checked once
+
+    def _own(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return cpu_kernels.int8_linear(x, self.weight, self.scales, bias)
+        bound = self._bound
+        if bound is None or not bound.holds(self.weight, self.scales, bias):
+            kernels = cpu_kernels.loaded()
+            assert kernels is not None, "own_kernel is set only where the library loaded"
+            bound = self._bound = kernels.bind(self.weight, self.scales, bias)
+        return bound.run(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -86,7 +97,7 @@ class Int8Linear(_QuantLinear):
             # no no-op casts: on the CPU every call is an op the step dispatches
             xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
             in_kernel = bias if bias is not None and bias.dtype == torch.float32 else None
-            y = cpu_kernels.int8_linear(xf, self.weight, self.scales, in_kernel)
+            y = self._own(xf, in_kernel)
             if x.dtype != torch.float32:
                 y = y.to(x.dtype)
             if in_kernel is not None:
