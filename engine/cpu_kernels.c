@@ -17,6 +17,8 @@
  * gapless_silu_mul: the gated MLP's silu(gate) * up from the fused gate/up projection's rows, one call for three.
  * gapless_rope: rotary embedding of the fused projection's q and k heads straight into [B, H, T, D], one call for
  * the view, transpose, roll, two multiplies and the add, with the same roundings (no contraction into FMAs).
+ * gapless_decoder_layer: a whole Llama-shaped decoder layer with int8 weights over a static KV cache, one call
+ * (these kernels, the cache writes and the attention) where the eager step made about thirty.
  *
  * Built on first use with the machine's C compiler (-O3 -march=native -fopenmp) and loaded with ctypes; the
  * OpenMP runtime is the one torch has loaded (same soname), so the threads are torch's. */
@@ -175,19 +177,25 @@ int gapless_int8_linear(const float *x, int64_t m, const int8_t *w, const float 
     return 0;
 }
 
+/* sum_j a[j] * b[j] in eight independent lanes (which the compiler vectorises) */
+static inline float dot8(const float *a, const float *b, int64_t d)
+{
+    float acc[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[j + l] * b[j + l];
+    float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (; j < d; j++) s += a[j] * b[j];
+    return s;
+}
+
 void gapless_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps)
 {
     for (int64_t i = 0; i < m; i++) {
         const float *xi = x + i * d;
         float *yi = y + i * d;
-        float a[8] = {0};
-        int64_t j = 0;
-        for (; j + 8 <= d; j += 8)
-            for (int l = 0; l < 8; l++) a[l] += xi[j + l] * xi[j + l];
-        float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-        for (; j < d; j++) s += xi[j] * xi[j];
-        float r = 1.0f / sqrtf(s / (float)d + eps);
-        for (j = 0; j < d; j++) yi[j] = w[j] * (xi[j] * r);
+        float r = 1.0f / sqrtf(dot8(xi, xi, d) / (float)d + eps);
+        for (int64_t j = 0; j < d; j++) yi[j] = w[j] * (xi[j] * r);
     }
 }
 
@@ -200,26 +208,130 @@ void gapless_silu_mul(const float *x, int64_t ldx, float *y, int64_t m, int64_t 
     }
 }
 
+/* one head of D: out = src * cos + roll(src, D / 2) * sin_signed, without contraction into FMAs (torch's roundings) */
+static inline void rope_head(const float *src, const float *c, const float *s, float *o, int64_t d)
+{
+    int64_t half = d / 2;
+    for (int64_t j = 0; j < half; j++) {
+        float a = src[j] * c[j];
+        float r = src[j + half] * s[j];
+        o[j] = a + r;
+    }
+    for (int64_t j = half; j < d; j++) {
+        float a = src[j] * c[j];
+        float r = src[j - half] * s[j];
+        o[j] = a + r;
+    }
+}
+
 /* x: rows b * T + t of the projection (row stride ldx), head h at columns h * D .. h * D + D; cos and sin_signed:
  * [T, D] (sin with its first half negated); out: [B, H, T, D]. out = x * cos + roll(x, D / 2) * sin_signed. */
 void gapless_rope(const float *x, int64_t ldx, const float *cos, const float *sin_signed, float *out, int64_t b_n,
                   int64_t t_n, int64_t h_n, int64_t d)
 {
-    int64_t half = d / 2;
     for (int64_t b = 0; b < b_n; b++)
         for (int64_t h = 0; h < h_n; h++)
+            for (int64_t t = 0; t < t_n; t++)
+                rope_head(x + (b * t_n + t) * ldx + h * d, cos + t * d, sin_signed + t * d,
+                          out + ((b * h_n + h) * t_n + t) * d, d);
+}
+
+/* One decoder layer of a Llama-shaped model (RMSNorm, fused QKV with optional bias, RoPE, grouped-query attention
+ * over a static KV cache, O projection, RMSNorm, fused gate/up, SiLU-mul, down projection, both residual adds) on
+ * fp32 activations with int8 weights, in one call where the eager step dispatched about twenty ops and nine
+ * module calls a layer. x [B * T, dim] is the residual stream, updated in place. The new keys and values are
+ * written into the cache k, v [B, Hkv, L, D] at pos[t]; query t attends to the cache positions s <= pos[t] with
+ * s < attn_len, which is what every caller's mask (or causal prefill) says. Each row's result is computed alone
+ * (the GEMVs as gapless_int8_linear, attention per query), so it does not depend on how many rows run. */
+struct gapless_q8 {
+    const int8_t *w;
+    const float *scale, *bias;
+};
+
+int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos, int64_t attn_len, int64_t dim,
+                          int64_t h_n, int64_t hkv_n, int64_t d, int64_t inter, const float *norm1,
+                          const float *norm2, float eps, const struct gapless_q8 *qkv, const struct gapless_q8 *o,
+                          const struct gapless_q8 *gate_up, const struct gapless_q8 *down, const float *cos,
+                          const float *sin_signed, float *kc, float *vc, int64_t cache_len, float scale, int threads)
+{
+    int64_t m = b_n * t_n, qs = h_n * d, kvs = hkv_n * d, nqkv = qs + 2 * kvs;
+    int64_t big = nqkv > 2 * inter ? nqkv : 2 * inter;
+    float *h = (float *)malloc((size_t)(m * (dim > qs ? dim : qs)) * sizeof(float));
+    float *proj = (float *)malloc((size_t)(m * big) * sizeof(float));
+    float *att = (float *)malloc((size_t)(m * (qs > inter ? qs : inter)) * sizeof(float));
+    float *out = (float *)malloc((size_t)(m * dim) * sizeof(float));
+    int failed = !h || !proj || !att || !out;
+    for (int64_t t = 0; t < t_n && !failed; t++)
+        if (pos[t] < 0 || pos[t] >= cache_len)
+            failed = 2;
+    if (!failed) {
+        gapless_rms_norm(x, norm1, h, m, dim, eps);
+        failed = gapless_int8_linear(h, m, qkv->w, qkv->scale, qkv->bias, proj, nqkv, dim, threads);
+    }
+    if (!failed) {
+        /* q heads rotated into att as [B * T, H * D] scratch, k rotated and v copied into the cache */
+        for (int64_t b = 0; b < b_n; b++)
             for (int64_t t = 0; t < t_n; t++) {
-                const float *src = x + (b * t_n + t) * ldx + h * d, *c = cos + t * d, *s = sin_signed + t * d;
-                float *o = out + ((b * h_n + h) * t_n + t) * d;
-                for (int64_t j = 0; j < half; j++) {
-                    float a = src[j] * c[j];
-                    float r = src[j + half] * s[j];
-                    o[j] = a + r;
-                }
-                for (int64_t j = half; j < d; j++) {
-                    float a = src[j] * c[j];
-                    float r = src[j - half] * s[j];
-                    o[j] = a + r;
+                const float *row = proj + (b * t_n + t) * nqkv, *c = cos + t * d, *sn = sin_signed + t * d;
+                for (int64_t hh = 0; hh < h_n; hh++) rope_head(row + hh * d, c, sn, att + (b * t_n + t) * qs + hh * d, d);
+                for (int64_t g = 0; g < hkv_n; g++) {
+                    float *kd = kc + ((b * hkv_n + g) * cache_len + pos[t]) * d;
+                    float *vd = vc + ((b * hkv_n + g) * cache_len + pos[t]) * d;
+                    rope_head(row + qs + g * d, c, sn, kd, d);
+                    for (int64_t j = 0; j < d; j++) vd[j] = row[qs + kvs + g * d + j];
                 }
             }
+        /* attention, one (row, head) at a time; the output goes to h as [B * T, H * D] */
+        int64_t group = h_n / hkv_n;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+        {
+            float *p = (float *)malloc((size_t)(attn_len > 0 ? attn_len : 1) * sizeof(float));
+            if (!p)
+                failed = 1;
+#pragma omp for schedule(static) collapse(2)
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t hh = 0; hh < h_n; hh++) {
+                    if (!p)
+                        continue;
+                    int64_t b = r / t_n, t = r % t_n, g = hh / group;
+                    int64_t keys = pos[t] + 1 < attn_len ? pos[t] + 1 : attn_len;
+                    const float *q = att + r * qs + hh * d;
+                    const float *kb = kc + (b * hkv_n + g) * cache_len * d, *vb = vc + (b * hkv_n + g) * cache_len * d;
+                    float *y = h + r * qs + hh * d;
+                    float top = -INFINITY, total = 0.0f;
+                    for (int64_t s = 0; s < keys; s++) {
+                        p[s] = dot8(q, kb + s * d, d) * scale;
+                        top = p[s] > top ? p[s] : top;
+                    }
+                    for (int64_t j = 0; j < d; j++) y[j] = 0.0f;
+                    for (int64_t s = 0; s < keys; s++) {
+                        float e = expf(p[s] - top);
+                        total += e;
+                        const float *v = vb + s * d;
+                        for (int64_t j = 0; j < d; j++) y[j] += e * v[j];
+                    }
+                    float inv = keys > 0 ? 1.0f / total : 0.0f;
+                    for (int64_t j = 0; j < d; j++) y[j] *= inv;
+                }
+            free(p);
+        }
+    }
+    if (!failed)
+        failed = gapless_int8_linear(h, m, o->w, o->scale, o->bias, out, dim, qs, threads);
+    if (!failed) {
+        for (int64_t i = 0; i < m * dim; i++) x[i] += out[i];
+        gapless_rms_norm(x, norm2, h, m, dim, eps);
+        failed = gapless_int8_linear(h, m, gate_up->w, gate_up->scale, gate_up->bias, proj, 2 * inter, dim, threads);
+    }
+    if (!failed) {
+        gapless_silu_mul(proj, 2 * inter, att, m, inter);
+        failed = gapless_int8_linear(att, m, down->w, down->scale, down->bias, out, dim, inter, threads);
+    }
+    if (!failed)
+        for (int64_t i = 0; i < m * dim; i++) x[i] += out[i];
+    free(h);
+    free(proj);
+    free(att);
+    free(out);
+    return failed ? (failed == 2 ? -2 : -1) : 0;
 }

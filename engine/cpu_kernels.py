@@ -1,11 +1,14 @@
-"""The engine's own CPU kernels (engine/cpu_kernels.c: the int8 GEMV, RMSNorm, RoPE, SiLU·mul for the eager step),
-built on first use with the machine's C compiler, cached in the user cache dir under a key of the source, the
-compiler, its flags and the CPU, and loaded with ctypes.
+"""The engine's own CPU kernels (engine/cpu_kernels.c: the int8 GEMV, RMSNorm, RoPE, SiLU·mul and a whole decoder
+layer for the eager step), built on first use with the machine's C compiler, cached in the user cache dir under a
+key of the source, the compiler, its flags and the CPU, and loaded with ctypes.
 
 torch's packed kernel (`aten._weight_int8pack_mm`) streamed the default model's 129 MiB of int8 weights at about
-13 GB/s where one thread reads fp32 at 34 (docs/benchmarks.md), so a token took 10 of its 14 ms in it; this loop
-streams them near the memory's rate and keeps the activations in fp32. The other three are one call each where
-torch dispatches three to six ops (the eager CPU step is bound by its op count as much as by its matmuls). Where
+13 GB/s where one thread reads fp32 at 34 (docs/benchmarks.md), so a token took 10 of its 14 ms in it. The GEMV
+here rounds each activation row to int16 in blocks of 64 (one fp32 scale a block) and sums a block's products
+exactly in int32, a third of the instructions per weight of widening every weight to fp32. The small kernels are
+one call each where torch dispatches three to six ops (the eager CPU step is bound by its op count as much as by
+its matmuls), and the layer kernel runs a Llama-shaped layer (norms, projections, RoPE, the cache writes, the
+grouped-query attention, the residual adds) in one call; GAPLESS_CPU_LAYER=0 runs it op by op, to compare. Where
 the library cannot be built (no compiler, a failed build, not allowed by GAPLESS_CPU_KERNELS=0),
 `unavailable_reason()` says why and torch's ops run.
 
@@ -47,6 +50,19 @@ OP_NAME = "gapless::kernel::int8_linear"
 NORM_OP_NAME = "gapless::kernel::rms_norm"
 SILU_OP_NAME = "gapless::kernel::silu_mul"
 ROPE_OP_NAME = "gapless::kernel::rope"
+LAYER_OP_NAME = "gapless::kernel::decoder_layer"
+LAYER_SWITCH_ENV = "GAPLESS_CPU_LAYER"  # "0": the layer's ops one by one (the kernels above), to compare
+
+
+class _Q8(ctypes.Structure):
+    """struct gapless_q8: an int8 linear's weight, scales and bias (or NULL)."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+def layer_allowed() -> bool:
+    """Whether the whole-layer kernel may run (it can be switched off to compare with the per-op kernels)."""
+    return os.environ.get(LAYER_SWITCH_ENV, "1") != "0"
 
 
 _UNMARKED = contextlib.nullcontext()
@@ -92,6 +108,22 @@ class CpuKernels:
         rope.restype = None
         rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 4]
         self._rope = rope
+        layer = lib.gapless_decoder_layer
+        layer.restype = ctypes.c_int
+        layer.argtypes = [
+            ctypes.c_void_p,  # x
+            *[ctypes.c_int64] * 2,  # b, t
+            ctypes.c_void_p,  # pos
+            *[ctypes.c_int64] * 6,  # attn_len, dim, heads, kv heads, head dim, intermediate
+            *[ctypes.c_void_p] * 2,  # norms
+            ctypes.c_float,  # eps
+            *[ctypes.POINTER(_Q8)] * 4,  # qkv, o, gate/up, down
+            *[ctypes.c_void_p] * 4,  # cos, sin_signed, k cache, v cache
+            ctypes.c_int64,  # cache length
+            ctypes.c_float,  # attention scale
+            ctypes.c_int,  # threads
+        ]
+        self._layer = layer
         self._lib = lib  # keeps the library loaded while the functions are referenced
 
     @property
@@ -192,6 +224,39 @@ class CpuKernels:
             )
         return BoundInt8Linear(self._fn, weight, scales, bias)
 
+    def bind_layer(
+        self,
+        norms: tuple[torch.Tensor, torch.Tensor],
+        eps: float,
+        linears: tuple[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], ...],
+        heads: tuple[int, int, int],
+        scale: float,
+    ) -> "BoundDecoderLayer":
+        """A Llama-shaped decoder layer's weights for gapless_decoder_layer, checked once and held: its two norms'
+        weights, its (weight, scales, bias) int8 linears qkv, o, gate/up and down, (heads, kv heads, head dim) and
+        the attention scale."""
+        h, hkv, d = heads
+        (w_qkv, _, _), (w_o, _, _), (w_gu, _, _), (w_down, _, _) = linears
+        dim = norms[0].numel()
+        inter = w_down.shape[1] if w_down.dim() == 2 else -1
+        shapes_ok = (
+            h % hkv == 0
+            and norms[1].numel() == dim
+            and all(n.dtype == torch.float32 and n.is_contiguous() and n.is_cpu for n in norms)
+            and tuple(w_qkv.shape) == ((h + 2 * hkv) * d, dim)
+            and tuple(w_o.shape) == (dim, h * d)
+            and tuple(w_gu.shape) == (2 * inter, dim)
+            and tuple(w_down.shape) == (dim, inter)
+        )
+        if not shapes_ok:
+            raise ValueError(
+                f"decoder layer kernel arguments: norms {[tuple(n.shape) for n in norms]}, linears "
+                f"{[tuple(w.shape) for w, _, _ in linears]} for {h} heads, {hkv} kv heads of {d}: want a Llama-"
+                "shaped layer with fp32 norms on the CPU"
+            )
+        bound = [self.bind(w, s, b) for w, s, b in linears]  # checks each linear's dtypes and layout
+        return BoundDecoderLayer(self._layer, norms, eps, bound, (dim, h, hkv, d, inter), scale)
+
 
 class BoundInt8Linear:
     """One int8 linear's weights, scales and bias, checked and held (so their memory stays while it is called):
@@ -230,6 +295,65 @@ class BoundInt8Linear:
         if rc != 0:
             raise MemoryError(f"the int8 kernel could not allocate {m} rows of {self.k} int16 activations")
         return y
+
+
+class BoundDecoderLayer:
+    """A decoder layer bound for gapless_decoder_layer: `run(...)` checks the step's tensors and updates the
+    residual stream in place, writing the new keys and values into the cache."""
+
+    def __init__(self, fn, norms, eps: float, linears: list[BoundInt8Linear], dims: tuple[int, ...], scale: float):
+        self._fn, self.norms, self.eps, self.linears, self.dims, self.scale = fn, norms, eps, linears, dims, scale
+        self._q8 = [_Q8(*lin._args) for lin in linears]
+        self._q8_refs = [ctypes.byref(q) for q in self._q8]
+
+    def holds(self, norms, linears) -> bool:
+        """Whether these are the tensors it was bound to (a re-placed or re-quantised model binds again)."""
+        return all(a is b for a, b in zip(norms, self.norms)) and all(
+            lin.holds(w, s, b) for lin, (w, s, b) in zip(self.linears, linears)
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        b: int,
+        t: int,
+        pos: torch.Tensor,
+        attn_len: int,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        dim, h, hkv, d, inter = self.dims
+        length = k_cache.shape[2] if k_cache.dim() == 4 else -1
+        cache_shape = (b, hkv, length, d)
+        if not (
+            x.dtype == cos.dtype == sin_signed.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and pos.dtype == torch.int64
+            and x.shape == (b * t, dim)
+            and pos.shape == (t,)
+            and cos.shape == sin_signed.shape == (t, d)
+            and tuple(k_cache.shape) == tuple(v_cache.shape) == cache_shape
+            and 0 < attn_len <= length
+            and all(a.is_contiguous() and a.is_cpu for a in (x, pos, cos, sin_signed, k_cache, v_cache))
+        ):
+            raise ValueError(
+                f"decoder layer kernel arguments: x {tuple(x.shape)} {x.dtype}, pos {tuple(pos.shape)} {pos.dtype}, "
+                f"cos {tuple(cos.shape)}, cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, attn_len {attn_len} "
+                f"for {b}x{t} rows: want contiguous fp32 tensors on the CPU, caches [B, {hkv}, L, {d}]"
+            )
+        qkv, o, gu, down = self._q8_refs
+        with _marked(LAYER_OP_NAME):
+            rc = self._fn(
+                x.data_ptr(), b, t, pos.data_ptr(), attn_len, dim, h, hkv, d, inter,
+                self.norms[0].data_ptr(), self.norms[1].data_ptr(), self.eps, qkv, o, gu, down,
+                cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), length, self.scale,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"decoder layer kernel: a position outside the {length}-position cache")
+        if rc != 0:
+            raise MemoryError("the decoder layer kernel could not allocate its scratch rows")
 
 
 _lock = threading.Lock()

@@ -7,7 +7,7 @@ object handed in by the caller (static, dynamic or none), so the same module ser
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -393,6 +393,38 @@ class Block(nn.Module):
         # Gemma: a norm on the attention's output and on the MLP's, before each joins the residual stream
         self.post_attention_norm = make_norm(args, args.dim) if args.gemma else None
         self.post_ffn_norm = make_norm(args, args.dim) if args.gemma else None
+        self._cpu_bound: Optional[cpu_kernels.BoundDecoderLayer] = None  # the whole-layer CPU kernel's binding
+
+    def cpu_layer(self, kernels: "cpu_kernels.CpuKernels") -> Optional["cpu_kernels.BoundDecoderLayer"]:
+        """This layer bound for the whole-layer CPU kernel (gapless_decoder_layer), or None where the kernel does
+        not cover it: Llama-shaped layers (no q/k norms, no sliding window, no Gemma norms, SiLU) whose four
+        linears are int8 on the own GEMV."""
+        from engine.quant import Int8Linear
+
+        att, ffn = self.attention, self.feed_forward
+        linears = (att.wqkv, att.wo, ffn.w13, ffn.w2)
+        if (
+            self.post_attention_norm is not None
+            or att.q_norm is not None
+            or att.window is not None
+            or ffn.gelu
+            or type(self.attention_norm) is not RMSNorm
+            or type(self.ffn_norm) is not RMSNorm
+        ):
+            return None
+        int8 = [lin for lin in linears if isinstance(lin, Int8Linear) and lin.own_kernel]
+        if len(int8) != len(linears) or any(lin.bias is not None and lin.bias.dtype != torch.float32 for lin in int8):
+            return None
+        norms = (self.attention_norm.weight, self.ffn_norm.weight)
+        parts = tuple(
+            (lin.weight, cast(torch.Tensor, lin.scales), cast(Optional[torch.Tensor], lin.bias)) for lin in int8
+        )
+        bound = self._cpu_bound
+        if bound is None or not bound.holds(norms, parts):
+            scale = att.scale if att.scale is not None else att.head_dim**-0.5
+            heads = (att.n_heads, att.n_kv_heads, att.head_dim)
+            bound = self._cpu_bound = kernels.bind_layer(norms, self.attention_norm.eps, parts, heads, scale)
+        return bound
 
     def forward(self, x, B: int, T: int, cos, sin, input_pos, cache, mask):
         a = self.attention(self.attention_norm(x), B, T, cos, sin, input_pos, cache, mask)
@@ -452,8 +484,9 @@ class Transformer(nn.Module):
             # over the keys the full mask covers; without a mask each sliding layer builds its own over its keys
             window = window_mask(input_pos, mask.shape[1], self.args.sliding_window)
         sliding = self.args.sliding_layers or (False,) * len(self.layers)
-        for block, slides in zip(self.layers, sliding):
-            x = block(x, B, T, *(local if slides else rope), input_pos, cache, window if slides else mask)
+        if not self._cpu_layers(x, B, T, rope, input_pos, cache, mask):
+            for block, slides in zip(self.layers, sliding):
+                x = block(x, B, T, *(local if slides else rope), input_pos, cache, window if slides else mask)
         x = x.view(B, T, -1)
         if last_only:
             x = x[:, -1:]
@@ -462,6 +495,32 @@ class Transformer(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()  # [B, T or 1, V]
+
+    def _cpu_layers(self, x, B: int, T: int, rope, input_pos, cache, mask) -> bool:
+        """Every layer through the whole-layer CPU kernel, x updated in place, where it serves this step (eager
+        fp32 on the CPU, a static cache, int8 linears on the own GEMV, Llama-shaped layers); False where it does not,
+        and the modules run. The kernel attends to the positions s <= input_pos[t] below the cache's attn_len, which
+        is what every caller's mask says (and a prefill from position 0 without one)."""
+        kernels = eager_cpu_kernels(x)
+        if (
+            kernels is None
+            or not isinstance(cache, StaticKVCache)
+            or self.args.sliding_layers
+            or not cpu_kernels.layer_allowed()
+            or (mask is not None and tuple(mask.shape) != (T, cache.attn_len))
+            or input_pos.device.type != "cpu"
+            or not x.is_contiguous()
+        ):
+            return False
+        bound = [cast(Block, block).cpu_layer(kernels) for block in self.layers]
+        if any(b is None for b in bound):
+            return False
+        cos, sin = rope
+        pos = input_pos.contiguous()
+        for layer, b in enumerate(bound):
+            assert b is not None
+            b.run(x, B, T, pos, cache.attn_len, cos, sin, cache.k[layer], cache.v[layer])
+        return True
 
     @staticmethod
     def _rope(cos_table, sin_table, input_pos, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -369,3 +369,97 @@ def test_a_cpu_load_prepares_the_kernels_before_the_first_answer(fresh, tiny_fac
         assert (cpu_kernels.kernel() is None) == (cpu_kernels.unavailable_reason() is not None)
     finally:
         e.close()
+
+
+def _int8_model(tiny_factory, family):
+    from engine.loader import load_checkpoint
+    from engine.model import build_transformer
+    from engine.quant import quantize_linears
+
+    cpu = torch.device("cpu")
+    ck = load_checkpoint(str(tiny_factory(family)))
+    model = build_transformer(ck.config, ck.weights(torch.float32, cpu), torch.float32, cpu)
+    quantize_linears(model, "int8", torch.float32)
+    return model
+
+
+def _prefill_step_verify(model, ids):
+    """A prefill of 8, one decode step and a masked verify of 3 on a static cache: logits and the caches."""
+    from engine.model import StaticKVCache
+
+    cache = StaticKVCache.allocate(model.args, 1, 24, torch.float32, torch.device("cpu"))
+    out = []
+    with torch.inference_mode():
+        cache.attn_len = 8
+        out.append(model(ids[:, :8], torch.arange(8), cache, None))
+        cache.attn_len = 9
+        out.append(model(ids[:, 8:9], torch.tensor([8]), cache, None))
+        pos = torch.arange(9, 12)
+        cache.attn_len = 12
+        mask = torch.arange(12)[None, :] <= pos[:, None]
+        out.append(model(ids[:, 9:12], pos, cache, mask, last_only=False))
+    return out, cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkeypatch):
+    """Llama-shaped int8 layers run as one call each; the logits agree with the layer's ops run one by one within
+    fp32 rounding, and the first layer's cache (before any attention) is written bit for bit alike. Qwen3's q/k
+    norms are not in the kernel: its layers run as modules."""
+    model = _int8_model(tiny_factory, family)
+    ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = cpu_kernels.BoundDecoderLayer.run
+    monkeypatch.setattr(cpu_kernels.BoundDecoderLayer, "run", lambda self, *a: calls.append(a[2]) or real(self, *a))
+    fused, fused_cache = _prefill_step_verify(model, ids)
+    layers = model.args.n_layers
+    assert calls == ([] if family == "qwen3" else [8] * layers + [1] * layers + [3] * layers)
+    monkeypatch.setenv(cpu_kernels.LAYER_SWITCH_ENV, "0")
+    ops, ops_cache = _prefill_step_verify(model, ids)
+    assert len(calls) == (0 if family == "qwen3" else 3 * layers)
+    # the attention's sums are ordered differently (last-bit differences), and the next int8 linear's int16
+    # rounding of its input (2^-16 of a block's largest) can carry one such difference a step further
+    for a, b in zip(fused, ops):
+        torch.testing.assert_close(a, b, atol=5e-4, rtol=1e-3)
+    assert torch.equal(fused_cache.k[0], ops_cache.k[0]) and torch.equal(fused_cache.v[0], ops_cache.v[0])
+    torch.testing.assert_close(fused_cache.k[-1], ops_cache.k[-1], atol=5e-4, rtol=1e-3)
+
+
+@needs_kernel
+def test_the_layer_kernel_refuses_what_it_cannot_read(tiny_factory):
+    from engine.model import StaticKVCache
+
+    model = _int8_model(tiny_factory, "llama")
+    layer = model.layers[0].cpu_layer(KERNEL)
+    assert layer is not None
+    args = model.args
+    cache = StaticKVCache.allocate(args, 1, 8, torch.float32, torch.device("cpu"))
+    x = torch.randn(1, args.dim)
+    cos, sin = torch.ones(1, args.head_dim), torch.zeros(1, args.head_dim)
+    k, v = cache.k[0], cache.v[0]
+    with pytest.raises(ValueError, match="outside the 8-position cache"):
+        layer.run(x, 1, 1, torch.tensor([8]), 8, cos, sin, k, v)
+    with pytest.raises(ValueError, match="outside the 8-position cache"):
+        layer.run(x, 1, 1, torch.tensor([-1]), 8, cos, sin, k, v)
+    bad = {
+        "bf16 activations": (x.bfloat16(), 1, 1, torch.tensor([0]), 1, cos, sin, k, v),
+        "int32 positions": (x, 1, 1, torch.tensor([0], dtype=torch.int32), 1, cos, sin, k, v),
+        "attn_len past the cache": (x, 1, 1, torch.tensor([0]), 9, cos, sin, k, v),
+        "two rows for one": (torch.randn(2, args.dim), 1, 1, torch.tensor([0]), 1, cos, sin, k, v),
+        "a cache of the wrong batch": (x, 1, 1, torch.tensor([0]), 1, cos, sin, k.expand(2, -1, -1, -1), v),
+    }
+    for what, a in bad.items():
+        with pytest.raises(ValueError, match="decoder layer kernel arguments"):
+            layer.run(*a)
+            pytest.fail(f"{what} was accepted")
+    assert torch.equal(cache.k[0], torch.zeros_like(cache.k[0]))  # nothing was written
+
+
+@needs_kernel
+def test_a_layer_the_kernel_does_not_cover_runs_as_modules(tiny_factory):
+    model = _int8_model(tiny_factory, "llama")
+    block = model.layers[0]
+    assert block.cpu_layer(KERNEL) is not None
+    block.attention.window = 4  # a sliding-window layer: not in the kernel
+    assert block.cpu_layer(KERNEL) is None

@@ -215,11 +215,18 @@ def test_decode_step_op_count_stays_bounded(engine, fmt):
     assert ops <= per_layer * layers + 22
 
 
-def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_kernel):
+def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_kernel, monkeypatch):
     """Candidates and a speculative verify run several rows through the int8 linears at once; with the own kernel
     each row's sums do not depend on how many run, so greedy answers equal plain decoding's (Qwen2: biases on
-    q/k/v, added inside the kernel)."""
+    q/k/v, added inside the kernel). With the own kernel the layers run as the whole-layer kernel."""
+    import engine.cpu_kernels as cpu_kernels
     from engine.engine import Engine
+
+    rows_per_call: set[int] = set()
+    real = cpu_kernels.BoundDecoderLayer.run
+    monkeypatch.setattr(
+        cpu_kernels.BoundDecoderLayer, "run", lambda self, x, *a: rows_per_call.add(x.shape[0]) or real(self, x, *a)
+    )
 
     folder = tiny_factory("qwen2", hidden_size=64, intermediate_size=128)
     e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", weights="int8", profile_window=False))
@@ -237,5 +244,6 @@ def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_
     if int8_kernel == "own":
         assert rows == [plain] * 3
         assert spec.token_ids[0] == plain and not spec.unavailable
+        assert {1, 3} <= rows_per_call and max(rows_per_call) > 3  # decode, candidates, prefill and verify rows
     else:  # torch's packed kernel makes no such promise; the first token comes from the same prompt logits
         assert all(r[0] == plain[0] for r in rows)
