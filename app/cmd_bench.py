@@ -256,6 +256,10 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "threads", None):  # every kind of bench runs on the threads it was given
+        import torch
+
+        torch.set_num_threads(args.threads)
     if getattr(args, "conversation", False):
         return run_conversation_bench(args)
     from engine.bench import run_suite
@@ -266,11 +270,6 @@ def run_bench(args: argparse.Namespace) -> int:
         from engine.bench_spec import format_workloads, run_speculation_workloads
 
         return _report(args, run_speculation_workloads, spec_config_from_args(args), format_workloads)
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
-
     return _report(args, run_suite, config_from_args(args), format_table)
 
 

@@ -39,9 +39,49 @@ def test_quality_report_per_format(tiny_llama, monkeypatch):
 
 
 def test_bench_quality_cli_writes_json(tiny_llama, tmp_path, capsys):
+    import torch
+
     out = tmp_path / "quality.json"
-    assert main(bench_argv("--quality", tiny_llama, out)) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert main(bench_argv("--quality", tiny_llama, out, "--threads", "1")) == 0
+    finally:
+        torch.set_num_threads(threads)
     data = json.loads(out.read_text())
+    assert data["machine"]["torch_threads"] == 1  # --threads reaches the quality bench (and llama.cpp's column)
     assert data["kind"] == "quality" and [f["label"] for f in data["formats"]] == ["fp32", "bf16", "int8", "int4"]
     assert all(f["status"] == "ok" for f in data["formats"])
     assert "perplexity" in capsys.readouterr().out
+
+
+class _FakeLlama:
+    """llama_cpp.Llama's face for the column: each call advances the fake clock by a fixed cost and a cost a token."""
+
+    def __init__(self, clock: list[float], **kw):
+        self.clock = clock
+
+    def create_chat_completion(self, messages, max_tokens, temperature):
+        n = min(max_tokens, 6)  # the answer ends after six tokens however many were allowed
+        self.clock[0] += 0.030 + 0.004 * n  # the prompt and the call's own costs, then 4 ms a token
+        return {"usage": {"completion_tokens": n}}
+
+
+def test_llama_cpp_decode_is_counted_as_the_engines(monkeypatch, tmp_path):
+    """llama.cpp's figure leaves out the first token and the call's fixed costs, as the engine's decode_tok_s does:
+    a 4 ms token is 250 tok/s, where tokens over the whole call would read 6 / 0.054 = 111."""
+    import sys
+    import types
+
+    import engine.quality as quality
+
+    clock = [0.0]
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = lambda **kw: _FakeLlama(clock, **kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setattr(quality.time, "perf_counter", lambda: clock[0])
+    col = quality.llama_cpp_column(str(tmp_path / "m.gguf"), decode_tokens=32, repeats=3)
+    assert col["status"] == "ok" and len(col["decode_tok_s_runs"]) == 3
+    assert math.isclose(col["decode_tok_s"], 250.0, rel_tol=1e-9)
+    assert all(math.isclose(w, 6 / 0.054, rel_tol=1e-9) for w in col["wall_tok_s_runs"])
+    one = quality.llama_cpp_column(str(tmp_path / "m.gguf"), decode_tokens=1, repeats=2)
+    assert one["status"] == "failed" and "one token" in one["reason"]
