@@ -306,12 +306,6 @@ class BoundDecoderLayer:
         self._q8 = [_Q8(*lin._args) for lin in linears]
         self._q8_refs = [ctypes.byref(q) for q in self._q8]
 
-    def holds(self, norms, linears) -> bool:
-        """Whether these are the tensors it was bound to (a re-placed or re-quantised model binds again)."""
-        return all(a is b for a, b in zip(norms, self.norms)) and all(
-            lin.holds(w, s, b) for lin, (w, s, b) in zip(self.linears, linears)
-        )
-
     def run(
         self,
         x: torch.Tensor,
@@ -324,31 +318,66 @@ class BoundDecoderLayer:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> None:
-        dim, h, hkv, d, inter = self.dims
+        """This layer alone: run_layers with one layer."""
+        run_layers([self], x, b, t, pos, attn_len, cos, sin_signed, [k_cache], [v_cache])
+
+
+def run_layers(
+    layers: list[BoundDecoderLayer],
+    x: torch.Tensor,
+    b: int,
+    t: int,
+    pos: torch.Tensor,
+    attn_len: int,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+) -> None:
+    """The layers one after another on the residual stream x [b * t, dim] (updated in place), layer i writing its
+    keys and values into k_caches[i], v_caches[i] at the positions `pos`. The step's tensors are checked once,
+    each layer's cache and sizes before its call, so C never reads past what it was given."""
+    shared_ok = (
+        x.dtype == cos.dtype == sin_signed.dtype == torch.float32
+        and pos.dtype == torch.int64
+        and x.dim() == 2
+        and x.shape[0] == b * t
+        and pos.shape == (t,)
+        and cos.dim() == 2
+        and cos.shape == sin_signed.shape
+        and cos.shape[0] == t
+        and all(a.is_contiguous() and a.is_cpu for a in (x, pos, cos, sin_signed))
+        and len(k_caches) == len(v_caches) == len(layers)
+    )
+    threads = torch.get_num_threads()
+    for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
+        dim, h, hkv, d, inter = layer.dims
         length = k_cache.shape[2] if k_cache.dim() == 4 else -1
         cache_shape = (b, hkv, length, d)
         if not (
-            x.dtype == cos.dtype == sin_signed.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and pos.dtype == torch.int64
-            and x.shape == (b * t, dim)
-            and pos.shape == (t,)
-            and cos.shape == sin_signed.shape == (t, d)
+            shared_ok
+            and x.shape[1] == dim
+            and cos.shape[1] == d
+            and k_cache.dtype == v_cache.dtype == torch.float32
             and tuple(k_cache.shape) == tuple(v_cache.shape) == cache_shape
             and 0 < attn_len <= length
-            and all(a.is_contiguous() and a.is_cpu for a in (x, pos, cos, sin_signed, k_cache, v_cache))
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and k_cache.is_cpu
+            and v_cache.is_cpu
         ):
             raise ValueError(
                 f"decoder layer kernel arguments: x {tuple(x.shape)} {x.dtype}, pos {tuple(pos.shape)} {pos.dtype}, "
                 f"cos {tuple(cos.shape)}, cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, attn_len {attn_len} "
                 f"for {b}x{t} rows: want contiguous fp32 tensors on the CPU, caches [B, {hkv}, L, {d}]"
             )
-        qkv, o, gu, down = self._q8_refs
+        qkv, o, gu, down = layer._q8_refs
         with _marked(LAYER_OP_NAME):
-            rc = self._fn(
+            rc = layer._fn(
                 x.data_ptr(), b, t, pos.data_ptr(), attn_len, dim, h, hkv, d, inter,
-                self.norms[0].data_ptr(), self.norms[1].data_ptr(), self.eps, qkv, o, gu, down,
-                cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), length, self.scale,
-                torch.get_num_threads(),
+                layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), layer.eps, qkv, o, gu, down,
+                cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), length, layer.scale,
+                threads,
             )  # fmt: skip
         if rc == -2:
             raise ValueError(f"decoder layer kernel: a position outside the {length}-position cache")

@@ -410,8 +410,13 @@ def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkey
     model = _int8_model(tiny_factory, family)
     ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     calls = []
-    real = cpu_kernels.BoundDecoderLayer.run
-    monkeypatch.setattr(cpu_kernels.BoundDecoderLayer, "run", lambda self, *a: calls.append(a[2]) or real(self, *a))
+    real = cpu_kernels.run_layers
+
+    def counted(layers, x, b, t, *a):
+        calls.extend([t] * len(layers))
+        return real(layers, x, b, t, *a)
+
+    monkeypatch.setattr(cpu_kernels, "run_layers", counted)
     fused, fused_cache = _prefill_step_verify(model, ids)
     layers = model.args.n_layers
     assert calls == ([] if family == "qwen3" else [8] * layers + [1] * layers + [3] * layers)
@@ -463,3 +468,31 @@ def test_a_layer_the_kernel_does_not_cover_runs_as_modules(tiny_factory):
     assert block.cpu_layer(KERNEL) is not None
     block.attention.window = 4  # a sliding-window layer: not in the kernel
     assert block.cpu_layer(KERNEL) is None
+
+
+@needs_kernel
+def test_a_layers_binding_is_kept_until_what_it_read_changes(tiny_factory):
+    """A step reuses a layer's binding without its checks; a replaced linear, a weight given new storage, a changed
+    setting or a module added where there was none binds again (or finds the kernel does not cover it)."""
+    from engine.model import RMSNorm
+    from engine.quant import Int8Linear
+
+    model = _int8_model(tiny_factory, "llama")
+    block = model.layers[0]
+    first = block.cpu_layer(KERNEL)
+    assert first is not None and block.cpu_layer(KERNEL) is first
+    att = block.attention
+    att.wqkv = Int8Linear(torch.randn(att.wqkv.out_features, att.wqkv.in_features), None, torch.float32)
+    second = block.cpu_layer(KERNEL)
+    assert second is not None and second is not first and second.linears[0].weight is att.wqkv.weight
+    att.wo.weight.data = att.wo.weight.data.clone()  # the same buffer on new storage
+    third = block.cpu_layer(KERNEL)
+    assert third is not second and third is not None and third.linears[1]._args[0] == att.wo.weight.data_ptr()
+    assert block.cpu_layer(KERNEL) is third
+    block.post_ffn_norm = RMSNorm(model.args.dim, 1e-6)  # a Gemma-style norm appears: not in the kernel
+    assert block.cpu_layer(KERNEL) is None
+    del block._modules["post_ffn_norm"]
+    block.post_ffn_norm = None
+    assert block.cpu_layer(KERNEL) is not None
+    att.scale = 0.5
+    assert block.cpu_layer(KERNEL).scale == 0.5

@@ -223,9 +223,9 @@ def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_
     from engine.engine import Engine
 
     rows_per_call: set[int] = set()
-    real = cpu_kernels.BoundDecoderLayer.run
+    real = cpu_kernels.run_layers
     monkeypatch.setattr(
-        cpu_kernels.BoundDecoderLayer, "run", lambda self, x, *a: rows_per_call.add(x.shape[0]) or real(self, x, *a)
+        cpu_kernels, "run_layers", lambda layers, x, *a: rows_per_call.add(x.shape[0]) or real(layers, x, *a)
     )
 
     folder = tiny_factory("qwen2", hidden_size=64, intermediate_size=128)
