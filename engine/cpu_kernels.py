@@ -298,28 +298,12 @@ class BoundInt8Linear:
 
 
 class BoundDecoderLayer:
-    """A decoder layer bound for gapless_decoder_layer: `run(...)` checks the step's tensors and updates the
-    residual stream in place, writing the new keys and values into the cache."""
+    """A decoder layer bound for gapless_decoder_layer; run_layers runs a list of them on a step's tensors."""
 
     def __init__(self, fn, norms, eps: float, linears: list[BoundInt8Linear], dims: tuple[int, ...], scale: float):
         self._fn, self.norms, self.eps, self.linears, self.dims, self.scale = fn, norms, eps, linears, dims, scale
         self._q8 = [_Q8(*lin._args) for lin in linears]
         self._q8_refs = [ctypes.byref(q) for q in self._q8]
-
-    def run(
-        self,
-        x: torch.Tensor,
-        b: int,
-        t: int,
-        pos: torch.Tensor,
-        attn_len: int,
-        cos: torch.Tensor,
-        sin_signed: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> None:
-        """This layer alone: run_layers with one layer."""
-        run_layers([self], x, b, t, pos, attn_len, cos, sin_signed, [k_cache], [v_cache])
 
 
 def run_layers(

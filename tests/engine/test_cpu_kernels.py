@@ -444,9 +444,9 @@ def test_the_layer_kernel_refuses_what_it_cannot_read(tiny_factory):
     cos, sin = torch.ones(1, args.head_dim), torch.zeros(1, args.head_dim)
     k, v = cache.k[0], cache.v[0]
     with pytest.raises(ValueError, match="outside the 8-position cache"):
-        layer.run(x, 1, 1, torch.tensor([8]), 8, cos, sin, k, v)
+        cpu_kernels.run_layers([layer], x, 1, 1, torch.tensor([8]), 8, cos, sin, [k], [v])
     with pytest.raises(ValueError, match="outside the 8-position cache"):
-        layer.run(x, 1, 1, torch.tensor([-1]), 8, cos, sin, k, v)
+        cpu_kernels.run_layers([layer], x, 1, 1, torch.tensor([-1]), 8, cos, sin, [k], [v])
     bad = {
         "bf16 activations": (x.bfloat16(), 1, 1, torch.tensor([0]), 1, cos, sin, k, v),
         "int32 positions": (x, 1, 1, torch.tensor([0], dtype=torch.int32), 1, cos, sin, k, v),
@@ -456,7 +456,7 @@ def test_the_layer_kernel_refuses_what_it_cannot_read(tiny_factory):
     }
     for what, a in bad.items():
         with pytest.raises(ValueError, match="decoder layer kernel arguments"):
-            layer.run(*a)
+            cpu_kernels.run_layers([layer], *a[:-2], [a[-2]], [a[-1]])
             pytest.fail(f"{what} was accepted")
     assert torch.equal(cache.k[0], torch.zeros_like(cache.k[0]))  # nothing was written
 
