@@ -65,6 +65,11 @@ def layer_allowed() -> bool:
     return os.environ.get(LAYER_SWITCH_ENV, "1") != "0"
 
 
+def _readable(t: torch.Tensor, dtype: torch.dtype, numel: Optional[int] = None) -> bool:
+    """Whether C may read `t` by pointer as `numel` (or all its) contiguous elements of `dtype` in host memory."""
+    return t.dtype == dtype and t.is_contiguous() and t.is_cpu and (numel is None or t.numel() == numel)
+
+
 _UNMARKED = contextlib.nullcontext()
 
 
@@ -140,14 +145,7 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dimension; x and weight fp32, contiguous."""
         d = x.shape[-1]
-        if not (
-            x.dtype == torch.float32
-            and weight.dtype == torch.float32
-            and weight.numel() == d
-            and x.is_contiguous()
-            and weight.is_contiguous()
-            and x.device.type == "cpu"
-        ):
+        if not (_readable(x, torch.float32) and _readable(weight, torch.float32, d)):
             raise ValueError(
                 f"RMSNorm kernel arguments: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                 f"{weight.dtype}: want contiguous fp32 tensors on the CPU, the weight as long as x's last dimension"
@@ -205,16 +203,9 @@ class CpuKernels:
         n, k = weight.shape if weight.dim() == 2 else (-1, -1)
         # C reads these by pointer: a wrong dtype, layout or size would read past the tensors, so check them
         if not (
-            weight.dtype == torch.int8
-            and scales.dtype == torch.float32
-            and scales.numel() == n
-            and weight.is_contiguous()
-            and scales.is_contiguous()
-            and weight.device.type == scales.device.type == "cpu"
-            and (
-                bias is None
-                or (bias.dtype == torch.float32 and bias.numel() == n and bias.is_contiguous() and bias.is_cpu)
-            )
+            _readable(weight, torch.int8)
+            and _readable(scales, torch.float32, n)
+            and (bias is None or _readable(bias, torch.float32, n))
         ):
             raise ValueError(
                 f"int8 kernel arguments: weight {tuple(weight.shape)} {weight.dtype}, "
@@ -242,7 +233,7 @@ class CpuKernels:
         shapes_ok = (
             h % hkv == 0
             and norms[1].numel() == dim
-            and all(n.dtype == torch.float32 and n.is_contiguous() and n.is_cpu for n in norms)
+            and all(_readable(n, torch.float32) for n in norms)
             and tuple(w_qkv.shape) == ((h + 2 * hkv) * d, dim)
             and tuple(w_o.shape) == (dim, h * d)
             and tuple(w_gu.shape) == (2 * inter, dim)
@@ -282,7 +273,7 @@ class BoundInt8Linear:
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] fp32, contiguous, on the CPU -> y [m, n] fp32."""
-        if not (x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.k and x.is_contiguous() and x.is_cpu):
+        if not (_readable(x, torch.float32) and x.dim() == 2 and x.shape[1] == self.k):
             raise ValueError(
                 f"int8 kernel arguments: x {tuple(x.shape)} {x.dtype} for weight {tuple(self.weight.shape)}: want "
                 f"contiguous fp32 x [m, {self.k}] on the CPU"
@@ -322,15 +313,14 @@ def run_layers(
     keys and values into k_caches[i], v_caches[i] at the positions `pos`. The step's tensors are checked once,
     each layer's cache and sizes before its call, so C never reads past what it was given."""
     shared_ok = (
-        x.dtype == cos.dtype == sin_signed.dtype == torch.float32
-        and pos.dtype == torch.int64
+        all(_readable(a, torch.float32) for a in (x, cos, sin_signed))
+        and _readable(pos, torch.int64)
         and x.dim() == 2
         and x.shape[0] == b * t
         and pos.shape == (t,)
         and cos.dim() == 2
         and cos.shape == sin_signed.shape
         and cos.shape[0] == t
-        and all(a.is_contiguous() and a.is_cpu for a in (x, pos, cos, sin_signed))
         and len(k_caches) == len(v_caches) == len(layers)
     )
     threads = torch.get_num_threads()
@@ -342,13 +332,10 @@ def run_layers(
             shared_ok
             and x.shape[1] == dim
             and cos.shape[1] == d
-            and k_cache.dtype == v_cache.dtype == torch.float32
+            and _readable(k_cache, torch.float32)
+            and _readable(v_cache, torch.float32)
             and tuple(k_cache.shape) == tuple(v_cache.shape) == cache_shape
             and 0 < attn_len <= length
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-            and k_cache.is_cpu
-            and v_cache.is_cpu
         ):
             raise ValueError(
                 f"decoder layer kernel arguments: x {tuple(x.shape)} {x.dtype}, pos {tuple(pos.shape)} {pos.dtype}, "
