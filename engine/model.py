@@ -6,6 +6,7 @@ object handed in by the caller (static, dynamic or none), so the same module ser
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Optional, Protocol, cast
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 GEMMA_FAMILIES = ("gemma3_text",)
@@ -256,7 +259,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the same arithmetic without the two casts, which are no-ops here
             kernels = eager_cpu_kernels(x)  # one call for the six ops below
-            if kernels is not None and x.is_contiguous():
+            if kernels is not None and x.is_contiguous() and self.weight.is_contiguous():
                 return kernels.rms_norm(x, self.weight, self.eps)
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
@@ -441,7 +444,7 @@ class Block(nn.Module):
             (att, ("q_norm", "k_norm", "window", "scale", "n_heads", "n_kv_heads", "head_dim")),
             (ffn, ("gelu",)),
             *((norm, ("eps",)) for norm in norms),
-            *((lin, ("own_kernel",)) for lin in linears),
+            *((lin, ("own_kernel", "bias")) for lin in linears),  # a bias that is None is a plain attribute
         )
         self._cpu_refs = _Refs((self, att, ffn), settings, norms + linears)
         return bound
@@ -459,6 +462,7 @@ class Block(nn.Module):
             or ffn.gelu
             or type(self.attention_norm) is not RMSNorm
             or type(self.ffn_norm) is not RMSNorm
+            or self.attention_norm.eps != self.ffn_norm.eps  # the kernel takes one eps for both
         ):
             return None
         int8 = [lin for lin in linears if isinstance(lin, Int8Linear) and lin.own_kernel]
@@ -470,7 +474,11 @@ class Block(nn.Module):
         )
         scale = att.scale if att.scale is not None else att.head_dim**-0.5
         heads = (att.n_heads, att.n_kv_heads, att.head_dim)
-        return kernels.bind_layer(norms, self.attention_norm.eps, parts, heads, scale)
+        try:
+            return kernels.bind_layer(norms, self.attention_norm.eps, parts, heads, scale)
+        except ValueError as exc:  # tensors the kernel cannot read as they are: the layer's modules run instead
+            log.info("layer kept on its modules: %s", exc)
+            return None
 
     def forward(self, x, B: int, T: int, cos, sin, input_pos, cache, mask):
         a = self.attention(self.attention_norm(x), B, T, cos, sin, input_pos, cache, mask)
@@ -553,7 +561,7 @@ class Transformer(nn.Module):
             or not isinstance(cache, StaticKVCache)
             or self.args.sliding_layers
             or not cpu_kernels.layer_allowed()
-            or (mask is not None and tuple(mask.shape) != (T, cache.attn_len))
+            or (mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (T, cache.attn_len)))
             or input_pos.device.type != "cpu"
             or not x.is_contiguous()
         ):

@@ -371,13 +371,13 @@ def test_a_cpu_load_prepares_the_kernels_before_the_first_answer(fresh, tiny_fac
         e.close()
 
 
-def _int8_model(tiny_factory, family):
+def _int8_model(tiny_factory, family, **config):
     from engine.loader import load_checkpoint
     from engine.model import build_transformer
     from engine.quant import quantize_linears
 
     cpu = torch.device("cpu")
-    ck = load_checkpoint(str(tiny_factory(family)))
+    ck = load_checkpoint(str(tiny_factory(family, **config)))
     model = build_transformer(ck.config, ck.weights(torch.float32, cpu), torch.float32, cpu)
     quantize_linears(model, "int8", torch.float32)
     return model
@@ -402,12 +402,21 @@ def _prefill_step_verify(model, ids):
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama-odd"])
 def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkeypatch):
     """Llama-shaped int8 layers run as one call each; the logits agree with the layer's ops run one by one within
     fp32 rounding, and the first layer's cache (before any attention) is written bit for bit alike. Qwen3's q/k
-    norms are not in the kernel: its layers run as modules."""
-    model = _int8_model(tiny_factory, family)
+    norms are not in the kernel: its layers run as modules. "llama-odd": the heads wider than the model (q size
+    128 against 64) and an MLP of 96, so no width is the one the scratch rows were sized by and the down
+    projection's inputs end in a part block."""
+    odd = family == "llama-odd"
+    model = (
+        _int8_model(tiny_factory, "llama", head_dim=32, intermediate_size=96)
+        if odd
+        else _int8_model(tiny_factory, family)
+    )
+    if odd:
+        assert model.args.n_heads * model.args.head_dim > model.args.dim > model.args.intermediate_size % 64
     ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     calls = []
     real = cpu_kernels.run_layers
@@ -496,3 +505,11 @@ def test_a_layers_binding_is_kept_until_what_it_read_changes(tiny_factory):
     assert block.cpu_layer(KERNEL) is not None
     att.scale = 0.5
     assert block.cpu_layer(KERNEL).scale == 0.5
+    att.wo.bias = torch.full((att.wo.out_features,), 0.25)  # where there was none: a plain attribute
+    assert block.cpu_layer(KERNEL).linears[1].bias is att.wo.bias
+    block.ffn_norm.weight = torch.nn.Parameter(torch.ones(2 * model.args.dim)[::2])  # strided: C cannot read it
+    assert block.cpu_layer(KERNEL) is None
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(3))  # the modules run the layer; nothing raised
+    assert torch.isfinite(logits).all()
