@@ -396,7 +396,11 @@ def unavailable_reason() -> Optional[str]:
 def describe() -> str:
     """What computes a CPU int8 linear here, for the model panel and the bench JSON."""
     k = kernel()
-    return k.description if k is not None else f"aten._weight_int8pack_mm ({_reason})"
+    if k is None:
+        return f"aten._weight_int8pack_mm ({_reason})"
+    if not layer_allowed():
+        return f"{k.description}; layers op by op ({LAYER_SWITCH_ENV}=0)"
+    return f"{k.description}; a Llama-shaped layer as one call in eager fp32 steps on a static cache"
 
 
 class KernelUnavailable(RuntimeError):

@@ -480,6 +480,14 @@ def test_a_layer_the_kernel_does_not_cover_runs_as_modules(tiny_factory):
 
 
 @needs_kernel
+def test_the_description_says_whether_layers_run_as_one_call(monkeypatch):
+    """The model panel and the bench JSON name the path: the layer kernel, or the layers op by op when it is off."""
+    assert cpu_kernels.describe().endswith("a Llama-shaped layer as one call in eager fp32 steps on a static cache")
+    monkeypatch.setenv(cpu_kernels.LAYER_SWITCH_ENV, "0")
+    assert cpu_kernels.describe() == f"{KERNEL.description}; layers op by op (GAPLESS_CPU_LAYER=0)"
+
+
+@needs_kernel
 def test_a_layers_binding_is_kept_until_what_it_read_changes(tiny_factory):
     """A step reuses a layer's binding without its checks; a replaced linear, a weight given new storage, a changed
     setting or a module added where there was none binds again (or finds the kernel does not cover it)."""
