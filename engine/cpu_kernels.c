@@ -12,12 +12,15 @@
  * weight row stays in cache, so a row's result does not depend on how many rows run. An inf or NaN in a block
  * makes the sums it enters NaN, as in fp32.
  *
+ * gapless_int4_linear: the same for group-wise int4 weights (32 inputs a group, a scale and a zero each), half
+ * the bytes, the nibbles widened to int16 and summed with the same int16 activations.
+ *
  * gapless_rms_norm: y[i, :] = w * (x[i, :] / sqrt(mean(x[i, :]^2) + eps)) in fp32, one call where torch dispatches
  * six ops (pow, mean, add, rsqrt, mul, mul), each with its own fixed cost, sixty-one times a token.
  * gapless_silu_mul: the gated MLP's silu(gate) * up from the fused gate/up projection's rows, one call for three.
  * gapless_rope: rotary embedding of the fused projection's q and k heads straight into [B, H, T, D], one call for
  * the view, transpose, roll, two multiplies and the add, with the same roundings (no contraction into FMAs).
- * gapless_decoder_layer: a whole Llama-shaped decoder layer with int8 weights over a static KV cache, one call
+ * gapless_decoder_layer: a whole Llama-shaped decoder layer with int8 or int4 weights over a static KV cache, one call
  * (these kernels, the cache writes and the attention) where the eager step made about thirty.
  *
  * Built on first use with the machine's C compiler (-O3 -march=native -fopenmp) and loaded with ctypes; the
@@ -107,6 +110,30 @@ static inline float dot_q16(const int8_t *w, const int16_t *q, const float *d, i
     }
     return hsum(acc);
 }
+
+/* one int4 group: 16 bytes holding inputs 0..15 in the low nibbles and 16..31 in the high ones (0..15 each),
+ * times 32 int16 activations, as eight int32 lane sums (exact) */
+static inline __m256i madd_q4(const uint8_t *w, const int16_t *q)
+{
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)w);
+    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
+}
+
+/* sum over the whole groups of s[g] * d[block] * (exact sum of q * xq) in eight fp32 lanes */
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t ng)
+{
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        _mm_prefetch((const char *)(w + g * 16 + PREFETCH_BYTES), _MM_HINT_T0);
+        __m256i sum = madd_q4(w + g * 16, q + g * 32);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(s[g] * d[g / 2]), acc);
+    }
+    return hsum(acc);
+}
 #else
 /* Portable C of the same arithmetic: the same quantisation, exact integer block sums, blocks summed in fp32. */
 static void quantize_row(const float *x, int64_t nb, int16_t *q, float *d)
@@ -132,6 +159,18 @@ static inline float dot_q16(const int8_t *w, const int16_t *q, const float *d, i
         int32_t s = 0;
         for (int j = 0; j < QBLOCK; j++) s += (int32_t)w[b * QBLOCK + j] * q[b * QBLOCK + j];
         acc += (float)s * d[b];
+    }
+    return acc;
+}
+
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t ng)
+{
+    float acc = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++)
+            sum += (int32_t)(w[g * 16 + j] & 0x0F) * q[g * 32 + j] + (int32_t)(w[g * 16 + j] >> 4) * q[g * 32 + 16 + j];
+        acc += (float)sum * (s[g] * d[g / 2]);
     }
     return acc;
 }
@@ -174,6 +213,67 @@ int gapless_int8_linear(const float *x, int64_t m, const int8_t *w, const float 
     }
     free(q);
     free(d);
+    return 0;
+}
+
+/* Weight-only int4 linear, group-wise with a zero: w[r, k'] = (q - 8) * scale[r, g] + zero[r, g] for the group
+ * g = k' / 32, q in 0..15 stored two to a byte (a group's 16 bytes hold its inputs 0..15 in the low nibbles and
+ * 16..31 in the high ones). y[i, r] = sum_g scale[r, g] * sum_j (q - 8) x[i, j] + zero[r, g] * sum_j x[i, j]
+ * (+ bias[r]). The activations are rounded to int16 as for the int8 linear (a group lies inside one block of 64)
+ * and a group's products q * xq summed exactly in int32; the -8 and the zero use each group's sums of the
+ * rounded and of the fp32 activations. A group past the last whole block is summed in fp32. k must be a multiple
+ * of 32. Each row is summed alone, so its result does not depend on how many rows run. */
+int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float *scale, const float *zero,
+                        const float *bias, float *y, int64_t n, int64_t k, int threads)
+{
+    int64_t nb = k / QBLOCK, ng = k / 32, whole = nb * 2;
+    int16_t *q = (int16_t *)malloc((size_t)(m * nb * QBLOCK) * sizeof(int16_t) + 1);
+    float *d = (float *)malloc((size_t)(m * nb) * sizeof(float) + 1);
+    float *sums = (float *)malloc((size_t)(m * ng) * 2 * sizeof(float) + 1); /* per group: d * sum xq, sum x */
+    if (!q || !d || !sums) {
+        free(q);
+        free(d);
+        free(sums);
+        return -1;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        const float *xi = x + i * k;
+        int16_t *qi = q + i * nb * QBLOCK;
+        quantize_row(xi, nb, qi, d + i * nb);
+        for (int64_t g = 0; g < ng; g++) {
+            int32_t iq = 0;
+            float fx = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                if (g < whole)
+                    iq += qi[g * 32 + j];
+                fx += xi[g * 32 + j];
+            }
+            sums[(i * ng + g) * 2] = g < whole ? (float)iq * d[i * nb + g / 2] : 0.0f;
+            sums[(i * ng + g) * 2 + 1] = fx;
+        }
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *wr = w + r * (k / 2);
+        const float *sr = scale + r * ng, *zr = zero + r * ng;
+        for (int64_t i = 0; i < m; i++) {
+            const float *si = sums + i * ng * 2, *xi = x + i * k;
+            float acc = dot_q4(wr, q + i * nb * QBLOCK, d + i * nb, sr, whole);
+            float fixed = 0.0f;
+            for (int64_t g = 0; g < whole; g++) fixed += zr[g] * si[g * 2 + 1] - 8.0f * sr[g] * si[g * 2];
+            for (int64_t g = whole; g < ng; g++) /* the part block: de-quantised, in fp32 */
+                for (int j = 0; j < 16; j++) {
+                    const uint8_t b = wr[g * 16 + j];
+                    fixed += (((float)(b & 0x0F) - 8.0f) * sr[g] + zr[g]) * xi[g * 32 + j] +
+                             (((float)(b >> 4) - 8.0f) * sr[g] + zr[g]) * xi[g * 32 + 16 + j];
+                }
+            float v = acc + fixed;
+            y[i * n + r] = bias ? v + bias[r] : v;
+        }
+    }
+    free(q);
+    free(d);
+    free(sums);
     return 0;
 }
 
@@ -238,15 +338,24 @@ void gapless_rope(const float *x, int64_t ldx, const float *cos, const float *si
 
 /* One decoder layer of a Llama-shaped model (RMSNorm, fused QKV with optional bias, RoPE, grouped-query attention
  * over a static KV cache, O projection, RMSNorm, fused gate/up, SiLU-mul, down projection, both residual adds) on
- * fp32 activations with int8 weights, in one call where the eager step dispatched about twenty ops and nine
+ * fp32 activations with int8 or int4 weights, in one call where the eager step dispatched about twenty ops and nine
  * module calls a layer. x [B * T, dim] is the residual stream, updated in place. The new keys and values are
  * written into the cache k, v [B, Hkv, L, D] at pos[t]; query t attends to the cache positions s <= pos[t] with
  * s < attn_len, which is what every caller's mask (or causal prefill) says. Each row's result is computed alone
  * (the GEMVs as gapless_int8_linear, attention per query), so it does not depend on how many rows run. */
 struct gapless_q8 {
-    const int8_t *w;
-    const float *scale, *bias;
+    const void *w;     /* int8 [n, k], or int4 [n, k / 2] where zero is set */
+    const float *scale; /* [n] for int8, [n, k / 32] for int4 */
+    const float *zero;  /* NULL for int8, [n, k / 32] for int4 */
+    const float *bias;  /* [n] or NULL */
 };
+
+static int qlinear(const struct gapless_q8 *l, const float *x, int64_t m, float *y, int64_t n, int64_t k, int threads)
+{
+    if (l->zero)
+        return gapless_int4_linear(x, m, (const uint8_t *)l->w, l->scale, l->zero, l->bias, y, n, k, threads);
+    return gapless_int8_linear(x, m, (const int8_t *)l->w, l->scale, l->bias, y, n, k, threads);
+}
 
 int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos, int64_t attn_len, int64_t dim,
                           int64_t h_n, int64_t hkv_n, int64_t d, int64_t inter, const float *norm1,
@@ -266,7 +375,7 @@ int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos
             failed = 2;
     if (!failed) {
         gapless_rms_norm(x, norm1, h, m, dim, eps);
-        failed = gapless_int8_linear(h, m, qkv->w, qkv->scale, qkv->bias, proj, nqkv, dim, threads);
+        failed = qlinear(qkv, h, m, proj, nqkv, dim, threads);
     }
     if (!failed) {
         /* q heads rotated into att as [B * T, H * D] scratch, k rotated and v copied into the cache */
@@ -317,15 +426,15 @@ int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos
         }
     }
     if (!failed)
-        failed = gapless_int8_linear(h, m, o->w, o->scale, o->bias, out, dim, qs, threads);
+        failed = qlinear(o, h, m, out, dim, qs, threads);
     if (!failed) {
         for (int64_t i = 0; i < m * dim; i++) x[i] += out[i];
         gapless_rms_norm(x, norm2, h, m, dim, eps);
-        failed = gapless_int8_linear(h, m, gate_up->w, gate_up->scale, gate_up->bias, proj, 2 * inter, dim, threads);
+        failed = qlinear(gate_up, h, m, proj, 2 * inter, dim, threads);
     }
     if (!failed) {
         gapless_silu_mul(proj, 2 * inter, att, m, inter);
-        failed = gapless_int8_linear(att, m, down->w, down->scale, down->bias, out, dim, inter, threads);
+        failed = qlinear(down, att, m, out, dim, inter, threads);
     }
     if (!failed)
         for (int64_t i = 0; i < m * dim; i++) x[i] += out[i];

@@ -47,6 +47,8 @@ _COMMON_FLAGS = ("-shared", "-fPIC", "-std=c99")
 BUILD_TIMEOUT_S = 120
 # what a profile shows for a call (engine/telemetry/window.py counts them as ops)
 OP_NAME = "gapless::kernel::int8_linear"
+INT4_OP_NAME = "gapless::kernel::int4_linear"
+INT4_GROUP = 32  # inputs sharing a scale and a zero in the int4 layout
 NORM_OP_NAME = "gapless::kernel::rms_norm"
 SILU_OP_NAME = "gapless::kernel::silu_mul"
 ROPE_OP_NAME = "gapless::kernel::rope"
@@ -55,9 +57,14 @@ LAYER_SWITCH_ENV = "GAPLESS_CPU_LAYER"  # "0": the layer's ops one by one (the k
 
 
 class _Q8(ctypes.Structure):
-    """struct gapless_q8: an int8 linear's weight, scales and bias (or NULL)."""
+    """struct gapless_q8: a quantised linear's weight, scales, zeros (NULL for int8) and bias (or NULL)."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
 
 
 def layer_allowed() -> bool:
@@ -87,20 +94,11 @@ class CpuKernels:
         self.path, self.flags = path, flags
         lib.gapless_int8_vector.restype = ctypes.c_char_p
         self.vector = lib.gapless_int8_vector().decode()
-        fn = lib.gapless_int8_linear
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int,
-        ]
-        self._fn = fn
+        # x, m, then weight, scales, bias, y (int8) or weight, scales, zeros, bias, y (int4), then n, k, threads
+        self._fn, self._fn4 = (
+            self._linear_fn(getattr(lib, name), pointers)
+            for name, pointers in (("gapless_int8_linear", 4), ("gapless_int4_linear", 5))
+        )
         norm = lib.gapless_rms_norm
         norm.restype = None
         norm.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
@@ -131,10 +129,25 @@ class CpuKernels:
         self._layer = layer
         self._lib = lib  # keeps the library loaded while the functions are referenced
 
+    @staticmethod
+    def _linear_fn(fn, pointers: int):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            *[ctypes.c_void_p] * pointers,
+            *[ctypes.c_int64] * 2,
+            ctypes.c_int,
+        ]
+        return fn
+
     @property
     def description(self) -> str:
+        return self.gemv("int8")
+
+    def gemv(self, fmt: str) -> str:
         threads = "OpenMP threads" if "-fopenmp" in self.flags else "one thread (no OpenMP)"
-        return f"own int8 GEMV ({self.vector}, {threads})"
+        return f"own {fmt} GEMV ({self.vector}, {threads})"
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
@@ -197,69 +210,103 @@ class CpuKernels:
     ) -> torch.Tensor:
         return self.bind(weight, scales, bias).run(x)
 
-    def bind(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> "BoundInt8Linear":
-        """The int8 linear of these weights, checked once, so that a call checks only its activations (the checks
-        and the conversions were a tenth of a decode step's kernel time at 121 calls a token)."""
-        n, k = weight.shape if weight.dim() == 2 else (-1, -1)
+    def bind(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        zeros: Optional[torch.Tensor] = None,
+    ) -> "BoundLinear":
+        """The linear of these weights, checked once, so that a call checks only its activations (the checks and
+        the conversions were a tenth of a decode step's kernel time at 121 calls a token): int8 weight [n, k] with
+        fp32 scales [n], or, with zeros, int4 weight [n, k / 2] in pack_int4's layout with fp32 scales and zeros
+        [n, k / 32]; an fp32 bias [n] or None."""
+        n, cols = weight.shape if weight.dim() == 2 else (-1, -1)
+        if zeros is None:
+            fmt, stored, per_row = "int8", torch.int8, 1
+        else:
+            fmt, stored = "int4", torch.uint8
+            per_row = 2 * cols // INT4_GROUP if cols > 0 and (2 * cols) % INT4_GROUP == 0 else -1
         # C reads these by pointer: a wrong dtype, layout or size would read past the tensors, so check them
         if not (
-            _readable(weight, torch.int8)
-            and _readable(scales, torch.float32, n)
+            per_row > 0
+            and _readable(weight, stored)
+            and _readable(scales, torch.float32, n * per_row)
+            and (zeros is None or _readable(zeros, torch.float32, n * per_row))
             and (bias is None or _readable(bias, torch.float32, n))
         ):
             raise ValueError(
-                f"int8 kernel arguments: weight {tuple(weight.shape)} {weight.dtype}, "
-                f"scales {tuple(scales.shape)} {scales.dtype}, bias "
-                f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: want contiguous fp32 x [m, k] on "
-                "the CPU, int8 weight [n, k], fp32 scales [n] and bias [n]"
+                f"{fmt} kernel arguments: weight {tuple(weight.shape)} {weight.dtype}, scales {tuple(scales.shape)} "
+                f"{scales.dtype}, zeros {None if zeros is None else (tuple(zeros.shape), zeros.dtype)}, bias "
+                f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: want contiguous tensors on the CPU, "
+                f"int8 weight [n, k] and fp32 scales [n], or uint8 int4 weight [n, k / 2] (k a multiple of "
+                f"{INT4_GROUP}) and fp32 scales and zeros [n, k / {INT4_GROUP}]; fp32 bias [n]"
             )
-        return BoundInt8Linear(self._fn, weight, scales, bias)
+        return BoundLinear(self._fn if zeros is None else self._fn4, weight, scales, zeros, bias)
+
+    def linear4(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """x [m, k] fp32 contiguous, weight [n, k / 2] uint8 in the int4 layout (pack_int4), scales and zeros
+        [n, k / 32] fp32, bias [n] fp32 or None -> y [m, n] fp32."""
+        return self.bind(weight, scales, bias, zeros).run(x)
 
     def bind_layer(
         self,
         norms: tuple[torch.Tensor, torch.Tensor],
         eps: float,
-        linears: tuple[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], ...],
+        linears: tuple["BoundLinear", ...],
         heads: tuple[int, int, int],
         scale: float,
     ) -> "BoundDecoderLayer":
         """A Llama-shaped decoder layer's weights for gapless_decoder_layer, checked once and held: its two norms'
-        weights, its (weight, scales, bias) int8 linears qkv, o, gate/up and down, (heads, kv heads, head dim) and
-        the attention scale."""
+        weights, its bound int8 or int4 linears qkv, o, gate/up and down, (heads, kv heads, head dim) and the
+        attention scale."""
         h, hkv, d = heads
-        (w_qkv, _, _), (w_o, _, _), (w_gu, _, _), (w_down, _, _) = linears
-        dim = norms[0].numel()
-        inter = w_down.shape[1] if w_down.dim() == 2 else -1
+        qkv, o, gu, down = linears
+        dim, inter = norms[0].numel(), down.k
         shapes_ok = (
             h % hkv == 0
             and norms[1].numel() == dim
             and all(_readable(n, torch.float32) for n in norms)
-            and tuple(w_qkv.shape) == ((h + 2 * hkv) * d, dim)
-            and tuple(w_o.shape) == (dim, h * d)
-            and tuple(w_gu.shape) == (2 * inter, dim)
-            and tuple(w_down.shape) == (dim, inter)
+            and (qkv.n, qkv.k) == ((h + 2 * hkv) * d, dim)
+            and (o.n, o.k) == (dim, h * d)
+            and (gu.n, gu.k) == (2 * inter, dim)
+            and (down.n, down.k) == (dim, inter)
         )
         if not shapes_ok:
             raise ValueError(
                 f"decoder layer kernel arguments: norms {[tuple(n.shape) for n in norms]}, linears "
-                f"{[tuple(w.shape) for w, _, _ in linears]} for {h} heads, {hkv} kv heads of {d}: want a Llama-"
+                f"{[(lin.n, lin.k) for lin in linears]} for {h} heads, {hkv} kv heads of {d}: want a Llama-"
                 "shaped layer with fp32 norms on the CPU"
             )
-        bound = [self.bind(w, s, b) for w, s, b in linears]  # checks each linear's dtypes and layout
-        return BoundDecoderLayer(self._layer, norms, eps, bound, (dim, h, hkv, d, inter), scale)
+        return BoundDecoderLayer(self._layer, norms, eps, list(linears), (dim, h, hkv, d, inter), scale)
 
 
-class BoundInt8Linear:
-    """One int8 linear's weights, scales and bias, checked and held (so their memory stays while it is called):
-    `run(x)` checks x and calls the kernel."""
+class BoundLinear:
+    """One int8 or int4 linear's weights, scales, zeros (int4) and bias, checked and held (so their memory stays
+    while it is called): `run(x)` checks x and calls the kernel."""
 
-    __slots__ = ("weight", "scales", "bias", "n", "k", "_fn", "_args")
+    __slots__ = ("weight", "scales", "zeros", "bias", "n", "k", "_fn", "_args", "_name")
 
-    def __init__(self, fn, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]):
-        self.weight, self.scales, self.bias = weight, scales, bias
-        self.n, self.k = weight.shape
-        self._fn = fn
-        self._args = (weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr())
+    def __init__(
+        self,
+        fn,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+    ):
+        self.weight, self.scales, self.zeros, self.bias = weight, scales, zeros, bias
+        self.n, self.k = weight.shape[0], weight.shape[1] * (1 if zeros is None else 2)
+        self._fn, self._name = fn, OP_NAME if zeros is None else INT4_OP_NAME
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self._args = (weight.data_ptr(), scales.data_ptr(), ptr(zeros), ptr(bias))
 
     def holds(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         """Whether these are the tensors it was bound to, with their memory where it was."""
@@ -275,23 +322,28 @@ class BoundInt8Linear:
         """x [m, k] fp32, contiguous, on the CPU -> y [m, n] fp32."""
         if not (_readable(x, torch.float32) and x.dim() == 2 and x.shape[1] == self.k):
             raise ValueError(
-                f"int8 kernel arguments: x {tuple(x.shape)} {x.dtype} for weight {tuple(self.weight.shape)}: want "
+                f"{'int8' if self.zeros is None else 'int4'} kernel arguments: x {tuple(x.shape)} {x.dtype} for weight "
+                f"{tuple(self.weight.shape)}: want "
                 f"contiguous fp32 x [m, {self.k}] on the CPU"
             )
         m = x.shape[0]
-        w, s, b = self._args
-        with _marked(OP_NAME):  # the output's allocation inside: one op in a profile
+        w, s, z, b = self._args
+        with _marked(self._name):  # the output's allocation inside: one op in a profile
             y = torch.empty((m, self.n), dtype=torch.float32)
-            rc = self._fn(x.data_ptr(), m, w, s, b, y.data_ptr(), self.n, self.k, torch.get_num_threads())
+            threads = torch.get_num_threads()
+            if z is None:
+                rc = self._fn(x.data_ptr(), m, w, s, b, y.data_ptr(), self.n, self.k, threads)
+            else:
+                rc = self._fn(x.data_ptr(), m, w, s, z, b, y.data_ptr(), self.n, self.k, threads)
         if rc != 0:
-            raise MemoryError(f"the int8 kernel could not allocate {m} rows of {self.k} int16 activations")
+            raise MemoryError(f"the quantised linear kernel could not allocate {m} rows of {self.k} activations")
         return y
 
 
 class BoundDecoderLayer:
     """A decoder layer bound for gapless_decoder_layer; run_layers runs a list of them on a step's tensors."""
 
-    def __init__(self, fn, norms, eps: float, linears: list[BoundInt8Linear], dims: tuple[int, ...], scale: float):
+    def __init__(self, fn, norms, eps: float, linears: list[BoundLinear], dims: tuple[int, ...], scale: float):
         self._fn, self.norms, self.eps, self.linears, self.dims, self.scale = fn, norms, eps, linears, dims, scale
         self._q8 = [_Q8(*lin._args) for lin in linears]
         self._q8_refs = [ctypes.byref(q) for q in self._q8]
@@ -393,14 +445,15 @@ def unavailable_reason() -> Optional[str]:
     return _reason
 
 
-def describe() -> str:
-    """What computes a CPU int8 linear here, for the model panel and the bench JSON."""
+def describe(fmt: str = "int8") -> str:
+    """What computes a CPU int8 (or int4) linear here, for the model panel and the bench JSON."""
     k = kernel()
     if k is None:
-        return f"aten._weight_int8pack_mm ({_reason})"
+        op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
+        return f"aten.{op} ({_reason})"
     if not layer_allowed():
-        return f"{k.description}; layers op by op ({LAYER_SWITCH_ENV}=0)"
-    return f"{k.description}; a Llama-shaped layer as one call in eager fp32 steps on a static cache"
+        return f"{k.gemv(fmt)}; layers op by op ({LAYER_SWITCH_ENV}=0)"
+    return f"{k.gemv(fmt)}; a Llama-shaped layer as one call in eager fp32 steps on a static cache"
 
 
 class KernelUnavailable(RuntimeError):
@@ -490,6 +543,41 @@ def _int8_linear_op(
 @_int8_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gapless::int4_linear", mutates_args=())
+def _int4_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    k = kernel()
+    assert k is not None, "the int4 linear op is only used where the kernel loaded"
+    return k.linear4(x, weight, scales, zeros, bias)
+
+
+@_int4_linear_op.register_fake
+def _(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def int4_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """The int4 kernel's linear: a direct call in eager mode, an opaque custom op where torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return _int4_linear_op(x, weight, scales, zeros, bias)
+    k = _loaded
+    assert k is not None, "int4_linear runs only where kernel() loaded the library"
+    return k.linear4(x, weight, scales, zeros, bias)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [n, k] in 0..15 (k a multiple of 32) -> [n, k / 2] uint8 in the kernel's layout: each group of 32 inputs
+    in 16 bytes, inputs 0..15 in the low nibbles and 16..31 in the high ones."""
+    n, k = q.shape
+    g = q.to(torch.uint8).reshape(n, k // INT4_GROUP, 2, INT4_GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
 def int8_linear(

@@ -432,7 +432,7 @@ class Block(nn.Module):
     def cpu_layer(self, kernels: "cpu_kernels.CpuKernels") -> Optional["cpu_kernels.BoundDecoderLayer"]:
         """This layer bound for the whole-layer CPU kernel (gapless_decoder_layer), or None where the kernel does
         not cover it: Llama-shaped layers (no q/k norms, no sliding window, no Gemma norms, SiLU) whose four
-        linears are int8 on the own GEMV."""
+        linears are int8 or int4 on the own kernels."""
         if self._cpu_refs is not None and self._cpu_refs.hold():
             return self._cpu_bound
         bound = self._cpu_bound = self._bind_cpu_layer(kernels)
@@ -450,7 +450,7 @@ class Block(nn.Module):
         return bound
 
     def _bind_cpu_layer(self, kernels: "cpu_kernels.CpuKernels") -> Optional["cpu_kernels.BoundDecoderLayer"]:
-        from engine.quant import Int8Linear
+        from engine.quant import Int4Linear, Int8Linear
 
         att, ffn = self.attention, self.feed_forward
         linears = (att.wqkv, att.wo, ffn.w13, ffn.w2)
@@ -465,16 +465,17 @@ class Block(nn.Module):
             or self.attention_norm.eps != self.ffn_norm.eps  # the kernel takes one eps for both
         ):
             return None
-        int8 = [lin for lin in linears if isinstance(lin, Int8Linear) and lin.own_kernel]
-        if len(int8) != len(linears) or any(lin.bias is not None and lin.bias.dtype != torch.float32 for lin in int8):
+        quantised = [
+            cast("Int8Linear | Int4Linear", lin) for lin in linears if isinstance(lin, (Int8Linear, Int4Linear))
+        ]
+        own = [lin for lin in quantised if lin.own_kernel]
+        if len(own) != len(linears) or any(lin.bias is not None and lin.bias.dtype != torch.float32 for lin in own):
             return None
         norms = (self.attention_norm.weight, self.ffn_norm.weight)
-        parts = tuple(
-            (lin.weight, cast(torch.Tensor, lin.scales), cast(Optional[torch.Tensor], lin.bias)) for lin in int8
-        )
         scale = att.scale if att.scale is not None else att.head_dim**-0.5
         heads = (att.n_heads, att.n_kv_heads, att.head_dim)
         try:
+            parts = tuple(lin.cpu_bound() for lin in own)  # each checked as its own kernel call checks it
             return kernels.bind_layer(norms, self.attention_norm.eps, parts, heads, scale)
         except ValueError as exc:  # tensors the kernel cannot read as they are: the layer's modules run instead
             log.info("layer kept on its modules: %s", exc)
@@ -552,7 +553,7 @@ class Transformer(nn.Module):
 
     def _cpu_layers(self, x, B: int, T: int, rope, input_pos, cache, mask) -> bool:
         """Every layer through the whole-layer CPU kernel, x updated in place, where it serves this step (eager
-        fp32 on the CPU, a static cache, int8 linears on the own GEMV, Llama-shaped layers); False where it does not,
+        fp32 on the CPU, a static cache, int8 or int4 linears on the own kernels, Llama-shaped layers); False where it does not,
         and the modules run. The kernel attends to the positions s <= input_pos[t] below the cache's attn_len, which
         is what every caller's mask says (and a prefill from position 0 without one)."""
         kernels = eager_cpu_kernels(x)

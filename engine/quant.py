@@ -62,6 +62,21 @@ class _QuantLinear(nn.Module):
         return y if self.keep_kernel_dtype and x.dtype == torch.float32 else y.to(x.dtype)
 
 
+def _kernel_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The bias the own kernel adds itself (fp32), or None and the caller adds it."""
+    return bias if bias is not None and bias.dtype == torch.float32 else None
+
+
+def _own_kernel(run, x: torch.Tensor, x2: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(y in x's dtype, the bias still to add) from an own CPU kernel's call on x2's rows in fp32, with no no-op
+    casts: on the CPU every call is an op the step dispatches."""
+    xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+    y = run(xf)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y, None if _kernel_bias(bias) is not None else bias
+
+
 class Int8Linear(_QuantLinear):
     weight: torch.Tensor
     scales: torch.Tensor
@@ -77,31 +92,28 @@ class Int8Linear(_QuantLinear):
         scales_dtype = torch.float32 if self.own_kernel else torch.bfloat16 if self.on_cpu else act_dtype
         self.register_buffer("scales", scales.to(scales_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self._bound: Optional[cpu_kernels.BoundInt8Linear] = None  # the own kernel's call, checked once
+        self._bound: Optional[cpu_kernels.BoundLinear] = None  # the own kernel's call, checked once
 
-    def _own(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return cpu_kernels.int8_linear(x, self.weight, self.scales, bias)
+    def cpu_bound(self) -> "cpu_kernels.BoundLinear":
+        """The own kernel's call for these weights (and an fp32 bias), bound once and again if they change."""
+        bias = _kernel_bias(self.bias)
         bound = self._bound
         if bound is None or not bound.holds(self.weight, self.scales, bias):
             kernels = cpu_kernels.loaded()
             assert kernels is not None, "own_kernel is set only where the library loaded"
             bound = self._bound = kernels.bind(self.weight, self.scales, bias)
-        return bound.run(x)
+        return bound
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         bias = self.bias
         if self.own_kernel:
-            # no no-op casts: on the CPU every call is an op the step dispatches
-            xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-            in_kernel = bias if bias is not None and bias.dtype == torch.float32 else None
-            y = self._own(xf, in_kernel)
-            if x.dtype != torch.float32:
-                y = y.to(x.dtype)
-            if in_kernel is not None:
-                bias = None
+            if torch.compiler.is_compiling():
+                run = lambda xf: cpu_kernels.int8_linear(xf, self.weight, self.scales, _kernel_bias(bias))  # noqa: E731
+            else:
+                run = self.cpu_bound().run
+            y, bias = _own_kernel(run, x, x2, bias)
         elif self.on_cpu:
             y = self._out(torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales), x)
         else:
@@ -124,7 +136,13 @@ class Int4Linear(_QuantLinear):
         q, scales, zeros = quantize_int4(weight, group)
         self.in_features, self.out_features, self.group = weight.shape[1], weight.shape[0], group
         self.on_cpu = weight.device.type == "cpu"
-        if self.on_cpu:
+        self.own_kernel = self.on_cpu and group == cpu_kernels.INT4_GROUP and cpu_kernels.kernel() is not None
+        self._bound: Optional[cpu_kernels.BoundLinear] = None
+        if self.own_kernel:  # the own kernel's layout: each group's 32 inputs in 16 bytes, fp32 scales and zeros
+            self.register_buffer("weight", cpu_kernels.pack_int4(q))
+            self.register_buffer("scales", scales.float().contiguous())
+            self.register_buffer("zeros", zeros.float().contiguous())
+        elif self.on_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INT4_INNER_K_TILES)
             self.register_buffer("weight", packed)
             # [K/group, N, 2]: the kernel's layout of the scales and zeros
@@ -137,10 +155,29 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("zeros", zeros.to(act_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    def cpu_bound(self) -> "cpu_kernels.BoundLinear":
+        """The own kernel's call for these weights (and an fp32 bias), bound once and again if they change."""
+        bias = _kernel_bias(self.bias)
+        bound = self._bound
+        if bound is None or not bound.holds(self.weight, self.scales, bias) or bound.zeros is not self.zeros:
+            kernels = cpu_kernels.loaded()
+            assert kernels is not None, "own_kernel is set only where the library loaded"
+            bound = self._bound = kernels.bind(self.weight, self.scales, bias, self.zeros)
+        return bound
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.on_cpu:
+        bias = self.bias
+        if self.own_kernel:
+            if torch.compiler.is_compiling():
+                run = lambda xf: cpu_kernels.int4_linear(  # noqa: E731
+                    xf, self.weight, self.scales, self.zeros, _kernel_bias(bias)
+                )
+            else:
+                run = self.cpu_bound().run
+            y, bias = _own_kernel(run, x, x2, bias)
+        elif self.on_cpu:
             y = self._out(
                 torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x2.to(torch.bfloat16), self.weight, self.group, self.scales_zeros
@@ -153,8 +190,8 @@ class Int4Linear(_QuantLinear):
             w = (q.view(self.out_features, n_groups, self.group).to(x.dtype) - 8) * self.scales.unsqueeze(-1)
             w = (w + self.zeros.unsqueeze(-1)).view(self.out_features, self.in_features)
             y = F.linear(x2, w)
-        if self.bias is not None:
-            y = y + self.bias
+        if bias is not None:
+            y = y + bias
         return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
 
 
@@ -165,7 +202,7 @@ def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) 
     """Why `fmt` cannot quantise linears of these (out, in) shapes on `device`, or None when it can."""
     if fmt == "native":
         return None
-    if device.type == "cpu" and not (fmt == "int8" and cpu_kernels.kernel() is not None):
+    if device.type == "cpu" and cpu_kernels.kernel() is None:
         op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
         if not has_op(op):
             return f"this torch has no aten.{op} for the CPU"
@@ -182,7 +219,7 @@ def kernel_name(fmt: str, device: torch.device) -> str:
     if fmt == "native":
         return ""
     if device.type == "cpu":
-        return cpu_kernels.describe() if fmt == "int8" else "aten._weight_int4pack_mm_for_cpu"
+        return cpu_kernels.describe(fmt)
     return "de-quantised inside the linear (F.linear on the weights cast to the activations' dtype)"
 
 

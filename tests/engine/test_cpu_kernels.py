@@ -93,6 +93,22 @@ def test_arguments_it_cannot_read_safely_are_refused():
         with pytest.raises(ValueError, match="int8 kernel arguments"):
             KERNEL.linear(*args)
             pytest.fail(f"{what} was accepted")
+    from engine.quant import quantize_int4
+
+    q4, s4, z4 = quantize_int4(torch.randn(16, 64))
+    packed = cpu_kernels.pack_int4(q4)
+    assert packed.shape == (16, 32) and packed.dtype == torch.uint8
+    bad4 = {
+        "int8 weights": (x, packed.to(torch.int8), s4, z4, None),
+        "a short zeros": (x, packed, s4, z4[:, :1], None),
+        "bf16 scales": (x, packed, s4.bfloat16(), z4, None),
+        "inputs not in groups of 32": (torch.randn(2, 48), packed[:, :24].contiguous(), s4, z4, None),
+        "too few inputs": (torch.randn(2, 32), packed, s4, z4, None),
+    }
+    for what, args in bad4.items():
+        with pytest.raises(ValueError, match="int4 kernel arguments"):
+            KERNEL.linear4(*args)
+            pytest.fail(f"{what} was accepted")
 
 
 @needs_kernel
@@ -371,7 +387,7 @@ def test_a_cpu_load_prepares_the_kernels_before_the_first_answer(fresh, tiny_fac
         e.close()
 
 
-def _int8_model(tiny_factory, family, **config):
+def _int8_model(tiny_factory, family, fmt="int8", **config):
     from engine.loader import load_checkpoint
     from engine.model import build_transformer
     from engine.quant import quantize_linears
@@ -379,7 +395,7 @@ def _int8_model(tiny_factory, family, **config):
     cpu = torch.device("cpu")
     ck = load_checkpoint(str(tiny_factory(family, **config)))
     model = build_transformer(ck.config, ck.weights(torch.float32, cpu), torch.float32, cpu)
-    quantize_linears(model, "int8", torch.float32)
+    quantize_linears(model, fmt, torch.float32)
     return model
 
 
@@ -402,7 +418,7 @@ def _prefill_step_verify(model, ids):
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama-odd"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama-odd", "qwen2-int4"])
 def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkeypatch):
     """Llama-shaped int8 layers run as one call each; the logits agree with the layer's ops run one by one within
     fp32 rounding, and the first layer's cache (before any attention) is written bit for bit alike. Qwen3's q/k
@@ -410,11 +426,12 @@ def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkey
     128 against 64) and an MLP of 96, so no width is the one the scratch rows were sized by and the down
     projection's inputs end in a part block."""
     odd = family == "llama-odd"
-    model = (
-        _int8_model(tiny_factory, "llama", head_dim=32, intermediate_size=96)
-        if odd
-        else _int8_model(tiny_factory, family)
-    )
+    if odd:
+        model = _int8_model(tiny_factory, "llama", head_dim=32, intermediate_size=96)
+    elif family == "qwen2-int4":  # int4 linears (with q/k/v biases) in the same layer kernel
+        model = _int8_model(tiny_factory, "qwen2", fmt="int4")
+    else:
+        model = _int8_model(tiny_factory, family)
     if odd:
         assert model.args.n_heads * model.args.head_dim > model.args.dim > model.args.intermediate_size % 64
     ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))

@@ -13,9 +13,11 @@ from engine.quality import QualityConfig, format_quality_table, run_quality
 
 
 def test_quality_report_per_format(tiny_llama, monkeypatch):
+    import engine.cpu_kernels as cpu_kernels
     import engine.quant as quant
 
     monkeypatch.setattr(quant, "has_op", lambda name: name != "_weight_int4pack_mm_for_cpu")
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)  # no own kernels either: int4 has no CPU kernel
     report = run_quality(QualityConfig(model=str(tiny_llama), decode_tokens=4, repeats=2), progress=lambda m: None)
     by = {f["label"]: f for f in report["formats"]}
     assert list(by) == ["fp32", "bf16", "int8", "int4"]

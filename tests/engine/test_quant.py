@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int8_bounds import int8_kernel_tolerance, within
+from int8_bounds import int4_kernel_tolerance, int8_kernel_tolerance, within
 
 from engine.errors import OptionsError
 from engine.quant import (
@@ -65,18 +65,44 @@ def test_int8_linear_matches_its_dequantised_weights(n, k, m, int8_kernel):
         torch.testing.assert_close(got, want, atol=_bf16_matmul_tolerance(x.reshape(-1, k), ref_w), rtol=0)
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("n,k", SHAPES + [(64, 96)])  # 96: a group past the last whole activation block
 @pytest.mark.parametrize("m", [1, 3])
-def test_int4_linear_matches_its_dequantised_weights(n, k, m):
+def test_int4_linear_matches_its_dequantised_weights(n, k, m, int8_kernel):
+    """The own int4 kernel within its elementwise bound of the exact product with the de-quantised weights (each
+    row alone: 3 rows give each row's 1-row result bit for bit); torch's packed kernel within bf16 rounding."""
     torch.manual_seed(n * k + m)
     w, x = torch.randn(n, k) * 0.05, torch.randn(m, k)
     q, scales, zeros = quantize_int4(w)
     assert int(q.max()) <= 15 and scales.shape == (n, k // INT4_GROUP)
     deq = dequantize_int4(q, scales, zeros)
     assert ((deq - w).abs() <= scales.repeat_interleave(INT4_GROUP, dim=1) / 2 + 1e-6).all()
-    ref_w = dequantize_int4(q, scales.to(torch.bfloat16), zeros.to(torch.bfloat16))  # the kernel's bf16 pairs
+    lin = Int4Linear(w, None, torch.float32)
+    got = lin(x)
+    assert lin.own_kernel is (int8_kernel == "own")
+    if int8_kernel == "own":
+        want = x.double() @ deq.double().T
+        assert within(got, want, int4_kernel_tolerance(x, q, scales, zeros))
+        for i in range(m):
+            assert torch.equal(lin(x[i : i + 1]), got[i : i + 1])
+    else:
+        ref_w = dequantize_int4(q, scales.to(torch.bfloat16), zeros.to(torch.bfloat16))  # the kernel's bf16 pairs
+        torch.testing.assert_close(got, x @ ref_w.T, atol=_bf16_matmul_tolerance(x, ref_w), rtol=0)
+
+
+def test_the_int4_bound_is_tight_enough_to_fail():
+    """The int4 kernel's bound catches a wrong weight: the bound is far below one int4 step of a weight."""
+    import engine.cpu_kernels as cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"the own kernels did not build: {cpu_kernels.unavailable_reason()}")
+    torch.manual_seed(5)
+    w, x = torch.randn(64, 128) * 0.05, torch.randn(2, 128)
+    q, scales, zeros = quantize_int4(w)
     got = Int4Linear(w, None, torch.float32)(x)
-    torch.testing.assert_close(got, x @ ref_w.T, atol=_bf16_matmul_tolerance(x, ref_w), rtol=0)
+    q_off = q.clone()
+    q_off[7, 40] = (q_off[7, 40] + 1) % 16  # one nibble of one weight
+    wrong = x.double() @ dequantize_int4(q_off, scales, zeros).double().T
+    assert not within(got, wrong, int4_kernel_tolerance(x, q, scales, zeros))
 
 
 def test_quantised_model_holds_fewer_bytes(int8_kernel):
@@ -159,9 +185,11 @@ def test_which_int8_linears_keep_the_kernels_bf16_output(tiny_factory, family, k
 
 
 def test_unavailable_weights_are_reported_and_not_applied(engine, monkeypatch):
+    import engine.cpu_kernels as cpu_kernels
     import engine.quant as quant
 
     monkeypatch.setattr(quant, "has_op", lambda name: name != "_weight_int4pack_mm_for_cpu")  # an older torch
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)  # and no compiler for the own kernels
     opts = engine.options.with_(weights="int4")
     reasons = engine.unavailable(opts)
     assert reasons["weights"] == "this torch has no aten._weight_int4pack_mm_for_cpu for the CPU"
