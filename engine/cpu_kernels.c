@@ -111,26 +111,29 @@ static inline float dot_q16(const int8_t *w, const int16_t *q, const float *d, i
     return hsum(acc);
 }
 
-/* one int4 group: 16 bytes holding inputs 0..15 in the low nibbles and 16..31 in the high ones (0..15 each),
- * times 32 int16 activations, as eight int32 lane sums (exact) */
+/* one group's 16 bytes widened to 16-bit lanes (lane j holds byte j): its low nibble is input j, its high one
+ * input 16 + j, so a mask and a shift give both halves in order, times the group's 32 int16 activations */
 static inline __m256i madd_q4(const uint8_t *w, const int16_t *q)
 {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i bytes = _mm_loadu_si128((const __m128i *)w);
-    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
+    __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(v, 4);
     return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
 }
 
-/* sum over the whole groups of s[g] * d[block] * (exact sum of q * xq) in eight fp32 lanes */
-static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t ng)
+/* int4 weights of whole activation blocks: a block's two groups in 32 bytes, each group's inputs 0..15 in the low
+ * nibbles of its 16 bytes and 16..31 in the high ones (0..15 each), times the block's 64 int16 activations; each
+ * group's products summed exactly in int32 lanes, scaled by its s[g], the block's pair by d[b], in fp32 */
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t nb)
 {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        _mm_prefetch((const char *)(w + g * 16 + PREFETCH_BYTES), _MM_HINT_T0);
-        __m256i sum = madd_q4(w + g * 16, q + g * 32);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(s[g] * d[g / 2]), acc);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * 32;
+        const int16_t *qb = q + b * QBLOCK;
+        _mm_prefetch((const char *)(wb + PREFETCH_BYTES), _MM_HINT_T0);
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(madd_q4(wb, qb)), _mm256_broadcast_ss(s + 2 * b));
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd_q4(wb + 16, qb + 32)), _mm256_broadcast_ss(s + 2 * b + 1), t);
+        acc = _mm256_fmadd_ps(t, _mm256_broadcast_ss(d + b), acc);
     }
     return hsum(acc);
 }
@@ -163,10 +166,10 @@ static inline float dot_q16(const int8_t *w, const int16_t *q, const float *d, i
     return acc;
 }
 
-static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t ng)
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t nb)
 {
     float acc = 0.0f;
-    for (int64_t g = 0; g < ng; g++) {
+    for (int64_t g = 0; g < 2 * nb; g++) {
         int32_t sum = 0;
         for (int j = 0; j < 16; j++)
             sum += (int32_t)(w[g * 16 + j] & 0x0F) * q[g * 32 + j] + (int32_t)(w[g * 16 + j] >> 4) * q[g * 32 + 16 + j];
@@ -216,6 +219,18 @@ int gapless_int8_linear(const float *x, int64_t m, const int8_t *w, const float 
     return 0;
 }
 
+/* sum_j a[j] * b[j] in eight independent lanes (which the compiler vectorises) */
+static inline float dot8(const float *a, const float *b, int64_t d)
+{
+    float acc[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[j + l] * b[j + l];
+    float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (; j < d; j++) s += a[j] * b[j];
+    return s;
+}
+
 /* Weight-only int4 linear, group-wise with a zero: w[r, k'] = (q - 8) * scale[r, g] + zero[r, g] for the group
  * g = k' / 32, q in 0..15 stored two to a byte (a group's 16 bytes hold its inputs 0..15 in the low nibbles and
  * 16..31 in the high ones). y[i, r] = sum_g scale[r, g] * sum_j (q - 8) x[i, j] + zero[r, g] * sum_j x[i, j]
@@ -229,11 +244,13 @@ int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float
     int64_t nb = k / QBLOCK, ng = k / 32, whole = nb * 2;
     int16_t *q = (int16_t *)malloc((size_t)(m * nb * QBLOCK) * sizeof(int16_t) + 1);
     float *d = (float *)malloc((size_t)(m * nb) * sizeof(float) + 1);
-    float *sums = (float *)malloc((size_t)(m * ng) * 2 * sizeof(float) + 1); /* per group: d * sum xq, sum x */
-    if (!q || !d || !sums) {
+    float *dq = (float *)malloc((size_t)(m * ng) * sizeof(float) + 1); /* a group's d * sum of xq (times -8) */
+    float *xs = (float *)malloc((size_t)(m * ng) * sizeof(float) + 1); /* a group's sum of x (times its zero) */
+    if (!q || !d || !dq || !xs) {
         free(q);
         free(d);
-        free(sums);
+        free(dq);
+        free(xs);
         return -1;
     }
     for (int64_t i = 0; i < m; i++) {
@@ -248,8 +265,8 @@ int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float
                     iq += qi[g * 32 + j];
                 fx += xi[g * 32 + j];
             }
-            sums[(i * ng + g) * 2] = g < whole ? (float)iq * d[i * nb + g / 2] : 0.0f;
-            sums[(i * ng + g) * 2 + 1] = fx;
+            dq[i * ng + g] = g < whole ? -8.0f * (float)iq * d[i * nb + g / 2] : 0.0f;
+            xs[i * ng + g] = fx;
         }
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -257,36 +274,23 @@ int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float
         const uint8_t *wr = w + r * (k / 2);
         const float *sr = scale + r * ng, *zr = zero + r * ng;
         for (int64_t i = 0; i < m; i++) {
-            const float *si = sums + i * ng * 2, *xi = x + i * k;
-            float acc = dot_q4(wr, q + i * nb * QBLOCK, d + i * nb, sr, whole);
-            float fixed = 0.0f;
-            for (int64_t g = 0; g < whole; g++) fixed += zr[g] * si[g * 2 + 1] - 8.0f * sr[g] * si[g * 2];
+            const float *xi = x + i * k;
+            float v = dot_q4(wr, q + i * nb * QBLOCK, d + i * nb, sr, nb) + dot8(sr, dq + i * ng, whole) +
+                      dot8(zr, xs + i * ng, ng);
             for (int64_t g = whole; g < ng; g++) /* the part block: de-quantised, in fp32 */
                 for (int j = 0; j < 16; j++) {
                     const uint8_t b = wr[g * 16 + j];
-                    fixed += (((float)(b & 0x0F) - 8.0f) * sr[g] + zr[g]) * xi[g * 32 + j] +
-                             (((float)(b >> 4) - 8.0f) * sr[g] + zr[g]) * xi[g * 32 + 16 + j];
+                    v += ((float)(b & 0x0F) - 8.0f) * sr[g] * xi[g * 32 + j] +
+                         ((float)(b >> 4) - 8.0f) * sr[g] * xi[g * 32 + 16 + j];
                 }
-            float v = acc + fixed;
             y[i * n + r] = bias ? v + bias[r] : v;
         }
     }
     free(q);
     free(d);
-    free(sums);
+    free(dq);
+    free(xs);
     return 0;
-}
-
-/* sum_j a[j] * b[j] in eight independent lanes (which the compiler vectorises) */
-static inline float dot8(const float *a, const float *b, int64_t d)
-{
-    float acc[8] = {0};
-    int64_t j = 0;
-    for (; j + 8 <= d; j += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[j + l] * b[j + l];
-    float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-    for (; j < d; j++) s += a[j] * b[j];
-    return s;
 }
 
 void gapless_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps)
