@@ -54,27 +54,64 @@ def dequantize_int4(
     return (g * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
 
 
-class _QuantLinear(nn.Module):
-    keep_kernel_dtype = False  # set on the linears of KEEP_KERNEL_DTYPE by quantize_linears
-
-    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The CPU kernel's bf16 output in the activations' dtype, or as it is where its reader promotes it."""
-        return y if self.keep_kernel_dtype and x.dtype == torch.float32 else y.to(x.dtype)
-
-
 def _kernel_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The bias the own kernel adds itself (fp32), or None and the caller adds it."""
     return bias if bias is not None and bias.dtype == torch.float32 else None
 
 
-def _own_kernel(run, x: torch.Tensor, x2: torch.Tensor, bias: Optional[torch.Tensor]):
-    """(y in x's dtype, the bias still to add) from an own CPU kernel's call on x2's rows in fp32, with no no-op
-    casts: on the CPU every call is an op the step dispatches."""
-    xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-    y = run(xf)
-    if x.dtype != torch.float32:
-        y = y.to(x.dtype)
-    return y, None if _kernel_bias(bias) is not None else bias
+class _QuantLinear(nn.Module):
+    keep_kernel_dtype = False  # set on the linears of KEEP_KERNEL_DTYPE by quantize_linears
+    weight: torch.Tensor
+    scales: torch.Tensor
+    bias: Optional[torch.Tensor]
+    in_features: int
+    out_features: int
+    own_kernel: bool
+    _bound: Optional["cpu_kernels.BoundLinear"] = None  # the own kernel's call, checked once
+
+    def cpu_bound(self) -> "cpu_kernels.BoundLinear":
+        """The own kernel's call for these weights (and an fp32 bias), bound once and again if they change."""
+        bias, zeros = _kernel_bias(self.bias), self._buffers.get("zeros")
+        bound = self._bound
+        if bound is None or not bound.holds(self.weight, self.scales, bias) or bound.zeros is not zeros:
+            kernels = cpu_kernels.loaded()
+            assert kernels is not None, "own_kernel is set only where the library loaded"
+            bound = self._bound = kernels.bind(self.weight, self.scales, bias, zeros)
+        return bound
+
+    def _traced(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError  # the own kernel as an opaque op where torch.compile traces
+
+    def _torch(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # torch's kernel on the CPU, de-quantised inside the linear on CUDA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        bias = self.bias
+        if self.own_kernel:
+            y, bias = self._own_kernel(x, x2)
+        else:
+            y = self._torch(x, x2)
+        if bias is not None:
+            y = y + bias
+        return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
+
+    def _own_kernel(self, x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(y in x's dtype, the bias still to add) from the own CPU kernel on x2's rows in fp32, with no no-op
+        casts: on the CPU every call is an op the step dispatches."""
+        xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+        if torch.compiler.is_compiling():
+            y = self._traced(xf, _kernel_bias(self.bias))
+        else:
+            y = self.cpu_bound().run(xf)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y, None if _kernel_bias(self.bias) is not None else self.bias
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The CPU kernel's bf16 output in the activations' dtype, or as it is where its reader promotes it."""
+        return y if self.keep_kernel_dtype and x.dtype == torch.float32 else y.to(x.dtype)
 
 
 class Int8Linear(_QuantLinear):
@@ -92,35 +129,14 @@ class Int8Linear(_QuantLinear):
         scales_dtype = torch.float32 if self.own_kernel else torch.bfloat16 if self.on_cpu else act_dtype
         self.register_buffer("scales", scales.to(scales_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self._bound: Optional[cpu_kernels.BoundLinear] = None  # the own kernel's call, checked once
 
-    def cpu_bound(self) -> "cpu_kernels.BoundLinear":
-        """The own kernel's call for these weights (and an fp32 bias), bound once and again if they change."""
-        bias = _kernel_bias(self.bias)
-        bound = self._bound
-        if bound is None or not bound.holds(self.weight, self.scales, bias):
-            kernels = cpu_kernels.loaded()
-            assert kernels is not None, "own_kernel is set only where the library loaded"
-            bound = self._bound = kernels.bind(self.weight, self.scales, bias)
-        return bound
+    def _traced(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return cpu_kernels.int8_linear(x, self.weight, self.scales, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        bias = self.bias
-        if self.own_kernel:
-            if torch.compiler.is_compiling():
-                run = lambda xf: cpu_kernels.int8_linear(xf, self.weight, self.scales, _kernel_bias(bias))  # noqa: E731
-            else:
-                run = self.cpu_bound().run
-            y, bias = _own_kernel(run, x, x2, bias)
-        elif self.on_cpu:
-            y = self._out(torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales), x)
-        else:
-            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales
-        if bias is not None:
-            y = y + bias
-        return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
+    def _torch(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            return self._out(torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales), x)
+        return F.linear(x2, self.weight.to(x.dtype)) * self.scales
 
 
 class Int4Linear(_QuantLinear):
@@ -137,7 +153,6 @@ class Int4Linear(_QuantLinear):
         self.in_features, self.out_features, self.group = weight.shape[1], weight.shape[0], group
         self.on_cpu = weight.device.type == "cpu"
         self.own_kernel = self.on_cpu and group == cpu_kernels.INT4_GROUP and cpu_kernels.kernel() is not None
-        self._bound: Optional[cpu_kernels.BoundLinear] = None
         if self.own_kernel:  # the own kernel's layout: each group's 32 inputs in 16 bytes, fp32 scales and zeros
             self.register_buffer("weight", cpu_kernels.pack_int4(q))
             self.register_buffer("scales", scales.float().contiguous())
@@ -155,44 +170,18 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("zeros", zeros.to(act_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def cpu_bound(self) -> "cpu_kernels.BoundLinear":
-        """The own kernel's call for these weights (and an fp32 bias), bound once and again if they change."""
-        bias = _kernel_bias(self.bias)
-        bound = self._bound
-        if bound is None or not bound.holds(self.weight, self.scales, bias) or bound.zeros is not self.zeros:
-            kernels = cpu_kernels.loaded()
-            assert kernels is not None, "own_kernel is set only where the library loaded"
-            bound = self._bound = kernels.bind(self.weight, self.scales, bias, self.zeros)
-        return bound
+    def _traced(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return cpu_kernels.int4_linear(x, self.weight, self.scales, self.zeros, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        bias = self.bias
-        if self.own_kernel:
-            if torch.compiler.is_compiling():
-                run = lambda xf: cpu_kernels.int4_linear(  # noqa: E731
-                    xf, self.weight, self.scales, self.zeros, _kernel_bias(bias)
-                )
-            else:
-                run = self.cpu_bound().run
-            y, bias = _own_kernel(run, x, x2, bias)
-        elif self.on_cpu:
-            y = self._out(
-                torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x2.to(torch.bfloat16), self.weight, self.group, self.scales_zeros
-                ),
-                x,
-            )
-        else:
-            q = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=-1).view(self.out_features, -1)
-            n_groups = self.in_features // self.group
-            w = (q.view(self.out_features, n_groups, self.group).to(x.dtype) - 8) * self.scales.unsqueeze(-1)
-            w = (w + self.zeros.unsqueeze(-1)).view(self.out_features, self.in_features)
-            y = F.linear(x2, w)
-        if bias is not None:
-            y = y + bias
-        return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
+    def _torch(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            return self._out(mm(x2.to(torch.bfloat16), self.weight, self.group, self.scales_zeros), x)
+        q = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=-1).view(self.out_features, -1)
+        n_groups = self.in_features // self.group
+        w = (q.view(self.out_features, n_groups, self.group).to(x.dtype) - 8) * self.scales.unsqueeze(-1)
+        w = (w + self.zeros.unsqueeze(-1)).view(self.out_features, self.in_features)
+        return F.linear(x2, w)
 
 
 QUANTISED_LINEARS = (Int8Linear, Int4Linear)

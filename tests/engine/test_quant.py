@@ -275,3 +275,25 @@ def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_
         assert {1, 3} <= rows_per_call and max(rows_per_call) > 3  # decode, candidates, prefill and verify rows
     else:  # torch's packed kernel makes no such promise; the first token comes from the same prompt logits
         assert all(r[0] == plain[0] for r in rows)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_the_own_kernels_traced_call_gives_the_eager_result(cls, monkeypatch):
+    """Where torch.compile traces, a quantised linear calls its own kernel as an opaque custom op; called as that op
+    (outside a compile, which takes minutes on a CPU) it gives the direct call's result bit for bit, bias included."""
+    import engine.cpu_kernels as cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"the own kernels did not build: {cpu_kernels.unavailable_reason()}")
+    torch.manual_seed(3)
+    lin = cls(torch.randn(96, 128) * 0.05, torch.randn(96), torch.float32)
+    x = torch.randn(3, 128)
+    direct = lin(x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    ops = []
+    for name in ("_int8_linear_op", "_int4_linear_op"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _real=real, _name=name: ops.append(_name) or _real(*a))
+    traced = lin(x)
+    assert ops == ["_int8_linear_op" if cls is Int8Linear else "_int4_linear_op"]
+    assert torch.equal(traced, direct)
