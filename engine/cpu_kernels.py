@@ -308,14 +308,22 @@ class BoundLinear:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self._args = (weight.data_ptr(), scales.data_ptr(), ptr(zeros), ptr(bias))
 
-    def holds(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    def holds(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        zeros: Optional[torch.Tensor] = None,
+    ) -> bool:
         """Whether these are the tensors it was bound to, with their memory where it was."""
         return (
             weight is self.weight
             and scales is self.scales
             and bias is self.bias
+            and zeros is self.zeros
             and weight.data_ptr() == self._args[0]
             and scales.data_ptr() == self._args[1]
+            and (zeros is None or zeros.data_ptr() == self._args[2])
         )
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
@@ -424,7 +432,7 @@ def kernel() -> Optional[CpuKernels]:
                 _loaded = _load()
             except KernelUnavailable as e:
                 _reason = str(e)
-                log.info("CPU int8 kernel unavailable: %s", e)
+                log.info("the own CPU kernels are unavailable: %s", e)
         return _loaded
 
 

@@ -1,9 +1,10 @@
 """Weight-only quantised linears: int8 with one scale per output channel, int4 with a scale and a zero per group
 of INT4_GROUP inputs. The activations stay in floating point; the matmul reads the quantised weights.
 
-CPU: int8 through the project's own GEMV (engine/cpu_kernels.c: activations rounded to int16 in blocks of 64,
-exact integer products, streamed int8 weights), or where it cannot be built torch's packed `aten._weight_int8pack_mm` fed bf16 activations (with fp32 ones it was 8x slower,
-measured on this project's CPU); int4 through `aten._weight_int4pack_mm_for_cpu`, fed bf16.
+CPU: the project's own int8 and int4 GEMVs (engine/cpu_kernels.c: activations rounded to int16 in blocks of 64,
+exact integer products, the weights streamed as stored), or where they cannot be built torch's packed
+`aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` fed bf16 activations (with fp32 ones the int8
+one was 8x slower, measured on this project's CPU).
 CUDA: gpt-fast's form, the weight de-quantised inside the linear (`F.linear(x, w_int8.to(x.dtype)) * scales`),
 which inductor fuses into the GEMV under compile; written from that construction, not yet run on a GPU here.
 """
@@ -73,7 +74,7 @@ class _QuantLinear(nn.Module):
         """The own kernel's call for these weights (and an fp32 bias), bound once and again if they change."""
         bias, zeros = _kernel_bias(self.bias), self._buffers.get("zeros")
         bound = self._bound
-        if bound is None or not bound.holds(self.weight, self.scales, bias) or bound.zeros is not zeros:
+        if bound is None or not bound.holds(self.weight, self.scales, bias, zeros):
             kernels = cpu_kernels.loaded()
             assert kernels is not None, "own_kernel is set only where the library loaded"
             bound = self._bound = kernels.bind(self.weight, self.scales, bias, zeros)

@@ -35,7 +35,7 @@ def int4_kernel_tolerance(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
     group = k // scales.shape[1]
     s = scales.double().repeat_interleave(group, dim=1)
     scaled = (q.double() - 8).abs() * s  # [n, k]
-    mass = scaled + zeros.double().abs().repeat_interleave(group, dim=1) + 8 * s
+    mass = scaled + zeros.double().abs().repeat_interleave(group, dim=1) + 16 * s  # q * s and the -8 * s apart
     bound = 16 * 2**-24 * (x.abs() @ mass.T) + 1e-7
     nb = k // QBLOCK
     if nb:

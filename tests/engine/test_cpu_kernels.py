@@ -251,6 +251,18 @@ def test_the_portable_loop_a_cpu_without_avx2_builds(tmp_path):
     assert _within(got, _reference(x, q, scales, bias), _tolerance(x, q, scales))
     alone = torch.cat([portable.linear(x[i : i + 1].contiguous(), q, scales, bias) for i in range(4)])
     assert torch.equal(got, alone)
+    from int8_bounds import int4_kernel_tolerance
+
+    from engine.quant import dequantize_int4, quantize_int4
+
+    for k in (96, 128):  # 96: a group past the last whole activation block
+        q4, s4, z4 = quantize_int4(torch.randn(40, k) * 0.05)
+        x4 = torch.randn(3, k)
+        got4 = portable.linear4(x4, cpu_kernels.pack_int4(q4), s4, z4, None)
+        want4 = x4.double() @ dequantize_int4(q4, s4, z4).double().T
+        assert _within(got4, want4, int4_kernel_tolerance(x4, q4, s4, z4))
+        rows = [portable.linear4(x4[i : i + 1].contiguous(), cpu_kernels.pack_int4(q4), s4, z4, None) for i in range(3)]
+        assert torch.equal(got4, torch.cat(rows))
 
 
 @needs_kernel
@@ -418,16 +430,17 @@ def _prefill_step_verify(model, ids):
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama-odd", "qwen2-int4"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama-odd", "qwen2-int4", "llama-odd-int4"])
 def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkeypatch):
     """Llama-shaped int8 layers run as one call each; the logits agree with the layer's ops run one by one within
     fp32 rounding, and the first layer's cache (before any attention) is written bit for bit alike. Qwen3's q/k
     norms are not in the kernel: its layers run as modules. "llama-odd": the heads wider than the model (q size
     128 against 64) and an MLP of 96, so no width is the one the scratch rows were sized by and the down
     projection's inputs end in a part block."""
-    odd = family == "llama-odd"
+    odd = family.startswith("llama-odd")
     if odd:
-        model = _int8_model(tiny_factory, "llama", head_dim=32, intermediate_size=96)
+        fmt = "int4" if family.endswith("int4") else "int8"
+        model = _int8_model(tiny_factory, "llama", fmt, head_dim=32, intermediate_size=96)
     elif family == "qwen2-int4":  # int4 linears (with q/k/v biases) in the same layer kernel
         model = _int8_model(tiny_factory, "qwen2", fmt="int4")
     else:

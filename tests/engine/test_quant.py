@@ -297,3 +297,10 @@ def test_the_own_kernels_traced_call_gives_the_eager_result(cls, monkeypatch):
     traced = lin(x)
     assert ops == ["_int8_linear_op" if cls is Int8Linear else "_int4_linear_op"]
     assert torch.equal(traced, direct)
+    monkeypatch.undo()
+    op, args = (
+        (cpu_kernels._int8_linear_op, (x, lin.weight, lin.scales, lin.bias))
+        if cls is Int8Linear
+        else (cpu_kernels._int4_linear_op, (x, lin.weight, lin.scales, lin.zeros, lin.bias))
+    )
+    torch.library.opcheck(op, args)  # its fake (what compile traces with) agrees with the op
