@@ -308,22 +308,12 @@ class BoundLinear:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self._args = (weight.data_ptr(), scales.data_ptr(), ptr(zeros), ptr(bias))
 
-    def holds(
-        self,
-        weight: torch.Tensor,
-        scales: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        zeros: Optional[torch.Tensor] = None,
-    ) -> bool:
-        """Whether these are the tensors it was bound to, with their memory where it was."""
-        return (
-            weight is self.weight
-            and scales is self.scales
-            and bias is self.bias
-            and zeros is self.zeros
-            and weight.data_ptr() == self._args[0]
-            and scales.data_ptr() == self._args[1]
-            and (zeros is None or zeros.data_ptr() == self._args[2])
+    def holds(self, *tensors: Optional[torch.Tensor]) -> bool:
+        """Whether (weight, scales, bias[, zeros]) are the tensors it was bound to, with their memory where it was."""
+        given = tensors + (None,) * (4 - len(tensors))
+        w, s, z, b = self._args
+        return all(a is m for a, m in zip(given, (self.weight, self.scales, self.bias, self.zeros))) and all(
+            t is None or t.data_ptr() == p for t, p in zip(given, (w, s, b, z))
         )
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
