@@ -153,7 +153,7 @@ class CpuKernels:
         self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
     ) -> torch.Tensor:
         """x [m, k] fp32 contiguous, weight [n, k] int8, scales [n] fp32, bias [n] fp32 or None -> y [m, n] fp32."""
-        return self._linear(x, weight, scales, bias)
+        return self.bind(weight, scales, bias).run(x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dimension; x and weight fp32, contiguous."""
@@ -204,11 +204,6 @@ class CpuKernels:
         with _marked(ROPE_OP_NAME):
             self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), b, t, heads, d)
         return out
-
-    def _linear(
-        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]
-    ) -> torch.Tensor:
-        return self.bind(weight, scales, bias).run(x)
 
     def bind(
         self,

@@ -11,6 +11,7 @@ which inductor fuses into the GEMV under compile; written from that construction
 
 from __future__ import annotations
 
+import abc
 from typing import Optional
 
 import torch
@@ -60,7 +61,7 @@ def _kernel_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return bias if bias is not None and bias.dtype == torch.float32 else None
 
 
-class _QuantLinear(nn.Module):
+class _QuantLinear(nn.Module, metaclass=abc.ABCMeta):
     keep_kernel_dtype = False  # set on the linears of KEEP_KERNEL_DTYPE by quantize_linears
     weight: torch.Tensor
     scales: torch.Tensor
@@ -80,11 +81,13 @@ class _QuantLinear(nn.Module):
             bound = self._bound = kernels.bind(self.weight, self.scales, bias, zeros)
         return bound
 
+    @abc.abstractmethod
     def _traced(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError  # the own kernel as an opaque op where torch.compile traces
+        """The own kernel as an opaque custom op, where torch.compile traces."""
 
+    @abc.abstractmethod
     def _torch(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError  # torch's kernel on the CPU, de-quantised inside the linear on CUDA
+        """torch's kernel on the CPU, the weight de-quantised inside the linear on CUDA."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
