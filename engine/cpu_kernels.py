@@ -87,8 +87,9 @@ def _marked(name: str) -> contextlib.AbstractContextManager:
 
 
 class CpuKernels:
-    """The loaded library: `linear(x, weight, scales, bias)`, the int8 linear for fp32 activations of any number of
-    rows, and `rms_norm(x, weight, eps)`."""
+    """The loaded library: `bind` (an int8 or int4 linear, checked once) with `linear` and `linear4` that bind and
+    run at once, for fp32 activations of any number of rows; `rms_norm`, `silu_mul`, `rope`; and `bind_layer` for a
+    whole decoder layer, run by `run_layers`."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, flags: tuple[str, ...]):
         self.path, self.flags = path, flags
