@@ -20,8 +20,9 @@
  * gapless_silu_mul: the gated MLP's silu(gate) * up from the fused gate/up projection's rows, one call for three.
  * gapless_rope: rotary embedding of the fused projection's q and k heads straight into [B, H, T, D], one call for
  * the view, transpose, roll, two multiplies and the add, with the same roundings (no contraction into FMAs).
- * gapless_decoder_layer: a whole Llama-shaped decoder layer with int8 or int4 weights over a static KV cache, one call
- * (these kernels, the cache writes and the attention) where the eager step made about thirty.
+ * gapless_decoder_layer: a whole decoder layer (Llama's shape, with Qwen3's q/k norms and Gemma-3's norms, GELU and
+ * sliding windows where a layer has them) with int8 or int4 weights over a static KV cache, one call (these
+ * kernels, the cache writes and the attention) where the eager step made about thirty.
  *
  * Built on first use with the machine's C compiler (-O3 -march=native -fopenmp) and loaded with ctypes; the
  * OpenMP runtime is the one torch has loaded (same soname), so the threads are torch's. */
@@ -293,14 +294,21 @@ int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float
     return 0;
 }
 
-void gapless_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps)
+/* y[i, :] = (w + offset) * (x[i, :] * r), r = 1 / sqrt(mean(x[i, :]^2) + eps); y may be x. offset is 0, or 1 for
+ * Gemma's norms, whose weight is stored as an offset from 1 (w + 0 is w, so the plain norm's roundings stay). */
+static void rms_norm_rows(const float *x, const float *w, float offset, float *y, int64_t m, int64_t d, float eps)
 {
     for (int64_t i = 0; i < m; i++) {
         const float *xi = x + i * d;
         float *yi = y + i * d;
         float r = 1.0f / sqrtf(dot8(xi, xi, d) / (float)d + eps);
-        for (int64_t j = 0; j < d; j++) yi[j] = w[j] * (xi[j] * r);
+        for (int64_t j = 0; j < d; j++) yi[j] = (w[j] + offset) * (xi[j] * r);
     }
+}
+
+void gapless_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps)
+{
+    rms_norm_rows(x, w, 0.0f, y, m, d, eps);
 }
 
 void gapless_silu_mul(const float *x, int64_t ldx, float *y, int64_t m, int64_t inter)
@@ -309,6 +317,20 @@ void gapless_silu_mul(const float *x, int64_t ldx, float *y, int64_t m, int64_t 
         const float *g = x + i * ldx, *u = g + inter;
         float *yi = y + i * inter;
         for (int64_t j = 0; j < inter; j++) yi[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* gelu(gate) * up with the tanh approximation (Gemma's gelu_pytorch_tanh), as gapless_silu_mul lays out its rows */
+static void gelu_tanh_mul(const float *x, int64_t ldx, float *y, int64_t m, int64_t inter)
+{
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = x + i * ldx, *u = g + inter;
+        float *yi = y + i * inter;
+        for (int64_t j = 0; j < inter; j++) {
+            float a = g[j];
+            yi[j] = 0.5f * a * (1.0f + tanhf(beta * (a + kappa * a * a * a))) * u[j];
+        }
     }
 }
 
@@ -343,15 +365,30 @@ void gapless_rope(const float *x, int64_t ldx, const float *cos, const float *si
 /* One decoder layer of a Llama-shaped model (RMSNorm, fused QKV with optional bias, RoPE, grouped-query attention
  * over a static KV cache, O projection, RMSNorm, fused gate/up, SiLU-mul, down projection, both residual adds) on
  * fp32 activations with int8 or int4 weights, in one call where the eager step dispatched about twenty ops and nine
- * module calls a layer. x [B * T, dim] is the residual stream, updated in place. The new keys and values are
- * written into the cache k, v [B, Hkv, L, D] at pos[t]; query t attends to the cache positions s <= pos[t] with
- * s < attn_len, which is what every caller's mask (or causal prefill) says. Each row's result is computed alone
- * (the GEMVs as gapless_int8_linear, attention per query), so it does not depend on how many rows run. */
+ * module calls a layer; with `ex`, Qwen3's and Gemma-3's layers too (struct gapless_layer_extra). x [B * T, dim]
+ * is the residual stream, updated in place. The new keys and values are written into the cache k, v
+ * [B, Hkv, L, D] at pos[t]; query t attends to the cache positions s <= pos[t] with s < attn_len (and
+ * s > pos[t] - window in a sliding-window layer), which is what every caller's mask (or causal prefill) says.
+ * Each row's result is computed alone (the GEMVs as gapless_int8_linear, attention per query), so it does not
+ * depend on how many rows run. */
 struct gapless_q8 {
     const void *w;     /* int8 [n, k], or int4 [n, k / 2] where zero is set */
     const float *scale; /* [n] for int8, [n, k / 32] for int4 */
     const float *zero;  /* NULL for int8, [n, k / 32] for int4 */
     const float *bias;  /* [n] or NULL */
+};
+
+/* What a layer has beyond Llama's: Qwen3's and Gemma-3's RMSNorm over each head of q and k before RoPE, Gemma-3's
+ * norms on the attention's and the MLP's outputs before each joins the residual stream, its norms scaling by
+ * 1 + weight, its tanh GELU, and its sliding-window layers (a query sees the last `window` positions). */
+struct gapless_layer_extra {
+    const float *q_norm;        /* [D] or NULL */
+    const float *k_norm;        /* [D] or NULL (set with q_norm) */
+    const float *post_attn_norm; /* [dim] or NULL */
+    const float *post_ffn_norm;  /* [dim] or NULL */
+    float norm_offset;           /* 0, or 1 (Gemma) */
+    int gelu;                    /* 0: SiLU, 1: tanh GELU */
+    int64_t window;              /* 0: every earlier position */
 };
 
 static int qlinear(const struct gapless_q8 *l, const float *x, int64_t m, float *y, int64_t n, int64_t k, int threads)
@@ -364,11 +401,13 @@ static int qlinear(const struct gapless_q8 *l, const float *x, int64_t m, float 
 int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos, int64_t attn_len, int64_t dim,
                           int64_t h_n, int64_t hkv_n, int64_t d, int64_t inter, const float *norm1,
                           const float *norm2, float eps, const struct gapless_q8 *qkv, const struct gapless_q8 *o,
-                          const struct gapless_q8 *gate_up, const struct gapless_q8 *down, const float *cos,
-                          const float *sin_signed, float *kc, float *vc, int64_t cache_len, float scale, int threads)
+                          const struct gapless_q8 *gate_up, const struct gapless_q8 *down,
+                          const struct gapless_layer_extra *ex, const float *cos, const float *sin_signed, float *kc,
+                          float *vc, int64_t cache_len, float scale, int threads)
 {
     int64_t m = b_n * t_n, qs = h_n * d, kvs = hkv_n * d, nqkv = qs + 2 * kvs;
     int64_t big = nqkv > 2 * inter ? nqkv : 2 * inter;
+    float off = ex->norm_offset;
     float *h = (float *)malloc((size_t)(m * (dim > qs ? dim : qs)) * sizeof(float));
     float *proj = (float *)malloc((size_t)(m * big) * sizeof(float));
     float *att = (float *)malloc((size_t)(m * (qs > inter ? qs : inter)) * sizeof(float));
@@ -378,14 +417,20 @@ int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos
         if (pos[t] < 0 || pos[t] >= cache_len)
             failed = 2;
     if (!failed) {
-        gapless_rms_norm(x, norm1, h, m, dim, eps);
+        rms_norm_rows(x, norm1, off, h, m, dim, eps);
         failed = qlinear(qkv, h, m, proj, nqkv, dim, threads);
     }
     if (!failed) {
-        /* q heads rotated into att as [B * T, H * D] scratch, k rotated and v copied into the cache */
+        /* q heads rotated into att as [B * T, H * D] scratch, k rotated and v copied into the cache; with q/k
+         * norms, each head of q and k is normalised in place in the projection's row first */
         for (int64_t b = 0; b < b_n; b++)
             for (int64_t t = 0; t < t_n; t++) {
-                const float *row = proj + (b * t_n + t) * nqkv, *c = cos + t * d, *sn = sin_signed + t * d;
+                float *row = proj + (b * t_n + t) * nqkv;
+                const float *c = cos + t * d, *sn = sin_signed + t * d;
+                if (ex->q_norm) {
+                    rms_norm_rows(row, ex->q_norm, off, row, h_n, d, eps);
+                    rms_norm_rows(row + qs, ex->k_norm, off, row + qs, hkv_n, d, eps);
+                }
                 for (int64_t hh = 0; hh < h_n; hh++) rope_head(row + hh * d, c, sn, att + (b * t_n + t) * qs + hh * d, d);
                 for (int64_t g = 0; g < hkv_n; g++) {
                     float *kd = kc + ((b * hkv_n + g) * cache_len + pos[t]) * d;
@@ -408,22 +453,23 @@ int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos
                         continue;
                     int64_t b = r / t_n, t = r % t_n, g = hh / group;
                     int64_t keys = pos[t] + 1 < attn_len ? pos[t] + 1 : attn_len;
+                    int64_t first = ex->window > 0 && pos[t] - ex->window + 1 > 0 ? pos[t] - ex->window + 1 : 0;
                     const float *q = att + r * qs + hh * d;
                     const float *kb = kc + (b * hkv_n + g) * cache_len * d, *vb = vc + (b * hkv_n + g) * cache_len * d;
                     float *y = h + r * qs + hh * d;
                     float top = -INFINITY, total = 0.0f;
-                    for (int64_t s = 0; s < keys; s++) {
+                    for (int64_t s = first; s < keys; s++) {
                         p[s] = dot8(q, kb + s * d, d) * scale;
                         top = p[s] > top ? p[s] : top;
                     }
                     for (int64_t j = 0; j < d; j++) y[j] = 0.0f;
-                    for (int64_t s = 0; s < keys; s++) {
+                    for (int64_t s = first; s < keys; s++) {
                         float e = expf(p[s] - top);
                         total += e;
                         const float *v = vb + s * d;
                         for (int64_t j = 0; j < d; j++) y[j] += e * v[j];
                     }
-                    float inv = keys > 0 ? 1.0f / total : 0.0f;
+                    float inv = keys > first ? 1.0f / total : 0.0f;
                     for (int64_t j = 0; j < d; j++) y[j] *= inv;
                 }
             free(p);
@@ -432,16 +478,24 @@ int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos
     if (!failed)
         failed = qlinear(o, h, m, out, dim, qs, threads);
     if (!failed) {
+        if (ex->post_attn_norm)
+            rms_norm_rows(out, ex->post_attn_norm, off, out, m, dim, eps);
         for (int64_t i = 0; i < m * dim; i++) x[i] += out[i];
-        gapless_rms_norm(x, norm2, h, m, dim, eps);
+        rms_norm_rows(x, norm2, off, h, m, dim, eps);
         failed = qlinear(gate_up, h, m, proj, 2 * inter, dim, threads);
     }
     if (!failed) {
-        gapless_silu_mul(proj, 2 * inter, att, m, inter);
+        if (ex->gelu)
+            gelu_tanh_mul(proj, 2 * inter, att, m, inter);
+        else
+            gapless_silu_mul(proj, 2 * inter, att, m, inter);
         failed = qlinear(down, att, m, out, dim, inter, threads);
     }
-    if (!failed)
+    if (!failed) {
+        if (ex->post_ffn_norm)
+            rms_norm_rows(out, ex->post_ffn_norm, off, out, m, dim, eps);
         for (int64_t i = 0; i < m * dim; i++) x[i] += out[i];
+    }
     free(h);
     free(proj);
     free(att);

@@ -7,8 +7,9 @@ torch's packed kernel (`aten._weight_int8pack_mm`) streamed the default model's 
 here rounds each activation row to int16 in blocks of 64 (one fp32 scale a block) and sums a block's products
 exactly in int32, a third of the instructions per weight of widening every weight to fp32. The small kernels are
 one call each where torch dispatches three to six ops (the eager CPU step is bound by its op count as much as by
-its matmuls), and the layer kernel runs a Llama-shaped layer (norms, projections, RoPE, the cache writes, the
-grouped-query attention, the residual adds) in one call; GAPLESS_CPU_LAYER=0 runs it op by op, to compare. Where
+its matmuls), and the layer kernel runs a decoder layer (norms, projections, RoPE, the cache writes, the
+grouped-query attention, the residual adds; Qwen3's q/k norms and Gemma-3's norms, GELU and sliding windows where a
+layer has them) in one call; GAPLESS_CPU_LAYER=0 runs it op by op, to compare. Where
 the library cannot be built (no compiler, a failed build, not allowed by GAPLESS_CPU_KERNELS=0),
 `unavailable_reason()` says why and torch's ops run.
 
@@ -67,6 +68,21 @@ class _Q8(ctypes.Structure):
     ]
 
 
+class _Extra(ctypes.Structure):
+    """struct gapless_layer_extra: q/k norms, Gemma's post norms (each NULL where the layer has none), the norms'
+    weight offset (1 for Gemma's), tanh GELU for SiLU, and a sliding layer's window (0: none)."""
+
+    _fields_ = [
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("post_attn_norm", ctypes.c_void_p),
+        ("post_ffn_norm", ctypes.c_void_p),
+        ("norm_offset", ctypes.c_float),
+        ("gelu", ctypes.c_int),
+        ("window", ctypes.c_int64),
+    ]
+
+
 def layer_allowed() -> bool:
     """Whether the whole-layer kernel may run (it can be switched off to compare with the per-op kernels)."""
     return os.environ.get(LAYER_SWITCH_ENV, "1") != "0"
@@ -122,6 +138,7 @@ class CpuKernels:
             *[ctypes.c_void_p] * 2,  # norms
             ctypes.c_float,  # eps
             *[ctypes.POINTER(_Q8)] * 4,  # qkv, o, gate/up, down
+            ctypes.POINTER(_Extra),  # q/k norms, post norms, norm offset, GELU, window
             *[ctypes.c_void_p] * 4,  # cos, sin_signed, k cache, v cache
             ctypes.c_int64,  # cache length
             ctypes.c_float,  # attention scale
@@ -259,10 +276,17 @@ class CpuKernels:
         linears: tuple["BoundLinear", ...],
         heads: tuple[int, int, int],
         scale: float,
+        qk_norms: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        post_norms: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        norm_offset: float = 0.0,
+        gelu: bool = False,
+        window: int = 0,
     ) -> "BoundDecoderLayer":
-        """A Llama-shaped decoder layer's weights for gapless_decoder_layer, checked once and held: its two norms'
-        weights, its bound int8 or int4 linears qkv, o, gate/up and down, (heads, kv heads, head dim) and the
-        attention scale."""
+        """A decoder layer's weights for gapless_decoder_layer, checked once and held: its two norms' weights, its
+        bound int8 or int4 linears qkv, o, gate/up and down, (heads, kv heads, head dim) and the attention scale;
+        where the layer has them, its q and k norms' weights [head dim] (Qwen3, Gemma-3), the norms after the
+        attention and the MLP [dim] (Gemma-3), the offset every norm adds to its weight (1 for Gemma's), the tanh
+        GELU in place of SiLU and a sliding window of positions (0: none)."""
         h, hkv, d = heads
         qkv, o, gu, down = linears
         dim, inter = norms[0].numel(), down.k
@@ -270,6 +294,9 @@ class CpuKernels:
             h % hkv == 0
             and norms[1].numel() == dim
             and all(_readable(n, torch.float32) for n in norms)
+            and all(_readable(n, torch.float32, d) for n in qk_norms or ())
+            and all(_readable(n, torch.float32, dim) for n in post_norms or ())
+            and window >= 0
             and (qkv.n, qkv.k) == ((h + 2 * hkv) * d, dim)
             and (o.n, o.k) == (dim, h * d)
             and (gu.n, gu.k) == (2 * inter, dim)
@@ -277,11 +304,17 @@ class CpuKernels:
         )
         if not shapes_ok:
             raise ValueError(
-                f"decoder layer kernel arguments: norms {[tuple(n.shape) for n in norms]}, linears "
-                f"{[(lin.n, lin.k) for lin in linears]} for {h} heads, {hkv} kv heads of {d}: want a Llama-"
-                "shaped layer with fp32 norms on the CPU"
+                f"decoder layer kernel arguments: norms {[tuple(n.shape) for n in norms]}, q/k norms "
+                f"{[tuple(n.shape) for n in qk_norms or ()]}, post norms {[tuple(n.shape) for n in post_norms or ()]}, "
+                f"linears {[(lin.n, lin.k) for lin in linears]} for {h} heads, {hkv} kv heads of {d}, window {window}: "
+                "want a Llama-shaped layer with fp32 norms on the CPU"
             )
-        return BoundDecoderLayer(self._layer, norms, eps, list(linears), (dim, h, hkv, d, inter), scale)
+        ptr = lambda pair, i: None if pair is None else pair[i].data_ptr()  # noqa: E731
+        extra = _Extra(
+            ptr(qk_norms, 0), ptr(qk_norms, 1), ptr(post_norms, 0), ptr(post_norms, 1), norm_offset, int(gelu), window
+        )
+        held = norms + (qk_norms or ()) + (post_norms or ())
+        return BoundDecoderLayer(self._layer, held, eps, list(linears), (dim, h, hkv, d, inter), scale, extra)
 
 
 class BoundLinear:
@@ -337,10 +370,16 @@ class BoundLinear:
 class BoundDecoderLayer:
     """A decoder layer bound for gapless_decoder_layer; run_layers runs a list of them on a step's tensors."""
 
-    def __init__(self, fn, norms, eps: float, linears: list[BoundLinear], dims: tuple[int, ...], scale: float):
+    def __init__(
+        self, fn, norms, eps: float, linears: list[BoundLinear], dims: tuple[int, ...], scale: float, extra: _Extra
+    ):
+        # norms: the two the layer always has first, then any others the extra's pointers were taken from (held so
+        # their memory stays while it is called)
         self._fn, self.norms, self.eps, self.linears, self.dims, self.scale = fn, norms, eps, linears, dims, scale
+        self.extra, self.window, self.gelu = extra, extra.window, bool(extra.gelu)
         self._q8 = [_Q8(*lin._args) for lin in linears]
         self._q8_refs = [ctypes.byref(q) for q in self._q8]
+        self._extra_ref = ctypes.byref(extra)
 
 
 def run_layers(
@@ -354,24 +393,26 @@ def run_layers(
     sin_signed: torch.Tensor,
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
+    local: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """The layers one after another on the residual stream x [b * t, dim] (updated in place), layer i writing its
-    keys and values into k_caches[i], v_caches[i] at the positions `pos`. The step's tensors are checked once,
+    keys and values into k_caches[i], v_caches[i] at the positions `pos`. A sliding-window layer takes the rope
+    tables `local` (cos, sin_signed) where given (Gemma-3's local rope base). The step's tensors are checked once,
     each layer's cache and sizes before its call, so C never reads past what it was given."""
+    tables = [(cos, sin_signed)] + ([] if local is None else [local])
     shared_ok = (
-        all(_readable(a, torch.float32) for a in (x, cos, sin_signed))
+        all(_readable(a, torch.float32) for a in (x, *(a for pair in tables for a in pair)))
         and _readable(pos, torch.int64)
         and x.dim() == 2
         and x.shape[0] == b * t
         and pos.shape == (t,)
-        and cos.dim() == 2
-        and cos.shape == sin_signed.shape
-        and cos.shape[0] == t
+        and all(c.dim() == 2 and c.shape == s.shape == cos.shape and c.shape[0] == t for c, s in tables)
         and len(k_caches) == len(v_caches) == len(layers)
     )
     threads = torch.get_num_threads()
     for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
         dim, h, hkv, d, inter = layer.dims
+        c, s = tables[-1] if layer.window else tables[0]
         length = k_cache.shape[2] if k_cache.dim() == 4 else -1
         cache_shape = (b, hkv, length, d)
         if not (
@@ -392,9 +433,8 @@ def run_layers(
         with _marked(LAYER_OP_NAME):
             rc = layer._fn(
                 x.data_ptr(), b, t, pos.data_ptr(), attn_len, dim, h, hkv, d, inter,
-                layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), layer.eps, qkv, o, gu, down,
-                cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), length, layer.scale,
-                threads,
+                layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), layer.eps, qkv, o, gu, down, layer._extra_ref,
+                c.data_ptr(), s.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), length, layer.scale, threads,
             )  # fmt: skip
         if rc == -2:
             raise ValueError(f"decoder layer kernel: a position outside the {length}-position cache")
@@ -447,7 +487,7 @@ def describe(fmt: str = "int8") -> str:
         return f"aten.{op} ({_reason})"
     if not layer_allowed():
         return f"{k.gemv(fmt)}; layers op by op ({LAYER_SWITCH_ENV}=0)"
-    return f"{k.gemv(fmt)}; a Llama-shaped layer as one call in eager fp32 steps on a static cache"
+    return f"{k.gemv(fmt)}; each decoder layer as one call in eager fp32 steps on a static cache"
 
 
 class KernelUnavailable(RuntimeError):

@@ -431,14 +431,14 @@ class Block(nn.Module):
 
     def cpu_layer(self, kernels: "cpu_kernels.CpuKernels") -> Optional["cpu_kernels.BoundDecoderLayer"]:
         """This layer bound for the whole-layer CPU kernel (gapless_decoder_layer), or None where the kernel does
-        not cover it: Llama-shaped layers (no q/k norms, no sliding window, no Gemma norms, SiLU) whose four
-        linears are int8 or int4 on the own kernels."""
+        not cover it: layers whose four linears are int8 or int4 on the own kernels, in Llama's shape or with
+        Qwen3's q/k norms or Gemma-3's norms, GELU and sliding window."""
         if self._cpu_refs is not None and self._cpu_refs.hold():
             return self._cpu_bound
         bound = self._cpu_bound = self._bind_cpu_layer(kernels)
         att, ffn = self.attention, self.feed_forward
         linears = (att.wqkv, att.wo, ffn.w13, ffn.w2)
-        norms = (self.attention_norm, self.ffn_norm)
+        norms = self._norms()
         settings = (
             (self, ("post_attention_norm", "post_ffn_norm")),
             (att, ("q_norm", "k_norm", "window", "scale", "n_heads", "n_kv_heads", "head_dim")),
@@ -449,20 +449,28 @@ class Block(nn.Module):
         self._cpu_refs = _Refs((self, att, ffn), settings, norms + linears)
         return bound
 
+    def _norms(self) -> tuple[RMSNorm, ...]:
+        """The layer's norms: the two every layer has, then q/k's and the post norms where it has them."""
+        att = self.attention
+        extra = (att.q_norm, att.k_norm, self.post_attention_norm, self.post_ffn_norm)
+        return (self.attention_norm, self.ffn_norm, *(n for n in extra if n is not None))
+
     def _bind_cpu_layer(self, kernels: "cpu_kernels.CpuKernels") -> Optional["cpu_kernels.BoundDecoderLayer"]:
         from engine.quant import Int4Linear, Int8Linear
 
         att, ffn = self.attention, self.feed_forward
         linears = (att.wqkv, att.wo, ffn.w13, ffn.w2)
+        norms = self._norms()
+        kind = type(self.attention_norm)
+        qk = (att.q_norm, att.k_norm)
+        post = (self.post_attention_norm, self.post_ffn_norm)
         if (
-            self.post_attention_norm is not None
-            or self.post_ffn_norm is not None
-            or att.q_norm is not None
-            or att.window is not None
-            or ffn.gelu
-            or type(self.attention_norm) is not RMSNorm
-            or type(self.ffn_norm) is not RMSNorm
-            or self.attention_norm.eps != self.ffn_norm.eps  # the kernel takes one eps for both
+            kind not in (RMSNorm, GemmaRMSNorm)
+            or any(type(n) is not kind or n.eps != self.attention_norm.eps for n in norms)  # the kernel takes one
+            or (qk[0] is None) != (qk[1] is None)
+            or (post[0] is None) != (post[1] is None)
+            or ffn.gelu != (kind is GemmaRMSNorm)  # the kernel's GELU is Gemma's, its SiLU Llama's
+            or (att.window is not None and att.window < 1)
         ):
             return None
         quantised = [
@@ -471,12 +479,23 @@ class Block(nn.Module):
         own = [lin for lin in quantised if lin.own_kernel]
         if len(own) != len(linears) or any(lin.bias is not None and lin.bias.dtype != torch.float32 for lin in own):
             return None
-        norms = (self.attention_norm.weight, self.ffn_norm.weight)
         scale = att.scale if att.scale is not None else att.head_dim**-0.5
         heads = (att.n_heads, att.n_kv_heads, att.head_dim)
+        weights = lambda pair: None if pair[0] is None else (pair[0].weight, pair[1].weight)  # noqa: E731
         try:
             parts = tuple(lin.cpu_bound() for lin in own)  # each checked as its own kernel call checks it
-            return kernels.bind_layer(norms, self.attention_norm.eps, parts, heads, scale)
+            return kernels.bind_layer(
+                (self.attention_norm.weight, self.ffn_norm.weight),
+                self.attention_norm.eps,
+                parts,
+                heads,
+                scale,
+                qk_norms=weights(qk),
+                post_norms=weights(post),
+                norm_offset=1.0 if kind is GemmaRMSNorm else 0.0,
+                gelu=ffn.gelu,
+                window=att.window or 0,
+            )
         except ValueError as exc:  # tensors the kernel cannot read as they are: the layer's modules run instead
             log.info("layer kept on its modules: %s", exc)
             return None
@@ -539,7 +558,7 @@ class Transformer(nn.Module):
             # over the keys the full mask covers; without a mask each sliding layer builds its own over its keys
             window = window_mask(input_pos, mask.shape[1], self.args.sliding_window)
         sliding = self.args.sliding_layers or (False,) * len(self.layers)
-        if not self._cpu_layers(x, B, T, rope, input_pos, cache, mask):
+        if not self._cpu_layers(x, B, T, rope, local, input_pos, cache, mask):
             for block, slides in zip(self.layers, sliding):
                 x = block(x, B, T, *(local if slides else rope), input_pos, cache, window if slides else mask)
         x = x.view(B, T, -1)
@@ -551,16 +570,16 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()  # [B, T or 1, V]
 
-    def _cpu_layers(self, x, B: int, T: int, rope, input_pos, cache, mask) -> bool:
+    def _cpu_layers(self, x, B: int, T: int, rope, local, input_pos, cache, mask) -> bool:
         """Every layer through the whole-layer CPU kernel, x updated in place, where it serves this step (eager
-        fp32 on the CPU, a static cache, int8 or int4 linears on the own kernels, Llama-shaped layers); False where it does not,
-        and the modules run. The kernel attends to the positions s <= input_pos[t] below the cache's attn_len, which
-        is what every caller's mask says (and a prefill from position 0 without one)."""
+        fp32 on the CPU, a static cache, int8 or int4 linears on the own kernels, layers it covers: Block.cpu_layer);
+        False where it does not, and the modules run. The kernel attends to the positions s <= input_pos[t] below
+        the cache's attn_len (and within a sliding layer's window), which is what every caller's mask says (and a
+        prefill from position 0 without one); sliding layers take the `local` rope tables."""
         kernels = eager_cpu_kernels(x)
         if (
             kernels is None
             or not isinstance(cache, StaticKVCache)
-            or self.args.sliding_layers
             or not cpu_kernels.layer_allowed()
             or (mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (T, cache.attn_len)))
             or input_pos.device.type != "cpu"
@@ -574,7 +593,8 @@ class Transformer(nn.Module):
                 return False
             bound.append(b)
         cos, sin = rope
-        cpu_kernels.run_layers(bound, x, B, T, input_pos.contiguous(), cache.attn_len, cos, sin, cache.k, cache.v)
+        pos = input_pos.contiguous()
+        cpu_kernels.run_layers(bound, x, B, T, pos, cache.attn_len, cos, sin, cache.k, cache.v, local)
         return True
 
     @staticmethod

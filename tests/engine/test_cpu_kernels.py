@@ -430,21 +430,28 @@ def _prefill_step_verify(model, ids):
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama-odd", "qwen2-int4", "llama-odd-int4"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "qwen2", "qwen3", "gemma3_text", "llama-odd", "qwen2-int4", "llama-odd-int4", "gemma3_text-int4"],
+)
 def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkeypatch):
-    """Llama-shaped int8 layers run as one call each; the logits agree with the layer's ops run one by one within
-    fp32 rounding, and the first layer's cache (before any attention) is written bit for bit alike. Qwen3's q/k
-    norms are not in the kernel: its layers run as modules. "llama-odd": the heads wider than the model (q size
-    128 against 64) and an MLP of 96, so no width is the one the scratch rows were sized by and the down
-    projection's inputs end in a part block."""
+    """Int8 (or int4) layers run as one call each; the logits agree with the layer's ops run one by one within
+    fp32 rounding, and the first layer's cache (before any attention) is written bit for bit alike where no q/k
+    norm stands before it. Qwen3: q/k norms. Gemma-3: q/k norms, norms scaling by 1 + weight, post norms, tanh
+    GELU, two sliding-window layers of 8 positions (with their own rope base) that the 12 positions run past, and
+    a global layer. "llama-odd": the heads wider than the model (q size 128 against 64) and an MLP of 96, so no
+    width is the one the scratch rows were sized by and the down projection's inputs end in a part block."""
     odd = family.startswith("llama-odd")
+    fmt = "int4" if family.endswith("int4") else "int8"
     if odd:
-        fmt = "int4" if family.endswith("int4") else "int8"
         model = _int8_model(tiny_factory, "llama", fmt, head_dim=32, intermediate_size=96)
-    elif family == "qwen2-int4":  # int4 linears (with q/k/v biases) in the same layer kernel
-        model = _int8_model(tiny_factory, "qwen2", fmt="int4")
-    else:
-        model = _int8_model(tiny_factory, family)
+    elif family.startswith("gemma3_text"):  # a local rope base of its own, as Gemma-3 has
+        model = _int8_model(tiny_factory, "gemma3_text", fmt, rope_local_base_freq=100.0)
+    else:  # int4 linears (Qwen2 with its q/k/v biases) in the same layer kernel
+        model = _int8_model(tiny_factory, family.removesuffix("-int4"), fmt)
+    if family.startswith("gemma3_text"):
+        assert model.args.sliding_layers == (True, True, False) and model.args.sliding_window == 8
+        assert model.rope_cos_local is not None and not torch.equal(model.rope_cos_local, model.rope_cos)
     if odd:
         assert model.args.n_heads * model.args.head_dim > model.args.dim > model.args.intermediate_size % 64
     ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -458,15 +465,23 @@ def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkey
     monkeypatch.setattr(cpu_kernels, "run_layers", counted)
     fused, fused_cache = _prefill_step_verify(model, ids)
     layers = model.args.n_layers
-    assert calls == ([] if family == "qwen3" else [8] * layers + [1] * layers + [3] * layers)
+    assert calls == [8] * layers + [1] * layers + [3] * layers
     monkeypatch.setenv(cpu_kernels.LAYER_SWITCH_ENV, "0")
     ops, ops_cache = _prefill_step_verify(model, ids)
-    assert len(calls) == (0 if family == "qwen3" else 3 * layers)
+    assert len(calls) == 3 * layers
     # the attention's sums are ordered differently (last-bit differences), and the next int8 linear's int16
     # rounding of its input (2^-16 of a block's largest) can carry one such difference a step further
     for a, b in zip(fused, ops):
         torch.testing.assert_close(a, b, atol=5e-4, rtol=1e-3)
-    assert torch.equal(fused_cache.k[0], ops_cache.k[0]) and torch.equal(fused_cache.v[0], ops_cache.v[0])
+    # op by op, a plain RMSNorm is the same C loop; Gemma's norms and the q/k norms (on strided heads) are torch's
+    # ops, whose sums are ordered differently
+    gemma = model.args.gemma
+    if not gemma:
+        assert torch.equal(fused_cache.v[0], ops_cache.v[0])
+    if not gemma and model.layers[0].attention.q_norm is None:
+        assert torch.equal(fused_cache.k[0], ops_cache.k[0])
+    for got, want in ((fused_cache.k[0], ops_cache.k[0]), (fused_cache.v[0], ops_cache.v[0])):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused_cache.k[-1], ops_cache.k[-1], atol=5e-4, rtol=1e-3)
 
 
@@ -502,17 +517,35 @@ def test_the_layer_kernel_refuses_what_it_cannot_read(tiny_factory):
 
 @needs_kernel
 def test_a_layer_the_kernel_does_not_cover_runs_as_modules(tiny_factory):
+    """Mixtures the kernel has no setting for: a GELU MLP under Llama's norms, a Gemma norm among plain ones, a q
+    norm without a k norm, norms of different eps. Each binds nothing, and the layer runs as modules."""
+    from engine.model import GemmaRMSNorm, RMSNorm
+
     model = _int8_model(tiny_factory, "llama")
-    block = model.layers[0]
+    block, args = model.layers[0], model.args
     assert block.cpu_layer(KERNEL) is not None
-    block.attention.window = 4  # a sliding-window layer: not in the kernel
-    assert block.cpu_layer(KERNEL) is None
+    changes = [
+        (block.feed_forward, "gelu", True),
+        (block, "ffn_norm", GemmaRMSNorm(args.dim, args.norm_eps)),
+        (block.attention, "q_norm", RMSNorm(args.head_dim, args.norm_eps)),
+        (block, "ffn_norm", RMSNorm(args.dim, args.norm_eps * 2)),
+    ]
+    for owner, name, value in changes:
+        before = getattr(owner, name)
+        setattr(owner, name, value)
+        assert block.cpu_layer(KERNEL) is None, name
+        with torch.inference_mode():
+            assert torch.isfinite(model(torch.tensor([[1, 2, 3]]), torch.arange(3))).all()
+        if before is None:
+            del owner._modules[name]
+        setattr(owner, name, before)
+        assert block.cpu_layer(KERNEL) is not None, name
 
 
 @needs_kernel
 def test_the_description_says_whether_layers_run_as_one_call(monkeypatch):
     """The model panel and the bench JSON name the path: the layer kernel, or the layers op by op when it is off."""
-    assert cpu_kernels.describe().endswith("a Llama-shaped layer as one call in eager fp32 steps on a static cache")
+    assert cpu_kernels.describe().endswith("each decoder layer as one call in eager fp32 steps on a static cache")
     monkeypatch.setenv(cpu_kernels.LAYER_SWITCH_ENV, "0")
     assert cpu_kernels.describe() == f"{KERNEL.description}; layers op by op (GAPLESS_CPU_LAYER=0)"
 
@@ -536,7 +569,7 @@ def test_a_layers_binding_is_kept_until_what_it_read_changes(tiny_factory):
     third = block.cpu_layer(KERNEL)
     assert third is not second and third is not None and third.linears[1]._args[0] == att.wo.weight.data_ptr()
     assert block.cpu_layer(KERNEL) is third
-    block.post_ffn_norm = RMSNorm(model.args.dim, 1e-6)  # a Gemma-style norm appears: not in the kernel
+    block.post_ffn_norm = RMSNorm(model.args.dim, 1e-6)  # one post norm without the other: not in the kernel
     assert block.cpu_layer(KERNEL) is None
     del block._modules["post_ffn_norm"]
     block.post_ffn_norm = None

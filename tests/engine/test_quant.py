@@ -243,10 +243,12 @@ def test_decode_step_op_count_stays_bounded(engine, fmt):
     assert ops <= per_layer * layers + 22
 
 
-def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_kernel, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
+def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_kernel, monkeypatch, family):
     """Candidates and a speculative verify run several rows through the int8 linears at once; with the own kernel
     each row's sums do not depend on how many run, so greedy answers equal plain decoding's (Qwen2: biases on
-    q/k/v, added inside the kernel). With the own kernel the layers run as the whole-layer kernel."""
+    q/k/v, added inside the kernel; Gemma-3: sliding-window layers of 8 positions, which the answer runs past).
+    With the own kernel the layers run as the whole-layer kernel."""
     import engine.cpu_kernels as cpu_kernels
     from engine.engine import Engine
 
@@ -256,10 +258,11 @@ def test_int8_greedy_tokens_do_not_change_with_rows_per_step(tiny_factory, int8_
         cpu_kernels, "run_layers", lambda layers, x, *a: rows_per_call.add(x.shape[0]) or real(layers, x, *a)
     )
 
-    folder = tiny_factory("qwen2", hidden_size=64, intermediate_size=128)
+    folder = tiny_factory(family, hidden_size=64, intermediate_size=128)
     e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", weights="int8", profile_window=False))
     try:
-        assert e.model.layers[0].attention.wqkv.bias is not None
+        assert (e.model.layers[0].attention.wqkv.bias is not None) == (family == "qwen2")
+        assert e.model.args.sliding_window == (8 if family == "gemma3_text" else None)
         msgs = [{"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat on the mat."}]
         params = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
         plain = e.generate(msgs, params).token_ids[0]
