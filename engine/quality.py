@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from statistics import median
@@ -48,7 +49,9 @@ class FormatResult:
     weights: str
     status: str = "ok"  # ok | skipped
     reason: str = ""
-    perplexity: Optional[float] = None
+    perplexity: Optional[float] = None  # None where it cannot be a number: `perplexity_note` says why
+    perplexity_note: str = ""
+    nll_per_token: Optional[float] = None  # the mean negative log-likelihood, nats: log(perplexity)
     top1_agreement_vs_fp32: Optional[float] = None
     positions: int = 0
     decode_tok_s: Optional[float] = None
@@ -117,6 +120,17 @@ def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int)
     }
 
 
+def perplexity(nll_per_token: float) -> tuple[Optional[float], str]:
+    """(exp of the mean negative log-likelihood, ""), or (None, why) where that is no number: a model far from the
+    text (random weights) can average more than the 709 nats a double's exponent holds, and a NaN logit makes the
+    sum NaN."""
+    if not math.isfinite(nll_per_token):
+        return None, f"n/a: the log-likelihood is {nll_per_token}"
+    if nll_per_token > math.log(sys.float_info.max):
+        return None, f"n/a: e^{nll_per_token:.0f} is beyond a double (mean NLL {nll_per_token:.1f} nats a token)"
+    return math.exp(nll_per_token), ""
+
+
 def _relay(progress: Callable[[str], None], label: str) -> Callable[[Any], None]:
     return lambda p: progress(f"{label}: {p.message}")
 
@@ -152,7 +166,8 @@ def run_quality(
             assert engine.model is not None  # placed by reconfigure
             nll, top1 = teacher_forced(engine.model, ids, engine.device, window)
             r.positions = len(top1)
-            r.perplexity = math.exp(nll / r.positions)
+            r.nll_per_token = nll / r.positions
+            r.perplexity, r.perplexity_note = perplexity(r.nll_per_token)
             if reference is None and label == "fp32":
                 reference = top1
             if reference is not None:
@@ -214,7 +229,8 @@ def format_quality_table(report: dict[str, Any]) -> str:
             continue
         rows.append(
             f"| {f['label']} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
-            f"{_num(f['perplexity'], '{:.3f}')} | {_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
+            f"{f.get('perplexity_note') or _num(f['perplexity'], '{:.3f}')} | "
+            f"{_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
             f"{_num(f['decode_tok_s'], '{:.1f}')} |"
         )
     lc = report.get("llama_cpp") or {}

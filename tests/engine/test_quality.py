@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from cli_runner import bench_argv
 
 from app.cli import main
@@ -88,3 +89,25 @@ def test_llama_cpp_decode_is_counted_as_the_engines(monkeypatch, tmp_path):
     assert all(math.isclose(w, 6 / 0.054, rel_tol=1e-9) for w in col["wall_tok_s_runs"])
     one = quality.llama_cpp_column(str(tmp_path / "m.gguf"), decode_tokens=1, repeats=2)
     assert one["status"] == "failed" and "one token" in one["reason"]
+
+
+def test_a_perplexity_beyond_a_double_is_na_with_the_reason(tiny_llama, monkeypatch):
+    """A model far from the text (random weights in a real model's shapes) can average more nats a token than a
+    double's exponent holds; that format says so, keeps its log-likelihood, and the bench goes on."""
+    import engine.quality as quality
+
+    real = quality.teacher_forced
+
+    def far(model, ids, device, window):
+        nll, argmax = real(model, ids, device, window)
+        return nll * 1000.0, argmax
+
+    monkeypatch.setattr(quality, "teacher_forced", far)
+    config = QualityConfig(model=str(tiny_llama), decode_tokens=4, repeats=1, formats=("fp32", "int8"))
+    report = run_quality(config, progress=lambda m: None)
+    for f in report["formats"]:
+        assert f["status"] == "ok" and f["perplexity"] is None and f["decode_tok_s"] > 0
+        assert f["nll_per_token"] > 709 and f["perplexity_note"].startswith("n/a: e^")
+    assert "| fp32 |" in format_quality_table(report) and "is beyond a double" in format_quality_table(report)
+    assert quality.perplexity(math.log(2.0)) == (pytest.approx(2.0), "")
+    assert quality.perplexity(float("nan"))[0] is None
