@@ -49,11 +49,16 @@ BUILD_TIMEOUT_S = 120
 # what a profile shows for a call (engine/telemetry/window.py counts them as ops)
 OP_NAME = "gapless::kernel::int8_linear"
 INT4_OP_NAME = "gapless::kernel::int4_linear"
+F32_OP_NAME = "gapless::kernel::f32_linear"
 INT4_GROUP = 32  # inputs sharing a scale and a zero in the int4 layout
 NORM_OP_NAME = "gapless::kernel::rms_norm"
 SILU_OP_NAME = "gapless::kernel::silu_mul"
 ROPE_OP_NAME = "gapless::kernel::rope"
 LAYER_OP_NAME = "gapless::kernel::decoder_layer"
+# fp32 layers run as one call for steps of at most this many rows (decode, candidates, a speculative verify): the
+# fp32 GEMV streams the weights at about 1.6x torch's M=1 rate here, but a long prefill chunk is a GEMM, which
+# torch's runs 2.2x faster (a 700-token prompt of the default model: 150-187 against 335-421 tok/s)
+F32_LAYER_ROWS = 32
 LAYER_SWITCH_ENV = "GAPLESS_CPU_LAYER"  # "0": the layer's ops one by one (the kernels above), to compare
 
 
@@ -112,9 +117,10 @@ class CpuKernels:
         lib.gapless_int8_vector.restype = ctypes.c_char_p
         self.vector = lib.gapless_int8_vector().decode()
         # x, m, then weight, scales, bias, y (int8) or weight, scales, zeros, bias, y (int4), then n, k, threads
-        self._fn, self._fn4 = (
+        # (fp32: x, m, then weight, bias, y, then n, k, threads)
+        self._fn, self._fn4, self._fn32 = (
             self._linear_fn(getattr(lib, name), pointers)
-            for name, pointers in (("gapless_int8_linear", 4), ("gapless_int4_linear", 5))
+            for name, pointers in (("gapless_int8_linear", 4), ("gapless_int4_linear", 5), ("gapless_f32_linear", 3))
         )
         norm = lib.gapless_rms_norm
         norm.restype = None
@@ -257,6 +263,17 @@ class CpuKernels:
             )
         return BoundLinear(self._fn if zeros is None else self._fn4, weight, scales, zeros, bias)
 
+    def bind_f32(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "BoundLinear":
+        """An fp32 linear (weight [n, k], bias [n] or None), checked once, for the layer kernel."""
+        n = weight.shape[0] if weight.dim() == 2 else -1
+        if not (n > 0 and _readable(weight, torch.float32) and (bias is None or _readable(bias, torch.float32, n))):
+            raise ValueError(
+                f"fp32 kernel arguments: weight {tuple(weight.shape)} {weight.dtype}, bias "
+                f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: want contiguous fp32 tensors on the "
+                "CPU, weight [n, k] and bias [n]"
+            )
+        return BoundLinear(self._fn32, weight, None, None, bias)
+
     def linear4(
         self,
         x: torch.Tensor,
@@ -318,24 +335,25 @@ class CpuKernels:
 
 
 class BoundLinear:
-    """One int8 or int4 linear's weights, scales, zeros (int4) and bias, checked and held (so their memory stays
-    while it is called): `run(x)` checks x and calls the kernel."""
+    """One int8, int4 or fp32 linear's weights, scales (not fp32), zeros (int4) and bias, checked and held (so their
+    memory stays while it is called): `run(x)` checks x and calls the kernel."""
 
-    __slots__ = ("weight", "scales", "zeros", "bias", "n", "k", "_fn", "_args", "_name")
+    __slots__ = ("weight", "scales", "zeros", "bias", "n", "k", "fmt", "_fn", "_args", "_name")
 
     def __init__(
         self,
         fn,
         weight: torch.Tensor,
-        scales: torch.Tensor,
+        scales: Optional[torch.Tensor],
         zeros: Optional[torch.Tensor],
         bias: Optional[torch.Tensor],
     ):
         self.weight, self.scales, self.zeros, self.bias = weight, scales, zeros, bias
         self.n, self.k = weight.shape[0], weight.shape[1] * (1 if zeros is None else 2)
-        self._fn, self._name = fn, OP_NAME if zeros is None else INT4_OP_NAME
+        self.fmt = "fp32" if scales is None else "int8" if zeros is None else "int4"
+        self._fn, self._name = fn, {"fp32": F32_OP_NAME, "int8": OP_NAME, "int4": INT4_OP_NAME}[self.fmt]
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self._args = (weight.data_ptr(), scales.data_ptr(), ptr(zeros), ptr(bias))
+        self._args = (weight.data_ptr(), ptr(scales), ptr(zeros), ptr(bias))
 
     def holds(self, *tensors: Optional[torch.Tensor]) -> bool:
         """Whether (weight, scales, bias[, zeros]) are the tensors it was bound to, with their memory where it was."""
@@ -349,7 +367,7 @@ class BoundLinear:
         """x [m, k] fp32, contiguous, on the CPU -> y [m, n] fp32."""
         if not (_readable(x, torch.float32) and x.dim() == 2 and x.shape[1] == self.k):
             raise ValueError(
-                f"{'int8' if self.zeros is None else 'int4'} kernel arguments: x {tuple(x.shape)} {x.dtype} for weight "
+                f"{self.fmt} kernel arguments: x {tuple(x.shape)} {x.dtype} for weight "
                 f"{tuple(self.weight.shape)}: want "
                 f"contiguous fp32 x [m, {self.k}] on the CPU"
             )
@@ -358,7 +376,9 @@ class BoundLinear:
         with _marked(self._name):  # the output's allocation inside: one op in a profile
             y = torch.empty((m, self.n), dtype=torch.float32)
             threads = torch.get_num_threads()
-            if z is None:
+            if s is None:
+                rc = self._fn(x.data_ptr(), m, w, b, y.data_ptr(), self.n, self.k, threads)
+            elif z is None:
                 rc = self._fn(x.data_ptr(), m, w, s, b, y.data_ptr(), self.n, self.k, threads)
             else:
                 rc = self._fn(x.data_ptr(), m, w, s, z, b, y.data_ptr(), self.n, self.k, threads)
@@ -377,6 +397,7 @@ class BoundDecoderLayer:
         # their memory stays while it is called)
         self._fn, self.norms, self.eps, self.linears, self.dims, self.scale = fn, norms, eps, linears, dims, scale
         self.extra, self.window, self.gelu = extra, extra.window, bool(extra.gelu)
+        self.fp32 = any(lin.fmt == "fp32" for lin in linears)
         self._q8 = [_Q8(*lin._args) for lin in linears]
         self._q8_refs = [ctypes.byref(q) for q in self._q8]
         self._extra_ref = ctypes.byref(extra)

@@ -431,7 +431,7 @@ class Block(nn.Module):
 
     def cpu_layer(self, kernels: "cpu_kernels.CpuKernels") -> Optional["cpu_kernels.BoundDecoderLayer"]:
         """This layer bound for the whole-layer CPU kernel (gapless_decoder_layer), or None where the kernel does
-        not cover it: layers whose four linears are int8 or int4 on the own kernels, in Llama's shape or with
+        not cover it: layers whose four linears are int8 or int4 on the own kernels or fp32, in Llama's shape or with
         Qwen3's q/k norms or Gemma-3's norms, GELU and sliding window."""
         if self._cpu_refs is not None and self._cpu_refs.hold():
             return self._cpu_bound
@@ -473,17 +473,27 @@ class Block(nn.Module):
             or (att.window is not None and att.window < 1)
         ):
             return None
-        quantised = [
-            cast("Int8Linear | Int4Linear", lin) for lin in linears if isinstance(lin, (Int8Linear, Int4Linear))
-        ]
-        own = [lin for lin in quantised if lin.own_kernel]
-        if len(own) != len(linears) or any(lin.bias is not None and lin.bias.dtype != torch.float32 for lin in own):
+
+        def bindable(lin: nn.Module) -> bool:  # an int8 or int4 linear on the own kernels, or a plain fp32 one
+            if type(lin) is nn.Linear:
+                return lin.weight.dtype == torch.float32
+            return isinstance(lin, (Int8Linear, Int4Linear)) and lin.own_kernel
+
+        if not all(map(bindable, linears)) or any(
+            lin.bias is not None and lin.bias.dtype != torch.float32 for lin in linears
+        ):
             return None
         scale = att.scale if att.scale is not None else att.head_dim**-0.5
         heads = (att.n_heads, att.n_kv_heads, att.head_dim)
         weights = lambda pair: None if pair[0] is None else (pair[0].weight, pair[1].weight)  # noqa: E731
+
+        def bound(lin: nn.Module) -> "cpu_kernels.BoundLinear":  # each checked as its own kernel call checks it
+            if type(lin) is nn.Linear:
+                return kernels.bind_f32(lin.weight, lin.bias)
+            return cast("Int8Linear | Int4Linear", lin).cpu_bound()
+
         try:
-            parts = tuple(lin.cpu_bound() for lin in own)  # each checked as its own kernel call checks it
+            parts = tuple(map(bound, linears))
             return kernels.bind_layer(
                 (self.attention_norm.weight, self.ffn_norm.weight),
                 self.attention_norm.eps,
@@ -558,13 +568,21 @@ class Transformer(nn.Module):
             # over the keys the full mask covers; without a mask each sliding layer builds its own over its keys
             window = window_mask(input_pos, mask.shape[1], self.args.sliding_window)
         sliding = self.args.sliding_layers or (False,) * len(self.layers)
-        if not self._cpu_layers(x, B, T, rope, local, input_pos, cache, mask):
+        own_step = self._cpu_layers(x, B, T, rope, local, input_pos, cache, mask)
+        if not own_step:
             for block, slides in zip(self.layers, sliding):
                 x = block(x, B, T, *(local if slides else rope), input_pos, cache, window if slides else mask)
         x = x.view(B, T, -1)
         if last_only:
             x = x[:, -1:]
-        logits = self.output(self.norm(x))
+        h = self.norm(x)
+        if own_step and type(self.output) is nn.Linear and self.output.weight.dtype == torch.float32:
+            # the layers ran as the own kernel's calls: an fp32 head is its fp32 GEMV too (checked on each bind)
+            kernels = cast("cpu_kernels.CpuKernels", cpu_kernels.loaded())
+            rows = h.reshape(-1, h.shape[-1]).contiguous()
+            logits = kernels.bind_f32(self.output.weight, self.output.bias).run(rows).view(*h.shape[:-1], -1)
+        else:
+            logits = self.output(h)
         cap = self.args.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -572,7 +590,8 @@ class Transformer(nn.Module):
 
     def _cpu_layers(self, x, B: int, T: int, rope, local, input_pos, cache, mask) -> bool:
         """Every layer through the whole-layer CPU kernel, x updated in place, where it serves this step (eager
-        fp32 on the CPU, a static cache, int8 or int4 linears on the own kernels, layers it covers: Block.cpu_layer);
+        fp32 on the CPU, a static cache, int8 or int4 linears on the own kernels or fp32 ones for at most
+        F32_LAYER_ROWS rows, layers it covers: Block.cpu_layer);
         False where it does not, and the modules run. The kernel attends to the positions s <= input_pos[t] below
         the cache's attn_len (and within a sliding layer's window), which is what every caller's mask says (and a
         prefill from position 0 without one); sliding layers take the `local` rope tables."""
@@ -589,7 +608,7 @@ class Transformer(nn.Module):
         bound = []
         for block in self.layers:
             b = cast(Block, block).cpu_layer(kernels)
-            if b is None:
+            if b is None or (b.fp32 and B * T > cpu_kernels.F32_LAYER_ROWS):
                 return False
             bound.append(b)
         cos, sin = rope

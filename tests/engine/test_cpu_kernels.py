@@ -351,9 +351,12 @@ def test_rope_and_silu_mul_refuse_what_they_cannot_read():
 @needs_kernel
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_a_model_step_with_and_without_the_kernels(tiny_factory, family, monkeypatch):
-    """The eager step with the own kernels against torch's ops: logits within fp32 rounding for each family."""
+    """The eager step with the own kernels against torch's ops: logits within fp32 rounding for each family (the
+    layers op by op: the layer kernel would take the whole step)."""
     from engine.loader import load_checkpoint
     from engine.model import StaticKVCache, build_transformer
+
+    monkeypatch.setenv(cpu_kernels.LAYER_SWITCH_ENV, "0")
 
     cpu = torch.device("cpu")
     ck = load_checkpoint(str(tiny_factory(family)))
@@ -400,6 +403,7 @@ def test_a_cpu_load_prepares_the_kernels_before_the_first_answer(fresh, tiny_fac
 
 
 def _int8_model(tiny_factory, family, fmt="int8", **config):
+    """A tiny model's fp32 decoder with its linears in `fmt` (int8, int4, or fp32 as they are)."""
     from engine.loader import load_checkpoint
     from engine.model import build_transformer
     from engine.quant import quantize_linears
@@ -407,7 +411,8 @@ def _int8_model(tiny_factory, family, fmt="int8", **config):
     cpu = torch.device("cpu")
     ck = load_checkpoint(str(tiny_factory(family, **config)))
     model = build_transformer(ck.config, ck.weights(torch.float32, cpu), torch.float32, cpu)
-    quantize_linears(model, fmt, torch.float32)
+    if fmt != "fp32":
+        quantize_linears(model, fmt, torch.float32)
     return model
 
 
@@ -432,23 +437,26 @@ def _prefill_step_verify(model, ids):
 @needs_kernel
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "qwen3", "gemma3_text", "llama-odd", "qwen2-int4", "llama-odd-int4", "gemma3_text-int4"],
-)
+    [
+        "llama", "qwen2", "qwen3", "gemma3_text", "llama-odd", "qwen2-int4", "llama-odd-int4", "gemma3_text-int4",
+        "llama-fp32", "qwen2-fp32", "gemma3_text-fp32", "llama-odd-fp32",
+    ],
+)  # fmt: skip
 def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkeypatch):
-    """Int8 (or int4) layers run as one call each; the logits agree with the layer's ops run one by one within
+    """Int8, int4 or fp32 layers run as one call each; the logits agree with the layer's ops run one by one within
     fp32 rounding, and the first layer's cache (before any attention) is written bit for bit alike where no q/k
     norm stands before it. Qwen3: q/k norms. Gemma-3: q/k norms, norms scaling by 1 + weight, post norms, tanh
     GELU, two sliding-window layers of 8 positions (with their own rope base) that the 12 positions run past, and
     a global layer. "llama-odd": the heads wider than the model (q size 128 against 64) and an MLP of 96, so no
     width is the one the scratch rows were sized by and the down projection's inputs end in a part block."""
     odd = family.startswith("llama-odd")
-    fmt = "int4" if family.endswith("int4") else "int8"
+    fmt = family.rsplit("-", 1)[1] if family.endswith(("-int4", "-fp32")) else "int8"
     if odd:
         model = _int8_model(tiny_factory, "llama", fmt, head_dim=32, intermediate_size=96)
     elif family.startswith("gemma3_text"):  # a local rope base of its own, as Gemma-3 has
         model = _int8_model(tiny_factory, "gemma3_text", fmt, rope_local_base_freq=100.0)
-    else:  # int4 linears (Qwen2 with its q/k/v biases) in the same layer kernel
-        model = _int8_model(tiny_factory, family.removesuffix("-int4"), fmt)
+    else:  # int4 or fp32 linears (Qwen2 with its q/k/v biases) in the same layer kernel
+        model = _int8_model(tiny_factory, family.removesuffix(f"-{fmt}"), fmt)
     if family.startswith("gemma3_text"):
         assert model.args.sliding_layers == (True, True, False) and model.args.sliding_window == 8
         assert model.rope_cos_local is not None and not torch.equal(model.rope_cos_local, model.rope_cos)
@@ -473,12 +481,12 @@ def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkey
     # rounding of its input (2^-16 of a block's largest) can carry one such difference a step further
     for a, b in zip(fused, ops):
         torch.testing.assert_close(a, b, atol=5e-4, rtol=1e-3)
-    # op by op, a plain RMSNorm is the same C loop; Gemma's norms and the q/k norms (on strided heads) are torch's
-    # ops, whose sums are ordered differently
-    gemma = model.args.gemma
-    if not gemma:
+    # op by op, a plain RMSNorm and an int8/int4 GEMV are the same C loops; Gemma's norms, the q/k norms (on strided
+    # heads) and an fp32 linear are torch's ops, whose sums are ordered differently
+    same = not model.args.gemma and fmt != "fp32"
+    if same:
         assert torch.equal(fused_cache.v[0], ops_cache.v[0])
-    if not gemma and model.layers[0].attention.q_norm is None:
+    if same and model.layers[0].attention.q_norm is None:
         assert torch.equal(fused_cache.k[0], ops_cache.k[0])
     for got, want in ((fused_cache.k[0], ops_cache.k[0]), (fused_cache.v[0], ops_cache.v[0])):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -584,3 +592,28 @@ def test_a_layers_binding_is_kept_until_what_it_read_changes(tiny_factory):
     with torch.inference_mode():
         logits = model(ids, torch.arange(3))  # the modules run the layer; nothing raised
     assert torch.isfinite(logits).all()
+
+
+@needs_kernel
+def test_fp32_layers_run_as_one_call_only_for_a_steps_few_rows(tiny_factory, monkeypatch):
+    """fp32 layers take the layer kernel for decode, candidate and verify steps (up to F32_LAYER_ROWS rows); a longer
+    prefill chunk, a GEMM that torch's kernels run faster, runs the modules. int8 layers take it at any width."""
+    from engine.model import StaticKVCache
+
+    calls: list[int] = []
+    real = cpu_kernels.run_layers
+    monkeypatch.setattr(
+        cpu_kernels, "run_layers", lambda layers, x, *a: calls.append(x.shape[0]) or real(layers, x, *a)
+    )
+    rows = cpu_kernels.F32_LAYER_ROWS
+    for fmt in ("fp32", "int8"):
+        model = _int8_model(tiny_factory, "llama", fmt)
+        cache = StaticKVCache.allocate(model.args, 1, 64, torch.float32, torch.device("cpu"))
+        ids = torch.randint(0, model.args.vocab_size, (1, rows + 2))
+        with torch.inference_mode():
+            cache.attn_len = rows + 1
+            model(ids[:, : rows + 1], torch.arange(rows + 1), cache, None)
+            cache.attn_len = rows + 2
+            model(ids[:, rows + 1 :], torch.tensor([rows + 1]), cache, None)
+        assert calls == ([1] if fmt == "fp32" else [rows + 1, 1]), fmt
+        calls.clear()
