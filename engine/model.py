@@ -625,12 +625,14 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         """The model's parameters whatever the weight format: a quantised linear holds its weight as buffers, so it
-        counts as its in x out, and the quantised copy of a tied head is the embedding's, not counted again."""
+        counts as its in x out; a tied head is counted once (in the embedding's table where that is still held,
+        else as the quantised head the embedding reads)."""
         from engine.quant import QUANTISED_LINEARS
 
         n = sum(p.numel() for p in self.parameters())
+        table_held = isinstance(self.tok_embeddings, nn.Embedding)  # else the embedding reads the head's table
         for name, m in self.named_modules():
-            if isinstance(m, QUANTISED_LINEARS) and not (name == "output" and self.args.tie_embeddings):
+            if isinstance(m, QUANTISED_LINEARS) and not (name == "output" and self.args.tie_embeddings and table_held):
                 n += m.in_features * m.out_features
         return n
 

@@ -12,7 +12,7 @@ which inductor fuses into the GEMV under compile; written from that construction
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn as nn
@@ -134,6 +134,10 @@ class Int8Linear(_QuantLinear):
         self.register_buffer("scales", scales.to(scales_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The weight's rows `idx` de-quantised to `dtype`: [len(idx), in_features]."""
+        return self.weight[idx].to(dtype) * self.scales[idx].to(dtype).unsqueeze(-1)
+
     def _traced(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return cpu_kernels.int8_linear(x, self.weight, self.scales, bias)
 
@@ -174,6 +178,21 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("zeros", zeros.to(act_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The weight's rows `idx` de-quantised to `dtype` ([len(idx), in_features]), or None in torch's packed CPU
+        layout, which only its kernel reads."""
+        if self.on_cpu and not self.own_kernel:
+            return None
+        b = self.weight[idx]
+        n, groups = b.shape[0], self.in_features // self.group
+        if self.own_kernel:  # a group's 16 bytes: its inputs 0..15 in the low nibbles, 16..31 in the high ones
+            b = b.view(n, groups, self.group // 2)
+            q = torch.cat([b & 0x0F, b >> 4], dim=-1)
+        else:  # two neighbouring inputs a byte, the first in the low nibble
+            q = torch.stack([b & 0x0F, b >> 4], dim=-1).view(n, groups, self.group)
+        w = (q.to(dtype) - 8) * self.scales[idx].to(dtype).unsqueeze(-1) + self.zeros[idx].to(dtype).unsqueeze(-1)
+        return w.view(n, self.in_features)
+
     def _traced(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return cpu_kernels.int4_linear(x, self.weight, self.scales, self.zeros, bias)
 
@@ -189,6 +208,60 @@ class Int4Linear(_QuantLinear):
 
 
 QUANTISED_LINEARS = (Int8Linear, Int4Linear)
+
+
+class QuantEmbedding(nn.Module):
+    """An input embedding whose table is a quantised linear's weight, its looked-up rows de-quantised: the tied
+    head's own (nothing held twice: the fp32 table of a 262,144-token vocabulary is 671 MB beside an int8 head's
+    168), or, for an untied model, the table quantised as a linear of its own (`table`, vocab x dim)."""
+
+    def __init__(self, source: "Int8Linear | Int4Linear", dtype: torch.dtype, tied: bool):
+        super().__init__()
+        self.dtype, self.tied = dtype, tied
+        if tied:
+            self._head = [source]  # not a submodule: the head owns (and moves) its buffers, the table reads them
+        else:
+            self.table = source
+
+    @property
+    def source(self) -> "Int8Linear | Int4Linear":
+        return self._head[0] if self.tied else self.table
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The quantised table (the head's weight where tied, so bytes_per_token sees the sharing)."""
+        return self.source.weight
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.source.buffers(recurse=False))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        rows = self.source.rows(idx, self.dtype)
+        assert rows is not None, "built only over a layout whose rows de-quantise"
+        return rows
+
+
+def quantize_embedding(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> bool:
+    """Replace the model's input embedding (`tok_embeddings`) by a QuantEmbedding: over the head where the head
+    was tied to it (quantize_linears has made the head from the same table), else over the table quantised on its
+    own. False, and the embedding kept, where the format's layout here does not de-quantise rows (torch's packed
+    int4 on the CPU) or the model has no such embedding."""
+    emb = getattr(model, "tok_embeddings", None)
+    args = getattr(model, "args", None)
+    if not isinstance(emb, nn.Embedding) or args is None:
+        return False
+    probe = torch.zeros(1, dtype=torch.long, device=emb.weight.device)
+    if args.tie_embeddings and isinstance(getattr(model, "output", None), QUANTISED_LINEARS):
+        head = cast("Int8Linear | Int4Linear", model.output)
+        if head.rows(probe, act_dtype) is None:
+            return False
+        model.tok_embeddings = QuantEmbedding(head, act_dtype, tied=True)
+        return True
+    table = (Int8Linear if fmt == "int8" else Int4Linear)(emb.weight.detach(), None, act_dtype)
+    if table.rows(probe, act_dtype) is None:
+        return False
+    model.tok_embeddings = QuantEmbedding(table, act_dtype, tied=False)
+    return True
 
 
 def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) -> Optional[str]:
@@ -225,8 +298,9 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
-    """Replace every nn.Linear of `model` (the head too, which then no longer shares the embedding's storage)
-    by its `fmt` form, in place; the float weights are freed as each is replaced. Returns how many."""
+    """Replace every nn.Linear of `model` (the head too) by its `fmt` form, in place, and the input embedding by one
+    that reads a quantised table (quantize_embedding: the tied head's); the float weights are freed as each is
+    replaced. Returns how many linears."""
     cls = Int8Linear if fmt == "int8" else Int4Linear
     done = 0
     for name, lin in _linears(model):
@@ -236,6 +310,7 @@ def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
         q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE) and not _rounds_its_input(model, name)
         setattr(parent, child, q)
         done += 1
+    quantize_embedding(model, fmt, act_dtype)
     return done
 
 
@@ -265,5 +340,6 @@ def bytes_per_token(model: nn.Module, embedding: nn.Module, head: nn.Module) -> 
     w = embedding.weight
     assert isinstance(w, torch.Tensor), "an input embedding holds its table as `weight`"
     if getattr(head, "weight", None) is not w:
-        total -= w.numel() * w.element_size() - w.shape[1] * w.element_size()
+        held = embedding.held_bytes() if isinstance(embedding, QuantEmbedding) else w.numel() * w.element_size()
+        total -= held - held // w.shape[0]  # all but one row (and its scales)
     return total

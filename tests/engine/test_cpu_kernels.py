@@ -490,7 +490,9 @@ def test_the_whole_layer_kernel_against_the_modules(tiny_factory, family, monkey
         assert torch.equal(fused_cache.k[0], ops_cache.k[0])
     for got, want in ((fused_cache.k[0], ops_cache.k[0]), (fused_cache.v[0], ops_cache.v[0])):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fused_cache.k[-1], ops_cache.k[-1], atol=5e-4, rtol=1e-3)
+    # Gemma scales the embedding by sqrt(dim) (8 here): the stream's values, and their rounding differences, with it
+    scale = model.args.dim**0.5 if model.args.gemma else 1.0
+    torch.testing.assert_close(fused_cache.k[-1], ops_cache.k[-1], atol=5e-4 * scale, rtol=1e-3)
 
 
 @needs_kernel

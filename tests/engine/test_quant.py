@@ -12,6 +12,7 @@ from engine.quant import (
     INT4_GROUP,
     Int4Linear,
     Int8Linear,
+    QuantEmbedding,
     dequantize_int4,
     quantize_int4,
     quantize_int8,
@@ -143,12 +144,12 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
     assert engine.info.memory_floor_ms is None and engine.info.memory_floor_source.startswith("n/a: the CPU")
     engine.reconfigure(engine.options.with_(weights="int8"))
     try:
-        emb = engine.model.tok_embeddings.weight
-        assert engine.info.weights == "int8" and engine.info.weight_bytes < native_bytes
+        model = engine.model
+        assert isinstance(model.tok_embeddings, QuantEmbedding) and model.tok_embeddings.weight is model.output.weight
+        assert engine.info.weights == "int8" and engine.info.weight_bytes < 0.3 * native_bytes  # no fp32 table kept
         assert engine.info.weights_kernel == cpu_kernels.describe()  # the own kernel, or torch's with the reason
         assert engine.info.parameters == parameters  # the quantised linears' weights still count, the tied head once
-        # the int8 head is a copy; the fp32 embedding is read one row per token
-        assert engine.info.bytes_per_token == engine.info.weight_bytes - emb.numel() * 4 + emb.shape[1] * 4
+        assert engine.info.bytes_per_token == engine.info.weight_bytes  # tied: the head reads the whole table
         result = engine.generate(msgs, params)
         assert result.options.weights == "int8" and "weights" not in result.unavailable
         int8 = result.token_ids[0]
@@ -307,3 +308,61 @@ def test_the_own_kernels_traced_call_gives_the_eager_result(cls, monkeypatch):
         else (cpu_kernels._int4_linear_op, (x, lin.weight, lin.scales, lin.zeros, lin.bias))
     )
     torch.library.opcheck(op, args)  # its fake (what compile traces with) agrees with the op
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_embedding_reads_the_quantised_table(fmt):
+    """A looked-up row is the quantised table's row de-quantised, bit for bit what the linear multiplies by (the
+    int4 own-kernel layout's nibble order included), and in the activations' dtype."""
+    import engine.cpu_kernels as cpu_kernels
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 64)
+    lin = (Int8Linear if fmt == "int8" else Int4Linear)(w, None, torch.float32)
+    if fmt == "int4" and not lin.own_kernel:
+        assert lin.rows(torch.tensor([0]), torch.float32) is None  # torch's packed layout: no rows to read
+        return
+    idx = torch.tensor([3, 0, 39, 3])
+    got = QuantEmbedding(lin, torch.float32, tied=True)(idx)
+    if fmt == "int8":
+        want = lin.weight.float() * lin.scales.float()[:, None]
+    else:
+        q, scales, zeros = quantize_int4(w)
+        want = dequantize_int4(q, scales, zeros)
+        assert lin.weight.dtype == torch.uint8 and cpu_kernels.kernel() is not None
+    assert got.dtype == torch.float32 and torch.equal(got, want[idx])
+    # what the linear computes is the product with those rows (within its own kernel's int16 activations)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(lin(x), x @ want.T, atol=0.05, rtol=0.01)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_int8_model_keeps_no_float_embedding(tiny_factory, tie):
+    """Tied: the embedding reads the int8 head's table. Untied: the table is quantised on its own and read one row
+    a token. Either way the parameters count as before and the logits stay near the native model's."""
+    from engine.engine import Engine
+
+    folder = tiny_factory("llama", tie=tie)
+    e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        ids = torch.tensor([[5, 17, 33, 2, 90]])
+        with torch.inference_mode():
+            native = e.model(ids, torch.arange(5))
+        parameters = e.info.parameters
+        e.reconfigure(e.options.with_(weights="int8"))
+        emb = e.model.tok_embeddings
+        assert isinstance(emb, QuantEmbedding) and emb.tied == tie
+        assert not any(isinstance(m, torch.nn.Embedding) for m in e.model.modules())
+        assert e.info.parameters == parameters
+        vocab, dim = emb.weight.shape
+        if tie:
+            assert emb.weight is e.model.output.weight and e.info.bytes_per_token == e.info.weight_bytes
+        else:
+            assert emb.weight is not e.model.output.weight
+            assert e.info.bytes_per_token == e.info.weight_bytes - (vocab - 1) * (dim + 4)  # int8 rows, fp32 scales
+        with torch.inference_mode():
+            int8 = e.model(ids, torch.arange(5))
+        torch.testing.assert_close(int8, native, atol=0.1, rtol=0.05)
+        assert int8.argmax(-1).equal(native.argmax(-1))
+    finally:
+        e.close()
