@@ -66,6 +66,116 @@ def make_model_folder(path: Path, shape: dict, seed: int = 0) -> Path:
 
 TINY = dict(SMOLLM2, **TINY_SHAPE, vocab_size=512, max_position_embeddings=1024)
 
+# The weight formats' shapes (issue targets: int8 >= 1.5x and int4 >= 2x fp16 single-stream decode; weights <= 0.55x
+# and <= 0.3x of fp16 memory). Llama-3.2-1B ties its head; Llama-3.1-8B does not.
+_LLAMA3 = dict(num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rope_theta=500000.0,
+               rms_norm_eps=1e-5, vocab_size=128256, bos_token_id=1, eos_token_id=2)  # fmt: skip
+WEIGHT_SHAPES = {
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, tie_word_embeddings=False),
+    "tiny": dict(TINY, max_position_embeddings=512),
+}  # fmt: skip
+
+
+def make_random_folder(path: Path, shape: dict, device: str, seed: int = 0) -> Path:
+    """A Llama folder of random fp16 weights (std 0.02, norms 1) drawn on `device` and written as one safetensors
+    file: an 8B folder in well under a minute where transformers' init and save of fp32 would take many."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
+    cfg.save_pretrained(path)
+    make_word_tokenizer(shape["vocab_size"]).save_pretrained(path)
+    dim, inter, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(size, generator=gen, device=device, dtype=torch.float16) * 0.02).cpu()
+
+    weights = {"model.embed_tokens.weight": rand(cfg.vocab_size, dim), "model.norm.weight": torch.ones(dim).half()}
+    if not cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = rand(cfg.vocab_size, dim)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name, (n, k) in {
+            "self_attn.q_proj": (q, dim), "self_attn.k_proj": (kv, dim), "self_attn.v_proj": (kv, dim),
+            "self_attn.o_proj": (dim, q), "mlp.gate_proj": (inter, dim), "mlp.up_proj": (inter, dim),
+            "mlp.down_proj": (dim, inter),
+        }.items():  # fmt: skip
+            weights[p + name + ".weight"] = rand(n, k)
+        weights[p + "input_layernorm.weight"] = torch.ones(dim).half()
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(dim).half()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def weight_formats(
+    work: Path,
+    shapes: list[str],
+    progress: Callable[[str], None],
+    device: str = "cuda",
+    dtype: str = "fp16",
+    fast: bool = True,
+    max_new: int = 128,
+    repeats: int = 3,
+) -> dict:
+    """Single-stream decode and weight memory per weight format (native, int8, int4) on random weights in each
+    shape: one engine a shape, reconfigured per format, compiled and captured (`fast`), one warm-up answer, then
+    `repeats` answers of `max_new` tokens (median decode tok/s). Memory: the engine's weight bytes and, on CUDA,
+    the allocator's bytes in use after the format is placed (caches and graphs are allocated at the first answer,
+    after that reading)."""
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    cuda = device == "cuda"
+    out: dict[str, Any] = {}
+    for name in shapes:
+        t = time.perf_counter()
+        folder = make_random_folder(work / f"weights-{name}", WEIGHT_SHAPES[name], device if cuda else "cpu")
+        progress(f"{name}: random fp16 folder in {time.perf_counter() - t:.1f}s")
+        opts = EngineOptions(
+            device=device, dtype=dtype, kv_cache="static", sampling="device", compile=fast, cuda_graph=fast and cuda,
+            profile_window=False,
+        )  # fmt: skip
+        eng = Engine.load(str(folder), opts)
+        rows: dict[str, Any] = {}
+        try:
+            params = SamplingParams(temperature=0.0, max_new_tokens=max_new, seed=0)
+            msgs = [{"role": "user", "content": "w5 w9 w11 w3 w8"}]
+            for fmt in ("native", "int8", "int4"):
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                eng.reconfigure(eng.options.with_(weights=fmt))
+                allocated = torch.cuda.memory_allocated() if cuda else None
+                row: dict[str, Any] = {
+                    "weight_bytes": eng.info.weight_bytes,
+                    "allocated_bytes_after_placing": allocated,
+                    "bytes_per_token": eng.info.bytes_per_token,
+                    "weights_kernel": eng.info.weights_kernel,
+                }
+                warm = eng.generate(msgs, params)
+                row["unavailable"] = warm.unavailable
+                runs = [eng.generate(msgs, params).metrics.decode_tok_s for _ in range(repeats)]
+                row["decode_tok_s_runs"] = runs
+                row["decode_tok_s"] = sorted(runs)[len(runs) // 2] if all(r is not None for r in runs) else None
+                rows[fmt] = row
+                progress(f"{name} {fmt}: {row['decode_tok_s']} tok/s, weights {row['weight_bytes'] / 1e9:.3f} GB")
+        finally:
+            eng.close()
+        base = rows["native"]
+        for fmt in ("int8", "int4"):
+            r = rows[fmt]
+            r["weight_bytes_vs_native"] = r["weight_bytes"] / base["weight_bytes"]
+            if cuda:
+                r["allocated_vs_native"] = r["allocated_bytes_after_placing"] / base["allocated_bytes_after_placing"]
+            if r["decode_tok_s"] and base["decode_tok_s"]:
+                r["decode_vs_native"] = r["decode_tok_s"] / base["decode_tok_s"]
+        out[name] = {"shape": WEIGHT_SHAPES[name], "dtype": dtype, "max_new_tokens": max_new, "formats": rows}
+    return out
+
 
 SECTIONS = (
     "nvml",
@@ -81,6 +191,7 @@ SECTIONS = (
     "logits_fp16",
     "logits_bf16",
     "speculation",
+    "weights",
 )
 
 
@@ -659,6 +770,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ladder-tokens", type=int, default=200, help="prompt + these stay in one 256-position bucket")
     p.add_argument(
+        "--weight-shapes",
+        default="llama-3.2-1b",
+        help=f"the weights section's shapes, comma-separated: {', '.join(WEIGHT_SHAPES)} (8B: ~3 more minutes)",
+    )
+    p.add_argument(
         "--sections",
         default=",".join(SECTIONS),
         help="comma-separated, run in the fixed order (e.g. the ones a shorter run had to leave out)",
@@ -726,6 +842,10 @@ def main(argv=None) -> int:
                 report.section(f"logits_{dtype}", lambda d=dtype: logits_check(folder, device, d), need_s=60, cuda=True)
             report.section(
                 "speculation", lambda: speculation(folder, report.progress("speculation")), need_s=120, cuda=True
+            )
+            shapes = [x.strip() for x in args.weight_shapes.split(",") if x.strip()]
+            report.section(
+                "weights", lambda: weight_formats(work, shapes, report.progress("weights")), need_s=200, cuda=True
             )
     except KeyboardInterrupt:
         report.data["interrupted"] = "stopped by the time limit; the sections above say how far each got"

@@ -32,6 +32,7 @@ def test_gpu_check_on_cpu_skips_cuda_sections_and_checks_parity(tmp_path):
         "logits_fp16",
         "logits_bf16",
         "speculation",
+        "weights",
     ):
         assert sections[name] == {"skipped": "no CUDA device on this machine"}
     tel = sections["telemetry"]["result"]  # the recording runs on any device; the GPU's is the one that counts
@@ -202,3 +203,21 @@ def test_speculation_section_runs_its_course_on_the_cpu(tmp_path):
     costs = got["step_costs"][0]
     assert set(costs["verify_step_ms"]) == {"1", "2", "4", "8", "15"} and costs["plain_step_ms"] > 0
     assert "| fp32  | rewrite " in got["table"]
+
+
+def test_the_weights_section_on_a_tiny_shape_on_the_cpu(tmp_path):
+    """What the weights section computes, run eagerly on the CPU in fp32 on the tiny shape: a random folder the
+    engine loads, each format placed and timed, memory ratios against native (no fp32 embedding kept: int8 under
+    0.3x of fp32, int4 under int8)."""
+    from gpu.gpu_check import weight_formats
+
+    lines: list[str] = []
+    out = weight_formats(tmp_path, ["tiny"], lines.append, device="cpu", dtype="fp32", fast=False, max_new=6, repeats=1)
+    rows = out["tiny"]["formats"]
+    assert list(rows) == ["native", "int8", "int4"] and len(lines) == 4
+    for fmt, row in rows.items():
+        assert row["decode_tok_s"] > 0 and row["allocated_bytes_after_placing"] is None, fmt
+        assert "weights" not in row["unavailable"], fmt
+    assert rows["int8"]["weight_bytes_vs_native"] < 0.3
+    assert rows["int4"]["weight_bytes"] < rows["int8"]["weight_bytes"]
+    assert rows["int8"]["decode_vs_native"] > 0
