@@ -23,7 +23,7 @@
  * gapless_rope: rotary embedding of the fused projection's q and k heads straight into [B, H, T, D], one call for
  * the view, transpose, roll, two multiplies and the add, with the same roundings (no contraction into FMAs).
  * gapless_decoder_layer: a whole decoder layer (Llama's shape, with Qwen3's q/k norms and Gemma-3's norms, GELU and
- * sliding windows where a layer has them) with int8 or int4 weights over a static KV cache, one call (these
+ * sliding windows where a layer has them) with int8, int4 or fp32 weights over a static KV cache, one call (these
  * kernels, the cache writes and the attention) where the eager step made about thirty.
  *
  * Built on first use with the machine's C compiler (-O3 -march=native -fopenmp) and loaded with ctypes; the
@@ -404,7 +404,7 @@ void gapless_rope(const float *x, int64_t ldx, const float *cos, const float *si
 
 /* One decoder layer of a Llama-shaped model (RMSNorm, fused QKV with optional bias, RoPE, grouped-query attention
  * over a static KV cache, O projection, RMSNorm, fused gate/up, SiLU-mul, down projection, both residual adds) on
- * fp32 activations with int8 or int4 weights, in one call where the eager step dispatched about twenty ops and nine
+ * fp32 activations with int8, int4 or fp32 weights, in one call where the eager step dispatched about twenty ops and nine
  * module calls a layer; with `ex`, Qwen3's and Gemma-3's layers too (struct gapless_layer_extra). x [B * T, dim]
  * is the residual stream, updated in place. The new keys and values are written into the cache k, v
  * [B, Hkv, L, D] at pos[t]; query t attends to the cache positions s <= pos[t] with s < attn_len (and

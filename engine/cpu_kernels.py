@@ -108,9 +108,9 @@ def _marked(name: str) -> contextlib.AbstractContextManager:
 
 
 class CpuKernels:
-    """The loaded library: `bind` (an int8 or int4 linear, checked once) with `linear` and `linear4` that bind and
-    run at once, for fp32 activations of any number of rows; `rms_norm`, `silu_mul`, `rope`; and `bind_layer` for a
-    whole decoder layer, run by `run_layers`."""
+    """The loaded library: `bind` (an int8 or int4 linear, checked once; `bind_f32` an fp32 one) with `linear` and
+    `linear4` that bind and run at once, for fp32 activations of any number of rows; `rms_norm`, `silu_mul`, `rope`;
+    and `bind_layer` for a whole decoder layer, run by `run_layers`."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, flags: tuple[str, ...]):
         self.path, self.flags = path, flags
@@ -300,7 +300,7 @@ class CpuKernels:
         window: int = 0,
     ) -> "BoundDecoderLayer":
         """A decoder layer's weights for gapless_decoder_layer, checked once and held: its two norms' weights, its
-        bound int8 or int4 linears qkv, o, gate/up and down, (heads, kv heads, head dim) and the attention scale;
+        bound int8, int4 or fp32 linears qkv, o, gate/up and down, (heads, kv heads, head dim) and the attention scale;
         where the layer has them, its q and k norms' weights [head dim] (Qwen3, Gemma-3), the norms after the
         attention and the MLP [dim] (Gemma-3), the offset every norm adds to its weight (1 for Gemma's), the tanh
         GELU in place of SiLU and a sliding window of positions (0: none)."""
@@ -396,7 +396,7 @@ class BoundDecoderLayer:
         # norms: the two the layer always has first, then any others the extra's pointers were taken from (held so
         # their memory stays while it is called)
         self._fn, self.norms, self.eps, self.linears, self.dims, self.scale = fn, norms, eps, linears, dims, scale
-        self.extra, self.window, self.gelu = extra, extra.window, bool(extra.gelu)
+        self.extra, self.window = extra, extra.window  # the struct C reads by pointer, held with the layer
         self.fp32 = any(lin.fmt == "fp32" for lin in linears)
         self._q8 = [_Q8(*lin._args) for lin in linears]
         self._q8_refs = [ctypes.byref(q) for q in self._q8]

@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -160,7 +161,7 @@ def weight_formats(
                 row["unavailable"] = warm.unavailable
                 runs = [eng.generate(msgs, params).metrics.decode_tok_s for _ in range(repeats)]
                 row["decode_tok_s_runs"] = runs
-                row["decode_tok_s"] = sorted(runs)[len(runs) // 2] if all(r is not None for r in runs) else None
+                row["decode_tok_s"] = statistics.median(runs) if all(r is not None for r in runs) else None
                 rows[fmt] = row
                 progress(f"{name} {fmt}: {row['decode_tok_s']} tok/s, weights {row['weight_bytes'] / 1e9:.3f} GB")
         finally:
