@@ -16,6 +16,7 @@
  * the bytes, the nibbles widened to int16 and summed with the same int16 activations.
  *
  * gapless_f32_linear: the fp32 linear the same way (torch's M=1 fp32 GEMV streamed at about 10 GB/s here).
+ * gapless_int8_dequant, gapless_int4_dequant: rows of those weights in fp32, for a prefill chunk's GEMM.
  *
  * gapless_rms_norm: y[i, :] = w * (x[i, :] / sqrt(mean(x[i, :]^2) + eps)) in fp32, one call where torch dispatches
  * six ops (pow, mean, add, rsqrt, mul, mul), each with its own fixed cost, sixty-one times a token.
@@ -332,6 +333,55 @@ int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float
     free(dq);
     free(xs);
     return 0;
+}
+
+/* Rows of a quantised linear de-quantised to fp32, out[r, :] = w[r, :] * scale[r] (int8) or, in the int4 layout,
+ * (q - 8) * scale[r, g] + zero[r, g] over each group g of 32 inputs (the value the own GEMVs multiply): a prefill
+ * chunk of many rows is a GEMM, which the caller runs with torch's fp32 GEMM on these rows. */
+void gapless_int8_dequant(const int8_t *w, const float *scale, float *out, int64_t n, int64_t k, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t *wr = w + r * k;
+        float *o = out + r * k;
+        const float s = scale[r];
+        for (int64_t j = 0; j < k; j++) o[j] = (float)wr[j] * s;
+    }
+}
+
+void gapless_int4_dequant(const uint8_t *w, const float *scale, const float *zero, float *out, int64_t n, int64_t k,
+                          int threads)
+{
+    const int64_t ng = k / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *wr = w + r * (k / 2);
+        float *o = out + r * k;
+        for (int64_t g = 0; g < ng; g++) {
+            const float s = scale[r * ng + g], z = zero[r * ng + g];
+            const uint8_t *b = wr + g * 16;
+            float *og = o + g * 32;
+#if defined(__AVX2__) && defined(__FMA__)
+            /* the same roundings as below: a subtract, a multiply and an add, no FMA */
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z), eight = _mm256_set1_ps(8.0f);
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)b), mask = _mm_set1_epi8(0x0F);
+            const __m128i halves[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+            for (int h = 0; h < 2; h++) {
+                const __m128i eights[2] = {halves[h], _mm_srli_si128(halves[h], 8)}; /* bytes 0..7, 8..15 */
+                for (int e = 0; e < 2; e++) {
+                    __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[e]));
+                    _mm256_storeu_ps(og + 16 * h + 8 * e,
+                                     _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(q, eight), vs), vz));
+                }
+            }
+#else
+            for (int j = 0; j < 16; j++) {
+                og[j] = ((float)(b[j] & 0x0F) - 8.0f) * s + z;
+                og[16 + j] = ((float)(b[j] >> 4) - 8.0f) * s + z;
+            }
+#endif
+        }
+    }
 }
 
 /* y[i, :] = (w + offset) * (x[i, :] * r), r = 1 / sqrt(mean(x[i, :]^2) + eps); y may be x. offset is 0, or 1 for

@@ -9,7 +9,8 @@ exactly in int32, a third of the instructions per weight of widening every weigh
 one call each where torch dispatches three to six ops (the eager CPU step is bound by its op count as much as by
 its matmuls), and the layer kernel runs a decoder layer (norms, projections, RoPE, the cache writes, the
 grouped-query attention, the residual adds; Qwen3's q/k norms and Gemma-3's norms, GELU and sliding windows where a
-layer has them) in one call; GAPLESS_CPU_LAYER=0 runs it op by op, to compare. Where
+layer has them) in one call; GAPLESS_CPU_LAYER=0 runs it op by op, to compare. A prefill chunk of more than
+GEMM_ROWS rows is a GEMM, run by torch on the weights de-quantised to fp32 a tile at a time. Where
 the library cannot be built (no compiler, a failed build, not allowed by GAPLESS_CPU_KERNELS=0),
 `unavailable_reason()` says why and torch's ops run.
 
@@ -55,10 +56,12 @@ NORM_OP_NAME = "gapless::kernel::rms_norm"
 SILU_OP_NAME = "gapless::kernel::silu_mul"
 ROPE_OP_NAME = "gapless::kernel::rope"
 LAYER_OP_NAME = "gapless::kernel::decoder_layer"
-# fp32 layers run as one call for steps of at most this many rows (decode, candidates, a speculative verify): the
-# fp32 GEMV streams the weights at about 1.6x torch's M=1 rate here, but a long prefill chunk is a GEMM, which
-# torch's runs 2.2x faster (a 700-token prompt of the default model: 150-187 against 335-421 tok/s)
-F32_LAYER_ROWS = 32
+# Steps of at most this many rows (decode, candidates, a speculative verify) run the own GEMVs, and the layers as one
+# call each; a longer prefill chunk is a GEMM, which torch's fp32 one runs faster than a GEMV summing each row alone
+# (a 700-token prompt of the default model in fp32: 150-187 against 335-421 tok/s), so its linears run that GEMM,
+# int8 and int4 weights de-quantised to fp32 a tile at a time, and its layers run as modules.
+GEMM_ROWS = 32
+DEQUANT_TILE_FLOATS = 1 << 21  # the fp32 rows one de-quantised tile holds (8 MiB), whatever the linear's size
 LAYER_SWITCH_ENV = "GAPLESS_CPU_LAYER"  # "0": the layer's ops one by one (the kernels above), to compare
 
 
@@ -122,6 +125,11 @@ class CpuKernels:
             self._linear_fn(getattr(lib, name), pointers)
             for name, pointers in (("gapless_int8_linear", 4), ("gapless_int4_linear", 5), ("gapless_f32_linear", 3))
         )
+        # weight, scales, (zeros,) out, n, k, threads
+        self._dequant8, self._dequant4 = lib.gapless_int8_dequant, lib.gapless_int4_dequant
+        for fn, pointers in ((self._dequant8, 3), (self._dequant4, 4)):
+            fn.restype = None
+            fn.argtypes = [*[ctypes.c_void_p] * pointers, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         norm = lib.gapless_rms_norm
         norm.restype = None
         norm.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
@@ -261,7 +269,8 @@ class CpuKernels:
                 f"int8 weight [n, k] and fp32 scales [n], or uint8 int4 weight [n, k / 2] (k a multiple of "
                 f"{INT4_GROUP}) and fp32 scales and zeros [n, k / {INT4_GROUP}]; fp32 bias [n]"
             )
-        return BoundLinear(self._fn if zeros is None else self._fn4, weight, scales, zeros, bias)
+        fns = (self._fn, self._dequant8) if zeros is None else (self._fn4, self._dequant4)
+        return BoundLinear(*fns, weight, scales, zeros, bias)
 
     def bind_f32(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "BoundLinear":
         """An fp32 linear (weight [n, k], bias [n] or None), checked once, for the layer kernel."""
@@ -272,7 +281,7 @@ class CpuKernels:
                 f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: want contiguous fp32 tensors on the "
                 "CPU, weight [n, k] and bias [n]"
             )
-        return BoundLinear(self._fn32, weight, None, None, bias)
+        return BoundLinear(self._fn32, None, weight, None, None, bias)
 
     def linear4(
         self,
@@ -336,13 +345,15 @@ class CpuKernels:
 
 class BoundLinear:
     """One int8, int4 or fp32 linear's weights, scales (not fp32), zeros (int4) and bias, checked and held (so their
-    memory stays while it is called): `run(x)` checks x and calls the kernel."""
+    memory stays while it is called): `run(x)` checks x and calls the kernel, or for more than GEMM_ROWS rows
+    torch's fp32 GEMM on the weights (de-quantised a tile at a time by `dequant`, None for fp32 ones)."""
 
-    __slots__ = ("weight", "scales", "zeros", "bias", "n", "k", "fmt", "_fn", "_args", "_name")
+    __slots__ = ("weight", "scales", "zeros", "bias", "n", "k", "fmt", "_fn", "_dequant", "_args", "_name")
 
     def __init__(
         self,
         fn,
+        dequant,
         weight: torch.Tensor,
         scales: Optional[torch.Tensor],
         zeros: Optional[torch.Tensor],
@@ -352,6 +363,7 @@ class BoundLinear:
         self.n, self.k = weight.shape[0], weight.shape[1] * (1 if zeros is None else 2)
         self.fmt = "fp32" if scales is None else "int8" if zeros is None else "int4"
         self._fn, self._name = fn, {"fp32": F32_OP_NAME, "int8": OP_NAME, "int4": INT4_OP_NAME}[self.fmt]
+        self._dequant = dequant
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self._args = (weight.data_ptr(), ptr(scales), ptr(zeros), ptr(bias))
 
@@ -372,6 +384,8 @@ class BoundLinear:
                 f"contiguous fp32 x [m, {self.k}] on the CPU"
             )
         m = x.shape[0]
+        if m > GEMM_ROWS:
+            return self._gemm(x)
         w, s, z, b = self._args
         with _marked(self._name):  # the output's allocation inside: one op in a profile
             y = torch.empty((m, self.n), dtype=torch.float32)
@@ -386,6 +400,48 @@ class BoundLinear:
             raise MemoryError(f"the quantised linear kernel could not allocate {m} rows of {self.k} activations")
         return y
 
+    def dequantized(
+        self, start: int = 0, stop: Optional[int] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Rows start..stop of the weight in fp32 ([stop - start, k], into `out` where given): the values the GEMV
+        multiplies."""
+        stop = self.n if stop is None else stop
+        if not 0 <= start <= stop <= self.n:
+            raise ValueError(f"rows {start}..{stop} of a {self.n}-row {self.fmt} weight")
+        if self.fmt == "fp32":
+            return self.weight[start:stop] if out is None else out.copy_(self.weight[start:stop])
+        rows = stop - start
+        if out is None:
+            out = torch.empty((rows, self.k), dtype=torch.float32)
+        elif not (_readable(out, torch.float32) and tuple(out.shape) == (rows, self.k)):
+            raise ValueError(f"a de-quantised tile {tuple(out.shape)} {out.dtype}: want fp32 [{rows}, {self.k}]")
+        w, s, z = self.weight[start:stop], self.scales, self.zeros
+        assert s is not None, "an int8 or int4 weight has its scales"
+        threads = torch.get_num_threads()
+        if z is None:
+            self._dequant(w.data_ptr(), s[start:stop].data_ptr(), out.data_ptr(), rows, self.k, threads)
+        else:
+            self._dequant(w.data_ptr(), s[start:stop].data_ptr(), z[start:stop].data_ptr(), out.data_ptr(), rows,
+                          self.k, threads)  # fmt: skip
+        return out
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T (+ bias) with torch's fp32 GEMM, the int8/int4 weight de-quantised a tile of at most
+        DEQUANT_TILE_FLOATS at a time (the host never holds the whole linear in fp32)."""
+        with _marked(self._name):
+            tile = max(1, DEQUANT_TILE_FLOATS // self.k)
+            if self.fmt == "fp32" or tile >= self.n:
+                w = self.dequantized()
+                return torch.mm(x, w.t()) if self.bias is None else torch.addmm(self.bias, x, w.t())
+            # out^T a tile of weight rows at a time (a row slice of it is contiguous, so the GEMM writes in place)
+            out_t = torch.empty((self.n, x.shape[0]), dtype=torch.float32)
+            buf = torch.empty((tile, self.k), dtype=torch.float32)
+            for start in range(0, self.n, tile):
+                stop = min(self.n, start + tile)
+                torch.mm(self.dequantized(start, stop, buf[: stop - start]), x.t(), out=out_t[start:stop])
+            y = out_t.t().contiguous()
+            return y if self.bias is None else y.add_(self.bias)
+
 
 class BoundDecoderLayer:
     """A decoder layer bound for gapless_decoder_layer; run_layers runs a list of them on a step's tensors."""
@@ -397,7 +453,6 @@ class BoundDecoderLayer:
         # their memory stays while it is called)
         self._fn, self.norms, self.eps, self.linears, self.dims, self.scale = fn, norms, eps, linears, dims, scale
         self.extra, self.window = extra, extra.window  # the struct C reads by pointer, held with the layer
-        self.fp32 = any(lin.fmt == "fp32" for lin in linears)
         self._q8 = [_Q8(*lin._args) for lin in linears]
         self._q8_refs = [ctypes.byref(q) for q in self._q8]
         self._extra_ref = ctypes.byref(extra)

@@ -590,8 +590,8 @@ class Transformer(nn.Module):
 
     def _cpu_layers(self, x, B: int, T: int, rope, local, input_pos, cache, mask) -> bool:
         """Every layer through the whole-layer CPU kernel, x updated in place, where it serves this step (eager
-        fp32 on the CPU, a static cache, int8 or int4 linears on the own kernels or fp32 ones for at most
-        F32_LAYER_ROWS rows, layers it covers: Block.cpu_layer);
+        fp32 on the CPU, a static cache, at most GEMM_ROWS rows, int8, int4 or fp32 linears on the own kernels,
+        layers it covers: Block.cpu_layer);
         False where it does not, and the modules run. The kernel attends to the positions s <= input_pos[t] below
         the cache's attn_len (and within a sliding layer's window), which is what every caller's mask says (and a
         prefill from position 0 without one); sliding layers take the `local` rope tables."""
@@ -603,12 +603,13 @@ class Transformer(nn.Module):
             or (mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (T, cache.attn_len)))
             or input_pos.device.type != "cpu"
             or not x.is_contiguous()
+            or B * T > cpu_kernels.GEMM_ROWS  # a long prefill chunk: the modules, whose linears run GEMMs
         ):
             return False
         bound = []
         for block in self.layers:
             b = cast(Block, block).cpu_layer(kernels)
-            if b is None or (b.fp32 and B * T > cpu_kernels.F32_LAYER_ROWS):
+            if b is None:
                 return False
             bound.append(b)
         cos, sin = rope

@@ -2,7 +2,8 @@
 of INT4_GROUP inputs. The activations stay in floating point; the matmul reads the quantised weights.
 
 CPU: the project's own int8 and int4 GEMVs (engine/cpu_kernels.c: activations rounded to int16 in blocks of 64,
-exact integer products, the weights streamed as stored), or where they cannot be built torch's packed
+exact integer products, the weights streamed as stored; a prefill chunk of more than cpu_kernels.GEMM_ROWS rows is
+torch's fp32 GEMM on the weights de-quantised a tile at a time), or where they cannot be built torch's packed
 `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` fed bf16 activations (with fp32 ones the int8
 one was 8x slower, measured on this project's CPU).
 CUDA: gpt-fast's form, the weight de-quantised inside the linear (`F.linear(x, w_int8.to(x.dtype)) * scales`),

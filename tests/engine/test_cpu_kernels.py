@@ -112,9 +112,10 @@ def test_arguments_it_cannot_read_safely_are_refused():
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [2, 4, 17, 64])
+@pytest.mark.parametrize("m", [2, 4, 17, cpu_kernels.GEMM_ROWS])
 def test_each_rows_result_does_not_depend_on_how_many_rows_run(m):
-    """A verify step or candidates run several rows; greedy answers must not change with their number."""
+    """A verify step or candidates run several rows (up to GEMM_ROWS); greedy answers must not change with their
+    number."""
     torch.manual_seed(m)
     q, scales = quantize_int8(torch.randn(200, 576))
     bias = torch.randn(200)
@@ -122,6 +123,61 @@ def test_each_rows_result_does_not_depend_on_how_many_rows_run(m):
     together = KERNEL.linear(x, q, scales, bias)
     alone = torch.cat([KERNEL.linear(x[i : i + 1].contiguous(), q, scales, bias) for i in range(m)])
     assert torch.equal(together, alone)
+
+
+def _bound(fmt: str, n: int, k: int, with_bias: bool):
+    """(a bound int8, int4 or fp32 linear of random weights, the weight it multiplies in fp32, its bias)"""
+    from engine.quant import dequantize_int4, quantize_int4
+
+    w = torch.randn(n, k) * 0.05
+    bias = torch.randn(n) if with_bias else None
+    if fmt == "int8":
+        q, scales = quantize_int8(w)
+        return KERNEL.bind(q, scales, bias), q.float() * scales[:, None], bias
+    if fmt == "int4":
+        q4, s4, z4 = quantize_int4(w)
+        return KERNEL.bind(cpu_kernels.pack_int4(q4), s4, bias, z4), dequantize_int4(q4, s4, z4), bias
+    return KERNEL.bind_f32(w, bias), w, bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_dequantized_rows_are_the_weights_the_gemv_multiplies(fmt):
+    """Bit for bit the reference de-quantisation (q * scale; (q - 8) * scale + zero), whole or a range of rows, with
+    and without the CPU's vector loop."""
+    torch.manual_seed(11)
+    bound, want, _ = _bound(fmt, 70, 192, False)
+    assert torch.equal(bound.dequantized(), want)
+    assert torch.equal(bound.dequantized(13, 41), want[13:41])
+    out = torch.full((5, 192), float("nan"))
+    assert bound.dequantized(65, 70, out) is out and torch.equal(out, want[65:])
+    for bad in ((-1, 3), (10, 5), (0, 71)):
+        with pytest.raises(ValueError, match="rows"):
+            bound.dequantized(*bad)
+    with pytest.raises(ValueError, match="de-quantised tile"):
+        bound.dequantized(0, 4, torch.empty(5, 192))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp32"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_more_rows_than_a_gemv_serves_run_as_a_gemm_of_the_same_weights(fmt, with_bias, monkeypatch):
+    """A prefill chunk (more than GEMM_ROWS rows) is torch's fp32 GEMM on the de-quantised weights: what
+    F.linear gives on them, whether the weight is de-quantised whole or a few rows at a time (here 7-row tiles and a
+    2-row last one; the GEMM's order of summing may differ with the tile), and within the GEMV's int16 rounding of
+    what the GEMV gives row by row."""
+    torch.manual_seed(12)
+    bound, w, bias = _bound(fmt, 37, 128, with_bias)
+    x = torch.randn(cpu_kernels.GEMM_ROWS + 5, 128)
+    whole = bound.run(x)
+    assert whole.shape == (x.shape[0], 37) and whole.is_contiguous()
+    want = torch.nn.functional.linear(x, w, bias)
+    assert torch.allclose(whole, want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(cpu_kernels, "DEQUANT_TILE_FLOATS", 7 * 128)
+    assert torch.allclose(bound.run(x), want, rtol=1e-5, atol=1e-5)
+    by_gemv = torch.cat([bound.run(x[i : i + 8].contiguous()) for i in range(0, x.shape[0], 8)])
+    assert torch.allclose(by_gemv, whole, rtol=1e-3, atol=1e-3)
+    assert not torch.equal(by_gemv, whole) or fmt == "fp32"  # two sums, not one path taken twice
 
 
 @needs_kernel
@@ -263,6 +319,9 @@ def test_the_portable_loop_a_cpu_without_avx2_builds(tmp_path):
         assert _within(got4, want4, int4_kernel_tolerance(x4, q4, s4, z4))
         rows = [portable.linear4(x4[i : i + 1].contiguous(), cpu_kernels.pack_int4(q4), s4, z4, None) for i in range(3)]
         assert torch.equal(got4, torch.cat(rows))
+        dequantized = portable.bind(cpu_kernels.pack_int4(q4), s4, None, z4).dequantized()
+        assert torch.equal(dequantized, dequantize_int4(q4, s4, z4))
+    assert torch.equal(portable.bind(q, scales, None).dequantized(), q.float() * scales[:, None])
 
 
 @needs_kernel
@@ -597,9 +656,9 @@ def test_a_layers_binding_is_kept_until_what_it_read_changes(tiny_factory):
 
 
 @needs_kernel
-def test_fp32_layers_run_as_one_call_only_for_a_steps_few_rows(tiny_factory, monkeypatch):
-    """fp32 layers take the layer kernel for decode, candidate and verify steps (up to F32_LAYER_ROWS rows); a longer
-    prefill chunk, a GEMM that torch's kernels run faster, runs the modules. int8 layers take it at any width."""
+def test_layers_run_as_one_call_only_for_a_steps_few_rows(tiny_factory, monkeypatch):
+    """Layers take the layer kernel for decode, candidate and verify steps (up to GEMM_ROWS rows); a longer prefill
+    chunk, a GEMM that torch's kernels run faster, runs the modules, whatever the weights' format."""
     from engine.model import StaticKVCache
 
     calls: list[int] = []
@@ -607,8 +666,8 @@ def test_fp32_layers_run_as_one_call_only_for_a_steps_few_rows(tiny_factory, mon
     monkeypatch.setattr(
         cpu_kernels, "run_layers", lambda layers, x, *a: calls.append(x.shape[0]) or real(layers, x, *a)
     )
-    rows = cpu_kernels.F32_LAYER_ROWS
-    for fmt in ("fp32", "int8"):
+    rows = cpu_kernels.GEMM_ROWS
+    for fmt in ("fp32", "int8", "int4"):
         model = _int8_model(tiny_factory, "llama", fmt)
         cache = StaticKVCache.allocate(model.args, 1, 64, torch.float32, torch.device("cpu"))
         ids = torch.randint(0, model.args.vocab_size, (1, rows + 2))
@@ -617,5 +676,5 @@ def test_fp32_layers_run_as_one_call_only_for_a_steps_few_rows(tiny_factory, mon
             model(ids[:, : rows + 1], torch.arange(rows + 1), cache, None)
             cache.attn_len = rows + 2
             model(ids[:, rows + 1 :], torch.tensor([rows + 1]), cache, None)
-        assert calls == ([1] if fmt == "fp32" else [rows + 1, 1]), fmt
+        assert calls == [1], fmt
         calls.clear()
