@@ -1,9 +1,12 @@
-"""Quality and speed per weight format: perplexity on a fixed text, top-1 agreement with fp32, decode tok/s.
+"""Quality and speed per weight format: perplexity on a fixed text, top-1 agreement with fp32, decode and prefill
+tok/s.
 
 Each format runs on the same loaded model (the engine re-places the weights from the checkpoint between them).
 Perplexity is over non-overlapping windows of WINDOW tokens (the context, if shorter) of engine.quality_text, each window read from a
 fresh context; top-1 agreement is the share of those positions whose most likely next token equals fp32's.
-Decode tok/s is the engine's own device-synchronised figure, the median over short greedy generations.
+Decode tok/s is the engine's own device-synchronised figure, the median over short greedy generations; prefill
+tok/s the engine's figure for a prompt of a pasted page (the text's first PREFILL_CHARS characters), the median over
+one-token answers, each computing the whole prompt (prefix reuse off).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ FORMATS: tuple[tuple[str, str, str], ...] = (
     ("int4", "fp32", "int4"),
 )
 PROMPT = [{"role": "user", "content": "Write a short paragraph about lighthouses."}]
+PREFILL_CHARS = 2400  # about 500 tokens of the text: a pasted page
+PREFILL_PROMPT = [{"role": "user", "content": QUALITY_TEXT[:PREFILL_CHARS] + "\n\nSummarise the text above."}]
 
 
 @dataclass
@@ -56,6 +61,9 @@ class FormatResult:
     positions: int = 0
     decode_tok_s: Optional[float] = None
     decode_tok_s_runs: list[float] = field(default_factory=list)
+    prefill_tok_s: Optional[float] = None
+    prefill_tok_s_runs: list[float] = field(default_factory=list)
+    prefill_tokens: Optional[int] = None
     weight_bytes: Optional[int] = None
     bytes_per_token: Optional[int] = None
     kernel: str = ""  # what computes the quantised linears ("" for native weights)
@@ -77,7 +85,8 @@ def teacher_forced(
 
 
 def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int) -> dict[str, Any]:
-    """llama.cpp's decode speed on the same GGUF, when llama-cpp-python is installed (an optional extra)."""
+    """llama.cpp's decode and prefill speed on the same GGUF, when llama-cpp-python is installed (an optional
+    extra)."""
     try:
         import llama_cpp
     except ImportError:
@@ -91,9 +100,9 @@ def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int)
     # typed loosely: the optional extra is type-checked only where it is installed
     llm: Any = llama_cpp.Llama(model_path=gguf_path, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
 
-    def timed(max_tokens: int) -> tuple[int, float]:
+    def timed(max_tokens: int, messages: list[dict[str, str]] = PROMPT) -> tuple[int, float]:
         started = time.perf_counter()
-        out = llm.create_chat_completion(messages=PROMPT, max_tokens=max_tokens, temperature=0.0)
+        out = llm.create_chat_completion(messages=messages, max_tokens=max_tokens, temperature=0.0)
         return int(out["usage"]["completion_tokens"]), time.perf_counter() - started
 
     runs, wall = [], []
@@ -108,15 +117,28 @@ def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int)
             runs.append((n - 1) / (total_s - first_s))
     if not runs:
         return {"status": "failed", "reason": "llama.cpp answered in one token or less; no decode to time"}
+    # the pasted page: a one-token answer from an emptied context (reset: llama.cpp keeps the last prompt's
+    # tokens and would compute only past the common prefix), as the engine's prefill_tok_s with prefix reuse off
+    prefill, prompt_tokens = [], 0
+    for _ in range(repeats + 1):  # the first warms up
+        llm.reset()
+        started = time.perf_counter()
+        out = llm.create_chat_completion(messages=PREFILL_PROMPT, max_tokens=1, temperature=0.0)
+        prompt_tokens = int(out["usage"]["prompt_tokens"])
+        prefill.append(prompt_tokens / (time.perf_counter() - started))
+    prefill = prefill[1:]
     return {
         "status": "ok",
         "decode_tok_s": median(runs),
         "decode_tok_s_runs": runs,
         "wall_tok_s_runs": wall,
+        "prefill_tok_s": median(prefill),
+        "prefill_tok_s_runs": prefill,
+        "prefill_tokens": prompt_tokens,
         "threads": torch.get_num_threads(),
         "figure": "(completion tokens - 1) / (the time of create_chat_completion - that of a one-token call), as "
         "the engine's decode_tok_s counts the tokens after the first; wall_tok_s_runs: completion tokens / the "
-        "whole call",
+        "whole call; prefill: prompt tokens / a one-token call from an emptied context",
     }
 
 
@@ -140,7 +162,14 @@ def run_quality(
 ) -> dict[str, Any]:
     from engine.engine import Engine
 
-    base = EngineOptions(device=config.device, dtype="fp32", kv_cache="static", sampling="device", profile_window=False)
+    base = EngineOptions(
+        device=config.device,
+        dtype="fp32",
+        kv_cache="static",
+        sampling="device",
+        profile_window=False,
+        prefix_reuse=False,
+    )
     engine = Engine.load(config.model, base, lambda p: progress(f"{p.stage}: {p.message}"))
     try:
         if not engine.fast:
@@ -180,10 +209,19 @@ def run_quality(
                     r.decode_tok_s_runs.append(tok_s)
                 progress(f"{label}: decode run {i + 1}/{config.repeats}: {tok_s or 0:.1f} tok/s")
             r.decode_tok_s = median(r.decode_tok_s_runs) if r.decode_tok_s_runs else None
+            one = SamplingParams(temperature=0.0, max_new_tokens=1, seed=0)
+            engine.generate(PREFILL_PROMPT, one)  # warm-up
+            for i in range(config.repeats):
+                m = engine.generate(PREFILL_PROMPT, one).metrics
+                r.prefill_tokens = m.prompt_tokens
+                if m.prefill_tok_s is not None:
+                    r.prefill_tok_s_runs.append(m.prefill_tok_s)
+                progress(f"{label}: prefill run {i + 1}/{config.repeats}: {m.prefill_tok_s or 0:.1f} tok/s")
+            r.prefill_tok_s = median(r.prefill_tok_s_runs) if r.prefill_tok_s_runs else None
         model_info = engine.info.to_dict()
     finally:
         engine.close()
-    progress("llama.cpp: decode on the same GGUF")
+    progress("llama.cpp: decode and prefill on the same GGUF")
     llama_cpp = llama_cpp_column(model_info["source"], config.decode_tokens, config.repeats)
     return {
         "kind": "quality",
@@ -205,6 +243,12 @@ def run_quality(
             "repeats": config.repeats,
             "figure": "median of the engine's decode_tok_s (device-synchronised) after one warm-up",
         },
+        "prefill": {
+            "prompt": f"the text's first {PREFILL_CHARS} characters, then 'Summarise the text above.'",
+            "repeats": config.repeats,
+            "figure": "median of the engine's prefill_tok_s (prompt tokens computed / time to the first token) "
+            "over one-token answers after one warm-up, prefix reuse off",
+        },
         "formats": [r.__dict__ for r in results],
         "llama_cpp": llama_cpp,
     }
@@ -220,24 +264,28 @@ def _mib(b: Optional[int]) -> str:
 
 def format_quality_table(report: dict[str, Any]) -> str:
     rows = [
-        "| format | weights held | bytes/token | perplexity | top-1 = fp32 | decode tok/s (median) |",
-        "|---|---|---|---|---|---|",
+        "| format | weights held | bytes/token | perplexity | top-1 = fp32 | decode tok/s (median) | "
+        "prefill tok/s (median) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for f in report["formats"]:
         if f["status"] != "ok":
-            rows.append(f"| {f['label']} | skipped: {f['reason']} | | | | |")
+            rows.append(f"| {f['label']} | skipped: {f['reason']} | | | | | |")
             continue
         rows.append(
             f"| {f['label']} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
             f"{f.get('perplexity_note') or _num(f['perplexity'], '{:.3f}')} | "
             f"{_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
-            f"{_num(f['decode_tok_s'], '{:.1f}')} |"
+            f"{_num(f['decode_tok_s'], '{:.1f}')} | {_num(f.get('prefill_tok_s'), '{:.0f}')} |"
         )
     lc = report.get("llama_cpp") or {}
     if lc.get("status") == "ok":
-        rows.append(f"| llama.cpp (same GGUF) | | | | | {_num(lc.get('decode_tok_s'), '{:.1f}')} |")
+        rows.append(
+            f"| llama.cpp (same GGUF) | | | | | {_num(lc.get('decode_tok_s'), '{:.1f}')} | "
+            f"{_num(lc.get('prefill_tok_s'), '{:.0f}')} |"
+        )
     elif lc:
-        rows.append(f"| llama.cpp | {lc.get('status')}: {lc.get('reason')} | | | | |")
+        rows.append(f"| llama.cpp | {lc.get('status')}: {lc.get('reason')} | | | | | |")
     t = report["text"]
     rows.append("")
     for f in report["formats"]:
@@ -245,7 +293,8 @@ def format_quality_table(report: dict[str, Any]) -> str:
             rows.append(f"{f['label']} linears: {f['kernel']}.")
     rows.append(
         f"Perplexity and top-1 over {t['tokens']} tokens of {t['source']} in windows of {t['window']}; "
-        f"decode: {report['decode']['figure']}, {report['decode']['new_tokens']} new tokens."
+        f"decode: {report['decode']['figure']}, {report['decode']['new_tokens']} new tokens"
+        + (f"; prefill: {p['figure']}, {p['prompt']}." if (p := report.get("prefill")) else ".")
     )
     if lc.get("status") == "ok":
         rows.append(f"llama.cpp: {lc['figure']}.")

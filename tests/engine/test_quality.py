@@ -30,6 +30,7 @@ def test_quality_report_per_format(tiny_llama, monkeypatch):
         assert f["status"] == "ok" and math.isfinite(f["perplexity"]) and f["perplexity"] > 1
         assert 0.0 <= f["top1_agreement_vs_fp32"] <= 1.0
         assert f["decode_tok_s"] > 0 and len(f["decode_tok_s_runs"]) == 2
+        assert f["prefill_tok_s"] > 0 and len(f["prefill_tok_s_runs"]) == 2 and f["prefill_tokens"] > 200
     assert by["int8"]["bytes_per_token"] < by["bf16"]["bytes_per_token"] < by["fp32"]["bytes_per_token"]
     assert by["int4"]["status"] == "skipped" and "_weight_int4pack_mm_for_cpu" in by["int4"]["reason"]
     table = format_quality_table(report)
@@ -59,20 +60,28 @@ def test_bench_quality_cli_writes_json(tiny_llama, tmp_path, capsys):
 
 
 class _FakeLlama:
-    """llama_cpp.Llama's face for the column: each call advances the fake clock by a fixed cost and a cost a token."""
+    """llama_cpp.Llama's face for the column: each call advances the fake clock by a fixed cost and a cost a token;
+    a prompt's tokens cost 1 ms each past what the context already holds, as llama.cpp keeps the last prompt."""
 
     def __init__(self, clock: list[float], **kw):
-        self.clock = clock
+        self.clock, self.held = clock, None
+
+    def reset(self):
+        self.held = None
 
     def create_chat_completion(self, messages, max_tokens, temperature):
+        prompt = 10 * len(messages[-1]["content"].split())
         n = min(max_tokens, 6)  # the answer ends after six tokens however many were allowed
-        self.clock[0] += 0.030 + 0.004 * n  # the prompt and the call's own costs, then 4 ms a token
-        return {"usage": {"completion_tokens": n}}
+        computed = 1 if self.held == messages else prompt
+        self.held = messages
+        self.clock[0] += 0.030 + 0.001 * computed + 0.004 * n  # the call's own costs, the prompt, 4 ms a token
+        return {"usage": {"completion_tokens": n, "prompt_tokens": prompt}}
 
 
 def test_llama_cpp_decode_is_counted_as_the_engines(monkeypatch, tmp_path):
     """llama.cpp's figure leaves out the first token and the call's fixed costs, as the engine's decode_tok_s does:
-    a 4 ms token is 250 tok/s, where tokens over the whole call would read 6 / 0.054 = 111."""
+    a 4 ms token is 250 tok/s, where tokens over the whole call would read 6 / 0.054 = 111. Its prefill computes
+    the whole page each time (the context emptied first), as the engine's does with prefix reuse off."""
     import sys
     import types
 
@@ -86,7 +95,12 @@ def test_llama_cpp_decode_is_counted_as_the_engines(monkeypatch, tmp_path):
     col = quality.llama_cpp_column(str(tmp_path / "m.gguf"), decode_tokens=32, repeats=3)
     assert col["status"] == "ok" and len(col["decode_tok_s_runs"]) == 3
     assert math.isclose(col["decode_tok_s"], 250.0, rel_tol=1e-9)
-    assert all(math.isclose(w, 6 / 0.054, rel_tol=1e-9) for w in col["wall_tok_s_runs"])
+    assert all(math.isclose(w, 6 / (0.054 + 0.001), rel_tol=1e-9) for w in col["wall_tok_s_runs"])
+    tokens = col["prefill_tokens"]
+    assert tokens == 10 * len(quality.PREFILL_PROMPT[0]["content"].split()) and tokens > 3000
+    want = tokens / (0.030 + 0.001 * tokens + 0.004)
+    assert len(col["prefill_tok_s_runs"]) == 3
+    assert all(math.isclose(p, want, rel_tol=1e-9) for p in col["prefill_tok_s_runs"])
     one = quality.llama_cpp_column(str(tmp_path / "m.gguf"), decode_tokens=1, repeats=2)
     assert one["status"] == "failed" and "one token" in one["reason"]
 
