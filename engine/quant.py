@@ -1,5 +1,6 @@
 """Weight-only quantised linears: int8 with one scale per output channel, int4 with a scale and a zero per group
-of INT4_GROUP inputs. The activations stay in floating point; the matmul reads the quantised weights.
+of INT4_GROUP inputs (the output head in int8: HEAD_FORMAT). The activations stay in floating point; the matmul
+reads the quantised weights.
 
 CPU: the project's own int8 and int4 GEMVs (engine/cpu_kernels.c: activations rounded to int16 in blocks of 64,
 exact integer products, the weights streamed as stored; a prefill chunk of more than cpu_kernels.GEMM_ROWS rows is
@@ -23,6 +24,12 @@ from engine import cpu_kernels
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 INT4_GROUP = 32
+# The output head's format under each weights option: int4 keeps the head (and a tied embedding, which reads its
+# table) in int8. In int4 the default model's head (21 % of its weights; the file stores it as Q8_0) cost 2.1 in
+# perplexity and 14 points of top-1 agreement with fp32, where its Q4_1 layers in int4 cost nothing measurable; int8
+# there costs 7 % more bytes (docs/benchmarks.md). llama.cpp's 4-bit files keep the head in 6-8 bits too.
+HEAD_FORMAT = {"int8": "int8", "int4": "int8"}
+HEAD = "output"  # the head's module name in engine.model.Transformer
 INT4_INNER_K_TILES = 2  # the CPU int4 packing's tile parameter (2, 4 or 8; results are identical)
 # Linears whose CPU output may stay in the kernel's bf16: what reads it (the residual add, the head's .float())
 # promotes it to fp32 exactly as a cast would, so the cast back is one op a linear saved.
@@ -209,6 +216,7 @@ class Int4Linear(_QuantLinear):
 
 
 QUANTISED_LINEARS = (Int8Linear, Int4Linear)
+_LINEAR_CLASS: dict[str, type[Int8Linear] | type[Int4Linear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 class QuantEmbedding(nn.Module):
@@ -258,7 +266,7 @@ def quantize_embedding(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> bo
             return False
         model.tok_embeddings = QuantEmbedding(head, act_dtype, tied=True)
         return True
-    table = (Int8Linear if fmt == "int8" else Int4Linear)(emb.weight.detach(), None, act_dtype)
+    table = _LINEAR_CLASS[fmt](emb.weight.detach(), None, act_dtype)
     if table.rows(probe, act_dtype) is None:
         return False
     model.tok_embeddings = QuantEmbedding(table, act_dtype, tied=False)
@@ -285,9 +293,10 @@ def kernel_name(fmt: str, device: torch.device) -> str:
     """What computes a linear of weight format `fmt` on `device` ("" for native weights)."""
     if fmt == "native":
         return ""
+    head = "" if HEAD_FORMAT[fmt] == fmt else f"; the output head in {HEAD_FORMAT[fmt]}"
     if device.type == "cpu":
-        return cpu_kernels.describe(fmt)
-    return "de-quantised inside the linear (F.linear on the weights cast to the activations' dtype)"
+        return cpu_kernels.describe(fmt) + head
+    return "de-quantised inside the linear (F.linear on the weights cast to the activations' dtype)" + head
 
 
 def has_op(name: str) -> bool:
@@ -299,14 +308,14 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
-    """Replace every nn.Linear of `model` (the head too) by its `fmt` form, in place, and the input embedding by one
-    that reads a quantised table (quantize_embedding: the tied head's); the float weights are freed as each is
-    replaced. Returns how many linears."""
-    cls = Int8Linear if fmt == "int8" else Int4Linear
+    """Replace every nn.Linear of `model` by its `fmt` form (the head by its HEAD_FORMAT), in place, and the input
+    embedding by one that reads a quantised table (quantize_embedding: the tied head's); the float weights are
+    freed as each is replaced. Returns how many linears."""
     done = 0
     for name, lin in _linears(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        cls = _LINEAR_CLASS[HEAD_FORMAT[fmt] if name == HEAD else fmt]
         q = cls(lin.weight.detach(), lin.bias, act_dtype)
         q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE) and not _rounds_its_input(model, name)
         setattr(parent, child, q)

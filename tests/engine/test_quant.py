@@ -10,6 +10,7 @@ from int8_bounds import int4_kernel_tolerance, int8_kernel_tolerance, within
 from engine.errors import OptionsError
 from engine.quant import (
     INT4_GROUP,
+    QUANTISED_LINEARS,
     Int4Linear,
     Int8Linear,
     QuantEmbedding,
@@ -364,5 +365,29 @@ def test_an_int8_model_keeps_no_float_embedding(tiny_factory, tie):
             int8 = e.model(ids, torch.arange(5))
         torch.testing.assert_close(int8, native, atol=0.1, rtol=0.05)
         assert int8.argmax(-1).equal(native.argmax(-1))
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_int4_keeps_the_head_in_int8(tiny_factory, tie):
+    """int4 quantises every layer's linears to int4 and the output head to int8 (a tied embedding reading that int8
+    table, an untied one its own int4 table), and the model panel's kernel line says so."""
+    from engine.engine import Engine
+
+    folder = tiny_factory("llama", tie=tie)
+    e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        e.reconfigure(e.options.with_(weights="int4"))
+        model = e.model
+        layers = [m for n, m in model.named_modules() if isinstance(m, QUANTISED_LINEARS) and n != "output"]
+        assert layers and all(isinstance(m, Int4Linear) for m in layers)
+        assert isinstance(model.output, Int8Linear)
+        emb = model.tok_embeddings
+        assert isinstance(emb, QuantEmbedding)
+        assert isinstance(emb.source, Int8Linear if tie else Int4Linear) and (emb.source is model.output) == tie
+        assert "the output head in int8" in e.info.weights_kernel
+        e.reconfigure(e.options.with_(weights="int8"))
+        assert "output head" not in e.info.weights_kernel
     finally:
         e.close()
