@@ -278,9 +278,10 @@ def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) 
     if fmt == "native":
         return None
     if device.type == "cpu" and cpu_kernels.kernel() is None:
-        op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
-        if not has_op(op):
-            return f"this torch has no aten.{op} for the CPU"
+        for f in dict.fromkeys((fmt, HEAD_FORMAT[fmt])):  # the layers' format, then the head's
+            op = "_weight_int8pack_mm" if f == "int8" else "_weight_int4pack_mm_for_cpu"
+            if not has_op(op):
+                return f"this torch has no aten.{op} for the CPU"
     if fmt == "int4":
         odd = [(n, s) for n, s in shapes.items() if s[1] % INT4_GROUP or s[0] % 8]
         if odd:

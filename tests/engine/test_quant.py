@@ -197,6 +197,9 @@ def test_unavailable_weights_are_reported_and_not_applied(engine, monkeypatch):
     assert reasons["weights"] == "this torch has no aten._weight_int4pack_mm_for_cpu for the CPU"
     eff, _ = engine.effective(opts)
     assert eff.weights == "native"
+    # int4's head is int8 (HEAD_FORMAT): without torch's int8 kernel either, int4 is unavailable for that
+    monkeypatch.setattr(quant, "has_op", lambda name: name != "_weight_int8pack_mm")
+    assert engine.unavailable(opts)["weights"] == "this torch has no aten._weight_int8pack_mm for the CPU"
 
 
 def test_weights_unavailable_on_the_fallback(tiny_factory):
