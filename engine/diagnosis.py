@@ -23,6 +23,7 @@ FIGURES = {
     "gpu_util_pct": "GPU util",
 }
 CPU_FIGURES = ("kernel_gap_pct", "launches_per_step")
+CPU_WEIGHT_STEPS = {"native": "int8 weights", "int8": "int4 weights"}  # a CPU's next step from each weight format
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
     def launch_step() -> Optional[str]:
         if not static:
             return "static KV cache (compile and CUDA graphs need it)"
+        if not cuda:
+            # On a CPU the eager step runs each layer as one call of the own kernels, which a compiled step does not,
+            # and fewer weight bytes are what speeds it: the default model decoded at 19.6 tok/s compiled against
+            # 30.5 eager in fp32 and 70-106 in int8 (docs/benchmarks.md); int4 (its head in int8) is the last rung.
+            if "weights" in (o.get("unavailable") or {}):  # e.g. a model on the transformers fallback
+                return None
+            return CPU_WEIGHT_STEPS.get(o.get("weights") or "native")
         if not compiled:
             return "compile"
         if cuda and not graph:

@@ -87,7 +87,7 @@ def test_the_captured_step_with_its_kernel_count():
     "name, step",
     [
         ("naive", "static KV cache (compile and CUDA graphs need it)"),
-        ("first-fixes", "compile"),
+        ("first-fixes", "int8 weights"),
         ("compile", "int8 weights"),
     ],
 )
@@ -108,7 +108,22 @@ def test_cpu_op_bound_with_the_op_count():
         "launches_per_step_source": "top-level aten ops per step",
     }
     d = diagnose(metrics, preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32").to_dict())
-    assert d.line == "CPU, op-bound: 1,565 ops a step, 12 % idle between ops → compile"
+    assert d.line == "CPU, op-bound: 1,565 ops a step, 12 % idle between ops → int8 weights"
+
+
+@pytest.mark.parametrize("weights, step", [("native", "int8 weights"), ("int8", "int4 weights"), ("int4", None)])
+def test_a_cpus_next_step_is_fewer_weight_bytes_not_compile(weights, step):
+    """On a CPU the eager step runs the own layer kernel, which a compiled step does not: the advice is the next
+    weight format, and none past int4; without a static cache, that first."""
+    metrics = {"kernel_gap_pct": 9.0, "launches_per_step": 65.0}
+    options = EngineOptions(device="cpu", dtype="fp32", kv_cache="static", weights=weights).to_dict()
+    d = diagnose(metrics, options)
+    assert d.next_step == step
+    assert d.line == "CPU, op-bound: 65 ops a step, 9.0 % idle between ops" + (f" → {step}" if step else "")
+    dynamic = diagnose(metrics, EngineOptions(device="cpu", kv_cache="dynamic", weights=weights).to_dict())
+    assert dynamic.next_step == "static KV cache (compile and CUDA graphs need it)"
+    unavailable = {**options, "unavailable": {"weights": "the transformers fallback keeps its own linears"}}
+    assert diagnose(metrics, unavailable).next_step is None  # no advice the model cannot take
 
 
 def test_memory_bound_and_missing_gap():
