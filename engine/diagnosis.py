@@ -78,8 +78,9 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
             return "static KV cache (compile and CUDA graphs need it)"
         if not cuda:
             # On a CPU the eager step runs each layer as one call of the own kernels, which a compiled step does not,
-            # and fewer weight bytes are what speeds it: the default model decoded at 19.6 tok/s compiled against
-            # 30.5 eager in fp32 and 70-106 in int8 (docs/benchmarks.md); int4 (its head in int8) is the last rung.
+            # and fewer weight bytes are what speeds it: the default model in fp32 decoded at 13.5-14.3 tok/s compiled
+            # (159 ops a step, after a 13-80 s compile) against 21.6-27.8 eager (64 ops), and at 70-106 in int8
+            # (docs/benchmarks.md); int4 (its head in int8) is the last rung.
             if "weights" in (o.get("unavailable") or {}):  # e.g. a model on the transformers fallback
                 return None
             return CPU_WEIGHT_STEPS.get(o.get("weights") or "native")
