@@ -375,9 +375,10 @@ void gapless_int4_dequant(const uint8_t *w, const float *scale, const float *zer
                 }
             }
 #else
-            for (int j = 0; j < 16; j++) {
-                og[j] = ((float)(b[j] & 0x0F) - 8.0f) * s + z;
-                og[16 + j] = ((float)(b[j] >> 4) - 8.0f) * s + z;
+            for (int j = 0; j < 16; j++) { /* separate statements: no compiler may contract them into an FMA */
+                const float lo = ((float)(b[j] & 0x0F) - 8.0f) * s, hi = ((float)(b[j] >> 4) - 8.0f) * s;
+                og[j] = lo + z;
+                og[16 + j] = hi + z;
             }
 #endif
         }
