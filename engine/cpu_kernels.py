@@ -62,6 +62,8 @@ LAYER_OP_NAME = "gapless::kernel::decoder_layer"
 # int8 and int4 weights de-quantised to fp32 a tile at a time, and its layers run as modules.
 GEMM_ROWS = 32
 DEQUANT_TILE_FLOATS = 1 << 21  # the fp32 rows one de-quantised tile holds (8 MiB), whatever the linear's size
+# torch's packed CPU kernel for each format, what runs where the own kernels cannot be built
+TORCH_CPU_OPS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
 LAYER_SWITCH_ENV = "GAPLESS_CPU_LAYER"  # "0": the layer's ops one by one (the kernels above), to compare
 
 
@@ -559,8 +561,7 @@ def describe(fmt: str = "int8") -> str:
     """What computes a CPU int8 (or int4) linear here, for the model panel and the bench JSON."""
     k = kernel()
     if k is None:
-        op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
-        return f"aten.{op} ({_reason})"
+        return f"aten.{TORCH_CPU_OPS[fmt]} ({_reason})"
     if not layer_allowed():
         return f"{k.gemv(fmt)}; layers op by op ({LAYER_SWITCH_ENV}=0)"
     return f"{k.gemv(fmt)}; each decoder layer as one call in eager fp32 steps on a static cache"

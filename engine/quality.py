@@ -100,9 +100,9 @@ def llama_cpp_column(gguf_path: Optional[str], decode_tokens: int, repeats: int)
     # typed loosely: the optional extra is type-checked only where it is installed
     llm: Any = llama_cpp.Llama(model_path=gguf_path, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False)
 
-    def timed(max_tokens: int, messages: list[dict[str, str]] = PROMPT) -> tuple[int, float]:
+    def timed(max_tokens: int) -> tuple[int, float]:
         started = time.perf_counter()
-        out = llm.create_chat_completion(messages=messages, max_tokens=max_tokens, temperature=0.0)
+        out = llm.create_chat_completion(messages=PROMPT, max_tokens=max_tokens, temperature=0.0)
         return int(out["usage"]["completion_tokens"]), time.perf_counter() - started
 
     runs, wall = [], []

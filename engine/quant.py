@@ -279,7 +279,7 @@ def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) 
         return None
     if device.type == "cpu" and cpu_kernels.kernel() is None:
         for f in dict.fromkeys((fmt, HEAD_FORMAT[fmt])):  # the layers' format, then the head's
-            op = "_weight_int8pack_mm" if f == "int8" else "_weight_int4pack_mm_for_cpu"
+            op = cpu_kernels.TORCH_CPU_OPS[f]
             if not has_op(op):
                 return f"this torch has no aten.{op} for the CPU"
     if fmt == "int4":
