@@ -23,7 +23,7 @@ FIGURES = {
     "gpu_util_pct": "GPU util",
 }
 CPU_FIGURES = ("kernel_gap_pct", "launches_per_step")
-CPU_WEIGHT_STEPS = {"native": "int8 weights", "int8": "int4 weights"}  # a CPU's next step from each weight format
+WEIGHT_STEPS = {"native": "int8 weights", "int8": "int4 weights"}  # the next weight format from each, fewer bytes
 
 
 @dataclass(frozen=True)
@@ -73,22 +73,39 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
     def done(verdict: str, claim: str, step: Optional[str]) -> Diagnosis:
         return Diagnosis(verdict, f"{claim} → {step}" if step else claim, evidence, step, missing)
 
+    refused = o.get("unavailable") or {}  # option -> why this model or machine could not run what was asked
+    fused = o.get("kernels") == "fused"
+
+    def weight_step() -> Optional[str]:
+        if "weights" in refused:  # e.g. a model on the transformers fallback
+            return None
+        return WEIGHT_STEPS.get(o.get("weights") or "native")
+
     def launch_step() -> Optional[str]:
         if not static:
+            # Refused a static cache with the torch kernels: the model runs on the transformers fallback, which has
+            # none of the steps below (the fused kernels' refusal names "kernels", not only "kv_cache").
+            if "kv_cache" in refused and "kernels" not in refused:
+                return None
             return "static KV cache (compile and CUDA graphs need it)"
         if not cuda:
             # On a CPU the eager step runs each layer as one call of the own kernels, which a compiled step does not,
             # and fewer weight bytes are what speeds it: the default model in fp32 decoded at 13.5-14.3 tok/s compiled
             # (159 ops a step, after a 13-80 s compile) against 21.6-27.8 eager (64 ops), and at 70-106 in int8
             # (docs/benchmarks.md); int4 (its head in int8) is the last rung.
-            if "weights" in (o.get("unavailable") or {}):  # e.g. a model on the transformers fallback
-                return None
-            return CPU_WEIGHT_STEPS.get(o.get("weights") or "native")
-        if not compiled:
+            return weight_step()
+        # CUDA: the ladder's rungs in order, each one not taken and not refused here. The fused kernels replace the
+        # compiled step, read the weights in the model's dtype and have no verify step for drafts.
+        if not compiled and not fused and "compile" not in refused:
             return "compile"
-        if cuda and not graph:
+        if not graph and "cuda_graph" not in refused:
             return "CUDA graph"
-        return "fused kernels" if cuda else "int8 weights"
+        if not fused and "kernels" not in refused and (o.get("weights") or "native") == "native":
+            return "fused kernels"
+        if not fused and (o.get("speculation") or "off") == "off" and int(o.get("candidates") or 1) == 1:
+            if "speculation" not in refused:
+                return "speculation ngram (drafts from the conversation)"
+        return None
 
     if gap is None:
         return done(
@@ -108,7 +125,7 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         )
     if cuda and dram is not None and dram >= MEMORY_BOUND_PCT:
         evidence.append(ev("dram_bw_util_pct", f"DRAM bandwidth {_pct(dram)} of peak"))
-        step = "more candidates (each weight read serves all)" if int(o.get("candidates") or 1) == 1 else "int8 weights"
+        step = "more candidates (each weight read serves all)" if int(o.get("candidates") or 1) == 1 else weight_step()
         return done("memory-bound", f"memory-bound: DRAM bandwidth {_pct(dram)} of peak", step)
     if cuda and gap >= LAUNCH_GAP_PCT:
         floor = f", {100 / dram:.0f}× over the memory floor" if dram else ""

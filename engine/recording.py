@@ -43,6 +43,7 @@ class Recording:
     model: dict[str, Any] = field(default_factory=dict)  # ModelInfo.to_dict()
     machine: dict[str, Any] = field(default_factory=dict)  # engine.telemetry.machine.describe_machine()
     created: float = field(default_factory=time.time)
+    unavailable: dict[str, str] = field(default_factory=dict)  # option asked for -> why it could not run there
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +52,7 @@ class Recording:
             "created": self.created,
             "label": self.label,
             "options": self.options.to_dict(),
+            "unavailable": dict(self.unavailable),
             "metrics": self.metrics.to_dict(),
             "t_start": self.t_start,
             "t_end": self.t_end,
@@ -98,6 +100,7 @@ class Recorder:
             t_end=self._clock(),
             model=dict(model or {}),
             machine=dict(machine or {}),
+            unavailable=dict(result.unavailable),
         )
 
 
@@ -167,7 +170,15 @@ def from_dict(doc: Any, where: str = "the recording") -> Recording:
         model=_typed(doc, "model", dict, where),
         machine=_typed(doc, "machine", dict, where),
         created=_number(doc.get("created", 0.0), f"{where}: created") or 0.0,
+        unavailable=_reasons(doc.get("unavailable", {}), f"{where}: unavailable"),
     )
+
+
+def _reasons(value: Any, where: str) -> dict[str, str]:
+    """Option -> reason; absent in files written before it was recorded."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise RecordingError(f"{where} is not a map of option names to reasons")
+    return dict(value)
 
 
 def _typed(doc: dict, key: str, kind: type, where: str) -> Any:

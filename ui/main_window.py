@@ -621,7 +621,9 @@ class MainWindow(QMainWindow):
         if self._loading is None:
             self.model_panel.clear_error()
         if self.hud is not None:
-            self.hud.end_generation(result.metrics, result.options, options_label(result.options.to_dict()))
+            self.hud.end_generation(
+                result.metrics, result.options, options_label(result.options.to_dict()), result.unavailable
+            )
         if result.notices:
             self.status.setText(" · ".join(result.notices))
         if result.unavailable:
@@ -638,7 +640,7 @@ class MainWindow(QMainWindow):
             tabs.finish(
                 result.texts,
                 result.metrics.to_dict(),
-                result.options.to_dict(),
+                {**result.options.to_dict(), "unavailable": dict(result.unavailable)},
                 result.options.device,
                 self.flow.last_finish_reasons,
                 can_choose=True,

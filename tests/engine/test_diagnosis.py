@@ -133,3 +133,59 @@ def test_memory_bound_and_missing_gap():
     d = diagnose({"unavailable": {"kernel_gap_pct": "profiler window off"}}, EngineOptions().to_dict(), "cpu")
     assert d.verdict == "unknown" and d.next_step == "turn on Measure the gap"
     assert d.line.startswith("not enough figures to say what limits this answer: gap: profiler window off")
+
+
+def _cuda(**changes):
+    """The options a CUDA generation ran with after the CUDA-graph rung, with `changes` (unavailable included)."""
+    base = preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict()
+    return {**base, **changes}
+
+
+LAUNCH_BOUND = {"kernel_gap_pct": 22.0, "launches_per_step": 150.0}
+
+
+@pytest.mark.parametrize(
+    "changes, step",
+    [
+        ({}, "fused kernels"),
+        # the fused step ran (compile refused: the fused kernels replace it): the ladder ends there
+        ({"kernels": "fused", "compile": False, "unavailable": {"compile": "the fused kernels replace it"}}, None),
+        # int8 weights run on the torch kernels: the next rung that can take them
+        ({"weights": "int8"}, "speculation ngram (drafts from the conversation)"),
+        ({"unavailable": {"kernels": "this GPU is too old"}}, "speculation ngram (drafts from the conversation)"),
+        # several candidates cannot share drafts, and speculation already on is not advised again
+        ({"weights": "int8", "candidates": 4}, None),
+        ({"weights": "int8", "speculation": "ngram"}, None),
+        # a rung the machine refused is skipped
+        ({"cuda_graph": False, "unavailable": {"cuda_graph": "no captured step"}}, "fused kernels"),
+        ({"compile": False}, "compile"),
+    ],
+)
+def test_the_cuda_advice_is_a_rung_not_taken_and_not_refused(changes, step):
+    d = diagnose(LAUNCH_BOUND, _cuda(**changes))
+    assert d.verdict == "launch-bound" and d.next_step == step
+
+
+def test_a_model_on_the_fallback_gets_no_advice_it_cannot_take():
+    """The transformers fallback refuses the static cache (and with it every rung after it) on either device."""
+    refused = {"kv_cache": "llama runs on the transformers fallback, which uses its own dynamic cache"}
+    for device in ("cpu", "cuda"):
+        options = {**EngineOptions(device=device, kv_cache="dynamic").to_dict(), "unavailable": refused}
+        assert diagnose(LAUNCH_BOUND, options).next_step is None
+        plain = EngineOptions(device=device, kv_cache="dynamic").to_dict()  # chosen, not refused: advise it
+        assert diagnose(LAUNCH_BOUND, plain).next_step == "static KV cache (compile and CUDA graphs need it)"
+
+
+@pytest.mark.parametrize(
+    "weights, refused, step",
+    [
+        ("native", {}, "int8 weights"),
+        ("int8", {}, "int4 weights"),
+        ("int4", {}, None),
+        ("native", {"weights": "x"}, None),
+    ],
+)
+def test_memory_bound_with_candidates_advises_the_next_weight_format(weights, refused, step):
+    metrics = {"kernel_gap_pct": 4.0, "dram_bw_util_pct": 82.0}
+    d = diagnose(metrics, _cuda(candidates=4, weights=weights, unavailable=refused))
+    assert d.verdict == "memory-bound" and d.next_step == step

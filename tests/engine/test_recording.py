@@ -12,7 +12,7 @@ from engine.engine import Engine
 from engine.recording import FORMAT, VERSION, Recorder, RecordingError, load, save
 from engine.types import EngineOptions, MonitorSample, SamplingParams, StepRecord
 
-CPU = EngineOptions(device="cpu")
+CPU = EngineOptions(device="cpu", cuda_graph=True)  # a CUDA graph on a CPU: refused, and the reason recorded
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,7 @@ def test_the_recorder_passes_every_event_on_and_keeps_steps_and_samples(recorded
     assert recording.steps == [e for e in seen if isinstance(e, StepRecord)] and recording.steps
     assert recording.samples == [e for e in seen if isinstance(e, MonitorSample)]
     assert recording.metrics == result.metrics and recording.options == result.options
+    assert recording.unavailable == result.unavailable and "cuda_graph" in recording.unavailable
     assert recording.t_start <= recording.steps[0].t <= recording.steps[-1].t <= recording.t_end
 
 
@@ -47,6 +48,15 @@ def test_a_saved_recording_reads_back_equal(recorded):
     assert back.metrics == recording.metrics and back.options == recording.options
     assert (back.label, back.model, back.machine) == (recording.label, recording.model, recording.machine)
     assert back.metrics.figure("kernel_gap_pct") == recording.metrics.figure("kernel_gap_pct")
+    assert back.unavailable == recording.unavailable
+
+
+def test_a_recording_from_before_the_refusals_were_kept_reads_with_none(recorded, tmp_path):
+    _, path, _, _ = recorded
+    doc = _doc(path)
+    del doc["unavailable"]
+    (tmp_path / "old.json").write_text(json.dumps(doc), encoding="utf-8")
+    assert load(tmp_path / "old.json").unavailable == {}
 
 
 def test_figures_that_are_not_finite_are_written_as_na(recorded, tmp_path):
@@ -76,6 +86,7 @@ def _doc(path):
         (lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms="fast")), "metrics: ttft_ms is 'fast'"),
         (lambda d: dict(d, steps=[dict(d["steps"][0], t=None)]), "steps[0]: t is None"),
         (lambda d: dict(d, samples=[{"t": 1.0, "sources": {"gpu": 3}}]), "samples[0]: sources"),
+        (lambda d: dict(d, unavailable={"compile": 3}), "unavailable is not a map of option names to reasons"),
     ],
 )
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):

@@ -82,7 +82,7 @@ def test_reply_streams_into_view_and_database(qtbot, app):
     assert [(m.role, m.status) for m in thread] == [("user", "done"), ("assistant", "done")]
     assert thread[0].content == "hello world"
     assert thread[1].content == answer
-    assert thread[1].options == result.options.to_dict()
+    assert thread[1].options == {**result.options.to_dict(), "unavailable": result.unavailable}  # as in the JSON
     assert thread[1].metrics["new_tokens_total"] == result.metrics.new_tokens_total
     assert thread[1].model_name == app.controller.info.name
 

@@ -36,3 +36,19 @@ def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
     assert len(rows) == 1 and rows[0].label == "H200 · fp16 · CUDA graph" and rows[0].metrics == m
     lengths = panel.series_lengths()
     assert lengths["step_ms"] == len(steps) and lengths["gpu_util_pct"] == len(samples)
+
+
+def test_the_replayed_diagnosis_advises_nothing_the_machine_refused(qtbot):
+    """A run on the transformers fallback: the static cache it was asked for was refused, so the HUD's diagnosis
+    names no next step; the same figures without the refusal would advise the static cache."""
+    m = GenerationMetrics(prompt_tokens=5, new_tokens=[8], new_tokens_total=8, decode_tok_s=20.0)
+    m.put("kernel_gap_pct", 6.0, "op gap — torch.profiler CPU ops")
+    m.put("launches_per_step", 900.0, "top-level aten ops per step")
+    options = EngineOptions(device="cpu", dtype="fp32", kv_cache="dynamic")
+    refused = {"kv_cache": "gpt2 runs on the transformers fallback, which uses its own dynamic cache"}
+    advice = "static KV cache (compile and CUDA graphs need it)"
+    for unavailable, step in ((refused, None), ({}, advice)):
+        panel = show(Recording("fallback", options, m, unavailable=unavailable))
+        qtbot.addWidget(panel)
+        line = "CPU, op-bound: 900 ops a step, 6.0 % idle between ops" + (f" → {step}" if step else "")
+        assert panel.bars.diagnosis.text() == f"Limit: {line}"

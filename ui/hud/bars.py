@@ -6,7 +6,7 @@ tooltip); a figure the engine did not measure is "n/a" with its reason in the to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPalette, QPen
@@ -165,10 +165,19 @@ class BarStrip(PaletteFollower):
             + ("the figures below are from the previous generation" if shown else "its figures show when it ends")
         )
 
-    def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
+    def set_metrics(
+        self,
+        metrics: GenerationMetrics,
+        options: EngineOptions,
+        label: str,
+        unavailable: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        """The figures of a finished generation; `unavailable` (option -> why the model or machine refused it)
+        keeps the diagnosis from advising an option that cannot run here."""
         self._shown = label
         self.header.setText(f"{label} · {_count(metrics.new_tokens_total)} new tokens · {fmt.options_summary(options)}")
-        d = diagnose(metrics.to_dict(), options.to_dict(), options.device if options.device != "auto" else None)
+        ran = {**options.to_dict(), "unavailable": dict(unavailable or {})}
+        d = diagnose(metrics.to_dict(), ran, options.device if options.device != "auto" else None)
         self.diagnosis.setText(f"Limit: {d.line}")
         self.diagnosis.setToolTip(
             "\n".join(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QPalette
@@ -160,11 +160,19 @@ class HudPanel(QWidget):
     def add_samples(self, samples: Iterable[MonitorSample]) -> None:
         self.series.add_samples(samples)
 
-    def end_generation(self, metrics: GenerationMetrics, options: EngineOptions, label: str) -> None:
+    def end_generation(
+        self,
+        metrics: GenerationMetrics,
+        options: EngineOptions,
+        label: str,
+        unavailable: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        """A generation ended with these figures, run with `options` (what ran), `unavailable` saying which of the
+        options asked for this model or machine refused, and why."""
         gen = self.series.end_generation(self._clock(), metrics)
         index = gen.index if gen is not None else self.series.take_index()
         self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics))
-        self.bars.set_metrics(metrics, options, f"#{index} {label}")
+        self.bars.set_metrics(metrics, options, f"#{index} {label}", unavailable)
         self.live.refresh_labels()  # why a series is n/a, as the metrics now say, shows with the bars, not later
 
     def generation_failed(self, message: str) -> None:
