@@ -31,6 +31,9 @@ INT4_GROUP = 32
 HEAD_FORMAT = {"int8": "int8", "int4": "int8"}
 HEAD = "output"  # the head's module name in engine.model.Transformer
 INT4_INNER_K_TILES = 2  # the CPU int4 packing's tile parameter (2, 4 or 8; results are identical)
+TORCH_INT4_ROWS = (
+    16  # torch's packed int4 CPU layout takes outputs in multiples of this ("expect N to be dividable by 16")
+)
 # Linears whose CPU output may stay in the kernel's bf16: what reads it (the residual add, the head's .float())
 # promotes it to fp32 exactly as a cast would, so the cast back is one op a linear saved.
 KEEP_KERNEL_DTYPE = ("attention.wo", "feed_forward.w2", "output")
@@ -266,6 +269,8 @@ def quantize_embedding(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> bo
             return False
         model.tok_embeddings = QuantEmbedding(head, act_dtype, tied=True)
         return True
+    if _LINEAR_CLASS[fmt] is Int4Linear and _torch_packs_int4(emb.weight.device):
+        return False  # only torch's kernel reads that layout, and a table need not have outputs in its multiples
     table = _LINEAR_CLASS[fmt](emb.weight.detach(), None, act_dtype)
     if table.rows(probe, act_dtype) is None:
         return False
@@ -283,11 +288,24 @@ def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) 
             if not has_op(op):
                 return f"this torch has no aten.{op} for the CPU"
     if fmt == "int4":
-        odd = [(n, s) for n, s in shapes.items() if s[1] % INT4_GROUP or s[0] % 8]
-        if odd:
-            name, (out, inp) = odd[0]
-            return f"int4 needs inputs in groups of {INT4_GROUP} and outputs in eights; {name} is {out}x{inp}"
+        packed = _torch_packs_int4(device)
+        for name, (out, inp) in shapes.items():
+            if name == HEAD and HEAD_FORMAT[fmt] != fmt:
+                continue  # the head is kept in its own format, which takes any shape
+            if inp % INT4_GROUP:
+                return f"int4 needs inputs in groups of {INT4_GROUP}; {name} is {out}x{inp}"
+            if packed and out % TORCH_INT4_ROWS:
+                return (
+                    f"torch's packed int4 CPU kernel (the own kernels are not built here) needs outputs in "
+                    f"multiples of {TORCH_INT4_ROWS}; {name} is {out}x{inp}"
+                )
     return None
+
+
+def _torch_packs_int4(device: torch.device) -> bool:
+    """Whether int4 linears on `device` are torch's packed CPU layout (the own kernels absent): its kernel alone
+    reads them, so their rows cannot be de-quantised for an embedding, and it takes outputs in TORCH_INT4_ROWS."""
+    return device.type == "cpu" and cpu_kernels.kernel() is None
 
 
 def kernel_name(fmt: str, device: torch.device) -> str:

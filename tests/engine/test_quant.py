@@ -394,3 +394,43 @@ def test_int4_keeps_the_head_in_int8(tiny_factory, tie):
         assert "output head" not in e.info.weights_kernel
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_int4_takes_a_vocabulary_of_any_size(tiny_factory, own, monkeypatch):
+    """The head is int8 under int4, so the vocabulary's size is not int4's to check: 330 tokens, in neither eights
+    nor sixteens, with an untied table, on the own kernels and on torch's packed one (which needs outputs in
+    sixteens for its int4 linears: there the untied table stays float, as only that kernel reads the layout)."""
+    import engine.cpu_kernels as cpu_kernels
+    from engine.engine import Engine
+
+    if not own:
+        monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
+    folder = tiny_factory("llama", tie=False, vocab_size=330)
+    e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        assert e.args.vocab_size == 330 and not e.args.tie_embeddings
+        opts = e.options.with_(weights="int4")
+        assert "weights" not in e.unavailable(opts)
+        e.reconfigure(opts)
+        assert e.info.weights == "int4" and isinstance(e.model.output, Int8Linear)
+        emb = e.model.tok_embeddings
+        assert isinstance(emb, QuantEmbedding) if own else isinstance(emb, torch.nn.Embedding)
+        out = e.generate([{"role": "user", "content": "hello"}], SamplingParams(temperature=0.0, max_new_tokens=6))
+        assert out.metrics.new_tokens_total == 6
+    finally:
+        e.close()
+
+
+def test_int4_shape_rules_name_the_linear_and_the_kernel(monkeypatch):
+    import engine.cpu_kernels as cpu_kernels
+    from engine.quant import why_not
+
+    cpu = torch.device("cpu")
+    shapes = {"wqkv": (24, 64), "output": (330, 64)}
+    assert why_not("int4", shapes, cpu) is None  # the own kernel takes any output count; the head is int8
+    assert why_not("int4", {**shapes, "w2": (64, 48)}, cpu) == "int4 needs inputs in groups of 32; w2 is 64x48"
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
+    why = why_not("int4", shapes, cpu)
+    assert why is not None and why.endswith("needs outputs in multiples of 16; wqkv is 24x64")
+    assert why_not("int4", {"wqkv": (32, 64), "output": (330, 64)}, cpu) is None
