@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
-from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QEvent, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -71,6 +71,14 @@ CENTER_MIN_WIDTH = 280  # the conversation and the composer
 DOCK_MIN_WIDTH = 260  # the optimizations and the HUD
 LEFT_SHARE = 0.28  # of the splitter, when no saved sizes fit
 DOCK_SHARE = 500 / 1440  # of the window's width, until the user drags the docks' edge
+FIRST_SIZE = QSize(1440, 900)  # the window's size at its first start, where the screen has room
+FRAME_ROOM = QSize(32, 64)  # left on the screen for the window manager's frame and title bar
+
+
+def first_size(available: QSize) -> QSize:
+    """The window's size before any is saved: FIRST_SIZE, or smaller to fit a smaller screen's free area (a
+    1366x768 laptop's) with room for the frame; the panes' minimum widths still apply."""
+    return FIRST_SIZE.boundedTo(available - FRAME_ROOM)
 
 
 def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[int]]:
@@ -245,8 +253,8 @@ class MainWindow(QMainWindow):
         self.statusBar().addWidget(self.status, 1)
         self.model_status = QLabel("No model", self)
         self.statusBar().addPermanentWidget(self.model_status)
-        self.resize(1440, 900)
-        self.resizeDocks([self.options_dock], [500], Qt.Orientation.Horizontal)
+        self.resize(first_size(self.screen().availableGeometry().size()))
+        self.resizeDocks([self.options_dock], [round(DOCK_SHARE * self.width())], Qt.Orientation.Horizontal)
         if self.hud_dock is not None:  # the toggles take what they need, the HUD the rest
             self.resizeDocks(
                 [self.options_dock, self.hud_dock], [self.toggles.sizeHint().height(), 2000], Qt.Orientation.Vertical

@@ -497,3 +497,22 @@ def test_a_reply_appends_to_the_conversation_without_rebuilding_it(qtbot, app):
     assert rebuilt == [] and views[:2] == first  # the earlier messages' widgets were kept
     assert [v.body.text for v in views[2:]] == ["and again", result.texts[0]]
     assert [m.content for m in app.store.thread(w.flow.chat_id)][2:] == ["and again", result.texts[0]]
+
+
+def test_the_first_window_fits_the_screen(qtbot, data_dir):
+    """With no saved geometry the window opens at 1440x900 where the screen has room, and within a smaller
+    screen's free area (with room for the window manager's frame) where it has not: a 1366x768 laptop's, or the
+    test platform's 800x800."""
+    from PySide6.QtCore import QSize
+
+    from ui.main_window import FIRST_SIZE, first_size
+
+    assert first_size(QSize(2560, 1400)) == FIRST_SIZE == QSize(1440, 900)
+    assert first_size(QSize(1366, 740)) == QSize(1334, 676)
+    gui = open_app(qtbot, data_dir)
+    try:
+        w = gui.window
+        free = w.screen().availableGeometry()
+        assert free.width() < 1440 and w.width() <= free.width() and w.height() <= free.height()
+    finally:
+        close_app(gui)

@@ -6,14 +6,14 @@ tooltip); a figure the engine did not measure is "n/a" with its reason in the to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Optional
 
 from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPalette, QPen
 from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine import figures
-from engine.diagnosis import diagnose
+from engine.diagnosis import Diagnosis
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
 from ui.theme import PaletteFollower, muted_text
@@ -165,19 +165,10 @@ class BarStrip(PaletteFollower):
             + ("the figures below are from the previous generation" if shown else "its figures show when it ends")
         )
 
-    def set_metrics(
-        self,
-        metrics: GenerationMetrics,
-        options: EngineOptions,
-        label: str,
-        unavailable: Optional[Mapping[str, str]] = None,
-    ) -> None:
-        """The figures of a finished generation; `unavailable` (option -> why the model or machine refused it)
-        keeps the diagnosis from advising an option that cannot run here."""
+    def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str, d: Diagnosis) -> None:
+        """The figures of a finished generation, and what limited it (engine.diagnosis)."""
         self._shown = label
         self.header.setText(f"{label} · {_count(metrics.new_tokens_total)} new tokens · {fmt.options_summary(options)}")
-        ran = {**options.to_dict(), "unavailable": dict(unavailable or {})}
-        d = diagnose(metrics.to_dict(), ran, options.device if options.device != "auto" else None)
         self.diagnosis.setText(f"Limit: {d.line}")
         self.diagnosis.setToolTip(
             "\n".join(

@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.diagnosis import diagnose
 from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.dialogs import confirm
 from ui.hud import export
@@ -172,7 +173,9 @@ class HudPanel(QWidget):
         gen = self.series.end_generation(self._clock(), metrics)
         index = gen.index if gen is not None else self.series.take_index()
         self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics))
-        self.bars.set_metrics(metrics, options, f"#{index} {label}", unavailable)
+        ran = {**options.to_dict(), "unavailable": dict(unavailable or {})}
+        d = diagnose(metrics.to_dict(), ran, options.device if options.device != "auto" else None)
+        self.bars.set_metrics(metrics, options, f"#{index} {label}", d)
         self.live.refresh_labels()  # why a series is n/a, as the metrics now say, shows with the bars, not later
 
     def generation_failed(self, message: str) -> None:
