@@ -28,7 +28,8 @@ WEIGHT_STEPS = {"native": "int8 weights", "int8": "int4 weights"}  # the next we
 
 @dataclass(frozen=True)
 class Diagnosis:
-    verdict: str  # "host sync", "launch-bound", "memory-bound", "GPU kernels", "CPU, op-bound", "CPU", "unknown"
+    verdict: str  # "host sync", "launch-bound", "memory-bound", "GPU kernels", "CPU, memory-bound", "CPU, op-bound",
+    # "CPU", "unknown"
     line: str  # the whole statement: verdict, its figures, and the option to try
     evidence: list[str] = field(default_factory=list)  # each figure used: "gap 89.6 % (torch.profiler ...)"
     next_step: Optional[str] = None  # the option to try next, in the toggles' words
@@ -139,8 +140,15 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
             evidence.append(ev("sm_activity_pct", f"SM activity {_pct(sm)}"))
         busy = f", SM activity {_pct(sm)}" if sm is not None else ""
         return done("GPU kernels", f"GPU kernels: the GPU is busy (gap {_pct(gap)}){busy}", launch_step())
+    # On a CPU the bandwidth figure is an estimate against its measured read bandwidth (engine.telemetry.bandwidth).
+    memory = ""
+    if dram is not None:
+        evidence.append(ev("dram_bw_util_pct", f"memory read at {_pct(dram)} of the measured bandwidth"))
+        if dram >= MEMORY_BOUND_PCT:
+            claim = f"CPU, memory-bound: a step reads memory at {_pct(dram)} of its measured bandwidth"
+            return done("CPU, memory-bound", claim, launch_step())
+        memory = f", memory read at {_pct(dram)} of its measured bandwidth"
     if launches is not None:
-        return done(
-            "CPU, op-bound", f"CPU, op-bound: {launches:,.0f} ops a step, {_pct(gap)} idle between ops", launch_step()
-        )
-    return done("CPU", f"CPU: ops run back to back (gap {_pct(gap)}); ops a step n/a", launch_step())
+        claim = f"CPU, op-bound: {launches:,.0f} ops a step, {_pct(gap)} idle between ops{memory}"
+        return done("CPU, op-bound", claim, launch_step())
+    return done("CPU", f"CPU: ops run back to back (gap {_pct(gap)}){memory}; ops a step n/a", launch_step())

@@ -271,14 +271,22 @@ class Engine:
             per_token = bytes_per_token(model, model.tok_embeddings, model.output)
         else:
             per_token = bytes_per_token(model, model.get_input_embeddings(), model.get_output_embeddings())
+        if self.device.type == "cpu":
+            from engine.paths import cache_dir
+            from engine.telemetry.bandwidth import cpu_read_bandwidth
+
+            try:
+                bw = cpu_read_bandwidth(cache_dir())
+            except (RuntimeError, MemoryError, OSError) as exc:
+                return per_token, None, f"n/a: the CPU's memory bandwidth could not be measured ({exc})"
+            source = (
+                f"bytes per token / this CPU's measured read bandwidth, {bw.bytes_s / 1e9:.1f} GB/s ({bw.source}; "
+                "a lower bound of its peak, so the floor is at or above the true one)"
+            )
+            return per_token, per_token / bw.bytes_s * 1e3, source
         peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None) if hasattr(self, "monitor") else None
         if not peak:
-            where = (
-                "the CPU's memory bandwidth is not known here"
-                if self.device.type == "cpu"
-                else "this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
-            )
-            return per_token, None, f"n/a: {where}"
+            return per_token, None, "n/a: this GPU's peak bandwidth is unknown (needs NVML memory clock and bus width)"
         return per_token, per_token / peak * 1e3, "bytes per token / NVML peak bandwidth (memory clock x bus width x 2)"
 
     @property

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from engine.stream import Readback, RowText, StepClock
-from engine.telemetry.monitor import estimate_dram_bw_util
+from engine.telemetry.monitor import NVML_PEAK, estimate_dram_bw_util
 from engine.telemetry.stats import percentile
 from engine.types import GenerationMetrics, RowFinished, StepRecord, TextDelta
 
@@ -268,18 +268,37 @@ class MonitorDrain(_Paced):
                 metrics.put(name, value, source)
             elif getattr(metrics, name) is None:  # an estimate another observer made stands
                 metrics.mark_na(name, source)
-        peak_bw = getattr(self.monitor, "peak_dram_bw_bytes_s", None)
         durations = run.durations_s()
-        if metrics.dram_bw_util_pct is None and peak_bw and durations and run.device.type == "cuda":
-            # The median step against the bytes a step reads halfway through the answer (weights + KV attended
-            # there). Not capped: above 100 % says the estimate's premise (every byte read from DRAM) does not hold.
-            value, source = estimate_dram_bw_util(
-                run.runner.bytes_per_step(int(run.prompt.numel()) + metrics.decode_steps // 2),
-                percentile(durations, 50),
-                peak_bw,
-            )
-            if value is not None:
-                metrics.put("dram_bw_util_pct", value, source)
+        if metrics.dram_bw_util_pct is None and durations:
+            peak_bw, peak_name = self._bandwidth(run.device)
+            if peak_bw:
+                # The median step against the bytes a step reads halfway through the answer (weights + KV attended
+                # there). Not capped: above 100 % says the estimate's premise (every byte read from DRAM, at
+                # most at that bandwidth) does not hold.
+                value, source = estimate_dram_bw_util(
+                    run.runner.bytes_per_step(int(run.prompt.numel()) + metrics.decode_steps // 2),
+                    percentile(durations, 50),
+                    peak_bw,
+                    peak_name,
+                )
+                if value is not None:
+                    metrics.put("dram_bw_util_pct", value, source)
+
+    def _bandwidth(self, device: torch.device) -> tuple[Optional[float], str]:
+        """The bandwidth the estimate divides by, and its name: NVML's peak on a GPU; on a CPU, its read bandwidth
+        as measured once (none where that failed: the figure stays n/a with the monitor's reason)."""
+        if device.type == "cuda":
+            return getattr(self.monitor, "peak_dram_bw_bytes_s", None), NVML_PEAK
+        if device.type != "cpu":
+            return None, ""
+        from engine.paths import cache_dir
+        from engine.telemetry.bandwidth import cpu_read_bandwidth
+
+        try:
+            bw = cpu_read_bandwidth(cache_dir())
+        except (RuntimeError, MemoryError, OSError):
+            return None, ""
+        return bw.bytes_s, f"this CPU's measured read bandwidth ({bw.bytes_s / 1e9:.1f} GB/s: {bw.source})"
 
 
 class WindowObserver(StepObserver):

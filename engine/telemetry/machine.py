@@ -24,7 +24,7 @@ LIBRARIES = (
 )
 
 
-def _cpu_model() -> Optional[str]:
+def cpu_model() -> Optional[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -35,7 +35,7 @@ def _cpu_model() -> Optional[str]:
     return platform.processor() or None
 
 
-def _memory_bytes() -> Optional[int]:
+def memory_bytes() -> Optional[int]:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -109,11 +109,11 @@ def describe_machine(nvml: Any = None) -> dict[str, Any]:
 
     gpus, driver, driver_reason = _gpus(nvml)
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the widest vector ISA torch's kernels use
         "cpu_cores_logical": os.cpu_count(),
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "memory_bytes": _memory_bytes(),
+        "memory_bytes": memory_bytes(),
         "os": platform.platform(),
         # Other work on the machine slows every figure; the load when the description was taken says how much.
         "load_average_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

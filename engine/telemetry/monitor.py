@@ -53,20 +53,27 @@ def _load_pynvml() -> Any:
     return pynvml
 
 
+NVML_PEAK = "NVML peak (memory clock × bus width × 2)"
+
+
 def estimate_dram_bw_util(
-    bytes_per_step: Optional[float], step_s: Optional[float], peak_bytes_s: Optional[float]
+    bytes_per_step: Optional[float],
+    step_s: Optional[float],
+    peak_bytes_s: Optional[float],
+    peak_name: str = NVML_PEAK,
 ) -> tuple[Optional[float], str]:
-    """DRAM bandwidth use estimated as bytes moved per decode step / step time / the card's peak.
+    """DRAM bandwidth use estimated as bytes moved per decode step / step time / the memory's bandwidth.
 
     `bytes_per_step` should be what a step must read (the weights plus the attended KV cache, as in
-    gpt-fast's bandwidth figure); `peak_bytes_s` comes from `Monitor.peak_dram_bw_bytes_s`.
+    gpt-fast's bandwidth figure); `peak_bytes_s` comes from `Monitor.peak_dram_bw_bytes_s` on a GPU, or from
+    the CPU's measured read bandwidth (engine.telemetry.bandwidth), named by `peak_name`.
     """
     if peak_bytes_s is None or not peak_bytes_s > 0:
         return None, "DRAM bandwidth estimate: peak bandwidth unknown (needs NVML memory clock and bus width)"
     if bytes_per_step is None or step_s is None or not step_s > 0 or bytes_per_step < 0:
         return None, "DRAM bandwidth estimate: bytes per step or step time unknown"
     pct = 100.0 * bytes_per_step / step_s / peak_bytes_s
-    return pct, "DRAM bandwidth — estimate: bytes per step / step time / NVML peak (memory clock × bus width × 2)"
+    return pct, f"DRAM bandwidth — estimate: bytes per step / step time / {peak_name}"
 
 
 class Monitor:

@@ -189,3 +189,20 @@ def test_memory_bound_with_candidates_advises_the_next_weight_format(weights, re
     metrics = {"kernel_gap_pct": 4.0, "dram_bw_util_pct": 82.0}
     d = diagnose(metrics, _cuda(candidates=4, weights=weights, unavailable=refused))
     assert d.verdict == "memory-bound" and d.next_step == step
+
+
+def test_a_cpu_step_against_its_measured_memory_bandwidth():
+    """On a CPU the bandwidth figure is an estimate against the read bandwidth measured on it: at 60 % or more the
+    step is memory-bound (fewer weight bytes next); below, the op-bound line names it as evidence."""
+    source = "DRAM bandwidth — estimate: bytes per step / step time / this CPU's measured read bandwidth (30 GB/s)"
+    options = EngineOptions(device="cpu", dtype="fp32", kv_cache="static").to_dict()
+    base = {"kernel_gap_pct": 3.1, "launches_per_step": 64.0, "dram_bw_util_source": source}
+    d = diagnose({**base, "dram_bw_util_pct": 72.0}, options)
+    assert d.verdict == "CPU, memory-bound" and d.next_step == "int8 weights"
+    assert d.line == "CPU, memory-bound: a step reads memory at 72 % of its measured bandwidth → int8 weights"
+    assert f"memory read at 72 % of the measured bandwidth ({source})" in d.evidence
+    d = diagnose({**base, "dram_bw_util_pct": 43.5}, {**options, "weights": "int4"})
+    assert d.verdict == "CPU, op-bound" and d.next_step is None
+    assert (
+        d.line == "CPU, op-bound: 64 ops a step, 3.1 % idle between ops, memory read at 44 % of its measured bandwidth"
+    )

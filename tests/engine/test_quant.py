@@ -142,7 +142,8 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
     native = engine.generate(msgs, params).token_ids[0]
     native_bytes, parameters = engine.info.weight_bytes, engine.info.parameters
     assert engine.info.bytes_per_token == native_bytes  # tied: the head reads the whole embedding
-    assert engine.info.memory_floor_ms is None and engine.info.memory_floor_source.startswith("n/a: the CPU")
+    floor = engine.info.memory_floor_ms  # at this CPU's measured read bandwidth (tests/engine/test_bandwidth.py)
+    assert floor is not None and "measured read bandwidth" in engine.info.memory_floor_source
     engine.reconfigure(engine.options.with_(weights="int8"))
     try:
         model = engine.model
@@ -151,6 +152,7 @@ def test_int8_and_native_greedy_tokens_on_a_tiny_model(engine):
         assert engine.info.weights_kernel == cpu_kernels.describe()  # the own kernel, or torch's with the reason
         assert engine.info.parameters == parameters  # the quantised linears' weights still count, the tied head once
         assert engine.info.bytes_per_token == engine.info.weight_bytes  # tied: the head reads the whole table
+        assert engine.info.memory_floor_ms == pytest.approx(floor * engine.info.bytes_per_token / native_bytes)
         result = engine.generate(msgs, params)
         assert result.options.weights == "int8" and "weights" not in result.unavailable
         int8 = result.token_ids[0]

@@ -250,10 +250,12 @@ def test_model_panel_shows_load_time_bytes_per_token_and_floor_with_sources(qtbo
     assert panel.values["per_token"].text() == "3.0 MiB" and panel.values["per_token"].toolTip() == "weights read"
     assert panel.values["floor"].text() == "0.062 ms/token" and panel.values["floor"].toolTip() == "NVML peak"
     assert panel.values["weights"].text() == "40 B (int8)"
-    panel.set_info(ModelInfo(**base, memory_floor_source="n/a: the CPU's memory bandwidth is not known here"))
+    panel.set_info(
+        ModelInfo(**base, memory_floor_source="n/a: the CPU's memory bandwidth could not be measured (out of memory)")
+    )
     assert panel.values["weights"].toolTip() == ""  # native weights: no kernel of their own to name
     assert panel.values["load"].text() == "n/a" and "not timed" in panel.values["load"].toolTip()
-    assert panel.values["floor"].text() == "n/a" and "bandwidth is not known" in panel.values["floor"].toolTip()
+    assert panel.values["floor"].text() == "n/a" and "could not be measured" in panel.values["floor"].toolTip()
 
 
 def test_weights_toggle_and_its_unavailable_formats(qtbot):
