@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate an answer headless (streams text, or --json)")
     _add_engine_options(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("text", nargs="?", default=None, metavar="PROMPT", help="the prompt (or --prompt PROMPT)")
+    gen.add_argument("--prompt", default=None, help="the prompt, where it starts with a dash")
+    gen.set_defaults(subparser=gen)  # its errors name `gapless generate`
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -302,6 +304,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if command == "generate":
         from app.cmd_generate import run_generate
 
+        if args.text is not None and args.prompt is not None:
+            args.subparser.error("the prompt is given twice: as PROMPT and as --prompt")
+        args.prompt = args.prompt if args.prompt is not None else args.text
+        if args.prompt is None:
+            args.subparser.error("the following arguments are required: PROMPT (or --prompt PROMPT)")
         return run_generate(args)
     if command == "bench":
         from app.cmd_bench import run_bench

@@ -45,21 +45,10 @@ def test_generate_json_on_a_tiny_model(tiny_llama):
 
 
 def test_generate_streams_text_and_matches_json(tiny_llama):
-    args = (
-        "generate",
-        "--model",
-        str(tiny_llama),
-        "--prompt",
-        "the quick brown fox",
-        "--max-new-tokens",
-        "16",
-        "--device",
-        "cpu",
-        "--temperature",
-        "0",
-    )
-    streamed = gapless(*args)
-    as_json = gapless(*args, "--json")
+    """The prompt as the positional argument, as other command-line chat tools take it, or as --prompt."""
+    args = ("generate", "--model", str(tiny_llama), "--max-new-tokens", "16", "--device", "cpu", "--temperature", "0")
+    streamed = gapless(*args, "the quick brown fox")
+    as_json = gapless(*args, "--prompt", "the quick brown fox", "--json")
     assert streamed.returncode == 0 and as_json.returncode == 0
     assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["texts"][0].rstrip("\n")
 
@@ -117,3 +106,15 @@ def test_a_global_option_given_after_the_command_wins():
     assert args.data_dir == Path("/second")
     assert build_parser().parse_args(["--data-dir", "/first", "gui"]).data_dir == Path("/first")
     assert build_parser().parse_args(["gui"]).verbose is False
+
+
+@pytest.mark.parametrize(
+    "given, error",
+    [
+        ((), "the following arguments are required: PROMPT (or --prompt PROMPT)"),
+        (("hi", "--prompt", "hello"), "the prompt is given twice: as PROMPT and as --prompt"),
+    ],
+)
+def test_generate_wants_the_prompt_once(tmp_path, given, error):
+    r = gapless("generate", "--model", str(tmp_path / "nope.gguf"), *given)
+    assert r.returncode == 2 and r.stderr == f"gapless: error: {error} (see gapless generate --help)\n"
