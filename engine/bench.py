@@ -299,6 +299,22 @@ def _baseline_runners(
     return runners, prompt_ids, monitor
 
 
+def _refresh_cpu_bandwidth(device: str) -> None:
+    """On a CPU, measure its read bandwidth again before the ladder (the memory floor and the bandwidth estimates
+    divide by it); the cache keeps the highest figure measured."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return
+    from engine.paths import cache_dir
+    from engine.telemetry.bandwidth import cpu_read_bandwidth
+
+    try:
+        bw = cpu_read_bandwidth(cache_dir(), refresh=True)
+    except (RuntimeError, MemoryError, OSError) as exc:
+        log.warning("the CPU's read bandwidth could not be measured: %s", exc)
+        return
+    log.info("CPU read bandwidth %.1f GB/s (%s)", bw.bytes_s / 1e9, bw.source)
+
+
 def run_suite(
     config: BenchConfig, progress: Progress = log.info, command: Optional[list[str]] = None, nvml: Any = None
 ) -> dict[str, Any]:
@@ -314,6 +330,7 @@ def run_suite(
     config = validate(config)
     started = time.time()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    _refresh_cpu_bandwidth(config.device)
     engine = Engine.load(
         config.model,
         EngineOptions(device=config.device, profile_window=config.profile_window, prefix_reuse=config.prefix_reuse),
