@@ -227,8 +227,16 @@ def assert_fits(w) -> None:
         assert m.body.width() <= port.width()
 
 
+@pytest.fixture
+def wide(monkeypatch):
+    """The window opens at its full first size, as on a screen wider than it (the test platform's is 800x800)."""
+    import ui.main_window
+
+    monkeypatch.setattr(ui.main_window, "first_size", lambda _free: ui.main_window.FIRST_SIZE)
+
+
 @pytest.mark.parametrize("size", [(1000, 700), (800, 600)])
-def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_back(qtbot, tmp_path, size):
+def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_back(qtbot, tmp_path, size, wide):
     from ui.main_window import CENTER_MIN_WIDTH, DOCK_MIN_WIDTH, LEFT_MIN_WIDTH
 
     gui = open_app(qtbot, tmp_path / "data")
@@ -237,9 +245,6 @@ def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_
         chat = long_chat(gui.store)
         w.refresh_chats()
         w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat))
-        w.resize(1440, 900)  # the first size fits the test platform's 800x800 screen: start wide
-        qtbot.waitUntil(lambda: w.width() == 1440, timeout=TIMEOUT_MS)
-        qtbot.wait(100)
         wide_dock = w.options_dock.width()
         w.resize(*size)
         qtbot.waitUntil(lambda: w.width() == size[0] and w.height() == size[1], timeout=TIMEOUT_MS)
@@ -259,13 +264,10 @@ def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_
         close_app(gui)
 
 
-def test_saved_splitter_sizes_that_no_longer_fit_are_dropped(qtbot, tmp_path, monkeypatch):
+def test_saved_splitter_sizes_that_no_longer_fit_are_dropped(qtbot, tmp_path, wide):
     import json
 
-    import ui.main_window
-    from ui.main_window import FIRST_SIZE, fitting_sizes
-
-    monkeypatch.setattr(ui.main_window, "first_size", lambda _free: FIRST_SIZE)  # as on a screen wider than it
+    from ui.main_window import fitting_sizes
 
     assert fitting_sizes([300, 600], [180, 280], 930) == [300, 600]
     assert fitting_sizes([900, 1200], [180, 280], 930) is None
