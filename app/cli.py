@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate an answer headless (streams text, or --json)")
     _add_engine_options(gen)
     gen.add_argument("text", nargs="?", default=None, metavar="PROMPT", help="the prompt (or --prompt PROMPT)")
-    gen.add_argument("--prompt", default=None, help="the prompt, where it starts with a dash")
+    gen.add_argument(
+        "--prompt", default=None, help="the prompt as an option (--prompt=TEXT for one that starts with a dash)"
+    )
     gen.set_defaults(subparser=gen)  # its errors name `gapless generate`
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)

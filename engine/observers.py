@@ -271,6 +271,8 @@ class MonitorDrain(_Paced):
         durations = run.durations_s()
         if metrics.dram_bw_util_pct is None and durations:
             peak_bw, peak_name = self._bandwidth(run.device)
+            if not peak_bw and peak_name:  # the CPU's bandwidth could not be measured: say why
+                metrics.mark_na("dram_bw_util_pct", peak_name)
             if peak_bw:
                 # The median step against the bytes a step reads halfway through the answer (weights + KV attended
                 # there). Not capped: above 100 % says the estimate's premise (every byte read from DRAM, at
@@ -286,7 +288,7 @@ class MonitorDrain(_Paced):
 
     def _bandwidth(self, device: torch.device) -> tuple[Optional[float], str]:
         """The bandwidth the estimate divides by, and its name: NVML's peak on a GPU; on a CPU, its read bandwidth
-        as measured once (none where that failed: the figure stays n/a with the monitor's reason)."""
+        as measured once (where that failed: None, and why)."""
         if device.type == "cuda":
             return getattr(self.monitor, "peak_dram_bw_bytes_s", None), NVML_PEAK
         if device.type != "cpu":
@@ -296,8 +298,8 @@ class MonitorDrain(_Paced):
 
         try:
             bw = cpu_read_bandwidth(cache_dir())
-        except (RuntimeError, MemoryError, OSError):
-            return None, ""
+        except (RuntimeError, MemoryError, OSError) as exc:
+            return None, f"DRAM bandwidth estimate: the CPU's read bandwidth could not be measured ({exc})"
         return bw.bytes_s, f"this CPU's measured read bandwidth ({bw.bytes_s / 1e9:.1f} GB/s: {bw.source})"
 
 

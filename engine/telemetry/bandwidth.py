@@ -52,7 +52,10 @@ def measure_read_bandwidth(nbytes: int = MEASURE_BYTES, repeats: int = MEASURE_R
         t0 = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
+    rate = x.numel() * 4 / best if best > 0 else math.inf
+    if not math.isfinite(rate):
+        raise RuntimeError(f"a pass over {nbytes >> 20} MiB took {best} s: no rate can be taken from that")
+    return rate
 
 
 def machine_key(threads: int) -> str:
@@ -104,7 +107,10 @@ def _valid(entry: object) -> bool:
     if not isinstance(entry, dict):
         return False
     bw = entry.get("bytes_s")
-    ok_bw = isinstance(bw, (int, float)) and not isinstance(bw, bool) and math.isfinite(bw) and bw > 0
+    try:
+        ok_bw = isinstance(bw, (int, float)) and not isinstance(bw, bool) and math.isfinite(bw) and bw > 0
+    except OverflowError:  # an integer too large for a float
+        return False
     ints = all(isinstance(entry.get(k), int) and entry[k] > 0 for k in ("nbytes", "repeats", "threads"))
     return ok_bw and ints and isinstance(entry.get("measured"), str)
 
@@ -114,7 +120,7 @@ def _read(path: Path) -> dict:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8 or JSON, nested too deep
         log.info("re-measuring the CPU's bandwidth: %s is unreadable (%s)", path, exc)
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -132,4 +138,7 @@ def _write(path: Path, doc: dict) -> None:
     except OSError as exc:
         log.warning("could not keep the CPU's measured bandwidth in %s: %s", path, exc)
         if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+            try:
+                Path(tmp).unlink(missing_ok=True)
+            except OSError:
+                pass  # the figure stands; a stray temporary file is all that is left

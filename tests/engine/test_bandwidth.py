@@ -66,14 +66,17 @@ def test_another_thread_count_is_measured_on_its_own(tmp_path, monkeypatch):
         "{not json",
         "[1, 2]",
         "KEY_WITH_A_NEGATIVE_RATE",
+        "KEY_WITH_A_HUGE_INTEGER",
+        "[" * 100_000,
         "\udcff",
     ],
 )
 def test_an_unreadable_or_wrong_cache_is_measured_again_and_replaced(tmp_path, content):
     path = tmp_path / CACHE_FILE
     key = machine_key(torch.get_num_threads())
-    if content == "KEY_WITH_A_NEGATIVE_RATE":
-        entry = {"bytes_s": -1.0, "measured": "2026-01-01", "nbytes": 1, "repeats": 1, "threads": 1}
+    if content.startswith("KEY_"):
+        rate = -1.0 if content == "KEY_WITH_A_NEGATIVE_RATE" else 10**400  # beyond a float: math.isfinite raises
+        entry = {"bytes_s": rate, "measured": "2026-01-01", "nbytes": 1, "repeats": 1, "threads": 1}
         path.write_text(json.dumps({key: entry}))
     else:
         path.write_bytes(content.encode("utf-8", "surrogateescape"))
@@ -127,7 +130,10 @@ def test_a_failed_measurement_leaves_the_floor_na_with_the_reason(tiny_llama, tm
     try:
         assert e.info.memory_floor_ms is None
         m = e.generate([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_new_tokens=8)).metrics
-        assert m.dram_bw_util_pct is None and m.unavailable["dram_bw_util_pct"]  # n/a, with the monitor's reason
+        assert m.dram_bw_util_pct is None and m.unavailable["dram_bw_util_pct"] == (
+            "DRAM bandwidth estimate: the CPU's read bandwidth could not be measured "
+            "(DefaultCPUAllocator: not enough memory)"
+        )
         assert e.info.memory_floor_source == (
             "n/a: the CPU's memory bandwidth could not be measured (DefaultCPUAllocator: not enough memory)"
         )

@@ -206,3 +206,33 @@ def test_a_cpu_step_against_its_measured_memory_bandwidth():
     assert (
         d.line == "CPU, op-bound: 64 ops a step, 3.1 % idle between ops, memory read at 44 % of its measured bandwidth"
     )
+
+
+def test_the_fallback_refusing_the_fused_kernels_and_the_static_cache_gets_no_advice():
+    refused = {
+        "kernels": "llama runs on the transformers fallback, which has no fused kernels",
+        "kv_cache": "llama runs on the transformers fallback, which uses its own dynamic cache",
+    }
+    options = {**EngineOptions(device="cuda", kv_cache="dynamic", kernels="torch").to_dict(), "unavailable": refused}
+    assert diagnose(LAUNCH_BOUND, options).next_step is None
+
+
+@pytest.mark.parametrize(
+    "changes, step",
+    [
+        ({"kernels": "fused", "compile": False, "candidates": 4}, None),  # fused kernels read native weights only
+        ({"unavailable": {"candidates": "out of device memory: 2 candidates"}}, "int8 weights"),
+        ({"speculation": "ngram"}, "int8 weights"),  # more candidates would switch speculation off
+    ],
+)
+def test_cuda_memory_bound_advice_respects_the_ladder(changes, step):
+    d = diagnose({"kernel_gap_pct": 4.0, "dram_bw_util_pct": 82.0}, _cuda(**changes))
+    assert d.verdict == "memory-bound" and d.next_step == step
+
+
+def test_a_cpu_memory_bound_step_is_advised_fewer_bytes_and_cached_reads_are_not_called_memory_bound():
+    dynamic = EngineOptions(device="cpu", dtype="fp32", kv_cache="dynamic").to_dict()
+    d = diagnose({"kernel_gap_pct": 3.0, "launches_per_step": 900.0, "dram_bw_util_pct": 75.0}, dynamic)
+    assert d.verdict == "CPU, memory-bound" and d.next_step == "int8 weights"
+    d = diagnose({"kernel_gap_pct": 3.0, "launches_per_step": 64.0, "dram_bw_util_pct": 150.0}, dynamic)
+    assert d.verdict == "CPU, op-bound" and "memory read at 150 % of its measured bandwidth" in d.line

@@ -406,6 +406,8 @@ def test_int4_takes_a_vocabulary_of_any_size(tiny_factory, own, monkeypatch):
     import engine.cpu_kernels as cpu_kernels
     from engine.engine import Engine
 
+    if own and cpu_kernels.kernel() is None:
+        pytest.skip(f"the own CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
     if not own:
         monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
     folder = tiny_factory("llama", tie=False, vocab_size=330)
@@ -430,8 +432,9 @@ def test_int4_shape_rules_name_the_linear_and_the_kernel(monkeypatch):
 
     cpu = torch.device("cpu")
     shapes = {"wqkv": (24, 64), "output": (330, 64)}
-    assert why_not("int4", shapes, cpu) is None  # the own kernel takes any output count; the head is int8
-    assert why_not("int4", {**shapes, "w2": (64, 48)}, cpu) == "int4 needs inputs in groups of 32; w2 is 64x48"
+    if cpu_kernels.kernel() is not None:  # the own kernel takes any output count; the head is int8
+        assert why_not("int4", shapes, cpu) is None
+    assert why_not("int4", {"w2": (64, 48), **shapes}, cpu) == "int4 needs inputs in groups of 32; w2 is 64x48"
     monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
     why = why_not("int4", shapes, cpu)
     assert why is not None and why.endswith("needs outputs in multiples of 16; wqkv is 24x64")

@@ -197,6 +197,7 @@ def test_a_remote_model_opens_through_the_model_panel(qtbot, gui, tiny_llama, mo
 
 
 def test_the_hud_bars_show_the_client_side_figures_of_a_remote_model(qtbot):
+    from engine.diagnosis import diagnose
     from engine.types import EngineOptions, GenerationMetrics
     from ui.hud.bars import BarStrip
 
@@ -209,7 +210,7 @@ def test_the_hud_bars_show_the_client_side_figures_of_a_remote_model(qtbot):
     m.mark_na("inter_token_ms_p99", "too few text chunks arrived to time")
     strip = BarStrip()
     qtbot.addWidget(strip)
-    strip.set_metrics(m, EngineOptions(), "remote")
+    strip.set_metrics(m, EngineOptions(), "remote", diagnose(m.to_dict(), EngineOptions().to_dict()))
     shown = strip.values()
     assert shown["ttft_ms"]["text"].startswith("42") and shown["ttft_ms"]["source"] == "client-side timing over HTTP"
     assert strip._rows["ttft_ms"][0].text() == "TTFT (HTTP)"
@@ -219,5 +220,5 @@ def test_the_hud_bars_show_the_client_side_figures_of_a_remote_model(qtbot):
     assert shown["kernel_gap_pct"]["fraction"] is None and "remote server" in shown["kernel_gap_pct"]["source"]
     local = GenerationMetrics(new_tokens_total=3)
     local.put("ttft_ms", 7.0)
-    strip.set_metrics(local, EngineOptions(), "local")
+    strip.set_metrics(local, EngineOptions(), "local", diagnose(local.to_dict(), EngineOptions().to_dict()))
     assert strip._rows["ttft_ms"][0].text() == "TTFT" and "engine timing" in strip.values()["ttft_ms"]["source"]
