@@ -289,8 +289,9 @@ class MonitorDrain(_Paced):
     def _bandwidth(self, device: torch.device) -> tuple[Optional[float], str]:
         """The bandwidth the estimate divides by, and its name: NVML's peak on a GPU; on a CPU, its read bandwidth
         as measured once (where that failed: None, and why)."""
-        if device.type == "cuda":
-            return getattr(self.monitor, "peak_dram_bw_bytes_s", None), NVML_PEAK
+        if device.type == "cuda":  # without a peak, the monitor's own reason for the n/a stands
+            peak = getattr(self.monitor, "peak_dram_bw_bytes_s", None)
+            return (peak, NVML_PEAK) if peak else (None, "")
         if device.type != "cpu":
             return None, ""
         from engine.paths import cache_dir

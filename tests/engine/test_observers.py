@@ -133,3 +133,22 @@ def test_an_observer_fills_the_figure_it_measured(engine):
     assert (m.peak_memory_bytes, m.peak_memory_source) == (1234, "counted by hand in this test")
     assert "peak_memory_bytes" not in m.unavailable
     assert m.unavailable["drafted_tokens"] == "speculation off"  # the loop's own: no speculator was given
+
+
+def test_a_gpu_without_a_known_peak_keeps_the_monitors_reason_for_the_bandwidth_na():
+    """The bandwidth estimate needs NVML's peak on a GPU; where there is none, the figure is n/a with the reason the
+    monitor gave, not the name of the peak it lacked."""
+    from types import SimpleNamespace
+
+    from engine.observers import MonitorDrain
+
+    class NoPeak:
+        peak_dram_bw_bytes_s = None
+
+        def summary(self, t0, t1):
+            return {"dram_bw_util_pct": (None, "no NVML GPM on this GPU")}
+
+    run = SimpleNamespace(t_start=0.0, t_end=1.0, device=torch.device("cuda"), durations_s=lambda: [0.001, 0.001])
+    metrics = GenerationMetrics()
+    MonitorDrain(NoPeak(), lambda _e: None).fill(run, metrics)
+    assert metrics.dram_bw_util_pct is None and metrics.unavailable["dram_bw_util_pct"] == "no NVML GPM on this GPU"
