@@ -304,13 +304,11 @@ def _refresh_cpu_bandwidth(device: str) -> None:
     divide by it); the cache keeps the highest figure measured."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return
-    from engine.paths import cache_dir
-    from engine.telemetry.bandwidth import cpu_read_bandwidth
+    from engine.telemetry.bandwidth import this_cpu
 
-    try:
-        bw = cpu_read_bandwidth(cache_dir(), refresh=True)
-    except (RuntimeError, MemoryError, OSError) as exc:
-        log.warning("the CPU's read bandwidth could not be measured: %s", exc)
+    bw, why = this_cpu(refresh=True)
+    if bw is None:
+        log.warning("the CPU's read bandwidth could not be measured: %s", why)
         return
     log.info("CPU read bandwidth %.1f GB/s (%s)", bw.bytes_s / 1e9, bw.source)
 

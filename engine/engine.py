@@ -272,13 +272,11 @@ class Engine:
         else:
             per_token = bytes_per_token(model, model.get_input_embeddings(), model.get_output_embeddings())
         if self.device.type == "cpu":
-            from engine.paths import cache_dir
-            from engine.telemetry.bandwidth import cpu_read_bandwidth
+            from engine.telemetry.bandwidth import this_cpu
 
-            try:
-                bw = cpu_read_bandwidth(cache_dir())
-            except (RuntimeError, MemoryError, OSError) as exc:
-                return per_token, None, f"n/a: the CPU's memory bandwidth could not be measured ({exc})"
+            bw, why = this_cpu()
+            if bw is None:
+                return per_token, None, f"n/a: the CPU's memory bandwidth could not be measured ({why})"
             source = (
                 f"bytes per token / this CPU's measured read bandwidth, {bw.bytes_s / 1e9:.1f} GB/s ({bw.source}; "
                 "a lower bound of its peak, so the floor is at or above the true one)"

@@ -294,13 +294,11 @@ class MonitorDrain(_Paced):
             return (peak, NVML_PEAK) if peak else (None, "")
         if device.type != "cpu":
             return None, ""
-        from engine.paths import cache_dir
-        from engine.telemetry.bandwidth import cpu_read_bandwidth
+        from engine.telemetry.bandwidth import this_cpu
 
-        try:
-            bw = cpu_read_bandwidth(cache_dir())
-        except (RuntimeError, MemoryError, OSError) as exc:
-            return None, f"DRAM bandwidth estimate: the CPU's read bandwidth could not be measured ({exc})"
+        bw, why = this_cpu()
+        if bw is None:
+            return None, f"DRAM bandwidth estimate: the CPU's read bandwidth could not be measured ({why})"
         return bw.bytes_s, f"this CPU's measured read bandwidth ({bw.bytes_s / 1e9:.1f} GB/s: {bw.source})"
 
 

@@ -14,6 +14,7 @@ thread count measures again. A file that cannot be read or parsed is measured ov
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -23,10 +24,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from engine.paths import cache_dir
 from engine.telemetry.machine import cpu_model, memory_bytes
 
 log = logging.getLogger(__name__)
@@ -58,9 +60,15 @@ def measure_read_bandwidth(nbytes: int = MEASURE_BYTES, repeats: int = MEASURE_R
     return rate
 
 
+@functools.lru_cache(maxsize=1)
+def _machine() -> str:
+    """The CPU model, logical CPUs and installed memory, read once a process (from /proc on Linux)."""
+    return f"{cpu_model() or 'unknown CPU'} | {os.cpu_count()} CPUs | {memory_bytes()} bytes"
+
+
 def machine_key(threads: int) -> str:
     """What a measurement is valid for: the CPU model, logical CPUs, installed memory and torch's threads."""
-    return f"{cpu_model() or 'unknown CPU'} | {os.cpu_count()} CPUs | {memory_bytes()} bytes | {threads} threads"
+    return f"{_machine()} | {threads} threads"
 
 
 _memo: dict[tuple[str, str], Bandwidth] = {}
@@ -81,26 +89,34 @@ def cpu_read_bandwidth(cache: Path, measure: Optional[Callable[[], float]] = Non
         if known is not None and not refresh:
             return known
         doc = _read(path)
-        entry = doc.get(key)
-        if refresh or not _valid(entry):
-            fresh = {
+        stored: Optional[dict[str, Any]] = doc.get(key) if _valid(doc.get(key)) else None
+        if stored is None or refresh:
+            fresh: dict[str, Any] = {
                 "bytes_s": (measure or measure_read_bandwidth)(),
                 "measured": time.strftime("%Y-%m-%d"),
                 "nbytes": MEASURE_BYTES,
                 "repeats": MEASURE_REPEATS,
                 "threads": threads,
             }
-            if not isinstance(entry, dict) or not _valid(entry) or fresh["bytes_s"] > entry["bytes_s"]:
-                entry = doc[key] = fresh
+            if stored is None or fresh["bytes_s"] > stored["bytes_s"]:
+                stored = doc[key] = fresh
                 _write(path, doc)
-        assert isinstance(entry, dict)  # _valid said so, or it was just made
         found = Bandwidth(
-            float(entry["bytes_s"]),
-            f"torch sum over {int(entry['nbytes']) >> 20} MiB, best of {entry['repeats']}, "
-            f"{entry['threads']} threads, measured {entry['measured']}",
+            float(stored["bytes_s"]),
+            f"torch sum over {int(stored['nbytes']) >> 20} MiB, best of {stored['repeats']}, "
+            f"{stored['threads']} threads, measured {stored['measured']}",
         )
         _memo[(str(path), key)] = found
         return found
+
+
+def this_cpu(refresh: bool = False) -> tuple[Optional[Bandwidth], str]:
+    """cpu_read_bandwidth kept in the user cache dir, or None and why it could not be measured: what the memory
+    floor, the per-answer estimate and the bench read."""
+    try:
+        return cpu_read_bandwidth(cache_dir(), refresh=refresh), ""
+    except (RuntimeError, MemoryError, OSError) as exc:
+        return None, str(exc)
 
 
 def _valid(entry: object) -> bool:
