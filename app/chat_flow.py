@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.store import ChatStore, Message, StoreError, StreamSaver
-from engine.types import GenerationResult, SamplingParams
+from engine.types import GenerationResult, SamplingParams, options_as_run
 
 if TYPE_CHECKING:
     from app.worker import EngineController
@@ -419,7 +419,7 @@ class ChatFlow(QObject):
             if a.chat_id == self.chat_id:
                 self.reload()
             return
-        options = {**result.options.to_dict(), "unavailable": dict(result.unavailable)}  # as the JSON has them
+        options = options_as_run(result.options, result.unavailable)  # as the JSON has them
         metrics = result.metrics.to_dict()
         ran = len(result.texts)
         if a.candidates > 1 and 0 < ran < len(a.savers):

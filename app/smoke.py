@@ -76,6 +76,8 @@ class SmokeTest(QObject):
         return got[0]
 
     def _run(self, t0: float) -> dict:
+        from engine.types import options_as_run
+
         w, c, flow = self.window, self.gui.controller, self.window.flow
         w.show()
         source = self.args.model or "default"
@@ -122,7 +124,7 @@ class SmokeTest(QObject):
             "finish_reason": result.finish_reasons[0] if result.finish_reasons else None,
             "messages_in_store": self.gui.store.count_messages(),
             "messages_in_chat": self.gui.store.count_messages(flow.chat_id),
-            "options": {**result.options.to_dict(), "unavailable": dict(result.unavailable)},
+            "options": options_as_run(result.options, result.unavailable),
             "stats_line": stats.text(),
             "stats_tooltip": stats.toolTip(),
             "metrics": result.metrics.to_dict(),

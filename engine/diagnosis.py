@@ -70,6 +70,8 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
     unit = "kernels" if cuda else "ops"
     sampling, compiled, graph = o.get("sampling"), bool(o.get("compile")), bool(o.get("cuda_graph"))
     static = o.get("kv_cache") == "static"
+    weights, candidates = o.get("weights") or "native", int(o.get("candidates") or 1)
+    speculating = (o.get("speculation") or "off") != "off"
     evidence: list[str] = []
 
     def done(verdict: str, claim: str, step: Optional[str]) -> Diagnosis:
@@ -86,7 +88,7 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
             return None
         if cuda and fused:  # the fused kernels read the weights in the model's dtype
             return None
-        return WEIGHT_STEPS.get(o.get("weights") or "native")
+        return WEIGHT_STEPS.get(weights)
 
     def launch_step() -> Optional[str]:
         if not static:
@@ -103,11 +105,10 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
             return "compile"
         if not graph and "cuda_graph" not in refused:
             return "CUDA graph"
-        if not fused and "kernels" not in refused and (o.get("weights") or "native") == "native":
+        if not fused and "kernels" not in refused and weights == "native":
             return "fused kernels"
-        if not fused and (o.get("speculation") or "off") == "off" and int(o.get("candidates") or 1) == 1:
-            if "speculation" not in refused:
-                return "speculation ngram (drafts from the conversation)"
+        if not fused and not speculating and candidates == 1 and "speculation" not in refused:
+            return "speculation ngram (drafts from the conversation)"
         return None
 
     if gap is None:
@@ -128,12 +129,8 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         )
     if cuda and dram is not None and dram >= MEMORY_BOUND_PCT:
         evidence.append(ev("dram_bw_util_pct", f"DRAM bandwidth {_pct(dram)} of peak"))
-        more = (
-            int(o.get("candidates") or 1) == 1
-            and "candidates" not in refused  # cut for memory
-            and (o.get("speculation") or "off") == "off"  # candidates would switch it off
-            and not on_fallback
-        )
+        # not where candidates were cut for memory, would switch speculation off, or do not run (the fallback)
+        more = candidates == 1 and "candidates" not in refused and not speculating and not on_fallback
         step = "more candidates (each weight read serves all)" if more else weight_step()
         return done("memory-bound", f"memory-bound: DRAM bandwidth {_pct(dram)} of peak", step)
     if cuda and gap >= LAUNCH_GAP_PCT:

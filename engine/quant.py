@@ -31,9 +31,8 @@ INT4_GROUP = 32
 HEAD_FORMAT = {"int8": "int8", "int4": "int8"}
 HEAD = "output"  # the head's module name in engine.model.Transformer
 INT4_INNER_K_TILES = 2  # the CPU int4 packing's tile parameter (2, 4 or 8; results are identical)
-TORCH_INT4_ROWS = (
-    16  # torch's packed int4 CPU layout takes outputs in multiples of this ("expect N to be dividable by 16")
-)
+# torch's packed int4 CPU layout takes outputs in multiples of this ("expect N to be dividable by 16")
+TORCH_INT4_ROWS = 16
 # Linears whose CPU output may stay in the kernel's bf16: what reads it (the residual add, the head's .float())
 # promotes it to fp32 exactly as a cast would, so the cast back is one op a linear saved.
 KEEP_KERNEL_DTYPE = ("attention.wo", "feed_forward.w2", "output")

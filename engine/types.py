@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 from engine import figures
 from engine.errors import OptionsError
@@ -471,6 +471,12 @@ class MonitorSample:
     sources: dict[str, str] = field(default_factory=dict)  # field name -> source label
 
 
+def options_as_run(options: EngineOptions, unavailable: Mapping[str, str]) -> dict[str, Any]:
+    """The options a generation ran with and, under "unavailable", those the model or machine refused and why: the
+    JSON's `options`, what a stored answer keeps and what the diagnosis reads."""
+    return {**options.to_dict(), "unavailable": dict(unavailable)}
+
+
 @dataclass
 class GenerationResult:
     texts: list[str]
@@ -488,7 +494,7 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "finish_reasons": self.finish_reasons,
             "metrics": self.metrics.to_dict(),
-            "options": {**self.options.to_dict(), "unavailable": dict(self.unavailable)},
+            "options": options_as_run(self.options, self.unavailable),
             "seed": self.seed,
             "notices": list(self.notices),
         }

@@ -39,6 +39,7 @@ from engine.types import (
     ModelInfo,
     Progress,
     SamplingParams,
+    options_as_run,
 )
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
@@ -648,7 +649,7 @@ class MainWindow(QMainWindow):
             tabs.finish(
                 result.texts,
                 result.metrics.to_dict(),
-                {**result.options.to_dict(), "unavailable": dict(result.unavailable)},
+                options_as_run(result.options, result.unavailable),
                 result.options.device,
                 self.flow.last_finish_reasons,
                 can_choose=True,

@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.diagnosis import diagnose
-from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
+from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord, options_as_run
 from ui.dialogs import confirm
 from ui.hud import export
 from ui.hud.bars import BarStrip
@@ -173,7 +173,7 @@ class HudPanel(QWidget):
         gen = self.series.end_generation(self._clock(), metrics)
         index = gen.index if gen is not None else self.series.take_index()
         self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics))
-        ran = {**options.to_dict(), "unavailable": dict(unavailable or {})}
+        ran = options_as_run(options, unavailable or {})
         d = diagnose(metrics.to_dict(), ran, options.device if options.device != "auto" else None)
         self.bars.set_metrics(metrics, options, f"#{index} {label}", d)
         self.live.refresh_labels()  # why a series is n/a, as the metrics now say, shows with the bars, not later
