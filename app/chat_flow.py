@@ -419,7 +419,7 @@ class ChatFlow(QObject):
             if a.chat_id == self.chat_id:
                 self.reload()
             return
-        options = options_as_run(result.options, result.unavailable)  # as the JSON has them
+        options = options_as_run(result.options, result.unavailable, result.limits)  # as the JSON has them
         metrics = result.metrics.to_dict()
         ran = len(result.texts)
         if a.candidates > 1 and 0 < ran < len(a.savers):

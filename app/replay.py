@@ -37,7 +37,7 @@ def show(recording: Recording, panel_factory=None):
     panel.add_samples(samples)
     panel.add_steps(steps)
     clock.t = t1
-    panel.end_generation(recording.metrics, recording.options, recording.label, recording.unavailable)
+    panel.end_generation(recording.metrics, recording.options, recording.label, recording.unavailable, recording.limits)
     return panel
 
 

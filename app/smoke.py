@@ -124,7 +124,7 @@ class SmokeTest(QObject):
             "finish_reason": result.finish_reasons[0] if result.finish_reasons else None,
             "messages_in_store": self.gui.store.count_messages(),
             "messages_in_chat": self.gui.store.count_messages(flow.chat_id),
-            "options": options_as_run(result.options, result.unavailable),
+            "options": options_as_run(result.options, result.unavailable, result.limits),
             "stats_line": stats.text(),
             "stats_tooltip": stats.toolTip(),
             "metrics": result.metrics.to_dict(),

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import GaplessError
-from engine.protocol import EngineLike
+from engine.protocol import EngineLike, option_limits
 from engine.types import EngineOptions, MonitorSample, Progress, RowFinished, SamplingParams, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
@@ -53,26 +53,6 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, GaplessError):
         return " ".join(str(exc).split()) or type(exc).__name__
     return f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())}"
-
-
-def option_limits(engine: Any) -> dict[tuple[str, Any], str]:
-    """{(option, value): reason} for the values the engine cannot run on its model and device whatever the other
-    options are: each value is asked about with the others set as it needs them (compile and CUDA graphs with
-    the static cache)."""
-    base = engine.options
-    probes = {
-        ("device", "cuda"): base.with_(device="cuda"),
-        ("dtype", "bf16"): base.with_(dtype="bf16"),
-        ("kv_cache", "static"): base.with_(kv_cache="static"),
-        ("compile", True): base.with_(kv_cache="static", compile=True),
-        ("cuda_graph", True): base.with_(kv_cache="static", compile=True, cuda_graph=True),
-    }
-    out: dict[tuple[str, Any], str] = {}
-    for (name, value), probe in probes.items():
-        why = engine.unavailable(probe).get(name)
-        if why:
-            out[(name, value)] = why
-    return out
 
 
 # ---- commands ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ FIGURES = {
     "gpu_util_pct": "GPU util",
 }
 CPU_FIGURES = ("kernel_gap_pct", "launches_per_step")
-WEIGHT_STEPS = {"native": "int8 weights", "int8": "int4 weights"}  # the next weight format from each, fewer bytes
+WEIGHT_FORMATS = ("native", "int8", "int4")  # fewer bytes a token from each to the next
 
 
 @dataclass(frozen=True)
@@ -78,17 +78,24 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         return Diagnosis(verdict, f"{claim} → {step}" if step else claim, evidence, step, missing)
 
     refused = o.get("unavailable") or {}  # option -> why this model or machine could not run what was asked
+    # (option, value) pairs this model on this machine never runs, whatever else is chosen (options_as_run)
+    never = {(e.get("option"), e.get("value")) for e in o.get("limits") or () if isinstance(e, dict)}
     fused = o.get("kernels") == "fused"
     # A refused static cache with a dynamic one running: only the transformers fallback refuses it (with the fused
-    # kernels on, the static cache runs). Known only where the static cache was asked for.
-    on_fallback = "kv_cache" in refused and not static
+    # kernels on, the static cache runs). Known where the static cache was asked for or probed.
+    on_fallback = ("kv_cache" in refused or ("kv_cache", "static") in never) and not static
+
+    def can(option: str, value: Any) -> bool:
+        """Worth advising: neither refused in this run nor a value this model on this machine never runs."""
+        return option not in refused and (option, value) not in never
 
     def weight_step() -> Optional[str]:
         if "weights" in refused or on_fallback:
             return None
         if cuda and fused:  # the fused kernels read the weights in the model's dtype
             return None
-        return WEIGHT_STEPS.get(weights)
+        after = WEIGHT_FORMATS[WEIGHT_FORMATS.index(weights) + 1 :] if weights in WEIGHT_FORMATS else ()
+        return next((f"{f} weights" for f in after if ("weights", f) not in never), None)
 
     def launch_step() -> Optional[str]:
         if not static:
@@ -101,13 +108,13 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
             return weight_step()
         # CUDA: the ladder's rungs in order, each one not taken and not refused here. The fused kernels replace the
         # compiled step, read the weights in the model's dtype and have no verify step for drafts.
-        if not compiled and not fused and "compile" not in refused:
+        if not compiled and not fused and can("compile", True):
             return "compile"
-        if not graph and "cuda_graph" not in refused:
+        if not graph and can("cuda_graph", True):
             return "CUDA graph"
-        if not fused and "kernels" not in refused and weights == "native":
+        if not fused and can("kernels", "fused") and weights == "native":
             return "fused kernels"
-        if not fused and not speculating and candidates == 1 and "speculation" not in refused:
+        if not fused and not speculating and candidates == 1 and can("speculation", "ngram"):
             return "speculation ngram (drafts from the conversation)"
         return None
 

@@ -19,6 +19,7 @@ from engine.generate import LoopResult, run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver, reader_for
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
+from engine.protocol import option_limits
 from engine.sampling import SamplerKind
 from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
@@ -567,6 +568,7 @@ class Engine:
             unavailable=reasons,
             seed=seed,
             notices=notices,
+            limits=option_limits(self),
         )
 
     def forget_prefix(self) -> None:
@@ -795,6 +797,7 @@ class Engine:
             unavailable=reasons,
             seed=seed,
             notices=[*notices, str(exc)],
+            limits=option_limits(self),
         )
 
     @staticmethod

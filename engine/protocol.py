@@ -40,3 +40,28 @@ class EngineLike(Protocol):
 
 
 EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], EngineLike]
+
+
+def option_limits(engine: EngineLike) -> dict[tuple[str, Any], str]:
+    """{(option, value): reason} for the values the engine cannot run on its model and device whatever the other
+    options are. Each value is asked about from the options in force with the others set as it needs them: the
+    torch kernels, no drafts and one candidate unless the probe is for one of them; compile and CUDA graphs with
+    the static cache; the fused kernels with the model's own weights; speculation on the static cache."""
+    base = engine.options.with_(kernels="torch", speculation="off", candidates=1)
+    probes = {
+        ("device", "cuda"): base.with_(device="cuda"),
+        ("dtype", "bf16"): base.with_(dtype="bf16"),
+        ("kv_cache", "static"): base.with_(kv_cache="static"),
+        ("compile", True): base.with_(kv_cache="static", compile=True),
+        ("cuda_graph", True): base.with_(kv_cache="static", compile=True, cuda_graph=True),
+        ("kernels", "fused"): base.with_(kv_cache="static", kernels="fused", weights="native"),
+        ("weights", "int8"): base.with_(weights="int8"),
+        ("weights", "int4"): base.with_(weights="int4"),
+        ("speculation", "ngram"): base.with_(kv_cache="static", speculation="ngram"),
+    }
+    out: dict[tuple[str, Any], str] = {}
+    for (name, value), probe in probes.items():
+        why = engine.unavailable(probe).get(name)
+        if why:
+            out[(name, value)] = why
+    return out

@@ -20,7 +20,16 @@ from typing import Any, Callable, Optional
 
 from engine import figures
 from engine.errors import GaplessError
-from engine.types import EngineOptions, Event, GenerationMetrics, GenerationResult, MonitorSample, StepRecord
+from engine.types import (
+    EngineOptions,
+    Event,
+    GenerationMetrics,
+    GenerationResult,
+    MonitorSample,
+    StepRecord,
+    limits_as_list,
+    limits_from_list,
+)
 
 FORMAT = "gapless-telemetry"
 VERSION = 1
@@ -44,6 +53,7 @@ class Recording:
     machine: dict[str, Any] = field(default_factory=dict)  # engine.telemetry.machine.describe_machine()
     created: float = field(default_factory=time.time)
     unavailable: dict[str, str] = field(default_factory=dict)  # option asked for -> why it could not run there
+    limits: dict[tuple[str, Any], str] = field(default_factory=dict)  # (option, value) never run there -> why
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +63,7 @@ class Recording:
             "label": self.label,
             "options": self.options.to_dict(),
             "unavailable": dict(self.unavailable),
+            "limits": limits_as_list(self.limits),
             "metrics": self.metrics.to_dict(),
             "t_start": self.t_start,
             "t_end": self.t_end,
@@ -101,6 +112,7 @@ class Recorder:
             model=dict(model or {}),
             machine=dict(machine or {}),
             unavailable=dict(result.unavailable),
+            limits=dict(result.limits),
         )
 
 
@@ -171,6 +183,7 @@ def from_dict(doc: Any, where: str = "the recording") -> Recording:
         machine=_typed(doc, "machine", dict, where),
         created=_number(doc.get("created", 0.0), f"{where}: created") or 0.0,
         unavailable=_reasons(doc.get("unavailable", {}), f"{where}: unavailable"),
+        limits=_limits(doc.get("limits", []), f"{where}: limits"),
     )
 
 
@@ -179,6 +192,14 @@ def _reasons(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise RecordingError(f"{where} is not a map of option names to reasons")
     return dict(value)
+
+
+def _limits(value: Any, where: str) -> dict[tuple[str, Any], str]:
+    """(option, value) -> reason; absent in files written before it was recorded."""
+    try:
+        return limits_from_list(value)
+    except ValueError as exc:
+        raise RecordingError(f"{where}: {exc}") from None
 
 
 def _typed(doc: dict, key: str, kind: type, where: str) -> Any:

@@ -23,6 +23,7 @@ import httpx
 
 from engine import figures
 from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.protocol import option_limits
 from engine.types import (
     REMOTE_PREFIX,
     EngineOptions,
@@ -354,6 +355,7 @@ class RemoteEngine:
         if reader is not None:
             reader.join(self.source.timeout_s)
         result = stream.result(sampling, self.options, self.unavailable())
+        result.limits = option_limits(self)
         self._server_figures(result.metrics, stream, before, side.get("during"), self._vllm_read())
         if n > 1 and len(stream.texts) < n:
             result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")

@@ -471,10 +471,37 @@ class MonitorSample:
     sources: dict[str, str] = field(default_factory=dict)  # field name -> source label
 
 
-def options_as_run(options: EngineOptions, unavailable: Mapping[str, str]) -> dict[str, Any]:
-    """The options a generation ran with and, under "unavailable", those the model or machine refused and why: the
-    JSON's `options`, what a stored answer keeps and what the diagnosis reads."""
-    return {**options.to_dict(), "unavailable": dict(unavailable)}
+Limits = Mapping[tuple[str, Any], str]  # (option, value) -> why this model on this machine never runs that value
+
+
+def limits_as_list(limits: Limits) -> list[dict[str, Any]]:
+    """Limits in JSON's terms (whose keys are strings): [{"option": "weights", "value": "int4", "why": "..."}]."""
+    return [{"option": n, "value": v, "why": w} for (n, v), w in sorted(limits.items(), key=lambda e: repr(e[0]))]
+
+
+def limits_from_list(entries: Any) -> dict[tuple[str, Any], str]:
+    """The inverse of limits_as_list, for what was read back from a file; ValueError names what is wrong."""
+    if not isinstance(entries, list):
+        raise ValueError(f"limits are a list, not {type(entries).__name__}")
+    out: dict[tuple[str, Any], str] = {}
+    for i, e in enumerate(entries):
+        ok = isinstance(e, dict) and set(e) == {"option", "value", "why"}
+        if not ok or not isinstance(e["option"], str) or not isinstance(e["why"], str):
+            raise ValueError(f"limits[{i}] is not an object of option, value and why (text)")
+        if not isinstance(e["value"], (str, bool, int)):
+            raise ValueError(f"limits[{i}]: value is {type(e['value']).__name__}, not text, a number or true/false")
+        out[(e["option"], e["value"])] = e["why"]
+    return out
+
+
+def options_as_run(
+    options: EngineOptions, unavailable: Mapping[str, str], limits: Optional[Limits] = None
+) -> dict[str, Any]:
+    """The options a generation ran with; under "unavailable", those asked for that the model or machine refused
+    and why; under "limits", the option values this model on this machine never runs, whatever else is chosen
+    (engine.protocol.option_limits). The JSON's `options`, what a stored answer keeps and what the diagnosis
+    reads, so it advises nothing that cannot run."""
+    return {**options.to_dict(), "unavailable": dict(unavailable), "limits": limits_as_list(limits or {})}
 
 
 @dataclass
@@ -487,6 +514,7 @@ class GenerationResult:
     unavailable: dict[str, str]  # option -> why it could not be honoured
     seed: Optional[int]
     notices: list[str] = field(default_factory=list)  # e.g. "prompt cut: 3 oldest turns dropped"
+    limits: dict[tuple[str, Any], str] = field(default_factory=dict)  # what never runs here (see options_as_run)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -494,7 +522,7 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "finish_reasons": self.finish_reasons,
             "metrics": self.metrics.to_dict(),
-            "options": options_as_run(self.options, self.unavailable),
+            "options": options_as_run(self.options, self.unavailable, self.limits),
             "seed": self.seed,
             "notices": list(self.notices),
         }

@@ -631,7 +631,11 @@ class MainWindow(QMainWindow):
             self.model_panel.clear_error()
         if self.hud is not None:
             self.hud.end_generation(
-                result.metrics, result.options, options_label(result.options.to_dict()), result.unavailable
+                result.metrics,
+                result.options,
+                options_label(result.options.to_dict()),
+                result.unavailable,
+                result.limits,
             )
         if result.notices:
             self.status.setText(" · ".join(result.notices))
@@ -649,7 +653,7 @@ class MainWindow(QMainWindow):
             tabs.finish(
                 result.texts,
                 result.metrics.to_dict(),
-                options_as_run(result.options, result.unavailable),
+                options_as_run(result.options, result.unavailable, result.limits),
                 result.options.device,
                 self.flow.last_finish_reasons,
                 can_choose=True,

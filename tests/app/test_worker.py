@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 from worker_gate import on_first_batch
 
-from app.worker import EngineController, EngineWorker, option_limits
+from app.worker import EngineController, EngineWorker
 from engine.errors import ModelLoadError
+from engine.protocol import option_limits
 from engine.types import (
     EngineOptions,
     GenerationMetrics,

@@ -49,14 +49,16 @@ def test_a_saved_recording_reads_back_equal(recorded):
     assert (back.label, back.model, back.machine) == (recording.label, recording.model, recording.machine)
     assert back.metrics.figure("kernel_gap_pct") == recording.metrics.figure("kernel_gap_pct")
     assert back.unavailable == recording.unavailable
+    assert back.limits == recording.limits == recorded[3].limits and ("cuda_graph", True) in back.limits
 
 
 def test_a_recording_from_before_the_refusals_were_kept_reads_with_none(recorded, tmp_path):
     _, path, _, _ = recorded
     doc = _doc(path)
-    del doc["unavailable"]
+    del doc["unavailable"], doc["limits"]
     (tmp_path / "old.json").write_text(json.dumps(doc), encoding="utf-8")
-    assert load(tmp_path / "old.json").unavailable == {}
+    old = load(tmp_path / "old.json")
+    assert old.unavailable == {} and old.limits == {}
 
 
 def test_figures_that_are_not_finite_are_written_as_na(recorded, tmp_path):
@@ -87,6 +89,7 @@ def _doc(path):
         (lambda d: dict(d, steps=[dict(d["steps"][0], t=None)]), "steps[0]: t is None"),
         (lambda d: dict(d, samples=[{"t": 1.0, "sources": {"gpu": 3}}]), "samples[0]: sources"),
         (lambda d: dict(d, unavailable={"compile": 3}), "unavailable is not a map of option names to reasons"),
+        (lambda d: dict(d, limits=[{"option": "compile"}]), "limits: limits[0] is not an object of option, value"),
     ],
 )
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):

@@ -31,7 +31,15 @@ from PySide6.QtWidgets import (
 )
 
 from engine.diagnosis import diagnose
-from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord, options_as_run
+from engine.types import (
+    EngineOptions,
+    GenerationMetrics,
+    LadderRow,
+    Limits,
+    MonitorSample,
+    StepRecord,
+    options_as_run,
+)
 from ui.dialogs import confirm
 from ui.hud import export
 from ui.hud.bars import BarStrip
@@ -167,13 +175,15 @@ class HudPanel(QWidget):
         options: EngineOptions,
         label: str,
         unavailable: Optional[Mapping[str, str]] = None,
+        limits: Optional[Limits] = None,
     ) -> None:
         """A generation ended with these figures, run with `options` (what ran), `unavailable` saying which of the
-        options asked for this model or machine refused, and why."""
+        options asked for this model or machine refused, and why, and `limits` the option values it never runs
+        (the diagnosis advises none of them)."""
         gen = self.series.end_generation(self._clock(), metrics)
         index = gen.index if gen is not None else self.series.take_index()
         self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics))
-        ran = options_as_run(options, unavailable or {})
+        ran = options_as_run(options, unavailable or {}, limits)
         d = diagnose(metrics.to_dict(), ran, options.device if options.device != "auto" else None)
         self.bars.set_metrics(metrics, options, f"#{index} {label}", d)
         self.live.refresh_labels()  # why a series is n/a, as the metrics now say, shows with the bars, not later
