@@ -127,6 +127,7 @@ class _Batcher:
                 self._samples.append(event)
             elif isinstance(event, RowFinished):
                 self._ended[event.candidate] = event.reason
+                return True  # a candidate's end is shown when it happens, not with the others' at the next flush
             return time.monotonic() - self._last >= self.interval_s
 
     def take(self) -> tuple[dict[int, str], list[StepRecord], list[MonitorSample]]:

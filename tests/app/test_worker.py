@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from worker_gate import on_first_batch
 
-from app.worker import EngineController, EngineWorker
+from app.worker import EngineController, EngineWorker, _Batcher
 from engine.errors import ModelLoadError
 from engine.protocol import option_limits
 from engine.types import (
@@ -26,6 +26,7 @@ from engine.types import (
     ModelInfo,
     MonitorSample,
     Progress,
+    RowFinished,
     SamplingParams,
     StepRecord,
     TextDelta,
@@ -319,6 +320,15 @@ def test_text_is_batched_and_whole(qtbot, scripted):
     assert sum(len(s) for (s,) in rec.of("samples")) == 30
     names = rec.names()
     assert names.index("generationFinished") > max(i for i, n in enumerate(names) if n in STREAM)
+
+
+def test_a_candidates_end_flushes_at_once_and_text_waits_for_the_interval():
+    b = _Batcher(interval_s=3600.0)
+    b.take()  # just flushed: the next interval is an hour away
+    assert not b.add(TextDelta(candidate=0, text="a"))
+    assert b.add(RowFinished(candidate=0, reason="stop"))  # shown when it happens, with the text before it
+    assert b.take()[0] == {0: "a"} and b.take_ended() == {0: "stop"}
+    assert not b.add(TextDelta(candidate=1, text="b")) and b.take_ended() == {}
 
 
 def test_errors_become_one_line_messages(qtbot, scripted):

@@ -9,7 +9,7 @@ from PySide6.QtWidgets import QPushButton
 
 from app.gui import build
 from app.paths import AppPaths
-from engine.types import SamplingParams
+from engine.types import SamplingParams, options_as_run
 
 TIMEOUT_MS = 120_000
 
@@ -82,7 +82,7 @@ def test_reply_streams_into_view_and_database(qtbot, app):
     assert [(m.role, m.status) for m in thread] == [("user", "done"), ("assistant", "done")]
     assert thread[0].content == "hello world"
     assert thread[1].content == answer
-    assert thread[1].options == {**result.options.to_dict(), "unavailable": result.unavailable}  # as in the JSON
+    assert thread[1].options == options_as_run(result.options, result.unavailable, result.limits)  # as in the JSON
     assert thread[1].metrics["new_tokens_total"] == result.metrics.new_tokens_total
     assert thread[1].model_name == app.controller.info.name
 

@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMenu
 from test_main_window import TIMEOUT_MS, close_app, open_app, send
 
-from engine.types import SamplingParams
+from engine.types import SamplingParams, options_as_run
 
 
 def choose(qtbot, gui, combo, value) -> None:
@@ -298,7 +298,7 @@ def test_the_hud_and_the_stats_tooltip_say_what_limits_the_answer(qtbot, app):
     w = app.window
     w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
     result = send(qtbot, app, "hello")
-    m, o = result.metrics.to_dict(), {**result.options.to_dict(), "unavailable": result.unavailable}
+    m, o = result.metrics.to_dict(), options_as_run(result.options, result.unavailable, result.limits)
     d = diagnose(m, o, "cpu")
     assert m["kernel_gap_pct"] is not None, m["unavailable"]  # the traced window measured the op gap
     assert d.verdict.startswith("CPU") and d.evidence and d.next_step
