@@ -125,10 +125,15 @@ static inline __m256i madd_q4(const uint8_t *w, const int16_t *q)
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
 }
 
-/* int4 weights of whole activation blocks: a block's two groups in 32 bytes, each group's inputs 0..15 in the low
- * nibbles of its 16 bytes and 16..31 in the high ones (0..15 each), times the block's 64 int16 activations; each
- * group's products summed exactly in int32 lanes, scaled by its s[g], the block's pair by d[b], in fp32 */
-static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t nb)
+/* One int4 weight row against one activation row: a block's two groups in 32 bytes, each group's inputs 0..15 in
+ * the low nibbles of its 16 bytes and 16..31 in the high ones (0..15 each), times the block's 64 int16
+ * activations; each group's products summed exactly in int32 lanes, scaled by its s[g], the block's pair by d[b],
+ * in fp32 lanes. The zeros times the groups' activation sums xs and the scales times the groups' -8 terms c join
+ * the same lanes eight groups at a time, so the row ends in one horizontal sum (its rows are short: with the
+ * default model's 576 inputs, nine blocks and eighteen groups, and the sums a row ends with cost what its blocks
+ * do); then the groups past a multiple of eight. */
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, const float *z,
+                           const float *xs, const float *c, int64_t nb, int64_t ng)
 {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -139,7 +144,14 @@ static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, c
         t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd_q4(wb + 16, qb + 32)), _mm256_broadcast_ss(s + 2 * b + 1), t);
         acc = _mm256_fmadd_ps(t, _mm256_broadcast_ss(d + b), acc);
     }
-    return hsum(acc);
+    const int64_t g8 = ng - ng % 8;
+    for (int64_t g = 0; g < g8; g += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(c + g), acc);
+    }
+    float v = hsum(acc);
+    for (int64_t g = g8; g < ng; g++) v += z[g] * xs[g] + s[g] * c[g];
+    return v;
 }
 #else
 /* Portable C of the same arithmetic: the same quantisation, exact integer block sums, blocks summed in fp32. */
@@ -170,7 +182,8 @@ static inline float dot_q16(const int8_t *w, const int16_t *q, const float *d, i
     return acc;
 }
 
-static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, int64_t nb)
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, const float *z,
+                           const float *xs, const float *c, int64_t nb, int64_t ng)
 {
     float acc = 0.0f;
     for (int64_t g = 0; g < 2 * nb; g++) {
@@ -179,6 +192,7 @@ static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, c
             sum += (int32_t)(w[g * 16 + j] & 0x0F) * q[g * 32 + j] + (int32_t)(w[g * 16 + j] >> 4) * q[g * 32 + 16 + j];
         acc += (float)sum * (s[g] * d[g / 2]);
     }
+    for (int64_t g = 0; g < ng; g++) acc += z[g] * xs[g] + s[g] * c[g];
     return acc;
 }
 #endif
@@ -317,8 +331,7 @@ int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float
         const float *sr = scale + r * ng, *zr = zero + r * ng;
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * k;
-            float v = dot_q4(wr, q + i * nb * QBLOCK, d + i * nb, sr, nb) + dot8(sr, dq + i * ng, whole) +
-                      dot8(zr, xs + i * ng, ng);
+            float v = dot_q4(wr, q + i * nb * QBLOCK, d + i * nb, sr, zr, xs + i * ng, dq + i * ng, nb, ng);
             for (int64_t g = whole; g < ng; g++) /* the part block: de-quantised, in fp32 */
                 for (int j = 0; j < 16; j++) {
                     const uint8_t b = wr[g * 16 + j];

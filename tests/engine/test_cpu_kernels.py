@@ -112,16 +112,16 @@ def test_arguments_it_cannot_read_safely_are_refused():
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("m", [2, 4, 17, cpu_kernels.GEMM_ROWS])
-def test_each_rows_result_does_not_depend_on_how_many_rows_run(m):
+def test_each_rows_result_does_not_depend_on_how_many_rows_run(m, fmt):
     """A verify step or candidates run several rows (up to GEMM_ROWS); greedy answers must not change with their
     number."""
     torch.manual_seed(m)
-    q, scales = quantize_int8(torch.randn(200, 576))
-    bias = torch.randn(200)
+    bound, _, _ = _bound(fmt, 202, 576, True)
     x = torch.randn(m, 576)
-    together = KERNEL.linear(x, q, scales, bias)
-    alone = torch.cat([KERNEL.linear(x[i : i + 1].contiguous(), q, scales, bias) for i in range(m)])
+    together = bound.run(x)
+    alone = torch.cat([bound.run(x[i : i + 1].contiguous()) for i in range(m)])
     assert torch.equal(together, alone)
 
 
