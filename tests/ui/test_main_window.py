@@ -408,8 +408,9 @@ def test_keyboard_new_chat_and_search(qtbot, app):
     assert w.chat_list.search.hasFocus()
 
 
-def test_a_failure_while_building_the_window_stops_the_engine_thread(tmp_path, monkeypatch):
-    """Without this, Qt aborts the process ('QThread destroyed while still running') instead of reporting."""
+def test_a_failure_while_building_the_window_stops_the_engine_thread(qapp, tmp_path, monkeypatch):
+    """Without this, Qt aborts the process ('QThread destroyed while still running') instead of reporting.
+    (qapp: build() themes the application before it fails; the fixture sets the look back for later tests.)"""
     import app.gui as gui_mod
     import ui.main_window as mw
     from app.paths import AppPaths
