@@ -93,6 +93,7 @@ class EngineQueue:
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._mean_job_s: Optional[float] = None
         self._current: Optional[Job] = None
+        self._started = 0.0  # when the current job started running
         self._thread = threading.Thread(target=self._loop, name="gapless-serve-engine", daemon=True)
         self._thread.start()
 
@@ -133,7 +134,7 @@ class EngineQueue:
                 self.stats.waiting -= 1
                 self.stats.running += 1
                 self._current = job
-            t0 = time.perf_counter()
+                self._started = time.perf_counter()
             try:
                 self._run_on_engine(functools.partial(self._execute, job=job))
             except Exception as exc:  # the runner itself failed (e.g. the app's engine went away)
@@ -141,16 +142,29 @@ class EngineQueue:
                 self._fail(job, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
             finally:
                 with self._lock:
-                    self.stats.running -= 1
-                    self._current = None
-                    took = time.perf_counter() - t0
-                    self._mean_job_s = took if self._mean_job_s is None else 0.8 * self._mean_job_s + 0.2 * took
+                    self._release(job)  # where no outcome was sent (each one releases it first)
+
+    def _release(self, job: Job) -> None:
+        """The running slot `job` held is free again (under the lock; once per job)."""
+        if self._current is not job:
+            return
+        self.stats.running -= 1
+        self._current = None
+        took = time.perf_counter() - self._started
+        self._mean_job_s = took if self._mean_job_s is None else 0.8 * self._mean_job_s + 0.2 * took
+
+    def _end(self, job: Job, outcome: str, event: Any) -> None:
+        """Count the job's outcome and free its slot in one step, then tell its client: a client that has its
+        answer never sees the counts of a request still running."""
+        with self._lock:
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            if outcome == "failed":
+                self.stats.last_error = event.error.message
+            self._release(job)
+        job.sink(event)
 
     def _fail(self, job: Job, error: ApiError) -> None:
-        with self._lock:
-            self.stats.failed += 1
-            self.stats.last_error = error.message
-        job.sink(Failed(error))
+        self._end(job, "failed", Failed(error))
 
     def _execute(self, engine: Any, *, job: Job) -> None:
         req = job.request
@@ -159,9 +173,11 @@ class EngineQueue:
             self._fail(job, ApiError(503, "no model is loaded", "server_error", code="no_model"))
             return
         if job.cancel.is_set():
-            with self._lock:
-                self.stats.cancelled += 1
-            job.sink(Failed(ApiError(499, "the client went away before the request started", code="cancelled")))
+            self._end(
+                job,
+                "cancelled",
+                Failed(ApiError(499, "the client went away before the request started", code="cancelled")),
+            )
             return
         try:
             sampling, prompt_tokens = prepare(engine, req)
@@ -192,12 +208,8 @@ class EngineQueue:
                     engine.reconfigure(previous)
                 except GaplessError as exc:
                     log.warning("serve: restoring the engine options failed: %s", exc)
-        with self._lock:
-            if job.cancel.is_set() and "cancelled" in result.finish_reasons:
-                self.stats.cancelled += 1
-            else:
-                self.stats.served += 1
-        job.sink(Finished(result, queue_ms))
+        cancelled = job.cancel.is_set() and "cancelled" in result.finish_reasons
+        self._end(job, "cancelled" if cancelled else "served", Finished(result, queue_ms))
 
 
 def _texts_to(sink: Sink) -> Callable[[Any], None]:

@@ -13,6 +13,9 @@ import openai
 import pytest
 from serving import HeldEngine, load_engine, request_body, serving, wait_until
 
+from app.server.engine_queue import EngineQueue, Failed, Finished, Job
+from app.server.protocol import parse_request
+
 
 @pytest.fixture
 def held(tiny_llama):
@@ -50,6 +53,33 @@ def test_past_the_queue_bound_is_503_with_retry_after(held):
         assert second["r"].choices[0].message.content == held.results[1].texts[0]
         stats = server.engines.stats
         assert (stats.served, stats.rejected, stats.waiting, stats.running) == (2, 2, 0, 0)
+
+
+def test_a_client_hears_its_outcome_only_once_the_counts_have_it(tiny_llama):
+    """What a client sees in the stats after its answer arrived: its request counted, none running."""
+    engine = load_engine(tiny_llama)
+    engines = EngineQueue(engine)
+    seen: list = []
+    done = threading.Event()
+
+    def sink(event) -> None:
+        if isinstance(event, (Finished, Failed)):
+            st = engines.stats
+            seen.append((type(event).__name__, st.served, st.failed, st.running, st.waiting))
+            done.set()
+
+    try:
+        fits = {"model": engines.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        too_long = {**fits, "messages": [{"role": "user", "content": "hi " * engine.context_length}]}
+        for body in (fits, too_long):  # answered; refused by the engine (the prompt does not fit its context)
+            request = parse_request(body, chat=True, model_id=engines.model_id)
+            done.clear()
+            engines.submit(Job(request, sink))
+            assert done.wait(60)
+    finally:
+        engines.close()
+        engine.close()
+    assert seen == [("Finished", 1, 0, 0, 0), ("Failed", 1, 1, 0, 0)]
 
 
 def test_a_stream_closed_by_the_client_cancels_its_generation(held):
