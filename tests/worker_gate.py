@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import threading
 
+import engine.observers
 from app.worker import EngineWorker
 
 
 def hold_after_first_batch(monkeypatch, timeout_s: float = 60.0) -> threading.Event:
     """Patch the worker so that its first flush carrying text waits for the returned event (at most timeout_s,
-    so a test that forgets to set it fails on its own assertions rather than hanging)."""
+    so a test that forgets to set it fails on its own assertions rather than hanging). The engine passes on its
+    text from the first token on (not 1/30 s later), so the batch comes while a fast machine still decodes."""
+    monkeypatch.setattr(engine.observers, "FLUSH_INTERVAL_S", 0.0)
     release = threading.Event()
     flush = EngineWorker._flush
     held: list[bool] = []

@@ -103,7 +103,7 @@ class EngineQueue:
                 self.stats.rejected += 1
                 raise QueueFull(self.stats.waiting, self._retry_after_s())
             self.stats.waiting += 1
-        self._jobs.put(job)
+            self._jobs.put(job)  # with the count, so whoever sees one waiting finds it queued (put never blocks)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop taking jobs: the queued ones are cancelled, the running one stops at its next step."""

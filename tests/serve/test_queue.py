@@ -13,12 +13,14 @@ import openai
 import pytest
 from serving import HeldEngine, load_engine, request_body, serving, wait_until
 
+import engine.observers as engine_observers
 from app.server.engine_queue import EngineQueue, Failed, Finished, Job
 from app.server.protocol import parse_request
 
 
 @pytest.fixture
-def held(tiny_llama):
+def held(tiny_llama, monkeypatch):
+    monkeypatch.setattr(engine_observers, "FLUSH_INTERVAL_S", 0.0)  # text from the first token: held while it runs
     engine = load_engine(tiny_llama)
     yield HeldEngine(engine)
     engine.close()

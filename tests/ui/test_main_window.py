@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QPushButton
+from worker_gate import on_first_batch
 
 from app.gui import build
 from app.paths import AppPaths
@@ -116,25 +117,19 @@ def test_reopening_the_window_shows_the_chat(qtbot, data_dir, tiny_llama):
         close_app(gui)
 
 
-def send_and_stop(qtbot, gui, text, stop):
-    """Send `text` with room for a long answer, and call stop() when its first text arrives; the result."""
+def send_and_stop(qtbot, gui, text, stop, monkeypatch):
+    """Send `text` with room for a long answer, and call stop() when its first text arrives (the worker held there
+    until it has run, so the answer is still running); the result."""
     gui.window.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
-    stopped = []
-
-    def stop_once(_rid, _batch):
-        if not stopped:
-            stopped.append(True)
-            stop()
-
-    gui.controller.textBatch.connect(stop_once)
+    stopped = on_first_batch(gui.controller, stop, monkeypatch)
     result = send(qtbot, gui, text)
     assert stopped
     return result
 
 
-def test_stop_keeps_the_partial_answer(qtbot, app):
+def test_stop_keeps_the_partial_answer(qtbot, app, monkeypatch):
     w = app.window
-    result = send_and_stop(qtbot, app, "hello world the quick brown fox", w.composer.stop_button.click)
+    result = send_and_stop(qtbot, app, "hello world the quick brown fox", w.composer.stop_button.click, monkeypatch)
     assert result.finish_reasons == ["cancelled"]
     assert 0 < result.metrics.new_tokens_total < 200
     m = app.store.thread(w.flow.chat_id)[-1]
@@ -145,11 +140,11 @@ def test_stop_keeps_the_partial_answer(qtbot, app):
     assert "stopped" in shown.stats_label.text()
 
 
-def test_escape_stops_an_answer(qtbot, app):
+def test_escape_stops_an_answer(qtbot, app, monkeypatch):
     def escape():  # from wherever the focus is in the window
         qtbot.keyClick(app.window.composer.edit, Qt.Key.Key_Escape)
 
-    result = send_and_stop(qtbot, app, "def main", escape)
+    result = send_and_stop(qtbot, app, "def main", escape, monkeypatch)
     assert result.finish_reasons == ["cancelled"]
 
 
@@ -348,19 +343,12 @@ def test_a_loaded_model_is_offered_again(qtbot, app, tiny_llama, data_dir):
     assert app.settings.last_model == str(tiny_llama)
 
 
-def test_deleting_the_chat_that_is_answering_stops_quietly(qtbot, app):
+def test_deleting_the_chat_that_is_answering_stops_quietly(qtbot, app, monkeypatch):
     w, c = app.window, app.controller
     w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
     errors = []
     w.flow.failed.connect(errors.append)
-    deleted = []
-
-    def delete_once(_rid, _batch):
-        if not deleted:
-            deleted.append(w.flow.chat_id)
-            w.flow.delete_chat(w.flow.chat_id)
-
-    c.textBatch.connect(delete_once)
+    deleted = on_first_batch(c, lambda: w.flow.delete_chat(w.flow.chat_id), monkeypatch)
     result = send(qtbot, app, "hello world")
     assert deleted and result.finish_reasons == ["cancelled"]
     assert errors == []
