@@ -78,15 +78,20 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         return Diagnosis(verdict, f"{claim} → {step}" if step else claim, evidence, step, missing)
 
     refused = o.get("unavailable") or {}  # option -> why this model or machine could not run what was asked
-    # (option, value) pairs this model on this machine never runs, whatever else is chosen (options_as_run)
-    never = {(e.get("option"), e.get("value")) for e in o.get("limits") or () if isinstance(e, dict)}
+    # (option, value) pairs this model on this device never runs, whatever else is chosen (options_as_run); a
+    # damaged stored answer's entries that are not (name, scalar) are passed over
+    never = {
+        (e.get("option"), e.get("value"))
+        for e in o.get("limits") or ()
+        if isinstance(e, dict) and isinstance(e.get("option"), str) and isinstance(e.get("value"), (str, bool, int))
+    }
     fused = o.get("kernels") == "fused"
     # A refused static cache with a dynamic one running: only the transformers fallback refuses it (with the fused
     # kernels on, the static cache runs). Known where the static cache was asked for or probed.
     on_fallback = ("kv_cache" in refused or ("kv_cache", "static") in never) and not static
 
     def can(option: str, value: Any) -> bool:
-        """Worth advising: neither refused in this run nor a value this model on this machine never runs."""
+        """Worth advising: neither refused in this run nor a value this model on this device never runs."""
         return option not in refused and (option, value) not in never
 
     def weight_step() -> Optional[str]:

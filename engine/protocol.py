@@ -3,6 +3,7 @@ fallback), a remote one, and the tests' scripted engine all provide it."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
@@ -39,14 +40,19 @@ class EngineLike(Protocol):
     def close(self) -> None: ...
 
 
+log = logging.getLogger(__name__)
+
 EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], EngineLike]
 
 
 def option_limits(engine: EngineLike) -> dict[tuple[str, Any], str]:
-    """{(option, value): reason} for the values the engine cannot run on its model and device whatever the other
-    options are. Each value is asked about from the options in force with the others set as it needs them: the
-    torch kernels, no drafts and one candidate unless the probe is for one of them; compile and CUDA graphs with
-    the static cache; the fused kernels with the model's own weights; speculation on the static cache."""
+    """{(option, value): reason} for the values the engine cannot run on its model and the device in use whatever
+    the other options are (the device itself is one of them: the fused kernels on a CPU run would run on CUDA).
+    Each value is asked about from the options in force with the others set as it needs them: the torch kernels,
+    no drafts and one candidate unless the probe is for one of them; compile and CUDA graphs with the static
+    cache; the fused kernels with the model's own weights; speculation on the static cache. A probe that fails
+    (e.g. a Triton that imports but breaks) is logged and left out: it never costs an answer, a load or a switch,
+    and the value it asked about is refused with its reason when it is chosen."""
     base = engine.options.with_(kernels="torch", speculation="off", candidates=1)
     probes = {
         ("device", "cuda"): base.with_(device="cuda"),
@@ -61,7 +67,11 @@ def option_limits(engine: EngineLike) -> dict[tuple[str, Any], str]:
     }
     out: dict[tuple[str, Any], str] = {}
     for (name, value), probe in probes.items():
-        why = engine.unavailable(probe).get(name)
+        try:
+            why = engine.unavailable(probe).get(name)
+        except Exception:
+            log.warning("checking whether %s=%r can run failed", name, value, exc_info=True)
+            continue
         if why:
             out[(name, value)] = why
     return out

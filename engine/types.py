@@ -471,7 +471,7 @@ class MonitorSample:
     sources: dict[str, str] = field(default_factory=dict)  # field name -> source label
 
 
-Limits = Mapping[tuple[str, Any], str]  # (option, value) -> why this model on this machine never runs that value
+Limits = Mapping[tuple[str, Any], str]  # (option, value) -> why this model on this device never runs that value
 
 
 def limits_as_list(limits: Limits) -> list[dict[str, Any]]:
@@ -498,7 +498,7 @@ def options_as_run(
     options: EngineOptions, unavailable: Mapping[str, str], limits: Optional[Limits] = None
 ) -> dict[str, Any]:
     """The options a generation ran with; under "unavailable", those asked for that the model or machine refused
-    and why; under "limits", the option values this model on this machine never runs, whatever else is chosen
+    and why; under "limits", the option values this model on this device never runs, whatever else is chosen
     (engine.protocol.option_limits). The JSON's `options`, what a stored answer keeps and what the diagnosis
     reads, so it advises nothing that cannot run."""
     return {**options.to_dict(), "unavailable": dict(unavailable), "limits": limits_as_list(limits or {})}

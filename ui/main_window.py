@@ -825,12 +825,13 @@ class MainWindow(QMainWindow):
             self.model_panel.set_info(info)
             self.model_status.setText(model_status_text(info))
             self.toggles.set_resolved(info.device, info.dtype)
-            self.toggles.set_limits(self.controller.limits)
         if self._requested is not None and options != self._requested:
             # The reply to a choice the user has since replaced (changes wait while an answer runs): the
-            # panel keeps the newer choice, whose own reply follows, and its reasons are not pinned on it.
+            # panel keeps the newer choice, whose own reply follows with its own limits, and neither this
+            # reply's reasons nor its limits (they follow its device) are pinned on it.
             return
         self._requested = None
+        self.toggles.set_limits(self.controller.limits)
         self.toggles.set_applied(options, unavailable)
         self.settings.engine_options = options.to_dict()
 

@@ -138,3 +138,32 @@ def test_a_memory_bound_cpu_is_not_told_to_try_what_it_cannot_run(weights, kv, l
     d = diagnose(CPU_MEMORY_BOUND, o)
     assert d.verdict == "CPU, memory-bound"
     assert d.next_step == step
+
+
+def test_a_probe_that_fails_is_left_out_and_costs_nothing(tiny_llama, monkeypatch, caplog):
+    """A check that breaks (e.g. a Triton that imports but fails) must not turn a finished answer, a load or a
+    switch into a failure: the other probes still give their limits and the answer comes with them."""
+    eng = Engine.load(str(tiny_llama), CPU)
+    real = eng.unavailable
+
+    def breaks_on_fused(options=None):
+        if options is not None and options.kernels == "fused":
+            raise RuntimeError("triton: broken install")
+        return real(options) if options is not None else real()
+
+    monkeypatch.setattr(eng, "unavailable", breaks_on_fused)
+    try:
+        with caplog.at_level("WARNING", logger="engine.protocol"):
+            result = eng.generate(MESSAGES, SamplingParams(max_new_tokens=3, temperature=0.0))
+    finally:
+        eng.close()
+    assert result.finish_reasons == ["length"]
+    assert ("kernels", "fused") not in result.limits and ("cuda_graph", True) in result.limits
+    assert "checking whether kernels='fused' can run failed" in caplog.text and "broken install" in caplog.text
+
+
+def test_a_damaged_stored_limit_is_passed_over_by_the_diagnosis():
+    o = {**CPU.to_dict(), "unavailable": {}}
+    o["limits"] = [{"option": "weights", "value": ["int8"], "why": "x"}, {"option": None, "value": {}}, "junk"]
+    d = diagnose(CPU_MEMORY_BOUND, o)
+    assert d.verdict == "CPU, memory-bound" and d.next_step == "int8 weights"

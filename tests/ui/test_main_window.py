@@ -466,6 +466,25 @@ def test_a_reply_to_a_replaced_option_choice_does_not_undo_the_newer_one(qtbot, 
     assert app.controller.options == second and w.settings.engine_options == second.to_dict()
 
 
+def test_a_reply_to_a_replaced_choice_does_not_pin_its_limits_on_the_newer_one(qtbot, app):
+    """Limits follow the device in force: the reply to an earlier choice (say device cpu, whose fused kernels never
+    run) must not take the fused kernels away from the newer choice still on its way; that one's reply brings
+    its own limits."""
+    w, c = app.window, app.controller
+    earlier = c.options.with_(kernels="torch")
+    newer = c.options.with_(kernels="fused")
+    sent = []
+    w.toggles.optionsChanged.connect(sent.append)
+    w.toggles.set_options(newer)  # what the panel shows after the user's clicks
+    w._requested = newer
+    c.limits = {("kernels", "fused"): "the fused kernels are Triton GPU kernels and this runs on the CPU"}
+    w._reconfigured(earlier, {})  # the earlier choice's reply
+    assert sent == [] and w.toggles.options.kernels == "fused"
+    c.limits = {}
+    w._reconfigured(newer, {})  # the newer choice's own reply, with its own limits
+    assert sent == [] and w.toggles.options == newer and w._requested is None
+
+
 def test_chat_waits_from_the_moment_another_model_is_chosen(qtbot, app, tiny_llama):
     w = app.window
     assert w.composer.send_button.isEnabled()
