@@ -12,8 +12,9 @@
  * weight row stays in cache, so a row's result does not depend on how many rows run. An inf or NaN in a block
  * makes the sums it enters NaN, as in fp32.
  *
- * gapless_int4_linear: the same for group-wise int4 weights (32 inputs a group, a scale and a zero each), half
- * the bytes, the nibbles widened to int16 and summed with the same int16 activations.
+ * gapless_int4_linear: the same for group-wise int4 weights (32 inputs a group, w = q * scale + min with q in
+ * 0..15 and the scale and the minimum in fp16: GGUF's Q4_1 layout, 5 bits a weight), the nibbles widened to int16
+ * and summed with the same int16 activations.
  *
  * gapless_f32_linear: the fp32 linear the same way (torch's M=1 fp32 GEMV streamed at about 10 GB/s here).
  * gapless_int8_dequant, gapless_int4_dequant: rows of those weights in fp32, for a prefill chunk's GEMM.
@@ -32,12 +33,16 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GAPLESS_VECTOR "avx2+fma"
 #else
 #define GAPLESS_VECTOR "portable"
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 #ifndef PREFETCH_BYTES
@@ -47,6 +52,49 @@
 #define QMAX 32767.0f
 
 const char *gapless_int8_vector(void) { return GAPLESS_VECTOR; }
+
+/* An IEEE half (the int4 layout's scales and minimums) in fp32, exactly: normal, subnormal, zero, inf, NaN. */
+static inline float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24, exact in fp32 */
+        const float f = (float)man * 5.9604644775390625e-08f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 0x1Fu ? 0x7F800000u : (exp + 112u) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* n halves in fp32 (eight at a time with F16C where the CPU has it) */
+static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) f[i] = half_to_float(h[i]);
+}
+
+/* A row of the int4 layout's fp16 scales and minimums as fp32 scales s and zeros z = min + 8 * scale (the value
+ * q = 8 stands for; 8 * scale is exact, so the add is the one rounding, FMA or not). */
+static inline void row_scales_zeros(const uint16_t *scale, const uint16_t *mins, float *s, float *z, int64_t ng)
+{
+    halves_to_floats(scale, s, ng);
+    halves_to_floats(mins, z, ng);
+    for (int64_t g = 0; g < ng; g++) z[g] += 8.0f * s[g];
+}
+
+/* one half in fp32: F16C's conversion where the CPU has it, else the C one (the same value) */
+static inline float h2f(uint16_t h)
+{
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return half_to_float(h);
+#endif
+}
 
 /* Where a block holds an inf or a NaN its scale is NaN, so the sums it enters are NaN as in fp32. */
 static inline float block_scale(float largest, float poison) { return poison == 0.0f ? largest / QMAX : NAN; }
@@ -125,32 +173,72 @@ static inline __m256i madd_q4(const uint8_t *w, const int16_t *q)
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
 }
 
-/* One int4 weight row against one activation row: a block's two groups in 32 bytes, each group's inputs 0..15 in
- * the low nibbles of its 16 bytes and 16..31 in the high ones (0..15 each), times the block's 64 int16
- * activations; each group's products summed exactly in int32 lanes, scaled by its s[g], the block's pair by d[b],
- * in fp32 lanes. The zeros times the groups' activation sums xs and the scales times the groups' -8 terms c join
- * the same lanes eight groups at a time, so the row ends in one horizontal sum (its rows are short: with the
- * default model's 576 inputs, nine blocks and eighteen groups, and the sums a row ends with cost what its blocks
- * do); then the groups past a multiple of eight. */
-static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, const float *z,
-                           const float *xs, const float *c, int64_t nb, int64_t ng)
+/* eight int32 vectors -> one vector of their eight lane sums, in order (integer adds: exact) */
+static inline __m256i hsum8_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, __m256i v5, __m256i v6,
+                                  __m256i v7)
+{
+    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
+    /* ab holds v0..v3's sums of lanes 0..3 in its low half and of lanes 4..7 in its high half; cd v4..v7's */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+static inline int32_t hsum_epi32(__m256i v)
+{
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* eight halves in fp32 */
+static inline __m256 load8h(const uint16_t *h)
+{
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = half_to_float(h[i]);
+    return _mm256_loadu_ps(f);
+#endif
+}
+
+/* One int4 weight row against one activation row, over the groups of the whole activation blocks (`whole`), and
+ * the zero terms of all `ng` groups. Each group's inputs 0..15 lie in the low nibbles of its 16 bytes and 16..31 in
+ * the high ones; a group's products with its 32 int16 activations are summed exactly in int32 lanes, eight
+ * groups' lane sums gathered into one vector by integer horizontal adds (exact), less 8 times the group's sum of
+ * the int16 activations iq (the -8, exact too), then scaled in fp32 lanes by each group's activation scale dg and
+ * its weight scale, converted from fp16 eight at a time; the zeros (min + 8 * scale) times the groups' fp32
+ * activation sums xs join the same lanes, so eight groups cost one multiply-add chain and the row ends in one
+ * horizontal sum (its rows are short: with the default model's 576 inputs, eighteen groups); then the groups past
+ * a multiple of eight one by one. */
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *dg, const int32_t *iq, const float *xs,
+                           const uint16_t *sh, const uint16_t *mh, int64_t whole, int64_t ng)
 {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = w + b * 32;
-        const int16_t *qb = q + b * QBLOCK;
-        _mm_prefetch((const char *)(wb + PREFETCH_BYTES), _MM_HINT_T0);
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(madd_q4(wb, qb)), _mm256_broadcast_ss(s + 2 * b));
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd_q4(wb + 16, qb + 32)), _mm256_broadcast_ss(s + 2 * b + 1), t);
-        acc = _mm256_fmadd_ps(t, _mm256_broadcast_ss(d + b), acc);
-    }
-    const int64_t g8 = ng - ng % 8;
-    for (int64_t g = 0; g < g8; g += 8) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), acc);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(c + g), acc);
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    int64_t g = 0;
+    for (; g + 8 <= whole; g += 8) {
+        const uint8_t *wg = w + g * 16;
+        const int16_t *qg = q + g * 32;
+        _mm_prefetch((const char *)(wg + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wg + 64 + PREFETCH_BYTES), _MM_HINT_T0);
+        __m256i s = hsum8_epi32(madd_q4(wg, qg), madd_q4(wg + 16, qg + 32), madd_q4(wg + 32, qg + 64),
+                                madd_q4(wg + 48, qg + 96), madd_q4(wg + 64, qg + 128), madd_q4(wg + 80, qg + 160),
+                                madd_q4(wg + 96, qg + 192), madd_q4(wg + 112, qg + 224));
+        s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(iq + g)), 3));
+        const __m256 sc = load8h(sh + g);
+        const __m256 z = _mm256_fmadd_ps(eight, sc, load8h(mh + g)); /* 8 * scale exact: one rounding */
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_loadu_ps(dg + g)), sc, acc);
+        acc = _mm256_fmadd_ps(z, _mm256_loadu_ps(xs + g), acc);
     }
     float v = hsum(acc);
-    for (int64_t g = g8; g < ng; g++) v += z[g] * xs[g] + s[g] * c[g];
+    for (; g < whole; g++) {
+        const float sc = h2f(sh[g]), z = h2f(mh[g]) + 8.0f * sc;
+        const int32_t s = hsum_epi32(madd_q4(w + g * 16, q + g * 32)) - 8 * iq[g];
+        v += (float)s * dg[g] * sc + z * xs[g];
+    }
+    for (; g < ng; g++) v += (h2f(mh[g]) + 8.0f * h2f(sh[g])) * xs[g];
     return v;
 }
 #else
@@ -182,17 +270,19 @@ static inline float dot_q16(const int8_t *w, const int16_t *q, const float *d, i
     return acc;
 }
 
-static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *d, const float *s, const float *z,
-                           const float *xs, const float *c, int64_t nb, int64_t ng)
+static inline float dot_q4(const uint8_t *w, const int16_t *q, const float *dg, const int32_t *iq, const float *xs,
+                           const uint16_t *sh, const uint16_t *mh, int64_t whole, int64_t ng)
 {
     float acc = 0.0f;
-    for (int64_t g = 0; g < 2 * nb; g++) {
+    int64_t g = 0;
+    for (; g < whole; g++) {
         int32_t sum = 0;
         for (int j = 0; j < 16; j++)
             sum += (int32_t)(w[g * 16 + j] & 0x0F) * q[g * 32 + j] + (int32_t)(w[g * 16 + j] >> 4) * q[g * 32 + 16 + j];
-        acc += (float)sum * (s[g] * d[g / 2]);
+        const float sc = h2f(sh[g]), z = h2f(mh[g]) + 8.0f * sc;
+        acc += (float)(sum - 8 * iq[g]) * dg[g] * sc + z * xs[g];
     }
-    for (int64_t g = 0; g < ng; g++) acc += z[g] * xs[g] + s[g] * c[g];
+    for (; g < ng; g++) acc += (h2f(mh[g]) + 8.0f * h2f(sh[g])) * xs[g];
     return acc;
 }
 #endif
@@ -287,25 +377,31 @@ int gapless_f32_linear(const float *x, int64_t m, const float *w, const float *b
     return 0;
 }
 
-/* Weight-only int4 linear, group-wise with a zero: w[r, k'] = (q - 8) * scale[r, g] + zero[r, g] for the group
- * g = k' / 32, q in 0..15 stored two to a byte (a group's 16 bytes hold its inputs 0..15 in the low nibbles and
- * 16..31 in the high ones). y[i, r] = sum_g scale[r, g] * sum_j (q - 8) x[i, j] + zero[r, g] * sum_j x[i, j]
- * (+ bias[r]). The activations are rounded to int16 as for the int8 linear (a group lies inside one block of 64)
- * and a group's products q * xq summed exactly in int32; the -8 and the zero use each group's sums of the
- * rounded and of the fp32 activations. A group past the last whole block is summed in fp32. k must be a multiple
- * of 32. Each row is summed alone, so its result does not depend on how many rows run. */
-int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float *scale, const float *zero,
+/* Weight-only int4 linear, group-wise: w[r, k'] = q * scale[r, g] + min[r, g] for the group g = k' / 32, q in
+ * 0..15 stored two to a byte (a group's 16 bytes hold its inputs 0..15 in the low nibbles and 16..31 in the high
+ * ones), the scales and minimums fp16 (GGUF's Q4_1 form: its d and m are these). Summed as (q - 8) * scale +
+ * zero with zero = min + 8 * scale in fp32 (exact unless their magnitudes are over 2^13 apart, and then the
+ * weight's one rounding): y[i, r] = sum_g scale[r, g] * sum_j (q - 8) x[i, j] + zero[r, g] * sum_j x[i, j]
+ * (+ bias[r]), so the rounded activations meet the centred q - 8 rather than q (summing q * scale + min put the
+ * layer kernel 2-3 times further from the exact product).
+ * The activations are rounded to int16 as for the int8 linear (a group lies inside one block of 64) and a group's
+ * products q * xq summed exactly in int32; the -8 and the zero use each group's sums of the rounded and of the
+ * fp32 activations. A group past the last whole block is summed in fp32. k must be a multiple of 32. Each row is
+ * summed alone, so its result does not depend on how many rows run. */
+int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const uint16_t *scale, const uint16_t *mins,
                         const float *bias, float *y, int64_t n, int64_t k, int threads)
 {
     int64_t nb = k / QBLOCK, ng = k / 32, whole = nb * 2;
     int16_t *q = (int16_t *)malloc((size_t)(m * nb * QBLOCK) * sizeof(int16_t) + 1);
     float *d = (float *)malloc((size_t)(m * nb) * sizeof(float) + 1);
-    float *dq = (float *)malloc((size_t)(m * ng) * sizeof(float) + 1); /* a group's d * sum of xq (times -8) */
-    float *xs = (float *)malloc((size_t)(m * ng) * sizeof(float) + 1); /* a group's sum of x (times its zero) */
-    if (!q || !d || !dq || !xs) {
+    float *dg = (float *)malloc((size_t)(m * ng) * sizeof(float) + 1);       /* a group's activation scale */
+    int32_t *iq = (int32_t *)malloc((size_t)(m * ng) * sizeof(int32_t) + 1); /* a group's sum of int16 xq */
+    float *xs = (float *)malloc((size_t)(m * ng) * sizeof(float) + 1);       /* a group's sum of x (times its zero) */
+    if (!q || !d || !dg || !iq || !xs) {
         free(q);
         free(d);
-        free(dq);
+        free(dg);
+        free(iq);
         free(xs);
         return -1;
     }
@@ -314,43 +410,49 @@ int gapless_int4_linear(const float *x, int64_t m, const uint8_t *w, const float
         int16_t *qi = q + i * nb * QBLOCK;
         quantize_row(xi, nb, qi, d + i * nb);
         for (int64_t g = 0; g < ng; g++) {
-            int32_t iq = 0;
+            int32_t s = 0;
             float fx = 0.0f;
             for (int j = 0; j < 32; j++) {
                 if (g < whole)
-                    iq += qi[g * 32 + j];
+                    s += qi[g * 32 + j];
                 fx += xi[g * 32 + j];
             }
-            dq[i * ng + g] = g < whole ? -8.0f * (float)iq * d[i * nb + g / 2] : 0.0f;
+            iq[i * ng + g] = s;
+            dg[i * ng + g] = g < whole ? d[i * nb + g / 2] : 0.0f;
             xs[i * ng + g] = fx;
         }
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *wr = w + r * (k / 2);
-        const float *sr = scale + r * ng, *zr = zero + r * ng;
+        const uint16_t *sr = scale + r * ng, *mr = mins + r * ng;
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * k;
-            float v = dot_q4(wr, q + i * nb * QBLOCK, d + i * nb, sr, zr, xs + i * ng, dq + i * ng, nb, ng);
-            for (int64_t g = whole; g < ng; g++) /* the part block: de-quantised, in fp32 */
+            const int64_t at = i * ng;
+            float v = dot_q4(wr, q + i * nb * QBLOCK, dg + at, iq + at, xs + at, sr, mr, whole, ng);
+            for (int64_t g = whole; g < ng; g++) { /* the part block: de-quantised, in fp32 */
+                const float sc = h2f(sr[g]);
                 for (int j = 0; j < 16; j++) {
                     const uint8_t b = wr[g * 16 + j];
-                    v += ((float)(b & 0x0F) - 8.0f) * sr[g] * xi[g * 32 + j] +
-                         ((float)(b >> 4) - 8.0f) * sr[g] * xi[g * 32 + 16 + j];
+                    v += ((float)(b & 0x0F) - 8.0f) * sc * xi[g * 32 + j] +
+                         ((float)(b >> 4) - 8.0f) * sc * xi[g * 32 + 16 + j];
                 }
+            }
             y[i * n + r] = bias ? v + bias[r] : v;
         }
     }
     free(q);
     free(d);
-    free(dq);
+    free(dg);
+    free(iq);
     free(xs);
     return 0;
 }
 
 /* Rows of a quantised linear de-quantised to fp32, out[r, :] = w[r, :] * scale[r] (int8) or, in the int4 layout,
- * (q - 8) * scale[r, g] + zero[r, g] over each group g of 32 inputs (the value the own GEMVs multiply): a prefill
- * chunk of many rows is a GEMM, which the caller runs with torch's fp32 GEMM on these rows. */
+ * (q - 8) * scale[r, g] + zero[r, g] over each group g of 32 inputs, zero = min + 8 * scale (the value the own
+ * GEMVs multiply): a prefill chunk of many rows is a GEMM, which the caller runs with torch's fp32 GEMM on these
+ * rows. */
 void gapless_int8_dequant(const int8_t *w, const float *scale, float *out, int64_t n, int64_t k, int threads)
 {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -362,16 +464,18 @@ void gapless_int8_dequant(const int8_t *w, const float *scale, float *out, int64
     }
 }
 
-void gapless_int4_dequant(const uint8_t *w, const float *scale, const float *zero, float *out, int64_t n, int64_t k,
-                          int threads)
+void gapless_int4_dequant(const uint8_t *w, const uint16_t *scale, const uint16_t *mins, float *out, int64_t n,
+                          int64_t k, int threads)
 {
     const int64_t ng = k / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *wr = w + r * (k / 2);
         float *o = out + r * k;
+        float sr[ng], zr[ng];
+        row_scales_zeros(scale + r * ng, mins + r * ng, sr, zr, ng);
         for (int64_t g = 0; g < ng; g++) {
-            const float s = scale[r * ng + g], z = zero[r * ng + g];
+            const float s = sr[g], z = zr[g];
             const uint8_t *b = wr + g * 16;
             float *og = o + g * 32;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -476,10 +580,10 @@ void gapless_rope(const float *x, int64_t ldx, const float *cos, const float *si
  * Each row's result is computed alone (the GEMVs as gapless_int8_linear, attention per query), so it does not
  * depend on how many rows run. */
 struct gapless_q8 {
-    const void *w;     /* int8 [n, k], or int4 [n, k / 2] where zero is set, or fp32 [n, k] where scale is NULL */
-    const float *scale; /* [n] for int8, [n, k / 32] for int4, NULL for fp32 */
-    const float *zero;  /* NULL for int8, [n, k / 32] for int4 */
-    const float *bias;  /* [n] or NULL */
+    const void *w;        /* int8 [n, k], or int4 [n, k / 2] where mins is set, or fp32 [n, k] where scale is NULL */
+    const void *scale;    /* fp32 [n] for int8, fp16 [n, k / 32] for int4, NULL for fp32 */
+    const uint16_t *mins; /* NULL for int8, fp16 [n, k / 32] for int4 */
+    const float *bias;    /* [n] or NULL */
 };
 
 /* What a layer has beyond Llama's: Qwen3's and Gemma-3's RMSNorm over each head of q and k before RoPE, Gemma-3's
@@ -499,9 +603,10 @@ static int qlinear(const struct gapless_q8 *l, const float *x, int64_t m, float 
 {
     if (!l->scale)
         return gapless_f32_linear(x, m, (const float *)l->w, l->bias, y, n, k, threads);
-    if (l->zero)
-        return gapless_int4_linear(x, m, (const uint8_t *)l->w, l->scale, l->zero, l->bias, y, n, k, threads);
-    return gapless_int8_linear(x, m, (const int8_t *)l->w, l->scale, l->bias, y, n, k, threads);
+    if (l->mins)
+        return gapless_int4_linear(x, m, (const uint8_t *)l->w, (const uint16_t *)l->scale, l->mins, l->bias, y, n, k,
+                                   threads);
+    return gapless_int8_linear(x, m, (const int8_t *)l->w, (const float *)l->scale, l->bias, y, n, k, threads);
 }
 
 int gapless_decoder_layer(float *x, int64_t b_n, int64_t t_n, const int64_t *pos, int64_t attn_len, int64_t dim,

@@ -51,7 +51,7 @@ BUILD_TIMEOUT_S = 120
 OP_NAME = "gapless::kernel::int8_linear"
 INT4_OP_NAME = "gapless::kernel::int4_linear"
 F32_OP_NAME = "gapless::kernel::f32_linear"
-INT4_GROUP = 32  # inputs sharing a scale and a zero in the int4 layout
+INT4_GROUP = 32  # inputs sharing a scale and a minimum (both fp16) in the int4 layout
 NORM_OP_NAME = "gapless::kernel::rms_norm"
 SILU_OP_NAME = "gapless::kernel::silu_mul"
 ROPE_OP_NAME = "gapless::kernel::rope"
@@ -68,12 +68,12 @@ LAYER_SWITCH_ENV = "GAPLESS_CPU_LAYER"  # "0": the layer's ops one by one (the k
 
 
 class _Q8(ctypes.Structure):
-    """struct gapless_q8: a quantised linear's weight, scales, zeros (NULL for int8) and bias (or NULL)."""
+    """struct gapless_q8: a quantised linear's weight, scales, minimums (NULL for int8) and bias (or NULL)."""
 
     _fields_ = [
         ("w", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
-        ("zero", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
     ]
 
@@ -121,13 +121,13 @@ class CpuKernels:
         self.path, self.flags = path, flags
         lib.gapless_int8_vector.restype = ctypes.c_char_p
         self.vector = lib.gapless_int8_vector().decode()
-        # x, m, then weight, scales, bias, y (int8) or weight, scales, zeros, bias, y (int4), then n, k, threads
+        # x, m, then weight, scales, bias, y (int8) or weight, scales, mins, bias, y (int4), then n, k, threads
         # (fp32: x, m, then weight, bias, y, then n, k, threads)
         self._fn, self._fn4, self._fn32 = (
             self._linear_fn(getattr(lib, name), pointers)
             for name, pointers in (("gapless_int8_linear", 4), ("gapless_int4_linear", 5), ("gapless_f32_linear", 3))
         )
-        # weight, scales, (zeros,) out, n, k, threads
+        # weight, scales, (mins,) out, n, k, threads
         self._dequant8, self._dequant4 = lib.gapless_int8_dequant, lib.gapless_int4_dequant
         for fn, pointers in ((self._dequant8, 3), (self._dequant4, 4)):
             fn.restype = None
@@ -244,35 +244,35 @@ class CpuKernels:
         weight: torch.Tensor,
         scales: torch.Tensor,
         bias: Optional[torch.Tensor],
-        zeros: Optional[torch.Tensor] = None,
+        mins: Optional[torch.Tensor] = None,
     ) -> "BoundLinear":
         """The linear of these weights, checked once, so that a call checks only its activations (the checks and
         the conversions were a tenth of a decode step's kernel time at 121 calls a token): int8 weight [n, k] with
-        fp32 scales [n], or, with zeros, int4 weight [n, k / 2] in pack_int4's layout with fp32 scales and zeros
-        [n, k / 32]; an fp32 bias [n] or None."""
+        fp32 scales [n], or, with mins, int4 weight [n, k / 2] in pack_int4's layout with fp16 scales and
+        minimums [n, k / 32] (quant.quantize_int4_min); an fp32 bias [n] or None."""
         n, cols = weight.shape if weight.dim() == 2 else (-1, -1)
-        if zeros is None:
-            fmt, stored, per_row = "int8", torch.int8, 1
+        if mins is None:
+            fmt, stored, per_row, scale_dtype = "int8", torch.int8, 1, torch.float32
         else:
-            fmt, stored = "int4", torch.uint8
+            fmt, stored, scale_dtype = "int4", torch.uint8, torch.float16
             per_row = 2 * cols // INT4_GROUP if cols > 0 and (2 * cols) % INT4_GROUP == 0 else -1
         # C reads these by pointer: a wrong dtype, layout or size would read past the tensors, so check them
         if not (
             per_row > 0
             and _readable(weight, stored)
-            and _readable(scales, torch.float32, n * per_row)
-            and (zeros is None or _readable(zeros, torch.float32, n * per_row))
+            and _readable(scales, scale_dtype, n * per_row)
+            and (mins is None or _readable(mins, torch.float16, n * per_row))
             and (bias is None or _readable(bias, torch.float32, n))
         ):
             raise ValueError(
                 f"{fmt} kernel arguments: weight {tuple(weight.shape)} {weight.dtype}, scales {tuple(scales.shape)} "
-                f"{scales.dtype}, zeros {None if zeros is None else (tuple(zeros.shape), zeros.dtype)}, bias "
+                f"{scales.dtype}, mins {None if mins is None else (tuple(mins.shape), mins.dtype)}, bias "
                 f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: want contiguous tensors on the CPU, "
                 f"int8 weight [n, k] and fp32 scales [n], or uint8 int4 weight [n, k / 2] (k a multiple of "
-                f"{INT4_GROUP}) and fp32 scales and zeros [n, k / {INT4_GROUP}]; fp32 bias [n]"
+                f"{INT4_GROUP}) and fp16 scales and mins [n, k / {INT4_GROUP}]; fp32 bias [n]"
             )
-        fns = (self._fn, self._dequant8) if zeros is None else (self._fn4, self._dequant4)
-        return BoundLinear(*fns, weight, scales, zeros, bias)
+        fns = (self._fn, self._dequant8) if mins is None else (self._fn4, self._dequant4)
+        return BoundLinear(*fns, weight, scales, mins, bias)
 
     def bind_f32(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "BoundLinear":
         """An fp32 linear (weight [n, k], bias [n] or None), checked once, for the layer kernel."""
@@ -290,12 +290,12 @@ class CpuKernels:
         x: torch.Tensor,
         weight: torch.Tensor,
         scales: torch.Tensor,
-        zeros: torch.Tensor,
+        mins: torch.Tensor,
         bias: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """x [m, k] fp32 contiguous, weight [n, k / 2] uint8 in the int4 layout (pack_int4), scales and zeros
-        [n, k / 32] fp32, bias [n] fp32 or None -> y [m, n] fp32."""
-        return self.bind(weight, scales, bias, zeros).run(x)
+        """x [m, k] fp32 contiguous, weight [n, k / 2] uint8 in the int4 layout (pack_int4), scales and mins
+        [n, k / 32] fp16, bias [n] fp32 or None -> y [m, n] fp32."""
+        return self.bind(weight, scales, bias, mins).run(x)
 
     def bind_layer(
         self,
@@ -346,11 +346,11 @@ class CpuKernels:
 
 
 class BoundLinear:
-    """One int8, int4 or fp32 linear's weights, scales (not fp32), zeros (int4) and bias, checked and held (so their
+    """One int8, int4 or fp32 linear's weights, scales (not fp32), minimums (int4) and bias, checked and held (so their
     memory stays while it is called): `run(x)` checks x and calls the kernel, or for more than GEMM_ROWS rows
     torch's fp32 GEMM on the weights (de-quantised a tile at a time by `dequant`, None for fp32 ones)."""
 
-    __slots__ = ("weight", "scales", "zeros", "bias", "n", "k", "fmt", "_fn", "_dequant", "_args", "_name")
+    __slots__ = ("weight", "scales", "mins", "bias", "n", "k", "fmt", "_fn", "_dequant", "_args", "_name")
 
     def __init__(
         self,
@@ -358,22 +358,22 @@ class BoundLinear:
         dequant,
         weight: torch.Tensor,
         scales: Optional[torch.Tensor],
-        zeros: Optional[torch.Tensor],
+        mins: Optional[torch.Tensor],
         bias: Optional[torch.Tensor],
     ):
-        self.weight, self.scales, self.zeros, self.bias = weight, scales, zeros, bias
-        self.n, self.k = weight.shape[0], weight.shape[1] * (1 if zeros is None else 2)
-        self.fmt = "fp32" if scales is None else "int8" if zeros is None else "int4"
+        self.weight, self.scales, self.mins, self.bias = weight, scales, mins, bias
+        self.n, self.k = weight.shape[0], weight.shape[1] * (1 if mins is None else 2)
+        self.fmt = "fp32" if scales is None else "int8" if mins is None else "int4"
         self._fn, self._name = fn, {"fp32": F32_OP_NAME, "int8": OP_NAME, "int4": INT4_OP_NAME}[self.fmt]
         self._dequant = dequant
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self._args = (weight.data_ptr(), ptr(scales), ptr(zeros), ptr(bias))
+        self._args = (weight.data_ptr(), ptr(scales), ptr(mins), ptr(bias))
 
     def holds(self, *tensors: Optional[torch.Tensor]) -> bool:
-        """Whether (weight, scales, bias[, zeros]) are the tensors it was bound to, with their memory where it was."""
+        """Whether (weight, scales, bias[, mins]) are the tensors it was bound to, with their memory where it was."""
         given = tensors + (None,) * (4 - len(tensors))
         w, s, z, b = self._args
-        return all(a is m for a, m in zip(given, (self.weight, self.scales, self.bias, self.zeros))) and all(
+        return all(a is m for a, m in zip(given, (self.weight, self.scales, self.bias, self.mins))) and all(
             t is None or t.data_ptr() == p for t, p in zip(given, (w, s, b, z))
         )
 
@@ -417,7 +417,7 @@ class BoundLinear:
             out = torch.empty((rows, self.k), dtype=torch.float32)
         elif not (_readable(out, torch.float32) and tuple(out.shape) == (rows, self.k)):
             raise ValueError(f"a de-quantised tile {tuple(out.shape)} {out.dtype}: want fp32 [{rows}, {self.k}]")
-        w, s, z = self.weight[start:stop], self.scales, self.zeros
+        w, s, z = self.weight[start:stop], self.scales, self.mins
         assert s is not None, "an int8 or int4 weight has its scales"
         threads = torch.get_num_threads()
         if z is None:
@@ -658,29 +658,29 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optiona
 
 @torch.library.custom_op("gapless::int4_linear", mutates_args=())
 def _int4_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
     k = kernel()
     assert k is not None, "the int4 linear op is only used where the kernel loaded"
-    return k.linear4(x, weight, scales, zeros, bias)
+    return k.linear4(x, weight, scales, mins, bias)
 
 
 @_int4_linear_op.register_fake
 def _(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 def int4_linear(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """The int4 kernel's linear: a direct call in eager mode, an opaque custom op where torch.compile traces."""
     if torch.compiler.is_compiling():
-        return _int4_linear_op(x, weight, scales, zeros, bias)
+        return _int4_linear_op(x, weight, scales, mins, bias)
     k = _loaded
     assert k is not None, "int4_linear runs only where kernel() loaded the library"
-    return k.linear4(x, weight, scales, zeros, bias)
+    return k.linear4(x, weight, scales, mins, bias)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

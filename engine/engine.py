@@ -158,7 +158,10 @@ class Engine:
                     from engine.quant import quantize_linears
 
                     progress(Progress("load", None, f"quantising the linears to {self.weights}"))
-                    quantize_linears(model, self.weights, dtype)
+                    try:
+                        quantize_linears(model, self.weights, dtype)
+                    except ValueError as exc:
+                        raise ModelLoadError(f"cannot keep this model's weights in {self.weights}: {exc}") from None
                 self.model = model
             else:
                 from engine.fallback import build_hf_model
@@ -445,8 +448,19 @@ class Engine:
             eff, _ = self.effective(options)
             device = torch.device(eff.device)
             if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
+                placed = (self.device, self.dtype, self.weights)
                 self.device, self.dtype, self.weights = device, eff.dtype, eff.weights
-                self._build_model(progress)
+                try:
+                    self._build_model(progress)
+                except Exception:
+                    # the switch failed (out of memory, weights a format cannot hold): the previous placement
+                    # again, so the engine keeps answering as it did, and the caller hears why
+                    self.device, self.dtype, self.weights = placed
+                    try:
+                        self._build_model(progress)
+                    except Exception:
+                        log.exception("the previous weights could not be placed again after a failed switch")
+                    raise
                 self.monitor.close()
                 self.monitor = self._start_monitor()
             self._load_draft(options, progress)

@@ -1,6 +1,7 @@
-"""Weight-only quantised linears: int8 with one scale per output channel, int4 with a scale and a zero per group
+"""Weight-only quantised linears: int8 with one scale per output channel, int4 with a scale and an offset per group
 of INT4_GROUP inputs (the output head in int8: HEAD_FORMAT). The activations stay in floating point; the matmul
-reads the quantised weights.
+reads the quantised weights. The own CPU int4 kernel takes GGUF Q4_1's form (w = q * scale + min, both fp16:
+quantize_int4_min); torch's kernels and the CUDA path take tinygemm's ((q - 8) * scale + zero: quantize_int4).
 
 CPU: the project's own int8 and int4 GEMVs (engine/cpu_kernels.c: activations rounded to int16 in blocks of 64,
 exact integer products, the weights streamed as stored; a prefill chunk of more than cpu_kernels.GEMM_ROWS rows is
@@ -66,6 +67,40 @@ def dequantize_int4(
     return (g * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
 
 
+# the smallest positive fp16 (a subnormal): a group whose inputs are all equal keeps a scale that is not zero
+_FP16_TINY = 2.0**-24
+
+
+def quantize_int4_min(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 in GGUF Q4_1's form, as the own CPU kernel reads it: (q [N, K] in 0..15 as uint8,
+    scales [N, K/group] fp16, mins [N, K/group] fp16) with w ~ q * scale + min. A group's minimum and scale are
+    rounded to fp16 before its q are chosen, so the q fit the stored pair; a Q4_1 group whose q span 0..15 comes
+    back exactly (its d and m are the scale and the minimum). 5 bits a weight where fp32 pairs took 6. Raises
+    ValueError where a group's minimum or scale is beyond fp16's range (|w| above 65,504)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    mins = lo.to(torch.float16)
+    scales = ((hi - mins.float()) / 15).clamp(min=_FP16_TINY).to(torch.float16)
+    if not (torch.isfinite(mins).all() and torch.isfinite(scales).all()):
+        largest = float(w.abs().amax())
+        raise ValueError(
+            f"int4 keeps each group's scale and minimum in fp16; these weights reach {largest:g}, beyond fp16's range"
+        )
+    q = torch.round((g - mins.float()) / scales.float()).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scales.squeeze(-1), mins.squeeze(-1)
+
+
+def dequantize_int4_min(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int = INT4_GROUP
+) -> torch.Tensor:
+    """q * scale + min in fp32 as the own CPU kernel computes it, the values it multiplies: (q - 8) * scale + zero
+    with zero = min + 8 * scale (both products exact in fp32; the zero exact unless min and 8 * scale are over 2^13
+    apart in magnitude), so a value is q * scale + min rounded once."""
+    s = scales.float()
+    return dequantize_int4(q, s, mins.float() + 8 * s, group)
+
+
 def _kernel_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The bias the own kernel adds itself (fp32), or None and the caller adds it."""
     return bias if bias is not None and bias.dtype == torch.float32 else None
@@ -83,12 +118,12 @@ class _QuantLinear(nn.Module, metaclass=abc.ABCMeta):
 
     def cpu_bound(self) -> "cpu_kernels.BoundLinear":
         """The own kernel's call for these weights (and an fp32 bias), bound once and again if they change."""
-        bias, zeros = _kernel_bias(self.bias), self._buffers.get("zeros")
+        bias, mins = _kernel_bias(self.bias), self._buffers.get("mins")
         bound = self._bound
-        if bound is None or not bound.holds(self.weight, self.scales, bias, zeros):
+        if bound is None or not bound.holds(self.weight, self.scales, bias, mins):
             kernels = cpu_kernels.loaded()
             assert kernels is not None, "own_kernel is set only where the library loaded"
-            bound = self._bound = kernels.bind(self.weight, self.scales, bias, zeros)
+            bound = self._bound = kernels.bind(self.weight, self.scales, bias, mins)
         return bound
 
     @abc.abstractmethod
@@ -160,22 +195,26 @@ class Int8Linear(_QuantLinear):
 class Int4Linear(_QuantLinear):
     weight: torch.Tensor
     scales: torch.Tensor
-    zeros: torch.Tensor
+    zeros: torch.Tensor  # tinygemm's form (CUDA)
+    mins: torch.Tensor  # Q4_1's form (the own CPU kernel)
     scales_zeros: torch.Tensor
 
     def __init__(
         self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype, group: int = INT4_GROUP
     ):
         super().__init__()
-        q, scales, zeros = quantize_int4(weight, group)
         self.in_features, self.out_features, self.group = weight.shape[1], weight.shape[0], group
         self.on_cpu = weight.device.type == "cpu"
         self.own_kernel = self.on_cpu and group == cpu_kernels.INT4_GROUP and cpu_kernels.kernel() is not None
-        if self.own_kernel:  # the own kernel's layout: each group's 32 inputs in 16 bytes, fp32 scales and zeros
+        if self.own_kernel:  # the own kernel's layout: each group's 32 inputs in 16 bytes, fp16 scales and minimums
+            q, scales, mins = quantize_int4_min(weight, group)
             self.register_buffer("weight", cpu_kernels.pack_int4(q))
-            self.register_buffer("scales", scales.float().contiguous())
-            self.register_buffer("zeros", zeros.float().contiguous())
-        elif self.on_cpu:
+            self.register_buffer("scales", scales.contiguous())
+            self.register_buffer("mins", mins.contiguous())
+            self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+            return
+        q, scales, zeros = quantize_int4(weight, group)
+        if self.on_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INT4_INNER_K_TILES)
             self.register_buffer("weight", packed)
             # [K/group, N, 2]: the kernel's layout of the scales and zeros
@@ -198,13 +237,17 @@ class Int4Linear(_QuantLinear):
         if self.own_kernel:  # a group's 16 bytes: its inputs 0..15 in the low nibbles, 16..31 in the high ones
             b = b.view(n, groups, self.group // 2)
             q = torch.cat([b & 0x0F, b >> 4], dim=-1)
-        else:  # two neighbouring inputs a byte, the first in the low nibble
-            q = torch.stack([b & 0x0F, b >> 4], dim=-1).view(n, groups, self.group)
+            # in fp32 as the kernel de-quantises (dequantize_int4_min), then in the asked dtype
+            s = self.scales[idx].float().unsqueeze(-1)
+            w = (q.float() - 8) * s + (self.mins[idx].float().unsqueeze(-1) + 8 * s)
+            return w.view(n, self.in_features).to(dtype)
+        # two neighbouring inputs a byte, the first in the low nibble
+        q = torch.stack([b & 0x0F, b >> 4], dim=-1).view(n, groups, self.group)
         w = (q.to(dtype) - 8) * self.scales[idx].to(dtype).unsqueeze(-1) + self.zeros[idx].to(dtype).unsqueeze(-1)
         return w.view(n, self.in_features)
 
     def _traced(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return cpu_kernels.int4_linear(x, self.weight, self.scales, self.zeros, bias)
+        return cpu_kernels.int4_linear(x, self.weight, self.scales, self.mins, bias)
 
     def _torch(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         if self.on_cpu:
@@ -270,7 +313,10 @@ def quantize_embedding(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> bo
         return True
     if _LINEAR_CLASS[fmt] is Int4Linear and _torch_packs_int4(emb.weight.device):
         return False  # only torch's kernel reads that layout, and a table need not have outputs in its multiples
-    table = _LINEAR_CLASS[fmt](emb.weight.detach(), None, act_dtype)
+    try:
+        table = _LINEAR_CLASS[fmt](emb.weight.detach(), None, act_dtype)
+    except ValueError as exc:
+        raise ValueError(f"tok_embeddings: {exc}") from None
     if table.rows(probe, act_dtype) is None:
         return False
     model.tok_embeddings = QuantEmbedding(table, act_dtype, tied=False)
@@ -328,13 +374,17 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
     """Replace every nn.Linear of `model` by its `fmt` form (the head by its HEAD_FORMAT), in place, and the input
     embedding by one that reads a quantised table (quantize_embedding: the tied head's); the float weights are
-    freed as each is replaced. Returns how many linears."""
+    freed as each is replaced. Returns how many linears; a ValueError names the linear whose weights the format
+    cannot hold."""
     done = 0
     for name, lin in _linears(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         cls = _LINEAR_CLASS[HEAD_FORMAT[fmt] if name == HEAD else fmt]
-        q = cls(lin.weight.detach(), lin.bias, act_dtype)
+        try:
+            q = cls(lin.weight.detach(), lin.bias, act_dtype)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
         q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE) and not _rounds_its_input(model, name)
         setattr(parent, child, q)
         done += 1

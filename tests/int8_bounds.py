@@ -25,17 +25,19 @@ def within(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor) -> bool:
     return bool(((got.double().reshape(tol.shape) - want.double().reshape(tol.shape)).abs() <= tol).all())
 
 
-def int4_kernel_tolerance(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """[m, n] bound on |kernel - x @ W.T| for the int4 kernel, W = (q - 8) * scale + zero group by group (32 inputs
-    a group): the activations rounded to int16 as for int8 (they meet only the (q - 8) * scale part: the zeros
-    multiply each group's fp32 sum of x), and fp32 rounding of the sums of the magnitudes of every term, the -8
-    and the zero taken out of the integer sums included."""
+def int4_kernel_tolerance(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """[m, n] bound on |kernel - x @ W.T| for the int4 kernel, W = q * scale + min group by group (32 inputs a
+    group, engine.quant.quantize_int4_min), which it sums as (q - 8) * scale + zero, zero = min + 8 * scale: the
+    activations rounded to int16 as for int8 (they meet only the (q - 8) * scale part: the zeros multiply each
+    group's fp32 sum of x), and fp32 rounding of the sums of the magnitudes of every term, the -8 and the zero taken
+    out of the integer sums included."""
     x = x.reshape(-1, q.shape[1]).double()
     n, k = q.shape
     group = k // scales.shape[1]
     s = scales.double().repeat_interleave(group, dim=1)
+    zeros = mins.double().repeat_interleave(group, dim=1) + 8 * s
     scaled = (q.double() - 8).abs() * s  # [n, k]
-    mass = scaled + zeros.double().abs().repeat_interleave(group, dim=1) + 16 * s  # q * s and the -8 * s apart
+    mass = scaled + zeros.abs() + 16 * s  # q * s and the -8 * s apart
     bound = 16 * 2**-24 * (x.abs() @ mass.T) + 1e-7
     nb = k // QBLOCK
     if nb:

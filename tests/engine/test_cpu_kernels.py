@@ -93,15 +93,16 @@ def test_arguments_it_cannot_read_safely_are_refused():
         with pytest.raises(ValueError, match="int8 kernel arguments"):
             KERNEL.linear(*args)
             pytest.fail(f"{what} was accepted")
-    from engine.quant import quantize_int4
+    from engine.quant import quantize_int4_min
 
-    q4, s4, z4 = quantize_int4(torch.randn(16, 64))
+    q4, s4, z4 = quantize_int4_min(torch.randn(16, 64))
     packed = cpu_kernels.pack_int4(q4)
     assert packed.shape == (16, 32) and packed.dtype == torch.uint8
     bad4 = {
         "int8 weights": (x, packed.to(torch.int8), s4, z4, None),
-        "a short zeros": (x, packed, s4, z4[:, :1], None),
-        "bf16 scales": (x, packed, s4.bfloat16(), z4, None),
+        "short mins": (x, packed, s4, z4[:, :1], None),
+        "fp32 scales": (x, packed, s4.float(), z4, None),
+        "bf16 mins": (x, packed, s4, z4.bfloat16(), None),
         "inputs not in groups of 32": (torch.randn(2, 48), packed[:, :24].contiguous(), s4, z4, None),
         "too few inputs": (torch.randn(2, 32), packed, s4, z4, None),
     }
@@ -127,7 +128,7 @@ def test_each_rows_result_does_not_depend_on_how_many_rows_run(m, fmt):
 
 def _bound(fmt: str, n: int, k: int, with_bias: bool):
     """(a bound int8, int4 or fp32 linear of random weights, the weight it multiplies in fp32, its bias)"""
-    from engine.quant import dequantize_int4, quantize_int4
+    from engine.quant import dequantize_int4_min, quantize_int4_min
 
     w = torch.randn(n, k) * 0.05
     bias = torch.randn(n) if with_bias else None
@@ -135,15 +136,37 @@ def _bound(fmt: str, n: int, k: int, with_bias: bool):
         q, scales = quantize_int8(w)
         return KERNEL.bind(q, scales, bias), q.float() * scales[:, None], bias
     if fmt == "int4":
-        q4, s4, z4 = quantize_int4(w)
-        return KERNEL.bind(cpu_kernels.pack_int4(q4), s4, bias, z4), dequantize_int4(q4, s4, z4), bias
+        q4, s4, m4 = quantize_int4_min(w)
+        return KERNEL.bind(cpu_kernels.pack_int4(q4), s4, bias, m4), dequantize_int4_min(q4, s4, m4), bias
     return KERNEL.bind_f32(w, bias), w, bias
+
+
+def _int4_with_edge_halves() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, fp16 scales and minimums with the halves a conversion can get wrong: subnormal, smallest normal, zeros of
+    both signs, negative, the largest."""
+    special = [2.0**-24, 3 * 2.0**-20, 2.0**-14, 0.0, -0.0, -1.5, 65504.0, -65504.0, 0.1, 1e-3]
+    v = torch.tensor(special, dtype=torch.float16)
+    n = len(special)  # every scale (a group each) beside every minimum (a row each)
+    scales, mins = v.abs().expand(n, n).contiguous(), v[:, None].expand(n, n).contiguous()
+    q = torch.randint(0, 16, (n, n * 32), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    return q, scales, mins
+
+
+@needs_kernel
+def test_int4_reads_every_kind_of_fp16_scale_and_minimum():
+    """The layout's fp16 scales and minimums are read as torch converts them (F16C where the CPU has it, C
+    elsewhere: see the portable build's test), subnormals and signed zeros included."""
+    from engine.quant import dequantize_int4_min
+
+    q, scales, mins = _int4_with_edge_halves()
+    bound = KERNEL.bind(cpu_kernels.pack_int4(q), scales, None, mins)
+    assert torch.equal(bound.dequantized(), dequantize_int4_min(q, scales, mins))
 
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_dequantized_rows_are_the_weights_the_gemv_multiplies(fmt):
-    """Bit for bit the reference de-quantisation (q * scale; (q - 8) * scale + zero), whole or a range of rows, with
+    """Bit for bit the reference de-quantisation (q * scale; q * scale + min), whole or a range of rows, with
     and without the CPU's vector loop."""
     torch.manual_seed(11)
     bound, want, _ = _bound(fmt, 70, 192, False)
@@ -309,18 +332,22 @@ def test_the_portable_loop_a_cpu_without_avx2_builds(tmp_path):
     assert torch.equal(got, alone)
     from int8_bounds import int4_kernel_tolerance
 
-    from engine.quant import dequantize_int4, quantize_int4
+    from engine.quant import dequantize_int4_min, quantize_int4_min
 
     for k in (96, 128):  # 96: a group past the last whole activation block
-        q4, s4, z4 = quantize_int4(torch.randn(40, k) * 0.05)
+        q4, s4, z4 = quantize_int4_min(torch.randn(40, k) * 0.05)
         x4 = torch.randn(3, k)
         got4 = portable.linear4(x4, cpu_kernels.pack_int4(q4), s4, z4, None)
-        want4 = x4.double() @ dequantize_int4(q4, s4, z4).double().T
+        want4 = x4.double() @ dequantize_int4_min(q4, s4, z4).double().T
         assert _within(got4, want4, int4_kernel_tolerance(x4, q4, s4, z4))
         rows = [portable.linear4(x4[i : i + 1].contiguous(), cpu_kernels.pack_int4(q4), s4, z4, None) for i in range(3)]
         assert torch.equal(got4, torch.cat(rows))
         dequantized = portable.bind(cpu_kernels.pack_int4(q4), s4, None, z4).dequantized()
-        assert torch.equal(dequantized, dequantize_int4(q4, s4, z4))
+        assert torch.equal(dequantized, dequantize_int4_min(q4, s4, z4))
+    q4, s4, z4 = _int4_with_edge_halves()  # the C conversion of fp16, without F16C
+    assert torch.equal(
+        portable.bind(cpu_kernels.pack_int4(q4), s4, None, z4).dequantized(), dequantize_int4_min(q4, s4, z4)
+    )
     assert torch.equal(portable.bind(q, scales, None).dequantized(), q.float() * scales[:, None])
 
 

@@ -15,7 +15,9 @@ from engine.quant import (
     Int8Linear,
     QuantEmbedding,
     dequantize_int4,
+    dequantize_int4_min,
     quantize_int4,
+    quantize_int4_min,
     quantize_int8,
     quantize_linears,
     weight_bytes,
@@ -74,19 +76,25 @@ def test_int4_linear_matches_its_dequantised_weights(n, k, m, int8_kernel):
     row alone: 3 rows give each row's 1-row result bit for bit); torch's packed kernel within bf16 rounding."""
     torch.manual_seed(n * k + m)
     w, x = torch.randn(n, k) * 0.05, torch.randn(m, k)
-    q, scales, zeros = quantize_int4(w)
-    assert int(q.max()) <= 15 and scales.shape == (n, k // INT4_GROUP)
-    deq = dequantize_int4(q, scales, zeros)
-    assert ((deq - w).abs() <= scales.repeat_interleave(INT4_GROUP, dim=1) / 2 + 1e-6).all()
     lin = Int4Linear(w, None, torch.float32)
     got = lin(x)
     assert lin.own_kernel is (int8_kernel == "own")
-    if int8_kernel == "own":
+    if int8_kernel == "own":  # Q4_1's form: fp16 scales and minimums
+        q, scales, mins = quantize_int4_min(w)
+        assert int(q.max()) <= 15 and scales.shape == mins.shape == (n, k // INT4_GROUP)
+        assert scales.dtype == mins.dtype == torch.float16
+        deq = dequantize_int4_min(q, scales, mins)
+        assert ((deq - w).abs() <= scales.float().repeat_interleave(INT4_GROUP, dim=1) / 2 + 1e-6).all()
         want = x.double() @ deq.double().T
-        assert within(got, want, int4_kernel_tolerance(x, q, scales, zeros))
+        assert within(got, want, int4_kernel_tolerance(x, q, scales, mins))
         for i in range(m):
             assert torch.equal(lin(x[i : i + 1]), got[i : i + 1])
     else:
+        q, scales, zeros = quantize_int4(w)
+        assert int(q.max()) <= 15 and scales.shape == (n, k // INT4_GROUP)
+        assert (
+            (dequantize_int4(q, scales, zeros) - w).abs() <= scales.repeat_interleave(INT4_GROUP, dim=1) / 2 + 1e-6
+        ).all()
         ref_w = dequantize_int4(q, scales.to(torch.bfloat16), zeros.to(torch.bfloat16))  # the kernel's bf16 pairs
         torch.testing.assert_close(got, x @ ref_w.T, atol=_bf16_matmul_tolerance(x, ref_w), rtol=0)
 
@@ -99,12 +107,15 @@ def test_the_int4_bound_is_tight_enough_to_fail():
         pytest.skip(f"the own kernels did not build: {cpu_kernels.unavailable_reason()}")
     torch.manual_seed(5)
     w, x = torch.randn(64, 128) * 0.05, torch.randn(2, 128)
-    q, scales, zeros = quantize_int4(w)
+    q, scales, mins = quantize_int4_min(w)
     got = Int4Linear(w, None, torch.float32)(x)
+    assert within(
+        got, x.double() @ dequantize_int4_min(q, scales, mins).double().T, int4_kernel_tolerance(x, q, scales, mins)
+    )
     q_off = q.clone()
     q_off[7, 40] = (q_off[7, 40] + 1) % 16  # one nibble of one weight
-    wrong = x.double() @ dequantize_int4(q_off, scales, zeros).double().T
-    assert not within(got, wrong, int4_kernel_tolerance(x, q, scales, zeros))
+    wrong = x.double() @ dequantize_int4_min(q_off, scales, mins).double().T
+    assert not within(got, wrong, int4_kernel_tolerance(x, q, scales, mins))
 
 
 def test_quantised_model_holds_fewer_bytes(int8_kernel):
@@ -114,6 +125,92 @@ def test_quantised_model_holds_fewer_bytes(int8_kernel):
     scale_bytes = 4 if int8_kernel == "own" else 2  # fp32 scales for the own kernel, bf16 for torch's
     assert weight_bytes(lin) == 2 * 256 * 512 + scale_bytes * (512 + 256)  # int8 weights and the scales
     assert weight_bytes(lin) < full / 3
+
+
+def test_an_own_kernel_int4_linear_holds_five_bits_a_weight():
+    """The own CPU int4 layout: two weights a byte, one fp16 scale and one fp16 minimum a group of 32 (GGUF Q4_1's
+    20 bytes a block), where fp32 pairs held 6 bits a weight."""
+    import engine.cpu_kernels as cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"the own kernels did not build: {cpu_kernels.unavailable_reason()}")
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False))
+    assert quantize_linears(lin, "int4", torch.float32) == 2
+    weights = 2 * 256 * 512
+    assert weight_bytes(lin) == weights // 2 + 2 * 2 * weights // INT4_GROUP
+    assert weight_bytes(lin) * 8 == weights * 5
+    layer = lin[0]
+    assert isinstance(layer, Int4Linear) and layer.scales.dtype == layer.mins.dtype == torch.float16
+
+
+def test_q4_1_groups_come_back_exactly():
+    """A tensor written as GGUF Q4_1 and de-quantised as the loader does: quantize_int4_min finds each block's
+    own d and m (as scale and minimum) and q, so the own kernel's int4 multiplies the file's values bit for bit."""
+    import gguf
+    import numpy as np
+
+    from engine.gguf_dequant import dequantize
+
+    rng = np.random.default_rng(4)
+    data = (rng.standard_normal((48, 256)) * rng.uniform(0.001, 3, (48, 1))).astype(np.float32)
+    data[3, 32:64] = 0.25  # a constant block: d = 0, any q
+    raw = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)))
+    w = dequantize(raw.view(torch.uint8).reshape(-1), "Q4_1", (48, 256), torch.float32)
+    q, scales, mins = quantize_int4_min(w)
+    assert torch.equal(dequantize_int4_min(q, scales, mins), w)
+    blocks = raw.view(torch.uint8).reshape(48 * 8, 20)
+    d, m = blocks[:, 0:2].contiguous().view(torch.float16), blocks[:, 2:4].contiguous().view(torch.float16)
+    spans = q.view(48 * 8, 32).amax(-1) - q.view(48 * 8, 32).amin(-1) == 15
+    assert int(spans.sum()) >= 48 * 8 - 1  # every block but the constant one spans 0..15
+    assert torch.equal(scales.reshape(-1)[spans], d.reshape(-1)[spans])
+    assert torch.equal(mins.reshape(-1), m.reshape(-1))
+
+
+def test_int4_refuses_weights_beyond_fp16_and_names_the_linear():
+    """The own CPU int4 keeps scales and minimums in fp16: a weight beyond its range is a clear error naming the
+    linear (the engine reports it as a load error), not an inf in the model."""
+    import engine.cpu_kernels as cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"the own kernels did not build: {cpu_kernels.unavailable_reason()}")
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 64, bias=False))
+    with torch.no_grad():
+        lin[1].weight[5, 7] = -1e6
+    with pytest.raises(
+        ValueError, match=r"^1: int4 keeps each group's scale and minimum in fp16; these weights reach 1e\+06"
+    ):
+        quantize_linears(lin, "int4", torch.float32)
+
+
+def test_a_switch_the_weights_cannot_take_keeps_the_model_answering(tiny_factory, tmp_path):
+    """A model with one weight beyond fp16's range: switching it to int4 on the CPU is a load error naming the
+    linear, and the engine keeps its native weights and answers as before."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import engine.cpu_kernels as cpu_kernels
+    from engine.engine import Engine
+    from engine.errors import ModelLoadError
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"the own kernels did not build: {cpu_kernels.unavailable_reason()}")
+    folder = tmp_path / "huge-weight"
+    shutil.copytree(tiny_factory("llama"), folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = 1e6
+    save_file(weights, folder / "model.safetensors")
+    e = Engine.load(str(folder), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+        before = e.generate([{"role": "user", "content": "hi"}], sampling).token_ids
+        with pytest.raises(ModelLoadError, match=r"int4: layers\.1\.feed_forward\.w2: .*beyond fp16's range"):
+            e.reconfigure(e.options.with_(weights="int4"))
+        assert e.weights == "native" and e.options.weights == "native"
+        assert not any(isinstance(m, QUANTISED_LINEARS) for m in e.model.modules())
+        assert e.generate([{"role": "user", "content": "hi"}], sampling).token_ids == before
+    finally:
+        e.close()
 
 
 def test_weights_option_is_validated():
@@ -311,7 +408,7 @@ def test_the_own_kernels_traced_call_gives_the_eager_result(cls, monkeypatch):
     op, args = (
         (cpu_kernels._int8_linear_op, (x, lin.weight, lin.scales, lin.bias))
         if cls is Int8Linear
-        else (cpu_kernels._int4_linear_op, (x, lin.weight, lin.scales, lin.zeros, lin.bias))
+        else (cpu_kernels._int4_linear_op, (x, lin.weight, lin.scales, lin.mins, lin.bias))
     )
     torch.library.opcheck(op, args)  # its fake (what compile traces with) agrees with the op
 
@@ -333,8 +430,7 @@ def test_the_embedding_reads_the_quantised_table(fmt):
     if fmt == "int8":
         want = lin.weight.float() * lin.scales.float()[:, None]
     else:
-        q, scales, zeros = quantize_int4(w)
-        want = dequantize_int4(q, scales, zeros)
+        want = dequantize_int4_min(*quantize_int4_min(w))
         assert lin.weight.dtype == torch.uint8 and cpu_kernels.kernel() is not None
     assert got.dtype == torch.float32 and torch.equal(got, want[idx])
     # what the linear computes is the product with those rows (within its own kernel's int16 activations)
