@@ -95,7 +95,10 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         return option not in refused and (option, value) not in never
 
     def weight_step() -> Optional[str]:
-        if "weights" in refused or on_fallback:
+        if on_fallback:
+            return None
+        if "weights" in refused and "limits" not in o:
+            # an answer stored before the limits were recorded: which formats never run here is not known
             return None
         if cuda and fused:  # the fused kernels read the weights in the model's dtype
             return None

@@ -126,6 +126,23 @@ def test_a_cpus_next_step_is_fewer_weight_bytes_not_compile(weights, step):
     assert diagnose(metrics, unavailable).next_step is None  # no advice the model cannot take
 
 
+def test_a_refused_weight_format_still_leaves_the_others_advised():
+    """int4 asked and refused (the run kept native weights): with the limits recorded, int8, which runs here, is
+    still the next step; with both formats among the limits, or no limits recorded (an older stored answer),
+    nothing is advised."""
+    from engine.types import options_as_run
+
+    metrics = {"kernel_gap_pct": 9.0, "launches_per_step": 65.0}
+    ran = EngineOptions(device="cpu", dtype="fp32", kv_cache="static", weights="native")
+    why = "int4 needs inputs in groups of 32; w2 is 64x48"
+    refused = {"weights": why}
+    d = diagnose(metrics, options_as_run(ran, refused, {("weights", "int4"): why}))
+    assert d.next_step == "int8 weights"
+    both = {("weights", "int4"): why, ("weights", "int8"): "this torch has no aten._weight_int8pack_mm for the CPU"}
+    assert diagnose(metrics, options_as_run(ran, refused, both)).next_step is None
+    assert diagnose(metrics, {**ran.to_dict(), "unavailable": refused}).next_step is None
+
+
 def test_memory_bound_and_missing_gap():
     metrics = {"kernel_gap_pct": 4.0, "dram_bw_util_pct": 82.0, "dram_bw_util_source": "NVML GPM"}
     d = diagnose(metrics, preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict())
