@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
@@ -450,21 +452,40 @@ class Engine:
             if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
                 placed = (self.device, self.dtype, self.weights)
                 self.device, self.dtype, self.weights = device, eff.dtype, eff.weights
+                failed: Optional[Exception] = None
                 try:
                     self._build_model(progress)
-                except Exception:
+                except Exception as exc:
+                    failed = exc
+                if failed is not None:
                     # the switch failed (out of memory, weights a format cannot hold): the previous placement
                     # again, so the engine keeps answering as it did, and the caller hears why
-                    self.device, self.dtype, self.weights = placed
-                    try:
-                        self._build_model(progress)
-                    except Exception:
-                        log.exception("the previous weights could not be placed again after a failed switch")
-                    raise
+                    self._place_again(placed, failed, progress)
+                    raise failed
                 self.monitor.close()
                 self.monitor = self._start_monitor()
             self._load_draft(options, progress)
             self.options = options
+
+    def _place_again(
+        self, placed: tuple[torch.device, str, str], failed: Exception, progress: Callable[[Progress], None]
+    ) -> None:
+        """Place the weights as `placed` (device, dtype, weights) after a switch failed with `failed`. What the failed
+        attempt held (its partial model, the weights it read) is referenced from the exception's frames until they
+        are cleared; cleared first, so both are never held at once (on a GPU the first may be why it failed)."""
+        self.device, self.dtype, self.weights = placed
+        err: Optional[BaseException] = failed
+        while err is not None:
+            traceback.clear_frames(err.__traceback__)
+            err = err.__cause__ or err.__context__
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        progress(Progress("load", None, "the switch failed; placing the previous weights again"))
+        try:
+            self._build_model(progress)
+        except Exception:
+            log.exception("the previous weights could not be placed again after a failed switch")
 
     # ---- generation ---------------------------------------------------------------------------------------
     def _runner(self, opts: EngineOptions, batch: int, needed: int) -> RunnerBase:

@@ -182,14 +182,18 @@ def test_int4_refuses_weights_beyond_fp16_and_names_the_linear():
         quantize_linears(lin, "int4", torch.float32)
 
 
-def test_a_switch_the_weights_cannot_take_keeps_the_model_answering(tiny_factory, tmp_path):
+def test_a_switch_the_weights_cannot_take_keeps_the_model_answering(tiny_factory, tmp_path, monkeypatch):
     """A model with one weight beyond fp16's range: switching it to int4 on the CPU is a load error naming the
-    linear, and the engine keeps its native weights and answers as before."""
+    linear, and the engine keeps its native weights and answers as before; the failed attempt's model is freed
+    before the previous weights are placed again (never both held: on a GPU the first may be why it failed)."""
     import shutil
+    import weakref
 
     from safetensors.torch import load_file, save_file
 
     import engine.cpu_kernels as cpu_kernels
+    import engine.engine as engine_module
+    import engine.quant as quant
     from engine.engine import Engine
     from engine.errors import ModelLoadError
 
@@ -204,8 +208,22 @@ def test_a_switch_the_weights_cannot_take_keeps_the_model_answering(tiny_factory
     try:
         sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
         before = e.generate([{"role": "user", "content": "hi"}], sampling).token_ids
+        quantised, alive_at_rebuild = [], []
+        real_quantise, real_build = quant.quantize_linears, engine_module.build_transformer
+
+        def quantise(model, *a):
+            quantised.append(weakref.ref(model))
+            return real_quantise(model, *a)
+
+        def build(*a, **kw):
+            alive_at_rebuild.extend(r() is not None for r in quantised)
+            return real_build(*a, **kw)
+
+        monkeypatch.setattr(quant, "quantize_linears", quantise)
+        monkeypatch.setattr(engine_module, "build_transformer", build)
         with pytest.raises(ModelLoadError, match=r"int4: layers\.1\.feed_forward\.w2: .*beyond fp16's range"):
             e.reconfigure(e.options.with_(weights="int4"))
+        assert len(quantised) == 1 and alive_at_rebuild == [False]  # the second build: the previous weights
         assert e.weights == "native" and e.options.weights == "native"
         assert not any(isinstance(m, QUANTISED_LINEARS) for m in e.model.modules())
         assert e.generate([{"role": "user", "content": "hi"}], sampling).token_ids == before
