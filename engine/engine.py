@@ -157,11 +157,12 @@ class Engine:
                     progress(Progress("load", None, "preparing the CPU kernels"))
                     cpu_kernels.kernel()
                 if self.weights != "native":
-                    from engine.quant import quantize_linears
+                    from engine.quant import INT4_GRID_TYPES, quantize_linears
 
                     progress(Progress("load", None, f"quantising the linears to {self.weights}"))
+                    grid = bool(self.checkpoint.tensor_types & INT4_GRID_TYPES)  # 4-bit blocks: held as they are
                     try:
-                        quantize_linears(model, self.weights, dtype)
+                        quantize_linears(model, self.weights, dtype, grid)
                     except ValueError as exc:
                         raise ModelLoadError(f"cannot keep this model's weights in {self.weights}: {exc}") from None
                 self.model = model

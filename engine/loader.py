@@ -49,6 +49,7 @@ class Checkpoint:
     load_seconds: Optional[float] = None  # perf_counter around load_checkpoint
     # GGUF on the native path: the weights again from the file, in any dtype on any device
     materialise: Optional[Callable[[torch.dtype, torch.device], dict[str, torch.Tensor]]] = None
+    tensor_types: frozenset[str] = frozenset()  # a GGUF's ggml tensor types (Q4_1, F32, ...); empty for others
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The state dict to build a model from: the one held, or (after release) a fresh one from the file."""
@@ -175,6 +176,7 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
         source_kind=kind,
         eos_token_ids=_eos_ids(config, conv.tokenizer, None),
         materialise=materialise,
+        tensor_types=frozenset(t.type_name for t in header.tensors),
     )
 
 
@@ -212,6 +214,7 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
         source=str(path),
         source_kind=kind,
         eos_token_ids=_eos_ids(config, tokenizer, None),
+        tensor_types=frozenset(t.type_name for t in header.tensors),
     )
 
 

@@ -71,14 +71,28 @@ def dequantize_int4(
 _FP16_TINY = 2.0**-24
 
 
-def quantize_int4_min(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# GGUF types whose groups int4 holds exactly only when tried on the file's own grid (quantize_int4_min's `grid`;
+# Q4_1's groups span 0..15 and come back exactly without it)
+INT4_GRID_TYPES = frozenset({"Q4_0"})
+
+
+def quantize_int4_min(
+    w: torch.Tensor, group: int = INT4_GROUP, grid: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4 in GGUF Q4_1's form, as the own CPU kernel reads it: (q [N, K] in 0..15 as uint8,
-    scales [N, K/group] fp16, mins [N, K/group] fp16) with w ~ q * scale + min. A group's minimum and scale are
-    rounded to fp16 before its q are chosen, so the q fit the stored pair; a Q4_1 group whose q span 0..15 comes
-    back exactly (its d and m are the scale and the minimum). 5 bits a weight where fp32 pairs took 6. Raises
-    ValueError where a group's minimum or scale is beyond fp16's range (|w| above 65,504)."""
+    scales [N, K/group] fp16, mins [N, K/group] fp16) with w ~ q * scale + min. 5 bits a weight where fp32 pairs
+    took 6. A group's minimum and scale are rounded to fp16 before its q are chosen, so the q fit the stored pair.
+    The scale is the group's range over 15, so a Q4_1 group that spans 0..15 comes back exactly (its d and m are
+    the scale and the minimum).
+
+    `grid` (weights de-quantised from GGUF Q4_0 blocks: INT4_GRID_TYPES): a group is also tried on Q4_0's grid
+    (_onto_q4_0_grid) and held on it where that gives it back exactly: most Q4_0 groups do not span 0..15 (their
+    largest magnitude alone fixes the step), so the range over 15 would put them on another grid. Raises
+    ValueError where a weight is not finite or beyond fp16's range (|w| above 65,504)."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
+    if not torch.isfinite(g).all():
+        raise ValueError("int4 cannot hold these weights: they contain an inf or a NaN")
     lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
     mins = lo.to(torch.float16)
     scales = ((hi - mins.float()) / 15).clamp(min=_FP16_TINY).to(torch.float16)
@@ -87,8 +101,47 @@ def quantize_int4_min(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.T
         raise ValueError(
             f"int4 keeps each group's scale and minimum in fp16; these weights reach {largest:g}, beyond fp16's range"
         )
-    q = torch.round((g - mins.float()) / scales.float()).clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return q, scales.squeeze(-1), mins.squeeze(-1)
+    q = _fit_int4(g, scales, mins)
+    if grid:
+        flat = (t.view(-1, 1) for t in (scales, mins, lo, hi))
+        _onto_q4_0_grid(g.view(-1, group), q.view(-1, group), *flat)
+    return q.to(torch.uint8).reshape(n, k), scales.squeeze(-1), mins.squeeze(-1)
+
+
+def _onto_q4_0_grid(
+    g: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> None:
+    """quantize_int4_min's `grid`, in place over the groups (rows of g and q; scales, mins, lo, hi [groups, 1]):
+    Q4_0's grid, (q - 8) * d, whose largest magnitude is 8 |d| (at the bottom for a positive d, at the top for a
+    negative one): that end as the offset and |d| as the step (down from the top: a negative scale), both fp16,
+    where the range is a whole number of such steps, at most 15, and taken where it gives the group back exactly."""
+    at_bottom = lo.abs() >= hi.abs()
+    eighth = torch.maximum(lo.abs(), hi.abs()) / 8
+    step = torch.where(at_bottom, eighth, -eighth).to(torch.float16)
+    offset = torch.where(at_bottom, lo, hi).to(torch.float16)
+    levels = (hi - lo) / step.float().abs()
+    whole = ((levels - levels.round()).abs() <= 1e-3) & (levels <= 15 + 1e-3)
+    sel = (whole & (step != 0) & (step.float().abs() >= scales.float())).view(-1).nonzero().squeeze(1)
+    if sel.numel() == 0:
+        return
+    gs, st, off = g[sel], step[sel], offset[sel]
+    q_grid = _fit_int4(gs, st, off)
+    exact = (_int4_error(gs, q_grid, st, off) == 0).view(-1)
+    take = sel[exact]
+    q[take], scales[take], mins[take] = q_grid[exact], st[exact], off[exact]
+
+
+def _fit_int4(g: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Each grouped value's q in 0..15 under its group's fp16 scale and minimum (one a group, broadcast along the
+    last dimension), as fp32."""
+    return torch.round((g - mins.float()) / scales.float()).clamp_(0, 15)
+
+
+def _int4_error(g: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Each group's largest |value - what the kernel multiplies| (the last dimension reduced, kept; the arithmetic
+    of dequantize_int4_min)."""
+    s = scales.float()
+    return ((q - 8) * s + (mins.float() + 8 * s) - g).abs().amax(dim=-1, keepdim=True)
 
 
 def dequantize_int4_min(
@@ -200,14 +253,21 @@ class Int4Linear(_QuantLinear):
     scales_zeros: torch.Tensor
 
     def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype, group: int = INT4_GROUP
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        act_dtype: torch.dtype,
+        group: int = INT4_GROUP,
+        grid: bool = False,
     ):
+        """`grid`: the weights were de-quantised from 4-bit GGUF blocks (quantize_int4_min); the own CPU kernel's
+        layout then holds them as the file has them."""
         super().__init__()
         self.in_features, self.out_features, self.group = weight.shape[1], weight.shape[0], group
         self.on_cpu = weight.device.type == "cpu"
         self.own_kernel = self.on_cpu and group == cpu_kernels.INT4_GROUP and cpu_kernels.kernel() is not None
         if self.own_kernel:  # the own kernel's layout: each group's 32 inputs in 16 bytes, fp16 scales and minimums
-            q, scales, mins = quantize_int4_min(weight, group)
+            q, scales, mins = quantize_int4_min(weight, group, grid)
             self.register_buffer("weight", cpu_kernels.pack_int4(q))
             self.register_buffer("scales", scales.contiguous())
             self.register_buffer("mins", mins.contiguous())
@@ -295,7 +355,7 @@ class QuantEmbedding(nn.Module):
         return rows
 
 
-def quantize_embedding(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> bool:
+def quantize_embedding(model: nn.Module, fmt: str, act_dtype: torch.dtype, grid: bool = False) -> bool:
     """Replace the model's input embedding (`tok_embeddings`) by a QuantEmbedding: over the head where the head
     was tied to it (quantize_linears has made the head from the same table), else over the table quantised on its
     own. False, and the embedding kept, where the format's layout here does not de-quantise rows (torch's packed
@@ -314,7 +374,7 @@ def quantize_embedding(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> bo
     if _LINEAR_CLASS[fmt] is Int4Linear and _torch_packs_int4(emb.weight.device):
         return False  # only torch's kernel reads that layout, and a table need not have outputs in its multiples
     try:
-        table = _LINEAR_CLASS[fmt](emb.weight.detach(), None, act_dtype)
+        table = _quantised(fmt, emb.weight.detach(), None, act_dtype, grid)
     except ValueError as exc:
         raise ValueError(f"tok_embeddings: {exc}") from None
     if table.rows(probe, act_dtype) is None:
@@ -371,25 +431,32 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype) -> int:
+def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype, grid: bool = False) -> int:
     """Replace every nn.Linear of `model` by its `fmt` form (the head by its HEAD_FORMAT), in place, and the input
     embedding by one that reads a quantised table (quantize_embedding: the tied head's); the float weights are
-    freed as each is replaced. Returns how many linears; a ValueError names the linear whose weights the format
-    cannot hold."""
+    freed as each is replaced. `grid`: the weights came from 4-bit GGUF blocks (quantize_int4_min). Returns how many
+    linears; a ValueError names the linear whose weights the format cannot hold."""
     done = 0
     for name, lin in _linears(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        cls = _LINEAR_CLASS[HEAD_FORMAT[fmt] if name == HEAD else fmt]
         try:
-            q = cls(lin.weight.detach(), lin.bias, act_dtype)
+            q = _quantised(HEAD_FORMAT[fmt] if name == HEAD else fmt, lin.weight.detach(), lin.bias, act_dtype, grid)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE) and not _rounds_its_input(model, name)
         setattr(parent, child, q)
         done += 1
-    quantize_embedding(model, fmt, act_dtype)
+    quantize_embedding(model, fmt, act_dtype, grid)
     return done
+
+
+def _quantised(
+    fmt: str, weight: torch.Tensor, bias: Optional[torch.Tensor], act_dtype: torch.dtype, grid: bool
+) -> "Int8Linear | Int4Linear":
+    if fmt == "int4":
+        return Int4Linear(weight, bias, act_dtype, grid=grid)
+    return Int8Linear(weight, bias, act_dtype)
 
 
 def _rounds_its_input(model: nn.Module, name: str) -> bool:

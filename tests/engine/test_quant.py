@@ -9,6 +9,7 @@ from int8_bounds import int4_kernel_tolerance, int8_kernel_tolerance, within
 
 from engine.errors import OptionsError
 from engine.quant import (
+    INT4_GRID_TYPES,
     INT4_GROUP,
     QUANTISED_LINEARS,
     Int4Linear,
@@ -164,6 +165,62 @@ def test_q4_1_groups_come_back_exactly():
     assert int(spans.sum()) >= 48 * 8 - 1  # every block but the constant one spans 0..15
     assert torch.equal(scales.reshape(-1)[spans], d.reshape(-1)[spans])
     assert torch.equal(mins.reshape(-1), m.reshape(-1))
+
+
+def test_q4_0_groups_are_held_as_the_file_has_them():
+    """`grid`: a Q4_0 tensor (its groups rarely span 0..15, and half have a negative d) comes back bit for bit, with
+    d itself as the scale, where the range over 15 re-quantised most groups onto another grid; weights on no such
+    grid are quantised as without it; Q4_1 exactly either way."""
+    import gguf
+    import numpy as np
+
+    from engine.gguf_dequant import dequantize
+
+    rng = np.random.default_rng(7)
+    data = (rng.standard_normal((48, 256)) * rng.uniform(0.001, 3, (48, 1))).astype(np.float32)
+    raw = np.ascontiguousarray(gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0))
+    w = dequantize(torch.from_numpy(raw).view(torch.uint8).reshape(-1), "Q4_0", (48, 256), torch.float32)
+    plain = dequantize_int4_min(*quantize_int4_min(w))
+    assert (plain != w).float().mean() > 0.2  # the range over 15 is another grid than the file's
+    q, scales, mins = quantize_int4_min(w, grid=True)
+    assert torch.equal(dequantize_int4_min(q, scales, mins), w)
+    d = torch.from_numpy(raw).view(torch.uint8).reshape(-1, 18)[:, :2].contiguous().view(torch.float16).reshape(-1)
+    assert bool((d < 0).any()) and torch.equal(scales.reshape(-1), d)  # d itself: up from -8d, or down from it
+    floats = torch.from_numpy(data)
+    assert all(torch.equal(a, b) for a, b in zip(quantize_int4_min(floats, grid=True), quantize_int4_min(floats)))
+    q1 = np.ascontiguousarray(gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1))
+    w1 = dequantize(torch.from_numpy(q1).view(torch.uint8).reshape(-1), "Q4_1", (48, 256), torch.float32)
+    assert torch.equal(dequantize_int4_min(*quantize_int4_min(w1, grid=True)), w1)
+
+
+@pytest.mark.parametrize("quant, grid", [("Q4_0", True), ("Q8_0", False)])
+def test_a_4_bit_ggufs_linears_keep_the_files_values_in_int4(tiny_factory, tmp_path, quant, grid):
+    """Loaded from a Q4_0 GGUF and switched to int4 on the own CPU kernel, every layer linear multiplies exactly
+    the values the file de-quantises to (the native model's); from a Q8_0 file they are re-quantised (no grid)."""
+    from gguf_fixtures import hf_llama_to_gguf
+
+    import engine.cpu_kernels as cpu_kernels
+    from engine.engine import Engine
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"the own kernels did not build: {cpu_kernels.unavailable_reason()}")
+    path = hf_llama_to_gguf(tiny_factory("llama"), tmp_path / f"tiny.{quant}.gguf", quant=quant)
+    e = Engine.load(str(path), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        assert bool(e.checkpoint.tensor_types & INT4_GRID_TYPES) is grid
+        native = {
+            n: m.weight.detach().clone()
+            for n, m in e.model.named_modules()
+            if n.startswith("layers.") and isinstance(m, torch.nn.Linear)
+        }
+        e.reconfigure(e.options.with_(weights="int4"))
+        held = {n: m for n, m in e.model.named_modules() if isinstance(m, Int4Linear)}
+        assert set(held) == set(native)
+        for name, lin in held.items():
+            rows = lin.rows(torch.arange(lin.out_features), torch.float32)
+            assert torch.equal(rows, native[name]) is grid, name
+    finally:
+        e.close()
 
 
 def test_int4_refuses_weights_beyond_fp16_and_names_the_linear():
