@@ -86,7 +86,7 @@ def quantize_int4_min(
     the scale and the minimum).
 
     `grid` (weights de-quantised from GGUF Q4_0 blocks: INT4_GRID_TYPES): a group is also tried on Q4_0's grid
-    (_onto_q4_0_grid) and held on it where that gives it back exactly: most Q4_0 groups do not span 0..15 (their
+    (_q4_0_grid) and held on it where that gives it back exactly: most Q4_0 groups do not span 0..15 (their
     largest magnitude alone fixes the step), so the range over 15 would put them on another grid. Raises
     ValueError where a weight is not finite or beyond fp16's range (|w| above 65,504)."""
     n, k = w.shape
@@ -101,34 +101,39 @@ def quantize_int4_min(
         raise ValueError(
             f"int4 keeps each group's scale and minimum in fp16; these weights reach {largest:g}, beyond fp16's range"
         )
+    if not grid:
+        return _fit_int4(g, scales, mins).to(torch.uint8).reshape(n, k), scales.squeeze(-1), mins.squeeze(-1)
+    # Q4_0's grid where a group may lie on it, one fit for all groups; the range over 15 again where it is not exact
+    on_grid, step, offset = _q4_0_grid(lo, hi, scales)
+    scales, mins = torch.where(on_grid, step, scales), torch.where(on_grid, offset, mins)
     q = _fit_int4(g, scales, mins)
-    if grid:
-        flat = (t.view(-1, 1) for t in (scales, mins, lo, hi))
-        _onto_q4_0_grid(g.view(-1, group), q.view(-1, group), *flat)
+    if bool(on_grid.any()):
+        missed = (on_grid & (_int4_error(g, q, scales, mins) != 0)).view(-1).nonzero().squeeze(1)
+        if missed.numel():
+            flat = (t.view(-1, 1) for t in (scales, mins, lo, hi))
+            s, m, low, high = (t[missed] for t in flat)
+            m = low.to(torch.float16)
+            s = ((high - m.float()) / 15).clamp(min=_FP16_TINY).to(torch.float16)
+            q.view(-1, group)[missed] = _fit_int4(g.view(-1, group)[missed], s, m)
+            scales.view(-1, 1)[missed], mins.view(-1, 1)[missed] = s, m
     return q.to(torch.uint8).reshape(n, k), scales.squeeze(-1), mins.squeeze(-1)
 
 
-def _onto_q4_0_grid(
-    g: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> None:
-    """quantize_int4_min's `grid`, in place over the groups (rows of g and q; scales, mins, lo, hi [groups, 1]):
-    Q4_0's grid, (q - 8) * d, whose largest magnitude is 8 |d| (at the bottom for a positive d, at the top for a
-    negative one): that end as the offset and |d| as the step (down from the top: a negative scale), both fp16,
-    where the range is a whole number of such steps, at most 15, and taken where it gives the group back exactly."""
+def _q4_0_grid(
+    lo: torch.Tensor, hi: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_int4_min's `grid`: Q4_0's grid for each group (lo, hi and the range-over-15 scales [.., 1]):
+    (q - 8) * d, whose largest magnitude is 8 |d| (at the bottom for a positive d, at the top for a negative one),
+    so that end as the offset and |d| as the step (down from the top: a negative scale), both fp16. Returns
+    (where a group may lie on it: its range a whole number of such steps, at most 15, and no finer than the range
+    over 15; the steps; the offsets)."""
     at_bottom = lo.abs() >= hi.abs()
     eighth = torch.maximum(lo.abs(), hi.abs()) / 8
     step = torch.where(at_bottom, eighth, -eighth).to(torch.float16)
     offset = torch.where(at_bottom, lo, hi).to(torch.float16)
     levels = (hi - lo) / step.float().abs()
     whole = ((levels - levels.round()).abs() <= 1e-3) & (levels <= 15 + 1e-3)
-    sel = (whole & (step != 0) & (step.float().abs() >= scales.float())).view(-1).nonzero().squeeze(1)
-    if sel.numel() == 0:
-        return
-    gs, st, off = g[sel], step[sel], offset[sel]
-    q_grid = _fit_int4(gs, st, off)
-    exact = (_int4_error(gs, q_grid, st, off) == 0).view(-1)
-    take = sel[exact]
-    q[take], scales[take], mins[take] = q_grid[exact], st[exact], off[exact]
+    return whole & (step != 0) & (step.float().abs() >= scales.float()), step, offset
 
 
 def _fit_int4(g: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
