@@ -105,18 +105,16 @@ def quantize_int4_min(
         return _fit_int4(g, scales, mins).to(torch.uint8).reshape(n, k), scales.squeeze(-1), mins.squeeze(-1)
     # Q4_0's grid where a group may lie on it, one fit for all groups; the range over 15 again where it is not exact
     on_grid, step, offset = _q4_0_grid(lo, hi, scales)
-    scales, mins = torch.where(on_grid, step, scales), torch.where(on_grid, offset, mins)
-    q = _fit_int4(g, scales, mins)
+    held_scales, held_mins = torch.where(on_grid, step, scales), torch.where(on_grid, offset, mins)
+    q = _fit_int4(g, held_scales, held_mins)
     if bool(on_grid.any()):
-        missed = (on_grid & (_int4_error(g, q, scales, mins) != 0)).view(-1).nonzero().squeeze(1)
-        if missed.numel():
-            flat = (t.view(-1, 1) for t in (scales, mins, lo, hi))
-            s, m, low, high = (t[missed] for t in flat)
-            m = low.to(torch.float16)
-            s = ((high - m.float()) / 15).clamp(min=_FP16_TINY).to(torch.float16)
-            q.view(-1, group)[missed] = _fit_int4(g.view(-1, group)[missed], s, m)
-            scales.view(-1, 1)[missed], mins.view(-1, 1)[missed] = s, m
-    return q.to(torch.uint8).reshape(n, k), scales.squeeze(-1), mins.squeeze(-1)
+        missed = on_grid & (_int4_error(g, q, held_scales, held_mins) != 0)
+        if bool(missed.any()):
+            held_scales, held_mins = torch.where(missed, scales, held_scales), torch.where(missed, mins, held_mins)
+            rows = missed.view(-1).nonzero().squeeze(1)
+            again = (t.view(-1, t.shape[-1])[rows] for t in (g, scales, mins))
+            q.view(-1, group)[rows] = _fit_int4(*again)
+    return q.to(torch.uint8).reshape(n, k), held_scales.squeeze(-1), held_mins.squeeze(-1)
 
 
 def _q4_0_grid(
@@ -143,20 +141,25 @@ def _fit_int4(g: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
 
 
 def _int4_error(g: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """Each group's largest |value - what the kernel multiplies| (the last dimension reduced, kept; the arithmetic
-    of dequantize_int4_min)."""
+    """Each group's largest |value - what the kernel multiplies| (the last dimension reduced, kept)."""
+    return (_int4_values(q, scales, mins) - g).abs().amax(dim=-1, keepdim=True)
+
+
+def _int4_values(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Grouped q (any integer dtype or fp32; groups along the last dimension) in fp32 as the own CPU kernel
+    computes them, each group's scale and minimum broadcast along it: (q - 8) * scale + zero with zero = min +
+    8 * scale (both products exact in fp32; the zero exact unless min and 8 * scale are over 2^13 apart in
+    magnitude), so a value is q * scale + min rounded once."""
     s = scales.float()
-    return ((q - 8) * s + (mins.float() + 8 * s) - g).abs().amax(dim=-1, keepdim=True)
+    return (q.float() - 8) * s + (mins.float() + 8 * s)
 
 
 def dequantize_int4_min(
     q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int = INT4_GROUP
 ) -> torch.Tensor:
-    """q * scale + min in fp32 as the own CPU kernel computes it, the values it multiplies: (q - 8) * scale + zero
-    with zero = min + 8 * scale (both products exact in fp32; the zero exact unless min and 8 * scale are over 2^13
-    apart in magnitude), so a value is q * scale + min rounded once."""
-    s = scales.float()
-    return dequantize_int4(q, s, mins.float() + 8 * s, group)
+    """q [N, K] with scales and mins [N, K/group] in fp32: the values the own CPU kernel multiplies (_int4_values)."""
+    n, k = q.shape
+    return _int4_values(q.reshape(n, k // group, group), scales.unsqueeze(-1), mins.unsqueeze(-1)).reshape(n, k)
 
 
 def _kernel_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -302,9 +305,8 @@ class Int4Linear(_QuantLinear):
         if self.own_kernel:  # a group's 16 bytes: its inputs 0..15 in the low nibbles, 16..31 in the high ones
             b = b.view(n, groups, self.group // 2)
             q = torch.cat([b & 0x0F, b >> 4], dim=-1)
-            # in fp32 as the kernel de-quantises (dequantize_int4_min), then in the asked dtype
-            s = self.scales[idx].float().unsqueeze(-1)
-            w = (q.float() - 8) * s + (self.mins[idx].float().unsqueeze(-1) + 8 * s)
+            # in fp32 as the kernel de-quantises, then in the asked dtype
+            w = _int4_values(q, self.scales[idx].unsqueeze(-1), self.mins[idx].unsqueeze(-1))
             return w.view(n, self.in_features).to(dtype)
         # two neighbouring inputs a byte, the first in the low nibble
         q = torch.stack([b & 0x0F, b >> 4], dim=-1).view(n, groups, self.group)
