@@ -110,6 +110,7 @@ class StaticRunner(RunnerBase):
     ):
         super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
         self.model = model
+        model.cover_positions(length + 1)
         # One spare position past the last bucket: the view a step attends over is then never the whole cache,
         # so a step compiled with the bucket length symbolic does not specialise on "bucket == cache length"
         # (that view alone would be contiguous: another guard, another compile).
@@ -386,6 +387,7 @@ class DynamicRunner(RunnerBase):
     def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device):
         super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
         self.model = model
+        model.cover_positions(length + 1)
         self.cache: Optional[DynamicKVCache] = None
 
     def prefill(self, prompt: torch.Tensor, kind: SamplerKind) -> None:
@@ -419,6 +421,7 @@ class NoCacheRunner(RunnerBase):
     def __init__(self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device):
         super().__init__(batch, length, model.args.vocab_size, eos_ids, device)
         self.model = model
+        model.cover_positions(length + 1)
         self.ids: Optional[torch.Tensor] = None
 
     def prefill(self, prompt: torch.Tensor, kind: SamplerKind) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Optional, Protocol, cast
+from typing import Callable, Optional, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -517,12 +517,23 @@ class Block(nn.Module):
         return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
+# Rope tables a model is built with: positions below this (or its whole context where shorter). A long context's
+# tables are large and slow to compute (Llama-3's 131,072 positions of 128 dims: 134 MB and 0.33 s here; Gemma-3's
+# two sets of 32,768 x 256: 134 MB), and a conversation rarely reaches them; Transformer.cover_positions grows them.
+ROPE_POSITIONS_AT_LOAD = 8192
+
+# (cos, sin, the sliding-window layers' (cos, sin) or None) for the positions below n, on the CPU in fp32
+RopeMaker = Callable[[int], tuple[torch.Tensor, torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]]
+
+
 class Transformer(nn.Module):
     rope_cos: torch.Tensor  # buffers, registered in __init__
     rope_sin: torch.Tensor
     rope_cos_local: Optional[torch.Tensor]  # the sliding-window layers' tables, where their rope differs
     rope_sin_local: Optional[torch.Tensor]
     embed_scale: Optional[torch.Tensor]  # Gemma: sqrt(dim) in the model's dtype, as transformers rounds it
+    # what makes longer rope tables (build_transformer sets it); None: the tables given are all there are
+    make_rope: Optional[RopeMaker] = None
 
     def __init__(
         self,
@@ -546,6 +557,33 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin_local", None if local is None else local[1], persistent=False)
         scale = torch.tensor(args.dim**0.5) if args.gemma else None
         self.register_buffer("embed_scale", scale, persistent=False)
+        # tables replaced by longer ones on a GPU: a captured CUDA graph still reads them where it was captured
+        self._retired_rope: list[tuple[Optional[torch.Tensor], ...]] = []
+
+    @property
+    def rope_positions(self) -> int:
+        """How many positions the rope tables hold."""
+        return int(self.rope_cos.shape[0])
+
+    def cover_positions(self, n: int) -> None:
+        """Rope tables for every position below n (at most the model's context, as the tables it could be built
+        with): made longer, at least doubled, where they are shorter. Whoever runs positions past
+        ROPE_POSITIONS_AT_LOAD calls this first, before anything is compiled or captured for them (every runner
+        does, for its length). The values are the same as the whole context's tables at those positions."""
+        n = min(n, self.args.max_seq_len)
+        have = self.rope_positions
+        if n <= have:
+            return
+        if self.make_rope is None:
+            raise ValueError(f"this model's rope tables hold {have} positions and cannot be extended to {n}")
+        size = min(self.args.max_seq_len, max(n, 2 * have))
+        cos, sin, local = self.make_rope(size)
+        device, dtype = self.rope_cos.device, self.rope_cos.dtype
+        if device.type == "cuda":
+            self._retired_rope.append((self.rope_cos, self.rope_sin, self.rope_cos_local, self.rope_sin_local))
+        self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
+        if local is not None:
+            self.rope_cos_local, self.rope_sin_local = local[0].to(device, dtype), local[1].to(device, dtype)
 
     def forward(
         self,
@@ -721,10 +759,13 @@ def build_transformer(
 ) -> Transformer:
     """Our decoder from an HF config and HF-named weights, in `dtype` on `device` (`consume`: see _hf_to_fast)."""
     args = ModelArgs.from_hf_config(cfg)
-    cos, sin = rope_tables(cfg, args.head_dim, args.max_seq_len)
-    local = None
-    if args.sliding_layers and rope_parameters(cfg, "sliding_attention") != rope_parameters(cfg):
-        local = rope_tables(cfg, args.head_dim, args.max_seq_len, "sliding_attention")
+    own_local = bool(args.sliding_layers) and rope_parameters(cfg, "sliding_attention") != rope_parameters(cfg)
+
+    def make_rope(n: int):
+        cos, sin = rope_tables(cfg, args.head_dim, n)
+        return cos, sin, rope_tables(cfg, args.head_dim, n, "sliding_attention") if own_local else None
+
+    cos, sin, local = make_rope(min(args.max_seq_len, ROPE_POSITIONS_AT_LOAD))
     with torch.device("meta"):
         model = Transformer(args, cos, sin, local)
     threads = torch.get_num_threads()
@@ -746,6 +787,7 @@ def build_transformer(
     model.rope_sin = sin.to(device)
     if local is not None:
         model.rope_cos_local, model.rope_sin_local = local[0].to(device), local[1].to(device)
+    model.make_rope = make_rope
     if args.gemma:
         model.embed_scale = torch.tensor(args.dim**0.5, device=device)
     missing = [n for n, p in model.named_parameters() if p.is_meta]

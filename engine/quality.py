@@ -74,6 +74,9 @@ def teacher_forced(
 ) -> tuple[float, torch.Tensor]:
     """(summed negative log-likelihood of every next token, the argmax at every position), window by window."""
     nll, argmax = 0.0, []
+    cover = getattr(model, "cover_positions", None)  # the fast path's rope tables, grown where the window needs it
+    if cover is not None:
+        cover(window)
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, window):
             chunk = torch.tensor(ids[start : start + window + 1], device=device)

@@ -245,6 +245,7 @@ class DraftProposer:
     def __init__(self, model: Transformer, length: int, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.length = min(length, model.args.max_seq_len)
+        model.cover_positions(self.length)
         self.cache = StaticKVCache.allocate(model.args, 1, self.length, dtype, device)
         self.device = device
         self.arange = torch.arange(self.length, device=device)

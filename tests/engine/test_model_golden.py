@@ -112,6 +112,9 @@ class _Tap:
     def weight_bytes(self):
         return self.model.weight_bytes()
 
+    def cover_positions(self, n: int) -> None:
+        self.model.cover_positions(n)
+
 
 @pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-untied-rope-scaled", "gemma3"])
@@ -199,6 +202,53 @@ def test_static_cache_crosses_a_context_bucket():
         for s in range(1, 13):
             runner.step(s)
     assert runner.out[0, :13].tolist() == want_tokens
+
+
+@pytest.mark.parametrize("name", ["llama-untied-rope-scaled", "gemma3"])
+@pytest.mark.parametrize("kv", ["static", "dynamic"])
+def test_rope_tables_grow_to_what_a_runner_needs(name, kv, monkeypatch):
+    """A model is built with rope tables for the first positions only; a runner for a longer context grows them
+    (the sliding-window layers' own tables too) to the values the whole context's tables have there, and the
+    tokens past the first tables still match transformers."""
+    import engine.model
+
+    cfg, ref = hf_model(name, max_position_embeddings=1024)
+    full = build_transformer(cfg, hf_state(ref), torch.float32, torch.device("cpu"))
+    assert full.rope_positions == 1024
+    monkeypatch.setattr(engine.model, "ROPE_POSITIONS_AT_LOAD", 16)
+    ours = build_transformer(cfg, hf_state(ref), torch.float32, torch.device("cpu"))
+    assert ours.rope_positions == 16
+    prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5))
+    want_tokens, _ = _reference_decode(ref, prompt, steps=10)
+    runner = _make_runner(kv, ours, 1)
+    assert ours.rope_positions == 257  # the runner's length and one spare position (a static cache's)
+    for a, b in [(ours.rope_cos, full.rope_cos), (ours.rope_sin, full.rope_sin)]:
+        assert torch.equal(a, b[: a.shape[0]])
+    if name == "gemma3":
+        assert ours.rope_cos_local is not None and full.rope_cos_local is not None
+        assert ours.rope_cos_local.shape[0] == ours.rope_positions
+        assert torch.equal(ours.rope_cos_local, full.rope_cos_local[: ours.rope_positions])
+    with torch.no_grad():
+        runner.prefill(prompt, GREEDY)
+        for s in range(1, 11):
+            runner.step(s)
+    assert runner.out[0, :11].tolist() == want_tokens
+    ours.cover_positions(300)  # at least doubled, within the context
+    assert ours.rope_positions == 2 * 257
+    ours.cover_positions(5000)  # never past the context
+    assert ours.rope_positions == 1024 and torch.equal(ours.rope_sin, full.rope_sin)
+
+
+def test_rope_tables_given_by_hand_are_not_grown():
+    from engine.model import ModelArgs, Transformer, rope_tables
+
+    cfg, _ = hf_model("llama", max_position_embeddings=1024)
+    args = ModelArgs.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(args, *rope_tables(cfg, args.head_dim, 64))
+    model.cover_positions(64)
+    with pytest.raises(ValueError, match="hold 64 positions and cannot be extended to 65"):
+        model.cover_positions(65)
 
 
 def test_missing_weight_is_named():
