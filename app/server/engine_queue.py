@@ -51,6 +51,11 @@ class Job:
     sink: Sink
     cancel: threading.Event = field(default_factory=threading.Event)
     accepted: float = field(default_factory=time.perf_counter)
+    state: str = "queued"  # then "running", or "withdrawn": its client went away while it waited (the queue's lock)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
 
 
 class QueueFull(Exception):
@@ -94,16 +99,42 @@ class EngineQueue:
         self._mean_job_s: Optional[float] = None
         self._current: Optional[Job] = None
         self._started = 0.0  # when the current job started running
+        self._shutting_down = False
         self._thread = threading.Thread(target=self._loop, name="gapless-serve-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self._shutting_down:
+                raise shutting_down()
             if self.stats.waiting >= self.max_waiting + (0 if self.stats.running else 1):
                 self.stats.rejected += 1
                 raise QueueFull(self.stats.waiting, self._retry_after_s())
             self.stats.waiting += 1
             self._jobs.put(job)  # with the count, so whoever sees one waiting finds it queued (put never blocks)
+
+    def withdraw(self, job: Job) -> None:
+        """`job`'s client went away: where the job still waits, its place in the queue is free at once (it counts
+        as cancelled, and the engine never sees it); a running job is stopped by its cancel event instead."""
+        job.cancel.set()
+        with self._lock:
+            if job.state != "queued":
+                return
+            job.state = "withdrawn"
+            self.stats.waiting -= 1
+            self.stats.cancelled += 1
+
+    def shut_down(self) -> None:
+        """The server is stopping (Ctrl-C, or the app's Stop): new requests are refused, and the running one and the
+        queued ones end now, each with a 503 saying so (a stream's last event), rather than the generation running
+        on through the HTTP server's graceful shutdown and being cut there."""
+        with self._lock:
+            self._shutting_down = True
+            with self._jobs.mutex:
+                jobs = [self._current, *self._jobs.queue]
+        for job in jobs:
+            if job is not None:
+                job.cancel.set()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop taking jobs: the queued ones are cancelled, the running one stops at its next step."""
@@ -131,6 +162,9 @@ class EngineQueue:
             if job is None:
                 return
             with self._lock:
+                if job.state == "withdrawn":
+                    continue
+                job.state = "running"
                 self.stats.waiting -= 1
                 self.stats.running += 1
                 self._current = job
@@ -173,11 +207,8 @@ class EngineQueue:
             self._fail(job, ApiError(503, "no model is loaded", "server_error", code="no_model"))
             return
         if job.cancel.is_set():
-            self._end(
-                job,
-                "cancelled",
-                Failed(ApiError(499, "the client went away before the request started", code="cancelled")),
-            )
+            gone = ApiError(499, "the client went away before the request started", code="cancelled")
+            self._end(job, "cancelled", Failed(shutting_down() if self._shutting_down else gone))
             return
         try:
             sampling, prompt_tokens = prepare(engine, req)
@@ -209,6 +240,9 @@ class EngineQueue:
                 except GaplessError as exc:
                     log.warning("serve: restoring the engine options failed: %s", exc)
         cancelled = job.cancel.is_set() and "cancelled" in result.finish_reasons
+        if cancelled and self._shutting_down:
+            self._end(job, "cancelled", Failed(shutting_down()))
+            return
         self._end(job, "cancelled" if cancelled else "served", Finished(result, queue_ms))
 
 
@@ -232,10 +266,10 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
                 "max_tokens",
                 "missing_max_tokens",
             )
-        sampling = SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens, seed=req.seed, stop=req.stop
-        ).validate()
-        return sampling, 0
+        for name, off in (("top_k", 0), ("repetition_penalty", 1.0)):
+            if getattr(req, name) != off:
+                raise bad(f"'{name}' is not passed on to a remote model's server", name, "unsupported_parameter")
+        return sampling_of(req, req.max_tokens), 0
     ctx = engine.context_length
     full = build_prompt(engine.tokenizer, req.messages, 1 << 40, 1, raw=req.raw)
     n = len(full.ids)
@@ -255,7 +289,16 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
             "max_tokens",
             "context_length_exceeded",
         )
-    sampling = SamplingParams(
-        temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_new, seed=req.seed, stop=req.stop
+    return sampling_of(req, max_new), n
+
+
+def sampling_of(req: Request, max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        repetition_penalty=req.repetition_penalty,
+        max_new_tokens=max_new_tokens,
+        seed=req.seed,
+        stop=req.stop,
     ).validate()
-    return sampling, n

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import threading
@@ -22,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.server.engine_queue import EngineQueue, Failed, Finished, Job, QueueFull, Started
 from app.server.protocol import (
@@ -104,6 +105,57 @@ class SSEResponse(StreamingResponse):
             tg.cancel_scope.cancel()
 
 
+def is_loopback(host: str) -> bool:
+    """localhost, 127.0.0.0/8 or ::1 (bracketed or not)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port: "127.0.0.1:8080" -> "127.0.0.1", "[::1]:80" -> "[::1]"."""
+    if header.startswith("["):
+        return header.partition("]")[0] + "]"
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+class LocalOnly:
+    """A server without an API key listens on loopback only (run.check_address): other machines cannot reach it,
+    but web pages in this machine's browser can. Any page may send it a POST that needs no preflight (a form's
+    text/plain body is read as JSON here), starting generations; a page whose name is made to resolve to 127.0.0.1
+    (DNS rebinding) may also read the answers. So without a key a request is answered only where it names this
+    machine in its Host header and carries no Origin (browsers send one with every cross-origin request, and
+    with every POST) other than the origins allowed with --cors-origin. A server with a key needs neither check:
+    a page cannot know the key."""
+
+    def __init__(self, app: ASGIApp, allowed_origins: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed_origins = allowed_origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            host, origin = headers.get("host"), headers.get("origin")
+            why = None
+            if host is not None and not is_loopback(host_name(host)):
+                why = (
+                    f"this server has no API key, so it answers only requests addressed to this machine "
+                    f"(Host: localhost or a loopback address), not {host!r}"
+                )
+            elif origin is not None and origin not in self.allowed_origins:
+                why = (
+                    f"this server has no API key, so it does not answer web pages (Origin: {origin!r}); "
+                    "allow the page's origin with --cors-origin, or serve with --api-key"
+                )
+            if why is not None:
+                await _error_response(ApiError(403, why, code="forbidden"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -177,8 +229,9 @@ class Api:
             except RuntimeError:  # the event loop is gone: the server is stopping
                 cancel.set()
 
+        job = Job(req, sink, cancel)
         try:
-            self.engines.submit(Job(req, sink, cancel))
+            self.engines.submit(job)
         except QueueFull as exc:
             raise ApiError(
                 503,
@@ -199,7 +252,7 @@ class Api:
                 assert isinstance(last, Finished)
                 return JSONResponse(completion_object(req, last.result, last.queue_ms))
         except BaseException:
-            cancel.set()
+            self.engines.withdraw(job)  # sets its cancel event; a waiting job also frees its place in the queue
             raise
         finally:
             gone.cancel()
@@ -267,13 +320,16 @@ def create_app(engines: EngineQueue, config: Optional[ServeConfig] = None) -> St
         Route("/v1/completions", api.text, methods=["POST"]),
     ]
     middleware = []
+    if config.api_key is None:
+        middleware.append(Middleware(LocalOnly, allowed_origins=config.cors_origins))
     if config.cors_origins:
         middleware.append(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.cors_origins),
                 allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"],
+                # any header a preflight names: the OpenAI SDKs send their own (X-Stainless-*) on every request
+                allow_headers=["*"],
             )
         )
     return Starlette(

@@ -26,6 +26,17 @@ UNSUPPORTED = {
     "echo": "echo is not supported",
     "suffix": "suffix (insertion) is not supported",
     "audio": "audio output is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "min_p": "min_p is not supported (only 0)",
+}
+# Fields refused unless they ask for what the server does anyway: plain text, no tool calls.
+PLAIN_ONLY = {
+    "response_format": (
+        lambda v: isinstance(v, dict) and v.get("type") == "text",
+        "only {'type': 'text'} is supported (no JSON mode or schema)",
+    ),
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool calls are not supported"),
+    "modalities": (lambda v: isinstance(v, list) and all(m == "text" for m in v), "only text output is supported"),
 }
 
 
@@ -67,6 +78,8 @@ class Request:
     max_tokens: Optional[int] = None  # None: up to the end of the context
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # an extension, as vLLM's and llama.cpp's servers take it (0 = off)
+    repetition_penalty: float = 1.0  # likewise (1 = off)
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -193,7 +206,11 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         )
     for name, why in UNSUPPORTED.items():
         v = body.get(name)
-        if v not in (None, False, [], 0):
+        if v not in (None, False, [], {}, 0):
+            raise bad(f"'{name}': {why}", name, "unsupported_parameter")
+    for name, (plain, why) in PLAIN_ONLY.items():
+        v = body.get(name)
+        if v is not None and not plain(v):
             raise bad(f"'{name}': {why}", name, "unsupported_parameter")
     for name in ("frequency_penalty", "presence_penalty"):
         if _num(body, name, -2.0, 2.0, 0.0) != 0.0:
@@ -207,6 +224,10 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, MAX_NEW_TOKENS_LIMIT)
     seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
+    top_p = _num(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:  # only the most likely token is left: greedy
+        temperature, top_p = 0.0, 1.0
     req = Request(
         chat=chat,
         model=model,
@@ -214,8 +235,10 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         raw=not chat,
         n=_int(body, "n", 1, MAX_CANDIDATES) or 1,
         max_tokens=max_tokens,
-        temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_int(body, "top_k", 0, 1 << 20) or 0,
+        repetition_penalty=_num(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
         seed=None if seed is None else seed % 2**63,
         stop=_stop(body),
         stream=_bool(body, "stream"),

@@ -3,16 +3,16 @@ thread (the app's Server panel and the tests)."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
-from typing import Any, Optional
+from types import FrameType
+from typing import Any, Callable, Optional
 
 import uvicorn
 
 from app.server.engine_queue import EngineQueue
-from app.server.http import ServeConfig, create_app
+from app.server.http import ServeConfig, create_app, is_loopback
 from engine.errors import GaplessError
 
 log = logging.getLogger(__name__)
@@ -22,20 +22,17 @@ class ServeError(GaplessError):
     """The server cannot listen as asked."""
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def check_address(host: str, api_key: Optional[str]) -> None:
+    """Another address than loopback needs an API key; a key must be one a client can send."""
     if not is_loopback(host) and not api_key:
         raise ServeError(
             f"refusing to listen on {host} without an API key: anyone who can reach this machine "
             "could use the model; pass --api-key KEY, or listen on 127.0.0.1"
+        )
+    if api_key and not (api_key.isascii() and api_key.isprintable() and api_key == api_key.strip()):
+        raise ServeError(
+            "the API key must be printable ASCII without leading or trailing spaces: clients send it in an "
+            "HTTP header, where other characters do not arrive as typed"
         )
 
 
@@ -65,23 +62,35 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, which first calls `on_exit` when told to stop (Ctrl-C, SIGTERM): the generations in
+    flight end then, so their clients are answered before the graceful shutdown would cut them."""
+
+    def __init__(self, app: Any, on_exit: Optional[Callable[[], None]] = None):
+        super().__init__(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        )
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        if self.on_exit is not None:
+            # a signal handler runs between two bytecodes of the main thread, which may hold the lock on_exit takes
+            threading.Thread(target=self.on_exit, name="gapless-serve-exit", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+
 def uvicorn_server(engines: EngineQueue, config: ServeConfig) -> uvicorn.Server:
-    app = create_app(engines, config)
-    return uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
-    )
+    return _Server(create_app(engines, config), engines.shut_down)
 
 
 class AsgiThread:
     """An ASGI app served by uvicorn on its own thread, on a socket bound here. stop() lets running requests
     end (cut after the graceful-shutdown time) and closes the socket."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, on_stop: Optional[Callable[[], None]] = None):
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
-        )
+        self.server = _Server(app, on_stop)
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="gapless-serve-http", daemon=True)
         self._thread.start()
@@ -94,6 +103,8 @@ class AsgiThread:
             self.error = exc
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.server.on_exit is not None:
+            self.server.on_exit()
         self.server.should_exit = True
         self._thread.join(timeout_s)
         self.sock.close()
@@ -108,4 +119,4 @@ class BackgroundServer(AsgiThread):
         config = config or ServeConfig()
         check_address(host, config.api_key)
         self.engines = engines
-        super().__init__(create_app(engines, config), host, port)
+        super().__init__(create_app(engines, config), host, port, engines.shut_down)

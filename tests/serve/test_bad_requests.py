@@ -63,7 +63,10 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ),
         ({"temperature": "hot"}, "temperature", "invalid_type", "number"),
         ({"temperature": 3}, "temperature", "invalid_value", "temperature"),
-        ({"top_p": 0}, "top_p", "invalid_value", "top_p"),
+        ({"top_p": -0.1}, "top_p", "invalid_value", "top_p"),
+        ({"top_p": 1.5}, "top_p", "invalid_value", "top_p"),
+        ({"top_k": -1}, "top_k", "invalid_value", "between"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value", "repetition_penalty"),
         ({"max_tokens": "ten"}, "max_tokens", "invalid_type", "integer"),
         ({"max_tokens": True}, "max_tokens", "invalid_type", "integer"),
         ({"max_tokens": -5}, "max_tokens", "invalid_value", "between"),
@@ -81,6 +84,14 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"stream_options": {"include_usage": 1}}, "include_usage", "invalid_type", "true or false"),
         ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter", "not supported"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter", "not supported"),
+        # what would change the answer's form is refused, never ignored: JSON mode, forced tools, audio, biases
+        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter", "json"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "unsupported_parameter", "json"),
+        ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter", "not supported"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice", "unsupported_parameter", "not supported"),
+        ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter", "only text"),
+        ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter", "not supported"),
+        ({"min_p": 0.05}, "min_p", "unsupported_parameter", "not supported"),
         ({"model": 7}, "model", "invalid_type", "string"),
     ],
 )
@@ -164,6 +175,25 @@ def test_no_cors_headers_unless_asked(server):
     assert "access-control-allow-origin" not in pre.headers
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "text"}},
+        {"tool_choice": "none"},
+        {"modalities": ["text"]},
+        {"logit_bias": {}},
+        {"min_p": 0},
+    ],
+)
+def test_fields_that_ask_for_what_the_server_does_are_taken(server, fields):
+    r = post(server, chat_body(server, temperature=0, **fields))
+    assert r.status_code == 200, r.text
+    assert (
+        r.json()["choices"][0]["message"]["content"]
+        == post(server, chat_body(server, temperature=0)).json()["choices"][0]["message"]["content"]
+    )
+
+
 def test_still_serving_after_all_that(server):
     r = post(server, chat_body(server))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
@@ -210,3 +240,77 @@ def test_cors_only_for_the_given_origin(keyed):
         f"{keyed.url}/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"}
     )
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_preflight_may_name_any_header_for_an_allowed_origin(keyed):
+    """The OpenAI and Anthropic JavaScript SDKs send X-Stainless-* headers with every request."""
+    asked = "authorization, content-type, x-stainless-os, x-stainless-lang"
+    pre = httpx.options(
+        f"{keyed.url}/chat/completions",
+        headers={
+            "Origin": "http://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": asked,
+        },
+    )
+    assert pre.status_code == 200, pre.text
+    allowed = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+    assert {"x-stainless-os", "x-stainless-lang", "authorization"} <= allowed
+
+
+def test_without_a_key_web_pages_and_other_host_names_are_refused(server):
+    """A keyless server is loopback-only, which keeps out other machines but not this machine's browser: a page's
+    form POST (no preflight) or a page whose name resolves to 127.0.0.1 (DNS rebinding). Both are 403, and the
+    engine never sees them."""
+    served = server.engines.stats.served
+    body = json.dumps(chat_body(server)).encode()
+    form = httpx.post(
+        server.url + "/chat/completions",
+        content=body,
+        headers={"content-type": "text/plain", "origin": "http://evil.example"},
+        timeout=60,
+    )
+    assert_error(form, 403, code="forbidden", words="does not answer web pages")
+    rebound = httpx.get(f"{server.url}/models", headers={"host": "attacker.example:8080"})
+    assert_error(rebound, 403, code="forbidden", words="'attacker.example:8080'")
+    assert server.engines.stats.served == served
+    port = server.url.split(":")[2].split("/")[0]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert httpx.get(f"{server.url}/models", headers={"host": host}).status_code == 200, host
+    assert post(server, chat_body(server)).status_code == 200  # no Origin: a program, not a page
+
+
+def test_with_a_key_a_page_needs_the_key(keyed):
+    """With a key the server may listen beyond loopback (any Host) and a page may call it, as it cannot know the
+    key: only the key is checked."""
+    page = {"Origin": "http://evil.example", "host": "gpu-box.lan:8000"}
+    assert_error(httpx.get(f"{keyed.url}/models", headers=page), 401, code="invalid_api_key")
+    ok = httpx.get(f"{keyed.url}/models", headers={**page, "Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200
+
+
+def test_an_allowed_origin_is_answered_without_a_key(tiny_llama):
+    engine = load_engine(tiny_llama)
+    try:
+        with serving(engine, config=ServeConfig(cors_origins=("http://app.example",))) as srv:
+            r = httpx.post(
+                srv.url + "/chat/completions",
+                json=chat_body(srv),
+                headers={"Origin": "http://app.example"},
+                timeout=60,
+            )
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+            assert_error(
+                httpx.get(f"{srv.url}/models", headers={"Origin": "http://other.example"}), 403, code="forbidden"
+            )
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("key", ["clé", "tab\tkey", " spaced", "sk-1\n"])
+def test_a_key_no_client_could_send_is_refused_at_start(key):
+    from app.server.run import ServeError, check_address
+
+    with pytest.raises(ServeError, match="printable ASCII"):
+        check_address("127.0.0.1", key)
+    check_address("0.0.0.0", "sk-fine_0123")

@@ -111,6 +111,22 @@ def test_n_2_are_the_engine_candidates(client, server, reference):
     assert [streamed[0], streamed[1]] == ref.texts
 
 
+def test_top_k_and_repetition_penalty_are_the_engine_s(client, server, reference):
+    """Extensions vLLM's and llama.cpp's servers take too: passed to the engine's sampler, not ignored."""
+    kw = dict(model=model_id(server), messages=HELLO, max_tokens=16, seed=9)
+    for extra in ({"top_k": 3}, {"repetition_penalty": 1.8}, {"top_k": 5, "repetition_penalty": 0.7}):
+        r = client.chat.completions.create(**kw, temperature=1.3, extra_body=extra)
+        ref = direct(reference, HELLO, temperature=1.3, max_new_tokens=16, seed=9, **extra)
+        assert r.choices[0].message.content == ref.texts[0], extra
+    plain = client.chat.completions.create(**kw, temperature=1.3).choices[0].message.content
+    assert plain != direct(reference, HELLO, temperature=1.3, max_new_tokens=16, seed=9, top_k=3).texts[0]
+
+
+def test_top_p_0_is_greedy(client, server, reference):
+    r = client.chat.completions.create(model=model_id(server), messages=HELLO, max_tokens=12, top_p=0, seed=4)
+    assert r.choices[0].message.content == direct(reference, HELLO, temperature=0.0, max_new_tokens=12).texts[0]
+
+
 def test_the_same_seed_gives_the_same_text(client, server):
     kw = dict(model=model_id(server), messages=HELLO, max_tokens=16, temperature=1.2)
     a, b, c = (client.chat.completions.create(**kw, seed=s).choices[0].message.content for s in (5, 5, 6))

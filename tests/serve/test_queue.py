@@ -16,6 +16,7 @@ from serving import HeldEngine, load_engine, request_body, serving, wait_until
 import engine.observers as engine_observers
 from app.server.engine_queue import EngineQueue, Failed, Finished, Job
 from app.server.protocol import parse_request
+from app.server.run import BackgroundServer
 
 
 @pytest.fixture
@@ -136,6 +137,9 @@ def test_a_client_gone_while_queued_never_reaches_the_engine(held):
         queued = list(server.engines._jobs.queue)[0]
         sock.close()
         assert queued.cancel.wait(60)  # seen while the request waits
+        # its place is free at once, counted as cancelled, before the engine is free
+        assert wait_until(lambda: server.engines.stats.waiting == 0)
+        assert server.engines.stats.cancelled == 1 and queued.state == "withdrawn"
         third: dict = {}
         t = threading.Thread(
             target=lambda: third.update(
@@ -143,10 +147,82 @@ def test_a_client_gone_while_queued_never_reaches_the_engine(held):
             )
         )
         t.start()
-        assert wait_until(lambda: server.engines.stats.waiting == 2)
+        assert wait_until(lambda: server.engines.stats.waiting == 1)
         held.release.set()
         list(first)
         t.join(120)
         assert third["r"].usage.completion_tokens >= 1
         assert len(held.results) == 2  # the first and the third: the second was skipped
         assert server.engines.stats.cancelled == 1 and server.engines.stats.served == 2
+
+
+def test_a_client_gone_while_queued_frees_its_place_in_a_full_queue(held):
+    """With room for one waiting request, a client that gave up waiting leaves the room to the next one."""
+    with serving(held, max_waiting=1) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        first = client.chat.completions.create(**request_body(server, max_tokens=4, seed=1), stream=True)
+        assert held.reached.wait(60)
+        with pytest.raises(httpx.TimeoutException):  # a client that gives up after 1 s
+            httpx.post(f"{server.url}/chat/completions", json=request_body(server, max_tokens=3), timeout=1.0)
+        assert wait_until(lambda: server.engines.stats.waiting == 0)
+        later: dict = {}
+        t = threading.Thread(
+            target=lambda: later.update(
+                r=httpx.post(
+                    f"{server.url}/chat/completions", json=request_body(server, max_tokens=3, seed=2), timeout=120
+                )
+            )
+        )
+        t.start()
+        assert wait_until(lambda: server.engines.stats.waiting == 1)
+        held.release.set()
+        list(first)
+        t.join(120)
+        assert later["r"].status_code == 200, later["r"].text
+        stats = server.engines.stats
+        assert (stats.served, stats.cancelled, stats.rejected, stats.waiting) == (2, 1, 0, 0)
+        assert len(held.results) == 2
+
+
+def test_stopping_the_server_answers_the_requests_in_flight_at_once(held):
+    """Stopping (the app's Stop, or Ctrl-C on `gapless serve`) ends the running generation and the queued ones with
+    a 503 saying so, instead of letting them run on until the HTTP server's graceful shutdown cuts them."""
+    engines = EngineQueue(held)
+    server = BackgroundServer(engines)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    outcomes: dict = {}
+
+    def stream() -> None:
+        body = request_body(server, max_tokens=220, seed=5, stream=True)
+        with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=120) as r:
+            outcomes["stream"] = [line for line in r.iter_lines() if line]
+
+    def queued() -> None:
+        try:
+            client.chat.completions.create(**request_body(server, max_tokens=3))
+        except openai.APIStatusError as exc:
+            outcomes["queued"] = exc
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=queued)]
+    threads[0].start()
+    try:
+        assert held.reached.wait(60)
+        threads[1].start()
+        assert wait_until(lambda: engines.stats.waiting == 1)
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        assert held.cancel is not None and held.cancel.wait(60)  # the running generation was told to stop
+        held.release.set()
+        for t in threads:
+            t.join(60)
+        stopper.join(60)
+    finally:
+        held.release.set()
+        engines.close()
+    last = json.loads(outcomes["stream"][-2][6:])
+    assert outcomes["stream"][-1] == "data: [DONE]" and last["error"]["code"] == "shutting_down"
+    assert held.results[0].finish_reasons == ["cancelled"] and len(held.results) == 1
+    exc = outcomes["queued"]
+    assert exc.status_code == 503 and exc.code == "shutting_down"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/models", timeout=5)
