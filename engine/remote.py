@@ -359,6 +359,14 @@ class RemoteEngine:
         self._server_figures(result.metrics, stream, before, side.get("during"), self._vllm_read())
         if n > 1 and len(stream.texts) < n:
             result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")
+        left = [f"top-k {sampling.top_k}"] if sampling.top_k and sampling.temperature > 0 else []
+        if sampling.repetition_penalty != 1.0:
+            left.append(f"repetition penalty {sampling.repetition_penalty:g}")
+        if left:  # OpenAI's API refuses fields it does not know, so they are not sent
+            result.notices.append(
+                f"{' and '.join(left)} not applied: the OpenAI API has no such setting, so the remote server "
+                "sampled without it"
+            )
         return result
 
     def _pump(self, path: str, body: dict, lines: "queue.Queue[tuple[str, Any, float]]", stop: threading.Event) -> None:
