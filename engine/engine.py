@@ -85,6 +85,9 @@ class Engine:
         self.args = self._fast_args()
         self.fast = self.args is not None
         self._fused_failed: Optional[str] = None  # why the fused kernels failed here once; not tried again
+        # read by effective() (what a draft model refused), so set before the options are first resolved
+        self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
+        self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
         self.options = options.validate()
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
@@ -92,8 +95,6 @@ class Engine:
         self.weights = eff.weights
         self.model: Optional[Union[Transformer, PreTrainedModel]] = None  # the fast path's or the fallback's
         self._runners: dict[tuple, RunnerBase] = {}
-        self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
-        self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
         self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
         self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()

@@ -474,6 +474,29 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_factory, tmp_path
         eng.close()
 
 
+def test_a_draft_model_given_at_load_drafts_or_is_refused(tiny_factory, tmp_path):
+    """As `gapless generate --speculation draft --draft-model PATH` loads: the draft options from the start."""
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
+    try:
+        got = eng.generate(REPEATS, GREEDY)
+        assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
+        eng.reconfigure(CPU)
+        assert got.token_ids == eng.generate(REPEATS, GREEDY).token_ids
+    finally:
+        eng.close()
+    missing = str(tmp_path / "nowhere")
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=missing))
+    try:
+        assert "could not be loaded" in eng.unavailable()["speculation"]
+        assert eng.generate(PLAIN, GREEDY).options.speculation == "off"
+    finally:
+        eng.close()
+
+
 def test_vocabulary_mismatch_names_remapped_tokens():
     class Tok:
         def __init__(self, vocab):
