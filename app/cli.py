@@ -45,6 +45,32 @@ def _draft_tokens(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _folder(value: str) -> Path:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder")
+    return Path(value)
+
+
+MIN_PX, MAX_PX = 200, 8192  # a window size that Qt lays out and paints, and whose screenshot fits in memory
+
+
+def _pixels(value: str) -> int:
+    n = _positive_int(value)
+    if not MIN_PX <= n <= MAX_PX:
+        raise argparse.ArgumentTypeError(f"must be between {MIN_PX} and {MAX_PX} pixels, got {n}")
+    return n
+
+
 def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculation",
@@ -209,13 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --speculation-workloads: comma-separated dtypes (default fp32 on the CPU, fp16 on CUDA)",
     )
     bench.add_argument("--cuda-graph", action="store_true", help="with --speculation-workloads: capture the steps")
-    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the bench")
+    bench.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads for the bench")
 
     replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
     replay.add_argument("file", type=Path)
     replay.add_argument("--screenshot", type=Path, default=None, help="save the HUD as PNG and exit")
-    replay.add_argument("--width", type=int, default=520)
-    replay.add_argument("--height", type=int, default=860)
+    replay.add_argument("--width", type=_pixels, default=520, help=f"the HUD's width in pixels ({MIN_PX}-{MAX_PX})")
+    replay.add_argument("--height", type=_pixels, default=860, help=f"its height in pixels ({MIN_PX}-{MAX_PX})")
     replay.add_argument("--theme", choices=["system", "light", "dark"], default=None)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model (until Ctrl+C)")
     _add_engine_options(serve)
@@ -255,7 +281,7 @@ def _add_global_options(p: argparse.ArgumentParser, default: object) -> None:
         default=False if default is None else default,
         help="debug logging to stderr; tracebacks on errors",
     )
-    p.add_argument("--data-dir", type=Path, default=default, help="keep chats, settings and logs under this folder")
+    p.add_argument("--data-dir", type=_folder, default=default, help="keep chats, settings and logs under this folder")
 
 
 def _global_options_after_the_command(parser: argparse.ArgumentParser) -> None:

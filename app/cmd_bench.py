@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from engine import figures
+from engine.errors import OptionsError
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
-from engine.types import PRESETS, describe_options
+from engine.paths import output_file, write_whole
+from engine.types import DTYPES, PRESETS, describe_options
 
 NA = "n/a"
 
@@ -216,17 +218,16 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_whole(output_file(path, "the bench's JSON"), json.dumps(report, indent=1, ensure_ascii=False) + "\n")
 
 
 def spec_config_from_args(args: argparse.Namespace):
     from engine.bench_spec import SpecBenchConfig
 
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip()) if args.dtypes else ()
+    wrong = [d for d in dtypes if d not in DTYPES]
+    if wrong:
+        raise OptionsError(f"--dtypes: unknown dtype {wrong[0]!r}; choose from {', '.join(DTYPES)}")
     return SpecBenchConfig(
         model=args.model,
         device=args.device,
@@ -246,8 +247,6 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
     from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
 
     if args.turns < 1 or args.repeats < 1:
-        from engine.errors import OptionsError
-
         raise OptionsError("--turns and --repeats must be at least 1")
     config = ConversationConfig(
         model=args.model, device=args.device, turns=args.turns, max_new_tokens=args.max_new_tokens, repeats=args.repeats
@@ -256,6 +255,10 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.json is not None:  # refused before the bench runs, not after it
+        output_file(args.json, "the bench's JSON")
+    if getattr(args, "speculation_workloads", False):
+        spec_config_from_args(args)  # its options checked before any model loads
     if getattr(args, "threads", None):  # every kind of bench runs on the threads it was given
         import torch
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from engine.diagnosis import diagnose
 from engine.errors import OptionsError
+from engine.paths import output_file
 from engine.recording import Recorder, save
 from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, describe_options, preset_options
 
@@ -60,6 +61,8 @@ def run_generate(args) -> int:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.prompt})
     stream = not args.json
+    if args.telemetry_out is not None:  # refused before the model loads, not after the answer
+        output_file(args.telemetry_out, "the telemetry")
 
     def progress(p: Progress) -> None:
         if stream and sys.stderr.isatty():

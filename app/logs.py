@@ -25,6 +25,10 @@ def setup_logging(log_file: Path, verbose: bool = False) -> None:
         fh.setFormatter(logging.Formatter(FORMAT))
         fh._gapless = True  # type: ignore[attr-defined]
         root.addHandler(fh)
+    if fh is None and not verbose:  # no log file: logging's last resort would print warnings and tracebacks
+        nh = logging.NullHandler()
+        nh._gapless = True  # type: ignore[attr-defined]
+        root.addHandler(nh)
     if verbose:  # without --verbose, stderr carries only the one-line error messages of the CLI
         sh = logging.StreamHandler()
         sh.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

@@ -36,8 +36,14 @@ class AppPaths:
         return paths
 
     def ensure(self) -> "AppPaths":
+        """The four folders made where missing; OutputPathError where one cannot be (a file in the way, no rights)."""
+        from engine.errors import OutputPathError
+
         for p in (self.data, self.config, self.logs, self.cache):
-            p.mkdir(parents=True, exist_ok=True)
+            try:
+                p.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputPathError(f"cannot use {p} as a folder of the app's: {exc.strerror or exc}") from None
         return self
 
     @property

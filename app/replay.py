@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
+from engine.errors import OutputPathError
+from engine.paths import output_file
 from engine.recording import Recording, load
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,17 @@ def run_replay(args: argparse.Namespace) -> int:
     from ui.theme import ThemeManager
 
     recording = load(args.file)
+    out = None if args.screenshot is None else output_file(args.screenshot, "the screenshot")
     app = qt_application()
+    if out is not None:
+        from PySide6.QtGui import QImageWriter
+
+        formats = sorted(bytes(f.data()).decode() for f in QImageWriter.supportedImageFormats())
+        if out.suffix.lower().lstrip(".") not in formats:
+            raise OutputPathError(
+                f"cannot write the screenshot to {args.screenshot}: its suffix names no image format Qt writes "
+                f"({', '.join(formats)})"
+            )
     ThemeManager(app, args.theme or "system")
     panel = show(recording)
     gpu = (recording.machine.get("gpus") or [{}])[0].get("name") if recording.machine else None
@@ -60,10 +71,8 @@ def run_replay(args: argparse.Namespace) -> int:
     loop = QEventLoop()
     QTimer.singleShot(SETTLE_MS, loop.quit)
     loop.exec()
-    out = Path(args.screenshot)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    assert out is not None
     if not panel.grab().save(str(out)):
-        log.error("could not write %s", out)
-        return 1
-    print(out)
+        raise OutputPathError(f"could not write the screenshot to {args.screenshot}")
+    print(args.screenshot)
     return 0

@@ -23,3 +23,7 @@ class FetchError(GaplessError):
 
 class GenerationError(GaplessError):
     """A generation that could not run (e.g. an empty prompt)."""
+
+
+class OutputPathError(GaplessError):
+    """A file the user asked to have written cannot be written there (a folder, a device, no such folder)."""

@@ -234,6 +234,8 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
 
     checked = []
     for name, shape, type_id, offset in tensors:
+        if offset % alignment:  # as llama.cpp refuses it: a damaged offset, whatever the data there would read as
+            raise ValueError(f"tensor {name!r} starts at offset {offset}, not on the file's {alignment}-byte alignment")
         known = _ggml_type(type_id)
         if known is None:
             checked.append(GGUFTensor(name, shape, type_id, f"type {type_id}", offset, 0))

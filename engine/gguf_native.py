@@ -21,6 +21,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import time
 import uuid
@@ -284,6 +285,7 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
     from engine.loader import _check_causal_lm, _Layout
 
     cfg = config_dict(header)
+    _check_counts(cfg, header, label)
     config = build_config(cfg, label)
     resolved = _resolved(config, cfg, label)
     _check_causal_lm(config.model_type, label, architecture=header.architecture)
@@ -338,6 +340,33 @@ def _resolved(config, cfg: dict[str, Any], label: str) -> Optional[dict[str, Any
     return resolved
 
 
+# the sizes a GGUF's metadata gives that must be positive (a damaged file's 0 would fail far from its cause)
+_COUNTS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+)
+
+
+def _check_counts(cfg: dict[str, Any], header: GGUFHeader, label: str) -> None:
+    """The metadata's sizes are positive and its layer count is the one its tensors are for."""
+    for key in _COUNTS:
+        v = cfg.get(key)
+        if isinstance(v, int) and v < 1:
+            raise ModelLoadError(f"{label}: the GGUF's metadata gives {key} = {v}; it must be at least 1")
+    blocks = {int(m.group(1)) for t in header.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    n = cfg.get("num_hidden_layers")
+    if blocks and isinstance(n, int) and max(blocks) + 1 != n:
+        raise ModelLoadError(
+            f"{label}: the GGUF's metadata says {n} layers, but its tensors are for {max(blocks) + 1} (blk.0 to "
+            f"blk.{max(blocks)}): the file is damaged"
+        )
+
+
 def build_config(cfg: dict[str, Any], label: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -346,7 +375,7 @@ def build_config(cfg: dict[str, Any], label: str):
         raise ModelLoadError(f"{label}: unsupported architecture: model type {model_type!r} is unknown to transformers")
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(cfg))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # the config classes' own checks raise their own kinds (huggingface_hub's, arithmetic)
         raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
 
 

@@ -27,3 +27,38 @@ def compile_cache_dir() -> Path:
     path = cache_dir() / "inductor"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def output_file(path: "str | os.PathLike[str]", what: str) -> Path:
+    """Where to write `what` that the user named `path`: checked before any work is done, so a long run is not lost
+    at its end. A symlink is followed (the file it names is written, the link kept); a folder, a device or any
+    other file that is not a regular one is refused, as is a folder that does not exist (none is created).
+    Raises OutputPathError with the reason."""
+    from engine.errors import OutputPathError
+
+    given = Path(path)
+    target = given.resolve() if given.is_symlink() else given
+    if target.exists() and not target.is_file():
+        kind = "a folder" if target.is_dir() else "not a regular file"
+        raise OutputPathError(f"cannot write {what} to {given}: it is {kind}")
+    folder = target.parent
+    if not folder.is_dir():
+        raise OutputPathError(f"cannot write {what} to {given}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(f"cannot write {what} to {given}: the folder {folder} is not writable")
+    return target
+
+
+def write_whole(path: Path, text: str, mode: int = 0o644) -> None:
+    """`text` written whole or not at all: to a temporary file beside `path`, then renamed over it."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.chmod(tmp, mode)  # mkstemp makes it owner-only
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

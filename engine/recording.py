@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from engine import figures
 from engine.errors import GaplessError
+from engine.paths import output_file, write_whole
 from engine.types import (
     EngineOptions,
     Event,
@@ -117,19 +116,9 @@ class Recorder:
 
 
 def save(recording: Recording, path: Path) -> None:
-    """Written whole or not at all: to a temporary file beside `path`, then renamed over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_finite(recording.to_dict()), ensure_ascii=False, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # an ordinary document, like the exports (mkstemp makes it owner-only)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Written whole or not at all (engine.paths.write_whole), where engine.paths.output_file allows."""
+    target = output_file(path, "the telemetry")
+    write_whole(target, json.dumps(_finite(recording.to_dict()), ensure_ascii=False, allow_nan=False))
 
 
 def _finite(value: Any) -> Any:
@@ -155,6 +144,8 @@ def load(path: Path) -> Recording:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RecordingError(f"{path} is not a telemetry file (not valid JSON: {exc})") from exc
+    except OSError as exc:  # a folder, or unreadable
+        raise RecordingError(f"cannot read the telemetry file {path}: {exc.strerror or exc}") from exc
     return from_dict(doc, str(path))
 
 

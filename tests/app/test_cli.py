@@ -118,3 +118,48 @@ def test_a_global_option_given_after_the_command_wins():
 def test_generate_wants_the_prompt_once(tmp_path, given, error):
     r = gapless("generate", "--model", str(tmp_path / "nope.gguf"), *given)
     assert r.returncode == 2 and r.stderr == f"gapless: error: {error} (see gapless generate --help)\n"
+
+
+def _one_line_error(r, words: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+    assert words in r.stderr, r.stderr
+
+
+def test_output_files_are_checked_before_the_work(tmp_path):
+    """A file the user asked for that cannot be written is refused at once, before a model loads or a bench runs
+    (the model named here does not exist: a check after loading would say so instead)."""
+    (tmp_path / "folder").mkdir()
+    nowhere = str(tmp_path / "nope.gguf")
+    common = ["--data-dir", str(tmp_path / "d")]
+    cases = [
+        (["generate", "--model", nowhere, "--telemetry-out", str(tmp_path / "folder"), "hi"], "it is a folder"),
+        (["generate", "--model", nowhere, "--telemetry-out", "/dev/null", "hi"], "it is not a regular file"),
+        (["generate", "--model", nowhere, "--telemetry-out", str(tmp_path / "no" / "t.json"), "hi"], "does not exist"),
+        (["bench", "--model", nowhere, "--json", str(tmp_path / "folder")], "cannot write the bench's JSON"),
+        (["bench", "--model", nowhere, "--speculation-workloads", "--dtypes", "fp64"], "unknown dtype 'fp64'"),
+        (["bench", "--model", nowhere, "--threads", "0"], "--threads: must be at least 1"),
+        (["replay", str(tmp_path / "folder")], "cannot read the telemetry file"),
+        (["replay", "t.json", "--width", "100000"], "--width: must be between 200 and 8192"),
+    ]
+    for argv, words in cases:
+        _one_line_error(gapless(*common, *argv), words)
+    assert not (tmp_path / "no").exists()  # no folder made on the way
+
+
+def test_telemetry_written_through_a_link_keeps_the_link(tiny_llama, tmp_path):
+    target = tmp_path / "target.json"
+    target.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    generate_json(tiny_llama, "hello", "--max-new-tokens", "3", "--telemetry-out", str(link))
+    assert link.is_symlink() and json.loads(target.read_text())["format"] == "gapless-telemetry"
+
+
+def test_a_data_folder_that_cannot_be_one_is_one_line(tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("hi")
+    r = gapless("--data-dir", str(file), "chats", "list")
+    _one_line_error(r, "cannot use")
+    assert "unexpected error" not in r.stderr
+    _one_line_error(gapless("--data-dir", "", "chats", "list"), "--data-dir: empty")

@@ -266,12 +266,16 @@ def test_describe_options():
 
 def test_write_json_round_trip(tmp_path):
     report, _ = sample_report()
-    path = tmp_path / "out" / "bench.json"
+    path = tmp_path / "bench.json"
     write_json(path, report)
     back = json.loads(path.read_text(encoding="utf-8"))
     assert back["rungs"][2]["speedup_vs_naive"] == 2.5
     assert back["rungs"][3]["status"] == "skipped"
-    assert not list(path.parent.glob("*.tmp"))
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left
+    from engine.errors import OutputPathError
+
+    with pytest.raises(OutputPathError, match="the folder .*out does not exist"):
+        write_json(tmp_path / "out" / "bench.json", report)
 
 
 def test_matching_prefix():

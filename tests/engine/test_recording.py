@@ -115,7 +115,7 @@ def test_a_write_that_fails_leaves_no_partial_file(recorded, tmp_path, monkeypat
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("engine.recording.os.replace", broken)
+    monkeypatch.setattr("engine.paths.os.replace", broken)
     with pytest.raises(OSError, match="disk full"):
         save(recording, target)
     assert json.loads(target.read_text())["kept"] is True

@@ -216,6 +216,55 @@ def test_empty_gguf(tmp_path):
     _refused(ModelLoadError, path, "empty")
 
 
+def _patched(gguf_bytes: bytes, key: str, value: int) -> bytes:
+    """The file with the integer metadata value under `key` replaced (its width kept: uint32 as the writer
+    writes sizes)."""
+    import struct
+
+    data = bytearray(gguf_bytes)
+    at = data.index(key.encode()) + len(key)
+    (type_id,) = struct.unpack_from("<I", data, at)
+    assert type_id == 4, f"{key} is ggml value type {type_id}, not uint32"
+    struct.pack_into("<I", data, at + 4, value)
+    return bytes(data)
+
+
+def _tensor_offset_moved(gguf_bytes: bytes, name: str, by: int) -> bytes:
+    import struct
+
+    data = bytearray(gguf_bytes)
+    at = data.index(name.encode()) + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    at += 4 + 8 * n_dims + 4  # the dims, then the type
+    (offset,) = struct.unpack_from("<Q", data, at)
+    struct.pack_into("<Q", data, at, offset + by)
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("llama.block_count", 0, "num_hidden_layers = 0; it must be at least 1"),
+        ("llama.attention.head_count", 0, "num_attention_heads = 0; it must be at least 1"),
+        ("llama.block_count", 1, "says 1 layers, but its tensors are for 2 (blk.0 to blk.1)"),
+        ("llama.block_count", 3, "says 3 layers, but its tensors are for 2"),
+        ("llama.embedding_length", 63, "cannot read the model settings in this GGUF"),
+    ],
+)
+def test_gguf_with_impossible_sizes_is_refused_at_load(tiny_gguf, tmp_path, key, value, match):
+    """A damaged size in the metadata is said as such, where it would fail far from its cause (a division by zero
+    in the config, a model of no layers, layers missing their weights)."""
+    path = tmp_path / "sizes.gguf"
+    path.write_bytes(_patched(tiny_gguf.read_bytes(), key, value))
+    _refused(ModelLoadError, path, match)
+
+
+def test_gguf_with_a_misaligned_tensor_is_refused(tiny_gguf, tmp_path):
+    path = tmp_path / "moved.gguf"
+    path.write_bytes(_tensor_offset_moved(tiny_gguf.read_bytes(), "blk.0.ffn_down.weight", 3))
+    _refused(ModelLoadError, path, "'blk.0.ffn_down.weight' starts at offset")
+
+
 def test_gguf_with_unsupported_quantisation(tiny_llama, tmp_path):
     path = hf_llama_to_gguf(tiny_llama, tmp_path / "q81.gguf", tensor_types={"blk.0.attn_q.weight": "Q8_1"})
     message = _refused(ModelLoadError, path, "unsupported GGUF quantisation Q8_1")

@@ -52,3 +52,21 @@ def test_the_replayed_diagnosis_advises_nothing_the_machine_refused(qtbot):
         qtbot.addWidget(panel)
         line = "CPU, op-bound: 900 ops a step, 6.0 % idle between ops" + (f" → {step}" if step else "")
         assert panel.bars.diagnosis.text() == f"Limit: {line}"
+
+
+def test_a_screenshot_goes_to_an_image_format_qt_writes(qtbot, tmp_path):
+    import argparse
+
+    import pytest
+
+    from app.replay import run_replay
+    from engine.errors import OutputPathError
+    from engine.recording import save
+
+    rec = Recording("tiny · fp32", EngineOptions(device="cpu"), GenerationMetrics(prompt_tokens=3), [], [])
+    save(rec, tmp_path / "t.json")
+    args = argparse.Namespace(file=tmp_path / "t.json", theme="light", width=400, height=600)
+    with pytest.raises(OutputPathError, match=r"out\.txt: its suffix names no image format Qt writes \(.*png"):
+        run_replay(argparse.Namespace(**vars(args), screenshot=tmp_path / "out.txt"))
+    assert run_replay(argparse.Namespace(**vars(args), screenshot=tmp_path / "out.png")) == 0
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
