@@ -61,6 +61,16 @@ def _folder(value: str) -> Path:
     return Path(value)
 
 
+def _chat_id(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a chat's number (gapless chats list), got {value!r}") from None
+    if not -(2**63) <= n < 2**63:  # what the chat store can hold: any other number names no chat
+        raise argparse.ArgumentTypeError(f"no chat has the number {n}")
+    return n
+
+
 MIN_PX, MAX_PX = 200, 8192  # a window size that Qt lays out and paints, and whose screenshot fits in memory
 
 
@@ -257,14 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="the default model and known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
+    models.set_defaults(subparser=models)
     msub.add_parser("fetch-default", help="download the default model (if needed) and print its path")
     msub.add_parser("list", help="list the default, recent and scanned models")
 
     chats = sub.add_parser("chats", help="list, export and import chats")
     csub = chats.add_subparsers(dest="chats_command", metavar="ACTION")
+    chats.set_defaults(subparser=chats)
     csub.add_parser("list", help="id, last change, message count and title of every chat")
     export = csub.add_parser("export", help="a chat with all its branches and figures, as JSON (or --markdown)")
-    export.add_argument("chat_id", type=int)
+    export.add_argument("chat_id", type=_chat_id)
     export.add_argument("-o", "--output", type=Path, default=None, help="write here (default: standard output)")
     export.add_argument("--markdown", action="store_true", help="Markdown for reading instead of JSON")
     imp = csub.add_parser("import", help="add a chat exported as JSON (validated whole; a bad file changes nothing)")
@@ -354,13 +366,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         from app.cmd_models import run_models
 
         if not args.models_command:
-            parser.parse_args(["models", "--help"])
+            args.subparser.error("choose an action: fetch-default or list")
         return run_models(args, paths)
     if command == "chats":
         from app.cmd_chats import run_chats
 
         if not args.chats_command:
-            parser.parse_args(["chats", "--help"])
+            args.subparser.error("choose an action: list, export or import")
         return run_chats(args, paths)
     parser.error(f"unknown command {command!r}")
     return EXIT_USER_ERROR
@@ -382,10 +394,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("gapless: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # an unexpected failure: log it whole, tell the user in one line
+    except Exception as exc:  # an unexpected failure: log it whole (on stderr too with --verbose), and in one line
         log.exception("unexpected error")
-        if verbose:
-            raise
         print(f"gapless: internal error: {type(exc).__name__}: {exc} (run with --verbose for details)", file=sys.stderr)
         return EXIT_INTERNAL_ERROR
 

@@ -227,6 +227,18 @@ FIGURES: tuple[FigureSpec, ...] = (
 )
 
 BY_KEY: dict[str, FigureSpec] = {f.key: f for f in FIGURES}
+# what only a remote engine measures: n/a on a local model's answers
+REMOTE_ONLY: tuple[str, ...] = (
+    "http_ttft_ms",
+    "http_decode_tok_s",
+    "inter_token_ms_p50",
+    "inter_token_ms_p99",
+    "server_ttft_ms",
+    "server_decode_tok_s",
+    "server_running_requests",
+    "server_waiting_requests",
+    "server_kv_cache_pct",
+)
 GENERATION_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "generation" in f.scopes)
 SAMPLE_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "sample" in f.scopes)
 STEP_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "step" in f.scopes)

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from engine import figures
 from engine.decode import RunnerBase
 from engine.observers import LoopState, Reader, StepObserver, sync
 from engine.sampling import SamplerKind
@@ -93,6 +94,8 @@ def _metrics(run: LoopState) -> GenerationMetrics:
     """The figures of the loop itself: tokens, time to the first token, decode throughput and step times."""
     rows, B, steps = run.rows, run.runner.batch, run.step
     metrics = GenerationMetrics(prompt_tokens=int(run.prompt.numel()))
+    for key in figures.REMOTE_ONLY:
+        metrics.mark_na(key, "a local model: measured only on a remote server's answers")
     metrics.new_tokens = [len(r.tokens) for r in rows]
     metrics.new_tokens_total = sum(metrics.new_tokens)
     prefill_s = run.t_first - run.t_start

@@ -358,7 +358,15 @@ class GenerationMetrics:
         return figures.read(self, key)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, and under "sources" the source of every figure that has a value (the registry's where the
+        figure has no source field of its own), so each number in the JSON names where it came from."""
+        d = asdict(self)
+        d["sources"] = {
+            f.key: fig.source
+            for f in figures.GENERATION_FIGURES
+            if (fig := self.figure(f.key)).available and fig.source is not None
+        }
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GenerationMetrics":

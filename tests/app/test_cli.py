@@ -163,3 +163,26 @@ def test_a_data_folder_that_cannot_be_one_is_one_line(tmp_path):
     _one_line_error(r, "cannot use")
     assert "unexpected error" not in r.stderr
     _one_line_error(gapless("--data-dir", "", "chats", "list"), "--data-dir: empty")
+
+
+def test_every_figure_in_the_json_names_its_source_or_why_it_is_na(tiny_llama):
+    """The project's rule for every number shown, held by the JSON of a local answer: each registered figure is a
+    number whose source is under metrics.sources, or null with its reason under metrics.unavailable."""
+    from engine import figures
+
+    out = generate_json(tiny_llama, "hello world", "--max-new-tokens", "12", "--temperature", "0")
+    m = out["metrics"]
+    for spec in figures.GENERATION_FIGURES:
+        if m[spec.key] is None:
+            assert m["unavailable"].get(spec.key), f"{spec.key} is null without a reason"
+        else:
+            assert m["sources"].get(spec.key), f"{spec.key} = {m[spec.key]} without a source"
+    assert m["unavailable"]["http_ttft_ms"] == "a local model: measured only on a remote server's answers"
+
+
+def test_a_command_without_its_action_or_with_an_impossible_chat_is_one_line(tmp_path):
+    data = ["--data-dir", str(tmp_path)]
+    _one_line_error(gapless(*data, "models"), "choose an action: fetch-default or list")
+    _one_line_error(gapless(*data, "chats"), "choose an action: list, export or import")
+    _one_line_error(gapless(*data, "chats", "export", str(2**70)), f"no chat has the number {2**70}")
+    _one_line_error(gapless(*data, "chats", "export", "7"), "no chat with id 7")
