@@ -150,15 +150,19 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
 
 
 def _figures_line(m: Message) -> str:
-    """An answer's stored figures in a few words; a missing one is n/a."""
+    """An answer's stored figures in a few words; a missing one is n/a with its reason (the one stored with it, or
+    that the chat does not have it)."""
     metrics = m.metrics or {}
+    unavailable = metrics.get("unavailable") if isinstance(metrics.get("unavailable"), dict) else {}
 
     def num(key: str, unit: str, digits: int) -> str:
         v = metrics.get(key)
-        return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return f"{v:.{digits}f}{unit}"
+        return f"n/a ({unavailable.get(key) or 'not recorded with this answer'})"
 
     parts = [
-        f"{metrics.get('new_tokens_total', 'n/a')} tokens",
+        f"{num('new_tokens_total', '', 0)} tokens",
         f"TTFT {num('ttft_ms', ' ms', 0)}",
         f"{num('decode_tok_s', '', 1)} tok/s",
     ]

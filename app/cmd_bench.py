@@ -191,15 +191,20 @@ def format_table(report: dict[str, Any]) -> str:
         if src:
             out.append(f"{name}: {src}.")
         else:
-            why = next(
-                (
-                    r["median"].get("unavailable", {}).get(metric)
-                    for r in everything
-                    if r.get("median", {}).get("unavailable", {}).get(metric)
-                ),
-                None,
-            )
-            out.append(f"{name}: n/a" + (f" ({why})." if why else "."))
+            whys: dict[str, list[str]] = {}  # each reason the rungs gave, with the rungs that gave it
+            for r in everything:
+                why = (r.get("median") or {}).get("unavailable", {}).get(metric)
+                if why:
+                    whys.setdefault(why, []).append(r["label"])
+            if len(whys) > 1:
+                out.append(f"{name}: n/a: " + "; ".join(f"{', '.join(ls)}: {w}" for w, ls in whys.items()) + ".")
+            else:
+                out.append(f"{name}: n/a" + (f" ({next(iter(whys))})." if whys else "."))
+    if naive is None:
+        ran = any(r.get("name") == "naive" and r.get("status") == "ok" for r in rungs)
+        out.append(
+            "× Naive: n/a (" + ("the Naive rung has no decode figure" if ran else "the Naive rung did not run") + ")."
+        )
     warm = [f"{r['label']} {sum(r['warmup_seconds']):.1f}" for r in everything if r.get("warmup_seconds")]
     if warm:
         out.append(

@@ -132,7 +132,7 @@ def read_gguf_header(path: Path) -> GGUFHeader:
                 return _parse(path, buf, size)
             except _Truncated:
                 raise ModelLoadError(
-                    f"{label}: truncated GGUF file (the header ends past the end of its {size} bytes)"
+                    f"{label}: truncated or damaged GGUF file (its header runs past the end of its {size} bytes)"
                 ) from None
             except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
                 raise ModelLoadError(f"{label}: corrupt GGUF header ({exc})") from None

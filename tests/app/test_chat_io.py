@@ -117,6 +117,15 @@ def test_markdown_has_every_branch_and_the_figures(store):
     assert md.index("Hello!") < md.index("Tell me a joke") < md.index("Joke one")
 
 
+def test_markdown_says_why_a_figure_is_na(store):
+    chat = store.create_chat("n/a", "", SamplingParams(temperature=0.0, max_new_tokens=4))
+    u = store.add_message(chat.id, "user", "Hi", None)
+    metrics = {"ttft_ms": 12.0, "unavailable": {"decode_tok_s": "stopped before the first token"}}
+    store.add_message(chat.id, "assistant", "Hello", u.id, metrics=metrics)
+    md = export_markdown(store, chat.id)
+    assert "n/a (not recorded with this answer) tokens · TTFT 12 ms · n/a (stopped before the first token) tok/s" in md
+
+
 def good_doc(store: ChatStore) -> dict:
     return chat_document(store, make_chat(store))
 

@@ -506,3 +506,20 @@ def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):
     assert results[0]["standing"].startswith("target >= 1.5x") and results[1]["standing"] is None
     out = capsys.readouterr().out
     assert "| fp32  | rewrite " in out and "1 torch thread(s)" in out
+
+
+def test_footnotes_say_each_rung_s_reason_and_why_naive_ratios_are_na():
+    """Two rungs n/a for different reasons are both said (not the first rung's for all); without the Naive rung the
+    × Naive column says why it is n/a."""
+    report, _ = sample_report()
+    report["rungs"][0]["median"]["unavailable"]["acceptance_rate"] = "speculation off"
+    report["rungs"][2]["median"]["unavailable"]["acceptance_rate"] = "no drafts were verified (2 tokens)"
+    table = format_table(report)
+    assert "Acceptance: n/a: Naive: speculation off; + static KV cache: no drafts were verified (2 tokens)." in table
+    assert "× Naive: n/a" not in table
+    from dataclasses import asdict
+
+    rungs = [rung("first-fixes", "+ static KV cache", 25.0, opts())]
+    report["ratios"] = add_ratios(rungs, [])
+    report["rungs"] = [asdict(r) for r in rungs]
+    assert "× Naive: n/a (the Naive rung did not run)." in format_table(report)

@@ -185,7 +185,7 @@ def test_truncated_gguf_data(tiny_gguf, tmp_path, keep):
 def test_truncated_gguf_header(tiny_gguf, tmp_path):
     path = tmp_path / "cut.gguf"
     path.write_bytes(tiny_gguf.read_bytes()[:300])
-    _refused(ModelLoadError, path, "truncated GGUF file (the header ends past the end")
+    _refused(ModelLoadError, path, "truncated or damaged GGUF file (its header runs past the end")
 
 
 def test_gguf_with_corrupt_magic(tiny_gguf, tmp_path):
