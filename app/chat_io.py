@@ -153,7 +153,8 @@ def _figures_line(m: Message) -> str:
     """An answer's stored figures in a few words; a missing one is n/a with its reason (the one stored with it, or
     that the chat does not have it)."""
     metrics = m.metrics or {}
-    unavailable = metrics.get("unavailable") if isinstance(metrics.get("unavailable"), dict) else {}
+    stored = metrics.get("unavailable")
+    unavailable: dict[str, Any] = stored if isinstance(stored, dict) else {}
 
     def num(key: str, unit: str, digits: int) -> str:
         v = metrics.get(key)
