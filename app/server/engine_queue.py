@@ -216,7 +216,7 @@ class EngineQueue:
             self._fail(job, exc)
             return
         except GaplessError as exc:
-            self._fail(job, bad(str(exc), "messages" if req.chat else "prompt"))
+            self._fail(job, bad(str(exc), "messages" if req.chat else "prompt", "invalid_value"))
             return
         job.sink(Started(prompt_tokens, queue_ms))
         previous = engine.options

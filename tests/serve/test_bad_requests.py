@@ -93,6 +93,7 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter", "not supported"),
         ({"min_p": 0.05}, "min_p", "unsupported_parameter", "not supported"),
         ({"model": 7}, "model", "invalid_type", "string"),
+        ({"messages": [{"role": "user", "content": "   "}]}, "messages", "invalid_value", "empty prompt"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(server, fields, param, code, words):
