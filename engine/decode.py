@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 import torch
 
 from engine import heap
+from engine.errors import GenerationError
 from engine.model import DynamicKVCache, StaticKVCache, Transformer
 from engine.sampling import SamplerKind, SamplerState, mark_seen, sample
 from engine.speculative import verify
@@ -95,6 +96,17 @@ class RunnerBase(abc.ABC):
     @abc.abstractmethod
     def bytes_per_step(self, pos: int) -> int:
         """Bytes one step at position `pos` must read from memory at least (weights + attended KV)."""
+
+
+def checked_first(logits: torch.Tensor) -> torch.Tensor:
+    """A prefill's logits, checked once an answer (its first token is timed with a device sync anyway): NaN or +inf
+    scores would be sampled as token 0 over and over, an answer of nothing without a word why."""
+    if bool((logits.isnan() | logits.isposinf()).any()):
+        raise GenerationError(
+            "the model scored the first token with NaN or infinite values: its weights are damaged, or its numbers "
+            "overflow in this dtype (try fp32 or bf16)"
+        )
+    return logits
 
 
 def _say(progress: Callable[[str, float], None], fraction: float, text: str) -> None:
@@ -252,7 +264,7 @@ class StaticRunner(RunnerBase):
             logits = logits.expand(self.batch, -1)
         else:
             logits = self.model(prompt[None, :], pos, saved_cache, mask)[:, -1]
-        self._accept(sample(logits, kind, self.sampler), kind)
+        self._accept(sample(checked_first(logits), kind, self.sampler), kind)
         self.pos.fill_(T)
         self.host_pos = T
 
@@ -398,7 +410,7 @@ class DynamicRunner(RunnerBase):
         if self.batch > 1:
             self.cache.expand_rows(self.batch)
             logits = logits.expand(self.batch, -1)
-        self._accept(sample(logits, kind, self.sampler), kind)
+        self._accept(sample(checked_first(logits), kind, self.sampler), kind)
 
     def step(self, step_index: int) -> None:
         pos = self.prompt_len + step_index - 1
@@ -429,7 +441,7 @@ class NoCacheRunner(RunnerBase):
         T = prompt.numel()
         self.ids = prompt[None, :].expand(self.batch, -1)
         logits = self.model(prompt[None, :], torch.arange(T, device=self.device), None, None)[:, -1]
-        self._accept(sample(logits.expand(self.batch, -1), kind, self.sampler), kind)
+        self._accept(sample(checked_first(logits).expand(self.batch, -1), kind, self.sampler), kind)
 
     def step(self, step_index: int) -> None:
         self.ids = torch.cat([after_prefill(self.ids), self.tok], dim=1)

@@ -407,3 +407,33 @@ def test_a_gemma3_model_answers_as_transformers_in_every_cache_mode_and_with_dra
                 assert row == want[: len(row)] and len(row) > 8, opts
     finally:
         eng.close()
+
+
+HELLO = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        CPU,
+        CPU.with_(kv_cache="dynamic"),
+        CPU.with_(kv_cache="none"),
+        CPU.with_(candidates=2),
+        CPU.with_(prefix_reuse=False),
+    ],
+)
+def test_nan_scores_are_an_error_not_an_answer_of_token_0(tiny_llama, options):
+    """Damaged weights (or a dtype that overflows) make NaN logits, which greedy sampling turns into token 0 over
+    and over. The answer is refused with the reason instead; the weights mended, the engine answers as before."""
+    eng = Engine.load(str(tiny_llama), options)
+    try:
+        want = eng.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=6)).token_ids
+        weight = eng.model.layers[0].feed_forward.w2.weight
+        kept = weight[0, 0].item()
+        weight[0, 0] = float("nan")
+        with pytest.raises(GenerationError, match="scored the first token with NaN or infinite values"):
+            eng.generate([{"role": "user", "content": "the quick brown fox"}], SamplingParams(temperature=0.0))
+        weight[0, 0] = kept
+        assert eng.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=6)).token_ids == want
+    finally:
+        eng.close()
