@@ -4,9 +4,11 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch is installed first; a plain `torch` requirement would pull a CUDA build of several GB.
-# On a workstation with an NVIDIA GPU, use TORCH_SPEC="torch==2.13.0" with PyTorch's CUDA index instead.
+# torch is installed first, from TORCH_INDEX where given (e.g. https://download.pytorch.org/whl/cpu for the CPU
+# build, .../whl/cu130 for a CUDA one); without it pip's own index decides (from PyPI on Linux: the CUDA build).
+# Both apply when .venv is made (make clean first to change the build).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: run test test-heavy lint install install-test bench bundle clean
 
@@ -16,7 +18,7 @@ $(VENV)/.created:
 	touch $@
 
 $(VENV)/.torch: $(VENV)/.created
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	touch $@
 
 install: $(VENV)/.torch
