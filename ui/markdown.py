@@ -50,6 +50,17 @@ class Segment:
     closed: bool = True  # False for a code block whose closing fence has not arrived (yet)
 
 
+_SOFT_BREAK = re.compile(r"(?<=\S)[ \t]*\n(?=[^\n])")
+
+
+def hard_breaks(prose: str) -> str:
+    """Each single line break of a prose segment kept as a line break. CommonMark joins the lines of a paragraph
+    (a poem, an address, a list of steps without markers would run together), which is not how a chat model means
+    them, and not how the answer looked while it streamed as plain text; two trailing spaces make a hard break.
+    Code never comes here (split_markdown gives it its own segments)."""
+    return _SOFT_BREAK.sub("  \n", prose)
+
+
 def split_markdown(text: str) -> list[Segment]:
     """Prose and fenced code segments, in order. An unclosed fence runs to the end of the text."""
     segments: list[Segment] = []
@@ -286,7 +297,7 @@ class ProseView(QTextBrowser):
 
     def set_markdown(self, text: str) -> None:
         self.source_text = text
-        self.document().setMarkdown(text, MARKDOWN_FEATURES)
+        self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
 
     def update_segment(self, segment: Segment) -> None:
         if segment.text != self.source_text:

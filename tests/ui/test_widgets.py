@@ -62,6 +62,21 @@ def test_markdown_html_is_shown_as_text(qtbot):
     assert "<div>" in view._widgets[0].toPlainText()
 
 
+def test_a_rendered_answer_keeps_its_line_breaks(qtbot):
+    """As it looked while streaming as plain text: a poem's lines stay lines once the markdown is rendered
+    (CommonMark would join them into one paragraph); lists, tables and code render as before."""
+    text = (
+        "Roses are red,\nviolets are blue.\n\n- one\n- two\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n```\nx = 1\ny = 2\n```"
+    )
+    view = SegmentsView(text)
+    qtbot.addWidget(view)
+    prose, code = view._widgets[0], view._widgets[1]
+    assert prose.toPlainText().startswith("Roses are red,\nviolets are blue.\none\ntwo\na\nb\n1\n2")
+    assert prose.document().toMarkdown().count("|") >= 6  # still a table
+    assert code.text == "x = 1\ny = 2"
+    assert prose.source_text.startswith("Roses are red,\nviolets")  # what was written, for copying
+
+
 @pytest.mark.parametrize(
     "send_with, key, mods, sends",
     [
