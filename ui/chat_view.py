@@ -126,6 +126,8 @@ class ChatView(QScrollArea):
         if self._stream is not None:
             delta = deltas.get(0)
             if delta:
+                if not self._stream.body.text:  # the first text: what stood there (the prompt being read) is done
+                    self._stream.stats_label.setText("generating…")
                 self._stream.body.append(delta)
         elif self._candidates is not None:
             self._candidates.append(deltas)

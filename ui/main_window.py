@@ -172,6 +172,7 @@ class MainWindow(QMainWindow):
         self.flow.default_overflow = settings.overflow_policy
         self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
+        self._reading_shown = False  # the status bar says how much of a long prompt has been read
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
         self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
@@ -276,6 +277,7 @@ class MainWindow(QMainWindow):
             (f.messageAppended, v.add_message),
             (f.streamStarted, v.begin_stream),
             (f.streamDelta, v.append_stream),
+            (f.streamDelta, self._answer_arrives),
             (f.streamRowsFinished, v.rows_finished),
             (f.streamFinished, v.finish_stream),
             (f.candidatesFinished, self._candidates_finished),
@@ -615,6 +617,12 @@ class MainWindow(QMainWindow):
         self.chat_list.new_button.setEnabled(True)
         self.status.setText("Answering…" if generating else "")
 
+    def _answer_arrives(self, _deltas: dict) -> None:
+        """The prompt has been read once text arrives: the status bar stops saying how much of it was."""
+        if self._reading_shown:
+            self._reading_shown = False
+            self.status.setText("Answering…")
+
     def _generation_started(self, request_id: int, options: EngineOptions) -> None:
         if self.hud is None:
             return
@@ -772,6 +780,7 @@ class MainWindow(QMainWindow):
 
     def _progress(self, p: Progress) -> None:
         if p.stage == "prefill":  # a long prompt read in chunks: "reading the conversation: 1,200 of 3,000 tokens"
+            self._reading_shown = True
             self.status.setText(f"{p.message} · Esc stops")
             self.chat_view.set_stream_status(p.message)
             return

@@ -62,3 +62,22 @@ def test_a_long_paste_shows_its_progress_and_stops(qtbot, tmp_path, tiny_factory
         assert [m.role for m in w.chat_view.items()] == ["user"]
     finally:
         close_app(gui)
+
+
+def test_once_the_answer_arrives_it_no_longer_says_the_prompt_is_being_read(qtbot, tmp_path, tiny_factory):
+    gui = open_app(qtbot, tmp_path / "data", tiny_factory("llama", max_position_embeddings=2048))
+    try:
+        w = gui.window
+        seen: dict = {}
+
+        def on_delta(_deltas):
+            if "first" not in seen and w.chat_view._stream is not None:
+                seen["first"] = (w.chat_view._stream.stats_label.text(), w.status.text())
+
+        gui.window.flow.streamDelta.connect(on_delta)
+        w.composer.set_text(LONG)
+        with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS):
+            w.composer.send_button.click()
+        assert seen["first"] == ("generating…", "Answering…")  # not "reading the conversation: N of N tokens"
+    finally:
+        close_app(gui)
