@@ -78,6 +78,16 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 SCHEMA_VERSION = max(MIGRATIONS)
 
 
+# What an answer cut off by a crash is stored with: its finish reason, and why its figures are n/a.
+INTERRUPTED_METRICS = {
+    "finish_reason": "interrupted",
+    "unavailable": {
+        key: "the app closed before this answer ended, so its figures were not kept"
+        for key in ("new_tokens_total", "ttft_ms", "prefill_tok_s", "decode_tok_s", "step_ms_p50", "step_ms_p99")
+    },
+}
+
+
 class StoreError(GaplessError):
     """The chat database cannot be opened or written; the message says why, in one line."""
 
@@ -265,9 +275,14 @@ class ChatStore:
         return StoreError(f"cannot open the chat database {self.path}: {exc}{hint}")
 
     def _recover_streaming(self) -> None:
-        """Answers left 'streaming' by a crash become 'stopped', their partial text kept."""
+        """Answers left 'streaming' by a crash become 'stopped', their partial text kept, with the finish reason
+        "interrupted" (not the user's stop) and why their figures are n/a."""
         with self._write("recover interrupted answers") as db:
-            n = db.execute("UPDATE messages SET status = 'stopped' WHERE status = 'streaming'").rowcount
+            n = db.execute(
+                "UPDATE messages SET status = 'stopped', metrics_json = COALESCE(metrics_json, ?) "
+                "WHERE status = 'streaming'",
+                (json.dumps(INTERRUPTED_METRICS),),
+            ).rowcount
         if n:
             log.info("chat database %s: %d interrupted answer(s) marked stopped", self.path, n)
 

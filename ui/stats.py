@@ -20,6 +20,7 @@ FINISH_WORDS = {
     "length": "token limit",
     "stop": "stop string",
     "cancelled": "stopped by you",
+    "interrupted": "cut off: the app closed mid-answer",
     "context": "context full",
     "error": "failed",
 }

@@ -190,6 +190,13 @@ def test_streaming_answer_becomes_stopped_on_reopen(tmp_path):
     with ChatStore(path) as again:
         m = again.get_message(a.id)
         assert (m.content, m.status) == ("partial answer", "stopped")
+        # not the user's stop: the stats line says the app closed, and why the figures are n/a
+        assert m.metrics["finish_reason"] == "interrupted"
+        assert m.metrics["unavailable"]["decode_tok_s"].startswith("the app closed before this answer ended")
+    from ui.stats import format_stats
+
+    line, tip = format_stats(m.metrics, m.options, "cpu", m.metrics["finish_reason"])
+    assert "cut off: the app closed mid-answer" in line and "stopped by you" not in line
 
 
 def test_stream_saver_writes_at_most_every_interval(store):
