@@ -297,8 +297,8 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        if self.fast:
-            return self._fast_model().args.max_seq_len
+        if self.args is not None:  # from the config, so it is known while the weights are being placed again
+            return self.args.max_seq_len
         return int(
             getattr(self.config, "max_position_embeddings", None) or getattr(self.config, "n_positions", None) or 2048
         )

@@ -437,3 +437,16 @@ def test_nan_scores_are_an_error_not_an_answer_of_token_0(tiny_llama, options):
         assert eng.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=6)).token_ids == want
     finally:
         eng.close()
+
+
+def test_the_context_is_counted_while_the_weights_are_placed_again(tiny_llama):
+    """The app counts the conversation against the context while a switch of weights or dtype rebuilds the model
+    (the count runs without the engine lock): the context length comes from the config, not the placed model."""
+    eng = Engine.load(str(tiny_llama), CPU)
+    try:
+        placed, eng.model = eng.model, None  # as _build_model leaves it until the new model is placed
+        use = eng.measure_prompt(HELLO, 16)
+        assert use.context_length == 256 and use.tokens > 0 and not use.refused
+        eng.model = placed
+    finally:
+        eng.close()
