@@ -10,6 +10,7 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QLabel,
+    QMenu,
     QPlainTextEdit,
     QPushButton,
     QTabWidget,
@@ -90,6 +91,22 @@ class MessageWidget(QFrame):
         self.delete_button = _action("Delete", "Delete this message and everything after it", self)
         self.delete_button.clicked.connect(lambda: self.deleteRequested.emit(self.item.id))
         header.addWidget(self.delete_button)
+        # Where the conversation is too narrow for the row of actions (an 800 x 600 window with the side panels
+        # open), they fold into one "⋯" menu; they never widen the conversation (each may shrink to nothing).
+        self.more_button = _action("⋯", "Copy, edit, regenerate or delete", self)
+        self.more_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        menu = QMenu(self.more_button)
+        for b in self._actions():
+            act = menu.addAction(b.text())
+            act.triggered.connect(b.click)
+        menu.aboutToShow.connect(lambda: self._sync_menu(menu))
+        self.more_button.setMenu(menu)
+        self.more_button.hide()
+        header.addWidget(self.more_button)
+        shrinking: list[QWidget] = [self.prev_button, self.branch_label, self.next_button, *self._actions()]
+        for widget in shrinking:
+            widget.setMinimumWidth(1)
+        self._header = header
 
         self.body = SegmentsView(item.content, colors, self)
         self.stats_label = QLabel(self)
@@ -132,6 +149,30 @@ class MessageWidget(QFrame):
         self.prev_button.setEnabled(not self._busy and item.sibling_index > 0)
         self.next_button.setEnabled(not self._busy and item.sibling_index < item.sibling_count - 1)
         self.copy_button.setEnabled(bool(self.body.text))
+        self._fit_header()
+
+    def _actions(self) -> list[QToolButton]:
+        return [b for b in (self.copy_button, self.edit_button, self.regen_button, self.delete_button) if b is not None]
+
+    def _sync_menu(self, menu: QMenu) -> None:
+        for act, b in zip(menu.actions(), self._actions()):
+            act.setEnabled(b.isEnabled())
+
+    def _fit_header(self) -> None:
+        """The actions in a row where the message is wide enough for them and the branch position, else in the
+        "⋯" menu."""
+        m = self._layout.contentsMargins()
+        nav = (self.prev_button, self.branch_label, self.next_button) if self.item.sibling_count > 1 else ()
+        parts = [*nav, *self._actions()]
+        need = 48 + 8 + m.left() + m.right() + sum(w.sizeHint().width() + self._header.spacing() for w in parts)
+        fold = self.width() < need
+        for b in self._actions():
+            b.setVisible(not fold)
+        self.more_button.setVisible(fold)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_header()
 
     def set_busy(self, busy: bool) -> None:
         """While an answer streams, nothing that changes the conversation is offered; copying still is."""

@@ -283,3 +283,28 @@ def test_weights_toggle_and_its_unavailable_formats(qtbot):
     assert got[-1].weights == "native" and t.weights.currentData() == "native"
     item = t.weights.model().item(t.weights.findData("int4"))
     assert not item.isEnabled() and item.toolTip() == "Unavailable: int4 needs inputs in groups of 32"
+
+
+def test_a_narrow_message_folds_its_actions_into_a_menu(qtbot):
+    """At 800 x 600 with the side panels open the conversation is ~260 px wide: a message with branches must fit
+    it (its actions in a "⋯" menu) instead of widening the conversation past its edge."""
+    from app.chat_flow import MessageItem
+    from ui.message import MessageWidget
+    from ui.theme import LIGHT
+
+    item = MessageItem(7, "assistant", "An answer", sibling_index=1, sibling_count=3, author="SmolLM2")
+    w = MessageWidget(item, LIGHT)
+    qtbot.addWidget(w)
+    w.resize(700, 200)
+    w.show()
+    assert w.regen_button.isVisible() and not w.more_button.isVisible()
+    assert w.minimumSizeHint().width() < 150  # the actions never set the message's minimum width
+    w.resize(240, 200)
+    assert not w.regen_button.isVisible() and w.more_button.isVisible() and w.next_button.isVisible()
+    menu = w.more_button.menu()
+    assert [a.text() for a in menu.actions()] == ["Copy", "Regenerate", "Delete"]
+    with qtbot.waitSignal(w.regenerateRequested) as asked:
+        menu.actions()[1].trigger()
+    assert asked.args == [7]
+    w.resize(700, 200)
+    assert w.regen_button.isVisible() and not w.more_button.isVisible()
