@@ -940,6 +940,10 @@ class MainWindow(QMainWindow):
         super().showEvent(event)
         if not self._splitter_fitted:
             QTimer.singleShot(0, self, self._fit_splitter)  # once the first layout has given the splitter its width
+        if self.width() != self._width_seen:  # resized before it was shown: the docks take their share now
+            self._width_seen = self.width()
+            width = max(DOCK_MIN_WIDTH, int(self._dock_share * self._width_seen))
+            QTimer.singleShot(0, self, lambda: self._resize_docks(width))
 
     def _fit_splitter(self) -> None:
         if self._splitter_fitted:

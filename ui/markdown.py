@@ -260,6 +260,10 @@ class CodeBlock(QFrame):
         super().showEvent(event)
         self._fit_height()  # the line height is known once the block is laid out
 
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_height()  # a new width may add or remove the long lines' scroll bar
+
     def _fit_height(self, *_args) -> None:
         lines = min(max(self.edit.document().blockCount(), 1), CODE_MAX_LINES)
         # Without wrapping a block is one line; its laid-out height includes the leading a font metric omits.

@@ -36,6 +36,9 @@ def _action(text: str, tip: str, parent: QWidget) -> QToolButton:
     return b
 
 
+FOLDED_WIDTH = 200  # the role, the branch position and "⋯", with the message's margins
+
+
 class MessageWidget(QFrame):
     copyRequested = Signal(object)  # message id
     editSubmitted = Signal(object, str)  # message id, new text
@@ -107,6 +110,9 @@ class MessageWidget(QFrame):
         for widget in shrinking:
             widget.setMinimumWidth(1)
         self._header = header
+        # ...but the message is never narrower than its folded header: squeezed below it in a layout pass, a code
+        # block would size itself for a sliver of width
+        self.setMinimumWidth(FOLDED_WIDTH)
 
         self.body = SegmentsView(item.content, colors, self)
         self.stats_label = QLabel(self)

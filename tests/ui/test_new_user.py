@@ -321,3 +321,20 @@ def test_turning_compile_on_on_a_cpu_says_first_that_it_takes_minutes(qtbot, app
         t.compile.click()
     assert driver.done and sent[-1].compile and t.compile.isChecked()
     assert app.controller.options.compile
+
+
+def test_a_window_sized_before_it_is_shown_gives_its_panels_their_share(qtbot, tmp_path):
+    """Sized to 1440 x 900 before it first shows (a saved size, or a script's), the window's right panels take
+    their share of that width, not of the size it was built at: nothing in them is cut off at the right."""
+    from app.gui import build
+    from app.paths import AppPaths
+    from ui.main_window import DOCK_SHARE
+
+    gui = build(AppPaths.resolve(tmp_path / "data"), "light")
+    w = gui.window
+    try:
+        w.resize(1440, 900)
+        w.show()
+        qtbot.waitUntil(lambda: abs(w.options_dock.width() - DOCK_SHARE * 1440) <= 12, timeout=TIMEOUT_MS)
+    finally:
+        close_app(gui)
