@@ -59,6 +59,10 @@ class RemoteDialog(QDialog):
         lay.addWidget(hint)
         lay.addWidget(self.error)
         lay.addWidget(buttons)
+        # wide enough for the longest placeholder: it says what to enter where
+        widest = max(self.fontMetrics().horizontalAdvance(w.placeholderText()) for w in (self.model, self.api_key))
+        self.api_key.setMinimumWidth(widest + 24)
+        self.model.setMinimumWidth(widest + 24)
 
     def problem(self) -> str:
         parts = urlsplit(self.base_url.text().strip())

@@ -70,6 +70,14 @@ def test_remote_dialog_refuses_a_bad_url_and_returns_the_values(qtbot):
     assert d.values() == ("http://10.0.0.2:8000/v1", "qwen2.5:7b", "sk-1", 15.0)
 
 
+def test_remote_dialog_shows_its_hints_whole(qtbot):
+    d = RemoteDialog(None)
+    qtbot.addWidget(d)
+    d.show()
+    for field in (d.model, d.api_key):
+        assert field.width() > d.fontMetrics().horizontalAdvance(field.placeholderText()), field.placeholderText()
+
+
 def test_model_panel_shows_a_remote_model_without_invented_numbers(qtbot):
     panel = ModelPanel()
     qtbot.addWidget(panel)
