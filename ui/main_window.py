@@ -241,7 +241,7 @@ class MainWindow(QMainWindow):
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
         self._dock_share = DOCK_SHARE
         self._dock_resizing = False
-        self._width_seen = 0  # the window width the docks were last fitted to
+        self._width_seen = self._height_seen = 0  # the window size the docks were last fitted to
         self.options_dock.installEventFilter(self)
         self.hud_dock: Optional[QDockWidget] = None
         if self.hud is not None:
@@ -940,8 +940,8 @@ class MainWindow(QMainWindow):
         super().showEvent(event)
         if not self._splitter_fitted:
             QTimer.singleShot(0, self, self._fit_splitter)  # once the first layout has given the splitter its width
-        if self.width() != self._width_seen:  # resized before it was shown: the docks take their share now
-            self._width_seen = self.width()
+        if (self.width(), self.height()) != (self._width_seen, self._height_seen):  # sized before it was shown
+            self._width_seen, self._height_seen = self.width(), self.height()
             width = max(DOCK_MIN_WIDTH, int(self._dock_share * self._width_seen))
             QTimer.singleShot(0, self, lambda: self._resize_docks(width))
 
@@ -959,19 +959,26 @@ class MainWindow(QMainWindow):
 
     def resizeEvent(self, event) -> None:
         """The docks keep their share of the window's width (changed only by dragging their edge): a window
-        made narrow and wide again gets its panels back at their width, not the narrow one."""
+        made narrow and wide again gets its panels back at their width, not the narrow one. Its height goes to
+        the HUD: the optimizations keep what they need."""
         super().resizeEvent(event)
-        if self.isVisible() and event.size().width() != self._width_seen:
+        size = event.size()
+        if self.isVisible() and (size.width() != self._width_seen or size.height() != self._height_seen):
             # The window's layout has squeezed or stretched the docks already (before this event): not a drag.
-            self._width_seen = event.size().width()
+            self._width_seen, self._height_seen = size.width(), size.height()
             width = max(DOCK_MIN_WIDTH, int(self._dock_share * self._width_seen))
             QTimer.singleShot(0, self, lambda: self._resize_docks(width))
 
     def _resize_docks(self, width: int) -> None:
-        if not self.options_dock.isFloating():
-            self._dock_resizing = True
-            self.resizeDocks([self.options_dock], [width], Qt.Orientation.Horizontal)
-            self._dock_resizing = False
+        if self.options_dock.isFloating():
+            return
+        self._dock_resizing = True
+        self.resizeDocks([self.options_dock], [width], Qt.Orientation.Horizontal)
+        hud = self.hud_dock
+        if hud is not None and hud.isVisible() and not hud.isFloating():
+            need = self.options_dock.minimumSizeHint().height()
+            self.resizeDocks([self.options_dock, hud], [need, self.height()], Qt.Orientation.Vertical)
+        self._dock_resizing = False
 
     def eventFilter(self, obj, event) -> bool:
         if (

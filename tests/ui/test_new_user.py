@@ -338,3 +338,19 @@ def test_a_window_sized_before_it_is_shown_gives_its_panels_their_share(qtbot, t
         qtbot.waitUntil(lambda: abs(w.options_dock.width() - DOCK_SHARE * 1440) <= 12, timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
+
+
+def test_a_taller_window_gives_its_height_to_the_hud(qtbot, tmp_path):
+    """The optimizations keep what they need; the performance HUD takes the rest, however the window was sized
+    before (a shrink and a grow used to leave the extra height to the optimizations, and the HUD smaller)."""
+    gui = open_app(qtbot, tmp_path / "data")
+    w = gui.window
+    try:
+        for size in [(1400, 900), (1000, 700), (1440, 1000)]:
+            w.resize(*size)
+            qtbot.waitUntil(lambda: (w.width(), w.height()) == size, timeout=TIMEOUT_MS)
+            need = w.options_dock.minimumSizeHint().height()
+            qtbot.waitUntil(lambda: w.options_dock.height() <= need + 16, timeout=TIMEOUT_MS)
+        qtbot.waitUntil(lambda: w.hud_dock.height() > 600, timeout=TIMEOUT_MS)
+    finally:
+        close_app(gui)
