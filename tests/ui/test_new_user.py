@@ -348,9 +348,9 @@ def test_a_taller_window_gives_its_height_to_the_hud(qtbot, tmp_path):
     try:
         for size in [(1400, 900), (1000, 700), (1440, 1000)]:
             w.resize(*size)
-            qtbot.waitUntil(lambda: (w.width(), w.height()) == size, timeout=TIMEOUT_MS)
+            qtbot.waitUntil(lambda size=size: (w.width(), w.height()) == size, timeout=TIMEOUT_MS)
             need = w.options_dock.minimumSizeHint().height()
-            qtbot.waitUntil(lambda: w.options_dock.height() <= need + 16, timeout=TIMEOUT_MS)
+            qtbot.waitUntil(lambda need=need: w.options_dock.height() <= need + 16, timeout=TIMEOUT_MS)
         qtbot.waitUntil(lambda: w.hud_dock.height() > 600, timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
