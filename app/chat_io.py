@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any, Optional
 
 from app.store import ROLES, ChatStore, Message, StoreError
 from engine.errors import GaplessError, OptionsError
+from engine.paths import write_whole
 from engine.types import OVERFLOW_POLICIES, SamplingParams, describe_options
 
 FORMAT = "gapless-chat"
@@ -183,18 +182,11 @@ def _quote(text: str) -> str:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write atomically: a failed write leaves no half file at `path`."""
-    path = Path(path)
+    """Write atomically (engine.paths.write_whole): a failed write leaves no half file at `path`. Owner-only, as
+    a chat is private."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
+        write_whole(Path(path), text, mode=0o600)
     except OSError as exc:
-        raise ChatFileError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
         raise ChatFileError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
+
+from engine.paths import write_whole
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,4 @@ class KeyStore:
 
     def _write(self, keys: dict[str, str]) -> None:
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=".keys-")  # created owner-only
-        try:
-            os.chmod(tmp, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(keys, f)
-            os.replace(tmp, self.file)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_whole(self.file, json.dumps(keys), mode=0o600)  # owner-only from its first byte

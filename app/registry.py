@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Callable, Optional
 
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
+from engine.paths import write_whole
 from engine.types import REMOTE_PREFIX
 
 log = logging.getLogger(__name__)
@@ -205,14 +205,7 @@ class RecentModels:
         data = json.dumps({"version": RECENT_VERSION, "models": items}, indent=1)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".recent-", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(data)
-                os.replace(tmp, self.path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            write_whole(self.path, data, mode=0o600)
         except OSError as exc:
             self._note(f"the recent models list could not be saved ({exc.strerror or exc})")
 

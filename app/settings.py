@@ -11,14 +11,13 @@ import base64
 import binascii
 import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
 from app.store import move_aside
 from engine.errors import GaplessError, OptionsError
+from engine.paths import write_whole
 from engine.types import OVERFLOW_POLICIES, EngineOptions, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -219,18 +218,8 @@ class SettingsStore:
     def save(self, settings: Settings) -> None:
         """Write atomically: a crash or a full disk leaves either the old file or the new one, never half."""
         text = json.dumps(settings.to_dict(), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-        tmp: Optional[str] = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            tmp = None
+            write_whole(self.path, text, mode=0o600, durable=True)
         except OSError as exc:
             raise SettingsError(f"cannot save the settings to {self.path}: {exc.strerror or exc}") from exc
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)

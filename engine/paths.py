@@ -49,16 +49,23 @@ def output_file(path: "str | os.PathLike[str]", what: str) -> Path:
     return target
 
 
-def write_whole(path: Path, text: str, mode: int = 0o644) -> None:
-    """`text` written whole or not at all: to a temporary file beside `path`, then renamed over it."""
+def write_whole(path: Path, text: str, mode: int = 0o644, durable: bool = False) -> None:
+    """`text` written whole or not at all: to a temporary file beside `path` (owner-only until it is whole), then
+    renamed over it with `mode`; `durable`: on the disk before the rename. Raises OSError, leaving no temporary
+    file where it can be removed."""
+    import contextlib
     import tempfile
 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
-        os.chmod(tmp, mode)  # mkstemp makes it owner-only
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            Path(tmp).unlink(missing_ok=True)
         raise

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from engine.paths import cache_dir
+from engine.paths import cache_dir, write_whole
 from engine.telemetry.machine import cpu_model, memory_bytes
 
 log = logging.getLogger(__name__)
@@ -143,18 +142,9 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, doc: dict) -> None:
-    """Whole or not at all: a temporary file beside `path`, renamed over it."""
-    tmp: Optional[str] = None
+    """Whole or not at all (engine.paths.write_whole); a failure leaves the figure standing, with a warning."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)
+        write_whole(path, json.dumps(doc, indent=1), mode=0o600)
     except OSError as exc:
         log.warning("could not keep the CPU's measured bandwidth in %s: %s", path, exc)
-        if tmp is not None:
-            try:
-                Path(tmp).unlink(missing_ok=True)
-            except OSError:
-                pass  # the figure stands; a stray temporary file is all that is left
