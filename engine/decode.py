@@ -72,6 +72,17 @@ class RunnerBase(abc.ABC):
         self.tok.copy_(nxt[:, None])
         self.counter += 1
 
+    def accept_first(self, logits: torch.Tensor, kind: SamplerKind) -> None:
+        """Every prefill's end: the first token of each row sampled from the prompt's last logits ([1 or B, V]),
+        which are checked once an answer (the first token is timed with a device sync anyway): NaN or +inf scores
+        would be sampled as token 0 over and over, an answer of nothing without a word why."""
+        if bool((logits.isnan() | logits.isposinf()).any()):
+            raise GenerationError(
+                "the model scored the first token with NaN or infinite values: its weights are damaged, or its "
+                "numbers overflow in this dtype (try fp32 or bf16)"
+            )
+        self._accept(sample(logits.expand(self.batch, -1), kind, self.sampler), kind)
+
     @property
     def step_kind(self) -> SamplerKind:
         """The sampler kind of the generation the prefill started (a step runs only after one)."""
@@ -96,17 +107,6 @@ class RunnerBase(abc.ABC):
     @abc.abstractmethod
     def bytes_per_step(self, pos: int) -> int:
         """Bytes one step at position `pos` must read from memory at least (weights + attended KV)."""
-
-
-def checked_first(logits: torch.Tensor) -> torch.Tensor:
-    """A prefill's logits, checked once an answer (its first token is timed with a device sync anyway): NaN or +inf
-    scores would be sampled as token 0 over and over, an answer of nothing without a word why."""
-    if bool((logits.isnan() | logits.isposinf()).any()):
-        raise GenerationError(
-            "the model scored the first token with NaN or infinite values: its weights are damaged, or its numbers "
-            "overflow in this dtype (try fp32 or bf16)"
-        )
-    return logits
 
 
 def _say(progress: Callable[[str, float], None], fraction: float, text: str) -> None:
@@ -261,10 +261,9 @@ class StaticRunner(RunnerBase):
             row0 = self.cache.rows(1)
             logits = self.model(prompt[None, :], pos, row0, mask)[:, -1]
             self.cache.copy_row0_to_all(T)
-            logits = logits.expand(self.batch, -1)
         else:
             logits = self.model(prompt[None, :], pos, saved_cache, mask)[:, -1]
-        self._accept(sample(checked_first(logits), kind, self.sampler), kind)
+        self.accept_first(logits, kind)
         self.pos.fill_(T)
         self.host_pos = T
 
@@ -409,8 +408,7 @@ class DynamicRunner(RunnerBase):
         logits = self.model(prompt[None, :], torch.arange(T, device=self.device), self.cache, None)[:, -1]
         if self.batch > 1:
             self.cache.expand_rows(self.batch)
-            logits = logits.expand(self.batch, -1)
-        self._accept(sample(checked_first(logits), kind, self.sampler), kind)
+        self.accept_first(logits, kind)
 
     def step(self, step_index: int) -> None:
         pos = self.prompt_len + step_index - 1
@@ -441,7 +439,7 @@ class NoCacheRunner(RunnerBase):
         T = prompt.numel()
         self.ids = prompt[None, :].expand(self.batch, -1)
         logits = self.model(prompt[None, :], torch.arange(T, device=self.device), None, None)[:, -1]
-        self._accept(sample(checked_first(logits).expand(self.batch, -1), kind, self.sampler), kind)
+        self.accept_first(logits, kind)
 
     def step(self, step_index: int) -> None:
         self.ids = torch.cat([after_prefill(self.ids), self.tok], dim=1)

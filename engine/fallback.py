@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from engine.decode import RunnerBase, after_prefill, checked_first
+from engine.decode import RunnerBase, after_prefill
 from engine.sampling import SamplerKind, sample
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class HFRunner(RunnerBase):
             logits = self._forward(ids, use_cache=True)
             if self.batch > 1:
                 self.cache.batch_repeat_interleave(self.batch)
-        self._accept(sample(checked_first(logits).expand(self.batch, -1), kind, self.sampler), kind)
+        self.accept_first(logits, kind)
 
     def step(self, step_index: int) -> None:
         if self.kv == "none":

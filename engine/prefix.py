@@ -22,10 +22,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from engine.decode import DynamicRunner, RunnerBase, StaticRunner, checked_first
+from engine.decode import DynamicRunner, RunnerBase, StaticRunner
 from engine.errors import GaplessError
 from engine.model import DynamicKVCache
-from engine.sampling import SamplerKind, sample
+from engine.sampling import SamplerKind
 
 PREFILL_CHUNK = 256  # prompt positions per prefill chunk: bounds a long prompt's activations, paces its progress
 WARMUP_POSITIONS = 8  # a compile warm-up or a graph capture writes at most the first few positions (pos 0..3)
@@ -222,8 +222,7 @@ def _static(runner: StaticRunner, prompt: torch.Tensor, kind: SamplerKind, plan:
     logits = _read(spans, T, forward, progress, cancel)
     if runner.batch > 1:
         cache.copy_row0_to_all(T)
-        logits = logits.expand(runner.batch, -1)
-    runner._accept(sample(checked_first(logits), kind, runner.sampler), kind)
+    runner.accept_first(logits, kind)
     runner.pos.fill_(T)
     runner.host_pos = T  # as StaticRunner.prefill leaves it: the steps and the verify step count from here
 
@@ -250,8 +249,7 @@ def _dynamic(
     logits = _read(spans, T, forward, progress, cancel)
     if runner.batch > 1:
         cache.expand_rows(runner.batch)
-        logits = logits.expand(runner.batch, -1)
-    runner._accept(sample(checked_first(logits), kind, runner.sampler), kind)
+    runner.accept_first(logits, kind)
 
 
 def _hf(runner, prompt: torch.Tensor, kind: SamplerKind, plan: Plan, spans, progress, cancel) -> None:
@@ -274,4 +272,4 @@ def _hf(runner, prompt: torch.Tensor, kind: SamplerKind, plan: Plan, spans, prog
     logits = _read(spans, T, lambda a, b: runner._forward(prompt[None, a:b], use_cache=True), progress, cancel)
     if runner.batch > 1:
         cache.batch_repeat_interleave(runner.batch)
-    runner._accept(sample(checked_first(logits).expand(runner.batch, -1), kind, runner.sampler), kind)
+    runner.accept_first(logits, kind)
