@@ -241,7 +241,7 @@ class MainWindow(QMainWindow):
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
         self._dock_share = DOCK_SHARE
         self._dock_resizing = False
-        self._width_seen = self._height_seen = 0  # the window size the docks were last fitted to
+        self._size_seen = QSize()  # the window size the docks were last fitted to (none yet)
         self.options_dock.installEventFilter(self)
         self.hud_dock: Optional[QDockWidget] = None
         if self.hud is not None:
@@ -940,10 +940,7 @@ class MainWindow(QMainWindow):
         super().showEvent(event)
         if not self._splitter_fitted:
             QTimer.singleShot(0, self, self._fit_splitter)  # once the first layout has given the splitter its width
-        if (self.width(), self.height()) != (self._width_seen, self._height_seen):  # sized before it was shown
-            self._width_seen, self._height_seen = self.width(), self.height()
-            width = max(DOCK_MIN_WIDTH, int(self._dock_share * self._width_seen))
-            QTimer.singleShot(0, self, lambda: self._resize_docks(width))
+        self._refit_docks(self.size())  # a window sized before it was shown gets its docks fitted to that size
 
     def _fit_splitter(self) -> None:
         if self._splitter_fitted:
@@ -962,12 +959,18 @@ class MainWindow(QMainWindow):
         made narrow and wide again gets its panels back at their width, not the narrow one. Its height goes to
         the HUD: the optimizations keep what they need."""
         super().resizeEvent(event)
-        size = event.size()
-        if self.isVisible() and (size.width() != self._width_seen or size.height() != self._height_seen):
+        if self.isVisible():
             # The window's layout has squeezed or stretched the docks already (before this event): not a drag.
-            self._width_seen, self._height_seen = size.width(), size.height()
-            width = max(DOCK_MIN_WIDTH, int(self._dock_share * self._width_seen))
-            QTimer.singleShot(0, self, lambda: self._resize_docks(width))
+            self._refit_docks(event.size())
+
+    def _refit_docks(self, size: QSize) -> None:
+        """The docks fitted to a new window size once the layout has settled: their share of its width, its
+        height to the HUD."""
+        if size == self._size_seen:
+            return
+        self._size_seen = QSize(size)
+        width = max(DOCK_MIN_WIDTH, int(self._dock_share * size.width()))
+        QTimer.singleShot(0, self, lambda: self._resize_docks(width))
 
     def _resize_docks(self, width: int) -> None:
         if self.options_dock.isFloating():
@@ -986,7 +989,7 @@ class MainWindow(QMainWindow):
             and event.type() == QEvent.Type.Resize
             and self.isVisible()
             and not self._dock_resizing
-            and self.width() == self._width_seen
+            and self.width() == self._size_seen.width()
             and not self.options_dock.isFloating()
         ):
             self._dock_share = self.options_dock.width() / self.width()  # the user dragged the edge
