@@ -262,8 +262,8 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     if args.json is not None:  # refused before the bench runs, not after it
         output_file(args.json, "the bench's JSON")
-    if getattr(args, "speculation_workloads", False):
-        spec_config_from_args(args)  # its options checked before any model loads
+    # the speculation bench's options checked before any model loads
+    spec = spec_config_from_args(args) if getattr(args, "speculation_workloads", False) else None
     if getattr(args, "threads", None):  # every kind of bench runs on the threads it was given
         import torch
 
@@ -274,10 +274,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if getattr(args, "quality", False):
         return run_quality_bench(args)
-    if getattr(args, "speculation_workloads", False):
+    if spec is not None:
         from engine.bench_spec import format_workloads, run_speculation_workloads
 
-        return _report(args, run_speculation_workloads, spec_config_from_args(args), format_workloads)
+        return _report(args, run_speculation_workloads, spec, format_workloads)
     return _report(args, run_suite, config_from_args(args), format_table)
 
 
