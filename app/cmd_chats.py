@@ -17,6 +17,8 @@ EXIT_OK = 0
 def run_chats(args: Any, paths: AppPaths) -> int:
     paths.ensure()
     with ChatStore(paths.database) as store:
+        for notice in store.notices:  # a damaged database repaired or moved aside, before anything it lists
+            print(f"gapless: {notice}", file=sys.stderr)
         if args.chats_command == "list":
             for c in store.list_chats():
                 when = datetime.fromtimestamp(c.updated).strftime("%Y-%m-%d %H:%M")

@@ -10,9 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import socket
 import sqlite3
+import sys
 import threading
 import time
+import uuid
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +79,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             metrics_json TEXT NOT NULL
         )""",
     ),
+    # Who is writing an answer still streaming ("host|pid|store"), so that opening the database in a second
+    # process (a second window, `gapless chats`) does not mark a live answer as cut off by a crash.
+    4: ("ALTER TABLE messages ADD COLUMN owner TEXT",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -183,6 +191,63 @@ def move_aside(path: Path, tag: str = "corrupt") -> Path:
     return target
 
 
+# ---- who writes an answer still streaming --------------------------------------------------------------
+
+_HOST = socket.gethostname()
+_OPEN_STORES: weakref.WeakValueDictionary[str, ChatStore] = weakref.WeakValueDictionary()  # this process's
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine. An id reused by another process reads as alive:
+    its answer is then recovered by an open after that process ends."""
+    if pid <= 0:
+        return False
+    if sys.platform == "win32":
+        import ctypes
+
+        kernel32 = ctypes.windll.kernel32
+        handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if not handle:
+            return False
+        try:
+            code = ctypes.c_ulong()
+            return bool(kernel32.GetExitCodeProcess(handle, ctypes.byref(code))) and code.value == 259  # STILL_ACTIVE
+        finally:
+            kernel32.CloseHandle(handle)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _owner_alive(owner: Optional[str]) -> bool:
+    """Whether the store that began a streaming answer ("host|pid|store") may still be writing it."""
+    if not owner:
+        return False  # no owner kept (an older version wrote it): only a crash leaves it streaming
+    host, _, rest = owner.partition("|")
+    pid_text, _, _ = rest.partition("|")
+    if host != _HOST:
+        return True  # another machine's process cannot be checked from here
+    try:
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        store = _OPEN_STORES.get(owner)
+        return store is not None and store._db is not None
+    return _pid_alive(pid)
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    """SQLite's first finding of a (possibly many-line) report, for a one-line notice."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("***")]
+    line = lines[0] if lines else text.strip()
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 class ChatStore:
     """All access to the chat database. Thread-safe (one connection behind a lock); several processes may
     open the same file (WAL, busy timeout). Failures raise StoreError with the reason; nothing saved is lost."""
@@ -192,7 +257,9 @@ class ChatStore:
         self.notices: list[str] = []  # for the user: the database was repaired, moved aside, ...
         self._lock = threading.RLock()
         self._busy_timeout_ms = busy_timeout_ms
+        self.owner = f"{_HOST}|{os.getpid()}|{uuid.uuid4().hex[:12]}"  # kept on the answers it streams
         self._db: Optional[sqlite3.Connection] = self._open()
+        _OPEN_STORES[self.owner] = self
         self._recover_streaming()
 
     # ---- opening -------------------------------------------------------------------------------------
@@ -202,14 +269,15 @@ class ChatStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create the data folder {self.path.parent}: {exc.strerror or exc}") from exc
+        damaged_index = False
         try:
             return self._connect_checked()
         except sqlite3.DatabaseError as exc:
             if not _is_corruption(exc):
                 raise self._open_error(exc) from exc
-            reason = str(exc)
+            reason = _first_line(str(exc))
         except _Damaged as exc:
-            reason = str(exc)
+            reason, damaged_index = str(exc), True
         try:
             aside = move_aside(self.path)
         except OSError as exc:
@@ -217,6 +285,14 @@ class ChatStore:
                 f"the chat database {self.path} is damaged ({reason}) and cannot be moved aside: {exc.strerror or exc}"
             ) from exc
         log.error("chat database %s is damaged (%s); moved to %s", self.path, reason, aside)
+        if damaged_index:
+            repaired = self._repaired_copy(aside)
+            if repaired is not None:
+                self.notices.append(
+                    f"The chat database was damaged ({reason}); its indexes were rebuilt and every chat kept. "
+                    f"The damaged file was kept as {aside.name}."
+                )
+                return repaired
         self.notices.append(
             f"The chat database was damaged ({reason}). It was kept as {aside.name} and a new, empty one was created."
         )
@@ -224,6 +300,28 @@ class ChatStore:
             return self._connect_checked()
         except sqlite3.DatabaseError as exc:
             raise self._open_error(exc) from exc
+
+    def _repaired_copy(self, damaged: Path) -> Optional[sqlite3.Connection]:
+        """A copy of the damaged file at self.path with its indexes rebuilt, when that passes the integrity check
+        (damage confined to the indexes, whose rows are rebuilt from the tables); else None and no copy left."""
+        try:
+            for suffix in ("", "-wal"):
+                source = damaged.with_name(damaged.name + suffix)
+                if source.exists():
+                    shutil.copyfile(source, self.path.with_name(self.path.name + suffix))
+            db = sqlite3.connect(self.path, isolation_level=None)
+            try:
+                db.execute("REINDEX")
+            finally:
+                db.close()
+            connection = self._connect_checked()
+        except (OSError, sqlite3.Error, _Damaged) as exc:
+            log.error("chat database %s: rebuilding its indexes did not repair it: %s", damaged, exc)
+            for suffix in ("", "-wal", "-shm"):
+                self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+            return None
+        log.warning("chat database %s: indexes rebuilt from %s", self.path, damaged)
+        return connection
 
     def _connect_checked(self) -> sqlite3.Connection:
         db = sqlite3.connect(
@@ -240,7 +338,7 @@ class ChatStore:
                 )
             check = db.execute("PRAGMA quick_check").fetchall()
             if check != [("ok",)]:
-                raise _Damaged("integrity check failed: " + "; ".join(str(r[0]) for r in check[:3]))
+                raise _Damaged("integrity check failed: " + _first_line(str(check[0][0])))
             mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 log.warning("chat database %s: journal mode %s instead of WAL", self.path, mode)
@@ -276,11 +374,20 @@ class ChatStore:
 
     def _recover_streaming(self) -> None:
         """Answers left 'streaming' by a crash become 'stopped', their partial text kept, with the finish reason
-        "interrupted" (not the user's stop) and why their figures are n/a."""
+        "interrupted" (not the user's stop) and why their figures are n/a. An answer another running process is
+        still writing is left to it, and nothing is written when there is nothing to recover (a read-only or
+        busy database still opens for reading)."""
+        rows = self._read("SELECT id, owner FROM messages WHERE status = 'streaming'")
+        cut = [(message_id,) for message_id, owner in rows if not _owner_alive(owner)]
+        if not cut:
+            return
         with self._write("recover interrupted answers") as db:
+            db.execute("CREATE TEMP TABLE IF NOT EXISTS recovered (id INTEGER PRIMARY KEY)")
+            db.execute("DELETE FROM recovered")
+            db.executemany("INSERT INTO recovered (id) VALUES (?)", cut)
             n = db.execute(
-                "UPDATE messages SET status = 'stopped', metrics_json = COALESCE(metrics_json, ?) "
-                "WHERE status = 'streaming'",
+                "UPDATE messages SET status = 'stopped', owner = NULL, metrics_json = COALESCE(metrics_json, ?) "
+                "WHERE status = 'streaming' AND id IN (SELECT id FROM recovered)",
                 (json.dumps(INTERRUPTED_METRICS),),
             ).rowcount
         if n:
@@ -433,7 +540,7 @@ class ChatStore:
                 if row is None or row[0] != chat_id:
                     raise StoreError(f"message {parent_id} is not in chat {chat_id}")
             cur = db.execute(
-                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO messages ({_MESSAGE_COLUMNS}, owner) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     chat_id,
                     parent_id,
@@ -447,6 +554,7 @@ class ChatStore:
                     candidate_group,
                     candidate_index,
                     model_name,
+                    self.owner if status == "streaming" else None,
                 ),
             )
             message_id = _inserted_id(cur)
@@ -487,6 +595,9 @@ class ChatStore:
             if value is not None:
                 sets.append(f"{column} = ?")
                 params.append(value)
+        if status is not None:
+            sets.append("owner = ?")
+            params.append(self.owner if status == "streaming" else None)
         with self._write("save the message") as db:
             row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (message_id,)).fetchone()
             if row is None:

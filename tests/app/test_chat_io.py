@@ -300,3 +300,15 @@ def test_the_command_line_exports_and_imports(tmp_path):
     assert r.returncode == 0 and len(r.stdout.strip().splitlines()) == 2
     r = gapless(data, "chats", "export", "999")
     assert r.returncode == 2 and "no chat with id 999" in r.stderr
+
+
+def test_the_command_line_says_when_it_moved_a_damaged_database_aside(tmp_path):
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    paths = AppPaths.resolve(data).ensure()
+    paths.database.write_bytes(b"not a database at all\n" * 100)
+    r = gapless(data, "chats", "list")
+    assert r.returncode == 0 and r.stdout == ""
+    assert r.stderr.startswith("gapless: The chat database was damaged (file is not a database). It was kept as ")
+    assert "a new, empty one was created" in r.stderr

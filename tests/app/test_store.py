@@ -269,7 +269,7 @@ def test_a_schema_2_database_gains_the_compare_history_and_keeps_its_chats(tmp_p
         history = CompareHistory(s)
         assert history.rows() == []
         history.add(1, "eager", EngineOptions(device="cpu"), metrics(20.0))
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
 
 
 def test_compare_rows_round_trip_and_clear(tmp_path):

@@ -50,13 +50,19 @@ while True:
 """
 
 
-def test_kill_mid_answer_loses_at_most_about_a_second(tmp_path):
-    db = tmp_path / "chats.sqlite3"
+def start_streamer(db: Path) -> tuple[subprocess.Popen, int, int]:
+    """A child process streaming an answer into `db` until killed: (process, chat id, answer id)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", STREAMER, str(db)], stdout=subprocess.PIPE, text=True, env=child_env()
     )
+    _, chat_id, answer_id = proc.stdout.readline().split()
+    return proc, chat_id, answer_id
+
+
+def test_kill_mid_answer_loses_at_most_about_a_second(tmp_path):
+    db = tmp_path / "chats.sqlite3"
+    proc, chat_id, answer_id = start_streamer(db)
     try:
-        _, chat_id, answer_id = proc.stdout.readline().split()
         appended: list[tuple[int, float]] = []
         while not appended or appended[-1][1] - appended[0][1] < 2.0:  # stream for 2 s of the child's clock
             line = proc.stdout.readline()
@@ -67,14 +73,14 @@ def test_kill_mid_answer_loses_at_most_about_a_second(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     with ChatStore(db) as store:
-        m = store.get_message(int(answer_id))
+        m = store.get_message(answer_id)
         assert m.status == "stopped"  # recovered on open
         words = m.content.split()
         assert m.content == "".join(f"w{i} " for i in range(len(words)))  # an exact prefix of what streamed
         last_t = appended[-1][1]
         must_have = max(i for i, t in appended if t <= last_t - 1.0)
         assert len(words) > must_have, (len(words), must_have)
-        assert [x.content for x in store.thread(int(chat_id))] == ["tell me a long story", m.content]
+        assert [x.content for x in store.thread(chat_id)] == ["tell me a long story", m.content]
 
 
 def test_newer_database_is_refused_and_left_untouched(tmp_path):
@@ -255,3 +261,70 @@ def test_second_process_writing_concurrently(tmp_path):
         assert third.count_messages() == 2 * n
     store.close()
     assert sqlite3.connect(path).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def _scribble_index(path: Path, index: str) -> None:
+    """Overwrite the cells of one index's root page, leaving the tables' pages as they were."""
+    db = sqlite3.connect(path)
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (index,)).fetchone()[0]
+    page = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    data = bytearray(path.read_bytes())
+    start = (root - 1) * page
+    data[start + 200 : start + 500] = b"\xa5" * 300
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_index_is_rebuilt_and_every_chat_kept(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as s:
+        chats = [s.create_chat(f"chat {c}") for c in range(2)]
+        for chat in chats:
+            parent = None
+            for i in range(60):
+                parent = s.add_message(chat.id, "user", f"{chat.title} message {i}", parent).id
+    _scribble_index(path, "messages_by_chat")
+    assert sqlite3.connect(path).execute("PRAGMA quick_check").fetchone()[0] != "ok"
+    with ChatStore(path) as s:
+        assert len(s.notices) == 1 and "indexes were rebuilt and every chat kept" in s.notices[0], s.notices
+        assert "\n" not in s.notices[0] and "***" not in s.notices[0] and len(s.notices[0]) < 500  # one line
+        assert sorted(c.title for c in s.list_chats()) == ["chat 0", "chat 1"]
+        for chat in chats:
+            assert [m.content for m in s.thread(chat.id)] == [f"{chat.title} message {i}" for i in range(60)]
+        assert s.count_messages() == 120
+    aside = [p for p in tmp_path.glob("chats.sqlite3.corrupt-*") if not p.name.endswith(("-wal", "-shm"))]
+    assert len(aside) == 1 and aside[0].name in s.notices[0]  # the damaged file itself is kept
+    assert sqlite3.connect(path).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_a_live_answer_in_another_process_is_not_marked_cut_off(tmp_path):
+    db = tmp_path / "chats.sqlite3"
+    proc, chat_id, answer_id = start_streamer(db)
+    try:
+        for _ in range(30):  # past the first save
+            assert proc.stdout.readline(), "the streaming process ended early"
+        with ChatStore(db) as reader:  # e.g. `gapless chats list` while the app answers
+            m = reader.get_message(answer_id)
+            assert m.status == "streaming" and m.metrics is None
+        with ChatStore(db) as reader:
+            assert reader.get_message(answer_id).status == "streaming"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    with ChatStore(db) as after_crash:  # its process is gone: now it was cut off
+        m = after_crash.get_message(answer_id)
+        assert m.status == "stopped" and m.metrics["finish_reason"] == "interrupted"
+
+
+def test_a_busy_database_opens_for_reading(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as s:
+        s.add_message(s.create_chat("readable").id, "user", "hello", None)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    try:
+        with ChatStore(path, busy_timeout_ms=200) as s:
+            assert [c.title for c in s.list_chats()] == ["readable"]
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
