@@ -41,6 +41,25 @@ def finish_reasons(result: GenerationResult, max_new_tokens: int) -> list[str]:
     ]
 
 
+def spoken(
+    thread: list[Message], skip: frozenset[int] | set[int] = frozenset(), then: Optional[str] = None
+) -> list[dict]:
+    """The branch as the model is asked it (`then`: a question to add after it). Left out: answers that say
+    nothing (failed before their first token) or are in `skip` (still streaming), and a question that was never
+    answered (refused as too long, failed, or stopped while it was read) and was followed by another: sent
+    again, it would have the next prompt refused the same way, and two user turns in a row break the
+    templates that want the roles to alternate (Gemma's)."""
+    turns = [
+        {"role": m.role, "content": m.content}
+        for m in thread
+        if not (m.role == "assistant" and (not m.content or m.id in skip))
+    ]
+    if then is not None:
+        turns.append({"role": "user", "content": then})
+    unanswered = {i for i in range(len(turns) - 1) if turns[i]["role"] == turns[i + 1]["role"] == "user"}
+    return [t for i, t in enumerate(turns) if i not in unanswered]
+
+
 @dataclass
 class MessageItem:
     """What the conversation view shows of one stored message."""
@@ -308,11 +327,7 @@ class ChatFlow(QObject):
         system = self.store.get_chat(upto.chat_id).system_prompt
         if system.strip():
             out.append({"role": "system", "content": system})
-        for m in self.store.thread(upto.chat_id, upto.id):
-            if m.role == "assistant" and not m.content:
-                continue  # an answer that failed before its first token says nothing
-            out.append({"role": m.role, "content": m.content})
-        return out
+        return out + spoken(self.store.thread(upto.chat_id, upto.id))
 
     def draft_messages(self, draft: str) -> list[dict]:
         """The engine's messages if `draft` were sent now: the system prompt, the branch on screen, the draft."""
@@ -324,10 +339,8 @@ class ChatFlow(QObject):
             if chat.system_prompt.strip():
                 out.append({"role": "system", "content": chat.system_prompt})
             streaming = set(self.answer.message_ids) if self.answer is not None else set()
-            for m in self.store.thread(self.chat_id) if chat.active_leaf_id is not None else []:
-                if m.role == "assistant" and (not m.content or m.id in streaming):
-                    continue  # an empty answer says nothing; the one streaming is not part of the next prompt yet
-                out.append({"role": m.role, "content": m.content})
+            thread = self.store.thread(self.chat_id) if chat.active_leaf_id is not None else []
+            return out + spoken(thread, streaming, then=draft)
         out.append({"role": "user", "content": draft})
         return out
 

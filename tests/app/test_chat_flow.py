@@ -159,3 +159,32 @@ def test_candidates_wait_for_a_choice_and_the_chosen_one_continues_the_chat(flow
     assert store.thread(f.chat_id)[-1].content == "green"
     f.send("why?")
     assert ctl.asked[-1][-2:] == [{"role": "assistant", "content": "green"}, {"role": "user", "content": "why?"}]
+
+
+def test_a_question_left_unanswered_is_not_asked_again_with_the_next(flow):
+    f, store, ctl = flow
+    failed = signals(f, "failed")["failed"]
+    f.send("first")
+    ctl.run(1, ["first answer"], ["eos"])
+    f.send("a question refused as too long")
+    ctl.generationFailed.emit(2, "the conversation takes 9,000 tokens, more than the 6,144 ...")
+    f.send("stopped while it was read")
+    ctl.generationStarted.emit(3, EngineOptions())
+    ctl.run(3, [""], ["cancelled"])
+    assert len(failed) == 1
+    roles = [m.role for m in store.thread(f.chat_id)]
+    assert roles == ["user", "assistant", "user", "user"]  # both questions stay on screen
+    assert f.draft_messages("next") == [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "first answer"},
+        {"role": "user", "content": "next"},
+    ]
+    f.send("next")
+    assert ctl.asked[-1] == [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "first answer"},
+        {"role": "user", "content": "next"},
+    ]
+    ctl.run(4, ["the next answer"], ["eos"])
+    f.send("and then")  # an answered question stays in the conversation
+    assert [m["content"] for m in ctl.asked[-1]] == ["first", "first answer", "next", "the next answer", "and then"]
