@@ -19,12 +19,13 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from app.store import ROLES, ChatStore, Message, StoreError
 from engine.errors import GaplessError, OptionsError
+from engine.figures import metrics_problem
 from engine.paths import write_whole
-from engine.types import OVERFLOW_POLICIES, SamplingParams, describe_options
+from engine.types import OVERFLOW_POLICIES, SamplingParams, describe_options, stored_options_problem
 
 FORMAT = "gapless-chat"
 VERSION = 1
@@ -303,11 +304,14 @@ def _id(v: Any, where: str) -> int:
     return v
 
 
-def _figures(v: Any, where: str) -> Optional[dict]:
+def _figures(v: Any, where: str, problem: Callable[[dict], Optional[str]]) -> Optional[dict]:
     if v is None:
         return None
     if not isinstance(v, dict):
         raise _fail(where, f"must be an object or null, got {_kind(v)}")
+    why = problem(v)
+    if why:
+        raise _fail(where, why)
     if _depth(v) > MAX_DEPTH:
         raise _fail(where, f"is nested deeper than {MAX_DEPTH} levels")
     size = len(json.dumps(v, ensure_ascii=False))
@@ -427,8 +431,8 @@ def validate(doc: Any) -> ImportedChat:
                 "status": status,
                 "created": m_created,
                 "updated": _time(m.get("updated", m_created), f"{where}: updated"),
-                "options": _figures(m.get("options"), f"{where}: options"),
-                "metrics": _figures(m.get("metrics"), f"{where}: metrics"),
+                "options": _figures(m.get("options"), f"{where}: options", stored_options_problem),
+                "metrics": _figures(m.get("metrics"), f"{where}: metrics", metrics_problem),
                 "candidate_group": group,
                 "candidate_index": index,
                 "model_name": None if model is None else _text(model, f"{where}: model_name", MAX_TITLE_CHARS),

@@ -150,8 +150,32 @@ def _dumps(value: Any) -> Optional[str]:
 
 def _message(row: tuple) -> Message:
     return Message(
-        row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], _loads(row[8]), _loads(row[9]), *row[10:13]
+        row[0],
+        row[1],
+        row[2],
+        row[3],
+        row[4],
+        row[5],
+        row[6],
+        row[7],
+        _kept_figures(row[8], "options", row[0]),
+        _kept_figures(row[9], "metrics", row[0]),
+        *row[10:13],
     )
+
+
+def _kept_figures(text: Optional[str], what: str, message_id: int) -> Optional[dict]:
+    """A message's stored options or figures; a damaged object (not JSON, not an object) reads as none, so the
+    message itself is still shown and exported."""
+    try:
+        value = _loads(text)
+    except ValueError as exc:
+        log.error("chat database: message %d: its %s are damaged (%s); shown without them", message_id, what, exc)
+        return None
+    if value is not None and not isinstance(value, dict):
+        log.error("chat database: message %d: its %s are not an object; shown without them", message_id, what)
+        return None
+    return value
 
 
 def _inserted_id(cur: sqlite3.Cursor) -> int:
@@ -803,16 +827,9 @@ def _compare_record(row: tuple) -> CompareRecord:
     options, metrics = json.loads(options_json), json.loads(metrics_json)
     if not isinstance(options, dict) or not isinstance(metrics, dict):
         raise ValueError("its options or metrics are not JSON objects")
-    for f in figures.GENERATION_FIGURES:
-        v = metrics.get(f.key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise ValueError(f"its figure {f.key} is {json.dumps(v)[:40]}, not a number")
-    for name in figures.SOURCE_FIELDS:
-        if not isinstance(metrics.get(name), (str, type(None))):
-            raise ValueError(f"its {name} is not text")
-    unavailable = metrics.get("unavailable", {})
-    if not isinstance(unavailable, dict) or not all(isinstance(v, str) for v in unavailable.values()):
-        raise ValueError("its n/a reasons are not an object of texts")
+    problem = figures.metrics_problem(metrics)
+    if problem:
+        raise ValueError(problem)
     return CompareRecord(
         rid, created, index, label, EngineOptions.from_dict(options), GenerationMetrics.from_dict(metrics)
     )

@@ -11,6 +11,7 @@ measures it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
@@ -286,3 +287,22 @@ def read(data: Any, key: str) -> Figure:
     unavailable = get("unavailable") or {}
     reason = None if value is not None else unavailable.get(key)
     return Figure(s, None if value is None else value, source if value is not None else None, reason)
+
+
+def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
+    """What makes a metrics object read back (a chat file, the store) unfit to show: a figure that is not a
+    number, a source or finish reason that is not text, n/a reasons that are not texts. None when it is fit."""
+    for f in GENERATION_FIGURES:
+        v = metrics.get(f.key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            return f"its figure {f.key} is {json.dumps(v)[:40]}, not a number"
+    for name in (*SOURCE_FIELDS, "finish_reason"):
+        if not isinstance(metrics.get(name), (str, type(None))):
+            return f"its {name} is not text"
+    unavailable = metrics.get("unavailable", {})
+    if not isinstance(unavailable, dict) or not all(isinstance(v, str) for v in unavailable.values()):
+        return "its n/a reasons are not an object of texts"
+    counts = metrics.get("new_tokens", [])
+    if not isinstance(counts, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        return "its new_tokens is not a list of whole numbers"
+    return None

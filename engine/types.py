@@ -246,6 +246,8 @@ class SamplingParams:
         _refuse_unknown(cls, data, "sampling parameter(s)")
         d = dict(data)
         if "stop" in d:
+            if not isinstance(d["stop"], (list, tuple)):  # tuple("abc") would be three stop strings
+                raise OptionsError(f"stop must be a list of strings, got {type(d['stop']).__name__}")
             d["stop"] = tuple(d["stop"])
         return cls(**d).validate()
 
@@ -510,6 +512,20 @@ def options_as_run(
     (engine.protocol.option_limits). The JSON's `options`, what a stored answer keeps and what the diagnosis
     reads, so it advises nothing that cannot run."""
     return {**options.to_dict(), "unavailable": dict(unavailable), "limits": limits_as_list(limits or {})}
+
+
+def stored_options_problem(options: Mapping[str, Any]) -> Optional[str]:
+    """What makes options read back in options_as_run's form (a chat file, the store) unfit to show or run
+    again: a value no option takes, n/a reasons or limits of the wrong shape. None when they are fit."""
+    try:
+        EngineOptions.from_dict({k: v for k, v in options.items() if k in EngineOptions.__dataclass_fields__})
+        limits_from_list(options.get("limits", []))
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    unavailable = options.get("unavailable", {})
+    if not isinstance(unavailable, dict) or not all(isinstance(v, str) for v in unavailable.values()):
+        return "its unavailable options are not an object of texts"
+    return None
 
 
 @dataclass

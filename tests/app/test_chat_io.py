@@ -211,6 +211,18 @@ BAD = {
         lambda d: _mutated(d, lambda x: x["chat"].update(overflow_policy="forget")),
         "chat.overflow_policy: must be one of rolling, truncate-middle, stop or null",
     ),
+    "figure not a number": (
+        lambda d: _mutated(d, lambda x: x["messages"][1]["metrics"].update(ttft_ms="fast")),
+        'message 2: metrics: its figure ttft_ms is "fast", not a number',
+    ),
+    "options no engine takes": (
+        lambda d: _mutated(d, lambda x: x["messages"][1]["options"].update(candidates="x")),
+        "message 2: options: candidates must be",
+    ),
+    "stop as one text": (
+        lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(stop="abc")),
+        "chat.sampling: stop must be a list of strings, got str",
+    ),
     "streaming status": (
         lambda d: _mutated(d, lambda x: x["messages"][1].update(status="streaming")),
         "message 2: status must be one of done, stopped, error",

@@ -317,3 +317,18 @@ def test_a_bad_compare_row_is_refused_with_its_reason_and_the_others_load(tmp_pa
     assert [r.label for r in rows] == ["good"]
     refused = [r.getMessage() for r in caplog.records if "compare row 2 refused" in r.getMessage()]
     assert len(refused) == 1 and reason in refused[0]
+
+
+def test_a_message_whose_stored_figures_are_damaged_is_still_read(tmp_path):
+    path = tmp_path / "c.sqlite3"
+    with ChatStore(path) as s:
+        chat = s.create_chat()
+        m = s.add_message(chat.id, "assistant", "kept", None, metrics={"ttft_ms": 1.0}, options={"dtype": "fp32"})
+    db = sqlite3.connect(path)
+    db.execute("UPDATE messages SET metrics_json = '{bad', options_json = '[1]' WHERE id = ?", (m.id,))
+    db.commit()
+    db.close()
+    with ChatStore(path) as s:
+        got = s.get_message(m.id)
+        assert (got.content, got.metrics, got.options) == ("kept", None, None)
+        assert [x.content for x in s.thread(chat.id)] == ["kept"]
