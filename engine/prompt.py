@@ -10,6 +10,8 @@ Cutting order, by overflow policy (engine.types.OVERFLOW_POLICIES):
 - truncate-middle: whole turns after the first one go, oldest first, then the first question's answers; the
   system prompt, the first user message and the last user message stay.
 - stop: nothing is cut; a prompt that does not fit is refused with a message.
+Each policy drops at least the fewest messages that fit, rounded up to about a quarter of the budget's worth
+(_sticky), so the cut stays put for several turns and the engine's prefix cache serves them.
 If what must stay is still too long, the last user message keeps its tail. Every cut is reported in `notices`,
 and what was dropped in `cut` (for the answer's stats line).
 """
@@ -241,17 +243,44 @@ def _fewest_dropped(
     return best
 
 
+# A cut drops history in steps of about this share of the prompt budget (see _sticky).
+CUT_STEP_SHARE = 4
+
+
+def _sticky(fewest: int, sizes: list[int], step: int) -> int:
+    """How many of the oldest units (messages, turns) of `sizes` tokens to drop when at least `fewest` must go:
+    rounded up to where the tokens dropped reach the next multiple of `step`. Until the conversation grows past
+    that mark, every turn drops the same units, so each prompt starts as the one before it did and the engine
+    reads the earlier turns from its prefix cache; dropping only the fewest moved the cut by a message or two
+    every turn and had the whole conversation read again for each answer."""
+    marks, total = [], 0
+    for n in sizes:
+        total += n
+        marks.append(total)
+    step = max(1, step)
+    mark = -(-marks[fewest - 1] // step) * step
+    return next((k for k in range(fewest, len(sizes) + 1) if marks[k - 1] >= mark), fewest)
+
+
+def _sizes(tokenizer, msgs: list[dict], units: list[list[int]]) -> list[int]:
+    return [
+        sum(len(tokenizer(msgs[i]["content"], add_special_tokens=False)["input_ids"]) + 1 for i in u) for u in units
+    ]
+
+
 def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]) -> Prompt:
     text, ids = render(msgs)
     if len(ids) <= budget:
         return Prompt(ids, text, 0, notices)
-    droppable = sum(1 for m in msgs[:-1] if m["role"] != "system")
-    best = _fewest_dropped(render, budget, droppable, lambda k: _keep(msgs, k))
+    history = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
+    best = _fewest_dropped(render, budget, len(history), lambda k: (_keep(msgs, k)[0], k))
     if best is not None:
-        t, i, dropped = best
+        k = _sticky(best[2], _sizes(tokenizer, msgs, [[i] for i in history]), budget // CUT_STEP_SHARE)
+        kept, dropped = _keep(msgs, k)
+        t, i = render(kept) if k > best[2] else best[:2]
         what = _cut(notices, context, f"{_plural(dropped, 'oldest message')} dropped")
         return Prompt(i, t, dropped, notices, what)
-    kept, dropped = _keep(msgs, droppable)
+    kept, dropped = _keep(msgs, len(history))
     return _cut_last(tokenizer, render, kept, dropped, budget, context, notices)
 
 
@@ -312,9 +341,11 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
         gone = sorted(i for u in units[:k] for i in u)
         return [m for i, m in enumerate(msgs) if i not in set(gone)], gone
 
-    best = _fewest_dropped(render, budget, len(units), kept_after)
+    best = _fewest_dropped(render, budget, len(units), lambda k: (kept_after(k)[0], k))
     if best is not None:
-        t, fitted, gone = best
+        k = _sticky(best[2], _sizes(tokenizer, msgs, units), budget // CUT_STEP_SHARE)
+        kept, gone = kept_after(k)
+        t, fitted = render(kept) if k > best[2] else best[:2]
         what = _cut(notices, context, _middle_what(gone, convo))
         return Prompt(fitted, t, len(gone), notices, what)
     kept, gone = kept_after(len(units))

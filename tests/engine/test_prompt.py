@@ -161,10 +161,31 @@ def test_oldest_messages_are_dropped_to_fit(chat_tok):
     assert p.dropped_messages % 2 == 0 and p.dropped_messages > 0  # whole question/answer turns
     kept = [SYSTEM, *msgs[1 + p.dropped_messages :]]
     assert p.ids == _template_ids(chat_tok, kept)
-    # the fewest drops that fit: keeping one more turn would not
-    one_more = [SYSTEM, *msgs[1 + p.dropped_messages - 2 :]]
-    assert len(_template_ids(chat_tok, one_more)) > budget
+    # at least the fewest turns that fit, and beyond them less than a step (a quarter of the budget) and a turn
+    fewest = next(k for k in range(2, len(msgs), 2) if len(_template_ids(chat_tok, [SYSTEM, *msgs[1 + k :]])) <= budget)
+    assert p.dropped_messages >= fewest
+    turn = len(_template_ids(chat_tok, msgs[1:3]))
+    assert len(_template_ids(chat_tok, [SYSTEM, *msgs[1 + fewest :]])) - len(p.ids) < budget // 4 + turn
     assert p.notices == [f"prompt cut to fit the {context}-token context: {p.dropped_messages} oldest messages dropped"]
+
+
+@pytest.mark.parametrize("overflow", ["rolling", "truncate-middle"])
+def test_a_growing_chat_keeps_its_cut_for_several_turns(chat_tok, overflow):
+    """Once a chat outgrows the context, a prompt mostly starts as the one before it did (so the engine reads the
+    earlier turns from its prefix cache), instead of the cut moving by a turn with every answer."""
+    context, max_new = 1200, 16  # a step of ~300 tokens, about two and a half turns
+    msgs, prompts = [SYSTEM], []
+    for n in range(40):
+        msgs.append(_user(f"question {n}: the quick brown fox jumps over the lazy dog"))
+        prompts.append(build_prompt(chat_tok, msgs, context, max_new, overflow=overflow))
+        msgs.append(_assistant(f"answer {n}: hello world " * 3))
+    assert all(len(p.ids) <= prompt_budget(context, max_new) for p in prompts)
+    cut = [p for p in prompts if p.dropped_messages]
+    assert len(cut) >= 25
+    extended = [b.ids[: len(a.ids)] == a.ids for a, b in zip(cut, cut[1:])]
+    assert sum(extended) >= len(extended) // 2, extended
+    # the cut moves, so the chat goes on, and no more is dropped than about a quarter of the budget beyond need
+    assert not all(extended) and min(len(p.ids) for p in cut) > prompt_budget(context, max_new) * 0.6
 
 
 def test_a_leading_assistant_reply_goes_with_its_question(chat_tok):
