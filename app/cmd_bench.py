@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from app.cmd_generate import check_draft_model
 from engine import figures
 from engine.errors import OptionsError
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
@@ -19,6 +20,8 @@ NA = "n/a"
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     presets = tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets else tuple(PRESETS)
+    if getattr(args, "draft_model", None):
+        check_draft_model("draft", args.draft_model)
     return BenchConfig(
         model=args.model,
         device=args.device,
@@ -233,6 +236,8 @@ def spec_config_from_args(args: argparse.Namespace):
     wrong = [d for d in dtypes if d not in DTYPES]
     if wrong:
         raise OptionsError(f"--dtypes: unknown dtype {wrong[0]!r}; choose from {', '.join(DTYPES)}")
+    if args.speculation == "draft" or args.draft_model:
+        check_draft_model(args.speculation or "draft", args.draft_model or "")
     return SpecBenchConfig(
         model=args.model,
         device=args.device,

@@ -6,6 +6,7 @@ import json
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 from engine.diagnosis import diagnose
 from engine.errors import OptionsError
@@ -36,7 +37,18 @@ def options_from_args(args) -> EngineOptions:
         "weights": getattr(args, "weights", None),
         "prefix_reuse": getattr(args, "prefix_reuse", None),
     }
-    return replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
+    options = replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
+    check_draft_model(options.speculation, options.draft_model)
+    return options
+
+
+def check_draft_model(speculation: str, draft_model: str) -> None:
+    """Refuse, before any model loads, a draft speculation without a draft model or one that is not there (the
+    engine would answer without speculation and say so only after the answer)."""
+    if speculation == "draft" and not draft_model:
+        raise OptionsError("--speculation draft needs --draft-model PATH")
+    if draft_model and draft_model != "default" and not Path(draft_model).exists():
+        raise OptionsError(f"--draft-model {draft_model}: no such file or folder")
 
 
 def sampling_from_args(args) -> SamplingParams:

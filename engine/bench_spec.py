@@ -203,6 +203,7 @@ def run_speculation_workloads(
             spec = replace(
                 plain, speculation=config.speculation, draft_tokens=config.draft_tokens, draft_model=config.draft_model
             )
+            engine.reconfigure(spec)  # loads a draft model, whose refusal (another vocabulary) shows only then
             reasons = engine.unavailable(spec)
             if reasons:
                 results.append(

@@ -217,10 +217,23 @@ class LadderRunner:
             self.progress(f"{rung.name}: warm-up after re-placing the weights")
             self.engine.generate(self.messages, self.sampling)
 
+    def refused_after_switch(self, rung: Rung) -> bool:
+        """Whether the engine, switched to `rung`, refuses what the plan could not know before (a draft model is
+        loaded, and its vocabulary checked, at the switch): the rung is then skipped with the reason instead of
+        timing the previous rung's path under its name."""
+        reasons = self.engine.unavailable(self.opts[rung.name])
+        if not reasons:
+            return False
+        rung.status, rung.reason = "skipped", "; ".join(f"{k}: {v}" for k, v in reasons.items())
+        self.progress(f"{rung.name}: skipped: {rung.reason}")
+        return True
+
     def warm_up(self) -> None:
         for rung in self.ok():
             try:
                 self._switch(rung, warm=False)
+                if self.refused_after_switch(rung):
+                    continue
                 for i in range(self.config.warmup):
                     self.progress(f"{rung.name}: warm-up {i + 1}/{self.config.warmup}")
                     t0 = time.perf_counter()
@@ -306,7 +319,8 @@ def run_ladder(
             report(done, total, f"{rung.label}: warm-up")
             try:
                 runner._switch(rung, warm=False)
-                engine.generate(runner.messages, runner.sampling, cancel=cancel)
+                if not runner.refused_after_switch(rung):
+                    engine.generate(runner.messages, runner.sampling, cancel=cancel)
             except RUN_ERRORS as exc:
                 _failed(rung, exc, log.info)
             done += 1

@@ -123,8 +123,12 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
     if isinstance(n, int) and n > 1:
         parts.append(f"{n} candidates")
     defaults = EngineOptions().to_dict()
+    # the draft settings say nothing while speculation is off, nor a draft model unless it drafts
+    idle = {"draft_tokens", "draft_model"} if o.get("speculation", "off") == "off" else set()
+    if o.get("speculation") == "ngram":
+        idle.add("draft_model")
     for name, value in o.items():
-        if name not in _DESCRIBED and name in defaults and value != defaults[name]:
+        if name not in _DESCRIBED and name not in idle and name in defaults and value != defaults[name]:
             shown = ("on" if value else "off") if isinstance(value, bool) else value
             parts.append(f"{name.replace('_', ' ')} {shown}")
     return sep.join(parts)

@@ -88,7 +88,7 @@ def test_validate_rejects_bad_configs():
     assert validate(BenchConfig(presets=("naive",))).presets == ("naive",)
 
 
-def test_config_from_args():
+def test_config_from_args(tmp_path):
     args = bench_args("m.gguf", None, max_new_tokens=16, repeats=2, presets="naive, first-fixes", prompt=None)
     args.speculation = args.draft_tokens = args.draft_model = None
     c = config_from_args(args)
@@ -97,9 +97,13 @@ def test_config_from_args():
     args.presets = None
     assert config_from_args(args).presets[0] == "naive" and config_from_args(args).presets == tuple(PRESETS)
     assert config_from_args(args).presets[-1] == "speculation"
-    args.speculation, args.draft_tokens, args.draft_model = "draft", 4, "small.gguf"
+    small = tmp_path / "small.gguf"
+    args.speculation, args.draft_tokens, args.draft_model = "draft", 4, str(small)
+    with pytest.raises(OptionsError, match="no such file or folder"):
+        config_from_args(args)
+    small.write_bytes(b"GGUF")
     c = config_from_args(args)
-    assert (c.speculation, c.draft_tokens, c.draft_model) == ("draft", 4, "small.gguf")
+    assert (c.speculation, c.draft_tokens, c.draft_model) == ("draft", 4, str(small))
 
 
 def rung(name, label, tok_s, options=None, status="ok", reason=None, gap=None, notes=()):
@@ -464,6 +468,34 @@ def test_speculation_rung_runs_on_the_cpu_without_compile(tiny_llama, tmp_path, 
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| + speculation"))
     assert "eager, speculation ngram (1)" in row
+
+
+def test_a_draft_model_the_engine_refuses_skips_the_speculation_rung_and_arm(tiny_llama, tmp_path, capsys):
+    """The draft model is loaded, and its vocabulary checked, when the engine switches to it: a refused one skips
+    the rung (and the workloads' arm) with the reason instead of timing plain decoding as speculation."""
+    from tiny_models import make_tiny_model
+
+    from app.cli import build_parser
+    from app.cmd_bench import run_bench
+
+    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=300)
+    path = tmp_path / "bench.json"
+    args = bench_args(tiny_llama, path, presets="first-fixes,speculation", speculation="draft", draft_model=str(other))
+    assert run_bench(args) == 0
+    fixes, spec = json.loads(path.read_text(encoding="utf-8"))["rungs"]
+    assert fixes["status"] == "ok" and spec["status"] == "skipped" and spec["runs"] == []
+    assert spec["reason"].startswith("speculation: the draft model's vocabulary has 300 entries and the target's 320")
+    table = capsys.readouterr().out.splitlines()
+    assert next(line for line in table if line.startswith("| + speculation")).startswith(
+        "| + speculation     | skipped"
+    )
+    assert "draft model" not in next(line for line in table if line.startswith("| + static KV cache"))
+    path = tmp_path / "spec.json"
+    argv = ["bench", "--model", str(tiny_llama), "--device", "cpu", "--speculation-workloads", "--json", str(path)]
+    argv += ["--speculation", "draft", "--draft-model", str(other), "--max-new-tokens", "8"]
+    assert run_bench(build_parser().parse_args(argv)) == 0
+    (result,) = json.loads(path.read_text(encoding="utf-8"))["results"]
+    assert result["status"] == "skipped" and "vocabulary has 300 entries" in result["reason"]
 
 
 def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):

@@ -57,18 +57,22 @@ def test_options_validate_and_round_trip():
             EngineOptions(**bad).validate()
 
 
-def test_cli_flags_reach_the_options():
+def test_cli_flags_reach_the_options(tmp_path):
     from app.cli import build_parser
     from app.cmd_generate import options_from_args
 
     parser = build_parser()
     args = parser.parse_args(["generate", "--prompt", "x", "--speculation", "ngram", "--draft-tokens", "auto"])
     assert options_from_args(args).speculation == "ngram" and options_from_args(args).draft_tokens == 0
-    args = parser.parse_args(
-        ["generate", "--prompt", "x", "--speculation", "draft", "--draft-tokens", "5", "--draft-model", "small.gguf"]
-    )
-    o = options_from_args(args)
-    assert (o.speculation, o.draft_tokens, o.draft_model) == ("draft", 5, "small.gguf")
+    small = tmp_path / "small.gguf"
+    draft = ["generate", "--prompt", "x", "--speculation", "draft", "--draft-tokens", "5", "--draft-model", str(small)]
+    with pytest.raises(OptionsError, match=f"--draft-model {small}: no such file or folder"):
+        options_from_args(parser.parse_args(draft))  # refused before any model loads
+    small.write_bytes(b"GGUF")
+    o = options_from_args(parser.parse_args(draft))
+    assert (o.speculation, o.draft_tokens, o.draft_model) == ("draft", 5, str(small))
+    with pytest.raises(OptionsError, match="--speculation draft needs --draft-model PATH"):
+        options_from_args(parser.parse_args(["generate", "--prompt", "x", "--speculation", "draft"]))
     args = parser.parse_args(["generate", "--prompt", "x", "--draft-tokens", "20"])
     with pytest.raises(OptionsError, match="draft_tokens must be between"):
         options_from_args(args)
