@@ -299,6 +299,7 @@ class MainWindow(QMainWindow):
             (model.openRequested, self.load_model),
             (model.modelsFolderChosen, self.set_models_folder),
             (model.folderUsed, self._folder_used),
+            (self.toggles.folderUsed, self._folder_used),
             (self.toggles.optionsChanged, self._options_chosen),
             (self.theme.changed, v.set_colors),
             (c.loadStarted, self._load_started),
@@ -311,7 +312,7 @@ class MainWindow(QMainWindow):
             (c.generationFinished, self._generation_finished),
             (c.generationFailed, self._generation_failed),
         ]
-        model.last_folder = self.settings.last_folder or ""
+        model.last_folder = self.toggles.last_folder = self.settings.last_folder or ""
         if self.hud is not None:
             hud = self.hud
             if hasattr(hud, "folderUsed"):
@@ -762,7 +763,7 @@ class MainWindow(QMainWindow):
     def _folder_used(self, folder: str) -> None:
         """Every file dialog starts where the last one was left, in this run and the next."""
         self.settings.last_folder = folder
-        self.model_panel.last_folder = folder
+        self.model_panel.last_folder = self.toggles.last_folder = folder
         if self.hud is not None:
             self.hud.last_folder = folder
         self._persist()

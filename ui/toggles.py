@@ -4,17 +4,22 @@ reason as the tooltip."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional, cast
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QFileDialog,
     QGridLayout,
     QLabel,
+    QMenu,
     QProgressBar,
+    QSizePolicy,
     QSpinBox,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -98,6 +103,7 @@ def _combo(values: tuple[str, ...], parent: QWidget) -> QComboBox:
 
 class TogglesPanel(QWidget):
     optionsChanged = Signal(object)  # EngineOptions
+    folderUsed = Signal(str)  # the folder the draft model's file dialog was left in (the next one starts there)
 
     def __init__(
         self,
@@ -131,6 +137,21 @@ class TogglesPanel(QWidget):
         self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
         self.draft_tokens.setSpecialValueText("auto")
         self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
+        # The draft model is a path, chosen with a file dialog: not one of the value controls below.
+        self.draft_model = QToolButton(self)
+        self.draft_model.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+        self.draft_model.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.draft_model.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        draft_menu = QMenu(self.draft_model)
+        draft_menu.addAction("GGUF file…", self._choose_draft_file)
+        draft_menu.addAction("Model folder…", self._choose_draft_folder)
+        self.no_draft_action = draft_menu.addAction("None", lambda: self.set_draft_model(""))
+        self.draft_model.setMenu(draft_menu)
+        self.draft_reason = QLabel(self)
+        self.draft_reason.setObjectName("unavailableReason")
+        self.draft_reason.setWordWrap(True)
+        self.draft_reason.hide()
+        self.last_folder = ""  # where the draft model's file dialog starts ("" = Qt's choice)
         self.controls: dict[str, QComboBox | QCheckBox | QSpinBox] = {
             "device": self.device,
             "dtype": self.dtype,
@@ -185,6 +206,10 @@ class TogglesPanel(QWidget):
                 reason.hide()
                 grid.addWidget(reason, 2 * row + 2, 2 * col, 1, 2)
                 self.reasons[name] = reason
+        draft_row = 2 * len(self.reasons) + 1  # after the rows above (each a control's row and its reason's)
+        grid.addWidget(QLabel("Draft model", self), draft_row, 0)
+        grid.addWidget(self.draft_model, draft_row, 1, 1, 3)
+        grid.addWidget(self.draft_reason, draft_row + 1, 0, 1, 4)
         grid.setColumnStretch(1, 1)
         grid.setColumnStretch(3, 1)
         lay = QVBoxLayout(self)
@@ -238,6 +263,51 @@ class TogglesPanel(QWidget):
             self._apply_tooltips()
         finally:
             self._quiet = False
+
+    # ---- the draft model -----------------------------------------------------------------------------
+
+    def _choose_draft_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Draft model: a smaller model with the same tokenizer", self.last_folder, "GGUF models (*.gguf)"
+        )
+        if path:
+            self._used(str(Path(path).parent))
+            self.set_draft_model(path)
+
+    def _choose_draft_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(
+            self, "Draft model: a Hugging Face folder with the same tokenizer", self.last_folder
+        )
+        if path:
+            self._used(str(Path(path).parent))
+            self.set_draft_model(path)
+
+    def _used(self, folder: str) -> None:
+        self.last_folder = folder
+        self.folderUsed.emit(folder)
+
+    def set_draft_model(self, path: str) -> None:
+        """Draft with the model at `path` (speculation switched to draft), or with none ("": a draft speculation
+        goes off). What the engine said of drafting with the previous one is forgotten."""
+        self._known = {k: v for k, v in self._known.items() if k[0] != "speculation"}
+        if path:
+            options = self._options.with_(draft_model=path, speculation="draft")
+        else:
+            off = self._options.speculation == "draft"
+            options = self._options.with_(draft_model="", speculation="off" if off else self._options.speculation)
+        self._change(options)
+        self._apply_tooltips()
+
+    def _show_draft_model(self) -> None:
+        path = self._options.draft_model
+        self.draft_model.setText(Path(path).name or path if path else "None: choose one to draft with")
+        self.draft_model.setToolTip(
+            path or "A smaller model with the same tokenizer drafts tokens that this one verifies in one step"
+        )
+        self.no_draft_action.setEnabled(bool(path))
+        why = self._known.get(("speculation", "draft")) if path else None
+        self.draft_reason.setText(f"Not drafting: {why}" if why else "")
+        self.draft_reason.setVisible(bool(why))
 
     def set_limits(self, limits: dict[tuple[str, object], str]) -> None:
         """What this machine and model can never run, whatever else is chosen ({(option, value): reason}): shown
@@ -309,6 +379,7 @@ class TogglesPanel(QWidget):
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
             self.reasons[name].setText("\n".join(shown))
             self.reasons[name].setVisible(bool(shown))
+        self._show_draft_model()
         for i in range(self.preset.count()):
             why = self._preset_unavailable(self.preset.itemData(i))
             item = cast(QStandardItemModel, self.preset.model()).item(i)  # a combo's own model: a standard one

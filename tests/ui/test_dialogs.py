@@ -444,6 +444,9 @@ def test_file_dialogs_start_in_the_last_folder_used(qtbot, gui, driver, tmp_path
     driver = DialogDriver().choose_file(None).start()
     w.model_panel.open_folder_button.click()
     assert driver.done and Path(driver.answered[0].folder) == folder
+    driver = DialogDriver().choose_file(None).start()  # the draft model's, cancelled
+    w.toggles.draft_model.menu().actions()[0].trigger()
+    assert driver.done and Path(driver.answered[0].folder) == folder
 
 
 # ---- chat files and remote models ------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""The Optimizations panel's draft model: chosen with a file dialog (speculation then drafts with it), the engine's
+refusal of it shown under it, another choice tried afresh, and "None" turning draft speculation off."""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QStandardItemModel
+from PySide6.QtWidgets import QFileDialog
+from toggles_driver import toggles_panel
+
+from engine.types import EngineOptions
+
+
+def draft_entry_enabled(panel) -> bool:
+    combo = panel.speculation
+    model = combo.model()
+    assert isinstance(model, QStandardItemModel)
+    return model.item(combo.findData("draft")).isEnabled()
+
+
+def test_a_draft_model_is_chosen_refused_with_the_reason_and_chosen_again(qtbot, tmp_path, monkeypatch):
+    panel, emitted = toggles_panel(qtbot, EngineOptions(device="cpu"))
+    assert panel.draft_model.text().startswith("None") and not panel.no_draft_action.isEnabled()
+    first, second = tmp_path / "mismatch.gguf", tmp_path / "models" / "draft.gguf"
+    chosen = iter([str(first), str(second)])
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: (next(chosen), "GGUF models (*.gguf)"))
+    file_action = panel.draft_model.menu().actions()[0]
+    assert file_action.text() == "GGUF file…"
+
+    file_action.trigger()
+    asked = emitted[-1]
+    assert (asked.speculation, asked.draft_model) == ("draft", str(first))
+    assert panel.draft_model.text() == "mismatch.gguf" and panel.draft_model.toolTip() == str(first)
+    assert panel.last_folder == str(tmp_path)  # the next dialog starts there
+
+    why = "the draft model's vocabulary has 365 entries and the target's 320"
+    panel.set_applied(asked, {"speculation": why})
+    assert panel.options.speculation == "off" and emitted[-1].speculation == "off"  # what runs is shown
+    assert panel.options.draft_model == str(first)  # kept, with why it does not draft
+    assert not panel.draft_reason.isHidden() and panel.draft_reason.text() == f"Not drafting: {why}"
+    assert not draft_entry_enabled(panel)
+
+    file_action.trigger()  # another model: tried afresh
+    assert (emitted[-1].speculation, emitted[-1].draft_model) == ("draft", str(second))
+    assert draft_entry_enabled(panel) and panel.draft_reason.isHidden()
+    panel.set_applied(emitted[-1], {})
+    assert panel.options.speculation == "draft" and panel.draft_model.text() == "draft.gguf"
+
+    panel.no_draft_action.trigger()
+    assert (emitted[-1].speculation, emitted[-1].draft_model) == ("off", "")
+    assert panel.draft_model.text().startswith("None") and not panel.no_draft_action.isEnabled()
+
+
+def test_a_cancelled_file_dialog_changes_nothing(qtbot, monkeypatch):
+    panel, emitted = toggles_panel(qtbot, EngineOptions(device="cpu", speculation="ngram"))
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: ("", ""))
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: "")
+    for action in panel.draft_model.menu().actions()[:2]:
+        action.trigger()
+    assert emitted == [] and panel.options.speculation == "ngram" and panel.options.draft_model == ""
