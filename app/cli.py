@@ -318,18 +318,21 @@ def _quiet_and_offline() -> None:
 SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models", "chats")
 
 
-def _smoke_test_alias(argv: list[str]) -> list[str]:
-    """`gapless --smoke-test ...` (as the installed bundle is checked) means `gapless gui --smoke-test ...`."""
-    if "--smoke-test" in argv and not any(a in SUBCOMMANDS for a in argv):
+def _gui_alias(argv: list[str]) -> list[str]:
+    """`gapless [global options]` is the desktop app, `gapless gui` with its defaults; `gapless --smoke-test ...`
+    (as the installed bundle is checked) means `gapless gui --smoke-test ...`."""
+    if any(a in SUBCOMMANDS for a in argv) or any(a in ("-h", "--help", "--version") for a in argv):
+        return argv
+    if "--smoke-test" in argv:
         i = argv.index("--smoke-test")
         return argv[:i] + ["gui"] + argv[i:]
-    return argv
+    return argv + ["gui"]
 
 
 def run(argv: Optional[Sequence[str]] = None) -> int:
     _quiet_and_offline()
     parser = build_parser()
-    args = parser.parse_args(_smoke_test_alias(list(sys.argv[1:] if argv is None else argv)))
+    args = parser.parse_args(_gui_alias(list(sys.argv[1:] if argv is None else argv)))
     from app.logs import setup_logging
     from app.paths import AppPaths
 

@@ -74,9 +74,9 @@ def test_verbose_shows_the_traceback(tmp_path):
 
 
 def test_top_level_smoke_test_means_gui_smoke_test():
-    from app.cli import _smoke_test_alias
+    from app.cli import _gui_alias
 
-    assert _smoke_test_alias(["--data-dir", "/d", "--smoke-test", "--report", "r.json"]) == [
+    assert _gui_alias(["--data-dir", "/d", "--smoke-test", "--report", "r.json"]) == [
         "--data-dir",
         "/d",
         "gui",
@@ -84,8 +84,22 @@ def test_top_level_smoke_test_means_gui_smoke_test():
         "--report",
         "r.json",
     ]
-    assert _smoke_test_alias(["gui", "--smoke-test"]) == ["gui", "--smoke-test"]
-    assert _smoke_test_alias(["generate", "--prompt", "x"]) == ["generate", "--prompt", "x"]
+    assert _gui_alias(["gui", "--smoke-test"]) == ["gui", "--smoke-test"]
+    assert _gui_alias(["generate", "--prompt", "x"]) == ["generate", "--prompt", "x"]
+    assert _gui_alias(["--help"]) == ["--help"] and _gui_alias(["--version"]) == ["--version"]
+
+
+def test_gapless_without_a_command_opens_the_app_with_the_gui_defaults(tmp_path, monkeypatch):
+    """`gapless` alone (or with global options) is `gapless gui`: its options have their defaults."""
+    import app.gui
+    from app.cli import run
+
+    seen = []
+    monkeypatch.setattr(app.gui, "run_gui", lambda args, paths: seen.append((args, paths)) or 0)
+    assert run(["--data-dir", str(tmp_path)]) == 0
+    (args, paths), *_ = seen
+    assert args.command == "gui" and args.model is None and args.smoke_test is False
+    assert paths.database.is_relative_to(tmp_path)
 
 
 @pytest.mark.parametrize("before", [True, False])
