@@ -67,9 +67,13 @@ if [[ ${#doomed[@]} -gt 0 ]]; then
     removed=${#doomed[@]}
 fi
 rm -f -- "$MANIFEST"
+USER_DIRS=()
+if [[ -n "${HOME:-}" ]]; then
+    USER_DIRS=("${XDG_DATA_HOME:-$HOME/.local/share}/gapless" "${XDG_CONFIG_HOME:-$HOME/.config}/gapless"
+               "${XDG_STATE_HOME:-$HOME/.local/state}/gapless" "${XDG_CACHE_HOME:-$HOME/.cache}/gapless")
+fi
 if [[ "$PURGE" == 1 ]]; then
-    for dir in "${XDG_DATA_HOME:-$HOME/.local/share}/gapless" "${XDG_CONFIG_HOME:-$HOME/.config}/gapless" \
-               "${XDG_STATE_HOME:-$HOME/.local/state}/gapless" "${XDG_CACHE_HOME:-$HOME/.cache}/gapless"; do
+    for dir in "${USER_DIRS[@]}"; do
         if [[ -e "$dir" ]]; then
             rm -rf -- "$dir"
             say "deleted $dir"
@@ -94,5 +98,11 @@ for k in "${kept[@]}"; do
     warn "left $k"
 done
 if [[ "$PURGE" != 1 ]]; then
-    say "your chats and settings are kept in ${XDG_DATA_HOME:-$HOME/.local/share}/gapless and ${XDG_CONFIG_HOME:-$HOME/.config}/gapless (uninstall.sh --purge deletes them)"
+    left=()
+    for dir in "${USER_DIRS[@]}"; do
+        [[ -e "$dir" ]] && left+=("$dir")
+    done
+    if [[ ${#left[@]} -gt 0 ]]; then
+        say "kept your chats, settings, logs and caches: ${left[*]} (uninstall.sh --purge deletes them)"
+    fi
 fi

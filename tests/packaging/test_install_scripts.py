@@ -136,7 +136,8 @@ def test_uninstall_removes_exactly_the_manifest_and_keeps_user_data(archive: Pat
         f.write_text("kept")
 
     out = run(home / ".local/share/gapless-app/uninstall.sh", env=env).stdout
-    assert "your chats and settings are kept" in out
+    folders = [home / d / "gapless" for d in (".local/share", ".config", ".local/state", ".cache")]
+    assert f"kept your chats, settings, logs and caches: {' '.join(map(str, folders))} (uninstall.sh" in out
     user_tree = {
         ".local/",
         ".local/share/",
@@ -316,3 +317,15 @@ def test_render_icon_writes_png_and_ico(tmp_path: Path):
     assert (image.width(), image.height()) == (SIZE, SIZE)
     assert image.pixelColor(2, 2).alpha() == 0  # the corner outside the bubble stays transparent
     assert image.pixelColor(SIZE // 2, SIZE // 5).alpha() == 255
+
+
+def test_uninstall_names_only_the_user_folders_that_exist(archive: Path, home: Path):
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    (home / ".cache/gapless").mkdir(parents=True)  # the only folder the app wrote
+    out = run(home / ".local/share/gapless-app/uninstall.sh", env=env).stdout
+    assert f"kept your chats, settings, logs and caches: {home}/.cache/gapless (uninstall.sh" in out
+    run(archive / "install.sh", env=env)
+    (home / ".cache/gapless").rmdir()
+    out = run(home / ".local/share/gapless-app/uninstall.sh", env=env).stdout
+    assert "kept your" not in out
