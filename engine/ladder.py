@@ -330,14 +330,17 @@ def run_ladder(
                 report(done, total, rung.label)
                 runner.run_once(rung, i, cancel)
                 done += 1
-        report(total, total, "done")
+        if cancel is not None and cancel.is_set():
+            report(done, total, "cancelled")
+        else:
+            report(total, total, "done")
     finally:
         engine.reconfigure(previous)
     return [_ladder_row(r) for r in runner.finish()]
 
 
 def _ladder_row(rung: Rung) -> LadderRow:
-    reason = rung.reason if rung.status != "ok" else (None if rung.runs else "cancelled before it ran")
+    reason = rung.reason if rung.status != "ok" else (None if rung.runs else LadderRow.NOT_RUN)
     return LadderRow(rung.name, rung.label, rung.status, rung.options, reason, tuple(rung.notes), rung.median or None)
 
 

@@ -401,6 +401,8 @@ class ContextUse:
 class LadderRow:
     """One rung of the app's "Run ladder": what it ran with and its median figures, or why it has none."""
 
+    NOT_RUN = "cancelled before it ran"  # `skipped` of a rung the ladder was stopped before
+
     preset: str  # a key of PRESETS
     label: str
     status: str  # "ok" | "skipped" | "failed"
@@ -415,6 +417,10 @@ class LadderRow:
     @property
     def ran(self) -> bool:
         return self.skipped is None and self.metrics is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.skipped == self.NOT_RUN
 
     @property
     def decode_tok_s(self) -> Optional[float]:

@@ -443,10 +443,17 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         assert eng.options == before
         cancel = threading.Event()
         cancel.set()
+        progress.clear()
         rows = run_ladder(
-            eng, [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), presets=["naive"], cancel=cancel
+            eng,
+            [{"role": "user", "content": "hi"}],
+            SamplingParams(max_new_tokens=4),
+            presets=["naive"],
+            cancel=cancel,
+            on_progress=lambda d, t, label: progress.append((d, t, label)),
         )
-        assert rows[0].skipped == "cancelled before it ran" and rows[0].metrics is None
+        assert rows[0].skipped == "cancelled before it ran" and rows[0].cancelled and rows[0].metrics is None
+        assert progress == [(0, 2, "cancelled")]  # not "done"
         assert eng.options == before
     finally:
         eng.close()

@@ -30,7 +30,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage, QPalette
 from PySide6.QtWidgets import QWidget
 
-from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
+from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX
 from ui.hud.decimate import peak_decimate
@@ -987,6 +987,13 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
 
     panel.set_ladder_failed("model unloaded")
     assert ladder.status.text() == "Ladder failed: model unloaded" and ladder.run_button.isEnabled()
+
+    # Stopped after its first rung: the progress says so, and the summary tells the rungs not run from skipped ones.
+    panel.set_ladder_progress(2, 7, "cancelled")
+    assert ladder.status.text() == "Ladder cancelled" and ladder.progress.format() == "2/7 — cancelled"
+    stopped = [rows[0], *(replace(r, skipped=LadderRow.NOT_RUN, metrics=None) for r in rows[1:3]), rows[5]]
+    panel.set_ladder_results(stopped)
+    assert ladder.status.text().startswith("1 preset ran, 1 skipped (reasons beside them), 2 not run (the ladder")
 
 
 def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):

@@ -100,7 +100,7 @@ class LadderChart(PaletteFollower):
         self.progress.setRange(0, max(1, total))
         self.progress.setValue(done)
         self.progress.setFormat(f"{done}/{total} — {label}")
-        self.status.setText(f"Running {label}…")
+        self.status.setText(f"Ladder {label}" if label in ("done", "cancelled") else f"Running {label}…")
 
     def set_failed(self, message: str) -> None:
         self.set_running(False)
@@ -167,10 +167,13 @@ class LadderChart(PaletteFollower):
     def _summary(self, base: Optional[LadderRow], ran: list[LadderRow]) -> str:
         if not self.rows:
             return "The ladder returned no rows."
-        skipped = len(self.rows) - len(ran)
-        text = f"{len(ran)} presets ran"
+        not_run = sum(1 for r in self.rows if r.cancelled)
+        skipped = len(self.rows) - len(ran) - not_run
+        text = f"{len(ran)} preset{'s' if len(ran) != 1 else ''} ran"
         if skipped:
             text += f", {skipped} skipped (reasons beside them)"
+        if not_run:
+            text += f", {not_run} not run (the ladder was stopped)"
         if base is not None and base.decode_tok_s and len(ran) > 1:
             best = max(ran, key=lambda r: r.decode_tok_s or 0.0)
             text += (
