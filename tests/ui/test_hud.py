@@ -913,8 +913,14 @@ def test_png_exports_are_written(hud, qtbot, tmp_path):
     colors = plot_colors(image)
     assert {"#4e9af1", "#56b6c2", "#4cbf73"} <= colors  # tokens/s, step latency, GPU util
     assert image.pixelColor(2, 2) == panel.live.palette().color(QPalette.ColorRole.Base)  # no combo box corner
-    with pytest.raises(ValueError, match="the image width must be 200 to 8000 pixels, got 50"):
+    with pytest.raises(ValueError, match="the image width must be 400 to 8000 pixels, got 50"):
         panel.export_plots_png(tmp_path / "tiny.png", 50, 400)
+    # Narrower than a title with its source: the titles wrap, and the plots still fill the image to its foot
+    # (a title on one line widened the layout, and the image was drawn scaled down with its lower part blank).
+    image = QImage(str(panel.export_plots_png(tmp_path / "narrow.png", 400, 900)))
+    background = image.pixelColor(2, 2)
+    drawn = [y for y in range(900) if any(image.pixelColor(x, y) != background for x in range(0, 400, 2))]
+    assert drawn[-1] > 860, drawn[-1]
 
     # The buttons ask for a path, then write there.
     buttons = {b.text(): b for b in panel.findChildren(type(panel.compare.reference_button))}

@@ -8,6 +8,7 @@ plots are drawn again at the size asked for through pyqtgraph's image exporter.
 from __future__ import annotations
 
 import csv
+import html
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -92,7 +93,10 @@ def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
     return _write_csv(path, list(SERIES_CSV_COLUMNS), rows)
 
 
-MIN_IMAGE_PX, MAX_IMAGE_PX = 200, 8000  # a plots image's width and height
+MIN_IMAGE_PX, MAX_IMAGE_PX = (
+    400,
+    8000,
+)  # a plots image's width and height (below 400 px the plots with their axes do not fit)
 
 
 def save_plots(
@@ -119,7 +123,9 @@ def save_plots(
         figure.ci.setContentsMargins(6, 6, 12, 6)
         for i, view in enumerate(shown):
             plot = figure.addPlot(row=i, col=0)
-            plot.setTitle(f"{view.label_text} · {view.value.text()}", color=foreground.name(), size="9pt")
+            title = f"{view.label_text} · {view.value.text()}"
+            # room for the title: the image less the left axis (56 px), the margins and the label's own padding
+            plot.setTitle(_wrapped(title, TITLE_PT, width - 110), color=foreground.name(), size=f"{TITLE_PT}pt")
             for item in view.plot.items:
                 if isinstance(item, pg.PlotCurveItem) and item.xData is not None and len(item.xData):
                     plot.addItem(pg.PlotCurveItem(item.xData, item.yData, pen=item.opts["pen"], connect="finite"))
@@ -153,6 +159,27 @@ def save_plots(
         figure.close()
         figure.deleteLater()
     return path
+
+
+TITLE_PT = 9  # the exported plots' titles
+
+
+def _wrapped(text: str, points: float, width: int) -> str:
+    """`text` as the HTML of a plot title broken into lines of at most `width` pixels. A title is its figure's
+    name and source and is not cut; as one line, a long source widened the layout past the image, which was then
+    drawn scaled down with its lower part left blank."""
+    from PySide6.QtGui import QFont, QFontMetrics
+
+    font = QFont()
+    font.setPointSizeF(points)
+    metrics = QFontMetrics(font)
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and metrics.horizontalAdvance(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return "<br>".join(html.escape(line) for line in lines)
 
 
 def save_png(path: PathLike, widget: QWidget) -> Path:
