@@ -47,6 +47,8 @@ DIALOG_SITES = {
     ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/remote_dialog.py", "RemoteDialog.__init__"): "test_the_remote_model_dialog_cancels_with_its_button",
+    ("ui/toggles.py", "TogglesPanel._choose_draft_file"): "test_a_draft_model_is_chosen_in_its_dialogs",
+    ("ui/toggles.py", "TogglesPanel._choose_draft_folder"): "test_a_draft_model_is_chosen_in_its_dialogs",
 }
 
 
@@ -192,6 +194,21 @@ def test_open_folder_dialog_loads_the_chosen_folder(qtbot, gui, driver, tiny_lla
         w.model_panel.open_folder_button.click()
     assert ("ui/model_panel.py", "ModelPanel.open_folder_dialog") in driver.answered[0].sites
     assert gui.controller.info.source == str(tiny_llama)
+
+
+def test_a_draft_model_is_chosen_in_its_dialogs(qtbot, gui, driver, tmp_path, tiny_llama):
+    toggles = gui.window.toggles
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    file_action, folder_action = toggles.draft_model.menu().actions()[:2]
+    driver.choose_file(draft).start()
+    file_action.trigger()
+    assert ("ui/toggles.py", "TogglesPanel._choose_draft_file") in driver.answered[0].sites
+    assert (toggles.options.speculation, toggles.options.draft_model) == ("draft", str(draft))
+    driver = DialogDriver().choose_file(tiny_llama).start()
+    folder_action.trigger()
+    assert ("ui/toggles.py", "TogglesPanel._choose_draft_folder") in driver.answered[0].sites
+    assert toggles.options.draft_model == str(tiny_llama) and toggles.draft_model.text() == tiny_llama.name
 
 
 def test_choosing_a_models_folder_lists_it(qtbot, gui, driver, tmp_path):
