@@ -346,7 +346,7 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
         k = _sticky(best[2], _sizes(tokenizer, msgs, units), budget // CUT_STEP_SHARE)
         kept, gone = kept_after(k)
         t, fitted = render(kept) if k > best[2] else best[:2]
-        what = _cut(notices, context, _middle_what(gone, convo))
+        what = _cut(notices, context, _middle_what(gone, convo, msgs))
         return Prompt(fitted, t, len(gone), notices, what)
     kept, gone = kept_after(len(units))
     return _cut_last(
@@ -357,18 +357,16 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
         budget,
         context,
         notices,
-        dropped_what=_middle_what(gone, convo) if gone else "",
+        dropped_what=_middle_what(gone, convo, msgs) if gone else "",
         kept_what="the system prompt, the first message and the chat format",
     )
 
 
-def _middle_what(gone: list[int], convo: list[int]) -> str:
+def _middle_what(gone: list[int], convo: list[int], msgs: list[dict]) -> str:
     numbers = [convo.index(i) + 1 for i in gone]
     span = f"message {numbers[0]}" if len(numbers) == 1 else f"messages {numbers[0]}–{numbers[-1]}"
-    return (
-        f"{_plural(len(gone), 'message')} from the middle dropped ({span} of {len(convo)}; the system prompt "
-        "and the first message kept)"
-    )
+    kept = "the system prompt and the first message" if any(m["role"] == "system" for m in msgs) else "the first message"
+    return f"{_plural(len(gone), 'message')} from the middle dropped ({span} of {len(convo)}; {kept} kept)"
 
 
 def _fit_raw(tokenizer, content: str, budget: int, context: int, notices: list[str]) -> Prompt:

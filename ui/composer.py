@@ -160,7 +160,8 @@ class Composer(QFrame):
                     text += f" ({use.cut})"
         elif use.tokens >= NEAR_LIMIT * use.budget:
             level = "near"
-            text += f" — near the limit ({use.budget - use.tokens:,} tokens left before messages are dropped)"
+            then = "the answer is refused" if use.policy == "stop" else "messages are dropped"
+            text += f" — near the limit ({use.budget - use.tokens:,} tokens left before {then})"
         else:
             level = "ok"
         self.meter.setText(text)

@@ -57,6 +57,9 @@ def test_truncate_middle_keeps_the_system_prompt_and_the_first_message(tok):
     )
     assert p.cut == what
     assert p.notices == [f"prompt cut to fit the {context}-token context: {what}"]
+    # without a system prompt, the notice does not say one was kept
+    p = build_prompt(tok, msgs[1:], context, max_new, overflow="truncate-middle")
+    assert p.cut.endswith("; the first message kept)") and "system prompt" not in p.cut
 
 
 def test_truncate_middle_drops_the_first_answer_last(tok):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from PySide6.QtCore import Qt
 from test_main_window import TIMEOUT_MS
 from test_overflow_gui import long_history
 
 from engine.engine import Engine
+from engine.types import ContextUse
 
 
 def fresh_count(qtbot, w, draft: str):
@@ -91,3 +93,23 @@ def test_counting_runs_off_the_gui_thread_and_waits_for_typing_to_pause(qtbot, a
         w.flow.draft_messages(text), w.flow.sampling().max_new_tokens
     )
     assert counted == expected
+
+
+@pytest.mark.parametrize(
+    "policy, then",
+    [
+        ("rolling", "messages are dropped"),
+        ("truncate-middle", "messages are dropped"),
+        ("stop", "the answer is refused"),
+    ],
+)
+def test_near_the_limit_it_says_what_the_chats_policy_does_next(qtbot, policy, then):
+    from ui.composer import Composer
+
+    composer = Composer()
+    qtbot.addWidget(composer)
+    composer.set_context(ContextUse(tokens=900, prompt_tokens=900, context_length=1024, budget=960, policy=policy))
+    assert composer.meter_level() == "near"
+    assert (
+        composer.meter.text() == f"Context: 900 of 1,024 tokens (88%) — near the limit (60 tokens left before {then})"
+    )
