@@ -25,7 +25,7 @@ from app.store import ROLES, ChatStore, Message, StoreError
 from engine.errors import GaplessError, OptionsError
 from engine.figures import metrics_problem
 from engine.paths import write_whole
-from engine.types import OVERFLOW_POLICIES, SamplingParams, describe_options, stored_options_problem
+from engine.types import FINISH_WORDS, OVERFLOW_POLICIES, SamplingParams, describe_options, stored_options_problem
 
 FORMAT = "gapless-chat"
 VERSION = 1
@@ -146,6 +146,12 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
             lines += [f"<sub>{_figures_line(m)}</sub>", ""]
         previous = m.id
         stack.extend(reversed(children.get(m.id, [])))
+    if any(m.role == "assistant" and m.metrics for m in messages):
+        lines += [
+            "<sub>Figures: tokens by the engine's count, TTFT and tok/s by its own timings (device-synchronised), "
+            "as stored with each answer.</sub>",
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -156,17 +162,21 @@ def _figures_line(m: Message) -> str:
     stored = metrics.get("unavailable")
     unavailable: dict[str, Any] = stored if isinstance(stored, dict) else {}
 
-    def num(key: str, unit: str, digits: int) -> str:
-        v = metrics.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return f"{v:.{digits}f}{unit}"
-        return f"n/a ({unavailable.get(key) or 'not recorded with this answer'})"
-
-    parts = [
-        f"{num('new_tokens_total', '', 0)} tokens",
-        f"TTFT {num('ttft_ms', ' ms', 0)}",
-        f"{num('decode_tok_s', '', 1)} tok/s",
-    ]
+    shown = (("new_tokens_total", "{} tokens", 0), ("ttft_ms", "TTFT {} ms", 0), ("decode_tok_s", "{} tok/s", 1))
+    reasons = {
+        key: unavailable.get(key) or "not recorded with this answer"
+        for key, _, _ in shown
+        if not isinstance(metrics.get(key), (int, float)) or isinstance(metrics.get(key), bool)
+    }
+    if len(reasons) == len(shown) and len(set(reasons.values())) == 1:  # one reason for all: said once
+        parts = [f"figures n/a ({next(iter(reasons.values()))})"]
+    else:
+        parts = [
+            template.format(f"n/a ({reasons[key]})")
+            if key in reasons
+            else template.format(f"{metrics[key]:.{digits}f}")
+            for key, template, digits in shown
+        ]
     if metrics.get("prompt_reused_tokens"):
         parts.append(f"{metrics['prompt_reused_tokens']} of {metrics.get('prompt_tokens')} prompt tokens reused")
     if metrics.get("prompt_cut"):
@@ -174,7 +184,7 @@ def _figures_line(m: Message) -> str:
     if m.options:
         parts.append(describe_options(m.options))
     if m.status == "stopped":
-        parts.append("stopped")
+        parts.append(FINISH_WORDS["interrupted" if metrics.get("finish_reason") == "interrupted" else "cancelled"])
     return " · ".join(parts)
 
 

@@ -365,7 +365,9 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
 def _middle_what(gone: list[int], convo: list[int], msgs: list[dict]) -> str:
     numbers = [convo.index(i) + 1 for i in gone]
     span = f"message {numbers[0]}" if len(numbers) == 1 else f"messages {numbers[0]}–{numbers[-1]}"
-    kept = "the system prompt and the first message" if any(m["role"] == "system" for m in msgs) else "the first message"
+    kept = (
+        "the system prompt and the first message" if any(m["role"] == "system" for m in msgs) else "the first message"
+    )
     return f"{_plural(len(gone), 'message')} from the middle dropped ({span} of {len(convo)}; {kept} kept)"
 
 

@@ -538,6 +538,19 @@ def stored_options_problem(options: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+# Why an answer ended, in words (GenerationResult.finish_reasons; "context" where the context left less room than
+# asked, "interrupted" where the app closed mid-answer).
+FINISH_WORDS = {
+    "eos": "end of answer",
+    "length": "token limit",
+    "stop": "stop string",
+    "cancelled": "stopped by you",
+    "interrupted": "cut off: the app closed mid-answer",
+    "context": "context full",
+    "error": "failed",
+}
+
+
 @dataclass
 class GenerationResult:
     texts: list[str]

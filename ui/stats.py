@@ -9,21 +9,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from engine.diagnosis import diagnose
-from engine.types import PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
+from engine.types import FINISH_WORDS, PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
 
 NA = "n/a"
-
-
-# Why an answer ended (GenerationResult.finish_reasons, "context" where the context left less room than asked).
-FINISH_WORDS = {
-    "eos": "end of answer",
-    "length": "token limit",
-    "stop": "stop string",
-    "cancelled": "stopped by you",
-    "interrupted": "cut off: the app closed mid-answer",
-    "context": "context full",
-    "error": "failed",
-}
 
 
 def finish_words(reason: Optional[str]) -> Optional[str]:

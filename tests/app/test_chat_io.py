@@ -124,6 +124,23 @@ def test_markdown_says_why_a_figure_is_na(store):
     store.add_message(chat.id, "assistant", "Hello", u.id, metrics=metrics)
     md = export_markdown(store, chat.id)
     assert "n/a (not recorded with this answer) tokens · TTFT 12 ms · n/a (stopped before the first token) tok/s" in md
+    assert md.rstrip().endswith(
+        "TTFT and tok/s by its own timings (device-synchronised), as stored with each answer.</sub>"
+    )
+
+
+def test_markdown_tells_a_crash_cut_answer_from_one_stopped_by_the_user(tmp_path):
+    from app.store import INTERRUPTED_METRICS
+
+    with ChatStore(tmp_path / "c.sqlite3") as store:
+        chat = store.create_chat("cut")
+        u = store.add_message(chat.id, "user", "Hi", None)
+        store.add_message(chat.id, "assistant", "Hel", u.id, status="stopped", metrics=INTERRUPTED_METRICS)
+        store.add_message(chat.id, "assistant", "Hello th", u.id, status="stopped", metrics={"ttft_ms": 9.0})
+        md = export_markdown(store, chat.id)
+    reason = INTERRUPTED_METRICS["unavailable"]["ttft_ms"]
+    assert f"<sub>figures n/a ({reason}) · cut off: the app closed mid-answer</sub>" in md  # the reason once
+    assert "stopped by you</sub>" in md and md.count(reason) == 1
 
 
 def good_doc(store: ChatStore) -> dict:
