@@ -81,7 +81,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # Who is writing an answer still streaming ("host|pid|store"), so that opening the database in a second
     # process (a second window, `gapless chats`) does not mark a live answer as cut off by a crash.
-    4: ("ALTER TABLE messages ADD COLUMN owner TEXT",),
+    4: (
+        "ALTER TABLE messages ADD COLUMN owner TEXT",
+        # The model a compare row's generation ran on (NULL: kept before rows named it).
+        "ALTER TABLE compare_rows ADD COLUMN model TEXT",
+    ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -783,6 +787,7 @@ class CompareRecord:
     label: str
     options: EngineOptions
     metrics: GenerationMetrics
+    model: str = ""  # the model's name ("" where it was not kept)
 
 
 class CompareHistory:
@@ -793,18 +798,18 @@ class CompareHistory:
     def __init__(self, store: ChatStore):
         self.store = store
 
-    def add(self, index: int, label: str, options: EngineOptions, metrics: GenerationMetrics) -> int:
+    def add(self, index: int, label: str, options: EngineOptions, metrics: GenerationMetrics, model: str = "") -> int:
         with self.store._write("keep the compare row") as db:
             cur = db.execute(
-                "INSERT INTO compare_rows (created, generation, label, options_json, metrics_json) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (time.time(), index, label, _dumps(options), _dumps(metrics)),
+                "INSERT INTO compare_rows (created, generation, label, options_json, metrics_json, model) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (time.time(), index, label, _dumps(options), _dumps(metrics), model or None),
             )
             return int(cur.lastrowid or 0)
 
     def rows(self) -> list[CompareRecord]:
         out = []
-        sql = "SELECT id, created, generation, label, options_json, metrics_json FROM compare_rows ORDER BY id"
+        sql = "SELECT id, created, generation, label, options_json, metrics_json, model FROM compare_rows ORDER BY id"
         for row in self.store._read(sql):
             try:
                 out.append(_compare_record(row))
@@ -819,11 +824,13 @@ class CompareHistory:
 
 def _compare_record(row: tuple) -> CompareRecord:
     """A stored compare row, checked: ValueError (or OptionsError) with the reason when it is not one."""
-    rid, created, index, label, options_json, metrics_json = row
+    rid, created, index, label, options_json, metrics_json, model = row
     if isinstance(index, bool) or not isinstance(index, int) or index < 1:
         raise ValueError(f"its generation number is {index!r}, not a positive integer")
     if not isinstance(label, str):
         raise ValueError(f"its label is {label!r}, not text")
+    if not isinstance(model, (str, type(None))):
+        raise ValueError(f"its model is {model!r}, not text")
     options, metrics = json.loads(options_json), json.loads(metrics_json)
     if not isinstance(options, dict) or not isinstance(metrics, dict):
         raise ValueError("its options or metrics are not JSON objects")
@@ -831,7 +838,7 @@ def _compare_record(row: tuple) -> CompareRecord:
     if problem:
         raise ValueError(problem)
     return CompareRecord(
-        rid, created, index, label, EngineOptions.from_dict(options), GenerationMetrics.from_dict(metrics)
+        rid, created, index, label, EngineOptions.from_dict(options), GenerationMetrics.from_dict(metrics), model or ""
     )
 
 

@@ -353,11 +353,11 @@ class MainWindow(QMainWindow):
             log.error("%s", exc)
             self.status.setText(f"The compare history could not be read: {exc}")
             rows = []
-        hud.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics) for r in rows)
+        hud.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics, r.model) for r in rows)
 
         def keep(row: CompareRow) -> None:
             try:
-                history.add(row.index, row.label, row.options, row.metrics)
+                history.add(row.index, row.label, row.options, row.metrics, row.model)
             except StoreError as exc:
                 log.error("%s", exc)
                 self.status.setText(f"The compare row was not kept: {exc}")
@@ -796,6 +796,8 @@ class MainWindow(QMainWindow):
         source = self._loading or info.source
         self._loading = None
         self.model_panel.set_loaded(info)
+        if self.hud is not None:
+            self.hud.model_name = info.name
         self.toggles.set_resolved(info.device, info.dtype)
         self.toggles.set_applied(self.controller.options, {})
         self.toggles.reset_unavailable(unavailable)

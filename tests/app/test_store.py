@@ -277,12 +277,12 @@ def test_compare_rows_round_trip_and_clear(tmp_path):
     with ChatStore(path) as s:
         h = CompareHistory(s)
         h.add(1, "eager", EngineOptions(device="cpu", kv_cache="dynamic"), metrics(20.0))
-        h.add(2, "+ static KV", EngineOptions(device="cpu", kv_cache="static"), metrics(31.5))
+        h.add(2, "+ static KV", EngineOptions(device="cpu", kv_cache="static"), metrics(31.5), "SmolLM2-135M")
     with ChatStore(path) as s:  # another run
         rows = CompareHistory(s).rows()
-        assert [(r.index, r.label, r.options.kv_cache) for r in rows] == [
-            (1, "eager", "dynamic"),
-            (2, "+ static KV", "static"),
+        assert [(r.index, r.label, r.options.kv_cache, r.model) for r in rows] == [
+            (1, "eager", "dynamic", ""),
+            (2, "+ static KV", "static", "SmolLM2-135M"),
         ]
         assert rows[1].metrics == metrics(31.5)
         assert rows[0].metrics.figure("gpu_util_pct").reason == "the model runs on the CPU, not on a GPU"
@@ -299,6 +299,7 @@ def test_compare_rows_round_trip_and_clear(tmp_path):
         ((1, "x", "{}", '{"decode_tok_s": "fast"}'), 'its figure decode_tok_s is "fast", not a number'),
         ((1, "x", "{}", '{"unavailable": {"ttft_ms": 3}}'), "its n/a reasons are not an object of texts"),
         ((1, "x", "[]", "{}"), "not JSON objects"),
+        ((1, "x", "{}", "{}", b"\x00"), "its model is b'\\x00', not text"),
     ],
 )
 def test_a_bad_compare_row_is_refused_with_its_reason_and_the_others_load(tmp_path, caplog, values, reason):
@@ -307,8 +308,9 @@ def test_a_bad_compare_row_is_refused_with_its_reason_and_the_others_load(tmp_pa
         CompareHistory(s).add(1, "good", EngineOptions(device="cpu"), metrics(20.0))
     db = sqlite3.connect(path)
     db.execute(
-        "INSERT INTO compare_rows (created, generation, label, options_json, metrics_json) VALUES (1, ?, ?, ?, ?)",
-        values,
+        "INSERT INTO compare_rows (created, generation, label, options_json, metrics_json, model) "
+        "VALUES (1, ?, ?, ?, ?, ?)",
+        values if len(values) == 5 else (*values, None),
     )
     db.commit()
     db.close()

@@ -32,7 +32,7 @@ from PySide6.QtWidgets import QWidget
 
 from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.hud import HudPanel
-from ui.hud.compare_table import COLUMN_INDEX
+from ui.hud.compare_table import COLUMN_INDEX, CompareRow
 from ui.hud.decimate import peak_decimate
 from ui.hud.live_plots import LivePlots
 from ui.hud.paint_rate import PaintRate, budget_for
@@ -860,6 +860,30 @@ def test_compare_exports_equal_what_was_fed(hud, tmp_path):
     assert [r["dtype"] for r in rows] == ["fp32", "fp16", "bf16"]
     assert [float(r["decode_tok_s"]) if r["decode_tok_s"] else None for r in rows] == [m.decode_tok_s for m in mets]
     assert rows[2]["kernel_gap_pct"] == "" and json.loads(rows[2]["unavailable"]) == mets[2].unavailable
+
+
+def test_compare_rows_name_their_model_and_a_ladder_its_own(hud, tmp_path):
+    panel, _ = hud
+    panel.model_name = "SmolLM2-135M"
+    panel.begin_generation("chat", EngineOptions(device="cpu"))
+    panel.end_generation(GenerationMetrics(decode_tok_s=20.0), EngineOptions(device="cpu"), "chat")
+    panel.ladder.run_button.click()  # the ladder measures the model loaded now...
+    panel.model_name = "tiny"  # ...even when another loads before its results come
+    panel.begin_generation("chat", EngineOptions(device="cpu"))
+    panel.end_generation(GenerationMetrics(decode_tok_s=900.0), EngineOptions(device="cpu"), "chat")
+    panel.set_ladder_results(ladder_rows(gpu=False)[:1])
+    model = panel.compare.model
+    assert [(r.label, r.model) for r in model.rows] == [
+        ("chat", "SmolLM2-135M"),
+        ("chat", "tiny"),
+        ("ladder · Naive", "SmolLM2-135M"),
+    ]
+    shown = [model.data(model.index(i, COLUMN_INDEX["model"])) for i in range(3)]
+    assert shown == ["SmolLM2-135M", "tiny", "SmolLM2-135M"]
+    panel.compare.model.add(CompareRow(9, "kept from before", EngineOptions(device="cpu"), GenerationMetrics()))
+    assert model.data(model.index(3, COLUMN_INDEX["model"])) == "n/a"
+    with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
+        assert [r["model"] for r in csv.DictReader(f)] == ["SmolLM2-135M", "tiny", "SmolLM2-135M", ""]
 
 
 def test_series_exports_equal_what_was_fed(hud, tmp_path):

@@ -5,6 +5,7 @@ the change of every figure against a reference row the user picks (the first gen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
@@ -34,6 +35,7 @@ class CompareRow:
     label: str
     options: EngineOptions
     metrics: GenerationMetrics
+    model: str = ""  # the model's name ("": a row kept before rows named their model)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ def _on_off(v: Any) -> str:
 COLUMNS = (
     Column("index", "#", "index"),
     Column("label", "Generation", "label"),
+    Column("model", "Model", "model", tip="the model that made the answer"),
     *(
         metric_column(k)
         for k in (
@@ -91,6 +94,7 @@ COLUMNS = (
     Column("candidates", "Candidates", "option"),
     Column("speculation", "Speculation", "option"),
     Column("draft_tokens", "Drafts", "option", lambda v: str(v) if v else "auto"),
+    Column("draft_model", "Draft model", "option", lambda v: Path(v).name or v if v else "none"),
 )
 COLUMN_INDEX = {c.key: i for i, c in enumerate(COLUMNS)}
 
@@ -131,6 +135,8 @@ class CompareModel(QAbstractTableModel):
             return r.index
         if col.kind == "label":
             return r.label
+        if col.kind == "model":
+            return r.model or None
         if col.kind == "summary":
             return fmt.options_summary(r.options)
         if col.kind == "option":

@@ -34,6 +34,7 @@ def compare_records(model: CompareModel) -> list[dict]:
         {
             "index": r.index,
             "label": r.label,
+            "model": r.model,
             "reference": i == model.reference,
             "options": r.options.to_dict(),
             "metrics": r.metrics.to_dict(),
@@ -47,11 +48,11 @@ def write_compare_json(path: PathLike, model: CompareModel) -> Path:
 
 
 def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
-    header = ["index", "label", "reference"] + list(OPTION_FIELDS) + list(METRIC_FIELDS)
+    header = ["index", "label", "model", "reference"] + list(OPTION_FIELDS) + list(METRIC_FIELDS)
     rows = []
     for rec in compare_records(model):
         rows.append(
-            [rec["index"], rec["label"], rec["reference"]]
+            [rec["index"], rec["label"], rec["model"], rec["reference"]]
             + [rec["options"][k] for k in OPTION_FIELDS]
             + [rec["metrics"][k] for k in METRIC_FIELDS]
         )

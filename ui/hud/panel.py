@@ -117,7 +117,9 @@ class HudPanel(QWidget):
         self.live = LivePlots(self.series, paint_hz=paint_hz, label_hz=label_hz)
         self.compare = CompareTable()
         self.ladder = LadderChart()
-        self.ladder.runRequested.connect(self.runLadderRequested)
+        self.model_name = ""  # the loaded model's name, which the compare rows carry
+        self._ladder_model = ""  # the model the running ladder measures (another may load before it ends)
+        self.ladder.runRequested.connect(self._ladder_requested)
         self.ladder.cancelRequested.connect(self.cancelLadderRequested)
 
         live_tab = QWidget()
@@ -182,7 +184,7 @@ class HudPanel(QWidget):
         (the diagnosis advises none of them)."""
         gen = self.series.end_generation(self._clock(), metrics)
         index = gen.index if gen is not None else self.series.take_index()
-        self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics))
+        self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics, model=self.model_name))
         ran = options_as_run(options, unavailable or {}, limits)
         d = diagnose(metrics.to_dict(), ran, options.device if options.device != "auto" else None)
         self.bars.set_metrics(metrics, options, f"#{index} {label}", d)
@@ -192,6 +194,10 @@ class HudPanel(QWidget):
         """Closes the running generation's span; it gets no row, as it has no figures."""
         self.series.end_generation(self._clock())
         self.bars.header.setText(f"The last generation failed: {message}")
+
+    def _ladder_requested(self) -> None:
+        self._ladder_model = self.model_name
+        self.runLadderRequested.emit()
 
     def set_ladder_progress(self, done: int, total: int, label: str) -> None:
         self.ladder.set_progress(done, total, label)
@@ -207,6 +213,7 @@ class HudPanel(QWidget):
                         label=f"ladder · {r.label or r.preset}",
                         options=_options(r.options or {}),
                         metrics=GenerationMetrics.from_dict(r.metrics),
+                        model=self._ladder_model,
                     )
                 )
 
