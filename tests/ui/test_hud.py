@@ -1006,11 +1006,13 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
     assert [(float(y), float(w)) for y, w in drawn["tok_s"]] == [(i, r.decode_tok_s) for i, r in ran]
     assert [(float(y), float(w)) for y, w in drawn["gap_pct"]] == [(i, r.kernel_gap_pct) for i, r in ran]
     texts = drawn["texts"]
-    assert "skipped — CUDA graphs need a CUDA device" in texts
+    # skipped rungs are marked in the chart and say why in full under it, a shared reason once
+    assert texts.count("skipped (1)") == 2 and not ladder.notes.isHidden()
+    assert ladder.notes.text() == "(1) CUDA graphs need a CUDA device"
     assert texts[0] == f"{rows[0].decode_tok_s:,.2f}  ×1.0"
     speedup = rows[3].decode_tok_s / rows[0].decode_tok_s
     assert texts[6] == f"{rows[3].decode_tok_s:,.2f}  ×{speedup:.1f}"
-    assert "5 presets ran, 2 skipped" in ladder.status.text()
+    assert "5 presets ran, 2 skipped (reasons under the chart)" in ladder.status.text()
     # Every rung that ran is also a row of the compare table.
     labels = [r.label for r in panel.compare.model.rows]
     assert labels == [f"ladder · {r.label}" for _, r in ran]
@@ -1023,7 +1025,9 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
     assert ladder.status.text() == "Ladder cancelled" and ladder.progress.format() == "2/7 — cancelled"
     stopped = [rows[0], *(replace(r, skipped=LadderRow.NOT_RUN, metrics=None) for r in rows[1:3]), rows[5]]
     panel.set_ladder_results(stopped)
-    assert ladder.status.text().startswith("1 preset ran, 1 skipped (reasons beside them), 2 not run (the ladder")
+    assert ladder.status.text().startswith("1 preset ran, 1 skipped (reasons under the chart), 2 not run (the ladder")
+    assert ladder.bar_values()["texts"][2:] == ["not run (1)", "", "not run (1)", "", "skipped (2)", ""]
+    assert ladder.notes.text() == "(1) cancelled before it ran\n(2) CUDA graphs need a CUDA device"
 
 
 def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):
@@ -1146,7 +1150,7 @@ def test_the_empty_ladder_tab_says_what_run_ladder_does(qtbot):
     chart = LadderChart()
     qtbot.addWidget(chart)
     chart.show()
-    assert not chart.chart.isVisible()  # no empty axes before a run
+    assert not chart.figure.isVisible()  # no empty axes before a run
     assert chart.status.isVisible() and "every preset" in chart.status.text() and "Run ladder" in chart.status.text()
     chart.set_results(ladder_rows(gpu=False))
-    assert chart.chart.isVisible()
+    assert chart.figure.isVisible()

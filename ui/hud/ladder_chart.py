@@ -79,11 +79,22 @@ class LadderChart(PaletteFollower):
         self.buttons = buttons
         box = QVBoxLayout(self)
         box.setContentsMargins(0, 0, 0, 0)
+        # Why each skipped rung was skipped, in full under the chart (numbered as the chart marks them); the
+        # chart and these notes are what its PNG shows.
+        self.notes = QLabel()
+        self.notes.setObjectName("notice")
+        self.notes.setWordWrap(True)
+        self.notes.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.figure = QWidget()
+        figure_box = QVBoxLayout(self.figure)
+        figure_box.setContentsMargins(0, 0, 0, 0)
+        figure_box.addWidget(self.chart, 1)
+        figure_box.addWidget(self.notes)
         box.addLayout(buttons)
         box.addWidget(self.status)
-        box.addWidget(self.chart, 1)
+        box.addWidget(self.figure, 1)
         box.addStretch(1)  # holds the empty tab's text at the top while there is no chart
-        self.chart.hide()  # empty axes before a run would say nothing (and upside down)
+        self.figure.hide()  # empty axes before a run would say nothing (and upside down)
         self.apply_palette()
 
     # ---- run state -------------------------------------------------------------------------------------
@@ -109,7 +120,7 @@ class LadderChart(PaletteFollower):
     def set_results(self, rows: list[LadderRow]) -> None:
         self.set_running(False)
         self.rows = list(rows)
-        self.chart.setVisible(bool(self.rows))
+        self.figure.setVisible(bool(self.rows))
         n = len(self.rows)
         ran = [r for r in self.rows if r.skipped is None and r.decode_tok_s is not None]
         base = ran[0] if ran else None
@@ -148,9 +159,12 @@ class LadderChart(PaletteFollower):
             plot.removeItem(t)
         self._texts = []
         fg = self.palette().color(QPalette.ColorRole.Text)
+        reasons: list[str] = []  # the notes' numbering: a reason shared by several rungs is written once
         for i, r in enumerate(self.rows):
             if r.skipped is not None:
-                tok_text, gap_text = f"skipped — {r.skipped}", ""
+                if r.skipped not in reasons:
+                    reasons.append(r.skipped)
+                tok_text, gap_text = f"{'not run' if r.cancelled else 'skipped'} ({reasons.index(r.skipped) + 1})", ""
             else:
                 v, b = r.decode_tok_s, base.decode_tok_s if base is not None else None
                 speedup = f"  ×{v / b:.1f}" if v is not None and b else ""
@@ -163,6 +177,8 @@ class LadderChart(PaletteFollower):
                 item.setPos(x, i)
                 plot.addItem(item, ignoreBounds=True)
                 self._texts.append((plot, item))
+        self.notes.setText("\n".join(f"({k}) {why}" for k, why in enumerate(reasons, start=1)))
+        self.notes.setVisible(bool(reasons))
 
     def _summary(self, base: Optional[LadderRow], ran: list[LadderRow]) -> str:
         if not self.rows:
@@ -171,7 +187,7 @@ class LadderChart(PaletteFollower):
         skipped = len(self.rows) - len(ran) - not_run
         text = f"{len(ran)} preset{'s' if len(ran) != 1 else ''} ran"
         if skipped:
-            text += f", {skipped} skipped (reasons beside them)"
+            text += f", {skipped} skipped (reasons under the chart)"
         if not_run:
             text += f", {not_run} not run (the ladder was stopped)"
         if base is not None and base.decode_tok_s and len(ran) > 1:

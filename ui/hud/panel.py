@@ -276,7 +276,7 @@ class HudPanel(QWidget):
         )
 
     def export_ladder_png(self, path) -> Path:
-        return export.save_png(path, self.ladder.chart)
+        return export.save_png(path, self.ladder.figure)
 
     def _ask(self, caption: str, name: str, file_filter: str, write: Callable[[str], Path]) -> Optional[Path]:
         path = self._save_dialog(self, caption, name, file_filter)
