@@ -1154,3 +1154,16 @@ def test_the_empty_ladder_tab_says_what_run_ladder_does(qtbot):
     assert chart.status.isVisible() and "every preset" in chart.status.text() and "Run ladder" in chart.status.text()
     chart.set_results(ladder_rows(gpu=False))
     assert chart.figure.isVisible()
+
+
+def test_compare_columns_fit_the_deltas_a_new_row_adds(hud, qtbot):
+    panel, _ = hud
+    panel.show()
+    panel.tabs.setCurrentIndex(1)
+    qtbot.waitExposed(panel)
+    view = panel.compare.view
+    panel.end_generation(GenerationMetrics(decode_tok_s=11.3), EngineOptions(device="cpu"), "first")
+    panel.end_generation(GenerationMetrics(decode_tok_s=133.8), EngineOptions(device="cpu"), "second")
+    col = COLUMN_INDEX["decode_tok_s"]
+    assert panel.compare.model.data(panel.compare.model.index(1, col)) == "133.8  ×11.84"
+    assert view.horizontalHeader().sectionSize(col) >= view.sizeHintForColumn(col)  # the delta is not cut off

@@ -243,7 +243,7 @@ class CompareTable(QWidget):
         self.view.verticalHeader().setVisible(False)
         self.view.verticalHeader().setDefaultSectionSize(self.view.fontMetrics().height() + 8)
         self.view.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.view.doubleClicked.connect(lambda index: self.model.set_reference(self.proxy.mapToSource(index).row()))
+        self.view.doubleClicked.connect(self._reference_clicked)
         self.reference_button = QPushButton("Use as reference")
         self.reference_button.setToolTip("Deltas in the table are against the reference row (double-click a row too)")
         self.reference_button.clicked.connect(self._use_selected_as_reference)
@@ -260,6 +260,12 @@ class CompareTable(QWidget):
 
     def add(self, row: CompareRow) -> None:
         self.model.add(row)
+        self.fit_columns()
+
+    def fit_columns(self) -> None:
+        """Columns as wide as their text now: a new row (or a new reference) adds deltas to other rows' cells,
+        which the header's own fitting left cut off until the table was shown again."""
+        self.view.horizontalHeader().resizeSections(QHeaderView.ResizeMode.ResizeToContents)
 
     def selected_rows(self) -> list[int]:
         """Selected rows as rows of the model (not of the sorted view), in ascending order."""
@@ -273,7 +279,12 @@ class CompareTable(QWidget):
             index = self.proxy.mapFromSource(self.model.index(r, 0))
             sel.select(index, sel.SelectionFlag.Select | sel.SelectionFlag.Rows)
 
+    def _reference_clicked(self, index) -> None:
+        self.model.set_reference(self.proxy.mapToSource(index).row())
+        self.fit_columns()
+
     def _use_selected_as_reference(self) -> None:
         rows = self.selected_rows()
         if rows:
             self.model.set_reference(rows[0])
+            self.fit_columns()
