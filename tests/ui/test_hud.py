@@ -1163,7 +1163,9 @@ def test_compare_columns_fit_the_deltas_a_new_row_adds(hud, qtbot):
     qtbot.waitExposed(panel)
     view = panel.compare.view
     panel.end_generation(GenerationMetrics(decode_tok_s=11.3), EngineOptions(device="cpu"), "first")
+    qtbot.wait(50)  # the table laid out with one row, as on screen between two answers
     panel.end_generation(GenerationMetrics(decode_tok_s=133.8), EngineOptions(device="cpu"), "second")
+    qtbot.wait(50)
     col = COLUMN_INDEX["decode_tok_s"]
     assert panel.compare.model.data(panel.compare.model.index(1, col)) == "133.8 tok/s  ×11.84"
     assert view.horizontalHeader().sectionSize(col) >= view.sizeHintForColumn(col)  # the delta is not cut off
