@@ -90,7 +90,15 @@ def run_conversation(
         "no_reuse": Engine.load(config.model, base.with_(prefix_reuse=False)),
     }
     turns: list[dict[str, list]] = [
-        {"ttft_reuse": [], "ttft_no_reuse": [], "prompt_tokens": [], "reused": [], "computed": [], "identical": []}
+        {
+            "ttft_reuse": [],
+            "ttft_no_reuse": [],
+            "prompt_tokens": [],
+            "reused": [],
+            "computed": [],
+            "identical": [],
+            "cut": [],
+        }
         for _ in range(config.turns)
     ]
     try:
@@ -112,6 +120,7 @@ def run_conversation(
                 row["reused"].append(a.metrics.prompt_reused_tokens)
                 row["computed"].append(a.metrics.prompt_computed_tokens)
                 row["identical"].append(a.token_ids == b.token_ids)
+                row["cut"].append(a.metrics.prompt_cut)
                 progress(
                     f"repeat {rep + 1}/{config.repeats} turn {t + 1}: {a.metrics.prompt_tokens} prompt tokens "
                     f"({a.metrics.prompt_reused_tokens} reused), TTFT {a.metrics.ttft_ms:.0f} ms with reuse, "
@@ -136,6 +145,8 @@ def run_conversation(
                 "ttft_ms_no_reuse_runs": row["ttft_no_reuse"],
                 "ttft_ratio": with_ / without if with_ is not None and without else None,
                 "answers_identical": all(row["identical"]),
+                # what the model's context could not hold: such a turn does not time the whole conversation
+                "prompt_cut": row["cut"][0] or "",
             }
         )
     last = rows[-1]
@@ -167,6 +178,7 @@ def run_conversation(
             "prompt_target_met": last["prompt_tokens"] >= TARGET_PROMPT_TOKENS,
         },
         "answers_identical": all(r["answers_identical"] for r in rows),
+        "turns_cut": [r["turn"] for r in rows if r["prompt_cut"]],
     }
 
 
@@ -190,6 +202,12 @@ def format_conversation(report: dict[str, Any]) -> str:
         f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
         f"{verdict}); answers identical: {report['answers_identical']}"
     )
+    if report.get("turns_cut"):
+        lines.append(
+            f"turns {', '.join(map(str, report['turns_cut']))}: the prompt was cut to fit the model's context "
+            f"({report['turns'][report['turns_cut'][0] - 1]['prompt_cut']}), so they do not time the whole "
+            "conversation"
+        )
     length = "met" if last["prompt_target_met"] else "missed"
     lines.append(
         f"turn {last['turn']}: {last['prompt_tokens']} prompt tokens (target >= {last['target_prompt_tokens']}: "

@@ -31,6 +31,7 @@ def test_the_report_compares_reuse_with_none_turn_by_turn(tiny_factory):
     assert last["prompt_target_met"] is (rows[-1]["prompt_tokens"] >= last["target_prompt_tokens"] == 2000)
     text = format_conversation(report)
     assert "turn 3: TTFT with reuse" in text
+    assert report["turns_cut"] == [] and all(r["prompt_cut"] == "" for r in rows) and "was cut" not in text
     verdict = "met" if rows[-1]["prompt_tokens"] >= 2000 else "missed"
     assert f"turn 3: {rows[-1]['prompt_tokens']} prompt tokens (target >= 2000: {verdict})" in text
 
@@ -43,3 +44,15 @@ def test_the_command_writes_json(tiny_factory, tmp_path):
     report = json.loads(out.read_text())
     assert report["benchmark"] == "conversation" and len(report["turns"]) == 2
     assert "turn 2: TTFT with reuse" in r.stdout
+
+
+def test_turns_cut_to_fit_a_short_context_are_named(tiny_factory):
+    """A context too short for the conversation: the turns whose prompt was cut say so, in the JSON and the
+    text, since they do not time the whole conversation."""
+    path = tiny_factory("llama", max_position_embeddings=256)
+    report = run_conversation(
+        ConversationConfig(model=str(path), device="cpu", turns=2, max_new_tokens=4, repeats=1), progress=lambda m: None
+    )
+    assert report["turns_cut"] == [1, 2]
+    assert all(r["prompt_cut"] for r in report["turns"]) and all(r["prompt_tokens"] <= 256 for r in report["turns"])
+    assert "turns 1, 2: the prompt was cut to fit the model's context (" in format_conversation(report)
