@@ -288,7 +288,9 @@ def run_ladder(
     candidates: Optional[int] = None,
 ) -> list[LadderRow]:
     """The app's "Run ladder": the user's prompt through every preset, as `gapless bench` runs them (the same
-    plan, warm-up and timing), one rung after another so progress and cancel are per rung. The engine's
+    plan, warm-up and timing; greedy, so every rung makes the same answer of the same length, whatever the chat
+    samples with), one rung after another so progress and cancel are per rung. Every timed run reads the whole
+    prompt (no prefix reuse), so its TTFT and prefill are the prompt's, as a chat's first answer. The engine's
     options are restored afterwards. Returns one row per preset."""
     previous = engine.options
     config = validate(
@@ -303,12 +305,12 @@ def run_ladder(
             baseline=False,
             prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
             profile_window=previous.profile_window,
-            prefix_reuse=previous.prefix_reuse,
+            prefix_reuse=False,
         )
     )
     runner = LadderRunner(engine, config, log.info)
     runner.messages = list(messages)
-    runner.sampling = replace(sampling, seed=sampling.seed if sampling.seed is not None else 0)
+    runner.sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
     todo = runner.ok()
     total, done = len(todo) * (1 + repeats), 0
     report = on_progress or (lambda d, t, label: None)

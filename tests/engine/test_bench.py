@@ -421,7 +421,7 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         rows = run_ladder(
             eng,
             [{"role": "user", "content": "hello world"}],
-            SamplingParams(temperature=0, max_new_tokens=6),
+            SamplingParams(temperature=1.5, max_new_tokens=6),  # the chat's; the ladder runs greedy
             presets=["naive", "first-fixes", "cuda-graph"],
             on_progress=lambda d, t, label: progress.append((d, t, label)),
             cancel=threading.Event(),
@@ -437,6 +437,12 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         )
         assert naive.metrics["prompt_tokens"] == fixes.metrics["prompt_tokens"] == n_prompt
         assert naive.metrics["decode_steps"] == naive.metrics["new_tokens_total"] - 1
+        # every timed run reads the whole prompt, so its TTFT is the prompt's (not a cached prefix's)
+        assert naive.metrics["prompt_reused_tokens"] == fixes.metrics["prompt_reused_tokens"] == 0
+        greedy = eng.generate(
+            [{"role": "user", "content": "hello world"}], SamplingParams(temperature=0, max_new_tokens=6)
+        )
+        assert naive.metrics["new_tokens_total"] == fixes.metrics["new_tokens_total"] == len(greedy.token_ids[0])
         assert naive.options["kv_cache"] == "dynamic" and fixes.options["kv_cache"] == "static"
         assert graph.skipped and graph.decode_tok_s is None and graph.metrics is None
         assert progress[-1][0] == progress[-1][1] and all(d <= t for d, t, _ in progress)
