@@ -127,6 +127,9 @@ class FitScrollArea(QScrollArea):
         if w is None:
             return
         bar = self.verticalScrollBar().sizeHint().width()
+        fit_width = getattr(w, "fit_width", None)
+        if fit_width is not None:  # a panel that lays itself out again for the width it gets
+            fit_width(self.width() - (bar if self._scroll_vertically else 0))
         if not self._scroll_vertically:
             # As tall as the widget needs at the width it gets (wrapped lines included); sideways scroll below it.
             width = max(self.width(), w.minimumSizeHint().width())
@@ -300,6 +303,7 @@ class MainWindow(QMainWindow):
             (model.modelsFolderChosen, self.set_models_folder),
             (model.folderUsed, self._folder_used),
             (self.toggles.folderUsed, self._folder_used),
+            (self.toggles.columnsChanged, lambda _n: QTimer.singleShot(0, self, self._fit_dock_heights)),
             (self.toggles.optionsChanged, self._options_chosen),
             (self.theme.changed, v.set_colors),
             (c.loadStarted, self._load_started),
@@ -980,11 +984,15 @@ class MainWindow(QMainWindow):
             return
         self._dock_resizing = True
         self.resizeDocks([self.options_dock], [width], Qt.Orientation.Horizontal)
+        self._fit_dock_heights()
+        self._dock_resizing = False
+
+    def _fit_dock_heights(self) -> None:
+        """The optimizations as tall as they need (one column of controls or two), the HUD the rest."""
         hud = self.hud_dock
-        if hud is not None and hud.isVisible() and not hud.isFloating():
+        if hud is not None and hud.isVisible() and not hud.isFloating() and not self.options_dock.isFloating():
             need = self.options_dock.minimumSizeHint().height()
             self.resizeDocks([self.options_dock, hud], [need, self.height()], Qt.Orientation.Vertical)
-        self._dock_resizing = False
 
     def eventFilter(self, obj, event) -> bool:
         if (

@@ -104,6 +104,7 @@ def _combo(values: tuple[str, ...], parent: QWidget) -> QComboBox:
 class TogglesPanel(QWidget):
     optionsChanged = Signal(object)  # EngineOptions
     folderUsed = Signal(str)  # the folder the draft model's file dialog was left in (the next one starts there)
+    columnsChanged = Signal(int)  # the controls now lie in one or two columns (the panel's height changed)
 
     def __init__(
         self,
@@ -175,48 +176,40 @@ class TogglesPanel(QWidget):
         self.progress.setTextVisible(False)
         self.progress.hide()
 
-        grid = QGridLayout()
-        grid.setHorizontalSpacing(8)
-        grid.setVerticalSpacing(4)
-        grid.addWidget(QLabel("Preset", self), 0, 0)
-        grid.addWidget(self.preset, 0, 1, 1, 3)
-        # Under each control, why a value of it cannot run here (hidden while everything can).
+        self.grid = QGridLayout()
+        self.grid.setHorizontalSpacing(8)
+        self.grid.setVerticalSpacing(4)
+        # Each control with its label (None: a check box, which names itself) and, under it, why a value of it
+        # cannot run here (hidden while everything can); two to a row where the panel is wide enough, else one.
+        self._pairs = (
+            (("Device", self.device), ("Precision", self.dtype)),
+            (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
+            (("Candidates", self.candidates), (None, self.compile)),
+            ((None, self.profile_window), (None, self.cuda_graph)),
+            (("Weights", self.weights), ("Kernels", self.kernels)),
+            (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
+            ((None, self.prefix_reuse),),
+        )
+        self.labels: dict[str, QLabel] = {"preset": QLabel("Preset", self), "draft_model": QLabel("Draft model", self)}
         self.reasons: dict[str, QLabel] = {}
-        for row, pairs in enumerate(
-            (
-                (("Device", self.device), ("Precision", self.dtype)),
-                (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
-                (("Candidates", self.candidates), (None, self.compile)),
-                ((None, self.profile_window), (None, self.cuda_graph)),
-                (("Weights", self.weights), ("Kernels", self.kernels)),
-                (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
-                ((None, self.prefix_reuse),),
-            )
-        ):
-            for col, (label, w) in enumerate(pairs):
-                if label is None:
-                    grid.addWidget(w, 2 * row + 1, 2 * col, 1, 2)
-                else:
-                    grid.addWidget(QLabel(label, self), 2 * row + 1, 2 * col)
-                    grid.addWidget(w, 2 * row + 1, 2 * col + 1)
+        for pairs in self._pairs:
+            for label, w in pairs:
                 name = next(k for k, v in self.controls.items() if v is w)
+                if label is not None:
+                    self.labels[name] = QLabel(label, self)
                 reason = QLabel(self)
                 reason.setObjectName("unavailableReason")
                 reason.setWordWrap(True)
                 reason.hide()
-                grid.addWidget(reason, 2 * row + 2, 2 * col, 1, 2)
                 self.reasons[name] = reason
-        draft_row = 2 * len(self.reasons) + 1  # after the rows above (each a control's row and its reason's)
-        grid.addWidget(QLabel("Draft model", self), draft_row, 0)
-        grid.addWidget(self.draft_model, draft_row, 1, 1, 3)
-        grid.addWidget(self.draft_reason, draft_row + 1, 0, 1, 4)
-        grid.setColumnStretch(1, 1)
-        grid.setColumnStretch(3, 1)
+        self.columns = 0
+        self._place(2)
         lay = QVBoxLayout(self)
-        lay.addLayout(grid)
+        lay.addLayout(self.grid)
         lay.addWidget(self.note)
         lay.addWidget(self.progress)
         lay.addStretch(1)
+        self._two_column_width = self.minimumSizeHint().width()  # narrower than this, one column
 
         self._options = options
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
@@ -237,6 +230,46 @@ class TogglesPanel(QWidget):
     @property
     def options(self) -> EngineOptions:
         return self._options
+
+    # ---- layout ----------------------------------------------------------------------------------------
+
+    def fit_width(self, width: int) -> None:
+        """Lay the controls out for `width` (the dock's): two to a row where that fits, one where it does not,
+        so a narrow window shows every control and reason instead of scrolling sideways."""
+        if self.columns == 2:  # as the style and fonts in force now make it
+            self._two_column_width = self.minimumSizeHint().width()
+        columns = 2 if width >= self._two_column_width else 1
+        if columns != self.columns:
+            self._place(columns)
+
+    def _place(self, columns: int) -> None:
+        grid = self.grid
+        while grid.count():
+            grid.takeAt(0)  # the widgets stay, to be placed again
+        span = 2 * columns - 1  # a full-width control: past its label, to the last column
+        grid.addWidget(self.labels["preset"], 0, 0)
+        grid.addWidget(self.preset, 0, 1, 1, span)
+        row = 1
+        flat = [p for pairs in self._pairs for p in pairs]
+        for line in [list(pairs) for pairs in self._pairs] if columns == 2 else [[p] for p in flat]:
+            for col, (label, w) in enumerate(line):
+                name = next(k for k, v in self.controls.items() if v is w)
+                if label is None:
+                    grid.addWidget(w, row, 2 * col, 1, 2)
+                else:
+                    grid.addWidget(self.labels[name], row, 2 * col)
+                    grid.addWidget(w, row, 2 * col + 1)
+                grid.addWidget(self.reasons[name], row + 1, 2 * col, 1, 2)
+            row += 2
+        grid.addWidget(self.labels["draft_model"], row, 0)
+        grid.addWidget(self.draft_model, row, 1, 1, span)
+        grid.addWidget(self.draft_reason, row + 1, 0, 1, span + 1)
+        grid.setColumnStretch(1, 1)
+        grid.setColumnStretch(3, 1 if columns == 2 else 0)
+        changed = self.columns != 0
+        self.columns = columns
+        if changed:
+            self.columnsChanged.emit(columns)
 
     def set_resolved(self, device: str, dtype: str) -> None:
         """What "auto" resolves to for the loaded model, so the preset in use can be named."""

@@ -254,9 +254,15 @@ def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_
         left, center = w.splitter.sizes()
         assert left >= LEFT_MIN_WIDTH and center >= CENTER_MIN_WIDTH
         assert w.options_dock.width() >= DOCK_MIN_WIDTH and w.hud_dock.width() >= DOCK_MIN_WIDTH
+        # the optimizations take one column where two would not fit the dock: nothing scrolls sideways
+        scroll = w.options_dock.widget()
+        qtbot.waitUntil(lambda: not scroll.horizontalScrollBar().isVisible(), timeout=TIMEOUT_MS)
+        assert w.toggles.width() <= scroll.viewport().width()
+        assert w.toggles.columns == 1 or size[0] > 800  # at 800 px the dock is far narrower than two columns
         text_height = w.chat_view.messages()[1].body.height()
         w.resize(1440, 900)
         qtbot.waitUntil(lambda: abs(w.options_dock.width() - wide_dock) <= 8, timeout=TIMEOUT_MS)
+        qtbot.waitUntil(lambda: w.toggles.columns == 2, timeout=TIMEOUT_MS)  # two again, where they fit
         assert_fits(w)
         assert w.chat_view.messages()[1].body.height() < text_height  # wider lines, fewer of them
     finally:
@@ -349,8 +355,10 @@ def test_a_taller_window_gives_its_height_to_the_hud(qtbot, tmp_path):
         for size in [(1400, 900), (1000, 700), (1440, 1000)]:
             w.resize(*size)
             qtbot.waitUntil(lambda size=size: (w.width(), w.height()) == size, timeout=TIMEOUT_MS)
-            need = w.options_dock.minimumSizeHint().height()
-            qtbot.waitUntil(lambda need=need: w.options_dock.height() <= need + 16, timeout=TIMEOUT_MS)
+            # what they need at the width they get (one column of controls in a narrow dock is taller)
+            qtbot.waitUntil(
+                lambda: w.options_dock.height() <= w.options_dock.minimumSizeHint().height() + 16, timeout=TIMEOUT_MS
+            )
         qtbot.waitUntil(lambda: w.hud_dock.height() > 600, timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
