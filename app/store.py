@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 STATUSES = ("done", "streaming", "stopped", "error")
 ROLES = ("system", "user", "assistant")
 BUSY_TIMEOUT_MS = 5000
+FULL_DISK_BYTES = 1 << 20  # less free than this where the database cannot open: the disk is called full
 _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
 
@@ -398,6 +399,12 @@ class ChatStore:
     def _open_error(self, exc: sqlite3.Error) -> StoreError:
         folder = self.path.parent
         hint = f"; the folder {folder} is not writable" if not os.access(folder, os.W_OK) else ""
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        if free is not None and free < FULL_DISK_BYTES:  # SQLite says only "disk I/O error" when it cannot grow
+            hint += f"; the disk holding {folder} is full ({free:,} bytes free)"
         return StoreError(f"cannot open the chat database {self.path}: {exc}{hint}")
 
     def _recover_streaming(self) -> None:

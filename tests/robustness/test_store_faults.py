@@ -328,3 +328,19 @@ def test_a_busy_database_opens_for_reading(tmp_path):
     finally:
         other.execute("ROLLBACK")
         other.close()
+
+
+def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch):
+    import shutil
+
+    def io_error(self):  # what SQLite says when it cannot create its write-ahead log
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(ChatStore, "_connect_checked", io_error)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
+    with pytest.raises(StoreError, match=r"disk I/O error; the disk holding .* is full \(4,096 bytes free\)$"):
+        ChatStore(tmp_path / "chats.sqlite3")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**8, 9 * 10**8))
+    with pytest.raises(StoreError) as err:
+        ChatStore(tmp_path / "chats.sqlite3")
+    assert str(err.value).endswith(": disk I/O error")  # room on the disk: not called full
