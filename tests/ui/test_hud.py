@@ -882,8 +882,19 @@ def test_compare_rows_name_their_model_and_a_ladder_its_own(hud, tmp_path):
     assert shown == ["SmolLM2-135M", "tiny", "SmolLM2-135M"]
     panel.compare.model.add(CompareRow(9, "kept from before", EngineOptions(device="cpu"), GenerationMetrics()))
     assert model.data(model.index(3, COLUMN_INDEX["model"])) == "n/a"
+    tip = model.data(model.index(3, COLUMN_INDEX["model"]), Qt.ItemDataRole.ToolTipRole)
+    assert tip == "n/a — this row was kept before rows named their model"
+    # the draft settings of a generation that did not draft are not its settings
+    drafts = [model.data(model.index(i, COLUMN_INDEX[k])) for i in range(4) for k in ("draft_tokens", "draft_model")]
+    assert drafts == ["—"] * 8
+    assert model.data(model.index(0, COLUMN_INDEX["draft_model"]), Qt.ItemDataRole.ToolTipRole) == (
+        "not used: speculation off"
+    )
+    spec = EngineOptions(device="cpu", speculation="draft", draft_tokens=4, draft_model="/m/small.gguf")
+    model.add(CompareRow(10, "drafting", spec, GenerationMetrics(), "big"))
+    assert [model.data(model.index(4, COLUMN_INDEX[k])) for k in ("draft_tokens", "draft_model")] == ["4", "small.gguf"]
     with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
-        assert [r["model"] for r in csv.DictReader(f)] == ["SmolLM2-135M", "tiny", "SmolLM2-135M", ""]
+        assert [r["model"] for r in csv.DictReader(f)] == ["SmolLM2-135M", "tiny", "SmolLM2-135M", "", "big"]
 
 
 def test_series_exports_equal_what_was_fed(hud, tmp_path):

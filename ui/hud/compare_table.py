@@ -140,6 +140,10 @@ class CompareModel(QAbstractTableModel):
         if col.kind == "summary":
             return fmt.options_summary(r.options)
         if col.kind == "option":
+            if key in ("draft_tokens", "draft_model") and r.options.speculation == "off":
+                return None  # no drafts: the draft settings say nothing
+            if key == "draft_model" and r.options.speculation != "draft":
+                return None
             return getattr(r.options, key)
         return getattr(r.metrics, key)
 
@@ -177,6 +181,8 @@ class CompareModel(QAbstractTableModel):
         row, col = index.row(), COLUMNS[index.column()]
         v = self.value(row, col.key)
         if role == Qt.ItemDataRole.DisplayRole:
+            if v is None and col.kind == "option":
+                return "—"  # a setting this generation did not use
             text = col.format(v) if v is not None else fmt.NA
             if col.kind == "index" and row == self.reference:
                 return f"{text} (ref)"
@@ -184,6 +190,10 @@ class CompareModel(QAbstractTableModel):
             return f"{text}  {fmt.delta(d)}" if d is not None else text
         if role == SORT_ROLE:
             return v
+        if role == Qt.ItemDataRole.ToolTipRole and col.kind == "option" and v is None:
+            return f"not used: speculation {self.rows[row].options.speculation}"
+        if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and v is None:
+            return f"{fmt.NA} — this row was kept before rows named their model"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
             return fmt.options_summary(self.rows[row].options)
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "metric":
