@@ -79,6 +79,7 @@ install -m 0755 packaging/linux/install.sh packaging/linux/uninstall.sh "$STAGE/
 install -m 0644 packaging/linux/gapless.desktop assets/gapless.svg "$OUT/icons/gapless-256.png" "$STAGE/share/"
 printf '%s\n' "$VERSION" >"$STAGE/share/VERSION"
 install -m 0644 packaging/linux/README.txt "$STAGE/README.txt"
+install -m 0644 LICENSE NOTICE "$STAGE/"
 
 started=$SECONDS
 ARCHIVE="$OUT/$NAME.tar.gz"
@@ -86,7 +87,7 @@ say "writing $ARCHIVE"
 # Only member names are renamed (flags=r), never the targets of the bundle's relative symbolic links.
 tar --create --gzip --file "$ARCHIVE.part" --owner=0 --group=0 --numeric-owner \
     --transform "flags=r;s,^\./,$NAME/," \
-    -C "$STAGE" ./install.sh ./uninstall.sh ./README.txt ./share \
+    -C "$STAGE" ./install.sh ./uninstall.sh ./README.txt ./LICENSE ./NOTICE ./share \
     -C "$OUT" ./gapless
 mv "$ARCHIVE.part" "$ARCHIVE"
 say "archive: $ARCHIVE ($(du -sh "$ARCHIVE" | cut -f1)) in $((SECONDS - started)) s"
