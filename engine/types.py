@@ -130,6 +130,8 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
     for name, value in o.items():
         if name not in _DESCRIBED and name not in idle and name in defaults and value != defaults[name]:
             shown = ("on" if value else "off") if isinstance(value, bool) else value
+            if name == "draft_model":  # its file or folder name: the path is in the options themselves
+                shown = str(value).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or value
             parts.append(f"{name.replace('_', ' ')} {shown}")
     return sep.join(parts)
 

@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.errors import OptionsError
 from engine.sampling import SamplerKind, SamplerState
 from engine.speculative import AdaptiveK, NgramProposer, ngram_propose_tensor, verify, vocabulary_mismatch
-from engine.types import EngineOptions, SamplingParams, StepRecord
+from engine.types import EngineOptions, SamplingParams, StepRecord, describe_options
 
 CPU = EngineOptions(device="cpu")
 REPEATS = [
@@ -46,6 +46,10 @@ def test_options_validate_and_round_trip():
     o = EngineOptions(speculation="draft", draft_tokens=7, draft_model="/m/small.gguf").validate()
     assert EngineOptions.from_dict(o.to_dict()) == o
     assert o.to_dict()["speculation"] == "draft" and o.to_dict()["draft_tokens"] == 7
+    # described in a few words: the draft model by its file name, the draft settings only where they draft
+    assert describe_options(o).endswith("speculation draft · draft tokens 7 · draft model small.gguf")
+    assert "draft" not in describe_options(o.with_(speculation="off"))
+    assert describe_options(o.with_(speculation="ngram")).endswith("speculation ngram · draft tokens 7")
     for bad, needle in [
         (dict(speculation="lookahead"), "speculation must be one of off, ngram, draft"),
         (dict(draft_tokens=16), "between 1 and 15 (0 = adaptive), got 16"),
