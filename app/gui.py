@@ -119,14 +119,10 @@ def preset_for_device(name: str, base: Any, device_type: str):
     """A preset as the ladder runs it on this device: on a CPU the half rung in bf16, the rest in fp32, and the
     int8, candidates and speculation rungs without compile (there a compile takes minutes and its step is slower
     than the eager one's own kernels; the ladder runs them so) and CUDA graphs (none on a CPU)."""
-    from dataclasses import replace
-
-    from engine.ladder import RELAXED_RUNGS, rung_options
+    from engine.ladder import rung_options, uncompiled
 
     opts = rung_options(name, base, device_type, None)
-    if device_type != "cuda" and name in RELAXED_RUNGS:
-        opts = replace(opts, compile=False, cuda_graph=False)
-    return opts
+    return uncompiled(name, opts) if device_type != "cuda" else opts
 
 
 def app_icon():

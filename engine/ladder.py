@@ -126,6 +126,13 @@ def rung_options(
     return opts
 
 
+def uncompiled(name: str, opts: EngineOptions) -> EngineOptions:
+    """A rung's options where nothing is compiled (a CPU, a bench without compile): the int8, candidates and
+    speculation rungs run without compile and CUDA graphs; the others are returned as they are (their own
+    optimisation is the compile or the graph, so they are skipped instead)."""
+    return replace(opts, compile=False, cuda_graph=False) if name in RELAXED_RUNGS and opts.compile else opts
+
+
 def plan_rung(
     engine, name: str, base: EngineOptions, device_type: str, config: BenchConfig
 ) -> tuple[Optional[EngineOptions], Optional[str], list[str]]:
@@ -146,8 +153,8 @@ def plan_rung(
             "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)",
             notes,
         )
-    if name in RELAXED_RUNGS and not compile_on and opts.compile:
-        opts = replace(opts, compile=False, cuda_graph=False)
+    if not compile_on and uncompiled(name, opts) != opts:
+        opts = uncompiled(name, opts)
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
     if reasons and name in RELAXED_RUNGS:
