@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
+    QFileDialog,
     QFormLayout,
     QHBoxLayout,
     QLabel,
@@ -57,6 +58,15 @@ def confirm(parent: Optional[QWidget], title: str, text: str, action: str) -> bo
     box.setDefaultButton(QMessageBox.StandardButton.Cancel)
     box.exec()
     return box.clickedButton() is chosen
+
+
+def choose_model(parent: Optional[QWidget], caption: str, start: str, folder: bool = False) -> str:
+    """A model's path, from a file dialog (a GGUF file) or a folder dialog (a Hugging Face folder) that starts
+    in `start` ("" = Qt's choice); "" when cancelled."""
+    if folder:
+        return QFileDialog.getExistingDirectory(parent, caption, start)
+    path, _ = QFileDialog.getOpenFileName(parent, caption, start, "GGUF models (*.gguf);;All files (*)")
+    return path
 
 
 class ProgressDialog(QDialog):

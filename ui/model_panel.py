@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.types import ModelInfo, Progress
+from ui.dialogs import choose_model
 from ui.parts import error_label
 from ui.progress import show_progress
 
@@ -272,9 +273,7 @@ class ModelPanel(QGroupBox):
             self.modelsFolderChosen.emit(path)
 
     def open_file_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(
-            self, "Open a GGUF model", self.last_folder, "GGUF models (*.gguf);;All files (*)"
-        )
+        path = choose_model(self, "Open a GGUF model", self.last_folder)
         if path:
             self._used(str(Path(path).parent))
             self.openRequested.emit(path)
@@ -287,7 +286,7 @@ class ModelPanel(QGroupBox):
             self.remoteRequested.emit(*dialog.values())
 
     def open_folder_dialog(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Open a Hugging Face model folder", self.last_folder)
+        path = choose_model(self, "Open a Hugging Face model folder", self.last_folder, folder=True)
         if path:
             self._used(str(Path(path).parent))
             self.openRequested.emit(path)

@@ -12,7 +12,6 @@ from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
-    QFileDialog,
     QGridLayout,
     QLabel,
     QMenu,
@@ -40,7 +39,7 @@ from engine.types import (
     Progress,
     preset_options,
 )
-from ui.dialogs import confirm
+from ui.dialogs import choose_model, confirm
 from ui.progress import show_progress
 from ui.stats import preset_name
 
@@ -300,16 +299,14 @@ class TogglesPanel(QWidget):
     # ---- the draft model -----------------------------------------------------------------------------
 
     def _choose_draft_file(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(
-            self, "Draft model: a smaller model with the same tokenizer", self.last_folder, "GGUF models (*.gguf)"
-        )
+        path = choose_model(self, "Draft model: a smaller model with the same tokenizer", self.last_folder)
         if path:
             self._used(str(Path(path).parent))
             self.set_draft_model(path)
 
     def _choose_draft_folder(self) -> None:
-        path = QFileDialog.getExistingDirectory(
-            self, "Draft model: a Hugging Face folder with the same tokenizer", self.last_folder
+        path = choose_model(
+            self, "Draft model: a Hugging Face folder with the same tokenizer", self.last_folder, folder=True
         )
         if path:
             self._used(str(Path(path).parent))

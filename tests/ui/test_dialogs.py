@@ -37,8 +37,7 @@ DIALOG_SITES = {
     ("ui/dialogs.py", "SamplingDialog.__init__"): "test_chat_settings_restore_defaults_and_ok",
     ("ui/preferences.py", "PreferencesDialog.choose_folder"): "test_preferences_apply_at_once_and_are_kept",
     ("ui/chat_list.py", "ChatList.ask_rename"): "test_rename_from_the_chat_menu",
-    ("ui/model_panel.py", "ModelPanel.open_file_dialog"): FAILED_OPEN,
-    ("ui/model_panel.py", "ModelPanel.open_folder_dialog"): "test_open_folder_dialog_loads_the_chosen_folder",
+    ("ui/dialogs.py", "choose_model"): FAILED_OPEN,  # the model panel's and the draft model's file dialogs
     ("ui/model_panel.py", "ModelPanel._choose_models_folder"): "test_choosing_a_models_folder_lists_it",
     ("ui/hud/panel.py", "ask_save_path"): "test_hud_export_asks_where_and_writes_there",
     ("ui/hud/panel.py", "HudPanel._ask"): "test_hud_export_that_cannot_write_says_so",
@@ -47,8 +46,6 @@ DIALOG_SITES = {
     ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/remote_dialog.py", "RemoteDialog.__init__"): "test_the_remote_model_dialog_cancels_with_its_button",
-    ("ui/toggles.py", "TogglesPanel._choose_draft_file"): "test_a_draft_model_is_chosen_in_its_dialogs",
-    ("ui/toggles.py", "TogglesPanel._choose_draft_folder"): "test_a_draft_model_is_chosen_in_its_dialogs",
 }
 
 
