@@ -173,13 +173,19 @@ def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
 
     import jinja2
 
-    def template(ms: list[dict]) -> tuple[str, list[int]]:
+    def raw(ms: list[dict]) -> tuple[str, list[int]]:
         text = tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
         # the template writes the special tokens (BOS included) itself: adding them again would double them
         return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def template(ms: list[dict]) -> tuple[str, list[int]]:
+        try:  # a cut conversation can break a rule the whole one kept (roles that must alternate)
+            return raw(ms)
+        except jinja2.TemplateError as exc:
+            raise GenerationError(f"the model's chat template failed: {exc}") from exc
+
     try:
-        template(msgs)
+        raw(msgs)
         return template
     except jinja2.TemplateError as exc:
         if not any(m["role"] == "system" for m in msgs):
@@ -190,7 +196,7 @@ def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
         return template(_merge_system(ms))
 
     try:  # templates without a system role (Gemma, early Mistral) raise on one
-        merged(msgs)
+        raw(_merge_system(msgs))
     except jinja2.TemplateError as exc:
         raise GenerationError(f"the model's chat template failed: {first_error}") from exc
     notices.append(
@@ -262,10 +268,12 @@ def _sticky(fewest: int, sizes: list[int], step: int) -> int:
     return next((k for k in range(fewest, len(sizes) + 1) if marks[k - 1] >= mark), fewest)
 
 
-def _sizes(tokenizer, msgs: list[dict], units: list[list[int]]) -> list[int]:
-    return [
-        sum(len(tokenizer(msgs[i]["content"], add_special_tokens=False)["input_ids"]) + 1 for i in u) for u in units
-    ]
+def _sizes(tokenizer, msgs: list[dict], units: list[list[int]], rendered: int) -> list[int]:
+    """Each unit's tokens in a prompt: its messages' content and the template's tokens around each message (the
+    `rendered` prompt's tokens beyond all content, shared out per message)."""
+    content = [len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for m in msgs]
+    framing = max(0, (rendered - sum(content)) // len(msgs))
+    return [sum(content[i] + framing for i in u) for u in units]
 
 
 def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]) -> Prompt:
@@ -275,7 +283,7 @@ def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int,
     history = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
     best = _fewest_dropped(render, budget, len(history), lambda k: (_keep(msgs, k)[0], k))
     if best is not None:
-        k = _sticky(best[2], _sizes(tokenizer, msgs, [[i] for i in history]), budget // CUT_STEP_SHARE)
+        k = _sticky(best[2], _sizes(tokenizer, msgs, [[i] for i in history], len(ids)), budget // CUT_STEP_SHARE)
         kept, dropped = _keep(msgs, k)
         t, i = render(kept) if k > best[2] else best[:2]
         what = _cut(notices, context, f"{_plural(dropped, 'oldest message')} dropped")
@@ -334,7 +342,8 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
             units.append([i])
         else:
             units[-1].append(i)
-    if units and msgs[units[0][0]]["role"] == "assistant":  # the first question's answers go last
+    answers_last = bool(units) and msgs[units[0][0]]["role"] == "assistant"
+    if answers_last:  # the first question's answers go last
         units = units[1:] + units[:1]
 
     def kept_after(k: int) -> tuple[list[dict], list[int]]:
@@ -343,7 +352,9 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
 
     best = _fewest_dropped(render, budget, len(units), lambda k: (kept_after(k)[0], k))
     if best is not None:
-        k = _sticky(best[2], _sizes(tokenizer, msgs, units), budget // CUT_STEP_SHARE)
+        k = _sticky(best[2], _sizes(tokenizer, msgs, units, len(ids)), budget // CUT_STEP_SHARE)
+        if answers_last:  # rounding up never takes the first answers the fewest cut keeps (two questions in a row)
+            k = max(best[2], min(k, len(units) - 1))
         kept, gone = kept_after(k)
         t, fitted = render(kept) if k > best[2] else best[:2]
         what = _cut(notices, context, _middle_what(gone, convo, msgs))

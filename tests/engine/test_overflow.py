@@ -158,3 +158,27 @@ def test_measure_prompt_counts_what_build_prompt_feeds(tok, policy):
         assert use.prompt_tokens == len(fitted.ids) and use.cut == fitted.cut != ""
     draft = measure_prompt(tok, [*short[:-1], {"role": "user", "content": ""}], 256, 16, overflow=policy)
     assert draft.tokens == len(ids(tok, [*short[:-1], {"role": "user", "content": ""}]))
+
+
+ALTERNATING = (  # as Gemma's template: a user and a model turn in turn, or an error
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "<start_of_turn>{{ message['role'] }}\n{{ message['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_truncate_middle_keeps_the_turns_alternating_for_templates_that_need_it():
+    """The cut is rounded up to keep the prefix cache's start for several turns, but never past the first
+    question's answer that the fewest cut keeps: that would leave two questions in a row, which such templates
+    refuse."""
+    t = make_tokenizer()
+    t.chat_template = ALTERNATING
+    words = "the quick brown fox jumps over lazy dog".split()
+    text = lambda n: " ".join(words[i % 8] for i in range(n))  # noqa: E731
+    msgs = [{"role": r, "content": text(n)} for r, n in zip(["user", "assistant"] * 2 + ["user"], (2, 52, 21, 7, 3))]
+    for context in range(300, 420, 8):
+        p = build_prompt(t, msgs, context, 16, overflow="truncate-middle")
+        assert len(p.ids) <= prompt_budget(context, 16)
+        roles = [line.split()[0] for line in p.text.split("<start_of_turn>")[1:]]
+        assert roles[:-1] == ["user", "assistant", "user"], (context, p.cut)
