@@ -318,15 +318,23 @@ def _quiet_and_offline() -> None:
 SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models", "chats")
 
 
+GLOBAL_VALUE_OPTIONS = ("--data-dir",)  # global options that take the next word as their value
+
+
 def _gui_alias(argv: list[str]) -> list[str]:
-    """`gapless [global options]` is the desktop app, `gapless gui` with its defaults; `gapless --smoke-test ...`
-    (as the installed bundle is checked) means `gapless gui --smoke-test ...`."""
-    if any(a in SUBCOMMANDS for a in argv) or any(a in ("-h", "--help", "--version") for a in argv):
+    """`gapless [options]` without a command is the desktop app, `gapless gui [options]` (every command takes
+    the global options after it too): `gapless --data-dir D`, `gapless --model x.gguf`, and `gapless --smoke-test
+    ...` as the installed bundle is checked. The command is the first word that is neither an option nor a
+    global option's value, so `gapless --data-dir gui` is the app with its data in ./gui."""
+    if any(a in ("-h", "--help", "--version") for a in argv):
         return argv
-    if "--smoke-test" in argv:
-        i = argv.index("--smoke-test")
-        return argv[:i] + ["gui"] + argv[i:]
-    return argv + ["gui"]
+    words = iter(argv)
+    for word in words:
+        if word in GLOBAL_VALUE_OPTIONS:
+            next(words, None)
+        elif not word.startswith("-"):
+            return argv if word in SUBCOMMANDS else ["gui", *argv]
+    return ["gui", *argv]
 
 
 def run(argv: Optional[Sequence[str]] = None) -> int:

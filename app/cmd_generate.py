@@ -47,7 +47,7 @@ def check_draft_model(speculation: str, draft_model: str) -> None:
     engine would answer without speculation and say so only after the answer)."""
     if speculation == "draft" and not draft_model:
         raise OptionsError("--speculation draft needs --draft-model PATH")
-    if draft_model and draft_model != "default" and not Path(draft_model).exists():
+    if draft_model and draft_model != "default" and not Path(draft_model).expanduser().exists():
         raise OptionsError(f"--draft-model {draft_model}: no such file or folder")
 
 

@@ -76,17 +76,15 @@ def test_verbose_shows_the_traceback(tmp_path):
 def test_top_level_smoke_test_means_gui_smoke_test():
     from app.cli import _gui_alias
 
-    assert _gui_alias(["--data-dir", "/d", "--smoke-test", "--report", "r.json"]) == [
-        "--data-dir",
-        "/d",
-        "gui",
-        "--smoke-test",
-        "--report",
-        "r.json",
-    ]
+    argv = ["--data-dir", "/d", "--smoke-test", "--report", "r.json"]
+    assert _gui_alias(argv) == ["gui", *argv]
     assert _gui_alias(["gui", "--smoke-test"]) == ["gui", "--smoke-test"]
     assert _gui_alias(["generate", "--prompt", "x"]) == ["generate", "--prompt", "x"]
+    assert _gui_alias(["--data-dir", "/d", "chats", "list"]) == ["--data-dir", "/d", "chats", "list"]
     assert _gui_alias(["--help"]) == ["--help"] and _gui_alias(["--version"]) == ["--version"]
+    # a global option's value that reads like a command is its value, and the app's own options go to it
+    assert _gui_alias(["--data-dir", "gui"]) == ["gui", "--data-dir", "gui"]
+    assert _gui_alias(["--model", "x.gguf", "-v"]) == ["gui", "--model", "x.gguf", "-v"]
 
 
 def test_gapless_without_a_command_opens_the_app_with_the_gui_defaults(tmp_path, monkeypatch):
@@ -100,6 +98,9 @@ def test_gapless_without_a_command_opens_the_app_with_the_gui_defaults(tmp_path,
     (args, paths), *_ = seen
     assert args.command == "gui" and args.model is None and args.smoke_test is False
     assert paths.database.is_relative_to(tmp_path)
+    assert run(["--data-dir", str(tmp_path / "gui"), "--model", "x.gguf"]) == 0
+    args, paths = seen[-1]
+    assert args.command == "gui" and args.model == "x.gguf" and paths.database.is_relative_to(tmp_path / "gui")
 
 
 @pytest.mark.parametrize("before", [True, False])

@@ -61,7 +61,7 @@ def test_options_validate_and_round_trip():
             EngineOptions(**bad).validate()
 
 
-def test_cli_flags_reach_the_options(tmp_path):
+def test_cli_flags_reach_the_options(tmp_path, monkeypatch):
     from app.cli import build_parser
     from app.cmd_generate import options_from_args
 
@@ -77,6 +77,9 @@ def test_cli_flags_reach_the_options(tmp_path):
     assert (o.speculation, o.draft_tokens, o.draft_model) == ("draft", 5, str(small))
     with pytest.raises(OptionsError, match="--speculation draft needs --draft-model PATH"):
         options_from_args(parser.parse_args(["generate", "--prompt", "x", "--speculation", "draft"]))
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ as the loader reads it (--draft-model=~/... is not the shell's)
+    home = parser.parse_args(["generate", "--prompt", "x", "--speculation", "draft", "--draft-model=~/small.gguf"])
+    assert options_from_args(home).draft_model == "~/small.gguf"
     args = parser.parse_args(["generate", "--prompt", "x", "--draft-tokens", "20"])
     with pytest.raises(OptionsError, match="draft_tokens must be between"):
         options_from_args(args)
