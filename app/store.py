@@ -416,15 +416,23 @@ class ChatStore:
         cut = [(message_id,) for message_id, owner in rows if not _owner_alive(owner)]
         if not cut:
             return
-        with self._write("recover interrupted answers") as db:
-            db.execute("CREATE TEMP TABLE IF NOT EXISTS recovered (id INTEGER PRIMARY KEY)")
-            db.execute("DELETE FROM recovered")
-            db.executemany("INSERT INTO recovered (id) VALUES (?)", cut)
-            n = db.execute(
-                "UPDATE messages SET status = 'stopped', owner = NULL, metrics_json = COALESCE(metrics_json, ?) "
-                "WHERE status = 'streaming' AND id IN (SELECT id FROM recovered)",
-                (json.dumps(INTERRUPTED_METRICS),),
-            ).rowcount
+        try:
+            with self._write("recover interrupted answers") as db:
+                db.execute("CREATE TEMP TABLE IF NOT EXISTS recovered (id INTEGER PRIMARY KEY)")
+                db.execute("DELETE FROM recovered")
+                db.executemany("INSERT INTO recovered (id) VALUES (?)", cut)
+                n = db.execute(
+                    "UPDATE messages SET status = 'stopped', owner = NULL, metrics_json = COALESCE(metrics_json, ?) "
+                    "WHERE status = 'streaming' AND id IN (SELECT id FROM recovered)",
+                    (json.dumps(INTERRUPTED_METRICS),),
+                ).rowcount
+        except StoreError as exc:  # read-only, or busy past the timeout: the chats still open for reading
+            log.error("%s", exc)
+            self.notices.append(
+                f"{len(cut)} answer(s) cut off when Gapless last closed could not be marked so ({exc}); "
+                "they are shown as they were saved."
+            )
+            return
         if n:
             log.info("chat database %s: %d interrupted answer(s) marked stopped", self.path, n)
 

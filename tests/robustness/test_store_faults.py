@@ -344,3 +344,25 @@ def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(tmp_pa
     with pytest.raises(StoreError) as err:
         ChatStore(tmp_path / "chats.sqlite3")
     assert str(err.value).endswith(": disk I/O error")  # room on the disk: not called full
+
+
+def test_a_busy_database_with_an_answer_to_recover_still_opens_for_reading(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as s:
+        chat, _, answer = streaming_answer(s, "cut off")
+    db = sqlite3.connect(path)
+    db.execute("UPDATE messages SET owner = NULL WHERE id = ?", (answer.id,))  # as a crash leaves it
+    db.commit()
+    db.close()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock past the busy timeout
+    try:
+        with ChatStore(path, busy_timeout_ms=200) as s:
+            assert [m.content for m in s.thread(chat.id)] == ["cut off", ""]
+            assert s.get_message(answer.id).status == "streaming"  # shown as it was saved
+            assert len(s.notices) == 1 and s.notices[0].startswith("1 answer(s) cut off when Gapless last closed")
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    with ChatStore(path) as s:  # the next open recovers it
+        assert s.get_message(answer.id).status == "stopped" and s.notices == []
