@@ -49,15 +49,19 @@ def spoken(
     answered (refused as too long, failed, or stopped while it was read) and was followed by another: sent
     again, it would have the next prompt refused the same way, and two user turns in a row break the
     templates that want the roles to alternate (Gemma's)."""
+    kept = [m for m in thread if not (m.role == "assistant" and not m.content and m.id not in skip)]
+    # a question is answered when an answer follows it, the one streaming now included
+    unanswered = {m.id for m, after in zip(kept, kept[1:]) if m.role == after.role == "user"}
+    if then is not None and kept and kept[-1].role == "user":  # the draft follows a question left unanswered
+        unanswered.add(kept[-1].id)
     turns = [
         {"role": m.role, "content": m.content}
-        for m in thread
-        if not (m.role == "assistant" and (not m.content or m.id in skip))
+        for m in kept
+        if m.id not in unanswered and not (m.role == "assistant" and m.id in skip)
     ]
     if then is not None:
         turns.append({"role": "user", "content": then})
-    unanswered = {i for i in range(len(turns) - 1) if turns[i]["role"] == turns[i + 1]["role"] == "user"}
-    return [t for i, t in enumerate(turns) if i not in unanswered]
+    return turns
 
 
 @dataclass

@@ -188,3 +188,8 @@ def test_a_question_left_unanswered_is_not_asked_again_with_the_next(flow):
     ctl.run(4, ["the next answer"], ["eos"])
     f.send("and then")  # an answered question stays in the conversation
     assert [m["content"] for m in ctl.asked[-1]] == ["first", "first answer", "next", "the next answer", "and then"]
+    # while its answer streams, the question being answered is counted with a new draft
+    ctl.generationStarted.emit(5, EngineOptions())
+    ctl.textBatch.emit(5, {0: "partial"})
+    draft = [m["content"] for m in f.draft_messages("a draft")]
+    assert draft == ["first", "first answer", "next", "the next answer", "and then", "a draft"]
