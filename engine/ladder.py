@@ -313,6 +313,10 @@ def run_ladder(
             prompt=next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "") or "-",
             profile_window=previous.profile_window,
             prefix_reuse=False,
+            # the speculation rung drafts as the user's options do (a draft model chosen in the app), else ngram
+            speculation=previous.speculation if previous.speculation != "off" else "ngram",
+            draft_tokens=previous.draft_tokens,
+            draft_model=previous.draft_model if previous.speculation == "draft" else "",
         )
     )
     runner = LadderRunner(engine, config, log.info)

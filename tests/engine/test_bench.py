@@ -465,6 +465,26 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         eng.close()
 
 
+def test_the_apps_ladder_drafts_with_the_draft_model_chosen(tiny_llama, tmp_path):
+    from tiny_models import make_tiny_model
+
+    from engine.engine import Engine
+    from engine.ladder import run_ladder
+    from engine.types import EngineOptions, SamplingParams
+
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    chosen = EngineOptions(device="cpu", speculation="draft", draft_model=str(draft), draft_tokens=3)
+    eng = Engine.load(str(tiny_llama), chosen)
+    try:
+        (row,) = run_ladder(eng, [{"role": "user", "content": "hello"}], SamplingParams(), presets=["speculation"])
+        assert row.skipped is None and row.options["speculation"] == "draft"
+        assert (row.options["draft_model"], row.options["draft_tokens"]) == (str(draft), 3)
+        assert "draft model draft" in row.metrics["speculation_source"]
+        assert eng.options == chosen
+    finally:
+        eng.close()
+
+
 def test_speculation_rung_runs_on_the_cpu_without_compile(tiny_llama, tmp_path, capsys):
     from app.cmd_bench import run_bench
 
