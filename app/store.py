@@ -177,8 +177,15 @@ def _kept_figures(text: Optional[str], what: str, message_id: int) -> Optional[d
     except ValueError as exc:
         log.error("chat database: message %d: its %s are damaged (%s); shown without them", message_id, what, exc)
         return None
-    if value is not None and not isinstance(value, dict):
-        log.error("chat database: message %d: its %s are not an object; shown without them", message_id, what)
+    problem = (
+        "they are not an object"
+        if value is not None and not isinstance(value, dict)
+        else figures.metrics_problem(value)
+        if value is not None and what == "metrics"
+        else None
+    )
+    if problem:  # shown without them, and exported without them (an import would refuse them)
+        log.error("chat database: message %d: its %s are damaged (%s); shown without them", message_id, what, problem)
         return None
     return value
 
@@ -233,11 +240,13 @@ def _pid_alive(pid: int) -> bool:
         return False
     if sys.platform == "win32":
         import ctypes
+        from ctypes import wintypes
 
-        kernel32 = ctypes.windll.kernel32
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+        kernel32.OpenProcess.restype = wintypes.HANDLE
         handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
         if not handle:
-            return False
+            return ctypes.get_last_error() == 5  # ERROR_ACCESS_DENIED: another user's process, alive
         try:
             code = ctypes.c_ulong()
             return bool(kernel32.GetExitCodeProcess(handle, ctypes.byref(code))) and code.value == 259  # STILL_ACTIVE

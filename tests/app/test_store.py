@@ -328,9 +328,15 @@ def test_a_message_whose_stored_figures_are_damaged_is_still_read(tmp_path):
         m = s.add_message(chat.id, "assistant", "kept", None, metrics={"ttft_ms": 1.0}, options={"dtype": "fp32"})
     db = sqlite3.connect(path)
     db.execute("UPDATE messages SET metrics_json = '{bad', options_json = '[1]' WHERE id = ?", (m.id,))
+    db.execute(
+        "INSERT INTO messages (chat_id, role, content, created, updated, metrics_json) VALUES (?, ?, ?, 1, 1, ?)",
+        (chat.id, "assistant", "figures not numbers", '{"ttft_ms": "fast"}'),
+    )
     db.commit()
     db.close()
     with ChatStore(path) as s:
         got = s.get_message(m.id)
         assert (got.content, got.metrics, got.options) == ("kept", None, None)
+        other = next(x for x in s.all_messages(chat.id) if x.content == "figures not numbers")
+        assert other.metrics is None  # as an import would refuse them, so the export leaves them out
         assert [x.content for x in s.thread(chat.id)] == ["kept"]
