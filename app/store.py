@@ -174,16 +174,11 @@ def _kept_figures(text: Optional[str], what: str, message_id: int) -> Optional[d
     message itself is still shown and exported."""
     try:
         value = _loads(text)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError("they are not an object")
+        problem = figures.metrics_problem(value) if value is not None and what == "metrics" else None
     except ValueError as exc:
-        log.error("chat database: message %d: its %s are damaged (%s); shown without them", message_id, what, exc)
-        return None
-    problem = (
-        "they are not an object"
-        if value is not None and not isinstance(value, dict)
-        else figures.metrics_problem(value)
-        if value is not None and what == "metrics"
-        else None
-    )
+        problem = str(exc)
     if problem:  # shown without them, and exported without them (an import would refuse them)
         log.error("chat database: message %d: its %s are damaged (%s); shown without them", message_id, what, problem)
         return None
@@ -422,18 +417,16 @@ class ChatStore:
         still writing is left to it, and nothing is written when there is nothing to recover (a read-only or
         busy database still opens for reading)."""
         rows = self._read("SELECT id, owner FROM messages WHERE status = 'streaming'")
-        cut = [(message_id,) for message_id, owner in rows if not _owner_alive(owner)]
+        interrupted = json.dumps(INTERRUPTED_METRICS)
+        cut = [(interrupted, message_id) for message_id, owner in rows if not _owner_alive(owner)]
         if not cut:
             return
         try:
             with self._write("recover interrupted answers") as db:
-                db.execute("CREATE TEMP TABLE IF NOT EXISTS recovered (id INTEGER PRIMARY KEY)")
-                db.execute("DELETE FROM recovered")
-                db.executemany("INSERT INTO recovered (id) VALUES (?)", cut)
-                n = db.execute(
+                n = db.executemany(  # rowcount: the rows changed, summed over the ids
                     "UPDATE messages SET status = 'stopped', owner = NULL, metrics_json = COALESCE(metrics_json, ?) "
-                    "WHERE status = 'streaming' AND id IN (SELECT id FROM recovered)",
-                    (json.dumps(INTERRUPTED_METRICS),),
+                    "WHERE status = 'streaming' AND id = ?",
+                    cut,
                 ).rowcount
         except StoreError as exc:  # read-only, or busy past the timeout: the chats still open for reading
             log.error("%s", exc)
