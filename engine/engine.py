@@ -33,6 +33,7 @@ from engine.types import (
     Progress,
     SamplingParams,
     TextDelta,
+    model_file_name,
 )
 
 if TYPE_CHECKING:
@@ -802,7 +803,7 @@ class Engine:
         if model is None:
             return None
         proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device)
-        source = f"engine counters: draft model {os.path.basename(opts.draft_model.rstrip('/'))}, greedy, {schedule}"
+        source = f"engine counters: draft model {model_file_name(opts.draft_model)}, greedy, {schedule}"
         return Speculator(proposer, k, shapes, source)
 
     def _stopped_reading(

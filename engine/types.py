@@ -103,6 +103,11 @@ class EngineOptions:
 _DESCRIBED = ("device", "dtype", "kv_cache", "sampling", "compile", "cuda_graph", "candidates", "profile_window")
 
 
+def model_file_name(path: str) -> str:
+    """A model path's file or folder name, as a few words show it ("/m/small.gguf/" -> "small.gguf")."""
+    return path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or path
+
+
 def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str = " · ", device: bool = False) -> str:
     """The one way options are written in a few words: "fp16 · static KV · device sampling · compiled · CUDA
     graph · 4 candidates", then every other option that differs from its default ("kernels fused"). Takes the
@@ -131,7 +136,7 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
         if name not in _DESCRIBED and name not in idle and name in defaults and value != defaults[name]:
             shown = ("on" if value else "off") if isinstance(value, bool) else value
             if name == "draft_model":  # its file or folder name: the path is in the options themselves
-                shown = str(value).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or value
+                shown = model_file_name(str(value))
             parts.append(f"{name.replace('_', ' ')} {shown}")
     return sep.join(parts)
 

@@ -37,6 +37,7 @@ from engine.types import (
     WEIGHT_FORMATS,
     EngineOptions,
     Progress,
+    model_file_name,
     preset_options,
 )
 from ui.dialogs import choose_model, confirm
@@ -330,7 +331,7 @@ class TogglesPanel(QWidget):
 
     def _show_draft_model(self) -> None:
         path = self._options.draft_model
-        self.draft_model.setText(Path(path).name or path if path else "None: choose one to draft with")
+        self.draft_model.setText(model_file_name(path) if path else "None: choose one to draft with")
         self.draft_model.setToolTip(
             path or "A smaller model with the same tokenizer drafts tokens that this one verifies in one step"
         )

@@ -5,7 +5,6 @@ the change of every figure against a reference row the user picks (the first gen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
@@ -22,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine import figures
-from engine.types import EngineOptions, GenerationMetrics
+from engine.types import EngineOptions, GenerationMetrics, model_file_name
 from ui.hud import fmt
 
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
@@ -94,7 +93,7 @@ COLUMNS = (
     Column("candidates", "Candidates", "option"),
     Column("speculation", "Speculation", "option"),
     Column("draft_tokens", "Drafts", "option", lambda v: str(v) if v else "auto"),
-    Column("draft_model", "Draft model", "option", lambda v: Path(v).name or v if v else "none"),
+    Column("draft_model", "Draft model", "option", lambda v: model_file_name(v) if v else "none"),
 )
 COLUMN_INDEX = {c.key: i for i, c in enumerate(COLUMNS)}
 
