@@ -144,8 +144,8 @@ class TogglesPanel(QWidget):
         self.draft_model.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.draft_model.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
         draft_menu = QMenu(self.draft_model)
-        draft_menu.addAction("GGUF file…", self._choose_draft_file)
-        draft_menu.addAction("Model folder…", self._choose_draft_folder)
+        draft_menu.addAction("GGUF file…", lambda: self._choose_draft(folder=False))
+        draft_menu.addAction("Model folder…", lambda: self._choose_draft(folder=True))
         self.no_draft_action = draft_menu.addAction("None", lambda: self.set_draft_model(""))
         self.draft_model.setMenu(draft_menu)
         self.draft_reason = QLabel(self)
@@ -179,22 +179,22 @@ class TogglesPanel(QWidget):
         self.grid = QGridLayout()
         self.grid.setHorizontalSpacing(8)
         self.grid.setVerticalSpacing(4)
-        # Each control with its label (None: a check box, which names itself) and, under it, why a value of it
-        # cannot run here (hidden while everything can); two to a row where the panel is wide enough, else one.
-        self._pairs = (
-            (("Device", self.device), ("Precision", self.dtype)),
-            (("KV cache", self.kv_cache), ("Sampling", self.sampling)),
-            (("Candidates", self.candidates), (None, self.compile)),
-            ((None, self.profile_window), (None, self.cuda_graph)),
-            (("Weights", self.weights), ("Kernels", self.kernels)),
-            (("Speculation", self.speculation), ("Drafts", self.draft_tokens)),
-            ((None, self.prefix_reuse),),
+        # Each control (by option name) with its label (None: a check box, which names itself) and, under it, why
+        # a value of it cannot run here (hidden while everything can); two to a row where the panel is wide
+        # enough, else one.
+        self._pairs: tuple[tuple[tuple[Optional[str], str], ...], ...] = (
+            (("Device", "device"), ("Precision", "dtype")),
+            (("KV cache", "kv_cache"), ("Sampling", "sampling")),
+            (("Candidates", "candidates"), (None, "compile")),
+            ((None, "profile_window"), (None, "cuda_graph")),
+            (("Weights", "weights"), ("Kernels", "kernels")),
+            (("Speculation", "speculation"), ("Drafts", "draft_tokens")),
+            ((None, "prefix_reuse"),),
         )
         self.labels: dict[str, QLabel] = {"preset": QLabel("Preset", self), "draft_model": QLabel("Draft model", self)}
         self.reasons: dict[str, QLabel] = {}
         for pairs in self._pairs:
-            for label, w in pairs:
-                name = next(k for k, v in self.controls.items() if v is w)
+            for label, name in pairs:
                 if label is not None:
                     self.labels[name] = QLabel(label, self)
                 reason = QLabel(self)
@@ -250,10 +250,10 @@ class TogglesPanel(QWidget):
         grid.addWidget(self.labels["preset"], 0, 0)
         grid.addWidget(self.preset, 0, 1, 1, span)
         row = 1
-        flat = [p for pairs in self._pairs for p in pairs]
-        for line in [list(pairs) for pairs in self._pairs] if columns == 2 else [[p] for p in flat]:
-            for col, (label, w) in enumerate(line):
-                name = next(k for k, v in self.controls.items() if v is w)
+        lines = self._pairs if columns == 2 else tuple((pair,) for pairs in self._pairs for pair in pairs)
+        for line in lines:
+            for col, (label, name) in enumerate(line):
+                w = self.controls[name]
                 if label is None:
                     grid.addWidget(w, row, 2 * col, 1, 2)
                 else:
@@ -299,23 +299,13 @@ class TogglesPanel(QWidget):
 
     # ---- the draft model -----------------------------------------------------------------------------
 
-    def _choose_draft_file(self) -> None:
-        path = choose_model(self, "Draft model: a smaller model with the same tokenizer", self.last_folder)
+    def _choose_draft(self, folder: bool) -> None:
+        kind = "a Hugging Face folder" if folder else "a smaller model"
+        path = choose_model(self, f"Draft model: {kind} with the same tokenizer", self.last_folder, folder=folder)
         if path:
-            self._used(str(Path(path).parent))
+            self.last_folder = str(Path(path).parent)
+            self.folderUsed.emit(self.last_folder)
             self.set_draft_model(path)
-
-    def _choose_draft_folder(self) -> None:
-        path = choose_model(
-            self, "Draft model: a Hugging Face folder with the same tokenizer", self.last_folder, folder=True
-        )
-        if path:
-            self._used(str(Path(path).parent))
-            self.set_draft_model(path)
-
-    def _used(self, folder: str) -> None:
-        self.last_folder = folder
-        self.folderUsed.emit(folder)
 
     def set_draft_model(self, path: str) -> None:
         """Draft with the model at `path` (speculation switched to draft), or with none ("": a draft speculation

@@ -200,11 +200,11 @@ def test_a_draft_model_is_chosen_in_its_dialogs(qtbot, gui, driver, tmp_path, ti
     file_action, folder_action = toggles.draft_model.menu().actions()[:2]
     driver.choose_file(draft).start()
     file_action.trigger()
-    assert ("ui/toggles.py", "TogglesPanel._choose_draft_file") in driver.answered[0].sites
+    assert ("ui/toggles.py", "TogglesPanel._choose_draft") in driver.answered[0].sites
     assert (toggles.options.speculation, toggles.options.draft_model) == ("draft", str(draft))
     driver = DialogDriver().choose_file(tiny_llama).start()
     folder_action.trigger()
-    assert ("ui/toggles.py", "TogglesPanel._choose_draft_folder") in driver.answered[0].sites
+    assert ("ui/toggles.py", "TogglesPanel._choose_draft") in driver.answered[0].sites
     assert toggles.options.draft_model == str(tiny_llama) and toggles.draft_model.text() == tiny_llama.name
 
 
