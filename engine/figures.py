@@ -289,6 +289,11 @@ def read(data: Any, key: str) -> Figure:
     return Figure(s, None if value is None else value, source if value is not None else None, reason)
 
 
+def texts(value: Any) -> bool:
+    """Whether `value` is an object of texts, as the n/a reasons of figures and options are."""
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
 def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
     """What makes a metrics object read back (a chat file, the store) unfit to show: a figure that is not a
     number, a source or finish reason that is not text, n/a reasons that are not texts. None when it is fit."""
@@ -299,8 +304,7 @@ def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
     for name in (*SOURCE_FIELDS, "finish_reason"):
         if not isinstance(metrics.get(name), (str, type(None))):
             return f"its {name} is not text"
-    unavailable = metrics.get("unavailable", {})
-    if not isinstance(unavailable, dict) or not all(isinstance(v, str) for v in unavailable.values()):
+    if not texts(metrics.get("unavailable", {})):
         return "its n/a reasons are not an object of texts"
     counts = metrics.get("new_tokens", [])
     if not isinstance(counts, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):

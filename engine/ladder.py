@@ -153,8 +153,8 @@ def plan_rung(
             "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)",
             notes,
         )
-    if not compile_on and uncompiled(name, opts) != opts:
-        opts = uncompiled(name, opts)
+    if not compile_on and (relaxed := uncompiled(name, opts)) != opts:
+        opts = relaxed
         notes.append("without compile and CUDA graph (compile off for this bench)")
     reasons = engine.unavailable(opts)
     if reasons and name in RELAXED_RUNGS:

@@ -18,6 +18,7 @@ and what was dropped in `cut` (for the answer's stats line).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
@@ -259,10 +260,7 @@ def _sticky(fewest: int, sizes: list[int], step: int) -> int:
     that mark, every turn drops the same units, so each prompt starts as the one before it did and the engine
     reads the earlier turns from its prefix cache; dropping only the fewest moved the cut by a message or two
     every turn and had the whole conversation read again for each answer."""
-    marks, total = [], 0
-    for n in sizes:
-        total += n
-        marks.append(total)
+    marks = list(itertools.accumulate(sizes))  # marks[k - 1]: the tokens of the k oldest units
     step = max(1, step)
     mark = -(-marks[fewest - 1] // step) * step
     return next((k for k in range(fewest, len(sizes) + 1) if marks[k - 1] >= mark), fewest)

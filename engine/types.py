@@ -539,8 +539,7 @@ def stored_options_problem(options: Mapping[str, Any]) -> Optional[str]:
         limits_from_list(options.get("limits", []))
     except (TypeError, ValueError) as exc:
         return str(exc)
-    unavailable = options.get("unavailable", {})
-    if not isinstance(unavailable, dict) or not all(isinstance(v, str) for v in unavailable.values()):
+    if not figures.texts(options.get("unavailable", {})):
         return "its unavailable options are not an object of texts"
     return None
 

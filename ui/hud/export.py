@@ -94,10 +94,8 @@ def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
     return _write_csv(path, list(SERIES_CSV_COLUMNS), rows)
 
 
-MIN_IMAGE_PX, MAX_IMAGE_PX = (
-    400,
-    8000,
-)  # a plots image's width and height (below 400 px the plots with their axes do not fit)
+# A plots image's width and height; below 400 px the plots with their axes do not fit.
+MIN_IMAGE_PX, MAX_IMAGE_PX = 400, 8000
 
 
 def save_plots(
