@@ -236,8 +236,7 @@ def spec_config_from_args(args: argparse.Namespace):
     wrong = [d for d in dtypes if d not in DTYPES]
     if wrong:
         raise OptionsError(f"--dtypes: unknown dtype {wrong[0]!r}; choose from {', '.join(DTYPES)}")
-    if args.speculation == "draft" or args.draft_model:
-        check_draft_model(args.speculation or "draft", args.draft_model or "")
+    check_draft_model(args.speculation or "ngram", args.draft_model or "")
     return SpecBenchConfig(
         model=args.model,
         device=args.device,
