@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -19,25 +20,13 @@ NA = "n/a"
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets else tuple(PRESETS)
+    """The bench's flags that were given, by their BenchConfig names; the rest keep BenchConfig's defaults."""
     if getattr(args, "draft_model", None):
         check_draft_model("draft", args.draft_model)
-    return BenchConfig(
-        model=args.model,
-        device=args.device,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        presets=presets,
-        candidates=args.candidates,
-        kernels=getattr(args, "kernels", None),
-        baseline=args.baseline,
-        compile=args.compile,
-        prompt=args.prompt or DEFAULT_PROMPT,
-        speculation=getattr(args, "speculation", None) or "ngram",
-        draft_tokens=getattr(args, "draft_tokens", None) or 0,
-        draft_model=getattr(args, "draft_model", None) or "",
-        prefix_reuse=getattr(args, "prefix_reuse", True),
-    )
+    given = {f.name: getattr(args, f.name, None) for f in fields(BenchConfig)}
+    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets else tuple(PRESETS)
+    given.update(presets=presets, prompt=args.prompt or DEFAULT_PROMPT)
+    return BenchConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def _num(v: Optional[float], fmt: str = "{:.1f}") -> str:
