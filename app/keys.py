@@ -44,9 +44,12 @@ class KeyStore:
     def get(self, base_url: str) -> Optional[str]:
         if self.keyring is not None:
             try:
-                return self.keyring.get_password(SERVICE, base_url)
+                key = self.keyring.get_password(SERVICE, base_url)
+                if key:
+                    return key
             except Exception as exc:  # the keyring went away (locked, no daemon): the file may still have it
                 log.warning("keyring read failed (%s); trying %s", type(exc).__name__, self.file)
+        # also where the keyring has none: a write it refused kept the key in the file
         return self._read().get(base_url)
 
     def set(self, base_url: str, key: Optional[str]) -> None:

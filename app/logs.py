@@ -34,5 +34,6 @@ def setup_logging(log_file: Path, verbose: bool = False) -> None:
         sh.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         sh._gapless = True  # type: ignore[attr-defined]
         root.addHandler(sh)
-    for noisy in ("urllib3", "PIL", "matplotlib", "torch._dynamo", "torch._inductor"):
+    # httpx logs each request at INFO: a line for every remote answer and every read of a server's /metrics
+    for noisy in ("urllib3", "httpx", "httpcore", "PIL", "matplotlib", "torch._dynamo", "torch._inductor"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -33,7 +33,9 @@ from engine.types import (
     Progress,
     SamplingParams,
     TextDelta,
+    api_key_problem,
     is_remote,
+    remote_address_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ REMOTE_REASON = "the model runs on a remote server"
 DEFAULT_TIMEOUT_S = 60.0
 NO_USAGE = "the server reported no token usage"  # why the counts (and what needs them) are n/a
 CANCEL_POLL_S = 0.05  # how often a generation waiting for the server looks at its cancel event
+CONNECT_TIMEOUT_S = 10.0  # to open a connection: a host that is down or unreachable is said so without a long wait
+METRICS_TIMEOUT_S = 2.0  # vLLM's /metrics: read beside the answer, which never waits longer for it
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,9 @@ class RemoteSource:
     timeout_s: float = DEFAULT_TIMEOUT_S  # connect, and the longest wait for the next chunk
 
     def validate(self) -> "RemoteSource":
-        parts = urlsplit(self.base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise OptionsError(
-                f"a remote server's address is an http(s) URL such as http://host:8000/v1, got {self.base_url!r}"
-            )
+        problem = remote_address_problem(self.base_url)
+        if problem:
+            raise OptionsError(problem)
         if not self.model or "#" in self.model or "|" in self.model:
             raise OptionsError(f"a remote model needs a name (without '#' or '|'), got {self.model!r}")
         if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= 3600:
@@ -95,14 +97,27 @@ def _server_root(base_url: str) -> str:
 
 def _error_text(response: httpx.Response) -> str:
     """The server's own error message where it sent one (OpenAI's {"error": {"message"}} or a plain string)."""
+    if response.is_redirect:
+        return f"{response.reason_phrase}, to {response.headers.get('location', 'an address it did not give')}"
     try:
         body = response.json()
     except ValueError:
-        return " ".join(response.text.split())[:200] or response.reason_phrase
+        title = re.search(r"<title[^>]*>(.*?)</title>", response.text, re.IGNORECASE | re.DOTALL)
+        text = title.group(1) if title else response.text
+        if title is None and re.match(r"\s*<(!doctype|html)", text, re.IGNORECASE):
+            text = ""  # an HTML page without a title: its markup says nothing
+        return " ".join(text.split())[:200] or response.reason_phrase
     err = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(err, dict):
         err = err.get("message") or err
     return " ".join(str(err).split())[:300]
+
+
+def _why(exc: httpx.HTTPError) -> str:
+    """What went wrong, without the request's headers: httpx quotes an invalid header value, the key among them."""
+    if isinstance(exc, httpx.LocalProtocolError):
+        return "the request could not be sent (a header value is not valid)"
+    return str(exc) or type(exc).__name__
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -117,10 +132,10 @@ class VllmMetrics:
         self.client = client
         self.url = url
 
-    def read(self) -> dict[str, float]:
+    def read(self, timeout_s: float) -> dict[str, float]:
         """Each vllm: series, summed over its labels (one model per server: the sum is that model's)."""
         out: dict[str, float] = {}
-        for line in self.client.get(self.url).text.splitlines():
+        for line in self.client.get(self.url, timeout=timeout_s).text.splitlines():
             m = _PROM_LINE.match(line)
             if m is None:
                 continue
@@ -147,8 +162,13 @@ class RemoteEngine:
     ):
         self.source = source.validate()
         self.options = options.validate()
+        api_key = (api_key or "").strip()
+        problem = api_key_problem(api_key) if api_key else None
+        if problem:
+            raise OptionsError(problem)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(headers=headers, timeout=httpx.Timeout(source.timeout_s), transport=transport)
+        timeout = httpx.Timeout(source.timeout_s, connect=min(CONNECT_TIMEOUT_S, source.timeout_s))
+        self._client = httpx.Client(headers=headers, timeout=timeout, transport=transport)
         self._context_length = 0
         self._vllm: Optional[VllmMetrics] = None
         self.tokenizer = None
@@ -181,21 +201,29 @@ class RemoteEngine:
         url = f"{self.source.base_url}/models"
         try:
             r = self._client.get(url)
+        except httpx.ConnectTimeout as exc:
+            raise ModelLoadError(
+                f"cannot reach the remote server at {self.source.base_url}: no connection within "
+                f"{min(CONNECT_TIMEOUT_S, self.source.timeout_s):g} s"
+            ) from exc
         except httpx.TimeoutException as exc:
             raise ModelLoadError(
                 f"the remote server at {self.source.base_url} did not answer within {self.source.timeout_s:g} s"
             ) from exc
         except httpx.HTTPError as exc:
-            raise ModelLoadError(f"cannot reach the remote server at {self.source.base_url}: {exc}") from exc
+            raise ModelLoadError(f"cannot reach the remote server at {self.source.base_url}: {_why(exc)}") from exc
         if r.status_code in (401, 403):
             raise ModelLoadError(
                 f"the remote server at {self.source.base_url} refused the API key "
                 f"(HTTP {r.status_code}): {_error_text(r)}"
             )
         if r.status_code != 200:
+            hint = ""
+            if r.status_code == 404 and not urlsplit(self.source.base_url).path.rstrip("/").endswith("/v1"):
+                hint = " (OpenAI-compatible servers answer under /v1: try " + self.source.base_url + "/v1)"
             raise ModelLoadError(
                 f"the remote server at {self.source.base_url} answered HTTP {r.status_code} to "
-                f"GET /models: {_error_text(r)}"
+                f"GET /models: {_error_text(r)}{hint}"
             )
         try:
             listed = r.json()["data"]
@@ -215,7 +243,7 @@ class RemoteEngine:
     def _probe_vllm(self) -> None:
         url = f"{_server_root(self.source.base_url)}/metrics"
         try:
-            r = self._client.get(url, timeout=min(5.0, self.source.timeout_s))
+            r = self._client.get(url, timeout=min(METRICS_TIMEOUT_S, self.source.timeout_s))
         except httpx.HTTPError:
             return
         if r.status_code == 200 and "vllm:" in r.text:
@@ -301,7 +329,7 @@ class RemoteEngine:
             body["prompt"] = messages[-1]["content"]
         else:
             body["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
-        before = self._vllm_read()
+        before = self._vllm_read()  # short: METRICS_TIMEOUT_S
         stream = _Stream(n)
         side: dict[str, Optional[dict[str, float]]] = {}
         reader: Optional[threading.Thread] = None
@@ -337,26 +365,28 @@ class RemoteEngine:
             raise GenerationError(
                 self._dropped(
                     stream,
-                    f"did not send anything for {self.source.timeout_s:g} s (the timeout is set in the model panel)",
+                    f"did not send anything for {self.source.timeout_s:g} s (the remote model's timeout: the Remote "
+                    "dialog's, or |timeout=SECONDS after the model's name)",
                 )
             ) from exc
-        except httpx.ConnectError as exc:
-            raise GenerationError(f"cannot reach the remote server at {self.source.base_url}: {exc}") from exc
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise GenerationError(f"cannot reach the remote server at {self.source.base_url}: {_why(exc)}") from exc
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            raise GenerationError(self._dropped(stream, f"dropped the connection ({exc})")) from exc
+            raise GenerationError(self._dropped(stream, f"dropped the connection ({_why(exc)})")) from exc
         except httpx.HTTPError as exc:
-            raise GenerationError(self._dropped(stream, f"failed: {exc}")) from exc
+            raise GenerationError(self._dropped(stream, f"failed: {_why(exc)}")) from exc
         finally:
             stop_reading.set()
         if stream.error:
             raise GenerationError(self._dropped(stream, f"reported an error: {stream.error}"))
-        if not stream.done and not stream.cancelled:
+        if not stream.done and not stream.cancelled and not stream.all_finished:
             raise GenerationError(self._dropped(stream, "closed the stream before the answer ended"))
         if reader is not None:
-            reader.join(self.source.timeout_s)
+            reader.join(METRICS_TIMEOUT_S)  # the server's figures never hold up the answer for long
         result = stream.result(sampling, self.options, self.unavailable())
         result.limits = option_limits(self)
-        self._server_figures(result.metrics, stream, before, side.get("during"), self._vllm_read())
+        after = None if stream.cancelled else self._vllm_read()
+        self._server_figures(result.metrics, stream, before, side.get("during"), after)
         if n > 1 and len(stream.texts) < n:
             result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")
         left = [f"top-k {sampling.top_k}"] if sampling.top_k and sampling.temperature > 0 else []
@@ -395,7 +425,7 @@ class RemoteEngine:
         if self._vllm is None:
             return None
         try:
-            return self._vllm.read()
+            return self._vllm.read(min(METRICS_TIMEOUT_S, self.source.timeout_s))
         except httpx.HTTPError as exc:
             log.info("vLLM /metrics unreadable: %s", exc)
             return None
@@ -482,6 +512,11 @@ class _Stream:
         self.done = False
         self.cancelled = False
 
+    @property
+    def all_finished(self) -> bool:
+        """Every answer asked for has its finish reason: complete even where the server closes without [DONE]."""
+        return len(self.finish) >= self.n and all(i in self.finish for i in range(self.n))
+
     def feed(self, line: str, raw: bool, emit: Callable, now: float) -> bool:
         """Take one SSE line; True when it carried the answer's first text."""
         line = line.strip()
@@ -511,12 +546,18 @@ class _Stream:
         if isinstance(obj.get("x_gapless"), dict):
             self.gapless = obj["x_gapless"]
         first = False
-        for choice in obj.get("choices") or []:
+        choices = obj.get("choices") or []
+        if not isinstance(choices, list):
+            raise _Garbage(f"sent an event whose choices are not a list: {data[:80]!r}")
+        for choice in choices:
             if not isinstance(choice, dict):
                 continue
             i = choice.get("index", 0)
             i = i if isinstance(i, int) and 0 <= i < max(self.n, 1) else 0
-            text = choice.get("text") if raw else (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or {}
+            if not raw and not isinstance(delta, dict):
+                raise _Garbage(f"sent an event whose delta is not an object: {data[:80]!r}")
+            text = choice.get("text") if raw else delta.get("content")
             if isinstance(text, str) and text:
                 first = first or self.first_text is None
                 self.first_text = self.first_text or now
@@ -535,15 +576,8 @@ class _Stream:
         finishes = []
         for i in range(count):
             f = self.finish.get(i)
-            finishes.append(
-                "cancelled"
-                if self.cancelled and f is None
-                else "length"
-                if f == "length"
-                else stop_reason
-                if f
-                else "cancelled"
-            )
+            # a server that ends the stream without a finish reason ended the answer (none was stopped here)
+            finishes.append("cancelled" if self.cancelled and f is None else "length" if f == "length" else stop_reason)
         m = GenerationMetrics()
         # Without usage (llama-cpp-python's server sends none in a stream) the counts are unknown: n/a, not 0.
         usage = self.usage or {}

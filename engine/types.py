@@ -20,6 +20,37 @@ def is_remote(source: str) -> bool:
     return source.startswith(REMOTE_PREFIX)
 
 
+def remote_address_problem(url: str) -> Optional[str]:
+    """Why `url` cannot be a remote server's base URL; None when it can."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        parts.port  # noqa: B018 -- a port that is not a number raises here
+    except ValueError as exc:
+        return f"a remote server's address must be a URL such as http://host:8000/v1; {url!r} is not one ({exc})"
+    if parts.scheme not in ("http", "https") or not host:
+        return f"a remote server's address is an http(s) URL such as http://host:8000/v1, got {url!r}"
+    if parts.username is not None or parts.password is not None:
+        # it would stay in plain text in the recent models, the settings and the log
+        return (
+            "a remote server's address may not hold a user name or password (user:password@host); give the "
+            "server's key in the API key field instead"
+        )
+    return None
+
+
+def api_key_problem(key: str) -> Optional[str]:
+    """Why `key` cannot be sent as a bearer token (it is never quoted back); None when it can."""
+    if not (key.isascii() and key.isprintable() and " " not in key):
+        return (
+            "the API key must be printable ASCII without spaces: it is sent in an HTTP header, where other "
+            "characters do not arrive as typed"
+        )
+    return None
+
+
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")

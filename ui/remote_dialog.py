@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.types import api_key_problem, remote_address_problem
 from ui.parts import error_label
 
 EXAMPLES = (
@@ -65,12 +66,22 @@ class RemoteDialog(QDialog):
         self.model.setMinimumWidth(widest + 24)
 
     def problem(self) -> str:
-        parts = urlsplit(self.base_url.text().strip())
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        url = self.base_url.text().strip()
+        if remote_address_problem(url):
+            try:
+                parts = urlsplit(url)
+                credentials = parts.username is not None or parts.password is not None
+            except ValueError:
+                credentials = False
+            if credentials:
+                return "Leave the user name and password out of the URL; give the server's key as its API key"
             return "The server URL must start with http:// or https:// and name a host, e.g. http://127.0.0.1:8000/v1"
         model = self.model.text().strip()
         if not model or "#" in model or "|" in model:
             return "Give the model's name as the server lists it (without '#' or '|')"
+        key = self.api_key.text().strip()
+        if key and api_key_problem(key):
+            return "The API key must be printable ASCII without spaces (it is sent in an HTTP header)"
         return ""
 
     def accept(self) -> None:
@@ -86,6 +97,6 @@ class RemoteDialog(QDialog):
         return (
             self.base_url.text().strip().rstrip("/"),
             self.model.text().strip(),
-            self.api_key.text(),
+            self.api_key.text().strip(),
             float(self.timeout.value()),
         )

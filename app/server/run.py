@@ -14,6 +14,7 @@ import uvicorn
 from app.server.engine_queue import EngineQueue
 from app.server.http import ServeConfig, create_app, is_loopback
 from engine.errors import GaplessError
+from engine.types import api_key_problem
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,9 @@ def check_address(host: str, api_key: Optional[str]) -> None:
             f"refusing to listen on {host} without an API key: anyone who can reach this machine "
             "could use the model; pass --api-key KEY, or listen on 127.0.0.1"
         )
-    if api_key and not (api_key.isascii() and api_key.isprintable() and api_key == api_key.strip()):
-        raise ServeError(
-            "the API key must be printable ASCII without leading or trailing spaces: clients send it in an "
-            "HTTP header, where other characters do not arrive as typed"
-        )
+    problem = api_key_problem(api_key) if api_key else None
+    if problem:
+        raise ServeError(problem)
 
 
 def bind(host: str, port: int) -> socket.socket:

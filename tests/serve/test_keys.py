@@ -33,16 +33,16 @@ def test_a_corrupt_key_file_reads_as_empty(tmp_path):
     assert store.get("http://h/v1") == "k"
 
 
-def test_a_working_keyring_is_preferred(tmp_path, monkeypatch):
-    saved: dict = {}
+def fake_keyring(monkeypatch, get, set_) -> types.ModuleType:
+    """A keyring module with a working backend whose reads and writes are `get` and `set_`."""
 
     class Backend:
         pass
 
     keyring = types.ModuleType("keyring")
     keyring.get_keyring = lambda: Backend()
-    keyring.get_password = lambda service, user: saved.get((service, user))
-    keyring.set_password = lambda service, user, key: saved.__setitem__((service, user), key)
+    keyring.get_password = get
+    keyring.set_password = set_
     backends = types.ModuleType("keyring.backends")
     fail = types.ModuleType("keyring.backends.fail")
     fail.Keyring = type("Keyring", (), {})
@@ -50,10 +50,33 @@ def test_a_working_keyring_is_preferred(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "keyring", keyring)
     monkeypatch.setitem(sys.modules, "keyring.backends", backends)
     monkeypatch.setitem(sys.modules, "keyring.backends.fail", fail)
+    return keyring
+
+
+def test_a_working_keyring_is_preferred(tmp_path, monkeypatch):
+    saved: dict = {}
+    keyring = fake_keyring(
+        monkeypatch,
+        lambda service, user: saved.get((service, user)),
+        lambda service, user, key: saved.__setitem__((service, user), key),
+    )
     store = KeyStore(tmp_path)
     assert store.where == "the OS keyring"
     store.set("http://h/v1", "sk-k")
     assert saved == {(SERVICE, "http://h/v1"): "sk-k"} and not store.file.exists()
     assert store.get("http://h/v1") == "sk-k"
+    fail = sys.modules["keyring.backends.fail"]
     keyring.get_keyring = lambda: fail.Keyring()  # no backend (a headless Linux): the file
     assert KeyStore(tmp_path).keyring is None
+
+
+def test_a_key_the_keyring_refused_is_read_back_from_the_file(tmp_path, monkeypatch):
+    """A keyring that cannot store (locked, read-only) but reads: the key kept in the file is still found."""
+
+    def refuse(*_a):
+        raise RuntimeError("the keyring is locked")
+
+    fake_keyring(monkeypatch, lambda service, user: None, refuse)
+    store = KeyStore(tmp_path)
+    store.set("http://h/v1", "sk-k")
+    assert store.file.exists() and KeyStore(tmp_path).get("http://h/v1") == "sk-k"

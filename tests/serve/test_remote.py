@@ -53,9 +53,33 @@ def test_sources_round_trip_and_bad_ones_are_refused():
         "remote:http://h/v1#m|timeout=x",
         "remote:http://h/v1#m|timeout=0",
         "remote:http://h/v1#m|speed=3",
+        "remote:http://[::1/v1#m",  # not a URL: urlsplit raises
+        "remote:http://h:port/v1#m",
     ):
         with pytest.raises(OptionsError):
             RemoteSource.parse(bad)
+    # a password in the address would stay in plain text in the recent models and the settings
+    with pytest.raises(OptionsError, match="may not hold a user name or password") as info:
+        RemoteSource.parse("remote:http://me:hunter2@h/v1#m")
+    assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["sk-é123", "sk a", "sk\x7f"])
+def test_a_key_that_cannot_be_sent_is_refused_without_quoting_it(key):
+    with pytest.raises(OptionsError, match="printable ASCII") as info:
+        RemoteEngine(RemoteSource("http://127.0.0.1:9/v1", "m"), EngineOptions(), api_key=key)
+    assert key not in str(info.value)
+
+
+def test_a_key_pasted_with_a_newline_is_sent_without_it(server):
+    engine = RemoteEngine.load(RemoteSource(server.url, server.engines.model_id), api_key=f" {KEY}\n")
+    engine.close()
+
+
+def test_a_missing_v1_is_suggested(server):
+    root = server.url.removesuffix("/v1")
+    with pytest.raises(ModelLoadError, match=f"answered HTTP 404 to GET /models: .*try {root}/v1"):
+        RemoteEngine.load(RemoteSource(root, server.engines.model_id), api_key=KEY)
 
 
 def test_remote_text_is_the_local_engine_s(remote, local, server):

@@ -19,7 +19,22 @@ from engine.remote import RemoteEngine, RemoteSource
 from engine.types import GenerationResult, SamplingParams, TextDelta
 
 HELLO = [{"role": "user", "content": "hi"}]
-MODELS = ["garbage", "drop", "unfinished", "stall", "error500", "midstream-error", "llamacpp", "vllm", "nousage"]
+MODELS = [
+    "garbage",
+    "drop",
+    "unfinished",
+    "stall",
+    "error500",
+    "midstream-error",
+    "llamacpp",
+    "vllm",
+    "nousage",
+    "finished-no-done",
+    "done-no-finish",
+    "delta-not-object",
+    "choices-not-list",
+    "html500",
+]
 
 
 class StandIn:
@@ -72,6 +87,9 @@ class StandIn:
         model = body["model"]
         if model == "error500":
             return JSONResponse({"error": {"message": "CUDA out of memory on the server"}}, status_code=500)
+        if model == "html500":  # a proxy's error page in front of the server
+            page = "<html><head><title>502 Bad Gateway</title></head><body><h1>502</h1><hr>nginx</body></html>"
+            return PlainTextResponse(page, status_code=502, media_type="text/html")
 
         async def events():
             yield self.chunk("Hello")
@@ -90,6 +108,14 @@ class StandIn:
             elif model == "nousage":  # as llama-cpp-python's server streams: no usage chunk, no timings
                 yield self.chunk("", "stop")
                 yield "data: [DONE]\n\n"
+            elif model == "finished-no-done":  # every answer finished, then the server closes without [DONE]
+                yield self.chunk("", "stop")
+            elif model == "done-no-finish":
+                yield "data: [DONE]\n\n"
+            elif model == "delta-not-object":
+                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": "oops"}]}) + "\n\n"
+            elif model == "choices-not-list":
+                yield "data: " + json.dumps({"choices": 5}) + "\n\n"
             elif model == "midstream-error":
                 yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
             elif model == "llamacpp":
@@ -133,6 +159,8 @@ def run(server, model: str, timeout_s: float = 30.0):
         ("drop", "dropped the connection"),
         ("unfinished", "closed the stream before the answer ended"),
         ("midstream-error", "reported an error: the model crashed"),
+        ("delta-not-object", "sent an event whose delta is not an object"),
+        ("choices-not-list", "sent an event whose choices are not a list"),
     ],
 )
 def test_a_broken_stream_is_a_clear_error_and_the_partial_text_was_delivered(stand_in, model, words):
@@ -174,6 +202,21 @@ def test_an_http_error_gives_the_server_s_message(stand_in):
     message, text = run(server, "error500")
     assert message == "the remote server refused the request (HTTP 500): CUDA out of memory on the server"
     assert text == ""
+
+
+def test_a_proxy_s_error_page_is_said_by_its_title(stand_in):
+    _, server = stand_in
+    message, _ = run(server, "html500")
+    assert message == "the remote server refused the request (HTTP 502): 502 Bad Gateway"
+
+
+@pytest.mark.parametrize("model", ["finished-no-done", "done-no-finish"])
+def test_an_answer_that_ended_is_kept_without_done_or_without_a_finish_reason(stand_in, model):
+    """Servers end streams their own ways: a finished answer without [DONE] is complete, and a [DONE] without a
+    finish reason ended the answer (nobody stopped it here)."""
+    _, server = stand_in
+    r = answer(server, model)
+    assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
 
 
 def answer(server, model: str) -> GenerationResult:

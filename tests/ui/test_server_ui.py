@@ -70,6 +70,30 @@ def test_remote_dialog_refuses_a_bad_url_and_returns_the_values(qtbot):
     assert d.values() == ("http://10.0.0.2:8000/v1", "qwen2.5:7b", "sk-1", 15.0)
 
 
+@pytest.mark.parametrize(
+    "url, key, words",
+    [
+        ("http://[::1/v1", "", "must start with http://"),  # not a URL at all: it used to raise in accept()
+        ("http://me:hunter2@10.0.0.2/v1", "", "Leave the user name and password out"),
+        ("http://10.0.0.2/v1", "sk-é", "printable ASCII"),
+    ],
+)
+def test_remote_dialog_says_what_is_wrong_with_the_address_or_key(qtbot, url, key, words):
+    d = RemoteDialog(None, url, "m")
+    qtbot.addWidget(d)
+    d.api_key.setText(key)
+    d.accept()
+    assert d.result() != RemoteDialog.DialogCode.Accepted and words in d.error.text()
+
+
+def test_a_pasted_key_loses_its_spaces_and_newline(qtbot):
+    d = RemoteDialog(None, "http://10.0.0.2/v1", "m")
+    qtbot.addWidget(d)
+    d.api_key.setText("  sk-1\n")
+    d.accept()
+    assert d.result() == RemoteDialog.DialogCode.Accepted and d.values()[2] == "sk-1"
+
+
 def test_remote_dialog_shows_its_hints_whole(qtbot):
     d = RemoteDialog(None)
     qtbot.addWidget(d)
@@ -202,6 +226,29 @@ def test_a_remote_model_opens_through_the_model_panel(qtbot, gui, tiny_llama, mo
         with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as done:
             gui.controller.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8))
         assert done.args[1].metrics.http_ttft_ms > 0 and done.args[1].texts[0]
+
+
+def test_a_remote_model_leaves_the_user_s_own_options_as_they_were(qtbot, gui, tiny_llama, monkeypatch):
+    """The panel shows a remote model's options turned back to the defaults (the server decides them); opening a
+    local model afterwards brings back the user's, and the settings never held the remote ones."""
+    import dataclasses
+
+    import app.keys
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    chosen = dataclasses.replace(gui.controller.options, kv_cache="dynamic", sampling="host")
+    with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):
+        gui.window.toggles._change(chosen)
+    assert gui.settings.options() == chosen
+    with served(tiny_llama, api_key="sk-ui") as url:
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            gui.window.model_panel.remoteRequested.emit(url, tiny_llama.name, "sk-ui", 30.0)
+        qtbot.waitUntil(lambda: gui.window.toggles.options.kv_cache == "static", timeout=TIMEOUT_MS)
+        assert gui.settings.options() == chosen
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            gui.window.load_model(str(tiny_llama))
+    assert gui.controller.options == chosen and gui.window.toggles.options == chosen
+    assert gui.settings.options() == chosen
 
 
 def test_the_hud_bars_show_the_client_side_figures_of_a_remote_model(qtbot):
