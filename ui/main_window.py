@@ -705,7 +705,8 @@ class MainWindow(QMainWindow):
         if source == "default" and self.fetcher is not None and not self.fetcher.is_cached():
             self._start_fetch()
             return
-        self.controller.load(source, self.toggles.options)
+        # from a remote model, whose panel showed the server's settings, back to the user's own
+        self.controller.load(source, self.settings.options() if self._remote_open() else self.toggles.options)
         # Chat waits from now, not from when the worker starts the load: a message sent in between would be
         # answered by the new model but credited to the old one.
         self._load_started(source)
@@ -803,9 +804,7 @@ class MainWindow(QMainWindow):
         if self.hud is not None:
             self.hud.model_name = info.name
         self.toggles.set_resolved(info.device, info.dtype)
-        self.toggles.set_applied(self.controller.options, {})
-        self.toggles.reset_unavailable(unavailable)
-        self.toggles.set_limits(self.controller.limits)
+        self.toggles.set_model(self.controller.options, unavailable, self.controller.limits)
         self.model_status.setText(model_status_text(info))
         self.settings.last_model = source
         if self.catalog is not None:
@@ -826,8 +825,18 @@ class MainWindow(QMainWindow):
             f"Could not load {source}:\n{message}" + (f"\n\n{info.name} is still loaded." if info else ""),
         )
 
+    def _remote_open(self) -> bool:
+        info = self.controller.info
+        return info is not None and info.source_kind == "remote"
+
+    def _keep_options(self, options: EngineOptions) -> None:
+        """The options a local model opens with next time. A remote model's are the server's (the panel shows them
+        turned back to their defaults): they would overwrite the user's own."""
+        if not self._remote_open():
+            self.settings.engine_options = options.to_dict()
+
     def _options_chosen(self, options: EngineOptions) -> None:
-        self.settings.engine_options = options.to_dict()
+        self._keep_options(options)
         self._requested = options
         self.controller.reconfigure(options)
 
@@ -849,7 +858,7 @@ class MainWindow(QMainWindow):
         self._requested = None
         self.toggles.set_limits(self.controller.limits)
         self.toggles.set_applied(options, unavailable)
-        self.settings.engine_options = options.to_dict()
+        self._keep_options(options)
 
     def _update_can_send(self) -> None:
         if self._fetching:

@@ -342,11 +342,6 @@ class TogglesPanel(QWidget):
     def _why(self, name: str, value: object) -> Optional[str]:
         return self._limits.get((name, value)) or self._known.get((name, value))
 
-    def reset_unavailable(self, unavailable: dict[str, str]) -> None:
-        """A new model: forget what the previous one could not do."""
-        self._known.clear()
-        self.set_unavailable(unavailable)
-
     def set_unavailable(self, unavailable: dict[str, str]) -> None:
         """The engine's reasons for options it cannot honour ({option: reason}, for the options as they are now).
 
@@ -478,6 +473,15 @@ class TogglesPanel(QWidget):
     def set_progress(self, p: Progress) -> None:
         """Recompile / recapture / warm-up progress after a change."""
         show_progress(self.progress, self.note, p)
+
+    def set_model(
+        self, options: EngineOptions, unavailable: dict[str, str], limits: dict[tuple[str, object], str]
+    ) -> None:
+        """A new model opened with `options`: what the previous one could not do is forgotten first (a remote
+        model's reasons and limits would turn the options the new one opened with back to the defaults)."""
+        self._known.clear()
+        self._limits = dict(limits)
+        self.set_applied(options, unavailable)
 
     def set_applied(self, options: EngineOptions, unavailable: dict[str, str]) -> None:
         """The engine accepted `options` for the next answer."""

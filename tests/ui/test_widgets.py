@@ -185,7 +185,7 @@ def test_toggles_turn_off_what_the_engine_cannot_do(qtbot):
     assert t.cuda_graph.toolTip() == "Unavailable: CUDA graphs need a CUDA device"
     cuda_graph_preset = t.preset.model().item(t.preset.findData("cuda-graph"))
     assert not cuda_graph_preset.isEnabled()
-    t.reset_unavailable({})  # another model
+    t.set_model(EngineOptions(), {}, {})  # another model
     assert t.cuda_graph.isEnabled()
 
 
