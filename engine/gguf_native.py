@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: a GGUF's tokenizer read from the GGUF alone (3 let files beside it take its place)
 CACHE_ENTRIES_KEPT = 32
 # GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
 NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False}
@@ -261,24 +261,21 @@ def native_layout(config) -> Optional[tuple[dict[str, tuple[int, ...]], dict[str
 
 
 def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizerBase":
-    """The tokenizer AutoTokenizer builds for this GGUF, by its own class choice for a folder without a
-    tokenizer_config.json (the usual case), without AutoTokenizer parsing the whole file again for the config."""
-    from engine.loader import _load_tokenizer
-
-    if (path.parent / "tokenizer_config.json").exists():  # AutoTokenizer's choice can depend on it
-        return _load_tokenizer(path.parent, label, gguf_file=path.name)
+    """The tokenizer AutoTokenizer builds for this GGUF, by its own class choice, from the GGUF alone (see
+    loader.gguf_alone), without AutoTokenizer parsing the whole file again for the config."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from engine.loader import gguf_alone
 
     cls: Any = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
     if getattr(cls, "__name__", "") == "MistralCommonBackend" or cls is None:
         cls = TokenizersBackend
-    try:
-        return cls.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True, trust_remote_code=False
-        )
-    except Exception as exc:  # the tokenizers backend raises plain Exception on a vocabulary it cannot build
-        raise ModelLoadError(f"{label}: the tokenizer could not be built from this GGUF: {_one_line(exc)}") from exc
+    with gguf_alone(path) as (folder, gguf_file):
+        try:
+            return cls.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # the tokenizers backend raises plain Exception on a vocabulary it cannot build
+            raise ModelLoadError(f"{label}: the tokenizer could not be built from this GGUF: {_one_line(exc)}") from exc
 
 
 def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -186,14 +189,16 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path, label = header.path, header.path.name
-    try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
-        raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
-    _check_causal_lm(config.model_type, label, architecture=header.architecture)
-    _apply_gguf_settings(header, config, label)
-    report(Progress("load", 1 / 3, "reading the tokenizer"))
-    tokenizer = _load_tokenizer(path.parent, label, gguf_file=path.name)
+    with gguf_alone(path) as (folder, gguf_file):
+        try:
+            config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+        except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
+            raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
+        config.name_or_path = str(path.parent)  # not the empty folder it was read through
+        _check_causal_lm(config.model_type, label, architecture=header.architecture)
+        _apply_gguf_settings(header, config, label)
+        report(Progress("load", 1 / 3, "reading the tokenizer"))
+        tokenizer = _load_tokenizer(Path(folder), label, gguf_file=gguf_file)
     report(Progress("load", 2 / 3, "building the model layout"))
     layout = _Layout.of(config, label)
 
@@ -481,6 +486,16 @@ def verify_shapes(
             f"{label}: missing weights: {', '.join(missing[:_NAMES_SHOWN])}{more}; "
             f"the checkpoint does not match its config"
         )
+
+
+@contextmanager
+def gguf_alone(path: Path) -> Iterator[tuple[str, str]]:
+    """(folder, gguf_file) for a transformers from_pretrained that reads this GGUF and nothing beside it: given
+    the GGUF's own folder, transformers prefers the files it finds there (an HF model's tokenizer.json,
+    tokenizer_config.json and config.json, where convert_hf_to_gguf.py leaves the GGUF) to the GGUF's metadata,
+    and its chat template is lost. An empty folder, and the file by its absolute path, which the join keeps."""
+    with tempfile.TemporaryDirectory(prefix="gapless-gguf-") as empty:
+        yield empty, os.path.abspath(path)
 
 
 def _load_tokenizer(folder: Path, label: str, gguf_file: Optional[str] = None) -> "PreTrainedTokenizerBase":

@@ -317,6 +317,31 @@ def test_second_load_converts_nothing(tiny_llama, tmp_path, conversions, _privat
     _assert_same_checkpoint(second, first)
 
 
+def test_a_gguf_in_a_model_folder_reads_its_own_tokenizer_and_template(tiny_llama, tmp_path):
+    """convert_hf_to_gguf.py leaves the GGUF beside the Hugging Face files it came from. Those files must not
+    stand in for the GGUF's own: they lost the GGUF's chat template, and a tokenizer_config.json asking for
+    remote code refused the GGUF outright."""
+    import json
+    import shutil
+
+    (tmp_path / "alone").mkdir()
+    alone = hf_llama_to_gguf(tiny_llama, tmp_path / "alone" / "m.gguf")
+    folder = tmp_path / "folder"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    beside = folder / "m.gguf"
+    shutil.copyfile(alone, beside)
+    ref = load_checkpoint(str(alone))
+    assert ref.tokenizer.chat_template
+    for ck in (load_checkpoint(str(beside)), _reference(beside)):
+        assert ck.tokenizer.chat_template == ref.tokenizer.chat_template
+        assert ck.tokenizer(TEXT)["input_ids"] == ref.tokenizer(TEXT)["input_ids"]
+
+
 def test_a_changed_file_is_converted_again(tiny_factory, tmp_path, conversions):
     path = tmp_path / "changing.gguf"
     hf_llama_to_gguf(tiny_factory("llama", seed=0), path)
