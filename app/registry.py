@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
 from engine.paths import write_whole
-from engine.types import REMOTE_PREFIX
+from engine.types import REMOTE_PREFIX, hub_name
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ def kind_of(path: Path) -> Optional[str]:
 
 def _size(path: Path, kind: str) -> Optional[int]:
     try:
-        if kind == "hf-folder":
-            return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        if kind == "hf-folder":  # the weights the loader reads: Mistral's consolidated copy left out, as there
+            files = list(path.glob("*.safetensors"))
+            return sum(p.stat().st_size for p in [p for p in files if p.name.startswith("model")] or files)
         return path.stat().st_size
     except OSError:
         return None
@@ -73,7 +74,7 @@ def entry_for(path: Path, last_used: Optional[float] = None) -> ModelEntry:
             "missing",
         )
     return ModelEntry(
-        str(path), path.stem if kind == "gguf" else path.name, kind, str(path), True, _size(path, kind), last_used
+        str(path), path.stem if kind == "gguf" else hub_name(path), kind, str(path), True, _size(path, kind), last_used
     )
 
 
@@ -95,7 +96,8 @@ def default_model_entry(spec: DefaultModelSpec = SMOLLM2_135M_Q4_1, cache_dir: O
 
 
 def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelEntry]:
-    """GGUF files and HF folders in `folder` and up to `max_depth` levels below it, sorted by path.
+    """GGUF files and HF folders (with the GGUF files in them) in `folder` and up to `max_depth` levels below it,
+    sorted by path.
     Hidden entries, unreadable folders and symlinked folders (which could loop) are skipped."""
     found: list[ModelEntry] = []
 
@@ -114,7 +116,7 @@ def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelE
                     found.append(entry_for(p))
                 elif e.is_dir(follow_symlinks=False):
                     if kind_of(p) == "hf-folder":
-                        found.append(entry_for(p))
+                        found.extend(_hf_folder_entries(p))
                     elif depth < max_depth:
                         walk(p, depth + 1)
             except OSError as exc:
@@ -122,10 +124,16 @@ def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelE
 
     root = Path(folder).expanduser()
     if kind_of(root) == "hf-folder":
-        return [entry_for(root.resolve())]
+        return _hf_folder_entries(root.resolve())
     if root.is_dir():
         walk(root.resolve(), 0)
     return found
+
+
+def _hf_folder_entries(folder: Path) -> list[ModelEntry]:
+    """A Hugging Face folder, and the GGUF files in it (convert_hf_to_gguf.py writes them there)."""
+    ggufs = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith(".") and p.is_file())
+    return [entry_for(folder), *(entry_for(p) for p in ggufs)]
 
 
 class RecentModels:
@@ -218,4 +226,4 @@ class RecentModels:
 def _key(source: str) -> str:
     if source == DEFAULT_SOURCE or source.startswith(REMOTE_PREFIX):
         return source
-    return str(Path(source).expanduser().resolve())
+    return os.path.abspath(Path(source).expanduser())  # links kept: a link's name is the model's (see loader)

@@ -22,7 +22,7 @@ import torch
 
 from engine.errors import ModelLoadError, UnsafeModelError
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
-from engine.types import Progress
+from engine.types import Progress, hub_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -46,7 +46,7 @@ class Checkpoint:
     ]  # HF parameter names -> CPU tensors (fp32 from GGUF; stored dtype from safetensors)
     tokenizer: "PreTrainedTokenizerBase"
     name: str  # display name: file stem or folder name
-    source: str  # resolved absolute path
+    source: str  # absolute path, as given (links kept)
     source_kind: str  # "gguf" | "hf-folder" | "default"
     eos_token_ids: list[int] = field(default_factory=list)  # config, generation_config.json and tokenizer, merged
     load_seconds: Optional[float] = None  # perf_counter around load_checkpoint
@@ -95,7 +95,9 @@ def _load(source: str, progress: Optional[ProgressFn], dtype: torch.dtype, devic
     refuse_pickle_path(path)
     if not path.exists():
         raise ModelLoadError(f"model not found: {path}")
-    path = path.resolve()
+    # absolute but with its links kept: a link's own name says what it is (the Hugging Face hub cache links
+    # model.safetensors and x.gguf to blobs named by their hashes) and names the model
+    path = Path(os.path.abspath(path))
     if path.is_dir():
         return _load_hf_folder(path, report)
     suffix = path.suffix.lower()
@@ -290,7 +292,7 @@ def gguf_architectures() -> set[str]:
 def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
     from safetensors import safe_open
 
-    label = folder.name
+    label = hub_name(folder)
     report(Progress("load", 0.0, f"checking {label}"))
     files = _safetensors_files(folder)
     config = _load_config(folder)

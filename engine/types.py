@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
 from engine import figures
@@ -137,6 +138,15 @@ _DESCRIBED = ("device", "dtype", "kv_cache", "sampling", "compile", "cuda_graph"
 def model_file_name(path: str) -> str:
     """A model path's file or folder name, as a few words show it ("/m/small.gguf/" -> "small.gguf")."""
     return path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or path
+
+
+def hub_name(folder: Path) -> str:
+    """A folder's name as a model's: in the Hugging Face hub cache (models--org--name/snapshots/<commit>) the
+    repository's, not the commit's."""
+    repo = folder.parent.parent.name
+    if folder.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return folder.name
 
 
 def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str = " · ", device: bool = False) -> str:

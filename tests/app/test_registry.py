@@ -210,3 +210,22 @@ def test_cli_fetch_default_prints_the_path(default_model_path, tmp_path):
     r = _cli(["models", "fetch-default"], {"GAPLESS_BUNDLED_MODEL": str(default_model_path)}, tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{default_model_path.resolve()}\n"
+
+
+def test_a_linked_model_is_listed_under_its_link_s_name(tmp_path):
+    """The Hugging Face hub cache links snapshots/<commit>/x.gguf to a blob named by its hash: the recent list
+    keeps the link (it used to keep the blob, listed as a missing folder), and a snapshot folder is named by its
+    repository."""
+    blob = _gguf(tmp_path / "hub" / "models--org--tiny" / "blobs" / "926cc579bf995d27")
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tiny.Q8_0.gguf").symlink_to(blob)
+    _hf(snapshot)
+    recent = RecentModels(tmp_path / "config", default_entry=_no_default)
+    entries = recent.add(str(snapshot / "tiny.Q8_0.gguf"))
+    e = entries[0]
+    assert (e.source, e.name, e.kind, e.present) == (str(snapshot / "tiny.Q8_0.gguf"), "tiny.Q8_0", "gguf", True)
+    assert [(e.name, e.kind) for e in scan_models_folder(tmp_path / "hub")] == [
+        ("org/tiny", "hf-folder"),
+        ("tiny.Q8_0", "gguf"),
+    ]

@@ -94,6 +94,26 @@ def test_generation_config_eos_ids_are_merged(tiny_llama, tmp_path):
     assert load_checkpoint(str(folder)).eos_token_ids == [2, 0]
 
 
+def test_the_hugging_face_hub_cache_s_linked_files_load_under_their_own_names(tiny_llama, tmp_path):
+    """The hub cache keeps each file as a blob named by its hash, linked from snapshots/<commit>/<file name>: a
+    link stands for what its name says, and the model is named by its repository, not by a hash."""
+    gguf = hf_llama_to_gguf(tiny_llama, tmp_path / "tiny-llama.Q8.gguf")
+    repo = tmp_path / "hub" / "models--someone--tiny-llama"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in [*tiny_llama.iterdir(), gguf]:
+        if f.is_file():
+            blob = repo / "blobs" / f"{abs(hash(f.name)):x}"
+            shutil.copyfile(f, blob)
+            (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    for given in (snapshot, snapshot / "model.safetensors", snapshot / "config.json"):
+        ck = load_checkpoint(str(given))
+        assert (ck.source_kind, ck.name, ck.source) == ("hf-folder", "someone/tiny-llama", str(snapshot)), given
+    ck = load_checkpoint(str(snapshot / "tiny-llama.Q8.gguf"))
+    assert (ck.source_kind, ck.name, ck.source) == ("gguf", "tiny-llama.Q8", str(snapshot / "tiny-llama.Q8.gguf"))
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
     return hf_llama_to_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf")
