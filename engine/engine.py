@@ -453,6 +453,7 @@ class Engine:
             eff, _ = self.effective(options)
             device = torch.device(eff.device)
             if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
+                self.checkpoint.can_read_again()  # a file that changed: said before the model in use is given up
                 placed = (self.device, self.dtype, self.weights)
                 self.device, self.dtype, self.weights = device, eff.dtype, eff.weights
                 failed: Optional[Exception] = None

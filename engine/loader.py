@@ -53,6 +53,13 @@ class Checkpoint:
     # GGUF on the native path: the weights again from the file, in any dtype on any device
     materialise: Optional[Callable[[torch.dtype, torch.device], dict[str, torch.Tensor]]] = None
     tensor_types: frozenset[str] = frozenset()  # a GGUF's ggml tensor types (Q4_1, F32, ...); empty for others
+    unchanged: Optional[Callable[[], None]] = None  # raises ModelLoadError where the file materialise reads changed
+
+    def can_read_again(self) -> None:
+        """Raise ModelLoadError where weights() would have to read a file that changed or went away: checked
+        before a model is given up for new weights, so a failed switch keeps the model it had."""
+        if not self.state_dict and self.unchanged is not None:
+            self.unchanged()
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The state dict to build a model from: the one held, or (after release) a fresh one from the file."""
@@ -165,11 +172,22 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
     st = path.stat()
     seen = (st.st_size, st.st_mtime_ns)
 
-    def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
-        now = path.stat()
+    def unchanged() -> None:
+        try:
+            now = path.stat()
+        except OSError as exc:
+            raise ModelLoadError(
+                f"{label}: the file was moved or deleted since it was loaded ({exc.strerror or exc}); open it again"
+            ) from None
         if (now.st_size, now.st_mtime_ns) != seen:
             raise ModelLoadError(f"{label}: the file changed since it was loaded; open it again")
-        return dequantise_tensors(header, conv.plan, dt, dev, _ignore)
+
+    def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
+        unchanged()
+        try:
+            return dequantise_tensors(header, conv.plan, dt, dev, _ignore)
+        except OSError as exc:
+            raise ModelLoadError(f"{label}: cannot read the weights again: {exc.strerror or exc}") from exc
 
     state = dequantise_tensors(header, conv.plan, dtype, device, report)
     return Checkpoint(
@@ -182,6 +200,7 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
         eos_token_ids=_eos_ids(config, conv.tokenizer, None),
         materialise=materialise,
         tensor_types=frozenset(t.type_name for t in header.tensors),
+        unchanged=unchanged,
     )
 
 

@@ -408,6 +408,35 @@ def test_engine_releases_the_state_dict_and_reloads_from_the_file(tiny_llama, tm
         engine.close()
 
 
+@pytest.mark.parametrize("change", ["touched", "deleted"])
+def test_a_switch_after_the_file_changed_keeps_the_model_answering(tiny_llama, tmp_path, change):
+    """The weights come again from the file at a switch of dtype or weight format: where it changed or went away
+    since the load, the switch is refused with the reason and the model in use keeps answering."""
+    from engine.engine import Engine
+    from engine.errors import ModelLoadError
+    from engine.types import EngineOptions, SamplingParams
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "moving.gguf")
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, seed=0)
+    msgs = [{"role": "user", "content": "hello"}]
+    engine = Engine.load(str(path), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        before = engine.generate(msgs, params).token_ids
+        if change == "touched":
+            st = path.stat()
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        else:
+            path.unlink()
+        words = "changed since it was loaded" if change == "touched" else "was moved or deleted"
+        for switch in ({"weights": "int8"}, {"dtype": "bf16"}):
+            with pytest.raises(ModelLoadError, match=words):
+                engine.reconfigure(engine.options.with_(**switch))
+            assert engine.options.dtype == "fp32" and engine.options.weights == "native"
+            assert engine.generate(msgs, params).token_ids == before
+    finally:
+        engine.close()
+
+
 # ---- the default model -----------------------------------------------------------------------------------
 
 
