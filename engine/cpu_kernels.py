@@ -20,6 +20,7 @@ so its threads are torch's and `torch.set_num_threads` sizes them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import hashlib
@@ -604,12 +605,16 @@ def _load() -> CpuKernels:
     source = SOURCE.read_bytes()
     identity = "\0".join([_compiler_version(cc), platform.machine(), _cpu_identity(), torch.__version__])
     out_dir = cache_dir() / "cpu-kernels"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        out_dir.mkdir(parents=True, exist_ok=True)
     errors = []
+    build: Optional[Path] = None
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + identity.encode() + " ".join(flags).encode()).hexdigest()[:20]
         path = out_dir / f"kernels-{key}.so"
         if not path.exists():
+            build = build or _build_folder(out_dir)
+            path = build / path.name
             err = _build(cc, flags, path)
             if err:
                 errors.append(f"{' '.join(flags)}: {err}")
@@ -619,6 +624,17 @@ def _load() -> CpuKernels:
         except (OSError, AttributeError) as e:
             errors.append(f"{' '.join(flags)}: could not load {path.name}: {e}")
     raise KernelUnavailable(f"{Path(cc).name} could not build engine/cpu_kernels.c: {errors[-1][:300]}")
+
+
+def _build_folder(cache: Path) -> Path:
+    """Where a library is built: the cache, or where it cannot be written (read-only, another user's) a
+    temporary folder removed at exit, so the kernels still run, built again at each start."""
+    if os.access(cache, os.W_OK | os.X_OK):
+        return cache
+    folder = Path(tempfile.mkdtemp(prefix="gapless-cpu-kernels-"))
+    atexit.register(shutil.rmtree, folder, True)
+    log.warning("the cache folder %s is not writable: the CPU kernels are built in %s for this run", cache, folder)
+    return folder
 
 
 def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:

@@ -16,6 +16,7 @@ own GGUF path instead (engine.loader decides, with `native_architecture`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -416,7 +417,8 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         )
         shutil.rmtree(entry, ignore_errors=True)
         return None
-    os.utime(entry / "manifest.json")  # recency, for pruning
+    with contextlib.suppress(OSError):  # a read-only cache is read as it is
+        os.utime(entry / "manifest.json")  # recency, for pruning
     return Converted(
         cfg,
         tokenizer,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -11,21 +12,24 @@ APP_NAME = "gapless"
 
 
 def cache_dir() -> Path:
-    override = os.environ.get("GAPLESS_CACHE_DIR")
-    path = Path(override) if override else Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _made(Path(os.environ.get("GAPLESS_CACHE_DIR") or platformdirs.user_cache_dir(APP_NAME, appauthor=False)))
 
 
 def models_cache_dir() -> Path:
-    path = cache_dir() / "models"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _made(cache_dir() / "models")
 
 
 def compile_cache_dir() -> Path:
-    path = cache_dir() / "inductor"
-    path.mkdir(parents=True, exist_ok=True)
+    return _made(cache_dir() / "inductor")
+
+
+def _made(path: Path) -> Path:
+    """`path`, made where missing. A cache that cannot be made (read-only, another user's) is not fatal: what
+    would be kept there is made again each time, and a write that needs it fails with its own message."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot make the cache folder %s: %s", path, exc.strerror or exc)
     return path
 
 

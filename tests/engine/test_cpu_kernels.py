@@ -313,6 +313,20 @@ def test_the_build_is_cached_and_keyed_by_its_source(fresh, monkeypatch, tmp_pat
     assert rebuilt is not None and rebuilt.path != built.path and builds == [built.path, rebuilt.path]
 
 
+def test_a_cache_that_cannot_be_written_builds_for_this_run_only(fresh, monkeypatch, tmp_path):
+    """A read-only cache (or one that cannot be made) still gives the kernels: built in a temporary folder."""
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"no CPU kernels on this machine: {cpu_kernels.unavailable_reason()}")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", str(blocked / "cache"))  # mkdir fails under a file, even for root
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    built = cpu_kernels.kernel()
+    assert built is not None and not str(built.path).startswith(str(blocked))
+    assert built.path.parent.name.startswith("gapless-cpu-kernels-") and built.path.is_file()
+
+
 @pytest.mark.skipif(KERNEL is None or KERNEL.vector != "avx2+fma", reason="needs an x86 CPU with AVX2 and a compiler")
 def test_the_portable_loop_a_cpu_without_avx2_builds(tmp_path):
     """The same source without AVX2/FMA takes its portable C loop; it must give the same sums in its own order."""

@@ -382,6 +382,36 @@ def test_an_unwritable_cache_still_loads(tiny_llama, tmp_path, monkeypatch, capl
     assert any("cannot write the converted cache" in r.getMessage() for r in caplog.records)
 
 
+def test_a_read_only_cache_is_read_as_it_is(tiny_llama, tmp_path, monkeypatch, conversions):
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "ro.gguf")
+    load_checkpoint(str(path))
+
+    def refuse(*_a, **_k):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(gguf_native.os, "utime", refuse)  # the recency mark a read-only cache cannot take
+    ck = load_checkpoint(str(path))
+    assert conversions == ["ro.gguf"] and "model.embed_tokens.weight" in ck.state_dict
+
+
+def test_the_cache_folders_are_not_needed_to_load(tiny_llama, tmp_path, monkeypatch):
+    """A cache folder that cannot be made (read-only parent, another user's): the model still loads and answers."""
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", str(blocked / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "nocache.gguf")
+    engine = Engine.load(str(path), EngineOptions(device="cpu", profile_window=False))
+    try:
+        r = engine.generate([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_new_tokens=4))
+        assert r.metrics.new_tokens_total == 4
+    finally:
+        engine.close()
+
+
 # ---- the engine holds no second copy -----------------------------------------------------------------------
 
 
