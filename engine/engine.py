@@ -115,7 +115,9 @@ class Engine:
 
         started = time.perf_counter()
         progress = progress or _noop
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache()))
+        compiled = _compile_cache()
+        if os.access(compiled, os.W_OK | os.X_OK):  # else inductor's own temporary folder
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled))
         device = _target_device(options.validate().device)
         dtype = TORCH_DTYPES[resolve_dtype(options.dtype, device)]
         checkpoint = load_checkpoint(source, progress, dtype=dtype, device=device)  # GGUF: straight into these
