@@ -290,6 +290,18 @@ def check_gguf(path: Path, supported_architectures: set[str], header: Optional[G
     "qwen2_moe"."""
     header = header or read_gguf_header(path)
     label = header.path.name
+    parts, part = header.metadata.get("split.count"), header.metadata.get("split.no")
+    if isinstance(parts, int) and parts > 1:
+        number = f"part {part + 1}" if isinstance(part, int) else "a part"
+        raise ModelLoadError(
+            f"{label}: {number} of a GGUF split into {parts} files; Gapless opens a model in one file: join the "
+            "parts with llama.cpp's llama-gguf-split --merge (given the first part and a new file's name)"
+        )
+    if header.byte_order == ">":
+        raise ModelLoadError(
+            f"{label}: a big-endian GGUF (converted for s390x and the like); Gapless reads the little-endian "
+            "files llama.cpp writes by default"
+        )
     if not header.architecture:
         raise ModelLoadError(f"{label}: corrupt GGUF header (no general.architecture)")
     if _plain(header.architecture) not in {_plain(a) for a in supported_architectures}:

@@ -275,6 +275,11 @@ def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizer
     with gguf_alone(path) as (folder, gguf_file):
         try:
             return cls.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True, trust_remote_code=False)
+        except KeyError as exc:  # transformers' conversion reads tokenizer.ggml.<key> without asking
+            raise ModelLoadError(
+                f"{label}: the tokenizer could not be built from this GGUF: its tokenizer metadata is incomplete "
+                f"(no tokenizer.ggml.{exc.args[0] if exc.args else '?'})"
+            ) from exc
         except Exception as exc:  # the tokenizers backend raises plain Exception on a vocabulary it cannot build
             raise ModelLoadError(f"{label}: the tokenizer could not be built from this GGUF: {_one_line(exc)}") from exc
 

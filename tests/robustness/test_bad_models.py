@@ -409,3 +409,37 @@ def test_cli_answers_a_bad_model_with_one_line(tiny_llama, tiny_gguf, tmp_path, 
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("gapless: error: ") and expected in lines[0]
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_split_or_big_endian_gguf_is_refused_for_what_it_is(tiny_llama, tmp_path, monkeypatch, split):
+    """Each part of a split GGUF looked like a broken model ("missing weights", "no general.architecture"), and a
+    big-endian one like a GGUF of version 50331648."""
+    import gguf
+
+    real = gguf.GGUFWriter.__init__
+
+    def writer(self, path, arch, *a, **k):
+        if split:
+            k["split_max_tensors"] = 12
+        else:
+            k["endianess"] = gguf.GGUFEndian.BIG
+        real(self, path, arch, *a, **k)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "__init__", writer)
+    hf_llama_to_gguf(tiny_llama, tmp_path / "m.gguf")
+    files = sorted(tmp_path.glob("*.gguf"))
+    if split:
+        assert len(files) > 1
+        for i, f in enumerate(files):
+            _refused(ModelLoadError, f, f"part {i + 1} of a GGUF split into {len(files)} files")
+    else:
+        _refused(ModelLoadError, files[0], "a big-endian GGUF")
+
+
+def test_a_gguf_whose_tokenizer_lacks_its_merges_says_what_is_missing(tiny_llama, tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda self, merges: None)
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "nomerges.gguf")
+    _refused(ModelLoadError, path, "its tokenizer metadata is incomplete (no tokenizer.ggml.")
