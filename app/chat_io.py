@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from app.store import ROLES, ChatStore, Message, StoreError
+from engine import figures
 from engine.errors import GaplessError, OptionsError
 from engine.figures import metrics_problem
 from engine.paths import write_whole
@@ -157,26 +158,33 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
 
 def _figures_line(m: Message) -> str:
     """An answer's stored figures in a few words; a missing one is n/a with its reason (the one stored with it, or
-    that the chat does not have it)."""
+    that the chat does not have it). A remote server's answer shows the client's timings over HTTP; a candidate
+    its own token count in the batch's, whose speed it shares. (The store refused figures that are not numbers.)"""
     metrics = m.metrics or {}
     stored = metrics.get("unavailable")
     unavailable: dict[str, Any] = stored if isinstance(stored, dict) else {}
-
-    shown = (("new_tokens_total", "{} tokens", 0), ("ttft_ms", "TTFT {} ms", 0), ("decode_tok_s", "{} tok/s", 1))
-    reasons = {
-        key: unavailable.get(key) or "not recorded with this answer"
-        for key, _, _ in shown
-        if not isinstance(metrics.get(key), (int, float)) or isinstance(metrics.get(key), bool)
-    }
-    if len(reasons) == len(shown) and len(set(reasons.values())) == 1:  # one reason for all: said once
-        parts = [f"figures n/a ({next(iter(reasons.values()))})"]
-    else:
-        parts = [
-            template.format(f"n/a ({reasons[key]})")
-            if key in reasons
-            else template.format(f"{metrics[key]:.{digits}f}")
-            for key, template, digits in shown
-        ]
+    per, index = metrics.get("new_tokens") or [], m.candidate_index
+    own = per[index] if len(per) > 1 and index is not None and 0 <= index < len(per) else None
+    batch = own is not None
+    parts, reasons = [], []
+    for key, digits in (("new_tokens_total", 0), ("ttft_ms", 0), ("decode_tok_s", 1)):
+        fig = figures.shown(metrics, key)
+        how = " (HTTP)" if fig.spec.key != key else ""
+        if fig.value is None:
+            reasons.append(unavailable.get(key) or "not recorded with this answer")
+            text = f"n/a ({reasons[-1]})"
+        elif key == "new_tokens_total" and batch:
+            text = f"{own} of {fig.value}"
+        else:
+            text = figures.rounded(fig.value, digits)
+        if key == "new_tokens_total":
+            parts.append(f"{text} tokens" + (" in the batch" if batch else ""))
+        elif key == "ttft_ms":
+            parts.append(f"TTFT{how} {text} ms")
+        else:
+            parts.append(f"{text} tok/s{how}" + (f" (all {len(per)} candidates)" if batch else ""))
+    if len(reasons) == len(parts) and len(set(reasons)) == 1:  # one reason for all: said once
+        parts = [f"figures n/a ({reasons[0]})"]
     if metrics.get("prompt_reused_tokens"):
         parts.append(f"{metrics['prompt_reused_tokens']} of {metrics.get('prompt_tokens')} prompt tokens reused")
     if metrics.get("prompt_cut"):

@@ -146,7 +146,7 @@ FIGURES: tuple[FigureSpec, ...] = (
         +1,
         ("generation",),
         source_field="speculation_source",
-        digits=0,
+        digits=1,
         tip="accepted / drafted, shown as a percentage",
     ),
     FigureSpec(
@@ -287,6 +287,40 @@ def read(data: Any, key: str) -> Figure:
     unavailable = get("unavailable") or {}
     reason = None if value is not None else unavailable.get(key)
     return Figure(s, None if value is None else value, source if value is not None else None, reason)
+
+
+# What stands in for a figure an answer from a remote server cannot have: the same thing, timed by the client.
+REMOTE_STAND_INS: dict[str, str] = {
+    "ttft_ms": "http_ttft_ms",
+    "decode_tok_s": "http_decode_tok_s",
+    "step_ms_p50": "inter_token_ms_p50",
+    "step_ms_p99": "inter_token_ms_p99",
+}
+
+
+def shown(data: Any, key: str) -> Figure:
+    """The figure `key` as a view shows it: where it is n/a and its remote stand-in was measured, the stand-in
+    (its spec names it: "TTFT (HTTP)")."""
+    fig = read(data, key)
+    alt = REMOTE_STAND_INS.get(key)
+    if fig.value is None and alt is not None:
+        other = read(data, alt)
+        if other.value is not None:
+            return other
+    return fig
+
+
+def rounded(v: float, digits: int, top: Optional[float] = None) -> str:
+    """`v` with `digits` decimals and thousands separators, never rounded onto a bound it does not reach: a value
+    that is not zero is not shown as 0 ("<0.1"), nor one under `top` (100 for a share) as `top` (">99.9")."""
+    text = f"{v:,.{digits}f}"
+    step = 10.0**-digits
+    shown = float(text.replace(",", ""))
+    if v != 0 and shown == 0:
+        return f"<{step:.{digits}f}" if v > 0 else f">-{step:.{digits}f}"
+    if top is not None and v < top and shown >= top:
+        return f">{top - step:,.{digits}f}"
+    return text
 
 
 def texts(value: Any) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from engine import figures
 from engine.diagnosis import diagnose
 from engine.types import FINISH_WORDS, PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
 
@@ -18,10 +19,11 @@ def finish_words(reason: Optional[str]) -> Optional[str]:
     return None if reason is None else FINISH_WORDS.get(reason, reason)
 
 
-def fmt(value: Optional[float], unit: str = "", digits: int = 1) -> str:
+def fmt(value: Optional[float], unit: str = "", digits: int = 1, top: Optional[float] = None) -> str:
+    """`value` never rounded to 0, or to `top` where it is under it (figures.rounded)."""
     if value is None:
         return NA
-    return f"{value:.{digits}f}{unit}"
+    return f"{figures.rounded(value, digits, top)}{unit}"
 
 
 def preset_name(options: dict[str, Any]) -> Optional[str]:
@@ -86,15 +88,18 @@ def format_stats(
     else:
         count = f"{tokens if tokens is not None and metrics else NA} tokens"
     compile_s = m.get("compile_seconds")
-    compile_part = f" + compile {compile_s:.1f} s" if compile_s is not None else ""
-    rate = f"{fmt(m.get('decode_tok_s'))} tok/s" + (f" (all {len(per)} candidates)" if batch else "")
+    compile_part = f" + compile {fmt(compile_s)} s" if compile_s is not None else ""
+    # a remote server's answer: the client's timings over HTTP stand in for the engine's (figures.shown)
+    ttft, decode = figures.shown(m, "ttft_ms"), figures.shown(m, "decode_tok_s")
+    over_http = " (HTTP)" if decode.spec.key != "decode_tok_s" else ""
+    rate = f"{fmt(decode.value)} tok/s{over_http}" + (f" (all {len(per)} candidates)" if batch else "")
     line = " · ".join(
         [
             count,
-            f"TTFT {fmt(m.get('ttft_ms'), ' ms', 0)}" + compile_part,
+            f"{ttft.spec.label} {fmt(ttft.value, ' ms', 0)}" + compile_part,
             rate,
             options_label(options),
-            f"{gap} {fmt(m.get('kernel_gap_pct'), '%')}",
+            f"{gap} {fmt(m.get('kernel_gap_pct'), '%', top=100.0)}",
         ]
     )
     speculating = bool(options and options.get("speculation", "off") != "off")
@@ -102,7 +107,7 @@ def format_stats(
         accepted = m.get("acceptance_rate")
         line += (
             f" · {fmt(m.get('tokens_per_step'), ' tok/step', 2)}, "
-            f"{NA if accepted is None else f'{100 * accepted:.0f}%'} accepted"
+            f"{NA if accepted is None else fmt(100 * accepted, '%', 0, top=100.0)} accepted"
         )
     reused = m.get("prompt_reused_tokens")
     if reused:
@@ -114,11 +119,30 @@ def format_stats(
     unavailable = m.get("unavailable") or {}
     tips = [
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
-        f"Time to first token: {fmt(m.get('ttft_ms'), ' ms', 0)}"
-        + (f", after {compile_s:.1f} s compiling / capturing the decode step" if compile_s is not None else ""),
-        f"Prefill: {fmt(m.get('prefill_tok_s'))} tok/s",
-        f"Decode: {fmt(m.get('decode_tok_s'))} tok/s (device-synchronised, profiled steps excluded"
-        + (f"; all {len(per)} candidates together)" if batch else ")"),
+        _sourced(
+            f"Time to first token{over_http}",
+            ttft.value,
+            fmt(ttft.value, " ms", 0 if ttft.value is None or ttft.value >= 10 else 2)
+            + (f", after {fmt(compile_s)} s compiling / capturing the decode step" if compile_s is not None else ""),
+            ttft.source,
+            ttft.reason,
+        ),
+        _sourced(
+            "Prefill",
+            m.get("prefill_tok_s"),
+            f"{fmt(m.get('prefill_tok_s'))} tok/s",
+            figures.ENGINE_TIMING,
+            unavailable.get("prefill_tok_s"),
+        ),
+        _sourced(
+            f"Decode{over_http}",
+            decode.value,
+            f"{fmt(decode.value)} tok/s"
+            + (f", all {len(per)} candidates together" if batch else "")
+            + ("" if over_http else ", traced window left out"),
+            decode.source,
+            decode.reason,
+        ),
         f"Step latency p50 / p99: {fmt(m.get('step_ms_p50'), ' ms', 2)} / {fmt(m.get('step_ms_p99'), ' ms', 2)}",
         f"Options: {describe_options(options) if options else NA}",
     ]

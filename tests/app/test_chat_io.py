@@ -129,6 +129,21 @@ def test_markdown_says_why_a_figure_is_na(store):
     )
 
 
+def test_markdown_gives_a_candidate_its_own_count_and_a_remote_answer_its_http_timings(store):
+    chat = store.create_chat("figures", "", SamplingParams(temperature=0.7, max_new_tokens=40))
+    u = store.add_message(chat.id, "user", "Hi", None)
+    batch = {"new_tokens_total": 70, "new_tokens": [40, 30], "ttft_ms": 0.4, "decode_tok_s": 117.94}
+    for i, text in enumerate(("One", "Two")):
+        store.add_message(chat.id, "assistant", text, u.id, metrics=batch, candidate_group=1, candidate_index=i)
+    remote = {"new_tokens_total": 10, "http_ttft_ms": 313.1, "http_decode_tok_s": 6.62}
+    store.add_message(chat.id, "assistant", "Far", u.id, metrics=remote)
+    md = export_markdown(store, chat.id)
+    # not the batch's 70 tokens for each; a TTFT under a millisecond is not "0 ms"
+    assert "40 of 70 tokens in the batch · TTFT <1 ms · 117.9 tok/s (all 2 candidates)" in md
+    assert "30 of 70 tokens in the batch" in md
+    assert "10 tokens · TTFT (HTTP) 313 ms · 6.6 tok/s (HTTP)" in md
+
+
 def test_markdown_tells_a_crash_cut_answer_from_one_stopped_by_the_user(tmp_path):
     from app.store import INTERRUPTED_METRICS
 

@@ -92,3 +92,32 @@ def test_bench_medians_cover_every_generation_figure_with_its_source():
     b.put("kernel_gap_pct", 5.0, "op gap — torch.profiler CPU ops")
     out = median_metrics([a.to_dict(), b.to_dict(), GenerationMetrics(decode_tok_s=20.0).to_dict()])
     assert out["decode_tok_s"] == 20.0 and out["kernel_gap_source"] == "op gap — torch.profiler CPU ops"
+
+
+@pytest.mark.parametrize(
+    "v, digits, top, text",
+    [
+        (0.004, 1, None, "<0.1"),
+        (-0.004, 1, None, ">-0.1"),
+        (0.0, 1, None, "0.0"),
+        (0.4, 0, None, "<1"),
+        (99.96, 1, 100.0, ">99.9"),
+        (99.6, 0, 100.0, ">99"),
+        (100.0, 1, 100.0, "100.0"),
+        (123.4, 1, 100.0, "123.4"),  # a DRAM estimate may pass 100
+        (1234.4, 0, None, "1,234"),
+    ],
+)
+def test_a_value_is_never_rounded_onto_a_bound_it_does_not_reach(v, digits, top, text):
+    assert figures.rounded(v, digits, top) == text
+
+
+def test_a_remote_answer_s_timings_stand_in_for_the_engine_s():
+    m = GenerationMetrics()
+    m.put("http_ttft_ms", 42.0)
+    m.mark_na("ttft_ms", "the model runs on a remote server")
+    fig = figures.shown(m, "ttft_ms")
+    assert (fig.spec.label, fig.value, fig.source) == ("TTFT (HTTP)", 42.0, figures.HTTP_TIMING)
+    assert figures.shown(m.to_dict(), "ttft_ms").value == 42.0
+    fig = figures.shown(m, "decode_tok_s")  # no stand-in measured: the figure itself, n/a
+    assert fig.spec.key == "decode_tok_s" and fig.value is None

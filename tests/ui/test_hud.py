@@ -897,6 +897,22 @@ def test_compare_rows_name_their_model_and_a_ladder_its_own(hud, tmp_path):
         assert [r["model"] for r in csv.DictReader(f)] == ["SmolLM2-135M", "tiny", "SmolLM2-135M", "", "big"]
 
 
+def test_a_remote_row_compares_by_the_client_s_timings(qtbot):
+    from ui.hud.compare_table import CompareModel
+
+    model = CompareModel()
+    local = GenerationMetrics()
+    local.put("ttft_ms", 100.0)
+    remote = GenerationMetrics()
+    remote.put("http_ttft_ms", 50.0)
+    remote.mark_na("ttft_ms", "the model runs on a remote server")
+    model.add(CompareRow(1, "here", EngineOptions(device="cpu"), local, "a"))
+    model.add(CompareRow(2, "there", EngineOptions(), remote, "b"))
+    cell = model.index(1, COLUMN_INDEX["ttft_ms"])
+    assert model.data(cell) == "50.0 ms (HTTP)  ×0.50"
+    assert model.data(cell, Qt.ItemDataRole.ToolTipRole) == "client-side timing over HTTP"
+
+
 def test_series_exports_equal_what_was_fed(hud, tmp_path):
     panel, clock = hud
     panel.begin_generation("g", EngineOptions(device="cpu"))

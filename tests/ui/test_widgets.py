@@ -119,6 +119,19 @@ def test_composer_does_not_send_blank_or_while_generating(qtbot):
     assert c.hint.text() == "No model loaded"
 
 
+def test_stats_line_of_a_remote_answer_shows_the_client_s_timings_and_rounds_honestly():
+    metrics = {"new_tokens_total": 10, "http_ttft_ms": 313.1, "http_decode_tok_s": 6.62, "unavailable": {}}
+    metrics["unavailable"]["ttft_ms"] = "the model runs on a remote server; measured there, not here"
+    line, tip = format_stats(metrics, None, None)
+    assert line.startswith("10 tokens · TTFT (HTTP) 313 ms · 6.6 tok/s (HTTP) · ")
+    assert "Time to first token (HTTP): 313 ms — source: client-side timing over HTTP" in tip
+    assert "Decode (HTTP): 6.6 tok/s — source: client-side timing over HTTP" in tip
+    near = {"new_tokens_total": 1000, "ttft_ms": 0.4, "decode_tok_s": 50.0, "kernel_gap_pct": 0.04}
+    spec = {**near, "acceptance_rate": 0.996, "tokens_per_step": 4.9}
+    line, _ = format_stats(spec, EngineOptions(speculation="ngram").to_dict(), "cuda")
+    assert "TTFT <1 ms" in line and "kernel gap <0.1%" in line and ">99% accepted" in line
+
+
 def test_stats_line_says_na_and_names_sources():
     metrics = {
         "new_tokens_total": 12,

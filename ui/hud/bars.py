@@ -40,26 +40,11 @@ BAR_ROWS = (
     BarRow("peak_memory_bytes", "#c678dd"),
 )
 
+
 # Where the engine's own timing is n/a because the model runs on a remote server, the row shows what the client
 # measured over HTTP instead, under that figure's title and source.
-REMOTE_STAND_INS = {
-    "ttft_ms": "http_ttft_ms",
-    "decode_tok_s": "http_decode_tok_s",
-    "step_ms_p50": "inter_token_ms_p50",
-    "step_ms_p99": "inter_token_ms_p99",
-}
-
-
 def _count(n: Optional[int]) -> str:
     return fmt.NA if n is None else str(n)
-
-
-def shown_figure(metrics: GenerationMetrics, key: str) -> figures.Figure:
-    fig = metrics.figure(key)
-    alt = REMOTE_STAND_INS.get(key)
-    if fig.value is None and alt is not None and metrics.figure(alt).value is not None:
-        return metrics.figure(alt)
-    return fig
 
 
 class MiniBar(QWidget):
@@ -178,13 +163,13 @@ class BarStrip(PaletteFollower):
         )
         self.diagnosis.show()
         for row in BAR_ROWS:
-            v = shown_figure(metrics, row.key).value
+            v = figures.shown(metrics, row.key).value
             if v is not None:
                 group = row.scale_group or row.key
                 self._largest[group] = max(self._largest.get(group, 0.0), float(v))
         for row in BAR_ROWS:
             name, bar, value, source = self._rows[row.key]
-            fig = shown_figure(metrics, row.key)
+            fig = figures.shown(metrics, row.key)
             v, src = fig.value, fig.source
             name.setText(fig.spec.label)
             value.setText(row.format(v))

@@ -144,7 +144,7 @@ class CompareModel(QAbstractTableModel):
             if key == "draft_model" and r.options.speculation != "draft":
                 return None
             return getattr(r.options, key)
-        return getattr(r.metrics, key)
+        return figures.shown(r.metrics, key).value  # a remote answer's timings: the client's, over HTTP
 
     def delta(self, row: int, key: str) -> Optional[float]:
         """(value − reference) / reference for a metric; None for the reference row itself or where n/a."""
@@ -183,6 +183,12 @@ class CompareModel(QAbstractTableModel):
             if v is None and col.kind == "option":
                 return "—"  # a setting this generation did not use
             text = col.format(v) if v is not None else fmt.NA
+            if (
+                col.kind == "metric"
+                and v is not None
+                and figures.shown(self.rows[row].metrics, col.key).spec.key != col.key
+            ):
+                text += " (HTTP)"
             if col.kind == "index" and row == self.reference:
                 return f"{text} (ref)"
             d = self.delta(row, col.key)
@@ -196,7 +202,7 @@ class CompareModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
             return fmt.options_summary(self.rows[row].options)
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "metric":
-            fig = self.rows[row].metrics.figure(col.key)
+            fig = figures.shown(self.rows[row].metrics, col.key)
             if v is None:
                 return f"{fmt.NA} — {fig.reason or 'not measured in this generation'}"
             return fig.source or "source not reported"

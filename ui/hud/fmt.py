@@ -13,18 +13,19 @@ from engine.types import EngineOptions, describe_options
 NA = "n/a"
 
 
-def number(v: Optional[float], unit: str = "", digits: Optional[int] = None) -> str:
+def number(v: Optional[float], unit: str = "", digits: Optional[int] = None, top: Optional[float] = None) -> str:
+    """`v` in `unit`; `digits` by magnitude where None; never rounded to 0 or to `top` (figures.rounded)."""
     if v is None or not math.isfinite(v):
         return NA
     if digits is None:
         a = abs(v)
         digits = 0 if a >= 1000 else 1 if a >= 10 else 2
-    text = f"{v:,.{digits}f}"
+    text = figures.rounded(v, digits, top)
     return f"{text} {unit}" if unit else text
 
 
 def percent(v: Optional[float]) -> str:
-    return number(v, "%", 1)
+    return number(v, "%", 1, top=100.0)
 
 
 def size(v: Optional[float]) -> str:
@@ -40,15 +41,14 @@ def size(v: Optional[float]) -> str:
 def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
     """A registered figure's value in its unit (engine/figures.py), "n/a" when None."""
     if spec.unit == "%":
-        return number(v, "%", 1 if spec.digits is None else spec.digits)
+        return number(v, "%", 1 if spec.digits is None else spec.digits, top=100.0)
     if spec.unit == "bytes":
         return size(v)
     if spec.unit in ("tokens", "count"):
         return number(v, digits=0 if spec.digits is None else spec.digits)
     if spec.unit == "fraction":  # stored 0..1, shown as a percentage
-        return (
-            NA if v is None or not math.isfinite(v) else number(100 * v, "%", 0 if spec.digits is None else spec.digits)
-        )
+        digits = 0 if spec.digits is None else spec.digits
+        return NA if v is None or not math.isfinite(v) else number(100 * v, "%", digits, top=100.0)
     if spec.unit == "ratio":
         return NA if v is None or not math.isfinite(v) else f"×{v:,.2f}"
     return number(v, spec.unit, spec.digits)
