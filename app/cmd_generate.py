@@ -12,7 +12,7 @@ from engine.diagnosis import diagnose
 from engine.errors import OptionsError
 from engine.paths import output_file
 from engine.recording import Recorder, save
-from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, describe_options, preset_options
+from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, preset_options
 
 
 def options_from_args(args) -> EngineOptions:
@@ -99,7 +99,7 @@ def run_generate(args) -> int:
         if recorder is not None:
             from engine.telemetry.machine import describe_machine
 
-            label = f"{engine.info.name} · {describe_options(result.options, device=True)}"
+            label = engine.info.name  # the HUD writes the options beside it
             save(recorder.finish(result, label, engine.info.to_dict(), describe_machine()), args.telemetry_out)
         if args.json:
             out = result.to_dict()

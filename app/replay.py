@@ -34,6 +34,8 @@ def show(recording: Recording, panel_factory=None):
     t1 = recording.t_end if recording.t_end is not None else max(times, default=t0)
     clock = _RecordedClock(t0)
     panel = (panel_factory or HudPanel)(clock=clock)
+    name = recording.model.get("name")
+    panel.model_name = name if isinstance(name, str) else ""  # the compare row's Model
     panel.begin_generation(recording.label, recording.options)
     panel.add_samples(samples)
     panel.add_steps(steps)

@@ -240,6 +240,8 @@ REMOTE_ONLY: tuple[str, ...] = (
     "server_waiting_requests",
     "server_kv_cache_pct",
 )
+# shares that may pass 100 %: the DRAM bandwidth is measured against an estimate of the peak
+OVER_100: tuple[str, ...] = ("dram_bw_util_pct",)
 GENERATION_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "generation" in f.scopes)
 SAMPLE_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "sample" in f.scopes)
 STEP_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "step" in f.scopes)
@@ -335,6 +337,10 @@ def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
         v = metrics.get(f.key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             return f"its figure {f.key} is {json.dumps(v)[:40]}, not a number"
+        if v is not None and not v >= 0:  # every figure counts or times something (NaN fails this too)
+            return f"its figure {f.key} is {v}, not a count or a time"
+        if v is not None and f.unit == "%" and f.key not in OVER_100 and v > 100:
+            return f"its figure {f.key} is {v}, more than all of it (100 %)"
     for name in (*SOURCE_FIELDS, "finish_reason"):
         if not isinstance(metrics.get(name), (str, type(None))):
             return f"its {name} is not text"

@@ -107,16 +107,25 @@ def _metrics(run: LoopState) -> GenerationMetrics:
     decode_s = (run.t_end - run.t_first) - run.profiled_s
     metrics.decode_steps = steps
     metrics.profiled_steps = len(run.profiled)
-    metrics.decode_seconds = decode_s if steps else None
-    metrics.decode_tok_s = decode_tokens / decode_s if steps and decode_s > 0 and decode_tokens else None
+    none_ran = "no decode step ran: the answer ended at its first token"
+    if steps:
+        metrics.decode_seconds = decode_s
+    else:
+        metrics.mark_na("decode_seconds", none_ran)
+    if steps and decode_s > 0 and decode_tokens:
+        metrics.decode_tok_s = decode_tokens / decode_s
+    else:
+        metrics.mark_na("decode_tok_s", none_ran if not steps else "every decode step was in the traced window")
     kept = sum(len(r.tokens) for r in rows) - B  # decode steps' tokens the rows kept (the first is the prefill's)
     if steps:
         metrics.put("tokens_per_step", kept / B / steps)
     else:
-        metrics.mark_na("tokens_per_step", "no decode step ran")
+        metrics.mark_na("tokens_per_step", none_ran)
     durations = run.durations_s()
     for q in (50, 90, 99):
         value = percentile(durations, q)  # None: no decode step outside the window
         if value is not None:
             metrics.put(f"step_ms_p{q}", value * 1e3)
+        else:
+            metrics.mark_na(f"step_ms_p{q}", none_ran if not steps else "every decode step was in the traced window")
     return metrics

@@ -269,6 +269,8 @@ class MonitorDrain(_Paced):
             elif getattr(metrics, name) is None:  # an estimate another observer made stands
                 metrics.mark_na(name, source)
         durations = run.durations_s()
+        if metrics.dram_bw_util_pct is None and not durations and run.device.type == "cpu":
+            metrics.mark_na("dram_bw_util_pct", "estimated from the decode steps' timings: no decode step was timed")
         if metrics.dram_bw_util_pct is None and durations:
             peak_bw, peak_name = self._bandwidth(run.device)
             if not peak_bw and peak_name:  # the CPU's bandwidth could not be measured: say why

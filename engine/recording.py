@@ -144,6 +144,8 @@ def load(path: Path) -> Recording:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RecordingError(f"{path} is not a telemetry file (not valid JSON: {exc})") from exc
+    except RecursionError:
+        raise RecordingError(f"{path} is not a telemetry file (its JSON is nested too deep to read)") from None
     except OSError as exc:  # a folder, or unreadable
         raise RecordingError(f"cannot read the telemetry file {path}: {exc.strerror or exc}") from exc
     return from_dict(doc, str(path))
@@ -152,7 +154,7 @@ def load(path: Path) -> Recording:
 def from_dict(doc: Any, where: str = "the recording") -> Recording:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise RecordingError(f'{where} is not a Gapless telemetry file (no "format": "{FORMAT}")')
-    if doc.get("version") != VERSION:
+    if doc.get("version") != VERSION or isinstance(doc.get("version"), bool):
         raise RecordingError(f"{where} has telemetry version {doc.get('version')!r}; this Gapless reads {VERSION}")
     label = _typed(doc, "label", str, where)
     try:
@@ -171,11 +173,22 @@ def from_dict(doc: Any, where: str = "the recording") -> Recording:
         t_start=_number(doc.get("t_start"), f"{where}: t_start", optional=True),
         t_end=_number(doc.get("t_end"), f"{where}: t_end", optional=True),
         model=_typed(doc, "model", dict, where),
-        machine=_typed(doc, "machine", dict, where),
+        machine=_machine(_typed(doc, "machine", dict, where), where),
         created=_number(doc.get("created", 0.0), f"{where}: created") or 0.0,
         unavailable=_reasons(doc.get("unavailable", {}), f"{where}: unavailable"),
         limits=_limits(doc.get("limits", []), f"{where}: limits"),
     )
+
+
+def _machine(machine: dict, where: str) -> dict:
+    """The machine as written; its GPUs, where listed, a list of objects whose names are text (the window's title
+    reads them)."""
+    gpus = machine.get("gpus")
+    if gpus is not None and not (
+        isinstance(gpus, list) and all(isinstance(g, dict) and isinstance(g.get("name", ""), str) for g in gpus)
+    ):
+        raise RecordingError(f'{where}: machine "gpus" is not a list of objects with a name')
+    return machine
 
 
 def _reasons(value: Any, where: str) -> dict[str, str]:
@@ -212,6 +225,9 @@ def _number(value: Any, where: str, optional: bool = False) -> Optional[float]:
 
 def _metrics(d: dict, where: str) -> GenerationMetrics:
     """A registered figure is a finite number (or null); its source and the other fields are plain JSON scalars."""
+    problem = figures.metrics_problem(d)
+    if problem:
+        raise RecordingError(f"{where}: {problem}")
     m = GenerationMetrics()
     for f in fields(GenerationMetrics):
         if f.name not in d:

@@ -204,6 +204,16 @@ def test_bad_sampling_params_are_refused():
             EngineOptions(candidates=n).validate()
 
 
+def test_a_one_token_answer_says_why_its_decode_figures_are_na(llama_engine):
+    r = llama_engine.generate(MESSAGES, SamplingParams(temperature=0.0, max_new_tokens=1))
+    m = r.metrics
+    assert m.new_tokens_total == 1 and m.ttft_ms is not None
+    for key in ("decode_tok_s", "decode_seconds", "step_ms_p50", "step_ms_p99", "tokens_per_step"):
+        f = m.figure(key)
+        assert f.value is None and f.reason.startswith("no decode step ran"), key
+    assert "no decode step was timed" in m.figure("dram_bw_util_pct").reason  # not "not on a GPU": a CPU estimate
+
+
 def test_empty_prompt_is_refused(llama_engine):
     with pytest.raises(GenerationError):
         llama_engine.generate([{"role": "user", "content": "   "}], SamplingParams(max_new_tokens=4))

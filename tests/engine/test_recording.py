@@ -85,11 +85,20 @@ def _doc(path):
         (lambda d: {k: v for k, v in d.items() if k != "metrics"}, '"metrics" is missing'),
         (lambda d: dict(d, steps={"0": 1}), '"steps" is dict, not list'),
         (lambda d: dict(d, options=dict(d["options"], dtype="fp8")), "options: dtype must be one of"),
-        (lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms="fast")), "metrics: ttft_ms is 'fast'"),
+        (
+            lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms="fast")),
+            'metrics: its figure ttft_ms is "fast", not a number',
+        ),
         (lambda d: dict(d, steps=[dict(d["steps"][0], t=None)]), "steps[0]: t is None"),
         (lambda d: dict(d, samples=[{"t": 1.0, "sources": {"gpu": 3}}]), "samples[0]: sources"),
         (lambda d: dict(d, unavailable={"compile": 3}), "unavailable is not a map of option names to reasons"),
         (lambda d: dict(d, limits=[{"option": "compile"}]), "limits: limits[0] is not an object of option, value"),
+        (lambda d: "[" * 100000 + "]" * 100000, "nested too deep"),
+        (lambda d: dict(d, version=True), "telemetry version True"),
+        (lambda d: dict(d, metrics=dict(d["metrics"], kernel_gap_source=42)), "kernel_gap_source is not text"),
+        (lambda d: dict(d, metrics=dict(d["metrics"], decode_tok_s=-5)), "decode_tok_s is -5, not a count or a time"),
+        (lambda d: dict(d, metrics=dict(d["metrics"], kernel_gap_pct=1e300)), "more than all of it"),
+        (lambda d: dict(d, machine=dict(d["machine"], gpus=["H200"])), 'machine "gpus" is not a list of objects'),
     ],
 )
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):

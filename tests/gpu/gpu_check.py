@@ -462,7 +462,7 @@ def telemetry(folder: Path, out: Path, device: str, max_new: int = 200) -> dict:
     from engine.engine import Engine
     from engine.recording import Recorder, save
     from engine.telemetry.machine import describe_machine
-    from engine.types import EngineOptions, SamplingParams, describe_options
+    from engine.types import EngineOptions, SamplingParams
 
     on_gpu = device == "cuda"
     opts = EngineOptions(device=device, dtype="fp16" if on_gpu else "fp32", compile=on_gpu, cuda_graph=on_gpu)
@@ -473,7 +473,7 @@ def telemetry(folder: Path, out: Path, device: str, max_new: int = 200) -> dict:
         eng.generate(messages, sampling)  # compile and capture happen here, outside the recording
         rec = Recorder()
         result = eng.generate(messages, sampling, on_event=rec)
-        label = f"{eng.info.name} · {describe_options(result.options, device=True)}"
+        label = eng.info.name  # the HUD writes the options beside it
         recording = rec.finish(result, label, eng.info.to_dict(), describe_machine())
     finally:
         eng.close()

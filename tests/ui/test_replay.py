@@ -25,6 +25,7 @@ def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
         samples,
         t_start=99.99,
         t_end=100.7,
+        model={"name": "SmolLM2-135M"},
         machine={"gpus": [{"name": "NVIDIA H200"}]},
     )
     panel = show(rec)
@@ -34,6 +35,7 @@ def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
     assert values["kernel_gap_pct"]["source"] == "kernel gap — torch.profiler, 8-step window (sampled)"
     rows = panel.compare.model.rows
     assert len(rows) == 1 and rows[0].label == "H200 · fp16 · CUDA graph" and rows[0].metrics == m
+    assert rows[0].model == "SmolLM2-135M"  # the recording's model, not n/a
     lengths = panel.series_lengths()
     assert lengths["step_ms"] == len(steps) and lengths["gpu_util_pct"] == len(samples)
 
