@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from engine.errors import OutputPathError
 from engine.paths import output_file
@@ -41,6 +42,7 @@ def show(recording: Recording, panel_factory=None):
     panel.add_steps(steps)
     clock.t = t1
     panel.end_generation(recording.metrics, recording.options, recording.label, recording.unavailable, recording.limits)
+    panel.live.show_all_held()  # the recording fills the plots' width, however short it was
     return panel
 
 
@@ -68,6 +70,12 @@ def run_replay(args: argparse.Namespace) -> int:
     panel.setWindowTitle(f"Gapless — {recording.label}" + (f" on {gpu}" if gpu else ""))
     panel.resize(args.width, args.height)
     panel.show()
+    if (panel.width(), panel.height()) != (args.width, args.height):  # the HUD's least size won
+        print(
+            f"gapless: the HUD is shown at {panel.width()}x{panel.height()}, the least its contents take "
+            f"(asked for {args.width}x{args.height})",
+            file=sys.stderr,
+        )
     if args.screenshot is None:
         return app.exec()
     loop = QEventLoop()

@@ -505,7 +505,8 @@ def test_showing_all_held_moves_the_time_range_in_steps(hud, qtbot):
         panel.add_steps(recs[k : k + 25])
         panel.live.paint()
         ranges.append(panel.live._x_shown)
-        first, latest = recs[0].t - panel.series.t0, recs[k + 24].t - panel.series.t0
+        # from the generation's start, where its "#1" mark is drawn, a little before its first record
+        first, latest = panel.series.generations[-1].t_start - panel.series.t0, recs[k + 24].t - panel.series.t0
         x_lo, x_hi = panel.live._x_shown
         assert x_lo == pytest.approx(first) and latest <= x_hi <= first + 1.25 * (latest - first)
     assert len(set(ranges)) <= 15  # of 200 paints: each range change repaints every axis

@@ -38,6 +38,10 @@ def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
     assert rows[0].model == "SmolLM2-135M"  # the recording's model, not n/a
     lengths = panel.series_lengths()
     assert lengths["step_ms"] == len(steps) and lengths["gpu_util_pct"] == len(samples)
+    panel.show()
+    panel.live.paint()
+    x_lo, x_hi = panel.live._x_shown  # the 0.7 s recording fills the width, from its start (its "#1" mark)
+    assert panel.live.window_s is None and x_lo == 0.0 and 0.7 <= x_hi < 1.0
 
 
 def test_the_replayed_diagnosis_advises_nothing_the_machine_refused(qtbot):
@@ -56,7 +60,7 @@ def test_the_replayed_diagnosis_advises_nothing_the_machine_refused(qtbot):
         assert panel.bars.diagnosis.text() == f"Limit: {line}"
 
 
-def test_a_screenshot_goes_to_an_image_format_qt_writes(qtbot, tmp_path):
+def test_a_screenshot_goes_to_an_image_format_qt_writes(qtbot, tmp_path, capsys):
     import argparse
 
     import pytest
@@ -67,8 +71,11 @@ def test_a_screenshot_goes_to_an_image_format_qt_writes(qtbot, tmp_path):
 
     rec = Recording("tiny · fp32", EngineOptions(device="cpu"), GenerationMetrics(prompt_tokens=3), [], [])
     save(rec, tmp_path / "t.json")
-    args = argparse.Namespace(file=tmp_path / "t.json", theme="light", width=400, height=600)
+    args = argparse.Namespace(file=tmp_path / "t.json", theme="light", width=520, height=860)
     with pytest.raises(OutputPathError, match=r"out\.txt: its suffix names no image format Qt writes \(.*png"):
         run_replay(argparse.Namespace(**vars(args), screenshot=tmp_path / "out.txt"))
     assert run_replay(argparse.Namespace(**vars(args), screenshot=tmp_path / "out.png")) == 0
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+    assert capsys.readouterr().err == ""  # the default size fits
+    assert run_replay(argparse.Namespace(**dict(vars(args), width=200), screenshot=tmp_path / "narrow.png")) == 0
+    assert "(asked for 200x860)" in capsys.readouterr().err  # the HUD could not be that narrow: said, not silent

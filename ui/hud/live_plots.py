@@ -29,6 +29,7 @@ from ui.hud.series_view import PLOTS, SeriesView
 from ui.theme import PaletteFollower, muted_text
 
 BOUNDARY_COLOR = "#8a8f98"
+MIN_SPAN_S = 0.01  # the shortest span "all held" shows: a GPU's answer can take a fraction of a second
 WINDOWS = (("last 10 s", 10.0), ("last 30 s", 30.0), ("last 60 s", 60.0), ("last 5 min", 300.0), ("all held", None))
 
 
@@ -119,7 +120,10 @@ class LivePlots(PaletteFollower):
         ends = [(a, b) for a, b in spans if a is not None and b is not None]
         if t0 is None or not ends:
             return False
-        x_lo, x_hi = self._x_range(min(a for a, _ in ends) - t0, max(b for _, b in ends) - t0)
+        # from the start of the generation the first record belongs to (its "#N" mark is drawn there)
+        first = min(a for a, _ in ends)
+        first = max((g.t_start for g in s.generations if g.t_start <= first), default=first)
+        x_lo, x_hi = self._x_range(first - t0, max(b for _, b in ends) - t0)
         windows: dict[int, tuple[int, np.ndarray]] = {}  # ring -> (first row read, x), read once per paint
 
         def window(ring: RingTable) -> tuple[int, np.ndarray]:
@@ -168,7 +172,7 @@ class LivePlots(PaletteFollower):
         a range change repaints the axes and re-feeds every curve, so it is kept rare. Showing all that is held,
         the span grows in tenths of its 1-2-5 magnitude, for the same reason."""
         if self.window_s is None:
-            held = max(latest - first, 1.0)
+            held = max(latest - first, MIN_SPAN_S)
             step = fmt.nice_ceiling(held) / 10.0
             return first, first + math.ceil(held / step) * step
         step = self.window_s / 10.0
@@ -244,6 +248,10 @@ class LivePlots(PaletteFollower):
                 view.plot.showAxis("bottom")
             else:
                 view.plot.hideAxis("bottom")
+
+    def show_all_held(self) -> None:
+        """The window spans all that is held (a replayed generation of a fraction of a second fills the width)."""
+        self.window_box.setCurrentIndex(self.window_box.findData(None))
 
     def _window_changed(self, index: int) -> None:
         self.window_s = self.window_box.itemData(index)
