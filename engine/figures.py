@@ -23,6 +23,7 @@ ENGINE_COUNT = "engine token count"
 HTTP_TIMING = "client-side timing over HTTP"
 SPEC_COUNT = "engine counters: tokens kept / decode steps"
 VLLM_METRICS = "vLLM Prometheus /metrics, read while the answer streamed"
+SERVER_USAGE = "the server's token usage (OpenAI stream usage)"
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class FigureSpec:
     better: int  # +1 higher is better, -1 lower is better, 0 neither
     scopes: tuple[Scope, ...]
     source: Optional[str] = None  # a fixed source, when it does not depend on the machine
-    source_field: Optional[str] = None  # else the field that names the source of this run's value
+    # else the field that names the source of this run's value (with `source` too: where that field is empty)
+    source_field: Optional[str] = None
     digits: Optional[int] = None  # decimals when shown; None: by magnitude
     tip: str = ""  # one line on what it means, for tooltips and docs
 
@@ -102,8 +104,9 @@ FIGURES: tuple[FigureSpec, ...] = (
         digits=1,
     ),
     FigureSpec("peak_memory_bytes", "Peak memory", "bytes", -1, ("generation",), source_field="peak_memory_source"),
-    FigureSpec("new_tokens_total", "New tokens", "tokens", 0, ("generation",), ENGINE_COUNT, digits=0),
-    FigureSpec("prompt_tokens", "Prompt tokens", "tokens", 0, ("generation",), ENGINE_COUNT, digits=0),
+    # a remote server's answer: counted by the server (count_source names its report)
+    FigureSpec("new_tokens_total", "New tokens", "tokens", 0, ("generation",), ENGINE_COUNT, "count_source", digits=0),
+    FigureSpec("prompt_tokens", "Prompt tokens", "tokens", 0, ("generation",), ENGINE_COUNT, "count_source", digits=0),
     FigureSpec("decode_steps", "Decode steps", "count", 0, ("generation",), ENGINE_COUNT, digits=0),
     FigureSpec(
         "profiled_steps",
@@ -282,10 +285,7 @@ def read(data: Any, key: str) -> Figure:
     s = spec(key)
     get = data.get if isinstance(data, Mapping) else lambda name, default=None: getattr(data, name, default)
     value = get(key)
-    if s.source_field:
-        source = get(s.source_field)
-    else:
-        source = s.source
+    source = (get(s.source_field) if s.source_field else None) or s.source
     unavailable = get("unavailable") or {}
     reason = None if value is not None else unavailable.get(key)
     return Figure(s, None if value is None else value, source if value is not None else None, reason)

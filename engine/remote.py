@@ -579,25 +579,28 @@ class _Stream:
             # a server that ends the stream without a finish reason ended the answer (none was stopped here)
             finishes.append("cancelled" if self.cancelled and f is None else "length" if f == "length" else stop_reason)
         m = GenerationMetrics()
+        for key in ("decode_steps", "profiled_steps"):
+            m.mark_na(key, f"{REMOTE_REASON}; its steps are not seen here")
         # Without usage (llama-cpp-python's server sends none in a stream) the counts are unknown: n/a, not 0.
         usage = self.usage or {}
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        no_usage = "stopped before the server reported its token usage" if self.cancelled else NO_USAGE
         if isinstance(prompt, int):
-            m.prompt_tokens = prompt
+            m.put("prompt_tokens", prompt, figures.SERVER_USAGE)
         else:
-            m.mark_na("prompt_tokens", NO_USAGE)
+            m.mark_na("prompt_tokens", no_usage)
         if isinstance(completion, int):
-            m.new_tokens_total = completion
+            m.put("new_tokens_total", completion, figures.SERVER_USAGE)
             m.new_tokens = [completion] if count == 1 else []
         else:
-            m.mark_na("new_tokens_total", NO_USAGE)
+            m.mark_na("new_tokens_total", no_usage)
         if self.first_text is not None:
             m.put("http_ttft_ms", (self.first_text - self.t_sent) * 1e3)
             span = (self.last_text or self.first_text) - self.first_text
             if isinstance(completion, int) and completion > count and span > 0:
                 m.put("http_decode_tok_s", (completion - count) / span)
             elif not isinstance(completion, int):
-                m.mark_na("http_decode_tok_s", NO_USAGE)
+                m.mark_na("http_decode_tok_s", no_usage)
         gaps = [(b - a) * 1e3 for a, b in zip(self.arrivals, self.arrivals[1:])]
         if gaps:
             m.put("inter_token_ms_p50", _percentile(gaps, 50))

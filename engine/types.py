@@ -341,6 +341,7 @@ class GenerationMetrics:
     prompt_tokens: int = 0
     new_tokens: list[int] = field(default_factory=list)  # per candidate
     new_tokens_total: int = 0
+    count_source: Optional[str] = None  # who counted the tokens, where not the engine (a remote server's usage)
     ttft_ms: Metric = None  # prompt in -> first token on the host
     compile_seconds: Metric = None  # compile / capture warm-up before the first token (not part of ttft_ms)
     prefill_tok_s: Metric = None
@@ -395,7 +396,7 @@ class GenerationMetrics:
             raise ValueError(f"{key}: a figure without a value is set with mark_na(key, reason)")
         setattr(self, key, value)
         if s.source_field:
-            if not source:
+            if not source and not s.source:
                 raise ValueError(f"{key}: its source depends on the machine and must be given")
             setattr(self, s.source_field, source)
         self.unavailable.pop(key, None)

@@ -41,9 +41,18 @@ def test_each_figure_names_a_source_or_a_source_field():
     for f in figures.FIGURES:
         if "sample" in f.scopes and "generation" not in f.scopes:
             continue  # the monitor names each sample's source
-        assert (f.source is None) != (f.source_field is None), f.key
+        assert f.source is not None or f.source_field is not None, f.key
         assert f.better in (-1, 0, 1)
         assert f.label and f.unit
+
+
+def test_a_fixed_source_gives_way_to_the_one_a_run_names():
+    m = GenerationMetrics()
+    m.put("prompt_tokens", 12)
+    assert m.figure("prompt_tokens").source == figures.ENGINE_COUNT
+    m.put("prompt_tokens", 12, figures.SERVER_USAGE)
+    assert m.figure("prompt_tokens").source == figures.SERVER_USAGE
+    assert figures.read(m.to_dict(), "new_tokens_total").source == figures.SERVER_USAGE  # the run's, both counts
 
 
 def test_keys_are_unique_and_lookup_of_an_unknown_figure_says_where_to_register():

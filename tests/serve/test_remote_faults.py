@@ -234,6 +234,8 @@ def test_llama_cpp_timings_are_read_with_their_source(stand_in):
     m = r.metrics
     assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
     assert (m.prompt_tokens, m.new_tokens_total) == (4, 3)
+    assert m.figure("new_tokens_total").source == "the server's token usage (OpenAI stream usage)"
+    assert m.figure("decode_steps").value is None and "remote server" in m.figure("decode_steps").reason
     assert m.figure("server_ttft_ms").value == 12.5
     assert m.figure("server_ttft_ms").source == "llama.cpp timings.prompt_ms (prompt processing)"
     assert m.figure("server_decode_tok_s").value == 88.0
