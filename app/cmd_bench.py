@@ -14,7 +14,7 @@ from engine import figures
 from engine.errors import OptionsError
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
 from engine.paths import output_file, write_whole
-from engine.types import DTYPES, PRESETS, describe_options
+from engine.types import DTYPES, PRESETS, describe_options, is_remote
 
 NA = "n/a"
 
@@ -253,6 +253,11 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if is_remote(args.model):
+        raise OptionsError(
+            "bench times this machine's engine under its own options, which a remote server decides for itself; "
+            "a remote model's figures come with each answer (gapless generate --model remote:... --json)"
+        )
     if args.json is not None:  # refused before the bench runs, not after it
         output_file(args.json, "the bench's JSON")
     # the speculation bench's options checked before any model loads

@@ -22,7 +22,7 @@ import torch
 
 from engine.errors import ModelLoadError, UnsafeModelError
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
-from engine.types import Progress, hub_name
+from engine.types import Progress, hub_name, is_remote
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -98,6 +98,8 @@ def _load(source: str, progress: Optional[ProgressFn], dtype: torch.dtype, devic
 
     if not source or not str(source).strip():
         raise ModelLoadError("no model given: choose a .gguf file, a Hugging Face folder, or the default model")
+    if is_remote(source):
+        raise ModelLoadError(f"{source} is a model on a remote server: it is opened as one, not loaded here")
     path = Path(source).expanduser()
     refuse_pickle_path(path)
     if not path.exists():

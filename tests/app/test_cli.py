@@ -154,6 +154,7 @@ def test_output_files_are_checked_before_the_work(tmp_path):
         (["bench", "--model", nowhere, "--json", str(tmp_path / "folder")], "cannot write the bench's JSON"),
         (["bench", "--model", nowhere, "--speculation-workloads", "--dtypes", "fp64"], "unknown dtype 'fp64'"),
         (["bench", "--model", nowhere, "--threads", "0"], "--threads: must be at least 1"),
+        (["bench", "--model", "remote:http://127.0.0.1:9/v1#m"], "a remote server decides for itself"),
         (["replay", str(tmp_path / "folder")], "cannot read the telemetry file"),
         (["replay", "t.json", "--width", "100000"], "--width: must be between 200 and 8192"),
     ]
