@@ -223,7 +223,9 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
     max_tokens = _int(body, "max_completion_tokens", 1, MAX_NEW_TOKENS_LIMIT) if chat else None
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, MAX_NEW_TOKENS_LIMIT)
-    seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    # the engine's seeds are [0, 2**63); -1 asks for a random one, as llama.cpp's server reads it (folding other
+    # values onto that range made different seeds give the same text)
+    seed = _int(body, "seed", -1, 2**63 - 1)
     temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
     top_p = _num(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:  # only the most likely token is left: greedy
@@ -239,7 +241,7 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         top_p=top_p,
         top_k=_int(body, "top_k", 0, 1 << 20) or 0,
         repetition_penalty=_num(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
-        seed=None if seed is None else seed % 2**63,
+        seed=None if seed is None or seed == -1 else seed,
         stop=_stop(body),
         stream=_bool(body, "stream"),
         include_usage=_bool(stream_options or {}, "include_usage"),

@@ -78,6 +78,9 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"n": 0}, "n", "invalid_value", "between"),
         ({"n": 1.5}, "n", "invalid_type", "integer"),
         ({"seed": "x"}, "seed", "invalid_type", "integer"),
+        # beyond the engine's seeds: folded onto them, two seeds gave the same text
+        ({"seed": 2**63}, "seed", "invalid_value", "between -1 and 9223372036854775807"),
+        ({"seed": -2}, "seed", "invalid_value", "between -1"),
         ({"stop": 5}, "stop", "invalid_type", "string"),
         ({"stop": [""]}, "stop", "invalid_value", "empty"),
         ({"stream": "yes"}, "stream", "invalid_type", "true or false"),
@@ -315,3 +318,11 @@ def test_a_key_no_client_could_send_is_refused_at_start(key):
     with pytest.raises(ServeError, match="printable ASCII"):
         check_address("127.0.0.1", key)
     check_address("0.0.0.0", "sk-fine_0123")
+
+
+def test_seed_minus_one_asks_for_a_random_seed_as_llama_cpp_reads_it():
+    from app.server.protocol import parse_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request({**body, "seed": -1}, chat=True, model_id="m").seed is None
+    assert parse_request({**body, "seed": 2**63 - 1}, chat=True, model_id="m").seed == 2**63 - 1
