@@ -36,7 +36,7 @@ def _action(text: str, tip: str, parent: QWidget) -> QToolButton:
     return b
 
 
-FOLDED_WIDTH = 200  # the role, the branch position and "⋯", with the message's margins
+HEADER_GAP = 8  # between the role and the branch position
 
 
 class MessageWidget(QFrame):
@@ -67,7 +67,7 @@ class MessageWidget(QFrame):
         self.role_label.setObjectName("roleLabel")
         self.role_label.setToolTip(who)
         header.addWidget(self.role_label, 1)
-        header.addSpacing(8)
+        header.addSpacing(HEADER_GAP)
 
         self.prev_button = _action("‹", "Previous version", self)
         self.branch_label = QLabel(self)
@@ -110,9 +110,6 @@ class MessageWidget(QFrame):
         for widget in shrinking:
             widget.setMinimumWidth(1)
         self._header = header
-        # ...but the message is never narrower than its folded header: squeezed below it in a layout pass, a code
-        # block would size itself for a sliver of width
-        self.setMinimumWidth(FOLDED_WIDTH)
 
         self.body = SegmentsView(item.content, colors, self)
         self.stats_label = QLabel(self)
@@ -128,7 +125,20 @@ class MessageWidget(QFrame):
         self._layout.addLayout(header)
         self._layout.addWidget(self.body)
         self._layout.addWidget(self.stats_label)
+        # ...but the message is never narrower than its folded header: squeezed below it in a layout pass, a code
+        # block would size itself for a sliver of width
+        branch = self.branch_label.fontMetrics().horizontalAdvance("99/99")
+        nav = self.prev_button.sizeHint().width() + branch + self.next_button.sizeHint().width()
+        self.setMinimumWidth(self._header_room([]) + nav + self.more_button.sizeHint().width())
         self.refresh()
+
+    def _header_room(self, parts: list[QWidget]) -> int:
+        """The width the header takes with `parts` beside the role, which keeps room for a short name."""
+        m = self._layout.contentsMargins()
+        role = self.role_label.fontMetrics().horizontalAdvance("Assistant")
+        return (
+            role + HEADER_GAP + m.left() + m.right() + sum(w.sizeHint().width() + self._header.spacing() for w in parts)
+        )
 
     def refresh(self) -> None:
         """Show the current item's branch position and stats."""
@@ -167,11 +177,8 @@ class MessageWidget(QFrame):
     def _fit_header(self) -> None:
         """The actions in a row where the message is wide enough for them and the branch position, else in the
         "⋯" menu."""
-        m = self._layout.contentsMargins()
         nav = (self.prev_button, self.branch_label, self.next_button) if self.item.sibling_count > 1 else ()
-        parts = [*nav, *self._actions()]
-        need = 48 + 8 + m.left() + m.right() + sum(w.sizeHint().width() + self._header.spacing() for w in parts)
-        fold = self.width() < need
+        fold = self.width() < self._header_room([*nav, *self._actions()])
         for b in self._actions():
             b.setVisible(not fold)
         self.more_button.setVisible(fold)
