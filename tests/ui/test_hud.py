@@ -974,6 +974,19 @@ def test_png_exports_are_written(hud, qtbot, tmp_path):
     drawn = [y for y in range(900) if any(image.pixelColor(x, y) != background for x in range(0, 400, 2))]
     assert drawn[-1] > 860, drawn[-1]
 
+    import html
+
+    from PySide6.QtGui import QFont, QFontMetrics
+
+    from ui.hud.export import _wrapped
+
+    long = "source — " + "x" * 300  # one word longer than the line (a path, a URL): broken, not widening
+    lines = html.unescape(_wrapped(long, 9, 200)).split("<br>")
+    font = QFont()
+    font.setPointSizeF(9)
+    assert len(lines) > 2 and all(QFontMetrics(font).horizontalAdvance(line) <= 200 for line in lines)
+    assert "".join(lines).replace(" ", "") == long.replace(" ", "")  # nothing cut
+
     # The buttons ask for a path, then write there.
     buttons = {b.text(): b for b in panel.findChildren(type(panel.compare.reference_button))}
     for text, name in (

@@ -172,12 +172,22 @@ def _wrapped(text: str, points: float, width: int) -> str:
     font = QFont()
     font.setPointSizeF(points)
     metrics = QFontMetrics(font)
+
+    def pieces(word: str) -> list[str]:  # a word wider than the line (a path, a URL) is broken where it must be
+        out = [""]
+        for ch in word:
+            if out[-1] and metrics.horizontalAdvance(out[-1] + ch) > width:
+                out.append("")
+            out[-1] += ch
+        return out
+
     lines: list[str] = []
     for word in text.split(" "):
-        if lines and metrics.horizontalAdvance(f"{lines[-1]} {word}") <= width:
-            lines[-1] = f"{lines[-1]} {word}"
-        else:
-            lines.append(word)
+        for i, piece in enumerate(pieces(word)):
+            if i == 0 and lines and metrics.horizontalAdvance(f"{lines[-1]} {piece}") <= width:
+                lines[-1] = f"{lines[-1]} {piece}"
+            else:
+                lines.append(piece)
     return "<br>".join(html.escape(line) for line in lines)
 
 
