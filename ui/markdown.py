@@ -296,15 +296,18 @@ class ProseView(QTextBrowser):
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.document().setDocumentMargin(2)
         self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
-        self.source_text = ""
+        self.source_text = ""  # the text shown: drawn as markdown, then what was appended plain since
+        self._drawn = ""  # the text last drawn as markdown
         self.set_markdown(text)
 
     def set_markdown(self, text: str) -> None:
-        self.source_text = text
+        self.source_text = self._drawn = text
         self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
 
     def update_segment(self, segment: Segment) -> None:
-        if segment.text != self.source_text:
+        # against what was drawn as markdown, not what is shown: text appended plain is drawn again as markdown
+        # (else a streamed list stayed a flat paragraph, and "Hello " + "world" read "Helloworld")
+        if segment.text != self._drawn:
             self.set_markdown(segment.text)
 
     def append_plain(self, text: str) -> None:

@@ -47,6 +47,26 @@ def test_streaming_appends_without_rendering_every_batch(qtbot):
     assert "bold" in view._widgets[0].toPlainText() and "**" not in view._widgets[0].toPlainText()
 
 
+def test_text_streamed_after_a_render_is_drawn_as_markdown_too(qtbot):
+    """Batches that arrive after the first render are appended plain, then drawn as markdown at the next render:
+    a streamed list was left a flat paragraph with its ** marks, and "Hello " + "world" read "Helloworld"."""
+    for batches, shown in (
+        (["Here is a list:\n", "- **apples**\n", "- pears\n\n", "## Done"], "Here is a list:\napples\npears\nDone"),
+        (["Hello ", "world"], "Hello world"),
+    ):
+        view = SegmentsView("")
+        qtbot.addWidget(view)
+        view.show()
+        for b in batches:
+            view.append(b)
+            start = view.render_count
+            qtbot.waitUntil(lambda v=view, n=start: v.render_count > n, timeout=2000)  # each batch after a render
+        assert [w.toPlainText() for w in view._widgets] == [shown]
+        again = SegmentsView("".join(batches))  # as the chat shows it when opened again
+        qtbot.addWidget(again)
+        assert again._widgets[0].toPlainText() == shown
+
+
 def test_code_block_copy_puts_the_code_on_the_clipboard(qtbot):
     view = SegmentsView("Text\n```js\nconsole.log('hi');\n```")
     qtbot.addWidget(view)
