@@ -26,6 +26,9 @@ TITLE_CHARS = 48
 SAVE_TICK_MS = 1000  # also save when tokens stall (a long prefill, a slow first compile)
 
 
+UNTITLED = "New chat"  # a chat's title until its first message names it
+
+
 def title_from(text: str) -> str:
     line = " ".join(text.strip().split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
@@ -191,7 +194,7 @@ class ChatFlow(QObject):
     def set_chat_settings(self, system_prompt: str, sampling: SamplingParams, overflow_policy: str = "") -> None:
         """overflow_policy "" follows the default."""
         if self.chat_id is None:
-            chat = self._guard(lambda: self.store.create_chat("New chat", system_prompt, sampling))
+            chat = self._guard(lambda: self.store.create_chat(UNTITLED, system_prompt, sampling))
             if not chat:
                 return
             self.chat_id = chat.id
@@ -250,10 +253,12 @@ class ChatFlow(QObject):
         target = ids.index(message_id) + step
         if 0 <= target < len(ids) and self.chat_id is not None:
             self._guard(lambda: self.store.set_active_leaf(self.chat_id, ids[target]))
+            self._candidate_ids = []  # the thread shown again has no candidates on screen to choose from
             self.reload()
 
     def delete_message(self, message_id: int) -> None:
         self._guard(lambda: self.store.delete_message(message_id))
+        self._candidate_ids = []
         self.chatsChanged.emit()
         self.reload()
 
@@ -275,6 +280,8 @@ class ChatFlow(QObject):
         if not chat:
             return False
         leaf = chat.active_leaf_id
+        if leaf is None and chat.title == UNTITLED:  # made by Chat settings before its first message
+            self._guard(lambda: self.store.rename_chat(chat.id, title_from(text)))
         user = self._guard(lambda: self.store.add_message(self.chat_id, "user", text, leaf))
         if not user:
             return False

@@ -281,6 +281,13 @@ def _first_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+# a message and all below it (every branch)
+_SUBTREE = (
+    "WITH RECURSIVE sub(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN sub ON m.parent_id = sub.id) "
+    "SELECT id FROM sub"
+)
+
+
 class ChatStore:
     """All access to the chat database. Thread-safe (one connection behind a lock); several processes may
     open the same file (WAL, busy timeout). Failures raise StoreError with the reason; nothing saved is lost."""
@@ -650,6 +657,10 @@ class ChatStore:
             db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*params, message_id))
             db.execute("UPDATE chats SET updated = ? WHERE id = ?", (params[0], row[0]))
 
+    def subtree_size(self, message_id: int) -> int:
+        """The message and every message below it, on every branch: what delete_message removes."""
+        return len(self._read(_SUBTREE, (message_id,)))
+
     def delete_message(self, message_id: int) -> None:
         """Delete a message and everything below it. If the active branch went with it, the chat switches to
         the newest remaining branch under the deleted message's parent (or the newest first message)."""
@@ -658,14 +669,7 @@ class ChatStore:
             if row is None:
                 raise StoreError(f"no message with id {message_id}")
             chat_id, parent_id = row
-            doomed = [
-                r[0]
-                for r in db.execute(
-                    "WITH RECURSIVE sub(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN sub ON m.parent_id = sub.id) "
-                    "SELECT id FROM sub",
-                    (message_id,),
-                )
-            ]
+            doomed = [r[0] for r in db.execute(_SUBTREE, (message_id,))]
             active = db.execute("SELECT active_leaf_id FROM chats WHERE id = ?", (chat_id,)).fetchone()[0]
             db.execute(f"DELETE FROM messages WHERE id IN ({','.join('?' * len(doomed))})", doomed)
             if active is None or active in doomed:

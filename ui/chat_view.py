@@ -56,6 +56,7 @@ class ChatView(QScrollArea):
         self._stream: Optional[MessageWidget] = None
         self._candidates: Optional[CandidateTabs] = None
         self._busy = False
+        self._can_answer = True
         self._stick = True  # follow the bottom while the user has not scrolled up
         bar = self.verticalScrollBar()
         bar.valueChanged.connect(self._on_scrolled)
@@ -91,6 +92,7 @@ class ChatView(QScrollArea):
         w.deleteRequested.connect(self.deleteRequested)
         w.siblingRequested.connect(self.siblingRequested)
         w.set_busy(self._busy)
+        w.set_can_answer(self._can_answer)
         self._column.insertWidget(self._column.count() - 1, w)  # above the stretch
         self._widgets.append(w)
         self._empty.hide()
@@ -105,6 +107,12 @@ class ChatView(QScrollArea):
         self._busy = busy
         for w in self._widgets:
             w.set_busy(busy)
+
+    def set_can_answer(self, can: bool) -> None:
+        """Whether a model is ready for the messages' Edit and Regenerate (MessageWidget.set_can_answer)."""
+        self._can_answer = can
+        for w in self._widgets:
+            w.set_can_answer(can)
 
     # ---- streaming -------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat_flow import ChatFlow
+from app.chat_flow import UNTITLED, ChatFlow
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import (
@@ -201,7 +201,7 @@ class MainWindow(QMainWindow):
         self.chat_list = ChatList(self)
         self.chat_view = ChatView(self.theme.colors, self)
         self.composer = Composer(settings.send_with, self)
-        self.chat_title = QLabel("New chat", self)
+        self.chat_title = QLabel(UNTITLED, self)
         self.chat_title.setObjectName("chatTitle")
         self.chat_settings_button = QPushButton("Chat settings…", self)
         self.chat_settings_button.setToolTip("System prompt and sampling parameters of this chat")
@@ -277,6 +277,7 @@ class MainWindow(QMainWindow):
             (f.chatsChanged, self.refresh_chats),
             (f.chatOpened, self._chat_opened),
             (f.threadChanged, v.set_messages),
+            (f.threadChanged, lambda _items: self._clear_pick_notice()),  # a thread without candidates to pick
             (f.messageAppended, v.add_message),
             (f.streamStarted, v.begin_stream),
             (f.streamDelta, v.append_stream),
@@ -509,7 +510,16 @@ class MainWindow(QMainWindow):
         later = [m for m in self.chat_view.items() if m.id is not None]
         ids = [m.id for m in later]
         after = len(ids) - ids.index(message_id) - 1 if message_id in ids else 0
-        text = "Delete this message" + (f" and the {after} after it" if after else "") + "? This cannot be undone."
+        try:
+            hidden = self.store.subtree_size(message_id) - 1 - after  # below it on other branches: they go too
+        except StoreError:
+            hidden = 0
+        text = (
+            "Delete this message"
+            + (f" and the {after} after it" if after else "")
+            + (f", with {hidden} more in other versions below it" if hidden > 0 else "")
+            + "? This cannot be undone."
+        )
         if confirm(self, "Delete message", text, "Delete"):
             self.flow.delete_message(message_id)
 
@@ -524,10 +534,15 @@ class MainWindow(QMainWindow):
             self._failed(str(exc))
             return
         self.chat_list.set_chats([ChatEntry(c.id, c.title, c.updated) for c in chats], self.flow.chat_id)
-        if self.flow.chat_id is not None:
-            title = next((c.title for c in chats if c.id == self.flow.chat_id), None)
-            if title is not None:
-                self.chat_title.setText(title)
+        self._show_title()
+
+    def _show_title(self) -> None:
+        """The open chat's title as stored (a search may hide it from the list, and renaming it still shows)."""
+        try:
+            chat = self.store.get_chat(self.flow.chat_id) if self.flow.chat_id is not None else None
+        except StoreError:
+            chat = None  # deleted meanwhile: the flow opens another
+        self.chat_title.setText(chat.title if chat is not None else UNTITLED)
 
     def _search_changed(self, text: str) -> None:
         self._search = text
@@ -535,7 +550,6 @@ class MainWindow(QMainWindow):
 
     def _chat_opened(self, chat_id: Optional[int]) -> None:
         self._clear_pick_notice()
-        self.chat_title.setText(self.store.get_chat(chat_id).title if chat_id is not None else "New chat")
         self.refresh_chats()
 
     def open_chat_settings(self) -> None:
@@ -861,6 +875,8 @@ class MainWindow(QMainWindow):
         self._keep_options(options)
 
     def _update_can_send(self) -> None:
+        ready = not (self._fetching or self._loading is not None or self.controller.info is None or self._laddering)
+        self.chat_view.set_can_answer(ready)  # Edit and Regenerate ask the model as Send does
         if self._fetching:
             self.composer.set_can_send(False, "Downloading the default model…")
         elif self._loading is not None:

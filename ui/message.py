@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtCore import QEvent, Qt, Signal
+from PySide6.QtGui import QGuiApplication, QKeyEvent
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -117,7 +117,9 @@ class MessageWidget(QFrame):
         self.stats_label.setWordWrap(True)  # a narrow window wraps the line instead of widening the column
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self._editor: Optional[QWidget] = None
+        self._edit_send: Optional[QPushButton] = None
         self._busy = False
+        self._can_answer = True  # a model is ready to answer (not loading, not running the ladder)
 
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(8, 8, 8, 8)
@@ -159,9 +161,12 @@ class MessageWidget(QFrame):
                 self.stats_label.setToolTip(tip)
         self.stats_label.setVisible(item.role == "assistant")
         editable = item.id is not None and not item.extra.get("streaming") and not self._busy
-        for b in (self.edit_button, self.regen_button, self.delete_button):
+        for b in (self.edit_button, self.regen_button):
             if b is not None:
-                b.setEnabled(editable)
+                b.setEnabled(editable and self._can_answer)  # each asks the model for an answer
+        self.delete_button.setEnabled(editable)
+        if self._edit_send is not None:
+            self._edit_send.setEnabled(not self._busy and self._can_answer)
         self.prev_button.setEnabled(not self._busy and item.sibling_index > 0)
         self.next_button.setEnabled(not self._busy and item.sibling_index < item.sibling_count - 1)
         self.copy_button.setEnabled(bool(self.body.text))
@@ -192,6 +197,12 @@ class MessageWidget(QFrame):
         self._busy = busy
         self.refresh()
 
+    def set_can_answer(self, can: bool) -> None:
+        """Whether a model is ready for Edit and Regenerate, which ask it for an answer: not while one loads or the
+        ladder runs (the answer would be credited to the wrong model), nor with none loaded."""
+        self._can_answer = can
+        self.refresh()
+
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.body.text)
         self.copyRequested.emit(self.item.id)
@@ -202,7 +213,7 @@ class MessageWidget(QFrame):
         editor = QWidget(self)
         lay = QVBoxLayout(editor)
         lay.setContentsMargins(0, 0, 0, 0)
-        text = QPlainTextEdit(editor)
+        text = _EditBox(editor)
         text.setObjectName("editText")
         text.setPlainText(self.body.text)
         text.setMinimumHeight(80)
@@ -211,14 +222,17 @@ class MessageWidget(QFrame):
         cancel = QPushButton("Cancel", editor)
         send = QPushButton("Send", editor)
         send.setObjectName("primaryButton")
-        send.setDefault(True)
+        send.setToolTip("Ctrl+Enter sends · Esc cancels")
+        send.setEnabled(not self._busy and self._can_answer)
         row.addWidget(cancel)
         row.addWidget(send)
         lay.addWidget(text)
         lay.addLayout(row)
         cancel.clicked.connect(self.cancel_edit)
         send.clicked.connect(lambda: self._submit_edit(text.toPlainText()))
-        self._editor = editor
+        text.submit.connect(send.click)  # a disabled button ignores it
+        text.cancel.connect(self.cancel_edit)
+        self._editor, self._edit_send = editor, send
         self.editor_text = text
         self.body.hide()
         self._layout.insertWidget(2, editor)
@@ -227,11 +241,12 @@ class MessageWidget(QFrame):
     def cancel_edit(self) -> None:
         if self._editor is not None:
             self._editor.deleteLater()
-            self._editor = None
+            self._editor = self._edit_send = None
             self.body.show()
 
     def _submit_edit(self, text: str) -> None:
-        if not text.strip():
+        text = text.strip()
+        if not text or self._busy or not self._can_answer:
             return
         self.cancel_edit()
         self.editSubmitted.emit(self.item.id, text)
@@ -239,6 +254,30 @@ class MessageWidget(QFrame):
     def set_colors(self, colors: Colors) -> None:
         self._colors = colors
         self.body.set_colors(colors)
+
+
+class _EditBox(QPlainTextEdit):
+    """The text of a message being edited: Enter is a new line, Ctrl+Enter sends it, Esc gives up."""
+
+    submit = Signal()
+    cancel = Signal()
+
+    def event(self, event: QEvent) -> bool:
+        # Esc here gives up the edit; the window's Esc (stop the answer) must not take it first
+        if event.type() == QEvent.Type.ShortcutOverride and isinstance(event, QKeyEvent):
+            if event.key() == Qt.Key.Key_Escape:
+                event.accept()
+                return True
+        return super().event(event)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        ctrl = bool(event.modifiers() & Qt.KeyboardModifier.ControlModifier)
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and ctrl:
+            self.submit.emit()
+        elif event.key() == Qt.Key.Key_Escape:
+            self.cancel.emit()
+        else:
+            super().keyPressEvent(event)
 
 
 class CandidateTabs(QFrame):

@@ -10,6 +10,7 @@ from worker_gate import on_first_batch
 
 from app.gui import build
 from app.paths import AppPaths
+from engine import figures
 from engine.types import SamplingParams, options_as_run
 
 TIMEOUT_MS = 120_000
@@ -93,7 +94,7 @@ def test_reply_streams_into_view_and_database(qtbot, app):
     stats = shown[1].stats_label.text()
     assert f"{result.metrics.new_tokens_total} tokens" in stats
     tok_s = result.metrics.decode_tok_s
-    assert (f"{tok_s:.1f} tok/s" if tok_s is not None else "n/a tok/s") in stats
+    assert (f"{figures.rounded(tok_s, 1)} tok/s" if tok_s is not None else "n/a tok/s") in stats  # 1,234.5
     assert "op gap" in stats  # on the CPU the profiler window measures the gap between aten ops
     assert w.chat_list.chat_ids() == [chat_id]
     assert w.chat_title.text() == "hello world"
@@ -240,6 +241,17 @@ def test_candidates_stream_as_tabs_and_the_chosen_one_continues(qtbot, app):
     assert last.body.text == result.texts[2] and last.branch_label.text() == "3/3"
 
 
+def test_the_pick_notice_goes_with_the_candidates(qtbot, app):
+    w = app.window
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5)
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(2)
+    send(qtbot, app, "pick")
+    assert w.flow.awaiting_choice() and "pick one" in w.status.text()
+    w.flow.delete_message(w.chat_view.messages()[0].item.id)  # the question, and the candidates with it
+    assert not w.flow.awaiting_choice() and "pick one" not in w.status.text()
+
+
 def test_replying_without_a_choice_continues_from_the_candidate_on_screen(qtbot, app):
     w, store = app.window, app.store
     w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
@@ -287,11 +299,33 @@ def test_chat_list_rename_search_delete(qtbot, app):
     with qtbot.waitSignal(w.chat_list.searchChanged, timeout=5000):
         w.chat_list.search.setText("greet")
     assert w.chat_list.chat_ids() == [first]
+    w.chat_list.renameRequested.emit(second, "Capitals")  # the open chat, hidden by the search: its title shows
+    assert w.chat_title.text() == "Capitals"
     with qtbot.waitSignal(w.chat_list.searchChanged, timeout=5000):
         w.chat_list.search.setText("")
     w.chat_list.deleteRequested.emit(second)
     assert [c.id for c in store.list_chats()] == [first]
     assert w.flow.chat_id is None and w.chat_view.messages() == []
+
+
+def test_deleting_a_message_counts_what_goes_on_other_branches_too(qtbot, app):
+    from dialog_driver import DialogDriver
+
+    w, store = app.window, app.store
+    send(qtbot, app, "one")
+    send(qtbot, app, "two")
+    question = w.chat_view.messages()[2]
+    question.start_edit()
+    question.editor_text.setPlainText("two edited")
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        question._edit_send.click()
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    driver = DialogDriver().click("Cancel").start()
+    w.chat_view.messages()[1].delete_button.click()  # the first answer: both versions of "two" hang below it
+    assert driver.done and driver.answered[0].text == (
+        "Delete this message and the 2 after it, with 2 more in other versions below it? This cannot be undone."
+    )
+    assert store.subtree_size(w.chat_view.messages()[1].item.id) == 5
 
 
 def test_delete_message_removes_it_and_what_follows(qtbot, app):
@@ -310,6 +344,34 @@ def test_delete_message_removes_it_and_what_follows(qtbot, app):
     assert driver.done
     assert [m.content for m in store.thread(w.flow.chat_id)][:1] == ["one"]
     assert len(w.chat_view.messages()) == 2
+
+
+def test_a_chat_made_by_its_settings_is_named_by_its_first_message(qtbot, app):
+    w = app.window
+    w.new_chat()
+    w.flow.set_chat_settings("Be brief.", w.flow.sampling())
+    assert w.chat_title.text() == "New chat"
+    send(qtbot, app, "What is the capital of France")
+    assert w.chat_title.text() == "What is the capital of France"
+    assert app.store.get_chat(w.flow.chat_id).title == "What is the capital of France"
+
+
+def test_the_edit_box_sends_with_ctrl_enter_and_gives_up_with_esc(qtbot, app):
+    w = app.window
+    send(qtbot, app, "hello")
+    question = w.chat_view.messages()[0]
+    question.start_edit()
+    qtbot.keyClick(question.editor_text, Qt.Key.Key_Escape)
+    assert question._editor is None and question.body.isVisible() and not w.flow.generating
+    question.start_edit()
+    question.editor_text.setPlainText("hello again")
+    qtbot.keyClick(question.editor_text, Qt.Key.Key_Return)  # a new line, not a send
+    assert not w.flow.generating and question.editor_text.toPlainText().count("\n") == 1
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        qtbot.keyClick(question.editor_text, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    # sent as the new version, without the line break the Enter added
+    assert app.store.thread(w.flow.chat_id)[0].content == "hello again"
 
 
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
@@ -487,11 +549,17 @@ def test_a_reply_to_a_replaced_choice_does_not_pin_its_limits_on_the_newer_one(q
 
 def test_chat_waits_from_the_moment_another_model_is_chosen(qtbot, app, tiny_llama):
     w = app.window
-    assert w.composer.send_button.isEnabled()
+    send(qtbot, app, "hello")
+    question, answer = w.chat_view.messages()
+    assert w.composer.send_button.isEnabled() and answer.regen_button.isEnabled()
     with qtbot.waitSignal(app.controller.loaded, timeout=TIMEOUT_MS):
         w.load_model(str(tiny_llama))
         assert not w.composer.send_button.isEnabled()  # before the worker has even started the load
+        # Edit and Regenerate ask the model too: the answer would be credited to the model being replaced
+        assert not answer.regen_button.isEnabled() and not question.edit_button.isEnabled()
+        assert question.delete_button.isEnabled()  # deleting needs no model
     qtbot.waitUntil(lambda: w.composer.send_button.isEnabled(), timeout=TIMEOUT_MS)
+    assert answer.regen_button.isEnabled() and question.edit_button.isEnabled()
 
 
 def test_a_reply_appends_to_the_conversation_without_rebuilding_it(qtbot, app):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from engine import figures
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -53,7 +55,7 @@ def test_smoke_test_answers_on_the_default_model(tmp_path, default_model_path):
     assert 0 < metrics["new_tokens_total"] <= 24
     assert f"{metrics['new_tokens_total']} tokens" in report["stats_line"]
     tok_s = metrics["decode_tok_s"]
-    assert (f"{tok_s:.1f} tok/s" if tok_s is not None else "n/a tok/s") in report["stats_line"]
+    assert (f"{figures.rounded(tok_s, 1)} tok/s" if tok_s is not None else "n/a tok/s") in report["stats_line"]
     assert report["options"]["device"] in ("cpu", "cuda")
     lengths = report["hud"]["series_lengths"]
     assert lengths and sum(lengths.values()) > 0
