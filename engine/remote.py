@@ -45,6 +45,7 @@ DEFAULT_TIMEOUT_S = 60.0
 NO_USAGE = "the server reported no token usage"  # why the counts (and what needs them) are n/a
 CANCEL_POLL_S = 0.05  # how often a generation waiting for the server looks at its cancel event
 CONNECT_TIMEOUT_S = 10.0  # to open a connection: a host that is down or unreachable is said so without a long wait
+LIST_TIMEOUT_S = 30.0  # GET /models when a remote model is opened: the app waits on it, with no way to stop it
 METRICS_TIMEOUT_S = 2.0  # vLLM's /metrics: read beside the answer, which never waits longer for it
 
 
@@ -167,7 +168,9 @@ class RemoteEngine:
         if problem:
             raise OptionsError(problem)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        timeout = httpx.Timeout(source.timeout_s, connect=min(CONNECT_TIMEOUT_S, source.timeout_s))
+        self._connect_timeout_s = min(CONNECT_TIMEOUT_S, source.timeout_s)
+        self._list_timeout_s = min(LIST_TIMEOUT_S, source.timeout_s)
+        timeout = httpx.Timeout(source.timeout_s, connect=self._connect_timeout_s)
         self._client = httpx.Client(headers=headers, timeout=timeout, transport=transport)
         self._context_length = 0
         self._vllm: Optional[VllmMetrics] = None
@@ -200,15 +203,15 @@ class RemoteEngine:
     def _connect(self) -> None:
         url = f"{self.source.base_url}/models"
         try:
-            r = self._client.get(url)
+            r = self._client.get(url, timeout=httpx.Timeout(self._list_timeout_s, connect=self._connect_timeout_s))
         except httpx.ConnectTimeout as exc:
             raise ModelLoadError(
                 f"cannot reach the remote server at {self.source.base_url}: no connection within "
-                f"{min(CONNECT_TIMEOUT_S, self.source.timeout_s):g} s"
+                f"{self._connect_timeout_s:g} s"
             ) from exc
         except httpx.TimeoutException as exc:
             raise ModelLoadError(
-                f"the remote server at {self.source.base_url} did not answer within {self.source.timeout_s:g} s"
+                f"the remote server at {self.source.base_url} did not list its models within {self._list_timeout_s:g} s"
             ) from exc
         except httpx.HTTPError as exc:
             raise ModelLoadError(f"cannot reach the remote server at {self.source.base_url}: {_why(exc)}") from exc

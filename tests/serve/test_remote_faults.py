@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from app.server.run import AsgiThread
-from engine.errors import GenerationError
+from engine.errors import GenerationError, ModelLoadError
 from engine.remote import RemoteEngine, RemoteSource
 from engine.types import GenerationResult, SamplingParams, TextDelta
 
@@ -49,6 +49,7 @@ class StandIn:
         return Starlette(
             routes=[
                 Route("/v1/models", self.models),
+                Route("/slow/v1/models", self.slow_models),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/metrics", self.metrics),
             ]
@@ -56,6 +57,10 @@ class StandIn:
 
     async def models(self, _r: Request):
         return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]})
+
+    async def slow_models(self, r: Request):  # a server that takes its time to list its models
+        await asyncio.sleep(5)
+        return await self.models(r)
 
     async def metrics(self, _r: Request):
         n = self.vllm_requests
@@ -272,3 +277,15 @@ def test_counts_a_server_does_not_report_are_na_not_zero(stand_in):
     assert m.figure("http_ttft_ms").value > 0  # what the client measures itself is still there
     line, _tip = format_stats(m.to_dict(), None, None)
     assert line.startswith("n/a tokens")
+
+
+def test_opening_waits_for_the_model_list_not_the_whole_answer_timeout(stand_in, monkeypatch):
+    """The app cannot stop an opening: a server slow to list its models is given up after LIST_TIMEOUT_S, not
+    after the answer timeout (up to an hour)."""
+    import engine.remote
+
+    _, server = stand_in
+    monkeypatch.setattr(engine.remote, "LIST_TIMEOUT_S", 0.5)
+    slow = server.url.replace("/v1", "/slow/v1")
+    with pytest.raises(ModelLoadError, match="did not list its models within 0.5 s"):
+        RemoteEngine.load(RemoteSource(slow, "llamacpp", 3600.0))
