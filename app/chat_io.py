@@ -163,18 +163,18 @@ def _figures_line(m: Message) -> str:
     metrics = m.metrics or {}
     stored = metrics.get("unavailable")
     unavailable: dict[str, Any] = stored if isinstance(stored, dict) else {}
-    per, index = metrics.get("new_tokens") or [], m.candidate_index
-    own = per[index] if len(per) > 1 and index is not None and 0 <= index < len(per) else None
+    per = metrics.get("new_tokens") or []
+    own = figures.candidate_tokens(metrics, m.candidate_index)
     batch = own is not None
     parts, reasons = [], []
     for key, digits in (("new_tokens_total", 0), ("ttft_ms", 0), ("decode_tok_s", 1)):
         fig = figures.shown(metrics, key)
-        how = " (HTTP)" if fig.spec.key != key else ""
+        how = figures.over_http(fig, key)
         if fig.value is None:
             reasons.append(unavailable.get(key) or "not recorded with this answer")
             text = f"n/a ({reasons[-1]})"
         elif key == "new_tokens_total" and batch:
-            text = f"{own} of {fig.value}"
+            text = f"{own:,} of {figures.rounded(fig.value, 0)}"
         else:
             text = figures.rounded(fig.value, digits)
         if key == "new_tokens_total":

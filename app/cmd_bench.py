@@ -29,8 +29,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(**{k: v for k, v in given.items() if v is not None})
 
 
-def _num(v: Optional[float], fmt: str = "{:.1f}") -> str:
-    return NA if v is None else fmt.format(v)
+def _num(v: Optional[float], digits: int = 1, top: Optional[float] = None) -> str:
+    """A table cell: never rounded to 0, nor under `top` (100 for a share) to `top` (figures.rounded)."""
+    return NA if v is None else figures.rounded(v, digits, top)
 
 
 def _tok_s(m: dict[str, Any]) -> str:
@@ -94,7 +95,7 @@ def format_table(report: dict[str, Any]) -> str:
         row = [
             label,
             opts,
-            _num(m.get("new_tokens_total"), "{:.0f}"),
+            _num(m.get("new_tokens_total"), 0),
             _tok_s(m),
             _times(r.get("speedup_vs_naive")),
             _times(r.get("speedup_vs_transformers")),
@@ -104,13 +105,13 @@ def format_table(report: dict[str, Any]) -> str:
         rate = m.get("acceptance_rate")
         row += [
             _num(m.get("ttft_ms")),
-            _num(m.get("kernel_gap_pct")),
-            _num(m.get("launches_per_step"), "{:.0f}"),
-            _num(m.get("sm_activity_pct")),
-            _num(m.get("gpu_util_pct")),
+            _num(m.get("kernel_gap_pct"), top=100.0),
+            _num(m.get("launches_per_step"), 0),
+            _num(m.get("sm_activity_pct"), top=100.0),
+            _num(m.get("gpu_util_pct"), top=100.0),
             _bytes(m.get("peak_memory_bytes")),
-            _num(m.get("tokens_per_step"), "{:.2f}"),
-            _num(None if rate is None else 100 * rate),
+            _num(m.get("tokens_per_step"), 2),
+            _num(None if rate is None else 100 * rate, top=100.0),
         ]
         rows.append(row)
     naive = report["ratios"].get("naive_decode_tok_s")
@@ -124,7 +125,7 @@ def format_table(report: dict[str, Any]) -> str:
         row = [
             b["label"],
             f"{s['dtype']}, {s['cache_implementation']} cache",
-            _num(m.get("new_tokens_total"), "{:.0f}"),
+            _num(m.get("new_tokens_total"), 0),
             _tok_s(m),
             _times(None if tok_s is None or not naive else tok_s / naive),
             "1.00×" if b["name"] == "transformers" else "",
@@ -135,8 +136,8 @@ def format_table(report: dict[str, Any]) -> str:
             _num(m.get("ttft_ms")),
             NA,
             NA,
-            _num(m.get("sm_activity_pct")),
-            _num(m.get("gpu_util_pct")),
+            _num(m.get("sm_activity_pct"), top=100.0),
+            _num(m.get("gpu_util_pct"), top=100.0),
             _bytes(m.get("peak_memory_bytes")),
             NA,
             NA,

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
 from engine.paths import write_whole
-from engine.types import REMOTE_PREFIX, hub_name
+from engine.types import REMOTE_PREFIX, hub_name, safetensors_weights
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,8 @@ def kind_of(path: Path) -> Optional[str]:
 
 def _size(path: Path, kind: str) -> Optional[int]:
     try:
-        if kind == "hf-folder":  # the weights the loader reads: Mistral's consolidated copy left out, as there
-            files = list(path.glob("*.safetensors"))
-            return sum(p.stat().st_size for p in [p for p in files if p.name.startswith("model")] or files)
+        if kind == "hf-folder":
+            return sum(p.stat().st_size for p in safetensors_weights(path))
         return path.stat().st_size
     except OSError:
         return None
@@ -124,9 +123,9 @@ def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelE
 
     root = Path(folder).expanduser()
     if kind_of(root) == "hf-folder":
-        return _hf_folder_entries(root.resolve())
+        return _hf_folder_entries(Path(os.path.abspath(root)))
     if root.is_dir():
-        walk(root.resolve(), 0)
+        walk(Path(os.path.abspath(root)), 0)  # links kept, as the recent list keeps them
     return found
 
 
@@ -137,7 +136,7 @@ def _hf_folder_entries(folder: Path) -> list[ModelEntry]:
 
 
 class RecentModels:
-    """The last models opened, newest first, one entry per resolved path, at most `limit`.
+    """The last models opened, newest first, one entry per absolute path (links kept), at most `limit`.
 
     A file that cannot be read as this list is moved aside (`<name>.corrupt-<timestamp>`) and an empty list is
     used; a write that fails (read-only or full disk) is logged and noted, never fatal."""
@@ -166,14 +165,14 @@ class RecentModels:
 
     def add(self, source: str, now: Optional[float] = None) -> list[ModelEntry]:
         key = _key(source)
-        items = [i for i in self._read() if _key(i["source"]) != key]
+        items = [i for i in self._read() if not _same(_key(i["source"]), key)]
         items.insert(0, {"source": key, "last_used": time.time() if now is None else now})
         self._write(items[: self.limit])
         return self.entries()
 
     def remove(self, source: str) -> list[ModelEntry]:
         key = _key(source)
-        self._write([i for i in self._read() if _key(i["source"]) != key])
+        self._write([i for i in self._read() if not _same(_key(i["source"]), key)])
         return self.entries()
 
     def _read(self) -> list[dict]:
@@ -227,3 +226,8 @@ def _key(source: str) -> str:
     if source == DEFAULT_SOURCE or source.startswith(REMOTE_PREFIX):
         return source
     return os.path.abspath(Path(source).expanduser())  # links kept: a link's name is the model's (see loader)
+
+
+def _same(a: str, b: str) -> bool:
+    """Two recent-list keys name one model (on Windows whatever their letters' case)."""
+    return os.path.normcase(a) == os.path.normcase(b)

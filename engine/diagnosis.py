@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from engine import figures
+
 HOST_SYNC_GAP_PCT = 50.0  # idle share of a traced step above which per-token host reads dominate
 LAUNCH_GAP_PCT = 15.0  # idle share above which launch overhead, not kernel time, sets the pace
 MEMORY_BOUND_PCT = 60.0  # DRAM bandwidth share above which the weights' reads set the pace
@@ -45,7 +47,8 @@ def _num(v: Any) -> Optional[float]:
 
 
 def _pct(v: float) -> str:
-    return f"{v:.0f} %" if v >= 10 else f"{v:.1f} %"
+    """A share, never rounded to 0 nor, under 100, to 100 (a DRAM estimate may pass 100)."""
+    return f"{figures.rounded(v, 0 if v >= 10 else 1, top=100.0)} %"
 
 
 def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[str] = None) -> Diagnosis:

@@ -291,7 +291,8 @@ def read(data: Any, key: str) -> Figure:
     return Figure(s, None if value is None else value, source if value is not None else None, reason)
 
 
-# What stands in for a figure an answer from a remote server cannot have: the same thing, timed by the client.
+# What stands in for a figure an answer from a remote server cannot have: the same thing, timed by the client
+# over HTTP; the HUD's bars, the stats line, the compare table and the exports show it under its own title.
 REMOTE_STAND_INS: dict[str, str] = {
     "ttft_ms": "http_ttft_ms",
     "decode_tok_s": "http_decode_tok_s",
@@ -312,15 +313,27 @@ def shown(data: Any, key: str) -> Figure:
     return fig
 
 
+def over_http(fig: Figure, key: str) -> str:
+    """ " (HTTP)" where `fig` is the stand-in shown for figure `key` (see shown), else ""."""
+    return " (HTTP)" if fig.spec.key != key else ""
+
+
+def candidate_tokens(metrics: Mapping[str, Any], index: Optional[int]) -> Optional[int]:
+    """Candidate `index`'s own tokens in a batch of candidates, whose other figures are the batch's; None for an
+    answer that is not one of several."""
+    per = metrics.get("new_tokens") or []
+    return per[index] if len(per) > 1 and index is not None and 0 <= index < len(per) else None
+
+
 def rounded(v: float, digits: int, top: Optional[float] = None) -> str:
     """`v` with `digits` decimals and thousands separators, never rounded onto a bound it does not reach: a value
     that is not zero is not shown as 0 ("<0.1"), nor one under `top` (100 for a share) as `top` (">99.9")."""
-    text = f"{v:,.{digits}f}"
+    text = f"{v + 0.0:,.{digits}f}"  # + 0.0: no "-0.0"
     step = 10.0**-digits
-    shown = float(text.replace(",", ""))
-    if v != 0 and shown == 0:
+    near = float(text.replace(",", ""))
+    if v != 0 and near == 0:
         return f"<{step:.{digits}f}" if v > 0 else f">-{step:.{digits}f}"
-    if top is not None and v < top and shown >= top:
+    if top is not None and v < top and near >= top:
         return f">{top - step:,.{digits}f}"
     return text
 
@@ -330,17 +343,25 @@ def texts(value: Any) -> bool:
     return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
 
 
+def value_problem(spec: FigureSpec, v: Any) -> Optional[str]:
+    """Why `v` cannot be a value of the figure `spec` ("is -5, not a count or a time"); None when it can."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"is {json.dumps(v)[:40]}, not a number"
+    if not v >= 0:  # every figure counts or times something (NaN fails this too)
+        return f"is {v}, not a count or a time"
+    if spec.unit == "%" and spec.key not in OVER_100 and v > 100:
+        return f"is {v}, more than all of it (100 %)"
+    return None
+
+
 def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
     """What makes a metrics object read back (a chat file, the store) unfit to show: a figure that is not a
     number, a source or finish reason that is not text, n/a reasons that are not texts. None when it is fit."""
     for f in GENERATION_FIGURES:
         v = metrics.get(f.key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            return f"its figure {f.key} is {json.dumps(v)[:40]}, not a number"
-        if v is not None and not v >= 0:  # every figure counts or times something (NaN fails this too)
-            return f"its figure {f.key} is {v}, not a count or a time"
-        if v is not None and f.unit == "%" and f.key not in OVER_100 and v > 100:
-            return f"its figure {f.key} is {v}, more than all of it (100 %)"
+        problem = None if v is None else value_problem(f, v)
+        if problem:
+            return f"its figure {f.key} {problem}"
     for name in (*SOURCE_FIELDS, "finish_reason"):
         if not isinstance(metrics.get(name), (str, type(None))):
             return f"its {name} is not text"

@@ -22,7 +22,7 @@ import torch
 
 from engine.errors import ModelLoadError, UnsafeModelError
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
-from engine.types import Progress, hub_name, is_remote
+from engine.types import Progress, hub_name, is_remote, safetensors_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -379,11 +379,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
                 f"{label}: weight shard(s) listed in {_INDEX_FILE} are missing: {', '.join(missing[:_NAMES_SHOWN])}"
             )
         return files
-    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
-    # Mistral folders carry a second, differently named copy of the weights ("consolidated.safetensors")
-    hf_named = [p for p in files if p.name.startswith("model")]
-    if hf_named:
-        files = hf_named
+    files = safetensors_weights(folder)
     if files:
         return files
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)

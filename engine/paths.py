@@ -29,8 +29,13 @@ def _made(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        logging.getLogger(__name__).warning("cannot make the cache folder %s: %s", path, exc.strerror or exc)
+        if path not in _WARNED:  # once: every load and conversion asks for it
+            _WARNED.add(path)
+            logging.getLogger(__name__).warning("cannot make the cache folder %s: %s", path, exc.strerror or exc)
     return path
+
+
+_WARNED: set[Path] = set()
 
 
 def output_file(path: "str | os.PathLike[str]", what: str) -> Path:

@@ -364,6 +364,8 @@ class RemoteEngine:
                         break
         except _Garbage as exc:
             raise GenerationError(self._dropped(stream, str(exc))) from None
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # before TimeoutException, its base class
+            raise GenerationError(f"cannot reach the remote server at {self.source.base_url}: {_why(exc)}") from exc
         except httpx.TimeoutException as exc:
             raise GenerationError(
                 self._dropped(
@@ -372,8 +374,6 @@ class RemoteEngine:
                     "dialog's, or |timeout=SECONDS after the model's name)",
                 )
             ) from exc
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise GenerationError(f"cannot reach the remote server at {self.source.base_url}: {_why(exc)}") from exc
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
             raise GenerationError(self._dropped(stream, f"dropped the connection ({_why(exc)})")) from exc
         except httpx.HTTPError as exc:
@@ -471,7 +471,11 @@ class RemoteEngine:
             if kv is not None:
                 m.put("server_kv_cache_pct", kv * 100)
         for spec in figures.GENERATION_FIGURES:
-            if getattr(m, spec.key) is None and spec.key not in m.unavailable:
+            value = getattr(m, spec.key)
+            problem = None if value is None else figures.value_problem(spec, value)
+            if problem:  # a server's odd report is not passed on as a figure (a stored chat would refuse it)
+                m.mark_na(spec.key, f"the server reported a value that {problem}")
+            elif value is None and spec.key not in m.unavailable:
                 m.mark_na(spec.key, self._reason(spec.key))
 
     def _reason(self, key: str) -> str:

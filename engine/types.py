@@ -149,6 +149,13 @@ def hub_name(folder: Path) -> str:
     return folder.name
 
 
+def safetensors_weights(folder: Path) -> list[Path]:
+    """The safetensors files a folder's weights are read from, sorted: Mistral folders carry a second, differently
+    named copy of the weights ("consolidated.safetensors"), left out where the "model*" files are there."""
+    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    return [p for p in files if p.name.startswith("model")] or files
+
+
 def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str = " · ", device: bool = False) -> str:
     """The one way options are written in a few words: "fp16 · static KV · device sampling · compiled · CUDA
     graph · 4 candidates", then every other option that differs from its default ("kernels fused"). Takes the
@@ -405,7 +412,11 @@ class GenerationMetrics:
         """Figure `key` is n/a on this run, for `reason`."""
         s = figures.spec(key)
         setattr(self, key, None)
-        if s.source_field:
+        # a source field figures share (the token counts', the speculation counters') still names the source of
+        # those of them that have a value
+        if s.source_field and not any(
+            getattr(self, f.key, None) is not None for f in figures.FIGURES if f.source_field == s.source_field
+        ):
             setattr(self, s.source_field, None)
         self.unavailable[key] = reason
 

@@ -110,6 +110,8 @@ class ChatView(QScrollArea):
 
     def set_can_answer(self, can: bool) -> None:
         """Whether a model is ready for the messages' Edit and Regenerate (MessageWidget.set_can_answer)."""
+        if can == self._can_answer:
+            return
         self._can_answer = can
         for w in self._widgets:
             w.set_can_answer(can)

@@ -719,8 +719,7 @@ class MainWindow(QMainWindow):
         if source == "default" and self.fetcher is not None and not self.fetcher.is_cached():
             self._start_fetch()
             return
-        # from a remote model, whose panel showed the server's settings, back to the user's own
-        self.controller.load(source, self.settings.options() if self._remote_open() else self.toggles.options)
+        self.controller.load(source, self._options_to_load())
         # Chat waits from now, not from when the worker starts the load: a message sent in between would be
         # answered by the new model but credited to the old one.
         self._load_started(source)
@@ -751,7 +750,7 @@ class MainWindow(QMainWindow):
 
     def _fetch_finished(self, _path: str) -> None:
         self._close_fetch_dialog()
-        self.controller.load("default", self.toggles.options)
+        self.controller.load("default", self._options_to_load())
 
     def _fetch_failed(self, message: str) -> None:
         cancelled = self._fetch_dialog is not None and self._fetch_dialog.cancelled
@@ -839,6 +838,11 @@ class MainWindow(QMainWindow):
             f"Could not load {source}:\n{message}" + (f"\n\n{info.name} is still loaded." if info else ""),
         )
 
+    def _options_to_load(self) -> EngineOptions:
+        """The options a model opens with: the panel's, or, after a remote model whose panel showed the server's
+        settings, the user's own as kept."""
+        return self.settings.options() if self._remote_open() else self.toggles.options
+
     def _remote_open(self) -> bool:
         info = self.controller.info
         return info is not None and info.source_kind == "remote"
@@ -875,18 +879,18 @@ class MainWindow(QMainWindow):
         self._keep_options(options)
 
     def _update_can_send(self) -> None:
-        ready = not (self._fetching or self._loading is not None or self.controller.info is None or self._laddering)
-        self.chat_view.set_can_answer(ready)  # Edit and Regenerate ask the model as Send does
         if self._fetching:
-            self.composer.set_can_send(False, "Downloading the default model…")
+            why = "Downloading the default model…"
         elif self._loading is not None:
-            self.composer.set_can_send(False, f"Loading {source_label(self._loading)}…")
+            why = f"Loading {source_label(self._loading)}…"
         elif self.controller.info is None:
-            self.composer.set_can_send(False, "No model loaded: open one in the model panel (bottom left)")
+            why = "No model loaded: open one in the model panel (bottom left)"
         elif self._laddering:
-            self.composer.set_can_send(False, "The ladder is running (Cancel in the HUD's Ladder tab to chat now)")
+            why = "The ladder is running (Cancel in the HUD's Ladder tab to chat now)"
         else:
-            self.composer.set_can_send(True)
+            why = ""
+        self.composer.set_can_send(not why, why)
+        self.chat_view.set_can_answer(not why)  # Edit and Regenerate ask the model as Send does
 
     # ---- settings ------------------------------------------------------------------------------------
 

@@ -245,8 +245,7 @@ class MessageWidget(QFrame):
             self.body.show()
 
     def _submit_edit(self, text: str) -> None:
-        text = text.strip()
-        if not text or self._busy or not self._can_answer:
+        if not text.strip() or self._busy or not self._can_answer:
             return
         self.cancel_edit()
         self.editSubmitted.emit(self.item.id, text)

@@ -4,7 +4,6 @@ Gapless), the model's name there, its API key and how long to wait for it."""
 from __future__ import annotations
 
 from typing import Optional
-from urllib.parse import urlsplit
 
 from PySide6.QtWidgets import (
     QDialog,
@@ -66,23 +65,15 @@ class RemoteDialog(QDialog):
         self.model.setMinimumWidth(widest + 24)
 
     def problem(self) -> str:
-        url = self.base_url.text().strip()
-        if remote_address_problem(url):
-            try:
-                parts = urlsplit(url)
-                credentials = parts.username is not None or parts.password is not None
-            except ValueError:
-                credentials = False
-            if credentials:
-                return "Leave the user name and password out of the URL; give the server's key as its API key"
-            return "The server URL must start with http:// or https:// and name a host, e.g. http://127.0.0.1:8000/v1"
+        """What is wrong with the fields, in the engine's words (engine.types), or ""."""
+        why = remote_address_problem(self.base_url.text().strip())
         model = self.model.text().strip()
-        if not model or "#" in model or "|" in model:
-            return "Give the model's name as the server lists it (without '#' or '|')"
+        if not why and (not model or "#" in model or "|" in model):
+            why = "give the model's name as the server lists it (without '#' or '|')"
         key = self.api_key.text().strip()
-        if key and api_key_problem(key):
-            return "The API key must be printable ASCII without spaces (it is sent in an HTTP header)"
-        return ""
+        if not why and key:
+            why = api_key_problem(key)
+        return why[0].upper() + why[1:] if why else ""
 
     def accept(self) -> None:
         why = self.problem()

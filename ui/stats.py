@@ -69,6 +69,13 @@ def _sourced(label: str, value: Optional[float], shown: str, source: Optional[st
     return f"{label}: n/a" + (f" — {reason}" if reason else "")
 
 
+def _steps_line(m: dict[str, Any]) -> str:
+    """The step latencies, or over HTTP the gaps between text chunks that stand in for them."""
+    p50, p99 = figures.shown(m, "step_ms_p50"), figures.shown(m, "step_ms_p99")
+    label = "Inter-token gap (HTTP)" if figures.over_http(p50, "step_ms_p50") else "Step latency"
+    return f"{label} p50 / p99: {fmt(p50.value, ' ms', 2)} / {fmt(p99.value, ' ms', 2)}"
+
+
 def format_stats(
     metrics: Optional[dict[str, Any]],
     options: Optional[dict[str, Any]],
@@ -82,17 +89,18 @@ def format_stats(
     tokens = m.get("new_tokens_total")
     gap = gap_label(device)
     per = m.get("new_tokens") or []
-    batch = candidate is not None and candidate < len(per)
-    if batch and candidate is not None:  # `batch` implies a candidate; the test narrows it for the checker
-        count = f"{per[candidate]} of {tokens} tokens in the batch"
+    own = figures.candidate_tokens(m, candidate)
+    batch = own is not None
+    if batch:
+        count = f"{own} of {tokens} tokens in the batch"
     else:
         count = f"{tokens if tokens is not None and metrics else NA} tokens"
     compile_s = m.get("compile_seconds")
     compile_part = f" + compile {fmt(compile_s)} s" if compile_s is not None else ""
     # a remote server's answer: the client's timings over HTTP stand in for the engine's (figures.shown)
     ttft, decode = figures.shown(m, "ttft_ms"), figures.shown(m, "decode_tok_s")
-    over_http = " (HTTP)" if decode.spec.key != "decode_tok_s" else ""
-    rate = f"{fmt(decode.value)} tok/s{over_http}" + (f" (all {len(per)} candidates)" if batch else "")
+    ttft_how, decode_how = figures.over_http(ttft, "ttft_ms"), figures.over_http(decode, "decode_tok_s")
+    rate = f"{fmt(decode.value)} tok/s{decode_how}" + (f" (all {len(per)} candidates)" if batch else "")
     line = " · ".join(
         [
             count,
@@ -120,7 +128,7 @@ def format_stats(
     tips = [
         f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
         _sourced(
-            f"Time to first token{over_http}",
+            f"Time to first token{ttft_how}",
             ttft.value,
             fmt(ttft.value, " ms", 0 if ttft.value is None or ttft.value >= 10 else 2)
             + (f", after {fmt(compile_s)} s compiling / capturing the decode step" if compile_s is not None else ""),
@@ -135,15 +143,15 @@ def format_stats(
             unavailable.get("prefill_tok_s"),
         ),
         _sourced(
-            f"Decode{over_http}",
+            f"Decode{decode_how}",
             decode.value,
             f"{fmt(decode.value)} tok/s"
             + (f", all {len(per)} candidates together" if batch else "")
-            + ("" if over_http else ", traced window left out"),
+            + ("" if decode_how else ", traced window left out"),
             decode.source,
             decode.reason,
         ),
-        f"Step latency p50 / p99: {fmt(m.get('step_ms_p50'), ' ms', 2)} / {fmt(m.get('step_ms_p99'), ' ms', 2)}",
+        _steps_line(m),
         f"Options: {describe_options(options) if options else NA}",
     ]
     if reused is not None:
@@ -187,7 +195,7 @@ def format_stats(
         accepted = m.get("acceptance_rate")
         shown = (
             (
-                f"{100 * accepted:.1f}% ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
+                f"{fmt(100 * accepted, '%', 1, top=100.0)} ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
                 f"{m.get('verify_steps')} verify steps)"
             )
             if accepted is not None

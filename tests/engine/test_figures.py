@@ -130,3 +130,13 @@ def test_a_remote_answer_s_timings_stand_in_for_the_engine_s():
     assert figures.shown(m.to_dict(), "ttft_ms").value == 42.0
     fig = figures.shown(m, "decode_tok_s")  # no stand-in measured: the figure itself, n/a
     assert fig.spec.key == "decode_tok_s" and fig.value is None
+
+
+def test_a_count_marked_na_leaves_the_source_of_the_other_that_shares_it():
+    """A server's usage with a prompt count but no completion count: the prompt count still names the server."""
+    m = GenerationMetrics()
+    m.put("prompt_tokens", 12, figures.SERVER_USAGE)
+    m.mark_na("new_tokens_total", "the server reported no completion count")
+    assert m.figure("prompt_tokens").source == figures.SERVER_USAGE
+    m.mark_na("prompt_tokens", "none either")
+    assert m.count_source is None

@@ -34,6 +34,7 @@ MODELS = [
     "delta-not-object",
     "choices-not-list",
     "html500",
+    "odd-timings",
 ]
 
 
@@ -125,6 +126,10 @@ class StandIn:
                 yield "data: " + json.dumps({"error": {"message": "the model crashed"}}) + "\n\n"
             elif model == "llamacpp":
                 yield self.chunk("", "stop", timings={"prompt_ms": 12.5, "predicted_per_second": 88.0})
+                for event in self.usage_and_done():
+                    yield event
+            elif model == "odd-timings":  # a server's report that is not a figure
+                yield self.chunk("", "stop", timings={"prompt_ms": -3, "predicted_per_second": float("nan")})
                 for event in self.usage_and_done():
                     yield event
             elif model == "vllm":
@@ -249,6 +254,17 @@ def test_llama_cpp_timings_are_read_with_their_source(stand_in):
     assert m.figure("http_ttft_ms").value > 0
     assert m.figure("http_decode_tok_s").value > 0  # 3 tokens over the span of the two text chunks
     assert m.figure("kernel_gap_pct").reason.startswith("the model runs on a remote server")
+
+
+def test_a_server_s_report_that_is_not_a_figure_is_na_with_the_reason(stand_in):
+    _, server = stand_in
+    m = answer(server, "odd-timings").metrics
+    f = m.figure("server_ttft_ms")
+    assert f.value is None and f.reason == "the server reported a value that is -3.0, not a count or a time"
+    assert m.figure("server_decode_tok_s").value is None
+    from engine.figures import metrics_problem
+
+    assert metrics_problem(m.to_dict()) is None  # the answer's figures can be stored and shown again
 
 
 def test_vllm_metrics_are_read_with_their_source(stand_in):

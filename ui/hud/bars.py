@@ -41,8 +41,6 @@ BAR_ROWS = (
 )
 
 
-# Where the engine's own timing is n/a because the model runs on a remote server, the row shows what the client
-# measured over HTTP instead, under that figure's title and source.
 def _count(n: Optional[int]) -> str:
     return fmt.NA if n is None else str(n)
 
