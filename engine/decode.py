@@ -331,14 +331,13 @@ class StaticRunner(RunnerBase):
         """Compile (first calls) and capture every bucket a generation may cross, before its prefill, for the
         plain step and for the verify step of each draft length in `verify_ks`.
 
-        The writes this makes land in cache rows the prefill and later steps overwrite before reading, and the
-        token state is reset by the prefill, so a warm-up never changes a generation's result.
+        Every step it runs starts at position 0, so it writes cache positions 0..max(verify_ks) and no others
+        (warm_up_span): where a cached prefix is kept there, the caller saves and restores them (prefix.preserved).
+        The token state is reset by the prefill, so a warm-up never changes a generation's result.
         """
         todo = self._warm_up_plan(buckets, kind, use_graphs, verify_ks)
         with heap.building() if todo else contextlib.nullcontext():  # what a compile builds, kept out of gc's way
             for i, (bucket, k) in enumerate(todo):
-                self.pos.fill_(0)
-                self.counter.zero_()
                 say = functools.partial(_say, progress, i / max(len(todo), 1))
                 self._warm_up_one(bucket, kind, k, use_graphs, say)
         self.pos.zero_()
@@ -365,8 +364,20 @@ class StaticRunner(RunnerBase):
             self._capture(bucket, kind, k)
         elif self.compiled is not None:
             say(f"compiling the {what} (context {bucket})")
-            self.bucket_step(bucket, kind, k)
+            self._warm_step(bucket, kind, k)
             self.compiled_warm.add(self._graph_key(bucket, kind, k))
+
+    def _warm_step(self, bucket: int, kind: SamplerKind, k: Optional[int]) -> None:
+        """One step of a warm-up, from position 0: a step advances the position, and several in a row (a
+        capture's) would write past the span a caller keeps (warm_up_span)."""
+        self.pos.fill_(0)
+        self.counter.zero_()
+        self.bucket_step(bucket, kind, k)
+
+    @staticmethod
+    def warm_up_span(verify_ks: tuple[int, ...] = ()) -> int:
+        """The cache positions a warm-up writes: the step's one, or a verify step's k + 1."""
+        return 1 + max(verify_ks, default=0)
 
     @staticmethod
     def _graph_key(bucket: int, kind: SamplerKind, k: Optional[int]) -> tuple:
@@ -377,11 +388,13 @@ class StaticRunner(RunnerBase):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):  # allocator and lazy initialisation happen outside the graph
-                self.bucket_step(bucket, kind, k)
+                self._warm_step(bucket, kind, k)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
+        self.pos.fill_(0)
+        self.counter.zero_()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             self.bucket_step(bucket, kind, k)
         torch.cuda.synchronize()

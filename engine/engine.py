@@ -669,7 +669,7 @@ class Engine:
                 stage = "capture" if opts.cuda_graph else "compile"
                 buckets = static.buckets_for(len(prompt_ids), max_new, max(verify_ks, default=0))
                 try:
-                    with preserved(static):  # the cached prefix survives the warm-up's writes
+                    with preserved(static, verify_ks):  # the cached prefix survives the warm-up's writes
                         static.warm_up(
                             buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks
                         )
@@ -683,7 +683,7 @@ class Engine:
                     reasons["compile"] = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     notices.append("torch.compile failed, so this generation ran eagerly (details in the log)")
                     opts = replace(opts, compile=False)
-                    with preserved(static):
+                    with preserved(static, verify_ks):
                         static.warm_up(
                             buckets, kind, opts.cuda_graph, lambda m, f: on_event(Progress(stage, f, m)), verify_ks
                         )

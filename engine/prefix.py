@@ -28,7 +28,6 @@ from engine.model import DynamicKVCache
 from engine.sampling import SamplerKind
 
 PREFILL_CHUNK = 256  # prompt positions per prefill chunk: bounds a long prompt's activations, paces its progress
-WARMUP_POSITIONS = 8  # a compile warm-up or a graph capture writes at most the first few positions (pos 0..3)
 SOURCE = "longest common token prefix with the last generation's KV cache"
 
 
@@ -128,12 +127,14 @@ class PrefixCache:
 
 
 @contextmanager
-def preserved(runner: RunnerBase) -> Iterator[None]:
-    """Keep the first positions of a static cache through a compile warm-up or a graph capture, which write there."""
+def preserved(runner: RunnerBase, verify_ks: tuple[int, ...] = ()) -> Iterator[None]:
+    """Keep the first positions of a static cache through a compile warm-up or a graph capture, which write there:
+    as many as the warm-up of the plain step and the verify steps of `verify_ks` writes (a cached prefix is read
+    from them after it)."""
     if not isinstance(runner, StaticRunner):
         yield
         return
-    n = min(WARMUP_POSITIONS, runner.cache.length)
+    n = min(runner.warm_up_span(verify_ks), runner.cache.length)
     saved = [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(runner.cache.k, runner.cache.v)]
     try:
         yield

@@ -118,7 +118,7 @@ class FusedRunner(StaticRunner):
             self._capture(self.length, kind)
         else:
             say("compiling the fused kernels")
-            self.fused_step(kind)
+            self._warm_step(self.length, kind, None)
         self.compiled_warm.add(self._graph_key(self.length, kind, None))
 
     def bytes_per_step(self, pos: int) -> int:
