@@ -4,6 +4,8 @@ continued candidate; positions past the common prefix are never read; the figure
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -194,48 +196,49 @@ def test_a_cancelled_answer_leaves_a_reusable_cache(tiny_llama):
         ref.close()
 
 
+@contextmanager
+def cached_runner(tiny_llama, text: str):
+    """The static runner of an engine that has answered `text`, and a copy of its cache as that left it."""
+    eng = load(tiny_llama)
+    try:
+        eng.generate([user(text)], GREEDY)
+        runner = next(iter(eng._runners.values()))
+        with torch.inference_mode():
+            yield runner, [t.clone() for t in runner.cache.k + runner.cache.v]
+            runner.set_compiled(None)
+    finally:
+        eng.close()
+
+
 def test_a_verify_step_s_warm_up_leaves_the_cached_prefix_as_it_was(tiny_llama):
     """The verify step of k drafts writes k + 1 positions from 0, and a capture runs a step four times: each warm-up
     step starts at position 0 and `preserved` keeps what they write (a compile warm-up for 15 drafts overwrote
     positions 8..15 of the prefix a later turn reused, and changed its answer)."""
-    eng = load(tiny_llama)
-    try:
-        eng.generate([user("hello world, the quick brown fox jumps over the lazy dog again and again")], GREEDY)
-        runner = next(iter(eng._runners.values()))
-        with torch.inference_mode():
-            before = [t.clone() for t in runner.cache.k + runner.cache.v]
-            runner.set_compiled(runner.masked_step, runner.masked_verify)
-            with preserved(runner, (15,)):
-                runner.warm_up(runner.buckets_for(20, 4, 15), runner.kind, False, lambda m, f: None, (15,))
-                for _ in range(4):  # as a capture runs it
-                    runner._warm_step(runner.buckets_for(20, 4, 15)[0], runner.kind, 15)
-                written = [int((a != b).any(dim=(0, 1, 3)).nonzero().max()) for a, b in zip(before, runner.cache.k)]
-            assert max(written) == 15  # positions 0..15, no further
-            assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.k + runner.cache.v))
-            runner.set_compiled(None)
-    finally:
-        eng.close()
+    with cached_runner(tiny_llama, "hello world, the quick brown fox jumps over the lazy dog again and again") as (
+        runner,
+        before,
+    ):
+        runner.set_compiled(runner.masked_step, runner.masked_verify)
+        with preserved(runner, (15,)):
+            runner.warm_up(runner.buckets_for(20, 4, 15), runner.kind, False, lambda m, f: None, (15,))
+            for _ in range(4):  # as a capture runs it
+                runner._warm_step(runner.buckets_for(20, 4, 15)[0], runner.kind, 15)
+            written = [int((a != b).any(dim=(0, 1, 3)).nonzero().max()) for a, b in zip(before, runner.cache.k)]
+        assert max(written) == 15  # positions 0..15, no further
+        assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.k + runner.cache.v))
 
 
 def test_a_warm_up_leaves_the_cached_prefix_as_it_was(tiny_llama):
     """A compile warm-up runs the step at the first positions; `preserved` puts them back (the step function
     stands in for the compiled one: the writes are the same)."""
-    eng = load(tiny_llama)
-    try:
-        eng.generate([user("hello world, the quick brown fox")], GREEDY)
-        runner = next(iter(eng._runners.values()))
-        with torch.inference_mode():
-            before = [t.clone() for t in runner.cache.k + runner.cache.v]
-            runner.set_compiled(runner.masked_step)
-            with preserved(runner):
-                runner.warm_up(runner.buckets_for(10, 4), runner.kind, False, lambda m, f: None)
-            assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.k + runner.cache.v))
-            runner.set_compiled(runner.masked_step)  # a new step: the warm-up runs it again, unpreserved
+    with cached_runner(tiny_llama, "hello world, the quick brown fox") as (runner, before):
+        runner.set_compiled(runner.masked_step)
+        with preserved(runner):
             runner.warm_up(runner.buckets_for(10, 4), runner.kind, False, lambda m, f: None)
-            assert not all(torch.equal(a, b) for a, b in zip(before, runner.cache.k + runner.cache.v))
-            runner.set_compiled(None)
-    finally:
-        eng.close()
+        assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.k + runner.cache.v))
+        runner.set_compiled(runner.masked_step)  # a new step: the warm-up runs it again, unpreserved
+        runner.warm_up(runner.buckets_for(10, 4), runner.kind, False, lambda m, f: None)
+        assert not all(torch.equal(a, b) for a, b in zip(before, runner.cache.k + runner.cache.v))
 
 
 def test_common_prefix_and_the_plan_limits():
