@@ -384,7 +384,7 @@ class RemoteEngine:
             raise GenerationError(self._dropped(stream, f"reported an error: {stream.error}"))
         if not stream.done and not stream.cancelled and not stream.all_finished:
             raise GenerationError(self._dropped(stream, "closed the stream before the answer ended"))
-        if reader is not None:
+        if reader is not None and not stream.cancelled:  # a stop waits for nothing more
             reader.join(METRICS_TIMEOUT_S)  # the server's figures never hold up the answer for long
         result = stream.result(sampling, self.options, self.unavailable())
         result.limits = option_limits(self)
