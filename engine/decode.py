@@ -370,9 +370,12 @@ class StaticRunner(RunnerBase):
     def _warm_step(self, bucket: int, kind: SamplerKind, k: Optional[int]) -> None:
         """One step of a warm-up, from position 0: a step advances the position, and several in a row (a
         capture's) would write past the span a caller keeps (warm_up_span)."""
+        self._rewind()
+        self.bucket_step(bucket, kind, k)
+
+    def _rewind(self) -> None:
         self.pos.fill_(0)
         self.counter.zero_()
-        self.bucket_step(bucket, kind, k)
 
     @staticmethod
     def warm_up_span(verify_ks: tuple[int, ...] = ()) -> int:
@@ -393,8 +396,7 @@ class StaticRunner(RunnerBase):
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
-        self.pos.fill_(0)
-        self.counter.zero_()
+        self._rewind()  # the graph's one step from position 0, as the runs before it (_warm_step)
         with torch.cuda.graph(graph, pool=self.graph_pool):
             self.bucket_step(bucket, kind, k)
         torch.cuda.synchronize()

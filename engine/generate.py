@@ -108,6 +108,7 @@ def _metrics(run: LoopState) -> GenerationMetrics:
     metrics.decode_steps = steps
     metrics.profiled_steps = len(run.profiled)
     none_ran = "no decode step ran: the answer ended at its first token"
+    untimed = none_ran if not steps else "every decode step was in the traced window"
     if steps:
         metrics.decode_seconds = decode_s
     else:
@@ -115,7 +116,7 @@ def _metrics(run: LoopState) -> GenerationMetrics:
     if steps and decode_s > 0 and decode_tokens:
         metrics.decode_tok_s = decode_tokens / decode_s
     else:
-        metrics.mark_na("decode_tok_s", none_ran if not steps else "every decode step was in the traced window")
+        metrics.mark_na("decode_tok_s", untimed)
     kept = sum(len(r.tokens) for r in rows) - B  # decode steps' tokens the rows kept (the first is the prefill's)
     if steps:
         metrics.put("tokens_per_step", kept / B / steps)
@@ -127,5 +128,5 @@ def _metrics(run: LoopState) -> GenerationMetrics:
         if value is not None:
             metrics.put(f"step_ms_p{q}", value * 1e3)
         else:
-            metrics.mark_na(f"step_ms_p{q}", none_ran if not steps else "every decode step was in the traced window")
+            metrics.mark_na(f"step_ms_p{q}", untimed)
     return metrics

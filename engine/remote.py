@@ -170,6 +170,7 @@ class RemoteEngine:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._connect_timeout_s = min(CONNECT_TIMEOUT_S, source.timeout_s)
         self._list_timeout_s = min(LIST_TIMEOUT_S, source.timeout_s)
+        self._metrics_timeout_s = min(METRICS_TIMEOUT_S, source.timeout_s)
         timeout = httpx.Timeout(source.timeout_s, connect=self._connect_timeout_s)
         self._client = httpx.Client(headers=headers, timeout=timeout, transport=transport)
         self._context_length = 0
@@ -246,7 +247,7 @@ class RemoteEngine:
     def _probe_vllm(self) -> None:
         url = f"{_server_root(self.source.base_url)}/metrics"
         try:
-            r = self._client.get(url, timeout=min(METRICS_TIMEOUT_S, self.source.timeout_s))
+            r = self._client.get(url, timeout=self._metrics_timeout_s)
         except httpx.HTTPError:
             return
         if r.status_code == 200 and "vllm:" in r.text:
@@ -428,7 +429,7 @@ class RemoteEngine:
         if self._vllm is None:
             return None
         try:
-            return self._vllm.read(min(METRICS_TIMEOUT_S, self.source.timeout_s))
+            return self._vllm.read(self._metrics_timeout_s)
         except httpx.HTTPError as exc:
             log.info("vLLM /metrics unreadable: %s", exc)
             return None
@@ -522,7 +523,7 @@ class _Stream:
     @property
     def all_finished(self) -> bool:
         """Every answer asked for has its finish reason: complete even where the server closes without [DONE]."""
-        return len(self.finish) >= self.n and all(i in self.finish for i in range(self.n))
+        return all(i in self.finish for i in range(self.n))
 
     def feed(self, line: str, raw: bool, emit: Callable, now: float) -> bool:
         """Take one SSE line; True when it carried the answer's first text."""

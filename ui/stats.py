@@ -99,6 +99,7 @@ def format_stats(
     compile_part = f" + compile {fmt(compile_s)} s" if compile_s is not None else ""
     # a remote server's answer: the client's timings over HTTP stand in for the engine's (figures.shown)
     ttft, decode = figures.shown(m, "ttft_ms"), figures.shown(m, "decode_tok_s")
+    prefill = figures.read(m, "prefill_tok_s")  # no stand-in over HTTP
     ttft_how, decode_how = figures.over_http(ttft, "ttft_ms"), figures.over_http(decode, "decode_tok_s")
     rate = f"{fmt(decode.value)} tok/s{decode_how}" + (f" (all {len(per)} candidates)" if batch else "")
     line = " · ".join(
@@ -135,13 +136,7 @@ def format_stats(
             ttft.source,
             ttft.reason,
         ),
-        _sourced(
-            "Prefill",
-            m.get("prefill_tok_s"),
-            f"{fmt(m.get('prefill_tok_s'))} tok/s",
-            figures.ENGINE_TIMING,
-            unavailable.get("prefill_tok_s"),
-        ),
+        _sourced("Prefill", prefill.value, f"{fmt(prefill.value)} tok/s", prefill.source, prefill.reason),
         _sourced(
             f"Decode{decode_how}",
             decode.value,

@@ -183,12 +183,8 @@ class CompareModel(QAbstractTableModel):
             if v is None and col.kind == "option":
                 return "—"  # a setting this generation did not use
             text = col.format(v) if v is not None else fmt.NA
-            if (
-                col.kind == "metric"
-                and v is not None
-                and figures.shown(self.rows[row].metrics, col.key).spec.key != col.key
-            ):
-                text += " (HTTP)"
+            if col.kind == "metric" and v is not None:
+                text += figures.over_http(figures.shown(self.rows[row].metrics, col.key), col.key)
             if col.kind == "index" and row == self.reference:
                 return f"{text} (ref)"
             d = self.delta(row, col.key)
