@@ -196,7 +196,11 @@ class Api:
             raise bad(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
 
     def model_object(self) -> dict[str, Any]:
-        return {"id": self.engines.model_id, "object": "model", "created": 0, "owned_by": "gapless"}
+        out: dict[str, Any] = {"id": self.engines.model_id, "object": "model", "created": 0, "owned_by": "gapless"}
+        ctx = getattr(self.engines.engine, "context_length", 0)
+        if isinstance(ctx, int) and ctx > 0:  # vLLM's name for it, which clients (and Gapless's remote engine) read
+            out["max_model_len"] = ctx
+        return out
 
     async def models(self, request: HttpRequest) -> Response:
         self.check_key(request)

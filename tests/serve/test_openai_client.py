@@ -48,7 +48,9 @@ def direct(engine, messages, n: int = 1, raw: bool = False, **sampling):
 def test_models_lists_the_loaded_model(client, server, tiny_llama):
     ids = [m.id for m in client.models.list().data]
     assert ids == [tiny_llama.name] == [model_id(server)]
-    assert client.models.retrieve(model_id(server)).owned_by == "gapless"
+    model = client.models.retrieve(model_id(server))
+    assert model.owned_by == "gapless"
+    assert model.max_model_len == server.engines.engine.context_length > 0  # vLLM's field: clients read it
 
 
 def test_chat_equals_the_engine_token_for_token(client, server, reference):

@@ -254,6 +254,12 @@ def test_generate_on_the_command_line_through_a_remote(server, local):
     assert out["texts"] == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
     assert out["model"]["backend"] == "remote" and KEY not in r.stdout + r.stderr
     assert out["metrics"]["http_ttft_ms"] > 0
+    # what the server does not say is null with the reason, never a made-up 0
+    model = out["model"]
+    assert model["parameters"] is None and model["weight_bytes"] is None
+    assert "does not say" in model["unavailable"]["parameters"]
+    assert "does not say" in model["unavailable"]["weight_bytes"]
+    assert model["context_length"] == local.context_length and "context_length" not in model["unavailable"]
 
 
 def test_gapless_serve_can_front_a_remote_model(server, local):

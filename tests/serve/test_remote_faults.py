@@ -305,3 +305,16 @@ def test_opening_waits_for_the_model_list_not_the_whole_answer_timeout(stand_in,
     slow = server.url.replace("/v1", "/slow/v1")
     with pytest.raises(ModelLoadError, match="did not list its models within 0.5 s"):
         RemoteEngine.load(RemoteSource(slow, "llamacpp", 3600.0))
+
+
+def test_a_model_the_server_says_nothing_about_is_null_with_reasons_in_the_json(stand_in):
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "nousage"))
+    try:
+        model = engine.info.to_dict()
+    finally:
+        engine.close()
+    assert engine.context_length == 0  # this stand-in lists its models without a context length
+    for key in ("parameters", "weight_bytes", "context_length"):
+        assert model[key] is None and model["unavailable"][key].startswith("n/a: the server does not"), key
+    assert json.loads(json.dumps(model)) == model
