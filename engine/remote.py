@@ -47,6 +47,13 @@ CANCEL_POLL_S = 0.05  # how often a generation waiting for the server looks at i
 CONNECT_TIMEOUT_S = 10.0  # to open a connection: a host that is down or unreachable is said so without a long wait
 LIST_TIMEOUT_S = 30.0  # GET /models when a remote model is opened: the app waits on it, with no way to stop it
 METRICS_TIMEOUT_S = 2.0  # vLLM's /metrics: read beside the answer, which never waits longer for it
+# The sampling settings OpenAI's API lacks, under the names of the servers known to take them (recognised by the
+# `owned_by` of their model list). OpenAI's own API refuses fields it does not know, so other servers get neither.
+SAMPLING_EXTENSIONS: dict[str, dict[str, str]] = {
+    "gapless": {"top_k": "top_k", "repetition_penalty": "repetition_penalty"},
+    "vllm": {"top_k": "top_k", "repetition_penalty": "repetition_penalty"},
+    "llamacpp": {"top_k": "top_k", "repetition_penalty": "repeat_penalty"},  # llama.cpp's llama-server
+}
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,7 @@ class RemoteEngine:
         timeout = httpx.Timeout(source.timeout_s, connect=self._connect_timeout_s)
         self._client = httpx.Client(headers=headers, timeout=timeout, transport=transport)
         self._context_length = 0
+        self._extensions: dict[str, str] = {}  # SAMPLING_EXTENSIONS of this server
         self._vllm: Optional[VllmMetrics] = None
         self.tokenizer = None
 
@@ -242,6 +250,8 @@ class RemoteEngine:
         entry = ids[self.source.model]
         ctx = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx_train") or entry.get("context_length")
         self._context_length = int(ctx) if isinstance(ctx, int) and ctx > 0 else 0
+        owner = entry.get("owned_by")
+        self._extensions = SAMPLING_EXTENSIONS.get(owner, {}) if isinstance(owner, str) else {}
         self._probe_vllm()
 
     def _probe_vllm(self) -> None:
@@ -329,6 +339,19 @@ class RemoteEngine:
             body["seed"] = sampling.seed
         if sampling.stop:
             body["stop"] = list(sampling.stop)
+        left = []  # settings the server is not known to take
+        wanted = {
+            "top_k": (f"top-k {sampling.top_k}", sampling.top_k if sampling.top_k and sampling.temperature > 0 else None),
+            "repetition_penalty": (
+                f"repetition penalty {sampling.repetition_penalty:g}",
+                sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None,
+            ),
+        }
+        for name, (said, setting) in wanted.items():
+            if setting is not None and name in self._extensions:
+                body[self._extensions[name]] = setting
+            elif setting is not None:
+                left.append(said)
         if raw:
             body["prompt"] = messages[-1]["content"]
         else:
@@ -393,13 +416,10 @@ class RemoteEngine:
         self._server_figures(result.metrics, stream, before, side.get("during"), after)
         if n > 1 and len(stream.texts) < n:
             result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")
-        left = [f"top-k {sampling.top_k}"] if sampling.top_k and sampling.temperature > 0 else []
-        if sampling.repetition_penalty != 1.0:
-            left.append(f"repetition penalty {sampling.repetition_penalty:g}")
-        if left:  # OpenAI's API refuses fields it does not know, so they are not sent
+        if left:
             result.notices.append(
-                f"{' and '.join(left)} not applied: the OpenAI API has no such setting, so the remote server "
-                "sampled without it"
+                f"{' and '.join(left)} not applied: the OpenAI API has no such setting, and this server is not one "
+                "known to take it (Gapless, vLLM, llama.cpp), so it sampled without it"
             )
         return result
 

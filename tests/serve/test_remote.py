@@ -168,18 +168,16 @@ def test_stop_and_seed_pass_through(remote, local):
     assert a == b
 
 
-def test_sampling_settings_the_api_lacks_are_said_not_applied(remote, local):
-    """The app's top-k and repetition penalty have no field in the OpenAI API: the answer says they were not applied
-    (and is what the server makes without them)."""
-    sampling = SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1, max_new_tokens=8, seed=3)
-    got = remote.generate(HELLO, sampling)
-    assert got.notices == [
-        "top-k 40 and repetition penalty 1.1 not applied: the OpenAI API has no such setting, so the remote server "
-        "sampled without it"
-    ]
-    assert got.texts == local.generate(HELLO, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)).texts
-    greedy = remote.generate(HELLO, SamplingParams(temperature=0.0, top_k=40, max_new_tokens=4))
-    assert greedy.notices == []  # top-k changes nothing under greedy decoding
+def test_top_k_and_repetition_penalty_reach_a_gapless_server(remote, local):
+    """OpenAI's API has no top-k or repetition penalty; Gapless's server takes them as vLLM's does, so the app's
+    settings apply and the answer is the local engine's with them."""
+    without = local.generate(HELLO, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)).texts
+    for top_k, penalty in ((40, 1.1), (2, 5.0)):
+        sampling = SamplingParams(temperature=1.0, top_k=top_k, repetition_penalty=penalty, max_new_tokens=8, seed=3)
+        got = remote.generate(HELLO, sampling)
+        assert not [n for n in got.notices if "not applied" in n]
+        assert got.texts == local.generate(HELLO, sampling).texts
+    assert got.texts != without  # the settings changed the answer, so it is they that reached the server
 
 
 def test_a_wrong_key_unknown_model_or_dead_server_is_one_clear_error(server):

@@ -43,6 +43,7 @@ class StandIn:
 
     def __init__(self) -> None:
         self.vllm_requests = 0
+        self.bodies: dict[str, dict] = {}  # the last request body per model
         self.stalled: list[asyncio.Event] = []
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -57,7 +58,9 @@ class StandIn:
         )
 
     async def models(self, _r: Request):
-        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]})
+        owners = {"llamacpp": "llamacpp", "vllm": "vllm"}  # as those servers name themselves
+        data = [{"id": m, "object": "model", **({"owned_by": owners[m]} if m in owners else {})} for m in MODELS]
+        return JSONResponse({"object": "list", "data": data})
 
     async def slow_models(self, r: Request):  # a server that takes its time to list its models
         await asyncio.sleep(5)
@@ -91,6 +94,7 @@ class StandIn:
     async def chat(self, request: Request):
         body = await request.json()
         model = body["model"]
+        self.bodies[model] = body
         if model == "error500":
             return JSONResponse({"error": {"message": "CUDA out of memory on the server"}}, status_code=500)
         if model == "html500":  # a proxy's error page in front of the server
@@ -318,3 +322,30 @@ def test_a_model_the_server_says_nothing_about_is_null_with_reasons_in_the_json(
     for key in ("parameters", "weight_bytes", "context_length"):
         assert model[key] is None and model["unavailable"][key].startswith("n/a: the server does not"), key
     assert json.loads(json.dumps(model)) == model
+
+
+@pytest.mark.parametrize(
+    "model, sent",
+    [
+        ("llamacpp", {"top_k": 40, "repeat_penalty": 1.1}),
+        ("vllm", {"top_k": 40, "repetition_penalty": 1.1}),
+        ("nousage", {}),  # a server not known to take them: OpenAI's own API refuses fields it does not know
+    ],
+)
+def test_top_k_and_repetition_penalty_go_to_servers_known_to_take_them(stand_in, model, sent):
+    s, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, model))
+    try:
+        r = engine.generate(HELLO, SamplingParams(temperature=0.7, top_k=40, repetition_penalty=1.1, max_new_tokens=8))
+    finally:
+        engine.close()
+    extensions = ("top_k", "repetition_penalty", "repeat_penalty")
+    assert {k: v for k, v in s.bodies[model].items() if k in extensions} == sent
+    said = [n for n in r.notices if "not applied" in n]
+    if sent:
+        assert said == []
+    else:
+        assert said == [
+            "top-k 40 and repetition penalty 1.1 not applied: the OpenAI API has no such setting, and this server "
+            "is not one known to take it (Gapless, vLLM, llama.cpp), so it sampled without it"
+        ]
