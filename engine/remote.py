@@ -280,6 +280,11 @@ class RemoteEngine:
             backend_reason=REMOTE_REASON,
         )
 
+    def passes_on(self, setting: str) -> bool:
+        """Whether this server is known to take `setting` ("top_k", "repetition_penalty"), which OpenAI's API
+        lacks (SAMPLING_EXTENSIONS)."""
+        return setting in self._extensions
+
     @property
     def context_length(self) -> int:
         """0 when the server does not report it."""
@@ -341,14 +346,17 @@ class RemoteEngine:
             body["stop"] = list(sampling.stop)
         left = []  # settings the server is not known to take
         wanted = {
-            "top_k": (f"top-k {sampling.top_k}", sampling.top_k if sampling.top_k and sampling.temperature > 0 else None),
+            "top_k": (
+                f"top-k {sampling.top_k}",
+                sampling.top_k if sampling.top_k and sampling.temperature > 0 else None,
+            ),
             "repetition_penalty": (
                 f"repetition penalty {sampling.repetition_penalty:g}",
                 sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None,
             ),
         }
         for name, (said, setting) in wanted.items():
-            if setting is not None and name in self._extensions:
+            if setting is not None and self.passes_on(name):
                 body[self._extensions[name]] = setting
             elif setting is not None:
                 left.append(said)

@@ -267,8 +267,13 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
                 "missing_max_tokens",
             )
         for name, off in (("top_k", 0), ("repetition_penalty", 1.0)):
-            if getattr(req, name) != off:
-                raise bad(f"'{name}' is not passed on to a remote model's server", name, "unsupported_parameter")
+            if getattr(req, name) != off and not engine.passes_on(name):
+                raise bad(
+                    f"'{name}' is not passed on to this remote model's server: it is not one known to take it "
+                    "(Gapless, vLLM, llama.cpp)",
+                    name,
+                    "unsupported_parameter",
+                )
         return sampling_of(req, req.max_tokens), 0
     ctx = engine.context_length
     full = build_prompt(engine.tokenizer, req.messages, 1 << 40, 1, raw=req.raw)

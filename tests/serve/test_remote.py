@@ -273,9 +273,18 @@ def test_gapless_serve_can_front_a_remote_model(server, local):
             )
             with pytest.raises(openai.BadRequestError, match="give max_tokens"):
                 client.chat.completions.create(model=front.engines.model_id, messages=HELLO)
+            sampled = client.chat.completions.create(
+                model=front.engines.model_id,
+                messages=HELLO,
+                max_tokens=8,
+                seed=3,
+                extra_body={"top_k": 2, "repetition_penalty": 5.0},  # passed on: the server behind is Gapless
+            )
     finally:
         remote.close()
     assert (
         r.choices[0].message.content
         == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts[0]
     )
+    want = SamplingParams(temperature=1.0, top_k=2, repetition_penalty=5.0, max_new_tokens=8, seed=3)
+    assert sampled.choices[0].message.content == local.generate(HELLO, want).texts[0]

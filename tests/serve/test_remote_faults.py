@@ -349,3 +349,21 @@ def test_top_k_and_repetition_penalty_go_to_servers_known_to_take_them(stand_in,
             "top-k 40 and repetition penalty 1.1 not applied: the OpenAI API has no such setting, and this server "
             "is not one known to take it (Gapless, vLLM, llama.cpp), so it sampled without it"
         ]
+
+
+def test_a_gapless_server_fronting_a_server_that_lacks_top_k_refuses_it(stand_in):
+    import httpx
+    from serving import serving
+
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "nousage"))
+    try:
+        with serving(engine) as front:
+            body = {"model": front.engines.model_id, "messages": HELLO, "max_tokens": 8, "top_k": 5}
+            r = httpx.post(f"{front.url}/chat/completions", json=body, timeout=30)
+            ok = httpx.post(f"{front.url}/chat/completions", json={**body, "top_k": 0}, timeout=30)
+    finally:
+        engine.close()
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+    assert "not one known to take it" in r.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Hello there"
