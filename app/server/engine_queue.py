@@ -14,6 +14,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -254,6 +255,23 @@ def _texts_to(sink: Sink) -> Callable[[Any], None]:
     return on_event
 
 
+# How many fewer characters a tokenizer's normaliser might leave (NFC joins a letter and its combining accent).
+NORMALISATION_MARGIN = 2
+
+
+_LONGEST: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per tokenizer, while it lives
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters of text one token covers: its vocabulary's longest entry. A byte-level BPE entry has a
+    character per byte, a SentencePiece one a character per character ("▁" for a space, "<0x41>" for a byte), so
+    a text of c characters is at least c / longest tokens, whatever the text."""
+    longest = _LONGEST.get(tokenizer)
+    if longest is None:
+        longest = _LONGEST[tokenizer] = max(1, max((len(piece) for piece in tokenizer.get_vocab()), default=1))
+    return longest
+
+
 def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
     """Sampling for `req` and its prompt length, or a 400 when the prompt and the answer do not fit the context
     (the engine would cut the prompt to fit; a client of this API expects to be told instead)."""
@@ -276,9 +294,18 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
                 )
         return sampling_of(req, req.max_tokens), 0
     ctx = engine.context_length
+    where = "messages" if req.chat else "prompt"
+    chars = sum(len(m["content"]) for m in req.messages)
+    longest = longest_token(engine.tokenizer)
+    if chars > NORMALISATION_MARGIN * longest * ctx:  # a prompt of megabytes would hold the engine for seconds
+        raise bad(
+            f"this model's maximum context length is {ctx} tokens, but the prompt has more than {ctx} tokens: "
+            f"{chars:,} characters, and a token of this model covers at most {longest}",
+            where,
+            "context_length_exceeded",
+        )
     full = build_prompt(engine.tokenizer, req.messages, 1 << 40, 1, raw=req.raw)
     n = len(full.ids)
-    where = "messages" if req.chat else "prompt"
     if n >= ctx:
         raise bad(
             f"this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens",

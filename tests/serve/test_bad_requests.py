@@ -326,3 +326,29 @@ def test_seed_minus_one_asks_for_a_random_seed_as_llama_cpp_reads_it():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert parse_request({**body, "seed": -1}, chat=True, model_id="m").seed is None
     assert parse_request({**body, "seed": 2**63 - 1}, chat=True, model_id="m").seed == 2**63 - 1
+
+
+def test_a_prompt_of_megabytes_is_refused_without_tokenizing_it(server, monkeypatch):
+    """Tokenizing 4 MB takes seconds on the engine's thread, which every other request waits for: a prompt whose
+    characters alone prove it too long for the context is refused before."""
+    import engine.prompt as prompt
+    from app.server.engine_queue import NORMALISATION_MARGIN, longest_token
+
+    served = server.engines.engine
+    longest = longest_token(served.tokenizer)
+    over = NORMALISATION_MARGIN * longest * served.context_length + 1
+    calls = []
+    real = prompt.build_prompt
+    monkeypatch.setattr(prompt, "build_prompt", lambda *a, **k: calls.append(1) or real(*a, **k))
+    err = assert_error(
+        post(server, chat_body(server, messages=[{"role": "user", "content": "a" * over}], max_tokens=None)),
+        400,
+        "messages",
+        "context_length_exceeded",
+        f"{over:,} characters, and a token of this model covers at most {longest}",
+    )
+    assert "maximum context length is 256" in err["message"] and calls == []
+    # just under the bound the prompt is tokenized and counted as before
+    under = chat_body(server, messages=[{"role": "user", "content": "a" * (over - 1)}], max_tokens=None)
+    assert "prompt has" in assert_error(post(server, under), 400, "messages", "context_length_exceeded")["message"]
+    assert calls == [1]
