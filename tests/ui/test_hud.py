@@ -881,6 +881,12 @@ def test_compare_rows_name_their_model_and_a_ladder_its_own(hud, tmp_path):
     ]
     shown = [model.data(model.index(i, COLUMN_INDEX["model"])) for i in range(3)]
     assert shown == ["SmolLM2-135M", "tiny", "SmolLM2-135M"]
+    # the row of another model than the reference's says its deltas compare models; a row of the same says nothing
+    tips = [model.data(model.index(i, COLUMN_INDEX["model"]), Qt.ItemDataRole.ToolTipRole) for i in range(3)]
+    assert tips == [None, "tiny: not the reference row's model (SmolLM2-135M), so its deltas compare models", None]
+    tok_s = [model.data(model.index(i, COLUMN_INDEX["decode_tok_s"]), Qt.ItemDataRole.ToolTipRole) for i in (1, 2)]
+    assert tok_s[0].endswith("\nthe delta is against SmolLM2-135M, another model (the reference row)")
+    assert "another model" not in tok_s[1]
     panel.compare.model.add(CompareRow(9, "kept from before", EngineOptions(device="cpu"), GenerationMetrics()))
     assert model.data(model.index(3, COLUMN_INDEX["model"])) == "n/a"
     tip = model.data(model.index(3, COLUMN_INDEX["model"]), Qt.ItemDataRole.ToolTipRole)
@@ -911,7 +917,9 @@ def test_a_remote_row_compares_by_the_client_s_timings(qtbot):
     model.add(CompareRow(2, "there", EngineOptions(), remote, "b"))
     cell = model.index(1, COLUMN_INDEX["ttft_ms"])
     assert model.data(cell) == "50.0 ms (HTTP)  ×0.50"
-    assert model.data(cell, Qt.ItemDataRole.ToolTipRole) == "client-side timing over HTTP"
+    assert model.data(cell, Qt.ItemDataRole.ToolTipRole) == (
+        "client-side timing over HTTP\nthe delta is against a, another model (the reference row)"
+    )
 
 
 def test_series_exports_equal_what_was_fed(hud, tmp_path):

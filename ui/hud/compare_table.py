@@ -155,6 +155,13 @@ class CompareModel(QAbstractTableModel):
             return None
         return (float(v) - float(ref)) / abs(float(ref))
 
+    def _other_model(self, row: int) -> str:
+        """The reference row's model where it is not this row's (both named), else ""."""
+        if self.reference is None or row == self.reference:
+            return ""
+        mine, ref = self.rows[row].model, self.rows[self.reference].model
+        return ref if mine and ref and mine != ref else ""
+
     # ---- QAbstractTableModel ---------------------------------------------------------------------------
 
     def rowCount(self, parent=QModelIndex()) -> int:
@@ -197,11 +204,17 @@ class CompareModel(QAbstractTableModel):
             return f"{fmt.NA} — this row was kept before rows named their model"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
             return fmt.options_summary(self.rows[row].options)
+        if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and self._other_model(row):
+            return f"{v}: not the reference row's model ({self._other_model(row)}), so its deltas compare models"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "metric":
             fig = figures.shown(self.rows[row].metrics, col.key)
             if v is None:
                 return f"{fmt.NA} — {fig.reason or 'not measured in this generation'}"
-            return fig.source or "source not reported"
+            source = fig.source or "source not reported"
+            other = self._other_model(row)
+            if other and self.delta(row, col.key) is not None:
+                source += f"\nthe delta is against {other}, another model (the reference row)"
+            return source
         if role == Qt.ItemDataRole.ForegroundRole:
             d = self.delta(row, col.key)
             if d is not None and col.better and abs(d) >= 0.02:
