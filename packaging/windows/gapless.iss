@@ -38,6 +38,8 @@ SolidCompression=yes
 ; disk spanning (setup.exe plus setup-*.bin files next to it); uncomment for such builds.
 ; DiskSpanning=yes
 WizardStyle=modern
+; The licence page: Apache-2.0 (relative paths are from this script's folder, Inno Setup's SourceDir).
+LicenseFile=..\..\LICENSE
 CloseApplications=yes
 
 [Tasks]

@@ -1,0 +1,36 @@
+"""packaging/windows/gapless.iss read as Inno Setup reads it (it is compiled on Windows only): the files it names
+relative to its folder exist, the licence page shows the project's licence, and the AppId that ties upgrades and
+the uninstaller together is the one released."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "packaging" / "windows" / "gapless.iss"
+
+
+def setup_section() -> dict[str, str]:
+    text = SCRIPT.read_text(encoding="utf-8")
+    section = re.search(r"^\[Setup\]\n(.*?)^\[", text, re.S | re.M)
+    assert section, "no [Setup] section"
+    out = {}
+    for line in section.group(1).splitlines():
+        if line.strip() and not line.lstrip().startswith((";", "#")):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def test_the_licence_page_shows_the_project_s_licence():
+    setup = setup_section()
+    licence = SCRIPT.parent / setup["LicenseFile"].replace("\\", "/")  # from the script's folder, its SourceDir
+    assert licence.resolve() == (ROOT / "LICENSE").resolve()
+    assert "Apache License" in licence.read_text(encoding="utf-8")
+
+
+def test_the_app_id_is_the_released_one_and_install_is_per_user():
+    setup = setup_section()
+    assert setup["AppId"] == "{{6A73AAFB-9802-4AFB-A844-2620C6453521}"  # changing it orphans installed copies
+    assert setup["PrivilegesRequired"] == "lowest"
