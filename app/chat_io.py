@@ -203,8 +203,15 @@ def _quote(text: str) -> str:
 def write_text(path: Path, text: str) -> None:
     """Write atomically (engine.paths.write_whole): a failed write leaves no half file at `path`. Owner-only, as
     a chat is private."""
+    from engine.errors import OutputPathError
+    from engine.paths import output_file
+
     try:
-        write_whole(Path(path), text, mode=0o600)
+        target = output_file(path, "the chat")  # through a link; a folder, a device or a pipe is refused
+    except OutputPathError as exc:
+        raise ChatFileError(str(exc)) from None
+    try:
+        write_whole(target, text, mode=0o600)
     except OSError as exc:
         raise ChatFileError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
@@ -232,7 +239,7 @@ def parse_chat(data: bytes) -> ImportedChat:
     if len(data) > MAX_FILE_BYTES:
         raise ChatFileError(f"the file is larger than {MAX_FILE_BYTES >> 20} MiB")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark, as Windows editors write one, is not content
     except UnicodeDecodeError as exc:
         raise ChatFileError(f"not a Gapless chat file: not UTF-8 text (byte {exc.start})") from None
     try:
@@ -384,7 +391,7 @@ def validate(doc: Any) -> ImportedChat:
     if "exported" in doc:
         _time(doc["exported"], "exported")
     chat = _obj(doc["chat"], "chat", CHAT_KEYS, {"title"})
-    title = _text(chat["title"], "chat.title", MAX_TITLE_CHARS)
+    title = " ".join(_text(chat["title"], "chat.title", MAX_TITLE_CHARS).split())  # one line, as the app's titles
     now = time.time()
     created = _time(chat.get("created", now), "chat.created")
     updated = _time(chat.get("updated", created), "chat.updated")

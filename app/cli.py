@@ -389,14 +389,48 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     return EXIT_USER_ERROR
 
 
+EXIT_BROKEN_PIPE = 141  # as a shell reports a command ended by SIGPIPE
+
+
+def _utf8_output() -> None:
+    """What goes to a file or a pipe (JSON, a chat's export, lists) is UTF-8 whatever the locale's code page says
+    (Windows' cp1252 could not write a check mark, and wrote "Café" in bytes our own import refuses); a terminal
+    keeps its encoding, writing what it cannot show as "?" rather than failing."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # absent where a test or an embedder swapped the stream
+        if reconfigure is None:
+            continue
+        try:
+            if stream.isatty():
+                reconfigure(errors="replace")
+            else:
+                reconfigure(encoding="utf-8")
+        except (OSError, ValueError):  # a closed or detached stream: left as it is
+            pass
+
+
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away: what Python would still flush at exit goes nowhere, not into a second
+    BrokenPipeError on stderr."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: user errors become one line on stderr and a non-zero exit (a traceback with --verbose)."""
     from engine.errors import GaplessError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = "-v" in argv or "--verbose" in argv
+    _utf8_output()
     try:
         return run(argv)
+    except BrokenPipeError:  # `gapless ... | head`: the reader has all it wanted
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
     except GaplessError as exc:
         if verbose:
             log.exception("error")

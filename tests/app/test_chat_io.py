@@ -356,3 +356,76 @@ def test_the_command_line_says_when_it_moved_a_damaged_database_aside(tmp_path):
     assert r.returncode == 0 and r.stdout == ""
     assert r.stderr.startswith("gapless: The chat database was damaged (file is not a database). It was kept as ")
     assert "a new, empty one was created" in r.stderr
+
+
+def test_export_writes_through_a_link_and_refuses_a_pipe(tmp_path):
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    with ChatStore(AppPaths.resolve(data).ensure().database) as s:
+        chat_id = make_chat(s)
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    r = gapless(data, "chats", "export", str(chat_id), "-o", str(link))
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and json.loads(real.read_text())["format"] == "gapless-chat"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = gapless(data, "chats", "export", str(chat_id), "-o", str(fifo))
+    assert r.returncode == 2 and f"cannot write the chat to {fifo}: it is not a regular file" in r.stderr
+    assert fifo.is_fifo()
+
+
+def test_output_to_a_pipe_is_utf8_whatever_the_code_page(tmp_path):
+    """Redirected on Windows, Python writes in the ANSI code page: a check mark could not be written at all, and
+    "Café" came out in bytes the import refuses."""
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    with ChatStore(AppPaths.resolve(data).ensure().database) as s:
+        chat_id = make_chat(s)
+        s.rename_chat(chat_id, "Café ✓")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="cp1252")
+    run = [sys.executable, "-m", "app", "--data-dir", str(data), "chats"]
+    listed = subprocess.run([*run, "list"], capture_output=True, env=env, cwd=ROOT, timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    assert "Café ✓" in listed.stdout.decode("utf-8")
+    exported = subprocess.run([*run, "export", str(chat_id)], capture_output=True, env=env, cwd=ROOT, timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    path = tmp_path / "cafe.json"
+    path.write_bytes(exported.stdout)
+    r = gapless(data, "chats", "import", str(path))
+    assert r.returncode == 0 and r.stdout.strip().endswith(": Café ✓"), r.stderr
+
+
+def test_a_reader_that_closes_the_pipe_early_is_no_error(tmp_path):
+    """`gapless chats export 1 | head -c 3`: the reader went away; no 'internal error', no traceback."""
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    with ChatStore(AppPaths.resolve(data).ensure().database) as s:
+        chat_id = make_chat(s)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "app", "--data-dir", str(data), "chats", "export", str(chat_id)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    p.stdout.close()  # before the child, still starting, writes anything
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and err == ""
+
+
+def test_a_file_with_a_byte_order_mark_and_a_title_of_several_lines_is_imported_as_the_app_keeps_titles(
+    store, tmp_path
+):
+    doc = good_doc(store)
+    doc["chat"]["title"] = "Trip\nplans\t 2027 "
+    path = _write(tmp_path, b"\xef\xbb\xbf" + json.dumps(doc).encode("utf-8"))
+    chat_id = import_chat(store, path)
+    assert store.get_chat(chat_id).title == "Trip plans 2027"
+    assert without_time(chat_document(store, chat_id))["messages"] == without_time(doc)["messages"]
