@@ -213,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         "include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)",
     )
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
-    bench.add_argument(
+    bench.set_defaults(subparser=bench)  # its errors name `gapless bench`, and its defaults tell given flags
+    modes = bench.add_mutually_exclusive_group()  # the ladder when none is given
+    modes.add_argument(
         "--conversation",
         action="store_true",
         help="instead of the ladder: TTFT along a growing conversation, prefix reuse on against off",
@@ -226,14 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
         "keep the KV cache between generations (default on; a repeat then reuses its prompt)",
     )
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
-    bench.add_argument(
+    modes.add_argument(
         "--quality",
         action="store_true",
         help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
         "format (fp32, bf16, int8, int4) on a fixed text",
     )
     _add_speculation_options(bench)
-    bench.add_argument(
+    modes.add_argument(
         "--speculation-workloads",
         action="store_true",
         help="instead of the ladder: decode speed with and without speculation on rewrite, summary "

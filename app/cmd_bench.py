@@ -19,13 +19,60 @@ from engine.types import DTYPES, PRESETS, describe_options, is_remote
 NA = "n/a"
 
 
+# The flags each kind of bench reads besides --model, --device, --max-new-tokens, --repeats, --json and --threads;
+# one given to a kind that does not read it is refused, not ignored.
+MODE_FLAGS: dict[str, tuple[str, ...]] = {
+    "ladder": (
+        "presets",
+        "candidates",
+        "kernels",
+        "baseline",
+        "compile",
+        "prompt",
+        "prefix_reuse",
+        "speculation",
+        "draft_tokens",
+        "draft_model",
+    ),
+    "conversation": ("turns",),
+    "quality": (),
+    "speculation_workloads": ("compile", "speculation", "draft_tokens", "draft_model", "dtypes", "cuda_graph"),
+}
+QUALITY_DECODE_TOKENS = 64  # the quality bench's decode runs, at most: its figure of interest is the perplexity
+
+
+def bench_mode(args: argparse.Namespace) -> str:
+    return next((m for m in MODE_FLAGS if m != "ladder" and getattr(args, m, False)), "ladder")
+
+
+def _kind(mode: str) -> str:
+    return "the ladder" if mode == "ladder" else f"--{mode.replace('_', '-')}"
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag the chosen kind of bench would not read (argparse already refuses two kinds at once), and
+    counts no bench can run with, before any model loads."""
+    mode = bench_mode(args)
+    parser = getattr(args, "subparser", None)
+    for flag in sorted({f for flags in MODE_FLAGS.values() for f in flags} - set(MODE_FLAGS[mode])):
+        if parser is not None and getattr(args, flag, None) != parser.get_default(flag):
+            readers = " and ".join(_kind(m) for m, flags in MODE_FLAGS.items() if flag in flags)
+            raise OptionsError(f"--{flag.replace('_', '-')} is for {readers}, not {_kind(mode)}")
+    least = 1 if mode == "conversation" else 2  # a decode figure needs a second token; a TTFT only the first
+    if args.repeats < 1 or args.max_new_tokens < least:
+        raise OptionsError(
+            f"--repeats must be at least 1 and --max-new-tokens at least {least}, got {args.repeats} and "
+            f"{args.max_new_tokens}"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The bench's flags that were given, by their BenchConfig names; the rest keep BenchConfig's defaults."""
     if getattr(args, "draft_model", None):
         check_draft_model("draft", args.draft_model)
     given = {f.name: getattr(args, f.name, None) for f in fields(BenchConfig)}
     presets = tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets else tuple(PRESETS)
-    given.update(presets=presets, prompt=args.prompt or DEFAULT_PROMPT)
+    given.update(presets=presets, prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     return BenchConfig(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -180,7 +227,7 @@ def format_table(report: dict[str, Any]) -> str:
         )
     ]
     for name, metric, source in sources:
-        src = _first(rungs, source)
+        src = _first(everything, source)
         if src:
             out.append(f"{name}: {src}.")
         else:
@@ -193,11 +240,19 @@ def format_table(report: dict[str, Any]) -> str:
                 out.append(f"{name}: n/a: " + "; ".join(f"{', '.join(ls)}: {w}" for w, ls in whys.items()) + ".")
             else:
                 out.append(f"{name}: n/a" + (f" ({next(iter(whys))})." if whys else "."))
+    unavailable = report["ratios"].get("unavailable") or {}
     if naive is None:
         ran = any(r.get("name") == "naive" and r.get("status") == "ok" for r in rungs)
+        why = unavailable.get("naive_decode_tok_s")
         out.append(
-            "× Naive: n/a (" + ("the Naive rung has no decode figure" if ran else "the Naive rung did not run") + ")."
+            f"× Naive: n/a ({why or ('the Naive rung has no decode figure' if ran else 'the Naive rung did not run')})."
         )
+    columns = [("× transformers", "transformers_decode_tok_s")]
+    if compiled:
+        columns.append(("× transformers compiled", "transformers_static_compile_decode_tok_s"))
+    for title, key in columns:
+        if unavailable.get(key):
+            out.append(f"{title}: n/a ({unavailable[key]}).")
     warm = [f"{r['label']} {sum(r['warmup_seconds']):.1f}" for r in everything if r.get("warmup_seconds")]
     if warm:
         out.append(
@@ -259,6 +314,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "bench times this machine's engine under its own options, which a remote server decides for itself; "
             "a remote model's figures come with each answer (gapless generate --model remote:... --json)"
         )
+    check_flags(args)
     if args.json is not None:  # refused before the bench runs, not after it
         output_file(args.json, "the bench's JSON")
     # the speculation bench's options checked before any model loads
@@ -283,9 +339,13 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_quality_bench(args: argparse.Namespace) -> int:
     from engine.quality import QualityConfig, format_quality_table, run_quality
 
-    config = QualityConfig(
-        model=args.model, device=args.device, decode_tokens=min(args.max_new_tokens, 64), repeats=args.repeats
-    )
+    parser = getattr(args, "subparser", None)
+    tokens = args.max_new_tokens
+    if parser is not None and tokens == parser.get_default("max_new_tokens"):
+        tokens = QUALITY_DECODE_TOKENS  # the ladder's default is longer than this bench needs
+    if tokens > QUALITY_DECODE_TOKENS:
+        raise OptionsError(f"with --quality, --max-new-tokens is at most {QUALITY_DECODE_TOKENS}, got {tokens}")
+    config = QualityConfig(model=args.model, device=args.device, decode_tokens=tokens, repeats=args.repeats)
     return _report(args, run_quality, config, format_quality_table)
 
 

@@ -224,11 +224,41 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 # ---- the whole run -----------------------------------------------------------------------------------------
 
 
-def add_ratios(rungs: list[Rung], baselines: list[Baseline]) -> dict[str, Any]:
-    """Speed-ups of every rung against Naive and the baselines, and the best rungs' figures."""
-    naive = next((r for r in rungs if r.name == "naive" and r.status == "ok"), None)
-    naive_tok_s = naive.median.get("decode_tok_s") if naive else None
+def _missing_figure(what: str, found: Any, off: Optional[str]) -> Optional[str]:
+    """Why the decode figure of `what` (a rung or a baseline, None where it did not run) is missing; None where
+    it is there. `off`: why it did not run, where it was not meant to."""
+    if found is None:
+        return off or f"{what} did not run"
+    if found.status != "ok":
+        return f"{what} {found.status}: {found.reason}"
+    return None if found.median.get("decode_tok_s") is not None else f"{what} has no decode figure"
+
+
+def add_ratios(
+    rungs: list[Rung], baselines: list[Baseline], baseline: bool = True, compiled_baseline: bool = False
+) -> dict[str, Any]:
+    """Speed-ups of every rung against Naive and the baselines, and the best rungs' figures; a speed-up that is
+    null says why (`speedup_unavailable` of a rung, `unavailable` of the ratios). `baseline`: whether the
+    baselines were asked for; `compiled_baseline`: whether the compiled one was (CUDA with compile on)."""
+    naive = next((r for r in rungs if r.name == "naive"), None)
+    naive_tok_s = naive.median.get("decode_tok_s") if naive and naive.status == "ok" else None
     by_name = {b.name: b.median.get("decode_tok_s") for b in baselines if b.status == "ok"}
+    named = {b.name: b for b in baselines}
+    off = None if baseline else "the transformers baseline was not run (--no-baseline)"
+    why = {
+        "naive_decode_tok_s": _missing_figure("the Naive rung", naive, "the Naive rung was not among the presets"),
+        "transformers_decode_tok_s": _missing_figure("the transformers baseline", named.get("transformers"), off),
+        "transformers_static_compile_decode_tok_s": _missing_figure(
+            "the compiled transformers baseline",
+            named.get("transformers-static-compile"),
+            off or (None if compiled_baseline else "the compiled transformers baseline runs on CUDA with compile on"),
+        ),
+    }
+    against = {
+        "speedup_vs_naive": "naive_decode_tok_s",
+        "speedup_vs_transformers": "transformers_decode_tok_s",
+        "speedup_vs_transformers_compiled": "transformers_static_compile_decode_tok_s",
+    }
     for r in rungs:
         if r.status != "ok":
             continue
@@ -236,6 +266,11 @@ def add_ratios(rungs: list[Rung], baselines: list[Baseline]) -> dict[str, Any]:
         r.speedup_vs_naive = ratio(tok_s, naive_tok_s)
         r.speedup_vs_transformers = ratio(tok_s, by_name.get("transformers"))
         r.speedup_vs_transformers_compiled = ratio(tok_s, by_name.get("transformers-static-compile"))
+        r.speedup_unavailable = {
+            field: "this rung has no decode figure" if tok_s is None else why[base] or "the base figure is 0"
+            for field, base in against.items()
+            if getattr(r, field) is None
+        }
 
     def best(pred) -> Optional[dict[str, Any]]:
         ok = [r for r in rungs if r.status == "ok" and r.median.get("decode_tok_s") is not None and pred(r)]
@@ -249,12 +284,14 @@ def add_ratios(rungs: list[Rung], baselines: list[Baseline]) -> dict[str, Any]:
             "vs_transformers": r.speedup_vs_transformers,
             "vs_transformers_compiled": r.speedup_vs_transformers_compiled,
             "kernel_gap_pct": r.median.get("kernel_gap_pct"),
+            "unavailable": dict(r.speedup_unavailable),
         }
 
     return {
         "naive_decode_tok_s": naive_tok_s,
         "transformers_decode_tok_s": by_name.get("transformers"),
         "transformers_static_compile_decode_tok_s": by_name.get("transformers-static-compile"),
+        "unavailable": {k: v for k, v in why.items() if v},
         "best_single_stream": best(lambda r: (r.options or {}).get("candidates", 1) == 1),
         "best_aggregate": best(lambda r: True),
     }
@@ -382,7 +419,9 @@ def run_suite(
             "naive_tokens": len(ours),
             "transformers_tokens": len(plain.token_ids),
         }
-    ratios = add_ratios(rungs, baselines)
+    ratios = add_ratios(
+        rungs, baselines, config.baseline, device.type == "cuda" and compile_enabled(config, device.type)
+    )
     machine = describe_machine(nvml=nvml)
     machine["load_average_at_start"] = load_at_start
     order = (

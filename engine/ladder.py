@@ -105,6 +105,7 @@ class Rung:
     speedup_vs_naive: Optional[float] = None
     speedup_vs_transformers: Optional[float] = None
     speedup_vs_transformers_compiled: Optional[float] = None
+    speedup_unavailable: dict[str, str] = field(default_factory=dict)  # a speed-up above that is null: why
     # Wall time of each warm-up generation, device-synchronised: compile and graph capture happen in the first.
     warmup_seconds: list[float] = field(default_factory=list)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -201,11 +202,42 @@ def test_ratios_against_naive_and_transformers():
     assert r["transformers_decode_tok_s"] == 20.0 and r["naive_decode_tok_s"] == 10.0
 
 
-def test_ratios_without_naive_or_baseline_are_none():
+def test_ratios_without_naive_or_baseline_are_none_with_the_reason():
     rungs = [rung("first-fixes", "+ static KV cache", 25.0, opts())]
-    ratios = add_ratios(rungs, [])
+    ratios = add_ratios(rungs, [], baseline=False)
     assert rungs[0].speedup_vs_naive is None and rungs[0].speedup_vs_transformers is None
     assert ratios["naive_decode_tok_s"] is None and ratios["best_single_stream"]["decode_tok_s"] == 25.0
+    off = "the transformers baseline was not run (--no-baseline)"
+    assert ratios["unavailable"] == {
+        "naive_decode_tok_s": "the Naive rung was not among the presets",
+        "transformers_decode_tok_s": off,
+        "transformers_static_compile_decode_tok_s": off,
+    }
+    assert rungs[0].speedup_unavailable == {
+        "speedup_vs_naive": "the Naive rung was not among the presets",
+        "speedup_vs_transformers": off,
+        "speedup_vs_transformers_compiled": off,
+    }
+    assert ratios["best_single_stream"]["unavailable"] == rungs[0].speedup_unavailable
+    failed = Baseline("transformers", "transformers generate()", "failed", reason="out of memory")
+    naive = rung("naive", "Naive", 10.0, opts())
+    add_ratios([naive, rungs[0]], [failed], baseline=True, compiled_baseline=False)
+    assert naive.speedup_vs_naive == 1.0 and rungs[0].speedup_unavailable == {
+        "speedup_vs_transformers": "the transformers baseline failed: out of memory",
+        "speedup_vs_transformers_compiled": "the compiled transformers baseline runs on CUDA with compile on",
+    }
+    report, _ = sample_report()
+    report.update(rungs=[asdict(naive), asdict(rungs[0])], baselines=[asdict(failed)])
+    report["ratios"] = add_ratios([naive, rungs[0]], [failed])
+    assert "× transformers: n/a (the transformers baseline failed: out of memory)." in format_table(report)
+
+
+def test_the_table_names_a_source_only_a_baseline_gave():
+    report, _ = sample_report()
+    for r in report["rungs"]:
+        r["median"].pop("peak_memory_source", None)
+    report["baselines"][0]["median"]["peak_memory_source"] = "torch.cuda.max_memory_allocated"
+    assert "Peak memory: torch.cuda.max_memory_allocated." in format_table(report)
 
 
 def test_table_rows_figures_and_notes():
@@ -587,4 +619,66 @@ def test_footnotes_say_each_rung_s_reason_and_why_naive_ratios_are_na():
     rungs = [rung("first-fixes", "+ static KV cache", 25.0, opts())]
     report["ratios"] = add_ratios(rungs, [])
     report["rungs"] = [asdict(r) for r in rungs]
-    assert "× Naive: n/a (the Naive rung did not run)." in format_table(report)
+    assert "× Naive: n/a (the Naive rung was not among the presets)." in format_table(report)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--conversation", "--presets", "bogus"], "--presets is for the ladder, not --conversation"),
+        (["--quality", "--prompt", "MY PROMPT"], "--prompt is for the ladder, not --quality"),
+        (
+            ["--conversation", "--compile"],
+            "--compile is for the ladder and --speculation-workloads, not --conversation",
+        ),
+        (["--quality", "--draft-tokens", "3"], "--draft-tokens is for the ladder and --speculation-workloads"),
+        (["--dtypes", "bf16"], "--dtypes is for --speculation-workloads, not the ladder"),
+        (["--cuda-graph"], "--cuda-graph is for --speculation-workloads, not the ladder"),
+        (["--turns", "3"], "--turns is for --conversation, not the ladder"),
+        (["--speculation-workloads", "--no-baseline"], "--baseline is for the ladder, not --speculation-workloads"),
+        (["--quality", "--repeats", "0"], "--repeats must be at least 1 and --max-new-tokens at least 2"),
+        (["--max-new-tokens", "1"], "--max-new-tokens at least 2, got 3 and 1"),
+        (["--conversation", "--max-new-tokens", "0"], "--max-new-tokens at least 1"),
+    ],
+)
+def test_a_flag_the_chosen_bench_would_not_read_is_refused(argv, words):
+    from app.cli import build_parser
+    from app.cmd_bench import check_flags
+
+    with pytest.raises(OptionsError) as info:
+        check_flags(build_parser().parse_args(["bench", *argv]))
+    assert words in str(info.value)
+
+
+def test_bench_kinds_are_one_at_a_time_and_their_own_flags_pass(capsys):
+    from app.cli import build_parser
+    from app.cmd_bench import check_flags
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--conversation", "--quality"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    for argv in (
+        ["--presets", "naive", "--compile", "--no-baseline", "--draft-tokens", "3", "--prompt", "x"],
+        ["--conversation", "--turns", "3", "--max-new-tokens", "1"],
+        ["--quality", "--max-new-tokens", "8"],
+        ["--speculation-workloads", "--dtypes", "bf16", "--cuda-graph", "--compile", "--speculation", "ngram"],
+    ):
+        check_flags(parser.parse_args(["bench", *argv]))  # no error
+    assert config_from_args(parser.parse_args(["bench", "--prompt", ""])).prompt == ""  # then refused as empty
+    with pytest.raises(OptionsError, match="the prompt is empty"):
+        validate(config_from_args(parser.parse_args(["bench", "--prompt", ""])))
+
+
+def test_the_quality_bench_decodes_64_tokens_unless_told_fewer(monkeypatch):
+    import app.cmd_bench as cmd_bench
+    from app.cli import build_parser
+
+    configs = []
+    monkeypatch.setattr(cmd_bench, "_report", lambda args, run, config, table: configs.append(config) or 0)
+    parser = build_parser()
+    cmd_bench.run_quality_bench(parser.parse_args(["bench", "--quality"]))
+    cmd_bench.run_quality_bench(parser.parse_args(["bench", "--quality", "--max-new-tokens", "8"]))
+    assert [c.decode_tokens for c in configs] == [64, 8]
+    with pytest.raises(OptionsError, match="with --quality, --max-new-tokens is at most 64, got 100"):
+        cmd_bench.run_quality_bench(parser.parse_args(["bench", "--quality", "--max-new-tokens", "100"]))
