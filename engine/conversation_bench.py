@@ -102,6 +102,11 @@ def run_conversation(
         for _ in range(config.turns)
     ]
     try:
+        why = engines["reuse"].unavailable().get("device")
+        if why:  # the figures would be another device's under this one's name
+            from engine.errors import OptionsError
+
+            raise OptionsError(f"--device {config.device}: {why}")
         for eng in engines.values():  # allocator and first-call costs stay out of the figures
             eng.generate([{"role": "user", "content": "Say hello."}], sampling)
         info = engines["reuse"].info.to_dict()

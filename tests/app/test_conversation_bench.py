@@ -56,3 +56,15 @@ def test_turns_cut_to_fit_a_short_context_are_named(tiny_factory):
     assert report["turns_cut"] == [1, 2]
     assert all(r["prompt_cut"] for r in report["turns"]) and all(r["prompt_tokens"] <= 256 for r in report["turns"])
     assert "turns 1, 2: the prompt was cut to fit the model's context (" in format_conversation(report)
+
+
+def test_a_device_this_machine_lacks_is_refused_not_measured_on_another(tiny_factory, monkeypatch):
+    import pytest
+    import torch
+
+    from engine.errors import OptionsError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = ConversationConfig(model=str(tiny_factory("llama")), device="cuda", turns=1, max_new_tokens=2, repeats=1)
+    with pytest.raises(OptionsError, match="--device cuda: CUDA is not available"):
+        run_conversation(config, progress=lambda m: None)
