@@ -38,6 +38,12 @@ def options_from_args(args) -> EngineOptions:
         "prefix_reuse": getattr(args, "prefix_reuse", None),
     }
     options = replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
+    if changes["draft_tokens"] is not None and options.speculation == "off":  # read by nothing: refused
+        raise OptionsError("--draft-tokens sets how far speculation drafts, and speculation is off: add --speculation")
+    if changes["draft_model"] and options.speculation != "draft":
+        raise OptionsError(
+            f"--draft-model is the model --speculation draft drafts with, and speculation is {options.speculation}"
+        )
     check_draft_model(options.speculation, options.draft_model)
     return options
 

@@ -87,6 +87,15 @@ def test_cli_flags_reach_the_options(tmp_path, monkeypatch):
         parser.parse_args(["generate", "--prompt", "x", "--draft-tokens", "many"])
     bench = parser.parse_args(["bench", "--speculation-workloads", "--draft-tokens", "3"])
     assert bench.speculation_workloads and bench.draft_tokens == 3
+    # a draft setting that nothing would read is refused, not ignored
+    with pytest.raises(OptionsError, match="--draft-tokens sets how far speculation drafts, and speculation is off"):
+        options_from_args(parser.parse_args(["generate", "--prompt", "x", "--draft-tokens", "3"]))
+    for spec in ([], ["--speculation", "ngram"]):
+        args = parser.parse_args(["generate", "--prompt", "x", *spec, "--draft-model", str(small)])
+        with pytest.raises(OptionsError, match="--draft-model is the model --speculation draft drafts with, and "):
+            options_from_args(args)
+    preset = parser.parse_args(["generate", "--prompt", "x", "--preset", "speculation", "--draft-tokens", "4"])
+    assert options_from_args(preset).draft_tokens == 4  # the preset's speculation reads it
 
 
 def test_speculation_needs_the_static_cache_and_one_candidate(llama_engine_spec):
