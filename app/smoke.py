@@ -36,16 +36,24 @@ class SmokeTest(QObject):
         self.error: Optional[str] = None
 
     def run(self) -> int:
+        from engine.errors import OutputPathError
+        from engine.paths import output_file, write_whole
+
         t0 = time.monotonic()
         try:
+            try:  # where the results go, checked before the model loads (as every output of the command line)
+                report_path = output_file(self.args.report, "the report") if self.args.report else None
+                if self.args.screenshot:
+                    output_file(self.args.screenshot, "the screenshot")
+            except OutputPathError as exc:
+                raise SmokeFailed(str(exc)) from None
             report = self._run(t0)
         except SmokeFailed as exc:
             print(f"gapless: smoke test failed: {exc}", file=sys.stderr)
             log.error("smoke test failed: %s", exc)
             return 1
-        if self.args.report:
-            Path(self.args.report).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        if report_path is not None:
+            write_whole(report_path, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
         print(json.dumps({"ok": True, "answer": report["answer"], "seconds": report["seconds"]}, ensure_ascii=False))
         return 0
 
@@ -112,7 +120,6 @@ class SmokeTest(QObject):
         shot = None
         if self.args.screenshot:
             shot = Path(self.args.screenshot)
-            shot.parent.mkdir(parents=True, exist_ok=True)
             if not w.grab().save(str(shot)):
                 raise SmokeFailed(f"cannot save the screenshot to {shot}")
         hud = self.gui.hud

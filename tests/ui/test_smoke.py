@@ -82,3 +82,20 @@ def test_smoke_test_fails_with_a_message_on_a_bad_model(tmp_path):
     assert "smoke test failed: cannot load" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_smoke_test_refuses_a_report_it_could_not_write_before_loading_the_model(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "QT_QPA_PLATFORM": "offscreen"}
+    report = tmp_path / "no-such-folder" / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "gui", "--smoke-test"]
+        + ["--model", str(tmp_path / "not-loaded"), "--report", str(report)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"smoke test failed: cannot write the report to {report}: the folder" in proc.stderr
+    assert "cannot load" not in proc.stderr and not report.parent.exists()
