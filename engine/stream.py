@@ -11,7 +11,7 @@ import torch
 
 class RowText:
     """One candidate's tokens and text. Text is decoded whole at each flush (cheap at ~30 Hz) so multi-token
-    characters and merged spaces come out right; a trailing U+FFFD (an incomplete character) is held back."""
+    characters and merged spaces come out right; trailing U+FFFDs (an incomplete character) are held back."""
 
     def __init__(self, tokenizer, eos_ids: set[int], stop: tuple[str, ...]):
         self.tokenizer = tokenizer
@@ -61,8 +61,10 @@ class RowText:
         text = self.text
         end = len(text)
         if not final and self.finish is None:
-            if text.endswith("\ufffd"):
-                end -= 1
+            # An unfinished character decodes to U+FFFD: one for the whole of it (byte-level BPE), or one per
+            # byte so far (SentencePiece's byte fallback: Llama 2, Mistral, Gemma). None of them goes out until
+            # the character is whole; a U+FFFD the model really wrote goes out with the final text.
+            end = len(text.rstrip("\ufffd"))
             end = max(self.emitted, end - self.hold)
         delta = text[self.emitted : end]
         self.emitted = max(self.emitted, end)

@@ -45,3 +45,31 @@ def test_a_stop_string_inside_a_chunk_keeps_only_the_tokens_up_to_it():
     for t in ids:
         each.feed([t])
     assert each.tokens == one.tokens and each.text == one.text
+
+
+def byte_fallback_tokenizer():
+    """A tokenizer that decodes as Llama-2's, Mistral's and Gemma's do: a character outside the vocabulary is its
+    UTF-8 bytes, one token each, and an unfinished character decodes to one U+FFFD per byte so far."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "a": 1, "▁b": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def test_a_character_split_over_byte_tokens_streams_whole():
+    from engine.stream import RowText
+
+    tok = byte_fallback_tokenizer()
+    whale = [3 + b for b in "🐳".encode()]  # four byte tokens
+    ids = [1, *whale, 2, *whale, *whale, 1]
+    assert tok.decode(ids) == "a🐳 b🐳🐳a" and tok.decode([1, *whale[:2]]) == "a\ufffd\ufffd"
+    row = RowText(tok, set(), ())
+    streamed = []
+    for t in ids:  # a flush after every token: one lands inside each character
+        row.feed([t])
+        streamed.append(row.take_delta())
+    row.finish = "length"
+    streamed.append(row.take_delta(final=True))
+    assert "".join(streamed) == "a🐳 b🐳🐳a" and not any("\ufffd" in d for d in streamed)
