@@ -14,6 +14,10 @@ import torch
 
 from engine.types import SamplingParams
 
+# A temperature below this samples greedily (as vLLM's servers do): logits divided by 1e-300, which float32 holds
+# as 0, are not numbers, and every token would be drawn alike.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplerKind:
@@ -26,7 +30,7 @@ class SamplerKind:
 
     @classmethod
     def of(cls, p: SamplingParams) -> "SamplerKind":
-        greedy = p.temperature == 0
+        greedy = p.temperature < GREEDY_BELOW
         return cls(
             greedy=greedy,
             top_k=not greedy and p.top_k > 0,
@@ -46,7 +50,7 @@ class SamplerState:
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # [B, V]
 
     def set_params(self, p: SamplingParams) -> None:
-        self.temperature.fill_(p.temperature if p.temperature > 0 else 1.0)
+        self.temperature.fill_(p.temperature if p.temperature >= GREEDY_BELOW else 1.0)
         self.top_k.fill_(max(p.top_k, 1))
         self.top_p.fill_(p.top_p)
         self.penalty.fill_(p.repetition_penalty)
@@ -89,6 +93,8 @@ def process(
             cutoff = torch.where(keep, sorted_logits, torch.full_like(sorted_logits, float("inf"))).amin(
                 -1, keepdim=True
             )
+            # a top_p that float32 holds as 0 keeps nothing above: the most likely token stays all the same
+            cutoff = torch.minimum(cutoff, sorted_logits[:, :1])
             logits = logits.masked_fill(logits < cutoff, float("-inf"))
     return logits
 

@@ -80,6 +80,29 @@ def test_tokens_tied_at_the_cut_stay_together():
     assert not torch.isinf(flat).any()
 
 
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(temperature=1e-300),  # 0 in float32
+        SamplingParams(temperature=1e-6),
+        SamplingParams(temperature=1.0, top_p=1e-300),
+        SamplingParams(temperature=0.7, top_k=5, top_p=1e-45),
+    ],
+    ids=lambda p: f"t{p.temperature}-p{p.top_p}",
+)
+def test_a_temperature_or_top_p_too_small_for_float32_picks_the_most_likely_token(p):
+    """Both are valid settings whose float32 value is 0 or nearly: they mean "the most likely token", not a draw
+    from numbers that are not numbers (which picked token 0, a special token, every time)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(16, V, generator=g) * 3
+    state = SamplerState(16, V, torch.device("cpu"))
+    state.set_params(p)
+    kind = SamplerKind.of(p)
+    assert torch.isfinite(process(logits.clone(), kind, state).max(dim=-1).values).all()
+    for _ in range(5):
+        assert torch.equal(sample(logits.clone(), kind, state), logits.argmax(dim=-1))
+
+
 def test_greedy_picks_the_argmax_after_the_penalty():
     logits = torch.tensor([[4.0, 3.9, -1.0, 0.5]])
     state = SamplerState(1, 4, torch.device("cpu"))
