@@ -352,3 +352,28 @@ def test_a_prompt_of_megabytes_is_refused_without_tokenizing_it(server, monkeypa
     under = chat_body(server, messages=[{"role": "user", "content": "a" * (over - 1)}], max_tokens=None)
     assert "prompt has" in assert_error(post(server, under), 400, "messages", "context_length_exceeded")["message"]
     assert calls == [1]
+
+
+def test_n_the_engine_could_not_run_whole_is_an_error_not_fewer_choices(server, monkeypatch):
+    """Out of device memory, the engine halves the candidates and says so; an OpenAI client counts on n choices
+    (`r.choices[3]`), so the server says n could not be served instead of answering fewer."""
+    from dataclasses import replace
+
+    engine = server.engines.engine
+    real = engine.generate
+
+    def halved(messages, sampling, *args, **kwargs):
+        r = real(messages, sampling, *args, **kwargs)
+        if len(r.texts) < 4:
+            return r
+        notice = "out of device memory with 4 candidates: ran 2"
+        return replace(r, texts=r.texts[:2], finish_reasons=r.finish_reasons[:2], notices=[*r.notices, notice])
+
+    monkeypatch.setattr(engine, "generate", halved)
+    assert_error(
+        post(server, chat_body(server, n=4)),
+        503,
+        code=None,
+        words="n=4 could not be served: out of device memory with 4 candidates: ran 2; ask for fewer",
+    )
+    assert post(server, chat_body(server, n=2)).json()["choices"][1]["index"] == 1
