@@ -28,6 +28,19 @@ UNSUPPORTED = {
     "audio": "audio output is not supported",
     "logit_bias": "logit_bias is not supported",
     "min_p": "min_p is not supported (only 0)",
+    # other servers' extensions (vLLM, llama.cpp): an answer without them would look right and not be
+    "json_schema": "constrained output (a JSON schema) is not supported",
+    "grammar": "constrained output (a grammar) is not supported",
+    "guided_json": "constrained output (guided decoding) is not supported",
+    "guided_regex": "constrained output (guided decoding) is not supported",
+    "guided_choice": "constrained output (guided decoding) is not supported",
+    "guided_grammar": "constrained output (guided decoding) is not supported",
+    "structured_outputs": "constrained output is not supported",
+    "ignore_eos": "ignore_eos is not supported",
+    "min_tokens": "min_tokens is not supported",
+    "stop_token_ids": "stop_token_ids is not supported: give 'stop' strings",
+    "n_probs": "logprobs are not supported",
+    "use_beam_search": "beam search is not supported",
 }
 # Fields refused unless they ask for what the server does anyway: plain text, no tool calls.
 PLAIN_ONLY = {
@@ -37,6 +50,11 @@ PLAIN_ONLY = {
     ),
     "tool_choice": (lambda v: v in ("none", "auto"), "tool calls are not supported"),
     "modalities": (lambda v: isinstance(v, list) and all(m == "text" for m in v), "only text output is supported"),
+    "function_call": (lambda v: v in ("none", "auto"), "function calls are not supported"),
+    "best_of": (lambda v: v == 1, "best_of is not supported (only 1)"),
+    "typical_p": (lambda v: v == 1, "typical_p is not supported (only 1)"),
+    "mirostat": (lambda v: v == 0, "mirostat is not supported (only 0)"),
+    "repeat_penalty": (lambda v: v == 1, "this server takes the repetition penalty as 'repetition_penalty'"),
 }
 
 

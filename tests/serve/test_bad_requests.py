@@ -95,6 +95,17 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter", "only text"),
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter", "not supported"),
         ({"min_p": 0.05}, "min_p", "unsupported_parameter", "not supported"),
+        # other servers' extensions that constrain or change the answer
+        ({"json_schema": {"type": "object"}}, "json_schema", "unsupported_parameter", "constrained output"),
+        ({"grammar": 'root ::= "yes"'}, "grammar", "unsupported_parameter", "constrained output"),
+        ({"guided_json": {"type": "object"}}, "guided_json", "unsupported_parameter", "guided decoding"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice", "unsupported_parameter", "guided decoding"),
+        ({"ignore_eos": True}, "ignore_eos", "unsupported_parameter", "not supported"),
+        ({"min_tokens": 5}, "min_tokens", "unsupported_parameter", "not supported"),
+        ({"stop_token_ids": [2]}, "stop_token_ids", "unsupported_parameter", "give 'stop' strings"),
+        ({"function_call": {"name": "f"}}, "function_call", "unsupported_parameter", "not supported"),
+        ({"best_of": 3}, "best_of", "unsupported_parameter", "only 1"),
+        ({"repeat_penalty": 1.2}, "repeat_penalty", "unsupported_parameter", "'repetition_penalty'"),
         ({"model": 7}, "model", "invalid_type", "string"),
         ({"messages": [{"role": "user", "content": "   "}]}, "messages", "invalid_value", "empty prompt"),
     ],
@@ -377,3 +388,10 @@ def test_n_the_engine_could_not_run_whole_is_an_error_not_fewer_choices(server, 
         words="n=4 could not be served: out of device memory with 4 candidates: ran 2; ask for fewer",
     )
     assert post(server, chat_body(server, n=2)).json()["choices"][1]["index"] == 1
+
+
+def test_extensions_asking_for_what_the_server_does_anyway_are_accepted(server):
+    plain = {"ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "function_call": "none", "best_of": 1}
+    plain |= {"typical_p": 1.0, "mirostat": 0, "repeat_penalty": 1.0}
+    r = post(server, chat_body(server, **plain))
+    assert r.status_code == 200, r.text
