@@ -7,7 +7,7 @@ import sys
 from app.cmd_generate import options_from_args
 from app.server.engine_queue import EngineQueue
 from app.server.http import ServeConfig
-from app.server.run import ServeError, bind, check_address, url_of, uvicorn_server
+from app.server.run import ServeError, bind, check_address, check_origins, url_of, uvicorn_server
 from engine.types import Progress
 
 
@@ -22,6 +22,7 @@ def run_serve(args) -> int:
     if args.max_body_bytes < 1024:
         raise ServeError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     check_address(args.host, config.api_key)
+    check_origins(config.cors_origins, config.api_key)
     options = options_from_args(args)
     sock = bind(args.host, args.port)  # before the model loads: a taken port is said at once
 

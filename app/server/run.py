@@ -8,6 +8,7 @@ import socket
 import threading
 from types import FrameType
 from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -33,6 +34,25 @@ def check_address(host: str, api_key: Optional[str]) -> None:
     problem = api_key_problem(api_key) if api_key else None
     if problem:
         raise ServeError(problem)
+
+
+def check_origins(origins: "tuple[str, ...]", api_key: Optional[str]) -> None:
+    """An allowed browser origin is what a browser sends in Origin: scheme://host[:port], nothing after. "*"
+    (any page) only with a key: without one, any page this machine's browser opens could use the model."""
+    for origin in origins:
+        if origin == "*":
+            if not api_key:
+                raise ServeError(
+                    "--cors-origin '*' lets every web page use the model: it needs --api-key KEY (pages cannot "
+                    "know the key); without one, name each page's origin, e.g. --cors-origin http://localhost:3000"
+                )
+            continue
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc or origin != f"{parts.scheme}://{parts.netloc}":
+            raise ServeError(
+                f"--cors-origin {origin!r} is not an origin as a browser sends it: scheme://host[:port], with no "
+                "path or trailing slash (e.g. http://localhost:3000)"
+            )
 
 
 def bind(host: str, port: int) -> socket.socket:

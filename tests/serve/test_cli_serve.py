@@ -40,6 +40,29 @@ def test_other_than_loopback_needs_an_api_key(tiny_llama):
     assert err.strip().splitlines()[-1].startswith("gapless: error: refusing to listen on 0.0.0.0 without an API key")
 
 
+@pytest.mark.parametrize(
+    "origin, words",
+    [
+        ("*", "--cors-origin '*' lets every web page use the model: it needs --api-key KEY"),
+        ("http://localhost:3000/", "is not an origin as a browser sends it"),
+        ("localhost:3000", "is not an origin as a browser sends it"),
+    ],
+)
+def test_an_origin_no_browser_sends_or_every_page_without_a_key_is_refused(tiny_llama, origin, words):
+    p = gapless_process("serve", "--model", str(tiny_llama), "--port", "0", "--cors-origin", origin)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and words in err.strip().splitlines()[-1]
+
+
+def test_check_origins_takes_what_browsers_send():
+    from app.server.run import ServeError, check_origins
+
+    check_origins(("http://localhost:3000", "https://app.example", "http://[::1]:8080"), None)
+    check_origins(("*",), "sk-key")  # any page, where pages cannot know the key
+    with pytest.raises(ServeError, match="no path or trailing slash"):
+        check_origins(("https://app.example/chat",), "sk-key")
+
+
 def test_a_taken_port_is_one_line(tiny_llama):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
