@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -186,10 +187,13 @@ class Api:
         if length.isdigit() and int(length) > limit:
             raise ApiError(413, f"the request body is over the {limit}-byte limit", code="request_too_large")
         data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > limit:
-                raise ApiError(413, f"the request body is over the {limit}-byte limit", code="request_too_large")
+        try:
+            async for part in request.stream():
+                data += part
+                if len(data) > limit:
+                    raise ApiError(413, f"the request body is over the {limit}-byte limit", code="request_too_large")
+        except ClientDisconnect:  # an ordinary client event: answered (to no one) and logged as such, not a crash
+            raise ApiError(499, "the client went away while sending the request", code="cancelled") from None
         try:
             return json.loads(bytes(data))
         except (ValueError, RecursionError) as exc:

@@ -395,3 +395,20 @@ def test_extensions_asking_for_what_the_server_does_anyway_are_accepted(server):
     plain |= {"typical_p": 1.0, "mirostat": 0, "repeat_penalty": 1.0}
     r = post(server, chat_body(server, **plain))
     assert r.status_code == 200, r.text
+
+
+def test_a_client_that_goes_away_while_sending_its_body_is_no_server_error(server, caplog):
+    import logging
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(server.url)
+    with caplog.at_level(logging.ERROR):
+        with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"model":'
+            )
+        assert post(server, chat_body(server)).status_code == 200  # the server goes on, and has read the close
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
