@@ -259,7 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api-key)")
     serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (or set GAPLESS_SERVE_API_KEY, which other users of "
+        "this machine cannot read in the process list)",
+    )
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
     serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; 503 past it")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")

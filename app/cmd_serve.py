@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from app.cmd_generate import options_from_args
@@ -10,13 +11,14 @@ from app.server.http import ServeConfig
 from app.server.run import ServeError, bind, check_address, check_origins, url_of, uvicorn_server
 from engine.types import Progress
 
+KEY_VARIABLE = "GAPLESS_SERVE_API_KEY"  # the key where --api-key would show it to every user in the process list
+
 
 def run_serve(args) -> int:
     from engine.engine import Engine
 
-    config = ServeConfig(
-        api_key=args.api_key or None, max_body_bytes=args.max_body_bytes, cors_origins=tuple(args.cors_origin)
-    )
+    key = args.api_key or os.environ.get(KEY_VARIABLE, "").strip() or None
+    config = ServeConfig(api_key=key, max_body_bytes=args.max_body_bytes, cors_origins=tuple(args.cors_origin))
     if args.max_queue < 0:
         raise ServeError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1024:

@@ -233,8 +233,6 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
     for name in ("frequency_penalty", "presence_penalty"):
         if _num(body, name, -2.0, 2.0, 0.0) != 0.0:
             raise bad(f"'{name}' is not supported (only 0)", name, "unsupported_parameter")
-    if _int(body, "best_of", 1, 1) not in (None, 1):
-        raise bad("'best_of' is not supported", "best_of", "unsupported_parameter")
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad("'stream_options' must be an object", "stream_options", "invalid_type")

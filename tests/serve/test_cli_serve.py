@@ -21,8 +21,8 @@ from engine.types import EngineOptions, SamplingParams
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def gapless_process(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def gapless_process(*args: str, **env_extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_extra)
     return subprocess.Popen(
         [sys.executable, "-m", "app", *args],
         stdout=subprocess.PIPE,
@@ -76,7 +76,11 @@ def test_a_taken_port_is_one_line(tiny_llama):
     assert "cannot listen on 127.0.0.1:" in err and "Traceback" not in err
 
 
-def test_serve_answers_and_stops_on_sigint(tiny_llama):
+@pytest.mark.parametrize("key_in", ["flag", "environment"])
+def test_serve_answers_and_stops_on_sigint(tiny_llama, key_in):
+    """The key on the command line, or in GAPLESS_SERVE_API_KEY (out of the process list)."""
+    flag = ["--api-key", "k1"] if key_in == "flag" else []
+    env = {} if key_in == "flag" else {"GAPLESS_SERVE_API_KEY": "k1"}
     p = gapless_process(
         "serve",
         "--model",
@@ -87,10 +91,10 @@ def test_serve_answers_and_stops_on_sigint(tiny_llama):
         "cpu",
         "--kv",
         "dynamic",
-        "--api-key",
-        "k1",
+        *flag,
         "--served-model-name",
         "tiny",
+        **env,
     )
     try:
         url = None
@@ -100,6 +104,8 @@ def test_serve_answers_and_stops_on_sigint(tiny_llama):
                 url = m.group(1)
                 break
         assert url, "the server never said where it listens"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=url, api_key="k1", max_retries=0)
         r = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
