@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.server.engine_queue import EngineQueue
+from app.server.engine_queue import EngineQueue, ShuttingDown
 from app.server.http import ServeConfig
 from app.server.run import BackgroundServer
 from app.worker import Call, EngineController
@@ -78,8 +78,8 @@ class AppServer(QObject):
         call = Call(fn, done)
         self.controller.worker.commands.put(call)
         while not done.wait(0.25):
-            if self._closing.is_set() and not done.is_set():
-                raise RuntimeError("the app's server is stopping")
+            if self._closing.is_set() and call.claim.take("caller"):  # not begun: the worker will skip it
+                raise ShuttingDown("the app's server is stopping")
         if call.errors:
             raise call.errors[0]
 

@@ -94,6 +94,21 @@ class Call:
     fn: Callable[[Any], None]
     done: threading.Event = field(compare=False)
     errors: list = field(compare=False, default_factory=list)
+    claim: "Claim" = field(compare=False, default_factory=lambda: Claim())
+
+
+class Claim:
+    """Who takes a Call first: the worker, to run it, or its caller, to give up on it (then it is skipped)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by: Optional[str] = None
+
+    def take(self, by: str) -> bool:
+        with self._lock:
+            if self._by is None:
+                self._by = by
+            return self._by == by
 
 
 @dataclass(frozen=True)
@@ -300,7 +315,8 @@ class EngineWorker(EngineEvents):
 
     def _call(self, cmd: Call) -> None:
         try:
-            cmd.fn(self.engine)
+            if cmd.claim.take("worker"):
+                cmd.fn(self.engine)
         except Exception as exc:  # handed back to the caller, which reports it
             cmd.errors.append(exc)
         finally:

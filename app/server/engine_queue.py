@@ -59,6 +59,10 @@ def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
 
 
+class ShuttingDown(Exception):
+    """Raised by a runner that will not run the job because the server is stopping."""
+
+
 class QueueFull(Exception):
     def __init__(self, waiting: int, retry_after_s: int):
         super().__init__(f"{waiting} requests are already waiting for the engine")
@@ -172,6 +176,8 @@ class EngineQueue:
                 self._started = time.perf_counter()
             try:
                 self._run_on_engine(functools.partial(self._execute, job=job))
+            except ShuttingDown:  # as a request the engine had not begun when the server stopped
+                self._end(job, "cancelled", Failed(shutting_down()))
             except Exception as exc:  # the runner itself failed (e.g. the app's engine went away)
                 log.exception("serve: running a request failed")
                 self._fail(job, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))

@@ -537,3 +537,19 @@ def test_quitting_during_a_load_that_cannot_be_interrupted_exits_cleanly(tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]  # not Qt's abort on a running thread (134)
     assert time.perf_counter() - t0 < 300  # and without waiting for the load (600 s)
     assert (tmp_path / "data").exists()
+
+
+def test_a_call_its_caller_gave_up_on_is_skipped_and_one_begun_is_run(qtbot, scripted):
+    """The app's server gives up on a request still waiting for the worker when it stops (and answers it 503): the
+    worker must not run it after. One the worker took first runs, and its caller waits for it."""
+    from app.worker import Call
+
+    ctl, _ = scripted
+    ran: list[str] = []
+    given_up = Call(lambda _e: ran.append("given up"), threading.Event())
+    assert given_up.claim.take("caller")
+    taken = Call(lambda _e: ran.append("taken"), threading.Event())
+    ctl.worker.commands.put(given_up)
+    ctl.worker.commands.put(taken)
+    assert given_up.done.wait(30) and taken.done.wait(30)
+    assert ran == ["taken"] and not taken.claim.take("caller")  # too late to give it up

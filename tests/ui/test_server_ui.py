@@ -182,6 +182,42 @@ def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama)
     assert panel.address.text() == "Not running"
 
 
+def test_stop_answers_a_request_still_waiting_for_the_engine_with_503(qtbot, gui, tiny_llama, caplog):
+    """A request waiting for the worker (busy with the app's own work) when the server stops: 503 shutting_down,
+    counted as cancelled, no error in the log."""
+    import logging
+
+    from app.worker import Call
+
+    panel, server = gui.window.server_panel, gui.server
+    port = _free_port()
+    panel.port.setValue(port)
+    with qtbot.waitSignal(server.started, timeout=TIMEOUT_MS):
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    busy, release = threading.Event(), threading.Event()
+    gui.controller.worker.commands.put(Call(lambda _e: (busy.set(), release.wait(60)), threading.Event()))
+    assert busy.wait(60)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    got: dict = {}
+
+    def ask() -> None:
+        try:
+            client.chat.completions.create(model=tiny_llama.name, messages=HELLO, max_tokens=4)
+        except openai.APIStatusError as exc:
+            got["error"] = exc
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    qtbot.waitUntil(lambda: server.engines is not None and server.engines.stats.running == 1, timeout=TIMEOUT_MS)
+    with caplog.at_level(logging.ERROR), qtbot.waitSignal(server.stopped, timeout=TIMEOUT_MS):
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    asker.join(60)
+    release.set()
+    assert got["error"].status_code == 503 and got["error"].body["code"] == "shutting_down"
+    assert panel.counts.text().startswith("Requests served: 0") and "failed 0" in panel.counts.text()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
 @contextmanager
 def served(model_path, api_key: str):
     """`gapless serve` on a second engine, in this process, on a free loopback port."""
