@@ -261,7 +261,9 @@ def run_gui(args: Any, paths: AppPaths) -> int:
     gui.window.show()
     for notice in gui.notices:
         show_error(gui.window, "Gapless", notice)
-    gui.window.load_model(args.model or gui.settings.last_model or "default")
+    from app.registry import source_key
+
+    gui.window.load_model(source_key(args.model) if args.model else gui.settings.last_model or "default")
     stopped = False
     try:
         code = app.exec()

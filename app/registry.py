@@ -164,15 +164,15 @@ class RecentModels:
         return out
 
     def add(self, source: str, now: Optional[float] = None) -> list[ModelEntry]:
-        key = _key(source)
-        items = [i for i in self._read() if not _same(_key(i["source"]), key)]
+        key = source_key(source)
+        items = [i for i in self._read() if not _same(source_key(i["source"]), key)]
         items.insert(0, {"source": key, "last_used": time.time() if now is None else now})
         self._write(items[: self.limit])
         return self.entries()
 
     def remove(self, source: str) -> list[ModelEntry]:
-        key = _key(source)
-        self._write([i for i in self._read() if not _same(_key(i["source"]), key)])
+        key = source_key(source)
+        self._write([i for i in self._read() if not _same(source_key(i["source"]), key)])
         return self.entries()
 
     def _read(self) -> list[dict]:
@@ -222,7 +222,9 @@ class RecentModels:
             self.notices.append(text)
 
 
-def _key(source: str) -> str:
+def source_key(source: str) -> str:
+    """The source as kept across runs: a local path made absolute (a relative one named a file in the folder the
+    app was started from, and nothing the next time it starts elsewhere)."""
     if source == DEFAULT_SOURCE or source.startswith(REMOTE_PREFIX):
         return source
     return os.path.abspath(Path(source).expanduser())  # links kept: a link's name is the model's (see loader)

@@ -3,6 +3,7 @@ the models folder, in one dialog. The main window applies what it accepts at onc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -90,5 +91,5 @@ class PreferencesDialog(SamplingDialog):
             sampling,
             prompt,
             self.overflow.currentData(),
-            str(Path(folder).expanduser()) if folder else None,
+            os.path.abspath(Path(folder).expanduser()) if folder else None,  # the same folder wherever the app starts
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -282,3 +283,17 @@ def test_two_instances_stream_into_the_same_database(qtbot, paths, tiny_llama, m
             assert all(c for r, _, c in thread if r == "assistant")
     assert sqlite3.connect(paths.database).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert json.loads(paths.settings_file.read_text())["last_model"] == str(tiny_llama)
+
+
+def test_a_model_named_relative_to_where_the_app_started_is_kept_absolute(qapp, paths, tiny_llama, monkeypatch):
+    """`gapless gui --model ./model` in a terminal, then the app from the desktop menu: the model it reopens is the
+    same one, not a path relative to another folder."""
+    monkeypatch.chdir(tiny_llama.parent)
+
+    def script(win: MainWindow) -> Iterator[Callable[[], bool]]:
+        yield lambda: win.controller.info is not None
+
+    code, _ = run_app(paths, tiny_llama.name, script)
+    assert code == 0
+    saved, _ = SettingsStore(paths.settings_file).load()
+    assert saved.last_model == str(tiny_llama) and os.path.isabs(saved.last_model)

@@ -497,3 +497,16 @@ def test_the_remote_model_dialog_cancels_with_its_button(qtbot, gui):
     gui.window.model_panel.open_remote_dialog()
     assert driver.done and ("ui/model_panel.py", "ModelPanel.open_remote_dialog") in driver.answered[0].sites
     assert asked == []
+
+
+def test_a_models_folder_typed_relative_is_kept_absolute(qtbot, tmp_path, monkeypatch):
+    from engine.types import SamplingParams
+    from ui.preferences import Preferences, PreferencesDialog
+
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    dialog = PreferencesDialog(Preferences("system", "enter", SamplingParams(), "", "rolling", None))
+    qtbot.addWidget(dialog)
+    dialog.models_folder.setText("models")
+    assert dialog.problem() is None
+    assert dialog.preferences().models_folder == str(tmp_path / "models")  # the same folder wherever the app starts
