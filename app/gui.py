@@ -73,15 +73,6 @@ def leave(code: int, stopped: bool) -> int:
     os._exit(code)
 
 
-def default_sampling(settings: Any):
-    """The sampling of a new chat: what the user saved as the default, else the app's sane defaults."""
-    from app.settings import CHAT_DEFAULTS
-    from engine.types import SamplingParams
-
-    saved = settings.sampling_params()
-    return CHAT_DEFAULTS if saved == SamplingParams() else saved
-
-
 class ModelCatalog:
     """The models the window offers: the default, the recent ones (app.registry, shared with `gapless models
     list`) and those in the models folder chosen in the settings."""
@@ -178,7 +169,7 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
             settings,
             settings_store.save,
             theme,
-            default_sampling(settings),
+            settings.new_chat_sampling(),
             hud=hud,
             fetcher=fetcher,
             catalog=catalog,

@@ -52,6 +52,9 @@ class Settings:
     last_model: Optional[str] = None  # "default" or a path, reopened at start
     engine_options: dict[str, Any] = field(default_factory=_default_options)  # EngineOptions.to_dict()
     sampling: dict[str, Any] = field(default_factory=_default_sampling)  # defaults for new chats
+    # Whether the user saved `sampling` (Preferences): until then new chats take CHAT_DEFAULTS. Without this
+    # mark, defaults saved equal to SamplingParams()'s were taken for "never set" and reverted at the next start.
+    sampling_saved: bool = False
     models_folder: Optional[str] = None  # scanned for models
     window_geometry: Optional[str] = None  # base64 of QWidget.saveGeometry()
     window_state: Optional[str] = None  # base64 of QMainWindow.saveState()
@@ -66,6 +69,12 @@ class Settings:
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams.from_dict(self.sampling)
+
+    def new_chat_sampling(self) -> SamplingParams:
+        """The sampling of a new chat: what the user saved as the default, else CHAT_DEFAULTS (a file of a
+        version without `sampling_saved` holds SamplingParams()'s values where nothing was saved)."""
+        saved = self.sampling_params()
+        return saved if self.sampling_saved or saved != SamplingParams() else CHAT_DEFAULTS
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": SETTINGS_VERSION, **asdict(self)}
@@ -114,6 +123,7 @@ _CHECKS = {
     "last_folder": (_optional_str, "a string or null"),
     "overflow_policy": (lambda v: v in OVERFLOW_POLICIES, f"one of {', '.join(OVERFLOW_POLICIES)}"),
     "system_prompt": (lambda v: isinstance(v, str), "a string"),
+    "sampling_saved": (lambda v: isinstance(v, bool), "true or false"),
 }
 assert set(_CHECKS) == {f.name for f in fields(Settings)}
 

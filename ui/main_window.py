@@ -941,6 +941,7 @@ class MainWindow(QMainWindow):
         self.set_send_with(p.send_with, save=False)
         self.flow.default_sampling = p.sampling
         self.settings.sampling = p.sampling.to_dict()
+        self.settings.sampling_saved = True
         self.flow.default_system_prompt = p.system_prompt
         self.settings.system_prompt = p.system_prompt
         if last_folder and last_folder != self.settings.last_folder:

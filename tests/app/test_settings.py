@@ -163,3 +163,22 @@ def test_save_is_atomic_and_reports_failure(path):
     finally:
         os.chmod(path.parent, 0o755)
     assert SettingsStore(path).load()[0].theme == "dark"  # the old file is whole
+
+
+def test_saved_sampling_defaults_equal_to_the_engine_s_are_kept(path):
+    """Preferences saved top-p 1, top-k 0, penalty 1: the next start kept them, not the chat defaults (they were
+    taken for 'never set' when they equalled SamplingParams()'s values)."""
+    from app.settings import CHAT_DEFAULTS
+
+    store = SettingsStore(path)
+    assert Settings().new_chat_sampling() == CHAT_DEFAULTS  # nothing saved yet
+    engine_defaults = SamplingParams()  # temperature 0.7, top-p 1, top-k 0, penalty 1, 256 tokens
+    store.save(Settings(sampling=engine_defaults.to_dict(), sampling_saved=True))
+    assert store.load()[0].new_chat_sampling() == engine_defaults
+    chosen = SamplingParams(temperature=0.3, top_k=12)
+    # a file of the version before the mark: its engine defaults meant "never set", other values were chosen
+    legacy = {"version": 1, "sampling": engine_defaults.to_dict()}
+    path.write_text(json.dumps(legacy))
+    assert store.load()[0].new_chat_sampling() == CHAT_DEFAULTS
+    path.write_text(json.dumps({**legacy, "sampling": chosen.to_dict()}))
+    assert store.load()[0].new_chat_sampling() == chosen

@@ -316,6 +316,7 @@ def test_preferences_apply_at_once_and_are_kept(qtbot, tmp_path):
     saved = json.loads(paths.settings_file.read_text())
     assert (saved["theme"], saved["send_with"], saved["overflow_policy"]) == ("dark", "ctrl+enter", "stop")
     assert saved["system_prompt"] == "Answer in French." and saved["models_folder"] == str(models)
+    assert saved["sampling_saved"] is True  # kept as saved at the next start, whatever the values
 
     g = build(paths)  # kept across a restart
     try:
