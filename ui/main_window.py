@@ -175,6 +175,7 @@ class MainWindow(QMainWindow):
         self.flow.default_overflow = settings.overflow_policy
         self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
+        self._answer_options: Optional[EngineOptions] = None  # what the answer in progress (or the last) ran with
         self._reading_shown = False  # the status bar says how much of a long prompt has been read
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
@@ -643,6 +644,7 @@ class MainWindow(QMainWindow):
             self.status.setText("Answering…")
 
     def _generation_started(self, request_id: int, options: EngineOptions) -> None:
+        self._answer_options = options
         if self.hud is None:
             return
         # "auto" device and dtype name no preset; the loaded model says what they resolve to.
@@ -666,7 +668,9 @@ class MainWindow(QMainWindow):
             )
         if result.notices:
             self.status.setText(" · ".join(result.notices))
-        if result.unavailable:
+        # The reasons are for the options the answer ran with: where the panel has changed since (a choice made
+        # while the engine was busy), they would be pinned on values they were not given for.
+        if result.unavailable and self.toggles.options == self._answer_options:
             self.toggles.set_unavailable(result.unavailable)
 
     def _generation_failed(self, _request_id: int, message: str) -> None:

@@ -547,6 +547,31 @@ def test_a_reply_to_a_replaced_choice_does_not_pin_its_limits_on_the_newer_one(q
     assert sent == [] and w.toggles.options == newer and w._requested is None
 
 
+def test_an_answer_s_reasons_are_not_pinned_on_options_chosen_while_it_ran(qtbot, app):
+    """The answer ran with ngram speculation and 2 candidates (refused together); meanwhile the panel went to
+    speculation off and 1 candidate. The reason is not the new choice's: the panel keeps it, every entry enabled.
+    Without a change in between, the refused value is marked and replaced as before."""
+    from engine.types import GenerationMetrics, GenerationResult
+
+    w, t = app.window, app.window.toggles
+    ran = t.options.with_(speculation="ngram", candidates=2)
+    why = {"speculation": "speculation verifies the drafts of one answer: not with several candidates"}
+
+    def finished(options):
+        result = GenerationResult([""], [[]], ["eos"], GenerationMetrics(), options, dict(why), None)
+        w._generation_finished(0, result)
+
+    w._generation_started(0, ran)
+    now = t.options.with_(speculation="off", candidates=1)
+    t.set_options(now)
+    finished(ran.with_(speculation="off"))
+    assert t.options == now and t._why("speculation", "off") is None and t._why("speculation", "ngram") is None
+    t.set_options(ran)
+    w._generation_started(1, ran)
+    finished(ran.with_(speculation="off"))
+    assert t._why("speculation", "ngram") == why["speculation"] and t.options.speculation != "ngram"
+
+
 def test_chat_waits_from_the_moment_another_model_is_chosen(qtbot, app, tiny_llama):
     w = app.window
     send(qtbot, app, "hello")
