@@ -401,7 +401,7 @@ class Engine:
             return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
         if o.speculation == "draft":
             if not o.draft_model:
-                return "no draft model chosen (--draft-model PATH)"
+                return "no draft model chosen (the Draft model control, or --draft-model PATH)"
             return self._draft_refused.get(o.draft_model)
         return None
 

@@ -348,13 +348,19 @@ class TogglesPanel(QWidget):
         The value in use is remembered as unavailable (a disabled combo entry, a disabled switch with the reason
         as its tooltip) and replaced by one that works, so the panel never shows an option that is not in force.
         """
+        refused = []
         for name, reason in unavailable.items():
             if name in self.controls:
-                self._known[(name, getattr(self._options, name))] = reason
+                value = getattr(self._options, name)
+                self._known[(name, value)] = reason
+                what = name.replace("_", " ")
+                refused.append(f"{what}: {reason}" if isinstance(value, bool) else f"{what} {value}: {reason}")
         self._apply_tooltips()
         fixed = self._without_unavailable(self._options)
         if fixed != self._options:
             self._change(fixed)
+        if refused:  # said where the user looks, not only in a disabled entry's tooltip
+            self.note.setText("Not applied: " + "; ".join(refused))
 
     def _without_unavailable(self, options: EngineOptions) -> EngineOptions:
         changes = {}

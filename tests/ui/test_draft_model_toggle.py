@@ -57,3 +57,19 @@ def test_a_cancelled_file_dialog_changes_nothing(qtbot, monkeypatch):
     for action in panel.draft_model.menu().actions()[:2]:
         action.trigger()
     assert emitted == [] and panel.options.speculation == "ngram" and panel.options.draft_model == ""
+
+
+def test_draft_picked_without_a_draft_model_says_why_it_was_not_applied(qtbot):
+    """The engine refuses draft speculation with no draft model: the panel goes back to what runs and its note says
+    why, not 'Ready' with the reason only in a disabled entry's tooltip."""
+    panel, emitted = toggles_panel(qtbot, EngineOptions(device="cpu"))
+    panel.speculation.setCurrentIndex(panel.speculation.findData("draft"))
+    panel.speculation.activated.emit(panel.speculation.currentIndex())
+    asked = emitted[-1]
+    assert asked.speculation == "draft" and asked.draft_model == ""
+    why = "no draft model chosen (the Draft model control, or --draft-model PATH)"
+    panel.set_applied(asked, {"speculation": why})
+    assert panel.options.speculation == "off"
+    assert panel.note.text() == f"Not applied: speculation draft: {why}"
+    panel.set_applied(panel.options, {})
+    assert panel.note.text() == "Ready: the next answer uses these options."
