@@ -941,7 +941,8 @@ class MainWindow(QMainWindow):
     def apply_preferences(self, p: Preferences, last_folder: str = "") -> None:
         """In force at once and saved: the theme and the send key now, the defaults from the chat on screen if it
         is still new and every new chat after it (chats with settings of their own keep them)."""
-        self.set_theme(p.theme, save=False)
+        if p.theme != self.theme.choice:  # a --theme of this run, left as it was, is not saved as the user's own
+            self.set_theme(p.theme, save=False)
         self.set_send_with(p.send_with, save=False)
         self.flow.default_sampling = p.sampling
         self.settings.sampling = p.sampling.to_dict()

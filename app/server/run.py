@@ -29,7 +29,7 @@ def check_address(host: str, api_key: Optional[str]) -> None:
     if not is_loopback(host) and not api_key:
         raise ServeError(
             f"refusing to listen on {host} without an API key: anyone who can reach this machine "
-            "could use the model; pass --api-key KEY, or listen on 127.0.0.1"
+            "could use the model; give an API key (--api-key KEY, or the Server panel's key), or listen on 127.0.0.1"
         )
     problem = api_key_problem(api_key) if api_key else None
     if problem:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -511,3 +512,20 @@ def test_a_models_folder_typed_relative_is_kept_absolute(qtbot, tmp_path, monkey
     dialog.models_folder.setText("models")
     assert dialog.problem() is None
     assert dialog.preferences().models_folder == str(tmp_path / "models")  # the same folder wherever the app starts
+
+
+def test_a_theme_given_for_this_run_is_not_saved_by_preferences_left_as_they_were(qtbot, tmp_path):
+    paths = AppPaths.resolve(tmp_path / "data")
+    paths.ensure()
+    paths.settings_file.write_text(json.dumps({"theme": "light"}))
+    g = build(paths, theme_choice="dark")  # gapless gui --theme dark
+    try:
+        w = g.window
+        w.apply_preferences(w.current_preferences())  # OK without touching the theme
+        assert g.theme.choice == "dark" and json.loads(paths.settings_file.read_text())["theme"] == "light"
+        chosen = replace(w.current_preferences(), theme="system")
+        w.apply_preferences(chosen)  # a theme chosen in the dialog is the user's own
+        assert g.theme.choice == "system" and json.loads(paths.settings_file.read_text())["theme"] == "system"
+    finally:
+        g.window.close()
+        g.close()
