@@ -210,6 +210,8 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
         if key in wanted and type_id == _STRING:
             wanted[key] = value
         elif key == b"general.alignment" and type_id in _FIXED:
+            if isinstance(value, bool) or not isinstance(value, int):  # llama.cpp reads it as a uint32
+                raise ValueError(f"general.alignment is {value!r}, not an integer")
             wanted[key] = value
         elif key.endswith(b".rope.scaling.type") and type_id == _STRING:
             rope[key] = value
@@ -218,8 +220,12 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
     arch = (wanted[b"general.architecture"] or "").encode("utf-8")
 
     tensors = []
+    names: set[str] = set()
     for _ in range(tensor_count):
         name = cur.string().decode("utf-8")
+        if name in names:  # the later one would silently replace the earlier (gguf's reader refuses it too)
+            raise ValueError(f"duplicate tensor {name!r}")
+        names.add(name)
         n_dims = cur.take("I")
         if n_dims > 8:
             raise ValueError(f"tensor {name!r} has {n_dims} dimensions")

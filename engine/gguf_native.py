@@ -361,6 +361,13 @@ def _check_counts(cfg: dict[str, Any], header: GGUFHeader, label: str) -> None:
         v = cfg.get(key)
         if isinstance(v, int) and v < 1:
             raise ModelLoadError(f"{label}: the GGUF's metadata gives {key} = {v}; it must be at least 1")
+    lengths = header.array_lengths
+    tokens = lengths.get("tokenizer.ggml.tokens")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):  # one entry per token, or the ids shift
+        if tokens is not None and key in lengths and lengths[key] != tokens:
+            raise ModelLoadError(
+                f"{label}: the GGUF's {key} has {lengths[key]} entries for {tokens} tokens: the file is damaged"
+            )
     blocks = {int(m.group(1)) for t in header.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
     n = cfg.get("num_hidden_layers")
     if blocks and isinstance(n, int) and max(blocks) + 1 != n:

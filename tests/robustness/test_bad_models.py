@@ -443,3 +443,37 @@ def test_a_gguf_whose_tokenizer_lacks_its_merges_says_what_is_missing(tiny_llama
     monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda self, merges: None)
     path = hf_llama_to_gguf(tiny_llama, tmp_path / "nomerges.gguf")
     _refused(ModelLoadError, path, "its tokenizer metadata is incomplete (no tokenizer.ggml.")
+
+
+def test_a_gguf_naming_a_tensor_twice_is_refused(tiny_gguf, tmp_path):
+    """The later tensor silently replaced the earlier (a damaged name read as another layer's weight)."""
+    data = bytearray(tiny_gguf.read_bytes())
+    at = data.index(b"blk.1.ffn_down.weight")
+    data[at : at + 5] = b"blk.0"
+    path = tmp_path / "twice.gguf"
+    path.write_bytes(bytes(data))
+    _refused(ModelLoadError, path, "corrupt GGUF header (duplicate tensor 'blk.0.ffn_down.weight')")
+
+
+def test_a_gguf_whose_token_types_do_not_match_its_tokens_is_refused(tiny_llama, tmp_path, monkeypatch):
+    """Five token types for 320 tokens loaded as a tokenizer whose special tokens were plain text."""
+    import gguf
+
+    real = gguf.GGUFWriter.add_token_types
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_types", lambda self, types: real(self, list(types)[:5]))
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "types.gguf")
+    _refused(ModelLoadError, path, "tokenizer.ggml.token_type has 5 entries for")
+
+
+def test_a_gguf_whose_alignment_is_not_an_integer_is_refused(tiny_llama, tmp_path, monkeypatch):
+    import gguf
+
+    real = gguf.GGUFWriter.add_token_merges
+
+    def merges_and_a_float_alignment(self, merges):
+        real(self, merges)
+        self.add_float32("general.alignment", 32.0)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", merges_and_a_float_alignment)
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "align.gguf")
+    _refused(ModelLoadError, path, "corrupt GGUF header (general.alignment is 32.0, not an integer)")
