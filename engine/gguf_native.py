@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 4  # 4: a GGUF's tokenizer read from the GGUF alone (3 let files beside it take its place)
+# 4: a GGUF's tokenizer read from the GGUF alone (3 let files beside it take its place); 5: the manifest holds each
+# file's digest (a damaged file that still parsed was never rebuilt)
+CACHE_VERSION = 5
 CACHE_ENTRIES_KEPT = 32
 # GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
 NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False}
@@ -408,6 +410,8 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
             log.info("%s changed since it was converted; converting it again", Path(identity["path"]).name)
             shutil.rmtree(entry, ignore_errors=True)
             return None
+        if manifest.get("digests") != _digests(entry):
+            raise ValueError("its files are not those it was written with")
         data = json.loads((entry / "layout.json").read_text(encoding="utf-8"))
         plan = [TensorPlan(str(g), str(h), int(n), float(o)) for g, h, n, o in data["plan"]]
         shapes = {str(k): [int(x) for x in v] for k, v in data["shapes"].items()}
@@ -443,6 +447,15 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
     )
 
 
+def _digests(entry: Path) -> dict[str, str]:
+    """SHA-256 of every file of a cache entry but its manifest (a few MB: milliseconds)."""
+    return {
+        f.relative_to(entry).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(entry.rglob("*"))
+        if f.is_file() and f.name != "manifest.json"
+    }
+
+
 def _saved_tokenizer(folder: Path, class_name: str) -> "PreTrainedTokenizerBase":
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
@@ -466,11 +479,13 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
         }
         (tmp / "layout.json").write_text(json.dumps(layout), encoding="utf-8")
         conv.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        facts = _fast_tokenizer_facts(tmp / "tokenizer", conv.tokenizer, Path(identity["path"]).name)
         manifest = {
             "version": CACHE_VERSION,
             "identity": identity,
+            "digests": _digests(tmp),  # last: of the files as they stay
             "tokenizer_class": type(conv.tokenizer).__name__,
-            "fast_tokenizer": _fast_tokenizer_facts(tmp / "tokenizer", conv.tokenizer, Path(identity["path"]).name),
+            "fast_tokenizer": facts,
             "resolved_config": conv.resolved,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")

@@ -4,6 +4,7 @@ does it, tiny GGUF models loaded to exactly transformers' tensors, config and to
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -369,6 +370,20 @@ def test_a_damaged_cache_is_rebuilt(tiny_llama, tmp_path, conversions, _private_
     _assert_same_checkpoint(ck, ref)
     load_checkpoint(str(path))
     assert len(conversions) == 2  # the rebuilt entry serves the next load
+
+
+@pytest.mark.parametrize("keep", ["no plan", "one layer"])
+def test_a_cache_damaged_into_valid_json_is_rebuilt(tiny_llama, tmp_path, conversions, _private_cache, keep):
+    """A layout that still parses but lost its plan, or a layer of it, failed every load with 'missing weights'
+    (blaming the model) until the entry was deleted by hand."""
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "edited.gguf")
+    ref = load_checkpoint(str(path))
+    entry = _private_cache / next(os.walk(_private_cache))[1][0]
+    layout = json.loads((entry / "layout.json").read_text())
+    layout["plan"] = [] if keep == "no plan" else [p for p in layout["plan"] if not p[0].startswith("blk.1.")]
+    (entry / "layout.json").write_text(json.dumps(layout))
+    _assert_same_checkpoint(load_checkpoint(str(path)), ref)
+    assert conversions == ["edited.gguf", "edited.gguf"]
 
 
 def test_an_unwritable_cache_still_loads(tiny_llama, tmp_path, monkeypatch, caplog):
