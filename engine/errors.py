@@ -27,3 +27,12 @@ class GenerationError(GaplessError):
 
 class OutputPathError(GaplessError):
     """A file the user asked to have written cannot be written there (a folder, a device, no such folder)."""
+
+
+def one_line(what: object, limit: int = 240) -> str:
+    """An exception's message (its type's name where it has none) or any text, on one line and at most `limit`
+    characters: how a message reaches a status line, a log line or a JSON field."""
+    text = " ".join(str(what).split())
+    if not text and isinstance(what, BaseException):
+        text = type(what).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, one_line
 from engine.gguf_dequant import dequantize
 from engine.gguf_header import GGUFHeader
 from engine.types import Progress
@@ -283,7 +283,7 @@ def _tokenizer_from_file(path: Path, config, label: str) -> "PreTrainedTokenizer
                 f"(no tokenizer.ggml.{exc.args[0] if exc.args else '?'})"
             ) from exc
         except Exception as exc:  # the tokenizers backend raises plain Exception on a vocabulary it cannot build
-            raise ModelLoadError(f"{label}: the tokenizer could not be built from this GGUF: {_one_line(exc)}") from exc
+            raise ModelLoadError(f"{label}: the tokenizer could not be built from this GGUF: {one_line(exc)}") from exc
 
 
 def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
@@ -337,7 +337,7 @@ def _resolved(config, cfg: dict[str, Any], label: str) -> Optional[dict[str, Any
         light = CachedConfig(resolved, cfg, label)
         same = ModelArgs.from_hf_config(light) == ModelArgs.from_hf_config(config)
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
-        log.info("%s: the config is kept as transformers' class (%s)", label, _one_line(exc))
+        log.info("%s: the config is kept as transformers' class (%s)", label, one_line(exc))
         return None
     if not same or any(getattr(light, a, None) != getattr(config, a, None) for a in _ENGINE_ATTRIBUTES):
         log.info("%s: the config is kept as transformers' class (its plain attributes differ)", label)
@@ -388,7 +388,7 @@ def build_config(cfg: dict[str, Any], label: str):
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(cfg))
     except Exception as exc:  # the config classes' own checks raise their own kinds (huggingface_hub's, arithmetic)
-        raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {one_line(exc)}") from exc
 
 
 # ---- the cache -------------------------------------------------------------------------------------------
@@ -429,7 +429,7 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         resolved = manifest.get("resolved_config")
     except Exception as exc:  # any damage (JSON, files, a tokenizer that will not load) means: convert again
         log.warning(
-            "the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name, _one_line(exc)
+            "the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name, one_line(exc)
         )
         shutil.rmtree(entry, ignore_errors=True)
         return None
@@ -623,7 +623,7 @@ def _dequantise_all(
             _drop_pages(buf, start, t.nbytes)
             state[p.hf_name] = w
         except (ValueError, RuntimeError) as exc:
-            error = _one_line(exc)  # raised below, once no frame holds a view of the mapping it must close
+            error = one_line(exc)  # raised below, once no frame holds a view of the mapping it must close
         if error is not None:
             raise ModelLoadError(f"{header.path.name}: cannot de-quantise tensor {t.name} ({t.type_name}): {error}")
         if i % PROGRESS_EVERY == 0 or i == total:
@@ -679,6 +679,3 @@ def load_converted(header: GGUFHeader, label: str, report: ProgressFn, root: Opt
     return conv
 
 
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 1] + "…"

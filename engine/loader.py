@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
-from engine.errors import ModelLoadError, UnsafeModelError
+from engine.errors import ModelLoadError, UnsafeModelError, one_line
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
 from engine.types import Progress, hub_name, is_remote, safetensors_weights
 
@@ -216,7 +216,7 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
         except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
-            raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {_one_line(exc)}") from exc
+            raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {one_line(exc)}") from exc
         config.name_or_path = str(path.parent)  # not the empty folder it was read through
         _check_causal_lm(config.model_type, label, architecture=header.architecture)
         _apply_gguf_settings(header, config, label)
@@ -229,7 +229,7 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
     try:
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=layout.model)["tensors"]
     except (ValueError, KeyError, IndexError, TypeError, NotImplementedError, RuntimeError, OSError) as exc:
-        raise ModelLoadError(f"{label}: cannot de-quantise the weights: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{label}: cannot de-quantise the weights: {one_line(exc)}") from exc
     layout.verify({k: tuple(v.shape) for k, v in tensors.items()})
     state = {k: v for k, v in tensors.items() if k in layout.shapes}
     del tensors
@@ -331,7 +331,7 @@ def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
                     stored[name] = (file, key)
                     shapes[name] = tuple(f.get_slice(key).get_shape())
         except Exception as exc:  # safetensors raises its own SafetensorError (a plain Exception) on a bad header
-            raise ModelLoadError(f"{label}: {file.name} is not a readable safetensors file: {_one_line(exc)}") from exc
+            raise ModelLoadError(f"{label}: {file.name} is not a readable safetensors file: {one_line(exc)}") from exc
     layout.verify(shapes)
 
     wanted = [n for n in stored if n in layout.shapes]
@@ -352,7 +352,7 @@ def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
                     if done % 16 == 0 or done == len(wanted):
                         report(Progress("load", 0.2 + 0.8 * done / len(wanted), f"read {done}/{len(wanted)} tensors"))
         except Exception as exc:  # a truncated data section surfaces here, as SafetensorError
-            raise ModelLoadError(f"{label}: cannot read the weights in {file.name}: {_one_line(exc)}") from exc
+            raise ModelLoadError(f"{label}: cannot read the weights in {file.name}: {one_line(exc)}") from exc
     return Checkpoint(
         config=config,
         state_dict=state,
@@ -431,7 +431,7 @@ def _load_config(folder: Path) -> "PretrainedConfig":
         # trust_remote_code is passed as False, not left unset: unset, transformers may stop and ask on a terminal
         return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, OSError, AttributeError) as exc:
-        raise ModelLoadError(f"{label}: cannot read config.json: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{label}: cannot read config.json: {one_line(exc)}") from exc
 
 
 # ---- shared ----------------------------------------------------------------------------------------------
@@ -466,7 +466,7 @@ class _Layout:
                 model = AutoModelForCausalLM.from_config(config)
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ZeroDivisionError) as exc:
             raise ModelLoadError(
-                f"{label}: cannot build {type(config).__name__} from its settings: {_one_line(exc)}"
+                f"{label}: cannot build {type(config).__name__} from its settings: {one_line(exc)}"
             ) from exc
         shapes: dict[str, tuple[int, ...]] = {}
         first: dict[int, str] = {}
@@ -530,7 +530,7 @@ def _load_tokenizer(folder: Path, label: str, gguf_file: Optional[str] = None) -
             raise UnsafeModelError(
                 f"{label}: the tokenizer asks for remote code; Gapless never runs code from a model folder"
             ) from exc
-        raise ModelLoadError(f"{label}: the tokenizer could not be loaded: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{label}: the tokenizer could not be loaded: {one_line(exc)}") from exc
     if tokenizer is None:
         raise ModelLoadError(f"{label}: no tokenizer found (tokenizer.json or tokenizer_config.json)")
     return tokenizer
@@ -568,7 +568,7 @@ def _read_json(path: Path, label: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{label}: {path.name} is not valid JSON: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{label}: {path.name} is not valid JSON: {one_line(exc)}") from exc
 
 
 def _read_head(path: Path) -> bytes:
@@ -579,9 +579,6 @@ def _read_head(path: Path) -> bytes:
         raise ModelLoadError(f"{path.name}: cannot read: {exc.strerror or exc}") from exc
 
 
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _ignore(_: Progress) -> None:
