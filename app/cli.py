@@ -416,6 +416,15 @@ def _utf8_output() -> None:
             pass
 
 
+def _stdout_is_a_pipe() -> bool:
+    import stat
+
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _quiet_stdout() -> None:
     """After the reader of stdout went away: what Python would still flush at exit goes nowhere, not into a second
     BrokenPipeError on stderr."""
@@ -434,9 +443,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     verbose = "-v" in argv or "--verbose" in argv
     _utf8_output()
     try:
-        return run(argv)
-    except BrokenPipeError:  # `gapless ... | head`: the reader has all it wanted
-        _quiet_stdout()
+        code = run(argv)
+        sys.stdout.flush()  # here, not at exit: a short output is written now, and a closed pipe is seen below
+        return code
+    except BrokenPipeError:
+        if not _stdout_is_a_pipe():  # a socket's or a child's: an internal error like any other
+            log.exception("unexpected error")
+            print("gapless: internal error: BrokenPipeError (run with --verbose for details)", file=sys.stderr)
+            return EXIT_INTERNAL_ERROR
+        _quiet_stdout()  # `gapless ... | head`: the reader has all it wanted
         return EXIT_BROKEN_PIPE
     except GaplessError as exc:
         if verbose:

@@ -677,5 +677,3 @@ def load_converted(header: GGUFHeader, label: str, report: ProgressFn, root: Opt
     log.info("%s: converted config and tokenizer in %.2f s", label, time.perf_counter() - started)
     write_cache(root, identity, conv)
     return conv
-
-

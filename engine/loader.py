@@ -579,7 +579,5 @@ def _read_head(path: Path) -> bytes:
         raise ModelLoadError(f"{path.name}: cannot read: {exc.strerror or exc}") from exc
 
 
-
-
 def _ignore(_: Progress) -> None:
     return None
