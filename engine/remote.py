@@ -48,9 +48,10 @@ CONNECT_TIMEOUT_S = 10.0  # to open a connection: a host that is down or unreach
 LIST_TIMEOUT_S = 30.0  # GET /models when a remote model is opened: the app waits on it, with no way to stop it
 METRICS_TIMEOUT_S = 2.0  # vLLM's /metrics: read beside the answer, which never waits longer for it
 # The sampling settings OpenAI's API lacks, under the names of the servers known to take them (recognised by the
-# `owned_by` of their model list). OpenAI's own API refuses fields it does not know, so other servers get neither.
+# `owned_by` of their model list). OpenAI's own API refuses fields it does not know, so other servers get neither;
+# a Gapless server lists those it honours in its model object (x_gapless.sampling_extensions).
+SAMPLING_EXTENSION_NAMES = ("top_k", "repetition_penalty")
 SAMPLING_EXTENSIONS: dict[str, dict[str, str]] = {
-    "gapless": {"top_k": "top_k", "repetition_penalty": "repetition_penalty"},
     "vllm": {"top_k": "top_k", "repetition_penalty": "repetition_penalty"},
     "llamacpp": {"top_k": "top_k", "repetition_penalty": "repeat_penalty"},  # llama.cpp's llama-server
 }
@@ -157,6 +158,16 @@ class VllmMetrics:
 _PROM_LINE = re.compile(r"^(vllm:[A-Za-z0-9_:]+)(?:\{[^}]*\})?\s+(\S+)")
 
 
+def _sampling_extensions(entry: dict) -> dict[str, str]:
+    """What this server's model entry says of the sampling settings beyond OpenAI's it takes: {ours: its name}."""
+    owner = entry.get("owned_by")
+    if owner == "gapless":
+        ours = entry.get("x_gapless")
+        told = ours.get("sampling_extensions") if isinstance(ours, dict) else None
+        return {n: n for n in SAMPLING_EXTENSION_NAMES if isinstance(told, list) and n in told}
+    return SAMPLING_EXTENSIONS.get(owner, {}) if isinstance(owner, str) else {}
+
+
 class RemoteEngine:
     """One model on an OpenAI-compatible server. Same methods as Engine; options other than the candidate count
     cannot apply and are reported unavailable with the reason."""
@@ -250,8 +261,7 @@ class RemoteEngine:
         entry = ids[self.source.model]
         ctx = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx_train") or entry.get("context_length")
         self._context_length = int(ctx) if isinstance(ctx, int) and ctx > 0 else 0
-        owner = entry.get("owned_by")
-        self._extensions = SAMPLING_EXTENSIONS.get(owner, {}) if isinstance(owner, str) else {}
+        self._extensions = _sampling_extensions(entry)
         self._probe_vllm()
 
     def _probe_vllm(self) -> None:

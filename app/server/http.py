@@ -39,6 +39,7 @@ from app.server.protocol import (
     parse_request,
     usage,
 )
+from engine.remote import SAMPLING_EXTENSION_NAMES
 from engine.types import TextDelta
 
 log = logging.getLogger(__name__)
@@ -200,10 +201,15 @@ class Api:
             raise bad(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
 
     def model_object(self) -> dict[str, Any]:
+        engine = self.engines.engine
         out: dict[str, Any] = {"id": self.engines.model_id, "object": "model", "created": 0, "owned_by": "gapless"}
-        ctx = getattr(self.engines.engine, "context_length", 0)
+        ctx = getattr(engine, "context_length", 0)
         if isinstance(ctx, int) and ctx > 0:  # vLLM's name for it, which clients (and Gapless's remote engine) read
             out["max_model_len"] = ctx
+        # The sampling settings beyond OpenAI's this server honours: all of them on its own engine, only those the
+        # server behind passes on where the model is itself remote (a client sending others would get a 400).
+        passes_on = getattr(engine, "passes_on", lambda _name: True)
+        out["x_gapless"] = {"sampling_extensions": [n for n in SAMPLING_EXTENSION_NAMES if passes_on(n)]}
         return out
 
     async def models(self, request: HttpRequest) -> Response:

@@ -51,6 +51,7 @@ def test_models_lists_the_loaded_model(client, server, tiny_llama):
     model = client.models.retrieve(model_id(server))
     assert model.owned_by == "gapless"
     assert model.max_model_len == server.engines.engine.context_length > 0  # vLLM's field: clients read it
+    assert model.x_gapless == {"sampling_extensions": ["top_k", "repetition_penalty"]}  # what it honours
 
 
 def test_chat_equals_the_engine_token_for_token(client, server, reference):

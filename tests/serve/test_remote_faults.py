@@ -367,3 +367,25 @@ def test_a_gapless_server_fronting_a_server_that_lacks_top_k_refuses_it(stand_in
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
     assert "not one known to take it" in r.json()["error"]["message"]
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Hello there"
+
+
+def test_the_app_on_a_gapless_server_fronting_such_a_server_is_told_not_to_send_top_k(stand_in):
+    """The front server lists the sampling settings it honours; the app's defaults (top-k 40, penalty 1.1) then
+    go unsent with a notice instead of every answer failing with that 400."""
+    from serving import serving
+
+    _, server = stand_in
+    behind = RemoteEngine.load(RemoteSource(server.url, "nousage"))
+    try:
+        with serving(behind) as front:
+            app = RemoteEngine.load(RemoteSource(front.url, front.engines.model_id))
+            try:
+                assert not app.passes_on("top_k") and not app.passes_on("repetition_penalty")
+                r = app.generate(
+                    HELLO, SamplingParams(temperature=0.7, top_k=40, repetition_penalty=1.1, max_new_tokens=8)
+                )
+            finally:
+                app.close()
+    finally:
+        behind.close()
+    assert r.texts == ["Hello there"] and any("not applied" in n for n in r.notices)
