@@ -206,6 +206,8 @@ class SettingsStore:
                 log.warning("settings file %s: invalid %s: %s", self.path, what, exc)
                 notices.append(f"The saved {what} in {self.path} were invalid ({exc}); defaults are used.")
                 setattr(s, name, default())
+                if name == "sampling":
+                    s.sampling_saved = False  # so the defaults are the chat defaults, as the notice says
         return s
 
     def _aside(self, tag: str, reason: str, notices: list[str]) -> list[str]:

@@ -246,13 +246,14 @@ class EngineQueue:
                     engine.reconfigure(previous)
                 except GaplessError as exc:
                     log.warning("serve: restoring the engine options failed: %s", exc)
-        if len(result.texts) != req.n:  # the engine ran fewer candidates than asked (out of device memory)
-            said = "; ".join(n for n in result.notices if "candidates" in n) or f"{len(result.texts)} were answered"
-            self._fail(job, ApiError(503, f"n={req.n} could not be served: {said}; ask for fewer", "server_error"))
-            return
         cancelled = job.cancel.is_set() and "cancelled" in result.finish_reasons
         if cancelled and self._shutting_down:
             self._end(job, "cancelled", Failed(shutting_down()))
+            return
+        if not cancelled and len(result.texts) != req.n:  # fewer candidates ran (out of device memory, a server)
+            said = result.unavailable.get("candidates") or "; ".join(n for n in result.notices if "candidates" in n)
+            why = said or f"{len(result.texts)} were answered"
+            self._fail(job, ApiError(503, f"n={req.n} could not be served: {why}; ask for fewer", "server_error"))
             return
         self._end(job, "cancelled" if cancelled else "served", Finished(result, queue_ms))
 

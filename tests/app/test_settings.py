@@ -182,3 +182,13 @@ def test_saved_sampling_defaults_equal_to_the_engine_s_are_kept(path):
     assert store.load()[0].new_chat_sampling() == CHAT_DEFAULTS
     path.write_text(json.dumps({**legacy, "sampling": chosen.to_dict()}))
     assert store.load()[0].new_chat_sampling() == chosen
+
+
+def test_invalid_saved_sampling_falls_back_to_the_chat_defaults(path):
+    from app.settings import CHAT_DEFAULTS
+
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"sampling": {"temperature": -3}, "sampling_saved": True}))
+    s, notices = SettingsStore(path).load()
+    assert notices and "sampling parameters" in notices[0]
+    assert s.new_chat_sampling() == CHAT_DEFAULTS  # "defaults are used": the chat's, as before anything was saved

@@ -185,8 +185,6 @@ def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama)
 def test_stop_answers_a_request_still_waiting_for_the_engine_with_503(qtbot, gui, tiny_llama, caplog):
     """A request waiting for the worker (busy with the app's own work) when the server stops: 503 shutting_down,
     counted as cancelled, no error in the log."""
-    import logging
-
     from app.worker import Call
 
     panel, server = gui.window.server_panel, gui.server
@@ -196,6 +194,16 @@ def test_stop_answers_a_request_still_waiting_for_the_engine_with_503(qtbot, gui
         qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
     busy, release = threading.Event(), threading.Event()
     gui.controller.worker.commands.put(Call(lambda _e: (busy.set(), release.wait(60)), threading.Event()))
+    try:
+        stop_while_the_worker_is_busy(qtbot, gui, tiny_llama, caplog, port, busy)
+    finally:
+        release.set()  # the worker goes on, whatever the test found
+
+
+def stop_while_the_worker_is_busy(qtbot, gui, tiny_llama, caplog, port, busy) -> None:
+    import logging
+
+    panel, server = gui.window.server_panel, gui.server
     assert busy.wait(60)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     got: dict = {}
@@ -212,7 +220,6 @@ def test_stop_answers_a_request_still_waiting_for_the_engine_with_503(qtbot, gui
     with caplog.at_level(logging.ERROR), qtbot.waitSignal(server.stopped, timeout=TIMEOUT_MS):
         qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
     asker.join(60)
-    release.set()
     assert got["error"].status_code == 503 and got["error"].body["code"] == "shutting_down"
     assert panel.counts.text().startswith("Requests served: 0") and "failed 0" in panel.counts.text()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
