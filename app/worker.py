@@ -87,16 +87,6 @@ class Ladder:
     cancel: threading.Event = field(compare=False)
 
 
-@dataclass(frozen=True)
-class Call:
-    """Run fn(engine) on the worker thread (the API server's requests share the engine this way)."""
-
-    fn: Callable[[Any], None]
-    done: threading.Event = field(compare=False)
-    errors: list = field(compare=False, default_factory=list)
-    claim: "Claim" = field(compare=False, default_factory=lambda: Claim())
-
-
 class Claim:
     """Who takes a Call first: the worker, to run it, or its caller, to give up on it (then it is skipped)."""
 
@@ -109,6 +99,16 @@ class Claim:
             if self._by is None:
                 self._by = by
             return self._by == by
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run fn(engine) on the worker thread (the API server's requests share the engine this way)."""
+
+    fn: Callable[[Any], None]
+    done: threading.Event = field(compare=False)
+    errors: list = field(compare=False, default_factory=list)
+    claim: Claim = field(compare=False, default_factory=Claim)
 
 
 @dataclass(frozen=True)

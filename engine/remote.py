@@ -288,6 +288,11 @@ class RemoteEngine:
             source=self.source.to_source(),
             source_kind="remote",
             backend_reason=REMOTE_REASON,
+            unknown={
+                "parameters": "n/a: the server does not say how many parameters its model has",
+                "weight_bytes": "n/a: the server does not say how large its model's weights are",
+                **({} if self._context_length else {"context_length": "n/a: the server does not report it"}),
+            },
         )
 
     def passes_on(self, setting: str) -> bool:

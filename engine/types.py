@@ -334,22 +334,13 @@ class ModelInfo:
     load_seconds: Optional[float] = None  # how long the load took, file to model ready
     load_seconds_source: str = ""
 
-    def unknown(self) -> dict[str, str]:
-        """The figures this model's backend cannot know, each with the reason (a remote server says nothing of
-        its weights, and its context only sometimes): null in the JSON, never a made-up 0."""
-        if self.backend != "remote":
-            return {}
-        out = {
-            "parameters": "n/a: the server does not say how many parameters its model has",
-            "weight_bytes": "n/a: the server does not say how large its model's weights are",
-        }
-        if not self.context_length:
-            out["context_length"] = "n/a: the server does not report its context length"
-        return out
+    # The figures above this model's backend cannot know, each with the reason (a remote server says nothing of
+    # its weights): null in the JSON, never a made-up 0.
+    unknown: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        unknown = self.unknown()
+        unknown = out.pop("unknown")
         if unknown:
             out.update(dict.fromkeys(unknown))
             out["unavailable"] = unknown

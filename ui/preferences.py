@@ -3,13 +3,13 @@ the models folder, in one dialog. The main window applies what it accepts at onc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from PySide6.QtWidgets import QComboBox, QFileDialog, QHBoxLayout, QLineEdit, QPushButton, QWidget
 
+from app.registry import source_key
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, SamplingParams
 from ui.dialogs import SamplingDialog
 
@@ -91,5 +91,5 @@ class PreferencesDialog(SamplingDialog):
             sampling,
             prompt,
             self.overflow.currentData(),
-            os.path.abspath(Path(folder).expanduser()) if folder else None,  # the same folder wherever the app starts
+            source_key(folder) if folder else None,  # absolute: the same folder wherever the app starts
         )
