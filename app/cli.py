@@ -158,8 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     gui.add_argument(
         "--smoke-test", action="store_true", help="open offscreen, load the model, answer one prompt, exit"
     )
-    gui.add_argument("--screenshot", type=Path, default=None, help="with --smoke-test: save the main window as PNG")
-    gui.add_argument("--report", type=Path, default=None, help="with --smoke-test: write a JSON report")
+    gui.add_argument(
+        "--screenshot",
+        type=Path,
+        default=None,
+        help="with --smoke-test: save the main window as PNG (folder must exist)",
+    )
+    gui.add_argument(
+        "--report", type=Path, default=None, help="with --smoke-test: write a JSON report (folder must exist)"
+    )
     gui.add_argument(
         "--prompt",
         default="What is the capital of France? Answer in one sentence.",
@@ -257,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--theme", choices=["system", "light", "dark"], default=None)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model (until Ctrl+C)")
     _add_engine_options(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api-key)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (other than loopback needs --api-key or GAPLESS_SERVE_API_KEY)",
+    )
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument(
         "--api-key",

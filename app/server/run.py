@@ -29,7 +29,8 @@ def check_address(host: str, api_key: Optional[str]) -> None:
     if not is_loopback(host) and not api_key:
         raise ServeError(
             f"refusing to listen on {host} without an API key: anyone who can reach this machine "
-            "could use the model; give an API key (--api-key KEY, or the Server panel's key), or listen on 127.0.0.1"
+            "could use the model; give an API key (--api-key KEY or GAPLESS_SERVE_API_KEY; the Server panel's key in the "
+            "app), or listen on 127.0.0.1"
         )
     problem = api_key_problem(api_key) if api_key else None
     if problem:
@@ -43,8 +44,9 @@ def check_origins(origins: "tuple[str, ...]", api_key: Optional[str]) -> None:
         if origin == "*":
             if not api_key:
                 raise ServeError(
-                    "--cors-origin '*' lets every web page use the model: it needs --api-key KEY (pages cannot "
-                    "know the key); without one, name each page's origin, e.g. --cors-origin http://localhost:3000"
+                    "--cors-origin '*' lets every web page use the model: it needs an API key (--api-key KEY or "
+                    "GAPLESS_SERVE_API_KEY; pages cannot know the key); without one, name each page's origin, e.g. "
+                    "--cors-origin http://localhost:3000"
                 )
             continue
         parts = urlsplit(origin)
