@@ -282,6 +282,10 @@ def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int,
     best = _fewest_dropped(render, budget, len(history), lambda k: (_keep(msgs, k)[0], k))
     if best is not None:
         k = _sticky(best[2], _sizes(tokenizer, msgs, [[i] for i in history], len(ids)), budget // CUT_STEP_SHARE)
+        # The rounding never takes the newest exchange the fewest cut keeps: with long turns it dropped the whole
+        # conversation (the last answer went with its question) to keep a cut that moved every turn anyway.
+        newest = max((n for n, i in enumerate(history) if msgs[i]["role"] == "user"), default=0)
+        k = max(best[2], min(k, newest))
         kept, dropped = _keep(msgs, k)
         t, i = render(kept) if k > best[2] else best[:2]
         what = _cut(notices, context, f"{_plural(dropped, 'oldest message')} dropped")

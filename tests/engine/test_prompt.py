@@ -239,3 +239,17 @@ def test_real_default_model_template_ids(default_model_path):
         assert p.ids == _template_ids(tok, msgs)
     raw = build_prompt(tok, [_user("Once upon a time")], 8192, 128, raw=True)
     assert raw.ids == tok("Once upon a time")["input_ids"]
+
+
+def test_rolling_keeps_the_last_exchange_that_fits_however_long_the_turns(chat_tok):
+    """A short review, a long one, then a short follow-up: the long review and its question fit the budget, and
+    were dropped with the first (the cut rounded up to its next step, and the answer left in front went too),
+    leaving the follow-up alone."""
+    short, long = (" ".join(f"line{n} of the file" for n in range(lines)) for lines in (40, 200))
+    msgs = [SYSTEM, _user("review this: " + short), _assistant("notes: " + short)]
+    msgs += [_user("and this one: " + long), _assistant("more notes: " + long), _user("which is better?")]
+    context, max_new = len(_template_ids(chat_tok, msgs)) * 9 // 10, 16
+    budget = prompt_budget(context, max_new)
+    assert len(_template_ids(chat_tok, [SYSTEM, *msgs[3:]])) <= budget  # the last exchange fits
+    p = build_prompt(chat_tok, msgs, context, max_new)
+    assert p.dropped_messages == 2 and p.ids == _template_ids(chat_tok, [SYSTEM, *msgs[3:]])
