@@ -733,7 +733,12 @@ class Engine:
             loop.metrics.put("compile_seconds", compile_s)
         else:
             loop.metrics.mark_na("compile_seconds", "compile and CUDA graph off: nothing is compiled or captured")
-        self._prefix.remember(runner, list(prompt_ids), loop.metrics.decode_steps)
+        # The answer's tokens whose keys and values the cache holds: one a step, or, speculating, every token a
+        # verify step fed and accepted (host_pos is the position of the next token to feed).
+        fed = (
+            runner.host_pos - T if spec is not None and isinstance(runner, StaticRunner) else loop.metrics.decode_steps
+        )
+        self._prefix.remember(runner, list(prompt_ids), fed)
         m = loop.metrics
         m.put("prompt_reused_tokens", plan.start, plan.source)
         m.put("prompt_computed_tokens", T - plan.start)

@@ -117,13 +117,13 @@ class PrefixCache:
         if supports(runner) is None and read:
             self._rows[runner] = [read]
 
-    def remember(self, runner: RunnerBase, prompt: list[int], steps: int) -> None:
-        """After a generation of `steps` decode steps: each row's cache holds the prompt and the first `steps`
-        tokens of its answer (the token a step feeds is the one the step before wrote)."""
+    def remember(self, runner: RunnerBase, prompt: list[int], fed: int) -> None:
+        """After a generation: each row's cache holds the prompt and the first `fed` tokens of its answer (the
+        tokens fed back, a step's each, the last one emitted not yet)."""
         if supports(runner) is not None:
             return
-        fed = runner.out[:, :steps].tolist() if steps > 0 else [[] for _ in range(runner.batch)]
-        self._rows[runner] = [prompt + r for r in fed]
+        fed_rows = runner.out[:, :fed].tolist() if fed > 0 else [[] for _ in range(runner.batch)]
+        self._rows[runner] = [prompt + r for r in fed_rows]
 
 
 @contextmanager

@@ -33,3 +33,8 @@ def test_speculation_on_a_reused_prefix_gives_the_plain_answers(tiny_llama, spec
     assert both == plain
     assert last.metrics.prompt_reused_tokens and last.metrics.prompt_reused_tokens > 0  # the prefix was reused
     assert last.options.speculation == speculation
+    # as much is reused as without speculation: every token a verify step accepted is in the cache (it remembered
+    # one a step, and the next turn read again what it held)
+    _, reused = _answers(tiny_llama, EngineOptions(device="cpu", prefix_reuse=True), turns)
+    assert last.metrics.prompt_reused_tokens == reused.metrics.prompt_reused_tokens
+    assert last.metrics.tokens_per_step and last.metrics.tokens_per_step > 1  # drafts were accepted
