@@ -72,6 +72,8 @@ def sampling_from_args(args) -> SamplingParams:
 def run_generate(args) -> int:
     from app.engines import load_engine
 
+    if args.raw and args.system:  # a raw prompt is sent as it is: the system prompt would be read by nothing
+        raise OptionsError("--system has no place in a --raw prompt, which is sent as it is: put it in the prompt")
     options = options_from_args(args)
     sampling = sampling_from_args(args)
     messages = []

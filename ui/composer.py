@@ -152,12 +152,14 @@ class Composer(QFrame):
         text = f"Context: {use.tokens:,} of {use.context_length:,} tokens ({share:.0%})"
         if use.tokens > use.budget:
             level = "over"
-            if use.refused or use.policy == "stop":
+            if use.policy == "stop":
                 text += " — over the limit: the answer will be refused (this chat stops at the limit)"
+            elif use.refused:
+                text += f" — over the limit: the answer will be refused ({use.refused})"
+            elif use.cut:  # what the policy will do to this very conversation
+                text += f" — over the limit, so when sent: {use.cut}"
             else:
                 text += f" — over the limit: {OVER_WHAT.get(use.policy, 'messages will be dropped')}"
-                if use.cut:
-                    text += f" ({use.cut})"
         elif use.tokens >= NEAR_LIMIT * use.budget:
             level = "near"
             then = "the answer is refused" if use.policy == "stop" else "messages are dropped"

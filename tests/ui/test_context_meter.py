@@ -43,12 +43,31 @@ def test_over_the_limit_it_says_what_the_policy_will_drop_and_the_engine_agrees(
     use = fresh_count(qtbot, w, "the final question: Paris?")
     assert use.tokens > use.budget and use.policy == "rolling" and "oldest messages dropped" in use.cut
     assert w.composer.meter_level() == "over"
-    assert f"over the limit: the oldest messages will be dropped ({use.cut})" in w.composer.meter.text()
+    assert w.composer.meter.text().endswith(f" — over the limit, so when sent: {use.cut}")
     with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS) as blocker:
         qtbot.keyClick(w.composer.edit, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
     m = blocker.args[1].metrics
     assert m.prompt_tokens == use.prompt_tokens and m.prompt_cut == use.cut
+
+
+def test_over_the_limit_the_meter_says_what_this_policy_does_to_this_conversation(qtbot, app):
+    """A single message too long under rolling is cut, nothing is dropped; a refusal under truncate-middle is not
+    'this chat stops at the limit'."""
+    from engine.types import ContextUse
+
+    composer = app.window.composer
+    cut = "the last message was cut to its last 216 tokens"
+    composer.set_context(ContextUse(900, 216, 256, 240, "rolling", cut=cut))
+    assert (
+        composer.meter.text().endswith(f"over the limit, so when sent: {cut}")
+        and "dropped" not in composer.meter.text()
+    )
+    why = "the system prompt, the first message and the chat format take 2935 tokens, leaving no room"
+    composer.set_context(ContextUse(3000, None, 256, 240, "truncate-middle", refused=why))
+    assert composer.meter.text().endswith(f"over the limit: the answer will be refused ({why})")
+    composer.set_context(ContextUse(300, None, 256, 240, "stop", refused="this chat stops at the limit"))
+    assert composer.meter.text().endswith("the answer will be refused (this chat stops at the limit)")
 
 
 def test_near_the_limit_it_warns(qtbot, app):
