@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
-from engine.errors import GenerationError
+from engine.errors import GenerationError, one_line
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, ROLES, ContextUse
 
 FALLBACK_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -71,8 +71,28 @@ def build_prompt(
         _stop_if_over(len(ids), budget, context_length)
         return Prompt(ids, text, 0, notices)
     if overflow == "truncate-middle":
-        return _fit_middle(tokenizer, render, msgs, budget, context_length, notices)
+        return _fit_middle_or_rolling(tokenizer, render, msgs, budget, context_length, notices)
     return _fit(tokenizer, render, msgs, budget, context_length, notices)
+
+
+def _fit_middle_or_rolling(
+    tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]
+) -> Prompt:
+    """Truncate-middle where it can keep the first message; else the rolling window, said in a notice. It cannot
+    where the first message alone leaves no room (after the turn that answered it, cut, every later one was
+    refused), or where the chat template wants the roles to alternate and the fewest cut would put the first and
+    the last questions side by side."""
+    tried = list(notices)
+    try:
+        return _fit_middle(tokenizer, render, msgs, budget, context, tried)
+    except GenerationError as exc:
+        why = one_line(exc)
+    try:
+        prompt = _fit(tokenizer, render, msgs, budget, context, notices)
+    except GenerationError:
+        raise GenerationError(why) from None
+    prompt.notices.append(f"the first message could not be kept ({why}): the oldest messages were dropped instead")
+    return prompt
 
 
 def measure_prompt(

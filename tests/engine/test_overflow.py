@@ -87,8 +87,9 @@ def test_truncate_middle_cuts_the_last_message_when_the_kept_ones_fill_the_conte
         "message kept) and the last message was cut to its last"
     )
     big_first = [SYSTEM, {"role": "user", "content": "hello world " * 200}, {"role": "user", "content": "hi"}]
-    with pytest.raises(GenerationError, match="the system prompt, the first message and the chat format take"):
-        build_prompt(tok, big_first, 128, 16, overflow="truncate-middle")
+    p = build_prompt(tok, big_first, 128, 16, overflow="truncate-middle")  # the first message cannot stay
+    assert p.ids == build_prompt(tok, big_first, 128, 16, overflow="rolling").ids
+    assert p.notices[-1].startswith("the first message could not be kept (the system prompt, the first message and")
 
 
 def test_rolling_drops_the_oldest_and_says_so(tok):
@@ -182,3 +183,27 @@ def test_truncate_middle_keeps_the_turns_alternating_for_templates_that_need_it(
         assert len(p.ids) <= prompt_budget(context, 16)
         roles = [line.split()[0] for line in p.text.split("<start_of_turn>")[1:]]
         assert roles[:-1] == ["user", "assistant", "user"], (context, p.cut)
+
+
+def test_truncate_middle_falls_back_to_rolling_where_it_cannot_keep_the_first_message(tok):
+    """Two cases where keeping the first message cannot work: a template that wants the roles to alternate when the
+    fewest cut must drop the first answer (the render failed, and every answer with it), and a first message longer
+    than the context (cut on its own turn, then every later turn was refused). The rolling window answers, and the
+    notice says why."""
+    t = make_tokenizer()
+    t.chat_template = ALTERNATING
+    words = "the quick brown fox jumps over lazy dog".split()
+    text = lambda n: " ".join(words[i % 8] for i in range(n))  # noqa: E731
+    msgs = [{"role": "user", "content": text(10)}, {"role": "assistant", "content": text(200)}]
+    msgs.append({"role": "user", "content": "and so?"})
+    p = build_prompt(t, msgs, 256, 16, overflow="truncate-middle")
+    rolling = build_prompt(t, msgs, 256, 16, overflow="rolling")
+    assert p.ids == rolling.ids and p.cut == rolling.cut
+    assert p.notices[-1].startswith("the first message could not be kept (") and "alternate" in p.notices[-1]
+
+    document = "Please summarise: " + " ".join(f"w{i}" for i in range(600))
+    msgs = [SYSTEM, {"role": "user", "content": document}, {"role": "assistant", "content": "It lists words."}]
+    msgs.append({"role": "user", "content": "thanks, and the main point?"})
+    p = build_prompt(tok, msgs, 256, 16, overflow="truncate-middle")
+    assert p.ids == build_prompt(tok, msgs, 256, 16, overflow="rolling").ids and len(p.ids) <= prompt_budget(256, 16)
+    assert "leaving no room" in p.notices[-1] and "the oldest messages were dropped instead" in p.notices[-1]
