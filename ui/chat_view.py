@@ -65,8 +65,16 @@ class ChatView(QScrollArea):
     # ---- whole conversation ----------------------------------------------------------------------------
 
     def set_messages(self, items: list[MessageItem]) -> None:
-        self._clear()
-        for item in items:
+        """Show `items`. The messages already shown as they are stay (a regenerate, an edit or a branch switch
+        changes the end of a chat; building all of a 300-turn chat's widgets again took seconds)."""
+        keep = 0
+        if self._stream is None and self._candidates is None:
+            for w, item in zip(self._widgets, items):
+                if w.item != item:
+                    break
+                keep += 1
+        self._clear(keep)
+        for item in items[keep:]:
             self._add(MessageWidget(item, self._colors, self._container))
         self._empty.setVisible(not items)
         self._stick = True
@@ -77,12 +85,13 @@ class ChatView(QScrollArea):
     def items(self) -> list[MessageItem]:
         return [w.item for w in self._widgets]
 
-    def _clear(self) -> None:
-        for w in self._widgets:
+    def _clear(self, keep: int = 0) -> None:
+        """Remove the messages after the first `keep`."""
+        for w in self._widgets[keep:]:
             self._column.removeWidget(w)
             w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
             w.deleteLater()
-        self._widgets = []
+        self._widgets = self._widgets[:keep]
         self._stream = None
         self._drop_candidates()
 

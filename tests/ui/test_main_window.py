@@ -189,6 +189,26 @@ def test_regenerate_keeps_the_old_answer_as_a_sibling(qtbot, app):
     assert w.chat_view.messages()[1].branch_label.text() == "2/2"
 
 
+def test_regenerate_and_a_branch_switch_rebuild_only_the_end_of_the_chat(qtbot, app):
+    """The messages before the one that changes keep their widgets (a 300-turn chat took seconds to regenerate when
+    every widget was built again); what is shown equals the stored branch."""
+    w, store = app.window, app.store
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=None)
+    for text in ("one", "two", "three"):
+        send(qtbot, app, text)
+    before = w.chat_view.messages()
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        before[-1].regen_button.click()
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    after = w.chat_view.messages()
+    assert after[:5] == before[:5] and after[5] is not before[5]  # the two turns and the question stay
+    shown = lambda: [(m.item.id, m.body.text) for m in w.chat_view.messages()]  # noqa: E731
+    assert shown() == [(m.id, m.content) for m in store.thread(w.flow.chat_id)]
+    after[5].prev_button.click()  # back to the first answer: only it changes
+    assert w.chat_view.messages()[:5] == before[:5] and w.chat_view.messages()[5].branch_label.text() == "1/2"
+    assert shown() == [(m.id, m.content) for m in store.thread(w.flow.chat_id)]
+
+
 def test_an_option_change_is_recorded_on_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")
