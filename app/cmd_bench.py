@@ -240,14 +240,8 @@ def format_table(report: dict[str, Any]) -> str:
                 out.append(f"{name}: n/a: " + "; ".join(f"{', '.join(ls)}: {w}" for w, ls in whys.items()) + ".")
             else:
                 out.append(f"{name}: n/a" + (f" ({next(iter(whys))})." if whys else "."))
-    unavailable = report["ratios"].get("unavailable") or {}
-    if naive is None:
-        ran = any(r.get("name") == "naive" and r.get("status") == "ok" for r in rungs)
-        why = unavailable.get("naive_decode_tok_s")
-        out.append(
-            f"× Naive: n/a ({why or ('the Naive rung has no decode figure' if ran else 'the Naive rung did not run')})."
-        )
-    columns = [("× transformers", "transformers_decode_tok_s")]
+    unavailable = report["ratios"].get("unavailable") or {}  # why a base of the speed-ups is missing (add_ratios)
+    columns = [("× Naive", "naive_decode_tok_s"), ("× transformers", "transformers_decode_tok_s")]
     if compiled:
         columns.append(("× transformers compiled", "transformers_static_compile_decode_tok_s"))
     for title, key in columns:

@@ -260,12 +260,14 @@ def _check_room(folder: Path, spec: DefaultModelSpec, part: Path) -> None:
         )
 
 
-def _cut_on_cancel(response: Any, cancel: Optional[threading.Event]) -> Callable[[], None]:
-    """Until the returned stop() is called: once `cancel` is set, shut the response's socket, so a read waiting on
-    a stalled or trickling server returns at once instead of after the read timeout."""
+@contextlib.contextmanager
+def _cut_on_cancel(response: Any, cancel: Optional[threading.Event]) -> Iterator[None]:
+    """While inside: once `cancel` is set, shut the response's socket, so a read waiting on a stalled or trickling
+    server returns at once instead of after the read timeout."""
     sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
     if cancel is None or sock is None:
-        return lambda: None
+        yield
+        return
     done = threading.Event()
 
     def watch() -> None:
@@ -276,7 +278,10 @@ def _cut_on_cancel(response: Any, cancel: Optional[threading.Event]) -> Callable
                 return
 
     threading.Thread(target=watch, name="gapless-fetch-cancel", daemon=True).start()
-    return done.set
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _download(
@@ -335,9 +340,7 @@ def _download_once(
             _remove(part)
             return False
         raise
-    stop_watching = _cut_on_cancel(response, cancel)
-    with response, contextlib.ExitStack() as stack:
-        stack.callback(stop_watching)
+    with response, _cut_on_cancel(response, cancel):
         if have and response.status != 206:
             have = 0  # the server ignored the range and sends the whole file
         length = response.headers.get("Content-Length")

@@ -204,8 +204,8 @@ class CompareModel(QAbstractTableModel):
             return f"{fmt.NA} — this row was kept before rows named their model"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
             return fmt.options_summary(self.rows[row].options)
-        if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and self._other_model(row):
-            return f"{v}: not the reference row's model ({self._other_model(row)}), so its deltas compare models"
+        if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and (other := self._other_model(row)):
+            return f"{v}: not the reference row's model ({other}), so its deltas compare models"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "metric":
             fig = figures.shown(self.rows[row].metrics, col.key)
             if v is None:
