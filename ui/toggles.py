@@ -213,6 +213,7 @@ class TogglesPanel(QWidget):
 
         self._options = options
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
+        self._refusal = ""  # what the engine last refused of the user's choice, said until the user chooses again
         self._limits: dict[tuple[str, object], str] = {}  # the same, for what this machine and model never run
         self._resolve_preset: PresetResolver = preset_resolver or _as_defined
         self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
@@ -311,6 +312,7 @@ class TogglesPanel(QWidget):
         """Draft with the model at `path` (speculation switched to draft), or with none ("": a draft speculation
         goes off). What the engine said of drafting with the previous one is forgotten."""
         self._known = {k: v for k, v in self._known.items() if k[0] != "speculation"}
+        self._refusal = ""
         if path:
             options = self._options.with_(draft_model=path, speculation="draft")
         else:
@@ -360,7 +362,8 @@ class TogglesPanel(QWidget):
         if fixed != self._options:
             self._change(fixed)
         if refused:  # said where the user looks, not only in a disabled entry's tooltip
-            self.note.setText("Not applied: " + "; ".join(refused))
+            self._refusal = "Not applied: " + "; ".join(refused)
+            self.note.setText(self._refusal)
 
     def _without_unavailable(self, options: EngineOptions) -> EngineOptions:
         changes = {}
@@ -447,6 +450,7 @@ class TogglesPanel(QWidget):
     def _edited(self, name: str) -> None:
         if self._quiet:
             return
+        self._refusal = ""
         # What the engine could not do may depend on the other options: keep only what was said of this one.
         self._known = {k: v for k, v in self._known.items() if k[0] == name}
         self._change(self._read())
@@ -455,6 +459,7 @@ class TogglesPanel(QWidget):
         name = self.preset.itemData(index)
         if name == CUSTOM:
             return
+        self._refusal = ""
         self._change(self._without_unavailable(self._resolve_preset(name, self._options, self._device_type())))
 
     def _change(self, options: EngineOptions) -> None:
@@ -486,6 +491,7 @@ class TogglesPanel(QWidget):
         """A new model opened with `options`: what the previous one could not do is forgotten first (a remote
         model's reasons and limits would turn the options the new one opened with back to the defaults)."""
         self._known.clear()
+        self._refusal = ""
         self._limits = dict(limits)
         self.set_applied(options, unavailable)
 
@@ -493,7 +499,8 @@ class TogglesPanel(QWidget):
         """The engine accepted `options` for the next answer."""
         self.progress.hide()
         self.set_options(options)
-        self.note.setText("Ready: the next answer uses these options.")
+        # the replacement of a refused value is applied in turn: its "Ready" keeps saying what was refused
+        self.note.setText(" ".join(t for t in ("Ready: the next answer uses these options.", self._refusal) if t))
         self.set_unavailable(unavailable)
 
     def set_failed(self, message: str) -> None:

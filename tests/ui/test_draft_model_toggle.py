@@ -69,7 +69,11 @@ def test_draft_picked_without_a_draft_model_says_why_it_was_not_applied(qtbot):
     assert asked.speculation == "draft" and asked.draft_model == ""
     why = "no draft model chosen (the Draft model control, or --draft-model PATH)"
     panel.set_applied(asked, {"speculation": why})
-    assert panel.options.speculation == "off"
+    assert panel.options.speculation == "off" and emitted[-1].speculation == "off"  # the replacement, sent in turn
     assert panel.note.text() == f"Not applied: speculation draft: {why}"
-    panel.set_applied(panel.options, {})
+    panel.set_applied(emitted[-1], {})  # its reply: ready, and still saying what was refused
+    assert panel.note.text() == f"Ready: the next answer uses these options. Not applied: speculation draft: {why}"
+    panel.kv_cache.setCurrentIndex(panel.kv_cache.findData("dynamic"))  # the user's next choice
+    panel.kv_cache.activated.emit(panel.kv_cache.currentIndex())
+    panel.set_applied(emitted[-1], {})
     assert panel.note.text() == "Ready: the next answer uses these options."
