@@ -2,6 +2,7 @@
 
 Streaming touches only the last message: each text batch is appended to it (see ui.markdown.SegmentsView for
 the plain-append / timed-render split); the rest of the conversation is built once per chat or branch switch.
+A long chat opens on its last messages; the earlier ones are built when the user scrolls up to them (or asks).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QLabel, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
 from app.chat_flow import MessageItem
 from ui.message import CandidateTabs, MessageWidget
@@ -21,6 +22,10 @@ EMPTY_HINT = (
     "<p>On the right: the decode optimizations (each change applies to the next answer) and the performance HUD, "
     "which shows where the time goes while the model answers. The model is at the bottom left.</p>"
 )
+# Messages built when a chat opens, and how many more each step up builds: a message's widgets cost ~2 ms (more
+# with code blocks), so a 600-message chat took 1.3 s to open when all were built at once.
+SHOWN_AT_FIRST = 40
+EARLIER_STEP = 40
 
 
 class ChatView(QScrollArea):
@@ -43,6 +48,13 @@ class ChatView(QScrollArea):
         self._column = QVBoxLayout(self._container)
         self._column.setContentsMargins(12, 16, 12, 16)
         self._column.setSpacing(10)
+        self._earlier = QPushButton(self._container)
+        self._earlier.setObjectName("earlierMessages")
+        self._earlier.setFlat(True)
+        self._earlier.setCursor(Qt.CursorShape.PointingHandCursor)
+        self._earlier.clicked.connect(lambda: self.show_earlier())
+        self._earlier.hide()
+        self._column.addWidget(self._earlier, 0, Qt.AlignmentFlag.AlignHCenter)
         self._empty = QLabel(EMPTY_HINT, self._container)
         self._empty.setObjectName("emptyHint")
         self._empty.setWordWrap(True)
@@ -53,6 +65,8 @@ class ChatView(QScrollArea):
         self.setWidget(self._container)
 
         self._widgets: list[MessageWidget] = []
+        self._unbuilt: list[MessageItem] = []  # the chat's first messages, not shown until asked for
+        self._keep_from_bottom: Optional[int] = None  # where the view stays while earlier messages are laid out
         self._stream: Optional[MessageWidget] = None
         self._candidates: Optional[CandidateTabs] = None
         self._busy = False
@@ -66,27 +80,70 @@ class ChatView(QScrollArea):
 
     def set_messages(self, items: list[MessageItem]) -> None:
         """Show `items`. The messages already shown as they are stay (a regenerate, an edit or a branch switch
-        changes the end of a chat; building all of a 300-turn chat's widgets again took seconds)."""
-        keep = 0
+        changes the end of a chat; building all of a 300-turn chat's widgets again took seconds); a chat that
+        changes before them opens on its last SHOWN_AT_FIRST messages."""
+        same = 0
         if self._stream is None and self._candidates is None:
-            for w, item in zip(self._widgets, items):
-                if w.item != item:
+            for old, item in zip(self.items(), items):
+                if old != item:
                     break
-                keep += 1
-        self._clear(keep)
-        for item in items[keep:]:
+                same += 1
+        unbuilt = len(self._unbuilt)
+        if same >= unbuilt and same > 0:
+            self._clear(same - unbuilt)
+        else:
+            self._clear()
+            unbuilt = max(0, len(items) - SHOWN_AT_FIRST)
+            self._unbuilt = list(items[:unbuilt])
+        for item in items[unbuilt + len(self._widgets) :]:
             self._add(MessageWidget(item, self._colors, self._container))
         self._empty.setVisible(not items)
+        self._show_earlier_button()
+        self._keep_from_bottom = None
         self._stick = True
 
+    def show_earlier(self, count: int = EARLIER_STEP) -> int:
+        """Build up to `count` of the messages before the first one shown, the view staying where it is; the
+        number built."""
+        take = self._unbuilt[-count:] if count > 0 else []
+        if not take:
+            return 0
+        del self._unbuilt[len(self._unbuilt) - len(take) :]
+        bar = self.verticalScrollBar()
+        self._keep_from_bottom = bar.maximum() - bar.value()
+        self._stick = False
+        first = self._column.indexOf(self._earlier) + 1
+        built = [MessageWidget(item, self._colors, self._container) for item in take]
+        for i, w in enumerate(built):
+            self._connect(w)
+            self._column.insertWidget(first + i, w)
+        self._widgets[:0] = built
+        self._show_earlier_button()
+        return len(built)
+
+    def unbuilt_count(self) -> int:
+        """Messages of the chat not shown yet (before the first shown)."""
+        return len(self._unbuilt)
+
+    def _show_earlier_button(self) -> None:
+        n = len(self._unbuilt)
+        self._earlier.setVisible(n > 0)
+        if n:
+            step = min(n, EARLIER_STEP)
+            more = f" ({n} earlier in all)" if n > step else ""
+            self._earlier.setText(f"Show {step} earlier message{'s' if step != 1 else ''}{more}")
+            self._earlier.setToolTip("Scrolling to the top shows them too")
+
     def messages(self) -> list[MessageWidget]:
+        """The messages' widgets shown (a long chat's first messages may not be built yet: unbuilt_count)."""
         return list(self._widgets)
 
     def items(self) -> list[MessageItem]:
-        return [w.item for w in self._widgets]
+        """All of the chat's messages, shown or not."""
+        return self._unbuilt + [w.item for w in self._widgets]
 
     def _clear(self, keep: int = 0) -> None:
-        """Remove the messages after the first `keep`."""
+        """Remove the shown messages after the first `keep`."""
         for w in self._widgets[keep:]:
             self._column.removeWidget(w)
             w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
@@ -95,13 +152,16 @@ class ChatView(QScrollArea):
         self._stream = None
         self._drop_candidates()
 
-    def _add(self, w: MessageWidget) -> None:
+    def _connect(self, w: MessageWidget) -> None:
         w.editSubmitted.connect(self.editSubmitted)
         w.regenerateRequested.connect(self.regenerateRequested)
         w.deleteRequested.connect(self.deleteRequested)
         w.siblingRequested.connect(self.siblingRequested)
         w.set_busy(self._busy)
         w.set_can_answer(self._can_answer)
+
+    def _add(self, w: MessageWidget) -> None:
+        self._connect(w)
         self._column.insertWidget(self._column.count() - 1, w)  # above the stretch
         self._widgets.append(w)
         self._empty.hide()
@@ -131,6 +191,7 @@ class ChatView(QScrollArea):
         """Add the answer that is about to stream (one message, or a tab per candidate)."""
         self._drop_candidates()
         self._stick = True
+        self._keep_from_bottom = None
         if candidates <= 1:
             item.extra["streaming"] = True
             self._stream = self.add_message(item)
@@ -200,8 +261,15 @@ class ChatView(QScrollArea):
             self._candidates.set_colors(colors)
 
     def _on_scrolled(self, value: int) -> None:
-        self._stick = value >= self.verticalScrollBar().maximum() - 8
+        bar = self.verticalScrollBar()
+        if self._keep_from_bottom is not None and value != bar.maximum() - self._keep_from_bottom:
+            self._keep_from_bottom = None  # the user scrolled on
+        self._stick = value >= bar.maximum() - 8
+        if value == bar.minimum() and self._unbuilt and bar.maximum() > 0:
+            self.show_earlier()  # the user reached the top
 
     def _on_range(self, _lo: int, hi: int) -> None:
-        if self._stick:
+        if self._keep_from_bottom is not None:
+            self.verticalScrollBar().setValue(hi - self._keep_from_bottom)
+        elif self._stick:
             self.verticalScrollBar().setValue(hi)
