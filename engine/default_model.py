@@ -284,6 +284,41 @@ def _cut_on_cancel(response: Any, cancel: Optional[threading.Event]) -> Iterator
         done.set()
 
 
+def _open(request: urllib.request.Request, cancel: Optional[threading.Event]) -> Any:
+    """urlopen, which a cancel ends at once: connecting and waiting for the headers run on a thread of their own
+    (a server that accepts and says nothing held a cancel for the timeout); a response that comes after the
+    cancel is closed there."""
+    if cancel is None:
+        return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+    lock, done = threading.Lock(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+        else:
+            with lock:
+                outcome["response"] = response
+                if "gone" in outcome:
+                    response.close()
+        finally:
+            done.set()
+
+    threading.Thread(target=go, name="gapless-fetch-open", daemon=True).start()
+    while not done.wait(0.1):
+        if cancel.is_set():
+            with lock:
+                outcome["gone"] = True
+                if "response" in outcome:
+                    outcome["response"].close()
+            _check_cancel(cancel)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["response"]
+
+
 def _download(
     url: str,
     part: Path,
@@ -334,7 +369,7 @@ def _download_once(
     if have:
         request.add_header("Range", f"bytes={have}-")
     try:
-        response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
+        response = _open(request, cancel)
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and have:  # the range starts past the end: what we have is stale, start over
             _remove(part)

@@ -50,6 +50,9 @@ class WheelServer:
                     self.send_header("Location", server.url)
                     self.end_headers()
                     return
+                if server.mode == "silent":  # takes the request and never answers
+                    server.gone.wait(120)
+                    return
                 if server.mode in ("stall", "trickle"):  # headers, then nothing, or a byte now and then
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(body)))
@@ -272,10 +275,10 @@ def test_real_default_model_sha256(default_model_path: Path):
     assert h.hexdigest() == spec.sha256
 
 
-@pytest.mark.parametrize("mode", ["stall", "trickle"])
+@pytest.mark.parametrize("mode", ["silent", "stall", "trickle"])
 def test_cancel_ends_a_download_that_waits_on_a_slow_server(tmp_path, payload, monkeypatch, mode):
-    """A server that sends its headers and then nothing, or a byte every 0.2 s: a cancel waited for the read
-    timeout (30 s) or forever (each byte restarted it); now it cuts the connection."""
+    """A server that takes the request and says nothing, sends its headers and then nothing, or a byte every
+    0.2 s: a cancel waited for the timeout (30 s) or forever (each byte restarted it); now it ends at once."""
     import engine.default_model as dm
 
     monkeypatch.setattr(dm, "TIMEOUT_S", 600.0)  # a cancel that waits on the read timeout would wait 10 minutes
