@@ -555,6 +555,7 @@ class ChatStore:
     def delete_chat(self, chat_id: int) -> None:
         with self._write("delete the chat") as db:
             self._require_chat(db, chat_id)
+            db.execute("UPDATE messages SET parent_id = NULL WHERE chat_id = ?", (chat_id,))  # see _delete
             db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
             db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
 
@@ -671,11 +672,19 @@ class ChatStore:
             chat_id, parent_id = row
             doomed = [r[0] for r in db.execute(_SUBTREE, (message_id,))]
             active = db.execute("SELECT active_leaf_id FROM chats WHERE id = ?", (chat_id,)).fetchone()[0]
-            db.execute(f"DELETE FROM messages WHERE id IN ({','.join('?' * len(doomed))})", doomed)
+            self._delete(db, doomed)
             if active is None or active in doomed:
                 leaf = self._newest_leaf(db, chat_id, parent_id)
                 db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (leaf, chat_id))
             db.execute("UPDATE chats SET updated = ? WHERE id = ?", (time.time(), chat_id))
+
+    @staticmethod
+    def _delete(db: sqlite3.Connection, ids: list[int]) -> None:
+        """Delete messages that go with their parents. Detached first: each level of a chain cascading into the
+        next stops at SQLite's 1,000 levels of trigger recursion, and a chat of thousands of messages in one
+        branch could not be deleted."""
+        db.executemany("UPDATE messages SET parent_id = NULL WHERE id = ?", ((i,) for i in ids))
+        db.executemany("DELETE FROM messages WHERE id = ?", ((i,) for i in ids))
 
     def thread(self, chat_id: int, leaf_id: Optional[int] = None) -> list[Message]:
         """The messages from the root to `leaf_id` (default: the chat's active leaf), oldest first."""

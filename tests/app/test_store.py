@@ -340,3 +340,37 @@ def test_a_message_whose_stored_figures_are_damaged_is_still_read(tmp_path):
         other = next(x for x in s.all_messages(chat.id) if x.content == "figures not numbers")
         assert other.metrics is None  # as an import would refuse them, so the export leaves them out
         assert [x.content for x in s.thread(chat.id)] == ["kept"]
+
+
+def test_a_chat_deeper_than_sqlite_cascades_go_is_deleted_whole_and_in_part(store):
+    """A chat of 40,000 messages in one branch (an imported log): deleting it, or a message near its start,
+    failed with SQLite's "too many levels of trigger recursion" (each level of the chain cascaded into the next,
+    and SQLite stops at 1,000), and an id list that long is over SQLite's variable limit."""
+    from app.chat_io import ImportedChat
+
+    messages = [
+        dict(
+            role="user" if i % 2 == 0 else "assistant",
+            content=f"m{i}",
+            parent=i - 1 if i else None,
+            status="done",
+            created=1.0,
+            updated=1.0,
+            options=None,
+            metrics=None,
+            candidate_group=None,
+            candidate_index=None,
+            model_name=None,
+        )
+        for i in range(40_000)
+    ]
+    long = ImportedChat("long", 1.0, 1.0, "", None, None, len(messages) - 1, messages)
+    chats = [store.get_chat(store.import_chat(long)) for _ in range(2)]
+    keep = store.create_chat()
+    store.add_message(keep.id, "user", "keep me", None)
+    first, second = store.thread(chats[0].id)[:2]
+    store.delete_message(second.id)
+    assert texts(store.thread(chats[0].id)) == ["m0"] and store.count_messages(chats[0].id) == 1
+    store.delete_chat(chats[1].id)
+    assert store.count_messages(chats[1].id) == 0 and [c.id for c in store.list_chats()].count(chats[1].id) == 0
+    assert texts(store.thread(keep.id)) == ["keep me"] and store.count_messages() == 2
