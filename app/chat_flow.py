@@ -150,6 +150,9 @@ class ChatFlow(QObject):
         self._candidate_ids = []  # candidates left on screen in another chat are no longer there to choose from
         self.chatOpened.emit(chat_id)
         self.reload()
+        chat = self._guard(lambda: self.store.get_chat(chat_id)) if chat_id is not None else None
+        if chat and chat.damaged:
+            self.failed.emit(f"This chat's {chat.damaged.removeprefix('its ')} in Chat settings")
 
     def new_chat(self) -> None:
         """Start an empty chat; it is stored when its first message is sent."""

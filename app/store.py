@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from engine import figures
-from engine.errors import GaplessError, OptionsError
+from engine.errors import GaplessError, OptionsError, one_line
 from engine.types import EngineOptions, GenerationMetrics
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class Chat:
     sampling: Optional[dict]  # SamplingParams.to_dict(), None = the app's defaults
     active_leaf_id: Optional[int]
     overflow_policy: Optional[str] = None  # engine.types.OVERFLOW_POLICIES; None = the settings' default
+    damaged: str = ""  # what of its stored settings could not be read (it uses the defaults instead)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,29 @@ def _inserted_id(cur: sqlite3.Cursor) -> int:
 
 
 def _chat(row: tuple) -> Chat:
-    return Chat(row[0], row[1], row[2], row[3], row[4], _loads(row[5]), row[6], row[7])
+    """A stored chat; damaged settings (not JSON, values out of range, a parameter this version does not know)
+    read as the defaults and are said in `damaged`, so the chat still opens, answers and exports."""
+    from engine.types import OVERFLOW_POLICIES, SamplingParams
+
+    problems = []
+    try:
+        sampling = _loads(row[5])
+        if sampling is not None:
+            if not isinstance(sampling, dict):
+                raise ValueError("not an object")
+            SamplingParams.from_dict(sampling)
+    except (ValueError, TypeError, RecursionError, OptionsError) as exc:
+        problems.append(f"its sampling settings ({one_line(exc)})")
+        sampling = None
+    overflow = row[7]
+    if overflow is not None and overflow not in OVERFLOW_POLICIES:
+        problems.append(f"its overflow policy ({overflow!r} is none of {', '.join(OVERFLOW_POLICIES)})")
+        overflow = None
+    damaged = ""
+    if problems:
+        damaged = f"{' and '.join(problems)} could not be read; it uses the defaults until they are set again"
+        log.error("chat database: chat %d: %s", row[0], damaged)
+    return Chat(row[0], row[1], row[2], row[3], row[4], sampling, row[6], overflow, damaged)
 
 
 def _is_corruption(exc: sqlite3.DatabaseError) -> bool:

@@ -193,3 +193,25 @@ def test_a_question_left_unanswered_is_not_asked_again_with_the_next(flow):
     ctl.textBatch.emit(5, {0: "partial"})
     draft = [m["content"] for m in f.draft_messages("a draft")]
     assert draft == ["first", "first answer", "next", "the next answer", "and then", "a draft"]
+
+
+def test_a_chat_whose_stored_sampling_is_damaged_says_so_and_answers_with_the_defaults(flow):
+    """A stored sampling that no longer validates made Send store the question and raise in a Qt slot: no answer,
+    no message, and the question asked again on every retry."""
+    import sqlite3
+
+    f, store, ctl = flow
+    chat = store.create_chat("old", sampling=SamplingParams(temperature=0.5))
+    db = sqlite3.connect(store.path)
+    db.execute("UPDATE chats SET sampling_json = ? WHERE id = ?", ('{"temperature": -1}', chat.id))
+    db.commit()
+    db.close()
+    heard = signals(f, "failed")
+    f.open_chat(chat.id)
+    assert len(heard["failed"]) == 1
+    assert heard["failed"][0][0].startswith("This chat's sampling settings (temperature")
+    assert heard["failed"][0][0].endswith("it uses the defaults until they are set again in Chat settings")
+    assert f.sampling() == SAMPLING
+    assert f.send("hello") and ctl.asked == [[{"role": "user", "content": "hello"}]]
+    ctl.run(1, ["hi"], ["eos"])
+    assert [m.content for m in store.thread(chat.id)] == ["hello", "hi"]

@@ -374,3 +374,37 @@ def test_a_chat_deeper_than_sqlite_cascades_go_is_deleted_whole_and_in_part(stor
     store.delete_chat(chats[1].id)
     assert store.count_messages(chats[1].id) == 0 and [c.id for c in store.list_chats()].count(chats[1].id) == 0
     assert texts(store.thread(keep.id)) == ["keep me"] and store.count_messages() == 2
+
+
+@pytest.mark.parametrize(
+    "sampling_json, overflow, said",
+    [
+        ("{bad", None, "its sampling settings (Expecting property name"),
+        ("[1]", None, "its sampling settings (not an object)"),
+        ('{"temperature": -1}', None, "its sampling settings (temperature"),
+        ('{"min_p": 0.1}', None, "its sampling settings (unknown sampling parameter(s): min_p"),
+        (None, "sideways", "its overflow policy ('sideways' is none of"),
+    ],
+)
+def test_a_chat_with_damaged_settings_still_lists_opens_and_exports(store, sampling_json, overflow, said):
+    """One chat's damaged sampling_json made every list of chats fail (the app could not start, `gapless chats
+    list` failed): it reads as the defaults, saying what was dropped."""
+    from app.chat_io import chat_document
+
+    good = store.create_chat("good", sampling=SamplingParams(temperature=0.3))
+    bad = store.create_chat("bad")
+    store.add_message(bad.id, "user", "still here", None)
+    db = sqlite3.connect(store.path)
+    db.execute(
+        "UPDATE chats SET sampling_json = ?, overflow_policy = ? WHERE id = ?", (sampling_json, overflow, bad.id)
+    )
+    db.commit()
+    db.close()
+    assert {c.title for c in store.list_chats()} == {"good", "bad"}
+    read = store.get_chat(bad.id)
+    assert read.sampling is None and read.overflow_policy is None
+    assert read.damaged.startswith(said) and read.damaged.endswith("it uses the defaults until they are set again")
+    assert store.get_chat(good.id).sampling["temperature"] == 0.3 and not store.get_chat(good.id).damaged
+    assert [m["content"] for m in chat_document(store, bad.id)["messages"]] == ["still here"]
+    store.update_chat(bad.id, sampling=SamplingParams(temperature=0.5), overflow_policy="stop")  # set again
+    assert not store.get_chat(bad.id).damaged
