@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
@@ -88,7 +89,9 @@ class Engine:
         self._fused_failed: Optional[str] = None  # why the fused kernels failed here once; not tried again
         # read by effective() (what a draft model refused), so set before the options are first resolved
         self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
-        self._draft_refused: dict[str, str] = {}  # draft model path -> why it cannot draft for this model
+        # draft model path -> (what was on disk there, why it cannot draft for this model): tried again once the
+        # file changes (a draft model copied in later, or replaced)
+        self._draft_refused: dict[str, tuple[tuple, str]] = {}
         self.options = options.validate()
         eff, _ = self.effective(self.options)
         self.device = torch.device(eff.device)
@@ -190,7 +193,7 @@ class Engine:
         """The draft model of `options` on this model's device and dtype, loaded once; None when the options
         name none or it cannot draft for this model (the reason is kept for unavailable())."""
         path = options.draft_model
-        if options.speculation != "draft" or not path or not self.fast or path in self._draft_refused:
+        if options.speculation != "draft" or not path or not self.fast or self._draft_refusal(path):
             return None
         key = (path, str(self.device), self.dtype)
         if key in self._draft_models:
@@ -202,7 +205,7 @@ class Engine:
         try:
             draft = load_checkpoint(path, progress)
         except GaplessError as exc:
-            self._draft_refused[path] = f"the draft model could not be loaded: {exc}"
+            self._refuse_draft(path, f"the draft model could not be loaded: {exc}")
             return None
         why = vocabulary_mismatch(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
         if why is None:
@@ -211,7 +214,7 @@ class Engine:
             except ValueError as exc:
                 why = f"the draft model runs only on the fast path, and cannot: {exc}"
         if why is not None:
-            self._draft_refused[path] = why
+            self._refuse_draft(path, why)
             return None
         dtype = TORCH_DTYPES[self.dtype]
         try:
@@ -223,12 +226,25 @@ class Engine:
                 consume=draft.materialise is not None,
             )
         except (ModelLoadError, RuntimeError) as exc:
-            self._draft_refused[path] = f"the draft model could not be placed on {self.device}: {exc}"
+            self._refuse_draft(path, f"the draft model could not be placed on {self.device}: {exc}")
             return None
         draft.release()
         self._draft_models = {key: model}  # one draft model at a time
         progress(Progress("load", 1.0, "draft model ready"))
         return model
+
+    def _refuse_draft(self, path: str, why: str) -> None:
+        self._draft_refused[path] = (_on_disk(path), why)
+
+    def _draft_refusal(self, path: str) -> Optional[str]:
+        """Why the draft model at `path` cannot draft, while what is there is what was refused."""
+        refused = self._draft_refused.get(path)
+        if refused is None:
+            return None
+        if refused[0] != _on_disk(path):
+            del self._draft_refused[path]
+            return None
+        return refused[1]
 
     def _start_monitor(self):
         from engine.telemetry.monitor import Monitor
@@ -402,7 +418,7 @@ class Engine:
         if o.speculation == "draft":
             if not o.draft_model:
                 return "no draft model chosen (the Draft model control, or --draft-model PATH)"
-            return self._draft_refused.get(o.draft_model)
+            return self._draft_refusal(o.draft_model)
         return None
 
     def _weights_unavailable(self, fmt: str, device: torch.device) -> Optional[str]:
@@ -887,3 +903,13 @@ def _compile_cache():
     from engine.paths import compile_cache_dir
 
     return compile_cache_dir()
+
+
+def _on_disk(path: str) -> tuple:
+    """What is at a model path, to tell whether it changed: each file's name, size and time (a folder's files)."""
+    p = Path(path).expanduser()
+    try:
+        entries = sorted(p.iterdir()) if p.is_dir() else [p]
+        return tuple((e.name, st.st_size, st.st_mtime_ns) for e in entries for st in (e.stat(),))
+    except OSError:
+        return ("unreadable",)

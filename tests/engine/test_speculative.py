@@ -517,6 +517,29 @@ def test_a_draft_model_given_at_load_drafts_or_is_refused(tiny_factory, tmp_path
         eng.close()
 
 
+def test_a_refused_draft_model_is_tried_again_once_its_file_changes(tiny_factory, tmp_path):
+    """A draft model missing when first chosen (a drive not mounted yet, a copy not finished) was refused until
+    the main model was loaded again, even after the file was there."""
+    import shutil
+
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    made = make_tiny_model(tmp_path / "made", "llama", seed=1, num_hidden_layers=1)
+    later = tmp_path / "later"
+    draft = CPU.with_(speculation="draft", draft_model=str(later), draft_tokens=3)
+    eng = Engine.load(str(target), draft)
+    try:
+        assert "could not be loaded" in eng.unavailable()["speculation"]
+        assert "could not be loaded" in eng.unavailable()["speculation"]  # asked again: the refusal is kept
+        shutil.copytree(made, later)
+        assert "speculation" not in eng.unavailable()
+        got = eng.generate(REPEATS, GREEDY)
+        assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
+    finally:
+        eng.close()
+
+
 def test_vocabulary_mismatch_names_remapped_tokens():
     class Tok:
         def __init__(self, vocab):
