@@ -11,11 +11,12 @@ import base64
 import binascii
 import json
 import logging
+import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from app.store import move_aside
+from app.store import aside_name, move_aside
 from engine.errors import GaplessError, OptionsError
 from engine.paths import write_whole
 from engine.types import OVERFLOW_POLICIES, EngineOptions, SamplingParams
@@ -96,6 +97,15 @@ def _base64(v: Any) -> bool:
     return True
 
 
+def _unicode(value: Any) -> bool:
+    """Whether `value`'s text can be written as UTF-8."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        return False
+    return True
+
+
 MAX_PANE_PX = 100_000  # a splitter pane's saved width or height; Qt takes 32-bit ints
 
 
@@ -135,12 +145,13 @@ class _Unreadable(Exception):
 class SettingsStore:
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.unknown: dict[str, Any] = {}  # keys of the file this version does not know (a newer one's)
 
     def load(self) -> tuple[Settings, list[str]]:
         """The saved settings (defaults where missing or invalid) and notices for the user."""
         notices: list[str] = []
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = self.path.read_text(encoding="utf-8-sig")  # a byte order mark, as Windows' Notepad writes
         except FileNotFoundError:
             return Settings(), notices
         except (OSError, UnicodeDecodeError) as exc:
@@ -163,10 +174,11 @@ class SettingsStore:
                 f"this version reads up to {SETTINGS_VERSION})",
                 notices,
             )
-        try:
-            self._check_types(data)
-        except _Unreadable as exc:
-            return Settings(), self._aside("corrupt", str(exc), notices)
+        bad = self._bad_fields(data)
+        if bad:  # each falls back alone; the file as it was is kept beside it
+            for name in bad:
+                del data[name]
+            self._copy_aside("; ".join(bad.values()), notices)
         return self._settings(data, notices), notices
 
     def _parse(self, text: str) -> dict[str, Any]:
@@ -174,6 +186,8 @@ class SettingsStore:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise _Unreadable(f"it is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+        except RecursionError as exc:
+            raise _Unreadable("it is nested too deeply to read") from exc
         if not isinstance(data, dict):
             raise _Unreadable(f"it holds a JSON {type(data).__name__}, not an object")
         version = data.get("version", SETTINGS_VERSION)
@@ -182,17 +196,25 @@ class SettingsStore:
         return data
 
     @staticmethod
-    def _check_types(data: dict[str, Any]) -> None:
+    def _bad_fields(data: dict[str, Any]) -> dict[str, str]:
+        """{field: what is wrong with it} for the known fields that cannot be used as they are."""
+        bad = {}
         for name, value in data.items():
-            if name in _CHECKS:
-                ok, expected = _CHECKS[name]
-                if not ok(value):
-                    raise _Unreadable(f"{name} is {json.dumps(value)[:60]}, not {expected}")
+            if name not in _CHECKS:
+                continue
+            ok, expected = _CHECKS[name]
+            shown = json.dumps(value)[:60]
+            if not ok(value):
+                bad[name] = f"{name} is {shown}, not {expected}"
+            elif not _unicode(value):  # a lone surrogate (\ud83d) reads, and then every save would fail
+                bad[name] = f"{name} is {shown}, text that is not valid Unicode"
+        return bad
 
     def _settings(self, data: dict[str, Any], notices: list[str]) -> Settings:
         unknown = sorted(set(data) - set(_CHECKS) - {"version"})
-        if unknown:
-            log.warning("settings file %s: ignoring unknown key(s) %s", self.path, ", ".join(unknown))
+        if unknown:  # a newer version's, written back as they are
+            log.warning("settings file %s: keeping unknown key(s) %s", self.path, ", ".join(unknown))
+        self.unknown = {k: data[k] for k in unknown}
         s = Settings(**{k: v for k, v in data.items() if k in _CHECKS})
         # Saved options that no longer validate (a renamed option, a hand edit) fall back to the defaults.
         nested = (
@@ -209,6 +231,16 @@ class SettingsStore:
                 if name == "sampling":
                     s.sampling_saved = False  # so the defaults are the chat defaults, as the notice says
         return s
+
+    def _copy_aside(self, reason: str, notices: list[str]) -> None:
+        try:
+            aside = aside_name(self.path, "corrupt")
+            shutil.copy2(self.path, aside)
+            kept = f" The file as it was is kept as {aside.name}."
+        except OSError as exc:
+            kept = f" (A copy of the file could not be kept: {exc.strerror or exc}.)"
+        log.error("settings file %s: unusable settings fall back to their defaults: %s", self.path, reason)
+        notices.append(f"Some settings in {self.path} could not be used: {reason}. Their defaults are used.{kept}")
 
     def _aside(self, tag: str, reason: str, notices: list[str]) -> list[str]:
         try:
@@ -229,9 +261,11 @@ class SettingsStore:
 
     def save(self, settings: Settings) -> None:
         """Write atomically: a crash or a full disk leaves either the old file or the new one, never half."""
-        text = json.dumps(settings.to_dict(), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
         try:
+            text = json.dumps({**self.unknown, **settings.to_dict()}, indent=2, ensure_ascii=False, allow_nan=False)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_whole(self.path, text, mode=0o600, durable=True)
+            write_whole(self.path, text + "\n", mode=0o600, durable=True)
         except OSError as exc:
             raise SettingsError(f"cannot save the settings to {self.path}: {exc.strerror or exc}") from exc
+        except ValueError as exc:  # NaN, or text that is not valid Unicode
+            raise SettingsError(f"cannot save the settings to {self.path}: {exc}") from exc

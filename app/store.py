@@ -224,7 +224,7 @@ def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
     return code is not None and (code & 0xFF) in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
 
 
-def _aside_name(path: Path, tag: str) -> Path:
+def aside_name(path: Path, tag: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     candidate = path.with_name(f"{path.name}.{tag}-{stamp}")
     n = 1
@@ -236,7 +236,7 @@ def _aside_name(path: Path, tag: str) -> Path:
 
 def move_aside(path: Path, tag: str = "corrupt") -> Path:
     """Rename `path` (and its SQLite -wal/-shm companions) to `<name>.<tag>-<timestamp>`; return the new path."""
-    target = _aside_name(path, tag)
+    target = aside_name(path, tag)
     os.replace(path, target)
     for suffix in ("-wal", "-shm"):
         companion = path.with_name(path.name + suffix)

@@ -58,15 +58,8 @@ def test_round_trip(path):
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "JSON list, not an object"),
-        ('{"theme": 3}', "theme is 3, not one of system, light, dark"),
-        ('{"hud_visible": "yes"}', 'hud_visible is "yes", not true or false'),
-        ('{"last_model": 2}', "last_model is 2, not a string or null"),
-        ('{"system_prompt": 3}', "system_prompt is 3, not a string"),
-        ('{"overflow_policy": "drop"}', 'overflow_policy is "drop", not one of rolling, truncate-middle, stop'),
-        ('{"splitter_sizes": {"main": [1, -2]}}', "splitter_sizes"),
-        ('{"splitter_sizes": {"main": [100000000000]}}', "splitter_sizes"),  # past Qt's 32-bit sizes
-        ('{"window_geometry": "@@not base64@@"}', "window_geometry"),
         ('{"version": "1"}', "its version is '1'"),
+        ('{"theme": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),  # raised RecursionError
     ],
 )
 def test_damaged_file_is_moved_aside_with_a_notice(path, content, reason):
@@ -78,6 +71,53 @@ def test_damaged_file_is_moved_aside_with_a_notice(path, content, reason):
     assert len(kept) == 1 and (path.parent / kept[0]).read_text() == content
     assert len(notices) == 1 and str(path) in notices[0] and reason in notices[0] and kept[0] in notices[0]
     assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("theme", 3, "theme is 3, not one of system, light, dark"),
+        ("theme", "Dark", 'theme is "Dark", not one of system, light, dark'),
+        ("hud_visible", "yes", 'hud_visible is "yes", not true or false'),
+        ("last_model", 2, "last_model is 2, not a string or null"),
+        ("system_prompt", 3, "system_prompt is 3, not a string"),
+        ("overflow_policy", "drop", 'overflow_policy is "drop", not one of rolling, truncate-middle, stop'),
+        ("splitter_sizes", {"main": [1, -2]}, "splitter_sizes"),
+        ("splitter_sizes", {"main": [100000000000]}, "splitter_sizes"),  # past Qt's 32-bit sizes
+        ("window_geometry", "@@not base64@@", "window_geometry"),
+        ("system_prompt", "Tu es \ud83d un assistant", "text that is not valid Unicode"),  # every save failed
+        ("sampling", {"stop": ["\udc00"]}, "text that is not valid Unicode"),
+    ],
+)
+def test_a_damaged_setting_falls_back_alone_and_the_file_is_kept_beside(path, field, value, reason):
+    """One bad value (a hand edit: "Dark" for "dark") reset every other setting too."""
+    path.parent.mkdir(parents=True)
+    content = json.dumps({"version": 1, "models_folder": "/models", "hud_visible": False, field: value})
+    path.write_text(content)
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert getattr(s, field) == getattr(Settings(), field)
+    assert s.models_folder == "/models" and (field == "hud_visible" or s.hud_visible is False)
+    kept = asides(path, "corrupt")
+    assert len(kept) == 1 and (path.parent / kept[0]).read_text() == content
+    assert len(notices) == 1 and str(path) in notices[0] and reason in notices[0] and kept[0] in notices[0]
+    assert path.exists()
+    store.save(s)  # the next save writes the default
+    assert SettingsStore(path).load() == (s, [])
+
+
+def test_a_byte_order_mark_is_read(path):
+    """As Windows' Notepad saves UTF-8: every setting was thrown away as 'Unexpected UTF-8 BOM'."""
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"version": 1, "theme": "dark"}).encode())
+    s, notices = SettingsStore(path).load()
+    assert s.theme == "dark" and notices == [] and asides(path, "corrupt") == []
+
+
+def test_text_that_cannot_be_written_is_a_settings_error(path):
+    store = SettingsStore(path)
+    with pytest.raises(SettingsError, match="cannot save the settings to .*surrogates not allowed"):
+        store.save(Settings(system_prompt="\ud83d"))
 
 
 def test_binary_garbage_is_moved_aside(path):
@@ -101,13 +141,20 @@ def test_newer_version_is_kept_aside(path):
     assert (path.parent / kept[0]).read_text() == future
 
 
-def test_unknown_keys_are_ignored_with_a_warning(path, caplog):
+def test_unknown_keys_are_kept_with_a_warning(path, caplog):
+    """A newer version's keys (the version number does not change when a field is added) are written back as
+    they were: they were dropped at the next save."""
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"version": 1, "theme": "light", "frobnicate": True}))
+    path.write_text(json.dumps({"version": 1, "theme": "light", "frobnicate": {"level": 3}}))
+    store = SettingsStore(path)
     with caplog.at_level(logging.WARNING, logger="app.settings"):
-        s, notices = SettingsStore(path).load()
+        s, notices = store.load()
     assert s.theme == "light" and notices == []
-    assert "ignoring unknown key(s) frobnicate" in caplog.text
+    assert "keeping unknown key(s) frobnicate" in caplog.text
+    s.theme = "dark"
+    store.save(s)
+    saved = json.loads(path.read_text())
+    assert saved["frobnicate"] == {"level": 3} and saved["theme"] == "dark"
 
 
 def test_invalid_engine_options_fall_back_alone(path):
