@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from app.store import ROLES, ChatStore, Message, StoreError
+from app.store import MAX_TEXT_CHARS, MAX_TITLE_CHARS, ROLES, ChatStore, Message, StoreError
 from engine import figures
 from engine.errors import GaplessError, OptionsError
 from engine.figures import metrics_problem
@@ -30,10 +30,8 @@ from engine.types import FINISH_WORDS, OVERFLOW_POLICIES, SamplingParams, descri
 
 FORMAT = "gapless-chat"
 VERSION = 1
-MAX_FILE_BYTES = 64 << 20
+MAX_FILE_BYTES = 1 << 30  # a chat the app wrote may hold messages of up to MAX_TEXT_CHARS each
 MAX_MESSAGES = 100_000
-MAX_TEXT_CHARS = 4 << 20  # one message's content or the system prompt
-MAX_TITLE_CHARS = 1000
 MAX_FIGURES_BYTES = 64 << 10  # one message's options or metrics object, as JSON
 MAX_DEPTH = 8  # nesting inside an options or metrics object
 IMPORT_STATUSES = ("done", "stopped", "error")

@@ -36,6 +36,16 @@ FULL_DISK_BYTES = 1 << 20  # less free than this where the database cannot open:
 _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
 
+# What a chat may hold, so that every chat can be exported and imported again (app.chat_io reads up to these).
+MAX_TEXT_CHARS = 4 << 20  # one message's content or the system prompt: no model's context takes more
+MAX_TITLE_CHARS = 1000
+
+
+def _check_length(text: str, what: str, limit: int) -> None:
+    if len(text) > limit:
+        raise StoreError(f"{what} is {len(text):,} characters long; at most {limit:,} are allowed")
+
+
 # MIGRATIONS[v] takes a database from schema v-1 to v. Never edit a shipped step; append a new one.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -517,6 +527,8 @@ class ChatStore:
     # ---- chats ---------------------------------------------------------------------------------------
 
     def create_chat(self, title: str = "New chat", system_prompt: str = "", sampling: Any = None) -> Chat:
+        _check_length(title, "the title", MAX_TITLE_CHARS)
+        _check_length(system_prompt, "the system prompt", MAX_TEXT_CHARS)
         now = time.time()
         with self._write("create a chat") as db:
             cur = db.execute(
@@ -547,6 +559,7 @@ class ChatStore:
         return [_chat(r) for r in rows]
 
     def rename_chat(self, chat_id: int, title: str) -> Chat:
+        _check_length(title, "the title", MAX_TITLE_CHARS)
         with self._write("rename the chat") as db:
             self._require_chat(db, chat_id)
             db.execute("UPDATE chats SET title = ?, updated = ? WHERE id = ?", (title, time.time(), chat_id))
@@ -564,6 +577,8 @@ class ChatStore:
 
         if overflow_policy not in (None, "", *OVERFLOW_POLICIES):
             raise StoreError(f"unknown overflow policy {overflow_policy!r}")
+        if system_prompt is not None:
+            _check_length(system_prompt, "the system prompt", MAX_TEXT_CHARS)
         with self._write("update the chat") as db:
             self._require_chat(db, chat_id)
             if overflow_policy is not None:
@@ -608,6 +623,7 @@ class ChatStore:
             raise StoreError(f"unknown message role {role!r}")
         if status not in STATUSES:
             raise StoreError(f"unknown message status {status!r}")
+        _check_length(content, "the message", MAX_TEXT_CHARS)
         now = time.time()
         with self._write("save the message") as db:
             self._require_chat(db, chat_id)

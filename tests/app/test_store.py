@@ -408,3 +408,30 @@ def test_a_chat_with_damaged_settings_still_lists_opens_and_exports(store, sampl
     assert [m["content"] for m in chat_document(store, bad.id)["messages"]] == ["still here"]
     store.update_chat(bad.id, sampling=SamplingParams(temperature=0.5), overflow_policy="stop")  # set again
     assert not store.get_chat(bad.id).damaged
+
+
+def test_what_a_chat_holds_is_what_an_import_takes(store, tmp_path):
+    """A message of 4.3 M characters (a pasted log) or a title of 1,500 was stored and exported, and the app's
+    own import refused the file: the store refuses them, and a chat at the limits exports and imports whole."""
+    from app.chat_io import export_json, import_chat, write_text
+    from app.store import MAX_TEXT_CHARS, MAX_TITLE_CHARS
+
+    with pytest.raises(StoreError, match=r"the message is 4,194,305 characters long; at most 4,194,304 are allowed"):
+        store.add_message(store.create_chat().id, "user", "x" * (MAX_TEXT_CHARS + 1), None)
+    with pytest.raises(StoreError, match="the title is 1,001 characters long; at most 1,000"):
+        store.create_chat("t" * (MAX_TITLE_CHARS + 1))
+    chat = store.create_chat("t" * MAX_TITLE_CHARS, system_prompt="s" * MAX_TEXT_CHARS)
+    with pytest.raises(StoreError, match="the title is"):
+        store.rename_chat(chat.id, "t" * (MAX_TITLE_CHARS + 1))
+    with pytest.raises(StoreError, match="the system prompt is"):
+        store.update_chat(chat.id, system_prompt="s" * (MAX_TEXT_CHARS + 1))
+    parent = None
+    for i in range(20):  # 80 M characters: more than the 64 MiB an import once took
+        parent = store.add_message(
+            chat.id, "user" if i % 2 == 0 else "assistant", str(i % 10) * MAX_TEXT_CHARS, parent
+        ).id
+    path = tmp_path / "big.json"
+    write_text(path, export_json(store, chat.id))
+    again = store.get_chat(import_chat(store, path))
+    assert again.title == chat.title and again.system_prompt == chat.system_prompt
+    assert [m.content for m in store.thread(again.id)] == [m.content for m in store.thread(chat.id)]
