@@ -75,7 +75,10 @@ MIN_PX, MAX_PX = 200, 8192  # a window size that Qt lays out and paints, and who
 
 
 def _pixels(value: str) -> int:
-    n = _positive_int(value)
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
     if not MIN_PX <= n <= MAX_PX:
         raise argparse.ArgumentTypeError(f"must be between {MIN_PX} and {MAX_PX} pixels, got {n}")
     return n

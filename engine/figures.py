@@ -43,6 +43,15 @@ class FigureSpec:
     def per_generation(self) -> bool:
         return "generation" in self.scopes
 
+    @property
+    def integral(self) -> bool:
+        """Counted in whole units (tokens, launches, bytes): a value that is a whole number is an int."""
+        return self.unit in ("tokens", "count", "bytes")
+
+    def typed(self, value: Optional[float]) -> Optional[float]:
+        """`value` as an int where this figure counts whole units and it is one (a median of 24.0 tokens)."""
+        return int(value) if value is not None and self.integral and float(value).is_integer() else value
+
 
 FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec(
@@ -351,6 +360,8 @@ def value_problem(spec: FigureSpec, v: Any) -> Optional[str]:
         return f"is {v}, not a count or a time"
     if spec.unit == "%" and spec.key not in OVER_100 and v > 100:
         return f"is {v}, more than all of it (100 %)"
+    if spec.unit == "fraction" and v > 1:
+        return f"is {v}, more than all of it (1)"
     return None
 
 

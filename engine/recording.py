@@ -154,7 +154,7 @@ def load(path: Path) -> Recording:
 def from_dict(doc: Any, where: str = "the recording") -> Recording:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise RecordingError(f'{where} is not a Gapless telemetry file (no "format": "{FORMAT}")')
-    if doc.get("version") != VERSION or isinstance(doc.get("version"), bool):
+    if doc.get("version") != VERSION or type(doc.get("version")) is not int:
         raise RecordingError(f"{where} has telemetry version {doc.get('version')!r}; this Gapless reads {VERSION}")
     label = _typed(doc, "label", str, where)
     try:
@@ -242,8 +242,7 @@ def _metrics(d: dict, where: str) -> GenerationMetrics:
         elif f.name in figures.BY_KEY:
             if v is not None:
                 x = _number(v, f"{where}: {f.name}")
-                integral = figures.BY_KEY[f.name].unit in ("tokens", "count", "bytes") or isinstance(v, int)
-                v = int(x) if integral and x is not None and float(x).is_integer() else x
+                v = v if isinstance(v, int) else figures.BY_KEY[f.name].typed(x)
         elif v is not None and not isinstance(v, (str, int, float, bool)):
             raise RecordingError(f"{where}: {f.name} is {type(v).__name__}, not text or a number")
         setattr(m, f.name, v)
@@ -262,7 +261,7 @@ def _step(d: Any, where: str) -> StepRecord:
             x = _number(v, f"{where}: {f.name}")
             values[f.name] = x if f.name == "t" else int(x or 0)
         else:  # the step's optional figures (None when not measured)
-            values[f.name] = _number(v, f"{where}: {f.name}", optional=True)
+            values[f.name] = _figure(v, f.name, where)
     return StepRecord(**values)
 
 
@@ -279,6 +278,16 @@ def _sample(d: Any, where: str) -> MonitorSample:
         elif f.name == "t":
             values["t"] = _number(d.get("t"), f"{where}: t")
         else:
-            v = _number(d.get(f.name), f"{where}: {f.name}", optional=True)
+            v = _figure(d.get(f.name), f.name, where)
             values[f.name] = int(v) if v is not None and f.name.endswith("_bytes") else v
     return MonitorSample(**values)
+
+
+def _figure(value: Any, name: str, where: str) -> Optional[float]:
+    """An optional number; a registered figure's also within what it can be (a share at most all of it)."""
+    x = _number(value, f"{where}: {name}", optional=True)
+    spec = figures.BY_KEY.get(name)
+    problem = figures.value_problem(spec, x) if spec is not None and x is not None else None
+    if problem:
+        raise RecordingError(f"{where}: {name} {problem}")
+    return x

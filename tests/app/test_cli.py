@@ -157,6 +157,7 @@ def test_output_files_are_checked_before_the_work(tmp_path):
         (["bench", "--model", "remote:http://127.0.0.1:9/v1#m"], "a remote server decides for itself"),
         (["replay", str(tmp_path / "folder")], "cannot read the telemetry file"),
         (["replay", "t.json", "--width", "100000"], "--width: must be between 200 and 8192"),
+        (["replay", "t.json", "--height", "0"], "--height: must be between 200 and 8192 pixels, got 0"),
         (["generate", "--model", nowhere, "--raw", "--system", "Be brief.", "hi"], "--system has no place in a --raw"),
     ]
     for argv, words in cases:

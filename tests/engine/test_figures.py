@@ -103,6 +103,18 @@ def test_bench_medians_cover_every_generation_figure_with_its_source():
     assert out["decode_tok_s"] == 20.0 and out["kernel_gap_source"] == "op gap — torch.profiler CPU ops"
 
 
+def test_bench_medians_keep_counts_whole_and_each_candidates_tokens():
+    """The ladder's compare rows exported new_tokens [] beside new_tokens_total 24.0, and bytes as floats."""
+    runs = [
+        GenerationMetrics(new_tokens=[24, 20], new_tokens_total=44, decode_steps=23, peak_memory_bytes=1000).to_dict(),
+        GenerationMetrics(new_tokens=[24, 22], new_tokens_total=46, decode_steps=23, peak_memory_bytes=1001).to_dict(),
+    ]
+    out = median_metrics(runs)
+    assert out["new_tokens"] == [24, 20] and out["new_tokens_total"] == 45 and type(out["new_tokens_total"]) is int
+    assert type(out["decode_steps"]) is int and out["peak_memory_bytes"] == 1000.5  # a half stays a half
+    assert type(median_metrics(runs[:1])["peak_memory_bytes"]) is int
+
+
 @pytest.mark.parametrize(
     "v, digits, top, text",
     [

@@ -98,6 +98,10 @@ def _doc(path):
         (lambda d: dict(d, metrics=dict(d["metrics"], kernel_gap_source=42)), "kernel_gap_source is not text"),
         (lambda d: dict(d, metrics=dict(d["metrics"], decode_tok_s=-5)), "decode_tok_s is -5, not a count or a time"),
         (lambda d: dict(d, metrics=dict(d["metrics"], kernel_gap_pct=1e300)), "more than all of it"),
+        (lambda d: dict(d, metrics=dict(d["metrics"], acceptance_rate=5.0)), "acceptance_rate is 5.0, more than all"),
+        (lambda d: dict(d, steps=[dict(d["steps"][0], step_ms=-3.0)]), "steps[0]: step_ms is -3.0, not a count"),
+        (lambda d: dict(d, samples=[{"t": 1.0, "cpu_util_pct": -1}]), "samples[0]: cpu_util_pct is -1.0, not a"),
+        (lambda d: dict(d, version=1.0), "telemetry version 1.0"),
         (lambda d: dict(d, machine=dict(d["machine"], gpus=["H200"])), 'machine "gpus" is not a list of objects'),
     ],
 )

@@ -735,6 +735,8 @@ def test_bar_header_while_running_says_whose_figures_are_shown(hud):
     assert "Naive · 12 new tokens" in panel.bars.header.text()
     panel.begin_generation("Naive", EngineOptions())
     assert panel.bars.header.text().endswith("Naive — the figures below are from the previous generation")
+    panel.end_generation(GenerationMetrics(new_tokens_total=1), EngineOptions(), "one")
+    assert "one · 1 new token ·" in panel.bars.header.text()
 
 
 def test_long_bar_sources_are_elided_with_the_full_text_in_the_tooltip(hud, qtbot):
@@ -959,7 +961,11 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
 def test_png_exports_are_written(hud, qtbot, tmp_path):
     panel, clock = hud
     feed_gpu_session(panel, clock, n_steps=40)
+    assert not panel.ladder_png.isEnabled()  # before a run the chart is empty (and was saved upside down)
+    with pytest.raises(ValueError, match="the ladder has not run yet"):
+        panel.export_ladder_png(tmp_path / "empty.png")
     panel.set_ladder_results(ladder_rows())
+    assert panel.ladder_png.isEnabled()
     show_and_paint(qtbot, panel)
     for path in (panel.export_plots_png(tmp_path / "live.png"), panel.export_ladder_png(tmp_path / "ladder.png")):
         data = path.read_bytes()

@@ -151,7 +151,8 @@ class BarStrip(PaletteFollower):
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str, d: Diagnosis) -> None:
         """The figures of a finished generation, and what limited it (engine.diagnosis)."""
         self._shown = label
-        self.header.setText(f"{label} · {_count(metrics.new_tokens_total)} new tokens · {fmt.options_summary(options)}")
+        n = metrics.new_tokens_total
+        self.header.setText(f"{label} · {_count(n)} new token{'' if n == 1 else 's'} · {fmt.options_summary(options)}")
         self.diagnosis.setText(f"Limit: {d.line}")
         self.diagnosis.setToolTip(
             "\n".join(

@@ -148,7 +148,10 @@ class HudPanel(QWidget):
         self.compare.buttons.addWidget(
             _button("Clear history…", "Remove every row; they are kept across restarts until cleared", self.ask_clear)
         )
-        self.ladder.buttons.addWidget(_button("PNG…", "Save the ladder chart as PNG", self._ask_ladder_png))
+        self.ladder_png = _button("PNG…", "Save the ladder chart as PNG", self._ask_ladder_png)
+        self.ladder_png.setEnabled(False)  # nothing to save before a run
+        self.ladder_png.setToolTip("Save the ladder chart as PNG (once the ladder has run)")
+        self.ladder.buttons.addWidget(self.ladder_png)
 
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
@@ -205,6 +208,7 @@ class HudPanel(QWidget):
     def set_ladder_results(self, rows: list[LadderRow]) -> None:
         """Draws the chart; every rung that ran also becomes a row of the compare table."""
         self.ladder.set_results(rows)
+        self.ladder_png.setEnabled(bool(rows))
         for r in rows:
             if r.ran and r.metrics is not None:
                 self._add_row(
@@ -276,6 +280,8 @@ class HudPanel(QWidget):
         )
 
     def export_ladder_png(self, path) -> Path:
+        if not self.ladder.rows:  # the chart is empty (and upside down) before a run
+            raise ValueError("the ladder has not run yet: run it first")
         return export.save_png(path, self.ladder.figure)
 
     def _ask(self, caption: str, name: str, file_filter: str, write: Callable[[str], Path]) -> Optional[Path]:
