@@ -79,7 +79,7 @@ def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-field median over repeated runs (GenerationMetrics dicts); sources from the first run that has one.
     Counts stay ints where the median is a whole number; new_tokens is each candidate's lower median."""
     out: dict[str, Any] = {f.key: f.typed(median(r.get(f.key) for r in runs)) for f in GENERATION_FIGURES}
-    rows = [r.get("new_tokens") for r in runs]
+    rows = [r.get("new_tokens") or [] for r in runs]
     if rows and all(isinstance(x, list) and x and len(x) == len(rows[0]) for x in rows):
         out["new_tokens"] = [statistics.median_low(column) for column in zip(*rows)]
     tok_s = [r["decode_tok_s"] for r in runs if r.get("decode_tok_s") is not None]
