@@ -336,6 +336,49 @@ def test_without_gpm_the_generation_estimates_are_drawn_and_labelled_as_estimate
     assert panel.live.view("gpu_util_pct").label_text == "GPU util — NVML samples"
 
 
+def test_a_dram_estimate_over_100_percent_is_in_range_and_exported_as_separate_levels(
+    hud, qtbot, tmp_path, monkeypatch
+):
+    """On the CPU the DRAM estimate can pass 100 % (counted bytes over a measured peak): a level of 140 % was
+    drawn above a fixed 0-100 range, and the PNG joined two answers' levels across the idle time between them."""
+    import pyqtgraph as pg
+
+    panel, clock = hud
+    src = {"cpu_util_pct": "CPU util — process CPU time", "process_rss_bytes": "RSS — /proc/self/statm"}
+    for g, (t0, dram) in enumerate(((1000.0, 30.0), (1020.0, 140.0))):
+        clock.t = t0
+        opts = EngineOptions(device="cpu")
+        panel.begin_generation(f"gen{g}", opts)
+        panel.add_samples(
+            [MonitorSample(t=t0 + 0.1 * i, cpu_util_pct=100.0, process_rss_bytes=10**9, sources=src) for i in range(20)]
+        )
+        panel.add_steps(
+            [StepRecord(t=t0 + 0.05 + 0.02 * i, step=i, tokens_total=i + 1, step_ms=20.0) for i in range(1, 90)]
+        )
+        m = GenerationMetrics(prompt_tokens=5, new_tokens=[90], new_tokens_total=90, decode_tok_s=50.0, ttft_ms=10.0)
+        m.put("dram_bw_util_pct", dram, "DRAM bandwidth — estimate: bytes per step / step time / measured peak")
+        clock.t = t0 + 2.0
+        panel.end_generation(m, opts, f"gen{g}")
+    show_and_paint(qtbot, panel)
+    dram = panel.live.view("dram_bw_util_pct")
+    qtbot.waitUntil(lambda: len(curve_xy(dram.estimate_curve)[0]) == 4, timeout=3000)
+    panel.live.refresh_labels()
+    _, (_, top) = dram.plot.viewRange()
+    assert top >= 140.0 and dram.value.text() == "140.0 %"
+
+    joined = []
+    real = pg.PlotItem.addItem
+
+    def spy(plot, item, *args, **kwargs):
+        if isinstance(item, pg.PlotCurveItem):
+            joined.append((len(item.xData), item.opts.get("connect")))
+        return real(plot, item, *args, **kwargs)
+
+    monkeypatch.setattr(pg.PlotItem, "addItem", spy)
+    panel.export_plots_png(tmp_path / "plots.png", 800, 900)
+    assert (4, "pairs") in joined  # the two levels, each its own segment
+
+
 def test_live_gpm_samples_take_precedence_over_estimates(hud):
     panel, clock = hud
     rung = GPU_RUNGS[2]

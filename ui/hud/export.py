@@ -127,7 +127,9 @@ def save_plots(
             plot.setTitle(_wrapped(title, TITLE_PT, width - 110), color=foreground.name(), size=f"{TITLE_PT}pt")
             for item in view.plot.items:
                 if isinstance(item, pg.PlotCurveItem) and item.xData is not None and len(item.xData):
-                    plot.addItem(pg.PlotCurveItem(item.xData, item.yData, pen=item.opts["pen"], connect="finite"))
+                    # each curve joined as drawn: an estimate's levels are separate segments ("pairs")
+                    connect = item.opts.get("connect", "finite")
+                    plot.addItem(pg.PlotCurveItem(item.xData, item.yData, pen=item.opts["pen"], connect=connect))
             (x_lo, x_hi), (y_lo, y_hi) = view.plot.viewRange()
             plot.setXRange(x_lo, x_hi, padding=0)
             plot.setYRange(y_lo, y_hi, padding=0)

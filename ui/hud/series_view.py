@@ -43,10 +43,6 @@ class PlotSpec(fmt.ShownFigure):
     idle_reason: str = "no monitor samples yet"
 
     @property
-    def percent(self) -> bool:  # fixed 0-100 y range
-        return self.figure.unit == "%" and self.y_top is None
-
-    @property
     def axis_gib(self) -> bool:  # the data are bytes; the axis reads GiB (the data stay as fed)
         return self.figure.unit == "bytes"
 
@@ -73,7 +69,8 @@ PLOTS = (
     _step_plot("tokens_per_step", "#d19a66", TOKENS_PER_STEP_SOURCE, y_top=lambda m: max(2.0, _headroom(m))),
     PlotSpec("gpu_util_pct", "#4cbf73"),
     PlotSpec("sm_activity_pct", "#c678dd"),
-    PlotSpec("dram_bw_util_pct", "#e06c75"),
+    # An estimate from counted bytes over a peak bandwidth can pass 100 % (figures.OVER_100): the range grows.
+    PlotSpec("dram_bw_util_pct", "#e06c75", y_top=lambda m: max(100.0, _headroom(m))),
     # CPU use counts every core (100% = one core busy), so the range grows a core at a time.
     PlotSpec("cpu_util_pct", "#4cbf73", cpu=True, y_top=lambda m: max(100.0, 100.0 * math.ceil(m / 100.0))),
     PlotSpec("process_rss_bytes", "#c678dd", cpu=True, y_top=_headroom),
@@ -154,6 +151,7 @@ class SeriesView(QWidget):
         self._source: Optional[str] = ""  # no header set yet
         self._measured: Optional[tuple] = None
         self._shown_max: Optional[float] = None  # largest value drawn right of the window's left edge
+        self._estimate_max: Optional[float] = None  # largest estimate level drawn
         self._y_top: Optional[float] = None
         self.title = TitleLabel(spec.title)
         self.value = QLabel(fmt.NA)
@@ -184,7 +182,7 @@ class SeriesView(QWidget):
             # Redrawn only when their range changes; a curve update repaints a pixmap, not the tick text.
             self.plot.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
         self.plot.disableAutoRange()
-        self.plot.setYRange(0, 100 if spec.percent else 1, padding=0.02)
+        self.plot.setYRange(0, 100 if spec.figure.unit == "%" else 1, padding=0.02)
         self.curve = self._curve(pg.mkPen(spec.color, width=1), "finite")
         self.profiled_curve = None
         self.estimate_curve = None
@@ -262,7 +260,7 @@ class SeriesView(QWidget):
         shown.append(dy[dx >= x_lo])
         # The decimated curves keep every extreme, so their largest value is the data's.
         top = max((float(np.fmax.reduce(a)) for a in shown if a.size), default=math.nan)
-        self._shown_max = top if math.isfinite(top) else None
+        self._shown_max = self._larger(top if math.isfinite(top) else None, self._estimate_max)
         if self._y_top is None:
             self.fit_y()  # the first data: no waiting for the label timer
 
@@ -282,6 +280,13 @@ class SeriesView(QWidget):
         x = np.array([[e.t_start - t0, e.t_end - t0] for e in estimates], dtype=float).ravel()
         y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
         self.estimate_curve.setData(x, y)
+        self._estimate_max = float(np.max(y)) if y.size else None
+        self._shown_max = self._larger(self._shown_max, self._estimate_max)
+        self.fit_y()
+
+    @staticmethod
+    def _larger(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return b if a is None else a if b is None else max(a, b)
 
     def set_boundaries(self, spans: list[tuple[float, Optional[float], str]], pen: QColor, labelled: bool) -> None:
         needed = sum(1 if end is None else 2 for _, end, _ in spans)
