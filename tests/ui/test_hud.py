@@ -447,6 +447,29 @@ def test_before_any_data_every_series_says_why_it_is_empty(hud, qtbot):
     assert panel.series_lengths()["steps"] == 0 and panel.last_values()["tokens_per_s"] is None
 
 
+def test_an_answer_without_decode_steps_gives_its_own_reason_to_the_step_plots(hud, qtbot):
+    """A one-token answer (or a remote server's, whose steps are not seen) left the step plots saying "no decode
+    steps yet" after it ended; they say why, until steps come in."""
+    panel, clock = hud
+    panel.show()
+    wait_exposed(qtbot, panel)
+    panel.begin_generation("one", EngineOptions())
+    m = GenerationMetrics(new_tokens=[1], new_tokens_total=1)
+    m.mark_na("decode_tok_s", "no decode step ran: the answer ended at its first token")
+    clock.t += 0.1
+    panel.end_generation(m, EngineOptions(), "one")
+    panel.live.refresh_labels()
+    for key in ("tokens_per_s", "step_ms", "tokens_per_step"):
+        assert panel.live.view(key).na_label.text() == "n/a — no decode step ran: the answer ended at its first token"
+    panel.begin_generation("two", EngineOptions())
+    recs = steps(clock.t, 20, 10.0)
+    panel.add_steps(recs)
+    clock.t = recs[-1].t + 0.01
+    panel.end_generation(metrics_for(recs, GPU_RUNGS[0]), EngineOptions(), "two")
+    panel.live.refresh_labels()
+    assert panel.live.view("tokens_per_s").na_reason is None and panel.series.reasons.get("step_ms") is None
+
+
 def test_generation_boundaries_are_marked(hud, qtbot):
     panel, clock = hud
     clock.t = 1000.5  # the GUI hears of the start after the worker's first record: that record dates it

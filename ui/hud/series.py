@@ -124,6 +124,11 @@ class LiveSeries:
             for f in LIVE_REASON_FIELDS:
                 if f in metrics.unavailable and not self.measured(f):
                     self.reasons[f] = metrics.unavailable[f]
+            # no decode step seen: the answer's own reason (one token, a remote server), not "no steps yet"
+            why = metrics.unavailable.get("decode_steps") or metrics.unavailable.get("decode_tok_s")
+            for f in STEP_SERIES:
+                if why and not self.measured(f):
+                    self.reasons[f] = why
             if gen is not None:
                 self._add_estimates(gen, metrics)
         return gen
@@ -179,6 +184,8 @@ class LiveSeries:
             self._last_step_t = r.t
         if rows:
             self.steps.extend(rows)
+            for f in STEP_SERIES:
+                self.reasons.pop(f, None)
 
     def add_samples(self, samples: Iterable[MonitorSample]) -> None:
         index = self._running.index if self._running is not None else None
