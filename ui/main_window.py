@@ -32,6 +32,7 @@ from app.chat_flow import UNTITLED, ChatFlow
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import (
+    FINISH_WORDS,
     OVERFLOW_LABELS,
     OVERFLOW_POLICIES,
     EngineOptions,
@@ -659,13 +660,10 @@ class MainWindow(QMainWindow):
         if self._loading is None:
             self.model_panel.clear_error()
         if self.hud is not None:
-            self.hud.end_generation(
-                result.metrics,
-                result.options,
-                options_label(result.options.to_dict()),
-                result.unavailable,
-                result.limits,
-            )
+            label = options_label(result.options.to_dict())
+            if "cancelled" in result.finish_reasons:  # its figures cover the part that ran: said in its row
+                label += f" ({FINISH_WORDS['cancelled']})"
+            self.hud.end_generation(result.metrics, result.options, label, result.unavailable, result.limits)
         if result.notices:
             self.status.setText(" · ".join(result.notices))
         # The reasons are for the options the answer ran with: where the panel has changed since (a choice made

@@ -139,6 +139,8 @@ def test_stop_keeps_the_partial_answer(qtbot, app, monkeypatch):
     shown = w.chat_view.messages()[-1]
     assert shown.body.text == result.texts[0]
     assert "stopped" in shown.stats_label.text()
+    # its compare row (and the table's exports) say it was cut short: its figures are of the part that ran
+    assert w.hud.compare.model.rows[-1].label.endswith(" (stopped by you)")
 
 
 def test_escape_stops_an_answer(qtbot, app, monkeypatch):
