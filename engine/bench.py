@@ -17,7 +17,6 @@ import torch
 
 from engine.figures import source_field_of
 from engine.ladder import (
-    CPU_DTYPE_NOTE,
     RUN_ERRORS,
     BenchConfig,
     LadderRunner,
@@ -29,7 +28,7 @@ from engine.ladder import (
     validate,
 )
 from engine.telemetry.machine import describe_machine
-from engine.types import EngineOptions
+from engine.types import CPU_DTYPE_NOTE, EngineOptions
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,14 @@ import torch
 
 from engine.errors import GaplessError
 from engine.figures import GENERATION_FIGURES
-from engine.types import PRESET_LABELS, PRESETS, EngineOptions, LadderRow, SamplingParams, preset_options
+from engine.types import (
+    PRESET_LABELS,
+    PRESETS,
+    EngineOptions,
+    LadderRow,
+    SamplingParams,
+    preset_options,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +38,6 @@ DEFAULT_CANDIDATES = 4
 COMPILED_RUNGS = ("compile", "cuda-graph")
 # rungs whose own optimisation is not compile or graphs: they run without those where this bench lacks them
 RELAXED_RUNGS = ("int8", "candidates", "speculation")
-CPU_DTYPE_NOTE = (
-    "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
-    "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
-)
 # Figures reduced to a median over the repeats of a rung: every per-generation figure of the registry.
 MEDIAN_FIELDS = tuple(f.key for f in GENERATION_FIGURES)
 SOURCE_FIELDS = tuple(f.source_field for f in GENERATION_FIGURES if f.source_field)

@@ -606,6 +606,12 @@ def stored_options_problem(options: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+CPU_DTYPE_NOTE = (
+    "CPU ladder: Naive and every rung after '+ half precision' run in fp32; the half-precision rung runs in bf16, "
+    "because CPUs run fp16 matmuls slowly and bf16 only as fast as their bf16 support allows"
+)
+
+
 # Why an answer ended, in words (GenerationResult.finish_reasons; "context" where the context left less room than
 # asked, "interrupted" where the app closed mid-answer).
 FINISH_WORDS = {

@@ -30,7 +30,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage, QPalette
 from PySide6.QtWidgets import QWidget
 
-from engine.types import EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
+from engine.types import CPU_DTYPE_NOTE, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX, CompareRow
 from ui.hud.decimate import peak_decimate
@@ -1120,6 +1120,8 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
         qtbot.mouseClick(ladder.cancel_button, Qt.MouseButton.LeftButton)
 
     rows = ladder_rows(gpu=False)  # CUDA graph and candidates are skipped on a CPU
+    left_out = "without compile and CUDA graph (compile off for this bench)"
+    rows[3] = replace(rows[3], notes=(left_out,))  # what a rung ran without is said beside it, as in the bench
     panel.set_ladder_results(rows)
     assert ladder.run_button.isEnabled() and not ladder.cancel_button.isEnabled() and not ladder.progress.isVisible()
     drawn = ladder.bar_values()
@@ -1128,11 +1130,12 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
     assert [(float(y), float(w)) for y, w in drawn["gap_pct"]] == [(i, r.kernel_gap_pct) for i, r in ran]
     texts = drawn["texts"]
     # skipped rungs are marked in the chart and say why in full under it, a shared reason once
-    assert texts.count("skipped (1)") == 2 and not ladder.notes.isHidden()
-    assert ladder.notes.text() == "(1) CUDA graphs need a CUDA device"
+    assert texts.count("skipped (2)") == 2 and not ladder.notes.isHidden()
+    # and on a CPU which rungs ran in which dtype, as the bench says
+    assert ladder.notes.text() == f"(1) {left_out}\n(2) CUDA graphs need a CUDA device\n{CPU_DTYPE_NOTE}"
     assert texts[0] == f"{rows[0].decode_tok_s:,.2f}  ×1.0"
     speedup = rows[3].decode_tok_s / rows[0].decode_tok_s
-    assert texts[6] == f"{rows[3].decode_tok_s:,.2f}  ×{speedup:.1f}"
+    assert texts[6] == f"{rows[3].decode_tok_s:,.2f}  ×{speedup:.1f} (1)"
     assert "5 presets ran, 2 skipped (reasons under the chart)" in ladder.status.text()
     # Every rung that ran is also a row of the compare table.
     labels = [r.label for r in panel.compare.model.rows]
@@ -1148,7 +1151,7 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
     panel.set_ladder_results(stopped)
     assert ladder.status.text().startswith("1 preset ran, 1 skipped (reasons under the chart), 2 not run (the ladder")
     assert ladder.bar_values()["texts"][2:] == ["not run (1)", "", "not run (1)", "", "skipped (2)", ""]
-    assert ladder.notes.text() == "(1) cancelled before it ran\n(2) CUDA graphs need a CUDA device"
+    assert ladder.notes.text() == f"(1) cancelled before it ran\n(2) CUDA graphs need a CUDA device\n{CPU_DTYPE_NOTE}"
 
 
 def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):

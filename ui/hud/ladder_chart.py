@@ -15,7 +15,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from engine.types import LadderRow
+from engine.types import CPU_DTYPE_NOTE, LadderRow
 from ui.hud import fmt
 from ui.theme import PaletteFollower, muted_text
 
@@ -160,15 +160,20 @@ class LadderChart(PaletteFollower):
         self._texts = []
         fg = self.palette().color(QPalette.ColorRole.Text)
         reasons: list[str] = []  # the notes' numbering: a reason shared by several rungs is written once
+
+        def numbered(why: str) -> int:
+            if why not in reasons:
+                reasons.append(why)
+            return reasons.index(why) + 1
+
         for i, r in enumerate(self.rows):
             if r.skipped is not None:
-                if r.skipped not in reasons:
-                    reasons.append(r.skipped)
-                tok_text, gap_text = f"{'not run' if r.cancelled else 'skipped'} ({reasons.index(r.skipped) + 1})", ""
+                tok_text, gap_text = f"{'not run' if r.cancelled else 'skipped'} ({numbered(r.skipped)})", ""
             else:
                 v, b = r.decode_tok_s, base.decode_tok_s if base is not None else None
                 speedup = f"  ×{v / b:.1f}" if v is not None and b else ""
-                tok_text = f"{fmt.number(v)}{speedup}"
+                # what the rung left out (e.g. compile) is said beside its figure, as the bench's table does
+                tok_text = f"{fmt.number(v)}{speedup}" + "".join(f" ({numbered(n)})" for n in r.notes)
                 gap_text = fmt.percent(r.kernel_gap_pct)
             for plot, text in ((self.tok_plot, tok_text), (self.gap_plot, gap_text)):
                 x = _num(r.decode_tok_s if plot is self.tok_plot else r.kernel_gap_pct, 0.0)
@@ -177,8 +182,11 @@ class LadderChart(PaletteFollower):
                 item.setPos(x, i)
                 plot.addItem(item, ignoreBounds=True)
                 self._texts.append((plot, item))
-        self.notes.setText("\n".join(f"({k}) {why}" for k, why in enumerate(reasons, start=1)))
-        self.notes.setVisible(bool(reasons))
+        lines = [f"({k}) {why}" for k, why in enumerate(reasons, start=1)]
+        if any((r.options or {}).get("device") == "cpu" for r in self.rows if r.skipped is None):
+            lines.append(CPU_DTYPE_NOTE)  # which rungs ran in which dtype
+        self.notes.setText("\n".join(lines))
+        self.notes.setVisible(bool(lines))
 
     def _summary(self, base: Optional[LadderRow], ran: list[LadderRow]) -> str:
         if not self.rows:
