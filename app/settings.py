@@ -19,7 +19,7 @@ from typing import Any, Optional
 from app.store import aside_name, move_aside
 from engine.errors import GaplessError, OptionsError
 from engine.paths import write_whole
-from engine.types import OVERFLOW_POLICIES, EngineOptions, SamplingParams
+from engine.types import DEVICES, OVERFLOW_POLICIES, REMOTE_DEVICE, EngineOptions, SamplingParams, server_decides
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,12 @@ class SettingsStore:
         )
         for name, kind, default, what in nested:
             try:
-                setattr(s, name, kind.from_dict(getattr(s, name)).to_dict())
+                value = kind.from_dict(getattr(s, name))
+                if isinstance(value, EngineOptions) and server_decides(
+                    value
+                ):  # a remote answer's, not a choice this machine runs
+                    raise OptionsError(f"device must be one of {', '.join(DEVICES)}, got {REMOTE_DEVICE!r}")
+                setattr(s, name, value.to_dict())
             except (OptionsError, TypeError) as exc:
                 log.warning("settings file %s: invalid %s: %s", self.path, what, exc)
                 notices.append(f"The saved {what} in {self.path} were invalid ({exc}); defaults are used.")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from engine import figures
+from engine.types import server_decides
 
 HOST_SYNC_GAP_PCT = 50.0  # idle share of a traced step above which per-token host reads dominate
 LAUNCH_GAP_PCT = 15.0  # idle share above which launch overhead, not kernel time, sets the pace
@@ -54,6 +55,8 @@ def _pct(v: float) -> str:
 def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[str] = None) -> Diagnosis:
     """The verdict for one generation from GenerationMetrics.to_dict() and EngineOptions.to_dict()."""
     m, o = metrics or {}, options or {}
+    if server_decides(o):
+        return Diagnosis("unknown", "a remote server's answer: what limits it is measured there, not here")
     dev = device or o.get("device") or "cpu"
     cuda = dev == "cuda"
     unavailable = m.get("unavailable") or {}

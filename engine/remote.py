@@ -25,6 +25,7 @@ from engine import figures
 from engine.errors import GenerationError, ModelLoadError, OptionsError
 from engine.protocol import option_limits
 from engine.types import (
+    REMOTE_DEVICE,
     REMOTE_PREFIX,
     EngineOptions,
     GenerationMetrics,
@@ -661,7 +662,7 @@ class _Stream:
             token_ids=[[] for _ in range(count)],
             finish_reasons=finishes,
             metrics=m,
-            options=options,
+            options=options.with_(device=REMOTE_DEVICE),  # the server's settings: none but n is known here
             unavailable=unavailable,
             seed=sampling.seed,
         )

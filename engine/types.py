@@ -56,6 +56,8 @@ DTYPES = ("auto", "fp32", "fp16", "bf16")
 KV_MODES = ("static", "dynamic", "none")
 SAMPLING_MODES = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+# The device of a remote server's answers (engine.remote): every option but the candidate count is the server's.
+REMOTE_DEVICE = "remote"
 KERNELS = ("torch", "fused")
 WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
@@ -107,7 +109,7 @@ class EngineOptions:
             "weights": WEIGHT_FORMATS,
         }
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
+            if getattr(self, name) not in allowed and not (name == "device" and self.device == REMOTE_DEVICE):
                 raise OptionsError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("compile", "cuda_graph", "profile_window", "prefix_reuse"):
             if not isinstance(getattr(self, name), bool):
@@ -156,6 +158,12 @@ def safetensors_weights(folder: Path) -> list[Path]:
     return [p for p in files if p.name.startswith("model")] or files
 
 
+def server_decides(options: "EngineOptions | Mapping[str, Any] | None") -> bool:
+    """Whether `options` are a remote server's answer's: none but the candidate count is known here."""
+    device = options.device if isinstance(options, EngineOptions) else (options or {}).get("device")
+    return device == REMOTE_DEVICE
+
+
 def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str = " · ", device: bool = False) -> str:
     """The one way options are written in a few words: "fp16 · static KV · device sampling · compiled · CUDA
     graph · 4 candidates", then every other option that differs from its default ("kernels fused"). Takes the
@@ -163,6 +171,10 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
     if not options:
         return ""
     o = options.to_dict() if isinstance(options, EngineOptions) else dict(options)
+    n = o.get("candidates", 1)
+    many = [f"{n} candidates"] if isinstance(n, int) and n > 1 else []
+    if server_decides(o):
+        return sep.join([*([REMOTE_DEVICE] if device else []), "set by the server", *many])
     parts = [str(o["device"])] if device and "device" in o else []
     parts += [
         str(o.get("dtype", "?")),
@@ -172,9 +184,7 @@ def describe_options(options: "EngineOptions | dict[str, Any] | None", sep: str 
     ]
     if o.get("cuda_graph"):
         parts.append("CUDA graph")
-    n = o.get("candidates", 1)
-    if isinstance(n, int) and n > 1:
-        parts.append(f"{n} candidates")
+    parts += many
     defaults = EngineOptions().to_dict()
     # the draft settings say nothing while speculation is off, nor a draft model unless it drafts
     idle = {"draft_tokens", "draft_model"} if o.get("speculation", "off") == "off" else set()

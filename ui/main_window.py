@@ -35,12 +35,14 @@ from engine.types import (
     FINISH_WORDS,
     OVERFLOW_LABELS,
     OVERFLOW_POLICIES,
+    REMOTE_DEVICE,
     EngineOptions,
     GenerationResult,
     ModelInfo,
     Progress,
     SamplingParams,
     options_as_run,
+    server_decides,
 )
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
@@ -648,10 +650,12 @@ class MainWindow(QMainWindow):
         self._answer_options = options
         if self.hud is None:
             return
+        if self._remote_open():  # the server's settings: none but n is known here
+            options = options.with_(device=REMOTE_DEVICE)
         # "auto" device and dtype name no preset; the loaded model says what they resolve to.
         info = self.controller.info
         shown = options.to_dict()
-        if info is not None:
+        if info is not None and not server_decides(options):
             shown.update({k: getattr(info, k) for k in ("device", "dtype") if shown[k] == "auto"})
         self.hud.begin_generation(options_label(shown), options)
 

@@ -10,7 +10,15 @@ from typing import Any, Optional
 
 from engine import figures
 from engine.diagnosis import diagnose
-from engine.types import FINISH_WORDS, PRESET_LABELS, PRESETS, EngineOptions, describe_options, preset_options
+from engine.types import (
+    FINISH_WORDS,
+    PRESET_LABELS,
+    PRESETS,
+    EngineOptions,
+    describe_options,
+    preset_options,
+    server_decides,
+)
 
 NA = "n/a"
 
@@ -43,6 +51,8 @@ def preset_name(options: dict[str, Any]) -> Optional[str]:
 def options_label(options: Optional[dict[str, Any]]) -> str:
     if not options:
         return NA
+    if server_decides(options):
+        return "remote server"
     name = preset_name(options)
     return PRESET_LABELS[name] if name else "custom"
 

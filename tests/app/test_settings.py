@@ -239,3 +239,12 @@ def test_invalid_saved_sampling_falls_back_to_the_chat_defaults(path):
     s, notices = SettingsStore(path).load()
     assert notices and "sampling parameters" in notices[0]
     assert s.new_chat_sampling() == CHAT_DEFAULTS  # "defaults are used": the chat's, as before anything was saved
+
+
+def test_a_remote_answer_s_device_is_not_a_setting(path):
+    """ "remote" marks a remote server's answers' options; as a saved choice no local engine could run it."""
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"theme": "dark", "engine_options": {"device": "remote"}}))
+    s, notices = SettingsStore(path).load()
+    assert s.theme == "dark" and s.engine_options == EngineOptions().to_dict()
+    assert len(notices) == 1 and "device must be one of auto, cpu, cuda, got 'remote'" in notices[0]

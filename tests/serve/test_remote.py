@@ -124,6 +124,23 @@ def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
     assert all(getattr(m, s.key) is not None or s.key in m.unavailable for s in figures.GENERATION_FIGURES)
 
 
+def test_a_remote_answer_says_its_options_are_the_server_s(remote):
+    """Its options were the app's defaults, shown in the HUD, the compare table and the stats line as if the
+    server ran "static KV · device sampling · eager"."""
+    from engine.diagnosis import diagnose
+    from engine.types import describe_options, server_decides
+    from ui.stats import options_label
+
+    remote.reconfigure(EngineOptions(candidates=2))
+    r = remote.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert server_decides(r.options) and r.options.candidates == 2
+    assert describe_options(r.options, device=True) == "remote · set by the server · 2 candidates"
+    assert options_label(r.options.to_dict()) == "remote server"
+    assert EngineOptions.from_dict(r.options.to_dict()) == r.options  # stored and read back as it is
+    d = diagnose(r.metrics.to_dict(), r.options.to_dict())
+    assert d.line == "a remote server's answer: what limits it is measured there, not here" and d.next_step is None
+
+
 def test_options_other_than_candidates_are_unavailable_with_the_reason(remote):
     assert remote.unavailable() == {}  # the defaults stand for the server's own settings
     asked = EngineOptions(

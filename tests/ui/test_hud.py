@@ -990,6 +990,24 @@ def test_a_remote_row_compares_by_the_client_s_timings(qtbot):
     )
 
 
+def test_a_remote_row_shows_and_exports_its_options_as_the_server_s(hud, tmp_path):
+    panel, _ = hud
+    remote = EngineOptions(device="remote", candidates=2)
+    panel.begin_generation("remote server", remote)
+    panel.end_generation(GenerationMetrics(new_tokens_total=4), remote, "remote server")
+    model = panel.compare.model
+    shown = {k: model.data(model.index(0, COLUMN_INDEX[k])) for k in ("device", "kv_cache", "compile", "candidates")}
+    assert shown == {"device": "remote", "kv_cache": "server's", "compile": "server's", "candidates": "2"}
+    tip = model.data(model.index(0, COLUMN_INDEX["kv_cache"]), Qt.ItemDataRole.ToolTipRole)
+    assert tip == "set by the remote server, which does not say: KV cache n/a here"
+    assert panel.bars.header.text().endswith("remote · set by the server · 2 candidates")
+    options = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())["generations"][0]["options"]
+    assert options["device"] == "remote" and options["candidates"] == 2 and options["kv_cache"] is None
+    with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
+        row = next(csv.DictReader(f))
+    assert (row["device"], row["kv_cache"], row["compile"]) == ("remote", "", "")
+
+
 def test_series_exports_equal_what_was_fed(hud, tmp_path):
     panel, clock = hud
     panel.begin_generation("g", EngineOptions(device="cpu"))

@@ -21,10 +21,11 @@ from PySide6.QtWidgets import (
 )
 
 from engine import figures
-from engine.types import EngineOptions, GenerationMetrics, model_file_name
+from engine.types import EngineOptions, GenerationMetrics, model_file_name, server_decides
 from ui.hud import fmt
 
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
+SERVER_SET = "server's"  # an option of a remote server's answer: its own setting, not known here
 BETTER, WORSE = QColor("#3fa860"), QColor("#d9534f")
 
 
@@ -139,6 +140,8 @@ class CompareModel(QAbstractTableModel):
         if col.kind == "summary":
             return fmt.options_summary(r.options)
         if col.kind == "option":
+            if server_decides(r.options) and key not in ("device", "candidates"):
+                return SERVER_SET
             if key in ("draft_tokens", "draft_model") and r.options.speculation == "off":
                 return None  # no drafts: the draft settings say nothing
             if key == "draft_model" and r.options.speculation != "draft":
@@ -189,6 +192,8 @@ class CompareModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.DisplayRole:
             if v is None and col.kind == "option":
                 return "—"  # a setting this generation did not use
+            if v is SERVER_SET:
+                return v
             text = col.format(v) if v is not None else fmt.NA
             if col.kind == "metric" and v is not None:
                 text += figures.over_http(figures.shown(self.rows[row].metrics, col.key), col.key)
@@ -197,7 +202,9 @@ class CompareModel(QAbstractTableModel):
             d = self.delta(row, col.key)
             return f"{text}  {fmt.delta(d)}" if d is not None else text
         if role == SORT_ROLE:
-            return v
+            return None if v is SERVER_SET else v
+        if role == Qt.ItemDataRole.ToolTipRole and v is SERVER_SET:
+            return f"set by the remote server, which does not say: {col.title} n/a here"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "option" and v is None:
             return f"not used: speculation {self.rows[row].options.speculation}"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and v is None:

@@ -17,7 +17,7 @@ from typing import Any, Sequence, Union
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QWidget
 
-from engine.types import EngineOptions, GenerationMetrics
+from engine.types import EngineOptions, GenerationMetrics, server_decides
 from ui.hud.compare_table import CompareModel
 from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
 from ui.hud.series_view import PLOTS, SeriesView
@@ -36,11 +36,20 @@ def compare_records(model: CompareModel) -> list[dict]:
             "label": r.label,
             "model": r.model,
             "reference": i == model.reference,
-            "options": r.options.to_dict(),
+            "options": known_options(r.options),
             "metrics": r.metrics.to_dict(),
         }
         for i, r in enumerate(model.rows)
     ]
+
+
+def known_options(options: EngineOptions) -> dict:
+    """The options as a dict; a remote server's answer's are null but its device and candidate count (the
+    server's own settings are not known here)."""
+    d = options.to_dict()
+    if server_decides(options):
+        d = {k: v if k in ("device", "candidates") else None for k, v in d.items()}
+    return d
 
 
 def write_compare_json(path: PathLike, model: CompareModel) -> Path:
@@ -72,7 +81,13 @@ def series_document(series: LiveSeries) -> dict:
         },
         "unavailable": dict(series.reasons),
         "generations": [
-            {"index": g.index, "label": g.label, "options": g.options.to_dict(), "t_start": g.t_start, "t_end": g.t_end}
+            {
+                "index": g.index,
+                "label": g.label,
+                "options": known_options(g.options),
+                "t_start": g.t_start,
+                "t_end": g.t_end,
+            }
             for g in series.generations
         ],
         "steps": series.step_rows(),
