@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -252,12 +252,17 @@ class MonitorDrain(_Paced):
     def __init__(self, monitor: Monitor, on_event: Event, interval_s: Optional[float] = None):
         super().__init__(on_event, MONITOR_INTERVAL_S if interval_s is None else interval_s)
         self.monitor = monitor
+        self._told = False  # the generation's samples have said why the monitor leaves some series empty
 
     def on_start(self, run: LoopState) -> None:
         self.monitor.drain()  # samples from before this generation are not its own
+        self._told = False
 
     def emit(self, run: LoopState, final: bool) -> None:
         for s in self.monitor.drain():
+            if not self._told:  # why the series it leaves empty are n/a, once a generation
+                s = replace(s, unavailable=dict(self.monitor.unavailable))
+                self._told = True
             self.on_event(s)
 
     def fill(self, run: LoopState, metrics: GenerationMetrics) -> None:

@@ -67,7 +67,7 @@ class Recording:
             "t_start": self.t_start,
             "t_end": self.t_end,
             "steps": [asdict(s) for s in self.steps],
-            "samples": [asdict(s) for s in self.samples],
+            "samples": [_sample_dict(s) for s in self.samples],
             "model": self.model,
             "machine": self.machine,
         }
@@ -275,12 +275,24 @@ def _sample(d: Any, where: str) -> MonitorSample:
             if not isinstance(src, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in src.items()):
                 raise RecordingError(f"{where}: sources is not an object of labels")
             values["sources"] = dict(src)
+        elif f.name == "unavailable":
+            why = d.get("unavailable", {})
+            if not isinstance(why, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in why.items()):
+                raise RecordingError(f"{where}: unavailable is not an object of reasons")
+            values["unavailable"] = dict(why)
         elif f.name == "t":
             values["t"] = _number(d.get("t"), f"{where}: t")
         else:
             v = _figure(d.get(f.name), f.name, where)
             values[f.name] = int(v) if v is not None and f.name.endswith("_bytes") else v
     return MonitorSample(**values)
+
+
+def _sample_dict(s: MonitorSample) -> dict[str, Any]:
+    d = asdict(s)
+    if not d["unavailable"]:  # said once a generation: the other samples leave it out
+        del d["unavailable"]
+    return d
 
 
 def _figure(value: Any, name: str, where: str) -> Optional[float]:

@@ -568,6 +568,8 @@ class MonitorSample:
     cpu_util_pct: Metric = None  # this process, all cores = 100 * cores
     process_rss_bytes: Optional[int] = None
     sources: dict[str, str] = field(default_factory=dict)  # field name -> source label
+    # field name -> why the monitor cannot measure it here (told with a generation's first sample)
+    unavailable: dict[str, str] = field(default_factory=dict)
 
 
 Limits = Mapping[tuple[str, Any], str]  # (option, value) -> why this model on this device never runs that value

@@ -33,7 +33,7 @@ def test_every_generation_field_is_registered_and_every_entry_is_a_field():
 
 
 def test_monitor_sample_fields_are_the_sample_figures():
-    sample = {f.name for f in fields(MonitorSample)} - {"t", "sources"}
+    sample = {f.name for f in fields(MonitorSample)} - {"t", "sources", "unavailable"}
     assert sample == {f.key for f in figures.SAMPLE_FIGURES}
 
 

@@ -152,3 +152,33 @@ def test_a_gpu_without_a_known_peak_keeps_the_monitors_reason_for_the_bandwidth_
     metrics = GenerationMetrics()
     MonitorDrain(NoPeak(), lambda _e: None).fill(run, metrics)
     assert metrics.dram_bw_util_pct is None and metrics.unavailable["dram_bw_util_pct"] == "no NVML GPM on this GPU"
+
+
+def test_a_generation_s_first_sample_says_why_the_monitor_leaves_series_empty():
+    """power_w, sm_clock_mhz, gpu_memory_used_bytes were null in every sample and every export with no reason:
+    the monitor knew why."""
+    from types import SimpleNamespace
+
+    from engine.observers import MonitorDrain
+    from engine.types import MonitorSample
+
+    class Sampling:
+        unavailable = {"power_w": "the model runs on the CPU, not on a GPU"}
+
+        def __init__(self):
+            self.t = 0.0
+
+        def drain(self):
+            self.t += 1.0
+            return [MonitorSample(t=self.t, cpu_util_pct=50.0), MonitorSample(t=self.t + 0.5, cpu_util_pct=60.0)]
+
+    seen: list = []
+    drain = MonitorDrain(Sampling(), seen.append, interval_s=0.0)
+    run = SimpleNamespace()
+    for _ in range(2):  # two generations: each one's first sample says it
+        drain.on_start(run)
+        drain.emit(run, final=False)
+        drain.emit(run, final=True)
+    told = [s.unavailable for s in seen]
+    assert told == [Sampling.unavailable, {}, {}, {}] * 2
+    assert [s.cpu_util_pct for s in seen] == [50.0, 60.0] * 4

@@ -24,6 +24,11 @@ def recorded(tiny_llama, tmp_path_factory):
         result = eng.generate(
             [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_new_tokens=12), on_event=rec
         )
+        # samples as the monitor passes them on (a 12-token answer may end before its first): the generation's
+        # first says why the monitor leaves series empty, the next does not repeat it
+        cpu = {"cpu_util_pct": "CPU util — process CPU time"}
+        rec(MonitorSample(t=result_t(seen), cpu_util_pct=90.0, sources=cpu, unavailable={"power_w": "no GPU here"}))
+        rec(MonitorSample(t=result_t(seen) + 0.1, cpu_util_pct=95.0, sources=cpu))
         recording = rec.finish(result, "tiny", eng.info.to_dict(), {"cpu_model": "test"})
     finally:
         eng.close()
@@ -39,6 +44,14 @@ def test_the_recorder_passes_every_event_on_and_keeps_steps_and_samples(recorded
     assert recording.metrics == result.metrics and recording.options == result.options
     assert recording.unavailable == result.unavailable and "cuda_graph" in recording.unavailable
     assert recording.t_start <= recording.steps[0].t <= recording.steps[-1].t <= recording.t_end
+
+
+def test_a_sample_s_reasons_are_written_where_it_has_any(recorded):
+    recording, path, _, _ = recorded
+    saved = _doc(path)["samples"]
+    told = [s["unavailable"] for s in saved if "unavailable" in s]
+    assert told == [s.unavailable for s in recording.samples if s.unavailable] and len(saved) == len(recording.samples)
+    assert {"power_w": "no GPU here"} in told and any("unavailable" not in s for s in saved)
 
 
 def test_a_saved_recording_reads_back_equal(recorded):
@@ -70,6 +83,10 @@ def test_figures_that_are_not_finite_are_written_as_na(recorded, tmp_path):
         recording.metrics.decode_tok_s = load(recorded[1]).metrics.decode_tok_s
     assert json.loads((tmp_path / "nan.json").read_text())["metrics"]["decode_tok_s"] is None
     assert load(tmp_path / "nan.json").metrics.decode_tok_s is None
+
+
+def result_t(seen) -> float:
+    return max(e.t for e in seen if isinstance(e, StepRecord))
 
 
 def _doc(path):

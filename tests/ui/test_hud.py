@@ -1013,10 +1013,14 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
     panel.begin_generation("g", EngineOptions(device="cpu"))
     recs = steps(1000.0, 40, 20.0)
     stream = samples(1000.0, 1001.0, 10.0, {"gpu_util_pct": None, "sm_activity_pct": None}, cpu_sources())
+    # the generation's first sample says why the monitor leaves series empty (they were null without a reason)
+    stream[0] = replace(stream[0], unavailable={"power_w": CPU_REASON, "sm_clock_mhz": CPU_REASON})
     panel.add_steps(recs)
     panel.add_samples(stream)
     clock.t = 1001.5
-    panel.end_generation(metrics_for(recs, GPU_RUNGS[0], gpu=False), EngineOptions(device="cpu"), "g")
+    m = metrics_for(recs, GPU_RUNGS[0], gpu=False)
+    m.put("dram_bw_util_pct", 36.2, "DRAM bandwidth — estimate: bytes a step over the measured read bandwidth")
+    panel.end_generation(m, EngineOptions(device="cpu"), "g")
 
     doc = json.loads(panel.export_series_json(tmp_path / "s.json").read_text())
     assert doc["t0"] == 1000.0
@@ -1027,7 +1031,9 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
         assert [s[field] for s in doc["samples"]] == [getattr(s, field) for s in stream]
     assert doc["sources"]["cpu_util_pct"] == "CPU util — process CPU time (time.process_time)"
     assert doc["unavailable"]["gpu_util_pct"] == CPU_REASON
+    assert doc["unavailable"]["power_w"] == doc["unavailable"]["sm_clock_mhz"] == CPU_REASON
     assert doc["generations"][0]["label"] == "g" and doc["generations"][0]["t_end"] == recs[-1].t
+    (estimate,) = doc["estimates"]
 
     with open(panel.export_series_csv(tmp_path / "s.csv"), newline="") as f:
         rows = list(csv.DictReader(f))
@@ -1040,6 +1046,9 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
     assert [float(r["cpu_util_pct"]) for r in sample_rows] == [s.cpu_util_pct for s in stream]
     assert all(r["gpu_util_pct"] == "" for r in sample_rows)
     assert [int(r["process_rss_bytes"]) for r in sample_rows] == [s.process_rss_bytes for s in stream]
+    # the DRAM estimate the HUD draws as a level: a row at each end of the time it describes
+    levels = [(float(r["t"]), float(r["dram_bw_util_pct"])) for r in rows if r["kind"] == "estimate"]
+    assert levels == [(estimate["t_start"], 36.2), (estimate["t_end"], 36.2)]
 
 
 def test_png_exports_are_written(hud, qtbot, tmp_path):

@@ -102,8 +102,15 @@ def write_series_json(path: PathLike, series: LiveSeries) -> Path:
 
 
 def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
-    """Steps and samples in one table ordered by time; `kind` says which, the other kind's cells are empty."""
-    merged = [("step", r) for r in series.step_rows()] + [("sample", r) for r in series.sample_rows()]
+    """Steps, samples and estimates in one table ordered by time; `kind` says which, the other kinds' cells are
+    empty. An estimate (a generation's figure standing for a series the monitor did not measure, drawn as a
+    level) is two rows, at the start and at the end of the time it describes."""
+    estimates = [
+        ("estimate", {"t": t, "t_rel": t - (series.t0 or 0.0), "generation": e["generation"], e["series"]: e["value"]})
+        for e in series.estimate_rows()
+        for t in (e["t_start"], e["t_end"])
+    ]
+    merged = [("step", r) for r in series.step_rows()] + [("sample", r) for r in series.sample_rows()] + estimates
     merged.sort(key=lambda kr: kr[1]["t"])
     rows = [[kind] + [r.get(c) for c in SERIES_CSV_COLUMNS[1:]] for kind, r in merged]
     return _write_csv(path, list(SERIES_CSV_COLUMNS), rows)

@@ -199,6 +199,8 @@ class LiveSeries:
                 if v is not None:
                     self.sources[f] = s.sources.get(f) or "source not reported"
                     self.reasons.pop(f, None)
+                elif f in s.unavailable and not self.measured(f):  # why the monitor cannot measure it here
+                    self.reasons[f] = s.unavailable[f]
             rows.append((s.t, 1.0, index) + values)
             self._last_sample_t = s.t
         if rows:
