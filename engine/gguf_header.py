@@ -310,6 +310,12 @@ def check_gguf(path: Path, supported_architectures: set[str], header: Optional[G
         )
     if not header.architecture:
         raise ModelLoadError(f"{label}: corrupt GGUF header (no general.architecture)")
+    if header.metadata.get("general.type") == "adapter":
+        kind = header.metadata.get("adapter.type")
+        raise ModelLoadError(
+            f"{label}: a {kind + ' ' if isinstance(kind, str) else ''}adapter, not a model: open the model it "
+            "was made for (Gapless does not apply adapters)"
+        )
     if _plain(header.architecture) not in {_plain(a) for a in supported_architectures}:
         raise ModelLoadError(
             f"{label}: unsupported GGUF architecture {header.architecture!r} "

@@ -44,14 +44,16 @@ log = logging.getLogger(__name__)
 
 # 4: a GGUF's tokenizer read from the GGUF alone (3 let files beside it take its place); 5: the manifest holds each
 # file's digest (a damaged file that still parsed was never rebuilt)
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 CACHE_ENTRIES_KEPT = 32
 # GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
 NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False}
 # GGUF architecture -> what llama.cpp added to its norms' weights (Gemma scales by 1 + weight and stores the sum)
 NORM_OFFSETS = {"gemma3": 1.0}
 # transformers' model type -> the gguf package's architecture name, where they differ
-GGUF_MODEL_TYPES = {"gemma3_text": "gemma3"}
+# model types whose GGUF tensor names are another architecture's (transformers names a Llama GGUF called
+# "mistral" a Mistral; its tensors are Llama's)
+GGUF_MODEL_TYPES = {"gemma3_text": "gemma3", "mistral": "llama"}
 PROGRESS_EVERY = 16  # tensors
 
 ProgressFn = Callable[[Progress], None]
@@ -303,9 +305,15 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
     else:
         layout = _Layout.of(config, label)
         layout_shapes, layout_tied = layout.shapes, layout.tied
-    names = name_map(list(layout_shapes), config.model_type, config.num_hidden_layers)
+    try:
+        names = name_map(list(layout_shapes), config.model_type, config.num_hidden_layers)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{label}: {exc}") from None
     permute = NATIVE_ARCHITECTURES.get(header.architecture, False)
-    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    # llama.cpp's converter leaves head_count_kv out where the model's config had no num_key_value_heads (older
+    # Llamas): as many as the query heads, as llama.cpp reads it (transformers then un-permutes neither q nor k)
+    heads = cfg.get("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
     norm_offset = NORM_OFFSETS.get(header.architecture, 0.0)
     plan = []
     for t in header.tensors:
@@ -313,7 +321,7 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
         if hf is None or hf not in layout_shapes:
             continue
         n = 0
-        if permute and heads is not None and kv_heads is not None:  # transformers skips both when either is unset
+        if permute and heads is not None and kv_heads is not None:
             if ".attn_q." in t.name:
                 n = heads
             elif ".attn_k." in t.name:
@@ -357,6 +365,10 @@ _COUNTS = (
 )
 
 
+# the special ids transformers' tokenizer conversion looks up in the vocabulary
+SPECIAL_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding"))
+
+
 def _check_counts(cfg: dict[str, Any], header: GGUFHeader, label: str) -> None:
     """The metadata's sizes are positive and its layer count is the one its tensors are for."""
     for key in _COUNTS:
@@ -369,6 +381,12 @@ def _check_counts(cfg: dict[str, Any], header: GGUFHeader, label: str) -> None:
         if tokens is not None and key in lengths and lengths[key] != tokens:
             raise ModelLoadError(
                 f"{label}: the GGUF's {key} has {lengths[key]} entries for {tokens} tokens: the file is damaged"
+            )
+    for key in SPECIAL_ID_KEYS:  # the tokenizer's conversion failed with "list index out of range"
+        v = header.metadata.get(key)
+        if tokens is not None and isinstance(v, int) and not 0 <= v < tokens:
+            raise ModelLoadError(
+                f"{label}: the GGUF's {key} is {v}, outside its {tokens}-token vocabulary: the file is damaged"
             )
     blocks = {int(m.group(1)) for t in header.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
     n = cfg.get("num_hidden_layers")

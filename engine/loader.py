@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -199,7 +199,7 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
         name=path.stem,
         source=str(path),
         source_kind=kind,
-        eos_token_ids=_eos_ids(config, conv.tokenizer, None),
+        eos_token_ids=_eos_ids(config, conv.tokenizer, None, _gguf_turn_ends(header, conv.tokenizer, config)),
         materialise=materialise,
         tensor_types=frozenset(t.type_name for t in header.tensors),
         unchanged=unchanged,
@@ -241,7 +241,7 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
         name=path.stem,
         source=str(path),
         source_kind=kind,
-        eos_token_ids=_eos_ids(config, tokenizer, None),
+        eos_token_ids=_eos_ids(config, tokenizer, None, _gguf_turn_ends(header, tokenizer, config)),
         tensor_types=frozenset(t.type_name for t in header.tensors),
     )
 
@@ -517,12 +517,19 @@ def gguf_alone(path: Path) -> Iterator[tuple[str, str]]:
         yield empty, os.path.abspath(path)
 
 
+# what a model folder's tokenizer is read from (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(folder: Path, label: str, gguf_file: Optional[str] = None) -> "PreTrainedTokenizerBase":
     from transformers import AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    elif not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        # transformers goes on to build one from nothing and fails with a hint to install sentencepiece
+        raise ModelLoadError(f"{label}: no tokenizer in the folder (none of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
     except Exception as exc:  # the tokenizers backend raises plain Exception on a damaged tokenizer.json
@@ -532,7 +539,7 @@ def _load_tokenizer(folder: Path, label: str, gguf_file: Optional[str] = None) -
             ) from exc
         raise ModelLoadError(f"{label}: the tokenizer could not be loaded: {one_line(exc)}") from exc
     if tokenizer is None:
-        raise ModelLoadError(f"{label}: no tokenizer found (tokenizer.json or tokenizer_config.json)")
+        raise ModelLoadError(f"{label}: no tokenizer in the folder (none of {', '.join(TOKENIZER_FILES)})")
     return tokenizer
 
 
@@ -545,9 +552,11 @@ def _tokenizer_wants_remote_code(folder: Path) -> bool:
     return isinstance(data, dict) and bool(data.get("auto_map"))
 
 
-def _eos_ids(config: "PretrainedConfig", tokenizer: "PreTrainedTokenizerBase", folder: Optional[Path]) -> list[int]:
+def _eos_ids(
+    config: "PretrainedConfig", tokenizer: "PreTrainedTokenizerBase", folder: Optional[Path], more: Sequence[int] = ()
+) -> list[int]:
     """Every id that ends an answer: chat models often list several (e.g. <|eot_id|> and <|end_of_text|>)."""
-    found: list[Any] = [getattr(config, "eos_token_id", None)]
+    found: list[Any] = [getattr(config, "eos_token_id", None), list(more)]
     gen = folder / "generation_config.json" if folder is not None else None
     if gen is not None and gen.is_file():
         try:
@@ -561,6 +570,30 @@ def _eos_ids(config: "PretrainedConfig", tokenizer: "PreTrainedTokenizerBase", f
         for v in item if isinstance(item, (list, tuple)) else [item]:
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v not in ids:
                 ids.append(v)
+    return ids
+
+
+# Tokens that end a chat turn (llama.cpp stops on them too): a GGUF whose EOS is another token (Gemma's <eos>)
+# ends its answers with one of these where its chat template ends each turn with it.
+TURN_END_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+
+
+def _gguf_turn_ends(header, tokenizer, config) -> list[int]:
+    """The ids that end a turn besides EOS: the file's end-of-turn and end-of-message ids, and the turn-end
+    tokens its chat template writes. An id outside the vocabulary is left out (llama.cpp ignores it too)."""
+    vocab_size = getattr(config, "vocab_size", None)
+    ids = []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = header.metadata.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            if vocab_size is None or 0 <= v < vocab_size:
+                ids.append(v)
+            else:
+                log.warning("%s: ignoring %s %d, outside the %s-token vocabulary", header.path.name, key, v, vocab_size)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[t] for t in TURN_END_TEXTS if t in template and t in vocab]
     return ids
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -85,8 +85,11 @@ def hf_llama_to_gguf(
     chat_template: bool = True,
     rope_freqs: Optional[np.ndarray] = None,
     rope_scaling: Optional[tuple[str, float]] = None,
+    omit: tuple[str, ...] = (),
+    edit: Optional[Callable[[Any], None]] = None,
 ) -> Path:
-    """Write the tiny Llama in `hf_folder` as the GGUF `out`. `quant` applies to 2-D weights (F32, F16, Q8_0, …);
+    """Write the tiny Llama in `hf_folder` as the GGUF `out`. `omit`: metadata keys left out, as converters do;
+    `edit(writer)` changes the metadata further; `quant` applies to 2-D weights (F32, F16, Q8_0, …);
     `tensor_types` forces a ggml type on single GGUF tensors (random blocks for the types de-quantised here,
     raw zero bytes for others gguf cannot quantise);
     `rope_freqs` adds llama.cpp's per-frequency rope factors, `rope_scaling` its (type, factor) metadata."""
@@ -100,6 +103,10 @@ def hf_llama_to_gguf(
     w = gguf.GGUFWriter(str(out), architecture)
     _add_settings(w, cfg, architecture, rope_scaling)
     _add_tokenizer(w, hf_folder, cfg["vocab_size"], chat_template)
+    for key in omit:
+        w.kv_data[0].pop(key)
+    if edit is not None:
+        edit(w)
 
     forced = tensor_types or {}
     for hf, arr in state.items():

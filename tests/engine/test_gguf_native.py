@@ -156,6 +156,33 @@ def test_tiny_gguf_loads_to_transformers_tensors(tiny_llama, tmp_path, quant):
     _assert_same_checkpoint(load_checkpoint(str(path)), _reference(path))
 
 
+def test_a_llama_gguf_without_a_kv_head_count_has_as_many_as_query_heads(tiny_factory, tmp_path):
+    """llama.cpp's converter leaves head_count_kv out for a config without num_key_value_heads (older Llamas);
+    q and k were then left permuted (as transformers' GGUF path leaves them), and the answers were wrong."""
+    folder = tiny_factory("llama", num_key_value_heads=4)  # as many as the query heads
+    path = hf_llama_to_gguf(folder, tmp_path / "mha.gguf", omit=("llama.attention.head_count_kv",))
+    got, want = load_checkpoint(str(path)).state_dict, load_checkpoint(str(folder)).state_dict
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_a_gguf_s_end_of_turn_token_ends_answers(tiny_llama, tmp_path, template):
+    """A GGUF whose EOS is another token than the one ending its turns (the file's eot_token_id, or the turn end its
+    chat template writes): answers ran to the token limit."""
+
+    def eos_elsewhere(w):
+        w.kv_data[0].pop("tokenizer.ggml.eos_token_id")
+        w.add_eos_token_id(0)  # <|endoftext|>
+        if not template:
+            w.add_eot_token_id(2)  # <|im_end|>, which ends a turn
+            w.add_eom_token_id(100_000)  # outside the vocabulary: left out, as llama.cpp does
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "eot.gguf", chat_template=template, edit=eos_elsewhere)
+    ck = load_checkpoint(str(path))
+    assert ck.tokenizer.get_vocab()["<|im_end|>"] == 2 and ck.eos_token_ids == [0, 2]
+
+
 def test_fused_weights_are_read_into_one_buffer_and_built_without_a_copy(tiny_llama, tmp_path):
     """q/k/v (q and k un-permuted on the way) and gate/up land in adjacent rows of one buffer per layer, which the
     decoder takes as its wqkv / w13 as is; the values are torch.cat's."""

@@ -277,7 +277,52 @@ def test_gguf_with_unsupported_architecture(tiny_llama, tmp_path):
     assert "llama" in message and "qwen2" in message
 
 
+def test_a_lora_adapter_gguf_is_refused_as_an_adapter(tiny_llama, tmp_path):
+    """It was reported as a tokenizer that could not be built."""
+
+    def adapter(w):
+        w.add_type("adapter")
+        w.add_string("adapter.type", "lora")
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "my-lora.gguf", edit=adapter)
+    _refused(ModelLoadError, path, "my-lora.gguf: a lora adapter, not a model: open the model it was made for")
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.padding_token_id", "tokenizer.ggml.bos_token_id"])
+def test_a_special_token_id_outside_the_vocabulary_is_named(tiny_llama, tmp_path, key):
+    """The tokenizer's conversion failed with "list index out of range"."""
+
+    def far(w):
+        w.kv_data[0].pop(key, None)
+        w.add_uint32(key, 100_000)
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "far.gguf", edit=far)
+    _refused(ModelLoadError, path, f"the GGUF's {key} is 100000, outside its 320-token vocabulary")
+
+
+def test_a_llama_gguf_named_mistral_loads(tiny_factory, tmp_path):
+    """transformers reads a Llama GGUF named "mistral" as a Mistral, whose tensor names the gguf package lacks."""
+    folder = tiny_factory("mistral")
+
+    def named(w):
+        w.kv_data[0]["general.name"].value = "mistral"
+
+    path = hf_llama_to_gguf(folder, tmp_path / "m.gguf", edit=named)
+    got, want = load_checkpoint(str(path)), load_checkpoint(str(folder))
+    assert got.config.model_type == "mistral"
+    for name, t in want.state_dict.items():
+        assert torch.equal(got.state_dict[name], t), name
+
+
 # ---- safetensors folders ---------------------------------------------------------------------------------
+
+
+def test_a_folder_without_a_tokenizer_says_so(tiny_llama, tmp_path):
+    """transformers built one from nothing and failed with a hint to install sentencepiece."""
+    folder = shutil.copytree(tiny_llama, tmp_path / "no-tokenizer")
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    _refused(ModelLoadError, folder, "no-tokenizer: no tokenizer in the folder (none of tokenizer.json,")
 
 
 def test_safetensors_shapes_do_not_match_the_config(tiny_llama, tmp_path):
