@@ -227,7 +227,10 @@ def source_key(source: str) -> str:
     app was started from, and nothing the next time it starts elsewhere)."""
     if source == DEFAULT_SOURCE or source.startswith(REMOTE_PREFIX):
         return source
-    return os.path.abspath(Path(source).expanduser())  # links kept: a link's name is the model's (see loader)
+    path = Path(source).expanduser()
+    if path.suffix.lower() == ".safetensors" or path.name == "config.json":
+        path = path.parent  # a file of a model folder opens the folder (engine.loader): kept as the folder
+    return os.path.abspath(path)  # links kept: a link's name is the model's (see loader)
 
 
 def _same(a: str, b: str) -> bool:

@@ -80,6 +80,18 @@ def test_recent_flags_missing_models_and_keeps_default(tmp_path):
     assert [e.kind for e in recent.entries()] == ["default", "hf-folder"]
 
 
+def test_a_model_opened_by_a_file_of_its_folder_is_kept_as_the_folder(tmp_path):
+    """Opened through its model.safetensors or config.json (the folder opens), it was listed again as that file,
+    "missing"."""
+    folder = _hf(tmp_path / "hf")
+    recent = RecentModels(tmp_path / "config", default_entry=_no_default)
+    recent.add(str(folder), now=1.0)
+    recent.add(str(folder / "model.safetensors"), now=2.0)
+    recent.add(str(folder / "config.json"), now=3.0)
+    (entry,) = [e for e in recent.entries() if e.kind != "default"]
+    assert (entry.source, entry.kind, entry.present, entry.last_used) == (str(folder), "hf-folder", True, 3.0)
+
+
 @pytest.mark.parametrize("content", ["{ not json", '{"models": "x"}', '{"models": [{"source": 3}]}', "[]", "\xff\xfe"])
 def test_corrupt_recent_file_is_moved_aside(tmp_path, content):
     config = tmp_path / "config"
