@@ -137,8 +137,12 @@ class SamplingDialog(QDialog):
             0.5, 3.0, 0.05, "Above 1 discourages repeating tokens already generated (1 = off)"
         )
         self.max_new_tokens = QSpinBox(self)
-        self.max_new_tokens.setRange(1, min(MAX_NEW_TOKENS_LIMIT, context_length or MAX_NEW_TOKENS_LIMIT))
-        self.max_new_tokens.setToolTip("The longest answer, in tokens")
+        # Not bounded by the loaded model's context: the chat keeps its setting across models (a small model's
+        # context cut a saved 512 to 256 whenever the dialog was accepted); the engine stops at a full context.
+        self.max_new_tokens.setRange(1, MAX_NEW_TOKENS_LIMIT)
+        self._context_length = context_length
+        self.max_new_tokens.valueChanged.connect(self._max_tokens_tip)
+        self._max_tokens_tip(self.max_new_tokens.value())
         self.seed = QLineEdit(self)
         self.seed.setValidator(QIntValidator(0, 2**31 - 1, self))
         self.seed.setPlaceholderText("random")
@@ -157,6 +161,12 @@ class SamplingDialog(QDialog):
         self.buttons.accepted.connect(self.accept)
         self.buttons.rejected.connect(self.reject)
         self.buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self.restore_defaults)
+
+    def _max_tokens_tip(self, value: int) -> None:
+        tip = "The longest answer, in tokens"
+        if self._context_length and value > self._context_length:
+            tip += f"; more than this model's context ({self._context_length:,} tokens): answers stop when it is full"
+        self.max_new_tokens.setToolTip(tip)
 
     def _fraction_box(self, low: float, high: float, step: float, tip: str) -> QDoubleSpinBox:
         """A sampling knob shown to two decimals."""
@@ -193,7 +203,7 @@ class SamplingDialog(QDialog):
         self.top_p.setValue(s.top_p)
         self.top_k.setValue(s.top_k)
         self.repetition_penalty.setValue(s.repetition_penalty)
-        self.max_new_tokens.setValue(min(s.max_new_tokens, self.max_new_tokens.maximum()))
+        self.max_new_tokens.setValue(s.max_new_tokens)
         self.seed.setText("" if s.seed is None else str(s.seed))
         self.stop.setText(", ".join(s.stop))
 

@@ -186,6 +186,7 @@ class MainWindow(QMainWindow):
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._search = ""
         self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
+        self._answer_notice = ""  # what the engine said of the last answer (a prompt cleaned, cut), while shown
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
         self._meter_request = 0  # the newest context count asked for
         self._meter_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
@@ -554,6 +555,8 @@ class MainWindow(QMainWindow):
 
     def _chat_opened(self, chat_id: Optional[int]) -> None:
         self._clear_pick_notice()
+        if self._answer_notice and self.status.text() == self._answer_notice:  # of an answer in the chat left
+            self.status.clear()
         self.refresh_chats()
 
     def open_chat_settings(self) -> None:
@@ -580,9 +583,11 @@ class MainWindow(QMainWindow):
             return
         suffix, kind = (".md", "Markdown (*.md)") if markdown else (".json", "Gapless chat (*.json)")
         name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in self.chat_title.text()).strip() or "chat"
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", name + suffix, kind)
+        start = str(Path(self.settings.last_folder or "") / (name + suffix))
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", start, kind)
         if not path:
             return
+        self._folder_used(str(Path(path).parent))
         try:
             text = export_markdown(self.store, chat_id) if markdown else export_json(self.store, chat_id)
             write_text(Path(path), text)
@@ -594,9 +599,12 @@ class MainWindow(QMainWindow):
     def import_chat(self) -> None:
         from app.chat_io import ChatFileError, import_chat
 
-        path, _ = QFileDialog.getOpenFileName(self, "Import chat", "", "Gapless chat (*.json);;All files (*)")
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Import chat", self.settings.last_folder or "", "Gapless chat (*.json);;All files (*)"
+        )
         if not path:
             return
+        self._folder_used(str(Path(path).parent))
         try:
             chat_id = import_chat(self.store, Path(path))
         except ChatFileError as exc:
@@ -669,7 +677,8 @@ class MainWindow(QMainWindow):
                 label += f" ({FINISH_WORDS['cancelled']})"
             self.hud.end_generation(result.metrics, result.options, label, result.unavailable, result.limits)
         if result.notices:
-            self.status.setText(" · ".join(result.notices))
+            self._answer_notice = " · ".join(result.notices)
+            self.status.setText(self._answer_notice)
         # The reasons are for the options the answer ran with: where the panel has changed since (a choice made
         # while the engine was busy), they would be pinned on values they were not given for.
         if result.unavailable and self.toggles.options == self._answer_options:

@@ -463,6 +463,9 @@ def test_file_dialogs_start_in_the_last_folder_used(qtbot, gui, driver, tmp_path
     driver = DialogDriver().choose_file(None).start()  # the draft model's, cancelled
     w.toggles.draft_model.menu().actions()[0].trigger()
     assert driver.done and Path(driver.answered[0].folder) == folder
+    driver = DialogDriver().choose_file(None).start()  # a chat's import (it opened where the app was started)
+    w.import_chat()
+    assert driver.done and Path(driver.answered[0].folder) == folder
 
 
 # ---- chat files and remote models ------------------------------------------------------------------------
@@ -483,6 +486,7 @@ def test_a_chat_exported_to_a_file_imports_again(qtbot, gui, driver, tmp_path):
     assert driver.done and ("ui/main_window.py", "MainWindow.import_chat") in driver.answered[0].sites
     assert len(store.list_chats()) == 2 and w.flow.chat_id != chat
     assert [m.content for m in store.thread(w.flow.chat_id)] == ["the question"]
+    assert gui.settings.last_folder == str(tmp_path)  # the next file dialog starts there
 
 
 def test_the_remote_model_dialog_cancels_with_its_button(qtbot, gui):

@@ -143,6 +143,15 @@ def test_stop_keeps_the_partial_answer(qtbot, app, monkeypatch):
     assert w.hud.compare.model.rows[-1].label.endswith(" (stopped by you)")
 
 
+def test_an_answer_s_notice_goes_with_its_chat(qtbot, app):
+    """ "removed 1 NUL character from the prompt" stayed in the status line of a new chat."""
+    w = app.window
+    result = send(qtbot, app, "hello\x00 world")
+    assert result.notices and w.status.text() == " · ".join(result.notices)
+    w.flow.new_chat()
+    assert w.status.text() == ""
+
+
 def test_escape_stops_an_answer(qtbot, app, monkeypatch):
     def escape():  # from wherever the focus is in the window
         qtbot.keyClick(app.window.composer.edit, Qt.Key.Key_Escape)

@@ -222,6 +222,16 @@ def test_toggles_turn_off_what_the_engine_cannot_do(qtbot):
     assert t.cuda_graph.isEnabled()
 
 
+def test_chat_settings_keep_max_tokens_beyond_a_small_model_s_context(qtbot):
+    """With a 256-token model loaded, OK cut a chat's saved 512 to 256 (kept after switching back)."""
+    d = ChatSettingsDialog("", CHAT_DEFAULTS, context_length=256)
+    qtbot.addWidget(d)
+    assert d.values()[1].max_new_tokens == 512
+    assert "more than this model's context (256 tokens)" in d.max_new_tokens.toolTip()
+    d.max_new_tokens.setValue(200)
+    assert d.max_new_tokens.toolTip() == "The longest answer, in tokens"
+
+
 def test_chat_settings_dialog_defaults_and_validation(qtbot):
     d = ChatSettingsDialog("", CHAT_DEFAULTS)
     qtbot.addWidget(d)
