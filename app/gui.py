@@ -57,6 +57,11 @@ class GuiApp:
         self.fetcher.cancel()
         stopped = self.controller.shutdown(timeout)
         self.fetcher.wait(5.0)
+        # the worker's last signals (a stopped answer's result) wait in the event queue: delivered before the
+        # store closes, the answer is kept as stopped with its figures, not as a crash's
+        from PySide6.QtCore import QCoreApplication
+
+        QCoreApplication.sendPostedEvents()
         self.store.close()
         return stopped
 

@@ -10,6 +10,7 @@ from worker_gate import on_first_batch
 
 from app.gui import build
 from app.paths import AppPaths
+from app.store import ChatStore
 from engine import figures
 from engine.types import SamplingParams, options_as_run
 
@@ -116,6 +117,38 @@ def test_reopening_the_window_shows_the_chat(qtbot, data_dir, tiny_llama):
         assert "tokens" in w.chat_view.messages()[1].stats_label.text()  # the stats line stays
     finally:
         close_app(gui)
+
+
+def test_closing_the_app_mid_answer_keeps_it_as_stopped_with_its_figures(qtbot, data_dir, tiny_llama, monkeypatch):
+    """The worker's last word (the stopped answer's result) was never delivered before the chat store closed:
+    the answer was kept as a crash's, "cut off: the app closed mid-answer", its figures n/a."""
+    from worker_gate import hold_after_first_batch
+
+    gui = open_app(qtbot, data_dir, tiny_llama)
+    w = gui.window
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
+    release = hold_after_first_batch(monkeypatch)
+    closed: list[bool] = []
+
+    def close_now(_rid, _batch):  # as Ctrl+Q does while the answer streams
+        if not closed:
+            closed.append(True)
+            w.close()
+            release.set()
+            gui.close()
+
+    gui.controller.textBatch.connect(close_now)
+    w.composer.set_text("tell me a story")
+    qtbot.keyClick(w.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: bool(closed), timeout=TIMEOUT_MS)
+    store = ChatStore(gui.paths.database)
+    try:
+        chat_id = store.list_chats()[0].id
+        answer = store.thread(chat_id)[-1]
+        assert answer.role == "assistant" and answer.status == "stopped" and answer.content
+        assert answer.metrics["finish_reason"] == "cancelled" and answer.metrics["new_tokens_total"] > 0
+    finally:
+        store.close()
 
 
 def send_and_stop(qtbot, gui, text, stop, monkeypatch):
