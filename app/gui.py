@@ -218,19 +218,24 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     server.statsChanged.connect(panel.set_stats)
     window.server_dock, window.server_panel = dock, panel
     window.model_panel.remoteRequested.connect(
-        lambda url, model, key, timeout: open_remote(window, paths, url, model, key, timeout)
+        lambda url, model, key, timeout: open_remote(window, paths, url, model, key, timeout, server)
     )
     return server
 
 
-def open_remote(window: Any, paths: AppPaths, base_url: str, model: str, api_key: str, timeout_s: float) -> None:
-    """Keep the key (if one was given) and open the remote model like any other."""
+def open_remote(
+    window: Any, paths: AppPaths, base_url: str, model: str, api_key: str, timeout_s: float, server: Any = None
+) -> None:
+    """Keep the key (if one was given) and open the remote model like any other; not the app's own server."""
     from app.keys import KeyStore
+    from app.serve_app import SELF_REMOTE
     from engine.errors import OptionsError
     from engine.remote import RemoteSource
 
     try:
         source = RemoteSource(base_url, model, timeout_s).validate()
+        if server is not None and server.serves(source.base_url):
+            raise OptionsError(f"{source.base_url}: {SELF_REMOTE}")
     except OptionsError as exc:
         window.model_panel.set_failed(f"remote:{base_url}#{model}", str(exc))
         return

@@ -21,6 +21,29 @@ log = logging.getLogger(__name__)
 STATS_INTERVAL_MS = 500
 
 
+def reaches(server_url: str, base_url: str) -> bool:
+    """Whether a remote model's `base_url` is the server listening at `server_url`: the same port, and the same
+    host or this machine's loopback (a server on 0.0.0.0 listens there too)."""
+    from urllib.parse import urlsplit
+
+    from app.server.http import is_loopback
+
+    a, b = urlsplit(server_url), urlsplit(base_url)
+    try:
+        ports = a.port or 80, b.port or (443 if b.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        return False
+    host, other = a.hostname or "", b.hostname or ""
+    return ports[0] == ports[1] and (host == other or (is_loopback(other) and (is_loopback(host) or host in WILDCARD)))
+
+
+WILDCARD = ("0.0.0.0", "::")
+SELF_REMOTE = (
+    "it is this app's own server (the Server panel): a model cannot answer through itself (each would wait for "
+    "the other); open the model itself instead"
+)
+
+
 class AppServer(QObject):
     started = Signal(str)  # the base URL
     stopped = Signal()
@@ -54,6 +77,15 @@ class AppServer(QObject):
             engines.close()
             self.failed.emit(str(exc))
             return
+        info = self.controller.info
+        if info is not None and info.source_kind == "remote":
+            from engine.remote import RemoteSource
+
+            if reaches(server.url, RemoteSource.parse(info.source).base_url):
+                server.stop()
+                engines.close()
+                self.failed.emit(f"the loaded model is a remote one at {server.url}: {SELF_REMOTE}")
+                return
         self.engines, self.server = engines, server
         self._timer.start()
         self.started.emit(server.url)
@@ -71,6 +103,10 @@ class AppServer(QObject):
             engines.close(timeout_s=10.0)
             self.statsChanged.emit(engines.stats.snapshot())
         self.stopped.emit()
+
+    def serves(self, base_url: str) -> bool:
+        """Whether a remote model at `base_url` would be this running server."""
+        return self.server is not None and reaches(self.server.url, base_url)
 
     def _run_on_worker(self, fn: Callable[[Any], None]) -> None:
         """Called on the queue's thread: hand fn to the worker and wait until it has run there."""

@@ -177,9 +177,32 @@ def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama)
     finally:
         ref.close()
     qtbot.waitUntil(lambda: panel.counts.text().startswith("Requests served: 1"), timeout=TIMEOUT_MS)
+    # the app's own server as a remote model: each would wait for the other (every answer hung to its timeout)
+    for own in (f"http://localhost:{server_port}/v1", f"http://127.0.0.1:{server_port}/v1"):
+        gui.window.model_panel.remoteRequested.emit(own, tiny_llama.name, "", 30.0)
+        assert "it is this app's own server (the Server panel)" in gui.window.model_panel.error.text()
+    assert gui.controller.info.source_kind != "remote"
     with qtbot.waitSignal(server.stopped, timeout=TIMEOUT_MS):
         qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
     assert panel.address.text() == "Not running"
+
+
+@pytest.mark.parametrize(
+    "server_url, base_url, same",
+    [
+        ("http://127.0.0.1:8080/v1", "http://localhost:8080/v1", True),
+        ("http://0.0.0.0:8080/v1", "http://127.0.0.1:8080/v1", True),
+        ("http://[::1]:8080/v1", "http://[::1]:8080/v1", True),
+        ("http://127.0.0.1:8080/v1", "http://127.0.0.1:8081/v1", False),
+        ("http://127.0.0.1:8080/v1", "http://gpu-box:8080/v1", False),
+        ("http://127.0.0.1:80/v1", "http://localhost/v1", True),
+        ("http://127.0.0.1:8080/v1", "http://localhost:notaport/v1", False),
+    ],
+)
+def test_a_remote_address_is_known_for_the_app_s_own_server(server_url, base_url, same):
+    from app.serve_app import reaches
+
+    assert reaches(server_url, base_url) is same
 
 
 def test_stop_answers_a_request_still_waiting_for_the_engine_with_503(qtbot, gui, tiny_llama, caplog):
@@ -269,6 +292,21 @@ def test_a_remote_model_opens_through_the_model_panel(qtbot, gui, tiny_llama, mo
         with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as done:
             gui.controller.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8))
         assert done.args[1].metrics.http_ttft_ms > 0 and done.args[1].texts[0]
+
+
+def test_the_server_does_not_start_where_the_loaded_remote_model_is(qtbot, gui, tiny_llama, monkeypatch):
+    """A remote model at the address the app's server then takes: every request would wait on itself."""
+    import app.keys
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    with served(tiny_llama, api_key="sk-ui") as url:
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            gui.window.model_panel.remoteRequested.emit(url, tiny_llama.name, "sk-ui", 30.0)
+    server, said = gui.server, []
+    server.failed.connect(said.append)
+    server.start("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]))
+    assert len(said) == 1 and "the loaded model is a remote one at" in said[0] and "this app's own server" in said[0]
+    assert not server.running
 
 
 def test_a_remote_model_leaves_the_user_s_own_options_as_they_were(qtbot, gui, tiny_llama, monkeypatch):
