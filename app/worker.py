@@ -219,7 +219,8 @@ class EngineWorker(EngineEvents):
             if not self._busy:
                 self._busy = True
                 self.busyChanged.emit(True)
-            self._dispatch(command)
+            if not (isinstance(command, Reconfigure) and self._superseded()):
+                self._dispatch(command)
             if self.commands.empty():
                 self._busy = False
                 self.busyChanged.emit(False)
@@ -228,6 +229,12 @@ class EngineWorker(EngineEvents):
         if self._busy:
             self.busyChanged.emit(False)
         self.thread().quit()
+
+    def _superseded(self) -> bool:
+        """Whether the next command chooses options again: options changed one by one while an answer ran were
+        each applied after it (an int8 quantisation among them), and the next answer waited for all of them."""
+        with self.commands.mutex:
+            return bool(self.commands.queue) and isinstance(self.commands.queue[0], Reconfigure)
 
     def _dispatch(self, command: Any) -> None:
         handler: dict[type, Callable[[Any], None]] = {

@@ -377,6 +377,26 @@ def test_stop_reaches_queued_generations_and_busy_spans_the_queue(qtbot, scripte
     assert rec.of("busyChanged") == [(True,), (False,), (True,), (False,)]  # one busy span for both
 
 
+def test_options_chosen_one_by_one_during_an_answer_apply_once_after_it(qtbot, scripted, monkeypatch):
+    """Six changes made while an answer ran were each applied after it (one of them quantising to int8), and the
+    next answer waited for all of them: only the last choice is applied."""
+    ctl, made = scripted
+    load(qtbot, ctl, "tiny")
+    applied: list[EngineOptions] = []
+    monkeypatch.setattr(ScriptedEngine, "reconfigure", lambda self, o, progress=None: applied.append(o))
+    rec = Recorder(ctl)
+    made[0].gate = threading.Event()
+    rid = ctl.generate(MESSAGES, SamplingParams(max_new_tokens=5))
+    assert made[0].first_token.wait(30)
+    chosen = [EngineOptions(dtype=d) for d in ("fp16", "bf16", "fp32")]
+    for options in chosen:
+        ctl.reconfigure(options)
+    made[0].gate.set()
+    wait_finished(qtbot, ctl, rid)
+    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
+    assert applied == [chosen[-1]] and len(rec.of("reconfigured")) == 1
+
+
 def test_options_chosen_before_a_model_and_invalid_options(qtbot, scripted):
     ctl, made = scripted
     with qtbot.waitSignal(ctl.reconfigured, timeout=TIMEOUT_MS):
