@@ -343,8 +343,9 @@ class ChatFlow(QObject):
             out.append({"role": "system", "content": system})
         return out + spoken(self.store.thread(upto.chat_id, upto.id))
 
-    def draft_messages(self, draft: str) -> list[dict]:
-        """The engine's messages if `draft` were sent now: the system prompt, the branch on screen, the draft."""
+    def draft_messages(self, draft: str, candidate: Optional[int] = None) -> list[dict]:
+        """The engine's messages if `draft` were sent now: the system prompt, the branch on screen, the draft.
+        `candidate`: the tab shown while candidates wait for a choice (sending continues from it)."""
         out: list[dict] = []
         if self.chat_id is None and self.default_system_prompt.strip():
             out.append({"role": "system", "content": self.default_system_prompt})
@@ -353,7 +354,9 @@ class ChatFlow(QObject):
             if chat.system_prompt.strip():
                 out.append({"role": "system", "content": chat.system_prompt})
             streaming = set(self.answer.message_ids) if self.answer is not None else set()
-            thread = self.store.thread(self.chat_id) if chat.active_leaf_id is not None else []
+            ids = self._candidate_ids
+            leaf = ids[candidate] if candidate is not None and 0 <= candidate < len(ids) else None
+            thread = self.store.thread(self.chat_id, leaf) if chat.active_leaf_id is not None else []
             return out + spoken(thread, streaming, then=draft)
         out.append({"role": "user", "content": draft})
         return out

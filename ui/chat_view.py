@@ -34,6 +34,7 @@ class ChatView(QScrollArea):
     deleteRequested = Signal(object)
     siblingRequested = Signal(object, int)  # message id, -1 | +1
     candidateChosen = Signal(int)  # candidate index of the streamed batch
+    candidateShown = Signal(int)  # the candidate tab now on screen
 
     def __init__(self, colors: Colors = LIGHT, parent: Optional[QWidget] = None):
         super().__init__(parent)
@@ -199,6 +200,7 @@ class ChatView(QScrollArea):
             self._stream = None
             self._candidates = CandidateTabs(candidates, item.author, self._colors, self._container)
             self._candidates.chosen.connect(self.candidateChosen)
+            self._candidates.tabs.currentChanged.connect(self.candidateShown)
             self._column.insertWidget(self._column.count() - 1, self._candidates)
             self._empty.hide()
 

@@ -302,6 +302,7 @@ class MainWindow(QMainWindow):
             (self.composer.edit.textChanged, self.recount_context),
             *((signal, recount) for signal in (f.threadChanged, f.messageAppended, f.streamFinished)),
             (f.candidatesFinished, recount),
+            (v.candidateShown, recount),  # sending continues from the tab on screen: counted from it
             (c.loaded, recount),
             (c.contextCounted, self._context_counted),
             (self.composer.stopRequested, f.stop),
@@ -625,7 +626,9 @@ class MainWindow(QMainWindow):
             self.composer.set_context(None)
             return
         try:
-            messages = self.flow.draft_messages(self.composer.text())
+            tabs = self.chat_view.candidate_tabs()
+            shown = tabs.tabs.currentIndex() if tabs is not None and self.flow.awaiting_choice() else None
+            messages = self.flow.draft_messages(self.composer.text(), shown)
             max_new, overflow = self.flow.sampling().max_new_tokens, self.flow.overflow_policy()
         except StoreError as exc:
             self.composer.set_context(None, str(exc))

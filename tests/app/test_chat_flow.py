@@ -161,6 +161,18 @@ def test_candidates_wait_for_a_choice_and_the_chosen_one_continues_the_chat(flow
     assert ctl.asked[-1][-2:] == [{"role": "assistant", "content": "green"}, {"role": "user", "content": "why?"}]
 
 
+def test_the_context_is_counted_from_the_candidate_on_screen(flow):
+    """The meter counted the first candidate's branch whichever tab was shown; sending continues from the shown one."""
+    f, store, ctl = flow
+    f.send("name a colour")
+    ctl.run(1, ["red", "a much longer green", "blue"], ["eos", "eos", "eos"], EngineOptions(candidates=3))
+    for shown, answer in ((None, "red"), (0, "red"), (1, "a much longer green"), (2, "blue"), (7, "red")):
+        assert f.draft_messages("why?", shown)[-2:] == [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "why?"},
+        ]
+
+
 def test_a_question_left_unanswered_is_not_asked_again_with_the_next(flow):
     f, store, ctl = flow
     failed = signals(f, "failed")["failed"]

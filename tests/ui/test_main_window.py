@@ -283,7 +283,7 @@ def test_unavailable_option_is_turned_off_with_its_reason(qtbot, app):
     assert "CUDA" in t.cuda_graph.toolTip() and t.cuda_graph.toolTip().startswith("Unavailable:")
 
 
-def test_candidates_stream_as_tabs_and_the_chosen_one_continues(qtbot, app):
+def test_candidates_stream_as_tabs_and_the_chosen_one_continues(qtbot, app, monkeypatch):
     w, store = app.window, app.store
     w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
     t = w.toggles
@@ -294,6 +294,13 @@ def test_candidates_stream_as_tabs_and_the_chosen_one_continues(qtbot, app):
     assert tabs is not None and tabs.tabs.count() == 3
     assert [b.text for b in tabs.bodies] == result.texts
     assert all(b.isEnabled() for b in tabs.use_buttons)
+    counted = []  # the context meter counts from the tab on screen, which a reply continues from
+    original = w.flow.draft_messages
+    monkeypatch.setattr(w.flow, "draft_messages", lambda draft, shown=None: counted.append(shown) or [])
+    tabs.tabs.setCurrentIndex(1)
+    qtbot.waitUntil(lambda: bool(counted), timeout=TIMEOUT_MS)
+    assert counted[-1] == 1
+    monkeypatch.setattr(w.flow, "draft_messages", original)
 
     tabs.use_buttons[2].click()
     thread = store.thread(w.flow.chat_id)
