@@ -207,6 +207,7 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     dock.setWidget(panel)
     window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
     dock.hide()
+    window.refit_on_toggle(dock)
     for act in window.menuBar().actions():
         if act.text().replace("&", "") == "View" and act.menu() is not None:
             act.menu().addAction(dock.toggleViewAction())

@@ -259,6 +259,7 @@ class MainWindow(QMainWindow):
             self.hud_dock.setMinimumWidth(DOCK_MIN_WIDTH)
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.hud_dock)
             self.hud_dock.setVisible(settings.hud_visible)
+            self.refit_on_toggle(self.hud_dock)
         self.status = QLabel("", self)
         self.statusBar().addWidget(self.status, 1)
         self.model_status = QLabel("No model", self)
@@ -1035,6 +1036,11 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.options_dock], [width], Qt.Orientation.Horizontal)
         self._fit_dock_heights()
         self._dock_resizing = False
+
+    def refit_on_toggle(self, dock: QDockWidget) -> None:
+        """A right-hand panel shown or hidden (View menu): the optimizations are fitted again (hiding the Server
+        panel left its height to them, a blank gap under their controls)."""
+        dock.visibilityChanged.connect(lambda _shown: QTimer.singleShot(0, self, self._fit_dock_heights))
 
     def _fit_dock_heights(self) -> None:
         """The optimizations as tall as they need (one column of controls or two), the HUD the rest."""

@@ -362,3 +362,21 @@ def test_a_taller_window_gives_its_height_to_the_hud(qtbot, tmp_path):
         qtbot.waitUntil(lambda: w.hud_dock.height() > 600, timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
+
+
+def test_hiding_a_panel_gives_its_height_back_to_the_hud(qtbot, tmp_path):
+    """View > Server shown and hidden again left its height to the optimizations, a blank gap under them."""
+    gui = open_app(qtbot, tmp_path / "data")
+    w = gui.window
+    try:
+        w.resize(1400, 875)
+        qtbot.waitUntil(lambda: (w.width(), w.height()) == (1400, 875), timeout=TIMEOUT_MS)
+        fitted = lambda: w.options_dock.height() <= w.options_dock.minimumSizeHint().height() + 16  # noqa: E731
+        qtbot.waitUntil(fitted, timeout=TIMEOUT_MS)
+        for dock in (w.server_dock, w.server_dock, w.hud_dock, w.hud_dock, w.server_dock):
+            dock.toggleViewAction().trigger()
+            qtbot.wait(50)
+            if w.hud_dock.isVisible():  # the optimizations alone fill the column
+                qtbot.waitUntil(fitted, timeout=TIMEOUT_MS)
+    finally:
+        close_app(gui)
