@@ -51,6 +51,9 @@ NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3":
 # GGUF architecture -> what llama.cpp added to its norms' weights (Gemma scales by 1 + weight and stores the sum)
 NORM_OFFSETS = {"gemma3": 1.0}
 # transformers' model type -> the gguf package's architecture name, where they differ
+# tensors of a GGUF that the model reads another way (llama.cpp's rope factors are read into the config)
+UNUSED_BY_DESIGN = ("rope_freqs.weight", ".attn_rot_embd")
+
 # model types whose GGUF tensor names are another architecture's (transformers names a Llama GGUF called
 # "mistral" a Mistral; its tensors are Llama's)
 GGUF_MODEL_TYPES = {"gemma3_text": "gemma3", "mistral": "llama"}
@@ -316,9 +319,12 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
     kv_heads = cfg.get("num_key_value_heads") or heads
     norm_offset = NORM_OFFSETS.get(header.architecture, 0.0)
     plan = []
+    unused = []
     for t in header.tensors:
         hf = names.get(t.name)
         if hf is None or hf not in layout_shapes:
+            if not t.name.endswith(UNUSED_BY_DESIGN):
+                unused.append(t.name)
             continue
         n = 0
         if permute and heads is not None and kv_heads is not None:
@@ -327,6 +333,12 @@ def convert(header: GGUFHeader, label: str, report: ProgressFn) -> Converted:
             elif ".attn_k." in t.name:
                 n = kv_heads
         plan.append(TensorPlan(t.name, hf, n, norm_offset if "norm.weight" in t.name else 0.0))
+    if unused:  # dropped, the answers would be another model's (biases a "llamafied" Qwen keeps, say)
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        raise ModelLoadError(
+            f"{label}: the GGUF holds tensors a {config.model_type} model does not have ({shown}): it cannot be "
+            "run as written"
+        )
     shapes = {k: list(v) for k, v in layout_shapes.items()}
     return Converted(cfg, tokenizer, plan, shapes, dict(layout_tied), from_cache=False, resolved=resolved, built=config)
 

@@ -300,6 +300,15 @@ def test_a_special_token_id_outside_the_vocabulary_is_named(tiny_llama, tmp_path
     _refused(ModelLoadError, path, f"the GGUF's {key} is 100000, outside its 320-token vocabulary")
 
 
+def test_tensors_the_model_does_not_have_are_refused_not_dropped(tiny_factory, tmp_path):
+    """A Llama GGUF with q/k/v biases (a "llamafied" Qwen; the metadata cannot say so) loaded without them, and
+    answered as another model would."""
+    folder = tiny_factory("qwen2")  # q/k/v biases
+    path = hf_llama_to_gguf(folder, tmp_path / "llamafied.gguf", architecture="llama")
+    message = _refused(ModelLoadError, path, "the GGUF holds tensors a llama model does not have (blk.0.attn_")
+    assert message.endswith("it cannot be run as written") and "more" in message
+
+
 def test_a_llama_gguf_named_mistral_loads(tiny_factory, tmp_path):
     """transformers reads a Llama GGUF named "mistral" as a Mistral, whose tensor names the gguf package lacks."""
     folder = tiny_factory("mistral")
