@@ -116,7 +116,7 @@ def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelE
                 elif e.is_dir(follow_symlinks=False):
                     if kind_of(p) == "hf-folder":
                         found.extend(_hf_folder_entries(p))
-                    elif depth < max_depth:
+                    elif depth < max_depth or _hub_snapshot(p):
                         walk(p, depth + 1)
             except OSError as exc:
                 log.info("cannot inspect %s: %s", p, exc)
@@ -127,6 +127,12 @@ def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelE
     if root.is_dir():
         walk(Path(os.path.abspath(root)), 0)  # links kept, as the recent list keeps them
     return found
+
+
+def _hub_snapshot(p: Path) -> bool:
+    """A revision of a repo in the Hugging Face hub's cache (models--org--name/snapshots/<hash>): a GGUF-only repo's
+    files sit there, one level below what the scan reaches from the cache's top."""
+    return p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--")
 
 
 def _hf_folder_entries(folder: Path) -> list[ModelEntry]:

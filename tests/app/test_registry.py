@@ -135,6 +135,17 @@ def test_scan_finds_gguf_files_and_hf_folders_up_to_depth_two(tmp_path):
     assert [e.kind for e in scan_models_folder(root / "llama-hf")] == ["hf-folder"]
 
 
+def test_scan_of_the_hugging_face_cache_finds_gguf_only_repos(tmp_path):
+    """A GGUF repo's files sit one level deeper than a scan from the hub cache's top reached (HF folders, found
+    by their config.json, were listed; GGUF files beside them were not)."""
+    hub = tmp_path / "hub"
+    _hf(hub / "models--org--tiny-hf" / "snapshots" / "abc123")
+    _gguf(hub / "models--org--tiny-GGUF" / "snapshots" / "def456" / "tiny.Q4_K_M.gguf")
+    _gguf(hub / "notes" / "a" / "b" / "too-deep.gguf")  # elsewhere the depth holds
+    names = sorted(Path(e.source).name for e in scan_models_folder(hub))
+    assert names == ["abc123", "tiny.Q4_K_M.gguf"]
+
+
 def test_default_entry_cached_or_not(tmp_path):
     payload = b"x" * 1000
     spec = DefaultModelSpec(
