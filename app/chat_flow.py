@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.store import ChatStore, Message, StoreError, StreamSaver
-from engine.types import GenerationResult, SamplingParams, options_as_run
+from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, options_as_run
 
 if TYPE_CHECKING:
     from app.worker import EngineController
@@ -384,12 +384,25 @@ class ChatFlow(QObject):
 
     # ---- engine events -------------------------------------------------------------------------------
 
+    def _resolved(self, options: Any) -> Any:
+        """`options` with "auto" device and dtype as the loaded model resolved them (the answer's own options
+        replace them when it ends; an answer cut off by a crash keeps these, named by their preset)."""
+        info = getattr(self.controller, "info", None)
+        if not isinstance(options, EngineOptions) or info is None:
+            return options
+        allowed = {"device": DEVICES, "dtype": DTYPES}
+        fill = {
+            k: getattr(info, k) for k, ok in allowed.items() if getattr(options, k) == "auto" and getattr(info, k) in ok
+        }
+        return options.with_(**fill) if fill else options
+
     def _on_started(self, request_id: int, options: Any) -> None:
         a = self.answer
         if a is None or a.request_id != request_id or a.discarded:
             return
         n = max(1, int(getattr(options, "candidates", 1)))
         a.candidates = n
+        options = self._resolved(options)  # kept as they are if the app ends before the answer does
         group = self.store.new_candidate_group() if n > 1 else None
         try:
             for i in range(n):

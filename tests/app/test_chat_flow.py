@@ -227,3 +227,20 @@ def test_a_chat_whose_stored_sampling_is_damaged_says_so_and_answers_with_the_de
     assert f.send("hello") and ctl.asked == [[{"role": "user", "content": "hello"}]]
     ctl.run(1, ["hi"], ["eos"])
     assert [m.content for m in store.thread(chat.id)] == ["hello", "hi"]
+
+
+def test_an_answer_s_options_are_kept_resolved_from_its_start(flow):
+    """An answer cut off by a crash keeps the options stored at its start: "auto" device and dtype named no preset
+    ("custom"); they are stored as the loaded model resolved them."""
+    from types import SimpleNamespace
+
+    from ui.stats import options_label
+
+    f, store, ctl = flow
+    ctl.info = SimpleNamespace(device="cpu", dtype="fp32", name="m")
+    f.send("hello")
+    ctl.generationStarted.emit(1, EngineOptions())
+    streaming = store.thread(f.chat_id)[-1]
+    assert streaming.status == "streaming"
+    assert (streaming.options["device"], streaming.options["dtype"]) == ("cpu", "fp32")
+    assert options_label(streaming.options) == "+ static KV cache"
