@@ -1040,7 +1040,11 @@ class MainWindow(QMainWindow):
     def refit_on_toggle(self, dock: QDockWidget) -> None:
         """A right-hand panel shown or hidden (View menu): the optimizations are fitted again (hiding the Server
         panel left its height to them, a blank gap under their controls)."""
-        dock.visibilityChanged.connect(lambda _shown: QTimer.singleShot(0, self, self._fit_dock_heights))
+        dock.visibilityChanged.connect(self._refit_soon)  # a method: Qt drops it with the window (a lambda ran
+        # on a window being deleted)
+
+    def _refit_soon(self, _shown: bool) -> None:
+        QTimer.singleShot(0, self, self._fit_dock_heights)
 
     def _fit_dock_heights(self) -> None:
         """The optimizations as tall as they need (one column of controls or two), the HUD the rest."""
