@@ -171,12 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--report", type=Path, default=None, help="with --smoke-test: write a JSON report (folder must exist)"
     )
     gui.add_argument(
-        "--prompt",
-        default="What is the capital of France? Answer in one sentence.",
-        help="with --smoke-test: the prompt to send",
+        "--prompt", default=None, help=f"with --smoke-test: the prompt to send (default: {SMOKE_PROMPT!r})"
     )
-    gui.add_argument("--max-new-tokens", type=int, default=48, help="with --smoke-test: answer length")
+    gui.add_argument(
+        "--max-new-tokens", type=int, default=None, help=f"with --smoke-test: answer length (default: {SMOKE_TOKENS})"
+    )
     gui.add_argument("--theme", choices=["system", "light", "dark"], default=None)
+    gui.set_defaults(subparser=gui)  # its errors name `gapless gui`
 
     gen = sub.add_parser("generate", help="generate an answer headless (streams text, or --json)")
     _add_engine_options(gen)
@@ -337,6 +338,11 @@ def _quiet_and_offline() -> None:
 
 
 SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models", "chats")
+SMOKE_PROMPT = "What is the capital of France? Answer in one sentence."
+SMOKE_TOKENS = 48
+SMOKE_ONLY = ("prompt", "report", "screenshot", "max_new_tokens")  # the desktop app's flags for --smoke-test
+# the desktop app's options that take the next word as their value (`gapless --model x.gguf` is the app)
+GUI_VALUE_OPTIONS = ("--model", "--screenshot", "--report", "--prompt", "--max-new-tokens", "--theme")
 
 
 GLOBAL_VALUE_OPTIONS = ("--data-dir",)  # global options that take the next word as their value
@@ -351,10 +357,10 @@ def _gui_alias(argv: list[str]) -> list[str]:
         return argv
     words = iter(argv)
     for word in words:
-        if word in GLOBAL_VALUE_OPTIONS:
+        if word in GLOBAL_VALUE_OPTIONS or word in GUI_VALUE_OPTIONS:
             next(words, None)
         elif not word.startswith("-"):
-            return argv if word in SUBCOMMANDS else ["gui", *argv]
+            return argv  # a command, or a mistyped one, which the parser names with the commands there are
     return ["gui", *argv]
 
 
@@ -372,6 +378,15 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if command == "gui":
         from app.gui import run_gui
 
+        if not args.smoke_test:
+            given = [f"--{name.replace('_', '-')}" for name in SMOKE_ONLY if getattr(args, name) is not None]
+            if given:
+                args.subparser.error(
+                    f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --smoke-test only (an answer "
+                    "without the window: gapless generate)"
+                )
+        args.prompt = SMOKE_PROMPT if args.prompt is None else args.prompt
+        args.max_new_tokens = SMOKE_TOKENS if args.max_new_tokens is None else args.max_new_tokens
         return run_gui(args, paths)
     if command == "generate":
         from app.cmd_generate import run_generate

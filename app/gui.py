@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from app.paths import AppPaths
 
@@ -245,12 +245,28 @@ def open_remote(
     window.load_model(source.to_source())
 
 
+def no_display_reason(env: Optional[Mapping[str, str]] = None, platform: str = sys.platform) -> str:
+    """Why the desktop app cannot open a window here ("" when it can): a Linux session with no display (SSH, a
+    server), where Qt would abort with a message about libxcb-cursor0."""
+    seen: Mapping[str, str] = os.environ if env is None else env
+    if not platform.startswith("linux") or any(seen.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")):
+        return ""
+    return (
+        "no display to open the app on (neither DISPLAY nor WAYLAND_DISPLAY is set); without one, answer with "
+        "gapless generate, serve the model with gapless serve, or check the app with gapless --smoke-test"
+    )
+
+
 def run_gui(args: Any, paths: AppPaths) -> int:
     if getattr(args, "smoke_test", False):
         return _run_smoke(args, paths)
     from app.store import StoreError
     from ui.dialogs import show_error
 
+    no_display = no_display_reason()
+    if no_display:  # Qt aborts the process, blaming a library that is there
+        print(f"gapless: error: {no_display}", file=sys.stderr)
+        return EXIT_USER_ERROR
     app = qt_application()
     try:
         gui = build(paths, getattr(args, "theme", None))

@@ -85,6 +85,29 @@ def test_top_level_smoke_test_means_gui_smoke_test():
     # a global option's value that reads like a command is its value, and the app's own options go to it
     assert _gui_alias(["--data-dir", "gui"]) == ["gui", "--data-dir", "gui"]
     assert _gui_alias(["--model", "x.gguf", "-v"]) == ["gui", "--model", "x.gguf", "-v"]
+    assert _gui_alias(["--theme", "dark", "--model", "chats"]) == ["gui", "--theme", "dark", "--model", "chats"]
+
+
+def test_a_mistyped_command_or_a_smoke_test_flag_without_it_is_said(tmp_path):
+    """`gapless genrate hi` read as the app's options ("unrecognized arguments: genrate hi"); `gapless --prompt
+    hi` opened the app and dropped the prompt."""
+    common = ["--data-dir", str(tmp_path)]
+    _one_line_error(gapless(*common, "genrate", "hi"), "invalid choice: 'genrate' (choose from 'gui', 'generate'")
+    _one_line_error(gapless(*common, "--prompt", "hi"), "--prompt is for --smoke-test only")
+    r = gapless(*common, "gui", "--report", "r.json", "--max-new-tokens", "5")
+    _one_line_error(r, "--report, --max-new-tokens are for --smoke-test only (an answer without the window: gapless")
+
+
+def test_without_a_display_the_app_says_so_instead_of_qt_aborting(tmp_path, monkeypatch, capsys):
+    from app.cli import run
+    from app.gui import no_display_reason
+
+    for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"):
+        monkeypatch.delenv(name, raising=False)
+    assert run(["--data-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("gapless: error: no display to open the app on (neither DISPLAY nor")
+    assert no_display_reason({"DISPLAY": ":0"}, "linux") == no_display_reason({}, "win32") == ""
+    assert no_display_reason({"WAYLAND_DISPLAY": "wayland-0"}, "linux") == ""
 
 
 def test_gapless_without_a_command_opens_the_app_with_the_gui_defaults(tmp_path, monkeypatch):
