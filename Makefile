@@ -1,6 +1,6 @@
-# Two commands for a fresh Linux machine with Python 3.11:
+# Two commands for a fresh Linux machine with Python 3.11 (or newer: PYTHON=python3.12):
 #   make run    installs Gapless into .venv and opens the app on the default model
-#   make test   installs Gapless with its test tools into .venv and runs the whole test suite
+#   make test   installs Gapless with its test tools into .venv and runs the test suite (not the heavy test)
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -43,7 +43,7 @@ test-heavy: install-test
 	$(PY) -m pytest -q -m heavy
 
 bench: install
-	$(VENV)/bin/gapless bench --model default --json docs/bench-cpu.json
+	$(VENV)/bin/gapless bench --model default --json bench.json  # docs/bench-cpu.json is the committed run docs/benchmarks.md quotes
 
 bundle: $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[package]"

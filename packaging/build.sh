@@ -11,7 +11,8 @@
 #   packaging/out/gapless-<version>-linux-<arch>.tar.gz     bundle + install.sh + uninstall.sh + desktop entry + icons
 #
 # Environment
-#   PYTHON                 the interpreter to build with (default: python3); its torch build is the one bundled
+#   PYTHON                 the interpreter to build with (default: the checkout's .venv/bin/python where it
+#                          exists, else python3); its torch build is the one bundled
 #   GAPLESS_BUNDLE_MODEL   use this default-model GGUF instead of `python -m app models fetch-default`
 set -euo pipefail
 
@@ -27,7 +28,9 @@ esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$ROOT/packaging/out"
-PYTHON="${PYTHON:-python3}"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 say() { printf 'build: %s\n' "$*" >&2; }

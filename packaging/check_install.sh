@@ -36,7 +36,7 @@ if [[ "$BUILD" == 1 ]]; then
     "$ROOT/packaging/build.sh"
     took "built the bundle and the archive"
 fi
-VERSION="$(cd "$ROOT" && PYTHONPATH="$ROOT" "${PYTHON:-python3}" -c 'from app import __version__; print(__version__)')"
+VERSION="$(cd "$ROOT" && PYTHONPATH="$ROOT" "${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}" -c 'from app import __version__; print(__version__)')"
 NAME="gapless-$VERSION-linux-$(uname -m)"
 ARCHIVE="$OUT/$NAME.tar.gz"
 [[ -f "$ARCHIVE" ]] || fail "no archive at $ARCHIVE (run without --no-build)"
