@@ -187,11 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(subparser=gen)  # its errors name `gapless generate`
     gen.add_argument("--system", default=None, help="system prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="the longest answer (default: %(default)s)")
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy, the default here (the app's new chats sample at 0.7)",
+    )
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0 = off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1 discourages repeats (default: 1.0)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="plain completion: no chat template")
@@ -206,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
     bench.add_argument("--model", default="default")
     bench.add_argument("--device", choices=DEVICES, default="auto")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed answers per rung (default: %(default)s)")
     bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the whole ladder)")
     bench.add_argument("--candidates", type=int, default=None, help="N for the candidates rung")
     bench.add_argument(
@@ -273,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to listen on (other than loopback needs --api-key or GAPLESS_SERVE_API_KEY)",
     )
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
     serve.add_argument(
         "--api-key",
         default=None,
@@ -281,7 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
         "this machine cannot read in the process list)",
     )
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
-    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; 503 past it")
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests that may wait for the engine; 503 past it (default: %(default)s)",
+    )
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
     serve.add_argument(
         "--cors-origin", action="append", default=[], help="allow browser requests from ORIGIN (repeatable)"
