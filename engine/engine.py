@@ -671,7 +671,9 @@ class Engine:
                 )
                 opts = replace(opts, kernels="torch")
         static = runner if isinstance(runner, StaticRunner) and opts.kernels == "torch" else None  # the torch step
-        spec = self._speculator(opts, static, on_event) if static is not None else None
+        # a seeded sampled answer is the same every time: the adaptive schedule then models step times
+        seeded = sampling.seed is not None and not SamplerKind.of(sampling).greedy
+        spec = self._speculator(opts, static, on_event, seeded) if static is not None else None
         if opts.speculation != "off" and spec is None:
             reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
             notices.append(f"speculation off for this answer: {reasons['speculation']}")
@@ -813,22 +815,26 @@ class Engine:
             return torch_runner, self._fused_failed
         return fused, None
 
-    def _speculator(self, opts: EngineOptions, runner: StaticRunner, on_event: Callable) -> Optional[Speculator]:
+    def _speculator(
+        self, opts: EngineOptions, runner: StaticRunner, on_event: Callable, seeded: bool = False
+    ) -> Optional[Speculator]:
         """The speculation of this generation, or None when off (or the draft model cannot be had)."""
         if opts.speculation == "off":
             return None
         k = opts.draft_tokens
         schedule = f"{k} drafts per step" if k else f"adaptive k (one of {', '.join(map(str, ADAPTIVE_KS))})"
+        if seeded and not k:
+            schedule += ", step times modelled for the seed"
         shapes = ((k,) if k else ADAPTIVE_KS) if opts.compile or opts.cuda_graph else None
         if opts.speculation == "ngram":
             source = f"engine counters: n-gram prompt lookup (n = {NGRAM_MAX}..1) on the host, {schedule}"
-            return Speculator(NgramProposer(), k, shapes, source)
+            return Speculator(NgramProposer(), k, shapes, source, reproducible=seeded)
         model = self._load_draft(opts, on_event)
         if model is None:
             return None
         proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device)
         source = f"engine counters: draft model {model_file_name(opts.draft_model)}, greedy, {schedule}"
-        return Speculator(proposer, k, shapes, source)
+        return Speculator(proposer, k, shapes, source, reproducible=seeded)
 
     def _stopped_reading(
         self,

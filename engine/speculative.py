@@ -165,6 +165,11 @@ class _Gate:
     speed: float = 1.0  # running tokens per second of verify steps, over plain steps'
 
 
+# A verify step of k drafts against a plain step, where a seeded answer models it rather than measures it: on this
+# CPU a verify step of 8-15 drafts cost 1.5-3x a plain one (docs/benchmarks.md); on a GPU less.
+VERIFY_COST_PER_DRAFT = 0.1
+
+
 class AdaptiveK:
     """The draft length and whether to draft at all.
 
@@ -175,10 +180,15 @@ class AdaptiveK:
     ratio tokens x t_plain / t_verify stays below 1, drafts pause for a back-off that doubles at each loss. The
     ratio is kept per kind of draft (`key`: the n-gram match length), since a 3-token match is accepted far more
     often than a 1-token one. A fixed draft length (`fixed` > 0) drafts at every step that has a proposal.
+
+    `modelled`: the step times are not measured but modelled (a plain step 1, a verify step of k drafts
+    1 + VERIFY_COST_PER_DRAFT x k), so that whether a step verifies drafts, and so how a seeded answer draws its
+    random numbers, does not depend on how busy the machine was: a seed gives the same text every time.
     """
 
-    def __init__(self, fixed: int = 0, ks: tuple[int, ...] = ADAPTIVE_KS):
+    def __init__(self, fixed: int = 0, ks: tuple[int, ...] = ADAPTIVE_KS, modelled: bool = False):
         self.fixed = fixed
+        self.modelled = modelled
         self.ks = ks
         self.level = min(ADAPTIVE_START, len(ks) - 1)
         self.gates: dict[int, _Gate] = {}
@@ -204,9 +214,13 @@ class AdaptiveK:
         return True
 
     def plain_step(self, seconds: float) -> None:
+        if self.modelled:
+            seconds = 1.0
         self.t_plain = seconds if self.t_plain is None else (1 - EMA) * self.t_plain + EMA * seconds
 
     def verify_step(self, shape: int, drafted: int, accepted: int, emitted: int, seconds: float, key: int = 0) -> None:
+        if self.modelled:
+            seconds = 1.0 + VERIFY_COST_PER_DRAFT * shape
         t = self.t_verify.get(shape)
         self.t_verify[shape] = seconds if t is None else (1 - EMA) * t + EMA * seconds
         if self.fixed:
@@ -292,11 +306,16 @@ class Speculator(StepObserver):
     the prompt and every step's tokens, and fills the speculation figures."""
 
     def __init__(
-        self, proposer: Proposer, draft_tokens: int, shapes: Optional[tuple[int, ...]] = None, source: str = ""
+        self,
+        proposer: Proposer,
+        draft_tokens: int,
+        shapes: Optional[tuple[int, ...]] = None,
+        source: str = "",
+        reproducible: bool = False,
     ):
         self.proposer = proposer
         self.source = source  # for the figures: what drafted and how k was chosen
-        self.schedule = AdaptiveK(draft_tokens)
+        self.schedule = AdaptiveK(draft_tokens, modelled=reproducible)
         self.shapes = shapes  # verify lengths with a compiled or captured step; None: eager, any length
         self.counts = SpecCounts()
 

@@ -560,3 +560,42 @@ def test_parser_type_for_draft_tokens():
     assert _draft_tokens("auto") == 0 and _draft_tokens("12") == 12
     with pytest.raises(argparse.ArgumentTypeError, match="'auto'"):
         _draft_tokens("x")
+
+
+def test_a_seed_gives_the_same_sampled_text_however_busy_the_machine(tiny_factory, monkeypatch):
+    """The adaptive schedule chose between drafting and a plain step from measured step times, and a verify step
+    draws its random numbers differently: a seeded sampled answer changed with the machine's load. With a seed the
+    step times are modelled; the text is the same whatever the clock says."""
+    import engine.speculative as spec
+    from engine.decode import StaticRunner
+
+    target = tiny_factory("llama")
+    sampling = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=60)
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(target)))  # adaptive k
+    plain_step, speculate = StaticRunner.step, StaticRunner.speculate
+
+    def answer(verify_cost: float):
+        now = [0.0]
+
+        def step(self, *a):
+            now[0] += 1.0
+            return plain_step(self, *a)
+
+        def verify(self, *a):
+            now[0] += verify_cost
+            return speculate(self, *a)
+
+        monkeypatch.setattr(spec.time, "perf_counter", lambda: now[0])
+        monkeypatch.setattr(StaticRunner, "step", step)
+        monkeypatch.setattr(StaticRunner, "speculate", verify)
+        try:
+            return eng.generate(REPEATS, sampling)
+        finally:
+            monkeypatch.undo()
+
+    try:
+        idle, loaded = answer(0.5), answer(50.0)  # verify steps cheap, then dear
+        assert idle.token_ids == loaded.token_ids and idle.metrics.drafted_tokens > 0
+        assert "step times modelled for the seed" in idle.metrics.speculation_source
+    finally:
+        eng.close()
