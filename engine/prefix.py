@@ -55,6 +55,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _hf_croppable(cache) -> bool:
+    """Whether a transformers cache can be cut back: a sliding-window layer past its window keeps no past states
+    to return to (unless it records them)."""
+    for layer in getattr(cache, "layers", ()):
+        window = getattr(layer, "sliding_window", None)
+        if getattr(layer, "is_sliding", False) and window and not getattr(layer, "record_past", False):
+            if layer.get_seq_length() >= window:
+                return False
+    return True
+
+
 def _hf_runner(runner: RunnerBase) -> bool:
     return type(runner).__name__ == "HFRunner"  # engine.fallback imports transformers; not imported for a check
 
@@ -87,6 +98,9 @@ class PrefixCache:
         best = min(best, len(prompt) - 1)  # the last prompt token is always run: its logits give the first token
         if best <= 0:
             return Plan(0, 0, f"{SOURCE}: none in common")
+        if best < len(rows[row]) and _hf_runner(runner) and not _hf_croppable(getattr(runner, "cache", None)):
+            # a regenerate or an edit past a sliding window (Gemma 2, Phi-3 on the fallback) failed with crop's error
+            return Plan(0, 0, f"{SOURCE}: none (a sliding-window cache past its window cannot be cut back)")
         return Plan(best, row, f"{SOURCE} (row {row})" if len(rows) > 1 else SOURCE)
 
     def forget(self, runner: RunnerBase) -> None:

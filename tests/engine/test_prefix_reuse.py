@@ -81,6 +81,30 @@ def test_reuse_gives_the_answers_of_an_empty_cache(tiny_factory, family, kv):
         without.close()
 
 
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, num_hidden_layers=2)),
+        ("phi3", dict(sliding_window=8)),
+    ],
+)
+def test_a_sliding_window_past_its_size_is_not_cut_back_but_read_again(tiny_factory, family, overrides):
+    """On the fallback (transformers' cache), a regenerate or an edit past a sliding window failed with
+    transformers' "crop was called, but the current layer does not track past states"."""
+    path = tiny_factory(family, **overrides)
+    with_reuse, without = load(path), load(path, prefix_reuse=False)
+    try:
+        assert not with_reuse.fast
+        a, b = conversation(with_reuse), conversation(without)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        regenerated = a[4].metrics
+        assert regenerated.prompt_reused_tokens == 0
+        assert regenerated.prompt_reuse_source.endswith("a sliding-window cache past its window cannot be cut back)")
+    finally:
+        with_reuse.close()
+        without.close()
+
+
 @pytest.mark.parametrize("family,kv", [("llama", "static"), ("qwen3", "dynamic"), ("gpt2", "dynamic")])
 def test_the_continued_candidates_row_is_reused(tiny_factory, family, kv):
     """gpt2's tiny answers decode to replacement characters, whose tokens never match again: there the row's
