@@ -233,6 +233,7 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
     layout.verify({k: tuple(v.shape) for k, v in tensors.items()})
     state = {k: v for k, v in tensors.items() if k in layout.shapes}
     del tensors
+    _unpermute_left(header, config, state)
     report(Progress("dequantise", 1.0, f"{len(state)} tensors ready"))
     return Checkpoint(
         config=config,
@@ -244,6 +245,23 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
         eos_token_ids=_eos_ids(config, tokenizer, None, _gguf_turn_ends(header, tokenizer, config)),
         tensor_types=frozenset(t.type_name for t in header.tensors),
     )
+
+
+def _unpermute_left(header, config, state: dict[str, torch.Tensor]) -> None:
+    """A Llama GGUF without head_count_kv (llama.cpp's converter leaves it out for a config without
+    num_key_value_heads) has as many KV heads as query heads; transformers' reader then leaves q and k in llama.cpp's
+    rotary layout (engine.gguf_native un-permutes them on the native path)."""
+    from engine.gguf_native import NATIVE_ARCHITECTURES, _unpermute
+
+    arch = header.architecture
+    if not NATIVE_ARCHITECTURES.get(arch) or f"{arch}.attention.head_count_kv" in header.metadata:
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return
+    for name, t in state.items():
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+            state[name] = _unpermute(t, heads).contiguous()
 
 
 def _apply_gguf_rope(header, config, label: str) -> None:

@@ -183,6 +183,18 @@ def test_a_gguf_s_end_of_turn_token_ends_answers(tiny_llama, tmp_path, template)
     assert ck.tokenizer.get_vocab()["<|im_end|>"] == 2 and ck.eos_token_ids == [0, 2]
 
 
+def test_without_a_kv_head_count_transformers_path_un_permutes_too(tiny_factory, tmp_path):
+    """A tensor type only transformers' reader takes (Q2_K) sends the file there, which left q and k permuted."""
+    folder = tiny_factory("llama", tie=False, hidden_size=256, intermediate_size=512, num_key_value_heads=4)
+    types = {"blk.0.ffn_down.weight": "Q2_K"}
+    kv = hf_llama_to_gguf(folder, tmp_path / "kv.gguf", tensor_types=types)
+    nokv = hf_llama_to_gguf(folder, tmp_path / "nokv.gguf", tensor_types=types, omit=("llama.attention.head_count_kv",))
+    want, got = load_checkpoint(str(kv)), load_checkpoint(str(nokv))
+    assert "Q2_K" in got.tensor_types
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(got.state_dict[name], want.state_dict[name]), name
+
+
 def test_fused_weights_are_read_into_one_buffer_and_built_without_a_copy(tiny_llama, tmp_path):
     """q/k/v (q and k un-permuted on the way) and gate/up land in adjacent rows of one buffer per layer, which the
     decoder takes as its wqkv / w13 as is; the values are torch.cat's."""
