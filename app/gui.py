@@ -57,11 +57,12 @@ class GuiApp:
         self.fetcher.cancel()
         stopped = self.controller.shutdown(timeout)
         self.fetcher.wait(5.0)
-        # the worker's last signals (a stopped answer's result) wait in the event queue: delivered before the
-        # store closes, the answer is kept as stopped with its figures, not as a crash's
-        from PySide6.QtCore import QCoreApplication
+        # the worker's last signals (a stopped answer's result) wait in the event queue for the controller:
+        # delivered before the store closes, the answer is kept as stopped with its figures, not as a crash's
+        # (only those: the application's own posted events, a quit among them, are left to its loop)
+        from PySide6.QtCore import QCoreApplication, QEvent
 
-        QCoreApplication.sendPostedEvents()
+        QCoreApplication.sendPostedEvents(self.controller, QEvent.Type.MetaCall)
         self.store.close()
         return stopped
 

@@ -252,8 +252,9 @@ REMOTE_ONLY: tuple[str, ...] = (
     "server_waiting_requests",
     "server_kv_cache_pct",
 )
-# shares that may pass 100 %: the DRAM bandwidth is measured against an estimate of the peak
-OVER_100: tuple[str, ...] = ("dram_bw_util_pct",)
+# shares that may pass 100 %: the DRAM bandwidth is measured against an estimate of the peak; a process's CPU use
+# counts every core (100 % = one core busy)
+OVER_100: tuple[str, ...] = ("dram_bw_util_pct", "cpu_util_pct")
 GENERATION_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "generation" in f.scopes)
 SAMPLE_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "sample" in f.scopes)
 STEP_FIGURES: tuple[FigureSpec, ...] = tuple(f for f in FIGURES if "step" in f.scopes)

@@ -27,7 +27,8 @@ def recorded(tiny_llama, tmp_path_factory):
         # samples as the monitor passes them on (a 12-token answer may end before its first): the generation's
         # first says why the monitor leaves series empty, the next does not repeat it
         cpu = {"cpu_util_pct": "CPU util — process CPU time"}
-        rec(MonitorSample(t=result_t(seen), cpu_util_pct=90.0, sources=cpu, unavailable={"power_w": "no GPU here"}))
+        # 190 %: a process on two cores (the monitor counts every core)
+        rec(MonitorSample(t=result_t(seen), cpu_util_pct=190.0, sources=cpu, unavailable={"power_w": "no GPU here"}))
         rec(MonitorSample(t=result_t(seen) + 0.1, cpu_util_pct=95.0, sources=cpu))
         recording = rec.finish(result, "tiny", eng.info.to_dict(), {"cpu_model": "test"})
     finally:
@@ -118,6 +119,7 @@ def _doc(path):
         (lambda d: dict(d, metrics=dict(d["metrics"], acceptance_rate=5.0)), "acceptance_rate is 5.0, more than all"),
         (lambda d: dict(d, steps=[dict(d["steps"][0], step_ms=-3.0)]), "steps[0]: step_ms is -3.0, not a count"),
         (lambda d: dict(d, samples=[{"t": 1.0, "cpu_util_pct": -1}]), "samples[0]: cpu_util_pct is -1.0, not a"),
+        (lambda d: dict(d, samples=[{"t": 1.0, "gpu_util_pct": 101}]), "samples[0]: gpu_util_pct is 101.0, more than"),
         (lambda d: dict(d, version=1.0), "telemetry version 1.0"),
         (lambda d: dict(d, machine=dict(d["machine"], gpus=["H200"])), 'machine "gpus" is not a list of objects'),
     ],
