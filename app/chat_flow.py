@@ -100,6 +100,18 @@ class _Answer:
     max_new_tokens: int = 0  # what was asked for: a token limit reached below it was the context's
 
 
+def resolved(options: Any, info: Any) -> Any:
+    """`options` with "auto" device and dtype as the loaded model (`info`) resolved them: "auto" names no preset.
+    An answer's own options replace them when it ends; one cut off by a crash keeps these."""
+    if not isinstance(options, EngineOptions) or info is None:
+        return options
+    allowed = {"device": DEVICES, "dtype": DTYPES}
+    fill = {
+        k: getattr(info, k) for k, ok in allowed.items() if getattr(options, k) == "auto" and getattr(info, k) in ok
+    }
+    return options.with_(**fill) if fill else options
+
+
 class ChatFlow(QObject):
     chatsChanged = Signal()  # titles, order or membership of the chat list changed
     chatOpened = Signal(object)  # chat id or None
@@ -384,25 +396,13 @@ class ChatFlow(QObject):
 
     # ---- engine events -------------------------------------------------------------------------------
 
-    def _resolved(self, options: Any) -> Any:
-        """`options` with "auto" device and dtype as the loaded model resolved them (the answer's own options
-        replace them when it ends; an answer cut off by a crash keeps these, named by their preset)."""
-        info = getattr(self.controller, "info", None)
-        if not isinstance(options, EngineOptions) or info is None:
-            return options
-        allowed = {"device": DEVICES, "dtype": DTYPES}
-        fill = {
-            k: getattr(info, k) for k, ok in allowed.items() if getattr(options, k) == "auto" and getattr(info, k) in ok
-        }
-        return options.with_(**fill) if fill else options
-
     def _on_started(self, request_id: int, options: Any) -> None:
         a = self.answer
         if a is None or a.request_id != request_id or a.discarded:
             return
         n = max(1, int(getattr(options, "candidates", 1)))
         a.candidates = n
-        options = self._resolved(options)  # kept as they are if the app ends before the answer does
+        options = resolved(options, getattr(self.controller, "info", None))  # kept if the app ends first
         group = self.store.new_candidate_group() if n > 1 else None
         try:
             for i in range(n):

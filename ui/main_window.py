@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat_flow import UNTITLED, ChatFlow
+from app.chat_flow import UNTITLED, ChatFlow, resolved
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import (
@@ -42,7 +42,6 @@ from engine.types import (
     Progress,
     SamplingParams,
     options_as_run,
-    server_decides,
 )
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
@@ -664,12 +663,7 @@ class MainWindow(QMainWindow):
             return
         if self._remote_open():  # the server's settings: none but n is known here
             options = options.with_(device=REMOTE_DEVICE)
-        # "auto" device and dtype name no preset; the loaded model says what they resolve to.
-        info = self.controller.info
-        shown = options.to_dict()
-        if info is not None and not server_decides(options):
-            shown.update({k: getattr(info, k) for k in ("device", "dtype") if shown[k] == "auto"})
-        self.hud.begin_generation(options_label(shown), options)
+        self.hud.begin_generation(options_label(resolved(options, self.controller.info).to_dict()), options)
 
     def _generation_finished(self, request_id: int, result: GenerationResult) -> None:
         self.toggles.progress.hide()
