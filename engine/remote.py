@@ -31,6 +31,7 @@ from engine.types import (
     GenerationMetrics,
     GenerationResult,
     ModelInfo,
+    MonitorSample,
     Progress,
     SamplingParams,
     TextDelta,
@@ -42,6 +43,8 @@ from engine.types import (
 log = logging.getLogger(__name__)
 
 REMOTE_REASON = "the model runs on a remote server"
+NOT_SAMPLED = f"{REMOTE_REASON}; its machine is not sampled here"
+SAMPLE_KEYS = tuple(f.key for f in figures.SAMPLE_FIGURES)
 DEFAULT_TIMEOUT_S = 60.0
 NO_USAGE = "the server reported no token usage"  # why the counts (and what needs them) are n/a
 CANCEL_POLL_S = 0.05  # how often a generation waiting for the server looks at its cancel event
@@ -380,6 +383,8 @@ class RemoteEngine:
             body["prompt"] = messages[-1]["content"]
         else:
             body["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
+        # The HUD's monitor series (GPU, this process's CPU and memory) stay empty: say why, as a local monitor does.
+        emit(MonitorSample(time.perf_counter(), unavailable=dict.fromkeys(SAMPLE_KEYS, NOT_SAMPLED)))
         before = self._vllm_read()  # short: METRICS_TIMEOUT_S
         stream = _Stream(n)
         side: dict[str, Optional[dict[str, float]]] = {}

@@ -14,7 +14,7 @@ from app.server.http import ServeConfig
 from engine import figures
 from engine.errors import ModelLoadError, OptionsError
 from engine.remote import REMOTE_REASON, RemoteEngine, RemoteSource, is_remote
-from engine.types import EngineOptions, SamplingParams, TextDelta
+from engine.types import EngineOptions, MonitorSample, SamplingParams, TextDelta
 
 HELLO = [{"role": "user", "content": "hello world"}]
 KEY = "sk-remote-test"
@@ -84,10 +84,11 @@ def test_a_missing_v1_is_suggested(server):
 
 def test_remote_text_is_the_local_engine_s(remote, local, server):
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16)
-    deltas: list[TextDelta] = []
-    got = remote.generate(HELLO, sampling, on_event=deltas.append)
+    events: list = []
+    got = remote.generate(HELLO, sampling, on_event=events.append)
     want = local.generate(HELLO, sampling)
     assert got.texts == want.texts
+    deltas = [e for e in events if isinstance(e, TextDelta)]
     assert "".join(d.text for d in deltas) == want.texts[0]
     assert got.finish_reasons == [{"eos": "eos", "length": "length"}[want.finish_reasons[0]]]
     m = got.metrics
@@ -122,6 +123,23 @@ def test_figures_over_http_with_their_sources_and_gpu_figures_na(remote):
     for key in ("server_running_requests", "server_kv_cache_pct"):
         assert m.figure(key).reason == "the server has no vLLM /metrics endpoint"
     assert all(getattr(m, s.key) is not None or s.key in m.unavailable for s in figures.GENERATION_FIGURES)
+
+
+def test_a_remote_answer_tells_the_hud_why_its_monitor_series_are_empty(remote):
+    """The HUD's CPU and memory plots said "no monitor samples yet" after a remote answer, as if one were coming."""
+    from ui.hud.series import SAMPLE_SERIES, LiveSeries
+
+    events: list = []
+    r = remote.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=4), on_event=events.append)
+    samples = [e for e in events if isinstance(e, MonitorSample)]
+    assert len(samples) == 1 and events.index(samples[0]) == 0
+    assert set(samples[0].unavailable) == {f.key for f in figures.SAMPLE_FIGURES}
+    series = LiveSeries()
+    series.begin_generation("remote", r.options, samples[0].t)
+    series.add_samples(samples)
+    series.end_generation(samples[0].t + 1.0, r.metrics)
+    for key in SAMPLE_SERIES:
+        assert not series.measured(key) and series.reasons[key].startswith(REMOTE_REASON), key
 
 
 def test_a_remote_answer_says_its_options_are_the_server_s(remote):

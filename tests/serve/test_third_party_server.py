@@ -104,7 +104,7 @@ def test_streamed_answer_with_client_side_figures_and_usage(remote, llama_server
     sampling = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
     r = remote.generate(QUESTION, sampling, on_event=deltas.append)
     text = r.texts[0]
-    assert text.strip() and "".join(d.text for d in deltas) == text
+    assert text.strip() and "".join(d.text for d in deltas if isinstance(d, TextDelta)) == text
     assert r.finish_reasons[0] in ("eos", "length")
     # The same request without streaming, straight to the server: greedy, so the same text.
     plain = httpx.post(
