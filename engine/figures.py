@@ -21,7 +21,7 @@ Unit = Literal["tok/s", "ms", "s", "%", "bytes", "tokens", "count", "W", "MHz", 
 ENGINE_TIMING = "engine timing, device-synchronised"
 ENGINE_COUNT = "engine token count"
 HTTP_TIMING = "client-side timing over HTTP"
-SPEC_COUNT = "engine counters: tokens kept / decode steps"
+SPEC_COUNT = "engine counters: tokens kept / decode steps, each row while it runs"
 VLLM_METRICS = "vLLM Prometheus /metrics, read while the answer streamed"
 SERVER_USAGE = "the server's token usage (OpenAI stream usage)"
 

@@ -92,7 +92,7 @@ def _stepped(run: LoopState, watchers: list[StepObserver], tokens: Optional[list
 
 def _metrics(run: LoopState) -> GenerationMetrics:
     """The figures of the loop itself: tokens, time to the first token, decode throughput and step times."""
-    rows, B, steps = run.rows, run.runner.batch, run.step
+    rows, steps = run.rows, run.step
     metrics = GenerationMetrics(prompt_tokens=int(run.prompt.numel()))
     for key in figures.REMOTE_ONLY:
         metrics.mark_na(key, "a local model: measured only on a remote server's answers")
@@ -117,11 +117,11 @@ def _metrics(run: LoopState) -> GenerationMetrics:
         metrics.decode_tok_s = decode_tokens / decode_s
     else:
         metrics.mark_na("decode_tok_s", untimed)
-    kept = sum(len(r.tokens) for r in rows) - B  # decode steps' tokens the rows kept (the first is the prefill's)
-    if steps:
-        metrics.put("tokens_per_step", kept / B / steps)
+    per_step = run.kept_per_step(1, steps + 1) if steps else None
+    if per_step is not None:
+        metrics.put("tokens_per_step", per_step)
     else:
-        metrics.mark_na("tokens_per_step", none_ran)
+        metrics.mark_na("tokens_per_step", none_ran if not steps else "every row ended at its first token")
     durations = run.durations_s()
     for q in (50, 90, 99):
         value = percentile(durations, q)  # None: no decode step outside the window

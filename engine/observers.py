@@ -84,6 +84,18 @@ class LoopState:
         if not self.t_first:
             self.t_first = time.perf_counter()
 
+    def kept_per_step(self, start: int, upto: int) -> Optional[float]:
+        """Tokens kept per row and decode step over the steps [start, upto), counting a row's steps only while it
+        was open (up to the step that made its last kept token, once it has ended): 1 without speculation,
+        whatever the candidates, and tokens a stop string cut never count. None where no row was open."""
+        kept = open_steps = 0
+        for r in self.rows:
+            n = len(r.tokens)
+            kept += bisect.bisect_left(self.token_step, upto, hi=n) - bisect.bisect_left(self.token_step, start, hi=n)
+            last = upto - 1 if r.finish is None else (self.token_step[n - 1] if n else 0)
+            open_steps += max(0, min(upto, last + 1) - start)
+        return kept / open_steps if open_steps else None
+
     def durations_s(self) -> list[float]:
         """Decode steps' durations, leaving out the steps the profiler slowed."""
         return [d for i, d in enumerate(self.clock.durations_s(self.step + 1), start=1) if i not in self.profiled]
@@ -225,7 +237,6 @@ class TextFlush(_Paced):
         if not durations:
             return
         made_by = bisect.bisect_right(run.token_step, upto - 1)  # tokens per row made by steps before `upto`
-        made_before = bisect.bisect_right(run.token_step, start - 1)
         self.on_event(
             StepRecord(
                 t=time.perf_counter(),
@@ -233,7 +244,7 @@ class TextFlush(_Paced):
                 tokens_total=sum(min(len(r.tokens), made_by) for r in run.rows),
                 step_ms=1e3 * sum(durations) / len(durations),
                 profiled=any(s in run.profiled for s in range(start, upto)),
-                tokens_per_step=(made_by - made_before) / (upto - start),
+                tokens_per_step=run.kept_per_step(start, upto),
             )
         )
         self.records_from = upto

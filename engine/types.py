@@ -550,7 +550,7 @@ class StepRecord:
     tokens_total: int  # tokens generated so far, all candidates
     step_ms: Optional[float]  # mean device-synchronised step latency over the steps this record covers
     profiled: bool = False  # inside the traced window
-    tokens_per_step: Optional[float] = None  # tokens per row made by the steps this record covers
+    tokens_per_step: Optional[float] = None  # tokens kept per open row and step over the steps it covers (LoopState)
 
 
 @dataclass(frozen=True)

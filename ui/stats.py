@@ -192,7 +192,7 @@ def format_stats(
             "Tokens per step",
             m.get("tokens_per_step"),
             fmt(m.get("tokens_per_step"), "", 2),
-            "engine counters: tokens kept / decode steps",
+            figures.SPEC_COUNT,
             unavailable.get("tokens_per_step"),
         )
     )

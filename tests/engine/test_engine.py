@@ -113,6 +113,18 @@ def test_candidates_distinct_and_reproducible_with_seed(llama_engine):
     assert c.token_ids != a.token_ids
 
 
+def test_tokens_per_step_is_one_without_speculation_when_candidates_end_apart(llama_engine):
+    """A row that ended no longer counts its steps: the answer said 0.63 tok/step (kept tokens over all rows and
+    every step) while its step records said 1.0, and nothing speculated."""
+    llama_engine.reconfigure(CPU.with_(candidates=4))
+    records: list[StepRecord] = []
+    stop_early = SamplingParams(temperature=1.0, max_new_tokens=30, seed=3, stop=("e",))
+    r = llama_engine.generate(MESSAGES, stop_early, on_event=lambda e: isinstance(e, StepRecord) and records.append(e))
+    assert len(set(r.metrics.new_tokens)) > 1  # the rows ended at different steps
+    assert r.metrics.tokens_per_step == 1.0
+    assert records and {rec.tokens_per_step for rec in records} <= {1.0, None}
+
+
 @pytest.mark.parametrize("kv", ["static", "dynamic", "none"])
 def test_candidates_under_greedy_equal_single(llama_engine, kv):
     llama_engine.reconfigure(CPU.with_(kv_cache=kv, candidates=1))

@@ -5,6 +5,7 @@ a control that it can fail), the draft-model path and its refusal of a mismatche
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -311,6 +312,30 @@ def test_step_records_count_several_tokens_per_step(llama_engine_spec):
     assert records[-1].step == res.metrics.decode_steps
     made = sum(r.tokens_per_step * (r.step - prev) for r, prev in zip(records, [0] + [r.step for r in records]))
     assert made == pytest.approx(res.metrics.new_tokens_total - 1)
+
+
+def test_step_records_leave_out_what_a_stop_string_cut_inside_an_accepted_draft(llama_engine_spec):
+    """The records counted tokens made (5 in the step whose drafts ran past the stop), the answer tokens kept."""
+    eng = llama_engine_spec
+    eng.reconfigure(CPU.with_(speculation="ngram", draft_tokens=8))
+    free = eng.generate(REPEATS, GREEDY).texts[0]
+    stops = [free[i : i + 3] for i in range(len(free) - 3, 0, -1) if free.find(free[i : i + 3]) == i]
+    checked = 0
+    for stop in stops[:6]:  # stops late in the text, some of them inside a step that accepted drafts
+        records: list[StepRecord] = []
+        res = eng.generate(
+            REPEATS,
+            dataclasses.replace(GREEDY, stop=(stop,)),
+            on_event=lambda e: records.append(e) if isinstance(e, StepRecord) else None,
+        )
+        m = res.metrics
+        if not m.decode_steps:
+            continue
+        kept = sum(r.tokens_per_step * (r.step - prev) for r, prev in zip(records, [0] + [r.step for r in records]))
+        assert kept == pytest.approx(m.new_tokens_total - 1), stop
+        assert m.tokens_per_step == pytest.approx((m.new_tokens_total - 1) / m.decode_steps), stop
+        checked += 1
+    assert checked
 
 
 def test_the_graph_verify_step_matches_plain_decoding(tiny_factory, monkeypatch):

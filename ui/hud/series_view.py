@@ -27,7 +27,7 @@ from ui.parts import tight_column
 
 TOKENS_SOURCE = "engine step records, rolling 1 s"
 STEP_SOURCE = "engine step timings; traced window in orange"
-TOKENS_PER_STEP_SOURCE = "engine step records: tokens per candidate / decode steps"
+TOKENS_PER_STEP_SOURCE = "engine step records: tokens kept / decode steps, each row while it runs"
 PROFILED_COLOR = "#e8a33d"
 LEFT_AXIS_PX = 48
 WIDE_VALUES = (88_888.0, 8_888.8, 888.88, 1_023.9 * (1 << 20), 999.9 * (1 << 30))  # the value label's width fits these
