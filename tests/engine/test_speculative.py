@@ -322,12 +322,9 @@ def test_step_records_leave_out_what_a_stop_string_cut_inside_an_accepted_draft(
     stops = [free[i : i + 3] for i in range(len(free) - 3, 0, -1) if free.find(free[i : i + 3]) == i]
     checked = 0
     for stop in stops[:6]:  # stops late in the text, some of them inside a step that accepted drafts
-        records: list[StepRecord] = []
-        res = eng.generate(
-            REPEATS,
-            dataclasses.replace(GREEDY, stop=(stop,)),
-            on_event=lambda e: records.append(e) if isinstance(e, StepRecord) else None,
-        )
+        events: list = []
+        res = eng.generate(REPEATS, dataclasses.replace(GREEDY, stop=(stop,)), on_event=events.append)
+        records = [e for e in events if isinstance(e, StepRecord)]
         m = res.metrics
         if not m.decode_steps:
             continue
