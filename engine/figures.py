@@ -380,6 +380,8 @@ def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
     if not texts(metrics.get("unavailable", {})):
         return "its n/a reasons are not an object of texts"
     counts = metrics.get("new_tokens", [])
-    if not isinstance(counts, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+    if not isinstance(counts, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts
+    ):
         return "its new_tokens is not a list of whole numbers"
     return None

@@ -162,7 +162,7 @@ def from_dict(doc: Any, where: str = "the recording") -> Recording:
     except (GaplessError, TypeError) as exc:
         raise RecordingError(f"{where}: options: {exc}") from exc
     metrics = _metrics(_typed(doc, "metrics", dict, where), f"{where}: metrics")
-    steps = [_step(s, f"{where}: steps[{i}]") for i, s in enumerate(_typed(doc, "steps", list, where))]
+    steps = _steps(_typed(doc, "steps", list, where), where)
     samples = [_sample(s, f"{where}: samples[{i}]") for i, s in enumerate(_typed(doc, "samples", list, where))]
     return Recording(
         label=label,
@@ -256,13 +256,31 @@ def _step(d: Any, where: str) -> StepRecord:
     for f in fields(StepRecord):
         v = d.get(f.name)
         if f.name == "profiled":
+            if not isinstance(v, (bool, type(None))):  # "false" is a true value to bool()
+                raise RecordingError(f"{where}: profiled is {json.dumps(v)[:40]}, not true or false")
             values[f.name] = bool(v)
-        elif f.name in ("t", "step", "tokens_total"):
+        elif f.name == "t":
+            values[f.name] = _number(v, f"{where}: t")
+        elif f.name in ("step", "tokens_total"):
             x = _number(v, f"{where}: {f.name}")
-            values[f.name] = x if f.name == "t" else int(x or 0)
+            if x is None or x < 0 or not x.is_integer():
+                raise RecordingError(f"{where}: {f.name} is {v!r}, not a count")
+            values[f.name] = int(x)
         else:  # the step's optional figures (None when not measured)
             values[f.name] = _figure(v, f.name, where)
     return StepRecord(**values)
+
+
+def _steps(items: list, where: str) -> list[StepRecord]:
+    """The step records in the order they were made: neither time nor the step count goes back (the token count
+    may, where a stop string cut tokens an earlier record counted)."""
+    steps = [_step(s, f"{where}: steps[{i}]") for i, s in enumerate(items)]
+    for i in range(1, len(steps)):
+        a, b = steps[i - 1], steps[i]
+        for name in ("t", "step"):
+            if getattr(b, name) < getattr(a, name):
+                raise RecordingError(f"{where}: steps[{i}] goes back in {name} ({getattr(a, name)} before it)")
+    return steps
 
 
 def _sample(d: Any, where: str) -> MonitorSample:

@@ -122,6 +122,13 @@ def _doc(path):
         (lambda d: dict(d, samples=[{"t": 1.0, "gpu_util_pct": 101}]), "samples[0]: gpu_util_pct is 101.0, more than"),
         (lambda d: dict(d, version=1.0), "telemetry version 1.0"),
         (lambda d: dict(d, machine=dict(d["machine"], gpus=["H200"])), 'machine "gpus" is not a list of objects'),
+        # a damaged step record replayed absurd rates: -522 tok/s, or every step "traced" from "false"
+        (lambda d: dict(d, steps=[dict(d["steps"][0], tokens_total=-500)]), "steps[0]: tokens_total is -500, not a"),
+        (lambda d: dict(d, steps=[dict(d["steps"][0], tokens_total=3.9)]), "steps[0]: tokens_total is 3.9, not a"),
+        (lambda d: dict(d, steps=[dict(d["steps"][0], step=-7)]), "steps[0]: step is -7, not a count"),
+        (lambda d: dict(d, steps=[dict(d["steps"][0], profiled="false")]), 'profiled is "false", not true or false'),
+        (lambda d: dict(d, steps=d["steps"][1::-1]), "steps[1] goes back in t"),
+        (lambda d: dict(d, metrics=dict(d["metrics"], new_tokens=[-4, 46])), "new_tokens is not a list of whole"),
     ],
 )
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):
