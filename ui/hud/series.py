@@ -121,8 +121,8 @@ class LiveSeries:
             gen.t_end = last if last is not None and last >= gen.t_start else t
             self._spans += 1
         if metrics is not None:
-            for f in LIVE_REASON_FIELDS:
-                if f in metrics.unavailable and not self.measured(f):
+            for f in LIVE_REASON_FIELDS:  # not where an earlier answer's estimate is shown in its place
+                if f in metrics.unavailable and not self.measured(f) and not self.estimates.get(f):
                     self.reasons[f] = metrics.unavailable[f]
             # no decode step seen: the answer's own reason (one token, a remote server), not "no steps yet"
             why = metrics.unavailable.get("decode_steps") or metrics.unavailable.get("decode_tok_s")
