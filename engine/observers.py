@@ -214,6 +214,7 @@ class TextFlush(_Paced):
         super().__init__(on_event, FLUSH_INTERVAL_S if interval_s is None else interval_s)
         self.ended: set[int] = set()  # rows whose end was reported
         self.records_from = 1  # the first step not yet in a StepRecord
+        self.last_t = 0.0  # the time of the last StepRecord: a record is never dated before the one it follows
 
     def emit(self, run: LoopState, final: bool) -> None:
         self._text(run, final)
@@ -229,25 +230,32 @@ class TextFlush(_Paced):
                 self.on_event(RowFinished(candidate=i, reason=r.finish))
 
     def _steps(self, run: LoopState, upto: int) -> None:
-        """One StepRecord for the steps [records_from, upto) whose timings are known."""
+        """StepRecords for the steps [records_from, upto) whose timings are known: one per stretch of steps that
+        are all traced or all untraced (a record mixing them read as traced, its mean step time as the traced
+        steps'), each dated by the end of its last step: now, less the measured steps that came after it."""
         start = self.records_from
-        if upto <= start:
-            return
         durations = run.clock.durations_s(upto)[start - 1 :]
         if not durations:
             return
-        made_by = bisect.bisect_right(run.token_step, upto - 1)  # tokens per row made by steps before `upto`
-        self.on_event(
-            StepRecord(
-                t=time.perf_counter(),
-                step=upto - 1,
-                tokens_total=sum(min(len(r.tokens), made_by) for r in run.rows),
-                step_ms=1e3 * sum(durations) / len(durations),
-                profiled=any(s in run.profiled for s in range(start, upto)),
-                tokens_per_step=run.kept_per_step(start, upto),
+        end = start + len(durations)
+        traced = [s in run.profiled for s in range(start, end)]
+        cuts = [start] + [s for s in range(start + 1, end) if traced[s - start] != traced[s - start - 1]] + [end]
+        now = time.perf_counter()
+        for a, b in zip(cuts, cuts[1:]):
+            part = durations[a - start : b - start]
+            made_by = bisect.bisect_right(run.token_step, b - 1)  # tokens per row made by steps before `b`
+            self.last_t = max(self.last_t, now - sum(durations[b - start :]))
+            self.on_event(
+                StepRecord(
+                    t=self.last_t,
+                    step=b - 1,
+                    tokens_total=sum(min(len(r.tokens), made_by) for r in run.rows),
+                    step_ms=1e3 * sum(part) / len(part),
+                    profiled=traced[a - start],
+                    tokens_per_step=run.kept_per_step(a, b),
+                )
             )
-        )
-        self.records_from = upto
+        self.records_from = end
 
 
 def _steps_seen(token_step: list[int], seen: int) -> int:
