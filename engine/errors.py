@@ -1,5 +1,7 @@
 """Errors the engine raises on purpose. Each carries a message meant for the user, in one line."""
 
+from typing import Optional
+
 
 class GaplessError(Exception):
     """Base of every error with a user-facing message."""
@@ -23,6 +25,25 @@ class FetchError(GaplessError):
 
 class GenerationError(GaplessError):
     """A generation that could not run (e.g. an empty prompt)."""
+
+
+class RemoteRefused(GenerationError):
+    """A remote server answered a generation with an HTTP error: its status, its OpenAI error's `param` and `code`
+    where it sent them, and its Retry-After, so a server relaying it can pass on what it means."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        retry_after: Optional[str] = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
 
 
 class OutputPathError(GaplessError):

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from engine import figures
-from engine.errors import GenerationError, ModelLoadError, OptionsError
+from engine.errors import GenerationError, ModelLoadError, OptionsError, RemoteRefused
 from engine.protocol import option_limits
 from engine.types import (
     REMOTE_DEVICE,
@@ -124,6 +124,19 @@ def _error_text(response: httpx.Response) -> str:
     if isinstance(err, dict):
         err = err.get("message") or err
     return " ".join(str(err).split())[:300]
+
+
+def _error_fields(response: httpx.Response) -> tuple[Optional[str], Optional[str]]:
+    """The `param` and `code` of an OpenAI error body, where they are text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None, None
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return None, None
+    param, code = err.get("param"), err.get("code")
+    return (param if isinstance(param, str) else None), (code if isinstance(code, str) else None)
 
 
 def _why(exc: httpx.HTTPError) -> str:
@@ -459,8 +472,11 @@ class RemoteEngine:
             with self._client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
                 if r.status_code != 200:
                     r.read()
-                    raise GenerationError(
-                        f"the remote server refused the request (HTTP {r.status_code}): {_error_text(r)}"
+                    raise RemoteRefused(
+                        f"the remote server refused the request (HTTP {r.status_code}): {_error_text(r)}",
+                        r.status_code,
+                        *_error_fields(r),
+                        retry_after=r.headers.get("retry-after"),
                     )
                 for line in r.iter_lines():
                     lines.put(("line", line, time.perf_counter()))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 from app.server.protocol import ApiError, Request, bad
-from engine.errors import GaplessError
+from engine.errors import GaplessError, RemoteRefused
 from engine.types import GenerationResult, SamplingParams, TextDelta
 
 log = logging.getLogger(__name__)
@@ -233,6 +233,9 @@ class EngineQueue:
             result = engine.generate(
                 req.messages, sampling, on_event=_texts_to(job.sink), cancel=job.cancel, raw=req.raw
             )
+        except RemoteRefused as exc:  # a remote model's server said no: what it meant is passed on
+            self._fail(job, relayed(exc))
+            return
         except GaplessError as exc:
             self._fail(job, ApiError(500, str(exc), "server_error", code="generation_failed"))
             return
@@ -256,6 +259,20 @@ class EngineQueue:
             self._fail(job, ApiError(503, f"n={req.n} could not be served: {why}; ask for fewer", "server_error"))
             return
         self._end(job, "cancelled" if cancelled else "served", Finished(result, queue_ms))
+
+
+def relayed(exc: RemoteRefused) -> ApiError:
+    """A remote server's refusal as this server's answer. The client's own mistakes (a prompt too long, a value
+    out of range) keep their status, param and code, so a client does not retry them as it would a 500; being
+    busy keeps its status and Retry-After; the rest (the remote server's key or model, its failures) are 502,
+    this server's upstream failing it."""
+    status = exc.status
+    if status in (429, 503):
+        headers = {"Retry-After": exc.retry_after} if exc.retry_after else None
+        return ApiError(status, str(exc), "server_error", code=exc.code or "upstream_busy", headers=headers)
+    if 400 <= status < 500 and status not in (401, 403, 404, 407):
+        return ApiError(status, str(exc), "invalid_request_error", param=exc.param, code=exc.code)
+    return ApiError(502, str(exc), "server_error", code="upstream_error")
 
 
 def _texts_to(sink: Sink) -> Callable[[Any], None]:

@@ -315,6 +315,17 @@ def test_gapless_serve_can_front_a_remote_model(server, local):
                 seed=3,
                 extra_body={"top_k": 2, "repetition_penalty": 5.0},  # passed on: the server behind is Gapless
             )
+            # the server behind refuses a request as the client's mistake: passed on as that, not as a 500 that
+            # the openai client retries (by default twice: three refusals for one question)
+            failed = server.engines.stats.failed
+            with pytest.raises(openai.BadRequestError) as info:
+                openai.OpenAI(base_url=front.url, api_key="unused").chat.completions.create(
+                    model=front.engines.model_id, messages=HELLO, max_tokens=1_000_000
+                )
+            assert server.engines.stats.failed == failed + 1
+            err = info.value.body
+            assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+            assert "the remote server refused the request (HTTP 400)" in err["message"]
     finally:
         remote.close()
     assert (

@@ -25,6 +25,7 @@ MODELS = [
     "unfinished",
     "stall",
     "error500",
+    "busy429",
     "midstream-error",
     "llamacpp",
     "vllm",
@@ -97,6 +98,9 @@ class StandIn:
         self.bodies[model] = body
         if model == "error500":
             return JSONResponse({"error": {"message": "CUDA out of memory on the server"}}, status_code=500)
+        if model == "busy429":
+            error = {"message": "slow down", "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+            return JSONResponse({"error": error}, status_code=429, headers={"Retry-After": "7"})
         if model == "html500":  # a proxy's error page in front of the server
             page = "<html><head><title>502 Bad Gateway</title></head><body><h1>502</h1><hr>nginx</body></html>"
             return PlainTextResponse(page, status_code=502, media_type="text/html")
@@ -217,6 +221,29 @@ def test_an_http_error_gives_the_server_s_message(stand_in):
     message, text = run(server, "error500")
     assert message == "the remote server refused the request (HTTP 500): CUDA out of memory on the server"
     assert text == ""
+
+
+@pytest.mark.parametrize(
+    "model, status, code, retry_after",
+    [("error500", 502, "upstream_error", None), ("busy429", 429, "rate_limit_exceeded", "7")],
+)
+def test_gapless_serve_in_front_passes_on_what_a_refusal_means(stand_in, model, status, code, retry_after):
+    """A remote server's refusal was a 500 from a Gapless server in front of it, whatever it was: a client then
+    retried its own mistakes and never saw the remote server's Retry-After."""
+    import httpx
+    from serving import serving
+
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, model))
+    try:
+        with serving(engine) as front:
+            r = httpx.post(
+                f"{front.url}/chat/completions", json={"model": model, "messages": HELLO, "max_tokens": 8}, timeout=30
+            )
+    finally:
+        engine.close()
+    assert r.status_code == status and r.json()["error"]["code"] == code
+    assert r.headers.get("retry-after") == retry_after
 
 
 def test_a_proxy_s_error_page_is_said_by_its_title(stand_in):
