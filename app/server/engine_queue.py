@@ -325,6 +325,13 @@ def prepare(engine: Any, req: Request) -> tuple[SamplingParams, int]:
     where = "messages" if req.chat else "prompt"
     chars = sum(len(m["content"]) for m in req.messages)
     longest = longest_token(engine.tokenizer)
+    if len(req.messages) >= ctx:  # each message takes a token or more of the template (its role's marker)
+        raise bad(
+            f"this model's maximum context length is {ctx} tokens, but the prompt has {len(req.messages):,} "
+            "messages, and each takes at least one token",
+            where,
+            "context_length_exceeded",
+        )
     if chars > NORMALISATION_MARGIN * longest * ctx:  # a prompt of megabytes would hold the engine for seconds
         raise bad(
             f"this model's maximum context length is {ctx} tokens, but the prompt has more than {ctx} tokens: "

@@ -365,6 +365,32 @@ def test_a_prompt_of_megabytes_is_refused_without_tokenizing_it(server, monkeypa
     assert calls == [1]
 
 
+def test_as_many_messages_as_the_context_has_tokens_are_refused_without_rendering_them(server, monkeypatch):
+    """120,000 one-character messages passed the characters' bound and held the engine 4.8 s before the 400."""
+    import engine.prompt as prompt
+
+    ctx = server.engines.engine.context_length
+    calls = []
+    real = prompt.build_prompt
+    monkeypatch.setattr(prompt, "build_prompt", lambda *a, **k: calls.append(1) or real(*a, **k))
+    turns = [{"role": "user", "content": "a"}] * (ctx + 1)
+
+    def compact(body: dict) -> bytes:  # under the test server's body limit
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    err = assert_error(
+        post(server, compact(chat_body(server, messages=turns, max_tokens=None))),
+        400,
+        "messages",
+        "context_length_exceeded",
+        f"the prompt has {ctx + 1:,} messages, and each takes at least one token",
+    )
+    assert f"maximum context length is {ctx}" in err["message"] and calls == []
+    under = compact(chat_body(server, messages=turns[: ctx - 1], max_tokens=None))  # fewer: rendered and counted
+    assert "prompt has" in assert_error(post(server, under), 400, "messages", "context_length_exceeded")["message"]
+    assert calls == [1]
+
+
 def test_n_the_engine_could_not_run_whole_is_an_error_not_fewer_choices(server, monkeypatch):
     """Out of device memory, the engine halves the candidates and says so; an OpenAI client counts on n choices
     (`r.choices[3]`), so the server says n could not be served instead of answering fewer."""
