@@ -59,7 +59,7 @@ def build_prompt(
         raise GenerationError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
     if context_length < 4:
         raise GenerationError(f"the model's context ({context_length} tokens) is too short for a prompt")
-    msgs, notices = _clean(messages)
+    msgs, notices = _clean(messages, raw)
     budget = prompt_budget(context_length, max_new_tokens)
     if raw:
         if overflow == "stop":
@@ -144,7 +144,9 @@ def _cut(notices: list[str], context: int, what: str) -> str:
 # ---- validation ------------------------------------------------------------------------------------------
 
 
-def _clean(messages: Any) -> tuple[list[dict], list[str]]:
+def _clean(messages: Any, raw: bool = False) -> tuple[list[dict], list[str]]:
+    """The messages as the template takes them, and notices of what was changed. A chat's last message says
+    something; a plain completion may continue from whitespace alone (a newline), as other servers allow."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise GenerationError("empty prompt: no messages")
     out, nuls, bad = [], 0, 0
@@ -168,7 +170,7 @@ def _clean(messages: Any) -> tuple[list[dict], list[str]]:
         out.append({"role": role, "content": content})
     if not out or out[-1]["role"] != "user":
         raise GenerationError("the last message must be from the user")
-    if not out[-1]["content"].strip():
+    if not (out[-1]["content"] if raw else out[-1]["content"].strip()):
         raise GenerationError("empty prompt")
     notices = []
     if nuls:
@@ -406,6 +408,8 @@ def _middle_what(gone: list[int], convo: list[int], msgs: list[dict]) -> str:
 
 def _fit_raw(tokenizer, content: str, budget: int, context: int, notices: list[str]) -> Prompt:
     ids = list(tokenizer(content)["input_ids"])
+    if not ids:  # a tokenizer without BOS may make nothing of whitespace
+        raise GenerationError("empty prompt: it makes no tokens")
     if len(ids) <= budget:
         return Prompt(ids, content, 0, notices)
     specials = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -172,6 +172,13 @@ def test_completions_are_plain_raw_prompts(client, server, reference):
     assert streamed == ref.texts[0]
 
 
+def test_a_completion_may_start_from_whitespace(client, server, reference):
+    """A prompt of a newline was refused as "empty prompt"; OpenAI, vLLM and llama.cpp complete it."""
+    r = client.completions.create(model=model_id(server), prompt="\n", max_tokens=4, temperature=0)
+    ref = direct(reference, [{"role": "user", "content": "\n"}], raw=True, temperature=0.0, max_new_tokens=4)
+    assert r.choices[0].text == ref.texts[0] and r.usage.prompt_tokens == ref.metrics.prompt_tokens >= 1
+
+
 def test_max_completion_tokens_limits_the_answer(client, server):
     r = client.chat.completions.create(model=model_id(server), messages=HELLO, max_completion_tokens=3, seed=2)
     assert r.usage.completion_tokens <= 3
