@@ -72,6 +72,7 @@ class ChatList(QFrame):
         self.search.setObjectName("chatSearch")
         self.search.setPlaceholderText("Search chats (Ctrl+F)")
         self.search.setClearButtonEnabled(True)
+        self.search.setAccessibleName("Search chats")
         self._search_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
             self,
             singleShot=True,
@@ -82,6 +83,7 @@ class ChatList(QFrame):
         self.search.returnPressed.connect(self._search_now)
         self.list = _ChatListWidget(self)
         self.list.setObjectName("chatList")
+        self.list.setAccessibleName("Chats")
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._current_changed)

@@ -39,6 +39,8 @@ class ComposerEdit(QPlainTextEdit):
     def __init__(self, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.send_with = "enter"
+        self.setTabChangesFocus(True)  # Tab moves on to Send and the panels (a tab character can be pasted)
+        self.setAccessibleName("Message")
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
         self._fit_height()
@@ -80,6 +82,8 @@ class Composer(QFrame):
         self.send_button.clicked.connect(self._send)
         self.stop_button = QPushButton("Stop", self)
         self.stop_button.setObjectName("stopButton")
+        for button in (self.send_button, self.stop_button):  # a click leaves the focus in the text
+            button.setFocusPolicy(Qt.FocusPolicy.TabFocus)
         self.stop_button.setToolTip("Stop the answer (Esc); the text so far is kept")
         self.stop_button.clicked.connect(self.stopRequested)
         self.stop_button.hide()
@@ -133,8 +137,13 @@ class Composer(QFrame):
         self._update()
 
     def _update(self) -> None:
+        # Hiding the button that has the focus would pass it down the chain (to "Chat settings…", whose button a
+        # space then presses): the focus goes back to the text instead.
+        had_focus = self.send_button.hasFocus() or self.stop_button.hasFocus()
         self.send_button.setVisible(not self._generating)
         self.stop_button.setVisible(self._generating)
+        if had_focus:
+            self.edit.setFocus(Qt.FocusReason.OtherFocusReason)
         self.send_button.setEnabled(self._can_send)
         self.send_button.setToolTip(self._why_not or "Send the message")
         self.hint.setText(self._why_not if (self._why_not and not self._can_send) else self._hint_keys)

@@ -126,6 +126,7 @@ class SamplingDialog(QDialog):
         self.system_prompt = QPlainTextEdit(self)
         self.system_prompt.setPlaceholderText("Optional: how the model should behave in this chat")
         self.system_prompt.setMinimumHeight(90)
+        self.system_prompt.setTabChangesFocus(True)  # Tab moves on to the sampling fields
         self.temperature = self._fraction_box(0.0, 5.0, 0.05, "0 = greedy (always the most likely token)")
         self.top_p = self._fraction_box(
             0.01, 1.0, 0.01, "Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1 = off)"

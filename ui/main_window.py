@@ -196,6 +196,7 @@ class MainWindow(QMainWindow):
         self._menus()
         self.refresh_chats()
         self.flow.new_chat()
+        self.composer.edit.setFocus()  # given when the window first becomes active
         self._update_can_send()
         self._restore_layout()
 
@@ -293,6 +294,7 @@ class MainWindow(QMainWindow):
             (f.generatingChanged, self._generating_changed),
             (f.failed, self._failed),
             (v.editSubmitted, f.edit),
+            (v.editSubmitted, lambda _id, _text: self.composer.edit.setFocus()),
             (v.regenerateRequested, f.regenerate),
             (v.deleteRequested, self.ask_delete_message),
             (v.siblingRequested, f.step_sibling),

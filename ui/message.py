@@ -7,6 +7,7 @@ from typing import Optional
 from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent
 from PySide6.QtWidgets import (
+    QApplication,
     QFrame,
     QHBoxLayout,
     QLabel,
@@ -26,10 +27,12 @@ from ui.stats import finish_words, format_stats
 from ui.theme import Colors
 
 
-def _action(text: str, tip: str, parent: QWidget) -> QToolButton:
+def _action(text: str, tip: str, parent: QWidget, name: Optional[str] = None) -> QToolButton:
+    """A message's action button; `name` is what a screen reader says where the text is a sign ("‹")."""
     b = QToolButton(parent)
     b.setText(text)
     b.setToolTip(tip)
+    b.setAccessibleName(name or text)
     b.setObjectName("msgAction")
     b.setAutoRaise(True)
     b.setCursor(Qt.CursorShape.PointingHandCursor)
@@ -69,10 +72,10 @@ class MessageWidget(QFrame):
         header.addWidget(self.role_label, 1)
         header.addSpacing(HEADER_GAP)
 
-        self.prev_button = _action("‹", "Previous version", self)
+        self.prev_button = _action("‹", "Previous version", self, "Previous version")
         self.branch_label = QLabel(self)
         self.branch_label.setObjectName("branchLabel")
-        self.next_button = _action("›", "Next version", self)
+        self.next_button = _action("›", "Next version", self, "Next version")
         self.prev_button.clicked.connect(lambda: self.siblingRequested.emit(self.item.id, -1))
         self.next_button.clicked.connect(lambda: self.siblingRequested.emit(self.item.id, +1))
         for w in (self.prev_button, self.branch_label, self.next_button):
@@ -96,7 +99,7 @@ class MessageWidget(QFrame):
         header.addWidget(self.delete_button)
         # Where the conversation is too narrow for the row of actions (an 800 x 600 window with the side panels
         # open), they fold into one "⋯" menu; they never widen the conversation (each may shrink to nothing).
-        self.more_button = _action("⋯", "Copy, edit, regenerate or delete", self)
+        self.more_button = _action("⋯", "Copy, edit, regenerate or delete", self, "More actions")
         self.more_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         menu = QMenu(self.more_button)
         for b in self._actions():
@@ -215,6 +218,8 @@ class MessageWidget(QFrame):
         lay.setContentsMargins(0, 0, 0, 0)
         text = _EditBox(editor)
         text.setObjectName("editText")
+        text.setTabChangesFocus(True)
+        text.setAccessibleName("Edited message")
         text.setPlainText(self.body.text)
         text.setMinimumHeight(80)
         row = QHBoxLayout()
@@ -240,9 +245,14 @@ class MessageWidget(QFrame):
 
     def cancel_edit(self) -> None:
         if self._editor is not None:
+            focus = QApplication.focusWidget()
+            had_focus = focus is not None and self._editor.isAncestorOf(focus)
             self._editor.deleteLater()
             self._editor = self._edit_send = None
             self.body.show()
+            if had_focus:  # not lost with the editor: back to the button that opened it (or the menu it folds into)
+                edit = self.edit_button
+                (edit if edit is not None and edit.isVisible() else self.more_button).setFocus()
 
     def _submit_edit(self, text: str) -> None:
         if not text.strip() or self._busy or not self._can_answer:

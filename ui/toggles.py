@@ -202,6 +202,10 @@ class TogglesPanel(QWidget):
                 reason.setWordWrap(True)
                 reason.hide()
                 self.reasons[name] = reason
+        for name, caption in self.labels.items():  # read aloud by name, not by the value shown
+            control = {"preset": self.preset, "draft_model": self.draft_model}.get(name) or self.controls[name]
+            caption.setBuddy(control)
+            control.setAccessibleName(caption.text())
         self.columns = 0
         self._place(2)
         lay = QVBoxLayout(self)

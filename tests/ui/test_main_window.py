@@ -445,6 +445,38 @@ def test_the_edit_box_sends_with_ctrl_enter_and_gives_up_with_esc(qtbot, app):
     assert app.store.thread(w.flow.chat_id)[0].content == typed  # the new version, as typed (as the composer sends)
 
 
+def test_the_keyboard_focus_stays_where_the_user_types(qtbot, app):
+    """Send hid itself holding the focus, which Qt passed down the chain to "Chat settings…": the next message's
+    first space opened that dialog. Tab typed tab characters instead of moving on, and a cancelled edit left no
+    widget with the focus."""
+    from PySide6.QtWidgets import QApplication
+
+    w = app.window
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow, timeout=TIMEOUT_MS)
+    assert QApplication.focusWidget() is w.composer.edit  # where the user starts typing
+    w.composer.set_text("hello")
+    qtbot.keyClick(w.composer.edit, Qt.Key.Key_Tab)  # Tab moves on to Send...
+    assert w.composer.text() == "hello" and QApplication.focusWidget() is w.composer.send_button
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        qtbot.keyClick(w.composer.send_button, Qt.Key.Key_Space)  # ...and Space sends
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    assert QApplication.focusWidget() is w.composer.edit
+    w.composer.set_text("again")
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        qtbot.mouseClick(w.composer.send_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    qtbot.keyClicks(QApplication.focusWidget(), "next question")
+    assert w.composer.text() == "next question" and QApplication.activeModalWidget() is None
+    question = w.chat_view.messages()[0]
+    question.start_edit()
+    qtbot.keyClick(question.editor_text, Qt.Key.Key_Escape)
+    assert QApplication.focusWidget() in (question.edit_button, question.more_button)
+    names = {name: w.toggles.controls[name].accessibleName() for name in ("device", "candidates", "draft_tokens")}
+    assert names == {"device": "Device", "candidates": "Candidates", "draft_tokens": "Drafts"}
+    assert question.more_button.accessibleName() == "More actions"
+
+
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")
