@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from PySide6.QtCore import QEvent, QObject, Qt, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QPalette
+from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication, QWidget
 
 THEME_CHOICES = ("system", "light", "dark")
@@ -74,7 +74,7 @@ _SHADES: dict[str, tuple[str, str]] = {
     "muted": ("#626b78", "#9aa3b0"),
     "border": ("#d5d9e0", "#343842"),
     "accent": ("#2b62d9", "#5b8def"),
-    "accent_text": ("#ffffff", "#ffffff"),
+    "accent_text": ("#ffffff", "#10131a"),  # 4.5:1 or more on accent and error: dark on the dark theme's light ones
     "user_bubble": ("#e7eefc", "#253149"),
     "code_bg": ("#f5f6f8", "#111316"),
     "code_header": ("#e8eaee", "#262a31"),
@@ -119,12 +119,27 @@ def build_palette(c: Colors) -> QPalette:
     return p
 
 
-def style_sheet(c: Colors) -> str:
-    """assets/app.qss with every `@name` replaced by the colour of that name, and `@assets` by the folder of
-    the images it uses."""
+SMALL_FONT, TITLE_FONT = 0.9, 1.15  # hints, stats lines and notices; the chat's title: times the application's
+
+
+def font_points(font: QFont) -> float:
+    """The font's size in points (a font sized in pixels at 96 dpi, as Qt counts them)."""
+    return font.pointSizeF() if font.pointSizeF() > 0 else max(1, font.pixelSize()) * 0.75
+
+
+def style_sheet(c: Colors, font_pt: Optional[float] = None) -> str:
+    """assets/app.qss with every `@name` replaced by the colour of that name, `@assets` by the folder of the
+    images it uses, and `@small_font` and `@title_font` by sizes in proportion to the application's font (or
+    `font_pt`), so a user's larger font enlarges the hints and title with the rest."""
     folder = resources.files("assets")
     template = folder.joinpath("app.qss").read_text(encoding="utf-8")
-    values = {**asdict(c), "assets": Path(str(folder)).as_posix()}
+    pt = font_pt if font_pt is not None else font_points(QGuiApplication.font())
+    values = {
+        **asdict(c),
+        "assets": Path(str(folder)).as_posix(),
+        "small_font": f"{SMALL_FONT * pt:.1f}pt",
+        "title_font": f"{TITLE_FONT * pt:.1f}pt",
+    }
 
     def sub(m: re.Match) -> str:
         name = m.group(1)

@@ -32,7 +32,7 @@ from PySide6.QtWidgets import QWidget
 
 from engine.types import CPU_DTYPE_NOTE, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.hud import HudPanel
-from ui.hud.compare_table import COLUMN_INDEX, CompareRow
+from ui.hud.compare_table import COLUMN_INDEX, CompareRow, delta_colors
 from ui.hud.decimate import peak_decimate
 from ui.hud.live_plots import LivePlots
 from ui.hud.paint_rate import PaintRate, budget_for
@@ -899,7 +899,8 @@ def test_compare_table_rows_deltas_and_reference(hud, qtbot):
         model.data(model.index(2, COLUMN_INDEX["decode_tok_s"]), Qt.ItemDataRole.ToolTipRole)
         == "n/a — cancelled before the first decode step"
     )
-    assert model.data(model.index(1, COLUMN_INDEX["ttft_ms"]), Qt.ItemDataRole.ForegroundRole).name() == "#3fa860"
+    better, _worse = delta_colors()
+    assert model.data(model.index(1, COLUMN_INDEX["ttft_ms"]), Qt.ItemDataRole.ForegroundRole) == better
     assert cell(0, "launches_per_step") == "348" and cell(1, "launches_per_step") == "n/a"
     assert (
         model.data(model.index(0, COLUMN_INDEX["launches_per_step"]), Qt.ItemDataRole.ToolTipRole)

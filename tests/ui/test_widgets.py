@@ -270,6 +270,52 @@ def test_theme_follows_choice(qapp):
         tm.set_choice("purple")
 
 
+def _contrast(a: str, b: str) -> float:
+    """WCAG 2 contrast ratio of two #rrggbb colours."""
+
+    def lum(c: str) -> float:
+        ch = [int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        r, g, b = (x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in ch)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_text_reads_on_its_background_in_both_themes(qapp, scheme):
+    """White on the dark theme's Send (3.2:1) and Stop (2.5:1) buttons, and the compare table's green (3.0:1 in
+    the light theme), were below the 4.5:1 that text needs."""
+    from ui.hud.compare_table import delta_colors
+    from ui.theme import DARK, LIGHT, ThemeManager
+
+    c = DARK if scheme == "dark" else LIGHT
+    ThemeManager(qapp, scheme)
+    pairs = {
+        "button text on accent": (c.accent_text, c.accent),
+        "button text on stop": (c.accent_text, c.error),
+        "text": (c.text, c.base),
+        "muted text": (c.muted, c.base),
+        "error text": (c.error, c.base),
+        "link": (c.accent, c.base),
+        **{f"compare {n}": (q.name(), c.base) for n, q in zip(("better", "worse"), delta_colors())},
+    }
+    low = {k: round(_contrast(*v), 2) for k, v in pairs.items() if _contrast(*v) < 4.5}
+    assert low == {}
+
+
+def test_small_text_grows_with_the_application_font():
+    """Hints, stats lines and notices were 11 px whatever the user's font (the title smaller than the text)."""
+    import re
+
+    from ui.theme import LIGHT, style_sheet
+
+    sheet = style_sheet(LIGHT, font_pt=20.0)
+    assert not re.search(r"font-size:\s*\d+px", sheet)
+    assert "#statsLine { color: #626b78; font-size: 18.0pt; }" in sheet
+    assert "#chatTitle { font-weight: 600; font-size: 23.0pt; }" in sheet
+
+
 def test_model_panel_shows_load_time_bytes_per_token_and_floor_with_sources(qtbot):
     from engine.types import ModelInfo
     from ui.model_panel import ModelPanel

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
-from PySide6.QtGui import QColor, QFont
+from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -26,7 +26,14 @@ from ui.hud import fmt
 
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
 SERVER_SET = "server's"  # an option of a remote server's answer: its own setting, not known here
-BETTER, WORSE = QColor("#3fa860"), QColor("#d9534f")
+# Better and worse, for a light and a dark background: 4.5:1 or more against the theme's base either way.
+DELTA_COLORS = {"light": (QColor("#1a7f37"), QColor("#b3261e")), "dark": (QColor("#5cc77a"), QColor("#f2857b"))}
+
+
+def delta_colors() -> tuple[QColor, QColor]:
+    """(better, worse) for the application's palette: the table's cells are drawn on its base colour."""
+    dark = QGuiApplication.palette().color(QPalette.ColorRole.Base).lightness() < 128
+    return DELTA_COLORS["dark" if dark else "light"]
 
 
 @dataclass
@@ -225,7 +232,8 @@ class CompareModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ForegroundRole:
             d = self.delta(row, col.key)
             if d is not None and col.better and abs(d) >= 0.02:
-                return BETTER if d * col.better > 0 else WORSE
+                better, worse = delta_colors()
+                return better if d * col.better > 0 else worse
             return None
         if role == Qt.ItemDataRole.FontRole and row == self.reference:
             font = QFont()
