@@ -99,6 +99,9 @@ def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[
 METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
 
 
+FIT_SCREEN_SHARE = 0.5  # of the screen's height, the most the options take before they scroll
+
+
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height or width, so
     a tall or wide panel never forces the window larger than the screen (a plain resizable scroll area would
@@ -106,7 +109,7 @@ class FitScrollArea(QScrollArea):
 
     def __init__(self, widget: QWidget, parent: Optional[QWidget] = None, scroll_vertically: bool = True):
         super().__init__(parent)
-        self._scroll_vertically = scroll_vertically  # False: as tall as the widget needs, scrolling only sideways
+        self._scroll_vertically = scroll_vertically  # False: as tall as the widget needs (to a share of the screen)
         self.setFrameShape(QFrame.Shape.NoFrame)
         if not scroll_vertically:
             self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -124,21 +127,37 @@ class FitScrollArea(QScrollArea):
         super().resizeEvent(event)
         self._fit()
 
+    def _tallest(self) -> int:
+        """The most height a panel that does not scroll down takes: a share of the screen's."""
+        return int(FIT_SCREEN_SHARE * self.screen().availableGeometry().height())
+
     def _fit(self) -> None:
         w = self.widget()
         if w is None:
             return
         bar = self.verticalScrollBar().sizeHint().width()
-        fit_width = getattr(w, "fit_width", None)
-        if fit_width is not None:  # a panel that lays itself out again for the width it gets
-            fit_width(self.width() - (bar if self._scroll_vertically else 0))
+        fit_width = getattr(w, "fit_width", None)  # a panel that lays itself out again for the width it gets
+        if fit_width is not None and self._scroll_vertically:
+            fit_width(self.width() - bar)
         if not self._scroll_vertically:
             # As tall as the widget needs at the width it gets (wrapped lines included); sideways scroll below it.
-            width = max(self.width(), w.minimumSizeHint().width())
-            need = w.heightForWidth(width) if w.hasHeightForWidth() else w.minimumSizeHint().height()
-            need = max(need, w.minimumSizeHint().height())
-            wide = width > self.width()
-            self.setMinimumHeight(need + (self.horizontalScrollBar().sizeHint().height() if wide else 0))
+            # On a short screen (a laptop at 150 %, a large font) at most a share of it, scrolling down the rest:
+            # the window could not be made smaller than the screen.
+            tallest = self._tallest()
+            for room in (self.width(), self.width() - bar):  # the second where a vertical scroll bar takes room
+                if fit_width is not None:
+                    fit_width(room)
+                width = max(room, w.minimumSizeHint().width())
+                need = w.heightForWidth(width) if w.hasHeightForWidth() else w.minimumSizeHint().height()
+                need = max(need, w.minimumSizeHint().height())
+                total = need + (self.horizontalScrollBar().sizeHint().height() if width > room else 0)
+                if total <= tallest:
+                    break
+            scrolls = total > tallest
+            self.setVerticalScrollBarPolicy(
+                Qt.ScrollBarPolicy.ScrollBarAsNeeded if scrolls else Qt.ScrollBarPolicy.ScrollBarAlwaysOff
+            )
+            self.setMinimumHeight(min(total, tallest))
             w.resize(width, need)
             return
         height = max(self.viewport().height(), w.minimumSizeHint().height())

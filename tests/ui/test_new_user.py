@@ -269,6 +269,30 @@ def test_a_narrow_window_wraps_the_conversation_and_wide_again_gives_the_panels_
         close_app(gui)
 
 
+@pytest.mark.parametrize("share", [0.5, 0.3])
+def test_the_window_fits_a_short_screen(qtbot, tmp_path, monkeypatch, share):
+    """The Optimizations dock was as tall as all its options, whatever the screen: a laptop at 150 % (600 px of
+    height) or a large font made the window's least height more than the screen's. The options now take at most
+    a share of the screen's height and scroll down the rest."""
+    import ui.main_window as main_window
+
+    monkeypatch.setattr(main_window, "FIT_SCREEN_SHARE", share)
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w = gui.window
+        screen = w.screen().availableGeometry().height()
+        scroll = w.options_dock.widget()
+        scroll.resize(scroll.width(), scroll.height() + 1)  # fitted again under this share
+        qtbot.waitUntil(lambda: scroll.minimumHeight() <= share * screen, timeout=TIMEOUT_MS)
+        assert w.minimumSizeHint().height() <= screen
+        taller = w.toggles.height() > scroll.minimumHeight()
+        wanted = Qt.ScrollBarPolicy.ScrollBarAsNeeded if taller else Qt.ScrollBarPolicy.ScrollBarAlwaysOff
+        assert scroll.verticalScrollBarPolicy() == wanted and (taller or share == 0.5)
+        assert w.toggles.width() <= scroll.viewport().width()  # nothing hidden sideways
+    finally:
+        close_app(gui)
+
+
 def test_saved_splitter_sizes_that_no_longer_fit_are_dropped(qtbot, tmp_path, wide):
     import json
 
