@@ -953,6 +953,9 @@ def test_compare_exports_equal_what_was_fed(hud, tmp_path):
     assert [r["dtype"] for r in rows] == ["fp32", "fp16", "bf16"]
     assert [float(r["decode_tok_s"]) if r["decode_tok_s"] else None for r in rows] == [m.decode_tok_s for m in mets]
     assert rows[2]["kernel_gap_pct"] == "" and json.loads(rows[2]["unavailable"]) == mets[2].unavailable
+    # every figure's source, as in the JSON: decode tok/s has no column of its own for it
+    assert [json.loads(r["sources"]) for r in rows] == [m.to_dict()["sources"] for m in mets]
+    assert all(json.loads(r["sources"]).get("decode_tok_s") for r in rows if r["decode_tok_s"])
 
 
 def test_compare_rows_name_their_model_and_a_ladder_its_own(hud, tmp_path):

@@ -57,13 +57,16 @@ def write_compare_json(path: PathLike, model: CompareModel) -> Path:
 
 
 def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
-    header = ["index", "label", "model", "reference"] + list(OPTION_FIELDS) + list(METRIC_FIELDS)
+    """One row a generation: its options, its figures, and under "sources" each figure's source (a figure whose
+    source the registry names, e.g. decode tok/s, has no *_source column of its own), as in the JSON export."""
+    header = ["index", "label", "model", "reference"] + list(OPTION_FIELDS) + list(METRIC_FIELDS) + ["sources"]
     rows = []
     for rec in compare_records(model):
         rows.append(
             [rec["index"], rec["label"], rec["model"], rec["reference"]]
             + [rec["options"][k] for k in OPTION_FIELDS]
             + [rec["metrics"][k] for k in METRIC_FIELDS]
+            + [rec["metrics"]["sources"]]
         )
     return _write_csv(path, header, rows)
 
