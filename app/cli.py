@@ -211,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the optimization ladder and the transformers baseline")
     bench.add_argument("--model", default="default")
     bench.add_argument("--device", choices=DEVICES, default="auto")
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens per answer (default: 128; with --quality 64, at most)"
+    )
     bench.add_argument("--repeats", type=int, default=3, help="timed answers per rung (default: %(default)s)")
     bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the whole ladder)")
     bench.add_argument("--candidates", type=int, default=None, help="N for the candidates rung")

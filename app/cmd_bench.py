@@ -39,6 +39,9 @@ MODE_FLAGS: dict[str, tuple[str, ...]] = {
     "speculation_workloads": ("compile", "speculation", "draft_tokens", "draft_model", "dtypes", "cuda_graph"),
 }
 QUALITY_DECODE_TOKENS = 64  # the quality bench's decode runs, at most: its figure of interest is the perplexity
+BENCH_TOKENS = 128  # every other kind's answers
+# The ladder's flags that only one rung reads.
+RUNG_FLAGS = {"candidates": ("candidates", "kernels"), "speculation": ("speculation", "draft_tokens", "draft_model")}
 
 
 def bench_mode(args: argparse.Namespace) -> str:
@@ -53,11 +56,31 @@ def check_flags(args: argparse.Namespace) -> None:
     """Refuse a flag the chosen kind of bench would not read (argparse already refuses two kinds at once), and
     counts no bench can run with, before any model loads."""
     mode = bench_mode(args)
+    if args.max_new_tokens is None:  # each kind's own default; one the user gave is kept or refused, never changed
+        args.max_new_tokens = QUALITY_DECODE_TOKENS if mode == "quality" else BENCH_TOKENS
     parser = getattr(args, "subparser", None)
     for flag in sorted({f for flags in MODE_FLAGS.values() for f in flags} - set(MODE_FLAGS[mode])):
         if parser is not None and getattr(args, flag, None) != parser.get_default(flag):
             readers = " and ".join(_kind(m) for m, flags in MODE_FLAGS.items() if flag in flags)
             raise OptionsError(f"--{flag.replace('_', '-')} is for {readers}, not {_kind(mode)}")
+    if getattr(args, "draft_model", None) and getattr(args, "speculation", None) != "draft":
+        raise OptionsError(
+            "--draft-model is the model --speculation draft drafts with; give --speculation draft too "
+            f"(the speculation runs {getattr(args, 'speculation', None) or 'ngram'} without it)"
+        )
+    if getattr(args, "presets", None) is not None and not args.presets.strip(", "):
+        raise OptionsError("--presets: no preset to run (leave the flag out to run them all)")
+    if mode == "ladder" and args.presets:  # a flag of a rung left out would change nothing that runs
+        chosen = {p.strip() for p in args.presets.split(",")}
+        for rung, flags in RUNG_FLAGS.items():
+            given = [f for f in flags if getattr(args, f, None) is not None]
+            if given and rung not in chosen:
+                raise OptionsError(f"--{given[0].replace('_', '-')} is for the {rung} rung, which --presets leaves out")
+    if getattr(args, "device", None) == "cuda":  # every figure would be skipped, or another device's
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OptionsError("--device cuda: CUDA is not available on this machine")
     least = 1 if mode == "conversation" else 2  # a decode figure needs a second token; a TTFT only the first
     if args.repeats < 1 or args.max_new_tokens < least:
         raise OptionsError(
@@ -72,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         check_draft_model("draft", args.draft_model)
     given = {f.name: getattr(args, f.name, None) for f in fields(BenchConfig)}
     presets = tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets else tuple(PRESETS)
+    # (check_flags refused an empty --presets before: "" is not "all of them")
     given.update(presets=presets, prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     return BenchConfig(**{k: v for k, v in given.items() if v is not None})
 
@@ -135,7 +159,7 @@ def format_table(report: dict[str, Any]) -> str:
             rows.append([label, f"{r['status']} ({len(notes)})"] + [""] * (len(head) - 2))
             continue
         m = r["median"]
-        opts = options_text(r["options"])
+        opts = options_text({**r["options"], "prefix_reuse": True})  # the same for every rung: said below
         for note in r.get("notes") or []:
             notes.append(f"{label}: {note}")
             opts += f" ({len(notes)})"
@@ -213,6 +237,19 @@ def format_table(report: dict[str, Any]) -> str:
         )
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")
+    reused = [
+        f"{r['label']} {_num(r['median'].get('prompt_reused_tokens'), 0)} of {_num(r['median'].get('prompt_tokens'), 0)}"
+        for r in rungs
+        if r.get("median") and r["median"].get("prompt_reused_tokens")
+    ]
+    if reused:  # a TTFT that read the prompt from the cache is not a prefill's
+        out.append(
+            "TTFT with the prompt's cache reused (--prefix-reuse; median prompt tokens reused): "
+            + ", ".join(reused)
+            + "."
+        )
+    elif not cfg.get("prefix_reuse"):
+        out.append("Prefix reuse off in every rung: each timed run reads the whole prompt.")
     # Each machine-dependent figure of the table, with the source its rungs named or why it is n/a.
     out.append(f"tok/step: {figures.spec('tokens_per_step').source} (above 1 only where drafts were accepted).")
     sources = [
@@ -333,10 +370,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_quality_bench(args: argparse.Namespace) -> int:
     from engine.quality import QualityConfig, format_quality_table, run_quality
 
-    parser = getattr(args, "subparser", None)
     tokens = args.max_new_tokens
-    if parser is not None and tokens == parser.get_default("max_new_tokens"):
-        tokens = QUALITY_DECODE_TOKENS  # the ladder's default is longer than this bench needs
     if tokens > QUALITY_DECODE_TOKENS:
         raise OptionsError(f"with --quality, --max-new-tokens is at most {QUALITY_DECODE_TOKENS}, got {tokens}")
     config = QualityConfig(model=args.model, device=args.device, decode_tokens=tokens, repeats=args.repeats)
@@ -346,8 +380,9 @@ def run_quality_bench(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, run: Callable[..., Any], config: Any, table: Callable[[Any], str]) -> int:
     """Run one benchmark with its progress on stderr, print its table, and write its JSON where --json says."""
     report = run(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
+    if args.json is not None:  # first: a closed pipe on stdout (| head) must not lose what the run measured
+        write_json(args.json, report)
     print(table(report))
     if args.json is not None:
-        write_json(args.json, report)
         print(f"\nwritten: {args.json}")
     return 0

@@ -63,7 +63,10 @@ class BenchConfig:
     speculation: str = "ngram"  # how the speculation rung drafts
     draft_tokens: int = 0
     draft_model: str = ""
-    prefix_reuse: bool = True  # repeats of the prompt then reuse its KV cache (prompt_reused_tokens says how much)
+    # Off: every timed run reads the whole prompt, in every rung alike, so TTFT and prefill compare rungs. On
+    # (--prefix-reuse): a run reuses what the run before it left in the cache, which depends on the order of the
+    # rungs (a change of KV cache drops it); prompt_reused_tokens says how much, and the table notes it.
+    prefix_reuse: bool = False
 
 
 def median(values) -> Optional[float]:

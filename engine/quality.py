@@ -15,12 +15,13 @@ import math
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any, Callable, Optional
 
 import torch
 
+from engine import figures
 from engine.quality_text import QUALITY_TEXT
 from engine.telemetry.machine import describe_machine
 from engine.types import EngineOptions, SamplingParams
@@ -238,6 +239,8 @@ def run_quality(
             "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         },
+        "config": asdict(config),
+        "device": model_info["device"],  # where the formats ran (machine.cuda names a GPU present, used or not)
         "model": {k: model_info[k] for k in ("name", "source", "parameters", "context_length")},
         "text": {"source": "engine/quality_text.py", "tokens": len(ids), "window": window},
         "decode": {
@@ -262,7 +265,8 @@ def _num(v: Optional[float], fmt: str) -> str:
 
 
 def _mib(b: Optional[int]) -> str:
-    return "n/a" if b is None else f"{b / 2**20:.0f} MiB"
+    """Never rounded to "0 MiB" (a tiny model's weights are a fraction of one)."""
+    return "n/a" if b is None else f"{figures.rounded(b / 2**20, 0)} MiB"
 
 
 def format_quality_table(report: dict[str, Any]) -> str:

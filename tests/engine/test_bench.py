@@ -369,6 +369,45 @@ def test_bench_tiny_model_without_baseline(tiny_llama, tmp_path, capsys):
     assert fixes["speedup_vs_naive"] == pytest.approx(fixes["median"]["decode_tok_s"] / naive["median"]["decode_tok_s"])
     # greedy decoding: the same tokens whatever the optimisations (both fp32)
     assert naive["runs"][0]["token_ids"] == fixes["runs"][0]["token_ids"]
+    # every timed run read the whole prompt: a rung after another that kept its cache reused it (TTFT 1.37 s
+    # beside 0.16 s for the same prompt on the default model, most of the ladder's TTFT "gain")
+    assert all(r["runs"][0]["metrics"]["prompt_reused_tokens"] == 0 for r in (naive, fixes))
+    assert "TTFT with the prompt's cache reused" not in out
+
+
+def test_the_json_is_written_before_the_table_goes_to_a_closed_pipe(tiny_llama, tmp_path, monkeypatch):
+    """`gapless bench --json x.json | head` ended with 141 and no x.json: the table went first and its print
+    raised BrokenPipeError after the whole bench had run."""
+    import builtins
+
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "bench.json"
+    real = builtins.print
+
+    def closed_pipe(*a, **k):
+        if k.get("file") is None:  # stdout: its reader has gone
+            raise BrokenPipeError(32, "Broken pipe")
+        real(*a, **k)
+
+    monkeypatch.setattr(builtins, "print", closed_pipe)
+    with pytest.raises(BrokenPipeError):
+        run_bench(bench_args(tiny_llama, path, presets="naive"))
+    assert json.loads(path.read_text(encoding="utf-8"))["rungs"][0]["name"] == "naive"
+
+
+def test_cuda_on_a_machine_without_it_is_refused_before_any_model_loads(monkeypatch):
+    """The ladder, --quality and --speculation-workloads ran with every engine figure skipped, and the ladder
+    timed transformers on the CPU into a report that said cuda."""
+    import torch
+
+    from app.cli import build_parser
+    from app.cmd_bench import check_flags
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for kind in ([], ["--quality"], ["--speculation-workloads"]):
+        with pytest.raises(OptionsError, match="--device cuda: CUDA is not available on this machine"):
+            check_flags(build_parser().parse_args(["bench", *kind, "--device", "cuda"]))
 
 
 def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path, capsys):
@@ -639,6 +678,13 @@ def test_footnotes_say_each_rung_s_reason_and_why_naive_ratios_are_na():
         (["--quality", "--repeats", "0"], "--repeats must be at least 1 and --max-new-tokens at least 2"),
         (["--max-new-tokens", "1"], "--max-new-tokens at least 2, got 3 and 1"),
         (["--conversation", "--max-new-tokens", "0"], "--max-new-tokens at least 1"),
+        # accepted and then ignored before: a rung's flag where --presets leaves its rung out, a draft model
+        # without draft speculation (the rung ran n-gram), an empty --presets (it ran the whole ladder)
+        (["--presets", "naive", "--candidates", "8"], "--candidates is for the candidates rung, which --presets"),
+        (["--presets", "naive,half", "--draft-tokens", "4"], "--draft-tokens is for the speculation rung"),
+        (["--draft-model", "d.gguf"], "--draft-model is the model --speculation draft drafts with"),
+        (["--speculation-workloads", "--draft-model", "d.gguf"], "give --speculation draft too"),
+        (["--presets", ""], "--presets: no preset to run"),
     ],
 )
 def test_a_flag_the_chosen_bench_would_not_read_is_refused(argv, words):
@@ -659,7 +705,7 @@ def test_bench_kinds_are_one_at_a_time_and_their_own_flags_pass(capsys):
         parser.parse_args(["bench", "--conversation", "--quality"])
     assert "not allowed with argument" in capsys.readouterr().err
     for argv in (
-        ["--presets", "naive", "--compile", "--no-baseline", "--draft-tokens", "3", "--prompt", "x"],
+        ["--presets", "naive,speculation", "--compile", "--no-baseline", "--draft-tokens", "3", "--prompt", "x"],
         ["--conversation", "--turns", "3", "--max-new-tokens", "1"],
         ["--quality", "--max-new-tokens", "8"],
         ["--speculation-workloads", "--dtypes", "bf16", "--cuda-graph", "--compile", "--speculation", "ngram"],
@@ -677,8 +723,15 @@ def test_the_quality_bench_decodes_64_tokens_unless_told_fewer(monkeypatch):
     configs = []
     monkeypatch.setattr(cmd_bench, "_report", lambda args, run, config, table: configs.append(config) or 0)
     parser = build_parser()
-    cmd_bench.run_quality_bench(parser.parse_args(["bench", "--quality"]))
-    cmd_bench.run_quality_bench(parser.parse_args(["bench", "--quality", "--max-new-tokens", "8"]))
+
+    def quality(*argv: str) -> None:
+        args = parser.parse_args(["bench", "--quality", *argv])
+        cmd_bench.check_flags(args)  # as run_bench does first: it fills in each kind's default
+        cmd_bench.run_quality_bench(args)
+
+    quality()
+    quality("--max-new-tokens", "8")
     assert [c.decode_tokens for c in configs] == [64, 8]
-    with pytest.raises(OptionsError, match="with --quality, --max-new-tokens is at most 64, got 100"):
-        cmd_bench.run_quality_bench(parser.parse_args(["bench", "--quality", "--max-new-tokens", "100"]))
+    for asked in ("100", "128"):  # 128, the ladder's default, was silently run as 64
+        with pytest.raises(OptionsError, match=f"with --quality, --max-new-tokens is at most 64, got {asked}"):
+            quality("--max-new-tokens", asked)

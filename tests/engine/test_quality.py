@@ -56,7 +56,11 @@ def test_bench_quality_cli_writes_json(tiny_llama, tmp_path, capsys):
     assert data["machine"]["torch_threads"] == 1  # --threads reaches the quality bench (and llama.cpp's column)
     assert data["kind"] == "quality" and [f["label"] for f in data["formats"]] == ["fp32", "bf16", "int8", "int4"]
     assert all(f["status"] == "ok" for f in data["formats"])
-    assert "perplexity" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "perplexity" in table
+    # where it ran and what was asked, as the other benches' reports say (the GPU under machine.cuda is only present)
+    assert data["device"] == "cpu" and data["config"]["decode_tokens"] == 4 and data["config"]["device"] == "cpu"
+    assert "| 0 MiB" not in table and "<1 MiB" in table  # the tiny model's weights are a fraction of one
 
 
 class _FakeLlama:
