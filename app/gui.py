@@ -138,6 +138,9 @@ def qt_application(argv0: str = "gapless") -> QApplication:
     app.setApplicationDisplayName("Gapless")
     app.setDesktopFileName("gapless")
     app.setWindowIcon(app_icon())
+    from ui.plain_text import install
+
+    install(app)
     return app
 
 
@@ -153,11 +156,13 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     from app.worker import EngineController
     from ui.hud import HudPanel
     from ui.main_window import MainWindow
+    from ui.plain_text import install
     from ui.theme import ThemeManager
 
     qapp = QApplication.instance()
     if not isinstance(qapp, QApplication):
         raise RuntimeError("build() needs a QApplication; create one first (qt_application())")
+    install(qapp)  # outside text is never read as HTML (an application made elsewhere, e.g. by a test runner)
     paths.ensure()
     settings_store = SettingsStore(paths.settings_file)
     settings, notices = settings_store.load()

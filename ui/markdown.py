@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from PySide6.QtCore import QRegularExpression, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QPoint, QRegularExpression, QSize, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
     QColor,
+    QDesktopServices,
     QFontDatabase,
     QGuiApplication,
+    QImage,
     QSyntaxHighlighter,
     QTextCharFormat,
     QTextCursor,
@@ -281,8 +283,16 @@ class CodeBlock(QFrame):
 # ---- prose --------------------------------------------------------------------------------------------
 
 
+OPENED_SCHEMES = ("http", "https", "mailto")  # what a click on an answer's link may open, in the browser
+
+
 class ProseView(QTextBrowser):
-    """Markdown prose whose height follows its content, so the conversation scrolls as one page."""
+    """Markdown prose whose height follows its content, so the conversation scrolls as one page.
+
+    The text is a model's or an imported chat's: nothing in it is loaded or followed on its own. An image is
+    never read (QTextBrowser would read any local path: a FIFO hangs, /dev/zero ends the app), a click opens only
+    a web or mail link, in the browser (never a file, a script or another program's scheme, nor anything into
+    this view), and the pointer over a link shows where it goes, as plain text."""
 
     kind = "prose"
 
@@ -290,7 +300,8 @@ class ProseView(QTextBrowser):
         super().__init__(parent)
         self.setObjectName("prose")
         self.setFrameShape(QFrame.Shape.NoFrame)
-        self.setOpenExternalLinks(True)
+        self.setOpenLinks(False)  # anchorClicked decides
+        self.anchorClicked.connect(open_link)
         self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -317,6 +328,18 @@ class ProseView(QTextBrowser):
         cursor.movePosition(QTextCursor.MoveOperation.End)
         cursor.insertText(text)
 
+    def loadResource(self, kind: int, name: "QUrl | str", /) -> Any:
+        """A blank for every image an answer names; nothing else is loaded."""
+        if kind == QTextDocument.ResourceType.ImageResource.value:
+            blank = QImage(1, 1, QImage.Format.Format_ARGB32)
+            blank.fill(Qt.GlobalColor.transparent)
+            return blank
+        return QByteArray()
+
+    def tooltip_at(self, pos: QPoint) -> str:
+        """Where the link under the pointer goes (its title, the model's text, is not shown: it could say anything)."""
+        return self.anchorAt(pos)
+
     def wheelEvent(self, event) -> None:
         event.ignore()  # never scrolls itself; the conversation does
 
@@ -332,6 +355,13 @@ class ProseView(QTextBrowser):
         h = int(self.document().size().height()) + 2 * self.frameWidth()
         if h != self.height():
             self.setFixedHeight(max(h, 1))
+
+
+def open_link(url: QUrl) -> bool:
+    """Open an answer's web or mail link in the browser; anything else is left alone. True when opened."""
+    if url.scheme().lower() not in OPENED_SCHEMES or not url.isValid():
+        return False
+    return QDesktopServices.openUrl(url)
 
 
 class SegmentsView(QWidget):

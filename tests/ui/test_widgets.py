@@ -14,6 +14,7 @@ from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog
 from ui.markdown import CodeBlock, ProseView, Segment, SegmentsView, split_markdown
 from ui.stats import format_stats, preset_name
+from ui.theme import LIGHT as LIGHT_COLORS
 
 
 def test_split_markdown_prose_and_fences():
@@ -80,6 +81,90 @@ def test_markdown_html_is_shown_as_text(qtbot):
     view = SegmentsView("Use a <div> here")
     qtbot.addWidget(view)
     assert "<div>" in view._widgets[0].toPlainText()
+
+
+def test_an_answer_s_image_is_never_read(qtbot, tmp_path, monkeypatch):
+    """`![x](/path)` had the view read the file on the GUI thread as it laid the answer out: a FIFO hung the app,
+    /dev/zero ended it, and any local image could draw a fake part of the window."""
+    from PySide6.QtWidgets import QTextBrowser
+
+    read: list[str] = []
+    real = QTextBrowser.loadResource
+    monkeypatch.setattr(
+        QTextBrowser, "loadResource", lambda self, kind, url: read.append(str(url)) or real(self, kind, url)
+    )
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"\x89PNG" + b"0" * 100)
+    view = SegmentsView(f"A picture:\n\n![chart]({secret})\n\nand ![r](notes.txt), ![w](https://example.com/x.png)")
+    qtbot.addWidget(view)
+    view.resize(600, 400)
+    view.show()
+    qtbot.waitExposed(view)
+    assert read == []
+    assert "A picture:" in view.text
+
+
+@pytest.mark.parametrize(
+    "url, opened",
+    [
+        ("https://example.com/docs", True),
+        ("mailto:someone@example.com", True),
+        ("file:///etc/passwd", False),
+        ("/etc/passwd", False),
+        ("README.md", False),
+        ("javascript:alert(1)", False),
+        ("vscode://file/etc/passwd", False),
+        ("ms-msdt:/id PCWDiagnostic", False),
+        ("smb://host/share", False),
+        ("data:text/html,<b>x</b>", False),
+    ],
+)
+def test_a_click_on_an_answer_s_link_opens_only_web_and_mail_links(qtbot, monkeypatch, url, opened):
+    """Every scheme went to the desktop's handler, and a local path replaced the answer with the file's text."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtGui import QDesktopServices, QTextCursor
+
+    handed: list[str] = []
+    monkeypatch.setattr(QDesktopServices, "openUrl", lambda u: handed.append(u.toString()) or True)
+    view = ProseView(f"see [the link]({url.replace(' ', '%20')}) here")
+    qtbot.addWidget(view)
+    view.resize(400, 100)
+    view.show()
+    qtbot.waitExposed(view)
+    before = view.toPlainText()
+    cursor = QTextCursor(view.document())
+    cursor.setPosition(before.index("the link") + 3)
+    at = view.cursorRect(cursor).center() + QPoint(0, 0)
+    assert view.anchorAt(at)  # the pointer is on the link
+    qtbot.mouseClick(view.viewport(), Qt.MouseButton.LeftButton, pos=at)
+    assert bool(handed) == opened and view.toPlainText() == before
+
+
+def test_text_from_outside_is_never_drawn_as_html(qtbot):
+    """A label or tooltip with an imported chat's or a model's text drew HTML: a fake "You", a fake link, a
+    local image read on the GUI thread (a chat title, an answer's finish reason, a model's name, a code fence's
+    language, an error quoting the bad field)."""
+    from PySide6.QtCore import QEvent, QPoint
+    from PySide6.QtGui import QHelpEvent
+    from PySide6.QtWidgets import QApplication, QLabel, QToolTip
+
+    from ui.plain_text import install
+
+    install(QApplication.instance())
+    html = "<b>You</b><img src='/dev/zero'>"
+    label = QLabel(html)
+    label.setToolTip(html)
+    qtbot.addWidget(label)
+    label.show()
+    qtbot.waitExposed(label)
+    assert label.textFormat() == Qt.TextFormat.PlainText
+    QApplication.sendEvent(label, QHelpEvent(QEvent.Type.ToolTip, QPoint(2, 2), label.mapToGlobal(QPoint(2, 2))))
+    assert "&lt;b&gt;You&lt;/b&gt;" in QToolTip.text()  # shown as the text it is
+    QToolTip.hideText()
+    block = CodeBlock(Segment("code", "x = 1", "<h1>You</h1>"), LIGHT_COLORS)
+    qtbot.addWidget(block)
+    block.show()
+    assert block._lang_label.textFormat() == Qt.TextFormat.PlainText
 
 
 def test_a_rendered_answer_keeps_its_line_breaks(qtbot):
