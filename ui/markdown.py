@@ -22,6 +22,7 @@ from PySide6.QtGui import (
     QTextCharFormat,
     QTextCursor,
     QTextDocument,
+    QTextOption,
 )
 from PySide6.QtWidgets import (
     QFrame,
@@ -41,7 +42,15 @@ MARKDOWN_FEATURES = QTextDocument.MarkdownFeature.MarkdownDialectGitHub | QTextD
 RENDER_INTERVAL_MS = 250  # markdown of a streaming body is rendered at most 4 times a second
 CODE_MAX_LINES = 28  # taller code blocks scroll inside themselves
 
-_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})[ \t]*([^\s`]*)")
+# CommonMark's fences: indented at most 3 spaces; a backtick fence's info string has no backtick (```a``` b is
+# inline code); a closing fence is the opening's character, at least as many, and nothing after it.
+_FENCE = re.compile(r"^( {0,3})(`{3,}(?=[^`]*$)|~{3,})[ \t]*([^\s`]*)")
+_CLOSING = re.compile(r"^ {0,3}(`{3,}|~{3,})[ \t]*$")
+LONG_WORD = 500  # characters without a break: such a word is broken anywhere
+_LONG_WORD = re.compile(r"\S{%d}" % LONG_WORD)
+TABLE_ROWS_DRAWN = 200  # a prose segment with more table rows than this is shown as its plain text
+_TABLE_ROW = re.compile(r"(?m)^ {0,3}\|")
+MAX_SEGMENTS = 100  # code blocks and prose between them, each a widget; past this the rest is one prose view
 
 
 @dataclass(frozen=True)
@@ -70,23 +79,28 @@ def split_markdown(text: str) -> list[Segment]:
     code: list[str] = []
     fence: Optional[str] = None
     lang = ""
-    for line in text.split("\n"):
+    indent = 0  # the opening fence's: as many leading spaces come off each line of its code (a list item's)
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
         if fence is None:
             m = _FENCE.match(line)
+            if m and len(segments) + 2 >= MAX_SEGMENTS:  # the rest in one prose view (3,000 fences: 3,000 widgets)
+                prose.extend(lines[i:])
+                break
             if m:
                 if prose:
                     segments.append(Segment("prose", "\n".join(prose)))
                     prose = []
-                fence, lang, code = m.group(1), m.group(2), []
+                indent, fence, lang, code = len(m.group(1)), m.group(2), m.group(3), []
             else:
                 prose.append(line)
         else:
-            stripped = line.strip()
-            if stripped and set(stripped) == {fence[0]} and len(stripped) >= len(fence):
+            closing = _CLOSING.match(line)
+            if closing and closing.group(1)[0] == fence[0] and len(closing.group(1)) >= len(fence):
                 segments.append(Segment("code", "\n".join(code), lang, True))
                 fence = None
             else:
-                code.append(line)
+                code.append(line[min(indent, len(line) - len(line.lstrip(" "))) :])
     if fence is not None:
         segments.append(Segment("code", "\n".join(code), lang, False))
     elif prose:
@@ -169,6 +183,17 @@ class CodeHighlighter(QSyntaxHighlighter):
                 self.setFormat(m.capturedStart(), m.capturedLength(), self._formats[name])
 
 
+# Characters that reorder how text is drawn (the "Trojan Source" trick: code that reads one way and runs
+# another): a code block shows each as its name, so what is seen is what Copy copies.
+_BIDI_SHOWN = {
+    c: f"\u27e8U+{c:04X}\u27e9" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C)
+}
+
+
+def shown_code(text: str) -> str:
+    return text.translate(_BIDI_SHOWN)
+
+
 class _CodeEdit(QPlainTextEdit):
     def wheelEvent(self, event) -> None:
         # Without its own vertical scroll range, let the conversation scroll instead of swallowing the wheel.
@@ -215,7 +240,8 @@ class CodeBlock(QFrame):
         )
         font = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         self.edit.setFont(font)
-        self.edit.setPlainText(segment.text)
+        self._source = segment.text  # what Copy copies: the view changes no-break spaces, line separators, CRs
+        self.edit.setPlainText(shown_code(segment.text))
         self._highlighter = CodeHighlighter(self.edit.document(), segment.lang, colors)
         self._reset_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
             self, singleShot=True, interval=1500, timeout=lambda: self.copy_button.setText("Copy")
@@ -233,7 +259,8 @@ class CodeBlock(QFrame):
 
     @property
     def text(self) -> str:
-        return self.edit.toPlainText()
+        """The code as the answer wrote it."""
+        return self._source
 
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.text)
@@ -248,12 +275,14 @@ class CodeBlock(QFrame):
         if segment.text.startswith(old):
             self.append_text(segment.text[len(old) :])
         else:
-            self.edit.setPlainText(segment.text)
+            self._source = segment.text
+            self.edit.setPlainText(shown_code(segment.text))
 
     def append_text(self, text: str) -> None:
+        self._source += text
         cursor = QTextCursor(self.edit.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertText(text)
+        cursor.insertText(shown_code(text))
 
     def set_colors(self, colors: Colors) -> None:
         self._highlighter.set_colors(colors)
@@ -313,7 +342,22 @@ class ProseView(QTextBrowser):
 
     def set_markdown(self, text: str) -> None:
         self.source_text = self._drawn = text
-        self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
+        self._wrap_for(text)
+        if _TABLE_ROW.findall(text)[TABLE_ROWS_DRAWN:]:  # Qt lays a table out cell by cell: 1,000 rows took 4.9 s
+            self.document().setPlainText(text)
+        else:
+            self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
+
+    def _wrap_for(self, text: str) -> None:
+        """Break anywhere where a word is longer than a line could be (a hex dump, minified code): laying out one
+        300 KB word at word boundaries took 3.3 s of the GUI thread, 0.2 s this way."""
+        mode = (
+            QTextOption.WrapMode.WrapAnywhere
+            if _LONG_WORD.search(text)
+            else QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere
+        )
+        if self.wordWrapMode() != mode:
+            self.setWordWrapMode(mode)
 
     def update_segment(self, segment: Segment) -> None:
         # against what was drawn as markdown, not what is shown: text appended plain is drawn again as markdown
@@ -324,6 +368,8 @@ class ProseView(QTextBrowser):
     def append_plain(self, text: str) -> None:
         """Append without parsing markdown: the cheap path between two renders of a streaming body."""
         self.source_text += text
+        if self.wordWrapMode() != QTextOption.WrapMode.WrapAnywhere:
+            self._wrap_for(self.source_text[-LONG_WORD - len(text) :])  # a word the new text ends or makes
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         cursor.insertText(text)

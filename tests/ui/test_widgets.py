@@ -29,6 +29,73 @@ def test_split_markdown_prose_and_fences():
     assert split_markdown("") == []
 
 
+def test_fences_as_commonmark_reads_them():
+    """A line opening with ```npm install``` was a fence (the rest of the answer became code and its words were
+    lost); a fence indented 4 spaces inside the code closed it (prose and code swapped from there on); a list
+    item's fence kept its indent in the code, so Copy gave Python an unexpected indent."""
+    inline = "```npm install``` installs it.\nThen run it."
+    assert split_markdown(inline) == [Segment("prose", inline)]
+    doc = 'Code:\n```python\ndef f():\n    """\n    ```\n    """\n```\nDone.'
+    assert split_markdown(doc) == [
+        Segment("prose", "Code:"),
+        Segment("code", 'def f():\n    """\n    ```\n    """', "python"),
+        Segment("prose", "Done."),
+    ]
+    listed = "1. Build:\n   ```sh\n   make install\n     --prefix x\n   ```\n2. Run."
+    assert split_markdown(listed)[1] == Segment("code", "make install\n  --prefix x", "sh")
+    assert split_markdown("~~~\na\n```\n~~~") == [Segment("code", "a\n```", "")]  # the other character
+
+
+def test_an_answer_of_thousands_of_code_blocks_is_a_hundred_widgets_at_most():
+    """3,000 empty fences (24 KB) built 3,000 widgets, 5 s of the GUI thread; the rest is one prose view."""
+    from ui.markdown import MAX_SEGMENTS
+
+    text = "```\nx\n```\n" * 3000
+    segments = split_markdown(text)
+    assert len(segments) <= MAX_SEGMENTS and segments[-1].kind == "prose"
+    assert sum(s.text.count("x") for s in segments) == 3000  # nothing lost
+
+
+def test_a_long_word_breaks_anywhere_and_a_huge_table_is_plain_text(qtbot):
+    """A 300 KB word took 3.3 s to lay out at word boundaries; a 1,000-row table 4.9 s as a table."""
+    from PySide6.QtGui import QTextOption
+
+    from ui.markdown import TABLE_ROWS_DRAWN
+
+    view = ProseView("a normal answer")
+    qtbot.addWidget(view)
+    assert view.wordWrapMode() == QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere
+    view.append_plain(" " + "f" * 300 + "0" * 300)
+    assert view.wordWrapMode() == QTextOption.WrapMode.WrapAnywhere
+    view.set_markdown("short words again")
+    assert view.wordWrapMode() == QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere
+    small = "| a | b |\n|---|---|\n| 1 | 2 |"
+    view.set_markdown(small)
+    assert view.toPlainText().count("|") == 0  # drawn as a table
+    rows = TABLE_ROWS_DRAWN + 1
+    big = "| a | b |\n|---|---|\n" + "\n".join(f"| {i} | {i} |" for i in range(rows))
+    view.set_markdown(big)
+    assert view.toPlainText() == big  # its text, as written
+
+
+def test_copy_gives_the_code_as_written_and_shows_what_reorders_it(qtbot):
+    """Copy gave the view's text: no-break spaces as spaces, CRLF as LF; and right-to-left overrides drew
+    `if a != "none" and a != "user"` while the second test was inside a comment in what was copied."""
+    trojan = 'if access_level != "none\u202e \u2066// Check if admin\u2069 \u2066" {'
+    code = "x\u00a0= 1\r\ny = 2\u2028" + trojan
+    view = SegmentsView(f"```go\n{code}")  # still streaming
+    qtbot.addWidget(view)
+    block = view.code_blocks()[0]
+    block.copy_button.click()
+    assert QGuiApplication.clipboard().text() == code
+    shown = block.edit.toPlainText()
+    assert "\u202e" not in shown and "\u27e8U+202E\u27e9" in shown and "\u27e8U+2066\u27e9" in shown
+    view.append("\nz = 3")  # streamed on: appended to what Copy copies too
+    view.append("\n```")
+    view.flush()
+    assert view.code_blocks()[0].text == code + "\nz = 3"
+
+
 def test_streaming_appends_without_rendering_every_batch(qtbot):
     view = SegmentsView("")
     qtbot.addWidget(view)
