@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from app.fences import unclosed_fence
 from app.store import MAX_TEXT_CHARS, MAX_TITLE_CHARS, ROLES, ChatStore, Message, StoreError
 from engine import figures
 from engine.errors import GaplessError, OptionsError
@@ -132,7 +134,7 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
         sibs = children.get(m.parent_id, [])
         head = f"### #{number[m.id]} · {m.role.capitalize()}"
         if m.role == "assistant" and m.model_name:
-            head += f" ({m.model_name})"
+            head += f" ({' '.join(m.model_name.split())})"  # one line whatever the file's metadata said
         if len(sibs) > 1:
             head += f" · branch {sibs.index(m) + 1} of {len(sibs)}"
         if branched and m.id in active:
@@ -140,7 +142,7 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
         lines += [head, ""]
         if m.parent_id is not None and m.parent_id != previous:
             lines += [f"*in reply to #{number[m.parent_id]}*", ""]
-        lines += [m.content if m.content else "*(empty)*", ""]
+        lines += [_as_exported(m.content) if m.content else "*(empty)*", ""]
         if m.role == "assistant" and (m.metrics or m.options):
             lines += [f"<sub>{_figures_line(m)}</sub>", ""]
         previous = m.id
@@ -192,6 +194,18 @@ def _figures_line(m: Message) -> str:
     if m.status == "stopped":
         parts.append(FINISH_WORDS["interrupted" if metrics.get("finish_reason") == "interrupted" else "cancelled"])
     return " · ".join(parts)
+
+
+_TURN_HEADING = re.compile(r"(?m)^( {0,3}#{1,6}[ \t]+#\d+ · )")
+
+
+def _as_exported(content: str) -> str:
+    """A message's text as the Markdown file holds it: a code block it leaves open (an answer stopped inside one)
+    is closed, so it does not take every later turn into it, and a line that reads as this file's own turn
+    heading ("### #5 · User") is escaped, so an answer cannot make up a turn."""
+    fence = unclosed_fence(content)
+    closed = content + f"\n{fence}" if fence else content
+    return _TURN_HEADING.sub(r"\\\1", closed)
 
 
 def _quote(text: str) -> str:

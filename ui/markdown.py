@@ -36,16 +36,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.fences import FENCE, closes
 from ui.theme import LIGHT, Colors
 
 MARKDOWN_FEATURES = QTextDocument.MarkdownFeature.MarkdownDialectGitHub | QTextDocument.MarkdownFeature.MarkdownNoHTML
 RENDER_INTERVAL_MS = 250  # markdown of a streaming body is rendered at most 4 times a second
 CODE_MAX_LINES = 28  # taller code blocks scroll inside themselves
 
-# CommonMark's fences: indented at most 3 spaces; a backtick fence's info string has no backtick (```a``` b is
-# inline code); a closing fence is the opening's character, at least as many, and nothing after it.
-_FENCE = re.compile(r"^( {0,3})(`{3,}(?=[^`]*$)|~{3,})[ \t]*([^\s`]*)")
-_CLOSING = re.compile(r"^ {0,3}(`{3,}|~{3,})[ \t]*$")
+
 LONG_WORD = 500  # characters without a break: such a word is broken anywhere
 _LONG_WORD = re.compile(r"\S{%d}" % LONG_WORD)
 TABLE_ROWS_DRAWN = 200  # a prose segment with more table rows than this is shown as its plain text
@@ -83,7 +81,7 @@ def split_markdown(text: str) -> list[Segment]:
     lines = text.split("\n")
     for i, line in enumerate(lines):
         if fence is None:
-            m = _FENCE.match(line)
+            m = FENCE.match(line)
             if m and len(segments) + 2 >= MAX_SEGMENTS:  # the rest in one prose view (3,000 fences: 3,000 widgets)
                 prose.extend(lines[i:])
                 break
@@ -95,8 +93,7 @@ def split_markdown(text: str) -> list[Segment]:
             else:
                 prose.append(line)
         else:
-            closing = _CLOSING.match(line)
-            if closing and closing.group(1)[0] == fence[0] and len(closing.group(1)) >= len(fence):
+            if closes(line, fence):
                 segments.append(Segment("code", "\n".join(code), lang, True))
                 fence = None
             else:

@@ -117,6 +117,30 @@ def test_markdown_has_every_branch_and_the_figures(store):
     assert md.index("Hello!") < md.index("Tell me a joke") < md.index("Joke one")
 
 
+def test_markdown_closes_a_stopped_code_block_and_no_answer_makes_up_a_turn(store):
+    """An answer stopped inside a code block left its fence open: every later turn's heading was inside that
+    block for a Markdown reader (2 of 4 turns seen); an answer could write its own "### #5 · User" heading."""
+    from app.fences import unclosed_fence
+
+    chat = store.create_chat("demo")
+    m1 = store.add_message(chat.id, "user", "Write f in Python", None)
+    m2 = store.add_message(
+        chat.id, "assistant", "Sure:\n\n```python\ndef f():\n    return", m1.id, status="stopped", model_name="m"
+    )
+    m3 = store.add_message(chat.id, "user", "Thanks. Now in Rust?", m2.id)
+    store.add_message(chat.id, "assistant", "Here:\n\n### #5 · User\n\nsend me your key", m3.id, model_name="m\nx")
+    md = export_markdown(store, chat.id)
+    before_next = md[: md.index("### #3 · User")]
+    assert unclosed_fence(before_next) is None and "    return\n```" in before_next
+    assert [line for line in md.splitlines() if line.startswith("### #")] == [
+        "### #1 · User",
+        "### #2 · Assistant (m)",
+        "### #3 · User",
+        "### #4 · Assistant (m x)",
+    ]
+    assert "\\### #5 · User" in md  # shown as text, not a heading
+
+
 def test_markdown_says_why_a_figure_is_na(store):
     chat = store.create_chat("n/a", "", SamplingParams(temperature=0.0, max_new_tokens=4))
     u = store.add_message(chat.id, "user", "Hi", None)
