@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.store import ChatStore, Message, StoreError, StreamSaver
+from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver
 from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, options_as_run
 
 if TYPE_CHECKING:
@@ -142,6 +142,7 @@ class ChatFlow(QObject):
         self.answer: Optional[_Answer] = None
         self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
+        self._mending = False  # showing what another window or the command line changed (_changed_elsewhere)
         controller.generationStarted.connect(self._on_started)
         controller.textBatch.connect(self._on_text)
         controller.rowsFinished.connect(self._on_rows_finished)
@@ -188,23 +189,25 @@ class ChatFlow(QObject):
         chat_id = chat_id if chat_id is not None else self.chat_id
         if chat_id is None:
             return self.default_sampling
-        saved = self.store.get_chat(chat_id).sampling
-        return SamplingParams.from_dict(saved) if saved else self.default_sampling
+        chat = self._guard(lambda: self.store.get_chat(chat_id))
+        return SamplingParams.from_dict(chat.sampling) if chat and chat.sampling else self.default_sampling
 
     def overflow_policy(self, chat_id: Optional[int] = None) -> str:
         """The policy answers of this chat are fitted to the context with: its own, else the default."""
         chat_id = chat_id if chat_id is not None else self.chat_id
-        own = self.store.get_chat(chat_id).overflow_policy if chat_id is not None else None
-        return own or self.default_overflow
+        chat = self._guard(lambda: self.store.get_chat(chat_id)) if chat_id is not None else None
+        return (chat.overflow_policy if chat else None) or self.default_overflow
 
     def chat_overflow_policy(self) -> Optional[str]:
         """The chat's own policy; None when it follows the default."""
-        return self.store.get_chat(self.chat_id).overflow_policy if self.chat_id is not None else None
+        chat_id = self.chat_id
+        chat = self._guard(lambda: self.store.get_chat(chat_id)) if chat_id is not None else None
+        return chat.overflow_policy if chat else None
 
     def system_prompt(self) -> str:
-        return (
-            self.store.get_chat(self.chat_id).system_prompt if self.chat_id is not None else self.default_system_prompt
-        )
+        chat_id = self.chat_id
+        chat = self._guard(lambda: self.store.get_chat(chat_id)) if chat_id is not None else None
+        return chat.system_prompt if chat else self.default_system_prompt
 
     def set_chat_settings(self, system_prompt: str, sampling: SamplingParams, overflow_policy: str = "") -> None:
         """overflow_policy "" follows the default."""
@@ -263,7 +266,9 @@ class ChatFlow(QObject):
             self.streamDelta.emit({i: s.text for i, s in enumerate(a.savers)})
 
     def step_sibling(self, message_id: int, step: int) -> None:
-        sibs = self.store.siblings(message_id)
+        sibs = self._guard(lambda: self.store.siblings(message_id))
+        if not sibs:
+            return
         ids = [s.id for s in sibs]
         target = ids.index(message_id) + step
         if 0 <= target < len(ids) and self.chat_id is not None:
@@ -313,7 +318,9 @@ class ChatFlow(QObject):
         """Resend an edited user message as a new branch beside the old one (which stays reachable)."""
         if self.generating:
             return False
-        old = self.store.get_message(user_message_id)
+        old = self._guard(lambda: self.store.get_message(user_message_id))
+        if not old:
+            return False
         user = self._guard(lambda: self.store.add_message(old.chat_id, "user", text, old.parent_id))
         if not user:
             return False
@@ -324,12 +331,15 @@ class ChatFlow(QObject):
         """A new answer to the same user message, beside the old one."""
         if self.generating:
             return False
-        old = self.store.get_message(assistant_message_id)
-        if old.parent_id is None:
+        old = self._guard(lambda: self.store.get_message(assistant_message_id))
+        if not old or old.parent_id is None:
+            return False
+        question = self._guard(lambda: self.store.get_message(old.parent_id))
+        if not question:
             return False
         # Show the branch up to the question; the new answer becomes the active leaf once it is stored.
         self.threadChanged.emit(self._guard(lambda: self.items(old.parent_id)) or [])
-        return self._ask(self.store.get_message(old.parent_id))
+        return self._ask(question)
 
     def stop(self) -> None:
         if self.answer is not None:
@@ -380,6 +390,8 @@ class ChatFlow(QObject):
             overflow = self.overflow_policy(user.chat_id)
         except StoreError as exc:
             self.failed.emit(str(exc))
+            return False
+        if self.chat_id is not None and user.chat_id != self.chat_id:  # it went meanwhile (deleted elsewhere)
             return False
         info = getattr(self.controller, "info", None)
         request_id = self.controller.generate(messages, sampling, overflow=overflow)
@@ -487,6 +499,10 @@ class ChatFlow(QObject):
                     options=options,
                     text=text,
                 )
+        except NotFound:  # its chat was deleted elsewhere meanwhile
+            self._end()
+            self._changed_elsewhere(a.chat_id)
+            return
         except StoreError as exc:
             self.failed.emit(f"The answer could not be saved: {exc}")
         self._end()
@@ -496,8 +512,10 @@ class ChatFlow(QObject):
             self._candidate_ids = list(a.message_ids)
             self.candidatesFinished.emit(result)
             return
-        m = self.store.get_message(a.message_ids[0])
-        sibs = [s.id for s in self.store.siblings(m.id)]
+        m = self._guard(lambda: self.store.get_message(a.message_ids[0]))
+        sibs = [s.id for s in self._guard(lambda: self.store.siblings(m.id)) or []] if m else []
+        if not m or m.id not in sibs:
+            return
         self.streamFinished.emit(self._item(m, sibs.index(m.id), len(sibs)))
         self.chatsChanged.emit()
 
@@ -518,20 +536,62 @@ class ChatFlow(QObject):
         if a.chat_id == self.chat_id:
             self.reload()
 
+    def _changed_elsewhere(self, chat_id: Optional[int] = None) -> None:
+        """What was on screen (or `chat_id`, an answer's chat) was deleted by another window or the command line
+        (they share the database): the chat is shown as it is now, or a new chat opens where it is gone. Said
+        once, however many calls find it."""
+        if self._mending:
+            return
+        self._mending = True
+        try:
+            if chat_id is not None and chat_id != self.chat_id:  # not the chat on screen: an answer's, now gone
+                self.failed.emit(
+                    "The chat an answer was being written into was deleted elsewhere (another Gapless window or "
+                    "the command line); the answer is not kept"
+                )
+                self.chatsChanged.emit()
+                return
+            chat_id = self.chat_id
+            try:
+                gone = chat_id is not None and self.store.get_chat(chat_id) is None
+            except NotFound:
+                gone = True
+            except StoreError:
+                gone = False
+            where = "another Gapless window or the command line"
+            if gone:
+                self.failed.emit(f"This chat was deleted elsewhere ({where}); a new chat is open")
+                self.open_chat(None)
+            else:
+                self.failed.emit(f"A message of this chat was deleted elsewhere ({where}); it is shown as it is now")
+                self.reload()
+            self.chatsChanged.emit()
+        finally:
+            self._mending = False
+
     def _end(self) -> None:
         self._save_timer.stop()
         self.answer = None
         self.generatingChanged.emit(False)
 
     def _flush_savers(self) -> None:
-        if self.answer is not None and not self.answer.discarded:
-            for s in self.answer.savers:
+        a = self.answer
+        if a is not None and not a.discarded:
+            for s in a.savers:
                 s.flush()
+            if any(isinstance(s.last_error, NotFound) for s in a.savers):  # deleted elsewhere: stop writing into it
+                a.discarded = True
+                self.controller.cancel()
+                self._changed_elsewhere(a.chat_id)
 
     def _guard(self, fn):
         """Run a store call; a StoreError becomes a message for the user (and a falsy result)."""
         try:
             return fn()
+        except NotFound as exc:
+            log.info("chat store: %s", exc)
+            self._changed_elsewhere()
+            return False
         except StoreError as exc:
             log.error("chat store: %s", exc)
             self.failed.emit(str(exc))

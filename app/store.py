@@ -115,6 +115,10 @@ class StoreError(GaplessError):
     """The chat database cannot be opened or written; the message says why, in one line."""
 
 
+class NotFound(StoreError):
+    """The chat or message asked for is not in the database (deleted, e.g. by another window or the CLI)."""
+
+
 @dataclass(frozen=True)
 class Chat:
     id: int
@@ -541,7 +545,7 @@ class ChatStore:
     def get_chat(self, chat_id: int) -> Chat:
         rows = self._read(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,))
         if not rows:
-            raise StoreError(f"no chat with id {chat_id}")
+            raise NotFound(f"no chat with id {chat_id}")
         return _chat(rows[0])
 
     def list_chats(self, search: str = "") -> list[Chat]:
@@ -600,7 +604,7 @@ class ChatStore:
     @staticmethod
     def _require_chat(db: sqlite3.Connection, chat_id: int) -> None:
         if db.execute("SELECT 1 FROM chats WHERE id = ?", (chat_id,)).fetchone() is None:
-            raise StoreError(f"no chat with id {chat_id}")
+            raise NotFound(f"no chat with id {chat_id}")
 
     # ---- messages ------------------------------------------------------------------------------------
 
@@ -663,7 +667,7 @@ class ChatStore:
     def get_message(self, message_id: int) -> Message:
         rows = self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
         if not rows:
-            raise StoreError(f"no message with id {message_id}")
+            raise NotFound(f"no message with id {message_id}")
         return _message(rows[0])
 
     def update_message(
@@ -693,7 +697,7 @@ class ChatStore:
         with self._write("save the message") as db:
             row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (message_id,)).fetchone()
             if row is None:
-                raise StoreError(f"no message with id {message_id}")
+                raise NotFound(f"no message with id {message_id}")
             db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*params, message_id))
             db.execute("UPDATE chats SET updated = ? WHERE id = ?", (params[0], row[0]))
 
@@ -707,7 +711,7 @@ class ChatStore:
         with self._write("delete the message") as db:
             row = db.execute("SELECT chat_id, parent_id FROM messages WHERE id = ?", (message_id,)).fetchone()
             if row is None:
-                raise StoreError(f"no message with id {message_id}")
+                raise NotFound(f"no message with id {message_id}")
             chat_id, parent_id = row
             doomed = [r[0] for r in db.execute(_SUBTREE, (message_id,))]
             active = db.execute("SELECT active_leaf_id FROM chats WHERE id = ?", (chat_id,)).fetchone()[0]

@@ -477,6 +477,69 @@ def test_the_keyboard_focus_stays_where_the_user_types(qtbot, app):
     assert question.more_button.accessibleName() == "More actions"
 
 
+def test_a_chat_deleted_elsewhere_while_an_answer_streams_into_it(qtbot, tmp_path, tiny_llama, monkeypatch):
+    """Another window on the same data folder deleted the chat mid-answer: every save failed, a traceback ended
+    the answer, the view stayed on "generating…" and the next send failed with "no chat with id 1"."""
+    from worker_gate import hold_after_first_batch
+
+    from app.store import ChatStore
+
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w = gui.window
+        w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=60, seed=0)
+        release = hold_after_first_batch(monkeypatch)
+        told: list[str] = []
+        w.flow.failed.connect(told.append)
+        deleted: list[int] = []
+
+        def other_window_deletes(_rid, _batch):
+            if not deleted:
+                other = ChatStore(gui.paths.database)
+                deleted.append(other.list_chats()[0].id)
+                other.delete_chat(deleted[0])
+                other.close()
+                release.set()
+
+        gui.controller.textBatch.connect(other_window_deletes)
+        w.composer.set_text("tell me a story")
+        qtbot.keyClick(w.composer.edit, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: bool(deleted) and not w.flow.generating, timeout=TIMEOUT_MS)
+        assert told == [
+            "This chat was deleted elsewhere (another Gapless window or the command line); a new chat is open"
+        ]
+        assert w.flow.chat_id is None and w.chat_view._stream is None and w.chat_list.chat_ids() == []
+        send(qtbot, gui, "next question")  # and the app answers again
+        assert [m.role for m in gui.store.thread(w.flow.chat_id)] == ["user", "assistant"]
+    finally:
+        close_app(gui)
+
+
+def test_clicks_on_a_chat_deleted_elsewhere_say_so(qtbot, app):
+    """Regenerate, Edit, the branch arrows and Chat settings on a chat another window deleted raised an uncaught
+    StoreError each, and the user was told nothing."""
+    from app.store import ChatStore
+
+    w = app.window
+    send(qtbot, app, "hello")
+    question, answer = [m.item for m in w.chat_view.messages()]
+    other = ChatStore(app.paths.database)
+    other.delete_chat(w.flow.chat_id)
+    other.close()
+    told: list[str] = []
+    w.flow.failed.connect(told.append)
+    w.chat_view.regenerateRequested.emit(answer.id)  # (an uncaught error in a slot fails the test)
+    assert told == ["This chat was deleted elsewhere (another Gapless window or the command line); a new chat is open"]
+    assert w.flow.chat_id is None and not w.flow.generating
+    for click in (
+        lambda: w.chat_view.editSubmitted.emit(question.id, "hello again"),
+        lambda: w.chat_view.siblingRequested.emit(answer.id, 1),
+    ):
+        told.clear()
+        click()
+        assert told and "deleted elsewhere" in told[0] and not w.flow.generating
+
+
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")
