@@ -52,6 +52,7 @@ class Job:
     sink: Sink
     cancel: threading.Event = field(default_factory=threading.Event)
     accepted: float = field(default_factory=time.perf_counter)
+    engine_name: Optional[str] = None  # the model the server served when it accepted the request (EngineQueue)
     state: str = "queued"  # then "running", or "withdrawn": its client went away while it waited (the queue's lock)
 
 
@@ -97,6 +98,9 @@ class EngineQueue:
         self.engine = engine
         self.max_waiting = max_waiting
         self.model_id = model_id if model_id is not None else engine.info.name
+        # The model the engine runs (model_id may be another name for it): a request runs on that model or not
+        # at all. The app's server changes it when the app loads another model.
+        self.engine_name: Optional[str] = engine.info.name if engine is not None else model_id
         self.stats = ServerStats()
         self._run_on_engine = run_on_engine or (lambda fn: fn(self.engine))
         self._lock = threading.Lock()
@@ -116,6 +120,8 @@ class EngineQueue:
                 self.stats.rejected += 1
                 raise QueueFull(self.stats.waiting, self._retry_after_s())
             self.stats.waiting += 1
+            if job.engine_name is None:
+                job.engine_name = self.engine_name
             self._jobs.put(job)  # with the count, so whoever sees one waiting finds it queued (put never blocks)
 
     def withdraw(self, job: Job) -> None:
@@ -212,6 +218,19 @@ class EngineQueue:
         queue_ms = (time.perf_counter() - job.accepted) * 1e3
         if engine is None:
             self._fail(job, ApiError(503, "no model is loaded", "server_error", code="no_model"))
+            return
+        running = getattr(getattr(engine, "info", None), "name", None)
+        if job.engine_name is not None and running is not None and running != job.engine_name:
+            self._fail(  # the app loaded another model while the request waited: it would answer as the other
+                job,
+                ApiError(
+                    404,
+                    f"the model {job.request.model!r} was replaced by {running!r} while the request waited; "
+                    "ask again with the new model's name",
+                    param="model",
+                    code="model_not_found",
+                ),
+            )
             return
         if job.cancel.is_set():
             gone = ApiError(499, "the client went away before the request started", code="cancelled")

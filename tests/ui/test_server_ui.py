@@ -137,6 +137,47 @@ def gui(qtbot, tmp_path, tiny_llama):
     g.close()
 
 
+def test_a_request_waiting_while_the_app_loads_another_model_is_not_answered_by_it(qtbot, gui, tmp_path):
+    """A request for the loaded model, waiting behind a model switch, was answered by the new model under the
+    old one's name."""
+    from tiny_models import make_tiny_model
+
+    from app.worker import Call
+
+    other = make_tiny_model(tmp_path / "other-model", "qwen2")
+    w, server, c = gui.window, gui.server, gui.controller
+    old_name = c.info.name
+    port = _free_port()
+    w.server_panel.port.setValue(port)
+    with qtbot.waitSignal(server.started, timeout=TIMEOUT_MS):
+        w.server_panel.button.click()
+    busy, release = threading.Event(), threading.Event()  # the engine busy a moment (another client's answer)
+    c.worker.commands.put(Call(lambda _e: (busy.set(), release.wait(60)), threading.Event()))
+    assert busy.wait(60)
+    w.load_model(str(other))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    got: dict = {}
+
+    def ask() -> None:
+        try:
+            got["r"] = client.chat.completions.create(model=old_name, messages=HELLO, max_tokens=12, temperature=0)
+        except openai.APIStatusError as exc:
+            got["error"] = exc
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    qtbot.waitUntil(lambda: server.engines.stats.waiting + server.engines.stats.running >= 1, timeout=TIMEOUT_MS)
+    with qtbot.waitSignal(c.loaded, timeout=TIMEOUT_MS):
+        release.set()
+    qtbot.waitUntil(lambda: not asker.is_alive(), timeout=TIMEOUT_MS)
+    error = got["error"]
+    assert isinstance(error, openai.NotFoundError) and error.body["code"] == "model_not_found"
+    assert f"was replaced by {c.info.name!r} while the request waited" in error.body["message"]
+    qtbot.waitUntil(lambda: server.engines.model_id == c.info.name != old_name, timeout=TIMEOUT_MS)
+    r = client.chat.completions.create(model=c.info.name, messages=HELLO, max_tokens=4, temperature=0)
+    assert r.model == c.info.name  # the new model's name is served
+
+
 def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama):
     from engine.engine import Engine
     from engine.types import EngineOptions
