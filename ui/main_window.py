@@ -196,6 +196,7 @@ class MainWindow(QMainWindow):
         self.flow.default_overflow = settings.overflow_policy
         self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
+        self._asked_loads: list[str] = []  # sources load_model asked the worker for, not yet loaded or failed
         self._answer_options: Optional[EngineOptions] = None  # what the answer in progress (or the last) ran with
         self._reading_shown = False  # the status bar says how much of a long prompt has been read
         self._fetch_dialog: Optional[ProgressDialog] = None
@@ -754,6 +755,7 @@ class MainWindow(QMainWindow):
             self._start_fetch()
             return
         self.controller.load(source, self._options_to_load())
+        self._asked_loads.append(source)  # the worker loads them in this order
         # Chat waits from now, not from when the worker starts the load: a message sent in between would be
         # answered by the new model but credited to the old one.
         self._load_started(source)
@@ -845,8 +847,10 @@ class MainWindow(QMainWindow):
                 QTimer.singleShot(600, self.toggles.progress.hide)
 
     def _loaded(self, info: ModelInfo, unavailable: dict) -> None:
-        source = self._loading or info.source
-        self._loading = None
+        # The source this load was asked for (a second one asked for meanwhile is still to come: it was saved
+        # as the last model, and when it failed the next start had none)
+        source = self._asked_loads.pop(0) if self._asked_loads else info.source
+        self._loading = self._asked_loads[-1] if self._asked_loads else None
         self.model_panel.set_loaded(info)
         if self.hud is not None:
             self.hud.model_name = info.name
@@ -861,7 +865,9 @@ class MainWindow(QMainWindow):
         self._persist()
 
     def _load_failed(self, source: str, message: str) -> None:
-        self._loading = None
+        if source in self._asked_loads:
+            self._asked_loads.remove(source)
+        self._loading = self._asked_loads[-1] if self._asked_loads else None
         self.model_panel.set_failed(source, message)
         info = self.controller.info
         self.model_status.setText(model_status_text(info))
@@ -923,6 +929,8 @@ class MainWindow(QMainWindow):
             why = "The ladder is running (Cancel in the HUD's Ladder tab to chat now)"
         else:
             why = ""
+        if self.hud is not None:  # the ladder measures the loaded model, as an answer does
+            self.hud.ladder.set_blocked("" if self._laddering else why)
         self.composer.set_can_send(not why, why)
         self.chat_view.set_can_answer(not why)  # Edit and Regenerate ask the model as Send does
 

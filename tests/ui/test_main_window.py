@@ -540,6 +540,43 @@ def test_clicks_on_a_chat_deleted_elsewhere_say_so(qtbot, app):
         assert told and "deleted elsewhere" in told[0] and not w.flow.generating
 
 
+def test_the_ladder_cannot_start_while_another_model_loads(qtbot, app, tmp_path):
+    """Run ladder clicked during a load ran on the new model and credited every row, saved, to the old one."""
+    from tiny_models import make_tiny_model
+
+    w, ladder = app.window, app.window.hud.ladder
+    other = make_tiny_model(tmp_path / "other-model", "qwen2")
+    assert ladder.run_button.isEnabled()
+    with qtbot.waitSignal(app.controller.loaded, timeout=TIMEOUT_MS):
+        w.load_model(str(other))
+        assert not ladder.run_button.isEnabled() and ladder.run_button.toolTip().startswith("Loading ")
+    qtbot.waitUntil(ladder.run_button.isEnabled, timeout=TIMEOUT_MS)
+
+
+def test_a_second_model_opened_during_a_load_leaves_the_first_as_the_last_model(qtbot, tmp_path, tiny_llama):
+    """The first model to finish loading was saved under the second one's name: when the second then failed,
+    the next start opened it again, failed, and had no model."""
+    from app.registry import RecentModels, source_key
+    from app.settings import SettingsStore
+
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    gui = open_app(qtbot, tmp_path / "data")
+    w, c = gui.window, gui.controller
+    failed: list[str] = []
+    c.loadFailed.connect(lambda source, _message: failed.append(source))
+    c.loadStarted.connect(lambda source: source == str(tiny_llama) and w.load_model(str(broken)))
+    try:
+        w.load_model(str(tiny_llama))
+        qtbot.waitUntil(lambda: bool(failed), timeout=TIMEOUT_MS)
+        assert failed == [str(broken)] and c.info.name == tiny_llama.name and w._loading is None
+    finally:
+        close_app(gui)
+    settings, _ = SettingsStore(gui.paths.settings_file).load()
+    assert settings.last_model == source_key(str(tiny_llama))
+    assert [e.source for e in RecentModels(gui.paths.config).entries()] == [source_key(str(tiny_llama))]
+
+
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")

@@ -32,6 +32,9 @@ EMPTY_TEXT = (
 )
 
 
+RUN_TIP = "Run the current prompt through every preset and compare"
+
+
 class LadderChart(PaletteFollower):
     runRequested = Signal()
     cancelRequested = Signal()
@@ -42,7 +45,8 @@ class LadderChart(PaletteFollower):
         self.running = False
         self._base: Optional[LadderRow] = None  # the first rung that ran: speed-ups are against it
         self.run_button = QPushButton("Run ladder")
-        self.run_button.setToolTip("Run the current prompt through every preset and compare")
+        self.run_button.setToolTip(RUN_TIP)
+        self.blocked = ""  # why the ladder cannot start now (a model loading); "" when it can
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setEnabled(False)
         self.progress = QProgressBar()
@@ -101,9 +105,16 @@ class LadderChart(PaletteFollower):
 
     def set_running(self, running: bool) -> None:
         self.running = running
-        self.run_button.setEnabled(not running)
+        self.run_button.setEnabled(not running and not self.blocked)
         self.cancel_button.setEnabled(running)
         self.progress.setVisible(running)
+
+    def set_blocked(self, why: str) -> None:
+        """The ladder measures the loaded model: while none is, or another one loads, it cannot start (its rows
+        would be credited to the model loaded when it was asked for)."""
+        self.blocked = why
+        self.run_button.setEnabled(not self.running and not why)
+        self.run_button.setToolTip(why or RUN_TIP)
 
     def set_progress(self, done: int, total: int, label: str) -> None:
         if not self.running:
