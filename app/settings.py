@@ -143,12 +143,22 @@ class _Unreadable(Exception):
 
 
 class SettingsStore:
+    """The settings file. Two windows may share it (two instances on one data folder): a save writes the
+    settings this window changed since it read or last wrote them, over what the file holds now, so closing
+    one window does not undo what the other saved."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.unknown: dict[str, Any] = {}  # keys of the file this version does not know (a newer one's)
+        self._seen: Optional[dict[str, Any]] = None  # the file's values as this window last read or wrote them
 
     def load(self) -> tuple[Settings, list[str]]:
         """The saved settings (defaults where missing or invalid) and notices for the user."""
+        self._seen = {}
+        settings, notices = self._load()
+        return settings, notices
+
+    def _load(self) -> tuple[Settings, list[str]]:
         notices: list[str] = []
         try:
             text = self.path.read_text(encoding="utf-8-sig")  # a byte order mark, as Windows' Notepad writes
@@ -166,6 +176,7 @@ class SettingsStore:
             data = self._parse(text)
         except _Unreadable as exc:
             return Settings(), self._aside("corrupt", str(exc), notices)
+        self._seen = dict(data)  # as the file held them: a value that fell back differs, and is written
         version = data.get("version", SETTINGS_VERSION)
         if version > SETTINGS_VERSION:  # checked before the fields: a newer file may use values we do not know
             return Settings(), self._aside(
@@ -266,11 +277,28 @@ class SettingsStore:
 
     def save(self, settings: Settings) -> None:
         """Write atomically: a crash or a full disk leaves either the old file or the new one, never half."""
+        mine = settings.to_dict()
+        doc = {**self.unknown, **mine}
+        on_disk = self._current() if self._seen is not None else None
+        if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
+            seen = self._seen
+            changed = {k: v for k, v in mine.items() if k not in seen or seen[k] != v}
+            doc = {**on_disk, **changed, "version": SETTINGS_VERSION}
         try:
-            text = json.dumps({**self.unknown, **settings.to_dict()}, indent=2, ensure_ascii=False, allow_nan=False)
+            text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_whole(self.path, text + "\n", mode=0o600, durable=True)
         except OSError as exc:
             raise SettingsError(f"cannot save the settings to {self.path}: {exc.strerror or exc}") from exc
         except ValueError as exc:  # NaN, or text that is not valid Unicode
             raise SettingsError(f"cannot save the settings to {self.path}: {exc}") from exc
+        self._seen = mine
+
+    def _current(self) -> Optional[dict[str, Any]]:
+        """The file as it is now, where it reads as a settings object of this version (else None: this window's
+        settings are written whole, as they would be without another window)."""
+        try:
+            data = self._parse(self.path.read_text(encoding="utf-8-sig"))
+        except (OSError, UnicodeDecodeError, _Unreadable):
+            return None
+        return data if data.get("version", SETTINGS_VERSION) <= SETTINGS_VERSION else None

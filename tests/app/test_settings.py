@@ -28,6 +28,25 @@ def test_missing_file_gives_defaults_quietly(path):
     assert s.options() == EngineOptions() and s.sampling_params() == SamplingParams()
 
 
+def test_two_windows_on_one_file_keep_each_other_s_changes(path):
+    """Closing a second window (one data folder, two app instances) wrote back the settings it read at its
+    start: the first window's saved system prompt, theme and send key were undone."""
+    SettingsStore(path).save(Settings(theme="light"))
+    a_store, b_store = SettingsStore(path), SettingsStore(path)
+    a, _ = a_store.load()
+    b, _ = b_store.load()
+    a.system_prompt, a.theme, a.send_with = "You are a pirate.", "dark", "ctrl+enter"
+    a_store.save(a)
+    b.splitter_sizes = {"main": [300, 700]}  # the second window only moved its splitter, then closed
+    b_store.save(b)
+    now, _ = SettingsStore(path).load()
+    assert (now.system_prompt, now.theme, now.send_with) == ("You are a pirate.", "dark", "ctrl+enter")
+    assert now.splitter_sizes == {"main": [300, 700]}
+    b.theme = "system"  # a later change of the second window's own is written over the first's
+    b_store.save(b)
+    assert SettingsStore(path).load()[0].theme == "system"
+
+
 def test_round_trip(path):
     s = Settings(
         theme="dark",
