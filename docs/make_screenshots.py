@@ -1,7 +1,7 @@
 """Screenshots from real runs for the README: the main window with an answer (dark and light theme, and at
 800×600), the HUD during a generation, after it with its diagnosis line, and the ladder chart.
 
-    QT_QPA_PLATFORM=offscreen python docs/make_screenshots.py [--model default] [--out docs/screenshots]
+    python docs/make_screenshots.py [--model default] [--out docs/screenshots]   (offscreen, a 1920x1200 screen)
 
 Every figure in them is measured on the machine that runs this script (nothing is synthetic).
 """
@@ -9,6 +9,7 @@ Every figure in them is measured on the machine that runs this script (nothing i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -38,7 +39,11 @@ def main() -> int:
     p.add_argument("--hud-tokens", type=int, default=160)
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    if "QT_QPA_PLATFORM" not in os.environ:  # a 1920x1200 screen: offscreen's own is 800x800, shorter than the shots
+        screen = {"name": "shots", "x": 0, "y": 0, "width": 1920, "height": 1200, "logicalDpi": 96, "dpr": 1}
+        config = Path(tempfile.mkdtemp(prefix="gapless-screen-")) / "screen.json"
+        config.write_text(json.dumps({"screens": [screen]}), encoding="utf-8")
+        os.environ["QT_QPA_PLATFORM"] = f"offscreen:configfile={config}"
     from PySide6.QtCore import QEventLoop, QTimer
 
     from app.gui import build, qt_application
