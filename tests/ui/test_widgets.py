@@ -439,6 +439,7 @@ def test_text_reads_on_its_background_in_both_themes(qapp, scheme):
     """White on the dark theme's Send (3.2:1) and Stop (2.5:1) buttons, and the compare table's green (3.0:1 in
     the light theme), were below the 4.5:1 that text needs."""
     from ui.hud.compare_table import delta_colors
+    from ui.hud.ladder_chart import GAP_COLOR, INSIDE_TEXT
     from ui.theme import DARK, LIGHT, ThemeManager
 
     c = DARK if scheme == "dark" else LIGHT
@@ -451,6 +452,7 @@ def test_text_reads_on_its_background_in_both_themes(qapp, scheme):
         "error text": (c.error, c.base),
         "link": (c.accent, c.base),
         **{f"compare {n}": (q.name(), c.base) for n, q in zip(("better", "worse"), delta_colors())},
+        "figure inside a ladder gap bar": (INSIDE_TEXT, GAP_COLOR),
     }
     low = {k: round(_contrast(*v), 2) for k, v in pairs.items() if _contrast(*v) < 4.5}
     assert low == {}
