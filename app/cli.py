@@ -242,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(
         bench,
         "--prefix-reuse",
-        True,
-        "keep the KV cache between generations (default on; a repeat then reuses its prompt)",
+        None,
+        "let a timed run reuse the prompt's KV cache a run before it left (default off: every run reads the "
+        "whole prompt, so TTFT compares rungs)",
     )
     bench.add_argument("--json", type=Path, default=None, help="write the results here")
     modes.add_argument(

@@ -712,6 +712,9 @@ def test_bench_kinds_are_one_at_a_time_and_their_own_flags_pass(capsys):
     ):
         check_flags(parser.parse_args(["bench", *argv]))  # no error
     assert config_from_args(parser.parse_args(["bench", "--prompt", ""])).prompt == ""  # then refused as empty
+    # every timed run reads the whole prompt unless asked (the flag's default had stayed on)
+    assert config_from_args(parser.parse_args(["bench"])).prefix_reuse is False
+    assert config_from_args(parser.parse_args(["bench", "--prefix-reuse"])).prefix_reuse is True
     with pytest.raises(OptionsError, match="the prompt is empty"):
         validate(config_from_args(parser.parse_args(["bench", "--prompt", ""])))
 
