@@ -10,7 +10,7 @@ import re
 from typing import Optional
 
 FENCE = re.compile(r"^( {0,3})(`{3,}(?=[^`]*$)|~{3,})[ \t]*([^\s`]*)")
-CLOSING = re.compile(r"^ {0,3}(`{3,}|~{3,})[ \t]*$")
+CLOSING = re.compile(r"^ {0,3}(`{3,}|~{3,})[ \t]*\r?$")  # a CRLF text's lines end in \r
 
 
 def closes(line: str, fence: str) -> bool:
@@ -19,14 +19,31 @@ def closes(line: str, fence: str) -> bool:
     return m is not None and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence)
 
 
-def unclosed_fence(text: str) -> Optional[str]:
-    """The fence of a code block `text` leaves open (an answer stopped inside one), else None."""
-    fence: Optional[str] = None
+def code_lines(text: str) -> list[bool]:
+    """For each line of `text` (split at \n): whether it is inside a fenced code block or one of its fences."""
+    inside, fence = [], None
     for line in text.split("\n"):
         if fence is None:
             m = FENCE.match(line)
+            fence = m.group(2) if m else None
+            inside.append(m is not None)
+        else:
+            inside.append(True)
+            if closes(line, fence):
+                fence = None
+    return inside
+
+
+def unclosed_fence(text: str) -> Optional[str]:
+    """The line that closes the code block `text` leaves open (an answer stopped inside one): the opening
+    fence with its indentation (a list item's block closed at column 0 would end the item and open another
+    block); None when every block is closed."""
+    opening: Optional[str] = None
+    for line in text.split("\n"):
+        if opening is None:
+            m = FENCE.match(line)
             if m:
-                fence = m.group(2)
-        elif closes(line, fence):
-            fence = None
-    return fence
+                opening = m.group(1) + m.group(2)
+        elif closes(line, opening.lstrip(" ")):
+            opening = None
+    return opening

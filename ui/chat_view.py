@@ -57,6 +57,7 @@ class ChatView(QScrollArea):
         self._earlier.hide()
         self._column.addWidget(self._earlier, 0, Qt.AlignmentFlag.AlignHCenter)
         self._empty = QLabel(EMPTY_HINT, self._container)
+        self._empty.setTextFormat(Qt.TextFormat.RichText)  # the program's own markup (other labels are plain)
         self._empty.setObjectName("emptyHint")
         self._empty.setWordWrap(True)
         self._empty.setAlignment(Qt.AlignmentFlag.AlignCenter)

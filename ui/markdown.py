@@ -11,12 +11,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from PySide6.QtCore import QByteArray, QPoint, QRegularExpression, QSize, Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QByteArray, QEvent, QPoint, QRegularExpression, QSize, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
     QColor,
     QDesktopServices,
     QFontDatabase,
     QGuiApplication,
+    QHelpEvent,
     QImage,
     QSyntaxHighlighter,
     QTextCharFormat,
@@ -24,6 +25,7 @@ from PySide6.QtGui import (
     QTextDocument,
     QTextOption,
 )
+from PySide6.QtGui import Qt as GuiQt  # the namespace with convertFromPlainText
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -32,6 +34,7 @@ from PySide6.QtWidgets import (
     QSizePolicy,
     QTextBrowser,
     QToolButton,
+    QToolTip,
     QVBoxLayout,
     QWidget,
 )
@@ -382,6 +385,17 @@ class ProseView(QTextBrowser):
     def tooltip_at(self, pos: QPoint) -> str:
         """Where the link under the pointer goes (its title, the model's text, is not shown: it could say anything)."""
         return self.anchorAt(pos)
+
+    def viewportEvent(self, event: QEvent) -> bool:
+        # The view's own tooltips are a link's or an image's title, as rich text: only where a link goes is shown.
+        if event.type() == QEvent.Type.ToolTip and isinstance(event, QHelpEvent):
+            where = self.tooltip_at(event.pos())
+            if where:
+                QToolTip.showText(event.globalPos(), GuiQt.convertFromPlainText(where), self.viewport())
+            else:
+                QToolTip.hideText()
+            return True
+        return super().viewportEvent(event)
 
     def wheelEvent(self, event) -> None:
         event.ignore()  # never scrolls itself; the conversation does

@@ -44,6 +44,8 @@ def test_fences_as_commonmark_reads_them():
     listed = "1. Build:\n   ```sh\n   make install\n     --prefix x\n   ```\n2. Run."
     assert split_markdown(listed)[1] == Segment("code", "make install\n  --prefix x", "sh")
     assert split_markdown("~~~\na\n```\n~~~") == [Segment("code", "a\n```", "")]  # the other character
+    crlf = split_markdown("```py\r\nx = 1\r\n```\r\nafter the code\r\n")  # an imported or remote answer's CRLF
+    assert [(seg.kind, seg.closed) for seg in crlf] == [("code", True), ("prose", True)]
 
 
 def test_an_answer_of_thousands_of_code_blocks_is_a_hundred_widgets_at_most():
@@ -232,6 +234,55 @@ def test_text_from_outside_is_never_drawn_as_html(qtbot):
     qtbot.addWidget(block)
     block.show()
     assert block._lang_label.textFormat() == Qt.TextFormat.PlainText
+
+
+def test_every_kind_of_tooltip_still_shows_as_plain_text(qtbot):
+    """The plain-text tooltips must not lose the ones Qt finds beyond a widget's own: a spin box's over its
+    text, a tab's, a header section's, a menu action's, where an answer's link goes."""
+    from PySide6.QtCore import QEvent, QPoint
+    from PySide6.QtGui import QAction, QHelpEvent, QStandardItemModel
+    from PySide6.QtWidgets import QApplication, QDoubleSpinBox, QLineEdit, QMenu, QTableView, QTabWidget, QToolTip
+
+    from ui.plain_text import install
+
+    install(QApplication.instance())
+
+    def tip_over(widget, pos=None) -> str:
+        pos = QPoint(3, 3) if pos is None else pos
+        QToolTip.hideText()
+        QApplication.sendEvent(widget, QHelpEvent(QEvent.Type.ToolTip, pos, widget.mapToGlobal(pos)))
+        return QToolTip.text()
+
+    spin = QDoubleSpinBox()
+    spin.setToolTip("0 = greedy <always> the most likely token")
+    tabs = QTabWidget()
+    tabs.addTab(QLineEdit(), "Live")
+    tabs.setTabToolTip(0, "the <b>live</b> figures")
+    model = QStandardItemModel(1, 1)
+    model.setHeaderData(0, Qt.Orientation.Horizontal, "higher is <better>", Qt.ItemDataRole.ToolTipRole)
+    table = QTableView()
+    table.setModel(model)
+    menu = QMenu()
+    menu.setToolTipsVisible(True)
+    action = QAction("a.gguf", menu)
+    action.setToolTip("/models/<a>.gguf")
+    menu.addAction(action)
+    prose = ProseView('see [the docs](https://example.com/x "<b>Session expired</b>") now')
+    for w in (spin, tabs, table, menu, prose):
+        qtbot.addWidget(w)
+        w.resize(300, 120)
+        w.show()
+        qtbot.waitExposed(w)
+    assert "&lt;always&gt;" in tip_over(spin.findChild(QLineEdit))  # from the spin box, as plain text
+    assert "&lt;b&gt;live" in tip_over(tabs.tabBar(), tabs.tabBar().tabRect(0).center())
+    header = table.horizontalHeader()
+    assert "&lt;better&gt;" in tip_over(header.viewport(), QPoint(header.sectionViewportPosition(0) + 3, 3))
+    assert "/models/&lt;a&gt;.gguf" in tip_over(menu, menu.actionGeometry(action).center())
+    cursor = prose.cursorForPosition(QPoint(0, 0))
+    cursor.setPosition(prose.toPlainText().index("the docs") + 2)
+    at = prose.cursorRect(cursor).center()
+    shown = tip_over(prose.viewport(), at)
+    assert "https://example.com/x" in shown and "Session" not in shown
 
 
 def test_a_rendered_answer_keeps_its_line_breaks(qtbot):
