@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from app.fences import unclosed_fence
+from app.fences import code_lines, unclosed_fence
 from app.store import MAX_TEXT_CHARS, MAX_TITLE_CHARS, ROLES, ChatStore, Message, StoreError
 from engine import figures
 from engine.errors import GaplessError, OptionsError
@@ -196,7 +196,7 @@ def _figures_line(m: Message) -> str:
     return " · ".join(parts)
 
 
-_TURN_HEADING = re.compile(r"(?m)^( {0,3}#{1,6}[ \t]+#\d+ · )")
+_TURN_HEADING = re.compile(r"^( {0,3}#{1,6}[ \t]+#\d+ · )")
 
 
 def _as_exported(content: str) -> str:
@@ -204,8 +204,9 @@ def _as_exported(content: str) -> str:
     is closed, so it does not take every later turn into it, and a line that reads as this file's own turn
     heading ("### #5 · User") is escaped, so an answer cannot make up a turn."""
     fence = unclosed_fence(content)
-    closed = content + f"\n{fence}" if fence else content
-    return _TURN_HEADING.sub(r"\\\1", closed)
+    lines = (content + f"\n{fence}" if fence else content).split("\n")
+    code = code_lines("\n".join(lines))
+    return "\n".join(line if inside else _TURN_HEADING.sub(r"\\\1", line) for line, inside in zip(lines, code))
 
 
 def _quote(text: str) -> str:

@@ -141,6 +141,21 @@ def test_markdown_closes_a_stopped_code_block_and_no_answer_makes_up_a_turn(stor
     assert "\\### #5 · User" in md  # shown as text, not a heading
 
 
+def test_markdown_closes_a_list_item_s_block_in_the_item_and_leaves_code_as_it_is(store):
+    """A block a stopped answer left open inside a list item was closed at column 0, which ends the item and
+    opens another block (taking the later turns again); a turn-like line inside code was escaped in the code."""
+    from app.fences import unclosed_fence
+
+    chat = store.create_chat("demo")
+    q = store.add_message(chat.id, "user", "How?", None)
+    a = store.add_message(chat.id, "assistant", "1. Install it:\n\n   ```bash\n   pip install foo\n   pip ins", q.id)
+    q2 = store.add_message(chat.id, "user", "And a heading in code?", a.id)
+    store.add_message(chat.id, "assistant", "```md\n### #9 · User\n```", q2.id)
+    md = export_markdown(store, chat.id)
+    assert "   pip ins\n   ```\n" in md and unclosed_fence(md[: md.index("### #3 · User")]) is None
+    assert "```md\n### #9 · User\n```" in md  # the code as written
+
+
 def test_markdown_says_why_a_figure_is_na(store):
     chat = store.create_chat("n/a", "", SamplingParams(temperature=0.0, max_new_tokens=4))
     u = store.add_message(chat.id, "user", "Hi", None)
