@@ -150,12 +150,17 @@ class SettingsStore:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.unknown: dict[str, Any] = {}  # keys of the file this version does not know (a newer one's)
-        self._seen: Optional[dict[str, Any]] = None  # the file's values as this window last read or wrote them
+        self._seen: Optional[dict[str, Any]] = None  # the settings as this window last read or wrote them
+        self._fell_back: set[str] = set()  # fields the last load could not use (written at the next save)
 
     def load(self) -> tuple[Settings, list[str]]:
         """The saved settings (defaults where missing or invalid) and notices for the user."""
-        self._seen = {}
+        self._fell_back = set()
         settings, notices = self._load()
+        seen = settings.to_dict()
+        for name in self._fell_back:  # their defaults count as changes: the next save writes them
+            seen.pop(name, None)
+        self._seen = seen
         return settings, notices
 
     def _load(self) -> tuple[Settings, list[str]]:
@@ -176,7 +181,6 @@ class SettingsStore:
             data = self._parse(text)
         except _Unreadable as exc:
             return Settings(), self._aside("corrupt", str(exc), notices)
-        self._seen = dict(data)  # as the file held them: a value that fell back differs, and is written
         version = data.get("version", SETTINGS_VERSION)
         if version > SETTINGS_VERSION:  # checked before the fields: a newer file may use values we do not know
             return Settings(), self._aside(
@@ -189,6 +193,7 @@ class SettingsStore:
         if bad:  # each falls back alone; the file as it was is kept beside it
             for name in bad:
                 del data[name]
+            self._fell_back |= set(bad)
             self._copy_aside("; ".join(bad.values()), notices)
         return self._settings(data, notices), notices
 
@@ -244,6 +249,7 @@ class SettingsStore:
                 log.warning("settings file %s: invalid %s: %s", self.path, what, exc)
                 notices.append(f"The saved {what} in {self.path} were invalid ({exc}); defaults are used.")
                 setattr(s, name, default())
+                self._fell_back.add(name)
                 if name == "sampling":
                     s.sampling_saved = False  # so the defaults are the chat defaults, as the notice says
         return s

@@ -47,6 +47,19 @@ def test_two_windows_on_one_file_keep_each_other_s_changes(path):
     assert SettingsStore(path).load()[0].theme == "system"
 
 
+def test_two_windows_keep_each_other_s_changes_on_a_first_run_too(path):
+    """With no settings file yet, every field counted as changed, and the second save undid the first's."""
+    first, second = SettingsStore(path), SettingsStore(path)
+    a, _ = first.load()
+    b, _ = second.load()
+    b.theme = "dark"
+    second.save(b)
+    a.system_prompt = "Be brief."
+    first.save(a)
+    now, _ = SettingsStore(path).load()
+    assert (now.theme, now.system_prompt) == ("dark", "Be brief.")
+
+
 def test_round_trip(path):
     s = Settings(
         theme="dark",
