@@ -112,6 +112,9 @@ def resolved(options: Any, info: Any) -> Any:
     return options.with_(**fill) if fill else options
 
 
+ELSEWHERE = "another Gapless window or the command line"  # what can change the database under the window
+
+
 class ChatFlow(QObject):
     chatsChanged = Signal()  # titles, order or membership of the chat list changed
     chatOpened = Signal(object)  # chat id or None
@@ -172,14 +175,14 @@ class ChatFlow(QObject):
         self.open_chat(None)
 
     def rename_chat(self, chat_id: int, title: str) -> None:
-        self._guard(lambda: self.store.rename_chat(chat_id, title))
+        self._guard(lambda: self.store.rename_chat(chat_id, title), chat_id)
         self.chatsChanged.emit()
 
     def delete_chat(self, chat_id: int) -> None:
         if self.answer is not None and self.answer.chat_id == chat_id:
             self.answer.discarded = True
             self.stop()
-        if self._guard(lambda: self.store.delete_chat(chat_id)) is False:
+        if self._guard(lambda: self.store.delete_chat(chat_id), chat_id) is False:
             return
         self.chatsChanged.emit()
         if chat_id == self.chat_id:
@@ -391,7 +394,7 @@ class ChatFlow(QObject):
         except StoreError as exc:
             self.failed.emit(str(exc))
             return False
-        if self.chat_id is not None and user.chat_id != self.chat_id:  # it went meanwhile (deleted elsewhere)
+        if user.chat_id != self.chat_id:  # it went meanwhile (deleted elsewhere: a new chat is open)
             return False
         info = getattr(self.controller, "info", None)
         request_id = self.controller.generate(messages, sampling, overflow=overflow)
@@ -501,7 +504,7 @@ class ChatFlow(QObject):
                 )
         except NotFound:  # its chat was deleted elsewhere meanwhile
             self._end()
-            self._changed_elsewhere(a.chat_id)
+            self._changed_elsewhere(a.chat_id, answer=True)
             return
         except StoreError as exc:
             self.failed.emit(f"The answer could not be saved: {exc}")
@@ -536,7 +539,7 @@ class ChatFlow(QObject):
         if a.chat_id == self.chat_id:
             self.reload()
 
-    def _changed_elsewhere(self, chat_id: Optional[int] = None) -> None:
+    def _changed_elsewhere(self, chat_id: Optional[int] = None, answer: bool = False) -> None:
         """What was on screen (or `chat_id`, an answer's chat) was deleted by another window or the command line
         (they share the database): the chat is shown as it is now, or a new chat opens where it is gone. Said
         once, however many calls find it."""
@@ -544,10 +547,10 @@ class ChatFlow(QObject):
             return
         self._mending = True
         try:
-            if chat_id is not None and chat_id != self.chat_id:  # not the chat on screen: an answer's, now gone
+            if chat_id is not None and chat_id != self.chat_id:  # not the chat on screen (one in the list)
                 self.failed.emit(
-                    "The chat an answer was being written into was deleted elsewhere (another Gapless window or "
-                    "the command line); the answer is not kept"
+                    f"That chat or its message was deleted elsewhere ({ELSEWHERE})"
+                    + ("; the answer is not kept" if answer else "")
                 )
                 self.chatsChanged.emit()
                 return
@@ -558,12 +561,13 @@ class ChatFlow(QObject):
                 gone = True
             except StoreError:
                 gone = False
-            where = "another Gapless window or the command line"
             if gone:
-                self.failed.emit(f"This chat was deleted elsewhere ({where}); a new chat is open")
+                self.failed.emit(f"This chat was deleted elsewhere ({ELSEWHERE}); a new chat is open")
                 self.open_chat(None)
             else:
-                self.failed.emit(f"A message of this chat was deleted elsewhere ({where}); it is shown as it is now")
+                self.failed.emit(
+                    f"A message of this chat was deleted elsewhere ({ELSEWHERE}); it is shown as it is now"
+                )
                 self.reload()
             self.chatsChanged.emit()
         finally:
@@ -582,15 +586,16 @@ class ChatFlow(QObject):
             if any(isinstance(s.last_error, NotFound) for s in a.savers):  # deleted elsewhere: stop writing into it
                 a.discarded = True
                 self.controller.cancel()
-                self._changed_elsewhere(a.chat_id)
+                self._changed_elsewhere(a.chat_id, answer=True)
 
-    def _guard(self, fn):
-        """Run a store call; a StoreError becomes a message for the user (and a falsy result)."""
+    def _guard(self, fn, chat_id: Optional[int] = None):
+        """Run a store call about `chat_id` (default: the chat on screen); a StoreError becomes a message for
+        the user (and a falsy result)."""
         try:
             return fn()
         except NotFound as exc:
             log.info("chat store: %s", exc)
-            self._changed_elsewhere()
+            self._changed_elsewhere(chat_id)
             return False
         except StoreError as exc:
             log.error("chat store: %s", exc)

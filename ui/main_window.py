@@ -754,6 +754,9 @@ class MainWindow(QMainWindow):
         if source == "default" and self.fetcher is not None and not self.fetcher.is_cached():
             self._start_fetch()
             return
+        self._ask_load(source)
+
+    def _ask_load(self, source: str) -> None:
         self.controller.load(source, self._options_to_load())
         self._asked_loads.append(source)  # the worker loads them in this order
         # Chat waits from now, not from when the worker starts the load: a message sent in between would be
@@ -786,7 +789,7 @@ class MainWindow(QMainWindow):
 
     def _fetch_finished(self, _path: str) -> None:
         self._close_fetch_dialog()
-        self.controller.load("default", self._options_to_load())
+        self._ask_load("default")
 
     def _fetch_failed(self, message: str) -> None:
         cancelled = self._fetch_dialog is not None and self._fetch_dialog.cancelled

@@ -523,8 +523,9 @@ def test_clicks_on_a_chat_deleted_elsewhere_say_so(qtbot, app):
     w = app.window
     send(qtbot, app, "hello")
     question, answer = [m.item for m in w.chat_view.messages()]
+    gone = w.flow.chat_id
     other = ChatStore(app.paths.database)
-    other.delete_chat(w.flow.chat_id)
+    other.delete_chat(gone)
     other.close()
     told: list[str] = []
     w.flow.failed.connect(told.append)
@@ -538,6 +539,12 @@ def test_clicks_on_a_chat_deleted_elsewhere_say_so(qtbot, app):
         told.clear()
         click()
         assert told and "deleted elsewhere" in told[0] and not w.flow.generating
+    send(qtbot, app, "a chat of its own")  # renaming the gone one from the list says so, and leaves this one be
+    shown = w.flow.chat_id
+    told.clear()
+    w.flow.rename_chat(shown + 100, "renamed")  # an id no chat has (SQLite gives a deleted last id out again)
+    assert told == ["That chat or its message was deleted elsewhere (another Gapless window or the command line)"]
+    assert w.flow.chat_id == shown and len(w.chat_view.messages()) == 2
 
 
 def test_the_ladder_cannot_start_while_another_model_loads(qtbot, app, tmp_path):
