@@ -121,7 +121,7 @@ class AppServer(QObject):
 
     def _on_loaded(self, info: Any, _unavailable: Any) -> None:
         if self.engines is not None:
-            self.engines.model_id = self.engines.engine_name = info.name
+            self.engines.serve(info.name)
 
     def _poll(self) -> None:
         if self.engines is None or self.server is None:

@@ -97,10 +97,13 @@ class EngineQueue:
             raise ValueError("max_waiting must be >= 0")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.model_id = model_id if model_id is not None else engine.info.name
-        # The model the engine runs (model_id may be another name for it): a request runs on that model or not
-        # at all. The app's server changes it when the app loads another model.
-        self.engine_name: Optional[str] = engine.info.name if engine is not None else model_id
+        # The name clients use (model_id) and the name of the model the engine runs (engine_name; model_id may
+        # be another name for it): a request runs on the model it was accepted for or not at all. One tuple, so
+        # a request never reads one name from before a change and the other from after it.
+        self.names: tuple[str, Optional[str]] = (
+            model_id if model_id is not None else engine.info.name,
+            engine.info.name if engine is not None else model_id,
+        )
         self.stats = ServerStats()
         self._run_on_engine = run_on_engine or (lambda fn: fn(self.engine))
         self._lock = threading.Lock()
@@ -111,6 +114,22 @@ class EngineQueue:
         self._shutting_down = False
         self._thread = threading.Thread(target=self._loop, name="gapless-serve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def model_id(self) -> str:
+        return self.names[0]
+
+    @model_id.setter
+    def model_id(self, name: str) -> None:  # another name for the same model (--served-model-name)
+        self.names = (name, self.names[1])
+
+    @property
+    def engine_name(self) -> Optional[str]:
+        return self.names[1]
+
+    def serve(self, name: str) -> None:
+        """The engine runs another model now, served under its own name."""
+        self.names = (name, name)
 
     def submit(self, job: Job) -> None:
         with self._lock:

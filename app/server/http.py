@@ -232,7 +232,9 @@ class Api:
 
     async def complete(self, request: HttpRequest, chat: bool) -> Response:
         self.check_key(request)
-        req = parse_request(await self.read_json(request), chat, self.engines.model_id)
+        body = await self.read_json(request)
+        model_id, engine_name = self.engines.names  # together: a model switch between them changes neither
+        req = parse_request(body, chat, model_id)
         loop = asyncio.get_running_loop()
         items: "asyncio.Queue[Item]" = asyncio.Queue()
         cancel = threading.Event()
@@ -243,7 +245,7 @@ class Api:
             except RuntimeError:  # the event loop is gone: the server is stopping
                 cancel.set()
 
-        job = Job(req, sink, cancel)
+        job = Job(req, sink, cancel, engine_name=engine_name)
         try:
             self.engines.submit(job)
         except QueueFull as exc:
