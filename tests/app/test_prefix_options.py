@@ -20,7 +20,9 @@ def test_the_flags_reach_the_options():
         ).prefix_reuse
         is False
     )
-    assert config_from_args(p.parse_args(["bench"])).prefix_reuse is True
+    # the bench reads the whole prompt in every timed run unless asked to reuse it
+    assert config_from_args(p.parse_args(["bench"])).prefix_reuse is False
+    assert config_from_args(p.parse_args(["bench", "--prefix-reuse"])).prefix_reuse is True
     assert config_from_args(p.parse_args(["bench", "--no-prefix-reuse"])).prefix_reuse is False
 
 
