@@ -25,7 +25,6 @@ from PySide6.QtGui import (
     QTextDocument,
     QTextOption,
 )
-from PySide6.QtGui import Qt as GuiQt  # the namespace with convertFromPlainText
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -40,6 +39,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.fences import FENCE, closes
+from ui.plain_text import show_tip
 from ui.theme import LIGHT, Colors
 
 MARKDOWN_FEATURES = QTextDocument.MarkdownFeature.MarkdownDialectGitHub | QTextDocument.MarkdownFeature.MarkdownNoHTML
@@ -391,7 +391,7 @@ class ProseView(QTextBrowser):
         if event.type() == QEvent.Type.ToolTip and isinstance(event, QHelpEvent):
             where = self.tooltip_at(event.pos())
             if where:
-                QToolTip.showText(event.globalPos(), GuiQt.convertFromPlainText(where), self.viewport())
+                show_tip(event.globalPos(), where, self.viewport())
             else:
                 QToolTip.hideText()
             return True

@@ -71,6 +71,11 @@ def tooltip_of(widget: QWidget, pos: QPoint) -> str:
     return ""
 
 
+def show_tip(global_pos: QPoint, tip: str, widget: QWidget) -> None:
+    """Show `tip` as the text it is (never as HTML)."""
+    QToolTip.showText(global_pos, GuiQt.convertFromPlainText(tip), widget)
+
+
 class PlainTextGuard(QObject):
     """Makes every QLabel left to guess plain text as it is first shown, and shows tooltips as plain text."""
 
@@ -82,7 +87,7 @@ class PlainTextGuard(QObject):
         elif kind == QEvent.Type.ToolTip and isinstance(obj, QWidget) and isinstance(event, QHelpEvent):
             tip = tooltip_of(obj, event.pos())
             if tip:
-                QToolTip.showText(event.globalPos(), GuiQt.convertFromPlainText(tip), obj)
+                show_tip(event.globalPos(), tip, obj)
                 return True
         return False  # nothing found: Qt's own handling (which finds nothing either, or a tip of its own making)
 
