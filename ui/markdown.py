@@ -23,6 +23,7 @@ from PySide6.QtGui import (
     QTextCharFormat,
     QTextCursor,
     QTextDocument,
+    QTextFormat,
     QTextOption,
 )
 from PySide6.QtWidgets import (
@@ -347,6 +348,7 @@ class ProseView(QTextBrowser):
             self.document().setPlainText(text)
         else:
             self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
+            images_as_text(self.document())
 
     def _wrap_for(self, text: str) -> None:
         """Break anywhere where a word is longer than a line could be (a hex dump, minified code): laying out one
@@ -412,6 +414,35 @@ class ProseView(QTextBrowser):
         h = int(self.document().size().height()) + 2 * self.frameWidth()
         if h != self.height():
             self.setFixedHeight(max(h, 1))
+
+
+IMAGE_TEXT = "[image: {}]"  # an answer's image, never loaded, shown by its alt text
+IMAGE_NO_ALT = "[image]"
+
+
+def images_as_text(document: QTextDocument) -> int:
+    """Each image of a markdown document replaced by its alt text, in italics. The image is never read, and a blank
+    in its place left a reader with nothing where the answer had said something. Returns how many were replaced."""
+    spots: list[tuple[int, QTextCharFormat]] = []
+    block = document.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            fragment = it.fragment()
+            if fragment.charFormat().isImageFormat():
+                spots.extend((fragment.position() + i, fragment.charFormat()) for i in range(fragment.length()))
+            it += 1
+        block = block.next()
+    for position, image in reversed(spots):  # from the end, so the positions before stay valid
+        alt = str(image.property(QTextFormat.Property.ImageAltText) or "").strip()
+        text = IMAGE_TEXT.format(" ".join(alt.split())) if alt else IMAGE_NO_ALT
+        shown = QTextCharFormat()
+        shown.setFontItalic(True)
+        cursor = QTextCursor(document)
+        cursor.setPosition(position)
+        cursor.setPosition(position + 1, QTextCursor.MoveMode.KeepAnchor)
+        cursor.insertText(text, shown)
+    return len(spots)
 
 
 def open_link(url: QUrl) -> bool:

@@ -173,6 +173,16 @@ def test_an_answer_s_image_is_never_read(qtbot, tmp_path, monkeypatch):
     assert "A picture:" in view.text
 
 
+def test_an_answer_s_image_is_shown_by_its_alt_text(qtbot):
+    """An image was drawn as a transparent pixel: where the answer showed a chart or a diagram the reader saw
+    nothing, not even that something was there. Its alt text is shown instead, as plain text."""
+    view = SegmentsView("Before ![a  bar chart of <b>sales</b>](chart.png) after\n\n![y](y.png)![z](z.png)")
+    qtbot.addWidget(view)
+    prose = view._widgets[0]
+    assert prose.toPlainText() == "Before [image: a bar chart of <b>sales</b>] after\n[image: y][image: z]"
+    assert "\ufffc" not in prose.toPlainText()  # no object (image) character left
+
+
 @pytest.mark.parametrize(
     "url, opened",
     [
