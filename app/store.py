@@ -46,6 +46,12 @@ def _check_length(text: str, what: str, limit: int) -> None:
         raise StoreError(f"{what} is {len(text):,} characters long; at most {limit:,} are allowed")
 
 
+_CHAT_COLUMNS_V5 = "id, title, created, updated, system_prompt, sampling_json, active_leaf_id, overflow_policy"
+_MESSAGE_COLUMNS_V5 = (
+    "id, chat_id, parent_id, role, content, status, created, updated, options_json, metrics_json, "
+    "candidate_group, candidate_index, model_name, owner"
+)
+
 # MIGRATIONS[v] takes a database from schema v-1 to v. Never edit a shipped step; append a new one.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -96,6 +102,46 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE messages ADD COLUMN owner TEXT",
         # The model a compare row's generation ran on (NULL: kept before rows named it).
         "ALTER TABLE compare_rows ADD COLUMN model TEXT",
+    ),
+    # Ids never come back: a rowid table gave the newest chat's (or message's) id to the next one made after it
+    # was deleted, so a second window still holding the old id wrote into, stopped or deleted the new one.
+    # SQLite cannot add AUTOINCREMENT to a table: both are made again (with foreign keys off, see _migrate).
+    5: (
+        """CREATE TABLE chats_v5 (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            title TEXT NOT NULL,
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            system_prompt TEXT NOT NULL DEFAULT '',
+            sampling_json TEXT,
+            active_leaf_id INTEGER,
+            overflow_policy TEXT
+        )""",
+        f"INSERT INTO chats_v5 ({_CHAT_COLUMNS_V5}) SELECT {_CHAT_COLUMNS_V5} FROM chats",
+        """CREATE TABLE messages_v5 (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+            parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL DEFAULT '',
+            status TEXT NOT NULL DEFAULT 'done' CHECK (status IN ('done', 'streaming', 'stopped', 'error')),
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            options_json TEXT,
+            metrics_json TEXT,
+            candidate_group INTEGER,
+            candidate_index INTEGER,
+            model_name TEXT,
+            owner TEXT
+        )""",
+        f"INSERT INTO messages_v5 ({_MESSAGE_COLUMNS_V5}) SELECT {_MESSAGE_COLUMNS_V5} FROM messages",
+        "DROP TABLE messages",
+        "DROP TABLE chats",
+        "ALTER TABLE chats_v5 RENAME TO chats",
+        "ALTER TABLE messages_v5 RENAME TO messages",
+        "CREATE INDEX messages_by_chat ON messages(chat_id, id)",
+        "CREATE INDEX messages_by_parent ON messages(parent_id, id)",
+        "CREATE INDEX chats_by_updated ON chats(updated DESC, id DESC)",
     ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
@@ -430,6 +476,10 @@ class ChatStore:
     def _migrate(self, db: sqlite3.Connection, version: int) -> None:
         if version == SCHEMA_VERSION:
             return
+        # A step may make a table again: with foreign keys on, dropping the old chats would delete every message.
+        # The pragma is a no-op inside a transaction, so it is set around it, and the keys are checked before
+        # the step commits.
+        db.execute("PRAGMA foreign_keys = OFF")
         db.execute("BEGIN IMMEDIATE")
         try:
             # Another process may have migrated between our read and the lock.
@@ -438,11 +488,16 @@ class ChatStore:
                 for statement in MIGRATIONS[step]:
                     db.execute(statement)
                 log.info("chat database %s migrated to schema %d", self.path, step)
+            broken = db.execute("PRAGMA foreign_key_check").fetchall()
+            if broken:  # kept as they were (a row whose parent is gone), but said
+                log.warning("chat database %s: %d rows refer to rows that are gone", self.path, len(broken))
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        finally:
+            db.execute("PRAGMA foreign_keys = ON")
 
     def _open_error(self, exc: sqlite3.Error) -> StoreError:
         folder = self.path.parent

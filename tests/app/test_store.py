@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 from chat_threads import chain, streaming_answer
 
-from app.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, CompareHistory, StoreError, StreamSaver
+from app.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, CompareHistory, NotFound, StoreError, StreamSaver
 from engine.types import EngineOptions, GenerationMetrics, SamplingParams
 
 
@@ -269,7 +269,65 @@ def test_a_schema_2_database_gains_the_compare_history_and_keeps_its_chats(tmp_p
         history = CompareHistory(s)
         assert history.rows() == []
         history.add(1, "eager", EngineOptions(device="cpu"), metrics(20.0))
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+
+
+def test_an_id_is_never_given_again_after_its_chat_or_message_is_deleted(tmp_path):
+    """A rowid table gave the newest chat's id, and the newest message's, to the next one made: a second window
+    still holding the deleted chat's id sent its messages into the new chat, its Stop deleted the new chat's
+    answer, and a delete from its stale chat list deleted the new chat."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as window_a, ChatStore(path) as window_b:
+        old = window_a.create_chat("medical")
+        question = window_a.add_message(old.id, "user", "q", None)
+        answer = window_a.add_message(old.id, "assistant", "", question.id, status="streaming")
+        window_b.delete_chat(old.id)
+        new = window_b.create_chat("taxes")
+        asked = window_b.add_message(new.id, "user", "q2", None)
+        answered = window_b.add_message(new.id, "assistant", "a2", asked.id)
+        assert new.id != old.id and {asked.id, answered.id}.isdisjoint({question.id, answer.id})
+        with pytest.raises(NotFound):  # window A's stale ids find nothing of window B's
+            window_a.get_chat(old.id)
+        with pytest.raises(NotFound):
+            window_a.delete_message(answer.id)
+        with pytest.raises(NotFound):  # a stale list's delete deletes nothing else
+            window_a.delete_chat(old.id)
+        assert [m.content for m in window_b.thread(new.id)] == ["q2", "a2"]
+    with ChatStore(path) as reopened:  # nor after a restart
+        reopened.delete_chat(new.id)
+        assert reopened.create_chat("next").id > new.id
+
+
+def test_a_schema_4_database_keeps_every_chat_message_and_branch_when_its_ids_stop_being_reused(tmp_path):
+    path = tmp_path / "v4.sqlite3"
+    db = sqlite3.connect(path)
+    for step in (1, 2, 3, 4):
+        for statement in MIGRATIONS[step]:
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 4")
+    db.executescript(
+        """
+        INSERT INTO chats VALUES (3, 'branched', 1, 2, 'be brief', '{"temperature": 0.5}', 12, 'rolling');
+        INSERT INTO chats VALUES (7, 'second', 1, 3, '', NULL, NULL, NULL);
+        INSERT INTO messages VALUES (10, 3, NULL, 'user', 'q', 'done', 1, 1, NULL, NULL, NULL, NULL, NULL, NULL);
+        INSERT INTO messages VALUES (11, 3, 10, 'assistant', 'a1', 'stopped', 1, 1, '{}', '{}', 5, 0, 'm', NULL);
+        INSERT INTO messages VALUES (12, 3, 10, 'assistant', 'a2', 'done', 1, 1, NULL, NULL, 5, 1, 'm', NULL);
+        """
+    )
+    db.commit()
+    db.close()
+    with ChatStore(path) as s:
+        assert [(c.id, c.title) for c in s.list_chats()] == [(7, "second"), (3, "branched")]
+        chat = s.get_chat(3)
+        assert (chat.system_prompt, chat.active_leaf_id) == ("be brief", 12)
+        assert [(m.id, m.content, m.status) for m in s.thread(3)] == [(10, "q", "done"), (12, "a2", "done")]
+        assert [m.content for m in s.thread(3, 11)] == ["q", "a1"]
+        s.delete_chat(7)
+        assert s.create_chat("after").id == 8  # past the largest id the old table had
+        s.delete_chat(3)  # foreign keys still cascade
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_compare_rows_round_trip_and_clear(tmp_path):
