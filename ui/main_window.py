@@ -11,9 +11,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
-from PySide6.QtCore import QByteArray, QEvent, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QEvent, QPoint, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
+    QApplication,
     QDockWidget,
     QFileDialog,
     QFrame,
@@ -99,6 +100,7 @@ def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[
 METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
 
 
+MAX_TAB_STOPS = 5000  # a bound on the focus chain's walk
 FIT_SCREEN_SHARE = 0.5  # of the screen's height, the most the options take before they scroll
 
 
@@ -116,6 +118,7 @@ class FitScrollArea(QScrollArea):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self.setWidgetResizable(False)
         self.setWidget(widget)
+        self.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # Tab goes to the panel's controls, scrolled into view
         widget.installEventFilter(self)
 
     def eventFilter(self, obj, event) -> bool:
@@ -231,7 +234,7 @@ class MainWindow(QMainWindow):
         self.chat_settings_button = QPushButton("Chat settings…", self)
         self.chat_settings_button.setToolTip("System prompt and sampling parameters of this chat")
         self.chat_settings_button.clicked.connect(self.open_chat_settings)
-        header = QWidget(self)
+        header = self._header = QWidget(self)
         header.setObjectName("chatHeader")
         hl = QHBoxLayout(header)
         hl.setContentsMargins(24, 8, 16, 8)
@@ -1090,6 +1093,53 @@ class MainWindow(QMainWindow):
         ):
             self._dock_share = self.options_dock.width() / self.width()  # the user dragged the edge
         return super().eventFilter(obj, event)
+
+    # ---- keyboard ------------------------------------------------------------------------------------
+
+    def tab_stops(self) -> list[QWidget]:
+        """The widgets Tab visits, in reading order: the chats, the chat's header, the conversation from top to
+        bottom, the composer, then the panels. Qt's own order is the order widgets were made, which put every
+        message (made as the chat grows) after the panels, and the earlier messages of a long chat after the later."""
+        regions: list[QWidget] = [self.chat_list, self._header, self.chat_view, self.composer, self.model_panel]
+        regions += [d for d in (self.options_dock, self.hud_dock, getattr(self, "server_dock", None)) if d is not None]
+        found: list[tuple[tuple[int, ...], QWidget]] = []
+        w: Optional[QWidget] = self.nextInFocusChain()
+        while w is not None and w is not self and len(found) < MAX_TAB_STOPS:
+            stop = (
+                w.focusPolicy().value & Qt.FocusPolicy.TabFocus.value
+                and w.focusProxy() is None
+                and w.isVisible()
+                and w.isEnabled()
+                and w.window() is self  # a floating dock is a window of its own, with its own order
+            )
+            if stop:
+                rank = next((n for n, r in enumerate(regions) if r is w or r.isAncestorOf(w)), len(regions))
+                where = (0, 0, 0)
+                if rank < len(regions) and regions[rank] is self.chat_view and w is not self.chat_view:
+                    at = w.mapTo(self.chat_view, QPoint(0, 0))
+                    where = (1, at.y(), at.x())
+                found.append(((rank, *where, len(found)), w))
+            w = w.nextInFocusChain()
+        return [w for _key, w in sorted(found, key=lambda f: f[0])]
+
+    def focusNextPrevChild(self, forward: bool) -> bool:
+        stops = self.tab_stops()
+        here = QApplication.focusWidget()
+        at = None
+        if here is not None:
+            at = next((n for n, w in enumerate(stops) if w is here), None)
+            if at is None:  # inside a stop (a spin box's line edit)
+                at = next((n for n, w in enumerate(stops) if w.isAncestorOf(here)), None)
+        if at is None:
+            return super().focusNextPrevChild(forward)
+        target = stops[(at + (1 if forward else -1)) % len(stops)]
+        target.setFocus(Qt.FocusReason.TabFocusReason if forward else Qt.FocusReason.BacktabFocusReason)
+        parent = target.parentWidget()
+        while parent is not None and parent is not self:  # the conversation and the panels scroll it into view
+            if isinstance(parent, QScrollArea):
+                parent.ensureWidgetVisible(target)
+            parent = parent.parentWidget()
+        return True
 
     def closeEvent(self, event) -> None:
         self.flow.stop()

@@ -477,6 +477,41 @@ def test_the_keyboard_focus_stays_where_the_user_types(qtbot, app):
     assert question.more_button.accessibleName() == "More actions"
 
 
+def test_tab_reads_the_window_in_order_and_skips_what_takes_no_keys(qtbot, app):
+    """Qt's Tab order is the order widgets were made: every message came after the panels and the HUD (made
+    as the chat grows), a long chat's earlier messages after its later ones, and the six plots and the two docks'
+    scroll areas were stops where a key does nothing."""
+    from PySide6.QtWidgets import QApplication
+    from test_long_chat_view import chat
+
+    from ui.hud.series_view import MeteredPlotWidget
+    from ui.main_window import FitScrollArea
+
+    w = app.window
+    send(qtbot, app, "hello")
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow, timeout=TIMEOUT_MS)
+    question, answer = (m.body._widgets[0] for m in w.chat_view.messages())
+    qtbot.waitUntil(answer.isVisible, timeout=TIMEOUT_MS)  # a widget laid out at the answer's end shows queued
+    w.composer.edit.setFocus()
+    qtbot.keyClick(w.composer.edit, Qt.Key.Key_Backtab)  # Shift+Tab from the composer: the answer above it
+    assert w.chat_view.messages()[-1].isAncestorOf(QApplication.focusWidget())
+    stops = w.tab_stops()
+    while QApplication.focusWidget() is not question:  # up through the answer's actions to the question
+        at = stops.index(QApplication.focusWidget())
+        qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Backtab)
+        assert QApplication.focusWidget() is stops[at - 1] and w.chat_view.isAncestorOf(stops[at - 1])
+    assert stops.index(w.chat_list.search) < stops.index(w.chat_settings_button) < stops.index(w.chat_view)
+    assert stops.index(w.chat_view) < stops.index(question) < stops.index(answer) < stops.index(w.composer.edit)
+    assert stops.index(w.composer.send_button) + 1 == stops.index(w.model_panel.open_file_button)
+    assert not [s for s in stops if isinstance(s, (FitScrollArea, MeteredPlotWidget))]
+    w.chat_view.set_messages(chat(60))
+    w.chat_view.show_earlier(20)  # built after the last forty, shown above them
+    QApplication.processEvents()
+    read = [m for s in w.tab_stops() for m in w.chat_view.messages() if m.isAncestorOf(s)]
+    assert [m.item.id for m in dict.fromkeys(read)] == list(range(60))
+
+
 def test_a_chat_deleted_elsewhere_while_an_answer_streams_into_it(qtbot, tmp_path, tiny_llama, monkeypatch):
     """Another window on the same data folder deleted the chat mid-answer: every save failed, a traceback ended
     the answer, the view stayed on "generating…" and the next send failed with "no chat with id 1"."""

@@ -75,6 +75,7 @@ class LivePlots(PaletteFollower):
         for text, seconds in WINDOWS:
             self.window_box.addItem(text, seconds)
         self.window_box.setCurrentIndex(2)
+        self.window_box.setAccessibleName("Time shown")
         self.window_box.currentIndexChanged.connect(self._window_changed)
         # No setXLink: pyqtgraph links views by screen position, which goes wrong while some are hidden.
         # paint() gives every plot the same time range instead.

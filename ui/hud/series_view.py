@@ -82,6 +82,7 @@ class MeteredPlotWidget(pg.PlotWidget):
 
     def __init__(self, on_paint: Callable[[float], None], clock: Callable[[], float] = time.thread_time):
         super().__init__()
+        self.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # nothing in a plot answers a key: not a Tab stop
         self._on_paint = on_paint
         self._clock = clock
 
