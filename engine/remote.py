@@ -9,6 +9,7 @@ model runs on another machine. The API key goes in the Authorization header only
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -16,7 +17,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 from urllib.parse import urlsplit
 
 import httpx
@@ -50,6 +51,11 @@ NO_USAGE = "the server reported no token usage"  # why the counts (and what need
 CANCEL_POLL_S = 0.05  # how often a generation waiting for the server looks at its cancel event
 CONNECT_TIMEOUT_S = 10.0  # to open a connection: a host that is down or unreachable is said so without a long wait
 LIST_TIMEOUT_S = 30.0  # GET /models when a remote model is opened: the app waits on it, with no way to stop it
+MAX_LINE_CHARS = 16 * 2**20  # of one line of an answer's event stream (a token's event is a few hundred)
+MAX_ERROR_BYTES = 2**20  # of an error body read for its message
+BURST_GAP_MS = 0.2  # text events all closer than this came in one read: their arrival times time nothing
+BURST = "the text arrived in one burst (the server or a proxy held the stream back): nothing to time"
+USAGE_GRACE_S = 2.0  # after every answer ended, the most the usage is waited for (a server may never send [DONE])
 METRICS_TIMEOUT_S = 2.0  # vLLM's /metrics: read beside the answer, which never waits longer for it
 # The sampling settings OpenAI's API lacks, under the names of the servers known to take them (recognised by the
 # `owned_by` of their model list). OpenAI's own API refuses fields it does not know, so other servers get neither;
@@ -208,8 +214,11 @@ class RemoteEngine:
         self._metrics_timeout_s = min(METRICS_TIMEOUT_S, source.timeout_s)
         timeout = httpx.Timeout(source.timeout_s, connect=self._connect_timeout_s)
         self._client = httpx.Client(headers=headers, timeout=timeout, transport=transport)
+        self._headers, self._timeout = headers, timeout  # for the answers' own clients (_pump)
+        self._requests: set[_Request] = set()  # answers being read: close() ends them
         self._context_length = 0
         self._extensions: dict[str, str] = {}  # SAMPLING_EXTENSIONS of this server
+        self._gapless = False  # the server lists the model as a Gapless server's: its x_gapless figures are read
         self._vllm: Optional[VllmMetrics] = None
         self.tokenizer = None
 
@@ -267,8 +276,8 @@ class RemoteEngine:
             )
         try:
             listed = r.json()["data"]
-            ids = {m["id"]: m for m in listed}
-        except (ValueError, KeyError, TypeError) as exc:
+            ids = {m["id"]: m for m in listed if isinstance(m, dict)}
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ModelLoadError(f"{url} did not answer with an OpenAI model list") from exc
         if self.source.model not in ids:
             names = ", ".join(sorted(ids)[:8]) or "none"
@@ -276,9 +285,12 @@ class RemoteEngine:
                 f"the remote server at {self.source.base_url} has no model {self.source.model!r}; it serves: {names}"
             )
         entry = ids[self.source.model]
-        ctx = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx_train") or entry.get("context_length")
+        meta = entry.get("meta")
+        meta = meta if isinstance(meta, dict) else {}
+        ctx = entry.get("max_model_len") or meta.get("n_ctx_train") or entry.get("context_length")
         self._context_length = int(ctx) if isinstance(ctx, int) and ctx > 0 else 0
         self._extensions = _sampling_extensions(entry)
+        self._gapless = entry.get("owned_by") == "gapless"
         self._probe_vllm()
 
     def _probe_vllm(self) -> None:
@@ -404,9 +416,10 @@ class RemoteEngine:
         reader: Optional[threading.Thread] = None
         path = "/completions" if raw else "/chat/completions"
         lines: "queue.Queue[tuple[str, Any, float]]" = queue.Queue()
-        stop_reading = threading.Event()
+        request = _Request()
+        self._requests.add(request)
         pump = threading.Thread(
-            target=self._pump, args=(path, body, lines, stop_reading), daemon=True, name="gapless-remote-read"
+            target=self._pump, args=(path, body, lines, request), daemon=True, name="gapless-remote-read"
         )
         try:
             pump.start()
@@ -415,7 +428,7 @@ class RemoteEngine:
                     kind, value, t = lines.get(timeout=CANCEL_POLL_S)
                 except queue.Empty:
                     kind = "wait"
-                if cancel.is_set():  # a stalled server must not hold up a stop: the reader is left to end alone
+                if cancel.is_set():  # a stalled server must not hold up a stop: its request is ended below
                     stream.cancelled = True
                     break
                 if kind == "error":
@@ -428,6 +441,12 @@ class RemoteEngine:
                         reader.start()
                     if stream.done:
                         break
+                if stream.all_finished and stream.finished_at is None:
+                    stream.finished_at = time.perf_counter()
+                if stream.finished_at is not None and (
+                    stream.usage is not None or time.perf_counter() - stream.finished_at > USAGE_GRACE_S
+                ):
+                    break  # every answer ended and its usage came (or did not within the grace): no [DONE] needed
         except _Garbage as exc:
             raise GenerationError(self._dropped(stream, str(exc))) from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # before TimeoutException, its base class
@@ -445,7 +464,7 @@ class RemoteEngine:
         except httpx.HTTPError as exc:
             raise GenerationError(self._dropped(stream, f"failed: {_why(exc)}")) from exc
         finally:
-            stop_reading.set()
+            request.end()
         if stream.error:
             raise GenerationError(self._dropped(stream, f"reported an error: {stream.error}"))
         if not stream.done and not stream.cancelled and not stream.all_finished:
@@ -465,26 +484,37 @@ class RemoteEngine:
             )
         return result
 
-    def _pump(self, path: str, body: dict, lines: "queue.Queue[tuple[str, Any, float]]", stop: threading.Event) -> None:
+    def _pump(self, path: str, body: dict, lines: "queue.Queue[tuple[str, Any, float]]", request: "_Request") -> None:
         """The HTTP stream's lines with their arrival times, read on a thread of their own; then "end", or
-        "error" with the exception."""
-        try:
-            with self._client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    raise RemoteRefused(
-                        f"the remote server refused the request (HTTP {r.status_code}): {_error_text(r)}",
-                        r.status_code,
-                        *_error_fields(r),
-                        retry_after=r.headers.get("retry-after"),
-                    )
-                for line in r.iter_lines():
-                    lines.put(("line", line, time.perf_counter()))
-                    if stop.is_set():
-                        return
+        "error" with the exception. The request runs on this thread's own event loop, so that `request.end()`
+        from any thread closes its connection at once: before the server's headers, in a stall, or after an
+        answer that ended (a server then stops working for nobody, and a queue behind it moves on)."""
+
+        async def read() -> None:
+            async with httpx.AsyncClient(headers=self._headers, timeout=self._timeout) as client:
+                async with client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
+                    if r.status_code != 200:
+                        said = await _capped_body(r, MAX_ERROR_BYTES)
+                        raise RemoteRefused(
+                            f"the remote server refused the request (HTTP {r.status_code}): {_error_text(said)}",
+                            r.status_code,
+                            *_error_fields(said),
+                            retry_after=r.headers.get("retry-after"),
+                        )
+                    async for line in _capped_lines(r, MAX_LINE_CHARS):
+                        lines.put(("line", line, time.perf_counter()))
             lines.put(("end", None, time.perf_counter()))
+
+        try:
+            asyncio.run(request.run(read()))
+        except asyncio.CancelledError:
+            pass  # ended from outside: nobody reads the queue any more
+        except RecursionError:  # JSON nested past Python's limit in an error body
+            lines.put(("error", _Garbage("sent an error nested too deeply to read"), time.perf_counter()))
         except Exception as exc:  # handed to the generating thread, which says what went wrong
             lines.put(("error", exc, time.perf_counter()))
+        finally:
+            self._requests.discard(request)
 
     def _dropped(self, stream: "_Stream", what: str) -> str:
         kept = " (the partial answer is kept)" if any(stream.texts.values()) else ""
@@ -512,8 +542,9 @@ class RemoteEngine:
             m.put("server_ttft_ms", float(t["prompt_ms"]), "llama.cpp timings.prompt_ms (prompt processing)")
         if t and isinstance(t.get("predicted_per_second"), (int, float)):
             m.put("server_decode_tok_s", float(t["predicted_per_second"]), "llama.cpp timings.predicted_per_second")
+        # Only from a server that lists its model as a Gapless server's: another one's "x_gapless" is not ours.
         for key, name in (("server_ttft_ms", "ttft_ms"), ("server_decode_tok_s", "decode_tok_s")):
-            f = (stream.gapless or {}).get(name)
+            f = ((stream.gapless if self._gapless else None) or {}).get(name)
             if isinstance(f, dict) and isinstance(f.get("value"), (int, float)) and f.get("source"):
                 m.put(key, float(f["value"]), f"gapless serve: {f['source']}")
         if before is not None and after is not None:
@@ -560,11 +591,78 @@ class RemoteEngine:
         return f"{REMOTE_REASON}; measured there, not here"
 
     def close(self) -> None:
+        for request in list(self._requests):  # answers still being read (a model switched mid-answer)
+            request.end()
         self._client.close()
 
 
 class _Garbage(GenerationError):
     """A line of the stream that is not an OpenAI event."""
+
+
+class _Request:
+    """One answer's HTTP request, running on its reading thread's event loop; end() from any thread cancels it,
+    which closes its connection (end() before the loop runs makes run() return at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended = False
+        self._task: Optional[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = None
+
+    async def run(self, work: Any) -> None:
+        with self._lock:
+            if self._ended:
+                work.close()
+                return
+            self._task = (asyncio.get_running_loop(), asyncio.ensure_future(work))
+        await self._task[1]
+
+    def end(self) -> None:
+        with self._lock:
+            self._ended = True
+            if self._task is not None:
+                loop, task = self._task
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # the loop has already closed: the request is over
+                    pass
+
+
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+async def _capped_lines(response: httpx.Response, limit: int) -> AsyncIterator[str]:
+    """The body's lines, none longer than `limit` characters: httpx's own reader keeps a line without an end in
+    memory however long it grows (a 200 MB line cost 624 MB before it failed)."""
+    pending: list[str] = []
+    size = 0
+    async for piece in response.aiter_text():
+        parts = _NEWLINE.split(piece)
+        for part in parts[:-1]:
+            pending.append(part)
+            yield "".join(pending)
+            pending, size = [], 0
+        if parts[-1]:
+            pending.append(parts[-1])
+            size += len(parts[-1])
+            if size > limit:
+                raise _Garbage(f"sent a line of more than {limit:,} characters")
+    if pending:
+        yield "".join(pending)
+
+
+async def _capped_body(response: httpx.Response, limit: int) -> httpx.Response:
+    """An error response read to at most `limit` bytes, as a response of its own for _error_text."""
+    got = bytearray()
+    async for piece in response.aiter_bytes():
+        got += piece[: limit - len(got)]
+        if len(got) >= limit:
+            break
+    kept = {k: v for k, v in response.headers.items() if k.lower() not in _BODY_HEADERS}
+    return httpx.Response(response.status_code, headers=kept, content=bytes(got), request=response.request)
+
+
+_BODY_HEADERS = ("content-encoding", "content-length", "transfer-encoding")  # of the body as sent, not as read
 
 
 class _Stream:
@@ -584,6 +682,7 @@ class _Stream:
         self.error: Optional[str] = None
         self.done = False
         self.cancelled = False
+        self.finished_at: Optional[float] = None  # when every answer had its finish reason
 
     @property
     def all_finished(self) -> bool:
@@ -605,6 +704,8 @@ class _Stream:
             obj = json.loads(data)
         except ValueError:
             raise _Garbage(f"sent an event that is not JSON: {data[:80]!r}") from None
+        except RecursionError:
+            raise _Garbage(f"sent an event nested too deeply to read: {data[:80]!r}") from None
         if not isinstance(obj, dict):
             raise _Garbage(f"sent an unexpected event: {data[:80]!r}")
         if "error" in obj:
@@ -667,15 +768,23 @@ class _Stream:
             m.new_tokens = [completion] if count == 1 else []
         else:
             m.mark_na("new_tokens_total", no_usage)
+        gaps = [(b - a) * 1e3 for a, b in zip(self.arrivals, self.arrivals[1:])]
+        # Text that arrived in one burst (a proxy or the server buffered the stream) has no timing to read: a
+        # rate over microseconds said 400,000 tok/s.
+        burst = bool(gaps) and max(gaps) < BURST_GAP_MS
         if self.first_text is not None:
             m.put("http_ttft_ms", (self.first_text - self.t_sent) * 1e3)
             span = (self.last_text or self.first_text) - self.first_text
-            if isinstance(completion, int) and completion > count and span > 0:
-                m.put("http_decode_tok_s", (completion - count) / span)
-            elif not isinstance(completion, int):
+            if not isinstance(completion, int):
                 m.mark_na("http_decode_tok_s", no_usage)
-        gaps = [(b - a) * 1e3 for a, b in zip(self.arrivals, self.arrivals[1:])]
-        if gaps:
+            elif burst:
+                m.mark_na("http_decode_tok_s", BURST)
+            elif completion > count and span > 0:
+                m.put("http_decode_tok_s", (completion - count) / span)
+        if burst:
+            m.mark_na("inter_token_ms_p50", BURST)
+            m.mark_na("inter_token_ms_p99", BURST)
+        elif gaps:
             m.put("inter_token_ms_p50", _percentile(gaps, 50))
             m.put("inter_token_ms_p99", _percentile(gaps, 99))
         return GenerationResult(

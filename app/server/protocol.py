@@ -282,10 +282,16 @@ def gapless_figures(m: GenerationMetrics, queue_ms: float) -> dict[str, Any]:
     return out
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    # A remote model behind this server may not have reported its counts (n/a there): usage must be numbers.
-    prompt = result.metrics.prompt_tokens or 0
-    completion = sum(len(t) for t in result.token_ids) or result.metrics.new_tokens_total or 0
+def usage(result: GenerationResult) -> Optional[dict[str, int]]:
+    """The token counts, or None (usage: null) where they are not known: a remote model behind this server that
+    did not report them. Zeros there were passed on as counts (an app in front showed "0 new tokens" for an
+    answer); x_gapless says why they are n/a."""
+    m = result.metrics
+    counted = any(result.token_ids)
+    if "prompt_tokens" in m.unavailable or (not counted and "new_tokens_total" in m.unavailable):
+        return None
+    prompt = m.prompt_tokens
+    completion = sum(len(t) for t in result.token_ids) if counted else m.new_tokens_total
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -36,6 +36,12 @@ MODELS = [
     "choices-not-list",
     "html500",
     "odd-timings",
+    "hold-headers",
+    "stall-noted",
+    "finished-keep-open",
+    "endless-line",
+    "foreign-x-gapless",
+    "burst",
 ]
 
 
@@ -47,12 +53,14 @@ class StandIn:
         self.bodies: dict[str, dict] = {}  # the last request body per model
         self.stalled: list[asyncio.Event] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.left: list[str] = []  # models whose client closed the connection before the answer ended
 
     def app(self) -> Starlette:
         return Starlette(
             routes=[
                 Route("/v1/models", self.models),
                 Route("/slow/v1/models", self.slow_models),
+                Route("/odd/v1/models", self.models),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/metrics", self.metrics),
             ]
@@ -60,7 +68,10 @@ class StandIn:
 
     async def models(self, _r: Request):
         owners = {"llamacpp": "llamacpp", "vllm": "vllm"}  # as those servers name themselves
-        data = [{"id": m, "object": "model", **({"owned_by": owners[m]} if m in owners else {})} for m in MODELS]
+        data: list = [{"id": m, "object": "model", **({"owned_by": owners[m]} if m in owners else {})} for m in MODELS]
+        if _r.url.path.startswith("/odd/"):
+            data[0]["meta"] = 5  # a server's field of its own, not an object
+            data.append("not a model entry")
         return JSONResponse({"object": "list", "data": data})
 
     async def slow_models(self, r: Request):  # a server that takes its time to list its models
@@ -104,9 +115,20 @@ class StandIn:
         if model == "html500":  # a proxy's error page in front of the server
             page = "<html><head><title>502 Bad Gateway</title></head><body><h1>502</h1><hr>nginx</body></html>"
             return PlainTextResponse(page, status_code=502, media_type="text/html")
+        if model == "hold-headers":  # works on the prompt, headers not sent yet, until its client leaves
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+            self.left.append(model)
+            return PlainTextResponse("", status_code=499)
 
         async def events():
+            if model == "burst":  # as a buffering proxy passes a stream on: all of it in one write
+                yield (
+                    self.chunk("Hello") + self.chunk(" there") + self.chunk("", "stop") + "".join(self.usage_and_done())
+                )
+                return
             yield self.chunk("Hello")
+            await asyncio.sleep(0.01)  # the server's next step
             yield self.chunk(" there")
             if model == "garbage":
                 yield "data: <html>502 Bad Gateway</html>\n\n"
@@ -114,6 +136,24 @@ class StandIn:
                 raise RuntimeError("the stand-in drops the connection")
             elif model == "unfinished":
                 return
+            elif model == "stall-noted":  # sends nothing more; notes when its client leaves
+                try:
+                    await asyncio.sleep(3600)
+                finally:
+                    self.left.append(model)
+            elif model == "finished-keep-open":  # the answer ends with its usage, and the server never closes
+                yield self.chunk("", "stop")
+                yield self.usage_and_done()[0]
+                await asyncio.sleep(3600)
+            elif model == "endless-line":  # one line that never ends
+                yield "data: "
+                while True:
+                    yield "x" * 65536
+                    await asyncio.sleep(0)
+            elif model == "foreign-x-gapless":  # a server that is not Gapless, sending a field named as ours
+                figure = {"value": 1e9, "source": "trust me"}
+                yield self.chunk("", "stop", x_gapless={"ttft_ms": figure, "decode_tok_s": figure})
+                yield "data: [DONE]\n\n"
             elif model == "stall":
                 self.loop = asyncio.get_running_loop()
                 release = asyncio.Event()
@@ -417,3 +457,126 @@ def test_the_app_on_a_gapless_server_fronting_such_a_server_is_told_not_to_send_
     finally:
         behind.close()
     assert r.texts == ["Hello there"] and any("not applied" in n for n in r.notices)
+
+
+@pytest.mark.parametrize("model", ["hold-headers", "stall-noted"])
+def test_stop_closes_the_request_to_the_remote_server_at_once(stand_in, model):
+    """Stop returned at once, but the request stayed open until the server's next line or the whole timeout: a
+    server kept working on the prompt for nobody, and a busy one's queue (a Gapless server's too) stayed full."""
+    import threading
+    import time
+
+    s, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, model, 120.0))
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    try:
+        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8), cancel=cancel)
+        deadline = time.monotonic() + 10
+        while model not in s.left and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        engine.close()
+    assert r.finish_reasons == ["cancelled"]
+    assert model in s.left  # the server saw its client leave (within seconds, not the 120 s timeout)
+
+
+def test_closing_the_engine_ends_an_answer_still_being_read(stand_in):
+    """A model switched mid-answer: close() left the request open."""
+    import threading
+    import time
+
+    s, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "hold-headers", 120.0))
+    reading = threading.Thread(target=lambda: run_quietly(engine), daemon=True)
+    reading.start()
+    time.sleep(0.5)
+    before = s.left.count("hold-headers")
+    engine.close()
+    deadline = time.monotonic() + 10
+    while s.left.count("hold-headers") == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.left.count("hold-headers") == before + 1
+
+
+def run_quietly(engine) -> None:
+    try:
+        engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+    except GenerationError:
+        pass
+
+
+def test_an_answer_that_ended_with_its_usage_is_kept_when_the_server_never_closes(stand_in):
+    """A finished answer with its usage, then neither [DONE] nor a close: it became an error after the timeout."""
+    import time
+
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "finished-keep-open", 30.0))
+    try:
+        started = time.monotonic()
+        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+        took = time.monotonic() - started
+    finally:
+        engine.close()
+    assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
+    assert r.metrics.figure("new_tokens_total").value == 3
+    assert took < 20  # ended by the answer, not by the 30 s timeout
+
+
+def test_a_line_without_end_is_refused_before_it_fills_the_memory(stand_in, monkeypatch):
+    import engine.remote
+
+    _, server = stand_in
+    monkeypatch.setattr(engine.remote, "MAX_LINE_CHARS", 1_000_000)
+    message, _text = run(server, "endless-line")
+    assert "sent a line of more than 1,000,000 characters" in message
+
+
+def test_figures_named_as_a_gapless_server_s_are_read_only_from_one(stand_in):
+    _, server = stand_in
+    m = answer(server, "foreign-x-gapless").metrics
+    assert m.figure("server_ttft_ms").value is None and m.figure("server_decode_tok_s").value is None
+
+
+def test_a_model_list_with_entries_of_other_shapes_still_opens(stand_in):
+    """A server's own field that is not an object ("meta": 5) ended the opening with an AttributeError."""
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url.replace("/v1", "/odd/v1"), MODELS[0]))
+    engine.close()
+
+
+def test_a_gapless_server_in_front_says_null_for_counts_its_remote_did_not_report(stand_in):
+    """A Gapless server in front of a server without usage answered usage 0/0/0: an app in front of it then
+    showed "0 new tokens" from "the server's token usage" for an answer with text."""
+    import httpx
+    from serving import serving
+
+    _, server = stand_in
+    behind = RemoteEngine.load(RemoteSource(server.url, "nousage"))
+    try:
+        with serving(behind) as front:
+            body = {"model": front.engines.model_id, "messages": HELLO, "max_tokens": 8}
+            plain = httpx.post(f"{front.url}/chat/completions", json=body, timeout=30).json()
+            app = RemoteEngine.load(RemoteSource(front.url, front.engines.model_id))
+            try:
+                r = app.generate(HELLO, SamplingParams(max_new_tokens=8))
+            finally:
+                app.close()
+    finally:
+        behind.close()
+    assert plain["usage"] is None and plain["choices"][0]["message"]["content"] == "Hello there"
+    assert r.texts == ["Hello there"]
+    for key in ("prompt_tokens", "new_tokens_total"):
+        assert r.metrics.figure(key).value is None, key
+
+
+def test_text_that_arrived_in_one_burst_has_no_rate(stand_in):
+    """A proxy that buffers the stream passes it on at once: the rate over the microseconds between its events
+    said 400,000 tok/s, "client-side timing over HTTP"."""
+    _, server = stand_in
+    r = answer(server, "burst")
+    m = r.metrics
+    assert r.texts == ["Hello there"] and m.new_tokens_total == 3
+    for key in ("http_decode_tok_s", "inter_token_ms_p50", "inter_token_ms_p99"):
+        assert m.figure(key).value is None and "arrived in one burst" in m.figure(key).reason, key
+    assert m.figure("http_ttft_ms").value > 0
