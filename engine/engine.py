@@ -17,7 +17,7 @@ import torch
 
 from engine import cpu_kernels, heap
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GaplessError, GenerationError, ModelLoadError
+from engine.errors import GaplessError, GenerationError, ModelLoadError, one_line
 from engine.generate import LoopResult, run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver, reader_for
@@ -206,6 +206,10 @@ class Engine:
             draft = load_checkpoint(path, progress)
         except GaplessError as exc:
             self._refuse_draft(path, f"the draft model could not be loaded: {exc}")
+            return None
+        except Exception as exc:  # whatever else a damaged draft does, the model it drafts for still loads
+            log.exception("draft model %s", path)
+            self._refuse_draft(path, f"the draft model could not be loaded: {type(exc).__name__}: {one_line(exc)}")
             return None
         why = vocabulary_mismatch(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
         if why is None:

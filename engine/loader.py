@@ -447,9 +447,22 @@ def _load_config(folder: Path) -> "PretrainedConfig":
         log.info("%s: ignoring auto_map; model type %r has a native transformers class", label, model_type)
     try:
         # trust_remote_code is passed as False, not left unset: unset, transformers may stop and ask on a terminal
-        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, OSError, AttributeError) as exc:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers' own validation errors too (a size written as text: "320")
         raise ModelLoadError(f"{label}: cannot read config.json: {one_line(exc)}") from exc
+    _check_sizes(config, label)
+    return config
+
+
+SIZES = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")  # each a whole number >= 1
+
+
+def _check_sizes(config: "PretrainedConfig", label: str) -> None:
+    """A model of no layers (or no width, no vocabulary) built and loaded, then failed at the first answer."""
+    for name in SIZES:
+        value = getattr(config, name, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ModelLoadError(f"{label}: config.json gives {name} = {value!r}; a model needs a whole number >= 1")
 
 
 # ---- shared ----------------------------------------------------------------------------------------------

@@ -539,6 +539,29 @@ def test_a_draft_model_given_at_load_drafts_or_is_refused(tiny_factory, tmp_path
         eng.close()
 
 
+@pytest.mark.parametrize("field, value", [("vocab_size", "320"), ("num_hidden_layers", 0)])
+def test_a_draft_model_with_damaged_settings_is_refused_and_the_model_still_loads(tiny_factory, tmp_path, field, value):
+    """A size written as text stopped the target itself from loading ("internal error", and in the app no model
+    could be opened while the choice was saved); a draft of no layers was taken, and every answer then failed."""
+    import json
+
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    config = json.loads((draft / "config.json").read_text())
+    config[field] = value
+    (draft / "config.json").write_text(json.dumps(config))
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
+    try:
+        why = eng.unavailable()["speculation"]
+        assert why.startswith("the draft model could not be loaded") and field in why
+        got = eng.generate(REPEATS, GREEDY)
+        assert got.options.speculation == "off" and got.unavailable["speculation"] == why
+    finally:
+        eng.close()
+
+
 def test_a_refused_draft_model_is_tried_again_once_its_file_changes(tiny_factory, tmp_path):
     """A draft model missing when first chosen (a drive not mounted yet, a copy not finished) was refused until
     the main model was loaded again, even after the file was there."""
