@@ -345,12 +345,16 @@ class Speculator(StepObserver):
         wrote to the runner's output (read back, so its time is the device's)."""
         room = runner.verify_room()
         k = min(self.schedule.k, remaining - 1, room)
-        drafts = self.proposer.propose(k) if k >= 1 else []
-        key = getattr(self.proposer, "last_match", 0)
-        if drafts and not self.schedule.wants_drafts(key):
-            drafts = []
+        t0 = time.perf_counter()  # a verify step's time includes its drafting: a draft model's k forwards
+        if isinstance(self.proposer, NgramProposer):  # the schedule's gate is the match's length, known after it
+            drafts = self.proposer.propose(k) if k >= 1 else []
+            key = self.proposer.last_match
+            if drafts and not self.schedule.wants_drafts(key):
+                drafts = []
+        else:  # a draft model: asked only for a step that will verify (a paused step ran its k forwards for nothing)
+            key = 0
+            drafts = self.proposer.propose(k) if k >= 1 and self.schedule.wants_drafts(key) else []
         start = runner.host_pos - runner.prompt_len + 1  # tokens written so far (the runner's counter, known here)
-        t0 = time.perf_counter()
         if not drafts:
             runner.step(0)
             tokens = runner.out[0, start : start + 1].tolist()
