@@ -446,14 +446,15 @@ def _utf8_output() -> None:
     (Windows' cp1252 could not write a check mark, and wrote "Café" in bytes our own import refuses); a terminal
     keeps its encoding, writing what it cannot show as "?" rather than failing."""
     for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)  # absent where a test or an embedder swapped the stream
+        # absent where a test or an embedder swapped the stream, or where there is none (pythonw)
+        reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is None:
             continue
         try:
             if stream.isatty():
                 reconfigure(errors="replace")
-            else:
-                reconfigure(encoding="utf-8")
+            else:  # a name that is not UTF-8 on disk (surrogate escapes) is written escaped, not a crash
+                reconfigure(encoding="utf-8", errors="backslashreplace")
         except (OSError, ValueError):  # a closed or detached stream: left as it is
             pass
 
@@ -486,7 +487,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _utf8_output()
     try:
         code = run(argv)
-        sys.stdout.flush()  # here, not at exit: a short output is written now, and a closed pipe is seen below
+        if sys.stdout is not None:  # None under pythonw (the Windows app's start): nothing to flush
+            sys.stdout.flush()  # here, not at exit: a short output is written now, and a closed pipe is seen below
         return code
     except BrokenPipeError:
         if not _stdout_is_a_pipe():  # a socket's or a child's: an internal error like any other

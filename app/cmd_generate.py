@@ -104,11 +104,6 @@ def run_generate(args) -> int:
         result = engine.generate(
             messages, sampling, on_event=recorder or on_event, cancel=threading.Event(), raw=args.raw
         )
-        if recorder is not None:
-            from engine.telemetry.machine import describe_machine
-
-            label = engine.info.name  # the HUD writes the options beside it
-            save(recorder.finish(result, label, engine.info.to_dict(), describe_machine()), args.telemetry_out)
         if args.json:
             out = result.to_dict()
             out["model"] = engine.info.to_dict()
@@ -122,6 +117,11 @@ def run_generate(args) -> int:
                 print(f"note: {notice}", file=sys.stderr)
             for option, reason in result.unavailable.items():
                 print(f"note: {option} unavailable: {reason}", file=sys.stderr)
+        if recorder is not None:  # after the answer is out: a full disk loses the file, not the answer
+            from engine.telemetry.machine import describe_machine
+
+            label = engine.info.name  # the HUD writes the options beside it
+            save(recorder.finish(result, label, engine.info.to_dict(), describe_machine()), args.telemetry_out)
     finally:
         engine.close()
     return 0

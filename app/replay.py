@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from engine.errors import OutputPathError
@@ -49,11 +50,17 @@ def show(recording: Recording, panel_factory=None):
 def run_replay(args: argparse.Namespace) -> int:
     from PySide6.QtCore import QEventLoop, QTimer
 
-    from app.gui import qt_application
+    from app.gui import EXIT_USER_ERROR, no_display_reason, qt_application
     from ui.theme import ThemeManager
 
     recording = load(args.file)
     out = None if args.screenshot is None else output_file(args.screenshot, "the screenshot")
+    no_display = no_display_reason()
+    if no_display and out is None:  # Qt aborts the process, blaming a library that is there
+        print(f"gapless: error: {no_display}; a screenshot (--screenshot FILE) needs none", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if no_display:  # a screenshot is drawn offscreen: a GPU machine over SSH records and shows in one go
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
     app = qt_application()
     if out is not None:
         from PySide6.QtGui import QImageWriter

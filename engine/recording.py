@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -118,7 +119,10 @@ class Recorder:
 def save(recording: Recording, path: Path) -> None:
     """Written whole or not at all (engine.paths.write_whole), where engine.paths.output_file allows."""
     target = output_file(path, "the telemetry")
-    write_whole(target, json.dumps(_finite(recording.to_dict()), ensure_ascii=False, allow_nan=False))
+    try:
+        write_whole(target, json.dumps(_finite(recording.to_dict()), ensure_ascii=False, allow_nan=False))
+    except OSError as exc:  # a full disk: said in one line, the answer already given
+        raise RecordingError(f"cannot write the telemetry to {path}: {exc.strerror or exc}") from exc
 
 
 def _finite(value: Any) -> Any:
@@ -135,14 +139,24 @@ def _finite(value: Any) -> Any:
 def load(path: Path) -> Recording:
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except OSError as exc:
         raise RecordingError(f"cannot read the telemetry file {path}: {exc.strerror or exc}") from exc
-    if size > MAX_BYTES:
-        raise RecordingError(f"{path} is {size / 2**20:.0f} MiB; a telemetry file is at most {MAX_BYTES >> 20} MiB")
+    if stat.S_ISDIR(st.st_mode):
+        raise RecordingError(f"cannot read the telemetry file {path}: it is a folder")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO waited forever, /dev/zero filled the memory
+        raise RecordingError(f"cannot read the telemetry file {path}: it is not a regular file")
+    if st.st_size > MAX_BYTES:
+        raise RecordingError(
+            f"{path} is {st.st_size / 2**20:.0f} MiB; a telemetry file is at most {MAX_BYTES >> 20} MiB"
+        )
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with path.open("rb") as f:
+            data = f.read(MAX_BYTES + 1)  # a file that grew since: read no more than a telemetry file can hold
+        if len(data) > MAX_BYTES:
+            raise RecordingError(f"{path} is larger than a telemetry file can be ({MAX_BYTES >> 20} MiB)")
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # ValueError: JSONDecodeError, an integer of 4,300+ digits
         raise RecordingError(f"{path} is not a telemetry file (not valid JSON: {exc})") from exc
     except RecursionError:
         raise RecordingError(f"{path} is not a telemetry file (its JSON is nested too deep to read)") from None
@@ -218,9 +232,15 @@ def _typed(doc: dict, key: str, kind: type, where: str) -> Any:
 def _number(value: Any, where: str, optional: bool = False) -> Optional[float]:
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RecordingError(f"{where} is {value!r}, not a finite number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past a float's range (10**400)
+        raise RecordingError(f"{where} is too large a number") from None
+    if not math.isfinite(number):
+        raise RecordingError(f"{where} is {value!r}, not a finite number")
+    return number
 
 
 def _metrics(d: dict, where: str) -> GenerationMetrics:

@@ -197,6 +197,25 @@ def test_telemetry_written_through_a_link_keeps_the_link(tiny_llama, tmp_path):
     assert link.is_symlink() and json.loads(target.read_text())["format"] == "gapless-telemetry"
 
 
+def test_a_telemetry_file_the_disk_cannot_take_loses_no_answer(tiny_llama, tmp_path, monkeypatch, capsys):
+    """A full disk at the save ended `generate --json` with "internal error: OSError" before the answer was printed."""
+    import errno
+
+    from app.cli import main
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("engine.paths.os.replace", full)
+    target = tmp_path / "t.json"
+    argv = ["generate", "--model", str(tiny_llama), "--prompt", "hello", "--max-new-tokens", "3", "--device", "cpu"]
+    code = main([*argv, "--json", "--telemetry-out", str(target)])
+    out, err = capsys.readouterr()
+    assert code == 2 and len(json.loads(out)["token_ids"][0]) == 3  # the answer, whole
+    assert f"cannot write the telemetry to {target}: No space left on device" in err
+    assert "internal error" not in err and "Traceback" not in err and not target.exists()
+
+
 def test_a_data_folder_that_cannot_be_one_is_one_line(tmp_path):
     file = tmp_path / "notes.txt"
     file.write_text("hi")

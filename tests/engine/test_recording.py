@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +130,12 @@ def _doc(path):
         (lambda d: dict(d, steps=[dict(d["steps"][0], profiled="false")]), 'profiled is "false", not true or false'),
         (lambda d: dict(d, steps=d["steps"][1::-1]), "steps[1] goes back in t"),
         (lambda d: dict(d, metrics=dict(d["metrics"], new_tokens=[-4, 46])), "new_tokens is not a list of whole"),
+        # numbers past a float's range ended the command with "internal error: OverflowError" / "ValueError"
+        (lambda d: dict(d, t_start=10**400), "t_start is too large a number"),
+        (lambda d: dict(d, steps=[dict(d["steps"][0], t=10**400)]), "steps[0]: t is too large a number"),
+        (lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms=10**400)), "ttft_ms"),
+        (lambda d: dict(d, samples=[{"t": 1.0, "cpu_util_pct": 10**400}]), "cpu_util_pct"),
+        (lambda d: json.dumps(d).replace('"t_start": ', '"t_start": ' + "9" * 5000 + " + 0 * ", 1), "not valid JSON"),
     ],
 )
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):
@@ -155,7 +162,21 @@ def test_a_write_that_fails_leaves_no_partial_file(recorded, tmp_path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr("engine.paths.os.replace", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(RecordingError, match=f"cannot write the telemetry to {target}: disk full"):
         save(recording, target)
     assert json.loads(target.read_text())["kept"] is True
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """A FIFO as the recording waited forever; /dev/zero grew until the memory ran out."""
+    import os
+
+    if kind == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/zero")
+    with pytest.raises(RecordingError, match="it is not a regular file"):
+        load(path)

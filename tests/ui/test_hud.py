@@ -1347,3 +1347,18 @@ def test_compare_columns_fit_the_deltas_a_new_row_adds(hud, qtbot):
     col = COLUMN_INDEX["decode_tok_s"]
     assert panel.compare.model.data(panel.compare.model.index(1, col)) == "133.8 tok/s  ×11.84"
     assert view.horizontalHeader().sectionSize(col) >= view.sizeHintForColumn(col)  # the delta is not cut off
+
+
+def test_an_export_that_fails_on_its_way_leaves_the_file_it_would_replace(qtbot, tmp_path):
+    """A row whose label the encoding refuses (a lone surrogate, valid JSON in a recording) failed after the
+    header was written: the user's earlier export was left as that header alone."""
+    panel = HudPanel()
+    qtbot.addWidget(panel)
+    panel.compare.model.add(CompareRow(1, "ok", EngineOptions(device="cpu"), GenerationMetrics()))
+    panel.compare.model.add(CompareRow(2, "bad \ud800", EngineOptions(device="cpu"), GenerationMetrics()))
+    earlier = tmp_path / "c.csv"
+    earlier.write_text("the user's earlier export\n")
+    kept = earlier.read_bytes()
+    with pytest.raises(UnicodeEncodeError):
+        panel.export_compare_csv(earlier)
+    assert earlier.read_bytes() == kept and sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]

@@ -79,3 +79,31 @@ def test_a_screenshot_goes_to_an_image_format_qt_writes(qtbot, tmp_path, capsys)
     assert capsys.readouterr().err == ""  # the default size fits
     assert run_replay(argparse.Namespace(**dict(vars(args), width=200), screenshot=tmp_path / "narrow.png")) == 0
     assert "(asked for 200x860)" in capsys.readouterr().err  # the HUD could not be that narrow: said, not silent
+
+
+def test_replay_without_a_display_draws_its_screenshot_offscreen_or_says_why(tmp_path):
+    """On a machine without a display (the GPU machine over SSH that recorded it) Qt aborted the process, blaming
+    libxcb-cursor0, even for a screenshot, which needs no screen."""
+    import os
+    import subprocess
+    import sys
+
+    from cli_runner import ROOT
+
+    from engine.recording import save
+
+    rec = Recording("tiny · fp32", EngineOptions(device="cpu"), GenerationMetrics(prompt_tokens=3), [], [])
+    save(rec, tmp_path / "t.json")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    env["PYTHONPATH"] = str(ROOT)
+
+    def replay(*extra: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "app", "replay", str(tmp_path / "t.json"), *extra]
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+
+    shot = replay("--screenshot", str(tmp_path / "hud.png"))
+    assert shot.returncode == 0, shot.stderr
+    assert (tmp_path / "hud.png").read_bytes()[:4] == b"\x89PNG"
+    window = replay()
+    assert window.returncode == 2 and window.stderr.startswith("gapless: error: no display to open the app on")
+    assert "--screenshot FILE" in window.stderr and "Aborted" not in window.stderr

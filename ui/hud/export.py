@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import html
+import io
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Sequence, Union
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QWidget
 
+from engine.paths import write_whole
 from engine.types import EngineOptions, GenerationMetrics, server_decides
 from ui.hud.compare_table import CompareModel
 from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
@@ -238,17 +240,22 @@ def _cell(v: Any) -> Any:
 
 
 def _write_csv(path: PathLike, header: list[str], rows: list[list[Any]]) -> Path:
-    path = Path(path)
-    with path.open("w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        for row in rows:
-            w.writerow([_cell(v) for v in row])
-    return path
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(header)
+    for row in rows:
+        w.writerow([_cell(v) for v in row])
+    return _write(path, text.getvalue())
 
 
 def _write_json(path: PathLike, doc: dict) -> Path:
-    path = Path(path)
     # allow_nan=False: a NaN reaching here would be a bug (not-measured values are None), so fail loudly.
-    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return _write(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+
+def _write(path: PathLike, text: str) -> Path:
+    """Whole or not at all: an export that failed on its way (a full disk, text the encoding refuses) left the
+    file it replaced as a header and nothing else."""
+    path = Path(path)
+    write_whole(path, text)
     return path
