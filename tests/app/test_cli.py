@@ -246,3 +246,30 @@ def test_a_command_without_its_action_or_with_an_impossible_chat_is_one_line(tmp
     _one_line_error(gapless(*data, "chats"), "choose an action: list, export or import")
     _one_line_error(gapless(*data, "chats", "export", str(2**70)), f"no chat has the number {2**70}")
     _one_line_error(gapless(*data, "chats", "export", "7"), "no chat with id 7")
+
+
+def test_a_command_run_with_no_output_streams_ends_well(tmp_path, monkeypatch):
+    """Under pythonw (the Windows app's start) there is no stdout: the flush at the end turned every session into
+    "internal error", exit 1, with a traceback in the log."""
+    from app.cli import main
+
+    monkeypatch.setattr("sys.stdout", None)
+    monkeypatch.setattr("sys.stderr", None)
+    assert main(["--data-dir", str(tmp_path), "chats", "list"]) == 0
+
+
+def test_a_file_name_that_is_not_utf8_is_named_in_the_error_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from cli_runner import ROOT
+
+    name = os.fsdecode(b"rec\xff.json")  # as Linux hands over a name in another encoding
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "replay", str(tmp_path / name)], capture_output=True, env=env, timeout=120
+    )
+    err = r.stderr.decode("utf-8")
+    assert r.returncode == 2 and "Traceback" not in err and "internal error" not in err
+    assert "cannot read the telemetry file" in err and "rec\\udcff.json" in err
