@@ -167,10 +167,16 @@ if [[ "$DESKTOP" == 1 ]]; then
     make_dir "$APPS_DIR"
     # Absolute paths: a desktop session may not have ~/.local/bin on its PATH, and a --prefix icon folder is
     # not in the icon theme's search path.
-    sed -e "s|@EXEC@|\"$APP_DIR/gapless\"|g" -e "s|@TRYEXEC@|$APP_DIR/gapless|g" -e "s|@ICON@|$SVG_ICON|g" \
-        "$SHARE/gapless.desktop" >"$DESKTOP_FILE"
+    # Bash's own replacement, quoted (sed read "&" and "|" in a path as its own, and an unquoted bash
+    # replacement reads "&" as the match); in Exec, "%" starts a field code, so a percent sign is "%%".
+    entry="$(<"$SHARE/gapless.desktop")"
+    exec_path="\"${APP_DIR//\%/%%}/gapless\""
+    entry="${entry//@EXEC@/"$exec_path"}"
+    entry="${entry//@TRYEXEC@/"$APP_DIR/gapless"}"
+    entry="${entry//@ICON@/"$SVG_ICON"}"
+    ENTRIES+=("f $DESKTOP_FILE")  # before it is written: a failed write is rolled back too
+    printf '%s\n' "$entry" >"$DESKTOP_FILE"
     chmod 0644 "$DESKTOP_FILE"
-    ENTRIES+=("f $DESKTOP_FILE")
 fi
 
 write_manifest

@@ -207,6 +207,28 @@ def test_a_path_with_spaces_is_quoted_in_the_desktop_entry(archive: Path, home: 
         assert check.returncode == 0 and not check.stdout.strip(), check.stdout
 
 
+@pytest.mark.parametrize("name", ["R&D", "50%off", "a|b"])
+def test_a_path_with_characters_sed_or_the_desktop_entry_read_as_their_own(archive, home, tmp_path, name):
+    """sed read "&" as the match (Exec="/tmp/R@EXEC@D/..." installed without a word) and "|" as its separator
+    (the install failed, leaving an empty desktop file that refused the next install); a "%" in Exec is a field
+    code unless written "%%"."""
+    prefix = tmp_path / name
+    env = user_env(home)
+    run(archive / "install.sh", "--prefix", str(prefix), env=env)
+    entry = (prefix / "share/applications/gapless.desktop").read_text()
+    app = str(prefix / "lib/gapless-app/gapless")
+    assert f'Exec="{app.replace("%", "%%")}" gui\n' in entry and f"TryExec={app}\n" in entry
+    if shutil.which("desktop-file-validate"):
+        check = subprocess.run(
+            ["desktop-file-validate", str(prefix / "share/applications/gapless.desktop")],
+            capture_output=True,
+            text=True,
+        )
+        assert check.returncode == 0 and not check.stdout.strip(), check.stdout
+    run(prefix / "lib/gapless-app/uninstall.sh", env=env)
+    assert not prefix.exists()
+
+
 def test_a_path_the_desktop_entry_cannot_quote_is_refused(archive: Path, home: Path, tmp_path: Path):
     proc = run(archive / "install.sh", "--prefix", str(tmp_path / "a$b"), env=user_env(home), ok=False)
     assert proc.returncode == 1 and "may not contain" in proc.stderr
@@ -329,3 +351,19 @@ def test_uninstall_names_only_the_user_folders_that_exist(archive: Path, home: P
     (home / ".cache/gapless").rmdir()
     out = run(home / ".local/share/gapless-app/uninstall.sh", env=env).stdout
     assert "kept your" not in out
+
+
+@pytest.mark.parametrize("theirs", [None, "/opt/mine/lib"])
+def test_the_bundle_hands_programs_it_starts_the_user_s_library_path(theirs: Optional[str]):
+    """The launcher's LD_LIBRARY_PATH (the bundle's own older libraries first) reached the compiler and xdg-open."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LD_LIBRARY_PATH")}
+    env["LD_LIBRARY_PATH"] = "/bundle/_internal"
+    if theirs is not None:
+        env["LD_LIBRARY_PATH_ORIG"] = theirs
+    hook = Path(__file__).resolve().parents[2] / "packaging" / "rthook_gapless.py"
+    code = (
+        "import os, runpy, sys; sys.frozen = True; runpy.run_path(sys.argv[1]); "
+        "print(repr(os.environ.get('LD_LIBRARY_PATH')), repr(os.environ.get('LD_LIBRARY_PATH_ORIG')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(hook)], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [repr(theirs), "None"]
