@@ -8,9 +8,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Plain data and pure functions over it (the diagnosis reads a generation's figures); nothing that runs a model.
-UI_MAY_IMPORT_FROM_ENGINE = {"engine", "engine.types", "engine.figures", "engine.errors", "engine.diagnosis"}
-PLAIN_ENGINE_MODULES = ("types", "figures", "errors", "diagnosis")
+# Plain data and pure functions over it (the diagnosis reads a generation's figures), and the file writing that
+# is whole or nothing (an export); nothing that runs a model.
+UI_MAY_IMPORT_FROM_ENGINE = {
+    "engine",
+    "engine.types",
+    "engine.figures",
+    "engine.errors",
+    "engine.diagnosis",
+    "engine.paths",
+}
+PLAIN_ENGINE_MODULES = ("types", "figures", "errors", "diagnosis", "paths")
 HEAVY = {"torch", "transformers", "gguf", "safetensors", "triton"}
 QT = {"PySide6", "pyqtgraph", "shiboken6"}
 APP_GUI_BUILDERS = {"app/gui.py", "app/replay.py"}  # the app modules that build widgets
