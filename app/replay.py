@@ -27,15 +27,17 @@ class _RecordedClock:
 
 
 def show(recording: Recording, panel_factory=None):
-    """A HUD panel holding the recording: its live plots, bars, sources and compare row."""
+    """A HUD panel holding the recording whole: its live plots, bars, sources and compare row. Its series are
+    sized to the recording, not the live rings (a 40-minute answer lost its first 13 minutes of samples)."""
     from ui.hud import HudPanel
+    from ui.hud.series import LiveSeries
 
     steps, samples = recording.steps, recording.samples
     times = [s.t for s in steps] + [s.t for s in samples]
     t0 = recording.t_start if recording.t_start is not None else min(times, default=0.0)
     t1 = recording.t_end if recording.t_end is not None else max(times, default=t0)
     clock = _RecordedClock(t0)
-    panel = (panel_factory or HudPanel)(clock=clock)
+    panel = (panel_factory or HudPanel)(series=LiveSeries.holding(steps, samples), clock=clock)
     name = recording.model.get("name")
     panel.model_name = name if isinstance(name, str) else ""  # the compare row's Model
     panel.begin_generation(recording.label, recording.options)

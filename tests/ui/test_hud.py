@@ -187,6 +187,35 @@ def test_series_ring_keeps_the_newest_steps(hud, qtbot):
     np.testing.assert_array_equal(series.steps.column("tokens_total"), [r.tokens_total for r in fed[-64:]])
 
 
+def test_the_hud_says_what_its_rings_dropped(qtbot, tmp_path):
+    """Live, the rings keep the newest records of a long session; the oldest they overwrite are counted, and the
+    plots and the series JSON say how many are no longer held (the note and the count were nowhere)."""
+    series = LiveSeries(step_capacity=64, sample_capacity=16)
+    panel = HudPanel(series=series, clock=ManualClock(1000.0))
+    panel.resize(520, 1000)
+    qtbot.addWidget(panel)
+    panel.begin_generation("long", EngineOptions(device="cpu"))
+    fed = steps(1000.0, 60, 5.0, profiled=(0, 0))
+    panel.add_steps(fed)
+    monitored = samples(1000.0, 1004.0, 10.0, {}, cpu_sources())[:40]  # 0.1 s apart: no gap rows
+    panel.add_samples(monitored[:4])
+    show_and_paint(qtbot, panel)
+    assert series.dropped() == {"steps": 0, "samples": 0} and not panel.live.dropped_note.isVisible()
+    panel.add_steps(steps(fed[-1].t, 140, 5.0, profiled=(0, 0)))  # 200 steps into 64 rows
+    panel.add_samples(monitored[4:])  # 40 samples into 16 rows
+    assert series.steps_seen == 200 and series.samples_seen == 40
+    assert series.dropped() == {"steps": 136, "samples": 24}
+    panel.live.refresh_labels()
+    assert panel.live.dropped_note.isVisible()
+    assert panel.live.dropped_note.text() == (
+        "Not plotted or exported: the oldest 136 step records and 24 monitor samples, overwritten when the HUD's "
+        "rings filled"
+    )
+    doc = json.loads(panel.export_series_json(tmp_path / "series.json").read_text(encoding="utf-8"))
+    assert doc["dropped"] == {"steps": 136, "samples": 24}
+    assert (len(doc["steps"]), len(doc["samples"])) == (64, 16)
+
+
 # ---- the tokens/s series ---------------------------------------------------------------------------------
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import csv
+import json
+
+import pytest
+
+import ui.hud.series
 from app.replay import show
-from engine.recording import Recording
+from engine.recording import Recording, load, save
 from engine.types import EngineOptions, GenerationMetrics, MonitorSample, StepRecord
+from ui.hud.series import LiveSeries
 
 
 def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
@@ -42,6 +49,48 @@ def test_a_recording_fills_the_bars_the_plots_and_the_compare_table(qtbot):
     panel.live.paint()
     x_lo, x_hi = panel.live._x_shown  # the 0.7 s recording fills the width, from its start (its "#1" mark)
     assert panel.live.window_s is None and x_lo == 0.0 and 0.7 <= x_hi < 1.0
+
+
+def test_a_recording_longer_than_the_live_rings_is_replayed_and_exported_whole(qtbot, tmp_path, monkeypatch):
+    """A 40-minute answer (72,000 steps at 30 Hz, 24,000 samples at 10 Hz) was replayed in the live rings (65,536
+    steps, 16,384 samples): its first 13 minutes of samples were missing from the plots and every export, unsaid.
+    Here the live rings are made small; the replay holds every step and sample all the same."""
+    monkeypatch.setattr(ui.hud.series, "STEP_CAPACITY", 64)
+    monkeypatch.setattr(ui.hud.series, "SAMPLE_CAPACITY", 16)
+    live = LiveSeries()
+    assert (live.steps.capacity, live.samples.capacity) == (64, 16)
+    steps = [StepRecord(t=100.0 + i / 30, step=i, tokens_total=i, step_ms=33.0) for i in range(1, 241)]  # 8 s
+    source = {"gpu_util_pct": "GPU util — NVML samples"}
+    # 80 samples over 8 s and a 5 s pause in the monitor (drawn as a gap: one row more to hold)
+    samples = [
+        MonitorSample(t=100.0 + i / 10 + (5.0 if i >= 40 else 0.0), gpu_util_pct=float(i), sources=source)
+        for i in range(80)
+    ]
+    m = GenerationMetrics(prompt_tokens=3, new_tokens=[240], new_tokens_total=240, decode_tok_s=30.0)
+    save(Recording("long · fp16", EngineOptions(device="cuda"), m, steps, samples, 100.0, 113.0), tmp_path / "r.json")
+    panel = show(load(tmp_path / "r.json"))
+    qtbot.addWidget(panel)
+    assert panel.series.dropped() == {"steps": 0, "samples": 0}
+    lengths = panel.series_lengths()
+    assert (lengths["steps"], lengths["samples"]) == (len(steps), len(samples))
+
+    with open(panel.export_series_csv(tmp_path / "series.csv"), newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    step_rows = [r for r in rows if r["kind"] == "step"]
+    sample_rows = [r for r in rows if r["kind"] == "sample"]
+    assert (len(step_rows), len(sample_rows)) == (len(steps), len(samples))
+    assert [float(r["t"]) for r in step_rows] == [s.t for s in steps]
+    assert [float(r["gpu_util_pct"]) for r in sample_rows] == [s.gpu_util_pct for s in samples]
+    doc = json.loads(panel.export_series_json(tmp_path / "series.json").read_text(encoding="utf-8"))
+    assert (len(doc["steps"]), len(doc["samples"])) == (len(steps), len(samples))
+    assert doc["dropped"] == {"steps": 0, "samples": 0}
+
+    panel.show()
+    panel.live.paint(force=True)
+    panel.live.refresh_labels()
+    x, _ = panel.live.view("gpu_util_pct").curve.getData()
+    assert x[0] == pytest.approx(samples[0].t - panel.series.t0)  # the plot starts at the first sample
+    assert panel.live.dropped_note.text() == "" and not panel.live.dropped_note.isVisible()
 
 
 def test_the_replayed_diagnosis_advises_nothing_the_machine_refused(qtbot):

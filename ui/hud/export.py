@@ -95,6 +95,8 @@ def series_document(series: LiveSeries) -> dict:
             }
             for g in series.generations
         ],
+        # The oldest records the live rings overwrote, not in "steps" / "samples" (0 when all are held).
+        "dropped": series.dropped(),
         "steps": series.step_rows(),
         "samples": series.sample_rows(),
         # Per-generation figures drawn where the monitor had no live reading (e.g. SM activity without GPM).

@@ -89,6 +89,11 @@ class LivePlots(PaletteFollower):
         box.setContentsMargins(0, 0, 0, 0)
         box.setSpacing(4)
         box.addLayout(top)
+        # What the rings dropped in a long session (hidden while they hold everything added).
+        self.dropped_note = QLabel()
+        self.dropped_note.setWordWrap(True)
+        self.dropped_note.setVisible(False)
+        box.addWidget(self.dropped_note)
         for view in self.views.values():
             box.addWidget(view, 1)
 
@@ -204,6 +209,10 @@ class LivePlots(PaletteFollower):
             view.set_measured(measured, None if measured else reason)
             view.set_header(source, last.get(name))
             view.fit_y()
+        note = s.dropped_text()
+        if note != self.dropped_note.text():
+            self.dropped_note.setText(note)
+            self.dropped_note.setVisible(bool(note))
         self._apply_layout(cpu_mode)
 
     def _apply_layout(self, cpu_mode: bool) -> None:

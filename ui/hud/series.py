@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -29,6 +29,13 @@ INT_FIELDS = frozenset({"generation", "tokens_total", "gpu_memory_used_bytes", "
 # The series the HUD plots and reports.
 SAMPLE_SERIES = ("gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct", "cpu_util_pct", "process_rss_bytes")
 SERIES = STEP_SERIES + SAMPLE_SERIES
+
+
+# The live rings: a bounded memory for an app that runs for days. What they overwrite once full is counted
+# (LiveSeries.dropped) and the HUD says so; a finished recording is shown in series sized to hold it whole
+# (LiveSeries.holding), so nothing of it is dropped.
+STEP_CAPACITY = 65536
+SAMPLE_CAPACITY = 16384
 
 
 # Per-generation figures that stand in for a live series the monitor could not measure (no NVML GPM):
@@ -62,19 +69,21 @@ class LiveSeries:
     `rate_window_s`: tokens/s is the token count over the last window of step records (at least this long once
     warm), restarted at each generation and after the profiled window, whose traced steps are left out as the
     engine leaves them out of its own decode tok/s. `sample_break_s`: a pause in the monitor longer than this
-    is drawn as a gap rather than a line across time nobody measured.
+    is drawn as a gap rather than a line across time nobody measured. Once a ring is full its oldest rows are
+    overwritten: `dropped()` counts the records no longer held. A capacity left out is the live rings' (STEP_CAPACITY,
+    SAMPLE_CAPACITY).
     """
 
     def __init__(
         self,
-        step_capacity: int = 65536,
-        sample_capacity: int = 16384,
+        step_capacity: Optional[int] = None,
+        sample_capacity: Optional[int] = None,
         rate_window_s: float = 1.0,
         sample_break_s: float = 2.0,
         max_generations: int = 256,
     ):
-        self.steps = RingTable(step_capacity, STEP_COLUMNS)
-        self.samples = RingTable(sample_capacity, SAMPLE_COLUMNS)
+        self.steps = RingTable(STEP_CAPACITY if step_capacity is None else step_capacity, STEP_COLUMNS)
+        self.samples = RingTable(SAMPLE_CAPACITY if sample_capacity is None else sample_capacity, SAMPLE_COLUMNS)
         self.rate_window_s = rate_window_s
         self.sample_break_s = sample_break_s
         self.generations: deque[Generation] = deque(maxlen=max_generations)
@@ -88,6 +97,23 @@ class LiveSeries:
         self._running: Optional[Generation] = None
         self._count = 0
         self._spans = 0  # bumped when a generation span starts, moves or ends
+        self.steps_seen = 0  # step records added, those the ring has overwritten since included
+        self.samples_seen = 0  # monitor samples added, likewise
+
+    @classmethod
+    def holding(
+        cls, steps: Sequence[StepRecord], samples: Sequence[MonitorSample], sample_break_s: float = 2.0
+    ) -> LiveSeries:
+        """Series whose rings hold these step records and monitor samples whole, fed as one generation, with the
+        gap rows add_samples puts between samples further apart than `sample_break_s`. A finished recording
+        knows what it holds: in the live rings the oldest part of a long one was overwritten."""
+        times = [s.t for s in samples]
+        gaps = sum(1 for a, b in zip(times, times[1:]) if b - a > sample_break_s)
+        return cls(
+            step_capacity=max(1, len(steps)),
+            sample_capacity=max(1, len(samples) + gaps),
+            sample_break_s=sample_break_s,
+        )
 
     # ---- producers -------------------------------------------------------------------------------------
 
@@ -184,6 +210,7 @@ class LiveSeries:
             self._last_step_t = r.t
         if rows:
             self.steps.extend(rows)
+            self.steps_seen += len(rows)
             for f in STEP_SERIES:
                 self.reasons.pop(f, None)
 
@@ -203,6 +230,7 @@ class LiveSeries:
                     self.reasons[f] = s.unavailable[f]
             rows.append((s.t, 1.0, index) + values)
             self._last_sample_t = s.t
+            self.samples_seen += 1
         if rows:
             self.samples.extend(rows)
 
@@ -232,6 +260,26 @@ class LiveSeries:
         out["steps"] = int(np.isfinite(self.steps.column("tokens_total")).sum())
         out["samples"] = int(np.isfinite(self.samples.column("record")).sum())
         return out
+
+    def dropped(self) -> dict[str, int]:
+        """Step records and monitor samples added but no longer held: the oldest, overwritten once their ring was
+        full. They are neither plotted nor exported."""
+        return {
+            "steps": _lost(self.steps_seen, self.steps, "tokens_total"),
+            "samples": _lost(self.samples_seen, self.samples, "record"),
+        }
+
+    def dropped_text(self) -> str:
+        """What the HUD says of `dropped()`; "" when every record added is held."""
+        lost = self.dropped()
+        what = [
+            f"{n:,} {noun if n == 1 else noun + 's'}"
+            for n, noun in ((lost["steps"], "step record"), (lost["samples"], "monitor sample"))
+            if n
+        ]
+        if not what:
+            return ""
+        return f"Not plotted or exported: the oldest {' and '.join(what)}, overwritten when the HUD's rings filled"
 
     def last_values(self) -> dict[str, Optional[float]]:  # process_rss_bytes as an int
         """The newest measured value of each series (else its newest estimate); None when there is neither."""
@@ -312,6 +360,13 @@ STEP_PRODUCERS: dict[str, Callable[[LiveSeries, StepRecord], Optional[float]]] =
     "tokens_per_s": LiveSeries._rate,
 }
 assert set(STEP_PRODUCERS) <= set(STEP_SERIES)
+
+
+def _lost(seen: int, ring: RingTable, marker: str) -> int:
+    """Records of `seen` no longer in the ring; `marker` is a column every record has and no gap row has."""
+    if ring.dropped == 0:
+        return 0
+    return seen - int(np.isfinite(ring.column(marker)).sum())
 
 
 def _records(ring: RingTable, t0: Optional[float]) -> list[dict]:
