@@ -178,14 +178,17 @@ def from_dict(doc: Any, where: str = "the recording") -> Recording:
     metrics = _metrics(_typed(doc, "metrics", dict, where), f"{where}: metrics")
     steps = _steps(_typed(doc, "steps", list, where), where)
     samples = [_sample(s, f"{where}: samples[{i}]") for i, s in enumerate(_typed(doc, "samples", list, where))]
+    t_start = _number(doc.get("t_start"), f"{where}: t_start", optional=True)
+    t_end = _number(doc.get("t_end"), f"{where}: t_end", optional=True)
+    _check_times(steps, samples, t_start, t_end, where)
     return Recording(
         label=label,
         options=options,
         metrics=metrics,
         steps=steps,
         samples=samples,
-        t_start=_number(doc.get("t_start"), f"{where}: t_start", optional=True),
-        t_end=_number(doc.get("t_end"), f"{where}: t_end", optional=True),
+        t_start=t_start,
+        t_end=t_end,
         model=_typed(doc, "model", dict, where),
         machine=_machine(_typed(doc, "machine", dict, where), where),
         created=_number(doc.get("created", 0.0), f"{where}: created") or 0.0,
@@ -301,6 +304,33 @@ def _steps(items: list, where: str) -> list[StepRecord]:
             if getattr(b, name) < getattr(a, name):
                 raise RecordingError(f"{where}: steps[{i}] goes back in {name} ({getattr(a, name)} before it)")
     return steps
+
+
+MAX_SPAN_S = 7 * 86400.0  # one answer's recording: longer is not one
+SLACK_S = 60.0  # a record this far outside the answer's start and end still belongs to it (a late monitor sample)
+
+
+def _check_times(
+    steps: list[StepRecord], samples: list[MonitorSample], t_start: Optional[float], t_end: Optional[float], where: str
+) -> None:
+    """One clock for the whole recording: samples in order, and every record within the answer's start and end.
+    Times apart by 1e308 replayed as blank plots and an export that failed on an infinite range."""
+    for i in range(1, len(samples)):
+        if samples[i].t < samples[i - 1].t:
+            raise RecordingError(f"{where}: samples[{i}] goes back in t ({samples[i - 1].t} before it)")
+    times = [r.t for r in steps] + [r.t for r in samples]
+    first = t_start if t_start is not None else min(times, default=0.0)
+    last = t_end if t_end is not None else max(times, default=first)
+    if last < first:
+        raise RecordingError(f"{where}: t_end ({last}) is before t_start ({first})")
+    if last - first > MAX_SPAN_S:
+        raise RecordingError(
+            f"{where}: its times span {last - first:.3g} s; one answer's recording spans at most 7 days"
+        )
+    for name, records in (("steps", steps), ("samples", samples)):
+        for i, r in enumerate(records):
+            if not first - SLACK_S <= r.t <= last + SLACK_S:
+                raise RecordingError(f"{where}: {name}[{i}] is at t = {r.t}, outside the answer ({first} to {last})")
 
 
 def _sample(d: Any, where: str) -> MonitorSample:

@@ -136,6 +136,11 @@ def _doc(path):
         (lambda d: dict(d, metrics=dict(d["metrics"], ttft_ms=10**400)), "ttft_ms"),
         (lambda d: dict(d, samples=[{"t": 1.0, "cpu_util_pct": 10**400}]), "cpu_util_pct"),
         (lambda d: json.dumps(d).replace('"t_start": ', '"t_start": ' + "9" * 5000 + " + 0 * ", 1), "not valid JSON"),
+        # times from no clock of one answer replayed blank plots, and the plots' export failed on an infinite range
+        (lambda d: dict(d, steps=[dict(d["steps"][0], t=1e308)]), "steps[0] is at t = 1e+308, outside the answer"),
+        (lambda d: dict(d, t_start=-1e308), "one answer's recording spans at most 7 days"),
+        (lambda d: dict(d, t_end=d["t_start"] - 1), "is before t_start"),
+        (lambda d: dict(d, samples=[{"t": d["t_start"] + 1}, {"t": d["t_start"]}]), "samples[1] goes back in t"),
     ],
 )
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):
