@@ -327,10 +327,10 @@ def _check_times(
         raise RecordingError(
             f"{where}: its times span {last - first:.3g} s; one answer's recording spans at most 7 days"
         )
-    for name, records in (("steps", steps), ("samples", samples)):
-        for i, r in enumerate(records):
-            if not first - SLACK_S <= r.t <= last + SLACK_S:
-                raise RecordingError(f"{where}: {name}[{i}] is at t = {r.t}, outside the answer ({first} to {last})")
+    for name, at in (("steps", [r.t for r in steps]), ("samples", [r.t for r in samples])):
+        for i, t in enumerate(at):
+            if not first - SLACK_S <= t <= last + SLACK_S:
+                raise RecordingError(f"{where}: {name}[{i}] is at t = {t}, outside the answer ({first} to {last})")
 
 
 def _sample(d: Any, where: str) -> MonitorSample:
