@@ -836,7 +836,7 @@ class Engine:
         model = self._load_draft(opts, on_event)
         if model is None:
             return None
-        proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device)
+        proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device, self.config.vocab_size)
         source = f"engine counters: draft model {model_file_name(opts.draft_model)}, greedy, {schedule}"
         return Speculator(proposer, k, shapes, source, reproducible=seeded)
 

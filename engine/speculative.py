@@ -256,8 +256,14 @@ class DraftProposer:
     cache. Tokens accepted since its last proposal are fed first, in one forward; drafts the target rejected stay
     in its cache past the accepted ones and are overwritten by that next forward, as in the target's cache."""
 
-    def __init__(self, model: Transformer, length: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, model: Transformer, length: int, dtype: torch.dtype, device: torch.device, vocab: Optional[int] = None
+    ):
         self.model = model
+        # Drafts are the target's ids: its rows where the draft's embedding is padded further (a padding row
+        # drafted would only be rejected); an id the target made past the draft's rows ends drafting.
+        self.vocab = min(vocab or model.args.vocab_size, model.args.vocab_size)
+        self.unreadable = False  # the text holds an id the draft model has no row for
         self.length = min(length, model.args.max_seq_len)
         model.cover_positions(self.length)
         self.cache = StaticKVCache.allocate(model.args, 1, self.length, dtype, device)
@@ -269,21 +275,23 @@ class DraftProposer:
     def reset(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)
         self.filled = 0
+        self.unreadable = any(t >= self.model.args.vocab_size for t in tokens)
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
+        self.unreadable = self.unreadable or any(t >= self.model.args.vocab_size for t in tokens)
 
     def _next(self, ids: list[int], start: int) -> int:
         positions = self.arange[start : start + len(ids)]
         self.cache.attn_len = start + len(ids)
         mask = self.arange[: start + len(ids)][None, :] <= positions[:, None]
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return int(self.model(x, positions, self.cache, mask)[0, -1].argmax())
+        return int(self.model(x, positions, self.cache, mask)[0, -1, : self.vocab].argmax())
 
     def propose(self, k: int) -> list[int]:
         n = len(self.tokens)
         k = min(k, self.length - n)
-        if k < 1:
+        if k < 1 or self.unreadable:
             return []
         drafts = [self._next(self.tokens[self.filled :], self.filled)]
         self.filled = n
@@ -374,14 +382,19 @@ class Speculator(StepObserver):
 
 
 def vocabulary_mismatch(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> Optional[str]:
-    """Why a draft model cannot draft for the target (their token ids mean different things), or None."""
-    if target_vocab != draft_vocab:
+    """Why a draft model cannot draft for the target (their token ids mean different things), or None. The
+    tokenizers decide; the embeddings' rows may differ where both cover every id the target makes (a model's
+    rows are padded past its tokenizer: Qwen2.5-0.5B has 151,936 for Qwen2.5-7B's 152,064, the same tokenizer)."""
+    a, b = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if len(a) != len(b):
         return (
-            f"the draft model's vocabulary has {draft_vocab} entries and the target's {target_vocab}: "
+            f"the draft model's vocabulary has {len(b)} entries and the target's {len(a)}: "
             "drafts must use the target's token ids"
         )
-    a, b = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if a != b:
         differing = sum(1 for tok, i in a.items() if b.get(tok) != i) + sum(1 for tok in b if tok not in a)
         return f"the draft model's tokenizer differs from the target's ({differing} tokens map to other ids)"
+    needed = min(target_vocab, max(a.values(), default=-1) + 1)  # the ids the target's tokens take
+    if draft_vocab < needed:
+        return f"the draft model has {draft_vocab} token rows; the target's tokens take {needed}"
     return None

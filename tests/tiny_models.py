@@ -114,9 +114,11 @@ def make_tiny_model(
     tie: bool = True,
     chat_template: Optional[str] = CHATML,
     vocab_size: int = 320,
+    rows: Optional[int] = None,
     **config_overrides,
 ) -> Path:
-    """Write a tiny random causal LM of `family` (any transformers model_type) into `path` and return it."""
+    """Write a tiny random causal LM of `family` (any transformers model_type) into `path` and return it; `rows`:
+    its embedding padded past the tokenizer's `vocab_size` tokens, as real models' are."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -125,7 +127,7 @@ def make_tiny_model(
     if chat_template is not None:
         tok.chat_template = chat_template
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = make_config(family, vocab_size=len(tok), tie=tie, eos_token_id=eos, **config_overrides)
+    cfg = make_config(family, vocab_size=rows or len(tok), tie=tie, eos_token_id=eos, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # larger than default init so greedy decoding is not one repeated token

@@ -588,6 +588,48 @@ def test_adaptive_drafting_runs_the_draft_model_only_for_steps_that_verify(tiny_
     assert len(asked) == m.verify_steps
 
 
+def test_a_draft_model_whose_embedding_is_padded_otherwise_drafts(tiny_factory, tmp_path):
+    """The usual pairing (Qwen2.5-0.5B, 151,936 rows, for Qwen2.5-7B, 152,064: one tokenizer) was refused for its
+    row count; the answer with drafts is the answer without."""
+    from tiny_models import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "target", "llama", rows=384)
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1, rows=352)
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
+    try:
+        assert "speculation" not in eng.unavailable()
+        got = eng.generate(REPEATS, GREEDY)
+        assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
+        eng.reconfigure(CPU)
+        assert got.token_ids == eng.generate(REPEATS, GREEDY).token_ids
+    finally:
+        eng.close()
+
+
+def test_a_draft_model_drafts_only_ids_the_target_has_and_stops_at_one_it_has_not(tmp_path):
+    import torch
+    from tiny_models import make_tiny_model
+
+    from engine.speculative import DraftProposer
+
+    path = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1, rows=352)
+    eng = Engine.load(str(path), CPU)
+    try:
+        model = eng.model
+        with torch.no_grad():  # the padding rows win every argmax: a draft of them would only be rejected
+            model.output.weight[320:] = 10.0
+        proposer = DraftProposer(model, 64, torch.float32, torch.device("cpu"), vocab=320)
+        proposer.reset([1, 2, 3])
+        drafts = proposer.propose(3)
+        assert len(drafts) == 3 and max(drafts) < 320
+        proposer.extend([*drafts[:1], 351])  # the target made an id past the draft's 320 usable... still a row
+        assert len(proposer.propose(2)) == 2
+        proposer.extend([400])  # an id the draft model has no row for: it cannot read on, so it stops drafting
+        assert proposer.propose(2) == []
+    finally:
+        eng.close()
+
+
 def test_a_refused_draft_model_is_tried_again_once_its_file_changes(tiny_factory, tmp_path):
     """A draft model missing when first chosen (a drive not mounted yet, a copy not finished) was refused until
     the main model was loaded again, even after the file was there."""
@@ -622,7 +664,10 @@ def test_vocabulary_mismatch_names_remapped_tokens():
     a = Tok({"a": 0, "b": 1, "c": 2})
     assert vocabulary_mismatch(a, Tok({"a": 0, "b": 1, "c": 2}), 3, 3) is None
     assert "2 tokens map to other ids" in vocabulary_mismatch(a, Tok({"a": 0, "b": 2, "c": 1}), 3, 3)
-    assert "has 4 entries and the target's 3" in vocabulary_mismatch(a, a, 3, 4)
+    assert vocabulary_mismatch(a, a, 3, 4) is None  # the draft's rows padded further: the same ids
+    assert vocabulary_mismatch(a, a, 8, 4) is None  # the target's padded: its tokens take 3 rows
+    assert "has 2 token rows; the target's tokens take 3" in vocabulary_mismatch(a, a, 3, 2)
+    assert "has 4 entries and the target's 3" in vocabulary_mismatch(a, Tok({"a": 0, "b": 1, "c": 2, "d": 3}), 3, 4)
 
 
 def test_parser_type_for_draft_tokens():
