@@ -89,6 +89,7 @@ class Engine:
         self._fused_failed: Optional[str] = None  # why the fused kernels failed here once; not tried again
         # read by effective() (what a draft model refused), so set before the options are first resolved
         self._draft_models: dict[tuple[str, str, str], Transformer] = {}  # (path, device, dtype) -> the draft model
+        self._draft_proposer: Optional[DraftProposer] = None  # the draft model's, with its cache of the chat
         # draft model path -> (what was on disk there, why it cannot draft for this model): tried again once the
         # file changes (a draft model copied in later, or replaced)
         self._draft_refused: dict[str, tuple[tuple, str]] = {}
@@ -149,6 +150,7 @@ class Engine:
         self._runners.clear()
         self._fused_failed = None
         self._draft_models.clear()
+        self._draft_proposer = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -234,6 +236,7 @@ class Engine:
             return None
         draft.release()
         self._draft_models = {key: model}  # one draft model at a time
+        self._draft_proposer = None
         progress(Progress("load", 1.0, "draft model ready"))
         return model
 
@@ -836,7 +839,18 @@ class Engine:
         model = self._load_draft(opts, on_event)
         if model is None:
             return None
-        proposer = DraftProposer(model, runner.length, TORCH_DTYPES[self.dtype], self.device, self.config.vocab_size)
+        # Kept from answer to answer while the draft model and the cache's length stay: its cache holds the
+        # conversation so far (DraftProposer.reset keeps the prefix the next prompt shares).
+        proposer = self._draft_proposer
+        if (
+            proposer is None
+            or proposer.model is not model
+            or proposer.length != min(runner.length, model.args.max_seq_len)
+        ):
+            proposer = DraftProposer(
+                model, runner.length, TORCH_DTYPES[self.dtype], self.device, self.config.vocab_size
+            )
+            self._draft_proposer = proposer
         source = f"engine counters: draft model {model_file_name(opts.draft_model)}, greedy, {schedule}"
         return Speculator(proposer, k, shapes, source, reproducible=seeded)
 

@@ -251,6 +251,9 @@ class SpecCounts:
     accepted: int = 0  # of those, accepted by the target
 
 
+DRAFT_READ_CHUNK = 256  # prompt positions per forward of the draft model (engine.prefix.PREFILL_CHUNK's reason)
+
+
 class DraftProposer:
     """A smaller model with the target's tokenizer drafts k tokens greedily, one forward each, on its own static
     cache. Tokens accepted since its last proposal are fed first, in one forward; drafts the target rejected stay
@@ -273,20 +276,36 @@ class DraftProposer:
         self.filled = 0  # leading tokens whose keys and values are in the cache
 
     def reset(self, tokens: list[int]) -> None:
+        """A new answer's prompt. The cache's keys and values of the prefix it shares with what was read before
+        are kept (causal: a position's depend only on the tokens up to it), so a chat's next answer reads only
+        what is new: it read the whole conversation again, in one forward, every answer."""
+        same = 0
+        for a, b in zip(self.tokens[: self.filled], tokens):
+            if a != b:
+                break
+            same += 1
         self.tokens = list(tokens)
-        self.filled = 0
+        self.filled = min(same, len(tokens) - 1)  # at least one token is read, for the first draft's logits
         self.unreadable = any(t >= self.model.args.vocab_size for t in tokens)
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
         self.unreadable = self.unreadable or any(t >= self.model.args.vocab_size for t in tokens)
 
-    def _next(self, ids: list[int], start: int) -> int:
+    def _forward(self, ids: list[int], start: int) -> torch.Tensor:
         positions = self.arange[start : start + len(ids)]
         self.cache.attn_len = start + len(ids)
         mask = self.arange[: start + len(ids)][None, :] <= positions[:, None]
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return int(self.model(x, positions, self.cache, mask)[0, -1, : self.vocab].argmax())
+        return self.model(x, positions, self.cache, mask)
+
+    def _next(self, ids: list[int], start: int) -> int:
+        # a long prompt is read in chunks, as the target reads it: one forward of it all held every position's
+        # activations at once
+        while len(ids) > DRAFT_READ_CHUNK:
+            self._forward(ids[:DRAFT_READ_CHUNK], start)
+            ids, start = ids[DRAFT_READ_CHUNK:], start + DRAFT_READ_CHUNK
+        return int(self._forward(ids, start)[0, -1, : self.vocab].argmax())
 
     def propose(self, k: int) -> list[int]:
         n = len(self.tokens)

@@ -630,6 +630,38 @@ def test_a_draft_model_drafts_only_ids_the_target_has_and_stops_at_one_it_has_no
         eng.close()
 
 
+def test_the_draft_model_reads_only_what_is_new_in_a_chat_and_in_chunks(tiny_factory, tmp_path, monkeypatch):
+    """The draft model read the whole conversation again, in one forward, at every answer: 8,187 tokens of a long
+    chat in 0.9 s and 320 MB more memory on a tiny draft, while the target read only the new turn."""
+    from tiny_models import make_tiny_model
+
+    import engine.speculative as spec
+
+    monkeypatch.setattr(spec, "DRAFT_READ_CHUNK", 16)
+    read: list[int] = []
+    real = spec.DraftProposer._forward
+    monkeypatch.setattr(
+        spec.DraftProposer, "_forward", lambda self, ids, start: read.append(len(ids)) or real(self, ids, start)
+    )
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    sampling = SamplingParams(temperature=0, max_new_tokens=12)
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
+    try:
+        first = eng.generate(REPEATS, sampling)
+        chat = [*REPEATS, {"role": "assistant", "content": first.texts[0]}, {"role": "user", "content": "Again."}]
+        read.clear()
+        second = eng.generate(chat, sampling)
+        prompt = second.metrics.prompt_tokens
+        assert max(read) <= 16  # in chunks
+        assert sum(read) < prompt / 2  # the new turn and the drafts, not the conversation again
+        eng.reconfigure(CPU)
+        assert second.token_ids == eng.generate(chat, sampling).token_ids
+        assert first.token_ids == eng.generate(REPEATS, sampling).token_ids
+    finally:
+        eng.close()
+
+
 def test_a_refused_draft_model_is_tried_again_once_its_file_changes(tiny_factory, tmp_path):
     """A draft model missing when first chosen (a drive not mounted yet, a copy not finished) was refused until
     the main model was loaded again, even after the file was there."""
