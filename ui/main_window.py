@@ -206,6 +206,7 @@ class MainWindow(QMainWindow):
         self._fetching = False
         self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
+        self._requested_by_user = True  # False: they replace what the model refused (not saved)
         self._search = ""
         self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
         self._answer_notice = ""  # what the engine said of the last answer (a prompt cleaned, cut), while shown
@@ -885,9 +886,9 @@ class MainWindow(QMainWindow):
         )
 
     def _options_to_load(self) -> EngineOptions:
-        """The options a model opens with: the panel's, or, after a remote model whose panel showed the server's
-        settings, the user's own as kept."""
-        return self.settings.options() if self._remote_open() else self.toggles.options
+        """The options a model opens with: the user's own as kept, not the panel's, which may show what the
+        model open now put in place of what it refused (the server's settings, for a remote model)."""
+        return self.settings.options()
 
     def _remote_open(self) -> bool:
         info = self.controller.info
@@ -900,7 +901,11 @@ class MainWindow(QMainWindow):
             self.settings.engine_options = options.to_dict()
 
     def _options_chosen(self, options: EngineOptions) -> None:
-        self._keep_options(options)
+        # A value the model cannot take, replaced by the panel, is kept for this model alone: saved, it turned
+        # draft speculation (or a device, a precision) off for every model opened after one that refused it.
+        self._requested_by_user = not self.toggles.replacing
+        if self._requested_by_user:
+            self._keep_options(options)
         self._requested = options
         self.controller.reconfigure(options)
 
@@ -919,10 +924,12 @@ class MainWindow(QMainWindow):
             # panel keeps the newer choice, whose own reply follows with its own limits, and neither this
             # reply's reasons nor its limits (they follow its device) are pinned on it.
             return
+        by_user = self._requested is None or self._requested_by_user
         self._requested = None
         self.toggles.set_limits(self.controller.limits)
         self.toggles.set_applied(options, unavailable)
-        self._keep_options(options)
+        if by_user:
+            self._keep_options(options)
 
     def _update_can_send(self) -> None:
         if self._fetching:

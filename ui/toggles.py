@@ -218,6 +218,7 @@ class TogglesPanel(QWidget):
         self._options = options
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
         self._refusal = ""  # what the engine last refused of the user's choice, said until the user chooses again
+        self.replacing = False  # True while the panel replaces a value the engine refused (optionsChanged fires)
         self._limits: dict[tuple[str, object], str] = {}  # the same, for what this machine and model never run
         self._resolve_preset: PresetResolver = preset_resolver or _as_defined
         self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
@@ -341,9 +342,18 @@ class TogglesPanel(QWidget):
         unavailable from the start, with the reason under the control; a value in use is replaced."""
         self._limits = dict(limits)
         self._apply_tooltips()
+        self._replace_refused()
+
+    def _replace_refused(self) -> None:
+        """The value in use, where this model or machine cannot take it, replaced by one that works, for this
+        model alone: `replacing` says so while optionsChanged fires (the user's own choice stays saved)."""
         fixed = self._without_unavailable(self._options)
         if fixed != self._options:
-            self._change(fixed)
+            self.replacing = True
+            try:
+                self._change(fixed)
+            finally:
+                self.replacing = False
 
     def _why(self, name: str, value: object) -> Optional[str]:
         return self._limits.get((name, value)) or self._known.get((name, value))
@@ -362,9 +372,7 @@ class TogglesPanel(QWidget):
                 what = name.replace("_", " ")
                 refused.append(f"{what}: {reason}" if isinstance(value, bool) else f"{what} {value}: {reason}")
         self._apply_tooltips()
-        fixed = self._without_unavailable(self._options)
-        if fixed != self._options:
-            self._change(fixed)
+        self._replace_refused()
         if refused:  # said where the user looks, not only in a disabled entry's tooltip
             self._refusal = "Not applied: " + "; ".join(refused)
             self.note.setText(self._refusal)

@@ -77,3 +77,31 @@ def test_draft_picked_without_a_draft_model_says_why_it_was_not_applied(qtbot):
     panel.kv_cache.activated.emit(panel.kv_cache.currentIndex())
     panel.set_applied(emitted[-1], {})
     assert panel.note.text() == "Ready: the next answer uses these options."
+
+
+def test_a_model_that_refuses_the_draft_does_not_turn_drafting_off_for_the_next(qtbot, tmp_path, tiny_factory):
+    """Opening a model of another vocabulary refused the draft model, rightly; the panel's replacement (speculation
+    off) was saved as the user's choice, so the model the draft was chosen for no longer drafted when opened again."""
+    from test_main_window import TIMEOUT_MS, close_app, open_app
+
+    target = tiny_factory("llama")
+    draft = tiny_factory("llama", seed=1, num_hidden_layers=1)
+    other = tiny_factory("llama", vocab_size=300)
+    gui = open_app(qtbot, tmp_path / "data", target)
+    w = gui.window
+    try:
+        with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):
+            w.toggles.set_draft_model(str(draft))
+        saved = lambda: {k: w.settings.engine_options[k] for k in ("speculation", "draft_model")}  # noqa: E731
+        assert saved() == {"speculation": "draft", "draft_model": str(draft)}
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            w.load_model(str(other))
+        qtbot.waitUntil(lambda: w.toggles.options.speculation == "off", timeout=TIMEOUT_MS)
+        assert "vocabulary" in w.toggles.draft_reason.text()  # refused here, and said
+        qtbot.wait(200)  # the replacement's own reply
+        assert saved() == {"speculation": "draft", "draft_model": str(draft)}  # the user's choice, kept
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            w.load_model(str(target))
+        qtbot.waitUntil(lambda: w.toggles.options.speculation == "draft", timeout=TIMEOUT_MS)
+    finally:
+        close_app(gui)
