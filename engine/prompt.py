@@ -18,6 +18,8 @@ and what was dropped in `cut` (for the answer's stats line).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
@@ -55,6 +57,13 @@ def build_prompt(
     raw=True: the last user message only, tokenized as the tokenizer does by default (its special tokens, e.g.
     BOS, included), no template: plain completion. `overflow`: what a prompt too long for the context does.
     """
+    return _build(tokenizer, messages, context_length, max_new_tokens, raw, overflow, [])
+
+
+def _build(
+    tokenizer, messages: list[dict], context_length: int, max_new_tokens: int, raw: bool, overflow: str, full: list[int]
+) -> Prompt:
+    """build_prompt; `full` gets the whole conversation's tokens once they are known (measure_prompt's figure)."""
     if overflow not in OVERFLOW_POLICIES:
         raise GenerationError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
     if context_length < 4:
@@ -66,17 +75,19 @@ def build_prompt(
             _stop_if_over(len(tokenizer(msgs[-1]["content"])["input_ids"]), budget, context_length)
         return _fit_raw(tokenizer, msgs[-1]["content"], budget, context_length, notices)
     render = _renderer(tokenizer, msgs, notices)
+    text, ids = render(msgs)  # rendered once: the renderer keeps it for `msgs`
+    full.append(len(ids))
     if overflow == "stop":
-        text, ids = render(msgs)
         _stop_if_over(len(ids), budget, context_length)
         return Prompt(ids, text, 0, notices)
+    counts = functools.cache(lambda: _content_sizes(tokenizer, msgs))  # counted once for both policies' tries
     if overflow == "truncate-middle":
-        return _fit_middle_or_rolling(tokenizer, render, msgs, budget, context_length, notices)
-    return _fit(tokenizer, render, msgs, budget, context_length, notices)
+        return _fit_middle_or_rolling(tokenizer, render, counts, msgs, budget, context_length, notices)
+    return _fit(tokenizer, render, counts, msgs, budget, context_length, notices)
 
 
 def _fit_middle_or_rolling(
-    tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]
+    tokenizer, render: Render, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
 ) -> Prompt:
     """Truncate-middle where it can keep the first message; else the rolling window, said in a notice. It cannot
     where the first message alone leaves no room (after the turn that answered it, cut, every later one was
@@ -84,11 +95,11 @@ def _fit_middle_or_rolling(
     the last questions side by side."""
     tried = list(notices)
     try:
-        return _fit_middle(tokenizer, render, msgs, budget, context, tried)
+        return _fit_middle(tokenizer, render, counts, msgs, budget, context, tried)
     except GenerationError as exc:
         why = one_line(exc)
     try:
-        prompt = _fit(tokenizer, render, msgs, budget, context, notices)
+        prompt = _fit(tokenizer, render, counts, msgs, budget, context, notices)
     except GenerationError:
         raise GenerationError(why) from None
     prompt.notices.append(f"the first message could not be kept ({why}): the oldest messages were dropped instead")
@@ -104,19 +115,23 @@ def measure_prompt(
     last = messages[-1] if messages else {}
     empty = isinstance(last, dict) and last.get("role") == "user" and not str(last.get("content", "")).strip()
     fitted, refused = None, ""
+    counted: list[int] = []  # the whole conversation's tokens, where build_prompt counted them
     if not empty:
         try:
-            fitted = build_prompt(tokenizer, messages, context_length, max_new_tokens, overflow=overflow)
+            fitted = _build(tokenizer, messages, context_length, max_new_tokens, False, overflow, counted)
         except GenerationError as exc:
             refused = str(exc)
-    clean, notices = _clean([*messages[:-1], {"role": "user", "content": "."}] if empty else messages)
+    if counted:  # the same messages, cleaned and rendered the same way
+        tokens = counted[0]
+    else:
+        clean, notices = _clean([*messages[:-1], {"role": "user", "content": "."}] if empty else messages)
+        if empty:
+            clean[-1]["content"] = ""
+        tokens = len(_renderer(tokenizer, clean, notices)(clean)[1])
     if empty:
-        clean[-1]["content"] = ""
-    _, full = _renderer(tokenizer, clean, notices)(clean)
-    if empty:
-        return ContextUse(len(full), len(full) if len(full) <= budget else None, context_length, budget, overflow)
+        return ContextUse(tokens, tokens if tokens <= budget else None, context_length, budget, overflow)
     return ContextUse(
-        len(full),
+        tokens,
         len(fitted.ids) if fitted else None,
         context_length,
         budget,
@@ -183,9 +198,28 @@ def _clean(messages: Any, raw: bool = False) -> tuple[list[dict], list[str]]:
 # ---- rendering -------------------------------------------------------------------------------------------
 
 Render = Callable[[list[dict]], tuple[str, list[int]]]
+Counts = Callable[[], list[int]]  # each message's content tokens (_content_sizes), counted on the first call
 
 
 def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
+    """The render for `msgs` and the cuts of them. `msgs` itself (the same list) is rendered once: the renderer
+    keeps it, as every policy starts with the whole conversation."""
+    done: dict[str, tuple[str, list[int]]] = {}
+    render = _render(tokenizer, msgs, notices, done)
+
+    def kept(ms: list[dict]) -> tuple[str, list[int]]:
+        if ms is not msgs:
+            return render(ms)
+        if "whole" not in done:
+            done["whole"] = render(ms)
+        return done["whole"]
+
+    return kept
+
+
+def _render(tokenizer, msgs: list[dict], notices: list[str], done: dict[str, tuple[str, list[int]]]) -> Render:
+    """The render of `msgs`: the chat template, merging the system prompt where the template has no system role,
+    or the plain format. The template is tried on `msgs`; a try that works is kept in done["whole"]."""
     if not getattr(tokenizer, "chat_template", None):
 
         def plain(ms: list[dict]) -> tuple[str, list[int]]:
@@ -208,7 +242,7 @@ def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
             raise GenerationError(f"the model's chat template failed: {exc}") from exc
 
     try:
-        raw(msgs)
+        done["whole"] = raw(msgs)
         return template
     except jinja2.TemplateError as exc:
         if not any(m["role"] == "system" for m in msgs):
@@ -219,7 +253,7 @@ def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
         return template(_merge_system(ms))
 
     try:  # templates without a system role (Gemma, early Mistral) raise on one
-        raw(_merge_system(msgs))
+        done["whole"] = raw(_merge_system(msgs))
     except jinja2.TemplateError as exc:
         raise GenerationError(f"the model's chat template failed: {first_error}") from exc
     notices.append(
@@ -255,14 +289,22 @@ Dropped = TypeVar("Dropped")
 
 
 def _fewest_dropped(
-    render: Render, budget: int, units: int, kept_after: Callable[[int], tuple[list[dict], Dropped]]
+    render: Render,
+    budget: int,
+    units: int,
+    kept_after: Callable[[int], tuple[list[dict], Dropped]],
+    too_long: int = 0,
 ) -> Optional[tuple[str, list[int], Dropped]]:
     """The prompt with the fewest of `units` dropped (fewer dropped -> longer prompt) that fits `budget`, found by
     bisection: (text, ids, what kept_after(k) says was dropped), or None when all of them dropped is still too long.
-    kept_after(k) -> (the messages kept with k units dropped, what was dropped)."""
+    kept_after(k) -> (the messages kept with k units dropped, what was dropped). Cuts of `too_long` units or fewer
+    are known not to fit (_too_long): the bisection takes the same steps, without rendering them."""
     lo, hi, best = 1, units, None
     while lo <= hi:
         mid = (lo + hi) // 2
+        if mid <= too_long:
+            lo = mid + 1
+            continue
         kept, dropped = kept_after(mid)
         text, ids = render(kept)
         if len(ids) <= budget:
@@ -288,22 +330,69 @@ def _sticky(fewest: int, sizes: list[int], step: int) -> int:
     return next((k for k in range(fewest, len(sizes) + 1) if marks[k - 1] >= mark), fewest)
 
 
-def _sizes(tokenizer, msgs: list[dict], units: list[list[int]], rendered: int) -> list[int]:
-    """Each unit's tokens in a prompt: its messages' content and the template's tokens around each message (the
-    `rendered` prompt's tokens beyond all content, shared out per message)."""
-    content = [len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for m in msgs]
-    framing = max(0, (rendered - sum(content)) // len(msgs))
+def _content_sizes(tokenizer, msgs: list[dict]) -> list[int]:
+    """Each message's content tokens."""
+    return [len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for m in msgs]
+
+
+def _sizes(content: list[int], units: list[list[int]], rendered: int) -> list[int]:
+    """Each unit's tokens in a prompt: its messages' `content` tokens (_content_sizes) and the template's tokens
+    around each message (the `rendered` prompt's tokens beyond all content, shared out per message)."""
+    framing = max(0, (rendered - sum(content)) // len(content))
     return [sum(content[i] + framing for i in u) for u in units]
 
 
-def _fit(tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]) -> Prompt:
+# _too_long's tries: a cut estimated to leave about this many budgets' worth of the conversation, rendered to
+# show that every cut of fewer units is too long; and the margin over the budget that rendered prompt must have.
+TOO_LONG_BUDGETS = (2, 8, 32)
+TOO_LONG_MARGIN_SHARE = 4
+
+
+def _too_long(
+    render: Render, budget: int, whole: int, sizes: Callable[[], list[int]], kept: Callable[[int], list[dict]]
+) -> int:
+    """How many of the oldest units (in the order they are dropped) _fewest_dropped may take as too few to drop
+    without rendering the prompts: the most whose cut is shown too long by rendering it, 0 where none is.
+
+    Every cut of fewer units keeps all that one keeps and more messages, so its prompt is longer still; that one's
+    is rendered and must pass the budget by a margin (a quarter of it), for the tokenizer to merge differently
+    where messages meet. The cut tried is the most units whose dropping leaves an estimated two budgets (then 8,
+    32, where the estimate was far off): the whole prompt's tokens (`whole`) less the dropped units' sizes(). The
+    bisection then renders only prompts of a few budgets: it cost the chat's whole length for each of its steps,
+    rendering and tokenizing cuts that could never fit (8,000 messages took 6 to 16 s on two cores, every send
+    and context-meter update). kept(k): the messages kept with k units dropped."""
+    if whole < TOO_LONG_BUDGETS[0] * budget:
+        return 0  # the bisection renders a few budgets at most anyway
+    marks = list(itertools.accumulate(sizes()))
+    tried = len(marks) + 1
+    for times in TOO_LONG_BUDGETS:
+        k = bisect.bisect_right(marks, whole - times * budget)  # marks[k - 1]: the tokens of the k oldest units
+        if k < 1:
+            return 0
+        if k >= tried:
+            continue
+        tried = k
+        try:
+            _, ids = render(kept(k))
+        except Exception:  # a render that fails proves nothing: the bisection renders every cut, as it always did
+            return 0
+        if len(ids) > budget + budget // TOO_LONG_MARGIN_SHARE:
+            return k
+    return 0
+
+
+def _fit(
+    tokenizer, render: Render, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
+) -> Prompt:
     text, ids = render(msgs)
     if len(ids) <= budget:
         return Prompt(ids, text, 0, notices)
     history = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
-    best = _fewest_dropped(render, budget, len(history), lambda k: (_keep(msgs, k)[0], k))
+    sizes = functools.cache(lambda: _sizes(counts(), [[i] for i in history], len(ids)))
+    too_long = _too_long(render, budget, len(ids), sizes, lambda k: _keep(msgs, k)[0])
+    best = _fewest_dropped(render, budget, len(history), lambda k: (_keep(msgs, k)[0], k), too_long)
     if best is not None:
-        k = _sticky(best[2], _sizes(tokenizer, msgs, [[i] for i in history], len(ids)), budget // CUT_STEP_SHARE)
+        k = _sticky(best[2], sizes(), budget // CUT_STEP_SHARE)
         # The rounding never takes the newest exchange the fewest cut keeps: with long turns it dropped the whole
         # conversation (the last answer went with its question) to keep a cut that moved every turn anyway.
         newest = max((n for n, i in enumerate(history) if msgs[i]["role"] == "user"), default=0)
@@ -351,7 +440,9 @@ def _cut_last(
     raise GenerationError(f"the message cannot be cut to fit the {context}-token context")
 
 
-def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, context: int, notices: list[str]) -> Prompt:
+def _fit_middle(
+    tokenizer, render: Render, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
+) -> Prompt:
     """Drop whole turns between the first user message and the last one, oldest first, then the first
     question's answers; the system prompt and the first and last user messages stay."""
     text, ids = render(msgs)
@@ -372,11 +463,14 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
 
     def kept_after(k: int) -> tuple[list[dict], list[int]]:
         gone = sorted(i for u in units[:k] for i in u)
-        return [m for i, m in enumerate(msgs) if i not in set(gone)], gone
+        out = set(gone)
+        return [m for i, m in enumerate(msgs) if i not in out], gone
 
-    best = _fewest_dropped(render, budget, len(units), lambda k: (kept_after(k)[0], k))
+    sizes = functools.cache(lambda: _sizes(counts(), units, len(ids)))
+    too_long = _too_long(render, budget, len(ids), sizes, lambda k: kept_after(k)[0])
+    best = _fewest_dropped(render, budget, len(units), lambda k: (kept_after(k)[0], k), too_long)
     if best is not None:
-        k = _sticky(best[2], _sizes(tokenizer, msgs, units, len(ids)), budget // CUT_STEP_SHARE)
+        k = _sticky(best[2], sizes(), budget // CUT_STEP_SHARE)
         if answers_last:  # rounding up never takes the first answers the fewest cut keeps (two questions in a row)
             k = max(best[2], min(k, len(units) - 1))
         kept, gone = kept_after(k)
@@ -398,7 +492,8 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
 
 
 def _middle_what(gone: list[int], convo: list[int], msgs: list[dict]) -> str:
-    numbers = [convo.index(i) + 1 for i in gone]
+    number = {i: n for n, i in enumerate(convo, 1)}
+    numbers = [number[i] for i in gone]
     span = f"message {numbers[0]}" if len(numbers) == 1 else f"messages {numbers[0]}–{numbers[-1]}"
     kept = (
         "the system prompt and the first message" if any(m["role"] == "system" for m in msgs) else "the first message"
