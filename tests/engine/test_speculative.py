@@ -516,20 +516,26 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_factory, tmp_path
         eng.close()
 
 
-def test_a_draft_model_given_at_load_drafts_or_is_refused(tiny_factory, tmp_path):
-    """As `gapless generate --speculation draft --draft-model PATH` loads: the draft options from the start."""
-    from tiny_models import make_tiny_model
-
-    target = tiny_factory("llama")
-    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+def drafts_the_plain_answer(target, draft) -> None:
+    """`draft` drafts for `target` from the load on, and the answer is plain decoding's, token for token."""
     eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
     try:
+        assert "speculation" not in eng.unavailable()
         got = eng.generate(REPEATS, GREEDY)
         assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
         eng.reconfigure(CPU)
         assert got.token_ids == eng.generate(REPEATS, GREEDY).token_ids
     finally:
         eng.close()
+
+
+def test_a_draft_model_given_at_load_drafts_or_is_refused(tiny_factory, tmp_path):
+    """As `gapless generate --speculation draft --draft-model PATH` loads: the draft options from the start."""
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    drafts_the_plain_answer(target, draft)
     missing = str(tmp_path / "nowhere")
     eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=missing))
     try:
@@ -595,15 +601,7 @@ def test_a_draft_model_whose_embedding_is_padded_otherwise_drafts(tiny_factory, 
 
     target = make_tiny_model(tmp_path / "target", "llama", rows=384)
     draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1, rows=352)
-    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
-    try:
-        assert "speculation" not in eng.unavailable()
-        got = eng.generate(REPEATS, GREEDY)
-        assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
-        eng.reconfigure(CPU)
-        assert got.token_ids == eng.generate(REPEATS, GREEDY).token_ids
-    finally:
-        eng.close()
+    drafts_the_plain_answer(target, draft)
 
 
 def test_a_draft_model_drafts_only_ids_the_target_has_and_stops_at_one_it_has_not(tmp_path):

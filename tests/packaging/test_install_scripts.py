@@ -193,18 +193,19 @@ def test_prefix_install_and_uninstall_leave_the_prefix_as_it_was(archive: Path, 
     assert tree(prefix) == {"keep.txt"}
 
 
+def valid_desktop_entry(path: Path) -> None:
+    """desktop-file-validate finds nothing in it, where the tool is installed."""
+    if shutil.which("desktop-file-validate"):
+        check = subprocess.run(["desktop-file-validate", str(path)], capture_output=True, text=True)
+        assert check.returncode == 0 and not check.stdout.strip(), check.stdout
+
+
 def test_a_path_with_spaces_is_quoted_in_the_desktop_entry(archive: Path, home: Path, tmp_path: Path):
     prefix = tmp_path / "my apps"
     run(archive / "install.sh", "--prefix", str(prefix), env=user_env(home))
     entry = (prefix / "share/applications/gapless.desktop").read_text()
     assert f'Exec="{prefix}/lib/gapless-app/gapless" gui\n' in entry
-    if shutil.which("desktop-file-validate"):
-        check = subprocess.run(
-            ["desktop-file-validate", str(prefix / "share/applications/gapless.desktop")],
-            capture_output=True,
-            text=True,
-        )
-        assert check.returncode == 0 and not check.stdout.strip(), check.stdout
+    valid_desktop_entry(prefix / "share/applications/gapless.desktop")
 
 
 @pytest.mark.parametrize("name", ["R&D", "50%off", "a|b"])
@@ -218,13 +219,7 @@ def test_a_path_with_characters_sed_or_the_desktop_entry_read_as_their_own(archi
     entry = (prefix / "share/applications/gapless.desktop").read_text()
     app = str(prefix / "lib/gapless-app/gapless")
     assert f'Exec="{app.replace("%", "%%")}" gui\n' in entry and f"TryExec={app}\n" in entry
-    if shutil.which("desktop-file-validate"):
-        check = subprocess.run(
-            ["desktop-file-validate", str(prefix / "share/applications/gapless.desktop")],
-            capture_output=True,
-            text=True,
-        )
-        assert check.returncode == 0 and not check.stdout.strip(), check.stdout
+    valid_desktop_entry(prefix / "share/applications/gapless.desktop")
     run(prefix / "lib/gapless-app/uninstall.sh", env=env)
     assert not prefix.exists()
 
