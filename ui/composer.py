@@ -15,7 +15,6 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QLabel,
-    QPlainTextEdit,
     QPushButton,
     QSizePolicy,
     QVBoxLayout,
@@ -23,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.types import ContextUse
+from ui.parts import TypingBox
 
 SEND_KEYS = ("enter", "ctrl+enter")
 MAX_LINES = 10
@@ -33,7 +33,7 @@ OVER_WHAT = {
 }
 
 
-class ComposerEdit(QPlainTextEdit):
+class ComposerEdit(TypingBox):
     submit = Signal()
 
     def __init__(self, parent: Optional[QWidget] = None):

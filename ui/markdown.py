@@ -40,6 +40,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.fences import FENCE, closes
+from ui.parts import LONG_WORD, has_long_word
 from ui.plain_text import show_tip
 from ui.theme import LIGHT, Colors
 
@@ -48,8 +49,6 @@ RENDER_INTERVAL_MS = 250  # markdown of a streaming body is rendered at most 4 t
 CODE_MAX_LINES = 28  # taller code blocks scroll inside themselves
 
 
-LONG_WORD = 500  # characters without a break: such a word is broken anywhere
-_LONG_WORD = re.compile(r"\S{%d}" % LONG_WORD)
 TABLE_ROWS_DRAWN = 200  # a prose segment with more table rows than this is shown as its plain text
 _TABLE_ROW = re.compile(r"(?m)^ {0,3}\|")
 MAX_SEGMENTS = 100  # code blocks and prose between them, each a widget; past this the rest is one prose view
@@ -355,7 +354,7 @@ class ProseView(QTextBrowser):
         300 KB word at word boundaries took 3.3 s of the GUI thread, 0.2 s this way."""
         mode = (
             QTextOption.WrapMode.WrapAnywhere
-            if _LONG_WORD.search(text)
+            if has_long_word(text)
             else QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere
         )
         if self.wordWrapMode() != mode:

@@ -12,7 +12,6 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMenu,
-    QPlainTextEdit,
     QPushButton,
     QTabWidget,
     QToolButton,
@@ -23,6 +22,7 @@ from PySide6.QtWidgets import (
 from app.chat_flow import MessageItem
 from ui.hud.bars import ElidedLabel
 from ui.markdown import SegmentsView
+from ui.parts import TypingBox
 from ui.stats import finish_words, format_stats
 from ui.theme import Colors
 
@@ -265,7 +265,7 @@ class MessageWidget(QFrame):
         self.body.set_colors(colors)
 
 
-class _EditBox(QPlainTextEdit):
+class _EditBox(TypingBox):
     """The text of a message being edited: Enter is a new line, Ctrl+Enter sends it, Esc gives up."""
 
     submit = Signal()
