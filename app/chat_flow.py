@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver
+from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver, check_message
 from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, options_as_run
 
 if TYPE_CHECKING:
@@ -290,6 +290,8 @@ class ChatFlow(QObject):
     def send(self, text: str) -> bool:
         """Add `text` as a user message at the end of the visible branch and ask for an answer."""
         if self.generating or not text.strip():
+            return False
+        if not self._guard(lambda: check_message(text)):  # refused before a chat is made, or named, after it
             return False
         if self.chat_id is None:
             chat = self._guard(

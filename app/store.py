@@ -41,6 +41,12 @@ MAX_TEXT_CHARS = 4 << 20  # one message's content or the system prompt: no model
 MAX_TITLE_CHARS = 1000
 
 
+def check_message(text: str) -> bool:
+    """True where `text` can be stored as a message; else StoreError says why (what add_message would raise)."""
+    _check_length(text, "the message", MAX_TEXT_CHARS)
+    return True
+
+
 def _check_length(text: str, what: str, limit: int) -> None:
     if len(text) > limit:
         raise StoreError(f"{what} is {len(text):,} characters long; at most {limit:,} are allowed")

@@ -244,3 +244,18 @@ def test_an_answer_s_options_are_kept_resolved_from_its_start(flow):
     assert streaming.status == "streaming"
     assert (streaming.options["device"], streaming.options["dtype"]) == ("cpu", "fp32")
     assert options_label(streaming.options) == "+ static KV cache"
+
+
+def test_a_first_message_refused_as_too_long_leaves_no_chat_behind(flow):
+    """The chat was made, titled with the refused text, before the message was refused: it stayed in the list
+    empty, and the next message went into it under that title."""
+    from app.store import MAX_TEXT_CHARS
+
+    f, store, ctl = flow
+    heard = signals(f, "failed")
+    secret = "Secret plan: " + "x" * MAX_TEXT_CHARS
+    assert not f.send(secret)
+    assert heard["failed"] and "4,194,304" in heard["failed"][0][0]
+    assert store.list_chats() == [] and f.chat_id is None and ctl.asked == []
+    assert f.send("hello")
+    assert [c.title for c in store.list_chats()] == [title_from("hello")]
