@@ -3,6 +3,8 @@ sampling parameters and overflow policy) on the form Preferences shares for the 
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
@@ -113,6 +115,38 @@ class ProgressDialog(QDialog):
             self._cancel()
 
 
+def stops_text(stops: tuple[str, ...]) -> str:
+    """Stop strings as the field shows them: comma-separated, with a comma, a new line, a tab and a backslash
+    written \\, \\n \\t \\\\ (joined and split on bare commas, "a,b" became two stops and "\\n\\n" none)."""
+    return ", ".join(s.translate(_STOP_ESCAPES) for s in stops)
+
+
+_STOP_ESCAPES = str.maketrans({"\\": "\\\\", ",": "\\,", "\n": "\\n", "\t": "\\t", "\r": "\\r"})
+_STOP_UNESCAPES = {"n": "\n", "t": "\t", "r": "\r", ",": ",", "\\": "\\"}
+
+
+def stops_from(text: str) -> tuple[str, ...]:
+    """The stop strings of the field's text (stops_text's form); each stripped of the spaces typed around it."""
+    stops, part, chars = [], [], iter(text)
+    for c in chars:
+        if c == "\\":
+            nxt = next(chars, "")
+            part.append("\x00" + nxt)  # an escape: kept apart from the text around it until stripped
+        elif c == ",":
+            stops.append(part)
+            part = []
+        else:
+            part.append(c)
+    stops.append(part)
+    out = []
+    for p in stops:
+        raw = "".join(p).strip()
+        value = re.sub("\x00(.?)", lambda m: _STOP_UNESCAPES.get(m.group(1), "\\" + m.group(1)), raw)
+        if value:
+            out.append(value)
+    return tuple(out)
+
+
 class SamplingDialog(QDialog):
     """A system prompt and sampling parameters with OK, Cancel and Restore defaults, validated by SamplingParams
     (and `problem()`) before the dialog is accepted: a chat's settings, and the defaults in Preferences.
@@ -127,15 +161,17 @@ class SamplingDialog(QDialog):
         self.system_prompt.setPlaceholderText("Optional: how the model should behave in this chat")
         self.system_prompt.setMinimumHeight(90)
         self.system_prompt.setTabChangesFocus(True)  # Tab moves on to the sampling fields
-        self.temperature = self._fraction_box(0.0, 5.0, 0.05, "0 = greedy (always the most likely token)")
+        # The ranges are the engine's (SamplingParams.validate): a chat imported or set with temperature 7.5 was cut
+        # to 5 by an OK that changed only its system prompt.
+        self.temperature = self._fraction_box(0.0, 100.0, 0.05, "0 = greedy (always the most likely token)")
         self.top_p = self._fraction_box(
             0.01, 1.0, 0.01, "Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1 = off)"
         )
         self.top_k = QSpinBox(self)
-        self.top_k.setRange(0, 100_000)
+        self.top_k.setRange(0, 2**31 - 1)
         self.top_k.setToolTip("Keep the k most likely tokens (0 = off)")
         self.repetition_penalty = self._fraction_box(
-            0.5, 3.0, 0.05, "Above 1 discourages repeating tokens already generated (1 = off)"
+            0.01, 10.0, 0.05, "Above 1 discourages repeating tokens already generated (1 = off)"
         )
         self.max_new_tokens = QSpinBox(self)
         # Not bounded by the loaded model's context: the chat keeps its setting across models (a small model's
@@ -150,7 +186,11 @@ class SamplingDialog(QDialog):
         self.seed.setToolTip("The same seed, prompt and options give the same answer; empty = a new seed each time")
         self.stop = QLineEdit(self)
         self.stop.setPlaceholderText("comma-separated, optional")
-        self.stop.setToolTip("Stop the answer when one of these strings appears")
+        self.stop.setToolTip(
+            "Stop the answer when one of these strings appears; comma-separated, \\n for a new line, \\, for a comma"
+        )
+        self._shown: Optional[SamplingParams] = None  # what _show put in the fields
+        self._as_shown: tuple = ()  # the fields' values right after
         self.error = error_label(self)
         self.form = QFormLayout()
         self.buttons = QDialogButtonBox(
@@ -206,19 +246,32 @@ class SamplingDialog(QDialog):
         self.repetition_penalty.setValue(s.repetition_penalty)
         self.max_new_tokens.setValue(s.max_new_tokens)
         self.seed.setText("" if s.seed is None else str(s.seed))
-        self.stop.setText(", ".join(s.stop))
+        self.stop.setText(stops_text(s.stop))
+        self._shown, self._as_shown = s, self._fields()
+
+    def _fields(self) -> tuple:
+        boxes = (self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.max_new_tokens)
+        return (*(b.value() for b in boxes), self.seed.text(), self.stop.text())
 
     def sampling(self) -> SamplingParams:
+        """The fields' settings; a field left as shown keeps the value it showed exactly (a box shows two
+        decimals: an OK that changed only the system prompt rounded top-p 0.955 to 0.95)."""
         seed = self.seed.text().strip()
-        return SamplingParams(
+        typed = SamplingParams(
             temperature=round(self.temperature.value(), 4),
             top_p=round(self.top_p.value(), 4),
             top_k=self.top_k.value(),
             repetition_penalty=round(self.repetition_penalty.value(), 4),
             max_new_tokens=self.max_new_tokens.value(),
             seed=int(seed) if seed else None,
-            stop=tuple(s.strip() for s in self.stop.text().split(",") if s.strip()),
-        ).validate()
+            stop=stops_from(self.stop.text()),
+        )
+        shown = self._shown
+        if shown is not None:
+            names = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed", "stop")
+            kept = {n: getattr(shown, n) for n, now, then in zip(names, self._fields(), self._as_shown) if now == then}
+            typed = replace(typed, **kept)
+        return typed.validate()
 
     def values(self) -> tuple[str, SamplingParams]:
         return self.system_prompt.toPlainText().strip(), self.sampling()

@@ -3,6 +3,8 @@ the stats line, toggles and presets, chat settings validation, themes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
@@ -443,6 +445,29 @@ def test_chat_settings_keep_max_tokens_beyond_a_small_model_s_context(qtbot):
     assert "more than this model's context (256 tokens)" in d.max_new_tokens.toolTip()
     d.max_new_tokens.setValue(200)
     assert d.max_new_tokens.toolTip() == "The longest answer, in tokens"
+
+
+def test_chat_settings_ok_keeps_every_setting_it_was_not_asked_to_change(qtbot):
+    """OK with only the system prompt changed rewrote the sampling to what the fields could show: temperature 7.5
+    became 5, penalty 4 became 3, top-k 200,000 became 100,000, top-p 0.955 became 0.95, the stop "a,b" became
+    two stops ("a" cut every answer at its first a) and "\\n\\n" none."""
+    chosen = SamplingParams(
+        temperature=7.5,
+        top_p=0.955,
+        top_k=200_000,
+        repetition_penalty=4.0,
+        max_new_tokens=700,
+        seed=7,
+        stop=("a,b", "\n\n", "\nUser:", "back\\slash"),
+    )
+    d = ChatSettingsDialog("old", chosen)
+    qtbot.addWidget(d)
+    d.system_prompt.setPlainText("Be brief.")
+    assert d.values() == ("Be brief.", chosen)
+    assert d.stop.text() == "a\\,b, \\n\\n, \\nUser:, back\\\\slash"
+    d.stop.setText(d.stop.text() + ", END")  # edited: what it shows is read back, escapes and all
+    d.temperature.setValue(9.0)
+    assert d.sampling() == replace(chosen, temperature=9.0, stop=(*chosen.stop, "END"))
 
 
 def test_chat_settings_dialog_defaults_and_validation(qtbot):
