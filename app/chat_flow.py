@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver, check_message
+from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver, check_message, figures_lost
+from engine.errors import one_line
 from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, options_as_run
 
 if TYPE_CHECKING:
@@ -530,8 +531,8 @@ class ChatFlow(QObject):
             return
         for saver in [] if a.discarded else a.savers:
             try:
-                if saver.text:
-                    saver.finish("error")  # keep what was written before the failure
+                if saver.text:  # kept as written before the failure, its figures n/a with the reason
+                    saver.finish("error", figures_lost(f"the answer failed: {one_line(message)}"))
                 else:
                     self.store.delete_message(saver.message_id)  # nothing to keep
             except StoreError as exc:

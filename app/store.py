@@ -154,12 +154,17 @@ SCHEMA_VERSION = max(MIGRATIONS)
 
 
 # What an answer cut off by a crash is stored with: its finish reason, and why its figures are n/a.
+KEPT_FIGURES = ("new_tokens_total", "ttft_ms", "prefill_tok_s", "decode_tok_s", "step_ms_p50", "step_ms_p99")
+
+
+def figures_lost(why: str) -> dict:
+    """The figures of an answer kept without them (cut off by a crash, failed partway): each n/a with `why`."""
+    return {"unavailable": dict.fromkeys(KEPT_FIGURES, why)}
+
+
 INTERRUPTED_METRICS = {
     "finish_reason": "interrupted",
-    "unavailable": {
-        key: "the app closed before this answer ended, so its figures were not kept"
-        for key in ("new_tokens_total", "ttft_ms", "prefill_tok_s", "decode_tok_s", "step_ms_p50", "step_ms_p99")
-    },
+    **figures_lost("the app closed before this answer ended, so its figures were not kept"),
 }
 
 

@@ -83,7 +83,8 @@ def _steps_line(m: dict[str, Any]) -> str:
     """The step latencies, or over HTTP the gaps between text chunks that stand in for them."""
     p50, p99 = figures.shown(m, "step_ms_p50"), figures.shown(m, "step_ms_p99")
     label = "Inter-token gap (HTTP)" if figures.over_http(p50, "step_ms_p50") else "Step latency"
-    return f"{label} p50 / p99: {fmt(p50.value, ' ms', 2)} / {fmt(p99.value, ' ms', 2)}"
+    shown = f"{fmt(p50.value, ' ms', 2)} / {fmt(p99.value, ' ms', 2)}"
+    return _sourced(f"{label} p50 / p99", p50.value, shown, p50.source, p50.reason or p99.reason)
 
 
 def format_stats(
@@ -136,8 +137,13 @@ def format_stats(
     if finish_reason:
         line += f" · {finish_words(finish_reason)}"
     unavailable = m.get("unavailable") or {}
+    # each count with its source (the engine's counter, the server's usage), or n/a with the reason ("None")
+    new, prompt = figures.read(m, "new_tokens_total"), figures.read(m, "prompt_tokens")
     tips = [
-        f"Tokens: {tokens if metrics else NA} new, {m.get('prompt_tokens', NA) if metrics else NA} in the prompt",
+        *(
+            _sourced(label, f.value, f"{f.value:,}" if f.value is not None else NA, f.source, f.reason)
+            for label, f in (("New tokens", new), ("Prompt tokens", prompt))
+        ),
         _sourced(
             f"Time to first token{ttft_how}",
             ttft.value,

@@ -106,6 +106,8 @@ def test_a_failure_keeps_text_written_before_it_and_drops_an_empty_answer(flow):
     ctl.generationFailed.emit(2, "engine error")
     answer = store.thread(f.chat_id)[-1]
     assert (answer.content, answer.status) == ("partial", "error")
+    # its figures say why they are n/a (the stats tooltip was ten bare "n/a")
+    assert answer.metrics["unavailable"]["decode_tok_s"] == "the answer failed: engine error"
 
 
 def test_events_of_an_earlier_request_never_land_in_the_current_answer(flow):

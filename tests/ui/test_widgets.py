@@ -367,6 +367,29 @@ def test_stats_line_of_a_remote_answer_shows_the_client_s_timings_and_rounds_hon
     assert "TTFT <1 ms" in line and "kernel gap <0.1%" in line and ">99% accepted" in line
 
 
+def test_the_stats_tooltip_gives_every_count_and_the_step_latency_a_source_or_a_reason():
+    """The tooltip said "Tokens: None new, n/a in the prompt" for an answer the app's close cut off, and
+    "None new, None in the prompt" for a remote server's without usage, though the figures keep why; a count and
+    the step latency never named their source."""
+    from app.store import INTERRUPTED_METRICS
+
+    _, tip = format_stats(INTERRUPTED_METRICS, None, "cpu", "interrupted")
+    assert "None" not in tip
+    why = "the app closed before this answer ended, so its figures were not kept"
+    assert f"New tokens: n/a — {why}" in tip and f"Step latency p50 / p99: n/a — {why}" in tip
+    remote = {
+        "new_tokens_total": None,
+        "prompt_tokens": None,
+        "unavailable": dict.fromkeys(("new_tokens_total", "prompt_tokens"), "the server reported no token usage"),
+    }
+    _, tip = format_stats(remote, None, "remote")
+    assert "New tokens: n/a — the server reported no token usage" in tip and "None" not in tip
+    local = {"new_tokens_total": 1200, "prompt_tokens": 30, "step_ms_p50": 12.5, "step_ms_p99": 20.0}
+    _, tip = format_stats(local, None, "cpu")
+    assert "New tokens: 1,200 — source: " in tip and "Prompt tokens: 30 — source: " in tip
+    assert "Step latency p50 / p99: 12.50 ms / 20.00 ms — source: " in tip
+
+
 def test_stats_line_says_na_and_names_sources():
     metrics = {
         "new_tokens_total": 12,
