@@ -591,6 +591,10 @@ class ChatFlow(QObject):
                 self.controller.cancel()
                 self._changed_elsewhere(a.chat_id, answer=True)
 
+    def answering_chat(self) -> Optional[int]:
+        """The chat the running answer is written into; None while none runs."""
+        return self.answer.chat_id if self.answer is not None else None
+
     def _guard(self, fn, chat_id: Optional[int] = None):
         """Run a store call about `chat_id` (default: the chat on screen); a StoreError becomes a message for
         the user (and a falsy result)."""

@@ -111,6 +111,7 @@ class Composer(QFrame):
         lay.addWidget(self.meter)
         lay.addWidget(self.hint)
         self._generating = False
+        self._elsewhere: Optional[str] = None  # the chat the running answer is in, where another is shown
         self._can_send = True
         self._why_not = ""
         self.set_send_with(send_with)
@@ -146,7 +147,17 @@ class Composer(QFrame):
             self.edit.setFocus(Qt.FocusReason.OtherFocusReason)
         self.send_button.setEnabled(self._can_send)
         self.send_button.setToolTip(self._why_not or "Send the message")
-        self.hint.setText(self._why_not if (self._why_not and not self._can_send) else self._hint_keys)
+        elsewhere = self._elsewhere if self._generating else None
+        self.stop_button.setToolTip(f"Stop the answer in “{elsewhere}”" if elsewhere else "Stop the answer")
+        if elsewhere:  # Enter here did nothing and said nothing, and Stop stopped an answer not on screen
+            self.hint.setText(f"Answering in “{elsewhere}”: Esc stops it; send here once it ends")
+        else:
+            self.hint.setText(self._why_not if (self._why_not and not self._can_send) else self._hint_keys)
+
+    def set_answering_elsewhere(self, title: Optional[str]) -> None:
+        """The title of the chat an answer runs in while another is shown; None when it is this one (or none)."""
+        self._elsewhere = title
+        self._update()
 
     def set_context(self, use: Optional[ContextUse], why_not: str = "") -> None:
         """Show a count (None: hide the meter, or say `why_not` when there is a reason)."""

@@ -580,7 +580,19 @@ class MainWindow(QMainWindow):
         self._search = text
         self.refresh_chats()
 
+    def _say_where_answering(self) -> None:
+        """The composer names the chat an answer runs in while another chat is on screen."""
+        chat_id = self.flow.answering_chat()
+        title = None
+        if chat_id is not None and chat_id != self.flow.chat_id:
+            try:
+                title = self.store.get_chat(chat_id).title
+            except StoreError:
+                title = "another chat"
+        self.composer.set_answering_elsewhere(title)
+
     def _chat_opened(self, chat_id: Optional[int]) -> None:
+        self._say_where_answering()
         self._clear_pick_notice()
         if self._answer_notice and self.status.text() == self._answer_notice:  # of an answer in the chat left
             self.status.clear()
@@ -673,6 +685,7 @@ class MainWindow(QMainWindow):
 
     def _generating_changed(self, generating: bool) -> None:
         self.composer.set_generating(generating)
+        self._say_where_answering()
         self.chat_view.set_busy(generating)
         self.chat_list.new_button.setEnabled(True)
         self.status.setText("Answering…" if generating else "")

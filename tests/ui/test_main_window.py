@@ -512,6 +512,31 @@ def test_tab_reads_the_window_in_order_and_skips_what_takes_no_keys(qtbot, app):
     assert [m.item.id for m in dict.fromkeys(read)] == list(range(60))
 
 
+def test_another_chat_opened_while_an_answer_runs_says_where_it_runs(qtbot, tmp_path, tiny_llama, monkeypatch):
+    """Enter in a new chat during an answer did nothing and said nothing ("Enter to send" still), and Stop, shown
+    there, stopped an answer that was not on screen."""
+    from worker_gate import hold_after_first_batch
+
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w = gui.window
+        w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=60, seed=0)
+        release = hold_after_first_batch(monkeypatch)
+        w.composer.set_text("Tell me about owls")
+        with qtbot.waitSignal(gui.controller.textBatch, timeout=TIMEOUT_MS):
+            qtbot.keyClick(w.composer.edit, Qt.Key.Key_Return)
+        w.new_chat()
+        assert w.composer.hint.text().startswith("Answering in “Tell me about owls”: Esc stops it")
+        assert w.composer.stop_button.toolTip() == "Stop the answer in “Tell me about owls”"
+        w.flow.open_chat(w.flow.answering_chat())  # back in the chat it runs in: the keys again
+        assert "to send" in w.composer.hint.text()
+        release.set()
+        qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+        assert "to send" in w.composer.hint.text()
+    finally:
+        close_app(gui)
+
+
 def test_a_chat_deleted_elsewhere_while_an_answer_streams_into_it(qtbot, tmp_path, tiny_llama, monkeypatch):
     """Another window on the same data folder deleted the chat mid-answer: every save failed, a traceback ended
     the answer, the view stayed on "generating…" and the next send failed with "no chat with id 1"."""
