@@ -307,6 +307,15 @@ class DraftProposer:
             ids, start = ids[DRAFT_READ_CHUNK:], start + DRAFT_READ_CHUNK
         return int(self._forward(ids, start)[0, -1, : self.vocab].argmax())
 
+    @property
+    def why_none(self) -> Optional[str]:
+        """Why it drafts nothing more in this answer, where the reason is its own; None where it still drafts."""
+        if self.unreadable:
+            return "the text holds a token the draft model has no row for"
+        if len(self.tokens) >= self.length:
+            return f"the conversation is longer than the draft model's context of {self.length:,} tokens"
+        return None
+
     def propose(self, k: int) -> list[int]:
         n = len(self.tokens)
         k = min(k, self.length - n)
@@ -365,7 +374,8 @@ class Speculator(StepObserver):
         if c.drafted:
             metrics.put("acceptance_rate", c.accepted / c.drafted, self.source)
         else:
-            metrics.mark_na("acceptance_rate", "nothing was drafted in this answer (no proposal, or it ended first)")
+            why = getattr(self.proposer, "why_none", None) or "no proposal, or it ended first"
+            metrics.mark_na("acceptance_rate", f"nothing was drafted in this answer ({why})")
 
     def step(self, runner, remaining: int) -> list[int]:
         """One decode step of `runner` (a StaticRunner) with `remaining` tokens still wanted; returns the tokens it

@@ -660,6 +660,25 @@ def test_the_draft_model_reads_only_what_is_new_in_a_chat_and_in_chunks(tiny_fac
         eng.close()
 
 
+def test_a_draft_model_whose_context_the_chat_outgrew_says_so(tiny_factory, tmp_path):
+    """A draft model of a shorter context never drafted past it, and the answer said only "nothing was drafted"."""
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1, max_position_embeddings=32)
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
+    try:
+        got = eng.generate(REPEATS, GREEDY)  # a prompt of more than 32 tokens
+    finally:
+        eng.close()
+    assert got.metrics.drafted_tokens == 0
+    why = got.metrics.figure("acceptance_rate").reason
+    assert (
+        why
+        == "nothing was drafted in this answer (the conversation is longer than the draft model's context of 32 tokens)"
+    )
+
+
 def test_a_refused_draft_model_is_tried_again_once_its_file_changes(tiny_factory, tmp_path):
     """A draft model missing when first chosen (a drive not mounted yet, a copy not finished) was refused until
     the main model was loaded again, even after the file was there."""
