@@ -53,6 +53,7 @@ CONNECT_TIMEOUT_S = 10.0  # to open a connection: a host that is down or unreach
 LIST_TIMEOUT_S = 30.0  # GET /models when a remote model is opened: the app waits on it, with no way to stop it
 MAX_LINE_CHARS = 16 * 2**20  # of one line of an answer's event stream (a token's event is a few hundred)
 MAX_ERROR_BYTES = 2**20  # of an error body read for its message
+MAX_LIST_BYTES = 64 * 2**20  # of a server's model list (a router's lists hundreds of models, each with its metadata)
 BURST_GAP_MS = 0.2  # text events all closer than this came in one read: their arrival times time nothing
 BURST = "the text arrived in one burst (the server or a proxy held the stream back): nothing to time"
 USAGE_GRACE_S = 2.0  # after every answer ended, the most the usage is waited for (a server may never send [DONE])
@@ -249,7 +250,7 @@ class RemoteEngine:
     def _connect(self) -> None:
         url = f"{self.source.base_url}/models"
         try:
-            r = self._client.get(url, timeout=httpx.Timeout(self._list_timeout_s, connect=self._connect_timeout_s))
+            r = self._read_list(url)
         except httpx.ConnectTimeout as exc:
             raise ModelLoadError(
                 f"cannot reach the remote server at {self.source.base_url}: no connection within "
@@ -292,6 +293,25 @@ class RemoteEngine:
         self._extensions = _sampling_extensions(entry)
         self._gapless = entry.get("owned_by") == "gapless"
         self._probe_vllm()
+
+    def _read_list(self, url: str) -> httpx.Response:
+        """GET `url` read whole within the list's time (httpx's timeout is per read: a server sending a byte at a
+        time held an opening that cannot be stopped for a minute, or for ever) and at most MAX_LIST_BYTES."""
+        deadline = time.monotonic() + self._list_timeout_s
+        timeout = httpx.Timeout(self._list_timeout_s, connect=self._connect_timeout_s)
+        with self._client.stream("GET", url, timeout=timeout) as r:
+            body = bytearray()
+            for piece in r.iter_bytes():
+                body += piece
+                if len(body) > MAX_LIST_BYTES:
+                    raise ModelLoadError(
+                        f"the remote server at {self.source.base_url} sent more than {MAX_LIST_BYTES >> 20} MiB "
+                        "for its model list"
+                    )
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the model list took too long", request=r.request)
+            kept = {k: v for k, v in r.headers.items() if k.lower() not in _BODY_HEADERS}
+            return httpx.Response(r.status_code, headers=kept, content=bytes(body), request=r.request)
 
     def _probe_vllm(self) -> None:
         url = f"{_server_root(self.source.base_url)}/metrics"

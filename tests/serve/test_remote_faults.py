@@ -61,6 +61,7 @@ class StandIn:
                 Route("/v1/models", self.models),
                 Route("/slow/v1/models", self.slow_models),
                 Route("/odd/v1/models", self.models),
+                Route("/trickle/v1/models", self.trickle_models),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/metrics", self.metrics),
             ]
@@ -77,6 +78,14 @@ class StandIn:
     async def slow_models(self, r: Request):  # a server that takes its time to list its models
         await asyncio.sleep(5)
         return await self.models(r)
+
+    async def trickle_models(self, r: Request):  # a byte at a time: each read in time, the whole never
+        async def bytes_one_by_one():
+            for b in b'{"object": "list", "data": []}' + b" " * 1000:
+                yield bytes([b])
+                await asyncio.sleep(0.05)
+
+        return StreamingResponse(bytes_one_by_one(), media_type="application/json")
 
     async def metrics(self, _r: Request):
         n = self.vllm_requests
@@ -377,6 +386,21 @@ def test_opening_waits_for_the_model_list_not_the_whole_answer_timeout(stand_in,
     slow = server.url.replace("/v1", "/slow/v1")
     with pytest.raises(ModelLoadError, match="did not list its models within 0.5 s"):
         RemoteEngine.load(RemoteSource(slow, "llamacpp", 3600.0))
+
+
+def test_a_model_list_sent_a_byte_at_a_time_is_given_up_at_the_list_s_time(stand_in, monkeypatch):
+    """httpx's timeout is per read: a server sending a byte every 0.5 s held an opening the app cannot stop for 61 s
+    with a 2 s list timeout (a byte every 20 s: for ever)."""
+    import time
+
+    import engine.remote
+
+    _, server = stand_in
+    monkeypatch.setattr(engine.remote, "LIST_TIMEOUT_S", 0.5)
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match="did not list its models within 0.5 s"):
+        RemoteEngine.load(RemoteSource(server.url.replace("/v1", "/trickle/v1"), "llamacpp", 3600.0))
+    assert time.monotonic() - started < 5  # the whole body would take 50 s
 
 
 def test_a_model_the_server_says_nothing_about_is_null_with_reasons_in_the_json(stand_in):
