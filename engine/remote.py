@@ -527,8 +527,9 @@ class RemoteEngine:
 
         try:
             asyncio.run(request.run(read()))
-        except asyncio.CancelledError:
-            pass  # ended from outside: nobody reads the queue any more
+        except asyncio.CancelledError:  # ended from outside: by the answer's own end (nobody reads on), or close()
+            closed = GenerationError(f"the remote model at {self.source.base_url} was closed while it answered")
+            lines.put(("error", closed, time.perf_counter()))
         except RecursionError:  # JSON nested past Python's limit in an error body
             lines.put(("error", _Garbage("sent an error nested too deeply to read"), time.perf_counter()))
         except Exception as exc:  # handed to the generating thread, which says what went wrong

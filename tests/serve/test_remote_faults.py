@@ -506,13 +506,14 @@ def test_stop_closes_the_request_to_the_remote_server_at_once(stand_in, model):
 
 
 def test_closing_the_engine_ends_an_answer_still_being_read(stand_in):
-    """A model switched mid-answer: close() left the request open."""
+    """A model switched mid-answer: close() left the request open; the answer then ends with why."""
     import threading
     import time
 
     s, server = stand_in
     engine = RemoteEngine.load(RemoteSource(server.url, "hold-headers", 120.0))
-    reading = threading.Thread(target=lambda: run_quietly(engine), daemon=True)
+    said: list[str] = []
+    reading = threading.Thread(target=lambda: said.append(answer_error(engine)), daemon=True)
     reading.start()
     time.sleep(0.5)
     before = s.left.count("hold-headers")
@@ -520,14 +521,17 @@ def test_closing_the_engine_ends_an_answer_still_being_read(stand_in):
     deadline = time.monotonic() + 10
     while s.left.count("hold-headers") == before and time.monotonic() < deadline:
         time.sleep(0.02)
+    reading.join(10)
     assert s.left.count("hold-headers") == before + 1
+    assert not reading.is_alive() and said == [f"the remote model at {server.url} was closed while it answered"]
 
 
-def run_quietly(engine) -> None:
+def answer_error(engine) -> str:
     try:
         engine.generate(HELLO, SamplingParams(max_new_tokens=8))
-    except GenerationError:
-        pass
+    except GenerationError as exc:
+        return str(exc)
+    return "answered"
 
 
 def test_an_answer_that_ended_with_its_usage_is_kept_when_the_server_never_closes(stand_in):
