@@ -1,7 +1,7 @@
 """The whole GPU check in one run: token-exact parity of every option combination against eager, the ladder of
 presets with the transformers baselines, NVML/GPM probing, kernel-gap figures and the out-of-memory fallback.
 
-    python tests/gpu/gpu_check.py --out "$OUT" [--budget-s 240] [--model PATH|smollm2-shaped|tiny]
+    python tests/gpu/gpu_check.py --out "$OUT" [--budget-s 255] [--model PATH|smollm2-shaped|tiny]
 
 Writes OUT/gpu_check.json after every section, so a run stopped by its time limit still reports what it did.
 The device machine has no network and a small transfer limit, so by default the model is SmolLM2-135M's exact
@@ -767,7 +767,7 @@ def _fused_check(folder: Path, progress: Callable[[str], None]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--budget-s", type=float, default=240)
+    p.add_argument("--budget-s", type=float, default=255)
     p.add_argument("--model", default="smollm2-shaped", help="smollm2-shaped | tiny | a model folder or GGUF")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ladder-tokens", type=int, default=200, help="prompt + these stay in one 256-position bucket")
