@@ -918,7 +918,7 @@ class MainWindow(QMainWindow):
         # draft speculation (or a device, a precision) off for every model opened after one that refused it.
         self._requested_by_user = not self.toggles.replacing
         if self._requested_by_user:
-            self._keep_options(options)
+            self._keep_options(self.toggles.users_choice(options))
         self._requested = options
         self.controller.reconfigure(options)
 
@@ -942,7 +942,7 @@ class MainWindow(QMainWindow):
         self.toggles.set_limits(self.controller.limits)
         self.toggles.set_applied(options, unavailable)
         if by_user:
-            self._keep_options(options)
+            self._keep_options(self.toggles.users_choice(options))
 
     def _update_can_send(self) -> None:
         if self._fetching:

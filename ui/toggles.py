@@ -4,6 +4,7 @@ reason as the tooltip."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Optional, cast
 
@@ -219,6 +220,7 @@ class TogglesPanel(QWidget):
         self._known: dict[tuple[str, object], str] = {}  # (option, value) -> why the engine cannot honour it
         self._refusal = ""  # what the engine last refused of the user's choice, said until the user chooses again
         self.replacing = False  # True while the panel replaces a value the engine refused (optionsChanged fires)
+        self.replaced: dict[str, object] = {}  # option -> the user's value the panel shows another in place of
         self._limits: dict[tuple[str, object], str] = {}  # the same, for what this machine and model never run
         self._resolve_preset: PresetResolver = preset_resolver or _as_defined
         self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
@@ -482,9 +484,20 @@ class TogglesPanel(QWidget):
                 self.set_options(self._options)  # the switch shows what is still in force
                 self.note.setText("Compile stays off.")
                 return
+        changed = [f.name for f in fields(EngineOptions) if getattr(options, f.name) != getattr(self._options, f.name)]
+        for name in changed:  # what this model put in place of the user's value, until the user chooses again
+            if self.replacing:
+                self.replaced.setdefault(name, getattr(self._options, name))
+            else:
+                self.replaced.pop(name, None)
         self.set_options(options)
         self.note.setText("Changes apply to the next answer.")
         self.optionsChanged.emit(options)
+
+    def users_choice(self, options: EngineOptions) -> EngineOptions:
+        """`options` with the user's own values where the panel shows what this model put in their place: what is
+        kept for the next model (a later change of another option saved the replacement as the user's choice)."""
+        return options.with_(**self.replaced) if self.replaced else options
 
     def _compile_is_fast(self, options: EngineOptions) -> bool:
         """False where a compile is known to take minutes: the loaded model runs on a CPU."""
@@ -505,6 +518,7 @@ class TogglesPanel(QWidget):
         self._known.clear()
         self._refusal = ""
         self._limits = dict(limits)
+        self.replaced.clear()  # it opened with the user's own choice
         self.set_applied(options, unavailable)
 
     def set_applied(self, options: EngineOptions, unavailable: dict[str, str]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import QFileDialog
-from toggles_driver import toggles_panel
+from toggles_driver import pick, toggles_panel
 
 from engine.types import EngineOptions
 
@@ -100,6 +100,10 @@ def test_a_model_that_refuses_the_draft_does_not_turn_drafting_off_for_the_next(
         assert "vocabulary" in w.toggles.draft_reason.text()  # refused here, and said
         qtbot.wait(200)  # the replacement's own reply
         assert saved() == {"speculation": "draft", "draft_model": str(draft)}  # the user's choice, kept
+        with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):  # another option chosen here
+            pick(w.toggles.sampling, "host")
+        assert saved() == {"speculation": "draft", "draft_model": str(draft)}  # still the user's, not the stand-in
+        assert w.settings.engine_options["sampling"] == "host"
         with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
             w.load_model(str(target))
         qtbot.waitUntil(lambda: w.toggles.options.speculation == "draft", timeout=TIMEOUT_MS)
