@@ -451,6 +451,7 @@ class MainWindow(QMainWindow):
         self.stop_action = action(
             chat, "Stop the answer", self.flow.stop, Qt.Key.Key_Escape, "Stop the answer; the text so far is kept"
         )
+        self.stop_action.setEnabled(self.flow.generating)
         action(chat, "Search chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
         action(chat, "Chat settings…", self.open_chat_settings)
         overflow = chat.addMenu("When a chat outgrows the context (default)")
@@ -684,6 +685,7 @@ class MainWindow(QMainWindow):
     # ---- generation ----------------------------------------------------------------------------------
 
     def _generating_changed(self, generating: bool) -> None:
+        self.stop_action.setEnabled(generating)  # the menu offered Stop with nothing to stop
         self.composer.set_generating(generating)
         self._say_where_answering()
         self.chat_view.set_busy(generating)

@@ -522,17 +522,19 @@ def test_another_chat_opened_while_an_answer_runs_says_where_it_runs(qtbot, tmp_
         w = gui.window
         w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=60, seed=0)
         release = hold_after_first_batch(monkeypatch)
+        assert not w.stop_action.isEnabled()  # nothing to stop
         w.composer.set_text("Tell me about owls")
         with qtbot.waitSignal(gui.controller.textBatch, timeout=TIMEOUT_MS):
             qtbot.keyClick(w.composer.edit, Qt.Key.Key_Return)
         w.new_chat()
+        assert w.stop_action.isEnabled()
         assert w.composer.hint.text().startswith("Answering in “Tell me about owls”: Esc stops it")
         assert w.composer.stop_button.toolTip() == "Stop the answer in “Tell me about owls”"
         w.flow.open_chat(w.flow.answering_chat())  # back in the chat it runs in: the keys again
         assert "to send" in w.composer.hint.text()
         release.set()
         qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
-        assert "to send" in w.composer.hint.text()
+        assert "to send" in w.composer.hint.text() and not w.stop_action.isEnabled()
     finally:
         close_app(gui)
 
