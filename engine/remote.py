@@ -310,8 +310,7 @@ class RemoteEngine:
                     )
                 if time.monotonic() > deadline:
                     raise httpx.ReadTimeout("the model list took too long", request=r.request)
-            kept = {k: v for k, v in r.headers.items() if k.lower() not in _BODY_HEADERS}
-            return httpx.Response(r.status_code, headers=kept, content=bytes(body), request=r.request)
+            return _as_read(r, bytes(body))
 
     def _probe_vllm(self) -> None:
         url = f"{_server_root(self.source.base_url)}/metrics"
@@ -679,8 +678,13 @@ async def _capped_body(response: httpx.Response, limit: int) -> httpx.Response:
         got += piece[: limit - len(got)]
         if len(got) >= limit:
             break
+    return _as_read(response, bytes(got))
+
+
+def _as_read(response: httpx.Response, body: bytes) -> httpx.Response:
+    """`response` with `body`, what was read of it (decoded: the headers of the body as sent are left out)."""
     kept = {k: v for k, v in response.headers.items() if k.lower() not in _BODY_HEADERS}
-    return httpx.Response(response.status_code, headers=kept, content=bytes(got), request=response.request)
+    return httpx.Response(response.status_code, headers=kept, content=body, request=response.request)
 
 
 _BODY_HEADERS = ("content-encoding", "content-length", "transfer-encoding")  # of the body as sent, not as read
