@@ -842,11 +842,7 @@ class Engine:
         # Kept from answer to answer while the draft model and the cache's length stay: its cache holds the
         # conversation so far (DraftProposer.reset keeps the prefix the next prompt shares).
         proposer = self._draft_proposer
-        if (
-            proposer is None
-            or proposer.model is not model
-            or proposer.length != min(runner.length, model.args.max_seq_len)
-        ):
+        if proposer is None or not proposer.serves(model, runner.length):
             proposer = DraftProposer(
                 model, runner.length, TORCH_DTYPES[self.dtype], self.device, self.config.vocab_size
             )

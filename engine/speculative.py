@@ -267,13 +267,22 @@ class DraftProposer:
         # drafted would only be rejected); an id the target made past the draft's rows ends drafting.
         self.vocab = min(vocab or model.args.vocab_size, model.args.vocab_size)
         self.unreadable = False  # the text holds an id the draft model has no row for
-        self.length = min(length, model.args.max_seq_len)
+        self.length = self.length_for(model, length)
         model.cover_positions(self.length)
         self.cache = StaticKVCache.allocate(model.args, 1, self.length, dtype, device)
         self.device = device
         self.arange = torch.arange(self.length, device=device)
         self.tokens: list[int] = []
         self.filled = 0  # leading tokens whose keys and values are in the cache
+
+    @staticmethod
+    def length_for(model: Transformer, length: int) -> int:
+        """The positions its cache holds for a target cache of `length`: as many, to the draft model's context."""
+        return min(length, model.args.max_seq_len)
+
+    def serves(self, model: Transformer, length: int) -> bool:
+        """Whether it drafts with `model` for a target cache of `length` (and so can be kept for the next answer)."""
+        return self.model is model and self.length == self.length_for(model, length)
 
     def reset(self, tokens: list[int]) -> None:
         """A new answer's prompt. The cache's keys and values of the prefix it shares with what was read before
