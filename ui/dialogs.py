@@ -190,7 +190,7 @@ class SamplingDialog(QDialog):
             "Stop the answer when one of these strings appears; comma-separated, \\n for a new line, \\, for a comma"
         )
         self._shown: Optional[SamplingParams] = None  # what _show put in the fields
-        self._as_shown: tuple = ()  # the fields' values right after
+        self._as_shown: dict[str, object] = {}  # the fields' values right after
         self.error = error_label(self)
         self.form = QFormLayout()
         self.buttons = QDialogButtonBox(
@@ -249,9 +249,16 @@ class SamplingDialog(QDialog):
         self.stop.setText(stops_text(s.stop))
         self._shown, self._as_shown = s, self._fields()
 
-    def _fields(self) -> tuple:
-        boxes = (self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.max_new_tokens)
-        return (*(b.value() for b in boxes), self.seed.text(), self.stop.text())
+    def _fields(self) -> dict[str, object]:
+        """What each field shows, by the SamplingParams field it sets."""
+        boxes: dict[str, QSpinBox | QDoubleSpinBox] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+            "max_new_tokens": self.max_new_tokens,
+        }
+        return {**{n: b.value() for n, b in boxes.items()}, "seed": self.seed.text(), "stop": self.stop.text()}
 
     def sampling(self) -> SamplingParams:
         """The fields' settings; a field left as shown keeps the value it showed exactly (a box shows two
@@ -266,11 +273,9 @@ class SamplingDialog(QDialog):
             seed=int(seed) if seed else None,
             stop=stops_from(self.stop.text()),
         )
-        shown = self._shown
-        if shown is not None:
-            names = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed", "stop")
-            kept = {n: getattr(shown, n) for n, now, then in zip(names, self._fields(), self._as_shown) if now == then}
-            typed = replace(typed, **kept)
+        if self._shown is not None:
+            untouched = [n for n, now in self._fields().items() if now == self._as_shown[n]]
+            typed = replace(typed, **{n: getattr(self._shown, n) for n in untouched})
         return typed.validate()
 
     def values(self) -> tuple[str, SamplingParams]:
