@@ -419,9 +419,9 @@ IMAGE_TEXT = "[image: {}]"  # an answer's image, never loaded, shown by its alt 
 IMAGE_NO_ALT = "[image]"
 
 
-def images_as_text(document: QTextDocument) -> int:
+def images_as_text(document: QTextDocument) -> None:
     """Each image of a markdown document replaced by its alt text, in italics. The image is never read, and a blank
-    in its place left a reader with nothing where the answer had said something. Returns how many were replaced."""
+    in its place left a reader with nothing where the answer had said something."""
     spots: list[tuple[int, QTextCharFormat]] = []
     block = document.begin()
     while block.isValid():
@@ -441,7 +441,6 @@ def images_as_text(document: QTextDocument) -> int:
         cursor.setPosition(position)
         cursor.setPosition(position + 1, QTextCursor.MoveMode.KeepAnchor)
         cursor.insertText(text, shown)
-    return len(spots)
 
 
 def open_link(url: QUrl) -> bool:
