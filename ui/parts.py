@@ -7,7 +7,7 @@ import re
 from typing import Optional, Union
 
 from PySide6.QtCore import QMimeData, Qt
-from PySide6.QtGui import QTextOption
+from PySide6.QtGui import QTextDocumentFragment, QTextOption
 from PySide6.QtWidgets import QLabel, QLayout, QPlainTextEdit, QVBoxLayout, QWidget
 
 Part = Union[QWidget, QLayout, tuple[QWidget, int]]  # a widget, a layout, or a widget with its stretch
@@ -57,7 +57,18 @@ class TypingBox(QPlainTextEdit):
         super().__init__(parent)
         self.textChanged.connect(self._words_again)
 
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        return source.hasText() or source.hasHtml()
+
     def insertFromMimeData(self, source: QMimeData) -> None:
+        if not source.hasText() and source.hasHtml():
+            # Some browsers and editors put only text/html on the clipboard; a plain text box ignores it, so the
+            # paste inserted nothing. Its text is what the user meant.
+            text = QTextDocumentFragment.fromHtml(source.html()).toPlainText()
+            if has_long_word(text):
+                self.setWordWrapMode(QTextOption.WrapMode.WrapAnywhere)
+            self.insertPlainText(text)
+            return
         if source.hasText() and has_long_word(source.text()):
             self.setWordWrapMode(QTextOption.WrapMode.WrapAnywhere)  # before the text is laid out
         super().insertFromMimeData(source)

@@ -685,3 +685,24 @@ def test_a_pasted_word_longer_than_a_line_breaks_anywhere_in_the_composer_and_th
     qtbot.addWidget(box)
     box.setPlainText("x" * 600)
     assert box.wordWrapMode() == QTextOption.WrapMode.WrapAnywhere
+
+
+def test_a_paste_that_carries_only_html_inserts_its_text(qtbot):
+    """Some browsers and editors put only text/html on the clipboard: a plain text box took nothing from it."""
+    from PySide6.QtCore import QMimeData
+    from PySide6.QtGui import QTextOption
+
+    from ui.composer import Composer
+
+    composer = Composer("enter")
+    qtbot.addWidget(composer)
+    html = QMimeData()
+    html.setHtml("<p>Rewrite <b>this</b>:</p><ul><li>one</li></ul><script>alert(1)</script>")
+    assert composer.edit.canInsertFromMimeData(html)  # a drop is taken too
+    composer.edit.insertFromMimeData(html)
+    assert composer.text() == "Rewrite this:\none"
+    long_word = QMimeData()
+    long_word.setHtml("<p>" + "ab" * 1_000 + "</p>")
+    composer.clear()
+    composer.edit.insertFromMimeData(long_word)
+    assert composer.edit.wordWrapMode() == QTextOption.WrapMode.WrapAnywhere
