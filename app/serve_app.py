@@ -23,7 +23,7 @@ STATS_INTERVAL_MS = 500
 
 def reaches(server_url: str, base_url: str) -> bool:
     """Whether a remote model's `base_url` is the server listening at `server_url`: the same port, and the same
-    host or this machine's loopback (a server on 0.0.0.0 listens there too)."""
+    host, or, for a server on 0.0.0.0 or ::, any address of this machine (loopback, its LAN address, its name)."""
     from urllib.parse import urlsplit
 
     from app.server.http import is_loopback
@@ -34,7 +34,34 @@ def reaches(server_url: str, base_url: str) -> bool:
     except ValueError:  # a port that is not a number
         return False
     host, other = a.hostname or "", b.hostname or ""
-    return ports[0] == ports[1] and (host == other or (is_loopback(other) and (is_loopback(host) or host in WILDCARD)))
+    if ports[0] != ports[1]:
+        return False
+    if host == other or (is_loopback(host) and is_loopback(other)):
+        return True
+    return host in WILDCARD and _this_machine(other)
+
+
+def _this_machine(host: str) -> bool:
+    """Whether `host` names this machine: loopback, its own name, or an address one of its interfaces has (a
+    socket binds only to those; nothing is sent, and no name is looked up)."""
+    import ipaddress
+    import socket
+
+    from app.server.http import is_loopback
+
+    if is_loopback(host) or host.lower() == socket.gethostname().lower():
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError:
+        return False
+    return True
 
 
 WILDCARD = ("0.0.0.0", "::")

@@ -246,6 +246,29 @@ def test_a_remote_address_is_known_for_the_app_s_own_server(server_url, base_url
     assert reaches(server_url, base_url) is same
 
 
+def test_a_server_on_every_address_is_known_by_this_machine_s_name_and_lan_address():
+    """A server on 0.0.0.0 listens on the machine's LAN address too: a remote model at that address is the
+    app's own server, and answering through it would have each wait for the other."""
+    import socket
+
+    from app.serve_app import reaches
+
+    name = socket.gethostname()
+    assert reaches("http://0.0.0.0:8080/v1", f"http://{name}:8080/v1")
+    assert not reaches("http://0.0.0.0:8080/v1", f"http://{name}:8081/v1")
+    assert not reaches("http://127.0.0.1:8080/v1", f"http://{name}:8080/v1")  # loopback only: not on the LAN
+    assert not reaches("http://0.0.0.0:8080/v1", "http://203.0.113.7:8080/v1")  # another machine
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect(("192.0.2.1", 9))  # picks the interface a packet would leave by; sends nothing
+            lan = udp.getsockname()[0]
+        except OSError:  # no route at all: the machine has no LAN address to check
+            lan = None
+    if lan is not None:
+        assert reaches("http://0.0.0.0:8080/v1", f"http://{lan}:8080/v1")
+        assert reaches("http://[::]:8080/v1", f"http://{lan}:8080/v1")
+
+
 def test_stop_answers_a_request_still_waiting_for_the_engine_with_503(qtbot, gui, tiny_llama, caplog):
     """A request waiting for the worker (busy with the app's own work) when the server stops: 503 shutting_down,
     counted as cancelled, no error in the log."""
