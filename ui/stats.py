@@ -179,7 +179,7 @@ def format_stats(
         _sourced(
             gap.capitalize(),
             m.get("kernel_gap_pct"),
-            fmt(m.get("kernel_gap_pct"), "%"),
+            fmt(m.get("kernel_gap_pct"), "%", top=100.0),
             m.get("kernel_gap_source"),
             unavailable.get("kernel_gap_pct") or unavailable.get("kernel_gap"),
         )

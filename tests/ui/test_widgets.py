@@ -367,6 +367,14 @@ def test_stats_line_of_a_remote_answer_shows_the_client_s_timings_and_rounds_hon
     assert "TTFT <1 ms" in line and "kernel gap <0.1%" in line and ">99% accepted" in line
 
 
+def test_a_gap_near_100_percent_is_not_rounded_up_to_it_in_the_stats_tooltip():
+    """The line said "op gap >99.9%" and its tooltip "Op gap: 100.0%" for the same 99.97 %."""
+    m = {"new_tokens_total": 40, "kernel_gap_pct": 99.97, "kernel_gap_source": "op gap — torch.profiler"}
+    line, tip = format_stats(m, EngineOptions(device="cpu").to_dict(), "cpu")
+    assert "op gap >99.9%" in line
+    assert "Op gap: >99.9% — source: op gap — torch.profiler" in tip.splitlines()
+
+
 def test_the_stats_tooltip_gives_every_count_and_the_step_latency_a_source_or_a_reason():
     """The tooltip said "Tokens: None new, n/a in the prompt" for an answer the app's close cut off, and
     "None new, None in the prompt" for a remote server's without usage, though the figures keep why; a count and
