@@ -857,6 +857,25 @@ def test_bar_header_while_running_says_whose_figures_are_shown(hud):
     assert "one · 1 new token ·" in panel.bars.header.text()
 
 
+def test_after_a_failed_generation_the_bars_say_whose_figures_they_show(hud):
+    """A generation that failed midway replaced the header with "The last generation failed: …" over the bars
+    and the diagnosis of the one before, which then read as the failed one's."""
+    panel, clock = hud
+    panel.generation_failed("no model loaded")
+    assert panel.bars.header.text() == "The last generation failed: no model loaded"
+    panel.begin_generation("one", EngineOptions())
+    recs = steps(clock.t, 30, 10.0)
+    panel.add_steps(recs)
+    clock.t = recs[-1].t + 0.01
+    panel.end_generation(metrics_for(recs, GPU_RUNGS[0]), EngineOptions(), "one")
+    panel.begin_generation("two", EngineOptions())
+    panel.add_steps(steps(clock.t, 5, 10.0))
+    panel.generation_failed("CUDA out of memory")
+    assert panel.bars.header.text() == (
+        "The last generation failed: CUDA out of memory — the figures below are from #1 one"
+    )
+
+
 def test_long_bar_sources_are_elided_with_the_full_text_in_the_tooltip(hud, qtbot):
     panel, clock = hud
     long_source = "op gap — torch.profiler CPU ops, 8-step window (sampled), " + "a very long explanation " * 6

@@ -148,6 +148,13 @@ class BarStrip(PaletteFollower):
             + ("the figures below are from the previous generation" if shown else "its figures show when it ends")
         )
 
+    def set_failed(self, message: str) -> None:
+        """The running generation failed: it has no figures, so those shown stay, named as another's."""
+        self.header.setText(
+            f"The last generation failed: {message}"
+            + (f" — the figures below are from {self._shown}" if self._shown is not None else "")
+        )
+
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str, d: Diagnosis) -> None:
         """The figures of a finished generation, and what limited it (engine.diagnosis)."""
         self._shown = label

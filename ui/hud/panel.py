@@ -196,7 +196,7 @@ class HudPanel(QWidget):
     def generation_failed(self, message: str) -> None:
         """Closes the running generation's span; it gets no row, as it has no figures."""
         self.series.end_generation(self._clock())
-        self.bars.header.setText(f"The last generation failed: {message}")
+        self.bars.set_failed(message)
 
     def _ladder_requested(self) -> None:
         self._ladder_model = self.model_name
