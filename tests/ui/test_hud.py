@@ -27,7 +27,7 @@ from hud_streams import (
     steps,
 )
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QImage, QPalette
+from PySide6.QtGui import QFont, QImage, QPainter, QPalette, QPicture
 from PySide6.QtWidgets import QWidget
 
 from engine.types import CPU_DTYPE_NOTE, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
@@ -1254,6 +1254,43 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
     assert ladder.status.text().startswith("1 preset ran, 1 skipped (reasons under the chart), 2 not run (the ladder")
     assert ladder.bar_values()["texts"][2:] == ["not run (1)", "", "not run (1)", "", "skipped (2)", ""]
     assert ladder.notes.text() == f"(1) cancelled before it ran\n(2) CUDA graphs need a CUDA device\n{CPU_DTYPE_NOTE}"
+
+
+@pytest.fixture
+def large_font(qapp):
+    """The application's font at 16 pt, as a user's larger system font makes it; restored afterwards."""
+    before = qapp.font()
+    font = QFont(before)
+    font.setPointSizeF(16.0)
+    qapp.setFont(font)
+    yield font
+    qapp.setFont(before)
+
+
+def drawn_tick_texts(axis) -> list[str]:
+    """The tick labels the axis draws (it leaves out any that would stick out of its own width)."""
+    picture = QPicture()
+    painter = QPainter(picture)
+    try:
+        return [text for _, _, text in axis.generateDrawSpecs(painter)[2]]
+    finally:
+        painter.end()
+
+
+def test_ladder_row_labels_are_drawn_in_a_large_font(qtbot, large_font):
+    """With a 16 pt font the ladder's axes were sized for 7 px a character: "+ half precision", "+ static KV
+    cache" and most other preset names were left out, so the bars had no names."""
+    from ui.hud.ladder_chart import LadderChart
+
+    chart = LadderChart()
+    qtbot.addWidget(chart)
+    chart.resize(560, 700)
+    chart.show()
+    rows = ladder_rows()
+    chart.set_results(rows)
+    qtbot.wait(10)
+    for plot in (chart.tok_plot, chart.gap_plot):
+        assert drawn_tick_texts(plot.getAxis("left")) == [r.label for r in rows]
 
 
 def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QPalette
+from PySide6.QtGui import QFont, QFontMetrics, QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 from engine.types import CPU_DTYPE_NOTE, LadderRow
@@ -23,6 +23,7 @@ TOK_COLOR = "#4e9af1"
 GAP_COLOR = "#e06c75"
 INSIDE_TEXT = "#10131a"  # a figure written inside a gap bar: 5.7:1 on it (white was 3.3:1), in either theme
 ROW_HEIGHT = 30
+LABEL_SLACK_PX = 6  # beyond the widest row label's advance: its drawn box is a little wider
 TITLE_PT = 9
 
 
@@ -144,10 +145,13 @@ class LadderChart(PaletteFollower):
         self.tok_bars.setOpts(x0=np.zeros(int(has_tok.sum())), y=ys[has_tok], width=tok[has_tok], height=0.6)
         self.gap_bars.setOpts(x0=np.zeros(int(has_gap.sum())), y=ys[has_gap], width=gap[has_gap], height=0.6)
         ticks = [[(float(i), r.label or r.preset) for i, r in enumerate(self.rows)]]
-        width = max((len(label) for _, label in ticks[0]), default=4) * 7 + 12
         for plot in (self.tok_plot, self.gap_plot):
-            plot.getAxis("left").setTicks(ticks)
-            plot.getAxis("left").setWidth(width)
+            axis = plot.getAxis("left")
+            axis.setTicks(ticks)
+            # in the font the axis draws with (the application's): it leaves out a label wider than itself
+            metrics = QFontMetrics(axis.style["tickFont"] or QFont())
+            text = max((metrics.horizontalAdvance(label) for _, label in ticks[0]), default=0)
+            axis.setWidth(text + max(0, axis.style["tickLength"]) + axis.style["tickTextOffset"][0] + LABEL_SLACK_PX)
         self.tok_plot.setYRange(-0.6, max(n, 1) - 0.4, padding=0)
         top = float(np.nanmax(tok)) if has_tok.any() else 1.0
         self.tok_plot.setXRange(0, top * 1.45, padding=0)
