@@ -1293,6 +1293,23 @@ def test_ladder_row_labels_are_drawn_in_a_large_font(qtbot, large_font):
         assert drawn_tick_texts(plot.getAxis("left")) == [r.label for r in rows]
 
 
+def test_live_plot_axes_keep_their_tick_labels_in_a_large_font(qtbot, large_font):
+    """With a 16 pt font the plots' left axes stayed 48 px wide: the tokens/s axis (0 to 5000) drew no
+    label at all, so its curve had no scale."""
+    from ui.hud.series_view import PLOTS, SeriesView
+
+    view = SeriesView(next(p for p in PLOTS if p.key == "tokens_per_s"))
+    qtbot.addWidget(view)
+    view.resize(520, 240)
+    view.show()
+    view.set_measured(True, None)
+    x = np.linspace(0.0, 10.0, 200)
+    view.set_data(x, np.full_like(x, 2093.0), None, 0.0, 10.0)
+    view.plot.setXRange(0.0, 10.0, padding=0)
+    qtbot.wait(10)
+    assert drawn_tick_texts(view.plot.getAxis("left")) == ["2000", "4000"]  # the 0-5000 range, every 2000
+
+
 def test_ladder_chart_keeps_a_long_source_within_a_narrow_dock(qtbot):
     from PySide6.QtCore import QSizeF
 

@@ -29,7 +29,7 @@ TOKENS_SOURCE = "engine step records, rolling 1 s"
 STEP_SOURCE = "engine step timings; traced window in orange"
 TOKENS_PER_STEP_SOURCE = "engine step records: tokens kept / decode steps, each row while it runs"
 PROFILED_COLOR = "#e8a33d"
-LEFT_AXIS_PX = 48
+LEFT_AXIS_PX = 48  # the least width of a plot's left axis; a larger font widens it (left_axis_px)
 WIDE_VALUES = (88_888.0, 8_888.8, 888.88, 1_023.9 * (1 << 20), 999.9 * (1 << 30))  # the value label's width fits these
 
 
@@ -75,6 +75,13 @@ PLOTS = (
     PlotSpec("cpu_util_pct", "#4cbf73", cpu=True, y_top=lambda m: max(100.0, 100.0 * math.ceil(m / 100.0))),
     PlotSpec("process_rss_bytes", "#c678dd", cpu=True, y_top=_headroom),
 )
+
+
+def left_axis_px() -> int:
+    """The width of a plot's left axis: room for a five-digit tick label ("20000") in the font the axis draws
+    with (the application's), beside the tick (5 px) and its gap (5 px). pyqtgraph leaves out a label that does
+    not fit, so a fixed width lost every label of the tokens/s axis to a 16 pt font."""
+    return max(LEFT_AXIS_PX, QFontMetrics(QFont()).horizontalAdvance("88888") + 10)
 
 
 class MeteredPlotWidget(pg.PlotWidget):
@@ -163,7 +170,8 @@ class SeriesView(QWidget):
         self.value.setFixedSize(widest + 8, self.value.sizeHint().height())
         self.na_label = QLabel()
         self.na_label.setWordWrap(True)
-        self.na_label.setContentsMargins(52, 2, 4, 6)
+        self.axis_px = left_axis_px()
+        self.na_label.setContentsMargins(self.axis_px + 4, 2, 4, 6)
 
         self.plot_widget = MeteredPlotWidget(on_paint, clock)
         self.plot_widget.useOpenGL(False)
@@ -174,7 +182,7 @@ class SeriesView(QWidget):
         self.plot.hideButtons()
         self.plot.showGrid(x=False, y=True, alpha=0.15)
         left = self.plot.getAxis("left")
-        left.setWidth(LEFT_AXIS_PX)
+        left.setWidth(self.axis_px)
         if spec.axis_gib:
             left.enableAutoSIPrefix(False)
             left.setScale(1.0 / (1 << 30))
@@ -214,7 +222,7 @@ class SeriesView(QWidget):
     def columns(self) -> int:
         """Pixel columns the data area spans: the most points worth drawing is two per column."""
         width = int(self.plot.vb.width())
-        return width if width > 0 else max(1, self.plot_widget.width() - LEFT_AXIS_PX)
+        return width if width > 0 else max(1, self.plot_widget.width() - self.axis_px)
 
     def set_measured(self, measured: bool, reason: Optional[str]) -> None:
         state = (measured, reason)
