@@ -105,7 +105,7 @@ def format_stats(
     if batch:
         count = f"{own} of {tokens} tokens in the batch"
     else:
-        count = f"{tokens if tokens is not None and metrics else NA} tokens"
+        count = f"{tokens} token{'' if tokens == 1 else 's'}" if tokens is not None and metrics else f"{NA} tokens"
     compile_s = m.get("compile_seconds")
     compile_part = f" + compile {fmt(compile_s)} s" if compile_s is not None else ""
     # a remote server's answer: the client's timings over HTTP stand in for the engine's (figures.shown)

@@ -367,6 +367,14 @@ def test_stats_line_of_a_remote_answer_shows_the_client_s_timings_and_rounds_hon
     assert "TTFT <1 ms" in line and "kernel gap <0.1%" in line and ">99% accepted" in line
 
 
+def test_an_answer_stopped_after_one_token_says_1_token():
+    """An answer stopped after its first token read "1 tokens" under it."""
+    m = {"new_tokens_total": 1, "new_tokens": [1], "ttft_ms": 12.0}
+    line, _ = format_stats(m, EngineOptions(device="cpu").to_dict(), "cpu", "cancelled")
+    assert line.startswith("1 token · TTFT 12 ms")
+    assert format_stats({**m, "new_tokens_total": 0, "new_tokens": [0]}, None, "cpu")[0].startswith("0 tokens · ")
+
+
 def test_a_gap_near_100_percent_is_not_rounded_up_to_it_in_the_stats_tooltip():
     """The line said "op gap >99.9%" and its tooltip "Op gap: 100.0%" for the same 99.97 %."""
     m = {"new_tokens_total": 40, "kernel_gap_pct": 99.97, "kernel_gap_source": "op gap — torch.profiler"}
