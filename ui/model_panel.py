@@ -23,28 +23,10 @@ from PySide6.QtWidgets import (
 
 from engine.types import ModelInfo, Progress
 from ui.dialogs import choose_model
+from ui.hud import fmt
+from ui.hud.fmt import NA
 from ui.parts import error_label
 from ui.progress import show_progress
-
-NA = "n/a"
-
-
-def human_count(n: Optional[int]) -> str:
-    if n is None:
-        return NA
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
-
-
-def human_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return NA
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def source_label(source: str) -> str:
@@ -161,14 +143,14 @@ class ModelPanel(QGroupBox):
         shown = {
             "name": info.name,
             "family": info.family,
-            "parameters": human_count(info.parameters),
+            "parameters": fmt.count(info.parameters),
             "dtype": info.dtype,
             "device": info.device,
             "context": f"{info.context_length:,}",
-            "weights": human_bytes(info.weight_bytes),
+            "weights": fmt.size(info.weight_bytes),
             "backend": "fast path" if info.backend == "fast" else f"{info.backend} fallback",
             "load": NA if info.load_seconds is None else f"{info.load_seconds:.2f} s",
-            "per_token": human_bytes(info.bytes_per_token),
+            "per_token": fmt.size(info.bytes_per_token),
             "floor": NA if info.memory_floor_ms is None else f"{info.memory_floor_ms:.3f} ms/token",
         }
         if info.backend == "remote":  # the server says nothing of its weights; the context only sometimes
@@ -186,7 +168,7 @@ class ModelPanel(QGroupBox):
         self.values["per_token"].setToolTip(info.bytes_per_token_source or "n/a: not counted for this model")
         self.values["floor"].setToolTip(info.memory_floor_source or "n/a: not computed for this model")
         if info.weights != "native":
-            self.values["weights"].setText(f"{human_bytes(info.weight_bytes)} ({info.weights})")
+            self.values["weights"].setText(f"{fmt.size(info.weight_bytes)} ({info.weights})")
             kernel = info.weights_kernel or f"{NA} (not reported)"
             self.values["weights"].setToolTip(f"{info.weights} linears: {kernel}")
         else:

@@ -35,6 +35,28 @@ def test_values_are_written_in_the_registered_unit():
     assert fmt.figure_value(figures.spec("ttft_ms"), None) == fmt.NA
 
 
+def test_sizes_and_counts_move_to_the_next_unit_rather_than_round_up_to_it():
+    """The model panel showed 1,048,570 bytes as "1024.0 KiB" and 999,960 parameters as "1000.0K"."""
+    assert [fmt.size(v) for v in (0, 1023, 1024, 1_048_570, 1023.9 * 2**20, 2**30 - 1, 3 * 2**30)] == [
+        "0 B",
+        "1,023 B",
+        "1.0 KiB",
+        "1.0 MiB",
+        "1,023.9 MiB",
+        "1.0 GiB",
+        "3.0 GiB",
+    ]
+    assert [fmt.count(v) for v in (999, 1_000, 999_949, 999_960, 134_515_008, 8_030_261_248)] == [
+        "999",
+        "1.0K",
+        "999.9K",
+        "1.0M",
+        "134.5M",
+        "8.0B",
+    ]
+    assert fmt.size(None) == fmt.count(None) == fmt.NA
+
+
 def test_a_compare_column_formats_and_sources_from_the_registry():
     col = next(c for c in COLUMNS if c.key == "gpu_util_pct")
     m = GenerationMetrics()

@@ -29,13 +29,28 @@ def percent(v: Optional[float]) -> str:
 
 
 def size(v: Optional[float]) -> str:
-    """Bytes in binary units (MiB / GiB), as memory is counted."""
+    """Bytes in binary units (KiB / MiB / GiB), as memory is counted: 1,023.9 MiB, then 1.0 GiB (never "1,024.0
+    MiB")."""
     if v is None or not math.isfinite(v):
         return NA
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(v) >= scale:
-            return f"{v / scale:,.1f} {unit}"
-    return f"{v:,.0f} B"
+    return _scaled(v, (("B", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30)), 1024, " ")
+
+
+def count(v: Optional[float]) -> str:
+    """A count in thousands, millions, billions: 999, 1.0K, 999.9K, then 1.0M (never "1000.0K")."""
+    if v is None or not math.isfinite(v):
+        return NA
+    return _scaled(v, (("", 1), ("K", 10**3), ("M", 10**6), ("B", 10**9)), 1000, "")
+
+
+def _scaled(v: float, units: tuple[tuple[str, int], ...], step: int, sep: str) -> str:
+    """`v` in the largest unit it reaches, moved up one where one decimal would round it to `step` of that unit."""
+    i = max((n for n, (_, scale) in enumerate(units) if abs(v) >= scale), default=0)
+    digits = 0 if i == 0 else 1
+    if round(abs(v) / units[i][1], digits) >= step and i + 1 < len(units):
+        i, digits = i + 1, 1
+    unit, scale = units[i]
+    return f"{v / scale:,.{digits}f}{sep if unit else ''}{unit}"
 
 
 def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
