@@ -1464,3 +1464,21 @@ def test_an_export_that_fails_on_its_way_leaves_the_file_it_would_replace(qtbot,
     with pytest.raises(UnicodeEncodeError):
         panel.export_compare_csv(earlier)
     assert earlier.read_bytes() == kept and sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]
+
+
+def test_ladder_speedup_text_fits_beside_the_longest_bar_in_a_large_font(qtbot, large_font):
+    """The tok/s axis reached 1.45 × the longest bar whatever the text beside it: at 16 pt "×166.0" was cut at the
+    chart's right edge."""
+    from ui.hud.ladder_chart import LadderChart
+
+    chart = LadderChart()
+    qtbot.addWidget(chart)
+    chart.resize(560, 700)
+    chart.show()
+    chart.set_results(ladder_rows())
+    qtbot.wait(10)
+    view = chart.tok_plot.vb.sceneBoundingRect()
+    for plot, text in chart._texts:
+        if plot is chart.tok_plot:
+            drawn = text.mapRectToScene(text.boundingRect())
+            assert drawn.right() <= view.right() + 0.5, text.toPlainText()

@@ -23,6 +23,8 @@ TOK_COLOR = "#4e9af1"
 GAP_COLOR = "#e06c75"
 INSIDE_TEXT = "#10131a"  # a figure written inside a gap bar: 5.7:1 on it (white was 3.3:1), in either theme
 ROW_HEIGHT = 30
+TOK_AXIS_MIN_REACH = 1.45  # the tok/s axis reaches at least this × the longest bar
+TOK_TEXT_MAX_SHARE = 0.7  # of the view a bar's text may take; past it (a view a few characters wide) it is cut
 LABEL_SLACK_PX = 6  # beyond the widest row label's advance: its drawn box is a little wider
 TITLE_PT = 9
 
@@ -77,6 +79,7 @@ class LadderChart(PaletteFollower):
         self.tok_plot.addItem(self.tok_bars)
         self.gap_plot.addItem(self.gap_bars)
         self._texts: list[tuple[pg.PlotItem, pg.TextItem]] = []
+        self.tok_plot.vb.sigResized.connect(self._fit_tok_range)
 
         buttons = QHBoxLayout()
         buttons.addWidget(self.run_button)
@@ -153,14 +156,28 @@ class LadderChart(PaletteFollower):
             text = max((metrics.horizontalAdvance(label) for _, label in ticks[0]), default=0)
             axis.setWidth(text + max(0, axis.style["tickLength"]) + axis.style["tickTextOffset"][0] + LABEL_SLACK_PX)
         self.tok_plot.setYRange(-0.6, max(n, 1) - 0.4, padding=0)
-        top = float(np.nanmax(tok)) if has_tok.any() else 1.0
-        self.tok_plot.setXRange(0, top * 1.45, padding=0)
         sources = sorted({s for s in (r.kernel_gap_source for r in self.rows) if s})
         self._titles = ["Decode tok/s — engine timing", f"Gap % — {'; '.join(sources) if sources else fmt.NA}"]
         self._set_titles()
         self._base = base
         self._draw_texts(base)
+        self._fit_tok_range()
         self.chart.setMinimumHeight(2 * (ROW_HEIGHT * max(n, 3) + 50))
+
+    def _fit_tok_range(self) -> None:
+        """The tok/s axis reaches far enough for the text beside each bar ("1,234.5  ×166.0 (1)") to fit: that
+        text is as wide in pixels whatever the axis, so a larger font or a narrower dock needs more of it (a fixed
+        1.45 × the longest bar cut the text at 16 pt)."""
+        tok = [_num(r.decode_tok_s, 0.0) for r in self.rows]
+        top = max(tok, default=0.0) or 1.0
+        view_px = self.tok_plot.vb.width()
+        reach = top * TOK_AXIS_MIN_REACH
+        if view_px > 0:
+            texts = [t for plot, t in self._texts if plot is self.tok_plot]
+            for x, t in zip(tok, texts):
+                share = min(t.boundingRect().width() / view_px, TOK_TEXT_MAX_SHARE)  # of the view, in pixels
+                reach = max(reach, x / (1.0 - share))
+        self.tok_plot.setXRange(0, reach, padding=0)
 
     def bar_values(self) -> dict[str, list]:
         """What the chart draws: (row, value) of each tok/s and gap bar, and the text beside each row."""
