@@ -1482,3 +1482,25 @@ def test_ladder_speedup_text_fits_beside_the_longest_bar_in_a_large_font(qtbot, 
         if plot is chart.tok_plot:
             drawn = text.mapRectToScene(text.boundingRect())
             assert drawn.right() <= view.right() + 0.5, text.toPlainText()
+
+
+def test_plots_png_keeps_its_tick_labels_in_a_large_font(hud, qtbot, tmp_path, large_font, monkeypatch):
+    """The exported plots' left axes were 56 px whatever the font: at 16 pt the tokens/s plot had no scale."""
+    import pyqtgraph as pg
+    from pyqtgraph.exporters import ImageExporter
+
+    panel, clock = hud
+    feed_gpu_session(panel, clock, n_steps=40)
+    show_and_paint(qtbot, panel)
+    drawn: list[list[str]] = []
+    real = ImageExporter.export
+
+    def look_then_export(self, *args, **kwargs):
+        for item in self.item.items:
+            if isinstance(item, pg.PlotItem):
+                drawn.append(drawn_tick_texts(item.getAxis("left")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ImageExporter, "export", look_then_export)
+    panel.export_plots_png(tmp_path / "large.png", 1200, 900)
+    assert drawn and all(drawn), drawn  # every plot's scale has its numbers

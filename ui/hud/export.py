@@ -22,7 +22,7 @@ from engine.paths import write_whole
 from engine.types import EngineOptions, GenerationMetrics, server_decides
 from ui.hud.compare_table import CompareModel
 from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
-from ui.hud.series_view import PLOTS, SeriesView
+from ui.hud.series_view import PLOTS, SeriesView, left_axis_px
 
 PathLike = Union[str, Path]
 OPTION_FIELDS = tuple(f.name for f in fields(EngineOptions))
@@ -149,11 +149,14 @@ def save_plots(
     try:
         figure.setBackground(background)
         figure.ci.setContentsMargins(6, 6, 12, 6)
+        axis_px = left_axis_px()  # as the HUD's plots: a large font's tick labels are left out of a narrower axis
         for i, view in enumerate(shown):
             plot = figure.addPlot(row=i, col=0)
             title = f"{view.label_text} · {view.value.text()}"
-            # room for the title: the image less the left axis (56 px), the margins and the label's own padding
-            plot.setTitle(_wrapped(title, TITLE_PT, width - 110), color=foreground.name(), size=f"{TITLE_PT}pt")
+            # room for the title: the image less the left axis, the margins and the label's own padding
+            plot.setTitle(
+                _wrapped(title, TITLE_PT, width - axis_px - 62), color=foreground.name(), size=f"{TITLE_PT}pt"
+            )
             for item in view.plot.items:
                 if isinstance(item, pg.PlotCurveItem) and item.xData is not None and len(item.xData):
                     # each curve joined as drawn: an estimate's levels are separate segments ("pairs")
@@ -164,7 +167,7 @@ def save_plots(
             plot.setYRange(y_lo, y_hi, padding=0)
             plot.showGrid(x=False, y=True, alpha=0.15)
             left = plot.getAxis("left")
-            left.setWidth(56)
+            left.setWidth(axis_px + 8)  # and the axis' unit label
             if view.spec.axis_gib:
                 left.enableAutoSIPrefix(False)
                 left.setScale(1.0 / (1 << 30))
