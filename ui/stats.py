@@ -167,7 +167,7 @@ def format_stats(
     ]
     if reused is not None:
         tips.append(
-            f"Prompt: {reused} tokens reused, {m.get('prompt_computed_tokens')} computed — source: "
+            f"Prompt: {reused} tokens reused, {_or_na(m.get('prompt_computed_tokens'))} computed — source: "
             f"{m.get('prompt_reuse_source') or NA}"
         )
     if m.get("overflow_policy"):
@@ -222,3 +222,8 @@ def format_stats(
     if metrics and options:
         tips.extend(diagnosis_lines(metrics, options, device))
     return line, "\n".join(tips)
+
+
+def _or_na(v: Any) -> str:
+    """A count as it was kept, or n/a where it was not (an answer imported from an older export)."""
+    return NA if v is None else str(v)

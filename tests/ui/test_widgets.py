@@ -404,6 +404,8 @@ def test_the_stats_tooltip_gives_every_count_and_the_step_latency_a_source_or_a_
     _, tip = format_stats(local, None, "cpu")
     assert "New tokens: 1,200 — source: " in tip and "Prompt tokens: 30 — source: " in tip
     assert "Step latency p50 / p99: 12.50 ms / 20.00 ms — source: " in tip
+    _, tip = format_stats({**local, "prompt_reused_tokens": 24, "prompt_reuse_source": "the chat's cache"}, None, "cpu")
+    assert "Prompt: 24 tokens reused, n/a computed — source: the chat's cache" in tip  # an older export's answer
 
 
 def test_stats_line_says_na_and_names_sources():
