@@ -207,11 +207,11 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
             cur.skip_value(type_id)
         if value is not None:
             metadata[key.decode("utf-8")] = value
-        if key in wanted and type_id == _STRING:
-            wanted[key] = value
-        elif key == b"general.alignment" and type_id in _FIXED:
+        if key == b"general.alignment":
             if isinstance(value, bool) or not isinstance(value, int):  # llama.cpp reads it as a uint32
                 raise ValueError(f"general.alignment is {value!r}, not an integer")
+            wanted[key] = value
+        elif key in wanted and type_id == _STRING:
             wanted[key] = value
         elif key.endswith(b".rope.scaling.type") and type_id == _STRING:
             rope[key] = value

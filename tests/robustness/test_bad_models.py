@@ -519,15 +519,20 @@ def test_a_gguf_whose_token_types_do_not_match_its_tokens_is_refused(tiny_llama,
     _refused(ModelLoadError, path, "tokenizer.ggml.token_type has 5 entries for")
 
 
-def test_a_gguf_whose_alignment_is_not_an_integer_is_refused(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "add, value, shown",
+    [("add_float32", 32.0, "32.0"), ("add_string", "32", "'32'"), ("add_array", [32], "[32]")],
+    ids=["float", "string", "array"],  # a string one failed with "'<=' not supported between 'str' and 'int'"
+)
+def test_a_gguf_whose_alignment_is_not_an_integer_is_refused(tiny_llama, tmp_path, monkeypatch, add, value, shown):
     import gguf
 
     real = gguf.GGUFWriter.add_token_merges
 
-    def merges_and_a_float_alignment(self, merges):
+    def merges_and_an_odd_alignment(self, merges):
         real(self, merges)
-        self.add_float32("general.alignment", 32.0)
+        getattr(self, add)("general.alignment", value)
 
-    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", merges_and_a_float_alignment)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", merges_and_an_odd_alignment)
     path = hf_llama_to_gguf(tiny_llama, tmp_path / "align.gguf")
-    _refused(ModelLoadError, path, "corrupt GGUF header (general.alignment is 32.0, not an integer)")
+    _refused(ModelLoadError, path, f"corrupt GGUF header (general.alignment is {shown}, not an integer)")
