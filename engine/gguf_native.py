@@ -374,6 +374,7 @@ _COUNTS = (
     "intermediate_size",
     "vocab_size",
     "head_dim",
+    "max_position_embeddings",
 )
 
 

@@ -246,6 +246,7 @@ def _tensor_offset_moved(gguf_bytes: bytes, name: str, by: int) -> bytes:
     [
         ("llama.block_count", 0, "num_hidden_layers = 0; it must be at least 1"),
         ("llama.attention.head_count", 0, "num_attention_heads = 0; it must be at least 1"),
+        ("llama.context_length", 0, "max_position_embeddings = 0; it must be at least 1"),
         ("llama.block_count", 1, "says 1 layers, but its tensors are for 2 (blk.0 to blk.1)"),
         ("llama.block_count", 3, "says 3 layers, but its tensors are for 2"),
         ("llama.embedding_length", 63, "cannot read the model settings in this GGUF"),
