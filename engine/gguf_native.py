@@ -383,11 +383,15 @@ SPECIAL_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "e
 
 
 def _check_counts(cfg: dict[str, Any], header: GGUFHeader, label: str) -> None:
-    """The metadata's sizes are positive and its layer count is the one its tensors are for."""
+    """The metadata's sizes (and rope base) are positive and its layer count is the one its tensors are for."""
     for key in _COUNTS:
         v = cfg.get(key)
         if isinstance(v, int) and v < 1:
             raise ModelLoadError(f"{label}: the GGUF's metadata gives {key} = {v}; it must be at least 1")
+    # transformers' config takes any value here: a string failed building the rope tables, 0 or less made them NaN
+    theta = cfg.get("rope_theta")
+    if theta is not None and not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0):
+        raise ModelLoadError(f"{label}: the GGUF's metadata gives rope_theta = {theta!r}; it must be a positive number")
     lengths = header.array_lengths
     tokens = lengths.get("tokenizer.ggml.tokens")
     for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):  # one entry per token, or the ids shift

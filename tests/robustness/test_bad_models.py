@@ -260,6 +260,22 @@ def test_gguf_with_impossible_sizes_is_refused_at_load(tiny_gguf, tmp_path, key,
     _refused(ModelLoadError, path, match)
 
 
+@pytest.mark.parametrize("value", ["10000", 0.0, -10000.0], ids=["string", "zero", "negative"])
+def test_a_gguf_whose_rope_base_is_not_a_positive_number_is_refused(tiny_llama, tmp_path, value):
+    """A string failed building the model with "unsupported operand type(s) for ** or pow(): 'str' and 'Tensor'";
+    0 or a negative base loaded, then every answer's first token scored NaN, reported as damaged weights."""
+
+    def base(w):
+        w.kv_data[0].pop("llama.rope.freq_base")
+        if isinstance(value, str):
+            w.add_string("llama.rope.freq_base", value)
+        else:
+            w.add_float32("llama.rope.freq_base", value)
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "base.gguf", edit=base)
+    _refused(ModelLoadError, path, f"the GGUF's metadata gives rope_theta = {value!r}; it must be a positive number")
+
+
 def test_gguf_with_a_misaligned_tensor_is_refused(tiny_gguf, tmp_path):
     path = tmp_path / "moved.gguf"
     path.write_bytes(_tensor_offset_moved(tiny_gguf.read_bytes(), "blk.0.ffn_down.weight", 3))
