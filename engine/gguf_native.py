@@ -430,7 +430,7 @@ def build_config(cfg: dict[str, Any], label: str):
 
 
 def _entry(root: Path, path: Path) -> Path:
-    return root / hashlib.sha256(str(path).encode("utf-8")).hexdigest()[:20]
+    return root / hashlib.sha256(os.fsencode(path)).hexdigest()[:20]
 
 
 def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:

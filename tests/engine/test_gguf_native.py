@@ -357,6 +357,22 @@ def test_second_load_converts_nothing(tiny_llama, tmp_path, conversions, _privat
     _assert_same_checkpoint(second, first)
 
 
+def test_a_gguf_whose_name_is_not_utf_8_loads_and_is_cached(tiny_llama, tmp_path, conversions):
+    """A Latin-1 file name (as old archives unpack on Linux) failed every load with "'utf-8' codec can't encode
+    character '\\udce9'": the cache entry was named by the path encoded as UTF-8."""
+    import shutil
+
+    path = os.path.join(os.fsencode(tmp_path), b"mod\xe9le.gguf")
+    try:
+        shutil.copyfile(hf_llama_to_gguf(tiny_llama, tmp_path / "plain.gguf"), path)
+    except OSError:
+        pytest.skip("this file system takes only UTF-8 names")
+    first = load_checkpoint(os.fsdecode(path))
+    second = load_checkpoint(os.fsdecode(path))
+    assert conversions == ["mod\udce9le.gguf"]
+    _assert_same_checkpoint(second, first)
+
+
 def test_a_gguf_in_a_model_folder_reads_its_own_tokenizer_and_template(tiny_llama, tmp_path):
     """convert_hf_to_gguf.py leaves the GGUF beside the Hugging Face files it came from. Those files must not
     stand in for the GGUF's own: they lost the GGUF's chat template, and a tokenizer_config.json asking for
