@@ -239,18 +239,24 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
     data_start = (cur.pos + alignment - 1) // alignment * alignment
 
     checked = []
+    follows: Optional[int] = 0  # where the next tensor's data starts: each follows the one before, padded
     for name, shape, type_id, offset in tensors:
         if offset % alignment:  # as llama.cpp refuses it: a damaged offset, whatever the data there would read as
             raise ValueError(f"tensor {name!r} starts at offset {offset}, not on the file's {alignment}-byte alignment")
         known = _ggml_type(type_id)
         if known is None:
             checked.append(GGUFTensor(name, shape, type_id, f"type {type_id}", offset, 0))
+            follows = None  # its size is unknown (and the file is refused for its type)
             continue
         type_name, block, type_size = known
         n = prod(shape)
         if n % block:
             raise ValueError(f"tensor {name!r} of {n} elements is not a whole number of {type_name} blocks")
-        checked.append(GGUFTensor(name, shape, type_id, type_name, offset, n // block * type_size))
+        if follows is not None and offset != follows:  # llama.cpp refuses it too: another tensor's bytes, say
+            raise ValueError(f"tensor {name!r} starts at offset {offset}, where the tensors before it end at {follows}")
+        nbytes = n // block * type_size
+        follows = offset + (nbytes + alignment - 1) // alignment * alignment
+        checked.append(GGUFTensor(name, shape, type_id, type_name, offset, nbytes))
     return GGUFHeader(
         path=path,
         version=version,

@@ -15,6 +15,7 @@ import torch
 from gguf_fixtures import hf_llama_to_gguf
 
 from engine.errors import ModelLoadError, UnsafeModelError
+from engine.gguf_header import read_gguf_header
 from engine.loader import load_checkpoint
 
 
@@ -280,6 +281,16 @@ def test_gguf_with_a_misaligned_tensor_is_refused(tiny_gguf, tmp_path):
     path = tmp_path / "moved.gguf"
     path.write_bytes(_tensor_offset_moved(tiny_gguf.read_bytes(), "blk.0.ffn_down.weight", 3))
     _refused(ModelLoadError, path, "'blk.0.ffn_down.weight' starts at offset")
+
+
+def test_gguf_with_a_tensor_pointing_at_another_s_data_is_refused(tiny_gguf, tmp_path):
+    """A damaged offset that still fell on the alignment loaded another tensor's bytes as this one's weights."""
+    header = read_gguf_header(tiny_gguf)
+    names = [t.name for t in header.tensors]
+    moved, after = names[1], header.tensors[2]
+    path = tmp_path / "moved.gguf"
+    path.write_bytes(_tensor_offset_moved(tiny_gguf.read_bytes(), moved, after.offset - header.tensors[1].offset))
+    _refused(ModelLoadError, path, f"corrupt GGUF header (tensor '{moved}' starts at offset {after.offset}, where")
 
 
 def test_gguf_with_unsupported_quantisation(tiny_llama, tmp_path):
