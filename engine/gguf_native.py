@@ -4,7 +4,8 @@ once, each tensor de-quantised straight into the target dtype on the target devi
 transformers still builds what it is good at, the config class and the tokenizer, once per file: the results
 (config JSON, the saved tokenizer with its chat template and special tokens, the tensor layout) are kept in the
 user cache dir keyed by the file's identity (path, size, mtime_ns and a hash of its header), so a second load
-converts nothing. A changed file misses the cache; a damaged entry is rebuilt, with a log line.
+converts nothing. A changed file, or other versions of transformers and tokenizers, miss the cache; a damaged
+entry is rebuilt, with a log line.
 
 A cached load imports none of transformers where the conversion found that nothing needs it: the config comes
 back as a CachedConfig (the attributes transformers' config class resolved, read from JSON) and the tokenizer
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 # 4: a GGUF's tokenizer read from the GGUF alone (3 let files beside it take its place); 5: the manifest holds each
 # file's digest (a damaged file that still parsed was never rebuilt)
 CACHE_VERSION = 6
+CONVERTED_BY = ("transformers", "tokenizers")  # a cache entry is of these libraries' versions (made_with)
+TMP_ABANDONED_S = 3600.0  # a half-written entry older than this was left by a process that stopped
 CACHE_ENTRIES_KEPT = 32
 # GGUF architecture -> how its q/k rows are stored: llama.cpp permutes Llama's for its rotary layout
 NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False}
@@ -445,6 +448,15 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
             log.info("%s changed since it was converted; converting it again", Path(identity["path"]).name)
             shutil.rmtree(entry, ignore_errors=True)
             return None
+        if manifest.get("made_with") != made_with():
+            log.info(
+                "%s was converted by other versions of the libraries that convert it (%s, now %s); converting it again",
+                Path(identity["path"]).name,
+                manifest.get("made_with"),
+                made_with(),
+            )
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
         if manifest.get("digests") != _digests(entry):
             raise ValueError("its files are not those it was written with")
         data = json.loads((entry / "layout.json").read_text(encoding="utf-8"))
@@ -480,6 +492,20 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         resolved=resolved if isinstance(resolved, dict) else None,
         tokenizer_facts=facts if isinstance(facts, dict) else None,
     )
+
+
+def made_with() -> dict[str, str]:
+    """The versions of the libraries a conversion comes from: an upgrade that converts tokenizers or configs
+    differently converts again (read from their installed metadata: a cached load imports neither)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in CONVERTED_BY:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "absent"
+    return found
 
 
 def _digests(entry: Path) -> dict[str, str]:
@@ -518,6 +544,7 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
         manifest = {
             "version": CACHE_VERSION,
             "identity": identity,
+            "made_with": made_with(),
             "digests": _digests(tmp),  # last: of the files as they stay
             "tokenizer_class": type(conv.tokenizer).__name__,
             "fast_tokenizer": facts,
@@ -551,6 +578,13 @@ def _fast_tokenizer_facts(folder: Path, tokenizer, label: str) -> Optional[dict[
 
 
 def _prune(root: Path) -> None:
+    """Keeps the CACHE_ENTRIES_KEPT entries used last, and removes what a process stopped while writing one left
+    behind (a .tmp- folder no writer has touched for TMP_ABANDONED_S)."""
+    now = time.time()
+    for tmp in root.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > TMP_ABANDONED_S:
+                shutil.rmtree(tmp, ignore_errors=True)
     entries = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
     if len(entries) <= CACHE_ENTRIES_KEPT:
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -355,6 +356,31 @@ def test_second_load_converts_nothing(tiny_llama, tmp_path, conversions, _privat
     assert conversions == ["cached.gguf"]  # not called again
     assert any("(cached)" in e.message for e in events)
     _assert_same_checkpoint(second, first)
+
+
+def test_a_library_upgrade_converts_again(tiny_llama, tmp_path, conversions, _private_cache, monkeypatch):
+    """The cache was keyed by the file alone: a transformers or tokenizers upgrade that converts a GGUF's
+    tokenizer or config differently kept serving the old conversion."""
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "upgraded.gguf")
+    ref = load_checkpoint(str(path))
+    monkeypatch.setattr(gguf_native, "made_with", lambda: {"transformers": "99.0.0", "tokenizers": "0.99.0"})
+    _assert_same_checkpoint(load_checkpoint(str(path)), ref)
+    assert conversions == ["upgraded.gguf", "upgraded.gguf"]
+    load_checkpoint(str(path))
+    assert len(conversions) == 2  # converted by these versions now
+
+
+def test_a_half_written_cache_entry_left_by_a_stopped_process_is_removed(tiny_factory, tmp_path, _private_cache):
+    """A process stopped while it wrote a conversion left its .tmp- folder (a few MB) in the cache for good."""
+    load_checkpoint(str(hf_llama_to_gguf(tiny_factory("llama", seed=0), tmp_path / "a.gguf")))
+    old, fresh = _private_cache / ".tmp-stopped", _private_cache / ".tmp-writing"
+    for folder in (old, fresh):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    hours_ago = time.time() - 2 * gguf_native.TMP_ABANDONED_S
+    os.utime(old, (hours_ago, hours_ago))
+    load_checkpoint(str(hf_llama_to_gguf(tiny_factory("llama", seed=1), tmp_path / "b.gguf")))  # a conversion
+    assert not old.exists() and fresh.exists()  # another process may still be writing the fresh one
 
 
 def test_a_gguf_whose_name_is_not_utf_8_loads_and_is_cached(tiny_llama, tmp_path, conversions):
