@@ -322,6 +322,11 @@ def check_gguf(path: Path, supported_architectures: set[str], header: Optional[G
             f"{label}: a {kind + ' ' if isinstance(kind, str) else ''}adapter, not a model: open the model it "
             "was made for (Gapless does not apply adapters)"
         )
+    if "tokenizer.chat_template" in header.metadata or "tokenizer.chat_template" in header.array_lengths:
+        template = header.metadata.get("tokenizer.chat_template")
+        if not isinstance(template, str):  # every message failed with "Can't compile non template nodes"
+            kind = "a list" if "tokenizer.chat_template" in header.array_lengths else type(template).__name__
+            raise ModelLoadError(f"{label}: corrupt GGUF metadata (tokenizer.chat_template is {kind}, not text)")
     if _plain(header.architecture) not in {_plain(a) for a in supported_architectures}:
         raise ModelLoadError(
             f"{label}: unsupported GGUF architecture {header.architecture!r} "

@@ -277,6 +277,21 @@ def test_a_gguf_whose_rope_base_is_not_a_positive_number_is_refused(tiny_llama, 
     _refused(ModelLoadError, path, f"the GGUF's metadata gives rope_theta = {value!r}; it must be a positive number")
 
 
+@pytest.mark.parametrize("kind, said", [("int", "int"), ("list", "a list")])
+def test_a_gguf_whose_chat_template_is_not_text_is_refused(tiny_llama, tmp_path, kind, said):
+    """It loaded, then every message failed with "Can't compile non template nodes" (an internal error)."""
+
+    def template(w):
+        w.kv_data[0].pop("tokenizer.chat_template", None)
+        if kind == "int":
+            w.add_uint32("tokenizer.chat_template", 7)
+        else:
+            w.add_array("tokenizer.chat_template", ["{{ messages }}", "{{ bos_token }}"])
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "template.gguf", edit=template)
+    _refused(ModelLoadError, path, f"corrupt GGUF metadata (tokenizer.chat_template is {said}, not text)")
+
+
 def test_gguf_with_a_misaligned_tensor_is_refused(tiny_gguf, tmp_path):
     path = tmp_path / "moved.gguf"
     path.write_bytes(_tensor_offset_moved(tiny_gguf.read_bytes(), "blk.0.ffn_down.weight", 3))
