@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,6 +264,10 @@ def parse_chat(data: bytes) -> ImportedChat:
         ) from None
     except RecursionError:
         raise ChatFileError("not a Gapless chat file: JSON nested too deeply") from None
+    except ValueError:  # a number of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ChatFileError(
+            f"not a Gapless chat file: it holds a number of more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     return validate(doc)
 
 

@@ -251,6 +251,10 @@ BAD = {
     ),
     "duplicate key": (lambda d: b'{"format": "gapless-chat", "format": "x"}', "the key 'format' appears twice"),
     "deep nesting": (lambda d: b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    "a number too long to read": (
+        lambda d: b'{"format": "gapless-chat", "version": 1' + b"0" * 5000 + b"}",
+        "it holds a number of more than 4300 digits",
+    ),
     "deep figures": (
         lambda d: _mutated(
             d,
