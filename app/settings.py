@@ -12,6 +12,7 @@ import binascii
 import json
 import logging
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -204,6 +205,8 @@ class SettingsStore:
             raise _Unreadable(f"it is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
         except RecursionError as exc:
             raise _Unreadable("it is nested too deeply to read") from exc
+        except ValueError as exc:  # a number of more digits than Python converts (sys.get_int_max_str_digits)
+            raise _Unreadable(f"it holds a number of more than {sys.get_int_max_str_digits()} digits") from exc
         if not isinstance(data, dict):
             raise _Unreadable(f"it holds a JSON {type(data).__name__}, not an object")
         version = data.get("version", SETTINGS_VERSION)

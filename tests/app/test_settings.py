@@ -92,6 +92,7 @@ def test_round_trip(path):
         ("[1, 2]", "JSON list, not an object"),
         ('{"version": "1"}', "its version is '1'"),
         ('{"theme": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),  # raised RecursionError
+        ('{"version": 1' + "0" * 5000 + "}", "a number of more than 4300 digits"),  # raised ValueError
     ],
 )
 def test_damaged_file_is_moved_aside_with_a_notice(path, content, reason):
