@@ -200,7 +200,7 @@ class RecentModels:
                 for i in items
             ):
                 raise ValueError("unexpected entries")
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deeply
             return self._move_aside(exc)
         return items[: self.limit]
 

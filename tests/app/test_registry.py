@@ -92,7 +92,17 @@ def test_a_model_opened_by_a_file_of_its_folder_is_kept_as_the_folder(tmp_path):
     assert (entry.source, entry.kind, entry.present, entry.last_used) == (str(folder), "hf-folder", True, 3.0)
 
 
-@pytest.mark.parametrize("content", ["{ not json", '{"models": "x"}', '{"models": [{"source": 3}]}', "[]", "\xff\xfe"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{ not json",
+        '{"models": "x"}',
+        '{"models": [{"source": 3}]}',
+        "[]",
+        "\xff\xfe",
+        '{"models": ' + "[" * 100_000 + "]" * 100_000 + "}",  # raised RecursionError: `gapless models list` failed
+    ],
+)
 def test_corrupt_recent_file_is_moved_aside(tmp_path, content):
     config = tmp_path / "config"
     config.mkdir()
