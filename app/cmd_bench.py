@@ -228,12 +228,12 @@ def format_table(report: dict[str, Any]) -> str:
         f"after {cfg['warmup']} warm-up."
     )
     machine = report.get("machine") or {}
-    start, end = machine.get("load_average_at_start"), machine.get("load_average_1_5_15min")
-    if start and end:
-        out.append(
+    if machine:
+        start, end = machine.get("load_average_at_start"), machine.get("load_average_1_5_15min")
+        load = f"; load average (1 min) {start[0]:.1f} at the start, {end[0]:.1f} at the end" if start and end else ""
+        out.append(  # the load only where the OS tells it (not on Windows)
             f"Machine: {machine.get('cpu_model') or 'unknown CPU'}, {machine.get('cpu_cores_logical')} logical "
-            f"cores, {machine.get('gpu_name') or 'no GPU'}; load average (1 min) {start[0]:.1f} at the start, "
-            f"{end[0]:.1f} at the end."
+            f"cores, {machine.get('gpu_name') or 'no GPU'}{load}."
         )
     out.append(report["dtype_note"] + ".")
     out.append("decode tok/s, TTFT: " + report["method"] + ".")

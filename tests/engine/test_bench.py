@@ -279,6 +279,19 @@ def test_table_rows_figures_and_notes():
     assert len({len(line) for line in lines[:8]}) == 1  # aligned columns
 
 
+def test_the_table_describes_the_machine_with_or_without_a_load_average():
+    """Where the OS has no load average (Windows), the table left out the machine line whole."""
+    report, _ = sample_report()
+    machine = {"cpu_model": "AMD EPYC", "cpu_cores_logical": 16, "gpu_name": None, "load_average_1_5_15min": None}
+    report["machine"] = {**machine, "load_average_at_start": None}
+    assert "Machine: AMD EPYC, 16 logical cores, no GPU.\n" in format_table(report)
+    report["machine"] = {**machine, "load_average_1_5_15min": [2.5, 1, 1], "load_average_at_start": [1.25, 1, 1]}
+    assert (
+        "Machine: AMD EPYC, 16 logical cores, no GPU; load average (1 min) 1.2 at the start, 2.5 at the end.\n"
+        in format_table(report)
+    )
+
+
 def test_table_with_compiled_baseline_has_its_column():
     report, _ = sample_report(with_compiled=True)
     lines = format_table(report).splitlines()
