@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 from engine.diagnosis import diagnose
 from engine.errors import OptionsError
@@ -69,6 +72,29 @@ def sampling_from_args(args) -> SamplingParams:
     ).validate()
 
 
+EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C (SIGINT)
+
+
+@contextlib.contextmanager
+def ctrl_c_stops(cancel: threading.Event) -> Iterator[None]:
+    """While inside: the first Ctrl+C sets `cancel`, so the answer stops at the next step and what was made is still
+    printed (with --json, its figures too); a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may take signals
+        yield
+        return
+
+    def stop(_signum, _frame) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_generate(args) -> int:
     from app.engines import load_engine
 
@@ -101,9 +127,9 @@ def run_generate(args) -> int:
                 sys.stdout.flush()
 
         recorder = Recorder(on_event) if args.telemetry_out is not None else None
-        result = engine.generate(
-            messages, sampling, on_event=recorder or on_event, cancel=threading.Event(), raw=args.raw
-        )
+        cancel = threading.Event()
+        with ctrl_c_stops(cancel):
+            result = engine.generate(messages, sampling, on_event=recorder or on_event, cancel=cancel, raw=args.raw)
         if args.json:
             out = result.to_dict()
             out["model"] = engine.info.to_dict()
@@ -124,4 +150,7 @@ def run_generate(args) -> int:
             save(recorder.finish(result, label, engine.info.to_dict(), describe_machine()), args.telemetry_out)
     finally:
         engine.close()
+    if cancel.is_set():
+        print("gapless: interrupted: the answer stopped where it was", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0

@@ -273,3 +273,37 @@ def test_a_file_name_that_is_not_utf8_is_named_in_the_error_not_a_traceback(tmp_
     err = r.stderr.decode("utf-8")
     assert r.returncode == 2 and "Traceback" not in err and "internal error" not in err
     assert "cannot read the telemetry file" in err and "rec\\udcff.json" in err
+
+
+def test_ctrl_c_stops_the_answer_and_prints_what_was_made(tiny_llama, monkeypatch, capsys):
+    """Ctrl+C during `generate --json` printed nothing but "interrupted": the tokens made and their figures were
+    lost (and with --telemetry-out, the telemetry)."""
+    import os
+    import signal
+
+    from app.cli import main
+    from engine.engine import Engine
+    from engine.types import TextDelta
+
+    real = Engine.generate
+    deltas = []
+
+    def ctrl_c_after_two_tokens(self, messages, sampling, on_event=None, **kwargs):
+        def watch(event):
+            if isinstance(event, TextDelta):
+                deltas.append(event)
+                if len(deltas) == 2:
+                    os.kill(os.getpid(), signal.SIGINT)
+            on_event(event)
+
+        return real(self, messages, sampling, on_event=watch, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", ctrl_c_after_two_tokens)
+    argv = ["generate", "--model", str(tiny_llama), "--prompt", "hello", "--device", "cpu", "--max-new-tokens", "50"]
+    code = main([*argv, "--json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert code == 130 and doc["finish_reasons"] == ["cancelled"] and 2 <= len(doc["token_ids"][0]) < 50
+    assert doc["metrics"]["new_tokens_total"] == len(doc["token_ids"][0])
+    assert "interrupted" in err and "Traceback" not in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl+C interrupts again after it
