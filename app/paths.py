@@ -36,10 +36,12 @@ class AppPaths:
         return paths
 
     def ensure(self) -> "AppPaths":
-        """The four folders made where missing; OutputPathError where one cannot be (a file in the way, no rights)."""
+        """The data and config folders made where missing; OutputPathError where one cannot be (a file in the way, no
+        rights). The logs and the cache are not needed to run: where they cannot be made, the log file is left out
+        (app.logs) and what the cache would keep is made again each time (engine.paths)."""
         from engine.errors import OutputPathError
 
-        for p in (self.data, self.config, self.logs, self.cache):
+        for p in (self.data, self.config):
             try:
                 p.mkdir(parents=True, exist_ok=True)
             except OSError as exc:

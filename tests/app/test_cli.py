@@ -225,6 +225,17 @@ def test_a_data_folder_that_cannot_be_one_is_one_line(tmp_path):
     _one_line_error(gapless("--data-dir", "", "chats", "list"), "--data-dir: empty")
 
 
+def test_chats_need_no_log_folder_nor_cache(tmp_path):
+    """An unwritable cache (or logs) folder stopped `gapless chats` and the app with "cannot use ... as a folder of
+    the app's", though neither keeps anything there."""
+    (tmp_path / "logs").write_text("a file where the logs folder would be")
+    r = gapless(
+        "--data-dir", str(tmp_path), "chats", "list", extra_env={"GAPLESS_CACHE_DIR": str(tmp_path / "logs" / "cache")}
+    )
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    assert "gapless: error" not in r.stderr and (tmp_path / "data" / "chats.sqlite3").is_file()
+
+
 def test_every_figure_in_the_json_names_its_source_or_why_it_is_na(tiny_llama):
     """The project's rule for every number shown, held by the JSON of a local answer: each registered figure is a
     number whose source is under metrics.sources, or null with its reason under metrics.unavailable."""
