@@ -151,6 +151,7 @@ class SettingsStore:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.unknown: dict[str, Any] = {}  # keys of the file this version does not know (a newer one's)
+        self.unknown_options: dict[str, dict[str, Any]] = {}  # the same inside engine_options and sampling
         self._seen: Optional[dict[str, Any]] = None  # the settings as this window last read or wrote them
         self._fell_back: set[str] = set()  # fields the last load could not use (written at the next save)
 
@@ -158,7 +159,7 @@ class SettingsStore:
         """The saved settings (defaults where missing or invalid) and notices for the user."""
         self._fell_back = set()
         settings, notices = self._load()
-        seen = settings.to_dict()
+        seen = self._with_unknown_options(settings.to_dict())
         for name in self._fell_back:  # their defaults count as changes: the next save writes them
             seen.pop(name, None)
         self._seen = seen
@@ -240,9 +241,16 @@ class SettingsStore:
             ("engine_options", EngineOptions, _default_options, "optimization settings"),
             ("sampling", SamplingParams, _default_sampling, "sampling parameters"),
         )
+        self.unknown_options = {}
         for name, kind, default, what in nested:
+            saved = getattr(s, name)
+            known = {f.name for f in fields(kind)}
+            extra = {k: v for k, v in saved.items() if k not in known}
+            if extra:  # a newer version's options: the rest are used, and these written back as they are
+                log.warning("settings file %s: keeping unknown %s %s", self.path, what, ", ".join(sorted(extra)))
+                self.unknown_options[name] = extra
             try:
-                value = kind.from_dict(getattr(s, name))
+                value = kind.from_dict({k: v for k, v in saved.items() if k in known})
                 if isinstance(value, EngineOptions) and server_decides(
                     value
                 ):  # a remote answer's, not a choice this machine runs
@@ -286,7 +294,7 @@ class SettingsStore:
 
     def save(self, settings: Settings) -> None:
         """Write atomically: a crash or a full disk leaves either the old file or the new one, never half."""
-        mine = settings.to_dict()
+        mine = self._with_unknown_options(settings.to_dict())
         doc = {**self.unknown, **mine}
         on_disk = self._current() if self._seen is not None else None
         if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
@@ -302,6 +310,13 @@ class SettingsStore:
         except ValueError as exc:  # NaN, or text that is not valid Unicode
             raise SettingsError(f"cannot save the settings to {self.path}: {exc}") from exc
         self._seen = mine
+
+    def _with_unknown_options(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """The settings as written: a newer version's options kept beside this version's (which win)."""
+        for name, extra in self.unknown_options.items():
+            if isinstance(doc.get(name), dict):
+                doc[name] = {**extra, **doc[name]}
+        return doc
 
     def _current(self) -> Optional[dict[str, Any]]:
         """The file as it is now, where it reads as a settings object of this version (else None: this window's

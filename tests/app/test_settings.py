@@ -281,3 +281,31 @@ def test_a_remote_answer_s_device_is_not_a_setting(path):
     s, notices = SettingsStore(path).load()
     assert s.theme == "dark" and s.engine_options == EngineOptions().to_dict()
     assert len(notices) == 1 and "device must be one of auto, cpu, cuda, got 'remote'" in notices[0]
+
+
+def test_a_newer_version_s_options_are_kept_beside_the_ones_in_use(path):
+    """One option this version does not know (written by a newer Gapless) reset every saved optimization and
+    sampling setting, and the next save wrote the defaults over them: going back a version lost the user's
+    choices."""
+    path.parent.mkdir(parents=True)
+    saved = {
+        "theme": "dark",
+        "engine_options": {"kv_cache": "none", "dtype": "bf16", "future_option": "on"},
+        "sampling": {"temperature": 0.3, "future_sampler": 2},
+    }
+    path.write_text(json.dumps(saved))
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert notices == []
+    assert s.options() == EngineOptions(kv_cache="none", dtype="bf16") and s.sampling["temperature"] == 0.3
+    s.theme = "light"
+    store.save(s)  # a change elsewhere leaves the options as they were written
+    on_disk = json.loads(path.read_text())
+    assert on_disk["engine_options"]["future_option"] == "on" and on_disk["engine_options"]["dtype"] == "bf16"
+    assert on_disk["sampling"]["future_sampler"] == 2
+    s.engine_options = EngineOptions(kv_cache="static", dtype="bf16").to_dict()
+    store.save(s)  # a changed option is written with the newer version's kept beside it
+    on_disk = json.loads(path.read_text())
+    assert on_disk["engine_options"]["kv_cache"] == "static" and on_disk["engine_options"]["future_option"] == "on"
+    again, _ = SettingsStore(path).load()
+    assert again.options() == EngineOptions(kv_cache="static", dtype="bf16")
