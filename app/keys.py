@@ -84,7 +84,7 @@ class KeyStore:
             data = json.loads(self.file.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             log.warning("API key file %s unreadable: %s", self.file, type(exc).__name__)
             return {}
         return (

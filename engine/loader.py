@@ -578,7 +578,7 @@ def _tokenizer_wants_remote_code(folder: Path) -> bool:
     path = folder / "tokenizer_config.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and bool(data.get("auto_map"))
 
@@ -593,7 +593,7 @@ def _eos_ids(
         try:
             data = json.loads(gen.read_text(encoding="utf-8"))
             found.append(data.get("eos_token_id") if isinstance(data, dict) else None)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             log.warning("%s: ignoring unreadable generation_config.json: %s", gen.parent.name, exc)
     found.append(getattr(tokenizer, "eos_token_id", None))
     ids: list[int] = []
@@ -633,6 +633,8 @@ def _read_json(path: Path, label: str) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{label}: {path.name} is not valid JSON: {one_line(exc)}") from exc
+    except RecursionError:
+        raise ModelLoadError(f"{label}: {path.name} is nested too deeply to read") from None
 
 
 def _read_head(path: Path) -> bytes:

@@ -111,6 +111,24 @@ def _remote_code_folder(tiny_llama: Path, dest: Path, marker: Path, model_type: 
     return folder
 
 
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("config.json", "config.json is nested too deeply to read"),
+        ("tokenizer_config.json", "the tokenizer could not be loaded: maximum recursion depth exceeded"),
+        ("generation_config.json", None),  # only read for more end-of-answer ids: the model loads without them
+    ],
+)
+def test_a_model_folder_s_json_nested_too_deeply_is_named(tiny_llama, tmp_path, name, said):
+    """A config nested past Python's recursion limit ended the load in "internal error: RecursionError"."""
+    folder = shutil.copytree(tiny_llama, tmp_path / "nested")
+    (folder / name).write_text("[" * 100_000 + "]" * 100_000)
+    if said is None:
+        assert load_checkpoint(str(folder)).config.model_type == "llama"
+    else:
+        _refused(ModelLoadError, folder, said)
+
+
 def test_folder_asking_for_remote_code(tiny_llama, tmp_path, marker):
     folder = _remote_code_folder(tiny_llama, tmp_path / "remote", marker, model_type="evil")
     message = _refused(UnsafeModelError, folder, "remote code")

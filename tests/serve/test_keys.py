@@ -6,6 +6,8 @@ import stat
 import sys
 import types
 
+import pytest
+
 from app.keys import SERVICE, KeyStore
 
 
@@ -25,9 +27,11 @@ def test_the_file_store_is_owner_only_and_round_trips(tmp_path, caplog):
     assert "readable by its owner only" in store.where
 
 
-def test_a_corrupt_key_file_reads_as_empty(tmp_path):
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000 + "]" * 100_000], ids=["not json", "nested"])
+def test_a_corrupt_key_file_reads_as_empty(tmp_path, text):
+    """A file nested past Python's recursion limit ended the remote model's opening in an internal error."""
     store = KeyStore(tmp_path, use_keyring=False)
-    store.file.write_text("{not json")
+    store.file.write_text(text)
     assert store.get("http://h/v1") is None
     store.set("http://h/v1", "k")
     assert store.get("http://h/v1") == "k"
