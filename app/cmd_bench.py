@@ -336,7 +336,8 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
     config = ConversationConfig(
         model=args.model, device=args.device, turns=args.turns, max_new_tokens=args.max_new_tokens, repeats=args.repeats
     )
-    return _report(args, run_conversation, config, format_conversation)
+    _report(args, run_conversation, config, format_conversation)
+    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -363,8 +364,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if spec is not None:
         from engine.bench_spec import format_workloads, run_speculation_workloads
 
-        return _report(args, run_speculation_workloads, spec, format_workloads)
-    return _report(args, run_suite, config_from_args(args), format_table)
+        _report(args, run_speculation_workloads, spec, format_workloads)
+        return 0
+    report = _report(args, run_suite, config_from_args(args), format_table)
+    if not any(r["status"] == "ok" for r in report["rungs"]):  # a script must not read the table as a measurement
+        print("gapless: error: no rung ran (each one's reason is in the table above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_quality_bench(args: argparse.Namespace) -> int:
@@ -374,15 +380,17 @@ def run_quality_bench(args: argparse.Namespace) -> int:
     if tokens > QUALITY_DECODE_TOKENS:
         raise OptionsError(f"with --quality, --max-new-tokens is at most {QUALITY_DECODE_TOKENS}, got {tokens}")
     config = QualityConfig(model=args.model, device=args.device, decode_tokens=tokens, repeats=args.repeats)
-    return _report(args, run_quality, config, format_quality_table)
+    _report(args, run_quality, config, format_quality_table)
+    return 0
 
 
-def _report(args: argparse.Namespace, run: Callable[..., Any], config: Any, table: Callable[[Any], str]) -> int:
-    """Run one benchmark with its progress on stderr, print its table, and write its JSON where --json says."""
+def _report(args: argparse.Namespace, run: Callable[..., Any], config: Any, table: Callable[[Any], str]) -> Any:
+    """Run one benchmark with its progress on stderr, print its table, and write its JSON where --json says; the
+    report."""
     report = run(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
     if args.json is not None:  # first: a closed pipe on stdout (| head) must not lose what the run measured
         write_json(args.json, report)
     print(table(report))
     if args.json is not None:
         print(f"\nwritten: {args.json}")
-    return 0
+    return report

@@ -423,6 +423,18 @@ def test_cuda_on_a_machine_without_it_is_refused_before_any_model_loads(monkeypa
             check_flags(build_parser().parse_args(["bench", *kind, "--device", "cuda"]))
 
 
+def test_a_bench_where_no_rung_ran_exits_1_after_its_table_and_json(tiny_llama, tmp_path, capsys):
+    """--presets cuda-graph on a CPU skipped every rung and still exited 0: a script took the table as measured."""
+    from app.cmd_bench import run_bench
+
+    path = tmp_path / "bench.json"
+    assert run_bench(bench_args(tiny_llama, path, presets="cuda-graph", repeats=1)) == 1
+    [graph] = json.loads(path.read_text(encoding="utf-8"))["rungs"]
+    assert graph["status"] == "skipped"
+    out, err = capsys.readouterr()
+    assert "skipped (1)" in out and "no rung ran (each one's reason is in the table above)" in err
+
+
 def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path, capsys):
     from app.cmd_bench import run_bench
 
