@@ -129,10 +129,6 @@ def options_text(o: Optional[dict[str, Any]]) -> str:
     return describe_options(o, sep=", ")
 
 
-def _first(rows: list[dict[str, Any]], key: str) -> Optional[str]:
-    return next((r["median"].get(key) for r in rows if r.get("median", {}).get(key)), None)
-
-
 def format_table(report: dict[str, Any]) -> str:
     """A Markdown table of the rungs and baselines, with notes that name every figure's source."""
     rungs, baselines = report["rungs"], report["baselines"]
@@ -264,9 +260,15 @@ def format_table(report: dict[str, Any]) -> str:
         )
     ]
     for name, metric, source in sources:
-        src = _first(everything, source)
-        if src:
-            out.append(f"{name}: {src}.")
+        said: dict[str, list[str]] = {}  # each source the rows named, with the rows that named it
+        for r in everything:
+            src = (r.get("median") or {}).get(source)
+            if src:
+                said.setdefault(src, []).append(r["label"])
+        if len(said) == 1:
+            out.append(f"{name}: {next(iter(said))}.")
+        elif said:  # measured differently in different rungs (e.g. eager and inside a CUDA graph)
+            out.append(f"{name}: " + "; ".join(f"{', '.join(ls)}: {src}" for src, ls in said.items()) + ".")
         else:
             whys: dict[str, list[str]] = {}  # each reason the rungs gave, with the rungs that gave it
             for r in everything:

@@ -240,6 +240,19 @@ def test_the_table_names_a_source_only_a_baseline_gave():
     assert "Peak memory: torch.cuda.max_memory_allocated." in format_table(report)
 
 
+def test_the_table_names_each_source_its_rungs_measured_a_figure_with():
+    """The notes named the first rung's source for every rung: a gap measured inside a CUDA graph was credited to
+    the eager rungs' profiler."""
+    report, _ = sample_report()
+    for r in report["rungs"][-2:]:
+        if r["median"].get("kernel_gap_source"):
+            r["median"]["kernel_gap_source"] = "graph replay"
+    table = format_table(report)
+    first = report["rungs"][0]
+    line = next(x for x in table.splitlines() if x.startswith("Kernel / op gap:"))
+    assert f"{first['label']}" in line and ": graph replay" in line and "torch.profiler CPU ops" in line
+
+
 def test_table_rows_figures_and_notes():
     report, _ = sample_report()
     table = format_table(report)
