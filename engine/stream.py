@@ -38,16 +38,19 @@ class RowText:
             start = max(0, self.emitted - self.hold)
             cut = _find_stop(self.text, self.stop, start=start)
             if cut is not None:
-                # Tokens arrive in chunks with device sampling: keep only those up to the one that completed the
-                # stop string, so the token count and ids match the answer that was cut there.
+                # Tokens arrive in chunks with device sampling and speculation: keep only those up to the one that
+                # completed a stop string, and cut the text where that token's text holds one, so the answer is the
+                # one a token-by-token read gives (a longer stop string that starts earlier and completes in a later
+                # token of the chunk does not move the cut back).
+                text = self.text
                 for n in range(before + 1, len(ids) + 1):
-                    if (
-                        _find_stop(self.tokenizer.decode(ids[:n], skip_special_tokens=True), self.stop, start)
-                        is not None
-                    ):
+                    text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+                    first = _find_stop(text, self.stop, start)
+                    if first is not None:
                         del self.tokens[n:]
+                        cut = first
                         break
-                self.text = self.text[:cut]
+                self.text = text[:cut]
                 self.finish = "stop"
 
     @property

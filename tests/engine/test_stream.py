@@ -47,6 +47,27 @@ def test_a_stop_string_inside_a_chunk_keeps_only_the_tokens_up_to_it():
     assert each.tokens == one.tokens and each.text == one.text
 
 
+def test_a_chunk_cuts_where_the_first_completed_stop_string_is_not_at_an_earlier_starting_one():
+    """Stop strings where the longer one starts earlier but completes later: read token by token, the shorter one
+    ends the answer first; read in one chunk (device sampling, an accepted draft), the answer is the same."""
+    from tiny_models import make_tokenizer
+
+    from engine.stream import RowText
+
+    tok = make_tokenizer()
+    ids = tok("the quick brown fox jumps over the lazy dog", add_special_tokens=False)["input_ids"]
+    stops = ("quick brown fox jumps", "brown")
+    each = RowText(tok, set(), stops)
+    for t in ids:
+        each.feed([t])
+    assert each.finish == "stop" and each.text == "the quick "
+    one = RowText(tok, set(), stops)
+    one.feed(ids[:1])
+    one.feed(ids[1:])
+    assert one.finish == "stop"
+    assert (one.text, one.tokens) == (each.text, each.tokens)
+
+
 def byte_fallback_tokenizer():
     """A tokenizer that decodes as Llama-2's, Mistral's and Gemma's do: a character outside the vocabulary is its
     UTF-8 bytes, one token each, and an unfinished character decodes to one U+FFFD per byte so far."""
