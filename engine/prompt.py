@@ -100,8 +100,8 @@ def _fit_middle_or_rolling(
         why = one_line(exc)
     try:
         prompt = _fit(tokenizer, render, counts, msgs, budget, context, notices)
-    except GenerationError:
-        raise GenerationError(why) from None
+    except GenerationError:  # the fewest kept (the system prompt, the last message) do not fit: that is the why
+        raise
     prompt.notices.append(f"the first message could not be kept ({why}): the oldest messages were dropped instead")
     return prompt
 

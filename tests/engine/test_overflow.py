@@ -185,6 +185,21 @@ def test_truncate_middle_keeps_the_turns_alternating_for_templates_that_need_it(
         assert roles[:-1] == ["user", "assistant", "user"], (context, p.cut)
 
 
+def test_where_nothing_fits_truncate_middle_says_what_leaves_no_room():
+    """With a system prompt longer than the context and a template that wants the roles to alternate, the refusal
+    said "Conversation roles must alternate": the keeping of the first message failed first, but the rolling
+    window behind it failed for the real reason."""
+    t = make_tokenizer()
+    t.chat_template = ALTERNATING
+    words = "the quick brown fox jumps over lazy dog".split()
+    text = lambda n: " ".join(words[i % 8] for i in range(n))  # noqa: E731
+    msgs = [{"role": "system", "content": text(100)}, {"role": "user", "content": text(10)}]
+    msgs += [{"role": "assistant", "content": text(200)}, {"role": "user", "content": "and so?"}]
+    for overflow in ("truncate-middle", "rolling"):
+        with pytest.raises(GenerationError, match="leaving no room for the message in the 128-token context"):
+            build_prompt(t, msgs, 128, 16, overflow=overflow)
+
+
 def test_truncate_middle_falls_back_to_rolling_where_it_cannot_keep_the_first_message(tok):
     """Two cases where keeping the first message cannot work: a template that wants the roles to alternate when the
     fewest cut must drop the first answer (the render failed, and every answer with it), and a first message longer
