@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from engine import figures
 from engine.types import MonitorSample
 
 log = logging.getLogger(__name__)
@@ -423,7 +424,15 @@ class Monitor:
             if ret != nvml.NVML_SUCCESS:
                 self.unavailable[m] = f"GPM metric failed: {_error_text(nvml, ret)}"
                 continue
-            values[m] = float(req.metrics[i].value)
+            value = float(req.metrics[i].value)
+            # A reading no share can be (NaN, below 0, SM activity above 100 % as on some MIG slices) is not
+            # shown, nor averaged into the answer's figure: the counter is not trusted for the rest of the run.
+            problem = figures.value_problem(figures.spec(m), value)
+            if problem:
+                self.unavailable[m] = f"NVML GPM's reading {problem}"
+                log.warning("monitor: GPM %s %s; n/a from now on", m, problem)
+                continue
+            values[m] = value
             sources[m] = SOURCES[m]
         self._gpm_samples = [cur, prev]
         self._gpm_prev_t = t

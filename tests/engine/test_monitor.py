@@ -280,6 +280,33 @@ def test_gpm_per_metric_error_marks_only_that_metric():
     assert m.sample_once().sm_occupancy_pct == 6.25
 
 
+@pytest.mark.parametrize(
+    "reading, why",
+    [(float("nan"), "is nan, not a count or a time"), (103.7, "more than all of it"), (-2.0, "is -2.0, not a count")],
+)
+def test_a_gpm_reading_no_share_can_be_is_na_with_what_it_was(reading, why):
+    """SM activity above 100 % (as GPM reports on some MIG slices) or NaN was shown and kept with the answer, whose
+    figures then read back as damaged (and NaN would not save as JSON)."""
+    clock = StepClock()
+    nvml = FakeNVML()
+    nvml.gpm_values[pynvml.NVML_GPM_METRIC_SM_UTIL] = reading
+    nvml.gpm_values[pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL] = 130.0  # an over-100 bandwidth share is a possible one
+    m = primed(nvml, clock)
+    t0 = clock.t
+    for _ in range(2):
+        clock.t += 0.2
+        with m._lock:
+            m._history.append(m.sample_once())
+    s = m.history()[-1]
+    assert s.sm_activity_pct is None and "sm_activity_pct" not in s.sources
+    assert s.sm_occupancy_pct == 6.25 and s.dram_bw_util_pct == 130.0
+    assert (
+        m.unavailable["sm_activity_pct"].startswith("NVML GPM's reading ") and why in m.unavailable["sm_activity_pct"]
+    )
+    value, reason = m.summary(t0, clock.t)["sm_activity_pct"]
+    assert value is None and reason == m.unavailable["sm_activity_pct"]
+
+
 def test_thread_drain_and_summary_with_fake_nvml():
     m = Monitor(CUDA, interval_s=0.01, nvml=FakeNVML(gpm=False))
     t0 = time.perf_counter()
