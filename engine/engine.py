@@ -668,9 +668,12 @@ class Engine:
         compile_s: Optional[float] = None  # the compile / capture warm-up of this generation
         runner.sampler.set_params(sampling)
         if opts.kernels == "fused":
+            t_compile = time.perf_counter()
             with preserved(runner):  # its warm-up writes the first positions too
                 runner, failed = self._warm_fused(runner, opts, sampling, len(prompt_ids), max_new, on_event)
-            if failed is not None:
+            if failed is None:  # the kernels' first launches compile them; with graphs on, the step is captured
+                compile_s = time.perf_counter() - t_compile
+            else:
                 reasons["kernels"] = failed
                 notices.append(
                     "the fused kernels failed to compile or run, so this generation ran on the torch kernels "

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from engine import figures  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import OptionsError  # noqa: E402
 from engine.kernels import INTERPRET_ENV, interpreting, launch  # noqa: E402
@@ -60,6 +61,21 @@ def test_fused_implies_the_static_cache_and_replaces_compile(qwen2_engine):
     assert (eff.kernels, eff.kv_cache, eff.compile) == ("fused", "static", False)
     assert "static KV cache" in reasons["kv_cache"]
     assert reasons["compile"] == "the fused kernels replace the compiled decode step"
+
+
+def test_the_fused_kernels_warm_up_is_the_answer_s_compile_figure(tiny_factory):
+    """The fused step's warm-up (its kernels' first launches, and its capture with graphs on) was left out of the
+    compile figure, which read n/a as "compile and CUDA graph off: nothing is compiled or captured"."""
+    eng = Engine.load(str(tiny_factory("qwen2")), TORCH)
+    try:
+        m = run(eng, FUSED).metrics
+        assert m.compile_seconds is not None and m.compile_seconds > 0
+        assert "compile_seconds" not in m.unavailable
+        assert m.figure("compile_seconds").source == figures.spec("compile_seconds").source
+        eager = run(eng, TORCH).metrics  # the torch kernels, eager: nothing compiled, and said so
+        assert eager.compile_seconds is None and "nothing is compiled" in eager.unavailable["compile_seconds"]
+    finally:
+        eng.close()
 
 
 def test_without_the_interpreter_fused_is_unavailable_on_the_cpu_and_the_answer_still_comes(qwen2_engine, monkeypatch):
