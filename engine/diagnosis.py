@@ -141,7 +141,9 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
     evidence.append(ev("kernel_gap_pct", f"gap {_pct(gap)}"))
     if launches is not None:
         evidence.append(ev("launches_per_step", f"{launches:,.0f} {unit} a step"))
-    count = f"{launches:,.0f} {unit} a token, " if launches is not None else ""
+    # per token where a step makes one; candidates make one each a step, speculation several
+    per = "a token" if candidates == 1 and not speculating else "a step"
+    count = f"{launches:,.0f} {unit} {per}, " if launches is not None else ""
 
     if cuda and sampling == "host" and gap >= HOST_SYNC_GAP_PCT:
         evidence.append("sampling on the host: .item() every token")

@@ -83,6 +83,17 @@ def test_the_captured_step_with_its_kernel_count():
     assert "DRAM bandwidth: not measured" in d.missing and "SM activity: not measured" in d.missing
 
 
+@pytest.mark.parametrize("more", [{"candidates": 4}, {"speculation": "ngram"}])
+def test_a_step_that_makes_several_tokens_counts_its_kernels_a_step(more):
+    """With candidates (a token each a step) or speculation (several a step), the claim read "348 kernels a token"
+    from the launches-per-step figure."""
+    metrics = {"kernel_gap_pct": 22.0, "kernel_gap_source": "trace", "launches_per_step": 348.0}
+    options = preset_options("cuda-graph", EngineOptions(device="cuda")).with_(**more).to_dict()
+    d = diagnose(metrics, options)
+    assert d.verdict == "launch-bound" and "348 kernels a step, the GPU idle 22 %" in d.line
+    assert "a token" not in d.line
+
+
 @pytest.mark.parametrize(
     "name, step",
     [
