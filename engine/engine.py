@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
-from engine import cpu_kernels, heap
+from engine import cpu_kernels, figures, heap
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
 from engine.errors import GaplessError, GenerationError, ModelLoadError, one_line
-from engine.generate import LoopResult, run_loop
+from engine.generate import NOT_REMOTE, LoopResult, run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver, reader_for
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
@@ -753,14 +753,12 @@ class Engine:
             window.discard()
             self._prefix.remember_read(runner, list(prompt_ids[: exc.done]))
             exc.reused = plan.start
+            exc.compile_seconds = compile_s
             return _Attempt(opts, stopped=exc, reasons=reasons, notices=notices)
         except BaseException:
             window.discard()  # a profiler left running would record every later op and block every later window
             raise
-        if compile_s is not None:
-            loop.metrics.put("compile_seconds", compile_s)
-        else:
-            loop.metrics.mark_na("compile_seconds", "compile and CUDA graph off: nothing is compiled or captured")
+        _put_compile(loop.metrics, compile_s)
         # The answer's tokens whose keys and values the cache holds: one a step, or, speculating, every token a
         # verify step fed and accepted (host_pos is the position of the next token to feed).
         fed = (
@@ -871,8 +869,12 @@ class Engine:
         )
         m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
         m.put("prompt_computed_tokens", exc.done - exc.reused)
-        for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
-            m.mark_na(name, "stopped before the first token")
+        _put_compile(m, exc.compile_seconds)
+        for key in figures.REMOTE_ONLY:
+            m.mark_na(key, NOT_REMOTE)
+        for f in figures.GENERATION_FIGURES:  # every other figure of a token or a step: there was none
+            if getattr(m, f.key) is None and f.key not in m.unavailable:
+                m.mark_na(f.key, "stopped before the first token")
         return GenerationResult(
             texts=[""] * n,
             token_ids=[[] for _ in range(n)],
@@ -920,6 +922,14 @@ class Engine:
             heap.release()  # cycles among what was frozen with the model (compiled steps hold some) go now
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _put_compile(metrics: GenerationMetrics, seconds: Optional[float]) -> None:
+    """The compile figure of a generation: its compile / capture warm-up, or why there was none."""
+    if seconds is not None:
+        metrics.put("compile_seconds", seconds)
+    else:
+        metrics.mark_na("compile_seconds", "compile and CUDA graph off: nothing is compiled or captured")
 
 
 def _compile_cache():

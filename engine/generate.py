@@ -26,6 +26,8 @@ from engine.types import GenerationMetrics
 
 log = logging.getLogger(__name__)
 
+NOT_REMOTE = "a local model: measured only on a remote server's answers"  # why the REMOTE_ONLY figures are n/a
+
 
 @dataclass
 class LoopResult:
@@ -95,7 +97,7 @@ def _metrics(run: LoopState) -> GenerationMetrics:
     rows, steps = run.rows, run.step
     metrics = GenerationMetrics(prompt_tokens=int(run.prompt.numel()))
     for key in figures.REMOTE_ONLY:
-        metrics.mark_na(key, "a local model: measured only on a remote server's answers")
+        metrics.mark_na(key, NOT_REMOTE)
     metrics.new_tokens = [len(r.tokens) for r in rows]
     metrics.new_tokens_total = sum(metrics.new_tokens)
     prefill_s = run.t_first - run.t_start

@@ -38,6 +38,9 @@ class PrefillCancelled(GaplessError):
         super().__init__(f"stopped while reading the conversation ({done:,} of {total:,} tokens read)")
         self.done, self.total = done, total
         self.reused = 0  # of the positions read, those that came from the cache (set by the engine)
+        self.compile_seconds: Optional[float] = (
+            None  # the warm-up before the prefill, where one ran (set by the engine)
+        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import pytest
 import torch.nn.functional as F
 
 import engine.engine as engine_module
+from engine import figures
 from engine.engine import Engine
 from engine.prefix import PREFILL_CHUNK
 from engine.types import EngineOptions, Progress, SamplingParams
@@ -109,3 +110,28 @@ def test_a_stop_between_chunks_ends_before_any_token_and_keeps_what_was_read(lon
     finally:
         eng.close()
         ref.close()
+
+
+def test_a_stop_while_reading_gives_every_figure_it_has_not_a_reason(long_model):
+    """Only TTFT, prefill and decode tok/s of an answer stopped while its prompt was read said why they were n/a; the
+    step times, the gap, the GPU figures, the compile figure and the rest were null with no reason (in the JSON,
+    the stored answer and the HUD)."""
+    eng = load(long_model())
+    try:
+        cancel = threading.Event()
+
+        def on_event(e):
+            if isinstance(e, Progress) and e.stage == "prefill":
+                cancel.set()
+
+        r = eng.generate([{"role": "user", "content": LONG}], GREEDY, on_event=on_event, cancel=cancel)
+        assert r.finish_reasons == ["cancelled"]
+        m = r.metrics
+        for f in figures.GENERATION_FIGURES:
+            fig = m.figure(f.key)
+            assert fig.available or fig.reason, f"{f.key} is n/a with no reason"
+        assert m.unavailable["step_ms_p50"] == "stopped before the first token"
+        assert m.unavailable["compile_seconds"] == "compile and CUDA graph off: nothing is compiled or captured"
+        assert m.unavailable["http_ttft_ms"] == "a local model: measured only on a remote server's answers"
+    finally:
+        eng.close()
