@@ -255,9 +255,10 @@ class MessageWidget(QFrame):
                 (edit if edit is not None and edit.isVisible() else self.more_button).setFocus()
 
     def _submit_edit(self, text: str) -> None:
+        """The editor stays open until the edit is stored (the conversation is then shown again from this
+        message on, in a new widget): an edit the store refuses (a locked or full disk) keeps its text."""
         if not text.strip() or self._busy or not self._can_answer:
             return
-        self.cancel_edit()
         self.editSubmitted.emit(self.item.id, text)
 
     def set_colors(self, colors: Colors) -> None:

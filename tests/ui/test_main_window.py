@@ -71,6 +71,36 @@ def test_a_send_the_store_refuses_keeps_the_draft(qtbot, app):
     assert w.composer.text() == ""
 
 
+def test_an_edit_the_store_refuses_keeps_its_text(qtbot, app):
+    """The editor closed as Send was pressed: where the store then refused the edit, its text was gone."""
+    from app.store import StoreError
+
+    w = app.window
+    errors = []
+    w.flow.failed.connect(errors.append)
+    send(qtbot, app, "hello world")
+    question = w.chat_view.messages()[0]
+    question.start_edit()
+    question.editor_text.setPlainText("an edit I typed with care")
+
+    def locked(*a, **k):
+        raise StoreError("database is locked")
+
+    real = app.store.add_message
+    app.store.add_message = locked
+    try:
+        question._edit_send.click()
+        assert errors == ["database is locked"] and not w.flow.generating
+        assert question._editor is not None and question.editor_text.toPlainText() == "an edit I typed with care"
+    finally:
+        app.store.add_message = real
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        question._edit_send.click()  # once the store takes it, the conversation shows the new branch
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    shown = w.chat_view.messages()[0]
+    assert shown.body.text == "an edit I typed with care" and shown._editor is None and shown.body.isVisible()
+
+
 def test_reply_streams_into_view_and_database(qtbot, app):
     w, store = app.window, app.store
     batches = []
