@@ -20,6 +20,7 @@ from PySide6.QtGui import (
     QHelpEvent,
     QImage,
     QSyntaxHighlighter,
+    QTextBlock,
     QTextCharFormat,
     QTextCursor,
     QTextDocument,
@@ -346,7 +347,10 @@ class ProseView(QTextBrowser):
         if _TABLE_ROW.findall(text)[TABLE_ROWS_DRAWN:]:  # Qt lays a table out cell by cell: 1,000 rows took 4.9 s
             self.document().setPlainText(text)
         else:
-            self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
+            broken = hard_breaks(text)
+            self.document().setMarkdown(broken, MARKDOWN_FEATURES)
+            if broken != text:
+                join_item_lines(self.document(), text)
             images_as_text(self.document())
 
     def _wrap_for(self, text: str) -> None:
@@ -413,6 +417,48 @@ class ProseView(QTextBrowser):
         h = int(self.document().size().height()) + 2 * self.frameWidth()
         if h != self.height():
             self.setFixedHeight(max(h, 1))
+
+
+def join_item_lines(document: QTextDocument, text: str) -> None:
+    """Qt makes each hard line break of markdown a new block, and a new block in a list is a new item: the second
+    line of "1. step" became item 2, and every item after it was numbered one too high. The lines of one item
+    (`document` is `text` with hard_breaks) go back into one block, each break a line separator. Found against
+    `text` read without the breaks, whose items are the real ones; where the two do not line up, it is left as is."""
+    broken = [b for b in _blocks(document) if b.textList() is not None]
+    if not broken:
+        return
+    plain = QTextDocument()
+    plain.setMarkdown(text, MARKDOWN_FEATURES)
+    items = [b.text() for b in _blocks(plain) if b.textList() is not None]
+    joins = []  # the blocks that continue the item before them
+    at = 0
+    for item in items:
+        if at >= len(broken) or not item.startswith(broken[at].text()):
+            return
+        line = broken[at].text()
+        at += 1
+        while line != item and at < len(broken) and item.startswith(f"{line} {broken[at].text()}"):
+            line = f"{line} {broken[at].text()}"
+            joins.append(broken[at])
+            at += 1
+        if line != item:
+            return
+    if at != len(broken):
+        return
+    cursor = QTextCursor(document)
+    for block in reversed(joins):  # from the end, so the positions before stay valid
+        cursor.setPosition(block.position())
+        cursor.deletePreviousChar()
+        cursor.insertText("\u2028")
+
+
+def _blocks(document: QTextDocument) -> list[QTextBlock]:
+    out = []
+    block = document.begin()
+    while block.isValid():
+        out.append(block)
+        block = block.next()
+    return out
 
 
 IMAGE_TEXT = "[image: {}]"  # an answer's image, never loaded, shown by its alt text

@@ -312,6 +312,28 @@ def test_a_rendered_answer_keeps_its_line_breaks(qtbot):
     assert prose.source_text.startswith("Roses are red,\nviolets")  # what was written, for copying
 
 
+def test_a_list_item_of_two_lines_stays_one_item(qtbot):
+    """Each kept line break was a new block, and a new block in a list a new item: an item's second line was
+    numbered as an item of its own, and the items after it one too high ("2. Run it" showed as "3.")."""
+    view = SegmentsView(
+        "1. Install the package\n   with pip, not conda\n2. Run it\n\n- a bullet\n  wrapped by hand\n- next"
+    )
+    qtbot.addWidget(view)
+    doc = view._widgets[0].document()
+    items = []
+    block = doc.begin()
+    while block.isValid():
+        items.append((block.text(), block.textList().itemText(block)))
+        block = block.next()
+    assert items == [
+        ("Install the package\u2028with pip, not conda", "1."),
+        ("Run it", "2."),
+        ("a bullet\u2028wrapped by hand", items[2][1]),
+        ("next", items[2][1]),
+    ]
+    assert doc.toPlainText().startswith("Install the package\nwith pip, not conda\nRun it")  # the line still breaks
+
+
 @pytest.mark.parametrize(
     "send_with, key, mods, sends",
     [
