@@ -200,14 +200,45 @@ def _figures_line(m: Message) -> str:
 _TURN_HEADING = re.compile(r"^( {0,3}#{1,6}[ \t]+#\d+ · )")
 
 
+# HTML blocks that run to a closing string, not to the next blank line (CommonMark's kinds 1 to 5): its opening, its end
+_HTML_BLOCKS = (
+    (
+        re.compile(r" {0,3}<(script|pre|style|textarea)(\s|>|$)", re.I),
+        re.compile(r"</(script|pre|style|textarea)>", re.I),
+    ),
+    (re.compile(r" {0,3}<!--"), re.compile(r"-->")),
+    (re.compile(r" {0,3}<\?"), re.compile(r"\?>")),
+    (re.compile(r" {0,3}<![A-Za-z]"), re.compile(r">")),
+    (re.compile(r" {0,3}<!\[CDATA\["), re.compile(r"\]\]>")),
+)
+
+
 def _as_exported(content: str) -> str:
     """A message's text as the Markdown file holds it: a code block it leaves open (an answer stopped inside one)
-    is closed, so it does not take every later turn into it, and a line that reads as this file's own turn
-    heading ("### #5 · User") is escaped, so an answer cannot make up a turn."""
+    is closed, so it does not take every later turn into it; an HTML block it leaves open ("<script>" or "<!--"
+    at the start of a line, never closed) is shown as text, for the same reason; and a line that reads as this
+    file's own turn heading ("### #5 · User") is escaped, so an answer cannot make up a turn."""
     fence = unclosed_fence(content)
     lines = (content + f"\n{fence}" if fence else content).split("\n")
     code = code_lines("\n".join(lines))
+    for i in _open_html_blocks(lines, code):
+        lines[i] = re.sub(r"^( {0,3})<", r"\1\\<", lines[i])
     return "\n".join(line if inside else _TURN_HEADING.sub(r"\\\1", line) for line, inside in zip(lines, code))
+
+
+def _open_html_blocks(lines: list[str], code: list[bool]) -> list[int]:
+    """The lines (outside code) that open an HTML block the text never closes."""
+    last_end = [max((j for j, line in enumerate(lines) if end.search(line)), default=-1) for _, end in _HTML_BLOCKS]
+    out, i = [], 0
+    while i < len(lines):
+        kind = next((k for k, (start, _) in enumerate(_HTML_BLOCKS) if start.match(lines[i])), None)
+        if kind is not None and not code[i]:
+            if last_end[kind] < i:
+                out.append(i)  # shown as text: the lines after it are read as they would be without it
+            else:
+                i = next(j for j in range(i, len(lines)) if _HTML_BLOCKS[kind][1].search(lines[j]))
+        i += 1
+    return out
 
 
 def _quote(text: str) -> str:

@@ -156,6 +156,20 @@ def test_markdown_closes_a_list_item_s_block_in_the_item_and_leaves_code_as_it_i
     assert "```md\n### #9 · User\n```" in md  # the code as written
 
 
+def test_markdown_shows_an_html_block_an_answer_leaves_open_as_text(store):
+    """A line that opens an HTML block running to a closing tag ("<script>", "<!--") never closed in the answer took
+    every later turn into that block: a Markdown reader showed none of them. A block closed in the answer, and
+    code, are left as written."""
+    chat = store.create_chat("demo")
+    q = store.add_message(chat.id, "user", "What does a script tag do?", None)
+    a = store.add_message(chat.id, "assistant", "It runs code:\n<script>\nand a note\n  <!-- unclosed", q.id)
+    q2 = store.add_message(chat.id, "user", "And a comment?", a.id)
+    store.add_message(chat.id, "assistant", "<!-- like this -->\n```html\n<script>\n```", q2.id)
+    md = export_markdown(store, chat.id)
+    assert "It runs code:\n\\<script>\nand a note\n  \\<!-- unclosed\n" in md
+    assert "<!-- like this -->\n```html\n<script>\n```" in md
+
+
 def test_markdown_says_why_a_figure_is_na(store):
     chat = store.create_chat("n/a", "", SamplingParams(temperature=0.0, max_new_tokens=4))
     u = store.add_message(chat.id, "user", "Hi", None)
