@@ -34,6 +34,9 @@ HEAD = "output"  # the head's module name in engine.model.Transformer
 INT4_INNER_K_TILES = 2  # the CPU int4 packing's tile parameter (2, 4 or 8; results are identical)
 # torch's packed int4 CPU layout takes outputs in multiples of this ("expect N to be dividable by 16")
 TORCH_INT4_ROWS = 16
+# torch's packed int8 CPU kernel sums inputs in steps of this many and checks nothing: with other counts it read
+# past the rows (wrong sums, NaN or a crash, torch 2.13)
+TORCH_INT8_INPUTS = 16
 # Linears whose CPU output may stay in the kernel's bf16: what reads it (the residual add, the head's .float())
 # promotes it to fp32 exactly as a cast would, so the cast back is one op a linear saved.
 KEEP_KERNEL_DTYPE = ("attention.wo", "feed_forward.w2", "output")
@@ -394,23 +397,26 @@ def why_not(fmt: str, shapes: dict[str, tuple[int, int]], device: torch.device) 
     """Why `fmt` cannot quantise linears of these (out, in) shapes on `device`, or None when it can."""
     if fmt == "native":
         return None
-    if device.type == "cpu" and cpu_kernels.kernel() is None:
+    packed = _torch_packs_int4(device)  # the own kernels absent: torch's packed kernels run
+    if packed:
         for f in dict.fromkeys((fmt, HEAD_FORMAT[fmt])):  # the layers' format, then the head's
             op = cpu_kernels.TORCH_CPU_OPS[f]
             if not has_op(op):
                 return f"this torch has no aten.{op} for the CPU"
-    if fmt == "int4":
-        packed = _torch_packs_int4(device)
-        for name, (out, inp) in shapes.items():
-            if name == HEAD and HEAD_FORMAT[fmt] != fmt:
-                continue  # the head is kept in its own format, which takes any shape
-            if inp % INT4_GROUP:
-                return f"int4 needs inputs in groups of {INT4_GROUP}; {name} is {out}x{inp}"
-            if packed and out % TORCH_INT4_ROWS:
-                return (
-                    f"torch's packed int4 CPU kernel (the own kernels are not built here) needs outputs in "
-                    f"multiples of {TORCH_INT4_ROWS}; {name} is {out}x{inp}"
-                )
+    for name, (out, inp) in shapes.items():
+        held = HEAD_FORMAT[fmt] if name == HEAD else fmt
+        if held == "int8" and packed and inp % TORCH_INT8_INPUTS:
+            return (
+                f"torch's packed int8 CPU kernel (the own kernels are not built here) needs inputs in multiples "
+                f"of {TORCH_INT8_INPUTS}; {name} is {out}x{inp}"
+            )
+        if held == "int4" and inp % INT4_GROUP:
+            return f"int4 needs inputs in groups of {INT4_GROUP}; {name} is {out}x{inp}"
+        if held == "int4" and packed and out % TORCH_INT4_ROWS:
+            return (
+                f"torch's packed int4 CPU kernel (the own kernels are not built here) needs outputs in "
+                f"multiples of {TORCH_INT4_ROWS}; {name} is {out}x{inp}"
+            )
     return None
 
 

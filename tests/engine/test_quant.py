@@ -610,3 +610,24 @@ def test_int4_shape_rules_name_the_linear_and_the_kernel(monkeypatch):
     why = why_not("int4", shapes, cpu)
     assert why is not None and why.endswith("needs outputs in multiples of 16; wqkv is 24x64")
     assert why_not("int4", {"wqkv": (32, 64), "output": (330, 64)}, cpu) is None
+
+
+def test_torchs_int8_kernel_is_not_given_inputs_it_cannot_sum(monkeypatch):
+    """Without the own kernels, int8 runs torch's packed kernel, which sums inputs 16 at a time and checks nothing:
+    an MLP of 40 gave wrong logits or crashed the process. Such a model keeps its native weights, saying why."""
+    import engine.cpu_kernels as cpu_kernels
+    from engine.quant import why_not
+
+    cpu = torch.device("cpu")
+    shapes = {"wqkv": (96, 64), "w2": (64, 40), "output": (330, 64)}
+    if cpu_kernels.kernel() is not None:  # the own kernel takes any input count
+        assert why_not("int8", shapes, cpu) is None
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
+    why = why_not("int8", shapes, cpu)
+    assert why is not None and why.endswith("needs inputs in multiples of 16; w2 is 64x40")
+    assert why_not("int8", {**shapes, "w2": (64, 48)}, cpu) is None
+    # int4 keeps its head in int8: the head's inputs too
+    assert why_not("int4", {"wqkv": (96, 64), "output": (330, 72)}, cpu) == (
+        "torch's packed int8 CPU kernel (the own kernels are not built here) needs inputs in multiples of 16; "
+        "output is 330x72"
+    )
