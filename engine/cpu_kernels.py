@@ -1,6 +1,7 @@
 """The engine's own CPU kernels (engine/cpu_kernels.c: the int8 GEMV, RMSNorm, RoPE, SiLU·mul and a whole decoder
 layer for the eager step), built on first use with the machine's C compiler, cached in the user cache dir under a
-key of the source, the compiler, its flags and the CPU, and loaded with ctypes.
+key of the source, the compiler, its flags and the CPU (with its digest beside it: a library that no longer matches
+it is built again), and loaded with ctypes.
 
 torch's packed kernel (`aten._weight_int8pack_mm`) streamed the default model's 129 MiB of int8 weights at about
 13 GB/s where one thread reads fp32 at 34 (docs/benchmarks.md), so a token took 10 of its 14 ms in it. The GEMV
@@ -612,7 +613,7 @@ def _load() -> CpuKernels:
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + identity.encode() + " ".join(flags).encode()).hexdigest()[:20]
         path = out_dir / f"kernels-{key}.so"
-        if not path.exists():
+        if not _intact(path):  # not built yet, or damaged (loading a truncated library crashed the process)
             build = build or _build_folder(out_dir)
             path = build / path.name
             err = _build(cc, flags, path)
@@ -624,6 +625,18 @@ def _load() -> CpuKernels:
         except (OSError, AttributeError) as e:
             errors.append(f"{' '.join(flags)}: could not load {path.name}: {e}")
     raise KernelUnavailable(f"{Path(cc).name} could not build engine/cpu_kernels.c: {errors[-1][:300]}")
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_suffix(".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether `library` is there as it was built: its bytes have the digest recorded beside it when it was."""
+    try:
+        return hashlib.sha256(library.read_bytes()).hexdigest() == _digest_path(library).read_text().strip()
+    except OSError:
+        return False
 
 
 def _build_folder(cache: Path) -> Path:
@@ -639,7 +652,7 @@ def _build_folder(cache: Path) -> Path:
 
 def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:
     """Compile into a temporary file renamed into place, so a crash or a second process never sees half a
-    library; the compiler's last error line, or None."""
+    library, and record its digest beside it (_intact); the compiler's last error line, or None."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
@@ -651,8 +664,24 @@ def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:
         if done.returncode != 0:
             lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
             return lines[-1] if lines else f"exit status {done.returncode}"
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, path)
+        _record_digest(path, digest)
         return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _record_digest(library: Path, digest: str) -> None:
+    """Write the library's digest beside it (renamed into place, as the library is)."""
+    fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=library.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp, _digest_path(library))
+    except OSError as e:
+        log.warning("could not record the digest of %s (it is built again at the next start): %s", library, e)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -313,6 +313,44 @@ def test_the_build_is_cached_and_keyed_by_its_source(fresh, monkeypatch, tmp_pat
     assert rebuilt is not None and rebuilt.path != built.path and builds == [built.path, rebuilt.path]
 
 
+@pytest.mark.skipif(KERNEL is None, reason="needs a working C compiler")
+def test_a_damaged_cached_build_is_built_again(fresh, monkeypatch, tmp_path):
+    """A cached library cut short (a full disk, a power cut before its bytes reached the disk, a partial copy of the
+    cache) is built again: an empty one had every later start run the next flags' slower loop, a truncated one
+    crashed the process as it loaded it."""
+    import os
+    import subprocess
+
+    built = cpu_kernels.kernel()
+    assert built is not None
+    good = built.path.read_bytes()
+
+    def cached(name: str, data: bytes):
+        """a cache dir whose library for these flags holds `data`, with the digest the build recorded"""
+        folder = tmp_path / name / "cpu-kernels"
+        folder.mkdir(parents=True)
+        (folder / built.path.name).write_bytes(data)
+        digest = built.path.with_suffix(".sha256")
+        if digest.exists():
+            (folder / digest.name).write_bytes(digest.read_bytes())
+        return folder.parent
+
+    # a path this process has not loaded (a loaded one is not opened again)
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", str(cached("empty", b"")))
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    again = cpu_kernels.kernel()
+    assert again is not None and again.flags == built.flags and again.vector == built.vector
+    assert again.path.read_bytes() == good
+    # loading a truncated library is a SIGBUS, so it is tried in a process of its own
+    env = {**os.environ, "GAPLESS_CACHE_DIR": str(cached("cut", good[:1000]))}
+    probe = "import engine.cpu_kernels as c; k = c.kernel(); print(k.flags if k else c.unavailable_reason())"
+    root = cpu_kernels.SOURCE.parents[1]
+    done = subprocess.run([sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stdout.strip() == str(built.flags)
+
+
 def test_a_cache_that_cannot_be_written_builds_for_this_run_only(fresh, monkeypatch, tmp_path):
     """A read-only cache (or one that cannot be made) still gives the kernels: built in a temporary folder."""
     if cpu_kernels.kernel() is None:
