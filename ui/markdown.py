@@ -64,6 +64,7 @@ class Segment:
 
 
 _SOFT_BREAK = re.compile(r"(?<=\S)[ \t]*\n(?=[^\n])")
+_WRITTEN_BREAK = re.compile(r"(?<=\S) {2,}\n")  # a hard break in markdown as written
 
 
 def hard_breaks(prose: str) -> str:
@@ -347,10 +348,8 @@ class ProseView(QTextBrowser):
         if _TABLE_ROW.findall(text)[TABLE_ROWS_DRAWN:]:  # Qt lays a table out cell by cell: 1,000 rows took 4.9 s
             self.document().setPlainText(text)
         else:
-            broken = hard_breaks(text)
-            self.document().setMarkdown(broken, MARKDOWN_FEATURES)
-            if broken != text:
-                join_item_lines(self.document(), text)
+            self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
+            join_item_lines(self.document(), text)  # also where every break is written (two trailing spaces)
             images_as_text(self.document())
 
     def _wrap_for(self, text: str) -> None:
@@ -423,12 +422,14 @@ def join_item_lines(document: QTextDocument, text: str) -> None:
     """Qt makes each hard line break of markdown a new block, and a new block in a list is a new item: the second
     line of "1. step" became item 2, and every item after it was numbered one too high. The lines of one item
     (`document` is `text` with hard_breaks) go back into one block, each break a line separator. Found against
-    `text` read without the breaks, whose items are the real ones; where the two do not line up, it is left as is."""
+    `text` read without any breaks (its own too), whose items are the real ones; where the two do not line up, it is
+    left as is."""
     broken = [b for b in _blocks(document) if b.textList() is not None]
     if not broken:
         return
     plain = QTextDocument()
-    plain.setMarkdown(text, MARKDOWN_FEATURES)
+    # a hard break the answer wrote itself (two trailing spaces) split the item in `text` as well
+    plain.setMarkdown(_WRITTEN_BREAK.sub("\n", text), MARKDOWN_FEATURES)
     items = [b.text() for b in _blocks(plain) if b.textList() is not None]
     joins = []  # the blocks that continue the item before them
     at = 0

@@ -334,6 +334,19 @@ def test_a_list_item_of_two_lines_stays_one_item(qtbot):
     assert doc.toPlainText().startswith("Install the package\nwith pip, not conda\nRun it")  # the line still breaks
 
 
+@pytest.mark.parametrize(
+    "text", ["1. Install it  \n   with pip\n2. Run it", "1. Install it  \n   with pip  \n2. Run it"]
+)
+def test_a_list_item_with_a_hard_break_written_in_it_stays_one_item(qtbot, text):
+    """A break the answer wrote itself (two trailing spaces) split the item as a plain line break did: "Run it"
+    showed as item 3."""
+    view = ProseView(text)
+    qtbot.addWidget(view)
+    doc = view.document()
+    items = [(b.text(), b.textList().itemText(b)) for b in (doc.begin(), doc.begin().next())]
+    assert doc.blockCount() == 2 and items == [("Install it\u2028with pip", "1."), ("Run it", "2.")]
+
+
 def test_the_lines_of_a_long_list_are_joined_in_one_change(qtbot):
     """Each join of an item's lines was a change of its own, laid out and fitted in height at once: a list of 150
     items of two lines took 1.1 s of every render of the answer (4 a second while it streams)."""
