@@ -634,8 +634,9 @@ def _digest_path(library: Path) -> Path:
 def _intact(library: Path) -> bool:
     """Whether `library` is there as it was built: its bytes have the digest recorded beside it when it was."""
     try:
-        return hashlib.sha256(library.read_bytes()).hexdigest() == _digest_path(library).read_text().strip()
-    except OSError:
+        recorded = _digest_path(library).read_text(encoding="ascii").strip()
+        return hashlib.sha256(library.read_bytes()).hexdigest() == recorded
+    except (OSError, UnicodeDecodeError):  # a digest file damaged as the library can be: built again
         return False
 
 
@@ -675,15 +676,16 @@ def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:
 
 def _record_digest(library: Path, digest: str) -> None:
     """Write the library's digest beside it (renamed into place, as the library is)."""
-    fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=library.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=library.parent)  # can fail too (no inode, a quota)
         with os.fdopen(fd, "w") as f:
             f.write(digest + "\n")
         os.replace(tmp, _digest_path(library))
     except OSError as e:
         log.warning("could not record the digest of %s (it is built again at the next start): %s", library, e)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 

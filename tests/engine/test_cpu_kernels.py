@@ -351,6 +351,31 @@ def test_a_damaged_cached_build_is_built_again(fresh, monkeypatch, tmp_path):
     assert done.stdout.strip() == str(built.flags)
 
 
+@pytest.mark.skipif(KERNEL is None, reason="needs a working C compiler")
+def test_a_damaged_digest_or_one_that_cannot_be_written_does_not_stop_the_kernels(fresh, monkeypatch):
+    """A digest file holding bytes that are not text (damaged as the library can be) ended every CPU load in an
+    internal UnicodeDecodeError; a digest whose temporary file could not be made, in an OSError out of the build."""
+    import tempfile
+
+    built = cpu_kernels.kernel()
+    assert built is not None
+    digest = built.path.with_suffix(".sha256")
+    digest.write_bytes(b"\xff\xfe\x00 damaged")
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    real_mkstemp = tempfile.mkstemp
+
+    def no_room_for_the_digest(*args, suffix=None, **kwargs):
+        if suffix == ".sha256":
+            raise OSError(28, "No space left on device")
+        return real_mkstemp(*args, suffix=suffix, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_room_for_the_digest)
+    again = cpu_kernels.kernel()  # built again, as the digest does not match
+    assert again is not None and again.flags == built.flags
+    assert cpu_kernels._intact(again.path) is False  # no digest recorded: built again at the next start
+
+
 def test_a_cache_that_cannot_be_written_builds_for_this_run_only(fresh, monkeypatch, tmp_path):
     """A read-only cache (or one that cannot be made) still gives the kernels: built in a temporary folder."""
     if cpu_kernels.kernel() is None:
