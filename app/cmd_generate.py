@@ -79,7 +79,8 @@ EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C (SIGINT)
 def ctrl_c_stops(cancel: threading.Event) -> Iterator[None]:
     """While inside: the first Ctrl+C sets `cancel`, so the answer stops at the next step and what was made is still
     printed (with --json, its figures too); a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may take signals
+    # only the main thread may take signals; a process started to ignore Ctrl+C (a script's background job) still does
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield
         return
 

@@ -318,3 +318,37 @@ def test_ctrl_c_stops_the_answer_and_prints_what_was_made(tiny_llama, monkeypatc
     assert doc["metrics"]["new_tokens_total"] == len(doc["token_ids"][0])
     assert "interrupted" in err and "Traceback" not in err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl+C interrupts again after it
+
+
+def test_ctrl_c_is_still_ignored_where_the_command_was_started_to_ignore_it(tiny_llama, monkeypatch, capsys):
+    """A shell starts a script's background job with SIGINT ignored: Ctrl+C at the terminal must leave it running,
+    as it did before Ctrl+C stopped the answer (the job's answer was cut short and it exited 130)."""
+    import os
+    import signal
+
+    from app.cli import main
+    from engine.engine import Engine
+    from engine.types import TextDelta
+
+    real = Engine.generate
+    sent = []
+
+    def ctrl_c_after_two_tokens(self, messages, sampling, on_event=None, **kwargs):
+        def watch(event):
+            if isinstance(event, TextDelta) and not sent:
+                sent.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+            on_event(event)
+
+        return real(self, messages, sampling, on_event=watch, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", ctrl_c_after_two_tokens)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        argv = ["generate", "--model", str(tiny_llama), "--prompt", "hello", "--device", "cpu", "--max-new-tokens", "8"]
+        code = main([*argv, "--json"])
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    doc = json.loads(capsys.readouterr().out)
+    assert sent and code == 0 and doc["finish_reasons"] != ["cancelled"]
