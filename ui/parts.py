@@ -64,7 +64,8 @@ class TypingBox(QPlainTextEdit):
         if not source.hasText() and source.hasHtml():
             # Some browsers and editors put only text/html on the clipboard; a plain text box ignores it, so the
             # paste inserted nothing. Its text is what the user meant.
-            text = QTextDocumentFragment.fromHtml(source.html()).toPlainText()
+            # an image is an object replacement character (U+FFFC) in the fragment's text: nothing the user sees
+            text = QTextDocumentFragment.fromHtml(source.html()).toPlainText().replace("\ufffc", "")
             if has_long_word(text):
                 self.setWordWrapMode(QTextOption.WrapMode.WrapAnywhere)
             self.insertPlainText(text)

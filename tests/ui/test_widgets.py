@@ -767,6 +767,11 @@ def test_a_paste_that_carries_only_html_inserts_its_text(qtbot):
     assert composer.edit.canInsertFromMimeData(html)  # a drop is taken too
     composer.edit.insertFromMimeData(html)
     assert composer.text() == "Rewrite this:\none"
+    with_image = QMimeData()
+    with_image.setHtml('<p>See <img src="chart.png" alt="a chart"> here</p>')
+    composer.clear()
+    composer.edit.insertFromMimeData(with_image)
+    assert composer.text() == "See  here"  # an image was an object replacement character sent to the model
     long_word = QMimeData()
     long_word.setHtml("<p>" + "ab" * 1_000 + "</p>")
     composer.clear()
