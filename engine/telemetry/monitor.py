@@ -99,6 +99,7 @@ class Monitor:
         self.device = torch.device(device)
         self.interval_s = interval_s
         self.unavailable: dict[str, str] = {}
+        self._odd: set[str] = set()  # GPM figures n/a for a reading no share can be: asked again at each sample
         self.peak_dram_bw_bytes_s: Optional[float] = None
         self._clock = clock
         self._lock = threading.Lock()
@@ -396,7 +397,7 @@ class Monitor:
     def _sample_gpm(self, t: float, values: dict, sources: dict) -> None:
         nvml = self._nvml
         prev, cur = self._gpm_samples
-        wanted = [m for m in GPM_METRICS if m not in self.unavailable]
+        wanted = [m for m in GPM_METRICS if m not in self.unavailable or m in self._odd]
         if not wanted:
             self._gpm = False
             return
@@ -426,12 +427,18 @@ class Monitor:
                 continue
             value = float(req.metrics[i].value)
             # A reading no share can be (NaN, below 0, SM activity above 100 % as on some MIG slices) is not
-            # shown, nor averaged into the answer's figure: the counter is not trusted for the rest of the run.
+            # shown, nor averaged into the answer's figure; the next one is read again (a single skewed reading
+            # turned the figure off for as long as the model stayed loaded).
             problem = figures.value_problem(figures.spec(m), value)
             if problem:
+                if m not in self._odd:
+                    log.warning("monitor: GPM %s %s; n/a until a reading is", m, problem)
                 self.unavailable[m] = f"NVML GPM's reading {problem}"
-                log.warning("monitor: GPM %s %s; n/a from now on", m, problem)
+                self._odd.add(m)
                 continue
+            if m in self._odd:
+                self._odd.discard(m)
+                self.unavailable.pop(m, None)
             values[m] = value
             sources[m] = SOURCES[m]
         self._gpm_samples = [cur, prev]

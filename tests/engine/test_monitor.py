@@ -305,6 +305,10 @@ def test_a_gpm_reading_no_share_can_be_is_na_with_what_it_was(reading, why):
     )
     value, reason = m.summary(t0, clock.t)["sm_activity_pct"]
     assert value is None and reason == m.unavailable["sm_activity_pct"]
+    # the next reading that can be a share is shown again (one skewed reading turned the figure off for good)
+    nvml.gpm_values[pynvml.NVML_GPM_METRIC_SM_UTIL] = 40.0
+    clock.t += 0.2
+    assert m.sample_once().sm_activity_pct == 40.0 and "sm_activity_pct" not in m.unavailable
 
 
 def test_thread_drain_and_summary_with_fake_nvml():
