@@ -179,7 +179,8 @@ def _figures_line(m: Message) -> str:
         else:
             text = figures.rounded(fig.value, digits)
         if key == "new_tokens_total":
-            parts.append(f"{text} tokens" + (" in the batch" if batch else ""))
+            one = fig.value == 1  # "1 token", "1 of 1 token in the batch"
+            parts.append(f"{text} token{'' if one else 's'}" + (" in the batch" if batch else ""))
         elif key == "ttft_ms":
             parts.append(f"TTFT{how} {text} ms")
         else:

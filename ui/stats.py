@@ -103,7 +103,7 @@ def format_stats(
     own = figures.candidate_tokens(m, candidate)
     batch = own is not None
     if batch:
-        count = f"{own} of {tokens} tokens in the batch"
+        count = f"{own} of {tokens} token{'' if tokens == 1 else 's'} in the batch"
     else:
         count = f"{tokens} token{'' if tokens == 1 else 's'}" if tokens is not None and metrics else f"{NA} tokens"
     compile_s = m.get("compile_seconds")

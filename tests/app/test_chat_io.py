@@ -197,6 +197,17 @@ def test_markdown_gives_a_candidate_its_own_count_and_a_remote_answer_its_http_t
     assert "10 tokens · TTFT (HTTP) 313 ms · 6.6 tok/s (HTTP)" in md
 
 
+def test_markdown_counts_one_token_as_one(store):
+    """An answer stopped after its first token read "1 tokens" in the file."""
+    chat = store.create_chat("one", "", SamplingParams(temperature=0.7, max_new_tokens=40))
+    u = store.add_message(chat.id, "user", "Hi", None)
+    store.add_message(chat.id, "assistant", "A", u.id, metrics={"new_tokens_total": 1, "ttft_ms": 5.0})
+    batch = {"new_tokens_total": 1, "new_tokens": [1, 0], "ttft_ms": 5.0}
+    store.add_message(chat.id, "assistant", "B", u.id, metrics=batch, candidate_group=2, candidate_index=0)
+    md = export_markdown(store, chat.id)
+    assert "1 token · TTFT 5 ms" in md and "1 of 1 token in the batch · TTFT 5 ms" in md
+
+
 def test_markdown_tells_a_crash_cut_answer_from_one_stopped_by_the_user(tmp_path):
     from app.store import INTERRUPTED_METRICS
 

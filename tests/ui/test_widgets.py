@@ -421,6 +421,8 @@ def test_an_answer_stopped_after_one_token_says_1_token():
     line, _ = format_stats(m, EngineOptions(device="cpu").to_dict(), "cpu", "cancelled")
     assert line.startswith("1 token · TTFT 12 ms")
     assert format_stats({**m, "new_tokens_total": 0, "new_tokens": [0]}, None, "cpu")[0].startswith("0 tokens · ")
+    batch = format_stats({**m, "new_tokens": [1, 0]}, None, "cpu", candidate=0)[0]
+    assert batch.startswith("1 of 1 token in the batch · "), batch
 
 
 def test_a_gap_near_100_percent_is_not_rounded_up_to_it_in_the_stats_tooltip():
