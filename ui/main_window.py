@@ -874,6 +874,8 @@ class MainWindow(QMainWindow):
         source = self._asked_loads.pop(0) if self._asked_loads else info.source
         self._loading = self._asked_loads[-1] if self._asked_loads else None
         self.model_panel.set_loaded(info)
+        if self._loading is not None:  # the model asked for next is still on its way: the panel says so
+            self.model_panel.set_loading(self._loading)
         if self.hud is not None:
             self.hud.model_name = info.name
         self.toggles.set_resolved(info.device, info.dtype)
@@ -891,6 +893,8 @@ class MainWindow(QMainWindow):
             self._asked_loads.remove(source)
         self._loading = self._asked_loads[-1] if self._asked_loads else None
         self.model_panel.set_failed(source, message)
+        if self._loading is not None:
+            self.model_panel.set_loading(self._loading)
         info = self.controller.info
         self.model_status.setText(model_status_text(info))
         self._update_can_send()

@@ -676,6 +676,28 @@ def test_a_second_model_opened_during_a_load_leaves_the_first_as_the_last_model(
     assert [e.source for e in RecentModels(gui.paths.config).entries()] == [source_key(str(tiny_llama))]
 
 
+def test_the_model_panel_says_loading_until_the_last_model_asked_for_is_in(qtbot, tmp_path, tiny_llama, tiny_factory):
+    """A model opened while another loaded: the first one in set the panel to Ready, its buttons on and its progress
+    bar gone, while the second was still loading."""
+    other = tiny_factory("qwen2")
+    gui = open_app(qtbot, tmp_path / "data")
+    w, panel = gui.window, gui.window.model_panel
+    seen: list[tuple[str, bool, bool]] = []
+    gui.controller.loaded.connect(
+        lambda info, _u: seen.append(
+            (panel.status.text(), panel.open_file_button.isEnabled(), panel.progress.isVisible())
+        )
+    )
+    try:
+        w.load_model(str(tiny_llama))
+        w.load_model(str(other))
+        qtbot.waitUntil(lambda: len(seen) == 2, timeout=TIMEOUT_MS)
+        assert seen[0] == (f"Loading {other.name}…", False, True)
+        assert seen[1] == ("Ready", True, False)
+    finally:
+        close_app(gui)
+
+
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")
