@@ -56,7 +56,8 @@ class PreferencesDialog(SamplingDialog):
         self.overflow = _combo(self, {p: OVERFLOW_LABELS[p] for p in OVERFLOW_POLICIES}, current.overflow_policy)
         self.overflow.setToolTip("For chats without a policy of their own (Chat settings gives one its own)")
         self.system_prompt.setPlaceholderText("Optional: how the model should behave in new chats")
-        self.models_folder = QLineEdit(current.models_folder or "", self)
+        self._saved_folder = current.models_folder or ""
+        self.models_folder = QLineEdit(self._saved_folder, self)
         self.models_folder.setPlaceholderText("none: only the default and recent models are listed")
         self.models_folder.setToolTip("GGUF files and model folders in it are listed in the model panel")
         self.choose_button = QPushButton("Choose…", self)
@@ -79,6 +80,9 @@ class PreferencesDialog(SamplingDialog):
             self.last_folder = str(Path(path).parent)
 
     def problem(self) -> Optional[str]:
+        # the folder kept in the settings may be gone for now (a drive not plugged in): left as it was, it stays
+        if self.models_folder.text().strip() == self._saved_folder:
+            return None
         return folder_problem(self.models_folder.text())
 
     def preferences(self) -> Preferences:

@@ -518,6 +518,23 @@ def test_a_models_folder_typed_relative_is_kept_absolute(qtbot, tmp_path, monkey
     assert dialog.preferences().models_folder == str(tmp_path / "models")  # the same folder wherever the app starts
 
 
+def test_a_saved_models_folder_that_is_gone_does_not_block_other_preferences(qtbot, tmp_path):
+    """The models folder on a drive not plugged in: changing the theme was refused until the folder was cleared,
+    and the setting lost with it. Left as it was, it is kept; typed anew, it is checked."""
+    from engine.types import SamplingParams
+    from ui.preferences import Preferences, PreferencesDialog
+
+    gone = str(tmp_path / "usb" / "models")
+    dialog = PreferencesDialog(Preferences("system", "enter", SamplingParams(), "", "rolling", gone))
+    qtbot.addWidget(dialog)
+    dialog.theme.setCurrentIndex(dialog.theme.findData("dark"))
+    dialog.buttons.button(QDialogButtonBox.StandardButton.Ok).click()
+    assert dialog.result() == dialog.DialogCode.Accepted
+    assert dialog.preferences().theme == "dark" and dialog.preferences().models_folder == gone
+    dialog.models_folder.setText(str(tmp_path / "elsewhere"))
+    assert "does not exist" in dialog.problem()
+
+
 def test_a_theme_given_for_this_run_is_not_saved_by_preferences_left_as_they_were(qtbot, tmp_path):
     paths = AppPaths.resolve(tmp_path / "data")
     paths.ensure()
