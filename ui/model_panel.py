@@ -133,6 +133,8 @@ class ModelPanel(QGroupBox):
         lay.addWidget(self.recent_button)
         self.info: Optional[ModelInfo] = None
         self.last_folder = ""  # where file dialogs start ("" = Qt's choice)
+        # what the remote dialog was last accepted with: a retry (a wrong key, a server down) starts from it
+        self._remote_asked: Optional[tuple[str, str, float]] = None
 
     def set_info(self, info: Optional[ModelInfo]) -> None:
         self.info = info
@@ -263,9 +265,11 @@ class ModelPanel(QGroupBox):
     def open_remote_dialog(self) -> None:
         from ui.remote_dialog import RemoteDialog
 
-        dialog = RemoteDialog(self)
+        dialog = RemoteDialog(self, *self._remote_asked) if self._remote_asked else RemoteDialog(self)
         if dialog.exec() == RemoteDialog.DialogCode.Accepted:
-            self.remoteRequested.emit(*dialog.values())
+            base_url, model, api_key, timeout_s = dialog.values()
+            self._remote_asked = (base_url, model, timeout_s)  # the key is never shown again
+            self.remoteRequested.emit(base_url, model, api_key, timeout_s)
 
     def open_folder_dialog(self) -> None:
         path = choose_model(self, "Open a Hugging Face model folder", self.last_folder, folder=True)

@@ -505,6 +505,36 @@ def test_the_remote_model_dialog_cancels_with_its_button(qtbot, gui):
     assert asked == []
 
 
+def test_the_remote_model_dialog_opens_again_with_what_was_asked(qtbot):
+    """A remote model refused (a wrong API key, a server down): the dialog opened empty again, and the address,
+    the model's name and the timeout had to be typed anew. The key is never shown again."""
+    from ui.model_panel import ModelPanel
+    from ui.remote_dialog import RemoteDialog
+
+    panel = ModelPanel()
+    qtbot.addWidget(panel)
+    asked, shown = [], []
+    panel.remoteRequested.connect(lambda *a: asked.append(a))
+
+    def fill(dialog):
+        dialog.base_url.setText("http://10.0.0.2:8000/v1/")
+        dialog.model.setText("llama3")
+        dialog.api_key.setText("sk-wrong")
+        dialog.timeout.setValue(30)
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok).click()
+
+    def look(dialog):
+        shown.append((dialog.base_url.text(), dialog.model.text(), dialog.api_key.text(), dialog.timeout.value()))
+        dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Cancel).click()
+
+    driver = DialogDriver().look(RemoteDialog, fill, close=False).look(RemoteDialog, look, close=False).start()
+    panel.open_remote_dialog()
+    panel.open_remote_dialog()
+    assert driver.done
+    assert asked == [("http://10.0.0.2:8000/v1", "llama3", "sk-wrong", 30.0)]
+    assert shown == [("http://10.0.0.2:8000/v1", "llama3", "", 30.0)]
+
+
 def test_a_models_folder_typed_relative_is_kept_absolute(qtbot, tmp_path, monkeypatch):
     from engine.types import SamplingParams
     from ui.preferences import Preferences, PreferencesDialog
