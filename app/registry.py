@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
+from engine.gguf_header import GGUF_MAGIC
 from engine.paths import write_whole
 from engine.types import REMOTE_PREFIX, hub_name, safetensors_weights
 
@@ -41,12 +42,21 @@ class ModelEntry:
 
 
 def kind_of(path: Path) -> Optional[str]:
-    """ "gguf", "hf-folder" or None, from names alone."""
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    """ "gguf", "hf-folder" or None: a GGUF by its name or, as the loader opens one, by its first bytes (Ollama
+    keeps its models as blobs named by their hash)."""
+    if path.is_file() and (path.suffix.lower() == ".gguf" or _gguf_head(path)):
         return "gguf"
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "hf-folder"
     return None
+
+
+def _gguf_head(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def _size(path: Path, kind: str) -> Optional[int]:

@@ -80,6 +80,17 @@ def test_recent_flags_missing_models_and_keeps_default(tmp_path):
     assert [e.kind for e in recent.entries()] == ["default", "hf-folder"]
 
 
+def test_a_gguf_named_without_its_suffix_is_listed_as_present(tmp_path):
+    """A GGUF the loader opened by its first bytes (an Ollama blob, sha256-…) was listed as "missing" and could not
+    be opened again from the list."""
+    blob = _gguf(tmp_path / "blobs" / "sha256-6a0746a1ec1a")
+    recent = RecentModels(tmp_path / "config", default_entry=_no_default)
+    (entry,) = recent.add(str(blob), now=1.0)
+    assert (entry.name, entry.kind, entry.present, entry.note, entry.size_bytes) == (blob.name, "gguf", True, "", 64)
+    blob.write_bytes(b"not a model")
+    assert not recent.entries()[0].present
+
+
 def test_a_model_opened_by_a_file_of_its_folder_is_kept_as_the_folder(tmp_path):
     """Opened through its model.safetensors or config.json (the folder opens), it was listed again as that file,
     "missing"."""
