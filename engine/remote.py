@@ -115,6 +115,14 @@ def _server_root(base_url: str) -> str:
     return base_url.removesuffix("/").removesuffix("/v1")
 
 
+def _v1_url(base_url: str) -> str:
+    """The address cut after its /v1 (an endpoint pasted whole, …/v1/chat/completions), or with /v1 added."""
+    parts = urlsplit(base_url)
+    segments = parts.path.split("/")
+    path = "/".join(segments[: segments.index("v1") + 1]) if "v1" in segments else parts.path.rstrip("/") + "/v1"
+    return parts._replace(path=path).geturl()
+
+
 def _error_text(response: httpx.Response) -> str:
     """The server's own error message where it sent one (OpenAI's {"error": {"message"}} or a plain string)."""
     if response.is_redirect:
@@ -270,7 +278,7 @@ class RemoteEngine:
         if r.status_code != 200:
             hint = ""
             if r.status_code == 404 and not urlsplit(self.source.base_url).path.rstrip("/").endswith("/v1"):
-                hint = " (OpenAI-compatible servers answer under /v1: try " + self.source.base_url + "/v1)"
+                hint = f" (OpenAI-compatible servers answer under /v1: try {_v1_url(self.source.base_url)})"
             raise ModelLoadError(
                 f"the remote server at {self.source.base_url} answered HTTP {r.status_code} to "
                 f"GET /models: {_error_text(r)}{hint}"

@@ -82,6 +82,13 @@ def test_a_missing_v1_is_suggested(server):
         RemoteEngine.load(RemoteSource(root, server.engines.model_id), api_key=KEY)
 
 
+@pytest.mark.parametrize("tail", ["/chat/completions", "/models", "/completions"])
+def test_an_endpoint_pasted_whole_is_answered_with_its_base_url(server, tail):
+    """It was told to add /v1 at its end: try http://host/v1/chat/completions/v1."""
+    with pytest.raises(ModelLoadError, match=f"answered HTTP 404 .*: try {server.url}\\)$"):
+        RemoteEngine.load(RemoteSource(server.url + tail, server.engines.model_id), api_key=KEY)
+
+
 def test_remote_text_is_the_local_engine_s(remote, local, server):
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16)
     events: list = []
