@@ -33,6 +33,8 @@ def remote_address_problem(url: str) -> Optional[str]:
         return f"a remote server's address must be a URL such as http://host:8000/v1; {url!r} is not one ({exc})"
     if parts.scheme not in ("http", "https") or not host:
         return f"a remote server's address is an http(s) URL such as http://host:8000/v1, got {url!r}"
+    if any(c.isspace() or c in "#|" for c in url):  # '#' and '|' end the address in a remote source
+        return f"a remote server's address has no spaces, '#' or '|' in it, got {url!r}"
     if parts.username is not None or parts.password is not None:
         # it would stay in plain text in the recent models, the settings and the log
         return (

@@ -76,6 +76,11 @@ def test_remote_dialog_refuses_a_bad_url_and_returns_the_values(qtbot):
         ("http://[::1/v1", "", "is not one (Invalid IPv6 URL)"),  # not a URL at all: it used to raise in accept()
         ("http://me:hunter2@10.0.0.2/v1", "", "may not hold a user name or password"),
         ("http://10.0.0.2/v1", "sk-é", "printable ASCII"),
+        # a space opened "Name or service not known" for an IP address; '#' and '|' cut the address in two
+        ("http://10.0.0.2 :8000/v1", "", "has no spaces, '#' or '|' in it"),
+        ("http://10.0.0.2:8000/ v1", "", "has no spaces, '#' or '|' in it"),
+        ("http://10.0.0.2:8000/v1#x", "", "has no spaces, '#' or '|' in it"),
+        ("http://10.0.0.2:8000/v1|x", "", "has no spaces, '#' or '|' in it"),
     ],
 )
 def test_remote_dialog_says_what_is_wrong_with_the_address_or_key(qtbot, url, key, words):
