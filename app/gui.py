@@ -247,7 +247,13 @@ def open_remote(
         window.model_panel.set_failed(f"remote:{base_url}#{model}", str(exc))
         return
     if api_key:
-        KeyStore(paths.config).set(source.base_url, api_key)
+        keys = KeyStore(paths.config)
+        try:
+            keys.set(source.base_url, api_key)
+        except OSError as exc:  # a read-only or full config folder: the model would open without its key
+            reason = f"the API key could not be kept in {keys.where}: {exc.strerror or exc}"
+            window.model_panel.set_failed(source.to_source(), reason)
+            return
     window.load_model(source.to_source())
 
 

@@ -347,6 +347,18 @@ def _free_port() -> int:
     return port
 
 
+def test_an_api_key_that_cannot_be_kept_says_so(qtbot, gui, monkeypatch):
+    """A config folder that refuses the key file: OK did nothing at all (the error escaped the slot)."""
+    import app.keys
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    (gui.paths.config / app.keys.FILE_NAME).mkdir(parents=True)  # the key file cannot be written
+    panel, before = gui.window.model_panel, gui.controller.info
+    panel.remoteRequested.emit("http://10.0.0.2:8000/v1", "llama3", "sk-1", 30.0)
+    assert panel.error.isVisible() and "the API key could not be kept in" in panel.error.text()
+    assert gui.window._loading is None and gui.controller.info is before
+
+
 def test_a_remote_model_opens_through_the_model_panel(qtbot, gui, tiny_llama, monkeypatch):
     import app.keys
 
