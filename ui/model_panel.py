@@ -242,8 +242,8 @@ class ModelPanel(QGroupBox):
             menu.addSection(f"In {folder}")
             for e in scanned:
                 add(e)
-            if not scanned:
-                menu.addAction("no models found").setEnabled(False)
+            if not scanned:  # a folder on a drive not plugged in is kept, and said to be away
+                menu.addAction("no models found" if Path(folder).is_dir() else "folder not found").setEnabled(False)
         menu.addSeparator()
         menu.addAction("Choose a models folder…", self._choose_models_folder)
         menu.setToolTipsVisible(True)
