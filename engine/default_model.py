@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 from dataclasses import dataclass
@@ -363,8 +364,23 @@ def _download(
                     _check_cancel(cancel)
             else:
                 time.sleep(delay)
-    reason = f": {one_line(last_error)}" if last_error else " (the server kept sending incomplete data)"
-    raise FetchError(f"cannot download the default model after {attempts} attempts{reason}")
+    if last_error is None:
+        raise FetchError(
+            f"cannot download the default model after {attempts} attempts (the server kept sending incomplete data)"
+        )
+    raise FetchError(
+        f"cannot download the default model after {attempts} attempts: {_network_reason(last_error)} "
+        f"(from {urllib.parse.urlsplit(url).netloc}; is this machine online?)"
+    )
+
+
+def _network_reason(exc: BaseException) -> str:
+    """What went wrong, in the system's words: "Connection refused", not "<urlopen error [Errno 111] Connection
+    refused>"."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return one_line(reason)
 
 
 def _download_once(
