@@ -48,7 +48,7 @@ from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
-from ui.model_panel import ModelPanel, source_label
+from ui.model_panel import ModelPanel, source_in_full, source_label
 from ui.parts import tight_column
 from ui.preferences import Preferences, PreferencesDialog
 from ui.stats import options_label
@@ -901,7 +901,8 @@ class MainWindow(QMainWindow):
         show_error(
             self,
             "Model not loaded",
-            f"Could not load {source}:\n{message}" + (f"\n\n{info.name} is still loaded." if info else ""),
+            f"Could not load {source_in_full(source)}:\n{message}"
+            + (f"\n\n{info.name} is still loaded." if info else ""),
         )
 
     def _options_to_load(self) -> EngineOptions:

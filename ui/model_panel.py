@@ -35,6 +35,14 @@ def source_label(source: str) -> str:
     return "Default model" if source == "default" else Path(source).name or source
 
 
+def source_in_full(source: str) -> str:
+    """A model's source as a message names it: a local model by its whole path, a remote one by its address and
+    model (not the stored form, "remote:http://…#m|timeout=5"), the default model as such."""
+    if source == "default" or source.startswith("remote:"):
+        return source_label(source)
+    return source
+
+
 class ModelPanel(QGroupBox):
     openRequested = Signal(str)  # "default", a GGUF path or a folder
     modelsFolderChosen = Signal(str)  # a folder to scan for models

@@ -167,6 +167,18 @@ def test_rename_from_the_chat_menu(qtbot, gui, driver):
 # ---- the model panel --------------------------------------------------------------------------------------
 
 
+def test_a_remote_model_that_fails_to_open_is_named_by_its_address_and_model(qtbot, gui, driver):
+    """The box named it in its stored form, "remote:http://127.0.0.1:9/v1#tiny|timeout=2"."""
+    source = "remote:http://127.0.0.1:9/v1#tiny|timeout=2"  # port 9: nothing listens
+    driver.click("OK").start()
+    with qtbot.waitSignal(gui.controller.loadFailed, timeout=TIMEOUT_MS):
+        gui.window.load_model(source)
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    box = driver.answered[0]
+    assert box.title == "Model not loaded"
+    assert box.text.startswith("Could not load http://127.0.0.1:9/v1 · tiny:\n"), box.text
+
+
 def test_a_failed_open_shows_an_error_box_that_its_ok_button_closes(qtbot, gui, driver, tmp_path):
     w = gui.window
     bad = tmp_path / "broken.gguf"
