@@ -368,19 +368,20 @@ def _download(
         raise FetchError(
             f"cannot download the default model after {attempts} attempts (the server kept sending incomplete data)"
         )
-    raise FetchError(
-        f"cannot download the default model after {attempts} attempts: {_network_reason(last_error)} "
-        f"(from {urllib.parse.urlsplit(url).netloc}; is this machine online?)"
-    )
+    raise FetchError(f"cannot download the default model after {attempts} attempts: {_failure(last_error, url)}")
 
 
-def _network_reason(exc: BaseException) -> str:
-    """What went wrong, in the system's words: "Connection refused", not "<urlopen error [Errno 111] Connection
-    refused>"."""
+def _failure(exc: BaseException, url: str) -> str:
+    """What went wrong: a server's error by its HTTP status, a network failure in the system's words and where it
+    tried ("Connection refused (from host; …)", not "<urlopen error [Errno 111] Connection refused>"), a local
+    one (the disk full) as it was raised: neither of those is the network's doing."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {one_line(exc.reason)} from {url}"
+    if not isinstance(exc, (urllib.error.URLError, HTTPException, ConnectionError, TimeoutError)):
+        return one_line(exc)
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    if isinstance(reason, OSError) and reason.strerror:
-        return reason.strerror
-    return one_line(reason)
+    said = reason.strerror if isinstance(reason, OSError) and reason.strerror else one_line(reason)
+    return f"{said} (from {urllib.parse.urlsplit(url).netloc}; is this machine online?)"
 
 
 def _download_once(

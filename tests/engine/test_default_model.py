@@ -11,10 +11,13 @@ import sys
 import threading
 import zipfile
 from dataclasses import replace
+from email.message import Message
 from pathlib import Path
+from urllib.error import HTTPError
 
 import pytest
 
+from engine import default_model
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model, ensure_default_model
 from engine.errors import FetchError
 
@@ -236,6 +239,29 @@ def test_network_down_is_a_fetch_error(tmp_path, payload):
         "online?)"
     )
     assert not (tmp_path / "fake-model" / "Fake.Q4_1.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    "raised, said",
+    [
+        (OSError(28, "No space left on device"), "[Errno 28] No space left on device"),
+        (
+            HTTPError("https://h.example/x.whl", 503, "Service Unavailable", Message(), None),
+            "HTTP 503 Service Unavailable",
+        ),
+    ],
+)
+def test_a_failure_that_is_not_the_network_s_is_not_blamed_on_it(tmp_path, payload, monkeypatch, raised, said):
+    """A full disk read "No space left on device (from host; is this machine online?)", and a server's 503 lost its
+    status: "Service Unavailable (from host; is this machine online?)"."""
+
+    def fails(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(default_model, "_download_once", fails)
+    with pytest.raises(FetchError) as info:
+        ensure_default_model(spec=_spec("https://h.example/x.whl", payload), cache_dir=tmp_path, retry_delay_s=0.01)
+    assert said in str(info.value) and "online" not in str(info.value), str(info.value)
 
 
 def test_url_override_from_the_environment(tmp_path, payload, monkeypatch):
