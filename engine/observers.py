@@ -280,7 +280,7 @@ class MonitorDrain(_Paced):
     def emit(self, run: LoopState, final: bool) -> None:
         for s in self.monitor.drain():
             if not self._told:  # why the series it leaves empty are n/a, once a generation
-                s = replace(s, unavailable=dict(self.monitor.unavailable))
+                s = replace(s, unavailable={**self.monitor.unavailable, **s.unavailable})
                 self._told = True
             self.on_event(s)
 

@@ -570,7 +570,8 @@ class MonitorSample:
     cpu_util_pct: Metric = None  # this process, all cores = 100 * cores
     process_rss_bytes: Optional[int] = None
     sources: dict[str, str] = field(default_factory=dict)  # field name -> source label
-    # field name -> why the monitor cannot measure it here (told with a generation's first sample)
+    # field name -> why the monitor cannot measure it here (told with a generation's first sample; a GPM figure
+    # whose reading no share can be, with that sample)
     unavailable: dict[str, str] = field(default_factory=dict)
 
 

@@ -254,8 +254,10 @@ class Monitor:
                 sources = collections.Counter(src for _, _, src in vals)
                 total = sum(w for _, w, _ in vals)
                 out[m] = (sum(v * w for v, w, _ in vals) / total, sources.most_common(1)[0][0])
-            elif m in self.unavailable:
-                out[m] = (None, self.unavailable[m])
+            elif why := next((smp.unavailable[m] for smp, _ in weighted if m in smp.unavailable), None):
+                out[m] = (None, why)
+            elif why := self.unavailable.get(m):  # read once: the sampling thread drops a GPM figure's on its own
+                out[m] = (None, why)
             elif not weighted:
                 out[m] = (None, "no monitor sample in the interval (shorter than the sampling period)")
             else:
@@ -312,7 +314,10 @@ class Monitor:
         self._sample_process(t, values, sources)
         if self._handle is not None:
             self._sample_gpu(t, values, sources)
-        return MonitorSample(t=t, sources=sources, **values)
+        # a GPM figure n/a for its last reading says so in the sample: once a later reading is taken, the monitor's
+        # `unavailable` no longer has it, and an answer's window holding only odd readings would not say why
+        odd = {m: self.unavailable[m] for m in self._odd if m not in values and m in self.unavailable}
+        return MonitorSample(t=t, sources=sources, unavailable=odd, **values)
 
     def _sample_process(self, t: float, values: dict, sources: dict) -> None:
         cpu = time.process_time()

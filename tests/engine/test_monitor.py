@@ -311,6 +311,29 @@ def test_a_gpm_reading_no_share_can_be_is_na_with_what_it_was(reading, why):
     assert m.sample_once().sm_activity_pct == 40.0 and "sm_activity_pct" not in m.unavailable
 
 
+def test_an_answer_that_saw_only_odd_gpm_readings_says_why_after_a_good_one():
+    """The reason lived only in the monitor's `unavailable`, which the next reading that can be a share clears: an
+    answer (or a bench run) whose window held only the odd reading, summed up after that, read "not measured in the
+    interval"."""
+    clock = StepClock()
+    nvml = FakeNVML()
+    nvml.gpm_values[pynvml.NVML_GPM_METRIC_SM_UTIL] = 103.7
+    m = primed(nvml, clock)
+    t0 = clock.t
+    clock.t += 0.2
+    with m._lock:
+        m._history.append(m.sample_once())
+    t1 = clock.t
+    nvml.gpm_values[pynvml.NVML_GPM_METRIC_SM_UTIL] = 40.0
+    clock.t += 0.2
+    with m._lock:
+        m._history.append(m.sample_once())
+    assert "sm_activity_pct" not in m.unavailable
+    value, reason = m.summary(t0, t1)["sm_activity_pct"]
+    assert value is None and reason.startswith("NVML GPM's reading ") and "more than all of it" in reason
+    assert m.summary(t0, clock.t)["sm_activity_pct"][0] == 40.0
+
+
 def test_thread_drain_and_summary_with_fake_nvml():
     m = Monitor(CUDA, interval_s=0.01, nvml=FakeNVML(gpm=False))
     t0 = time.perf_counter()
