@@ -251,7 +251,10 @@ def open_remote(
         try:
             keys.set(source.base_url, api_key)
         except OSError as exc:  # a read-only or full config folder: the model would open without its key
-            reason = f"the API key could not be kept in {keys.where}: {exc.strerror or exc}"
+            # the file's error: a keyring that refused the key handed it on to the file (app.keys)
+            reason = f"the API key could not be kept in {keys.file}: {exc.strerror or exc}"
+            if keys.keyring is not None:
+                reason += " (the OS keyring refused it too)"
             window.model_panel.set_failed(source.to_source(), reason)
             return
     window.load_model(source.to_source())

@@ -359,6 +359,24 @@ def test_an_api_key_that_cannot_be_kept_says_so(qtbot, gui, monkeypatch):
     assert gui.window._loading is None and gui.controller.info is before
 
 
+def test_an_api_key_that_neither_the_keyring_nor_the_file_takes_names_the_file(qtbot, gui, monkeypatch):
+    """It said "could not be kept in the OS keyring: Is a directory": the error was the file's, where the key went
+    after the keyring refused it."""
+    import types
+
+    import app.keys
+
+    def refuse(*_args):
+        raise RuntimeError("locked")
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: types.SimpleNamespace(set_password=refuse))
+    key_file = gui.paths.config / app.keys.FILE_NAME
+    key_file.mkdir(parents=True)  # the key file cannot be written
+    gui.window.model_panel.remoteRequested.emit("http://10.0.0.2:8000/v1", "llama3", "sk-1", 30.0)
+    said = gui.window.model_panel.error.text()
+    assert f"could not be kept in {key_file}: " in said and "the OS keyring refused it too" in said, said
+
+
 def test_a_remote_model_opens_through_the_model_panel(qtbot, gui, tiny_llama, monkeypatch):
     import app.keys
 
