@@ -251,7 +251,8 @@ class ModelPanel(QGroupBox):
             for e in scanned:
                 add(e)
             if not scanned:  # a folder on a drive not plugged in is kept, and said to be away
-                menu.addAction("no models found" if Path(folder).is_dir() else "folder not found").setEnabled(False)
+                here = Path(folder).expanduser().is_dir()  # "~/models" in the settings is scanned as the home's
+                menu.addAction("no models found" if here else "folder not found").setEnabled(False)
         menu.addSeparator()
         menu.addAction("Choose a models folder…", self._choose_models_folder)
         menu.setToolTipsVisible(True)

@@ -577,14 +577,20 @@ def test_a_saved_models_folder_that_is_gone_does_not_block_other_preferences(qtb
     assert "does not exist" in dialog.problem()
 
 
-def test_a_models_folder_that_is_gone_is_said_to_be_away(qtbot, tmp_path):
-    """Its section in the Models menu said "no models found", as for an empty folder."""
+def test_a_models_folder_that_is_gone_is_said_to_be_away(qtbot, tmp_path, monkeypatch):
+    """Its section in the Models menu said "no models found", as for an empty folder. A folder under "~" (the
+    settings may say so; the scan reads it as the home's) is there."""
     from app.registry import default_model_entry
     from ui.model_panel import ModelPanel
 
+    monkeypatch.setenv("HOME", str(tmp_path))
     panel = ModelPanel()
     qtbot.addWidget(panel)
-    for folder, said in ((tmp_path, "no models found"), (tmp_path / "usb", "folder not found")):
+    for folder, said in (
+        (tmp_path, "no models found"),
+        (tmp_path / "usb", "folder not found"),
+        ("~", "no models found"),
+    ):
         panel.set_models(default_model_entry(), [], [], str(folder))
         texts = [a.text() for a in panel.recent_button.menu().actions()]
         assert said in texts and texts.index(said) == texts.index(f"In {folder}") + 1
