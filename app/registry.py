@@ -13,7 +13,6 @@ from typing import Callable, Optional
 
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
-from engine.gguf_header import GGUF_MAGIC
 from engine.paths import write_whole
 from engine.types import REMOTE_PREFIX, hub_name, safetensors_weights
 
@@ -52,6 +51,8 @@ def kind_of(path: Path) -> Optional[str]:
 
 
 def _gguf_head(path: Path) -> bool:
+    from engine.gguf_header import GGUF_MAGIC  # here: the header reader brings numpy, which listing models needs not
+
     try:
         with open(path, "rb") as f:
             return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
