@@ -310,14 +310,21 @@ def test_ctrl_c_stops_the_answer_and_prints_what_was_made(tiny_llama, monkeypatc
         return real(self, messages, sampling, on_event=watch, **kwargs)
 
     monkeypatch.setattr(Engine, "generate", ctrl_c_after_two_tokens)
+    monkeypatch.setattr("engine.observers.FLUSH_INTERVAL_S", 0.0)  # text at each step, however fast the machine
     argv = ["generate", "--model", str(tiny_llama), "--prompt", "hello", "--device", "cpu", "--max-new-tokens", "50"]
-    code = main([*argv, "--json"])
+    # as Python sets it up at a terminal: a test run started in the background begins with Ctrl+C ignored
+    started = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main([*argv, "--json"])
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, started)
     out, err = capsys.readouterr()
     doc = json.loads(out)
     assert code == 130 and doc["finish_reasons"] == ["cancelled"] and 2 <= len(doc["token_ids"][0]) < 50
     assert doc["metrics"]["new_tokens_total"] == len(doc["token_ids"][0])
     assert "interrupted" in err and "Traceback" not in err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl+C interrupts again after it
+    assert after is signal.default_int_handler  # Ctrl+C interrupts again after it
 
 
 def test_ctrl_c_is_still_ignored_where_the_command_was_started_to_ignore_it(tiny_llama, monkeypatch, capsys):
@@ -343,6 +350,7 @@ def test_ctrl_c_is_still_ignored_where_the_command_was_started_to_ignore_it(tiny
         return real(self, messages, sampling, on_event=watch, **kwargs)
 
     monkeypatch.setattr(Engine, "generate", ctrl_c_after_two_tokens)
+    monkeypatch.setattr("engine.observers.FLUSH_INTERVAL_S", 0.0)  # the signal comes mid-answer on any machine
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         argv = ["generate", "--model", str(tiny_llama), "--prompt", "hello", "--device", "cpu", "--max-new-tokens", "8"]
