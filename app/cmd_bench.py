@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from app.cmd_generate import check_draft_model
 from engine import figures
@@ -127,6 +127,19 @@ def _bytes(v: Optional[float]) -> str:
 
 def options_text(o: Optional[dict[str, Any]]) -> str:
     return describe_options(o, sep=", ")
+
+
+def _by_rung(texts: Iterable[tuple[str, Optional[str]]]) -> dict[str, list[str]]:
+    """Each text the rungs give (a source, a reason), with the labels of the rungs that give it, from (label, text)."""
+    found: dict[str, list[str]] = {}
+    for label, text in texts:
+        if text:
+            found.setdefault(text, []).append(label)
+    return found
+
+
+def _per_rung(found: dict[str, list[str]]) -> str:
+    return "; ".join(f"{', '.join(labels)}: {text}" for text, labels in found.items())
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -259,26 +272,18 @@ def format_table(report: dict[str, Any]) -> str:
             "acceptance_rate",
         )
     ]
+    medians = [(r["label"], r.get("median") or {}) for r in everything]
     for name, metric, source in sources:
-        said: dict[str, list[str]] = {}  # each source the rows named, with the rows that named it
-        for r in everything:
-            src = (r.get("median") or {}).get(source)
-            if src:
-                said.setdefault(src, []).append(r["label"])
+        said = _by_rung((label, m.get(source)) for label, m in medians)  # each source, with the rungs that named it
+        whys = _by_rung((label, m.get("unavailable", {}).get(metric)) for label, m in medians)
         if len(said) == 1:
             out.append(f"{name}: {next(iter(said))}.")
         elif said:  # measured differently in different rungs (e.g. eager and inside a CUDA graph)
-            out.append(f"{name}: " + "; ".join(f"{', '.join(ls)}: {src}" for src, ls in said.items()) + ".")
+            out.append(f"{name}: {_per_rung(said)}.")
+        elif len(whys) > 1:
+            out.append(f"{name}: n/a: {_per_rung(whys)}.")
         else:
-            whys: dict[str, list[str]] = {}  # each reason the rungs gave, with the rungs that gave it
-            for r in everything:
-                why = (r.get("median") or {}).get("unavailable", {}).get(metric)
-                if why:
-                    whys.setdefault(why, []).append(r["label"])
-            if len(whys) > 1:
-                out.append(f"{name}: n/a: " + "; ".join(f"{', '.join(ls)}: {w}" for w, ls in whys.items()) + ".")
-            else:
-                out.append(f"{name}: n/a" + (f" ({next(iter(whys))})." if whys else "."))
+            out.append(f"{name}: n/a" + (f" ({next(iter(whys))})." if whys else "."))
     unavailable = report["ratios"].get("unavailable") or {}  # why a base of the speed-ups is missing (add_ratios)
     columns = [("× Naive", "naive_decode_tok_s"), ("× transformers", "transformers_decode_tok_s")]
     if compiled:
