@@ -70,6 +70,15 @@ def make_chat(store: ChatStore) -> int:
     return chat.id
 
 
+def exported_turns(store: ChatStore, *texts: str) -> str:
+    """A new chat of `texts` as turns (a question, its answer, ...), exported as Markdown."""
+    chat = store.create_chat("demo")
+    parent = None
+    for i, text in enumerate(texts):
+        parent = store.add_message(chat.id, ("user", "assistant")[i % 2], text, parent.id if parent else None)
+    return export_markdown(store, chat.id)
+
+
 def snapshot(store: ChatStore) -> list:
     return [store._read("SELECT * FROM chats ORDER BY id"), store._read("SELECT * FROM messages ORDER BY id")]
 
@@ -146,12 +155,13 @@ def test_markdown_closes_a_list_item_s_block_in_the_item_and_leaves_code_as_it_i
     opens another block (taking the later turns again); a turn-like line inside code was escaped in the code."""
     from app.fences import unclosed_fence
 
-    chat = store.create_chat("demo")
-    q = store.add_message(chat.id, "user", "How?", None)
-    a = store.add_message(chat.id, "assistant", "1. Install it:\n\n   ```bash\n   pip install foo\n   pip ins", q.id)
-    q2 = store.add_message(chat.id, "user", "And a heading in code?", a.id)
-    store.add_message(chat.id, "assistant", "```md\n### #9 · User\n```", q2.id)
-    md = export_markdown(store, chat.id)
+    md = exported_turns(
+        store,
+        "How?",
+        "1. Install it:\n\n   ```bash\n   pip install foo\n   pip ins",
+        "And a heading in code?",
+        "```md\n### #9 · User\n```",
+    )
     assert "   pip ins\n   ```\n" in md and unclosed_fence(md[: md.index("### #3 · User")]) is None
     assert "```md\n### #9 · User\n```" in md  # the code as written
 
@@ -160,12 +170,13 @@ def test_markdown_shows_an_html_block_an_answer_leaves_open_as_text(store):
     """A line that opens an HTML block running to a closing tag ("<script>", "<!--") never closed in the answer took
     every later turn into that block: a Markdown reader showed none of them. A block closed in the answer, and
     code, are left as written."""
-    chat = store.create_chat("demo")
-    q = store.add_message(chat.id, "user", "What does a script tag do?", None)
-    a = store.add_message(chat.id, "assistant", "It runs code:\n<script>\nand a note\n  <!-- unclosed", q.id)
-    q2 = store.add_message(chat.id, "user", "And a comment?", a.id)
-    store.add_message(chat.id, "assistant", "<!-- like this -->\n```html\n<script>\n```", q2.id)
-    md = export_markdown(store, chat.id)
+    md = exported_turns(
+        store,
+        "What does a script tag do?",
+        "It runs code:\n<script>\nand a note\n  <!-- unclosed",
+        "And a comment?",
+        "<!-- like this -->\n```html\n<script>\n```",
+    )
     assert "It runs code:\n\\<script>\nand a note\n  \\<!-- unclosed\n" in md
     assert "<!-- like this -->\n```html\n<script>\n```" in md
 
