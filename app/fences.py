@@ -19,21 +19,6 @@ def closes(line: str, fence: str) -> bool:
     return m is not None and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence)
 
 
-def code_lines(text: str) -> list[bool]:
-    """For each line of `text` (split at \n): whether it is inside a fenced code block or one of its fences."""
-    inside, fence = [], None
-    for line in text.split("\n"):
-        if fence is None:
-            m = FENCE.match(line)
-            fence = m.group(2) if m else None
-            inside.append(m is not None)
-        else:
-            inside.append(True)
-            if closes(line, fence):
-                fence = None
-    return inside
-
-
 def unclosed_fence(text: str) -> Optional[str]:
     """The line that closes the code block `text` leaves open (an answer stopped inside one): the opening
     fence with its indentation (a list item's block closed at column 0 would end the item and open another

@@ -181,6 +181,27 @@ def test_markdown_shows_an_html_block_an_answer_leaves_open_as_text(store):
     assert "<!-- like this -->\n```html\n<script>\n```" in md
 
 
+def test_markdown_reads_a_fence_inside_an_html_block_as_the_block_s_text(store):
+    """A fence inside a closed "<pre>…</pre>" (or a "<div>" block, up to its blank line) is the block's text for a
+    Markdown reader; the export took it for a code block left open and "closed" it after the answer, which opened a
+    code block there that took every later turn into it."""
+    md = exported_turns(
+        store,
+        "Show a fence in HTML",
+        "Like this:\n\n<pre>\n```\nx = 1\n</pre>\n\nand\n<div>\n~~~\n</div>\n\n### #9 · User",
+        "Thanks",
+        "You're welcome",
+    )
+    answer = md[md.index("### #2 · Assistant") : md.index("### #3 · User")]
+    assert answer.endswith("<pre>\n```\nx = 1\n</pre>\n\nand\n<div>\n~~~\n</div>\n\n\\### #9 · User\n\n")
+    assert [line for line in md.splitlines() if line.startswith("### #")] == [
+        "### #1 · User",
+        "### #2 · Assistant",
+        "### #3 · User",
+        "### #4 · Assistant",
+    ]
+
+
 def test_markdown_says_why_a_figure_is_na(store):
     chat = store.create_chat("n/a", "", SamplingParams(temperature=0.0, max_new_tokens=4))
     u = store.add_message(chat.id, "user", "Hi", None)
