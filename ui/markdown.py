@@ -65,14 +65,27 @@ class Segment:
 
 _SOFT_BREAK = re.compile(r"(?<=\S)[ \t]*\n(?=[^\n])")
 _WRITTEN_BREAK = re.compile(r"(?<=\S) {2,}\n")  # a hard break in markdown as written
+# the other way to write one: a backslash at the end of a line (an odd number of them: "\\\\" is a backslash) that
+# the next line's text continues; before a blank line, a list item, a heading, a quote or a fence, the block
+# ends there and the backslash is text
+_BACKSLASH_BREAK = re.compile(
+    r"(?<=[^\s\\])((?:\\\\)*)\\\n"
+    r"(?![ \t]*(?:\n|$|[-+*](?:[ \t]|$)|\d{1,9}[.)](?:[ \t]|$)|#{1,6}(?:[ \t]|$)|>|```|~~~))"
+)
+
+
+def _spaces_for_backslashes(prose: str) -> str:
+    """Each hard break written with a backslash written with two spaces instead: the same break."""
+    return _BACKSLASH_BREAK.sub(r"\1  \n", prose)
 
 
 def hard_breaks(prose: str) -> str:
     """Each single line break of a prose segment kept as a line break. CommonMark joins the lines of a paragraph
     (a poem, an address, a list of steps without markers would run together), which is not how a chat model means
     them, and not how the answer looked while it streamed as plain text; two trailing spaces make a hard break.
-    Code never comes here (split_markdown gives it its own segments)."""
-    return _SOFT_BREAK.sub("  \n", prose)
+    A break the answer wrote with a backslash stays a break (two spaces after the backslash made it a backslash
+    shown at the end of the line). Code never comes here (split_markdown gives it its own segments)."""
+    return _SOFT_BREAK.sub("  \n", _spaces_for_backslashes(prose))
 
 
 def split_markdown(text: str) -> list[Segment]:
@@ -428,8 +441,8 @@ def join_item_lines(document: QTextDocument, text: str) -> None:
     if not broken:
         return
     plain = QTextDocument()
-    # a hard break the answer wrote itself (two trailing spaces) split the item in `text` as well
-    plain.setMarkdown(_WRITTEN_BREAK.sub("\n", text), MARKDOWN_FEATURES)
+    # a hard break the answer wrote itself (two trailing spaces, a backslash) split the item in `text` as well
+    plain.setMarkdown(_WRITTEN_BREAK.sub("\n", _spaces_for_backslashes(text)), MARKDOWN_FEATURES)
     items = [b.text() for b in _blocks(plain) if b.textList() is not None]
     joins = []  # the blocks that continue the item before them
     at = 0

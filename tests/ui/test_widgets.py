@@ -347,6 +347,20 @@ def test_a_list_item_with_a_hard_break_written_in_it_stays_one_item(qtbot, text)
     assert doc.blockCount() == 2 and items == [("Install it\u2028with pip", "1."), ("Run it", "2.")]
 
 
+@pytest.mark.parametrize("end", ["\\", "\\\\\\"], ids=["break", "backslash-then-break"])
+def test_a_hard_break_written_with_a_backslash_breaks_the_line_and_keeps_the_item(qtbot, end):
+    """A break written with a backslash ("line\\" and a new line) had two spaces put after it, which made it a
+    backslash shown at the end of the line; in a list, its next line showed as an item of its own ("Run it" showed
+    as item 3). A backslash that ends its block ("with pip\\" before the next item), or is written twice, is text."""
+    view = ProseView(f"1. Install it{end}\n   with pip\\\n2. Run it\n\nRoses are red{end}\nviolets blue")
+    qtbot.addWidget(view)
+    doc = view.document()
+    shown = end[:-1].replace("\\\\", "\\")  # three backslashes: one written as two, then the break
+    items = [(b.text(), b.textList().itemText(b)) for b in (doc.begin(), doc.begin().next())]
+    assert items == [(f"Install it{shown}\u2028with pip\\", "1."), ("Run it", "2.")]
+    assert doc.toPlainText().endswith(f"Roses are red{shown}\nviolets blue")
+
+
 def test_the_lines_of_a_long_list_are_joined_in_one_change(qtbot):
     """Each join of an item's lines was a change of its own, laid out and fitted in height at once: a list of 150
     items of two lines took 1.1 s of every render of the answer (4 a second while it streams)."""
