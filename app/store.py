@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sqlite3
@@ -382,6 +383,35 @@ _SUBTREE = (
 )
 
 
+def _folded(text: str) -> str:
+    """`text` as the search compares it: case folded in every script ("ÉTÉ" finds "été", "STRASSE" "straße", "ΣΟΦΊΑ"
+    "σοφία", "ПРИВЕТ" "привет"). SQLite's LIKE folds ASCII letters alone."""
+    return text.lower() if text.isascii() else text.casefold()  # the same for ASCII text, in a tenth of the time
+
+
+# The characters whose case folding holds an ASCII letter ("ß" is "ss", "ﬁ" is "fi", the Kelvin sign is "k"): a
+# search of ASCII text has a match in a message of other scripts that LIKE does not see only through one of these.
+_FOLDS_TO_ASCII = re.compile("[\u00df\u0130\u0149\u017f\u01f0\u1e96-\u1e9a\u1e9e\u212a\ufb00-\ufb06]")
+
+
+def _holds(text: Optional[str], needle: str) -> bool:
+    """Whether `text`, which LIKE found without `needle` (folded), holds it once folded (SQL's gapless_holds)."""
+    if text is None:
+        return False
+    if needle.isascii() and _FOLDS_TO_ASCII.search(text) is None and "\0" not in text:  # LIKE stops at a NUL
+        return False  # what LIKE said: the text's ASCII letters are the only ones that fold to the needle's
+    return needle in _folded(text)
+
+
+def _holds_clause(column: str) -> str:
+    """SQL for: `column` holds the search (?1 folded, ?2 as a LIKE pattern). LIKE answers for ASCII text, in C; only
+    other text goes to Python, and there only what can differ once folded."""
+    return (
+        f"({column} LIKE ?2 ESCAPE '\\' OR "
+        f"(length({column}) != length(CAST({column} AS BLOB)) AND gapless_holds({column}, ?1)))"
+    )
+
+
 class ChatStore:
     """All access to the chat database. Thread-safe (one connection behind a lock); several processes may
     open the same file (WAL, busy timeout). Failures raise StoreError with the reason; nothing saved is lost."""
@@ -462,6 +492,7 @@ class ChatStore:
             self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
         )
         try:
+            db.create_function("gapless_holds", 2, _holds, deterministic=True)  # the search (list_chats)
             db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
             # Read the version before anything writes: a newer database is left exactly as it is.
             version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -615,16 +646,17 @@ class ChatStore:
         return _chat(rows[0])
 
     def list_chats(self, search: str = "") -> list[Chat]:
-        """Newest first. `search` matches titles and message text, case-insensitively (ASCII)."""
+        """Newest first. `search` matches titles and message text, case-insensitively in every script (folded)."""
         if not search:
             rows = self._read(f"SELECT {_CHAT_COLUMNS} FROM chats ORDER BY updated DESC, id DESC")
             return [_chat(r) for r in rows]
-        pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        needle = _folded(search)
+        like = "%" + needle.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self._read(
-            f"SELECT {_CHAT_COLUMNS} FROM chats WHERE title LIKE ?1 ESCAPE '\\' OR EXISTS "
-            "(SELECT 1 FROM messages m WHERE m.chat_id = chats.id AND m.content LIKE ?1 ESCAPE '\\') "
+            f"SELECT {_CHAT_COLUMNS} FROM chats WHERE {_holds_clause('title')} OR EXISTS "
+            f"(SELECT 1 FROM messages m WHERE m.chat_id = chats.id AND {_holds_clause('m.content')}) "
             "ORDER BY updated DESC, id DESC",
-            (pattern,),
+            (needle, like),
         )
         return [_chat(r) for r in rows]
 

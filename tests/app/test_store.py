@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import sys
 
 import pytest
 from chat_threads import chain, streaming_answer
@@ -141,6 +142,45 @@ def test_search_titles_and_content(store):
     assert [x.id for x in store.list_chats("%")] == [c.id]  # wildcards are literal
     assert [x.id for x in store.list_chats("_")] == [c.id]
     assert store.list_chats("nothing like this") == []
+
+
+def test_search_folds_the_case_of_every_script(store):
+    """Search folded ASCII letters alone (SQLite's LIKE): "ÉTÉ" did not find "été", nor "STRASSE" "Straße", nor
+    "ПРИВЕТ" "привет"; a search of ASCII text finds it where a letter folds to it (ß, ﬁ, the Kelvin sign), and text
+    after a NUL is searched too."""
+    ete = store.create_chat("Holidays")
+    store.add_message(ete.id, "user", "Où étiez-vous cet été ?", None)
+    street = store.create_chat("Straße")
+    greek = store.create_chat("Greek")
+    store.add_message(greek.id, "assistant", "ΣΟΦΊΑ means wisdom", None)
+    russian = store.create_chat("Russian")
+    store.add_message(russian.id, "user", "Привет, мир", None)
+    signs = store.create_chat("Signs")
+    store.add_message(signs.id, "assistant", "It melts at 300 \u212a. The \ufb01le is here.", None)
+    nul = store.create_chat("Nul")
+    store.add_message(nul.id, "user", "a\x00b then KERNEL", None)
+    store.add_message(nul.id, "user", "é\x00 then CUDA", None)
+
+    def found(search: str) -> list[int]:
+        return [c.id for c in store.list_chats(search)]
+
+    assert found("ÉTÉ") == found("été") == [ete.id]
+    assert found("STRASSE") == found("straße") == found("STRAẞE") == [street.id]
+    assert found("σοφία") == found("ΣΟΦΙΑ".lower().replace("ι", "ί")) == [greek.id]
+    assert found("ПРИВЕТ") == [russian.id]
+    assert found("300 k") == found("FILE IS") == [signs.id]
+    assert found("kernel") == found("cuda") == [nul.id]
+    assert found("wisdom") == [greek.id] and found("Où") == [ete.id]
+    assert found("été!") == [] and found("strassen") == []
+
+
+def test_the_letters_that_fold_to_ascii_are_all_known_to_the_search():
+    """A message of other scripts is folded for a search of ASCII text only where it holds one of these letters."""
+    from app.store import _FOLDS_TO_ASCII
+
+    letters = [chr(c) for c in range(128, sys.maxunicode + 1)]
+    folds_to_ascii = {c for c in letters if any(x.isascii() for x in c.casefold())}
+    assert "ß" in folds_to_ascii and {c for c in letters if _FOLDS_TO_ASCII.match(c)} == folds_to_ascii
 
 
 def test_delete_message_cascades_and_fixes_the_active_leaf(store):
