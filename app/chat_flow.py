@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtCore import QObject, QTextBoundaryFinder, QTimer, Signal
 
 from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver, check_message, figures_lost
 from engine.errors import one_line
@@ -31,8 +31,19 @@ UNTITLED = "New chat"  # a chat's title until its first message names it
 
 
 def title_from(text: str) -> str:
+    """A chat's title from its first message: one line, cut to TITLE_CHARS with "…", between two characters as they
+    are seen (a flag, an emoji of several, a letter and its accent are never cut apart)."""
     line = " ".join(text.strip().split())
-    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+    if len(line) <= TITLE_CHARS:
+        return line
+    units = line.encode("utf-16-le")  # Qt counts in UTF-16 code units
+    finder = QTextBoundaryFinder(QTextBoundaryFinder.BoundaryType.Grapheme, line)
+    finder.setPosition(len(line[: TITLE_CHARS - 1].encode("utf-16-le")) // 2)
+    if not finder.isAtBoundary():
+        finder.toPreviousBoundary()
+    if finder.position() <= 0:  # one character of more than TITLE_CHARS (a letter under a pile of accents)
+        return line[: TITLE_CHARS - 1] + "…"
+    return units[: 2 * finder.position()].decode("utf-16-le").rstrip() + "…"
 
 
 def finish_reasons(result: GenerationResult, max_new_tokens: int) -> list[str]:

@@ -261,3 +261,13 @@ def test_a_first_message_refused_as_too_long_leaves_no_chat_behind(flow):
     assert store.list_chats() == [] and f.chat_id is None and ctl.asked == []
     assert f.send("hello")
     assert [c.title for c in store.list_chats()] == [title_from("hello")]
+
+
+def test_a_long_first_message_s_title_is_cut_between_characters_as_seen():
+    """The title was cut at the 47th code point: a flag, a person at a laptop (three code points) or a letter and
+    its accent split there, the title ending in a lone regional letter, a joiner or an "e" without its accent."""
+    assert title_from("🇫🇷" * 30) == "🇫🇷" * 23 + "…"
+    assert title_from("Plan: " + "👩\u200d💻" * 20) == "Plan: " + "👩\u200d💻" * 13 + "…"
+    assert title_from("a" * 46 + "e\u0301tude") == "a" * 46 + "…"
+    assert title_from("x" * 100) == "x" * 47 + "…" and title_from("Why is the sky blue?") == "Why is the sky blue?"
+    assert title_from("e" + "\u0301" * 100) == ("e" + "\u0301" * 100)[:47] + "…"  # one character: cut inside it
