@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compile)
+# Runners (each with its KV cache, and on a GPU its CUDA graphs) kept between generations: the last ones used. One
+# per (KV mode, candidates, kernels) ever used was kept, so a server's clients asking for n = 1, 2, 3, ... held a
+# cache of the whole context for each n until the process ran out of memory.
+MAX_RUNNERS = 2
 BYTES_PER_TOKEN_SOURCE = "weights the decode step reads: every linear (quantised as held) and norm, one embedding row"
 LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
@@ -522,10 +526,13 @@ class Engine:
         key = (opts.kv_cache, batch, opts.kernels)
         runner = self._runners.get(key)
         if runner is not None and runner.length >= length:
+            self._runners[key] = self._runners.pop(key)  # the most recently used last
             return runner
         if runner is not None:
             length = max(length, runner.length)
         old = self._runners.pop(key, None)
+        while len(self._runners) >= MAX_RUNNERS:  # the least recently used go before the new cache is made
+            self._runners.pop(next(iter(self._runners)))
         if not self.fast:
             from engine.fallback import HFRunner
 

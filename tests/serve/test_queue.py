@@ -226,3 +226,28 @@ def test_stopping_the_server_answers_the_requests_in_flight_at_once(held):
     assert exc.status_code == 503 and exc.code == "shutting_down"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/models", timeout=5)
+
+
+def test_requests_for_many_n_keep_the_kv_caches_of_the_last_two_only(tiny_llama):
+    """Each n is a batch of its own, with a KV cache of its own: one was kept for every n a client ever asked for,
+    so clients asking for n = 1, 2, 3, ... filled the server's memory (the default model at its full context:
+    360 MB more per candidate, never given back)."""
+    import gc
+    import weakref
+
+    engine = load_engine(tiny_llama)
+    runners: list = []
+    try:
+        with serving(engine) as server:
+            client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+            for n in (1, 2, 3, 4, 5, 1):
+                r = client.chat.completions.create(**request_body(server, max_tokens=3, n=n, seed=1))
+                assert len(r.choices) == n
+                runners += [weakref.ref(runner) for runner in engine._runners.values()]
+            gc.collect()
+            alive = {id(runner()) for runner in runners if runner() is not None}
+            assert len(alive) == 2  # n=5's and n=1's: those of n=2, 3 and 4 were given back
+            again = client.chat.completions.create(**request_body(server, max_tokens=3, n=3, seed=1))
+            assert len(again.choices) == 3  # a batch whose cache went is made again
+    finally:
+        engine.close()
