@@ -107,6 +107,12 @@ class ModelCatalog:
     def remember(self, source: str) -> None:
         self._recent.add(source)
 
+    def forget(self, source: str) -> None:
+        self._recent.remove(source)
+
+    def clear_recent(self) -> None:
+        self._recent.clear()
+
     def take_notices(self) -> list[str]:
         notices, self._recent.notices = list(self._recent.notices), []
         return notices

@@ -192,6 +192,10 @@ class RecentModels:
         self._write([i for i in self._read() if not _same(source_key(i["source"]), key)])
         return self.entries()
 
+    def clear(self) -> list[ModelEntry]:
+        self._write([])
+        return self.entries()
+
     def _read(self) -> list[dict]:
         try:
             raw = self.path.read_bytes()

@@ -334,6 +334,8 @@ class MainWindow(QMainWindow):
             (self.composer.stopRequested, f.stop),
             (model.openRequested, self.load_model),
             (model.modelsFolderChosen, self.set_models_folder),
+            (model.forgetRequested, self.forget_model),
+            (model.clearRecentRequested, self.clear_recent_models),
             (model.folderUsed, self._folder_used),
             (self.toggles.folderUsed, self._folder_used),
             (self.toggles.columnsChanged, lambda _n: QTimer.singleShot(0, self, self._fit_dock_heights)),
@@ -835,6 +837,17 @@ class MainWindow(QMainWindow):
             self.model_panel.set_models(c.default(), c.recent(), c.scanned(), c.folder)
             for notice in c.take_notices():
                 self.status.setText(notice)
+
+    def forget_model(self, source: str) -> None:
+        """Off the Recent list (a file deleted, or not wanted any more); the file and the model open stay."""
+        if self.catalog is not None:
+            self.catalog.forget(source)
+            self.refresh_models()
+
+    def clear_recent_models(self) -> None:
+        if self.catalog is not None:
+            self.catalog.clear_recent()
+            self.refresh_models()
 
     def _folder_used(self, folder: str) -> None:
         """Every file dialog starts where the last one was left, in this run and the next."""

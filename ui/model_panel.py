@@ -3,6 +3,7 @@ another one (GGUF file, Hugging Face folder, a recent model, the default). A fai
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,6 +49,8 @@ class ModelPanel(QGroupBox):
     modelsFolderChosen = Signal(str)  # a folder to scan for models
     folderUsed = Signal(str)  # the folder a file dialog was left in (the next one starts there)
     remoteRequested = Signal(str, str, str, float)  # base URL, model, API key ("": keep the stored one), timeout s
+    forgetRequested = Signal(str)  # a recent model to take off the list (its file is left alone)
+    clearRecentRequested = Signal()  # every recent model off the list
 
     FIELDS = (
         "name",
@@ -122,6 +125,8 @@ class ModelPanel(QGroupBox):
         self.recent_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self._recent_menu = QMenu(self)
         self.recent_button.setMenu(self._recent_menu)
+        # kept across refreshes: the models menu's clear() leaves a submenu made by addMenu(title) behind
+        self.forget_menu = QMenu("Remove from Recent", self)
         self.remote_button = QPushButton("Remote…", self)
         self.remote_button.setToolTip("Chat through an OpenAI-compatible server: vLLM, llama.cpp, Ollama, Gapless")
         self.remote_button.clicked.connect(self.open_remote_dialog)
@@ -228,14 +233,16 @@ class ModelPanel(QGroupBox):
 
     def set_models(self, default: Any, recent: list[Any], scanned: list[Any], folder: Optional[str]) -> None:
         """The models menu. Entries carry `source`, `name`, `present` and `note` (app.registry.ModelEntry)."""
-        menu = self._recent_menu
+        menu, forget = self._recent_menu, self.forget_menu
         menu.clear()
+        forget.clear()
+
+        def text_of(entry: Any, label: Optional[str] = None) -> str:
+            text = label or entry.name
+            return f"{text} ({entry.note})" if entry.note else text
 
         def add(entry: Any, label: Optional[str] = None) -> None:
-            text = label or entry.name
-            if entry.note:
-                text += f" ({entry.note})"
-            act = menu.addAction(text, lambda s=entry.source: self.openRequested.emit(s))
+            act = menu.addAction(text_of(entry, label), partial(self.openRequested.emit, entry.source))
             act.setToolTip(entry.path or entry.source)
             # a missing file cannot be opened; the default model can always be (it is downloaded first)
             act.setEnabled(entry.present or entry.source == "default")
@@ -246,6 +253,14 @@ class ModelPanel(QGroupBox):
             menu.addSection("Recent")
             for e in others:
                 add(e)
+                # a file deleted, or one not wanted any more, can be taken off (a missing one too: it is disabled
+                # above, and stayed on the list for good)
+                act = forget.addAction(text_of(e), partial(self.forgetRequested.emit, e.source))
+                act.setToolTip(e.path or e.source)
+            forget.addSeparator()
+            forget.addAction("Clear Recent", self.clearRecentRequested.emit)
+            forget.setToolTipsVisible(True)
+            menu.addMenu(forget)
         if folder:
             menu.addSection(f"In {folder}")
             for e in scanned:

@@ -729,6 +729,38 @@ def test_a_loaded_model_is_offered_again(qtbot, app, tiny_llama, data_dir):
     assert app.settings.last_model == str(tiny_llama)
 
 
+def test_a_recent_model_can_be_removed_from_the_list_and_the_list_cleared(
+    qtbot, app, tiny_llama, tiny_factory, data_dir
+):
+    """A recent model whose file was deleted (its entry greyed out) or that is not wanted any more stayed on the
+    Models menu for good: nothing in the window took it off."""
+    from app.registry import RecentModels
+
+    other = tiny_factory("qwen2")
+    w, panel = app.window, app.window.model_panel
+    with qtbot.waitSignal(app.controller.loaded, timeout=TIMEOUT_MS):
+        w.load_model(str(other))
+    recent = RecentModels(AppPaths.resolve(data_dir).config)
+    first, second = str(tiny_llama.resolve()), str(other.resolve())
+    assert [e.path for e in recent.entries()] == [second, first]
+
+    def forget_actions():
+        return [a for a in panel.forget_menu.actions() if not a.isSeparator()]
+
+    assert panel.forget_menu.menuAction() in panel.recent_button.menu().actions()
+    names = [a.text() for a in forget_actions()]
+    assert names[:-1] == [e.name for e in recent.entries()] and names[-1] == "Clear Recent"
+    forget_actions()[1].trigger()  # the model opened first
+    assert [e.path for e in recent.entries()] == [second]  # kept in the file, for the next start
+    assert [a.toolTip() for a in panel.recent_button.menu().actions() if a.toolTip() in (first, second)] == [second]
+    assert len(forget_actions()) == 2
+    assert app.controller.info is not None  # the model open stays open
+    forget_actions()[-1].trigger()  # Clear Recent
+    assert recent.entries() == []
+    assert panel.forget_menu.menuAction() not in panel.recent_button.menu().actions()  # nothing left to remove
+    assert [a.text() for a in panel.recent_button.menu().actions()][0].startswith("Default model: ")
+
+
 def test_deleting_the_chat_that_is_answering_stops_quietly(qtbot, app, monkeypatch):
     w, c = app.window, app.controller
     w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
