@@ -200,6 +200,8 @@ class MainWindow(QMainWindow):
         self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
         self._asked_loads: list[str] = []  # sources load_model asked the worker for, not yet loaded or failed
+        # one of them failed while others were still to come: the panel goes on saying so until the last is done
+        self._failed_in_queue = False
         self._answer_options: Optional[EngineOptions] = None  # what the answer in progress (or the last) ran with
         self._reading_shown = False  # the status bar says how much of a long prompt has been read
         self._fetch_dialog: Optional[ProgressDialog] = None
@@ -780,6 +782,7 @@ class MainWindow(QMainWindow):
     def _ask_load(self, source: str) -> None:
         self.controller.load(source, self._options_to_load())
         self._asked_loads.append(source)  # the worker loads them in this order
+        self._failed_in_queue = False  # a model asked for anew: what the panel said of an earlier one goes
         # Chat waits from now, not from when the worker starts the load: a message sent in between would be
         # answered by the new model but credited to the old one.
         self._load_started(source)
@@ -864,7 +867,7 @@ class MainWindow(QMainWindow):
 
     def _load_started(self, source: str) -> None:
         self._loading = source
-        self.model_panel.set_loading(source)
+        self.model_panel.set_loading(source, keep_error=self._failed_in_queue)
         self.model_status.setText(f"Loading {source_label(source)}…")
         self._update_can_send()
 
@@ -886,9 +889,12 @@ class MainWindow(QMainWindow):
         # as the last model, and when it failed the next start had none)
         source = self._asked_loads.pop(0) if self._asked_loads else info.source
         self._loading = self._asked_loads[-1] if self._asked_loads else None
-        self.model_panel.set_loaded(info)
+        # a model asked for before this one failed: the panel goes on saying why (until the next answer)
+        self.model_panel.set_loaded(info, keep_error=self._failed_in_queue)
         if self._loading is not None:  # the model asked for next is still on its way: the panel says so
-            self.model_panel.set_loading(self._loading)
+            self.model_panel.set_loading(self._loading, keep_error=self._failed_in_queue)
+        else:
+            self._failed_in_queue = False
         if self.hud is not None:
             self.hud.model_name = info.name
         self.toggles.set_resolved(info.device, info.dtype)
@@ -905,9 +911,10 @@ class MainWindow(QMainWindow):
         if source in self._asked_loads:
             self._asked_loads.remove(source)
         self._loading = self._asked_loads[-1] if self._asked_loads else None
-        self.model_panel.set_failed(source, message)
-        if self._loading is not None:
-            self.model_panel.set_loading(self._loading)
+        self.model_panel.set_failed(source, message, keep_error=self._failed_in_queue)
+        self._failed_in_queue = self._loading is not None
+        if self._loading is not None:  # the next one's progress shows, and this one's failure stays said
+            self.model_panel.set_loading(self._loading, keep_error=True)
         info = self.controller.info
         self.model_status.setText(model_status_text(info))
         self._update_can_send()

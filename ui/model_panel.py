@@ -197,8 +197,11 @@ class ModelPanel(QGroupBox):
             "compile, CUDA graphs and the static KV cache are not available on it"
         )
 
-    def set_loading(self, source: str) -> None:
-        self.error.hide()
+    def set_loading(self, source: str, keep_error: bool = False) -> None:
+        """keep_error: a model asked for before this one failed, and the panel goes on saying so (it showed only
+        this one's progress, the failure left to a message box)."""
+        if not keep_error:
+            self.error.hide()
         self.status.setText(f"Loading {source_label(source)}…")
         self.progress.setRange(0, 0)
         self.progress.show()
@@ -207,17 +210,20 @@ class ModelPanel(QGroupBox):
     def set_progress(self, p: Progress) -> None:
         show_progress(self.progress, self.status, p)
 
-    def set_loaded(self, info: ModelInfo) -> None:
+    def set_loaded(self, info: ModelInfo, keep_error: bool = False) -> None:
         self.set_info(info)
         self.progress.hide()
-        self.error.hide()
+        if not keep_error:
+            self.error.hide()
         self.status.setText("Ready")
         self._set_buttons(True)
 
-    def set_failed(self, source: str, message: str) -> None:
+    def set_failed(self, source: str, message: str, keep_error: bool = False) -> None:
+        """keep_error: an earlier failure of the same queue of loads stays said above this one."""
         self.progress.hide()
         self._set_buttons(True)
-        self.error.setText(f"Could not load {source_label(source)}: {message}")
+        said = f"Could not load {source_label(source)}: {message}"
+        self.error.setText(f"{self.error.text()}\n{said}" if keep_error and self.error.isVisibleTo(self) else said)
         self.error.show()
         self.status.setText(f"Still using {self.info.name}" if self.info else "No model loaded")
 

@@ -698,6 +698,32 @@ def test_the_model_panel_says_loading_until_the_last_model_asked_for_is_in(qtbot
         close_app(gui)
 
 
+def test_a_failed_load_with_another_asked_for_after_it_stays_said_in_the_panel(qtbot, app, tmp_path, tiny_factory):
+    """Two models asked for in a row, the first failing: the panel showed only the second's progress, the first's
+    failure hidden as the second began (only a message box had said it)."""
+    other = tiny_factory("qwen2")
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    w, panel = app.window, app.window.model_panel
+    at_failure: list[tuple[str, str, bool]] = []
+    app.controller.loadFailed.connect(
+        lambda _s, _m: at_failure.append((panel.error.text(), panel.status.text(), panel.progress.isVisible()))
+    )
+    with qtbot.waitSignal(app.controller.loaded, timeout=TIMEOUT_MS):
+        w.load_model(str(empty))
+        w.load_model(str(other))
+    ((error, status, progress),) = at_failure
+    assert error.startswith(f"Could not load {empty.name}: ") and panel.error.isVisibleTo(w)
+    assert status == f"Loading {other.name}…" and progress  # the second's progress goes on
+    assert panel.error.text() == error and panel.error.isVisibleTo(w)  # still said once the second is in
+    assert panel.status.text() == "Ready" and panel.values["name"].text() == app.controller.info.name
+    send(qtbot, app, "hello")  # once the model in use has answered, the failure no longer holds
+    assert not panel.error.isVisibleTo(w)
+    w.load_model(str(empty))  # asked for anew: only this failure is said
+    qtbot.waitUntil(lambda: w._loading is None, timeout=TIMEOUT_MS)
+    assert panel.error.text() == error
+
+
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")
