@@ -48,6 +48,7 @@ from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
+from ui.hud.bars import ElidedLabel
 from ui.model_panel import ModelPanel, source_in_full, source_label
 from ui.parts import tight_column
 from ui.preferences import Preferences, PreferencesDialog
@@ -232,7 +233,8 @@ class MainWindow(QMainWindow):
         self.chat_list = ChatList(self)
         self.chat_view = ChatView(self.theme.colors, self)
         self.composer = Composer(settings.send_with, self)
-        self.chat_title = QLabel(UNTITLED, self)
+        # a long title (a renamed or imported chat) ends in "…", whole in its tooltip: cut off mid-word, unsaid
+        self.chat_title = ElidedLabel(UNTITLED, self)
         self.chat_title.setObjectName("chatTitle")
         self.chat_settings_button = QPushButton("Chat settings…", self)
         self.chat_settings_button.setToolTip("System prompt and sampling parameters of this chat")
@@ -580,6 +582,7 @@ class MainWindow(QMainWindow):
         except StoreError:
             chat = None  # deleted meanwhile: the flow opens another
         self.chat_title.setText(chat.title if chat is not None else UNTITLED)
+        self.chat_title.setToolTip(self.chat_title.text())
 
     def _search_changed(self, text: str) -> None:
         self._search = text

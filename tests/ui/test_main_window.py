@@ -724,6 +724,28 @@ def test_a_failed_load_with_another_asked_for_after_it_stays_said_in_the_panel(q
     assert panel.error.text() == error
 
 
+def test_a_long_chat_title_ends_in_an_ellipsis_and_is_whole_in_its_tooltip(qtbot, tmp_path):
+    """A chat renamed (or imported) with a title longer than the header was cut off mid-word, with nothing saying
+    there was more, nor anywhere to read the rest."""
+    gui = open_app(qtbot, tmp_path / "data")
+    w = gui.window
+    try:
+        title = "Планирование путешествия по Японии и Корее весной: 東京、ソウル、釜山 " * 3
+        chat = gui.store.create_chat(title.strip())
+        w.resize(1200, 800)
+        w.flow.open_chat(chat.id)
+        qtbot.waitUntil(lambda: w.chat_title.text() == title.strip())
+        assert w.chat_title.toolTip() == title.strip()
+        shown = w.chat_title.shown_text()
+        assert shown.endswith("…") and title.startswith(shown[:-1])
+        header = w._header.contentsRect()
+        assert header.contains(w.chat_settings_button.geometry())  # the button beside it is whole
+        w.flow.rename_chat(chat.id, "Короткое")
+        assert w.chat_title.shown_text() == "Короткое" == w.chat_title.toolTip()
+    finally:
+        close_app(gui)
+
+
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")
