@@ -105,6 +105,20 @@ MAX_TAB_STOPS = 5000  # a bound on the focus chain's walk
 FIT_SCREEN_SHARE = 0.5  # of the screen's height, the most the options take before they scroll
 
 
+class Pane(QWidget):
+    """A splitter pane at least `least` wide, and never narrower than its contents need: a minimum set with
+    setMinimumWidth overrides the contents' own, so at the smallest window the model panel's figures were cut
+    off ("15.121 ms/to", a model's name "SmolLM2-135")."""
+
+    def __init__(self, least: int, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.least = least
+
+    def minimumSizeHint(self) -> QSize:
+        hint = super().minimumSizeHint()
+        return QSize(max(self.least, hint.width()), hint.height())
+
+
 class FitScrollArea(QScrollArea):
     """Shows its widget at the viewport's size, and scrolls only below the widget's minimum height or width, so
     a tall or wide panel never forces the window larger than the screen (a plain resizable scroll area would
@@ -249,13 +263,12 @@ class MainWindow(QMainWindow):
         tight_column(center, header, (self.chat_view, 1), self.composer)
         # Left: chats above the model (the model rarely changes; chats do, so they get the height).
         self.model_panel = ModelPanel(self)
-        left = QWidget(self)
+        left = Pane(LEFT_MIN_WIDTH, self)
         left.setObjectName("leftColumn")
         model_box = QVBoxLayout()
         model_box.setContentsMargins(10, 0, 10, 10)
         model_box.addWidget(self.model_panel)
         tight_column(left, (self.chat_list, 1), model_box)
-        left.setMinimumWidth(LEFT_MIN_WIDTH)
         center.setMinimumWidth(CENTER_MIN_WIDTH)
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.setObjectName("mainSplitter")

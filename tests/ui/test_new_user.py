@@ -404,3 +404,21 @@ def test_hiding_a_panel_gives_its_height_back_to_the_hud(qtbot, tmp_path):
                 qtbot.waitUntil(fitted, timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
+
+
+def test_the_smallest_window_cuts_off_none_of_the_model_panel_s_figures(qtbot, tmp_path, tiny_llama):
+    """The left column's least width was a fixed 220 px, which overrode what its contents need: at the smallest
+    window the model panel's figures were cut off ("15.121 ms/to", the name "SmolLM2-135")."""
+    from dataclasses import replace
+
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w, panel = gui.window, gui.window.model_panel
+        panel.set_info(replace(panel.info, name="SmolLM2-135M-Instruct.Q4_1", memory_floor_ms=15.121))
+        w.resize(300, 300)  # as small as the window goes
+        qtbot.wait(100)
+        assert panel.values["floor"].text() == "15.121 ms/token"
+        for key, value in panel.values.items():
+            assert value.width() >= value.minimumSizeHint().width(), key
+    finally:
+        close_app(gui)
