@@ -46,12 +46,16 @@ def output_file(path: "str | os.PathLike[str]", what: str) -> Path:
     from engine.errors import OutputPathError
 
     given = Path(path)
-    target = given.resolve() if given.is_symlink() else given
-    if target.exists() and not target.is_file():
-        kind = "a folder" if target.is_dir() else "not a regular file"
-        raise OutputPathError(f"cannot write {what} to {given}: it is {kind}")
-    folder = target.parent
-    if not folder.is_dir():
+    try:
+        target = given.resolve() if given.is_symlink() else given
+        if target.exists() and not target.is_file():
+            kind = "a folder" if target.is_dir() else "not a regular file"
+            raise OutputPathError(f"cannot write {what} to {given}: it is {kind}")
+        folder = target.parent
+        found = folder.is_dir()
+    except OSError as exc:  # a name longer than the file system takes, a folder that may not be looked into
+        raise OutputPathError(f"cannot write {what} to {given}: {exc.strerror or exc}") from None
+    if not found:
         raise OutputPathError(f"cannot write {what} to {given}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputPathError(f"cannot write {what} to {given}: the folder {folder} is not writable")
@@ -65,7 +69,10 @@ def write_whole(path: Path, text: str, mode: int = 0o644, durable: bool = False)
     import contextlib
     import tempfile
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    # The temporary name is the file's, cut: a name near the file system's longest would be too long with the
+    # dot and the random part added.
+    stem = path.name.encode("utf-8", "surrogateescape")[:64].decode("utf-8", "ignore")
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)

@@ -182,6 +182,7 @@ def test_output_files_are_checked_before_the_work(tmp_path):
         (["replay", "t.json", "--width", "100000"], "--width: must be between 200 and 8192"),
         (["replay", "t.json", "--height", "0"], "--height: must be between 200 and 8192 pixels, got 0"),
         (["generate", "--model", nowhere, "--raw", "--system", "Be brief.", "hi"], "--system has no place in a --raw"),
+        (["generate", "--model", nowhere, "--telemetry-out", str(tmp_path / ("t" * 300)), "hi"], "File name too long"),
     ]
     for argv, words in cases:
         _one_line_error(gapless(*common, *argv), words)
