@@ -105,6 +105,19 @@ def chat_document(store: ChatStore, chat_id: int) -> dict:
     }
 
 
+# A file name's most bytes (UTF-8) on the common file systems is 255; the rest is room for " (2)" and the like.
+EXPORT_NAME_BYTES = 200
+
+
+def export_name(title: str, suffix: str) -> str:
+    """The file name an export of the chat `title` suggests: its letters, digits, spaces, - and _ (any other
+    character "_"), cut to whole characters within EXPORT_NAME_BYTES (a renamed title of 86 CJK characters
+    was a name too long to be written), then `suffix`."""
+    name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in title).strip()
+    name = name.encode("utf-8")[: EXPORT_NAME_BYTES - len(suffix.encode("utf-8"))].decode("utf-8", "ignore")
+    return (name.rstrip() or "chat") + suffix
+
+
 def export_json(store: ChatStore, chat_id: int) -> str:
     return json.dumps(chat_document(store, chat_id), ensure_ascii=False, indent=1, allow_nan=False) + "\n"
 

@@ -635,15 +635,14 @@ class MainWindow(QMainWindow):
         self._chat_settings_dialog = dialog  # kept for tests and so it is not collected while open
 
     def export_chat(self, markdown: bool) -> None:
-        from app.chat_io import ChatFileError, export_json, export_markdown, write_text
+        from app.chat_io import ChatFileError, export_json, export_markdown, export_name, write_text
 
         chat_id = self.flow.chat_id
         if chat_id is None:
             self._failed("Nothing to export: this chat has no messages yet")
             return
         suffix, kind = (".md", "Markdown (*.md)") if markdown else (".json", "Gapless chat (*.json)")
-        name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in self.chat_title.text()).strip() or "chat"
-        start = str(Path(self.settings.last_folder or "") / (name + suffix))
+        start = str(Path(self.settings.last_folder or "") / export_name(self.chat_title.text(), suffix))
         path, _ = QFileDialog.getSaveFileName(self, "Export chat", start, kind)
         if not path:
             return

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from dialog_driver import ROOT, DialogDriver, right_click
-from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
+from PySide6.QtWidgets import QApplication, QDialogButtonBox, QFileDialog, QMessageBox
 
 from app.gui import build
 from app.paths import AppPaths
@@ -499,6 +499,24 @@ def test_a_chat_exported_to_a_file_imports_again(qtbot, gui, driver, tmp_path):
     assert len(store.list_chats()) == 2 and w.flow.chat_id != chat
     assert [m.content for m in store.thread(w.flow.chat_id)] == ["the question"]
     assert gui.settings.last_folder == str(tmp_path)  # the next file dialog starts there
+
+
+def test_a_chat_with_a_long_title_in_any_script_exports_under_the_name_suggested(qtbot, gui, tmp_path):
+    """A renamed title of 120 CJK characters (360 bytes): the name the dialog suggests is written (it was longer
+    than a file name may be, "File name too long")."""
+    w, store = gui.window, gui.store
+    title = "長い題名の会話" * 17 + "終"
+    chat = add_chat(store, title, "the question")
+    gui.settings.last_folder = str(tmp_path)
+    w.refresh_chats()
+    w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat))
+    driver = DialogDriver().look(QFileDialog, lambda dialog: dialog.accept(), close=False).start()
+    w.export_chat(True)
+    assert driver.done
+    [written] = list(tmp_path.glob("*.md"))
+    assert len(written.name.encode()) <= 255 and written.name.startswith("長い題名の会話") and written.suffix == ".md"
+    assert "the question" in written.read_text(encoding="utf-8")
+    assert not [b for b in QApplication.topLevelWidgets() if isinstance(b, QMessageBox) and b.isVisible()]
 
 
 def test_the_remote_model_dialog_cancels_with_its_button(qtbot, gui):
