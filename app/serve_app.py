@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.server.engine_queue import EngineQueue, ShuttingDown
+from app.server.engine_queue import EngineQueue, ModelFacts, ShuttingDown
 from app.server.http import ServeConfig
 from app.server.run import BackgroundServer
 from app.worker import Call, EngineController
@@ -97,7 +97,9 @@ class AppServer(QObject):
             return
         self._closing.clear()
         model_id = self.controller.info.name if self.controller.info is not None else "no-model-loaded"
-        engines = EngineQueue(None, max_waiting, run_on_engine=self._run_on_worker, model_id=model_id)
+        engines = EngineQueue(
+            None, max_waiting, run_on_engine=self._run_on_worker, model_id=model_id, facts=self._facts()
+        )
         try:
             server = BackgroundServer(engines, host, port, ServeConfig(api_key=api_key or None))
         except GaplessError as exc:
@@ -146,9 +148,17 @@ class AppServer(QObject):
         if call.errors:
             raise call.errors[0]
 
+    def _facts(self) -> ModelFacts:
+        """What `gapless serve` would list for the loaded model, from what the worker reported when it loaded
+        (the engine itself is touched only on the worker's thread)."""
+        info = self.controller.info
+        if info is None:
+            return ModelFacts()
+        return ModelFacts(max(0, info.context_length or 0), self.controller.sampling_extensions)
+
     def _on_loaded(self, info: Any, _unavailable: Any) -> None:
         if self.engines is not None:
-            self.engines.serve(info.name)
+            self.engines.serve(info.name, self._facts())
 
     def _poll(self) -> None:
         if self.engines is None or self.server is None:

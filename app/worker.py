@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import GaplessError
-from engine.protocol import EngineLike, option_limits
+from engine.protocol import EngineLike, option_limits, sampling_extensions
 from engine.types import EngineOptions, MonitorSample, Progress, RowFinished, SamplingParams, StepRecord, TextDelta
 
 log = logging.getLogger(__name__)
@@ -188,9 +188,9 @@ class EngineWorker(EngineEvents):
     """Owns the engine; runs every command on its thread. Signals are emitted from that thread."""
 
     # The engine's state after a load or a reconfigure, emitted just before `loaded` / `reconfigured`: the
-    # EngineOptions in force, the ModelInfo (dtype, device, weight bytes) and {(option, value): reason} for what this
-    # model and machine never run.
-    engineState = Signal(object, object, object)
+    # EngineOptions in force, the ModelInfo (dtype, device, weight bytes), {(option, value): reason} for what this
+    # model and machine never run, and the sampling settings beyond OpenAI's it honours (the app's server lists them).
+    engineState = Signal(object, object, object, object)
 
     def __init__(
         self,
@@ -278,7 +278,7 @@ class EngineWorker(EngineEvents):
         previous, self.engine = self.engine, engine
         self._pending_options = None
         self._close_engine(previous)
-        self.engineState.emit(engine.options, engine.info, option_limits(engine))
+        self.engineState.emit(engine.options, engine.info, option_limits(engine), sampling_extensions(engine))
         self.loaded.emit(engine.info, unavailable)
 
     def _reconfigure(self, cmd: Reconfigure) -> None:
@@ -298,7 +298,9 @@ class EngineWorker(EngineEvents):
             self._log_unless_expected(exc, "reconfiguring")
             self.reconfigureFailed.emit(one_line(exc))
             return
-        self.engineState.emit(self.engine.options, self.engine.info, option_limits(self.engine))
+        self.engineState.emit(
+            self.engine.options, self.engine.info, option_limits(self.engine), sampling_extensions(self.engine)
+        )
         self.reconfigured.emit(self.engine.options, unavailable)
 
     def _generate(self, cmd: Generate) -> None:
@@ -412,6 +414,7 @@ class EngineController(EngineEvents):
         self.options: EngineOptions = EngineOptions()
         self.unavailable: dict[str, str] = {}
         self.limits: dict[tuple[str, Any], str] = {}  # what the loaded model and this machine never run
+        self.sampling_extensions: tuple[str, ...] = ()  # top_k, repetition_penalty: those the loaded model honours
         self.busy = False
         self._ids = itertools.count(1)
         self._generation_cancels: dict[int, threading.Event] = {}
@@ -520,11 +523,12 @@ class EngineController(EngineEvents):
 
     # ---- mirrors (GUI thread) ----
 
-    @Slot(object, object, object)
-    def _on_engine_state(self, options: EngineOptions, info: Any, limits: Any) -> None:
+    @Slot(object, object, object, object)
+    def _on_engine_state(self, options: EngineOptions, info: Any, limits: Any, extensions: Any) -> None:
         self.options = options
         self.info = info
         self.limits = dict(limits)
+        self.sampling_extensions = tuple(extensions)
 
     @Slot(object, object)
     def _on_loaded(self, info: Any, unavailable: Any) -> None:

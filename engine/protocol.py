@@ -42,7 +42,19 @@ class EngineLike(Protocol):
 
 log = logging.getLogger(__name__)
 
+# The sampling settings OpenAI's API lacks that Gapless's own engine takes (SamplingParams.top_k and
+# .repetition_penalty); a remote engine takes those its server is known to (engine.remote.SAMPLING_EXTENSIONS).
+SAMPLING_EXTENSION_NAMES = ("top_k", "repetition_penalty")
+
 EngineFactory = Callable[[str, EngineOptions, Optional[Callable[[Progress], None]]], EngineLike]
+
+
+def sampling_extensions(engine: Any) -> tuple[str, ...]:
+    """Those of SAMPLING_EXTENSION_NAMES the engine honours: all of them on the embedded engine, those its server
+    passes on where the model is remote (what a Gapless server lists for its model; a client sending others is
+    refused)."""
+    passes_on = getattr(engine, "passes_on", None)
+    return tuple(n for n in SAMPLING_EXTENSION_NAMES if passes_on is None or passes_on(n))
 
 
 def option_limits(engine: EngineLike) -> dict[tuple[str, Any], str]:

@@ -24,7 +24,7 @@ import httpx
 
 from engine import figures
 from engine.errors import GenerationError, ModelLoadError, OptionsError, RemoteRefused
-from engine.protocol import option_limits
+from engine.protocol import SAMPLING_EXTENSION_NAMES, option_limits
 from engine.types import (
     REMOTE_DEVICE,
     REMOTE_PREFIX,
@@ -61,7 +61,6 @@ METRICS_TIMEOUT_S = 2.0  # vLLM's /metrics: read beside the answer, which never 
 # The sampling settings OpenAI's API lacks, under the names of the servers known to take them (recognised by the
 # `owned_by` of their model list). OpenAI's own API refuses fields it does not know, so other servers get neither;
 # a Gapless server lists those it honours in its model object (x_gapless.sampling_extensions).
-SAMPLING_EXTENSION_NAMES = ("top_k", "repetition_penalty")
 SAMPLING_EXTENSIONS: dict[str, dict[str, str]] = {
     "vllm": {"top_k": "top_k", "repetition_penalty": "repetition_penalty"},
     "llamacpp": {"top_k": "top_k", "repetition_penalty": "repeat_penalty"},  # llama.cpp's llama-server

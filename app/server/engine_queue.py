@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from app.server.protocol import ApiError, Request, bad
 from engine.errors import GaplessError, RemoteRefused
+from engine.protocol import sampling_extensions
 from engine.types import GenerationResult, SamplingParams, TextDelta
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,21 @@ class Job:
     accepted: float = field(default_factory=time.perf_counter)
     engine_name: Optional[str] = None  # the model the server served when it accepted the request (EngineQueue)
     state: str = "queued"  # then "running", or "withdrawn": its client went away while it waited (the queue's lock)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model list says of the served model besides its name: its context in tokens (0 where not known)
+    and the sampling settings beyond OpenAI's it honours (engine.protocol.sampling_extensions)."""
+
+    context_length: int = 0
+    sampling_extensions: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, engine: Any) -> "ModelFacts":
+        """Read from the engine (on the thread that owns it)."""
+        ctx = getattr(engine, "context_length", 0)
+        return cls(ctx if isinstance(ctx, int) and ctx > 0 else 0, sampling_extensions(engine))
 
 
 def shutting_down() -> ApiError:
@@ -92,17 +108,20 @@ class EngineQueue:
         max_waiting: int = 16,
         run_on_engine: Optional[RunOnEngine] = None,
         model_id: Optional[str] = None,
+        facts: Optional[ModelFacts] = None,
     ):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         self.engine = engine
         self.max_waiting = max_waiting
         # The name clients use (model_id) and the name of the model the engine runs (engine_name; model_id may
-        # be another name for it): a request runs on the model it was accepted for or not at all. One tuple, so
-        # a request never reads one name from before a change and the other from after it.
-        self.names: tuple[str, Optional[str]] = (
+        # be another name for it): a request runs on the model it was accepted for or not at all. With them, what the
+        # model list says of it (facts: read from the engine here, given by the app, which owns its engine on its
+        # worker). One tuple, so a reader never gets one of them from before a change and another from after it.
+        self._served: tuple[str, Optional[str], ModelFacts] = (
             model_id if model_id is not None else engine.info.name,
             engine.info.name if engine is not None else model_id,
+            facts if facts is not None else ModelFacts.of(engine) if engine is not None else ModelFacts(),
         )
         self.stats = ServerStats()
         self._run_on_engine = run_on_engine or (lambda fn: fn(self.engine))
@@ -116,20 +135,31 @@ class EngineQueue:
         self._thread.start()
 
     @property
+    def names(self) -> tuple[str, Optional[str]]:
+        model_id, engine_name, _ = self._served
+        return model_id, engine_name
+
+    @property
+    def listed(self) -> tuple[str, ModelFacts]:
+        """The name clients use and what the model list says of the model."""
+        model_id, _, facts = self._served
+        return model_id, facts
+
+    @property
     def model_id(self) -> str:
-        return self.names[0]
+        return self._served[0]
 
     @model_id.setter
     def model_id(self, name: str) -> None:  # another name for the same model (--served-model-name)
-        self.names = (name, self.names[1])
+        self._served = (name, *self._served[1:])
 
     @property
     def engine_name(self) -> Optional[str]:
-        return self.names[1]
+        return self._served[1]
 
-    def serve(self, name: str) -> None:
+    def serve(self, name: str, facts: ModelFacts) -> None:
         """The engine runs another model now, served under its own name."""
-        self.names = (name, name)
+        self._served = (name, name, facts)
 
     def submit(self, job: Job) -> None:
         with self._lock:

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.server.engine_queue import EngineQueue, Failed, Finished, Job, QueueFull, Started
+from app.server.engine_queue import EngineQueue, Failed, Finished, Job, ModelFacts, QueueFull, Started
 from app.server.protocol import (
     FINISH,
     ApiError,
@@ -39,7 +39,6 @@ from app.server.protocol import (
     parse_request,
     usage,
 )
-from engine.remote import SAMPLING_EXTENSION_NAMES
 from engine.types import TextDelta
 
 log = logging.getLogger(__name__)
@@ -200,29 +199,29 @@ class Api:
         except (ValueError, RecursionError) as exc:
             raise bad(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
 
-    def model_object(self) -> dict[str, Any]:
-        engine = self.engines.engine
-        out: dict[str, Any] = {"id": self.engines.model_id, "object": "model", "created": 0, "owned_by": "gapless"}
-        ctx = getattr(engine, "context_length", 0)
-        if isinstance(ctx, int) and ctx > 0:  # vLLM's name for it, which clients (and Gapless's remote engine) read
-            out["max_model_len"] = ctx
+    @staticmethod
+    def model_object(listed: tuple[str, ModelFacts]) -> dict[str, Any]:
+        model_id, facts = listed  # together: a model switch between them changes neither
+        out: dict[str, Any] = {"id": model_id, "object": "model", "created": 0, "owned_by": "gapless"}
+        if facts.context_length:  # vLLM's name for it, which clients (and Gapless's remote engine) read
+            out["max_model_len"] = facts.context_length
         # The sampling settings beyond OpenAI's this server honours: all of them on its own engine, only those the
         # server behind passes on where the model is itself remote (a client sending others would get a 400).
-        passes_on = getattr(engine, "passes_on", lambda _name: True)
-        out["x_gapless"] = {"sampling_extensions": [n for n in SAMPLING_EXTENSION_NAMES if passes_on(n)]}
+        out["x_gapless"] = {"sampling_extensions": list(facts.sampling_extensions)}
         return out
 
     async def models(self, request: HttpRequest) -> Response:
         self.check_key(request)
-        return JSONResponse({"object": "list", "data": [self.model_object()]})
+        return JSONResponse({"object": "list", "data": [self.model_object(self.engines.listed)]})
 
     async def model(self, request: HttpRequest) -> Response:
         self.check_key(request)
-        if request.path_params["model"] != self.engines.model_id:
+        listed = self.engines.listed
+        if request.path_params["model"] != listed[0]:
             raise ApiError(
                 404, f"the model {request.path_params['model']!r} does not exist", param="model", code="model_not_found"
             )
-        return JSONResponse(self.model_object())
+        return JSONResponse(self.model_object(listed))
 
     async def chat(self, request: HttpRequest) -> Response:
         return await self.complete(request, chat=True)

@@ -347,6 +347,109 @@ def _free_port() -> int:
     return port
 
 
+class PlainServer:
+    """A stand-in for an OpenAI-compatible server that is none of those known to take top-k or a repetition
+    penalty (as OpenAI's own, or Ollama's): it lists one model with its context and answers every chat with the
+    same few words."""
+
+    MODEL = "plain-model"
+    CONTEXT = 8192
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        return Starlette(
+            routes=[Route("/v1/models", self.models), Route("/v1/chat/completions", self.chat, methods=["POST"])]
+        )
+
+    async def models(self, _request):
+        from starlette.responses import JSONResponse
+
+        entry = {"id": self.MODEL, "object": "model", "owned_by": "someone", "context_length": self.CONTEXT}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def chat(self, request):
+        import json
+
+        from starlette.responses import StreamingResponse
+
+        self.bodies.append(await request.json())
+
+        def chunk(text: str, finish=None) -> str:
+            delta = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+            return f"data: {json.dumps(delta)}\n\n"
+
+        events = [chunk("Hello"), chunk(" there"), chunk("", "stop"), "data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
+
+@contextmanager
+def plain_server():
+    from app.server.run import AsgiThread
+
+    stand_in = PlainServer()
+    thread = AsgiThread(stand_in.app())
+    try:
+        yield stand_in, thread.url
+    finally:
+        thread.stop()
+
+
+def _listed(url: str, key: str = "") -> dict:
+    import httpx
+
+    r = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+    assert r.status_code == 200, r.text
+    (entry,) = r.json()["data"]
+    return entry
+
+
+def test_the_app_s_server_lists_its_model_as_gapless_serve_does(qtbot, gui, tiny_llama, monkeypatch):
+    """The app's server listed its model without its context (`max_model_len`) and with top-k and the repetition
+    penalty even where the loaded model was a remote one whose server takes neither: a Gapless client in front of
+    it (with the app's default top-k of 40) got a 400 on every answer instead of a note that top-k was not
+    applied. It lists what `gapless serve` lists for the same model, and follows the model the app loads."""
+    import app.keys
+    from engine.remote import RemoteEngine, RemoteSource
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    server = gui.server
+    port = _free_port()
+    server.start("127.0.0.1", port)
+    assert server.running
+    url = f"http://127.0.0.1:{port}/v1"
+    with served(tiny_llama, api_key="sk-serve") as serve_url:
+        assert _listed(url) == _listed(serve_url, "sk-serve")
+    assert _listed(url)["max_model_len"] == gui.controller.info.context_length > 0
+
+    with plain_server() as (stand_in, plain_url):
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            gui.window.model_panel.remoteRequested.emit(plain_url, PlainServer.MODEL, "", 30.0)
+        entry = _listed(url)
+        assert entry["id"] == gui.controller.info.name and entry["max_model_len"] == PlainServer.CONTEXT
+        assert entry["x_gapless"] == {"sampling_extensions": []}
+        front = RemoteEngine.load(RemoteSource(url, entry["id"]))
+        try:
+            sampling = SamplingParams(temperature=0.7, top_k=40, repetition_penalty=1.1, max_new_tokens=8)
+            r = front.generate(HELLO, sampling)
+        finally:
+            front.close()
+        assert r.texts == ["Hello there"]
+        assert any("top-k 40 and repetition penalty 1.1 not applied" in n for n in r.notices), r.notices
+        assert "top_k" not in stand_in.bodies[-1] and "repetition_penalty" not in stand_in.bodies[-1]
+
+    with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+        gui.window.load_model(str(tiny_llama))
+    entry = _listed(url)
+    assert entry["max_model_len"] == gui.controller.info.context_length
+    assert entry["x_gapless"] == {"sampling_extensions": ["top_k", "repetition_penalty"]}
+    server.stop()
+
+
 def test_an_api_key_that_cannot_be_kept_says_so(qtbot, gui, monkeypatch):
     """A config folder that refuses the key file: OK did nothing at all (the error escaped the slot)."""
     import app.keys
