@@ -12,6 +12,13 @@ from engine.types import EngineOptions, Progress, is_remote
 
 API_KEY_ENV = "GAPLESS_REMOTE_API_KEY"
 keys_dir: Optional[Path] = None  # where the app keeps API keys (its config folder); None: the default one
+# Whether a remote model's base URL is the app's own running server (app.serve_app.AppServer.serves; None outside
+# the app): every load of a remote model is checked, from the Remote dialog, the Recent menu or asked for earlier.
+own_server: Optional[Callable[[str], bool]] = None
+SELF_REMOTE = (
+    "it is this app's own server (the Server panel): a model cannot answer through itself (each would wait for "
+    "the other); open the model itself instead"
+)
 
 
 def load_engine(
@@ -23,6 +30,11 @@ def load_engine(
         from engine.remote import RemoteEngine, RemoteSource
 
         remote = RemoteSource.parse(source)
+        serves = own_server
+        if serves is not None and serves(remote.base_url):
+            from engine.errors import ModelLoadError
+
+            raise ModelLoadError(f"{remote.base_url}: {SELF_REMOTE}")
         key = os.environ.get(API_KEY_ENV) or KeyStore(keys_dir or AppPaths.resolve().config).get(remote.base_url)
         return RemoteEngine.load(remote, options, progress, api_key=key)
     from engine.engine import Engine

@@ -53,7 +53,7 @@ class GuiApp:
             import app.engines
 
             self.server.stop()
-            app.engines.keys_dir = None
+            app.engines.keys_dir = app.engines.own_server = None
         self.fetcher.cancel()
         stopped = self.controller.shutdown(timeout)
         self.fetcher.wait(5.0)
@@ -213,6 +213,7 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
 
     app.engines.keys_dir = paths.config
     server = AppServer(controller, window)
+    app.engines.own_server = server.serves  # read on the engine worker's thread when a remote model loads
     panel = ServerPanel()
     dock = QDockWidget("Server", window)
     dock.setObjectName("serverDock")
@@ -240,8 +241,8 @@ def open_remote(
     window: Any, paths: AppPaths, base_url: str, model: str, api_key: str, timeout_s: float, server: Any = None
 ) -> None:
     """Keep the key (if one was given) and open the remote model like any other; not the app's own server."""
+    from app.engines import SELF_REMOTE
     from app.keys import KeyStore
-    from app.serve_app import SELF_REMOTE
     from engine.errors import OptionsError
     from engine.remote import RemoteSource
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from app.engines import SELF_REMOTE
 from app.server.engine_queue import EngineQueue, ModelFacts, ShuttingDown
 from app.server.http import ServeConfig
 from app.server.run import BackgroundServer
@@ -65,10 +66,6 @@ def _this_machine(host: str) -> bool:
 
 
 WILDCARD = ("0.0.0.0", "::")
-SELF_REMOTE = (
-    "it is this app's own server (the Server panel): a model cannot answer through itself (each would wait for "
-    "the other); open the model itself instead"
-)
 
 
 class AppServer(QObject):
@@ -134,7 +131,8 @@ class AppServer(QObject):
         self.stopped.emit()
 
     def serves(self, base_url: str) -> bool:
-        """Whether a remote model at `base_url` would be this running server."""
+        """Whether a remote model at `base_url` would be this running server (asked on the engine worker's thread
+        too, as each remote model loads: it reads one reference)."""
         return self.server is not None and reaches(self.server.url, base_url)
 
     def _run_on_worker(self, fn: Callable[[Any], None]) -> None:

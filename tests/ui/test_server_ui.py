@@ -511,6 +511,34 @@ def test_the_server_does_not_start_where_the_loaded_remote_model_is(qtbot, gui, 
     assert not server.running
 
 
+def test_a_recent_remote_model_at_the_app_s_own_server_is_refused(qtbot, gui, tiny_llama, monkeypatch):
+    """A remote model opened from the Recent menu (or a load asked for before the server started) at the address
+    the app's server now listens on, as `gapless serve` once did on the same default port: it opened, and every
+    answer then waited on itself until its timeout. It is refused as from the Remote dialog."""
+    import app.keys
+
+    monkeypatch.setattr(app.keys, "_keyring", lambda: None)
+    c = gui.controller
+    with served(tiny_llama, api_key="sk-ui") as url:
+        with qtbot.waitSignal(c.loaded, timeout=TIMEOUT_MS):
+            gui.window.model_panel.remoteRequested.emit(url, tiny_llama.name, "sk-ui", 30.0)
+        remote = c.info.source
+    with qtbot.waitSignal(c.loaded, timeout=TIMEOUT_MS):
+        gui.window.load_model(str(tiny_llama))
+    assert any(e.source == remote for e in gui.window.catalog.recent())
+    with qtbot.waitSignal(gui.server.started, timeout=TIMEOUT_MS):
+        gui.server.start("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]))
+    outcomes: list = []
+    c.loaded.connect(lambda info, _u: outcomes.append(("loaded", info.source)))
+    c.loadFailed.connect(lambda source, message: outcomes.append(("failed", message)))
+    gui.window.model_panel.openRequested.emit(remote)  # as the Recent menu opens it
+    qtbot.waitUntil(lambda: bool(outcomes), timeout=TIMEOUT_MS)
+    assert outcomes[0][0] == "failed" and "it is this app's own server (the Server panel)" in outcomes[0][1]
+    assert c.info.source == str(tiny_llama)
+    assert "it is this app's own server" in gui.window.model_panel.error.text()
+    gui.server.stop()
+
+
 def test_a_remote_model_leaves_the_user_s_own_options_as_they_were(qtbot, gui, tiny_llama, monkeypatch):
     """The panel shows a remote model's options turned back to the defaults (the server decides them); opening a
     local model afterwards brings back the user's, and the settings never held the remote ones."""
