@@ -50,7 +50,8 @@ class ServerPanel(QWidget):
             self.stopRequested.emit()
         else:
             self.error.hide()
-            self.startRequested.emit(self.host.text().strip(), self.port.value(), self.api_key.text())
+            # a pasted key loses the spaces and line end around it, as in the remote model dialog (it was refused)
+            self.startRequested.emit(self.host.text().strip(), self.port.value(), self.api_key.text().strip())
 
     def set_running(self, url: Optional[str]) -> None:
         self.running = url is not None

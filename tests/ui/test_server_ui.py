@@ -99,6 +99,15 @@ def test_a_pasted_key_loses_its_spaces_and_newline(qtbot):
     assert d.result() == RemoteDialog.DialogCode.Accepted and d.values()[2] == "sk-1"
 
 
+def test_a_key_pasted_into_the_server_panel_loses_its_spaces_and_newline(qtbot):
+    panel = ServerPanel()
+    qtbot.addWidget(panel)
+    panel.api_key.setText("  sk-1\n")
+    with qtbot.waitSignal(panel.startRequested) as start:
+        qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
+    assert start.args[2] == "sk-1"
+
+
 def test_remote_dialog_shows_its_hints_whole(qtbot):
     d = RemoteDialog(None)
     qtbot.addWidget(d)
