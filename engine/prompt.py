@@ -14,13 +14,21 @@ Each policy drops at least the fewest messages that fit, rounded up to about a q
 (_sticky), so the cut stays put for several turns and the engine's prefix cache serves them.
 If what must stay is still too long, the last user message keeps its tail. Every cut is reported in `notices`,
 and what was dropped in `cut` (for the answer's stats line).
+
+Token counts are kept per tokenizer by the digest of the text counted (_TokenCounts): a chat fitted again (the
+context meter as the draft is typed, the send, a regenerate, the next turn) tokenizes only the messages, and the
+rendered chat, it has not counted before; the counts are the tokenizer's own, so every fitting is unchanged.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import itertools
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
@@ -75,10 +83,11 @@ def _build(
             _stop_if_over(len(tokenizer(msgs[-1]["content"])["input_ids"]), budget, context_length)
         return _fit_raw(tokenizer, msgs[-1]["content"], budget, context_length, notices)
     render = _renderer(tokenizer, msgs, notices)
-    text, ids = render(msgs)  # rendered once: the renderer keeps it for `msgs`
-    full.append(len(ids))
+    whole = render.size(msgs)  # counted once (or known from an earlier fitting of the same text)
+    full.append(whole)
     if overflow == "stop":
-        _stop_if_over(len(ids), budget, context_length)
+        _stop_if_over(whole, budget, context_length)
+        text, ids = render(msgs)
         return Prompt(ids, text, 0, notices)
     counts = functools.cache(lambda: _content_sizes(tokenizer, msgs))  # counted once for both policies' tries
     if overflow == "truncate-middle":
@@ -87,7 +96,7 @@ def _build(
 
 
 def _fit_middle_or_rolling(
-    tokenizer, render: Render, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
+    tokenizer, render: _Renderer, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
 ) -> Prompt:
     """Truncate-middle where it can keep the first message; else the rolling window, said in a notice. It cannot
     where the first message alone leaves no room (after the turn that answered it, cut, every later one was
@@ -127,7 +136,7 @@ def measure_prompt(
         clean, notices = _clean([*messages[:-1], {"role": "user", "content": "."}] if empty else messages)
         if empty:
             clean[-1]["content"] = ""
-        tokens = len(_renderer(tokenizer, clean, notices)(clean)[1])
+        tokens = _renderer(tokenizer, clean, notices).size(clean)
     if empty:
         return ContextUse(tokens, tokens if tokens <= budget else None, context_length, budget, overflow)
     return ContextUse(
@@ -200,50 +209,147 @@ def _clean(messages: Any, raw: bool = False) -> tuple[list[dict], list[str]]:
 Render = Callable[[list[dict]], tuple[str, list[int]]]
 Counts = Callable[[], list[int]]  # each message's content tokens (_content_sizes), counted on the first call
 
-
-def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> Render:
-    """The render for `msgs` and the cuts of them. `msgs` itself (the same list) is rendered once: the renderer
-    keeps it, as every policy starts with the whole conversation."""
-    done: dict[str, tuple[str, list[int]]] = {}
-    render = _render(tokenizer, msgs, notices, done)
-
-    def kept(ms: list[dict]) -> tuple[str, list[int]]:
-        if ms is not msgs:
-            return render(ms)
-        if "whole" not in done:
-            done["whole"] = render(ms)
-        return done["whole"]
-
-    return kept
+# Token counts kept per tokenizer, by the digest of the text (and how it was tokenized): a long chat is fitted
+# again at every send, regenerate and context-meter update, and each time it tokenized every message and the whole
+# rendered chat anew. Bounded in entries (about 100 bytes each).
+KNOWN_COUNTS = 1 << 16
 
 
-def _render(tokenizer, msgs: list[dict], notices: list[str], done: dict[str, tuple[str, list[int]]]) -> Render:
+class _TokenCounts:
+    """The token counts of texts one tokenizer has tokenized (the most recent KNOWN_COUNTS)."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab  # the tokenizer's size when counted: tokens added since make every count stale
+        self.known: "OrderedDict[bytes, int]" = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: bytes) -> Optional[int]:
+        with self.lock:
+            n = self.known.get(key)
+            if n is not None:
+                self.known.move_to_end(key)
+            return n
+
+    def put(self, key: bytes, n: int) -> None:
+        with self.lock:
+            self.known[key] = n
+            self.known.move_to_end(key)
+            while len(self.known) > KNOWN_COUNTS:
+                self.known.popitem(last=False)
+
+
+_counts: "weakref.WeakKeyDictionary[Any, _TokenCounts]" = weakref.WeakKeyDictionary()
+_counts_lock = threading.Lock()
+
+
+def _counts_of(tokenizer) -> Optional[_TokenCounts]:
+    """The token counts kept for `tokenizer`; None where it cannot be a key (nothing is kept then)."""
+    try:
+        vocab = len(tokenizer)
+        with _counts_lock:
+            counts = _counts.get(tokenizer)
+            if counts is None or counts.vocab != vocab:
+                counts = _counts[tokenizer] = _TokenCounts(vocab)
+            return counts
+    except TypeError:  # not weakly referenceable, or no len()
+        return None
+
+
+def _key(how: bytes, text: str) -> bytes:
+    return hashlib.blake2b(how + text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _count(counts: Optional[_TokenCounts], how: bytes, text: str, tokenize: Callable[[str], list]) -> int:
+    """len(tokenize(text)), known from an earlier count of the same text and tokenization where there was one."""
+    key = _key(how, text) if counts is not None else b""
+    n = counts.get(key) if counts is not None else None
+    if n is None:
+        n = len(tokenize(text))
+        if counts is not None:
+            counts.put(key, n)
+    return n
+
+
+BARE, PLAIN = b"bare\0", b"plain\0"  # the two tokenizations: without the special tokens it adds, with them
+
+
+def _template_ids(tokenizer, text: str) -> list[int]:
+    # the template writes the special tokens (BOS included) itself: adding them again would double them
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _plain_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text)["input_ids"])
+
+
+class _Renderer:
+    """The render for `msgs` and the cuts of them: render(ms) -> (text, ids). `msgs` itself (the same list) is
+    rendered once, as every policy starts with the whole conversation, and its tokens are counted (size) without
+    tokenizing it where the same text was counted before; its ids are made only where asked for (a prompt that
+    fits)."""
+
+    def __init__(
+        self, tokenizer, msgs: list[dict], text: str, render: Render, tokenize: Callable[[str], list[int]], how: bytes
+    ):
+        self.tokenizer, self.msgs, self.msgs_text = tokenizer, msgs, text
+        self.render, self.tokenize, self.how = render, tokenize, how
+        self.whole: Optional[tuple[str, list[int]]] = None
+        self.whole_size: Optional[int] = None
+
+    def __call__(self, ms: list[dict]) -> tuple[str, list[int]]:
+        if ms is not self.msgs:
+            return self.render(ms)
+        if self.whole is None:
+            self.whole = (self.msgs_text, self.tokenize(self.msgs_text))
+            self.whole_size = len(self.whole[1])
+        return self.whole
+
+    def size(self, ms: list[dict]) -> int:
+        """len(self(ms)[1])."""
+        if ms is not self.msgs:
+            return len(self.render(ms)[1])
+        if self.whole_size is None:
+            counts = _counts_of(self.tokenizer)
+            self.whole_size = _count(counts, self.how, self.msgs_text, lambda t: self(ms)[1])
+        return self.whole_size
+
+
+def _renderer(tokenizer, msgs: list[dict], notices: list[str]) -> _Renderer:
+    """The render for `msgs` and the cuts of them (_Renderer)."""
+    render, text, tokenize, how = _render(tokenizer, msgs, notices)
+    return _Renderer(tokenizer, msgs, text, render, tokenize, how)
+
+
+def _render(tokenizer, msgs: list[dict], notices: list[str]) -> tuple[Render, str, Callable[[str], list[int]], bytes]:
     """The render of `msgs`: the chat template, merging the system prompt where the template has no system role,
-    or the plain format. The template is tried on `msgs`; a try that works is kept in done["whole"]."""
+    or the plain format; and the text of `msgs` itself, how it is tokenized, and a name for that tokenization.
+    The template is tried on `msgs` (its text only: tokenized where needed)."""
     if not getattr(tokenizer, "chat_template", None):
 
-        def plain(ms: list[dict]) -> tuple[str, list[int]]:
-            text = "\n\n".join(f"{FALLBACK_LABELS[m['role']]}: {m['content']}" for m in ms) + "\n\nAssistant:"
-            return text, list(tokenizer(text)["input_ids"])
+        def plain_text(ms: list[dict]) -> str:
+            return "\n\n".join(f"{FALLBACK_LABELS[m['role']]}: {m['content']}" for m in ms) + "\n\nAssistant:"
 
-        return plain
+        def plain(ms: list[dict]) -> tuple[str, list[int]]:
+            text = plain_text(ms)
+            return text, _plain_ids(tokenizer, text)
+
+        return plain, plain_text(msgs), functools.partial(_plain_ids, tokenizer), PLAIN
 
     import jinja2
 
-    def raw(ms: list[dict]) -> tuple[str, list[int]]:
-        text = tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
-        # the template writes the special tokens (BOS included) itself: adding them again would double them
-        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def raw_text(ms: list[dict]) -> str:
+        return tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
 
     def template(ms: list[dict]) -> tuple[str, list[int]]:
         try:  # a cut conversation can break a rule the whole one kept (roles that must alternate)
-            return raw(ms)
+            text = raw_text(ms)
         except jinja2.TemplateError as exc:
             raise GenerationError(f"the model's chat template failed: {exc}") from exc
+        return text, _template_ids(tokenizer, text)
 
+    tokenize = functools.partial(_template_ids, tokenizer)
     try:
-        done["whole"] = raw(msgs)
-        return template
+        return template, raw_text(msgs), tokenize, BARE
     except jinja2.TemplateError as exc:
         if not any(m["role"] == "system" for m in msgs):
             raise GenerationError(f"the model's chat template failed: {exc}") from exc
@@ -253,13 +359,13 @@ def _render(tokenizer, msgs: list[dict], notices: list[str], done: dict[str, tup
         return template(_merge_system(ms))
 
     try:  # templates without a system role (Gemma, early Mistral) raise on one
-        done["whole"] = raw(_merge_system(msgs))
+        text = raw_text(_merge_system(msgs))
     except jinja2.TemplateError as exc:
         raise GenerationError(f"the model's chat template failed: {first_error}") from exc
     notices.append(
         "this model's chat template has no system role: the system prompt was put before the first user message"
     )
-    return merged
+    return merged, text, tokenize, BARE
 
 
 def _merge_system(ms: list[dict]) -> list[dict]:
@@ -331,8 +437,10 @@ def _sticky(fewest: int, sizes: list[int], step: int) -> int:
 
 
 def _content_sizes(tokenizer, msgs: list[dict]) -> list[int]:
-    """Each message's content tokens."""
-    return [len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for m in msgs]
+    """Each message's content tokens (a message counted before, in this chat or another, is not tokenized again)."""
+    counts = _counts_of(tokenizer)
+    tokenize = functools.partial(_template_ids, tokenizer)
+    return [_count(counts, BARE, m["content"], tokenize) for m in msgs]
 
 
 def _sizes(content: list[int], units: list[list[int]], rendered: int) -> list[int]:
@@ -382,14 +490,15 @@ def _too_long(
 
 
 def _fit(
-    tokenizer, render: Render, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
+    tokenizer, render: _Renderer, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
 ) -> Prompt:
-    text, ids = render(msgs)
-    if len(ids) <= budget:
+    whole = render.size(msgs)
+    if whole <= budget:
+        text, ids = render(msgs)
         return Prompt(ids, text, 0, notices)
     history = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
-    sizes = functools.cache(lambda: _sizes(counts(), [[i] for i in history], len(ids)))
-    too_long = _too_long(render, budget, len(ids), sizes, lambda k: _keep(msgs, k)[0])
+    sizes = functools.cache(lambda: _sizes(counts(), [[i] for i in history], whole))
+    too_long = _too_long(render, budget, whole, sizes, lambda k: _keep(msgs, k)[0])
     best = _fewest_dropped(render, budget, len(history), lambda k: (_keep(msgs, k)[0], k), too_long)
     if best is not None:
         k = _sticky(best[2], sizes(), budget // CUT_STEP_SHARE)
@@ -441,12 +550,13 @@ def _cut_last(
 
 
 def _fit_middle(
-    tokenizer, render: Render, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
+    tokenizer, render: _Renderer, counts: Counts, msgs: list[dict], budget: int, context: int, notices: list[str]
 ) -> Prompt:
     """Drop whole turns between the first user message and the last one, oldest first, then the first
     question's answers; the system prompt and the first and last user messages stay."""
-    text, ids = render(msgs)
-    if len(ids) <= budget:
+    whole = render.size(msgs)
+    if whole <= budget:
+        text, ids = render(msgs)
         return Prompt(ids, text, 0, notices)
     convo = [i for i, m in enumerate(msgs) if m["role"] != "system"]  # the chat's numbering: 1 = convo[0]
     first = next(i for i in convo if msgs[i]["role"] == "user")
@@ -466,8 +576,8 @@ def _fit_middle(
         out = set(gone)
         return [m for i, m in enumerate(msgs) if i not in out], gone
 
-    sizes = functools.cache(lambda: _sizes(counts(), units, len(ids)))
-    too_long = _too_long(render, budget, len(ids), sizes, lambda k: kept_after(k)[0])
+    sizes = functools.cache(lambda: _sizes(counts(), units, whole))
+    too_long = _too_long(render, budget, whole, sizes, lambda k: kept_after(k)[0])
     best = _fewest_dropped(render, budget, len(units), lambda k: (kept_after(k)[0], k), too_long)
     if best is not None:
         k = _sticky(best[2], sizes(), budget // CUT_STEP_SHARE)

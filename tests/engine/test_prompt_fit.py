@@ -414,11 +414,51 @@ def test_a_long_chat_renders_only_what_can_fit(tokenizers, policy, monkeypatch):
     real = prompt._render
 
     def counting(*a):
-        render = real(*a)
-        return lambda ms: rendered.append(len(ms)) or render(ms)
+        render, *rest = real(*a)
+        return (lambda ms: rendered.append(len(ms)) or render(ms), *rest)
 
     monkeypatch.setattr(prompt, "_render", counting)
     new = _outcome(prompt.build_prompt, tok, msgs, context, max_new, overflow=policy)
     assert new == _outcome(old_build_prompt, tok, msgs, context, max_new, overflow=policy)
     assert new[2] > 1100 and len(new[0]) <= budget
     assert rendered and max(rendered) <= 8 * budget // 20, rendered  # messages of 20 tokens or more
+
+
+@pytest.mark.parametrize("policy", ["rolling", "truncate-middle"])
+def test_a_long_chat_fitted_again_tokenizes_only_what_is_new(policy):
+    """The context meter counts the chat as the draft is typed, the send fits the same chat, the next turn fits it
+    with two more messages: a message or a whole rendered chat counted before is not tokenized again (each fitting
+    of 8,000 messages tokenized all of them and the whole chat anew), and every cut is the reference's."""
+    tok = make_tokenizer()  # its own: nothing counted yet
+    tok.chat_template = CHATML
+    rng = random.Random(2)
+    msgs = [{"role": "system", "content": "You are brief."}]
+    msgs += [{"role": ("user", "assistant")[n % 2], "content": _text(rng, rng.randint(10, 40))} for n in range(1201)]
+    context, max_new = 1024, 128
+    chars = sum(len(m["content"]) for m in msgs)
+    tokenized: list[int] = []  # the characters of each text tokenized
+
+    class Counting(type(tok)):  # type: ignore[misc]
+        def __call__(self, text, *args, **kwargs):
+            tokenized.append(len(text))
+            return super().__call__(text, *args, **kwargs)
+
+    tok.__class__ = Counting
+
+    def fitted(fit, *args, **kwargs) -> tuple[object, list[int]]:
+        tokenized.clear()
+        return fit(*args, **kwargs), list(tokenized)
+
+    use, counted = fitted(prompt.measure_prompt, tok, msgs, context, max_new, overflow=policy)
+    assert use == old_measure_prompt(tok, msgs, context, max_new, overflow=policy)
+    assert len(counted) > len(msgs) and sum(counted) > 2 * chars  # each message, and the whole chat
+
+    sent, counted = fitted(_outcome, prompt.build_prompt, tok, msgs, context, max_new, overflow=policy)
+    assert sent == _outcome(old_build_prompt, tok, msgs, context, max_new, overflow=policy)
+    assert sent[2] > 1100
+    assert len(counted) < 30 and sum(counted) < chars // 4, counted  # only cuts of a few budgets
+
+    following = [*msgs, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "and then?"}]
+    after, counted = fitted(_outcome, prompt.build_prompt, tok, following, context, max_new, overflow=policy)
+    assert after == _outcome(old_build_prompt, tok, following, context, max_new, overflow=policy)
+    assert len(counted) < 30, counted  # the new chat's text once, its two new messages, and the cuts
