@@ -13,9 +13,11 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from app.engines import SELF_REMOTE
 from app.server.engine_queue import EngineQueue, ModelFacts, ShuttingDown
 from app.server.http import ServeConfig
+from app.server.protocol import ApiError
 from app.server.run import BackgroundServer
 from app.worker import Call, EngineController
 from engine.errors import GaplessError
+from engine.types import source_label
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class AppServer(QObject):
         self._timer.setInterval(STATS_INTERVAL_MS)
         self._timer.timeout.connect(self._poll)
         controller.loaded.connect(self._on_loaded)
+        controller.loadAsked.connect(self._on_load_asked)
 
     @property
     def running(self) -> bool:
@@ -153,6 +156,20 @@ class AppServer(QObject):
         if info is None:
             return ModelFacts()
         return ModelFacts(max(0, info.context_length or 0), self.controller.sampling_extensions)
+
+    def _on_load_asked(self, source: str) -> None:
+        """The user opened another model: an API client's answer running now is stopped, with the reason, rather
+        than the load waiting for all of it (minutes, for a long max_tokens) with nothing said."""
+        if self.engines is not None:
+            self.engines.stop_running(
+                ApiError(
+                    503,
+                    f"the answer was stopped: the app is opening another model ({source_label(source)}); ask "
+                    "again once it is in",
+                    "server_error",
+                    code="model_replaced",
+                )
+            )
 
     def _on_loaded(self, info: Any, _unavailable: Any) -> None:
         if self.engines is not None:

@@ -406,6 +406,7 @@ class EngineController(EngineEvents):
     # Events that update the mirrors first; their handlers emit them on. Every other event is passed on as is.
     _MIRRORED = ("loaded", "reconfigured", "generationFinished", "generationFailed", "busyChanged")
     contextCounted = Signal(int, object)  # request id, engine.types.ContextUse or a message saying why not
+    loadAsked = Signal(str)  # the source of a load, as it is asked for (the app's server stops its running answer)
 
     def __init__(self, worker: Optional[EngineWorker] = None, parent: Optional[QObject] = None):
         super().__init__(parent)
@@ -450,6 +451,7 @@ class EngineController(EngineEvents):
         """Load a model; a running generation or ladder is stopped first and finishes with what it had."""
         self.cancel()
         self.cancel_ladder()
+        self.loadAsked.emit(source)
         self._put(Load(source, options))
 
     def reconfigure(self, options: EngineOptions) -> None:

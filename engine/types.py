@@ -44,6 +44,22 @@ def remote_address_problem(url: str) -> Optional[str]:
     return None
 
 
+def source_label(source: str) -> str:
+    """A model's source in a few words: a local model by its file or folder name, a remote one by its address and
+    model, the default model as such."""
+    if source.startswith("remote:"):
+        return source[len("remote:") :].split("|")[0].replace("#", " · ")
+    return "Default model" if source == "default" else Path(source).name or source
+
+
+def source_in_full(source: str) -> str:
+    """A model's source as a message names it: a local model by its whole path, a remote one by its address and
+    model (not the stored form, "remote:http://…#m|timeout=5"), the default model as such."""
+    if source == "default" or source.startswith("remote:"):
+        return source_label(source)
+    return source
+
+
 def api_key_problem(key: str) -> Optional[str]:
     """Why `key` cannot be sent as a bearer token (it is never quoted back); None when it can."""
     if not (key.isascii() and key.isprintable() and " " not in key):

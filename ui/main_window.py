@@ -43,13 +43,15 @@ from engine.types import (
     Progress,
     SamplingParams,
     options_as_run,
+    source_in_full,
+    source_label,
 )
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
 from ui.hud.bars import ElidedLabel
-from ui.model_panel import ModelPanel, source_in_full, source_label
+from ui.model_panel import ModelPanel
 from ui.parts import tight_column
 from ui.preferences import Preferences, PreferencesDialog
 from ui.stats import options_label

@@ -22,26 +22,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.types import ModelInfo, Progress
+from engine.types import ModelInfo, Progress, source_label
 from ui.dialogs import choose_model
 from ui.hud import fmt
 from ui.hud.fmt import NA
 from ui.parts import error_label
 from ui.progress import show_progress
-
-
-def source_label(source: str) -> str:
-    if source.startswith("remote:"):
-        return source[len("remote:") :].split("|")[0].replace("#", " · ")
-    return "Default model" if source == "default" else Path(source).name or source
-
-
-def source_in_full(source: str) -> str:
-    """A model's source as a message names it: a local model by its whole path, a remote one by its address and
-    model (not the stored form, "remote:http://…#m|timeout=5"), the default model as such."""
-    if source == "default" or source.startswith("remote:"):
-        return source_label(source)
-    return source
 
 
 class ModelPanel(QGroupBox):

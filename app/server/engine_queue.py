@@ -55,6 +55,7 @@ class Job:
     accepted: float = field(default_factory=time.perf_counter)
     engine_name: Optional[str] = None  # the model the server served when it accepted the request (EngineQueue)
     state: str = "queued"  # then "running", or "withdrawn": its client went away while it waited (the queue's lock)
+    stopped: Optional[ApiError] = None  # why the server stopped it (EngineQueue.stop_running), for its client
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,15 @@ class EngineQueue:
     def serve(self, name: str, facts: ModelFacts) -> None:
         """The engine runs another model now, served under its own name."""
         self._served = (name, name, facts)
+
+    def stop_running(self, error: ApiError) -> None:
+        """Stop the request running now, if any, its client told `error` (with the text it had, when streamed):
+        the app's user opened another model, which waited for the whole answer."""
+        with self._lock:
+            job = self._current
+            if job is not None:
+                job.stopped = error
+                job.cancel.set()
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -283,7 +293,7 @@ class EngineQueue:
             return
         if job.cancel.is_set():
             gone = ApiError(499, "the client went away before the request started", code="cancelled")
-            self._end(job, "cancelled", Failed(shutting_down() if self._shutting_down else gone))
+            self._end(job, "cancelled", Failed(shutting_down() if self._shutting_down else job.stopped or gone))
             return
         try:
             sampling, prompt_tokens = prepare(engine, req)
@@ -320,6 +330,9 @@ class EngineQueue:
         cancelled = job.cancel.is_set() and "cancelled" in result.finish_reasons
         if cancelled and self._shutting_down:
             self._end(job, "cancelled", Failed(shutting_down()))
+            return
+        if cancelled and job.stopped is not None:
+            self._fail(job, job.stopped)
             return
         if not cancelled and len(result.texts) != req.n:  # fewer candidates ran (out of device memory, a server)
             said = result.unavailable.get("candidates") or "; ".join(n for n in result.notices if "candidates" in n)

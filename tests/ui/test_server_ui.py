@@ -192,6 +192,62 @@ def test_a_request_waiting_while_the_app_loads_another_model_is_not_answered_by_
     assert r.model == c.info.name  # the new model's name is served
 
 
+def test_a_model_opened_in_the_app_stops_an_api_answer_with_the_reason(qtbot, gui, tmp_path, monkeypatch):
+    """The load waited for the whole answer of an API client (minutes, for a long max_tokens), the app saying
+    nothing; the answer is stopped now and its client told why."""
+    from tiny_models import make_tiny_model
+
+    import app.server.engine_queue as engine_queue
+    import engine.observers
+
+    monkeypatch.setattr(engine.observers, "FLUSH_INTERVAL_S", 0.0)
+    other = make_tiny_model(tmp_path / "other-model", "qwen2")
+    w, server, c = gui.window, gui.server, gui.controller
+    old_name = c.info.name
+    streaming = threading.Event()
+    real = engine_queue._texts_to
+
+    def held(sink):
+        send = real(sink)
+
+        def on_event(event):
+            send(event)
+            if event.__class__.__name__ == "TextDelta" and not streaming.is_set():
+                streaming.set()  # the answer is running: it goes on only once it is stopped (or after 30 s)
+                job = server.engines._current
+                job.cancel.wait(30)
+
+        return on_event
+
+    monkeypatch.setattr(engine_queue, "_texts_to", held)
+    port = _free_port()
+    w.server_panel.port.setValue(port)
+    with qtbot.waitSignal(server.started, timeout=TIMEOUT_MS):
+        w.server_panel.button.click()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    got: dict = {}
+
+    def ask() -> None:
+        try:
+            got["r"] = client.chat.completions.create(model=c.info.name, messages=HELLO, max_tokens=40, temperature=0)
+        except openai.APIStatusError as exc:
+            got["error"] = exc
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    assert streaming.wait(60)
+    with qtbot.waitSignal(c.loaded, timeout=TIMEOUT_MS):
+        w.load_model(str(other))
+    qtbot.waitUntil(lambda: not asker.is_alive(), timeout=TIMEOUT_MS)
+    error = got.get("error")
+    assert isinstance(error, openai.APIStatusError), got
+    assert error.status_code == 503 and error.body["code"] == "model_replaced"
+    assert error.body["message"] == (
+        "the answer was stopped: the app is opening another model (other-model); ask again once it is in"
+    )
+    assert c.info.name != old_name and server.engines.stats.failed == 1
+
+
 def test_the_app_serves_its_engine_between_its_own_chats(qtbot, gui, tiny_llama):
     from engine.engine import Engine
     from engine.types import EngineOptions
