@@ -7,7 +7,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import (
     QFileDialog,
     QGridLayout,
@@ -28,6 +28,23 @@ from ui.hud import fmt
 from ui.hud.fmt import NA
 from ui.parts import error_label
 from ui.progress import show_progress
+
+
+class WrappedValue(QLabel):
+    """A value that wraps (a model's long file name) and asks the layout for the height of all its lines at the
+    width it has: a grid gives a wrapping label no more than one line's height once the column is short (a short
+    window, a scale of 200 %), and the second line was cut off ("SmolLM2-135M-" alone, "Q4_1" cut to "Q4 1")."""
+
+    def minimumSizeHint(self) -> QSize:
+        hint = super().minimumSizeHint()
+        if self.wordWrap() and self.width() > 0:
+            hint.setHeight(max(hint.height(), self.heightForWidth(self.width())))
+        return hint
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        if event.oldSize().width() != event.size().width():
+            self.updateGeometry()  # another width wraps into another number of lines
 
 
 class ModelPanel(QGroupBox):
@@ -79,7 +96,7 @@ class ModelPanel(QGroupBox):
         for row, key in enumerate(self.FIELDS):
             k = QLabel(labels[key], self)
             k.setObjectName("infoKey")
-            v = QLabel(NA, self)
+            v = WrappedValue(NA, self)
             v.setObjectName("infoValue")
             v.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             v.setWordWrap(key == "name")  # long file names wrap instead of widening the column

@@ -422,3 +422,24 @@ def test_the_smallest_window_cuts_off_none_of_the_model_panel_s_figures(qtbot, t
             assert value.width() >= value.minimumSizeHint().width(), key
     finally:
         close_app(gui)
+
+
+def test_a_wrapped_model_name_keeps_every_line_in_a_short_window(qtbot, tmp_path, tiny_llama):
+    """The grid gave the wrapping name one line's height once the left column was short (a short window, or any
+    window at a scale of 200 %): "SmolLM2-135M-Instruct.Q4_1" showed as "SmolLM2-135M-", or "Q4_1" as "Q4 1"."""
+    from dataclasses import replace
+
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w, panel = gui.window, gui.window.model_panel
+        panel.set_info(replace(panel.info, name="SmolLM2-135M-Instruct.Q4_1"))
+        name, family = panel.values["name"], panel.values["family"]
+        for size in ((1366, 768), (900, 450), (300, 300)):
+            w.resize(*size)
+            qtbot.wait(100)
+            need = name.heightForWidth(name.width())
+            assert need >= 2 * name.fontMetrics().height() - 2, size  # it wraps at this width
+            assert name.height() >= need, (size, name.height(), need)
+            assert family.geometry().top() >= name.geometry().bottom(), size  # and the next row starts below it
+    finally:
+        close_app(gui)
