@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from PySide6.QtCore import QEvent, QObject, Qt, Signal
-from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette
+from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette, QPen
 from PySide6.QtWidgets import QApplication, QWidget
 
 THEME_CHOICES = ("system", "light", "dark")
@@ -21,7 +21,8 @@ THEME_CHOICES = ("system", "light", "dark")
 
 class PaletteFollower(QWidget):
     """A widget that draws with colours of its own and re-applies them (`apply_palette`) whenever its palette
-    changes, e.g. when the user switches the theme."""
+    changes, e.g. when the user switches the theme, and whenever its screen's scale changes (its lines are as
+    many device pixels wide as the scale, see `line_pen`)."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -33,8 +34,21 @@ class PaletteFollower(QWidget):
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)
-        if event.type() == QEvent.Type.PaletteChange:
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.DevicePixelRatioChange):
             self.apply_palette()
+
+
+def line_pen(
+    color: QColor | str, widget: QWidget, width: float = 1.0, style: Qt.PenStyle = Qt.PenStyle.SolidLine
+) -> QPen:
+    """A pen for a plot's lines, `width` pixels wide at the widget's scale. The plots draw with cosmetic pens
+    (the same width at any zoom of the data), and Qt draws a cosmetic pen's width in device pixels: at a scale of
+    200 % a 1 px curve, axis or grid line was half as thick as the text beside it, the grid all but gone."""
+    pen = QPen(QColor(color))
+    pen.setCosmetic(True)
+    pen.setWidthF(width * widget.devicePixelRatioF())
+    pen.setStyle(style)
+    return pen
 
 
 def muted_text(palette: QPalette) -> QColor:

@@ -1504,3 +1504,95 @@ def test_plots_png_keeps_its_tick_labels_in_a_large_font(hud, qtbot, tmp_path, l
     monkeypatch.setattr(ImageExporter, "export", look_then_export)
     panel.export_plots_png(tmp_path / "large.png", 1200, 900)
     assert drawn and all(drawn), drawn  # every plot's scale has its numbers
+
+
+AT_200_PERCENT = """
+import json, sys
+import numpy as np
+from hud_streams import ManualClock, feed_gpu_session
+from PySide6.QtGui import QColor, QImage
+from PySide6.QtWidgets import QApplication
+
+app = QApplication([])
+from ui.hud import HudPanel
+from ui.hud.export import save_plots
+from ui.hud.series_view import PLOTS, SeriesView
+
+color = QColor(PLOTS[0].color)
+
+
+def thickness(image, x):  # in pixels: how much of the curve's colour column x holds around the line
+    bg = image.pixelColor(x, 2).getRgb()[:3]
+    k = max(range(3), key=lambda i: abs(color.getRgb()[i] - bg[i]))  # the channel the curve changes most
+    cover = [(image.pixelColor(x, y).getRgb()[k] - bg[k]) / (color.getRgb()[k] - bg[k]) for y in range(image.height())]
+    at = max(range(len(cover)), key=cover.__getitem__)
+    return round(sum(c for c in cover[at - 4 : at + 5] if c > 0.2), 1)
+
+
+clock = ManualClock(1000.0)
+panel = HudPanel(clock=clock)
+panel.resize(520, 1000)
+feed_gpu_session(panel, clock, n_steps=40)
+panel.show()
+for _ in range(50):
+    app.processEvents()
+panel.live.paint(force=True)
+views = panel.live.views.values()
+widths = {
+    "curves": sorted({c.opts["pen"].widthF() for v in views for c in (v.curve, v.estimate_curve, v.profiled_curve) if c}),
+    "axes": sorted({v.plot.getAxis(a).pen().widthF() for v in views for a in ("left", "bottom")}),
+    "boundaries": sorted({line.pen.widthF() for v in views for line in v.lines if line.isVisible()}),
+    "ladder_axes": sorted({p.getAxis("left").pen().widthF() for p in (panel.ladder.tok_plot, panel.ladder.gap_plot)}),
+}
+flat = SeriesView(PLOTS[0])  # a level line: its thickness is the rows it covers
+flat.resize(400, 200)
+flat.set_measured(True, None)
+flat.show()
+flat.set_data(np.array([0.0, 10.0]), np.array([50.0, 50.0]), None, 0.0, 10.0)
+flat.plot.setXRange(0, 10, padding=0)
+flat.plot.setYRange(0, 100, padding=0)
+for _ in range(20):
+    app.processEvents()
+shown = flat.plot_widget.grab().toImage()
+out = sys.argv[1]
+save_plots(out, [flat], 800, 400, QColor("white"), QColor("black"))
+saved = QImage(out)
+print(json.dumps({
+    "dpr": shown.devicePixelRatio(), "widths": widths,
+    "shown": thickness(shown, shown.width() * 3 // 4), "saved": thickness(saved, saved.width() * 3 // 4),
+}))
+"""
+
+
+def test_plot_lines_are_as_wide_as_the_screen_s_scale(tmp_path):
+    """Qt draws a cosmetic pen's width in device pixels: at a scale of 200 % the curves, axes, grid and generation
+    lines were one device pixel, half as thick as at 100 % beside text twice the size (the grid all but gone).
+    The exported PNG keeps the lines of a screen at 100 %: its size is in the image's own pixels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ui_tests = Path(__file__).parent
+    root = ui_tests.parent.parent
+    env = {
+        **os.environ,
+        "QT_QPA_PLATFORM": "offscreen",
+        "QT_SCALE_FACTOR": "2",
+        "PYTHONPATH": os.pathsep.join((str(root), str(ui_tests), str(root / "tests"))),
+    }
+    script = tmp_path / "at_200.py"
+    script.write_text(AT_200_PERCENT, encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plots.png")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["dpr"] == 2.0
+    assert got["widths"] == {"curves": [2.0], "axes": [2.0], "boundaries": [2.0], "ladder_axes": [2.0]}, got
+    assert got["shown"] == 2.0, got  # one pixel of the plot's size, two of the screen's
+    assert got["saved"] == 1.0, got

@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence, Union
 
-from PySide6.QtGui import QColor
+from PySide6.QtGui import QColor, QPen
 from PySide6.QtWidgets import QWidget
 
 from engine.paths import write_whole
@@ -161,7 +161,10 @@ def save_plots(
                 if isinstance(item, pg.PlotCurveItem) and item.xData is not None and len(item.xData):
                     # each curve joined as drawn: an estimate's levels are separate segments ("pairs")
                     connect = item.opts.get("connect", "finite")
-                    plot.addItem(pg.PlotCurveItem(item.xData, item.yData, pen=item.opts["pen"], connect=connect))
+                    # as wide in the image's pixels as on a screen at 100 % (the HUD's are as wide as its scale)
+                    pen = QPen(item.opts["pen"])
+                    pen.setWidthF(pen.widthF() / view.devicePixelRatioF())
+                    plot.addItem(pg.PlotCurveItem(item.xData, item.yData, pen=pen, connect=connect))
             (x_lo, x_hi), (y_lo, y_hi) = view.plot.viewRange()
             plot.setXRange(x_lo, x_hi, padding=0)
             plot.setYRange(y_lo, y_hi, padding=0)

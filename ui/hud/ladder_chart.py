@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QV
 
 from engine.types import CPU_DTYPE_NOTE, LadderRow
 from ui.hud import fmt
-from ui.theme import PaletteFollower, muted_text
+from ui.theme import PaletteFollower, line_pen, muted_text
 
 TOK_COLOR = "#4e9af1"
 GAP_COLOR = "#e06c75"
@@ -254,7 +254,7 @@ class LadderChart(PaletteFollower):
         self.chart.setBackground(pal.color(QPalette.ColorRole.Base))
         for plot in (self.tok_plot, self.gap_plot):
             for name in ("left", "bottom"):
-                plot.getAxis(name).setPen(pg.mkPen(muted, width=1))
+                plot.getAxis(name).setPen(line_pen(muted, self))
                 plot.getAxis(name).setTextPen(pg.mkPen(fg))
         self._draw_texts(self._base)
         self._set_titles()

@@ -289,3 +289,4 @@ class LivePlots(PaletteFollower):
         self._boundary_pen = QColor(BOUNDARY_COLOR)
         for view in self.views.values():
             view.apply_palette(background, foreground, muted)
+        self._bounds_shown = None  # the generation boundaries are drawn again at the next paint

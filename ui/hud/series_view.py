@@ -24,6 +24,7 @@ from ui.hud.bars import ElidedLabel
 from ui.hud.decimate import peak_decimate
 from ui.hud.series import ESTIMATED_SERIES
 from ui.parts import tight_column
+from ui.theme import line_pen
 
 TOKENS_SOURCE = "engine step records, rolling 1 s"
 STEP_SOURCE = "engine step timings; traced window in orange"
@@ -192,14 +193,14 @@ class SeriesView(QWidget):
             self.plot.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
         self.plot.disableAutoRange()
         self.plot.setYRange(0, 100 if spec.figure.unit == "%" else 1, padding=0.02)
-        self.curve = self._curve(pg.mkPen(spec.color, width=1), "finite")
+        # Their pens are set with the axes' (apply_palette), at the screen's scale.
+        self.curve = self._curve("finite")
         self.profiled_curve = None
         self.estimate_curve = None
         if spec.key in ESTIMATED_SERIES:
-            # Separate segments, a handful of points, drawn as pairs.
-            self.estimate_curve = self._curve(pg.mkPen(spec.color, width=1, style=Qt.PenStyle.DashLine), "pairs")
+            self.estimate_curve = self._curve("pairs")  # separate segments, a handful of points, drawn as pairs
         if spec.key == "step_ms":
-            self.profiled_curve = self._curve(pg.mkPen(PROFILED_COLOR, width=1), "finite")
+            self.profiled_curve = self._curve("finite")
         self.lines: list[pg.InfiniteLine] = []  # generation boundaries, a pool reused as they scroll by
 
         header = QHBoxLayout()
@@ -209,8 +210,8 @@ class SeriesView(QWidget):
         tight_column(self, header, (self.plot_widget, 1), self.na_label)
         self.set_measured(False, spec.idle_reason)
 
-    def _curve(self, pen, connect: str) -> pg.PlotCurveItem:
-        curve = pg.PlotCurveItem(pen=pen, antialias=False, connect=connect)
+    def _curve(self, connect: str) -> pg.PlotCurveItem:
+        curve = pg.PlotCurveItem(pen=line_pen(self.spec.color, self), antialias=False, connect=connect)
         self.plot.addItem(curve)
         return curve
 
@@ -314,7 +315,7 @@ class SeriesView(QWidget):
                 if x is None:
                     continue
                 line = self.lines[i]
-                line.setPen(pg.mkPen(pen, width=1, style=style))
+                line.setPen(line_pen(pen, self, style=style))
                 line.setValue(x)
                 line_label = getattr(line, "label", None)  # only the top plot's lines carry one
                 if line_label is not None:
@@ -328,9 +329,15 @@ class SeriesView(QWidget):
         return [float(line.value()) for line in self.lines if line.isVisible()]
 
     def apply_palette(self, background: QColor, foreground: QColor, muted: QColor) -> None:
+        """The colours, and the lines' widths at the screen's scale (called again when either changes)."""
         self.plot_widget.setBackground(background)
         for name in ("left", "bottom"):
             axis = self.plot.getAxis(name)
-            axis.setPen(pg.mkPen(muted, width=1))
+            axis.setPen(line_pen(muted, self))  # its grid lines too
             axis.setTextPen(pg.mkPen(foreground))
+        self.curve.setPen(line_pen(self.spec.color, self))
+        if self.estimate_curve is not None:
+            self.estimate_curve.setPen(line_pen(self.spec.color, self, style=Qt.PenStyle.DashLine))
+        if self.profiled_curve is not None:
+            self.profiled_curve.setPen(line_pen(PROFILED_COLOR, self))
         self.na_label.setStyleSheet(f"color: {muted.name()};")
