@@ -1596,3 +1596,30 @@ def test_plot_lines_are_as_wide_as_the_screen_s_scale(tmp_path):
     assert got["widths"] == {"curves": [2.0], "axes": [2.0], "boundaries": [2.0], "ladder_axes": [2.0]}, got
     assert got["shown"] == 2.0, got  # one pixel of the plot's size, two of the screen's
     assert got["saved"] == 1.0, got
+
+
+def test_generation_marks_read_on_the_plots_in_both_themes(hud, qtbot, qapp):
+    """Each generation's "#N" over the plots was a fixed grey, 3.3:1 on the light theme's white (text needs 4.5:1),
+    and a mark drawn before a theme change kept the old theme's colour."""
+    from test_widgets import _contrast
+
+    from ui.theme import DARK, LIGHT, build_palette
+
+    panel, clock = hud
+    before = qapp.palette()
+    try:
+        qapp.setPalette(build_palette(DARK))
+        feed_gpu_session(panel, clock, n_steps=40)
+        show_and_paint(qtbot, panel)
+        for colors in (LIGHT, DARK):
+            qapp.setPalette(build_palette(colors))
+            qapp.processEvents()  # palette changes reach widgets as posted events
+            panel.live.paint(force=True)
+            marks = [line for line in panel.live.view("tokens_per_s").lines if line.isVisible()]
+            labelled = [line for line in marks if line.label.format]
+            assert labelled, "no generation is marked"
+            for line in marks:
+                assert line.pen.color().name() == line.label.color.name()
+                assert _contrast(line.label.color.name(), colors.base) >= 4.5, (colors.base, line.label.color.name())
+    finally:
+        qapp.setPalette(before)

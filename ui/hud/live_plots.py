@@ -28,7 +28,6 @@ from ui.hud.series import LiveSeries
 from ui.hud.series_view import PLOTS, SeriesView
 from ui.theme import PaletteFollower, muted_text
 
-BOUNDARY_COLOR = "#8a8f98"
 MIN_SPAN_S = 0.01  # the shortest span "all held" shows: a GPU's answer can take a fraction of a second
 WINDOWS = (("last 10 s", 10.0), ("last 30 s", 30.0), ("last 60 s", 60.0), ("last 5 min", 300.0), ("all held", None))
 
@@ -69,7 +68,7 @@ class LivePlots(PaletteFollower):
         self._x_shown: Optional[tuple[float, float]] = None
         self._bounds_shown: Optional[tuple] = None
         self._layout_shown: Optional[tuple] = None
-        self._boundary_pen = QColor(BOUNDARY_COLOR)
+        self._boundary_pen = QColor()  # the generation boundaries and their "#N" (apply_palette)
 
         self.window_box = QComboBox()
         for text, seconds in WINDOWS:
@@ -286,7 +285,9 @@ class LivePlots(PaletteFollower):
         background = pal.color(QPalette.ColorRole.Base)
         foreground = pal.color(QPalette.ColorRole.Text)
         muted = muted_text(pal)
-        self._boundary_pen = QColor(BOUNDARY_COLOR)
+        # the theme's secondary text, as the "#N" of each generation is text: a fixed grey was 3.3:1 on the light
+        # theme's white
+        self._boundary_pen = pal.color(QPalette.ColorRole.PlaceholderText)
         for view in self.views.values():
             view.apply_palette(background, foreground, muted)
         self._bounds_shown = None  # the generation boundaries are drawn again at the next paint

@@ -320,6 +320,7 @@ class SeriesView(QWidget):
                 line_label = getattr(line, "label", None)  # only the top plot's lines carry one
                 if line_label is not None:
                     line_label.setFormat(text)
+                    line_label.setColor(pen)  # a line of the pool made before a theme change
                 line.show()
                 i += 1
         for line in self.lines[i:]:
