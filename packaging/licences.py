@@ -1,0 +1,167 @@
+"""The licence texts the bundle carries: those of every distribution Gapless runs on (its requirements, followed
+through theirs, as installed) and Python's own, each in licenses/<distribution>/ inside the bundle.
+
+Most wheels carry their licence files in their .dist-info; for the few that carry none, the text of the licence
+their metadata names is taken from where it is (packaging/licenses/, a module's header). A distribution with
+neither stops the build, naming it: a bundle is not shipped without the texts its licences ask to go with it.
+
+    python packaging/licences.py OUT    writes OUT/licenses/ and prints what it holds
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Callable, Optional
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TEXTS = HERE / "licenses"
+LICENCE_FILE = re.compile(r"^(licen[cs]e|copying|notice|authors)", re.IGNORECASE)
+
+
+def _shipped(*names: str) -> Callable[[md.Distribution], dict[str, str]]:
+    """The licence named, from packaging/licenses/ (the wheel carries no text of it)."""
+    return lambda _dist: {name: (TEXTS / name).read_text(encoding="utf-8") for name in names}
+
+
+def _apache(_dist: md.Distribution) -> dict[str, str]:
+    return {"LICENSE-Apache-2.0.txt": (ROOT / "LICENSE").read_text(encoding="utf-8")}  # the same licence as ours
+
+
+def _module_header(module: str) -> Callable[[md.Distribution], dict[str, str]]:
+    """The licence as the module's own leading comment states it (its wheel ships the module's source)."""
+
+    def read(dist: md.Distribution) -> dict[str, str]:
+        source = dist.locate_file(module)
+        lines = []
+        for line in Path(str(source)).read_text(encoding="utf-8").splitlines():
+            if not line.startswith("#"):
+                break
+            if line.strip("#"):  # a rule of #s frames it
+                lines.append(line[1:].removeprefix(" "))
+        text = "\n".join(lines).strip()
+        if "Redistribution" not in text:
+            raise ValueError(f"{module} no longer starts with its licence")
+        return {"LICENSE.txt": text + "\n"}
+
+    return read
+
+
+# Distributions whose wheels carry no licence file, by canonical name: where the text of the licence their
+# metadata names comes from. Qt for Python is used under the LGPL v3, which is the GPL v3 with more permissions:
+# both texts go with it.
+NO_TEXT_IN_WHEEL: dict[str, Callable[[md.Distribution], dict[str, str]]] = {
+    "pyside6-essentials": _shipped("LGPL-3.0.txt", "GPL-3.0.txt"),
+    "shiboken6": _shipped("LGPL-3.0.txt", "GPL-3.0.txt"),
+    "tokenizers": _apache,
+    "kernels": _apache,
+    "nvidia-ml-py": _module_header("pynvml.py"),
+}
+
+
+def runtime_distributions(root: str = "gapless", extras: tuple[str, ...] = ()) -> list[md.Distribution]:
+    """`root` and every distribution its requirements name on this machine, followed through theirs (the ones
+    the environment's markers leave out are left out; an optional one not installed is skipped)."""
+    env = default_environment()
+    seen: dict[str, md.Distribution] = {}
+    todo: list[tuple[str, tuple[str, ...]]] = [(root, extras)]
+    while todo:
+        name, wanted = todo.pop()
+        key = canonicalize_name(name)
+        if key in seen:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            if key == canonicalize_name(root):
+                raise
+            continue  # a requirement of a requirement this machine does without (its marker said so elsewhere)
+        seen[key] = dist
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not any(
+                req.marker.evaluate({**env, "extra": extra}) for extra in (wanted or ("",))
+            ):
+                continue
+            todo.append((req.name, tuple(req.extras)))
+    return [seen[k] for k in sorted(seen)]
+
+
+def licence_texts(dist: md.Distribution) -> dict[str, str]:
+    """File name -> text of the licence files `dist` carries (in its .dist-info, licenses/ included), else of the
+    licence NO_TEXT_IN_WHEEL finds for it; {} where there is none."""
+    found: dict[str, str] = {}
+    for f in dist.files or []:
+        parts = f.parts
+        if not parts or not parts[0].endswith(".dist-info"):
+            continue
+        inside = parts[1:]
+        if (inside[:1] == ("licenses",) and len(inside) > 1) or (len(inside) == 1 and LICENCE_FILE.match(inside[0])):
+            name = "/".join(inside[1:] if inside[:1] == ("licenses",) else inside)
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                found[name] = path.read_text(encoding="utf-8", errors="replace")
+    if not found:
+        fallback = NO_TEXT_IN_WHEEL.get(canonicalize_name(dist.metadata["Name"]))
+        if fallback is not None:
+            found = fallback(dist)
+    return found
+
+
+def python_licence() -> Optional[Path]:
+    """Python's own LICENSE.txt (the interpreter and its standard library are in the bundle)."""
+    for folder in (Path(sysconfig.get_paths()["stdlib"]), Path(sys.base_prefix)):
+        if (folder / "LICENSE.txt").is_file():
+            return folder / "LICENSE.txt"
+    return None
+
+
+def write_licences(out: Path, root: str = "gapless") -> dict[str, list[str]]:
+    """Write out/licenses/<distribution>/<file> for every runtime distribution, and Python's; returns what was
+    written. Raises SystemExit naming every distribution with no licence text to be found."""
+    target = out / "licenses"
+    if target.exists():
+        shutil.rmtree(target)
+    written: dict[str, list[str]] = {}
+    missing = []
+    for dist in runtime_distributions(root):
+        name = dist.metadata["Name"]
+        if canonicalize_name(name) == canonicalize_name(root):
+            continue  # Gapless's own LICENSE and NOTICE sit at the bundle's top
+        texts = licence_texts(dist)
+        if not texts:
+            missing.append(f"{name} {dist.version} (licence: {dist.metadata.get('License') or 'not stated'})")
+            continue
+        folder = target / f"{name}-{dist.version}"
+        for file, text in texts.items():
+            (folder / file).parent.mkdir(parents=True, exist_ok=True)
+            (folder / file).write_text(text, encoding="utf-8")
+        written[name] = sorted(texts)
+    if missing:
+        raise SystemExit(
+            "no licence text found for: " + "; ".join(missing) + ". Add where its text comes from to "
+            "NO_TEXT_IN_WHEEL in packaging/licences.py"
+        )
+    python = python_licence()
+    if python is None:
+        raise SystemExit(f"Python's LICENSE.txt is not in {sysconfig.get_paths()['stdlib']} or {sys.base_prefix}")
+    (target / "Python").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(python, target / "Python" / "LICENSE.txt")
+    written["Python"] = ["LICENSE.txt"]
+    return written
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python packaging/licences.py OUT")
+    for dist, files in write_licences(Path(sys.argv[1])).items():
+        print(f"{dist}: {', '.join(files)}")
