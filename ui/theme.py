@@ -91,12 +91,12 @@ _SHADES: dict[str, tuple[str, str]] = {
     "accent_text": ("#ffffff", "#10131a"),  # 4.5:1 or more on accent and error: dark on the dark theme's light ones
     "user_bubble": ("#e7eefc", "#253149"),
     "code_bg": ("#f5f6f8", "#111316"),
-    "code_header": ("#e8eaee", "#262a31"),
+    "code_header": ("#eaecf0", "#262a31"),
     "error": ("#b3261e", "#f2857b"),
     "syn_keyword": ("#8a2be2", "#c792ea"),
     "syn_string": ("#1a7f37", "#a5d6a7"),
-    "syn_comment": ("#6e7781", "#7f8896"),
-    "syn_number": ("#b35900", "#f7b267"),
+    "syn_comment": ("#5f6873", "#7f8896"),
+    "syn_number": ("#a65300", "#f7b267"),
 }
 LIGHT = Colors(**{name: light for name, (light, _dark) in _SHADES.items()})
 DARK = Colors(**{name: dark for name, (_light, dark) in _SHADES.items()})

@@ -627,8 +627,9 @@ def _contrast(a: str, b: str) -> float:
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 def test_text_reads_on_its_background_in_both_themes(qapp, scheme):
-    """White on the dark theme's Send (3.2:1) and Stop (2.5:1) buttons, and the compare table's green (3.0:1 in
-    the light theme), were below the 4.5:1 that text needs."""
+    """White on the dark theme's Send (3.2:1) and Stop (2.5:1) buttons, the compare table's green (3.0:1 in the
+    light theme), and in the light theme code comments (4.2:1) and numbers (4.47:1) and a code block's language
+    (4.48:1), were below the 4.5:1 that text needs."""
     from ui.hud.compare_table import delta_colors
     from ui.hud.ladder_chart import GAP_COLOR, INSIDE_TEXT
     from ui.theme import DARK, LIGHT, ThemeManager
@@ -644,6 +645,10 @@ def test_text_reads_on_its_background_in_both_themes(qapp, scheme):
         "link": (c.accent, c.base),
         **{f"compare {n}": (q.name(), c.base) for n, q in zip(("better", "worse"), delta_colors())},
         "figure inside a ladder gap bar": (INSIDE_TEXT, GAP_COLOR),
+        **{f"code {n}": (getattr(c, f"syn_{n}"), c.code_bg) for n in ("keyword", "string", "comment", "number")},
+        "code text": (c.text, c.code_bg),
+        "code block's language": (c.muted, c.code_header),
+        "context meter near the limit": (c.syn_number, c.base),
     }
     low = {k: round(_contrast(*v), 2) for k, v in pairs.items() if _contrast(*v) < 4.5}
     assert low == {}
