@@ -8,6 +8,7 @@ since both proposers draft deterministically: accept x with probability p(x), el
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -363,6 +364,9 @@ class Speculator(StepObserver):
         self.schedule = AdaptiveK(draft_tokens, modelled=reproducible)
         self.shapes = shapes  # verify lengths with a compiled or captured step; None: eager, any length
         self.counts = SpecCounts()
+        # The last step's (drafts, accepted, emitted) where it verified drafts, else None: an EOS or a stop string
+        # inside its accepted drafts ends the answer there, and the drafts after that are no part of it.
+        self.last: Optional[tuple[int, int, int]] = None
 
     def start(self, tokens: list[int]) -> None:
         self.proposer.reset(tokens)
@@ -376,12 +380,26 @@ class Speculator(StepObserver):
         elif run.fresh is not None:
             self.accepted(run.fresh)
 
+    def kept_counts(self, run: LoopState) -> tuple[int, int]:
+        """(drafted, accepted) over the answer as kept: where it ended inside the last step's accepted drafts (an
+        EOS drafted, a stop string completed), the drafts past its end count neither as drafted nor accepted."""
+        c = self.counts
+        if self.last is None or not run.rows:
+            return c.drafted, c.accepted
+        drafts, accepted, emitted = self.last
+        tokens = len(run.rows[0].tokens)
+        kept = tokens - bisect.bisect_left(run.token_step, run.step, hi=tokens)  # the last step's tokens kept
+        if kept >= emitted and accepted < emitted:
+            return c.drafted, c.accepted  # it ended on the target's own choice: every draft was judged
+        return c.drafted - drafts + min(drafts, kept), c.accepted - accepted + min(accepted, kept)
+
     def fill(self, run: LoopState, metrics: GenerationMetrics) -> None:
         c = self.counts
-        for name, value in zip(SPECULATION_FIGURES, (c.drafted, c.accepted, c.verify_steps)):
+        drafted, accepted = self.kept_counts(run)
+        for name, value in zip(SPECULATION_FIGURES, (drafted, accepted, c.verify_steps)):
             metrics.put(name, value, self.source)
-        if c.drafted:
-            metrics.put("acceptance_rate", c.accepted / c.drafted, self.source)
+        if drafted:
+            metrics.put("acceptance_rate", accepted / drafted, self.source)
         else:
             why = getattr(self.proposer, "why_none", None) or "no proposal, or it ended first"
             metrics.mark_na("acceptance_rate", f"nothing was drafted in this answer ({why})")
@@ -406,6 +424,7 @@ class Speculator(StepObserver):
             tokens = runner.out[0, start : start + 1].tolist()
             self.schedule.plain_step(time.perf_counter() - t0)
             self.counts.plain_steps += 1
+            self.last = None
             return tokens
         shape = len(drafts)
         if self.shapes:  # the shortest step compiled for this many drafts, if the cache has room for it
@@ -416,6 +435,7 @@ class Speculator(StepObserver):
         self.counts.verify_steps += 1
         self.counts.drafted += len(drafts)
         self.counts.accepted += accepted
+        self.last = (len(drafts), accepted, emitted)
         return tokens
 
 

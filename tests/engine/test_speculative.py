@@ -283,6 +283,29 @@ def test_eos_inside_an_accepted_run_drops_what_follows(llama_engine_spec, monkey
     assert got.metrics.verify_steps == 1 and got.metrics.accepted_tokens == len(want.token_ids[0]) - 1
 
 
+def test_drafts_past_an_eos_or_a_stop_inside_an_accepted_run_are_not_counted(llama_engine_spec, monkeypatch):
+    """The drafts after the token that ended the answer (which the target accepted too) counted as drafted and
+    accepted: 15 of 15 for an answer of 5 tokens after its first."""
+    eng = llama_engine_spec
+    free = generate(eng, PLAIN, GREEDY).token_ids[0]
+    _with_oracle(monkeypatch, free)  # drafts what the model goes on with: every draft is accepted, past the end too
+    text = eng.tokenizer.decode(free[:3])
+    stopped = generate(eng, PLAIN, dataclasses.replace(GREEDY, stop=(text,)), speculation="ngram", draft_tokens=15)
+    assert stopped.token_ids == [free[:3]] and stopped.finish_reasons == ["stop"]
+    m = stopped.metrics
+    assert (m.verify_steps, m.drafted_tokens, m.accepted_tokens, m.acceptance_rate) == (1, 2, 2, 1.0)
+
+    eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # a token first made at step >= 3
+    monkeypatch.setattr(eng, "eos_ids", [eos])
+    monkeypatch.setattr(eng, "_runners", {})  # runners made with this EOS go when the test ends
+    got = generate(eng, PLAIN, GREEDY, speculation="ngram", draft_tokens=15)
+    n = free.index(eos) + 1
+    assert got.token_ids == [free[:n]] and got.finish_reasons == ["eos"]
+    m = got.metrics
+    assert (m.verify_steps, m.drafted_tokens, m.accepted_tokens, m.acceptance_rate) == (1, n - 1, n - 1, 1.0)
+    assert m.tokens_per_step == n - 1
+
+
 @pytest.mark.parametrize("n", [2, 7, 17])
 def test_max_new_tokens_exact_inside_an_accepted_run(llama_engine_spec, monkeypatch, n):
     eng = llama_engine_spec
