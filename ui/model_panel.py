@@ -113,6 +113,13 @@ class ModelPanel(QGroupBox):
         self.progress.setTextVisible(False)
         self.progress.setMaximumHeight(6)
         self.progress.hide()
+        # Texts of any length (a remote server's address, a file name being loaded, a path in a load error) take the
+        # width the figures give the column, wrapping or cut there: the column's least width is what the figures
+        # need (main_window.Pane), and such a line took the window wider, past the screen for a long one.
+        for label in (self.values["device"], self.status, self.error):
+            policy = label.sizePolicy()
+            policy.setHorizontalPolicy(QSizePolicy.Policy.Ignored)
+            label.setSizePolicy(policy)
 
         self.open_file_button = QPushButton("Open GGUF…", self)
         self.open_file_button.setToolTip("Load a .gguf model file")

@@ -424,6 +424,38 @@ def test_the_smallest_window_cuts_off_none_of_the_model_panel_s_figures(qtbot, t
         close_app(gui)
 
 
+def test_a_long_address_or_message_in_the_model_panel_does_not_widen_the_window(qtbot, tmp_path, tiny_llama):
+    """The left column is as wide as the model panel's figures need, not as its longest line: a remote model's
+    address ("https://my-resource.openai.azure.com/openai/deployments/gpt-4o-mini/v1" made the window's least
+    width 1,140 px), a file name being loaded, or a path in a load error took the window wider, past the screen
+    for a long one."""
+    from dataclasses import replace
+
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w, panel = gui.window, gui.window.model_panel
+        left = w._panes[0]
+        panel.set_info(replace(panel.info, memory_floor_ms=15.121))
+        qtbot.wait(50)
+        least = left.minimumSizeHint().width()
+        long_url = "https://my-resource.openai.azure.com/openai/deployments/gpt-4o-mini-2024-07-18-long/v1"
+        panel.set_info(replace(panel.info, device=long_url, backend="remote", memory_floor_ms=15.121))
+        panel.set_loading("/home/someone/models/qwen2.5_coder_32b_instruct_q4_k_m_imatrix_calibrated_v2.gguf")
+        qtbot.wait(50)
+        assert left.minimumSizeHint().width() == least
+        path = "/home/someone/models/bartowski/Meta-Llama-3.1-8B-Instruct-GGUF/Meta_Llama_3.1_8B_Instruct_Q4_K_M.gguf"
+        panel.set_failed(path, f"cannot read {path}: [Errno 13] Permission denied")
+        qtbot.wait(50)
+        assert left.minimumSizeHint().width() == least
+        w.resize(300, 300)  # as small as the window goes: the figures are still whole
+        qtbot.wait(100)
+        assert w.width() < 1000
+        floor = panel.values["floor"]
+        assert floor.text() == "15.121 ms/token" and floor.width() >= floor.minimumSizeHint().width()
+    finally:
+        close_app(gui)
+
+
 def test_a_wrapped_model_name_keeps_every_line_in_a_short_window(qtbot, tmp_path, tiny_llama):
     """The grid gave the wrapping name one line's height once the left column was short (a short window, or any
     window at a scale of 200 %): "SmolLM2-135M-Instruct.Q4_1" showed as "SmolLM2-135M-", or "Q4_1" as "Q4 1"."""
