@@ -394,10 +394,13 @@ def _folded(text: str) -> str:
 _FOLDS_TO_ASCII = re.compile("[\u00df\u0130\u0149\u017f\u01f0\u1e96-\u1e9a\u1e9e\u212a\ufb00-\ufb06]")
 
 
-def _holds(text: Optional[str], needle: str) -> bool:
-    """Whether `text`, which LIKE found without `needle` (folded), holds it once folded (SQL's gapless_holds)."""
-    if text is None:
+def _holds(raw: Optional[bytes], needle: str) -> bool:
+    """Whether the text stored as `raw` (its UTF-8 bytes), which LIKE found without `needle` (folded), holds it
+    once folded (SQL's gapless_holds). Bytes that are not UTF-8 (written by another program) are read as U+FFFD:
+    as text, they failed every search that reached them."""
+    if raw is None:
         return False
+    text = raw.decode("utf-8", "replace")
     if needle.isascii() and _FOLDS_TO_ASCII.search(text) is None and "\0" not in text:  # LIKE stops at a NUL
         return False  # what LIKE said: the text's ASCII letters are the only ones that fold to the needle's
     return needle in _folded(text)
@@ -408,7 +411,7 @@ def _holds_clause(column: str) -> str:
     other text goes to Python, and there only what can differ once folded."""
     return (
         f"({column} LIKE ?2 ESCAPE '\\' OR "
-        f"(length({column}) != length(CAST({column} AS BLOB)) AND gapless_holds({column}, ?1)))"
+        f"(length({column}) != length(CAST({column} AS BLOB)) AND gapless_holds(CAST({column} AS BLOB), ?1)))"
     )
 
 

@@ -174,6 +174,24 @@ def test_search_folds_the_case_of_every_script(store):
     assert found("été!") == [] and found("strassen") == []
 
 
+def test_a_message_written_as_invalid_utf8_by_another_program_does_not_end_every_search(store, tmp_path):
+    """The folding search read every non-ASCII message as text: one holding bytes that are not UTF-8 (written by
+    another program) made each search that reached it fail, where LIKE had searched past it."""
+    import sqlite3
+
+    bad = store.create_chat("Damaged")
+    store.add_message(bad.id, "user", "placeholder", None)
+    good = store.create_chat("Été")
+    store.add_message(good.id, "user", "Où étiez-vous ?", None)
+    with sqlite3.connect(tmp_path / "chats.sqlite3") as db:
+        db.execute(
+            "UPDATE messages SET content = CAST(X'c3a9e9ff20554e49434f4445' AS TEXT) WHERE chat_id = ?", (bad.id,)
+        )
+    assert [c.id for c in store.list_chats("ÉTIEZ")] == [good.id]
+    assert [c.id for c in store.list_chats("UNICODE")] == [bad.id]  # found where its bytes can be read
+    assert [c.id for c in store.list_chats("É")] == [good.id, bad.id]  # the readable "é" before the bad bytes
+
+
 def test_the_letters_that_fold_to_ascii_are_all_known_to_the_search():
     """A message of other scripts is folded for a search of ASCII text only where it holds one of these letters."""
     from app.store import _FOLDS_TO_ASCII
