@@ -451,8 +451,9 @@ class EngineController(EngineEvents):
         """Load a model; a running generation or ladder is stopped first and finishes with what it had."""
         self.cancel()
         self.cancel_ladder()
-        self.loadAsked.emit(source)
         self._put(Load(source, options))
+        # after the load is queued: an API request the server hands the worker from now on waits behind it
+        self.loadAsked.emit(source)
 
     def reconfigure(self, options: EngineOptions) -> None:
         """Use `options` from the next generation on; a running generation is not touched."""
