@@ -248,13 +248,13 @@ class ChatFlow(QObject):
         if self.chat_id is None:
             return []
         streaming = set(self.answer.message_ids) if self.answer and self.answer.chat_id == self.chat_id else set()
-        out = []
-        for m in self.store.thread(self.chat_id, leaf_id):
-            if m.id in streaming:
-                continue  # shown by the live stream instead
-            sibs = self.store.siblings(m.id)
-            out.append(self._item(m, [s.id for s in sibs].index(m.id), len(sibs)))
-        return out
+        thread = self.store.thread(self.chat_id, leaf_id)
+        positions = self.store.branch_positions(self.chat_id)  # one query for the whole branch, not one per message
+        return [
+            self._item(m, *positions.get(m.id, (0, 1)))
+            for m in thread
+            if m.id not in streaming  # shown by the live stream instead
+        ]
 
     def _item(self, m: Message, index: int, count: int) -> MessageItem:
         device = (m.options or {}).get("device")

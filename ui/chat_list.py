@@ -89,6 +89,7 @@ class ChatList(QFrame):
         self.list.currentItemChanged.connect(self._current_changed)
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setUniformItemSizes(True)  # one line each: laid out without measuring every title of thousands
         lay = QVBoxLayout(self)
         lay.setContentsMargins(10, 10, 10, 10)
         lay.setSpacing(8)
@@ -96,20 +97,38 @@ class ChatList(QFrame):
         lay.addWidget(self.search)
         lay.addWidget(self.list, 1)
         self._quiet = False
+        self._items: dict[int, QListWidgetItem] = {}  # by chat id
 
     def set_chats(self, chats: list[ChatEntry], current: Optional[int] = None) -> None:
         """Show `chats` (already filtered and sorted), keeping `current` selected without re-emitting it."""
         self._quiet = True
         try:
             self.list.clear()
+            self._items = {}
             now = time.time()
             for c in chats:
                 item = QListWidgetItem(c.title or "Untitled")
                 item.setData(Qt.ItemDataRole.UserRole, c.id)
                 item.setToolTip(f"{c.title}\nlast change: {age(c.updated, now)}")
                 self.list.addItem(item)
+                self._items[c.id] = item
                 if c.id == current:
                     self.list.setCurrentItem(item)
+        finally:
+            self._quiet = False
+
+    def select(self, chat_id: Optional[int]) -> None:
+        """Show `chat_id` as the current chat (none where it is None or not listed) without re-emitting it or
+        listing the chats again (that took ~0.2 s of every switch between chats of a list of 5,000)."""
+        item = self._items.get(chat_id) if chat_id is not None else None
+        if item is self.list.currentItem():
+            return
+        self._quiet = True
+        try:
+            if item is None:
+                self.list.setCurrentRow(-1)
+            else:
+                self.list.setCurrentItem(item)
         finally:
             self._quiet = False
 

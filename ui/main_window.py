@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat_flow import UNTITLED, ChatFlow, resolved
+from app.chat_search import ChatSearch
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import (
@@ -187,6 +188,7 @@ class FitScrollArea(QScrollArea):
 
 class MainWindow(QMainWindow):
     closed = Signal()
+    chatsFound = Signal(str)  # the chat list shows what this search found
 
     def __init__(
         self,
@@ -227,6 +229,9 @@ class MainWindow(QMainWindow):
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._requested_by_user = True  # False: they replace what the model refused (not saved)
         self._search = ""
+        self._chat_search = ChatSearch(store, self)
+        self._chat_search.found.connect(self._chats_found)
+        self._chat_search.failed.connect(self._search_failed)
         self._pick_notice = ""  # the status line's request to pick one of the candidates, while it is shown
         self._answer_notice = ""  # what the engine said of the last answer (a prompt cleaned, cut), while shown
         self._preset_resolver = preset_resolver  # how presets map to options on this device (the bench's rule)
@@ -582,13 +587,27 @@ class MainWindow(QMainWindow):
         self.composer.edit.setFocus()
 
     def refresh_chats(self) -> None:
+        """List the chats again; those of a search once it has run off the GUI thread (chatsFound)."""
+        self._show_title()
+        if self._search:
+            self._chat_search.ask(self._search)
+            return
+        self._chat_search.drop()  # a search still running: its result is no longer wanted
         try:
-            chats = self.store.list_chats(self._search)
+            chats = self.store.chat_titles()
         except StoreError as exc:
             self._failed(str(exc))
             return
-        self.chat_list.set_chats([ChatEntry(c.id, c.title, c.updated) for c in chats], self.flow.chat_id)
-        self._show_title()
+        self.chat_list.set_chats([ChatEntry(*c) for c in chats], self.flow.chat_id)
+
+    def _chats_found(self, serial: int, search: str, chats: list) -> None:
+        if self._chat_search.is_latest(serial) and search == self._search:  # else a newer search is coming
+            self.chat_list.set_chats([ChatEntry(*c) for c in chats], self.flow.chat_id)
+            self.chatsFound.emit(search)
+
+    def _search_failed(self, serial: int, message: str) -> None:
+        if self._chat_search.is_latest(serial):
+            self._failed(message)
 
     def _show_title(self) -> None:
         """The open chat's title as stored (a search may hide it from the list, and renaming it still shows)."""
@@ -619,7 +638,9 @@ class MainWindow(QMainWindow):
         self._clear_pick_notice()
         if self._answer_notice and self.status.text() == self._answer_notice:  # of an answer in the chat left
             self.status.clear()
-        self.refresh_chats()
+        # Opening a chat changes no title nor order: the list is not read again (chatsChanged does that).
+        self.chat_list.select(chat_id)
+        self._show_title()
 
     def open_chat_settings(self) -> None:
         info: Optional[ModelInfo] = self.controller.info
@@ -1207,6 +1228,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         self.flow.stop()
+        self._chat_search.close()
         self._persist()
         self.closed.emit()
         super().closeEvent(event)

@@ -397,7 +397,7 @@ def test_chat_list_rename_search_delete(qtbot, app):
 
     w.chat_list.renameRequested.emit(first, "Greetings")
     assert store.get_chat(first).title == "Greetings"
-    with qtbot.waitSignal(w.chat_list.searchChanged, timeout=5000):
+    with qtbot.waitSignal(w.chatsFound, timeout=5000):  # the search runs off the GUI thread
         w.chat_list.search.setText("greet")
     assert w.chat_list.chat_ids() == [first]
     w.chat_list.renameRequested.emit(second, "Capitals")  # the open chat, hidden by the search: its title shows
@@ -1021,5 +1021,81 @@ def test_the_first_window_fits_the_screen(qtbot, data_dir):
         w = gui.window
         free = w.screen().availableGeometry()
         assert free.width() < 1440 and w.width() <= free.width() and w.height() <= free.height()
+    finally:
+        close_app(gui)
+
+
+def test_the_chat_search_runs_off_the_gui_thread_and_only_the_newest_search_is_shown(qtbot, data_dir):
+    """A search folds every message of other scripts in Python (~0.2 s over 5,000): run on the GUI thread, it held
+    the window at each letter typed. A search overtaken by the next letter is stopped, or its result dropped."""
+    import threading
+
+    from chat_threads import chain
+
+    gui = open_app(qtbot, data_dir)
+    w, store = gui.window, gui.store
+    try:
+        ids = {}
+        for title, text in (("a", "привет мир"), ("b", "ПРИВЕТСТВИЕ"), ("c", "пока")):
+            ids[title] = store.create_chat(title).id
+            chain(store, ids[title], text)
+        w.refresh_chats()
+        threads, release = [], threading.Event()
+        real = store.search_titles
+
+        def search_titles(search):
+            threads.append((search, threading.get_ident()))
+            if search == "при":  # the older search is slow: its result comes after the newer one's
+                assert release.wait(10)
+            return real(search)
+
+        store.search_titles = search_titles
+        with qtbot.waitSignal(w.chat_list.searchChanged, timeout=5000):
+            w.chat_list.search.setText("при")
+        qtbot.waitUntil(lambda: len(threads) == 1, timeout=5000)
+        assert threads[0][1] != threading.get_ident()  # not on the GUI thread, which goes on
+        with qtbot.waitSignal(w.chatsFound, timeout=5000) as found:
+            w.chat_list.search.setText("ПРИВЕТС")
+            w.chat_list.search.returnPressed.emit()  # searched at once, while the first still runs
+            release.set()
+        assert found.args == ["ПРИВЕТС"] and w.chat_list.chat_ids() == [ids["b"]]
+        for _ in range(20):  # the older search's result, if any came, is dropped
+            qtbot.wait(10)
+        assert w.chat_list.chat_ids() == [ids["b"]]
+        assert [s for s, _t in threads] == ["при", "ПРИВЕТС"]
+        w.chat_list.search.setText("")
+        w.chat_list._search_now()
+        assert w.chat_list.chat_ids() == [ids["c"], ids["b"], ids["a"]]  # all, at once
+    finally:
+        store.search_titles = real
+        close_app(gui)
+
+
+def test_switching_chats_moves_the_selection_without_listing_the_chats_again(qtbot, data_dir):
+    """Each switch read and built the whole list again: ~0.2 s of the GUI thread in a list of 5,000 chats."""
+    from chat_threads import chain
+
+    gui = open_app(qtbot, data_dir)
+    w, store = gui.window, gui.store
+    try:
+        ids = []
+        for i in range(3):
+            ids.append(store.create_chat(f"chat {i}").id)
+            chain(store, ids[-1], f"question {i}")
+        w.refresh_chats()
+        listed = []
+        real = w.chat_list.set_chats
+        w.chat_list.set_chats = lambda *a: listed.append(a) or real(*a)
+        for chat_id in (ids[0], ids[2], ids[1]):
+            w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat_id))
+            assert w.flow.chat_id == chat_id and w.chat_title.text() == store.get_chat(chat_id).title
+            assert w.chat_list.current_id() == chat_id
+        w.new_chat()
+        assert w.chat_list.current_id() is None and w.chat_list.list.currentItem() is None
+        w.flow.open_chat(ids[0])  # opened another way than from the list: the list follows
+        assert w.chat_list.current_id() == ids[0]
+        assert listed == []
+        w.flow.rename_chat(ids[1], "renamed")  # a change to the list lists them again
+        assert len(listed) == 1 and w.chat_list.chat_ids()[0] == ids[1] and w.chat_list.current_id() == ids[0]
     finally:
         close_app(gui)
