@@ -702,6 +702,11 @@ class ChatStore:
         if db is not None:
             db.interrupt()
 
+    def data_version(self) -> int:
+        """A number that changes when another connection commits to the database (another window, `gapless
+        chats`); this store's own writes leave it as it is (SQLite's PRAGMA data_version)."""
+        return int(self._read("PRAGMA data_version")[0][0])
+
     def _chats(self, columns: str, search: str) -> list[tuple]:
         return self._read(*_chats_query(columns, search))
 

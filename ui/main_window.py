@@ -229,6 +229,7 @@ class MainWindow(QMainWindow):
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._requested_by_user = True  # False: they replace what the model refused (not saved)
         self._search = ""
+        self._listed_version: Optional[int] = None  # the store's data_version when the chats were last listed
         self._chat_search = ChatSearch(store, self)
         self._chat_search.found.connect(self._chats_found)
         self._chat_search.failed.connect(self._search_failed)
@@ -589,6 +590,7 @@ class MainWindow(QMainWindow):
     def refresh_chats(self) -> None:
         """List the chats again; those of a search once it has run off the GUI thread (chatsFound)."""
         self._show_title()
+        self._listed_version = self._data_version()
         if self._search:
             self._chat_search.ask(self._search)
             return
@@ -599,6 +601,12 @@ class MainWindow(QMainWindow):
             self._failed(str(exc))
             return
         self.chat_list.set_chats([ChatEntry(*c) for c in chats], self.flow.chat_id)
+
+    def _data_version(self) -> Optional[int]:
+        try:
+            return self.store.data_version()
+        except StoreError:
+            return None
 
     def _chats_found(self, serial: int, search: str, chats: list) -> None:
         if self._chat_search.is_latest(serial) and search == self._search:  # else a newer search is coming
@@ -638,7 +646,14 @@ class MainWindow(QMainWindow):
         self._clear_pick_notice()
         if self._answer_notice and self.status.text() == self._answer_notice:  # of an answer in the chat left
             self.status.clear()
-        # Opening a chat changes no title nor order: the list is not read again (chatsChanged does that).
+        # Opening a chat changes no title nor order: the list is not read again (chatsChanged does that), unless
+        # another window or `gapless chats` changed the database since it was last read.
+        version = self._data_version()
+        if version is not None and version != self._listed_version:
+            self.refresh_chats()
+            if self._search:  # listed once the search has run: meanwhile the list follows
+                self.chat_list.select(chat_id)
+            return
         self.chat_list.select(chat_id)
         self._show_title()
 

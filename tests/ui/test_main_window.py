@@ -1099,3 +1099,35 @@ def test_switching_chats_moves_the_selection_without_listing_the_chats_again(qtb
         assert len(listed) == 1 and w.chat_list.chat_ids()[0] == ids[1] and w.chat_list.current_id() == ids[0]
     finally:
         close_app(gui)
+
+
+def test_switching_chats_lists_what_another_window_changed_meanwhile(qtbot, data_dir):
+    """Another window or `gapless chats import` on the same data folder made, renamed or deleted chats: switching
+    chats listed them again, until switching stopped reading the list; they never showed until this window changed
+    a chat itself, and a chat deleted elsewhere stayed listed."""
+    from chat_threads import chain
+
+    gui = open_app(qtbot, data_dir)
+    w, store = gui.window, gui.store
+    try:
+        ids = []
+        for i in range(3):
+            ids.append(store.create_chat(f"chat {i}").id)
+            chain(store, ids[-1], f"question {i}")
+        w.refresh_chats()
+        other = ChatStore(gui.paths.database)
+        try:
+            made = other.create_chat("made elsewhere").id
+            other.delete_chat(ids[2])
+        finally:
+            other.close()
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(ids[0]))
+        assert w.flow.chat_id == ids[0]
+        assert w.chat_list.chat_ids() == [made, ids[1], ids[0]] and w.chat_list.current_id() == ids[0]
+        listed = []
+        real = w.chat_list.set_chats
+        w.chat_list.set_chats = lambda *a: listed.append(a) or real(*a)
+        w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(ids[1]))  # nothing changed since: not read
+        assert w.flow.chat_id == ids[1] and w.chat_list.current_id() == ids[1] and listed == []
+    finally:
+        close_app(gui)
