@@ -43,6 +43,22 @@ def age(updated: float, now: Optional[float] = None) -> str:
     return time.strftime("%Y-%m-%d", time.localtime(updated))
 
 
+class _ChatItem(QListWidgetItem):
+    """A chat's row. Its tooltip says how long ago the chat changed as of when it is shown: the list is read again
+    only when chats change, and an age worked out then ("just now") stayed for as long as the window ran."""
+
+    def __init__(self, chat: ChatEntry):
+        super().__init__(chat.title or "Untitled")
+        self.setData(Qt.ItemDataRole.UserRole, chat.id)
+        self._title = chat.title
+        self._updated = chat.updated
+
+    def data(self, role: int) -> object:
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return f"{self._title}\nlast change: {age(self._updated)}"
+        return super().data(role)
+
+
 class _ChatListWidget(QListWidget):
     """A right-click opens the menu of the chat under the pointer without opening that chat: the open one
     stays current and on screen."""
@@ -105,11 +121,8 @@ class ChatList(QFrame):
         try:
             self.list.clear()
             self._items = {}
-            now = time.time()
             for c in chats:
-                item = QListWidgetItem(c.title or "Untitled")
-                item.setData(Qt.ItemDataRole.UserRole, c.id)
-                item.setToolTip(f"{c.title}\nlast change: {age(c.updated, now)}")
+                item = _ChatItem(c)
                 self.list.addItem(item)
                 self._items[c.id] = item
                 if c.id == current:

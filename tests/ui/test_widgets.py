@@ -798,3 +798,34 @@ def test_a_paste_that_carries_only_html_inserts_its_text(qtbot):
     composer.clear()
     composer.edit.insertFromMimeData(long_word)
     assert composer.edit.wordWrapMode() == QTextOption.WrapMode.WrapAnywhere
+
+
+def test_a_chat_s_tooltip_says_how_long_ago_it_changed_as_of_when_it_is_shown(qtbot, monkeypatch):
+    """Switching chats no longer reads the list again: the age worked out when it was last read ("just now")
+    stayed in every tooltip for as long as the window ran without a chat changing."""
+    import time
+
+    from PySide6.QtCore import QEvent
+    from PySide6.QtGui import QHelpEvent
+    from PySide6.QtWidgets import QApplication, QToolTip
+
+    import ui.chat_list as chat_list_module
+    from ui.chat_list import ChatEntry, ChatList
+
+    listed_at = time.time()
+    chats = ChatList()
+    qtbot.addWidget(chats)
+    chats.resize(300, 400)
+    chats.show()
+    chats.set_chats([ChatEntry(1, "old chat", listed_at - 10)])
+    item = chats.list.item(0)
+    assert item.toolTip() == "old chat\nlast change: just now"
+    monkeypatch.setattr(chat_list_module.time, "time", lambda: listed_at + 7200)  # two hours on, nothing changed
+    assert item.toolTip() == "old chat\nlast change: 2 h ago"
+    viewport = chats.list.viewport()
+    pos = chats.list.visualItemRect(item).center()
+    QApplication.sendEvent(viewport, QHelpEvent(QEvent.Type.ToolTip, pos, viewport.mapToGlobal(pos)))
+    try:
+        assert "last change: 2 h ago" in QToolTip.text().replace("\xa0", " ")  # as the app shows it (plain text)
+    finally:
+        QToolTip.hideText()
