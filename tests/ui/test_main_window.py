@@ -1071,17 +1071,24 @@ def test_the_chat_search_runs_off_the_gui_thread_and_only_the_newest_search_is_s
         close_app(gui)
 
 
+def _three_chats(store) -> list[int]:
+    """Three chats of one question each, oldest first."""
+    from chat_threads import chain
+
+    ids = []
+    for i in range(3):
+        ids.append(store.create_chat(f"chat {i}").id)
+        chain(store, ids[-1], f"question {i}")
+    return ids
+
+
 def test_switching_chats_moves_the_selection_without_listing_the_chats_again(qtbot, data_dir):
     """Each switch read and built the whole list again: ~0.2 s of the GUI thread in a list of 5,000 chats."""
-    from chat_threads import chain
 
     gui = open_app(qtbot, data_dir)
     w, store = gui.window, gui.store
     try:
-        ids = []
-        for i in range(3):
-            ids.append(store.create_chat(f"chat {i}").id)
-            chain(store, ids[-1], f"question {i}")
+        ids = _three_chats(store)
         w.refresh_chats()
         listed = []
         real = w.chat_list.set_chats
@@ -1105,15 +1112,11 @@ def test_switching_chats_lists_what_another_window_changed_meanwhile(qtbot, data
     """Another window or `gapless chats import` on the same data folder made, renamed or deleted chats: switching
     chats listed them again, until switching stopped reading the list; they never showed until this window changed
     a chat itself, and a chat deleted elsewhere stayed listed."""
-    from chat_threads import chain
 
     gui = open_app(qtbot, data_dir)
     w, store = gui.window, gui.store
     try:
-        ids = []
-        for i in range(3):
-            ids.append(store.create_chat(f"chat {i}").id)
-            chain(store, ids[-1], f"question {i}")
+        ids = _three_chats(store)
         w.refresh_chats()
         other = ChatStore(gui.paths.database)
         try:
