@@ -506,12 +506,17 @@ class ChatStore:
         log.warning("chat database %s: indexes rebuilt from %s", self.path, damaged)
         return connection
 
-    def _connect_checked(self) -> sqlite3.Connection:
+    def _connection(self) -> sqlite3.Connection:
+        """A new connection to the database, with the search's folding function (gapless_holds)."""
         db = sqlite3.connect(
             self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
         )
+        db.create_function("gapless_holds", 2, _holds, deterministic=True)
+        return db
+
+    def _connect_checked(self) -> sqlite3.Connection:
+        db = self._connection()
         try:
-            db.create_function("gapless_holds", 2, _holds, deterministic=True)  # the search (list_chats)
             db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
             # Read the version before anything writes: a newer database is left exactly as it is.
             version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -686,11 +691,7 @@ class ChatStore:
                 raise StoreError("the chat database is closed")
             try:
                 if self._search_db is None:
-                    db = sqlite3.connect(
-                        self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
-                    )
-                    db.create_function("gapless_holds", 2, _holds, deterministic=True)
-                    self._search_db = db
+                    self._search_db = self._connection()
                 rows = self._search_db.execute(*_chats_query("id, title, updated", search)).fetchall()
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot read the chat database: {exc}") from exc
