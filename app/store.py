@@ -699,9 +699,13 @@ class ChatStore:
 
     def interrupt_search(self) -> None:
         """Stop the search_titles() running now, if any (it raises StoreError)."""
-        db = self._search_db
-        if db is not None:
+        db = self._search_db  # read without the lock, which the search running now holds
+        if db is None:
+            return
+        try:
             db.interrupt()
+        except sqlite3.ProgrammingError:
+            pass  # closed by close() since it was read: no search is running on it
 
     def data_version(self) -> int:
         """A number that changes when another connection commits to the database (another window, `gapless

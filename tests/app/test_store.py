@@ -144,6 +144,18 @@ def test_search_titles_and_content(store):
     assert store.list_chats("nothing like this") == []
 
 
+def test_stopping_a_search_as_the_store_closes_raises_nothing(store):
+    """A search is stopped from another thread (a newer one typed, the window closing) by reading the search's
+    connection without the lock that search holds; the store closing that connection between the read and the stop
+    raised "Cannot operate on a closed database" in the thread that stopped it."""
+    assert store.search_titles("x") == []
+    store._search_db.close()  # closed after interrupt_search read it, before it stopped it
+    store.interrupt_search()
+    store._search_db = None
+    store.close()
+    store.interrupt_search()  # and after close, nothing to stop
+
+
 def test_search_folds_the_case_of_every_script(store):
     """Search folded ASCII letters alone (SQLite's LIKE): "ÉTÉ" did not find "été", nor "STRASSE" "Straße", nor
     "ПРИВЕТ" "привет"; a search of ASCII text finds it where a letter folds to it (ß, ﬁ, the Kelvin sign), and text
