@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from app.cmd_generate import check_draft_model
 from engine import figures
-from engine.errors import OptionsError
+from engine.errors import OptionsError, OutputPathError
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
 from engine.paths import output_file, write_whole
 from engine.types import DTYPES, PRESETS, describe_options, is_remote
@@ -309,7 +309,12 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    write_whole(output_file(path, "the bench's JSON"), json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    """Written whole or not at all; a file system that refuses it (a full disk) is an OutputPathError."""
+    text = json.dumps(report, indent=1, ensure_ascii=False) + "\n"
+    try:
+        write_whole(output_file(path, "the bench's JSON"), text)
+    except OSError as exc:
+        raise OutputPathError(f"cannot write the bench's JSON to {path}: {exc.strerror or exc}") from exc
 
 
 def spec_config_from_args(args: argparse.Namespace):
@@ -395,9 +400,15 @@ def _report(args: argparse.Namespace, run: Callable[..., Any], config: Any, tabl
     """Run one benchmark with its progress on stderr, print its table, and write its JSON where --json says; the
     report."""
     report = run(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
+    unwritten: Optional[OutputPathError] = None
     if args.json is not None:  # first: a closed pipe on stdout (| head) must not lose what the run measured
-        write_json(args.json, report)
+        try:
+            write_json(args.json, report)
+        except OutputPathError as exc:  # a full disk: the table still shows what the run measured
+            unwritten = exc
     print(table(report))
+    if unwritten is not None:
+        raise unwritten
     if args.json is not None:
         print(f"\nwritten: {args.json}")
     return report

@@ -422,6 +422,26 @@ def test_the_json_is_written_before_the_table_goes_to_a_closed_pipe(tiny_llama, 
     assert json.loads(path.read_text(encoding="utf-8"))["rungs"][0]["name"] == "naive"
 
 
+def test_a_json_the_disk_cannot_take_loses_no_table(tiny_llama, tmp_path, monkeypatch, capsys):
+    """A full disk at the end of a bench ended it with "internal error: OSError" and nothing else: the table of
+    what the whole run measured was never printed."""
+    import errno
+
+    from app.cli import main
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("engine.paths.os.replace", full)
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_llama), "--device", "cpu", "--presets", "naive", "--no-baseline"]
+    code = main([*argv, "--repeats", "1", "--max-new-tokens", "4", "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out.splitlines()[2].startswith("| Naive ") and "written:" not in out
+    assert err.splitlines()[-1] == f"gapless: error: cannot write the bench's JSON to {path}: No space left on device"
+    assert "internal error" not in err and not path.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_cuda_on_a_machine_without_it_is_refused_before_any_model_loads(monkeypatch):
     """The ladder, --quality and --speculation-workloads ran with every engine figure skipped, and the ladder
     timed transformers on the CPU into a report that said cuda."""
