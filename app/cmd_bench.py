@@ -14,7 +14,7 @@ from engine import figures
 from engine.errors import OptionsError, OutputPathError
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
 from engine.paths import output_file, write_whole
-from engine.types import DTYPES, PRESETS, describe_options, is_remote
+from engine.types import DTYPES, MAX_NEW_TOKENS_LIMIT, PRESETS, EngineOptions, describe_options, is_remote
 
 NA = "n/a"
 
@@ -87,6 +87,12 @@ def check_flags(args: argparse.Namespace) -> None:
             f"--repeats must be at least 1 and --max-new-tokens at least {least}, got {args.repeats} and "
             f"{args.max_new_tokens}"
         )
+    # what every answer of the bench is then refused with, after the model loaded (the ladder printed a table of
+    # failed rungs and exited 1)
+    if args.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
+        raise OptionsError(f"--max-new-tokens is at most {MAX_NEW_TOKENS_LIMIT}, got {args.max_new_tokens}")
+    if getattr(args, "draft_tokens", None) is not None:
+        EngineOptions(speculation="ngram", draft_tokens=args.draft_tokens).validate()
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

@@ -754,6 +754,22 @@ def test_a_flag_the_chosen_bench_would_not_read_is_refused(argv, words):
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize("kind", [[], ["--conversation"], ["--speculation-workloads"]])
+def test_counts_no_answer_can_have_are_refused_before_the_model_loads(kind, tmp_path, capsys):
+    """Past the engine's limits, every answer was refused only once the model had loaded: the ladder then printed
+    a table of failed rungs and exited 1, the other kinds exited after loading (and a warm-up). The model named here
+    does not exist: a check after loading would say so instead."""
+    from app.cli import main
+
+    bench = ["bench", *kind, "--model", str(tmp_path / "nope.gguf"), "--device", "cpu", "--repeats", "1"]
+    assert main([*bench, "--max-new-tokens", "2000000"]) == 2
+    assert capsys.readouterr().err == "gapless: error: --max-new-tokens is at most 1048576, got 2000000\n"
+    if kind != ["--conversation"]:  # the two kinds that draft
+        assert main([*bench, "--draft-tokens", "99"]) == 2
+        err = capsys.readouterr().err
+        assert err == "gapless: error: draft_tokens must be between 1 and 15 (0 = adaptive), got 99\n"
+
+
 def test_bench_kinds_are_one_at_a_time_and_their_own_flags_pass(capsys):
     from app.cli import build_parser
     from app.cmd_bench import check_flags
