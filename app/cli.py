@@ -266,7 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --speculation-workloads: comma-separated dtypes (default fp32 on the CPU, fp16 on CUDA)",
     )
     bench.add_argument("--cuda-graph", action="store_true", help="with --speculation-workloads: capture the steps")
-    bench.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads for the bench")
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch intra-op threads for the bench (at most the logical cores)",
+    )
 
     replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
     replay.add_argument("file", type=Path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -93,6 +94,13 @@ def check_flags(args: argparse.Namespace) -> None:
         raise OptionsError(f"--max-new-tokens is at most {MAX_NEW_TOKENS_LIMIT}, got {args.max_new_tokens}")
     if getattr(args, "draft_tokens", None) is not None:
         EngineOptions(speculation="ngram", draft_tokens=args.draft_tokens).validate()
+    cores = os.cpu_count()
+    threads = getattr(args, "threads", None)
+    if threads is not None and cores is not None and threads > cores:  # 100000 crashed the process in torch
+        raise OptionsError(
+            f"--threads is at most this machine's {cores} logical cores (more threads only wait for each other), "
+            f"got {threads}"
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

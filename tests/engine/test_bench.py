@@ -770,6 +770,25 @@ def test_counts_no_answer_can_have_are_refused_before_the_model_loads(kind, tmp_
         assert err == "gapless: error: draft_tokens must be between 1 and 15 (0 = adaptive), got 99\n"
 
 
+def test_more_threads_than_the_machine_has_cores_are_refused(monkeypatch):
+    """`--threads 100000` ended the process in a segmentation fault inside torch, with nothing said."""
+    import os
+
+    from app.cli import build_parser
+    from app.cmd_bench import check_flags
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    parser = build_parser()
+    for kind in ([], ["--quality"], ["--conversation"], ["--speculation-workloads"]):
+        check_flags(parser.parse_args(["bench", *kind, "--threads", "4"]))  # no error
+        with pytest.raises(OptionsError) as info:
+            check_flags(parser.parse_args(["bench", *kind, "--threads", "100000"]))
+        expected = (
+            "--threads is at most this machine's 4 logical cores (more threads only wait for each other), got 100000"
+        )
+        assert str(info.value) == expected
+
+
 def test_bench_kinds_are_one_at_a_time_and_their_own_flags_pass(capsys):
     from app.cli import build_parser
     from app.cmd_bench import check_flags
