@@ -290,10 +290,10 @@ def format_table(report: dict[str, Any]) -> str:
     for name, metric, source in sources:
         said = _by_rung((label, m.get(source)) for label, m in medians)  # each source, with the rungs that named it
         whys = _by_rung((label, m.get("unavailable", {}).get(metric)) for label, m in medians)
-        if len(said) == 1:
-            out.append(f"{name}: {next(iter(said))}.")
-        elif said:  # measured differently in different rungs (e.g. eager and inside a CUDA graph)
-            out.append(f"{name}: {_per_rung(said)}.")
+        if said:  # one source, or several: measured differently in different rungs (eager, inside a CUDA graph)
+            text = next(iter(said)) if len(said) == 1 else _per_rung(said)
+            # the rows where it is n/a all the same (an answer that ended before the traced window), each with why
+            out.append(f"{name}: {text}" + (f"; n/a in {_per_rung(whys)}." if whys else "."))
         elif len(whys) > 1:
             out.append(f"{name}: n/a: {_per_rung(whys)}.")
         else:

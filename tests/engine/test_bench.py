@@ -253,6 +253,22 @@ def test_the_table_names_each_source_its_rungs_measured_a_figure_with():
     assert f"{first['label']}" in line and ": graph replay" in line and "torch.profiler CPU ops" in line
 
 
+def test_the_table_says_why_a_figure_is_na_in_a_row_where_other_rows_name_its_source():
+    """The notes gave the source of a figure other rows measured and nothing for the row where it was n/a (the
+    speculation rung's gap, every rung's answer ending before the traced window; the baseline's)."""
+    report, _ = sample_report()
+    last = report["rungs"][-1]["median"]
+    last["kernel_gap_pct"] = last["kernel_gap_source"] = None
+    last["unavailable"] = {"kernel_gap_pct": "the answer ended before the traced window (decode steps 8-15)"}
+    report["baselines"][0]["median"]["unavailable"] = {"kernel_gap_pct": "not traced inside transformers generate()"}
+    line = next(x for x in format_table(report).splitlines() if x.startswith("Kernel / op gap:"))
+    source = report["rungs"][0]["median"]["kernel_gap_source"]
+    assert line == (
+        f"Kernel / op gap: {source}; n/a in + 4 candidates: the answer ended before the traced window (decode steps "
+        "8-15); transformers generate(): not traced inside transformers generate()."
+    )
+
+
 def test_table_rows_figures_and_notes():
     report, _ = sample_report()
     table = format_table(report)
