@@ -131,9 +131,13 @@ def run_generate(args) -> int:
         cancel = threading.Event()
         with ctrl_c_stops(cancel):
             result = engine.generate(messages, sampling, on_event=recorder or on_event, cancel=cancel, raw=args.raw)
+        from engine.telemetry.machine import describe_machine
+
+        machine = describe_machine()  # after the answer: the load average and threads it ran under
         if args.json:
             out = result.to_dict()
             out["model"] = engine.info.to_dict()
+            out["machine"] = machine  # as the bench's and the telemetry's: the figures' CPU, GPU, threads, libraries
             out["diagnosis"] = diagnose(out["metrics"], out["options"], engine.info.device).to_dict()
             print(json.dumps(out, ensure_ascii=False))
         else:
@@ -145,10 +149,8 @@ def run_generate(args) -> int:
             for option, reason in result.unavailable.items():
                 print(f"note: {option} unavailable: {reason}", file=sys.stderr)
         if recorder is not None:  # after the answer is out: a full disk loses the file, not the answer
-            from engine.telemetry.machine import describe_machine
-
             label = engine.info.name  # the HUD writes the options beside it
-            save(recorder.finish(result, label, engine.info.to_dict(), describe_machine()), args.telemetry_out)
+            save(recorder.finish(result, label, engine.info.to_dict(), machine), args.telemetry_out)
     finally:
         engine.close()
     if cancel.is_set():

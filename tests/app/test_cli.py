@@ -44,6 +44,21 @@ def test_generate_json_on_a_tiny_model(tiny_llama):
         assert d["verdict"].startswith("CPU") and f"{shown}" in d["line"] and d["next_step"]
 
 
+def test_generate_json_names_the_machine_it_ran_on(tiny_llama, tmp_path):
+    """The bench's JSON and the telemetry file described the machine; `generate --json` had no word of it, so its
+    figures could not be told apart from another machine's or another torch's."""
+    import os
+
+    import torch
+
+    telemetry = tmp_path / "t.json"
+    out = generate_json(tiny_llama, "hello", "--max-new-tokens", "3", "--telemetry-out", str(telemetry))
+    machine = out["machine"]
+    assert machine["libraries"]["torch"] == torch.__version__ and machine["cpu_cores_logical"] == os.cpu_count()
+    assert machine["torch_threads"] >= 1 and machine["cuda_available"] == torch.cuda.is_available()
+    assert json.loads(telemetry.read_text(encoding="utf-8"))["machine"] == machine  # the same description
+
+
 def test_generate_streams_text_and_matches_json(tiny_llama):
     """The prompt as the positional argument, as other command-line chat tools take it, or as --prompt."""
     args = ("generate", "--model", str(tiny_llama), "--max-new-tokens", "16", "--device", "cpu", "--temperature", "0")
