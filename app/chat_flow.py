@@ -110,6 +110,7 @@ class _Answer:
     candidates: int = 1
     discarded: bool = False  # its chat was deleted: nothing more is saved
     max_new_tokens: int = 0  # what was asked for: a token limit reached below it was the context's
+    listed: bool = True  # the chat list was read after its question was stored (not for a regenerated answer)
 
 
 def resolved(options: Any, info: Any) -> Any:
@@ -187,8 +188,8 @@ class ChatFlow(QObject):
         self.open_chat(None)
 
     def rename_chat(self, chat_id: int, title: str) -> None:
-        self._guard(lambda: self.store.rename_chat(chat_id, title), chat_id)
-        self.chatsChanged.emit()
+        if self._guard(lambda: self.store.rename_chat(chat_id, title), chat_id):
+            self.chatsChanged.emit()
 
     def delete_chat(self, chat_id: int) -> None:
         if self.answer is not None and self.answer.chat_id == chat_id:
@@ -235,11 +236,12 @@ class ChatFlow(QObject):
             self.chatsChanged.emit()
             self.chatOpened.emit(chat.id)
             return
-        self._guard(
+        if self._guard(
             lambda: self.store.update_chat(
                 self.chat_id, system_prompt=system_prompt, sampling=sampling, overflow_policy=overflow_policy
             )
-        )
+        ):
+            self.chatsChanged.emit()  # the chat changed: it comes first in the list
 
     # ---- the visible branch --------------------------------------------------------------------------
 
@@ -292,9 +294,10 @@ class ChatFlow(QObject):
             self.reload()
 
     def delete_message(self, message_id: int) -> None:
-        self._guard(lambda: self.store.delete_message(message_id))
+        deleted = self._guard(lambda: self.store.delete_message(message_id)) is not False
         self._candidate_ids = []
-        self.chatsChanged.emit()
+        if deleted:  # else it was said (and a message deleted elsewhere listed the chats again)
+            self.chatsChanged.emit()
         self.reload()
 
     # ---- sending -------------------------------------------------------------------------------------
@@ -305,22 +308,26 @@ class ChatFlow(QObject):
             return False
         if not self._guard(lambda: check_message(text)):  # refused before a chat is made, or named, after it
             return False
+        listed = True  # the chat list shows every chat as it is
         if self.chat_id is None:
             chat = self._guard(
                 lambda: self.store.create_chat(title_from(text), self.default_system_prompt, self.default_sampling)
             )
             if not chat:
                 return False
-            self.chat_id = chat.id
+            self.chat_id, listed = chat.id, False
             self.chatOpened.emit(chat.id)
         chat = self._guard(lambda: self.store.get_chat(self.chat_id))  # gone, if another window deleted it
         if not chat:
             return False
         leaf = chat.active_leaf_id
         if leaf is None and chat.title == UNTITLED:  # made by Chat settings before its first message
-            self._guard(lambda: self.store.rename_chat(chat.id, title_from(text)))
+            if self._guard(lambda: self.store.rename_chat(chat.id, title_from(text))):
+                listed = False
         user = self._guard(lambda: self.store.add_message(self.chat_id, "user", text, leaf))
         if not user:
+            if not listed:  # the chat made or named stays, empty: listed as it is
+                self.chatsChanged.emit()
             return False
         self.chatsChanged.emit()
         if self._candidate_ids or leaf is None:
@@ -341,6 +348,7 @@ class ChatFlow(QObject):
         user = self._guard(lambda: self.store.add_message(old.chat_id, "user", text, old.parent_id))
         if not user:
             return False
+        self.chatsChanged.emit()  # the chat changed: it comes first in the list
         self.reload()
         return self._ask(user)
 
@@ -356,7 +364,7 @@ class ChatFlow(QObject):
             return False
         # Show the branch up to the question; the new answer becomes the active leaf once it is stored.
         self.threadChanged.emit(self._guard(lambda: self.items(old.parent_id)) or [])
-        return self._ask(question)
+        return self._ask(question, listed=False)
 
     def stop(self) -> None:
         if self.answer is not None:
@@ -400,7 +408,9 @@ class ChatFlow(QObject):
         out.append({"role": "user", "content": draft})
         return out
 
-    def _ask(self, user: Message) -> bool:
+    def _ask(self, user: Message, listed: bool = True) -> bool:
+        """Ask for an answer to `user`; `listed`: the chat list was read after `user` was stored (else it is read
+        once the answer is stored, which moves the chat up)."""
         try:
             messages = self.prompt_messages(user)
             sampling = self.sampling(user.chat_id)
@@ -418,6 +428,7 @@ class ChatFlow(QObject):
             user.id,
             info.name if info is not None else None,
             max_new_tokens=sampling.max_new_tokens,
+            listed=listed,
         )
         self._candidate_ids = []
         self.generatingChanged.emit(True)
@@ -453,6 +464,9 @@ class ChatFlow(QObject):
             self.controller.cancel()
             return
         self._save_timer.start()
+        if not a.listed:
+            a.listed = True
+            self.chatsChanged.emit()
         if a.chat_id == self.chat_id:
             self.streamStarted.emit(MessageItem(None, "assistant", "", author=a.model_name or ""), n)
 
@@ -488,6 +502,7 @@ class ChatFlow(QObject):
             except StoreError as exc:
                 self.failed.emit(f"The stopped answer could not be removed: {exc}")
             self._end()
+            self.chatsChanged.emit()
             if a.chat_id == self.chat_id:
                 self.reload()
             return
@@ -524,10 +539,12 @@ class ChatFlow(QObject):
             self.failed.emit(f"The answer could not be saved: {exc}")
         self._end()
         if a.chat_id != self.chat_id or not a.message_ids:
+            self.chatsChanged.emit()  # the answer changed its chat, on screen or not
             return
         if a.candidates > 1:
             self._candidate_ids = list(a.message_ids)
             self.candidatesFinished.emit(result)
+            self.chatsChanged.emit()
             return
         m = self._guard(lambda: self.store.get_message(a.message_ids[0]))
         sibs = [s.id for s in self._guard(lambda: self.store.siblings(m.id)) or []] if m else []
@@ -550,6 +567,8 @@ class ChatFlow(QObject):
                 log.error("cannot save the failed answer %d: %s", saver.message_id, exc)
         self._end()
         self.failed.emit(f"The answer failed: {message}")
+        if not a.discarded:  # what was written was kept or removed: its chat changed
+            self.chatsChanged.emit()
         if a.chat_id == self.chat_id:
             self.reload()
 

@@ -301,3 +301,98 @@ def test_a_long_branch_is_shown_with_a_fixed_number_of_queries_and_the_same_bran
         sibs = [s.id for s in store.siblings(item.id)]
         assert (item.sibling_index, item.sibling_count) == (sibs.index(item.id), len(sibs))
     assert [(i.sibling_index, i.sibling_count) for i in (items[0], items[-2])] == [(0, 2), (0, 2)]
+
+
+class ListedChats:
+    """The chat list as the window shows it: the store's (id, title, updated) read again at each chatsChanged."""
+
+    def __init__(self, f: ChatFlow, store: ChatStore):
+        self.store = store
+        self.shown = store.chat_titles()
+        self.needless: list[list] = []  # lists read again with nothing changed
+        f.chatsChanged.connect(self._read)
+
+    def _read(self) -> None:
+        now = self.store.chat_titles()
+        if now == self.shown:
+            self.needless.append(now)
+        self.shown = now
+
+    def stale(self) -> bool:
+        return self.shown != self.store.chat_titles()
+
+
+def test_the_chat_list_is_read_again_whenever_a_chat_s_title_order_or_age_changes_and_only_then(flow):
+    """OK in Chat settings, an edit, a regenerated answer that failed or was stopped before its first token, a batch
+    of candidates and an answer that ended in a chat no longer on screen all moved their chat up (or changed its
+    age) in the store without chatsChanged: the list kept the old order until something else read it again. A
+    rename or a deletion the store refused read the list again for nothing."""
+    f, store, ctl = flow
+    listed = ListedChats(f, store)
+    f.send("older")
+    ctl.run(1, ["older answer"], ["eos"])
+    older = f.chat_id
+    f.new_chat()
+    f.send("newer")
+    ctl.run(2, ["newer answer"], ["eos"])
+    newer = f.chat_id
+    assert not listed.stale() and [c[0] for c in listed.shown] == [newer, older]
+
+    f.open_chat(older)
+    f.set_chat_settings("Be brief.", SAMPLING)  # OK in Chat settings
+    assert not listed.stale() and listed.shown[0][0] == older
+
+    f.open_chat(newer)
+    f.edit(store.thread(newer)[0].id, "newer, edited")
+    assert not listed.stale() and listed.shown[0][0] == newer
+    ctl.generationStarted.emit(3, EngineOptions())
+    ctl.generationFailed.emit(3, "out of device memory")  # the empty answer is dropped
+    assert not listed.stale()
+
+    f.open_chat(older)
+    f.regenerate(store.thread(older)[-1].id)
+    ctl.generationStarted.emit(4, EngineOptions())
+    assert not listed.stale() and listed.shown[0][0] == older
+    ctl.run(4, [""], ["cancelled"])  # stopped while the prompt was read: the answer is removed
+    assert not listed.stale()
+
+    f.open_chat(newer)
+    f.send("name two colours")
+    ctl.run(5, ["red", "blue"], ["eos", "eos"], EngineOptions(candidates=2))
+    assert f.awaiting_choice() and not listed.stale()
+
+    f.open_chat(older)
+    f.send("one more")
+    f.open_chat(newer)  # the answer ends while another chat is on screen
+    ctl.run(6, ["one more answer"], ["eos"])
+    assert not listed.stale() and listed.shown[0][0] == older
+
+    f.rename_chat(newer, "x" * 1001)  # refused: a title is at most 1,000 characters
+    answer = store.thread(older)[-1]
+    with ChatStore(store.path) as elsewhere:  # the command line deletes it first
+        elsewhere.delete_message(answer.id)
+    f.open_chat(older)
+    f.delete_message(answer.id)  # said once, and the list read once
+    assert listed.needless == [] and not listed.stale()
+
+
+def test_a_chat_made_or_named_for_a_first_message_the_store_could_not_save_is_listed(flow, monkeypatch):
+    """The disk filled between making (or naming) the chat and saving its first message: the store held the chat,
+    the list did not show it (or showed it as "New chat"), and the next message went into a chat not listed."""
+    from app.store import StoreError
+
+    f, store, ctl = flow
+    listed = ListedChats(f, store)
+    failed = signals(f, "failed")["failed"]
+
+    def full(*_a, **_k):
+        raise StoreError("cannot save the message: database or disk is full")
+
+    monkeypatch.setattr(store, "add_message", full)
+    assert not f.send("hello")
+    assert not listed.stale() and [c[1] for c in listed.shown] == ["hello"]
+    f.new_chat()
+    f.set_chat_settings("Be brief.", SAMPLING)  # made by Chat settings, as "New chat"
+    assert not f.send("second")
+    assert not listed.stale() and [c[1] for c in listed.shown] == ["second", "hello"]
+    assert failed == [("cannot save the message: database or disk is full",)] * 2 and ctl.asked == []

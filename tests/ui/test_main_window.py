@@ -746,6 +746,26 @@ def test_a_long_chat_title_ends_in_an_ellipsis_and_is_whole_in_its_tooltip(qtbot
         close_app(gui)
 
 
+def test_ok_in_chat_settings_moves_the_chat_to_the_top_of_the_list(qtbot, tmp_path):
+    """The store counts the chat as changed (the list is newest first): the list kept it where it was, with the age
+    it had, until another chat changed."""
+    gui = open_app(qtbot, tmp_path / "data")
+    w = gui.window
+    try:
+        older = gui.store.create_chat("older")
+        newer = gui.store.create_chat("newer")
+        w.refresh_chats()
+        w.flow.open_chat(older.id)
+        assert w.chat_list.chat_ids() == [newer.id, older.id]
+        w.open_chat_settings()
+        w._chat_settings_dialog.system_prompt.setPlainText("Answer briefly.")
+        w._chat_settings_dialog.accept()
+        assert [c[0] for c in gui.store.chat_titles()] == [older.id, newer.id]
+        assert w.chat_list.chat_ids() == [older.id, newer.id] and w.chat_list.current_id() == older.id
+    finally:
+        close_app(gui)
+
+
 def test_chat_settings_apply_to_the_next_answer(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "hello")
