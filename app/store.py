@@ -17,6 +17,7 @@ import sqlite3
 import sys
 import threading
 import time
+import unicodedata
 import uuid
 import weakref
 from contextlib import contextmanager
@@ -385,33 +386,38 @@ _SUBTREE = (
 
 def _folded(text: str) -> str:
     """`text` as the search compares it: case folded in every script ("ÉTÉ" finds "été", "STRASSE" "straße", "ΣΟΦΊΑ"
-    "σοφία", "ПРИВЕТ" "привет"). SQLite's LIKE folds ASCII letters alone."""
-    return text.lower() if text.isascii() else text.casefold()  # the same for ASCII text, in a tenth of the time
+    "σοφία", "ПРИВЕТ" "привет"), in one normal form (NFC: "é" typed finds an "e" stored with a combining accent, and
+    the reverse). SQLite's LIKE folds ASCII letters alone."""
+    if text.isascii():
+        return text.lower()  # the same, in a tenth of the time
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", text).casefold())  # Unicode's caseless match
 
 
-# The characters whose case folding holds an ASCII letter ("ß" is "ss", "ﬁ" is "fi", the Kelvin sign is "k"): a
-# search of ASCII text has a match in a message of other scripts that LIKE does not see only through one of these.
-_FOLDS_TO_ASCII = re.compile("[\u00df\u0130\u0149\u017f\u01f0\u1e96-\u1e9a\u1e9e\u212a\ufb00-\ufb06]")
+# The characters whose folding holds an ASCII letter or sign ("ß" is "ss", "ﬁ" is "fi", the Kelvin sign is "k", the
+# Greek question mark ";"): a search of ASCII text has a match in a message of other scripts that LIKE does not see
+# only through one of these.
+_FOLDS_TO_ASCII = re.compile("[\u00df\u0130\u0149\u017f\u037e\u1e9a\u1e9e\u1fef\u212a\ufb00-\ufb06]")
 
 
-def _holds(raw: Optional[bytes], needle: str) -> bool:
-    """Whether the text stored as `raw` (its UTF-8 bytes), which LIKE found without `needle` (folded), holds it
-    once folded (SQL's gapless_holds). Bytes that are not UTF-8 (written by another program) are read as U+FFFD:
-    as text, they failed every search that reached them."""
+def _holds(raw: Optional[bytes], needle: str, liked: int) -> bool:
+    """Whether the text stored as `raw` (its UTF-8 bytes), of other characters than ASCII, holds `needle` (folded)
+    once folded (SQL's gapless_holds); `liked`: whether LIKE found it in the text as stored. Bytes that are not UTF-8
+    (written by another program) are read as U+FFFD: as text, they failed every search that reached them."""
     if raw is None:
         return False
     text = raw.decode("utf-8", "replace")
-    if needle.isascii() and _FOLDS_TO_ASCII.search(text) is None and "\0" not in text:  # LIKE stops at a NUL
-        return False  # what LIKE said: the text's ASCII letters are the only ones that fold to the needle's
+    if not liked and needle.isascii() and _FOLDS_TO_ASCII.search(text) is None and "\0" not in text:
+        return False  # what LIKE said (it stops at a NUL): the text's ASCII letters are the only ones folding to it
+    # What LIKE found may be gone once normalised: an "e" stored before a combining accent is "é" (as typed).
     return needle in _folded(text)
 
 
 def _holds_clause(column: str) -> str:
     """SQL for: `column` holds the search (?1 folded, ?2 as a LIKE pattern). LIKE answers for ASCII text, in C; only
-    other text goes to Python, and there only what can differ once folded."""
+    other text goes to Python, and there is folded only where LIKE can be wrong."""
     return (
-        f"({column} LIKE ?2 ESCAPE '\\' OR "
-        f"(length({column}) != length(CAST({column} AS BLOB)) AND gapless_holds(CAST({column} AS BLOB), ?1)))"
+        f"(CASE WHEN length({column}) = length(CAST({column} AS BLOB)) THEN {column} LIKE ?2 ESCAPE '\\' "
+        f"ELSE gapless_holds(CAST({column} AS BLOB), ?1, {column} LIKE ?2 ESCAPE '\\') END)"
     )
 
 
@@ -511,7 +517,7 @@ class ChatStore:
         db = sqlite3.connect(
             self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
         )
-        db.create_function("gapless_holds", 2, _holds, deterministic=True)
+        db.create_function("gapless_holds", 3, _holds, deterministic=True)
         return db
 
     def _connect_checked(self) -> sqlite3.Connection:

@@ -206,11 +206,37 @@ def test_a_message_written_as_invalid_utf8_by_another_program_does_not_end_every
 
 def test_the_letters_that_fold_to_ascii_are_all_known_to_the_search():
     """A message of other scripts is folded for a search of ASCII text only where it holds one of these letters."""
-    from app.store import _FOLDS_TO_ASCII
+    from app.store import _FOLDS_TO_ASCII, _folded
 
     letters = [chr(c) for c in range(128, sys.maxunicode + 1)]
-    folds_to_ascii = {c for c in letters if any(x.isascii() for x in c.casefold())}
-    assert "ß" in folds_to_ascii and {c for c in letters if _FOLDS_TO_ASCII.match(c)} == folds_to_ascii
+    folds_to_ascii = {c for c in letters if any(x.isascii() for x in _folded(c))}
+    assert {"ß", "\u037e", "\u212a"} <= folds_to_ascii  # the Greek question mark is ";", the Kelvin sign "k"
+    assert {c for c in letters if _FOLDS_TO_ASCII.match(c)} == folds_to_ascii
+
+
+def test_search_finds_text_however_its_accents_are_written(store):
+    """A letter and its accent can be stored as one character ("é", as most keyboards type it) or as two ("e" and a
+    combining accent, as some programs and models write it): a search found only the form it was typed in, and a
+    search of "cafe" found "cafe\u0301" (an "e" followed by an accent) but not "café"."""
+    one = store.create_chat("One character")
+    store.add_message(one.id, "user", "Un caf\u00e9 \u00e0 No\u00ebl, \u1e9b\u0323", None)
+    two = store.create_chat("Two characters")
+    store.add_message(two.id, "assistant", "UN CAFE\u0301 A\u0300 NOE\u0308L, \u017f\u0323\u0307", None)
+    title = store.create_chat("Cafe\u0301s")  # a title is searched the same way
+
+    def found(search: str) -> list[int]:
+        listed = [c.id for c in store.list_chats(search)]
+        assert [c[0] for c in store.search_titles(search)] == listed  # the chat list's search, off the GUI thread
+        return listed
+
+    for typed in ("café", "cafe\u0301", "CAFÉ", "CAFE\u0301"):
+        assert found(typed) == [title.id, two.id, one.id], ascii(typed)
+    for typed in ("Noël", "noe\u0308l", "À NOËL", "a\u0300 noe\u0308l"):
+        assert found(typed) == [two.id, one.id], ascii(typed)
+    assert found("cafés") == found("CAFE\u0301S") == [title.id]
+    assert found("\u1e69") == found("s\u0323\u0307") == [two.id, one.id]  # ṩ: one letter, two accents
+    assert found("cafe") == found("noel") == found("a noel") == []  # an accent is part of its letter
+    assert found("un caf") == [two.id, one.id]  # the text before it is found in both
 
 
 def test_delete_message_cascades_and_fixes_the_active_leaf(store):
