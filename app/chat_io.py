@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from app.fences import FENCE, closes
+from app.markdown_blocks import read_blocks
 from app.store import MAX_TEXT_CHARS, MAX_TITLE_CHARS, ROLES, ChatStore, Message, StoreError
 from engine import figures
 from engine.errors import GaplessError, OptionsError
@@ -212,103 +212,23 @@ def _figures_line(m: Message) -> str:
 
 
 _TURN_HEADING = re.compile(r"^( {0,3}#{1,6}[ \t]+#\d+ · )")
-_HEADING = re.compile(r" {0,3}#{1,6}(\s|$)")
-
-
-# HTML blocks that run to a closing string, not to the next blank line (CommonMark's kinds 1 to 5): its opening, its end
-_HTML_BLOCKS = (
-    (
-        re.compile(r" {0,3}<(script|pre|style|textarea)(\s|>|$)", re.I),
-        re.compile(r"</(script|pre|style|textarea)>", re.I),
-    ),
-    (re.compile(r" {0,3}<!--"), re.compile(r"-->")),
-    (re.compile(r" {0,3}<\?"), re.compile(r"\?>")),
-    (re.compile(r" {0,3}<![A-Za-z]"), re.compile(r">")),
-    (re.compile(r" {0,3}<!\[CDATA\["), re.compile(r"\]\]>")),
-)
-# HTML blocks that run to the next blank line: a block-level tag (kind 6, which may interrupt a paragraph), or a
-# line of one whole tag alone (kind 7, which may not)
-_BLOCK_TAGS = (
-    "address|article|aside|base|basefont|blockquote|body|caption|center|col|colgroup|dd|details|dialog|dir|div|dl|"
-    "dt|fieldset|figcaption|figure|footer|form|frame|frameset|h1|h2|h3|h4|h5|h6|head|header|hr|html|iframe|legend|"
-    "li|link|main|menu|menuitem|nav|noframes|ol|optgroup|option|p|param|search|section|summary|table|tbody|td|"
-    "tfoot|th|thead|title|tr|track|ul"
-)
-_HTML_TO_BLANK = re.compile(rf" {{0,3}}</?({_BLOCK_TAGS})(\s|/?>|$)", re.I)
-_ATTRIBUTE = r"""\s+[A-Za-z_:][\w.:-]*(\s*=\s*([^\s"'=<>`]+|'[^']*'|"[^"]*"))?"""
-_HTML_TAG_LINE = re.compile(rf" {{0,3}}(<[A-Za-z][A-Za-z0-9-]*({_ATTRIBUTE})*\s*/?>|</[A-Za-z][A-Za-z0-9-]*\s*>)\s*$")
 
 
 def _as_exported(content: str) -> str:
     """A message's text as the Markdown file holds it: a code block it leaves open (an answer stopped inside one)
     is closed, so it does not take every later turn into it; an HTML block it leaves open ("<script>" or "<!--"
     at the start of a line, never closed) is shown as text, for the same reason; and a line that reads as this
-    file's own turn heading ("### #5 · User") is escaped, so an answer cannot make up a turn. Fences and HTML
-    blocks are found as a Markdown reader finds them: a fence inside an HTML block (```` ``` ```` in a
-    "<pre>…</pre>") is the block's text, not a code block left open."""
+    file's own turn heading ("### #5 · User") is escaped, so an answer cannot make up a turn. Blocks are found as
+    a Markdown reader finds them (app.markdown_blocks): a fence inside an HTML block (```` ``` ```` in a
+    "<pre>…</pre>") is the block's text, and one inside a list item or a block quote is the item's or the quote's."""
     lines = content.split("\n")
-    inside, fence, unclosed = _blocks(lines)
-    if fence is not None:
-        lines.append(fence)
-        inside.append(True)
-    for i in unclosed:
+    blocks = read_blocks(lines, _TURN_HEADING)
+    for i in blocks.unclosed_html:
         lines[i] = re.sub(r"^( {0,3})<", r"\1\\<", lines[i])
-    return "\n".join(line if raw else _TURN_HEADING.sub(r"\\\1", line) for line, raw in zip(lines, inside))
-
-
-def _blocks(lines: list[str]) -> tuple[list[bool], Optional[str], list[int]]:
-    """For each line, whether a Markdown reader reads it as code or raw HTML (no heading there); the line that
-    closes the code block the text leaves open (the opening fence with its indentation), or None; and the lines
-    that open an HTML block the text never closes (to be shown as text: the lines after are then read as they
-    would be without it)."""
-    last_end = [max((j for j, line in enumerate(lines) if end.search(line)), default=-1) for _, end in _HTML_BLOCKS]
-    inside: list[bool] = []
-    unclosed: list[int] = []
-    fence: Optional[str] = None  # the open code block's fence, with its indentation
-    html_end: Optional[re.Pattern[str]] = None  # the open HTML block's end (kinds 1 to 5)
-    to_blank = False  # inside an HTML block that ends at a blank line (kinds 6 and 7)
-    paragraph = False  # the line before continues a paragraph (an HTML block of kind 7 cannot interrupt one)
-    for i, line in enumerate(lines):
-        if fence is not None:
-            inside.append(True)
-            if closes(line, fence.lstrip(" ")):
-                fence = None
-            continue
-        if html_end is not None:
-            inside.append(True)
-            if html_end.search(line):
-                html_end = None
-            continue
-        if to_blank:
-            to_blank = bool(line.strip())
-            inside.append(to_blank)
-            continue
-        m = FENCE.match(line)
-        if m:
-            fence, paragraph = m.group(1) + m.group(2), False
-            inside.append(True)
-            continue
-        kind = next((k for k, (start, _) in enumerate(_HTML_BLOCKS) if start.match(line)), None)
-        if kind is not None:
-            if last_end[kind] < i:
-                unclosed.append(i)
-                inside.append(False)
-                paragraph = True
-                continue
-            end = _HTML_BLOCKS[kind][1]
-            html_end = None if end.search(line) else end
-            inside.append(True)
-            paragraph = False
-            continue
-        if _HTML_TO_BLANK.match(line) or (not paragraph and _HTML_TAG_LINE.match(line)):
-            to_blank, paragraph = True, False
-            inside.append(True)
-            continue
-        inside.append(False)
-        # a heading ends where it is, unless it is one of this file's turns (escaped: then it is text)
-        heading = _HEADING.match(line) is not None and _TURN_HEADING.match(line) is None
-        paragraph = bool(line.strip()) and not heading
-    return inside, fence, unclosed
+    lines = [_TURN_HEADING.sub(r"\\\1", line) if heading else line for line, heading in zip(lines, blocks.heading)]
+    if blocks.closing is not None:
+        lines.append(blocks.closing)
+    return "\n".join(lines)
 
 
 def _quote(text: str) -> str:
