@@ -221,7 +221,7 @@ def test_markdown_renders_each_message_as_written_whatever_its_lists_and_quotes_
     an item's block closed at column 0) was taken for a block opened or left open at the top, so the export
     "closed" it where it opened another code block that took every later turn into it, or left one open: 686 of
     20,000 random chats of three such messages lost or made up a turn, or rendered a message otherwise than it was
-    written. Read by a CommonMark parser (markdown-it, which transformers brings), each turn is a turn and each
+    written. Read by a CommonMark parser (markdown-it, of the test extra), each turn is a turn and each
     message renders as it does alone."""
     import random
 
