@@ -236,11 +236,14 @@ class ChatFlow(QObject):
             self.chatsChanged.emit()
             self.chatOpened.emit(chat.id)
             return
-        if self._guard(
+        chat_id = self.chat_id
+        before = self._guard(lambda: self.store.get_chat(chat_id))
+        after = self._guard(
             lambda: self.store.update_chat(
-                self.chat_id, system_prompt=system_prompt, sampling=sampling, overflow_policy=overflow_policy
+                chat_id, system_prompt=system_prompt, sampling=sampling, overflow_policy=overflow_policy
             )
-        ):
+        )
+        if after and (before is None or after.updated != before.updated):
             self.chatsChanged.emit()  # the chat changed: it comes first in the list
 
     # ---- the visible branch --------------------------------------------------------------------------

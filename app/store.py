@@ -735,7 +735,8 @@ class ChatStore:
         sampling: Any = None,
         overflow_policy: Optional[str] = None,
     ) -> Chat:
-        """Change what is given (None: unchanged); overflow_policy "" means the settings' default again."""
+        """Change what is given (None: unchanged); overflow_policy "" means the settings' default again. The chat's
+        updated time moves only when a value changed."""
         from engine.types import OVERFLOW_POLICIES
 
         if overflow_policy not in (None, "", *OVERFLOW_POLICIES):
@@ -744,13 +745,20 @@ class ChatStore:
             _check_length(system_prompt, "the system prompt", MAX_TEXT_CHARS)
         with self._write("update the chat") as db:
             self._require_chat(db, chat_id)
+            given: list[tuple[str, Optional[str]]] = []
             if overflow_policy is not None:
-                db.execute("UPDATE chats SET overflow_policy = ? WHERE id = ?", (overflow_policy or None, chat_id))
+                given.append(("overflow_policy", overflow_policy or None))
             if system_prompt is not None:
-                db.execute("UPDATE chats SET system_prompt = ? WHERE id = ?", (system_prompt, chat_id))
+                given.append(("system_prompt", system_prompt))
             if sampling is not None:
-                db.execute("UPDATE chats SET sampling_json = ? WHERE id = ?", (_dumps(sampling), chat_id))
-            db.execute("UPDATE chats SET updated = ? WHERE id = ?", (time.time(), chat_id))
+                given.append(("sampling_json", _dumps(sampling)))
+            changed = 0  # a chat is "updated" (and comes first in the list) only when something in it changed
+            for column, value in given:
+                changed += db.execute(
+                    f"UPDATE chats SET {column} = ? WHERE id = ? AND {column} IS NOT ?", (value, chat_id, value)
+                ).rowcount
+            if changed:
+                db.execute("UPDATE chats SET updated = ? WHERE id = ?", (time.time(), chat_id))
         return self.get_chat(chat_id)
 
     def delete_chat(self, chat_id: int) -> None:

@@ -54,6 +54,13 @@ def test_chat_crud_and_order(store):
     assert [c.title for c in store.list_chats()] == ["renamed", "New chat"]  # touched chats come first
     c = store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5})
     assert (c.system_prompt, c.sampling) == ("sys", {"temperature": 1.5})
+    assert [c.id for c in store.list_chats()] == [b.id, a.id]
+    store.rename_chat(a.id, "renamed")
+    same = store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5}, overflow_policy="")
+    assert same.updated == c.updated  # nothing changed: the chat is not counted as touched, nor moved up
+    assert [c.id for c in store.list_chats()] == [a.id, b.id]
+    assert store.update_chat(b.id, overflow_policy="stop").updated > c.updated
+    assert [c.id for c in store.list_chats()] == [b.id, a.id]
     store.delete_chat(a.id)
     assert [c.id for c in store.list_chats()] == [b.id]
     with pytest.raises(StoreError, match="no chat with id"):

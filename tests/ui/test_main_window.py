@@ -748,7 +748,7 @@ def test_a_long_chat_title_ends_in_an_ellipsis_and_is_whole_in_its_tooltip(qtbot
 
 def test_ok_in_chat_settings_moves_the_chat_to_the_top_of_the_list(qtbot, tmp_path):
     """The store counts the chat as changed (the list is newest first): the list kept it where it was, with the age
-    it had, until another chat changed."""
+    it had, until another chat changed. OK with nothing changed leaves it where it is (it came first)."""
     gui = open_app(qtbot, tmp_path / "data")
     w = gui.window
     try:
@@ -762,6 +762,12 @@ def test_ok_in_chat_settings_moves_the_chat_to_the_top_of_the_list(qtbot, tmp_pa
         w._chat_settings_dialog.accept()
         assert [c[0] for c in gui.store.chat_titles()] == [older.id, newer.id]
         assert w.chat_list.chat_ids() == [older.id, newer.id] and w.chat_list.current_id() == older.id
+        gui.store.rename_chat(newer.id, "newer, touched")
+        w.refresh_chats()
+        w.open_chat_settings()
+        w._chat_settings_dialog.accept()  # nothing changed: the chat stays where it is (it came first)
+        assert [c[0] for c in gui.store.chat_titles()] == [newer.id, older.id]
+        assert w.chat_list.chat_ids() == [newer.id, older.id] and w.chat_list.current_id() == older.id
     finally:
         close_app(gui)
 
