@@ -321,6 +321,18 @@ def test_the_table_describes_the_machine_with_or_without_a_load_average():
     )
 
 
+def test_the_table_counts_one_run_and_one_warm_up_in_the_singular():
+    """`--repeats 1` said "median of 1 runs"."""
+    report, _ = sample_report()
+    for repeats, warmup, said in (
+        (1, 1, "median of 1 run after 1 warm-up."),
+        (3, 2, "median of 3 runs after 2 warm-ups."),
+    ):
+        report["config"] = {"max_new_tokens": 128, "repeats": repeats, "warmup": warmup}
+        line = next(x for x in format_table(report).splitlines() if x.startswith("Model "))
+        assert line.endswith(f"128 new tokens, greedy, {said}")
+
+
 def test_table_with_compiled_baseline_has_its_column():
     report, _ = sample_report(with_compiled=True)
     lines = format_table(report).splitlines()
