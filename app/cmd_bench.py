@@ -41,6 +41,11 @@ MODE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 QUALITY_DECODE_TOKENS = 64  # the quality bench's decode runs, at most: its figure of interest is the perplexity
 BENCH_TOKENS = 128  # every other kind's answers
+# The comma-separated flags, with what an empty one is refused with (it ran the default before, as if left out).
+LIST_FLAGS = {
+    "presets": "no preset to run (leave the flag out to run them all)",
+    "dtypes": "no dtype to run (leave the flag out for the default: fp32 on the CPU, fp16 on CUDA)",
+}
 # The ladder's flags that only one rung reads.
 RUNG_FLAGS = {"candidates": ("candidates", "kernels"), "speculation": ("speculation", "draft_tokens", "draft_model")}
 
@@ -69,8 +74,10 @@ def check_flags(args: argparse.Namespace) -> None:
             "--draft-model is the model --speculation draft drafts with; give --speculation draft too "
             f"(the speculation runs {getattr(args, 'speculation', None) or 'ngram'} without it)"
         )
-    if getattr(args, "presets", None) is not None and not args.presets.strip(", "):
-        raise OptionsError("--presets: no preset to run (leave the flag out to run them all)")
+    for flag, default in LIST_FLAGS.items():  # "" is not "the default": refused, for every list alike
+        given = getattr(args, flag, None)
+        if given is not None and not given.replace(",", "").strip():
+            raise OptionsError(f"--{flag}: {default}")
     if mode == "ladder" and args.presets:  # a flag of a rung left out would change nothing that runs
         chosen = {p.strip() for p in args.presets.split(",")}
         for rung, flags in RUNG_FLAGS.items():

@@ -771,6 +771,10 @@ def test_footnotes_say_each_rung_s_reason_and_why_naive_ratios_are_na():
         (["--draft-model", "d.gguf"], "--draft-model is the model --speculation draft drafts with"),
         (["--speculation-workloads", "--draft-model", "d.gguf"], "give --speculation draft too"),
         (["--presets", ""], "--presets: no preset to run"),
+        (["--presets", " , "], "--presets: no preset to run"),
+        # an empty --dtypes ran the default dtypes, where an empty --presets was refused
+        (["--speculation-workloads", "--dtypes", ""], "--dtypes: no dtype to run (leave the flag out for the default"),
+        (["--speculation-workloads", "--dtypes", ","], "--dtypes: no dtype to run"),
     ],
 )
 def test_a_flag_the_chosen_bench_would_not_read_is_refused(argv, words):
