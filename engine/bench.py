@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from engine.figures import source_field_of
+from engine.figures import source_field_of, spec
 from engine.ladder import (
     RUN_ERRORS,
     BenchConfig,
@@ -61,6 +61,31 @@ def _peak_memory(device: torch.device) -> tuple[Optional[int], str]:
     except ImportError:  # Windows
         return None, "no getrusage on this OS"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS since start (getrusage)"
+
+
+# Where each of the baseline's own figures comes from: measured around transformers' generate(), not by the engine
+# (the registry's fixed source of a figure, "engine timing", is the engine's). The runs and the median name them
+# under "sources", as the engine's metrics do; new_tokens_total's also in count_source, its source field.
+BASELINE_SOURCES = {
+    "ttft_ms": "wall time of a 1-token transformers generate(), device-synchronised",
+    "total_s": "wall time of the n-token transformers generate(), device-synchronised",
+    "decode_tok_s": (
+        "(n - 1) / (t(n tokens) - t(1 token)) of transformers generate(), device-synchronised (prefill left out)"
+    ),
+    "new_tokens_total": "the tokens transformers generate() returned",
+}
+# the figures of the baseline the monitor or the OS measure: their source fields name the source of each run
+MEASURED_AROUND = ("peak_memory_bytes", "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")
+
+
+def _sources(figures_of: dict[str, Any]) -> dict[str, str]:
+    """The source of each figure of a baseline's run or median that has a value."""
+    out = {k: v for k, v in BASELINE_SOURCES.items() if figures_of.get(k) is not None}
+    for metric in MEASURED_AROUND:
+        source = figures_of.get(source_field_of(metric))
+        if figures_of.get(metric) is not None and source:
+            out[metric] = source
+    return out
 
 
 class BaselineRunner:
@@ -159,15 +184,21 @@ class BaselineRunner:
             "total_s": total_s,
             "new_tokens_total": len(new),
             "decode_tok_s": ratio(len(new) - 1, total_s - first_s),
+            "count_source": BASELINE_SOURCES["new_tokens_total"],
             "unavailable": {},
         }
         run["peak_memory_bytes"], run["peak_memory_source"] = _peak_memory(self.device)
+        if run["peak_memory_bytes"] is None:  # what _peak_memory said is then why, not a source
+            run["unavailable"]["peak_memory_bytes"], run["peak_memory_source"] = run["peak_memory_source"], None
         if self.monitor is not None:
             for metric, (value, source) in self.monitor.summary(t0, t1).items():
                 run[metric] = value
                 run[source_field_of(metric)] = source if value is not None else None
                 if value is None:
                     run["unavailable"][metric] = source
+        if run["decode_tok_s"] is None:
+            run["unavailable"]["decode_tok_s"] = "the n-token generate() took no longer than the 1-token one"
+        run["sources"] = _sources(run)
         self.result.runs.append(run)
         self.result.token_ids = new
         tok_s = run["decode_tok_s"]
@@ -180,24 +211,19 @@ class BaselineRunner:
         base = self.result
         if not base.runs:
             return base
+        # counts stay ints where the median is a whole number, as the rungs' (engine.ladder.median_metrics)
         base.median = {
             f: median(r.get(f) for r in base.runs)
-            for f in (
-                "decode_tok_s",
-                "ttft_ms",
-                "total_s",
-                "new_tokens_total",
-                "peak_memory_bytes",
-                "gpu_util_pct",
-                "sm_activity_pct",
-                "dram_bw_util_pct",
-            )
+            for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", *MEASURED_AROUND)
         }
+        for f in ("new_tokens_total", "peak_memory_bytes"):
+            base.median[f] = spec(f).typed(base.median[f])
         # Only these figures are measured around transformers' generate(); the rest are n/a with the reason.
         tok_s = [r["decode_tok_s"] for r in base.runs if r.get("decode_tok_s") is not None]
         base.median["decode_tok_s_min"] = min(tok_s) if tok_s else None
         base.median["decode_tok_s_max"] = max(tok_s) if tok_s else None
-        for f in ("peak_memory_bytes", "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct"):
+        base.median["count_source"] = BASELINE_SOURCES["new_tokens_total"]
+        for f in MEASURED_AROUND:
             source_field = source_field_of(f)
             base.median[source_field] = next((r[source_field] for r in base.runs if r.get(source_field)), None)
         base.median["unavailable"] = {}
@@ -207,6 +233,9 @@ class BaselineRunner:
         for r in base.runs:
             for k, v in r["unavailable"].items():
                 base.median["unavailable"].setdefault(k, v)
+        for k in [k for k in base.median["unavailable"] if base.median.get(k) is not None]:
+            del base.median["unavailable"][k]  # n/a in a run, measured in others: their median is the figure
+        base.median["sources"] = _sources(base.median)
         return base
 
 

@@ -523,6 +523,24 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     assert hf["settings"]["min_new_tokens"] == hf["settings"]["max_new_tokens"] == 12
     assert all(r["new_tokens_total"] == 12 for r in hf["runs"])
     assert hf["median"]["decode_tok_s"] > 0 and hf["median"]["kernel_gap_pct"] is None
+    # its counts are ints, as the rungs' (the median of 12 and 12 tokens was written 12.0, of the RSS 778039296.0)
+    assert type(hf["median"]["new_tokens_total"]) is int and hf["median"]["new_tokens_total"] == 12
+    assert type(hf["median"]["peak_memory_bytes"]) is int  # whole KiB each run
+    # each figure names its source as the engine's do (decode tok/s and TTFT read as "engine timing" before)
+    sources = {
+        "ttft_ms": "wall time of a 1-token transformers generate(), device-synchronised",
+        "total_s": "wall time of the n-token transformers generate(), device-synchronised",
+        "decode_tok_s": "(n - 1) / (t(n tokens) - t(1 token)) of transformers generate(), device-synchronised "
+        "(prefill left out)",
+        "new_tokens_total": "the tokens transformers generate() returned",
+        "peak_memory_bytes": "process peak RSS since start (getrusage)",
+    }
+    assert hf["runs"][0]["sources"] == hf["runs"][1]["sources"] == hf["median"]["sources"] == sources
+    assert naive["runs"][0]["metrics"]["sources"]["decode_tok_s"] == "engine timing, device-synchronised"
+    from engine import figures
+
+    assert figures.read(hf["median"], "new_tokens_total").source == sources["new_tokens_total"]
+    assert figures.read(naive["median"], "new_tokens_total").source == "engine token count"
     # one warm-up each (config.warmup), timed and kept out of the runs; the table names them
     assert len(naive["warmup_seconds"]) == len(fixes["warmup_seconds"]) == len(hf["warmup_seconds"]) == 1
     assert all(s > 0 for s in naive["warmup_seconds"] + hf["warmup_seconds"])
