@@ -8,7 +8,6 @@ repeats are interleaved (see `run_suite`), because a shared machine's load drift
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -27,7 +26,7 @@ from engine.ladder import (
     ratio,
     validate,
 )
-from engine.telemetry.machine import describe_machine
+from engine.telemetry.machine import describe_machine, load_average
 from engine.types import CPU_DTYPE_NOTE, EngineOptions
 
 log = logging.getLogger(__name__)
@@ -392,7 +391,7 @@ def run_suite(
 
     config = validate(config)
     started = time.time()
-    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    load_at_start = load_average()
     _refresh_cpu_bandwidth(config.device)
     engine = Engine.load(
         config.model,
@@ -450,8 +449,7 @@ def run_suite(
     ratios = add_ratios(
         rungs, baselines, config.baseline, device.type == "cuda" and compile_enabled(config, device.type)
     )
-    machine = describe_machine(nvml=nvml)
-    machine["load_average_at_start"] = load_at_start
+    machine = describe_machine(nvml=nvml, load_average_at_start=load_at_start)
     order = (
         "interleaved: each round runs every rung and the baseline once"
         if inter

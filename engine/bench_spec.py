@@ -8,7 +8,6 @@ tokens of the two arms agree (they must, up to near-ties; the first difference i
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
@@ -17,7 +16,7 @@ import torch
 
 from engine.bench import matching_prefix
 from engine.errors import OptionsError
-from engine.telemetry.machine import describe_machine
+from engine.telemetry.machine import describe_machine, load_average
 from engine.types import EngineOptions, SamplingParams
 
 _CODE = """def total_price(items, tax_rate):
@@ -83,13 +82,24 @@ def validate(config: SpecBenchConfig) -> SpecBenchConfig:
     return config
 
 
-def _arm(metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """One arm over its runs: decode tok/s as total decode tokens over total decode seconds."""
+NO_DECODE = "the answers ended at their first token: no decode step ran"
+
+
+def _arm(metrics: list[dict[str, Any]], drafting: bool) -> dict[str, Any]:
+    """One arm over its runs: decode tok/s as total decode tokens over total decode seconds. `drafting`: whether
+    the arm runs with speculation; `unavailable` says why each figure that is null is."""
     seconds = sum(m["decode_seconds"] or 0.0 for m in metrics)
     tokens = sum(m["new_tokens_total"] - 1 for m in metrics)
     steps = sum(m["decode_steps"] for m in metrics)
     drafted = sum(m.get("drafted_tokens") or 0 for m in metrics)
     accepted = sum(m.get("accepted_tokens") or 0 for m in metrics)
+    unavailable = {}
+    if not seconds > 0:
+        unavailable["decode_tok_s"] = NO_DECODE
+    if not steps:
+        unavailable["tokens_per_step"] = NO_DECODE
+    if not drafted:  # as the engine's metrics say it
+        unavailable["acceptance_rate"] = "speculation off" if not drafting else "no drafts were made"
     return {
         "decode_tok_s": tokens / seconds if seconds > 0 else None,
         "decode_tokens": tokens,
@@ -101,6 +111,7 @@ def _arm(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "acceptance_rate": accepted / drafted if drafted else None,
         "verify_steps": sum(m.get("verify_steps") or 0 for m in metrics),
         "per_run_decode_tok_s": [m["decode_tok_s"] for m in metrics],
+        "unavailable": unavailable,
     }
 
 
@@ -178,7 +189,7 @@ def run_speculation_workloads(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     started = time.time()
-    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    load_at_start = load_average()
     engine = Engine.load(
         config.model,
         EngineOptions(device=config.device, profile_window=False),
@@ -243,8 +254,9 @@ def run_speculation_workloads(
                             "first_difference": None if tokens["off"] == tokens["on"] else same,
                         }
                     )
-                off, on = _arm(runs["off"]), _arm(runs["on"])
+                off, on = _arm(runs["off"], drafting=False), _arm(runs["on"], drafting=True)
                 ratio = on["decode_tok_s"] / off["decode_tok_s"] if on["decode_tok_s"] and off["decode_tok_s"] else None
+                missing = [arm for arm, figures in (("off", off), ("on", on)) if not figures["decode_tok_s"]]
                 results.append(
                     {
                         "dtype": dtype,
@@ -253,6 +265,9 @@ def run_speculation_workloads(
                         "plain": off,
                         "speculation": on,
                         "speedup": ratio,
+                        "unavailable": (
+                            {"speedup": f"no decode figure with speculation {' and '.join(missing)}"} if missing else {}
+                        ),
                         "standing": standing(workload, ratio),
                         "prompts": prompts,
                     }
@@ -261,8 +276,7 @@ def run_speculation_workloads(
         info = engine.info.to_dict()
     finally:
         engine.close()
-    machine = describe_machine()
-    machine["load_average_at_start"] = load_at_start
+    machine = describe_machine(load_average_at_start=load_at_start)
     return {
         "command": command,
         "created_unix": started,

@@ -8,13 +8,12 @@ cache; the report gives each turn's median TTFT over the repeats, for each engin
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-from engine.telemetry.machine import describe_machine
+from engine.telemetry.machine import describe_machine, load_average
 from engine.types import EngineOptions, SamplingParams
 
 TARGET_RATIO = 0.2  # turn-10 TTFT with reuse at most this share of TTFT without
@@ -80,7 +79,7 @@ def run_conversation(
     from engine.engine import Engine
 
     started = time.time()
-    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    load_at_start = load_average()
     sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
     base = EngineOptions(device=config.device, dtype=config.dtype, profile_window=False)
     engines = {
@@ -155,9 +154,7 @@ def run_conversation(
             }
         )
     last = rows[-1]
-    machine = describe_machine()
-    machine["load_average_at_start"] = load_at_start
-    machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    machine = describe_machine(load_average_at_start=load_at_start, load_average_at_end=load_average())
     return {
         "benchmark": "conversation",
         "command": command,

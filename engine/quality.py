@@ -231,14 +231,13 @@ def run_quality(
         "kind": "quality",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": command or [],
-        "machine": {
-            **describe_machine(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        },
+        "machine": describe_machine(
+            platform=platform.platform(),
+            processor=platform.processor() or platform.machine(),
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        ),
         "config": asdict(config),
         "device": model_info["device"],  # where the formats ran (machine.cuda names a GPU present, used or not)
         "model": {k: model_info[k] for k in ("name", "source", "parameters", "context_length")},

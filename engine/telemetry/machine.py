@@ -103,12 +103,48 @@ def _gpus(nvml: Any) -> tuple[list[dict[str, Any]], Optional[str], Optional[str]
             log.debug("nvmlShutdown: %s", exc)
 
 
-def describe_machine(nvml: Any = None) -> dict[str, Any]:
-    """CPU, memory, OS, Python, library versions, torch threads and the CUDA devices with their driver."""
+NO_LOAD_AVERAGE = "the OS gives no load average (os.getloadavg; Windows has none)"
+
+
+def load_average() -> Optional[list[float]]:
+    """The 1, 5 and 15 minute load averages; None where the OS gives none (NO_LOAD_AVERAGE)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _why_null(machine: dict[str, Any], driver_reason: Optional[str]) -> dict[str, str]:
+    """Why each field of `machine` that is null is (its `unavailable`, as a figure's)."""
+    import torch
+
+    no_cuda = (
+        f"this torch ({torch.__version__}) is built without CUDA"
+        if torch.version.cuda is None
+        else "torch sees no CUDA device (torch.cuda.is_available() is false)"
+    )
+    reasons = {
+        "cpu_model": "the OS names no CPU model (/proc/cpuinfo, platform.processor())",
+        "cpu_cores_logical": "the OS gives no core count (os.cpu_count)",
+        "cpu_cores_usable": "the OS gives no core count (os.cpu_count)",
+        "memory_bytes": "the OS gives no memory size (/proc/meminfo, sysconf)",
+        "torch_cuda": f"this torch ({torch.__version__}) is built without CUDA",
+        "gpu_name": f"no CUDA device: {no_cuda}",
+        "sm_count": f"no CUDA device: {no_cuda}",
+        "cuda": f"no CUDA device: {no_cuda}",
+        "driver_version": driver_reason or "NVML gave no driver version",
+    }
+    return {
+        k: reasons.get(k, NO_LOAD_AVERAGE if k.startswith("load_average") else "not measured")
+        for k, v in machine.items()
+        if v is None and not k.endswith("_reason")
+    }
+
+
+def describe_machine(nvml: Any = None, **extra: Any) -> dict[str, Any]:
+    """CPU, memory, OS, Python, library versions, torch threads and the CUDA devices with their driver, and the
+    fields in `extra` (load_average_at_start=...); `unavailable` says why each field that is null is."""
     import torch
 
     gpus, driver, driver_reason = _gpus(nvml)
-    return {
+    machine = {
         "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the widest vector ISA torch's kernels use
         "cpu_cores_logical": os.cpu_count(),
@@ -116,7 +152,7 @@ def describe_machine(nvml: Any = None) -> dict[str, Any]:
         "memory_bytes": memory_bytes(),
         "os": platform.platform(),
         # Other work on the machine slows every figure; the load when the description was taken says how much.
-        "load_average_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average_1_5_15min": load_average(),
         "python": sys.version.split()[0],
         "libraries": library_versions(),
         "torch_threads": torch.get_num_threads(),
@@ -127,4 +163,7 @@ def describe_machine(nvml: Any = None) -> dict[str, Any]:
         "sm_count": gpus[0]["sm_count"] if gpus else None,
         "driver_version": driver,
         "driver_version_reason": driver_reason,
+        **extra,
     }
+    machine["unavailable"] = _why_null(machine, driver_reason)
+    return machine

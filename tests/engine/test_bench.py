@@ -743,9 +743,36 @@ def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):
         assert off["tokens_per_step"] == 1.0 and off["drafted_tokens"] == 0
         assert on["decode_tokens"] == off["decode_tokens"]
         assert r["speedup"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"])
+        # a null figure says why (the speculation-off arm's acceptance was null with no reason)
+        assert off["acceptance_rate"] is None and off["unavailable"] == {"acceptance_rate": "speculation off"}
+        assert on["unavailable"] == ({} if on["drafted_tokens"] else {"acceptance_rate": "no drafts were made"})
+        assert r["unavailable"] == {}
+    machine = report["machine"]  # gpu_name, sm_count and torch_cuda were null with no reason
+    nulls = {k for k, v in machine.items() if v is None and not k.endswith("_reason")}
+    assert set(machine["unavailable"]) == nulls
+    if not torch.cuda.is_available():
+        assert nulls >= {"gpu_name", "sm_count"}
+        assert machine["unavailable"]["gpu_name"].startswith("no CUDA device: ")
+    if torch.version.cuda is None:
+        built = f"this torch ({torch.__version__}) is built without CUDA"
+        assert machine["unavailable"]["torch_cuda"] == built and machine["unavailable"]["sm_count"].endswith(built)
     assert results[0]["standing"].startswith("target >= 1.5x") and results[1]["standing"] is None
     out = capsys.readouterr().out
     assert "| fp32  | rewrite " in out and "1 torch thread(s)" in out
+
+
+def test_an_arm_without_decode_steps_says_why_each_figure_is_null():
+    from engine.bench_spec import NO_DECODE, _arm
+
+    first_token_only = {"decode_seconds": None, "new_tokens_total": 1, "decode_steps": 0, "decode_tok_s": None}
+    arm = _arm([first_token_only], drafting=True)
+    assert arm["decode_tok_s"] is arm["tokens_per_step"] is arm["acceptance_rate"] is None
+    assert arm["unavailable"] == {
+        "decode_tok_s": NO_DECODE,
+        "tokens_per_step": NO_DECODE,
+        "acceptance_rate": "no drafts were made",
+    }
+    assert NO_DECODE == "the answers ended at their first token: no decode step ran"
 
 
 def test_footnotes_say_each_rung_s_reason_and_why_naive_ratios_are_na():
