@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import fields
@@ -336,7 +335,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
     """Written whole or not at all; a file system that refuses it (a full disk) is an OutputPathError."""
-    text = json.dumps(report, indent=1, ensure_ascii=False) + "\n"
+    text = figures.strict_json(report, indent=1, ensure_ascii=False) + "\n"
     try:
         write_whole(output_file(path, "the bench's JSON"), text)
     except OSError as exc:
@@ -426,6 +425,7 @@ def _report(args: argparse.Namespace, run: Callable[..., Any], config: Any, tabl
     """Run one benchmark with its progress on stderr, print its table, and write its JSON where --json says; the
     report."""
     report = run(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True), command=list(sys.argv))
+    report = figures.finite(report)  # the table as the JSON: a figure that came out NaN is n/a with why
     unwritten: Optional[OutputPathError] = None
     if args.json is not None:  # first: a closed pipe on stdout (| head) must not lose what the run measured
         try:

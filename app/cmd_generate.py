@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import sys
 import threading
@@ -11,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
+from engine import figures
 from engine.diagnosis import diagnose
 from engine.errors import OptionsError
 from engine.paths import output_file
@@ -135,11 +135,11 @@ def run_generate(args) -> int:
 
         machine = describe_machine()  # after the answer: the load average and threads it ran under
         if args.json:
-            out = result.to_dict()
+            out = figures.finite(result.to_dict())  # NaN or infinity: null, with why (strict JSON has neither)
             out["model"] = engine.info.to_dict()
             out["machine"] = machine  # as the bench's and the telemetry's: the figures' CPU, GPU, threads, libraries
             out["diagnosis"] = diagnose(out["metrics"], out["options"], engine.info.device).to_dict()
-            print(json.dumps(out, ensure_ascii=False))
+            print(figures.strict_json(out, ensure_ascii=False))
         else:
             sys.stdout.write("\n")
             for i, text in enumerate(result.texts[1:], start=1):

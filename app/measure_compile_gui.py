@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
 import threading
 import time
 from typing import Any
+
+from engine import figures
 
 TICK_S = 0.05
 LATE_S = 0.1
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", help="write the report here as well")
     args = ap.parse_args(argv)
     report = measure(args.model)
-    text = json.dumps(report, indent=1)
+    text = figures.strict_json(report, indent=1)
     print(text)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

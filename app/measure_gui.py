@@ -16,7 +16,6 @@ Two figures, both measured here, never estimated:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -25,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from engine import figures
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map. Use many paragraphs."
 TICK_MS = 10
@@ -224,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     result = measure(args.model, args.runs, args.max_new_tokens, args.hide_hud, args.lateness_runs)
-    text = json.dumps(result, indent=2)
+    text = figures.strict_json(result, indent=2)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
     print(text)

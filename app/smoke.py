@@ -4,7 +4,6 @@ happened; otherwise one line on stderr says which step failed."""
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from PySide6.QtCore import QEventLoop, QObject, QTimer
+
+from engine import figures
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,9 @@ class SmokeTest(QObject):
             log.error("smoke test failed: %s", exc)
             return 1
         if report_path is not None:
-            write_whole(report_path, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-        print(json.dumps({"ok": True, "answer": report["answer"], "seconds": report["seconds"]}, ensure_ascii=False))
+            write_whole(report_path, figures.strict_json(report, indent=2, ensure_ascii=False) + "\n")
+        said = {"ok": True, "answer": report["answer"], "seconds": report["seconds"]}
+        print(figures.strict_json(said, ensure_ascii=False))
         return 0
 
     def _wait(self, signals: list, timeout_s: float, what: str) -> tuple:

@@ -12,6 +12,7 @@ measures it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
@@ -385,3 +386,31 @@ def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
     ):
         return "its new_tokens is not a list of whole numbers"
     return None
+
+
+def finite(value: Any) -> Any:
+    """`value` (a report: dicts, lists, numbers, texts) as JSON can hold it, which has no NaN or infinity: a float
+    that is not finite becomes null (n/a). Where the object holding it says why its figures are n/a (`unavailable`;
+    `speedup_unavailable` for a rung's speed-ups) it says this one came out as that value, and its `sources` no
+    longer names a source for it; an `unavailable` beside `options` (a recording's) is the options' refusals, and
+    is left alone. `value` itself is left as it was."""
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    if not isinstance(value, dict):
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+    out = {k: finite(v) for k, v in value.items()}
+    for key, v in value.items():
+        if not (isinstance(v, float) and not math.isfinite(v)):
+            continue
+        holders = (f"{key.split('_')[0]}_unavailable",) + (() if "options" in value else ("unavailable",))
+        holder = next((h for h in holders if texts(out.get(h))), None)
+        if holder is not None:
+            out[holder] = {**out[holder], key: f"came out as {v}, not a finite number"}
+        if texts(out.get("sources")):
+            out["sources"] = {k: s for k, s in out["sources"].items() if k != key}
+    return out
+
+
+def strict_json(value: Any, **kwargs: Any) -> str:
+    """`value` as JSON text, through `finite`: never the NaN or Infinity that strict JSON readers refuse."""
+    return json.dumps(finite(value), allow_nan=False, **kwargs)

@@ -120,20 +120,9 @@ def save(recording: Recording, path: Path) -> None:
     """Written whole or not at all (engine.paths.write_whole), where engine.paths.output_file allows."""
     target = output_file(path, "the telemetry")
     try:
-        write_whole(target, json.dumps(_finite(recording.to_dict()), ensure_ascii=False, allow_nan=False))
+        write_whole(target, figures.strict_json(recording.to_dict(), ensure_ascii=False))
     except OSError as exc:  # a full disk: said in one line, the answer already given
         raise RecordingError(f"cannot write the telemetry to {path}: {exc.strerror or exc}") from exc
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: a figure that is not a finite number is written as null (n/a)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def load(path: Path) -> Recording:

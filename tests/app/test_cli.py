@@ -44,6 +44,37 @@ def test_generate_json_on_a_tiny_model(tiny_llama):
         assert d["verdict"].startswith("CPU") and f"{shown}" in d["line"] and d["next_step"]
 
 
+def _refuse_nan(constant: str) -> None:
+    raise AssertionError(f"not strict JSON: {constant}")
+
+
+def test_a_figure_that_is_not_finite_is_null_with_why_in_generate_json(tiny_llama, tmp_path, monkeypatch, capsys):
+    """`generate --json` printed a NaN figure as NaN, which strict JSON readers refuse (the telemetry file wrote
+    it as null, with no reason)."""
+    from app.cli import main
+    from engine.types import GenerationMetrics
+
+    real = GenerationMetrics.to_dict
+
+    def not_finite(self):
+        d = real(self)
+        d["decode_tok_s"], d["ttft_ms"] = float("nan"), float("inf")
+        return d
+
+    monkeypatch.setattr(GenerationMetrics, "to_dict", not_finite)
+    telemetry = tmp_path / "t.json"
+    argv = ["generate", "--model", str(tiny_llama), "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "3"]
+    assert main([*argv, "--json", "--telemetry-out", str(telemetry)]) == 0
+    printed = json.loads(capsys.readouterr().out, parse_constant=_refuse_nan)["metrics"]
+    saved = json.loads(telemetry.read_text(encoding="utf-8"), parse_constant=_refuse_nan)["metrics"]
+    for m in (printed, saved):
+        assert m["decode_tok_s"] is None and m["ttft_ms"] is None
+        assert m["unavailable"]["decode_tok_s"] == "came out as nan, not a finite number"
+        assert m["unavailable"]["ttft_ms"] == "came out as inf, not a finite number"
+        assert "decode_tok_s" not in m["sources"] and "ttft_ms" not in m["sources"]
+        assert m["prefill_tok_s"] > 0 and m["sources"]["prefill_tok_s"] == "engine timing, device-synchronised"
+
+
 def test_generate_json_names_the_machine_it_ran_on(tiny_llama, tmp_path):
     """The bench's JSON and the telemetry file described the machine; `generate --json` had no word of it, so its
     figures could not be told apart from another machine's or another torch's."""

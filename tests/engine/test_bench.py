@@ -368,6 +368,31 @@ def test_write_json_round_trip(tmp_path):
         write_json(tmp_path / "out" / "bench.json", report)
 
 
+def test_a_figure_that_is_not_finite_is_null_with_why_in_the_json_and_na_in_the_table(tmp_path, capsys):
+    """A NaN or infinite figure was written as NaN / Infinity, which strict JSON readers refuse."""
+    from app.cmd_bench import _report
+
+    report, _ = sample_report()
+    naive = report["rungs"][0]
+    naive["median"]["ttft_ms"] = float("nan")
+    naive["speedup_vs_transformers"] = float("inf")
+    path = tmp_path / "bench.json"
+    args = argparse.Namespace(json=path)
+    _report(args, lambda config, progress, command: report, None, format_table)
+    back = json.loads(path.read_text(encoding="utf-8"), parse_constant=_refuse_nan)["rungs"][0]
+    assert back["median"]["ttft_ms"] is None and back["speedup_vs_transformers"] is None
+    assert back["median"]["unavailable"]["ttft_ms"] == "came out as nan, not a finite number"
+    assert back["speedup_unavailable"]["speedup_vs_transformers"] == "came out as inf, not a finite number"
+    assert naive["median"]["ttft_ms"] != naive["median"]["ttft_ms"]  # the report it was given is left as it was
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| Naive"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5] == "n/a" and cells[6] == "n/a" and "nan" not in row and "inf" not in row
+
+
+def _refuse_nan(constant: str) -> None:
+    raise AssertionError(f"not strict JSON: {constant}")
+
+
 def test_matching_prefix():
     assert matching_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert matching_prefix([], [1]) == 0
