@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from app.cmd_generate import check_draft_model
+from app.cmd_generate import EXIT_INTERRUPTED, check_draft_model
 from engine import figures
 from engine.errors import OptionsError, OutputPathError
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
@@ -222,14 +222,18 @@ def format_table(report: dict[str, Any]) -> str:
     naive = report["ratios"].get("naive_decode_tok_s")
     for b in baselines:
         if b["status"] != "ok":
-            notes.append(f"{b['label']}: failed: {b['reason']}")
-            rows.append([b["label"], f"failed ({len(notes)})"] + [""] * (len(head) - 2))
+            notes.append(f"{b['label']}: {b['status']}: {b['reason']}")
+            rows.append([b["label"], f"{b['status']} ({len(notes)})"] + [""] * (len(head) - 2))
             continue
         m, s = b["median"], b["settings"]
         tok_s = m.get("decode_tok_s")
+        settings = f"{s['dtype']}, {s['cache_implementation']} cache"
+        if b.get("reason"):  # ran, but not every timed run (a Ctrl+C)
+            notes.append(f"{b['label']}: {b['reason']}")
+            settings += f" ({len(notes)})"
         row = [
             b["label"],
-            f"{s['dtype']}, {s['cache_implementation']} cache",
+            settings,
             _num(m.get("new_tokens_total"), 0),
             _tok_s(m),
             _times(None if tok_s is None or not naive else tok_s / naive),
@@ -261,6 +265,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {counted(cfg['repeats'], 'run')} "
         f"after {counted(cfg['warmup'], 'warm-up')}."
     )
+    if report.get("interrupted"):
+        out.append("Interrupted (Ctrl+C): the rows hold the runs measured before it; the notes say what did not run.")
     machine = report.get("machine") or {}
     if machine:
         start, end = machine.get("load_average_at_start"), machine.get("load_average_1_5_15min")
@@ -404,6 +410,9 @@ def run_bench(args: argparse.Namespace) -> int:
         _report(args, run_speculation_workloads, spec, format_workloads)
         return 0
     report = _report(args, run_suite, config_from_args(args), format_table)
+    if report.get("interrupted"):  # the table and JSON hold what ran before it
+        print("gapless: interrupted: the table and JSON hold the runs measured before it", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if not any(r["status"] == "ok" for r in report["rungs"]):  # a script must not read the table as a measurement
         print("gapless: error: no rung ran (each one's reason is in the table above)", file=sys.stderr)
         return 1

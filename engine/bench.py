@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -377,6 +377,33 @@ def _refresh_cpu_bandwidth(device: str) -> None:
     log.info("CPU read bandwidth %.1f GB/s (%s)", bw.bytes_s / 1e9, bw.source)
 
 
+INTERRUPTED = "the bench was interrupted (Ctrl+C)"
+
+
+def _mark_interrupted(rungs: list[Rung], baselines: list[Baseline], config: BenchConfig) -> dict[str, str]:
+    """After a Ctrl+C: a rung or baseline with no timed run is "interrupted", one with some keeps their median and
+    says how many; returns why each one that did not run in full did not (the baselines never started included)."""
+    not_run: dict[str, str] = {}
+    items: list[Union[Rung, Baseline]] = [*rungs, *baselines]
+    for item in items:
+        if item.status != "ok" or len(item.runs) >= config.repeats:
+            continue
+        if not item.runs:
+            item.status, item.reason = "interrupted", f"{INTERRUPTED} before its first timed run"
+            item.median = {}
+            not_run[item.name] = item.reason
+        else:
+            why = f"{INTERRUPTED} after {len(item.runs)} of {config.repeats} timed runs: the median is of those"
+            if isinstance(item, Rung):
+                item.notes.append(why)
+            else:
+                item.reason = why
+            not_run[item.name] = why
+    if config.baseline and not baselines:
+        not_run["transformers"] = f"{INTERRUPTED} before the baseline started"
+    return not_run
+
+
 def run_suite(
     config: BenchConfig, progress: Progress = log.info, command: Optional[list[str]] = None, nvml: Any = None
 ) -> dict[str, Any]:
@@ -401,40 +428,51 @@ def run_suite(
     runners: list[BaselineRunner] = []
     prompt_ids: Optional[list[int]] = None
     monitor = None
+    interrupted = False
     try:
         info = engine.info.to_dict()
         device = torch.device(engine.info.device)
         inter = interleaved(config, device.type)
         ladder = LadderRunner(engine, config, progress)
-        ladder.warm_up()
-        if inter:
-            if config.baseline:
-                runners, prompt_ids, monitor = _baseline_runners(config, info["context_length"], device, nvml, progress)
-                for b in runners:
-                    b.warm_up()
-            for i in range(config.repeats):
-                for rung in ladder.ok():
-                    ladder.run_once(rung, i)
-                for b in runners:
-                    b.run_once(i)
-        else:
-            for rung in ladder.ok():
+        try:
+            ladder.warm_up()
+            if inter:
+                if config.baseline:
+                    runners, prompt_ids, monitor = _baseline_runners(
+                        config, info["context_length"], device, nvml, progress
+                    )
+                    for b in runners:
+                        b.warm_up()
                 for i in range(config.repeats):
-                    ladder.run_once(rung, i)
+                    for rung in ladder.ok():
+                        ladder.run_once(rung, i)
+                    for b in runners:
+                        b.run_once(i)
+            else:
+                for rung in ladder.ok():
+                    for i in range(config.repeats):
+                        ladder.run_once(rung, i)
+        except KeyboardInterrupt:  # Ctrl+C: what was measured is kept, the report says what did not run
+            interrupted = True
         rungs = ladder.finish()
     finally:
         engine.close()
     try:
-        if config.baseline and not inter:
+        if config.baseline and not inter and not interrupted:
             runners, prompt_ids, monitor = _baseline_runners(config, info["context_length"], device, nvml, progress)
             for b in runners:
                 b.warm_up()
                 for i in range(config.repeats):
                     b.run_once(i)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         if monitor is not None:
             monitor.close()
     baselines = [b.finish() for b in runners]
+    not_run = _mark_interrupted(rungs, baselines, config) if interrupted else {}
+    if interrupted:
+        progress(f"interrupted: {len(not_run)} rung(s) or baseline(s) not run in full")
 
     greedy_match: Optional[dict[str, int]] = None
     naive = next((r for r in rungs if r.name == "naive" and r.runs), None)
@@ -481,4 +519,7 @@ def run_suite(
         "rungs": [asdict(r) for r in rungs],
         "baselines": [asdict(b) for b in baselines],
         "ratios": ratios,
+        # Ctrl+C: the rungs and baselines measured before it; not_run: each one not run in full, and why
+        "interrupted": interrupted,
+        "not_run": not_run,
     }

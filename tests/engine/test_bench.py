@@ -585,6 +585,41 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     assert f"Naive {naive['warmup_seconds'][0]:.1f}" in warm and "transformers generate() " in warm
 
 
+def test_ctrl_c_during_a_bench_writes_the_rungs_measured_before_it(tiny_llama, tmp_path, monkeypatch, capsys):
+    """Ctrl+C during a bench wrote no JSON and printed no table: every rung already measured was lost."""
+    from app.cli import main
+    from engine.ladder import LadderRunner
+
+    real = LadderRunner.run_once
+
+    def ctrl_c_in_the_first_round(self, rung, index, cancel=None):
+        if rung.name == "first-fixes":  # inside a rung, as a Ctrl+C in its generation lands
+            raise KeyboardInterrupt
+        real(self, rung, index, cancel)
+
+    monkeypatch.setattr(LadderRunner, "run_once", ctrl_c_in_the_first_round)
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_llama), "--device", "cpu", "--presets", "naive,first-fixes,half"]
+    assert main([*argv, "--repeats", "2", "--max-new-tokens", "4", "--json", str(path)]) == 130
+    out, err = capsys.readouterr()
+    report = json.loads(path.read_text(encoding="utf-8"))
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # written whole, no temporary file left
+    naive, half, fixes = report["rungs"]  # the ladder's order
+    assert report["interrupted"] is True
+    partial = "the bench was interrupted (Ctrl+C) after 1 of 2 timed runs: the median is of those"
+    for r in (naive, half):  # their first round ran: kept, with how many runs the median is of
+        assert (r["status"], len(r["runs"]), r["notes"][-1]) == ("ok", 1, partial)
+        assert r["median"]["new_tokens_total"] == 4 and r["median"]["decode_tok_s"] > 0
+    before = "the bench was interrupted (Ctrl+C) before its first timed run"
+    assert (fixes["status"], fixes["reason"], fixes["runs"]) == ("interrupted", before, [])
+    [hf] = report["baselines"]  # interleaved: warmed up, never timed
+    assert (hf["status"], hf["reason"], hf["runs"]) == ("interrupted", before, [])
+    assert report["not_run"] == {"naive": partial, "half": partial, "first-fixes": before, "transformers": before}
+    assert half["speedup_vs_naive"] == pytest.approx(half["median"]["decode_tok_s"] / naive["median"]["decode_tok_s"])
+    assert "| Naive " in out and "interrupted (" in out and "Interrupted (Ctrl+C)" in out and f"written: {path}" in out
+    assert err.splitlines()[-1] == "gapless: interrupted: the table and JSON hold the runs measured before it"
+
+
 def test_bench_sequential_order(tiny_llama):
     from engine.bench import run_suite
 
