@@ -1,4 +1,5 @@
-"""The chat list: search, new chat, and the chats newest first (rename and delete from the context menu)."""
+"""The chat list: search, new chat, and the chats newest first (rename and delete from the context menu; from the
+keyboard Delete, Shift+F10 or the menu key for the menu, and the window's F2)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QMouseEvent
+from PySide6.QtGui import QKeyEvent, QMouseEvent
 from PySide6.QtWidgets import (
     QFrame,
     QInputDialog,
@@ -61,7 +62,24 @@ class _ChatItem(QListWidgetItem):
 
 class _ChatListWidget(QListWidget):
     """A right-click opens the menu of the chat under the pointer without opening that chat: the open one
-    stays current and on screen."""
+    stays current and on screen. From the keyboard, the current chat's: Delete deletes it (asked first), Shift+F10
+    opens its menu (the menu key does so through Qt's context menu event); F2 renames it (the window's Chat menu)."""
+
+    deletePressed = Signal()
+    menuPressed = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        mods = event.modifiers() & ~Qt.KeyboardModifier.KeypadModifier
+        if self.currentItem() is not None:
+            if event.key() == Qt.Key.Key_Delete and mods == Qt.KeyboardModifier.NoModifier:
+                event.accept()
+                self.deletePressed.emit()
+                return
+            if event.key() == Qt.Key.Key_F10 and mods == Qt.KeyboardModifier.ShiftModifier:
+                event.accept()
+                self.menuPressed.emit()
+                return
+        super().keyPressEvent(event)
 
     def mousePressEvent(self, event: QMouseEvent) -> None:
         if event.button() == Qt.MouseButton.RightButton:
@@ -100,8 +118,11 @@ class ChatList(QFrame):
         self.list = _ChatListWidget(self)
         self.list.setObjectName("chatList")
         self.list.setAccessibleName("Chats")
+        self.list.setAccessibleDescription("F2 renames the chat, Delete deletes it, Shift+F10 opens its menu")
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
+        self.list.deletePressed.connect(self._delete_current)
+        self.list.menuPressed.connect(self._current_menu)
         self.list.currentItemChanged.connect(self._current_changed)
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
@@ -174,22 +195,34 @@ class ChatList(QFrame):
         menu.addAction("Delete…", lambda: self.ask_delete(chat_id))
         menu.exec(self.list.viewport().mapToGlobal(pos))
 
+    def _delete_current(self) -> None:
+        chat_id = self.current_id()
+        if chat_id is not None:
+            self.ask_delete(chat_id)
+
+    def _current_menu(self) -> None:
+        item = self.list.currentItem()
+        if item is not None:
+            self._menu(self.list.visualItemRect(item).center())
+
     def _title(self, chat_id: int) -> str:
         for i in range(self.list.count()):
             if self.list.item(i).data(Qt.ItemDataRole.UserRole) == chat_id:
                 return self.list.item(i).text()
         return ""
 
-    def ask_rename(self, chat_id: int) -> None:
-        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", QLineEdit.EchoMode.Normal, self._title(chat_id))
+    def ask_rename(self, chat_id: int, title: Optional[str] = None) -> None:
+        """`title`: the one to start from where the list does not show the chat (a search hides it)."""
+        shown = self._title(chat_id) or title or ""
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", QLineEdit.EchoMode.Normal, shown)
         if ok and title.strip():
             self.renameRequested.emit(chat_id, title.strip())
 
-    def ask_delete(self, chat_id: int) -> None:
+    def ask_delete(self, chat_id: int, title: Optional[str] = None) -> None:
         if confirm(
             self,
             "Delete chat",
-            f"Delete “{self._title(chat_id)}” and all its messages? This cannot be undone.",
+            f"Delete “{self._title(chat_id) or title or ''}” and all its messages? This cannot be undone.",
             "Delete",
         ):
             self.deleteRequested.emit(chat_id)

@@ -481,6 +481,12 @@ class MainWindow(QMainWindow):
         self.stop_action.setEnabled(self.flow.generating)
         action(chat, "Search chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
         action(chat, "Chat settings…", self.open_chat_settings)
+        # The open chat's, for the keyboard (the chat list's menu needed a right-click): F2 anywhere in the window,
+        # Delete in the chat list (elsewhere it edits text)
+        self.rename_action = action(chat, "Rename chat…", self.rename_open_chat, Qt.Key.Key_F2)
+        self.delete_action = action(
+            chat, "Delete chat…", self.delete_open_chat, tip="Delete this chat (Delete in the chat list); asked first"
+        )
         overflow = chat.addMenu("When a chat outgrows the context (default)")
         policies = QActionGroup(self)
         self.overflow_actions: dict[str, QAction] = {}
@@ -535,6 +541,7 @@ class MainWindow(QMainWindow):
         send = "Enter" if self.composer.edit.send_with == "enter" else "Ctrl+Enter"
         newline = "Shift+Enter" if send == "Enter" else "Enter"
         lines += [f"{send}\tSend the message", f"{newline}\tA new line in the message"]
+        lines += ["Delete\tDelete the chat (in the chat list)", "Shift+F10\tThe chat's menu (in the chat list)"]
         return lines
 
     def show_shortcuts(self) -> None:
@@ -587,6 +594,14 @@ class MainWindow(QMainWindow):
         self.flow.new_chat()
         self.composer.edit.setFocus()
 
+    def rename_open_chat(self) -> None:
+        if self.flow.chat_id is not None:
+            self.chat_list.ask_rename(self.flow.chat_id, self.chat_title.text())
+
+    def delete_open_chat(self) -> None:
+        if self.flow.chat_id is not None:
+            self.chat_list.ask_delete(self.flow.chat_id, self.chat_title.text())
+
     def refresh_chats(self) -> None:
         """List the chats again; those of a search once it has run off the GUI thread (chatsFound)."""
         self._show_title()
@@ -625,6 +640,8 @@ class MainWindow(QMainWindow):
             chat = None  # deleted meanwhile: the flow opens another
         self.chat_title.setText(chat.title if chat is not None else UNTITLED)
         self.chat_title.setToolTip(self.chat_title.text())
+        for act in (self.rename_action, self.delete_action):  # a new chat is not stored until its first message
+            act.setEnabled(chat is not None)
 
     def _search_changed(self, text: str) -> None:
         self._search = text

@@ -131,6 +131,25 @@ class DialogDriver:
 
         return self._add(QMenu, act)
 
+    def keys(self, kind: type, text: str = "", *keys: Qt.Key) -> "DialogDriver":
+        """A dialog or menu of `kind` answered from the keyboard alone: `text` typed, then each of `keys` pressed,
+        into whichever widget has the focus as each key goes (the dialog's own where none has it; a menu takes
+        the keys itself, as a popup grabs the keyboard)."""
+
+        def act(w: QWidget) -> None:
+            if not isinstance(w, QMenu) and not w.isActiveWindow():  # the keys would go to the window behind it
+                QTimer.singleShot(POLL_MS, lambda: act(w))
+                return
+
+            def target() -> QWidget:
+                return w if isinstance(w, QMenu) else QApplication.focusWidget() or w
+
+            QTest.keyClicks(target(), text)
+            for key in keys:
+                QTest.keyClick(target(), key)
+
+        return self._add(kind, act)
+
     def look(self, kind: type, check: Callable[[QWidget], None], close: bool = True) -> "DialogDriver":
         """Run `check` while a dialog or menu of `kind` is on screen, then close it (Esc for a menu)."""
 

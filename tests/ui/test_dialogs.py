@@ -164,6 +164,65 @@ def test_rename_from_the_chat_menu(qtbot, gui, driver):
     qtbot.waitUntil(lambda: w.chat_list.list.item(0).text() == "New title", timeout=TIMEOUT_MS)
 
 
+def test_chats_are_opened_renamed_and_deleted_from_the_keyboard(qtbot, gui, driver):
+    """Renaming or deleting a chat took a right-click: the chat list's menu was the only way, and the keyboard had
+    none to it (no key, no menu entry; most laptops have no menu key)."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QInputDialog, QMenu
+
+    w, store = gui.window, gui.store
+    keep = add_chat(store, "Keep me", "first")
+    old = add_chat(store, "Old title", "second")
+    w.refresh_chats()
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow, timeout=TIMEOUT_MS)
+    chats = w.chat_list.list
+    w.flow.open_chat(old)
+    chats.setFocus()
+    assert w.chat_list.current_id() == old and w.chat_title.text() == "Old title"
+
+    driver.keys(QInputDialog, "New title", Qt.Key.Key_Return).start()  # typed over the title shown, selected
+    qtbot.keyClick(chats, Qt.Key.Key_F2)
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert driver.answered[0].title == "Rename chat"
+    qtbot.waitUntil(lambda: store.get_chat(old).title == "New title", timeout=TIMEOUT_MS)
+    assert chats.item(0).text() == "New title" and w.chat_title.text() == "New title"
+
+    driver = DialogDriver().keys(QMessageBox, "", Qt.Key.Key_Return).start()  # Enter: Cancel, the default
+    qtbot.keyClick(chats, Qt.Key.Key_Delete)
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert driver.answered[0].text.startswith("Delete “New title” and all its messages?")
+    assert {c.id for c in store.list_chats()} == {keep, old}
+
+    # Shift+F10: the chat's menu, its second entry chosen with the arrows; then Tab to Delete and Space
+    driver = DialogDriver().keys(QMenu, "", Qt.Key.Key_Down, Qt.Key.Key_Down, Qt.Key.Key_Return)
+    driver.keys(QMessageBox, "", Qt.Key.Key_Tab, Qt.Key.Key_Space).start()
+    qtbot.keyClick(chats, Qt.Key.Key_F10, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    qtbot.waitUntil(lambda: [c.id for c in store.list_chats()] == [keep], timeout=TIMEOUT_MS)
+    assert w.chat_list.chat_ids() == [keep] and w.flow.chat_id is None
+    assert w.focusWidget() is chats  # where the keys go once the window is active again
+    qtbot.keyClick(chats, Qt.Key.Key_Down)
+    assert w.flow.chat_id == keep and store.thread(keep)[0].content == "first"
+    driver = DialogDriver().keys(QMessageBox, "", Qt.Key.Key_Escape).start()  # Esc: Cancel, the chat stays
+    qtbot.keyClick(chats, Qt.Key.Key_Delete)
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    assert [c.id for c in store.list_chats()] == [keep]
+
+    # the Chat menu: the open chat's entries, F2 shown and working from the composer too
+    rename = menu_action(w, "Chat", "Rename chat…")
+    assert rename.shortcut().toString() == "F2" and menu_action(w, "Chat", "Delete chat…").isEnabled()
+    driver = DialogDriver().keys(QInputDialog, "Kept", Qt.Key.Key_Return).start()
+    w.activateWindow()  # as a desktop does once the box closes (the offscreen platform leaves none active)
+    qtbot.waitUntil(w.isActiveWindow, timeout=TIMEOUT_MS)
+    w.composer.edit.setFocus()
+    qtbot.keyClick(w.composer.edit, Qt.Key.Key_F2)
+    qtbot.waitUntil(lambda: driver.done, timeout=TIMEOUT_MS)
+    qtbot.waitUntil(lambda: store.get_chat(keep).title == "Kept", timeout=TIMEOUT_MS)
+    w.new_chat()  # not stored yet: nothing to rename or delete
+    assert not rename.isEnabled() and not menu_action(w, "Chat", "Delete chat…").isEnabled()
+
+
 # ---- the model panel --------------------------------------------------------------------------------------
 
 
