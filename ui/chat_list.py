@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QKeyEvent, QMouseEvent
+from PySide6.QtGui import QFocusEvent, QKeyEvent, QMouseEvent
 from PySide6.QtWidgets import (
     QFrame,
     QInputDialog,
@@ -80,6 +80,20 @@ class _ChatListWidget(QListWidget):
                 self.menuPressed.emit()
                 return
         super().keyPressEvent(event)
+
+    def focusInEvent(self, event: QFocusEvent) -> None:
+        """With no chat chosen (a new chat on screen), the focus arriving leaves none chosen: Qt made the first
+        row current, which opened the newest chat as Tab passed through the list on its way to "Chat settings…"
+        (whose settings then went to that chat, and the draft with Enter). Down chooses the first row."""
+        if self.currentItem() is not None:
+            super().focusInEvent(event)
+            return
+        blocked = self.blockSignals(True)
+        try:
+            super().focusInEvent(event)
+            self.selectionModel().clearCurrentIndex()
+        finally:
+            self.blockSignals(blocked)
 
     def mousePressEvent(self, event: QMouseEvent) -> None:
         if event.button() == Qt.MouseButton.RightButton:

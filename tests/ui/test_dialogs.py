@@ -223,6 +223,37 @@ def test_chats_are_opened_renamed_and_deleted_from_the_keyboard(qtbot, gui, driv
     assert not rename.isEnabled() and not menu_action(w, "Chat", "Delete chat…").isEnabled()
 
 
+def test_tab_through_the_chat_list_leaves_a_new_chat_open(qtbot, gui):
+    """The focus arriving in the chat list opened the newest chat: Tab from the search on to "Chat settings…"
+    in a new chat put that chat on screen, and its settings (and the draft, with Enter) went to it."""
+    from PySide6.QtCore import Qt
+
+    w, store = gui.window, gui.store
+    older = add_chat(store, "Older", "first")
+    newest = add_chat(store, "Newest", "second")
+    w.refresh_chats()
+    w.new_chat()
+    w.composer.set_text("a draft for a new chat")
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow, timeout=TIMEOUT_MS)
+    w.chat_list.search.setFocus()
+    qtbot.keyClick(w.chat_list.search, Qt.Key.Key_Tab)
+    assert QApplication.focusWidget() is w.chat_list.list
+    assert w.flow.chat_id is None and w.chat_list.current_id() is None and w.chat_view.items() == []
+    qtbot.keyClick(w.chat_list.list, Qt.Key.Key_Tab)
+    assert QApplication.focusWidget() is w.chat_settings_button and w.flow.chat_id is None
+    assert w.composer.text() == "a draft for a new chat"
+    qtbot.keyClick(w.chat_settings_button, Qt.Key.Key_Backtab)  # back in the list: Down chooses the newest
+    assert w.flow.chat_id is None
+    qtbot.keyClick(w.chat_list.list, Qt.Key.Key_Down)
+    assert w.flow.chat_id == newest and w.chat_title.text() == "Newest"
+    qtbot.keyClick(w.chat_list.list, Qt.Key.Key_Down)
+    assert w.flow.chat_id == older and [m.content for m in w.chat_view.items()] == ["first"]
+    qtbot.keyClick(w.chat_list.list, Qt.Key.Key_Tab)  # a chat chosen stays chosen as the focus comes and goes
+    qtbot.keyClick(w.chat_settings_button, Qt.Key.Key_Backtab)
+    assert w.flow.chat_id == older and w.chat_list.current_id() == older
+
+
 # ---- the model panel --------------------------------------------------------------------------------------
 
 
