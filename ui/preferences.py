@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from PySide6.QtWidgets import QComboBox, QFileDialog, QHBoxLayout, QLineEdit, QPushButton, QWidget
+from PySide6.QtWidgets import QComboBox, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QPushButton, QWidget
 
 from app.registry import source_key
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, SamplingParams
@@ -69,7 +69,9 @@ class PreferencesDialog(SamplingDialog):
         self.form.addRow("Send with", self.send_with)
         self.add_sampling_rows("Default system prompt")
         self.form.addRow("Context full", self.overflow)
-        self.form.addRow("Models folder", folder_row)
+        folder_label = QLabel("Models folder", self)
+        folder_label.setBuddy(self.models_folder)  # a row of a field and a button gets no buddy of its own: unnamed
+        self.form.addRow(folder_label, folder_row)
         self.finish()
 
     def choose_folder(self) -> None:

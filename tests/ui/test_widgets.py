@@ -829,3 +829,37 @@ def test_a_chat_s_tooltip_says_how_long_ago_it_changed_as_of_when_it_is_shown(qt
         assert "last change: 2 h ago" in QToolTip.text().replace("\xa0", " ")  # as the app shows it (plain text)
     finally:
         QToolTip.hideText()
+
+
+def test_every_field_of_a_dialog_is_named_and_tab_reaches_it(qtbot):
+    """Each stop Tab visits in Chat settings, Preferences, the remote model dialog and the Server panel is named for
+    a screen reader: by its label (the label's buddy), its own text or an accessible name. The models folder's field
+    in Preferences had none (a row of a field and a button)."""
+    from PySide6.QtWidgets import QAbstractButton, QApplication, QLabel, QWidget
+
+    from app.settings import CHAT_DEFAULTS
+    from ui.preferences import Preferences, PreferencesDialog
+    from ui.remote_dialog import RemoteDialog
+    from ui.server_panel import ServerPanel
+
+    def name(w: QWidget, root: QWidget) -> str:
+        labels = [lb.text() for lb in root.findChildren(QLabel) if lb.buddy() is w]
+        own = w.text() if isinstance(w, QAbstractButton) else ""
+        return w.accessibleName() or own.replace("&", "") or " ".join(labels)
+
+    prefs = Preferences("light", "enter", CHAT_DEFAULTS, "", "rolling", None)
+    for root in (ChatSettingsDialog("", CHAT_DEFAULTS), PreferencesDialog(prefs), RemoteDialog(), ServerPanel()):
+        qtbot.addWidget(root)
+        root.show()
+        root.activateWindow()
+        qtbot.waitUntil(root.isActiveWindow)
+        stops = []
+        while QApplication.focusWidget() not in stops:
+            stops.append(QApplication.focusWidget())
+            qtbot.keyClick(stops[-1], Qt.Key.Key_Tab)
+        fields = [w for w in root.findChildren(QWidget) if w.focusPolicy() & Qt.FocusPolicy.TabFocus and w.isVisible()]
+        fields = [w for w in fields if w.focusProxy() is None and not any(s.isAncestorOf(w) for s in stops)]
+        assert set(fields) <= set(stops), type(root).__name__  # every field reached by Tab
+        unnamed = [type(w).__name__ for w in stops if not name(w, root)]
+        assert unnamed == [], type(root).__name__
+        root.close()
