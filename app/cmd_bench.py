@@ -167,6 +167,17 @@ def _per_rung(found: dict[str, list[str]]) -> str:
     return "; ".join(f"{', '.join(labels)}: {text}" for text, labels in found.items())
 
 
+def _partial_notes(label: str, median: dict[str, Any], notes: list[str]) -> str:
+    """Adds a note for each figure of `median` measured in some of its runs only (their median); the marks of the
+    notes, for the row's options cell."""
+    marks = ""
+    for key, text in (median.get("partial") or {}).items():
+        name = figures.BY_KEY[key].label if key in figures.BY_KEY else key
+        notes.append(f"{label}: {name} {text}")
+        marks += f" ({len(notes)})"
+    return marks
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A Markdown table of the rungs and baselines, with notes that name every figure's source."""
     rungs, baselines = report["rungs"], report["baselines"]
@@ -197,6 +208,7 @@ def format_table(report: dict[str, Any]) -> str:
         for note in r.get("notes") or []:
             notes.append(f"{label}: {note}")
             opts += f" ({len(notes)})"
+        opts += _partial_notes(label, m, notes)
         row = [
             label,
             opts,
@@ -231,6 +243,7 @@ def format_table(report: dict[str, Any]) -> str:
         if b.get("reason"):  # ran, but not every timed run (a Ctrl+C)
             notes.append(f"{b['label']}: {b['reason']}")
             settings += f" ({len(notes)})"
+        settings += _partial_notes(b["label"], m, notes)
         row = [
             b["label"],
             settings,

@@ -23,6 +23,7 @@ from engine.ladder import (
     Rung,
     compile_enabled,
     median,
+    partial_figures,
     ratio,
     validate,
 )
@@ -75,6 +76,7 @@ BASELINE_SOURCES = {
 }
 # the figures of the baseline the monitor or the OS measure: their source fields name the source of each run
 MEASURED_AROUND = ("peak_memory_bytes", "gpu_util_pct", "sm_activity_pct", "dram_bw_util_pct")
+BASELINE_FIGURES = ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", *MEASURED_AROUND)
 
 
 def _sources(figures_of: dict[str, Any]) -> dict[str, str]:
@@ -211,10 +213,7 @@ class BaselineRunner:
         if not base.runs:
             return base
         # counts stay ints where the median is a whole number, as the rungs' (engine.ladder.median_metrics)
-        base.median = {
-            f: median(r.get(f) for r in base.runs)
-            for f in ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", *MEASURED_AROUND)
-        }
+        base.median = {f: median(r.get(f) for r in base.runs) for f in BASELINE_FIGURES}
         for f in ("new_tokens_total", "peak_memory_bytes"):
             base.median[f] = spec(f).typed(base.median[f])
         # Only these figures are measured around transformers' generate(); the rest are n/a with the reason.
@@ -234,6 +233,7 @@ class BaselineRunner:
                 base.median["unavailable"].setdefault(k, v)
         for k in [k for k in base.median["unavailable"] if base.median.get(k) is not None]:
             del base.median["unavailable"][k]  # n/a in a run, measured in others: their median is the figure
+        base.median["partial"] = partial_figures(base.runs, base.median, BASELINE_FIGURES)
         base.median["sources"] = _sources(base.median)
         return base
 

@@ -13,7 +13,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -81,9 +81,27 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b
 
 
+def partial_figures(runs: list[dict[str, Any]], medians: dict[str, Any], keys: Iterable[str]) -> dict[str, str]:
+    """For each figure of `keys` that has a median but was n/a in some of `runs`: in how many runs it was measured
+    (its median is of those) and why the others have none, as the first of them said."""
+    out: dict[str, str] = {}
+    for key in keys:
+        missing = [r for r in runs if r.get(key) is None]
+        if medians.get(key) is None or not missing:
+            continue
+        why = next((r["unavailable"][key] for r in missing if (r.get("unavailable") or {}).get(key)), None)
+        others = "the other" if len(missing) == 1 else f"the other {len(missing)}"
+        out[key] = f"measured in {len(runs) - len(missing)} of {len(runs)} timed runs, the median is of those" + (
+            f" (n/a in {others}: {why})" if why else f" (n/a in {others})"
+        )
+    return out
+
+
 def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-field median over repeated runs (GenerationMetrics dicts); sources from the first run that has one.
-    Counts stay ints where the median is a whole number; new_tokens is each candidate's lower median."""
+    Counts stay ints where the median is a whole number; new_tokens is each candidate's lower median. A figure
+    measured in some runs only is the median of those, `partial` saying how many; one measured in none is None,
+    `unavailable` saying why."""
     out: dict[str, Any] = {f.key: f.typed(median(r.get(f.key) for r in runs)) for f in GENERATION_FIGURES}
     rows = [r.get("new_tokens") or [] for r in runs]
     if rows and all(isinstance(x, list) and x and len(x) == len(rows[0]) for x in rows):
@@ -98,7 +116,9 @@ def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for r in runs:
         for k, v in (r.get("unavailable") or {}).items():
             reasons.setdefault(k, v)
-    out["unavailable"] = reasons
+    out["partial"] = partial_figures(runs, out, MEDIAN_FIELDS)
+    # a figure is a value with its source or None with the reason, never both
+    out["unavailable"] = {k: v for k, v in reasons.items() if out.get(k) is None}
     return out
 
 

@@ -13,7 +13,7 @@ from app.cmd_bench import config_from_args, format_table, options_text, write_js
 from engine.bench import Baseline, add_ratios, matching_prefix
 from engine.errors import OptionsError
 from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
-from engine.types import PRESETS, EngineOptions
+from engine.types import PRESETS, EngineOptions, GenerationMetrics
 
 
 def test_median_and_ratio():
@@ -267,6 +267,55 @@ def test_the_table_says_why_a_figure_is_na_in_a_row_where_other_rows_name_its_so
         f"Kernel / op gap: {source}; n/a in + 4 candidates: the answer ended before the traced window (decode steps "
         "8-15); transformers generate(): not traced inside transformers generate()."
     )
+
+
+def test_a_figure_measured_in_some_runs_is_their_median_with_a_source_and_no_reason():
+    """A rung's median kept the reason of a run where a figure was n/a beside the median of the runs that measured
+    it: the JSON gave a value and a reason for it, and the table's notes said n/a in a row that showed a value."""
+    runs = [GenerationMetrics(decode_tok_s=v, new_tokens_total=128) for v in (10.0, 12.0, 11.0)]
+    runs[0].put("gpu_util_pct", 40.0, "NVML utilization samples")
+    runs[1].mark_na("gpu_util_pct", "no NVML sample inside the generation")
+    runs[2].put("gpu_util_pct", 50.0, "NVML utilization samples")
+    for r in runs:
+        r.mark_na("sm_activity_pct", "no GPM on this GPU")
+    m = median_metrics([r.to_dict() for r in runs])
+    assert (m["gpu_util_pct"], m["gpu_util_source"]) == (45.0, "NVML utilization samples")
+    assert m["unavailable"] == {"sm_activity_pct": "no GPM on this GPU"}  # measured in none: n/a with why
+    partial = "measured in 2 of 3 timed runs, the median is of those (n/a in the other: no NVML sample inside the "
+    assert m["partial"] == {"gpu_util_pct": partial + "generation)"}
+    report, _ = sample_report()
+    report["rungs"][0]["median"] = {**m, "peak_memory_bytes": None}
+    table = format_table(report)
+    naive = next(x for x in table.splitlines() if x.startswith("| Naive"))
+    assert [c.strip() for c in naive.strip("|").split("|")][10] == "45.0"
+    line = next(x for x in table.splitlines() if x.startswith("GPU util:"))
+    assert (
+        line
+        == "GPU util: NVML utilization samples; n/a in + half precision, + static KV cache, + 4 candidates: "
+        + ("the model runs on the CPU, not on a GPU.")
+    )
+    assert (
+        f"(1) Naive: GPU util {partial}generation)" in table and "fp32, dynamic KV, host sampling, eager (1)" in naive
+    )
+
+
+def test_a_baseline_figure_measured_in_some_runs_says_in_how_many():
+    from engine.bench import BaselineRunner
+
+    runner = BaselineRunner.__new__(BaselineRunner)
+    runner.result = Baseline("transformers", "transformers generate()", "ok")
+    for gpu in (30.0, None, 50.0):
+        run = {"decode_tok_s": 20.0, "ttft_ms": 9.0, "total_s": 1.0, "new_tokens_total": 8, "gpu_util_pct": gpu}
+        run["gpu_util_source"] = "NVML" if gpu is not None else None
+        run["unavailable"] = {} if gpu is not None else {"gpu_util_pct": "no NVML sample"}
+        runner.result.runs.append(run)
+    m = runner.finish().median
+    assert (m["gpu_util_pct"], m["sources"]["gpu_util_pct"]) == (40.0, "NVML") and "gpu_util_pct" not in m[
+        "unavailable"
+    ]
+    assert m["partial"] == {
+        "gpu_util_pct": "measured in 2 of 3 timed runs, the median is of those (n/a in the other: no NVML sample)"
+    }
 
 
 def test_table_rows_figures_and_notes():
