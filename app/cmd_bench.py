@@ -120,11 +120,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(**{k: v for k, v in given.items() if v is not None})
 
 
-def counted(n: int, noun: str) -> str:
-    """`n` and `noun`, in the plural unless `n` is 1: "1 run", "3 runs"."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def _num(v: Optional[float], digits: int = 1, top: Optional[float] = None) -> str:
     """A table cell: never rounded to 0, nor under `top` (100 for a share) to `top` (figures.rounded)."""
     return NA if v is None else figures.rounded(v, digits, top)
@@ -275,8 +270,8 @@ def format_table(report: dict[str, Any]) -> str:
     out.append("")
     out.append(
         f"Model {report['model']['name']} ({report['model']['parameters'] / 1e6:.1f}M parameters) on "
-        f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {counted(cfg['repeats'], 'run')} "
-        f"after {counted(cfg['warmup'], 'warm-up')}."
+        f"{report['device']}; {cfg['max_new_tokens']} new tokens, greedy, median of {figures.counted(cfg['repeats'], 'run')} "
+        f"after {figures.counted(cfg['warmup'], 'warm-up')}."
     )
     if report.get("interrupted"):
         out.append("Interrupted (Ctrl+C): the rows hold the runs measured before it; the notes say what did not run.")

@@ -16,6 +16,7 @@ import torch
 
 from engine.bench import matching_prefix
 from engine.errors import OptionsError
+from engine.figures import counted
 from engine.telemetry.machine import describe_machine, load_average
 from engine.types import EngineOptions, SamplingParams
 
@@ -335,9 +336,10 @@ def format_workloads(report: dict[str, Any]) -> str:
     m = report["machine"]
     load = m.get("load_average_at_start")
     out.append(
-        f"Model {report['model']['name']} on {report['model']['device']}, {report['torch_threads']} torch "
-        f"thread(s); {report['config']['max_new_tokens']} new tokens, {report['config']['repeats']} run(s) "
-        f"per prompt and arm" + (f"; load average {load[0]:.1f} at the start." if load else ".")
+        f"Model {report['model']['name']} on {report['model']['device']}, "
+        f"{counted(report['torch_threads'], 'torch thread')}; {report['config']['max_new_tokens']} new tokens, "
+        f"{counted(report['config']['repeats'], 'run')} per prompt and arm"
+        + (f"; load average {load[0]:.1f} at the start." if load else ".")
     )
     out.append("Method: " + report["method"] + ".")
     for c in report.get("step_costs", []):

@@ -349,6 +349,11 @@ def rounded(v: float, digits: int, top: Optional[float] = None) -> str:
     return text
 
 
+def counted(n: int, noun: str) -> str:
+    """`n` and `noun`, in the plural unless `n` is 1: "1 run", "3 runs" (the tables' counts of runs, threads)."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def texts(value: Any) -> bool:
     """Whether `value` is an object of texts, as the n/a reasons of figures and options are."""
     return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())

@@ -867,7 +867,31 @@ def test_speculation_workloads_report(tiny_llama, tmp_path, capsys):
         assert machine["unavailable"]["torch_cuda"] == built and machine["unavailable"]["sm_count"].endswith(built)
     assert results[0]["standing"].startswith("target >= 1.5x") and results[1]["standing"] is None
     out = capsys.readouterr().out
-    assert "| fp32  | rewrite " in out and "1 torch thread(s)" in out
+    assert "| fp32  | rewrite " in out
+    assert "on cpu, 1 torch thread; 24 new tokens, 3 runs per prompt and arm" in out  # it said "1 torch thread(s)"
+
+
+@pytest.mark.parametrize(
+    "threads, repeats, said",
+    [
+        (1, 1, "1 torch thread; 24 new tokens, 1 run per prompt and arm."),
+        (2, 3, "2 torch threads; 24 new tokens, 3 runs"),
+    ],
+)
+def test_the_speculation_table_counts_threads_and_runs_in_the_singular_or_plural(threads, repeats, said):
+    """It said "1 torch thread(s)" and "1 run(s) per prompt and arm", whatever the count."""
+    from engine.bench_spec import format_workloads
+
+    report = {
+        "results": [],
+        "machine": {"load_average_at_start": None},
+        "model": {"name": "tiny", "device": "cpu"},
+        "torch_threads": threads,
+        "config": {"max_new_tokens": 24, "repeats": repeats},
+        "method": "greedy",
+    }
+    line = next(x for x in format_workloads(report).splitlines() if x.startswith("Model "))
+    assert line.startswith(f"Model tiny on cpu, {said}")
 
 
 def test_an_arm_without_decode_steps_says_why_each_figure_is_null():
