@@ -40,10 +40,11 @@ MODE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 QUALITY_DECODE_TOKENS = 64  # the quality bench's decode runs, at most: its figure of interest is the perplexity
 BENCH_TOKENS = 128  # every other kind's answers
-# The comma-separated flags, with what an empty one is refused with (it ran the default before, as if left out).
+# The comma-separated flags: what each item names, and what an empty flag is refused with (it ran the default
+# before, as if left out).
 LIST_FLAGS = {
-    "presets": "no preset to run (leave the flag out to run them all)",
-    "dtypes": "no dtype to run (leave the flag out for the default: fp32 on the CPU, fp16 on CUDA)",
+    "presets": ("preset", "no preset to run (leave the flag out to run them all)"),
+    "dtypes": ("dtype", "no dtype to run (leave the flag out for the default: fp32 on the CPU, fp16 on CUDA)"),
 }
 # The ladder's flags that only one rung reads.
 RUNG_FLAGS = {"candidates": ("candidates", "kernels"), "speculation": ("speculation", "draft_tokens", "draft_model")}
@@ -55,6 +56,26 @@ def bench_mode(args: argparse.Namespace) -> str:
 
 def _kind(mode: str) -> str:
     return "the ladder" if mode == "ladder" else f"--{mode.replace('_', '-')}"
+
+
+def list_flag(args: argparse.Namespace, flag: str) -> Optional[tuple[str, ...]]:
+    """The items of the comma-separated flag `flag` in the order given, None where it was left out. The same rule
+    for every list flag: an empty flag, an empty item or an item given twice is refused (an empty item was
+    dropped, and a dtype given twice ran twice)."""
+    given = getattr(args, flag, None)
+    if given is None:
+        return None
+    noun, empty = LIST_FLAGS[flag]
+    items = tuple(item.strip() for item in given.split(","))
+    name = f"--{flag.replace('_', '-')}"
+    if not any(items):  # "" is not "the default": refused
+        raise OptionsError(f"{name}: {empty}")
+    if "" in items:
+        raise OptionsError(f"{name}: {given!r} has an empty item; name each {noun} once, between commas")
+    twice = next((item for i, item in enumerate(items) if item in items[:i]), None)
+    if twice is not None:
+        raise OptionsError(f"{name}: {noun} {twice} is given twice; name each {noun} once")
+    return items
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -73,12 +94,10 @@ def check_flags(args: argparse.Namespace) -> None:
             "--draft-model is the model --speculation draft drafts with; give --speculation draft too "
             f"(the speculation runs {getattr(args, 'speculation', None) or 'ngram'} without it)"
         )
-    for flag, default in LIST_FLAGS.items():  # "" is not "the default": refused, for every list alike
-        given = getattr(args, flag, None)
-        if given is not None and not given.replace(",", "").strip():
-            raise OptionsError(f"--{flag}: {default}")
-    if mode == "ladder" and args.presets:  # a flag of a rung left out would change nothing that runs
-        chosen = {p.strip() for p in args.presets.split(",")}
+    for flag in LIST_FLAGS:
+        list_flag(args, flag)
+    chosen = list_flag(args, "presets")
+    if mode == "ladder" and chosen:  # a flag of a rung left out would change nothing that runs
         for rung, flags in RUNG_FLAGS.items():
             given = [f for f in flags if getattr(args, f, None) is not None]
             if given and rung not in chosen:
@@ -114,8 +133,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if getattr(args, "draft_model", None):
         check_draft_model("draft", args.draft_model)
     given = {f.name: getattr(args, f.name, None) for f in fields(BenchConfig)}
-    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip()) if args.presets else tuple(PRESETS)
-    # (check_flags refused an empty --presets before: "" is not "all of them")
+    presets = list_flag(args, "presets") or tuple(PRESETS)
     given.update(presets=presets, prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     return BenchConfig(**{k: v for k, v in given.items() if v is not None})
 
@@ -359,7 +377,7 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
 def spec_config_from_args(args: argparse.Namespace):
     from engine.bench_spec import SpecBenchConfig
 
-    dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip()) if args.dtypes else ()
+    dtypes = list_flag(args, "dtypes") or ()
     wrong = [d for d in dtypes if d not in DTYPES]
     if wrong:
         raise OptionsError(f"--dtypes: unknown dtype {wrong[0]!r}; choose from {', '.join(DTYPES)}")

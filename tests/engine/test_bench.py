@@ -980,6 +980,40 @@ def test_counts_no_answer_can_have_are_refused_before_the_model_loads(kind, tmp_
         assert err == "gapless: error: draft_tokens must be between 1 and 15 (0 = adaptive), got 99\n"
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["--presets", "naive,,half"],
+            "--presets: 'naive,,half' has an empty item; name each preset once, between commas",
+        ),
+        (
+            ["--presets", "naive,half,"],
+            "--presets: 'naive,half,' has an empty item; name each preset once, between commas",
+        ),
+        (["--presets", "naive, half,naive"], "--presets: preset naive is given twice; name each preset once"),
+        (
+            ["--speculation-workloads", "--dtypes", "fp32,fp32"],
+            "--dtypes: dtype fp32 is given twice; name each dtype once",
+        ),
+        (
+            ["--speculation-workloads", "--dtypes", ",bf16"],
+            "--dtypes: ',bf16' has an empty item; name each dtype once, between commas",
+        ),
+    ],
+)
+def test_a_list_flag_with_an_empty_or_repeated_item_is_refused_before_the_model_loads(argv, said, tmp_path, capsys):
+    """`--dtypes fp32,fp32` ran fp32 twice, `--presets naive,naive` ran Naive once, and `--presets naive,,half`
+    dropped the empty item without a word. The model named here does not exist: a check after loading would say
+    so instead."""
+    from app.cli import main
+
+    bench = ["bench", "--model", str(tmp_path / "nope.gguf"), "--device", "cpu", "--json", str(tmp_path / "b.json")]
+    assert main([*bench, *argv]) == 2
+    assert capsys.readouterr() == ("", f"gapless: error: {said}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_more_threads_than_the_machine_has_cores_are_refused(monkeypatch):
     """`--threads 100000` ended the process in a segmentation fault inside torch, with nothing said."""
     import os
