@@ -405,8 +405,7 @@ def run_conversation_bench(args: argparse.Namespace) -> int:
     config = ConversationConfig(
         model=args.model, device=args.device, turns=args.turns, max_new_tokens=args.max_new_tokens, repeats=args.repeats
     )
-    _report(args, run_conversation, config, format_conversation)
-    return 0
+    return _exit_code(_report(args, run_conversation, config, format_conversation))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -433,16 +432,22 @@ def run_bench(args: argparse.Namespace) -> int:
     if spec is not None:
         from engine.bench_spec import format_workloads, run_speculation_workloads
 
-        _report(args, run_speculation_workloads, spec, format_workloads)
-        return 0
+        return _exit_code(_report(args, run_speculation_workloads, spec, format_workloads))
     report = _report(args, run_suite, config_from_args(args), format_table)
-    if report.get("interrupted"):  # the table and JSON hold what ran before it
-        print("gapless: interrupted: the table and JSON hold the runs measured before it", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    if report.get("interrupted"):
+        return _exit_code(report)
     if not any(r["status"] == "ok" for r in report["rungs"]):  # a script must not read the table as a measurement
         print("gapless: error: no rung ran (each one's reason is in the table above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _exit_code(report: dict[str, Any]) -> int:
+    """0, or after a Ctrl+C (every kind of bench keeps what it measured) EXIT_INTERRUPTED, saying so."""
+    if not report.get("interrupted"):
+        return 0
+    print("gapless: interrupted: the table and JSON hold the runs measured before it", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def run_quality_bench(args: argparse.Namespace) -> int:
@@ -452,8 +457,7 @@ def run_quality_bench(args: argparse.Namespace) -> int:
     if tokens > QUALITY_DECODE_TOKENS:
         raise OptionsError(f"with --quality, --max-new-tokens is at most {QUALITY_DECODE_TOKENS}, got {tokens}")
     config = QualityConfig(model=args.model, device=args.device, decode_tokens=tokens, repeats=args.repeats)
-    _report(args, run_quality, config, format_quality_table)
-    return 0
+    return _exit_code(_report(args, run_quality, config, format_quality_table))
 
 
 def _report(args: argparse.Namespace, run: Callable[..., Any], config: Any, table: Callable[[Any], str]) -> Any:

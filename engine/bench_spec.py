@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from engine.bench import matching_prefix
+from engine.bench import INTERRUPTED, matching_prefix
 from engine.errors import OptionsError
 from engine.figures import counted
 from engine.telemetry.machine import describe_machine, load_average
@@ -181,6 +181,29 @@ def step_costs(
     }
 
 
+def _mark_interrupted(
+    results: list[dict[str, Any]], dtypes: tuple[str, ...], workloads: tuple[str, ...], running: str
+) -> dict[str, str]:
+    """After a Ctrl+C: a result for each workload of each dtype not measured in full, "interrupted" with why (the
+    one it stopped is left out whole: its arms compare only over all its prompts and repeats); why, by
+    "dtype workload"."""
+    not_run: dict[str, str] = {}
+    done = {(r["dtype"], r.get("workload")) for r in results}
+    skipped = {r["dtype"] for r in results if r["status"] == "skipped"}
+    for dtype in dtypes:
+        for workload in workloads:
+            name = f"{dtype} {workload}"
+            if dtype in skipped or (dtype, workload) in done:
+                continue
+            if name == running:
+                why = f"{INTERRUPTED} while it ran: its arms compare only over all its prompts and repeats"
+            else:
+                why = f"{INTERRUPTED} before it started"
+            results.append({"dtype": dtype, "workload": workload, "status": "interrupted", "reason": why})
+            not_run[name] = why
+    return not_run
+
+
 def run_speculation_workloads(
     config: SpecBenchConfig, progress: Callable[[str], None], command: Optional[list[str]] = None
 ) -> dict[str, Any]:
@@ -202,81 +225,98 @@ def run_speculation_workloads(
         sampling = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
         results: list[dict[str, Any]] = []
         step_cost_rows: list[dict[str, Any]] = []
-        for dtype in dtypes:
-            plain = EngineOptions(
-                device=config.device,
-                dtype=dtype,
-                kv_cache="static",
-                sampling="device",
-                compile=config.compile,
-                cuda_graph=config.cuda_graph,
-                profile_window=False,
-            )
-            spec = replace(
-                plain, speculation=config.speculation, draft_tokens=config.draft_tokens, draft_model=config.draft_model
-            )
-            engine.reconfigure(spec)  # loads a draft model, whose refusal (another vocabulary) shows only then
-            reasons = engine.unavailable(spec)
-            if reasons:
-                results.append(
-                    {"dtype": dtype, "status": "skipped", "reason": "; ".join(f"{k}: {v}" for k, v in reasons.items())}
+        interrupted, running = False, ""  # running: the workload being measured ("fp32 rewrite")
+        try:
+            for dtype in dtypes:
+                plain = EngineOptions(
+                    device=config.device,
+                    dtype=dtype,
+                    kv_cache="static",
+                    sampling="device",
+                    compile=config.compile,
+                    cuda_graph=config.cuda_graph,
+                    profile_window=False,
                 )
-                continue
-            progress(f"{dtype}: step costs")
-            costs = step_costs(engine, plain)
-            warm = [{"role": "user", "content": WORKLOADS[config.workloads[0]][0]}]
-            for opts in (plain, spec):  # compile, capture and first-use costs land here, untimed
-                engine.reconfigure(opts)
-                progress(f"{dtype}: warm-up, speculation {opts.speculation}")
-                engine.generate(warm, sampling)
-            for workload in config.workloads:
-                runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-                prompts = []
-                for prompt in WORKLOADS[workload]:
-                    messages = [{"role": "user", "content": prompt}]
-                    tokens: dict[str, list[int]] = {}
-                    for _ in range(config.repeats):
-                        for arm, opts in (("off", plain), ("on", spec)):
-                            engine.reconfigure(opts)
-                            res = engine.generate(messages, sampling)
-                            m = res.metrics.to_dict()
-                            runs[arm].append(m)
-                            tokens[arm] = res.token_ids[0]
-                            progress(
-                                f"{dtype} {workload}: speculation {arm}, {m['decode_tok_s'] or 0:.1f} tok/s, "
-                                f"{m['tokens_per_step'] or 0:.2f} tok/step"
-                            )
-                    same = matching_prefix(tokens["off"], tokens["on"])
-                    prompts.append(
+                spec = replace(
+                    plain,
+                    speculation=config.speculation,
+                    draft_tokens=config.draft_tokens,
+                    draft_model=config.draft_model,
+                )
+                engine.reconfigure(spec)  # loads a draft model, whose refusal (another vocabulary) shows only then
+                reasons = engine.unavailable(spec)
+                if reasons:
+                    results.append(
                         {
-                            "prompt": prompt,
-                            "tokens": len(tokens["off"]),
-                            "identical": tokens["off"] == tokens["on"],
-                            "first_difference": None if tokens["off"] == tokens["on"] else same,
+                            "dtype": dtype,
+                            "status": "skipped",
+                            "reason": "; ".join(f"{k}: {v}" for k, v in reasons.items()),
                         }
                     )
-                off, on = _arm(runs["off"], drafting=False), _arm(runs["on"], drafting=True)
-                ratio = on["decode_tok_s"] / off["decode_tok_s"] if on["decode_tok_s"] and off["decode_tok_s"] else None
-                missing = [arm for arm, figures in (("off", off), ("on", on)) if not figures["decode_tok_s"]]
-                results.append(
-                    {
-                        "dtype": dtype,
-                        "workload": workload,
-                        "status": "ok",
-                        "plain": off,
-                        "speculation": on,
-                        "speedup": ratio,
-                        "unavailable": (
-                            {"speedup": f"no decode figure with speculation {' and '.join(missing)}"} if missing else {}
-                        ),
-                        "standing": standing(workload, ratio),
-                        "prompts": prompts,
-                    }
-                )
-            step_cost_rows.append({"dtype": dtype, **costs})
+                    continue
+                progress(f"{dtype}: step costs")
+                step_cost_rows.append({"dtype": dtype, **step_costs(engine, plain)})
+                warm = [{"role": "user", "content": WORKLOADS[config.workloads[0]][0]}]
+                for opts in (plain, spec):  # compile, capture and first-use costs land here, untimed
+                    engine.reconfigure(opts)
+                    progress(f"{dtype}: warm-up, speculation {opts.speculation}")
+                    engine.generate(warm, sampling)
+                for workload in config.workloads:
+                    running = f"{dtype} {workload}"
+                    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+                    prompts = []
+                    for prompt in WORKLOADS[workload]:
+                        messages = [{"role": "user", "content": prompt}]
+                        tokens: dict[str, list[int]] = {}
+                        for _ in range(config.repeats):
+                            for arm, opts in (("off", plain), ("on", spec)):
+                                engine.reconfigure(opts)
+                                res = engine.generate(messages, sampling)
+                                m = res.metrics.to_dict()
+                                runs[arm].append(m)
+                                tokens[arm] = res.token_ids[0]
+                                progress(
+                                    f"{dtype} {workload}: speculation {arm}, {m['decode_tok_s'] or 0:.1f} tok/s, "
+                                    f"{m['tokens_per_step'] or 0:.2f} tok/step"
+                                )
+                        same = matching_prefix(tokens["off"], tokens["on"])
+                        prompts.append(
+                            {
+                                "prompt": prompt,
+                                "tokens": len(tokens["off"]),
+                                "identical": tokens["off"] == tokens["on"],
+                                "first_difference": None if tokens["off"] == tokens["on"] else same,
+                            }
+                        )
+                    off, on = _arm(runs["off"], drafting=False), _arm(runs["on"], drafting=True)
+                    ratio = (
+                        on["decode_tok_s"] / off["decode_tok_s"] if on["decode_tok_s"] and off["decode_tok_s"] else None
+                    )
+                    missing = [arm for arm, figures in (("off", off), ("on", on)) if not figures["decode_tok_s"]]
+                    results.append(
+                        {
+                            "dtype": dtype,
+                            "workload": workload,
+                            "status": "ok",
+                            "plain": off,
+                            "speculation": on,
+                            "speedup": ratio,
+                            "unavailable": (
+                                {"speedup": f"no decode figure with speculation {' and '.join(missing)}"}
+                                if missing
+                                else {}
+                            ),
+                            "standing": standing(workload, ratio),
+                            "prompts": prompts,
+                        }
+                    )
+                    running = ""
+        except KeyboardInterrupt:  # Ctrl+C: the workloads measured are kept, the report says what did not run
+            interrupted = True
         info = engine.info.to_dict()
     finally:
         engine.close()
+    not_run = _mark_interrupted(results, dtypes, config.workloads, running) if interrupted else {}
     machine = describe_machine(load_average_at_start=load_at_start)
     return {
         "command": command,
@@ -294,6 +334,9 @@ def run_speculation_workloads(
         ),
         "results": results,
         "step_costs": step_cost_rows,
+        # Ctrl+C: the workloads measured before it; not_run: each one not measured in full ("fp32 rewrite"), and why
+        "interrupted": interrupted,
+        "not_run": not_run,
     }
 
 
@@ -311,8 +354,11 @@ def format_workloads(report: dict[str, Any]) -> str:
     ]
     rows = []
     for r in report["results"]:
-        if r["status"] != "ok":
+        if r["status"] == "skipped":
             rows.append([r["dtype"], "skipped", r["reason"], "", "", "", "", "", ""])
+            continue
+        if r["status"] != "ok":  # interrupted: the notes below say why
+            rows.append([r["dtype"], r["workload"], r["status"], "", "", "", "", "", ""])
             continue
         p, s = r["plain"], r["speculation"]
         rate = s["acceptance_rate"]
@@ -341,6 +387,9 @@ def format_workloads(report: dict[str, Any]) -> str:
         f"{counted(report['config']['repeats'], 'run')} per prompt and arm"
         + (f"; load average {load[0]:.1f} at the start." if load else ".")
     )
+    if report.get("interrupted"):
+        out.append("Interrupted (Ctrl+C): the rows hold the workloads measured before it.")
+        out.extend(f"{name}: {why}." for name, why in report["not_run"].items())
     out.append("Method: " + report["method"] + ".")
     for c in report.get("step_costs", []):
         ratios = ", ".join(f"k={k} {v:.2f}×" for k, v in c["verify_over_plain"].items())

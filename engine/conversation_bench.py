@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
+from engine.bench import INTERRUPTED
 from engine.telemetry.machine import describe_machine, load_average
 from engine.types import EngineOptions, SamplingParams
 
@@ -100,42 +101,57 @@ def run_conversation(
         }
         for _ in range(config.turns)
     ]
+    interrupted = False
     try:
         why = engines["reuse"].unavailable().get("device")
         if why:  # the figures would be another device's under this one's name
             from engine.errors import OptionsError
 
             raise OptionsError(f"--device {config.device}: {why}")
-        for eng in engines.values():  # allocator and first-call costs stay out of the figures
-            eng.generate([{"role": "user", "content": "Say hello."}], sampling)
         info = engines["reuse"].info.to_dict()
-        for rep in range(config.repeats):
-            for eng in engines.values():
-                eng.forget_prefix()
-            msgs: list[dict] = [{"role": "system", "content": config.system}]
-            for t in range(config.turns):
-                msgs.append({"role": "user", "content": user_turn(t)})
-                a = engines["reuse"].generate(msgs, sampling)
-                b = engines["no_reuse"].generate(msgs, sampling)
-                row = turns[t]
-                row["ttft_reuse"].append(a.metrics.ttft_ms)
-                row["ttft_no_reuse"].append(b.metrics.ttft_ms)
-                row["prompt_tokens"].append(a.metrics.prompt_tokens)
-                row["reused"].append(a.metrics.prompt_reused_tokens)
-                row["computed"].append(a.metrics.prompt_computed_tokens)
-                row["identical"].append(a.token_ids == b.token_ids)
-                row["cut"].append(a.metrics.prompt_cut)
-                progress(
-                    f"repeat {rep + 1}/{config.repeats} turn {t + 1}: {a.metrics.prompt_tokens} prompt tokens "
-                    f"({a.metrics.prompt_reused_tokens} reused), TTFT {a.metrics.ttft_ms:.0f} ms with reuse, "
-                    f"{b.metrics.ttft_ms:.0f} ms without"
-                )
-                msgs.append({"role": "assistant", "content": a.texts[0]})
+        try:
+            for eng in engines.values():  # allocator and first-call costs stay out of the figures
+                eng.generate([{"role": "user", "content": "Say hello."}], sampling)
+            for rep in range(config.repeats):
+                for eng in engines.values():
+                    eng.forget_prefix()
+                msgs: list[dict] = [{"role": "system", "content": config.system}]
+                for t in range(config.turns):
+                    msgs.append({"role": "user", "content": user_turn(t)})
+                    a = engines["reuse"].generate(msgs, sampling)
+                    b = engines["no_reuse"].generate(msgs, sampling)
+                    row = turns[t]
+                    row["ttft_reuse"].append(a.metrics.ttft_ms)
+                    row["ttft_no_reuse"].append(b.metrics.ttft_ms)
+                    row["prompt_tokens"].append(a.metrics.prompt_tokens)
+                    row["reused"].append(a.metrics.prompt_reused_tokens)
+                    row["computed"].append(a.metrics.prompt_computed_tokens)
+                    row["identical"].append(a.token_ids == b.token_ids)
+                    row["cut"].append(a.metrics.prompt_cut)
+                    progress(
+                        f"repeat {rep + 1}/{config.repeats} turn {t + 1}: {a.metrics.prompt_tokens} prompt tokens "
+                        f"({a.metrics.prompt_reused_tokens} reused), TTFT {a.metrics.ttft_ms:.0f} ms with reuse, "
+                        f"{b.metrics.ttft_ms:.0f} ms without"
+                    )
+                    msgs.append({"role": "assistant", "content": a.texts[0]})
+        except KeyboardInterrupt:  # Ctrl+C: the turns measured are kept, the report says what did not run
+            interrupted = True
     finally:
         for eng in engines.values():
             eng.close()
+    not_run: dict[str, str] = {}
+    for t, row in enumerate(turns):
+        if interrupted and len(row["ttft_reuse"]) < config.repeats:
+            n = len(row["ttft_reuse"])
+            not_run[f"turn {t + 1}"] = (
+                f"{INTERRUPTED} after {n} of {config.repeats} repeats: the medians are of those"
+                if n
+                else f"{INTERRUPTED} before its first repeat"
+            )
     rows = []
     for t, row in enumerate(turns):
+        if not row["ttft_reuse"]:  # not reached before a Ctrl+C
+            continue
         with_, without = _median(row["ttft_reuse"]), _median(row["ttft_no_reuse"])
         rows.append(
             {
@@ -153,7 +169,23 @@ def run_conversation(
                 "prompt_cut": row["cut"][0] or "",
             }
         )
-    last = rows[-1]
+    unavailable: dict[str, str] = {}
+    last_turn: Optional[dict[str, Any]] = None
+    if rows and rows[-1]["turn"] == config.turns:
+        last = rows[-1]
+        last_turn = {
+            "turn": last["turn"],
+            "prompt_tokens": last["prompt_tokens"],
+            "ttft_ratio": last["ttft_ratio"],
+            "target_ratio": TARGET_RATIO,
+            "target_met": last["ttft_ratio"] is not None and last["ttft_ratio"] <= TARGET_RATIO,
+            "target_prompt_tokens": TARGET_PROMPT_TOKENS,
+            "prompt_target_met": last["prompt_tokens"] >= TARGET_PROMPT_TOKENS,
+        }
+    else:
+        unavailable["last_turn"] = not_run[f"turn {config.turns}"]
+    if not rows:
+        unavailable["answers_identical"] = f"{INTERRUPTED} before the first turn was answered"
     machine = describe_machine(load_average_at_start=load_at_start, load_average_at_end=load_average())
     return {
         "benchmark": "conversation",
@@ -170,17 +202,13 @@ def run_conversation(
             "from an empty cache; one warm-up generation per engine first"
         ),
         "turns": rows,
-        "last_turn": {
-            "turn": last["turn"],
-            "prompt_tokens": last["prompt_tokens"],
-            "ttft_ratio": last["ttft_ratio"],
-            "target_ratio": TARGET_RATIO,
-            "target_met": last["ttft_ratio"] is not None and last["ttft_ratio"] <= TARGET_RATIO,
-            "target_prompt_tokens": TARGET_PROMPT_TOKENS,
-            "prompt_target_met": last["prompt_tokens"] >= TARGET_PROMPT_TOKENS,
-        },
-        "answers_identical": all(r["answers_identical"] for r in rows),
+        "last_turn": last_turn,
+        "answers_identical": all(r["answers_identical"] for r in rows) if rows else None,
         "turns_cut": [r["turn"] for r in rows if r["prompt_cut"]],
+        "unavailable": unavailable,  # why last_turn or answers_identical is null
+        # Ctrl+C: the turns measured before it; not_run: each turn not run in every repeat, and why
+        "interrupted": interrupted,
+        "not_run": not_run,
     }
 
 
@@ -198,21 +226,32 @@ def format_conversation(report: dict[str, Any]) -> str:
             f"{'yes' if r['answers_identical'] else 'NO'}"
         )
     last = report["last_turn"]
-    verdict = "met" if last["target_met"] else "missed"
-    ratio = "n/a" if last["ttft_ratio"] is None else f"{last['ttft_ratio']:.2f}×"
-    lines.append(
-        f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
-        f"{verdict}); answers identical: {report['answers_identical']}"
-    )
+    unavailable = report.get("unavailable") or {}
+    same = report["answers_identical"]
+    same_text = f"n/a ({unavailable['answers_identical']})" if same is None else str(same)
+    if last is None:
+        turns = report["config"]["turns"]
+        lines.append(f"turn {turns}: TTFT with reuse n/a ({unavailable['last_turn']}); answers identical: {same_text}")
+    else:
+        verdict = "met" if last["target_met"] else "missed"
+        ratio = "n/a" if last["ttft_ratio"] is None else f"{last['ttft_ratio']:.2f}×"
+        lines.append(
+            f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
+            f"{verdict}); answers identical: {same_text}"
+        )
     if report.get("turns_cut"):
         lines.append(
             f"turns {', '.join(map(str, report['turns_cut']))}: the prompt was cut to fit the model's context "
             f"({report['turns'][report['turns_cut'][0] - 1]['prompt_cut']}), so they do not time the whole "
             "conversation"
         )
-    length = "met" if last["prompt_target_met"] else "missed"
-    lines.append(
-        f"turn {last['turn']}: {last['prompt_tokens']} prompt tokens (target >= {last['target_prompt_tokens']}: "
-        f"{length})"
-    )
+    if last is not None:
+        length = "met" if last["prompt_target_met"] else "missed"
+        lines.append(
+            f"turn {last['turn']}: {last['prompt_tokens']} prompt tokens (target >= {last['target_prompt_tokens']}: "
+            f"{length})"
+        )
+    if report.get("interrupted"):
+        lines.append("Interrupted (Ctrl+C): the rows hold the turns measured before it.")
+        lines.extend(f"{name}: {why}" for name, why in report["not_run"].items())
     return "\n".join(lines)

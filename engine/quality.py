@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine import figures
+from engine.bench import INTERRUPTED
 from engine.quality_text import QUALITY_TEXT
 from engine.telemetry.machine import describe_machine
 from engine.types import EngineOptions, SamplingParams
@@ -53,7 +54,7 @@ class FormatResult:
     label: str
     dtype: str
     weights: str
-    status: str = "ok"  # ok | skipped
+    status: str = "ok"  # ok | skipped | interrupted (Ctrl+C: the figures measured before it are kept)
     reason: str = ""
     perplexity: Optional[float] = None  # None where it cannot be a number: `perplexity_note` says why
     perplexity_note: str = ""
@@ -161,6 +162,90 @@ def _relay(progress: Callable[[str], None], label: str) -> Callable[[Any], None]
     return lambda p: progress(f"{label}: {p.message}")
 
 
+def _measure_formats(
+    engine,
+    base: EngineOptions,
+    config: QualityConfig,
+    ids: list[int],
+    window: int,
+    results: list[FormatResult],
+    finished: set[str],
+    progress: Callable[[str], None],
+) -> None:
+    """Measures each format of `config` in turn, appending its result to `results` as it starts and its label to
+    `finished` once measured or skipped (a Ctrl+C leaves the one it was measuring with its figures so far)."""
+    reference = None
+    for label, dtype, weights in FORMATS:
+        if label not in config.formats:
+            continue
+        r = FormatResult(label, dtype, weights)
+        results.append(r)
+        opts = base.with_(dtype=dtype, weights=weights)
+        why = engine.unavailable(opts)
+        if why:
+            r.status, r.reason = "skipped", "; ".join(f"{k}: {v}" for k, v in why.items())
+            finished.add(label)
+            progress(f"{label}: skipped: {r.reason}")
+            continue
+        engine.reconfigure(opts, _relay(progress, label))
+        info = engine.info
+        r.weight_bytes, r.bytes_per_token, r.kernel = info.weight_bytes, info.bytes_per_token, info.weights_kernel
+        progress(f"{label}: perplexity over {len(ids)} tokens")
+        assert engine.model is not None  # placed by reconfigure
+        nll, top1 = teacher_forced(engine.model, ids, engine.device, window)
+        r.positions = len(top1)
+        r.nll_per_token = nll / r.positions
+        r.perplexity, r.perplexity_note = perplexity(r.nll_per_token)
+        if reference is None and label == "fp32":
+            reference = top1
+        if reference is not None:
+            r.top1_agreement_vs_fp32 = float((top1 == reference).float().mean())
+        params = SamplingParams(temperature=0.0, max_new_tokens=config.decode_tokens, seed=0)
+        engine.generate(PROMPT, params)  # warm-up
+        for i in range(config.repeats):
+            tok_s = engine.generate(PROMPT, params).metrics.decode_tok_s
+            if tok_s is not None:
+                r.decode_tok_s_runs.append(tok_s)
+            progress(f"{label}: decode run {i + 1}/{config.repeats}: {tok_s or 0:.1f} tok/s")
+        r.decode_tok_s = median(r.decode_tok_s_runs) if r.decode_tok_s_runs else None
+        one = SamplingParams(temperature=0.0, max_new_tokens=1, seed=0)
+        engine.generate(PREFILL_PROMPT, one)  # warm-up
+        for i in range(config.repeats):
+            m = engine.generate(PREFILL_PROMPT, one).metrics
+            r.prefill_tokens = m.prompt_tokens
+            if m.prefill_tok_s is not None:
+                r.prefill_tok_s_runs.append(m.prefill_tok_s)
+            progress(f"{label}: prefill run {i + 1}/{config.repeats}: {m.prefill_tok_s or 0:.1f} tok/s")
+        r.prefill_tok_s = median(r.prefill_tok_s_runs) if r.prefill_tok_s_runs else None
+        finished.add(label)
+
+
+def _mark_interrupted(results: list[FormatResult], finished: set[str], config: QualityConfig) -> dict[str, str]:
+    """After a Ctrl+C: the format it stopped keeps the figures measured in full before it and the medians of the
+    runs it made, and says what it lacks; a format not started is "interrupted" too. Why each one did not run in
+    full, by label."""
+    not_run: dict[str, str] = {}
+    started = {r.label for r in results}
+    last = results[-1] if results else None
+    if last is not None and last.label not in finished:
+        last.decode_tok_s = median(last.decode_tok_s_runs) if last.decode_tok_s_runs else None
+        last.prefill_tok_s = median(last.prefill_tok_s_runs) if last.prefill_tok_s_runs else None
+        if not last.positions:
+            what = "before its perplexity was measured"
+        elif len(last.decode_tok_s_runs) < config.repeats and not last.prefill_tok_s_runs:
+            what = f"after {len(last.decode_tok_s_runs)} of {config.repeats} decode runs, before its prefill runs"
+        else:
+            what = f"after {len(last.prefill_tok_s_runs)} of {config.repeats} prefill runs"
+        last.status, last.reason = "interrupted", f"{INTERRUPTED} {what}: its medians are of the runs made"
+        not_run[last.label] = last.reason
+    for label, dtype, weights in FORMATS:
+        if label in config.formats and label not in started:
+            r = FormatResult(label, dtype, weights, status="interrupted", reason=f"{INTERRUPTED} before it started")
+            results.append(r)
+            not_run[label] = r.reason
+    return not_run
+
+
 def run_quality(
     config: QualityConfig, progress: Callable[[str], None], command: Optional[list[str]] = None
 ) -> dict[str, Any]:
@@ -180,53 +265,26 @@ def run_quality(
             raise ValueError("the quality bench runs on the fast path; this model runs on the transformers fallback")
         ids = engine.tokenizer(QUALITY_TEXT)["input_ids"]
         window = min(WINDOW, engine.context_length)
-        results, reference = [], None
-        for label, dtype, weights in FORMATS:
-            if label not in config.formats:
-                continue
-            r = FormatResult(label, dtype, weights)
-            results.append(r)
-            opts = base.with_(dtype=dtype, weights=weights)
-            why = engine.unavailable(opts)
-            if why:
-                r.status, r.reason = "skipped", "; ".join(f"{k}: {v}" for k, v in why.items())
-                progress(f"{label}: skipped: {r.reason}")
-                continue
-            engine.reconfigure(opts, _relay(progress, label))
-            info = engine.info
-            r.weight_bytes, r.bytes_per_token, r.kernel = info.weight_bytes, info.bytes_per_token, info.weights_kernel
-            progress(f"{label}: perplexity over {len(ids)} tokens")
-            assert engine.model is not None  # placed by reconfigure
-            nll, top1 = teacher_forced(engine.model, ids, engine.device, window)
-            r.positions = len(top1)
-            r.nll_per_token = nll / r.positions
-            r.perplexity, r.perplexity_note = perplexity(r.nll_per_token)
-            if reference is None and label == "fp32":
-                reference = top1
-            if reference is not None:
-                r.top1_agreement_vs_fp32 = float((top1 == reference).float().mean())
-            params = SamplingParams(temperature=0.0, max_new_tokens=config.decode_tokens, seed=0)
-            engine.generate(PROMPT, params)  # warm-up
-            for i in range(config.repeats):
-                tok_s = engine.generate(PROMPT, params).metrics.decode_tok_s
-                if tok_s is not None:
-                    r.decode_tok_s_runs.append(tok_s)
-                progress(f"{label}: decode run {i + 1}/{config.repeats}: {tok_s or 0:.1f} tok/s")
-            r.decode_tok_s = median(r.decode_tok_s_runs) if r.decode_tok_s_runs else None
-            one = SamplingParams(temperature=0.0, max_new_tokens=1, seed=0)
-            engine.generate(PREFILL_PROMPT, one)  # warm-up
-            for i in range(config.repeats):
-                m = engine.generate(PREFILL_PROMPT, one).metrics
-                r.prefill_tokens = m.prompt_tokens
-                if m.prefill_tok_s is not None:
-                    r.prefill_tok_s_runs.append(m.prefill_tok_s)
-                progress(f"{label}: prefill run {i + 1}/{config.repeats}: {m.prefill_tok_s or 0:.1f} tok/s")
-            r.prefill_tok_s = median(r.prefill_tok_s_runs) if r.prefill_tok_s_runs else None
+        results: list[FormatResult] = []
+        finished: set[str] = set()
+        interrupted = False
+        try:
+            _measure_formats(engine, base, config, ids, window, results, finished, progress)
+        except KeyboardInterrupt:  # Ctrl+C: the formats measured are kept, the report says what did not run
+            interrupted = True
         model_info = engine.info.to_dict()
     finally:
         engine.close()
-    progress("llama.cpp: decode and prefill on the same GGUF")
-    llama_cpp = llama_cpp_column(model_info["source"], config.decode_tokens, config.repeats)
+    not_run = _mark_interrupted(results, finished, config) if interrupted else {}
+    if interrupted:
+        llama_cpp = {"status": "skipped", "reason": f"{INTERRUPTED} before it ran"}
+    else:
+        progress("llama.cpp: decode and prefill on the same GGUF")
+        try:
+            llama_cpp = llama_cpp_column(model_info["source"], config.decode_tokens, config.repeats)
+        except KeyboardInterrupt:
+            interrupted = True
+            llama_cpp = {"status": "interrupted", "reason": f"{INTERRUPTED} while it ran"}
     return {
         "kind": "quality",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -256,6 +314,9 @@ def run_quality(
         },
         "formats": [r.__dict__ for r in results],
         "llama_cpp": llama_cpp,
+        # Ctrl+C: the formats measured before it; not_run: each one not measured in full, and why
+        "interrupted": interrupted,
+        "not_run": not_run,
     }
 
 
@@ -275,11 +336,12 @@ def format_quality_table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for f in report["formats"]:
-        if f["status"] != "ok":
-            rows.append(f"| {f['label']} | skipped: {f['reason']} | | | | | |")
+        if f["status"] == "skipped" or (f["status"] != "ok" and f["weight_bytes"] is None):  # nothing measured
+            rows.append(f"| {f['label']} | {f['status']}: {f['reason']} | | | | | |")
             continue
+        label = f["label"] if f["status"] == "ok" else f"{f['label']} ({f['status']})"  # the notes below say why
         rows.append(
-            f"| {f['label']} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
+            f"| {label} | {_mib(f['weight_bytes'])} | {_mib(f['bytes_per_token'])} | "
             f"{f.get('perplexity_note') or _num(f['perplexity'], '{:.3f}')} | "
             f"{_num(f['top1_agreement_vs_fp32'], '{:.2%}')} | "
             f"{_num(f['decode_tok_s'], '{:.1f}')} | {_num(f.get('prefill_tok_s'), '{:.0f}')} |"
@@ -304,4 +366,7 @@ def format_quality_table(report: dict[str, Any]) -> str:
     )
     if lc.get("status") == "ok":
         rows.append(f"llama.cpp: {lc['figure']}.")
+    if report.get("interrupted"):
+        rows.append("Interrupted (Ctrl+C): the rows hold the formats measured before it.")
+        rows.extend(f"{label}: {why}." for label, why in report["not_run"].items())
     return "\n".join(rows)

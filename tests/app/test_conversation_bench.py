@@ -68,3 +68,44 @@ def test_a_device_this_machine_lacks_is_refused_not_measured_on_another(tiny_fac
     config = ConversationConfig(model=str(tiny_factory("llama")), device="cuda", turns=1, max_new_tokens=2, repeats=1)
     with pytest.raises(OptionsError, match="--device cuda: CUDA is not available"):
         run_conversation(config, progress=lambda m: None)
+
+
+def test_ctrl_c_during_a_conversation_bench_keeps_the_turns_measured_before_it(
+    tiny_factory, tmp_path, monkeypatch, capsys
+):
+    """Ctrl+C during `gapless bench --conversation` printed no table and wrote no JSON: every turn measured was
+    lost."""
+    from app.cli import main
+    from engine.engine import Engine
+
+    path = tiny_factory("llama", max_position_embeddings=4096)
+    real, calls = Engine.generate, []
+
+    def ctrl_c_at_the_second_turn(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # two warm-ups, both engines' turn 1, then the engine with reuse at turn 2
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", ctrl_c_at_the_second_turn)
+    out = tmp_path / "conv.json"
+    argv = ["bench", "--conversation", "--model", str(path), "--device", "cpu", "--turns", "3", "--repeats", "2"]
+    assert main([*argv, "--max-new-tokens", "4", "--json", str(out)]) == 130
+    stdout, err = capsys.readouterr()
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["interrupted"] is True and [p.name for p in tmp_path.iterdir()] == ["conv.json"]
+    [turn] = report["turns"]
+    assert turn["turn"] == 1 and len(turn["ttft_ms_reuse_runs"]) == len(turn["ttft_ms_no_reuse_runs"]) == 1
+    assert turn["ttft_ms_reuse_median"] == turn["ttft_ms_reuse_runs"][0] > 0
+    before = "the bench was interrupted (Ctrl+C) before its first repeat"
+    assert report["not_run"] == {
+        "turn 1": "the bench was interrupted (Ctrl+C) after 1 of 2 repeats: the medians are of those",
+        "turn 2": before,
+        "turn 3": before,
+    }
+    assert report["last_turn"] is None and report["unavailable"] == {"last_turn": before}
+    assert report["answers_identical"] is True
+    lines = stdout.splitlines()
+    assert lines[1].split()[0] == "1" and f"turn 3: TTFT with reuse n/a ({before}); answers identical: True" in lines
+    assert "Interrupted (Ctrl+C): the rows hold the turns measured before it." in lines and f"turn 2: {before}" in lines
+    assert err.splitlines()[-1] == "gapless: interrupted: the table and JSON hold the runs measured before it"

@@ -894,6 +894,48 @@ def test_the_speculation_table_counts_threads_and_runs_in_the_singular_or_plural
     assert line.startswith(f"Model tiny on cpu, {said}")
 
 
+def test_ctrl_c_during_speculation_workloads_keeps_the_workloads_measured_before_it(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    """Ctrl+C during `gapless bench --speculation-workloads` printed no table and wrote no JSON: every workload
+    measured was lost."""
+    from app.cli import main
+    from engine.engine import Engine
+
+    real, calls = Engine.generate, []
+
+    def ctrl_c_in_the_second_workload(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:  # 2 warm-ups, rewrite's 2 prompts with both arms, summarise's first prompt, arm on
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", ctrl_c_in_the_second_workload)
+    path = tmp_path / "spec.json"
+    argv = ["bench", "--speculation-workloads", "--model", str(tiny_llama), "--device", "cpu", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert main([*argv, "--repeats", "1", "--max-new-tokens", "8", "--json", str(path)]) == 130
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    report = json.loads(path.read_text(encoding="utf-8"))
+    assert report["interrupted"] is True and [p.name for p in tmp_path.iterdir()] == ["spec.json"]
+    rewrite, summarise, chat = report["results"]
+    assert (rewrite["workload"], rewrite["status"], len(rewrite["prompts"])) == ("rewrite", "ok", 2)
+    assert rewrite["plain"]["decode_tok_s"] > 0
+    stopped = "the bench was interrupted (Ctrl+C) while it ran: its arms compare only over all its prompts and repeats"
+    before = "the bench was interrupted (Ctrl+C) before it started"
+    assert summarise == {"dtype": "fp32", "workload": "summarise", "status": "interrupted", "reason": stopped}
+    assert chat == {"dtype": "fp32", "workload": "free chat", "status": "interrupted", "reason": before}
+    assert report["not_run"] == {"fp32 summarise": stopped, "fp32 free chat": before}
+    assert [c["dtype"] for c in report["step_costs"]] == ["fp32"]  # measured before the workloads: kept
+    lines = out.splitlines()
+    assert next(x for x in lines if x.startswith("| fp32  | summarise ")).split("|")[3].strip() == "interrupted"
+    assert f"fp32 summarise: {stopped}." in lines and f"fp32 free chat: {before}." in lines
+    assert err.splitlines()[-1] == "gapless: interrupted: the table and JSON hold the runs measured before it"
+
+
 def test_an_arm_without_decode_steps_says_why_each_figure_is_null():
     from engine.bench_spec import NO_DECODE, _arm
 
@@ -1061,7 +1103,7 @@ def test_the_quality_bench_decodes_64_tokens_unless_told_fewer(monkeypatch):
     from app.cli import build_parser
 
     configs = []
-    monkeypatch.setattr(cmd_bench, "_report", lambda args, run, config, table: configs.append(config) or 0)
+    monkeypatch.setattr(cmd_bench, "_report", lambda args, run, config, table: configs.append(config) or {})
     parser = build_parser()
 
     def quality(*argv: str) -> None:

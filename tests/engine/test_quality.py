@@ -129,3 +129,44 @@ def test_a_perplexity_beyond_a_double_is_na_with_the_reason(tiny_llama, monkeypa
     assert "| fp32 |" in format_quality_table(report) and "is beyond a double" in format_quality_table(report)
     assert quality.perplexity(math.log(2.0)) == (pytest.approx(2.0), "")
     assert quality.perplexity(float("nan"))[0] is None
+
+
+def test_ctrl_c_during_a_quality_bench_keeps_the_formats_measured_before_it(tiny_llama, tmp_path, monkeypatch, capsys):
+    """Ctrl+C during `gapless bench --quality` printed no table and wrote no JSON: every format measured was lost."""
+    from engine.engine import Engine
+
+    real, calls = Engine.generate, []
+
+    def ctrl_c_in_bf16s_second_decode_run(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 9:  # fp32: a warm-up and 2 runs each of decode and prefill; bf16: a warm-up, a run
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", ctrl_c_in_bf16s_second_decode_run)
+    out = tmp_path / "quality.json"
+    argv = ["bench", "--quality", "--model", str(tiny_llama), "--device", "cpu", "--repeats", "2"]
+    assert main([*argv, "--max-new-tokens", "4", "--json", str(out)]) == 130
+    stdout, err = capsys.readouterr()
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["interrupted"] is True and [p.name for p in tmp_path.iterdir()] == ["quality.json"]
+    fp32, bf16, int8, int4 = report["formats"]
+    assert fp32["status"] == "ok" and len(fp32["decode_tok_s_runs"]) == len(fp32["prefill_tok_s_runs"]) == 2
+    partial = (
+        "the bench was interrupted (Ctrl+C) after 1 of 2 decode runs, before its prefill runs: its medians are of "
+        "the runs made"
+    )
+    assert (bf16["status"], bf16["reason"]) == ("interrupted", partial)
+    assert bf16["perplexity"] > 1 and bf16["decode_tok_s"] == bf16["decode_tok_s_runs"][0] > 0
+    assert bf16["prefill_tok_s"] is None and bf16["prefill_tok_s_runs"] == []
+    before = "the bench was interrupted (Ctrl+C) before it started"
+    assert [(f["label"], f["status"], f["reason"]) for f in (int8, int4)] == [
+        ("int8", "interrupted", before),
+        ("int4", "interrupted", before),
+    ]
+    assert report["not_run"] == {"bf16": partial, "int8": before, "int4": before}
+    assert report["llama_cpp"] == {"status": "skipped", "reason": "the bench was interrupted (Ctrl+C) before it ran"}
+    lines = stdout.splitlines()
+    assert any(x.startswith("| bf16 (interrupted) | ") and f"| {bf16['decode_tok_s']:.1f} | n/a |" in x for x in lines)
+    assert f"| int8 | interrupted: {before} | | | | | |" in lines and f"bf16: {partial}." in lines
+    assert err.splitlines()[-1] == "gapless: interrupted: the table and JSON hold the runs measured before it"
