@@ -393,6 +393,13 @@ def metrics_problem(metrics: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+def not_finite(value: Any) -> Optional[str]:
+    """Why `value` cannot be a figure's value in JSON ("came out as nan, not a finite number"); None where it can."""
+    return (
+        f"came out as {value}, not a finite number" if isinstance(value, float) and not math.isfinite(value) else None
+    )
+
+
 def finite(value: Any) -> Any:
     """`value` (a report: dicts, lists, numbers, texts) as JSON can hold it, which has no NaN or infinity: a float
     that is not finite becomes null (n/a). Where the object holding it says why its figures are n/a (`unavailable`;
@@ -410,7 +417,7 @@ def finite(value: Any) -> Any:
         holders = (f"{key.split('_')[0]}_unavailable",) + (() if "options" in value else ("unavailable",))
         holder = next((h for h in holders if texts(out.get(h))), None)
         if holder is not None:
-            out[holder] = {**out[holder], key: f"came out as {v}, not a finite number"}
+            out[holder] = {**out[holder], key: not_finite(v)}
         if texts(out.get("sources")):
             out["sources"] = {k: s for k, s in out["sources"].items() if k != key}
     return out

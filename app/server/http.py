@@ -39,6 +39,7 @@ from app.server.protocol import (
     parse_request,
     usage,
 )
+from engine import figures
 from engine.types import TextDelta
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,16 @@ class ServeConfig:
 Item = Union[Started, Finished, Failed, TextDelta]
 
 
+class StrictJSONResponse(JSONResponse):
+    """JSON as strict readers take it, as every JSON of the command line is (engine.figures.strict_json): a figure
+    that is not a finite number is null, where Starlette's own refused it and the client got a 500 for its answer."""
+
+    def render(self, content: Any) -> bytes:
+        return figures.strict_json(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return StrictJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _api_error(_request: HttpRequest, exc: Exception) -> Response:
@@ -158,7 +167,7 @@ class LocalOnly:
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {figures.strict_json(obj, ensure_ascii=False)}\n\n"  # strict: never NaN, which JSON.parse refuses
 
 
 class Api:
@@ -212,7 +221,7 @@ class Api:
 
     async def models(self, request: HttpRequest) -> Response:
         self.check_key(request)
-        return JSONResponse({"object": "list", "data": [self.model_object(self.engines.listed)]})
+        return StrictJSONResponse({"object": "list", "data": [self.model_object(self.engines.listed)]})
 
     async def model(self, request: HttpRequest) -> Response:
         self.check_key(request)
@@ -221,7 +230,7 @@ class Api:
             raise ApiError(
                 404, f"the model {request.path_params['model']!r} does not exist", param="model", code="model_not_found"
             )
-        return JSONResponse(self.model_object(listed))
+        return StrictJSONResponse(self.model_object(listed))
 
     async def chat(self, request: HttpRequest) -> Response:
         return await self.complete(request, chat=True)
@@ -265,7 +274,7 @@ class Api:
                 if isinstance(last, Failed):
                     raise last.error
                 assert isinstance(last, Finished)
-                return JSONResponse(completion_object(req, last.result, last.queue_ms))
+                return StrictJSONResponse(completion_object(req, last.result, last.queue_ms))
         except BaseException:
             self.engines.withdraw(job)  # sets its cancel event; a waiting job also frees its place in the queue
             raise

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from engine import figures
 from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, GenerationMetrics, GenerationResult
 
 MAX_STOP_STRINGS = 16
@@ -269,10 +270,13 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
 
 
 def _figure(m: GenerationMetrics, key: str) -> dict[str, Any]:
+    """A value with its source, or null with the reason (a value that is not a finite number is null: strict JSON
+    has no NaN)."""
     f = m.figure(key)
-    if f.available:
+    why = figures.not_finite(f.value)
+    if f.available and why is None:
         return {"value": f.value, "source": f.source}
-    return {"value": None, "reason": f.reason or "not measured on this run"}
+    return {"value": None, "reason": why or f.reason or "not measured on this run"}
 
 
 def gapless_figures(m: GenerationMetrics, queue_ms: float) -> dict[str, Any]:

@@ -51,3 +51,38 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(engine):
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
         with pytest.raises(openai.APIError, match="a bug in the engine"):
             list(client.chat.completions.create(**body(server), stream=True))
+
+
+class NotFiniteEngine:
+    """The real engine, whose answers' TTFT comes out NaN and decode tok/s infinite."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, messages, sampling, on_event=None, cancel=None, raw=False):
+        result = self._engine.generate(messages, sampling, on_event, cancel, raw)
+        result.metrics.ttft_ms, result.metrics.decode_tok_s = float("nan"), float("inf")
+        return result
+
+
+def _refuse(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def test_a_figure_that_is_not_finite_is_null_with_why_in_strict_json(engine):
+    """A NaN figure: a whole answer was a 500 (`internal error: ValueError`: Starlette's JSON refuses NaN), and a
+    stream sent `NaN`, which strict JSON readers (a browser's JSON.parse) refuse."""
+    with serving(NotFiniteEngine(engine)) as server:
+        r = httpx.post(f"{server.url}/chat/completions", json=body(server, max_tokens=4), timeout=120)
+        assert r.status_code == 200, r.text
+        whole = json.loads(r.text, parse_constant=_refuse)
+        s = httpx.post(f"{server.url}/chat/completions", json=body(server, max_tokens=4, stream=True), timeout=120)
+        events = [json.loads(e[6:], parse_constant=_refuse) for e in s.text.split("\n\n") if e.startswith("data: {")]
+    assert whole["choices"][0]["message"]["content"] and whole["usage"]["completion_tokens"] >= 1
+    for figures in (whole["x_gapless"], events[-1]["x_gapless"]):
+        assert figures["ttft_ms"] == {"value": None, "reason": "came out as nan, not a finite number"}
+        assert figures["decode_tok_s"] == {"value": None, "reason": "came out as inf, not a finite number"}
+        assert figures["queue_wait_ms"]["value"] >= 0
