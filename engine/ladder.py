@@ -9,6 +9,7 @@ with the transformers baseline for `gapless bench`.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 import time
@@ -69,9 +70,15 @@ class BenchConfig:
     prefix_reuse: bool = False
 
 
+def measured(value: Any) -> bool:
+    """A run's figure counts: not None, and a finite number (a NaN sorts anywhere, so a median with one in it
+    depended on the order of the runs)."""
+    return value is not None and math.isfinite(float(value))
+
+
 def median(values) -> Optional[float]:
-    """Median of the values that are not None; None when there are none."""
-    xs = [float(v) for v in values if v is not None]
+    """Median of the values measured (not None, finite); None when there are none."""
+    xs = [float(v) for v in values if measured(v)]
     return statistics.median(xs) if xs else None
 
 
@@ -86,7 +93,7 @@ def partial_figures(runs: list[dict[str, Any]], medians: dict[str, Any], keys: I
     (its median is of those) and why the others have none, as the first of them said."""
     out: dict[str, str] = {}
     for key in keys:
-        missing = [r for r in runs if r.get(key) is None]
+        missing = [r for r in runs if not measured(r.get(key))]
         if medians.get(key) is None or not missing:
             continue
         why = next((r["unavailable"][key] for r in missing if (r.get("unavailable") or {}).get(key)), None)

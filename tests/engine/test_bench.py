@@ -21,6 +21,10 @@ def test_median_and_ratio():
     assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
     assert median([None, 5.0, None]) == 5.0
     assert median([]) is None and median([None]) is None
+    nan, inf = float("nan"), float("inf")
+    # a run whose figure came out NaN or infinite is not measured: the median was 1.0, nan or 2.0 by the runs' order
+    assert median([nan, 1.0, 2.0]) == median([1.0, nan, 2.0]) == median([2.0, 1.0, nan]) == 1.5
+    assert median([inf, 3.0]) == 3.0 and median([nan]) is None
     assert ratio(10.0, 4.0) == 2.5
     assert ratio(None, 4.0) is None and ratio(1.0, None) is None and ratio(1.0, 0.0) is None
 
@@ -283,6 +287,10 @@ def test_a_figure_measured_in_some_runs_is_their_median_with_a_source_and_no_rea
     assert m["unavailable"] == {"sm_activity_pct": "no GPM on this GPU"}  # measured in none: n/a with why
     partial = "measured in 2 of 3 timed runs, the median is of those (n/a in the other: no NVML sample inside the "
     assert m["partial"] == {"gpu_util_pct": partial + "generation)"}
+    odd = [dict(r.to_dict()) for r in runs]
+    odd[1]["gpu_util_pct"] = float("nan")  # one that came out NaN is not one that measured it
+    assert median_metrics(odd)["gpu_util_pct"] == 45.0
+    assert median_metrics(odd)["partial"]["gpu_util_pct"].startswith("measured in 2 of 3 timed runs")
     report, _ = sample_report()
     report["rungs"][0]["median"] = {**m, "peak_memory_bytes": None}
     table = format_table(report)
