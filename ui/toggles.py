@@ -8,8 +8,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Optional, cast
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QStandardItemModel
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QFocusEvent, QKeyEvent, QStandardItemModel, QWheelEvent
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -46,6 +46,9 @@ from ui.progress import show_progress
 from ui.stats import preset_name
 
 CUSTOM = "custom"
+# A dropdown stepped with the arrow keys, a letter or the wheel passes over entries on the way to the one wanted:
+# the value it stops at applies once the steps pause this long, or at once on Enter or when the focus leaves.
+STEP_SETTLE_MS = 600
 COMPILE_ON_CPU = (
     "torch.compile on a CPU takes minutes: the first answer with it waits while the decode step compiles, once for "
     "each context size the answer reaches (a cold compile cost about 33 s a step shape on 2 cores in "
@@ -95,8 +98,41 @@ TIPS = {
 }
 
 
-def _combo(values: tuple[str, ...], parent: QWidget) -> QComboBox:
-    c = QComboBox(parent)
+class StepCombo(QComboBox):
+    """A dropdown that tells a step of the closed box (an arrow key, Home or End, a typed letter, the wheel: each
+    emits `activated` for the entry it passes) from a choice in its list, and says when the user is done stepping
+    (Enter, or the focus leaving for anything but the box's own list)."""
+
+    settled = Signal()
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.stepping = False  # True while a key or the wheel moves the closed box (its `activated` is a step)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        self.stepping = True
+        try:
+            super().keyPressEvent(event)
+        finally:
+            self.stepping = False
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            self.settled.emit()
+
+    def wheelEvent(self, event: QWheelEvent) -> None:
+        self.stepping = True
+        try:
+            super().wheelEvent(event)
+        finally:
+            self.stepping = False
+
+    def focusOutEvent(self, event: QFocusEvent) -> None:
+        super().focusOutEvent(event)
+        if event.reason() != Qt.FocusReason.PopupFocusReason:  # its own list opening is still choosing
+            self.settled.emit()
+
+
+def _combo(values: tuple[str, ...], parent: QWidget) -> StepCombo:
+    c = StepCombo(parent)
     for v in values:
         c.addItem(v, v)
     return c
@@ -115,7 +151,7 @@ class TogglesPanel(QWidget):
     ):
         super().__init__(parent)
         self.setObjectName("togglesPanel")
-        self.preset = QComboBox(self)
+        self.preset = StepCombo(self)
         self.preset.addItem("Custom", CUSTOM)
         for name in PRESETS:
             self.preset.addItem(PRESET_LABELS[name], name)
@@ -225,14 +261,18 @@ class TogglesPanel(QWidget):
         self._resolve_preset: PresetResolver = preset_resolver or _as_defined
         self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
         self._quiet = False
+        self._stepped: Optional[str] = None  # the dropdown ("preset" or an option) stepped to a value not applied yet
+        self.settle = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
+            self, singleShot=True, interval=STEP_SETTLE_MS, timeout=self.apply_stepped
+        )
         self.set_options(options)
-        self.preset.activated.connect(self._preset_chosen)
-        for name, w in self.controls.items():
-            if isinstance(w, QComboBox):
-                w.activated.connect(lambda _i, name=name: self._edited(name))
+        for name, w in (("preset", self.preset), *self.controls.items()):
+            if isinstance(w, StepCombo):
+                w.activated.connect(lambda _i, name=name: self._activated(name))
+                w.settled.connect(self.apply_stepped)
             elif isinstance(w, QCheckBox):
                 w.toggled.connect(lambda _b, name=name: self._edited(name))
-            else:
+            elif isinstance(w, QSpinBox):
                 w.valueChanged.connect(lambda _v, name=name: self._edited(name))
 
     @property
@@ -295,12 +335,14 @@ class TogglesPanel(QWidget):
             self._options = options
             for name, w in self.controls.items():
                 if isinstance(w, QComboBox):
-                    w.setCurrentIndex(max(0, w.findData(getattr(options, name))))
+                    if name != self._stepped:  # the entry a user stepped to stays shown until it applies
+                        w.setCurrentIndex(max(0, w.findData(getattr(options, name))))
                 elif isinstance(w, QCheckBox):
                     w.setChecked(getattr(options, name))
                 else:
                     w.setValue(getattr(options, name))
-            self._show_preset()
+            if self._stepped != "preset":
+                self._show_preset()
             self._apply_tooltips()
         finally:
             self._quiet = False
@@ -461,15 +503,45 @@ class TogglesPanel(QWidget):
                 shown[name] = w.value()
         return self._options.with_(**shown)
 
+    def _activated(self, name: str) -> None:
+        """A dropdown's entry was chosen: from its list at once; stepped to, once the steps pause (apply_stepped)."""
+        combo = self.preset if name == "preset" else self.controls[name]
+        if isinstance(combo, StepCombo) and combo.stepping:
+            if self._stepped not in (None, name):
+                self.apply_stepped()
+            self._stepped = name
+            self.settle.start()
+        elif name == "preset":
+            self._preset_chosen(self.preset.currentIndex())
+        else:
+            self._edited(name)
+
+    def apply_stepped(self) -> None:
+        """Apply the entry a dropdown was stepped to (nothing when none waits)."""
+        self.settle.stop()
+        name, self._stepped = self._stepped, None
+        if name == "preset":
+            self._preset_chosen(self.preset.currentIndex())
+        elif name is not None:
+            self._edited(name)
+
     def _edited(self, name: str) -> None:
         if self._quiet:
             return
+        if self._stepped not in (None, name):  # a dropdown stepped to before this change applies first
+            self.apply_stepped()
+        self._stepped = None
+        self.settle.stop()
         self._refusal = ""
         # What the engine could not do may depend on the other options: keep only what was said of this one.
         self._known = {k: v for k, v in self._known.items() if k[0] == name}
         self._change(self._read())
 
     def _preset_chosen(self, index: int) -> None:
+        if self._stepped not in (None, "preset"):
+            self.apply_stepped()
+        self._stepped = None
+        self.settle.stop()
         name = self.preset.itemData(index)
         if name == CUSTOM:
             return

@@ -328,6 +328,22 @@ def test_choosing_a_models_folder_lists_it(qtbot, gui, driver, tmp_path):
     assert f"In {folder}" in texts
 
 
+def test_a_dropdown_stepped_to_just_before_the_window_closes_is_kept(qtbot, gui):
+    """An entry stepped to with an arrow key applies once the steps pause: closed before that, the window saved
+    the settings without it, and the app opened again with the precision before."""
+    from PySide6.QtCore import Qt
+
+    w = gui.window
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow, timeout=TIMEOUT_MS)
+    w.toggles.settle.setInterval(600_000)  # closed before the steps "pause"
+    w.toggles.dtype.setFocus()
+    qtbot.keyClick(w.toggles.dtype, Qt.Key.Key_Down)
+    assert w.toggles.dtype.currentData() == "fp32" and w.toggles.options.dtype == "auto"
+    w.close()
+    assert json.loads(gui.paths.settings_file.read_text())["engine_options"]["dtype"] == "fp32"
+
+
 # ---- chat settings ----------------------------------------------------------------------------------------
 
 

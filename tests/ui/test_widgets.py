@@ -530,6 +530,63 @@ def test_toggles_emit_options_and_presets(qtbot):
     assert t.preset.currentData() == "custom"
 
 
+def test_arrowing_through_an_optimizations_dropdown_applies_only_the_entry_it_stops_at(qtbot, monkeypatch):
+    """Each entry an arrow key passed in a closed dropdown was applied: fp32 to bf16 reconfigured the engine for
+    fp16 on the way, and a preset passed on a CPU asked whether to compile. The entry stepped to applies once the
+    steps pause, or at once on Enter or when the focus leaves; a choice from the list applies at once."""
+    from app.worker import EngineController, EngineWorker
+
+    ctl = EngineController(EngineWorker())  # no model: a choice is kept for the model to come, still a reconfigure
+    ran: list[EngineOptions] = []
+    real = ctl.worker._reconfigure
+    monkeypatch.setattr(ctl.worker, "_reconfigure", lambda cmd: (ran.append(cmd.options), real(cmd)))
+    asked: list[str] = []
+    monkeypatch.setattr("ui.toggles.confirm", lambda _parent, title, *_a: asked.append(title) or True)
+    t, _got = toggles_panel(qtbot, EngineOptions(dtype="fp32"))
+    t.optionsChanged.connect(ctl.reconfigure)
+    t.settle.setInterval(600_000)  # the steps "pause" only where the test says so
+    t.show()
+    t.activateWindow()
+    qtbot.waitUntil(t.isActiveWindow)
+    t.dtype.setFocus()
+
+    def key(widget, k):
+        qtbot.keyClick(widget, k)
+        qtbot.waitUntil(ctl.worker.commands.empty)  # what the key sent is taken: a user's pace between keys
+
+    try:
+        key(t.dtype, Qt.Key.Key_Down)
+        key(t.dtype, Qt.Key.Key_Down)
+        assert ran == [] and t.dtype.currentData() == "bf16" and t.options.dtype == "fp32"
+        t.set_applied(EngineOptions(dtype="fp32"), {})  # the reply to an earlier choice keeps the entry shown
+        assert t.dtype.currentData() == "bf16"
+        t.settle.setInterval(1)  # the steps pause
+        qtbot.waitUntil(lambda: len(ran) == 1)
+        key(t.dtype, Qt.Key.Key_Up)
+        key(t.dtype, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: len(ran) == 2)
+        t.settle.setInterval(600_000)
+        key(t.dtype, Qt.Key.Key_Down)
+        key(t.dtype, Qt.Key.Key_Tab)  # the focus leaves
+        qtbot.waitUntil(lambda: len(ran) == 3)
+        assert [o.dtype for o in ran] == ["bf16", "fp16", "bf16"] and t.options.dtype == "bf16"
+        pick(t.dtype, "fp32")  # from the list: at once
+        qtbot.waitUntil(lambda: len(ran) == 4)
+        assert ran[-1].dtype == "fp32"
+
+        t.set_resolved("cpu", "fp32")  # a compile on this CPU is asked about first
+        t.set_options(preset_options("first-fixes", t.options))
+        t.preset.setFocus()
+        for _ in range(3):  # + compile, + CUDA graph, + fused kernels (which does not compile)
+            key(t.preset, Qt.Key.Key_Down)
+        key(t.preset, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: len(ran) == 5)
+        assert asked == [] and t.preset.currentData() == "fused" and ran[-1] == t.options
+        assert (ran[-1].kernels, ran[-1].compile) == ("fused", False)
+    finally:
+        assert ctl.shutdown(30)
+
+
 def test_toggles_turn_off_what_the_engine_cannot_do(qtbot):
     t, got = toggles_panel(qtbot, EngineOptions(cuda_graph=True))
     t.set_applied(EngineOptions(cuda_graph=True), {"cuda_graph": "CUDA graphs need a CUDA device"})
