@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QFormLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget
 
 from ui.parts import error_label
@@ -44,6 +45,14 @@ class ServerPanel(QWidget):
         lay.addStretch(1)
         self.running = False
         self.set_stats(None)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        """Enter in Host, Port or API key starts the server, as a dialog's default button would: a docked panel has
+        none, and the fields pass Enter on to it (it did nothing). While the server runs the fields are off."""
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not self.running and self.button.isEnabled():
+            self._clicked()
+            return
+        super().keyPressEvent(event)
 
     def _clicked(self) -> None:
         if self.running:

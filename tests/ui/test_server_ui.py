@@ -53,6 +53,36 @@ def test_server_panel_start_stop_and_figures(qtbot):
     assert panel.button.text() == "Start server" and panel.host.isEnabled()
 
 
+def test_enter_in_the_server_panel_s_fields_starts_the_server(qtbot):
+    """A docked panel has no default button: Enter in Host, Port or API key did nothing. It starts the server with
+    what the fields show (the port as typed), as the button does; while the server runs Enter stops nothing."""
+    panel = ServerPanel()
+    qtbot.addWidget(panel)
+    panel.show()
+    panel.activateWindow()
+    qtbot.waitUntil(panel.isActiveWindow)
+    starts: list[tuple] = []
+    stops: list[bool] = []
+    panel.startRequested.connect(lambda *args: starts.append(args))
+    panel.stopRequested.connect(lambda: stops.append(True))
+    panel.host.setFocus()
+    panel.host.selectAll()
+    qtbot.keyClicks(panel.host, "127.0.0.2")
+    qtbot.keyClick(panel.host, Qt.Key.Key_Return)
+    panel.port.setFocus()
+    panel.port.selectAll()
+    qtbot.keyClicks(panel.port, "9123")
+    qtbot.keyClick(panel.port, Qt.Key.Key_Enter)  # the keypad's
+    panel.api_key.setFocus()
+    qtbot.keyClicks(panel.api_key, "sk-1")
+    qtbot.keyClick(panel.api_key, Qt.Key.Key_Return)
+    assert starts == [("127.0.0.2", 8080, ""), ("127.0.0.2", 9123, ""), ("127.0.0.2", 9123, "sk-1")]
+    panel.set_running("http://127.0.0.2:9123/v1")
+    panel.button.setFocus()
+    qtbot.keyClick(panel.button, Qt.Key.Key_Return)
+    assert len(starts) == 3 and stops == []
+
+
 def test_remote_dialog_refuses_a_bad_url_and_returns_the_values(qtbot):
     d = RemoteDialog(None, "ftp://x", "m")
     qtbot.addWidget(d)
