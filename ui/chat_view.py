@@ -39,6 +39,7 @@ class ChatView(QScrollArea):
     def __init__(self, colors: Colors = LIGHT, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.setObjectName("chatView")
+        self.setAccessibleName("Conversation")  # a Tab stop of its own (it scrolls with the keys)
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         # The column follows the view's width and wraps; only below its narrowest does it scroll sideways.

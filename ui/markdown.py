@@ -246,6 +246,7 @@ class CodeBlock(QFrame):
 
         self.edit = _CodeEdit(self)
         self.edit.setObjectName("codeText")
+        self.edit.setAccessibleName(f"{segment.lang} code" if segment.lang else "Code")  # a Tab stop: read by name
         self.edit.setReadOnly(True)
         self.edit.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
         self.edit.setFrameShape(QFrame.Shape.NoFrame)
@@ -518,9 +519,10 @@ def open_link(url: QUrl) -> bool:
 class SegmentsView(QWidget):
     """The body of one message: prose and code segments, updated in place as the text grows."""
 
-    def __init__(self, text: str = "", colors: Colors = LIGHT, parent: Optional[QWidget] = None):
+    def __init__(self, text: str = "", colors: Colors = LIGHT, parent: Optional[QWidget] = None, name: str = "Message"):
         super().__init__(parent)
         self._colors = colors
+        self._name = name  # what a screen reader calls each piece of prose (a Tab stop), e.g. "Answer"
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(0, 0, 0, 0)
         self._layout.setSpacing(6)
@@ -577,7 +579,11 @@ class SegmentsView(QWidget):
             w.deleteLater()
         del self._widgets[keep:]
         for seg in segments[keep:]:
-            w = CodeBlock(seg, self._colors, self) if seg.kind == "code" else ProseView(seg.text, self)
+            if seg.kind == "code":
+                w = CodeBlock(seg, self._colors, self)
+            else:
+                w = ProseView(seg.text, self)
+                w.setAccessibleName(self._name)
             self._layout.addWidget(w)
             self._widgets.append(w)
         self._rendered = self._text

@@ -114,7 +114,8 @@ class MessageWidget(QFrame):
             widget.setMinimumWidth(1)
         self._header = header
 
-        self.body = SegmentsView(item.content, colors, self)
+        body_name = {"user": "Your message", "system": "System prompt"}.get(item.role, "Answer")
+        self.body = SegmentsView(item.content, colors, self, body_name)
         self.stats_label = QLabel(self)
         self.stats_label.setObjectName("statsLine")
         self.stats_label.setWordWrap(True)  # a narrow window wraps the line instead of widening the column
@@ -307,7 +308,7 @@ class CandidateTabs(QFrame):
             page = QWidget()
             lay = QVBoxLayout(page)
             lay.setContentsMargins(6, 6, 6, 6)
-            body = SegmentsView("", colors, page)
+            body = SegmentsView("", colors, page, f"Candidate {i + 1}")
             stats = QLabel("generating…", page)
             stats.setObjectName("statsLine")
             stats.setWordWrap(True)

@@ -254,6 +254,40 @@ def test_tab_through_the_chat_list_leaves_a_new_chat_open(qtbot, gui):
     assert w.flow.chat_id == older and w.chat_list.current_id() == older
 
 
+def test_every_tab_stop_of_the_window_is_named_for_a_screen_reader(qtbot, gui):
+    """Each stop Tab visits in the window, with a chat open (a question, an answer with code) and every panel and
+    HUD tab shown, has a name a screen reader reads: the conversation, each message's text, a code block's text and
+    the compare table were unnamed. A dropdown is named by its accessible name or label: on Linux Qt's interface
+    gives its value as its name and leaves the label to a relation."""
+    from PySide6.QtGui import QAccessible
+    from PySide6.QtWidgets import QComboBox, QLabel
+
+    w, store = gui.window, gui.store
+    chat = store.create_chat("Named", "", None)
+    question = store.add_message(chat.id, "user", "hello", None)
+    store.add_message(chat.id, "assistant", "Hi **there**\n\n```python\nx = 1\n```\n\nDone.", question.id)
+    w.refresh_chats()
+    w.flow.open_chat(chat.id)
+    for dock in (w.options_dock, w.hud_dock, w.server_dock):
+        dock.show()
+    shown = lambda: [m.body.text[:5] for m in w.chat_view.messages() if m.isVisible()]  # noqa: E731
+    qtbot.waitUntil(lambda: shown() == ["hello", "Hi **"], timeout=TIMEOUT_MS)
+    names: dict[str, str] = {}
+    for tab in range(w.hud.tabs.count()):
+        w.hud.tabs.setCurrentIndex(tab)
+        for stop in w.tab_stops():
+            if isinstance(stop, QComboBox):
+                labels = [lb.text() for lb in w.findChildren(QLabel) if lb.buddy() is stop]
+                name = stop.accessibleName() or " ".join(labels)
+            else:
+                name = QAccessible.queryAccessibleInterface(stop).text(QAccessible.Text.Name)
+            names[f"{type(stop).__name__} {stop.objectName()} {name}"] = name
+    assert [k for k, name in names.items() if not name.strip()] == []
+    for expected in ("ChatView chatView Conversation", "ProseView prose Your message", "ProseView prose Answer"):
+        assert expected in names
+    assert "_CodeEdit codeText python code" in names and "QTableView  Runs compared" in names
+
+
 # ---- the model panel --------------------------------------------------------------------------------------
 
 

@@ -273,6 +273,7 @@ class CompareTable(QWidget):
         self.proxy = CompareProxy(self)
         self.proxy.setSourceModel(self.model)
         self.view = QTableView()
+        self.view.setAccessibleName("Runs compared")
         self.view.setModel(self.proxy)
         self.view.setSortingEnabled(True)
         self.view.sortByColumn(0, Qt.SortOrder.AscendingOrder)
