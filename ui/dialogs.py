@@ -218,15 +218,17 @@ class SamplingDialog(QDialog):
         box.setToolTip(tip)
         return box
 
-    def add_sampling_rows(self, prompt_label: str = "System prompt") -> None:
+    def add_sampling_rows(self, prompt_label: str = "&System prompt") -> None:
+        # Alt+letter moves to a field (the label's buddy); O and C are left to OK and Cancel, which some desktops
+        # (GNOME, KDE) give those letters
         self.form.addRow(prompt_label, self.system_prompt)
-        self.form.addRow("Temperature", self.temperature)
-        self.form.addRow("Top-p", self.top_p)
-        self.form.addRow("Top-k", self.top_k)
-        self.form.addRow("Repetition penalty", self.repetition_penalty)
-        self.form.addRow("Max tokens", self.max_new_tokens)
-        self.form.addRow("Seed", self.seed)
-        self.form.addRow("Stop strings", self.stop)
+        self.form.addRow("&Temperature", self.temperature)
+        self.form.addRow("Top-&p", self.top_p)
+        self.form.addRow("Top-&k", self.top_k)
+        self.form.addRow("&Repetition penalty", self.repetition_penalty)
+        self.form.addRow("&Max tokens", self.max_new_tokens)
+        self.form.addRow("S&eed", self.seed)
+        self.form.addRow("Stop stri&ngs", self.stop)
 
     def finish(self) -> None:
         lay = QVBoxLayout(self)
@@ -322,7 +324,7 @@ class ChatSettingsDialog(SamplingDialog):
         self.overflow.setCurrentIndex(max(0, self.overflow.findData(overflow_policy or "")))
         self.overflow.setToolTip("What happens when the conversation no longer fits the model's context")
         self.add_sampling_rows()
-        self.form.addRow("Context full", self.overflow)
+        self.form.addRow("Context &full", self.overflow)
         self.finish()
 
     def overflow_policy(self) -> str:

@@ -448,50 +448,50 @@ class MainWindow(QMainWindow):
 
         bar = self.menuBar()
         file = bar.addMenu("&File")
-        action(file, "New chat", self.new_chat, QKeySequence.StandardKey.New)
-        action(file, "Open GGUF…", self.model_panel.open_file_dialog)
-        action(file, "Open model folder…", self.model_panel.open_folder_dialog)
-        action(file, "Load the default model", lambda: self.load_model("default"))
+        action(file, "&New chat", self.new_chat, QKeySequence.StandardKey.New)
+        action(file, "&Open GGUF…", self.model_panel.open_file_dialog)
+        action(file, "Open model &folder…", self.model_panel.open_folder_dialog)
+        action(file, "Load the &default model", lambda: self.load_model("default"))
         file.addSeparator()
         self.export_json_action = action(
             file,
-            "Export chat as JSON…",
+            "Export chat as &JSON…",
             lambda: self.export_chat(False),
             tip="Every branch and each answer's figures, in a file Gapless imports",
         )
         self.export_md_action = action(
-            file, "Export chat as Markdown…", lambda: self.export_chat(True), tip="Every branch, for reading"
+            file, "Export chat as &Markdown…", lambda: self.export_chat(True), tip="Every branch, for reading"
         )
-        self.import_action = action(file, "Import chat…", self.import_chat, tip="Add a chat exported as JSON")
+        self.import_action = action(file, "&Import chat…", self.import_chat, tip="Add a chat exported as JSON")
         file.addSeparator()
         preferences = QKeySequence.keyBindings(QKeySequence.StandardKey.Preferences)  # none on some desktops
         self.preferences_action = action(
             file,
-            "Preferences…",
+            "&Preferences…",
             self.open_preferences,
             preferences[0] if preferences else QKeySequence("Ctrl+,"),
             "Theme, send key, the defaults of new chats, the models folder",
         )
         file.addSeparator()
-        action(file, "Quit", self.close, QKeySequence.StandardKey.Quit)
+        action(file, "&Quit", self.close, QKeySequence.StandardKey.Quit)
         chat = bar.addMenu("&Chat")
         self.stop_action = action(
-            chat, "Stop the answer", self.flow.stop, Qt.Key.Key_Escape, "Stop the answer; the text so far is kept"
+            chat, "&Stop the answer", self.flow.stop, Qt.Key.Key_Escape, "Stop the answer; the text so far is kept"
         )
         self.stop_action.setEnabled(self.flow.generating)
-        action(chat, "Search chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
-        action(chat, "Chat settings…", self.open_chat_settings)
+        action(chat, "S&earch chats", self.chat_list.focus_search, QKeySequence.StandardKey.Find)
+        action(chat, "Chat se&ttings…", self.open_chat_settings)
         # The open chat's, for the keyboard (the chat list's menu needed a right-click): F2 anywhere in the window,
         # Delete in the chat list (elsewhere it edits text)
-        self.rename_action = action(chat, "Rename chat…", self.rename_open_chat, Qt.Key.Key_F2)
+        self.rename_action = action(chat, "&Rename chat…", self.rename_open_chat, Qt.Key.Key_F2)
         self.delete_action = action(
-            chat, "Delete chat…", self.delete_open_chat, tip="Delete this chat (Delete in the chat list); asked first"
+            chat, "&Delete chat…", self.delete_open_chat, tip="Delete this chat (Delete in the chat list); asked first"
         )
-        overflow = chat.addMenu("When a chat outgrows the context (default)")
+        overflow = chat.addMenu("&When a chat outgrows the context (default)")
         policies = QActionGroup(self)
         self.overflow_actions: dict[str, QAction] = {}
         for policy in OVERFLOW_POLICIES:
-            act = QAction(OVERFLOW_LABELS[policy], self, checkable=True)
+            act = QAction("&" + OVERFLOW_LABELS[policy], self, checkable=True)  # R, T, S
             act.setChecked(self.settings.overflow_policy == policy)
             act.triggered.connect(lambda _c=False, policy=policy: self.set_default_overflow(policy))
             policies.addAction(act)
@@ -524,8 +524,8 @@ class MainWindow(QMainWindow):
         view.addSeparator()
         view.addAction(self.options_dock.toggleViewAction())
         help_menu = bar.addMenu("&Help")
-        action(help_menu, "Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
-        action(help_menu, "About Gapless", self.show_about)
+        action(help_menu, "&Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
+        action(help_menu, "&About Gapless", self.show_about)
         if self.hud_dock is not None:
             view.addAction(self.hud_dock.toggleViewAction())
 
@@ -537,7 +537,7 @@ class MainWindow(QMainWindow):
             for act in menu.actions():
                 keys = act.shortcut().toString(QKeySequence.SequenceFormat.NativeText)
                 if keys:
-                    lines.append(f"{keys}\t{act.text()}")
+                    lines.append(f"{keys}\t{act.text().replace('&', '')}")  # without its mnemonic
         send = "Enter" if self.composer.edit.send_with == "enter" else "Ctrl+Enter"
         newline = "Shift+Enter" if send == "Enter" else "Enter"
         lines += [f"{send}\tSend the message", f"{newline}\tA new line in the message"]

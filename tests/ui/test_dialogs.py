@@ -80,7 +80,7 @@ def chat_row_pos(chat_list, chat_id: int):
 
 def menu_action(window, menu_title: str, action: str):
     menu = next(a.menu() for a in window.menuBar().actions() if a.text().replace("&", "") == menu_title)
-    return next(a for a in menu.actions() if a.text() == action)
+    return next(a for a in menu.actions() if a.text().replace("&", "") == action)  # the text without its mnemonic
 
 
 # ---- the scan -------------------------------------------------------------------------------------------
@@ -286,6 +286,52 @@ def test_every_tab_stop_of_the_window_is_named_for_a_screen_reader(qtbot, gui):
     for expected in ("ChatView chatView Conversation", "ProseView prose Your message", "ProseView prose Answer"):
         assert expected in names
     assert "_CodeEdit codeText python code" in names and "QTableView  Runs compared" in names
+
+
+def _mnemonic(text: str) -> str:
+    """The Alt+letter of a label or menu entry ("&Temperature": "t"), "" where it has none."""
+    at = text.replace("&&", "").find("&")
+    return text.replace("&&", "")[at + 1].lower() if at >= 0 else ""
+
+
+def test_the_dialogs_fields_and_the_menus_entries_have_an_alt_letter_each_used_once(qtbot, gui):
+    """The labels of Chat settings, Preferences and the remote model dialog, and the entries of the File, Chat and
+    Help menus, had no Alt+letter. Each now has one, none used twice in a dialog or a menu (nor O or C in a dialog:
+    GNOME and KDE give them to OK and Cancel), and in a dialog Alt+letter moves to the label's field."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QAbstractButton, QLabel
+
+    from app.settings import CHAT_DEFAULTS
+    from ui.dialogs import ChatSettingsDialog
+    from ui.preferences import Preferences, PreferencesDialog
+    from ui.remote_dialog import RemoteDialog
+
+    w = gui.window
+    for bar_action in w.menuBar().actions():
+        menu = bar_action.menu()
+        for m in (menu, *(a.menu() for a in menu.actions() if a.menu() is not None)):
+            entries = [a.text() for a in m.actions() if not a.isSeparator()]
+            letters = [_mnemonic(t) for t in entries if _mnemonic(t)]
+            assert len(set(letters)) == len(letters), entries
+            if bar_action.text().replace("&", "") in ("File", "Chat", "Help"):
+                assert [t for t in entries if not _mnemonic(t)] == [], m.title()
+
+    prefs = Preferences("light", "enter", CHAT_DEFAULTS, "", "rolling", None)
+    for dialog in (ChatSettingsDialog("", CHAT_DEFAULTS), PreferencesDialog(prefs), RemoteDialog()):
+        qtbot.addWidget(dialog)
+        dialog.show()
+        dialog.activateWindow()
+        qtbot.waitUntil(dialog.isActiveWindow, timeout=TIMEOUT_MS)
+        labels = [lb for lb in dialog.findChildren(QLabel) if lb.buddy() is not None]
+        assert [lb.text() for lb in dialog.findChildren(QLabel) if _mnemonic(lb.text()) and lb.buddy() is None] == []
+        assert [lb.text() for lb in labels if not _mnemonic(lb.text())] == [], type(dialog).__name__
+        buttons = [_mnemonic(b.text()) for b in dialog.findChildren(QAbstractButton) if _mnemonic(b.text())]
+        letters = [_mnemonic(lb.text()) for lb in labels] + buttons + ["o", "c"]
+        assert len(set(letters)) == len(letters), (type(dialog).__name__, letters)
+        for lb in labels:
+            qtbot.keyClick(dialog, Qt.Key(ord(_mnemonic(lb.text()).upper())), Qt.KeyboardModifier.AltModifier)
+            assert QApplication.focusWidget() is lb.buddy(), lb.text()
+        dialog.close()
 
 
 # ---- the model panel --------------------------------------------------------------------------------------
