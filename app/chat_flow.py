@@ -188,7 +188,11 @@ class ChatFlow(QObject):
         self.open_chat(None)
 
     def rename_chat(self, chat_id: int, title: str) -> None:
-        if self._guard(lambda: self.store.rename_chat(chat_id, title), chat_id):
+        before = self._guard(lambda: self.store.get_chat(chat_id), chat_id)
+        if not before:
+            return
+        after = self._guard(lambda: self.store.rename_chat(chat_id, title), chat_id)
+        if after and after.updated != before.updated:  # the title as it was changes nothing: the list stays
             self.chatsChanged.emit()
 
     def delete_chat(self, chat_id: int) -> None:

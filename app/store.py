@@ -722,10 +722,14 @@ class ChatStore:
         return self._read(*_chats_query(columns, search))
 
     def rename_chat(self, chat_id: int, title: str) -> Chat:
+        """The chat's updated time moves only when the title changed (as update_chat's)."""
         _check_length(title, "the title", MAX_TITLE_CHARS)
         with self._write("rename the chat") as db:
             self._require_chat(db, chat_id)
-            db.execute("UPDATE chats SET title = ?, updated = ? WHERE id = ?", (title, time.time(), chat_id))
+            db.execute(
+                "UPDATE chats SET title = ?, updated = ? WHERE id = ? AND title IS NOT ?",
+                (title, time.time(), chat_id, title),
+            )
         return self.get_chat(chat_id)
 
     def update_chat(

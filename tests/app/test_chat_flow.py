@@ -396,3 +396,28 @@ def test_a_chat_made_or_named_for_a_first_message_the_store_could_not_save_is_li
     assert not f.send("second")
     assert not listed.stale() and [c[1] for c in listed.shown] == ["second", "hello"]
     assert failed == [("cannot save the message: database or disk is full",)] * 2 and ctl.asked == []
+
+
+def test_a_rename_to_the_title_the_chat_has_leaves_it_where_it_is_in_the_list(flow):
+    """F2 (or Rename…) then OK with the title as it was: the store counted it as a change, so the chat came first in
+    the list with its age "just now", though nothing in it changed (as OK in Chat settings did before)."""
+    f, store, ctl = flow
+    f.send("older")
+    ctl.run(1, ["older answer"], ["eos"])
+    older = f.chat_id
+    f.new_chat()
+    f.send("newer")
+    ctl.run(2, ["newer answer"], ["eos"])
+    newer = f.chat_id
+    listed = ListedChats(f, store)
+    before = store.get_chat(older)
+
+    f.rename_chat(older, before.title)  # OK in the rename box, nothing typed
+    assert store.get_chat(older).updated == before.updated
+    assert [c[0] for c in store.chat_titles()] == [newer, older]
+    assert listed.needless == [] and not listed.stale()
+
+    f.rename_chat(older, "Renamed")
+    renamed = store.get_chat(older)
+    assert renamed.title == "Renamed" and renamed.updated > before.updated
+    assert [c[0] for c in listed.shown] == [older, newer] and listed.needless == [] and not listed.stale()

@@ -55,7 +55,10 @@ def test_chat_crud_and_order(store):
     c = store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5})
     assert (c.system_prompt, c.sampling) == ("sys", {"temperature": 1.5})
     assert [c.id for c in store.list_chats()] == [b.id, a.id]
-    store.rename_chat(a.id, "renamed")
+    touched = store.get_chat(a.id).updated
+    assert store.rename_chat(a.id, "renamed").updated == touched  # the same title: not touched, nor moved up
+    assert [c.id for c in store.list_chats()] == [b.id, a.id]
+    store.rename_chat(a.id, "renamed again")
     same = store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5}, overflow_policy="")
     assert same.updated == c.updated  # nothing changed: the chat is not counted as touched, nor moved up
     assert [c.id for c in store.list_chats()] == [a.id, b.id]
