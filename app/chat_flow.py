@@ -247,7 +247,7 @@ class ChatFlow(QObject):
                 chat_id, system_prompt=system_prompt, sampling=sampling, overflow_policy=overflow_policy
             )
         )
-        if after and (before is None or after.updated != before.updated):
+        if after and (not before or after.updated != before.updated):  # not read before: it may have changed
             self.chatsChanged.emit()  # the chat changed: it comes first in the list
 
     # ---- the visible branch --------------------------------------------------------------------------

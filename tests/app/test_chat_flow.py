@@ -421,3 +421,32 @@ def test_a_rename_to_the_title_the_chat_has_leaves_it_where_it_is_in_the_list(fl
     renamed = store.get_chat(older)
     assert renamed.title == "Renamed" and renamed.updated > before.updated
     assert [c[0] for c in listed.shown] == [older, newer] and listed.needless == [] and not listed.stale()
+
+
+def test_chat_settings_are_saved_when_the_chat_cannot_be_read_first(flow, monkeypatch):
+    """OK in Chat settings reads the chat before it saves the settings (to tell whether anything changed); a read the
+    store refused (a disk error) ended the call in "AttributeError: 'bool' object has no attribute 'updated'" once the
+    settings were saved, and the list was not read again."""
+    from app.store import StoreError
+
+    f, store, ctl = flow
+    f.send("hello")
+    ctl.run(1, ["hi"], ["eos"])
+    listed = ListedChats(f, store)
+    failed = signals(f, "failed")["failed"]
+    real = store.get_chat
+    calls = []
+
+    def once_unreadable(chat_id):
+        calls.append(chat_id)
+        if len(calls) == 1:
+            raise StoreError("cannot read the chat: disk I/O error")
+        return real(chat_id)
+
+    monkeypatch.setattr(store, "get_chat", once_unreadable)
+    f.set_chat_settings("Be brief.", SAMPLING, "stop")
+    monkeypatch.setattr(store, "get_chat", real)
+    chat = store.get_chat(f.chat_id)
+    assert (chat.system_prompt, chat.overflow_policy) == ("Be brief.", "stop")
+    assert failed == [("cannot read the chat: disk I/O error",)]
+    assert not listed.stale()
