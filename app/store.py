@@ -220,11 +220,13 @@ def _loads(text: Optional[str]) -> Optional[dict]:
 
 
 def _dumps(value: Any) -> Optional[str]:
+    """`value` as stored: strict JSON, a figure that came out NaN or infinite null with why (figures.finite); the
+    store refused the whole answer for one, which was left empty and "streaming"."""
     if value is None:
         return None
     if hasattr(value, "to_dict"):
         value = value.to_dict()
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    return figures.strict_json(value, ensure_ascii=False)
 
 
 def _message(row: tuple) -> Message:

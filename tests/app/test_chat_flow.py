@@ -450,3 +450,23 @@ def test_chat_settings_are_saved_when_the_chat_cannot_be_read_first(flow, monkey
     assert (chat.system_prompt, chat.overflow_policy) == ("Be brief.", "stop")
     assert failed == [("cannot read the chat: disk I/O error",)]
     assert not listed.stale()
+
+
+def test_an_answer_with_a_figure_that_is_not_finite_is_saved_with_why(flow):
+    """A figure that came out NaN or infinite (as the command line's and the server's JSON allow for): the store
+    refused the answer's figures ("ValueError: Out of range float values are not JSON compliant" in the slot), the
+    answer stayed empty and "streaming", and the window stayed generating: no message could be sent after it."""
+    f, store, ctl = flow
+    f.send("hi")
+    ctl.generationStarted.emit(1, EngineOptions())
+    ctl.textBatch.emit(1, {0: "hello"})
+    metrics = GenerationMetrics(new_tokens=[5], new_tokens_total=5)
+    metrics.ttft_ms, metrics.decode_tok_s = float("nan"), float("inf")
+    ctl.generationFinished.emit(1, GenerationResult(["hello"], [[1] * 5], ["eos"], metrics, EngineOptions(), {}, 1))
+    answer = store.thread(f.chat_id)[-1]
+    assert (answer.content, answer.status, f.generating) == ("hello", "done", False)
+    assert answer.metrics["ttft_ms"] is None and answer.metrics["decode_tok_s"] is None
+    assert answer.metrics["unavailable"]["ttft_ms"] == "came out as nan, not a finite number"
+    assert answer.metrics["unavailable"]["decode_tok_s"] == "came out as inf, not a finite number"
+    assert answer.metrics["new_tokens_total"] == 5
+    assert f.send("and then?")  # the next message goes out
