@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
-from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QFocusEvent, QKeyEvent, QMouseEvent
+from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QContextMenuEvent, QFocusEvent, QKeyEvent, QMouseEvent
 from PySide6.QtWidgets import (
     QFrame,
     QInputDialog,
@@ -63,7 +63,7 @@ class _ChatItem(QListWidgetItem):
 class _ChatListWidget(QListWidget):
     """A right-click opens the menu of the chat under the pointer without opening that chat: the open one
     stays current and on screen. From the keyboard, the current chat's: Delete deletes it (asked first), Shift+F10
-    opens its menu (the menu key does so through Qt's context menu event); F2 renames it (the window's Chat menu)."""
+    or the menu key opens its menu; F2 renames it (the window's Chat menu)."""
 
     deletePressed = Signal()
     menuPressed = Signal()
@@ -80,6 +80,19 @@ class _ChatListWidget(QListWidget):
                 self.menuPressed.emit()
                 return
         super().keyPressEvent(event)
+
+    def event(self, event: QEvent) -> bool:
+        """The menu key opens the current chat's menu, as Shift+F10 does, and none where no chat is chosen: Qt
+        places a keyboard menu at the middle of a list with no current row, which opened the menu of the chat that
+        happened to be there."""
+        if event.type() == QEvent.Type.ContextMenu and (
+            cast(QContextMenuEvent, event).reason() == QContextMenuEvent.Reason.Keyboard
+        ):
+            event.accept()
+            if self.currentItem() is not None:
+                self.menuPressed.emit()
+            return True
+        return super().event(event)
 
     def focusInEvent(self, event: QFocusEvent) -> None:
         """With no chat chosen (a new chat on screen), the focus arriving leaves none chosen: Qt made the first

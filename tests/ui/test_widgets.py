@@ -920,3 +920,49 @@ def test_every_field_of_a_dialog_is_named_and_tab_reaches_it(qtbot):
         unnamed = [type(w).__name__ for w in stops if not name(w, root)]
         assert unnamed == [], type(root).__name__
         root.close()
+
+
+def test_the_menu_key_in_the_chat_list_opens_the_chosen_chat_s_menu_and_none_with_none_chosen(qtbot, monkeypatch):
+    """The focus arriving in the list leaves no chat chosen; the menu key then opened the menu of whichever chat was
+    at the middle of the list (Qt places a keyboard menu at the middle where there is no current row), and its
+    Delete… asked to delete that chat, which nobody chose."""
+    import time
+
+    from PySide6.QtCore import QPoint, QTimer
+    from PySide6.QtGui import QContextMenuEvent
+    from PySide6.QtWidgets import QApplication, QMenu
+
+    from ui.chat_list import ChatEntry, ChatList
+
+    chats = ChatList()
+    qtbot.addWidget(chats)
+    chats.resize(300, 500)
+    chats.set_chats([ChatEntry(i, f"chat {i}", time.time() - i) for i in range(1, 41)])
+    chats.show()
+    qtbot.waitExposed(chats)
+    chats.activateWindow()
+    qtbot.waitUntil(chats.isActiveWindow)
+    chats.list.setFocus(Qt.FocusReason.TabFocusReason)
+    assert QApplication.focusWidget() is chats.list and chats.list.currentItem() is None
+    asked: list[int] = []
+    monkeypatch.setattr(chats, "ask_delete", lambda chat_id, title=None: asked.append(chat_id))
+
+    def delete_from_menu() -> None:
+        menu = QApplication.activePopupWidget()
+        if isinstance(menu, QMenu):
+            next(a for a in menu.actions() if a.text() == "Delete…").trigger()
+            menu.close()
+
+    def menu_key() -> None:  # as the window gets it from the keyboard: the focus widget places the menu
+        QTimer.singleShot(0, delete_from_menu)  # in the menu's own loop, where one opens
+        QApplication.sendEvent(
+            chats.windowHandle(), QContextMenuEvent(QContextMenuEvent.Reason.Keyboard, QPoint(0, 0), QPoint(0, 0))
+        )
+        qtbot.wait(1)
+
+    menu_key()
+    assert asked == [] and chats.list.currentItem() is None
+    qtbot.keyClick(chats.list, Qt.Key.Key_Down)  # chooses the first chat
+    qtbot.keyClick(chats.list, Qt.Key.Key_Down)
+    menu_key()
+    assert asked == [2] == [chats.current_id()]
