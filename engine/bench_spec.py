@@ -353,6 +353,7 @@ def format_workloads(report: dict[str, Any]) -> str:
         "target",
     ]
     rows = []
+    notes: list[str] = []  # why each figure shown as n/a is, numbered as its cells say
     for r in report["results"]:
         if r["status"] == "skipped":
             rows.append([r["dtype"], "skipped", r["reason"], "", "", "", "", "", ""])
@@ -363,15 +364,16 @@ def format_workloads(report: dict[str, Any]) -> str:
         p, s = r["plain"], r["speculation"]
         rate = s["acceptance_rate"]
         same = sum(1 for x in r["prompts"] if x["identical"])
+        na = _na_cells(r, notes)
         rows.append(
             [
                 r["dtype"],
                 r["workload"],
-                _f(p["decode_tok_s"]),
-                _f(s["decode_tok_s"]),
-                "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}×",
-                "n/a" if rate is None else f"{100 * rate:.0f}",
-                _f(s["tokens_per_step"], 2),
+                na.get("plain tok/s") or _f(p["decode_tok_s"]),
+                na.get("speculation tok/s") or _f(s["decode_tok_s"]),
+                na.get("speedup") or ("n/a" if r["speedup"] is None else f"{r['speedup']:.2f}×"),
+                na.get("accepted %") or ("n/a" if rate is None else f"{100 * rate:.0f}"),
+                na.get("tok/step") or _f(s["tokens_per_step"], 2),
                 f"{same}/{len(r['prompts'])}",
                 r["standing"] or "",
             ]
@@ -379,6 +381,7 @@ def format_workloads(report: dict[str, Any]) -> str:
     widths = [max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i]) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows), ""]
+    out += [f"({i}) {note}" for i, note in enumerate(notes, start=1)]
     m = report["machine"]
     load = m.get("load_average_at_start")
     out.append(
@@ -405,6 +408,30 @@ def format_workloads(report: dict[str, Any]) -> str:
                     f"of {x['tokens']} ({x['prompt'][:40]!r}...)"
                 )
     return "\n".join(out)
+
+
+def _na_cells(result: dict[str, Any], notes: list[str]) -> dict[str, str]:
+    """The cell of each figure of `result` that is null, by column: "n/a (N)", note N (added to `notes`) saying why,
+    as its JSON's `unavailable` does (the table said a bare "n/a")."""
+    p, s = result["plain"], result["speculation"]
+    figures = (
+        ("plain tok/s", p, "decode_tok_s"),
+        ("speculation tok/s", s, "decode_tok_s"),
+        ("speedup", result, "speedup"),
+        ("accepted %", s, "acceptance_rate"),
+        ("tok/step", s, "tokens_per_step"),
+    )
+    columns: dict[str, list[str]] = {}  # by reason, in the table's order
+    for column, holder, key in figures:
+        why = (holder.get("unavailable") or {}).get(key)
+        if holder.get(key) is None and why:
+            columns.setdefault(why, []).append(column)
+    cells: dict[str, str] = {}
+    for why, names in columns.items():
+        said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        notes.append(f"{result['dtype']} {result['workload']}: {said} n/a: {why}.")
+        cells.update((name, f"n/a ({len(notes)})") for name in names)
+    return cells
 
 
 def _f(v: Optional[float], digits: int = 1) -> str:

@@ -1125,3 +1125,49 @@ def test_the_quality_bench_decodes_64_tokens_unless_told_fewer(monkeypatch):
     for asked in ("100", "128"):  # 128, the ladder's default, was silently run as 64
         with pytest.raises(OptionsError, match=f"with --quality, --max-new-tokens is at most 64, got {asked}"):
             quality("--max-new-tokens", asked)
+
+
+def test_the_speculation_table_says_why_each_figure_it_shows_as_na_is():
+    """The JSON said why each null figure is, the table showed a bare "n/a" (an accepted % on a workload where no
+    drafts were made, every figure of an answer that ended at its first token)."""
+    from engine.bench_spec import NO_DECODE, _arm, format_workloads
+
+    decoded = {"decode_seconds": 0.5, "new_tokens_total": 9, "decode_steps": 8, "decode_tok_s": 16.0}
+    first_token_only = {"decode_seconds": None, "new_tokens_total": 1, "decode_steps": 0, "decode_tok_s": None}
+    prompts = [{"prompt": "p", "tokens": 9, "identical": True, "first_difference": None}]
+    no_drafts = {
+        "dtype": "fp32",
+        "workload": "free chat",
+        "status": "ok",
+        "plain": _arm([decoded], drafting=False),
+        "speculation": _arm([decoded], drafting=True),
+        "speedup": 1.0,
+        "unavailable": {},
+        "standing": None,
+        "prompts": prompts,
+    }
+    no_decode = {
+        **no_drafts,
+        "workload": "rewrite",
+        "plain": _arm([first_token_only], drafting=False),
+        "speculation": _arm([first_token_only], drafting=True),
+        "speedup": None,
+        "unavailable": {"speedup": "no decode figure with speculation off and on"},
+    }
+    report = {
+        "results": [no_drafts, no_decode],
+        "machine": {"load_average_at_start": None},
+        "model": {"name": "tiny", "device": "cpu"},
+        "torch_threads": 1,
+        "config": {"max_new_tokens": 24, "repeats": 1},
+        "method": "greedy",
+    }
+    lines = format_workloads(report).splitlines()
+    assert [c.strip() for c in lines[2].split("|")[3:8]] == ["16.0", "16.0", "1.00×", "n/a (1)", "1.00"]
+    assert [c.strip() for c in lines[3].split("|")[3:8]] == ["n/a (2)", "n/a (2)", "n/a (3)", "n/a (4)", "n/a (2)"]
+    assert [x for x in lines if x[:1] == "("] == [
+        "(1) fp32 free chat: accepted % n/a: no drafts were made.",
+        f"(2) fp32 rewrite: plain tok/s, speculation tok/s and tok/step n/a: {NO_DECODE}.",
+        "(3) fp32 rewrite: speedup n/a: no decode figure with speculation off and on.",
+        "(4) fp32 rewrite: accepted % n/a: no drafts were made.",
+    ]
