@@ -26,7 +26,7 @@ from engine.types import ModelInfo, Progress, source_label
 from ui.dialogs import choose_model
 from ui.hud import fmt
 from ui.hud.fmt import NA
-from ui.parts import error_label
+from ui.parts import error_label, shown_as_is
 from ui.progress import show_progress
 
 
@@ -255,7 +255,7 @@ class ModelPanel(QGroupBox):
 
         def text_of(entry: Any, label: Optional[str] = None) -> str:
             text = label or entry.name
-            return f"{text} ({entry.note})" if entry.note else text
+            return shown_as_is(f"{text} ({entry.note})" if entry.note else text)
 
         def add(entry: Any, label: Optional[str] = None) -> None:
             act = menu.addAction(text_of(entry, label), partial(self.openRequested.emit, entry.source))
@@ -278,7 +278,7 @@ class ModelPanel(QGroupBox):
             forget.setToolTipsVisible(True)
             menu.addMenu(forget)
         if folder:
-            menu.addSection(f"In {folder}")
+            menu.addSection(shown_as_is(f"In {folder}"))
             for e in scanned:
                 add(e)
             if not scanned:  # a folder on a drive not plugged in is kept, and said to be away

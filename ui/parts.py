@@ -82,3 +82,9 @@ class TypingBox(QPlainTextEdit):
     def _words_again(self) -> None:
         if self.document().isEmpty() and self.wordWrapMode() != QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere:
             self.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
+
+
+def shown_as_is(text: str) -> str:
+    """Text of the user's (a file's name, a folder) for a menu entry or a button, where Qt reads "&" as the mark of
+    the next letter's Alt key: "Q&A.gguf" showed as "QA.gguf" with the A underlined."""
+    return text.replace("&", "&&")

@@ -800,6 +800,29 @@ def test_a_models_folder_that_is_gone_is_said_to_be_away(qtbot, tmp_path, monkey
         assert said in texts and texts.index(said) == texts.index(f"In {folder}") + 1
 
 
+def test_a_model_or_folder_named_with_an_ampersand_shows_it_in_the_models_menu(qtbot, tmp_path):
+    """Qt reads "&" in a menu entry as the mark of the next letter's Alt key: a recent "Q&A.gguf" was listed as
+    "QA.gguf" with the A underlined (and Alt+A in the menu opened it), a folder "R&D" as "In RD"."""
+    from PySide6.QtGui import QKeySequence
+
+    from app.registry import ModelEntry, default_model_entry
+    from ui.model_panel import ModelPanel
+
+    panel = ModelPanel()
+    qtbot.addWidget(panel)
+    folder = tmp_path / "R&D"
+    folder.mkdir()
+    recent = ModelEntry(str(folder / "Q&A.gguf"), "Q&A.gguf", "gguf", str(folder / "Q&A.gguf"), False, note="missing")
+    scanned = ModelEntry(str(folder / "A&B.gguf"), "A&B.gguf", "gguf", str(folder / "A&B.gguf"), True)
+    panel.set_models(default_model_entry(), [recent], [scanned], str(folder))
+    menu = panel.recent_button.menu()
+    texts = [a.text() for a in menu.actions()] + [a.text() for a in panel.forget_menu.actions()]
+    for shown in ("Q&A.gguf (missing)", "A&B.gguf", f"In {folder}"):
+        entries = [t for t in texts if t.replace("&&", "&") == shown]
+        assert entries, (shown, texts)
+        assert all(QKeySequence.mnemonic(t).isEmpty() for t in entries)  # no letter taken for an Alt key
+
+
 def test_a_theme_given_for_this_run_is_not_saved_by_preferences_left_as_they_were(qtbot, tmp_path):
     paths = AppPaths.resolve(tmp_path / "data")
     paths.ensure()
