@@ -6,7 +6,8 @@
 #   ./install.sh --prefix DIR     into DIR/lib/gapless-app, launcher DIR/bin/gapless, DIR/share/applications, DIR/share/icons
 #
 # Every file, link and folder it creates is written to <app dir>/install-manifest.txt; <app dir>/uninstall.sh
-# removes exactly those. An existing Gapless installation in the same place is uninstalled first.
+# removes exactly those. An existing Gapless installation in the same place is uninstalled first, and so is what
+# an install stopped halfway left (install-unfinished.txt in the app folder says what that made outside it).
 set -euo pipefail
 
 usage() {
@@ -64,6 +65,9 @@ DESKTOP_FILE="$APPS_DIR/gapless.desktop"
 SVG_ICON="$ICONS_DIR/scalable/apps/gapless.svg"
 PNG_ICON="$ICONS_DIR/256x256/apps/gapless.png"
 MANIFEST="$APP_DIR/install-manifest.txt"
+# While an install runs: what it has made outside the app folder so far, in the manifest's format. Only an install
+# that was stopped before it finished (killed, the machine went down) leaves it behind.
+UNFINISHED="$APP_DIR/install-unfinished.txt"
 
 # The desktop entry quotes the executable's path; these characters would need escaping there, and a newline
 # would break the manifest's one-path-per-line format.
@@ -77,6 +81,11 @@ if [[ -f "$MANIFEST" ]]; then
     [[ -x "$APP_DIR/uninstall.sh" ]] || die "$APP_DIR has a manifest but no uninstall.sh; remove it by hand"
     say "replacing the Gapless installation in $APP_DIR"
     "$APP_DIR/uninstall.sh" --quiet
+elif [[ -f "$UNFINISHED" ]]; then
+    # The app folder was empty or absent when that install began, so all it holds is from it.
+    say "removing what an unfinished installation left in $APP_DIR"
+    find "$APP_DIR" -mindepth 1 ! -path "$UNFINISHED" -delete
+    "$HERE/uninstall.sh" --quiet --manifest "$UNFINISHED"
 elif [[ -e "$APP_DIR" ]] && [[ -n "$(ls -A "$APP_DIR" 2>/dev/null)" ]]; then
     die "$APP_DIR exists and was not made by this installer; choose another --prefix or remove it"
 fi
@@ -100,6 +109,26 @@ fi
 
 ENTRIES=()  # "d PATH" (a folder this run created), "f PATH" (a file), "l PATH" (a symbolic link)
 
+# The entries outside the app folder, and the app folder's own, to $UNFINISHED (once the app folder is there): a
+# later install removes them if this one is stopped. Written before each of them is made.
+write_unfinished() {
+    [[ -d "$APP_DIR" ]] || return 0
+    local e
+    {
+        for e in "${ENTRIES[@]}"; do
+            [[ "${e:2}" == "$APP_DIR/"* ]] || printf '%s\n' "$e"
+        done
+        printf 'f %s\n' "$UNFINISHED"
+    } >"$UNFINISHED.part"
+    mv -- "$UNFINISHED.part" "$UNFINISHED"
+}
+
+# Record an entry about to be made ("d PATH", "f PATH", "l PATH").
+note() {
+    ENTRIES+=("$1")
+    [[ "${1:2}" == "$APP_DIR/"* ]] || write_unfinished
+}
+
 # Create a folder and each missing parent, recording only the ones that did not exist.
 make_dir() {
     local dir="$1" missing=()
@@ -109,15 +138,15 @@ make_dir() {
     done
     local d
     for d in "${missing[@]}"; do
+        note "d $d"
         mkdir -- "$d"
-        ENTRIES+=("d $d")
     done
 }
 
 put_file() {  # SOURCE DEST MODE
     make_dir "$(dirname "$2")"
+    note "f $2"
     install -m "$3" -- "$1" "$2"
-    ENTRIES+=("f $2")
 }
 
 write_manifest() {
@@ -130,21 +159,27 @@ write_manifest() {
     mv -- "$MANIFEST.part" "$MANIFEST"
 }
 
-# If anything below fails, undo what was done so far: the app folder's contents (it was empty or absent, so
-# all of it is from this run, recorded or not), then the recorded paths outside it.
+# If anything below fails or the install is interrupted (Ctrl+C, the terminal closed, kill), undo what was done so
+# far: the app folder's contents (it was empty or absent, so all of it is from this run, recorded or not), then
+# the recorded paths outside it.
+INTERRUPTED=""
 rollback() {
     local code=$?
-    trap - EXIT
+    trap - EXIT INT TERM HUP
     if [[ $code -ne 0 ]]; then
-        printf 'install: failed; removing what was installed\n' >&2
+        printf 'install: %s; removing what was installed\n' "${INTERRUPTED:-failed}" >&2
         [[ -d "$APP_DIR" ]] && find "$APP_DIR" -mindepth 1 -delete
         mkdir -p -- "$APP_DIR" && write_manifest && "$HERE/uninstall.sh" --quiet --manifest "$MANIFEST"
     fi
     exit "$code"
 }
 trap rollback EXIT
+trap 'INTERRUPTED=interrupted; exit 130' INT
+trap 'INTERRUPTED=interrupted; exit 143' TERM
+trap 'INTERRUPTED=interrupted; exit 129' HUP
 
 make_dir "$APP_DIR"
+write_unfinished
 say "copying the bundle into $APP_DIR"
 # One copy of the whole tree, then every folder and file in it recorded (the folders are all new: the app
 # folder was empty or absent).
@@ -158,8 +193,8 @@ done < <(cd "$BUNDLE" && find . -mindepth 1 ! -type d -print0 | sort -z)
 put_file "$HERE/uninstall.sh" "$APP_DIR/uninstall.sh" 0755
 
 make_dir "$BIN_DIR"
+note "l $LAUNCHER"
 ln -s -- "$APP_DIR/gapless" "$LAUNCHER"
-ENTRIES+=("l $LAUNCHER")
 
 if [[ "$DESKTOP" == 1 ]]; then
     put_file "$SHARE/gapless.svg" "$SVG_ICON" 0644
@@ -174,13 +209,14 @@ if [[ "$DESKTOP" == 1 ]]; then
     entry="${entry//@EXEC@/"$exec_path"}"
     entry="${entry//@TRYEXEC@/"$APP_DIR/gapless"}"
     entry="${entry//@ICON@/"$SVG_ICON"}"
-    ENTRIES+=("f $DESKTOP_FILE")  # before it is written: a failed write is rolled back too
+    note "f $DESKTOP_FILE"  # before it is written: a failed write is rolled back too
     printf '%s\n' "$entry" >"$DESKTOP_FILE"
     chmod 0644 "$DESKTOP_FILE"
 fi
 
 write_manifest
-trap - EXIT
+rm -f -- "$UNFINISHED"
+trap - EXIT INT TERM HUP
 
 say "installed Gapless $VERSION"
 say "  app:      $APP_DIR"

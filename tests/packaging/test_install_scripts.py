@@ -310,6 +310,53 @@ def test_a_failed_install_removes_what_it_had_done(archive: Path, home: Path):
     assert tree(home) == {".local/", ".local/share/", ".local/share/applications"}
 
 
+def stopping(tmp_path: Path, command: str, signal: str, before: bool = False) -> str:
+    """A folder for PATH whose `command` runs the real one and sends `signal` to the install script (its parent)
+    after it, or before it with `before`."""
+    folder = tmp_path / f"stop-at-{command}"
+    folder.mkdir()
+    real = shutil.which(command, path="/usr/bin:/bin")
+    step = f'{real} "$@"'
+    kill = f"kill -{signal} $PPID"
+    (folder / command).write_text(f"#!/bin/sh\n{kill if before else step}\n{step if before else kill}\n")
+    (folder / command).chmod(0o755)
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", ["cp", "ln"])
+def test_an_install_killed_halfway_is_cleared_by_the_next_install(archive, home, tmp_path, command):
+    """Killed (SIGKILL: no clean-up of its own) after copying the bundle, or after making the launcher: the next
+    install takes what it left for its own (it was refused as a folder \"not made by this installer\", and the
+    launcher as another installation's), and its uninstall leaves nothing."""
+    env = user_env(home)
+    killed = run(
+        archive / "install.sh", env={**env, "PATH": f"{stopping(tmp_path, command, 'KILL')}:{env['PATH']}"}, ok=False
+    )
+    assert killed.returncode == -9
+    app = home / ".local/share/gapless-app"
+    assert (app / "_internal/models/SmolLM2-135M-Instruct.Q4_1.gguf").exists()  # left behind
+    assert not (app / "install-manifest.txt").exists()
+    assert (home / ".local/bin/gapless").is_symlink() == (command == "ln")
+
+    out = run(archive / "install.sh", env=env).stdout
+    assert f"removing what an unfinished installation left in {app}" in out
+    assert not (app / "install-unfinished.txt").exists()
+    assert set(manifest_paths(app)) == {str(home / p.rstrip("/")) for p in tree(home)}
+    run(app / "uninstall.sh", env=env)
+    assert tree(home) == set()
+
+
+def test_an_interrupted_install_removes_what_it_had_done(archive: Path, home: Path, tmp_path: Path):
+    """SIGTERM (or Ctrl+C, or the terminal closed) while the bundle is copied: the copy finishes, then all of it
+    is removed (the script died at once, leaving a half-copied app folder the next install refused)."""
+    env = user_env(home)
+    path = f"{stopping(tmp_path, 'cp', 'TERM', before=True)}:{env['PATH']}"
+    proc = run(archive / "install.sh", env={**env, "PATH": path}, ok=False)
+    assert proc.returncode == 143
+    assert "install: interrupted; removing what was installed" in proc.stderr
+    assert tree(home) == set()
+
+
 def test_uninstall_without_a_manifest_removes_nothing(tmp_path: Path, home: Path):
     script = tmp_path / "uninstall.sh"
     shutil.copy(LINUX / "uninstall.sh", script)
