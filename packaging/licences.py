@@ -5,18 +5,26 @@ Most wheels carry their licence files in their .dist-info; for the few that carr
 their metadata names is taken from where it is (packaging/licenses/, a module's header). A distribution with
 neither stops the build, naming it: a bundle is not shipped without the texts its licences ask to go with it.
 
+The shared libraries PyInstaller takes from the build machine's system rather than from a wheel (glib, OpenSSL,
+libstdc++, the X11 and xcb libraries Qt's plugins load, ...) carry the copyright file of the package that
+installed them, in licenses/system/<package>/ (Debian's /usr/share/doc/<package>/copyright); one that no package
+owns stops the build the same way.
+
     python packaging/licences.py OUT    writes OUT/licenses/ and prints what it holds
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import re
 import shutil
+import site
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -158,6 +166,75 @@ def write_licences(out: Path, root: str = "gapless") -> dict[str, list[str]]:
     shutil.copyfile(python, target / "Python" / "LICENSE.txt")
     written["Python"] = ["LICENSE.txt"]
     return written
+
+
+# ---- shared libraries from the build machine's system -------------------------------------------------------------
+
+
+def _under(path: Path, folders: Iterable[Path]) -> bool:
+    return any(path == f or f in path.parents for f in folders)
+
+
+def debian_package(path: Path) -> Optional[str]:
+    """The Debian package that installed `path`, or None (no dpkg here, or no package owns it). Tried as given and
+    resolved, with and without /usr in front: with merged /usr a library is listed under /lib or /usr/lib."""
+    candidates = [path, path.resolve()]
+    for c in list(candidates):
+        text = c.as_posix()
+        candidates.append(Path(text[len("/usr") :] if text.startswith("/usr/") else "/usr" + text))
+    for c in dict.fromkeys(candidates):
+        try:
+            done = subprocess.run(["dpkg-query", "-S", c.as_posix()], capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            return None
+        if done.returncode == 0 and done.stdout:
+            # "zlib1g:amd64: /lib/x86_64-linux-gnu/libz.so.1"; several packages are listed as "a, b: path"
+            return done.stdout.split(": ", 1)[0].split(",")[0].split(":")[0].strip()
+    return None
+
+
+def write_system_licences(
+    out: Path,
+    binaries: Iterable[tuple[str, str]],
+    owner: Callable[[Path], Optional[str]] = debian_package,
+    doc_root: Path = Path("/usr/share/doc"),
+) -> dict[str, list[str]]:
+    """For the bundle's libraries, as (name in the bundle, source path): out/licenses/system/<package>/copyright for
+    each package that installed one of those that come from the system, not from a wheel or from Python itself
+    (whose texts write_licences() writes); returns package -> the bundle's libraries from it. Raises SystemExit
+    naming every library whose package or copyright file cannot be found."""
+    target = out / "licenses" / "system"
+    if target.exists():
+        shutil.rmtree(target)
+    wheels = [Path(p).resolve() for p in {*site.getsitepackages(), *sysconfig.get_paths().values()} if p]
+    python = Path(sys.base_prefix).resolve()
+    own_python = python not in (Path("/usr"), Path("/"))  # pyenv, python.org, a conda base: not the system's
+    found: dict[str, list[str]] = {}
+    missing = []
+    for name, source in binaries:
+        path = Path(os.path.abspath(source))
+        if _under(path, wheels) or _under(path.resolve(), wheels):
+            continue
+        if own_python and _under(path, [python]):
+            continue  # libpython and lib-dynload of a Python built apart from the system's: Python's licence
+        package = owner(path)
+        if package is None:
+            missing.append(f"{name} ({source}: no package of this system owns it)")
+            continue
+        copyright_file = doc_root / package / "copyright"
+        if not copyright_file.is_file():
+            missing.append(f"{name} ({source}: package {package} has no {copyright_file})")
+            continue
+        if package not in found:
+            (target / package).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(copyright_file, target / package / "copyright")
+        found.setdefault(package, []).append(name)
+    if missing:
+        raise SystemExit(
+            "no licence text found for the system libraries: " + "; ".join(missing) + ". Leave the library out "
+            "of the bundle (packaging/gapless.spec) or build where a package installed it"
+        )
+    return {package: sorted(names) for package, names in sorted(found.items())}
 
 
 if __name__ == "__main__":
