@@ -176,7 +176,7 @@ def _under(path: Path, folders: Iterable[Path]) -> bool:
 
 
 def debian_package(path: Path) -> Optional[str]:
-    """The Debian package that installed `path`, or None (no dpkg here, or no package owns it). Tried as given and
+    """The Debian package that installed `path`, or None where no package owns it (SystemExit without dpkg). Tried as given and
     resolved, with and without /usr in front: with merged /usr a library is listed under /lib or /usr/lib."""
     candidates = [path, path.resolve()]
     for c in list(candidates):
@@ -186,7 +186,11 @@ def debian_package(path: Path) -> Optional[str]:
         try:
             done = subprocess.run(["dpkg-query", "-S", c.as_posix()], capture_output=True, text=True, timeout=60)
         except FileNotFoundError:
-            return None
+            raise SystemExit(
+                f"cannot tell which package installed {path}: dpkg-query is not here. The bundle's system libraries "
+                "are matched to their packages' licence texts through Debian's package database: build on Debian or "
+                "Ubuntu"
+            ) from None
         if done.returncode == 0 and done.stdout:
             # "zlib1g:amd64: /lib/x86_64-linux-gnu/libz.so.1"; several packages are listed as "a, b: path"
             return done.stdout.split(": ", 1)[0].split(",")[0].split(":")[0].strip()

@@ -113,3 +113,15 @@ def test_a_debian_library_is_found_with_its_copyright_file(licences, tmp_path):
     assert written == {"zlib1g": ["libz.so.1"]}
     copied = tmp_path / "licenses" / "system" / "zlib1g" / "copyright"
     assert copied.read_bytes() == Path("/usr/share/doc/zlib1g/copyright").read_bytes()
+
+
+def test_a_build_without_dpkg_says_so_rather_than_that_no_package_owns_each_library(licences, monkeypatch, tmp_path):
+    """Without dpkg-query every system library was reported as owned by no package, on any distribution but
+    Debian's, which named the wrong cause."""
+
+    def no_dpkg(*args, **kwargs):
+        raise FileNotFoundError("dpkg-query")
+
+    monkeypatch.setattr(licences.subprocess, "run", no_dpkg)
+    with pytest.raises(SystemExit, match=r"cannot tell which package installed /usr/lib/libfoo\.so\.1: dpkg-query is"):
+        licences.write_system_licences(tmp_path, [("libfoo.so.1", "/usr/lib/libfoo.so.1")])
