@@ -322,6 +322,17 @@ class ListedChats:
         return self.shown != self.store.chat_titles()
 
 
+def two_answered_chats(f, ctl):
+    """Two chats of one answered message each, the older made first: (older, newer) ids."""
+    f.send("older")
+    ctl.run(1, ["older answer"], ["eos"])
+    older = f.chat_id
+    f.new_chat()
+    f.send("newer")
+    ctl.run(2, ["newer answer"], ["eos"])
+    return older, f.chat_id
+
+
 def test_the_chat_list_is_read_again_whenever_a_chat_s_title_order_or_age_changes_and_only_then(flow):
     """OK in Chat settings, an edit, a regenerated answer that failed or was stopped before its first token, a batch
     of candidates and an answer that ended in a chat no longer on screen all moved their chat up (or changed its
@@ -329,13 +340,7 @@ def test_the_chat_list_is_read_again_whenever_a_chat_s_title_order_or_age_change
     rename or a deletion the store refused read the list again for nothing."""
     f, store, ctl = flow
     listed = ListedChats(f, store)
-    f.send("older")
-    ctl.run(1, ["older answer"], ["eos"])
-    older = f.chat_id
-    f.new_chat()
-    f.send("newer")
-    ctl.run(2, ["newer answer"], ["eos"])
-    newer = f.chat_id
+    older, newer = two_answered_chats(f, ctl)
     assert not listed.stale() and [c[0] for c in listed.shown] == [newer, older]
 
     f.open_chat(older)
@@ -402,13 +407,7 @@ def test_a_rename_to_the_title_the_chat_has_leaves_it_where_it_is_in_the_list(fl
     """F2 (or Rename…) then OK with the title as it was: the store counted it as a change, so the chat came first in
     the list with its age "just now", though nothing in it changed (as OK in Chat settings did before)."""
     f, store, ctl = flow
-    f.send("older")
-    ctl.run(1, ["older answer"], ["eos"])
-    older = f.chat_id
-    f.new_chat()
-    f.send("newer")
-    ctl.run(2, ["newer answer"], ["eos"])
-    newer = f.chat_id
+    older, newer = two_answered_chats(f, ctl)
     listed = ListedChats(f, store)
     before = store.get_chat(older)
 
