@@ -1,6 +1,7 @@
 """User settings in one JSON file in the config dir: written atomically, and never fatal when damaged.
 
-A file that cannot be read as our settings is moved aside (`settings.json.corrupt-<timestamp>`) and defaults are
+A file that cannot be read as our settings is moved aside (`settings.json.corrupt-<timestamp>`), one that cannot be
+read at all (no permission, a folder in its place) too (`settings.json.unreadable-<timestamp>`), and defaults are
 used; a file written by a newer version is moved aside too (`settings.json.newer-<timestamp>`), so saving ours
 never overwrites it. Each such case leaves a notice for the app to show.
 """
@@ -171,14 +172,11 @@ class SettingsStore:
             text = self.path.read_text(encoding="utf-8-sig")  # a byte order mark, as Windows' Notepad writes
         except FileNotFoundError:
             return Settings(), notices
-        except (OSError, UnicodeDecodeError) as exc:
-            if isinstance(exc, UnicodeDecodeError):
-                return Settings(), self._aside("corrupt", f"it is not UTF-8 text ({exc.reason})", notices)
-            log.error("cannot read the settings file %s: %s", self.path, exc)
-            notices.append(
-                f"The settings file {self.path} could not be read ({exc.strerror or exc}); default settings are used."
-            )
-            return Settings(), notices
+        except UnicodeDecodeError as exc:
+            return Settings(), self._aside("corrupt", f"it is not UTF-8 text ({exc.reason})", notices)
+        except OSError as exc:  # no read permission, a folder in its place, a disk error
+            # Moved aside, as a damaged file is: left in place, the first save would write the defaults over it.
+            return Settings(), self._aside("unreadable", f"it cannot be read ({exc.strerror or exc})", notices)
         try:
             data = self._parse(text)
         except _Unreadable as exc:

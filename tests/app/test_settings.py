@@ -106,6 +106,49 @@ def test_damaged_file_is_moved_aside_with_a_notice(path, content, reason):
     assert not path.exists()
 
 
+@pytest.mark.parametrize("case", ["no read permission", "a folder in its place"])
+def test_a_file_that_cannot_be_read_is_moved_aside_not_written_over(path, case, monkeypatch):
+    """A settings file without read permission gave the defaults with a notice, and the first save (any change,
+    closing the window) wrote them over it: the user's settings were gone. A folder in its place made every save
+    fail. Either is now kept aside whole, and the settings of this run are saved."""
+    path.parent.mkdir(parents=True)
+    if case == "a folder in its place":
+        path.mkdir()
+        (path / "mine.txt").write_text("kept")
+        reason = "it cannot be read (Is a directory)"
+    else:
+        path.write_text(json.dumps({"version": 1, "theme": "dark", "system_prompt": "Be brief."}))
+        os.chmod(path, 0)
+        if os.geteuid() == 0:  # root reads it all the same: the read is refused as the kernel would
+            read_text = type(path).read_text
+
+            def refused(self, *args, **kwargs):
+                if self == path:
+                    raise PermissionError(13, "Permission denied", str(self))
+                return read_text(self, *args, **kwargs)
+
+            monkeypatch.setattr(type(path), "read_text", refused)
+        reason = "it cannot be read (Permission denied)"
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert s == Settings()
+    kept = asides(path, "unreadable")
+    assert len(kept) == 1
+    assert notices == [
+        f"The settings file {path} could not be used: {reason}. It was kept as {kept[0]} and default settings are used."
+    ]
+    s.theme = "light"
+    store.save(s)
+    monkeypatch.undo()
+    assert SettingsStore(path).load()[0].theme == "light"
+    aside = path.parent / kept[0]
+    if case == "a folder in its place":
+        assert (aside / "mine.txt").read_text() == "kept"
+    else:
+        os.chmod(aside, 0o600)
+        assert json.loads(aside.read_text()) == {"version": 1, "theme": "dark", "system_prompt": "Be brief."}
+
+
 @pytest.mark.parametrize(
     "field, value, reason",
     [
