@@ -21,7 +21,7 @@ from typing import Any, Optional
 from app.store import aside_name, move_aside
 from engine.errors import GaplessError, OptionsError
 from engine.paths import write_whole
-from engine.types import DEVICES, OVERFLOW_POLICIES, REMOTE_DEVICE, EngineOptions, SamplingParams, server_decides
+from engine.types import DEVICES, OVERFLOW_POLICIES, EngineOptions, SamplingParams, server_decides
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,24 @@ _CHECKS = {
 assert set(_CHECKS) == {f.name for f in fields(Settings)}
 
 
+def _usable_options(kind: type[EngineOptions] | type[SamplingParams], saved: dict[str, Any]) -> tuple[dict, list[str]]:
+    """The saved options of `kind` that are valid (each is checked alone: none depends on another), and what is
+    wrong with each of the others."""
+    usable: dict[str, Any] = {}
+    bad: list[str] = []
+    for name, value in saved.items():
+        try:
+            kind.from_dict({name: value})
+            if kind is EngineOptions and name == "device" and server_decides({name: value}):
+                # a remote answer's, not a choice this machine runs
+                raise OptionsError(f"device must be one of {', '.join(DEVICES)}, got {value!r}")
+        except (OptionsError, TypeError) as exc:
+            bad.append(str(exc))
+            continue
+        usable[name] = value
+    return usable, bad
+
+
 class _Unreadable(Exception):
     """The file is not our settings (bad JSON or a wrong type). Never leaves the module."""
 
@@ -190,12 +208,14 @@ class SettingsStore:
                 notices,
             )
         bad = self._bad_fields(data)
-        if bad:  # each falls back alone; the file as it was is kept beside it
-            for name in bad:
-                del data[name]
-            self._fell_back |= set(bad)
-            self._copy_aside("; ".join(bad.values()), notices)
-        return self._settings(data, notices), notices
+        for name in bad:
+            del data[name]
+        self._fell_back |= set(bad)
+        settings, bad_options = self._settings(data)
+        reasons = [*bad.values(), *bad_options]
+        if reasons:  # each falls back alone; the file as it was is kept beside it
+            self._copy_aside("; ".join(reasons), notices)
+        return settings, notices
 
     def _parse(self, text: str) -> dict[str, Any]:
         try:
@@ -228,40 +248,38 @@ class SettingsStore:
                 bad[name] = f"{name} is {shown}, text that is not valid Unicode"
         return bad
 
-    def _settings(self, data: dict[str, Any], notices: list[str]) -> Settings:
+    def _settings(self, data: dict[str, Any]) -> tuple[Settings, list[str]]:
+        """The settings of `data`'s known fields, and what is wrong with each option inside the optimization and
+        sampling settings that falls back to its default."""
         unknown = sorted(set(data) - set(_CHECKS) - {"version"})
         if unknown:  # a newer version's, written back as they are
             log.warning("settings file %s: keeping unknown key(s) %s", self.path, ", ".join(unknown))
         self.unknown = {k: data[k] for k in unknown}
         s = Settings(**{k: v for k, v in data.items() if k in _CHECKS})
-        # Saved options that no longer validate (a renamed option, a hand edit) fall back to the defaults.
+        # Saved options that no longer validate (a renamed value, a hand edit) fall back to their defaults one by
+        # one: one bad value reset every option beside it, and the next save wrote the defaults over them.
         nested = (
-            ("engine_options", EngineOptions, _default_options, "optimization settings"),
-            ("sampling", SamplingParams, _default_sampling, "sampling parameters"),
+            ("engine_options", EngineOptions, "optimization settings"),
+            ("sampling", SamplingParams, "sampling parameters"),
         )
         self.unknown_options = {}
-        for name, kind, default, what in nested:
+        reasons: list[str] = []
+        for name, kind, what in nested:
             saved = getattr(s, name)
             known = {f.name for f in fields(kind)}
             extra = {k: v for k, v in saved.items() if k not in known}
             if extra:  # a newer version's options: the rest are used, and these written back as they are
                 log.warning("settings file %s: keeping unknown %s %s", self.path, what, ", ".join(sorted(extra)))
                 self.unknown_options[name] = extra
-            try:
-                value = kind.from_dict({k: v for k, v in saved.items() if k in known})
-                if isinstance(value, EngineOptions) and server_decides(
-                    value
-                ):  # a remote answer's, not a choice this machine runs
-                    raise OptionsError(f"device must be one of {', '.join(DEVICES)}, got {REMOTE_DEVICE!r}")
-                setattr(s, name, value.to_dict())
-            except (OptionsError, TypeError) as exc:
-                log.warning("settings file %s: invalid %s: %s", self.path, what, exc)
-                notices.append(f"The saved {what} in {self.path} were invalid ({exc}); defaults are used.")
-                setattr(s, name, default())
-                self._fell_back.add(name)
-                if name == "sampling":
-                    s.sampling_saved = False  # so the defaults are the chat defaults, as the notice says
-        return s
+            usable, bad = _usable_options(kind, {k: v for k, v in saved.items() if k in known})
+            setattr(s, name, kind.from_dict(usable).to_dict())  # the defaults where an option is missing or bad
+            if not bad:
+                continue
+            reasons += [f"in the {what}, {why}" for why in bad]
+            self._fell_back.add(name)
+            if name == "sampling" and not usable:
+                s.sampling_saved = False  # nothing of the saved ones is left: new chats take the chat defaults
+        return s, reasons
 
     def _copy_aside(self, reason: str, notices: list[str]) -> None:
         try:

@@ -233,24 +233,45 @@ def test_unknown_keys_are_kept_with_a_warning(path, caplog):
     assert saved["frobnicate"] == {"level": 3} and saved["theme"] == "dark"
 
 
-def test_invalid_engine_options_fall_back_alone(path):
+def test_an_invalid_option_falls_back_alone_and_the_file_is_kept_beside(path):
+    """Temperature -5 in the saved sampling parameters (or a dtype that does not exist) reset every one of them,
+    with no copy of the file kept: the next save wrote the defaults over the user's top-k and answer length."""
     path.parent.mkdir(parents=True)
-    path.write_text(
-        json.dumps(
-            {
-                "theme": "dark",
-                "engine_options": {"dtype": "fp8", "kv_cache": "static"},
-                "sampling": {"temperature": -1},
-            }
-        )
-    )
+    saved = {
+        "theme": "dark",
+        "engine_options": {"dtype": "fp7", "kv_cache": "none", "candidates": 3},
+        "sampling": {"temperature": -5, "top_k": 20, "max_new_tokens": 2048, "seed": "7"},
+        "sampling_saved": True,
+    }
+    path.write_text(json.dumps(saved))
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert s.theme == "dark"
+    assert s.options() == EngineOptions(kv_cache="none", candidates=3)
+    assert s.sampling_params() == SamplingParams(top_k=20, max_new_tokens=2048)
+    assert s.new_chat_sampling() == SamplingParams(top_k=20, max_new_tokens=2048)
+    kept = asides(path, "corrupt")
+    assert len(kept) == 1 and json.loads((path.parent / kept[0]).read_text()) == saved
+    assert notices == [
+        f"Some settings in {path} could not be used: in the optimization settings, dtype must be one of auto, "
+        "fp32, fp16, bf16, got 'fp7'; in the sampling parameters, temperature must be >= 0, got -5; in the "
+        "sampling parameters, seed must be an integer in [0, 2**63), got '7'. Their defaults are used. The file "
+        f"as it was is kept as {kept[0]}."
+    ]
+    store.save(s)  # what closing the window does
+    now = json.loads(path.read_text())
+    assert now["engine_options"]["kv_cache"] == "none" and now["engine_options"]["candidates"] == 3
+    assert (now["sampling"]["top_k"], now["sampling"]["max_new_tokens"]) == (20, 2048)
+    assert SettingsStore(path).load()[1] == []  # written back valid: said once
+
+
+def test_saved_options_that_are_all_invalid_fall_back_together(path):
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"engine_options": {"dtype": "fp8"}, "sampling": {"temperature": -1}}))
     s, notices = SettingsStore(path).load()
-    assert s.theme == "dark"  # the valid parts stay
     assert s.engine_options == EngineOptions().to_dict() and s.sampling == SamplingParams().to_dict()
-    assert len(notices) == 2
-    assert "optimization settings" in notices[0] and "dtype must be one of" in notices[0]
-    assert "sampling parameters" in notices[1] and "temperature must be >= 0" in notices[1]
-    assert path.exists() and asides(path, "corrupt") == []
+    assert len(notices) == 1 and "dtype must be one of" in notices[0] and "temperature must be >= 0" in notices[0]
+    assert len(asides(path, "corrupt")) == 1
 
 
 @pytest.mark.parametrize("bad", [{"compile": "false"}, {"cuda_graph": None}, {"profile_window": 1}])
