@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from app.store import aside_name, move_aside
 from engine.errors import GaplessError, OptionsError
@@ -156,6 +157,30 @@ def _usable_options(kind: type[EngineOptions] | type[SamplingParams], saved: dic
             continue
         usable[name] = value
     return usable, bad
+
+
+@contextlib.contextmanager
+def _locked(lock_file: Path) -> Iterator[None]:
+    """Held by one process (or one open of the file) at a time; waits for the other to let go."""
+    with open(lock_file, "a+b") as f:
+        if sys.platform == "win32":
+            import msvcrt
+
+            f.seek(0)
+            msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)  # retries for 10 s, then OSError
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class _Unreadable(Exception):
@@ -311,16 +336,19 @@ class SettingsStore:
     def save(self, settings: Settings) -> None:
         """Write atomically: a crash or a full disk leaves either the old file or the new one, never half."""
         mine = self._with_unknown_options(settings.to_dict())
-        doc = {**self.unknown, **mine}
-        on_disk = self._current() if self._seen is not None else None
-        if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
-            seen = self._seen
-            changed = {k: v for k, v in mine.items() if k not in seen or seen[k] != v}
-            doc = {**on_disk, **changed, "version": SETTINGS_VERSION}
         try:
-            text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_whole(self.path, text + "\n", mode=0o600, durable=True)
+            # Read, merged and written by one window at a time: two saving at once (a logout closes both) each
+            # read the file before the other wrote it, and the second write undid the first's changes.
+            with _locked(self.path.with_name(f".{self.path.name}.lock")):  # kept: removing it would race
+                doc = {**self.unknown, **mine}
+                on_disk = self._current() if self._seen is not None else None
+                if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
+                    seen = self._seen
+                    changed = {k: v for k, v in mine.items() if k not in seen or seen[k] != v}
+                    doc = {**on_disk, **changed, "version": SETTINGS_VERSION}
+                text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
+                write_whole(self.path, text + "\n", mode=0o600, durable=True)
         except OSError as exc:
             raise SettingsError(f"cannot save the settings to {self.path}: {exc.strerror or exc}") from exc
         except ValueError as exc:  # NaN, or text that is not valid Unicode

@@ -60,6 +60,39 @@ def test_two_windows_keep_each_other_s_changes_on_a_first_run_too(path):
     assert (now.theme, now.system_prompt) == ("dark", "Be brief.")
 
 
+def test_two_windows_saving_at_once_keep_each_other_s_changes(path, monkeypatch):
+    """Two windows closing at once (a logout closes both): each read the file before the other wrote it, and the
+    second write undid the first's changes."""
+    import threading
+
+    SettingsStore(path).save(Settings())
+    a_store, b_store = SettingsStore(path), SettingsStore(path)
+    a, _ = a_store.load()
+    b, _ = b_store.load()
+    a.theme = "dark"
+    b.engine_options = EngineOptions(kv_cache="none").to_dict()
+    b_reading = threading.Event()
+    read_file = SettingsStore._current
+
+    def current(store):
+        on_disk = read_file(store)
+        if store is b_store:
+            b_reading.set()
+        elif store is a_store and not b_reading.is_set():  # the first window has read the file: the second saves
+            second = threading.Thread(target=b_store.save, args=(b,))
+            second.start()
+            a_store._second = second  # type: ignore[attr-defined]
+            if b_reading.wait(timeout=1):  # it could read the file before the first window wrote it
+                second.join()
+        return on_disk
+
+    monkeypatch.setattr(SettingsStore, "_current", current)
+    a_store.save(a)
+    a_store._second.join()  # type: ignore[attr-defined]
+    now, _ = SettingsStore(path).load()
+    assert now.theme == "dark" and now.options() == EngineOptions(kv_cache="none")
+
+
 def test_round_trip(path):
     s = Settings(
         theme="dark",
@@ -82,7 +115,8 @@ def test_round_trip(path):
     assert loaded.options() == EngineOptions(dtype="fp16", kv_cache="dynamic", candidates=4)
     assert loaded.sampling_params().stop == ("###",)
     assert json.loads(path.read_text())["version"] == SETTINGS_VERSION
-    assert [p.name for p in path.parent.iterdir()] == ["settings.json"]  # no temp file left behind
+    # no temp file left behind; the lock file of saves stays, empty
+    assert sorted(p.name for p in path.parent.iterdir()) == [".settings.json.lock", "settings.json"]
 
 
 @pytest.mark.parametrize(
