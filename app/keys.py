@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from app.store import move_aside
 from engine.paths import write_whole
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,15 @@ class KeyStore:
                 return
             except Exception as exc:  # fall back to the file rather than lose the key
                 log.warning("keyring write failed (%s); keeping the key in %s", type(exc).__name__, self.file)
-        keys = self._read()
+        keys, damage = self._read_file()
+        if damage:  # written over, its other keys were gone for good: kept beside the new file
+            aside = move_aside(self.file, "corrupt")
+            log.warning(
+                "API key file %s could not be read (%s); kept as %s and a new one started",
+                self.file,
+                damage,
+                aside.name,
+            )
         if key:
             keys[base_url] = key
         else:
@@ -80,18 +89,21 @@ class KeyStore:
             return
 
     def _read(self) -> dict[str, str]:
+        return self._read_file()[0]
+
+    def _read_file(self) -> tuple[dict[str, str], str]:
+        """The keys in the file, and why the file could not be read ("" where it could, or is not there)."""
         try:
             data = json.loads(self.file.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            return {}
+            return {}, ""
         except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             log.warning("API key file %s unreadable: %s", self.file, type(exc).__name__)
-            return {}
-        return (
-            {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
-            if isinstance(data, dict)
-            else {}
-        )
+            # a folder in its place is not moved: no key is lost there, and the write says it cannot be kept
+            return {}, "" if isinstance(exc, IsADirectoryError) else type(exc).__name__
+        if not isinstance(data, dict):
+            return {}, f"a JSON {type(data).__name__}, not an object"
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}, ""
 
     def _write(self, keys: dict[str, str]) -> None:
         self.file.parent.mkdir(parents=True, exist_ok=True)

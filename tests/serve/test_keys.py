@@ -37,6 +37,20 @@ def test_a_corrupt_key_file_reads_as_empty(tmp_path, text):
     assert store.get("http://h/v1") == "k"
 
 
+def test_a_damaged_key_file_is_kept_aside_when_a_key_is_saved(tmp_path):
+    """A key file cut short (or hand-edited into bad JSON) read as empty, and saving the next key wrote a file of
+    that key alone over it: every other server's key was gone, with no copy left."""
+    store = KeyStore(tmp_path, use_keyring=False)
+    damaged = '{"http://a/v1": "sk-a", "http://b/v1": "sk-'
+    store.file.write_text(damaged)
+    store.set("http://h/v1", "k")
+    assert store.get("http://h/v1") == "k" and store.get("http://a/v1") is None
+    kept = sorted(tmp_path.glob("remote_keys.json.corrupt-*"))
+    assert len(kept) == 1 and kept[0].read_text() == damaged
+    store.set("http://i/v1", "k2")  # a file that reads is written over, as always
+    assert len(sorted(tmp_path.glob("remote_keys.json.corrupt-*"))) == 1
+
+
 def fake_keyring(monkeypatch, get, set_) -> types.ModuleType:
     """A keyring module with a working backend whose reads and writes are `get` and `set_`."""
 
