@@ -315,27 +315,25 @@ class ChatFlow(QObject):
             return False
         if not self._guard(lambda: check_message(text)):  # refused before a chat is made, or named, after it
             return False
-        listed = True  # the chat list shows every chat as it is
-        if self.chat_id is None:
-            chat = self._guard(
-                lambda: self.store.create_chat(title_from(text), self.default_system_prompt, self.default_sampling)
+        leaf: Optional[int] = None
+        if self.chat_id is None:  # the chat is made with its first message: one the store refuses leaves none
+            user = self._guard(
+                lambda: self.store.start_chat(title_from(text), self.default_system_prompt, self.default_sampling, text)
             )
+            if not user:
+                return False
+            self.chat_id = user.chat_id
+            self.chatOpened.emit(user.chat_id)
+        else:
+            chat = self._guard(lambda: self.store.get_chat(self.chat_id))  # gone, if another window deleted it
             if not chat:
                 return False
-            self.chat_id, listed = chat.id, False
-            self.chatOpened.emit(chat.id)
-        chat = self._guard(lambda: self.store.get_chat(self.chat_id))  # gone, if another window deleted it
-        if not chat:
-            return False
-        leaf = chat.active_leaf_id
-        if leaf is None and chat.title == UNTITLED:  # made by Chat settings before its first message
-            if self._guard(lambda: self.store.rename_chat(chat.id, title_from(text))):
-                listed = False
-        user = self._guard(lambda: self.store.add_message(self.chat_id, "user", text, leaf))
-        if not user:
-            if not listed:  # the chat made or named stays, empty: listed as it is
-                self.chatsChanged.emit()
-            return False
+            leaf = chat.active_leaf_id
+            # a chat made by Chat settings before its first message is named by it, or keeps its name
+            title = title_from(text) if leaf is None and chat.title == UNTITLED else None
+            user = self._guard(lambda: self.store.add_message(chat.id, "user", text, leaf, title=title))
+            if not user:
+                return False
         self.chatsChanged.emit()
         if self._candidate_ids or leaf is None:
             self.reload()  # candidates on screen, or a new chat: the view is rebuilt from the store

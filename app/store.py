@@ -49,6 +49,14 @@ def check_message(text: str) -> bool:
     return True
 
 
+def _check_fields(role: str, status: str, content: str) -> None:
+    if role not in ROLES:
+        raise StoreError(f"unknown message role {role!r}")
+    if status not in STATUSES:
+        raise StoreError(f"unknown message status {status!r}")
+    _check_length(content, "the message", MAX_TEXT_CHARS)
+
+
 def _check_length(text: str, what: str, limit: int) -> None:
     if len(text) > limit:
         raise StoreError(f"{what} is {len(text):,} characters long; at most {limit:,} are allowed")
@@ -666,14 +674,29 @@ class ChatStore:
     def create_chat(self, title: str = "New chat", system_prompt: str = "", sampling: Any = None) -> Chat:
         _check_length(title, "the title", MAX_TITLE_CHARS)
         _check_length(system_prompt, "the system prompt", MAX_TEXT_CHARS)
-        now = time.time()
         with self._write("create a chat") as db:
-            cur = db.execute(
-                "INSERT INTO chats (title, created, updated, system_prompt, sampling_json) VALUES (?, ?, ?, ?, ?)",
-                (title, now, now, system_prompt, _dumps(sampling)),
-            )
-            chat_id = _inserted_id(cur)
+            chat_id = self._insert_chat(db, title, system_prompt, sampling)
         return self.get_chat(chat_id)
+
+    def start_chat(self, title: str, system_prompt: str, sampling: Any, first_message: str) -> Message:
+        """A new chat with its first user message, in one transaction: a message the store cannot take (a full
+        disk) leaves no empty chat behind."""
+        _check_length(title, "the title", MAX_TITLE_CHARS)
+        _check_length(system_prompt, "the system prompt", MAX_TEXT_CHARS)
+        _check_fields("user", "done", first_message)
+        with self._write("save the message") as db:
+            chat_id = self._insert_chat(db, title, system_prompt, sampling)
+            message_id = self._insert_message(db, chat_id, "user", first_message, None, "done")
+        return self.get_message(message_id)
+
+    @staticmethod
+    def _insert_chat(db: sqlite3.Connection, title: str, system_prompt: str, sampling: Any) -> int:
+        now = time.time()
+        cur = db.execute(
+            "INSERT INTO chats (title, created, updated, system_prompt, sampling_json) VALUES (?, ?, ?, ?, ?)",
+            (title, now, now, system_prompt, _dumps(sampling)),
+        )
+        return _inserted_id(cur)
 
     def get_chat(self, chat_id: int) -> Chat:
         rows = self._read(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,))
@@ -793,45 +816,78 @@ class ChatStore:
         candidate_group: Optional[int] = None,
         candidate_index: Optional[int] = None,
         model_name: Optional[str] = None,
+        title: Optional[str] = None,
     ) -> Message:
         """Add a message under `parent_id` (None: a first message). It becomes the chat's active leaf, except
-        candidates after the first (index > 0), which stay alternatives until chosen with set_active_leaf."""
-        if role not in ROLES:
-            raise StoreError(f"unknown message role {role!r}")
-        if status not in STATUSES:
-            raise StoreError(f"unknown message status {status!r}")
-        _check_length(content, "the message", MAX_TEXT_CHARS)
-        now = time.time()
+        candidates after the first (index > 0), which stay alternatives until chosen with set_active_leaf.
+        `title`: the chat's new title, set in the same transaction (a chat named by its first message keeps its
+        name when that message cannot be saved)."""
+        _check_fields(role, status, content)
+        if title is not None:
+            _check_length(title, "the title", MAX_TITLE_CHARS)
         with self._write("save the message") as db:
-            self._require_chat(db, chat_id)
-            if parent_id is not None:
-                row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (parent_id,)).fetchone()
-                if row is None or row[0] != chat_id:
-                    raise StoreError(f"message {parent_id} is not in chat {chat_id}")
-            cur = db.execute(
-                f"INSERT INTO messages ({_MESSAGE_COLUMNS}, owner) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    chat_id,
-                    parent_id,
-                    role,
-                    content,
-                    status,
-                    now,
-                    now,
-                    _dumps(options),
-                    _dumps(metrics),
-                    candidate_group,
-                    candidate_index,
-                    model_name,
-                    self.owner if status == "streaming" else None,
-                ),
+            message_id = self._insert_message(
+                db,
+                chat_id,
+                role,
+                content,
+                parent_id,
+                status,
+                options,
+                metrics,
+                candidate_group,
+                candidate_index,
+                model_name,
             )
-            message_id = _inserted_id(cur)
-            if not candidate_index:
-                db.execute("UPDATE chats SET active_leaf_id = ?, updated = ? WHERE id = ?", (message_id, now, chat_id))
-            else:
-                db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
+            if title is not None:
+                db.execute("UPDATE chats SET title = ? WHERE id = ?", (title, chat_id))
         return self.get_message(message_id)
+
+    def _insert_message(
+        self,
+        db: sqlite3.Connection,
+        chat_id: int,
+        role: str,
+        content: str,
+        parent_id: Optional[int],
+        status: str,
+        options: Any = None,
+        metrics: Any = None,
+        candidate_group: Optional[int] = None,
+        candidate_index: Optional[int] = None,
+        model_name: Optional[str] = None,
+    ) -> int:
+        """Insert a message checked by _check_fields, inside the caller's transaction; its id."""
+        now = time.time()
+        self._require_chat(db, chat_id)
+        if parent_id is not None:
+            row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (parent_id,)).fetchone()
+            if row is None or row[0] != chat_id:
+                raise StoreError(f"message {parent_id} is not in chat {chat_id}")
+        cur = db.execute(
+            f"INSERT INTO messages ({_MESSAGE_COLUMNS}, owner) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                chat_id,
+                parent_id,
+                role,
+                content,
+                status,
+                now,
+                now,
+                _dumps(options),
+                _dumps(metrics),
+                candidate_group,
+                candidate_index,
+                model_name,
+                self.owner if status == "streaming" else None,
+            ),
+        )
+        message_id = _inserted_id(cur)
+        if not candidate_index:
+            db.execute("UPDATE chats SET active_leaf_id = ?, updated = ? WHERE id = ?", (message_id, now, chat_id))
+        else:
+            db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
+        return message_id
 
     def new_candidate_group(self) -> int:
         """A group number not used by any message yet, for the N candidates of one answer."""

@@ -381,26 +381,42 @@ def test_the_chat_list_is_read_again_whenever_a_chat_s_title_order_or_age_change
     assert listed.needless == [] and not listed.stale()
 
 
-def test_a_chat_made_or_named_for_a_first_message_the_store_could_not_save_is_listed(flow, monkeypatch):
-    """The disk filled between making (or naming) the chat and saving its first message: the store held the chat,
-    the list did not show it (or showed it as "New chat"), and the next message went into a chat not listed."""
-    from app.store import StoreError
+def fill_the_disk(store: ChatStore) -> None:
+    """The database file cannot grow: SQLITE_FULL on the next write that needs a page, as on a full disk."""
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages + 1}")
 
+
+def test_a_first_message_a_full_disk_cannot_take_leaves_no_empty_chat(flow):
+    """The chat was made, then its first message did not fit on the disk: an empty chat titled with the message
+    stayed in the list (and in a chat made by Chat settings, its title was changed to the message's), though
+    nothing of the message was kept."""
     f, store, ctl = flow
     listed = ListedChats(f, store)
-    failed = signals(f, "failed")["failed"]
+    heard = signals(f, "failed", "chatOpened")
+    fill_the_disk(store)
+    long = "y" * 100_000  # the chat's row fits in the page left, the message does not
+    full = ("cannot save the message in the chat database: database or disk is full",)
 
-    def full(*_a, **_k):
-        raise StoreError("cannot save the message: database or disk is full")
+    assert not f.send(long)
+    assert heard["failed"] == [full] and heard["chatOpened"] == []
+    assert store.chat_titles() == [] and f.chat_id is None and ctl.asked == []
+    assert not listed.stale()
 
-    monkeypatch.setattr(store, "add_message", full)
-    assert not f.send("hello")
-    assert not listed.stale() and [c[1] for c in listed.shown] == ["hello"]
-    f.new_chat()
-    f.set_chat_settings("Be brief.", SAMPLING)  # made by Chat settings, as "New chat"
-    assert not f.send("second")
-    assert not listed.stale() and [c[1] for c in listed.shown] == ["second", "hello"]
-    assert failed == [("cannot save the message: database or disk is full",)] * 2 and ctl.asked == []
+    f.set_chat_settings("Be brief.", SAMPLING)  # made by Chat settings, as "New chat", before its first message
+    made = f.chat_id
+    assert not f.send(long)
+    assert [c[1] for c in store.chat_titles()] == ["New chat"] and store.thread(made) == []
+    assert store.get_chat(made).system_prompt == "Be brief." and not listed.stale()
+
+    store._db.execute("PRAGMA max_page_count = 1073741823")  # room again
+    assert f.send("hello")
+    ctl.run(1, ["hi"], ["eos"])
+    fill_the_disk(store)
+    assert not f.send(long)  # a later message: nothing stored, the chat as it was
+    assert [m.content for m in store.thread(made)] == ["hello", "hi"]
+    assert [c[1] for c in store.chat_titles()] == ["hello"] and not listed.stale()
+    assert heard["failed"] == [full] * 3 and len(ctl.asked) == 1
 
 
 def test_a_rename_to_the_title_the_chat_has_leaves_it_where_it_is_in_the_list(flow):

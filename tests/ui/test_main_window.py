@@ -58,15 +58,16 @@ def test_a_send_the_store_refuses_keeps_the_draft(qtbot, app):
     def locked(*a, **k):
         raise StoreError("database is locked")
 
-    real = app.store.add_message
-    app.store.add_message = locked
+    real = app.store.add_message, app.store.start_chat
+    app.store.add_message = app.store.start_chat = locked
     try:
         w.composer.set_text("a long question I typed")
         w.composer.send_button.click()
         assert errors == ["database is locked"] and not w.flow.generating
         assert w.composer.text() == "a long question I typed"  # nothing lost
+        assert w.chat_list.chat_ids() == [] and app.store.chat_titles() == []  # and no empty chat left behind
     finally:
-        app.store.add_message = real
+        app.store.add_message, app.store.start_chat = real
     send(qtbot, app, "a long question I typed")  # once the store takes it, the box empties
     assert w.composer.text() == ""
 
