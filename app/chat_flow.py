@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from PySide6.QtCore import QObject, QTextBoundaryFinder, QTimer, Signal
 
 from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver, check_message, figures_lost
+from engine import figures
 from engine.errors import one_line
 from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, options_as_run
 
@@ -526,6 +527,7 @@ class ChatFlow(QObject):
             a.candidates = ran
         reasons = finish_reasons(result, a.max_new_tokens)
         self.last_finish_reasons = reasons
+        saved = True
         try:
             for i, saver in enumerate(a.savers):
                 reason = reasons[i] if i < len(reasons) else "cancelled"
@@ -541,6 +543,7 @@ class ChatFlow(QObject):
             self._changed_elsewhere(a.chat_id, answer=True)
             return
         except StoreError as exc:
+            saved = False
             self.failed.emit(f"The answer could not be saved: {exc}")
         self._end()
         if a.chat_id != self.chat_id or not a.message_ids:
@@ -551,9 +554,34 @@ class ChatFlow(QObject):
             self.candidatesFinished.emit(result)
             self.chatsChanged.emit()
             return
-        m = self._guard(lambda: self.store.get_message(a.message_ids[0]))
-        sibs = [s.id for s in self._guard(lambda: self.store.siblings(m.id)) or []] if m else []
-        if not m or m.id not in sibs:
+        try:
+            m = self.store.get_message(a.message_ids[0])
+            sibs = [s.id for s in self.store.siblings(m.id)]
+        except NotFound:  # deleted elsewhere since it was saved
+            self._changed_elsewhere()
+            return
+        except StoreError as exc:
+            # Not read back (a disk error): shown as it was saved, or as it came where the save failed too (said
+            # above), so it does not stay "generating…"; its place among other versions shows once it is read.
+            log.error("chat store: %s", exc)
+            if saved:
+                self.failed.emit(f"The answer is saved, but it cannot be read back to show it: {exc}")
+            reason = reasons[0] if reasons else "cancelled"
+            item = MessageItem(
+                a.message_ids[0],
+                "assistant",
+                a.savers[0].text,
+                metrics=figures.finite({**metrics, "finish_reason": reason}),
+                options=options,
+                finish_reason=reason,
+                device=options.get("device") if isinstance(options, dict) else None,
+                author=a.model_name or "",
+            )
+            self.streamFinished.emit(item)
+            self.chatsChanged.emit()
+            return
+        if m.id not in sibs:  # deleted elsewhere between the two reads
+            self._changed_elsewhere()
             return
         self.streamFinished.emit(self._item(m, sibs.index(m.id), len(sibs)))
         self.chatsChanged.emit()

@@ -485,3 +485,40 @@ def test_an_answer_with_a_figure_that_is_not_finite_is_saved_with_why(flow):
     assert answer.metrics["unavailable"]["decode_tok_s"] == "came out as inf, not a finite number"
     assert answer.metrics["new_tokens_total"] == 5
     assert f.send("and then?")  # the next message goes out
+
+
+def test_an_answer_saved_but_not_read_back_ends_on_screen_and_in_the_list(flow, monkeypatch):
+    """The answer was saved, then reading it back to show it failed (a disk error): the user saw the store's bare
+    "cannot read the chat database" with no word of the answer, the answer stayed "generating…" on screen with
+    nothing to regenerate or delete it by, and the chat list kept the chat's age from before the answer."""
+    from app.store import StoreError
+
+    f, store, ctl = flow
+    older, newer = two_answered_chats(f, ctl)
+    f.open_chat(older)
+    assert f.send("and why at sunset?")
+    ctl.generationStarted.emit(3, EngineOptions())
+    ctl.textBatch.emit(3, {0: "longer path"})
+    listed = ListedChats(f, store)
+    heard = signals(f, "failed", "streamFinished", "threadChanged")
+
+    def unreadable(_message_id):
+        raise StoreError("cannot read the chat database: disk I/O error")
+
+    monkeypatch.setattr(store, "get_message", unreadable)
+    metrics = GenerationMetrics(new_tokens=[11], new_tokens_total=11)
+    metrics.ttft_ms = float("nan")
+    ctl.generationFinished.emit(
+        3, GenerationResult(["longer path, more red"], [[1] * 11], ["eos"], metrics, EngineOptions(), {}, 1)
+    )
+    monkeypatch.undo()
+
+    saved = store.thread(older)[-1]
+    assert (saved.content, saved.status, f.generating) == ("longer path, more red", "done", False)
+    assert heard["failed"] == [
+        ("The answer is saved, but it cannot be read back to show it: cannot read the chat database: disk I/O error",)
+    ]
+    [(item,)] = heard["streamFinished"]
+    assert (item.id, item.role, item.content, item.finish_reason) == (saved.id, "assistant", saved.content, "eos")
+    assert item.metrics == saved.metrics and item.metrics["ttft_ms"] is None  # as stored: n/a with the reason
+    assert heard["threadChanged"] == [] and not listed.stale() and [c[0] for c in listed.shown] == [older, newer]
