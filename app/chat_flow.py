@@ -189,11 +189,7 @@ class ChatFlow(QObject):
         self.open_chat(None)
 
     def rename_chat(self, chat_id: int, title: str) -> None:
-        before = self._guard(lambda: self.store.get_chat(chat_id), chat_id)
-        if not before:
-            return
-        after = self._guard(lambda: self.store.rename_chat(chat_id, title), chat_id)
-        if after and after.updated != before.updated:  # the title as it was changes nothing: the list stays
+        if self._guard(lambda: self.store.rename_chat(chat_id, title), chat_id):  # the title as it was: no change
             self.chatsChanged.emit()
 
     def delete_chat(self, chat_id: int) -> None:
@@ -242,13 +238,11 @@ class ChatFlow(QObject):
             self.chatOpened.emit(chat.id)
             return
         chat_id = self.chat_id
-        before = self._guard(lambda: self.store.get_chat(chat_id))
-        after = self._guard(
+        if self._guard(
             lambda: self.store.update_chat(
                 chat_id, system_prompt=system_prompt, sampling=sampling, overflow_policy=overflow_policy
             )
-        )
-        if after and (not before or after.updated != before.updated):  # not read before: it may have changed
+        ):
             self.chatsChanged.emit()  # the chat changed: it comes first in the list
 
     # ---- the visible branch --------------------------------------------------------------------------

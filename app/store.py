@@ -746,16 +746,18 @@ class ChatStore:
     def _chats(self, columns: str, search: str) -> list[tuple]:
         return self._read(*_chats_query(columns, search))
 
-    def rename_chat(self, chat_id: int, title: str) -> Chat:
-        """The chat's updated time moves only when the title changed (as update_chat's)."""
+    def rename_chat(self, chat_id: int, title: str) -> bool:
+        """Whether the title changed; the chat's updated time moves only then (as update_chat's)."""
         _check_length(title, "the title", MAX_TITLE_CHARS)
         with self._write("rename the chat") as db:
             self._require_chat(db, chat_id)
-            db.execute(
-                "UPDATE chats SET title = ?, updated = ? WHERE id = ? AND title IS NOT ?",
-                (title, time.time(), chat_id, title),
+            return (
+                db.execute(
+                    "UPDATE chats SET title = ?, updated = ? WHERE id = ? AND title IS NOT ?",
+                    (title, time.time(), chat_id, title),
+                ).rowcount
+                > 0
             )
-        return self.get_chat(chat_id)
 
     def update_chat(
         self,
@@ -763,9 +765,9 @@ class ChatStore:
         system_prompt: Optional[str] = None,
         sampling: Any = None,
         overflow_policy: Optional[str] = None,
-    ) -> Chat:
-        """Change what is given (None: unchanged); overflow_policy "" means the settings' default again. The chat's
-        updated time moves only when a value changed."""
+    ) -> bool:
+        """Change what is given (None: unchanged); overflow_policy "" means the settings' default again. Whether a
+        value changed; the chat's updated time moves only then."""
         from engine.types import OVERFLOW_POLICIES
 
         if overflow_policy not in (None, "", *OVERFLOW_POLICIES):
@@ -788,7 +790,7 @@ class ChatStore:
                 ).rowcount
             if changed:
                 db.execute("UPDATE chats SET updated = ? WHERE id = ?", (time.time(), chat_id))
-        return self.get_chat(chat_id)
+        return changed > 0
 
     def delete_chat(self, chat_id: int) -> None:
         with self._write("delete the chat") as db:

@@ -438,33 +438,34 @@ def test_a_rename_to_the_title_the_chat_has_leaves_it_where_it_is_in_the_list(fl
     assert [c[0] for c in listed.shown] == [older, newer] and listed.needless == [] and not listed.stale()
 
 
-def test_chat_settings_are_saved_when_the_chat_cannot_be_read_first(flow, monkeypatch):
-    """OK in Chat settings reads the chat before it saves the settings (to tell whether anything changed); a read the
-    store refused (a disk error) ended the call in "AttributeError: 'bool' object has no attribute 'updated'" once the
-    settings were saved, and the list was not read again."""
+def test_a_rename_and_chat_settings_are_saved_without_reading_the_chat_first(flow, monkeypatch):
+    """A rename and OK in Chat settings read the chat before they wrote (to tell whether anything changed): a read
+    the store refused (a disk error) said "cannot read the chat" and dropped the rename, and ended the settings'
+    call in "AttributeError: 'bool' object has no attribute 'updated'" once they were saved. The store's write now
+    says whether it changed the chat; the chat is not read at all."""
     from app.store import StoreError
 
     f, store, ctl = flow
-    f.send("hello")
-    ctl.run(1, ["hi"], ["eos"])
+    older, newer = two_answered_chats(f, ctl)
     listed = ListedChats(f, store)
     failed = signals(f, "failed")["failed"]
-    real = store.get_chat
-    calls = []
+    reads = []
 
-    def once_unreadable(chat_id):
-        calls.append(chat_id)
-        if len(calls) == 1:
-            raise StoreError("cannot read the chat: disk I/O error")
-        return real(chat_id)
+    def unreadable(chat_id):
+        reads.append(chat_id)
+        raise StoreError("cannot read the chat: disk I/O error")
 
-    monkeypatch.setattr(store, "get_chat", once_unreadable)
-    f.set_chat_settings("Be brief.", SAMPLING, "stop")
-    monkeypatch.setattr(store, "get_chat", real)
-    chat = store.get_chat(f.chat_id)
+    monkeypatch.setattr(store, "get_chat", unreadable)
+    f.rename_chat(older, "Renamed")
+    assert [c[:2] for c in listed.shown] == [(older, "Renamed"), (newer, "newer")]
+    f.rename_chat(older, "Renamed")  # the title it has: nothing changed, the list is not read again
+    f.set_chat_settings("Be brief.", SAMPLING, "stop")  # the chat on screen: newer
+    assert [c[0] for c in listed.shown] == [newer, older]
+    f.set_chat_settings("Be brief.", SAMPLING, "stop")  # as they are
+    monkeypatch.undo()
+    assert reads == [] and failed == [] and listed.needless == [] and not listed.stale()
+    chat = store.get_chat(newer)
     assert (chat.system_prompt, chat.overflow_policy) == ("Be brief.", "stop")
-    assert failed == [("cannot read the chat: disk I/O error",)]
-    assert not listed.stale()
 
 
 def test_an_answer_with_a_figure_that_is_not_finite_is_saved_with_why(flow):

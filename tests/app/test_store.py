@@ -50,19 +50,23 @@ def test_chat_crud_and_order(store):
     assert a.sampling["seed"] == 3 and a.sampling["temperature"] == 0.0 and a.sampling["stop"] == []
     assert SamplingParams.from_dict(a.sampling) == SamplingParams(temperature=0.0, seed=3)
     assert [c.id for c in store.list_chats()] == [b.id, a.id]
-    store.rename_chat(a.id, "renamed")
+    assert store.rename_chat(a.id, "renamed") is True
     assert [c.title for c in store.list_chats()] == ["renamed", "New chat"]  # touched chats come first
-    c = store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5})
+    assert store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5}) is True
+    c = store.get_chat(b.id)
     assert (c.system_prompt, c.sampling) == ("sys", {"temperature": 1.5})
     assert [c.id for c in store.list_chats()] == [b.id, a.id]
     touched = store.get_chat(a.id).updated
-    assert store.rename_chat(a.id, "renamed").updated == touched  # the same title: not touched, nor moved up
+    assert store.rename_chat(a.id, "renamed") is False  # the same title: not a change
+    assert store.get_chat(a.id).updated == touched  # not touched, nor moved up
     assert [c.id for c in store.list_chats()] == [b.id, a.id]
     store.rename_chat(a.id, "renamed again")
-    same = store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5}, overflow_policy="")
-    assert same.updated == c.updated  # nothing changed: the chat is not counted as touched, nor moved up
+    assert store.update_chat(b.id, system_prompt="sys", sampling={"temperature": 1.5}, overflow_policy="") is False
+    assert (
+        store.get_chat(b.id).updated == c.updated
+    )  # nothing changed: the chat is not counted as touched, nor moved up
     assert [c.id for c in store.list_chats()] == [a.id, b.id]
-    assert store.update_chat(b.id, overflow_policy="stop").updated > c.updated
+    assert store.update_chat(b.id, overflow_policy="stop") is True and store.get_chat(b.id).updated > c.updated
     assert [c.id for c in store.list_chats()] == [b.id, a.id]
     store.delete_chat(a.id)
     assert [c.id for c in store.list_chats()] == [b.id]
