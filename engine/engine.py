@@ -153,6 +153,7 @@ class Engine:
         progress(Progress("load", None, f"placing weights on {self.device} in {self.dtype}"))
         self._runners.clear()
         self._fused_failed = None
+        self._fused_pdl: Optional[dict[str, object]] = None  # fused_status() of the last fused runner warmed up
         self._draft_models.clear()
         self._draft_proposer = None
         self.model = None
@@ -403,10 +404,12 @@ class Engine:
         return unavailable_reason(self.args, _target_device(o.device))
 
     def fused_status(self) -> Optional[dict[str, object]]:
-        """Whether the fused runners launch with Programmatic Dependent Launch, and why (None before any ran)."""
+        """Whether the fused runners launch with Programmatic Dependent Launch, and why (None before any ran on
+        the weights placed now). Kept once its runner is evicted from the runner cache: it said None then, as if
+        the fused kernels had never run."""
         runner = next((r for k, r in self._runners.items() if k[2] == "fused"), None)
         if runner is None:
-            return None
+            return self._fused_pdl
         from engine.kernels.runner import FusedRunner
 
         assert isinstance(runner, FusedRunner)  # the runners keyed "fused" are made so in _runner
@@ -828,6 +831,7 @@ class Engine:
             torch_runner = self._runner(replace(opts, kernels="torch"), opts.candidates, prompt_len + max_new)
             torch_runner.sampler.set_params(sampling)
             return torch_runner, self._fused_failed
+        self._fused_pdl = {"pdl": fused.use_pdl, "pdl_reason": fused.pdl_reason}
         return fused, None
 
     def _speculator(

@@ -50,6 +50,20 @@ def test_fused_greedy_and_sampled_tokens_equal_the_torch_kernels(qwen2_engine):
     assert status == {"pdl": False, "pdl_reason": "Programmatic Dependent Launch is a CUDA feature (Hopper and newer)"}
 
 
+def test_the_fused_status_outlives_its_runner_s_eviction(qwen2_engine):
+    """The runner cache keeps MAX_RUNNERS runners: after two answers on other caches the fused runner was evicted,
+    and fused_status() said None, as before any fused answer ran."""
+    from engine.engine import MAX_RUNNERS
+
+    run(qwen2_engine, FUSED)
+    status = qwen2_engine.fused_status()
+    assert status == {"pdl": False, "pdl_reason": "Programmatic Dependent Launch is a CUDA feature (Hopper and newer)"}
+    for options in (TORCH, TORCH.with_(kv_cache="dynamic"), TORCH.with_(kv_cache="none"))[:MAX_RUNNERS]:
+        run(qwen2_engine, options)
+    assert all(key[2] != "fused" for key in qwen2_engine._runners)  # evicted
+    assert qwen2_engine.fused_status() == status
+
+
 def test_fused_candidates_equal_the_single_row(qwen2_engine):
     single = run(qwen2_engine, FUSED).token_ids[0]
     both = run(qwen2_engine, FUSED.with_(candidates=2))
