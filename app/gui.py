@@ -223,6 +223,7 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     window.refit_on_toggle(dock)
     for act in window.menuBar().actions():
         if act.text().replace("&", "") == "View" and act.menu() is not None:
+            dock.toggleViewAction().setText("Se&rver")  # S is the system theme's, in the View menu
             act.menu().addAction(dock.toggleViewAction())
     panel.startRequested.connect(server.start)
     panel.stopRequested.connect(server.stop)

@@ -502,7 +502,7 @@ class MainWindow(QMainWindow):
         self.theme_actions: dict[str, QAction] = {}
         for choice in THEME_CHOICES:
             act = QAction(
-                f"{choice.capitalize()} theme" if choice != "system" else "Follow the system theme",
+                f"&{choice.capitalize()} theme" if choice != "system" else "Follow the &system theme",  # L, D, S
                 self,
                 checkable=True,
             )
@@ -514,7 +514,7 @@ class MainWindow(QMainWindow):
         view.addSeparator()
         sends = QActionGroup(self)
         self.send_actions: dict[str, QAction] = {}
-        for key, label in (("enter", "Send with Enter"), ("ctrl+enter", "Send with Ctrl+Enter")):
+        for key, label in (("enter", "Send with &Enter"), ("ctrl+enter", "Send with &Ctrl+Enter")):
             act = QAction(label, self, checkable=True)
             act.setChecked(self.settings.send_with == key)
             act.triggered.connect(lambda _c=False, key=key: self.set_send_with(key))
@@ -522,11 +522,14 @@ class MainWindow(QMainWindow):
             view.addAction(act)
             self.send_actions[key] = act
         view.addSeparator()
+        # the docks' titles, with an Alt letter in the menu alone (a title bar would show the "&")
+        self.options_dock.toggleViewAction().setText("&" + self.options_dock.windowTitle())  # O
         view.addAction(self.options_dock.toggleViewAction())
         help_menu = bar.addMenu("&Help")
         action(help_menu, "&Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
         action(help_menu, "&About Gapless", self.show_about)
         if self.hud_dock is not None:
+            self.hud_dock.toggleViewAction().setText("&" + self.hud_dock.windowTitle())  # P
             view.addAction(self.hud_dock.toggleViewAction())
 
     def shortcut_lines(self) -> list[str]:
