@@ -1264,7 +1264,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self.flow.stop()
         self._chat_search.close()
-        self.toggles.apply_stepped()  # a dropdown stepped to just before: kept, as the focus leaving keeps it
+        self.toggles.apply_stepped()  # a dropdown or number stepped to just before: kept, as the focus leaving keeps it
         self._persist()
         self.closed.emit()
         super().closeEvent(event)

@@ -131,6 +131,45 @@ class StepCombo(QComboBox):
             self.settled.emit()
 
 
+class StepSpin(QSpinBox):
+    """A number box that tells the user's steps and typing (an arrow key or button, held or not, Page Up/Down, the
+    wheel, a digit typed: each emits `valueChanged` for the number it passes) from a value set by the program, and
+    says when the user is done (Enter, or the focus leaving for anything but its own menu)."""
+
+    settled = Signal()
+
+    def __init__(self, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.stepping = False  # True while a step or a key changes the number (its `valueChanged` is a step)
+
+    def stepBy(self, steps: int) -> None:  # the arrows, held or not, Page Up/Down and the wheel come here
+        stepping, self.stepping = self.stepping, True
+        try:
+            super().stepBy(steps)
+        finally:
+            self.stepping = stepping
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        stepping, self.stepping = self.stepping, True
+        try:
+            super().keyPressEvent(event)
+        finally:
+            self.stepping = stepping
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            self.settled.emit()
+
+    def focusOutEvent(self, event: QFocusEvent) -> None:
+        super().focusOutEvent(event)
+        if event.reason() != Qt.FocusReason.PopupFocusReason:  # its own context menu opening is still editing
+            self.settled.emit()
+
+    def shown(self, value: int) -> str:
+        """`value` as the box writes it ("auto" for a special value)."""
+        if value == self.minimum() and self.specialValueText():
+            return self.specialValueText()
+        return self.textFromValue(value) + self.suffix()
+
+
 def _combo(values: tuple[str, ...], parent: QWidget) -> StepCombo:
     c = StepCombo(parent)
     for v in values:
@@ -165,13 +204,13 @@ class TogglesPanel(QWidget):
         self.preset.setMinimumContentsLength(8)
         self.compile = QCheckBox("torch.compile", self)
         self.cuda_graph = QCheckBox("CUDA graph", self)
-        self.candidates = QSpinBox(self)
+        self.candidates = StepSpin(self)
         self.candidates.setRange(1, MAX_CANDIDATES)
         self.profile_window = QCheckBox("Measure the gap", self)
         self.weights = _combo(WEIGHT_FORMATS, self)
         self.kernels = _combo(KERNELS, self)
         self.speculation = _combo(SPECULATION_MODES, self)
-        self.draft_tokens = QSpinBox(self)
+        self.draft_tokens = StepSpin(self)
         self.draft_tokens.setRange(0, MAX_DRAFT_TOKENS)
         self.draft_tokens.setSpecialValueText("auto")
         self.prefix_reuse = QCheckBox("Reuse the prompt's cache", self)
@@ -261,7 +300,10 @@ class TogglesPanel(QWidget):
         self._resolve_preset: PresetResolver = preset_resolver or _as_defined
         self._resolved: dict[str, str] = {}  # what "auto" device and dtype mean for the loaded model
         self._quiet = False
-        self._stepped: Optional[str] = None  # the dropdown ("preset" or an option) stepped to a value not applied yet
+        # the dropdown ("preset" or an option) or number box stepped to a value not applied yet
+        self._stepped: Optional[str] = None
+        self._pending = ""  # what the notice says of a number stepped to, until it applies
+        self._note_before_steps: Optional[str] = None  # the note that notice stands in for
         self.settle = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
             self, singleShot=True, interval=STEP_SETTLE_MS, timeout=self.apply_stepped
         )
@@ -272,8 +314,9 @@ class TogglesPanel(QWidget):
                 w.settled.connect(self.apply_stepped)
             elif isinstance(w, QCheckBox):
                 w.toggled.connect(lambda _b, name=name: self._edited(name))
-            elif isinstance(w, QSpinBox):
-                w.valueChanged.connect(lambda _v, name=name: self._edited(name))
+            elif isinstance(w, StepSpin):
+                w.valueChanged.connect(lambda _v, name=name: self._spun(name))
+                w.settled.connect(self.apply_stepped)
 
     @property
     def options(self) -> EngineOptions:
@@ -339,7 +382,7 @@ class TogglesPanel(QWidget):
                         w.setCurrentIndex(max(0, w.findData(getattr(options, name))))
                 elif isinstance(w, QCheckBox):
                     w.setChecked(getattr(options, name))
-                else:
+                elif name != self._stepped:  # as a dropdown's: the number stepped to stays until it applies
                     w.setValue(getattr(options, name))
             if self._stepped != "preset":
                 self._show_preset()
@@ -455,6 +498,8 @@ class TogglesPanel(QWidget):
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
                 if why and (name, True) in self._limits:
                     shown.append(f"Unavailable: {why}")
+            elif name == self._stepped:  # a number not applied yet: its tooltip says so (_spun)
+                w.setToolTip(f"Not applied yet: {self._pending}")
             else:  # candidates, draft_tokens
                 why = self._why(name, getattr(self._options, name))
                 w.setToolTip(f"Unavailable: {why}" if why else TIPS[name])
@@ -516,14 +561,43 @@ class TogglesPanel(QWidget):
         else:
             self._edited(name)
 
+    def _spun(self, name: str) -> None:
+        """A number box's value changed: set by the program, at once; stepped or typed by the user, once the steps
+        pause (apply_stepped), so holding an arrow or typing "12" does not apply (and rebuild the engine for)
+        every number on the way."""
+        if self._quiet:
+            return
+        box = self.controls[name]
+        if not (isinstance(box, StepSpin) and box.stepping):
+            self._edited(name)
+            return
+        if self._stepped not in (None, name):
+            self.apply_stepped()
+        self._stepped = name
+        self.settle.start()
+        self._pending = (
+            f"{self.labels[name].text()} {box.shown(box.value())} applies once the steps pause, or at once on "
+            f"Enter; the next answer uses {box.shown(getattr(self._options, name))} until then."
+        )
+        if self._note_before_steps is None:
+            self._note_before_steps = self.note.text()
+        self.note.setText(self._pending)
+        box.setToolTip(f"Not applied yet: {self._pending}")
+
     def apply_stepped(self) -> None:
-        """Apply the entry a dropdown was stepped to (nothing when none waits)."""
+        """Apply the entry a dropdown or the number a number box was stepped to (nothing when none waits)."""
         self.settle.stop()
         name, self._stepped = self._stepped, None
+        note, self._note_before_steps = self._note_before_steps, None
+        self._pending = ""
+        shown = self.note.text()
         if name == "preset":
             self._preset_chosen(self.preset.currentIndex())
         elif name is not None:
             self._edited(name)
+        if note is not None and self.note.text() == shown:  # stepped back to the value in force: nothing changed
+            self.note.setText(note)
+            self._apply_tooltips()
 
     def _edited(self, name: str) -> None:
         if self._quiet:
@@ -600,6 +674,9 @@ class TogglesPanel(QWidget):
         # the replacement of a refused value is applied in turn: its "Ready" keeps saying what was refused
         self.note.setText(" ".join(t for t in ("Ready: the next answer uses these options.", self._refusal) if t))
         self.set_unavailable(unavailable)
+        if self._pending:  # a number stepped to since is still said, the engine's word shown once it applies
+            self._note_before_steps = self.note.text()
+            self.note.setText(self._pending)
 
     def set_failed(self, message: str) -> None:
         self.progress.hide()

@@ -587,6 +587,70 @@ def test_arrowing_through_an_optimizations_dropdown_applies_only_the_entry_it_st
         assert ctl.shutdown(30)
 
 
+def test_stepping_or_typing_an_optimizations_number_applies_only_the_number_it_stops_at(qtbot, monkeypatch):
+    """Each number a held arrow key passed in Candidates, and each digit typed in Drafts ("12": 1, then 12), was
+    applied, each a reconfigure of the engine (a runner rebuilt, a draft model reloaded). The number stepped or typed
+    to applies once the steps pause, or at once on Enter or when the focus leaves, and until then the note and the
+    box's tooltip say it is pending and what the next answer uses; a value the program sets applies at once."""
+    from app.worker import EngineController, EngineWorker
+    from ui.toggles import TIPS
+
+    ctl = EngineController(EngineWorker())  # no model: a choice is kept for the model to come, still a reconfigure
+    ran: list[EngineOptions] = []
+    real = ctl.worker._reconfigure
+    monkeypatch.setattr(ctl.worker, "_reconfigure", lambda cmd: (ran.append(cmd.options), real(cmd)))
+    t, _got = toggles_panel(qtbot, EngineOptions(speculation="ngram"))
+    t.optionsChanged.connect(ctl.reconfigure)
+    t.settle.setInterval(600_000)  # the steps "pause" only where the test says so
+    t.show()
+    t.activateWindow()
+    qtbot.waitUntil(t.isActiveWindow)
+
+    def key(widget, k, modifier=Qt.KeyboardModifier.NoModifier):
+        qtbot.keyClick(widget, k, modifier)
+        qtbot.waitUntil(ctl.worker.commands.empty)  # what the key sent is taken: a user's pace between keys
+
+    try:
+        t.draft_tokens.setFocus()
+        key(t.draft_tokens, Qt.Key.Key_A, Qt.KeyboardModifier.ControlModifier)  # "auto" selected, typed over
+        key(t.draft_tokens, Qt.Key.Key_1)
+        key(t.draft_tokens, Qt.Key.Key_2)
+        assert ran == [] and t.draft_tokens.value() == 12 and t.options.draft_tokens == 0
+        pending = "Drafts 12 applies once the steps pause, or at once on Enter; the next answer uses auto until then."
+        assert t.note.text() == pending and t.draft_tokens.toolTip() == f"Not applied yet: {pending}"
+        t.set_applied(EngineOptions(speculation="ngram"), {})  # the reply to an earlier change keeps both shown
+        assert t.draft_tokens.value() == 12 and t.note.text() == pending
+        assert t.draft_tokens.toolTip() == f"Not applied yet: {pending}"
+        key(t.draft_tokens, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: len(ran) == 1)
+        assert ran[0].draft_tokens == 12 and t.options.draft_tokens == 12
+        assert t.note.text() == "Changes apply to the next answer." and t.draft_tokens.toolTip() == TIPS["draft_tokens"]
+
+        t.candidates.setFocus()
+        for _ in range(3):  # an arrow held: Qt steps the box once per repeat
+            qtbot.keyPress(t.candidates, Qt.Key.Key_Up)
+        qtbot.keyRelease(t.candidates, Qt.Key.Key_Up)
+        qtbot.waitUntil(ctl.worker.commands.empty)
+        assert len(ran) == 1 and t.candidates.value() == 4 and t.options.candidates == 1
+        assert t.candidates.toolTip().startswith("Not applied yet: Candidates 4 applies once the steps pause")
+        t.settle.setInterval(1)  # the steps pause
+        qtbot.waitUntil(lambda: len(ran) == 2)
+        t.settle.setInterval(600_000)
+        key(t.candidates, Qt.Key.Key_Down)
+        key(t.candidates, Qt.Key.Key_Up)  # back to the number in force: nothing to apply, the note as it was
+        key(t.candidates, Qt.Key.Key_Tab)  # the focus leaves
+        assert t.note.text() == "Changes apply to the next answer." and t.candidates.toolTip() == TIPS["candidates"]
+        t.draft_tokens.setFocus()
+        key(t.draft_tokens, Qt.Key.Key_Down)
+        t.draft_tokens.clearFocus()
+        qtbot.waitUntil(lambda: len(ran) == 3)
+        t.candidates.setValue(6)  # set by the program: at once
+        qtbot.waitUntil(lambda: len(ran) == 4)
+        assert [(o.candidates, o.draft_tokens) for o in ran] == [(1, 12), (4, 12), (4, 11), (6, 11)]
+    finally:
+        assert ctl.shutdown(30)
+
+
 def test_toggles_turn_off_what_the_engine_cannot_do(qtbot):
     t, got = toggles_panel(qtbot, EngineOptions(cuda_graph=True))
     t.set_applied(EngineOptions(cuda_graph=True), {"cuda_graph": "CUDA graphs need a CUDA device"})
