@@ -62,10 +62,10 @@ def output_file(path: "str | os.PathLike[str]", what: str) -> Path:
     return target
 
 
-def write_whole(path: Path, text: str, mode: int = 0o644, durable: bool = False) -> None:
-    """`text` written whole or not at all: to a temporary file beside `path` (owner-only until it is whole), then
-    renamed over it with `mode`; `durable`: on the disk before the rename. Raises OSError, leaving no temporary
-    file where it can be removed."""
+def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: bool = False) -> None:
+    """`text` (UTF-8, or bytes as they are: an image) written whole or not at all: to a temporary file beside
+    `path` (owner-only until it is whole), then renamed over it with `mode`; `durable`: on the disk before the
+    rename. Raises OSError, leaving no temporary file where it can be removed."""
     import contextlib
     import tempfile
 
@@ -74,8 +74,9 @@ def write_whole(path: Path, text: str, mode: int = 0o644, durable: bool = False)
     stem = path.name.encode("utf-8", "surrogateescape")[:64].decode("utf-8", "ignore")
     fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
+        data = text if isinstance(text, bytes) else text.encode("utf-8")  # a character it refuses: nothing written
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())

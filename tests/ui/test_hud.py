@@ -1466,6 +1466,89 @@ def test_an_export_that_fails_on_its_way_leaves_the_file_it_would_replace(qtbot,
     assert earlier.read_bytes() == kept and sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]
 
 
+def test_an_export_the_disk_cannot_take_or_with_no_folder_says_why_and_leaves_nothing_behind(
+    hud, qtbot, tmp_path, monkeypatch
+):
+    """The PNGs were written by Qt straight to the chosen name: a disk that filled on the way left the user's earlier
+    image as a truncated PNG, said as "could not write PNG to <path>" with no reason, and a folder that does not
+    exist read the same. The CSV and JSON named the temporary file beside the one chosen ("No such file or
+    directory: '<folder>/.c.csv.gjq9n8j1'"). Each export is now written whole or not at all, and says what, where
+    and why."""
+    import errno
+    import os
+
+    panel, clock = hud
+    feed_gpu_session(panel, clock, n_steps=40)
+    panel.set_ladder_results(ladder_rows())
+    show_and_paint(qtbot, panel)
+    folder = tmp_path / "exports é ✓"  # a name of any script
+    folder.mkdir()
+    exports = {
+        "the plots": lambda path: panel.export_plots_png(path, 800, 600),
+        "the ladder chart": panel.export_ladder_png,
+        "the time series": panel.export_series_csv,
+        "the compare table": panel.export_compare_json,
+    }
+    real_fdopen = os.fdopen
+
+    class FillingFile:  # takes half of what it is given, then the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    earlier = folder / "earlier ü.png"
+    earlier.write_bytes(b"the user's earlier export\n")
+    with monkeypatch.context() as m:
+        m.setattr("engine.paths.os.fdopen", lambda fd, *a, **k: FillingFile(real_fdopen(fd, *a, **k)))
+        for what, write in exports.items():
+            with pytest.raises(OSError) as caught:
+                write(earlier)
+            assert str(caught.value) == f"cannot write {what} to {earlier}: No space left on device"
+            assert earlier.read_bytes() == b"the user's earlier export\n"
+            assert [p.name for p in folder.iterdir()] == ["earlier ü.png"]  # no half file, no temporary one
+
+    missing = tmp_path / "no such folder" / "x.png"
+    for what, write in exports.items():
+        with pytest.raises(OSError) as caught:
+            write(missing)
+        assert str(caught.value) == f"cannot write {what} to {missing}: the folder {missing.parent} does not exist"
+    assert not missing.parent.exists()
+
+    names = ("plots ✓.png", "ladder ✓.png", "series ✓.csv", "compare ✓.json")
+    for write, name in zip(exports.values(), names):  # written whole, under the name chosen
+        write(folder / name)
+    assert QImage(str(folder / "plots ✓.png")).size().toTuple() == (800, 600)
+    assert not QImage(str(folder / "ladder ✓.png")).isNull()
+    assert (folder / "series ✓.csv").read_text().startswith("kind,t,t_rel,")
+    assert len(json.loads((folder / "compare ✓.json").read_text())["generations"]) == len(panel.compare.model.rows)
+    link = folder / "link.png"
+    link.symlink_to(earlier)
+    panel.export_ladder_png(link)  # written through the link, which stays
+    assert link.is_symlink() and earlier.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The buttons say it in a message box.
+    warned: list[str] = []
+    monkeypatch.setattr("ui.hud.panel.QMessageBox.warning", lambda _parent, _title, text: warned.append(text))
+    panel._save_dialog = lambda _parent, _caption, name, _filter: str(tmp_path / "no such folder" / name)
+    panel._ask_ladder_png()
+    panel._ask_series_csv()
+    where = tmp_path / "no such folder"
+    assert warned == [
+        f"Cannot write the ladder chart to {where / 'gapless-ladder.png'}: the folder {where} does not exist",
+        f"Cannot write the time series to {where / 'gapless-series.csv'}: the folder {where} does not exist",
+    ]
+
+
 def test_ladder_speedup_text_fits_beside_the_longest_bar_in_a_large_font(qtbot, large_font):
     """The tok/s axis reached 1.45 × the longest bar whatever the text beside it: at 16 pt "×166.0" was cut at the
     chart's right edge."""

@@ -15,10 +15,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence, Union
 
-from PySide6.QtGui import QColor, QPen
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice
+from PySide6.QtGui import QColor, QImage, QImageWriter, QPen
 from PySide6.QtWidgets import QWidget
 
-from engine.paths import write_whole
+from engine.errors import OutputPathError
+from engine.paths import output_file, write_whole
 from engine.types import EngineOptions, GenerationMetrics, server_decides
 from ui.hud.compare_table import CompareModel
 from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
@@ -55,7 +57,7 @@ def known_options(options: EngineOptions) -> dict:
 
 
 def write_compare_json(path: PathLike, model: CompareModel) -> Path:
-    return _write_json(path, {"generations": compare_records(model)})
+    return _write_json(path, {"generations": compare_records(model)}, "the compare table")
 
 
 def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
@@ -70,7 +72,7 @@ def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
             + [rec["metrics"][k] for k in METRIC_FIELDS]
             + [rec["metrics"]["sources"]]
         )
-    return _write_csv(path, header, rows)
+    return _write_csv(path, header, rows, "the compare table")
 
 
 def series_document(series: LiveSeries) -> dict:
@@ -105,7 +107,7 @@ def series_document(series: LiveSeries) -> dict:
 
 
 def write_series_json(path: PathLike, series: LiveSeries) -> Path:
-    return _write_json(path, series_document(series))
+    return _write_json(path, series_document(series), "the time series")
 
 
 def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
@@ -120,7 +122,7 @@ def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
     merged = [("step", r) for r in series.step_rows()] + [("sample", r) for r in series.sample_rows()] + estimates
     merged.sort(key=lambda kr: kr[1]["t"])
     rows = [[kind] + [r.get(c) for c in SERIES_CSV_COLUMNS[1:]] for kind, r in merged]
-    return _write_csv(path, list(SERIES_CSV_COLUMNS), rows)
+    return _write_csv(path, list(SERIES_CSV_COLUMNS), rows, "the time series")
 
 
 # A plots image's width and height; below 400 px the plots with their axes do not fit.
@@ -189,12 +191,13 @@ def save_plots(
         exporter.parameters().param("height").setValue(height, blockSignal=exporter.heightChanged)
         exporter.parameters()["background"] = background
         image = exporter.export(toBytes=True)
-        if image is None or image.isNull() or not image.save(str(path), "PNG"):
-            raise OSError(f"could not write PNG to {path}")
+        if image is None or image.isNull():
+            raise ExportError(f"cannot write the plots to {path}: they could not be drawn")
+        data = _png(image, f"the plots to {path}")
     finally:
         figure.close()
         figure.deleteLater()
-    return path
+    return _write(path, data, "the plots")
 
 
 TITLE_PT = 9  # the exported plots' titles
@@ -228,15 +231,31 @@ def _wrapped(text: str, points: float, width: int) -> str:
     return "<br>".join(html.escape(line) for line in lines)
 
 
-def save_png(path: PathLike, widget: QWidget) -> Path:
-    """The widget as it is drawn now, as a PNG file."""
+def save_png(path: PathLike, widget: QWidget, what: str) -> Path:
+    """The widget as it is drawn now, as a PNG file: `what` it shows names it in an error."""
     path = Path(path)
     pixmap = widget.grab()
     if pixmap.isNull():
-        raise OSError(f"could not render {type(widget).__name__} to an image (zero size?)")
-    if not pixmap.save(str(path), "PNG"):
-        raise OSError(f"could not write PNG to {path}")
-    return path
+        raise ExportError(f"cannot write {what} to {path}: it could not be drawn (zero size?)")
+    return _write(path, _png(pixmap.toImage(), f"{what} to {path}"), what)
+
+
+class ExportError(OSError):
+    """An export that was not written, its message saying what, where and why ("cannot write the time series to
+    <path>: the folder <folder> does not exist")."""
+
+
+def _png(image: QImage, what: str) -> bytes:
+    """`image` encoded as PNG, in memory: written to the file whole (_write), a disk that fills on the way leaves
+    no half image under the user's name."""
+    data = QByteArray()
+    buffer = QBuffer(data)
+    buffer.open(QIODevice.OpenModeFlag.WriteOnly)
+    writer = QImageWriter(buffer, b"PNG")
+    if not writer.write(image):
+        raise ExportError(f"cannot write {what}: the image could not be encoded as PNG ({writer.errorString()})")
+    buffer.close()
+    return bytes(data.data())
 
 
 def _cell(v: Any) -> Any:
@@ -247,23 +266,32 @@ def _cell(v: Any) -> Any:
     return v
 
 
-def _write_csv(path: PathLike, header: list[str], rows: list[list[Any]]) -> Path:
+def _write_csv(path: PathLike, header: list[str], rows: list[list[Any]], what: str) -> Path:
     text = io.StringIO(newline="")
     w = csv.writer(text)
     w.writerow(header)
     for row in rows:
         w.writerow([_cell(v) for v in row])
-    return _write(path, text.getvalue())
+    return _write(path, text.getvalue(), what)
 
 
-def _write_json(path: PathLike, doc: dict) -> Path:
+def _write_json(path: PathLike, doc: dict, what: str) -> Path:
     # allow_nan=False: a NaN reaching here would be a bug (not-measured values are None), so fail loudly.
-    return _write(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    return _write(path, json.dumps(doc, indent=2, allow_nan=False) + "\n", what)
 
 
-def _write(path: PathLike, text: str) -> Path:
+def _write(path: PathLike, data: Union[str, bytes], what: str) -> Path:
     """Whole or not at all: an export that failed on its way (a full disk, text the encoding refuses) left the
-    file it replaced as a header and nothing else."""
+    file it replaced as a header and nothing else, and a PNG a truncated image. A link is written through and
+    kept; a folder, a device, a folder that does not exist are refused with `what` and the path (the error named
+    the temporary file beside it)."""
     path = Path(path)
-    write_whole(path, text)
+    try:
+        target = output_file(path, what)
+    except OutputPathError as exc:
+        raise ExportError(str(exc)) from None
+    try:
+        write_whole(target, data)
+    except OSError as exc:
+        raise ExportError(f"cannot write {what} to {path}: {exc.strerror or exc}") from exc
     return path

@@ -282,7 +282,7 @@ class HudPanel(QWidget):
     def export_ladder_png(self, path) -> Path:
         if not self.ladder.rows:  # the chart is empty (and upside down) before a run
             raise ValueError("the ladder has not run yet: run it first")
-        return export.save_png(path, self.ladder.figure)
+        return export.save_png(path, self.ladder.figure, "the ladder chart")
 
     def _ask(self, caption: str, name: str, file_filter: str, write: Callable[[str], Path]) -> Optional[Path]:
         path = self._save_dialog(self, caption, name, file_filter)
@@ -292,9 +292,11 @@ class HudPanel(QWidget):
         self.folderUsed.emit(self.last_folder)
         try:
             return write(path)
+        except export.ExportError as e:  # says what, where and why
+            QMessageBox.warning(self, caption, _sentence(str(e)))
         except (OSError, ValueError) as e:
             QMessageBox.warning(self, caption, f"Could not write {path}: {e}")
-            return None
+        return None
 
     def _ask_series_csv(self) -> None:
         self._ask("Export time series", "gapless-series.csv", "CSV (*.csv)", self.export_series_csv)
@@ -335,6 +337,10 @@ def _options(data: dict) -> EngineOptions:
     """EngineOptions from a ladder row's options dict; keys this version does not know are left out."""
     known = {f.name for f in fields(EngineOptions)}
     return EngineOptions(**{k: v for k, v in data.items() if k in known})
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _button(text: str, tip: str, slot) -> QPushButton:
