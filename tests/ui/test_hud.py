@@ -1111,7 +1111,15 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
     (estimate,) = doc["estimates"]
 
     with open(panel.export_series_csv(tmp_path / "s.csv"), newline="") as f:
-        rows = list(csv.DictReader(f))
+        source, unavailable, *rows = list(csv.DictReader(f))
+    # first each column's source and why a series has no values, as in the JSON (the CSV had neither)
+    assert (source["kind"], unavailable["kind"]) == ("source", "unavailable")
+    assert (source["t"], source["t_rel"]) == ("time.perf_counter() seconds", "seconds since the first record")
+    assert source["cpu_util_pct"] == doc["sources"]["cpu_util_pct"] and source["step_ms"] == "engine step timings"
+    assert unavailable["gpu_util_pct"] == unavailable["power_w"] == CPU_REASON and unavailable["cpu_util_pct"] == ""
+    measured = [c for c in list(rows[0])[4:-1] if any(r[c] for r in rows if r["kind"] != "estimate")]
+    assert measured and [c for c in measured if not source[c]] == []  # every number names its source (an estimate
+    # row its own, below)
     step_rows = [r for r in rows if r["kind"] == "step"]
     sample_rows = [r for r in rows if r["kind"] == "sample"]
     assert [float(r["t"]) for r in rows] == sorted(float(r["t"]) for r in rows)
@@ -1124,6 +1132,8 @@ def test_series_exports_equal_what_was_fed(hud, tmp_path):
     # the DRAM estimate the HUD draws as a level: a row at each end of the time it describes
     levels = [(float(r["t"]), float(r["dram_bw_util_pct"])) for r in rows if r["kind"] == "estimate"]
     assert levels == [(estimate["t_start"], 36.2), (estimate["t_end"], 36.2)]
+    assert {r["estimate_source"] for r in rows if r["kind"] == "estimate"} == {estimate["source"]}
+    assert {r["estimate_source"] for r in rows if r["kind"] != "estimate"} == {""}
 
 
 def test_png_exports_are_written(hud, qtbot, tmp_path):

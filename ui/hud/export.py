@@ -30,7 +30,9 @@ PathLike = Union[str, Path]
 OPTION_FIELDS = tuple(f.name for f in fields(EngineOptions))
 METRIC_FIELDS = tuple(f.name for f in fields(GenerationMetrics))
 STEP_FIELDS = STEP_COLUMNS[2:]  # the step records' values: tokens so far, every per-step figure, traced or not
-SERIES_CSV_COLUMNS = ("kind", "t", "t_rel", "generation") + STEP_FIELDS + SAMPLE_FIELDS
+# estimate_source: where an estimate row's figure comes from (the other rows' sources are the "source" row's)
+SERIES_CSV_COLUMNS = ("kind", "t", "t_rel", "generation") + STEP_FIELDS + SAMPLE_FIELDS + ("estimate_source",)
+CLOCK = "time.perf_counter() seconds"
 
 
 def compare_records(model: CompareModel) -> list[dict]:
@@ -78,7 +80,7 @@ def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
 def series_document(series: LiveSeries) -> dict:
     t0 = series.t0
     return {
-        "clock": "time.perf_counter() seconds; t_rel is seconds since t0",
+        "clock": f"{CLOCK}; t_rel is seconds since t0",
         "t0": t0,
         "sources": {
             **series.sources,
@@ -113,14 +115,33 @@ def write_series_json(path: PathLike, series: LiveSeries) -> Path:
 def write_series_csv(path: PathLike, series: LiveSeries) -> Path:
     """Steps, samples and estimates in one table ordered by time; `kind` says which, the other kinds' cells are
     empty. An estimate (a generation's figure standing for a series the monitor did not measure, drawn as a
-    level) is two rows, at the start and at the end of the time it describes."""
+    level) is two rows, at the start and at the end of the time it describes, with its source. Two rows come
+    first, as in the JSON: "source", each column's source (the clock's for t), and "unavailable", why a series
+    has no values (its cells were empty with no reason, and no number named its source)."""
+    doc = series_document(series)
+    sources = {
+        "t": CLOCK,
+        "t_rel": "seconds since the first record",
+        **{k: "engine step records" for k in STEP_FIELDS},
+        **doc["sources"],
+    }
     estimates = [
-        ("estimate", {"t": t, "t_rel": t - (series.t0 or 0.0), "generation": e["generation"], e["series"]: e["value"]})
-        for e in series.estimate_rows()
+        (
+            "estimate",
+            {
+                "t": t,
+                "t_rel": t - (series.t0 or 0.0),
+                "generation": e["generation"],
+                e["series"]: e["value"],
+                "estimate_source": e["source"],
+            },
+        )
+        for e in doc["estimates"]
         for t in (e["t_start"], e["t_end"])
     ]
-    merged = [("step", r) for r in series.step_rows()] + [("sample", r) for r in series.sample_rows()] + estimates
+    merged = [("step", r) for r in doc["steps"]] + [("sample", r) for r in doc["samples"]] + estimates
     merged.sort(key=lambda kr: kr[1]["t"])
+    merged[:0] = [("source", sources), ("unavailable", doc["unavailable"])]
     rows = [[kind] + [r.get(c) for c in SERIES_CSV_COLUMNS[1:]] for kind, r in merged]
     return _write_csv(path, list(SERIES_CSV_COLUMNS), rows, "the time series")
 
