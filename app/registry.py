@@ -155,8 +155,10 @@ def _hf_folder_entries(folder: Path) -> list[ModelEntry]:
 class RecentModels:
     """The last models opened, newest first, one entry per absolute path (links kept), at most `limit`.
 
-    A file that cannot be read as this list is moved aside (`<name>.corrupt-<timestamp>`) and an empty list is
-    used; a write that fails (read-only or full disk) is logged and noted, never fatal."""
+    A file that cannot be read as this list is moved aside (`<name>.corrupt-<timestamp>`), one that cannot be read
+    at all (no permission, a folder in its place) too (`<name>.unreadable-<timestamp>`), and an empty list is used;
+    one that cannot be moved aside is left as it is and never written over. A write that fails (read-only or full
+    disk) is logged and noted, never fatal."""
 
     def __init__(
         self, config_dir: Path, limit: int = RECENT_MAX, default_entry: Callable[[], ModelEntry] = default_model_entry
@@ -165,6 +167,7 @@ class RecentModels:
         self.limit = limit
         self.default_entry = default_entry
         self.notices: list[str] = []
+        self._stuck = False  # a file that could not be read nor moved aside: never written over
 
     def entries(self) -> list[ModelEntry]:
         out = []
@@ -197,13 +200,14 @@ class RecentModels:
         return self.entries()
 
     def _read(self) -> list[dict]:
+        self._stuck = False
         try:
             raw = self.path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # none yet (a file in the config folder's place: none ever)
             return []
-        except OSError as exc:
-            self._note(f"the recent models list {self.path} cannot be read ({exc.strerror or exc})")
-            return []
+        except OSError as exc:  # no read permission, a folder in its place, a disk error
+            # Moved aside, as a damaged file is: left in place, the next model opened wrote the list over it.
+            return self._move_aside("unreadable", f"could not be read ({exc.strerror or exc})")
         try:
             data = json.loads(raw.decode("utf-8"))
             items = data["models"]
@@ -216,20 +220,25 @@ class RecentModels:
             ):
                 raise ValueError("unexpected entries")
         except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deeply
-            return self._move_aside(exc)
+            return self._move_aside("corrupt", f"was unreadable ({exc})")
         return items[: self.limit]
 
-    def _move_aside(self, exc: Exception) -> list[dict]:
+    def _move_aside(self, tag: str, problem: str) -> list[dict]:
         try:
-            aside = move_aside(self.path, "corrupt")
+            aside = move_aside(self.path, tag)
+        except OSError as err:  # left where it is, and not written over: the models in it are not lost
+            self._stuck = True
             self._note(
-                f"the recent models list was unreadable ({exc}); it was kept as {aside.name} and a new one started"
+                f"the recent models list {self.path} {problem} and could not be moved aside "
+                f"({err.strerror or err}); it is left as it is and the list is not saved"
             )
-        except OSError as err:
-            self._note(f"the recent models list is unreadable ({exc}) and could not be moved aside ({err})")
+            return []
+        self._note(f"the recent models list {self.path} {problem}; it was kept as {aside.name} and a new one started")
         return []
 
     def _write(self, items: list[dict]) -> None:
+        if self._stuck:
+            return
         data = json.dumps({"version": RECENT_VERSION, "models": items}, indent=1)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

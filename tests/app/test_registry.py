@@ -127,6 +127,75 @@ def test_corrupt_recent_file_is_moved_aside(tmp_path, content):
     assert [e.name for e in recent.add(str(f))] == ["a"]
 
 
+@pytest.mark.parametrize("case", ["no read permission", "a folder in its place"])
+def test_a_recent_list_that_cannot_be_read_is_kept_aside_not_written_over(tmp_path, monkeypatch, case):
+    """A recent models list without read permission read as empty, and the next model opened wrote the list over
+    it: every model in it was gone, with no copy. A folder in its place made every save fail. Either is now kept
+    aside whole, and the list of this run is saved beside it."""
+    config = tmp_path / "config"
+    config.mkdir()
+    path = config / RECENT_FILE
+    old = [str(_gguf(tmp_path / "m" / f"old{n}.gguf")) for n in range(2)]
+    content = json.dumps({"version": 1, "models": [{"source": s, "last_used": 1.0} for s in old]})
+    if case == "a folder in its place":
+        path.mkdir()
+        (path / "mine.txt").write_text("kept")
+        reason = "Is a directory"
+    else:
+        path.write_text(content)
+        os.chmod(path, 0)
+        if os.geteuid() == 0:  # root reads it all the same: the read is refused as the kernel would
+            read_bytes = type(path).read_bytes
+
+            def refused(self):
+                if self == path and self.exists() and not self.stat().st_mode & 0o444:
+                    raise PermissionError(13, "Permission denied", str(self))
+                return read_bytes(self)
+
+            monkeypatch.setattr(type(path), "read_bytes", refused)
+        reason = "Permission denied"
+    recent = RecentModels(config, default_entry=_no_default)
+    assert recent.entries() == []
+    kept = [p.name for p in config.iterdir() if p.name.startswith(RECENT_FILE + ".unreadable-")]
+    assert len(kept) == 1
+    assert recent.notices == [
+        f"the recent models list {path} could not be read ({reason}); it was kept as {kept[0]} and a new one started"
+    ]
+    new = _gguf(tmp_path / "new.gguf")
+    assert [e.name for e in recent.add(str(new))] == ["new"]
+    monkeypatch.undo()
+    assert [e.name for e in RecentModels(config, default_entry=_no_default).entries()] == ["new"]
+    aside = config / kept[0]
+    if case == "a folder in its place":
+        assert (aside / "mine.txt").read_text() == "kept"
+    else:
+        os.chmod(aside, 0o600)
+        assert aside.read_text() == content
+
+
+def test_a_recent_list_that_cannot_be_moved_aside_is_not_written_over(tmp_path, monkeypatch):
+    """Where the damaged list cannot be moved aside (a read-only folder), the model opened is not written over it."""
+    import app.registry
+
+    config = tmp_path / "config"
+    config.mkdir()
+    path = config / RECENT_FILE
+    path.write_text("{ not json")
+
+    def refused(p, tag):
+        raise PermissionError(13, "Permission denied", str(p))
+
+    monkeypatch.setattr(app.registry, "move_aside", refused)
+    recent = RecentModels(config, default_entry=_no_default)
+    assert recent.add(str(_gguf(tmp_path / "a.gguf"))) == []
+    assert path.read_text() == "{ not json"
+    assert recent.notices == [
+        f"the recent models list {path} was unreadable (Expecting property name enclosed in double quotes: line 1 column 3 "
+        "(char 2)) and could not "
+        "be moved aside (Permission denied); it is left as it is and the list is not saved"
+    ]
+
+
 def test_unwritable_config_dir_is_not_fatal(tmp_path):
     blocker = tmp_path / "config"
     blocker.write_text("a file where the folder should be")
