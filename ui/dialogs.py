@@ -43,6 +43,15 @@ def show_error(parent: Optional[QWidget], title: str, message: str) -> None:
     box.open()  # never blocks the event loop: streaming and the HUD keep running behind it
 
 
+def show_error_and_wait(parent: Optional[QWidget], title: str, message: str) -> None:
+    """A warning read before what comes next goes on (a window about to close, whose status bar goes with it):
+    returns once OK is clicked."""
+    box = QMessageBox(QMessageBox.Icon.Warning, title, message, QMessageBox.StandardButton.Ok, parent)
+    box.setTextFormat(Qt.TextFormat.PlainText)
+    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    box.exec()
+
+
 def show_info(parent: Optional[QWidget], title: str, message: str) -> QMessageBox:
     """A message for reading (shortcuts, about), never blocking the event loop."""
     box = QMessageBox(QMessageBox.Icon.Information, title, message, QMessageBox.StandardButton.Close, parent)

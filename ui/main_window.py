@@ -50,7 +50,7 @@ from engine.types import (
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
-from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_info
+from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_error_and_wait, show_info
 from ui.hud.bars import ElidedLabel
 from ui.model_panel import ModelPanel
 from ui.parts import tight_column
@@ -1129,7 +1129,7 @@ class MainWindow(QMainWindow):
             self.restoreState(QByteArray(base64.b64decode(s.window_state)))
         self.refresh_models()
 
-    def _persist(self) -> None:
+    def _persist(self, closing: bool = False) -> None:
         s = self.settings
         s.window_geometry = base64.b64encode(self.saveGeometry().data()).decode("ascii")
         s.window_state = base64.b64encode(self.saveState().data()).decode("ascii")
@@ -1140,7 +1140,17 @@ class MainWindow(QMainWindow):
             self._save_settings(s)
         except SettingsError as exc:  # a read-only or full disk: the app keeps running
             log.error("%s", exc)
-            self.status.setText(str(exc))
+            if not closing:
+                self.status.setText(str(exc))
+                return
+            # The status bar goes with the window: said where it is read, before the window closes.
+            reason = str(exc)
+            show_error_and_wait(
+                self,
+                "Settings not saved",
+                f"{reason[:1].upper()}{reason[1:]}.\n\nWhat changed since they were last saved (the optimization "
+                "choices, the window's size and place) will not be there at the next start.",
+            )
 
     def showEvent(self, event) -> None:
         super().showEvent(event)
@@ -1265,6 +1275,6 @@ class MainWindow(QMainWindow):
         self.flow.stop()
         self._chat_search.close()
         self.toggles.apply_stepped()  # a dropdown or number stepped to just before: kept, as the focus leaving keeps it
-        self._persist()
+        self._persist(closing=True)
         self.closed.emit()
         super().closeEvent(event)

@@ -5,7 +5,9 @@ that no test here reaches."""
 from __future__ import annotations
 
 import ast
+import errno
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +49,7 @@ DIALOG_SITES = {
     ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/remote_dialog.py", "RemoteDialog.__init__"): "test_the_remote_model_dialog_cancels_with_its_button",
+    ("ui/dialogs.py", "show_error_and_wait"): "test_settings_the_disk_cannot_take_on_close_are_said_before_it_closes",
 }
 
 
@@ -377,6 +380,36 @@ def test_a_failed_open_shows_an_error_box_that_its_ok_button_closes(qtbot, gui, 
         lambda: not [x for x in QApplication.topLevelWidgets() if isinstance(x, QMessageBox) and x.isVisible()],
         timeout=TIMEOUT_MS,
     )
+
+
+def test_settings_the_disk_cannot_take_on_close_are_said_before_it_closes(qtbot, gui, driver, monkeypatch, caplog):
+    """A save that failed on close was said in the status bar of the window closing: nobody saw it, and what was
+    saved only on close (the optimization choices, the window's size and place) was gone at the next start."""
+    w = gui.window
+    path = gui.paths.settings_file
+    before = path.read_bytes() if path.exists() else None
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("app.settings.write_whole", full)
+    driver.click("OK").start()
+    with caplog.at_level(logging.ERROR, logger="ui.main_window"):
+        w.close()
+    assert driver.done
+    [box] = driver.answered
+    assert box.title == "Settings not saved" and box.buttons == ["OK"]
+    assert box.text == (
+        f"Cannot save the settings to {path}: No space left on device.\n\nWhat changed since they were last "
+        "saved (the optimization choices, the window's size and place) will not be there at the next start."
+    )
+    assert ("ui/main_window.py", "MainWindow.closeEvent") in box.sites  # shown while the window was still there
+    assert not w.isVisible()  # and it closed after OK
+    assert [r.getMessage() for r in caplog.records if r.name == "ui.main_window"] == [
+        f"cannot save the settings to {path}: No space left on device"
+    ]
+    assert (path.read_bytes() if path.exists() else None) == before  # the file as it was
+    monkeypatch.undo()  # the fixture closes the window again
 
 
 def test_open_folder_dialog_loads_the_chosen_folder(qtbot, gui, driver, tiny_llama):
