@@ -229,11 +229,12 @@ class ChatFlow(QObject):
     def set_chat_settings(self, system_prompt: str, sampling: SamplingParams, overflow_policy: str = "") -> None:
         """overflow_policy "" follows the default."""
         if self.chat_id is None:
-            chat = self._guard(lambda: self.store.create_chat(UNTITLED, system_prompt, sampling))
+            # One transaction: the chat with every setting, or none (a failed second write left it made with the
+            # default policy, and opened after the error)
+            chat = self._guard(lambda: self.store.create_chat(UNTITLED, system_prompt, sampling, overflow_policy))
             if not chat:
                 return
             self.chat_id = chat.id
-            self._guard(lambda: self.store.update_chat(chat.id, overflow_policy=overflow_policy))
             self.chatsChanged.emit()
             self.chatOpened.emit(chat.id)
             return

@@ -307,6 +307,14 @@ def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
     return code is not None and (code & 0xFF) in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
 
 
+def _check_overflow(policy: Optional[str]) -> None:
+    """A chat's overflow policy as given to the store: None (unchanged), "" (the default) or a known one."""
+    from engine.types import OVERFLOW_POLICIES
+
+    if policy not in (None, "", *OVERFLOW_POLICIES):
+        raise StoreError(f"unknown overflow policy {policy!r}")
+
+
 def aside_name(path: Path, tag: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     candidate = path.with_name(f"{path.name}.{tag}-{stamp}")
@@ -671,11 +679,15 @@ class ChatStore:
 
     # ---- chats ---------------------------------------------------------------------------------------
 
-    def create_chat(self, title: str = "New chat", system_prompt: str = "", sampling: Any = None) -> Chat:
+    def create_chat(
+        self, title: str = "New chat", system_prompt: str = "", sampling: Any = None, overflow_policy: str = ""
+    ) -> Chat:
+        """A new chat with its settings, in one transaction; overflow_policy "" follows the settings' default."""
         _check_length(title, "the title", MAX_TITLE_CHARS)
         _check_length(system_prompt, "the system prompt", MAX_TEXT_CHARS)
+        _check_overflow(overflow_policy)
         with self._write("create a chat") as db:
-            chat_id = self._insert_chat(db, title, system_prompt, sampling)
+            chat_id = self._insert_chat(db, title, system_prompt, sampling, overflow_policy)
         return self.get_chat(chat_id)
 
     def start_chat(self, title: str, system_prompt: str, sampling: Any, first_message: str) -> Message:
@@ -690,11 +702,14 @@ class ChatStore:
         return self.get_message(message_id)
 
     @staticmethod
-    def _insert_chat(db: sqlite3.Connection, title: str, system_prompt: str, sampling: Any) -> int:
+    def _insert_chat(
+        db: sqlite3.Connection, title: str, system_prompt: str, sampling: Any, overflow_policy: str = ""
+    ) -> int:
         now = time.time()
         cur = db.execute(
-            "INSERT INTO chats (title, created, updated, system_prompt, sampling_json) VALUES (?, ?, ?, ?, ?)",
-            (title, now, now, system_prompt, _dumps(sampling)),
+            "INSERT INTO chats (title, created, updated, system_prompt, sampling_json, overflow_policy) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (title, now, now, system_prompt, _dumps(sampling), overflow_policy or None),
         )
         return _inserted_id(cur)
 
@@ -768,10 +783,7 @@ class ChatStore:
     ) -> bool:
         """Change what is given (None: unchanged); overflow_policy "" means the settings' default again. Whether a
         value changed; the chat's updated time moves only then."""
-        from engine.types import OVERFLOW_POLICIES
-
-        if overflow_policy not in (None, "", *OVERFLOW_POLICIES):
-            raise StoreError(f"unknown overflow policy {overflow_policy!r}")
+        _check_overflow(overflow_policy)
         if system_prompt is not None:
             _check_length(system_prompt, "the system prompt", MAX_TEXT_CHARS)
         with self._write("update the chat") as db:

@@ -419,6 +419,32 @@ def test_a_first_message_a_full_disk_cannot_take_leaves_no_empty_chat(flow):
     assert heard["failed"] == [full] * 3 and len(ctl.asked) == 1
 
 
+def test_chat_settings_of_a_new_chat_are_stored_whole_or_not_at_all(flow):
+    """Chat settings on a new chat made the chat, then gave it its overflow policy in a second write: where that
+    write failed, the chat stayed with the default policy, and the chat was opened and listed after the error."""
+    f, store, ctl = flow
+    listed = ListedChats(f, store)
+    heard = signals(f, "failed", "chatOpened")
+    store._db.execute(  # any change of a stored chat fails, as a disk error would fail the second write
+        "CREATE TEMP TRIGGER no_update BEFORE UPDATE ON chats BEGIN SELECT RAISE(ABORT, 'disk I/O error'); END"
+    )
+    f.set_chat_settings("Be brief.", SAMPLING, "stop")
+    made = f.chat_id
+    assert heard["failed"] == [] and heard["chatOpened"] == [(made,)] and not listed.stale()
+    chat = store.get_chat(made)
+    assert (chat.title, chat.system_prompt, chat.overflow_policy) == ("New chat", "Be brief.", "stop")
+    assert chat.sampling == SAMPLING.to_dict()
+
+    store._db.execute("DROP TRIGGER no_update")
+    f.new_chat()
+    heard["chatOpened"].clear()
+    fill_the_disk(store)
+    f.set_chat_settings("Be long." * 100_000, SAMPLING, "truncate-middle")  # the chat's row does not fit
+    assert heard["failed"] == [("cannot create a chat in the chat database: database or disk is full",)]
+    assert heard["chatOpened"] == [] and f.chat_id is None
+    assert [c[0] for c in store.chat_titles()] == [made] and not listed.stale()
+
+
 def test_a_rename_to_the_title_the_chat_has_leaves_it_where_it_is_in_the_list(flow):
     """F2 (or Rename…) then OK with the title as it was: the store counted it as a change, so the chat came first in
     the list with its age "just now", though nothing in it changed (as OK in Chat settings did before)."""
