@@ -3,7 +3,8 @@
 A file that cannot be read as our settings is moved aside (`settings.json.corrupt-<timestamp>`), one that cannot be
 read at all (no permission, a folder in its place) too (`settings.json.unreadable-<timestamp>`), and defaults are
 used; a file written by a newer version is moved aside too (`settings.json.newer-<timestamp>`), so saving ours
-never overwrites it. Each such case leaves a notice for the app to show.
+never overwrites it. A file that becomes one of these after it was read (a hand edit cut short, a newer version
+saving meanwhile) is moved aside by the next save. Each such case leaves a notice for the app to show.
 """
 
 from __future__ import annotations
@@ -226,12 +227,7 @@ class SettingsStore:
             return Settings(), self._aside("corrupt", str(exc), notices)
         version = data.get("version", SETTINGS_VERSION)
         if version > SETTINGS_VERSION:  # checked before the fields: a newer file may use values we do not know
-            return Settings(), self._aside(
-                "newer",
-                f"it was written by a newer version of Gapless (settings version {version}, "
-                f"this version reads up to {SETTINGS_VERSION})",
-                notices,
-            )
+            return Settings(), self._aside("newer", _newer(version), notices)
         bad = self._bad_fields(data)
         for name in bad:
             del data[name]
@@ -333,16 +329,19 @@ class SettingsStore:
         )
         return notices
 
-    def save(self, settings: Settings) -> None:
-        """Write atomically: a crash or a full disk leaves either the old file or the new one, never half."""
+    def save(self, settings: Settings) -> list[str]:
+        """Write atomically: a crash or a full disk leaves either the old file or the new one, never half.
+        Notices for the user: a file that could not be used since it was read (damaged by a hand edit, a newer
+        version's) was moved aside before this one was written."""
         mine = self._with_unknown_options(settings.to_dict())
+        notices: list[str] = []
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Read, merged and written by one window at a time: two saving at once (a logout closes both) each
             # read the file before the other wrote it, and the second write undid the first's changes.
             with _locked(self.path.with_name(f".{self.path.name}.lock")):  # kept: removing it would race
                 doc = {**self.unknown, **mine}
-                on_disk = self._current() if self._seen is not None else None
+                on_disk = self._current(notices)
                 if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
                     seen = self._seen
                     changed = {k: v for k, v in mine.items() if k not in seen or seen[k] != v}
@@ -354,6 +353,7 @@ class SettingsStore:
         except ValueError as exc:  # NaN, or text that is not valid Unicode
             raise SettingsError(f"cannot save the settings to {self.path}: {exc}") from exc
         self._seen = mine
+        return notices
 
     def _with_unknown_options(self, doc: dict[str, Any]) -> dict[str, Any]:
         """The settings as written: a newer version's options kept beside this version's (which win)."""
@@ -362,11 +362,46 @@ class SettingsStore:
                 doc[name] = {**extra, **doc[name]}
         return doc
 
-    def _current(self) -> Optional[dict[str, Any]]:
+    def _current(self, notices: list[str]) -> Optional[dict[str, Any]]:
         """The file as it is now, where it reads as a settings object of this version (else None: this window's
-        settings are written whole, as they would be without another window)."""
+        settings are written whole, as they would be without another window). One that cannot be used, damaged or
+        written by a newer version since this window read it, is moved aside first, with a notice: written over,
+        it was gone with no copy. One that cannot be moved aside is a SettingsError: it is not written over."""
         try:
-            data = self._parse(self.path.read_text(encoding="utf-8-sig"))
-        except (OSError, UnicodeDecodeError, _Unreadable):
+            text = self.path.read_text(encoding="utf-8-sig")
+        except (FileNotFoundError, NotADirectoryError):  # none yet (a file in the folder's place: the write says so)
             return None
-        return data if data.get("version", SETTINGS_VERSION) <= SETTINGS_VERSION else None
+        except UnicodeDecodeError as exc:
+            tag, reason = "corrupt", f"it is not UTF-8 text ({exc.reason})"
+        except OSError as exc:
+            tag, reason = "unreadable", f"it cannot be read ({exc.strerror or exc})"
+        else:
+            try:
+                data = self._parse(text)
+            except _Unreadable as exc:
+                tag, reason = "corrupt", str(exc)
+            else:
+                version = data.get("version", SETTINGS_VERSION)
+                if version <= SETTINGS_VERSION:
+                    return data
+                tag, reason = "newer", _newer(version)
+        try:
+            aside = move_aside(self.path, tag)
+        except OSError as exc:
+            raise SettingsError(
+                f"cannot save the settings to {self.path}: the file there could not be used ({reason}) and could "
+                f"not be moved aside ({exc.strerror or exc}); it is left as it is"
+            ) from exc
+        log.error("settings file %s is unusable (%s); moved to %s before saving", self.path, reason, aside)
+        notices.append(
+            f"The settings file {self.path} could not be used: {reason}. It was kept as {aside.name} and the "
+            "settings of this window were saved in its place."
+        )
+        return None
+
+
+def _newer(version: int) -> str:
+    return (
+        f"it was written by a newer version of Gapless (settings version {version}, "
+        f"this version reads up to {SETTINGS_VERSION})"
+    )

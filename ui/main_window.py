@@ -195,7 +195,7 @@ class MainWindow(QMainWindow):
         store: ChatStore,
         controller: EngineController,
         settings: Settings,
-        save_settings: Callable[[Settings], None],
+        save_settings: Callable[[Settings], list[str]],  # notices of a file kept aside (app.settings)
         theme: ThemeManager,
         default_sampling: SamplingParams,
         hud: Optional[HudPanel] = None,
@@ -1137,7 +1137,7 @@ class MainWindow(QMainWindow):
         if self.hud_dock is not None:
             s.hud_visible = self.hud_dock.isVisible()
         try:
-            self._save_settings(s)
+            kept_aside = self._save_settings(s)
         except SettingsError as exc:  # a read-only or full disk: the app keeps running
             log.error("%s", exc)
             if not closing:
@@ -1151,6 +1151,12 @@ class MainWindow(QMainWindow):
                 f"{reason[:1].upper()}{reason[1:]}.\n\nWhat changed since they were last saved (the optimization "
                 "choices, the window's size and place) will not be there at the next start.",
             )
+            return
+        for notice in kept_aside:  # a file damaged or a newer version's since it was read: moved, not written over
+            if closing:
+                show_error_and_wait(self, "Settings file kept aside", notice)
+            else:
+                self.status.setText(notice)
 
     def showEvent(self, event) -> None:
         super().showEvent(event)

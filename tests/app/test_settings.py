@@ -74,8 +74,8 @@ def test_two_windows_saving_at_once_keep_each_other_s_changes(path, monkeypatch)
     b_reading = threading.Event()
     read_file = SettingsStore._current
 
-    def current(store):
-        on_disk = read_file(store)
+    def current(store, notices):
+        on_disk = read_file(store, notices)
         if store is b_store:
             b_reading.set()
         elif store is a_store and not b_reading.is_set():  # the first window has read the file: the second saves
@@ -157,7 +157,7 @@ def test_a_file_that_cannot_be_read_is_moved_aside_not_written_over(path, case, 
             read_text = type(path).read_text
 
             def refused(self, *args, **kwargs):
-                if self == path:
+                if self == path and self.exists() and not self.stat().st_mode & 0o444:
                     raise PermissionError(13, "Permission denied", str(self))
                 return read_text(self, *args, **kwargs)
 
@@ -181,6 +181,65 @@ def test_a_file_that_cannot_be_read_is_moved_aside_not_written_over(path, case, 
     else:
         os.chmod(aside, 0o600)
         assert json.loads(aside.read_text()) == {"version": 1, "theme": "dark", "system_prompt": "Be brief."}
+
+
+@pytest.mark.parametrize(
+    "case, content, tag, reason",
+    [
+        (
+            "a newer version saved meanwhile",
+            json.dumps({"version": SETTINGS_VERSION + 1, "theme": "sepia", "layout": "new"}),
+            "newer",
+            f"it was written by a newer version of Gapless (settings version {SETTINGS_VERSION + 1}, this version "
+            f"reads up to {SETTINGS_VERSION})",
+        ),
+        (
+            "a hand edit cut short",
+            '{"version": 1, "system_prompt": "A prompt typed with care"',
+            "corrupt",
+            "it is not valid JSON: Expecting ',' delimiter (line 1, column 59)",
+        ),
+    ],
+)
+def test_a_file_damaged_or_newer_since_it_was_read_is_kept_aside_when_saving(path, case, content, tag, reason):
+    """The file was read at start; what another instance (a newer version) or a hand edit put there since was
+    written over by the next save, with no copy."""
+    store = SettingsStore(path)
+    s, _ = store.load()
+    store.save(s)
+    path.write_text(content)
+    s.theme = "dark"
+    notices = store.save(s)
+    kept = asides(path, tag)
+    assert len(kept) == 1 and (path.parent / kept[0]).read_text() == content
+    assert notices == [
+        f"The settings file {path} could not be used: {reason}. It was kept as {kept[0]} and the settings of this "
+        "window were saved in its place."
+    ]
+    assert SettingsStore(path).load() == (s, [])
+    assert store.save(s) == []  # once
+
+
+def test_a_file_damaged_since_it_was_read_that_cannot_be_moved_aside_is_not_written_over(path, monkeypatch):
+    import app.settings
+
+    store = SettingsStore(path)
+    s, _ = store.load()
+    path.parent.mkdir(parents=True)
+    path.write_text("{ cut")
+
+    def refused(p, tag):
+        raise PermissionError(13, "Permission denied", str(p))
+
+    monkeypatch.setattr(app.settings, "move_aside", refused)
+    with pytest.raises(SettingsError) as caught:
+        store.save(s)
+    assert str(caught.value) == (
+        f"cannot save the settings to {path}: the file there could not be used (it is not valid JSON: Expecting "
+        "property name enclosed in double quotes (line 1, column 3)) and could not be moved aside (Permission "
+        "denied); it is left as it is"
+    )
+    assert path.read_text() == "{ cut"
 
 
 @pytest.mark.parametrize(

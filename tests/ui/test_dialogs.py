@@ -412,6 +412,25 @@ def test_settings_the_disk_cannot_take_on_close_are_said_before_it_closes(qtbot,
     monkeypatch.undo()  # the fixture closes the window again
 
 
+def test_a_newer_version_s_settings_saved_meanwhile_are_kept_aside_on_close(qtbot, gui, driver):
+    """A newer Gapless on the same data folder saved its settings while this window was open: closing this one
+    wrote its older settings over them, with no copy."""
+    path = gui.paths.settings_file
+    newer = json.dumps({"version": 2, "theme": "sepia"})
+    path.write_text(newer)
+    driver.click("OK").start()
+    gui.window.close()
+    assert driver.done
+    [box] = driver.answered
+    [kept] = [p.name for p in path.parent.glob("settings.json.newer-*")]
+    assert box.title == "Settings file kept aside" and box.text == (
+        f"The settings file {path} could not be used: it was written by a newer version of Gapless (settings "
+        f"version 2, this version reads up to 1). It was kept as {kept} and the settings of this window were saved "
+        "in its place."
+    )
+    assert (path.parent / kept).read_text() == newer and json.loads(path.read_text())["version"] == 1
+
+
 def test_open_folder_dialog_loads_the_chosen_folder(qtbot, gui, driver, tiny_llama):
     w = gui.window
     driver.choose_file(tiny_llama).start()
