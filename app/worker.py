@@ -208,6 +208,7 @@ class EngineWorker(EngineEvents):
         self._batcher = _Batcher(batch_interval_s)
         self._last_progress = (0.0, "")
         self._busy = False
+        self._stop_reading = threading.Event()  # set by Stop: a draft model's read in progress is given up
 
     @Slot()
     def run(self) -> None:
@@ -235,6 +236,18 @@ class EngineWorker(EngineEvents):
         each applied after it (an int8 quantisation among them), and the next answer waited for all of them."""
         with self.commands.mutex:
             return bool(self.commands.queue) and isinstance(self.commands.queue[0], Reconfigure)
+
+    def stop_reading(self) -> None:
+        """Give up the draft model's read a reconfigure is doing (Stop); safe from any thread."""
+        self._stop_reading.set()
+
+    def _read_not_wanted(self) -> bool:
+        """Whether the options being applied are moot: Stop was pressed, or other options, another model or the
+        end are queued (a draft model's read held them back until it was whole)."""
+        if self._stop_reading.is_set():
+            return True
+        with self.commands.mutex:
+            return any(isinstance(c, (Reconfigure, Load, Shutdown)) for c in self.commands.queue)
 
     def _dispatch(self, command: Any) -> None:
         handler: dict[type, Callable[[Any], None]] = {
@@ -291,8 +304,9 @@ class EngineWorker(EngineEvents):
                 return
             self.reconfigured.emit(self._pending_options, {})
             return
+        self._stop_reading.clear()  # a Stop pressed before was for what ran before
         try:
-            self.engine.reconfigure(cmd.options, self._on_progress)
+            self.engine.reconfigure(cmd.options, self._on_progress, self._read_not_wanted)
             unavailable = dict(self.engine.unavailable())
         except Exception as exc:
             self._log_unless_expected(exc, "reconfiguring")
@@ -492,10 +506,12 @@ class EngineController(EngineEvents):
         self.contextCounted.emit(request_id, use)
 
     def cancel(self) -> None:
-        """Stop the running generation (and any queued one): each finishes with its partial text.
-        Safe to call from any thread (it only sets events)."""
+        """Stop the running generation (and any queued one): each finishes with its partial text; and a draft
+        model's read in progress (the options stay in force; it is read when next needed). Safe to call from any
+        thread (it only sets events)."""
         for event in list(self._generation_cancels.values()):
             event.set()
+        self.worker.stop_reading()
 
     def run_ladder(self, messages: list, sampling: SamplingParams, presets: Optional[list] = None) -> None:
         cancel = threading.Event()

@@ -17,7 +17,7 @@ import torch
 
 from engine import cpu_kernels, figures, heap
 from engine.decode import DynamicRunner, NoCacheRunner, RunnerBase, StaticRunner, bucket_for
-from engine.errors import GaplessError, GenerationError, ModelLoadError, one_line
+from engine.errors import GaplessError, GenerationError, ModelLoadError, ReadStopped, one_line
 from engine.generate import NOT_REMOTE, LoopResult, run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver, reader_for
@@ -196,9 +196,16 @@ class Engine:
         self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
         progress(Progress("load", 1.0, "model ready"))
 
-    def _load_draft(self, options: EngineOptions, progress: Callable[[Progress], None]) -> Optional[Transformer]:
+    def _load_draft(
+        self,
+        options: EngineOptions,
+        progress: Callable[[Progress], None],
+        cancelled: Optional[Callable[[], bool]] = None,
+    ) -> Optional[Transformer]:
         """The draft model of `options` on this model's device and dtype, loaded once; None when the options
-        name none or it cannot draft for this model (the reason is kept for unavailable())."""
+        name none or it cannot draft for this model (the reason is kept for unavailable()), or when `cancelled()`
+        says at a progress point of its read that it is no longer wanted (nothing of it is kept, nothing refused:
+        it is read again when next asked for)."""
         path = options.draft_model
         if options.speculation != "draft" or not path or not self.fast or self._draft_refusal(path):
             return None
@@ -208,9 +215,17 @@ class Engine:
         from engine.loader import load_checkpoint
         from engine.speculative import vocabulary_mismatch
 
-        progress(Progress("load", None, f"loading the draft model {path}"))
+        def report(p: Progress) -> None:
+            if cancelled is not None and cancelled():
+                raise ReadStopped(f"the read of the draft model {path} was stopped")
+            progress(p)
+
         try:
-            draft = load_checkpoint(path, progress)
+            report(Progress("load", None, f"loading the draft model {path}"))
+            draft = load_checkpoint(path, report)
+        except ReadStopped as exc:  # before the handlers below: a read no longer wanted is no refusal of the draft
+            log.info("%s", exc)
+            return None
         except GaplessError as exc:
             self._refuse_draft(path, f"the draft model could not be loaded: {exc}")
             return None
@@ -476,9 +491,16 @@ class Engine:
         device = _target_device(eff.device)
         return replace(eff, device=device.type, dtype=resolve_dtype(eff.dtype, device)), reasons
 
-    def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
+    def reconfigure(
+        self,
+        options: EngineOptions,
+        progress: Optional[Callable[[Progress], None]] = None,
+        cancelled: Optional[Callable[[], bool]] = None,
+    ) -> None:
         """Switch options for the next generation. Waits for a running generation; weights are re-placed only
-        when device, dtype or weight format change (from the loaded checkpoint, so precision is never lost)."""
+        when device, dtype or weight format change (from the loaded checkpoint, so precision is never lost).
+        A draft model's read stops at its next progress point once `cancelled()` is true: the options are in
+        force without it, and it is read when next needed."""
         progress = progress or _noop
         options = options.validate()
         with self._lock:
@@ -500,7 +522,7 @@ class Engine:
                     raise failed
                 self.monitor.close()
                 self.monitor = self._start_monitor()
-            self._load_draft(options, progress)
+            self._load_draft(options, progress, cancelled)
             self.options = options
 
     def _place_again(
@@ -693,7 +715,7 @@ class Engine:
         static = runner if isinstance(runner, StaticRunner) and opts.kernels == "torch" else None  # the torch step
         # a seeded sampled answer is the same every time: the adaptive schedule then models step times
         seeded = sampling.seed is not None and not SamplerKind.of(sampling).greedy
-        spec = self._speculator(opts, static, on_event, seeded) if static is not None else None
+        spec = self._speculator(opts, static, on_event, seeded, cancel.is_set) if static is not None else None
         if opts.speculation != "off" and spec is None:
             reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
             notices.append(f"speculation off for this answer: {reasons['speculation']}")
@@ -835,9 +857,15 @@ class Engine:
         return fused, None
 
     def _speculator(
-        self, opts: EngineOptions, runner: StaticRunner, on_event: Callable, seeded: bool = False
+        self,
+        opts: EngineOptions,
+        runner: StaticRunner,
+        on_event: Callable,
+        seeded: bool = False,
+        cancelled: Optional[Callable[[], bool]] = None,
     ) -> Optional[Speculator]:
-        """The speculation of this generation, or None when off (or the draft model cannot be had)."""
+        """The speculation of this generation, or None when off (or the draft model cannot be had, or its read
+        was stopped)."""
         if opts.speculation == "off":
             return None
         k = opts.draft_tokens
@@ -848,7 +876,7 @@ class Engine:
         if opts.speculation == "ngram":
             source = f"engine counters: n-gram prompt lookup (n = {NGRAM_MAX}..1) on the host, {schedule}"
             return Speculator(NgramProposer(), k, shapes, source, reproducible=seeded)
-        model = self._load_draft(opts, on_event)
+        model = self._load_draft(opts, on_event, cancelled)
         if model is None:
             return None
         # Kept from answer to answer while the draft model and the cache's length stay: its cache holds the

@@ -46,6 +46,12 @@ class RemoteRefused(GenerationError):
         self.retry_after = retry_after
 
 
+class ReadStopped(Exception):
+    """Raised from a progress hook to give up a model's read part way, because what it was for is no longer
+    wanted (options chosen again, another model, the app closing). Not a GaplessError: nothing is wrong with the
+    model, so no handler may report it as a fault of it."""
+
+
 class OutputPathError(GaplessError):
     """A file the user asked to have written cannot be written there (a folder, a device, no such folder)."""
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from engine.errors import ModelLoadError, UnsafeModelError, one_line
+from engine.errors import ModelLoadError, ReadStopped, UnsafeModelError, one_line
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
 from engine.types import Progress, hub_name, is_remote, safetensors_weights
 
@@ -369,6 +369,8 @@ def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
                     done += 1
                     if done % 16 == 0 or done == len(wanted):
                         report(Progress("load", 0.2 + 0.8 * done / len(wanted), f"read {done}/{len(wanted)} tensors"))
+        except ReadStopped:  # from the progress hook: a read no longer wanted, not a damaged file
+            raise
         except Exception as exc:  # a truncated data section surfaces here, as SafetensorError
             raise ModelLoadError(f"{label}: cannot read the weights in {file.name}: {one_line(exc)}") from exc
     return Checkpoint(

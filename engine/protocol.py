@@ -21,7 +21,12 @@ class EngineLike(Protocol):
         """Option -> why it cannot be honoured with this model on this machine."""
         ...
 
-    def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None: ...
+    def reconfigure(
+        self,
+        options: EngineOptions,
+        progress: Optional[Callable[[Progress], None]] = None,
+        cancelled: Optional[Callable[[], bool]] = None,  # true once a long read (a draft model's) is not wanted
+    ) -> None: ...
 
     def generate(
         self,

@@ -376,7 +376,12 @@ class RemoteEngine:
     def effective(self, options: EngineOptions) -> tuple[EngineOptions, dict[str, str]]:
         return options, self.unavailable(options)
 
-    def reconfigure(self, options: EngineOptions, progress: Optional[Callable[[Progress], None]] = None) -> None:
+    def reconfigure(
+        self,
+        options: EngineOptions,
+        progress: Optional[Callable[[Progress], None]] = None,
+        cancelled: Optional[Callable[[], bool]] = None,
+    ) -> None:
         self.options = options.validate()
 
     # ---- generation ----

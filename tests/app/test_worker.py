@@ -222,6 +222,59 @@ def test_load_while_generating_stops_it_then_loads(qtbot, ctl, tiny_llama, tiny_
     assert on_new.finish_reasons == ["length"] and len(on_new.token_ids[0]) == 5
 
 
+@pytest.mark.parametrize("then", ["options chosen again", "stop", "another model"])
+def test_a_draft_model_read_stops_for_what_was_asked_after_it(qtbot, ctl, tiny_llama, tmp_path, monkeypatch, then):
+    """Drafting turned on and then off (or Stop, or another model opened) while the draft model was read: the read
+    went on to its end under the engine lock, and whatever was asked after it waited for the whole read."""
+    from gguf_fixtures import hf_llama_to_gguf
+
+    draft = hf_llama_to_gguf(tiny_llama, tmp_path / "draft.gguf")
+    plain = EngineOptions(device="cpu")
+    drafting = plain.with_(speculation="draft", draft_model=str(draft), draft_tokens=3)
+    load(qtbot, ctl, tiny_llama, plain)
+    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
+    first = ctl.worker.engine
+    reading, go = threading.Event(), threading.Event()
+    seen: list[str] = []
+    forward = EngineWorker._on_progress
+
+    def held_in_the_read(self, p: Progress) -> None:
+        seen.append(p.message)
+        if p.stage == "dequantise" and not reading.is_set():  # the draft's weights: its read is under way
+            reading.set()
+            go.wait(60)
+        forward(self, p)
+
+    monkeypatch.setattr(EngineWorker, "_on_progress", held_in_the_read)
+    rec = Recorder(ctl)
+    ctl.reconfigure(drafting)
+    assert reading.wait(60)
+    last = ctl.loaded if then == "another model" else ctl.reconfigured
+    with qtbot.waitSignal(last, timeout=TIMEOUT_MS, check_params_cb=lambda *a: then == "stop" or a[0] != drafting):
+        if then == "options chosen again":
+            ctl.reconfigure(plain)
+        elif then == "stop":
+            ctl.cancel()
+        else:
+            ctl.load(str(tiny_llama), plain)
+        go.set()
+    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
+    assert not any(m.startswith("de-quantised") for m in seen) and "draft model ready" not in seen
+    assert rec.of("reconfigureFailed") == [] and rec.of("loadFailed") == []
+    assert first._draft_models == {} and first._draft_refused == {}  # nothing half-read kept, nothing refused
+    engine = ctl.worker.engine
+    if then == "another model":
+        assert engine is not first and engine.options == plain and len(rec.of("loaded")) == 1
+    else:
+        assert rec.of("reconfigured")[-1][0] == (plain if then == "options chosen again" else drafting)
+    assert engine.options == ctl.options and "speculation" not in ctl.unavailable
+    with qtbot.waitSignal(ctl.reconfigured, timeout=TIMEOUT_MS):  # asked for again: read whole, and it drafts
+        ctl.reconfigure(drafting)
+    assert "speculation" not in ctl.unavailable and "draft model ready" in seen
+    _, got = generate(qtbot, ctl, greedy(12))
+    assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
+
+
 # ---- a scripted engine: a generation that pauses where the test says ------------------------------------------
 
 
@@ -246,7 +299,7 @@ class ScriptedEngine:
     def unavailable(self, options=None):
         return {"cuda_graph": "needs CUDA"}
 
-    def reconfigure(self, options, progress=None):
+    def reconfigure(self, options, progress=None, cancelled=None):
         self.options = options.validate()
 
     def measure_prompt(self, messages, max_new_tokens, overflow="rolling"):
@@ -383,7 +436,7 @@ def test_options_chosen_one_by_one_during_an_answer_apply_once_after_it(qtbot, s
     ctl, made = scripted
     load(qtbot, ctl, "tiny")
     applied: list[EngineOptions] = []
-    monkeypatch.setattr(ScriptedEngine, "reconfigure", lambda self, o, progress=None: applied.append(o))
+    monkeypatch.setattr(ScriptedEngine, "reconfigure", lambda self, o, progress=None, cancelled=None: applied.append(o))
     rec = Recorder(ctl)
     made[0].gate = threading.Event()
     rid = ctl.generate(MESSAGES, SamplingParams(max_new_tokens=5))

@@ -725,6 +725,37 @@ def test_a_refused_draft_model_is_tried_again_once_its_file_changes(tiny_factory
         eng.close()
 
 
+@pytest.mark.parametrize("form", ["folder", "gguf"])
+def test_a_draft_model_read_stopped_part_way_is_neither_kept_nor_refused(tiny_factory, tmp_path, form):
+    """A folder's read stopped from its progress hook became "cannot read the weights" (the loader took the stop for
+    a damaged file), and the draft model was refused until its file changed."""
+    from gguf_fixtures import hf_llama_to_gguf
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    folder = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=2)
+    path = folder if form == "folder" else hf_llama_to_gguf(folder, tmp_path / "draft.gguf")
+    drafting = CPU.with_(speculation="draft", draft_model=str(path), draft_tokens=3)
+    eng = Engine.load(str(target), CPU)
+    try:
+        seen: list[str] = []
+        weights_read = ("read ", "de-quantised ")  # a folder's, a GGUF's progress through its tensors
+        eng.reconfigure(
+            drafting, lambda p: seen.append(p.message), lambda: any(m.startswith(weights_read) for m in seen)
+        )
+        assert [m for m in seen if m.startswith(weights_read)] == [
+            "read 16/20 tensors" if form == "folder" else "de-quantised 16/20 tensors"
+        ]
+        assert eng.options == drafting and "speculation" not in eng.unavailable()
+        assert eng._draft_models == {} and eng._draft_refused == {}
+        got = eng.generate(REPEATS, GREEDY)  # read whole when the answer needs it
+        assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
+        eng.reconfigure(CPU)
+        assert got.token_ids == eng.generate(REPEATS, GREEDY).token_ids
+    finally:
+        eng.close()
+
+
 def test_vocabulary_mismatch_names_remapped_tokens():
     class Tok:
         def __init__(self, vocab):
