@@ -260,6 +260,15 @@ class Engine:
         progress(Progress("load", 1.0, "draft model ready"))
         return model
 
+    def _drop_other_drafts(self, options: EngineOptions) -> None:
+        """Let go of a draft model (and its proposer's cache) that `options` do not draft with, before another is
+        read: one turned off stayed in memory until the model was loaded again, and one replaced by another was
+        held with it while the other was read (or for good, where the other was refused)."""
+        wanted = options.speculation == "draft" and options.draft_model
+        if not wanted or (options.draft_model, str(self.device), self.dtype) not in self._draft_models:
+            self._draft_models.clear()
+            self._draft_proposer = None
+
     def _refuse_draft(self, path: str, why: str) -> None:
         self._draft_refused[path] = (_on_disk(path), why)
 
@@ -522,6 +531,7 @@ class Engine:
                     raise failed
                 self.monitor.close()
                 self.monitor = self._start_monitor()
+            self._drop_other_drafts(options)
             self._load_draft(options, progress, cancelled)
             self.options = options
 

@@ -756,6 +756,48 @@ def test_a_draft_model_read_stopped_part_way_is_neither_kept_nor_refused(tiny_fa
         eng.close()
 
 
+def test_a_draft_model_turned_off_or_replaced_is_let_go(tiny_factory, tmp_path):
+    """Drafting turned off kept the draft model (and its proposer's cache of the chat) in memory until the model
+    was loaded again; a draft model replaced by another, or by one refused, was kept beside it."""
+    import gc
+    import weakref
+
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    one = make_tiny_model(tmp_path / "one", "llama", seed=1, num_hidden_layers=1)
+    two = make_tiny_model(tmp_path / "two", "llama", seed=2, num_hidden_layers=1)
+    other_vocabulary = make_tiny_model(tmp_path / "other", "llama", vocab_size=300)
+    eng = Engine.load(str(target), CPU)
+
+    def drafting_with(path) -> weakref.ref:
+        eng.reconfigure(CPU.with_(speculation="draft", draft_model=str(path), draft_tokens=3))
+        got = eng.generate(REPEATS, GREEDY)  # the proposer holds the draft model too
+        assert got.metrics.drafted_tokens > 0
+        (model,) = eng._draft_models.values()
+        return weakref.ref(model)
+
+    def let_go(ref: weakref.ref) -> bool:
+        gc.collect()
+        return ref() is None
+
+    try:
+        first = drafting_with(one)
+        for speculation in ("off", "ngram"):
+            eng.reconfigure(CPU.with_(speculation=speculation, draft_model=str(one)))
+            assert let_go(first) and eng._draft_models == {} and eng._draft_proposer is None
+            first = drafting_with(one)
+        kept = drafting_with(one)  # the same draft model again: read once, kept
+        assert kept() is first()
+        second = drafting_with(two)
+        assert let_go(first) and not let_go(second)
+        eng.reconfigure(CPU.with_(speculation="draft", draft_model=str(other_vocabulary)))
+        assert "vocabulary has" in eng.unavailable()["speculation"]
+        assert let_go(second) and eng._draft_models == {}
+    finally:
+        eng.close()
+
+
 def test_vocabulary_mismatch_names_remapped_tokens():
     class Tok:
         def __init__(self, vocab):
