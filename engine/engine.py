@@ -154,6 +154,7 @@ class Engine:
         self._runners.clear()
         self._fused_failed = None
         self._fused_pdl: Optional[dict[str, object]] = None  # fused_status() of the last fused runner warmed up
+        self._pdl_failed: Optional[str] = None  # why the fused step failed here with PDL: later runners go without
         self._draft_models.clear()
         self._draft_proposer = None
         self.model = None
@@ -577,7 +578,9 @@ class Engine:
         elif opts.kernels == "fused":
             from engine.kernels.runner import FusedRunner
 
-            runner = FusedRunner(self._fast_model(), batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype])
+            runner = FusedRunner(
+                self._fast_model(), batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype], self._pdl_failed
+            )
         elif opts.kv_cache == "static":
             runner = StaticRunner(
                 self._fast_model(), batch, length, self.eos_ids, self.device, TORCH_DTYPES[self.dtype]
@@ -848,6 +851,7 @@ class Engine:
                 log.exception("the fused step failed with Programmatic Dependent Launch; trying without it")
                 fused.use_pdl = False
                 fused.pdl_reason = f"failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                self._pdl_failed = fused.pdl_reason  # a runner made after this one's eviction is not tried with it
                 fused.graphs.clear()
                 fused.graph_pool = None
                 with preserved(fused):

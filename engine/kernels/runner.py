@@ -24,13 +24,20 @@ log = logging.getLogger(__name__)
 
 class FusedRunner(StaticRunner):
     def __init__(
-        self, model: Transformer, batch: int, length: int, eos_ids: list[int], device: torch.device, dtype: torch.dtype
+        self,
+        model: Transformer,
+        batch: int,
+        length: int,
+        eos_ids: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        pdl_failed: Optional[str] = None,  # why an earlier runner's step failed here with PDL: launched without it
     ):
         if batch > launch.MAX_ROWS:
             raise ValueError(f"the fused kernels serve at most {launch.MAX_ROWS} rows, got {batch}")
         super().__init__(model, batch, length, eos_ids, device, dtype)
         a = model.args
-        self.use_pdl, self.pdl_reason = pdl_status(device)
+        self.use_pdl, self.pdl_reason = (False, pdl_failed) if pdl_failed is not None else pdl_status(device)
         self.x = torch.zeros(batch, a.dim, dtype=dtype, device=device)  # the residual stream
         self.q = torch.zeros(batch, a.n_heads, a.head_dim, dtype=dtype, device=device)
         self.y = torch.zeros(batch, a.n_heads * a.head_dim, dtype=dtype, device=device)

@@ -64,6 +64,44 @@ def test_the_fused_status_outlives_its_runner_s_eviction(qwen2_engine):
     assert qwen2_engine.fused_status() == status
 
 
+def test_a_pdl_failure_is_not_tried_again_by_a_runner_made_after_an_eviction(tiny_factory, monkeypatch):
+    """A fused step that failed with Programmatic Dependent Launch ran without it, but a fused runner made once the
+    runner cache had evicted that one asked the device again: PDL was tried, failed and captured again on every
+    new runner (each a compile and a logged failure), while fused_status() kept the failure."""
+    from engine.engine import MAX_RUNNERS
+    from engine.kernels import runner as fused_runner
+
+    monkeypatch.setattr(fused_runner, "pdl_status", lambda _device: (True, "on (faked for the test)"))
+    tried: list[bool] = []
+    real = launch.qkv_rope
+
+    def no_pdl_here(*args, **kwargs):
+        pdl = args[15]  # qkv_rope(..., eps, use_pdl)
+        if pdl:
+            tried.append(True)
+            raise RuntimeError("launch_pdl is not supported here")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "qkv_rope", no_pdl_here)
+    eng = Engine.load(str(tiny_factory("qwen2")), TORCH)
+    try:
+        want = run(eng, TORCH).token_ids
+        got = run(eng, FUSED)
+        failed = {"pdl": False, "pdl_reason": "failed here: RuntimeError: launch_pdl is not supported here"}
+        assert got.options.kernels == "fused" and got.token_ids == want
+        assert eng.fused_status() == failed and tried == [True]
+        for options in (TORCH.with_(kv_cache="dynamic"), TORCH.with_(kv_cache="none"))[:MAX_RUNNERS]:
+            run(eng, options)
+        assert all(key[2] != "fused" for key in eng._runners)  # evicted
+        for options in (FUSED, FUSED.with_(candidates=2)):  # a runner made again, and one for another batch
+            got = run(eng, options)
+            assert got.options.kernels == "fused" and got.token_ids[0] == want[0]
+            assert eng.fused_status() == failed
+        assert tried == [True]
+    finally:
+        eng.close()
+
+
 def test_fused_candidates_equal_the_single_row(qwen2_engine):
     single = run(qwen2_engine, FUSED).token_ids[0]
     both = run(qwen2_engine, FUSED.with_(candidates=2))
