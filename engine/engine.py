@@ -972,6 +972,8 @@ class Engine:
             self.monitor.close()
             self._runners.clear()
             self.model = None
+            self._draft_models.clear()  # a draft model and its cache of the chat go with the model drafted for
+            self._draft_proposer = None
             heap.release()  # cycles among what was frozen with the model (compiled steps hold some) go now
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -798,6 +798,27 @@ def test_a_draft_model_turned_off_or_replaced_is_let_go(tiny_factory, tmp_path):
         eng.close()
 
 
+def test_a_closed_engine_lets_its_draft_model_go(tiny_factory, tmp_path):
+    """A closed engine kept its draft model and the proposer's cache of the chat for as long as anything held the
+    engine (a context count still running on it does)."""
+    import gc
+    import weakref
+
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    eng = Engine.load(str(target), CPU)
+    eng.reconfigure(CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3))
+    assert eng.generate(REPEATS, GREEDY).metrics.drafted_tokens > 0
+    (model,) = eng._draft_models.values()
+    ref = weakref.ref(model)
+    del model
+    eng.close()
+    gc.collect()
+    assert ref() is None and eng._draft_proposer is None
+
+
 def test_vocabulary_mismatch_names_remapped_tokens():
     class Tok:
         def __init__(self, vocab):
