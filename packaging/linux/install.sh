@@ -7,7 +7,8 @@
 #
 # Every file, link and folder it creates is written to <app dir>/install-manifest.txt; <app dir>/uninstall.sh
 # removes exactly those. An existing Gapless installation in the same place is uninstalled first, and so is what
-# an install stopped halfway left (install-unfinished.txt in the app folder says what that made outside it).
+# an install stopped halfway left (install-unfinished.txt in the app folder says what that made). Only those paths
+# are removed: what else the app folder holds is left where it is, and named.
 set -euo pipefail
 
 usage() {
@@ -77,17 +78,95 @@ esac
 
 # ---- what is there already --------------------------------------------------------------------------------
 
+# The bundle's own paths, relative to it: only these are put into the app folder, and only these (and the folders
+# made for them) are removed again. Anything else in the app folder is the user's and stays.
+BUNDLE_DIRS=()
+BUNDLE_FILES=()  # "f REL" or "l REL"
+while IFS= read -r -d '' d; do
+    BUNDLE_DIRS+=("${d#./}")
+done < <(cd "$BUNDLE" && find . -mindepth 1 -type d -print0 | sort -z)
+while IFS= read -r -d '' f; do
+    if [[ -L "$BUNDLE/$f" ]]; then BUNDLE_FILES+=("l ${f#./}"); else BUNDLE_FILES+=("f ${f#./}"); fi
+done < <(cd "$BUNDLE" && find . -mindepth 1 ! -type d -print0 | sort -z)
+
+# The first ten arguments, comma-separated, and how many more there are.
+listing() {
+    local out="" n=0 x
+    for x in "$@"; do
+        if [[ $n -lt 10 ]]; then out+="${out:+, }$x"; fi
+        n=$((n + 1))
+    done
+    if [[ $n -gt 10 ]]; then out+=" and $((n - 10)) more"; fi
+    printf '%s' "$out"
+}
+
+# What is in the app folder and not from the installer, relative to it: files, links and empty folders.
+foreign_in_app() {
+    [[ -d "$APP_DIR" ]] || return 0
+    local -a found=()
+    local p
+    while IFS= read -r -d '' p; do
+        found+=("${p#./}")
+    done < <(cd "$APP_DIR" && find . -mindepth 1 \( ! -type d -o -empty \) ! -path ./install-unfinished.txt \
+                 -print0 | sort -z)
+    listing "${found[@]}"
+}
+
+# The record of an earlier installation here (the manifest of a finished one, the list of an unfinished one):
+# its entries are the installer's own; everything else in the app folder is not.
+PREVIOUS=""
 if [[ -f "$MANIFEST" ]]; then
     [[ -x "$APP_DIR/uninstall.sh" ]] || die "$APP_DIR has a manifest but no uninstall.sh; remove it by hand"
-    say "replacing the Gapless installation in $APP_DIR"
-    "$APP_DIR/uninstall.sh" --quiet
+    PREVIOUS="$MANIFEST"
 elif [[ -f "$UNFINISHED" ]]; then
-    # The app folder was empty or absent when that install began, so all it holds is from it.
-    say "removing what an unfinished installation left in $APP_DIR"
-    find "$APP_DIR" -mindepth 1 ! -path "$UNFINISHED" -delete
-    "$HERE/uninstall.sh" --quiet --manifest "$UNFINISHED"
+    PREVIOUS="$UNFINISHED"
 elif [[ -e "$APP_DIR" ]] && [[ -n "$(ls -A "$APP_DIR" 2>/dev/null)" ]]; then
     die "$APP_DIR exists and was not made by this installer; choose another --prefix or remove it"
+fi
+
+ENTRIES=()  # "d PATH" (a folder this run created), "f PATH" (a file), "l PATH" (a symbolic link)
+declare -A CLAIMED=()  # the folders among ENTRIES
+if [[ -n "$PREVIOUS" ]]; then
+    declare -A OURS=()
+    PREVIOUS_DIRS=()
+    while IFS= read -r line || [[ -n "$line" ]]; do
+        case "$line" in
+            "f /"*|"l /"*) OURS["${line:2}"]="${line:0:1}" ;;
+            "d /"*) OURS["${line:2}"]=d; PREVIOUS_DIRS+=("${line:2}") ;;
+        esac
+    done <"$PREVIOUS"
+    # A path of this bundle's that something other than the installer put there would be overwritten, and then
+    # removed with the installation: refused before anything is removed.
+    clash=()
+    for e in "${BUNDLE_FILES[@]}"; do
+        path="$APP_DIR/${e:2}"
+        [[ ( -e "$path" || -L "$path" ) && -z "${OURS[$path]:-}" ]] && clash+=("${e:2}")
+    done
+    for d in "${BUNDLE_DIRS[@]}"; do
+        path="$APP_DIR/$d"
+        [[ ( -e "$path" || -L "$path" ) && ! ( -d "$path" && ! -L "$path" ) && -z "${OURS[$path]:-}" ]] &&
+            clash+=("$d")
+    done
+    if [[ ${#clash[@]} -gt 0 ]]; then
+        die "$APP_DIR holds files Gapless did not install where this version installs its own:" \
+            "$(listing "${clash[@]}"); move them out of the app folder, then run install.sh again"
+    fi
+    if [[ "$PREVIOUS" == "$MANIFEST" ]]; then
+        say "replacing the Gapless installation in $APP_DIR"
+        "$APP_DIR/uninstall.sh" --quiet
+    else
+        say "removing what an unfinished installation left in $APP_DIR"
+        "$HERE/uninstall.sh" --quiet --manifest "$UNFINISHED"
+    fi
+    # The folders that installation made and that stay because something else is in them are still the
+    # installer's: this one records them again, so that they go once they are empty.
+    for d in "${PREVIOUS_DIRS[@]}"; do
+        [[ -d "$d" && ! -L "$d" ]] || continue
+        ENTRIES+=("d $d")
+        CLAIMED["$d"]=1
+    done
+    left="$(foreign_in_app)"
+    [[ -z "$left" ]] || say "kept in $APP_DIR what Gapless did not install: $left"
 fi
 
 # A path outside the app folder that something else owns is only replaced with --force.
@@ -107,17 +186,14 @@ fi
 
 # ---- install, recording every path --------------------------------------------------------------------------
 
-ENTRIES=()  # "d PATH" (a folder this run created), "f PATH" (a file), "l PATH" (a symbolic link)
-
-# The entries outside the app folder, and the app folder's own, to $UNFINISHED (once the app folder is there): a
-# later install removes them if this one is stopped. Written before each of them is made.
+# Every entry so far to $UNFINISHED (once the app folder is there), in the manifest's format: a later install
+# removes them if this one is stopped. Written before the bundle is copied and before each path outside the app
+# folder is made.
 write_unfinished() {
     [[ -d "$APP_DIR" ]] || return 0
-    local e
     {
-        for e in "${ENTRIES[@]}"; do
-            [[ "${e:2}" == "$APP_DIR/"* ]] || printf '%s\n' "$e"
-        done
+        printf '# An unfinished Gapless installation: what it made. Read by the next install.sh.\n'
+        [[ ${#ENTRIES[@]} -eq 0 ]] || printf '%s\n' "${ENTRIES[@]}"
         printf 'f %s\n' "$UNFINISHED"
     } >"$UNFINISHED.part"
     mv -- "$UNFINISHED.part" "$UNFINISHED"
@@ -126,6 +202,7 @@ write_unfinished() {
 # Record an entry about to be made ("d PATH", "f PATH", "l PATH").
 note() {
     ENTRIES+=("$1")
+    if [[ "${1:0:1}" == d ]]; then CLAIMED["${1:2}"]=1; fi
     [[ "${1:2}" == "$APP_DIR/"* ]] || write_unfinished
 }
 
@@ -160,16 +237,30 @@ write_manifest() {
 }
 
 # If anything below fails or the install is interrupted (Ctrl+C, the terminal closed, kill), undo what was done so
-# far: the app folder's contents (it was empty or absent, so all of it is from this run, recorded or not), then
-# the recorded paths outside it.
+# far: every recorded path, the bundle's among them (recorded before the copy, so a half-made copy goes too).
+# What else the app folder holds is not the installer's and stays; the folders that hold it are written to
+# $UNFINISHED, which the next install reads as its own.
 INTERRUPTED=""
 rollback() {
     local code=$?
     trap - EXIT INT TERM HUP
     if [[ $code -ne 0 ]]; then
         printf 'install: %s; removing what was installed\n' "${INTERRUPTED:-failed}" >&2
-        [[ -d "$APP_DIR" ]] && find "$APP_DIR" -mindepth 1 -delete
-        mkdir -p -- "$APP_DIR" && write_manifest && "$HERE/uninstall.sh" --quiet --manifest "$MANIFEST"
+        rm -f -- "$UNFINISHED" "$UNFINISHED.part" "$MANIFEST.part"
+        if mkdir -p -- "$APP_DIR" && write_manifest; then
+            "$HERE/uninstall.sh" --quiet --manifest "$MANIFEST" ||
+                printf 'install: error: not all of it could be removed (above: what was left)\n' >&2
+        fi
+        if [[ -d "$APP_DIR" ]]; then
+            local left e kept=()
+            left="$(foreign_in_app)"
+            for e in "${ENTRIES[@]}"; do
+                [[ "$e" == "d /"* && -d "${e:2}" && ! -L "${e:2}" ]] && kept+=("$e")
+            done
+            ENTRIES=("${kept[@]}")
+            [[ ${#kept[@]} -eq 0 ]] || write_unfinished
+            [[ -z "$left" ]] || printf 'install: left in %s what Gapless did not install: %s\n' "$APP_DIR" "$left" >&2
+        fi
     fi
     exit "$code"
 }
@@ -179,17 +270,19 @@ trap 'INTERRUPTED=interrupted; exit 143' TERM
 trap 'INTERRUPTED=interrupted; exit 129' HUP
 
 make_dir "$APP_DIR"
+# Every folder and file of the bundle recorded before one of them is copied. The folders are the ones not there
+# yet: one the user made, or one the installation before this left (it holds the user's files), is not made
+# again.
+for d in "${BUNDLE_DIRS[@]}"; do
+    path="$APP_DIR/$d"
+    [[ -n "${CLAIMED[$path]:-}" || -d "$path" ]] || ENTRIES+=("d $path")
+done
+for e in "${BUNDLE_FILES[@]}"; do
+    ENTRIES+=("${e:0:1} $APP_DIR/${e:2}")
+done
 write_unfinished
 say "copying the bundle into $APP_DIR"
-# One copy of the whole tree, then every folder and file in it recorded (the folders are all new: the app
-# folder was empty or absent).
 cp -a -- "$BUNDLE/." "$APP_DIR/"
-while IFS= read -r -d '' d; do
-    ENTRIES+=("d $APP_DIR/${d#./}")
-done < <(cd "$BUNDLE" && find . -mindepth 1 -type d -print0 | sort -z)
-while IFS= read -r -d '' f; do
-    if [[ -L "$BUNDLE/$f" ]]; then ENTRIES+=("l $APP_DIR/${f#./}"); else ENTRIES+=("f $APP_DIR/${f#./}"); fi
-done < <(cd "$BUNDLE" && find . -mindepth 1 ! -type d -print0 | sort -z)
 put_file "$HERE/uninstall.sh" "$APP_DIR/uninstall.sh" 0755
 
 make_dir "$BIN_DIR"

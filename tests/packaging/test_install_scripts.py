@@ -409,3 +409,97 @@ def test_the_bundle_hands_programs_it_starts_the_user_s_library_path(theirs: Opt
     )
     out = subprocess.run([sys.executable, "-c", code, str(hook)], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [repr(theirs), "None"]
+
+
+def failing(tmp_path: Path, command: str) -> str:
+    """A folder for PATH whose `command` fails (exit 1) without doing anything."""
+    folder = tmp_path / f"fail-at-{command}"
+    folder.mkdir()
+    (folder / command).write_text("#!/bin/sh\necho 'no space left' >&2\nexit 1\n")
+    (folder / command).chmod(0o755)
+    return str(folder)
+
+
+def put_user_files(app: Path) -> dict[Path, str]:
+    """What a user keeps in the app folder: a notes file, a models folder of their own, a file among the bundle's."""
+    files = {
+        app / "my notes.txt": "my notes",
+        app / "models/mine.gguf": "GGUF of mine",
+        app / "_internal/user-plugin.txt": "someone else's",
+    }
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return files
+
+
+USER_TREE = {"my notes.txt", "models/", "models/mine.gguf", "_internal/", "_internal/user-plugin.txt"}
+LEFT = "_internal/user-plugin.txt, models/mine.gguf, my notes.txt"
+
+
+@pytest.mark.parametrize("how", ["failed", "interrupted"])
+def test_a_failed_reinstall_removes_only_what_it_installed(archive: Path, home: Path, tmp_path: Path, how: str):
+    """A reinstall that fails or is interrupted after copying the bundle: its rollback deleted everything in the app
+    folder, the user's own files with it. Now only the installer's files go, the rest is named, and the next
+    install takes the folder back."""
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    app = home / ".local/share/gapless-app"
+    files = put_user_files(app)
+    stop = failing(tmp_path, "ln") if how == "failed" else stopping(tmp_path, "ln", "TERM")
+    proc = run(archive / "install.sh", env={**env, "PATH": f"{stop}:{env['PATH']}"}, ok=False)
+    assert proc.returncode == (1 if how == "failed" else 143)
+    assert all(path.read_text() == text for path, text in files.items())
+    assert f"install: {how}; removing what was installed" in proc.stderr
+    assert f"install: left in {app} what Gapless did not install: {LEFT}" in proc.stderr
+    assert tree(app) == USER_TREE | {"install-unfinished.txt"}  # the folder's record for the next install
+    assert not (home / ".local/bin/gapless").exists()
+
+    out = run(archive / "install.sh", env=env).stdout
+    assert f"removing what an unfinished installation left in {app}" in out
+    assert f"install: kept in {app} what Gapless did not install: {LEFT}" in out
+    run(app / "uninstall.sh", env=env)
+    assert all(path.read_text() == text for path, text in files.items())
+    assert tree(home) == {".local/", ".local/share/", ".local/share/gapless-app/"} | {
+        f".local/share/gapless-app/{p}" for p in USER_TREE
+    }
+
+
+def test_a_reinstall_killed_halfway_leaves_the_user_s_files_to_the_next(archive: Path, home: Path, tmp_path: Path):
+    """Killed outright while a reinstall copies the bundle: the next install removed all the app folder held
+    (it took the folder to have been empty when the killed one began)."""
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    app = home / ".local/share/gapless-app"
+    files = put_user_files(app)
+    killed = run(
+        archive / "install.sh", env={**env, "PATH": f"{stopping(tmp_path, 'cp', 'KILL')}:{env['PATH']}"}, ok=False
+    )
+    assert killed.returncode == -9
+    out = run(archive / "install.sh", env=env).stdout
+    assert f"removing what an unfinished installation left in {app}" in out
+    assert all(path.read_text() == text for path, text in files.items())
+    assert set(manifest_paths(app)) == {str(home / p.rstrip("/")) for p in tree(home)} - {
+        str(app / p.rstrip("/")) for p in USER_TREE - {"_internal/"}
+    }
+    run(app / "uninstall.sh", env=env)
+    assert tree(app) == USER_TREE
+
+
+def test_a_file_of_the_user_s_where_the_new_version_installs_one_is_refused(archive: Path, home: Path):
+    """The user's file at a path the new version installs is neither overwritten nor removed: the reinstall stops
+    before it removes anything, naming it."""
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    app = home / ".local/share/gapless-app"
+    (app / "_internal/new-in-this-version.so").write_text("the user's")
+    (archive / "gapless/_internal/new-in-this-version.so").write_bytes(b"new")
+    before = tree(home)
+    proc = run(archive / "install.sh", env=env, ok=False)
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        f"install: error: {app} holds files Gapless did not install where this version installs its own: "
+        "_internal/new-in-this-version.so; move them out of the app folder, then run install.sh again\n"
+    )
+    assert tree(home) == before  # the installed version is still there, whole
+    assert (app / "_internal/new-in-this-version.so").read_text() == "the user's"
