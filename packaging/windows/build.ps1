@@ -21,6 +21,9 @@ function Invoke-Checked([string]$What, [scriptblock]$Command) {
     return $result
 }
 
+# Before the model's download and the build's minutes: the last step needs it.
+if (-not (Test-Path $Iscc)) { throw "Inno Setup's compiler not found at $Iscc (pass -Iscc PATH)" }
+
 $Version = Invoke-Checked "reading the version" { & $Python -c "from app import __version__; print(__version__)" }
 if (-not $env:GAPLESS_BUNDLE_MODEL) {
     # The verified copy in the user cache, downloaded once if missing.
@@ -38,6 +41,5 @@ Write-Host ("build: bundle built in {0:N0} s" -f ((Get-Date) - $started).TotalSe
 $Got = Invoke-Checked "the bundle's --version" { & "$Out\gapless\gapless.exe" --version }
 if ($Got -ne "gapless $Version") { throw "the bundle reports '$Got', expected 'gapless $Version'" }
 
-if (-not (Test-Path $Iscc)) { throw "Inno Setup's compiler not found at $Iscc (pass -Iscc PATH)" }
 Invoke-Checked "Inno Setup" { & $Iscc "/DAppVersion=$Version" "/DBundleDir=$Out\gapless" "/DIconFile=$Out\icons\gapless.ico" packaging\windows\gapless.iss }
 Write-Host "build: installer $Out\gapless-$Version-windows-x64-setup.exe"

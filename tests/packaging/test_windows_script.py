@@ -34,3 +34,16 @@ def test_the_app_id_is_the_released_one_and_install_is_per_user():
     setup = setup_section()
     assert setup["AppId"] == "{{6A73AAFB-9802-4AFB-A844-2620C6453521}"  # changing it orphans installed copies
     assert setup["PrivilegesRequired"] == "lowest"
+
+
+def test_the_build_script_looks_for_inno_setup_before_it_builds():
+    """build.ps1 looked for ISCC.exe only after the default model's download and PyInstaller's build (several
+    minutes), then stopped for want of it: the missing compiler is said at once now."""
+    lines = (ROOT / "packaging" / "windows" / "build.ps1").read_text(encoding="utf-8").splitlines()
+
+    def first(pattern: str) -> int:
+        return next(i for i, line in enumerate(lines) if re.search(pattern, line) and not line.lstrip().startswith("#"))
+
+    check = first(r"Test-Path \$Iscc")
+    assert "throw" in lines[check]
+    assert check < first(r"models fetch-default") < first(r"-m PyInstaller") < first(r"& \$Iscc ")
