@@ -59,6 +59,16 @@ else
     APP_DIR="$DATA_DIR/gapless-app"
     BIN_DIR="$HOME/.local/bin"
 fi
+# One spelling of each path ("p//lib", "p/" and "p" are one folder): the manifest records them as written here.
+tidy() {  # VARIABLE: its path with each "//" one "/" and no "/" at the end
+    local p="${!1}"
+    while [[ "$p" == *//* ]]; do p="${p//\/\//\/}"; done
+    [[ "$p" == "/" ]] || p="${p%/}"
+    printf -v "$1" '%s' "$p"
+}
+tidy APP_DIR
+tidy BIN_DIR
+tidy DATA_DIR
 APPS_DIR="$DATA_DIR/applications"
 ICONS_DIR="$DATA_DIR/icons/hicolor"
 LAUNCHER="$BIN_DIR/gapless"
@@ -124,29 +134,55 @@ elif [[ -e "$APP_DIR" ]] && [[ -n "$(ls -A "$APP_DIR" 2>/dev/null)" ]]; then
     die "$APP_DIR exists and was not made by this installer; choose another --prefix or remove it"
 fi
 
+# "listed" where the record of an earlier installation lists what it made in the app folder too (a manifest, the
+# unfinished list of this version); "" for the unfinished list of an earlier version, which did not.
+FORMAT=listed
 ENTRIES=()  # "d PATH" (a folder this run created), "f PATH" (a file), "l PATH" (a symbolic link)
 declare -A CLAIMED=()  # the folders among ENTRIES
 if [[ -n "$PREVIOUS" ]]; then
-    declare -A OURS=()
+    # The record names the app folder as the installation that wrote it spelled it (another --prefix spelling,
+    # another HOME or XDG_DATA_HOME): its entries inside it are compared by their path relative to it.
+    RECORDED_APP="$APP_DIR"
+    [[ "$PREVIOUS" == "$MANIFEST" ]] || FORMAT=""  # listed again below where the list says it is of this kind
+    while IFS= read -r line || [[ -n "$line" ]]; do
+        case "$line" in
+            "# An unfinished Gapless installation"*) FORMAT=listed ;;
+            "f /"*"/${PREVIOUS##*/}") RECORDED_APP="${line:2}"; RECORDED_APP="${RECORDED_APP%/*}"; tidy RECORDED_APP ;;
+        esac
+    done <"$PREVIOUS"
+    declare -A OURS=()  # relative to the app folder inside it, absolute outside
     PREVIOUS_DIRS=()
     while IFS= read -r line || [[ -n "$line" ]]; do
         case "$line" in
-            "f /"*|"l /"*) OURS["${line:2}"]="${line:0:1}" ;;
-            "d /"*) OURS["${line:2}"]=d; PREVIOUS_DIRS+=("${line:2}") ;;
+            "f /"*|"l /"*|"d /"*)
+                path="${line:2}"
+                tidy path
+                if [[ "$path" == "$RECORDED_APP" ]]; then
+                    path="$APP_DIR"
+                elif [[ "$path" == "$RECORDED_APP/"* ]]; then
+                    path="$APP_DIR/${path#"$RECORDED_APP/"}"
+                fi
+                OURS["$path"]="${line:0:1}"
+                [[ "${line:0:1}" != d ]] || PREVIOUS_DIRS+=("$path")
+                ;;
         esac
     done <"$PREVIOUS"
     # A path of this bundle's that something other than the installer put there would be overwritten, and then
-    # removed with the installation: refused before anything is removed.
+    # removed with the installation: refused before anything is removed. The list an unfinished install of an
+    # earlier version left names only what it made outside the app folder (that version cleared the whole app
+    # folder): the bundle's paths in it are that install's half-made copy, and this one copies over them.
     clash=()
-    for e in "${BUNDLE_FILES[@]}"; do
-        path="$APP_DIR/${e:2}"
-        [[ ( -e "$path" || -L "$path" ) && -z "${OURS[$path]:-}" ]] && clash+=("${e:2}")
-    done
-    for d in "${BUNDLE_DIRS[@]}"; do
-        path="$APP_DIR/$d"
-        [[ ( -e "$path" || -L "$path" ) && ! ( -d "$path" && ! -L "$path" ) && -z "${OURS[$path]:-}" ]] &&
-            clash+=("$d")
-    done
+    if [[ "$FORMAT" == listed ]]; then
+        for e in "${BUNDLE_FILES[@]}"; do
+            path="$APP_DIR/${e:2}"
+            [[ ( -e "$path" || -L "$path" ) && -z "${OURS[$path]:-}" ]] && clash+=("${e:2}")
+        done
+        for d in "${BUNDLE_DIRS[@]}"; do
+            path="$APP_DIR/$d"
+            [[ ( -e "$path" || -L "$path" ) && ! ( -d "$path" && ! -L "$path" ) && -z "${OURS[$path]:-}" ]] &&
+                clash+=("$d")
+        done
+    fi
     if [[ ${#clash[@]} -gt 0 ]]; then
         die "$APP_DIR holds files Gapless did not install where this version installs its own:" \
             "$(listing "${clash[@]}"); move them out of the app folder, then run install.sh again"
@@ -165,8 +201,8 @@ if [[ -n "$PREVIOUS" ]]; then
         ENTRIES+=("d $d")
         CLAIMED["$d"]=1
     done
-    left="$(foreign_in_app)"
-    [[ -z "$left" ]] || say "kept in $APP_DIR what Gapless did not install: $left"
+    left="$(foreign_in_app)"  # (after an earlier version's unfinished install, its half-made copy is among it)
+    [[ -z "$left" || "$FORMAT" != listed ]] || say "kept in $APP_DIR what Gapless did not install: $left"
 fi
 
 # A path outside the app folder that something else owns is only replaced with --force.
@@ -273,9 +309,12 @@ make_dir "$APP_DIR"
 # Every folder and file of the bundle recorded before one of them is copied. The folders are the ones not there
 # yet: one the user made, or one the installation before this left (it holds the user's files), is not made
 # again.
+# The list an earlier version's unfinished install left does not name its half-made copy: the bundle's folders
+# there are that copy's, and this install's now.
 for d in "${BUNDLE_DIRS[@]}"; do
     path="$APP_DIR/$d"
-    [[ -n "${CLAIMED[$path]:-}" || -d "$path" ]] || ENTRIES+=("d $path")
+    [[ -n "${CLAIMED[$path]:-}" ]] && continue
+    [[ -d "$path" && "$FORMAT" == listed ]] || ENTRIES+=("d $path")
 done
 for e in "${BUNDLE_FILES[@]}"; do
     ENTRIES+=("${e:0:1} $APP_DIR/${e:2}")

@@ -503,3 +503,50 @@ def test_a_file_of_the_user_s_where_the_new_version_installs_one_is_refused(arch
     )
     assert tree(home) == before  # the installed version is still there, whole
     assert (app / "_internal/new-in-this-version.so").read_text() == "the user's"
+
+
+def test_a_reinstall_into_the_same_folder_spelled_another_way_replaces_it(archive: Path, home: Path, tmp_path: Path):
+    """`--prefix DIR/` then `--prefix DIR`, or HOME given with a "/" at its end: the reinstall compared the
+    manifest's paths as written, took every file of the installed bundle for the user's and refused."""
+    prefix = tmp_path / "prefix"
+    env = user_env(home)
+    run(archive / "install.sh", "--prefix", f"{prefix}//", "--no-desktop", env=env)
+    app = prefix / "lib/gapless-app"
+    assert all("//" not in p and not p.endswith("/") for p in manifest_paths(app))
+    (app / "my notes.txt").write_text("mine")
+    out = run(archive / "install.sh", "--prefix", str(prefix), "--no-desktop", env=env).stdout
+    assert "replacing the Gapless installation" in out
+    assert f"kept in {app} what Gapless did not install: my notes.txt" in out
+    run(app / "uninstall.sh", env=env)
+    assert tree(prefix) == {"lib/", "lib/gapless-app/", "lib/gapless-app/my notes.txt"}
+
+    run(archive / "install.sh", "--no-desktop", env=env)
+    user_app = home / ".local/share/gapless-app"
+    manifest = user_app / "install-manifest.txt"
+    # as an installation made with HOME spelled "home//" wrote it
+    manifest.write_text(manifest.read_text().replace(str(home), f"{home}//"))
+    out = run(archive / "install.sh", "--no-desktop", env=env).stdout
+    assert "replacing the Gapless installation" in out
+    run(user_app / "uninstall.sh", env=env)
+    assert tree(home) == set()
+
+
+def test_an_unfinished_install_of_an_earlier_version_is_cleared_without_a_refusal(archive: Path, home: Path):
+    """The list an unfinished install of the version before left names only what it made outside the app folder
+    (that version cleared the whole folder): its half-made copy of the bundle was refused as the user's files."""
+    env = user_env(home)
+    run(archive / "install.sh", "--no-desktop", env=env)
+    app = home / ".local/share/gapless-app"
+    launcher = home / ".local/bin/gapless"
+    # What that version's install, stopped after the copy and the launcher, left: its list, without a header.
+    (app / "install-manifest.txt").unlink()
+    (app / "install-unfinished.txt").write_text(
+        f"d {home / '.local/bin'}\nl {launcher}\nd {app}\nf {app / 'install-unfinished.txt'}\n"
+    )
+    (app / "my notes.txt").write_text("mine")
+    out = run(archive / "install.sh", "--no-desktop", env=env).stdout
+    assert f"removing what an unfinished installation left in {app}" in out
+    assert "installed Gapless" in out
+    assert (app / "my notes.txt").read_text() == "mine"
+    run(app / "uninstall.sh", env=env)
+    assert tree(app) == {"my notes.txt"}
