@@ -604,12 +604,23 @@ class TogglesPanel(QWidget):
             return
         if self._stepped not in (None, name):  # a dropdown stepped to before this change applies first
             self.apply_stepped()
+        if self._stepped == name:  # the box stepped to, then changed another way (paste, undo): that applies
+            self._drop_pending()
         self._stepped = None
         self.settle.stop()
         self._refusal = ""
         # What the engine could not do may depend on the other options: keep only what was said of this one.
         self._known = {k: v for k, v in self._known.items() if k[0] == name}
         self._change(self._read())
+
+    def _drop_pending(self) -> None:
+        """The pending number's notice goes, the note it stood in for is back (what applies next says its own)."""
+        note, self._note_before_steps = self._note_before_steps, None
+        self._pending = ""
+        if note is not None:
+            self.note.setText(note)
+        self._stepped = None
+        self._apply_tooltips()
 
     def _preset_chosen(self, index: int) -> None:
         if self._stepped not in (None, "preset"):

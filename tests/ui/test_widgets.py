@@ -651,6 +651,28 @@ def test_stepping_or_typing_an_optimizations_number_applies_only_the_number_it_s
         assert ctl.shutdown(30)
 
 
+def test_a_number_stepped_to_then_pasted_over_says_no_pending_number(qtbot):
+    """Candidates stepped to 2 with an arrow, then 3 pasted (or an undo) in the same box: 3 applied, and the note
+    went on saying "Candidates 2 applies once the steps pause" through the engine's reply, until the focus left."""
+    from ui.toggles import TIPS
+
+    t, got = toggles_panel(qtbot, EngineOptions())
+    t.settle.setInterval(600_000)
+    t.show()
+    t.activateWindow()
+    qtbot.waitUntil(t.isActiveWindow)
+    t.candidates.setFocus()
+    qtbot.keyClick(t.candidates, Qt.Key.Key_Up)
+    assert got == [] and t.note.text().startswith("Candidates 2 applies once the steps pause")
+    t.candidates.lineEdit().setText("3")  # what a paste from the box's menu does
+    t.candidates.interpretText()
+    assert [o.candidates for o in got] == [3]
+    t.set_applied(got[-1], {})
+    assert "applies once the steps pause" not in t.note.text()
+    assert t.note.text() == "Ready: the next answer uses these options."
+    assert t.candidates.toolTip() == TIPS["candidates"]
+
+
 def test_toggles_turn_off_what_the_engine_cannot_do(qtbot):
     t, got = toggles_panel(qtbot, EngineOptions(cuda_graph=True))
     t.set_applied(EngineOptions(cuda_graph=True), {"cuda_graph": "CUDA graphs need a CUDA device"})
