@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import json
 import logging
 import shutil
@@ -160,6 +161,10 @@ def _usable_options(kind: type[EngineOptions] | type[SamplingParams], saved: dic
     return usable, bad
 
 
+# What flock says on a file system that has no locks.
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
 @contextlib.contextmanager
 def _locked(lock_file: Path) -> Iterator[None]:
     """Held by one process (or one open of the file) at a time; waits for the other to let go."""
@@ -177,7 +182,16 @@ def _locked(lock_file: Path) -> Iterator[None]:
         else:
             import fcntl
 
-            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    raise
+                # A file system without locks (some network and FUSE mounts): saved as before there was a lock,
+                # one window's save at the same moment as another's may undo it.
+                log.warning("settings saved without a lock: %s cannot be locked (%s)", lock_file, exc.strerror)
+                yield
+                return
             try:
                 yield
             finally:

@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import os
+import sys
 
 import pytest
 
@@ -91,6 +92,34 @@ def test_two_windows_saving_at_once_keep_each_other_s_changes(path, monkeypatch)
     a_store._second.join()  # type: ignore[attr-defined]
     now, _ = SettingsStore(path).load()
     assert now.theme == "dark" and now.options() == EngineOptions(kv_cache="none")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is the lock of POSIX systems")
+def test_a_file_system_without_locks_still_saves(path, monkeypatch, caplog):
+    """A config folder on a file system without locks (some network and FUSE mounts: flock says ENOLCK): every
+    save failed with "cannot save the settings", where saves worked before there was a lock."""
+    import errno
+    import fcntl
+
+    real = fcntl.flock
+
+    def no_locks(f, op):
+        if op == fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real(f, op)
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    SettingsStore(path).save(Settings(theme="dark"))
+    assert SettingsStore(path).load()[0].theme == "dark"
+    assert f"settings saved without a lock: {path.parent / '.settings.json.lock'} cannot be locked" in caplog.text
+
+    def broken(f, op):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(fcntl, "flock", broken)  # any other failure is said, the file left as it was
+    with pytest.raises(SettingsError, match="cannot save the settings to .*: Input/output error"):
+        SettingsStore(path).save(Settings(theme="light"))
+    assert SettingsStore(path).load()[0].theme == "dark"
 
 
 def test_round_trip(path):
