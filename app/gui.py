@@ -268,6 +268,38 @@ def open_remote(
     window.load_model(source.to_source())
 
 
+def screenshot_file(given: "str | Path") -> tuple[Path, str]:
+    """Where a screenshot the user named is written, and the image format its suffix names: checked before any
+    work is done. Raises OutputPathError with the reason. Needs the QApplication (Qt's image plugins)."""
+    from PySide6.QtGui import QImageWriter
+
+    from engine.errors import OutputPathError
+    from engine.paths import output_file
+
+    target = output_file(given, "the screenshot")
+    formats = sorted(bytes(f.data()).decode() for f in QImageWriter.supportedImageFormats())
+    image_format = target.suffix.lower().lstrip(".")
+    if image_format not in formats:
+        raise OutputPathError(
+            f"cannot write the screenshot to {given}: its suffix names no image format Qt writes ({', '.join(formats)})"
+        )
+    return target, image_format
+
+
+def save_screenshot(widget: Any, given: "str | Path") -> Path:
+    """`widget` as it is drawn now, written to `given` whole or not at all: encoded in memory, then written beside
+    it and renamed over it (Qt wrote the image straight to the name given: a disk that filled left a truncated
+    image there, with no reason). Raises OutputPathError saying what, where and why."""
+    from engine.errors import OutputPathError
+    from ui.hud import export
+
+    _, image_format = screenshot_file(given)
+    try:
+        return export.save_image(given, widget, "the screenshot", image_format)
+    except export.ExportError as exc:
+        raise OutputPathError(str(exc)) from None
+
+
 def no_display_reason(env: Optional[Mapping[str, str]] = None, platform: str = sys.platform) -> str:
     """Why the desktop app cannot open a window here ("" when it can): a Linux session with no display (SSH, a
     server), where Qt would abort with a message about libxcb-cursor0."""

@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 
-from engine.errors import OutputPathError
 from engine.paths import output_file
 from engine.recording import Recording, load
 
@@ -52,7 +51,7 @@ def show(recording: Recording, panel_factory=None):
 def run_replay(args: argparse.Namespace) -> int:
     from PySide6.QtCore import QEventLoop, QTimer
 
-    from app.gui import EXIT_USER_ERROR, no_display_reason, qt_application
+    from app.gui import EXIT_USER_ERROR, no_display_reason, qt_application, save_screenshot, screenshot_file
     from ui.theme import ThemeManager
 
     recording = load(args.file)
@@ -65,14 +64,7 @@ def run_replay(args: argparse.Namespace) -> int:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
     app = qt_application()
     if out is not None:
-        from PySide6.QtGui import QImageWriter
-
-        formats = sorted(bytes(f.data()).decode() for f in QImageWriter.supportedImageFormats())
-        if out.suffix.lower().lstrip(".") not in formats:
-            raise OutputPathError(
-                f"cannot write the screenshot to {args.screenshot}: its suffix names no image format Qt writes "
-                f"({', '.join(formats)})"
-            )
+        screenshot_file(args.screenshot)  # a suffix naming no format Qt writes: said before the HUD is drawn
     ThemeManager(app, args.theme or "system")
     panel = show(recording)
     gpu = (recording.machine.get("gpus") or [{}])[0].get("name") if recording.machine else None
@@ -90,8 +82,6 @@ def run_replay(args: argparse.Namespace) -> int:
     loop = QEventLoop()
     QTimer.singleShot(SETTLE_MS, loop.quit)
     loop.exec()
-    assert out is not None
-    if not panel.grab().save(str(out)):
-        raise OutputPathError(f"could not write the screenshot to {args.screenshot}")
+    save_screenshot(panel, args.screenshot)
     print(args.screenshot)
     return 0

@@ -37,6 +37,7 @@ class SmokeTest(QObject):
         self.error: Optional[str] = None
 
     def run(self) -> int:
+        from app.gui import screenshot_file
         from engine.errors import OutputPathError
         from engine.paths import output_file, write_whole
 
@@ -45,16 +46,19 @@ class SmokeTest(QObject):
             try:  # where the results go, checked before the model loads (as every output of the command line)
                 report_path = output_file(self.args.report, "the report") if self.args.report else None
                 if self.args.screenshot:
-                    output_file(self.args.screenshot, "the screenshot")
+                    screenshot_file(self.args.screenshot)
             except OutputPathError as exc:
                 raise SmokeFailed(str(exc)) from None
             report = self._run(t0)
+            if report_path is not None:
+                try:  # whole or not at all; a full disk is said with the path and the reason
+                    write_whole(report_path, figures.strict_json(report, indent=2, ensure_ascii=False) + "\n")
+                except OSError as exc:
+                    raise SmokeFailed(f"cannot write the report to {self.args.report}: {exc.strerror or exc}") from exc
         except SmokeFailed as exc:
             print(f"gapless: smoke test failed: {exc}", file=sys.stderr)
             log.error("smoke test failed: %s", exc)
             return 1
-        if report_path is not None:
-            write_whole(report_path, figures.strict_json(report, indent=2, ensure_ascii=False) + "\n")
         said = {"ok": True, "answer": report["answer"], "seconds": report["seconds"]}
         print(figures.strict_json(said, ensure_ascii=False))
         return 0
@@ -119,11 +123,7 @@ class SmokeTest(QObject):
         if answer is None or not answer.content:
             raise SmokeFailed("no answer is shown in the conversation")
         stats = w.chat_view.messages()[-1].stats_label
-        shot = None
-        if self.args.screenshot:
-            shot = Path(self.args.screenshot)
-            if not w.grab().save(str(shot)):
-                raise SmokeFailed(f"cannot save the screenshot to {shot}")
+        shot = self._screenshot()
         hud = self.gui.hud
         return {
             "ok": True,
@@ -142,6 +142,19 @@ class SmokeTest(QObject):
             "data_dir": str(self.gui.paths.data),
             "seconds": {"load": round(loaded_s, 2), "answer": round(answer_s, 2)},
         }
+
+    def _screenshot(self) -> Optional[Path]:
+        """The window as the user sees it, written whole or not at all (Qt wrote it straight to the name given: a
+        disk that filled left a truncated image, said as "cannot save the screenshot" with no reason)."""
+        from app.gui import save_screenshot
+        from engine.errors import OutputPathError
+
+        if not self.args.screenshot:
+            return None
+        try:
+            return save_screenshot(self.window, self.args.screenshot)
+        except OutputPathError as exc:
+            raise SmokeFailed(str(exc)) from None
 
     def _settle(self) -> None:
         loop = QEventLoop()

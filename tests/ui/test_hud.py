@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from full_disk import fill_the_disk
 from hud_streams import (
     CPU_REASON,
     DRAM_ESTIMATE,
@@ -1484,9 +1485,6 @@ def test_an_export_the_disk_cannot_take_or_with_no_folder_says_why_and_leaves_no
     exist read the same. The CSV and JSON named the temporary file beside the one chosen ("No such file or
     directory: '<folder>/.c.csv.gjq9n8j1'"). Each export is now written whole or not at all, and says what, where
     and why."""
-    import errno
-    import os
-
     panel, clock = hud
     feed_gpu_session(panel, clock, n_steps=40)
     panel.set_ladder_results(ladder_rows())
@@ -1499,27 +1497,10 @@ def test_an_export_the_disk_cannot_take_or_with_no_folder_says_why_and_leaves_no
         "the time series": panel.export_series_csv,
         "the compare table": panel.export_compare_json,
     }
-    real_fdopen = os.fdopen
-
-    class FillingFile:  # takes half of what it is given, then the disk is full
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *_exc):
-            self.f.close()
-
-        def write(self, data):
-            self.f.write(data[: len(data) // 2])
-            self.f.flush()
-            raise OSError(errno.ENOSPC, "No space left on device")
-
     earlier = folder / "earlier ü.png"
     earlier.write_bytes(b"the user's earlier export\n")
     with monkeypatch.context() as m:
-        m.setattr("engine.paths.os.fdopen", lambda fd, *a, **k: FillingFile(real_fdopen(fd, *a, **k)))
+        fill_the_disk(m)
         for what, write in exports.items():
             with pytest.raises(OSError) as caught:
                 write(earlier)

@@ -156,3 +156,37 @@ def test_replay_without_a_display_draws_its_screenshot_offscreen_or_says_why(tmp
     window = replay()
     assert window.returncode == 2 and window.stderr.startswith("gapless: error: no display to open the app on")
     assert "--screenshot FILE" in window.stderr and "Aborted" not in window.stderr
+
+
+def test_a_screenshot_the_disk_cannot_take_says_why_and_leaves_the_earlier_file(qtbot, tmp_path, monkeypatch, capsys):
+    """Qt wrote the screenshot straight to the name given: a disk that filled on the way left the user's earlier
+    image as a truncated one, said as "could not write the screenshot to <path>" with no reason."""
+    import argparse
+
+    from full_disk import fill_the_disk
+    from PySide6.QtGui import QImage
+
+    from app.replay import run_replay
+    from engine.errors import OutputPathError
+    from engine.recording import save
+
+    rec = Recording("tiny · fp32", EngineOptions(device="cpu"), GenerationMetrics(prompt_tokens=3), [], [])
+    save(rec, tmp_path / "t.json")
+    folder = tmp_path / "shots é"
+    folder.mkdir()
+    shot = folder / "hud.png"
+    shot.write_bytes(b"the user's earlier image\n")
+    args = argparse.Namespace(file=tmp_path / "t.json", theme="light", width=520, height=860, screenshot=shot)
+    with monkeypatch.context() as m:
+        fill_the_disk(m)
+        with pytest.raises(OutputPathError) as caught:
+            run_replay(args)
+    assert str(caught.value) == f"cannot write the screenshot to {shot}: No space left on device"
+    assert shot.read_bytes() == b"the user's earlier image\n"
+    assert [p.name for p in folder.iterdir()] == ["hud.png"]  # no half file, no temporary one
+    assert capsys.readouterr().out == ""  # the path is printed only once it is written
+
+    jpeg = folder / "hud.jpg"  # in the format its suffix names, as before
+    assert run_replay(argparse.Namespace(**dict(vars(args), screenshot=jpeg))) == 0
+    assert jpeg.read_bytes()[:3] == b"\xff\xd8\xff" and QImage(str(jpeg)).size().toTuple() == (520, 860)
+    assert capsys.readouterr().out == f"{jpeg}\n"

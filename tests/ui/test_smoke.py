@@ -100,3 +100,41 @@ def test_smoke_test_refuses_a_report_it_could_not_write_before_loading_the_model
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"smoke test failed: cannot write the report to {report}: the folder" in proc.stderr
     assert "cannot load" not in proc.stderr and not report.parent.exists()
+
+
+def test_a_smoke_screenshot_or_report_the_disk_cannot_take_says_why_and_leaves_the_earlier_file(
+    qtbot, tmp_path, monkeypatch, capsys
+):
+    """Qt wrote the smoke test's screenshot straight to the name given: a disk that filled on the way left the
+    earlier image truncated, said as "cannot save the screenshot to <path>" with no reason; a report the disk
+    could not take was an internal error, its OSError naming no file."""
+    from types import SimpleNamespace
+
+    from full_disk import fill_the_disk
+    from PySide6.QtWidgets import QLabel
+
+    from app.smoke import SmokeFailed, SmokeTest
+
+    window = QLabel("the answer")
+    qtbot.addWidget(window)
+    window.resize(320, 200)
+    shot, report = tmp_path / "shot.png", tmp_path / "report.json"
+    shot.write_bytes(b"the earlier image\n")
+    report.write_text("the earlier report\n")
+    args = SimpleNamespace(screenshot=str(shot), report=str(report))
+    smoke = SmokeTest(None, SimpleNamespace(window=window), args)
+    with monkeypatch.context() as m:
+        fill_the_disk(m)
+        with pytest.raises(SmokeFailed) as caught:
+            smoke._screenshot()
+        assert str(caught.value) == f"cannot write the screenshot to {shot}: No space left on device"
+        m.setattr(SmokeTest, "_run", lambda self, t0: {"ok": True, "answer": "Paris", "seconds": {}})
+        assert smoke.run() == 1
+    said = capsys.readouterr()
+    assert said.err == f"gapless: smoke test failed: cannot write the report to {report}: No space left on device\n"
+    assert said.out == ""
+    assert shot.read_bytes() == b"the earlier image\n" and report.read_text() == "the earlier report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "shot.png"]
+
+    assert smoke._screenshot() == shot  # written whole, as the window shows
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

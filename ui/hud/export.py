@@ -254,11 +254,17 @@ def _wrapped(text: str, points: float, width: int) -> str:
 
 def save_png(path: PathLike, widget: QWidget, what: str) -> Path:
     """The widget as it is drawn now, as a PNG file: `what` it shows names it in an error."""
+    return save_image(path, widget, what, "PNG")
+
+
+def save_image(path: PathLike, widget: QWidget, what: str, image_format: str) -> Path:
+    """The widget as it is drawn now, as an image file in `image_format` (one QImageWriter writes), written whole
+    or not at all: `what` it shows names it in an error."""
     path = Path(path)
     pixmap = widget.grab()
     if pixmap.isNull():
         raise ExportError(f"cannot write {what} to {path}: it could not be drawn (zero size?)")
-    return _write(path, _png(pixmap.toImage(), f"{what} to {path}"), what)
+    return _write(path, _encoded(pixmap.toImage(), f"{what} to {path}", image_format), what)
 
 
 class ExportError(OSError):
@@ -267,14 +273,20 @@ class ExportError(OSError):
 
 
 def _png(image: QImage, what: str) -> bytes:
-    """`image` encoded as PNG, in memory: written to the file whole (_write), a disk that fills on the way leaves
-    no half image under the user's name."""
+    return _encoded(image, what, "PNG")
+
+
+def _encoded(image: QImage, what: str, image_format: str) -> bytes:
+    """`image` encoded in `image_format`, in memory: written to the file whole (_write), a disk that fills on the
+    way leaves no half image under the user's name."""
     data = QByteArray()
     buffer = QBuffer(data)
     buffer.open(QIODevice.OpenModeFlag.WriteOnly)
-    writer = QImageWriter(buffer, b"PNG")
+    writer = QImageWriter(buffer, image_format.encode("ascii", "replace"))
     if not writer.write(image):
-        raise ExportError(f"cannot write {what}: the image could not be encoded as PNG ({writer.errorString()})")
+        raise ExportError(
+            f"cannot write {what}: the image could not be encoded as {image_format} ({writer.errorString()})"
+        )
     buffer.close()
     return bytes(data.data())
 
