@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
@@ -78,6 +79,26 @@ def choose_model(parent: Optional[QWidget], caption: str, start: str, folder: bo
         return QFileDialog.getExistingDirectory(parent, caption, start)
     path, _ = QFileDialog.getOpenFileName(parent, caption, start, "GGUF models (*.gguf);;All files (*)")
     return path
+
+
+def ask_save_file(parent: Optional[QWidget], caption: str, start: str, file_filter: str) -> str:
+    """The path to save to, from a save dialog that opens on `start` (a folder and the suggested name); "" when
+    cancelled. A name typed without a suffix is given the filter's first one ("series" is "series.csv" for
+    "CSV (*.csv)"), and the dialog asks before replacing the file of that name (the static dialog returned the
+    name as typed: the export was written without its suffix, and a file with it was never asked about)."""
+    dialog = QFileDialog(parent, caption)
+    dialog.setAcceptMode(QFileDialog.AcceptMode.AcceptSave)
+    dialog.setNameFilter(file_filter)
+    suffix = re.search(r"\*\.([^\s;)*]+)", file_filter)
+    if suffix:
+        dialog.setDefaultSuffix(suffix.group(1))
+    where = Path(start)
+    dialog.setDirectory(str(where.parent))
+    dialog.selectFile(where.name)
+    if dialog.exec() != QDialog.DialogCode.Accepted:
+        return ""
+    chosen = dialog.selectedFiles()
+    return chosen[0] if chosen else ""
 
 
 class ProgressDialog(QDialog):

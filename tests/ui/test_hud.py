@@ -1697,3 +1697,48 @@ def test_generation_marks_read_on_the_plots_in_both_themes(hud, qtbot, qapp):
                 assert _contrast(line.label.color.name(), colors.base) >= 4.5, (colors.base, line.label.color.name())
     finally:
         qapp.setPalette(before)
+
+
+def test_a_name_typed_without_a_suffix_is_exported_with_its_dialogs_suffix(qtbot, tmp_path):
+    """The save dialogs set no default suffix: "series" typed in the CSV dialog was written as "series", with no
+    ".csv", and a "series.csv" already there was written over without the dialog asking."""
+    from dialog_driver import DialogDriver
+
+    clock = ManualClock(1000.0)
+    panel = HudPanel(clock=clock, size_dialog=lambda _parent, _w, _h: (800, 600))
+    panel.resize(520, 1000)
+    qtbot.addWidget(panel)
+    feed_gpu_session(panel, clock, n_steps=40)
+    panel.set_ladder_results(ladder_rows())
+    show_and_paint(qtbot, panel)
+    panel.last_folder = str(tmp_path)
+    asks = {
+        "series": panel._ask_series_csv,
+        "series-doc": panel._ask_series_json,
+        "compare": panel._ask_compare_csv,
+        "compare-doc": panel._ask_compare_json,
+        "plots": panel._ask_plots_png,
+        "ladder": panel._ask_ladder_png,
+    }
+    for name, ask in asks.items():
+        driver = DialogDriver().choose_file(tmp_path / name).start()
+        ask()
+        assert driver.done and driver.answered[0].folder == str(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "compare-doc.json",
+        "compare.csv",
+        "ladder.png",
+        "plots.png",
+        "series-doc.json",
+        "series.csv",
+    ]
+    assert (tmp_path / "series.csv").read_text().startswith("kind,t,t_rel,")
+    assert json.loads((tmp_path / "compare-doc.json").read_text())["generations"]
+    assert QImage(str(tmp_path / "plots.png")).size().toTuple() == (800, 600)
+
+    # The file of the name with its suffix is the one the dialog asks about replacing.
+    (tmp_path / "series.csv").write_text("the user's earlier export\n")
+    driver = DialogDriver().choose_file(tmp_path / "series").click("No").choose_file(None).start()
+    panel._ask_series_csv()  # No, then Cancel
+    assert driver.done and "series.csv already exists" in driver.answered[1].text
+    assert (tmp_path / "series.csv").read_text() == "the user's earlier export\n"

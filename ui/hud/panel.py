@@ -19,7 +19,6 @@ from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
-    QFileDialog,
     QFormLayout,
     QHBoxLayout,
     QMessageBox,
@@ -40,7 +39,7 @@ from engine.types import (
     StepRecord,
     options_as_run,
 )
-from ui.dialogs import confirm
+from ui.dialogs import ask_save_file, confirm
 from ui.hud import export
 from ui.hud.bars import BarStrip
 from ui.hud.compare_table import CompareRow, CompareTable
@@ -85,8 +84,7 @@ def ask_image_size(parent: QWidget, width: int, height: int) -> Optional[tuple[i
 def ask_save_path(parent: QWidget, caption: str, name: str, file_filter: str) -> str:
     """The path to save to; the dialog starts in the folder last used (`parent.last_folder`), else home."""
     folder = getattr(parent, "last_folder", "") or str(Path.home())
-    path, _ = QFileDialog.getSaveFileName(parent, caption, str(Path(folder) / name), file_filter)
-    return path
+    return ask_save_file(parent, caption, str(Path(folder) / name), file_filter)
 
 
 class HudPanel(QWidget):
