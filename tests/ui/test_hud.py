@@ -1077,11 +1077,26 @@ def test_a_remote_row_shows_and_exports_its_options_as_the_server_s(hud, tmp_pat
     tip = model.data(model.index(0, COLUMN_INDEX["kv_cache"]), Qt.ItemDataRole.ToolTipRole)
     assert tip == "set by the remote server, which does not say: KV cache n/a here"
     assert panel.bars.header.text().endswith("remote · set by the server · 2 candidates")
-    options = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())["generations"][0]["options"]
+    # Every option left empty in the CSV (null in the JSON) says why, as the table's tooltip does: the CSV's were
+    # empty with no reason. A local row's draft model, none, says it is not used.
+    local = EngineOptions(device="cpu")
+    panel.begin_generation("here", local)
+    panel.end_generation(GenerationMetrics(new_tokens_total=4), local, "here")
+    server_s = "set by the remote server, which does not say"
+    why = {k: server_s for k in local.to_dict() if k not in ("device", "candidates")}
+    doc = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())["generations"]
+    options = doc[0]["options"]
     assert options["device"] == "remote" and options["candidates"] == 2 and options["kv_cache"] is None
+    assert doc[0]["options_unavailable"] == why
+    assert doc[1]["options_unavailable"] == {"draft_model": "not used: speculation off"}
     with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
-        row = next(csv.DictReader(f))
-    assert (row["device"], row["kv_cache"], row["compile"]) == ("remote", "", "")
+        rows = list(csv.DictReader(f))
+    assert (rows[0]["device"], rows[0]["kv_cache"], rows[0]["compile"]) == ("remote", "", "")
+    assert json.loads(rows[0]["options_unavailable"]) == why
+    assert json.loads(rows[1]["options_unavailable"]) == {"draft_model": "not used: speculation off"}
+    for row in rows:
+        empty = {k for k in local.to_dict() if row[k] == ""}
+        assert empty == set(json.loads(row["options_unavailable"]))
 
 
 def test_series_exports_equal_what_was_fed(hud, tmp_path):

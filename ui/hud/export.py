@@ -43,6 +43,7 @@ def compare_records(model: CompareModel) -> list[dict]:
             "model": r.model,
             "reference": i == model.reference,
             "options": known_options(r.options),
+            "options_unavailable": options_unavailable(r.options),
             "metrics": r.metrics.to_dict(),
         }
         for i, r in enumerate(model.rows)
@@ -58,19 +59,40 @@ def known_options(options: EngineOptions) -> dict:
     return d
 
 
+def options_unavailable(options: EngineOptions) -> dict[str, str]:
+    """Why each option the exports leave empty (null, or "" for no draft model) is so, as the compare table's
+    tooltips say it: a remote server's own settings are not known here."""
+    why = {}
+    for key, value in known_options(options).items():
+        if value is None:
+            why[key] = "set by the remote server, which does not say"
+        elif key == "draft_model" and value == "":
+            why[key] = f"not used: speculation {options.speculation}"
+    return why
+
+
 def write_compare_json(path: PathLike, model: CompareModel) -> Path:
     return _write_json(path, {"generations": compare_records(model)}, "the compare table")
 
 
 def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
-    """One row a generation: its options, its figures, and under "sources" each figure's source (a figure whose
-    source the registry names, e.g. decode tok/s, has no *_source column of its own), as in the JSON export."""
-    header = ["index", "label", "model", "reference"] + list(OPTION_FIELDS) + list(METRIC_FIELDS) + ["sources"]
+    """One row a generation: its options, under "options_unavailable" why each option left empty is (a remote
+    server's: its cells were empty with no reason), its figures, and under "sources" each figure's source (a
+    figure whose source the registry names, e.g. decode tok/s, has no *_source column of its own), as in the JSON
+    export."""
+    header = (
+        ["index", "label", "model", "reference"]
+        + list(OPTION_FIELDS)
+        + ["options_unavailable"]
+        + list(METRIC_FIELDS)
+        + ["sources"]
+    )
     rows = []
     for rec in compare_records(model):
         rows.append(
             [rec["index"], rec["label"], rec["model"], rec["reference"]]
             + [rec["options"][k] for k in OPTION_FIELDS]
+            + [rec["options_unavailable"]]
             + [rec["metrics"][k] for k in METRIC_FIELDS]
             + [rec["metrics"]["sources"]]
         )
