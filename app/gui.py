@@ -316,7 +316,7 @@ def run_gui(args: Any, paths: AppPaths) -> int:
     if getattr(args, "smoke_test", False):
         return _run_smoke(args, paths)
     from app.store import StoreError
-    from ui.dialogs import show_error
+    from ui.dialogs import show_error, show_error_and_wait
 
     no_display = no_display_reason()
     if no_display:  # Qt aborts the process, blaming a library that is there
@@ -342,6 +342,9 @@ def run_gui(args: Any, paths: AppPaths) -> int:
         code = app.exec()
     finally:
         stopped = gui.close()
+    for message in gui.window.said_after_close:  # a stopped answer the store refused as the app closed
+        print(f"gapless: {message}", file=sys.stderr)
+        show_error_and_wait(None, "Gapless", message)
     return leave(code, stopped)
 
 

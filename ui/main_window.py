@@ -226,6 +226,10 @@ class MainWindow(QMainWindow):
         self._fetch_dialog: Optional[ProgressDialog] = None
         self._fetching = False
         self._laddering = False  # a ladder run holds the engine: chat waits until it ends or is cancelled
+        self._closed = False
+        # What went wrong once the window had closed (a stopped answer's last save as the app quits): no event loop
+        # is left to show a box on it, so the app says these after it has closed (app.gui.run_gui)
+        self.said_after_close: list[str] = []
         self._requested: Optional[EngineOptions] = None  # the newest options sent to the engine, not yet confirmed
         self._requested_by_user = True  # False: they replace what the model refused (not saved)
         self._search = ""
@@ -839,6 +843,10 @@ class MainWindow(QMainWindow):
         self._update_can_send()
 
     def _failed(self, message: str) -> None:
+        if self._closed:  # a box opened now would wait on a hidden window for a loop that never runs again
+            log.error("%s", message)
+            self.said_after_close.append(message)
+            return
         self.status.setText(message)
         show_error(self, "Gapless", message)
 
@@ -1284,3 +1292,4 @@ class MainWindow(QMainWindow):
         self._persist(closing=True)
         self.closed.emit()
         super().closeEvent(event)
+        self._closed = True

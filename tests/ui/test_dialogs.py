@@ -684,6 +684,60 @@ def test_a_chat_database_that_cannot_open_says_so_at_start(qtbot, tmp_path, driv
     assert "gapless: error:" in capsys.readouterr().err
 
 
+def test_an_answer_stopped_as_the_app_quits_that_the_store_refuses_is_said_once_it_has_closed(
+    qtbot, tmp_path, tiny_llama, driver, capsys, monkeypatch
+):
+    """The window closed mid-answer: the stopped answer's last result comes once the app's loop has returned, as
+    the engine stops (GuiApp.close). A save the store refused then opened a non-blocking box on the hidden window,
+    with no event loop left to show it: the user never learned that the stopped answer was not saved."""
+    from worker_gate import hold_after_first_batch
+
+    import app.gui
+    from app.store import StoreError
+    from engine.types import SamplingParams
+
+    real_build = app.gui.build
+    release = hold_after_first_batch(monkeypatch)
+    refused: list[int] = []
+    closed: list[bool] = []
+
+    def build_and_answer(*a, **k):
+        gui = real_build(*a, **k)
+        w, real_update = gui.window, gui.store.update_message
+
+        def update_message(message_id, **fields):  # the last save, with the answer's status, is refused
+            if "status" in fields:
+                refused.append(message_id)
+                raise StoreError("disk I/O error")
+            return real_update(message_id, **fields)
+
+        def send(*_loaded):
+            w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=200, seed=0)
+            w.composer.set_text("tell me a story")
+            w.composer.send_button.click()
+
+        def close_now(_rid, _batch):  # as Ctrl+Q does while the answer streams
+            if not closed:
+                closed.append(True)
+                w.close()
+                release.set()
+
+        monkeypatch.setattr(gui.store, "update_message", update_message)
+        gui.controller.loaded.connect(send)
+        gui.controller.textBatch.connect(close_now)
+        return gui
+
+    monkeypatch.setattr(app.gui, "build", build_and_answer)
+    driver.click("OK").start()
+    paths = AppPaths.resolve(tmp_path / "data")
+    code = app.gui.run_gui(SimpleNamespace(smoke_test=False, theme="light", model=str(tiny_llama)), paths)
+    assert code == 0 and closed and len(refused) == 1
+    said = "The answer could not be saved: disk I/O error"
+    assert [(b.title, b.text) for b in driver.answered] == [("Gapless", said)]
+    assert ("app/gui.py", "run_gui") in driver.answered[0].sites
+    assert f"gapless: {said}" in capsys.readouterr().err.splitlines()
+
+
 # ---- help and folders ------------------------------------------------------------------------------------
 
 
