@@ -50,7 +50,15 @@ from engine.types import (
 from ui.chat_list import ChatEntry, ChatList
 from ui.chat_view import ChatView
 from ui.composer import Composer
-from ui.dialogs import ChatSettingsDialog, ProgressDialog, confirm, show_error, show_error_and_wait, show_info
+from ui.dialogs import (
+    ChatSettingsDialog,
+    ProgressDialog,
+    ask_save_file,
+    confirm,
+    show_error,
+    show_error_and_wait,
+    show_info,
+)
 from ui.hud.bars import ElidedLabel
 from ui.model_panel import ModelPanel
 from ui.parts import tight_column
@@ -705,7 +713,7 @@ class MainWindow(QMainWindow):
             return
         suffix, kind = (".md", "Markdown (*.md)") if markdown else (".json", "Gapless chat (*.json)")
         start = str(Path(self.settings.last_folder or "") / export_name(self.chat_title.text(), suffix))
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", start, kind)
+        path = ask_save_file(self, "Export chat", start, kind)  # "notes" typed is notes.md, asked before replacing
         if not path:
             return
         self._folder_used(str(Path(path).parent))

@@ -12,7 +12,7 @@ from app.chat_io import chat_document
 
 
 def choose(monkeypatch, path):
-    monkeypatch.setattr(QFileDialog, "getSaveFileName", staticmethod(lambda *a, **k: (str(path), "")))
+    monkeypatch.setattr("ui.main_window.ask_save_file", lambda *a, **k: str(path))
     monkeypatch.setattr(QFileDialog, "getOpenFileName", staticmethod(lambda *a, **k: (str(path), "")))
 
 

@@ -46,7 +46,6 @@ DIALOG_SITES = {
     ("ui/hud/panel.py", "HudPanel._ask"): "test_hud_export_that_cannot_write_says_so",
     ("ui/hud/panel.py", "ImageSizeDialog.__init__"): "test_plots_png_asks_the_size_then_where",
     ("app/gui.py", "run_gui"): "test_a_chat_database_that_cannot_open_says_so_at_start",
-    ("ui/main_window.py", "MainWindow.export_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/main_window.py", "MainWindow.import_chat"): "test_a_chat_exported_to_a_file_imports_again",
     ("ui/remote_dialog.py", "RemoteDialog.__init__"): "test_the_remote_model_dialog_cancels_with_its_button",
     ("ui/dialogs.py", "show_error_and_wait"): "test_settings_the_disk_cannot_take_on_close_are_said_before_it_closes",
@@ -804,6 +803,27 @@ def test_a_chat_exported_to_a_file_imports_again(qtbot, gui, driver, tmp_path):
     assert len(store.list_chats()) == 2 and w.flow.chat_id != chat
     assert [m.content for m in store.thread(w.flow.chat_id)] == ["the question"]
     assert gui.settings.last_folder == str(tmp_path)  # the next file dialog starts there
+
+
+def test_a_chat_exported_under_a_name_typed_without_a_suffix_gets_its_format_s(qtbot, gui, driver, tmp_path):
+    """ "notes" typed in the Markdown export dialog: the chat was written to a file named "notes", and a "notes.md"
+    already there was never asked about."""
+    w, store = gui.window, gui.store
+    chat = add_chat(store, "To keep", "the question")
+    w.refresh_chats()
+    w.chat_list.list.setCurrentRow(w.chat_list.chat_ids().index(chat))
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    driver.choose_file(folder / "notes").start()
+    w.export_chat(True)
+    assert driver.done and ("ui/main_window.py", "MainWindow.export_chat") in driver.answered[0].sites
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.md"]
+    assert "the question" in (folder / "notes.md").read_text(encoding="utf-8")
+    (folder / "notes.json").write_text("mine")  # the name with the JSON suffix is the one asked about
+    driver = DialogDriver().choose_file(folder / "notes").click("No").choose_file(None).start()
+    w.export_chat(False)  # No, then Cancel
+    assert driver.done and "notes.json already exists" in driver.answered[1].text
+    assert (folder / "notes.json").read_text() == "mine"
 
 
 def test_a_chat_with_a_long_title_in_any_script_exports_under_the_name_suggested(qtbot, gui, tmp_path):
