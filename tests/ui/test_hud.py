@@ -31,6 +31,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont, QImage, QPainter, QPalette, QPicture
 from PySide6.QtWidgets import QWidget
 
+from engine.figures import GENERATION_FIGURES
 from engine.types import CPU_DTYPE_NOTE, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX, CompareRow, delta_colors
@@ -987,13 +988,19 @@ def test_compare_table_sorts_on_values_with_na_last(hud):
 # ---- exports ---------------------------------------------------------------------------------------------
 
 
+def with_reasons(metrics: dict) -> dict:
+    """`metrics` as the compare exports write them: each figure left null says why."""
+    why = {f.key: "not measured in this generation" for f in GENERATION_FIGURES if metrics.get(f.key, 0) is None}
+    return {**metrics, "unavailable": {**why, **metrics["unavailable"]}}
+
+
 def test_compare_exports_equal_what_was_fed(hud, tmp_path):
     panel, _ = hud
     opts, mets = _three_generations(panel)
     doc = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())
     assert [g["label"] for g in doc["generations"]] == ["naive", "half", "compiled"]
     assert [g["options"] for g in doc["generations"]] == [o.to_dict() for o in opts]
-    assert [g["metrics"] for g in doc["generations"]] == [m.to_dict() for m in mets]
+    assert [g["metrics"] for g in doc["generations"]] == [with_reasons(m.to_dict()) for m in mets]
     assert [g["reference"] for g in doc["generations"]] == [True, False, False]
 
     with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
@@ -1001,7 +1008,10 @@ def test_compare_exports_equal_what_was_fed(hud, tmp_path):
     assert [r["label"] for r in rows] == ["naive", "half", "compiled"]
     assert [r["dtype"] for r in rows] == ["fp32", "fp16", "bf16"]
     assert [float(r["decode_tok_s"]) if r["decode_tok_s"] else None for r in rows] == [m.decode_tok_s for m in mets]
-    assert rows[2]["kernel_gap_pct"] == "" and json.loads(rows[2]["unavailable"]) == mets[2].unavailable
+    assert (
+        rows[2]["kernel_gap_pct"] == ""
+        and json.loads(rows[2]["unavailable"]) == with_reasons(mets[2].to_dict())["unavailable"]
+    )
     # every figure's source, as in the JSON: decode tok/s has no column of its own for it
     assert [json.loads(r["sources"]) for r in rows] == [m.to_dict()["sources"] for m in mets]
     assert all(json.loads(r["sources"]).get("decode_tok_s") for r in rows if r["decode_tok_s"])
@@ -1045,7 +1055,17 @@ def test_compare_rows_name_their_model_and_a_ladder_its_own(hud, tmp_path):
     model.add(CompareRow(10, "drafting", spec, GenerationMetrics(), "big"))
     assert [model.data(model.index(4, COLUMN_INDEX[k])) for k in ("draft_tokens", "draft_model")] == ["4", "small.gguf"]
     with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
-        assert [r["model"] for r in csv.DictReader(f)] == ["SmolLM2-135M", "tiny", "SmolLM2-135M", "", "big"]
+        rows = list(csv.DictReader(f))
+    assert [r["model"] for r in rows] == ["SmolLM2-135M", "tiny", "SmolLM2-135M", "", "big"]
+    # the empty one says why, as the table's tooltip does (the cell was empty with no reason)
+    assert [r["model_unavailable"] for r in rows] == ["", "", "", "this row was kept before rows named their model", ""]
+    # and so does every figure left empty: the row added with no figures has each one "not measured"
+    assert json.loads(rows[4]["unavailable"])["decode_tok_s"] == "not measured in this generation"
+    doc = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())
+    for g in doc["generations"]:
+        for key, value in g["metrics"].items():
+            if key in {f.key for f in GENERATION_FIGURES} and value is None:
+                assert g["metrics"]["unavailable"].get(key), (g["label"], key)
 
 
 def test_a_remote_row_compares_by_the_client_s_timings(qtbot):

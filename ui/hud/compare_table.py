@@ -26,6 +26,9 @@ from ui.hud import fmt
 
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
 SERVER_SET = "server's"  # an option of a remote server's answer: its own setting, not known here
+# Why a row has no model name, and a figure neither measured nor said to be n/a (the exports say the same)
+NO_MODEL = "this row was kept before rows named their model"
+NOT_MEASURED = "not measured in this generation"
 # Better and worse, for a light and a dark background: 4.5:1 or more against the theme's base either way.
 DELTA_COLORS = {"light": (QColor("#1a7f37"), QColor("#b3261e")), "dark": (QColor("#5cc77a"), QColor("#f2857b"))}
 
@@ -215,7 +218,7 @@ class CompareModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "option" and v is None:
             return f"not used: speculation {self.rows[row].options.speculation}"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and v is None:
-            return f"{fmt.NA} — this row was kept before rows named their model"
+            return f"{fmt.NA} — {NO_MODEL}"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
             return fmt.options_summary(self.rows[row].options)
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and (other := self._other_model(row)):
@@ -223,7 +226,7 @@ class CompareModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "metric":
             fig = figures.shown(self.rows[row].metrics, col.key)
             if v is None:
-                return f"{fmt.NA} — {fig.reason or 'not measured in this generation'}"
+                return f"{fmt.NA} — {fig.reason or NOT_MEASURED}"
             source = fig.source or "source not reported"
             other = self._other_model(row)
             if other and self.delta(row, col.key) is not None:

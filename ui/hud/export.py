@@ -20,9 +20,10 @@ from PySide6.QtGui import QColor, QImage, QImageWriter, QPen
 from PySide6.QtWidgets import QWidget
 
 from engine.errors import OutputPathError
+from engine.figures import GENERATION_FIGURES
 from engine.paths import output_file, write_whole
 from engine.types import EngineOptions, GenerationMetrics, server_decides
-from ui.hud.compare_table import CompareModel
+from ui.hud.compare_table import NO_MODEL, NOT_MEASURED, CompareModel
 from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
 from ui.hud.series_view import PLOTS, SeriesView, left_axis_px
 
@@ -36,18 +37,29 @@ CLOCK = "time.perf_counter() seconds"
 
 
 def compare_records(model: CompareModel) -> list[dict]:
-    return [
-        {
-            "index": r.index,
-            "label": r.label,
-            "model": r.model,
-            "reference": i == model.reference,
-            "options": known_options(r.options),
-            "options_unavailable": options_unavailable(r.options),
-            "metrics": r.metrics.to_dict(),
-        }
-        for i, r in enumerate(model.rows)
-    ]
+    """Each row's record; an empty model name and every figure left null say why (model_unavailable, and the
+    metrics' unavailable), as the table's n/a cells do (the exports gave an empty cell with no reason)."""
+    records = []
+    for i, r in enumerate(model.rows):
+        metrics = r.metrics.to_dict()
+        why = dict(metrics.get("unavailable") or {})
+        for f in GENERATION_FIGURES:
+            if metrics.get(f.key) is None and f.key in metrics:
+                why.setdefault(f.key, NOT_MEASURED)
+        metrics["unavailable"] = why
+        records.append(
+            {
+                "index": r.index,
+                "label": r.label,
+                "model": r.model,
+                "model_unavailable": None if r.model else NO_MODEL,
+                "reference": i == model.reference,
+                "options": known_options(r.options),
+                "options_unavailable": options_unavailable(r.options),
+                "metrics": metrics,
+            }
+        )
+    return records
 
 
 def known_options(options: EngineOptions) -> dict:
@@ -81,7 +93,7 @@ def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
     figure whose source the registry names, e.g. decode tok/s, has no *_source column of its own), as in the JSON
     export."""
     header = (
-        ["index", "label", "model", "reference"]
+        ["index", "label", "model", "model_unavailable", "reference"]
         + list(OPTION_FIELDS)
         + ["options_unavailable"]
         + list(METRIC_FIELDS)
@@ -90,7 +102,7 @@ def write_compare_csv(path: PathLike, model: CompareModel) -> Path:
     rows = []
     for rec in compare_records(model):
         rows.append(
-            [rec["index"], rec["label"], rec["model"], rec["reference"]]
+            [rec["index"], rec["label"], rec["model"], rec["model_unavailable"], rec["reference"]]
             + [rec["options"][k] for k in OPTION_FIELDS]
             + [rec["options_unavailable"]]
             + [rec["metrics"][k] for k in METRIC_FIELDS]
