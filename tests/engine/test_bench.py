@@ -604,7 +604,14 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     assert hf["name"] == "transformers" and hf["status"] == "ok" and len(hf["runs"]) == 2
     assert hf["settings"]["min_new_tokens"] == hf["settings"]["max_new_tokens"] == 12
     assert all(r["new_tokens_total"] == 12 for r in hf["runs"])
-    assert hf["median"]["decode_tok_s"] > 0 and hf["median"]["kernel_gap_pct"] is None
+    assert hf["median"]["kernel_gap_pct"] is None
+    # a busy machine can time the 12 tiny steps shorter than its noise: that run's figure is n/a, saying so
+    why = "the n-token generate() took no longer than the 1-token one"
+    assert all(
+        r["decode_tok_s"] > 0 if r["decode_tok_s"] is not None else r["unavailable"]["decode_tok_s"] == why
+        for r in hf["runs"]
+    )
+    assert hf["median"]["decode_tok_s"] is None or hf["median"]["decode_tok_s"] > 0
     # its counts are ints, as the rungs' (the median of 12 and 12 tokens was written 12.0, of the RSS 778039296.0)
     assert type(hf["median"]["new_tokens_total"]) is int and hf["median"]["new_tokens_total"] == 12
     assert type(hf["median"]["peak_memory_bytes"]) is int  # whole KiB each run
@@ -617,7 +624,8 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
         "new_tokens_total": "the tokens transformers generate() returned",
         "peak_memory_bytes": "process peak RSS since start (getrusage)",
     }
-    assert hf["runs"][0]["sources"] == hf["runs"][1]["sources"] == hf["median"]["sources"] == sources
+    for figures_of in (*hf["runs"], hf["median"]):  # a figure n/a (decode tok/s on a busy machine) names none
+        assert figures_of["sources"] == {k: v for k, v in sources.items() if figures_of[k] is not None}
     assert naive["runs"][0]["metrics"]["sources"]["decode_tok_s"] == "engine timing, device-synchronised"
     from engine import figures
 
@@ -632,9 +640,12 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
     # transformers is made to continue past EOS (min_new_tokens), so only an EOS of ours may differ
     expected = len(ours) if naive["runs"][0]["finish_reasons"][0] == "length" else len(ours) - 1
     assert match["matching_prefix"] >= expected
-    assert naive["speedup_vs_transformers"] == pytest.approx(
-        naive["median"]["decode_tok_s"] / hf["median"]["decode_tok_s"]
-    )
+    if hf["median"]["decode_tok_s"] is None:
+        assert naive["speedup_vs_transformers"] is None
+    else:
+        assert naive["speedup_vs_transformers"] == pytest.approx(
+            naive["median"]["decode_tok_s"] / hf["median"]["decode_tok_s"]
+        )
     assert report["ratios"]["transformers_decode_tok_s"] == hf["median"]["decode_tok_s"]
     out = format_table(report)
     assert "| transformers generate() " in out and "skipped (1)" in out
