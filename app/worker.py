@@ -209,6 +209,9 @@ class EngineWorker(EngineEvents):
         self._last_progress = (0.0, "")
         self._busy = False
         self._stop_reading = threading.Event()  # set by Stop: a draft model's read in progress is given up
+        # Options in force that were not reported: their draft model's read stopped for options or a model queued
+        # after them, whose reply says what is in force (said before anything else, or where those fail).
+        self._unreported = False
 
     @Slot()
     def run(self) -> None:
@@ -241,6 +244,11 @@ class EngineWorker(EngineEvents):
         """Give up the draft model's read a reconfigure is doing (Stop); safe from any thread."""
         self._stop_reading.set()
 
+    def _replaced(self) -> bool:
+        """Whether the next command chooses options or a model again (or ends the worker)."""
+        with self.commands.mutex:
+            return bool(self.commands.queue) and isinstance(self.commands.queue[0], (Reconfigure, Load, Shutdown))
+
     def _read_not_wanted(self) -> bool:
         """Whether the options being applied are moot: Stop was pressed, or other options, another model or the
         end are queued (a draft model's read held them back until it was whole)."""
@@ -258,6 +266,8 @@ class EngineWorker(EngineEvents):
             Call: self._call,
         }
         try:
+            if self._unreported and not isinstance(command, (Reconfigure, Load)):
+                self._report_options()  # before what runs with them
             handler[type(command)](command)
         except Exception as exc:  # a bug here must neither end the loop nor leave the GUI waiting for an answer
             log.exception("engine worker: %s failed", type(command).__name__)
@@ -286,9 +296,12 @@ class EngineWorker(EngineEvents):
             unavailable = dict(engine.unavailable())
         except Exception as exc:
             self._log_unless_expected(exc, f"loading {cmd.source}")
+            if self._unreported:  # the previous engine, and the options it has in force, stay
+                self._report_options()
             self.loadFailed.emit(cmd.source, one_line(exc))  # the previous engine stays loaded and usable
             return
         previous, self.engine = self.engine, engine
+        self._unreported = False
         self._pending_options = None
         self._close_engine(previous)
         self.engineState.emit(engine.options, engine.info, option_limits(engine), sampling_extensions(engine))
@@ -305,13 +318,33 @@ class EngineWorker(EngineEvents):
             self.reconfigured.emit(self._pending_options, {})
             return
         self._stop_reading.clear()  # a Stop pressed before was for what ran before
+        stopped = threading.Event()
+
+        def not_wanted() -> bool:
+            if self._read_not_wanted():
+                stopped.set()
+                return True
+            return False
+
         try:
-            self.engine.reconfigure(cmd.options, self._on_progress, self._read_not_wanted)
-            unavailable = dict(self.engine.unavailable())
+            self.engine.reconfigure(cmd.options, self._on_progress, not_wanted)
         except Exception as exc:
             self._log_unless_expected(exc, "reconfiguring")
+            if self._unreported:  # the options in force before these stay
+                self._report_options()
             self.reconfigureFailed.emit(one_line(exc))
             return
+        if stopped.is_set() and self._replaced():
+            # Moot: what comes next says what is in force (a reply here showed these options just before those).
+            self._unreported = True
+            return
+        self._report_options()
+
+    def _report_options(self) -> None:
+        """engineState and reconfigured for the options the engine has in force."""
+        assert self.engine is not None
+        self._unreported = False
+        unavailable = dict(self.engine.unavailable())
         self.engineState.emit(
             self.engine.options, self.engine.info, option_limits(self.engine), sampling_extensions(self.engine)
         )

@@ -222,33 +222,46 @@ def test_load_while_generating_stops_it_then_loads(qtbot, ctl, tiny_llama, tiny_
     assert on_new.finish_reasons == ["length"] and len(on_new.token_ids[0]) == 5
 
 
+class HeldDraftRead:
+    """A model loaded with `plain` options, then `drafting` chosen: its draft model's read is held at its first
+    weights until go is set."""
+
+    def __init__(self, qtbot, ctl, tiny_llama, tmp_path, monkeypatch):
+        from gguf_fixtures import hf_llama_to_gguf
+
+        draft = hf_llama_to_gguf(tiny_llama, tmp_path / "draft.gguf")
+        self.plain = EngineOptions(device="cpu")
+        self.drafting = self.plain.with_(speculation="draft", draft_model=str(draft), draft_tokens=3)
+        load(qtbot, ctl, tiny_llama, self.plain)
+        qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
+        self.first = ctl.worker.engine
+        self.reading, self.go = threading.Event(), threading.Event()
+        self.seen: list[str] = []
+        forward = EngineWorker._on_progress
+
+        def held_in_the_read(worker, p: Progress) -> None:
+            self.seen.append(p.message)
+            if p.stage == "dequantise" and not self.reading.is_set():  # the draft's weights: its read is under way
+                self.reading.set()
+                self.go.wait(60)
+            forward(worker, p)
+
+        monkeypatch.setattr(EngineWorker, "_on_progress", held_in_the_read)
+        self.rec = Recorder(ctl)
+        ctl.reconfigure(self.drafting)
+        assert self.reading.wait(60)
+
+    def said(self) -> list[tuple]:
+        """The controller's signals but the streamed ones: a load's by its source, the others' first argument."""
+        return [e[:2] if e[0] != "loaded" else (e[0], e[1].source) for e in self.rec.events if e[0] not in STREAM]
+
+
 @pytest.mark.parametrize("then", ["options chosen again", "stop", "another model"])
 def test_a_draft_model_read_stops_for_what_was_asked_after_it(qtbot, ctl, tiny_llama, tmp_path, monkeypatch, then):
     """Drafting turned on and then off (or Stop, or another model opened) while the draft model was read: the read
     went on to its end under the engine lock, and whatever was asked after it waited for the whole read."""
-    from gguf_fixtures import hf_llama_to_gguf
-
-    draft = hf_llama_to_gguf(tiny_llama, tmp_path / "draft.gguf")
-    plain = EngineOptions(device="cpu")
-    drafting = plain.with_(speculation="draft", draft_model=str(draft), draft_tokens=3)
-    load(qtbot, ctl, tiny_llama, plain)
-    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
-    first = ctl.worker.engine
-    reading, go = threading.Event(), threading.Event()
-    seen: list[str] = []
-    forward = EngineWorker._on_progress
-
-    def held_in_the_read(self, p: Progress) -> None:
-        seen.append(p.message)
-        if p.stage == "dequantise" and not reading.is_set():  # the draft's weights: its read is under way
-            reading.set()
-            go.wait(60)
-        forward(self, p)
-
-    monkeypatch.setattr(EngineWorker, "_on_progress", held_in_the_read)
-    rec = Recorder(ctl)
-    ctl.reconfigure(drafting)
-    assert reading.wait(60)
+    held = HeldDraftRead(qtbot, ctl, tiny_llama, tmp_path, monkeypatch)
+    plain, drafting, first, seen, rec = held.plain, held.drafting, held.first, held.seen, held.rec
     last = ctl.loaded if then == "another model" else ctl.reconfigured
     with qtbot.waitSignal(last, timeout=TIMEOUT_MS, check_params_cb=lambda *a: then == "stop" or a[0] != drafting):
         if then == "options chosen again":
@@ -257,12 +270,20 @@ def test_a_draft_model_read_stops_for_what_was_asked_after_it(qtbot, ctl, tiny_l
             ctl.cancel()
         else:
             ctl.load(str(tiny_llama), plain)
-        go.set()
+        held.go.set()
     qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
     assert not any(m.startswith("de-quantised") for m in seen) and "draft model ready" not in seen
     assert rec.of("reconfigureFailed") == [] and rec.of("loadFailed") == []
     assert first._draft_models == {} and first._draft_refused == {}  # nothing half-read kept, nothing refused
     engine = ctl.worker.engine
+    # What the stopped read's options were to become is said only where they stay in force (Stop): a reply for
+    # options already replaced showed them in the Optimizations panel just before the newer ones.
+    applied = {"options chosen again": [("reconfigured", plain)], "stop": [("reconfigured", drafting)]}
+    assert held.said() == [
+        ("busyChanged", True),
+        *applied.get(then, [("loadStarted", str(tiny_llama)), ("loaded", str(tiny_llama))]),
+        ("busyChanged", False),
+    ]
     if then == "another model":
         assert engine is not first and engine.options == plain and len(rec.of("loaded")) == 1
     else:
@@ -273,6 +294,33 @@ def test_a_draft_model_read_stops_for_what_was_asked_after_it(qtbot, ctl, tiny_l
     assert "speculation" not in ctl.unavailable and "draft model ready" in seen
     _, got = generate(qtbot, ctl, greedy(12))
     assert got.options.speculation == "draft" and got.metrics.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("then", ["options refused", "a model that cannot be read"])
+def test_options_whose_draft_read_was_stopped_are_said_when_what_replaced_them_fails(
+    qtbot, ctl, tiny_llama, tmp_path, monkeypatch, then
+):
+    """Options whose draft model's read stopped for newer ones are not said, as the newer ones' reply says what is
+    in force; where that reply is a failure (the previous options or model stay), they are said just before it."""
+    held = HeldDraftRead(qtbot, ctl, tiny_llama, tmp_path, monkeypatch)
+    missing = str(tmp_path / "missing.gguf")
+    failed = ctl.reconfigureFailed if then == "options refused" else ctl.loadFailed
+    with qtbot.waitSignal(failed, timeout=TIMEOUT_MS):
+        if then == "options refused":
+            ctl.reconfigure(replace(held.plain, draft_tokens=-1))  # as a settings file could give them
+        else:
+            ctl.load(missing, held.plain)
+        held.go.set()
+    qtbot.waitUntil(lambda: not ctl.busy, timeout=TIMEOUT_MS)
+    if then == "options refused":
+        failure = [
+            ("reconfigured", held.drafting),
+            ("reconfigureFailed", "draft_tokens must be between 1 and 15 (0 = adaptive), got -1"),
+        ]
+    else:
+        failure = [("loadStarted", missing), ("reconfigured", held.drafting), ("loadFailed", missing)]
+    assert held.said() == [("busyChanged", True), *failure, ("busyChanged", False)]
+    assert ctl.worker.engine is held.first and ctl.options == held.first.options == held.drafting
 
 
 # ---- a scripted engine: a generation that pauses where the test says ------------------------------------------
