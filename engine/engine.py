@@ -730,7 +730,9 @@ class Engine:
         seeded = sampling.seed is not None and not SamplerKind.of(sampling).greedy
         spec = self._speculator(opts, static, on_event, seeded, cancel.is_set) if static is not None else None
         if opts.speculation != "off" and spec is None:
-            reasons["speculation"] = self._speculation_unavailable(opts) or "the draft model is not loaded"
+            # not refused, so its read was given up: only Stop ends a read an answer started
+            stopped = "the draft model's read was stopped" if cancel.is_set() else "the draft model is not loaded"
+            reasons["speculation"] = self._speculation_unavailable(opts) or stopped
             notices.append(f"speculation off for this answer: {reasons['speculation']}")
             opts = replace(opts, speculation="off")
         verify_ks = (spec.shapes or ()) if spec is not None else ()

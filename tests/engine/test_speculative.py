@@ -756,6 +756,40 @@ def test_a_draft_model_read_stopped_part_way_is_neither_kept_nor_refused(tiny_fa
         eng.close()
 
 
+def test_an_answer_stopped_while_its_draft_model_is_read_says_so(tiny_factory, tmp_path):
+    """Stop pressed while an answer read its draft model (one whose read was stopped before): the answer said
+    "speculation off for this answer: the draft model is not loaded", as if it had never been asked for."""
+    import threading
+
+    from tiny_models import make_tiny_model
+
+    from engine.types import Progress
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=2)
+    drafting = CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=3)
+    eng = Engine.load(str(target), CPU)
+    try:
+        eng.reconfigure(drafting, cancelled=lambda: True)  # in force, not read: the next answer reads it
+        assert eng._draft_models == {}
+        cancel = threading.Event()
+
+        def stop_in_the_read(event) -> None:
+            if isinstance(event, Progress) and event.message.startswith("read "):  # the draft's weights
+                cancel.set()
+
+        got = eng.generate(REPEATS, GREEDY, stop_in_the_read, cancel)
+        assert got.options.speculation == "off" and got.finish_reasons == ["cancelled"]
+        assert got.unavailable["speculation"] == "the draft model's read was stopped"
+        assert got.notices[0] == "speculation off for this answer: the draft model's read was stopped"
+        assert eng._draft_models == {} and eng._draft_refused == {}
+        assert "speculation" not in eng.unavailable()  # read whole by the next answer
+        again = eng.generate(REPEATS, GREEDY)
+        assert again.options.speculation == "draft" and again.metrics.drafted_tokens > 0
+    finally:
+        eng.close()
+
+
 def test_a_draft_model_turned_off_or_replaced_is_let_go(tiny_factory, tmp_path):
     """Drafting turned off kept the draft model (and its proposer's cache of the chat) in memory until the model
     was loaded again; a draft model replaced by another, or by one refused, was kept beside it."""
