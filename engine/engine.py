@@ -27,6 +27,7 @@ from engine.sampling import SamplerKind
 from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
 from engine.stream import RowText
 from engine.types import (
+    DRAFT_READ_STOPPED,
     EngineOptions,
     GenerationMetrics,
     GenerationResult,
@@ -731,7 +732,7 @@ class Engine:
         spec = self._speculator(opts, static, on_event, seeded, cancel.is_set) if static is not None else None
         if opts.speculation != "off" and spec is None:
             # not refused, so its read was given up: only Stop ends a read an answer started
-            stopped = "the draft model's read was stopped" if cancel.is_set() else "the draft model is not loaded"
+            stopped = DRAFT_READ_STOPPED if cancel.is_set() else "the draft model is not loaded"
             reasons["speculation"] = self._speculation_unavailable(opts) or stopped
             notices.append(f"speculation off for this answer: {reasons['speculation']}")
             opts = replace(opts, speculation="off")

@@ -645,6 +645,10 @@ CPU_DTYPE_NOTE = (
 
 # Why an answer ended, in words (GenerationResult.finish_reasons; "context" where the context left less room than
 # asked, "interrupted" where the app closed mid-answer).
+# Why an answer ran without the draft model it was asked to draft with when Stop ended the model's read: not a
+# refusal of the option (the next answer reads it), so the Optimizations panel does not pin it on the option.
+DRAFT_READ_STOPPED = "the draft model's read was stopped"
+
 FINISH_WORDS = {
     "eos": "end of answer",
     "length": "token limit",

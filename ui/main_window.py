@@ -34,6 +34,7 @@ from app.chat_search import ChatSearch
 from app.settings import SettingsError
 from app.store import StoreError
 from engine.types import (
+    DRAFT_READ_STOPPED,
     FINISH_WORDS,
     OVERFLOW_LABELS,
     OVERFLOW_POLICIES,
@@ -809,8 +810,11 @@ class MainWindow(QMainWindow):
             self.status.setText(self._answer_notice)
         # The reasons are for the options the answer ran with: where the panel has changed since (a choice made
         # while the engine was busy), they would be pinned on values they were not given for.
-        if result.unavailable and self.toggles.options == self._answer_options:
-            self.toggles.set_unavailable(result.unavailable)
+        # A draft model's read that Stop ended refuses nothing: the next answer reads it (pinned, it turned
+        # drafting off in the panel and greyed out its entry).
+        refused = {k: v for k, v in result.unavailable.items() if v != DRAFT_READ_STOPPED}
+        if refused and self.toggles.options == self._answer_options:
+            self.toggles.set_unavailable(refused)
 
     def _generation_failed(self, _request_id: int, message: str) -> None:
         self.toggles.progress.hide()

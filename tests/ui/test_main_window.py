@@ -980,6 +980,24 @@ def test_a_reply_to_a_replaced_choice_does_not_pin_its_limits_on_the_newer_one(q
     assert sent == [] and w.toggles.options == newer and w._requested is None
 
 
+def test_an_answer_whose_draft_model_read_was_stopped_leaves_drafting_on(qtbot, app):
+    """Stop pressed while an answer read its draft model: the answer's "the draft model's read was stopped" was
+    pinned on the option as a refusal, so the panel turned drafting off, greyed out the Draft entry and asked the
+    engine to stop drafting, where the next answer would have read the model."""
+    from engine.types import DRAFT_READ_STOPPED, GenerationMetrics, GenerationResult
+
+    w, t = app.window, app.window.toggles
+    ran = t.options.with_(speculation="draft", draft_model="/models/draft.gguf", draft_tokens=4)
+    t.set_options(ran)
+    sent: list = []
+    t.optionsChanged.connect(sent.append)
+    w._generation_started(0, ran)
+    why = {"speculation": DRAFT_READ_STOPPED}
+    result = GenerationResult([""], [[]], ["cancelled"], GenerationMetrics(), ran.with_(speculation="off"), why, None)
+    w._generation_finished(0, result)
+    assert sent == [] and t.options == ran and t._why("speculation", "draft") is None
+
+
 def test_an_answer_s_reasons_are_not_pinned_on_options_chosen_while_it_ran(qtbot, app):
     """The answer ran with ngram speculation and 2 candidates (refused together); meanwhile the panel went to
     speculation off and 1 candidate. The reason is not the new choice's: the panel keeps it, every entry enabled.
