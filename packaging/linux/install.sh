@@ -171,16 +171,26 @@ if [[ -n "$PREVIOUS" ]]; then
     # removed with the installation: refused before anything is removed. The list an unfinished install of an
     # earlier version left names only what it made outside the app folder (that version cleared the whole app
     # folder): the bundle's paths in it are that install's half-made copy, and this one copies over them.
+    # A link where the record has a file or a folder (the user's own models folder linked in place of
+    # _internal/models, say), or a file where it has a link, is the user's too: the removal and the copy would go
+    # through it, into what it points to.
     clash=()
     if [[ "$FORMAT" == listed ]]; then
         for e in "${BUNDLE_FILES[@]}"; do
             path="$APP_DIR/${e:2}"
-            [[ ( -e "$path" || -L "$path" ) && -z "${OURS[$path]:-}" ]] && clash+=("${e:2}")
+            if [[ -L "$path" ]]; then
+                [[ "${OURS[$path]:-}" == l ]] || clash+=("${e:2}")
+            elif [[ -e "$path" ]]; then
+                [[ "${OURS[$path]:-}" == f ]] || clash+=("${e:2}")
+            fi
         done
         for d in "${BUNDLE_DIRS[@]}"; do
             path="$APP_DIR/$d"
-            [[ ( -e "$path" || -L "$path" ) && ! ( -d "$path" && ! -L "$path" ) && -z "${OURS[$path]:-}" ]] &&
-                clash+=("$d")
+            if [[ -L "$path" ]]; then
+                [[ "${OURS[$path]:-}" == l ]] || clash+=("$d")
+            elif [[ -e "$path" && ! -d "$path" ]]; then
+                [[ "${OURS[$path]:-}" == f ]] || clash+=("$d")
+            fi
         done
     fi
     if [[ ${#clash[@]} -gt 0 ]]; then

@@ -39,11 +39,11 @@ if [[ "$PURGE" == 1 && -z "${HOME:-}" ]]; then
 fi
 
 # Read it all first: the manifest and this script are among the entries.
-FILES=()
+FILES=()  # "f PATH" (a file) or "l PATH" (a symbolic link)
 DIRS=()
 while IFS= read -r line || [[ -n "$line" ]]; do
     case "$line" in
-        "f /"*|"l /"*) FILES+=("${line:2}") ;;
+        "f /"*|"l /"*) FILES+=("$line") ;;
         "d /"*) DIRS+=("${line:2}") ;;
         ""|"#"*) ;;
         *) warn "error: unexpected manifest line: $line"; exit 1 ;;
@@ -52,15 +52,61 @@ done <"$MANIFEST"
 
 removed=0
 kept=()
+# A link to a folder where the installer made a folder (the user's own models folder in place of
+# _internal/models, say), or anywhere else in the app folder: nothing is removed through it, since what it points
+# to is not the installer's. The link stays, and is named. The app folder itself, and the folders above it, are
+# where this manifest was found: what is in them is the installation's, however they are reached.
+LINK_NOTE="a link Gapless did not make; it and what it points to are left as they are"
+declare -A OWN_LINKS=()
+for entry in "${FILES[@]}"; do
+    [[ "${entry:0:1}" == l ]] && OWN_LINKS["${entry:2}"]=1
+done
+declare -A LINKED=()  # the link's path: "d" where the manifest lists a folder there, "" until something is under it
+for path in "${DIRS[@]}"; do
+    [[ -L "$path" && "$APP_DIR/" != "$path/"* ]] && LINKED["$path"]=d
+done
+if [[ -d "$APP_DIR" && ! -L "$APP_DIR" ]]; then
+    while IFS= read -r -d '' path; do
+        [[ -d "$path" && -z "${OWN_LINKS[$path]:-}" && -z "${LINKED[$path]:-}" ]] && LINKED["$path"]=""
+    done < <(find "$APP_DIR" -mindepth 1 -type l -print0)
+fi
+through_link() {  # PATH: whether a folder above it is one of LINKED (which is then named)
+    local link
+    for link in "${!LINKED[@]}"; do
+        if [[ "$1" == "$link/"* ]]; then
+            [[ -n "${LINKED[$link]}" ]] || LINKED["$link"]=under
+            return 0
+        fi
+    done
+    return 1
+}
 doomed=()
-for path in "${FILES[@]}"; do
+for entry in "${FILES[@]}"; do
+    path="${entry:2}"
     [[ "$path" == "$MANIFEST" ]] && continue  # last, so an interrupted run can be repeated
-    if [[ -L "$path" || -f "$path" ]]; then
+    [[ ${#LINKED[@]} -gt 0 ]] && through_link "$path" && continue
+    if [[ "${entry:0:1}" == l ]]; then
+        if [[ -L "$path" ]]; then
+            doomed+=("$path")
+        elif [[ -e "$path" ]]; then
+            kept+=("$path (no longer a link)")
+        fi
+    elif [[ -L "$path" ]]; then
+        kept+=("$path ($LINK_NOTE)")
+    elif [[ -f "$path" ]]; then
         doomed+=("$path")
     elif [[ -e "$path" ]]; then
         kept+=("$path (no longer a file)")
     fi
 done
+if [[ ${#LINKED[@]} -gt 0 ]]; then
+    for path in "${DIRS[@]}"; do
+        through_link "$path" || true
+    done
+    while IFS= read -r -d '' path; do
+        [[ -z "${LINKED[$path]}" ]] || kept+=("$path ($LINK_NOTE)")
+    done < <(printf '%s\0' "${!LINKED[@]}" | sort -z)
+fi
 # One rm per few thousand paths rather than one per file: a bundle has about 7000.
 if [[ ${#doomed[@]} -gt 0 ]]; then
     printf '%s\0' "${doomed[@]}" | xargs -0 rm -f --
@@ -87,6 +133,7 @@ fi
 for ((i = ${#DIRS[@]} - 1; i >= 0; i--)); do
     path="${DIRS[i]}"
     [[ -d "$path" && ! -L "$path" ]] || continue
+    [[ ${#LINKED[@]} -gt 0 ]] && through_link "$path" && continue
     if rmdir -- "$path" 2>/dev/null; then
         removed=$((removed + 1))
     elif [[ "$path/" == "$APP_DIR/"* ]]; then

@@ -550,3 +550,68 @@ def test_an_unfinished_install_of_an_earlier_version_is_cleared_without_a_refusa
     assert (app / "my notes.txt").read_text() == "mine"
     run(app / "uninstall.sh", env=env)
     assert tree(app) == {"my notes.txt"}
+
+
+def link_user_folders(app: Path, tmp_path: Path) -> dict[Path, str]:
+    """The user's own models folder linked in place of the bundle's (with a file of the bundle's name in it), and
+    their own library linked in place of one of the bundle's files."""
+    mine = tmp_path / "my-models"
+    mine.mkdir()
+    files = {
+        mine / "SmolLM2-135M-Instruct.Q4_1.gguf": "my own fine-tune",
+        mine / "notes.txt": "my notes",
+        tmp_path / "my-libpython.so": "my build",
+    }
+    for path, text in files.items():
+        path.write_text(text)
+    shutil.rmtree(app / "_internal/models")
+    (app / "_internal/models").symlink_to(mine)
+    (app / "_internal/libpython3.11.so.1.0").unlink()
+    (app / "_internal/libpython3.11.so.1.0").symlink_to(tmp_path / "my-libpython.so")
+    return files
+
+
+def test_uninstall_never_removes_through_a_link_the_user_put_in_the_app_folder(archive, home, tmp_path):
+    """A bundle folder replaced by a link to the user's own folder: the files there with the bundle's names were
+    deleted through it. The links stay and are named, and what they point to is untouched; a launcher the user
+    replaced with a script of their own stays too."""
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    app = home / ".local/share/gapless-app"
+    files = link_user_folders(app, tmp_path)
+    launcher = home / ".local/bin/gapless"
+    launcher.unlink()
+    launcher.write_text("#!/bin/sh\nexec my-wrapper\n")
+    proc = run(app / "uninstall.sh", env=env)
+    assert all(path.read_text() == text for path, text in files.items())
+    assert launcher.read_text() == "#!/bin/sh\nexec my-wrapper\n"
+    note = "a link Gapless did not make; it and what it points to are left as they are"
+    assert proc.stderr.splitlines() == [
+        f"uninstall: left {app}/_internal/libpython3.11.so.1.0 ({note})",
+        f"uninstall: left {launcher} (no longer a link)",
+        f"uninstall: left {app}/_internal/models ({note})",
+        f"uninstall: left {app}/_internal (holds files Gapless did not install)",
+        f"uninstall: left {app} (holds files Gapless did not install)",
+    ]
+    assert tree(app) == {"_internal/", "_internal/libpython3.11.so.1.0", "_internal/models"}
+    assert os.readlink(app / "_internal/models") == str(tmp_path / "my-models")
+
+
+def test_a_reinstall_over_a_link_the_user_put_in_the_app_folder_is_refused(archive, home, tmp_path):
+    """The reinstall removed the installed version through the user's link (their file of the bundle's name went),
+    then failed to copy the bundle's folder over the link, removing the rest. Now it stops before anything is
+    removed, naming the links."""
+    env = user_env(home)
+    run(archive / "install.sh", env=env)
+    app = home / ".local/share/gapless-app"
+    files = link_user_folders(app, tmp_path)
+    before = tree(home)
+    proc = run(archive / "install.sh", env=env, ok=False)
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        f"install: error: {app} holds files Gapless did not install where this version installs its own: "
+        "_internal/libpython3.11.so.1.0, _internal/models; move them out of the app folder, then run install.sh "
+        "again\n"
+    )
+    assert tree(home) == before
+    assert all(path.read_text() == text for path, text in files.items())
