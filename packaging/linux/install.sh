@@ -8,7 +8,8 @@
 # Every file, link and folder it creates is written to <app dir>/install-manifest.txt; <app dir>/uninstall.sh
 # removes exactly those. An existing Gapless installation in the same place is uninstalled first, and so is what
 # an install stopped halfway left (install-unfinished.txt in the app folder says what that made). Only those paths
-# are removed: what else the app folder holds is left where it is, and named.
+# are removed: what else the app folder holds is left where it is, and named. An app folder that an uninstall left
+# because it holds files Gapless did not install (uninstall-left.txt in it says so) is installed into again.
 set -euo pipefail
 
 usage() {
@@ -79,6 +80,9 @@ MANIFEST="$APP_DIR/install-manifest.txt"
 # While an install runs: what it has made outside the app folder so far, in the manifest's format. Only an install
 # that was stopped before it finished (killed, the machine went down) leaves it behind.
 UNFINISHED="$APP_DIR/install-unfinished.txt"
+# What an uninstall.sh that left the app folder (it holds files Gapless did not install) says it left there: the
+# installer's folders, in the manifest's format.
+UNINSTALLED="$APP_DIR/uninstall-left.txt"
 
 # The desktop entry quotes the executable's path; these characters would need escaping there, and a newline
 # would break the manifest's one-path-per-line format.
@@ -130,6 +134,8 @@ if [[ -f "$MANIFEST" ]]; then
     PREVIOUS="$MANIFEST"
 elif [[ -f "$UNFINISHED" ]]; then
     PREVIOUS="$UNFINISHED"
+elif [[ -f "$UNINSTALLED" ]]; then
+    PREVIOUS="$UNINSTALLED"
 elif [[ -e "$APP_DIR" ]] && [[ -n "$(ls -A "$APP_DIR" 2>/dev/null)" ]]; then
     die "$APP_DIR exists and was not made by this installer; choose another --prefix or remove it"
 fi
@@ -143,7 +149,7 @@ if [[ -n "$PREVIOUS" ]]; then
     # The record names the app folder as the installation that wrote it spelled it (another --prefix spelling,
     # another HOME or XDG_DATA_HOME): its entries inside it are compared by their path relative to it.
     RECORDED_APP="$APP_DIR"
-    [[ "$PREVIOUS" == "$MANIFEST" ]] || FORMAT=""  # listed again below where the list says it is of this kind
+    [[ "$PREVIOUS" != "$UNFINISHED" ]] || FORMAT=""  # listed again below where the list says it is of this kind
     while IFS= read -r line || [[ -n "$line" ]]; do
         case "$line" in
             "# An unfinished Gapless installation"*) FORMAT=listed ;;
@@ -200,10 +206,13 @@ if [[ -n "$PREVIOUS" ]]; then
     if [[ "$PREVIOUS" == "$MANIFEST" ]]; then
         say "replacing the Gapless installation in $APP_DIR"
         "$APP_DIR/uninstall.sh" --quiet
-    else
+    elif [[ "$PREVIOUS" == "$UNFINISHED" ]]; then
         say "removing what an unfinished installation left in $APP_DIR"
         "$HERE/uninstall.sh" --quiet --manifest "$UNFINISHED"
+    else
+        say "installing into $APP_DIR, which an earlier uninstall.sh left for the files Gapless did not install"
     fi
+    rm -f -- "$UNINSTALLED"  # (the uninstall above leaves one where the app folder stays; this install goes on)
     # The folders that installation made and that stay because something else is in them are still the
     # installer's: this one records them again, so that they go once they are empty.
     for d in "${PREVIOUS_DIRS[@]}"; do
@@ -296,6 +305,7 @@ rollback() {
         if mkdir -p -- "$APP_DIR" && write_manifest; then
             "$HERE/uninstall.sh" --quiet --manifest "$MANIFEST" ||
                 printf 'install: error: not all of it could be removed (above: what was left)\n' >&2
+            rm -f -- "$UNINSTALLED"  # $UNFINISHED, below, is the record of what stays
         fi
         if [[ -d "$APP_DIR" ]]; then
             local left e kept=()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Remove Gapless as install.sh installed it: exactly the files, links and folders listed in the manifest
 # (install-manifest.txt next to this script). The user's chats, settings, logs and caches stay unless --purge.
+# Where the app folder stays because it holds files Gapless did not install, uninstall-left.txt in it names the
+# folders the installer made that stay: the next install.sh there takes them back and keeps those files.
 set -euo pipefail
 
 usage() {
@@ -130,16 +132,36 @@ fi
 # Folders last, after a purge, so that a folder the installer created and the user data shared is removed too
 # once empty. A folder that still holds something is left; that is only worth a word inside the app folder
 # (~/.local/share, say, holds other applications' files as a rule).
+STAYED=()  # the installer's folders that stay, children before parents
 for ((i = ${#DIRS[@]} - 1; i >= 0; i--)); do
     path="${DIRS[i]}"
     [[ -d "$path" && ! -L "$path" ]] || continue
     [[ ${#LINKED[@]} -gt 0 ]] && through_link "$path" && continue
     if rmdir -- "$path" 2>/dev/null; then
         removed=$((removed + 1))
-    elif [[ "$path/" == "$APP_DIR/"* ]]; then
-        kept+=("$path (holds files Gapless did not install)")
+    else
+        STAYED+=("$path")
+        [[ "$path/" != "$APP_DIR/"* ]] || kept+=("$path (holds files Gapless did not install)")
     fi
 done
+# The app folder that stays is still Gapless's: without a record of it, the next install refused it as a folder
+# "not made by this installer". The record names itself as the manifest did its own folder (install.sh compares
+# the entries inside the app folder by their path in it).
+if [[ -d "$APP_DIR" && ! -L "$APP_DIR" && -n "$(ls -A -- "$APP_DIR")" ]]; then
+    recorded_app="$APP_DIR"
+    for entry in "${FILES[@]}"; do
+        [[ "$entry" == *"/${MANIFEST##*/}" ]] && recorded_app="${entry:2}" && recorded_app="${recorded_app%/*}"
+    done
+    {
+        printf '# What a Gapless uninstall left: the folders install.sh made that hold files it did not install.\n'
+        printf '# Read by the next install.sh here, which takes them back and keeps those files.\n'
+        for ((i = ${#STAYED[@]} - 1; i >= 0; i--)); do
+            printf 'd %s\n' "${STAYED[i]}"
+        done
+        printf 'f %s\n' "$recorded_app/uninstall-left.txt"
+    } >"$APP_DIR/uninstall-left.txt.part"
+    mv -- "$APP_DIR/uninstall-left.txt.part" "$APP_DIR/uninstall-left.txt"
+fi
 say "removed $removed installed files and folders"
 for k in "${kept[@]}"; do
     warn "left $k"

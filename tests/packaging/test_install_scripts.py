@@ -253,6 +253,7 @@ def test_files_added_inside_the_app_folder_are_left_with_a_warning(archive: Path
         ".local/share/gapless-app/",
         ".local/share/gapless-app/_internal/",
         ".local/share/gapless-app/_internal/user-plugin.txt",
+        ".local/share/gapless-app/uninstall-left.txt",  # the folder's record for the next install
     }
 
 
@@ -461,7 +462,7 @@ def test_a_failed_reinstall_removes_only_what_it_installed(archive: Path, home: 
     run(app / "uninstall.sh", env=env)
     assert all(path.read_text() == text for path, text in files.items())
     assert tree(home) == {".local/", ".local/share/", ".local/share/gapless-app/"} | {
-        f".local/share/gapless-app/{p}" for p in USER_TREE
+        f".local/share/gapless-app/{p}" for p in USER_TREE | {"uninstall-left.txt"}
     }
 
 
@@ -483,7 +484,7 @@ def test_a_reinstall_killed_halfway_leaves_the_user_s_files_to_the_next(archive:
         str(app / p.rstrip("/")) for p in USER_TREE - {"_internal/"}
     }
     run(app / "uninstall.sh", env=env)
-    assert tree(app) == USER_TREE
+    assert tree(app) == USER_TREE | {"uninstall-left.txt"}
 
 
 def test_a_file_of_the_user_s_where_the_new_version_installs_one_is_refused(archive: Path, home: Path):
@@ -518,7 +519,12 @@ def test_a_reinstall_into_the_same_folder_spelled_another_way_replaces_it(archiv
     assert "replacing the Gapless installation" in out
     assert f"kept in {app} what Gapless did not install: my notes.txt" in out
     run(app / "uninstall.sh", env=env)
-    assert tree(prefix) == {"lib/", "lib/gapless-app/", "lib/gapless-app/my notes.txt"}
+    assert tree(prefix) == {
+        "lib/",
+        "lib/gapless-app/",
+        "lib/gapless-app/my notes.txt",
+        "lib/gapless-app/uninstall-left.txt",
+    }
 
     run(archive / "install.sh", "--no-desktop", env=env)
     user_app = home / ".local/share/gapless-app"
@@ -549,7 +555,7 @@ def test_an_unfinished_install_of_an_earlier_version_is_cleared_without_a_refusa
     assert "installed Gapless" in out
     assert (app / "my notes.txt").read_text() == "mine"
     run(app / "uninstall.sh", env=env)
-    assert tree(app) == {"my notes.txt"}
+    assert tree(app) == {"my notes.txt", "uninstall-left.txt"}
 
 
 def link_user_folders(app: Path, tmp_path: Path) -> dict[Path, str]:
@@ -593,7 +599,7 @@ def test_uninstall_never_removes_through_a_link_the_user_put_in_the_app_folder(a
         f"uninstall: left {app}/_internal (holds files Gapless did not install)",
         f"uninstall: left {app} (holds files Gapless did not install)",
     ]
-    assert tree(app) == {"_internal/", "_internal/libpython3.11.so.1.0", "_internal/models"}
+    assert tree(app) == {"_internal/", "_internal/libpython3.11.so.1.0", "_internal/models", "uninstall-left.txt"}
     assert os.readlink(app / "_internal/models") == str(tmp_path / "my-models")
 
 
@@ -615,3 +621,43 @@ def test_a_reinstall_over_a_link_the_user_put_in_the_app_folder_is_refused(archi
     )
     assert tree(home) == before
     assert all(path.read_text() == text for path, text in files.items())
+
+
+def test_an_install_after_an_uninstall_that_kept_the_user_s_files_takes_the_folder_back(archive, home, tmp_path):
+    """uninstall.sh leaves the app folder when the user keeps a file in it; the next install refused that folder
+    ("exists and was not made by this installer") though the user did nothing wrong. The uninstall's record of the
+    folders it left lets the next install in: it keeps the user's files and names them, and its own uninstall
+    removes the installer's folders once they are empty."""
+    env = user_env(home)
+    prefix = tmp_path / "prefix"
+    run(archive / "install.sh", "--prefix", str(prefix), env=env)
+    app = prefix / "lib/gapless-app"
+    (app / "notes.txt").write_text("n")
+    (app / "_internal/user-plugin.txt").write_text("someone else's")
+    run(app / "uninstall.sh", env=env)
+    assert (app / "uninstall-left.txt").read_text().splitlines()[2:] == [
+        f"d {prefix}",
+        f"d {prefix}/lib",
+        f"d {app}",
+        f"d {app}/_internal",
+        f"f {app}/uninstall-left.txt",
+    ]
+
+    out = run(archive / "install.sh", "--prefix", str(prefix), env=env).stdout
+    assert f"install: installing into {app}, which an earlier uninstall.sh left for the files Gapless did not" in out
+    assert f"install: kept in {app} what Gapless did not install: _internal/user-plugin.txt, notes.txt\n" in out
+    assert (app / "notes.txt").read_text() == "n"
+    assert (app / "_internal/user-plugin.txt").read_text() == "someone else's"
+    assert not (app / "uninstall-left.txt").exists()
+    assert set(manifest_paths(app)) == {str(prefix)} | {str(prefix / p.rstrip("/")) for p in tree(prefix)} - {
+        str(app / "notes.txt"),
+        str(app / "_internal/user-plugin.txt"),
+    }
+
+    # Once the user's files are gone, nothing of the installation is left, the prefix the first install made neither.
+    run(app / "uninstall.sh", env=env)
+    (app / "notes.txt").unlink()
+    (app / "_internal/user-plugin.txt").unlink()
+    run(archive / "install.sh", "--prefix", str(prefix), env=env)
+    run(app / "uninstall.sh", env=env)
+    assert not prefix.exists()
