@@ -13,7 +13,9 @@ $ErrorActionPreference = "Stop"
 $Root = (Resolve-Path "$PSScriptRoot\..\..").Path
 $Out = Join-Path $Root "packaging\out"
 Set-Location $Root
-$env:PYTHONPATH = $Root
+# The checkout first, then what PYTHONPATH held (as build.sh has it): replacing it hid the folders the user's
+# build needs from PyInstaller's and the app's imports.
+$env:PYTHONPATH = if ($env:PYTHONPATH) { "$Root;$env:PYTHONPATH" } else { $Root }
 
 function Invoke-Checked([string]$What, [scriptblock]$Command) {
     $result = & $Command

@@ -47,3 +47,12 @@ def test_the_build_script_looks_for_inno_setup_before_it_builds():
     check = first(r"Test-Path \$Iscc")
     assert "throw" in lines[check]
     assert check < first(r"models fetch-default") < first(r"-m PyInstaller") < first(r"& \$Iscc ")
+
+
+def test_the_build_script_puts_the_checkout_before_the_user_s_pythonpath():
+    """build.ps1 set PYTHONPATH to the checkout alone, dropping what the user had there (build.sh adds to it): each
+    assignment keeps the user's entries after the checkout, with Windows's ";" between, and no empty entry (the
+    current folder) where PYTHONPATH was unset."""
+    lines = (ROOT / "packaging" / "windows" / "build.ps1").read_text(encoding="utf-8").splitlines()
+    assignments = [line.strip() for line in lines if re.match(r"\s*\$env:PYTHONPATH\s*=", line, re.I)]
+    assert assignments == ['$env:PYTHONPATH = if ($env:PYTHONPATH) { "$Root;$env:PYTHONPATH" } else { $Root }']
