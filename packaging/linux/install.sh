@@ -203,6 +203,15 @@ if [[ -n "$PREVIOUS" ]]; then
         die "$APP_DIR holds files Gapless did not install where this version installs its own:" \
             "$(listing "${clash[@]}"); move them out of the app folder, then run install.sh again"
     fi
+    # So is a launcher or menu entry that this installation did not make (claimed below): refused after the
+    # removal, it left no installation, and an app folder with the user's files and no record of it.
+    theirs=("$LAUNCHER")
+    [[ "$DESKTOP" != 1 ]] || theirs+=("$DESKTOP_FILE" "$SVG_ICON" "$PNG_ICON")
+    for path in "${theirs[@]}"; do
+        if [[ ( -e "$path" || -L "$path" ) && -z "${OURS[$path]:-}" && "$FORCE" != 1 ]]; then
+            die "$path already exists (another Gapless installation?); use --force to replace it"
+        fi
+    done
     if [[ "$PREVIOUS" == "$MANIFEST" ]]; then
         say "replacing the Gapless installation in $APP_DIR"
         "$APP_DIR/uninstall.sh" --quiet

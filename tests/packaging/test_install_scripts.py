@@ -661,3 +661,29 @@ def test_an_install_after_an_uninstall_that_kept_the_user_s_files_takes_the_fold
     run(archive / "install.sh", "--prefix", str(prefix), env=env)
     run(app / "uninstall.sh", env=env)
     assert not prefix.exists()
+
+
+def test_a_reinstall_refused_for_another_menu_entry_keeps_the_installation(archive: Path, home: Path, tmp_path: Path):
+    """A reinstall with the menu entry, over one installed without it, where another program's gapless.desktop is:
+    the installed version was removed first, then the install refused the entry, leaving no installation and an
+    app folder the next install refused too. Now it stops before it removes anything."""
+    env = user_env(home)
+    prefix = tmp_path / "prefix"
+    run(archive / "install.sh", "--prefix", str(prefix), "--no-desktop", env=env)
+    app = prefix / "lib/gapless-app"
+    (app / "notes.txt").write_text("n")
+    theirs = prefix / "share/applications/gapless.desktop"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("[Desktop Entry]\nName=another\n")
+    before = tree(prefix)
+    proc = run(archive / "install.sh", "--prefix", str(prefix), env=env, ok=False)
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        f"install: error: {theirs} already exists (another Gapless installation?); use --force to replace it\n"
+    )
+    assert tree(prefix) == before
+    assert theirs.read_text() == "[Desktop Entry]\nName=another\n"
+
+    out = run(archive / "install.sh", "--prefix", str(prefix), "--force", env=env).stdout
+    assert "replacing the Gapless installation" in out and (app / "notes.txt").read_text() == "n"
+    assert theirs.read_text().startswith("[Desktop Entry]\n") and f"TryExec={app}/gapless\n" in theirs.read_text()
