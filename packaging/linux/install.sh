@@ -180,12 +180,22 @@ if [[ -n "$PREVIOUS" ]]; then
     # A link where the record has a file or a folder (the user's own models folder linked in place of
     # _internal/models, say), or a file where it has a link, is the user's too: the removal and the copy would go
     # through it, into what it points to.
+    # A folder of the installation's where this version has a file or a link is the installation's as long as all
+    # it holds is (the uninstall removes it then).
+    only_ours() {
+        local p
+        while IFS= read -r -d '' p; do
+            [[ -n "${OURS[$p]:-}" ]] || return 1
+        done < <(find "$1" -mindepth 1 -print0)
+    }
     clash=()
     if [[ "$FORMAT" == listed ]]; then
         for e in "${BUNDLE_FILES[@]}"; do
             path="$APP_DIR/${e:2}"
             if [[ -L "$path" ]]; then
                 [[ "${OURS[$path]:-}" == l ]] || clash+=("${e:2}")
+            elif [[ -d "$path" ]]; then
+                [[ "${OURS[$path]:-}" == d ]] && only_ours "$path" || clash+=("${e:2}")
             elif [[ -e "$path" ]]; then
                 [[ "${OURS[$path]:-}" == f ]] || clash+=("${e:2}")
             fi
@@ -205,12 +215,18 @@ if [[ -n "$PREVIOUS" ]]; then
     fi
     # So is a launcher or menu entry that this installation did not make (claimed below): refused after the
     # removal, it left no installation, and an app folder with the user's files and no record of it.
+    # One is the installation's only while it is what was recorded (a link, a file): the uninstall leaves a script
+    # of the user's in place of the launcher, or a link in place of the menu entry, and the refusal then came
+    # after the removal.
     theirs=("$LAUNCHER")
     [[ "$DESKTOP" != 1 ]] || theirs+=("$DESKTOP_FILE" "$SVG_ICON" "$PNG_ICON")
     for path in "${theirs[@]}"; do
-        if [[ ( -e "$path" || -L "$path" ) && -z "${OURS[$path]:-}" && "$FORCE" != 1 ]]; then
-            die "$path already exists (another Gapless installation?); use --force to replace it"
-        fi
+        [[ -e "$path" || -L "$path" ]] || continue
+        case "${OURS[$path]:-}" in
+            l) [[ -L "$path" ]] && continue ;;
+            f) [[ -f "$path" && ! -L "$path" ]] && continue ;;
+        esac
+        [[ "$FORCE" == 1 ]] || die "$path already exists (another Gapless installation?); use --force to replace it"
     done
     if [[ "$PREVIOUS" == "$MANIFEST" ]]; then
         say "replacing the Gapless installation in $APP_DIR"

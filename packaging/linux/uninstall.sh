@@ -64,8 +64,9 @@ for entry in "${FILES[@]}"; do
     [[ "${entry:0:1}" == l ]] && OWN_LINKS["${entry:2}"]=1
 done
 declare -A LINKED=()  # the link's path: "d" where the manifest lists a folder there, "" until something is under it
-for path in "${DIRS[@]}"; do
-    [[ -L "$path" && "$APP_DIR/" != "$path/"* ]] && LINKED["$path"]=d
+for path in "${DIRS[@]}"; do  # (outside the app folder, ~/.local/bin made a link to a dotfiles folder, say, the
+    # launcher recorded in it is still the installation's own link and goes)
+    [[ -L "$path" && "$path/" == "$APP_DIR/"* ]] && LINKED["$path"]=d
 done
 if [[ -d "$APP_DIR" && ! -L "$APP_DIR" ]]; then
     while IFS= read -r -d '' path; do

@@ -687,3 +687,59 @@ def test_a_reinstall_refused_for_another_menu_entry_keeps_the_installation(archi
     out = run(archive / "install.sh", "--prefix", str(prefix), "--force", env=env).stdout
     assert "replacing the Gapless installation" in out and (app / "notes.txt").read_text() == "n"
     assert theirs.read_text().startswith("[Desktop Entry]\n") and f"TryExec={app}/gapless\n" in theirs.read_text()
+
+
+def test_an_upgrade_where_a_folder_of_the_bundle_became_a_file_goes_ahead(archive: Path, home: Path):
+    """A folder of the installed bundle that the new version has as a file (or a link): the installer's own
+    folder was taken for the user's file and the upgrade refused. One holding a file of the user's still is."""
+    env = user_env(home)
+    (archive / "gapless/_internal/thing").mkdir()
+    (archive / "gapless/_internal/thing/part.so").write_bytes(b"old")
+    run(archive / "install.sh", "--no-desktop", env=env)
+    app = home / ".local/share/gapless-app"
+    shutil.rmtree(archive / "gapless/_internal/thing")
+    (archive / "gapless/_internal/thing").write_bytes(b"new")
+    (app / "_internal/thing/mine.txt").write_text("mine")
+    proc = run(archive / "install.sh", "--no-desktop", env=env, ok=False)
+    assert proc.returncode == 1 and "where this version installs its own: _internal/thing;" in proc.stderr
+    (app / "_internal/thing/mine.txt").unlink()
+    out = run(archive / "install.sh", "--no-desktop", env=env).stdout
+    assert "replacing the Gapless installation" in out
+    assert (app / "_internal/thing").read_bytes() == b"new"
+    run(app / "uninstall.sh", env=env)
+    assert tree(home) == set()
+
+
+def test_a_launcher_folder_made_a_link_since_the_install_still_loses_the_launcher(archive, home, tmp_path):
+    """~/.local/bin, made by the installer, moved into a dotfiles folder and linked back: the uninstall left the
+    launcher there, dangling, and a reinstall removed the installation, then refused its own launcher."""
+    env = user_env(home)
+    run(archive / "install.sh", "--no-desktop", env=env)
+    dots = tmp_path / "dots"
+    (home / ".local/bin").rename(dots)
+    (home / ".local/bin").symlink_to(dots)
+    out = run(archive / "install.sh", "--no-desktop", env=env).stdout
+    assert "installed Gapless" in out and (dots / "gapless").is_symlink()
+    app = home / ".local/share/gapless-app"
+    run(app / "uninstall.sh", env=env)
+    assert not (dots / "gapless").exists() and not (dots / "gapless").is_symlink()
+    assert tree(home) == {".local/", ".local/bin"}  # the user's link stays
+
+
+def test_a_script_of_the_user_s_in_place_of_the_launcher_stops_a_reinstall_before_it_removes_anything(archive, home):
+    """The launcher replaced by the user's own wrapper script: the reinstall removed the installation, kept the
+    script (no longer the installer's link) and then refused it, leaving nothing installed."""
+    env = user_env(home)
+    run(archive / "install.sh", "--no-desktop", env=env)
+    launcher = home / ".local/bin/gapless"
+    launcher.unlink()
+    launcher.write_text("#!/bin/sh\nexec my-wrapper\n")
+    before = tree(home)
+    proc = run(archive / "install.sh", "--no-desktop", env=env, ok=False)
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        f"install: error: {launcher} already exists (another Gapless installation?); use --force to replace it\n"
+    )
+    assert tree(home) == before and launcher.read_text() == "#!/bin/sh\nexec my-wrapper\n"
+    run(archive / "install.sh", "--no-desktop", "--force", env=env)
+    assert launcher.is_symlink()
