@@ -334,6 +334,9 @@ class EngineWorker(EngineEvents):
                 self._report_options()
             self.reconfigureFailed.emit(one_line(exc))
             return
+        release = getattr(self.engine, "release_unused_drafts", None)
+        if release is not None:  # drafting turned off here frees the draft model (a remote engine has none)
+            release()
         if stopped.is_set() and self._replaced():
             # Moot: what comes next says what is in force (a reply here showed these options just before those).
             self._unreported = True

@@ -263,13 +263,23 @@ class Engine:
         return model
 
     def _drop_other_drafts(self, options: EngineOptions) -> None:
-        """Let go of a draft model (and its proposer's cache) that `options` do not draft with, before another is
-        read: one turned off stayed in memory until the model was loaded again, and one replaced by another was
-        held with it while the other was read (or for good, where the other was refused)."""
+        """Let go of a draft model (and its proposer's cache) other than the one `options` draft with, before that
+        is read: one replaced by another was held with it while the other was read (or for good, where the other
+        was refused). One that `options` do not draft with at all is kept: a bench or the ladder turns drafting off
+        and on between runs, and a draft model read again each time brought its first-use costs into the timed
+        runs; the app lets it go (release_unused_drafts)."""
         wanted = options.speculation == "draft" and options.draft_model
-        if not wanted or (options.draft_model, str(self.device), self.dtype) not in self._draft_models:
+        if wanted and (options.draft_model, str(self.device), self.dtype) not in self._draft_models:
             self._draft_models.clear()
             self._draft_proposer = None
+
+    def release_unused_drafts(self) -> None:
+        """Let go of the draft model (and its proposer's cache of the chat) when the options in force do not draft
+        with it: turned off in the app, it stayed in memory until the model was loaded again."""
+        with self._lock:
+            if self.options.speculation != "draft" or not self.options.draft_model:
+                self._draft_models.clear()
+                self._draft_proposer = None
 
     def _refuse_draft(self, path: str, why: str) -> None:
         self._draft_refused[path] = (_on_disk(path), why)

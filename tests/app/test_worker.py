@@ -182,6 +182,26 @@ def test_reconfigure_between_generations(qtbot, ctl, tiny_llama):
     assert second.token_ids == first.token_ids  # greedy: the cache mode changes speed, not tokens
 
 
+def test_drafting_turned_off_in_the_app_lets_the_draft_model_go(qtbot, ctl, tiny_llama):
+    """Drafting turned off (or n-gram chosen) in the app kept the draft model and its cache of the chat in memory
+    until the model was loaded again."""
+    import gc
+    import weakref
+
+    load(qtbot, ctl, tiny_llama)
+    drafting = EngineOptions(speculation="draft", draft_model=str(tiny_llama), draft_tokens=3)
+    with qtbot.waitSignal(ctl.reconfigured, timeout=TIMEOUT_MS):
+        ctl.reconfigure(drafting)
+    engine = ctl.worker.engine
+    (model,) = engine._draft_models.values()
+    held = weakref.ref(model)
+    del model
+    with qtbot.waitSignal(ctl.reconfigured, timeout=TIMEOUT_MS):
+        ctl.reconfigure(drafting.with_(speculation="ngram"))
+    gc.collect()
+    assert held() is None and engine._draft_models == {}
+
+
 def test_reconfigure_while_generating_applies_after(qtbot, ctl, tiny_llama, monkeypatch):
     load(qtbot, ctl, tiny_llama)
     rec = Recorder(ctl)

@@ -792,7 +792,8 @@ def test_an_answer_stopped_while_its_draft_model_is_read_says_so(tiny_factory, t
 
 def test_a_draft_model_turned_off_or_replaced_is_let_go(tiny_factory, tmp_path):
     """Drafting turned off kept the draft model (and its proposer's cache of the chat) in memory until the model
-    was loaded again; a draft model replaced by another, or by one refused, was kept beside it."""
+    was loaded again (it is kept for a bench that turns drafting off and on, and let go when the app asks); a draft
+    model replaced by another, or by one refused, was kept beside it."""
     import gc
     import weakref
 
@@ -818,7 +819,17 @@ def test_a_draft_model_turned_off_or_replaced_is_let_go(tiny_factory, tmp_path):
     try:
         first = drafting_with(one)
         for speculation in ("off", "ngram"):
+            # kept while off (a bench turns drafting off and on between runs), let go when the app asks
             eng.reconfigure(CPU.with_(speculation=speculation, draft_model=str(one)))
+            assert not let_go(first)
+            again = CPU.with_(speculation="draft", draft_model=str(one), draft_tokens=3)
+            eng.reconfigure(again)
+            assert eng.generate(REPEATS, GREEDY).metrics.drafted_tokens > 0
+            assert next(iter(eng._draft_models.values())) is first()  # not read again
+            eng.release_unused_drafts()  # drafting with it: kept
+            assert not let_go(first)
+            eng.reconfigure(CPU.with_(speculation=speculation, draft_model=str(one)))
+            eng.release_unused_drafts()
             assert let_go(first) and eng._draft_models == {} and eng._draft_proposer is None
             first = drafting_with(one)
         kept = drafting_with(one)  # the same draft model again: read once, kept
