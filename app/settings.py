@@ -202,6 +202,15 @@ class _Unreadable(Exception):
     """The file is not our settings (bad JSON or a wrong type). Never leaves the module."""
 
 
+class _Unusable(Exception):
+    """The settings file cannot be used: `tag` names the copy kept aside, `reason` says why. Never leaves the
+    module."""
+
+    def __init__(self, tag: str, reason: str):
+        super().__init__(reason)
+        self.tag, self.reason = tag, reason
+
+
 class SettingsStore:
     """The settings file. Two windows may share it (two instances on one data folder): a save writes the
     settings this window changed since it read or last wrote them, over what the file holds now, so closing
@@ -227,21 +236,11 @@ class SettingsStore:
     def _load(self) -> tuple[Settings, list[str]]:
         notices: list[str] = []
         try:
-            text = self.path.read_text(encoding="utf-8-sig")  # a byte order mark, as Windows' Notepad writes
-        except FileNotFoundError:
+            data = self._read(absent=(FileNotFoundError,))
+        except _Unusable as exc:
+            return Settings(), self._aside(exc.tag, exc.reason, notices)
+        if data is None:
             return Settings(), notices
-        except UnicodeDecodeError as exc:
-            return Settings(), self._aside("corrupt", f"it is not UTF-8 text ({exc.reason})", notices)
-        except OSError as exc:  # no read permission, a folder in its place, a disk error
-            # Moved aside, as a damaged file is: left in place, the first save would write the defaults over it.
-            return Settings(), self._aside("unreadable", f"it cannot be read ({exc.strerror or exc})", notices)
-        try:
-            data = self._parse(text)
-        except _Unreadable as exc:
-            return Settings(), self._aside("corrupt", str(exc), notices)
-        version = data.get("version", SETTINGS_VERSION)
-        if version > SETTINGS_VERSION:  # checked before the fields: a newer file may use values we do not know
-            return Settings(), self._aside("newer", _newer(version), notices)
         bad = self._bad_fields(data)
         for name in bad:
             del data[name]
@@ -251,6 +250,27 @@ class SettingsStore:
         if reasons:  # each falls back alone; the file as it was is kept beside it
             self._copy_aside("; ".join(reasons), notices)
         return settings, notices
+
+    def _read(self, absent: tuple[type[OSError], ...]) -> Optional[dict[str, Any]]:
+        """The file as a settings object of this version; None where reading it raised one of `absent` (there is
+        none). _Unusable where it cannot be used: not UTF-8, unreadable, not our settings, a newer version's."""
+        try:
+            text = self.path.read_text(encoding="utf-8-sig")  # a byte order mark, as Windows' Notepad writes
+        except absent:
+            return None
+        except UnicodeDecodeError as exc:
+            raise _Unusable("corrupt", f"it is not UTF-8 text ({exc.reason})") from exc
+        except OSError as exc:  # no read permission, a folder in its place, a disk error
+            # Moved aside, as a damaged file is: left in place, the first save would write the defaults over it.
+            raise _Unusable("unreadable", f"it cannot be read ({exc.strerror or exc})") from exc
+        try:
+            data = self._parse(text)
+        except _Unreadable as exc:
+            raise _Unusable("corrupt", str(exc)) from exc
+        version = data.get("version", SETTINGS_VERSION)
+        if version > SETTINGS_VERSION:  # checked before the fields: a newer file may use values we do not know
+            raise _Unusable("newer", _newer(version))
+        return data
 
     def _parse(self, text: str) -> dict[str, Any]:
         try:
@@ -381,24 +401,10 @@ class SettingsStore:
         settings are written whole, as they would be without another window). One that cannot be used, damaged or
         written by a newer version since this window read it, is moved aside first, with a notice: written over,
         it was gone with no copy. One that cannot be moved aside is a SettingsError: it is not written over."""
-        try:
-            text = self.path.read_text(encoding="utf-8-sig")
-        except (FileNotFoundError, NotADirectoryError):  # none yet (a file in the folder's place: the write says so)
-            return None
-        except UnicodeDecodeError as exc:
-            tag, reason = "corrupt", f"it is not UTF-8 text ({exc.reason})"
-        except OSError as exc:
-            tag, reason = "unreadable", f"it cannot be read ({exc.strerror or exc})"
-        else:
-            try:
-                data = self._parse(text)
-            except _Unreadable as exc:
-                tag, reason = "corrupt", str(exc)
-            else:
-                version = data.get("version", SETTINGS_VERSION)
-                if version <= SETTINGS_VERSION:
-                    return data
-                tag, reason = "newer", _newer(version)
+        try:  # none yet, or a file in the folder's place (the write says so)
+            return self._read(absent=(FileNotFoundError, NotADirectoryError))
+        except _Unusable as exc:
+            tag, reason = exc.tag, exc.reason
         try:
             aside = move_aside(self.path, tag)
         except OSError as exc:
