@@ -156,8 +156,7 @@ class Engine:
         self._fused_failed = None
         self._fused_pdl: Optional[dict[str, object]] = None  # fused_status() of the last fused runner warmed up
         self._pdl_failed: Optional[str] = None  # why the fused step failed here with PDL: later runners go without
-        self._draft_models.clear()
-        self._draft_proposer = None
+        self._forget_drafts()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -270,16 +269,19 @@ class Engine:
         runs; the app lets it go (release_unused_drafts)."""
         wanted = options.speculation == "draft" and options.draft_model
         if wanted and (options.draft_model, str(self.device), self.dtype) not in self._draft_models:
-            self._draft_models.clear()
-            self._draft_proposer = None
+            self._forget_drafts()
 
     def release_unused_drafts(self) -> None:
         """Let go of the draft model (and its proposer's cache of the chat) when the options in force do not draft
         with it: turned off in the app, it stayed in memory until the model was loaded again."""
         with self._lock:
             if self.options.speculation != "draft" or not self.options.draft_model:
-                self._draft_models.clear()
-                self._draft_proposer = None
+                self._forget_drafts()
+
+    def _forget_drafts(self) -> None:
+        """Let go of every draft model and the proposer with its cache of the chat."""
+        self._draft_models.clear()
+        self._draft_proposer = None
 
     def _refuse_draft(self, path: str, why: str) -> None:
         self._draft_refused[path] = (_on_disk(path), why)
@@ -985,8 +987,7 @@ class Engine:
             self.monitor.close()
             self._runners.clear()
             self.model = None
-            self._draft_models.clear()  # a draft model and its cache of the chat go with the model drafted for
-            self._draft_proposer = None
+            self._forget_drafts()  # a draft model and its cache of the chat go with the model drafted for
             heap.release()  # cycles among what was frozen with the model (compiled steps hold some) go now
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
