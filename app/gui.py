@@ -45,10 +45,13 @@ class GuiApp:
     hud: Any  # ui.hud.HudPanel
     window: Any  # ui.main_window.MainWindow
     server: Any = None  # app.serve_app.AppServer
+    collector: Any = None  # app.collector.GuiThreadCollector
 
     def close(self, timeout: float = 15.0) -> bool:
         """Stop the engine worker and the fetcher, close the chat store. False if the worker is still busy (in
         a load or a compile, which cannot be interrupted) after `timeout` s."""
+        if self.collector is not None:
+            self.collector.begin_close()  # this thread waits for the others from here: they must not wait for it
         if self.server is not None:
             import app.engines
 
@@ -64,6 +67,8 @@ class GuiApp:
 
         QCoreApplication.sendPostedEvents(self.controller, QEvent.Type.MetaCall)
         self.store.close()
+        if self.collector is not None:
+            self.collector.close()
         return stopped
 
 
@@ -155,6 +160,7 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     A QApplication must exist. Raises StoreError when the chat database cannot be opened."""
     from PySide6.QtWidgets import QApplication
 
+    from app.collector import GuiThreadCollector
     from app.fetcher import DefaultModelFetcher
     from app.registry import RecentModels
     from app.settings import SettingsStore
@@ -175,7 +181,13 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     store = ChatStore(paths.database)
     notices = notices + list(store.notices)
     theme = ThemeManager(qapp, theme_choice or settings.theme)  # --theme: this run only
-    controller = EngineController()
+    collector = GuiThreadCollector()  # from here on every collection runs on this thread (Qt objects die here)
+    try:
+        controller = EngineController()
+    except BaseException:
+        collector.close()
+        store.close()
+        raise
     try:
         fetcher = fetcher if fetcher is not None else DefaultModelFetcher()
         hud = HudPanel()
@@ -196,10 +208,14 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
         server = attach_server(window, controller, paths)
     except BaseException:
         # the engine thread is running: stop it, or Qt aborts the process when the QThread is destroyed
+        collector.begin_close()
         controller.shutdown()
         store.close()
+        collector.close()
         raise
-    return GuiApp(paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window, server)
+    return GuiApp(
+        paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window, server, collector
+    )
 
 
 def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import random
@@ -560,7 +559,7 @@ class Engine:
         while err is not None:
             traceback.clear_frames(err.__traceback__)
             err = err.__cause__ or err.__context__
-        gc.collect()
+        heap.collect()  # on the thread that owns the passes (the GUI's, in the app)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         progress(Progress("load", None, "the switch failed; placing the previous weights again"))

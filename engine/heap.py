@@ -17,11 +17,44 @@ from __future__ import annotations
 import gc
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 _lock = threading.Lock()
 _building = 0  # nested or concurrent `building` blocks
-_was_enabled = True  # automatic collection before the outermost one
+_collector: Optional[Callable[[], None]] = None  # runs every full pass this module asks for, where one thread must
+_paused = False  # automatic collection turned off here (by a `building` block or a collector)
+_was_enabled = True  # automatic collection before it was turned off here
+
+
+def _apply() -> None:
+    """Automatic collection off while a block builds or a collector owns the passes, else as it was found.
+    Called with `_lock` held."""
+    global _paused, _was_enabled
+    want_paused = _building > 0 or _collector is not None
+    if want_paused and not _paused:
+        _was_enabled = gc.isenabled()
+        gc.disable()
+        _paused = True
+    elif not want_paused and _paused:
+        _paused = False
+        if _was_enabled:
+            gc.enable()
+
+
+def hand_collection_to(collector: Optional[Callable[[], None]]) -> None:
+    """From now on automatic collection stays off and `collector` runs each full pass this module is asked for;
+    None hands both back. A Qt application runs them on its own thread (app/collector.py): a pass run on the
+    engine's thread would free the GUI's Qt objects there, and Qt crashes when they are freed off its thread."""
+    global _collector
+    with _lock:
+        _collector = collector
+        _apply()
+
+
+def collect() -> None:
+    """A full pass, on the thread that owns the passes if one does."""
+    collector = _collector
+    collector() if collector is not None else gc.collect()
 
 
 def settle() -> None:
@@ -32,19 +65,17 @@ def settle() -> None:
 def release() -> None:
     """Give the frozen objects back to the collector and collect, so cycles among what was dropped are freed."""
     gc.unfreeze()
-    gc.collect()
+    collect()
 
 
 @contextmanager
 def building() -> Iterator[None]:
     """Automatic collection paused while the block builds long-lived objects (a compile, a capture); what it
     built is frozen at the end. Safe to nest and to enter from several threads."""
-    global _building, _was_enabled
+    global _building
     with _lock:
-        if _building == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
         _building += 1
+        _apply()
     try:
         yield
     finally:
@@ -52,5 +83,4 @@ def building() -> Iterator[None]:
             _building -= 1
             if _building == 0:
                 gc.freeze()
-                if _was_enabled:
-                    gc.enable()
+            _apply()

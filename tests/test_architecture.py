@@ -22,6 +22,10 @@ PLAIN_ENGINE_MODULES = ("types", "figures", "errors", "diagnosis", "paths")
 HEAVY = {"torch", "transformers", "gguf", "safetensors", "triton"}
 QT = {"PySide6", "pyqtgraph", "shiboken6"}
 APP_GUI_BUILDERS = {"app/gui.py", "app/replay.py"}  # the app modules that build widgets
+# Who runs the garbage collector's passes and turns automatic collection on and off: in the app every pass runs
+# on the GUI thread (a pass on the engine worker freed Qt objects there and crashed it), so the rest asks heap.
+GC_OWNERS = {"engine/heap.py", "app/collector.py"}
+GC_CONTROLS = {"collect", "enable", "disable"}
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -57,7 +61,24 @@ def violations(root: Path) -> list[str]:
                     found.append(f"{where}: ui/ never imports the inference stack")
             if package == "app" and top == "ui" and rel not in APP_GUI_BUILDERS:
                 found.append(f"{where}: only the GUI builders in app/ import widgets")
+        if rel not in GC_OWNERS:
+            for line, name in gc_controls(path):
+                found.append(f"{rel}:{line} calls gc.{name}: collections go through engine.heap (heap.collect())")
     return found
+
+
+def gc_controls(path: Path) -> list[tuple[int, str]]:
+    """(line, name) for every `gc.collect()`, `gc.enable()` and `gc.disable()` call in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return [
+        (node.lineno, node.func.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "gc"
+        and node.func.attr in GC_CONTROLS
+    ]
 
 
 def test_the_shipped_code_keeps_the_layers():
@@ -82,6 +103,8 @@ def test_the_engine_modules_the_ui_may_read_import_no_inference_stack():
         ("ui/x.py", "from engine import generate\n", "plain-data modules"),
         ("ui/hud/x.py", "import torch\n", "inference stack"),
         ("app/cmd_x.py", "from ui.main_window import MainWindow\n", "GUI builders"),
+        ("engine/x.py", "import gc\n\ndef close():\n    gc.collect()\n", "go through engine.heap"),
+        ("app/worker.py", "import gc\ngc.disable()\n", "go through engine.heap"),
     ],
 )
 def test_each_rule_catches_its_violation(tmp_path, rel, source, rule):

@@ -181,6 +181,32 @@ def gui(qtbot, tmp_path, tiny_llama):
     g.close()
 
 
+def test_every_collection_of_a_model_switch_runs_on_the_gui_thread(qtbot, gui, tmp_path):
+    """The app crashed in this thread's event loop while the engine worker ran the full collection that follows
+    a model's close: the pass freed the GUI's Qt objects on the worker. Loads, closes and the server's threads
+    leave every pass to this thread now, and the closed model's pass still runs before the next model loads."""
+    import gc
+
+    from tiny_models import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "other-model", "qwen2")
+    passes: list[tuple[int, int]] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            passes.append((threading.get_ident(), info["generation"]))
+
+    gc.callbacks.append(on_gc)
+    try:
+        with qtbot.waitSignal(gui.controller.loaded, timeout=TIMEOUT_MS):
+            gui.window.load_model(str(other))
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert not gc.isenabled()
+    assert any(generation == 2 for _, generation in passes)  # the closed model's cycles were collected
+    assert {thread for thread, _ in passes} == {threading.get_ident()}
+
+
 def test_a_request_waiting_while_the_app_loads_another_model_is_not_answered_by_it(qtbot, gui, tmp_path):
     """A request for the loaded model, waiting behind a model switch, was answered by the new model under the
     old one's name."""

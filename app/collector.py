@@ -1,0 +1,93 @@
+"""The garbage collector's passes, on the GUI thread only.
+
+A collection frees every unreachable cycle, whoever built it, on the thread that runs it. The GUI builds cycles
+that hold Qt objects (a closed dialog, a plot's items and their pixmaps and paths); the engine worker, the
+server's threads and the model's load build many objects and set off most automatic passes. A pass on one of
+those threads frees the GUI's Qt objects there while the GUI thread paints, and Qt is not thread-safe for them:
+the app crashed in the GUI thread's event loop while the engine worker ran the full pass that follows a model's
+close (`engine.heap.release`). pyqtgraph's examples meet the same hazard the same way: automatic collection off,
+and passes run by a timer on the GUI thread with the collector's own thresholds.
+
+The engine asks for full passes through `engine.heap` (a closed model's cycles, a failed switch's leftovers):
+asked from another thread, the pass runs on the GUI thread and the asking thread waits for it, so the memory is
+free before the next model loads. While the app closes the GUI thread waits for those threads, so from then on
+a pass they ask for is left to the last one, run here by `close`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+
+from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
+
+from engine import heap
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_MS = 500  # how often the counts are compared with the thresholds
+ASKED_WAIT_S = 60.0  # a thread waiting longer for the GUI's pass goes on without it (logged)
+
+
+class GuiThreadCollector(QObject):
+    """Created on the GUI thread; from then on every collection runs there until `close`."""
+
+    _asked = Signal(object)  # a threading.Event, set when the pass asked for has run (or will not)
+
+    def __init__(self, interval_ms: int = CHECK_INTERVAL_MS) -> None:
+        super().__init__()
+        self._gui_thread = threading.get_ident()
+        self._thresholds = gc.get_threshold()
+        self._closing = threading.Event()
+        self._asked.connect(self._run_asked, Qt.ConnectionType.QueuedConnection)
+        self._timer = QTimer(self)
+        self._timer.timeout.connect(self.check)
+        self._timer.start(interval_ms)
+        heap.hand_collection_to(self.collect)
+
+    @Slot()
+    def check(self) -> None:
+        """The passes automatic collection would have run by now, youngest generation first."""
+        counts = gc.get_count()
+        for generation in range(3):
+            if counts[generation] <= self._thresholds[generation]:
+                return
+            gc.collect(generation)
+
+    def collect(self) -> None:
+        """A full pass on the GUI thread; from another thread, asked for and waited for."""
+        if threading.get_ident() == self._gui_thread:
+            gc.collect()
+            return
+        if self._closing.is_set():
+            return  # the GUI thread may be waiting for this one: the last pass, in close, frees what is left
+        done = threading.Event()
+        self._asked.emit(done)
+        waited = 0.0
+        while not done.wait(0.1):
+            waited += 0.1
+            if self._closing.is_set():
+                return
+            if waited >= ASKED_WAIT_S:
+                log.warning("the GUI thread did not run a collection within %.0f s; going on without it", waited)
+                return
+
+    @Slot(object)
+    def _run_asked(self, done: threading.Event) -> None:
+        try:
+            if not self._closing.is_set():
+                gc.collect()
+        finally:
+            done.set()
+
+    def begin_close(self) -> None:
+        """The GUI thread is about to wait for the other threads: a pass they ask for is not waited for."""
+        self._closing.set()
+
+    def close(self) -> None:
+        """Once the other threads have stopped: automatic collection back as it was, and a last pass here."""
+        self.begin_close()
+        self._timer.stop()
+        heap.hand_collection_to(None)
+        gc.collect()

@@ -1,0 +1,88 @@
+"""Every collection runs on the GUI thread (app/collector.py): a pass run on the engine worker freed the GUI's
+Qt objects there, and the app crashed in the GUI thread's event loop while the worker ran the full pass that
+follows a model's close."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from app.collector import GuiThreadCollector
+from engine import heap
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only a collection frees it
+
+
+@pytest.fixture
+def passes():
+    """(thread id, generation) of each collection that starts while the test runs."""
+    seen: list[tuple[int, int]] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append((threading.get_ident(), info["generation"]))
+
+    gc.callbacks.append(on_gc)
+    yield seen
+    gc.callbacks.remove(on_gc)
+
+
+@pytest.fixture
+def collector(qtbot):
+    enabled = gc.isenabled()
+    gc.enable()
+    c = GuiThreadCollector(interval_ms=20)
+    yield c
+    c.close()
+    gc.enable() if enabled else gc.disable()
+
+
+def test_automatic_collection_is_off_until_the_collector_closes(collector):
+    assert not gc.isenabled()
+    with heap.building():  # a compile's pause ends with collection still off: the collector owns the passes
+        pass
+    assert not gc.isenabled()
+    collector.close()
+    assert gc.isenabled()
+
+
+def test_a_full_pass_asked_for_on_another_thread_runs_on_the_gui_thread(qtbot, collector, passes):
+    node = _Node()
+    ref = weakref.ref(node)
+    heap.settle()
+    del node
+    asker = threading.Thread(target=heap.release)  # what the engine worker runs as it closes a model
+    asker.start()
+    qtbot.waitUntil(lambda: not asker.is_alive(), timeout=10_000)
+    assert ref() is None  # freed before release returned: the next model loads with the memory back
+    full = [thread for thread, generation in passes if generation == 2]
+    assert full and set(full) == {threading.get_ident()}
+
+
+def test_the_timer_runs_the_passes_automatic_collection_would_have(qtbot, collector, passes):
+    refs = []
+    for _ in range(2 * gc.get_threshold()[0]):
+        node = _Node()
+        refs.append(weakref.ref(node))
+        del node
+    qtbot.waitUntil(lambda: all(r() is None for r in refs), timeout=10_000)
+    assert passes and {thread for thread, _ in passes} == {threading.get_ident()}
+
+
+def test_while_the_app_closes_a_thread_asking_for_a_pass_does_not_wait_for_the_gui(collector, passes):
+    collector.begin_close()  # the GUI thread now waits for the others; it runs no event loop here
+    asker = threading.Thread(target=heap.collect)
+    asker.start()
+    asker.join(5)
+    assert not asker.is_alive() and passes == []
+    node = _Node()
+    ref = weakref.ref(node)
+    del node
+    collector.close()  # the last pass, on this thread, frees what was left
+    assert ref() is None
