@@ -89,5 +89,5 @@ class GuiThreadCollector(QObject):
         """Once the other threads have stopped: automatic collection back as it was, and a last pass here."""
         self.begin_close()
         self._timer.stop()
-        heap.hand_collection_to(None)
+        heap.hand_collection_back(self.collect)
         gc.collect()

@@ -17,11 +17,11 @@ from __future__ import annotations
 import gc
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 _lock = threading.Lock()
 _building = 0  # nested or concurrent `building` blocks
-_collector: Optional[Callable[[], None]] = None  # runs every full pass this module asks for, where one thread must
+_collectors: list[Callable[[], None]] = []  # handed the passes, newest last: it runs each full pass asked for here
 _paused = False  # automatic collection turned off here (by a `building` block or a collector)
 _was_enabled = True  # automatic collection before it was turned off here
 
@@ -30,7 +30,7 @@ def _apply() -> None:
     """Automatic collection off while a block builds or a collector owns the passes, else as it was found.
     Called with `_lock` held."""
     global _paused, _was_enabled
-    want_paused = _building > 0 or _collector is not None
+    want_paused = _building > 0 or bool(_collectors)
     if want_paused and not _paused:
         _was_enabled = gc.isenabled()
         gc.disable()
@@ -41,19 +41,30 @@ def _apply() -> None:
             gc.enable()
 
 
-def hand_collection_to(collector: Optional[Callable[[], None]]) -> None:
-    """From now on automatic collection stays off and `collector` runs each full pass this module is asked for;
-    None hands both back. A Qt application runs them on its own thread (app/collector.py): a pass run on the
-    engine's thread would free the GUI's Qt objects there, and Qt crashes when they are freed off its thread."""
-    global _collector
+def hand_collection_to(collector: Callable[[], None]) -> None:
+    """From now on automatic collection stays off and `collector` runs each full pass this module is asked for,
+    until `hand_collection_back(collector)`. A Qt application runs them on its own thread (app/collector.py): a
+    pass run on the engine's thread would free the GUI's Qt objects there, and Qt crashes when they are freed off
+    its thread. Several may hold the passes (two windows in one process): the newest runs them, and collection
+    comes back only when the last one hands it back."""
     with _lock:
-        _collector = collector
+        _collectors.append(collector)
+        _apply()
+
+
+def hand_collection_back(collector: Callable[[], None]) -> None:
+    """`collector` runs no more passes; the one handed them before it does, or, if none is left, automatic
+    collection is back as it was. A collector handed back already is no error (an app closed twice)."""
+    with _lock:
+        if collector in _collectors:
+            _collectors.remove(collector)
         _apply()
 
 
 def collect() -> None:
     """A full pass, on the thread that owns the passes if one does."""
-    collector = _collector
+    with _lock:
+        collector = _collectors[-1] if _collectors else None
     collector() if collector is not None else gc.collect()
 
 

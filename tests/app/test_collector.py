@@ -86,3 +86,34 @@ def test_while_the_app_closes_a_thread_asking_for_a_pass_does_not_wait_for_the_g
     del node
     collector.close()  # the last pass, on this thread, frees what was left
     assert ref() is None
+
+
+def test_closing_one_of_two_apps_leaves_the_passes_with_the_other(qtbot, collector, passes):
+    """Two windows in one process (tests/robustness' two instances on one data folder): the first one closed
+    handed collection back while the second one's engine worker still ran, and that worker's close of its model
+    ran the full pass on its own thread, freeing the GUI's Qt objects there."""
+    second = GuiThreadCollector(interval_ms=20)
+    second.close()
+    assert not gc.isenabled()  # the first still owns the passes
+    asker = threading.Thread(target=heap.release)
+    asker.start()
+    qtbot.waitUntil(lambda: not asker.is_alive(), timeout=10_000)
+    full = [thread for thread, generation in passes if generation == 2]
+    assert full and set(full) == {threading.get_ident()}
+    collector.close()
+    assert gc.isenabled()
+
+
+def test_the_first_of_two_apps_closed_leaves_the_passes_with_the_second(qtbot, collector, passes):
+    second = GuiThreadCollector(interval_ms=20)
+    try:
+        collector.close()
+        assert not gc.isenabled()
+        asker = threading.Thread(target=heap.release)
+        asker.start()
+        qtbot.waitUntil(lambda: not asker.is_alive(), timeout=10_000)
+        full = [thread for thread, generation in passes if generation == 2]
+        assert full and set(full) == {threading.get_ident()}
+    finally:
+        second.close()
+    assert gc.isenabled()
