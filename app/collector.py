@@ -48,7 +48,10 @@ class GuiThreadCollector(QObject):
 
     @Slot()
     def check(self) -> None:
-        """The passes automatic collection would have run by now, youngest generation first."""
+        """The passes automatic collection would have run by now, youngest generation first; none while a
+        compile or capture builds (`heap.building`: what it keeps is frozen at its end, before any pass walks it)."""
+        if heap.is_building():
+            return
         counts = gc.get_count()
         for generation in range(3):
             if counts[generation] <= self._thresholds[generation]:

@@ -68,6 +68,12 @@ def collect() -> None:
     collector() if collector is not None else gc.collect()
 
 
+def is_building() -> bool:
+    """Whether a `building` block is open on any thread: automatic collection is paused, and a collector that
+    runs its passes by a timer (app/collector.py) runs none either."""
+    return _building > 0
+
+
 def settle() -> None:
     """Freeze everything alive now: later full passes skip it."""
     gc.freeze()
