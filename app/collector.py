@@ -88,9 +88,13 @@ class GuiThreadCollector(QObject):
         """The GUI thread is about to wait for the other threads: a pass they ask for is not waited for."""
         self._closing.set()
 
-    def close(self) -> None:
-        """Once the other threads have stopped: automatic collection back as it was, and a last pass here."""
+    def close(self, others_stopped: bool = True) -> None:
+        """A last pass here, and, once the other threads have stopped, automatic collection back as it was. With
+        a thread still running (`others_stopped` False: a load that cannot be interrupted, as the app leaves) the
+        passes stay here: what that thread asks for is not run, and it sets off none of its own; a later `close()`
+        hands them back."""
         self.begin_close()
         self._timer.stop()
-        heap.hand_collection_back(self.collect)
+        if others_stopped:
+            heap.hand_collection_back(self.collect)
         gc.collect()

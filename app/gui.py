@@ -67,8 +67,8 @@ class GuiApp:
 
         QCoreApplication.sendPostedEvents(self.controller, QEvent.Type.MetaCall)
         self.store.close()
-        if self.collector is not None:
-            self.collector.close()
+        if self.collector is not None:  # a worker still busy keeps running: its passes must not run there
+            self.collector.close(others_stopped=stopped)
         return stopped
 
 
@@ -209,9 +209,9 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     except BaseException:
         # the engine thread is running: stop it, or Qt aborts the process when the QThread is destroyed
         collector.begin_close()
-        controller.shutdown()
+        stopped = controller.shutdown()
         store.close()
-        collector.close()
+        collector.close(others_stopped=stopped)
         raise
     return GuiApp(
         paths, settings, settings_store, notices, store, controller, theme, fetcher, hud, window, server, collector

@@ -133,3 +133,41 @@ def test_the_timer_runs_no_pass_while_a_compile_builds(collector, passes):
     garbage = [[] for _ in range(3 * gc.get_threshold()[0])]
     collector.check()
     assert [generation for _, generation in passes][-1:] == [0] and garbage
+
+
+def test_an_app_closed_with_its_worker_still_busy_keeps_the_passes_on_the_gui_thread(qtbot, tmp_path, passes):
+    """Quitting during a load that cannot be interrupted: `GuiApp.close` gives up on the worker after its timeout
+    and the app leaves (app.gui.leave) with the window, and the error dialogs said after close, still up. The
+    close handed collection back all the same, and the worker, still loading, ran its passes on its own thread,
+    freeing the GUI's Qt objects there."""
+    from app.gui import build
+    from app.paths import AppPaths
+    from engine.errors import ModelLoadError
+
+    enabled = gc.isenabled()
+    gc.enable()
+    gui = build(AppPaths.resolve(tmp_path / "data"), "light")
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck_load(source, options, progress):  # a load that cannot be interrupted, then a model's close
+        inside.set()
+        release.wait(30)
+        heap.release()
+        raise ModelLoadError("the load was given up")
+
+    gui.controller.worker._engine_factory = stuck_load
+    try:
+        gui.controller.load(str(tmp_path / "model"))
+        assert inside.wait(30)
+        assert gui.close(timeout=0.2) is False  # the worker is still in the load
+        assert not gc.isenabled()
+        release.set()
+        assert gui.controller._thread.wait(30_000)
+        assert {thread for thread, _ in passes} <= {threading.get_ident()}
+    finally:
+        release.set()
+        gui.controller._thread.wait(30_000)
+        gui.window.close()
+        gui.collector.close()
+        gc.enable() if enabled else gc.disable()
+    assert gc.isenabled() is enabled
