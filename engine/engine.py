@@ -23,7 +23,7 @@ from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.protocol import option_limits
 from engine.sampling import SamplerKind
-from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator
+from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator, speculation_off
 from engine.stream import RowText
 from engine.types import (
     DRAFT_READ_STOPPED,
@@ -678,6 +678,8 @@ class Engine:
             )
         loop = attempt.loop
         assert loop is not None
+        if "speculation" in reasons:  # asked for and not run: the figures say why, as the options' entry does
+            speculation_off(loop.metrics, reasons["speculation"])
         loop.metrics.overflow_policy = overflow
         loop.metrics.prompt_cut = prompt.cut or None
         return GenerationResult(

@@ -23,6 +23,8 @@ ENGINE_TIMING = "engine timing, device-synchronised"
 ENGINE_COUNT = "engine token count"
 HTTP_TIMING = "client-side timing over HTTP"
 SPEC_COUNT = "engine counters: tokens kept / decode steps, each row while it runs"
+# the speculation figures' reason where an answer ran without it; "speculation off: <why>" where it was asked for
+SPECULATION_OFF = "speculation off"
 VLLM_METRICS = "vLLM Prometheus /metrics, read while the answer streamed"
 SERVER_USAGE = "the server's token usage (OpenAI stream usage)"
 

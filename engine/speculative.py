@@ -16,6 +16,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.figures import SPECULATION_OFF
 from engine.model import StaticKVCache, Transformer
 from engine.observers import LoopState, StepObserver
 from engine.sampling import SamplerKind, SamplerState, process
@@ -341,9 +342,11 @@ class DraftProposer:
 SPECULATION_FIGURES = ("drafted_tokens", "accepted_tokens", "verify_steps", "acceptance_rate")
 
 
-def speculation_off(metrics: GenerationMetrics) -> None:
+def speculation_off(metrics: GenerationMetrics, why: str = "") -> None:
+    """The speculation figures of an answer that ran without it: off in its options, or asked for and not run
+    (`why`: the reason its options' `unavailable` entry gives, a refused draft model, several candidates)."""
     for name in SPECULATION_FIGURES:
-        metrics.mark_na(name, "speculation off")
+        metrics.mark_na(name, f"{SPECULATION_OFF}: {why}" if why else SPECULATION_OFF)
 
 
 class Speculator(StepObserver):

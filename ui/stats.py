@@ -202,7 +202,9 @@ def format_stats(
             unavailable.get("tokens_per_step"),
         )
     )
-    if speculating or m.get("acceptance_rate") is not None:
+    # asked for and not run (a refused draft model, several candidates): the options say off, the figure why
+    refused = (unavailable.get("acceptance_rate") or "").startswith(f"{figures.SPECULATION_OFF}: ")
+    if speculating or refused or m.get("acceptance_rate") is not None:
         accepted = m.get("acceptance_rate")
         shown = (
             (

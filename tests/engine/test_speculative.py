@@ -108,7 +108,32 @@ def test_speculation_needs_the_static_cache_and_one_candidate(llama_engine_spec)
     eng.reconfigure(CPU.with_(speculation="ngram", candidates=2))
     res = eng.generate(REPEATS, SamplingParams(temperature=0, max_new_tokens=8))
     assert res.options.speculation == "off" and "several candidates" in res.unavailable["speculation"]
-    assert res.metrics.unavailable["acceptance_rate"] == "speculation off"
+
+
+def test_speculation_asked_for_and_not_run_says_why_in_its_figures(llama_engine_spec, tmp_path):
+    """An answer whose options asked for drafting that did not run (several candidates, a draft model refused)
+    gave its speculation figures a bare "speculation off", as if none had been asked for; the reason was only in
+    the options' `unavailable` entry."""
+    from engine.speculative import SPECULATION_FIGURES
+
+    eng = llama_engine_spec
+    missing = tmp_path / "no-such-draft"
+    sampling = SamplingParams(temperature=0, max_new_tokens=8)
+    several = (
+        "speculation off: speculation verifies the drafts of one answer; several candidates would accept "
+        "different numbers of tokens per step"
+    )
+    refused = f"speculation off: the draft model could not be loaded: model not found: {missing}"
+    for options, why in [
+        (CPU.with_(speculation="ngram", candidates=2), several),
+        (CPU.with_(speculation="draft", draft_model=str(missing), draft_tokens=3), refused),
+        (CPU, "speculation off"),  # not asked for
+    ]:
+        eng.reconfigure(options)
+        res = eng.generate(REPEATS, sampling)
+        assert res.options.speculation == "off"
+        assert {k: res.metrics.unavailable[k] for k in SPECULATION_FIGURES} == dict.fromkeys(SPECULATION_FIGURES, why)
+        assert res.metrics.to_dict()["unavailable"]["acceptance_rate"] == why  # as the stored answer keeps it
 
 
 @pytest.fixture(scope="module")

@@ -429,6 +429,29 @@ def test_stats_line_of_a_remote_answer_shows_the_client_s_timings_and_rounds_hon
     assert "TTFT <1 ms" in line and "kernel gap <0.1%" in line and ">99% accepted" in line
 
 
+def test_an_answer_whose_speculation_did_not_run_says_why_under_it():
+    """Drafting asked for and not run (a draft model refused): the answer's options say speculation off, and its
+    stats tooltip had no drafts line at all, so the reason its figures keep was not shown there."""
+    from engine.types import GenerationMetrics
+    from ui.hud.compare_table import COLUMN_INDEX, CompareModel, CompareRow
+
+    why = "speculation off: the draft model could not be loaded: model not found: /m/small.gguf"
+    m = GenerationMetrics(new_tokens_total=8, new_tokens=[8], ttft_ms=12.0)
+    m.mark_na("acceptance_rate", why)
+    off = EngineOptions(device="cpu")
+    _, tip = format_stats(m.to_dict(), off.to_dict(), "cpu")
+    assert [line for line in tip.splitlines() if line.startswith("Drafts accepted")] == [
+        f"Drafts accepted: n/a — {why}"
+    ]
+    m.mark_na("acceptance_rate", "speculation off")  # not asked for: nothing to say
+    assert "Drafts accepted" not in format_stats(m.to_dict(), off.to_dict(), "cpu")[1]
+    m.mark_na("acceptance_rate", why)
+    table = CompareModel()
+    table.add(CompareRow(1, "refused", off, m))
+    cell = table.index(0, COLUMN_INDEX["acceptance_rate"])
+    assert table.data(cell, Qt.ItemDataRole.ToolTipRole) == f"n/a — {why}"
+
+
 def test_an_answer_stopped_after_one_token_says_1_token():
     """An answer stopped after its first token read "1 tokens" under it."""
     m = {"new_tokens_total": 1, "new_tokens": [1], "ttft_ms": 12.0}
