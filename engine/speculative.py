@@ -249,6 +249,11 @@ class SpecCounts:
 
     verify_steps: int = 0  # steps that verified drafts
     plain_steps: int = 0  # steps with no drafts (nothing matched, or a pause)
+    # of those, the steps whose drafts the adaptive schedule held back to time a plain step first, the steps the
+    # proposer had nothing for, and the steps with no room for a draft (the answer's or the cache's end)
+    timing_steps: int = 0
+    empty_steps: int = 0
+    no_room_steps: int = 0
     drafted: int = 0  # drafts verified (real drafts, not the padding up to a graph's k)
     accepted: int = 0  # of those, accepted by the target
 
@@ -404,8 +409,20 @@ class Speculator(StepObserver):
         if drafted:
             metrics.put("acceptance_rate", accepted / drafted, self.source)
         else:
-            why = getattr(self.proposer, "why_none", None) or "no proposal, or it ended first"
+            why = getattr(self.proposer, "why_none", None) or self.why_undrafted()
             metrics.mark_na("acceptance_rate", f"nothing was drafted in this answer ({why})")
+
+    def why_undrafted(self) -> str:
+        """Why no step of the answer verified drafts, where the proposer gives no reason of its own."""
+        c = self.counts
+        if c.empty_steps:
+            return "no proposal"
+        if c.timing_steps:
+            return (
+                "the adaptive draft length runs a plain step first, to time what a verify step must beat, "
+                "and the answer ended after it"
+            )
+        return "the answer ended before a step had room for a draft"
 
     def step(self, runner, remaining: int) -> list[int]:
         """One decode step of `runner` (a StaticRunner) with `remaining` tokens still wanted; returns the tokens it
@@ -413,20 +430,29 @@ class Speculator(StepObserver):
         room = runner.verify_room()
         k = min(self.schedule.k, remaining - 1, room)
         t0 = time.perf_counter()  # a verify step's time includes its drafting: a draft model's k forwards
+        timing = self.schedule.t_plain is None and not self.schedule.fixed  # a plain step is timed first
+        held = False  # drafts the schedule held back (timing, or a pause)
         if isinstance(self.proposer, NgramProposer):  # the schedule's gate is the match's length, known after it
             drafts = self.proposer.propose(k) if k >= 1 else []
             key = self.proposer.last_match
             if drafts and not self.schedule.wants_drafts(key):
-                drafts = []
+                drafts, held = [], True
         else:  # a draft model: asked only for a step that will verify (a paused step ran its k forwards for nothing)
             key = 0
-            drafts = self.proposer.propose(k) if k >= 1 and self.schedule.wants_drafts(key) else []
+            held = k >= 1 and not self.schedule.wants_drafts(key)
+            drafts = self.proposer.propose(k) if k >= 1 and not held else []
         start = runner.host_pos - runner.prompt_len + 1  # tokens written so far (the runner's counter, known here)
         if not drafts:
             runner.step(0)
             tokens = runner.out[0, start : start + 1].tolist()
             self.schedule.plain_step(time.perf_counter() - t0)
             self.counts.plain_steps += 1
+            if k < 1:
+                self.counts.no_room_steps += 1
+            elif held and timing:
+                self.counts.timing_steps += 1
+            elif not held:
+                self.counts.empty_steps += 1
             self.last = None
             return tokens
         shape = len(drafts)

@@ -727,6 +727,29 @@ def test_a_draft_model_whose_context_the_chat_outgrew_says_so(tiny_factory, tmp_
     )
 
 
+def test_an_answer_too_short_to_draft_says_why_nothing_was_drafted(tiny_factory, tmp_path):
+    """An adaptive draft length times one plain step before it drafts: an answer that ended after that step, or
+    before any step had room for a draft, said "no proposal, or it ended first" though the draft model was never
+    asked for one."""
+    from tiny_models import make_tiny_model
+
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=0))
+    try:
+        got = {n: eng.generate(REPEATS, SamplingParams(temperature=0, max_new_tokens=n)) for n in (2, 3)}
+    finally:
+        eng.close()
+    assert [got[n].metrics.drafted_tokens for n in (2, 3)] == [0, 0]
+    assert got[2].metrics.figure("acceptance_rate").reason == (
+        "nothing was drafted in this answer (the answer ended before a step had room for a draft)"
+    )
+    assert got[3].metrics.figure("acceptance_rate").reason == (
+        "nothing was drafted in this answer (the adaptive draft length runs a plain step first, to time what a "
+        "verify step must beat, and the answer ended after it)"
+    )
+
+
 def test_a_refused_draft_model_is_tried_again_once_its_file_changes(tiny_factory, tmp_path):
     """A draft model missing when first chosen (a drive not mounted yet, a copy not finished) was refused until
     the main model was loaded again, even after the file was there."""
