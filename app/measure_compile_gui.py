@@ -6,7 +6,9 @@ late ticks fell in one of the collector's full (generation-2) passes.
 An offscreen QApplication runs a 50 ms QTimer on the GUI thread and records how late each tick fires, while a
 worker thread switches the loaded engine to compile (static KV cache) and generates 8 greedy tokens: the first
 generation compiles and warms up every context bucket. TORCHINDUCTOR_CACHE_DIR is a fresh temporary folder, so
-the compile is cold. `gc.callbacks` time every full pass and the thread that ran it.
+the compile is cold. `gc.callbacks` time every full pass and the thread that ran it. The GUI thread runs the
+collections as in the app (app/collector.py), or with `--automatic-collection` automatic collection runs them on
+whichever thread allocates, as before the app took them.
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ TICK_S = 0.05
 LATE_S = 0.1
 
 
-def measure(model: str) -> dict[str, Any]:
+def measure(model: str, gui_collector: bool = True) -> dict[str, Any]:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gapless-inductor-")
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
+    from app.collector import GuiThreadCollector
     from engine.engine import Engine
     from engine.types import EngineOptions, SamplingParams
 
     app = QApplication.instance() or QApplication([])
+    collector = GuiThreadCollector() if gui_collector else None
     engine = Engine.load(model, EngineOptions(device="cpu"))
     passes: list[tuple[float, float, str]] = []  # start, end, thread of each full collection
     started: dict[str, float] = {}
@@ -81,6 +85,8 @@ def measure(model: str) -> dict[str, Any]:
     timer.stop()
     gc.callbacks.remove(on_gc)
     engine.close()
+    if collector is not None:
+        collector.close()
 
     late = sorted(lateness for _, lateness in ticks)
     stalls = [(t, lateness) for t, lateness in ticks if lateness > LATE_S]
@@ -88,6 +94,7 @@ def measure(model: str) -> dict[str, Any]:
     return {
         "compile_and_answer_s": round(result.get("seconds", float("nan")), 2),
         "compiled": result.get("compiled"),
+        "collections": "on the GUI thread (app.collector)" if gui_collector else "automatic",
         "ticks": len(ticks),
         "lateness_ms": {
             "p50": round(1000 * late[len(late) // 2], 1),
@@ -106,8 +113,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m app.measure_compile_gui", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a model folder or GGUF file (a small one: the compile is cold)")
     ap.add_argument("--json", help="write the report here as well")
+    ap.add_argument("--automatic-collection", action="store_true", help="leave the collections to automatic collection")
     args = ap.parse_args(argv)
-    report = measure(args.model)
+    report = measure(args.model, gui_collector=not args.automatic_collection)
     text = figures.strict_json(report, indent=1)
     print(text)
     if args.json:
