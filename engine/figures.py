@@ -293,6 +293,15 @@ class Figure:
         return self.value is not None
 
 
+def speculation_refused(data: Any) -> Optional[str]:
+    """Why drafting asked for did not run in this answer (GenerationMetrics or its dict form): the reason its
+    speculation figures keep after "speculation off: ". None where it ran, or was not asked for (a bare "speculation
+    off", as an answer kept before the figures said why has it too)."""
+    reason = read(data, "acceptance_rate").reason or ""
+    head = f"{SPECULATION_OFF}: "
+    return reason[len(head) :] if reason.startswith(head) else None
+
+
 def read(data: Any, key: str) -> Figure:
     """The figure `key` of a GenerationMetrics, or of its dict form (JSON, bench medians, the store)."""
     s = spec(key)

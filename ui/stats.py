@@ -6,6 +6,7 @@ where the engine gave a reason. Nothing here computes or estimates a figure.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from engine import figures
@@ -72,6 +73,12 @@ def gap_label(device: Optional[str]) -> str:
     return "kernel gap" if device == "cuda" else "op gap"
 
 
+def first_clause(reason: str) -> str:
+    """A reason as a line with little room says it: up to its first ": ", "; ", " (" or ", which" ("the draft model
+    could not be loaded" of "the draft model could not be loaded: model not found: <path>"); the tooltip says all."""
+    return re.split(r": |; | \(|, which ", reason, maxsplit=1)[0]
+
+
 def _sourced(label: str, value: Optional[float], shown: str, source: Optional[str], reason: Optional[str]) -> str:
     """A tooltip line for a figure: the value and its source, or n/a and why."""
     if value is not None:
@@ -123,12 +130,16 @@ def format_stats(
         ]
     )
     speculating = bool(options and options.get("speculation", "off") != "off")
+    # asked for and not run (a refused draft model, several candidates): the options say off, the figures why
+    refused = figures.speculation_refused(m)
     if speculating:
         accepted = m.get("acceptance_rate")
         line += (
             f" · {fmt(m.get('tokens_per_step'), ' tok/step', 2)}, "
             f"{NA if accepted is None else fmt(100 * accepted, '%', 0, top=100.0)} accepted"
         )
+    elif refused is not None:
+        line += f" · drafting off: {first_clause(refused)}"
     reused = m.get("prompt_reused_tokens")
     if reused:
         line += f" · prompt {m.get('prompt_tokens')} ({reused} reused)"
@@ -202,9 +213,7 @@ def format_stats(
             unavailable.get("tokens_per_step"),
         )
     )
-    # asked for and not run (a refused draft model, several candidates): the options say off, the figure why
-    refused = (unavailable.get("acceptance_rate") or "").startswith(f"{figures.SPECULATION_OFF}: ")
-    if speculating or refused or m.get("acceptance_rate") is not None:
+    if speculating or refused is not None or m.get("acceptance_rate") is not None:
         accepted = m.get("acceptance_rate")
         shown = (
             (

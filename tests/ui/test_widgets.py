@@ -452,6 +452,38 @@ def test_an_answer_whose_speculation_did_not_run_says_why_under_it():
     assert table.data(cell, Qt.ItemDataRole.ToolTipRole) == f"n/a — {why}"
 
 
+def test_an_answer_whose_drafting_was_refused_says_so_on_its_stats_line():
+    """Drafting asked for and not run: the line under the answer showed its drafts part only where the options had
+    speculation on, so it said nothing of it; it now gives the reason's first clause, the tooltip all of it."""
+    from engine.types import GenerationMetrics
+
+    off = EngineOptions(device="cpu").to_dict()
+    head = "8 tokens · TTFT 12 ms · 4.0 tok/s · custom · op gap n/a"
+    several = (
+        "speculation verifies the drafts of one answer; several candidates would accept different numbers of tokens "
+        "per step"
+    )
+    for why, said in [
+        (
+            "the draft model could not be loaded: model not found: /m/small.gguf",
+            "drafting off: the draft model could not be loaded",
+        ),
+        (several, "drafting off: speculation verifies the drafts of one answer"),
+        ("the draft model's read was stopped", "drafting off: the draft model's read was stopped"),
+        (
+            "llama runs on the transformers fallback (no fast path), which has no verify step",
+            "drafting off: llama runs on the transformers fallback",
+        ),
+    ]:
+        m = GenerationMetrics(new_tokens_total=8, new_tokens=[8], ttft_ms=12.0, decode_tok_s=4.0)
+        m.mark_na("acceptance_rate", f"speculation off: {why}")
+        line, tip = format_stats(m.to_dict(), off, "cpu")
+        assert line == f"{head} · {said}"
+        assert f"Drafts accepted: n/a — speculation off: {why}" in tip.splitlines()
+    m.mark_na("acceptance_rate", "speculation off")  # not asked for (or kept before the figures said why)
+    assert format_stats(m.to_dict(), off, "cpu")[0] == head
+
+
 def test_an_answer_stopped_after_one_token_says_1_token():
     """An answer stopped after its first token read "1 tokens" under it."""
     m = {"new_tokens_total": 1, "new_tokens": [1], "ttft_ms": 12.0}
