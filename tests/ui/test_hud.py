@@ -1119,6 +1119,71 @@ def test_a_remote_row_shows_and_exports_its_options_as_the_server_s(hud, tmp_pat
         assert empty == set(json.loads(row["options_unavailable"]))
 
 
+def test_a_row_whose_drafting_did_not_run_says_why_its_draft_settings_are_not_used(hud, tmp_path):
+    """Drafting asked for and refused (several candidates, a draft model that cannot load): the draft-model and
+    draft-tokens cells said "not used: speculation off" and the exports the same, as if none had been asked for.
+    They give the reason the row's figures keep, live, exported and read back from the store; a row kept before
+    the figures said why reads as before."""
+    import sqlite3
+
+    from app.store import ChatStore, CompareHistory
+    from engine.speculative import SPECULATION_FIGURES, speculation_off
+
+    panel, _ = hud
+    model = panel.compare.model
+    several = (
+        "speculation verifies the drafts of one answer; several candidates would accept different numbers of tokens "
+        "per step"
+    )
+    missing = "the draft model could not be loaded: model not found: /m/small.gguf"
+    ran = EngineOptions(device="cpu", kv_cache="static", candidates=2)
+    for options, why in [(ran, several), (replace(ran, candidates=1, draft_model="/m/small.gguf"), missing)]:
+        m = GenerationMetrics(new_tokens_total=4)
+        speculation_off(m, why)
+        panel.begin_generation("refused", options)
+        panel.end_generation(m, options, "refused", {"speculation": why})
+    kept = GenerationMetrics(new_tokens_total=4)
+    speculation_off(kept)  # not asked for, or kept before the figures said why
+    panel.end_generation(kept, ran, "plain")
+
+    def tips(row: int) -> list[str]:
+        return [model.data(model.index(row, COLUMN_INDEX[k]), Qt.ItemDataRole.ToolTipRole) for k in DRAFTS]
+
+    DRAFTS = ("draft_tokens", "draft_model")
+    expected = [
+        [f"not used: speculation off: {several}"] * 2,
+        [f"not used: speculation off: {missing}"] * 2,
+        ["not used: speculation off"] * 2,
+    ]
+    assert [tips(i) for i in range(3)] == expected
+    assert [model.data(model.index(i, COLUMN_INDEX["draft_model"])) for i in range(3)] == ["—"] * 3
+    doc = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())["generations"]
+    assert [g["options_unavailable"] for g in doc] == [
+        {"draft_model": expected[0][0]},
+        {},
+        {"draft_model": expected[2][0]},
+    ]
+    with open(panel.export_compare_csv(tmp_path / "c.csv"), newline="") as f:
+        assert json.loads(next(csv.DictReader(f))["options_unavailable"]) == {"draft_model": expected[0][0]}
+    # kept with the chats and read back in the next run, as the main window restores them; a row stored before
+    # the figures said why has a bare "speculation off" in its metrics
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as store:
+        for r in model.rows:
+            CompareHistory(store).add(r.index, r.label, r.options, r.metrics, r.model)
+    older = sqlite3.connect(path)
+    stored = json.loads(older.execute("SELECT metrics_json FROM compare_rows WHERE id = 1").fetchone()[0])
+    stored["unavailable"].update(dict.fromkeys(SPECULATION_FIGURES, "speculation off"))
+    older.execute("UPDATE compare_rows SET metrics_json = ? WHERE id = 1", (json.dumps(stored),))
+    older.commit()
+    older.close()
+    model.clear()
+    with ChatStore(path) as store:
+        rows = CompareHistory(store).rows()
+    panel.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics, r.model) for r in rows)
+    assert [tips(i) for i in range(3)] == [expected[2], expected[1], expected[2]]
+
+
 def test_series_exports_equal_what_was_fed(hud, tmp_path):
     panel, clock = hud
     panel.begin_generation("g", EngineOptions(device="cpu"))

@@ -65,6 +65,16 @@ def metric_column(key: str) -> Column:
     return Column(key, s.label, "metric", lambda v: fmt.figure_value(s, v), s.better, s.source_field, s.tip)
 
 
+def idle_drafts(options: EngineOptions, metrics: GenerationMetrics) -> str:
+    """Why a row's draft settings say nothing: speculation off, with the reason where drafting was asked for and
+    did not run (a refused draft model, several candidates: its figures keep it), or n-gram drafting, which has no
+    draft model."""
+    refused = figures.speculation_refused(metrics)
+    if options.speculation == "off" and refused is not None:
+        return f"not used: {figures.SPECULATION_OFF}: {refused}"
+    return f"not used: speculation {options.speculation}"
+
+
 def _on_off(v: Any) -> str:
     return "on" if v else "off"
 
@@ -216,7 +226,7 @@ class CompareModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole and v is SERVER_SET:
             return f"set by the remote server, which does not say: {col.title} n/a here"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "option" and v is None:
-            return f"not used: speculation {self.rows[row].options.speculation}"
+            return idle_drafts(self.rows[row].options, self.rows[row].metrics)
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and v is None:
             return f"{fmt.NA} — {NO_MODEL}"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):

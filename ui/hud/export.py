@@ -23,7 +23,7 @@ from engine.errors import OutputPathError
 from engine.figures import GENERATION_FIGURES
 from engine.paths import output_file, write_whole
 from engine.types import EngineOptions, GenerationMetrics, server_decides
-from ui.hud.compare_table import NO_MODEL, NOT_MEASURED, CompareModel
+from ui.hud.compare_table import NO_MODEL, NOT_MEASURED, CompareModel, idle_drafts
 from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
 from ui.hud.series_view import PLOTS, SeriesView, left_axis_px
 
@@ -55,7 +55,7 @@ def compare_records(model: CompareModel) -> list[dict]:
                 "model_unavailable": None if r.model else NO_MODEL,
                 "reference": i == model.reference,
                 "options": known_options(r.options),
-                "options_unavailable": options_unavailable(r.options),
+                "options_unavailable": options_unavailable(r.options, r.metrics),
                 "metrics": metrics,
             }
         )
@@ -71,15 +71,16 @@ def known_options(options: EngineOptions) -> dict:
     return d
 
 
-def options_unavailable(options: EngineOptions) -> dict[str, str]:
+def options_unavailable(options: EngineOptions, metrics: GenerationMetrics) -> dict[str, str]:
     """Why each option the exports leave empty (null, or "" for no draft model) is so, as the compare table's
-    tooltips say it: a remote server's own settings are not known here."""
+    tooltips say it: a remote server's own settings are not known here, and a draft model is not used where
+    speculation is off (with why, where drafting was asked for and did not run) or drafts by n-gram."""
     why = {}
     for key, value in known_options(options).items():
         if value is None:
             why[key] = "set by the remote server, which does not say"
         elif key == "draft_model" and value == "":
-            why[key] = f"not used: speculation {options.speculation}"
+            why[key] = idle_drafts(options, metrics)
     return why
 
 
