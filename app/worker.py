@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from app.collector import GuiThreadCollector
+from engine import heap
 from engine.errors import GaplessError
 from engine.protocol import EngineLike, option_limits, sampling_extensions
 from engine.types import EngineOptions, MonitorSample, Progress, RowFinished, SamplingParams, StepRecord, TextDelta
@@ -475,6 +477,10 @@ class EngineController(EngineEvents):
         self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="context-meter")
         self._count_ids = itertools.count(1)
         self._count_latest = 0
+        # The worker and the other threads must run no collection: one frees whatever unreachable cycle it finds,
+        # the Qt objects of this thread's among them, on its own thread. The app's build hands the passes to the
+        # GUI thread first; a controller made without it (a tool, the tests) does so itself, until it shuts down.
+        self._collector: Optional[GuiThreadCollector] = None if heap.is_handed() else GuiThreadCollector()
 
         # The mirrors are updated before the signal is passed on, so a receiver reading them sees the news.
         self.worker.engineState.connect(self._on_engine_state)
@@ -564,11 +570,15 @@ class EngineController(EngineEvents):
             self._shut_down = True
             self.cancel()
             self.cancel_ladder()
+            if self._collector is not None:
+                self._collector.begin_close()  # this thread waits for the worker now: it must not wait for this one
             self.worker.commands.put(Shutdown())
             self._counter.shutdown(wait=True, cancel_futures=True)
         finished = self._thread.wait(int(timeout * 1000))
         if not finished:
             log.warning("the engine worker did not stop within %.1f s", timeout)
+        if self._collector is not None:  # a worker still busy keeps the passes here (GuiThreadCollector.close)
+            self._collector.close(others_stopped=finished)
         return finished
 
     def _put(self, command: Any) -> None:

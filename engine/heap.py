@@ -61,6 +61,12 @@ def hand_collection_back(collector: Callable[[], None]) -> None:
         _apply()
 
 
+def is_handed() -> bool:
+    """Whether a collector holds the passes (`hand_collection_to`): automatic collection is off for every thread."""
+    with _lock:
+        return bool(_collectors)
+
+
 def collect() -> None:
     """A full pass, on the thread that owns the passes if one does."""
     with _lock:

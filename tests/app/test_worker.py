@@ -545,6 +545,44 @@ def test_ladder_progress_and_rows(qtbot, scripted):
     assert [r.preset for r in done.args[0]] == ["naive", "compile"]
 
 
+def test_a_controller_made_outside_the_app_runs_no_collection_on_the_worker(qtbot):
+    """A collection frees every unreachable cycle on the thread that runs it, and Qt crashes when its objects are
+    freed off their thread. The app's build hands the passes to the GUI thread; a controller made without it (a
+    tool, these tests) does so itself until it shuts down: the full pass a closed model asks for (engine.heap)
+    frees this thread's Qt objects here, not on the worker."""
+    import gc
+
+    from PySide6.QtCore import QObject, Qt
+
+    from engine import heap
+
+    class Releasing(ScriptedEngine):
+        def close(self):
+            super().close()
+            heap.release()  # what a real engine's close runs: a full pass for its model's cycles
+
+    enabled = gc.isenabled()
+    ctl = EngineController(EngineWorker(engine_factory=Releasing))
+    freed: list[str] = []
+    try:
+        load(qtbot, ctl, "first")
+
+        def left_behind() -> None:  # a QObject only the collector frees: a closed dialog's, a plot's
+            obj = QObject()
+            obj.cycle = obj
+            obj.destroyed.connect(
+                lambda *_: freed.append(threading.current_thread().name), Qt.ConnectionType.DirectConnection
+            )
+
+        left_behind()
+        load(qtbot, ctl, "second")  # the worker closes the first model
+        qtbot.waitUntil(lambda: bool(freed), timeout=TIMEOUT_MS)
+        assert freed == [threading.main_thread().name]
+    finally:
+        assert ctl.shutdown(30)
+    assert gc.isenabled() == enabled  # handed back as the controller shut down
+
+
 def test_shutdown_stops_the_generation_and_closes_the_engine(qtbot):
     made = []
 
