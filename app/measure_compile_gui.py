@@ -31,7 +31,7 @@ LATE_S = 0.1
 def measure(model: str, gui_collector: bool = True) -> dict[str, Any]:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gapless-inductor-")
-    from PySide6.QtCore import QTimer
+    from PySide6.QtCore import QMetaObject, Qt, QTimer
     from PySide6.QtWidgets import QApplication
 
     from app.collector import GuiThreadCollector
@@ -71,7 +71,8 @@ def measure(model: str, gui_collector: bool = True) -> dict[str, Any]:
             )
             result.update(seconds=time.perf_counter() - t0, compiled=r.options.compile)
         finally:
-            app.quit()
+            # queued: a quit called before exec() starts would be lost, and the tool would wait for ever
+            QMetaObject.invokeMethod(app, "quit", Qt.ConnectionType.QueuedConnection)
 
     gc.callbacks.append(on_gc)
     timer = QTimer()
