@@ -40,6 +40,7 @@ class GuiThreadCollector(QObject):
         self._gui_thread = threading.get_ident()
         self._thresholds = gc.get_threshold()
         self._closing = threading.Event()
+        self._long_lived = len(gc.get_objects(2))  # what the last full pass left in the oldest generation
         self._asked.connect(self._run_asked, Qt.ConnectionType.QueuedConnection)
         self._timer = QTimer(self)
         self._timer.timeout.connect(self.check)
@@ -48,20 +49,35 @@ class GuiThreadCollector(QObject):
 
     @Slot()
     def check(self) -> None:
-        """The passes automatic collection would have run by now, youngest generation first; none while a
-        compile or capture builds (`heap.building`: what it keeps is frozen at its end, before any pass walks it)."""
-        if heap.is_building():
+        """The pass automatic collection would have run by now: the oldest generation over its threshold (a pass
+        takes the younger ones with it), the full one only under CPython's own rule; none while a compile or
+        capture builds (`heap.building`: what it keeps is frozen at its end, before any pass walks it)."""
+        if heap.is_building() or self._thresholds[0] == 0:  # a threshold of 0: automatic collection was off
             return
         counts = gc.get_count()
-        for generation in range(3):
+        for generation in (2, 1, 0):
             if counts[generation] <= self._thresholds[generation]:
-                return
-            gc.collect(generation)
+                continue
+            if generation == 2 and not self._full_pass_due():
+                continue
+            self._pass(generation)
+            return
+
+    def _full_pass_due(self) -> bool:
+        """CPython's rule: a full pass only once what reached the oldest generation since the last one is a quarter
+        of what that one left there, so a large long-lived heap is not walked again and again (each walk of a
+        few million objects holds this thread for seconds)."""
+        return len(gc.get_objects(2)) - self._long_lived > self._long_lived // 4
+
+    def _pass(self, generation: int = 2) -> None:
+        gc.collect(generation)
+        if generation == 2:
+            self._long_lived = len(gc.get_objects(2))
 
     def collect(self) -> None:
         """A full pass on the GUI thread; from another thread, asked for and waited for."""
         if threading.get_ident() == self._gui_thread:
-            gc.collect()
+            self._pass()
             return
         if self._closing.is_set():
             return  # the GUI thread may be waiting for this one: the last pass, in close, frees what is left
@@ -80,7 +96,7 @@ class GuiThreadCollector(QObject):
     def _run_asked(self, done: threading.Event) -> None:
         try:
             if not self._closing.is_set():
-                gc.collect()
+                self._pass()
         finally:
             done.set()
 
@@ -97,4 +113,4 @@ class GuiThreadCollector(QObject):
         self._timer.stop()
         if others_stopped:
             heap.hand_collection_back(self.collect)
-        gc.collect()
+        self._pass()

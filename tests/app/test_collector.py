@@ -171,3 +171,21 @@ def test_an_app_closed_with_its_worker_still_busy_keeps_the_passes_on_the_gui_th
         gui.collector.close()
         gc.enable() if enabled else gc.disable()
     assert gc.isenabled() is enabled
+
+
+def test_the_timer_walks_the_long_lived_heap_only_under_cpython_s_rule(collector, passes):
+    """A full pass every eleventh middle pass, as the counts alone would run it, walked a large long-lived heap
+    again and again on the GUI thread; automatic collection waits until a quarter as much is new there."""
+    kept = [[] for _ in range(50_000)]  # long-lived: the oldest generation after the next full pass
+    collector._pass()
+    for _ in range(gc.get_threshold()[2] + 1):
+        gc.collect(1)  # the oldest generation's count over its threshold, nothing new in it
+    passes.clear()
+    collector.check()
+    assert all(generation != 2 for _, generation in passes)
+    new = [[] for _ in range(len(gc.get_objects(2)) // 4 + 1000)]
+    gc.collect(1)  # they reach the oldest generation: more than a quarter of what is there
+    passes.clear()
+    collector.check()
+    assert [generation for _, generation in passes] == [2]
+    assert kept and new
