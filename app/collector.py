@@ -40,7 +40,8 @@ class GuiThreadCollector(QObject):
         self._gui_thread = threading.get_ident()
         self._thresholds = gc.get_threshold()
         self._closing = threading.Event()
-        self._long_lived = len(gc.get_objects(2))  # what the last full pass left in the oldest generation
+        # what the last full pass left in the oldest generation, and the frozen count then
+        self._long_lived, self._frozen = len(gc.get_objects(2)), gc.get_freeze_count()
         self._asked.connect(self._run_asked, Qt.ConnectionType.QueuedConnection)
         self._timer = QTimer(self)
         self._timer.timeout.connect(self.check)
@@ -64,15 +65,18 @@ class GuiThreadCollector(QObject):
             return
 
     def _full_pass_due(self) -> bool:
-        """CPython's rule: a full pass only once what reached the oldest generation since the last one is a quarter
-        of what that one left there, so a large long-lived heap is not walked again and again (each walk of a
-        few million objects holds this thread for seconds)."""
-        return len(gc.get_objects(2)) - self._long_lived > self._long_lived // 4
+        """CPython's rule: a full pass only once what reached the oldest generation since the last one is more
+        than a quarter of what that one left there, so a large long-lived heap is not walked again and again (each
+        walk of a few million objects holds this thread for seconds). A freeze since (`heap.settle` after a load)
+        emptied the oldest generation: all it holds now came after."""
+        size = len(gc.get_objects(2))
+        arrived = size if gc.get_freeze_count() != self._frozen else size - self._long_lived
+        return arrived > self._long_lived // 4
 
     def _pass(self, generation: int = 2) -> None:
         gc.collect(generation)
         if generation == 2:
-            self._long_lived = len(gc.get_objects(2))
+            self._long_lived, self._frozen = len(gc.get_objects(2)), gc.get_freeze_count()
 
     def collect(self) -> None:
         """A full pass on the GUI thread; from another thread, asked for and waited for."""
