@@ -50,6 +50,7 @@ def hand_collection_to(collector: Callable[[], None]) -> None:
     with _lock:
         _collectors.append(collector)
         _apply()
+        gc.disable()  # also where it was paused here already: a gc.enable() since, elsewhere, must not stand
 
 
 def hand_collection_back(collector: Callable[[], None]) -> None:

@@ -53,6 +53,17 @@ def test_automatic_collection_is_off_until_the_collector_closes(collector):
     assert gc.isenabled()
 
 
+def test_a_collector_turns_automatic_collection_off_even_where_it_was_turned_on_since(collector):
+    """With one collector holding the passes, a gc.enable() elsewhere (a library, a test's own set-up) left
+    automatic collection on when the next collector came: its passes ran on whichever thread allocated."""
+    gc.enable()
+    second = GuiThreadCollector(interval_ms=20)
+    try:
+        assert not gc.isenabled()
+    finally:
+        second.close()
+
+
 def test_a_full_pass_asked_for_on_another_thread_runs_on_the_gui_thread(qtbot, collector, passes):
     node = _Node()
     ref = weakref.ref(node)
