@@ -19,6 +19,8 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 
@@ -28,6 +30,26 @@ log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_MS = 500  # how often the counts are compared with the thresholds
 ASKED_WAIT_S = 60.0  # a thread waiting longer for the GUI's pass goes on without it (logged)
+
+_waits_lock = threading.Lock()
+_gui_waits = 0  # how many waits of the GUI thread for other threads are under way (`gui_thread_waits`)
+
+
+@contextmanager
+def gui_thread_waits() -> Iterator[None]:
+    """Around a wait of the GUI thread for another thread (an engine worker's stop, the server's): meanwhile a
+    pass that thread asks for is not waited for, whichever collector it goes to. With two windows in one
+    process the first one's worker, closing its model, asked the second one's collector (the newest runs the
+    passes), which queued the pass for the GUI thread and waited while that thread waited for the worker: the
+    close hung until its timeout and left the worker running."""
+    global _gui_waits
+    with _waits_lock:
+        _gui_waits += 1
+    try:
+        yield
+    finally:
+        with _waits_lock:
+            _gui_waits -= 1
 
 
 class GuiThreadCollector(QObject):
@@ -83,18 +105,21 @@ class GuiThreadCollector(QObject):
         if threading.get_ident() == self._gui_thread:
             self._pass()
             return
-        if self._closing.is_set():
+        if self._gui_busy_waiting():
             return  # the GUI thread may be waiting for this one: the last pass, in close, frees what is left
         done = threading.Event()
         self._asked.emit(done)
         waited = 0.0
         while not done.wait(0.1):
             waited += 0.1
-            if self._closing.is_set():
+            if self._gui_busy_waiting():
                 return
             if waited >= ASKED_WAIT_S:
                 log.warning("the GUI thread did not run a collection within %.0f s; going on without it", waited)
                 return
+
+    def _gui_busy_waiting(self) -> bool:
+        return self._closing.is_set() or _gui_waits > 0
 
     @Slot(object)
     def _run_asked(self, done: threading.Event) -> None:

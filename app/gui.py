@@ -52,14 +52,17 @@ class GuiApp:
         a load or a compile, which cannot be interrupted) after `timeout` s."""
         if self.collector is not None:
             self.collector.begin_close()  # this thread waits for the others from here: they must not wait for it
-        if self.server is not None:
-            import app.engines
+        from app.collector import gui_thread_waits
 
-            self.server.stop()
-            app.engines.keys_dir = app.engines.own_server = None
-        self.fetcher.cancel()
-        stopped = self.controller.shutdown(timeout)
-        self.fetcher.wait(5.0)
+        with gui_thread_waits():  # the server's threads, the engine worker's, the fetcher's
+            if self.server is not None:
+                import app.engines
+
+                self.server.stop()
+                app.engines.keys_dir = app.engines.own_server = None
+            self.fetcher.cancel()
+            stopped = self.controller.shutdown(timeout)
+            self.fetcher.wait(5.0)
         # the worker's last signals (a stopped answer's result) wait in the event queue for the controller:
         # delivered before the store closes, the answer is kept as stopped with its figures, not as a crash's
         # (only those: the application's own posted events, a quit among them, are left to its loop)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.collector import GuiThreadCollector
+from app.collector import GuiThreadCollector, gui_thread_waits
 from engine import heap
 from engine.errors import GaplessError
 from engine.protocol import EngineLike, option_limits, sampling_extensions
@@ -566,15 +566,16 @@ class EngineController(EngineEvents):
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Stop everything and wait (at exit only) up to `timeout` s for the worker to close the engine."""
-        if not self._shut_down:
-            self._shut_down = True
-            self.cancel()
-            self.cancel_ladder()
-            if self._collector is not None:
-                self._collector.begin_close()  # this thread waits for the worker now: it must not wait for this one
-            self.worker.commands.put(Shutdown())
-            self._counter.shutdown(wait=True, cancel_futures=True)
-        finished = self._thread.wait(int(timeout * 1000))
+        with gui_thread_waits():  # this thread waits for the worker now: what it asks of this one is not waited for
+            if not self._shut_down:
+                self._shut_down = True
+                self.cancel()
+                self.cancel_ladder()
+                if self._collector is not None:
+                    self._collector.begin_close()
+                self.worker.commands.put(Shutdown())
+                self._counter.shutdown(wait=True, cancel_futures=True)
+            finished = self._thread.wait(int(timeout * 1000))
         if not finished:
             log.warning("the engine worker did not stop within %.1f s", timeout)
         if self._collector is not None:  # a worker still busy keeps the passes here (GuiThreadCollector.close)

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from app.collector import GuiThreadCollector
+from app.collector import GuiThreadCollector, gui_thread_waits
 from engine import heap
 
 
@@ -129,6 +129,29 @@ def test_the_first_of_two_apps_closed_leaves_the_passes_with_the_second(qtbot, c
     finally:
         second.close()
     assert gc.isenabled()
+
+
+def test_while_the_first_of_two_apps_waits_for_its_worker_a_pass_asked_of_the_second_is_not_waited_for(
+    qtbot, collector, passes
+):
+    """Two windows in one process: the first one's worker, closing its model, asked for a pass; the newest
+    collector (the second window's) queued it for the GUI thread, which was waiting for that worker, and the
+    worker waited for it: the first close hung until its timeout and left the worker running."""
+    second = GuiThreadCollector(interval_ms=20)
+    try:
+        collector.begin_close()
+        with gui_thread_waits():  # the first app's close, waiting for its worker
+            asker = threading.Thread(target=heap.collect)
+            asker.start()
+            asker.join(5)
+            assert not asker.is_alive() and passes == []
+        collector.close()
+        asker = threading.Thread(target=heap.collect)  # the second app's worker, later: its pass runs here again
+        asker.start()
+        qtbot.waitUntil(lambda: not asker.is_alive(), timeout=10_000)
+        assert [thread for thread, generation in passes if generation == 2][-2:] == [threading.get_ident()] * 2
+    finally:
+        second.close()
 
 
 def test_the_timer_runs_no_pass_while_a_compile_builds(collector, passes):

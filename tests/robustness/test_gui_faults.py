@@ -270,9 +270,13 @@ def test_two_instances_stream_into_the_same_database(qtbot, paths, tiny_llama, m
         chat_ids = [gui.window.flow.chat_id for gui in apps]
         threads = [[(m.role, m.status, m.content) for m in gui.store.thread(cid)] for gui, cid in zip(apps, chat_ids)]
     finally:
+        stopped = []
         for gui in apps:
             gui.window.close()
-            gui.close()
+            stopped.append(gui.close())
+    # each engine worker stopped in time: the first one's close of its model did not wait for the GUI thread,
+    # which was waiting for it (it hung until the close's timeout and the worker kept running)
+    assert stopped == [True, True]
     assert chat_ids[0] != chat_ids[1]
     with ChatStore(paths.database) as third:  # a restart sees both conversations whole
         for i, cid in enumerate(chat_ids):
