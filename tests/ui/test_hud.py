@@ -1157,6 +1157,14 @@ def test_a_row_whose_drafting_did_not_run_says_why_its_draft_settings_are_not_us
     ]
     assert [tips(i) for i in range(3)] == expected
     assert [model.data(model.index(i, COLUMN_INDEX["draft_model"])) for i in range(3)] == ["—"] * 3
+    # the Speculation cell's "off" says why where drafting was asked for
+    speculation = [model.index(i, COLUMN_INDEX["speculation"]) for i in range(3)]
+    assert [model.data(i) for i in speculation] == ["off"] * 3
+    assert [model.data(i, Qt.ItemDataRole.ToolTipRole) for i in speculation] == [
+        f"speculation off: {several}",
+        f"speculation off: {missing}",
+        None,
+    ]
     doc = json.loads(panel.export_compare_json(tmp_path / "c.json").read_text())["generations"]
     assert [g["options_unavailable"] for g in doc] == [
         {"draft_model": expected[0][0]},

@@ -227,6 +227,9 @@ class CompareModel(QAbstractTableModel):
             return f"set by the remote server, which does not say: {col.title} n/a here"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "option" and v is None:
             return idle_drafts(self.rows[row].options, self.rows[row].metrics)
+        if role == Qt.ItemDataRole.ToolTipRole and col.key == "speculation" and v == "off":
+            refused = figures.speculation_refused(self.rows[row].metrics)
+            return f"{figures.SPECULATION_OFF}: {refused}" if refused is not None else None
         if role == Qt.ItemDataRole.ToolTipRole and col.kind == "model" and v is None:
             return f"{fmt.NA} — {NO_MODEL}"
         if role == Qt.ItemDataRole.ToolTipRole and col.kind in ("index", "label"):
