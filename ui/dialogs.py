@@ -38,27 +38,31 @@ from ui.progress import show_progress
 # Sane defaults for a new chat: a little randomness, the usual nucleus/top-k cut, a light repetition penalty.
 
 
+def _for_reading(box: QMessageBox) -> QMessageBox:
+    """A box for reading: its message shown as written (as ui.plain_text's guard makes every label in the app),
+    selectable, and freed once closed (else it stays a child of its window, one more for each message)."""
+    box.setTextFormat(Qt.TextFormat.PlainText)
+    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+    return box
+
+
 def show_error(parent: Optional[QWidget], title: str, message: str) -> None:
     box = QMessageBox(QMessageBox.Icon.Warning, title, message, QMessageBox.StandardButton.Ok, parent)
-    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    box.open()  # never blocks the event loop: streaming and the HUD keep running behind it
+    _for_reading(box).open()  # never blocks the event loop: streaming and the HUD keep running behind it
 
 
 def show_error_and_wait(parent: Optional[QWidget], title: str, message: str) -> None:
     """A warning read before what comes next goes on (a window about to close, whose status bar goes with it):
     returns once OK is clicked."""
     box = QMessageBox(QMessageBox.Icon.Warning, title, message, QMessageBox.StandardButton.Ok, parent)
-    box.setTextFormat(Qt.TextFormat.PlainText)
-    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    box.exec()
+    _for_reading(box).exec()
 
 
 def show_info(parent: Optional[QWidget], title: str, message: str) -> QMessageBox:
     """A message for reading (shortcuts, about), never blocking the event loop."""
     box = QMessageBox(QMessageBox.Icon.Information, title, message, QMessageBox.StandardButton.Close, parent)
-    box.setTextFormat(Qt.TextFormat.PlainText)
-    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    box.open()
+    _for_reading(box).open()
     return box
 
 
@@ -68,8 +72,11 @@ def confirm(parent: Optional[QWidget], title: str, text: str, action: str) -> bo
     box = QMessageBox(QMessageBox.Icon.Question, title, text, QMessageBox.StandardButton.Cancel, parent)
     chosen = box.addButton(action, QMessageBox.ButtonRole.DestructiveRole)
     box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-    box.exec()
-    return box.clickedButton() is chosen
+    try:
+        box.exec()
+        return box.clickedButton() is chosen
+    finally:
+        box.deleteLater()  # a dialog given a parent stays its child until deleted: one more each time it is asked
 
 
 def choose_model(parent: Optional[QWidget], caption: str, start: str, folder: bool = False) -> str:
@@ -95,10 +102,13 @@ def ask_save_file(parent: Optional[QWidget], caption: str, start: str, file_filt
     where = Path(start)
     dialog.setDirectory(str(where.parent))
     dialog.selectFile(where.name)
-    if dialog.exec() != QDialog.DialogCode.Accepted:
-        return ""
-    chosen = dialog.selectedFiles()
-    return chosen[0] if chosen else ""
+    try:
+        if dialog.exec() != QDialog.DialogCode.Accepted:
+            return ""
+        chosen = dialog.selectedFiles()
+        return chosen[0] if chosen else ""
+    finally:
+        dialog.deleteLater()  # with its file system model, which watches the folder shown
 
 
 class ProgressDialog(QDialog):

@@ -702,6 +702,7 @@ class MainWindow(QMainWindow):
         )
         dialog.accepted.connect(lambda: self.flow.set_chat_settings(*dialog.values(), dialog.overflow_policy()))
         dialog.accepted.connect(self.recount_context)  # the answer's room or the policy may have changed
+        dialog.finished.connect(dialog.deleteLater)  # else each one opened stays a child of the window
         dialog.open()
         self._chat_settings_dialog = dialog  # kept for tests and so it is not collected while open
 
@@ -1119,6 +1120,7 @@ class MainWindow(QMainWindow):
     def open_preferences(self) -> None:
         dialog = PreferencesDialog(self.current_preferences(), self.settings.last_folder or "", self)
         dialog.accepted.connect(lambda: self.apply_preferences(dialog.preferences(), dialog.last_folder))
+        dialog.finished.connect(dialog.deleteLater)  # else each one opened stays a child of the window
         dialog.open()
         self._preferences_dialog = dialog  # kept for tests and so it is not collected while open
 

@@ -306,10 +306,14 @@ class ModelPanel(QGroupBox):
         from ui.remote_dialog import RemoteDialog
 
         dialog = RemoteDialog(self, *self._remote_asked) if self._remote_asked else RemoteDialog(self)
-        if dialog.exec() == RemoteDialog.DialogCode.Accepted:
+        try:
+            if dialog.exec() != RemoteDialog.DialogCode.Accepted:
+                return
             base_url, model, api_key, timeout_s = dialog.values()
-            self._remote_asked = (base_url, model, timeout_s)  # the key is never shown again
-            self.remoteRequested.emit(base_url, model, api_key, timeout_s)
+        finally:
+            dialog.deleteLater()  # and the key typed into it
+        self._remote_asked = (base_url, model, timeout_s)  # the key is never shown again
+        self.remoteRequested.emit(base_url, model, api_key, timeout_s)
 
     def open_folder_dialog(self) -> None:
         path = choose_model(self, "Open a Hugging Face model folder", self.last_folder, folder=True)

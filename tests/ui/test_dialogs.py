@@ -381,6 +381,45 @@ def test_a_failed_open_shows_an_error_box_that_its_ok_button_closes(qtbot, gui, 
     )
 
 
+def test_a_dialog_closed_does_not_stay_a_child_of_the_window(qtbot, gui, driver, tmp_path):
+    """A dialog given the window as its parent stayed its child once closed (Qt frees a child with its parent):
+    one more Preferences, chat settings, message box or save dialog each time one was opened, every one of them
+    re-polished on each change of theme, a save dialog's file system model still watching its folder."""
+    from PySide6.QtCore import QCoreApplication, QEvent
+    from PySide6.QtWidgets import QDialog
+
+    from ui.dialogs import ask_save_file, confirm
+
+    w = gui.window
+
+    def dialogs() -> int:
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+        return len(w.findChildren(QDialog))
+
+    def shown_box() -> QMessageBox:
+        qtbot.waitUntil(lambda: any(isinstance(x, QMessageBox) and x.isVisible() for x in w.findChildren(QDialog)))
+        return next(x for x in w.findChildren(QMessageBox) if x.isVisible())
+
+    before = dialogs()
+    for _ in range(2):
+        menu_action(w, "File", "Preferences…").trigger()
+        qtbot.waitUntil(w._preferences_dialog.isVisible, timeout=TIMEOUT_MS)
+        w._preferences_dialog.reject()
+        menu_action(w, "Chat", "Chat settings…").trigger()
+        qtbot.waitUntil(w._chat_settings_dialog.isVisible, timeout=TIMEOUT_MS)
+        w._chat_settings_dialog.reject()
+        w.show_shortcuts()
+        shown_box().reject()
+        w._failed("a message the user reads and closes")
+        shown_box().accept()
+        driver.click("Cancel").start()
+        assert not confirm(w, "Delete chat", "Delete it?", "Delete")
+        driver.choose_file(None).start()
+        assert ask_save_file(w, "Export", str(tmp_path / "series.csv"), "CSV (*.csv)") == ""
+        assert driver.done
+    assert dialogs() == before
+
+
 def test_settings_the_disk_cannot_take_on_close_are_said_before_it_closes(qtbot, gui, driver, monkeypatch, caplog):
     """A save that failed on close was said in the status bar of the window closing: nobody saw it, and what was
     saved only on close (the optimization choices, the window's size and place) was gone at the next start."""

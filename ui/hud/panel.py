@@ -78,7 +78,10 @@ class ImageSizeDialog(QDialog):
 
 def ask_image_size(parent: QWidget, width: int, height: int) -> Optional[tuple[int, int]]:
     dialog = ImageSizeDialog(width, height, parent)
-    return dialog.size_px() if dialog.exec() == QDialog.DialogCode.Accepted else None
+    try:
+        return dialog.size_px() if dialog.exec() == QDialog.DialogCode.Accepted else None
+    finally:
+        dialog.deleteLater()
 
 
 def ask_save_path(parent: QWidget, caption: str, name: str, file_filter: str) -> str:
