@@ -367,7 +367,9 @@ def test_uninstall_without_a_manifest_removes_nothing(tmp_path: Path, home: Path
     assert (tmp_path / "gapless").exists()
 
 
-def test_render_icon_writes_png_and_ico(tmp_path: Path):
+def test_render_icon_writes_png_and_ico(qapp, tmp_path: Path):
+    """Rendered with the QApplication the tests share: a QGuiApplication of its own, made first, was the
+    process's application for every later test, and no widget could be made there."""
     sys.path.insert(0, str(ROOT / "packaging"))
     try:
         from render_icon import SIZE, render
