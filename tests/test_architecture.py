@@ -68,17 +68,33 @@ def violations(root: Path) -> list[str]:
 
 
 def gc_controls(path: Path) -> list[tuple[int, str]]:
-    """(line, name) for every `gc.collect()`, `gc.enable()` and `gc.disable()` call in the file."""
+    """(line, name) for every call of `gc.collect()`, `gc.enable()` or `gc.disable()` in the file, the module
+    imported under another name too, and every `from gc import` of one of them (its calls are then plain names)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    return [
+    names = {"gc"} | {
+        a.asname
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for a in node.names
+        if a.name == "gc" and a.asname
+    }
+    found = [
+        (node.lineno, a.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "gc"
+        for a in node.names
+        if a.name in GC_CONTROLS or a.name == "*"
+    ]
+    found += [
         (node.lineno, node.func.attr)
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and isinstance(node.func.value, ast.Name)
-        and node.func.value.id == "gc"
+        and node.func.value.id in names
         and node.func.attr in GC_CONTROLS
     ]
+    return sorted(found)
 
 
 def test_the_shipped_code_keeps_the_layers():
@@ -105,6 +121,8 @@ def test_the_engine_modules_the_ui_may_read_import_no_inference_stack():
         ("app/cmd_x.py", "from ui.main_window import MainWindow\n", "GUI builders"),
         ("engine/x.py", "import gc\n\ndef close():\n    gc.collect()\n", "go through engine.heap"),
         ("app/worker.py", "import gc\ngc.disable()\n", "go through engine.heap"),
+        ("engine/x.py", "import gc as collector\ncollector.collect(2)\n", "go through engine.heap"),
+        ("app/x.py", "from gc import collect\n\ndef close():\n    collect()\n", "go through engine.heap"),
     ],
 )
 def test_each_rule_catches_its_violation(tmp_path, rel, source, rule):
