@@ -164,6 +164,18 @@ def style_sheet(c: Colors, font_pt: Optional[float] = None) -> str:
     return re.sub(r"@([a-z_]+)", sub, template)
 
 
+def _on_fusion(app: QApplication) -> bool:
+    """Whether the application's style is Fusion. Under a style sheet the style the application reports is Qt's
+    nameless style-sheet wrapper; one of ours is only ever put on Fusion."""
+    style = app.style()
+    if style.name().lower() == "fusion":
+        return True
+    return style.metaObject().className() == "QStyleSheetStyle" and app.styleSheet() in (
+        style_sheet(LIGHT),
+        style_sheet(DARK),
+    )
+
+
 class ThemeManager(QObject):
     """Applies the light or dark theme to the application and follows the system while set to "system"."""
 
@@ -174,7 +186,7 @@ class ThemeManager(QObject):
         self._app = app
         self._choice = "system"
         self._scheme: Optional[str] = None
-        if app.style().name().lower() != "fusion":  # setting it again re-polishes every widget alive
+        if not _on_fusion(app):  # setting it again re-polishes every widget alive
             app.setStyle("Fusion")
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._system_changed)
         self.set_choice(choice)
@@ -212,6 +224,11 @@ class ThemeManager(QObject):
             return
         self._scheme = scheme
         c = self.colors
-        self._app.setPalette(build_palette(c))
-        self._app.setStyleSheet(style_sheet(c))
+        # Each set re-polishes every widget alive, the other windows' too: a look already in force (a second
+        # window opened on the theme of the first) is not set again.
+        palette, sheet = build_palette(c), style_sheet(c)
+        if self._app.palette() != palette:
+            self._app.setPalette(palette)
+        if self._app.styleSheet() != sheet:
+            self._app.setStyleSheet(sheet)
         self.changed.emit(c)

@@ -800,15 +800,50 @@ def test_chat_settings_dialog_defaults_and_validation(qtbot):
 def test_theme_follows_choice(qapp):
     from ui.theme import DARK, LIGHT, ThemeManager
 
-    tm = ThemeManager(qapp, "dark")
-    assert tm.scheme == "dark" and qapp.palette().base().color().name() == DARK.base
+    tm = ThemeManager(qapp, "light")  # the look the tests start on: each change restyles every widget alive
+    assert tm.scheme == "light" and qapp.palette().base().color().name() == LIGHT.base
     seen = []
     tm.changed.connect(seen.append)
-    tm.set_choice("light")
-    assert seen == [LIGHT] and qapp.palette().base().color().name() == LIGHT.base
+    tm.set_choice("dark")
+    assert seen == [DARK] and qapp.palette().base().color().name() == DARK.base
     assert "@" not in qapp.styleSheet()
+    tm.set_choice("light")
+    assert seen == [DARK, LIGHT] and qapp.palette().base().color().name() == LIGHT.base
     with pytest.raises(ValueError):
         tm.set_choice("purple")
+
+
+def test_a_window_opened_on_the_theme_in_force_does_not_restyle_the_others(qapp, qtbot):
+    """Each window's theme set the application's palette and style sheet (and Fusion, which the style under a sheet
+    no longer named) although they were in force already: every widget alive, the other windows' too, was
+    re-polished each time a window opened."""
+    from PySide6.QtCore import QEvent, QObject
+    from PySide6.QtWidgets import QLabel
+
+    from ui.theme import LIGHT, ThemeManager
+
+    ThemeManager(qapp, "light")  # (a change of look here would restyle every widget the tests left alive: slow)
+    other = QLabel("another window")
+    qtbot.addWidget(other)
+    other.show()
+    qapp.processEvents()
+    seen: list = []
+
+    class Watch(QObject):
+        def eventFilter(self, obj, event):
+            if obj is other and event.type() in (QEvent.Type.StyleChange, QEvent.Type.PaletteChange):
+                seen.append(event.type())
+            return False
+
+    watch = Watch()
+    other.installEventFilter(watch)
+    tm = ThemeManager(qapp, "light")
+    qapp.processEvents()
+    assert tm.colors == LIGHT and qapp.palette().base().color().name() == LIGHT.base
+    assert seen == []
+    other.setStyleSheet("QLabel { font-weight: bold; }")  # the watch sees a restyle where there is one
+    qapp.processEvents()
+    assert QEvent.Type.StyleChange in seen
 
 
 def _contrast(a: str, b: str) -> float:
