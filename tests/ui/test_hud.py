@@ -1471,19 +1471,16 @@ def test_full_synthetic_session_lengths_and_last_values(hud, qtbot):
 
 
 def test_hud_follows_the_application_palette(hud, qapp):
-    from ui.theme import DARK, LIGHT, build_palette
+    from ui.theme import DARK, LIGHT, ThemeManager
 
     panel, _ = hud
-    before = qapp.palette()
-    try:
-        for colors in (DARK, LIGHT):
-            qapp.setPalette(build_palette(colors))
-            qapp.processEvents()  # palette changes reach widgets as posted events
-            background = panel.live.view("tokens_per_s").plot_widget.backgroundBrush().color().name()
-            assert background == colors.base
-            assert panel.ladder.chart.backgroundBrush().color().name() == colors.base
-    finally:
-        qapp.setPalette(before)
+    theme = ThemeManager(qapp, "light")  # as a window switches it: the palette and the style sheet
+    for choice, colors in (("dark", DARK), ("light", LIGHT)):
+        theme.set_choice(choice)
+        qapp.processEvents()  # palette changes reach widgets as posted events
+        background = panel.live.view("tokens_per_s").plot_widget.backgroundBrush().color().name()
+        assert background == colors.base
+        assert panel.ladder.chart.backgroundBrush().color().name() == colors.base
 
 
 def test_hud_fed_by_a_real_generation_on_a_tiny_model(hud, qtbot, tiny_llama, tmp_path):
@@ -1785,26 +1782,22 @@ def test_generation_marks_read_on_the_plots_in_both_themes(hud, qtbot, qapp):
     and a mark drawn before a theme change kept the old theme's colour."""
     from test_widgets import _contrast
 
-    from ui.theme import DARK, LIGHT, build_palette
+    from ui.theme import DARK, LIGHT, ThemeManager
 
     panel, clock = hud
-    before = qapp.palette()
-    try:
-        qapp.setPalette(build_palette(DARK))
-        feed_gpu_session(panel, clock, n_steps=40)
-        show_and_paint(qtbot, panel)
-        for colors in (LIGHT, DARK):
-            qapp.setPalette(build_palette(colors))
-            qapp.processEvents()  # palette changes reach widgets as posted events
-            panel.live.paint(force=True)
-            marks = [line for line in panel.live.view("tokens_per_s").lines if line.isVisible()]
-            labelled = [line for line in marks if line.label.format]
-            assert labelled, "no generation is marked"
-            for line in marks:
-                assert line.pen.color().name() == line.label.color.name()
-                assert _contrast(line.label.color.name(), colors.base) >= 4.5, (colors.base, line.label.color.name())
-    finally:
-        qapp.setPalette(before)
+    theme = ThemeManager(qapp, "dark")  # as a window switches it: the palette and the style sheet
+    feed_gpu_session(panel, clock, n_steps=40)
+    show_and_paint(qtbot, panel)
+    for choice, colors in (("light", LIGHT), ("dark", DARK)):
+        theme.set_choice(choice)
+        qapp.processEvents()  # palette changes reach widgets as posted events
+        panel.live.paint(force=True)
+        marks = [line for line in panel.live.view("tokens_per_s").lines if line.isVisible()]
+        labelled = [line for line in marks if line.label.format]
+        assert labelled, "no generation is marked"
+        for line in marks:
+            assert line.pen.color().name() == line.label.color.name()
+            assert _contrast(line.label.color.name(), colors.base) >= 4.5, (colors.base, line.label.color.name())
 
 
 def test_a_name_typed_without_a_suffix_is_exported_with_its_dialogs_suffix(qtbot, tmp_path):
