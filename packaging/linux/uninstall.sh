@@ -51,6 +51,19 @@ while IFS= read -r line || [[ -n "$line" ]]; do
         *) warn "error: unexpected manifest line: $line"; exit 1 ;;
     esac
 done <"$MANIFEST"
+# The manifest names paths as the install spelled them. Reached another way (a folder above the app folder
+# linked, or its link resolved), the app folder takes the manifest's spelling: otherwise no path found in it
+# matched the manifest's, and files were removed through a link the user put in it.
+for entry in "${FILES[@]}"; do
+    [[ "$entry" == "f /"*"/${MANIFEST##*/}" ]] || continue
+    recorded="${entry:2}"
+    recorded="${recorded%/*}"
+    if [[ "$recorded" != "$APP_DIR" && "$(cd "$recorded" 2>/dev/null && pwd -P)" == "$(cd "$APP_DIR" && pwd -P)" ]]
+    then
+        APP_DIR="$recorded"
+        MANIFEST="$APP_DIR/${MANIFEST##*/}"
+    fi
+done
 
 removed=0
 kept=()

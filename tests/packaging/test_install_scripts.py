@@ -579,6 +579,17 @@ def link_user_folders(app: Path, tmp_path: Path) -> dict[Path, str]:
     return files
 
 
+def user_links_left(app: Path) -> list[str]:
+    """What uninstall.sh says it left of an app folder given `link_user_folders`."""
+    note = "a link Gapless did not make; it and what it points to are left as they are"
+    return [
+        f"uninstall: left {app}/_internal/libpython3.11.so.1.0 ({note})",
+        f"uninstall: left {app}/_internal/models ({note})",
+        f"uninstall: left {app}/_internal (holds files Gapless did not install)",
+        f"uninstall: left {app} (holds files Gapless did not install)",
+    ]
+
+
 def test_uninstall_never_removes_through_a_link_the_user_put_in_the_app_folder(archive, home, tmp_path):
     """A bundle folder replaced by a link to the user's own folder: the files there with the bundle's names were
     deleted through it. The links stay and are named, and what they point to is untouched; a launcher the user
@@ -593,16 +604,36 @@ def test_uninstall_never_removes_through_a_link_the_user_put_in_the_app_folder(a
     proc = run(app / "uninstall.sh", env=env)
     assert all(path.read_text() == text for path, text in files.items())
     assert launcher.read_text() == "#!/bin/sh\nexec my-wrapper\n"
-    note = "a link Gapless did not make; it and what it points to are left as they are"
-    assert proc.stderr.splitlines() == [
-        f"uninstall: left {app}/_internal/libpython3.11.so.1.0 ({note})",
-        f"uninstall: left {launcher} (no longer a link)",
-        f"uninstall: left {app}/_internal/models ({note})",
-        f"uninstall: left {app}/_internal (holds files Gapless did not install)",
-        f"uninstall: left {app} (holds files Gapless did not install)",
-    ]
+    library, *folders = user_links_left(app)
+    assert proc.stderr.splitlines() == [library, f"uninstall: left {launcher} (no longer a link)", *folders]
     assert tree(app) == {"_internal/", "_internal/libpython3.11.so.1.0", "_internal/models", "uninstall-left.txt"}
     assert os.readlink(app / "_internal/models") == str(tmp_path / "my-models")
+
+
+@pytest.mark.parametrize("linked", ["install", "uninstall"])
+def test_an_app_folder_reached_through_a_linked_folder_above_it_uninstalls_the_same(archive, home, tmp_path, linked):
+    """The manifest names paths as the install spelled them; uninstall.sh run through a link to a folder above the
+    app folder (or, after an install through one, run through the real path) matched none of the paths it found
+    in the app folder with the manifest's: the user's file of the bundle's name was deleted through their link
+    to their own models folder, and nothing said which folders stayed for files Gapless did not install."""
+    env = user_env(home)
+    prefix = tmp_path / "prefix"
+    alias = tmp_path / "alias"
+    prefix.mkdir()
+    alias.symlink_to(prefix)
+    installed, uninstalled = (alias, prefix) if linked == "install" else (prefix, alias)
+    run(archive / "install.sh", "--prefix", str(installed), env=env)
+    app = installed / "lib/gapless-app"
+    files = link_user_folders(app, tmp_path)
+    proc = run(uninstalled / "lib/gapless-app/uninstall.sh", env=env)
+    assert all(path.read_text() == text for path, text in files.items())
+    assert proc.stderr.splitlines() == user_links_left(app)
+    assert tree(prefix / "lib/gapless-app") == {
+        "_internal/",
+        "_internal/libpython3.11.so.1.0",
+        "_internal/models",
+        "uninstall-left.txt",
+    }
 
 
 def test_a_reinstall_over_a_link_the_user_put_in_the_app_folder_is_refused(archive, home, tmp_path):
