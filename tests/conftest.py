@@ -36,16 +36,14 @@ def _private_dirs(tmp_path_factory):
         os.environ["GAPLESS_DATA_DIR"] = old
 
 
-def _start_on_the_light_look(qapp) -> None:
+@pytest.fixture(scope="session")
+def _light_look(qapp):
     """Qt tests start on the look a window gives the application by default (Fusion, the light palette and style
-    sheet), once for the session: a window opened on it does not set it again, where a look set back to Qt's own
-    after each test would be set again by each window, re-polishing every widget alive each time."""
-    if getattr(_start_on_the_light_look, "done", False):
-        return
+    sheet): a window opened on it does not set it again, where a look set back to Qt's own after each test would
+    be set again by each window, re-polishing every widget alive each time."""
     from ui.theme import ThemeManager
 
     ThemeManager(qapp, "light")
-    _start_on_the_light_look.done = True  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +56,7 @@ def _restore_app_look(request):
     from PySide6.QtGui import QPalette
 
     qapp = request.getfixturevalue("qapp")
-    _start_on_the_light_look(qapp)
+    request.getfixturevalue("_light_look")
     sheet, palette, style = qapp.styleSheet(), QPalette(qapp.palette()), qapp.style().name()
     yield
     # A dialog a test left open would be seen by the next test's "no message box is showing" checks.
