@@ -111,6 +111,7 @@ def _arm(metrics: list[dict[str, Any]], drafting: bool) -> dict[str, Any]:
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
         "verify_steps": sum(m.get("verify_steps") or 0 for m in metrics),
+        "paused_steps": sum(m.get("paused_steps") or 0 for m in metrics),
         "per_run_decode_tok_s": [m["decode_tok_s"] for m in metrics],
         "unavailable": unavailable,
     }

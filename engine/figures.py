@@ -175,6 +175,17 @@ FIGURES: tuple[FigureSpec, ...] = (
         tip="decode steps that verified drafts; the others ran plain",
     ),
     FigureSpec(
+        "paused_steps",
+        "Paused steps",
+        "count",
+        0,
+        ("generation",),
+        source_field="speculation_source",
+        digits=0,
+        tip="decode steps that ran plain although there were drafts: the adaptive draft length held them back while "
+        "verify steps made fewer tokens a second than plain steps",
+    ),
+    FigureSpec(
         "prompt_reused_tokens",
         "Prompt reused",
         "tokens",

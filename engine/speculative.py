@@ -254,6 +254,7 @@ class SpecCounts:
     timing_steps: int = 0
     empty_steps: int = 0
     no_room_steps: int = 0
+    paused_steps: int = 0  # steps whose drafts the adaptive schedule held back: verify steps were not paying
     drafted: int = 0  # drafts verified (real drafts, not the padding up to a graph's k)
     accepted: int = 0  # of those, accepted by the target
 
@@ -344,7 +345,7 @@ class DraftProposer:
         return drafts
 
 
-SPECULATION_FIGURES = ("drafted_tokens", "accepted_tokens", "verify_steps", "acceptance_rate")
+SPECULATION_FIGURES = ("drafted_tokens", "accepted_tokens", "verify_steps", "paused_steps", "acceptance_rate")
 
 
 def speculation_off(metrics: GenerationMetrics, why: str = "") -> None:
@@ -404,7 +405,7 @@ class Speculator(StepObserver):
     def fill(self, run: LoopState, metrics: GenerationMetrics) -> None:
         c = self.counts
         drafted, accepted = self.kept_counts(run)
-        for name, value in zip(SPECULATION_FIGURES, (drafted, accepted, c.verify_steps)):
+        for name, value in zip(SPECULATION_FIGURES, (drafted, accepted, c.verify_steps, c.paused_steps)):
             metrics.put(name, value, self.source)
         if drafted:
             metrics.put("acceptance_rate", accepted / drafted, self.source)
@@ -451,6 +452,8 @@ class Speculator(StepObserver):
                 self.counts.no_room_steps += 1
             elif held and timing:
                 self.counts.timing_steps += 1
+            elif held:
+                self.counts.paused_steps += 1
             elif not held:
                 self.counts.empty_steps += 1
             self.last = None

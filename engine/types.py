@@ -413,6 +413,7 @@ class GenerationMetrics:
     accepted_tokens: Optional[int] = None  # speculation: drafts the target accepted
     acceptance_rate: Metric = None  # accepted / drafted
     verify_steps: Optional[int] = None  # speculation: decode steps that verified drafts (the rest ran plain)
+    paused_steps: Optional[int] = None  # speculation: plain steps whose drafts the adaptive schedule held back
     speculation_source: Optional[str] = None  # what drafted and how k was chosen
     # A remote engine: what the client measures over HTTP, and what the server reports about itself.
     http_ttft_ms: Metric = None

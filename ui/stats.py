@@ -218,7 +218,7 @@ def format_stats(
         shown = (
             (
                 f"{fmt(100 * accepted, '%', 1, top=100.0)} ({m.get('accepted_tokens')} of {m.get('drafted_tokens')} drafts, "
-                f"{m.get('verify_steps')} verify steps)"
+                f"{m.get('verify_steps')} verify steps{_paused(m.get('paused_steps'))})"
             )
             if accepted is not None
             else NA
@@ -233,6 +233,11 @@ def format_stats(
     if metrics and options:
         tips.extend(diagnosis_lines(metrics, options, device))
     return line, "\n".join(tips)
+
+
+def _paused(steps: Optional[int]) -> str:
+    """ ", N held back" where the adaptive draft length paused drafting (kept before it was counted: nothing)."""
+    return f", {steps} held back while drafts did not pay" if steps else ""
 
 
 def _or_na(v: Any) -> str:

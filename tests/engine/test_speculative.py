@@ -642,6 +642,38 @@ def test_adaptive_drafting_runs_the_draft_model_only_for_steps_that_verify(tiny_
     assert len(asked) == m.verify_steps
 
 
+def test_steps_whose_drafts_the_adaptive_schedule_paused_are_counted(tiny_factory, tmp_path, monkeypatch):
+    """A draft model the target disagrees with: verify steps do not pay and drafting pauses, each pause longer.
+    Those steps were counted with the plain ones, so an answer that verified few drafts did not say that the
+    schedule, not the proposer, held them back."""
+    from tiny_models import make_tiny_model
+
+    import engine.speculative as spec
+
+    held: list[bool] = []
+    real = spec.AdaptiveK.wants_drafts
+
+    def watch(self, key=0):
+        wants = real(self, key)
+        held.append(not wants and self.t_plain is not None)  # a pause, not the first plain step that times
+        return wants
+
+    monkeypatch.setattr(spec.AdaptiveK, "wants_drafts", watch)
+    target = tiny_factory("llama")
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    eng = Engine.load(str(target), CPU.with_(speculation="draft", draft_model=str(draft), draft_tokens=0))
+    try:
+        # seeded: the schedule models the step times, so the same steps pause on any machine
+        got = eng.generate(REPEATS, SamplingParams(temperature=0.8, seed=3, max_new_tokens=48))
+    finally:
+        eng.close()
+    m = got.metrics
+    assert m.verify_steps > 0 and m.paused_steps == sum(held) > 0
+    assert m.verify_steps + m.paused_steps < m.decode_steps  # the first step is plain, to time a verify step
+    assert "paused_steps" not in m.unavailable and m.speculation_source
+    assert m.to_dict()["paused_steps"] == m.paused_steps
+
+
 def test_a_draft_model_whose_embedding_is_padded_otherwise_drafts(tiny_factory, tmp_path):
     """The usual pairing (Qwen2.5-0.5B, 151,936 rows, for Qwen2.5-7B, 152,064: one tokenizer) was refused for its
     row count; the answer with drafts is the answer without."""

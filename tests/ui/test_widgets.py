@@ -429,6 +429,24 @@ def test_stats_line_of_a_remote_answer_shows_the_client_s_timings_and_rounds_hon
     assert "TTFT <1 ms" in line and "kernel gap <0.1%" in line and ">99% accepted" in line
 
 
+def test_an_answer_s_drafts_line_says_how_many_steps_drafting_paused():
+    """The steps the adaptive draft length held back drafts in were not told apart from the other plain steps."""
+    from engine.types import GenerationMetrics
+
+    m = GenerationMetrics(new_tokens_total=40, new_tokens=[40], decode_steps=30, ttft_ms=12.0)
+    for key, value in (("drafted_tokens", 20), ("accepted_tokens", 5), ("verify_steps", 6), ("acceptance_rate", 0.25)):
+        m.put(key, value, "draft model, adaptive k")
+    options = EngineOptions(device="cpu", speculation="draft").to_dict()
+    drafts = [line for line in format_stats(m.to_dict(), options, "cpu")[1].splitlines() if "Drafts" in line]
+    assert drafts == ["Drafts accepted: 25.0% (5 of 20 drafts, 6 verify steps) — source: draft model, adaptive k"]
+    m.put("paused_steps", 19, "draft model, adaptive k")
+    drafts = [line for line in format_stats(m.to_dict(), options, "cpu")[1].splitlines() if "Drafts" in line]
+    assert drafts == [
+        "Drafts accepted: 25.0% (5 of 20 drafts, 6 verify steps, 19 held back while drafts did not pay) — source: "
+        "draft model, adaptive k"
+    ]
+
+
 def test_an_answer_whose_speculation_did_not_run_says_why_under_it():
     """Drafting asked for and not run (a draft model refused): the answer's options say speculation off, and its
     stats tooltip had no drafts line at all, so the reason its figures keep was not shown there."""
