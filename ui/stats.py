@@ -236,7 +236,8 @@ def format_stats(
 
 
 def _paused(steps: Optional[int]) -> str:
-    """ ", N held back" where the adaptive draft length paused drafting (kept before it was counted: nothing)."""
+    """The steps the adaptive draft length paused drafting in, for the drafts line; nothing where there were none
+    (or the answer was kept before they were counted)."""
     return f", {steps} held back while drafts did not pay" if steps else ""
 
 
