@@ -454,7 +454,7 @@ class Speculator(StepObserver):
                 self.counts.timing_steps += 1
             elif held:
                 self.counts.paused_steps += 1
-            elif not held:
+            else:
                 self.counts.empty_steps += 1
             self.last = None
             return tokens

@@ -51,19 +51,19 @@ while IFS= read -r line || [[ -n "$line" ]]; do
         *) warn "error: unexpected manifest line: $line"; exit 1 ;;
     esac
 done <"$MANIFEST"
+# The app folder as the install spelled it: the folder of the manifest's own entry.
+RECORDED_APP="$APP_DIR"
+for entry in "${FILES[@]}"; do
+    [[ "$entry" == *"/${MANIFEST##*/}" ]] && RECORDED_APP="${entry:2}" && RECORDED_APP="${RECORDED_APP%/*}"
+done
 # The manifest names paths as the install spelled them. Reached another way (a folder above the app folder
 # linked, or its link resolved), the app folder takes the manifest's spelling: otherwise no path found in it
 # matched the manifest's, and files were removed through a link the user put in it.
-for entry in "${FILES[@]}"; do
-    [[ "$entry" == "f /"*"/${MANIFEST##*/}" ]] || continue
-    recorded="${entry:2}"
-    recorded="${recorded%/*}"
-    if [[ "$recorded" != "$APP_DIR" && "$(cd "$recorded" 2>/dev/null && pwd -P)" == "$(cd "$APP_DIR" && pwd -P)" ]]
-    then
-        APP_DIR="$recorded"
-        MANIFEST="$APP_DIR/${MANIFEST##*/}"
-    fi
-done
+if [[ "$RECORDED_APP" != "$APP_DIR" && "$(cd "$RECORDED_APP" 2>/dev/null && pwd -P)" == "$(cd "$APP_DIR" && pwd -P)" ]]
+then
+    APP_DIR="$RECORDED_APP"
+    MANIFEST="$APP_DIR/${MANIFEST##*/}"
+fi
 
 removed=0
 kept=()
@@ -162,17 +162,13 @@ done
 # "not made by this installer". The record names itself as the manifest did its own folder (install.sh compares
 # the entries inside the app folder by their path in it).
 if [[ -d "$APP_DIR" && ! -L "$APP_DIR" && -n "$(ls -A -- "$APP_DIR")" ]]; then
-    recorded_app="$APP_DIR"
-    for entry in "${FILES[@]}"; do
-        [[ "$entry" == *"/${MANIFEST##*/}" ]] && recorded_app="${entry:2}" && recorded_app="${recorded_app%/*}"
-    done
     {
         printf '# What a Gapless uninstall left: the folders install.sh made that hold files it did not install.\n'
         printf '# Read by the next install.sh here, which takes them back and keeps those files.\n'
         for ((i = ${#STAYED[@]} - 1; i >= 0; i--)); do
             printf 'd %s\n' "${STAYED[i]}"
         done
-        printf 'f %s\n' "$recorded_app/uninstall-left.txt"
+        printf 'f %s\n' "$RECORDED_APP/uninstall-left.txt"
     } >"$APP_DIR/uninstall-left.txt.part"
     mv -- "$APP_DIR/uninstall-left.txt.part" "$APP_DIR/uninstall-left.txt"
 fi
