@@ -445,6 +445,19 @@ def test_an_answer_s_drafts_line_says_how_many_steps_drafting_paused():
         "Drafts accepted: 25.0% (5 of 20 drafts, 6 verify steps, 19 held back while drafts did not pay) — source: "
         "draft model, adaptive k"
     ]
+    # and in the HUD's compare table, with its source, or why it is n/a
+    from engine.speculative import speculation_off
+    from ui.hud.compare_table import COLUMN_INDEX, CompareModel, CompareRow
+
+    off = GenerationMetrics(new_tokens_total=40, new_tokens=[40], decode_steps=40)
+    speculation_off(off)
+    table = CompareModel()
+    table.add(CompareRow(1, "drafted", EngineOptions(device="cpu", speculation="draft"), m))
+    table.add(CompareRow(2, "plain", EngineOptions(device="cpu"), off))
+    cells = [table.index(r, COLUMN_INDEX["paused_steps"]) for r in (0, 1)]
+    assert [table.data(c) for c in cells] == ["19", "n/a"]
+    tips = [table.data(c, Qt.ItemDataRole.ToolTipRole) for c in cells]
+    assert "draft model, adaptive k" in tips[0] and tips[1] == "n/a — speculation off"
 
 
 def test_an_answer_whose_speculation_did_not_run_says_why_under_it():

@@ -100,6 +100,7 @@ COLUMNS = (
             "peak_memory_bytes",
             "tokens_per_step",
             "acceptance_rate",
+            "paused_steps",
             "new_tokens_total",
             "prompt_tokens",
         )
