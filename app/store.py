@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional
 
 from engine import figures
 from engine.errors import GaplessError, OptionsError, one_line
-from engine.types import EngineOptions, GenerationMetrics
+from engine.types import EngineOptions, GenerationMetrics, whole_text
 
 log = logging.getLogger(__name__)
 
@@ -647,6 +647,8 @@ class ChatStore:
                     db.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"cannot {what} in the chat database: {exc}") from exc
+                if isinstance(exc, UnicodeEncodeError):  # text that is not whole characters: SQLite takes UTF-8
+                    raise StoreError(f"cannot {what} in the chat database: {one_line(str(exc))}") from exc
                 raise
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
@@ -836,6 +838,7 @@ class ChatStore:
         candidates after the first (index > 0), which stay alternatives until chosen with set_active_leaf.
         `title`: the chat's new title, set in the same transaction (a chat named by its first message keeps its
         name when that message cannot be saved)."""
+        content = whole_text(content)
         _check_fields(role, status, content)
         if title is not None:
             _check_length(title, "the title", MAX_TITLE_CHARS)
@@ -926,7 +929,7 @@ class ChatStore:
         sets: list[str] = ["updated = ?"]
         params: list[Any] = [time.time()]
         for column, value in (
-            ("content", content),
+            ("content", None if content is None else whole_text(content)),
             ("status", status),
             ("options_json", _dumps(options)),
             ("metrics_json", _dumps(metrics)),

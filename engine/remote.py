@@ -38,7 +38,9 @@ from engine.types import (
     TextDelta,
     api_key_problem,
     is_remote,
+    lone_surrogates,
     remote_address_problem,
+    whole_text,
 )
 
 log = logging.getLogger(__name__)
@@ -502,8 +504,15 @@ class RemoteEngine:
             raise GenerationError(self._dropped(stream, "closed the stream before the answer ended"))
         if reader is not None and not stream.cancelled:  # a stop waits for nothing more
             reader.join(METRICS_TIMEOUT_S)  # the server's figures never hold up the answer for long
+        stream.flush(emit)
         result = stream.result(sampling, self.options, self.unavailable())
         result.limits = option_limits(self)
+        if stream.mended:
+            s = "s" if stream.mended > 1 else ""
+            result.notices.append(
+                f"the server sent {stream.mended} half character{s} without {'their' if s else 'its'} other half; "
+                f"shown as \ufffd"
+            )
         after = None if stream.cancelled else self._vllm_read()
         self._server_figures(result.metrics, stream, before, side.get("during"), after)
         if n > 1 and len(stream.texts) < n:
@@ -720,6 +729,8 @@ class _Stream:
         self.done = False
         self.cancelled = False
         self.finished_at: Optional[float] = None  # when every answer had its finish reason
+        self.held: dict[int, str] = {}  # per answer, a first UTF-16 half waiting for its second in the next event
+        self.mended = 0  # halves that came alone, replaced by U+FFFD
 
     @property
     def all_finished(self) -> bool:
@@ -770,6 +781,8 @@ class _Stream:
                 raise _Garbage(f"sent an event whose delta is not an object: {data[:80]!r}")
             text = choice.get("text") if raw else delta.get("content")
             if isinstance(text, str) and text:
+                text = self._whole(i, text)
+            if isinstance(text, str) and text:
                 first = first or self.first_text is None
                 self.first_text = self.first_text or now
                 self.last_text = now
@@ -780,6 +793,25 @@ class _Stream:
             if choice.get("finish_reason"):
                 self.finish[i] = str(choice["finish_reason"])
         return first
+
+    def _whole(self, i: int, text: str) -> str:
+        """An event's text joined to a half character held from the one before, as text that can be stored and
+        shown: a server that cuts its text by UTF-16 index (JavaScript's strings) may send an emoji's two halves
+        in two events, and halves added as Python strings never join. A first half at the end waits for the
+        next event; a half alone is replaced by U+FFFD."""
+        text = self.held.pop(i, "") + text
+        if "\ud800" <= text[-1] <= "\udbff":
+            self.held[i], text = text[-1], text[:-1]
+        self.mended += lone_surrogates(text)
+        return whole_text(text)
+
+    def flush(self, emit: Callable) -> None:
+        """The stream ended: a first half still waiting for its second never gets it."""
+        for i, _half in sorted(self.held.items()):
+            self.mended += 1
+            self.texts[i] = self.texts.get(i, "") + "\ufffd"
+            emit(TextDelta(i, "\ufffd"))
+        self.held.clear()
 
     def result(self, sampling: SamplingParams, options: EngineOptions, unavailable: dict[str, str]) -> GenerationResult:
         count = max(self.texts.keys() | self.finish.keys(), default=0) + 1

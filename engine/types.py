@@ -551,6 +551,22 @@ class TextDelta:
     text: str
 
 
+def lone_surrogates(text: str) -> int:
+    """How many UTF-16 halves in `text` stand without their other half (after pairs written as two halves are
+    joined): JSON may escape a character as two halves ("\\ud83d\\ude00"), and a server may send them apart."""
+    if not any("\ud800" <= ch <= "\udfff" for ch in text):
+        return 0
+    return whole_text(text).count("\ufffd") - text.count("\ufffd")
+
+
+def whole_text(text: str) -> str:
+    """`text` as it can be stored and sent as UTF-8: halves of a pair joined into their character, a half alone
+    replaced by U+FFFD (Unicode's replacement character)."""
+    if not any("\ud800" <= ch <= "\udfff" for ch in text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 @dataclass(frozen=True)
 class RowFinished:
     """One candidate's answer ended while the others may go on; reason as in GenerationResult.finish_reasons.

@@ -40,7 +40,7 @@ from app.server.protocol import (
     usage,
 )
 from engine import figures
-from engine.types import TextDelta
+from engine.types import TextDelta, whole_text
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,8 @@ class LocalOnly:
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {figures.strict_json(obj, ensure_ascii=False)}\n\n"  # strict: never NaN, which JSON.parse refuses
+    # strict: never NaN, which JSON.parse refuses; whole: a half character would end the stream as it is encoded
+    return whole_text(f"data: {figures.strict_json(obj, ensure_ascii=False)}\n\n")
 
 
 class Api:

@@ -331,6 +331,25 @@ def test_stream_saver_writes_at_most_every_interval(store):
         saver.append("e")
 
 
+def test_an_answer_holding_half_characters_is_saved_whole_with_replacement_characters(store):
+    chat = store.create_chat()
+    q = store.add_message(chat.id, "user", "emoji \ud83d\ude00 then a half \ud83d", None)
+    assert store.get_message(q.id).content == "emoji \U0001f600 then a half \ufffd"
+    a = store.add_message(chat.id, "assistant", "", q.id, status="streaming")
+    saver = StreamSaver(store, a.id, min_interval_s=0.0)
+    saver.append("Hi \ud83d")  # saved at once: each save takes the text so far, the half included
+    saver.append("\ude00 there")
+    saver.finish("done")
+    assert store.get_message(a.id).content == "Hi \U0001f600 there"
+
+
+def test_a_title_that_is_not_whole_characters_is_a_store_error(store):
+    chat = store.create_chat()
+    with pytest.raises(StoreError, match="cannot rename the chat in the chat database: .*surrogates not allowed"):
+        store.rename_chat(chat.id, "half \ud83d")
+    assert store.get_chat(chat.id).title == chat.title
+
+
 def test_two_instances_share_the_database(tmp_path):
     path = tmp_path / "c.sqlite3"
     one, two = ChatStore(path), ChatStore(path)

@@ -42,6 +42,8 @@ MODELS = [
     "endless-line",
     "foreign-x-gapless",
     "burst",
+    "split-emoji",
+    "half-at-end",
 ]
 
 
@@ -135,6 +137,14 @@ class StandIn:
                 yield (
                     self.chunk("Hello") + self.chunk(" there") + self.chunk("", "stop") + "".join(self.usage_and_done())
                 )
+                return
+            if model in ("split-emoji", "half-at-end"):  # text cut by UTF-16 index, as JavaScript's strings are
+                halves = ["\ud83d", "\ude00"] if model == "split-emoji" else ["\ude00", " ok \ud83d"]
+                for text in ("Hi ", *halves, " there" if model == "split-emoji" else ""):
+                    yield self.chunk(text)
+                    await asyncio.sleep(0.01)
+                yield self.chunk("", "stop")
+                yield "data: [DONE]\n\n"
                 return
             yield self.chunk("Hello")
             await asyncio.sleep(0.01)  # the server's next step
@@ -608,3 +618,32 @@ def test_text_that_arrived_in_one_burst_has_no_rate(stand_in):
     for key in ("http_decode_tok_s", "inter_token_ms_p50", "inter_token_ms_p99"):
         assert m.figure(key).value is None and "arrived in one burst" in m.figure(key).reason, key
     assert m.figure("http_ttft_ms").value > 0
+
+
+def _answer(server, model: str) -> tuple[GenerationResult, str]:
+    engine = RemoteEngine.load(RemoteSource(server.url, model, 30.0))
+    deltas: list = []
+    try:
+        result = engine.generate(HELLO, SamplingParams(max_new_tokens=8), on_event=deltas.append)
+    finally:
+        engine.close()
+    return result, "".join(d.text for d in deltas if isinstance(d, TextDelta))
+
+
+def test_an_emoji_sent_as_two_halves_in_two_events_is_one_character(stand_in):
+    result, streamed = _answer(stand_in[1], "split-emoji")
+    assert result.texts == ["Hi \U0001f600 there"] and streamed == result.texts[0]
+    assert result.texts[0].encode("utf-8") and result.notices == []
+
+
+def test_halves_without_their_other_half_are_replacement_characters_with_a_notice(stand_in):
+    result, streamed = _answer(stand_in[1], "half-at-end")
+    assert result.texts == ["Hi \ufffd ok \ufffd"] and streamed == result.texts[0]
+    assert "the server sent 2 half characters without their other half; shown as \ufffd" in result.notices
+
+
+def test_a_server_event_holding_a_half_character_is_still_sent_as_utf_8():
+    from app.server.http import _sse
+
+    # Starlette encodes each event as it sends it: a half character there would cut the stream without [DONE].
+    assert _sse({"text": "a \ud83d"}).encode("utf-8") == 'data: {"text": "a \ufffd"}\n\n'.encode("utf-8")
