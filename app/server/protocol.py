@@ -6,6 +6,7 @@ param, code}}), so a client library raises its usual exception with a message th
 
 from __future__ import annotations
 
+import difflib
 import math
 import time
 import uuid
@@ -42,6 +43,12 @@ UNSUPPORTED = {
     "stop_token_ids": "stop_token_ids is not supported: give 'stop' strings",
     "n_probs": "logprobs are not supported",
     "use_beam_search": "beam search is not supported",
+    "reasoning_effort": "reasoning effort is not supported",
+    # other servers' names for the length limit: ignored, an answer would run to the end of the context
+    "n_predict": "this server takes the length limit as 'max_tokens'",
+    "num_predict": "this server takes the length limit as 'max_tokens'",
+    "max_new_tokens": "this server takes the length limit as 'max_tokens'",
+    "max_length": "this server takes the length limit as 'max_tokens'",
 }
 # Fields refused unless they ask for what the server does anyway: plain text, no tool calls.
 PLAIN_ONLY = {
@@ -56,7 +63,49 @@ PLAIN_ONLY = {
     "typical_p": (lambda v: v == 1, "typical_p is not supported (only 1)"),
     "mirostat": (lambda v: v == 0, "mirostat is not supported (only 0)"),
     "repeat_penalty": (lambda v: v == 1, "this server takes the repetition penalty as 'repetition_penalty'"),
+    "dry_multiplier": (lambda v: v == 0, "DRY sampling is not supported (only 0)"),
+    "xtc_probability": (lambda v: v == 0, "XTC sampling is not supported (only 0)"),
+    "top_a": (lambda v: v == 0, "top_a is not supported (only 0)"),
 }
+# The fields a request's answer depends on, as this server reads them: a field named like one of them but not
+# one (a misspelling such as 'temprature') is refused, where it would be ignored and the answer look right.
+READ_FIELDS = (
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    *UNSUPPORTED,
+    *PLAIN_ONLY,
+)
+# Fields of OpenAI's requests that change nothing in the answer, and other servers' fields named like one read
+# here that change nothing while what they tune is off: taken, not read.
+PASSED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prediction",
+        "web_search_options",
+        "mirostat_tau",
+        "mirostat_eta",
+        "repetition_penalty_range",
+        "temperature_last",
+    }
+)
 
 
 class ApiError(Exception):
@@ -210,6 +259,16 @@ def _prompt(body: dict) -> str:
     return p
 
 
+def _refuse_misspelt(body: dict) -> None:
+    """A field not read here whose name is close to one that is: refused with the name it is near."""
+    for name in body:
+        if not isinstance(name, str) or name in READ_FIELDS or name in PASSED_FIELDS:
+            continue
+        near = difflib.get_close_matches(name.lower(), READ_FIELDS, n=1, cutoff=0.8)
+        if near:
+            raise bad(f"unknown field {name!r}: did you mean {near[0]!r}?", name, "unknown_parameter")
+
+
 def parse_request(body: Any, chat: bool, model_id: str) -> Request:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
@@ -223,6 +282,7 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
             param="model",
             code="model_not_found",
         )
+    _refuse_misspelt(body)
     for name, why in UNSUPPORTED.items():
         v = body.get(name)
         if v not in (None, False, [], {}, 0):

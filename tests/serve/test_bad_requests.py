@@ -106,6 +106,16 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"function_call": {"name": "f"}}, "function_call", "unsupported_parameter", "not supported"),
         ({"best_of": 3}, "best_of", "unsupported_parameter", "only 1"),
         ({"repeat_penalty": 1.2}, "repeat_penalty", "unsupported_parameter", "'repetition_penalty'"),
+        # other servers' names for the length limit: ignored, the answer ran to the end of the context
+        ({"n_predict": 5}, "n_predict", "unsupported_parameter", "the length limit as 'max_tokens'"),
+        ({"max_new_tokens": 5}, "max_new_tokens", "unsupported_parameter", "the length limit as 'max_tokens'"),
+        ({"num_predict": 5}, "num_predict", "unsupported_parameter", "the length limit as 'max_tokens'"),
+        ({"dry_multiplier": 0.8}, "dry_multiplier", "unsupported_parameter", "only 0"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter", "not supported"),
+        # a misspelt field the answer depends on
+        ({"temprature": 0.1}, "temprature", "unknown_parameter", "did you mean 'temperature'?"),
+        ({"max_token": 5}, "max_token", "unknown_parameter", "did you mean 'max_tokens'?"),
+        ({"Top_P": 0.5}, "Top_P", "unknown_parameter", "did you mean 'top_p'?"),
         ({"model": 7}, "model", "invalid_type", "string"),
         ({"messages": [{"role": "user", "content": "   "}]}, "messages", "invalid_value", "empty prompt"),
     ],
@@ -198,6 +208,11 @@ def test_no_cors_headers_unless_asked(server):
         {"modalities": ["text"]},
         {"logit_bias": {}},
         {"min_p": 0},
+        {"dry_multiplier": 0},
+        # fields that change nothing in the answer, some named like one that does
+        {"user": "someone", "metadata": {"a": "b"}, "store": False},
+        {"mirostat_tau": 5.0, "temperature_last": True},
+        {"cache_prompt": True, "chat_template_kwargs": {}},
     ],
 )
 def test_fields_that_ask_for_what_the_server_does_are_taken(server, fields):
