@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -257,7 +258,12 @@ def write_text(path: Path, text: str) -> None:
 def read_chat_file(path: Path) -> ImportedChat:
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise ChatFileError(f"cannot read {path}: it is a folder")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO with no writer waited forever, /dev/zero was read to 1 GiB
+            raise ChatFileError(f"cannot read {path}: it is not a regular file")
+        size = st.st_size
         if size > MAX_FILE_BYTES:
             raise ChatFileError(
                 f"{path.name} is {size / 2**20:.0f} MiB; a chat file may be at most {MAX_FILE_BYTES >> 20} MiB"
@@ -373,11 +379,11 @@ def _figures(v: Any, where: str, problem: Callable[[dict], Optional[str]]) -> Op
         return None
     if not isinstance(v, dict):
         raise _fail(where, f"must be an object or null, got {_kind(v)}")
+    if _deeper_than(v, MAX_DEPTH):
+        raise _fail(where, f"is nested deeper than {MAX_DEPTH} levels")
     why = problem(v)
     if why:
         raise _fail(where, why)
-    if _depth(v) > MAX_DEPTH:
-        raise _fail(where, f"is nested deeper than {MAX_DEPTH} levels")
     size = len(json.dumps(v, ensure_ascii=False))
     if size > MAX_FIGURES_BYTES:
         raise _fail(where, f"is {size:,} bytes as JSON; at most {MAX_FIGURES_BYTES:,} are allowed")
@@ -388,12 +394,17 @@ def _figures(v: Any, where: str, problem: Callable[[dict], Optional[str]]) -> Op
     return v
 
 
-def _depth(v: Any) -> int:
-    if isinstance(v, dict):
-        return 1 + max((_depth(x) for x in v.values()), default=0)
-    if isinstance(v, list):
-        return 1 + max((_depth(x) for x in v), default=0)
-    return 0
+def _deeper_than(v: Any, limit: int) -> bool:
+    """Whether objects and lists nest in `v` more than `limit` levels; without recursion, so a value nested as
+    deep as JSON's reader allows (about a thousand levels) is measured, not a RecursionError."""
+    level: list[tuple[Any, int]] = [(v, 0)]
+    while level:
+        x, depth = level.pop()
+        if isinstance(x, (dict, list)):
+            if depth >= limit:
+                return True
+            level.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 CHAT_KEYS = {"title", "created", "updated", "system_prompt", "sampling", "active_leaf", "overflow_policy"}
@@ -515,7 +526,11 @@ def validate(doc: Any) -> ImportedChat:
 
 def import_chat(store: ChatStore, path: Path) -> int:
     """Store the chat in the file at `path` as a new chat; its id. Refused whole (ChatFileError) or stored whole."""
-    chat = read_chat_file(path)
+    return store_chat(store, read_chat_file(path))
+
+
+def store_chat(store: ChatStore, chat: ImportedChat) -> int:
+    """Store a chat read whole (read_chat_file, parse_chat) as a new chat; its id."""
     try:
         return store.import_chat(chat)
     except StoreError as exc:

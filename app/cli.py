@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", type=Path, default=None, help="write here (default: standard output)")
     export.add_argument("--markdown", action="store_true", help="Markdown for reading instead of JSON")
     imp = csub.add_parser("import", help="add a chat exported as JSON (validated whole; a bad file changes nothing)")
-    imp.add_argument("path", type=Path)
+    imp.add_argument("path", type=Path, help="the chat file, or - for standard input")
     _global_options_after_the_command(parser)
     return parser
 

@@ -7,7 +7,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from app.chat_io import ChatFileError, export_json, export_markdown, import_chat, write_text
+from app.chat_io import (
+    MAX_FILE_BYTES,
+    ChatFileError,
+    export_json,
+    export_markdown,
+    import_chat,
+    parse_chat,
+    store_chat,
+    write_text,
+)
 from app.paths import AppPaths
 from app.store import ChatStore
 
@@ -35,7 +44,10 @@ def run_chats(args: Any, paths: AppPaths) -> int:
             return EXIT_OK
         if args.chats_command == "import":
             try:
-                chat_id = import_chat(store, Path(args.path))
+                if str(args.path) == "-":  # as export writes to standard output: `chats export 1 | chats import -`
+                    chat_id = store_chat(store, parse_chat(sys.stdin.buffer.read(MAX_FILE_BYTES + 1)))
+                else:
+                    chat_id = import_chat(store, Path(args.path))
             except ChatFileError as exc:
                 raise ChatFileError(f"{args.path} was not imported: {exc}") from exc
             print(f"imported as chat {chat_id}: {store.get_chat(chat_id).title}")

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -380,6 +381,10 @@ BAD = {
         ),
         "message 2: metrics: is nested deeper than 8 levels",
     ),
+    "figures nested as deep as JSON reads": (
+        lambda d: json.dumps(d).replace('"ttft_ms": 41.5', '"x": ' + "[" * 700 + "]" * 700, 1).encode(),
+        "message 2: metrics: is nested deeper than 8 levels",
+    ),
     "lone surrogate": (
         lambda d: json.dumps(d).replace("Hi there", "Hi \\ud800", 1).encode(),
         "message 1: content: contains an invalid character",
@@ -465,7 +470,7 @@ def test_a_write_that_fails_half_way_leaves_nothing(store, tmp_path):
     assert snapshot(store) == before
 
 
-def gapless(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
+def gapless(data_dir: Path, *args: str, stdin: Optional[str] = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
         [sys.executable, "-m", "app", "--data-dir", str(data_dir), *args],
@@ -474,7 +479,31 @@ def gapless(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
         timeout=300,
         env=env,
         cwd=ROOT,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
     )
+
+
+def test_a_fifo_or_a_folder_is_refused_at_once_and_standard_input_is_dash(tmp_path):
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    with ChatStore(AppPaths.resolve(data).ensure().database) as s:
+        chat_id = make_chat(s)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nothing writes to it: opening it waited forever
+    r = gapless(data, "chats", "import", str(fifo))
+    assert r.returncode == 2 and f"cannot read {fifo}: it is not a regular file" in r.stderr
+    r = gapless(data, "chats", "import", str(tmp_path))
+    assert r.returncode == 2 and f"cannot read {tmp_path}: it is a folder" in r.stderr
+    exported = gapless(data, "chats", "export", str(chat_id)).stdout
+    r = gapless(data, "chats", "import", "-", stdin=exported)
+    assert r.returncode == 0, r.stderr
+    with ChatStore(AppPaths.resolve(data).database) as s:
+        new_id = int(r.stdout.split()[3].rstrip(":"))
+        assert without_time(chat_document(s, new_id)) == without_time(chat_document(s, chat_id))
+    r = gapless(data, "chats", "import", "-", stdin="{")
+    assert r.returncode == 2 and "- was not imported: not a Gapless chat file: invalid JSON" in r.stderr
 
 
 def test_the_command_line_exports_and_imports(tmp_path):
