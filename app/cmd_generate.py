@@ -56,8 +56,13 @@ def check_draft_model(speculation: str, draft_model: str) -> None:
     engine would answer without speculation and say so only after the answer)."""
     if speculation == "draft" and not draft_model:
         raise OptionsError("--speculation draft needs --draft-model PATH")
-    if draft_model and draft_model != "default" and not Path(draft_model).expanduser().exists():
-        raise OptionsError(f"--draft-model {draft_model}: no such file or folder")
+    if draft_model and draft_model != "default":
+        try:
+            Path(draft_model).expanduser().stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise OptionsError(f"--draft-model {draft_model}: no such file or folder") from None
+        except OSError as exc:  # a folder on the way the user may not open, a name too long
+            raise OptionsError(f"--draft-model {draft_model}: cannot read: {exc.strerror or exc}") from None
 
 
 def sampling_from_args(args) -> SamplingParams:

@@ -71,7 +71,11 @@ def _size(path: Path, kind: str) -> Optional[int]:
 
 def entry_for(path: Path, last_used: Optional[float] = None) -> ModelEntry:
     path = Path(path)
-    kind = kind_of(path)
+    note = "missing"
+    try:
+        kind = kind_of(path)
+    except OSError as exc:  # a folder on the way the user may not open, a name too long: that row, not the list
+        kind, note = None, f"cannot read: {exc.strerror or exc}"
     if kind is None:
         return ModelEntry(
             str(path),
@@ -81,7 +85,7 @@ def entry_for(path: Path, last_used: Optional[float] = None) -> ModelEntry:
             False,
             None,
             last_used,
-            "missing",
+            note,
         )
     return ModelEntry(
         str(path), path.stem if kind == "gguf" else hub_name(path), kind, str(path), True, _size(path, kind), last_used
@@ -133,10 +137,13 @@ def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelE
                 log.info("cannot inspect %s: %s", p, exc)
 
     root = Path(folder).expanduser()
-    if kind_of(root) == "hf-folder":
-        return _hf_folder_entries(Path(os.path.abspath(root)))
-    if root.is_dir():
-        walk(Path(os.path.abspath(root)), 0)  # links kept, as the recent list keeps them
+    try:
+        if kind_of(root) == "hf-folder":
+            return _hf_folder_entries(Path(os.path.abspath(root)))
+        if root.is_dir():
+            walk(Path(os.path.abspath(root)), 0)  # links kept, as the recent list keeps them
+    except OSError as exc:  # the folder itself cannot be read: nothing found in it, and why in the log
+        log.info("cannot inspect %s: %s", root, exc)
     return found
 
 

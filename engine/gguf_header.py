@@ -9,6 +9,7 @@ quantisation nobody here can read. Nothing is executed from the file; it is only
 from __future__ import annotations
 
 import mmap
+import stat
 import struct
 from dataclasses import dataclass, field
 from math import prod
@@ -27,6 +28,7 @@ DEFAULT_ALIGNMENT = 32  # llama.cpp's, when general.alignment is absent
 _FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _ARRAY_KEPT = 4096  # longer arrays (vocabularies, token types, scores) are only measured
+_ARRAY_NESTING = 16  # arrays of arrays: llama.cpp writes none nested; deeper ones were a RecursionError
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class _Cursor:
         self.pos += n
         return value
 
-    def skip_value(self, type_id: int) -> None:
+    def skip_value(self, type_id: int, depth: int = 0) -> None:
         if type_id in _FIXED:
             self.skip(struct.calcsize(_FIXED[type_id]))
         elif type_id == _STRING:
@@ -91,9 +93,11 @@ class _Cursor:
                 self.skip(count * struct.calcsize(_FIXED[item_type]))
             elif item_type == _STRING:
                 self.skip_strings(count)
+            elif depth >= _ARRAY_NESTING:
+                raise ValueError(f"metadata arrays nested deeper than {_ARRAY_NESTING} levels at byte {self.pos}")
             else:
                 for _ in range(count):
-                    self.skip_value(item_type)
+                    self.skip_value(item_type, depth + 1)
         else:
             raise ValueError(f"unknown metadata value type {type_id} at byte {self.pos}")
 
@@ -118,11 +122,19 @@ class _Cursor:
 def read_gguf_header(path: Path) -> GGUFHeader:
     """Parse and check the header and tensor table of `path`. Raises ModelLoadError naming the problem."""
     path = Path(path)
-    size = path.stat().st_size
     label = path.name
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO waited forever for a writer
+            raise ModelLoadError(f"{label}: not a regular file")
+        f = open(path, "rb")
+    except OSError as exc:  # unreadable to this user, a name too long
+        raise ModelLoadError(f"{label}: cannot read: {exc.strerror or exc}") from exc
+    size = st.st_size
     if size == 0:
+        f.close()
         raise ModelLoadError(f"{label}: the file is empty")
-    with open(path, "rb") as f:
+    with f:
         if f.read(4) != GGUF_MAGIC:
             raise ModelLoadError(
                 f"{label}: corrupt header, not a GGUF file (it does not start with the GGUF magic bytes)"

@@ -415,6 +415,12 @@ def _check_counts(cfg: dict[str, Any], header: GGUFHeader, label: str) -> None:
             f"{label}: the GGUF's metadata says {n} layers, but its tensors are for {max(blocks) + 1} (blk.0 to "
             f"blk.{max(blocks)}): the file is damaged"
         )
+    if blocks and len(blocks) != max(blocks) + 1:  # the tensor-name map and the model were built for every one
+        lost = min(set(range(max(blocks) + 1)) - blocks)
+        raise ModelLoadError(
+            f"{label}: the GGUF's tensors are for layers blk.0 to blk.{max(blocks)}, but {max(blocks) + 1 - len(blocks)}"
+            f" of them have none (the first: blk.{lost}): the file is damaged"
+        )
 
 
 def build_config(cfg: dict[str, Any], label: str):
@@ -432,6 +438,16 @@ def build_config(cfg: dict[str, Any], label: str):
 # ---- the cache -------------------------------------------------------------------------------------------
 
 
+def _remove_entry(entry: Path) -> None:
+    """Remove a cache entry, a folder, or whatever else took its name (a file there was left by rmtree, and every
+    load converted again and could not write its cache)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            entry.unlink(missing_ok=True)
+
+
 def _entry(root: Path, path: Path) -> Path:
     return root / hashlib.sha256(os.fsencode(path)).hexdigest()[:20]
 
@@ -446,7 +462,7 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         manifest = json.loads((entry / "manifest.json").read_text(encoding="utf-8"))
         if manifest.get("version") != CACHE_VERSION or manifest.get("identity") != identity:
             log.info("%s changed since it was converted; converting it again", Path(identity["path"]).name)
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove_entry(entry)
             return None
         if manifest.get("made_with") != made_with():
             log.info(
@@ -455,7 +471,7 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
                 manifest.get("made_with"),
                 made_with(),
             )
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove_entry(entry)
             return None
         if manifest.get("digests") != _digests(entry):
             raise ValueError("its files are not those it was written with")
@@ -478,7 +494,7 @@ def read_cache(root: Path, identity: dict[str, Any]) -> Optional[Converted]:
         log.warning(
             "the converted cache of %s is damaged (%s); rebuilding it", Path(identity["path"]).name, one_line(exc)
         )
-        shutil.rmtree(entry, ignore_errors=True)
+        _remove_entry(entry)
         return None
     with contextlib.suppress(OSError):  # a read-only cache is read as it is
         os.utime(entry / "manifest.json")  # recency, for pruning
@@ -551,8 +567,7 @@ def write_cache(root: Path, identity: dict[str, Any], conv: Converted) -> None:
             "resolved_config": conv.resolved,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        if entry.exists():
-            shutil.rmtree(entry, ignore_errors=True)
+        _remove_entry(entry)
         os.replace(tmp, entry)
     except OSError as exc:  # a read-only or full cache dir costs a conversion at the next start, nothing more
         log.warning("cannot write the converted cache of %s: %s", Path(identity["path"]).name, exc)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -101,9 +103,16 @@ def _load(source: str, progress: Optional[ProgressFn], dtype: torch.dtype, devic
     if is_remote(source):
         raise ModelLoadError(f"{source} is a model on a remote server: it is opened as one, not loaded here")
     path = Path(source).expanduser()
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        refuse_pickle_path(path)
+        raise ModelLoadError(f"model not found: {path}") from None
+    except OSError as exc:  # a folder on the way the user may not open, a name too long
+        raise ModelLoadError(f"cannot open the model {path}: {exc.strerror or exc}") from exc
     refuse_pickle_path(path)
-    if not path.exists():
-        raise ModelLoadError(f"model not found: {path}")
+    if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):  # a FIFO waited forever for a writer
+        raise ModelLoadError(f"{path.name}: not a model Gapless can load (not a regular file or a folder)")
     # absolute but with its links kept: a link's own name says what it is (the Hugging Face hub cache links
     # model.safetensors and x.gguf to blobs named by their hashes) and names the model
     path = Path(os.path.abspath(path))
@@ -337,19 +346,22 @@ def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
     config = _load_config(folder)
     report(Progress("load", 0.1, "reading the tokenizer"))
     tokenizer = _load_tokenizer(folder, label)
-    layout = _Layout.of(config, label)
 
-    stored: dict[str, tuple[Path, str]] = {}  # our name -> (file, name in the file)
-    shapes: dict[str, tuple[int, ...]] = {}
+    keys: list[tuple[Path, str, tuple[int, ...]]] = []  # (file, name in the file, shape)
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    name = layout.rename(key)
-                    stored[name] = (file, key)
-                    shapes[name] = tuple(f.get_slice(key).get_shape())
+                keys.extend((file, key, tuple(f.get_slice(key).get_shape())) for key in f.keys())
         except Exception as exc:  # safetensors raises its own SafetensorError (a plain Exception) on a bad header
             raise ModelLoadError(f"{label}: {file.name} is not a readable safetensors file: {one_line(exc)}") from exc
+    _check_layers_stored(config, [key for _, key, _ in keys], label)
+    layout = _Layout.of(config, label)
+    stored: dict[str, tuple[Path, str]] = {}  # our name -> (file, name in the file)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file, key, shape in keys:
+        name = layout.rename(key)
+        stored[name] = (file, key)
+        shapes[name] = shape
     layout.verify(shapes)
 
     wanted = [n for n in stored if n in layout.shapes]
@@ -465,6 +477,18 @@ def _check_sizes(config: "PretrainedConfig", label: str) -> None:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ModelLoadError(f"{label}: config.json gives {name} = {value!r}; a model needs a whole number >= 1")
+
+
+def _check_layers_stored(config: "PretrainedConfig", keys: list[str], label: str) -> None:
+    """Layers the config asks for beyond those the weights hold are refused before the model is built: a config
+    saying 100,000 layers built them all (3 minutes, 4.8 GB) before naming the missing weights."""
+    n = getattr(config, "num_hidden_layers", None)
+    held = {int(m.group(1)) for k in keys if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", k))}
+    if held and isinstance(n, int) and n > max(held) + 1:
+        raise ModelLoadError(
+            f"{label}: config.json gives num_hidden_layers = {n}, but the weights hold layers 0 to {max(held)}: "
+            "missing weights (an incomplete download, or a config from another model)"
+        )
 
 
 # ---- shared ----------------------------------------------------------------------------------------------

@@ -80,6 +80,17 @@ def test_recent_flags_missing_models_and_keeps_default(tmp_path):
     assert [e.kind for e in recent.entries()] == ["default", "hf-folder"]
 
 
+def test_a_recent_model_that_cannot_be_looked_at_is_listed_with_the_reason(tmp_path):
+    """A path the file system refuses to look at (a name too long here; a folder the user may not open is the
+    same error class) failed the whole list with a traceback."""
+    recent = RecentModels(tmp_path / "config", default_entry=_no_default)
+    here = _gguf(tmp_path / "here.gguf")
+    recent.add(str(here), now=1.0)
+    recent.add(str(tmp_path / ("c" * 300 + ".gguf")), now=2.0)
+    assert [(e.present, e.note) for e in recent.entries()] == [(False, "cannot read: File name too long"), (True, "")]
+    assert scan_models_folder(tmp_path / ("d" * 300)) == []
+
+
 def test_a_gguf_named_without_its_suffix_is_listed_as_present(tmp_path):
     """A GGUF the loader opened by its first bytes (an Ollama blob, sha256-…) was listed as "missing" and could not
     be opened again from the list."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -451,6 +452,19 @@ def test_a_damaged_cache_is_rebuilt(tiny_llama, tmp_path, conversions, _private_
     _assert_same_checkpoint(ck, ref)
     load_checkpoint(str(path))
     assert len(conversions) == 2  # the rebuilt entry serves the next load
+
+
+def test_a_file_where_the_cache_entry_belongs_is_replaced(tiny_llama, tmp_path, conversions, _private_cache):
+    """rmtree leaves a file: every load said the entry was damaged, converted, and could not write it."""
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "filed.gguf")
+    ref = load_checkpoint(str(path))
+    entry = _private_cache / next(os.walk(_private_cache))[1][0]
+    shutil.rmtree(entry)
+    entry.write_text("x")
+    _assert_same_checkpoint(load_checkpoint(str(path)), ref)
+    assert entry.is_dir()
+    load_checkpoint(str(path))
+    assert conversions == ["filed.gguf", "filed.gguf"]  # the third load read the entry the second wrote
 
 
 @pytest.mark.parametrize("keep", ["no plan", "one layer"])

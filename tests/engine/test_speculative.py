@@ -73,6 +73,9 @@ def test_cli_flags_reach_the_options(tmp_path, monkeypatch):
     draft = ["generate", "--prompt", "x", "--speculation", "draft", "--draft-tokens", "5", "--draft-model", str(small)]
     with pytest.raises(OptionsError, match=f"--draft-model {small}: no such file or folder"):
         options_from_args(parser.parse_args(draft))  # refused before any model loads
+    long = tmp_path / ("c" * 300 + ".gguf")  # a traceback, as for a folder the user may not open
+    with pytest.raises(OptionsError, match=r"--draft-model .*: cannot read: File name too long"):
+        options_from_args(parser.parse_args([*draft[:-1], str(long)]))
     small.write_bytes(b"GGUF")
     o = options_from_args(parser.parse_args(draft))
     assert (o.speculation, o.draft_tokens, o.draft_model) == ("draft", 5, str(small))

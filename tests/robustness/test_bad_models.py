@@ -6,6 +6,7 @@ refusal that happened after unpickling would leave the marker behind."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -184,6 +185,23 @@ def test_unknown_file_type(tmp_path):
     _refused(ModelLoadError, path, "not a model Gapless can load")
 
 
+def test_a_fifo_is_refused_at_once(tmp_path):
+    """Opened to read its first bytes, a FIFO with no writer waited forever."""
+    fifo = tmp_path / "model"
+    os.mkfifo(fifo)
+    _refused(ModelLoadError, fifo, "model: not a model Gapless can load (not a regular file or a folder)")
+    named = tmp_path / "model.gguf"
+    os.mkfifo(named)
+    _refused(ModelLoadError, named, "model.gguf: not a model Gapless can load (not a regular file or a folder)")
+    with pytest.raises(ModelLoadError, match="model.gguf: not a regular file"):
+        read_gguf_header(named)  # as a draft model's or a listed model's header is read
+
+
+def test_a_name_too_long_for_the_file_system_is_one_line(tmp_path):
+    """Path.exists() raises for a name too long (and for a folder the user may not open): a traceback."""
+    _refused(ModelLoadError, tmp_path / ("c" * 300 + ".gguf"), "cannot open the model")
+
+
 # ---- GGUF ------------------------------------------------------------------------------------------------
 
 
@@ -219,6 +237,31 @@ def test_gguf_with_garbage_counts(tiny_gguf, tmp_path):
     path = tmp_path / "bad.gguf"
     path.write_bytes(bytes(data))
     _refused(ModelLoadError, path, "corrupt GGUF header")
+
+
+def test_gguf_metadata_arrays_nested_past_any_use_are_refused(tmp_path):
+    """A 12 KB file of one value, an array of arrays 1,000 deep: a RecursionError (an internal error)."""
+    import struct
+
+    body = struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9)  # key "x", an array
+    body += struct.pack("<IQ", 9, 1) * 1000 + struct.pack("<IQ", 4, 0)  # of one array, ..., of no uint32
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    _refused(ModelLoadError, path, "corrupt GGUF header (metadata arrays nested deeper than 16 levels")
+
+
+def test_gguf_whose_layer_count_is_met_by_one_far_block_is_refused_at_once(tiny_llama, tmp_path):
+    """A 390 KB file saying 100,000 layers, with a tensor for the last one: 5.5 GB of tensor-name map and model
+    before a MemoryError."""
+    import numpy as np
+    from gguf import GGUFValue, GGUFValueType
+
+    def far(w):
+        w.kv_data[0]["llama.block_count"] = GGUFValue(100_000, GGUFValueType.UINT32)
+        w.add_tensor("blk.99999.attn_norm.weight", np.ones(64, dtype=np.float32))
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "far.gguf", edit=far)
+    _refused(ModelLoadError, path, "layers blk.0 to blk.99999, but 99997 of them have none (the first: blk.2)")
 
 
 def test_gguf_with_unknown_version(tiny_gguf, tmp_path):
@@ -415,6 +458,14 @@ def test_missing_weights_are_named(tiny_llama, tmp_path):
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, str(folder / "model.safetensors"))
     _refused(ModelLoadError, folder, "missing weights: model.layers.1.mlp.up_proj.weight")
+
+
+def test_a_config_asking_for_layers_the_weights_lack_is_refused_before_the_model_is_built(tiny_llama, tmp_path):
+    """100,000 layers in config.json were all built (3 minutes, 4.8 GB) before the missing weights were named."""
+    folder = shutil.copytree(tiny_llama, tmp_path / "deep")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
+    _refused(ModelLoadError, folder, "config.json gives num_hidden_layers = 100000, but the weights hold layers 0 to 1")
 
 
 def test_untied_config_without_lm_head(tiny_llama, tmp_path):
