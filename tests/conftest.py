@@ -46,6 +46,32 @@ def _light_look(qapp):
     ThemeManager(qapp, "light")
 
 
+def _top_level_addresses() -> set[int]:
+    """The top-level widgets alive, by their C++ address (a widget made in C++ gets a new Python wrapper each
+    time it is listed, so wrappers cannot be compared)."""
+    import shiboken6
+    from PySide6.QtWidgets import QApplication
+
+    return {shiboken6.getCppPointer(w)[0] for w in QApplication.topLevelWidgets()}
+
+
+def _delete_new_windows(before: set[int]) -> None:
+    """Delete the windows a test opened: left alive, each (about 860 widgets) stays polished and styled by every
+    later test's theme switch. Only windows and dialogs, and whatever is still showing: pyqtgraph keeps its plots'
+    menus and their option groups as parentless widgets that its plots use while they are deleted."""
+    import shiboken6
+    from PySide6.QtCore import QEvent
+    from PySide6.QtWidgets import QApplication, QDialog, QMainWindow
+
+    for w in QApplication.topLevelWidgets():
+        if shiboken6.getCppPointer(w)[0] in before:
+            continue
+        if isinstance(w, (QMainWindow, QDialog)) or w.isVisible():
+            w.close()
+            w.deleteLater()
+    QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+
+
 @pytest.fixture(autouse=True)
 def _restore_app_look(request):
     """A window themes the whole application (style sheet, palette, style); every Qt test leaves the look as it
@@ -57,14 +83,16 @@ def _restore_app_look(request):
 
     qapp = request.getfixturevalue("qapp")
     request.getfixturevalue("_light_look")
-    sheet, palette, style = qapp.styleSheet(), QPalette(qapp.palette()), qapp.style().name()
-    yield
-    # A dialog a test left open would be seen by the next test's "no message box is showing" checks.
     from PySide6.QtWidgets import QApplication, QDialog
 
+    sheet, palette, style = qapp.styleSheet(), QPalette(qapp.palette()), qapp.style().name()
+    before = _top_level_addresses()
+    yield
+    # A dialog a test left open would be seen by the next test's "no message box is showing" checks.
     for w in QApplication.topLevelWidgets():
         if isinstance(w, QDialog) and w.isVisible():
             w.reject()
+    _delete_new_windows(before)
     # Only what changed is set back: each set re-polishes every widget alive, which is slow with many of them.
     if qapp.styleSheet() != sheet:
         qapp.setStyleSheet(sheet)
