@@ -211,6 +211,24 @@ class _Unusable(Exception):
         self.tag, self.reason = tag, reason
 
 
+def _merged(on_disk: dict[str, Any], seen: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+    """The file as another window left it, with what this window changed since it read it. An object's entries
+    count one by one (the optimizations, the sampling defaults): one window's dtype and another's KV cache both
+    stay, where the whole object of the window saving last undid the other's choice."""
+    out = dict(on_disk)
+    for k, v in mine.items():
+        before = seen.get(k)
+        if k in seen and before == v:
+            continue
+        there = on_disk.get(k)
+        if isinstance(v, dict) and isinstance(before, dict) and isinstance(there, dict):
+            merged = {**there, **{sk: sv for sk, sv in v.items() if sk not in before or before[sk] != sv}}
+            out[k] = {sk: sv for sk, sv in merged.items() if sk in v or sk not in before}  # removed here: gone
+        else:
+            out[k] = v
+    return out
+
+
 class SettingsStore:
     """The settings file. Two windows may share it (two instances on one data folder): a save writes the
     settings this window changed since it read or last wrote them, over what the file holds now, so closing
@@ -377,11 +395,11 @@ class SettingsStore:
                 doc = {**self.unknown, **mine}
                 on_disk = self._current(notices)
                 if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
-                    seen = self._seen
-                    changed = {k: v for k, v in mine.items() if k not in seen or seen[k] != v}
-                    doc = {**on_disk, **changed, "version": SETTINGS_VERSION}
+                    doc = {**_merged(on_disk, self._seen, mine), "version": SETTINGS_VERSION}
                 text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
-                write_whole(self.path, text + "\n", mode=0o600, durable=True)
+                # a link (a settings file kept with the user's dotfiles) is written through and kept
+                target = self.path.resolve() if self.path.is_symlink() else self.path
+                write_whole(target, text + "\n", mode=0o600, durable=True)
         except OSError as exc:
             raise SettingsError(f"cannot save the settings to {self.path}: {exc.strerror or exc}") from exc
         except ValueError as exc:  # NaN, or text that is not valid Unicode

@@ -48,6 +48,45 @@ def test_two_windows_on_one_file_keep_each_other_s_changes(path):
     assert SettingsStore(path).load()[0].theme == "system"
 
 
+@pytest.mark.parametrize("first_run", [False, True])
+def test_two_windows_keep_each_other_s_optimization_choices(path, first_run):
+    """The Optimizations panel's choices are one object in the file: the window saving last wrote its whole
+    object, the dtype the other window chose undone."""
+    if not first_run:
+        SettingsStore(path).save(Settings())
+    a_store, b_store = SettingsStore(path), SettingsStore(path)
+    a, _ = a_store.load()
+    b, _ = b_store.load()
+    a.engine_options = {**a.engine_options, "dtype": "bf16"}
+    a.sampling = {**a.sampling, "temperature": 0.2}
+    a_store.save(a)
+    b.engine_options = {**b.engine_options, "kv_cache": "dynamic"}
+    b.sampling = {**b.sampling, "top_k": 5}
+    b_store.save(b)
+    now, _ = SettingsStore(path).load()
+    assert (now.options().dtype, now.options().kv_cache) == ("bf16", "dynamic")
+    assert (now.sampling_params().temperature, now.sampling_params().top_k) == (0.2, 5)
+    b.engine_options = {**b.engine_options, "dtype": "fp16"}  # a later choice of the second window's own wins
+    b_store.save(b)
+    assert SettingsStore(path).load()[0].options().dtype == "fp16"
+
+
+def test_a_settings_file_that_is_a_link_is_written_through_and_kept(path, tmp_path):
+    """Kept with the user's dotfiles: the save replaced the link with a file, and the dotfiles copy no longer
+    changed."""
+    kept = tmp_path / "dotfiles" / "gapless.json"
+    kept.parent.mkdir()
+    store = SettingsStore(kept)
+    store.save(Settings(theme="light"))
+    path.parent.mkdir(parents=True)
+    path.symlink_to(kept)
+    store = SettingsStore(path)
+    settings, _ = store.load()
+    settings.theme = "dark"
+    store.save(settings)
+    assert path.is_symlink() and json.loads(kept.read_text())["theme"] == "dark"
+
+
 def test_two_windows_keep_each_other_s_changes_on_a_first_run_too(path):
     """With no settings file yet, every field counted as changed, and the second save undid the first's."""
     first, second = SettingsStore(path), SettingsStore(path)
