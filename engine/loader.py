@@ -477,6 +477,12 @@ def _check_sizes(config: "PretrainedConfig", label: str) -> None:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ModelLoadError(f"{label}: config.json gives {name} = {value!r}; a model needs a whole number >= 1")
+    from engine.model import rope_parameters
+
+    # 0 or a negative base loaded, and every answer's first token scored NaN, reported as damaged weights
+    theta = rope_parameters(config).get("rope_theta")
+    if theta is not None and not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0):
+        raise ModelLoadError(f"{label}: config.json gives rope_theta = {theta!r}; it must be a positive number")
 
 
 def _check_layers_stored(config: "PretrainedConfig", keys: list[str], label: str) -> None:

@@ -460,6 +460,16 @@ def test_missing_weights_are_named(tiny_llama, tmp_path):
     _refused(ModelLoadError, folder, "missing weights: model.layers.1.mlp.up_proj.weight")
 
 
+@pytest.mark.parametrize("theta", [0.0, -1.0])
+def test_a_config_whose_rope_base_is_not_a_positive_number_is_refused(tiny_llama, tmp_path, theta):
+    """It loaded, and the first token scored NaN: "its weights are damaged, or its numbers overflow in this dtype"."""
+    folder = shutil.copytree(tiny_llama, tmp_path / "theta")
+    config = json.loads((folder / "config.json").read_text())
+    rope = {**(config.get("rope_parameters") or {"rope_type": "default"}), "rope_theta": theta}
+    (folder / "config.json").write_text(json.dumps({**config, "rope_theta": theta, "rope_parameters": rope}))
+    _refused(ModelLoadError, folder, f"config.json gives rope_theta = {theta!r}; it must be a positive number")
+
+
 def test_a_config_asking_for_layers_the_weights_lack_is_refused_before_the_model_is_built(tiny_llama, tmp_path):
     """100,000 layers in config.json were all built (3 minutes, 4.8 GB) before the missing weights were named."""
     folder = shutil.copytree(tiny_llama, tmp_path / "deep")
