@@ -507,6 +507,11 @@ class RemoteEngine:
         stream.flush(emit)
         result = stream.result(sampling, self.options, self.unavailable())
         result.limits = option_limits(self)
+        if stream.reasoning:
+            result.notices.append(
+                f"the server sent {stream.reasoning:,} characters of the model's reasoning apart from the answer "
+                "(reasoning_content); they are not shown"
+            )
         if stream.mended:
             s = "s" if stream.mended > 1 else ""
             result.notices.append(
@@ -731,6 +736,7 @@ class _Stream:
         self.finished_at: Optional[float] = None  # when every answer had its finish reason
         self.held: dict[int, str] = {}  # per answer, a first UTF-16 half waiting for its second in the next event
         self.mended = 0  # halves that came alone, replaced by U+FFFD
+        self.reasoning = 0  # characters of reasoning sent apart from the answer (llama.cpp's, vLLM's servers)
 
     @property
     def all_finished(self) -> bool:
@@ -780,6 +786,10 @@ class _Stream:
             if not raw and not isinstance(delta, dict):
                 raise _Garbage(f"sent an event whose delta is not an object: {data[:80]!r}")
             text = choice.get("text") if raw else delta.get("content")
+            for key in () if raw else ("reasoning_content", "reasoning"):
+                if isinstance(delta.get(key), str):
+                    self.reasoning += len(delta[key])
+                    break
             if isinstance(text, str) and text:
                 text = self._whole(i, text)
             if isinstance(text, str) and text:

@@ -44,6 +44,7 @@ MODELS = [
     "burst",
     "split-emoji",
     "half-at-end",
+    "reasoning",
 ]
 
 
@@ -143,6 +144,14 @@ class StandIn:
                 for text in ("Hi ", *halves, " there" if model == "split-emoji" else ""):
                     yield self.chunk(text)
                     await asyncio.sleep(0.01)
+                yield self.chunk("", "stop")
+                yield "data: [DONE]\n\n"
+                return
+            if model == "reasoning":  # llama.cpp's server on a thinking model: the thinking apart, then the answer
+                for part in ("Let me", " think."):
+                    event = {"choices": [{"index": 0, "delta": {"reasoning_content": part}, "finish_reason": None}]}
+                    yield "data: " + json.dumps(event) + "\n\n"
+                yield self.chunk("Hi.")
                 yield self.chunk("", "stop")
                 yield "data: [DONE]\n\n"
                 return
@@ -647,3 +656,14 @@ def test_a_server_event_holding_a_half_character_is_still_sent_as_utf_8():
 
     # Starlette encodes each event as it sends it: a half character there would cut the stream without [DONE].
     assert _sse({"text": "a \ud83d"}).encode("utf-8") == 'data: {"text": "a \ufffd"}\n\n'.encode("utf-8")
+
+
+def test_reasoning_sent_apart_from_the_answer_is_said_not_dropped_silently(stand_in):
+    """A thinking model behind llama.cpp's or vLLM's server: with a small length limit the answer came empty and
+    nothing said why."""
+    result, streamed = _answer(stand_in[1], "reasoning")
+    assert result.texts == ["Hi."] and streamed == "Hi."
+    assert (
+        "the server sent 13 characters of the model's reasoning apart from the answer (reasoning_content); "
+        "they are not shown" in result.notices
+    )
