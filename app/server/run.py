@@ -4,6 +4,7 @@ thread (the app's Server panel and the tests)."""
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 from types import FrameType
@@ -50,7 +51,10 @@ def check_origins(origins: "tuple[str, ...]", api_key: Optional[str]) -> None:
                 )
             continue
         parts = urlsplit(origin)
-        if parts.scheme not in ("http", "https") or not parts.netloc or origin != f"{parts.scheme}://{parts.netloc}":
+        # any scheme a page can have: http(s), and a browser extension's or a desktop app's own (chrome-extension,
+        # moz-extension, app, tauri), whose pages send theirs
+        scheme = re.fullmatch(r"[a-z][a-z0-9+.-]*", parts.scheme)
+        if not scheme or not parts.netloc or origin != f"{parts.scheme}://{parts.netloc}":
             raise ServeError(
                 f"--cors-origin {origin!r} is not an origin as a browser sends it: scheme://host[:port], with no "
                 "path or trailing slash (e.g. http://localhost:3000)"

@@ -58,6 +58,8 @@ def test_check_origins_takes_what_browsers_send():
     from app.server.run import ServeError, check_origins
 
     check_origins(("http://localhost:3000", "https://app.example", "http://[::1]:8080"), None)
+    # a browser extension's and a desktop app's pages send their own schemes (refused, they could not be allowed)
+    check_origins(("chrome-extension://abcdefghijklmnop", "moz-extension://1f0e-42", "app://obsidian.md"), None)
     check_origins(("*",), "sk-key")  # any page, where pages cannot know the key
     with pytest.raises(ServeError, match="no path or trailing slash"):
         check_origins(("https://app.example/chat",), "sk-key")
