@@ -367,27 +367,63 @@ def test_without_gpm_the_generation_estimates_are_drawn_and_labelled_as_estimate
     assert panel.live.view("gpu_util_pct").label_text == "GPU util — NVML samples"
 
 
+def _answer_with_an_estimate(panel, clock, rung) -> GenerationMetrics:
+    """A 30-step answer without GPM: its DRAM bandwidth an estimate from its steps' times."""
+    panel.begin_generation("long", rung.options)
+    recs = steps(1000.0, 30, rung.step_ms)
+    panel.add_steps(recs)
+    clock.t = recs[-1].t + 0.01
+    m = metrics_for(recs, rung, gpm=False)
+    panel.end_generation(m, rung.options, "long")
+    return m
+
+
+def _end_one_token_answer(panel, clock, rung) -> None:
+    one = GenerationMetrics(new_tokens=[1], new_tokens_total=1, decode_steps=0)
+    one.mark_na("dram_bw_util_pct", "estimated from the decode steps' timings: no decode step was timed")
+    clock.t += 0.1
+    panel.end_generation(one, rung.options, "one token")
+
+
 def test_an_answer_without_an_estimate_does_not_call_an_earlier_estimate_n_a(hud, qtbot, tmp_path):
     """After a one-token answer the series export said DRAM bandwidth was n/a beside the estimate it held and
     the HUD drew."""
     panel, clock = hud
     rung = GPU_RUNGS[1]
-    panel.begin_generation("long", rung.options)
-    recs = steps(1000.0, 30, rung.step_ms)
-    panel.add_steps(recs)
-    clock.t = recs[-1].t + 0.01
-    panel.end_generation(metrics_for(recs, rung, gpm=False), rung.options, "long")
+    _answer_with_an_estimate(panel, clock, rung)
     panel.begin_generation("one token", rung.options)
-    one = GenerationMetrics(new_tokens=[1], new_tokens_total=1, decode_steps=0)
-    one.mark_na("dram_bw_util_pct", "estimated from the decode steps' timings: no decode step was timed")
-    clock.t += 0.1
-    panel.end_generation(one, rung.options, "one token")
+    _end_one_token_answer(panel, clock, rung)
     show_and_paint(qtbot, panel)
     panel.live.refresh_labels()
     doc = json.loads(panel.export_series_json(tmp_path / "series.json").read_text(encoding="utf-8"))
     assert [e["series"] for e in doc["estimates"]].count("dram_bw_util_pct") == 1
     assert "dram_bw_util_pct" not in doc["unavailable"]
     assert panel.live.view("dram_bw_util_pct").na_reason is None
+
+
+def test_an_earlier_answer_s_estimate_is_not_shown_as_the_next_answer_s_figure(hud, qtbot):
+    """The DRAM plot's header kept the last estimate while the next answer ran, and after an answer that had
+    none (one token), under the estimate's source; the answer's own reason was never said."""
+    panel, clock = hud
+    rung = GPU_RUNGS[1]
+    m = _answer_with_an_estimate(panel, clock, rung)
+    show_and_paint(qtbot, panel)
+    dram = panel.live.view("dram_bw_util_pct")
+    panel.live.refresh_labels()
+    assert (
+        dram.value.text() == f"{m.dram_bw_util_pct:,.1f} %" and dram.label_text == f"DRAM bandwidth — {DRAM_ESTIMATE}"
+    )
+    panel.begin_generation("one token", rung.options)
+    panel.live.refresh_labels()
+    assert dram.value.text() == "n/a" and dram.label_text == "DRAM bandwidth — n/a for this answer so far"
+    _end_one_token_answer(panel, clock, rung)
+    panel.live.refresh_labels()
+    assert dram.value.text() == "n/a"
+    assert dram.label_text == (
+        "DRAM bandwidth — n/a for this answer: estimated from the decode steps' timings: no decode step was timed"
+    )
+    assert dram.plot_widget.isVisible()  # the earlier answer's estimate stays drawn over its own time
+    assert len(curve_xy(dram.estimate_curve)[0]) == 2
 
 
 def test_a_dram_estimate_over_100_percent_is_in_range_and_exported_as_separate_levels(

@@ -196,10 +196,14 @@ class LivePlots(PaletteFollower):
             estimates = s.estimates.get(name)
             live = s.measured(name)
             measured = live or bool(estimates)
+            current = None if live or not estimates else s.current_estimate(name)
             if live:
                 source = view.spec.source or fmt.bare_source(s.sources[name])
-            elif estimates:
-                source = fmt.bare_source(estimates[-1].source)
+            elif current is not None:
+                source = fmt.bare_source(current.source)
+            elif estimates:  # an earlier answer's estimate is plotted; this one has none (yet, or with its reason)
+                why = s.answer_reasons.get(name) or s.reasons.get(name)
+                source = f"{fmt.NA} for this answer: {why}" if why else f"{fmt.NA} for this answer so far"
             else:
                 source = None
             idle = s.steps.total == 0 if view.spec.from_steps else s.samples.total == 0

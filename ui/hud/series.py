@@ -89,6 +89,8 @@ class LiveSeries:
         self.generations: deque[Generation] = deque(maxlen=max_generations)
         self.sources: dict[str, str] = {}  # sample field -> source of its newest measured value
         self.reasons: dict[str, str] = {}  # sample field -> why it is n/a, from the last generation's metrics
+        # why the last answer has no estimate of a series an earlier answer's estimate is plotted for
+        self.answer_reasons: dict[str, str] = {}
         self.estimates: dict[str, deque[Estimate]] = {f: deque(maxlen=max_generations) for f in ESTIMATED_SERIES}
         self.t0: Optional[float] = None
         self._rate_window: deque[tuple[float, float]] = deque()
@@ -122,6 +124,7 @@ class LiveSeries:
         gen = Generation(index=self.take_index(), label=label, options=options, t_start=t)
         self.generations.append(gen)
         self._running = gen
+        self.answer_reasons.clear()
         self._spans += 1
         self._rate_window.clear()
         if self._last_step_t is not None:
@@ -150,6 +153,8 @@ class LiveSeries:
             for f in LIVE_REASON_FIELDS:  # not where an earlier answer's estimate is shown in its place
                 if f in metrics.unavailable and not self.measured(f) and not self.estimates.get(f):
                     self.reasons[f] = metrics.unavailable[f]
+                elif f in metrics.unavailable and not self.measured(f):  # said beside it, as this answer's
+                    self.answer_reasons[f] = metrics.unavailable[f]
             # no decode step seen: the answer's own reason (one token, a remote server), not "no steps yet"
             why = metrics.unavailable.get("decode_steps") or metrics.unavailable.get("decode_tok_s")
             for f in STEP_SERIES:
@@ -292,12 +297,23 @@ class LiveSeries:
                 out[name] = est[-1].value
         return out
 
+    def current_estimate(self, name: str) -> Optional[Estimate]:
+        """The estimate of the running answer, else of the last one; None when that answer has none (an earlier
+        answer's stays plotted over its own time, and is not this one's)."""
+        gen = self._running or (self.generations[-1] if self.generations else None)
+        mine = [e for e in self.estimates.get(name, ()) if gen is not None and e.generation == gen.index]
+        return mine[-1] if mine else None
+
     def header_values(self) -> dict[str, Optional[float]]:
         """What each plot's header shows as its current figure. Monitor series: the newest sample (it describes
         now). Step series: the newest value of the running generation, else of the last one; None until the
         running one has one, so a previous answer's figure is never shown as this one's. The traced window's
         step times are left out (tracing slows those steps)."""
         out = self.last_values()
+        for name in ESTIMATED_SERIES:  # an estimate is of its answer: never shown as the running or a later one's
+            if last_finite(self.values(name)) is None:
+                est = self.current_estimate(name)
+                out[name] = est.value if est is not None else None
         gens = self.steps.column("generation")
         held = gens[np.isfinite(gens)]
         if held.size == 0 and self._running is None:
