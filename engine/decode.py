@@ -432,12 +432,13 @@ class DynamicRunner(RunnerBase):
         self._accept(sample(logits, self.step_kind, self.sampler), self.step_kind)
 
     def bytes_per_step(self, pos: int) -> int:
-        kv = (
-            sum(t.numel() * t.element_size() for t in (self.cache.k + self.cache.v) if t is not None)
-            if self.cache
-            else 0
-        )
-        return self.model.weight_bytes() + kv
+        """The weights and the KV of the `pos + 1` positions a step at `pos` attends over (the cache as it stands
+        holds the whole answer so far: asked at the answer's end for its middle, it counted the end's)."""
+        held = [t for t in (self.cache.k + self.cache.v) if t is not None] if self.cache else []
+        if not held:
+            return self.model.weight_bytes()
+        per_pos = sum(t.numel() * t.element_size() for t in held) // max(held[0].shape[2], 1)
+        return self.model.weight_bytes() + per_pos * (pos + 1)
 
 
 class NoCacheRunner(RunnerBase):

@@ -182,3 +182,21 @@ def test_a_generation_s_first_sample_says_why_the_monitor_leaves_series_empty():
     told = [s.unavailable for s in seen]
     assert told == [Sampling.unavailable, {}, {}, {}] * 2
     assert [s.cpu_util_pct for s in seen] == [50.0, 60.0] * 4
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_dynamic_cache_step_reads_the_kv_of_the_positions_it_attends_over(engine, batch):
+    """The DRAM estimate asks for the bytes of a step halfway through the answer; the dynamic cache answered with
+    the KV of the whole answer as it stood at the end, whatever the position."""
+    from engine.decode import DynamicRunner
+
+    runner = DynamicRunner(engine.model, batch, 64, [], engine.device)
+    runner.sampler.set_params(GREEDY)
+    prompt = torch.tensor(engine.tokenizer("hello world, the quick brown fox")["input_ids"], dtype=torch.long)
+    rows = [RowText(engine.tokenizer, set(), ()) for _ in range(batch)]
+    run_loop(runner, prompt, SamplerKind.of(GREEDY), 12, rows, threading.Event(), [HostReader()])
+    a = engine.model.args
+    per_position = 2 * a.n_layers * batch * a.n_kv_heads * a.head_dim * 4  # K and V, fp32
+    weights = engine.model.weight_bytes()
+    for pos in (prompt.numel(), prompt.numel() + 5, prompt.numel() + 10):
+        assert runner.bytes_per_step(pos) == weights + per_position * (pos + 1)
