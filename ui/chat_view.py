@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtWidgets import QFrame, QLabel, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
 from app.chat_flow import MessageItem
@@ -69,7 +69,9 @@ class ChatView(QScrollArea):
 
         self._widgets: list[MessageWidget] = []
         self._unbuilt: list[MessageItem] = []  # the chat's first messages, not shown until asked for
-        self._keep_from_bottom: Optional[int] = None  # where the view stays while earlier messages are laid out
+        # The message the view holds its place on while earlier messages are laid out above it, and where it
+        # was: the view moves as that message moves (what grows below it, a streaming answer, moves nothing).
+        self._anchor: Optional[tuple[MessageWidget, int]] = None
         self._stream: Optional[MessageWidget] = None
         self._candidates: Optional[CandidateTabs] = None
         self._busy = False
@@ -102,7 +104,7 @@ class ChatView(QScrollArea):
             self._add(MessageWidget(item, self._colors, self._container))
         self._empty.setVisible(not items)
         self._show_earlier_button()
-        self._keep_from_bottom = None
+        self._drop_anchor()
         self._stick = True
 
     def show_earlier(self, count: int = EARLIER_STEP) -> int:
@@ -112,8 +114,10 @@ class ChatView(QScrollArea):
         if not take:
             return 0
         del self._unbuilt[len(self._unbuilt) - len(take) :]
-        bar = self.verticalScrollBar()
-        self._keep_from_bottom = bar.maximum() - bar.value()
+        self._drop_anchor()
+        if self._widgets:
+            self._anchor = (self._widgets[0], self._widgets[0].y())
+            self._widgets[0].installEventFilter(self)
         self._stick = False
         first = self._column.indexOf(self._earlier) + 1
         built = [MessageWidget(item, self._colors, self._container) for item in take]
@@ -147,6 +151,7 @@ class ChatView(QScrollArea):
 
     def _clear(self, keep: int = 0) -> None:
         """Remove the shown messages after the first `keep`."""
+        self._drop_anchor()
         for w in self._widgets[keep:]:
             self._column.removeWidget(w)
             w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
@@ -194,7 +199,7 @@ class ChatView(QScrollArea):
         """Add the answer that is about to stream (one message, or a tab per candidate)."""
         self._drop_candidates()
         self._stick = True
-        self._keep_from_bottom = None
+        self._drop_anchor()
         if candidates <= 1:
             item.extra["streaming"] = True
             self._stream = self.add_message(item)
@@ -264,16 +269,28 @@ class ChatView(QScrollArea):
         if self._candidates is not None:
             self._candidates.set_colors(colors)
 
+    def _drop_anchor(self) -> None:
+        if self._anchor is not None:
+            self._anchor[0].removeEventFilter(self)
+            self._anchor = None
+
+    def eventFilter(self, obj, event) -> bool:
+        """The anchor message moved (what was laid out above it grew): the view moves with it."""
+        anchor = getattr(self, "_anchor", None)  # QScrollArea filters its widget's events from its own __init__ on
+        if anchor is not None and obj is anchor[0] and event.type() == QEvent.Type.Move:
+            w, y = anchor
+            self._anchor = (w, w.y())
+            if w.y() != y:
+                bar = self.verticalScrollBar()
+                bar.setValue(bar.value() + w.y() - y)
+        return super().eventFilter(obj, event)
+
     def _on_scrolled(self, value: int) -> None:
         bar = self.verticalScrollBar()
-        if self._keep_from_bottom is not None and value != bar.maximum() - self._keep_from_bottom:
-            self._keep_from_bottom = None  # the user scrolled on
         self._stick = value >= bar.maximum() - 8
         if value == bar.minimum() and self._unbuilt and bar.maximum() > 0:
             self.show_earlier()  # the user reached the top
 
     def _on_range(self, _lo: int, hi: int) -> None:
-        if self._keep_from_bottom is not None:
-            self.verticalScrollBar().setValue(hi - self._keep_from_bottom)
-        elif self._stick:
+        if self._stick:
             self.verticalScrollBar().setValue(hi)

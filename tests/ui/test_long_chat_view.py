@@ -68,9 +68,27 @@ def test_scrolling_to_the_top_builds_earlier_messages_and_the_view_stays_on_what
     assert shown_ids(view) == [m.id for m in items]
     assert bar.value() > 0 and first.y() - bar.value() == on_screen  # the new ones went in above it
     assert view.items() == items
-    bar.setValue(bar.value() - 10)  # the user scrolls on: the view no longer holds its place
+
+
+def test_an_answer_growing_below_does_not_move_what_the_user_reads_after_earlier_messages_were_built(qtbot):
+    """The view held its distance from the bottom after the earlier messages were laid out, until the user
+    scrolled again: an answer streaming at the bottom then carried the text being read up, line by line."""
+    items = chat(SHOWN_AT_FIRST + 11)
+    view = opened(qtbot, items)
+    view.begin_stream(MessageItem(9999, "assistant", ""))
     settle()
-    assert view._keep_from_bottom is None
+    bar = view.verticalScrollBar()
+    bar.setValue(bar.minimum())  # up to the top: the earlier messages are built above
+    settle()
+    assert view.unbuilt_count() == 0
+    read = view.messages()[5]
+    on_screen = read.y() - bar.value()
+    for i in range(20):
+        view.append_stream({0: f"line {i}\n\n"})
+        view._stream.body.flush()
+        settle()
+    assert "line 19" in view.streaming_text()
+    assert read.y() - bar.value() == on_screen
 
 
 def test_a_change_at_the_end_keeps_the_unbuilt_beginning_and_the_shown_widgets(qtbot):
