@@ -88,7 +88,7 @@ class ChatView(QScrollArea):
         changes the end of a chat; building all of a 300-turn chat's widgets again took seconds); a chat that
         changes before them opens on its last SHOWN_AT_FIRST messages."""
         same = 0
-        if self._stream is None and self._candidates is None:
+        if self._stream is None:  # the messages above candidates stay too (an edit open in one, its text)
             for old, item in zip(self.items(), items):
                 if old != item:
                     break

@@ -343,6 +343,24 @@ def test_candidates_stream_as_tabs_and_the_chosen_one_continues(qtbot, app, monk
     assert last.body.text == result.texts[2] and last.branch_label.text() == "3/3"
 
 
+def test_an_edit_open_above_the_candidates_keeps_its_text_when_one_is_picked(qtbot, app):
+    """Picking a candidate (or replying) built the whole chat again: an edit being typed in an earlier message
+    was gone."""
+    w = app.window
+    send(qtbot, app, "first question")
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(2)
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    send(qtbot, app, "second question")
+    first = w.chat_view.messages()[0]
+    first.start_edit()
+    first.editor_text.setPlainText("a careful rewrite of my first question")
+    w.chat_view.candidate_tabs().use_buttons[1].click()
+    assert w.chat_view.candidate_tabs() is None and w.chat_view.messages()[0] is first
+    assert first.editor_text.toPlainText() == "a careful rewrite of my first question"
+    assert w.chat_view.messages()[-1].item.candidate == 1
+
+
 def test_the_pick_notice_goes_with_the_candidates(qtbot, app):
     w = app.window
     w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5)
