@@ -88,6 +88,15 @@ CENTER_MIN_WIDTH = 280  # the conversation and the composer
 DOCK_MIN_WIDTH = 260  # the optimizations and the HUD
 LEFT_SHARE = 0.28  # of the splitter, when no saved sizes fit
 DOCK_SHARE = 500 / 1440  # of the window's width, until the user drags the docks' edge
+
+
+def saved_dock_share(sizes: Optional[list[int]]) -> float:
+    """The docks' share of the window's width as saved ([dock width, window width]), else DOCK_SHARE."""
+    if sizes is not None and len(sizes) == 2 and 0 < sizes[0] < sizes[1]:
+        return sizes[0] / sizes[1]
+    return DOCK_SHARE
+
+
 FIRST_SIZE = QSize(1440, 900)  # the window's size at its first start, where the screen has room
 FRAME_ROOM = QSize(32, 64)  # left on the screen for the window manager's frame and title bar
 
@@ -309,7 +318,7 @@ class MainWindow(QMainWindow):
         self.options_dock.setWidget(FitScrollArea(self.toggles, self, scroll_vertically=False))
         self.options_dock.setMinimumWidth(DOCK_MIN_WIDTH)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.options_dock)
-        self._dock_share = DOCK_SHARE
+        self._dock_share = saved_dock_share(settings.splitter_sizes.get("docks"))
         self._dock_resizing = False
         self._size_seen = QSize()  # the window size the docks were last fitted to (none yet)
         self.options_dock.installEventFilter(self)
@@ -327,7 +336,7 @@ class MainWindow(QMainWindow):
         self.model_status = QLabel("No model", self)
         self.statusBar().addPermanentWidget(self.model_status)
         self.resize(first_size(self.screen().availableGeometry().size()))
-        self.resizeDocks([self.options_dock], [round(DOCK_SHARE * self.width())], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.options_dock], [round(self._dock_share * self.width())], Qt.Orientation.Horizontal)
         if self.hud_dock is not None:  # the toggles take what they need, the HUD the rest
             self.resizeDocks(
                 [self.options_dock, self.hud_dock], [self.toggles.sizeHint().height(), 2000], Qt.Orientation.Vertical
@@ -1156,6 +1165,8 @@ class MainWindow(QMainWindow):
         s.window_geometry = base64.b64encode(self.saveGeometry().data()).decode("ascii")
         s.window_state = base64.b64encode(self.saveState().data()).decode("ascii")
         s.splitter_sizes = {**s.splitter_sizes, "main": [int(x) for x in self.splitter.sizes()]}
+        if self.width() > 0:  # the docks' share of the window's width, as the user dragged it
+            s.splitter_sizes["docks"] = [round(self._dock_share * self.width()), self.width()]
         if self.hud_dock is not None:
             s.hud_visible = self.hud_dock.isVisible()
         try:

@@ -13,6 +13,7 @@ from app.paths import AppPaths
 from app.store import ChatStore
 from engine import figures
 from engine.types import SamplingParams, options_as_run
+from ui.main_window import DOCK_SHARE
 
 TIMEOUT_MS = 120_000
 
@@ -892,6 +893,26 @@ def test_window_settings_persist(qtbot, data_dir):
         assert gui.window.composer.edit.send_with == "ctrl+enter"
         assert gui.theme.scheme == "dark"
         assert gui.settings.window_state is not None
+    finally:
+        close_app(gui)
+
+
+def test_the_width_the_user_gave_the_panels_is_theirs_at_the_next_start(qtbot, data_dir):
+    """The panels' share of the window's width was never saved: each start gave them the default again."""
+    gui = open_app(qtbot, data_dir)
+    w = gui.window
+    w.resize(1300, 850)
+    qtbot.waitUntil(lambda: w.options_dock.width() == round(DOCK_SHARE * 1300), timeout=TIMEOUT_MS)
+    w.resizeDocks([w.options_dock], [300], Qt.Orientation.Horizontal)  # as a drag of the panels' edge
+    qtbot.waitUntil(lambda: w.options_dock.width() == 300, timeout=TIMEOUT_MS)
+    close_app(gui)
+    gui = open_app(qtbot, data_dir)
+    try:
+        w = gui.window
+        w.resize(1300, 850)
+        qtbot.waitUntil(lambda: abs(w.options_dock.width() - 300) <= 1, timeout=TIMEOUT_MS)
+        w.resize(2600, 850)  # and they keep their share of a wider window
+        qtbot.waitUntil(lambda: abs(w.options_dock.width() - 600) <= 2, timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
 
