@@ -630,6 +630,7 @@ class MainWindow(QMainWindow):
     def refresh_chats(self) -> None:
         """List the chats again; those of a search once it has run off the GUI thread (chatsFound)."""
         self._show_title()
+        self._say_where_answering()  # the chat an answer runs in may have been renamed
         self._listed_version = self._data_version()
         if self._search:
             self._chat_search.ask(self._search)

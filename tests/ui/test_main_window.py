@@ -580,6 +580,9 @@ def test_another_chat_opened_while_an_answer_runs_says_where_it_runs(qtbot, tmp_
         assert w.stop_action.isEnabled()
         assert w.composer.hint.text().startswith("Answering in “Tell me about owls”: Esc stops it")
         assert w.composer.stop_button.toolTip() == "Stop the answer in “Tell me about owls”"
+        w.flow.rename_chat(w.flow.answering_chat(), "Owls")  # renamed from the list: the composer follows
+        assert w.composer.hint.text().startswith("Answering in “Owls”: Esc stops it")
+        assert w.composer.stop_button.toolTip() == "Stop the answer in “Owls”"
         w.flow.open_chat(w.flow.answering_chat())  # back in the chat it runs in: the keys again
         assert "to send" in w.composer.hint.text()
         release.set()
