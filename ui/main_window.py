@@ -1054,8 +1054,12 @@ class MainWindow(QMainWindow):
         self.controller.reconfigure(options)
 
     def _reconfigure_failed(self, message: str) -> None:
+        """The engine kept its options: the panel shows them again, and they are what is saved (the refused
+        choice, saved when it was made, opened the next start with the options that had just failed)."""
         self._requested = None
-        self.toggles.set_failed(message)
+        in_force = self.controller.options
+        self.toggles.set_failed(message, in_force)
+        self._keep_options(self.toggles.users_choice(in_force))
 
     def _reconfigured(self, options: EngineOptions, unavailable: dict) -> None:
         info = self.controller.info  # the precision and device now in force, whichever choice this replies to

@@ -631,6 +631,9 @@ class TogglesPanel(QWidget):
         if name == CUSTOM:
             return
         self._refusal = ""
+        # What the engine could not do depended on the options a preset replaces together (ngram beside several
+        # candidates): it stayed said, its entry and preset disabled, after a preset had removed its cause.
+        self._known.clear()
         self._change(self._without_unavailable(self._resolve_preset(name, self._options, self._device_type())))
 
     def _change(self, options: EngineOptions) -> None:
@@ -689,6 +692,9 @@ class TogglesPanel(QWidget):
             self._note_before_steps = self.note.text()
             self.note.setText(self._pending)
 
-    def set_failed(self, message: str) -> None:
+    def set_failed(self, message: str, in_force: Optional[EngineOptions] = None) -> None:
+        """The engine refused the options chosen; the controls show `in_force` again, the options it keeps."""
         self.progress.hide()
+        if in_force is not None:
+            self.set_options(in_force)
         self.note.setText(f"Not applied: {message}")

@@ -3,6 +3,8 @@ reopening, stop, edit-and-resend branches, option changes recorded per answer, c
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QPushButton
@@ -918,6 +920,59 @@ def test_the_width_the_user_gave_the_panels_is_theirs_at_the_next_start(qtbot, d
         qtbot.waitUntil(lambda: abs(w.options_dock.width() - 600) <= 2, timeout=TIMEOUT_MS)
     finally:
         close_app(gui)
+
+
+def _choose(qtbot, w, combo, value) -> None:
+    """An entry picked from a dropdown of the Optimizations panel, and the engine's reply waited for."""
+    i = combo.findData(value)
+    combo.setCurrentIndex(i)
+    combo.activated.emit(i)
+    qtbot.waitUntil(lambda: w._requested is None, timeout=TIMEOUT_MS)
+
+
+def test_options_the_engine_refused_are_neither_shown_nor_kept(qtbot, tmp_path, tiny_llama, monkeypatch):
+    """A precision the engine could not switch to (out of memory, say) stayed shown in the panel, was sent again
+    with every later change (each refused in turn), and was saved: the next start opened with it."""
+    from engine.engine import Engine
+
+    data = tmp_path / "data"
+    gui = open_app(qtbot, data, tiny_llama)
+    real = Engine._build_model
+
+    def no_room(self, progress):
+        if self.dtype != "fp32":
+            raise RuntimeError("out of memory")
+        return real(self, progress)
+
+    monkeypatch.setattr(Engine, "_build_model", no_room)
+    try:
+        w = gui.window
+        with qtbot.waitSignal(gui.controller.reconfigureFailed, timeout=TIMEOUT_MS):
+            _choose(qtbot, w, w.toggles.dtype, "bf16")
+        assert w.toggles.dtype.currentData() == "auto" and w.toggles.options == gui.controller.options
+        assert w.toggles.note.text().startswith("Not applied:") and "out of memory" in w.toggles.note.text()
+        assert gui.settings.engine_options["dtype"] == "auto"
+        with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):
+            w.toggles.prefix_reuse.setChecked(not w.toggles.prefix_reuse.isChecked())  # another change applies
+        assert w.toggles.note.text().startswith("Ready")
+    finally:
+        close_app(gui)
+    assert json.loads((data / "config" / "settings.json").read_text())["engine_options"]["dtype"] == "auto"
+
+
+def test_a_preset_forgets_what_the_engine_said_of_the_options_it_replaced(qtbot, app):
+    """ngram refused beside several candidates stayed refused (its entry and the '+ speculation' preset
+    disabled) after a preset of one candidate had removed the cause."""
+    w, t = app.window, app.window.toggles
+    _choose(qtbot, w, t.preset, "candidates")
+    _choose(qtbot, w, t.speculation, "ngram")
+    assert t.options.speculation == "off" and t.options.candidates > 1  # refused, with the reason said
+    _choose(qtbot, w, t.preset, "naive")
+    ngram = t.speculation.model().item(t.speculation.findData("ngram"))
+    preset = t.preset.model().item(t.preset.findData("speculation"))
+    assert ngram.isEnabled() and preset.isEnabled(), (ngram.toolTip(), preset.toolTip())
+    _choose(qtbot, w, t.preset, "speculation")
+    assert t.options.speculation == "ngram" and t.preset.currentData() == "speculation"
 
 
 def test_keyboard_new_chat_and_search(qtbot, app):
