@@ -855,6 +855,7 @@ class Engine:
         kind = SamplerKind.of(sampling)
         fused.use_graphs = opts.cuda_graph
         buckets = fused.buckets_for(prompt_len, max_new)
+        t_warm = time.perf_counter()
         try:
             try:
                 with preserved(fused):  # a cached prefix survives the warm-up's writes at position 0
@@ -884,6 +885,9 @@ class Engine:
             torch_runner.sampler.set_params(sampling)
             return torch_runner, self._fused_failed
         self._fused_pdl = {"pdl": fused.use_pdl, "pdl_reason": fused.pdl_reason}
+        # the last word of the warm-up, as the torch step's: "compiling the fused kernels" stayed said after it
+        done = "compiled and captured" if opts.cuda_graph else "compiled"
+        progress(f"fused kernels {done} in {time.perf_counter() - t_warm:.1f} s", 1.0)
         return fused, None
 
     def _speculator(

@@ -118,9 +118,17 @@ def test_fused_implies_the_static_cache_and_replaces_compile(qwen2_engine):
 def test_the_fused_kernels_warm_up_is_the_answer_s_compile_figure(tiny_factory):
     """The fused step's warm-up (its kernels' first launches, and its capture with graphs on) was left out of the
     compile figure, which read n/a as "compile and CUDA graph off: nothing is compiled or captured"."""
+    from engine.types import Progress
+
     eng = Engine.load(str(tiny_factory("qwen2")), TORCH)
     try:
-        m = run(eng, FUSED).metrics
+        eng.reconfigure(FUSED)
+        said: list[Progress] = []
+        m = eng.generate(
+            MESSAGES, GREEDY, on_event=lambda e: said.append(e) if isinstance(e, Progress) else None
+        ).metrics
+        # its last word says it is done ("compiling the fused kernels" stayed in the panel after the answer)
+        assert said[-1].fraction == 1.0 and said[-1].message.startswith("fused kernels compiled in ")
         assert m.compile_seconds is not None and m.compile_seconds > 0
         assert "compile_seconds" not in m.unavailable
         assert m.figure("compile_seconds").source == figures.spec("compile_seconds").source
