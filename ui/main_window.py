@@ -666,7 +666,8 @@ class MainWindow(QMainWindow):
             chat = None  # deleted meanwhile: the flow opens another
         self.chat_title.setText(chat.title if chat is not None else UNTITLED)
         self.chat_title.setToolTip(self.chat_title.text())
-        for act in (self.rename_action, self.delete_action):  # a new chat is not stored until its first message
+        # a new chat is not stored until its first message: nothing to rename, delete or export
+        for act in (self.rename_action, self.delete_action, self.export_json_action, self.export_md_action):
             act.setEnabled(chat is not None)
 
     def _search_changed(self, text: str) -> None:

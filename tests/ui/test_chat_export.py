@@ -55,3 +55,14 @@ def test_a_bad_file_through_the_menu_is_refused_and_changes_nothing(qtbot, app, 
     w.import_action.trigger()
     assert "The chat was not imported: message 1: its parent 5 is not an earlier message" in w.status.text()
     assert [c.id for c in app.store.list_chats()] == chats and app.store.count_messages() == count
+
+
+def test_export_is_offered_once_the_chat_has_a_message(qtbot, app):
+    """A new chat offered both exports, each then refused in an error box: "Nothing to export"."""
+    w = app.window
+    w.new_chat()
+    assert not w.export_json_action.isEnabled() and not w.export_md_action.isEnabled()
+    send(qtbot, app, "hello there")
+    assert w.export_json_action.isEnabled() and w.export_md_action.isEnabled()
+    w.new_chat()
+    assert not w.export_json_action.isEnabled()
