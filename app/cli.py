@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -484,10 +486,19 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point: user errors become one line on stderr and a non-zero exit (a traceback with --verbose)."""
+    """Entry point: user errors become one line on stderr and a non-zero exit (a traceback with --verbose).
+    Run as the program (no `argv`), a Ctrl-C once the work is done is ignored: the interpreter's shutdown (about
+    a second of torch's finalizers) printed a KeyboardInterrupt traceback and exited 0, or died silently."""
+    code = _main(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread: nothing to change
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     from engine.errors import GaplessError
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     verbose = "-v" in argv or "--verbose" in argv
     _utf8_output()
     try:

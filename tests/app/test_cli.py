@@ -407,3 +407,34 @@ def test_ctrl_c_is_still_ignored_where_the_command_was_started_to_ignore_it(tiny
         signal.signal(signal.SIGINT, previous)
     doc = json.loads(capsys.readouterr().out)
     assert sent and code == 0 and doc["finish_reasons"] != ["cancelled"]
+
+
+def test_a_ctrl_c_once_the_work_is_done_neither_prints_a_traceback_nor_changes_the_exit(tmp_path):
+    """The interpreter's shutdown after the answer takes about a second (torch's finalizers): a Ctrl-C then
+    printed a KeyboardInterrupt traceback and exited 0, or killed the process without a word."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from cli_runner import ROOT
+
+    script = (
+        "import os, signal, sys\n"
+        f"sys.argv = ['gapless', '--data-dir', {str(tmp_path)!r}, 'chats', 'list']\n"
+        "from app.cli import main\n"
+        "code = main()\n"
+        "os.kill(os.getpid(), signal.SIGINT)  # as a Ctrl-C during the shutdown\n"
+        "print('after', code)\n"
+        "sys.exit(code)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert (r.returncode, r.stdout.splitlines()[-1], r.stderr) == (0, "after 0", "")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main(argv) in a test changes nothing
