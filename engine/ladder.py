@@ -252,11 +252,13 @@ class LadderRunner:
         return [r for r in self.rungs if r.status == "ok"]
 
     def _switch(self, rung: Rung, warm: bool = True) -> None:
-        """Options of `rung`; a change of dtype or device re-places the weights (and drops compiled steps), so
-        the first generation after it is a warm-up, not a measurement."""
+        """Options of `rung`; a change of dtype, device or weight format re-places the weights (and drops compiled
+        steps), so the first generation after it is a warm-up, not a measurement. Told by the engine's placement:
+        the weight format's switch (native and int8 rounds interleaved) was timed cold."""
         opts = self.opts[rung.name]
-        rebuilt = self._current is not None and (opts.dtype, opts.device) != (self._current.dtype, self._current.device)
+        placed = (self.engine.device, self.engine.dtype, self.engine.weights)
         self.engine.reconfigure(opts)
+        rebuilt = self._current is not None and (self.engine.device, self.engine.dtype, self.engine.weights) != placed
         self._current = opts
         if rebuilt and warm:
             self.progress(f"{rung.name}: warm-up after re-placing the weights")

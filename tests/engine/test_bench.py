@@ -688,25 +688,42 @@ def test_ctrl_c_during_a_bench_writes_the_rungs_measured_before_it(tiny_llama, t
     assert err.splitlines()[-1] == "gapless: interrupted: the table and JSON hold the runs measured before it"
 
 
+def two_rungs(model, presets: tuple[str, str], interleave: bool) -> BenchConfig:
+    """Two rungs, two repeats each, of a short answer, without a baseline."""
+    return BenchConfig(
+        model=str(model),
+        device="cpu",
+        max_new_tokens=10,
+        repeats=2,
+        presets=presets,
+        baseline=False,
+        interleave=interleave,
+        prompt="hello",
+    )
+
+
 def test_bench_sequential_order(tiny_llama):
     from engine.bench import run_suite
 
     msgs: list[str] = []
-    config = BenchConfig(
-        model=str(tiny_llama),
-        device="cpu",
-        max_new_tokens=10,
-        repeats=2,
-        presets=("naive", "first-fixes"),
-        baseline=False,
-        interleave=False,
-        prompt="hello",
-    )
-    report = run_suite(config, progress=msgs.append)
+    report = run_suite(two_rungs(tiny_llama, ("naive", "first-fixes"), interleave=False), progress=msgs.append)
     assert report["config"]["interleaved"] is False and report["baselines"] == []
     runs = [m.split(":")[0] + m.split(":")[1] for m in msgs if ": run " in m]
     assert runs == ["naive run 1/2", "naive run 2/2", "first-fixes run 1/2", "first-fixes run 2/2"]
     assert "sequential" in report["method"]
+
+
+def test_interleaved_rounds_warm_up_after_each_switch_of_the_weight_format(tiny_llama):
+    """A switch between native and int8 weights re-places them and drops the compiled steps, as a dtype's does;
+    only a dtype's or device's switch was followed by a warm-up, so every interleaved int8 round was timed cold."""
+    from engine.bench import run_suite
+
+    msgs: list[str] = []
+    run_suite(two_rungs(tiny_llama, ("first-fixes", "int8"), interleave=True), progress=msgs.append)
+    said = [m for m in msgs if ": run " in m or "warm-up after re-placing" in m]
+    switches = [m.split(":")[0] for m in said if "warm-up after re-placing" in m]
+    # each round goes back to native weights from the int8 before it, then to int8 again
+    assert switches == ["first-fixes", "int8", "first-fixes", "int8"], said
 
 
 def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_llama):
