@@ -66,7 +66,7 @@ def check_draft_model(speculation: str, draft_model: str) -> None:
 
 
 def sampling_from_args(args) -> SamplingParams:
-    return SamplingParams(
+    sampling = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -75,6 +75,18 @@ def sampling_from_args(args) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
     ).validate()
+    if sampling.temperature == 0:  # greedy (the default here) reads none of these: refused, not ignored
+        for flag, given in (
+            ("--top-k", args.top_k != 0),
+            ("--top-p", args.top_p != 1.0),
+            ("--seed", args.seed is not None),
+        ):
+            if given:
+                raise OptionsError(
+                    f"{flag} is read only when sampling, and --temperature is 0 (greedy, the default here): "
+                    f"give a --temperature above 0, or leave {flag} out"
+                )
+    return sampling
 
 
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C (SIGINT)

@@ -241,6 +241,15 @@ def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
         (("--repetition-penalty=-inf",), "repetition_penalty must be a finite number, got -inf"),
         (("--top-k", "-3"), "top_k must be an integer >= 0, got -3"),
         (("--seed", "-1"), "seed must be an integer in [0, 2**63), got -1"),
+        # read only when sampling: with greedy decoding they were taken and the answer was the same
+        *(
+            (
+                (flag, value),
+                f"{flag} is read only when sampling, and --temperature is 0 (greedy, the default here): give a "
+                f"--temperature above 0, or leave {flag} out",
+            )
+            for flag, value in (("--top-k", "3"), ("--top-p", "0.5"), ("--seed", "7"))
+        ),
     ],
 )
 def test_cli_bad_values_are_one_line(tiny_llama, args, message):
