@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         "include the compiled rungs (default: on with CUDA, off on CPU where a cold compile takes minutes)",
     )
     bench.add_argument("--prompt", default=None, help="the prompt (a fixed one by default)")
-    bench.set_defaults(subparser=bench)  # its errors name `gapless bench`, and its defaults tell given flags
+    bench.set_defaults(subparser=bench, given=frozenset())  # its errors name `gapless bench`
     modes = bench.add_mutually_exclusive_group()  # the ladder when none is given
     modes.add_argument(
         "--conversation",
@@ -274,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op threads for the bench (at most the logical cores)",
     )
+    _note_given(bench)  # a flag of another kind of bench is refused even at its default value
 
     replay = sub.add_parser("replay", help="show a saved telemetry file (generate --telemetry-out) in the HUD")
     replay.add_argument("file", type=Path)
@@ -483,6 +484,28 @@ def _quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
+
+
+def _note_given(parser: argparse.ArgumentParser) -> None:
+    """Each option of `parser` given on the command line is named in `args.given`, a value equal to its default
+    too (told apart by value, `--turns 10` with --quality was taken as left out)."""
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            cls = type(action)
+            if cls not in _GIVEN_CLASSES:
+                _GIVEN_CLASSES[cls] = _given_class(cls)
+            action.__class__ = _GIVEN_CLASSES[cls]
+
+
+_GIVEN_CLASSES: dict[type, type] = {}  # an argparse action's class -> the same, noting that its option was given
+
+
+def _given_class(cls: type) -> type:
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: N807
+        namespace.given = (getattr(namespace, "given", None) or frozenset()) | {self.dest}
+        cls.__call__(self, parser, namespace, values, option_string)
+
+    return type(f"Given{cls.__name__}", (cls,), {"__call__": __call__})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -85,8 +85,13 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.max_new_tokens is None:  # each kind's own default; one the user gave is kept or refused, never changed
         args.max_new_tokens = QUALITY_DECODE_TOKENS if mode == "quality" else BENCH_TOKENS
     parser = getattr(args, "subparser", None)
+    given = getattr(args, "given", None)  # the flags on the command line (app.cli), else told by their values
     for flag in sorted({f for flags in MODE_FLAGS.values() for f in flags} - set(MODE_FLAGS[mode])):
-        if parser is not None and getattr(args, flag, None) != parser.get_default(flag):
+        if (
+            flag in given
+            if given is not None
+            else parser is not None and getattr(args, flag) != parser.get_default(flag)
+        ):
             readers = " and ".join(_kind(m) for m, flags in MODE_FLAGS.items() if flag in flags)
             raise OptionsError(f"--{flag.replace('_', '-')} is for {readers}, not {_kind(mode)}")
     if getattr(args, "draft_model", None) and getattr(args, "speculation", None) != "draft":

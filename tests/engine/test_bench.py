@@ -1017,6 +1017,10 @@ def test_footnotes_say_each_rung_s_reason_and_why_naive_ratios_are_na():
         (["--cuda-graph"], "--cuda-graph is for --speculation-workloads, not the ladder"),
         (["--turns", "3"], "--turns is for --conversation, not the ladder"),
         (["--speculation-workloads", "--no-baseline"], "--baseline is for the ladder, not --speculation-workloads"),
+        # given at their default value, they were taken as left out
+        (["--conversation", "--baseline"], "--baseline is for the ladder, not --conversation"),
+        (["--quality", "--turns", "10"], "--turns is for --conversation, not --quality"),
+        (["--quality", "--tur", "10"], "--turns is for --conversation, not --quality"),  # as argparse reads it
         (["--quality", "--repeats", "0"], "--repeats must be at least 1 and --max-new-tokens at least 2"),
         (["--max-new-tokens", "1"], "--max-new-tokens at least 2, got 3 and 1"),
         (["--conversation", "--max-new-tokens", "0"], "--max-new-tokens at least 1"),
