@@ -1203,3 +1203,13 @@ def test_the_speculation_table_says_why_each_figure_it_shows_as_na_is():
         "(3) fp32 rewrite: speedup n/a: no decode figure with speculation off and on.",
         "(4) fp32 rewrite: accepted % n/a: no drafts were made.",
     ]
+
+
+def test_a_missed_speculation_target_shows_as_many_decimals_as_the_miss_needs():
+    """0.9454 against a target of 0.95 read "missed (0.95x, 0.00 short)"."""
+    from engine.bench_spec import standing
+
+    assert standing("free chat", 0.9454) == "target >= 0.95x: missed (0.945x, 0.005 short)"
+    assert standing("free chat", 0.90) == "target >= 0.95x: missed (0.90x, 0.05 short)"
+    assert standing("rewrite", 1.49996) == "target >= 1.5x: missed (1.49996x, 0.00004 short)"
+    assert standing("free chat", 0.95) == "target >= 0.95x: met (0.95x)"
