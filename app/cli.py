@@ -176,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt", default=None, help=f"with --smoke-test: the prompt to send (default: {SMOKE_PROMPT!r})"
     )
     gui.add_argument(
-        "--max-new-tokens", type=int, default=None, help=f"with --smoke-test: answer length (default: {SMOKE_TOKENS})"
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        help=f"with --smoke-test: answer length (default: {SMOKE_TOKENS})",
     )
     gui.add_argument("--theme", choices=["system", "light", "dark"], default=None)
     gui.set_defaults(subparser=gui)  # its errors name `gapless gui`

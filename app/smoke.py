@@ -23,7 +23,12 @@ SETTLE_MS = 400  # let the HUD and the stats line paint before the screenshot
 
 
 class SmokeFailed(Exception):
-    pass
+    """Why the smoke test failed; `code` its exit status: 2 for what the user gave (an output path, a model that
+    cannot load), as every command exits on bad input, else 1."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 class SmokeTest(QObject):
@@ -48,7 +53,7 @@ class SmokeTest(QObject):
                 if self.args.screenshot:
                     screenshot_file(self.args.screenshot)
             except OutputPathError as exc:
-                raise SmokeFailed(str(exc)) from None
+                raise SmokeFailed(str(exc), code=2) from None
             report = self._run(t0)
             if report_path is not None:
                 try:  # whole or not at all; a full disk is said with the path and the reason
@@ -58,7 +63,7 @@ class SmokeTest(QObject):
         except SmokeFailed as exc:
             print(f"gapless: smoke test failed: {exc}", file=sys.stderr)
             log.error("smoke test failed: %s", exc)
-            return 1
+            return exc.code
         said = {"ok": True, "answer": report["answer"], "seconds": report["seconds"]}
         print(figures.strict_json(said, ensure_ascii=False))
         return 0
@@ -100,7 +105,7 @@ class SmokeTest(QObject):
         w.load_model(source)
         which, payload = self._wait(signals, LOAD_TIMEOUT_S, f"the model {source!r} to load")
         if which == 1:
-            raise SmokeFailed(f"cannot load {payload[0]}: {payload[1]}")
+            raise SmokeFailed(f"cannot load {payload[0]}: {payload[1]}", code=2)
         if which == 2:
             raise SmokeFailed(f"cannot fetch the default model: {payload[0]}")
         loaded_s = time.monotonic() - t0

@@ -79,7 +79,7 @@ def test_smoke_test_fails_with_a_message_on_a_bad_model(tmp_path):
     bad = tmp_path / "empty-model"
     bad.mkdir()
     proc = run_smoke(tmp_path, "--model", str(bad))
-    assert proc.returncode != 0
+    assert proc.returncode == 2  # what the user gave, as every command exits on bad input
     assert "smoke test failed: cannot load" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "report.json").exists()
@@ -97,9 +97,16 @@ def test_smoke_test_refuses_a_report_it_could_not_write_before_loading_the_model
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"smoke test failed: cannot write the report to {report}: the folder" in proc.stderr
     assert "cannot load" not in proc.stderr and not report.parent.exists()
+
+
+def test_a_smoke_answer_length_no_answer_can_have_is_refused_before_the_window_opens(tmp_path):
+    """--max-new-tokens 0 opened the window and loaded the model, then failed the answer with exit 1."""
+    proc = run_smoke(tmp_path, "--model", str(tmp_path / "never-loaded"), "--max-new-tokens", "0")
+    assert proc.returncode == 2 and "argument --max-new-tokens: must be at least 1, got 0" in proc.stderr
+    assert "cannot load" not in proc.stderr
 
 
 def test_a_smoke_screenshot_or_report_the_disk_cannot_take_says_why_and_leaves_the_earlier_file(
