@@ -127,13 +127,12 @@ def read_gguf_header(path: Path) -> GGUFHeader:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):  # a FIFO waited forever for a writer
             raise ModelLoadError(f"{label}: not a regular file")
+        if st.st_size == 0:
+            raise ModelLoadError(f"{label}: the file is empty")
         f = open(path, "rb")
     except OSError as exc:  # unreadable to this user, a name too long
         raise ModelLoadError(f"{label}: cannot read: {exc.strerror or exc}") from exc
     size = st.st_size
-    if size == 0:
-        f.close()
-        raise ModelLoadError(f"{label}: the file is empty")
     with f:
         if f.read(4) != GGUF_MAGIC:
             raise ModelLoadError(

@@ -391,9 +391,10 @@ def _check_counts(cfg: dict[str, Any], header: GGUFHeader, label: str) -> None:
         v = cfg.get(key)
         if isinstance(v, int) and v < 1:
             raise ModelLoadError(f"{label}: the GGUF's metadata gives {key} = {v}; it must be at least 1")
-    # transformers' config takes any value here: a string failed building the rope tables, 0 or less made them NaN
-    theta = cfg.get("rope_theta")
-    if theta is not None and not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0):
+    from engine.model import is_rope_base
+
+    theta = cfg.get("rope_theta")  # transformers' config takes any value here
+    if theta is not None and not is_rope_base(theta):
         raise ModelLoadError(f"{label}: the GGUF's metadata gives rope_theta = {theta!r}; it must be a positive number")
     lengths = header.array_lengths
     tokens = lengths.get("tokenizer.ggml.tokens")

@@ -116,7 +116,7 @@ def _load(source: str, progress: Optional[ProgressFn], dtype: torch.dtype, devic
     # absolute but with its links kept: a link's own name says what it is (the Hugging Face hub cache links
     # model.safetensors and x.gguf to blobs named by their hashes) and names the model
     path = Path(os.path.abspath(path))
-    if path.is_dir():
+    if stat.S_ISDIR(mode):
         return _load_hf_folder(path, report)
     suffix = path.suffix.lower()
     if suffix == ".gguf":
@@ -477,11 +477,11 @@ def _check_sizes(config: "PretrainedConfig", label: str) -> None:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ModelLoadError(f"{label}: config.json gives {name} = {value!r}; a model needs a whole number >= 1")
-    from engine.model import rope_parameters
+    from engine.model import is_rope_base, rope_parameters
 
     # 0 or a negative base loaded, and every answer's first token scored NaN, reported as damaged weights
     theta = rope_parameters(config).get("rope_theta")
-    if theta is not None and not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0):
+    if theta is not None and not is_rope_base(theta):
         raise ModelLoadError(f"{label}: config.json gives rope_theta = {theta!r}; it must be a positive number")
 
 

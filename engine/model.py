@@ -127,6 +127,12 @@ class ModelArgs:
         )
 
 
+def is_rope_base(theta: object) -> bool:
+    """Whether a config's rope_theta can build the rope tables: a positive number (a string failed building them,
+    0 or less made them NaN)."""
+    return isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0
+
+
 def rope_parameters(cfg, layer_type: str = "full_attention") -> dict:
     """Rope settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`); for
     a model whose layer types have settings of their own (Gemma-3), those of `layer_type`."""

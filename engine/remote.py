@@ -38,7 +38,6 @@ from engine.types import (
     TextDelta,
     api_key_problem,
     is_remote,
-    lone_surrogates,
     remote_address_problem,
     whole_text,
 )
@@ -812,8 +811,9 @@ class _Stream:
         text = self.held.pop(i, "") + text
         if "\ud800" <= text[-1] <= "\udbff":
             self.held[i], text = text[-1], text[:-1]
-        self.mended += lone_surrogates(text)
-        return whole_text(text)
+        whole = whole_text(text)
+        self.mended += whole.count("\ufffd") - text.count("\ufffd")  # the halves it replaced
+        return whole
 
     def flush(self, emit: Callable) -> None:
         """The stream ended: a first half still waiting for its second never gets it."""

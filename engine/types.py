@@ -551,14 +551,6 @@ class TextDelta:
     text: str
 
 
-def lone_surrogates(text: str) -> int:
-    """How many UTF-16 halves in `text` stand without their other half (after pairs written as two halves are
-    joined): JSON may escape a character as two halves ("\\ud83d\\ude00"), and a server may send them apart."""
-    if not any("\ud800" <= ch <= "\udfff" for ch in text):
-        return 0
-    return whole_text(text).count("\ufffd") - text.count("\ufffd")
-
-
 def whole_text(text: str) -> str:
     """`text` as it can be stored and sent as UTF-8: halves of a pair joined into their character, a half alone
     replaced by U+FFFD (Unicode's replacement character)."""
