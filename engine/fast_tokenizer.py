@@ -105,12 +105,15 @@ def _plain_message(message: dict) -> dict:
 def compile_chat_template(source: str):
     """The template in the environment transformers compiles chat templates in: sandboxed, trim_blocks and
     lstrip_blocks, loop controls, its tojson (no HTML escaping), raise_exception, strftime_now, and a dict and
-    namespace that refuse underscore names. `{% generation %}` blocks render their body."""
+    namespace that refuse underscore names. `{% generation %}` blocks render their body. Repeats, powers and
+    widths that would make a huge value are refused before they run (engine.template_bounds)."""
     import jinja2
     import jinja2.ext
     import jinja2.nodes
     import jinja2.utils
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from engine.template_bounds import checked_arguments, checked_filters, checked_operands
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -157,9 +160,21 @@ def compile_chat_template(source: str):
             check_name(name)
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
+    class Environment(ImmutableSandboxedEnvironment):
+        """transformers' environment, with the operations that make a huge value in one step checked first."""
+
+        intercepted_binops = frozenset(["*", "**", "%"])
+
+        def call_binop(self, context, operator, left, right):
+            checked_operands(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+            checked_arguments(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    checked_filters(env.filters)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -206,15 +221,27 @@ def disagreement(fast: FastTokenizer, reference) -> Optional[str]:
     if fast.chat_template:
         for conv in probe_conversations(specials):
             for gen in (True, False):
-                mine, theirs = (_rendered(t, conv, gen) for t in (fast, reference))
-                if mine != theirs:  # a refusal (e.g. of a system message) must be the same refusal
+                mine = _rendered(fast, conv, gen)
+                if mine == BOUNDED:  # it fails every answer either way: no need to spend the bound again
+                    return None
+                if mine != _rendered(
+                    reference, conv, gen
+                ):  # a refusal (e.g. of a system message) must be the same refusal
                     return f"the chat template on {len(conv)} messages (add_generation_prompt={gen})"
     return None
 
 
+BOUNDED = "<TemplateBoundError>"
+
+
 def _rendered(tokenizer, conv: list[dict], gen: bool) -> str:
-    """The rendered conversation, or the kind of error rendering it raised."""
+    """The rendered conversation, or the kind of error rendering it raised (BOUNDED where it ran past a bound of
+    engine.template_bounds)."""
+    from engine.template_bounds import bounded_render
+
     try:
-        return str(tokenizer.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False))
+        return str(
+            bounded_render(lambda: tokenizer.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False))
+        )
     except Exception as exc:  # templates raise what they like (TemplateError, TypeError, ...)
         return f"<{type(exc).__name__}>"

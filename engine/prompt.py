@@ -337,8 +337,10 @@ def _render(tokenizer, msgs: list[dict], notices: list[str]) -> tuple[Render, st
 
     import jinja2
 
+    from engine.template_bounds import bounded_render
+
     def raw_text(ms: list[dict]) -> str:
-        return tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
+        return bounded_render(lambda: tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False))
 
     def template(ms: list[dict]) -> tuple[str, list[int]]:
         try:  # a cut conversation can break a rule the whole one kept (roles that must alternate)
