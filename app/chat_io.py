@@ -222,7 +222,7 @@ def _as_exported(content: str) -> str:
     file's own turn heading ("### #5 · User") is escaped, so an answer cannot make up a turn. Blocks are found as
     a Markdown reader finds them (app.markdown_blocks): a fence inside an HTML block (```` ``` ```` in a
     "<pre>…</pre>") is the block's text, and one inside a list item or a block quote is the item's or the quote's."""
-    lines = content.split("\n")
+    lines = content.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # a lone CR ends a line in Markdown too
     blocks = read_blocks(lines, _TURN_HEADING)
     for i in blocks.unclosed_html:
         lines[i] = re.sub(r"^( {0,3})<", r"\1\\<", lines[i])
@@ -407,6 +407,7 @@ def _deeper_than(v: Any, limit: int) -> bool:
     return False
 
 
+_LINE_BREAKS = re.compile("[\r\n\v\f\x1c\x1d\x1e\x85\u2028\u2029]+")  # where str.splitlines breaks a line
 CHAT_KEYS = {"title", "created", "updated", "system_prompt", "sampling", "active_leaf", "overflow_policy"}
 MESSAGE_KEYS = {
     "id",
@@ -441,7 +442,8 @@ def validate(doc: Any) -> ImportedChat:
     if "exported" in doc:
         _time(doc["exported"], "exported")
     chat = _obj(doc["chat"], "chat", CHAT_KEYS, {"title"})
-    title = " ".join(_text(chat["title"], "chat.title", MAX_TITLE_CHARS).split())  # one line, as the app's titles
+    # one line, as the app's titles, ends trimmed as a rename trims them; the spaces inside stay as stored
+    title = _LINE_BREAKS.sub(" ", _text(chat["title"], "chat.title", MAX_TITLE_CHARS)).strip()
     now = time.time()
     created = _time(chat.get("created", now), "chat.created")
     updated = _time(chat.get("updated", created), "chat.updated")

@@ -108,6 +108,15 @@ def test_json_round_trip_gives_the_same_chat(store, tmp_path):
     assert store.get_chat(new_id).overflow_policy == "truncate-middle"
 
 
+def test_a_title_renamed_with_spaces_inside_comes_back_as_it_was(store, tmp_path):
+    """Import made every run of spaces one ("Budget  2024" came back "Budget 2024"): a round trip changed it."""
+    chat_id = make_chat(store)
+    store.rename_chat(chat_id, "Budget  2024 ·  draft")
+    path = tmp_path / "chat.json"
+    path.write_text(export_json(store, chat_id), encoding="utf-8")
+    assert store.get_chat(import_chat(store, path)).title == "Budget  2024 ·  draft"
+
+
 def test_markdown_has_every_branch_and_the_figures(store):
     chat_id = make_chat(store)
     md = export_markdown(store, chat_id)
@@ -150,6 +159,26 @@ def test_markdown_closes_a_stopped_code_block_and_no_answer_makes_up_a_turn(stor
         "### #4 · Assistant (m x)",
     ]
     assert "\\### #5 · User" in md  # shown as text, not a heading
+
+
+@pytest.mark.parametrize("eol", ["\r", "\r\n"])
+def test_markdown_reads_lines_ended_by_a_carriage_return_as_lines(store, eol):
+    """A lone CR ends a line for a Markdown reader, but not for the export's checks: a fence opened on such a
+    line took every later turn into the block, and a turn heading on one was not escaped."""
+    from app.fences import unclosed_fence
+
+    chat = store.create_chat("cr")
+    m1 = store.add_message(chat.id, "user", eol.join(["Fix this:", "```python", "print(1)"]), None)
+    m2 = store.add_message(chat.id, "assistant", eol.join(["ok", "### #9 · Assistant", "made up"]), m1.id)
+    store.add_message(chat.id, "user", "Thanks", m2.id)
+    md = export_markdown(store, chat.id)
+    assert unclosed_fence(md[: md.index("### #2 · Assistant")]) is None
+    assert [line for line in md.splitlines() if line.startswith("### #")] == [
+        "### #1 · User",
+        "### #2 · Assistant",
+        "### #3 · User",
+    ]
+    assert "\\### #9 · Assistant" in md
 
 
 def test_markdown_closes_a_list_item_s_block_in_the_item_and_leaves_code_as_it_is(store):
@@ -620,5 +649,5 @@ def test_a_file_with_a_byte_order_mark_and_a_title_of_several_lines_is_imported_
     doc["chat"]["title"] = "Trip\nplans\t 2027 "
     path = _write(tmp_path, b"\xef\xbb\xbf" + json.dumps(doc).encode("utf-8"))
     chat_id = import_chat(store, path)
-    assert store.get_chat(chat_id).title == "Trip plans 2027"
+    assert store.get_chat(chat_id).title == "Trip plans\t 2027"  # one line; the spaces inside as written
     assert without_time(chat_document(store, chat_id))["messages"] == without_time(doc)["messages"]
