@@ -144,7 +144,7 @@ def load(path: Path) -> Recording:
             data = f.read(MAX_BYTES + 1)  # a file that grew since: read no more than a telemetry file can hold
         if len(data) > MAX_BYTES:
             raise RecordingError(f"{path} is larger than a telemetry file can be ({MAX_BYTES >> 20} MiB)")
-        doc = json.loads(data.decode("utf-8"))
+        doc = json.loads(data.decode("utf-8-sig"))  # a BOM an editor added when saving it is not part of it
     except (UnicodeDecodeError, ValueError) as exc:  # ValueError: JSONDecodeError, an integer of 4,300+ digits
         raise RecordingError(f"{path} is not a telemetry file (not valid JSON: {exc})") from exc
     except RecursionError:

@@ -67,6 +67,15 @@ def test_a_saved_recording_reads_back_equal(recorded):
     assert back.limits == recording.limits == recorded[3].limits and ("cuda_graph", True) in back.limits
 
 
+def test_a_recording_saved_again_with_a_byte_order_mark_reads_back_equal(recorded, tmp_path):
+    """An editor that saves UTF-8 with a BOM (Notepad) made the file "not a telemetry file"."""
+    recording, path, _, _ = recorded
+    again = tmp_path / "bom.json"
+    again.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    back = load(again)
+    assert back.steps == recording.steps and back.samples == recording.samples
+
+
 def test_a_recording_from_before_the_refusals_were_kept_reads_with_none(recorded, tmp_path):
     _, path, _, _ = recorded
     doc = _doc(path)
