@@ -397,6 +397,16 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
 
     paths = AppPaths.resolve(args.data_dir)
     setup_logging(paths.log_file, args.verbose)
+    import app.engines
+
+    app.engines.keys_dir = paths.config  # a remote model's saved key is the data folder's (--data-dir)
+    try:
+        return _command(parser, args, paths)
+    finally:
+        app.engines.keys_dir = None
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, paths) -> int:
     command = args.command or "gui"
     log.debug("gapless %s: %s", __version__, command)
     if command == "gui":

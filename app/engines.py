@@ -1,5 +1,5 @@
 """Opening an engine for a model source: a local model (engine.engine.Engine) or a remote server
-(engine.remote.RemoteEngine, its API key from the key store or $GAPLESS_REMOTE_API_KEY)."""
+(engine.remote.RemoteEngine, its API key from the key store or $GAPLESS_REMOTE_API_KEY: saved_key_first)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from engine.types import EngineOptions, Progress, is_remote
 
 API_KEY_ENV = "GAPLESS_REMOTE_API_KEY"
 keys_dir: Optional[Path] = None  # where the app keeps API keys (its config folder); None: the default one
+# Which key a remote model is opened with where both are there: on the command line $GAPLESS_REMOTE_API_KEY is the
+# key given for this run, before one saved for the server; in the app the key typed in the Remote dialog for
+# that server comes first, the variable only where none was saved (app.gui sets this).
+saved_key_first = False
 # Whether a remote model's base URL is the app's own running server (app.serve_app.AppServer.serves; None outside
 # the app): every load of a remote model is checked, from the Remote dialog, the Recent menu or asked for earlier.
 own_server: Optional[Callable[[str], bool]] = None
@@ -35,7 +39,9 @@ def load_engine(
             from engine.errors import ModelLoadError
 
             raise ModelLoadError(f"{remote.base_url}: {SELF_REMOTE}")
-        key = os.environ.get(API_KEY_ENV) or KeyStore(keys_dir or AppPaths.resolve().config).get(remote.base_url)
+        saved = KeyStore(keys_dir or AppPaths.resolve().config).get(remote.base_url)
+        given = os.environ.get(API_KEY_ENV)
+        key = (saved or given) if saved_key_first else (given or saved)
         return RemoteEngine.load(remote, options, progress, api_key=key)
     from engine.engine import Engine
 

@@ -60,6 +60,7 @@ class GuiApp:
 
                 self.server.stop()
                 app.engines.keys_dir = app.engines.own_server = None
+                app.engines.saved_key_first = False
             self.fetcher.cancel()
             stopped = self.controller.shutdown(timeout)
             self.fetcher.wait(5.0)
@@ -231,6 +232,7 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     from ui.server_panel import ServerPanel
 
     app.engines.keys_dir = paths.config
+    app.engines.saved_key_first = True
     server = AppServer(controller, window)
     app.engines.own_server = server.serves  # read on the engine worker's thread when a remote model loads
     panel = ServerPanel()

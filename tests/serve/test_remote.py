@@ -302,6 +302,55 @@ def test_generate_on_the_command_line_through_a_remote(server, local):
     assert model["context_length"] == local.context_length and "context_length" not in model["unavailable"]
 
 
+def test_the_command_line_sends_the_key_saved_in_its_data_folder(server, local, tmp_path):
+    """`--data-dir D` read the saved keys of the default data folder (none sent: "refused the API key")."""
+    from app.keys import KeyStore
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    KeyStore(AppPaths.resolve(str(data)).config, use_keyring=False).set(server.url, KEY)
+    source = RemoteSource(server.url, server.engines.model_id).to_source()
+    r = gapless(
+        "--data-dir",
+        str(data),
+        "generate",
+        "--model",
+        source,
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        extra_env={"GAPLESS_REMOTE_API_KEY": "", "PYTHON_KEYRING_BACKEND": "keyring.backends.null.Keyring"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert (
+        json.loads(r.stdout)["texts"] == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
+    )
+
+
+@pytest.mark.parametrize("saved_first", [True, False])
+def test_the_app_sends_the_key_saved_for_the_server_before_the_variable(
+    server, tmp_path, monkeypatch, use_file_keys, saved_first
+):
+    """In the app the key typed in the Remote dialog for that server wins over $GAPLESS_REMOTE_API_KEY (it was
+    overridden by it: HTTP 401 with the right key saved); on the command line the variable, given for the run,
+    comes first."""
+    import app.engines
+    from app.keys import KeyStore
+
+    monkeypatch.setattr(app.engines, "keys_dir", tmp_path)
+    monkeypatch.setattr(app.engines, "saved_key_first", saved_first)
+    monkeypatch.setenv("GAPLESS_REMOTE_API_KEY", "a-key-for-another-server")
+    KeyStore(tmp_path).set(server.url, KEY)
+    source = RemoteSource(server.url, server.engines.model_id).to_source()
+    if saved_first:
+        app.engines.load_engine(source, EngineOptions()).close()
+    else:
+        with pytest.raises(ModelLoadError, match="refused the API key"):
+            app.engines.load_engine(source, EngineOptions())
+
+
 def test_gapless_serve_can_front_a_remote_model(server, local):
     """A Gapless server whose model is itself remote (e.g. the app serving the remote model it chats with)."""
     import openai
