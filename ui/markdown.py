@@ -96,10 +96,17 @@ def split_markdown(text: str) -> list[Segment]:
     fence: Optional[str] = None
     lang = ""
     indent = 0  # the opening fence's: as many leading spaces come off each line of its code (a list item's)
+    item = 0  # the content column of the list item the prose is in (0: none): a fence may sit up to 3 past it
+    inside = 0  # the open fence's container column: its closing fence is indented up to 3 past it
+    blank = False
     lines = text.split("\n")
     for i, line in enumerate(lines):
         if fence is None:
             m = FENCE.match(line)
+            inside = 0
+            if m is None and item:
+                m = _item_fence(item).match(line)
+                inside = item if m else 0
             if m and len(segments) + 2 >= MAX_SEGMENTS:  # the rest in one prose view (3,000 fences: 3,000 widgets)
                 prose.extend(lines[i:])
                 break
@@ -110,8 +117,9 @@ def split_markdown(text: str) -> list[Segment]:
                 indent, fence, lang, code = len(m.group(1)), m.group(2), m.group(3), []
             else:
                 prose.append(line)
+                item, blank = _item_column(line, item, blank), not line.strip()
         else:
-            if closes(line, fence):
+            if closes(line[min(inside, len(line) - len(line.lstrip(" "))) :], fence):
                 segments.append(Segment("code", "\n".join(code), lang, True))
                 fence = None
             else:
@@ -121,6 +129,32 @@ def split_markdown(text: str) -> list[Segment]:
     elif prose:
         segments.append(Segment("prose", "\n".join(prose)))
     return [s for s in segments if s.kind == "code" or s.text.strip()]
+
+
+_ITEM_MARKER = re.compile(r"( *)([-+*]|\d{1,9}[.)])( +|$)")
+
+
+def _item_column(line: str, item: int, after_blank: bool) -> int:
+    """The content column of the list item the prose is in after `line` (0: none), from the one before it: a
+    marker line opens an item (its content starts 1 to 4 spaces past the marker); a line indented less than the
+    item's content, after a blank line, ends it."""
+    m = _ITEM_MARKER.match(line)
+    if m:
+        gap = len(m.group(3))
+        return len(m.group(1)) + len(m.group(2)) + (gap if 1 <= gap <= 4 else 1)
+    if line.strip() and after_blank and len(line) - len(line.lstrip(" ")) < item:
+        return 0
+    return item
+
+
+_ITEM_FENCES: dict[int, re.Pattern[str]] = {}
+
+
+def _item_fence(column: int) -> re.Pattern[str]:
+    """FENCE inside a list item whose content starts at `column`: indented `column` to `column` + 3 spaces."""
+    if column not in _ITEM_FENCES:
+        _ITEM_FENCES[column] = re.compile(FENCE.pattern.replace("{0,3}", f"{{{column},{column + 3}}}", 1))
+    return _ITEM_FENCES[column]
 
 
 # ---- code blocks --------------------------------------------------------------------------------------
@@ -380,7 +414,9 @@ class ProseView(QTextBrowser):
     def update_segment(self, segment: Segment) -> None:
         # against what was drawn as markdown, not what is shown: text appended plain is drawn again as markdown
         # (else a streamed list stayed a flat paragraph, and "Hello " + "world" read "Helloworld")
-        if segment.text != self._drawn:
+        # and against what is shown: a newline appended plain before a fence belongs to no prose segment, and stayed
+        # on screen as an empty list item after the answer ended
+        if segment.text != self._drawn or self.source_text != self._drawn:
             self.set_markdown(segment.text)
 
     def append_plain(self, text: str) -> None:
@@ -529,6 +565,7 @@ class SegmentsView(QWidget):
         self._widgets: list[CodeBlock | ProseView] = []
         self._text = ""
         self._rendered = ""  # the text the widgets show as rendered markdown
+        self._code_takes_text = False  # whether a streamed delta may go into the last code block as it is
         self._render_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
             self, singleShot=True, interval=RENDER_INTERVAL_MS, timeout=self._render
         )
@@ -551,7 +588,8 @@ class SegmentsView(QWidget):
         self._text += delta
         last = self._widgets[-1] if self._widgets else None
         fence_risk = "`" in delta or "~" in delta
-        if last is not None and in_sync and not fence_risk:
+        takes_plain = isinstance(last, ProseView) or self._code_takes_text
+        if last is not None and in_sync and not fence_risk and takes_plain:
             if isinstance(last, ProseView):
                 last.append_plain(delta)
             else:
@@ -587,6 +625,15 @@ class SegmentsView(QWidget):
             self._layout.addWidget(w)
             self._widgets.append(w)
         self._rendered = self._text
+        # text goes straight into the last code block only while it is open and past its fence's line: what
+        # follows "```" may be the language, and what follows a closing fence is the next paragraph
+        last = segments[-1] if segments else None
+        self._code_takes_text = (
+            last is not None
+            and last.kind == "code"
+            and not last.closed
+            and (last.text != "" or self._text.endswith("\n"))
+        )
 
     def code_blocks(self) -> list[CodeBlock]:
         return [w for w in self._widgets if isinstance(w, CodeBlock)]

@@ -139,6 +139,92 @@ def test_text_streamed_after_a_render_is_drawn_as_markdown_too(qtbot):
         assert again._widgets[0].toPlainText() == shown
 
 
+def _shown(view: SegmentsView) -> list[tuple[str, ...]]:
+    return [
+        ("code", w.lang, w.text, w.edit.toPlainText()) if isinstance(w, CodeBlock) else ("prose", w.toPlainText())
+        for w in view._widgets
+    ]
+
+
+def test_a_newline_streamed_before_a_fence_is_not_left_in_the_prose(qtbot):
+    """A render that fell just before a lone "\n" token ahead of a fence: the newline was appended to the list
+    plain, belonged to no prose segment, and stayed on screen as an empty item "3." after the answer ended."""
+    text = "Steps:\n1. Install it\n2. Run it\n```bash\nmake\n```"
+    whole = SegmentsView(text)
+    view = SegmentsView("")
+    qtbot.addWidget(whole)
+    qtbot.addWidget(view)
+    for batch in ["Steps", ":\n", "1", ".", " Install", " it", "\n", "2", ".", " Run", " it"]:
+        view.append(batch)
+    view.flush()  # the render timer fires here
+    for batch in ["\n", "```", "bash", "\n", "make", "\n", "```"]:
+        view.append(batch)
+    view.flush()  # the stream's end
+    assert _shown(view) == _shown(whole)
+    assert view._widgets[0].toPlainText() == "Steps:\nInstall it\nRun it"
+
+
+def test_text_after_a_fence_waits_for_the_render_that_places_it(qtbot):
+    """Between two renders the language after "```" showed as the block's code, and the paragraph after the
+    closing fence inside the block (a Copy then gave it too)."""
+    view = SegmentsView("")
+    qtbot.addWidget(view)
+    for batch in ["Here:\n", "```"]:
+        view.append(batch)
+    view.flush()
+    for batch in ["python", "\n", "print", "(1)", "\n"]:
+        view.append(batch)
+    assert [w.text for w in view.code_blocks()] == [""]  # not "python\nprint(1)\n" before the render
+    view.flush()
+    view.append("```")
+    view.flush()
+    for batch in ["\n", "That", " prints", " one."]:
+        view.append(batch)
+    assert view.code_blocks()[0].text == "print(1)"
+    view.flush()
+    assert _shown(view) == [
+        ("prose", "Here:"),
+        ("code", "python", "print(1)", "print(1)"),
+        ("prose", "That prints one."),
+    ]
+    view.append("\n```sh\n")
+    view.flush()
+    renders = view.render_count
+    for batch in ["ls", " -l", "\n", "pwd"]:  # inside an open block past its fence's line: straight in
+        view.append(batch)
+    assert view.code_blocks()[1].text == "ls -l\npwd" and view.render_count == renders
+
+
+@pytest.mark.parametrize(
+    "text, code",
+    [
+        (
+            "1. Install:\n    ```bash\n    pip install -r requirements.txt\n    python -m build\n    ```\n2. Run it.",
+            "pip install -r requirements.txt\npython -m build",
+        ),
+        (
+            "- Python:\n  - in a file:\n       ```py\n       def f():\n           return 1\n       ```\n",
+            "def f():\n    return 1",
+        ),
+    ],
+)
+def test_a_fence_indented_under_a_list_item_is_a_code_block(qtbot, text, code):
+    """CommonMark puts a fence indented up to 3 past a list item's content in the item; it stayed in the prose,
+    without a Copy button, each line ending in the two spaces of a hard break when copied."""
+    view = SegmentsView(text)
+    qtbot.addWidget(view)
+    assert [w.text for w in view.code_blocks()] == [code]
+    assert not any(
+        "  \n" in w.toPlainText() or "```" in w.toPlainText() for w in view._widgets if isinstance(w, ProseView)
+    )
+
+
+def test_a_fence_indented_four_outside_a_list_is_text(qtbot):
+    view = SegmentsView("Para\n\n    ```\n    indented code\n")
+    qtbot.addWidget(view)
+    assert view.code_blocks() == []
+
+
 def test_code_block_copy_puts_the_code_on_the_clipboard(qtbot):
     view = SegmentsView("Text\n```js\nconsole.log('hi');\n```")
     qtbot.addWidget(view)
