@@ -8,6 +8,7 @@ markdown is rendered again only on a timer (a few times a second), never once pe
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ from PySide6.QtGui import (
     QImage,
     QSyntaxHighlighter,
     QTextBlock,
+    QTextBlockFormat,
     QTextCharFormat,
     QTextCursor,
     QTextDocument,
@@ -47,6 +49,11 @@ from ui.theme import LIGHT, Colors
 
 MARKDOWN_FEATURES = QTextDocument.MarkdownFeature.MarkdownDialectGitHub | QTextDocument.MarkdownFeature.MarkdownNoHTML
 RENDER_INTERVAL_MS = 250  # markdown of a streaming body is rendered at most 4 times a second
+# ... and a render that takes long waits this many times its own time before the next one: a streamed list of
+# 3,000 items took 1.3 s a render (Qt's markdown reader grows faster than the text), 4 times a second froze the
+# window; this way rendering keeps at most about a fifth of the GUI thread, the text between renders shown plain
+RENDER_SHARE = 4
+_clock = time.perf_counter  # what a render is timed with
 CODE_MAX_LINES = 28  # taller code blocks scroll inside themselves
 
 
@@ -426,7 +433,11 @@ class ProseView(QTextBrowser):
             self._wrap_for(self.source_text[-LONG_WORD - len(text) :])  # a word the new text ends or makes
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertText(text)
+        first, *lines = text.split("\n")
+        cursor.insertText(first)
+        for line in lines:  # each new line a plain block: one that joins a list renumbers and lays out all its items
+            cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+            cursor.insertText(line)
 
     def loadResource(self, kind: int, name: "QUrl | str", /) -> Any:
         """A blank for every image an answer names; nothing else is loaded."""
@@ -456,7 +467,9 @@ class ProseView(QTextBrowser):
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
-        self.document().setTextWidth(self.viewport().width())
+        width = self.viewport().width()
+        if self.document().textWidth() != width:  # setTextWidth lays the whole document out again, even unchanged:
+            self.document().setTextWidth(width)  # each height a streamed line added did that (a long answer's lag)
         self._fit_height()
 
     def sizeHint(self) -> QSize:
@@ -604,6 +617,14 @@ class SegmentsView(QWidget):
         self._render()
 
     def _render(self) -> None:  # not `render`: that would hide QWidget.render(target, ...)
+        started = _clock()
+        try:
+            self._render_now()
+        finally:
+            took_ms = (_clock() - started) * 1e3
+            self._render_timer.setInterval(max(RENDER_INTERVAL_MS, round(RENDER_SHARE * took_ms)))
+
+    def _render_now(self) -> None:
         self.render_count += 1
         segments = split_markdown(self._text)
         keep = 0
