@@ -82,8 +82,16 @@ def list_models(paths: AppPaths, out: TextIO) -> int:
     for notice in recent.notices:
         print(f"gapless: {notice}", file=sys.stderr)
     if folder is not None and not any(w == "folder" for w, _ in rows):
-        print(f"gapless: no models found in {folder}", file=sys.stderr)
+        found = "no models found in" if _is_dir(folder) else "the models folder is not there (a drive not plugged in?):"
+        print(f"gapless: {found} {folder}", file=sys.stderr)
     return 0
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a folder on the way that cannot be entered
+        return False
 
 
 def _models_folder(paths: AppPaths) -> Optional[Path]:

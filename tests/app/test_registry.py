@@ -297,6 +297,20 @@ def test_cli_models_list(tmp_path):
     assert len(lines) == 3
 
 
+def test_cli_models_list_tells_an_absent_models_folder_from_an_empty_one(tmp_path):
+    """A models folder on a drive not plugged in read "no models found", as an empty folder does (the app's
+    Models menu says "folder not found")."""
+    config = tmp_path / "data" / "config"
+    config.mkdir(parents=True)
+    for folder, said in ((tmp_path / "empty", "no models found in"), (tmp_path / "unplugged", "is not there")):
+        folder.parent.mkdir(exist_ok=True)
+        if folder.name == "empty":
+            folder.mkdir()
+        (config / "settings.json").write_text(json.dumps({"version": 1, "models_folder": str(folder)}))
+        r = _cli(["models", "list"], {}, tmp_path)
+        assert r.returncode == 0 and said in r.stderr and str(folder) in r.stderr, r.stderr
+
+
 def test_cli_fetch_default_refuses_a_wrong_download(tmp_path):
     """The real spec against a server that sends something else: one line on stderr, exit 2, nothing kept."""
     import http.server
