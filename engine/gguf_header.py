@@ -362,15 +362,16 @@ def _plain(name: str) -> str:
 def read_gguf_rope(header: GGUFHeader) -> tuple[Optional[str], Optional[float], Optional[np.ndarray]]:
     """(scaling type, scaling factor, per-frequency factors) of a GGUF: its rope scaling metadata, as parsed
     with the header, and its `rope_freqs.weight` tensor (F32), read from the file; None where absent."""
-    factors = None
-    t = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
-    if t is not None:
-        if t.type_name != "F32":
-            raise ModelLoadError(f"{header.path.name}: rope_freqs.weight is {t.type_name}, not F32")
-        factors = np.fromfile(
-            header.path,
-            dtype=np.dtype(header.byte_order + "f4"),
-            count=prod(t.shape),
-            offset=header.data_start + t.offset,
-        )
-    return header.rope_scaling_type, header.rope_scaling_factor, factors
+    return header.rope_scaling_type, header.rope_scaling_factor, read_gguf_f32(header, "rope_freqs.weight")
+
+
+def read_gguf_f32(header: GGUFHeader, name: str) -> Optional[np.ndarray]:
+    """The F32 tensor `name` of a GGUF (a small one: rope factors), read from the file; None where absent."""
+    t = next((t for t in header.tensors if t.name == name), None)
+    if t is None:
+        return None
+    if t.type_name != "F32":
+        raise ModelLoadError(f"{header.path.name}: {name} is {t.type_name}, not F32")
+    return np.fromfile(
+        header.path, dtype=np.dtype(header.byte_order + "f4"), count=prod(t.shape), offset=header.data_start + t.offset
+    )

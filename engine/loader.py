@@ -290,13 +290,9 @@ def _apply_gguf_rope(header, config, label: str) -> None:
             )
         params = rope_parameters(config)
         params.update(rope_type="linear", factor=float(factor))
-        nested = getattr(config, "rope_parameters", None)
-        if isinstance(nested, dict) and isinstance(nested.get("full_attention"), dict):
-            nested["full_attention"] = params  # per layer type (Gemma-3): the scaling is the global layers'
-        elif isinstance(nested, dict):
-            config.rope_parameters = params  # transformers 5 (rope_scaling is its alias there)
-        else:
-            config.rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        _set_rope(config, params)
+    _apply_gguf_rope_dimensions(header, config, label)
+    _apply_gguf_long_rope(header, config, label)
     if freq_factors is not None:
         if config.model_type not in FAST_FAMILIES:
             raise ModelLoadError(
@@ -306,22 +302,100 @@ def _apply_gguf_rope(header, config, label: str) -> None:
         config.rope_freq_factors = [float(x) for x in freq_factors]
 
 
+def _set_rope(config, params: dict) -> None:
+    """`params` (engine.model.rope_parameters' form) as the config's rope settings, in the form it keeps them."""
+    nested = getattr(config, "rope_parameters", None)
+    if isinstance(nested, dict) and isinstance(nested.get("full_attention"), dict):
+        nested["full_attention"] = params  # per layer type (Gemma-3): the scaling is the global layers'
+    elif isinstance(nested, dict):
+        config.rope_parameters = params  # transformers 5 (rope_scaling is its alias there)
+    else:
+        config.rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+
+
+def _head_size(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _apply_gguf_rope_dimensions(header, config, label: str) -> None:
+    """A rope over part of each head (`rope.dimension_count` below the head size: Phi-4-mini's 0.75), which
+    transformers' GGUF reading of Phi-3 leaves out: set as the config's partial_rotary_factor where its model
+    class takes one; refused where it does not (the fast path rotates whole heads)."""
+    from engine.model import FAST_FAMILIES, rope_parameters
+
+    dims = header.metadata.get(f"{header.architecture}.rope.dimension_count")
+    if not isinstance(dims, int) or isinstance(dims, bool) or not getattr(config, "num_attention_heads", None):
+        return
+    head = _head_size(config)
+    params = rope_parameters(config)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if round((partial or 1.0) * head) == dims:
+        return
+    if partial is None or config.model_type in FAST_FAMILIES or not 0 < dims < head:
+        raise ModelLoadError(
+            f"{label}: this GGUF rotates {dims} of each head's {head} dimensions, which Gapless does not run "
+            f"for {config.model_type}"
+        )
+    params["partial_rotary_factor"] = dims / head
+    _set_rope(config, params)
+    if hasattr(config, "partial_rotary_factor"):
+        config.partial_rotary_factor = dims / head
+
+
+LONG_ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # llama.cpp's, for Phi-3's longrope
+
+
+def _apply_gguf_long_rope(header, config, label: str) -> None:
+    """Phi-3's long-context rope (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): llama.cpp writes its factors as
+    two tensors and its scale and original context as metadata, none of which transformers' GGUF reading
+    takes. Set on the config as transformers' longrope; refused for a model class without it."""
+    from engine.gguf_header import read_gguf_f32
+    from engine.model import rope_parameters
+
+    long, short = (read_gguf_f32(header, name) for name in LONG_ROPE_TENSORS)
+    if long is None and short is None:
+        return
+    if long is None or short is None or config.model_type != "phi3":
+        raise ModelLoadError(
+            f"{label}: the long-context rope factors ({', '.join(LONG_ROPE_TENSORS)}) of this "
+            f"{config.model_type} GGUF are not supported; its Hugging Face folder can be opened instead"
+        )
+    params = rope_parameters(config)
+    rotated = round(params.get("partial_rotary_factor", 1.0) * _head_size(config))
+    if len(long) != rotated // 2 or len(short) != rotated // 2:
+        raise ModelLoadError(
+            f"{label}: corrupt GGUF: {len(long)} long and {len(short)} short rope factors for "
+            f"{rotated}-dimension rotations (expected {rotated // 2} each)"
+        )
+    arch = header.architecture
+    original = header.metadata.get(f"{arch}.rope.scaling.original_context_length")
+    scale = header.metadata.get(f"{arch}.rope.scaling.attn_factor")
+    params.update(rope_type="longrope", long_factor=[float(x) for x in long], short_factor=[float(x) for x in short])
+    if isinstance(original, int) and not isinstance(original, bool) and original > 0:
+        params["original_max_position_embeddings"] = original
+        config.original_max_position_embeddings = original
+    if isinstance(scale, float) and scale > 0:
+        params["attention_factor"] = scale
+    _set_rope(config, params)
+
+
 def _apply_gguf_settings(header, config, label: str) -> None:
     """What a GGUF means that transformers' reading of it leaves out, on either load path."""
     _apply_gguf_rope(header, config, label)
     _apply_gguf_attention_scale(config)
 
 
-GEMMA3_27B_LAYERS = 62  # how llama.cpp tells Gemma-3 27B from the smaller sizes
+# how llama.cpp tells the 27B models of Gemma-2 and Gemma-3 from their smaller sizes
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
 def _apply_gguf_attention_scale(config) -> None:
-    """Gemma-3's attention scale, which a GGUF does not store, as llama.cpp takes it: 1/sqrt(head size), and for
-    the 27B model 1/sqrt(hidden / heads) (168, as its original config says). transformers' GGUF reading leaves
-    its default of 256, which is the head size of the 270M to 12B models only."""
-    if config.model_type != "gemma3_text":
+    """Gemma-2's and Gemma-3's attention scale, which a GGUF does not store, as llama.cpp takes it: 1/sqrt(head
+    size), and for the 27B models 1/sqrt(hidden / heads) (144 and 168, as their original configs say).
+    transformers' GGUF reading leaves its default of 256, the head size of the smaller models only."""
+    if config.model_type not in GEMMA_27B_LAYERS:
         return
-    if config.num_hidden_layers == GEMMA3_27B_LAYERS:
+    if config.num_hidden_layers == GEMMA_27B_LAYERS[config.model_type]:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     else:
         config.query_pre_attn_scalar = config.head_dim

@@ -141,6 +141,68 @@ def hf_llama_to_gguf(
     return out
 
 
+def hf_to_gguf(
+    hf_folder: Path,
+    out: Path,
+    architecture: str,
+    metadata: Optional[dict[str, Any]] = None,
+    tensors: Optional[dict[str, np.ndarray]] = None,
+) -> Path:
+    """Write the tiny model in `hf_folder` as a GGUF of `architecture` (one transformers reads through its own
+    GGUF path: phi3, gemma2, ...), its settings under the keys transformers maps, F32 weights named by
+    transformers' own map, Gemma's norms stored as llama.cpp stores them; `metadata` adds keys (ints as
+    uint32, floats as float32), `tensors` adds F32 tensors (llama.cpp's rope factors)."""
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    hf_folder, out = Path(hf_folder), Path(out)
+    cfg = AutoConfig.from_pretrained(hf_folder)
+    model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    w = gguf.GGUFWriter(str(out), architecture)
+    w.add_name(f"tiny {architecture}")
+    values = {}
+    for key, attr in GGUF_CONFIG_MAPPING[architecture].items():
+        value = getattr(cfg, attr, None) if attr else None
+        if attr == "rope_theta" and value is None:
+            value = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+        if value is not None and not isinstance(value, (list, dict)):
+            values[f"{architecture}.{key}"] = value
+    for key, value in {**values, **(metadata or {})}.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, str(value))
+    _add_tokenizer(w, hf_folder, cfg.vocab_size)
+    names = get_gguf_hf_weights_map(model, TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config={}))
+    gguf_of = {}
+    for g, h in names.items():
+        gguf_of.setdefault(h, g)
+    written = set()
+    for hf, t in model.state_dict().items():
+        name = gguf_of.get(hf)
+        if name is None or name in written:  # a tied head is the embedding's
+            continue
+        written.add(name)
+        arr = t.detach().float().numpy()
+        if architecture.startswith("gemma") and hf.endswith("norm.weight"):
+            arr = arr + 1  # llama.cpp stores Gemma's norms as the factor they scale by (1 + weight)
+        w.add_tensor(name, np.ascontiguousarray(arr))
+    for name, values_ in (tensors or {}).items():
+        w.add_tensor(name, np.asarray(values_, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def _add_settings(w, cfg: dict, architecture: str = "llama", rope_scaling: Optional[tuple[str, float]] = None) -> None:
     import gguf
 

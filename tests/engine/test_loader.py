@@ -297,3 +297,122 @@ def test_quantised_folder_is_refused_with_its_method(tiny_llama, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"fp8: the weights are quantised \(fp8\)"):
         load_checkpoint(str(folder))
+
+
+# ---- GGUF settings transformers' GGUF reading leaves out -----------------------------------------------------
+
+
+def _wide_weights(folder: Path, std: float = 0.25) -> Path:
+    """The tiny model's matrices drawn wider, so that a wrong rope or attention scale changes its answer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _answers(folder: Path, gguf_path: Path, words: int) -> tuple[list[int], list[int], list[int]]:
+    """(Gapless on the GGUF, the Hugging Face model it was written from, transformers' own GGUF reading): the
+    greedy tokens each gives after a prompt of `words` words."""
+    from tiny_models import greedy_continuation
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from engine.engine import Engine
+    from engine.prompt import build_prompt
+    from engine.types import EngineOptions, SamplingParams
+
+    messages = [{"role": "user", "content": " ".join(["hello world the quick"] * (words // 4))}]
+    engine = Engine.load(str(gguf_path), EngineOptions(device="cpu"))
+    try:
+        ours = engine.generate(messages, SamplingParams(temperature=0.0, max_new_tokens=8)).token_ids[0]
+        prompt = build_prompt(engine.tokenizer, messages, engine.context_length, 8).ids
+    finally:
+        engine.close()
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    theirs = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    theirs.load_state_dict(
+        load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=theirs)["tensors"], strict=False
+    )
+    theirs.tie_weights()
+    return ours, greedy_continuation(reference, prompt, 8, None), greedy_continuation(theirs.eval(), prompt, 8, None)
+
+
+@pytest.mark.parametrize("words", [8, 120])  # within the original context (short factors), past it (long)
+def test_a_phi3_gguf_takes_its_long_context_rope(tmp_path, words):
+    """Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini: llama.cpp stores the longrope factors as two tensors and their
+    scale as metadata, which transformers' GGUF reading drops: the answers were those of a model without them."""
+    import math
+
+    from gguf_fixtures import hf_to_gguf
+    from tiny_models import make_tiny_model
+
+    short = [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.5, 5.0]
+    long = [1.2, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0]
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long}
+    folder = _wide_weights(
+        make_tiny_model(
+            tmp_path / "phi3",
+            "phi3",
+            max_position_embeddings=1024,
+            original_max_position_embeddings=64,
+            rope_parameters={**rope, "original_max_position_embeddings": 64},
+        )
+    )
+    scale = math.sqrt(1 + math.log(1024 / 64) / math.log(64))
+    path = hf_to_gguf(
+        folder,
+        tmp_path / "phi3.gguf",
+        "phi3",
+        metadata={"phi3.rope.scaling.attn_factor": scale, "phi3.rope.scaling.original_context_length": 64},
+        tensors={"rope_factors_long.weight": long, "rope_factors_short.weight": short},
+    )
+    ours, model, without = _answers(folder, path, words)
+    assert ours == model and without != model
+
+
+def test_a_phi3_gguf_rotates_the_part_of_each_head_it_says(tmp_path):
+    """Phi-4-mini rotates three quarters of each head (rope.dimension_count); transformers' GGUF reading of
+    Phi-3 rotated all of it."""
+    from gguf_fixtures import hf_to_gguf
+    from tiny_models import make_tiny_model
+
+    folder = _wide_weights(make_tiny_model(tmp_path / "phi3", "phi3", partial_rotary_factor=0.5))
+    path = hf_to_gguf(folder, tmp_path / "phi3.gguf", "phi3", metadata={"phi3.rope.dimension_count": 8})
+    ours, model, without = _answers(folder, path, 8)
+    assert ours == model and without != model
+
+
+def test_a_gemma2_gguf_takes_llama_cpps_attention_scale(tmp_path):
+    """Gemma-2 27B's scale is 1/sqrt(hidden / heads), not its head size's (as Gemma-3 27B's): transformers' GGUF
+    reading leaves 256 whatever the head size."""
+    from gguf_fixtures import hf_to_gguf
+    from tiny_models import make_tiny_model
+
+    folder = _wide_weights(
+        make_tiny_model(tmp_path / "gemma2", "gemma2", head_dim=16, query_pre_attn_scalar=16), std=0.1
+    )
+    path = hf_to_gguf(folder, tmp_path / "gemma2.gguf", "gemma2")
+    assert load_checkpoint(str(path)).config.query_pre_attn_scalar == 16
+    ours, model, without = _answers(folder, path, 8)
+    assert ours == model and without != model
+
+
+def test_long_context_rope_factors_of_a_model_without_longrope_are_refused(tiny_factory, tmp_path):
+    """transformers' GGUF reading drops tensors its model does not take: answers without the factors would be
+    wrong. A clear refusal, as for a rope scaling the loader does not know (the native path refuses any tensor
+    its model does not have)."""
+    from gguf_fixtures import hf_to_gguf
+
+    from engine.errors import ModelLoadError
+
+    factors = {"rope_factors_long.weight": [2.0] * 8, "rope_factors_short.weight": [1.0] * 8}
+    path = hf_to_gguf(tiny_factory("gemma2", head_dim=16), tmp_path / "long.gguf", "gemma2", tensors=factors)
+    with pytest.raises(ModelLoadError, match=r"long-context rope factors .* of this gemma2 GGUF are not supported"):
+        load_checkpoint(str(path))
