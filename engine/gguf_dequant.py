@@ -9,7 +9,7 @@ into the output (no fp32 temporary, no copy): half the time of the default model
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -166,7 +166,41 @@ _KERNELS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def supported(type_name: str) -> bool:
-    return type_name in BLOCKS
+    """Whether a tensor of this ggml type is de-quantised here: by this module's kernels, or, for the types
+    they do not cover (Q2_K, Q3_K, the IQ and TQ types, MXFP4, ...), by the `gguf` package's numpy code one
+    chunk of rows at a time, into the asked dtype like the others (rarer types: correct before fast)."""
+    return type_name in BLOCKS or _package_type(type_name) is not None
+
+
+_PACKAGE_TYPES: dict[str, Any] = {}
+
+
+def _package_type(type_name: str) -> Any:
+    """The `gguf` package's GGMLQuantizationType for `type_name` where the package de-quantises it, else None."""
+    if type_name not in _PACKAGE_TYPES:
+        import gguf
+        import numpy as np
+
+        found = None
+        q = getattr(gguf.GGMLQuantizationType, type_name, None)
+        if q is not None and q in gguf.GGML_QUANT_SIZES:
+            try:
+                gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[q][1]), np.uint8), q)
+                found = q
+            except (NotImplementedError, ValueError, TypeError):  # a type the package only names
+                pass
+        _PACKAGE_TYPES[type_name] = found
+    return _PACKAGE_TYPES[type_name]
+
+
+def _package_kernel(q: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    def kernel(blocks: torch.Tensor) -> torch.Tensor:
+        import gguf
+
+        values = gguf.quants.dequantize(blocks.cpu().numpy(), q)  # fp32, as this module's own kernels give
+        return torch.from_numpy(values).to(blocks.device)
+
+    return kernel
 
 
 def dequantize(
@@ -182,9 +216,15 @@ def dequantize(
 
     A result that would alias `raw` (the same stored type and dtype) is a copy, so it never pins the file's
     mapping."""
-    if type_name not in BLOCKS:
+    package = None if type_name in BLOCKS else _package_type(type_name)
+    if type_name not in BLOCKS and package is None:
         raise ValueError(f"no de-quantisation for ggml type {type_name}")
-    block, size = BLOCKS[type_name]
+    if package is not None:
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[package]
+    else:
+        block, size = BLOCKS[type_name]
     cols = shape[-1] if shape else 1
     rows = raw.numel() // size * block // cols
     if cols % block or rows * cols // block * size != raw.numel():
@@ -199,7 +239,7 @@ def dequantize(
         out.copy_(raw.view(_PLAIN[type_name]))
         return out.view(shape)
     into = _INTO_FP32.get(type_name) if dtype == torch.float32 else None
-    kernel = _KERNELS[type_name]
+    kernel = _KERNELS[type_name] if package is None else _package_kernel(package)
     step = max(1, CHUNK_ELEMENTS // cols)
     for r in range(0, rows, step):
         part = raw[r : r + step]

@@ -46,6 +46,13 @@ _HALF_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    # types only the gguf package de-quantises here (engine.gguf_dequant)
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "TQ1_0": (52,),
+    "TQ2_0": (64,),
 }
 
 
