@@ -279,8 +279,13 @@ class ChatFlow(QObject):
         )
 
     def reload(self) -> None:
-        self.threadChanged.emit(self._guard(self.items) or [])
         a = self.answer
+        if a is not None and a.chat_id == self.chat_id and not a.message_ids:
+            # asked, not yet begun (the engine busy with the server's answer): the branch to the question it
+            # answers; a regenerate's old answer is still the stored leaf until the new one is stored
+            self.threadChanged.emit(self._guard(lambda: self.items(a.parent_id)) or [])
+        else:
+            self.threadChanged.emit(self._guard(self.items) or [])
         if a is not None and a.chat_id == self.chat_id and a.savers:
             self.streamStarted.emit(MessageItem(None, "assistant", "", author=a.model_name or ""), a.candidates)
             self.streamDelta.emit({i: s.text for i, s in enumerate(a.savers)})

@@ -159,6 +159,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX messages_by_parent ON messages(parent_id, id)",
         "CREATE INDEX chats_by_updated ON chats(updated DESC, id DESC)",
     ),
+    # When each message was last on the branch shown: where branches part, the chat goes down the one the user
+    # was on last (a candidate chosen, a version gone back to), not the newest (NULL: never shown since).
+    6: ("ALTER TABLE messages ADD COLUMN shown REAL",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -219,6 +222,13 @@ class Message:
 _MESSAGE_COLUMNS = (
     "id, chat_id, parent_id, role, content, status, created, updated, options_json, metrics_json, "
     "candidate_group, candidate_index, model_name"
+)
+# the child of a message shown last, else its newest
+_SHOWN_CHILD = "SELECT id FROM messages WHERE parent_id = ? ORDER BY shown IS NULL, shown DESC, id DESC LIMIT 1"
+# a branch's messages, from its leaf up, marked shown at a time
+_MARK_SHOWN = (
+    "WITH RECURSIVE branch(id) AS (SELECT ? UNION ALL SELECT m.parent_id FROM messages m JOIN branch ON m.id = "
+    "branch.id WHERE m.parent_id IS NOT NULL) UPDATE messages SET shown = ? WHERE id IN (SELECT id FROM branch)"
 )
 _CHAT_COLUMNS = "id, title, created, updated, system_prompt, sampling_json, active_leaf_id, overflow_policy"
 
@@ -462,6 +472,7 @@ class ChatStore:
         self.notices: list[str] = []  # for the user: the database was repaired, moved aside, ...
         self._lock = threading.RLock()
         self._busy_timeout_ms = busy_timeout_ms
+        self._last_shown = 0.0  # the last time messages were marked shown (_shown_now)
         self.owner = f"{_HOST}|{os.getpid()}|{uuid.uuid4().hex[:12]}"  # kept on the answers it streams
         self._db: Optional[sqlite3.Connection] = self._open()
         self._search_db: Optional[sqlite3.Connection] = None  # search_titles' own, made when first searched
@@ -900,7 +911,8 @@ class ChatStore:
             ),
         )
         message_id = _inserted_id(cur)
-        if not candidate_index:
+        if not candidate_index:  # under the branch shown (its path is marked shown already): it alone is new
+            db.execute("UPDATE messages SET shown = ? WHERE id = ?", (self._shown_now(), message_id))
             db.execute("UPDATE chats SET active_leaf_id = ?, updated = ? WHERE id = ?", (message_id, now, chat_id))
         else:
             db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
@@ -963,8 +975,7 @@ class ChatStore:
             active = db.execute("SELECT active_leaf_id FROM chats WHERE id = ?", (chat_id,)).fetchone()[0]
             self._delete(db, doomed)
             if active is None or active in doomed:
-                leaf = self._newest_leaf(db, chat_id, parent_id)
-                db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (leaf, chat_id))
+                self._show(db, chat_id, self._newest_leaf(db, chat_id, parent_id))
             db.execute("UPDATE chats SET updated = ? WHERE id = ?", (time.time(), chat_id))
 
     @staticmethod
@@ -1022,27 +1033,46 @@ class ChatStore:
         return {m: (i, len(ids)) for ids in by_parent.values() for i, m in enumerate(ids)}
 
     def set_active_leaf(self, chat_id: int, leaf_id: int) -> int:
-        """Show the branch through `leaf_id`: from it, follow the newest child down to a leaf. Returns that leaf."""
+        """Show the branch through `leaf_id`: from it down to a leaf, at each branch point the child shown last
+        (the newest where none was shown). Returns that leaf."""
         with self._write("switch the branch") as db:
             row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (leaf_id,)).fetchone()
             if row is None or row[0] != chat_id:
                 raise StoreError(f"message {leaf_id} is not in chat {chat_id}")
             leaf = self._descend(db, leaf_id)
-            db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (leaf, chat_id))
+            self._show(db, chat_id, leaf)
         return leaf
+
+    def _show(self, db: sqlite3.Connection, chat_id: int, leaf: Optional[int]) -> None:
+        """Make the branch ending at `leaf` the one shown, and mark its messages shown now."""
+        db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (leaf, chat_id))
+        if leaf is not None:
+            db.execute(_MARK_SHOWN, (leaf, self._shown_now()))
+
+    def _shown_now(self) -> float:
+        """The time to mark messages shown with: later than every mark before it from this store, however close
+        (a clock that ticks every 15 ms would tie two quick switches, and the older would win)."""
+        self._last_shown = max(time.time(), self._last_shown + 1e-6)
+        return self._last_shown
 
     @staticmethod
     def _descend(db: sqlite3.Connection, message_id: int) -> int:
         while True:
-            row = db.execute("SELECT MAX(id) FROM messages WHERE parent_id = ?", (message_id,)).fetchone()
-            if row[0] is None:
+            row = db.execute(_SHOWN_CHILD, (message_id,)).fetchone()
+            if row is None:
                 return message_id
             message_id = row[0]
 
     def _newest_leaf(self, db: sqlite3.Connection, chat_id: int, parent_id: Optional[int]) -> Optional[int]:
         if parent_id is not None:
             return self._descend(db, parent_id)
-        row = db.execute("SELECT MAX(id) FROM messages WHERE chat_id = ? AND parent_id IS NULL", (chat_id,)).fetchone()
+        row = db.execute(
+            "SELECT id FROM messages WHERE chat_id = ? AND parent_id IS NULL ORDER BY shown IS NULL, shown DESC, id DESC"
+            " LIMIT 1",
+            (chat_id,),
+        ).fetchone()
+        if row is None:
+            return None
         return None if row[0] is None else self._descend(db, row[0])
 
     def all_messages(self, chat_id: int) -> list[Message]:
@@ -1097,7 +1127,7 @@ class ChatStore:
                 )
                 ids.append(_inserted_id(cur))
             if chat.active_leaf is not None:
-                db.execute("UPDATE chats SET active_leaf_id = ? WHERE id = ?", (ids[chat.active_leaf], chat_id))
+                self._show(db, chat_id, ids[chat.active_leaf])
         return chat_id
 
     def count_messages(self, chat_id: Optional[int] = None) -> int:

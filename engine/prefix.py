@@ -211,6 +211,8 @@ def _read(
     """Run forward(a, b) over each span of prompt positions; the last span's logits (spans is never empty: the
     last prompt position is always computed)."""
     logits = torch.empty(0)
+    if cancel is not None and cancel.is_set():  # stopped while it waited its turn: not one token is read
+        raise PrefillCancelled(spans[0][0], total)
     for i, (a, b) in enumerate(spans):
         logits = forward(a, b)
         _between(b, total, i == len(spans) - 1, progress, cancel)

@@ -121,7 +121,8 @@ def test_edit_and_resend_creates_a_branch_and_both_stay_reachable(store):
     r2 = store.add_message(chat.id, "user", "q1 again", None)
     assert [m.id for m in store.siblings(u1.id)] == [u1.id, r2.id]
     assert texts(store.thread(chat.id)) == ["q1 again"]
-    assert store.set_active_leaf(chat.id, u1.id) == u2b.id + 1  # newest descendant of u1 is a2b
+    # back to u1: down the branch shown last under it (q2's, gone back to above), not the newest (q2 edited's)
+    assert store.set_active_leaf(chat.id, u1.id) == a2.id
     with pytest.raises(StoreError, match="is not in chat"):
         store.set_active_leaf(store.create_chat().id, u1.id)
 
@@ -398,7 +399,7 @@ def test_a_schema_2_database_gains_the_compare_history_and_keeps_its_chats(tmp_p
         history = CompareHistory(s)
         assert history.rows() == []
         history.add(1, "eager", EngineOptions(device="cpu"), metrics(20.0))
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
 
 
 def test_an_id_is_never_given_again_after_its_chat_or_message_is_deleted(tmp_path):

@@ -1276,3 +1276,119 @@ def test_switching_chats_lists_what_another_window_changed_meanwhile(qtbot, data
         assert w.flow.chat_id == ids[1] and w.chat_list.current_id() == ids[1] and listed == []
     finally:
         close_app(gui)
+
+
+# ---- which branch a chat shows -----------------------------------------------------------------------------
+
+
+def _shown(w) -> list[tuple[str, str, str]]:
+    """Each message on screen: its role, its text, and its "n/m" where it has siblings."""
+    return [
+        (m.item.role, m.body.text, m.branch_label.text() if m.item.sibling_count > 1 else "")
+        for m in w.chat_view.messages()
+    ]
+
+
+def test_a_chosen_candidate_and_what_followed_come_back_after_an_edit_above(qtbot, tmp_path, tiny_llama):
+    """Back to the first version of an edited question, the chat went down the newest answer under it, an
+    unchosen candidate with nothing after it: the chosen one and the follow-up looked lost."""
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w = gui.window
+        w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+        with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):
+            w.toggles.candidates.setValue(3)
+        send(qtbot, gui, "hello")
+        w.chat_view.candidate_tabs().use_buttons[0].click()
+        with qtbot.waitSignal(gui.controller.reconfigured, timeout=TIMEOUT_MS):
+            w.toggles.candidates.setValue(1)
+        send(qtbot, gui, "my follow-up question")
+        before = _shown(w)
+        question = w.chat_view.messages()[0]
+        question.start_edit()
+        question.editor_text.setPlainText("hello again")
+        with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS):
+            question._edit_send.click()
+        qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+        w.chat_view.messages()[0].prev_button.click()
+        assert _shown(w) == [(before[0][0], before[0][1], "1/2"), *before[1:]]
+        assert before[1][2] == "1/3" and before[2][1] == "my follow-up question"
+    finally:
+        close_app(gui)
+
+
+def test_a_regenerate_stopped_before_its_first_word_leaves_the_version_looked_at(
+    qtbot, tmp_path, tiny_llama, monkeypatch
+):
+    """Regenerating version 1 of an answer and stopping at once (while it waited for the engine): the chat jumped
+    to version 2 and what followed it, and the engine still wrote one token, kept as a version "3/3"."""
+    import threading
+
+    from app.worker import EngineWorker
+
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w = gui.window
+        w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=None)
+        send(qtbot, gui, "hello")
+        with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS):
+            w.chat_view.messages()[1].regen_button.click()
+        qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+        send(qtbot, gui, "follow-up under version 2")
+        w.chat_view.messages()[1].prev_button.click()  # back to version 1
+        looked_at = _shown(w)
+        assert looked_at[1][2] == "1/2" and len(looked_at) == 2
+        gate = threading.Event()
+        real = EngineWorker._generate
+
+        def late(self, cmd):
+            gate.wait(30)
+            real(self, cmd)
+
+        monkeypatch.setattr(EngineWorker, "_generate", late)
+        w.chat_view.messages()[1].regen_button.click()
+        w.composer.stop_button.click()
+        with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS) as finished:
+            gate.set()
+        qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+        assert finished.args[1].token_ids == [[]]
+        assert _shown(w) == looked_at
+        assert [m.content for m in gui.store.thread(w.flow.chat_id)] == [t for _, t, _ in looked_at]
+    finally:
+        close_app(gui)
+
+
+def test_a_regenerate_waiting_for_the_engine_shows_its_branch_after_a_visit_to_another_chat(
+    qtbot, tmp_path, tiny_llama, monkeypatch
+):
+    """The engine busy (the app's server answering a client): back from another chat, the old answer's whole
+    branch was shown with the new answer under it, and the next message went under what the store held."""
+    import threading
+
+    from app.worker import Call
+
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    try:
+        w, c = gui.window, gui.controller
+        w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=6, seed=0)
+        send(qtbot, gui, "hello world")
+        send(qtbot, gui, "the quick brown fox")
+        chat = w.flow.chat_id
+        w.new_chat()
+        send(qtbot, gui, "Paris")
+        other = w.flow.chat_id
+        w.chat_list.chatSelected.emit(chat)
+        busy, release = threading.Event(), threading.Event()
+        c.worker.commands.put(Call(lambda _engine: (busy.set(), release.wait(60)), threading.Event()))
+        assert busy.wait(60)
+        w.chat_view.messages()[1].regen_button.click()  # a new first answer
+        w.chat_list.chatSelected.emit(other)
+        w.chat_list.chatSelected.emit(chat)
+        assert [t for _, t, _ in _shown(w)] == ["hello world"]  # the question, its new answer to come
+        with qtbot.waitSignal(c.generationFinished, timeout=TIMEOUT_MS):
+            release.set()
+        qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+        assert [(r, t) for r, t, _ in _shown(w)] == [(m.role, m.content) for m in gui.store.thread(chat)]
+        assert len(_shown(w)) == 2
+    finally:
+        close_app(gui)
