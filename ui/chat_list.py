@@ -117,6 +117,7 @@ class _ChatListWidget(QListWidget):
 
 class ChatList(QFrame):
     chatSelected = Signal(int)
+    chatClicked = Signal(int)  # picked with the mouse: the window gives the keyboard to the composer
     newChatRequested = Signal()
     renameRequested = Signal(int, str)
     deleteRequested = Signal(int)
@@ -151,6 +152,8 @@ class ChatList(QFrame):
         self.list.deletePressed.connect(self._delete_current)
         self.list.menuPressed.connect(self._current_menu)
         self.list.currentItemChanged.connect(self._current_changed)
+        # a chat clicked, then typing: the letters went to the list's type-ahead, which opened another chat
+        self.list.itemClicked.connect(lambda item: self.chatClicked.emit(item.data(Qt.ItemDataRole.UserRole)))
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.setUniformItemSizes(True)  # one line each: laid out without measuring every title of thousands

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from PySide6.QtCore import QEvent, Qt, Signal
-from PySide6.QtWidgets import QFrame, QLabel, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QApplication, QFrame, QLabel, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
 from app.chat_flow import MessageItem
 from ui.message import CandidateTabs, MessageWidget
@@ -35,11 +35,18 @@ class ChatView(QScrollArea):
     siblingRequested = Signal(object, int)  # message id, -1 | +1
     candidateChosen = Signal(int)  # candidate index of the streamed batch
     candidateShown = Signal(int)  # the candidate tab now on screen
+    # a message holding the keyboard focus went (a branch switched, the chat shown again): the focus waits on the
+    # conversation, and the window gives it to the composer
+    focusReleased = Signal()
 
     def __init__(self, colors: Colors = LIGHT, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.setObjectName("chatView")
         self.setAccessibleName("Conversation")  # a Tab stop of its own (it scrolls with the keys)
+        # by Tab only: a click on a message's Copy or ‹ (buttons Tab reaches, not a click) left the focus in the
+        # conversation, the nearest that took a click, and what was typed next went nowhere
+        self.setFocusPolicy(Qt.FocusPolicy.TabFocus)
+        self._clearing = False
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         # The column follows the view's width and wraps; only below its narrowest does it scroll sideways.
@@ -152,13 +159,24 @@ class ChatView(QScrollArea):
     def _clear(self, keep: int = 0) -> None:
         """Remove the shown messages after the first `keep`."""
         self._drop_anchor()
-        for w in self._widgets[keep:]:
-            self._column.removeWidget(w)
-            w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
-            w.deleteLater()
-        self._widgets = self._widgets[:keep]
+        doomed: list[QWidget] = [*self._widgets[keep:], *([self._candidates] if self._candidates else [])]
+        focused = QApplication.focusWidget() or self.window().focusWidget()  # the window's, while a box is up
+        released = focused is not None and any(w is focused or w.isAncestorOf(focused) for w in doomed)
+        if released:  # parked here first: hiding the focused widget had Qt tab on to "Show earlier messages",
+            self.setFocus(Qt.FocusReason.OtherFocusReason)  # which scrolled to the top and built 40 more
+        self._clearing = True
+        try:
+            for w in self._widgets[keep:]:
+                self._column.removeWidget(w)
+                w.hide()  # deleted later, maybe after a nested event loop (a menu) has painted the new chat
+                w.deleteLater()
+            self._widgets = self._widgets[:keep]
+        finally:
+            self._clearing = False
         self._stream = None
         self._drop_candidates()
+        if released:
+            self.focusReleased.emit()
 
     def _connect(self, w: MessageWidget) -> None:
         w.editSubmitted.connect(self.editSubmitted)
@@ -288,7 +306,7 @@ class ChatView(QScrollArea):
     def _on_scrolled(self, value: int) -> None:
         bar = self.verticalScrollBar()
         self._stick = value >= bar.maximum() - 8
-        if value == bar.minimum() and self._unbuilt and bar.maximum() > 0:
+        if value == bar.minimum() and self._unbuilt and bar.maximum() > 0 and not self._clearing:
             self.show_earlier()  # the user reached the top
 
     def _on_range(self, _lo: int, hi: int) -> None:

@@ -55,6 +55,7 @@ class ComposerEdit(TypingBox):
                 self.submit.emit()
                 return
             self.textCursor().insertText("\n")  # Shift/Ctrl+Enter: a newline, never a send
+            self.ensureCursorVisible()  # in a draft taller than the box, the new line was below its bottom
             return
         super().keyPressEvent(event)
 

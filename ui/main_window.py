@@ -347,6 +347,7 @@ class MainWindow(QMainWindow):
         recount = lambda *_a: self.recount_context()  # noqa: E731 - one slot for several signals
         wiring: list[tuple[Any, Callable]] = [
             (chats.chatSelected, f.open_chat),
+            (chats.chatClicked, lambda _id: self.composer.edit.setFocus()),
             (chats.newChatRequested, self.new_chat),
             (chats.renameRequested, f.rename_chat),
             (chats.deleteRequested, f.delete_chat),
@@ -366,6 +367,7 @@ class MainWindow(QMainWindow):
             (f.failed, self._failed),
             (v.editSubmitted, f.edit),
             (v.editSubmitted, lambda _id, _text: self.composer.edit.setFocus()),
+            (v.focusReleased, self.composer.edit.setFocus),
             (v.regenerateRequested, f.regenerate),
             (v.deleteRequested, self.ask_delete_message),
             (v.siblingRequested, f.step_sibling),
@@ -384,6 +386,7 @@ class MainWindow(QMainWindow):
             (model.forgetRequested, self.forget_model),
             (model.clearRecentRequested, self.clear_recent_models),
             (model.folderUsed, self._folder_used),
+            (model.focusReleased, self.composer.edit.setFocus),
             (self.toggles.folderUsed, self._folder_used),
             (self.toggles.columnsChanged, lambda _n: QTimer.singleShot(0, self, self._fit_dock_heights)),
             (self.toggles.optionsChanged, self._options_chosen),

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import (
+    QApplication,
     QFileDialog,
     QGridLayout,
     QGroupBox,
@@ -51,6 +52,9 @@ class ModelPanel(QGroupBox):
     openRequested = Signal(str)  # "default", a GGUF path or a folder
     modelsFolderChosen = Signal(str)  # a folder to scan for models
     folderUsed = Signal(str)  # the folder a file dialog was left in (the next one starts there)
+    # the button holding the keyboard focus was disabled by a load: the window gives it to the composer (Qt
+    # passed it to the next control, the Preset list, where an arrow key changed the optimizations)
+    focusReleased = Signal()
     remoteRequested = Signal(str, str, str, float)  # base URL, model, API key ("": keep the stored one), timeout s
     forgetRequested = Signal(str)  # a recent model to take off the list (its file is left alone)
     clearRecentRequested = Signal()  # every recent model off the list
@@ -244,8 +248,15 @@ class ModelPanel(QGroupBox):
             self.status.setText("Ready")
 
     def _set_buttons(self, enabled: bool) -> None:
-        for b in (self.open_file_button, self.open_folder_button, self.remote_button, self.recent_button):
+        buttons = (self.open_file_button, self.open_folder_button, self.remote_button, self.recent_button)
+        focused = QApplication.focusWidget() or self.window().focusWidget()
+        released = not enabled and any(b is focused for b in buttons)
+        if released:
+            self.setFocus(Qt.FocusReason.OtherFocusReason)  # parked: disabling the focused button passes it on
+        for b in buttons:
             b.setEnabled(enabled)
+        if released:
+            self.focusReleased.emit()
 
     def set_models(self, default: Any, recent: list[Any], scanned: list[Any], folder: Optional[str]) -> None:
         """The models menu. Entries carry `source`, `name`, `present` and `note` (app.registry.ModelEntry)."""

@@ -1392,3 +1392,137 @@ def test_a_regenerate_waiting_for_the_engine_shows_its_branch_after_a_visit_to_a
         assert len(_shown(w)) == 2
     finally:
         close_app(gui)
+
+
+# ---- where the keyboard focus goes --------------------------------------------------------------------------
+
+
+def _long_chat(store, n: int) -> int:
+    chat = store.create_chat("Long", "", None)
+    parent = None
+    for i in range(n):
+        m = store.add_message(chat.id, "user" if i % 2 == 0 else "assistant", f"message {i} " + "word " * 30, parent)
+        parent = m.id
+    return chat.id
+
+
+@pytest.fixture
+def active_app(qtbot, tmp_path, tiny_llama):
+    gui = open_app(qtbot, tmp_path / "data", tiny_llama)
+    gui.window.resize(1440, 900)
+    gui.window.activateWindow()
+    qtbot.waitUntil(gui.window.isActiveWindow)
+    yield gui
+    close_app(gui)
+
+
+@pytest.mark.parametrize("how", ["mouse", "keys"])
+def test_an_edit_of_a_long_chat_s_last_question_keeps_every_message_shown(qtbot, active_app, how):
+    """Hiding the editor that held the focus let Qt tab on to "Show earlier messages", which scrolled to the top
+    and built 40 messages while the view was being cleared: 40 messages went from the view (not the store)."""
+    from PySide6.QtWidgets import QApplication
+
+    gui = active_app
+    w = gui.window
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=4, seed=0)
+    chat = _long_chat(gui.store, 100)
+    w.refresh_chats()
+    w.flow.open_chat(chat)
+    qtbot.wait(200)  # laid out and scrolled to its end, as the user sees it
+    question = w.chat_view.messages()[-2]
+    assert question.item.role == "user"
+    if how == "mouse":
+        qtbot.mouseClick(question.edit_button, Qt.MouseButton.LeftButton)
+    else:
+        question.edit_button.setFocus()
+        qtbot.keyClick(question.edit_button, Qt.Key.Key_Space)
+    question.editor_text.setPlainText("an edited question")
+    with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS):
+        if how == "mouse":
+            qtbot.mouseClick(question._edit_send, Qt.MouseButton.LeftButton)
+        else:
+            qtbot.keyClick(question.editor_text, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    assert [i.id for i in w.chat_view.items()] == [m.id for m in gui.store.thread(chat)]
+    assert len(w.chat_view.items()) == 100 and QApplication.focusWidget() is w.composer.edit
+
+
+def test_a_message_s_buttons_leave_the_keyboard_to_the_composer(qtbot, active_app):
+    """A click on Copy left the focus in the conversation (what was typed next went nowhere); ‹ pressed from the
+    keyboard, or a delete confirmed, threw it to the first message's Copy or to New chat."""
+    from PySide6.QtWidgets import QApplication
+
+    gui = active_app
+    w = gui.window
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=4, seed=None)
+    send(qtbot, gui, "hello")
+    w.composer.edit.setFocus()
+    qtbot.mouseClick(w.chat_view.messages()[-1].copy_button, Qt.MouseButton.LeftButton)
+    qtbot.keyClicks(QApplication.focusWidget(), "thanks")
+    assert w.composer.edit.toPlainText() == "thanks"
+    w.composer.edit.clear()
+    with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS):
+        w.chat_view.messages()[1].regen_button.click()
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    previous = w.chat_view.messages()[1].prev_button
+    previous.setFocus()
+    qtbot.keyClick(previous, Qt.Key.Key_Space)
+    assert w.chat_view.messages()[1].branch_label.text() == "1/2"
+    assert QApplication.focusWidget() is w.composer.edit
+
+
+def test_a_chat_picked_with_the_mouse_gives_the_keyboard_to_the_composer(qtbot, tmp_path):
+    """Typing after a click on a chat went to the list's type-ahead, which opened another chat ("hello" opened
+    "Holiday plans")."""
+    from PySide6.QtWidgets import QApplication
+    from test_dialogs import add_chat, chat_row_pos
+
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w = gui.window
+        w.activateWindow()
+        qtbot.waitUntil(w.isActiveWindow)
+        apples = add_chat(gui.store, "Apples", "one")
+        add_chat(gui.store, "Holiday plans", "two")
+        w.refresh_chats()
+        qtbot.mouseClick(w.chat_list.list.viewport(), Qt.MouseButton.LeftButton, pos=chat_row_pos(w.chat_list, apples))
+        qtbot.keyClicks(QApplication.focusWidget(), "hello")
+        assert w.flow.chat_id == apples and w.composer.edit.toPlainText() == "hello"
+    finally:
+        close_app(gui)
+
+
+def test_shift_enter_in_a_tall_draft_shows_the_new_line(qtbot, tmp_path):
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        edit = gui.window.composer.edit
+        edit.setFocus()
+        hidden = []
+        for i in range(25):
+            qtbot.keyClicks(edit, f"line {i}")
+            qtbot.keyClick(edit, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+            if not edit.viewport().rect().contains(edit.cursorRect()):
+                hidden.append(i)
+        assert edit.toPlainText().count("\n") == 25 and hidden == []
+    finally:
+        close_app(gui)
+
+
+def test_a_load_started_from_a_model_button_gives_the_keyboard_to_the_composer(qtbot, tmp_path):
+    """Disabling the focused button passed the focus on to the Preset list, where an arrow key changed the
+    optimizations (and asked about compiling on the CPU)."""
+    from PySide6.QtWidgets import QApplication
+
+    gui = open_app(qtbot, tmp_path / "data")
+    try:
+        w = gui.window
+        w.activateWindow()
+        qtbot.waitUntil(w.isActiveWindow)
+        w.model_panel.recent_button.setFocus()
+        options = w.toggles.options
+        w.model_panel.set_loading("default")
+        assert QApplication.focusWidget() is w.composer.edit
+        qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Down)
+        assert w.toggles.options == options
+    finally:
+        close_app(gui)
