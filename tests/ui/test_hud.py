@@ -987,6 +987,9 @@ def test_compare_table_rows_deltas_and_reference(hud, qtbot):
     )
     better, _worse = delta_colors()
     assert model.data(model.index(1, COLUMN_INDEX["ttft_ms"]), Qt.ItemDataRole.ForegroundRole) == better
+    # the colour's meaning in words too (a screen reader, a reader who does not tell red from green)
+    said = model.data(model.index(1, COLUMN_INDEX["ttft_ms"]), Qt.ItemDataRole.AccessibleTextRole)
+    assert said == "40.0 ms  ×0.50, better than the reference (lower is better)"
     assert cell(0, "launches_per_step") == "348" and cell(1, "launches_per_step") == "n/a"
     assert (
         model.data(model.index(0, COLUMN_INDEX["launches_per_step"]), Qt.ItemDataRole.ToolTipRole)

@@ -179,6 +179,15 @@ class CompareModel(QAbstractTableModel):
             return None
         return (float(v) - float(ref)) / abs(float(ref))
 
+    def _verdict(self, row: int, col) -> str:
+        """What a delta's colour says: "better than the reference (higher is better)", "worse …", or "" where
+        it has no colour (no delta, a column without a direction, a change under 2 %)."""
+        d = self.delta(row, col.key)
+        if d is None or not col.better or abs(d) < 0.02:
+            return ""
+        way = "higher is better" if col.better > 0 else "lower is better"
+        return f"{'better' if d * col.better > 0 else 'worse'} than the reference ({way})"
+
     def _other_model(self, row: int) -> str:
         """The reference row's model where it is not this row's (both named), else ""."""
         if self.reference is None or row == self.reference:
@@ -252,6 +261,9 @@ class CompareModel(QAbstractTableModel):
                 better, worse = delta_colors()
                 return better if d * col.better > 0 else worse
             return None
+        if role == Qt.ItemDataRole.AccessibleTextRole:  # the colour's meaning in words, for a screen reader
+            shown, said = self.data(index), self._verdict(row, col)
+            return f"{shown}, {said}" if said else shown
         if role == Qt.ItemDataRole.FontRole and row == self.reference:
             font = QFont()
             font.setBold(True)
