@@ -225,6 +225,11 @@ def _load_gguf_transformers(header, report: ProgressFn, kind: str) -> Checkpoint
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
         except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
+            if "does not recognize this architecture" in str(exc):  # its GGUF table names more than it builds
+                raise ModelLoadError(
+                    f"{label}: unsupported GGUF architecture {header.architecture!r}: transformers reads its "
+                    "settings but has no model for it"
+                ) from exc
             raise ModelLoadError(f"{label}: cannot read the model settings in this GGUF: {one_line(exc)}") from exc
         config.name_or_path = str(path.parent)  # not the empty folder it was read through
         _check_causal_lm(config.model_type, label, architecture=header.architecture)

@@ -381,6 +381,14 @@ def test_gguf_with_unsupported_architecture(tiny_llama, tmp_path):
     assert "llama" in message and "qwen2" in message
 
 
+def test_a_gguf_architecture_transformers_names_but_cannot_build_is_refused_as_unsupported(tiny_llama, tmp_path):
+    """transformers' GGUF table lists "deci", which it has no model for: the refusal was its own long text
+    ("... does not recognize this architecture ... You can update Transformers ...")."""
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "deci.gguf", architecture="deci")
+    message = _refused(ModelLoadError, path, "unsupported GGUF architecture 'deci'")
+    assert "Transformers" not in message
+
+
 def test_a_lora_adapter_gguf_is_refused_as_an_adapter(tiny_llama, tmp_path):
     """It was reported as a tokenizer that could not be built."""
 
