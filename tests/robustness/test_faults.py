@@ -71,14 +71,16 @@ def test_stop_after_the_first_text_keeps_an_exact_prefix(engine, kv, sampling, c
     engine.reconfigure(CPU)
 
 
-def test_stop_before_the_first_step_returns_the_first_token(engine):
+def test_stop_before_the_generation_begins_reads_nothing_and_writes_no_token(engine):
+    """Stop pressed while the generation waited for the worker: it read the prompt and wrote its first token
+    anyway, which the app kept as a new version of the answer (a regenerate stopped at once)."""
     engine.reconfigure(CPU)
     full = engine.generate(MESSAGES, greedy(20))
     cancel = threading.Event()
     cancel.set()  # stop pressed before the worker reached this generation
     result = engine.generate(MESSAGES, greedy(20), cancel=cancel)
-    assert result.finish_reasons == ["cancelled"]
-    assert result.token_ids[0] == full.token_ids[0][:1]
+    assert result.finish_reasons == ["cancelled"] and result.token_ids == [[]] and result.texts == [""]
+    assert engine.generate(MESSAGES, greedy(20)).token_ids == full.token_ids  # and it answers as before
 
 
 # ---- options switched from another thread while generating ---------------------------------------------------
