@@ -223,8 +223,10 @@ _MESSAGE_COLUMNS = (
     "id, chat_id, parent_id, role, content, status, created, updated, options_json, metrics_json, "
     "candidate_group, candidate_index, model_name"
 )
-# the child of a message shown last, else its newest
-_SHOWN_CHILD = "SELECT id FROM messages WHERE parent_id = ? ORDER BY shown IS NULL, shown DESC, id DESC LIMIT 1"
+# of messages branching at one point: the one shown last, else the newest
+_SHOWN_FIRST = "ORDER BY shown IS NULL, shown DESC, id DESC LIMIT 1"
+_SHOWN_CHILD = f"SELECT id FROM messages WHERE parent_id = ? {_SHOWN_FIRST}"
+_SHOWN_FIRST_MESSAGE = f"SELECT id FROM messages WHERE chat_id = ? AND parent_id IS NULL {_SHOWN_FIRST}"
 # a branch's messages, from its leaf up, marked shown at a time
 _MARK_SHOWN = (
     "WITH RECURSIVE branch(id) AS (SELECT ? UNION ALL SELECT m.parent_id FROM messages m JOIN branch ON m.id = "
@@ -1066,14 +1068,8 @@ class ChatStore:
     def _newest_leaf(self, db: sqlite3.Connection, chat_id: int, parent_id: Optional[int]) -> Optional[int]:
         if parent_id is not None:
             return self._descend(db, parent_id)
-        row = db.execute(
-            "SELECT id FROM messages WHERE chat_id = ? AND parent_id IS NULL ORDER BY shown IS NULL, shown DESC, id DESC"
-            " LIMIT 1",
-            (chat_id,),
-        ).fetchone()
-        if row is None:
-            return None
-        return None if row[0] is None else self._descend(db, row[0])
+        row = db.execute(_SHOWN_FIRST_MESSAGE, (chat_id,)).fetchone()
+        return None if row is None else self._descend(db, row[0])
 
     def all_messages(self, chat_id: int) -> list[Message]:
         """Every message of the chat, every branch, oldest first (a parent always before its children)."""

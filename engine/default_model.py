@@ -152,11 +152,8 @@ def cached_default_model(
 ) -> Optional[Path]:
     """The default model's path if a copy of the right size is on disk (no hashing, no network), else None."""
     for path in [*_bundled_candidates(spec), (cache_dir or models_cache_dir()) / spec.folder / spec.filename]:
-        try:
-            if path.is_file() and path.stat().st_size == spec.size:
-                return path
-        except OSError:  # a folder on the way that cannot be entered: not there for us
-            continue
+        if _present(path) and path.stat().st_size == spec.size:
+            return path
     return None
 
 

@@ -224,9 +224,8 @@ def disagreement(fast: FastTokenizer, reference) -> Optional[str]:
                 mine = _rendered(fast, conv, gen)
                 if mine == BOUNDED:  # it fails every answer either way: no need to spend the bound again
                     return None
-                if mine != _rendered(
-                    reference, conv, gen
-                ):  # a refusal (e.g. of a system message) must be the same refusal
+                theirs = _rendered(reference, conv, gen)
+                if mine != theirs:  # a refusal (e.g. of a system message) must be the same refusal
                     return f"the chat template on {len(conv)} messages (add_generation_prompt={gen})"
     return None
 

@@ -217,14 +217,14 @@ def dequantize(
     A result that would alias `raw` (the same stored type and dtype) is a copy, so it never pins the file's
     mapping."""
     package = None if type_name in BLOCKS else _package_type(type_name)
-    if type_name not in BLOCKS and package is None:
-        raise ValueError(f"no de-quantisation for ggml type {type_name}")
     if package is not None:
         import gguf
 
         block, size = gguf.GGML_QUANT_SIZES[package]
-    else:
+    elif type_name in BLOCKS:
         block, size = BLOCKS[type_name]
+    else:
+        raise ValueError(f"no de-quantisation for ggml type {type_name}")
     cols = shape[-1] if shape else 1
     rows = raw.numel() // size * block // cols
     if cols % block or rows * cols // block * size != raw.numel():

@@ -256,9 +256,13 @@ class LadderRunner:
         steps), so the first generation after it is a warm-up, not a measurement. Told by the engine's placement:
         the weight format's switch (native and int8 rounds interleaved) was timed cold."""
         opts = self.opts[rung.name]
-        placed = (self.engine.device, self.engine.dtype, self.engine.weights)
+
+        def placement() -> tuple:
+            return (self.engine.device, self.engine.dtype, self.engine.weights)
+
+        placed = placement()
         self.engine.reconfigure(opts)
-        rebuilt = self._current is not None and (self.engine.device, self.engine.dtype, self.engine.weights) != placed
+        rebuilt = self._current is not None and placement() != placed
         self._current = opts
         if rebuilt and warm:
             self.progress(f"{rung.name}: warm-up after re-placing the weights")

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Optional
 
 from PySide6.QtCore import QEvent, Qt, Signal
-from PySide6.QtWidgets import QApplication, QFrame, QLabel, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QLabel, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
 from app.chat_flow import MessageItem
 from ui.message import CandidateTabs, MessageWidget
+from ui.parts import park_focus
 from ui.theme import LIGHT, Colors
 
 EMPTY_HINT = (
@@ -160,10 +161,9 @@ class ChatView(QScrollArea):
         """Remove the shown messages after the first `keep`."""
         self._drop_anchor()
         doomed: list[QWidget] = [*self._widgets[keep:], *([self._candidates] if self._candidates else [])]
-        focused = QApplication.focusWidget() or self.window().focusWidget()  # the window's, while a box is up
-        released = focused is not None and any(w is focused or w.isAncestorOf(focused) for w in doomed)
-        if released:  # parked here first: hiding the focused widget had Qt tab on to "Show earlier messages",
-            self.setFocus(Qt.FocusReason.OtherFocusReason)  # which scrolled to the top and built 40 more
+        # hiding the focused widget had Qt tab on to "Show earlier messages", which scrolled to the top and built
+        # 40 more messages in the middle of this
+        released = park_focus(self, doomed)
         self._clearing = True
         try:
             for w in self._widgets[keep:]:

@@ -9,7 +9,6 @@ from typing import Any, Optional
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import (
-    QApplication,
     QFileDialog,
     QGridLayout,
     QGroupBox,
@@ -27,7 +26,7 @@ from engine.types import ModelInfo, Progress, source_label
 from ui.dialogs import choose_model
 from ui.hud import fmt
 from ui.hud.fmt import NA
-from ui.parts import error_label, shown_as_is
+from ui.parts import error_label, park_focus, shown_as_is
 from ui.progress import show_progress
 
 
@@ -249,10 +248,7 @@ class ModelPanel(QGroupBox):
 
     def _set_buttons(self, enabled: bool) -> None:
         buttons = (self.open_file_button, self.open_folder_button, self.remote_button, self.recent_button)
-        focused = QApplication.focusWidget() or self.window().focusWidget()
-        released = not enabled and any(b is focused for b in buttons)
-        if released:
-            self.setFocus(Qt.FocusReason.OtherFocusReason)  # parked: disabling the focused button passes it on
+        released = not enabled and park_focus(self, list(buttons))
         for b in buttons:
             b.setEnabled(enabled)
         if released:

@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from PySide6.QtCore import QMimeData, Qt
 from PySide6.QtGui import QTextDocumentFragment, QTextOption
-from PySide6.QtWidgets import QLabel, QLayout, QPlainTextEdit, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QApplication, QLabel, QLayout, QPlainTextEdit, QVBoxLayout, QWidget
 
 Part = Union[QWidget, QLayout, tuple[QWidget, int]]  # a widget, a layout, or a widget with its stretch
 
@@ -88,3 +88,14 @@ def shown_as_is(text: str) -> str:
     """Text of the user's (a file's name, a folder) for a menu entry or a button, where Qt reads "&" as the mark of
     the next letter's Alt key: "Q&A.gguf" showed as "QA.gguf" with the A underlined."""
     return text.replace("&", "&&")
+
+
+def park_focus(holder: QWidget, going: list[QWidget]) -> bool:
+    """Where one of `going` (or a widget inside one) holds the keyboard focus, the application's or, while a box
+    is up, the window's: give it to `holder` before they are hidden or disabled (Qt would pass it on to the next
+    Tab stop, wherever that is). Whether it did: the caller then hands the focus where the user goes on."""
+    focused = QApplication.focusWidget() or holder.window().focusWidget()
+    if focused is None or not any(w is focused or w.isAncestorOf(focused) for w in going):
+        return False
+    holder.setFocus(Qt.FocusReason.OtherFocusReason)
+    return True
