@@ -276,9 +276,11 @@ def use_file_keys(monkeypatch):
     monkeypatch.setattr(app.engines, "keys_dir", None)
 
 
-def test_generate_on_the_command_line_through_a_remote(server, local):
+def _generate_through(server, *before: str, extra_env: dict[str, str]):
+    """`gapless [BEFORE] generate --json` of "hello world" (8 tokens) on the server's model, as a remote."""
     source = RemoteSource(server.url, server.engines.model_id).to_source()
-    r = gapless(
+    return gapless(
+        *before,
         "generate",
         "--model",
         source,
@@ -287,8 +289,12 @@ def test_generate_on_the_command_line_through_a_remote(server, local):
         "--max-new-tokens",
         "8",
         "--json",
-        extra_env={"GAPLESS_REMOTE_API_KEY": KEY},
+        extra_env=extra_env,
     )
+
+
+def test_generate_on_the_command_line_through_a_remote(server, local):
+    r = _generate_through(server, extra_env={"GAPLESS_REMOTE_API_KEY": KEY})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["texts"] == local.generate(HELLO, SamplingParams(temperature=0.0, max_new_tokens=8)).texts
@@ -309,18 +315,10 @@ def test_the_command_line_sends_the_key_saved_in_its_data_folder(server, local, 
 
     data = tmp_path / "data"
     KeyStore(AppPaths.resolve(str(data)).config, use_keyring=False).set(server.url, KEY)
-    source = RemoteSource(server.url, server.engines.model_id).to_source()
-    r = gapless(
+    r = _generate_through(
+        server,
         "--data-dir",
         str(data),
-        "generate",
-        "--model",
-        source,
-        "--prompt",
-        "hello world",
-        "--max-new-tokens",
-        "8",
-        "--json",
         extra_env={"GAPLESS_REMOTE_API_KEY": "", "PYTHON_KEYRING_BACKEND": "keyring.backends.null.Keyring"},
     )
     assert r.returncode == 0, r.stderr

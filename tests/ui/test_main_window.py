@@ -185,6 +185,17 @@ def test_closing_the_app_mid_answer_keeps_it_as_stopped_with_its_figures(qtbot, 
         store.close()
 
 
+def edit_and_send(qtbot, gui, index: int, text: str) -> None:
+    """Edit message `index` on screen to `text`, send it, and wait for its answer."""
+    w = gui.window
+    question = w.chat_view.messages()[index]
+    question.start_edit()
+    question.editor_text.setPlainText(text)
+    with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS):
+        question._edit_send.click()
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+
+
 def send_and_stop(qtbot, gui, text, stop, monkeypatch):
     """Send `text` with room for a long answer, and call stop() when its first text arrives (the worker held there
     until it has run, so the answer is still running); the result."""
@@ -437,12 +448,7 @@ def test_deleting_a_message_counts_what_goes_on_other_branches_too(qtbot, app):
     w, store = app.window, app.store
     send(qtbot, app, "one")
     send(qtbot, app, "two")
-    question = w.chat_view.messages()[2]
-    question.start_edit()
-    question.editor_text.setPlainText("two edited")
-    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
-        question._edit_send.click()
-    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    edit_and_send(qtbot, app, 2, "two edited")
     driver = DialogDriver().click("Cancel").start()
     w.chat_view.messages()[1].delete_button.click()  # the first answer: both versions of "two" hang below it
     assert driver.done and driver.answered[0].text == (
@@ -1304,12 +1310,7 @@ def test_a_chosen_candidate_and_what_followed_come_back_after_an_edit_above(qtbo
             w.toggles.candidates.setValue(1)
         send(qtbot, gui, "my follow-up question")
         before = _shown(w)
-        question = w.chat_view.messages()[0]
-        question.start_edit()
-        question.editor_text.setPlainText("hello again")
-        with qtbot.waitSignal(gui.controller.generationFinished, timeout=TIMEOUT_MS):
-            question._edit_send.click()
-        qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+        edit_and_send(qtbot, gui, 0, "hello again")
         w.chat_view.messages()[0].prev_button.click()
         assert _shown(w) == [(before[0][0], before[0][1], "1/2"), *before[1:]]
         assert before[1][2] == "1/3" and before[2][1] == "my follow-up question"
