@@ -160,6 +160,12 @@ class ChatFlow(QObject):
         self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         self._mending = False  # showing what another window or the command line changed (_changed_elsewhere)
+        # The last message on screen: a message sent goes under it. Another window on the same chat moves the
+        # stored active leaf to the branch it shows; this one still shows (and answers under) its own.
+        self._shown_leaf: Optional[int] = None
+        self.threadChanged.connect(lambda items: self._note_leaf(items[-1] if items else None))
+        self.messageAppended.connect(self._note_leaf)
+        self.streamFinished.connect(self._note_leaf)
         controller.generationStarted.connect(self._on_started)
         controller.textBatch.connect(self._on_text)
         controller.rowsFinished.connect(self._on_rows_finished)
@@ -329,7 +335,9 @@ class ChatFlow(QObject):
             chat = self._guard(lambda: self.store.get_chat(self.chat_id))  # gone, if another window deleted it
             if not chat:
                 return False
-            leaf = chat.active_leaf_id
+            leaf = chat.active_leaf_id if self._candidate_ids or self._shown_leaf is None else self._shown_leaf
+            if leaf != chat.active_leaf_id and not self._on_screen_still(leaf):
+                return False
             # a chat made by Chat settings before its first message is named by it, or keeps its name
             title = title_from(text) if leaf is None and chat.title == UNTITLED else None
             user = self._guard(lambda: self.store.add_message(chat.id, "user", text, leaf, title=title))
@@ -408,7 +416,10 @@ class ChatFlow(QObject):
                 out.append({"role": "system", "content": chat.system_prompt})
             streaming = set(self.answer.message_ids) if self.answer is not None else set()
             ids = self._candidate_ids
-            leaf = ids[candidate] if candidate is not None and 0 <= candidate < len(ids) else None
+            if candidate is not None and 0 <= candidate < len(ids):
+                leaf: Optional[int] = ids[candidate]
+            else:  # the branch on screen; while an answer streams, to it (the stored active leaf)
+                leaf = None if self.generating or ids else self._shown_leaf
             thread = self.store.thread(self.chat_id, leaf) if chat.active_leaf_id is not None else []
             return out + spoken(thread, streaming, then=draft)
         out.append({"role": "user", "content": draft})
@@ -653,6 +664,23 @@ class ChatFlow(QObject):
                 a.discarded = True
                 self.controller.cancel()
                 self._changed_elsewhere(a.chat_id, answer=True)
+
+    def _on_screen_still(self, message_id: Optional[int]) -> bool:
+        """Whether the message on screen is still stored in the chat on screen; where another window or the
+        command line deleted it, the chat is shown as it is now (and False)."""
+        try:
+            if message_id is None or self.store.get_message(message_id).chat_id == self.chat_id:
+                return True
+        except NotFound:
+            pass
+        except StoreError as exc:
+            self.failed.emit(str(exc))
+            return False
+        self._changed_elsewhere()
+        return False
+
+    def _note_leaf(self, item: Optional[MessageItem]) -> None:
+        self._shown_leaf = item.id if item is not None else None
 
     def answering_chat(self) -> Optional[int]:
         """The chat the running answer is written into; None while none runs."""

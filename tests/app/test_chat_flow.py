@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QObject, Signal
 
-from app.chat_flow import ChatFlow, title_from
+from app.chat_flow import ELSEWHERE, ChatFlow, title_from
 from app.store import ChatStore
 from engine.types import EngineOptions, GenerationMetrics, GenerationResult, SamplingParams
 
@@ -549,3 +549,60 @@ def test_an_answer_saved_but_not_read_back_ends_on_screen_and_in_the_list(flow, 
     assert (item.id, item.role, item.content, item.finish_reason) == (saved.id, "assistant", saved.content, "eos")
     assert item.metrics == saved.metrics and item.metrics["ttft_ms"] is None  # as stored: n/a with the reason
     assert heard["threadChanged"] == [] and not listed.stale() and [c[0] for c in listed.shown] == [older, newer]
+
+
+def _two_versions(f: ChatFlow, store: ChatStore, ctl: FakeController) -> tuple[int, int]:
+    """A chat whose question was edited once, both answered; the edited branch is on screen. (first answer,
+    edited answer)"""
+    f.send("question")
+    ctl.run(1, ["answer one"], ["eos"])
+    first_answer = store.thread(f.chat_id)[-1].id
+    f.edit(store.thread(f.chat_id)[0].id, "question, edited")
+    ctl.run(2, ["answer two"], ["eos"])
+    return first_answer, store.thread(f.chat_id)[-1].id
+
+
+def test_a_message_sent_goes_under_the_branch_on_screen_when_another_window_chose_another(flow):
+    """Two windows on one chat share its stored active leaf: a send went under the branch the other window
+    showed last, and appeared on screen under one it was not part of."""
+    f, store, ctl = flow
+    first_answer, edited_answer = _two_versions(f, store, ctl)
+    other = ChatFlow(store, FakeController(), SAMPLING)
+    other.open_chat(f.chat_id)
+    question = store.get_message(edited_answer).parent_id
+    other.step_sibling(question, -1)  # the other window goes back to the first version
+    assert store.get_chat(f.chat_id).active_leaf_id == first_answer
+    assert f.draft_messages("more")[:-1] == [
+        {"role": "user", "content": "question, edited"},
+        {"role": "assistant", "content": "answer two"},
+    ]
+    appended = signals(f, "messageAppended")["messageAppended"]
+    assert f.send("more")
+    sent = store.thread(f.chat_id)[-1]
+    assert (sent.content, sent.parent_id) == ("more", edited_answer)
+    assert [item.id for (item,) in appended] == [sent.id]
+    assert ctl.asked[-1] == [
+        {"role": "user", "content": "question, edited"},
+        {"role": "assistant", "content": "answer two"},
+        {"role": "user", "content": "more"},
+    ]
+    ctl.run(3, ["and more"], ["eos"])
+    assert [m.content for m in store.thread(f.chat_id)] == ["question, edited", "answer two", "more", "and more"]
+
+
+def test_a_send_under_a_message_deleted_elsewhere_keeps_the_draft_and_shows_the_chat_as_it_is(flow):
+    f, store, ctl = flow
+    first_answer, edited_answer = _two_versions(f, store, ctl)
+    other = ChatFlow(store, FakeController(), SAMPLING)
+    other.open_chat(f.chat_id)
+    other.delete_message(store.get_message(edited_answer).parent_id)  # the edited branch, from the other window
+    heard = signals(f, "failed", "threadChanged")
+    assert not f.send("more")  # the composer keeps the draft
+    assert [m.content for m in store.thread(f.chat_id)] == ["question", "answer one"]
+    assert len(ctl.asked) == 2
+    assert heard["failed"] == [
+        (f"A message of this chat was deleted elsewhere ({ELSEWHERE}); it is shown as it is now",)
+    ]
+    assert [[i.content for i in items] for (items,) in heard["threadChanged"]] == [["question", "answer one"]]
+    assert f.send("more")  # sent again: under the branch now on screen
+    assert store.thread(f.chat_id)[-1].parent_id == first_answer
