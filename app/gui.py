@@ -337,6 +337,7 @@ def run_gui(args: Any, paths: AppPaths) -> int:
     if getattr(args, "smoke_test", False):
         return _run_smoke(args, paths)
     from app.store import StoreError
+    from engine.errors import OutputPathError
     from ui.dialogs import show_error, show_error_and_wait
 
     no_display = no_display_reason()
@@ -346,7 +347,7 @@ def run_gui(args: Any, paths: AppPaths) -> int:
     app = qt_application()
     try:
         gui = build(paths, getattr(args, "theme", None))
-    except StoreError as exc:
+    except (StoreError, OutputPathError) as exc:  # started from a launcher, stderr is seen by nobody
         from PySide6.QtWidgets import QMessageBox
 
         QMessageBox.critical(None, "Gapless cannot start", str(exc))

@@ -3,13 +3,13 @@ the models folder, in one dialog. The main window applies what it accepts at onc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from PySide6.QtWidgets import QComboBox, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QPushButton, QWidget
 
-from app.registry import source_key
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, SamplingParams
 from ui.dialogs import SamplingDialog
 
@@ -97,5 +97,6 @@ class PreferencesDialog(SamplingDialog):
             sampling,
             prompt,
             self.overflow.currentData(),
-            source_key(folder) if folder else None,  # absolute: the same folder wherever the app starts
+            # absolute: the same folder wherever the app starts (a folder named "default" too: not a model source)
+            os.path.abspath(Path(folder).expanduser()) if folder else None,
         )

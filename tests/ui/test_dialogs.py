@@ -722,6 +722,23 @@ def test_a_chat_database_that_cannot_open_says_so_at_start(qtbot, tmp_path, driv
     assert "gapless: error:" in capsys.readouterr().err
 
 
+def test_a_data_folder_that_cannot_be_made_says_so_at_start(qtbot, tmp_path, driver, capsys):
+    """--data-dir naming a file (or a folder the user cannot write): the app stopped with a line on stderr only,
+    which nobody sees who started it from a launcher."""
+    from app.gui import EXIT_USER_ERROR, run_gui
+
+    (tmp_path / "not a folder").write_text("kept")
+    paths = AppPaths.resolve(tmp_path / "not a folder" / "data")
+    driver.click("OK").start()
+    code = run_gui(SimpleNamespace(smoke_test=False, theme="light", model=None), paths)
+    assert code == EXIT_USER_ERROR
+    box = driver.answered[0]
+    assert box.title == "Gapless cannot start"
+    assert box.text.startswith(f"cannot use {tmp_path / 'not a folder'}") and "as a folder of the app's" in box.text
+    assert "gapless: error: cannot use" in capsys.readouterr().err
+    assert (tmp_path / "not a folder").read_text() == "kept"
+
+
 def test_an_answer_stopped_as_the_app_quits_that_the_store_refuses_is_said_once_it_has_closed(
     qtbot, tmp_path, tiny_llama, driver, capsys, monkeypatch
 ):
@@ -933,13 +950,14 @@ def test_a_models_folder_typed_relative_is_kept_absolute(qtbot, tmp_path, monkey
     from engine.types import SamplingParams
     from ui.preferences import Preferences, PreferencesDialog
 
-    (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
     dialog = PreferencesDialog(Preferences("system", "enter", SamplingParams(), "", "rolling", None))
     qtbot.addWidget(dialog)
-    dialog.models_folder.setText("models")
-    assert dialog.problem() is None
-    assert dialog.preferences().models_folder == str(tmp_path / "models")  # the same folder wherever the app starts
+    for name in ("models", "default", "remote:models", "weights.safetensors"):  # not model sources: folders
+        (tmp_path / name).mkdir()
+        dialog.models_folder.setText(name)
+        assert dialog.problem() is None
+        assert dialog.preferences().models_folder == str(tmp_path / name)  # the same wherever the app starts
 
 
 def test_a_saved_models_folder_that_is_gone_does_not_block_other_preferences(qtbot, tmp_path):
