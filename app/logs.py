@@ -4,9 +4,36 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import sys
 from pathlib import Path
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _LogFile(logging.handlers.RotatingFileHandler):
+    """The log file. A file name in a message that is not UTF-8 (Linux names are bytes; Python hands them over
+    with surrogates standing in) is written with backslash escapes rather than losing the line; a file that
+    cannot be written (a full disk) is said once, in one line, and logging to it stops, rather than a traceback
+    on stderr for every line logged."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, maxBytes=2_000_000, backupCount=3, encoding="utf-8", errors="backslashreplace")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        root = logging.getLogger()
+        root.removeHandler(self)
+        quiet = logging.NullHandler()  # else logging's last resort prints each warning on stderr
+        quiet._gapless = True  # type: ignore[attr-defined]
+        root.addHandler(quiet)
+        if sys.stderr is not None:
+            print(
+                f"gapless: the log file {self.baseFilename} cannot be written ({exc}); nothing more is logged to it",
+                file=sys.stderr,
+            )
 
 
 def setup_logging(log_file: Path, verbose: bool = False) -> None:
@@ -17,7 +44,7 @@ def setup_logging(log_file: Path, verbose: bool = False) -> None:
             root.removeHandler(h)
     try:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        fh = logging.handlers.RotatingFileHandler(log_file, maxBytes=2_000_000, backupCount=3, encoding="utf-8")
+        fh = _LogFile(log_file)
     except OSError as exc:  # a read-only or full disk must not stop the app
         fh = None
         logging.getLogger(__name__).warning("cannot write the log file %s: %s", log_file, exc)
