@@ -150,6 +150,8 @@ def _usable_options(kind: type[EngineOptions] | type[SamplingParams], saved: dic
     bad: list[str] = []
     for name, value in saved.items():
         try:
+            if not _unicode(value):  # a lone surrogate (\ud83d) reads, and then every save would fail
+                raise OptionsError(f"{name} is text that is not valid Unicode")
             kind.from_dict({name: value})
             if kind is EngineOptions and name == "device" and server_decides({name: value}):
                 # a remote answer's, not a choice this machine runs
@@ -263,6 +265,9 @@ class SettingsStore:
         for name in bad:
             del data[name]
         self._fell_back |= set(bad)
+        if "sampling" in bad:  # none of the saved ones is left: new chats take the chat defaults
+            data.pop("sampling_saved", None)
+            self._fell_back.add("sampling_saved")
         settings, bad_options = self._settings(data)
         reasons = [*bad.values(), *bad_options]
         if reasons:  # each falls back alone; the file as it was is kept beside it
@@ -317,7 +322,7 @@ class SettingsStore:
             shown = json.dumps(value)[:60]
             if not ok(value):
                 bad[name] = f"{name} is {shown}, not {expected}"
-            elif not _unicode(value):  # a lone surrogate (\ud83d) reads, and then every save would fail
+            elif not _unicode(value) and name not in ("engine_options", "sampling"):  # options: one by one
                 bad[name] = f"{name} is {shown}, text that is not valid Unicode"
         return bad
 
@@ -352,6 +357,7 @@ class SettingsStore:
             self._fell_back.add(name)
             if name == "sampling" and not usable:
                 s.sampling_saved = False  # nothing of the saved ones is left: new chats take the chat defaults
+                self._fell_back.add("sampling_saved")
         return s, reasons
 
     def _copy_aside(self, reason: str, notices: list[str]) -> None:

@@ -494,9 +494,40 @@ def test_invalid_saved_sampling_falls_back_to_the_chat_defaults(path):
 
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"sampling": {"temperature": -3}, "sampling_saved": True}))
-    s, notices = SettingsStore(path).load()
+    store = SettingsStore(path)
+    s, notices = store.load()
     assert notices and "sampling parameters" in notices[0]
     assert s.new_chat_sampling() == CHAT_DEFAULTS  # "defaults are used": the chat's, as before anything was saved
+    store.save(s)  # and stay so: the mark of a saved choice was kept on disk, the engine's defaults taken for one
+    assert store.load()[0].new_chat_sampling() == CHAT_DEFAULTS
+
+
+@pytest.mark.parametrize("sampling", ["hot", ["temperature", 0.2], None])
+def test_saved_sampling_that_is_not_an_object_falls_back_to_the_chat_defaults(path, sampling):
+    """New chats took the engine's defaults (256 tokens, no top-k, no repetition penalty), and the next save
+    made them the user's choice."""
+    from app.settings import CHAT_DEFAULTS
+
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"sampling": sampling, "sampling_saved": True}))
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert notices and "sampling is" in notices[0]
+    assert s.new_chat_sampling() == CHAT_DEFAULTS
+    store.save(s)
+    assert store.load()[0].new_chat_sampling() == CHAT_DEFAULTS
+
+
+def test_a_sampling_option_that_is_not_valid_unicode_falls_back_alone(path):
+    """A lone surrogate in one stop string dropped every saved sampling option with it."""
+    path.parent.mkdir(parents=True)
+    path.write_text('{"sampling": {"temperature": 0.2, "stop": ["\\ud800"]}, "sampling_saved": true}')
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert len(notices) == 1 and "stop is text that is not valid Unicode" in notices[0]
+    assert s.new_chat_sampling() == SamplingParams(temperature=0.2)
+    store.save(s)  # every save failed on the surrogate before
+    assert store.load()[0].new_chat_sampling() == SamplingParams(temperature=0.2)
 
 
 def test_a_remote_answer_s_device_is_not_a_setting(path):
