@@ -539,6 +539,9 @@ def kernel() -> Optional[CpuKernels]:
             except KernelUnavailable as e:
                 _reason = str(e)
                 log.info("the own CPU kernels are unavailable: %s", e)
+            except Exception as e:  # what the build did not foresee: torch's kernels run, and say why
+                _reason = f"building them failed: {type(e).__name__}: {e}"
+                log.warning("the own CPU kernels are unavailable: %s", _reason, exc_info=True)
         return _loaded
 
 
@@ -610,11 +613,12 @@ def _load() -> CpuKernels:
         out_dir.mkdir(parents=True, exist_ok=True)
     errors = []
     build: Optional[Path] = None
+    loads = _loads_libraries(out_dir)  # else (a cache on a file system mounted noexec) nothing in it can run
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + identity.encode() + " ".join(flags).encode()).hexdigest()[:20]
         path = out_dir / f"kernels-{key}.so"
-        if not _intact(path):  # not built yet, or damaged (loading a truncated library crashed the process)
-            build = build or _build_folder(out_dir)
+        if not loads or not _intact(path):  # not built yet, or damaged (loading a truncated one crashed)
+            build = build or _build_folder(out_dir, loads)
             path = build / path.name
             err = _build(cc, flags, path)
             if err:
@@ -640,21 +644,44 @@ def _intact(library: Path) -> bool:
         return False
 
 
-def _build_folder(cache: Path) -> Path:
-    """Where a library is built: the cache, or where it cannot be written (read-only, another user's) a
-    temporary folder removed at exit, so the kernels still run, built again at each start."""
-    if os.access(cache, os.W_OK | os.X_OK):
+def _loads_libraries(folder: Path) -> bool:
+    """Whether a library in `folder` can be loaded: not on a file system mounted noexec (where loading one fails
+    with "failed to map segment"). True where the platform cannot tell."""
+    noexec = getattr(os, "ST_NOEXEC", 0)
+    try:
+        return not (noexec and os.statvfs(folder).f_flag & noexec)
+    except OSError:
+        return True
+
+
+def _build_folder(cache: Path, loads: bool = True) -> Path:
+    """Where a library is built: the cache, or where it cannot be written (read-only, another user's) or its
+    libraries cannot be loaded (noexec) a temporary folder removed at exit, so the kernels still run, built again
+    at each start."""
+    if loads and cache.is_dir() and os.access(cache, os.W_OK | os.X_OK):
         return cache
-    folder = Path(tempfile.mkdtemp(prefix="gapless-cpu-kernels-"))
+    why = "not writable" if loads else "on a file system that does not load programs (mounted noexec)"
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="gapless-cpu-kernels-"))
+    except OSError as e:
+        raise KernelUnavailable(f"the cache folder {cache} is {why}, and no temporary folder can be made: {e}") from e
     atexit.register(shutil.rmtree, folder, True)
-    log.warning("the cache folder %s is not writable: the CPU kernels are built in %s for this run", cache, folder)
+    if not _loads_libraries(folder):
+        raise KernelUnavailable(
+            f"the cache folder {cache} is {why}, and the temporary folder {folder.parent} is on a file system "
+            "mounted noexec: no library built can be loaded"
+        )
+    log.warning("the cache folder %s is %s: the CPU kernels are built in %s for this run", cache, why, folder)
     return folder
 
 
 def _build(cc: str, flags: tuple[str, ...], path: Path) -> Optional[str]:
     """Compile into a temporary file renamed into place, so a crash or a second process never sees half a
     library, and record its digest beside it (_intact); the compiler's last error line, or None."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    except OSError as e:
+        return f"cannot write in {path.parent}: {e.strerror or e}"
     os.close(fd)
     try:
         cmd = [cc, *flags, *_COMMON_FLAGS, "-o", tmp, str(SOURCE), "-lm"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -388,6 +390,52 @@ def test_a_cache_that_cannot_be_written_builds_for_this_run_only(fresh, monkeypa
     built = cpu_kernels.kernel()
     assert built is not None and not str(built.path).startswith(str(blocked))
     assert built.path.parent.name.startswith("gapless-cpu-kernels-") and built.path.is_file()
+
+
+@pytest.mark.skipif(KERNEL is None, reason="needs a working C compiler")
+def test_a_cache_folder_that_is_a_file_builds_for_this_run_only(fresh, monkeypatch):
+    """A file where the kernels' cache folder should be: the build's temporary file could not be made there, an
+    OSError ended the model's load, and every later load ran torch's kernels saying no reason."""
+    (fresh / "cpu-kernels").write_text("not a folder")
+    (fresh / "cpu-kernels").chmod(0o755)
+    built = cpu_kernels.kernel()
+    assert built is not None and built.path.parent.name.startswith("gapless-cpu-kernels-")
+    assert (fresh / "cpu-kernels").read_text() == "not a folder"
+
+
+@pytest.mark.skipif(KERNEL is None, reason="needs a working C compiler")
+def test_a_cache_on_a_noexec_file_system_builds_where_libraries_load(fresh, monkeypatch):
+    """A cache folder on a file system mounted noexec: each flag set was built there and failed to load ("failed
+    to map segment"), and the kernels never ran, the reason blaming the build."""
+    cache = fresh / "cpu-kernels"
+    monkeypatch.setattr(cpu_kernels, "_loads_libraries", lambda folder: folder != cache)
+    built = cpu_kernels.kernel()
+    assert built is not None and built.path.parent.name.startswith("gapless-cpu-kernels-")
+    assert not list(cache.glob("*.so"))
+    # and where the temporary folder is noexec too: torch's kernels, saying why
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_loads_libraries", lambda folder: False)
+    assert cpu_kernels.kernel() is None
+    assert cpu_kernels.unavailable_reason() == (
+        f"the cache folder {cache} is on a file system that does not load programs (mounted noexec), and the "
+        f"temporary folder {Path(tempfile.gettempdir())} is on a file system mounted noexec: no library built can "
+        "be loaded"
+    )
+
+
+def test_a_build_that_fails_unforeseen_says_why_and_torchs_kernels_run(fresh, monkeypatch):
+    def broken(cc):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "cc")
+    monkeypatch.setattr(cpu_kernels, "_compiler_version", broken)
+    assert cpu_kernels.kernel() is None
+    assert cpu_kernels.unavailable_reason() == (
+        "building them failed: UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: "
+        "invalid start byte"
+    )
+    assert cpu_kernels.describe().startswith("aten._weight_int8pack_mm (building them failed: UnicodeDecodeError")
 
 
 @pytest.mark.skipif(KERNEL is None or KERNEL.vector != "avx2+fma", reason="needs an x86 CPU with AVX2 and a compiler")
