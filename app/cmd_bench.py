@@ -403,10 +403,12 @@ def spec_config_from_args(args: argparse.Namespace):
 
 
 def run_conversation_bench(args: argparse.Namespace) -> int:
-    from engine.conversation_bench import ConversationConfig, format_conversation, run_conversation
+    from engine.conversation_bench import MAX_TURNS, ConversationConfig, format_conversation, run_conversation
 
     if args.turns < 1 or args.repeats < 1:
         raise OptionsError("--turns and --repeats must be at least 1")
+    if args.turns > MAX_TURNS:
+        raise OptionsError(f"--turns is at most {MAX_TURNS:,} (each turn adds about 250 tokens), got {args.turns:,}")
     config = ConversationConfig(
         model=args.model, device=args.device, turns=args.turns, max_new_tokens=args.max_new_tokens, repeats=args.repeats
     )

@@ -14,11 +14,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from engine.bench import INTERRUPTED
+from engine.figures import rounded
 from engine.telemetry.machine import describe_machine, load_average
 from engine.types import EngineOptions, SamplingParams
 
 TARGET_RATIO = 0.2  # turn-10 TTFT with reuse at most this share of TTFT without
 TARGET_PROMPT_TOKENS = 2000  # the last turn's prompt must be at least this long for the ratio to count
+MAX_TURNS = 1000  # each turn adds ~250 tokens: far past any context; the rows are made before the first turn
 
 # Each user turn is a request with pasted notes, as in a real working session, so the conversation grows by about
 # 220 tokens a turn (prompt and template) plus the answer: past 2,000 tokens at turn 10 even with short answers.
@@ -130,8 +132,8 @@ def run_conversation(
                     row["cut"].append(a.metrics.prompt_cut)
                     progress(
                         f"repeat {rep + 1}/{config.repeats} turn {t + 1}: {a.metrics.prompt_tokens} prompt tokens "
-                        f"({a.metrics.prompt_reused_tokens} reused), TTFT {a.metrics.ttft_ms:.0f} ms with reuse, "
-                        f"{b.metrics.ttft_ms:.0f} ms without"
+                        f"({a.metrics.prompt_reused_tokens} reused), TTFT {_ms(a.metrics.ttft_ms)} with reuse, "
+                        f"{_ms(b.metrics.ttft_ms)} without"
                     )
                     msgs.append({"role": "assistant", "content": a.texts[0]})
         except KeyboardInterrupt:  # Ctrl+C: the turns measured are kept, the report says what did not run
@@ -173,6 +175,7 @@ def run_conversation(
     last_turn: Optional[dict[str, Any]] = None
     if rows and rows[-1]["turn"] == config.turns:
         last = rows[-1]
+        long_enough = last["prompt_tokens"] >= TARGET_PROMPT_TOKENS
         last_turn = {
             "turn": last["turn"],
             "prompt_tokens": last["prompt_tokens"],
@@ -180,8 +183,21 @@ def run_conversation(
             "target_ratio": TARGET_RATIO,
             "target_met": last["ttft_ratio"] is not None and last["ttft_ratio"] <= TARGET_RATIO,
             "target_prompt_tokens": TARGET_PROMPT_TOKENS,
-            "prompt_target_met": last["prompt_tokens"] >= TARGET_PROMPT_TOKENS,
+            "prompt_target_met": long_enough,
         }
+        # A short or cut prompt does not time a long conversation (a cut one is the same tail each turn, all of
+        # it reused): the ratio is shown, the target is not judged on it.
+        if last["prompt_cut"]:
+            unavailable["target_met"] = f"turn {last['turn']}'s prompt was cut to fit the model's context"
+        elif not long_enough:
+            unavailable["target_met"] = (
+                f"turn {last['turn']}'s prompt is {last['prompt_tokens']} tokens, under the {TARGET_PROMPT_TOKENS} "
+                "the ratio counts at"
+            )
+        elif last["ttft_ratio"] is None:
+            unavailable["target_met"] = f"turn {last['turn']} has no TTFT without reuse to compare with"
+        if "target_met" in unavailable:
+            last_turn["target_met"] = None
     else:
         unavailable["last_turn"] = not_run[f"turn {config.turns}"]
     if not rows:
@@ -205,24 +221,29 @@ def run_conversation(
         "last_turn": last_turn,
         "answers_identical": all(r["answers_identical"] for r in rows) if rows else None,
         "turns_cut": [r["turn"] for r in rows if r["prompt_cut"]],
-        "unavailable": unavailable,  # why last_turn or answers_identical is null
+        "unavailable": unavailable,  # why last_turn, its target_met or answers_identical is null
         # Ctrl+C: the turns measured before it; not_run: each turn not run in every repeat, and why
         "interrupted": interrupted,
         "not_run": not_run,
     }
 
 
+def _ms(v: Optional[float]) -> str:
+    """A TTFT: whole milliseconds, with a decimal under 10 ms (a short prompt reused reads in under one)."""
+    return "n/a" if v is None else f"{rounded(v, 0 if v >= 10 else 1)} ms"
+
+
+def _ratio(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{rounded(v, 2)}×"
+
+
 def format_conversation(report: dict[str, Any]) -> str:
     lines = [f"{'turn':>4}  {'prompt':>6}  {'reused':>6}  {'TTFT reuse':>11}  {'TTFT without':>12}  {'ratio':>6}  same"]
     for r in report["turns"]:
-
-        def ms(v: Optional[float]) -> str:
-            return "n/a" if v is None else f"{v:.0f} ms"
-
-        ratio = "n/a" if r["ttft_ratio"] is None else f"{r['ttft_ratio']:.2f}×"
         lines.append(
             f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {r['prompt_reused_tokens']:>6}  "
-            f"{ms(r['ttft_ms_reuse_median']):>11}  {ms(r['ttft_ms_no_reuse_median']):>12}  {ratio:>6}  "
+            f"{_ms(r['ttft_ms_reuse_median']):>11}  {_ms(r['ttft_ms_no_reuse_median']):>12}  "
+            f"{_ratio(r['ttft_ratio']):>6}  "
             f"{'yes' if r['answers_identical'] else 'NO'}"
         )
     last = report["last_turn"]
@@ -234,9 +255,10 @@ def format_conversation(report: dict[str, Any]) -> str:
         lines.append(f"turn {turns}: TTFT with reuse n/a ({unavailable['last_turn']}); answers identical: {same_text}")
     else:
         verdict = "met" if last["target_met"] else "missed"
-        ratio = "n/a" if last["ttft_ratio"] is None else f"{last['ttft_ratio']:.2f}×"
+        if last["target_met"] is None:
+            verdict = f"n/a, {unavailable.get('target_met', 'not judged')}"
         lines.append(
-            f"turn {last['turn']}: TTFT with reuse {ratio} of without (target <= {last['target_ratio']}×: "
+            f"turn {last['turn']}: TTFT with reuse {_ratio(last['ttft_ratio'])} of without (target <= {last['target_ratio']}×: "
             f"{verdict}); answers identical: {same_text}"
         )
     if report.get("turns_cut"):

@@ -32,8 +32,9 @@ def test_the_report_compares_reuse_with_none_turn_by_turn(tiny_factory):
     text = format_conversation(report)
     assert "turn 3: TTFT with reuse" in text
     assert report["turns_cut"] == [] and all(r["prompt_cut"] == "" for r in rows) and "was cut" not in text
-    verdict = "met" if rows[-1]["prompt_tokens"] >= 2000 else "missed"
-    assert f"turn 3: {rows[-1]['prompt_tokens']} prompt tokens (target >= 2000: {verdict})" in text
+    assert rows[-1]["prompt_tokens"] >= 2000  # this tokenizer's tokens are short: long enough to judge
+    assert f"turn 3: {rows[-1]['prompt_tokens']} prompt tokens (target >= 2000: met)" in text
+    assert last["target_met"] is (last["ttft_ratio"] <= 0.2) and report["unavailable"] == {}
 
 
 def test_the_command_writes_json(tiny_factory, tmp_path):
@@ -44,6 +45,12 @@ def test_the_command_writes_json(tiny_factory, tmp_path):
     report = json.loads(out.read_text())
     assert report["benchmark"] == "conversation" and len(report["turns"]) == 2
     assert "turn 2: TTFT with reuse" in r.stdout
+    # a conversation too short to judge the target on: the ratio is shown, the target not judged
+    tokens = report["turns"][-1]["prompt_tokens"]
+    assert tokens < 2000 and report["last_turn"]["target_met"] is None
+    why = f"turn 2's prompt is {tokens} tokens, under the 2000 the ratio counts at"
+    assert report["unavailable"] == {"target_met": why}
+    assert f"of without (target <= 0.2×: n/a, {why}); answers identical: True" in r.stdout
 
 
 def test_turns_cut_to_fit_a_short_context_are_named(tiny_factory):
@@ -56,6 +63,43 @@ def test_turns_cut_to_fit_a_short_context_are_named(tiny_factory):
     assert report["turns_cut"] == [1, 2]
     assert all(r["prompt_cut"] for r in report["turns"]) and all(r["prompt_tokens"] <= 256 for r in report["turns"])
     assert "turns 1, 2: the prompt was cut to fit the model's context (" in format_conversation(report)
+    # each turn's prompt is the same tail, nearly all reused: the ratio says nothing about a long conversation
+    assert report["last_turn"]["target_met"] is None
+    assert report["unavailable"]["target_met"] == "turn 2's prompt was cut to fit the model's context"
+
+
+def test_times_under_a_millisecond_and_small_ratios_are_not_shown_as_zero():
+    row = {
+        "turn": 1,
+        "prompt_tokens": 2100,
+        "prompt_reused_tokens": 2090,
+        "ttft_ms_reuse_median": 0.434,
+        "ttft_ms_no_reuse_median": 108.6,
+        "ttft_ratio": 0.004,
+        "answers_identical": True,
+    }
+    last = {
+        "turn": 1,
+        "prompt_tokens": 2100,
+        "ttft_ratio": 0.004,
+        "target_ratio": 0.2,
+        "target_met": True,
+        "target_prompt_tokens": 2000,
+        "prompt_target_met": True,
+    }
+    report = {"turns": [row], "last_turn": last, "answers_identical": True, "config": {"turns": 1}}
+    lines = format_conversation(report).splitlines()
+    assert lines[1].split() == ["1", "2100", "2090", "0.4", "ms", "109", "ms", "<0.01×", "yes"]
+    assert lines[2] == "turn 1: TTFT with reuse <0.01× of without (target <= 0.2×: met); answers identical: True"
+
+
+def test_more_turns_than_any_context_holds_are_refused_before_a_model_loads(tmp_path):
+    r = gapless("bench", "--conversation", "--model", str(tmp_path / "nowhere"), "--turns", "100000000")
+    assert r.returncode == 2
+    assert (
+        r.stderr.strip()
+        == "gapless: error: --turns is at most 1,000 (each turn adds about 250 tokens), got 100,000,000"
+    )
 
 
 def test_a_device_this_machine_lacks_is_refused_not_measured_on_another(tiny_factory, monkeypatch):
