@@ -254,6 +254,20 @@ def test_tokens_per_s_is_a_rolling_rate_over_untraced_steps():
     assert np.isnan(series.values("tokens_per_s")[-1])
 
 
+def test_tokens_per_s_is_never_negative_where_a_stop_string_took_tokens_back():
+    """A step whose count is below the one before (a stop string took back tokens counted before, or a recording
+    edited by hand) made the rate negative: -1.76 tok/s in the plot's header and the exported series."""
+    series = LiveSeries(rate_window_s=1.0)
+    series.begin_generation("g", EngineOptions(), 10.0)
+    counts = [1, 2, 3, 4, 1, 2, 3]
+    series.add_steps(
+        [StepRecord(t=10.0 + 0.1 * i, step=i + 1, tokens_total=n, step_ms=1.0) for i, n in enumerate(counts)]
+    )
+    rate = series.values("tokens_per_s")
+    assert np.isnan(rate[4])  # a window begins again at the step that went back
+    np.testing.assert_allclose(rate[[1, 2, 3, 5, 6]], 10.0)
+
+
 # ---- what the plots draw ---------------------------------------------------------------------------------
 
 

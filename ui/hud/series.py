@@ -362,6 +362,8 @@ class LiveSeries:
             self._rate_window.clear()
             return None
         w = self._rate_window
+        if w and r.tokens_total < w[-1][1]:  # a stop string took back tokens counted before: a new window
+            w.clear()
         w.append((r.t, float(r.tokens_total)))
         while len(w) >= 2 and w[1][0] <= r.t - self.rate_window_s:
             w.popleft()
