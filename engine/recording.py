@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import stat
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -151,7 +152,40 @@ def load(path: Path) -> Recording:
         raise RecordingError(f"{path} is not a telemetry file (its JSON is nested too deep to read)") from None
     except OSError as exc:  # a folder, or unreadable
         raise RecordingError(f"cannot read the telemetry file {path}: {exc.strerror or exc}") from exc
+    if _SURROGATE_ESCAPE.search(data):  # only a \\u escape can make one: the walk is for such files alone
+        bad = _lone_surrogate(doc)
+        if bad is not None:  # it reads, but every export of it (CSV, JSON, a copy) would fail
+            raise RecordingError(f"{path}: {bad} is text that is not valid Unicode (a lone surrogate)")
     return from_dict(doc, str(path))
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(doc: Any) -> Optional[str]:
+    """Where in `doc` a text (a value or a key) holds a lone surrogate, as `machine.gpus[0].name`; None where none."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                name = f"{where}.{k}" if where else str(k)
+                if not _utf8(k):
+                    return f"the key {name!r}"
+                stack.append((v, name))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
+        elif isinstance(value, str) and not _utf8(value):
+            return where or "the file"
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def from_dict(doc: Any, where: str = "the recording") -> Recording:

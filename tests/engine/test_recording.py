@@ -76,6 +76,15 @@ def test_a_recording_saved_again_with_a_byte_order_mark_reads_back_equal(recorde
     assert back.steps == recording.steps and back.samples == recording.samples
 
 
+def test_a_recording_with_surrogate_pairs_escaped_reads_back_equal(recorded, tmp_path):
+    """An emoji written as a pair of \\u escapes (json.dumps' default) is valid text, not a lone surrogate."""
+    _, path, _, _ = recorded
+    again = tmp_path / "ascii.json"
+    again.write_text(json.dumps(dict(_doc(path), label="answer \U0001f600")), encoding="utf-8")
+    assert "\\ud83d\\ude00" in again.read_text(encoding="utf-8")
+    assert load(again).label == "answer \U0001f600"
+
+
 def test_a_recording_from_before_the_refusals_were_kept_reads_with_none(recorded, tmp_path):
     _, path, _, _ = recorded
     doc = _doc(path)
@@ -150,6 +159,10 @@ def _doc(path):
         (lambda d: dict(d, t_start=-1e308), "one answer's recording spans at most 7 days"),
         (lambda d: dict(d, t_end=d["t_start"] - 1), "is before t_start"),
         (lambda d: dict(d, samples=[{"t": d["t_start"] + 1}, {"t": d["t_start"]}]), "samples[1] goes back in t"),
+        # lone surrogates read, and then the compare table's CSV export failed on them
+        (lambda d: dict(d, label="a\udcffb"), "bad.json: label is text that is not valid Unicode (a lone surrogate)"),
+        (lambda d: dict(d, machine=dict(d["machine"], gpus=[{"name": "\ud800"}])), "machine.gpus[0].name is text"),
+        (lambda d: dict(d, unavailable={"\udfff": "x"}), "the key 'unavailable.\\udfff' is text that is not valid"),
     ],
 )
 def test_bad_files_are_refused_with_where_and_why(recorded, tmp_path, change, words):
