@@ -15,7 +15,7 @@ which inductor fuses into the GEMV under compile; written from that construction
 from __future__ import annotations
 
 import abc
-from typing import Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -42,8 +42,36 @@ TORCH_INT8_INPUTS = 16
 KEEP_KERNEL_DTYPE = ("attention.wo", "feed_forward.w2", "output")
 
 
+# Weights are quantised this many fp32 values at a time (16 MiB): whole, a 262,144 x 640 head (Gemma-3's, 640 MiB in
+# fp32) took 1.3-2.2 GiB more at once in temporaries, beside the model still held in full during a load.
+QUANT_CHUNK_FLOATS = 1 << 22
+
+
+def _by_rows(
+    quantize: Callable[..., tuple[torch.Tensor, ...]], w: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, ...]:
+    """quantize(w, *args), row block by row block into outputs made once: every quantisation here is row by row,
+    so the result is the same bit for bit, and the temporaries are a block's."""
+    n, k = w.shape
+    rows = max(1, QUANT_CHUNK_FLOATS // max(k, 1))
+    first = quantize(w[:rows], *args)
+    if n <= rows:
+        return first
+    outs = tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in first)
+    for start in range(0, n, rows):
+        block = first if start == 0 else quantize(w[start : start + rows], *args)
+        for out, part in zip(outs, block):
+            out[start : start + rows] = part
+    return outs
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: (q [N, K] int8, scales [N] fp32) with w ~ q * scales[:, None]."""
+    q, scales = _by_rows(_quantize_int8, w)
+    return q, scales
+
+
+def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
@@ -53,6 +81,11 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4 in the tinygemm convention: (q [N, K] in 0..15 as uint8, scales [N, K/group],
     zeros [N, K/group]) with w ~ (q - 8) * scale + zero, zero being the value that q = 8 stands for."""
+    q, scales, zeros = _by_rows(_quantize_int4, w, group)
+    return q, scales, zeros
+
+
+def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
@@ -92,6 +125,11 @@ def quantize_int4_min(
     (_q4_0_grid) and held on it where that gives it back exactly: most Q4_0 groups do not span 0..15 (their
     largest magnitude alone fixes the step), so the range over 15 would put them on another grid. Raises
     ValueError where a weight is not finite or beyond fp16's range (|w| above 65,504)."""
+    q, scales, mins = _by_rows(_quantize_int4_min, w, group, grid)
+    return q, scales, mins
+
+
+def _quantize_int4_min(w: torch.Tensor, group: int, grid: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     if not torch.isfinite(g).all():

@@ -193,6 +193,37 @@ def test_q4_0_groups_are_held_as_the_file_has_them():
     assert torch.equal(dequantize_int4_min(*quantize_int4_min(w1, grid=True)), w1)
 
 
+def test_weights_are_quantised_in_row_blocks_with_the_same_result(monkeypatch):
+    """A block at a time, so that a large head's temporaries are a block's; bit for bit the whole tensor's result,
+    whatever the block's size (one row, rows that do not divide the tensor), on and off Q4_0's grid."""
+    import engine.quant as quant
+
+    torch.manual_seed(11)
+    w = torch.randn(37, 64) * torch.rand(37, 1) * 3
+    w[5] = 0.25  # a row whose groups are all one value
+    whole = {
+        "int8": quantize_int8(w),
+        "int4": quant.quantize_int4(w),
+        "int4_min": quantize_int4_min(w),
+        "int4_grid": quantize_int4_min(w, grid=True),
+    }
+    for rows in (1, 5, 36):
+        monkeypatch.setattr(quant, "QUANT_CHUNK_FLOATS", rows * 64)
+        blocked = {
+            "int8": quantize_int8(w),
+            "int4": quant.quantize_int4(w),
+            "int4_min": quantize_int4_min(w),
+            "int4_grid": quantize_int4_min(w, grid=True),
+        }
+        for name, parts in whole.items():
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(parts, blocked[name])), (rows, name)
+    monkeypatch.setattr(quant, "QUANT_CHUNK_FLOATS", 64)
+    bad = w.clone()
+    bad[30, 3] = float("nan")  # found in a later block: refused as before
+    with pytest.raises(ValueError, match="int4 cannot hold these weights: they contain an inf or a NaN"):
+        quantize_int4_min(bad)
+
+
 @pytest.mark.parametrize("quant, grid", [("Q4_0", True), ("Q8_0", False)])
 def test_a_4_bit_ggufs_linears_keep_the_files_values_in_int4(tiny_factory, tmp_path, quant, grid):
     """Loaded from a Q4_0 GGUF and switched to int4 on the own CPU kernel, every layer linear multiplies exactly
