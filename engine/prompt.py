@@ -525,15 +525,18 @@ def _cut_last(
     context: int,
     notices: list[str],
     dropped_what: str = "",
-    kept_what: str = "the system prompt and chat format",
+    kept_what: str = "",
 ) -> Prompt:
     """Keep the tail of the last user message so that the prompt fits."""
     head = kept[:-1]
+    system = any(m.get("role") == "system" for m in head)
+    kept_what = kept_what or ("the system prompt and chat format" if system else "the chat format")
     _, frame = render([*head, {"role": "user", "content": ""}])
     room = budget - len(frame)
     if room < 1:
         raise GenerationError(
-            f"{kept_what} take {len(frame)} tokens, leaving no room for the message in the {context}-token context"
+            f"{kept_what} {'take' if ' and ' in kept_what else 'takes'} {len(frame)} tokens, leaving no room for the "
+            f"message in the {context}-token context"
         )
     content_ids = list(tokenizer(kept[-1]["content"], add_special_tokens=False)["input_ids"])
     for _ in range(8):  # re-tokenizing a cut text can merge differently at the cut: shrink until it fits
@@ -599,7 +602,8 @@ def _fit_middle(
         context,
         notices,
         dropped_what=_middle_what(gone, convo, msgs) if gone else "",
-        kept_what="the system prompt, the first message and the chat format",
+        kept_what=("the system prompt, the " if any(m["role"] == "system" for m in msgs) else "the ")
+        + "first message and the chat format",
     )
 
 

@@ -3,6 +3,8 @@ validation, odd characters, and cutting a long conversation to fit the context."
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tiny_models import CHATML, make_tokenizer
 
@@ -216,8 +218,20 @@ def test_a_last_message_longer_than_the_context_keeps_its_tail(chat_tok):
 
 def test_system_prompt_alone_too_long(chat_tok):
     msgs = [{"role": "system", "content": "hello world " * 200}, _user("hi")]
-    with pytest.raises(GenerationError, match="leaving no room for the message in the 64-token context"):
+    with pytest.raises(GenerationError, match="leaving no room for the message in the 64-token context") as info:
         build_prompt(chat_tok, msgs, 64, 8)
+    assert str(info.value).startswith("the system prompt and chat format take ")
+
+
+@pytest.mark.parametrize("overflow", ["rolling", "truncate-middle"])
+def test_a_context_the_chat_format_alone_fills_does_not_blame_a_system_prompt(chat_tok, overflow):
+    """Without a system prompt the refusal named one ("the system prompt and chat format take 16 tokens")."""
+    msgs = [_user("first " * 40), _assistant("answer"), _user("hi " * 40)]
+    with pytest.raises(GenerationError) as info:
+        build_prompt(chat_tok, msgs, 12, 8, overflow=overflow)
+    assert re.fullmatch(
+        r"the chat format takes \d+ tokens, leaving no room for the message in the 12-token context", str(info.value)
+    ), str(info.value)
 
 
 def test_raw_prompt_too_long_keeps_its_tail(chat_tok):

@@ -253,7 +253,9 @@ def _fit_middle(tokenizer, render: Render, msgs: list[dict], budget: int, contex
         context,
         notices,
         dropped_what=_middle_what(gone, convo, msgs) if gone else "",
-        kept_what="the system prompt, the first message and the chat format",
+        # without a system prompt the refusal does not name one
+        kept_what=("the system prompt, the " if any(m["role"] == "system" for m in msgs) else "the ")
+        + "first message and the chat format",
     )
 
 
