@@ -135,8 +135,8 @@ def step_costs(
 ) -> dict[str, Any]:
     """Median seconds of one plain decode step and of one verify step of k drafts at `position`, on the engine's
     static runner with `options` (compiled and captured steps included), each ending with its tokens read back
-    as speculation reads them: what a verify step must beat. Writes only the runner's cache, which the next
-    generation's prefill overwrites before reading."""
+    as speculation reads them: what a verify step must beat. Writes only the runner's cache; the engine forgets
+    the conversation it held there (prefix reuse read this bench's rows as the last conversation's after it)."""
     import statistics
 
     from engine.sampling import SamplerKind
@@ -154,6 +154,7 @@ def step_costs(
             buckets = runner.buckets_for(position, 2 * max(ks) + 2)
             runner.warm_up(buckets, kind, opts.cuda_graph, lambda m, f: None, ks)
         prompt = torch.arange(position, device=runner.device) % engine.config.vocab_size
+        engine.forget_prefix()  # the cache's rows are this bench's from here on
         runner.prefill(prompt, kind)
 
         def timed(k: int) -> float:

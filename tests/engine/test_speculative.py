@@ -1009,3 +1009,22 @@ def test_a_seed_gives_the_same_sampled_text_however_busy_the_machine(tiny_factor
         assert "step times modelled for the seed" in idle.metrics.speculation_source
     finally:
         eng.close()
+
+
+def test_timing_the_verify_step_leaves_the_next_answer_as_it_was(tiny_factory):
+    """bench_spec.step_costs fills the static cache with a made-up prompt; prefix reuse still took the rows as the
+    last conversation's, and the same question again was answered from them (nonsense on the default model)."""
+    from engine.bench_spec import step_costs
+
+    eng = Engine.load(str(tiny_factory("llama", max_position_embeddings=1024)), CPU)
+    try:
+        sampling = SamplingParams(temperature=0, max_new_tokens=20)
+        first = generate(eng, PLAIN, sampling)
+        step_costs(eng, CPU, repeats=1, ks=(1, 2))
+        again = eng.generate(PLAIN, sampling)
+        assert again.metrics.prompt_reused_tokens == 0
+        assert again.token_ids == first.token_ids
+        after = eng.generate(PLAIN, sampling)  # and reuse works again after it
+        assert after.metrics.prompt_reused_tokens > 0 and after.token_ids == first.token_ids
+    finally:
+        eng.close()
