@@ -80,6 +80,16 @@ def validate(config: SpecBenchConfig) -> SpecBenchConfig:
         raise OptionsError(f"speculation must be ngram or draft for this bench, got {config.speculation!r}")
     if config.threads is not None and config.threads < 1:
         raise OptionsError(f"threads must be >= 1, got {config.threads}")
+    from engine.engine import _target_device, resolve_dtype
+
+    device = _target_device(config.device)
+    named: dict[str, str] = {}
+    for dtype in config.dtypes:  # "auto" runs as another named: that one twice, the second on a reused cache
+        same = named.setdefault(resolve_dtype(dtype, device), dtype)
+        if same != dtype:
+            raise OptionsError(
+                f"--dtypes: {same} and {dtype} are both {resolve_dtype(dtype, device)} on {device.type}; name each once"
+            )
     return config
 
 

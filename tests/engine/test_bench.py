@@ -1082,6 +1082,11 @@ def test_counts_no_answer_can_have_are_refused_before_the_model_loads(kind, tmp_
             ["--speculation-workloads", "--dtypes", ",bf16"],
             "--dtypes: ',bf16' has an empty item; name each dtype once, between commas",
         ),
+        # auto is fp32 on the CPU: fp32 ran twice, the second time on the cache the first left
+        (
+            ["--speculation-workloads", "--dtypes", "fp32,auto"],
+            "--dtypes: fp32 and auto are both fp32 on cpu; name each once",
+        ),
     ],
 )
 def test_a_list_flag_with_an_empty_or_repeated_item_is_refused_before_the_model_loads(argv, said, tmp_path, capsys):
