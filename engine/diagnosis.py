@@ -7,6 +7,7 @@ HUD, the stats tooltip and `gapless generate --json` show the same result.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -44,12 +45,21 @@ class Diagnosis:
 
 
 def _num(v: Any) -> Optional[float]:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """A figure's value; None where it is none (not a number, or NaN or inf: no verdict rests on those)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        return None
+    return float(v)
 
 
 def _pct(v: float) -> str:
-    """A share, never rounded to 0 nor, under 100, to 100 (a DRAM estimate may pass 100)."""
-    return f"{figures.rounded(v, 0 if v >= 10 else 1, top=100.0)} %"
+    """A share with the HUD's one decimal (whole numbers put 14.97 at the 15 % the verdicts part at, and said 50 %
+    beside the HUD's 49.7 %), never rounded to 0 nor, under 100, to 100 (a DRAM estimate may pass 100)."""
+    return f"{figures.rounded(v, 1, top=100.0)} %"
+
+
+def _count(v: float) -> str:
+    """Kernels or ops a step: a whole number, one under 1 (a step run in a CUDA graph's share) not shown as 0."""
+    return figures.rounded(v, 0)
 
 
 def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[str] = None) -> Diagnosis:
@@ -140,10 +150,10 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         )
     evidence.append(ev("kernel_gap_pct", f"gap {_pct(gap)}"))
     if launches is not None:
-        evidence.append(ev("launches_per_step", f"{launches:,.0f} {unit} a step"))
+        evidence.append(ev("launches_per_step", f"{_count(launches)} {unit} a step"))
     # per token where a step makes one; candidates make one each a step, speculation several
     per = "a token" if candidates == 1 and not speculating else "a step"
-    count = f"{launches:,.0f} {unit} {per}, " if launches is not None else ""
+    count = f"{_count(launches)} {unit} {per}, " if launches is not None else ""
 
     if cuda and sampling == "host" and gap >= HOST_SYNC_GAP_PCT:
         evidence.append("sampling on the host: .item() every token")
@@ -178,6 +188,7 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
             return done("CPU, memory-bound", claim, weight_step())
         memory = f", memory read at {_pct(dram)} of its measured bandwidth"
     if launches is not None:
-        claim = f"CPU, op-bound: {launches:,.0f} ops a step, {_pct(gap)} idle between ops{memory}"
+        claim = f"CPU, op-bound: {_count(launches)} ops a step, {_pct(gap)} idle between ops{memory}"
         return done("CPU, op-bound", claim, launch_step())
-    return done("CPU", f"CPU: ops run back to back (gap {_pct(gap)}){memory}; ops a step n/a", launch_step())
+    between = f"ops run back to back (gap {_pct(gap)})" if gap < LAUNCH_GAP_PCT else f"idle {_pct(gap)} between ops"
+    return done("CPU", f"CPU: {between}{memory}; ops a step n/a", launch_step())

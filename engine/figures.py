@@ -387,6 +387,8 @@ def value_problem(spec: FigureSpec, v: Any) -> Optional[str]:
         return f"is {json.dumps(v)[:40]}, not a number"
     if not v >= 0:  # every figure counts or times something (NaN fails this too)
         return f"is {v}, not a count or a time"
+    if v == math.inf:  # an estimate allowed past 100 % still is a number (NVML GPM gave inf)
+        return "is inf, not a measured value"
     if spec.unit == "%" and spec.key not in OVER_100 and v > 100:
         return f"is {v}, more than all of it (100 %)"
     if spec.unit == "fraction" and v > 1:

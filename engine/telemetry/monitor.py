@@ -99,7 +99,8 @@ class Monitor:
         self.device = torch.device(device)
         self.interval_s = interval_s
         self.unavailable: dict[str, str] = {}
-        self._odd: set[str] = set()  # GPM figures n/a for a reading no share can be: asked again at each sample
+        # GPM figures (and GPU utilisation) n/a for a reading no share can be: asked again at each sample
+        self._odd: set[str] = set()
         self.peak_dram_bw_bytes_s: Optional[float] = None
         self._clock = clock
         self._lock = threading.Lock()
@@ -367,6 +368,8 @@ class Monitor:
             self._sample_gpm(t, values, sources)
 
     def _gpu_util(self) -> Optional[tuple[float, str]]:
+        if "gpu_util_pct" in self._odd:  # its last reading was none a share can be: read again
+            self.unavailable.pop("gpu_util_pct", None)
         if "gpu_util_pct" in self.unavailable:
             return None
         nvml, h = self._nvml, self._handle
@@ -396,7 +399,16 @@ class Monitor:
             "gpu_util_pct", "nvmlDeviceGetUtilizationRates", lambda: nvml.nvmlDeviceGetUtilizationRates(h)
         )
         if rates is None:
+            self._odd.discard("gpu_util_pct")  # the call failed: n/a from now on, as every NVML call
             return None
+        problem = figures.value_problem(figures.spec("gpu_util_pct"), float(rates.gpu))
+        if problem:  # 0xFFFFFFFF where the driver has no figure: it was shown as 4,294,967,295 %
+            if "gpu_util_pct" not in self._odd:
+                log.warning("monitor: GPU utilisation %s; n/a until a reading is", problem)
+            self.unavailable["gpu_util_pct"] = f"nvmlDeviceGetUtilizationRates's reading {problem}"
+            self._odd.add("gpu_util_pct")
+            return None
+        self._odd.discard("gpu_util_pct")
         return float(rates.gpu), SOURCES["gpu_util_rates"]
 
     def _sample_gpm(self, t: float, values: dict, sources: dict) -> None:

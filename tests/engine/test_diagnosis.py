@@ -23,29 +23,29 @@ def rung(path: str, name: str) -> tuple[dict, dict]:
 @pytest.mark.parametrize(
     "name, verdict, line, step",
     [
-        ("naive", "host sync", "host sync every token (.item()): the GPU idle 90 % of each step", "device sampling"),
+        ("naive", "host sync", "host sync every token (.item()): the GPU idle 90.0 % of each step", "device sampling"),
         (
             "device-sampling",
             "launch-bound",
-            "launch-bound: the GPU idle 90 % between kernels, 296× over the memory floor",
+            "launch-bound: the GPU idle 89.6 % between kernels, 296× over the memory floor",
             "static KV cache (compile and CUDA graphs need it)",
         ),
         (
             "first-fixes",
             "launch-bound",
-            "launch-bound: the GPU idle 90 % between kernels, 313× over the memory floor",
+            "launch-bound: the GPU idle 89.6 % between kernels, 313× over the memory floor",
             "compile",
         ),
         (
             "compile",
             "launch-bound",
-            "launch-bound: the GPU idle 89 % between kernels, 124× over the memory floor",
+            "launch-bound: the GPU idle 88.6 % between kernels, 124× over the memory floor",
             "CUDA graph",
         ),
         (
             "cuda-graph",
             "launch-bound",
-            "launch-bound: the GPU idle 26 % between kernels, 29× over the memory floor",
+            "launch-bound: the GPU idle 25.5 % between kernels, 29× over the memory floor",
             "fused kernels",
         ),
     ],
@@ -55,7 +55,7 @@ def test_the_h200_ladder(name, verdict, line, step):
     d = diagnose(metrics, options)
     assert (d.verdict, d.line, d.next_step) == (verdict, f"{line} → {step}", step)
     gap = metrics["kernel_gap_pct"]
-    assert d.evidence[0] == f"gap {gap:.0f} % ({metrics['kernel_gap_source']})"
+    assert d.evidence[0] == f"gap {gap:.1f} % ({metrics['kernel_gap_source']})"  # the HUD's digits
     assert d.missing == ["launches a step: not measured"]  # this run predates the launches figure
 
 
@@ -78,7 +78,7 @@ def test_the_captured_step_with_its_kernel_count():
         "launches_per_step_source": "kernels per pass, torch.profiler",
     }
     d = diagnose(metrics, preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict())
-    assert d.line == "launch-bound: 348 kernels a token, the GPU idle 22 % between kernels → fused kernels"
+    assert d.line == "launch-bound: 348 kernels a token, the GPU idle 21.8 % between kernels → fused kernels"
     assert "348 kernels a step (kernels per pass, torch.profiler)" in d.evidence
     assert "DRAM bandwidth: not measured" in d.missing and "SM activity: not measured" in d.missing
 
@@ -90,7 +90,7 @@ def test_a_step_that_makes_several_tokens_counts_its_kernels_a_step(more):
     metrics = {"kernel_gap_pct": 22.0, "kernel_gap_source": "trace", "launches_per_step": 348.0}
     options = preset_options("cuda-graph", EngineOptions(device="cuda")).with_(**more).to_dict()
     d = diagnose(metrics, options)
-    assert d.verdict == "launch-bound" and "348 kernels a step, the GPU idle 22 %" in d.line
+    assert d.verdict == "launch-bound" and "348 kernels a step, the GPU idle 22.0 %" in d.line
     assert "a token" not in d.line
 
 
@@ -106,7 +106,7 @@ def test_the_cpu_ladder_says_what_it_cannot_know(name, step):
     metrics, options = rung("bench-cpu.json", name)
     d = diagnose(metrics, options)
     gap = metrics["kernel_gap_pct"]
-    shown = f"{gap:.0f} %" if gap >= 10 else f"{gap:.1f} %"
+    shown = f"{gap:.1f} %"
     assert d.verdict == "CPU" and d.line == f"CPU: ops run back to back (gap {shown}); ops a step n/a → {step}"
     assert d.missing == ["launches a step: not measured"]  # and nothing about a GPU
 
@@ -119,7 +119,7 @@ def test_cpu_op_bound_with_the_op_count():
         "launches_per_step_source": "top-level aten ops per step",
     }
     d = diagnose(metrics, preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32").to_dict())
-    assert d.line == "CPU, op-bound: 1,565 ops a step, 12 % idle between ops → int8 weights"
+    assert d.line == "CPU, op-bound: 1,565 ops a step, 12.0 % idle between ops → int8 weights"
 
 
 @pytest.mark.parametrize("weights, step", [("native", "int8 weights"), ("int8", "int4 weights"), ("int4", None)])
@@ -157,7 +157,7 @@ def test_a_refused_weight_format_still_leaves_the_others_advised():
 def test_memory_bound_and_missing_gap():
     metrics = {"kernel_gap_pct": 4.0, "dram_bw_util_pct": 82.0, "dram_bw_util_source": "NVML GPM"}
     d = diagnose(metrics, preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict())
-    assert d.line == "memory-bound: DRAM bandwidth 82 % of peak → more candidates (each weight read serves all)"
+    assert d.line == "memory-bound: DRAM bandwidth 82.0 % of peak → more candidates (each weight read serves all)"
     d = diagnose({"unavailable": {"kernel_gap_pct": "profiler window off"}}, EngineOptions().to_dict(), "cpu")
     assert d.verdict == "unknown" and d.next_step == "turn on Measure the gap"
     assert d.line.startswith("not enough figures to say what limits this answer: gap: profiler window off")
@@ -227,12 +227,13 @@ def test_a_cpu_step_against_its_measured_memory_bandwidth():
     base = {"kernel_gap_pct": 3.1, "launches_per_step": 64.0, "dram_bw_util_source": source}
     d = diagnose({**base, "dram_bw_util_pct": 72.0}, options)
     assert d.verdict == "CPU, memory-bound" and d.next_step == "int8 weights"
-    assert d.line == "CPU, memory-bound: a step reads memory at 72 % of its measured bandwidth → int8 weights"
-    assert f"memory read at 72 % of the measured bandwidth ({source})" in d.evidence
+    assert d.line == "CPU, memory-bound: a step reads memory at 72.0 % of its measured bandwidth → int8 weights"
+    assert f"memory read at 72.0 % of the measured bandwidth ({source})" in d.evidence
     d = diagnose({**base, "dram_bw_util_pct": 43.5}, {**options, "weights": "int4"})
     assert d.verdict == "CPU, op-bound" and d.next_step is None
     assert (
-        d.line == "CPU, op-bound: 64 ops a step, 3.1 % idle between ops, memory read at 44 % of its measured bandwidth"
+        d.line
+        == "CPU, op-bound: 64 ops a step, 3.1 % idle between ops, memory read at 43.5 % of its measured bandwidth"
     )
 
 
@@ -263,4 +264,38 @@ def test_a_cpu_memory_bound_step_is_advised_fewer_bytes_and_cached_reads_are_not
     d = diagnose({"kernel_gap_pct": 3.0, "launches_per_step": 900.0, "dram_bw_util_pct": 75.0}, dynamic)
     assert d.verdict == "CPU, memory-bound" and d.next_step == "int8 weights"
     d = diagnose({"kernel_gap_pct": 3.0, "launches_per_step": 64.0, "dram_bw_util_pct": 150.0}, dynamic)
-    assert d.verdict == "CPU, op-bound" and "memory read at 150 % of its measured bandwidth" in d.line
+    assert d.verdict == "CPU, op-bound" and "memory read at 150.0 % of its measured bandwidth" in d.line
+
+
+def test_a_figure_that_is_not_finite_is_no_evidence():
+    """An infinite DRAM share (NVML GPM) said "memory-bound: DRAM bandwidth inf % of peak"; a NaN gap read as "the
+    GPU is busy (gap nan %)"."""
+    cuda = preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict()
+    d = diagnose({"kernel_gap_pct": 30.0, "dram_bw_util_pct": float("inf"), "launches_per_step": 348.0}, cuda)
+    assert d.verdict == "launch-bound" and "inf" not in d.line and "DRAM bandwidth: not measured" in d.missing
+    d = diagnose({"kernel_gap_pct": float("nan"), "sm_activity_pct": 20.0}, cuda)
+    assert d.verdict == "unknown" and "nan" not in d.line
+
+
+@pytest.mark.parametrize(
+    "metrics, device, quoted",
+    [
+        ({"kernel_gap_pct": 14.97, "sm_activity_pct": 40.0}, "cuda", "GPU kernels: the GPU is busy (gap 15.0 %)"),
+        ({"kernel_gap_pct": 49.7}, "cuda-host", "the GPU idle 49.7 % between kernels"),  # not "50 %": host sync's
+        ({"kernel_gap_pct": 3.0, "launches_per_step": 64.0, "dram_bw_util_pct": 59.7}, "cpu", "memory read at 59.7 %"),
+        ({"kernel_gap_pct": 30.0, "launches_per_step": 0.375}, "cuda", "launch-bound: <1 kernels a token"),
+    ],
+)
+def test_figures_are_quoted_as_the_hud_shows_them(metrics, device, quoted):
+    """The line rounded shares to whole numbers where the HUD shows one decimal: 49.7 % was quoted "50 %" beside
+    the verdict that 50 % would not get, and 0.375 kernels a step "0"."""
+    options = EngineOptions(device="cuda" if device.startswith("cuda") else "cpu", kv_cache="static")
+    if device == "cuda-host":
+        options = options.with_(sampling="host")
+    d = diagnose(metrics, options.to_dict(), "cuda" if device.startswith("cuda") else "cpu")
+    assert quoted in d.line, d.line
+
+
+def test_a_cpu_step_idle_between_its_ops_is_not_called_back_to_back():
+    d = diagnose({"kernel_gap_pct": 80.0}, EngineOptions(device="cpu").to_dict(), "cpu")
+    assert d.verdict == "CPU" and d.line.startswith("CPU: idle 80.0 % between ops; ops a step n/a")

@@ -40,6 +40,7 @@ class FakeNVML(NVMLConstants):
         self.calls: dict[str, int] = {}
         self.util_ts = 1_000_000  # µs, NVML's sample clock
         self.util_value = 40
+        self.util_rate = 77  # nvmlDeviceGetUtilizationRates' gpu
         self.freed = 0
         self.shutdowns = 0
         self.gpm_values = {
@@ -94,7 +95,7 @@ class FakeNVML(NVMLConstants):
 
     def nvmlDeviceGetUtilizationRates(self, h):
         self._call("nvmlDeviceGetUtilizationRates")
-        return SimpleNamespace(gpu=77, memory=20)
+        return SimpleNamespace(gpu=self.util_rate, memory=20)
 
     def nvmlDeviceGetMemoryInfo(self, h):
         self._call("nvmlDeviceGetMemoryInfo")
@@ -397,6 +398,41 @@ def test_utilization_samples_out_of_range_are_not_shown_as_percent():
     clock.t += 0.2
     s = m.sample_once()
     assert s.gpu_util_pct == 77.0 and s.sources["gpu_util_pct"] == "GPU util — NVML utilization rates"
+
+
+def test_a_utilization_rate_no_share_can_be_is_na_until_one_is():
+    """0xFFFFFFFF from nvmlDeviceGetUtilizationRates (a driver with no figure) was shown as 4,294,967,295 %, and the
+    answer that kept it read back as damaged."""
+    clock = StepClock()
+    nvml = FakeNVML(util_scale=100)  # samples out of range: the monitor reads utilization rates
+    nvml.util_rate = 0xFFFFFFFF
+    m = primed(nvml, clock)
+    t0 = clock.t
+    clock.t += 0.2
+    with m._lock:
+        m._history.append(m.sample_once())
+    s = m.history()[-1]
+    assert s.gpu_util_pct is None and "gpu_util_pct" not in s.sources
+    why = "nvmlDeviceGetUtilizationRates's reading is 4294967295.0, more than all of it (100 %)"
+    assert s.unavailable["gpu_util_pct"] == why
+    assert m.summary(t0, clock.t)["gpu_util_pct"] == (None, why)
+    nvml.util_rate = 55
+    clock.t += 0.2
+    assert m.sample_once().gpu_util_pct == 55.0 and "gpu_util_pct" not in m.unavailable
+
+
+@pytest.mark.parametrize("metric", ["dram_bw_util_pct", "sm_activity_pct"])
+def test_an_infinite_gpm_reading_is_na_not_a_figure(metric):
+    """An infinite DRAM bandwidth share passed (a share over 100 % is allowed for it): the answer kept inf, the
+    diagnosis said "memory-bound: DRAM bandwidth inf % of peak", and the compare table's JSON export failed."""
+    clock = StepClock()
+    nvml = FakeNVML()
+    key = {"dram_bw_util_pct": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "sm_activity_pct": pynvml.NVML_GPM_METRIC_SM_UTIL}
+    nvml.gpm_values[key[metric]] = float("inf")
+    m = primed(nvml, clock)
+    clock.t += 0.2
+    s = m.sample_once()
+    assert getattr(s, metric) is None and s.unavailable[metric] == "NVML GPM's reading is inf, not a measured value"
 
 
 def test_estimate_dram_bw_util():
