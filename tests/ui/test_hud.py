@@ -981,6 +981,15 @@ def _three_generations(panel):
     return opts, mets
 
 
+def test_a_ratio_that_is_not_zero_is_never_shown_as_zero():
+    """A gap of 0.04 % against a reference of 81 % showed "×0.00" beside "<0.1 %"."""
+    from ui.hud import fmt
+
+    assert fmt.delta(0.04 / 81 - 1) == "×<0.01" and fmt.delta(-1.0) == "×0.00"
+    assert fmt.delta(3.0) == "×4.00" and fmt.delta(1233.0) == "×1,234.00" and fmt.delta(float("nan")) == "n/a"
+    assert fmt.ratio(0.03, 1) == "×<0.1" and fmt.ratio(None) == "n/a"
+
+
 def test_compare_table_rows_deltas_and_reference(hud, qtbot):
     panel, _ = hud
     opts, mets = _three_generations(panel)

@@ -65,7 +65,7 @@ def figure_value(spec: FigureSpec, v: Optional[float]) -> str:
         digits = 0 if spec.digits is None else spec.digits
         return NA if v is None or not math.isfinite(v) else number(100 * v, "%", digits, top=100.0)
     if spec.unit == "ratio":
-        return NA if v is None or not math.isfinite(v) else f"×{v:,.2f}"
+        return ratio(v)
     return number(v, spec.unit, spec.digits)
 
 
@@ -89,11 +89,16 @@ class ShownFigure:
         return figure_value(self.figure, v)
 
 
+def ratio(v: Optional[float], digits: int = 2) -> str:
+    """×1.13; a ratio that is not zero never shown as ×0.00 (×<0.01)."""
+    return NA if v is None or not math.isfinite(v) else f"×{figures.rounded(v, digits)}"
+
+
 def delta(rel: Optional[float]) -> str:
     """A relative change, always as the ratio to the reference (×1.13, ×0.50, ×4.00), as the ladder's speed-ups are."""
     if rel is None or not math.isfinite(rel):
         return NA
-    return f"×{1.0 + rel:,.2f}"
+    return ratio(1.0 + rel)
 
 
 def bare_source(source: str) -> str:

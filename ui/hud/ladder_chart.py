@@ -204,7 +204,7 @@ class LadderChart(PaletteFollower):
                 tok_text, gap_text = f"{'not run' if r.cancelled else 'skipped'} ({numbered(r.skipped)})", ""
             else:
                 v, b = r.decode_tok_s, base.decode_tok_s if base is not None else None
-                speedup = f"  ×{v / b:.1f}" if v is not None and b else ""
+                speedup = f"  {fmt.ratio(v / b, 1)}" if v is not None and b else ""
                 # what the rung left out (e.g. compile) is said beside its figure, as the bench's table does
                 tok_text = f"{fmt.number(v)}{speedup}" + "".join(f" ({numbered(n)})" for n in r.notes)
                 gap_text = fmt.percent(r.kernel_gap_pct)
@@ -235,7 +235,7 @@ class LadderChart(PaletteFollower):
             best = max(ran, key=lambda r: r.decode_tok_s or 0.0)
             text += (
                 f". Best: {best.label} at {fmt.number(best.decode_tok_s, 'tok/s')}, "
-                f"×{(best.decode_tok_s or 0.0) / base.decode_tok_s:.1f} over {base.label}"
+                f"{fmt.ratio((best.decode_tok_s or 0.0) / base.decode_tok_s, 1)} over {base.label}"
             )
         return text + "."
 
