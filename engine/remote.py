@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import queue
 import re
 import threading
@@ -161,6 +162,17 @@ def _why(exc: httpx.HTTPError) -> str:
     return str(exc) or type(exc).__name__
 
 
+# The finish reasons of OpenAI's API (and servers') with one of the app's own (engine.types.FINISH_WORDS) beside them.
+KNOWN_FINISH = {"stop": "stop", "eos": "eos", "length": "length", "content_filter": "filtered"}
+
+
+def _count(v: Any) -> Optional[int]:
+    """A usage count as a whole number of tokens (3.0 too); None where it cannot be one (-7, true, "5")."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf or v != int(v):
+        return None
+    return int(v)
+
+
 def _percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
@@ -218,6 +230,7 @@ class RemoteEngine:
         if problem:
             raise OptionsError(problem)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._key = api_key  # taken out of what a server says back (_redact)
         self._connect_timeout_s = min(CONNECT_TIMEOUT_S, source.timeout_s)
         self._list_timeout_s = min(LIST_TIMEOUT_S, source.timeout_s)
         self._metrics_timeout_s = min(METRICS_TIMEOUT_S, source.timeout_s)
@@ -248,8 +261,9 @@ class RemoteEngine:
             if progress is not None:
                 progress(Progress("load", None, f"asking {src.base_url} for its models"))
             engine._connect()
-        except BaseException:
+        except BaseException as exc:
             engine.close()
+            engine._redact(exc)
             raise
         if progress is not None:
             progress(Progress("load", 1.0, "remote model ready"))
@@ -402,6 +416,27 @@ class RemoteEngine:
     ) -> GenerationResult:
         """Stream one answer (n = the candidate count) from the server. A server that is down, slow, sends
         garbage or drops the stream raises GenerationError; the text streamed until then has been delivered."""
+        try:
+            return self._generate(messages, sampling, on_event, cancel, raw)
+        except BaseException as exc:
+            self._redact(exc)
+            raise
+
+    def _redact(self, exc: BaseException) -> None:
+        """The API key taken out of an error's message: a server may quote it back ("invalid api key: Bearer
+        sk-..."), and the message is shown, logged and relayed."""
+        key = self._key
+        if key and any(isinstance(a, str) and key in a for a in exc.args):
+            exc.args = tuple(a.replace(key, "[the API key]") if isinstance(a, str) else a for a in exc.args)
+
+    def _generate(
+        self,
+        messages: list[dict],
+        sampling: SamplingParams,
+        on_event: Optional[Callable],
+        cancel: Optional[threading.Event],
+        raw: bool,
+    ) -> GenerationResult:
         sampling = sampling.validate()
         emit = on_event or (lambda _e: None)
         cancel = cancel or threading.Event()
@@ -521,6 +556,15 @@ class RemoteEngine:
         self._server_figures(result.metrics, stream, before, side.get("during"), after)
         if n > 1 and len(stream.texts) < n:
             result.notices.append(f"the server returned {len(stream.texts)} answer(s) for {n} candidates")
+        if stream.stray:
+            result.notices.append(
+                f"the server sent {stream.stray:,} part(s) of answers it was not asked for (an index past the "
+                f"{n} asked for); they are left out"
+            )
+        for i, said in sorted(stream.finish.items()):
+            if said not in KNOWN_FINISH:
+                which = f"answer {i + 1}" if len(result.texts) > 1 else "the answer"
+                result.notices.append(f"the server ended {which} with the finish reason {said[:80]!r}")
         if left:
             result.notices.append(
                 f"{' and '.join(left)} not applied: the OpenAI API has no such setting, and this server is not one "
@@ -736,6 +780,7 @@ class _Stream:
         self.held: dict[int, str] = {}  # per answer, a first UTF-16 half waiting for its second in the next event
         self.mended = 0  # halves that came alone, replaced by U+FFFD
         self.reasoning = 0  # characters of reasoning sent apart from the answer (llama.cpp's, vLLM's servers)
+        self.stray = 0  # choices with an index outside the n asked for, left out
 
     @property
     def all_finished(self) -> bool:
@@ -780,7 +825,9 @@ class _Stream:
             if not isinstance(choice, dict):
                 continue
             i = choice.get("index", 0)
-            i = i if isinstance(i, int) and 0 <= i < max(self.n, 1) else 0
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < max(self.n, 1):
+                self.stray += 1  # an answer not asked for: merged into the first, its finish ended that one
+                continue
             delta = choice.get("delta") or {}
             if not raw and not isinstance(delta, dict):
                 raise _Garbage(f"sent an event whose delta is not an object: {data[:80]!r}")
@@ -830,23 +877,29 @@ class _Stream:
         for i in range(count):
             f = self.finish.get(i)
             # a server that ends the stream without a finish reason ended the answer (none was stopped here)
-            finishes.append("cancelled" if self.cancelled and f is None else "length" if f == "length" else stop_reason)
+            if f is None or f in ("stop", "eos"):
+                finishes.append("cancelled" if self.cancelled and f is None else stop_reason)
+            else:  # "length", or the server's own: held back by a filter, or another ("tool_calls", "abort")
+                finishes.append(KNOWN_FINISH.get(f, "server"))
         m = GenerationMetrics()
         for key in ("decode_steps", "profiled_steps"):
             m.mark_na(key, f"{REMOTE_REASON}; its steps are not seen here")
         # Without usage (llama-cpp-python's server sends none in a stream) the counts are unknown: n/a, not 0.
         usage = self.usage or {}
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
         no_usage = "stopped before the server reported its token usage" if self.cancelled else NO_USAGE
-        if isinstance(prompt, int):
-            m.put("prompt_tokens", prompt, figures.SERVER_USAGE)
-        else:
-            m.mark_na("prompt_tokens", no_usage)
-        if isinstance(completion, int):
-            m.put("new_tokens_total", completion, figures.SERVER_USAGE)
+        for key, said, v in (
+            ("prompt_tokens", usage.get("prompt_tokens"), prompt),
+            ("new_tokens_total", usage.get("completion_tokens"), completion),
+        ):
+            if v is not None:
+                m.put(key, v, figures.SERVER_USAGE)
+            elif said is not None:  # reported, as no count can be: -7, true, "5"
+                m.mark_na(key, f"the server reported {json.dumps(said)[:40]}, not a count of tokens")
+            else:
+                m.mark_na(key, no_usage)
+        if completion is not None:
             m.new_tokens = [completion] if count == 1 else []
-        else:
-            m.mark_na("new_tokens_total", no_usage)
         gaps = [(b - a) * 1e3 for a, b in zip(self.arrivals, self.arrivals[1:])]
         # Text that arrived in one burst (a proxy or the server buffered the stream) has no timing to read: a
         # rate over microseconds said 400,000 tok/s.

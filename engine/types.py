@@ -666,6 +666,8 @@ FINISH_WORDS = {
     "interrupted": "cut off: the app closed mid-answer",
     "context": "context full",
     "error": "failed",
+    "filtered": "held back by the server's content filter",  # a remote server's finish reason "content_filter"
+    "server": "ended by the server",  # a remote server's finish reason of another kind (its word in a notice)
 }
 
 

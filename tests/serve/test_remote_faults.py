@@ -45,6 +45,12 @@ MODELS = [
     "split-emoji",
     "half-at-end",
     "reasoning",
+    "stray-index",
+    "stray-finish",
+    "content-filter",
+    "tool-calls",
+    "odd-usage",
+    "quotes-key",
 ]
 
 
@@ -65,6 +71,7 @@ class StandIn:
                 Route("/slow/v1/models", self.slow_models),
                 Route("/odd/v1/models", self.models),
                 Route("/trickle/v1/models", self.trickle_models),
+                Route("/echo/v1/models", self.echo_key),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/metrics", self.metrics),
             ]
@@ -77,6 +84,10 @@ class StandIn:
             data[0]["meta"] = 5  # a server's field of its own, not an object
             data.append("not a model entry")
         return JSONResponse({"object": "list", "data": data})
+
+    async def echo_key(self, r: Request):  # a server that quotes the key it refuses
+        said = f"invalid api key: {r.headers.get('authorization')}"
+        return JSONResponse({"error": {"message": said}}, status_code=401)
 
     async def slow_models(self, r: Request):  # a server that takes its time to list its models
         await asyncio.sleep(5)
@@ -119,6 +130,9 @@ class StandIn:
         body = await request.json()
         model = body["model"]
         self.bodies[model] = body
+        if model == "quotes-key":
+            said = f"Incorrect API key provided: {request.headers.get('authorization', '').removeprefix('Bearer ')}"
+            return JSONResponse({"error": {"message": said}}, status_code=401)
         if model == "error500":
             return JSONResponse({"error": {"message": "CUDA out of memory on the server"}}, status_code=500)
         if model == "busy429":
@@ -154,6 +168,29 @@ class StandIn:
                 yield self.chunk("Hi.")
                 yield self.chunk("", "stop")
                 yield "data: [DONE]\n\n"
+                return
+            if model in ("stray-index", "stray-finish"):  # events for an answer 3 (or 5) that was not asked for
+                yield self.chunk("A1")
+                stray = {"index": 3, "delta": {"content": "ZZ"}, "finish_reason": None}
+                if model == "stray-finish":
+                    stray = {"index": 5, "delta": {}, "finish_reason": "stop"}
+                yield "data: " + json.dumps({"choices": [stray]}) + "\n\n"
+                yield self.chunk("A2")
+                yield self.chunk("", "stop")
+                for event in self.usage_and_done():
+                    yield event
+                return
+            if model in ("content-filter", "tool-calls", "odd-usage"):
+                yield self.chunk("Hello")
+                finish = {"content-filter": "content_filter", "tool-calls": "tool_calls"}.get(model, "stop")
+                yield self.chunk("", finish)
+                usage = {"prompt_tokens": "5", "completion_tokens": -7} if model == "odd-usage" else None
+                if usage is not None:
+                    yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                for event in self.usage_and_done():
+                    yield event
                 return
             yield self.chunk("Hello")
             await asyncio.sleep(0.01)  # the server's next step
@@ -667,3 +704,62 @@ def test_reasoning_sent_apart_from_the_answer_is_said_not_dropped_silently(stand
         "the server sent 13 characters of the model's reasoning apart from the answer (reasoning_content); "
         "they are not shown" in result.notices
     )
+
+
+@pytest.mark.parametrize("model", ["stray-index", "stray-finish"])
+def test_events_for_an_answer_not_asked_for_are_left_out_with_a_notice(stand_in, model):
+    """An event whose index was past the answers asked for was merged into the first answer ("A1ZZA2"), and its
+    finish reason ended the first answer early (its rest lost, shown as a whole answer)."""
+    _, server = stand_in
+    result = answer(server, model)
+    assert result.texts == ["A1A2"] and result.finish_reasons == ["eos"]
+    assert (
+        "the server sent 1 part(s) of answers it was not asked for (an index past the 1 asked for); they are left out"
+        in result.notices
+    )
+
+
+@pytest.mark.parametrize(
+    "model, reason, notice",
+    [
+        ("content-filter", "filtered", None),
+        ("tool-calls", "server", "the server ended the answer with the finish reason 'tool_calls'"),
+    ],
+)
+def test_a_finish_reason_of_the_server_s_own_is_not_called_the_end_of_the_answer(stand_in, model, reason, notice):
+    """ "content_filter" was shown as "end of answer" (or "stop string" where stop strings were set)."""
+    from engine.types import FINISH_WORDS
+
+    _, server = stand_in
+    result = answer(server, model)
+    assert result.texts == ["Hello"] and result.finish_reasons == [reason]
+    assert reason in FINISH_WORDS
+    assert (notice in result.notices) if notice else not any("finish reason" in n for n in result.notices)
+
+
+def test_usage_counts_that_are_no_counts_are_na_with_what_was_sent(stand_in):
+    """completion_tokens -7 stayed in the answer's per-answer counts, and the stored chat read back damaged."""
+    from engine.figures import metrics_problem
+
+    _, server = stand_in
+    m = answer(server, "odd-usage").metrics
+    assert m.new_tokens_total is None and m.prompt_tokens is None and m.new_tokens == []
+    assert m.unavailable["new_tokens_total"] == "the server reported -7, not a count of tokens"
+    assert m.unavailable["prompt_tokens"] == 'the server reported "5", not a count of tokens'
+    assert metrics_problem(m.to_dict()) is None
+
+
+def test_an_api_key_a_server_quotes_back_is_not_shown(stand_in):
+    """A server that quotes the key it refuses ("invalid api key: Bearer sk-...") had it shown, logged and kept."""
+    _, server = stand_in
+    key = "sk-SECRET-KEY-123456"
+    with pytest.raises(ModelLoadError) as info:
+        RemoteEngine.load(RemoteSource(f"{server.url.removesuffix('/v1')}/echo/v1", "m", 30.0), api_key=key)
+    assert key not in str(info.value) and "invalid api key: Bearer [the API key]" in str(info.value)
+    engine = RemoteEngine.load(RemoteSource(server.url, "quotes-key", 30.0), api_key=key)
+    try:
+        with pytest.raises(GenerationError) as info:
+            engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+    finally:
+        engine.close()
+    assert key not in str(info.value) and "Incorrect API key provided: [the API key]" in str(info.value)
