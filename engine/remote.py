@@ -60,6 +60,7 @@ BURST_GAP_MS = 0.2  # text events all closer than this came in one read: their a
 BURST = "the text arrived in one burst (the server or a proxy held the stream back): nothing to time"
 USAGE_GRACE_S = 2.0  # after every answer ended, the most the usage is waited for (a server may never send [DONE])
 METRICS_TIMEOUT_S = 2.0  # vLLM's /metrics: read beside the answer, which never waits longer for it
+MAX_METRICS_BYTES = 4 * 2**20  # of vLLM's /metrics (tens of KiB with a few models)
 # The sampling settings OpenAI's API lacks, under the names of the servers known to take them (recognised by the
 # `owned_by` of their model list). OpenAI's own API refuses fields it does not know, so other servers get neither;
 # a Gapless server lists those it honours in its model object (x_gapless.sampling_extensions).
@@ -188,7 +189,7 @@ class VllmMetrics:
     def read(self, timeout_s: float) -> dict[str, float]:
         """Each vllm: series, summed over its labels (one model per server: the sum is that model's)."""
         out: dict[str, float] = {}
-        for line in self.client.get(self.url, timeout=timeout_s).text.splitlines():
+        for line in _bounded_get(self.client, self.url, timeout_s, timeout_s, MAX_METRICS_BYTES).text.splitlines():
             m = _PROM_LINE.match(line)
             if m is None:
                 continue
@@ -197,6 +198,26 @@ class VllmMetrics:
             except ValueError:
                 continue
         return out
+
+
+class _TooLarge(Exception):
+    """A body past the bytes read of it (_bounded_get)."""
+
+
+def _bounded_get(client: httpx.Client, url: str, seconds: float, connect_s: float, limit: int) -> httpx.Response:
+    """GET `url` read whole within `seconds` (httpx's timeout is per read: a server sending a byte at a time held
+    the call for as long as it liked) and at most `limit` bytes (_TooLarge past it); httpx.ReadTimeout past the
+    time."""
+    deadline = time.monotonic() + seconds
+    with client.stream("GET", url, timeout=httpx.Timeout(seconds, connect=connect_s)) as r:
+        body = bytearray()
+        for piece in r.iter_bytes():
+            body += piece
+            if len(body) > limit:
+                raise _TooLarge(f"more than {limit >> 20} MiB")
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"not read whole within {seconds:g} s", request=r.request)
+        return _as_read(r, bytes(body))
 
 
 _PROM_LINE = re.compile(r"^(vllm:[A-Za-z0-9_:]+)(?:\{[^}]*\})?\s+(\S+)")
@@ -284,6 +305,8 @@ class RemoteEngine:
             ) from exc
         except httpx.HTTPError as exc:
             raise ModelLoadError(f"cannot reach the remote server at {self.source.base_url}: {_why(exc)}") from exc
+        except (UnicodeError, ValueError) as exc:  # a host name httpx takes and its IDNA check refuses on the way
+            raise ModelLoadError(f"cannot reach the remote server at {self.source.base_url}: {exc}") from exc
         if r.status_code in (401, 403):
             raise ModelLoadError(
                 f"the remote server at {self.source.base_url} refused the API key "
@@ -317,28 +340,24 @@ class RemoteEngine:
         self._probe_vllm()
 
     def _read_list(self, url: str) -> httpx.Response:
-        """GET `url` read whole within the list's time (httpx's timeout is per read: a server sending a byte at a
-        time held an opening that cannot be stopped for a minute, or for ever) and at most MAX_LIST_BYTES."""
-        deadline = time.monotonic() + self._list_timeout_s
-        timeout = httpx.Timeout(self._list_timeout_s, connect=self._connect_timeout_s)
-        with self._client.stream("GET", url, timeout=timeout) as r:
-            body = bytearray()
-            for piece in r.iter_bytes():
-                body += piece
-                if len(body) > MAX_LIST_BYTES:
-                    raise ModelLoadError(
-                        f"the remote server at {self.source.base_url} sent more than {MAX_LIST_BYTES >> 20} MiB "
-                        "for its model list"
-                    )
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout("the model list took too long", request=r.request)
-            return _as_read(r, bytes(body))
+        """GET `url` read whole within the list's time (an opening cannot be stopped) and at most MAX_LIST_BYTES."""
+        try:
+            return _bounded_get(self._client, url, self._list_timeout_s, self._connect_timeout_s, MAX_LIST_BYTES)
+        except _TooLarge:
+            raise ModelLoadError(
+                f"the remote server at {self.source.base_url} sent more than {MAX_LIST_BYTES >> 20} MiB for its "
+                "model list"
+            ) from None
 
     def _probe_vllm(self) -> None:
+        """vLLM's figures where the server has its /metrics: read within METRICS_TIMEOUT_S and MAX_METRICS_BYTES,
+        else none (a /metrics sent a byte a second held the opening for ever, and an endless one filled the
+        memory)."""
         url = f"{_server_root(self.source.base_url)}/metrics"
         try:
-            r = self._client.get(url, timeout=self._metrics_timeout_s)
-        except httpx.HTTPError:
+            r = _bounded_get(self._client, url, self._metrics_timeout_s, self._metrics_timeout_s, MAX_METRICS_BYTES)
+        except (httpx.HTTPError, _TooLarge) as exc:
+            log.info("no vLLM /metrics read at %s: %s", url, exc)
             return
         if r.status_code == 200 and "vllm:" in r.text:
             self._vllm = VllmMetrics(self._client, url)
@@ -534,7 +553,7 @@ class RemoteEngine:
             request.end()
         if stream.error:
             raise GenerationError(self._dropped(stream, f"reported an error: {stream.error}"))
-        if not stream.done and not stream.cancelled and not stream.all_finished:
+        if not stream.done and not stream.cancelled and not stream.all_finished and not stream.sent_finished:
             raise GenerationError(self._dropped(stream, "closed the stream before the answer ended"))
         if reader is not None and not stream.cancelled:  # a stop waits for nothing more
             reader.join(METRICS_TIMEOUT_S)  # the server's figures never hold up the answer for long
@@ -583,8 +602,10 @@ class RemoteEngine:
                 async with client.stream("POST", f"{self.source.base_url}{path}", json=body) as r:
                     if r.status_code != 200:
                         said = await _capped_body(r, MAX_ERROR_BYTES)
+                        wait = r.headers.get("retry-after", "").strip()
+                        again = f"; it asks to be asked again in {wait} s" if wait.isdigit() else ""
                         raise RemoteRefused(
-                            f"the remote server refused the request (HTTP {r.status_code}): {_error_text(said)}",
+                            f"the remote server refused the request (HTTP {r.status_code}): {_error_text(said)}{again}",
                             r.status_code,
                             *_error_fields(said),
                             retry_after=r.headers.get("retry-after"),
@@ -614,7 +635,7 @@ class RemoteEngine:
             return None
         try:
             return self._vllm.read(self._metrics_timeout_s)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, _TooLarge) as exc:
             log.info("vLLM /metrics unreadable: %s", exc)
             return None
 
@@ -786,6 +807,13 @@ class _Stream:
     def all_finished(self) -> bool:
         """Every answer asked for has its finish reason: complete even where the server closes without [DONE]."""
         return all(i in self.finish for i in range(self.n))
+
+    @property
+    def sent_finished(self) -> bool:
+        """Every answer the server sent has its finish reason: complete where a server that ignores n (one answer
+        for several candidates) closes without [DONE]."""
+        sent = self.texts.keys() | self.finish.keys()
+        return bool(sent) and all(i in self.finish for i in sent)
 
     def feed(self, line: str, raw: bool, emit: Callable, now: float) -> bool:
         """Take one SSE line; True when it carried the answer's first text."""

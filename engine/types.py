@@ -35,6 +35,13 @@ def remote_address_problem(url: str) -> Optional[str]:
         return f"a remote server's address is an http(s) URL such as http://host:8000/v1, got {url!r}"
     if any(c.isspace() or c in "#|" for c in url):  # '#' and '|' end the address in a remote source
         return f"a remote server's address has no spaces, '#' or '|' in it, got {url!r}"
+    if ":" not in host and any(not label.isascii() or label.startswith("xn--") for label in host.split(".")):
+        import idna  # httpx's own check of such names, made when it connects (an internal error there)
+
+        try:
+            idna.encode(host)
+        except (UnicodeError, ValueError) as exc:  # idna.IDNAError is a UnicodeError
+            return f"a remote server's address has a host name that is not a valid one ({host!r}: {exc})"
     if parts.username is not None or parts.password is not None:
         # it would stay in plain text in the recent models, the settings and the log
         return (

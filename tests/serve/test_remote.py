@@ -64,6 +64,18 @@ def test_sources_round_trip_and_bad_ones_are_refused():
     assert "hunter2" not in str(info.value)
 
 
+def test_a_host_name_that_is_not_a_valid_international_one_is_refused_with_why():
+    """http://xn--a/v1 passed, and opening it ended in "internal error: InvalidCodepoint: Codepoint U+0080 ..."."""
+    from engine.types import remote_address_problem
+
+    for bad, why in (("http://xn--a/v1", "Codepoint U+0080"), ("http://b\u00fccher..de/v1", "Empty Label")):
+        problem = remote_address_problem(bad)
+        assert problem is not None and problem.startswith("a remote server's address has a host name that is not")
+        assert why in problem
+    for good in ("http://b\u00fccher.de/v1", "http://xn--bcher-kva.de/v1", "http://my_box:8000/v1", "http://[::1]/v1"):
+        assert remote_address_problem(good) is None, good
+
+
 @pytest.mark.parametrize("key", ["sk-é123", "sk a", "sk\x7f"])
 def test_a_key_that_cannot_be_sent_is_refused_without_quoting_it(key):
     with pytest.raises(OptionsError, match="printable ASCII") as info:

@@ -351,6 +351,12 @@ def test_gapless_serve_in_front_passes_on_what_a_refusal_means(stand_in, model, 
     assert r.headers.get("retry-after") == retry_after
 
 
+def test_a_refusal_that_asks_to_wait_says_how_long(stand_in):
+    _, server = stand_in
+    message, _ = run(server, "busy429")
+    assert message == "the remote server refused the request (HTTP 429): slow down; it asks to be asked again in 7 s"
+
+
 def test_a_proxy_s_error_page_is_said_by_its_title(stand_in):
     _, server = stand_in
     message, _ = run(server, "html500")
@@ -364,6 +370,21 @@ def test_an_answer_that_ended_is_kept_without_done_or_without_a_finish_reason(st
     _, server = stand_in
     r = answer(server, model)
     assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
+
+
+def test_a_server_that_ignores_n_and_closes_without_done_keeps_its_one_answer(stand_in):
+    """Asked for two candidates, a server that sends one finished answer and closes without [DONE] (as for one)
+    failed the answer: "closed the stream before the answer ended"."""
+    from engine.types import EngineOptions
+
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, "finished-no-done"), EngineOptions(candidates=2))
+    try:
+        r = engine.generate(HELLO, SamplingParams(max_new_tokens=8))
+    finally:
+        engine.close()
+    assert r.texts == ["Hello there"] and r.finish_reasons == ["eos"]
+    assert "the server returned 1 answer(s) for 2 candidates" in r.notices
 
 
 def answer(server, model: str) -> GenerationResult:
@@ -763,3 +784,36 @@ def test_an_api_key_a_server_quotes_back_is_not_shown(stand_in):
     finally:
         engine.close()
     assert key not in str(info.value) and "Incorrect API key provided: [the API key]" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["trickle", "huge"])
+def test_a_metrics_endpoint_that_never_ends_or_is_huge_is_given_up(kind):
+    """vLLM's /metrics sent a byte every 50 ms held the opening for as long as it went on (httpx's timeout is per
+    read), and one that went on fast filled the memory (3 GiB in 12 s); either is now given up, the model opens
+    without the server's figures."""
+
+    async def models(_r: Request):
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "vllm"}]})
+
+    async def metrics(_r: Request):
+        async def body():
+            yield b"vllm:num_requests_running 1.0\n"
+            if kind == "trickle":
+                for _ in range(400):  # 20 s
+                    yield b"#"
+                    await asyncio.sleep(0.05)
+            else:
+                for _ in range(256):  # 8 MiB
+                    yield b"# " + b"x" * 32765 + b"\n"
+
+        return StreamingResponse(body(), media_type="text/plain")
+
+    server = AsgiThread(Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics)]))
+    try:
+        engine = RemoteEngine.load(RemoteSource(server.url, "m"))
+        try:
+            assert engine._vllm is None
+        finally:
+            engine.close()
+    finally:
+        server.stop()
