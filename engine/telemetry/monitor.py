@@ -254,7 +254,8 @@ class Monitor:
             if vals:
                 sources = collections.Counter(src for _, _, src in vals)
                 total = sum(w for _, w, _ in vals)
-                out[m] = (sum(v * w for v, w, _ in vals) / total, sources.most_common(1)[0][0])
+                source = sources.most_common(1)[0][0]
+                out[m] = (sum(v * w for v, w, _ in vals) / total, source + self._cut_short(m, weighted, t0, t1))
             elif why := next((smp.unavailable[m] for smp, _ in weighted if m in smp.unavailable), None):
                 out[m] = (None, why)
             elif why := self.unavailable.get(m):  # read once: the sampling thread drops a GPM figure's on its own
@@ -264,6 +265,19 @@ class Monitor:
             else:
                 out[m] = (None, "not measured in the interval")
         return out
+
+    def _cut_short(self, metric: str, weighted: list, t0: float, t1: float) -> str:
+        """Where `metric` stopped being measured part way through [t0, t1] (NVML GPM failing mid-answer), what
+        its mean covers and why it stopped, to follow its source: the mean of the first tenth of an answer was
+        given as the whole answer's. "" where it was measured to the end."""
+        last = max(smp.t for smp, _ in weighted if getattr(smp, metric) is not None)
+        later = [smp for smp, _ in weighted if smp.t > last]
+        why = next((smp.unavailable[metric] for smp in later if metric in smp.unavailable), None)
+        why = why or (self.unavailable.get(metric) if later else None)
+        if why is None or t1 <= t0:  # measured to the end (a GPM figure read every other sample is)
+            return ""
+        share = figures.rounded(100 * (min(last, t1) - t0) / (t1 - t0), 0, top=100.0)
+        return f" (the first {share} % of the interval only; then {why})"
 
     # ---- sampling ---------------------------------------------------------------------------------
 

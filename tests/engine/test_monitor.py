@@ -146,6 +146,14 @@ def primed(nvml, clock=None) -> Monitor:
     return m
 
 
+def held_samples(m: Monitor, clock: StepClock, n: int) -> None:
+    """`n` samples 0.2 s apart, kept in the monitor's history as its thread keeps them."""
+    for _ in range(n):
+        clock.t += 0.2
+        with m._lock:
+            m._history.append(m.sample_once())
+
+
 def wait_for_a_sample(m: Monitor, timeout_s: float = 10.0) -> None:
     """Until the monitor thread has taken a sample newer than any it held at the call (a loaded machine may
     start or schedule the thread late; one that never samples fails here)."""
@@ -294,10 +302,7 @@ def test_a_gpm_reading_no_share_can_be_is_na_with_what_it_was(reading, why):
     nvml.gpm_values[pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL] = 130.0  # an over-100 bandwidth share is a possible one
     m = primed(nvml, clock)
     t0 = clock.t
-    for _ in range(2):
-        clock.t += 0.2
-        with m._lock:
-            m._history.append(m.sample_once())
+    held_samples(m, clock, 2)
     s = m.history()[-1]
     assert s.sm_activity_pct is None and "sm_activity_pct" not in s.sources
     assert s.sm_occupancy_pct == 6.25 and s.dram_bw_util_pct == 130.0
@@ -461,3 +466,21 @@ def test_describe_machine_here_and_with_a_driver():
     assert describe_machine(nvml=FakeNVML(init_error=12))["driver_version_reason"] == (
         "NVML not available: NVML Shared Library Not Found"
     )
+
+
+def test_a_figure_measured_for_part_of_an_answer_says_so_with_why_it_stopped():
+    """GPM failing 0.2 s into a 2 s answer left SM activity and DRAM bandwidth given as the answer's, from its
+    first tenth, and the reason it stopped was dropped."""
+    clock = StepClock()
+    nvml = FakeNVML(fail={"nvmlGpmMetricsGet": 2})
+    m = primed(nvml, clock)
+    t0 = clock.t
+    held_samples(m, clock, 10)
+    summary = m.summary(t0, clock.t)
+    value, source = summary["sm_activity_pct"]
+    assert value == 12.5
+    assert (
+        source == "SM activity — NVML GPM (the first 10 % of the interval only; then GPM sampling failed: GPU is lost)"
+    )
+    assert summary["gpu_util_pct"][1] == "GPU util — NVML samples"  # measured to the end: as it was
+    assert m.summary(t0, t0 + 0.2)["sm_activity_pct"] == (12.5, "SM activity — NVML GPM")
