@@ -47,7 +47,7 @@ bench: install
 
 bundle: $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[package]"
-	PYTHON=$(abspath $(PY)) bash packaging/build.sh
+	PYTHON="$(abspath $(PY))" bash packaging/build.sh
 
 clean:
 	rm -rf $(VENV) build dist packaging/out

@@ -17,6 +17,10 @@ EXCLUDES = [
     "readline", "rlcompleter", "curses", "_curses", "_curses_panel",
     # transformers' command-line tools (`transformers chat`, `serve`, ...): their prompt imports readline.
     "transformers.cli", "transformers.commands",
+    # Optional imports that are not the bundle's requirements (their licences are not collected): the OS keyring
+    # (the bundle keeps keys in its config folder's file; pip installs take gapless[keyring]) and llama.cpp's
+    # Python binding (the quality bench's comparison). Present in the build's environment, they went in.
+    "keyring", "llama_cpp",
 ]  # fmt: skip
 
 # transformers' packages of command-line tools: `transformers.cli` from transformers 5, `transformers.commands`

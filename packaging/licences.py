@@ -76,12 +76,26 @@ NO_TEXT_IN_WHEEL: dict[str, Callable[[md.Distribution], dict[str, str]]] = {
 }
 
 
+# Distributions the code imports where they are installed, not among its requirements: in the bundle (with their
+# requirements) whenever the build's environment has them. Triton: the fused CUDA kernels (a requirement of the
+# CUDA torch wheels, installed beside a CPU one too). The other optional imports are left out of the bundle
+# (packaging/bundle_modules.py EXCLUDES).
+OPTIONAL_IMPORTS = ("triton",)
+
+
 def runtime_distributions(root: str = "gapless", extras: tuple[str, ...] = ()) -> list[md.Distribution]:
     """`root` and every distribution its requirements name on this machine, followed through theirs (the ones
-    the environment's markers leave out are left out; an optional one not installed is skipped)."""
+    the environment's markers leave out are left out; an optional one not installed is skipped), and those of
+    OPTIONAL_IMPORTS installed here."""
     env = default_environment()
     seen: dict[str, md.Distribution] = {}
     todo: list[tuple[str, tuple[str, ...]]] = [(root, extras)]
+    for name in OPTIONAL_IMPORTS:
+        try:
+            md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        todo.append((name, ()))
     while todo:
         name, wanted = todo.pop()
         key = canonicalize_name(name)

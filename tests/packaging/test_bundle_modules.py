@@ -62,3 +62,38 @@ def test_transformers_command_line_tools_stay_out(modules):
     assert not modules.transformers_module_wanted("transformers.cli.chat")
     assert modules.transformers_module_wanted("transformers.models.llama.modeling_llama")
     assert modules.transformers_module_wanted("transformers.cliplike")  # a name that only starts the same
+
+
+def test_every_module_the_code_imports_is_a_requirement_s_or_left_out(modules):
+    """keyring (and cryptography, jeepney, ... with it) and llama_cpp went into a bundle built where they were
+    installed: optional imports of the code, whose distributions the licence collection (the requirements,
+    followed through theirs) never saw, so the bundle carried them without their licences."""
+    import ast
+    import importlib.metadata as md
+    import sys
+
+    sys.path.insert(0, str(ROOT / "packaging"))
+    try:
+        from licences import runtime_distributions
+    finally:
+        sys.path.pop(0)
+    required = {md.Distribution.metadata.fget(d)["Name"].lower().replace("_", "-") for d in runtime_distributions()}
+    owners = md.packages_distributions()
+    imported = set()
+    for folder in ("app", "engine", "ui"):
+        for source in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    imported.add(node.module.split(".")[0])
+    ours = {"app", "engine", "ui", "assets"}
+    outside = sorted(
+        n for n in imported - ours if n not in sys.stdlib_module_names and not excluded(n, modules.EXCLUDES)
+    )
+    unlicensed = {
+        n: owners.get(n, ["not installed here"])
+        for n in outside
+        if not any(d.lower().replace("_", "-") in required for d in owners.get(n, []))
+    }
+    assert unlicensed == {}, f"imported, not a requirement, not left out of the bundle: {unlicensed}"
