@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.engines import SELF_REMOTE
-from app.server.engine_queue import EngineQueue, ModelFacts, ShuttingDown
+from app.server.engine_queue import EngineQueue, ModelFacts, ShuttingDown, model_key
 from app.server.http import ServeConfig
 from app.server.protocol import ApiError
 from app.server.run import BackgroundServer
@@ -97,8 +97,14 @@ class AppServer(QObject):
             return
         self._closing.clear()
         model_id = self.controller.info.name if self.controller.info is not None else "no-model-loaded"
+        info = self.controller.info
         engines = EngineQueue(
-            None, max_waiting, run_on_engine=self._run_on_worker, model_id=model_id, facts=self._facts()
+            None,
+            max_waiting,
+            run_on_engine=self._run_on_worker,
+            model_id=model_id,
+            facts=self._facts(),
+            engine_key=model_key(info) if info is not None else None,
         )
         try:
             server = BackgroundServer(engines, host, port, ServeConfig(api_key=api_key or None))
@@ -173,7 +179,7 @@ class AppServer(QObject):
 
     def _on_loaded(self, info: Any, _unavailable: Any) -> None:
         if self.engines is not None:
-            self.engines.serve(info.name, self._facts())
+            self.engines.serve(info.name, self._facts(), model_key(info))
 
     def _poll(self) -> None:
         if self.engines is None or self.server is None:

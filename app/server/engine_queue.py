@@ -102,6 +102,12 @@ class ServerStats:
         return dict(self.__dict__)
 
 
+def model_key(info: Any) -> str:
+    """Which model an engine runs: its source and name (two models in files or folders of one name, or two
+    servers' models of one name, are told apart: the second answered requests accepted for the first)."""
+    return f"{getattr(info, 'source', '') or ''}\0{getattr(info, 'name', '')}"
+
+
 class EngineQueue:
     def __init__(
         self,
@@ -110,18 +116,20 @@ class EngineQueue:
         run_on_engine: Optional[RunOnEngine] = None,
         model_id: Optional[str] = None,
         facts: Optional[ModelFacts] = None,
+        engine_key: Optional[str] = None,
     ):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         self.engine = engine
         self.max_waiting = max_waiting
-        # The name clients use (model_id) and the name of the model the engine runs (engine_name; model_id may
-        # be another name for it): a request runs on the model it was accepted for or not at all. With them, what the
-        # model list says of it (facts: read from the engine here, given by the app, which owns its engine on its
-        # worker). One tuple, so a reader never gets one of them from before a change and another from after it.
+        # The name clients use (model_id) and which model the engine runs (engine_name: model_key, its source and
+        # name, as two files or two servers' models may share a name; model_id may be another name for it): a
+        # request runs on the model it was accepted for or not at all. With them, what the model list says of it
+        # (facts: read from the engine here, given by the app, which owns its engine on its worker). One tuple, so a
+        # reader never gets one of them from before a change and another from after it.
         self._served: tuple[str, Optional[str], ModelFacts] = (
             model_id if model_id is not None else engine.info.name,
-            engine.info.name if engine is not None else model_id,
+            model_key(engine.info) if engine is not None else engine_key or model_id,
             facts if facts is not None else ModelFacts.of(engine) if engine is not None else ModelFacts(),
         )
         self.stats = ServerStats()
@@ -158,9 +166,9 @@ class EngineQueue:
     def engine_name(self) -> Optional[str]:
         return self._served[1]
 
-    def serve(self, name: str, facts: ModelFacts) -> None:
-        """The engine runs another model now, served under its own name."""
-        self._served = (name, name, facts)
+    def serve(self, name: str, facts: ModelFacts, key: Optional[str] = None) -> None:
+        """The engine runs another model now (`key`: its model_key), served under its own name."""
+        self._served = (name, key or name, facts)
 
     def stop_running(self, error: ApiError) -> None:
         """Stop the request running now, if any, its client told `error` (with the text it had, when streamed):
@@ -278,8 +286,9 @@ class EngineQueue:
         if engine is None:
             self._fail(job, ApiError(503, "no model is loaded", "server_error", code="no_model"))
             return
-        running = getattr(getattr(engine, "info", None), "name", None)
-        if job.engine_name is not None and running is not None and running != job.engine_name:
+        info = getattr(engine, "info", None)
+        running = getattr(info, "name", None)
+        if job.engine_name is not None and running is not None and model_key(info) != job.engine_name:
             self._fail(  # the app loaded another model while the request waited: it would answer as the other
                 job,
                 ApiError(

@@ -207,16 +207,18 @@ def test_every_collection_of_a_model_switch_runs_on_the_gui_thread(qtbot, gui, t
     assert {thread for thread, _ in passes} == {threading.get_ident()}
 
 
-def test_a_request_waiting_while_the_app_loads_another_model_is_not_answered_by_it(qtbot, gui, tmp_path):
+@pytest.mark.parametrize("same_name", [False, True])
+def test_a_request_waiting_while_the_app_loads_another_model_is_not_answered_by_it(qtbot, gui, tmp_path, same_name):
     """A request for the loaded model, waiting behind a model switch, was answered by the new model under the
-    old one's name."""
+    old one's name; and, where the new model has the same name (two files or folders of one name, two servers'
+    models of one name), by it with a 200."""
     from tiny_models import make_tiny_model
 
     from app.worker import Call
 
-    other = make_tiny_model(tmp_path / "other-model", "qwen2")
     w, server, c = gui.window, gui.server, gui.controller
     old_name = c.info.name
+    other = make_tiny_model(tmp_path / "elsewhere" / (old_name if same_name else "other-model"), "qwen2")
     port = _free_port()
     w.server_panel.port.setValue(port)
     with qtbot.waitSignal(server.started, timeout=TIMEOUT_MS):
@@ -243,7 +245,8 @@ def test_a_request_waiting_while_the_app_loads_another_model_is_not_answered_by_
     error = got["error"]
     assert isinstance(error, openai.NotFoundError) and error.body["code"] == "model_not_found"
     assert f"was replaced by {c.info.name!r} while the request waited" in error.body["message"]
-    qtbot.waitUntil(lambda: server.engines.model_id == c.info.name != old_name, timeout=TIMEOUT_MS)
+    assert (c.info.name == old_name) is same_name and c.info.source == str(other)
+    qtbot.waitUntil(lambda: server.engines.model_id == c.info.name, timeout=TIMEOUT_MS)
     r = client.chat.completions.create(model=c.info.name, messages=HELLO, max_tokens=4, temperature=0)
     assert r.model == c.info.name  # the new model's name is served
 
