@@ -422,7 +422,7 @@ class Engine:
             why = self._weights_unavailable(o.weights, _target_device(o.device))
             if why:
                 out["weights"] = why
-        why = self._speculation_unavailable(o)
+        why = self._speculation_unavailable(o, fused)
         if why:
             out["speculation"] = why
         return out
@@ -432,7 +432,8 @@ class Engine:
             return f"{self._on_fallback()}, which has no fused kernels"
         if self._fused_failed:
             return self._fused_failed
-        if o.weights != "native":
+        if o.weights != "native" and not self._weights_unavailable(o.weights, _target_device(o.device)):
+            # (a format refused here leaves the model's own dtype running: the fused kernels serve it)
             return (
                 f"the fused kernels read the weights in the model's dtype; {o.weights} weights run on the torch kernels"
             )
@@ -452,7 +453,11 @@ class Engine:
         assert isinstance(runner, FusedRunner)  # the runners keyed "fused" are made so in _runner
         return {"pdl": runner.use_pdl, "pdl_reason": runner.pdl_reason}
 
-    def _speculation_unavailable(self, o: EngineOptions) -> Optional[str]:
+    def _speculation_unavailable(self, o: EngineOptions, fused: Optional[bool] = None) -> Optional[str]:
+        """Why drafting cannot run with `o`; `fused`: whether the fused kernels run (worked out from `o` where not
+        given: asked for and not refused; refused, the torch kernels run and verify drafts)."""
+        if fused is None:
+            fused = o.kernels == "fused" and self._fused_unavailable(o) is None
         if o.speculation == "off":
             return None
         if not self.fast:
@@ -464,7 +469,7 @@ class Engine:
                 "speculation verifies the drafts of one answer; several candidates would accept different numbers "
                 "of tokens per step"
             )
-        if o.kernels == "fused":
+        if fused:
             return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
         if o.speculation == "draft":
             if not o.draft_model:

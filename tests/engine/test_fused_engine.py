@@ -167,6 +167,30 @@ def test_a_kernel_that_fails_falls_back_to_the_torch_kernels_with_a_notice(tiny_
         eng.close()
 
 
+def test_speculation_is_refused_for_the_fused_kernels_only_where_they_run(qwen2_engine, monkeypatch):
+    """With the fused kernels refused (here: no interpreter on a CPU) the torch kernels ran, and n-gram speculation
+    was still switched off "for the fused kernels"."""
+    spec = EngineOptions(device="cpu", dtype="fp32", speculation="ngram")
+    assert "no verify step for drafts" in qwen2_engine.unavailable(spec.with_(kernels="fused"))["speculation"]
+    monkeypatch.delenv(INTERPRET_ENV)
+    got = run(qwen2_engine, spec.with_(kernels="fused"))
+    assert got.options.kernels == "torch" and got.options.speculation == "ngram"
+    assert "speculation" not in got.unavailable and "kernels" in got.unavailable
+
+
+def test_int4_refused_leaves_the_fused_kernels_serving_the_model_s_own_weights(tiny_factory):
+    """int4 refused on this model (its inputs not in groups of 32) runs the native weights, and the fused kernels
+    were refused "for int4 weights" all the same."""
+    eng = Engine.load(str(tiny_factory("llama", hidden_size=72, intermediate_size=144)), TORCH)
+    try:
+        got = run(eng, FUSED.with_(weights="int4"))
+        assert "int4 needs inputs in groups of 32" in got.unavailable["weights"]
+        assert got.options.weights == "native" and got.options.kernels == "fused" and "kernels" not in got.unavailable
+        assert got.token_ids == run(eng, TORCH).token_ids
+    finally:
+        eng.close()
+
+
 def test_kernels_option_validation_preset_and_cli():
     with pytest.raises(OptionsError, match="kernels must be one of torch, fused"):
         EngineOptions(kernels="cuda").validate()
