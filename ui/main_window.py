@@ -1006,7 +1006,11 @@ class MainWindow(QMainWindow):
         if self.hud is not None:
             self.hud.model_name = info.name
         self.toggles.set_resolved(info.device, info.dtype)
-        self.toggles.set_model(self.controller.options, unavailable, self.controller.limits)
+        # A choice made while the model loaded waits behind the load: the panel goes on showing it (what the model
+        # refuses is replaced in it), not the options the load began with (replaced from those, the choice was
+        # dropped: its reply came after the replacement's and was taken for an outdated one)
+        shown = self._requested if self._requested is not None else self.controller.options
+        self.toggles.set_model(shown, unavailable, self.controller.limits)
         self.model_status.setText(model_status_text(info))
         self.settings.last_model = source
         if self.catalog is not None:

@@ -1527,3 +1527,20 @@ def test_a_load_started_from_a_model_button_gives_the_keyboard_to_the_composer(q
         assert w.toggles.options == options
     finally:
         close_app(gui)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_choice_made_while_a_model_loads_is_kept_where_the_model_refuses_another_option(
+    qtbot, app, tiny_factory, family
+):
+    """Candidates set to 2 while a model that refuses the static cache (gpt2: the transformers fallback) loaded:
+    the panel showed 2, then the answer ran with 1 while the settings said 2, and only the cache was said."""
+    w, c, t = app.window, app.controller, app.window.toggles
+    with qtbot.waitSignal(c.loaded, timeout=TIMEOUT_MS):
+        w.load_model(str(tiny_factory(family)))
+        t.candidates.setValue(2)  # the user's change while the model loads
+    qtbot.waitUntil(lambda: not c.busy and w._requested is None, timeout=TIMEOUT_MS)
+    r = send(qtbot, app, "hi")
+    assert r.options.candidates == 2 and t.options.candidates == 2
+    assert w.settings.engine_options["candidates"] == 2
+    assert (r.options.kv_cache == "static") is (family == "llama")
