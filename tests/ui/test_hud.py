@@ -1437,6 +1437,24 @@ def test_ladder_run_progress_cancel_and_chart(hud, qtbot):
     assert ladder.notes.text() == f"(1) cancelled before it ran\n(2) CUDA graphs need a CUDA device\n{CPU_DTYPE_NOTE}"
 
 
+def test_a_rung_that_ran_without_a_figure_counts_as_ran_and_says_why(hud):
+    """A rung whose answer ended at its first token (no decode step) or before the traced window was counted as
+    skipped, and drew a bare "n/a": the reason was only in the Compare tab's tooltip."""
+    panel, _ = hud
+    rows = ladder_rows(gpu=False)[:3]
+    no_decode = "no decode step ran: the answer ended at its first token"
+    no_trace = "the answer ended before the traced window (decode steps 8-15)"
+    metrics = {"new_tokens_total": 1, "unavailable": {"decode_tok_s": no_decode, "kernel_gap_pct": no_trace}}
+    rows[1] = replace(rows[1], metrics=metrics)
+    panel.set_ladder_results(rows)
+    ladder = panel.ladder
+    assert ladder.status.text().startswith("3 presets ran. Best: ")  # none skipped
+    texts = ladder.bar_values()["texts"]
+    assert texts[2:4] == ["n/a (1)", "n/a (2)"]
+    assert ladder.notes.text().startswith(f"(1) {no_decode}\n(2) {no_trace}\n")
+    assert texts[0].endswith("×1.0") and texts[4].startswith(f"{rows[2].decode_tok_s:,.2f}  ×")
+
+
 @pytest.fixture
 def large_font(qapp):
     """The application's font at 16 pt, as a user's larger system font makes it; restored afterwards."""

@@ -7,7 +7,7 @@ decode_tok_s, kernel_gap_pct, kernel_gap_source.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import pyqtgraph as pg
@@ -138,8 +138,8 @@ class LadderChart(PaletteFollower):
         self.rows = list(rows)
         self.figure.setVisible(bool(self.rows))
         n = len(self.rows)
-        ran = [r for r in self.rows if r.skipped is None and r.decode_tok_s is not None]
-        base = ran[0] if ran else None
+        ran = [r for r in self.rows if r.ran]  # a rung that ran without a tok/s figure ran too (its reason is said)
+        base = next((r for r in ran if r.decode_tok_s is not None), None)
         self.status.setText(self._summary(base, ran))
         ys = np.arange(n, dtype=float)
         tok = np.array([_num(r.decode_tok_s) for r in self.rows], dtype=float)
@@ -205,9 +205,12 @@ class LadderChart(PaletteFollower):
             else:
                 v, b = r.decode_tok_s, base.decode_tok_s if base is not None else None
                 speedup = f"  {fmt.ratio(v / b, 1)}" if v is not None and b else ""
-                # what the rung left out (e.g. compile) is said beside its figure, as the bench's table does
-                tok_text = f"{fmt.number(v)}{speedup}" + "".join(f" ({numbered(n)})" for n in r.notes)
-                gap_text = fmt.percent(r.kernel_gap_pct)
+                # what the rung left out (e.g. compile) is said beside its figure, as the bench's table does; a
+                # figure it has none of, with why (a bare "n/a" said nothing, the reason only in Compare's tip)
+                tok_text = f"{self._figure_text(r, 'decode_tok_s', numbered)}{speedup}" + "".join(
+                    f" ({numbered(n)})" for n in r.notes
+                )
+                gap_text = self._figure_text(r, "kernel_gap_pct", numbered)
             for plot, text in ((self.tok_plot, tok_text), (self.gap_plot, gap_text)):
                 x = _num(r.decode_tok_s if plot is self.tok_plot else r.kernel_gap_pct, 0.0)
                 inside = plot is self.gap_plot and x > 75.0  # the gap axis stops at 100: write long bars' ends inside
@@ -221,6 +224,13 @@ class LadderChart(PaletteFollower):
         self.notes.setText("\n".join(lines))
         self.notes.setVisible(bool(lines))
 
+    @staticmethod
+    def _figure_text(row: LadderRow, key: str, numbered: Callable[[str], int]) -> str:
+        f = row.figure(key)
+        if f.value is not None:
+            return fmt.percent(f.value) if key == "kernel_gap_pct" else fmt.number(f.value)
+        return f"{fmt.NA} ({numbered(f.reason)})" if f.reason else fmt.NA
+
     def _summary(self, base: Optional[LadderRow], ran: list[LadderRow]) -> str:
         if not self.rows:
             return "The ladder returned no rows."
@@ -231,8 +241,9 @@ class LadderChart(PaletteFollower):
             text += f", {skipped} skipped (reasons under the chart)"
         if not_run:
             text += f", {not_run} not run (the ladder was stopped)"
-        if base is not None and base.decode_tok_s and len(ran) > 1:
-            best = max(ran, key=lambda r: r.decode_tok_s or 0.0)
+        measured = [r for r in ran if r.decode_tok_s is not None]
+        if base is not None and base.decode_tok_s and len(measured) > 1:
+            best = max(measured, key=lambda r: r.decode_tok_s or 0.0)
             text += (
                 f". Best: {best.label} at {fmt.number(best.decode_tok_s, 'tok/s')}, "
                 f"{fmt.ratio((best.decode_tok_s or 0.0) / base.decode_tok_s, 1)} over {base.label}"
