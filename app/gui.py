@@ -222,13 +222,18 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     )
 
 
+SERVER_KEY_NAME = "gapless serve (this app's own server)"  # the Server panel's key, among remote servers' (app.keys)
+
+
 def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     """The Server dock (hidden until View > Server) and the model panel's remote models."""
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QDockWidget
 
     import app.engines
-    from app.serve_app import AppServer
+    from app.keys import KeyStore
+    from app.serve_app import AppServer, reachable_url
+    from ui.main_window import FitScrollArea
     from ui.server_panel import ServerPanel
 
     app.engines.keys_dir = paths.config
@@ -236,19 +241,36 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     server = AppServer(controller, window)
     app.engines.own_server = server.serves  # read on the engine worker's thread when a remote model loads
     panel = ServerPanel()
+    # where it listened and with which key, as the last run left them (they were typed again at each start)
+    settings, keys = window.settings, KeyStore(paths.config)
+    panel.host.setText(settings.server_host)
+    panel.port.setValue(settings.server_port)
+    try:
+        panel.api_key.setText(keys.get(SERVER_KEY_NAME) or "")
+    except OSError as exc:
+        panel.set_error(f"the server's API key could not be read from {keys.where}: {exc.strerror or exc}")
     dock = QDockWidget("Server", window)
     dock.setObjectName("serverDock")
-    dock.setWidget(panel)
+    dock.setWidget(FitScrollArea(panel, window, scroll_vertically=False))  # wrapped lines squeezed its fields
     window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
-    dock.hide()
+    dock.setVisible(settings.server_visible)
     window.refit_on_toggle(dock)
     for act in window.menuBar().actions():
         if act.text().replace("&", "") == "View" and act.menu() is not None:
             dock.toggleViewAction().setText("Se&rver")  # S is the system theme's, in the View menu
             act.menu().addAction(dock.toggleViewAction())
-    panel.startRequested.connect(server.start)
+
+    def start(host: str, port: int, api_key: str) -> None:
+        settings.server_host, settings.server_port = host or settings.server_host, port
+        try:
+            keys.set(SERVER_KEY_NAME, api_key or None)
+        except OSError as exc:  # the server starts with it all the same; the next start asks for it again
+            panel.set_error(f"the API key could not be kept in {keys.file}: {exc.strerror or exc}")
+        server.start(host, port, api_key)
+
+    panel.startRequested.connect(start)
     panel.stopRequested.connect(server.stop)
-    server.started.connect(panel.set_running)
+    server.started.connect(lambda url: panel.set_running(url, reachable_url(url)))
     server.stopped.connect(lambda: panel.set_running(None))
     server.failed.connect(panel.set_error)
     server.statsChanged.connect(panel.set_stats)

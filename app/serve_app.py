@@ -70,6 +70,25 @@ def _this_machine(host: str) -> bool:
 WILDCARD = ("0.0.0.0", "::")
 
 
+def reachable_url(server_url: str) -> Optional[str]:
+    """For a server on every address (0.0.0.0, ::), its URL at this machine's LAN address (the interface a packet
+    would leave by; nothing is sent), else its name; None for a server on one address (its URL is the one)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(server_url)
+    if parts.hostname not in WILDCARD:
+        return None
+    host = socket.gethostname()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+            host = udp.getsockname()[0]
+        except OSError:  # no route: the machine's name
+            pass
+    return parts._replace(netloc=f"{host}:{parts.port}").geturl()
+
+
 class AppServer(QObject):
     started = Signal(str)  # the base URL
     stopped = Signal()

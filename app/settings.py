@@ -69,6 +69,11 @@ class Settings:
     last_folder: Optional[str] = None  # where the last file dialog was left: the next one starts there
     overflow_policy: str = "rolling"  # for chats without their own (engine.types.OVERFLOW_POLICIES)
     system_prompt: str = ""  # of new chats (Preferences); "" = none
+    # The Server panel: where the API listens, and whether the panel is shown (its key is kept as remote models'
+    # are: app.keys, under SERVER_KEY_NAME)
+    server_host: str = "127.0.0.1"
+    server_port: int = 8080
+    server_visible: bool = False
 
     def options(self) -> EngineOptions:
         return EngineOptions.from_dict(self.engine_options)
@@ -139,6 +144,9 @@ _CHECKS = {
     "overflow_policy": (lambda v: v in OVERFLOW_POLICIES, f"one of {', '.join(OVERFLOW_POLICIES)}"),
     "system_prompt": (lambda v: isinstance(v, str), "a string"),
     "sampling_saved": (lambda v: isinstance(v, bool), "true or false"),
+    "server_host": (lambda v: isinstance(v, str) and 0 < len(v) <= 255, "a host name or address"),
+    "server_port": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535, "a port, 1-65535"),
+    "server_visible": (lambda v: isinstance(v, bool), "true or false"),
 }
 assert set(_CHECKS) == {f.name for f in fields(Settings)}
 

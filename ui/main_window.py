@@ -323,6 +323,7 @@ class MainWindow(QMainWindow):
         self._size_seen = QSize()  # the window size the docks were last fitted to (none yet)
         self.options_dock.installEventFilter(self)
         self.hud_dock: Optional[QDockWidget] = None
+        self.server_dock: Optional[QDockWidget] = None  # made by app.gui.attach_server
         if self.hud is not None:
             self.hud_dock = QDockWidget("Performance", self)
             self.hud_dock.setObjectName("hudDock")
@@ -1182,6 +1183,8 @@ class MainWindow(QMainWindow):
             s.splitter_sizes["docks"] = [round(self._dock_share * self.width()), self.width()]
         if self.hud_dock is not None:
             s.hud_visible = self.hud_dock.isVisible()
+        if self.server_dock is not None:  # the Server panel (app.gui.attach_server)
+            s.server_visible = self.server_dock.isVisible()
         try:
             kept_aside = self._save_settings(s)
         except SettingsError as exc:  # a read-only or full disk: the app keeps running
@@ -1283,7 +1286,7 @@ class MainWindow(QMainWindow):
         bottom, the composer, then the panels. Qt's own order is the order widgets were made, which put every
         message (made as the chat grows) after the panels, and the earlier messages of a long chat after the later."""
         regions: list[QWidget] = [self.chat_list, self._header, self.chat_view, self.composer, self.model_panel]
-        regions += [d for d in (self.options_dock, self.hud_dock, getattr(self, "server_dock", None)) if d is not None]
+        regions += [d for d in (self.options_dock, self.hud_dock, self.server_dock) if d is not None]
         found: list[tuple[tuple[int, ...], QWidget]] = []
         w: Optional[QWidget] = self.nextInFocusChain()
         while w is not None and w is not self and len(found) < MAX_TAB_STOPS:

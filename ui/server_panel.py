@@ -3,11 +3,21 @@ requests it served, and its last error."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Optional
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QFormLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget
+from PySide6.QtGui import QGuiApplication, QKeyEvent
+from PySide6.QtWidgets import (
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 from ui.parts import error_label
 
@@ -26,16 +36,35 @@ class ServerPanel(QWidget):
         self.api_key = QLineEdit(self)
         self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
         self.api_key.setPlaceholderText("none (loopback only)")
+        # a key typed blind could not be read back, nor copied out of the field for the clients
+        self.show_key = QPushButton("Show", self)
+        self.show_key.setCheckable(True)
+        self.show_key.setToolTip("Show the API key")
+        self.show_key.toggled.connect(self._show_key)
+        self.new_key = QPushButton("Generate", self)
+        self.new_key.setToolTip("A new random API key")
+        self.new_key.clicked.connect(self.generate_key)
+        self.copy_key = QPushButton("Copy", self)
+        self.copy_key.setToolTip("Copy the API key, for the clients")
+        self.copy_key.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.api_key.text().strip()))
         self.button = QPushButton("Start server", self)
         self.button.clicked.connect(self._clicked)
         self.address = QLabel("Not running", self)
         self.address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.counts = QLabel("", self)
+        for label in (self.address, self.counts):  # a long line widened the docks, narrowing the conversation
+            label.setWordWrap(True)
         self.error = error_label(self, selectable=True)
         form = QFormLayout()
         form.addRow("Host", self.host)
         form.addRow("Port", self.port)
-        form.addRow("API key", self.api_key)
+        key_row = QHBoxLayout()
+        key_row.addWidget(self.api_key, 1)
+        for button in (self.show_key, self.new_key, self.copy_key):
+            key_row.addWidget(button)
+        key_label = QLabel("API key", self)
+        key_label.setBuddy(self.api_key)  # a row of a field and buttons gets no buddy of its own: unnamed
+        form.addRow(key_label, key_row)
         lay = QVBoxLayout(self)
         lay.addLayout(form)
         lay.addWidget(self.button)
@@ -54,6 +83,13 @@ class ServerPanel(QWidget):
             return
         super().keyPressEvent(event)
 
+    def _show_key(self, shown: bool) -> None:
+        self.api_key.setEchoMode(QLineEdit.EchoMode.Normal if shown else QLineEdit.EchoMode.Password)
+        self.show_key.setText("Hide" if shown else "Show")
+
+    def generate_key(self) -> None:
+        self.api_key.setText(f"sk-{secrets.token_urlsafe(24)}")
+
     def _clicked(self) -> None:
         if self.running:
             self.stopRequested.emit()
@@ -62,12 +98,16 @@ class ServerPanel(QWidget):
             # a pasted key loses the spaces and line end around it, as in the remote model dialog (it was refused)
             self.startRequested.emit(self.host.text().strip(), self.port.value(), self.api_key.text().strip())
 
-    def set_running(self, url: Optional[str]) -> None:
+    def set_running(self, url: Optional[str], reachable: Optional[str] = None) -> None:
+        """`reachable`: for a server on every address (0.0.0.0, ::), one its clients can use."""
         self.running = url is not None
         self.button.setText("Stop server" if self.running else "Start server")
-        for w in (self.host, self.port, self.api_key):
+        for w in (self.host, self.port, self.api_key, self.new_key):
             w.setEnabled(not self.running)
-        self.address.setText(f"Listening at {url}" if url else "Not running")
+        text = f"Listening at {url}" if url else "Not running"
+        if url and reachable:  # 0.0.0.0 is no address a client can ask
+            text += f" — on every address of this machine, e.g. {reachable}"
+        self.address.setText(text)
 
     def set_stats(self, stats: Optional[dict[str, Any]]) -> None:
         if not stats:

@@ -53,6 +53,41 @@ def test_server_panel_start_stop_and_figures(qtbot):
     assert panel.button.text() == "Start server" and panel.host.isEnabled()
 
 
+def test_the_server_s_key_can_be_shown_generated_and_copied(qtbot):
+    """The key was typed blind in a password field Qt does not copy from, with no way to read it back for the
+    clients or to make one."""
+    from PySide6.QtGui import QGuiApplication
+    from PySide6.QtWidgets import QLineEdit
+
+    panel = ServerPanel()
+    qtbot.addWidget(panel)
+    assert panel.api_key.echoMode() == QLineEdit.EchoMode.Password
+    panel.show_key.click()
+    assert panel.api_key.echoMode() == QLineEdit.EchoMode.Normal and panel.show_key.text() == "Hide"
+    panel.new_key.click()
+    key = panel.api_key.text()
+    assert key.startswith("sk-") and len(key) >= 32
+    panel.new_key.click()
+    assert panel.api_key.text() != key  # random each time
+    QGuiApplication.clipboard().setText("before")
+    panel.copy_key.click()
+    assert QGuiApplication.clipboard().text() == panel.api_key.text()
+    panel.set_running("http://0.0.0.0:9123/v1", "http://192.168.1.7:9123/v1")
+    assert panel.address.text() == (
+        "Listening at http://0.0.0.0:9123/v1 — on every address of this machine, e.g. http://192.168.1.7:9123/v1"
+    )
+    assert not panel.new_key.isEnabled() and not panel.api_key.isEnabled()
+
+
+def test_a_server_on_every_address_is_shown_at_one_a_client_can_use():
+    from app.serve_app import reachable_url
+
+    assert reachable_url("http://127.0.0.1:8080/v1") is None
+    for wildcard in ("http://0.0.0.0:8080/v1", "http://[::]:8080/v1"):
+        url = reachable_url(wildcard)
+        assert url is not None and url.endswith(":8080/v1") and "0.0.0.0" not in url and "[::]" not in url
+
+
 def test_enter_in_the_server_panel_s_fields_starts_the_server(qtbot):
     """A docked panel has no default button: Enter in Host, Port or API key did nothing. It starts the server with
     what the fields show (the port as typed), as the button does; while the server runs Enter stops nothing."""
@@ -179,6 +214,30 @@ def gui(qtbot, tmp_path, tiny_llama):
     yield g
     g.window.close()
     g.close()
+
+
+def test_the_server_s_address_key_and_panel_are_kept_for_the_next_start(qtbot, gui, tmp_path):
+    """Host, port and key were the defaults again at each start, and the panel hidden."""
+    w, server = gui.window, gui.server
+    w.server_dock.show()
+    port = _free_port()
+    w.server_panel.port.setValue(port)
+    w.server_panel.api_key.setText("sk-mine")
+    with qtbot.waitSignal(server.started, timeout=TIMEOUT_MS):
+        w.server_panel.button.click()
+    r = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-mine").models.list()
+    assert r.data
+    w.close()
+    gui.close()
+    again = build(AppPaths.resolve(tmp_path / "data"), "light")
+    try:
+        panel = again.window.server_panel
+        assert (panel.host.text(), panel.port.value(), panel.api_key.text()) == ("127.0.0.1", port, "sk-mine")
+        assert not again.window.server_dock.isHidden() and not panel.running  # shown, and not started by itself
+        assert "sk-mine" not in (tmp_path / "data" / "config" / "settings.json").read_text(encoding="utf-8")
+    finally:
+        again.window.close()
+        again.close()
 
 
 def test_every_collection_of_a_model_switch_runs_on_the_gui_thread(qtbot, gui, tmp_path):
