@@ -18,7 +18,16 @@ from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, GenerationMetrics
 
 MAX_STOP_STRINGS = 16
 SERVED_FIGURES = ("ttft_ms", "decode_tok_s", "kernel_gap_pct")
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+# The engine's finish reasons as OpenAI's API names them; a remote model's (served through this server) are its
+# server's: held back by its content filter, or another of its own (passed on as the end of the answer).
+FINISH = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "cancelled": "stop",
+    "filtered": "content_filter",
+    "server": "stop",
+}
 # Fields whose meaning this server cannot honour: refused rather than silently ignored.
 UNSUPPORTED = {
     "tools": "tool calls are not supported",

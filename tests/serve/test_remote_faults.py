@@ -758,6 +758,32 @@ def test_a_finish_reason_of_the_server_s_own_is_not_called_the_end_of_the_answer
     assert (notice in result.notices) if notice else not any("finish reason" in n for n in result.notices)
 
 
+@pytest.mark.parametrize("model, said", [("content-filter", "content_filter"), ("tool-calls", "stop")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_gapless_serve_in_front_passes_on_the_server_s_own_finish_reasons(stand_in, model, said, stream):
+    """The app's server in front of a remote model whose server ended an answer its own way failed: a 500
+    "internal error: KeyError" (its finish reasons had no OpenAI name), and a stream cut without its end."""
+    import openai
+    from serving import serving
+
+    _, server = stand_in
+    engine = RemoteEngine.load(RemoteSource(server.url, model))
+    try:
+        with serving(engine) as front:
+            client = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0)
+            asked = dict(model=model, messages=HELLO, max_tokens=8)
+            if stream:
+                chunks = list(client.chat.completions.create(**asked, stream=True))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            else:
+                r = client.chat.completions.create(**asked)
+                text, finish = r.choices[0].message.content, [r.choices[0].finish_reason]
+    finally:
+        engine.close()
+    assert text == "Hello" and finish == [said]
+
+
 def test_usage_counts_that_are_no_counts_are_na_with_what_was_sent(stand_in):
     """completion_tokens -7 stayed in the answer's per-answer counts, and the stored chat read back damaged."""
     from engine.figures import metrics_problem
