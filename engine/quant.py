@@ -57,7 +57,7 @@ def _by_rows(
     first = quantize(w[:rows], *args)
     if n <= rows:
         return first
-    outs = tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in first)
+    outs = tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in first)
     for start in range(0, n, rows):
         block = first if start == 0 else quantize(w[start : start + rows], *args)
         for out, part in zip(outs, block):

@@ -218,6 +218,9 @@ def test_weights_are_quantised_in_row_blocks_with_the_same_result(monkeypatch):
         for name, parts in whole.items():
             assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(parts, blocked[name])), (rows, name)
     monkeypatch.setattr(quant, "QUANT_CHUNK_FLOATS", 64)
+    # the outputs are made where the weights are (a CUDA model is quantised on its device): they were on the CPU
+    on_meta = w.to("meta")
+    assert all(t.device.type == "meta" for t in (*quantize_int8(on_meta), *quant.quantize_int4(on_meta)))
     bad = w.clone()
     bad[30, 3] = float("nan")  # found in a later block: refused as before
     with pytest.raises(ValueError, match="int4 cannot hold these weights: they contain an inf or a NaN"):
