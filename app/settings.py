@@ -354,6 +354,12 @@ class SettingsStore:
             saved = getattr(s, name)
             known = {f.name for f in fields(kind)}
             extra = {k: v for k, v in saved.items() if k not in known}
+            for k in [k for k, v in extra.items() if not (_unicode(k) and _unicode(v))]:
+                del extra[k]  # kept, it would have every save fail
+                reasons.append(
+                    f"in the {what}, an option this version does not know holds text that is not valid Unicode"
+                )
+                self._fell_back.add(name)
             if extra:  # a newer version's options: the rest are used, and these written back as they are
                 log.warning("settings file %s: keeping unknown %s %s", self.path, what, ", ".join(sorted(extra)))
                 self.unknown_options[name] = extra

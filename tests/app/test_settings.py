@@ -530,6 +530,22 @@ def test_a_sampling_option_that_is_not_valid_unicode_falls_back_alone(path):
     assert store.load()[0].new_chat_sampling() == SamplingParams(temperature=0.2)
 
 
+@pytest.mark.parametrize("option", ['"future_option": "\\ud83d"', '"\\ud83d": 1'])
+def test_an_unknown_option_that_is_not_valid_unicode_falls_back_and_saves_go_on(path, option):
+    """An option of a newer version holding a lone surrogate (its value or its name) was kept to be written back,
+    and every save failed on it."""
+    path.parent.mkdir(parents=True)
+    path.write_text('{"sampling": {"temperature": 0.5, ' + option + '}, "sampling_saved": true}')
+    store = SettingsStore(path)
+    s, notices = store.load()
+    assert (
+        len(notices) == 1 and "an option this version does not know holds text that is not valid Unicode" in notices[0]
+    )
+    assert s.new_chat_sampling().temperature == 0.5
+    store.save(s)
+    assert store.load()[0].new_chat_sampling().temperature == 0.5
+
+
 def test_a_remote_answer_s_device_is_not_a_setting(path):
     """ "remote" marks a remote server's answers' options; as a saved choice no local engine could run it."""
     path.parent.mkdir(parents=True)
