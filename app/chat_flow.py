@@ -420,7 +420,12 @@ class ChatFlow(QObject):
                 leaf: Optional[int] = ids[candidate]
             else:  # the branch on screen; while an answer streams, to it (the stored active leaf)
                 leaf = None if self.generating or ids else self._shown_leaf
-            thread = self.store.thread(self.chat_id, leaf) if chat.active_leaf_id is not None else []
+            try:
+                thread = self.store.thread(self.chat_id, leaf) if chat.active_leaf_id is not None else []
+            except StoreError:  # the message on screen was deleted elsewhere: the chat as stored (a send says so)
+                if leaf is None or leaf != self._shown_leaf:
+                    raise
+                thread = self.store.thread(self.chat_id)
             return out + spoken(thread, streaming, then=draft)
         out.append({"role": "user", "content": draft})
         return out
