@@ -57,6 +57,11 @@ def _pct(v: float) -> str:
     return f"{figures.rounded(v, 1, top=100.0)} %"
 
 
+def _shown(v: Optional[float]) -> Optional[float]:
+    """A share as _pct shows it, where that is a number (a share under 0.05 % stays itself: shown "<0.1")."""
+    return v if v is None or v < 0.05 else round(v, 1)
+
+
 def _count(v: float) -> str:
     """Kernels or ops a step: a whole number, one under 1 (a step run in a CUDA graph's share) not shown as 0."""
     return figures.rounded(v, 0)
@@ -81,8 +86,10 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         source = m.get(key.replace("_pct", "") + "_source")
         return f"{shown} ({source})" if source else shown
 
-    gap, launches = values["kernel_gap_pct"], values["launches_per_step"]
-    dram, sm = values["dram_bw_util_pct"], values["sm_activity_pct"]
+    # shares as quoted (one decimal): a verdict parts at the figure the line shows (14.97 % was "back to back
+    # (gap 15.0 %)" where 15.0 % is "idle between ops")
+    gap, dram, sm = (_shown(values[k]) for k in ("kernel_gap_pct", "dram_bw_util_pct", "sm_activity_pct"))
+    launches = values["launches_per_step"]
     unit = "kernels" if cuda else "ops"
     sampling, compiled, graph = o.get("sampling"), bool(o.get("compile")), bool(o.get("cuda_graph"))
     static = o.get("kv_cache") == "static"
@@ -167,7 +174,8 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         step = "more candidates (each weight read serves all)" if more else weight_step()
         return done("memory-bound", f"memory-bound: DRAM bandwidth {_pct(dram)} of peak", step)
     if cuda and gap >= LAUNCH_GAP_PCT:
-        floor = f", {100 / dram:.0f}× over the memory floor" if dram else ""
+        raw = values["dram_bw_util_pct"]  # the ratio from the figure itself, not its one decimal
+        floor = f", {100 / raw:.0f}× over the memory floor" if raw else ""
         if dram:
             evidence.append(ev("dram_bw_util_pct", f"DRAM bandwidth {_pct(dram)} of peak"))
         return done(

@@ -280,7 +280,8 @@ def test_a_figure_that_is_not_finite_is_no_evidence():
 @pytest.mark.parametrize(
     "metrics, device, quoted",
     [
-        ({"kernel_gap_pct": 14.97, "sm_activity_pct": 40.0}, "cuda", "GPU kernels: the GPU is busy (gap 15.0 %)"),
+        ({"kernel_gap_pct": 14.94, "sm_activity_pct": 40.0}, "cuda", "GPU kernels: the GPU is busy (gap 14.9 %)"),
+        ({"kernel_gap_pct": 14.97, "sm_activity_pct": 40.0}, "cuda", "launch-bound: the GPU idle 15.0 % between"),
         ({"kernel_gap_pct": 49.7}, "cuda-host", "the GPU idle 49.7 % between kernels"),  # not "50 %": host sync's
         ({"kernel_gap_pct": 3.0, "launches_per_step": 64.0, "dram_bw_util_pct": 59.7}, "cpu", "memory read at 59.7 %"),
         ({"kernel_gap_pct": 30.0, "launches_per_step": 0.375}, "cuda", "launch-bound: <1 kernels a token"),
@@ -297,5 +298,10 @@ def test_figures_are_quoted_as_the_hud_shows_them(metrics, device, quoted):
 
 
 def test_a_cpu_step_idle_between_its_ops_is_not_called_back_to_back():
-    d = diagnose({"kernel_gap_pct": 80.0}, EngineOptions(device="cpu").to_dict(), "cpu")
+    cpu = EngineOptions(device="cpu").to_dict()
+    d = diagnose({"kernel_gap_pct": 80.0}, cpu, "cpu")
     assert d.verdict == "CPU" and d.line.startswith("CPU: idle 80.0 % between ops; ops a step n/a")
+    # the verdict parts at the figure as quoted: 14.97 % is quoted 15.0 %, and said as 15.0 % is
+    for gap in (14.97, 15.0):
+        assert diagnose({"kernel_gap_pct": gap}, cpu, "cpu").line.startswith("CPU: idle 15.0 % between ops")
+    assert diagnose({"kernel_gap_pct": 14.94}, cpu, "cpu").line.startswith("CPU: ops run back to back (gap 14.9 %)")
