@@ -167,6 +167,14 @@ def _why(exc: httpx.HTTPError) -> str:
 KNOWN_FINISH = {"stop": "stop", "eos": "eos", "length": "length", "content_filter": "filtered"}
 
 
+def _without(text: str, key: str) -> str:
+    """`text` with `key` taken out, and the start of it where the text ends in one (a server's message is cut to a
+    few hundred characters before it is shown)."""
+    text = text.replace(key, "[the API key]")
+    cut = next((n for n in range(len(key) - 1, 3, -1) if text.endswith(key[:n])), 0)
+    return text[: len(text) - cut] + "[the API key]" if cut else text
+
+
 def _count(v: Any) -> Optional[int]:
     """A usage count as a whole number of tokens (3.0 too); None where it cannot be one (-7, true, "5")."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf or v != int(v):
@@ -182,14 +190,14 @@ def _percentile(values: list[float], q: float) -> float:
 class VllmMetrics:
     """vLLM's Prometheus endpoint: running and waiting requests, KV-cache usage, and its TTFT histogram."""
 
-    def __init__(self, client: httpx.Client, url: str):
-        self.client = client
+    def __init__(self, headers: dict, url: str):
+        self.headers = headers
         self.url = url
 
     def read(self, timeout_s: float) -> dict[str, float]:
         """Each vllm: series, summed over its labels (one model per server: the sum is that model's)."""
         out: dict[str, float] = {}
-        for line in _bounded_get(self.client, self.url, timeout_s, timeout_s, MAX_METRICS_BYTES).text.splitlines():
+        for line in _bounded_get(self.headers, self.url, timeout_s, timeout_s, MAX_METRICS_BYTES).text.splitlines():
             m = _PROM_LINE.match(line)
             if m is None:
                 continue
@@ -204,20 +212,25 @@ class _TooLarge(Exception):
     """A body past the bytes read of it (_bounded_get)."""
 
 
-def _bounded_get(client: httpx.Client, url: str, seconds: float, connect_s: float, limit: int) -> httpx.Response:
-    """GET `url` read whole within `seconds` (httpx's timeout is per read: a server sending a byte at a time held
-    the call for as long as it liked) and at most `limit` bytes (_TooLarge past it); httpx.ReadTimeout past the
-    time."""
-    deadline = time.monotonic() + seconds
-    with client.stream("GET", url, timeout=httpx.Timeout(seconds, connect=connect_s)) as r:
-        body = bytearray()
-        for piece in r.iter_bytes():
-            body += piece
-            if len(body) > limit:
-                raise _TooLarge(f"more than {limit >> 20} MiB")
-            if time.monotonic() > deadline:
-                raise httpx.ReadTimeout(f"not read whole within {seconds:g} s", request=r.request)
-        return _as_read(r, bytes(body))
+def _bounded_get(headers: dict, url: str, seconds: float, connect_s: float, limit: int) -> httpx.Response:
+    """GET `url` read whole, its headers too, within `seconds` (httpx's timeout is per read: a server sending a byte
+    at a time held the call for as long as it liked) and at most `limit` bytes (_TooLarge past it); httpx.ReadTimeout
+    past the time. On an event loop of its own, whose deadline cancels the request wherever it is."""
+
+    async def read() -> httpx.Response:
+        async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(seconds, connect=connect_s)) as client:
+            async with client.stream("GET", url) as r:
+                body = bytearray()
+                async for piece in r.aiter_bytes():
+                    body += piece
+                    if len(body) > limit:
+                        raise _TooLarge(f"more than {limit >> 20} MiB")
+                return _as_read(r, bytes(body))
+
+    try:
+        return asyncio.run(asyncio.wait_for(read(), seconds))
+    except asyncio.TimeoutError:
+        raise httpx.ReadTimeout(f"not read whole within {seconds:g} s") from None
 
 
 _PROM_LINE = re.compile(r"^(vllm:[A-Za-z0-9_:]+)(?:\{[^}]*\})?\s+(\S+)")
@@ -242,7 +255,6 @@ class RemoteEngine:
         source: RemoteSource,
         options: EngineOptions,
         api_key: Optional[str] = None,
-        transport: Optional[httpx.BaseTransport] = None,
     ):
         self.source = source.validate()
         self.options = options.validate()
@@ -256,8 +268,8 @@ class RemoteEngine:
         self._list_timeout_s = min(LIST_TIMEOUT_S, source.timeout_s)
         self._metrics_timeout_s = min(METRICS_TIMEOUT_S, source.timeout_s)
         timeout = httpx.Timeout(source.timeout_s, connect=self._connect_timeout_s)
-        self._client = httpx.Client(headers=headers, timeout=timeout, transport=transport)
-        self._headers, self._timeout = headers, timeout  # for the answers' own clients (_pump)
+        # each request's own client, on an event loop of its own: a deadline or a Stop ends it wherever it is
+        self._headers, self._timeout = headers, timeout
         self._requests: set[_Request] = set()  # answers being read: close() ends them
         self._context_length = 0
         self._extensions: dict[str, str] = {}  # SAMPLING_EXTENSIONS of this server
@@ -342,7 +354,7 @@ class RemoteEngine:
     def _read_list(self, url: str) -> httpx.Response:
         """GET `url` read whole within the list's time (an opening cannot be stopped) and at most MAX_LIST_BYTES."""
         try:
-            return _bounded_get(self._client, url, self._list_timeout_s, self._connect_timeout_s, MAX_LIST_BYTES)
+            return _bounded_get(self._headers, url, self._list_timeout_s, self._connect_timeout_s, MAX_LIST_BYTES)
         except _TooLarge:
             raise ModelLoadError(
                 f"the remote server at {self.source.base_url} sent more than {MAX_LIST_BYTES >> 20} MiB for its "
@@ -355,12 +367,12 @@ class RemoteEngine:
         memory)."""
         url = f"{_server_root(self.source.base_url)}/metrics"
         try:
-            r = _bounded_get(self._client, url, self._metrics_timeout_s, self._metrics_timeout_s, MAX_METRICS_BYTES)
+            r = _bounded_get(self._headers, url, self._metrics_timeout_s, self._metrics_timeout_s, MAX_METRICS_BYTES)
         except (httpx.HTTPError, _TooLarge) as exc:
             log.info("no vLLM /metrics read at %s: %s", url, exc)
             return
         if r.status_code == 200 and "vllm:" in r.text:
-            self._vllm = VllmMetrics(self._client, url)
+            self._vllm = VllmMetrics(self._headers, url)
 
     @property
     def info(self) -> ModelInfo:
@@ -445,8 +457,8 @@ class RemoteEngine:
         """The API key taken out of an error's message: a server may quote it back ("invalid api key: Bearer
         sk-..."), and the message is shown, logged and relayed."""
         key = self._key
-        if key and any(isinstance(a, str) and key in a for a in exc.args):
-            exc.args = tuple(a.replace(key, "[the API key]") if isinstance(a, str) else a for a in exc.args)
+        if key:
+            exc.args = tuple(_without(a, key) if isinstance(a, str) else a for a in exc.args)
 
     def _generate(
         self,
@@ -703,7 +715,6 @@ class RemoteEngine:
     def close(self) -> None:
         for request in list(self._requests):  # answers still being read (a model switched mid-answer)
             request.end()
-        self._client.close()
 
 
 class _Garbage(GenerationError):
@@ -852,7 +863,8 @@ class _Stream:
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
-            i = choice.get("index", 0)
+            i = choice.get("index")
+            i = 0 if i is None else i  # left out or null: the first (a server that sends one answer)
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < max(self.n, 1):
                 self.stray += 1  # an answer not asked for: merged into the first, its finish ended that one
                 continue

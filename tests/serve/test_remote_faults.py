@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 from starlette.applications import Starlette
@@ -843,3 +844,79 @@ def test_a_metrics_endpoint_that_never_ends_or_is_huge_is_given_up(kind):
             engine.close()
     finally:
         server.stop()
+
+
+def test_a_metrics_endpoint_that_trickles_its_headers_is_given_up():
+    """Headers sent a byte at a time were read under httpx's per-read timeout alone: the 2 s of /metrics did not
+    cover them, and opening the model waited as long as the server went on."""
+    import socketserver
+    import time
+
+    trickled: list[int] = []  # header bytes the /metrics request took before its client left
+    done = threading.Event()
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            path = self.rfile.readline().split()[1]
+            while self.rfile.readline().strip():
+                pass
+            if path == b"/v1/models":
+                body = json.dumps({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]}).encode()
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+                self.wfile.write(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                return
+            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            sent = 0
+            try:
+                for _ in range(40):  # 20 s of a header's bytes, each in a read's time
+                    self.wfile.write(b"X")
+                    self.wfile.flush()
+                    sent += 1
+                    time.sleep(0.5)
+                body = b"vllm:num_requests_running 1.0\n"
+                self.wfile.write(b": y\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                self.wfile.flush()
+            except OSError:  # the client gave up
+                pass
+            finally:
+                trickled.append(sent)
+                done.set()
+
+    class Server(socketserver.ThreadingTCPServer):
+        daemon_threads = True
+        allow_reuse_address = True
+
+    with Server(("127.0.0.1", 0), Handler) as tcp:
+        threading.Thread(target=tcp.serve_forever, daemon=True).start()
+        try:
+            engine = RemoteEngine.load(RemoteSource(f"http://127.0.0.1:{tcp.server_address[1]}/v1", "m"))
+            try:
+                assert engine._vllm is None
+            finally:
+                engine.close()
+            assert done.wait(60)
+        finally:
+            tcp.shutdown()
+    assert trickled[0] < 40  # the client left within its time, not after the server's 20 s
+
+
+def test_an_event_with_a_null_index_is_the_first_answer_s():
+    """ "index": null (as some servers send for their one answer) was taken for an answer not asked for, and all
+    of its text was left out."""
+    from engine.remote import _Stream
+
+    stream = _Stream(1)
+    for text in ("Hello", " there"):
+        stream.feed(
+            "data: " + json.dumps({"choices": [{"index": None, "delta": {"content": text}}]}), False, print, 0.0
+        )
+    assert stream.texts == {0: "Hello there"} and stream.stray == 0
+
+
+def test_a_key_cut_off_in_a_server_s_long_message_is_taken_out_too():
+    from engine.remote import _without
+
+    key = "sk-SECRET-KEY-1234567890"
+    assert _without(f"bad key {key}, try again", key) == "bad key [the API key], try again"
+    assert _without(f"{'x' * 190} bad key {key[:9]}", key) == f"{'x' * 190} bad key [the API key]"
+    assert _without("nothing of it here: sk", key) == "nothing of it here: sk"
