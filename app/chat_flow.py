@@ -66,10 +66,7 @@ def spoken(
     again, it would have the next prompt refused the same way, and two user turns in a row break the
     templates that want the roles to alternate (Gemma's)."""
     kept = [m for m in thread if not (m.role == "assistant" and not m.content and m.id not in skip)]
-    # a question is answered when an answer follows it, the one streaming now included
-    unanswered = {m.id for m, after in zip(kept, kept[1:]) if m.role == after.role == "user"}
-    if then is not None and kept and kept[-1].role == "user":  # the draft follows a question left unanswered
-        unanswered.add(kept[-1].id)
+    unanswered = _unanswered(kept, then is not None)
     turns = [
         {"role": m.role, "content": m.content}
         for m in kept
@@ -78,6 +75,33 @@ def spoken(
     if then is not None:
         turns.append({"role": "user", "content": then})
     return turns
+
+
+def _unanswered(kept: list[Message], then: bool) -> set[int]:
+    """The questions of `kept` (answers that say nothing left out) followed by another question: none answered
+    them (the one streaming now counts as an answer). `then`: a question follows the last."""
+    unanswered = {m.id for m, after in zip(kept, kept[1:]) if m.role == after.role == "user"}
+    if then and kept and kept[-1].role == "user":  # the draft follows a question left unanswered
+        unanswered.add(kept[-1].id)
+    return unanswered
+
+
+def left_out(thread: list[Message]) -> str:
+    """What spoken() leaves out of the branch to its last question, said for the user where the question just
+    before it is one ("" where nothing, or where those left out are older: said when they were)."""
+    kept = [m for m in thread if not (m.role == "assistant" and not m.content)]
+    n = len(_unanswered(kept, False))
+    if not n or len(kept) < 2 or kept[-2].role != "user":
+        return ""
+    if n == 1:
+        return (
+            "an earlier question was never answered (refused, failed or stopped while read) and is not sent with "
+            "this one; it stays in the chat"
+        )
+    return (
+        f"{n} earlier questions were never answered (refused, failed or stopped while read) and are not sent with "
+        "this one; they stay in the chat"
+    )
 
 
 @dataclass
@@ -141,6 +165,7 @@ class ChatFlow(QObject):
     candidatesFinished = Signal(object)  # GenerationResult (N candidates, awaiting a choice)
     generatingChanged = Signal(bool)
     failed = Signal(str)  # a message for the user
+    noticed = Signal(str)  # what the user is told of a question asked (for the status bar)
 
     def __init__(
         self,
@@ -437,6 +462,7 @@ class ChatFlow(QObject):
             messages = self.prompt_messages(user)
             sampling = self.sampling(user.chat_id)
             overflow = self.overflow_policy(user.chat_id)
+            skipped = left_out(self.store.thread(user.chat_id, user.id))
         except StoreError as exc:
             self.failed.emit(str(exc))
             return False
@@ -454,6 +480,8 @@ class ChatFlow(QObject):
         )
         self._candidate_ids = []
         self.generatingChanged.emit(True)
+        if skipped:
+            self.noticed.emit(skipped)
         return True
 
     # ---- engine events -------------------------------------------------------------------------------

@@ -366,6 +366,7 @@ class MainWindow(QMainWindow):
             (f.candidatesFinished, self._candidates_finished),
             (f.generatingChanged, self._generating_changed),
             (f.failed, self._failed),
+            (f.noticed, self.status.setText),
             (v.editSubmitted, f.edit),
             (v.editSubmitted, lambda _id, _text: self.composer.edit.setFocus()),
             (v.focusReleased, self.composer.edit.setFocus),

@@ -178,6 +178,7 @@ def test_the_context_is_counted_from_the_candidate_on_screen(flow):
 def test_a_question_left_unanswered_is_not_asked_again_with_the_next(flow):
     f, store, ctl = flow
     failed = signals(f, "failed")["failed"]
+    noticed = signals(f, "noticed")["noticed"]
     f.send("first")
     ctl.run(1, ["first answer"], ["eos"])
     f.send("a question refused as too long")
@@ -193,14 +194,27 @@ def test_a_question_left_unanswered_is_not_asked_again_with_the_next(flow):
         {"role": "assistant", "content": "first answer"},
         {"role": "user", "content": "next"},
     ]
+    one = (
+        "an earlier question was never answered (refused, failed or stopped while read) and is not sent with this "
+        "one; it stays in the chat"
+    )
+    assert noticed == [(one,)]  # at "stopped while it was read": the refused one before it
     f.send("next")
     assert ctl.asked[-1] == [
         {"role": "user", "content": "first"},
         {"role": "assistant", "content": "first answer"},
         {"role": "user", "content": "next"},
     ]
+    # said, not done silently (a pasted document stopped while it was read was left out of the next question)
+    assert noticed[1:] == [
+        (
+            "2 earlier questions were never answered (refused, failed or stopped while read) and are not sent with "
+            "this one; they stay in the chat",
+        )
+    ]
     ctl.run(4, ["the next answer"], ["eos"])
     f.send("and then")  # an answered question stays in the conversation
+    assert len(noticed) == 2  # the two left out before "next" were said then, not again at each question
     assert [m["content"] for m in ctl.asked[-1]] == ["first", "first answer", "next", "the next answer", "and then"]
     # while its answer streams, the question being answered is counted with a new draft
     ctl.generationStarted.emit(5, EngineOptions())
