@@ -543,7 +543,10 @@ def _cut_last(
         tail = tokenizer.decode(content_ids[-room:]).lstrip("\ufffd")
         text, ids = render([*head, {"role": "user", "content": tail}])
         if len(ids) <= budget:
-            what = f"the last message was cut to its last {room} tokens"
+            # what the prompt holds of it: a character cut in half at the start is dropped from the tail (214 of
+            # 216 tokens of Japanese text were said to be 216)
+            held = len(ids) - len(frame)
+            what = f"the last message was cut to its last {held if 0 < held <= room else room} tokens"
             if dropped:
                 what = f"{dropped_what or _plural(dropped, 'oldest message') + ' dropped'} and {what}"
             _cut(notices, context, what)

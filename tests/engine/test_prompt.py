@@ -271,3 +271,17 @@ def test_rolling_keeps_the_last_exchange_that_fits_however_long_the_turns(chat_t
     assert len(_template_ids(chat_tok, [SYSTEM, *msgs[3:]])) <= budget  # the last exchange fits
     p = build_prompt(chat_tok, msgs, context, max_new)
     assert p.dropped_messages == 2 and p.ids == _template_ids(chat_tok, [SYSTEM, *msgs[3:]])
+
+
+def test_the_cut_says_how_many_tokens_of_the_message_the_prompt_holds():
+    """A character cut in half where the tail begins is dropped from it: the notice said the 216 tokens it was
+    cut to where the prompt held 214 of Japanese text and an emoji."""
+    from tiny_models import CHATML, make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = CHATML
+    template = tok.apply_chat_template([_user("")], add_generation_prompt=True, tokenize=False)
+    frame = len(tok(template, add_special_tokens=False)["input_ids"])
+    for text in ("the quick brown fox " * 200, "日本語のテキスト🙂 " * 300):
+        p = build_prompt(tok, [_user(text)], 256, 24)
+        assert p.cut == f"the last message was cut to its last {len(p.ids) - frame} tokens"
