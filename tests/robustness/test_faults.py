@@ -4,6 +4,7 @@ generation left alone."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -258,13 +259,18 @@ def test_nvml_lost_in_the_middle_of_a_generation(sampled_nvml_engine):
     last = samples[-1]
     assert last.gpu_util_pct is None and last.power_w is None and last.gpu_memory_used_bytes is None
     assert last.process_rss_bytes is not None and last.cpu_util_pct is not None
-    # A figure measured over part of the generation keeps its source; none is invented for the rest.
+    # A figure measured over part of the generation keeps its source, and says how much it covers and why it
+    # stopped; none is invented for the rest.
     m = result.metrics
     assert m.gpu_util_pct in (None, 55.0)
     if m.gpu_util_pct is None:
         assert m.unavailable["gpu_util_pct"] == "nvmlDeviceGetUtilizationRates failed: GPU is lost"
     else:
-        assert m.gpu_util_source == "GPU util — NVML utilization rates"
+        assert re.fullmatch(
+            r"GPU util — NVML utilization rates \(the first \d+ % of the interval only; then "
+            r"nvmlDeviceGetUtilizationRates failed: GPU is lost\)",
+            m.gpu_util_source,
+        ), m.gpu_util_source
 
 
 def test_nvml_lost_before_a_generation_gives_na_with_the_reason(sampled_nvml_engine):
