@@ -40,7 +40,9 @@ def test_generate_json_on_a_tiny_model(tiny_llama):
     d = out["diagnosis"]  # what limited this answer, from the figures printed beside it
     assert d == diagnose(m, out["options"], "cpu").to_dict()
     if m["kernel_gap_pct"] is not None:
-        shown = f"{m['kernel_gap_pct']:.0f} %" if m["kernel_gap_pct"] >= 10 else f"{m['kernel_gap_pct']:.1f} %"
+        from engine.figures import rounded
+
+        shown = f"{rounded(m['kernel_gap_pct'], 1, top=100.0)} %"  # with the HUD's one decimal
         assert d["verdict"].startswith("CPU") and f"{shown}" in d["line"] and d["next_step"]
 
 
