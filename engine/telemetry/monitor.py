@@ -415,15 +415,27 @@ class Monitor:
         if rates is None:
             self._odd.discard("gpu_util_pct")  # the call failed: n/a from now on, as every NVML call
             return None
-        problem = figures.value_problem(figures.spec("gpu_util_pct"), float(rates.gpu))
-        if problem:  # 0xFFFFFFFF where the driver has no figure: it was shown as 4,294,967,295 %
-            if "gpu_util_pct" not in self._odd:
-                log.warning("monitor: GPU utilisation %s; n/a until a reading is", problem)
-            self.unavailable["gpu_util_pct"] = f"nvmlDeviceGetUtilizationRates's reading {problem}"
-            self._odd.add("gpu_util_pct")
+        # 0xFFFFFFFF where the driver has no figure: it was shown as 4,294,967,295 %
+        if not self._share_read("gpu_util_pct", float(rates.gpu), "nvmlDeviceGetUtilizationRates"):
             return None
-        self._odd.discard("gpu_util_pct")
         return float(rates.gpu), SOURCES["gpu_util_rates"]
+
+    def _share_read(self, metric: str, value: float, reader: str) -> bool:
+        """Whether `value` can be a reading of `metric`. One no share can be (NaN, inf, below 0, SM activity above
+        100 % as on some MIG slices) is not shown, nor averaged into the answer's figure: the figure is n/a with
+        what it was, and the next reading is taken again (a single skewed reading turned the figure off for as
+        long as the model stayed loaded)."""
+        problem = figures.value_problem(figures.spec(metric), value)
+        if problem:
+            if metric not in self._odd:
+                log.warning("monitor: %s's %s %s; n/a until a reading is", reader, metric, problem)
+            self.unavailable[metric] = f"{reader}'s reading {problem}"
+            self._odd.add(metric)
+            return False
+        if metric in self._odd:
+            self._odd.discard(metric)
+            self.unavailable.pop(metric, None)
+        return True
 
     def _sample_gpm(self, t: float, values: dict, sources: dict) -> None:
         nvml = self._nvml
@@ -457,19 +469,8 @@ class Monitor:
                 self.unavailable[m] = f"GPM metric failed: {_error_text(nvml, ret)}"
                 continue
             value = float(req.metrics[i].value)
-            # A reading no share can be (NaN, below 0, SM activity above 100 % as on some MIG slices) is not
-            # shown, nor averaged into the answer's figure; the next one is read again (a single skewed reading
-            # turned the figure off for as long as the model stayed loaded).
-            problem = figures.value_problem(figures.spec(m), value)
-            if problem:
-                if m not in self._odd:
-                    log.warning("monitor: GPM %s %s; n/a until a reading is", m, problem)
-                self.unavailable[m] = f"NVML GPM's reading {problem}"
-                self._odd.add(m)
+            if not self._share_read(m, value, "NVML GPM"):
                 continue
-            if m in self._odd:
-                self._odd.discard(m)
-                self.unavailable.pop(m, None)
             values[m] = value
             sources[m] = SOURCES[m]
         self._gpm_samples = [cur, prev]
