@@ -65,7 +65,7 @@ def spoken(
     answered (refused as too long, failed, or stopped while it was read) and was followed by another: sent
     again, it would have the next prompt refused the same way, and two user turns in a row break the
     templates that want the roles to alternate (Gemma's)."""
-    kept = [m for m in thread if not (m.role == "assistant" and not m.content and m.id not in skip)]
+    kept = _said(thread, skip)
     unanswered = _unanswered(kept, then is not None)
     turns = [
         {"role": m.role, "content": m.content}
@@ -75,6 +75,11 @@ def spoken(
     if then is not None:
         turns.append({"role": "user", "content": then})
     return turns
+
+
+def _said(thread: list[Message], streaming: frozenset[int] | set[int] = frozenset()) -> list[Message]:
+    """The branch without the answers that say nothing (failed before their first token), but those `streaming`."""
+    return [m for m in thread if not (m.role == "assistant" and not m.content and m.id not in streaming)]
 
 
 def _unanswered(kept: list[Message], then: bool) -> set[int]:
@@ -89,7 +94,7 @@ def _unanswered(kept: list[Message], then: bool) -> set[int]:
 def left_out(thread: list[Message]) -> str:
     """What spoken() leaves out of the branch to its last question, said for the user where the question just
     before it is one ("" where nothing, or where those left out are older: said when they were)."""
-    kept = [m for m in thread if not (m.role == "assistant" and not m.content)]
+    kept = _said(thread)
     n = len(_unanswered(kept, False))
     if not n or len(kept) < 2 or kept[-2].role != "user":
         return ""
@@ -701,16 +706,13 @@ class ChatFlow(QObject):
     def _on_screen_still(self, message_id: Optional[int]) -> bool:
         """Whether the message on screen is still stored in the chat on screen; where another window or the
         command line deleted it, the chat is shown as it is now (and False)."""
-        try:
-            if message_id is None or self.store.get_message(message_id).chat_id == self.chat_id:
-                return True
-        except NotFound:
-            pass
-        except StoreError as exc:
-            self.failed.emit(str(exc))
+        if message_id is None:
+            return True
+        m = self._guard(lambda: self.store.get_message(message_id))  # deleted: shown as it is now (_guard)
+        if m and m.chat_id != self.chat_id:  # its id taken by a message of another chat since
+            self._changed_elsewhere()
             return False
-        self._changed_elsewhere()
-        return False
+        return bool(m)
 
     def _note_leaf(self, item: Optional[MessageItem]) -> None:
         self._shown_leaf = item.id if item is not None else None
