@@ -262,10 +262,9 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
 
     def start(host: str, port: int, api_key: str) -> None:
         settings.server_host, settings.server_port = host or settings.server_host, port
-        try:
-            keys.set(SERVER_KEY_NAME, api_key or None)
-        except OSError as exc:  # the server starts with it all the same; the next start asks for it again
-            panel.set_error(f"the API key could not be kept in {keys.file}: {exc.strerror or exc}")
+        refused = keep_key(keys, SERVER_KEY_NAME, api_key or None)
+        if refused:  # the server starts with it all the same; the next start asks for it again
+            panel.set_error(refused)
         server.start(host, port, api_key)
 
     panel.startRequested.connect(start)
@@ -298,17 +297,22 @@ def open_remote(
         window.model_panel.set_failed(f"remote:{base_url}#{model}", str(exc))
         return
     if api_key:
-        keys = KeyStore(paths.config)
-        try:
-            keys.set(source.base_url, api_key)
-        except OSError as exc:  # a read-only or full config folder: the model would open without its key
-            # the file's error: a keyring that refused the key handed it on to the file (app.keys)
-            reason = f"the API key could not be kept in {keys.file}: {exc.strerror or exc}"
-            if keys.keyring is not None:
-                reason += " (the OS keyring refused it too)"
-            window.model_panel.set_failed(source.to_source(), reason)
+        refused = keep_key(KeyStore(paths.config), source.base_url, api_key)
+        if refused:  # a read-only or full config folder: the model would open without its key
+            window.model_panel.set_failed(source.to_source(), refused)
             return
     window.load_model(source.to_source())
+
+
+def keep_key(keys: Any, name: str, key: Optional[str]) -> Optional[str]:
+    """Keep `key` under `name` in `keys` (an app.keys.KeyStore; None forgets it); why it could not be, or None."""
+    try:
+        keys.set(name, key)
+    except OSError as exc:
+        # the file's error: a keyring that refused the key handed it on to the file (app.keys)
+        reason = f"the API key could not be kept in {keys.file}: {exc.strerror or exc}"
+        return reason + (" (the OS keyring refused it too)" if keys.keyring is not None else "")
+    return None
 
 
 def screenshot_file(given: "str | Path") -> tuple[Path, str]:
