@@ -242,14 +242,21 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
     app.engines.own_server = server.serves  # read on the engine worker's thread when a remote model loads
     panel = ServerPanel()
     # where it listened and with which key, as the last run left them (they were typed again at each start)
-    settings, keys = window.settings, KeyStore(paths.config)
+    settings = window.settings
     panel.host.setText(settings.server_host)
     panel.port.setValue(settings.server_port)
-    try:
-        panel.api_key.setText(keys.get(SERVER_KEY_NAME) or "")
-    except OSError as exc:
-        panel.set_error(f"the server's API key could not be read from {keys.where}: {exc.strerror or exc}")
+    made: list[KeyStore] = []
+
+    def keys() -> KeyStore:
+        """The key store, made when the panel is first shown: an OS keyring is looked up (and may ask to be
+        unlocked) then, not at every start of the app."""
+        if not made:
+            made.append(KeyStore(paths.config))
+            panel.api_key.setText(made[0].get(SERVER_KEY_NAME) or "")
+        return made[0]
+
     dock = QDockWidget("Server", window)
+    dock.visibilityChanged.connect(lambda shown: shown and keys())
     dock.setObjectName("serverDock")
     dock.setWidget(FitScrollArea(panel, window, scroll_vertically=False))  # wrapped lines squeezed its fields
     window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
@@ -262,7 +269,7 @@ def attach_server(window: Any, controller: Any, paths: AppPaths) -> Any:
 
     def start(host: str, port: int, api_key: str) -> None:
         settings.server_host, settings.server_port = host or settings.server_host, port
-        refused = keep_key(keys, SERVER_KEY_NAME, api_key or None)
+        refused = keep_key(keys(), SERVER_KEY_NAME, api_key or None)
         if refused:  # the server starts with it all the same; the next start asks for it again
             panel.set_error(refused)
         server.start(host, port, api_key)

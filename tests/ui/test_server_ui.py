@@ -216,6 +216,28 @@ def gui(qtbot, tmp_path, tiny_llama):
     g.close()
 
 
+def test_the_key_store_is_not_asked_at_start_while_the_server_panel_is_hidden(qtbot, tmp_path, monkeypatch):
+    """An OS keyring is looked up (and may ask to be unlocked) when the panel is first shown, not at every start."""
+    import app.keys
+
+    asked: list[int] = []
+    monkeypatch.setattr(app.keys, "_keyring", lambda: asked.append(1))
+    g = build(AppPaths.resolve(tmp_path / "data"), "light")
+    try:
+        g.window.show()
+        qtbot.waitExposed(g.window)
+        assert asked == [] and g.window.server_dock.isHidden()
+        from app.gui import SERVER_KEY_NAME
+
+        KeyStore(AppPaths.resolve(tmp_path / "data").config, use_keyring=False).set(SERVER_KEY_NAME, "sk-kept")
+        g.window.server_dock.show()
+        qtbot.waitUntil(lambda: g.window.server_panel.api_key.text() == "sk-kept", timeout=TIMEOUT_MS)
+        assert asked == [1]
+    finally:
+        g.window.close()
+        g.close()
+
+
 def test_the_server_s_address_key_and_panel_are_kept_for_the_next_start(qtbot, gui, tmp_path):
     """Host, port and key were the defaults again at each start, and the panel hidden."""
     w, server = gui.window, gui.server
@@ -231,6 +253,8 @@ def test_the_server_s_address_key_and_panel_are_kept_for_the_next_start(qtbot, g
     gui.close()
     again = build(AppPaths.resolve(tmp_path / "data"), "light")
     try:
+        again.window.show()  # as the app starts (the key is read once the panel shows)
+        qtbot.waitExposed(again.window)
         panel = again.window.server_panel
         assert (panel.host.text(), panel.port.value(), panel.api_key.text()) == ("127.0.0.1", port, "sk-mine")
         assert not again.window.server_dock.isHidden() and not panel.running  # shown, and not started by itself
