@@ -56,6 +56,7 @@ class Job:
     engine_name: Optional[str] = None  # the model the server served when it accepted the request (EngineQueue)
     state: str = "queued"  # then "running", or "withdrawn": its client went away while it waited (the queue's lock)
     stopped: Optional[ApiError] = None  # why the server stopped it (EngineQueue.stop_running), for its client
+    begun: bool = False  # the engine took it: it counts as running, no longer waiting (the queue's lock)
 
 
 @dataclass(frozen=True)
@@ -243,10 +244,7 @@ class EngineQueue:
                 if job.state == "withdrawn":
                     continue
                 job.state = "running"
-                self.stats.waiting -= 1
-                self.stats.running += 1
                 self._current = job
-                self._started = time.perf_counter()
             try:
                 self._run_on_engine(functools.partial(self._execute, job=job))
             except ShuttingDown:  # as a request the engine had not begun when the server stopped
@@ -258,12 +256,25 @@ class EngineQueue:
                 with self._lock:
                     self._release(job)  # where no outcome was sent (each one releases it first)
 
+    def _begin(self, job: Job) -> None:
+        """`job` reached the engine: it counts as running from now. In the app the engine may first finish the
+        user's own answer, and a request waiting behind it still waits (the Server panel says so)."""
+        with self._lock:
+            if self._current is job and not job.begun:
+                job.begun = True
+                self.stats.waiting -= 1
+                self.stats.running += 1
+                self._started = time.perf_counter()
+
     def _release(self, job: Job) -> None:
-        """The running slot `job` held is free again (under the lock; once per job)."""
+        """The slot `job` held is free again (under the lock; once per job)."""
         if self._current is not job:
             return
-        self.stats.running -= 1
         self._current = None
+        if not job.begun:  # it ended before the engine took it (the server stopping, the runner failing)
+            self.stats.waiting -= 1
+            return
+        self.stats.running -= 1
         took = time.perf_counter() - self._started
         self._mean_job_s = took if self._mean_job_s is None else 0.8 * self._mean_job_s + 0.2 * took
 
@@ -281,6 +292,7 @@ class EngineQueue:
         self._end(job, "failed", Failed(error))
 
     def _execute(self, engine: Any, *, job: Job) -> None:
+        self._begin(job)
         req = job.request
         queue_ms = (time.perf_counter() - job.accepted) * 1e3
         if engine is None:

@@ -14,7 +14,7 @@ import pytest
 from serving import HeldEngine, load_engine, request_body, serving, wait_until
 
 import engine.observers as engine_observers
-from app.server.engine_queue import EngineQueue, Failed, Finished, Job
+from app.server.engine_queue import EngineQueue, Failed, Finished, Job, ShuttingDown, model_key
 from app.server.protocol import parse_request
 from app.server.run import BackgroundServer
 
@@ -83,6 +83,63 @@ def test_a_client_hears_its_outcome_only_once_the_counts_have_it(tiny_llama):
         engines.close()
         engine.close()
     assert seen == [("Finished", 1, 0, 0, 0), ("Failed", 1, 1, 0, 0)]
+
+
+def _ask_hi(engines: EngineQueue) -> tuple[list, threading.Event]:
+    """Submit a short chat request; its outcome (Finished or Failed) lands in the list, and the event is set."""
+    outcomes: list = []
+    done = threading.Event()
+
+    def sink(event) -> None:
+        if isinstance(event, (Finished, Failed)):
+            outcomes.append(event)
+            done.set()
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    engines.submit(Job(parse_request(body, chat=True, model_id="m"), sink))
+    return outcomes, done
+
+
+def test_a_request_waiting_for_the_apps_own_answer_counts_as_waiting_not_running(tiny_llama):
+    """In the app the engine's thread may be busy with the user's own answer when the queue hands it a request:
+    until the engine takes it, the request waits (the Server panel said "1 running" for it), and the time it
+    spent so does not count as a job's running time."""
+    engine = load_engine(tiny_llama)
+    free = threading.Event()  # until set, the user's own answer holds the engine's thread
+    handed = threading.Event()
+
+    def run_on_engine(fn) -> None:
+        handed.set()
+        assert free.wait(60)
+        fn(engine)
+
+    engines = EngineQueue(None, run_on_engine=run_on_engine, model_id="m", engine_key=model_key(engine.info))
+    try:
+        outcomes, done = _ask_hi(engines)
+        assert handed.wait(60)
+        st = engines.stats
+        assert (st.running, st.waiting) == (0, 1)
+        free.set()
+        assert done.wait(60)
+        assert [type(o) for o in outcomes] == [Finished] and (st.served, st.running, st.waiting) == (1, 0, 0)
+    finally:
+        engines.close()
+        engine.close()
+
+
+def test_a_request_ended_before_the_engine_took_it_frees_its_waiting_place():
+    def run_on_engine(fn) -> None:  # the app's runner when its server stops before the engine took the request
+        raise ShuttingDown("stopping")
+
+    engines = EngineQueue(None, run_on_engine=run_on_engine, model_id="m", engine_key=None)
+    try:
+        outcomes, done = _ask_hi(engines)
+        assert done.wait(60)
+        st = engines.stats
+        assert [o.error.code for o in outcomes] == ["shutting_down"]
+        assert (st.cancelled, st.running, st.waiting) == (1, 0, 0)
+    finally:
+        engines.close()
 
 
 def test_a_stream_closed_by_the_client_cancels_its_generation(held):

@@ -515,7 +515,9 @@ def stop_while_the_worker_is_busy(qtbot, gui, tiny_llama, caplog, port, busy) ->
 
     asker = threading.Thread(target=ask)
     asker.start()
-    qtbot.waitUntil(lambda: server.engines is not None and server.engines.stats.running == 1, timeout=TIMEOUT_MS)
+    # handed to the worker, which finishes the app's own work first: the panel says it waits (it said "running")
+    qtbot.waitUntil(lambda: gui.controller.worker.commands.qsize() == 1, timeout=TIMEOUT_MS)
+    qtbot.waitUntil(lambda: "now 0 running, 1 waiting" in panel.counts.text(), timeout=TIMEOUT_MS)
     with caplog.at_level(logging.ERROR), qtbot.waitSignal(server.stopped, timeout=TIMEOUT_MS):
         qtbot.mouseClick(panel.button, Qt.MouseButton.LeftButton)
     asker.join(60)
