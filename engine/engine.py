@@ -25,6 +25,7 @@ from engine.protocol import option_limits
 from engine.sampling import SamplerKind
 from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator, speculation_off
 from engine.stream import RowText
+from engine.template_bounds import TemplateStopped, stopped_by
 from engine.types import (
     DRAFT_READ_STOPPED,
     EngineOptions,
@@ -645,9 +646,19 @@ class Engine:
         cancel = cancel or threading.Event()
         with self._lock, torch.inference_mode():
             opts, reasons = self.effective(self.options)
-            prompt = build_prompt(
-                self.tokenizer, messages, self.context_length, sampling.max_new_tokens, raw=raw, overflow=overflow
-            )
+            try:
+                with stopped_by(cancel):
+                    prompt = build_prompt(
+                        self.tokenizer,
+                        messages,
+                        self.context_length,
+                        sampling.max_new_tokens,
+                        raw=raw,
+                        overflow=overflow,
+                    )
+            except TemplateStopped as exc:  # the user's Stop while the template rendered: no prompt exists yet
+                stop = PrefillCancelled(0, 0, str(exc))
+                return self._stopped_reading(stop, None, opts, reasons, sampling.seed, [], overflow, "")
             notices = list(prompt.notices)
             if not prompt.ids:
                 raise GenerationError("the prompt is empty after tokenization")
@@ -932,22 +943,27 @@ class Engine:
     def _stopped_reading(
         self,
         exc: PrefillCancelled,
-        prompt_tokens: int,
+        prompt_tokens: Optional[int],
         opts: EngineOptions,
         reasons: dict,
-        seed: int,
+        seed: Optional[int],
         notices: list[str],
         overflow: str,
         cut: str,
     ) -> GenerationResult:
-        """A stop while the prompt was read: no token exists yet, so every candidate's answer is empty."""
+        """A stop while the prompt was read, or (prompt_tokens None) while its chat template rendered it: no token
+        exists yet, so every candidate's answer is empty."""
         n = opts.candidates
         m = GenerationMetrics(
-            prompt_tokens=prompt_tokens, new_tokens=[0] * n, overflow_policy=overflow, prompt_cut=cut or None
+            prompt_tokens=prompt_tokens or 0, new_tokens=[0] * n, overflow_policy=overflow, prompt_cut=cut or None
         )
-        m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
-        m.put("prompt_computed_tokens", exc.done - exc.reused)
-        _put_compile(m, exc.compile_seconds)
+        if prompt_tokens is None:
+            for key in ("prompt_tokens", "prompt_reused_tokens", "prompt_computed_tokens", "compile_seconds"):
+                m.mark_na(key, "stopped before the chat template had rendered the prompt")
+        else:
+            m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
+            m.put("prompt_computed_tokens", exc.done - exc.reused)
+            _put_compile(m, exc.compile_seconds)
         for key in figures.REMOTE_ONLY:
             m.mark_na(key, NOT_REMOTE)
         for f in figures.GENERATION_FIGURES:  # every other figure of a token or a step: there was none

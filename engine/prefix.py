@@ -34,8 +34,8 @@ SOURCE = "longest common token prefix with the last generation's KV cache"
 class PrefillCancelled(GaplessError):
     """The user stopped the answer while the prompt was being read (between two chunks)."""
 
-    def __init__(self, done: int, total: int):
-        super().__init__(f"stopped while reading the conversation ({done:,} of {total:,} tokens read)")
+    def __init__(self, done: int, total: int, message: Optional[str] = None):
+        super().__init__(message or f"stopped while reading the conversation ({done:,} of {total:,} tokens read)")
         self.done, self.total = done, total
         self.reused = 0  # of the positions read, those that came from the cache (set by the engine)
         self.compile_seconds: Optional[float] = (

@@ -473,6 +473,8 @@ def _too_long(
     and context-meter update). kept(k): the messages kept with k units dropped."""
     if whole < TOO_LONG_BUDGETS[0] * budget:
         return 0  # the bisection renders a few budgets at most anyway
+    from engine.template_bounds import TemplateStopped
+
     marks = list(itertools.accumulate(sizes()))
     tried = len(marks) + 1
     for times in TOO_LONG_BUDGETS:
@@ -484,6 +486,8 @@ def _too_long(
         tried = k
         try:
             _, ids = render(kept(k))
+        except TemplateStopped:
+            raise
         except Exception:  # a render that fails proves nothing: the bisection renders every cut, as it always did
             return 0
         if len(ids) > budget + budget // TOO_LONG_MARGIN_SHARE:

@@ -16,7 +16,7 @@ from engine import template_bounds
 from engine.errors import GenerationError
 from engine.fast_tokenizer import FastTokenizer, compile_chat_template, tokenizer_facts
 from engine.prompt import build_prompt
-from engine.template_bounds import TemplateBoundError, bounded_render
+from engine.template_bounds import TemplateBoundError, TemplateStopped, bounded_render, stopped_by
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
 RECURSES = "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"
@@ -159,3 +159,46 @@ def test_the_load_probe_spends_the_bound_once(saved_tokenizer, monkeypatch):
     both = _tokenizers(saved_tokenizer, LOOP)
     assert fast_tokenizer.disagreement(both["fast"], both["transformers"]) is None
     assert stopped == [1]
+
+
+@pytest.mark.parametrize("renderer", ["transformers", "fast"])
+def test_a_stop_ends_a_looping_render_before_its_deadline(saved_tokenizer, renderer):
+    """Within stopped_by, a render stops as soon as its event is set (the user's Stop), as TemplateStopped, not
+    as a template error at the deadline; an event set before the render stops it before it starts."""
+    tok = _tokenizers(saved_tokenizer, LOOP)[renderer]
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    with pytest.raises(TemplateStopped, match="stopped while the chat template rendered"), stopped_by(cancel):
+        build_prompt(tok, HI, 256, 8)
+    with pytest.raises(TemplateStopped, match="stopped before the chat template rendered"), stopped_by(cancel):
+        build_prompt(tok, HI, 256, 8)
+    fine = _tokenizers(saved_tokenizer, CHATML)[renderer]
+    assert build_prompt(fine, HI, 256, 8).ids  # outside stopped_by the set event stops nothing
+
+
+def test_stop_while_the_template_renders_ends_the_answer_as_stopped(tmp_path):
+    """The engine's answer to a Stop during a looping template: an empty stopped answer that says so, its prompt
+    figures n/a with the reason. It was the error "took more than 10 s to render" once the deadline came."""
+    from tiny_models import make_tiny_model
+
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    engine = Engine.load(str(make_tiny_model(tmp_path / "m", chat_template=LOOP)), EngineOptions(device="cpu"))
+    try:
+        cancel = threading.Event()
+        threading.Timer(0.2, cancel.set).start()
+        result = engine.generate(HI, SamplingParams(max_new_tokens=4), cancel=cancel)
+        assert result.texts == [""] and result.finish_reasons == ["cancelled"]
+        assert result.notices == ["stopped while the chat template rendered the conversation"]
+        for key in ("prompt_tokens", "prompt_computed_tokens", "compile_seconds"):
+            assert result.metrics.unavailable[key] == "stopped before the chat template had rendered the prompt"
+        assert result.metrics.prompt_tokens is None
+        cancel.clear()
+        engine.tokenizer.chat_template = CHATML  # the engine answers the next question as before
+        assert (
+            engine.generate(HI, SamplingParams(max_new_tokens=2, seed=1), cancel=cancel).finish_reasons[0]
+            != "cancelled"
+        )
+    finally:
+        engine.close()
