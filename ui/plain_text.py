@@ -72,8 +72,15 @@ def tooltip_of(widget: QWidget, pos: QPoint) -> str:
 
 
 def show_tip(global_pos: QPoint, tip: str, widget: QWidget) -> None:
-    """Show `tip` as the text it is (never as HTML)."""
-    QToolTip.showText(global_pos, GuiQt.convertFromPlainText(tip), widget)
+    """Show `tip` as the text it is (never as HTML): escaped into HTML, which Qt's tooltip label wraps at spaces
+    where a long tip needs it (a plain text tip never wraps)."""
+    QToolTip.showText(global_pos, GuiQt.convertFromPlainText(tip, Qt.WhiteSpaceMode.WhiteSpaceNormal), widget)
+
+
+def _is_tip_label(label: QLabel) -> bool:
+    """Qt's own tooltip window, a QLabel: it shows show_tip's escaped HTML, which as plain text would show its
+    tags ("<p>Copy&nbsp;this…</p>")."""
+    return label.metaObject().className() == "QTipLabel"
 
 
 class PlainTextGuard(QObject):
@@ -82,7 +89,7 @@ class PlainTextGuard(QObject):
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
         kind = event.type()
         if kind == QEvent.Type.Polish and isinstance(obj, QLabel):
-            if obj.textFormat() == Qt.TextFormat.AutoText:
+            if obj.textFormat() == Qt.TextFormat.AutoText and not _is_tip_label(obj):
                 obj.setTextFormat(Qt.TextFormat.PlainText)
         elif kind == QEvent.Type.ToolTip and isinstance(obj, QWidget) and isinstance(event, QHelpEvent):
             tip = tooltip_of(obj, event.pos())

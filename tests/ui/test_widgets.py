@@ -370,6 +370,38 @@ def test_text_from_outside_is_never_drawn_as_html(qtbot):
     assert block._lang_label.textFormat() == Qt.TextFormat.PlainText
 
 
+def test_a_tooltip_window_shows_the_tip_s_text_not_its_markup(qtbot):
+    """Every tooltip in the app read "<p>Copy this code to the clipboard</p>": the plain-text rule for labels also
+    made Qt's own tooltip label show the escaped HTML it is given as text, its spaces no-break ones that never
+    wrapped. What the window shows is the tip's text, markup in the tip itself included, and a long tip wraps."""
+    from PySide6.QtCore import QEvent, QPoint
+    from PySide6.QtGui import QHelpEvent, QTextDocument
+    from PySide6.QtWidgets import QApplication, QLabel, QPushButton, QToolTip
+
+    from ui.plain_text import install
+
+    install(QApplication.instance())
+    button = QPushButton("Copy")
+    qtbot.addWidget(button)
+    button.show()
+    qtbot.waitExposed(button)
+    for tip in ("Copy this code to the clipboard", "a <b>model</b> said & so " + "word " * 60):
+        button.setToolTip(tip)
+        QToolTip.hideText()
+        QApplication.sendEvent(button, QHelpEvent(QEvent.Type.ToolTip, QPoint(3, 3), button.mapToGlobal(QPoint(3, 3))))
+        labels = [w for w in QApplication.topLevelWidgets() if w.metaObject().className() == "QTipLabel"]
+        shown = [w for w in labels if isinstance(w, QLabel) and w.isVisible()]
+        assert len(shown) == 1
+        label = shown[0]
+        assert label.textFormat() != Qt.TextFormat.PlainText
+        doc = QTextDocument()
+        doc.setHtml(label.text())
+        assert " ".join(doc.toPlainText().split()) == " ".join(tip.split())  # the text, no tags, no image
+        assert "\xa0" not in doc.toPlainText()  # ordinary spaces: the label can wrap at them
+    assert label.width() < label.fontMetrics().horizontalAdvance(tip)  # the long one wrapped
+    QToolTip.hideText()
+
+
 def test_every_kind_of_tooltip_still_shows_as_plain_text(qtbot):
     """The plain-text tooltips must not lose the ones Qt finds beyond a widget's own: a spin box's over its
     text, a tab's, a header section's, a menu action's, where an answer's link goes."""
