@@ -229,11 +229,14 @@ class ChatFlow(QObject):
             self.chatsChanged.emit()
 
     def delete_chat(self, chat_id: int) -> None:
+        """Delete the chat; an answer it is being given stops, thrown away. Where the store refuses (another
+        window holding the database, a full disk) the chat stays and its answer goes on: its saves and the
+        stop run on this thread, after the delete, so none of them falls between."""
+        if self._guard(lambda: self.store.delete_chat(chat_id), chat_id) is False:
+            return
         if self.answer is not None and self.answer.chat_id == chat_id:
             self.answer.discarded = True
             self.stop()
-        if self._guard(lambda: self.store.delete_chat(chat_id), chat_id) is False:
-            return
         self.chatsChanged.emit()
         if chat_id == self.chat_id:
             self.open_chat(None)

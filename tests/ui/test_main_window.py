@@ -879,6 +879,39 @@ def test_deleting_the_chat_that_is_answering_stops_quietly(qtbot, app, monkeypat
     assert w.chat_view.messages() == []
 
 
+def test_a_delete_the_store_refuses_leaves_the_answer_going_and_kept(qtbot, app, monkeypatch):
+    """Delete of the chat being answered, refused by the store (another window holds the database): the answer
+    was thrown away first, so its text was never saved and its bubble said "generating…" for good; the chat
+    stays, and so does its answer, whole."""
+    from app.store import StoreError
+
+    w, c = app.window, app.controller
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=12, seed=0)
+    errors = []
+    w.flow.failed.connect(errors.append)
+
+    def refused(chat_id):
+        raise StoreError("cannot delete the chat in the chat database: database is locked")
+
+    def delete_refused() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(app.store, "delete_chat", refused)
+            w.flow.delete_chat(w.flow.chat_id)
+
+    deleted = on_first_batch(c, delete_refused, monkeypatch)
+    result = send(qtbot, app, "hello world")
+    assert deleted and result.finish_reasons != ["cancelled"]
+    assert errors == ["cannot delete the chat in the chat database: database is locked"]
+    stored = app.store.thread(w.flow.chat_id)
+    assert [(m.role, m.status, m.content) for m in stored] == [
+        ("user", "done", "hello world"),
+        ("assistant", "done", result.texts[0]),
+    ]
+    shown = w.chat_view.messages()[-1]
+    assert (shown.item.role, shown.item.content) == ("assistant", result.texts[0])
+    assert w.chat_view._stream is None and "generating" not in shown.stats_label.text()
+
+
 def test_a_precision_change_shows_its_progress_and_applies_next(qtbot, app):
     w, t = app.window, app.window.toggles
     seen = []
