@@ -116,6 +116,30 @@ def _unicode(value: Any) -> bool:
     return True
 
 
+def _path_text(value: Any) -> bool:
+    """Whether `value` is a path as Python gives it: a file name's bytes that are not UTF-8 are kept as the lone
+    surrogates U+DC80..U+DCFF (os.fsdecode), written to the file as JSON escapes."""
+    if value is None:
+        return True
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no file name's byte gives
+        return False
+    return True
+
+
+PATH_FIELDS = ("last_model", "models_folder")  # paths: their names' bytes need not be UTF-8
+
+
+def _names_bytes(doc: dict[str, Any]) -> bool:
+    """Whether what in `doc` is not UTF-8 is only paths' bytes (PATH_FIELDS): a model opened from a file named
+    in another encoding failed every save of the settings, all of them lost."""
+    rest = {k: v for k, v in doc.items() if k not in PATH_FIELDS}
+    return _unicode(rest) and all(_path_text(doc.get(k)) for k in PATH_FIELDS)
+
+
 MAX_PANE_PX = 100_000  # a splitter pane's saved width or height; Qt takes 32-bit ints
 
 
@@ -330,6 +354,8 @@ class SettingsStore:
             shown = json.dumps(value)[:60]
             if not ok(value):
                 bad[name] = f"{name} is {shown}, not {expected}"
+            elif name in PATH_FIELDS and _path_text(value):
+                continue
             elif not _unicode(value) and name not in ("engine_options", "sampling"):  # options: one by one
                 bad[name] = f"{name} is {shown}, text that is not valid Unicode"
         return bad
@@ -417,6 +443,8 @@ class SettingsStore:
                 if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
                     doc = {**_merged(on_disk, self._seen, mine), "version": SETTINGS_VERSION}
                 text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
+                if not _unicode(text) and _names_bytes(doc):  # written with its bytes escaped (the rest too)
+                    text = json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False)
                 # a link (a settings file kept with the user's dotfiles) is written through and kept
                 target = self.path.resolve() if self.path.is_symlink() else self.path
                 write_whole(target, text + "\n", mode=0o600, durable=True)

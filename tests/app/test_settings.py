@@ -357,6 +357,19 @@ def test_text_that_cannot_be_written_is_a_settings_error(path):
         store.save(Settings(system_prompt="\ud83d"))
 
 
+def test_a_model_path_whose_name_is_not_utf8_is_saved_and_read_back(path):
+    """A model opened from a file named in another encoding (bytes not UTF-8, kept by Python as surrogates):
+    every save of the settings failed ("surrogates not allowed"), theme, options and layout lost."""
+    model = os.fsdecode(b"/models/caf\xe9.gguf")
+    store = SettingsStore(path)
+    store.save(Settings(last_model=model, models_folder=os.fsdecode(b"/mod\xe8les"), theme="dark"))
+    s, notices = SettingsStore(path).load()
+    assert notices == [] and s.last_model == model and os.fsencode(s.models_folder) == b"/mod\xe8les"
+    assert s.theme == "dark" and asides(path, "corrupt") == []
+    with pytest.raises(SettingsError, match="surrogates not allowed"):  # not a file name's byte: refused still
+        store.save(Settings(last_model="/models/\ud83d.gguf"))
+
+
 def test_binary_garbage_is_moved_aside(path):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"\xff\xfe\x00garbage")
