@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QLocale, Qt, Signal
 from PySide6.QtGui import QIntValidator
 from PySide6.QtWidgets import (
     QComboBox,
@@ -109,6 +109,25 @@ def ask_save_file(parent: Optional[QWidget], caption: str, start: str, file_filt
         return chosen[0] if chosen else ""
     finally:
         dialog.deleteLater()  # with its file system model, which watches the folder shown
+
+
+def _digits_only(validator: QIntValidator) -> QIntValidator:
+    """`validator` reading plain digits, whatever the locale: it took "1,000" (or "1.000", "1 000") as a seed that
+    int() then refused, and OK did nothing."""
+    c = QLocale.c()
+    c.setNumberOptions(QLocale.NumberOption.RejectGroupSeparator)
+    validator.setLocale(c)
+    return validator
+
+
+def _seed(text: str) -> Optional[int]:
+    """The seed field's number; None (a new seed each time) where it is empty."""
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise OptionsError(f"seed must be a whole number from 0 to {2**31 - 1:,} or empty, not {text!r}") from None
 
 
 class ProgressDialog(QDialog):
@@ -221,7 +240,7 @@ class SamplingDialog(QDialog):
         self.max_new_tokens.valueChanged.connect(self._max_tokens_tip)
         self._max_tokens_tip(self.max_new_tokens.value())
         self.seed = QLineEdit(self)
-        self.seed.setValidator(QIntValidator(0, 2**31 - 1, self))
+        self.seed.setValidator(_digits_only(QIntValidator(0, 2**31 - 1, self)))
         self.seed.setPlaceholderText("random")
         self.seed.setToolTip("The same seed, prompt and options give the same answer; empty = a new seed each time")
         self.stop = QLineEdit(self)
@@ -312,7 +331,7 @@ class SamplingDialog(QDialog):
             top_k=self.top_k.value(),
             repetition_penalty=round(self.repetition_penalty.value(), 4),
             max_new_tokens=self.max_new_tokens.value(),
-            seed=int(seed) if seed else None,
+            seed=_seed(seed),
             stop=stops_from(self.stop.text()),
         )
         if self._shown is not None:

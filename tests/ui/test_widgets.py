@@ -982,6 +982,26 @@ def test_chat_settings_dialog_defaults_and_validation(qtbot):
     )
 
 
+@pytest.mark.parametrize("locale, typed", [("en_US", "1,000"), ("de_DE", "1.000"), ("fr_FR", "1 000")])
+def test_a_seed_typed_with_a_thousands_separator_is_read_as_its_digits(qtbot, locale, typed):
+    """The seed's validator followed the locale, took "1,000" as a number, and int() refused it: OK did nothing,
+    with a traceback on stderr. Typed, the separator is not taken; set some other way, OK says what is wrong."""
+    from PySide6.QtCore import QLocale
+
+    before = QLocale()
+    QLocale.setDefault(QLocale(locale))
+    try:
+        d = ChatSettingsDialog("", CHAT_DEFAULTS)
+        qtbot.addWidget(d)
+        qtbot.keyClicks(d.seed, typed)
+        assert d.seed.text() == "1000" and d.sampling().seed == 1000
+        d.seed.setText(typed)
+        d.accept()
+        assert d.result() == 0 and d.error.isVisibleTo(d) and "seed must be a whole number" in d.error.text()
+    finally:
+        QLocale.setDefault(before)
+
+
 def test_theme_follows_choice(qapp):
     from ui.theme import DARK, LIGHT, ThemeManager
 
