@@ -19,6 +19,7 @@ from app.chat_io import (
 )
 from app.paths import AppPaths
 from app.store import ChatStore
+from app.terminal import printable
 
 EXIT_OK = 0
 
@@ -31,7 +32,7 @@ def run_chats(args: Any, paths: AppPaths) -> int:
         if args.chats_command == "list":
             for c in store.list_chats():
                 when = datetime.fromtimestamp(c.updated).strftime("%Y-%m-%d %H:%M")
-                print(f"{c.id}\t{when}\t{store.count_messages(c.id)} messages\t{c.title}")
+                print(f"{c.id}\t{when}\t{store.count_messages(c.id)} messages\t{printable(c.title)}")
             return EXIT_OK
         if args.chats_command == "export":
             store.get_chat(args.chat_id)  # "no chat with id N" before anything is written
@@ -50,6 +51,6 @@ def run_chats(args: Any, paths: AppPaths) -> int:
                     chat_id = import_chat(store, Path(args.path))
             except ChatFileError as exc:
                 raise ChatFileError(f"{args.path} was not imported: {exc}") from exc
-            print(f"imported as chat {chat_id}: {store.get_chat(chat_id).title}")
+            print(f"imported as chat {chat_id}: {printable(store.get_chat(chat_id).title)}")
             return EXIT_OK
     raise ValueError(f"unknown chats command {args.chats_command!r}")

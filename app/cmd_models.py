@@ -10,6 +10,7 @@ from typing import Any, Optional, TextIO
 
 from app.paths import AppPaths
 from app.registry import ModelEntry, RecentModels, default_model_entry, scan_models_folder
+from app.terminal import printable
 from engine.types import Progress
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,8 @@ def list_models(paths: AppPaths, out: TextIO) -> int:
     for where, e in rows:
         size = f"{e.size_bytes / 1e6:.0f} MB" if e.size_bytes is not None else "n/a"
         state = e.note or ("" if e.present else "missing")
-        out.write(
-            f"{where:<8} {e.kind:<10} {size:>8}  {e.name}  {e.path or e.source}{f'  ({state})' if state else ''}\n"
-        )
+        line = f"{where:<8} {e.kind:<10} {size:>8}  {e.name}  {e.path or e.source}{f'  ({state})' if state else ''}"
+        out.write(printable(line) + "\n")
     for notice in recent.notices:
         print(f"gapless: {notice}", file=sys.stderr)
     if folder is not None and not any(w == "folder" for w, _ in rows):

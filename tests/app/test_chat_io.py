@@ -651,3 +651,24 @@ def test_a_file_with_a_byte_order_mark_and_a_title_of_several_lines_is_imported_
     chat_id = import_chat(store, path)
     assert store.get_chat(chat_id).title == "Trip plans\t 2027"  # one line; the spaces inside as written
     assert without_time(chat_document(store, chat_id))["messages"] == without_time(doc)["messages"]
+
+
+def test_a_title_s_control_characters_reach_the_terminal_as_escapes(tmp_path):
+    """A chat file from someone else whose title holds ESC sequences retitled and cleared the user's terminal
+    when listed or imported, and a tab in it split the columns of `chats list`."""
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    title = "plans\x1b]0;pwned\x07\x1b[2J\tnext\u202eexe.txt — été"
+    with ChatStore(AppPaths.resolve(data).ensure().database) as s:
+        chat_id = s.create_chat(title, "", SamplingParams()).id
+        s.add_message(chat_id, "user", "hi", None)
+    exported = gapless(data, "chats", "export", str(chat_id)).stdout
+    listed = gapless(data, "chats", "list")
+    imported = gapless(data, "chats", "import", "-", stdin=exported)
+    shown = "plans\\x1b]0;pwned\\x07\\x1b[2J\\tnext\\u202eexe.txt — été"
+    assert listed.returncode == 0 and imported.returncode == 0, (listed.stderr, imported.stderr)
+    assert listed.stdout.rstrip("\n").split("\t")[3] == shown and "\x1b" not in listed.stdout
+    assert imported.stdout.rstrip("\n").endswith(f": {shown}") and "\x1b" not in imported.stdout
+    with ChatStore(AppPaths.resolve(data).database) as s:
+        assert [c.title for c in s.list_chats()] == [title, title]  # stored as it was: only the printing escapes

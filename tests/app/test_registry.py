@@ -367,3 +367,23 @@ def test_a_linked_model_is_listed_under_its_link_s_name(tmp_path):
         ("org/tiny", "hf-folder"),
         ("tiny.Q8_0", "gguf"),
     ]
+
+
+def test_models_list_prints_a_file_name_s_control_characters_as_escapes(tmp_path):
+    """A model file named with an ESC sequence in the models folder cleared the terminal it was listed on."""
+    import io
+    import json
+
+    from app.cmd_models import list_models
+    from app.paths import AppPaths
+
+    paths = AppPaths.resolve(tmp_path / "data").ensure()
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "tiny\x1b[2J.gguf").write_bytes(b"GGUF" + bytes(64))
+    paths.settings_file.parent.mkdir(parents=True, exist_ok=True)
+    paths.settings_file.write_text(json.dumps({"version": 1, "models_folder": str(folder)}))
+    out = io.StringIO()
+    assert list_models(paths, out) == 0
+    line = [row for row in out.getvalue().splitlines() if row.startswith("folder")]
+    assert len(line) == 1 and "tiny\\x1b[2J.gguf" in line[0] and "\x1b" not in out.getvalue()
