@@ -7,13 +7,12 @@ import signal
 import sys
 import threading
 from dataclasses import replace
-from pathlib import Path
 from typing import Iterator
 
 from engine import figures
 from engine.diagnosis import diagnose
 from engine.errors import OptionsError
-from engine.paths import output_file
+from engine.paths import output_file, user_path
 from engine.recording import Recorder, save
 from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, preset_options
 
@@ -58,7 +57,7 @@ def check_draft_model(speculation: str, draft_model: str) -> None:
         raise OptionsError("--speculation draft needs --draft-model PATH")
     if draft_model and draft_model != "default":
         try:
-            Path(draft_model).expanduser().stat()
+            user_path(draft_model).stat()
         except (FileNotFoundError, NotADirectoryError):
             raise OptionsError(f"--draft-model {draft_model}: no such file or folder") from None
         except OSError as exc:  # a folder on the way the user may not open, a name too long

@@ -11,6 +11,7 @@ from typing import Any, Optional, TextIO
 from app.paths import AppPaths
 from app.registry import ModelEntry, RecentModels, default_model_entry, scan_models_folder
 from app.terminal import printable
+from engine.paths import user_path
 from engine.types import Progress
 
 log = logging.getLogger(__name__)
@@ -100,4 +101,4 @@ def _models_folder(paths: AppPaths) -> Optional[Path]:
     settings, notices = SettingsStore(paths.settings_file).load()
     for notice in notices:
         print(f"gapless: {notice}", file=sys.stderr)
-    return Path(settings.models_folder).expanduser() if settings.models_folder else None
+    return user_path(settings.models_folder) if settings.models_folder else None

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import platformdirs
-
-from engine.paths import APP_NAME, cache_dir
+from engine.paths import absolute, cache_dir, platform_dir
 
 
 @dataclass(frozen=True)
@@ -24,13 +22,13 @@ class AppPaths:
         """The platformdirs folders, or all four under `data_dir` (or $GAPLESS_DATA_DIR) when given."""
         root = data_dir or (Path(os.environ["GAPLESS_DATA_DIR"]) if os.environ.get("GAPLESS_DATA_DIR") else None)
         if root is not None:
-            root = Path(root).expanduser().resolve()
+            root = absolute(root, "the data folder (--data-dir, GAPLESS_DATA_DIR)")
             paths = cls(data=root / "data", config=root / "config", logs=root / "logs", cache=_cache_under(root))
         else:
             paths = cls(
-                data=Path(platformdirs.user_data_dir(APP_NAME, appauthor=False)),
-                config=Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)),
-                logs=Path(platformdirs.user_log_dir(APP_NAME, appauthor=False)),
+                data=platform_dir("data"),
+                config=platform_dir("config"),
+                logs=platform_dir("log"),
                 cache=cache_dir(),
             )
         return paths

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
-from engine.paths import write_whole
+from engine.paths import user_path, write_whole
 from engine.types import REMOTE_PREFIX, hub_name, safetensors_weights
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def scan_models_folder(folder: Path, max_depth: int = SCAN_DEPTH) -> list[ModelE
             except OSError as exc:
                 log.info("cannot inspect %s: %s", p, exc)
 
-    root = Path(folder).expanduser()
+    root = user_path(folder)
     try:
         if kind_of(root) == "hf-folder":
             return _hf_folder_entries(Path(os.path.abspath(root)))
@@ -264,7 +264,7 @@ def source_key(source: str) -> str:
     app was started from, and nothing the next time it starts elsewhere)."""
     if source == DEFAULT_SOURCE or source.startswith(REMOTE_PREFIX):
         return source
-    path = Path(source).expanduser()
+    path = user_path(source)
     if path.suffix.lower() == ".safetensors" or path.name == "config.json":
         path = path.parent  # a file of a model folder opens the folder (engine.loader): kept as the folder
     return os.path.abspath(path)  # links kept: a link's name is the model's (see loader)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from engine.errors import FetchError, one_line
-from engine.paths import models_cache_dir
+from engine.paths import models_cache_dir, user_path
 from engine.types import Progress
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def _present(path: Path) -> bool:
 def _bundled_candidates(spec: DefaultModelSpec) -> list[Path]:
     found = []
     if os.environ.get(BUNDLED_ENV):
-        found.append(Path(os.environ[BUNDLED_ENV]).expanduser())
+        found.append(user_path(os.environ[BUNDLED_ENV]))
     if getattr(sys, "frozen", False):
         for base in (getattr(sys, "_MEIPASS", None), Path(sys.executable).parent):
             if base:
@@ -184,14 +184,14 @@ def _bundled_copy(spec: DefaultModelSpec, folder: Path) -> Optional[Path]:
     explicit = os.environ.get(BUNDLED_ENV)
     for path in _bundled_candidates(spec):
         if not _present(path):
-            if explicit and path == Path(explicit).expanduser():
+            if explicit and path == user_path(explicit):
                 raise FetchError(f"{BUNDLED_ENV} points to {path}, which does not exist")
             continue
         # the bundle may sit in a read-only install folder, so its marker lives in the cache
         marker = folder / f"bundled-{hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:12]}.verified"
         if _verified(path, spec, marker, _ignore):
             return path.resolve()
-        if explicit and path == Path(explicit).expanduser():
+        if explicit and path == user_path(explicit):
             raise FetchError(
                 f"{BUNDLED_ENV} points to {path}, which is not the expected default model (SHA-256 mismatch)"
             )

@@ -9,7 +9,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
@@ -20,6 +19,7 @@ from engine.errors import GaplessError, GenerationError, ModelLoadError, ReadSto
 from engine.generate import NOT_REMOTE, LoopResult, run_loop
 from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transformer
 from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver, reader_for
+from engine.paths import user_path
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
 from engine.protocol import option_limits
 from engine.sampling import SamplerKind
@@ -1035,7 +1035,7 @@ def _compile_cache():
 
 def _on_disk(path: str) -> tuple:
     """What is at a model path, to tell whether it changed: each file's name, size and time (a folder's files)."""
-    p = Path(path).expanduser()
+    p = user_path(path)
     try:
         entries = sorted(p.iterdir()) if p.is_dir() else [p]
         return tuple((e.name, st.st_size, st.st_mtime_ns) for e in entries for st in (e.stat(),))

@@ -24,6 +24,7 @@ import torch
 
 from engine.errors import ModelLoadError, ReadStopped, UnsafeModelError, one_line
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
+from engine.paths import user_path
 from engine.types import Progress, hub_name, is_remote, safetensors_weights
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def _load(source: str, progress: Optional[ProgressFn], dtype: torch.dtype, devic
         raise ModelLoadError("no model given: choose a .gguf file, a Hugging Face folder, or the default model")
     if is_remote(source):
         raise ModelLoadError(f"{source} is a model on a remote server: it is opened as one, not loaded here")
-    path = Path(source).expanduser()
+    path = user_path(source)
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):

@@ -8,7 +8,43 @@ from pathlib import Path
 
 import platformdirs
 
+from engine.errors import OutputPathError
+
 APP_NAME = "gapless"
+
+
+NO_HOME = (
+    "cannot tell where the home folder is (HOME is not set, and the password database has none for this user): "
+    "set HOME, or GAPLESS_DATA_DIR and GAPLESS_CACHE_DIR"
+)
+
+
+def user_path(given: "str | os.PathLike[str]") -> Path:
+    """`given` with a leading ~ or ~user expanded where that user's home is known, else as it is (then not found,
+    with its own message): Path.expanduser raised RuntimeError for "~nosuchuser/m.gguf", an internal error."""
+    return Path(os.path.expanduser(os.fspath(given)))
+
+
+def absolute(given: "str | os.PathLike[str]", what: str) -> Path:
+    """user_path(given), absolute with its links resolved; OutputPathError naming `what` (a folder's role) where
+    it cannot be (a loop of symbolic links)."""
+    try:
+        return user_path(given).resolve()
+    except (RuntimeError, OSError) as exc:  # Python 3.11 says "Symlink loop from ..." as a RuntimeError
+        raise OutputPathError(f"{what} {os.fspath(given)!r} cannot be used: {_why(exc)}") from None
+
+
+def platform_dir(kind: str) -> Path:
+    """platformdirs' user folder of `kind` ("data", "config", "log", "cache") for the app; OutputPathError where
+    there is no home folder to put it in."""
+    try:
+        return Path(getattr(platformdirs, f"user_{kind}_dir")(APP_NAME, appauthor=False))
+    except (RuntimeError, KeyError) as exc:
+        raise OutputPathError(NO_HOME) from exc
+
+
+def _why(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
 
 def cache_dir() -> Path:
@@ -16,8 +52,8 @@ def cache_dir() -> Path:
     in whatever folder the app started in), else the user cache dir."""
     given = os.environ.get("GAPLESS_CACHE_DIR")
     if given:
-        return _made(Path(given).expanduser().resolve())
-    return _made(Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False)))
+        return _made(absolute(given, "GAPLESS_CACHE_DIR"))
+    return _made(platform_dir("cache"))
 
 
 def models_cache_dir() -> Path:

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.paths import user_path
 from engine.types import ModelInfo, Progress, source_label
 from ui.dialogs import choose_model
 from ui.hud import fmt
@@ -289,7 +290,7 @@ class ModelPanel(QGroupBox):
             for e in scanned:
                 add(e)
             if not scanned:  # a folder on a drive not plugged in is kept, and said to be away
-                here = Path(folder).expanduser().is_dir()  # "~/models" in the settings is scanned as the home's
+                here = user_path(folder).is_dir()  # "~/models" in the settings is scanned as the home's
                 menu.addAction("no models found" if here else "folder not found").setEnabled(False)
         menu.addSeparator()
         menu.addAction("Choose a models folder…", self._choose_models_folder)

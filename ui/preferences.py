@@ -10,6 +10,7 @@ from typing import Optional
 
 from PySide6.QtWidgets import QComboBox, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QPushButton, QWidget
 
+from engine.paths import user_path
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, SamplingParams
 from ui.dialogs import SamplingDialog
 
@@ -31,7 +32,7 @@ def folder_problem(text: str) -> Optional[str]:
     """Why `text` cannot be the models folder; None when it can (an existing folder, or empty for none)."""
     if not text.strip():
         return None
-    path = Path(text.strip()).expanduser()
+    path = user_path(text.strip())
     if not path.exists():
         return f"The models folder {path} does not exist: choose an existing folder, or leave it empty for none."
     if not path.is_dir():
@@ -98,5 +99,5 @@ class PreferencesDialog(SamplingDialog):
             prompt,
             self.overflow.currentData(),
             # absolute: the same folder wherever the app starts (a folder named "default" too: not a model source)
-            os.path.abspath(Path(folder).expanduser()) if folder else None,
+            os.path.abspath(user_path(folder)) if folder else None,
         )

@@ -274,6 +274,44 @@ def test_a_data_folder_that_cannot_be_one_is_one_line(tmp_path):
     _one_line_error(gapless("--data-dir", "", "chats", "list"), "--data-dir: empty")
 
 
+def test_a_path_of_an_unknown_user_s_home_or_a_loop_of_links_is_one_line(tmp_path):
+    """ "~nosuchuser/m.gguf" (Path.expanduser raised RuntimeError) and a data or cache folder on a loop of links
+    were internal errors, the latter with a whole traceback, as logging was not set up yet; a models folder of
+    "~nosuchuser/models" in the settings stopped `models list` (and the app at each start)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    data = tmp_path / "data"
+    r = gapless("--data-dir", str(data), "generate", "--model", "~nosuchuser/m.gguf", "hi")
+    _one_line_error(r, "model not found: ~nosuchuser/m.gguf")
+    r = gapless("--data-dir", str(data), "generate", "--speculation", "draft", "--draft-model", "~nosuchuser/d", "hi")
+    _one_line_error(r, "--draft-model ~nosuchuser/d: no such file or folder")
+    r = gapless("--data-dir", str(loop), "chats", "list")
+    _one_line_error(r, f"the data folder (--data-dir, GAPLESS_DATA_DIR) '{loop}' cannot be used: ")
+    r = gapless("--data-dir", str(data), "chats", "list", extra_env={"GAPLESS_CACHE_DIR": str(loop)})
+    _one_line_error(r, f"GAPLESS_CACHE_DIR '{loop}' cannot be used: ")
+    (data / "config").mkdir(parents=True, exist_ok=True)
+    (data / "config" / "settings.json").write_text(json.dumps({"version": 1, "models_folder": "~nosuchuser/m"}))
+    r = gapless("--data-dir", str(data), "models", "list")
+    assert r.returncode == 0 and "the models folder is not there (a drive not plugged in?): ~nosuchuser/m" in r.stderr
+
+
+def test_no_home_folder_is_said_with_what_to_set(monkeypatch):
+    """HOME unset for a user the password database does not know: platformdirs' RuntimeError was an internal
+    error with a traceback; it is one line saying what to set."""
+    import platformdirs
+
+    from app.paths import AppPaths
+    from engine.errors import OutputPathError
+
+    def no_home(*_a, **_k):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("GAPLESS_DATA_DIR", raising=False)
+    monkeypatch.setattr(platformdirs, "user_data_dir", no_home)
+    with pytest.raises(OutputPathError, match="set HOME, or GAPLESS_DATA_DIR and GAPLESS_CACHE_DIR"):
+        AppPaths.resolve()
+
+
 def test_chats_need_no_log_folder_nor_cache(tmp_path):
     """An unwritable cache (or logs) folder stopped `gapless chats` and the app with "cannot use ... as a folder of
     the app's", though neither keeps anything there."""

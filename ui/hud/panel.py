@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.diagnosis import diagnose
+from engine.paths import user_path
 from engine.types import (
     EngineOptions,
     GenerationMetrics,
@@ -86,7 +87,7 @@ def ask_image_size(parent: QWidget, width: int, height: int) -> Optional[tuple[i
 
 def ask_save_path(parent: QWidget, caption: str, name: str, file_filter: str) -> str:
     """The path to save to; the dialog starts in the folder last used (`parent.last_folder`), else home."""
-    folder = getattr(parent, "last_folder", "") or str(Path.home())
+    folder = getattr(parent, "last_folder", "") or str(user_path("~"))  # Path.home() raises where none is known
     return ask_save_file(parent, caption, str(Path(folder) / name), file_filter)
 
 
