@@ -132,6 +132,7 @@ class Engine:
         checkpoint = load_checkpoint(source, progress, dtype=dtype, device=device)  # GGUF: straight into these
         engine = cls(checkpoint, options, progress)
         heap.settle()  # what torch, the tokenizer and the model built stays: out of the collector's full passes
+        heap.trim()  # what the read and a quantisation freed, back to the system
         engine.load_seconds = time.perf_counter() - started
         return engine
 
@@ -157,7 +158,13 @@ class Engine:
         self._fused_pdl: Optional[dict[str, object]] = None  # fused_status() of the last fused runner warmed up
         self._pdl_failed: Optional[str] = None  # why the fused step failed here with PDL: later runners go without
         self._forget_drafts()
+        replacing = getattr(self, "model", None) is not None
         self.model = None
+        if replacing:
+            # the model given up was frozen with the load (heap.settle), and so were the cycles through it (a CPU
+            # layer's binding holds its block's attributes, a compiled step its module): nothing freed them until
+            # the engine closed, 405 MiB of fp32 linears kept beside the int8 ones for the default model
+            heap.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         dtype = TORCH_DTYPES[self.dtype]
@@ -195,6 +202,9 @@ class Engine:
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
         del state
         self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
+        if replacing:
+            heap.settle()  # the new model out of the collector's full passes, as a load's is
+            heap.trim()
         progress(Progress("load", 1.0, "model ready"))
 
     def _load_draft(
@@ -1015,6 +1025,7 @@ class Engine:
             self.model = None
             self._forget_drafts()  # a draft model and its cache of the chat go with the model drafted for
             heap.release()  # cycles among what was frozen with the model (compiled steps hold some) go now
+            heap.trim()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 _lock = threading.Lock()
 _building = 0  # nested or concurrent `building` blocks
@@ -108,3 +108,29 @@ def building() -> Iterator[None]:
             if _building == 0:
                 gc.freeze()
             _apply()
+
+
+def trim() -> None:
+    """Hand the memory the C allocator keeps free back to the system (glibc's malloc_trim; nothing elsewhere). A
+    model quantised as it loads frees its fp32 linears, but glibc kept them: the default model settled at 940 MiB
+    in int8 against 391 MiB after a trim (36 ms), more than in fp32 (809 MiB)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = _find_malloc_trim()
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim() -> Any:
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+
+
+_malloc_trim: Any = None  # the function once looked up, or False where there is none
