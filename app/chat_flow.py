@@ -17,7 +17,7 @@ from PySide6.QtCore import QObject, QTextBoundaryFinder, QTimer, Signal
 from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver, check_message, figures_lost
 from engine import figures
 from engine.errors import one_line
-from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, options_as_run
+from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, blank, options_as_run
 
 if TYPE_CHECKING:
     from app.worker import EngineController
@@ -351,7 +351,7 @@ class ChatFlow(QObject):
 
     def send(self, text: str) -> bool:
         """Add `text` as a user message at the end of the visible branch and ask for an answer."""
-        if self.generating or not text.strip():
+        if self.generating or blank(text):
             return False
         if not self._guard(lambda: check_message(text)):  # refused before a chat is made, or named, after it
             return False

@@ -704,3 +704,9 @@ class GenerationResult:
 
 Event = Union[Progress, TextDelta, RowFinished, StepRecord, MonitorSample]
 ROLES: tuple[Literal["system", "user", "assistant"], ...] = ("system", "user", "assistant")
+
+
+def blank(text: str) -> bool:
+    """Whether a message says nothing to the model: only white space and NUL characters (the prompt drops NULs,
+    so a message of them was sent, made a chat of an invisible title and then failed as "empty prompt")."""
+    return not text.replace("\x00", "").strip()

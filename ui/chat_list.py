@@ -169,6 +169,8 @@ class ChatList(QFrame):
     def set_chats(self, chats: list[ChatEntry], current: Optional[int] = None) -> None:
         """Show `chats` (already filtered and sorted), keeping `current` selected without re-emitting it."""
         self._quiet = True
+        bar = self.list.verticalScrollBar()
+        scrolled = bar.value()  # where the user scrolled to: a refresh (an answer ending) jumped back to the top
         try:
             self.list.clear()
             self._items = {}
@@ -178,6 +180,8 @@ class ChatList(QFrame):
                 self._items[c.id] = item
                 if c.id == current:
                     self.list.setCurrentItem(item)
+            self.list.doItemsLayout()  # the scroll bar's range, now: cleared, it could not go past 0
+            bar.setValue(scrolled)
         finally:
             self._quiet = False
 
@@ -245,8 +249,11 @@ class ChatList(QFrame):
         """`title`: the one to start from where the list does not show the chat (a search hides it)."""
         shown = self._title(chat_id) or title or ""
         title, ok = QInputDialog.getText(self, "Rename chat", "Title:", QLineEdit.EchoMode.Normal, shown)
-        if ok and title.strip():
-            self.renameRequested.emit(chat_id, title.strip())
+        title = " ".join(
+            title.split()
+        )  # one line, as a title made from a first message is: a pasted one kept its breaks
+        if ok and title:
+            self.renameRequested.emit(chat_id, title)
 
     def ask_delete(self, chat_id: int, title: Optional[str] = None) -> None:
         if confirm(

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.types import ContextUse
+from engine.types import ContextUse, blank
 from ui.parts import TypingBox
 
 SEND_KEYS = ("enter", "ctrl+enter")
@@ -149,9 +149,9 @@ class Composer(QFrame):
         self.send_button.setEnabled(self._can_send)
         self.send_button.setToolTip(self._why_not or "Send the message")
         elsewhere = self._elsewhere if self._generating else None
-        self.stop_button.setToolTip(f"Stop the answer in “{elsewhere}”" if elsewhere else "Stop the answer")
+        self.stop_button.setToolTip(f"Stop the answer in “{_short(elsewhere)}”" if elsewhere else "Stop the answer")
         if elsewhere:  # Enter here did nothing and said nothing, and Stop stopped an answer not on screen
-            self.hint.setText(f"Answering in “{elsewhere}”: Esc stops it; send here once it ends")
+            self.hint.setText(f"Answering in “{_short(elsewhere)}”: Esc stops it; send here once it ends")
         else:
             self.hint.setText(self._why_not if (self._why_not and not self._can_send) else self._hint_keys)
 
@@ -217,6 +217,14 @@ class Composer(QFrame):
 
     def _send(self) -> None:
         text = self.edit.toPlainText()
-        if self._generating or not self._can_send or not text.strip():
+        if self._generating or not self._can_send or blank(text):
             return
         self.sendRequested.emit(text)  # the receiver clears the box once the message is stored (clear())
+
+
+TITLE_SHOWN = 40  # characters of a chat's title the hint quotes: a 1,000-character title took over the window
+
+
+def _short(title: str) -> str:
+    title = " ".join(title.split())
+    return title if len(title) <= TITLE_SHOWN else title[: TITLE_SHOWN - 1] + "…"

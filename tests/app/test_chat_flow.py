@@ -277,6 +277,16 @@ def test_a_first_message_refused_as_too_long_leaves_no_chat_behind(flow):
     assert [c.title for c in store.list_chats()] == [title_from("hello")]
 
 
+def test_a_message_of_only_nul_characters_is_not_sent(flow):
+    """The prompt drops NULs: a message of them and spaces made a chat with an invisible title, then failed as
+    "empty prompt", the blank chat left in the list."""
+    f, store, ctl = flow
+    assert not f.send("\x00\x00 \x00\n")
+    assert store.list_chats() == [] and ctl.asked == []
+    assert f.send("a\x00b")  # NULs inside words are kept, as before
+    assert ctl.asked == [[{"role": "user", "content": "a\x00b"}]]
+
+
 def test_a_long_first_message_s_title_is_cut_between_characters_as_seen():
     """The title was cut at the 47th code point: a flag, a person at a laptop (three code points) or a letter and
     its accent split there, the title ending in a lone regional letter, a joiner or an "e" without its accent."""

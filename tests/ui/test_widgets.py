@@ -561,6 +561,8 @@ def test_composer_does_not_send_blank_or_while_generating(qtbot):
     c.sendRequested.connect(sent.append)
     c.set_text("   ")
     c.send_button.click()
+    c.set_text("\x00\x00 \x00\n")  # NULs the prompt drops: sent, it made a chat with an invisible title, then failed
+    qtbot.keyClick(c.edit, Qt.Key.Key_Return)
     c.set_text("hi")
     c.set_generating(True)
     qtbot.keyClick(c.edit, Qt.Key.Key_Return)
@@ -568,6 +570,17 @@ def test_composer_does_not_send_blank_or_while_generating(qtbot):
     assert c.stop_button.isVisibleTo(c) and not c.send_button.isVisibleTo(c)
     c.set_can_send(False, "No model loaded")
     assert c.hint.text() == "No model loaded"
+
+
+def test_the_hint_for_an_answer_in_another_chat_quotes_its_title_short(qtbot):
+    """A 1,000-character title was quoted whole in the hint (169 px of the window's height) and the Stop tip."""
+    c = Composer()
+    qtbot.addWidget(c)
+    c.set_generating(True)
+    c.set_answering_elsewhere("Trip\nplan " + "x" * 1000)
+    quoted = "Trip plan " + "x" * 29 + "…"
+    assert c.hint.text() == f"Answering in “{quoted}”: Esc stops it; send here once it ends"
+    assert c.stop_button.toolTip() == f"Stop the answer in “{quoted}”"
 
 
 def test_stats_line_of_a_remote_answer_shows_the_client_s_timings_and_rounds_honestly():
@@ -1347,3 +1360,34 @@ def test_the_menu_key_in_the_chat_list_opens_the_chosen_chat_s_menu_and_none_wit
     qtbot.keyClick(chats.list, Qt.Key.Key_Down)
     menu_key()
     assert asked == [2] == [chats.current_id()]
+
+
+def test_the_chat_list_keeps_its_scroll_when_refreshed_and_a_title_is_one_line(qtbot, monkeypatch):
+    """A refresh of the list (an answer ending, a rename) scrolled it back to the top, losing the user's place; a
+    title pasted from several lines into Rename kept its line breaks, and the chat's header broke on them."""
+    import time
+
+    from PySide6.QtWidgets import QInputDialog
+
+    from ui.chat_list import ChatEntry, ChatList
+
+    now = time.time()
+    chats = ChatList()
+    qtbot.addWidget(chats)
+    chats.resize(300, 300)
+    chats.show()
+    qtbot.waitExposed(chats)
+    entries = [ChatEntry(i, f"chat {i}", now - i) for i in range(1, 200)]
+    chats.set_chats(entries, current=1)
+    bar = chats.list.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0)  # laid out
+    bar.setValue(bar.maximum() // 2)
+    place = bar.value()
+    chats.set_chats(entries, current=1)
+    qtbot.wait(50)  # the list laid out again
+    assert bar.value() == place
+    renamed: list = []
+    chats.renameRequested.connect(lambda chat_id, title: renamed.append((chat_id, title)))
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("  Trip plan\nday 1: Lisbon\r\n\tday 2 ", True))
+    chats.ask_rename(3)
+    assert renamed == [(3, "Trip plan day 1: Lisbon day 2")]
