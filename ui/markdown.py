@@ -110,18 +110,24 @@ def split_markdown(text: str) -> list[Segment]:
     for i, line in enumerate(lines):
         if fence is None:
             m = FENCE.match(line)
-            inside = 0
+            inside = marker = 0
             if m is None and item:
                 m = _item_fence(item).match(line)
                 inside = item if m else 0
+            if m is None:  # "- ```python": a list item that opens with a code block
+                m, marker = _marker_fence(line)
+                inside = marker
             if m and len(segments) + 2 >= MAX_SEGMENTS:  # the rest in one prose view (3,000 fences: 3,000 widgets)
                 prose.extend(lines[i:])
                 break
             if m:
+                if marker:  # the item's marker stays in the prose, an item whose content is the code below it
+                    prose.append(line[:marker].rstrip())
+                    item, blank = marker, False
                 if prose:
                     segments.append(Segment("prose", "\n".join(prose)))
                     prose = []
-                indent, fence, lang, code = len(m.group(1)), m.group(2), m.group(3), []
+                indent, fence, lang, code = marker + len(m.group(1)), m.group(2), m.group(3), []
             else:
                 prose.append(line)
                 item, blank = _item_column(line, item, blank), not line.strip()
@@ -152,6 +158,17 @@ def _item_column(line: str, item: int, after_blank: bool) -> int:
     if line.strip() and after_blank and len(line) - len(line.lstrip(" ")) < item:
         return 0
     return item
+
+
+def _marker_fence(line: str) -> tuple[Optional[re.Match[str]], int]:
+    """The fence a list item's marker line opens ("- ```python", "1. ~~~"), matched on the text after the
+    marker, and the item's content column; (None, 0) where the line is no such thing. Read as prose, its closing
+    fence, indented to the item's content, opened a code block that ran to the end of the answer."""
+    if _ITEM_MARKER.match(line) is None:
+        return None, 0
+    column = _item_column(line, 0, False)
+    m = FENCE.match(line[column:])
+    return (m, column) if m is not None and not m.group(1) else (None, 0)
 
 
 _ITEM_FENCES: dict[int, re.Pattern[str]] = {}

@@ -219,6 +219,26 @@ def test_a_fence_indented_under_a_list_item_is_a_code_block(qtbot, text, code):
     )
 
 
+@pytest.mark.parametrize(
+    "text, code, after",
+    [
+        ("Steps:\n\n- ```python\n  print(1)\n  ```\n- Then restart the **server**.\n- Done.", "print(1)", "- Then"),
+        ("1. ```bash\n   pip install x\n   ```\n2. Run it", "pip install x", "2. Run it"),
+        ("- a\n  - ```py\n    code\n    ```\n- b", "code", "- b"),
+        ("- ```python\nprint(1)\n```\n- next", "print(1)", "- next"),  # the code not indented, as models write it
+    ],
+)
+def test_a_list_item_that_opens_with_a_fence_holds_the_code_and_the_list_goes_on(qtbot, text, code, after):
+    """A fence on a list item's marker line ("- ```python") stayed prose, and its closing fence, indented to the
+    item, opened a code block that took the rest of the answer ("- Then restart the **server**." shown as code)."""
+    segments = split_markdown(text)
+    assert [s.text for s in segments if s.kind == "code"] == [code]
+    assert segments[-1].kind == "prose" and segments[-1].text.startswith(after)
+    view = SegmentsView(text)
+    qtbot.addWidget(view)
+    assert [w.text for w in view.code_blocks()] == [code]
+
+
 def test_a_fence_indented_four_outside_a_list_is_text(qtbot):
     view = SegmentsView("Para\n\n    ```\n    indented code\n")
     qtbot.addWidget(view)
