@@ -20,6 +20,7 @@ from PySide6.QtGui import (
     QGuiApplication,
     QHelpEvent,
     QImage,
+    QPalette,
     QSyntaxHighlighter,
     QTextBlock,
     QTextBlockFormat,
@@ -57,8 +58,17 @@ _clock = time.perf_counter  # what a render is timed with
 CODE_MAX_LINES = 28  # taller code blocks scroll inside themselves
 
 
-TABLE_ROWS_DRAWN = 200  # a prose segment with more table rows than this is shown as its plain text
-_TABLE_ROW = re.compile(r"(?m)^ {0,3}\|")
+# A prose segment whose tables have more cells than this is shown as its plain text: Qt lays a table out cell by
+# cell, and 1,000 rows took 4.9 s, 199 rows of 60 columns 5.2 s
+TABLE_CELLS_DRAWN = 2_000
+_TABLE_ROW = re.compile(r"(?m)^ {0,3}\|.*$")
+
+
+def table_cells(text: str) -> int:
+    """About how many cells the tables of `text` have: each table row's cells, counted by its bars."""
+    return sum(max(row.count("|") - 1, 1) for row in _TABLE_ROW.findall(text))
+
+
 MAX_SEGMENTS = 100  # code blocks and prose between them, each a widget; past this the rest is one prose view
 
 
@@ -417,12 +427,33 @@ class ProseView(QTextBrowser):
     def set_markdown(self, text: str) -> None:
         self.source_text = self._drawn = text
         self._wrap_for(text)
-        if _TABLE_ROW.findall(text)[TABLE_ROWS_DRAWN:]:  # Qt lays a table out cell by cell: 1,000 rows took 4.9 s
+        if "|" in text and table_cells(text) > TABLE_CELLS_DRAWN:
             self.document().setPlainText(text)
         else:
             self.document().setMarkdown(hard_breaks(text), MARKDOWN_FEATURES)
             join_item_lines(self.document(), text)  # also where every break is written (two trailing spaces)
             images_as_text(self.document())
+
+    def recolor_links(self) -> None:
+        """The links drawn in the palette's link colour now: Qt's markdown reader gives each link the colour of
+        when it was read, so after a switch of theme the links on screen kept the other theme's (dark blue on the
+        dark background, 3.2:1)."""
+        color = self.palette().color(QPalette.ColorRole.Link)
+        doc = self.document()
+        cursor = QTextCursor(doc)
+        recolored = QTextCharFormat()
+        recolored.setForeground(color)
+        block = doc.begin()
+        while block.isValid():
+            it = block.begin()
+            while not it.atEnd():
+                fragment = it.fragment()
+                if fragment.isValid() and fragment.charFormat().isAnchor():
+                    cursor.setPosition(fragment.position())
+                    cursor.setPosition(fragment.position() + fragment.length(), QTextCursor.MoveMode.KeepAnchor)
+                    cursor.mergeCharFormat(recolored)
+                it += 1
+            block = block.next()
 
     def _wrap_for(self, text: str) -> None:
         """Break anywhere where a word is longer than a line could be (a hex dump, minified code): laying out one
@@ -678,5 +709,8 @@ class SegmentsView(QWidget):
 
     def set_colors(self, colors: Colors) -> None:
         self._colors = colors
-        for w in self.code_blocks():
-            w.set_colors(colors)
+        for w in self._widgets:
+            if isinstance(w, CodeBlock):
+                w.set_colors(colors)
+            elif isinstance(w, ProseView):
+                w.recolor_links()

@@ -64,7 +64,7 @@ def test_a_long_word_breaks_anywhere_and_a_huge_table_is_plain_text(qtbot):
     """A 300 KB word took 3.3 s to lay out at word boundaries; a 1,000-row table 4.9 s as a table."""
     from PySide6.QtGui import QTextOption
 
-    from ui.markdown import TABLE_ROWS_DRAWN
+    from ui.markdown import TABLE_CELLS_DRAWN
 
     view = ProseView("a normal answer")
     qtbot.addWidget(view)
@@ -76,10 +76,16 @@ def test_a_long_word_breaks_anywhere_and_a_huge_table_is_plain_text(qtbot):
     small = "| a | b |\n|---|---|\n| 1 | 2 |"
     view.set_markdown(small)
     assert view.toPlainText().count("|") == 0  # drawn as a table
-    rows = TABLE_ROWS_DRAWN + 1
+    rows = TABLE_CELLS_DRAWN // 2
     big = "| a | b |\n|---|---|\n" + "\n".join(f"| {i} | {i} |" for i in range(rows))
     view.set_markdown(big)
     assert view.toPlainText() == big  # its text, as written
+    wide = "|" + "|".join(f"h{c}" for c in range(60)) + "|\n|" + "---|" * 60 + "\n"
+    wide += "\n".join("|" + "|".join(f"c{r}" for _ in range(60)) + "|" for r in range(40))  # 40 rows: 5.2 s at 199
+    view.set_markdown(wide)
+    assert view.toPlainText() == wide
+    view.set_markdown(big[: big.index(f"| {TABLE_CELLS_DRAWN // 4} |")])  # half as many cells: a table
+    assert view.toPlainText().count("|") == 0
 
 
 def test_copy_gives_the_code_as_written_and_shows_what_reorders_it(qtbot):
@@ -1411,3 +1417,36 @@ def test_the_chat_list_keeps_its_scroll_when_refreshed_and_a_title_is_one_line(q
     monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("  Trip plan\nday 1: Lisbon\r\n\tday 2 ", True))
     chats.ask_rename(3)
     assert renamed == [(3, "Trip plan day 1: Lisbon day 2")]
+
+
+def test_links_on_screen_take_the_new_theme_s_colour(qtbot, qapp):
+    """Qt's markdown reader colours a link as it reads it: after a switch of theme the links already shown kept
+    the other theme's blue (3.2:1 on the dark background) while code blocks changed."""
+    from PySide6.QtGui import QPalette
+
+    from ui.theme import DARK, LIGHT, ThemeManager
+
+    tm = ThemeManager(qapp, "light")
+    try:
+        view = SegmentsView("See [the docs](https://example.com) and [more](https://example.org).", LIGHT_COLORS)
+        qtbot.addWidget(view)
+        tm.changed.connect(view.set_colors)
+
+        def link_colors() -> set[str]:
+            doc, seen = view._widgets[0].document(), set()
+            block = doc.begin()
+            while block.isValid():
+                it = block.begin()
+                while not it.atEnd():
+                    if it.fragment().charFormat().isAnchor():
+                        seen.add(it.fragment().charFormat().foreground().color().name())
+                    it += 1
+                block = block.next()
+            return seen
+
+        assert link_colors() == {qapp.palette().color(QPalette.ColorRole.Link).name()}
+        tm.set_choice("dark")
+        assert link_colors() == {qapp.palette().color(QPalette.ColorRole.Link).name()} != {LIGHT.accent}
+        assert qapp.palette().base().color().name() == DARK.base
+    finally:
+        tm.set_choice("light")
