@@ -21,11 +21,11 @@ from engine.model import FAST_FAMILIES, ModelArgs, Transformer, build_transforme
 from engine.observers import MonitorDrain, PeakMemory, TextFlush, WindowObserver, reader_for
 from engine.paths import user_path
 from engine.prefix import PREFILL_CHUNK, PrefillCancelled, PrefixCache, prefill_fn, preserved
+from engine.prompt_stop import PromptStopped, stopped_by
 from engine.protocol import option_limits
 from engine.sampling import SamplerKind
 from engine.speculative import ADAPTIVE_KS, NGRAM_MAX, DraftProposer, NgramProposer, Speculator, speculation_off
 from engine.stream import RowText
-from engine.template_bounds import TemplateStopped, stopped_by
 from engine.types import (
     DRAFT_READ_STOPPED,
     EngineOptions,
@@ -666,7 +666,7 @@ class Engine:
                         raw=raw,
                         overflow=overflow,
                     )
-            except TemplateStopped as exc:  # the user's Stop while the template rendered: no prompt exists yet
+            except PromptStopped as exc:  # the user's Stop while the prompt was made: no token exists yet
                 stop = PrefillCancelled(0, 0, str(exc))
                 return self._stopped_reading(stop, None, opts, reasons, sampling.seed, [], overflow, "")
             notices = list(prompt.notices)
@@ -961,15 +961,15 @@ class Engine:
         overflow: str,
         cut: str,
     ) -> GenerationResult:
-        """A stop while the prompt was read, or (prompt_tokens None) while its chat template rendered it: no token
-        exists yet, so every candidate's answer is empty."""
+        """A stop while the prompt was read, or (prompt_tokens None) while it was made (the chat template's render,
+        the tokenizing): no token exists yet, so every candidate's answer is empty."""
         n = opts.candidates
         m = GenerationMetrics(
             prompt_tokens=prompt_tokens or 0, new_tokens=[0] * n, overflow_policy=overflow, prompt_cut=cut or None
         )
         if prompt_tokens is None:
             for key in ("prompt_tokens", "prompt_reused_tokens", "prompt_computed_tokens", "compile_seconds"):
-                m.mark_na(key, "stopped before the chat template had rendered the prompt")
+                m.mark_na(key, "stopped before the prompt was made")
         else:
             m.put("prompt_reused_tokens", exc.reused, "stopped while reading: the positions read before the stop")
             m.put("prompt_computed_tokens", exc.done - exc.reused)

@@ -32,7 +32,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
+from engine import prompt_stop
 from engine.errors import GenerationError, one_line
+from engine.prompt_stop import PromptStopped
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, ROLES, ContextUse
 
 FALLBACK_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -275,10 +277,12 @@ BARE, PLAIN = b"bare\0", b"plain\0"  # the two tokenizations: without the specia
 
 def _template_ids(tokenizer, text: str) -> list[int]:
     # the template writes the special tokens (BOS included) itself: adding them again would double them
+    prompt_stop.check("the conversation was tokenized")  # a stop between passes (4 MB: about 5 s each)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _plain_ids(tokenizer, text: str) -> list[int]:
+    prompt_stop.check("the conversation was tokenized")
     return list(tokenizer(text)["input_ids"])
 
 
@@ -473,8 +477,6 @@ def _too_long(
     and context-meter update). kept(k): the messages kept with k units dropped."""
     if whole < TOO_LONG_BUDGETS[0] * budget:
         return 0  # the bisection renders a few budgets at most anyway
-    from engine.template_bounds import TemplateStopped
-
     marks = list(itertools.accumulate(sizes()))
     tried = len(marks) + 1
     for times in TOO_LONG_BUDGETS:
@@ -486,7 +488,7 @@ def _too_long(
         tried = k
         try:
             _, ids = render(kept(k))
-        except TemplateStopped:
+        except PromptStopped:
             raise
         except Exception:  # a render that fails proves nothing: the bisection renders every cut, as it always did
             return 0

@@ -19,7 +19,6 @@ compiles templates in (`checked_operands`, `checked_arguments`, `checked_filters
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import re
@@ -27,9 +26,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import jinja2
+
+from engine import prompt_stop
+from engine.prompt_stop import PromptStopped
 
 T = TypeVar("T")
 
@@ -38,16 +40,11 @@ TEMPLATE_MEMORY = 1 << 30  # bytes the resident memory may grow by during one re
 TEMPLATE_ITEMS = 1 << 22  # the longest text, list or width one operation of a template may make (4,194,304)
 TEMPLATE_INT_BITS = 4096  # the largest integer a power may make
 WATCH_S = 0.02  # how often the watch thread looks at the renders in progress
-STOPPED = "was stopped"  # a render's reason where stopped_by's event stopped it
+STOPPED = "was stopped"  # a render's reason where the user stopped its prompt (engine.prompt_stop)
 
 
 class TemplateBoundError(jinja2.TemplateError):
     """A chat template that ran past a bound (time, memory, size of a value)."""
-
-
-class TemplateStopped(Exception):
-    """The render was given up because the user stopped what it was for (`stopped_by`). Not a template error:
-    nothing is wrong with the template."""
 
 
 class _Stopped(BaseException):
@@ -55,28 +52,12 @@ class _Stopped(BaseException):
     template's runtime catches it on the way out."""
 
 
-_STOP = threading.local()  # .event: what stops this thread's renders (stopped_by)
-
-
-@contextlib.contextmanager
-def stopped_by(cancel: Optional[threading.Event]) -> Iterator[None]:
-    """Within it, a render on this thread also stops, with TemplateStopped, once `cancel` is set (the user's
-    Stop while a template loops: without it the answer ended only at the deadline, with an error)."""
-    before = getattr(_STOP, "event", None)
-    _STOP.event = cancel
-    try:
-        yield
-    finally:
-        _STOP.event = before
-
-
 def bounded_render(render: Callable[[], T], seconds: float = TEMPLATE_SECONDS, memory: int = TEMPLATE_MEMORY) -> T:
     """render(), stopped with TemplateBoundError once it has run `seconds` or the resident memory has grown by
-    `memory` bytes, and with TemplateStopped where `stopped_by`'s event is set; an exception other than a
-    jinja2.TemplateError comes out as one, naming it. KeyboardInterrupt and SystemExit pass through."""
-    cancel = getattr(_STOP, "event", None)
-    if cancel is not None and cancel.is_set():
-        raise TemplateStopped("stopped before the chat template rendered the conversation")
+    `memory` bytes, and with PromptStopped where the user stopped the prompt (engine.prompt_stop); an exception
+    other than a jinja2.TemplateError comes out as one, naming it. KeyboardInterrupt and SystemExit pass through."""
+    prompt_stop.check("the chat template rendered the conversation")
+    cancel = prompt_stop.current()
     watch = _Render(threading.get_ident(), time.monotonic() + seconds, seconds, _resident(), memory, cancel)
     try:
         _WATCH.add(watch)
@@ -86,7 +67,7 @@ def bounded_render(render: Callable[[], T], seconds: float = TEMPLATE_SECONDS, m
             _WATCH.remove(watch)
     except _Stopped:
         if watch.reason == STOPPED:
-            raise TemplateStopped("stopped while the chat template rendered the conversation") from None
+            raise PromptStopped("stopped while the chat template rendered the conversation") from None
         raise TemplateBoundError(f"it {watch.reason}") from None
 
 

@@ -16,7 +16,8 @@ from engine import template_bounds
 from engine.errors import GenerationError
 from engine.fast_tokenizer import FastTokenizer, compile_chat_template, tokenizer_facts
 from engine.prompt import build_prompt
-from engine.template_bounds import TemplateBoundError, TemplateStopped, bounded_render, stopped_by
+from engine.prompt_stop import PromptStopped, stopped_by
+from engine.template_bounds import TemplateBoundError, bounded_render
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
 RECURSES = "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"
@@ -163,14 +164,14 @@ def test_the_load_probe_spends_the_bound_once(saved_tokenizer, monkeypatch):
 
 @pytest.mark.parametrize("renderer", ["transformers", "fast"])
 def test_a_stop_ends_a_looping_render_before_its_deadline(saved_tokenizer, renderer):
-    """Within stopped_by, a render stops as soon as its event is set (the user's Stop), as TemplateStopped, not
+    """Within stopped_by, a render stops as soon as its event is set (the user's Stop), as PromptStopped, not
     as a template error at the deadline; an event set before the render stops it before it starts."""
     tok = _tokenizers(saved_tokenizer, LOOP)[renderer]
     cancel = threading.Event()
     threading.Timer(0.2, cancel.set).start()
-    with pytest.raises(TemplateStopped, match="stopped while the chat template rendered"), stopped_by(cancel):
+    with pytest.raises(PromptStopped, match="stopped while the chat template rendered"), stopped_by(cancel):
         build_prompt(tok, HI, 256, 8)
-    with pytest.raises(TemplateStopped, match="stopped before the chat template rendered"), stopped_by(cancel):
+    with pytest.raises(PromptStopped, match="stopped before the chat template rendered"), stopped_by(cancel):
         build_prompt(tok, HI, 256, 8)
     fine = _tokenizers(saved_tokenizer, CHATML)[renderer]
     assert build_prompt(fine, HI, 256, 8).ids  # outside stopped_by the set event stops nothing
@@ -192,7 +193,7 @@ def test_stop_while_the_template_renders_ends_the_answer_as_stopped(tmp_path):
         assert result.texts == [""] and result.finish_reasons == ["cancelled"]
         assert result.notices == ["stopped while the chat template rendered the conversation"]
         for key in ("prompt_tokens", "prompt_computed_tokens", "compile_seconds"):
-            assert result.metrics.unavailable[key] == "stopped before the chat template had rendered the prompt"
+            assert result.metrics.unavailable[key] == "stopped before the prompt was made"
         assert result.metrics.prompt_tokens is None
         cancel.clear()
         engine.tokenizer.chat_template = CHATML  # the engine answers the next question as before
@@ -202,3 +203,26 @@ def test_stop_while_the_template_renders_ends_the_answer_as_stopped(tmp_path):
         )
     finally:
         engine.close()
+
+
+def test_a_stop_while_a_long_conversation_is_tokenized_ends_at_the_next_pass(saved_tokenizer):
+    """A 4 MB paste is tokenized several times while it is fitted to the context (44 s on two cores), and a Stop
+    waited for all of them; it ends the prompt at the next pass."""
+    tok = _tokenizers(saved_tokenizer, CHATML)["transformers"]
+    cancel = threading.Event()
+    passes: list[int] = []
+    real = type(tok).__call__
+
+    def tokenize(self, text, *a, **kw):
+        passes.append(len(text))
+        cancel.set()  # the user pressed Stop during the first pass
+        return real(self, text, *a, **kw)
+
+    long = [{"role": "user", "content": "word " * 3000}, {"role": "assistant", "content": "ok"}, *HI]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(type(tok), "__call__", tokenize)
+        with pytest.raises(PromptStopped, match="stopped before the conversation was tokenized"), stopped_by(cancel):
+            build_prompt(tok, long, 256, 8)
+        assert len(passes) == 1
+        passes.clear()
+        assert build_prompt(tok, long, 256, 8).ids and len(passes) > 1  # without a stop: every pass it takes
