@@ -98,7 +98,7 @@ def _is_dir(path: Path) -> bool:
 def _models_folder(paths: AppPaths) -> Optional[Path]:
     from app.settings import SettingsStore
 
-    settings, notices = SettingsStore(paths.settings_file).load()
+    settings, notices = SettingsStore(paths.settings_file, read_only=True).load()  # a file it cannot use stays
     for notice in notices:
         print(f"gapless: {notice}", file=sys.stderr)
     return user_path(settings.models_folder) if settings.models_folder else None

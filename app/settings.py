@@ -268,8 +268,12 @@ class SettingsStore:
     settings this window changed since it read or last wrote them, over what the file holds now, so closing
     one window does not undo what the other saved."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, read_only: bool = False):
+        """`read_only`: for a command that only reads them (`gapless models list`): a file it cannot use is left
+        as it is, not moved or copied aside (a newer version's file was moved, and that version started on its
+        defaults), and saving is refused."""
         self.path = Path(path)
+        self.read_only = read_only
         self.unknown: dict[str, Any] = {}  # keys of the file this version does not know (a newer one's)
         self.unknown_options: dict[str, dict[str, Any]] = {}  # the same inside engine_options and sampling
         self._seen: Optional[dict[str, Any]] = None  # the settings as this window last read or wrote them
@@ -401,6 +405,9 @@ class SettingsStore:
         return s, reasons
 
     def _copy_aside(self, reason: str, notices: list[str]) -> None:
+        if self.read_only:
+            notices.append(f"Some settings in {self.path} could not be used: {reason}. Their defaults are used.")
+            return
         try:
             aside = aside_name(self.path, "corrupt")
             shutil.copy2(self.path, aside)
@@ -411,6 +418,9 @@ class SettingsStore:
         notices.append(f"Some settings in {self.path} could not be used: {reason}. Their defaults are used.{kept}")
 
     def _aside(self, tag: str, reason: str, notices: list[str]) -> list[str]:
+        if self.read_only:
+            notices.append(f"The settings file {self.path} could not be used: {reason}. Default settings are used.")
+            return notices
         try:
             aside = move_aside(self.path, tag)
         except OSError as exc:
@@ -431,6 +441,8 @@ class SettingsStore:
         """Write atomically: a crash or a full disk leaves either the old file or the new one, never half.
         Notices for the user: a file that could not be used since it was read (damaged by a hand edit, a newer
         version's) was moved aside before this one was written."""
+        if self.read_only:
+            raise SettingsError(f"the settings in {self.path} were read only to be looked at, not to be saved")
         mine = self._with_unknown_options(settings.to_dict())
         notices: list[str] = []
         try:

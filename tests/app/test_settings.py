@@ -594,3 +594,25 @@ def test_a_newer_version_s_options_are_kept_beside_the_ones_in_use(path):
     assert on_disk["engine_options"]["kv_cache"] == "static" and on_disk["engine_options"]["future_option"] == "on"
     again, _ = SettingsStore(path).load()
     assert again.options() == EngineOptions(kv_cache="static", dtype="bf16")
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        ({"version": SETTINGS_VERSION + 1, "theme": "dark"}, "written by a newer version"),
+        ({"version": 1, "theme": "Dark"}, 'theme is "Dark"'),
+    ],
+)
+def test_a_command_that_only_reads_the_settings_leaves_a_file_it_cannot_use_as_it_is(path, content, said):
+    """`gapless models list` moved a newer version's settings aside (that version then started on its defaults)
+    and copied a file with one bad value aside at every run."""
+    path.parent.mkdir(parents=True)
+    text = json.dumps(content)
+    path.write_text(text)
+    for _ in range(2):
+        store = SettingsStore(path, read_only=True)
+        s, notices = store.load()
+        assert len(notices) == 1 and said in notices[0] and "efault" in notices[0] and "kept as" not in notices[0]
+    assert path.read_text() == text and list(path.parent.glob("settings.json.*")) == []
+    with pytest.raises(SettingsError, match="read only to be looked at"):
+        store.save(s)
