@@ -448,5 +448,20 @@ def finite(value: Any) -> Any:
 
 
 def strict_json(value: Any, **kwargs: Any) -> str:
-    """`value` as JSON text, through `finite`: never the NaN or Infinity that strict JSON readers refuse."""
-    return json.dumps(finite(value), allow_nan=False, **kwargs)
+    """`value` as JSON text, through `finite`: never the NaN or Infinity that strict JSON readers refuse. With
+    ensure_ascii=False, text UTF-8 cannot hold (a path whose bytes are not UTF-8, kept by Python as lone
+    surrogates) is written escaped, as ensure_ascii=True writes everything: the smoke test's report from such a
+    data folder was never written ("internal error: UnicodeEncodeError")."""
+    value = finite(value)
+    text = json.dumps(value, allow_nan=False, **kwargs)
+    if kwargs.get("ensure_ascii", True) is False and not _utf8(text):
+        text = json.dumps(value, allow_nan=False, **{**kwargs, "ensure_ascii": True})
+    return text
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

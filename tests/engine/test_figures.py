@@ -152,3 +152,16 @@ def test_a_count_marked_na_leaves_the_source_of_the_other_that_shares_it():
     assert m.figure("prompt_tokens").source == figures.SERVER_USAGE
     m.mark_na("prompt_tokens", "none either")
     assert m.count_source is None
+
+
+def test_json_of_a_path_whose_bytes_are_not_utf8_is_written_escaped():
+    """A data folder or model path of such bytes (lone surrogates in Python) made every JSON written with
+    ensure_ascii=False fail to encode: the smoke test's report, a bench report, a stored figure."""
+    import json
+    import os
+
+    path = os.fsdecode(b"/data/caf\xe9")
+    text = figures.strict_json({"data": path, "answer": "été"}, ensure_ascii=False)
+    text.encode("utf-8")
+    assert json.loads(text) == {"data": path, "answer": "été"}
+    assert figures.strict_json({"answer": "été"}, ensure_ascii=False) == '{"answer": "été"}'  # as before
