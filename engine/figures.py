@@ -454,12 +454,13 @@ def strict_json(value: Any, **kwargs: Any) -> str:
     data folder was never written ("internal error: UnicodeEncodeError")."""
     value = finite(value)
     text = json.dumps(value, allow_nan=False, **kwargs)
-    if kwargs.get("ensure_ascii", True) is False and not _utf8(text):
+    if kwargs.get("ensure_ascii", True) is False and not utf8_text(text):
         text = json.dumps(value, allow_nan=False, **{**kwargs, "ensure_ascii": True})
     return text
 
 
-def _utf8(text: str) -> bool:
+def utf8_text(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (no lone surrogate)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

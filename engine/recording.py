@@ -170,22 +170,14 @@ def _lone_surrogate(doc: Any) -> Optional[str]:
         if isinstance(value, dict):
             for k, v in value.items():
                 name = f"{where}.{k}" if where else str(k)
-                if not _utf8(k):
+                if not figures.utf8_text(k):
                     return f"the key {name!r}"
                 stack.append((v, name))
         elif isinstance(value, list):
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
-        elif isinstance(value, str) and not _utf8(value):
+        elif isinstance(value, str) and not figures.utf8_text(value):
             return where or "the file"
     return None
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def from_dict(doc: Any, where: str = "the recording") -> Recording:
