@@ -111,8 +111,9 @@ def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: boo
     import tempfile
 
     # The temporary name is the file's, cut: a name near the file system's longest would be too long with the
-    # dot and the random part added.
-    stem = path.name.encode("utf-8", "surrogateescape")[:64].decode("utf-8", "ignore")
+    # dot and the random part added. Cut in the file system's own encoding (an ASCII locale's "ëxport.json" made
+    # of UTF-8 here became a name it could not write).
+    stem = os.fsdecode(os.fsencode(path.name)[:64])
     fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", dir=path.parent)
     try:
         data = text if isinstance(text, bytes) else text.encode("utf-8")  # a character it refuses: nothing written

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.errors import OutputPathError
@@ -19,3 +21,29 @@ def test_a_name_near_the_longest_a_file_system_takes_is_written_whole(tmp_path):
 def test_a_name_longer_than_a_file_system_takes_is_refused_with_the_reason(tmp_path):
     with pytest.raises(OutputPathError, match="cannot write the chat to .*: File name too long"):
         output_file(tmp_path / ("t" * 300 + ".md"), "the chat")
+
+
+def test_a_non_ascii_name_is_written_where_the_file_system_encoding_is_ascii(tmp_path):
+    """With an ASCII file system encoding (LC_ALL=C, Python's UTF-8 mode off) "ëxport.json" (UTF-8 bytes, held
+    by Python as surrogates) gave its temporary file a name decoded as UTF-8 that the encoding could not write:
+    `chats export -o ëxport.json` was an internal error."""
+    import os
+    import subprocess
+    import sys
+
+    name = "\u00ebxport.json".encode("utf-8")
+    script = (
+        "import os, sys; from pathlib import Path; from engine.paths import write_whole; "
+        "assert sys.getfilesystemencoding() == 'ascii', sys.getfilesystemencoding(); "
+        "write_whole(Path(os.fsdecode(sys.argv[1].encode('ascii', 'surrogateescape'))), 'kept')"
+    )
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C", "LANG": "C"}
+    target = os.path.join(os.fsencode(tmp_path), name)
+    r = subprocess.run(
+        [sys.executable, "-c", script, os.fsdecode(target)],
+        env=env,
+        capture_output=True,
+        cwd=Path(__file__).resolve().parents[2],  # the project's root: engine is imported from there
+    )
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert open(target, "rb").read() == b"kept" and os.listdir(os.fsencode(tmp_path)) == [name]
