@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -489,6 +490,11 @@ def _stdout_is_a_pipe() -> bool:
         return False
 
 
+NO_ROOM_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, name)
+)  # a full disk, a quota, a file past its largest size
+
+
 def _quiet_stdout() -> None:
     """After the reader of stdout went away: what Python would still flush at exit goes nowhere, not into a second
     BrokenPipeError on stderr."""
@@ -557,10 +563,25 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("gapless: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # an unexpected failure: log it whole (on stderr too with --verbose), and in one line
-        log.exception("unexpected error")
-        print(f"gapless: internal error: {type(exc).__name__}: {exc} (run with --verbose for details)", file=sys.stderr)
-        return EXIT_INTERNAL_ERROR
+    except OSError as exc:
+        if exc.errno not in NO_ROOM_ERRNOS:
+            return _internal_error(exc)
+        # the output (stdout sent to a full disk: `chats export 1 > /dev/full`), or a file no handler knew of
+        if verbose:
+            log.exception("error")
+        where = f" to {exc.filename}" if exc.filename else " the output"
+        print(f"gapless: error: cannot write{where}: {exc.strerror or exc}", file=sys.stderr)
+        _quiet_stdout()  # what is left in its buffer would fail again at exit
+        return EXIT_USER_ERROR
+    except Exception as exc:
+        return _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> int:
+    """An unexpected failure: logged whole (on stderr too with --verbose), and said in one line."""
+    log.exception("unexpected error")
+    print(f"gapless: internal error: {type(exc).__name__}: {exc} (run with --verbose for details)", file=sys.stderr)
+    return EXIT_INTERNAL_ERROR
 
 
 def gui_main() -> int:

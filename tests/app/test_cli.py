@@ -483,3 +483,21 @@ def test_a_ctrl_c_once_the_work_is_done_neither_prints_a_traceback_nor_changes_t
     before = signal.getsignal(signal.SIGINT)
     assert main(["--data-dir", str(tmp_path), "chats", "list"]) == 0
     assert signal.getsignal(signal.SIGINT) is before  # main(argv), as tests call it, leaves Ctrl-C as it was
+
+
+def test_standard_output_on_a_full_disk_is_one_line(tmp_path):
+    """`gapless models list > /dev/full` (a full disk behind the redirect) was "internal error: OSError"."""
+    import subprocess
+    import sys
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "app", "--data-dir", str(tmp_path), "models", "list"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    assert r.returncode == 2 and r.stderr == "gapless: error: cannot write the output: No space left on device\n"
