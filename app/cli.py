@@ -393,9 +393,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     _quiet_and_offline()
     parser = build_parser()
     args = parser.parse_args(_gui_alias(list(sys.argv[1:] if argv is None else argv)))
-    from app.logs import setup_logging
+    from app.logs import early_logging, setup_logging
     from app.paths import AppPaths
 
+    early_logging()
     paths = AppPaths.resolve(args.data_dir)
     setup_logging(paths.log_file, args.verbose)
     import app.engines

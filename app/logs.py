@@ -36,6 +36,19 @@ class _LogFile(logging.handlers.RotatingFileHandler):
             )
 
 
+def early_logging() -> None:
+    """Until setup_logging: a warning (a cache folder that cannot be made, as the folders are worked out) is one
+    line on stderr like the app's others ("gapless: ..."), not logging's bare last resort."""
+    root = logging.getLogger()
+    if any(getattr(h, "_gapless", False) for h in root.handlers):
+        return
+    early = logging.StreamHandler()
+    early.setLevel(logging.WARNING)
+    early.setFormatter(logging.Formatter("gapless: %(message)s"))
+    early._gapless = True  # type: ignore[attr-defined]  # replaced by setup_logging
+    root.addHandler(early)
+
+
 def setup_logging(log_file: Path, verbose: bool = False) -> None:
     root = logging.getLogger()
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
@@ -47,7 +60,8 @@ def setup_logging(log_file: Path, verbose: bool = False) -> None:
         fh = _LogFile(log_file)
     except OSError as exc:  # a read-only or full disk must not stop the app
         fh = None
-        logging.getLogger(__name__).warning("cannot write the log file %s: %s", log_file, exc)
+        if sys.stderr is not None:  # said once, as the app's other lines are (before no handler is left to say it)
+            print(f"gapless: cannot write the log file {log_file}: {exc.strerror or exc}", file=sys.stderr)
     if fh is not None:
         fh.setFormatter(logging.Formatter(FORMAT))
         fh._gapless = True  # type: ignore[attr-defined]

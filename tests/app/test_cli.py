@@ -501,3 +501,18 @@ def test_standard_output_on_a_full_disk_is_one_line(tmp_path):
             cwd=Path(__file__).resolve().parents[2],
         )
     assert r.returncode == 2 and r.stderr == "gapless: error: cannot write the output: No space left on device\n"
+
+
+def test_a_cache_or_log_folder_that_cannot_be_made_is_said_as_the_app_s_other_lines(tmp_path):
+    """The warnings came on stderr bare ("cannot make the cache folder ...: Not a directory"), through logging's
+    last resort before logging was set up; the log file's was emitted as its handler was being replaced."""
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the folders would be")
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(blocked), "XDG_STATE_HOME": str(blocked)}
+    env |= {"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    r = gapless("chats", "list", extra_env={**env, "GAPLESS_CACHE_DIR": "", "GAPLESS_DATA_DIR": ""})
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert any(f"cannot make the cache folder {blocked}" in line for line in lines), lines
+    assert any(f"cannot write the log file {blocked}" in line for line in lines), lines
+    assert all(line.startswith("gapless: ") for line in lines), lines
