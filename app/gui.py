@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from app.paths import AppPaths
 
@@ -354,16 +354,54 @@ def save_screenshot(widget: Any, given: "str | Path") -> Path:
         raise OutputPathError(str(exc)) from None
 
 
-def no_display_reason(env: Optional[Mapping[str, str]] = None, platform: str = sys.platform) -> str:
-    """Why the desktop app cannot open a window here ("" when it can): a Linux session with no display (SSH, a
-    server), where Qt would abort with a message about libxcb-cursor0."""
+WITHOUT_A_WINDOW = (
+    "without one, answer with gapless generate, serve the model with gapless serve, or check the app with "
+    "gapless --smoke-test"
+)
+
+
+def no_display_reason(
+    env: Optional[Mapping[str, str]] = None,
+    platform: str = sys.platform,
+    x_answers: Optional[Callable[[str], Optional[bool]]] = None,
+) -> str:
+    """Why the desktop app cannot open a window here ("" when it can), where Qt would abort the process with a
+    message about libxcb-cursor0: a Linux session with no display (SSH, a server), or an X display named that
+    does not answer (a DISPLAY left from another session, an X server that went away, one this user may not
+    use). `x_answers(display)`: whether an X server answers there, None where that cannot be told."""
     seen: Mapping[str, str] = os.environ if env is None else env
-    if not platform.startswith("linux") or any(seen.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")):
+    if not platform.startswith("linux"):
         return ""
-    return (
-        "no display to open the app on (neither DISPLAY nor WAYLAND_DISPLAY is set); without one, answer with "
-        "gapless generate, serve the model with gapless serve, or check the app with gapless --smoke-test"
-    )
+    display, qpa = seen.get("DISPLAY", ""), seen.get("QT_QPA_PLATFORM", "")
+    if not (display or seen.get("WAYLAND_DISPLAY") or qpa):
+        return f"no display to open the app on (neither DISPLAY nor WAYLAND_DISPLAY is set); {WITHOUT_A_WINDOW}"
+    x_only = not seen.get("WAYLAND_DISPLAY") and qpa.split(":")[0] in ("", "xcb")
+    if display and x_only and (x_answers or _x_answers)(display) is False:
+        return (
+            f"the display {display} does not answer (no X server runs there, or this user may not use it: "
+            f"xhost, XAUTHORITY); {WITHOUT_A_WINDOW}"
+        )
+    return ""
+
+
+def _x_answers(display: str) -> Optional[bool]:
+    """Whether an X server answers at `display` (libxcb's own connect, as Qt's xcb platform makes); None where
+    libxcb cannot be loaded (Qt then says which library it misses)."""
+    import ctypes
+
+    try:
+        xcb = ctypes.CDLL("libxcb.so.1")
+    except OSError:
+        return None
+    xcb.xcb_connect.restype = ctypes.c_void_p
+    xcb.xcb_connect.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    xcb.xcb_connection_has_error.argtypes = [ctypes.c_void_p]
+    xcb.xcb_disconnect.argtypes = [ctypes.c_void_p]
+    connection = xcb.xcb_connect(os.fsencode(display), None)  # never NULL: an error is a connection that says so
+    try:
+        return xcb.xcb_connection_has_error(connection) == 0
+    finally:
+        xcb.xcb_disconnect(connection)
 
 
 def run_gui(args: Any, paths: AppPaths) -> int:

@@ -154,8 +154,29 @@ def test_without_a_display_the_app_says_so_instead_of_qt_aborting(tmp_path, monk
         monkeypatch.delenv(name, raising=False)
     assert run(["--data-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("gapless: error: no display to open the app on (neither DISPLAY nor")
-    assert no_display_reason({"DISPLAY": ":0"}, "linux") == no_display_reason({}, "win32") == ""
+    answers = lambda display: True  # noqa: E731  # an X server runs there
+    assert no_display_reason({"DISPLAY": ":0"}, "linux", answers) == no_display_reason({}, "win32") == ""
     assert no_display_reason({"WAYLAND_DISPLAY": "wayland-0"}, "linux") == ""
+
+
+def test_a_display_that_does_not_answer_is_said_instead_of_qt_aborting(tmp_path, monkeypatch, capsys):
+    """A DISPLAY left from another session (":99", no X server there): Qt said xcb-cursor0 was needed (it was
+    installed) and aborted the process (SIGABRT)."""
+    from app.cli import run
+    from app.gui import _x_answers, no_display_reason
+
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.delenv("QT_QPA_PLATFORM", raising=False)
+    monkeypatch.setenv("DISPLAY", ":87")
+    if _x_answers(":87") is not False:
+        pytest.skip("libxcb cannot be loaded here, or an X server answers at :87")
+    assert run(["--data-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("gapless: error: the display :87 does not answer (no X server")
+    silent = lambda display: False  # noqa: E731
+    wayland = {"DISPLAY": ":87", "WAYLAND_DISPLAY": "wayland-0"}  # Qt opens the Wayland one
+    assert no_display_reason(wayland, "linux", silent) == ""
+    assert no_display_reason({"DISPLAY": ":87", "QT_QPA_PLATFORM": "offscreen"}, "linux", silent) == ""
+    assert no_display_reason({"DISPLAY": ":87", "QT_QPA_PLATFORM": "xcb"}, "linux", silent).startswith("the display")
 
 
 def test_gapless_without_a_command_opens_the_app_with_the_gui_defaults(tmp_path, monkeypatch):
