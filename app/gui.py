@@ -165,6 +165,7 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
     from PySide6.QtWidgets import QApplication
 
     from app.collector import GuiThreadCollector
+    from app.drafts import DRAFTS_FILE, Drafts
     from app.fetcher import DefaultModelFetcher
     from app.registry import RecentModels
     from app.settings import SettingsStore
@@ -207,6 +208,7 @@ def build(paths: AppPaths, theme_choice: Optional[str] = None, fetcher: Any = No
             fetcher=fetcher,
             catalog=catalog,
             preset_resolver=preset_for_device,
+            drafts=Drafts(paths.config / DRAFTS_FILE),
         )
         window.setWindowIcon(app_icon())
         server = attach_server(window, controller, paths)

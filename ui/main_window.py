@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 from PySide6.QtCore import QByteArray, QEvent, QPoint, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QActionGroup, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QKeySequence, QTextCursor
 from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
@@ -31,8 +31,9 @@ from PySide6.QtWidgets import (
 
 from app.chat_flow import UNTITLED, ChatFlow, resolved
 from app.chat_search import ChatSearch
+from app.drafts import Drafts
 from app.settings import SettingsError
-from app.store import StoreError
+from app.store import NotFound, StoreError
 from engine.types import (
     DRAFT_READ_STOPPED,
     FINISH_WORDS,
@@ -220,6 +221,7 @@ class MainWindow(QMainWindow):
         fetcher: Optional[DefaultModelFetcher] = None,
         catalog: Optional[ModelCatalog] = None,
         preset_resolver: Optional[Callable[[str, EngineOptions, str], EngineOptions]] = None,
+        drafts: Optional[Drafts] = None,
     ):
         super().__init__()
         self.setWindowTitle("Gapless")
@@ -233,6 +235,10 @@ class MainWindow(QMainWindow):
         self.fetcher = fetcher
         self.catalog = catalog  # known models: default, recent, scanned folder (app.gui.ModelCatalog)
         self.flow = ChatFlow(store, controller, default_sampling, self)
+        self.drafts = drafts if drafts is not None else Drafts()  # what was typed in each chat and not sent
+        self._draft_chat: Optional[int] = None  # the chat whose draft the composer holds (None: the new chat)
+        self._draft_shown = False  # a chat has opened, its draft in the composer
+        self._sending = False  # within flow.send: a chat it opens is the one the message goes to
         self.flow.default_overflow = settings.overflow_policy
         self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
@@ -266,6 +272,7 @@ class MainWindow(QMainWindow):
         self._wire()
         self._menus()
         self.refresh_chats()
+        self._forget_drafts_of_deleted_chats()
         self.flow.new_chat()
         self.composer.edit.setFocus()  # given when the window first becomes active
         self._update_can_send()
@@ -599,8 +606,15 @@ class MainWindow(QMainWindow):
         tabs = self.chat_view.candidate_tabs()
         if tabs is not None and self.flow.awaiting_choice():
             self.flow.choose_candidate(tabs.tabs.currentIndex())
-        if self.flow.send(text):
+        self._sending = True
+        try:
+            sent = self.flow.send(text)
+        finally:
+            self._sending = False
+        if sent:
             self.composer.clear()
+            self.drafts.put(self.flow.chat_id, "")  # sent: no longer a draft
+            self.drafts.save()
 
     def ask_delete_message(self, message_id: int) -> None:
         """A message goes with everything after it on its branch: asked first, Cancel the default."""
@@ -691,6 +705,7 @@ class MainWindow(QMainWindow):
         self.composer.set_answering_elsewhere(title)
 
     def _chat_opened(self, chat_id: Optional[int]) -> None:
+        self._switch_draft(chat_id)
         self._say_where_answering()
         self._clear_pick_notice()
         if self._answer_notice and self.status.text() == self._answer_notice:  # of an answer in the chat left
@@ -705,6 +720,37 @@ class MainWindow(QMainWindow):
             return
         self.chat_list.select(chat_id)
         self._show_title()
+
+    def _switch_draft(self, chat_id: Optional[int]) -> None:
+        """The composer's text stays with the chat it was typed in: kept as its draft, and the opened chat's own
+        draft shown (the one composer carried a draft into the next chat, where Enter sent it there)."""
+        left, self._draft_chat = self._draft_chat, chat_id
+        shown, self._draft_shown = self._draft_shown, True
+        if self._sending:  # the new chat a first message makes: the text is the message, stored and then cleared
+            self.drafts.put(None, "")
+            return
+        if shown and (left is None or self._still_stored(left)):
+            self.drafts.put(left, self.composer.text())
+        self.composer.set_text(self.drafts.get(chat_id))
+        self.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
+        self._say_drafts_problem(self.drafts.save())
+
+    def _still_stored(self, chat_id: int) -> bool:
+        """Whether chat `chat_id` is still in the store (deleted, here or elsewhere, it keeps no draft)."""
+        try:
+            return self.store.get_chat(chat_id) is not None
+        except (NotFound, StoreError):
+            return False
+
+    def _forget_drafts_of_deleted_chats(self) -> None:
+        try:
+            self.drafts.keep_only({c.id for c in self.store.list_chats()})
+        except StoreError:
+            pass
+
+    def _say_drafts_problem(self, problem: str) -> None:
+        if problem:
+            self.status.setText(problem[:1].upper() + problem[1:])
 
     def open_chat_settings(self) -> None:
         info: Optional[ModelInfo] = self.controller.info
@@ -1331,6 +1377,11 @@ class MainWindow(QMainWindow):
         self.flow.stop()
         self._chat_search.close()
         self.toggles.apply_stepped()  # a dropdown or number stepped to just before: kept, as the focus leaving keeps it
+        if self._draft_shown:
+            self.drafts.put(self._draft_chat, self.composer.text())
+        problem = self.drafts.save()
+        if problem:
+            self.said_after_close.append(problem[:1].upper() + problem[1:])
         self._persist(closing=True)
         self.closed.emit()
         super().closeEvent(event)

@@ -1577,3 +1577,61 @@ def test_a_choice_made_while_a_model_loads_is_kept_where_the_model_refuses_anoth
     assert r.options.candidates == 2 and t.options.candidates == 2
     assert w.settings.engine_options["candidates"] == 2
     assert (r.options.kv_cache == "static") is (family == "llama")
+
+
+def test_each_chat_keeps_its_own_draft_and_drafts_outlive_a_restart(qtbot, data_dir, tiny_llama):
+    """The one composer carried what was typed in a chat into the next one opened, where Enter sent it there, and
+    a message typed and not sent was lost at the next start without a word. Each chat keeps its draft, the new
+    chat too; a sent message is no draft; a deleted chat's draft goes with it."""
+    gui = open_app(qtbot, data_dir, model=tiny_llama)
+    w, store = gui.window, gui.store
+    a = store.create_chat("A", "", None).id
+    store.add_message(a, "user", "garden", None)
+    b = store.create_chat("B", "", None).id
+    store.add_message(b, "user", "taxes", None)
+    gone = store.create_chat("C", "", None).id
+    store.add_message(gone, "user", "old", None)
+    w.refresh_chats()
+    try:
+        w.composer.set_text("fresh thought")  # in the new chat the window starts on
+        w.flow.open_chat(a)
+        assert w.composer.text() == ""
+        w.composer.set_text("for A: plant the tomatoes in May")
+        w.flow.open_chat(b)
+        assert w.composer.text() == ""
+        w.composer.set_text("for B")
+        w.flow.open_chat(gone)
+        w.composer.set_text("lost with its chat")
+        w.flow.open_chat(a)
+        assert w.composer.text() == "for A: plant the tomatoes in May"
+        w.flow.open_chat(gone)
+        assert w.composer.text() == "lost with its chat"
+        w.flow.delete_chat(gone)  # opens the new chat
+        assert w.composer.text() == "fresh thought"
+        w.flow.open_chat(b)
+        assert w.composer.text() == "for B"
+        w.composer.set_text("")
+        send(qtbot, gui, "sent, not a draft")
+        assert w.composer.text() == ""
+    finally:
+        close_app(gui)
+    gui = open_app(qtbot, data_dir, model=tiny_llama)
+    w = gui.window
+    try:
+        assert w.composer.text() == "fresh thought"
+        w.flow.open_chat(a)
+        assert w.composer.text() == "for A: plant the tomatoes in May"
+        w.flow.open_chat(b)
+        assert w.composer.text() == ""
+        assert json.loads((AppPaths.resolve(data_dir).config / "drafts.json").read_text())["drafts"] == {
+            "new": "fresh thought",
+            str(a): "for A: plant the tomatoes in May",
+        }
+        w.composer.set_text("typed in the new chat")
+        w.flow.new_chat()
+        send(qtbot, gui, "a first message")  # the new chat it makes takes the message, and no draft
+        assert w.composer.text() == ""
+        w.flow.new_chat()
+        assert w.composer.text() == ""
+    finally:
+        close_app(gui)

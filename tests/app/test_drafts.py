@@ -1,0 +1,47 @@
+"""Unsent messages, one per chat, kept in a file beside the settings (app/drafts.py)."""
+
+from __future__ import annotations
+
+import json
+
+from app.drafts import MAX_DRAFTS, Drafts
+
+
+def test_two_windows_each_write_only_the_drafts_they_changed(tmp_path):
+    path = tmp_path / "drafts.json"
+    one, two = Drafts(path), Drafts(path)
+    one.put(1, "from one")
+    two.put(2, "from two")
+    assert one.save() == "" and two.save() == ""  # the second read the file again: the first's draft stays
+    assert Drafts(path).get(1) == "from one" and Drafts(path).get(2) == "from two"
+    one.put(1, "  \n")  # only white space: forgotten
+    one.save()
+    assert json.loads(path.read_text())["drafts"] == {"2": "from two"}
+
+
+def test_a_damaged_file_is_started_over_and_a_failed_write_is_said(tmp_path, caplog):
+    path = tmp_path / "drafts.json"
+    for damaged in (b"{", b"\xff\xfe", b'{"version": 9, "drafts": {}}', b'{"version": 1, "drafts": [1]}'):
+        path.write_bytes(damaged)
+        d = Drafts(path)
+        assert d.get(None) == ""
+        d.put(None, "new")
+        assert d.save() == "" and Drafts(path).get(None) == "new"
+    (tmp_path / "ro").write_text("a file where the folder would be")
+    d = Drafts(tmp_path / "ro" / "drafts.json")
+    d.put(3, "kept in memory")
+    assert d.save().startswith("cannot keep the unsent messages in ")
+    assert d.get(3) == "kept in memory"
+
+
+def test_the_oldest_drafts_go_past_the_limit_and_gone_chats_lose_theirs(tmp_path):
+    path = tmp_path / "drafts.json"
+    d = Drafts(path)
+    for chat in range(MAX_DRAFTS + 5):
+        d.put(chat, f"draft {chat}")
+    d.save()
+    kept = Drafts(path)
+    assert kept.get(4) == "" and kept.get(5) == "draft 5" and kept.get(MAX_DRAFTS + 4) == f"draft {MAX_DRAFTS + 4}"
+    kept.keep_only({5, 6})
+    kept.save()
+    assert set(json.loads(path.read_text())["drafts"]) == {"5", "6"}
