@@ -909,6 +909,22 @@ def test_bar_header_while_running_says_whose_figures_are_shown(hud):
     assert "one · 1 new token ·" in panel.bars.header.text()
 
 
+def test_a_long_label_is_cut_and_keeps_the_hud_its_width(hud):
+    """A model or recording name of 250 characters without a break made the HUD 1,630 px wide (520 asked for);
+    one of 200,000 held the window 104 s."""
+    from ui.hud.bars import LABEL_CHARS
+
+    panel, _ = hud
+    name = "x" * 200_000
+    panel.begin_generation(name, EngineOptions())
+    running = panel.bars.header.text()
+    assert running.startswith("Running: " + "x" * (LABEL_CHARS - 1) + "… — ")
+    panel.end_generation(GenerationMetrics(decode_tok_s=50.0, new_tokens_total=3), EngineOptions(), name)
+    header = panel.bars.header
+    assert "x" * LABEL_CHARS not in header.text() and "… · 3 new tokens" in header.text()
+    assert header.minimumSizeHint().width() < 900
+
+
 def test_after_a_failed_generation_the_bars_say_whose_figures_they_show(hud):
     """A generation that failed midway replaced the header with "The last generation failed: …" over the bars
     and the diagnosis of the one before, which then read as the failed one's."""
