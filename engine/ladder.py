@@ -188,7 +188,8 @@ def plan_rung(
             return None, "; ".join(f"{k}: {v}" for k, v in own.items()), notes
         return (
             None,
-            "compile off for this bench (default on the CPU, where a cold compile takes minutes; --compile to include)",
+            "compile off for this bench (default on the CPU, where a cold compile takes minutes; "
+            "gapless bench --compile includes it)",
             notes,
         )
     if not compile_on and (relaxed := uncompiled(name, opts)) != opts:

@@ -492,6 +492,7 @@ def test_bench_tiny_model_without_baseline(tiny_llama, tmp_path, capsys):
     assert (naive["name"], naive["status"], fixes["name"], fixes["status"]) == ("naive", "ok", "first-fixes", "ok")
     # compile is off by default on the CPU; the CUDA graph rung could not run here even with it, and says why
     assert compiled["status"] == "skipped" and compiled["reason"].startswith("compile off for this bench")
+    assert compiled["reason"].endswith("gapless bench --compile includes it)")  # the GUI has no --compile to give
     assert graph["status"] == "skipped" and graph["reason"].startswith("cuda_graph: CUDA graphs need a CUDA device")
     assert naive["options"]["kv_cache"] == "dynamic" and naive["options"]["sampling"] == "host"
     assert fixes["options"]["kv_cache"] == "static" and fixes["options"]["dtype"] == "fp32"
