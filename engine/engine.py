@@ -108,6 +108,7 @@ class Engine:
         self.load_seconds: Optional[float] = None  # set by Engine.load: file to model ready
         self._prefix = PrefixCache()  # what each runner's KV cache holds, for the next prompt to reuse
         self.eos_ids = self._eos_ids()
+        self._unfrozen = False  # the heap given back to the collector (a model replaced) and not frozen again yet
         self._build_model(progress)
         self._load_draft(self.options, progress)
         self.monitor = self._start_monitor()
@@ -158,9 +159,10 @@ class Engine:
         self._fused_pdl: Optional[dict[str, object]] = None  # fused_status() of the last fused runner warmed up
         self._pdl_failed: Optional[str] = None  # why the fused step failed here with PDL: later runners go without
         self._forget_drafts()
-        replacing = getattr(self, "model", None) is not None
+        replacing = self.model is not None
         self.model = None
         if replacing:
+            self._unfrozen = True  # until a model is placed again (a failed switch places the previous one)
             # the model given up was frozen with the load (heap.settle), and so were the cycles through it (a CPU
             # layer's binding holds its block's attributes, a compiled step its module): nothing freed them until
             # the engine closed, 405 MiB of fp32 linears kept beside the int8 ones for the default model
@@ -202,9 +204,10 @@ class Engine:
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
         del state
         self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
-        if replacing:
+        if self._unfrozen:
             heap.settle()  # the new model out of the collector's full passes, as a load's is
             heap.trim()
+            self._unfrozen = False
         progress(Progress("load", 1.0, "model ready"))
 
     def _load_draft(

@@ -106,3 +106,24 @@ def test_a_load_and_a_switch_hand_the_freed_memory_back(tiny_llama, monkeypatch)
     assert trims == [0, 0]
     e.close()
     assert trims == [0, 0, 0]
+
+
+def test_a_failed_switch_leaves_the_previous_model_frozen_again(tiny_llama, monkeypatch):
+    """A switch gives the heap back to the collector to free the model it replaces; one that failed placed the
+    previous weights again and left the whole heap unfrozen, each full pass on the GUI thread walking it."""
+    import engine.quant as quant
+
+    e = Engine.load(str(tiny_llama), EngineOptions(device="cpu", profile_window=False))
+    try:
+        assert gc.get_freeze_count() > 0
+
+        def cannot_hold(*_a, **_k):
+            raise ValueError("cannot hold")
+
+        monkeypatch.setattr(quant, "quantize_linears", cannot_hold)
+        with pytest.raises(Exception, match="cannot hold"):
+            e.reconfigure(e.options.with_(weights="int8"))
+        assert e.model is not None and e.weights == "native"
+        assert gc.get_freeze_count() > 0
+    finally:
+        e.close()
