@@ -111,9 +111,12 @@ def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: boo
     import tempfile
 
     # The temporary name is the file's, cut: a name near the file system's longest would be too long with the
-    # dot and the random part added. Cut in the file system's own encoding (an ASCII locale's "ëxport.json" made
-    # of UTF-8 here became a name it could not write).
-    stem = os.fsdecode(os.fsencode(path.name)[:64])
+    # dot and the random part added. Cut between characters, counted in the file system's own encoding (an ASCII
+    # locale's "ëxport.json" made of UTF-8 here became a name it could not write; a cut inside a character is a
+    # name Windows cannot decode and macOS refuses).
+    stem = path.name[:64]
+    while len(os.fsencode(stem)) > 64:
+        stem = stem[:-1]
     fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", dir=path.parent)
     try:
         data = text if isinstance(text, bytes) else text.encode("utf-8")  # a character it refuses: nothing written

@@ -47,3 +47,24 @@ def test_a_non_ascii_name_is_written_where_the_file_system_encoding_is_ascii(tmp
     )
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     assert open(target, "rb").read() == b"kept" and os.listdir(os.fsencode(tmp_path)) == [name]
+
+
+def test_the_temporary_name_of_a_long_name_is_cut_between_characters(tmp_path, monkeypatch):
+    """A 74-byte export name of CJK characters was cut at 64 bytes inside a character: a temporary name Windows'
+    file system encoding cannot decode (the export failed) and macOS refuses."""
+    import tempfile
+
+    made: list[str] = []
+    real = tempfile.mkstemp
+
+    def mkstemp(*a, prefix="", **k):
+        made.append(prefix)
+        return real(*a, prefix=prefix, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    name = "东京旅行计划第一天去浅草寺然后去上野公园看樱花.json"
+    write_whole(tmp_path / name, "kept")
+    assert (tmp_path / name).read_text() == "kept"
+    prefix = made[0]
+    prefix.encode("utf-8")  # whole characters: no surrogate from a cut byte sequence
+    assert len(prefix.encode("utf-8")) <= 66 and name.startswith(prefix[1:-1])
