@@ -124,15 +124,16 @@ def split_markdown(text: str) -> list[Segment]:
             if m is None and item:
                 m = _item_fence(item).match(line)
                 inside = item if m else 0
-            if m is None:  # "- ```python": a list item that opens with a code block
-                m, marker = _marker_fence(line)
+            if m is None:  # "- ```python": a list item that opens with a code block, once it is closed
+                m, marker = _marker_fence(line, lines[i + 1 :])
                 inside = marker
             if m and len(segments) + 2 >= MAX_SEGMENTS:  # the rest in one prose view (3,000 fences: 3,000 widgets)
                 prose.extend(lines[i:])
                 break
             if m:
                 if marker:  # the item's marker stays in the prose, an item whose content is the code below it
-                    prose.append(line[:marker].rstrip())
+                    # (with a no-break space: a bare "-" under a paragraph would make it a heading)
+                    prose.append(line[:marker].rstrip() + " \u00a0")
                     item, blank = marker, False
                 if prose:
                     segments.append(Segment("prose", "\n".join(prose)))
@@ -170,15 +171,22 @@ def _item_column(line: str, item: int, after_blank: bool) -> int:
     return item
 
 
-def _marker_fence(line: str) -> tuple[Optional[re.Match[str]], int]:
+def _marker_fence(line: str, after: list[str]) -> tuple[Optional[re.Match[str]], int]:
     """The fence a list item's marker line opens ("- ```python", "1. ~~~"), matched on the text after the
-    marker, and the item's content column; (None, 0) where the line is no such thing. Read as prose, its closing
-    fence, indented to the item's content, opened a code block that ran to the end of the answer."""
+    marker, and the item's content column; (None, 0) where the line is no such thing, or where no line of `after`
+    closes it. Read as prose, its closing fence, indented to the item's content, opened a code block that ran to
+    the end of the answer; one not closed stays prose (Qt's reader ends it with the item, as CommonMark does,
+    where a block running to the end would take the list's next items and what follows it)."""
     if _ITEM_MARKER.match(line) is None:
         return None, 0
     column = _item_column(line, 0, False)
     m = FENCE.match(line[column:])
-    return (m, column) if m is not None and not m.group(1) else (None, 0)
+    if m is None or m.group(1):
+        return None, 0
+    fence = m.group(2)
+    if not any(closes(a[min(column, len(a) - len(a.lstrip(" "))) :], fence) for a in after):
+        return None, 0
+    return m, column
 
 
 _ITEM_FENCES: dict[int, re.Pattern[str]] = {}

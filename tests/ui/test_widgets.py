@@ -245,6 +245,20 @@ def test_a_list_item_that_opens_with_a_fence_holds_the_code_and_the_list_goes_on
     assert [w.text for w in view.code_blocks()] == [code]
 
 
+def test_a_list_item_fence_under_a_paragraph_leaves_it_a_paragraph_and_one_never_closed_stays_prose(qtbot):
+    """The item's marker left in the prose was a bare "-": under "Install it:" it made the line a heading. A
+    fence never closed took the list's next items and the paragraph after it as code; it stays prose, which
+    Qt's reader ends with the item."""
+    segments = split_markdown("Install it:\n- ```bash\n  pip install x\n  ```\n- then run it")
+    view = ProseView(segments[0].text)
+    qtbot.addWidget(view)
+    block = view.document().begin()
+    assert block.text() == "Install it:" and block.blockFormat().headingLevel() == 0
+    assert block.next().textList() is not None  # the item, its content the code below it
+    unclosed = "- ```python\n  print(1)\n- next item\n\nMore prose after the list."
+    assert split_markdown(unclosed) == [Segment("prose", unclosed)]
+
+
 def test_a_fence_indented_four_outside_a_list_is_text(qtbot):
     view = SegmentsView("Para\n\n    ```\n    indented code\n")
     qtbot.addWidget(view)
