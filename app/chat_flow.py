@@ -109,6 +109,9 @@ def left_out(thread: list[Message]) -> str:
     )
 
 
+MADE, GONE = "made", "gone"  # ChatFlow.opened_because
+
+
 @dataclass
 class MessageItem:
     """What the conversation view shows of one stored message."""
@@ -190,6 +193,10 @@ class ChatFlow(QObject):
         self.last_finish_reasons: list[str] = []  # of the last result, "context" where the context cut it short
         self._candidate_ids: list[int] = []  # the last batch of candidates, until one is chosen
         self._mending = False  # showing what another window or the command line changed (_changed_elsewhere)
+        # Why chatOpened is being emitted, for what goes with the chat (the composer's draft): MADE, the new chat
+        # became this one (its first message, or Chat settings before one); GONE, the chat on screen was deleted
+        # elsewhere; "" otherwise
+        self.opened_because = ""
         # The last message on screen: a message sent goes under it. Another window on the same chat moves the
         # stored active leaf to the branch it shows; this one still shows (and answers under) its own.
         self._shown_leaf: Optional[int] = None
@@ -219,6 +226,13 @@ class ChatFlow(QObject):
         chat = self._guard(lambda: self.store.get_chat(chat_id)) if chat_id is not None else None
         if chat and chat.damaged:
             self.failed.emit(f"This chat's {chat.damaged.removeprefix('its ')} in Chat settings")
+
+    def _opened(self, chat_id: int, because: str) -> None:
+        self.opened_because = because
+        try:
+            self.chatOpened.emit(chat_id)
+        finally:
+            self.opened_because = ""
 
     def new_chat(self) -> None:
         """Start an empty chat; it is stored when its first message is sent."""
@@ -275,7 +289,7 @@ class ChatFlow(QObject):
                 return
             self.chat_id = chat.id
             self.chatsChanged.emit()
-            self.chatOpened.emit(chat.id)
+            self._opened(chat.id, MADE)
             return
         chat_id = self.chat_id
         if self._guard(
@@ -363,7 +377,7 @@ class ChatFlow(QObject):
             if not user:
                 return False
             self.chat_id = user.chat_id
-            self.chatOpened.emit(user.chat_id)
+            self._opened(user.chat_id, MADE)
         else:
             chat = self._guard(lambda: self.store.get_chat(self.chat_id))  # gone, if another window deleted it
             if not chat:
@@ -681,7 +695,11 @@ class ChatFlow(QObject):
                 gone = False
             if gone:
                 self.failed.emit(f"This chat was deleted elsewhere ({ELSEWHERE}); a new chat is open")
-                self.open_chat(None)
+                self.opened_because = GONE
+                try:
+                    self.open_chat(None)
+                finally:
+                    self.opened_because = ""
             else:
                 self.failed.emit(
                     f"A message of this chat was deleted elsewhere ({ELSEWHERE}); it is shown as it is now"

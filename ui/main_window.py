@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat_flow import UNTITLED, ChatFlow, resolved
+from app.chat_flow import GONE, MADE, UNTITLED, ChatFlow, resolved
 from app.chat_search import ChatSearch
 from app.drafts import Drafts
 from app.settings import SettingsError
@@ -238,7 +238,6 @@ class MainWindow(QMainWindow):
         self.drafts = drafts if drafts is not None else Drafts()  # what was typed in each chat and not sent
         self._draft_chat: Optional[int] = None  # the chat whose draft the composer holds (None: the new chat)
         self._draft_shown = False  # a chat has opened, its draft in the composer
-        self._sending = False  # within flow.send: a chat it opens is the one the message goes to
         self.flow.default_overflow = settings.overflow_policy
         self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
@@ -606,12 +605,7 @@ class MainWindow(QMainWindow):
         tabs = self.chat_view.candidate_tabs()
         if tabs is not None and self.flow.awaiting_choice():
             self.flow.choose_candidate(tabs.tabs.currentIndex())
-        self._sending = True
-        try:
-            sent = self.flow.send(text)
-        finally:
-            self._sending = False
-        if sent:
+        if self.flow.send(text):
             self.composer.clear()
             self.drafts.put(self.flow.chat_id, "")  # sent: no longer a draft
             self.drafts.save()
@@ -726,12 +720,17 @@ class MainWindow(QMainWindow):
         draft shown (the one composer carried a draft into the next chat, where Enter sent it there)."""
         left, self._draft_chat = self._draft_chat, chat_id
         shown, self._draft_shown = self._draft_shown, True
-        if self._sending:  # the new chat a first message makes: the text is the message, stored and then cleared
+        why = self.flow.opened_because
+        if why == MADE:  # the new chat became this one (its first message, Chat settings): the text goes with it
             self.drafts.put(None, "")
             return
+        text, orphan = self.composer.text(), ""
         if shown and (left is None or self._still_stored(left)):
-            self.drafts.put(left, self.composer.text())
-        self.composer.set_text(self.drafts.get(chat_id))
+            self.drafts.put(left, text)
+        elif shown and why == GONE:  # deleted in another window: what was typed in it stays on screen
+            orphan = text
+        own = self.drafts.get(chat_id)
+        self.composer.set_text(f"{own}\n\n{orphan}" if own.strip() and orphan.strip() else own or orphan)
         self.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
         self._say_drafts_problem(self.drafts.save())
 

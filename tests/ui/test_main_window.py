@@ -1635,3 +1635,42 @@ def test_each_chat_keeps_its_own_draft_and_drafts_outlive_a_restart(qtbot, data_
         assert w.composer.text() == ""
     finally:
         close_app(gui)
+
+
+def test_text_typed_in_the_new_chat_stays_when_chat_settings_make_it_a_chat(qtbot, data_dir, tiny_llama):
+    """Chat settings → OK on the new chat makes the chat: the text typed in it went away as the new chat's draft,
+    to come back in the next new chat, where Enter sent it to another chat."""
+    gui = open_app(qtbot, data_dir, model=tiny_llama)
+    w = gui.window
+    try:
+        w.composer.set_text("my long message for this chat")
+        w.open_chat_settings()
+        w._chat_settings_dialog.accept()
+        assert w.flow.chat_id is not None and w.composer.text() == "my long message for this chat"
+        w.flow.new_chat()
+        assert w.composer.text() == ""
+        w.flow.open_chat(gui.store.list_chats()[0].id)
+        assert w.composer.text() == "my long message for this chat"
+    finally:
+        close_app(gui)
+
+
+def test_a_send_into_a_chat_deleted_elsewhere_keeps_both_drafts(qtbot, data_dir, tiny_llama):
+    """A reply typed in a chat another window deleted, then sent: the new chat opened took it as its first
+    message's chat would, and the new chat's own draft was erased, then written over with the reply."""
+    gui = open_app(qtbot, data_dir, model=tiny_llama)
+    w, store = gui.window, gui.store
+    try:
+        x = store.create_chat("X", "", None).id
+        store.add_message(x, "user", "hi", None)
+        w.refresh_chats()
+        w.composer.set_text("the new chat's draft")
+        w.flow.open_chat(x)
+        w.composer.set_text("reply typed in X")
+        store.delete_chat(x)  # another window
+        w.composer.edit.setFocus()
+        qtbot.keyClick(w.composer.edit, Qt.Key.Key_Return)
+        assert w.flow.chat_id is None and "deleted elsewhere" in w.status.text()
+        assert w.composer.text() == "the new chat's draft\n\nreply typed in X"  # neither lost
+    finally:
+        close_app(gui)
