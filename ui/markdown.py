@@ -80,7 +80,6 @@ class Segment:
     closed: bool = True  # False for a code block whose closing fence has not arrived (yet)
 
 
-_SOFT_BREAK = re.compile(r"(?<=\S)[ \t]*\n(?=[^\n])")
 _WRITTEN_BREAK = re.compile(r"(?<=\S) {2,}\n")  # a hard break in markdown as written
 # the other way to write one: a backslash at the end of a line (an odd number of them: "\\\\" is a backslash) that
 # the next line's text continues; before a blank line, a list item, a heading, a quote or a fence, the block
@@ -101,8 +100,49 @@ def hard_breaks(prose: str) -> str:
     (a poem, an address, a list of steps without markers would run together), which is not how a chat model means
     them, and not how the answer looked while it streamed as plain text; two trailing spaces make a hard break.
     A break the answer wrote with a backslash stays a break (two spaces after the backslash made it a backslash
-    shown at the end of the line). Code never comes here (split_markdown gives it its own segments)."""
-    return _SOFT_BREAK.sub("  \n", _spaces_for_backslashes(prose))
+    shown at the end of the line). Fenced code has its own segments (split_markdown); the code that stays in the
+    prose, an indented block or a fence inside a quote, keeps its lines as written (each took two spaces, copied
+    with it)."""
+    prose = _spaces_for_backslashes(prose)
+    lines = prose.split("\n")
+    code = _code_lines(lines)
+    out = []
+    for i, line in enumerate(lines):
+        body = line.rstrip(" \t")
+        if i + 1 < len(lines) and lines[i + 1] and body and i not in code:
+            line = body + "  "
+        out.append(line)
+    return "\n".join(out)
+
+
+_QUOTED_FENCE = re.compile(r"^ {0,3}>[ >]*(`{3,}|~{3,})")
+
+
+def _code_lines(lines: list[str]) -> set[int]:
+    """The lines of `lines` (a prose segment) that are code: an indented code block's (four spaces past the list
+    item they are in, after a blank line or more such lines) and those inside a fenced block within a quote."""
+    code: set[int] = set()
+    item, blank, quoted = 0, True, ""
+    for i, line in enumerate(lines):
+        m = _QUOTED_FENCE.match(line)
+        if quoted:
+            code.add(i)
+            if m and m.group(1)[0] == quoted[0] and len(m.group(1)) >= len(quoted) and not line[m.end() :].strip():
+                quoted = ""
+            continue
+        if m:
+            quoted = m.group(1)
+            code.add(i)
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        if line.strip() and indent >= item + 4 and (blank or i - 1 in code):
+            code.add(i)
+        elif i - 1 in code and not line.strip():
+            code.add(i)  # a blank line inside the block: it may go on
+        else:
+            item = _item_column(line, item, blank)
+        blank = not line.strip()
+    return code
 
 
 def split_markdown(text: str) -> list[Segment]:

@@ -1464,3 +1464,13 @@ def test_links_on_screen_take_the_new_theme_s_colour(qtbot, qapp):
         assert qapp.palette().base().color().name() == DARK.base
     finally:
         tm.set_choice("light")
+
+
+def test_code_left_in_the_prose_keeps_its_lines_as_written(qtbot):
+    """An indented code block and a fenced one inside a quote stay in the prose; each of their lines took the two
+    trailing spaces of a hard break, and a copy of the code carried them. Prose lines keep their breaks."""
+    view = ProseView("Run:\n\n    make all\n    make install\n\n> ```\n> a = 1\n> b = 2\n> ```\n\nline one\nline two")
+    qtbot.addWidget(view)
+    lines = view.document().toPlainText().split("\n")
+    assert lines[:5] == ["Run:", "make all", "make install", "a = 1", "b = 2"]
+    assert lines[-2:] == ["line one", "line two"]  # not joined into "line one line two"
