@@ -447,14 +447,15 @@ def finite(value: Any) -> Any:
     return out
 
 
-def strict_json(value: Any, **kwargs: Any) -> str:
+def strict_json(value: Any, escape_unencodable: bool = True, **kwargs: Any) -> str:
     """`value` as JSON text, through `finite`: never the NaN or Infinity that strict JSON readers refuse. With
     ensure_ascii=False, text UTF-8 cannot hold (a path whose bytes are not UTF-8, kept by Python as lone
     surrogates) is written escaped, as ensure_ascii=True writes everything: the smoke test's report from such a
-    data folder was never written ("internal error: UnicodeEncodeError")."""
+    data folder was never written ("internal error: UnicodeEncodeError"). `escape_unencodable` False leaves it
+    to the caller (the server sends U+FFFD in its place, what a client can show)."""
     value = finite(value)
     text = json.dumps(value, allow_nan=False, **kwargs)
-    if kwargs.get("ensure_ascii", True) is False and not utf8_text(text):
+    if escape_unencodable and kwargs.get("ensure_ascii", True) is False and not utf8_text(text):
         text = json.dumps(value, allow_nan=False, **{**kwargs, "ensure_ascii": True})
     return text
 

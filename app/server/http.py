@@ -62,7 +62,8 @@ class StrictJSONResponse(JSONResponse):
     that is not a finite number is null, where Starlette's own refused it and the client got a 500 for its answer."""
 
     def render(self, content: Any) -> bytes:
-        return figures.strict_json(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        text = figures.strict_json(content, escape_unencodable=False, ensure_ascii=False, separators=(",", ":"))
+        return text.encode("utf-8")
 
 
 def _error_response(exc: ApiError) -> JSONResponse:
@@ -168,7 +169,7 @@ class LocalOnly:
 
 def _sse(obj: Any) -> str:
     # strict: never NaN, which JSON.parse refuses; whole: a half character would end the stream as it is encoded
-    return whole_text(f"data: {figures.strict_json(obj, ensure_ascii=False)}\n\n")
+    return whole_text(f"data: {figures.strict_json(obj, escape_unencodable=False, ensure_ascii=False)}\n\n")
 
 
 class Api:
