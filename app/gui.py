@@ -5,6 +5,7 @@ With --smoke-test it opens the same window offscreen, answers one prompt and wri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from app.paths import AppPaths
 
@@ -434,13 +435,55 @@ def run_gui(args: Any, paths: AppPaths) -> int:
     gui.window.load_model(source_key(args.model) if args.model else gui.settings.last_model or "default")
     stopped = False
     try:
-        code = app.exec()
+        with closed_by_signals(gui.window):
+            code = app.exec()
     finally:
         stopped = gui.close()
     for message in gui.window.said_after_close:  # a stopped answer the store refused as the app closed
         print(f"gapless: {message}", file=sys.stderr)
         show_error_and_wait(None, "Gapless", message)
     return leave(code, stopped)
+
+
+CLOSING_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")  # Ctrl+C in the terminal; kill, a logout; the terminal closed
+SIGNAL_POLL_MS = 200  # how often Python gets the chance to run a signal's handler while Qt's loop runs
+
+
+@contextlib.contextmanager
+def closed_by_signals(window: Any) -> Iterator[None]:
+    """While the app runs, Ctrl+C in its terminal, SIGTERM and SIGHUP close the window as its close button does:
+    the draft, the settings and an answer in progress (as stopped) are kept. SIGTERM ended the process at once,
+    all three lost; Ctrl+C printed a KeyboardInterrupt traceback from whatever Python code ran next and the app
+    went on."""
+    import signal
+
+    from PySide6.QtCore import QTimer
+
+    def close(signum: int, _frame: Any) -> None:
+        log.info("signal %d: closing the window", signum)
+        QTimer.singleShot(0, window.close)
+
+    previous: dict[int, Any] = {}
+    for name in CLOSING_SIGNALS:
+        number = getattr(signal, name, None)
+        if number is None:
+            continue
+        try:
+            if signal.getsignal(number) is signal.SIG_IGN:  # `nohup`, a background job: asked to be ignored
+                continue
+            previous[number] = signal.signal(number, close)
+        except (ValueError, OSError):  # not the main thread, or a signal this system will not hand over
+            pass
+    poll = QTimer()  # Python runs a handler only when Python code runs: this gives it the chance
+    poll.timeout.connect(lambda: None)
+    poll.start(SIGNAL_POLL_MS)
+    try:
+        yield
+    finally:
+        poll.stop()
+        for number, handler in previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(number, handler)
 
 
 def _run_smoke(args: Any, paths: AppPaths) -> int:

@@ -121,6 +121,7 @@ def fitting_sizes(saved: Any, minimums: list[int], total: int) -> Optional[list[
 
 
 METER_DEBOUNCE_MS = 250  # the context meter counts once typing pauses this long
+DRAFT_SAVE_MS = 2000  # what is typed is written to the drafts file once typing pauses this long
 
 
 MAX_TAB_STOPS = 5000  # a bound on the focus chain's walk
@@ -238,6 +239,11 @@ class MainWindow(QMainWindow):
         self.drafts = drafts if drafts is not None else Drafts()  # what was typed in each chat and not sent
         self._draft_chat: Optional[int] = None  # the chat whose draft the composer holds (None: the new chat)
         self._draft_shown = False  # a chat has opened, its draft in the composer
+        # what is typed is kept once typing pauses, not only at a switch or a close: a kill, a crash, a logout
+        # that does not wait lost it
+        self._draft_timer = QTimer(  # type: ignore[call-arg]  # the stubs omit the signal keywords Qt takes
+            self, singleShot=True, interval=DRAFT_SAVE_MS, timeout=self._keep_draft
+        )
         self.flow.default_overflow = settings.overflow_policy
         self.flow.default_system_prompt = settings.system_prompt
         self._loading: Optional[str] = None  # the source being loaded
@@ -383,6 +389,7 @@ class MainWindow(QMainWindow):
             (v.candidateChosen, lambda _i: self._clear_pick_notice()),
             (self.composer.sendRequested, self._send),
             (self.composer.edit.textChanged, self.recount_context),
+            (self.composer.edit.textChanged, self._draft_timer.start),
             *((signal, recount) for signal in (f.threadChanged, f.messageAppended, f.streamFinished)),
             (f.candidatesFinished, recount),
             (v.candidateShown, recount),  # sending continues from the tab on screen: counted from it
@@ -733,6 +740,11 @@ class MainWindow(QMainWindow):
         self.composer.set_text(f"{own}\n\n{orphan}" if own.strip() and orphan.strip() else own or orphan)
         self.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
         self._say_drafts_problem(self.drafts.save())
+
+    def _keep_draft(self) -> None:
+        if self._draft_shown and not self._closed:
+            self.drafts.put(self._draft_chat, self.composer.text())
+            self._say_drafts_problem(self.drafts.save())
 
     def _still_stored(self, chat_id: int) -> bool:
         """Whether chat `chat_id` is still in the store (deleted, here or elsewhere, it keeps no draft)."""

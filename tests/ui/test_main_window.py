@@ -1674,3 +1674,50 @@ def test_a_send_into_a_chat_deleted_elsewhere_keeps_both_drafts(qtbot, data_dir,
         assert w.composer.text() == "the new chat's draft\n\nreply typed in X"  # neither lost
     finally:
         close_app(gui)
+
+
+def test_what_is_typed_is_kept_once_typing_pauses(qtbot, data_dir, tiny_llama):
+    """Drafts were written only at a switch of chat or a close: a kill, a crash or a logout that did not wait
+    lost what was typed."""
+    gui = open_app(qtbot, data_dir, model=tiny_llama)
+    w = gui.window
+    path = AppPaths.resolve(data_dir).config / "drafts.json"
+    try:
+        w._draft_timer.setInterval(50)
+        qtbot.keyClicks(w.composer.edit, "typed, not sent")
+        qtbot.waitUntil(lambda: path.exists() and "typed, not sent" in path.read_text(), timeout=TIMEOUT_MS)
+        assert json.loads(path.read_text())["drafts"] == {"new": "typed, not sent"}
+    finally:
+        close_app(gui)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_closes_the_window_as_its_close_button_does(qtbot, name):
+    """SIGTERM (kill, a logout) ended the app at once, its draft and settings lost; Ctrl+C printed a
+    KeyboardInterrupt traceback and the app went on. A signal asked to be ignored (nohup) stays ignored."""
+    import os
+    import signal
+
+    from PySide6.QtWidgets import QWidget
+
+    from app.gui import closed_by_signals
+
+    number = getattr(signal, name)
+    before = signal.getsignal(number)
+    window = QWidget()
+    qtbot.addWidget(window)
+    window.show()
+    try:
+        signal.signal(number, signal.SIG_DFL)
+        with closed_by_signals(window):
+            os.kill(os.getpid(), number)
+            qtbot.waitUntil(lambda: not window.isVisible(), timeout=TIMEOUT_MS)
+        assert signal.getsignal(number) == signal.SIG_DFL  # put back as it was
+        window.show()
+        signal.signal(number, signal.SIG_IGN)
+        with closed_by_signals(window):
+            os.kill(os.getpid(), number)
+            qtbot.wait(400)
+            assert window.isVisible()
+    finally:
+        signal.signal(number, before)
