@@ -634,7 +634,7 @@ def dequantise_tensors(
     torch.set_num_threads(1)
     try:
         with open(header.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buf:
-            _dequantise_all(buf, header, plan, state, dtype, device, report)
+            _dequantise_all(buf, header, plan, state, dtype, device, report, _unchanged_while_read(f, header))
     finally:
         torch.set_num_threads(threads)
     return state
@@ -672,6 +672,21 @@ def _fused_slots(
     return slots
 
 
+def _unchanged_while_read(f: Any, header: GGUFHeader) -> Callable[[], None]:
+    """A check, made before each tensor's pages are touched, that the file mapped is as it was: a file cut short
+    under the mapping (overwritten in place, a download into the same name) ended the process with SIGBUS as the
+    missing pages were read, draft and settings lost. It leaves a few milliseconds in which that can still happen,
+    where it was the whole read."""
+    first = os.fstat(f.fileno())
+
+    def check() -> None:
+        now = os.fstat(f.fileno())
+        if (now.st_size, now.st_mtime_ns) != (first.st_size, first.st_mtime_ns):
+            raise ModelLoadError(f"{header.path.name} changed while it was read; open it again")
+
+    return check
+
+
 def _dequantise_all(
     buf: mmap.mmap,
     header: GGUFHeader,
@@ -680,6 +695,7 @@ def _dequantise_all(
     dtype: torch.dtype,
     device: torch.device,
     report: ProgressFn,
+    unchanged: Callable[[], None] = lambda: None,
 ) -> None:
     by_name = {t.name: t for t in header.tensors}
     slots = _fused_slots(plan, {p.hf_name: tuple(by_name[p.gguf_name].shape) for p in plan if p.gguf_name in by_name})
@@ -687,6 +703,7 @@ def _dequantise_all(
     total = len(plan)
     for i, p in enumerate(plan, 1):
         t = by_name[p.gguf_name]
+        unchanged()
         error = None
         try:
             start = header.data_start + t.offset

@@ -816,3 +816,35 @@ def test_transformers_model_builds_from_a_cached_config(tiny_llama, tmp_path):
         want = build_hf_model(first.config, first.state_dict, torch.float32, torch.device("cpu"))(ids).logits
         got = build_hf_model(second.config, second.state_dict, torch.float32, torch.device("cpu"))(ids).logits
     assert torch.equal(got, want)
+
+
+def test_a_file_cut_short_while_it_is_read_is_a_load_error_not_a_bus_error(tiny_llama, tmp_path):
+    """A GGUF overwritten in place (cut short) while the app read it, at a load or a switch of precision that
+    reads it again: the missing pages of the mapping ended the process with SIGBUS, draft and settings lost.
+    Each tensor is read only while the file is as it was. In a child process, which a SIGBUS would end."""
+    import subprocess
+    import sys
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "cut.gguf", quant="Q8_0")
+    script = f"""
+import os
+from engine import gguf_native
+from engine.errors import ModelLoadError
+from engine.loader import load_checkpoint
+
+gguf_native.PROGRESS_EVERY = 1
+path = {str(path)!r}
+
+def cut(p):
+    if p.stage == "dequantise" and p.fraction and p.fraction < 1:
+        os.truncate(path, os.path.getsize(path) // 2)
+
+try:
+    load_checkpoint(path, cut)
+except ModelLoadError as exc:
+    print("refused:", exc)
+"""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "refused: cut.gguf changed while it was read; open it again" in r.stdout, r.stdout
