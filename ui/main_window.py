@@ -747,11 +747,14 @@ class MainWindow(QMainWindow):
             self._say_drafts_problem(self.drafts.save())
 
     def _still_stored(self, chat_id: int) -> bool:
-        """Whether chat `chat_id` is still in the store (deleted, here or elsewhere, it keeps no draft)."""
+        """Whether chat `chat_id` is still in the store (deleted, here or elsewhere, it keeps no draft); a store that
+        cannot tell now (locked by another window) is taken to still have it: its draft is kept."""
         try:
             return self.store.get_chat(chat_id) is not None
-        except (NotFound, StoreError):
+        except NotFound:
             return False
+        except StoreError:
+            return True
 
     def _forget_drafts_of_deleted_chats(self) -> None:
         try:

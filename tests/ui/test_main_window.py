@@ -1721,3 +1721,33 @@ def test_a_signal_closes_the_window_as_its_close_button_does(qtbot, name):
             assert window.isVisible()
     finally:
         signal.signal(number, before)
+
+
+def test_a_draft_is_kept_when_the_store_cannot_say_whether_its_chat_is_still_there(qtbot, data_dir, tiny_llama):
+    """Another window holding the database as a chat was left: the draft was taken for one of a deleted chat and
+    dropped, gone from the composer too."""
+    from app.store import StoreError
+
+    gui = open_app(qtbot, data_dir, model=tiny_llama)
+    w, store = gui.window, gui.store
+    try:
+        a = store.create_chat("A", "", None).id
+        store.add_message(a, "user", "hi", None)
+        w.refresh_chats()
+        w.flow.open_chat(a)
+        w.composer.set_text("typed in A")
+        real = store.get_chat
+
+        def locked(chat_id):
+            raise StoreError("database is locked")
+
+        store.get_chat = locked
+        try:
+            w._switch_draft(None)  # as opening the new chat does
+        finally:
+            store.get_chat = real
+        w.flow.new_chat()
+        w.flow.open_chat(a)
+        assert w.composer.text() == "typed in A"
+    finally:
+        close_app(gui)
