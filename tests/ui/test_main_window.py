@@ -1637,6 +1637,14 @@ def test_each_chat_keeps_its_own_draft_and_drafts_outlive_a_restart(qtbot, data_
         close_app(gui)
 
 
+def listed_chat(w, title: str) -> int:
+    """A chat of one question, made in the store (as another window would) and listed; its id."""
+    chat_id = w.store.create_chat(title, "", None).id
+    w.store.add_message(chat_id, "user", "hi", None)
+    w.refresh_chats()
+    return chat_id
+
+
 def test_text_typed_in_the_new_chat_stays_when_chat_settings_make_it_a_chat(qtbot, data_dir, tiny_llama):
     """Chat settings → OK on the new chat makes the chat: the text typed in it went away as the new chat's draft,
     to come back in the next new chat, where Enter sent it to another chat."""
@@ -1661,9 +1669,7 @@ def test_a_send_into_a_chat_deleted_elsewhere_keeps_both_drafts(qtbot, data_dir,
     gui = open_app(qtbot, data_dir, model=tiny_llama)
     w, store = gui.window, gui.store
     try:
-        x = store.create_chat("X", "", None).id
-        store.add_message(x, "user", "hi", None)
-        w.refresh_chats()
+        x = listed_chat(w, "X")
         w.composer.set_text("the new chat's draft")
         w.flow.open_chat(x)
         w.composer.set_text("reply typed in X")
@@ -1731,9 +1737,7 @@ def test_a_draft_is_kept_when_the_store_cannot_say_whether_its_chat_is_still_the
     gui = open_app(qtbot, data_dir, model=tiny_llama)
     w, store = gui.window, gui.store
     try:
-        a = store.create_chat("A", "", None).id
-        store.add_message(a, "user", "hi", None)
-        w.refresh_chats()
+        a = listed_chat(w, "A")
         w.flow.open_chat(a)
         w.composer.set_text("typed in A")
         real = store.get_chat
