@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.errors import one_line
 from engine.types import ContextUse, blank
 from ui.parts import TypingBox
 
@@ -149,9 +150,10 @@ class Composer(QFrame):
         self.send_button.setEnabled(self._can_send)
         self.send_button.setToolTip(self._why_not or "Send the message")
         elsewhere = self._elsewhere if self._generating else None
-        self.stop_button.setToolTip(f"Stop the answer in “{_short(elsewhere)}”" if elsewhere else "Stop the answer")
+        quoted = one_line(elsewhere, TITLE_SHOWN) if elsewhere else ""
+        self.stop_button.setToolTip(f"Stop the answer in “{quoted}”" if elsewhere else "Stop the answer")
         if elsewhere:  # Enter here did nothing and said nothing, and Stop stopped an answer not on screen
-            self.hint.setText(f"Answering in “{_short(elsewhere)}”: Esc stops it; send here once it ends")
+            self.hint.setText(f"Answering in “{quoted}”: Esc stops it; send here once it ends")
         else:
             self.hint.setText(self._why_not if (self._why_not and not self._can_send) else self._hint_keys)
 
@@ -223,8 +225,3 @@ class Composer(QFrame):
 
 
 TITLE_SHOWN = 40  # characters of a chat's title the hint quotes: a 1,000-character title took over the window
-
-
-def _short(title: str) -> str:
-    title = " ".join(title.split())
-    return title if len(title) <= TITLE_SHOWN else title[: TITLE_SHOWN - 1] + "…"

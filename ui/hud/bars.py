@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWi
 
 from engine import figures
 from engine.diagnosis import Diagnosis
+from engine.errors import one_line
 from engine.types import EngineOptions, GenerationMetrics
 from ui.hud import fmt
 from ui.theme import PaletteFollower, muted_text
@@ -106,14 +107,9 @@ class ElidedLabel(QLabel):
         p.end()
 
 
-LABEL_CHARS = 80  # of a generation's label (the model's name, a recording's) in the header
-
-
-def short_label(label: str) -> str:
-    """A generation's label on one line of at most LABEL_CHARS: a model name of 250 characters without a break
-    made the HUD 1,630 px wide, and one of 200,000 (a recording's) held the window for 104 s."""
-    label = " ".join(label.split())
-    return label if len(label) <= LABEL_CHARS else label[: LABEL_CHARS - 1] + "…"
+# of a generation's label (the model's name, a recording's) in the header, on one line: a model name of 250
+# characters without a break made the HUD 1,630 px wide, and one of 200,000 (a recording's) held the window 104 s
+LABEL_CHARS = 80
 
 
 class BarStrip(PaletteFollower):
@@ -152,7 +148,7 @@ class BarStrip(PaletteFollower):
         self.apply_palette()
 
     def set_running(self, label: str) -> None:
-        label = short_label(label)
+        label = one_line(label, LABEL_CHARS)
         shown = self._shown is not None
         self.header.setText(
             f"Running: {label} — "
@@ -168,7 +164,7 @@ class BarStrip(PaletteFollower):
 
     def set_metrics(self, metrics: GenerationMetrics, options: EngineOptions, label: str, d: Diagnosis) -> None:
         """The figures of a finished generation, and what limited it (engine.diagnosis)."""
-        self._shown = label = short_label(label)
+        self._shown = label = one_line(label, LABEL_CHARS)
         n = metrics.new_tokens_total
         self.header.setText(f"{label} · {_count(n)} new token{'' if n == 1 else 's'} · {fmt.options_summary(options)}")
         self.diagnosis.setText(f"Limit: {d.line}")
