@@ -8,9 +8,10 @@ stopped answer can never land in the next one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from PySide6.QtCore import QObject, QTextBoundaryFinder, QTimer, Signal
 
@@ -227,10 +228,12 @@ class ChatFlow(QObject):
         if chat and chat.damaged:
             self.failed.emit(f"This chat's {chat.damaged.removeprefix('its ')} in Chat settings")
 
-    def _opened(self, chat_id: int, because: str) -> None:
+    @contextlib.contextmanager
+    def _opening(self, because: str) -> Iterator[None]:
+        """chatOpened emitted within it says why (opened_because)."""
         self.opened_because = because
         try:
-            self.chatOpened.emit(chat_id)
+            yield
         finally:
             self.opened_because = ""
 
@@ -289,7 +292,8 @@ class ChatFlow(QObject):
                 return
             self.chat_id = chat.id
             self.chatsChanged.emit()
-            self._opened(chat.id, MADE)
+            with self._opening(MADE):
+                self.chatOpened.emit(chat.id)
             return
         chat_id = self.chat_id
         if self._guard(
@@ -377,7 +381,8 @@ class ChatFlow(QObject):
             if not user:
                 return False
             self.chat_id = user.chat_id
-            self._opened(user.chat_id, MADE)
+            with self._opening(MADE):
+                self.chatOpened.emit(user.chat_id)
         else:
             chat = self._guard(lambda: self.store.get_chat(self.chat_id))  # gone, if another window deleted it
             if not chat:
@@ -695,11 +700,8 @@ class ChatFlow(QObject):
                 gone = False
             if gone:
                 self.failed.emit(f"This chat was deleted elsewhere ({ELSEWHERE}); a new chat is open")
-                self.opened_because = GONE
-                try:
+                with self._opening(GONE):
                     self.open_chat(None)
-                finally:
-                    self.opened_because = ""
             else:
                 self.failed.emit(
                     f"A message of this chat was deleted elsewhere ({ELSEWHERE}); it is shown as it is now"
