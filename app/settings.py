@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from app.store import aside_name, move_aside
+from engine import figures
 from engine.errors import GaplessError, OptionsError
 from engine.paths import write_whole
 from engine.types import DEVICES, OVERFLOW_POLICIES, EngineOptions, SamplingParams, server_decides
@@ -110,10 +111,9 @@ def _base64(v: Any) -> bool:
 def _unicode(value: Any) -> bool:
     """Whether `value`'s text can be written as UTF-8."""
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except (UnicodeEncodeError, RecursionError):
+        return figures.utf8_text(json.dumps(value, ensure_ascii=False))
+    except RecursionError:
         return False
-    return True
 
 
 def _path_text(value: Any) -> bool:
@@ -455,7 +455,7 @@ class SettingsStore:
                 if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays
                     doc = {**_merged(on_disk, self._seen, mine), "version": SETTINGS_VERSION}
                 text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
-                if not _unicode(text) and _names_bytes(doc):  # written with its bytes escaped (the rest too)
+                if not figures.utf8_text(text) and _names_bytes(doc):  # written with its bytes escaped (the rest too)
                     text = json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False)
                 # a link (a settings file kept with the user's dotfiles) is written through and kept
                 target = self.path.resolve() if self.path.is_symlink() else self.path
