@@ -695,7 +695,7 @@ def _dequantise_all(
     dtype: torch.dtype,
     device: torch.device,
     report: ProgressFn,
-    unchanged: Callable[[], None] = lambda: None,
+    unchanged: Callable[[], None],
 ) -> None:
     by_name = {t.name: t for t in header.tensors}
     slots = _fused_slots(plan, {p.hf_name: tuple(by_name[p.gguf_name].shape) for p in plan if p.gguf_name in by_name})
