@@ -249,9 +249,8 @@ class ChatList(QFrame):
         """`title`: the one to start from where the list does not show the chat (a search hides it)."""
         shown = self._title(chat_id) or title or ""
         title, ok = QInputDialog.getText(self, "Rename chat", "Title:", QLineEdit.EchoMode.Normal, shown)
-        title = " ".join(
-            title.split()
-        )  # one line, as a title made from a first message is: a pasted one kept its breaks
+        # one line, as a title made from a first message is: a pasted one kept its breaks
+        title = " ".join(title.split())
         if ok and title:
             self.renameRequested.emit(chat_id, title)
 

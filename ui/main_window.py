@@ -739,12 +739,18 @@ class MainWindow(QMainWindow):
         own = self.drafts.get(chat_id)
         self.composer.set_text(f"{own}\n\n{orphan}" if own.strip() and orphan.strip() else own or orphan)
         self.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
-        self._say_drafts_problem(self.drafts.save())
+        self._save_drafts(self.status.setText)
 
     def _keep_draft(self) -> None:
         if self._draft_shown and not self._closed:
             self.drafts.put(self._draft_chat, self.composer.text())
-            self._say_drafts_problem(self.drafts.save())
+            self._save_drafts(self.status.setText)
+
+    def _save_drafts(self, say: Callable[[str], Any]) -> None:
+        """Write the drafts changed; why they could not be is said with `say`, as a sentence."""
+        problem = self.drafts.save()
+        if problem:
+            say(problem[:1].upper() + problem[1:])
 
     def _still_stored(self, chat_id: int) -> bool:
         """Whether chat `chat_id` is still in the store (deleted, here or elsewhere, it keeps no draft); a store that
@@ -761,10 +767,6 @@ class MainWindow(QMainWindow):
             self.drafts.keep_only({c.id for c in self.store.list_chats()})
         except StoreError:
             pass
-
-    def _say_drafts_problem(self, problem: str) -> None:
-        if problem:
-            self.status.setText(problem[:1].upper() + problem[1:])
 
     def open_chat_settings(self) -> None:
         info: Optional[ModelInfo] = self.controller.info
@@ -1393,9 +1395,7 @@ class MainWindow(QMainWindow):
         self.toggles.apply_stepped()  # a dropdown or number stepped to just before: kept, as the focus leaving keeps it
         if self._draft_shown:
             self.drafts.put(self._draft_chat, self.composer.text())
-        problem = self.drafts.save()
-        if problem:
-            self.said_after_close.append(problem[:1].upper() + problem[1:])
+        self._save_drafts(self.said_after_close.append)  # the status bar goes with the window
         self._persist(closing=True)
         self.closed.emit()
         super().closeEvent(event)
