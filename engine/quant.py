@@ -488,13 +488,18 @@ def quantize_linears(model: nn.Module, fmt: str, act_dtype: torch.dtype, grid: b
     freed as each is replaced. `grid`: the weights came from 4-bit GGUF blocks (quantize_int4_min). Returns how many
     linears; a ValueError names the linear whose weights the format cannot hold."""
     done = 0
-    for name, lin in _linears(model):
+    # by name, not a list of the modules: a list held every float linear until the last was replaced (the whole
+    # float model beside its quantised one at the load's peak)
+    for name in [n for n, _ in _linears(model)]:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        lin = parent.get_submodule(child)
+        assert isinstance(lin, nn.Linear)
         try:
             q = _quantised(HEAD_FORMAT[fmt] if name == HEAD else fmt, lin.weight.detach(), lin.bias, act_dtype, grid)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        del lin
         q.keep_kernel_dtype = name.endswith(KEEP_KERNEL_DTYPE) and not _rounds_its_input(model, name)
         setattr(parent, child, q)
         done += 1
