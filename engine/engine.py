@@ -203,7 +203,7 @@ class Engine:
         except RuntimeError as exc:  # e.g. out of memory, or a shape mismatch caught by load_state_dict
             raise ModelLoadError(f"cannot place the model on {self.device} in {self.dtype}: {exc}") from exc
         del state
-        self.checkpoint.release()  # a GGUF gives its weights again from the file at the next re-placing
+        self.checkpoint.release()  # the files give the weights again at the next re-placing
         if self._unfrozen:
             heap.settle()  # the new model out of the collector's full passes, as a load's is
             heap.trim()

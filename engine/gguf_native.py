@@ -36,6 +36,7 @@ import torch
 from engine.errors import ModelLoadError, one_line
 from engine.gguf_dequant import dequantize
 from engine.gguf_header import GGUFHeader
+from engine.paths import unchanged_while_read
 from engine.types import Progress
 
 if TYPE_CHECKING:
@@ -634,7 +635,7 @@ def dequantise_tensors(
     torch.set_num_threads(1)
     try:
         with open(header.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buf:
-            _dequantise_all(buf, header, plan, state, dtype, device, report, _unchanged_while_read(f, header))
+            _dequantise_all(buf, header, plan, state, dtype, device, report, unchanged_while_read(f, header.path.name))
     finally:
         torch.set_num_threads(threads)
     return state
@@ -670,21 +671,6 @@ def _fused_slots(
                 slots[n] = (names, first, total)
                 first += shapes[n][0]
     return slots
-
-
-def _unchanged_while_read(f: Any, header: GGUFHeader) -> Callable[[], None]:
-    """A check, made before each tensor's pages are touched, that the file mapped is as it was: a file cut short
-    under the mapping (overwritten in place, a download into the same name) ended the process with SIGBUS as the
-    missing pages were read, draft and settings lost. It leaves a few milliseconds in which that can still happen,
-    where it was the whole read."""
-    first = os.fstat(f.fileno())
-
-    def check() -> None:
-        now = os.fstat(f.fileno())
-        if (now.st_size, now.st_mtime_ns) != (first.st_size, first.st_mtime_ns):
-            raise ModelLoadError(f"{header.path.name} changed while it was read; open it again")
-
-    return check
 
 
 def _dequantise_all(

@@ -24,7 +24,7 @@ import torch
 
 from engine.errors import ModelLoadError, ReadStopped, UnsafeModelError, one_line
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
-from engine.paths import user_path
+from engine.paths import unchanged_while_read, user_path
 from engine.types import Progress, hub_name, is_remote, safetensors_weights
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class Checkpoint:
     source_kind: str  # "gguf" | "hf-folder" | "default"
     eos_token_ids: list[int] = field(default_factory=list)  # config, generation_config.json and tokenizer, merged
     load_seconds: Optional[float] = None  # perf_counter around load_checkpoint
-    # GGUF on the native path: the weights again from the file, in any dtype on any device
+    # the weights again from the files (GGUF on the native path: in any dtype on any device; a safetensors folder:
+    # in their stored dtype on the CPU), so that the state dict is given up once a model is built
     materialise: Optional[Callable[[torch.dtype, torch.device], dict[str, torch.Tensor]]] = None
     tensor_types: frozenset[str] = frozenset()  # a GGUF's ggml tensor types (Q4_1, F32, ...); empty for others
     unchanged: Optional[Callable[[], None]] = None  # raises ModelLoadError where the file materialise reads changed
@@ -448,32 +449,74 @@ def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
     unused = sorted(set(stored) - set(wanted))
     if unused:
         log.info("%s: %d stored tensors not used by the model, e.g. %s", label, len(unused), unused[:3])
-    state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(stored[name][0], []).append(name)
-    done = 0
-    for file, names in by_file.items():
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    state[name] = f.get_tensor(stored[name][1])
-                    done += 1
-                    if done % 16 == 0 or done == len(wanted):
-                        report(Progress("load", 0.2 + 0.8 * done / len(wanted), f"read {done}/{len(wanted)} tensors"))
-        except ReadStopped:  # from the progress hook: a read no longer wanted, not a damaged file
-            raise
-        except Exception as exc:  # a truncated data section surfaces here, as SafetensorError
-            raise ModelLoadError(f"{label}: cannot read the weights in {file.name}: {one_line(exc)}") from exc
+    seen = {file: _stamp(file) for file in by_file}
+
+    def unchanged() -> None:
+        for file, stamp in seen.items():
+            try:
+                now = _stamp(file)
+            except OSError as exc:
+                raise ModelLoadError(
+                    f"{label}: {file.name} was moved or deleted since it was loaded ({exc.strerror or exc}); "
+                    "open it again"
+                ) from None
+            if now != stamp:
+                raise ModelLoadError(f"{label}: {file.name} changed since it was loaded; open it again")
+
+    def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
+        """The weights again, in their stored dtype on the CPU: the model's build converts and places them."""
+        unchanged()
+        return _read_safetensors(by_file, stored, label, _ignore)
+
     return Checkpoint(
         config=config,
-        state_dict=state,
+        state_dict=_read_safetensors(by_file, stored, label, report),
         tokenizer=tokenizer,
         name=label,
         source=str(folder),
         source_kind="hf-folder",
         eos_token_ids=_eos_ids(config, tokenizer, folder),
+        materialise=materialise,
+        unchanged=unchanged,
     )
+
+
+def _stamp(file: Path) -> tuple[int, int]:
+    st = file.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _read_safetensors(
+    by_file: dict[Path, list[str]], stored: dict[str, tuple[Path, str]], label: str, report: ProgressFn
+) -> dict[str, torch.Tensor]:
+    """The tensors named in `by_file` (our names, by file), each copied out of the file's mapping: a tensor left
+    on the mapping ended the process with SIGBUS at the next answer once the file was overwritten in place. The
+    copies are the model's own (the build shares those it keeps as they are), and the checkpoint reads the files
+    again for a switch instead of holding a second set."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    total = sum(len(names) for names in by_file.values())
+    for file, names in by_file.items():
+        try:
+            with open(file, "rb") as own:
+                unchanged = unchanged_while_read(own, f"{label}: {file.name}")
+                for name in names:
+                    unchanged()
+                    # the file mapped for each tensor alone: a mapping's pages stay in the process's memory until
+                    # it is closed, which held the whole file beside its copies (an fp32 load peaked 480 MiB higher)
+                    with safe_open(str(file), framework="pt", device="cpu") as f:
+                        state[name] = f.get_tensor(stored[name][1]).clone()
+                    if len(state) % 16 == 0 or len(state) == total:
+                        report(Progress("load", 0.2 + 0.8 * len(state) / total, f"read {len(state)}/{total} tensors"))
+        except (ReadStopped, ModelLoadError):  # a read no longer wanted (the progress hook), a file that changed
+            raise
+        except Exception as exc:  # a truncated data section surfaces here, as SafetensorError
+            raise ModelLoadError(f"{label}: cannot read the weights in {file.name}: {one_line(exc)}") from exc
+    return state
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 import platformdirs
 
-from engine.errors import OutputPathError
+from engine.errors import ModelLoadError, OutputPathError
 
 APP_NAME = "gapless"
 
@@ -131,3 +132,18 @@ def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: boo
         with contextlib.suppress(OSError):  # the write's own error is the one to report
             Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def unchanged_while_read(f: BinaryIO, name: str) -> Callable[[], None]:
+    """A check, made before each tensor's pages of a mapped weights file are touched, that the file open as `f` is
+    as it was: a file cut short under the mapping (overwritten in place, a download into the same name) ended the
+    process with SIGBUS as the missing pages were read, draft and settings lost. It leaves a few milliseconds in
+    which that can still happen, where it was the whole read."""
+    first = os.fstat(f.fileno())
+
+    def check() -> None:
+        now = os.fstat(f.fileno())
+        if (now.st_size, now.st_mtime_ns) != (first.st_size, first.st_mtime_ns):
+            raise ModelLoadError(f"{name} changed while it was read; open it again")
+
+    return check

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -416,3 +418,91 @@ def test_long_context_rope_factors_of_a_model_without_longrope_are_refused(tiny_
     path = hf_to_gguf(tiny_factory("gemma2", head_dim=16), tmp_path / "long.gguf", "gemma2", tensors=factors)
     with pytest.raises(ModelLoadError, match=r"long-context rope factors .* of this gemma2 GGUF are not supported"):
         load_checkpoint(str(path))
+
+
+def _child(script: str) -> "subprocess.CompletedProcess[str]":
+    """`script` in a child Python at the project's root: a SIGBUS would end the child, not the test run."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_folder_overwritten_while_its_model_runs_is_no_bus_error(tiny_llama, tmp_path, dtype):
+    """A model folder's safetensors file overwritten in place (cut short) while the app runs its model: the held
+    weights (and a model sharing them in the stored dtype) were the file's mapping, and the next answer ended the
+    process with SIGBUS. The model answers on, and a switch that would read the file again is refused, the model
+    kept."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    script = f"""
+import os
+from engine.engine import Engine
+from engine.errors import ModelLoadError
+from engine.types import EngineOptions, SamplingParams
+
+folder = {str(folder)!r}
+e = Engine.load(folder, EngineOptions(device="cpu", dtype={dtype!r}, profile_window=False))
+greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+before = e.generate([{{"role": "user", "content": "hi"}}], greedy).token_ids
+os.truncate(os.path.join(folder, "model.safetensors"), 100)
+print("answered", e.generate([{{"role": "user", "content": "hi"}}], greedy).token_ids == before)
+try:
+    e.reconfigure(e.options.with_(dtype={"fp16" if dtype == "fp32" else "fp32"!r}))
+except ModelLoadError as exc:
+    print("refused:", exc)
+print("still", e.generate([{{"role": "user", "content": "hi"}}], greedy).token_ids == before)
+"""
+    r = _child(script)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "answered True" in r.stdout and "still True" in r.stdout, r.stdout
+    assert "refused: m: model.safetensors changed since it was loaded; open it again" in r.stdout, r.stdout
+
+
+def test_a_folder_cut_short_while_it_is_read_is_a_load_error_not_a_bus_error(tiny_llama, tmp_path):
+    """The file overwritten in place between two tensors of the read: each is read only while the file is as it
+    was."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    script = f"""
+import os
+from engine.errors import ModelLoadError
+from engine.loader import load_checkpoint
+
+path = os.path.join({str(folder)!r}, "model.safetensors")
+
+def cut(p):
+    if p.message.startswith("read "):
+        os.truncate(path, os.path.getsize(path) // 2)
+
+try:
+    load_checkpoint({str(folder)!r}, cut)
+except ModelLoadError as exc:
+    print("refused:", exc)
+"""
+    r = _child(script)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "refused: m: model.safetensors changed while it was read; open it again" in r.stdout, r.stdout
+
+
+def test_a_folders_weights_are_given_up_once_built_and_read_again_for_a_switch(tiny_llama):
+    """The checkpoint holds no second copy of a folder's weights beside the model (the fp32 state dict stayed
+    beside a bf16 model: 1,191 MiB after a SmolLM2-sized load, now 678 MiB); a switch reads them again, to the
+    same greedy tokens as a fresh load."""
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+    messages = [{"role": "user", "content": "hi"}]
+    fresh = Engine.load(str(tiny_llama), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        want = fresh.generate(messages, greedy).token_ids
+    finally:
+        fresh.close()
+    e = Engine.load(str(tiny_llama), EngineOptions(device="cpu", dtype="bf16", profile_window=False))
+    try:
+        assert e.checkpoint.state_dict == {}
+        e.reconfigure(e.options.with_(dtype="fp32"))
+        assert e.checkpoint.state_dict == {}
+        assert e.generate(messages, greedy).token_ids == want
+    finally:
+        e.close()
