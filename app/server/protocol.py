@@ -294,7 +294,9 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
     _refuse_misspelt(body)
     for name, why in UNSUPPORTED.items():
         v = body.get(name)
-        if v not in (None, False, [], {}, 0):
+        # the completions endpoint's logprobs is a count, and 0 asks for the chosen tokens' own
+        asked = v is not None if (name == "logprobs" and not chat) else v not in (None, False, [], {}, 0)
+        if asked:
             raise bad(f"'{name}': {why}", name, "unsupported_parameter")
     for name, (plain, why) in PLAIN_ONLY.items():
         v = body.get(name)
@@ -306,7 +308,8 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
-    max_tokens = _int(body, "max_completion_tokens", 1, MAX_NEW_TOKENS_LIMIT) if chat else None
+    # the chat endpoint's newer name, read on both: taken and not read, an answer ran to the end of the context
+    max_tokens = _int(body, "max_completion_tokens", 1, MAX_NEW_TOKENS_LIMIT)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, MAX_NEW_TOKENS_LIMIT)
     # the engine's seeds are [0, 2**63); -1 asks for a random one, as llama.cpp's server reads it (folding other

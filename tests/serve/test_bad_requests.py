@@ -453,3 +453,17 @@ def test_a_client_that_goes_away_while_sending_its_body_is_no_server_error(serve
         assert post(server, chat_body(server)).status_code == 200  # the server goes on, and has read the close
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+def test_the_completions_endpoint_refuses_logprobs_0_and_honours_max_completion_tokens(server):
+    """On /v1/completions `logprobs` is a count, and 0 asks for the chosen tokens' own (taken as "off", as the
+    chat endpoint's false is); `max_completion_tokens` was let through there and never read, so the answer ran to
+    the end of the context."""
+    body = {"model": chat_body(server)["model"], "prompt": "hello", "temperature": 0}
+    assert_error(post(server, {**body, "logprobs": 0}, "/completions"), 400, "logprobs", "unsupported_parameter")
+    r = post(server, {**body, "max_completion_tokens": 3}, "/completions")
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length", r.json()
+    # the chat endpoint's logprobs false (and 0) stays "off"
+    assert post(server, chat_body(server, logprobs=False, max_tokens=2)).status_code == 200
