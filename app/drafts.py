@@ -5,7 +5,8 @@ then the app closed, was lost without a word).
 The drafts are a small JSON file beside the settings ({"version": 1, "drafts": {"12": "text", "new": "text"}}),
 written whole (engine.paths.write_whole) as a chat is left and as the window closes. Two windows on one data
 folder each write only the drafts they changed: the file is read again first, so one window never undoes the
-other's. A file that cannot be read or used is started over (a draft is not worth refusing to start for); one
+other's; a draft one window still shows and another took from the file (sent or cleared there) is written back
+when the first leaves it or closes. A file that cannot be read or used is started over (a draft is not worth refusing to start for); one
 that cannot be written is said once, and the drafts stay in memory.
 """
 
@@ -36,6 +37,9 @@ class Drafts:
         self.path = path
         self._texts: dict[str, str] = self._read()
         self._changed: set[str] = set()
+        # drafts put again as they were: written back where another window took them from the file (it sent or
+        # cleared the same draft, the new chat's most often) while this one still shows them
+        self._kept: set[str] = set()
         self.problem = ""  # why the last write failed, "" where it did not
 
     def get(self, chat_id: Optional[int]) -> str:
@@ -46,6 +50,7 @@ class Drafts:
         key = _key(chat_id)
         if text.strip():
             if self._texts.get(key) == text:
+                self._kept.add(key)
                 return
             self._texts.pop(key, None)  # the newest last: the oldest go first past MAX_DRAFTS
             self._texts[key] = text
@@ -64,9 +69,13 @@ class Drafts:
 
     def save(self) -> str:
         """Write the drafts changed since the last save; "" when written (or nothing to write), else why not."""
-        if self.path is None or not self._changed:
+        if self.path is None or not (self._changed or self._kept):
             return ""
         merged = self._read()
+        kept, self._kept = self._kept, set()
+        self._changed |= {key for key in kept if key in self._texts and key not in merged}
+        if not self._changed:
+            return ""
         for key in self._changed:
             merged.pop(key, None)
         for key, text in self._texts.items():  # in the order written, the newest last

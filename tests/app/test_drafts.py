@@ -45,3 +45,27 @@ def test_the_oldest_drafts_go_past_the_limit_and_gone_chats_lose_theirs(tmp_path
     kept.keep_only({5, 6})
     kept.save()
     assert set(json.loads(path.read_text())["drafts"]) == {"5", "6"}
+
+
+def test_a_draft_another_window_took_from_the_file_is_written_back_by_the_window_that_still_shows_it(tmp_path):
+    """Two windows on one data folder share the new chat's draft: the second sent its own message from the new
+    chat, which took the draft from the file, and the first, still showing its letter there, never wrote it
+    again (put as it was: nothing changed), so the letter was gone at the next start."""
+    path = tmp_path / "drafts.json"
+    one = Drafts(path)
+    one.put(None, "a long letter")
+    assert one.save() == ""
+    two = Drafts(path)
+    assert two.get(None) == "a long letter"
+    two.put(None, "")  # the second window sent from the new chat
+    two.save()
+    assert Drafts(path).get(None) == ""
+    one.put(None, "a long letter")  # the first leaves its new chat, or closes, its letter still on screen
+    assert one.save() == ""
+    assert Drafts(path).get(None) == "a long letter"
+    # one the other window changed is its newer text, not undone
+    two.put(None, "the second's own")
+    two.save()
+    one.put(None, "a long letter")
+    one.save()
+    assert Drafts(path).get(None) == "the second's own"
