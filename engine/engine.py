@@ -682,6 +682,11 @@ class Engine:
             if max_new < sampling.max_new_tokens:
                 notices.append(f"answer limited to {max_new} tokens by the {self.context_length}-token context")
             seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
+            if opts.candidates > 1 and SamplerKind.of(sampling).greedy:
+                notices.append(
+                    f"the {opts.candidates} candidates are one answer {opts.candidates} times: greedy decoding "
+                    "(temperature 0) picks the same tokens in every row; raise the temperature for different ones"
+                )
             streamed = []
 
             def watch(event) -> None:

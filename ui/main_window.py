@@ -886,6 +886,8 @@ class MainWindow(QMainWindow):
             self.hud.end_generation(result.metrics, result.options, label, result.unavailable, result.limits)
         if result.notices:
             self._answer_notice = " · ".join(result.notices)
+            if self._pick_notice and self.status.text() == self._pick_notice:  # candidates still ask for a choice
+                self._answer_notice = self._pick_notice = f"{self._answer_notice} · {self._pick_notice}"
             self.status.setText(self._answer_notice)
         # The reasons are for the options the answer ran with: where the panel has changed since (a choice made
         # while the engine was busy), they would be pinned on values they were not given for.

@@ -108,6 +108,7 @@ def test_candidates_distinct_and_reproducible_with_seed(llama_engine):
     b = llama_engine.generate(MESSAGES, params)
     assert len(a.texts) == 4
     assert len(set(map(tuple, a.token_ids))) > 1, "candidates should differ under sampling"
+    assert not any("candidates are one answer" in n for n in a.notices)
     assert a.token_ids == b.token_ids and a.texts == b.texts
     c = llama_engine.generate(MESSAGES, SamplingParams(temperature=0.8, max_new_tokens=20, seed=99))
     assert c.token_ids != a.token_ids
@@ -130,8 +131,13 @@ def test_candidates_under_greedy_equal_single(llama_engine, kv):
     llama_engine.reconfigure(CPU.with_(kv_cache=kv, candidates=1))
     single = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=16)).token_ids[0]
     llama_engine.reconfigure(CPU.with_(kv_cache=kv, candidates=3))
-    multi = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=16)).token_ids
-    assert multi == [single] * 3
+    multi = llama_engine.generate(MESSAGES, SamplingParams(temperature=0, max_new_tokens=16))
+    assert multi.token_ids == [single] * 3
+    # said, as three copies of one answer were given without a word (the app then asked which to keep)
+    assert (
+        "the 3 candidates are one answer 3 times: greedy decoding (temperature 0) picks the same tokens in every "
+        "row; raise the temperature for different ones"
+    ) in multi.notices
 
 
 def test_same_seed_same_text_for_each_sampling_mode(llama_engine):

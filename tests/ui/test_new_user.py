@@ -136,6 +136,22 @@ def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qt
     assert own < total and footer.startswith(f"{own} of {total} tokens in the batch")
 
 
+def test_greedy_candidates_say_they_are_one_answer_and_still_ask_for_a_choice(qtbot, app):
+    """Candidates at temperature 0 are the same answer in every tab: three copies came without a word, and the
+    status line asked which to keep."""
+    w = app.window
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(3)
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=8, seed=1)
+    result = send(qtbot, app, "hello")
+    assert result.token_ids == [result.token_ids[0]] * 3
+    status = w.status.text()
+    assert status.startswith("the 3 candidates are one answer 3 times: greedy decoding (temperature 0)"), status
+    assert status.endswith(" · 3 candidates: pick one with “Use this answer” to continue from it"), status
+    w.chat_view.candidate_tabs().use_buttons[1].click()
+    assert w.status.text() == ""
+
+
 def test_the_stats_line_says_why_an_answer_ended_also_after_a_restart(qtbot, tmp_path, tiny_factory):
     small = tiny_factory("llama", max_position_embeddings=48)  # a 48-token context
     gui = open_app(qtbot, tmp_path / "data", small)
