@@ -1045,6 +1045,62 @@ def test_compare_table_rows_deltas_and_reference(hud, qtbot):
     assert model.delta(1, "decode_tok_s") is None and cell(1, "index") == "2 (ref)"
 
 
+def test_compare_rows_copy_as_shown_and_the_reference_is_the_row_the_user_is_on(hud, qtbot):
+    """Ctrl+C in the table copied the one cell the user was on, not the rows selected; "Use as reference" with
+    several rows selected took the lowest-numbered one, not the row the user was on."""
+    from PySide6.QtGui import QGuiApplication
+
+    panel, _ = hud
+    _three_generations(panel)
+    table, model = panel.compare, panel.compare.model
+    panel.show()
+    panel.tabs.setCurrentIndex(1)
+    table.view.sortByColumn(COLUMN_INDEX["index"], Qt.SortOrder.DescendingOrder)  # 3, 2, 1 on screen
+    table.select_rows([1, 2])
+    table.view.selectionModel().setCurrentIndex(
+        table.proxy.mapFromSource(model.index(2, 0)), table.view.selectionModel().SelectionFlag.NoUpdate
+    )
+    qtbot.mouseClick(table.reference_button, Qt.MouseButton.LeftButton)
+    assert model.reference == 2
+    QGuiApplication.clipboard().clear()
+    table.view.setFocus()
+    qtbot.keyClick(table.view, Qt.Key.Key_C, Qt.KeyboardModifier.ControlModifier)
+    lines = QGuiApplication.clipboard().text().splitlines()
+    header = [model.headerData(c, Qt.Orientation.Horizontal) for c in range(model.columnCount())]
+    assert lines[0].split("\t") == header
+    shown = lambda r: [" ".join(str(model.index(r, c).data() or "").split()) for c in range(model.columnCount())]
+    assert [line.split("\t") for line in lines[1:]] == [shown(2), shown(1)]  # in the table's order, as shown
+    assert lines[1].split("\t")[1] == "compiled" and lines[2].split("\t")[1] == "half"
+
+
+def test_in_a_short_dock_the_compare_buttons_are_in_view(hud, qtbot):
+    """The tabs took the height of the tallest page (the Live plots): in a dock shorter than that, the Compare
+    table stretched to it and its buttons sat below the visible part, reached only by scrolling the table away."""
+    from ui.main_window import FitScrollArea
+
+    panel, _ = hud
+    _three_generations(panel)
+    area = FitScrollArea(panel)
+    qtbot.addWidget(area)
+    live_needs = panel.minimumSizeHint().height()
+    area.resize(520, live_needs - 150)
+    area.show()
+    panel.tabs.setCurrentIndex(1)
+
+    def in_view(button) -> bool:
+        top_left = button.mapTo(area.viewport(), button.rect().topLeft())
+        return area.viewport().rect().contains(top_left) and top_left.y() + button.height() <= area.viewport().height()
+
+    buttons = [panel.compare.buttons.itemAt(i).widget() for i in range(panel.compare.buttons.count())]
+    buttons = [b for b in buttons if b is not None]  # Use as reference, the two exports, Clear history
+    assert len(buttons) == 4 and buttons[0] is panel.compare.reference_button
+    qtbot.waitUntil(lambda: all(in_view(b) for b in buttons), timeout=2000)
+    assert area.verticalScrollBar().value() == 0
+    panel.tabs.setCurrentIndex(0)  # the plots take their height again: scrolled, not squeezed
+    qtbot.waitUntil(lambda: panel.height() >= live_needs, timeout=2000)
+    area.takeWidget()  # the panel is the fixture's to close
+
+
 def test_compare_table_sorts_on_values_with_na_last(hud):
     panel, _ = hud
     _three_generations(panel)

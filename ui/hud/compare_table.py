@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
-from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette
+from PySide6.QtGui import QAction, QColor, QFont, QGuiApplication, QKeyEvent, QKeySequence, QPalette
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -293,6 +293,19 @@ class CompareProxy(QSortFilterProxyModel):
         return float(a) < float(b)
 
 
+class _RowsView(QTableView):
+    """A table view whose Copy key runs `copy` (the view itself copied the one cell the user was on)."""
+
+    copy: Optional[Callable[[], None]] = None
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.matches(QKeySequence.StandardKey.Copy) and self.copy is not None:
+            self.copy()
+            event.accept()
+            return
+        super().keyPressEvent(event)
+
+
 class CompareTable(QWidget):
     """The compare table with its "use as reference" control."""
 
@@ -301,7 +314,7 @@ class CompareTable(QWidget):
         self.model = CompareModel(self)
         self.proxy = CompareProxy(self)
         self.proxy.setSourceModel(self.model)
-        self.view = QTableView()
+        self.view = _RowsView()
         self.view.setAccessibleName("Runs compared")
         self.view.setModel(self.proxy)
         self.view.setSortingEnabled(True)
@@ -313,6 +326,13 @@ class CompareTable(QWidget):
         self.view.verticalHeader().setDefaultSectionSize(self.view.fontMetrics().height() + 8)
         self.view.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.view.doubleClicked.connect(self._reference_clicked)
+        copy = QAction("Copy rows", self.view)
+        copy.setShortcut(QKeySequence.StandardKey.Copy)  # shown in the menu; the view's key press runs it
+        copy.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)
+        copy.triggered.connect(self.copy_selected)
+        self.view.copy = self.copy_selected
+        self.view.addAction(copy)
+        self.view.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
         self.reference_button = QPushButton("Use as reference")
         self.reference_button.setToolTip("Deltas in the table are against the reference row (double-click a row too)")
         self.reference_button.clicked.connect(self._use_selected_as_reference)
@@ -353,7 +373,29 @@ class CompareTable(QWidget):
         self.fit_columns()
 
     def _use_selected_as_reference(self) -> None:
+        """The row the user is on where it is among those selected (it took the lowest-numbered one of several),
+        else the first selected."""
         rows = self.selected_rows()
+        current = self.view.currentIndex()
+        on = self.proxy.mapToSource(current).row() if current.isValid() else -1
         if rows:
-            self.model.set_reference(rows[0])
+            self.model.set_reference(on if on in rows else rows[0])
             self.fit_columns()
+
+    def selected_text(self) -> str:
+        """The selected rows as the table shows them and in its order, tab-separated under the column names: what
+        Copy puts on the clipboard (it copied the one cell the user was on)."""
+        columns = [c for c in range(self.proxy.columnCount()) if not self.view.isColumnHidden(c)]
+        rows = sorted(i.row() for i in self.view.selectionModel().selectedRows())
+
+        def cell(text: Any) -> str:
+            return " ".join(str(text or "").split())  # a tab or a break in a label would split the cell
+
+        lines = ["\t".join(cell(self.proxy.headerData(c, Qt.Orientation.Horizontal)) for c in columns)]
+        lines += ["\t".join(cell(self.proxy.index(r, c).data()) for c in columns) for r in rows]
+        return "\n".join(lines) + "\n" if rows else ""
+
+    def copy_selected(self) -> None:
+        text = self.selected_text()
+        if text:
+            QGuiApplication.clipboard().setText(text)

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QMessageBox,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QTabWidget,
     QVBoxLayout,
@@ -160,9 +161,23 @@ class HudPanel(QWidget):
         self.tabs.addTab(live_tab, "Live")
         self.tabs.addTab(self.compare, "Compare")
         self.tabs.addTab(self.ladder, "Ladder")
+        self.tabs.currentChanged.connect(self._size_by_the_shown_tab)
+        self._size_by_the_shown_tab(self.tabs.currentIndex())
         box = QVBoxLayout(self)
         box.setContentsMargins(0, 0, 0, 0)
         box.addWidget(self.tabs)
+
+    def _size_by_the_shown_tab(self, shown: int) -> None:
+        """The panel is as tall as the tab shown needs: the tabs took the height of the tallest (the Live plots),
+        so the Compare table stretched to it in a scrolling dock and its buttons sat below the visible part."""
+        for i in range(self.tabs.count()):
+            page = self.tabs.widget(i)
+            if page is None:
+                continue
+            policy = QSizePolicy.Policy.Preferred if i == shown else QSizePolicy.Policy.Ignored
+            page.setSizePolicy(policy, policy)
+            page.updateGeometry()
+        self.tabs.updateGeometry()
 
     # ---- the main window's interface -------------------------------------------------------------------
 
