@@ -304,6 +304,7 @@ class CandidateTabs(QFrame):
         self.bodies: list[SegmentsView] = []
         self.stats: list[QLabel] = []
         self.use_buttons: list[QPushButton] = []
+        self.copy_buttons: list[QToolButton] = []
         for i in range(n):
             page = QWidget()
             lay = QVBoxLayout(page)
@@ -317,8 +318,12 @@ class CandidateTabs(QFrame):
             use.setToolTip("Continue the chat from this answer; the others stay as alternatives (‹ › above it)")
             use.setEnabled(False)
             use.clicked.connect(lambda _=False, i=i: self.chosen.emit(i))
+            # its text without choosing it (a choice ends the others' tabs), as a message's Copy gives its own
+            copy = _action("Copy", f"Copy candidate {i + 1}'s text", page)
+            copy.clicked.connect(lambda _=False, body=body: QGuiApplication.clipboard().setText(body.text))
             row = QHBoxLayout()
             row.addWidget(stats, 1)
+            row.addWidget(copy, 0, Qt.AlignmentFlag.AlignBottom)
             row.addWidget(use, 0, Qt.AlignmentFlag.AlignBottom)
             lay.addWidget(body)
             lay.addLayout(row)
@@ -326,6 +331,7 @@ class CandidateTabs(QFrame):
             self.bodies.append(body)
             self.stats.append(stats)
             self.use_buttons.append(use)
+            self.copy_buttons.append(copy)
         self._author = author
         title = QLabel(self._title_text(n), self)
         title.setObjectName("roleLabel")
@@ -362,6 +368,7 @@ class CandidateTabs(QFrame):
             for i in range(len(self.bodies) - 1, len(texts) - 1, -1):
                 self.tabs.removeTab(i)
             del self.bodies[len(texts) :], self.stats[len(texts) :], self.use_buttons[len(texts) :]
+            del self.copy_buttons[len(texts) :]
             self.title.setText(self._title_text(len(texts)))
         for i, body in enumerate(self.bodies):
             if i < len(texts):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from dialog_driver import DialogDriver
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QMenu
 from test_main_window import TIMEOUT_MS, close_app, open_app, send
 
@@ -129,6 +130,8 @@ def test_candidates_finish_one_by_one_and_the_chosen_one_shows_its_own_tokens(qt
         f"{n} of {result.metrics.new_tokens_total} tokens in the batch" for n in result.metrics.new_tokens
     ]
     assert w.status.text().startswith("3 candidates: pick one")
+    tabs.copy_buttons[2].click()  # a candidate's text without choosing it
+    assert QGuiApplication.clipboard().text() == result.texts[2] and w.flow.awaiting_choice()
     tabs.use_buttons[0].click()
     assert w.status.text() == ""
     footer = w.chat_view.messages()[-1].stats_label.text()
