@@ -484,7 +484,10 @@ class Engine:
                 "of tokens per step"
             )
         if fused:
-            return "the fused kernels have no verify step for drafts; speculation runs on the torch kernels"
+            return (
+                "the fused kernels have no verify step for drafts: speculation needs the torch kernels (Kernels: "
+                "torch, or --kernels torch)"
+            )
         if o.speculation == "draft":
             if not o.draft_model:
                 return "no draft model chosen (the Draft model control, or --draft-model PATH)"
@@ -682,11 +685,6 @@ class Engine:
             if max_new < sampling.max_new_tokens:
                 notices.append(f"answer limited to {max_new} tokens by the {self.context_length}-token context")
             seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
-            if opts.candidates > 1 and SamplerKind.of(sampling).greedy:
-                notices.append(
-                    f"the {opts.candidates} candidates are one answer {opts.candidates} times: greedy decoding "
-                    "(temperature 0) picks the same tokens in every row; raise the temperature for different ones"
-                )
             streamed = []
 
             def watch(event) -> None:
@@ -712,6 +710,12 @@ class Engine:
             )
         loop = attempt.loop
         assert loop is not None
+        if opts.candidates > 1 and SamplerKind.of(sampling).greedy:  # as many as ran (out of memory: fewer)
+            notices.append(
+                f"the {opts.candidates} candidates are one answer {opts.candidates} times: greedy decoding "
+                f"(temperature {sampling.temperature:g}) picks the same tokens in every row; raise the temperature "
+                "for different ones"
+            )
         if "speculation" in reasons:  # asked for and not run: the figures say why, as the options' entry does
             speculation_off(loop.metrics, reasons["speculation"])
         loop.metrics.overflow_policy = overflow

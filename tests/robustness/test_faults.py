@@ -407,6 +407,8 @@ def test_out_of_memory_at_graph_capture_drops_the_graph_then_candidates(engine, 
     assert result.notices == [
         "out of device memory with the CUDA graph on: ran without it",
         "out of device memory with 4 candidates: ran 2",
+        "the 2 candidates are one answer 2 times: greedy decoding (temperature 0) picks the same tokens in every "
+        "row; raise the temperature for different ones",  # as many as ran
     ]
     assert result.unavailable["cuda_graph"] == "ran out of device memory with it on"
     assert result.unavailable["candidates"] == "out of device memory at 4"
