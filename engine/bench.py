@@ -17,6 +17,7 @@ import torch
 from engine.figures import source_field_of, spec
 from engine.ladder import (
     RUN_ERRORS,
+    SPREAD_SOURCES,
     BenchConfig,
     LadderRunner,
     Progress,
@@ -81,7 +82,7 @@ BASELINE_FIGURES = ("decode_tok_s", "ttft_ms", "total_s", "new_tokens_total", *M
 
 def _sources(figures_of: dict[str, Any]) -> dict[str, str]:
     """The source of each figure of a baseline's run or median that has a value."""
-    out = {k: v for k, v in BASELINE_SOURCES.items() if figures_of.get(k) is not None}
+    out = {k: v for k, v in {**BASELINE_SOURCES, **SPREAD_SOURCES}.items() if figures_of.get(k) is not None}
     for metric in MEASURED_AROUND:
         source = figures_of.get(source_field_of(metric))
         if figures_of.get(metric) is not None and source:

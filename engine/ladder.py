@@ -42,6 +42,11 @@ RELAXED_RUNGS = ("int8", "candidates", "speculation")
 # Figures reduced to a median over the repeats of a rung: every per-generation figure of the registry.
 MEDIAN_FIELDS = tuple(f.key for f in GENERATION_FIGURES)
 SOURCE_FIELDS = tuple(f.source_field for f in GENERATION_FIGURES if f.source_field)
+# the spread of decode tok/s over a rung's (or the baseline's) timed repeats
+SPREAD_SOURCES = {
+    "decode_tok_s_min": "the lowest decode_tok_s of the timed repeats",
+    "decode_tok_s_max": "the highest decode_tok_s of the timed repeats",
+}
 
 Progress = Callable[[str], None]
 
@@ -126,6 +131,12 @@ def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["partial"] = partial_figures(runs, out, MEDIAN_FIELDS)
     # a figure is a value with its source or None with the reason, never both
     out["unavailable"] = {k: v for k, v in reasons.items() if out.get(k) is None}
+    # each median figure names its source, as each run's do (the medians the table and the speed-ups read had none)
+    sources: dict[str, str] = {}
+    for r in runs:
+        for k, v in (r.get("sources") or {}).items():
+            sources.setdefault(k, v)
+    out["sources"] = {k: v for k, v in {**sources, **SPREAD_SOURCES}.items() if out.get(k) is not None}
     return out
 
 

@@ -12,8 +12,8 @@ import torch
 from app.cmd_bench import config_from_args, format_table, options_text, write_json
 from engine.bench import Baseline, add_ratios, matching_prefix
 from engine.errors import OptionsError
-from engine.ladder import BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
-from engine.types import PRESETS, EngineOptions, GenerationMetrics
+from engine.ladder import SPREAD_SOURCES, BenchConfig, Rung, median, median_metrics, ratio, rung_options, validate
+from engine.types import PRESETS, EngineOptions, GenerationMetrics, SamplingParams
 
 
 def test_median_and_ratio():
@@ -625,9 +625,18 @@ def test_bench_tiny_model_with_baseline_and_a_skipped_rung(tiny_llama, tmp_path,
         "new_tokens_total": "the tokens transformers generate() returned",
         "peak_memory_bytes": "process peak RSS since start (getrusage)",
     }
-    for figures_of in (*hf["runs"], hf["median"]):  # a figure n/a (decode tok/s on a busy machine) names none
+    for figures_of in hf["runs"]:  # a figure n/a (decode tok/s on a busy machine) names none
         assert figures_of["sources"] == {k: v for k, v in sources.items() if figures_of[k] is not None}
+    median_sources = {**sources, **SPREAD_SOURCES}  # the medians' spread of decode tok/s names its own
+    assert hf["median"]["sources"] == {k: v for k, v in median_sources.items() if hf["median"][k] is not None}
     assert naive["runs"][0]["metrics"]["sources"]["decode_tok_s"] == "engine timing, device-synchronised"
+    # the rungs' medians, which the table and the speed-ups read, name theirs as their runs do (they named none)
+    for rung in (naive, fixes):
+        kept = rung["median"]["sources"]
+        for key in ("decode_tok_s", "ttft_ms", "new_tokens_total", "decode_tok_s_min", "decode_tok_s_max"):
+            assert rung["median"][key] is not None and kept[key], (rung["name"], key)
+        assert kept["decode_tok_s"] == rung["runs"][0]["metrics"]["sources"]["decode_tok_s"]
+        assert all(rung["median"][k] is not None for k in kept)
     from engine import figures
 
     assert figures.read(hf["median"], "new_tokens_total").source == sources["new_tokens_total"]
