@@ -381,9 +381,11 @@ def run_ladder(
     todo = runner.ok()
     total, done = len(todo) * (1 + repeats), 0
     report = on_progress or (lambda d, t, label: None)
+    stopped = lambda: cancel is not None and cancel.is_set()  # noqa: E731
+    cut: dict[str, str] = {}  # the rung Cancel stopped in before it had a timed run -> what it was running
     try:
         for rung in todo:
-            if cancel is not None and cancel.is_set():
+            if stopped():
                 break
             report(done, total, f"{rung.label}: warm-up")
             try:
@@ -393,23 +395,29 @@ def run_ladder(
             except RUN_ERRORS as exc:
                 _failed(rung, exc, log.info)
             done += 1
+            if stopped() and rung.status == "ok":
+                cut[rung.name] = "warm-up"
             for i in range(repeats):
-                if cancel is not None and cancel.is_set():
+                if stopped():
                     break
                 report(done, total, rung.label)
                 runner.run_once(rung, i, cancel)
                 done += 1
+                if stopped() and rung.status == "ok" and not rung.runs:
+                    cut[rung.name] = "timed run"
         if cancel is not None and cancel.is_set():
             report(done, total, "cancelled")
         else:
             report(total, total, "done")
     finally:
         engine.reconfigure(previous)
-    return [_ladder_row(r) for r in runner.finish()]
+    return [_ladder_row(r, cut.get(r.name)) for r in runner.finish()]
 
 
-def _ladder_row(rung: Rung) -> LadderRow:
-    reason = rung.reason if rung.status != "ok" else (None if rung.runs else LadderRow.NOT_RUN)
+def _ladder_row(rung: Rung, cut_in: Optional[str] = None) -> LadderRow:
+    """`cut_in`: what the rung was running when Cancel stopped it (no timed run kept), None where it was not."""
+    unrun = LadderRow.CUT_SHORT.format(cut_in) if cut_in else LadderRow.NOT_RUN
+    reason = rung.reason if rung.status != "ok" else (None if rung.runs else unrun)
     return LadderRow(rung.name, rung.label, rung.status, rung.options, reason, tuple(rung.notes), rung.median or None)
 
 

@@ -507,6 +507,8 @@ class LadderRow:
     """One rung of the app's "Run ladder": what it ran with and its median figures, or why it has none."""
 
     NOT_RUN = "cancelled before it ran"  # `skipped` of a rung the ladder was stopped before
+    # `skipped` of the rung the ladder was stopped in, before it had a timed run (it was said not to have run)
+    CUT_SHORT = "cancelled while it ran (during its {}): a run cut short is no measurement"
 
     preset: str  # a key of PRESETS
     label: str
@@ -525,7 +527,7 @@ class LadderRow:
 
     @property
     def cancelled(self) -> bool:
-        return self.skipped == self.NOT_RUN
+        return self.skipped == self.NOT_RUN or (self.skipped or "").startswith(self.CUT_SHORT.split("{")[0])
 
     @property
     def decode_tok_s(self) -> Optional[float]:

@@ -791,8 +791,47 @@ def test_run_ladder_for_the_app_runs_the_users_prompt_and_restores_options(tiny_
         assert rows[0].skipped == "cancelled before it ran" and rows[0].cancelled and rows[0].metrics is None
         assert progress == [(0, 2, "cancelled")]  # not "done"
         assert eng.options == before
+        # Cancel during a rung's warm-up, then during one's timed run: each says it was stopped while it ran (both
+        # were said to be cancelled before they ran), the rungs after it that they never ran
+        for stop_at, cut_in in (("Naive: warm-up", "warm-up"), ("Naive", "timed run")):
+            rows = _ladder_cancelled_at(eng, run_ladder, stop_at)
+            assert rows[0].skipped == (
+                f"cancelled while it ran (during its {cut_in}): a run cut short is no measurement"
+            ), stop_at
+            assert rows[0].cancelled and rows[1].skipped == "cancelled before it ran"
+            assert eng.options == before
     finally:
         eng.close()
+
+
+def _ladder_cancelled_at(eng, run_ladder, stop_at: str) -> list:
+    """The app's ladder of two rungs, cancelled as the generation that the progress `stop_at` announces runs."""
+    import threading
+
+    cancel = threading.Event()
+    state = {"stop": False}
+    real = eng.generate
+
+    def generate(*a, **kw):
+        if state["stop"]:
+            cancel.set()  # as the user's Cancel while this generation runs
+        return real(*a, **kw)
+
+    def on_progress(d, t, label):
+        state["stop"] = label == stop_at
+
+    eng.generate = generate
+    try:
+        return run_ladder(
+            eng,
+            [{"role": "user", "content": "hi"}],
+            SamplingParams(max_new_tokens=4),
+            presets=["naive", "first-fixes"],
+            cancel=cancel,
+            on_progress=on_progress,
+        )
+    finally:
+        del eng.generate
 
 
 def test_the_apps_ladder_drafts_with_the_draft_model_chosen(tiny_llama, tmp_path):
