@@ -18,6 +18,7 @@ from engine.types import (
     DTYPES,
     KERNELS,
     KV_MODES,
+    MAX_DRAFT_TOKENS,
     PRESETS,
     SAMPLING_MODES,
     SPECULATION_MODES,
@@ -39,13 +40,16 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _draft_tokens(value: str) -> int:
-    """'auto' is 0, the adaptive draft length; a number is checked against the option's range later."""
+    """'auto' is 0, the adaptive draft length; a number is 1..MAX_DRAFT_TOKENS (0 was taken as 'auto')."""
     if value == "auto":
         return 0
     try:
-        return int(value)
+        n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
+    if not 1 <= n <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected 1..{MAX_DRAFT_TOKENS} tokens or 'auto', got {value!r}")
+    return n
 
 
 def _positive_int(value: str) -> int:
@@ -87,10 +91,10 @@ def _pixels(value: str) -> int:
     return n
 
 
-def _add_speculation_options(p: argparse.ArgumentParser) -> None:
+def _add_speculation_options(p: argparse.ArgumentParser, modes: tuple[str, ...] = SPECULATION_MODES) -> None:
     p.add_argument(
         "--speculation",
-        choices=SPECULATION_MODES,
+        choices=modes,
         default=None,
         help="speculative decoding: drafts from the prompt and answer (ngram) or a smaller model (draft)",
     )
@@ -187,7 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate an answer headless (streams text, or --json)")
     _add_engine_options(gen)
-    gen.add_argument("text", nargs="?", default=None, metavar="PROMPT", help="the prompt (or --prompt PROMPT)")
+    gen.add_argument(
+        "text",
+        nargs="?",
+        default=None,
+        metavar="PROMPT",
+        help="the prompt (or --prompt PROMPT); - reads it from standard input",
+    )
     gen.add_argument(
         "--prompt", default=None, help="the prompt as an option (--prompt=TEXT for one that starts with a dash)"
     )
@@ -198,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature",
         type=float,
         default=0.0,
-        help="0 = greedy, the default here (the app's new chats sample at 0.7)",
+        help="0 = greedy, the default here, as is any below 1e-5 (the app's new chats sample at 0.7)",
     )
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0 = off)")
@@ -259,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the ladder: perplexity, top-1 agreement with fp32 and decode tok/s per weight "
         "format (fp32, bf16, int8, int4) on a fixed text",
     )
-    _add_speculation_options(bench)
+    # the bench's speculation rung and workloads draft one way or the other: "off" was offered, then refused
+    _add_speculation_options(bench, tuple(m for m in SPECULATION_MODES if m != "off"))
     modes.add_argument(
         "--speculation-workloads",
         action="store_true",
@@ -364,6 +375,23 @@ def _quiet_and_offline() -> None:
 
 SUBCOMMANDS = ("gui", "generate", "bench", "serve", "replay", "models", "chats")
 SMOKE_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _prompt_from_stdin(parser: argparse.ArgumentParser) -> str:
+    """The prompt as standard input gives it, UTF-8 (a byte-order mark dropped); an argparse error where it is not
+    text or there is none."""
+    if sys.stdin is None:
+        parser.error("PROMPT - reads the prompt from standard input, and there is none")
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        parser.error(f"the prompt on standard input is not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x})")
+    if not text.strip():
+        parser.error("the prompt on standard input is empty")
+    return text
+
+
 SMOKE_TOKENS = 48
 SMOKE_ONLY = ("prompt", "report", "screenshot", "max_new_tokens")  # the desktop app's flags for --smoke-test
 # the desktop app's options that take the next word as their value (`gapless --model x.gguf` is the app)
@@ -432,6 +460,8 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, paths) -
         args.prompt = args.prompt if args.prompt is not None else args.text
         if args.prompt is None:
             args.subparser.error("the following arguments are required: PROMPT (or --prompt PROMPT)")
+        if args.prompt == "-":  # `cat notes.txt | gapless generate -` (the one-character prompt "-" was answered)
+            args.prompt = _prompt_from_stdin(args.subparser)
         return run_generate(args)
     if command == "bench":
         from app.cmd_bench import run_bench

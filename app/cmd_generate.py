@@ -14,7 +14,7 @@ from engine.diagnosis import diagnose
 from engine.errors import OptionsError
 from engine.paths import output_file, user_path
 from engine.recording import Recorder, save
-from engine.types import PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, preset_options
+from engine.types import GREEDY_BELOW, PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, preset_options
 
 
 def options_from_args(args) -> EngineOptions:
@@ -74,7 +74,8 @@ def sampling_from_args(args) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
     ).validate()
-    if sampling.temperature == 0:  # greedy (the default here) reads none of these: refused, not ignored
+    # greedy (the default here, and any temperature below GREEDY_BELOW) reads none of these: refused, not ignored
+    if sampling.temperature < GREEDY_BELOW:
         for flag, given in (
             ("--top-k", args.top_k != 0),
             ("--top-p", args.top_p != 1.0),
@@ -82,8 +83,9 @@ def sampling_from_args(args) -> SamplingParams:
         ):
             if given:
                 raise OptionsError(
-                    f"{flag} is read only when sampling, and --temperature is 0 (greedy, the default here): "
-                    f"give a --temperature above 0, or leave {flag} out"
+                    f"{flag} is read only when sampling, and --temperature {args.temperature:g} is greedy (below "
+                    f"{GREEDY_BELOW:g}; 0 is the default here): give a --temperature of {GREEDY_BELOW:g} or more, or "
+                    f"leave {flag} out"
                 )
     return sampling
 

@@ -153,7 +153,9 @@ def diagnose(metrics: dict[str, Any], options: dict[str, Any], device: Optional[
         return done(
             "unknown",
             f"not enough figures to say what limits this answer: {missing[0] if missing else 'gap n/a'}",
-            "turn on Measure the gap" if "profiler window off" in (unavailable.get("kernel_gap_pct") or "") else None,
+            "turn on Measure the gap (--profile-window)"
+            if "profiler window off" in (unavailable.get("kernel_gap_pct") or "")
+            else None,
         )
     evidence.append(ev("kernel_gap_pct", f"gap {_pct(gap)}"))
     if launches is not None:

@@ -439,6 +439,8 @@ def validate(config: BenchConfig) -> BenchConfig:
         raise OptionsError(f"max_new_tokens must be >= 2 for a decode figure, got {config.max_new_tokens}")
     if config.candidates is not None:
         EngineOptions(candidates=config.candidates).validate()
+        if config.candidates < 2:  # the rung ran as the static-KV one under the label "+ N candidates"
+            raise OptionsError(f"--candidates for the candidates rung must be 2 or more, got {config.candidates}")
     if config.kernels is not None:
         EngineOptions(kernels=config.kernels).validate()
     if not config.prompt.strip():

@@ -12,11 +12,7 @@ from typing import Optional
 
 import torch
 
-from engine.types import SamplingParams
-
-# A temperature below this samples greedily (as vLLM's servers do): logits divided by 1e-300, which float32 holds
-# as 0, are not numbers, and every token would be drawn alike.
-GREEDY_BELOW = 1e-5
+from engine.types import GREEDY_BELOW, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -291,9 +291,14 @@ def _check_int(name: str, value: Any, lo: int, hi: int, between: Optional[str] =
         raise OptionsError(f"{name} must be between {between or f'{lo} and {hi}'}, got {value}")
 
 
+# A temperature below this samples greedily (as vLLM's servers do): logits divided by 1e-300, which float32 holds
+# as 0, are not numbers, and every token would be drawn alike.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. temperature 0 means greedy."""
+    """How tokens are chosen. A temperature below GREEDY_BELOW (0 most often) means greedy."""
 
     temperature: float = 0.7
     top_k: int = 0  # 0 = off

@@ -7,18 +7,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def gapless(
-    *args: str, timeout: float = 300, extra_env: Optional[dict[str, str]] = None
+    *args: str, timeout: float = 300, extra_env: Optional[dict[str, str]] = None, stdin: Optional[BinaryIO] = None
 ) -> subprocess.CompletedProcess:
-    """Run `gapless ARGS`; `extra_env` adds variables to the test process's environment (an API key)."""
+    """Run `gapless ARGS`; `extra_env` adds variables to the test process's environment (an API key); `stdin`: a
+    file its standard input reads (else none: /dev/null)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="utf-8", **(extra_env or {}))
     return subprocess.run(
         [sys.executable, "-m", "app", *args],
+        stdin=stdin if stdin is not None else subprocess.DEVNULL,
         capture_output=True,
         text=True,
         encoding="utf-8",

@@ -1106,9 +1106,10 @@ def test_counts_no_answer_can_have_are_refused_before_the_model_loads(kind, tmp_
     assert main([*bench, "--max-new-tokens", "2000000"]) == 2
     assert capsys.readouterr().err == "gapless: error: --max-new-tokens is at most 1048576, got 2000000\n"
     if kind != ["--conversation"]:  # the two kinds that draft
-        assert main([*bench, "--draft-tokens", "99"]) == 2
-        err = capsys.readouterr().err
-        assert err == "gapless: error: draft_tokens must be between 1 and 15 (0 = adaptive), got 99\n"
+        with pytest.raises(SystemExit) as exited:  # refused as the arguments are read
+            main([*bench, "--draft-tokens", "99"])
+        assert exited.value.code == 2
+        assert "argument --draft-tokens: expected 1..15 tokens or 'auto', got '99'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -159,7 +159,7 @@ def test_memory_bound_and_missing_gap():
     d = diagnose(metrics, preset_options("cuda-graph", EngineOptions(device="cuda")).to_dict())
     assert d.line == "memory-bound: DRAM bandwidth 82.0 % of peak → more candidates (each weight read serves all)"
     d = diagnose({"unavailable": {"kernel_gap_pct": "profiler window off"}}, EngineOptions().to_dict(), "cpu")
-    assert d.verdict == "unknown" and d.next_step == "turn on Measure the gap"
+    assert d.verdict == "unknown" and d.next_step == "turn on Measure the gap (--profile-window)"
     assert d.line.startswith("not enough figures to say what limits this answer: gap: profiler window off")
 
 

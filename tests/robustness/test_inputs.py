@@ -245,10 +245,16 @@ def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
         *(
             (
                 (flag, value),
-                f"{flag} is read only when sampling, and --temperature is 0 (greedy, the default here): give a "
-                f"--temperature above 0, or leave {flag} out",
+                f"{flag} is read only when sampling, and --temperature 0 is greedy (below 1e-05; 0 is the default "
+                f"here): give a --temperature of 1e-05 or more, or leave {flag} out",
             )
             for flag, value in (("--top-k", "3"), ("--top-p", "0.5"), ("--seed", "7"))
+        ),
+        # a temperature the engine samples greedily at: the seed was taken and the answer did not change with it
+        (
+            ("--temperature", "1e-6", "--seed", "2"),
+            "--seed is read only when sampling, and --temperature 1e-06 is greedy (below 1e-05; 0 is the default "
+            "here): give a --temperature of 1e-05 or more, or leave --seed out",
         ),
     ],
 )
@@ -271,3 +277,50 @@ def test_cli_values_of_the_wrong_kind_are_one_line(args, message):
     """Refused while the arguments are read, before any model is opened."""
     r = gapless("generate", "--model", "/nonexistent", "--prompt", "hi", *args)
     assert one_error_line(r) == f"gapless: error: {message} (see gapless generate --help)"
+
+
+def test_a_prompt_of_a_dash_is_read_from_standard_input(tiny_llama, tmp_path):
+    """`gapless generate -` answered the one-character prompt "-"; it reads the prompt from standard input, as
+    `chats import -` reads a chat, to the same tokens as the text given as an argument."""
+    import json
+
+    text = "Paris is the capital of France.\nTokens per second — kernel gap"
+    (tmp_path / "prompt.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())  # a byte-order mark, as editors write
+    flags = ("--model", str(tiny_llama), "--device", "cpu", "--max-new-tokens", "6", "--json")
+    with open(tmp_path / "prompt.txt", "rb") as f:
+        piped = gapless("generate", *flags, "-", stdin=f)
+    assert piped.returncode == 0, piped.stderr
+    given = generate_json(tiny_llama, text, "--max-new-tokens", "6")
+    assert json.loads(piped.stdout)["token_ids"] == given["token_ids"]
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with open(tmp_path / "latin1.txt", "rb") as f:
+        r = gapless("generate", *flags, "--prompt", "-", stdin=f)
+    assert one_error_line(r) == (
+        "gapless: error: the prompt on standard input is not UTF-8 text (byte 3 is 0xe9) (see gapless generate --help)"
+    )
+    r = gapless("generate", *flags, "-")  # nothing on standard input
+    assert one_error_line(r) == ("gapless: error: the prompt on standard input is empty (see gapless generate --help)")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ("generate", "--prompt", "hi", "--speculation", "ngram", "--draft-tokens", "0"),
+            "argument --draft-tokens: expected 1..15 tokens or 'auto', got '0' (see gapless generate --help)",
+        ),
+        (
+            ("bench", "--speculation", "off"),
+            "argument --speculation: invalid choice: 'off' (choose from 'ngram', 'draft') (see gapless bench --help)",
+        ),
+        (
+            ("bench", "--presets", "candidates", "--candidates", "1"),
+            "--candidates for the candidates rung must be 2 or more, got 1",
+        ),
+    ],
+)
+def test_values_the_help_does_not_offer_are_refused_before_a_model_opens(argv, message):
+    """--draft-tokens 0 was taken as 'auto' (the help says 1..15); the bench offered --speculation off, then
+    refused it; --candidates 1 ran the static-KV rung again under the label "+ N candidates"."""
+    r = gapless(*argv, "--model", "/nonexistent")
+    assert one_error_line(r) == f"gapless: error: {message}"
