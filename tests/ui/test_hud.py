@@ -415,6 +415,44 @@ def test_an_answer_without_an_estimate_does_not_call_an_earlier_estimate_n_a(hud
     assert panel.live.view("dram_bw_util_pct").na_reason is None
 
 
+def test_after_an_answer_without_a_decode_step_the_step_plots_say_why_and_the_exports_say_what_ran(
+    hud, qtbot, tmp_path
+):
+    """An answer that ended at its first token: the step plots' headers showed a bare n/a (or the answer before
+    it's figure) under the live source; a monitor sample afterwards put "runs on the CPU" back as DRAM bandwidth's
+    reason beside the estimates held; the series exports kept the options asked for ("auto") and the label without
+    "(stopped by you)"."""
+    panel, clock = hud
+    rung = GPU_RUNGS[1]
+    _answer_with_an_estimate(panel, clock, rung)
+    panel.begin_generation("one token", EngineOptions())  # as asked: device and dtype "auto"
+    ran = EngineOptions(device="cpu", dtype="fp32")
+    one = GenerationMetrics(new_tokens=[1], new_tokens_total=1, decode_steps=0)
+    why = "no decode step ran: the answer ended at its first token"
+    for key in ("decode_tok_s", "decode_seconds"):
+        one.mark_na(key, why)
+    one.mark_na("dram_bw_util_pct", "estimated from the decode steps' timings: no decode step was timed")
+    clock.t += 0.1
+    panel.end_generation(one, ran, "one token (stopped by you)")
+    cpu = "the model runs on the CPU, not on a GPU"
+    panel.add_samples(
+        [MonitorSample(t=clock.t + 0.1, cpu_util_pct=50.0, unavailable={"dram_bw_util_pct": cpu}, sources={})]
+    )
+    show_and_paint(qtbot, panel)
+    panel.live.refresh_labels()
+    for key, name in (("tokens_per_s", "Tokens/s"), ("step_ms", "Step latency")):
+        view = panel.live.view(key)
+        assert view.value.text() == "n/a" and view.label_text == f"{name} — n/a for this answer: {why}", key
+    doc = json.loads(panel.export_series_json(tmp_path / "series.json").read_text(encoding="utf-8"))
+    assert "dram_bw_util_pct" not in doc["unavailable"]
+    last = doc["generations"][-1]
+    assert (last["label"], last["options"]["device"], last["options"]["dtype"]) == (
+        "one token (stopped by you)",
+        "cpu",
+        "fp32",
+    )
+
+
 def test_an_earlier_answer_s_estimate_is_not_shown_as_the_next_answer_s_figure(hud, qtbot):
     """The DRAM plot's header kept the last estimate while the next answer ran, and after an answer that had
     none (one token), under the estimate's source; the answer's own reason was never said."""

@@ -197,7 +197,9 @@ class LivePlots(PaletteFollower):
             live = s.measured(name)
             measured = live or bool(estimates)
             current = None if live or not estimates else s.current_estimate(name)
-            if live:
+            if live and last.get(name) is None and s.answer_reasons.get(name):  # none for the last answer: why
+                source = f"{fmt.NA} for this answer: {s.answer_reasons[name]}"
+            elif live:
                 source = view.spec.source or fmt.bare_source(s.sources[name])
             elif current is not None:
                 source = fmt.bare_source(current.source)

@@ -202,7 +202,7 @@ class HudPanel(QWidget):
         """A generation ended with these figures, run with `options` (what ran), `unavailable` saying which of the
         options asked for this model or machine refused, and why, and `limits` the option values it never runs
         (the diagnosis advises none of them)."""
-        gen = self.series.end_generation(self._clock(), metrics)
+        gen = self.series.end_generation(self._clock(), metrics, options, label)
         index = gen.index if gen is not None else self.series.take_index()
         self._add_row(CompareRow(index=index, label=label, options=options, metrics=metrics, model=self.model_name))
         ran = options_as_run(options, unavailable or {}, limits)

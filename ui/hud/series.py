@@ -141,13 +141,22 @@ class LiveSeries:
         """The next generation is numbered after `index` (a row kept from an earlier run)."""
         self._count = max(self._count, index)
 
-    def end_generation(self, t: float, metrics: Optional[GenerationMetrics] = None) -> Optional[Generation]:
+    def end_generation(
+        self,
+        t: float,
+        metrics: Optional[GenerationMetrics] = None,
+        options: Optional[EngineOptions] = None,
+        label: Optional[str] = None,
+    ) -> Optional[Generation]:
         """Closes the running generation's span. `metrics` adds what the engine knows beyond the samples:
-        why a GPU series is n/a, and estimates standing in for series the monitor did not measure."""
+        why a GPU series is n/a, and estimates standing in for series the monitor did not measure. `options` and
+        `label`: what ran and its name as the compare row gives it (the span kept what was asked for: "auto")."""
         gen, self._running = self._running, None
         if gen is not None:
             last = self._last_step_t
             gen.t_end = last if last is not None and last >= gen.t_start else t
+            gen.options = options if options is not None else gen.options
+            gen.label = label if label is not None else gen.label
             self._spans += 1
         if metrics is not None:
             for f in LIVE_REASON_FIELDS:  # not where an earlier answer's estimate is shown in its place
@@ -160,6 +169,8 @@ class LiveSeries:
             for f in STEP_SERIES:
                 if why and not self.measured(f):
                     self.reasons[f] = why
+                elif why:  # an earlier answer's curve is held: said beside it, as this answer's (a bare n/a)
+                    self.answer_reasons[f] = why
             if gen is not None:
                 self._add_estimates(gen, metrics)
         return gen
@@ -231,7 +242,9 @@ class LiveSeries:
                 if v is not None:
                     self.sources[f] = s.sources.get(f) or "source not reported"
                     self.reasons.pop(f, None)
-                elif f in s.unavailable and not self.measured(f):  # why the monitor cannot measure it here
+                elif f in s.unavailable and not self.measured(f) and not self.estimates.get(f):
+                    # why the monitor cannot measure it here; where an answer's estimate stands in for it, that
+                    # answer says so (the exports named the CPU as the reason beside the estimates they held)
                     self.reasons[f] = s.unavailable[f]
             rows.append((s.t, 1.0, index) + values)
             self._last_sample_t = s.t
@@ -318,7 +331,9 @@ class LiveSeries:
         held = gens[np.isfinite(gens)]
         if held.size == 0 and self._running is None:
             return out
-        current = self._running.index if self._running is not None else held[-1]
+        # the last answer's, even where it ran no decode step (the one before it was shown as its figure)
+        last_gen = self.generations[-1].index if self.generations else held[-1]
+        current = self._running.index if self._running is not None else last_gen
         mine = gens == current
         traced = self.steps.column("profiled") > 0.5
         for name in STEP_SERIES:
