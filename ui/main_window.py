@@ -855,6 +855,7 @@ class MainWindow(QMainWindow):
 
     def _generating_changed(self, generating: bool) -> None:
         self.stop_action.setEnabled(generating)  # the menu offered Stop with nothing to stop
+        self._update_can_send()  # the ladder waits for the answer
         self.composer.set_generating(generating)
         self._say_where_answering()
         self.chat_view.set_busy(generating)
@@ -1165,7 +1166,9 @@ class MainWindow(QMainWindow):
         else:
             why = ""
         if self.hud is not None:  # the ladder measures the loaded model, as an answer does
-            self.hud.ladder.set_blocked("" if self._laddering else why)
+            # nor while an answer runs: queued behind it, the composer said at once the ladder was running
+            answering = "An answer is being generated: run the ladder once it ends" if self.flow.generating else ""
+            self.hud.ladder.set_blocked("" if self._laddering else why or answering)
         self.composer.set_can_send(not why, why)
         self.chat_view.set_can_answer(not why)  # Edit and Regenerate ask the model as Send does
 

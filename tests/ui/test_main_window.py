@@ -1061,6 +1061,18 @@ def test_chat_waits_while_the_ladder_runs(qtbot, app):
     qtbot.waitUntil(lambda: w.composer.send_button.isEnabled(), timeout=TIMEOUT_MS)
 
 
+def test_the_ladder_cannot_start_while_an_answer_runs(qtbot, app):
+    """Run ladder stayed enabled while an answer streamed: the ladder queued behind it, and the composer said at
+    once that the ladder was running while the answer still ran."""
+    w, ladder = app.window, app.window.hud.ladder
+    seen: list[tuple[bool, str]] = []
+    w.flow.streamDelta.connect(lambda _d: seen or seen.append((ladder.run_button.isEnabled(), ladder.blocked)))
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=8, seed=0)
+    send(qtbot, app, "hello")
+    assert seen == [(False, "An answer is being generated: run the ladder once it ends")]
+    assert ladder.run_button.isEnabled() and ladder.blocked == ""
+
+
 def test_fewer_candidates_than_asked_leave_no_empty_answers(qtbot, app, memory_for_two_candidates):
     """Out of device memory, the engine runs fewer candidates than asked: only those it made are kept and shown."""
     w, store = app.window, app.store
