@@ -1139,6 +1139,31 @@ def test_in_a_short_dock_the_compare_buttons_are_in_view(hud, qtbot):
     area.takeWidget()  # the panel is the fixture's to close
 
 
+@pytest.mark.parametrize("width", [430, 300])
+def test_the_ladder_s_notes_are_below_the_chart_whole_in_a_short_dock(hud, qtbot, tmp_path, width):
+    """The notes under the ladder chart asked for one line's height: in a dock shorter than the chart and its
+    notes they were drawn over the gap chart and their last lines were cut off, in the tab and in its PNG."""
+    from ui.main_window import FitScrollArea
+
+    panel, _ = hud
+    area = FitScrollArea(panel)
+    qtbot.addWidget(area)
+    area.resize(width, 500)
+    area.show()
+    panel.tabs.setCurrentIndex(2)
+    panel.set_ladder_results(ladder_rows(gpu=False))
+    ladder = panel.ladder
+
+    def laid_out() -> bool:
+        chart, notes = ladder.chart.geometry(), ladder.notes.geometry()
+        whole = notes.height() >= ladder.notes.heightForWidth(notes.width())
+        return notes.top() > chart.bottom() and whole and ladder.figure.geometry().bottom() <= ladder.height()
+
+    qtbot.waitUntil(laid_out, timeout=2000)
+    assert ladder.notes.text().startswith("(1) ") and ladder.notes.text().count("\n") >= 1
+    area.takeWidget()  # the panel is the fixture's to close
+
+
 def test_compare_table_sorts_on_values_with_na_last(hud):
     panel, _ = hud
     _three_generations(panel)

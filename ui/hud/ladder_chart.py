@@ -127,11 +127,11 @@ class LadderChart(PaletteFollower):
         self.progress.setRange(0, max(1, total))
         self.progress.setValue(done)
         self.progress.setFormat(f"{done}/{total} — {label}")
-        self.status.setText(f"Ladder {label}" if label in ("done", "cancelled") else f"Running {label}…")
+        self._say(f"Ladder {label}" if label in ("done", "cancelled") else f"Running {label}…")
 
     def set_failed(self, message: str) -> None:
         self.set_running(False)
-        self.status.setText(f"Ladder failed: {message}")
+        self._say(f"Ladder failed: {message}")
 
     def set_results(self, rows: list[LadderRow]) -> None:
         self.set_running(False)
@@ -140,7 +140,7 @@ class LadderChart(PaletteFollower):
         n = len(self.rows)
         ran = [r for r in self.rows if r.ran]  # a rung that ran without a tok/s figure ran too (its reason is said)
         base = next((r for r in ran if r.decode_tok_s is not None), None)
-        self.status.setText(self._summary(base, ran))
+        self._say(self._summary(base, ran))
         ys = np.arange(n, dtype=float)
         tok = np.array([_num(r.decode_tok_s) for r in self.rows], dtype=float)
         gap = np.array([_num(r.kernel_gap_pct) for r in self.rows], dtype=float)
@@ -223,6 +223,7 @@ class LadderChart(PaletteFollower):
             lines.append(CPU_DTYPE_NOTE)  # which rungs ran in which dtype
         self.notes.setText("\n".join(lines))
         self.notes.setVisible(bool(lines))
+        self._fit_notes()
 
     @staticmethod
     def _figure_text(row: LadderRow, key: str, numbered: Callable[[str], int]) -> str:
@@ -253,7 +254,7 @@ class LadderChart(PaletteFollower):
     def _run_clicked(self) -> None:
         self.set_running(True)
         self.progress.setRange(0, 0)  # busy until the first progress report
-        self.status.setText("Starting the ladder…")
+        self._say("Starting the ladder…")
         self.runRequested.emit()
 
     # ---- palette ---------------------------------------------------------------------------------------
@@ -273,6 +274,21 @@ class LadderChart(PaletteFollower):
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         self._set_titles()
+        self._fit_notes()
+
+    def _say(self, text: str) -> None:
+        self.status.setText(text)
+        self._fit_notes()
+
+    def _fit_notes(self) -> None:
+        """The summary and the notes ask for the height their wrapped lines take at the width they get: a wrapped
+        label asks for fewer lines' than it then takes, so in a dock shorter than the chart and its text the notes
+        were drawn over the gap chart and their last lines were cut off, in the tab and in its PNG."""
+        for label in (self.status, self.notes):
+            width = label.width() if label.isVisible() and label.width() > 0 else self.width()
+            need = max(0, label.heightForWidth(width)) if label.text() else 0
+            if need != label.minimumHeight():
+                label.setMinimumHeight(need)
 
     def shown_titles(self) -> list[str]:
         """The plot titles as drawn (cut with "…" to fit, the whole of each in the chart's tooltip)."""
