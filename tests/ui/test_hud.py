@@ -19,6 +19,7 @@ from hud_streams import (
     NVML_MISSING,
     OP_GAP,
     ManualClock,
+    Rung,
     cpu_sources,
     feed_gpu_session,
     gpu_sources,
@@ -32,7 +33,15 @@ from PySide6.QtGui import QFont, QImage, QPainter, QPalette, QPicture
 from PySide6.QtWidgets import QWidget
 
 from engine.figures import GENERATION_FIGURES
-from engine.types import CPU_DTYPE_NOTE, EngineOptions, GenerationMetrics, LadderRow, MonitorSample, StepRecord
+from engine.types import (
+    CPU_DTYPE_NOTE,
+    EngineOptions,
+    GenerationMetrics,
+    LadderRow,
+    MonitorSample,
+    StepRecord,
+    preset_options,
+)
 from ui.hud import HudPanel
 from ui.hud.compare_table import COLUMN_INDEX, CompareRow, delta_colors
 from ui.hud.decimate import peak_decimate
@@ -451,6 +460,38 @@ def test_after_an_answer_without_a_decode_step_the_step_plots_say_why_and_the_ex
         "cpu",
         "fp32",
     )
+
+
+def test_an_estimate_that_left_the_window_no_longer_sets_the_y_range(hud, qtbot):
+    """A 250 % DRAM estimate an hour of answers ago kept the plot's range at 0-500 %, the 10 % levels in the
+    window lying flat on its bottom."""
+    panel, clock = hud
+    cpu = Rung(
+        "x", preset_options("first-fixes", EngineOptions(device="cpu"), half_dtype="fp32"), 30.0, None, None, None, 20.0
+    )
+    none = {"gpu_util_pct": None, "sm_activity_pct": None, "dram_bw_util_pct": None}
+
+    def answer(level: float) -> None:
+        panel.begin_generation("g", cpu.options)
+        recs = steps(clock.t, 40, cpu.step_ms)
+        panel.add_samples(samples(clock.t, recs[-1].t, 10.0, none, cpu_sources(), cpu_util=150.0))
+        panel.add_steps(recs)
+        clock.t = recs[-1].t + 0.01
+        m = metrics_for(recs, cpu, gpu=False)
+        m.dram_bw_util_pct, m.dram_bw_util_source = level, "DRAM bandwidth — estimate: x"
+        panel.end_generation(m, cpu.options, "g")
+        clock.t += 1.0
+
+    answer(250.0)
+    show_and_paint(qtbot, panel)
+    live, view = panel.live, panel.live.view("dram_bw_util_pct")
+    live.refresh_labels()
+    assert view.plot.viewRange()[1][1] > 250  # in the window, it sets the range
+    while clock.t < panel.series.estimates["dram_bw_util_pct"][0].t_end + 2 * live.window_s:
+        answer(10.0)
+    live.paint(force=True)
+    live.refresh_labels()
+    assert view.plot.viewRange()[1][1] <= 102  # the 10 % levels' range (percent plots reach 100 at least)
 
 
 def test_an_earlier_answer_s_estimate_is_not_shown_as_the_next_answer_s_figure(hud, qtbot):

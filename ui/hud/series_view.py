@@ -161,6 +161,7 @@ class SeriesView(QWidget):
         self._measured: Optional[tuple] = None
         self._shown_max: Optional[float] = None  # largest value drawn right of the window's left edge
         self._estimate_max: Optional[float] = None  # largest estimate level drawn
+        self._estimate_spans = np.empty((0, 3))  # each estimate's start, end (plot x) and level
         self._y_top: Optional[float] = None
         self.title = TitleLabel(spec.title)
         self.value = QLabel(fmt.NA)
@@ -270,7 +271,13 @@ class SeriesView(QWidget):
         shown.append(dy[dx >= x_lo])
         # The decimated curves keep every extreme, so their largest value is the data's.
         top = max((float(np.fmax.reduce(a)) for a in shown if a.size), default=math.nan)
-        self._shown_max = self._larger(top if math.isfinite(top) else None, self._estimate_max)
+        # the estimates over the window only: one that has left it kept the range stretched (a 250 % level over
+        # 10 % ones laid flat on the bottom)
+        spans = self._estimate_spans
+        inside = spans[(spans[:, 1] >= x_lo) & (spans[:, 0] <= x_hi), 2]
+        self._shown_max = self._larger(
+            top if math.isfinite(top) else None, float(inside.max()) if inside.size else None
+        )
         if self._y_top is None:
             self.fit_y()  # the first data: no waiting for the label timer
 
@@ -291,6 +298,9 @@ class SeriesView(QWidget):
         y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
         self.estimate_curve.setData(x, y)
         self._estimate_max = float(np.max(y)) if y.size else None
+        self._estimate_spans = np.array(
+            [[e.t_start - t0, e.t_end - t0, e.value] for e in estimates], dtype=float
+        ).reshape(-1, 3)
         self._shown_max = self._larger(self._shown_max, self._estimate_max)
         self.fit_y()
 
