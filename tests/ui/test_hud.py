@@ -562,6 +562,48 @@ def test_a_dram_estimate_over_100_percent_is_in_range_and_exported_as_separate_l
     assert (4, "pairs") in joined  # the two levels, each its own segment
 
 
+def test_the_plots_png_marks_each_answer_and_says_which_series_are_n_a(hud, qtbot, tmp_path, monkeypatch):
+    """The image left out the generations' boundaries and "#N" marks (which answer a stretch of a curve belonged
+    to) and the series the HUD shows as n/a, with no reason."""
+    import pyqtgraph as pg
+
+    panel, clock = hud
+    rung = GPU_RUNGS[0]
+    for _ in range(2):
+        panel.begin_generation("cpu answer", EngineOptions(device="cpu"))
+        recs = steps(clock.t, 20, 30.0)
+        panel.add_steps(recs)
+        panel.add_samples(
+            samples(clock.t, recs[-1].t, 10.0, dict.fromkeys(("gpu_util_pct", "sm_activity_pct")), cpu_sources())
+        )
+        clock.t = recs[-1].t + 0.5
+        panel.end_generation(metrics_for(recs, rung, gpu=False), EngineOptions(device="cpu"), "cpu answer")
+    show_and_paint(qtbot, panel)
+    panel.live.refresh_labels()
+    on_screen = [v for v in panel.live.views.values() if v.plotted][0]
+    starts = sorted(on_screen.boundary_values())[::2]
+    marks: list[tuple[float, str]] = []
+    labels: list[str] = []
+    real_add, real_label = pg.PlotItem.addItem, pg.GraphicsLayout.addLabel
+
+    def add(plot, item, *args, **kwargs):
+        if isinstance(item, pg.InfiniteLine):
+            marks.append((float(item.value()), item.label.format if getattr(item, "label", None) else ""))
+        return real_add(plot, item, *args, **kwargs)
+
+    def label(layout, text=" ", *args, **kwargs):
+        labels.append(text)
+        return real_label(layout, text, *args, **kwargs)
+
+    monkeypatch.setattr(pg.PlotItem, "addItem", add)
+    monkeypatch.setattr(pg.GraphicsLayout, "addLabel", label)
+    panel.export_plots_png(tmp_path / "plots.png", 800, 900)
+    assert {text for _, text in marks if text} == {"#1", "#2"}
+    assert {x for x, _ in marks} >= set(starts) and len(starts) == 2
+    na = [v for v in panel.live.views.values() if not v.plotted and v.na_reason]
+    assert na and all(f"{v.spec.title}: n/a — " in "".join(labels) for v in na)
+
+
 def test_live_gpm_samples_take_precedence_over_estimates(hud):
     panel, clock = hud
     rung = GPU_RUNGS[2]

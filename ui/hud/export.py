@@ -23,6 +23,7 @@ from engine.errors import OutputPathError
 from engine.figures import GENERATION_FIGURES
 from engine.paths import output_file, write_whole
 from engine.types import EngineOptions, GenerationMetrics, server_decides
+from ui.hud import fmt
 from ui.hud.compare_table import NO_MODEL, NOT_MEASURED, CompareModel, idle_drafts
 from ui.hud.series import SAMPLE_FIELDS, STEP_COLUMNS, LiveSeries
 from ui.hud.series_view import PLOTS, SeriesView, left_axis_px
@@ -208,6 +209,12 @@ def save_plots(
         figure.setBackground(background)
         figure.ci.setContentsMargins(6, 6, 12, 6)
         axis_px = left_axis_px()  # as the HUD's plots: a large font's tick labels are left out of a narrower axis
+        marks = {  # each generation's "#N" at its start, from the plot that carries them (the HUD's top one)
+            float(line.value()): line.label.format
+            for v in views
+            for line in v.lines
+            if line.isVisible() and getattr(line, "label", None) is not None and line.label.format
+        }
         for i, view in enumerate(shown):
             plot = figure.addPlot(row=i, col=0)
             title = f"{view.label_text} · {view.value.text()}"
@@ -223,6 +230,20 @@ def save_plots(
                     pen = QPen(item.opts["pen"])
                     pen.setWidthF(pen.widthF() / view.devicePixelRatioF())
                     plot.addItem(pg.PlotCurveItem(item.xData, item.yData, pen=pen, connect=connect))
+            # the generations' boundaries and their "#N" marks, as the HUD draws them (the image could not tell
+            # which answer a stretch of a curve belonged to)
+            for line in view.lines:
+                if not line.isVisible():
+                    continue
+                text = marks.get(float(line.value())) if i == 0 else None  # the marks on the top plot, as on screen
+                mark = pg.InfiniteLine(
+                    pos=line.value(),
+                    angle=90,
+                    pen=line.pen,
+                    label=text or None,
+                    labelOpts={"position": 0.97, "color": foreground, "anchors": [(0, 0), (0, 0)]},
+                )
+                plot.addItem(mark, ignoreBounds=True)
             (x_lo, x_hi), (y_lo, y_hi) = view.plot.viewRange()
             plot.setXRange(x_lo, x_hi, padding=0)
             plot.setYRange(y_lo, y_hi, padding=0)
@@ -239,6 +260,15 @@ def save_plots(
                 plot.hideAxis("bottom")
             else:
                 plot.setLabel("bottom", "Time since the first record (s)", color=foreground.name())
+        missing = [f"{v.spec.title}: {fmt.NA} — {v.na_reason}" for v in views if not v.plotted and v.na_reason]
+        if missing:  # the series the HUD shows as n/a, with why, where they were left out without a word
+            figure.addLabel(
+                _wrapped(" · ".join(missing), TITLE_PT, width - 40),
+                row=len(shown),
+                col=0,
+                color=foreground.name(),
+                size=f"{TITLE_PT}pt",
+            )
         figure.resize(width, height)
         figure.show()  # offscreen: sends the resize that lays the plots out at the image's size
         figure.ci.layout.activate()
