@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import errno
 import logging
@@ -199,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prompt (or --prompt PROMPT); - reads it from standard input",
     )
     gen.add_argument(
-        "--prompt", default=None, help="the prompt as an option (--prompt=TEXT for one that starts with a dash)"
+        "--prompt",
+        default=None,
+        help="the prompt as an option (--prompt=TEXT for one that starts with a dash; - reads standard input)",
     )
     gen.set_defaults(subparser=gen)  # its errors name `gapless generate`
     gen.add_argument("--system", default=None, help="system prompt")
@@ -383,10 +386,12 @@ def _prompt_from_stdin(parser: argparse.ArgumentParser) -> str:
     if sys.stdin is None:
         parser.error("PROMPT - reads the prompt from standard input, and there is none")
     data = sys.stdin.buffer.read()
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        text = data.decode("utf-8-sig")
+        text = data[skip:].decode("utf-8")
     except UnicodeDecodeError as exc:
-        parser.error(f"the prompt on standard input is not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x})")
+        at = skip + exc.start  # counted in what was read, the mark included
+        parser.error(f"the prompt on standard input is not UTF-8 text (byte {at} is {data[at]:#04x})")
     if not text.strip():
         parser.error("the prompt on standard input is empty")
     return text

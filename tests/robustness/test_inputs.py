@@ -292,11 +292,11 @@ def test_a_prompt_of_a_dash_is_read_from_standard_input(tiny_llama, tmp_path):
     assert piped.returncode == 0, piped.stderr
     given = generate_json(tiny_llama, text, "--max-new-tokens", "6")
     assert json.loads(piped.stdout)["token_ids"] == given["token_ids"]
-    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "latin1.txt").write_bytes(b"\xef\xbb\xbf" + "café".encode("latin-1"))  # counted with the mark
     with open(tmp_path / "latin1.txt", "rb") as f:
         r = gapless("generate", *flags, "--prompt", "-", stdin=f)
     assert one_error_line(r) == (
-        "gapless: error: the prompt on standard input is not UTF-8 text (byte 3 is 0xe9) (see gapless generate --help)"
+        "gapless: error: the prompt on standard input is not UTF-8 text (byte 6 is 0xe9) (see gapless generate --help)"
     )
     r = gapless("generate", *flags, "-")  # nothing on standard input
     assert one_error_line(r) == ("gapless: error: the prompt on standard input is empty (see gapless generate --help)")
