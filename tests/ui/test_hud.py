@@ -492,6 +492,12 @@ def test_an_estimate_that_left_the_window_no_longer_sets_the_y_range(hud, qtbot)
     live.paint(force=True)
     live.refresh_labels()
     assert view.plot.viewRange()[1][1] <= 102  # the 10 % levels' range (percent plots reach 100 at least)
+    # an answer that ends with no new record: the estimates drawn again, and nothing else
+    panel.begin_generation("g", cpu.options)
+    panel.end_generation(metrics_for(steps(clock.t, 2, 30.0), cpu, gpu=False), cpu.options, "g")
+    live.paint()
+    live.refresh_labels()
+    assert view.plot.viewRange()[1][1] <= 102
 
 
 def test_an_earlier_answer_s_estimate_is_not_shown_as_the_next_answer_s_figure(hud, qtbot):

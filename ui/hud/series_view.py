@@ -160,8 +160,9 @@ class SeriesView(QWidget):
         self._source: Optional[str] = ""  # no header set yet
         self._measured: Optional[tuple] = None
         self._shown_max: Optional[float] = None  # largest value drawn right of the window's left edge
-        self._estimate_max: Optional[float] = None  # largest estimate level drawn
         self._estimate_spans = np.empty((0, 3))  # each estimate's start, end (plot x) and level
+        self._window: Optional[tuple[float, float]] = None  # the time range last drawn
+        self._data_max: Optional[float] = None  # the largest value of the curves last drawn in it
         self._y_top: Optional[float] = None
         self.title = TitleLabel(spec.title)
         self.value = QLabel(fmt.NA)
@@ -271,13 +272,8 @@ class SeriesView(QWidget):
         shown.append(dy[dx >= x_lo])
         # The decimated curves keep every extreme, so their largest value is the data's.
         top = max((float(np.fmax.reduce(a)) for a in shown if a.size), default=math.nan)
-        # the estimates over the window only: one that has left it kept the range stretched (a 250 % level over
-        # 10 % ones laid flat on the bottom)
-        spans = self._estimate_spans
-        inside = spans[(spans[:, 1] >= x_lo) & (spans[:, 0] <= x_hi), 2]
-        self._shown_max = self._larger(
-            top if math.isfinite(top) else None, float(inside.max()) if inside.size else None
-        )
+        self._window, self._data_max = (x_lo, x_hi), top if math.isfinite(top) else None
+        self._shown_max = self._larger(self._data_max, self._estimates_max())
         if self._y_top is None:
             self.fit_y()  # the first data: no waiting for the label timer
 
@@ -297,12 +293,20 @@ class SeriesView(QWidget):
         x = np.array([[e.t_start - t0, e.t_end - t0] for e in estimates], dtype=float).ravel()
         y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
         self.estimate_curve.setData(x, y)
-        self._estimate_max = float(np.max(y)) if y.size else None
         self._estimate_spans = np.array(
             [[e.t_start - t0, e.t_end - t0, e.value] for e in estimates], dtype=float
         ).reshape(-1, 3)
-        self._shown_max = self._larger(self._shown_max, self._estimate_max)
+        self._shown_max = self._larger(self._data_max, self._estimates_max())
         self.fit_y()
+
+    def _estimates_max(self) -> Optional[float]:
+        """The highest estimate level over the time range last drawn (all of them before any was): one that has
+        left it kept the range stretched (a 250 % level long ago laid the 10 % ones in view flat on the bottom)."""
+        spans = self._estimate_spans
+        if self._window is not None:
+            x_lo, x_hi = self._window
+            spans = spans[(spans[:, 1] >= x_lo) & (spans[:, 0] <= x_hi)]
+        return float(spans[:, 2].max()) if spans.size else None
 
     @staticmethod
     def _larger(a: Optional[float], b: Optional[float]) -> Optional[float]:
