@@ -5,8 +5,8 @@ then the app closed, was lost without a word).
 The drafts are a small JSON file beside the settings ({"version": 1, "drafts": {"12": "text", "new": "text"}}),
 written whole (engine.paths.write_whole) as a chat is left and as the window closes. Two windows on one data
 folder each write only the drafts they changed: the file is read again first, so one window never undoes the
-other's; a draft one window still shows and another took from the file (sent or cleared there) is written back
-when the first leaves it or closes. A file that cannot be read or used is started over (a draft is not worth refusing to start for); one
+other's; a chat's draft is read again as it is opened, and one a window still shows that another took from the
+file (sent or cleared there) is written back when the first leaves it or closes. A file that cannot be read or used is started over (a draft is not worth refusing to start for); one
 that cannot be written is said once, and the drafts stay in memory.
 """
 
@@ -43,7 +43,16 @@ class Drafts:
         self.problem = ""  # why the last write failed, "" where it did not
 
     def get(self, chat_id: Optional[int]) -> str:
-        return self._texts.get(_key(chat_id), "")
+        """The draft of `chat_id` as the file has it now, unless this window changed it since its last save: a
+        draft another window sent or cleared came back as this window's stale copy, and was written back."""
+        key = _key(chat_id)
+        if self.path is not None and key not in self._changed:
+            on_file = self._read().get(key)
+            if on_file is None:
+                self._texts.pop(key, None)
+            else:
+                self._texts[key] = on_file
+        return self._texts.get(key, "")
 
     def put(self, chat_id: Optional[int], text: str) -> None:
         """Keep `text` as the draft of `chat_id` (None: the new chat); only white space forgets it."""

@@ -69,3 +69,23 @@ def test_a_draft_another_window_took_from_the_file_is_written_back_by_the_window
     one.put(None, "a long letter")
     one.save()
     assert Drafts(path).get(None) == "the second's own"
+
+
+def test_a_draft_another_window_sent_is_not_shown_again_nor_written_back(tmp_path):
+    """Both windows started with chat 5's draft; the second sent it. The first, opening chat 5 later, showed its
+    stale copy, and leaving the chat wrote it back: at the next start the sent message was a draft again."""
+    path = tmp_path / "drafts.json"
+    first = Drafts(path)
+    first.put(5, "X")
+    first.save()
+    one, two = Drafts(path), Drafts(path)
+    assert two.get(5) == "X"
+    two.put(5, "")  # sent in the second window
+    two.save()
+    assert one.get(5) == ""  # opened in the first: as the file has it now
+    one.put(5, "")  # left without typing
+    assert one.save() == ""
+    assert Drafts(path).get(5) == ""
+    two.put(6, "typed in the second")
+    two.save()
+    assert one.get(6) == "typed in the second"  # and one typed there since shows up
