@@ -338,10 +338,10 @@ def _baseline_runners(
     from engine.prompt import build_prompt
     from engine.telemetry.monitor import Monitor
 
-    ckpt = load_checkpoint(config.model, lambda p: progress(f"{p.stage}: {p.message}"))
+    dtype = torch.float16 if device.type == "cuda" else torch.float32  # generate()'s usual choice per device
+    ckpt = load_checkpoint(config.model, lambda p: progress(f"{p.stage}: {p.message}"), dtype=dtype, device=device)
     messages = [{"role": "user", "content": config.prompt}]
     prompt_ids = list(build_prompt(ckpt.tokenizer, messages, context_length, config.max_new_tokens).ids)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32  # generate()'s usual choice per device
     model = build_hf_model(ckpt.config, ckpt.state_dict, dtype, device)
     eos_ids = list(ckpt.eos_token_ids)
     monitor = Monitor(device, nvml=nvml)

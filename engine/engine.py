@@ -550,7 +550,9 @@ class Engine:
         with self._lock:
             eff, _ = self.effective(options)
             device = torch.device(eff.device)
-            if device != self.device or eff.dtype != self.dtype or eff.weights != self.weights:
+            # no model (placing the previous weights again after a failed switch failed too): any switch builds one
+            moved = device != self.device or eff.dtype != self.dtype or eff.weights != self.weights
+            if moved or self.model is None:
                 self.checkpoint.can_read_again()  # a file that changed: said before the model in use is given up
                 placed = (self.device, self.dtype, self.weights)
                 self.device, self.dtype, self.weights = device, eff.dtype, eff.weights

@@ -8,8 +8,10 @@ Every other failure becomes a ModelLoadError with one line that names the file a
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -46,15 +48,16 @@ class Checkpoint:
     config: "PretrainedConfig"  # a transformers config (native class, never remote code)
     state_dict: dict[
         str, torch.Tensor
-    ]  # HF parameter names -> CPU tensors (fp32 from GGUF; stored dtype from safetensors)
+    ]  # HF parameter names -> tensors in the dtype and on the device load_checkpoint was given (fp32 on the CPU
+    # from transformers' own GGUF reading)
     tokenizer: "PreTrainedTokenizerBase"
     name: str  # display name: file stem or folder name
     source: str  # absolute path, as given (links kept)
     source_kind: str  # "gguf" | "hf-folder" | "default"
     eos_token_ids: list[int] = field(default_factory=list)  # config, generation_config.json and tokenizer, merged
     load_seconds: Optional[float] = None  # perf_counter around load_checkpoint
-    # the weights again from the files (GGUF on the native path: in any dtype on any device; a safetensors folder:
-    # in their stored dtype on the CPU), so that the state dict is given up once a model is built
+    # the weights again from the files (GGUF on the native path, safetensors folders), in any dtype on any device,
+    # so that the state dict is given up once a model is built
     materialise: Optional[Callable[[torch.dtype, torch.device], dict[str, torch.Tensor]]] = None
     tensor_types: frozenset[str] = frozenset()  # a GGUF's ggml tensor types (Q4_1, F32, ...); empty for others
     unchanged: Optional[Callable[[], None]] = None  # raises ModelLoadError where the file materialise reads changed
@@ -84,8 +87,7 @@ def load_checkpoint(
     device: torch.device = torch.device("cpu"),
 ) -> Checkpoint:
     """Load `source`: "default", a .gguf file, or a Hugging Face folder (a .safetensors or config.json inside it
-    stands for its folder). GGUF weights come in `dtype` on `device`; safetensors weights in their stored dtype
-    on the CPU. Raises UnsafeModelError for pickle or remote code, ModelLoadError otherwise."""
+    stands for its folder). The weights come in `dtype` (floating-point ones) on `device`. Raises UnsafeModelError for pickle or remote code, ModelLoadError otherwise."""
     started = time.perf_counter()
     checkpoint = _load(source, progress, dtype, device)
     checkpoint.load_seconds = time.perf_counter() - started
@@ -119,12 +121,12 @@ def _load(source: str, progress: Optional[ProgressFn], dtype: torch.dtype, devic
     # model.safetensors and x.gguf to blobs named by their hashes) and names the model
     path = Path(os.path.abspath(path))
     if stat.S_ISDIR(mode):
-        return _load_hf_folder(path, report)
+        return _load_hf_folder(path, report, dtype, device)
     suffix = path.suffix.lower()
     if suffix == ".gguf":
         return _load_gguf(path, report, "gguf", dtype, device)
     if suffix == ".safetensors" or path.name == "config.json":
-        return _load_hf_folder(path.parent, report)
+        return _load_hf_folder(path.parent, report, dtype, device)
     head = _read_head(path)
     if head.startswith(GGUF_MAGIC):
         return _load_gguf(path, report, "gguf", dtype, device)
@@ -182,17 +184,16 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
     report(Progress("load", 1.0, "settings and tokenizer ready" + (" (cached)" if conv.from_cache else "")))
     report(Progress("dequantise", 0.0, f"de-quantising {len(conv.plan)} tensors into {dtype} on {device}"))
 
-    st = path.stat()
-    seen = (st.st_size, st.st_mtime_ns)
+    seen = _stamp(path)
 
     def unchanged() -> None:
         try:
-            now = path.stat()
+            now = _stamp(path)
         except OSError as exc:
             raise ModelLoadError(
                 f"{label}: the file was moved or deleted since it was loaded ({exc.strerror or exc}); open it again"
             ) from None
-        if (now.st_size, now.st_mtime_ns) != seen:
+        if now != seen:
             raise ModelLoadError(f"{label}: the file changed since it was loaded; open it again")
 
     def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
@@ -418,7 +419,7 @@ def gguf_architectures() -> set[str]:
 # ---- Hugging Face folder ---------------------------------------------------------------------------------
 
 
-def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
+def _load_hf_folder(folder: Path, report: ProgressFn, dtype: torch.dtype, device: torch.device) -> Checkpoint:
     from safetensors import safe_open
 
     label = hub_name(folder)
@@ -465,15 +466,19 @@ def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
                 ) from None
             if now != stamp:
                 raise ModelLoadError(f"{label}: {file.name} changed since it was loaded; open it again")
+            try:  # a file the user may no longer read: said before the model in use is given up for a switch
+                with open(file, "rb"):
+                    pass
+            except OSError as exc:
+                raise ModelLoadError(f"{label}: cannot read {file.name} again: {exc.strerror or exc}") from None
 
     def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
-        """The weights again, in their stored dtype on the CPU: the model's build converts and places them."""
         unchanged()
-        return _read_safetensors(by_file, stored, label, _ignore)
+        return _read_safetensors(by_file, stored, label, _ignore, dt, dev)
 
     return Checkpoint(
         config=config,
-        state_dict=_read_safetensors(by_file, stored, label, report),
+        state_dict=_read_safetensors(by_file, stored, label, report, dtype, device),
         tokenizer=tokenizer,
         name=label,
         source=str(folder),
@@ -484,39 +489,125 @@ def _load_hf_folder(folder: Path, report: ProgressFn) -> Checkpoint:
     )
 
 
-def _stamp(file: Path) -> tuple[int, int]:
+def _stamp(file: Path) -> tuple[int, ...]:
+    """What says a file is the one loaded: its size and time, and which file it is (another moved over it with
+    the same size and time, as `cp -p` or `rsync -a` write, was taken as the one loaded)."""
     st = file.stat()
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
+
+
+# safetensors' dtype names (its format's header) -> torch's
+_SAFETENSORS_DTYPES = {
+    name: getattr(torch, attr)
+    for name, attr in (
+        ("F64", "float64"),
+        ("F32", "float32"),
+        ("F16", "float16"),
+        ("BF16", "bfloat16"),
+        ("I64", "int64"),
+        ("I32", "int32"),
+        ("I16", "int16"),
+        ("I8", "int8"),
+        ("U8", "uint8"),
+        ("U16", "uint16"),
+        ("U32", "uint32"),
+        ("U64", "uint64"),
+        ("BOOL", "bool"),
+        ("F8_E4M3", "float8_e4m3fn"),
+        ("F8_E5M2", "float8_e5m2"),
+    )
+    if hasattr(torch, attr)
+}
+_MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header
 
 
 def _read_safetensors(
-    by_file: dict[Path, list[str]], stored: dict[str, tuple[Path, str]], label: str, report: ProgressFn
+    by_file: dict[Path, list[str]],
+    stored: dict[str, tuple[Path, str]],
+    label: str,
+    report: ProgressFn,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """The tensors named in `by_file` (our names, by file), each copied out of the file's mapping: a tensor left
-    on the mapping ended the process with SIGBUS at the next answer once the file was overwritten in place. The
-    copies are the model's own (the build shares those it keeps as they are), and the checkpoint reads the files
-    again for a switch instead of holding a second set."""
-    from safetensors import safe_open
+    """The tensors named in `by_file` (our names, by file), read from each file into memory of their own and given
+    in `dtype` (floating-point ones) on `device`.
 
+    Read, not mapped: a tensor left on the file's mapping ended the process with SIGBUS at the next answer once the
+    file was overwritten in place, and a copy out of a mapping could still meet it while the copy ran (a large
+    embedding takes a third of a second); a read of a file cut short is a short read, said as such. Each file is
+    read through one descriptor, so a file moved over its path during the read does not mix two files' tensors,
+    and a change in place between two tensors is refused. In the target dtype on the target device, a CUDA load
+    needs no copy of the whole model in host memory; the checkpoint reads the files again for a switch instead of
+    holding a second set. Read again for a switch, a 538 MB fp32 folder took 0.46 s where copies out of the
+    mapping took 1.26 s (medians of 5 on a busy 2-core CPU; safetensors' own get_tensor maps the file, and reads
+    the header first, see _load_hf_folder)."""
     state: dict[str, torch.Tensor] = {}
     total = sum(len(names) for names in by_file.values())
     for file, names in by_file.items():
         try:
-            with open(file, "rb") as own:
+            with open(file, "rb", buffering=0) as own:
                 unchanged = unchanged_while_read(own, f"{label}: {file.name}")
+                data_start, table = _safetensors_table(own, f"{label}: {file.name}")
                 for name in names:
                     unchanged()
-                    # the file mapped for each tensor alone: a mapping's pages stay in the process's memory until
-                    # it is closed, which held the whole file beside its copies (an fp32 load peaked 480 MiB higher)
-                    with safe_open(str(file), framework="pt", device="cpu") as f:
-                        state[name] = f.get_tensor(stored[name][1]).clone()
+                    state[name] = _read_tensor(own, data_start, table, stored[name][1], f"{label}: {file.name}")
+                    t = state[name]
+                    if t.is_floating_point() and t.dtype != dtype or device.type != "cpu":
+                        state[name] = t.to(device, dtype if t.is_floating_point() else t.dtype)
                     if len(state) % 16 == 0 or len(state) == total:
                         report(Progress("load", 0.2 + 0.8 * len(state) / total, f"read {len(state)}/{total} tensors"))
         except (ReadStopped, ModelLoadError):  # a read no longer wanted (the progress hook), a file that changed
             raise
-        except Exception as exc:  # a truncated data section surfaces here, as SafetensorError
+        except (OSError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"{label}: cannot read the weights in {file.name}: {one_line(exc)}") from exc
     return state
+
+
+def _safetensors_table(f: io.RawIOBase, name: str) -> tuple[int, dict[str, Any]]:
+    """Where a safetensors file's data starts, and its header: tensor name -> dtype, shape, data_offsets."""
+    head = _read_exactly(f, 0, 8, name)
+    size = int.from_bytes(head, "little")
+    if not 0 < size <= _MAX_SAFETENSORS_HEADER:
+        raise ModelLoadError(f"{name} is not a readable safetensors file: a header of {size} bytes")
+    try:
+        table = json.loads(_read_exactly(f, 8, size, name))
+    except (ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"{name} is not a readable safetensors file: its header is not JSON ({exc})") from None
+    if not isinstance(table, dict):
+        raise ModelLoadError(f"{name} is not a readable safetensors file: its header is not a JSON object")
+    return 8 + size, table
+
+
+def _read_tensor(f: io.RawIOBase, data_start: int, table: dict[str, Any], key: str, name: str) -> torch.Tensor:
+    entry: Any = table.get(key)
+    try:
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        shape = [int(n) for n in entry["shape"]]
+        begin, end = (int(n) for n in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise ModelLoadError(f"{name}: tensor {key!r} has no dtype, shape and offsets this version reads") from None
+    count = math.prod(shape)
+    if end - begin != count * dtype.itemsize or begin < 0:
+        raise ModelLoadError(f"{name}: tensor {key!r} takes {end - begin} bytes, not the {count} values of its shape")
+    buf = torch.empty(end - begin, dtype=torch.uint8)
+    _read_into(f, data_start + begin, buf.numpy().data, name)
+    return buf.view(dtype).reshape(shape)
+
+
+def _read_exactly(f: io.RawIOBase, at: int, n: int, name: str) -> bytes:
+    buf = bytearray(n)
+    _read_into(f, at, memoryview(buf), name)
+    return bytes(buf)
+
+
+def _read_into(f: io.RawIOBase, at: int, out: memoryview, name: str) -> None:
+    f.seek(at)
+    got = 0
+    while got < len(out):
+        n = f.readinto(out[got:])
+        if not n:  # the file ends before what its header (checked at the load) said it holds: cut short since
+            raise ModelLoadError(f"{name} changed while it was read (it ends early); open it again")
+        got += n
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -14,6 +14,7 @@ import torch
 from gguf_fixtures import hf_llama_to_gguf
 from safetensors.torch import load_file, save_file
 
+from engine.errors import ModelLoadError
 from engine.loader import Checkpoint, load_checkpoint
 
 TEXT = "hello world <|im_start|>user\nParis is the capital of France. 42"
@@ -484,6 +485,49 @@ except ModelLoadError as exc:
     assert "refused: m: model.safetensors changed while it was read; open it again" in r.stdout, r.stdout
 
 
+def test_a_file_moved_over_a_folders_weights_while_they_are_read_is_not_mixed_in(tiny_llama, tmp_path):
+    """Each tensor was read by opening the path again: another file renamed over it between two tensors (a
+    download finishing, a hub cache link pointed at a new blob) gave a model of two files' tensors without a word.
+    One descriptor reads the whole file: the weights are the first file's, and a switch, which would read the
+    path again, is refused. So is one after a file of the same size and time (`cp -p`, `rsync -a`) took its place."""
+    import os
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    first = _stored(folder)
+    other = tmp_path / "other.safetensors"
+    save_file({k: v + 1 for k, v in first.items()}, str(other))
+
+    def swap(p):
+        if p.message.startswith("read ") and other.exists():
+            os.replace(other, folder / "model.safetensors")
+
+    ck = load_checkpoint(str(folder), swap)
+    _assert_same_weights(ck, first)
+    with pytest.raises(ModelLoadError, match=r"^m: model.safetensors changed since it was loaded; open it again$"):
+        ck.materialise(torch.float32, torch.device("cpu"))
+    ck = load_checkpoint(str(folder))
+    twin = tmp_path / "twin.safetensors"
+    save_file({k: v * 2 for k, v in _stored(folder).items()}, str(twin))
+    st = (folder / "model.safetensors").stat()
+    assert twin.stat().st_size == st.st_size
+    os.utime(twin, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(twin, folder / "model.safetensors")
+    ck.release()  # as the engine does once its model is built
+    with pytest.raises(ModelLoadError, match="changed since it was loaded"):
+        ck.can_read_again()
+
+
+def test_a_folders_weights_come_in_the_dtype_asked_for(tiny_llama):
+    """Copied out of the file straight into the model's dtype (and device): the stored fp32 tensors were copied
+    whole first, so a bf16 load from an fp32 folder held both at its peak."""
+    stored = _stored(tiny_llama)
+    ck = load_checkpoint(str(tiny_llama), dtype=torch.bfloat16)
+    assert {t.dtype for t in ck.state_dict.values()} == {torch.bfloat16}
+    for name, t in stored.items():
+        assert torch.equal(ck.state_dict[name], t.to(torch.bfloat16)), name
+
+
 def test_a_folders_weights_are_given_up_once_built_and_read_again_for_a_switch(tiny_llama):
     """The checkpoint holds no second copy of a folder's weights beside the model (the fp32 state dict stayed
     beside a bf16 model: 1,191 MiB after a SmolLM2-sized load, now 678 MiB); a switch reads them again, to the
@@ -504,5 +548,44 @@ def test_a_folders_weights_are_given_up_once_built_and_read_again_for_a_switch(t
         e.reconfigure(e.options.with_(dtype="fp32"))
         assert e.checkpoint.state_dict == {}
         assert e.generate(messages, greedy).token_ids == want
+    finally:
+        e.close()
+
+
+def test_a_folder_the_user_can_no_longer_read_refuses_the_switch_and_keeps_the_model(tiny_llama, monkeypatch):
+    """A shard made unreadable (chmod 000) after the load: the switch gave up the model, failed to read the file,
+    failed to read it again for the model it had, and every answer after it failed ("the model is not on the
+    device"); a switch back to the dtype it had then did nothing."""
+    import builtins
+
+    import engine.loader as loader
+    from engine.engine import Engine
+    from engine.types import EngineOptions, SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    hi = [{"role": "user", "content": "hi"}]
+    e = Engine.load(str(tiny_llama), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    try:
+        before = e.generate(hi, greedy).token_ids
+        weights = str(Path(e.checkpoint.source) / "model.safetensors")
+        real_open = builtins.open
+
+        def no_read(file, *args, **kwargs):
+            if str(file) == weights:
+                raise PermissionError(13, "Permission denied", weights)
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(loader, "open", no_read, raising=False)
+        with pytest.raises(ModelLoadError, match=r"cannot read model.safetensors again: Permission denied$"):
+            e.reconfigure(e.options.with_(dtype="bf16"))
+        assert e.generate(hi, greedy).token_ids == before
+        # refused past that check (read again, then failing): the previous weights cannot be placed either
+        monkeypatch.setattr(e.checkpoint, "unchanged", lambda: None)
+        with pytest.raises(ModelLoadError, match="Permission denied"):
+            e.reconfigure(e.options.with_(dtype="bf16"))
+        assert e.model is None
+        monkeypatch.setattr(loader, "open", real_open, raising=False)  # readable again
+        e.reconfigure(e.options.with_(dtype="fp32"))  # the dtype it had: built again, not taken as in place
+        assert e.generate(hi, greedy).token_ids == before
     finally:
         e.close()
