@@ -287,7 +287,7 @@ def test_every_tab_stop_of_the_window_is_named_for_a_screen_reader(qtbot, gui):
     assert [k for k, name in names.items() if not name.strip()] == []
     for expected in ("ChatView chatView Conversation", "ProseView prose Your message", "ProseView prose Answer"):
         assert expected in names
-    assert "_CodeEdit codeText python code" in names and "QTableView  Runs compared" in names
+    assert "_CodeEdit codeText python code" in names and "_RowsView  Runs compared" in names
 
 
 def _mnemonic(text: str) -> str:
