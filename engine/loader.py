@@ -184,17 +184,7 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
     report(Progress("load", 1.0, "settings and tokenizer ready" + (" (cached)" if conv.from_cache else "")))
     report(Progress("dequantise", 0.0, f"de-quantising {len(conv.plan)} tensors into {dtype} on {device}"))
 
-    seen = _stamp(path)
-
-    def unchanged() -> None:
-        try:
-            now = _stamp(path)
-        except OSError as exc:
-            raise ModelLoadError(
-                f"{label}: the file was moved or deleted since it was loaded ({exc.strerror or exc}); open it again"
-            ) from None
-        if now != seen:
-            raise ModelLoadError(f"{label}: the file changed since it was loaded; open it again")
+    unchanged = _unchanged_since_loaded(label, {path: "the file"})
 
     def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
         unchanged()
@@ -453,24 +443,7 @@ def _load_hf_folder(folder: Path, report: ProgressFn, dtype: torch.dtype, device
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(stored[name][0], []).append(name)
-    seen = {file: _stamp(file) for file in by_file}
-
-    def unchanged() -> None:
-        for file, stamp in seen.items():
-            try:
-                now = _stamp(file)
-            except OSError as exc:
-                raise ModelLoadError(
-                    f"{label}: {file.name} was moved or deleted since it was loaded ({exc.strerror or exc}); "
-                    "open it again"
-                ) from None
-            if now != stamp:
-                raise ModelLoadError(f"{label}: {file.name} changed since it was loaded; open it again")
-            try:  # a file the user may no longer read: said before the model in use is given up for a switch
-                with open(file, "rb"):
-                    pass
-            except OSError as exc:
-                raise ModelLoadError(f"{label}: cannot read {file.name} again: {exc.strerror or exc}") from None
+    unchanged = _unchanged_since_loaded(label, {file: file.name for file in by_file})
 
     def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
         unchanged()
@@ -487,6 +460,32 @@ def _load_hf_folder(folder: Path, report: ProgressFn, dtype: torch.dtype, device
         materialise=materialise,
         unchanged=unchanged,
     )
+
+
+def _unchanged_since_loaded(label: str, files: dict[Path, str]) -> Callable[[], None]:
+    """A check that the weights files (each with how a message names it) are still the ones loaded and can be read
+    again: made before a switch gives up the model in use for weights read from them (a file changed, moved or
+    made unreadable since was read after the model was given up, and answers failed until it was opened again)."""
+    seen = {file: _stamp(file) for file in files}
+
+    def unchanged() -> None:
+        for file, stamp in seen.items():
+            what = files[file]
+            try:
+                now = _stamp(file)
+            except OSError as exc:
+                raise ModelLoadError(
+                    f"{label}: {what} was moved or deleted since it was loaded ({exc.strerror or exc}); open it again"
+                ) from None
+            if now != stamp:
+                raise ModelLoadError(f"{label}: {what} changed since it was loaded; open it again")
+            try:
+                with open(file, "rb"):
+                    pass
+            except OSError as exc:
+                raise ModelLoadError(f"{label}: cannot read {what} again: {exc.strerror or exc}") from None
+
+    return unchanged
 
 
 def _stamp(file: Path) -> tuple[int, ...]:
@@ -545,15 +544,14 @@ def _read_safetensors(
     total = sum(len(names) for names in by_file.values())
     for file, names in by_file.items():
         try:
+            where = f"{label}: {file.name}"
             with open(file, "rb", buffering=0) as own:
-                unchanged = unchanged_while_read(own, f"{label}: {file.name}")
-                data_start, table = _safetensors_table(own, f"{label}: {file.name}")
+                unchanged = unchanged_while_read(own, where)
+                data_start, table = _safetensors_table(own, where)
                 for name in names:
                     unchanged()
-                    state[name] = _read_tensor(own, data_start, table, stored[name][1], f"{label}: {file.name}")
-                    t = state[name]
-                    if t.is_floating_point() and t.dtype != dtype or device.type != "cpu":
-                        state[name] = t.to(device, dtype if t.is_floating_point() else t.dtype)
+                    t = _read_tensor(own, data_start, table, stored[name][1], where)
+                    state[name] = t.to(device, dtype if t.is_floating_point() else t.dtype)  # itself where it is so
                     if len(state) % 16 == 0 or len(state) == total:
                         report(Progress("load", 0.2 + 0.8 * len(state) / total, f"read {len(state)}/{total} tensors"))
         except (ReadStopped, ModelLoadError):  # a read no longer wanted (the progress hook), a file that changed

@@ -135,10 +135,10 @@ def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: boo
 
 
 def unchanged_while_read(f: BinaryIO, name: str) -> Callable[[], None]:
-    """A check, made before each tensor's pages of a mapped weights file are touched, that the file open as `f` is
-    as it was: a file cut short under the mapping (overwritten in place, a download into the same name) ended the
-    process with SIGBUS as the missing pages were read, draft and settings lost. It leaves a few milliseconds in
-    which that can still happen, where it was the whole read."""
+    """A check, made before each tensor of a weights file open as `f` is read, that the file is as it was: a file
+    overwritten in place (a download into the same name) between two tensors gives a model of both files' tensors,
+    and one cut short under a mapping ended the process with SIGBUS as the missing pages were read (a GGUF's
+    mapping keeps a few milliseconds a tensor in which that can still happen, where it was the whole read)."""
     first = os.fstat(f.fileno())
 
     def check() -> None:
