@@ -405,7 +405,7 @@ def run_ladder(
                 done += 1
                 if stopped() and rung.status == "ok" and not rung.runs:
                     cut[rung.name] = "timed run"
-        if cancel is not None and cancel.is_set():
+        if stopped():
             report(done, total, "cancelled")
         else:
             report(total, total, "done")

@@ -290,12 +290,11 @@ class SeriesView(QWidget):
         """Each estimate as a dashed level over the time it describes."""
         if self.estimate_curve is None:
             raise ValueError(f"the {self.spec.key} plot draws no estimates")
-        x = np.array([[e.t_start - t0, e.t_end - t0] for e in estimates], dtype=float).ravel()
-        y = np.array([[e.value, e.value] for e in estimates], dtype=float).ravel()
-        self.estimate_curve.setData(x, y)
         self._estimate_spans = np.array(
             [[e.t_start - t0, e.t_end - t0, e.value] for e in estimates], dtype=float
         ).reshape(-1, 3)
+        # each level a segment of its own (the curve's "pairs"): start and end at its value
+        self.estimate_curve.setData(self._estimate_spans[:, :2].ravel(), np.repeat(self._estimate_spans[:, 2], 2))
         self._shown_max = self._larger(self._data_max, self._estimates_max())
         self.fit_y()
 
