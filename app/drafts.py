@@ -4,10 +4,11 @@ then the app closed, was lost without a word).
 
 The drafts are a small JSON file beside the settings ({"version": 1, "drafts": {"12": "text", "new": "text"}}),
 written whole (engine.paths.write_whole) as a chat is left and as the window closes. Two windows on one data
-folder each write only the drafts they changed: the file is read again first, so one window never undoes the
-other's; a chat's draft is read again as it is opened, and one a window still shows that another took from the
-file (sent or cleared there) is written back when the first leaves it or closes. A file that cannot be read or used is started over (a draft is not worth refusing to start for); one
-that cannot be written is said once, and the drafts stay in memory.
+folder each write only the drafts they changed: the file is read again first, under a lock, so one window never
+undoes the other's; a chat's draft is read again as it is opened, and one a window still shows that another took
+from the file (sent or cleared there) is written back when the first leaves it or closes. A file that cannot be
+read or used is started over (a draft is not worth refusing to start for); one that cannot be written is said
+once, and the drafts stay in memory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from engine.paths import write_whole
+from engine.paths import locked_beside, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +81,25 @@ class Drafts:
         """Write the drafts changed since the last save; "" when written (or nothing to write), else why not."""
         if self.path is None or not (self._changed or self._kept):
             return ""
-        merged = self._read()
         kept, self._kept = self._kept, set()
-        self._changed |= {key for key in kept if key in self._texts and key not in merged}
-        if not self._changed:
-            return ""
-        for key in self._changed:
-            merged.pop(key, None)
-        for key, text in self._texts.items():  # in the order written, the newest last
-            if key in self._changed:
-                merged[key] = text
-        while len(merged) > MAX_DRAFTS:
-            del merged[next(iter(merged))]
-        text = json.dumps({"version": DRAFTS_VERSION, "drafts": merged})  # ASCII: any text, a lone surrogate too
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_whole(self.path, text, mode=0o600)
+            # read, merged and written by one window at a time: two windows closing at once (a logout) each read
+            # the file before the other wrote it, and the second write lost the first's drafts
+            with locked_beside(self.path, "the unsent messages"):
+                merged = self._read()
+                self._changed |= {key for key in kept if key in self._texts and key not in merged}
+                if not self._changed:
+                    return ""
+                for key in self._changed:
+                    merged.pop(key, None)
+                for key, text in self._texts.items():  # in the order written, the newest last
+                    if key in self._changed:
+                        merged[key] = text
+                while len(merged) > MAX_DRAFTS:
+                    del merged[next(iter(merged))]
+                text = json.dumps({"version": DRAFTS_VERSION, "drafts": merged})  # ASCII: any text, a lone surrogate
+                write_whole(self.path, text, mode=0o600)
         except OSError as exc:
             problem = f"cannot keep the unsent messages in {self.path}: {exc.strerror or exc}"
             if problem != self.problem:

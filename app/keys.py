@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from app.store import move_aside
-from engine.paths import write_whole
+from engine.paths import locked_beside, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,23 @@ class KeyStore:
                 return
             except Exception as exc:  # fall back to the file rather than lose the key
                 log.warning("keyring write failed (%s); keeping the key in %s", type(exc).__name__, self.file)
-        keys, damage = self._read_file()
-        if damage:  # written over, its other keys were gone for good: kept beside the new file
-            aside = move_aside(self.file, "corrupt")
-            log.warning(
-                "API key file %s could not be read (%s); kept as %s and a new one started",
-                self.file,
-                damage,
-                aside.name,
-            )
-        if key:
-            keys[base_url] = key
-        else:
-            keys.pop(base_url, None)
-        self._write(keys)
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        # read, changed and written by one process at a time: two windows saving keys at once lost one of them
+        with locked_beside(self.file, "the API keys"):
+            keys, damage = self._read_file()
+            if damage:  # written over, its other keys were gone for good: kept beside the new file
+                aside = move_aside(self.file, "corrupt")
+                log.warning(
+                    "API key file %s could not be read (%s); kept as %s and a new one started",
+                    self.file,
+                    damage,
+                    aside.name,
+                )
+            if key:
+                keys[base_url] = key
+            else:
+                keys.pop(base_url, None)
+            self._write(keys)
 
     def _keyring_delete(self, base_url: str) -> None:
         assert self.keyring is not None
@@ -106,5 +109,4 @@ class KeyStore:
         return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}, ""
 
     def _write(self, keys: dict[str, str]) -> None:
-        self.file.parent.mkdir(parents=True, exist_ok=True)
         write_whole(self.file, json.dumps(keys), mode=0o600)  # owner-only from its first byte

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from app.store import move_aside
 from engine.default_model import SMOLLM2_135M_Q4_1, DefaultModelSpec, cached_default_model
-from engine.paths import user_path, write_whole
+from engine.paths import locked_beside, user_path, write_whole
 from engine.types import REMOTE_PREFIX, hub_name, safetensors_weights
 
 log = logging.getLogger(__name__)
@@ -192,19 +192,32 @@ class RecentModels:
 
     def add(self, source: str, now: Optional[float] = None) -> list[ModelEntry]:
         key = source_key(source)
-        items = [i for i in self._read() if not _same(source_key(i["source"]), key)]
-        items.insert(0, {"source": key, "last_used": time.time() if now is None else now})
-        self._write(items[: self.limit])
+
+        def added(items: list[dict]) -> list[dict]:
+            kept = [i for i in items if not _same(source_key(i["source"]), key)]
+            return [{"source": key, "last_used": time.time() if now is None else now}, *kept][: self.limit]
+
+        self._update(added)
         return self.entries()
 
     def remove(self, source: str) -> list[ModelEntry]:
         key = source_key(source)
-        self._write([i for i in self._read() if not _same(source_key(i["source"]), key)])
+        self._update(lambda items: [i for i in items if not _same(source_key(i["source"]), key)])
         return self.entries()
 
     def clear(self) -> list[ModelEntry]:
-        self._write([])
+        self._update(lambda items: [])
         return self.entries()
+
+    def _update(self, change: Callable[[list[dict]], list[dict]]) -> None:
+        """The list read, changed and written by one process at a time: two windows opening models at once each
+        read it before the other wrote it, and the second write lost the first's model."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with locked_beside(self.path, "the recent models list"):
+                self._write(change(self._read()))
+        except OSError as exc:  # a read-only or full disk: not saved
+            self._note(f"the recent models list could not be saved ({exc.strerror or exc})")
 
     def _read(self) -> list[dict]:
         self._stuck = False
@@ -246,12 +259,7 @@ class RecentModels:
     def _write(self, items: list[dict]) -> None:
         if self._stuck:
             return
-        data = json.dumps({"version": RECENT_VERSION, "models": items}, indent=1)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_whole(self.path, data, mode=0o600)
-        except OSError as exc:
-            self._note(f"the recent models list could not be saved ({exc.strerror or exc})")
+        write_whole(self.path, json.dumps({"version": RECENT_VERSION, "models": items}, indent=1), mode=0o600)
 
     def _note(self, text: str) -> None:
         log.warning("%s", text)

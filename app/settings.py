@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
-import errno
 import json
 import logging
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from app.store import aside_name, move_aside
 from engine import figures
 from engine.errors import GaplessError, OptionsError
-from engine.paths import write_whole
+from engine.paths import locked_beside, write_whole
 from engine.types import DEVICES, OVERFLOW_POLICIES, EngineOptions, SamplingParams, server_decides
 
 log = logging.getLogger(__name__)
@@ -193,43 +191,6 @@ def _usable_options(kind: type[EngineOptions] | type[SamplingParams], saved: dic
             continue
         usable[name] = value
     return usable, bad
-
-
-# What flock says on a file system that has no locks.
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
-
-
-@contextlib.contextmanager
-def _locked(lock_file: Path) -> Iterator[None]:
-    """Held by one process (or one open of the file) at a time; waits for the other to let go."""
-    with open(lock_file, "a+b") as f:
-        if sys.platform == "win32":
-            import msvcrt
-
-            f.seek(0)
-            msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)  # retries for 10 s, then OSError
-            try:
-                yield
-            finally:
-                f.seek(0)
-                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
-        else:
-            import fcntl
-
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX)
-            except OSError as exc:
-                if exc.errno not in _NO_LOCKS:
-                    raise
-                # A file system without locks (some network and FUSE mounts): saved as before there was a lock,
-                # one window's save at the same moment as another's may undo it.
-                log.warning("settings saved without a lock: %s cannot be locked (%s)", lock_file, exc.strerror)
-                yield
-                return
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class _Unreadable(Exception):
@@ -449,7 +410,7 @@ class SettingsStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Read, merged and written by one window at a time: two saving at once (a logout closes both) each
             # read the file before the other wrote it, and the second write undid the first's changes.
-            with _locked(self.path.with_name(f".{self.path.name}.lock")):  # kept: removing it would race
+            with locked_beside(self.path, "settings"):
                 doc = {**self.unknown, **mine}
                 on_disk = self._current(notices)
                 if on_disk is not None and self._seen is not None:  # what another window saved meanwhile stays

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import re
+import sys
+import time
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 import platformdirs
 
@@ -132,6 +137,78 @@ def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: boo
         with contextlib.suppress(OSError):  # the write's own error is the one to report
             Path(tmp).unlink(missing_ok=True)
         raise
+    _remove_stale_temporaries(path.parent, f".{stem}.")
+
+
+# A temporary file of write_whole this old is one a process stopped while writing (killed, a power cut) left: no
+# write takes that long. They were never removed, each as large as the file it was to be.
+STALE_TEMPORARY_S = 600
+_TEMPORARY_TAIL = re.compile(r"[a-z0-9_]{8}")  # tempfile.mkstemp's random part
+
+
+def _remove_stale_temporaries(folder: Path, prefix: str) -> None:
+    """Remove the temporaries named `prefix` + mkstemp's part in `folder` that no write has touched for
+    STALE_TEMPORARY_S; nothing is said where one cannot be (the write itself is done)."""
+    try:
+        with os.scandir(folder) as entries:
+            stale = [
+                e.path
+                for e in entries
+                if e.name.startswith(prefix)
+                and _TEMPORARY_TAIL.fullmatch(e.name[len(prefix) :])
+                and e.is_file(follow_symlinks=False)
+                and time.time() - e.stat(follow_symlinks=False).st_mtime > STALE_TEMPORARY_S
+            ]
+    except OSError:
+        return
+    for name in stale:
+        try:
+            os.unlink(name)
+        except OSError:  # removed by another process's write meanwhile, or not ours to remove
+            pass
+
+
+# What flock says on a file system that has no locks.
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
+@contextlib.contextmanager
+def locked_beside(path: Path, what: str) -> Iterator[None]:
+    """Held by one process (or one open of the lock file) at a time, around a read, merge and write of `path`:
+    two windows saving at once (a logout closes both) each read the file before the other wrote it, and the second
+    write undid the first's changes. The lock is the file `.<name>.lock` beside `path`, kept: removing it would
+    race. `what` names the file's contents in the warning where its file system has no locks."""
+    lock_file = path.with_name(f".{path.name}.lock")
+    with open(lock_file, "a+b") as f:
+        if sys.platform == "win32":
+            import msvcrt
+
+            f.seek(0)
+            msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)  # retries for 10 s, then OSError
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    raise
+                # A file system without locks (some network and FUSE mounts): saved as before there was a lock,
+                # one window's save at the same moment as another's may undo it.
+                logging.getLogger(__name__).warning(
+                    "%s saved without a lock: %s cannot be locked (%s)", what, lock_file, exc.strerror
+                )
+                yield
+                return
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def unchanged_while_read(f: BinaryIO, name: str) -> Callable[[], None]:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from saves_at_once import saves_at_once
 
 from app.registry import RECENT_FILE, ModelEntry, RecentModels, default_model_entry, scan_models_folder
 from engine.default_model import DefaultModelSpec
@@ -387,3 +388,15 @@ def test_models_list_prints_a_file_name_s_control_characters_as_escapes(tmp_path
     assert list_models(paths, out) == 0
     line = [row for row in out.getvalue().splitlines() if row.startswith("folder")]
     assert len(line) == 1 and "tiny\\x1b[2J.gguf" in line[0] and "\x1b" not in out.getvalue()
+
+
+def test_two_windows_opening_models_at_the_same_moment_both_keep_theirs(tmp_path, monkeypatch):
+    """Each read the list before the other wrote it, and the second write lost the first's model (4 of 60 such
+    opens at once lost one)."""
+    import app.registry
+
+    one, two = RecentModels(tmp_path), RecentModels(tmp_path)
+    saves_at_once(monkeypatch, app.registry, lambda: one.add(str(tmp_path / "a.gguf")), lambda: two.remove("x"))
+    saves_at_once(monkeypatch, app.registry, lambda: one.add(str(tmp_path / "b.gguf")), lambda: two.add("/m/c.gguf"))
+    kept = [m["source"] for m in json.loads((tmp_path / RECENT_FILE).read_text())["models"]]
+    assert kept == [os.path.abspath("/m/c.gguf"), str(tmp_path / "b.gguf"), str(tmp_path / "a.gguf")]

@@ -68,3 +68,30 @@ def test_the_temporary_name_of_a_long_name_is_cut_between_characters(tmp_path, m
     prefix = made[0]
     prefix.encode("utf-8")  # whole characters: no surrogate from a cut byte sequence
     assert len(prefix.encode("utf-8")) <= 66 and name.startswith(prefix[1:-1])
+
+
+def test_temporaries_a_stopped_write_left_are_removed_by_the_next_write(tmp_path):
+    """A process killed while it wrote left `.settings.json.abcd1234` beside the file, for good (9 of them after
+    30 kills)."""
+    import os
+    import time
+
+    from engine.paths import STALE_TEMPORARY_S
+
+    target = tmp_path / "settings.json"
+    old = time.time() - STALE_TEMPORARY_S - 60
+    left = [tmp_path / ".settings.json.k1_x9zq0", tmp_path / ".settings.json.ab12cd34"]
+    kept = [
+        tmp_path / ".settings.json.lock",  # the lock beside it
+        tmp_path / ".settings.json.0123abcd.bak",  # not a temporary's name
+        tmp_path / ".other.json.ab12cd34",  # another file's
+        tmp_path / "settings.json.corrupt-20261207",
+    ]
+    for p in left + kept:
+        p.write_text("x")
+        os.utime(p, (old, old))
+    writing = tmp_path / ".settings.json.zz99yy88"  # another process's write, under way
+    writing.write_text("half")
+    write_whole(target, "{}")
+    assert target.read_text() == "{}"
+    assert not any(p.exists() for p in left) and all(p.exists() for p in kept) and writing.exists()

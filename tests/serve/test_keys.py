@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+from saves_at_once import saves_at_once
 
 from app.keys import SERVICE, KeyStore
 
@@ -98,3 +99,18 @@ def test_a_key_the_keyring_refused_is_read_back_from_the_file(tmp_path, monkeypa
     store = KeyStore(tmp_path)
     store.set("http://h/v1", "sk-k")
     assert store.file.exists() and KeyStore(tmp_path).get("http://h/v1") == "sk-k"
+
+
+def test_two_windows_saving_keys_at_the_same_moment_both_keep_theirs(tmp_path, monkeypatch):
+    """Each read the file before the other wrote it, and the second write lost the first's key."""
+    import app.keys
+
+    one, two = KeyStore(tmp_path, use_keyring=False), KeyStore(tmp_path, use_keyring=False)
+    saves_at_once(
+        monkeypatch,
+        app.keys,
+        lambda: one.set("http://a:8000/v1", "key-a"),
+        lambda: two.set("http://b:8000/v1", "key-b"),
+    )
+    again = KeyStore(tmp_path, use_keyring=False)
+    assert (again.get("http://a:8000/v1"), again.get("http://b:8000/v1")) == ("key-a", "key-b")
