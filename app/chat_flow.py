@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from PySide6.QtCore import QObject, QTextBoundaryFinder, QTimer, Signal
 
-from app.store import ChatStore, Message, NotFound, StoreError, StreamSaver, check_message, figures_lost
+from app.store import (
+    NEW_CANDIDATE_GROUP,
+    ChatStore,
+    Message,
+    NotFound,
+    StoreError,
+    StreamSaver,
+    check_message,
+    figures_lost,
+)
 from engine import figures
 from engine.errors import one_line
 from engine.types import DEVICES, DTYPES, EngineOptions, GenerationResult, SamplingParams, blank, options_as_run
@@ -520,7 +529,7 @@ class ChatFlow(QObject):
         n = max(1, int(getattr(options, "candidates", 1)))
         a.candidates = n
         options = resolved(options, getattr(self.controller, "info", None))  # kept if the app ends first
-        group = self.store.new_candidate_group() if n > 1 else None
+        group = NEW_CANDIDATE_GROUP if n > 1 else None
         try:
             for i in range(n):
                 m = self.store.add_message(
@@ -534,6 +543,7 @@ class ChatFlow(QObject):
                     candidate_index=i if n > 1 else None,
                     model_name=a.model_name,
                 )
+                group = m.candidate_group  # the number the first one took
                 a.message_ids.append(m.id)
                 a.savers.append(StreamSaver(self.store, m.id))
         except StoreError as exc:

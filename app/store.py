@@ -219,6 +219,11 @@ class Message:
     model_name: Optional[str]
 
 
+# The candidate group of the first of an answer's N candidates: a number not used yet, taken in the transaction
+# that writes the message (taken before it, two windows starting candidates in one chat at once could both take
+# the same, and the chat's export was refused on import: "candidate group 1 holds answers to different messages").
+NEW_CANDIDATE_GROUP = -1
+
 _MESSAGE_COLUMNS = (
     "id, chat_id, parent_id, role, content, status, created, updated, options_json, metrics_json, "
     "candidate_group, candidate_index, model_name"
@@ -249,16 +254,38 @@ def _dumps(value: Any) -> Optional[str]:
     return figures.strict_json(value, ensure_ascii=False)
 
 
+def _text(value: Any) -> str:
+    """A stored text as text: one another program stored as bytes (a BLOB) is read as UTF-8, its bad bytes as
+    U+FFFD, as the connection reads a TEXT value that is not UTF-8 (_connection); none as ""."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return _utf8_or_replaced(bytes(value))
+    return "" if value is None else str(value)
+
+
+def _time(value: Any) -> float:
+    """A stored time (unix seconds); one that is not a number reads as 0 (the oldest)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _utf8_or_replaced(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
 def _message(row: tuple) -> Message:
     return Message(
         row[0],
         row[1],
         row[2],
         row[3],
-        row[4],
+        _text(row[4]),
         row[5],
-        row[6],
-        row[7],
+        _time(row[6]),
+        _time(row[7]),
         _kept_figures(row[8], "options", row[0]),
         _kept_figures(row[9], "metrics", row[0]),
         *row[10:13],
@@ -311,7 +338,7 @@ def _chat(row: tuple) -> Chat:
     if problems:
         damaged = f"{' and '.join(problems)} could not be read; it uses the defaults until they are set again"
         log.error("chat database: chat %d: %s", row[0], damaged)
-    return Chat(row[0], row[1], row[2], row[3], row[4], sampling, row[6], overflow, damaged)
+    return Chat(row[0], _text(row[1]), _time(row[2]), _time(row[3]), _text(row[4]), sampling, row[6], overflow, damaged)
 
 
 def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
@@ -549,6 +576,9 @@ class ChatStore:
             self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
         )
         db.create_function("gapless_holds", 3, _holds, deterministic=True)
+        # a text that is not UTF-8 (written by another program) failed the whole query it was read in: one such
+        # title left the chat list empty; read with its bad bytes as U+FFFD, as the search reads it (_holds)
+        db.text_factory = _utf8_or_replaced
         return db
 
     def _connect_checked(self) -> sqlite3.Connection:
@@ -887,8 +917,11 @@ class ChatStore:
         candidate_index: Optional[int] = None,
         model_name: Optional[str] = None,
     ) -> int:
-        """Insert a message checked by _check_fields, inside the caller's transaction; its id."""
+        """Insert a message checked by _check_fields, inside the caller's transaction; its id. A
+        `candidate_group` of NEW_CANDIDATE_GROUP is a group number no message has yet."""
         now = time.time()
+        if candidate_group == NEW_CANDIDATE_GROUP:  # numbered in the transaction that writes it
+            candidate_group = db.execute("SELECT COALESCE(MAX(candidate_group), 0) + 1 FROM messages").fetchone()[0]
         self._require_chat(db, chat_id)
         if parent_id is not None:
             row = db.execute("SELECT chat_id FROM messages WHERE id = ?", (parent_id,)).fetchone()
@@ -919,10 +952,6 @@ class ChatStore:
         else:
             db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
         return message_id
-
-    def new_candidate_group(self) -> int:
-        """A group number not used by any message yet, for the N candidates of one answer."""
-        return self._read("SELECT COALESCE(MAX(candidate_group), 0) + 1 FROM messages")[0][0]
 
     def get_message(self, message_id: int) -> Message:
         rows = self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))

@@ -9,7 +9,16 @@ import sys
 import pytest
 from chat_threads import chain, streaming_answer
 
-from app.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, CompareHistory, NotFound, StoreError, StreamSaver
+from app.store import (
+    MIGRATIONS,
+    NEW_CANDIDATE_GROUP,
+    SCHEMA_VERSION,
+    ChatStore,
+    CompareHistory,
+    NotFound,
+    StoreError,
+    StreamSaver,
+)
 from engine.types import EngineOptions, GenerationMetrics, SamplingParams
 
 
@@ -127,15 +136,41 @@ def test_edit_and_resend_creates_a_branch_and_both_stay_reachable(store):
         store.set_active_leaf(store.create_chat().id, u1.id)
 
 
+def test_two_windows_starting_candidates_in_one_chat_get_groups_of_their_own(store, tmp_path):
+    """The group was numbered before the transaction that wrote it: two windows starting candidates in one chat at
+    once both took group 1, and the chat's export was refused on import ("candidate group 1 holds answers to
+    different messages")."""
+    from app.chat_io import export_json, parse_chat
+
+    other = ChatStore(tmp_path / "chats.sqlite3")  # the second window's
+    chat = store.create_chat()
+    q1 = store.add_message(chat.id, "user", "q1", None)
+    q2 = other.add_message(chat.id, "user", "q2", None)
+    firsts = [
+        s.add_message(chat.id, "assistant", "a", q.id, candidate_group=NEW_CANDIDATE_GROUP, candidate_index=0)
+        for s, q in ((store, q1), (other, q2))
+    ]
+    for s, first, q in zip((store, other), firsts, (q1, q2)):
+        s.add_message(chat.id, "assistant", "b", q.id, candidate_group=first.candidate_group, candidate_index=1)
+    assert sorted(m.candidate_group for m in firsts) == [1, 2]
+    assert parse_chat(export_json(store, chat.id).encode()).messages  # its export reads back
+    other.close()
+
+
 def test_candidates_share_a_group_and_one_is_chosen(store):
     chat = store.create_chat()
     u = store.add_message(chat.id, "user", "q", None)
-    group = store.new_candidate_group()
-    cands = [
+    first = store.add_message(
+        chat.id, "assistant", "answer 0", u.id, candidate_group=NEW_CANDIDATE_GROUP, candidate_index=0
+    )
+    group = first.candidate_group
+    cands = [first] + [
         store.add_message(chat.id, "assistant", f"answer {i}", u.id, candidate_group=group, candidate_index=i)
-        for i in range(3)
+        for i in (1, 2)
     ]
-    assert store.new_candidate_group() == group + 1
+    other = store.add_message(chat.id, "assistant", "x", u.id, candidate_group=NEW_CANDIDATE_GROUP, candidate_index=0)
+    assert (group, other.candidate_group) == (1, 2)
+    store.delete_message(other.id)
     # The first candidate is on screen until another is picked.
     assert texts(store.thread(chat.id)) == ["q", "answer 0"]
     sibs = store.siblings(cands[1].id)
@@ -217,6 +252,28 @@ def test_a_message_written_as_invalid_utf8_by_another_program_does_not_end_every
     assert [c.id for c in store.list_chats("ÉTIEZ")] == [good.id]
     assert [c.id for c in store.list_chats("UNICODE")] == [bad.id]  # found where its bytes can be read
     assert [c.id for c in store.list_chats("É")] == [good.id, bad.id]  # the readable "é" before the bad bytes
+
+
+def test_text_another_program_stored_as_bad_utf8_or_bytes_reads_with_replacement_and_hides_no_chat(store, tmp_path):
+    """One title that was not UTF-8 failed the whole query: the chat list was empty (in the app and `chats list`);
+    a message's bad bytes made its chat impossible to open or export; a title stored as bytes (a BLOB) stopped the
+    app at its start."""
+    import sqlite3
+
+    chats = [store.create_chat(f"Chat {n}") for n in range(3)]
+    for chat in chats:
+        store.add_message(chat.id, "user", "hello", None)
+    with sqlite3.connect(tmp_path / "chats.sqlite3") as db:
+        db.execute("UPDATE chats SET title = CAST(X'43686174ff' AS TEXT) WHERE id = ?", (chats[0].id,))
+        db.execute("UPDATE chats SET title = X'426c6f62', system_prompt = X'ff' WHERE id = ?", (chats[1].id,))
+        db.execute("UPDATE chats SET updated = 'yesterday' WHERE id = ?", (chats[2].id,))
+        db.execute("UPDATE messages SET content = CAST(X'68e9ff' AS TEXT) WHERE chat_id = ?", (chats[0].id,))
+        db.execute("UPDATE messages SET content = X'6f6b' WHERE chat_id = ?", (chats[1].id,))
+    listed = {c.id: c for c in store.list_chats()}
+    assert [listed[c.id].title for c in chats] == ["Chat\ufffd", "Blob", "Chat 2"]
+    assert listed[chats[1].id].system_prompt == "\ufffd" and listed[chats[2].id].updated == 0.0
+    assert [m.content for m in store.thread(chats[0].id)] == ["h\ufffd\ufffd"]
+    assert [m.content for m in store.thread(chats[1].id)] == ["ok"]
 
 
 def test_the_letters_that_fold_to_ascii_are_all_known_to_the_search():
