@@ -414,8 +414,9 @@ class ChatFlow(QObject):
         return self._ask(user)
 
     def edit(self, user_message_id: int, text: str) -> bool:
-        """Resend an edited user message as a new branch beside the old one (which stays reachable)."""
-        if self.generating:
+        """Resend an edited user message as a new branch beside the old one (which stays reachable); an edit that
+        says nothing (white space, NUL characters) is refused as a message sent is."""
+        if self.generating or blank(text):
             return False
         old = self._guard(lambda: self.store.get_message(user_message_id))
         if not old:

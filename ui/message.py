@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat_flow import MessageItem
+from engine.types import blank
 from ui.hud.bars import ElidedLabel
 from ui.markdown import SegmentsView
 from ui.parts import TypingBox
@@ -258,7 +259,7 @@ class MessageWidget(QFrame):
     def _submit_edit(self, text: str) -> None:
         """The editor stays open until the edit is stored (the conversation is then shown again from this
         message on, in a new widget): an edit the store refuses (a locked or full disk) keeps its text."""
-        if not text.strip() or self._busy or not self._can_answer:
+        if blank(text) or self._busy or not self._can_answer:
             return
         self.editSubmitted.emit(self.item.id, text)
 

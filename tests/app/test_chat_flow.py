@@ -285,6 +285,11 @@ def test_a_message_of_only_nul_characters_is_not_sent(flow):
     assert store.list_chats() == [] and ctl.asked == []
     assert f.send("a\x00b")  # NULs inside words are kept, as before
     assert ctl.asked == [[{"role": "user", "content": "a\x00b"}]]
+    ctl.run(1, ["answer"], ["eos"])
+    question = store.thread(f.chat_id)[0]
+    # an edit to nothing but NULs and spaces was stored as a new branch and then failed as "empty prompt"
+    assert not f.edit(question.id, "\x00 \x00\n")
+    assert [m.content for m in store.siblings(question.id)] == ["a\x00b"] and len(ctl.asked) == 1
 
 
 def test_a_long_first_message_s_title_is_cut_between_characters_as_seen():
