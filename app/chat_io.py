@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 from app.markdown_blocks import read_blocks
 from app.store import MAX_TEXT_CHARS, MAX_TITLE_CHARS, ROLES, ChatStore, Message, StoreError
+from app.thinking import split_thinking, thinking_as_quote
 from engine import figures
 from engine.errors import GaplessError, OptionsError
 from engine.figures import metrics_problem
@@ -157,7 +158,8 @@ def export_markdown(store: ChatStore, chat_id: int) -> str:
         lines += [head, ""]
         if m.parent_id is not None and m.parent_id != previous:
             lines += [f"*in reply to #{number[m.parent_id]}*", ""]
-        lines += [_as_exported(m.content) if m.content else "*(empty)*", ""]
+        text = _answer_as_exported(m.content) if m.role == "assistant" else _as_exported(m.content) or "*(empty)*"
+        lines += [text, ""]
         if m.role == "assistant" and (m.metrics or m.options):
             lines += [f"<sub>{_figures_line(m)}</sub>", ""]
         previous = m.id
@@ -230,6 +232,19 @@ def _as_exported(content: str) -> str:
     if blocks.closing is not None:
         lines.append(blocks.closing)
     return "\n".join(lines)
+
+
+def _answer_as_exported(content: str) -> str:
+    """An answer as the Markdown file holds it (_as_exported), its thinking before it in a quote headed
+    "Thinking" (app.thinking): the tags were raw HTML to a Markdown reader, which drops tags it does not know, and
+    the thinking read as the start of the answer."""
+    if not content:
+        return "*(empty)*"
+    thinking = split_thinking(content)
+    text = thinking_as_quote(content, _as_exported)
+    if thinking is not None and not thinking.answer.strip():
+        text += "\n\n*(no answer after it)*"
+    return text
 
 
 def _quote(text: str) -> str:

@@ -44,6 +44,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.fences import FENCE, closes
+from app.thinking import thinking_as_quote
 from ui.parts import LONG_WORD, has_long_word
 from ui.plain_text import show_tip
 from ui.theme import LIGHT, Colors
@@ -664,9 +665,19 @@ def open_link(url: QUrl) -> bool:
 class SegmentsView(QWidget):
     """The body of one message: prose and code segments, updated in place as the text grows."""
 
-    def __init__(self, text: str = "", colors: Colors = LIGHT, parent: Optional[QWidget] = None, name: str = "Message"):
+    def __init__(
+        self,
+        text: str = "",
+        colors: Colors = LIGHT,
+        parent: Optional[QWidget] = None,
+        name: str = "Message",
+        thinking: bool = False,
+    ):
+        """`thinking`: an answer, whose opening thinking (a reasoning model's "<think>…</think>") is shown as a
+        quote headed "Thinking" before the answer (app.thinking), where the tags were shown as text."""
         super().__init__(parent)
         self._colors = colors
+        self._thinking = thinking
         self._name = name  # what a screen reader calls each piece of prose (a Tab stop), e.g. "Answer"
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(0, 0, 0, 0)
@@ -722,7 +733,7 @@ class SegmentsView(QWidget):
 
     def _render_now(self) -> None:
         self.render_count += 1
-        segments = split_markdown(self._text)
+        segments = split_markdown(thinking_as_quote(self._text) if self._thinking else self._text)
         keep = 0
         for seg, w in zip(segments, self._widgets):
             if w.kind != seg.kind or (isinstance(w, CodeBlock) and w.lang != seg.lang):

@@ -116,7 +116,7 @@ class MessageWidget(QFrame):
         self._header = header
 
         body_name = {"user": "Your message", "system": "System prompt"}.get(item.role, "Answer")
-        self.body = SegmentsView(item.content, colors, self, body_name)
+        self.body = SegmentsView(item.content, colors, self, body_name, thinking=item.role == "assistant")
         self.stats_label = QLabel(self)
         self.stats_label.setObjectName("statsLine")
         self.stats_label.setWordWrap(True)  # a narrow window wraps the line instead of widening the column
@@ -310,7 +310,7 @@ class CandidateTabs(QFrame):
             page = QWidget()
             lay = QVBoxLayout(page)
             lay.setContentsMargins(6, 6, 6, 6)
-            body = SegmentsView("", colors, page, f"Candidate {i + 1}")
+            body = SegmentsView("", colors, page, f"Candidate {i + 1}", thinking=True)
             stats = QLabel("generating…", page)
             stats.setObjectName("statsLine")
             stats.setWordWrap(True)

@@ -16,7 +16,7 @@ import pytest
 
 from app import chat_io
 from app.chat_io import ChatFileError, chat_document, export_json, export_markdown, import_chat
-from app.store import ChatStore
+from app.store import NEW_CANDIDATE_GROUP, ChatStore
 from engine.types import GenerationMetrics, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,18 +54,17 @@ def make_chat(store: ChatStore) -> int:
     a1 = store.add_message(chat.id, "assistant", "Hello!", u1.id, options=options, metrics=metrics, model_name="tiny")
     store.add_message(chat.id, "assistant", "Hey.", u1.id, status="stopped", options=options, metrics=metrics)
     u2 = store.add_message(chat.id, "user", "Tell me a joke", a1.id)
-    group = store.new_candidate_group()
     c0 = store.add_message(
         chat.id,
         "assistant",
         "Joke one",
         u2.id,
-        candidate_group=group,
+        candidate_group=NEW_CANDIDATE_GROUP,
         candidate_index=0,
         options={**options, "candidates": 2},
         metrics=metrics,
     )
-    store.add_message(chat.id, "assistant", "Joke two 🙂", u2.id, candidate_group=group, candidate_index=1)
+    store.add_message(chat.id, "assistant", "Joke two 🙂", u2.id, candidate_group=c0.candidate_group, candidate_index=1)
     store.add_message(chat.id, "user", "Tell me a story", a1.id)  # an edit: a branch beside u2
     store.set_active_leaf(chat.id, c0.id)
     store.update_chat(chat.id, overflow_policy="truncate-middle")
@@ -291,6 +290,24 @@ def test_markdown_renders_each_message_as_written_whatever_its_lists_and_quotes_
             if shown != rendered(md, md.parse(text)):
                 wrong.append((texts, j))
     assert wrong == []
+
+
+def test_a_reasoning_model_s_thinking_is_exported_as_a_quote_before_its_answer(store):
+    """<think> and </think> were raw HTML to a Markdown reader, which drops tags it does not know: the thinking
+    read as the start of the answer."""
+    from markdown_it import MarkdownIt
+
+    thought = "<think>\nTwo and two.\n\n```py\nprint(2 + 2)\n```\n</think>\n\nIt is **4**."
+    doc = exported_turns(store, "2+2?", thought, "and 3+3?", "<think>six, since")
+    first = doc[doc.index("### #2 · Assistant") : doc.index("### #3 · User")]
+    assert "<think>" not in doc and "</think>" not in doc
+    html = MarkdownIt("commonmark").render(first)
+    assert (
+        html.index("<blockquote>") < html.index("Thinking") < html.index("print(2 + 2)") < html.index("</blockquote>")
+    )
+    assert html.index("</blockquote>") < html.index("It is <strong>4</strong>")
+    stopped = doc[doc.index("### #4 · Assistant") :]
+    assert "> six, since" in stopped and "*(no answer after it)*" in stopped
 
 
 def test_markdown_says_why_a_figure_is_na(store):

@@ -1495,3 +1495,30 @@ def test_code_left_in_the_prose_keeps_its_lines_as_written(qtbot):
     lines = view.document().toPlainText().split("\n")
     assert lines[:5] == ["Run:", "make all", "make install", "a = 1", "b = 2"]
     assert lines[-2:] == ["line one", "line two"]  # not joined into "line one line two"
+
+
+def test_a_reasoning_model_s_thinking_shows_as_a_quote_before_its_answer(qtbot):
+    """The answer showed "<think>…</think>" as text, the thinking run into the answer."""
+    text = "<think>\nTwo and two make four.\n</think>\n\nIt is **4**."
+    whole = SegmentsView(text, thinking=True)
+    view = SegmentsView("", thinking=True)
+    user = SegmentsView(text)  # a message of the user's is shown as written
+    for w in (whole, view, user):
+        qtbot.addWidget(w)
+    for batch in ["<think>", "\nTwo", " and two", " make four."]:
+        view.append(batch)
+    view.flush()
+    assert _shown(view) == [("prose", "Thinking…\nTwo and two make four.")]
+    for batch in ["\n</think>", "\n\nIt", " is **4**."]:
+        view.append(batch)
+    view.flush()
+    assert _shown(view) == _shown(whole) == [("prose", "Thinking\nTwo and two make four.\nIt is 4.")]
+    assert view.text == text  # kept as written: copied, stored and sent back so
+    assert "<think>" in user._widgets[0].toPlainText()
+
+
+def test_an_empty_thinking_shows_the_answer_alone(qtbot):
+    """A reasoning model asked not to think writes an empty "<think>\n\n</think>": it showed an empty quote."""
+    view = SegmentsView("<think>\n\n</think>\n\nIt is 4.", thinking=True)
+    qtbot.addWidget(view)
+    assert _shown(view) == [("prose", "It is 4.")]
