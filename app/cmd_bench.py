@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from app.cmd_generate import EXIT_INTERRUPTED, check_draft_model
+from app.cmd_generate import EXIT_INTERRUPTED, check_draft_model, in_flag_words
 from engine import figures
 from engine.errors import OptionsError, OutputPathError
 from engine.ladder import DEFAULT_PROMPT, BenchConfig
@@ -122,8 +122,11 @@ def check_flags(args: argparse.Namespace) -> None:
     # failed rungs and exited 1)
     if args.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
         raise OptionsError(f"--max-new-tokens is at most {MAX_NEW_TOKENS_LIMIT}, got {args.max_new_tokens}")
-    if getattr(args, "draft_tokens", None) is not None:
-        EngineOptions(speculation="ngram", draft_tokens=args.draft_tokens).validate()
+    with in_flag_words():
+        if getattr(args, "draft_tokens", None) is not None:
+            EngineOptions(speculation="ngram", draft_tokens=args.draft_tokens).validate()
+        if getattr(args, "candidates", None) is not None:
+            EngineOptions(candidates=args.candidates).validate()
     cores = os.cpu_count()
     threads = getattr(args, "threads", None)
     if threads is not None and cores is not None and threads > cores:  # 100000 crashed the process in torch

@@ -6,7 +6,7 @@ import contextlib
 import signal
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Iterator
 
 from engine import figures
@@ -15,6 +15,23 @@ from engine.errors import OptionsError
 from engine.paths import output_file, user_path
 from engine.recording import Recorder, save
 from engine.types import GREEDY_BELOW, PRESETS, EngineOptions, Progress, SamplingParams, TextDelta, preset_options
+
+# The options' own errors name their fields (top_p), as a request to the server or a chat file spells them; on the
+# command line they name the flag that was given: the field's name with dashes, but for the KV cache's.
+OPTION_FIELDS = frozenset(f.name for cls in (EngineOptions, SamplingParams) for f in fields(cls))
+FLAG_OF = {"kv_cache": "--kv"}
+
+
+@contextlib.contextmanager
+def in_flag_words() -> Iterator[None]:
+    """An OptionsError raised inside names the flag (--top-p) where it named the field (top_p)."""
+    try:
+        yield
+    except OptionsError as exc:
+        name, _, rest = str(exc).partition(" ")
+        if name not in OPTION_FIELDS:
+            raise
+        raise OptionsError(f"{FLAG_OF.get(name, '--' + name.replace('_', '-'))} {rest}") from None
 
 
 def options_from_args(args) -> EngineOptions:
@@ -39,7 +56,8 @@ def options_from_args(args) -> EngineOptions:
         "weights": getattr(args, "weights", None),
         "prefix_reuse": getattr(args, "prefix_reuse", None),
     }
-    options = replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
+    with in_flag_words():
+        options = replace(base, **{k: v for k, v in changes.items() if v is not None}).validate()
     if changes["draft_tokens"] is not None and options.speculation == "off":  # read by nothing: refused
         raise OptionsError("--draft-tokens sets how far speculation drafts, and speculation is off: add --speculation")
     if changes["draft_model"] and options.speculation != "draft":
@@ -65,15 +83,16 @@ def check_draft_model(speculation: str, draft_model: str) -> None:
 
 
 def sampling_from_args(args) -> SamplingParams:
-    sampling = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    ).validate()
+    with in_flag_words():
+        sampling = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        ).validate()
     # greedy (the default here, and any temperature below GREEDY_BELOW) reads none of these: refused, not ignored
     if sampling.temperature < GREEDY_BELOW:
         for flag, given in (

@@ -331,8 +331,9 @@ class SamplingParams:
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
         ):
             raise OptionsError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise OptionsError("stop strings must be non-empty strings")
+        bad = [s for s in self.stop if not (isinstance(s, str) and s)]
+        if bad:
+            raise OptionsError(f"stop must be non-empty strings, got {bad[0]!r}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -227,20 +227,24 @@ def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--max-new-tokens", str(10**9)), f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {10**9}"),
-        (("--max-new-tokens", "0"), f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got 0"),
-        (("--temperature", "-1"), "temperature must be >= 0, got -1.0"),
-        (("--top-p", "1.5"), "top_p must be in (0, 1], got 1.5"),
-        (("--candidates", "0"), f"candidates must be between 1 and {MAX_CANDIDATES}, got 0"),
-        (("--candidates", "1000"), f"candidates must be between 1 and {MAX_CANDIDATES}, got 1000"),
+        (
+            ("--max-new-tokens", str(10**9)),
+            f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {10**9}",
+        ),
+        (("--max-new-tokens", "0"), f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got 0"),
+        (("--temperature", "-1"), "--temperature must be >= 0, got -1.0"),
+        (("--top-p", "1.5"), "--top-p must be in (0, 1], got 1.5"),
+        (("--candidates", "0"), f"--candidates must be between 1 and {MAX_CANDIDATES}, got 0"),
+        (("--candidates", "1000"), f"--candidates must be between 1 and {MAX_CANDIDATES}, got 1000"),
         (("--preset", "warp-speed"), f"unknown preset 'warp-speed'; choose from {', '.join(PRESETS)}"),
-        (("--temperature", "nan"), "temperature must be a finite number, got nan"),
-        (("--temperature", "inf"), "temperature must be a finite number, got inf"),
-        (("--top-p", "nan"), "top_p must be a finite number, got nan"),
-        (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
-        (("--repetition-penalty=-inf",), "repetition_penalty must be a finite number, got -inf"),
-        (("--top-k", "-3"), "top_k must be an integer >= 0, got -3"),
-        (("--seed", "-1"), "seed must be an integer in [0, 2**63), got -1"),
+        (("--temperature", "nan"), "--temperature must be a finite number, got nan"),
+        (("--temperature", "inf"), "--temperature must be a finite number, got inf"),
+        (("--top-p", "nan"), "--top-p must be a finite number, got nan"),
+        (("--top-p", "0"), "--top-p must be in (0, 1], got 0.0"),
+        (("--repetition-penalty=-inf",), "--repetition-penalty must be a finite number, got -inf"),
+        (("--top-k", "-3"), "--top-k must be an integer >= 0, got -3"),
+        (("--seed", "-1"), "--seed must be an integer in [0, 2**63), got -1"),
+        (("--stop", ""), "--stop must be non-empty strings, got ''"),
         # read only when sampling: with greedy decoding they were taken and the answer was the same
         *(
             (
@@ -317,6 +321,9 @@ def test_a_prompt_of_a_dash_is_read_from_standard_input(tiny_llama, tmp_path):
             ("bench", "--presets", "candidates", "--candidates", "1"),
             "--candidates for the candidates rung must be 2 or more, got 1",
         ),
+        # the flag by its name on the command line, not the option's field name (candidates, top_p)
+        (("bench", "--presets", "candidates", "--candidates", "50"), "--candidates must be between 1 and 32, got 50"),
+        (("serve", "--candidates", "0"), "--candidates must be between 1 and 32, got 0"),
     ],
 )
 def test_values_the_help_does_not_offer_are_refused_before_a_model_opens(argv, message):
