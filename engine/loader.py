@@ -456,7 +456,7 @@ def _load_hf_folder(folder: Path, report: ProgressFn, dtype: torch.dtype, device
         name=label,
         source=str(folder),
         source_kind="hf-folder",
-        eos_token_ids=_eos_ids(config, tokenizer, folder),
+        eos_token_ids=_eos_ids(config, tokenizer, folder, _template_turn_ends(tokenizer, config)),
         materialise=materialise,
         unchanged=unchanged,
     )
@@ -848,8 +848,9 @@ def _eos_ids(
     return ids
 
 
-# Tokens that end a chat turn (llama.cpp stops on them too): a GGUF whose EOS is another token (Gemma's <eos>)
-# ends its answers with one of these where its chat template ends each turn with it.
+# Tokens that end a chat turn (llama.cpp stops on them too): a model whose EOS is another token (Gemma's <eos>, a
+# Qwen base model's <|endoftext|> with a ChatML template, early Llama-3-Instruct's <|end_of_text|>) ends its answers
+# with one of these where its chat template ends each turn with it.
 TURN_END_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
 
 
@@ -865,11 +866,19 @@ def _gguf_turn_ends(header, tokenizer, config) -> list[int]:
                 ids.append(v)
             else:
                 log.warning("%s: ignoring %s %d, outside the %s-token vocabulary", header.path.name, key, v, vocab_size)
+    return ids + _template_turn_ends(tokenizer, config)
+
+
+def _template_turn_ends(tokenizer, config) -> list[int]:
+    """The turn-end tokens (TURN_END_TEXTS) the chat template writes, within the model's vocabulary: a folder's
+    model whose EOS is another token ran on past the end of its turn into the next turns (the same model as a
+    GGUF stopped there)."""
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str):
-        vocab = tokenizer.get_vocab()
-        ids += [vocab[t] for t in TURN_END_TEXTS if t in template and t in vocab]
-    return ids
+    if not isinstance(template, str):
+        return []
+    vocab, vocab_size = tokenizer.get_vocab(), getattr(config, "vocab_size", None)
+    ids = [vocab[t] for t in TURN_END_TEXTS if t in template and t in vocab]
+    return [i for i in ids if vocab_size is None or 0 <= i < vocab_size]
 
 
 def _read_json(path: Path, label: str) -> Any:

@@ -97,6 +97,21 @@ def test_generation_config_eos_ids_are_merged(tiny_llama, tmp_path):
     assert load_checkpoint(str(folder)).eos_token_ids == [2, 0]
 
 
+def test_a_folder_s_answers_end_at_the_turn_end_its_template_writes_where_its_eos_is_another(tiny_llama, tmp_path):
+    """A ChatML model whose EOS is <|endoftext|> (Qwen base models, early Llama-3-Instruct's <|end_of_text|>) ran
+    on past <|im_end|> into the next turns; the same model as a GGUF stopped there."""
+    folder = shutil.copytree(tiny_llama, tmp_path / "eot")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tok_config, "eos_token": "<|endoftext|>"}))
+    assert sorted(load_checkpoint(str(folder)).eos_token_ids) == [0, 2]  # <|endoftext|>, <|im_end|>
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    plain = {k: v for k, v in tok_config.items() if k != "chat_template"}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**plain, "eos_token": "<|endoftext|>"}))
+    assert load_checkpoint(str(folder)).eos_token_ids == [0]  # no template, no turn to end
+
+
 def test_the_hugging_face_hub_cache_s_linked_files_load_under_their_own_names(tiny_llama, tmp_path):
     """The hub cache keeps each file as a blob named by its hash, linked from snapshots/<commit>/<file name>: a
     link stands for what its name says, and the model is named by its repository, not by a hash."""
