@@ -53,6 +53,13 @@ UNSUPPORTED = {
     "n_probs": "logprobs are not supported",
     "use_beam_search": "beam search is not supported",
     "reasoning_effort": "reasoning effort is not supported",
+    # the chat template's own arguments (vLLM's, SGLang's): the model's template is rendered with its defaults, so
+    # enable_thinking false, a request's own template or documents changed nothing
+    "chat_template_kwargs": "chat template arguments are not supported: the model's template renders with its defaults",
+    "chat_template": "a request's own chat template is not supported: the model's is used",
+    "documents": "documents for the chat template are not supported",
+    "continue_final_message": "continuing the last message is not supported: the answer is a new assistant turn",
+    "include_stop_str_in_output": "include_stop_str_in_output is not supported: a stop string is left out",
     # other servers' names for the length limit: ignored, an answer would run to the end of the context
     "n_predict": "this server takes the length limit as 'max_tokens'",
     "num_predict": "this server takes the length limit as 'max_tokens'",
@@ -75,6 +82,8 @@ PLAIN_ONLY = {
     "dry_multiplier": (lambda v: v == 0, "DRY sampling is not supported (only 0)"),
     "xtc_probability": (lambda v: v == 0, "XTC sampling is not supported (only 0)"),
     "top_a": (lambda v: v == 0, "top_a is not supported (only 0)"),
+    "add_generation_prompt": (lambda v: v is True, "only true is supported: the answer is a new assistant turn"),
+    "skip_special_tokens": (lambda v: v is True, "only true is supported: special tokens are left out of the text"),
 }
 # The fields a request's answer depends on, as this server reads them: a field named like one of them but not
 # one (a misspelling such as 'temprature') is refused, where it would be ignored and the answer look right.

@@ -112,6 +112,18 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"num_predict": 5}, "num_predict", "unsupported_parameter", "the length limit as 'max_tokens'"),
         ({"dry_multiplier": 0.8}, "dry_multiplier", "unsupported_parameter", "only 0"),
         ({"reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter", "not supported"),
+        # the chat template's arguments: taken and not read, a Qwen3 model thought with enable_thinking false
+        (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            "chat_template_kwargs",
+            "unsupported_parameter",
+            "renders with its defaults",
+        ),
+        ({"chat_template": "{{ messages }}"}, "chat_template", "unsupported_parameter", "the model's is used"),
+        ({"add_generation_prompt": False}, "add_generation_prompt", "unsupported_parameter", "new assistant turn"),
+        ({"continue_final_message": True}, "continue_final_message", "unsupported_parameter", "new assistant turn"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "unsupported_parameter", "left out"),
+        ({"skip_special_tokens": False}, "skip_special_tokens", "unsupported_parameter", "left out of the text"),
         # a misspelt field the answer depends on
         ({"temprature": 0.1}, "temprature", "unknown_parameter", "did you mean 'temperature'?"),
         ({"max_token": 5}, "max_token", "unknown_parameter", "did you mean 'max_tokens'?"),
@@ -434,6 +446,8 @@ def test_n_the_engine_could_not_run_whole_is_an_error_not_fewer_choices(server, 
 def test_extensions_asking_for_what_the_server_does_anyway_are_accepted(server):
     plain = {"ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "function_call": "none", "best_of": 1}
     plain |= {"typical_p": 1.0, "mirostat": 0, "repeat_penalty": 1.0}
+    plain |= {"add_generation_prompt": True, "skip_special_tokens": True, "include_stop_str_in_output": False}
+    plain |= {"chat_template_kwargs": {}, "continue_final_message": False}
     r = post(server, chat_body(server, **plain))
     assert r.status_code == 200, r.text
 
