@@ -81,6 +81,9 @@ class RunnerBase(abc.ABC):
                 "the model scored the first token with NaN or infinite values: its weights are damaged, or its "
                 "numbers overflow in this dtype (try fp32 or bf16)"
             )
+        # kept for a generation of the same prompt again (engine.prefix: a Regenerate reads the prompt's logits
+        # from here, as its positions from the cache)
+        self.first_logits = logits[:1].detach().clone()
         self._accept(sample(logits.expand(self.batch, -1), kind, self.sampler), kind)
 
     @property

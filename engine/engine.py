@@ -869,7 +869,9 @@ class Engine:
         m = loop.metrics
         m.put("prompt_reused_tokens", plan.start, plan.source)
         m.put("prompt_computed_tokens", T - plan.start)
-        if m.ttft_ms:  # the prefill's rate is of the positions it computed
+        if T == plan.start:  # a Regenerate: the whole prompt, and its last logits, came from the cache
+            m.mark_na("prefill_tok_s", "nothing was computed: the whole prompt came from the cache")
+        elif m.ttft_ms:  # the prefill's rate is of the positions it computed
             m.put("prefill_tok_s", (T - plan.start) / (m.ttft_ms / 1e3))
         return _Attempt(opts, loop=loop, reasons=reasons, notices=notices)
 

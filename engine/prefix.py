@@ -48,6 +48,8 @@ class Plan:
     start: int  # prompt positions [0, start) come from the cache
     row: int  # the cache row they come from
     source: str  # where the figure comes from, or why nothing is reused
+    # the prompt's last logits, where the whole prompt is the last generation's (a Regenerate): nothing is computed
+    logits: Optional[torch.Tensor] = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -87,6 +89,8 @@ class PrefixCache:
 
     def __init__(self) -> None:
         self._rows: "weakref.WeakKeyDictionary[RunnerBase, list[list[int]]]" = weakref.WeakKeyDictionary()
+        # the last generation's prompt length and the logits of its last position, per runner
+        self._first: "weakref.WeakKeyDictionary[RunnerBase, tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
     def plan(self, runner: RunnerBase, prompt: list[int], enabled: bool) -> Plan:
         if not enabled:
@@ -98,7 +102,14 @@ class PrefixCache:
         if not rows:
             return Plan(0, 0, f"{SOURCE}: none (no earlier generation in this cache)")
         best, row = max((common_prefix(prompt, r), i) for i, r in enumerate(rows))
-        best = min(best, len(prompt) - 1)  # the last prompt token is always run: its logits give the first token
+        first = self._first.get(runner)
+        if best >= len(prompt) and first is not None and first[0] == len(prompt) and not _hf_runner(runner):
+            # The last generation's prompt again (a Regenerate): its positions and its last logits are reused, and
+            # nothing is computed. Computed again, the last position came out otherwise than in the prompt's first
+            # reading wherever a kernel's rounding depends on how many positions one call computes (int8 and int4
+            # linears, bf16 attention): a greedy Regenerate then gave another answer.
+            return Plan(len(prompt), row, f"{SOURCE} (the whole prompt, and its last logits)", first[1])
+        best = min(best, len(prompt) - 1)  # else the last prompt token is run: its logits give the first token
         if best <= 0:
             return Plan(0, 0, f"{SOURCE}: none in common")
         if best < len(rows[row]) and _hf_runner(runner) and not _hf_croppable(getattr(runner, "cache", None)):
@@ -108,13 +119,16 @@ class PrefixCache:
 
     def forget(self, runner: RunnerBase) -> None:
         self._rows.pop(runner, None)
+        self._first.pop(runner, None)
 
     def clear(self) -> None:
         self._rows.clear()
+        self._first.clear()
 
     def carry(self, old: RunnerBase, new: RunnerBase) -> None:
         """A runner replaced by a longer one of the same kind and batch takes over the old one's cache."""
         rows = self._rows.pop(old, None)
+        first = self._first.pop(old, None)
         if rows is None or type(old) is not type(new) or old.batch != new.batch:
             return
         if isinstance(old, StaticRunner) and isinstance(new, StaticRunner):
@@ -128,6 +142,8 @@ class PrefixCache:
         else:  # the fallback's runners: a transformers cache that grows as it is used
             new.cache = old.cache  # type: ignore[attr-defined]
         self._rows[new] = rows
+        if first is not None and all(len(r) >= first[0] for r in rows):
+            self._first[new] = first
 
     def remember_read(self, runner: RunnerBase, read: list[int]) -> None:
         """A prefill stopped between chunks: row 0 holds the positions read so far."""
@@ -141,6 +157,9 @@ class PrefixCache:
             return
         fed_rows = runner.out[:, :fed].tolist() if fed > 0 else [[] for _ in range(runner.batch)]
         self._rows[runner] = [prompt + r for r in fed_rows]
+        first = getattr(runner, "first_logits", None)
+        if first is not None:
+            self._first[runner] = (len(prompt), first)
 
 
 @contextmanager
@@ -207,9 +226,13 @@ def _read(
     forward: Callable[[int, int], torch.Tensor],
     progress: Optional[Progress],
     cancel: Optional[threading.Event],
+    ready: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Run forward(a, b) over each span of prompt positions; the last span's logits (spans is never empty: the
-    last prompt position is always computed)."""
+    """Run forward(a, b) over each span of prompt positions; the last span's logits. No span: the whole prompt
+    comes from the cache, with its logits (`ready`)."""
+    if not spans:
+        assert ready is not None, "a prompt read whole from the cache comes with its last logits"
+        return ready
     logits = torch.empty(0)
     if cancel is not None and cancel.is_set():  # stopped while it waited its turn: not one token is read
         raise PrefillCancelled(spans[0][0], total)
@@ -239,7 +262,8 @@ def _static(runner: StaticRunner, prompt: torch.Tensor, kind: SamplerKind, plan:
         mask = None if a == 0 else _causal(runner.arange, pos, b)  # from 0: causal over itself, as the runner does
         return runner.model(prompt[None, a:b], pos, target, mask)[:, -1]
 
-    logits = _read(spans, T, forward, progress, cancel)
+    cache.attn_len = target.attn_len = T  # as the chunks leave it (none run where the whole prompt is cached)
+    logits = _read(spans, T, forward, progress, cancel, plan.logits)
     if runner.batch > 1:
         cache.copy_row0_to_all(T)
     runner.accept_first(logits, kind)
@@ -266,7 +290,7 @@ def _dynamic(
         mask = None if a == 0 else _causal(arange, pos, b)
         return runner.model(prompt[None, a:b], pos, cache, mask)[:, -1]
 
-    logits = _read(spans, T, forward, progress, cancel)
+    logits = _read(spans, T, forward, progress, cancel, plan.logits)
     if runner.batch > 1:
         cache.expand_rows(runner.batch)
     runner.accept_first(logits, kind)

@@ -115,10 +115,11 @@ def make_tiny_model(
     chat_template: Optional[str] = CHATML,
     vocab_size: int = 320,
     rows: Optional[int] = None,
+    std: float = 0.08,
     **config_overrides,
 ) -> Path:
     """Write a tiny random causal LM of `family` (any transformers model_type) into `path` and return it; `rows`:
-    its embedding padded past the tokenizer's `vocab_size` tokens, as real models' are."""
+    its embedding padded past the tokenizer's `vocab_size` tokens, as real models' are; `std`: its matrices'."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -133,7 +134,7 @@ def make_tiny_model(
     with torch.no_grad():  # larger than default init so greedy decoding is not one repeated token
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, std)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
             else:

@@ -69,7 +69,8 @@ def test_reuse_gives_the_answers_of_an_empty_cache(tiny_factory, family, kv):
         assert reused[0] == 0 and all(n > 0 for n in reused[1:])
         for r in a:
             assert r.metrics.prompt_reused_tokens + r.metrics.prompt_computed_tokens == r.metrics.prompt_tokens
-        assert reused[4] == a[4].metrics.prompt_tokens - 1  # a regenerate computes only the last prompt token
+        # a regenerate computes nothing (the fallback's transformers cache: only the last prompt token)
+        assert reused[4] == a[4].metrics.prompt_tokens - (family == "gpt2")
         # the edit reuses exactly up to the first token that changed (the turn before is all in the cache)
         before, edit = (
             build_prompt(with_reuse.tokenizer, m, with_reuse.context_length, GREEDY.max_new_tokens).ids
@@ -79,6 +80,35 @@ def test_reuse_gives_the_answers_of_an_empty_cache(tiny_factory, family, kv):
     finally:
         with_reuse.close()
         without.close()
+
+
+@pytest.mark.parametrize(
+    "weights, dtype, text",
+    [
+        ("int8", "bf16", "42 is dog second over lazy fox jumps # fox world kernel graphs the France the the graphs "),
+        ("int8", "fp32", "Paris capital dog kernel gap jumps per France"),
+        ("int4", "bf16", "the dog kernel quick France second gap dog code jumps over hello main(): the quick def"),
+    ],
+)
+def test_a_greedy_regenerate_gives_the_first_answer_whatever_the_kernels_rounding(tmp_path, weights, dtype, text):
+    """A Regenerate computed the prompt's last position again, alone: where a kernel's rounding depends on how many
+    positions one call computes (int8 and int4 linears: a GEMM past 32 rows, a GEMV below; bf16 attention), that
+    position came out otherwise than in the prompt's first reading, and a greedy Regenerate gave another answer
+    (8 of 40 prompts, int8 in bf16). The whole prompt and its last logits now come from the cache."""
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", seed=1, std=0.12, max_position_embeddings=320)
+    eng = load(path, weights=weights, dtype=dtype)
+    try:
+        msgs = [user(text)]
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=40)
+        first, again = eng.generate(msgs, sampling), eng.generate(msgs, sampling)
+        assert again.token_ids == first.token_ids
+        m = again.metrics
+        assert (m.prompt_reused_tokens, m.prompt_computed_tokens) == (m.prompt_tokens, 0)
+        assert m.prefill_tok_s is None and "whole prompt came from the cache" in m.unavailable["prefill_tok_s"]
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize(
@@ -125,7 +155,7 @@ def test_the_continued_candidates_row_is_reused(tiny_factory, family, kv):
     (a1, a2, a3), (b1, b2, b3) = results[True], results[False]
     assert [a1.token_ids, a2.token_ids, a3.token_ids] == [b1.token_ids, b2.token_ids, b3.token_ids]
     prompt1 = a1.metrics.prompt_tokens
-    assert a3.metrics.prompt_reused_tokens == a3.metrics.prompt_tokens - 1
+    assert a3.metrics.prompt_reused_tokens == a3.metrics.prompt_tokens - (family == "gpt2")  # a regenerate
     if family == "gpt2":
         return
     assert a2.metrics.prompt_reused_tokens > prompt1  # the chosen answer's tokens came from its cache row
