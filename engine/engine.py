@@ -49,6 +49,8 @@ RECOMPILE_LIMIT = 64  # compiled variants of the decode step (see _prepare_compi
 # per (KV mode, candidates, kernels) ever used was kept, so a server's clients asking for n = 1, 2, 3, ... held a
 # cache of the whole context for each n until the process ran out of memory.
 MAX_RUNNERS = 2
+# A plain completion's answer is decoded after this many of the prompt's last tokens (stream.RowText's lead)
+LEAD_TOKENS = 4
 BYTES_PER_TOKEN_SOURCE = "weights the decode step reads: every linear (quantised as held) and norm, one embedding row"
 LOAD_SECONDS_SOURCE = "perf_counter around Engine.load (read, convert or cache, de-quantise, place)"
 
@@ -657,7 +659,7 @@ class Engine:
     ) -> GenerationResult:
         """Generate with the current options. A compile failure falls back to eager; running out of device
         memory before any text left falls back to no CUDA graph, then to fewer candidates; each with a notice."""
-        from engine.prompt import build_prompt
+        from engine.prompt import build_prompt, format_stops
 
         sampling = sampling.validate()
         on_event = on_event or _noop
@@ -680,6 +682,9 @@ class Engine:
             notices = list(prompt.notices)
             if not prompt.ids:
                 raise GenerationError("the prompt is empty after tokenization")
+            added = [s for s in format_stops(self.tokenizer, raw) if s not in sampling.stop]
+            if added:
+                sampling = replace(sampling, stop=(*sampling.stop, *added))
             room = self.context_length - len(prompt.ids)
             max_new = min(sampling.max_new_tokens, room)
             if max_new < 1:
@@ -696,7 +701,7 @@ class Engine:
 
             while True:
                 try:
-                    attempt = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel)
+                    attempt = self._run(prompt.ids, max_new, sampling, opts, seed, watch, cancel, raw)
                     break
                 except torch.OutOfMemoryError as exc:
                     self._free_device_memory()
@@ -755,9 +760,10 @@ class Engine:
         seed: int,
         on_event: Callable[[object], None],
         cancel: threading.Event,
+        raw: bool = False,
     ) -> _Attempt:
         """One try at the generation with `opts`; what it finds (options it had to give up, notices) comes back
-        in the attempt. Out of device memory propagates: the caller tries smaller options from scratch."""
+        in the attempt; `raw`: the answer continues the prompt's text (stream.RowText's lead). Out of device memory propagates: the caller tries smaller options from scratch."""
         from engine.telemetry.window import ProfileWindow
 
         reasons: dict[str, str] = {}
@@ -820,7 +826,8 @@ class Engine:
                 done = "captured" if opts.cuda_graph else "compiled" if opts.compile else "warmed up"
                 on_event(Progress(stage, 1.0, f"decode step {done} in {compile_s:.1f} s"))
         torch.manual_seed(seed)
-        rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop) for _ in range(opts.candidates)]
+        lead = tuple(prompt_ids[-LEAD_TOKENS:]) if raw else ()
+        rows = [RowText(self.tokenizer, set(self.eos_ids), sampling.stop, lead) for _ in range(opts.candidates)]
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         window = ProfileWindow(self.device, enabled=opts.profile_window)
         plan = self._prefix.plan(runner, list(prompt_ids), opts.prefix_reuse)

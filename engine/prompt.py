@@ -26,6 +26,7 @@ import bisect
 import functools
 import hashlib
 import itertools
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -38,6 +39,14 @@ from engine.prompt_stop import PromptStopped
 from engine.types import OVERFLOW_LABELS, OVERFLOW_POLICIES, ROLES, ContextUse
 
 FALLBACK_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
+# Where an answer in the plain format (a model without a chat template) ends: a turn of the user or the system it
+# wrote on, which was kept in the answer and read back as the assistant's words the next turn.
+PLAIN_FORMAT_STOPS = tuple(f"\n\n{FALLBACK_LABELS[role]}:" for role in ("user", "system"))
+
+
+def format_stops(tokenizer, raw: bool) -> tuple[str, ...]:
+    """The stop strings the prompt's format adds to the user's: the plain format's turn labels."""
+    return () if raw or getattr(tokenizer, "chat_template", None) else PLAIN_FORMAT_STOPS
 
 
 @dataclass
@@ -84,6 +93,7 @@ def _build(
         if overflow == "stop":
             _stop_if_over(len(tokenizer(msgs[-1]["content"])["input_ids"]), budget, context_length)
         return _fit_raw(tokenizer, msgs[-1]["content"], budget, context_length, notices)
+    msgs = _typed(tokenizer, msgs)
     render = _renderer(tokenizer, msgs, notices)
     whole = render.size(msgs)  # counted once (or known from an earlier fitting of the same text)
     full.append(whole)
@@ -138,6 +148,7 @@ def measure_prompt(
         clean, notices = _clean([*messages[:-1], {"role": "user", "content": "."}] if empty else messages)
         if empty:
             clean[-1]["content"] = ""
+        clean = _typed(tokenizer, clean)
         tokens = _renderer(tokenizer, clean, notices).size(clean)
     if empty:
         return ContextUse(tokens, tokens if tokens <= budget else None, context_length, budget, overflow)
@@ -278,12 +289,193 @@ BARE, PLAIN = b"bare\0", b"plain\0"  # the two tokenizations: without the specia
 def _template_ids(tokenizer, text: str) -> list[int]:
     # the template writes the special tokens (BOS included) itself: adding them again would double them
     prompt_stop.check("the conversation was tokenized")  # a stop between passes (4 MB: about 5 s each)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return _encode(tokenizer, text, add_special_tokens=False)
 
 
 def _plain_ids(tokenizer, text: str) -> list[int]:
     prompt_stop.check("the conversation was tokenized")
-    return list(tokenizer(text)["input_ids"])
+    return _encode(tokenizer, text, add_special_tokens=True)
+
+
+# ---- special tokens typed in a message -------------------------------------------------------------------
+#
+# A message that holds the text of one of the model's special tokens ("<|im_end|>", pasted from a page about chat
+# formats or typed in a question) was tokenized as that token: the user's turn ended there and what followed read
+# as the template's own turns (a system prompt, an answer begun), the model's chat format in the user's hands. The
+# messages are given to the template with each such text replaced by a mark (_typed); the rendered chat is
+# tokenized with the marks put back as the text they stand for, and a special token found exactly where a mark
+# was is replaced by that text's tokens as plain text. Every other token is the tokenizer's own, as before; only
+# special tokens (not other added tokens, such as a reasoning model's <think>) are read so.
+
+MARK_OPEN, MARK_CLOSE = "\ufdd0", "\ufdd1"  # Unicode noncharacters: for a program's own use
+# a mark (the number of the text it stands for between the two), or a mark character alone (a stray one)
+_MARK_OR_STRAY = re.compile(f"{MARK_OPEN}([0-9]+){MARK_CLOSE}|[{MARK_OPEN}{MARK_CLOSE}]")
+
+
+class _Specials:
+    """The texts a message's marks stand for: the tokenizer's special tokens' (longest first), then the mark
+    characters themselves (a message may hold them: they are marked too, so no message makes a mark); a pattern
+    that finds them; and a copy of the tokenizer that reads special tokens' texts as plain text."""
+
+    def __init__(self, backend: Any):
+        added = backend.get_added_tokens_decoder().items() if backend is not None else ()
+        special = {n: a.content for n, a in added if a.special and a.content}
+        self.ids = frozenset(special)
+        self.by_text = {text: n for n, text in special.items()}
+        self.texts: tuple[str, ...] = (
+            *sorted(set(special.values()) - {MARK_OPEN, MARK_CLOSE}, key=len, reverse=True),
+            MARK_OPEN,
+            MARK_CLOSE,
+        )
+        self.index = {text: n for n, text in enumerate(self.texts)}
+        self.pattern = re.compile("|".join(map(re.escape, self.texts)))
+        self.backend = backend
+        self._as_text: Any = None
+        self._alone_after_special = True
+        self._lock = threading.Lock()
+
+    def as_text(self, text: str, before: str = "", special: str = "") -> list[int]:
+        """The tokens of `text` where the tokenizer reads it as plain text after `before` (the text before it,
+        read plainly too), special tokens' texts included; with no text before it, after the `special` token
+        (the template's, "" at the start of the text)."""
+        with self._lock:
+            if self._as_text is None:
+                from tokenizers import Tokenizer
+
+                self._as_text = Tokenizer.from_str(self.backend.to_str())
+                self._as_text.encode_special_tokens = True
+                # how the tokenizer reads the text right after a special token: as a text of its own (a space put
+                # before it, as SentencePiece's older tokenizers do) or as the text it goes on (Metaspace's
+                # "first" scheme puts one at the start of the whole text only)
+                probe = self.texts[0]
+                after = self.backend.encode_batch([probe + "a"], add_special_tokens=False)[0].ids
+                alone = self._as_text.encode_batch(["a"], add_special_tokens=False)[0].ids
+                self._alone_after_special = after[1:] == alone
+            as_text = self._as_text
+            alone_after_special = self._alone_after_special
+
+        def encode(*texts: str) -> list[list[int]]:  # encode_batch lets go of the GIL (the window's thread runs)
+            return [e.ids for e in as_text.encode_batch(list(texts), add_special_tokens=False)]
+
+        if not before and special and not alone_after_special:
+            before = special  # read as the text a special token's text goes on, as the template's token is read
+        if not before:
+            return encode(text)[0]
+        head, whole = encode(before, before + text)
+        # read after it where the text before reads the same on its own (it merges into the text at the seam in
+        # rare cases: then read alone)
+        return whole[len(head) :] if whole[: len(head)] == head else encode(text)[0]
+
+
+_specials_of: "weakref.WeakKeyDictionary[Any, _Specials]" = weakref.WeakKeyDictionary()
+
+
+def _specials(tokenizer) -> _Specials:
+    """The special tokens' texts of `tokenizer` (none where it has no `tokenizers` backend to read them from)."""
+    try:
+        with _counts_lock:
+            found = _specials_of.get(tokenizer)
+            if found is None:
+                found = _specials_of[tokenizer] = _Specials(_backend(tokenizer))
+            return found
+    except TypeError:  # not weakly referenceable
+        return _Specials(_backend(tokenizer))
+
+
+def special_ids(tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
+    """The ids of the special tokens whose text is one of `texts` (a stop string such as "<|im_start|>")."""
+    by_text = _specials(tokenizer).by_text
+    return frozenset(by_text[t] for t in texts if t in by_text)
+
+
+def _backend(tokenizer) -> Any:
+    """The `tokenizers.Tokenizer` under an engine.fast_tokenizer.FastTokenizer or a transformers fast tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tok", None)
+    return backend if hasattr(backend, "get_added_tokens_decoder") and hasattr(backend, "encode_batch") else None
+
+
+def _typed(tokenizer, msgs: list[dict]) -> list[dict]:
+    """`msgs` with the text of each special token in a message replaced by its mark (the chat template's own
+    special tokens are then the prompt's only ones)."""
+    return [dict(m, content=_marked(tokenizer, m["content"])) for m in msgs]
+
+
+def _marked(tokenizer, text: str) -> str:
+    """`text` with the text of each special token, and each mark character, replaced by its mark."""
+    specials = _specials(tokenizer)
+    if not specials.pattern.search(text):
+        return text
+    return specials.pattern.sub(lambda m: f"{MARK_OPEN}{specials.index[m.group(0)]}{MARK_CLOSE}", text)
+
+
+def _unmarked(tokenizer, text: str) -> str:
+    """`text` with its marks (_typed) as the texts they stand for."""
+    return text if MARK_OPEN not in text else _read_marks(_specials(tokenizer), text)[0]
+
+
+def _read_marks(specials: _Specials, text: str) -> tuple[str, list[tuple[int, int]]]:
+    """`text` with its marks as the texts they stand for (a stray mark character, left by a template that cut a
+    mark, dropped), and where in it each special token's text typed in a message stands, in order."""
+    pieces: list[str] = []
+    typed: list[tuple[int, int]] = []
+    at = last = 0
+    for m in _MARK_OR_STRAY.finditer(text):  # one pass: a mark character a mark stands for is not a stray one
+        said = specials.texts[int(m.group(1))] if m.group(1) else ""
+        before = text[last : m.start()]
+        at += len(before)
+        if said and said not in (MARK_OPEN, MARK_CLOSE):  # a mark character is text as it is: no token to read
+            typed.append((at, at + len(said)))
+        at += len(said)
+        pieces += [before, said]
+        last = m.end()
+    pieces.append(text[last:])
+    return "".join(pieces), typed
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """The tokenizer's ids of `text`, where a mark (_typed) reads its special token's text as plain text.
+
+    The text is tokenized as it is (the marks as the texts they stand for); from a typed special token to the next
+    special token the template wrote, the tokens are then those of that text read plainly, after what precedes it
+    since the template's last one. The tokenizer reads the text between two special tokens as a text of its own:
+    a SentencePiece tokenizer puts a space before each, so a typed "</s>" read alone gained a space before it and
+    the text after it another. A special token that takes in the white space beside it (Phi-3's <|end|>, stripped
+    on its right) is a typed one where its place holds a typed text."""
+    specials = _specials(tokenizer) if MARK_OPEN in text else None
+    if specials is None or specials.backend is None:
+        return list(tokenizer(_unmarked(tokenizer, text), add_special_tokens=add_special_tokens)["input_ids"])
+    plain, typed = _read_marks(specials, text)
+    encoding = specials.backend.encode_batch([plain], add_special_tokens=add_special_tokens)[0]
+    tokens, spans = encoding.ids, encoding.offsets
+    starts = [a for a, _ in typed]
+
+    def template_s(n: int) -> bool:  # the template's own special token (not one typed in a message)
+        if tokens[n] not in specials.ids:
+            return False
+        a, b = spans[n]
+        i = bisect.bisect_left(starts, a)
+        return not (i < len(typed) and typed[i][1] <= b)
+
+    # only the special tokens are looked at (a 4 MB message is a million tokens)
+    special_at = [n for n, t in enumerate(tokens) if t in specials.ids]
+    template = [n for n in special_at if template_s(n)]
+    template_set = set(template)
+    ids: list[int] = []
+    done = after_template = 0  # tokens[:done] are placed; the text after the template's last special token starts
+    for n in special_at:
+        if n < done:
+            continue  # read again with the typed text before it
+        if n in template_set:
+            after_template = spans[n][1]
+            continue
+        end = template[bisect.bisect_right(template, n)] if template and template[-1] > n else len(tokens)
+        stop = spans[end][0] if end < len(tokens) else len(plain)
+        ids += tokens[done:n]
+        previous = plain[slice(*spans[n - 1])] if n and spans[n - 1][1] == spans[n][0] else ""
+        ids += specials.as_text(plain[spans[n][0] : stop], plain[after_template : spans[n][0]], previous)
+        done = end
+    ids += tokens[done:]
+    return ids
 
 
 class _Renderer:
@@ -304,7 +496,7 @@ class _Renderer:
         if ms is not self.msgs:
             return self.render(ms)
         if self.whole is None:
-            self.whole = (self.msgs_text, self.tokenize(self.msgs_text))
+            self.whole = (_unmarked(self.tokenizer, self.msgs_text), self.tokenize(self.msgs_text))
             self.whole_size = len(self.whole[1])
         return self.whole
 
@@ -335,7 +527,7 @@ def _render(tokenizer, msgs: list[dict], notices: list[str]) -> tuple[Render, st
 
         def plain(ms: list[dict]) -> tuple[str, list[int]]:
             text = plain_text(ms)
-            return text, _plain_ids(tokenizer, text)
+            return _unmarked(tokenizer, text), _plain_ids(tokenizer, text)
 
         return plain, plain_text(msgs), functools.partial(_plain_ids, tokenizer), PLAIN
 
@@ -351,7 +543,7 @@ def _render(tokenizer, msgs: list[dict], notices: list[str]) -> tuple[Render, st
             text = raw_text(ms)
         except jinja2.TemplateError as exc:
             raise GenerationError(f"the model's chat template failed: {exc}") from exc
-        return text, _template_ids(tokenizer, text)
+        return _unmarked(tokenizer, text), _template_ids(tokenizer, text)
 
     tokenize = functools.partial(_template_ids, tokenizer)
     try:
@@ -544,9 +736,9 @@ def _cut_last(
             f"{kept_what} {'take' if ' and ' in kept_what else 'takes'} {len(frame)} tokens, leaving no room for the "
             f"message in the {context}-token context"
         )
-    content_ids = list(tokenizer(kept[-1]["content"], add_special_tokens=False)["input_ids"])
+    content_ids = _template_ids(tokenizer, kept[-1]["content"])
     for _ in range(8):  # re-tokenizing a cut text can merge differently at the cut: shrink until it fits
-        tail = tokenizer.decode(content_ids[-room:]).lstrip("\ufffd")
+        tail = _marked(tokenizer, tokenizer.decode(content_ids[-room:]).lstrip("\ufffd"))
         text, ids = render([*head, {"role": "user", "content": tail}])
         if len(ids) <= budget:
             # what the prompt holds of it: a character cut in half at the start is dropped from the tail (214 of

@@ -8,15 +8,26 @@ from typing import Optional
 
 import torch
 
+from engine.prompt import special_ids
+
 
 class RowText:
     """One candidate's tokens and text. Text is decoded whole at each flush (cheap at ~30 Hz) so multi-token
     characters and merged spaces come out right; trailing U+FFFDs (an incomplete character) are held back."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer, eos_ids: set[int], stop: tuple[str, ...], lead: tuple[int, ...] = ()):
+        """`lead`: the prompt's last tokens, where the answer continues the prompt's text (a plain completion):
+        the answer's text is what they and it decode to past what they decode to alone. Decoded alone, the answer
+        of a SentencePiece model (Llama 2, Mistral) lost the space its first token begins with ("The capital of
+        France is" + "Paris")."""
         self.tokenizer = tokenizer
+        self.lead = list(lead)
+        self.lead_text = tokenizer.decode(self.lead, skip_special_tokens=True) if lead else ""
         self.eos_ids = eos_ids
         self.stop = stop
+        # a stop string that is a special token's text ("<|im_start|>" for a ChatML model) is that token: the text
+        # is read without special tokens, so it never held the string, and the model's next turn ran on
+        self.stop_ids = special_ids(tokenizer, stop) if stop else frozenset()
         self.hold = max((len(s) for s in stop), default=1) - 1  # chars that might begin a stop string
         self.tokens: list[int] = []
         self.text = ""
@@ -32,8 +43,11 @@ class RowText:
             if t in self.eos_ids:
                 self.finish = "eos"
                 break
-        ids = self.tokens[:-1] if self.finish == "eos" else self.tokens
-        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if t in self.stop_ids:
+                self.finish = "stop"
+                break
+        ids = self.tokens[:-1] if self.finish is not None else self.tokens
+        self.text = self._decode(ids)
         if self.stop:
             start = max(0, self.emitted - self.hold)
             cut = _find_stop(self.text, self.stop, start=start)
@@ -44,7 +58,7 @@ class RowText:
                 # token of the chunk does not move the cut back).
                 text = self.text
                 for n in range(before + 1, len(ids) + 1):
-                    text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+                    text = self._decode(ids[:n])
                     first = _find_stop(text, self.stop, start)
                     if first is not None:
                         del self.tokens[n:]
@@ -52,6 +66,13 @@ class RowText:
                         break
                 self.text = text[:cut]
                 self.finish = "stop"
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.lead:
+            whole = self.tokenizer.decode(self.lead + ids, skip_special_tokens=True)
+            if whole.startswith(self.lead_text):
+                return whole[len(self.lead_text) :]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
     def reason(self) -> str:

@@ -149,3 +149,60 @@ def make_tiny_model(
 
 def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def make_bigram_model(
+    path: Path, steps: dict[str, str], added: tuple[str, ...] = (), chat_template: Optional[str] = None
+) -> Path:
+    """A tiny llama whose greedy next token depends on the current token alone, as `steps` says (a token's text ->
+    the next token's text, each one token of the tiny tokenizer with the `added` tokens): every layer adds nothing
+    to the residual stream (its attention and MLP outputs are zero), and the untied head scores the next token by
+    the current one's normalised embedding."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    tok.add_tokens(list(added))
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    cfg = make_config(vocab_size=len(tok), tie=False, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+
+    def one(text: str) -> int:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, f"{text!r} is {len(ids)} tokens of the tiny tokenizer"
+        return ids[0]
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for now, after in steps.items():
+            h = emb[one(now)]
+            head[one(after)] += 10 * h / h.norm()
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    (path / "generation_config.json").unlink(missing_ok=True)
+    return path
+
+
+def make_sentencepiece_tokenizer():
+    """SentencePiece-style BPE as Llama 2's and Mistral's tokenizer.json have it: spaces as "▁", one put before
+    the text, byte fallback, and a decoder that strips the space the text starts with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
+    tok.train_from_iterator(["The capital of France is Paris, and Paris is in France."] * 20, trainer)
+    tok.decoder = decoders.Sequence(
+        [decoders.Metaspace(replacement="▁", prepend_scheme="first"), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

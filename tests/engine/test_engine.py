@@ -496,3 +496,18 @@ def test_the_context_is_counted_while_the_weights_are_placed_again(tiny_llama):
         eng.model = placed
     finally:
         eng.close()
+
+
+def test_an_answer_in_the_plain_format_ends_at_the_next_turn_label(tmp_path):
+    """A model without a chat template is asked in the plain format ("User: ...\n\nAssistant:"); the user's turn it
+    wrote after its answer was kept in the answer, and read back as the assistant's words the next turn."""
+    from tiny_models import make_bigram_model
+
+    label = "\n\nUser:"  # one token of this model, so that a model of token pairs can write it
+    path = make_bigram_model(tmp_path / "m", {":": ".", ".": label, label: "."}, added=(label,))
+    engine = Engine.load(str(path), EngineOptions(device="cpu", dtype="fp32", profile_window=False))
+    question = [{"role": "user", "content": "How are you?"}]
+    r = engine.generate(question, SamplingParams(temperature=0, max_new_tokens=8))
+    assert (r.texts, r.finish_reasons) == (["."], ["stop"])
+    raw = engine.generate(question, SamplingParams(temperature=0, max_new_tokens=8), raw=True)  # sent as it is
+    assert raw.finish_reasons == ["length"] and label in raw.texts[0]

@@ -21,6 +21,7 @@ from engine.fast_tokenizer import FastTokenizer
 from engine.gguf_dequant import BLOCKS, dequantize
 from engine.gguf_header import check_gguf, read_gguf_header
 from engine.loader import _load_gguf_transformers, gguf_architectures, load_checkpoint
+from engine.prompt import build_prompt
 
 TEXT = "hello world <|im_start|>user\nParis is the capital of France. 42 ünï"
 WRITER_QUANTISES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -53,6 +54,11 @@ def _assert_same_checkpoint(ck, ref) -> None:
     assert ck.tokenizer.chat_template == ref.tokenizer.chat_template
     assert ck.tokenizer.all_special_ids == ref.tokenizer.all_special_ids
     assert ck.eos_token_ids == ref.eos_token_ids
+    # a special token's text typed in a message is read as text by both (engine.prompt)
+    typed = [{"role": "user", "content": "what ends a turn: <|im_end|>?"}]
+    prompt = build_prompt(ck.tokenizer, typed, 256, 16)
+    assert prompt.ids == build_prompt(ref.tokenizer, typed, 256, 16).ids
+    assert ck.tokenizer.decode(prompt.ids) == prompt.text
 
 
 # ---- de-quantisation -------------------------------------------------------------------------------------

@@ -94,3 +94,43 @@ def test_a_character_split_over_byte_tokens_streams_whole():
     row.finish = "length"
     streamed.append(row.take_delta(final=True))
     assert "".join(streamed) == "a🐳 b🐳🐳a" and not any("\ufffd" in d for d in streamed)
+
+
+def test_a_stop_string_that_is_a_special_token_s_text_stops_at_that_token():
+    """The text is read without special tokens, so "<|im_start|>" as a stop string never matched: the model's
+    next turn ran on into the answer, its <|im_start|> left out."""
+    from tiny_models import make_tokenizer
+
+    from engine.stream import RowText
+
+    tok = make_tokenizer()
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    words = tok("hello world", add_special_tokens=False)["input_ids"]
+    turn = words + [start] + tok("user\nthe quick fox", add_special_tokens=False)["input_ids"]
+    for chunk in (1, 3, len(turn)):
+        row = RowText(tok, set(), ("<|im_start|>",))
+        for n in range(0, len(turn), chunk):
+            row.feed(turn[n : n + chunk])
+        assert (row.finish, row.text, row.tokens) == ("stop", "hello world", words + [start]), chunk
+    # a stop string of plain text still stops where it is read
+    row = RowText(tok, set(), ("<|im_start|>", "world"))
+    row.feed(turn)
+    assert (row.finish, row.text) == ("stop", "hello ")
+
+
+def test_a_plain_completion_keeps_the_space_its_answer_begins_with():
+    """Decoded alone, the answer "▁Paris" of a SentencePiece model lost its space: "The capital of France isParis"."""
+    from tiny_models import make_sentencepiece_tokenizer
+
+    from engine.stream import RowText
+
+    tok = make_sentencepiece_tokenizer()
+    prompt = tok("The capital of France is")["input_ids"]
+    answer = tok("The capital of France is Paris, and")["input_ids"][len(prompt) :]
+    assert tok.convert_ids_to_tokens(answer[0]).startswith("▁")
+    alone, after = RowText(tok, set(), ()), RowText(tok, set(), (), lead=tuple(prompt[-4:]))
+    for row in (alone, after):
+        for t in answer:
+            row.feed([t])
+    assert alone.text == "Paris, and"  # a chat's answer starts without it, as the template's turn begins
+    assert after.text == " Paris, and" and tok.decode(prompt + answer, skip_special_tokens=True).endswith(after.text)
