@@ -310,6 +310,21 @@ def test_a_reasoning_model_s_thinking_is_exported_as_a_quote_before_its_answer(s
     assert "> six, since" in stopped and "*(no answer after it)*" in stopped
 
 
+def test_thinking_a_template_opened_in_the_prompt_is_exported_as_a_quote(store):
+    """DeepSeek-R1's distillations are asked with "<think>\n" at the end of the prompt and write only "</think>":
+    the thinking read as the answer's start, its end tag dropped by a Markdown reader."""
+    from markdown_it import MarkdownIt
+
+    doc = exported_turns(store, "2+2?", "Two and two.\n</think>\n\nIt is **4**.", "tags?", "Write `</think>`.")
+    html = MarkdownIt("commonmark").render(doc[doc.index("### #2 · Assistant") : doc.index("### #3 · User")])
+    assert (
+        html.index("<blockquote>") < html.index("Thinking") < html.index("Two and two.") < html.index("</blockquote>")
+    )
+    assert html.index("</blockquote>") < html.index("It is <strong>4</strong>")
+    assert "</think>" not in doc.replace("`</think>`", "")
+    assert "Thinking" not in doc[doc.index("### #4 · Assistant") :]
+
+
 def test_markdown_says_why_a_figure_is_na(store):
     chat = store.create_chat("n/a", "", SamplingParams(temperature=0.0, max_new_tokens=4))
     u = store.add_message(chat.id, "user", "Hi", None)

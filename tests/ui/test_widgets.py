@@ -1522,3 +1522,20 @@ def test_an_empty_thinking_shows_the_answer_alone(qtbot):
     view = SegmentsView("<think>\n\n</think>\n\nIt is 4.", thinking=True)
     qtbot.addWidget(view)
     assert _shown(view) == [("prose", "It is 4.")]
+
+
+def test_thinking_a_template_opened_in_the_prompt_shows_as_a_quote_once_it_ends(qtbot):
+    """DeepSeek-R1's distillations and QwQ are asked with "<think>\n" at the end of the prompt and write only the
+    end tag: the thinking and "</think>" were shown as the answer. A tag the answer names in code stays text."""
+    view = SegmentsView("", thinking=True)
+    qtbot.addWidget(view)
+    view.append("Two and two make four.")
+    view.flush()
+    assert _shown(view) == [("prose", "Two and two make four.")]  # nothing says it is thinking yet
+    for batch in ["\n</think>", "\n\nIt", " is **4**."]:
+        view.append(batch)
+    view.flush()
+    assert _shown(view) == [("prose", "Thinking\nTwo and two make four.\nIt is 4.")]
+    named = SegmentsView("Close it with `</think>`:\n```\n</think>\n```\nas shown.", thinking=True)
+    qtbot.addWidget(named)
+    assert "Thinking" not in "".join(w.toPlainText() for w in named._widgets if not isinstance(w, CodeBlock))
