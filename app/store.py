@@ -1191,6 +1191,12 @@ class CompareHistory:
             )
             return int(cur.lastrowid or 0)
 
+    def last_index(self) -> int:
+        """The highest generation number kept (0 where none): another window on this data folder numbers its
+        generations too, and each takes the next after the other's."""
+        rows = self.store._read("SELECT MAX(generation) FROM compare_rows WHERE typeof(generation) = 'integer'")
+        return max(0, int(rows[0][0] or 0))
+
     def rows(self) -> list[CompareRecord]:
         out = []
         sql = "SELECT id, created, generation, label, options_json, metrics_json, model FROM compare_rows ORDER BY id"

@@ -446,7 +446,7 @@ class MainWindow(QMainWindow):
 
     def _restore_compare_history(self, hud: HudPanel) -> None:
         """The compare table's rows are kept with the chats: those of earlier runs come back, new ones are added
-        as they come, and Clear history removes them from the store too."""
+        as they come (numbered after those any window kept), and Clear history removes them from the store too."""
         from app.store import CompareHistory
         from ui.hud.compare_table import CompareRow
 
@@ -458,6 +458,15 @@ class MainWindow(QMainWindow):
             self.status.setText(f"The compare history could not be read: {exc}")
             rows = []
         hud.restore_compare(CompareRow(r.index, r.label, r.options, r.metrics, r.model) for r in rows)
+
+        def last_index() -> int:
+            try:
+                return history.last_index()
+            except StoreError as exc:  # numbered after this window's own rows alone
+                log.warning("the compare rows' numbers could not be read: %s", exc)
+                return 0
+
+        hud.series.numbered_elsewhere = last_index
 
         def keep(row: CompareRow) -> None:
             try:

@@ -107,3 +107,26 @@ def test_a_bad_stored_row_is_left_out_and_the_app_starts(qtbot, paths, caplog):
     finally:
         g.window.close()
         g.close()
+
+
+def test_two_windows_on_one_data_folder_number_their_rows_after_each_other(qtbot, paths):
+    """Each window numbered its generations from its own count: both kept a #1 and a #2, and the table built
+    again showed each number twice."""
+    options = EngineOptions(device="cpu")
+    a, b = opened(paths, qtbot), opened(paths, qtbot)
+    try:
+        for g, label in ((a, "a1"), (b, "b1"), (a, "a2"), (b, "b2")):
+            g.hud.begin_generation(label, options)
+            g.hud.end_generation(metrics(20.0), options, label)
+        assert [r.index for r in a.hud.compare.model.rows] == [1, 3]
+        assert [r.index for r in b.hud.compare.model.rows] == [2, 4]
+    finally:
+        for g in (a, b):
+            g.window.close()
+            g.close()
+    g = opened(paths, qtbot)
+    try:
+        assert [(r.index, r.label) for r in g.hud.compare.model.rows] == [(1, "a1"), (2, "b1"), (3, "a2"), (4, "b2")]
+    finally:
+        g.window.close()
+        g.close()

@@ -98,6 +98,9 @@ class LiveSeries:
         self._last_sample_t: Optional[float] = None
         self._running: Optional[Generation] = None
         self._count = 0
+        # the last number another window on the same data folder gave a generation (MainWindow: the compare rows
+        # kept with the chats); a number is taken after it, so two windows' rows do not share numbers
+        self.numbered_elsewhere: Callable[[], int] = lambda: 0
         self._spans = 0  # bumped when a generation span starts, moves or ends
         self.steps_seen = 0  # step records added, those the ring has overwritten since included
         self.samples_seen = 0  # monitor samples added, likewise
@@ -133,8 +136,9 @@ class LiveSeries:
         return gen
 
     def take_index(self) -> int:
-        """The next generation number of this session (the ladder's runs take theirs from here too)."""
-        self._count += 1
+        """The next generation number of this session (the ladder's runs take theirs from here too), after the
+        numbers kept elsewhere."""
+        self._count = max(self._count, self.numbered_elsewhere()) + 1
         return self._count
 
     def number_after(self, index: int) -> None:
