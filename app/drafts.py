@@ -36,7 +36,7 @@ class Drafts:
     def __init__(self, path: Optional[Path] = None):
         """`path`: the file they are kept in; None keeps them in memory only."""
         self.path = path
-        self._texts: dict[str, str] = self._read()
+        self._texts: dict[str, str] = self._read() or {}
         self._changed: set[str] = set()
         # drafts put again as they were: written back where another window took them from the file (it sent or
         # cleared the same draft, the new chat's most often) while this one still shows them
@@ -44,15 +44,17 @@ class Drafts:
         self.problem = ""  # why the last write failed, "" where it did not
 
     def get(self, chat_id: Optional[int]) -> str:
-        """The draft of `chat_id` as the file has it now, unless this window changed it since its last save: a
-        draft another window sent or cleared came back as this window's stale copy, and was written back."""
+        """The draft of `chat_id` as the file has it now, unless this window changed it since its last save or
+        still shows it (put as it was: written back at the next save): a draft another window sent or cleared
+        came back as this window's stale copy, and was written back. A file that cannot be read now (another
+        window replacing it, on Windows) takes nothing away."""
         key = _key(chat_id)
-        if self.path is not None and key not in self._changed:
-            on_file = self._read().get(key)
-            if on_file is None:
+        if self.path is not None and key not in self._changed and key not in self._kept:
+            on_file = self._read()
+            if on_file is not None and key not in on_file:
                 self._texts.pop(key, None)
-            else:
-                self._texts[key] = on_file
+            elif on_file is not None:
+                self._texts[key] = on_file[key]
         return self._texts.get(key, "")
 
     def put(self, chat_id: Optional[int], text: str) -> None:
@@ -87,7 +89,7 @@ class Drafts:
             # read, merged and written by one window at a time: two windows closing at once (a logout) each read
             # the file before the other wrote it, and the second write lost the first's drafts
             with locked_beside(self.path, "the unsent messages"):
-                merged = self._read()
+                merged = self._read() or {}
                 self._changed |= {key for key in kept if key in self._texts and key not in merged}
                 if not self._changed:
                     return ""
@@ -110,7 +112,8 @@ class Drafts:
         self._changed.clear()
         return ""
 
-    def _read(self) -> dict[str, str]:
+    def _read(self) -> Optional[dict[str, str]]:
+        """The drafts in the file ({} where there is none); None where it cannot be read or used."""
         if self.path is None:
             return {}
         try:
@@ -119,9 +122,9 @@ class Drafts:
             return {}
         except (OSError, ValueError, RecursionError) as exc:
             log.warning("the unsent messages in %s cannot be read (%s); starting without them", self.path, exc)
-            return {}
+            return None
         drafts = doc.get("drafts") if isinstance(doc, dict) and doc.get("version") == DRAFTS_VERSION else None
         if not isinstance(drafts, dict):
             log.warning("the unsent messages in %s are not in a form this version reads; starting without", self.path)
-            return {}
+            return None
         return {k: v for k, v in drafts.items() if isinstance(k, str) and isinstance(v, str) and v.strip()}

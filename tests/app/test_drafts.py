@@ -105,3 +105,43 @@ def test_two_windows_saving_at_the_same_moment_both_keep_their_drafts(tmp_path, 
     saves_at_once(monkeypatch, app.drafts, one.save, two.save)
     again = Drafts(path)
     assert (again.get(1), again.get(2)) == ("a long message typed in chat 1", "another typed in chat 2")
+
+
+def test_the_chat_on_screen_opened_again_keeps_the_draft_another_window_took(tmp_path):
+    """New chat (Ctrl+N) while the new chat is on screen, after another window sent its draft: the draft was put
+    back as it was, then read again from the file, which no longer had it, and the text on screen was emptied
+    and lost."""
+    path = tmp_path / "drafts.json"
+    one = Drafts(path)
+    one.put(None, "a long letter")
+    assert one.save() == ""
+    two = Drafts(path)
+    two.get(None)
+    two.put(None, "")  # sent from the second window
+    assert two.save() == ""
+    one.put(None, "a long letter")  # the switch keeps what the composer shows, then opens the same chat
+    assert one.get(None) == "a long letter"
+    assert one.save() == "" and json.loads(path.read_text())["drafts"] == {"new": "a long letter"}
+
+
+def test_a_file_that_cannot_be_read_for_a_moment_takes_no_draft_away(tmp_path, monkeypatch):
+    """A read that failed (another window replacing the file, on Windows) was taken as a file without the draft:
+    the window's own saved draft was dropped from memory, and not written again."""
+    from pathlib import Path
+
+    path = tmp_path / "drafts.json"
+    d = Drafts(path)
+    d.put(5, "a long reply, typed and kept")
+    assert d.save() == ""
+    read_bytes = Path.read_bytes
+
+    def busy(self):
+        if self == path:
+            raise PermissionError(13, "The process cannot access the file")
+        return read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", busy)
+    assert d.get(5) == "a long reply, typed and kept"
+    monkeypatch.undo()
+    path.write_text('{"version": 2, "drafts": {}}')  # a newer version's file: not read, and no draft taken away
+    assert d.get(5) == "a long reply, typed and kept"
