@@ -236,9 +236,10 @@ class Engine:
                 raise ReadStopped(f"the read of the draft model {path} was stopped")
             progress(p)
 
+        dtype = TORCH_DTYPES[self.dtype]
         try:
             report(Progress("load", None, f"loading the draft model {path}"))
-            draft = load_checkpoint(path, report)
+            draft = load_checkpoint(path, report, dtype=dtype, device=self.device)  # in the model's, as its own
         except ReadStopped as exc:  # before the handlers below: a read no longer wanted is no refusal of the draft
             log.info("%s", exc)
             return None
@@ -258,7 +259,6 @@ class Engine:
         if why is not None:
             self._refuse_draft(path, why)
             return None
-        dtype = TORCH_DTYPES[self.dtype]
         try:
             model = build_transformer(
                 draft.config,

@@ -1026,3 +1026,32 @@ def test_timing_the_verify_step_leaves_the_next_answer_as_it_was(tiny_factory):
         assert after.metrics.prompt_reused_tokens > 0 and after.token_ids == first.token_ids
     finally:
         eng.close()
+
+
+def test_a_draft_folder_is_read_in_the_model_s_dtype(tiny_llama, tmp_path, monkeypatch):
+    """The draft model's folder was read into fp32 on the CPU whatever the engine ran in: a bf16 draft for a
+    bf16 model was held at twice its size (a CUDA model's, in host memory) before it was converted."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import engine.engine as engine_module
+
+    draft = shutil.copytree(tiny_llama, tmp_path / "draft-bf16")
+    weights = load_file(str(draft / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(draft / "model.safetensors"))
+    built = []
+    build = engine_module.build_transformer
+
+    def recorded(config, state, dtype, device, **kw):
+        built.append(({t.dtype for t in state.values()}, dtype))
+        return build(config, state, dtype, device, **kw)
+
+    monkeypatch.setattr(engine_module, "build_transformer", recorded)
+    options = EngineOptions(device="cpu", dtype="bf16", speculation="draft", draft_model=str(draft))
+    eng = Engine.load(str(tiny_llama), dataclasses.replace(options, profile_window=False))
+    try:
+        eng.generate([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_new_tokens=4))
+        assert built[1:] == [({torch.bfloat16}, torch.bfloat16)]  # the model's, then its draft's, as read
+    finally:
+        eng.close()
