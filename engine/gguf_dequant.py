@@ -214,8 +214,8 @@ def dequantize(
     written into `out` when given (contiguous, of that shape and dtype, on raw's device; e.g. a slice of a
     fused matrix).
 
-    A result that would alias `raw` (the same stored type and dtype) is a copy, so it never pins the file's
-    mapping."""
+    A result that would alias `raw` (the same stored type and dtype) is a copy, so it never holds the buffer the
+    bytes were read into (engine.gguf_native reads each tensor's into one of its own)."""
     package = None if type_name in BLOCKS else _package_type(type_name)
     if package is not None:
         import gguf

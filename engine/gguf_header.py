@@ -9,9 +9,10 @@ quantisation nobody here can read. Nothing is executed from the file; it is only
 from __future__ import annotations
 
 import mmap
+import os
 import stat
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from pathlib import Path
 from typing import Any, Optional
@@ -56,6 +57,8 @@ class GGUFHeader:
     # every scalar and string value, and fixed-type arrays of up to _ARRAY_KEPT items as lists, in file order
     metadata: dict[str, object] = field(default_factory=dict)
     array_lengths: dict[str, int] = field(default_factory=dict)  # every array's length (a vocabulary's, say)
+    # which file was read (size, time, device, inode): the weights are read from the same one (engine.loader)
+    identity: tuple[int, ...] = ()
 
 
 class _Truncated(Exception):
@@ -138,9 +141,11 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             raise ModelLoadError(
                 f"{label}: corrupt header, not a GGUF file (it does not start with the GGUF magic bytes)"
             )
+        now = os.fstat(f.fileno())
+        identity = (now.st_size, now.st_mtime_ns, now.st_dev, now.st_ino)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
-                return _parse(path, buf, size)
+                return replace(_parse(path, buf, size), identity=identity)
             except _Truncated:
                 raise ModelLoadError(
                     f"{label}: truncated or damaged GGUF file (its header runs past the end of its {size} bytes)"

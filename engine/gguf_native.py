@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -36,7 +36,7 @@ import torch
 from engine.errors import ModelLoadError, one_line
 from engine.gguf_dequant import dequantize
 from engine.gguf_header import GGUFHeader
-from engine.paths import unchanged_while_read
+from engine.paths import read_into, unchanged_while_read
 from engine.types import Progress
 
 if TYPE_CHECKING:
@@ -625,17 +625,21 @@ def dequantise_tensors(
     dtype: torch.dtype,
     device: torch.device,
     report: ProgressFn,
+    opened: Callable[[io.FileIO], None],
 ) -> dict[str, torch.Tensor]:
-    """HF name -> tensor in `dtype` on `device`, one tensor at a time from the mapped file: the host holds the
-    mapped pages, the results (when `device` is the CPU) and the temporaries of one tensor."""
+    """HF name -> tensor in `dtype` on `device`, one tensor at a time read from the file (engine.paths.read_into;
+    not mapped: a file cut short under a mapping ended the process with SIGBUS), once `opened` found the file open
+    is the one the header was read from (it raises where another took its path): the host holds the results (when
+    `device` is the CPU) and one tensor's bytes and temporaries."""
     state: dict[str, torch.Tensor] = {}
     threads = torch.get_num_threads()
     # Memory-bound byte ops on small tensors gain nothing from intra-op threads, and lose much when the cores
     # are busy: the default model took 0.9 s on one thread, 21.8 s on two, on a loaded 2-core machine.
     torch.set_num_threads(1)
     try:
-        with open(header.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buf:
-            _dequantise_all(buf, header, plan, state, dtype, device, report, unchanged_while_read(f, header.path.name))
+        with open(header.path, "rb", buffering=0) as f:
+            opened(f)
+            _dequantise_all(f, header, plan, state, dtype, device, report, unchanged_while_read(f, header.path.name))
     finally:
         torch.set_num_threads(threads)
     return state
@@ -674,7 +678,7 @@ def _fused_slots(
 
 
 def _dequantise_all(
-    buf: mmap.mmap,
+    f: io.FileIO,
     header: GGUFHeader,
     plan: list[TensorPlan],
     state: dict[str, torch.Tensor],
@@ -690,10 +694,9 @@ def _dequantise_all(
     for i, p in enumerate(plan, 1):
         t = by_name[p.gguf_name]
         unchanged()
-        error = None
         try:
-            start = header.data_start + t.offset
-            raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=start)
+            raw = torch.empty(t.nbytes, dtype=torch.uint8)
+            read_into(f, header.data_start + t.offset, raw.numpy().data, header.path.name)
             out = None
             slot = slots.get(p.hf_name)
             if slot is not None:
@@ -708,28 +711,13 @@ def _dequantise_all(
             else:
                 w = dequantize(raw.to(device), t.type_name, t.shape, dtype, out)
             del raw
-            _drop_pages(buf, start, t.nbytes)
             state[p.hf_name] = w
         except (ValueError, RuntimeError) as exc:
-            error = one_line(exc)  # raised below, once no frame holds a view of the mapping it must close
-        if error is not None:
-            raise ModelLoadError(f"{header.path.name}: cannot de-quantise tensor {t.name} ({t.type_name}): {error}")
+            raise ModelLoadError(
+                f"{header.path.name}: cannot de-quantise tensor {t.name} ({t.type_name}): {one_line(exc)}"
+            ) from None
         if i % PROGRESS_EVERY == 0 or i == total:
             report(Progress("dequantise", i / total, f"de-quantised {i}/{total} tensors"))
-
-
-def _drop_pages(buf: mmap.mmap, start: int, nbytes: int) -> None:
-    """Hand the pages of a tensor already read back to the OS: the mapping is private and never written, so
-    they are clean copies of the file (read again from it if touched). Without this a load ends holding the
-    whole file resident besides the weights (~1 GiB for a 1B Q8_0 file)."""
-    advise = getattr(buf, "madvise", None)
-    if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    first = start - start % mmap.PAGESIZE
-    try:
-        advise(mmap.MADV_DONTNEED, first, start + nbytes - first)
-    except (OSError, ValueError):  # advice only
-        pass
 
 
 def _unpermute(w: torch.Tensor, n_head: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:

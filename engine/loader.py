@@ -20,13 +20,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from engine.errors import ModelLoadError, ReadStopped, UnsafeModelError, one_line
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
-from engine.paths import unchanged_while_read, user_path
+from engine.paths import read_into, unchanged_while_read, user_path
 from engine.types import Progress, hub_name, is_remote, safetensors_weights
 
 if TYPE_CHECKING:
@@ -184,16 +184,19 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
     report(Progress("load", 1.0, "settings and tokenizer ready" + (" (cached)" if conv.from_cache else "")))
     report(Progress("dequantise", 0.0, f"de-quantising {len(conv.plan)} tensors into {dtype} on {device}"))
 
-    unchanged = _unchanged_since_loaded(label, {path: "the file"})
+    unchanged = _SinceLoaded(label, {path: "the file"}, {path: header.identity} if header.identity else None)
+
+    def opened(f: BinaryIO) -> None:
+        unchanged.opened(path, f)
 
     def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
         unchanged()
         try:
-            return dequantise_tensors(header, conv.plan, dt, dev, _ignore)
+            return dequantise_tensors(header, conv.plan, dt, dev, _ignore, opened)
         except OSError as exc:
             raise ModelLoadError(f"{label}: cannot read the weights again: {exc.strerror or exc}") from exc
 
-    state = dequantise_tensors(header, conv.plan, dtype, device, report)
+    state = dequantise_tensors(header, conv.plan, dtype, device, report, opened)
     return Checkpoint(
         config=config,
         state_dict=state,
@@ -443,15 +446,15 @@ def _load_hf_folder(folder: Path, report: ProgressFn, dtype: torch.dtype, device
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(stored[name][0], []).append(name)
-    unchanged = _unchanged_since_loaded(label, {file: file.name for file in by_file})
+    unchanged = _SinceLoaded(label, {file: file.name for file in by_file})
 
     def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
         unchanged()
-        return _read_safetensors(by_file, stored, label, _ignore, dt, dev)
+        return _read_safetensors(by_file, stored, label, _ignore, dt, dev, unchanged)
 
     return Checkpoint(
         config=config,
-        state_dict=_read_safetensors(by_file, stored, label, report, dtype, device),
+        state_dict=_read_safetensors(by_file, stored, label, report, dtype, device, unchanged),
         tokenizer=tokenizer,
         name=label,
         source=str(folder),
@@ -462,36 +465,44 @@ def _load_hf_folder(folder: Path, report: ProgressFn, dtype: torch.dtype, device
     )
 
 
-def _unchanged_since_loaded(label: str, files: dict[Path, str]) -> Callable[[], None]:
-    """A check that the weights files (each with how a message names it) are still the ones loaded and can be read
-    again: made before a switch gives up the model in use for weights read from them (a file changed, moved or
-    made unreadable since was read after the model was given up, and answers failed until it was opened again)."""
-    seen = {file: _stamp(file) for file in files}
+class _SinceLoaded:
+    """The weights files (each with how a message names it) as they were when they were loaded (`seen`: a file's
+    stamp taken earlier, as a GGUF's header read), for two checks. Called: that they are still the ones loaded and
+    can be read again, made before a switch gives up the model in use for weights read from them (a file changed,
+    moved or made unreadable since was read after the model was given up, and answers failed until it was opened
+    again). opened(): that a file just opened to read its weights is the one loaded (another moved over its path
+    after that check, or while an earlier shard was read, gave a model of two files' tensors without a word)."""
 
-    def unchanged() -> None:
-        for file, stamp in seen.items():
-            what = files[file]
+    def __init__(self, label: str, files: dict[Path, str], seen: Optional[dict[Path, tuple[int, ...]]] = None):
+        self.label, self.files = label, files
+        self.seen = {file: (seen or {}).get(file) or _stamp(os.stat(file)) for file in files}
+
+    def __call__(self) -> None:
+        for file, stamp in self.seen.items():
+            what = self.files[file]
             try:
-                now = _stamp(file)
+                now = _stamp(os.stat(file))
             except OSError as exc:
                 raise ModelLoadError(
-                    f"{label}: {what} was moved or deleted since it was loaded ({exc.strerror or exc}); open it again"
+                    f"{self.label}: {what} was moved or deleted since it was loaded ({exc.strerror or exc}); open it "
+                    "again"
                 ) from None
             if now != stamp:
-                raise ModelLoadError(f"{label}: {what} changed since it was loaded; open it again")
+                raise ModelLoadError(f"{self.label}: {what} changed since it was loaded; open it again")
             try:
                 with open(file, "rb"):
                     pass
             except OSError as exc:
-                raise ModelLoadError(f"{label}: cannot read {what} again: {exc.strerror or exc}") from None
+                raise ModelLoadError(f"{self.label}: cannot read {what} again: {exc.strerror or exc}") from None
 
-    return unchanged
+    def opened(self, file: Path, f: BinaryIO) -> None:
+        if _stamp(os.fstat(f.fileno())) != self.seen[file]:
+            raise ModelLoadError(f"{self.label}: {self.files[file]} changed while it was read; open it again")
 
 
-def _stamp(file: Path) -> tuple[int, ...]:
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
     """What says a file is the one loaded: its size and time, and which file it is (another moved over it with
     the same size and time, as `cp -p` or `rsync -a` write, was taken as the one loaded)."""
-    st = file.stat()
     return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
 
 
@@ -527,9 +538,10 @@ def _read_safetensors(
     report: ProgressFn,
     dtype: torch.dtype,
     device: torch.device,
+    loaded: _SinceLoaded,
 ) -> dict[str, torch.Tensor]:
     """The tensors named in `by_file` (our names, by file), read from each file into memory of their own and given
-    in `dtype` (floating-point ones) on `device`.
+    in `dtype` (floating-point ones) on `device`; each file, as it is opened, checked to be the one `loaded`.
 
     Read, not mapped: a tensor left on the file's mapping ended the process with SIGBUS at the next answer once the
     file was overwritten in place, and a copy out of a mapping could still meet it while the copy ran (a large
@@ -546,6 +558,7 @@ def _read_safetensors(
         try:
             where = f"{label}: {file.name}"
             with open(file, "rb", buffering=0) as own:
+                loaded.opened(file, own)
                 unchanged = unchanged_while_read(own, where)
                 data_start, table = _safetensors_table(own, where)
                 for name in names:
@@ -588,24 +601,14 @@ def _read_tensor(f: io.RawIOBase, data_start: int, table: dict[str, Any], key: s
     if end - begin != count * dtype.itemsize or begin < 0:
         raise ModelLoadError(f"{name}: tensor {key!r} takes {end - begin} bytes, not the {count} values of its shape")
     buf = torch.empty(end - begin, dtype=torch.uint8)
-    _read_into(f, data_start + begin, buf.numpy().data, name)
+    read_into(f, data_start + begin, buf.numpy().data, name)
     return buf.view(dtype).reshape(shape)
 
 
 def _read_exactly(f: io.RawIOBase, at: int, n: int, name: str) -> bytes:
     buf = bytearray(n)
-    _read_into(f, at, memoryview(buf), name)
+    read_into(f, at, memoryview(buf), name)
     return bytes(buf)
-
-
-def _read_into(f: io.RawIOBase, at: int, out: memoryview, name: str) -> None:
-    f.seek(at)
-    got = 0
-    while got < len(out):
-        n = f.readinto(out[got:])
-        if not n:  # the file ends before what its header (checked at the load) said it holds: cut short since
-            raise ModelLoadError(f"{name} changed while it was read (it ends early); open it again")
-        got += n
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import re
@@ -211,11 +212,23 @@ def locked_beside(path: Path, what: str) -> Iterator[None]:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def read_into(f: io.RawIOBase, at: int, out: memoryview, name: str) -> None:
+    """Fill `out` with the bytes of the weights file open as `f` from offset `at`, read through the descriptor:
+    a file cut short is a short read, said as a load error (under a mapping, the missing pages ended the process
+    with SIGBUS), and a file moved over the path meanwhile is not read at all (the descriptor keeps the first)."""
+    f.seek(at)
+    got = 0
+    while got < len(out):
+        n = f.readinto(out[got:])
+        if not n:  # the file ends before what its header (checked at the load) said it holds: cut short since
+            raise ModelLoadError(f"{name} changed while it was read (it ends early); open it again")
+        got += n
+
+
 def unchanged_while_read(f: BinaryIO, name: str) -> Callable[[], None]:
     """A check, made before each tensor of a weights file open as `f` is read, that the file is as it was: a file
-    overwritten in place (a download into the same name) between two tensors gives a model of both files' tensors,
-    and one cut short under a mapping ended the process with SIGBUS as the missing pages were read (a GGUF's
-    mapping keeps a few milliseconds a tensor in which that can still happen, where it was the whole read)."""
+    overwritten in place (a download into the same name) between two tensors gives a model of both files' tensors
+    (read_into reads each tensor through the descriptor: one cut short meanwhile is a short read)."""
     first = os.fstat(f.fileno())
 
     def check() -> None:

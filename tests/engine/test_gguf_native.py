@@ -17,6 +17,7 @@ import torch
 from gguf_fixtures import gguf_name, hf_llama_to_gguf, random_blocks
 
 from engine import gguf_native
+from engine.errors import ModelLoadError
 from engine.fast_tokenizer import FastTokenizer
 from engine.gguf_dequant import BLOCKS, dequantize
 from engine.gguf_header import check_gguf, read_gguf_header
@@ -828,9 +829,6 @@ def test_a_file_cut_short_while_it_is_read_is_a_load_error_not_a_bus_error(tiny_
     """A GGUF overwritten in place (cut short) while the app read it, at a load or a switch of precision that
     reads it again: the missing pages of the mapping ended the process with SIGBUS, draft and settings lost.
     Each tensor is read only while the file is as it was. In a child process, which a SIGBUS would end."""
-    import subprocess
-    import sys
-
     path = hf_llama_to_gguf(tiny_llama, tmp_path / "cut.gguf", quant="Q8_0")
     script = f"""
 import os
@@ -845,12 +843,88 @@ def cut(p):
     if p.stage == "dequantise" and p.fraction and p.fraction < 1:
         os.truncate(path, os.path.getsize(path) // 2)
 
-try:
-    load_checkpoint(path, cut)
-except ModelLoadError as exc:
-    print("refused:", exc)
+load_checkpoint(path, cut)
 """
+    assert _refusal_in_a_child(script) == "cut.gguf changed while it was read; open it again"
+
+
+def _refusal_in_a_child(script: str) -> str:
+    """Run `script`, which loads a model, in a child process (a SIGBUS would end it): the load error it raised."""
+    import subprocess
+    import sys
+
+    script = "try:\n" + "".join(f"    {line}\n" for line in script.strip().splitlines())
+    script += "except ModelLoadError as exc:\n    print('refused:', exc)\n"
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    assert "refused: cut.gguf changed while it was read; open it again" in r.stdout, r.stdout
+    assert r.stdout.startswith("refused: "), r.stdout
+    return r.stdout.removeprefix("refused: ").strip()
+
+
+@pytest.mark.parametrize("when", ["load", "switch"])
+def test_a_gguf_moved_over_its_path_after_its_header_was_read_is_not_read_for_weights(
+    tiny_llama, tmp_path, monkeypatch, when
+):
+    """Another GGUF renamed over the path after the header was read (during a first load's conversion of the
+    settings and tokenizer, which takes seconds), or after a switch's check found the file as loaded: its tensors
+    were read at the first file's offsets, without a word."""
+    from tiny_models import make_tiny_model
+
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "m.gguf")
+    other = hf_llama_to_gguf(make_tiny_model(tmp_path / "other", "llama", seed=1), tmp_path / "other.gguf")
+    refused = pytest.raises(ModelLoadError, match="m.gguf: the file changed while it was read; open it again")
+    if when == "switch":
+        ck = load_checkpoint(str(path))
+        ck.release()
+        ck.can_read_again()  # the switch's check: as loaded
+
+        def renamed_then_opened(file, *args, **kwargs):
+            if Path(file) == path and other.exists():
+                os.replace(other, path)  # after the check the switch makes as it reads
+            return open(file, *args, **kwargs)
+
+        monkeypatch.setattr(gguf_native, "open", renamed_then_opened, raising=False)
+        with refused:
+            ck.weights(torch.float32, torch.device("cpu"))
+        return
+    convert = gguf_native.load_converted
+
+    def renamed_meanwhile(*args, **kwargs):
+        converted = convert(*args, **kwargs)
+        os.replace(other, path)
+        return converted
+
+    monkeypatch.setattr(gguf_native, "load_converted", renamed_meanwhile)
+    with refused:
+        load_checkpoint(str(path))
+
+
+def test_a_file_cut_short_between_the_check_and_the_read_of_a_tensor_is_no_bus_error(tiny_llama, tmp_path):
+    """Each tensor was read from a mapping after a check that the file was as it was: a file cut short in between
+    ended the process with SIGBUS. The bytes are read through the descriptor: a short read, said as such."""
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "cut.gguf", quant="Q8_0")
+    script = f"""
+import os
+from engine import gguf_native
+from engine.errors import ModelLoadError
+from engine.loader import load_checkpoint
+
+path = {str(path)!r}
+checked = gguf_native.unchanged_while_read
+
+def then_cut(f, name):
+    check, calls = checked(f, name), []
+
+    def after_the_check():
+        check()
+        calls.append(1)
+        if len(calls) == 3:  # the file is cut once it was found unchanged (to nothing: the tensor's bytes gone)
+            os.truncate(path, 0)
+
+    return after_the_check
+
+gguf_native.unchanged_while_read = then_cut
+load_checkpoint(path)
+"""
+    assert _refusal_in_a_child(script) == "cut.gguf changed while it was read (it ends early); open it again"

@@ -4,6 +4,7 @@ Llama written the way llama.cpp writes it), progress, and the real default model
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -604,3 +605,42 @@ def test_a_folder_the_user_can_no_longer_read_refuses_the_switch_and_keeps_the_m
         assert e.generate(hi, greedy).token_ids == before
     finally:
         e.close()
+
+
+def _two_shards(folder: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """`folder`'s weights as two shards with an index; the second shard and a new revision of it (each value + 1)."""
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(folder / file))
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    second = folder / "model-00002-of-00002.safetensors"
+    save_file({k: weights[k] + 1 for k in shards[second.name]}, str(tmp_path / "new.safetensors"))
+    return second, tmp_path / "new.safetensors"
+
+
+@pytest.mark.parametrize("when", ["load", "switch"])
+def test_a_shard_replaced_while_an_earlier_one_is_read_is_not_mixed_in(tiny_llama, tmp_path, monkeypatch, when):
+    """A download of a new revision renamed over the second shard while the first was read, at the load or at a
+    switch that had found the files as loaded: the model was built of two revisions' tensors without a word."""
+    import engine.loader as loader
+
+    folder = shutil.copytree(tiny_llama, tmp_path / "sharded")
+    second, new_revision = _two_shards(folder, tmp_path)
+    if when == "switch":
+        ck = load_checkpoint(str(folder))
+        ck.release()
+        ck.can_read_again()
+    read = loader._read_tensor
+
+    def renamed_meanwhile(f, data_start, table, key, name):
+        if "00001" in name and new_revision.exists():
+            os.replace(new_revision, second)
+        return read(f, data_start, table, key, name)
+
+    monkeypatch.setattr(loader, "_read_tensor", renamed_meanwhile)
+    with pytest.raises(ModelLoadError, match=f"{second.name} changed while it was read; open it again"):
+        load_checkpoint(str(folder)) if when == "load" else ck.weights(torch.float32, torch.device("cpu"))
