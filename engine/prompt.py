@@ -334,10 +334,9 @@ class _Specials:
         self._alone_after_special = True
         self._lock = threading.Lock()
 
-    def as_text(self, text: str, before: str = "", special: str = "") -> list[int]:
-        """The tokens of `text` where the tokenizer reads it as plain text after `before` (the text before it,
-        read plainly too), special tokens' texts included; with no text before it, after the `special` token
-        (the template's, "" at the start of the text)."""
+    def as_text(self, text: str, special: str = "") -> list[int]:
+        """The tokens of `text` where the tokenizer reads it as plain text, special tokens' texts included, after
+        the `special` token (the template's, "" at the start of the text)."""
         with self._lock:
             if self._as_text is None:
                 from tokenizers import Tokenizer
@@ -357,13 +356,11 @@ class _Specials:
         def encode(*texts: str) -> list[list[int]]:  # encode_batch lets go of the GIL (the window's thread runs)
             return [e.ids for e in as_text.encode_batch(list(texts), add_special_tokens=False)]
 
-        if not before and special and not alone_after_special:
-            before = special  # read as the text a special token's text goes on, as the template's token is read
-        if not before:
+        if not special or alone_after_special:
             return encode(text)[0]
-        head, whole = encode(before, before + text)
-        # read after it where the text before reads the same on its own (it merges into the text at the seam in
-        # rare cases: then read alone)
+        # read as the text a special token's text goes on, as the template's token is read (where the two merge
+        # at the seam, alone)
+        head, whole = encode(special, special + text)
         return whole[len(head) :] if whole[: len(head)] == head else encode(text)[0]
 
 
@@ -435,11 +432,12 @@ def _read_marks(specials: _Specials, text: str) -> tuple[str, list[tuple[int, in
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """The tokenizer's ids of `text`, where a mark (_typed) reads its special token's text as plain text.
 
-    The text is tokenized as it is (the marks as the texts they stand for); from a typed special token to the next
-    special token the template wrote, the tokens are then those of that text read plainly, after what precedes it
-    since the template's last one. The tokenizer reads the text between two special tokens as a text of its own:
-    a SentencePiece tokenizer puts a space before each, so a typed "</s>" read alone gained a space before it and
-    the text after it another. A special token that takes in the white space beside it (Phi-3's <|end|>, stripped
+    The text is tokenized as it is (the marks as the texts they stand for); the text between two special tokens
+    the template wrote that holds a typed one is then read again, whole and plainly. The tokenizer reads the text
+    between two special tokens as a text of its own: a SentencePiece tokenizer puts a space before each, so a
+    typed "</s>" read alone gained a space before it and the text after it another; and the text before a typed
+    one, kept as the first reading split it, kept a space the next text then read again ("does  </s>"), or a
+    split the tokenizer never makes of that text (" <|" as " " and "<|"). A special token that takes in the white space beside it (Phi-3's <|end|>, stripped
     on its right) is a typed one where its place holds a typed text."""
     specials = _specials(tokenizer) if MARK_OPEN in text else None
     if specials is None or specials.backend is None:
@@ -461,18 +459,15 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     template = [n for n in special_at if template_s(n)]
     template_set = set(template)
     ids: list[int] = []
-    done = after_template = 0  # tokens[:done] are placed; the text after the template's last special token starts
+    done = 0  # tokens[:done] are placed
     for n in special_at:
-        if n < done:
-            continue  # read again with the typed text before it
-        if n in template_set:
-            after_template = spans[n][1]
-            continue
-        end = template[bisect.bisect_right(template, n)] if template and template[-1] > n else len(tokens)
-        stop = spans[end][0] if end < len(tokens) else len(plain)
-        ids += tokens[done:n]
-        previous = plain[slice(*spans[n - 1])] if n and spans[n - 1][1] == spans[n][0] else ""
-        ids += specials.as_text(plain[spans[n][0] : stop], plain[after_template : spans[n][0]], previous)
+        if n < done or n in template_set:
+            continue  # read again with the typed text before it; the template's own
+        k = bisect.bisect_left(template, n)  # the template's special tokens around the typed one
+        last, end = template[k - 1] if k else -1, template[k] if k < len(template) else len(tokens)
+        start, stop = spans[last][1] if last >= 0 else 0, spans[end][0] if end < len(tokens) else len(plain)
+        ids += tokens[done : last + 1]
+        ids += specials.as_text(plain[start:stop], plain[slice(*spans[last])] if last >= 0 and start > 0 else "")
         done = end
     ids += tokens[done:]
     return ids

@@ -64,7 +64,8 @@ def greedy_continuation(model, prompt_ids: list[int], n: int, pad_token_id: Opti
     return out[0, len(prompt_ids) :].tolist()
 
 
-def make_tokenizer(vocab_size: int = 320):
+def make_tokenizer(vocab_size: int = 320, corpus: Optional[list[str]] = None):
+    """A byte-level BPE tokenizer with ChatML's special tokens, trained on `corpus` (the tiny models' own)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +75,7 @@ def make_tokenizer(vocab_size: int = 320):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tk.train_from_iterator(CORPUS * 20, trainer)
+    tk.train_from_iterator((corpus or CORPUS) * 20, trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tk, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
     )
@@ -191,9 +192,9 @@ def make_bigram_model(
     return path
 
 
-def make_sentencepiece_tokenizer():
+def make_sentencepiece_tokenizer(corpus: str = "The capital of France is Paris, and Paris is in France."):
     """SentencePiece-style BPE as Llama 2's and Mistral's tokenizer.json have it: spaces as "▁", one put before
-    the text, byte fallback, and a decoder that strips the space the text starts with."""
+    the text, byte fallback, and a decoder that strips the space the text starts with; trained on `corpus`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -201,7 +202,7 @@ def make_sentencepiece_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
-    tok.train_from_iterator(["The capital of France is Paris, and Paris is in France."] * 20, trainer)
+    tok.train_from_iterator([corpus] * 20, trainer)
     tok.decoder = decoders.Sequence(
         [decoders.Metaspace(replacement="▁", prepend_scheme="first"), decoders.ByteFallback(), decoders.Fuse()]
     )

@@ -348,6 +348,38 @@ def test_a_typed_special_token_reads_as_the_text_around_it_on_a_sentencepiece_to
             assert tok.eos_token_id not in p.ids
 
 
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_the_text_before_a_typed_special_token_reads_as_the_tokenizer_reads_it(kind):
+    """The text before a typed special token kept the split the first reading made of it, the special token a
+    boundary: a SentencePiece tokenizer's prompt read "what does  </s> mean?" (a space the user never typed, the
+    text after then read with one put before it), and a byte-level one split " <|" as " " and "<|", a split it
+    never makes of that text. Between the template's special tokens, the tokens are now those of the text."""
+    from tiny_models import make_sentencepiece_tokenizer
+    from tokenizers import Tokenizer
+
+    corpus = "what does <|x|> mean? what does </s> mean? The capital of France is Paris."
+    if kind == "sentencepiece":  # "▁<" is one token, as in Llama 2's vocabulary
+        tok, typed = make_sentencepiece_tokenizer(corpus), "what does </s> mean?"
+        tok.chat_template = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+        start, end = [], []
+    else:
+        tok, typed = make_tokenizer(corpus=[corpus]), "what does <|im_end|> mean?"
+        tok.chat_template = CHATML
+        start, end = tok.convert_tokens_to_ids(["<|im_start|>"]), tok.convert_tokens_to_ids(["<|im_end|>"])
+    as_text = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    as_text.encode_special_tokens = True  # every special token's text read as text
+
+    def plain(text: str) -> list[int]:
+        return as_text.encode(text, add_special_tokens=False).ids
+
+    p = build_prompt(tok, [_user(typed)], 256, 16)
+    assert tok.decode(p.ids) == p.text
+    if kind == "sentencepiece":
+        assert p.ids == plain(p.text)  # no special token the template wrote: all of it is text
+    else:
+        assert p.ids == start + plain(f"user\n{typed}") + end + plain("\n") + start + plain("assistant\n")
+
+
 @pytest.mark.parametrize(
     "text", ["a\ufdd0b \ufdd1 c", "x \ufdd00\ufdd1 y", "\ufdd0" + "9" * 5000 + "\ufdd1", "\ufdd07\ufdd1"]
 )
