@@ -717,11 +717,16 @@ class Engine:
             )
         loop = attempt.loop
         assert loop is not None
-        if opts.candidates > 1 and SamplerKind.of(sampling).greedy:  # as many as ran (out of memory: fewer)
+        kind = SamplerKind.of(sampling)
+        if opts.candidates > 1 and (kind.greedy or sampling.top_k == 1):  # as many as ran (out of memory: fewer)
+            why, fix = (
+                (f"greedy decoding (temperature {sampling.temperature:g})", "raise the temperature")
+                if kind.greedy
+                else ("top-k 1 keeps only the likeliest token, so sampling", "raise top-k (0: off)")
+            )
             notices.append(
-                f"the {opts.candidates} candidates are one answer {opts.candidates} times: greedy decoding "
-                f"(temperature {sampling.temperature:g}) picks the same tokens in every row; raise the temperature "
-                "for different ones"
+                f"the {opts.candidates} candidates are one answer {opts.candidates} times: {why} picks the same "
+                f"tokens in every row; {fix} for different ones"
             )
         if "speculation" in reasons:  # asked for and not run: the figures say why, as the options' entry does
             speculation_off(loop.metrics, reasons["speculation"])

@@ -140,6 +140,17 @@ def test_candidates_under_greedy_equal_single(llama_engine, kv):
     ) in multi.notices
 
 
+def test_candidates_sampled_from_the_likeliest_token_alone_say_they_are_one_answer(llama_engine):
+    """top-k 1 at a temperature that samples keeps one token a step: three copies came without a word."""
+    llama_engine.reconfigure(CPU.with_(candidates=3))
+    r = llama_engine.generate(MESSAGES, SamplingParams(temperature=0.8, top_k=1, max_new_tokens=16, seed=5))
+    assert r.token_ids == [r.token_ids[0]] * 3
+    assert (
+        "the 3 candidates are one answer 3 times: top-k 1 keeps only the likeliest token, so sampling picks the "
+        "same tokens in every row; raise top-k (0: off) for different ones"
+    ) in r.notices
+
+
 def test_same_seed_same_text_for_each_sampling_mode(llama_engine):
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.2, max_new_tokens=20, seed=7)
     for mode in ("device", "host"):
