@@ -124,7 +124,7 @@ def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: boo
     stem = path.name[:64]
     while len(os.fsencode(stem)) > 64:
         stem = stem[:-1]
-    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=TEMPORARY_SUFFIX, dir=path.parent)
     try:
         data = text if isinstance(text, bytes) else text.encode("utf-8")  # a character it refuses: nothing written
         with os.fdopen(fd, "wb") as f:
@@ -142,14 +142,16 @@ def write_whole(path: Path, text: "str | bytes", mode: int = 0o644, durable: boo
 
 
 # A temporary file of write_whole this old is one a process stopped while writing (killed, a power cut) left: no
-# write takes that long. They were never removed, each as large as the file it was to be.
-STALE_TEMPORARY_S = 600
-_TEMPORARY_TAIL = re.compile(r"[a-z0-9_]{8}")  # tempfile.mkstemp's random part
+# write takes that long, a paused one neither. They were never removed, each as large as the file it was to be.
+# Only names this code makes are removed: an export's folder is the user's, and ".report.md.original" theirs.
+STALE_TEMPORARY_S = 86400
+TEMPORARY_SUFFIX = ".gapless-part"
+_TEMPORARY_TAIL = re.compile(r"[a-z0-9_]{8}" + re.escape(TEMPORARY_SUFFIX))  # tempfile.mkstemp's random part
 
 
 def _remove_stale_temporaries(folder: Path, prefix: str) -> None:
-    """Remove the temporaries named `prefix` + mkstemp's part in `folder` that no write has touched for
-    STALE_TEMPORARY_S; nothing is said where one cannot be (the write itself is done)."""
+    """Remove the temporaries named `prefix` + mkstemp's part + TEMPORARY_SUFFIX in `folder` that no write has
+    touched for STALE_TEMPORARY_S; nothing is said where one cannot be (the write itself is done)."""
     try:
         with os.scandir(folder) as entries:
             stale = [

@@ -72,25 +72,30 @@ def test_the_temporary_name_of_a_long_name_is_cut_between_characters(tmp_path, m
 
 def test_temporaries_a_stopped_write_left_are_removed_by_the_next_write(tmp_path):
     """A process killed while it wrote left `.settings.json.abcd1234` beside the file, for good (9 of them after
-    30 kills)."""
+    30 kills). Only names write_whole makes are removed: a user's own files beside an export stay."""
     import os
     import time
 
-    from engine.paths import STALE_TEMPORARY_S
+    from engine.paths import STALE_TEMPORARY_S, TEMPORARY_SUFFIX
 
     target = tmp_path / "settings.json"
     old = time.time() - STALE_TEMPORARY_S - 60
-    left = [tmp_path / ".settings.json.k1_x9zq0", tmp_path / ".settings.json.ab12cd34"]
+    left = [
+        tmp_path / f".settings.json.k1_x9zq0{TEMPORARY_SUFFIX}",
+        tmp_path / f".settings.json.ab12cd34{TEMPORARY_SUFFIX}",
+    ]
     kept = [
         tmp_path / ".settings.json.lock",  # the lock beside it
         tmp_path / ".settings.json.0123abcd.bak",  # not a temporary's name
-        tmp_path / ".other.json.ab12cd34",  # another file's
+        tmp_path / ".settings.json.12345678",  # the user's (an export's folder is theirs)
+        tmp_path / ".settings.json.original",
+        tmp_path / f".other.json.ab12cd34{TEMPORARY_SUFFIX}",  # another file's
         tmp_path / "settings.json.corrupt-20261207",
     ]
     for p in left + kept:
         p.write_text("x")
         os.utime(p, (old, old))
-    writing = tmp_path / ".settings.json.zz99yy88"  # another process's write, under way
+    writing = tmp_path / f".settings.json.zz99yy88{TEMPORARY_SUFFIX}"  # another process's write, under way
     writing.write_text("half")
     write_whole(target, "{}")
     assert target.read_text() == "{}"
