@@ -329,7 +329,9 @@ class _Specials:
         )
         self.index = {text: n for n, text in enumerate(self.texts)}
         self.pattern = re.compile("|".join(map(re.escape, self.texts)))
+        self.by_id = special
         self.backend = backend
+        self._reader: Any = None
         self._as_text: Any = None
         self._alone_after_special = True
         self._lock = threading.Lock()
@@ -339,15 +341,14 @@ class _Specials:
         the `special` token (the template's, "" at the start of the text)."""
         with self._lock:
             if self._as_text is None:
-                from tokenizers import Tokenizer
-
-                self._as_text = Tokenizer.from_str(self.backend.to_str())
+                self._as_text = _whole_reader(self.backend)
                 self._as_text.encode_special_tokens = True
                 # how the tokenizer reads the text right after a special token: as a text of its own (a space put
                 # before it, as SentencePiece's older tokenizers do) or as the text it goes on (Metaspace's
                 # "first" scheme puts one at the start of the whole text only)
                 probe = self.texts[0]
-                after = self.backend.encode_batch([probe + "a"], add_special_tokens=False)[0].ids
+                self._reader = self._reader or _whole_reader(self.backend)
+                after = self._reader.encode_batch([probe + "a"], add_special_tokens=False)[0].ids
                 alone = self._as_text.encode_batch(["a"], add_special_tokens=False)[0].ids
                 self._alone_after_special = after[1:] == alone
             as_text = self._as_text
@@ -362,6 +363,25 @@ class _Specials:
         # at the seam, alone)
         head, whole = encode(special, special + text)
         return whole[len(head) :] if whole[: len(head)] == head else encode(text)[0]
+
+    def reader(self) -> Any:
+        """A copy of the tokenizer that reads a text whole: the tokenizer's file may ask for truncation or padding
+        (a fine-tune's tokenizer.json saved with them on), which transformers turns off only inside its own calls;
+        read with them, a prompt holding a typed special token was cut to the truncation's length, unsaid."""
+        with self._lock:
+            if self._reader is None:
+                self._reader = _whole_reader(self.backend)
+            return self._reader
+
+
+def _whole_reader(backend: Any) -> Any:
+    """A copy of `backend` without truncation and padding."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    return copy
 
 
 _specials_of: "weakref.WeakKeyDictionary[Any, _Specials]" = weakref.WeakKeyDictionary()
@@ -443,29 +463,36 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if specials is None or specials.backend is None:
         return list(tokenizer(_unmarked(tokenizer, text), add_special_tokens=add_special_tokens)["input_ids"])
     plain, typed = _read_marks(specials, text)
-    encoding = specials.backend.encode_batch([plain], add_special_tokens=add_special_tokens)[0]
+    encoding = specials.reader().encode_batch([plain], add_special_tokens=add_special_tokens)[0]
     tokens, spans = encoding.ids, encoding.offsets
     starts = [a for a, _ in typed]
 
-    def template_s(n: int) -> bool:  # the template's own special token (not one typed in a message)
-        if tokens[n] not in specials.ids:
-            return False
+    def typed_at(n: int) -> bool:  # a special token where a message's typed text stands
         a, b = spans[n]
         i = bisect.bisect_left(starts, a)
-        return not (i < len(typed) and typed[i][1] <= b)
+        return i < len(typed) and typed[i][1] <= b
 
-    # only the special tokens are looked at (a 4 MB message is a million tokens)
+    def added(n: int) -> bool:  # one the tokenizer put before or after the text (a BOS, an EOS after it)
+        return spans[n] == (0, 0)
+
+    # Only the special tokens are looked at (a 4 MB message is a million tokens). The text read again is bounded
+    # by the template's special tokens and those the tokenizer adds, not by one made of the text (an <unk>).
     special_at = [n for n, t in enumerate(tokens) if t in specials.ids]
-    template = [n for n in special_at if template_s(n)]
-    template_set = set(template)
+    typed_ones = [n for n in special_at if typed_at(n)]
+    bounds = [
+        n
+        for n in special_at
+        if not typed_at(n) and (added(n) or specials.by_id[tokens[n]] in plain[spans[n][0] : spans[n][1]])
+    ]
     ids: list[int] = []
     done = 0  # tokens[:done] are placed
-    for n in special_at:
-        if n < done or n in template_set:
-            continue  # read again with the typed text before it; the template's own
-        k = bisect.bisect_left(template, n)  # the template's special tokens around the typed one
-        last, end = template[k - 1] if k else -1, template[k] if k < len(template) else len(tokens)
-        start, stop = spans[last][1] if last >= 0 else 0, spans[end][0] if end < len(tokens) else len(plain)
+    for n in typed_ones:
+        if n < done:
+            continue  # read again with the typed text before it
+        k = bisect.bisect_left(bounds, n)  # the bounds around the typed one
+        last, end = bounds[k - 1] if k else -1, bounds[k] if k < len(bounds) else len(tokens)
+        start = spans[last][1] if last >= 0 else 0
+        stop = spans[end][0] if end < len(tokens) and not added(end) else len(plain)  # one added after: the end
         ids += tokens[done : last + 1]
         ids += specials.as_text(plain[start:stop], plain[slice(*spans[last])] if last >= 0 and start > 0 else "")
         done = end

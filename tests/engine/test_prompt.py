@@ -380,6 +380,52 @@ def test_the_text_before_a_typed_special_token_reads_as_the_tokenizer_reads_it(k
         assert p.ids == start + plain(f"user\n{typed}") + end + plain("\n") + start + plain("assistant\n")
 
 
+def test_a_prompt_holding_a_typed_special_token_is_read_whole_whatever_the_tokenizer_file_asks():
+    """A tokenizer.json saved with truncation on (a fine-tune's): a prompt holding a typed special token was cut to
+    the truncation's length without a word, question and answer's start gone (transformers turns it off only
+    inside its own calls). One the tokenizer ends with its own EOS (no chat template): the whole text was lost,
+    the EOS taken for the template's token that ends the text."""
+    from tokenizers import processors
+
+    typed = "what does <|im_start|> mean? " + "the quick brown fox " * 8
+    tok = make_tokenizer()
+    tok.chat_template = CHATML
+    tok.backend_tokenizer.enable_truncation(max_length=24)
+    p = build_prompt(tok, [_user(typed)], 512, 16)
+    assert len(p.ids) > 24 and tok.decode(p.ids) == p.text
+    assert len(_specials_at(tok, p.ids)) == 3  # the template's only
+
+    tok = make_tokenizer()  # no chat template: the plain format, read with the tokenizer's own tokens
+    bos, eos = "<|endoftext|>", "<|im_end|>"
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", special_tokens=[(t, tok.convert_tokens_to_ids(t)) for t in (bos, eos)]
+    )
+    p = build_prompt(tok, [_user(typed)], 512, 16)
+    assert tok.decode(p.ids) == f"{bos}{p.text}{eos}"
+
+
+def test_an_unknown_token_made_of_the_text_does_not_split_what_is_read_again():
+    """A tokenizer without byte fallback makes <unk> of a character it lacks: taken for a special token of the
+    template, it split the text read again around a typed "</s>", and the part after it read with a space put
+    before it ("▁" "<unk>" "▁" ...)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))  # Llama 2's older form: a normalizer puts the space first
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=list("?:<>/")
+    )
+    tk.train_from_iterator(["what does </s> mean? ser: er"] * 20, trainer)
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tk.token_to_id("<s>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    as_text = Tokenizer.from_str(tk.to_str())
+    as_text.encode_special_tokens = True
+    p = build_prompt(tok, [_user("what does </s> mean?")], 256, 16)  # "User:": no "U" in the vocabulary
+    assert p.ids == [tok.bos_token_id] + as_text.encode(p.text, add_special_tokens=False).ids
+
+
 @pytest.mark.parametrize(
     "text", ["a\ufdd0b \ufdd1 c", "x \ufdd00\ufdd1 y", "\ufdd0" + "9" * 5000 + "\ufdd1", "\ufdd07\ufdd1"]
 )
