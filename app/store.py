@@ -288,7 +288,9 @@ def _message(row: tuple) -> Message:
         _time(row[7]),
         _kept_figures(row[8], "options", row[0]),
         _kept_figures(row[9], "metrics", row[0]),
-        *row[10:13],
+        row[10],
+        row[11],
+        None if row[12] is None else _text(row[12]),
     )
 
 

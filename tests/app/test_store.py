@@ -268,12 +268,18 @@ def test_text_another_program_stored_as_bad_utf8_or_bytes_reads_with_replacement
         db.execute("UPDATE chats SET title = X'426c6f62', system_prompt = X'ff' WHERE id = ?", (chats[1].id,))
         db.execute("UPDATE chats SET updated = 'yesterday' WHERE id = ?", (chats[2].id,))
         db.execute("UPDATE messages SET content = CAST(X'68e9ff' AS TEXT) WHERE chat_id = ?", (chats[0].id,))
-        db.execute("UPDATE messages SET content = X'6f6b' WHERE chat_id = ?", (chats[1].id,))
+        db.execute(
+            "UPDATE messages SET content = X'6f6b', model_name = X'74696e79ff' WHERE chat_id = ?", (chats[1].id,)
+        )
     listed = {c.id: c for c in store.list_chats()}
     assert [listed[c.id].title for c in chats] == ["Chat\ufffd", "Blob", "Chat 2"]
     assert listed[chats[1].id].system_prompt == "\ufffd" and listed[chats[2].id].updated == 0.0
     assert [m.content for m in store.thread(chats[0].id)] == ["h\ufffd\ufffd"]
-    assert [m.content for m in store.thread(chats[1].id)] == ["ok"]
+    assert [(m.content, m.model_name) for m in store.thread(chats[1].id)] == [("ok", "tiny\ufffd")]
+    from app.chat_io import export_json, export_markdown
+
+    for chat in chats:  # each exports (a model name stored as bytes failed both exports with a TypeError)
+        assert export_markdown(store, chat.id) and export_json(store, chat.id)
 
 
 def test_the_letters_that_fold_to_ascii_are_all_known_to_the_search():
