@@ -4,8 +4,8 @@ text as the model wrote it (the chat template reads the tags back: Qwen3's leave
 
 A template that opens the thinking in the prompt (DeepSeek-R1's distillations and QwQ end it with "<think>\n") has
 the model write only the end tag: the text before an end tag that ends its line (not in inline code nor a code
-block), with no opening tag before it, is that thinking. Until the end tag comes it reads as the answer (nothing says it is
-thinking until then)."""
+block), with no opening tag before it, is taken for that thinking, whichever model wrote the answer (which
+template asked for it is not kept with a message). Until the end tag comes it reads as the answer."""
 
 from __future__ import annotations
 
