@@ -7,8 +7,9 @@ written whole (engine.paths.write_whole) as a chat is left and as the window clo
 folder each write only the drafts they changed: the file is read again first, under a lock, so one window never
 undoes the other's; a chat's draft is read again as it is opened, and one a window still shows that another took
 from the file (sent or cleared there) is written back when the first leaves it or closes. A file that cannot be
-read or used is started over (a draft is not worth refusing to start for); one that cannot be written is said
-once, and the drafts stay in memory.
+read or used is started over (a draft is not worth refusing to start for), the old one kept beside it as
+drafts.json.unreadable-<time> at the first save; one that cannot be written is said once, and the drafts stay in
+memory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+from app.store import move_aside
 from engine.paths import locked_beside, write_whole
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,11 @@ class Drafts:
             # read, merged and written by one window at a time: two windows closing at once (a logout) each read
             # the file before the other wrote it, and the second write lost the first's drafts
             with locked_beside(self.path, "the unsent messages"):
-                merged = self._read() or {}
+                merged = self._read()
+                if merged is None:  # kept beside, not written over: a newer version's drafts, a hand edit
+                    aside = move_aside(self.path, "unreadable")
+                    log.warning("the unsent messages file %s was kept as %s and a new one started", self.path, aside)
+                    merged = {}
                 self._changed |= {key for key in kept if key in self._texts and key not in merged}
                 if not self._changed:
                     return ""
@@ -103,6 +109,7 @@ class Drafts:
                 text = json.dumps({"version": DRAFTS_VERSION, "drafts": merged})  # ASCII: any text, a lone surrogate
                 write_whole(self.path, text, mode=0o600)
         except OSError as exc:
+            self._kept |= kept  # written back at the next save that can
             problem = f"cannot keep the unsent messages in {self.path}: {exc.strerror or exc}"
             if problem != self.problem:
                 log.warning("%s", problem)

@@ -23,17 +23,50 @@ def test_two_windows_each_write_only_the_drafts_they_changed(tmp_path):
 
 def test_a_damaged_file_is_started_over_and_a_failed_write_is_said(tmp_path, caplog):
     path = tmp_path / "drafts.json"
-    for damaged in (b"{", b"\xff\xfe", b'{"version": 9, "drafts": {}}', b'{"version": 1, "drafts": [1]}'):
+    damages = (
+        b"{",
+        b"\xff\xfe",
+        b'{"version": 9, "drafts": {"4": "a newer version\'s"}}',
+        b'{"version": 1, "drafts": [1]}',
+    )
+    for damaged in damages:
         path.write_bytes(damaged)
         d = Drafts(path)
         assert d.get(None) == ""
         d.put(None, "new")
         assert d.save() == "" and Drafts(path).get(None) == "new"
+    # each kept beside, not written over (a newer version's drafts were lost with the first save)
+    assert sorted(p.read_bytes() for p in tmp_path.glob("drafts.json.unreadable-*")) == sorted(damages)
     (tmp_path / "ro").write_text("a file where the folder would be")
     d = Drafts(tmp_path / "ro" / "drafts.json")
     d.put(3, "kept in memory")
     assert d.save().startswith("cannot keep the unsent messages in ")
     assert d.get(3) == "kept in memory"
+
+
+def test_drafts_to_write_back_are_kept_for_the_next_save_where_one_fails(tmp_path, monkeypatch):
+    """A draft put back as it was, to be written back where another window took it from the file, was forgotten
+    when that save failed before it read the file (its lock could not be taken): the next save did not write it."""
+    import app.drafts
+
+    path = tmp_path / "drafts.json"
+    one = Drafts(path)
+    one.put(None, "a long letter")
+    assert one.save() == ""
+    two = Drafts(path)
+    two.get(None)
+    two.put(None, "")  # sent from the second window
+    assert two.save() == ""
+    one.put(None, "a long letter")
+    locked = app.drafts.locked_beside
+
+    def cannot_lock(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(app.drafts, "locked_beside", cannot_lock)
+    assert one.save().endswith("Input/output error")
+    monkeypatch.setattr(app.drafts, "locked_beside", locked)
+    assert one.save() == "" and json.loads(path.read_text())["drafts"] == {"new": "a long letter"}
 
 
 def test_the_oldest_drafts_go_past_the_limit_and_gone_chats_lose_theirs(tmp_path):
