@@ -197,7 +197,7 @@ def locked_beside(path: Path, what: str) -> Iterator[None]:
             import fcntl
 
             try:
-                fcntl.flock(f, fcntl.LOCK_EX)
+                _flock_waiting(f, lock_file)
             except OSError as exc:
                 if exc.errno not in _NO_LOCKS:
                     raise
@@ -212,6 +212,26 @@ def locked_beside(path: Path, what: str) -> Iterator[None]:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# How long a save waits for another process's (Windows' msvcrt.locking gives up after 10 s too): a process that
+# hung holding the lock, or a network file system's lock that is never granted, froze the window for good.
+LOCK_WAIT_S = 10.0
+
+
+def _flock_waiting(f: BinaryIO, lock_file: Path) -> None:
+    """flock `f` exclusively, waiting at most LOCK_WAIT_S; OSError (EAGAIN) with the reason past that."""
+    import fcntl
+
+    waited_until = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= waited_until:
+                raise OSError(errno.EAGAIN, f"another process has held {lock_file} for {LOCK_WAIT_S:g} s") from None
+            time.sleep(0.02)
 
 
 def read_into(f: io.RawIOBase, at: int, out: memoryview, name: str) -> None:

@@ -143,7 +143,7 @@ def test_a_file_system_without_locks_still_saves(path, monkeypatch, caplog):
     real = fcntl.flock
 
     def no_locks(f, op):
-        if op == fcntl.LOCK_EX:
+        if op & fcntl.LOCK_EX:  # blocking or not
             raise OSError(errno.ENOLCK, "No locks available")
         return real(f, op)
 

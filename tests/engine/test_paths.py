@@ -100,3 +100,27 @@ def test_temporaries_a_stopped_write_left_are_removed_by_the_next_write(tmp_path
     write_whole(target, "{}")
     assert target.read_text() == "{}"
     assert not any(p.exists() for p in left) and all(p.exists() for p in kept) and writing.exists()
+
+
+def test_a_lock_another_process_holds_too_long_is_an_error_not_a_frozen_window(tmp_path, monkeypatch):
+    """A save waited for the lock beside the file for good: a process that hung holding it (or a network file
+    system's lock never granted) froze the window that saved. It waits LOCK_WAIT_S, as Windows' locking does."""
+    import fcntl
+    import sys
+
+    import engine.paths
+    from engine.paths import locked_beside
+
+    if sys.platform == "win32":
+        pytest.skip("msvcrt.locking gives up after 10 s by itself")
+    monkeypatch.setattr(engine.paths, "LOCK_WAIT_S", 0.2)
+    target = tmp_path / "drafts.json"
+    with open(tmp_path / ".drafts.json.lock", "a+b") as held:  # another open of it: another holder
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(OSError) as caught:
+            with locked_beside(target, "the unsent messages"):
+                pass
+        assert caught.value.strerror == f"another process has held {tmp_path / '.drafts.json.lock'} for 0.2 s"
+        fcntl.flock(held, fcntl.LOCK_UN)
+    with locked_beside(target, "the unsent messages"):  # let go: taken at once
+        pass
