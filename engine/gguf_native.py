@@ -744,7 +744,10 @@ def check_shapes(header: GGUFHeader, conv: Converted, label: str) -> None:
 def load_converted(header: GGUFHeader, label: str, report: ProgressFn, root: Optional[Path] = None) -> Converted:
     """The conversion of this file: from the cache when it holds this very file, else built and cached."""
     root = root or cache_root()
-    identity = file_identity(header)
+    try:
+        identity = file_identity(header)
+    except OSError as exc:  # gone or unreadable since its header was read
+        raise ModelLoadError(f"{label}: cannot read it again: {exc.strerror or exc}") from exc
     conv = read_cache(root, identity)
     if conv is not None:
         return conv

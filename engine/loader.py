@@ -189,14 +189,17 @@ def _load_gguf_native(header, report: ProgressFn, kind: str, dtype: torch.dtype,
     def opened(f: BinaryIO) -> None:
         unchanged.opened(path, f)
 
+    def read(dt: torch.dtype, dev: torch.device, report: ProgressFn, again: str = "") -> dict[str, torch.Tensor]:
+        try:
+            return dequantise_tensors(header, conv.plan, dt, dev, report, opened)
+        except OSError as exc:  # the file gone or unreadable since its header was read, a disk's read error
+            raise ModelLoadError(f"{label}: cannot read the weights{again}: {exc.strerror or exc}") from exc
+
     def materialise(dt: torch.dtype, dev: torch.device) -> dict[str, torch.Tensor]:
         unchanged()
-        try:
-            return dequantise_tensors(header, conv.plan, dt, dev, _ignore, opened)
-        except OSError as exc:
-            raise ModelLoadError(f"{label}: cannot read the weights again: {exc.strerror or exc}") from exc
+        return read(dt, dev, _ignore, " again")
 
-    state = dequantise_tensors(header, conv.plan, dtype, device, report, opened)
+    state = read(dtype, device, report)
     return Checkpoint(
         config=config,
         state_dict=state,

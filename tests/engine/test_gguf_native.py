@@ -900,6 +900,22 @@ def test_a_gguf_moved_over_its_path_after_its_header_was_read_is_not_read_for_we
         load_checkpoint(str(path))
 
 
+def test_a_gguf_that_cannot_be_read_for_its_weights_is_a_load_error(tiny_llama, tmp_path, monkeypatch):
+    """A read error once the header was read (a disk's, a file made unreadable meanwhile) escaped the load as a bare
+    OSError, where every other fault of a load is a one-line ModelLoadError."""
+    path = hf_llama_to_gguf(tiny_llama, tmp_path / "m.gguf")
+
+    def failing(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(gguf_native, "read_into", failing)  # a disk's read error in the middle of the weights
+    with pytest.raises(ModelLoadError, match=r"^m\.gguf: cannot read the weights: Input/output error$"):
+        load_checkpoint(str(path))
+    monkeypatch.setattr(gguf_native, "open", failing, raising=False)  # the file unreadable once its header was read
+    with pytest.raises(ModelLoadError, match=r"^m\.gguf: cannot read it again: Input/output error$"):
+        load_checkpoint(str(path))
+
+
 def test_a_file_cut_short_between_the_check_and_the_read_of_a_tensor_is_no_bus_error(tiny_llama, tmp_path):
     """Each tensor was read from a mapping after a check that the file was as it was: a file cut short in between
     ended the process with SIGBUS. The bytes are read through the descriptor: a short read, said as such."""
