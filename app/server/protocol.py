@@ -104,6 +104,7 @@ READ_FIELDS = (
     "stop",
     "stream",
     "stream_options",
+    "add_special_tokens",
     *UNSUPPORTED,
     *PLAIN_ONLY,
 )
@@ -311,6 +312,12 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         v = body.get(name)
         if v is not None and not plain(v):
             raise bad(f"'{name}': {why}", name, "unsupported_parameter")
+    # vLLM's: whether the tokenizer adds its own special tokens (a BOS). A chat's come from its template alone, a
+    # completion's prompt gets the tokenizer's, as vLLM's defaults have it; the other is refused, not ignored
+    added = body.get("add_special_tokens")
+    if added is not None and added is not (not chat):
+        how = "false: the chat template writes the special tokens" if chat else "true: the tokenizer's are added"
+        raise bad(f"'add_special_tokens': only {how}", "add_special_tokens", "unsupported_parameter")
     for name in ("frequency_penalty", "presence_penalty"):
         if _num(body, name, -2.0, 2.0, 0.0) != 0.0:
             raise bad(f"'{name}' is not supported (only 0)", name, "unsupported_parameter")

@@ -124,6 +124,7 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"continue_final_message": True}, "continue_final_message", "unsupported_parameter", "new assistant turn"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "unsupported_parameter", "left out"),
         ({"skip_special_tokens": False}, "skip_special_tokens", "unsupported_parameter", "left out of the text"),
+        ({"add_special_tokens": True}, "add_special_tokens", "unsupported_parameter", "the chat template writes"),
         # a misspelt field the answer depends on
         ({"temprature": 0.1}, "temprature", "unknown_parameter", "did you mean 'temperature'?"),
         ({"max_token": 5}, "max_token", "unknown_parameter", "did you mean 'max_tokens'?"),
@@ -447,9 +448,20 @@ def test_extensions_asking_for_what_the_server_does_anyway_are_accepted(server):
     plain = {"ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "function_call": "none", "best_of": 1}
     plain |= {"typical_p": 1.0, "mirostat": 0, "repeat_penalty": 1.0}
     plain |= {"add_generation_prompt": True, "skip_special_tokens": True, "include_stop_str_in_output": False}
-    plain |= {"chat_template_kwargs": {}, "continue_final_message": False}
+    plain |= {"chat_template_kwargs": {}, "continue_final_message": False, "add_special_tokens": False}
     r = post(server, chat_body(server, **plain))
     assert r.status_code == 200, r.text
+    # vLLM's add_special_tokens as this server reads a completion's prompt (it was refused as a misspelling of
+    # skip_special_tokens); the other value is refused in its own words
+    body = {"model": chat_body(server)["model"], "prompt": "hello", "max_tokens": 2}
+    assert post(server, {**body, "add_special_tokens": True}, "/completions").status_code == 200
+    assert_error(
+        post(server, {**body, "add_special_tokens": False}, "/completions"),
+        400,
+        "add_special_tokens",
+        "unsupported_parameter",
+        "only true: the tokenizer's are added",
+    )
 
 
 def test_a_client_that_goes_away_while_sending_its_body_is_no_server_error(server, caplog):
