@@ -23,6 +23,11 @@ class RowText:
         self.tokenizer = tokenizer
         self.lead = list(lead)
         self.lead_text = tokenizer.decode(self.lead, skip_special_tokens=True) if lead else ""
+        # a lead that begins inside a character (a byte token of SentencePiece's byte fallback) decodes as U+FFFDs,
+        # and so did every character after it, the answer's too: it begins at a character
+        while self.lead and self.lead_text.startswith("\ufffd"):
+            del self.lead[0]
+            self.lead_text = tokenizer.decode(self.lead, skip_special_tokens=True)
         self.eos_ids = eos_ids
         self.stop = stop
         # a stop string that is a special token's text ("<|im_start|>" for a ChatML model) is that token: the text

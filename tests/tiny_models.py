@@ -194,15 +194,26 @@ def make_bigram_model(
 
 def make_sentencepiece_tokenizer(corpus: str = "The capital of France is Paris, and Paris is in France."):
     """SentencePiece-style BPE as Llama 2's and Mistral's tokenizer.json have it: spaces as "▁", one put before
-    the text, byte fallback, and a decoder that strips the space the text starts with; trained on `corpus`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    the text, byte fallback to the <0xNN> tokens of its vocabulary (ordinary tokens, as theirs are: a text of
+    them is not left out as special tokens are), and a decoder that strips the space the text starts with;
+    trained on `corpus`."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
-    tok.train_from_iterator([corpus] * 20, trainer)
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"])
+    trained.train_from_iterator([corpus] * 20, trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for i in range(256):
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = trained.pre_tokenizer
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
     tok.decoder = decoders.Sequence(
         [decoders.Metaspace(replacement="▁", prepend_scheme="first"), decoders.ByteFallback(), decoders.Fuse()]
     )

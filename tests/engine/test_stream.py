@@ -134,3 +134,20 @@ def test_a_plain_completion_keeps_the_space_its_answer_begins_with():
             row.feed([t])
     assert alone.text == "Paris, and"  # a chat's answer starts without it, as the template's turn begins
     assert after.text == " Paris, and" and tok.decode(prompt + answer, skip_special_tokens=True).endswith(after.text)
+
+
+def test_a_plain_completion_after_a_prompt_ending_in_byte_tokens_keeps_its_characters():
+    """The prompt's last tokens began inside "€" (three byte tokens of SentencePiece's byte fallback): decoded after
+    them, the answer's "€€" came out as six U+FFFDs, as the whole run of bytes was read as one."""
+    from tiny_models import make_sentencepiece_tokenizer
+
+    from engine.stream import RowText
+
+    tok = make_sentencepiece_tokenizer()
+    prompt = tok("Paris €€")["input_ids"]
+    answer = tok("Paris €€€€")["input_ids"][len(prompt) :]
+    assert tok.convert_ids_to_tokens(prompt[-4:])[0] == "<0xAC>"  # the lead begins inside the first "€"
+    row = RowText(tok, set(), (), lead=tuple(prompt[-4:]))
+    for t in answer:
+        row.feed([t])
+    assert row.text == "€€" and tok.decode(prompt + answer) == "Paris €€€€"
