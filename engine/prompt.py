@@ -339,6 +339,7 @@ class _Specials:
     def as_text(self, text: str, special: str = "") -> list[int]:
         """The tokens of `text` where the tokenizer reads it as plain text, special tokens' texts included, after
         the `special` token (the template's, "" at the start of the text)."""
+        reader = self.reader()
         with self._lock:
             if self._as_text is None:
                 self._as_text = _whole_reader(self.backend)
@@ -347,8 +348,7 @@ class _Specials:
                 # before it, as SentencePiece's older tokenizers do) or as the text it goes on (Metaspace's
                 # "first" scheme puts one at the start of the whole text only)
                 probe = self.texts[0]
-                self._reader = self._reader or _whole_reader(self.backend)
-                after = self._reader.encode_batch([probe + "a"], add_special_tokens=False)[0].ids
+                after = reader.encode_batch([probe + "a"], add_special_tokens=False)[0].ids
                 alone = self._as_text.encode_batch(["a"], add_special_tokens=False)[0].ids
                 self._alone_after_special = after[1:] == alone
             as_text = self._as_text
