@@ -9,6 +9,19 @@ from saves_at_once import saves_at_once
 from app.drafts import MAX_DRAFTS, Drafts
 
 
+def letter_sent_from_the_other_window(path) -> tuple[Drafts, Drafts]:
+    """Two windows' drafts in `path`: the first kept "a long letter" as the new chat's draft, and the second, which
+    read it from the file, sent it from the new chat (which took it from the file)."""
+    one = Drafts(path)
+    one.put(None, "a long letter")
+    assert one.save() == ""
+    two = Drafts(path)
+    assert two.get(None) == "a long letter"
+    two.put(None, "")
+    assert two.save() == ""
+    return one, two
+
+
 def test_two_windows_each_write_only_the_drafts_they_changed(tmp_path):
     path = tmp_path / "drafts.json"
     one, two = Drafts(path), Drafts(path)
@@ -50,13 +63,7 @@ def test_drafts_to_write_back_are_kept_for_the_next_save_where_one_fails(tmp_pat
     import app.drafts
 
     path = tmp_path / "drafts.json"
-    one = Drafts(path)
-    one.put(None, "a long letter")
-    assert one.save() == ""
-    two = Drafts(path)
-    two.get(None)
-    two.put(None, "")  # sent from the second window
-    assert two.save() == ""
+    one, _ = letter_sent_from_the_other_window(path)
     one.put(None, "a long letter")
     locked = app.drafts.locked_beside
 
@@ -87,13 +94,7 @@ def test_a_draft_another_window_took_from_the_file_is_written_back_by_the_window
     chat, which took the draft from the file, and the first, still showing its letter there, never wrote it
     again (put as it was: nothing changed), so the letter was gone at the next start."""
     path = tmp_path / "drafts.json"
-    one = Drafts(path)
-    one.put(None, "a long letter")
-    assert one.save() == ""
-    two = Drafts(path)
-    assert two.get(None) == "a long letter"
-    two.put(None, "")  # the second window sent from the new chat
-    two.save()
+    one, two = letter_sent_from_the_other_window(path)
     assert Drafts(path).get(None) == ""
     one.put(None, "a long letter")  # the first leaves its new chat, or closes, its letter still on screen
     assert one.save() == ""
@@ -145,13 +146,7 @@ def test_the_chat_on_screen_opened_again_keeps_the_draft_another_window_took(tmp
     back as it was, then read again from the file, which no longer had it, and the text on screen was emptied
     and lost."""
     path = tmp_path / "drafts.json"
-    one = Drafts(path)
-    one.put(None, "a long letter")
-    assert one.save() == ""
-    two = Drafts(path)
-    two.get(None)
-    two.put(None, "")  # sent from the second window
-    assert two.save() == ""
+    one, _ = letter_sent_from_the_other_window(path)
     one.put(None, "a long letter")  # the switch keeps what the composer shows, then opens the same chat
     assert one.get(None) == "a long letter"
     assert one.save() == "" and json.loads(path.read_text())["drafts"] == {"new": "a long letter"}
