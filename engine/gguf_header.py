@@ -20,6 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from engine.errors import ModelLoadError
+from engine.paths import file_stamp
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # v1 counted with 32-bit integers; no file in use still has it
@@ -141,8 +142,7 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             raise ModelLoadError(
                 f"{label}: corrupt header, not a GGUF file (it does not start with the GGUF magic bytes)"
             )
-        now = os.fstat(f.fileno())
-        identity = (now.st_size, now.st_mtime_ns, now.st_dev, now.st_ino)
+        identity = file_stamp(os.fstat(f.fileno()))
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
                 return replace(_parse(path, buf, size), identity=identity)

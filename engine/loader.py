@@ -26,7 +26,7 @@ import torch
 
 from engine.errors import ModelLoadError, ReadStopped, UnsafeModelError, one_line
 from engine.gguf_header import GGUF_MAGIC, check_gguf, read_gguf_header
-from engine.paths import read_into, unchanged_while_read, user_path
+from engine.paths import file_stamp, read_into, unchanged_while_read, user_path
 from engine.types import Progress, hub_name, is_remote, safetensors_weights
 
 if TYPE_CHECKING:
@@ -478,13 +478,13 @@ class _SinceLoaded:
 
     def __init__(self, label: str, files: dict[Path, str], seen: Optional[dict[Path, tuple[int, ...]]] = None):
         self.label, self.files = label, files
-        self.seen = {file: (seen or {}).get(file) or _stamp(os.stat(file)) for file in files}
+        self.seen = {file: (seen or {}).get(file) or file_stamp(os.stat(file)) for file in files}
 
     def __call__(self) -> None:
         for file, stamp in self.seen.items():
             what = self.files[file]
             try:
-                now = _stamp(os.stat(file))
+                now = file_stamp(os.stat(file))
             except OSError as exc:
                 raise ModelLoadError(
                     f"{self.label}: {what} was moved or deleted since it was loaded ({exc.strerror or exc}); open it "
@@ -499,14 +499,8 @@ class _SinceLoaded:
                 raise ModelLoadError(f"{self.label}: cannot read {what} again: {exc.strerror or exc}") from None
 
     def opened(self, file: Path, f: BinaryIO) -> None:
-        if _stamp(os.fstat(f.fileno())) != self.seen[file]:
+        if file_stamp(os.fstat(f.fileno())) != self.seen[file]:
             raise ModelLoadError(f"{self.label}: {self.files[file]} changed while it was read; open it again")
-
-
-def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    """What says a file is the one loaded: its size and time, and which file it is (another moved over it with
-    the same size and time, as `cp -p` or `rsync -a` write, was taken as the one loaded)."""
-    return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
 
 
 # safetensors' dtype names (its format's header) -> torch's

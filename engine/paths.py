@@ -234,6 +234,12 @@ def _flock_waiting(f: BinaryIO, lock_file: Path) -> None:
             time.sleep(0.02)
 
 
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What says a file is the one loaded: its size and time, and which file it is (another moved over it with
+    the same size and time, as `cp -p` or `rsync -a` write, was taken as the one loaded)."""
+    return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
+
+
 def read_into(f: io.RawIOBase, at: int, out: memoryview, name: str) -> None:
     """Fill `out` with the bytes of the weights file open as `f` from offset `at`, read through the descriptor:
     a file cut short is a short read, said as a load error (under a mapping, the missing pages ended the process
