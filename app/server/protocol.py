@@ -82,8 +82,20 @@ PLAIN_ONLY = {
     "dry_multiplier": (lambda v: v == 0, "DRY sampling is not supported (only 0)"),
     "xtc_probability": (lambda v: v == 0, "XTC sampling is not supported (only 0)"),
     "top_a": (lambda v: v == 0, "top_a is not supported (only 0)"),
-    "add_generation_prompt": (lambda v: v is True, "only true is supported: the answer is a new assistant turn"),
     "skip_special_tokens": (lambda v: v is True, "only true is supported: special tokens are left out of the text"),
+}
+# vLLM's fields whose one value the server does depends on the endpoint: (the chat endpoint's, the completions
+# endpoint's, with the why of each). A chat's special tokens and its assistant turn come from its template alone;
+# a completion's prompt is read as given, no template, with the tokenizer's own special tokens (vLLM's defaults)
+BY_ENDPOINT = {
+    "add_special_tokens": (
+        (False, "false: the chat template writes the special tokens"),
+        (True, "true: the tokenizer's are added"),
+    ),
+    "add_generation_prompt": (
+        (True, "true: the answer is a new assistant turn"),
+        (False, "false: a completion's prompt is read as given, without a chat template"),
+    ),
 }
 # The fields a request's answer depends on, as this server reads them: a field named like one of them but not
 # one (a misspelling such as 'temprature') is refused, where it would be ignored and the answer look right.
@@ -104,7 +116,7 @@ READ_FIELDS = (
     "stop",
     "stream",
     "stream_options",
-    "add_special_tokens",
+    *BY_ENDPOINT,
     *UNSUPPORTED,
     *PLAIN_ONLY,
 )
@@ -312,12 +324,11 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         v = body.get(name)
         if v is not None and not plain(v):
             raise bad(f"'{name}': {why}", name, "unsupported_parameter")
-    # vLLM's: whether the tokenizer adds its own special tokens (a BOS). A chat's come from its template alone, a
-    # completion's prompt gets the tokenizer's, as vLLM's defaults have it; the other is refused, not ignored
-    added = body.get("add_special_tokens")
-    if added is not None and added is not (not chat):
-        how = "false: the chat template writes the special tokens" if chat else "true: the tokenizer's are added"
-        raise bad(f"'add_special_tokens': only {how}", "add_special_tokens", "unsupported_parameter")
+    for name, ways in BY_ENDPOINT.items():
+        v = body.get(name)
+        done, how = ways[0] if chat else ways[1]
+        if v is not None and v is not done:  # the other value is refused, not ignored
+            raise bad(f"'{name}': only {how}", name, "unsupported_parameter")
     for name in ("frequency_penalty", "presence_penalty"):
         if _num(body, name, -2.0, 2.0, 0.0) != 0.0:
             raise bad(f"'{name}' is not supported (only 0)", name, "unsupported_parameter")

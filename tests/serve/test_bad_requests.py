@@ -462,6 +462,15 @@ def test_extensions_asking_for_what_the_server_does_anyway_are_accepted(server):
         "unsupported_parameter",
         "only true: the tokenizer's are added",
     )
+    # no template is applied to a completion's prompt: no assistant turn is added (true was taken, false refused)
+    assert post(server, {**body, "add_generation_prompt": False}, "/completions").status_code == 200
+    assert_error(
+        post(server, {**body, "add_generation_prompt": True}, "/completions"),
+        400,
+        "add_generation_prompt",
+        "unsupported_parameter",
+        "only false: a completion's prompt is read as given, without a chat template",
+    )
 
 
 def test_a_client_that_goes_away_while_sending_its_body_is_no_server_error(server, caplog):
