@@ -393,10 +393,10 @@ def _specials(tokenizer) -> _Specials:
         with _counts_lock:
             found = _specials_of.get(tokenizer)
             if found is None:
-                found = _specials_of[tokenizer] = _Specials(_backend(tokenizer))
+                found = _specials_of[tokenizer] = _Specials(backend_of(tokenizer))
             return found
     except TypeError:  # not weakly referenceable
-        return _Specials(_backend(tokenizer))
+        return _Specials(backend_of(tokenizer))
 
 
 def special_ids(tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
@@ -405,7 +405,7 @@ def special_ids(tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
     return frozenset(by_text[t] for t in texts if t in by_text)
 
 
-def _backend(tokenizer) -> Any:
+def backend_of(tokenizer) -> Any:
     """The `tokenizers.Tokenizer` under an engine.fast_tokenizer.FastTokenizer or a transformers fast tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tok", None)
     return backend if hasattr(backend, "get_added_tokens_decoder") and hasattr(backend, "encode_batch") else None

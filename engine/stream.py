@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from engine.prompt import special_ids
+from engine.prompt import backend_of, special_ids
 
 
 class RowText:
@@ -33,6 +33,7 @@ class RowText:
         # a stop string that is a special token's text ("<|im_start|>" for a ChatML model) is that token: the text
         # is read without special tokens, so it never held the string, and the model's next turn ran on
         self.stop_ids = special_ids(tokenizer, stop) if stop else frozenset()
+        self.byte_ids = byte_token_ids(tokenizer)
         self.hold = max((len(s) for s in stop), default=1) - 1  # chars that might begin a stop string
         self.tokens: list[int] = []
         self.text = ""
@@ -94,10 +95,29 @@ class RowText:
             # byte so far (SentencePiece's byte fallback: Llama 2, Mistral, Gemma). None of them goes out until
             # the character is whole; a U+FFFD the model really wrote goes out with the final text.
             end = len(text.rstrip("\ufffd"))
+            if self.tokens and self.tokens[-1] in self.byte_ids:
+                # SentencePiece's byte fallback decodes a run of byte tokens whole, as one piece of UTF-8 or, if
+                # it is not, one U+FFFD per byte: a character the run has finished can still turn into U+FFFDs
+                # when the next byte token is one that cannot follow it ("é" then 0xAC: three U+FFFDs in the
+                # answer's text). The run's text goes out once a token that is not a byte ends it.
+                run = len(self.tokens)
+                while run and self.tokens[run - 1] in self.byte_ids:
+                    run -= 1
+                end = min(end, len(self._decode(self.tokens[:run])))
             end = max(self.emitted, end - self.hold)
         delta = text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
+
+
+def byte_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the byte tokens (<0x00>..<0xFF>) a tokenizer's ByteFallback decoder reads as runs of UTF-8; none
+    where its decoder has no ByteFallback (its <0xNN> tokens, if any, are plain text)."""
+    backend = backend_of(tokenizer) or tokenizer
+    if not hasattr(backend, "token_to_id") or "ByteFallback" not in repr(getattr(backend, "decoder", None)):
+        return frozenset()
+    ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+    return frozenset(i for i in ids if i is not None)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> Optional[int]:

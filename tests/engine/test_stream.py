@@ -96,6 +96,28 @@ def test_a_character_split_over_byte_tokens_streams_whole():
     assert "".join(streamed) == "a🐳 b🐳🐳a" and not any("\ufffd" in d for d in streamed)
 
 
+def test_a_character_a_later_byte_token_spoils_is_streamed_as_the_answer_s_text_has_it():
+    """Byte fallback decodes a run of byte tokens whole: "é" (two byte tokens) then 0xAC, which cannot follow it, is
+    three U+FFFDs in the answer's text. The "é" streamed as soon as it was whole, so what was shown and what was
+    saved (and the server's stream and its whole answer) differed."""
+    from engine.stream import RowText
+
+    tok = byte_fallback_tokenizer()
+    e_acute, euro = ([3 + b for b in c.encode()] for c in ("é", "€"))
+    ids = [1, *e_acute, 3 + 0xAC, 2, *euro, 1, *e_acute, 1]
+    assert tok.decode(ids) == "a\ufffd\ufffd\ufffd b€aéa"
+    for chunk in (1, 2, 3):
+        row = RowText(tok, set(), ())
+        streamed = []
+        for n in range(0, len(ids), chunk):
+            row.feed(ids[n : n + chunk])
+            streamed.append(row.take_delta())
+        row.finish = "length"
+        streamed.append(row.take_delta(final=True))
+        assert "".join(streamed) == row.text == tok.decode(ids), (chunk, streamed)
+        assert "é" in streamed[-1] or "é" in streamed[-2]  # the last one, whole, went out once "a" ended its run
+
+
 def test_a_stop_string_that_is_a_special_token_s_text_stops_at_that_token():
     """The text is read without special tokens, so "<|im_start|>" as a stop string never matched: the model's
     next turn ran on into the answer, its <|im_start|> left out."""
