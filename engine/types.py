@@ -87,6 +87,8 @@ KERNELS = ("torch", "fused")
 WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+# top_k's largest: over every vocabulary's size (a k at or over it keeps every token), and an int64 on the device
+TOP_K_LIMIT = 1 << 20
 SPECULATION_MODES = ("off", "ngram", "draft")
 MAX_DRAFT_TOKENS = 15
 # What a prompt longer than the context does (engine.prompt): drop the oldest turns, drop turns from the middle
@@ -318,8 +320,8 @@ class SamplingParams:
             raise OptionsError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature > 100:
             raise OptionsError(f"temperature must be <= 100, got {self.temperature}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise OptionsError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= TOP_K_LIMIT:
+            raise OptionsError(f"top_k must be an integer between 0 (off) and {TOP_K_LIMIT}, got {self.top_k!r}")
         tp = finite("top_p", self.top_p)
         if not 0 < tp <= 1:
             raise OptionsError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -334,6 +336,11 @@ class SamplingParams:
         bad = [s for s in self.stop if not (isinstance(s, str) and s)]
         if bad:
             raise OptionsError(f"stop must be non-empty strings, got {bad[0]!r}")
+        for s in self.stop:
+            try:  # a lone surrogate is no character a model writes, and nothing holding it can be saved
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OptionsError(f"stop string {s!r} holds an invalid character (a lone surrogate)") from None
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
 
 from app.settings import CHAT_DEFAULTS
 from engine.errors import OptionsError
-from engine.types import MAX_NEW_TOKENS_LIMIT, OVERFLOW_LABELS, OVERFLOW_POLICIES, Progress, SamplingParams
+from engine.types import MAX_NEW_TOKENS_LIMIT, OVERFLOW_LABELS, OVERFLOW_POLICIES, TOP_K_LIMIT, Progress, SamplingParams
 from ui.parts import error_label
 from ui.progress import show_progress
 
@@ -227,7 +227,7 @@ class SamplingDialog(QDialog):
             0.01, 1.0, 0.01, "Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1 = off)"
         )
         self.top_k = QSpinBox(self)
-        self.top_k.setRange(0, 2**31 - 1)
+        self.top_k.setRange(0, TOP_K_LIMIT)
         self.top_k.setToolTip("Keep the k most likely tokens (0 = off)")
         self.repetition_penalty = self._fraction_box(
             0.01, 10.0, 0.05, "Above 1 discourages repeating tokens already generated (1 = off)"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import figures
-from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, GenerationMetrics, GenerationResult
+from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, TOP_K_LIMIT, GenerationMetrics, GenerationResult
 
 MAX_STOP_STRINGS = 16
 SERVED_FIGURES = ("ttft_ms", "decode_tok_s", "kernel_gap_pct")
@@ -232,6 +232,12 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop", "invalid_value")
     if any(not s for s in items):
         raise bad("'stop' strings must not be empty", "stop", "invalid_value")
+    for s in items:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            why = f"'stop' string {s!r} holds an invalid character (a lone surrogate)"
+            raise bad(why, "stop", "invalid_value") from None
     return tuple(items)
 
 
@@ -355,7 +361,7 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=_int(body, "top_k", 0, 1 << 20) or 0,
+        top_k=_int(body, "top_k", 0, TOP_K_LIMIT) or 0,
         repetition_penalty=_num(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
         seed=None if seed is None or seed == -1 else seed,
         stop=_stop(body),

@@ -478,6 +478,14 @@ BAD = {
         lambda d: _mutated(d, lambda x: x["messages"][1]["options"].update(candidates="x")),
         "message 2: options: candidates must be",
     ),
+    "a stop string that cannot be saved": (
+        lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(stop=["ok", "\ud800"])),
+        "chat.sampling: stop string '\\ud800' holds an invalid character (a lone surrogate)",
+    ),
+    "a top-k the sampler cannot hold": (
+        lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(top_k=10**30)),
+        "chat.sampling: top_k must be an integer between 0 (off) and 1048576",
+    ),
     "stop as one text": (
         lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(stop="abc")),
         "chat.sampling: stop must be a list of strings, got str",

@@ -242,7 +242,11 @@ def test_cli_max_new_tokens_beyond_the_context_is_capped(tiny_llama):
         (("--top-p", "nan"), "--top-p must be a finite number, got nan"),
         (("--top-p", "0"), "--top-p must be in (0, 1], got 0.0"),
         (("--repetition-penalty=-inf",), "--repetition-penalty must be a finite number, got -inf"),
-        (("--top-k", "-3"), "--top-k must be an integer >= 0, got -3"),
+        (("--top-k", "-3"), "--top-k must be an integer between 0 (off) and 1048576, got -3"),
+        # the sampler holds k as an int64 on the device: 2**63 was an internal error
+        (("--top-k", str(2**63)), f"--top-k must be an integer between 0 (off) and 1048576, got {2**63}"),
+        # a byte that is not UTF-8 (read as a lone surrogate) can never be in the answer's text
+        (("--stop", "ok", "--stop", "\udcff"), "--stop string '\\udcff' holds an invalid character (a lone surrogate)"),
         (("--seed", "-1"), "--seed must be an integer in [0, 2**63), got -1"),
         (("--stop", ""), "--stop must be non-empty strings, got ''"),
         # read only when sampling: with greedy decoding they were taken and the answer was the same

@@ -66,6 +66,8 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"top_p": -0.1}, "top_p", "invalid_value", "top_p"),
         ({"top_p": 1.5}, "top_p", "invalid_value", "top_p"),
         ({"top_k": -1}, "top_k", "invalid_value", "between"),
+        ({"top_k": 2**63}, "top_k", "invalid_value", "between 0 and 1048576"),
+        ({"stop": ["ok", "\ud800"]}, "stop", "invalid_value", "a lone surrogate"),
         ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value", "repetition_penalty"),
         ({"max_tokens": "ten"}, "max_tokens", "invalid_type", "integer"),
         ({"max_tokens": True}, "max_tokens", "invalid_type", "integer"),
