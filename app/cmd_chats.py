@@ -44,6 +44,7 @@ def run_chats(args: Any, paths: AppPaths) -> int:
                 print(f"chat {args.chat_id} written to {args.output}", file=sys.stderr)
             return EXIT_OK
         if args.chats_command == "import":
+            newest = store.newest_chat_id()
             try:
                 if str(args.path) == "-":  # as export writes to standard output: `chats export 1 | chats import -`
                     chat_id = store_chat(store, parse_chat(sys.stdin.buffer.read(MAX_FILE_BYTES + 1)))
@@ -51,6 +52,16 @@ def run_chats(args: Any, paths: AppPaths) -> int:
                     chat_id = import_chat(store, Path(args.path))
             except ChatFileError as exc:
                 raise ChatFileError(f"{args.path} was not imported: {exc}") from exc
+            except KeyboardInterrupt:
+                # Ctrl+C while the chat's transaction committed (a large chat's commit takes seconds) is raised
+                # once it has: the chat is stored, and a command that said only "interrupted" had it imported
+                # again as a second copy
+                if store.newest_chat_id() > newest:
+                    chat_id = store.newest_chat_id()
+                    print(
+                        f"imported as chat {chat_id} before the interrupt: {printable(store.get_chat(chat_id).title)}"
+                    )
+                raise
             print(f"imported as chat {chat_id}: {printable(store.get_chat(chat_id).title)}")
             return EXIT_OK
     raise ValueError(f"unknown chats command {args.chats_command!r}")

@@ -1157,6 +1157,10 @@ class ChatStore:
                 self._show(db, chat_id, ids[chat.active_leaf])
         return chat_id
 
+    def newest_chat_id(self) -> int:
+        """The highest chat id in the database (0 where there is none)."""
+        return int(self._read("SELECT COALESCE(MAX(id), 0) FROM chats")[0][0])
+
     def count_messages(self, chat_id: Optional[int] = None) -> int:
         if chat_id is None:
             return self._read("SELECT COUNT(*) FROM messages")[0][0]

@@ -575,6 +575,44 @@ def test_a_fifo_or_a_folder_is_refused_at_once_and_standard_input_is_dash(tmp_pa
     assert r.returncode == 2 and "- was not imported: not a Gapless chat file: invalid JSON" in r.stderr
 
 
+def test_an_import_interrupted_as_it_commits_says_the_chat_was_imported(tmp_path):
+    """Ctrl+C while a large chat's transaction committed was raised once it had: "interrupted", the chat stored
+    all the same, and imported again it was there twice. The interrupt is sent here as the store's write returns."""
+    from app.paths import AppPaths
+
+    data = tmp_path / "data"
+    with ChatStore(AppPaths.resolve(data).ensure().database) as s:
+        chat_id = make_chat(s)
+    exported = tmp_path / "chat.json"
+    assert gapless(data, "chats", "export", str(chat_id), "-o", str(exported)).returncode == 0
+    child = (
+        "import os, signal, sys\n"
+        "from app import cli\n"
+        "from app.store import ChatStore\n"
+        "stored = ChatStore.import_chat\n"
+        "def interrupted(self, chat):\n"
+        "    chat_id = stored(self, chat)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return chat_id\n"
+        "ChatStore.import_chat = interrupted\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", child, "--data-dir", str(data), "chats", "import", str(exported)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        cwd=ROOT,
+    )
+    assert r.returncode == 130 and "gapless: interrupted" in r.stderr
+    with ChatStore(AppPaths.resolve(data).database) as s:
+        assert len(s.list_chats()) == 2  # stored, whole
+        new_id = s.newest_chat_id()
+        assert without_time(chat_document(s, new_id)) == without_time(chat_document(s, chat_id))
+    assert r.stdout == f"imported as chat {new_id} before the interrupt: Branches — «test»\n"
+
+
 def test_the_command_line_exports_and_imports(tmp_path):
     from app.paths import AppPaths
 
