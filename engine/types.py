@@ -89,6 +89,9 @@ MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 # top_k's largest: over every vocabulary's size (a k at or over it keeps every token), and an int64 on the device
 TOP_K_LIMIT = 1 << 20
+# The repetition penalty's least: a seen token's logit is divided by it, and past about 1e-37 that was infinite in
+# float32 (the answer came out as one token repeated, empty as text); the settings dialogs stop at it too
+REPETITION_PENALTY_MIN = 0.01
 SPECULATION_MODES = ("off", "ngram", "draft")
 MAX_DRAFT_TOKENS = 15
 # What a prompt longer than the context does (engine.prompt): drop the oldest turns, drop turns from the middle
@@ -312,9 +315,17 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         def finite(name: str, v: Any) -> float:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise OptionsError(f"{name} must be a finite number, got {v!r}")
-            return float(v)
+            try:
+                f = float(v)
+            except OverflowError:  # an integer past what a float holds (a chat file's): an internal error it was
+                raise OptionsError(
+                    f"{name} must be a finite number, got an integer of {len(str(v)):,} digits"
+                ) from None
+            if not math.isfinite(f):
+                raise OptionsError(f"{name} must be a finite number, got {v!r}")
+            return f
 
         if finite("temperature", self.temperature) < 0:
             raise OptionsError(f"temperature must be >= 0, got {self.temperature}")
@@ -326,8 +337,10 @@ class SamplingParams:
         if not 0 < tp <= 1:
             raise OptionsError(f"top_p must be in (0, 1], got {self.top_p}")
         rp = finite("repetition_penalty", self.repetition_penalty)
-        if not 0 < rp <= 10:
-            raise OptionsError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not REPETITION_PENALTY_MIN <= rp <= 10:
+            raise OptionsError(
+                f"repetition_penalty must be in [{REPETITION_PENALTY_MIN}, 10], got {self.repetition_penalty}"
+            )
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63

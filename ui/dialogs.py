@@ -31,7 +31,15 @@ from PySide6.QtWidgets import (
 
 from app.settings import CHAT_DEFAULTS
 from engine.errors import OptionsError
-from engine.types import MAX_NEW_TOKENS_LIMIT, OVERFLOW_LABELS, OVERFLOW_POLICIES, TOP_K_LIMIT, Progress, SamplingParams
+from engine.types import (
+    MAX_NEW_TOKENS_LIMIT,
+    OVERFLOW_LABELS,
+    OVERFLOW_POLICIES,
+    REPETITION_PENALTY_MIN,
+    TOP_K_LIMIT,
+    Progress,
+    SamplingParams,
+)
 from ui.parts import error_label
 from ui.progress import show_progress
 
@@ -230,7 +238,7 @@ class SamplingDialog(QDialog):
         self.top_k.setRange(0, TOP_K_LIMIT)
         self.top_k.setToolTip("Keep the k most likely tokens (0 = off)")
         self.repetition_penalty = self._fraction_box(
-            0.01, 10.0, 0.05, "Above 1 discourages repeating tokens already generated (1 = off)"
+            REPETITION_PENALTY_MIN, 10.0, 0.05, "Above 1 discourages repeating tokens already generated (1 = off)"
         )
         self.max_new_tokens = QSpinBox(self)
         # Not bounded by the loaded model's context: the chat keeps its setting across models (a small model's

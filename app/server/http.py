@@ -59,11 +59,13 @@ Item = Union[Started, Finished, Failed, TextDelta]
 
 class StrictJSONResponse(JSONResponse):
     """JSON as strict readers take it, as every JSON of the command line is (engine.figures.strict_json): a figure
-    that is not a finite number is null, where Starlette's own refused it and the client got a 500 for its answer."""
+    that is not a finite number is null, where Starlette's own refused it and the client got a 500 for its answer.
+    Half a character (a field's name the request wrote with a lone surrogate, named back in an error) is sent as
+    U+FFFD, as the stream's events send it; it was a 500."""
 
     def render(self, content: Any) -> bytes:
         text = figures.strict_json(content, escape_unencodable=False, ensure_ascii=False, separators=(",", ":"))
-        return text.encode("utf-8")
+        return whole_text(text).encode("utf-8")
 
 
 def _error_response(exc: ApiError) -> JSONResponse:

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine import figures
-from engine.types import MAX_CANDIDATES, MAX_NEW_TOKENS_LIMIT, TOP_K_LIMIT, GenerationMetrics, GenerationResult
+from engine.types import (
+    MAX_CANDIDATES,
+    MAX_NEW_TOKENS_LIMIT,
+    REPETITION_PENALTY_MIN,
+    TOP_K_LIMIT,
+    GenerationMetrics,
+    GenerationResult,
+)
 
 MAX_STOP_STRINGS = 16
 SERVED_FIGURES = ("ttft_ms", "decode_tok_s", "kernel_gap_pct")
@@ -197,18 +204,23 @@ def _int(body: dict, name: str, lo: int, hi: int) -> Optional[int]:
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(f"'{name}' must be an integer, got {type(v).__name__}", name, "invalid_type")
     if not lo <= v <= hi:
-        raise bad(f"'{name}' must be between {lo} and {hi}, got {v}", name, "invalid_value")
+        raise bad(f"'{name}' must be between {lo} and {hi}, got {_shown(v)}", name, "invalid_value")
     return v
 
 
-def _num(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+def _shown(v: float) -> str:
+    """A number as an error names it: an integer of hundreds of digits by its length."""
+    return str(v) if isinstance(v, float) or abs(v) < 10**20 else f"an integer of {len(str(abs(v))):,} digits"
+
+
+def _num(body: dict, name: str, lo: float, hi: float, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
         raise bad(f"'{name}' must be a finite number, got {v!r}", name, "invalid_type")
-    if (v <= lo if lo_open else v < lo) or v > hi:
-        raise bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name, "invalid_value")
+    if not lo <= v <= hi:  # an int past what a float holds is compared exactly (float(v) was a 500)
+        raise bad(f"'{name}' must be in [{lo}, {hi}], got {_shown(v)}", name, "invalid_value")
     return float(v)
 
 
@@ -343,8 +355,12 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
     # the chat endpoint's newer name, read on both: taken and not read, an answer ran to the end of the context
     max_tokens = _int(body, "max_completion_tokens", 1, MAX_NEW_TOKENS_LIMIT)
+    older = _int(body, "max_tokens", 1, MAX_NEW_TOKENS_LIMIT)  # checked beside it too: "abc" was taken
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, MAX_NEW_TOKENS_LIMIT)
+        max_tokens = older
+    elif older is not None and older != max_tokens:  # one would be ignored
+        why = f"'max_tokens' ({older}) and 'max_completion_tokens' ({max_tokens}) differ: give one of them"
+        raise bad(why, "max_tokens", "invalid_value")
     # the engine's seeds are [0, 2**63); -1 asks for a random one, as llama.cpp's server reads it (folding other
     # values onto that range made different seeds give the same text)
     seed = _int(body, "seed", -1, 2**63 - 1)
@@ -362,7 +378,7 @@ def parse_request(body: Any, chat: bool, model_id: str) -> Request:
         temperature=temperature,
         top_p=top_p,
         top_k=_int(body, "top_k", 0, TOP_K_LIMIT) or 0,
-        repetition_penalty=_num(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
+        repetition_penalty=_num(body, "repetition_penalty", REPETITION_PENALTY_MIN, 10.0, 1.0),
         seed=None if seed is None or seed == -1 else seed,
         stop=_stop(body),
         stream=_bool(body, "stream"),

@@ -482,6 +482,10 @@ BAD = {
         lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(stop=["ok", "\ud800"])),
         "chat.sampling: stop string '\\ud800' holds an invalid character (a lone surrogate)",
     ),
+    "a temperature no float holds": (
+        lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(temperature=10**400)),
+        "chat.sampling: temperature must be a finite number, got an integer of 401 digits",
+    ),
     "a top-k the sampler cannot hold": (
         lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(top_k=10**30)),
         "chat.sampling: top_k must be an integer between 0 (off) and 1048576",

@@ -76,6 +76,29 @@ def post(server, body, path: str = "/chat/completions", **kw) -> httpx.Response:
         ({"max_tokens": 10**12}, "max_tokens", "invalid_value", "between"),
         ({"max_tokens": 5000}, "max_tokens", "context_length_exceeded", "context length"),
         ({"max_completion_tokens": -1}, "max_completion_tokens", "invalid_value", "between"),
+        # max_tokens beside the newer name: read too ("abc" and -5 were taken), and one of two that differ is not
+        # ignored
+        ({"max_completion_tokens": 2, "max_tokens": "abc"}, "max_tokens", "invalid_type", "integer"),
+        ({"max_completion_tokens": 2, "max_tokens": -5}, "max_tokens", "invalid_value", "between"),
+        (
+            {"max_completion_tokens": 2, "max_tokens": 3},
+            "max_tokens",
+            "invalid_value",
+            "'max_tokens' (3) and 'max_completion_tokens' (2) differ: give one of them",
+        ),
+        # a number JSON holds that a float does not: a 500 (which the openai client sends three times)
+        (
+            {"temperature": 10**400},
+            "temperature",
+            "invalid_value",
+            "must be in [0.0, 2.0], got an integer of 401 digits",
+        ),
+        ({"presence_penalty": -(10**400)}, "presence_penalty", "invalid_value", "got an integer of 401 digits"),
+        ({"seed": 10**400}, "seed", "invalid_value", "got an integer of 401 digits"),
+        # a seen token's logit divided by 1e-39 was infinite in float32: an empty answer of one token repeated
+        ({"repetition_penalty": 1e-39}, "repetition_penalty", "invalid_value", "must be in [0.01, 10.0]"),
+        # a misspelt field's name holding half a character: named back with U+FFFD for it (it was a 500)
+        ({"temprature\ud83d": 1}, "temprature\ufffd", "unknown_parameter", "did you mean 'temperature'?"),
         ({"n": 33}, "n", "invalid_value", "between 1 and 32"),
         ({"n": 0}, "n", "invalid_value", "between"),
         ({"n": 1.5}, "n", "invalid_type", "integer"),
