@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from engine.types import GREEDY_BELOW, SamplingParams
+from engine.types import GREEDY_BELOW, TOP_K_LIMIT, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SamplerState:
 
     def set_params(self, p: SamplingParams) -> None:
         self.temperature.fill_(p.temperature if p.temperature >= GREEDY_BELOW else 1.0)
-        self.top_k.fill_(max(p.top_k, 1))
+        self.top_k.fill_(min(max(p.top_k, 1), TOP_K_LIMIT))  # past every vocabulary; 2**63 overflowed the int64
         self.top_p.fill_(p.top_p)
         self.penalty.fill_(p.repetition_penalty)
 

@@ -87,7 +87,8 @@ KERNELS = ("torch", "fused")
 WEIGHT_FORMATS = ("native", "int8", "int4")
 MAX_CANDIDATES = 32
 MAX_NEW_TOKENS_LIMIT = 1 << 20
-# top_k's largest: over every vocabulary's size (a k at or over it keeps every token), and an int64 on the device
+# top_k as the sampler holds it and the server and dialogs take it: over every vocabulary's size (a k at or over it
+# keeps every token); a larger one is read as this, as an int64 on the device could not hold any
 TOP_K_LIMIT = 1 << 20
 # The repetition penalty's least: a seen token's logit is divided by it, and past about 1e-37 that was infinite in
 # float32 (the answer came out as one token repeated, empty as text); the settings dialogs stop at it too
@@ -331,8 +332,9 @@ class SamplingParams:
             raise OptionsError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature > 100:
             raise OptionsError(f"temperature must be <= 100, got {self.temperature}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= TOP_K_LIMIT:
-            raise OptionsError(f"top_k must be an integer between 0 (off) and {TOP_K_LIMIT}, got {self.top_k!r}")
+        # any k: one at or over the vocabulary's size keeps every token (the sampler holds at most TOP_K_LIMIT)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise OptionsError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         tp = finite("top_p", self.top_p)
         if not 0 < tp <= 1:
             raise OptionsError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -69,6 +69,17 @@ def test_processors_equal_transformers(p):
     assert (~removed_g).any(dim=-1).all()  # at least one token always stays
 
 
+@pytest.mark.parametrize("k", [V, 5_000_000, 2**63, 10**30])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(k):
+    """Any k at or over the vocabulary's size is top-k off (a chat saved with k up to 2**31 - 1 by an earlier
+    dialog keeps its settings); past an int64 (2**63) it was an internal error: "value cannot be converted to type
+    int64_t without overflow"."""
+    g = torch.Generator().manual_seed(3)
+    logits, seen = torch.randn(4, V, generator=g), torch.zeros(4, V, dtype=torch.bool)
+    off = ours(logits, seen, SamplingParams(temperature=0.7, top_p=0.9))
+    assert torch.equal(ours(logits, seen, SamplingParams(temperature=0.7, top_k=k, top_p=0.9).validate()), off)
+
+
 def test_tokens_tied_at_the_cut_stay_together():
     """transformers cuts a tie by the order its sort happens to leave; here every token whose logit equals the
     last one kept stays, whatever the order, so the result does not depend on the sort."""
