@@ -12,8 +12,8 @@ from app.chat_io import (
     ChatFileError,
     export_json,
     export_markdown,
-    import_chat,
     parse_chat,
+    read_chat_file,
     store_chat,
     write_text,
 )
@@ -47,20 +47,19 @@ def run_chats(args: Any, paths: AppPaths) -> int:
             newest = store.newest_chat_id()
             try:
                 if str(args.path) == "-":  # as export writes to standard output: `chats export 1 | chats import -`
-                    chat_id = store_chat(store, parse_chat(sys.stdin.buffer.read(MAX_FILE_BYTES + 1)))
+                    chat = parse_chat(sys.stdin.buffer.read(MAX_FILE_BYTES + 1))
                 else:
-                    chat_id = import_chat(store, Path(args.path))
+                    chat = read_chat_file(Path(args.path))
+                chat_id = store_chat(store, chat)
             except ChatFileError as exc:
                 raise ChatFileError(f"{args.path} was not imported: {exc}") from exc
             except KeyboardInterrupt:
                 # Ctrl+C while the chat's transaction committed (a large chat's commit takes seconds) is raised
                 # once it has: the chat is stored, and a command that said only "interrupted" had it imported
-                # again as a second copy
-                if store.newest_chat_id() > newest:
-                    chat_id = store.newest_chat_id()
-                    print(
-                        f"imported as chat {chat_id} before the interrupt: {printable(store.get_chat(chat_id).title)}"
-                    )
+                # again as a second copy. Found by what it holds: a window may have started a chat meanwhile
+                stored = [c for c in store.chats_after(newest) if (c.title, c.created) == (chat.title, chat.created)]
+                if stored:
+                    print(f"imported as chat {stored[0].id} before the interrupt: {printable(chat.title)}")
                 raise
             print(f"imported as chat {chat_id}: {printable(store.get_chat(chat_id).title)}")
             return EXIT_OK

@@ -1161,6 +1161,10 @@ class ChatStore:
         """The highest chat id in the database (0 where there is none)."""
         return int(self._read("SELECT COALESCE(MAX(id), 0) FROM chats")[0][0])
 
+    def chats_after(self, chat_id: int) -> list[Chat]:
+        """The chats whose ids are above `chat_id` (those made since it was the newest), oldest first."""
+        return [_chat(r) for r in self._read(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id > ? ORDER BY id", (chat_id,))]
+
     def count_messages(self, chat_id: Optional[int] = None) -> int:
         if chat_id is None:
             return self._read("SELECT COUNT(*) FROM messages")[0][0]

@@ -575,9 +575,29 @@ def test_a_fifo_or_a_folder_is_refused_at_once_and_standard_input_is_dash(tmp_pa
     assert r.returncode == 2 and "- was not imported: not a Gapless chat file: invalid JSON" in r.stderr
 
 
-def test_an_import_interrupted_as_it_commits_says_the_chat_was_imported(tmp_path):
+INTERRUPTED_IMPORT = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # a test before may have left it ignored
+    "from app import cli\n"
+    "from app.store import ChatStore\n"
+    "stored = ChatStore.import_chat\n"
+    "def interrupted(self, chat):\n"
+    "    if sys.argv.pop() == 'committed':\n"
+    "        chat_id = stored(self, chat)\n"
+    "    else:  # another window starts a chat meanwhile, and the import is stopped before it writes\n"
+    "        self.create_chat('a chat the window started')\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n"
+    "    return chat_id\n"
+    "ChatStore.import_chat = interrupted\n"
+    "sys.exit(cli.main(sys.argv[1:-1]))\n"
+)
+
+
+@pytest.mark.parametrize("when", ["committed", "before"])
+def test_an_import_interrupted_as_it_commits_says_the_chat_was_imported(tmp_path, when):
     """Ctrl+C while a large chat's transaction committed was raised once it had: "interrupted", the chat stored
-    all the same, and imported again it was there twice. The interrupt is sent here as the store's write returns."""
+    all the same, and imported again it was there twice. The interrupt is sent here as the store's write returns;
+    an import stopped before it wrote says nothing of a chat another window made meanwhile."""
     from app.paths import AppPaths
 
     data = tmp_path / "data"
@@ -585,20 +605,8 @@ def test_an_import_interrupted_as_it_commits_says_the_chat_was_imported(tmp_path
         chat_id = make_chat(s)
     exported = tmp_path / "chat.json"
     assert gapless(data, "chats", "export", str(chat_id), "-o", str(exported)).returncode == 0
-    child = (
-        "import os, signal, sys\n"
-        "from app import cli\n"
-        "from app.store import ChatStore\n"
-        "stored = ChatStore.import_chat\n"
-        "def interrupted(self, chat):\n"
-        "    chat_id = stored(self, chat)\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    return chat_id\n"
-        "ChatStore.import_chat = interrupted\n"
-        "sys.exit(cli.main(sys.argv[1:]))\n"
-    )
     r = subprocess.run(
-        [sys.executable, "-c", child, "--data-dir", str(data), "chats", "import", str(exported)],
+        [sys.executable, "-c", INTERRUPTED_IMPORT, "--data-dir", str(data), "chats", "import", str(exported), when],
         capture_output=True,
         text=True,
         timeout=300,
@@ -607,9 +615,13 @@ def test_an_import_interrupted_as_it_commits_says_the_chat_was_imported(tmp_path
     )
     assert r.returncode == 130 and "gapless: interrupted" in r.stderr
     with ChatStore(AppPaths.resolve(data).database) as s:
-        assert len(s.list_chats()) == 2  # stored, whole
+        assert len(s.list_chats()) == 2
         new_id = s.newest_chat_id()
-        assert without_time(chat_document(s, new_id)) == without_time(chat_document(s, chat_id))
+        if when == "before":
+            assert s.get_chat(new_id).title == "a chat the window started"
+            assert r.stdout == ""
+            return
+        assert without_time(chat_document(s, new_id)) == without_time(chat_document(s, chat_id))  # whole
     assert r.stdout == f"imported as chat {new_id} before the interrupt: Branches — «test»\n"
 
 
