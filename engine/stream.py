@@ -34,6 +34,7 @@ class RowText:
         # is read without special tokens, so it never held the string, and the model's next turn ran on
         self.stop_ids = special_ids(tokenizer, stop) if stop else frozenset()
         self.byte_ids = byte_token_ids(tokenizer)
+        self.skipped_ids = skipped_token_ids(tokenizer) if self.byte_ids else frozenset()
         self.hold = max((len(s) for s in stop), default=1) - 1  # chars that might begin a stop string
         self.tokens: list[int] = []
         self.text = ""
@@ -95,13 +96,16 @@ class RowText:
             # byte so far (SentencePiece's byte fallback: Llama 2, Mistral, Gemma). None of them goes out until
             # the character is whole; a U+FFFD the model really wrote goes out with the final text.
             end = len(text.rstrip("\ufffd"))
-            if self.tokens and self.tokens[-1] in self.byte_ids:
-                # SentencePiece's byte fallback decodes a run of byte tokens whole, as one piece of UTF-8 or, if
-                # it is not, one U+FFFD per byte: a character the run has finished can still turn into U+FFFDs
-                # when the next byte token is one that cannot follow it ("é" then 0xAC: three U+FFFDs in the
-                # answer's text). The run's text goes out once a token that is not a byte ends it.
-                run = len(self.tokens)
-                while run and self.tokens[run - 1] in self.byte_ids:
+            # SentencePiece's byte fallback decodes a run of byte tokens whole, as one piece of UTF-8 or, if it is
+            # not, one U+FFFD per byte: a character the run has finished can still turn into U+FFFDs when the next
+            # byte token is one that cannot follow it ("é" then 0xAC: three U+FFFDs in the answer's text). The
+            # run's text goes out once a token that is not a byte ends it; a special token, which the text leaves
+            # out, ends none.
+            run = len(self.tokens)
+            while run and self.tokens[run - 1] in self.skipped_ids:
+                run -= 1
+            if run and self.tokens[run - 1] in self.byte_ids:
+                while run and (self.tokens[run - 1] in self.byte_ids or self.tokens[run - 1] in self.skipped_ids):
                     run -= 1
                 end = min(end, len(self._decode(self.tokens[:run])))
             end = max(self.emitted, end - self.hold)
@@ -118,6 +122,14 @@ def byte_token_ids(tokenizer) -> frozenset[int]:
         return frozenset()
     ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
     return frozenset(i for i in ids if i is not None)
+
+
+def skipped_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the special tokens a decode that skips them leaves out."""
+    backend = backend_of(tokenizer) or tokenizer
+    if not hasattr(backend, "get_added_tokens_decoder"):
+        return frozenset(getattr(tokenizer, "all_special_ids", ()))
+    return frozenset(n for n, added in backend.get_added_tokens_decoder().items() if added.special)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> Optional[int]:

@@ -118,6 +118,28 @@ def test_a_character_a_later_byte_token_spoils_is_streamed_as_the_answer_s_text_
         assert "é" in streamed[-1] or "é" in streamed[-2]  # the last one, whole, went out once "a" ended its run
 
 
+def test_a_special_token_inside_a_byte_run_does_not_end_it_while_streaming():
+    """The text leaves special tokens out, so byte fallback reads the bytes on both sides of one as one run: "é"
+    split by <s>, then 0xAC, is three U+FFFDs in the answer; streamed, the <s> ended the run and "é" went out."""
+    from tiny_models import make_sentencepiece_tokenizer
+
+    from engine.stream import RowText
+
+    tok = make_sentencepiece_tokenizer()
+    byte = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xAC)}
+    paris = tok("Paris", add_special_tokens=False)["input_ids"]
+    ids = [*paris, byte[0xC3], tok.bos_token_id, byte[0xA9], tok.bos_token_id, byte[0xAC], *paris]
+    assert tok.decode(ids, skip_special_tokens=True) == "Paris\ufffd\ufffd\ufffd Paris"
+    row = RowText(tok, set(), ())
+    streamed = []
+    for t in ids:
+        row.feed([t])
+        streamed.append(row.take_delta())
+    row.finish = "length"
+    streamed.append(row.take_delta(final=True))
+    assert "".join(streamed) == row.text == "Paris\ufffd\ufffd\ufffd Paris", streamed
+
+
 def test_a_stop_string_that_is_a_special_token_s_text_stops_at_that_token():
     """The text is read without special tokens, so "<|im_start|>" as a stop string never matched: the model's
     next turn ran on into the answer, its <|im_start|> left out."""
