@@ -15,7 +15,6 @@ Message ids are the file's own (1..N, parents before children); the store gives 
 from __future__ import annotations
 
 import json
-import math
 import re
 import stat
 import sys
@@ -370,7 +369,8 @@ def _text(v: Any, where: str, limit: int) -> str:
 
 
 def _time(v: Any, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1e11:
+    # compared as it is (NaN and infinity fail too): math.isfinite of an integer no float holds raised
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e11:
         raise _fail(where, f"must be a unix time in seconds, got {v!r}"[:200])
     return float(v)
 

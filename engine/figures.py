@@ -385,6 +385,8 @@ def value_problem(spec: FigureSpec, v: Any) -> Optional[str]:
     """Why `v` cannot be a value of the figure `spec` ("is -5, not a count or a time"); None when it can."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return f"is {json.dumps(v)[:40]}, not a number"
+    if isinstance(v, int) and v.bit_length() > 1000:  # no float holds it: the HUD's formatting of it raised
+        return f"is an integer of {len(str(v)):,} digits, past what a figure holds"
     if not v >= 0:  # every figure counts or times something (NaN fails this too)
         return f"is {v}, not a count or a time"
     if v == math.inf:  # an estimate allowed past 100 % still is a number (NVML GPM gave inf)

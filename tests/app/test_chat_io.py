@@ -482,6 +482,14 @@ BAD = {
         lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(stop=["ok", "\ud800"])),
         "chat.sampling: stop string '\\ud800' holds an invalid character (a lone surrogate)",
     ),
+    "a time no float holds": (
+        lambda d: _mutated(d, lambda x: x["messages"][0].update(created=10**400)),
+        "message 1: created: must be a unix time in seconds, got 1000",
+    ),
+    "a figure no float holds": (
+        lambda d: _mutated(d, lambda x: x["messages"][1]["metrics"].update(ttft_ms=10**400)),
+        "message 2: metrics: its figure ttft_ms is an integer of 401 digits, past what a figure holds",
+    ),
     "a temperature no float holds": (
         lambda d: _mutated(d, lambda x: x["chat"]["sampling"].update(temperature=10**400)),
         "chat.sampling: temperature must be a finite number, got an integer of 401 digits",
