@@ -597,6 +597,7 @@ class ChatFlow(QObject):
         options = options_as_run(result.options, result.unavailable, result.limits)  # as the JSON has them
         metrics = result.metrics.to_dict()
         ran = len(result.texts)
+        shown_as_candidates = a.candidates > 1
         if a.candidates > 1 and 0 < ran < len(a.savers):
             # The engine ran fewer candidates than asked (out of device memory): the answers it did not make
             # are not kept as empty ones a user could pick.
@@ -634,6 +635,12 @@ class ChatFlow(QObject):
         if a.candidates > 1:
             self._candidate_ids = list(a.message_ids)
             self.candidatesFinished.emit(result)
+            self.chatsChanged.emit()
+            return
+        if shown_as_candidates:
+            # One candidate of several ran (out of device memory): the answer is an answer, shown from the store
+            # in place of the candidates' tabs (they stayed "generating…", nothing to pick, the answer unshown)
+            self.reload()
             self.chatsChanged.emit()
             return
         try:

@@ -1087,6 +1087,36 @@ def test_fewer_candidates_than_asked_leave_no_empty_answers(qtbot, app, memory_f
     assert [m.content for m in answers] == result.texts and all(m.status == "done" for m in answers)
 
 
+def test_one_candidate_of_several_run_is_shown_as_the_answer(qtbot, app, monkeypatch):
+    """Out of device memory for any batch, the engine ran one of two candidates: the candidates' tabs stayed, one
+    "generating…" for good, nothing to pick, and the answer (saved) was never shown; a follow-up hid it."""
+    import torch
+
+    from engine.engine import Engine
+
+    real = Engine._runner
+
+    def one_at_a_time(self, opts, batch, needed):
+        if batch > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, opts, batch, needed)
+
+    monkeypatch.setattr(Engine, "_runner", one_at_a_time)
+    w, store = app.window, app.store
+    w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
+        w.toggles.candidates.setValue(2)
+    result = send(qtbot, app, "hello")
+    assert len(result.texts) == 1 and "ran 1" in " ".join(result.notices)
+    assert w.chat_view.candidate_tabs() is None and not w.flow.awaiting_choice()
+    assert "out of device memory with 2 candidates: ran 1" in w.status.text()
+    shown = [(m.item.role, m.body.text) for m in w.chat_view.messages()]
+    assert shown == [("user", "hello"), ("assistant", result.texts[0])]
+    send(qtbot, app, "and then?")
+    assert [m.item.role for m in w.chat_view.messages()] == ["user", "assistant", "user", "assistant"]
+    assert [m.content for m in store.thread(w.flow.chat_id)][:3] == ["hello", result.texts[0], "and then?"]
+
+
 def test_a_reply_to_a_replaced_option_choice_does_not_undo_the_newer_one(qtbot, app):
     """Compile with the dynamic cache (unavailable), then the static cache, both sent before the first reply:
     the panel ends on the second choice, compile on and usable. (Queued back to back, the worker applies only
