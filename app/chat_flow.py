@@ -88,8 +88,14 @@ def spoken(
 
 
 def _said(thread: list[Message], streaming: frozenset[int] | set[int] = frozenset()) -> list[Message]:
-    """The branch without the answers that say nothing (failed before their first token), but those `streaming`."""
-    return [m for m in thread if not (m.role == "assistant" and not m.content and m.id not in streaming)]
+    """The branch without the answers that say nothing (failed before their first token), but those `streaming`.
+    An answer that ended empty (the model's end of turn, or a stop string, at once) is an answer: the question
+    before it was left out of the next prompt as never answered, and the user told so."""
+    return [
+        m
+        for m in thread
+        if not (m.role == "assistant" and not m.content and m.status != "done" and m.id not in streaming)
+    ]
 
 
 def _unanswered(kept: list[Message], then: bool) -> set[int]:

@@ -223,6 +223,23 @@ def test_a_question_left_unanswered_is_not_asked_again_with_the_next(flow):
     assert draft == ["first", "first answer", "next", "the next answer", "and then", "a draft"]
 
 
+def test_an_answer_that_ended_empty_is_an_answer(flow):
+    """The model's end of turn (or a stop string) at once is an empty answer, done: the question before it was left
+    out of the next prompt and the user told it was never answered."""
+    f, store, ctl = flow
+    noticed = signals(f, "noticed")["noticed"]
+    f.send("hello")
+    ctl.run(1, [""], ["eos"])
+    assert [(m.role, m.content, m.status) for m in store.thread(f.chat_id)][-1] == ("assistant", "", "done")
+    f.send("are you there?")
+    assert ctl.asked[-1] == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "are you there?"},
+    ]
+    assert noticed == []
+
+
 def test_a_chat_whose_stored_sampling_is_damaged_says_so_and_answers_with_the_defaults(flow):
     """A stored sampling that no longer validates made Send store the question and raise in a Qt slot: no answer,
     no message, and the question asked again on every retry."""
