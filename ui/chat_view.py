@@ -77,6 +77,9 @@ class ChatView(QScrollArea):
 
         self._widgets: list[MessageWidget] = []
         self._unbuilt: list[MessageItem] = []  # the chat's first messages, not shown until asked for
+        # Edits open in messages no longer shown (another chat opened, the messages built again): their text, by
+        # message id, opened again with it when the message is shown (they were closed, the text gone)
+        self._edits: dict[int, str] = {}
         # The message the view holds its place on while earlier messages are laid out above it, and where it
         # was: the view moves as that message moves (what grows below it, a streaming answer, moves nothing).
         self._anchor: Optional[tuple[MessageWidget, int]] = None
@@ -164,6 +167,10 @@ class ChatView(QScrollArea):
         # hiding the focused widget had Qt tab on to "Show earlier messages", which scrolled to the top and built
         # 40 more messages in the middle of this
         released = park_focus(self, doomed)
+        for w in self._widgets[keep:]:
+            typed = w.edit_in_progress()
+            if typed is not None and w.item.id is not None:
+                self._edits[w.item.id] = typed
         self._clearing = True
         try:
             for w in self._widgets[keep:]:
@@ -185,6 +192,9 @@ class ChatView(QScrollArea):
         w.siblingRequested.connect(self.siblingRequested)
         w.set_busy(self._busy)
         w.set_can_answer(self._can_answer)
+        typed = self._edits.pop(w.item.id, None) if w.item.id is not None else None
+        if typed is not None:
+            w.start_edit(typed, focus=False)
 
     def _add(self, w: MessageWidget) -> None:
         self._connect(w)

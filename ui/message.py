@@ -123,6 +123,7 @@ class MessageWidget(QFrame):
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self._editor: Optional[QWidget] = None
         self._edit_send: Optional[QPushButton] = None
+        self._sent_edit: Optional[str] = None
         self._busy = False
         self._can_answer = True  # a model is ready to answer (not loading, not running the ladder)
 
@@ -212,7 +213,9 @@ class MessageWidget(QFrame):
         QGuiApplication.clipboard().setText(self.body.text)
         self.copyRequested.emit(self.item.id)
 
-    def start_edit(self) -> None:
+    def start_edit(self, typed: Optional[str] = None, focus: bool = True) -> None:
+        """Open the editor on the message's text, or on `typed` (an edit left open when the message was last
+        shown)."""
         if self._editor is not None:
             return
         editor = QWidget(self)
@@ -222,7 +225,7 @@ class MessageWidget(QFrame):
         text.setObjectName("editText")
         text.setTabChangesFocus(True)
         text.setAccessibleName("Edited message")
-        text.setPlainText(self.body.text)
+        text.setPlainText(self.body.text if typed is None else typed)
         text.setMinimumHeight(80)
         row = QHBoxLayout()
         row.addStretch(1)
@@ -243,7 +246,15 @@ class MessageWidget(QFrame):
         self.editor_text = text
         self.body.hide()
         self._layout.insertWidget(2, editor)
-        text.setFocus()
+        if focus:
+            text.setFocus()
+
+    def edit_in_progress(self) -> Optional[str]:
+        """The text of the edit open here, None where none is, or where it has been sent (it is being stored)."""
+        if self._editor is None:
+            return None
+        typed = self.editor_text.toPlainText()
+        return None if typed == self._sent_edit else typed
 
     def cancel_edit(self) -> None:
         if self._editor is not None:
@@ -261,6 +272,7 @@ class MessageWidget(QFrame):
         message on, in a new widget): an edit the store refuses (a locked or full disk) keeps its text."""
         if blank(text) or self._busy or not self._can_answer:
             return
+        self._sent_edit = text
         self.editSubmitted.emit(self.item.id, text)
 
     def set_colors(self, colors: Colors) -> None:

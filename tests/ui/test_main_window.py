@@ -1117,6 +1117,33 @@ def test_one_candidate_of_several_run_is_shown_as_the_answer(qtbot, app, monkeyp
     assert [m.content for m in store.thread(w.flow.chat_id)][:3] == ["hello", result.texts[0], "and then?"]
 
 
+def test_an_edit_being_typed_is_kept_while_another_chat_is_open(qtbot, app):
+    """An edit open in a message was closed, its text gone, when another chat was opened (the composer's draft
+    came back); an edit sent is not opened again on the message it replaced."""
+    w = app.window
+    w.flow.default_sampling = SamplingParams(temperature=0.0, max_new_tokens=4, seed=0)
+    send(qtbot, app, "first chat")
+    a = w.flow.chat_id
+    w.new_chat()
+    send(qtbot, app, "second chat")
+    b = w.flow.chat_id
+    w.chat_list.chatSelected.emit(a)
+    w.chat_view.messages()[0].start_edit()
+    w.chat_view.messages()[0].editor_text.setPlainText("a careful rewrite, not sent yet")
+    w.chat_list.chatSelected.emit(b)
+    assert all(m.edit_in_progress() is None for m in w.chat_view.messages())
+    w.chat_list.chatSelected.emit(a)
+    question = w.chat_view.messages()[0]
+    assert question.edit_in_progress() == "a careful rewrite, not sent yet"
+    with qtbot.waitSignal(app.controller.generationFinished, timeout=TIMEOUT_MS):
+        question._edit_send.click()
+    qtbot.waitUntil(lambda: not w.flow.generating, timeout=TIMEOUT_MS)
+    assert [m.body.text for m in w.chat_view.messages()][0] == "a careful rewrite, not sent yet"
+    w.chat_view.messages()[0].siblingRequested.emit(w.chat_view.messages()[0].item.id, -1)  # the first version
+    assert [m.body.text for m in w.chat_view.messages()][0] == "first chat"
+    assert all(m.edit_in_progress() is None for m in w.chat_view.messages())
+
+
 def test_a_reply_to_a_replaced_option_choice_does_not_undo_the_newer_one(qtbot, app):
     """Compile with the dynamic cache (unavailable), then the static cache, both sent before the first reply:
     the panel ends on the second choice, compile on and usable. (Queued back to back, the worker applies only
