@@ -89,7 +89,7 @@ class MessageWidget(QFrame):
         self.edit_button = self.regen_button = None
         if item.role == "user":
             self.edit_button = _action("Edit", "Edit and send again (the current answer stays as a branch)", self)
-            self.edit_button.clicked.connect(self.start_edit)
+            self.edit_button.clicked.connect(lambda: self.start_edit())  # not clicked(checked) as the text
             header.addWidget(self.edit_button)
         if item.role == "assistant":
             self.regen_button = _action("Regenerate", "Answer again (this answer stays as a branch)", self)
