@@ -44,7 +44,7 @@ def run_chats(args: Any, paths: AppPaths) -> int:
                 print(f"chat {args.chat_id} written to {args.output}", file=sys.stderr)
             return EXIT_OK
         if args.chats_command == "import":
-            newest = store.newest_chat_id()
+            newest, chat = store.newest_chat_id(), None
             try:
                 if str(args.path) == "-":  # as export writes to standard output: `chats export 1 | chats import -`
                     chat = parse_chat(sys.stdin.buffer.read(MAX_FILE_BYTES + 1))
@@ -57,9 +57,11 @@ def run_chats(args: Any, paths: AppPaths) -> int:
                 # Ctrl+C while the chat's transaction committed (a large chat's commit takes seconds) is raised
                 # once it has: the chat is stored, and a command that said only "interrupted" had it imported
                 # again as a second copy. Found by what it holds: a window may have started a chat meanwhile
-                stored = [c for c in store.chats_after(newest) if (c.title, c.created) == (chat.title, chat.created)]
-                if stored:
-                    print(f"imported as chat {stored[0].id} before the interrupt: {printable(chat.title)}")
+                if chat is not None:  # None: stopped while the file was read
+                    read = (chat.title, chat.created)
+                    stored = [c for c in store.chats_after(newest) if (c.title, c.created) == read]
+                    if stored:
+                        print(f"imported as chat {stored[0].id} before the interrupt: {printable(chat.title)}")
                 raise
             print(f"imported as chat {chat_id}: {printable(store.get_chat(chat_id).title)}")
             return EXIT_OK

@@ -597,11 +597,18 @@ INTERRUPTED_IMPORT = (
     "    os.kill(os.getpid(), signal.SIGINT)\n"
     "    return chat_id\n"
     "ChatStore.import_chat = interrupted\n"
+    "import app.cmd_chats\n"
+    "def reading(path):  # another window starts a chat while the file is read\n"
+    "    from app.paths import AppPaths\n"
+    "    ChatStore(AppPaths.resolve(sys.argv[2]).database).create_chat('a chat the window started')\n"
+    "    raise KeyboardInterrupt\n"
+    "if sys.argv[-1] == 'reading':\n"
+    "    app.cmd_chats.read_chat_file = reading\n"
     "sys.exit(cli.main(sys.argv[1:-1]))\n"
 )
 
 
-@pytest.mark.parametrize("when", ["committed", "before"])
+@pytest.mark.parametrize("when", ["committed", "before", "reading"])
 def test_an_import_interrupted_as_it_commits_says_the_chat_was_imported(tmp_path, when):
     """Ctrl+C while a large chat's transaction committed was raised once it had: "interrupted", the chat stored
     all the same, and imported again it was there twice. The interrupt is sent here as the store's write returns;
@@ -625,7 +632,7 @@ def test_an_import_interrupted_as_it_commits_says_the_chat_was_imported(tmp_path
     with ChatStore(AppPaths.resolve(data).database) as s:
         assert len(s.list_chats()) == 2
         new_id = s.newest_chat_id()
-        if when == "before":
+        if when in ("before", "reading"):
             assert s.get_chat(new_id).title == "a chat the window started"
             assert r.stdout == ""
             return
