@@ -405,9 +405,15 @@ def special_ids(tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
     return frozenset(by_text[t] for t in texts if t in by_text)
 
 
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (those a decode that skips them leaves out)."""
+    return _specials(tokenizer).ids
+
+
 def backend_of(tokenizer) -> Any:
-    """The `tokenizers.Tokenizer` under an engine.fast_tokenizer.FastTokenizer or a transformers fast tokenizer."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tok", None)
+    """The `tokenizers.Tokenizer` under an engine.fast_tokenizer.FastTokenizer or a transformers fast tokenizer,
+    or `tokenizer` where it is one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tok", None) or tokenizer
     return backend if hasattr(backend, "get_added_tokens_decoder") and hasattr(backend, "encode_batch") else None
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from engine.prompt import backend_of, special_ids
+from engine.prompt import backend_of, special_ids, special_token_ids
 
 
 class RowText:
@@ -34,7 +34,7 @@ class RowText:
         # is read without special tokens, so it never held the string, and the model's next turn ran on
         self.stop_ids = special_ids(tokenizer, stop) if stop else frozenset()
         self.byte_ids = byte_token_ids(tokenizer)
-        self.skipped_ids = skipped_token_ids(tokenizer) if self.byte_ids else frozenset()
+        self.skipped_ids = special_token_ids(tokenizer) if self.byte_ids else frozenset()
         self.hold = max((len(s) for s in stop), default=1) - 1  # chars that might begin a stop string
         self.tokens: list[int] = []
         self.text = ""
@@ -117,19 +117,11 @@ class RowText:
 def byte_token_ids(tokenizer) -> frozenset[int]:
     """The ids of the byte tokens (<0x00>..<0xFF>) a tokenizer's ByteFallback decoder reads as runs of UTF-8; none
     where its decoder has no ByteFallback (its <0xNN> tokens, if any, are plain text)."""
-    backend = backend_of(tokenizer) or tokenizer
+    backend = backend_of(tokenizer)
     if not hasattr(backend, "token_to_id") or "ByteFallback" not in repr(getattr(backend, "decoder", None)):
         return frozenset()
     ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
     return frozenset(i for i in ids if i is not None)
-
-
-def skipped_token_ids(tokenizer) -> frozenset[int]:
-    """The ids of the special tokens a decode that skips them leaves out."""
-    backend = backend_of(tokenizer) or tokenizer
-    if not hasattr(backend, "get_added_tokens_decoder"):
-        return frozenset(getattr(tokenizer, "all_special_ids", ()))
-    return frozenset(n for n, added in backend.get_added_tokens_decoder().items() if added.special)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> Optional[int]:
