@@ -143,9 +143,8 @@ def default_model_path() -> Path:
     return ensure_default_model()
 
 
-@pytest.fixture
-def memory_for_two_candidates(monkeypatch):
-    """The engine runs out of device memory for a batch of more than two candidates (simulated on any device)."""
+def memory_for_candidates(monkeypatch, most: int) -> None:
+    """The engine runs out of device memory for a batch of more than `most` candidates (simulated on any device)."""
     import torch
 
     from engine.engine import Engine
@@ -153,8 +152,20 @@ def memory_for_two_candidates(monkeypatch):
     real = Engine._runner
 
     def tight(self, opts, batch, needed):
-        if batch > 2:
+        if batch > most:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(self, opts, batch, needed)
 
     monkeypatch.setattr(Engine, "_runner", tight)
+
+
+@pytest.fixture
+def memory_for_two_candidates(monkeypatch):
+    """The engine runs out of device memory for a batch of more than two candidates (simulated on any device)."""
+    memory_for_candidates(monkeypatch, 2)
+
+
+@pytest.fixture
+def memory_for_one_candidate(monkeypatch):
+    """The engine runs out of device memory for any batch of candidates (simulated on any device)."""
+    memory_for_candidates(monkeypatch, 1)

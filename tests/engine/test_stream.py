@@ -79,6 +79,17 @@ def byte_fallback_tokenizer():
     return tok
 
 
+def streamed(row, ids: list[int], chunk: int = 1) -> list[str]:
+    """The deltas `row` streams when its tokens come `chunk` at a time, a flush after each, then the final one."""
+    out = []
+    for n in range(0, len(ids), chunk):
+        row.feed(ids[n : n + chunk])
+        out.append(row.take_delta())
+    row.finish = "length"
+    out.append(row.take_delta(final=True))
+    return out
+
+
 def test_a_character_split_over_byte_tokens_streams_whole():
     from engine.stream import RowText
 
@@ -86,14 +97,8 @@ def test_a_character_split_over_byte_tokens_streams_whole():
     whale = [3 + b for b in "🐳".encode()]  # four byte tokens
     ids = [1, *whale, 2, *whale, *whale, 1]
     assert tok.decode(ids) == "a🐳 b🐳🐳a" and tok.decode([1, *whale[:2]]) == "a\ufffd\ufffd"
-    row = RowText(tok, set(), ())
-    streamed = []
-    for t in ids:  # a flush after every token: one lands inside each character
-        row.feed([t])
-        streamed.append(row.take_delta())
-    row.finish = "length"
-    streamed.append(row.take_delta(final=True))
-    assert "".join(streamed) == "a🐳 b🐳🐳a" and not any("\ufffd" in d for d in streamed)
+    deltas = streamed(RowText(tok, set(), ()), ids)  # a flush after every token: one lands inside each character
+    assert "".join(deltas) == "a🐳 b🐳🐳a" and not any("\ufffd" in d for d in deltas)
 
 
 def test_a_character_a_later_byte_token_spoils_is_streamed_as_the_answer_s_text_has_it():
@@ -108,14 +113,9 @@ def test_a_character_a_later_byte_token_spoils_is_streamed_as_the_answer_s_text_
     assert tok.decode(ids) == "a\ufffd\ufffd\ufffd b€aéa"
     for chunk in (1, 2, 3):
         row = RowText(tok, set(), ())
-        streamed = []
-        for n in range(0, len(ids), chunk):
-            row.feed(ids[n : n + chunk])
-            streamed.append(row.take_delta())
-        row.finish = "length"
-        streamed.append(row.take_delta(final=True))
-        assert "".join(streamed) == row.text == tok.decode(ids), (chunk, streamed)
-        assert "é" in streamed[-1] or "é" in streamed[-2]  # the last one, whole, went out once "a" ended its run
+        deltas = streamed(row, ids, chunk)
+        assert "".join(deltas) == row.text == tok.decode(ids), (chunk, deltas)
+        assert "é" in deltas[-1] or "é" in deltas[-2]  # the last one, whole, went out once "a" ended its run
 
 
 def test_a_special_token_inside_a_byte_run_does_not_end_it_while_streaming():
@@ -131,13 +131,8 @@ def test_a_special_token_inside_a_byte_run_does_not_end_it_while_streaming():
     ids = [*paris, byte[0xC3], tok.bos_token_id, byte[0xA9], tok.bos_token_id, byte[0xAC], *paris]
     assert tok.decode(ids, skip_special_tokens=True) == "Paris\ufffd\ufffd\ufffd Paris"
     row = RowText(tok, set(), ())
-    streamed = []
-    for t in ids:
-        row.feed([t])
-        streamed.append(row.take_delta())
-    row.finish = "length"
-    streamed.append(row.take_delta(final=True))
-    assert "".join(streamed) == row.text == "Paris\ufffd\ufffd\ufffd Paris", streamed
+    deltas = streamed(row, ids)
+    assert "".join(deltas) == row.text == "Paris\ufffd\ufffd\ufffd Paris", deltas
 
 
 def test_a_stop_string_that_is_a_special_token_s_text_stops_at_that_token():

@@ -1087,21 +1087,9 @@ def test_fewer_candidates_than_asked_leave_no_empty_answers(qtbot, app, memory_f
     assert [m.content for m in answers] == result.texts and all(m.status == "done" for m in answers)
 
 
-def test_one_candidate_of_several_run_is_shown_as_the_answer(qtbot, app, monkeypatch):
+def test_one_candidate_of_several_run_is_shown_as_the_answer(qtbot, app, memory_for_one_candidate):
     """Out of device memory for any batch, the engine ran one of two candidates: the candidates' tabs stayed, one
     "generating…" for good, nothing to pick, and the answer (saved) was never shown; a follow-up hid it."""
-    import torch
-
-    from engine.engine import Engine
-
-    real = Engine._runner
-
-    def one_at_a_time(self, opts, batch, needed):
-        if batch > 1:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, opts, batch, needed)
-
-    monkeypatch.setattr(Engine, "_runner", one_at_a_time)
     w, store = app.window, app.store
     w.flow.default_sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
     with qtbot.waitSignal(app.controller.reconfigured, timeout=TIMEOUT_MS):
